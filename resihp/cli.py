@@ -1,0 +1,41 @@
+"""The ``resihp`` command. Each area registers its own verbs; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from resihp.errors import InputError
+
+app = typer.Typer(
+    name="resihp",
+    help="Resilience layer for hybrid-parallel LLM training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module defines ``register(app)``; the order is the order of ``resihp --help``.
+COMMAND_MODULES = [
+    "resihp.perf.commands",
+]
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+def main() -> None:
+    try:
+        app()
+    except InputError as exc:
+        print(f"resihp: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("resihp: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

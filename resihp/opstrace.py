@@ -1,0 +1,151 @@
+"""The ops-trace contract of DESIGN.md: reading, validating and writing per-op timing records.
+
+One row per operation: ``step, rank, dp_rank, stage, optype, duration`` (required) and optional
+``start_ts, tp_rank, seq_id, mc, gmc, mb_id, seq_lens, tokens``. A job meta YAML beside it gives the
+parallel sizes. Parquet or CSV; in CSV, ``seq_lens`` is written as a JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from resihp.errors import InputError
+
+REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
+            "duration": "float"}
+OPTIONAL_INT = ["tp_rank", "seq_id", "mc", "gmc", "mb_id", "tokens"]
+OPTYPES = (
+    "forward-compute", "backward-compute", "forward-send", "forward-recv", "backward-send",
+    "backward-recv", "grads-reduce-scatter", "params-all-gather", "embedding-grads-all-reduce",
+    "layernorm-grads-all-reduce", "optimizer", "optimizer-clip-main-grad", "gc",
+)
+COMPUTE_OPTYPES = ("forward-compute", "backward-compute")
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    dp_size: int
+    pp_size: int
+    tp_size: int
+    world_size: int
+    dsp_size: int = 1
+    vpp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"job meta: {name} must be a positive integer, got {value!r}")
+        product = self.dp_size * self.pp_size * self.tp_size * self.dsp_size
+        if product != self.world_size:
+            raise InputError(
+                f"job meta: dp_size*pp_size*tp_size*dsp_size = {product} but world_size = "
+                f"{self.world_size}"
+            )
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
+    """The job meta YAML: (parallel sizes, the whole mapping including optional model fields)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read job meta ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: job meta must be a mapping with dp_size, pp_size, tp_size, world_size")
+    missing = [k for k in ("dp_size", "pp_size", "tp_size", "world_size") if k not in data]
+    if missing:
+        raise InputError(f"{path}: job meta lacks {', '.join(missing)}")
+    fields = {k: data[k] for k in ("dp_size", "pp_size", "tp_size", "world_size", "dsp_size", "vpp_size")
+              if k in data}
+    try:
+        return JobMeta(**fields), data
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
+
+
+def write_meta(meta: JobMeta, path: str | Path, **extra: object) -> None:
+    Path(path).write_text(yaml.safe_dump({**meta.to_dict(), **extra}, sort_keys=False))
+
+
+def _parse_seq_lens(value: object) -> list[int] | None:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+        if value is None:
+            return None
+    return [int(v) for v in value]
+
+
+def read_ops_trace(path: str | Path) -> pd.DataFrame:
+    """Read and validate an ops trace (Parquet or CSV). Rows come back sorted by step, rank, time."""
+    path = Path(path)
+    try:
+        if path.suffix.lower() in (".parquet", ".pq"):
+            df = pd.read_parquet(path)
+        else:
+            df = pd.read_csv(path)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such ops trace") from None
+    except Exception as exc:  # pyarrow and pandas raise many types for malformed files
+        raise InputError(f"{path}: cannot read ops trace ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'malformed'})") from None
+    return validate_ops_trace(df, source=str(path))
+
+
+def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise InputError(f"{source}: missing required column(s) {', '.join(missing)} "
+                         f"(required: {', '.join(REQUIRED)})")
+    if df.empty:
+        raise InputError(f"{source}: ops trace has no rows")
+    df = df.copy()
+    for col in ["step", "rank", "dp_rank", "stage", *[c for c in OPTIONAL_INT if c in df.columns]]:
+        values = pd.to_numeric(df[col], errors="coerce")
+        if col in REQUIRED and values.isna().any():
+            row = int(np.flatnonzero(values.isna().to_numpy())[0])
+            raise InputError(f"{source}: column {col} row {row}: expected an integer, got {df[col].iloc[row]!r}")
+        if col in REQUIRED:
+            df[col] = values.astype(np.int64)
+        else:
+            df[col] = values.astype("Int64")
+    duration = pd.to_numeric(df["duration"], errors="coerce")
+    bad = duration.isna() | ~np.isfinite(duration) | (duration < 0)
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise InputError(f"{source}: column duration row {row}: expected a finite non-negative number "
+                         f"of seconds, got {df['duration'].iloc[row]!r}")
+    df["duration"] = duration.astype(np.float64)
+    if (df[["step", "rank", "dp_rank", "stage"]] < 0).any().any():
+        raise InputError(f"{source}: step, rank, dp_rank and stage must be non-negative")
+    df["optype"] = df["optype"].astype(str)
+    if "seq_lens" in df.columns:
+        try:
+            df["seq_lens"] = [_parse_seq_lens(v) for v in df["seq_lens"]]
+        except (ValueError, TypeError):
+            raise InputError(f"{source}: column seq_lens: expected a list of integers per row") from None
+    order = ["step", "rank"] + (["start_ts"] if "start_ts" in df.columns else [])
+    return df.sort_values(order, kind="stable").reset_index(drop=True)
+
+
+def write_ops_trace(df: pd.DataFrame, path: str | Path) -> None:
+    path = Path(path)
+    if path.suffix.lower() in (".parquet", ".pq"):
+        df.to_parquet(path, index=False)
+    else:
+        out = df.copy()
+        if "seq_lens" in out.columns:
+            out["seq_lens"] = [json.dumps(list(map(int, v))) if v is not None else "" for v in out["seq_lens"]]
+        out.to_csv(path, index=False)

@@ -1,0 +1,1 @@
+"""Performance model: profiler, micro-batch time predictor, pipeline step-time predictor."""

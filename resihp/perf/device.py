@@ -1,0 +1,38 @@
+"""Names the device a measurement was taken on, and the software that took it."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    """``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:AMD EPYC x1thr``: the kind, the model, CPU threads."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{cpu_name()} x{torch.get_num_threads()}thr"
+
+
+def versions() -> dict[str, str]:
+    import lightgbm
+    import numpy
+    import sklearn
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "numpy": numpy.__version__, "lightgbm": lightgbm.__version__,
+           "scikit-learn": sklearn.__version__}
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    return out

@@ -1,0 +1,1 @@
+"""Hybrid-parallel PyTorch training runtime."""

@@ -1,0 +1,75 @@
+"""Builds sequence-length sources from real text and code installed on this machine.
+
+Each document's length is its number of GPT-2 pre-tokenisation pieces (the regex GPT-2's BPE
+splits on before merging; BPE tokens are at least as many). Regenerate with
+``python -m resihp.workload.corpus traces/lengths``; the provenance is written beside each file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import sys
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+# GPT-2's pre-tokeniser with ASCII classes in place of \p{L} and \p{N} (the stdlib has no \p).
+_PRETOKEN = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""")
+_ROFF_REQUEST = re.compile(r"^[.']\s*\w*.*$", re.MULTILINE)
+_ROFF_ESCAPE = re.compile(r"\\f[BIRP]|\\\(..|\\[-&e]")
+
+
+def count_pretokens(text: str) -> int:
+    return sum(1 for _ in _PRETOKEN.finditer(text))
+
+
+def stdlib_sources() -> Iterator[tuple[str, str]]:
+    """CPython's standard library modules (PSF licence), test suites excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in {"site-packages", "test", "idlelib"} or "tests" in rel.parts:
+            continue
+        yield str(rel), path.read_text(encoding="utf-8", errors="replace")
+
+
+def man_pages(roots: Iterable[Path] = (Path("/usr/share/man/man1"), Path("/usr/share/man/man8"))
+              ) -> Iterator[tuple[str, str]]:
+    """Debian's installed manual pages, roff requests and font escapes removed (prose only)."""
+    for root in roots:
+        for path in sorted(root.glob("*.gz")):
+            try:
+                raw = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+            except (OSError, EOFError):
+                continue
+            if raw.lstrip().startswith(".so "):  # a link to another page
+                continue
+            text = _ROFF_ESCAPE.sub("", _ROFF_REQUEST.sub("", raw))
+            yield path.name, text
+
+
+SOURCES = {
+    "code": (stdlib_sources, "CPython 3.11 standard library modules (.py, tests excluded); "
+             "Python Software Foundation License"),
+    "text": (man_pages, "Debian manual pages in /usr/share/man/man1 and man8, roff markup removed; "
+             "each page under its package's licence (see /usr/share/doc/<package>/copyright)"),
+}
+
+
+def build(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes = ["# Sequence-length sources", "",
+             "One integer per line: the length in GPT-2 pre-tokenisation pieces of one real document.",
+             "Built by `python -m resihp.workload.corpus traces/lengths` on the development machine.", ""]
+    for name, (documents, provenance) in SOURCES.items():
+        lengths = [n for _, text in documents() if (n := count_pretokens(text)) > 0]
+        (out_dir / f"{name}.txt").write_text("".join(f"{n}\n" for n in lengths))
+        lengths.sort()
+        notes.append(f"- `{name}.txt`: {provenance}. {len(lengths)} documents, median "
+                     f"{lengths[len(lengths) // 2]}, max {lengths[-1]}.")
+    (out_dir / "README.md").write_text("\n".join(notes) + "\n")
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1] if len(sys.argv) > 1 else "traces/lengths"))

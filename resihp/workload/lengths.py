@@ -1,0 +1,82 @@
+"""Sequence-length sources: real document lengths, read from files of one integer per line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from resihp.errors import InputError
+from resihp.paths import TRACES
+
+LENGTHS_DIR = TRACES / "lengths"
+
+
+def source_names() -> list[str]:
+    return sorted(p.stem for p in LENGTHS_DIR.glob("*.txt"))
+
+
+def load_lengths(path: str | Path) -> np.ndarray:
+    """Read one positive integer per line (blank lines and ``#`` comments are skipped)."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read lengths file ({exc.strerror})") from None
+    values = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise InputError(
+                f"{path}:{number}: expected one integer sequence length per line, got {text!r}"
+            ) from None
+        if value <= 0:
+            raise InputError(f"{path}:{number}: sequence length must be positive, got {value}")
+        values.append(value)
+    if not values:
+        raise InputError(f"{path}: no sequence lengths found (expected one integer per line)")
+    return np.asarray(values, dtype=np.int64)
+
+
+def resolve_source(source: str) -> np.ndarray:
+    """A source by name (``code``, ``text``) or a path to a lengths file."""
+    if source in source_names():
+        return load_lengths(LENGTHS_DIR / f"{source}.txt")
+    if Path(source).exists():
+        return load_lengths(source)
+    raise InputError(
+        f"length source {source!r}: not a file and not one of {', '.join(source_names())}"
+    )
+
+
+def chunk_documents(lengths: np.ndarray, max_len: int) -> np.ndarray:
+    """Split documents longer than ``max_len`` into full chunks plus a remainder, in order."""
+    if max_len < 1:
+        raise InputError(f"max sequence length must be positive, got {max_len}")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    full, rest = np.divmod(lengths, max_len)
+    counts = full + (rest > 0)
+    out = np.full(int(counts.sum()), max_len, dtype=np.int64)
+    ends = np.cumsum(counts) - 1
+    has_rest = rest > 0
+    out[ends[has_rest]] = rest[has_rest]
+    return out
+
+
+def sample_sequences(
+    lengths: np.ndarray, n_tokens: int, max_len: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Draw whole documents at random until ``n_tokens`` tokens, chunked to ``max_len``."""
+    mean = float(np.minimum(lengths, max_len).mean())
+    draws = []
+    total = 0
+    while total < n_tokens:
+        batch = chunk_documents(rng.choice(lengths, size=max(16, int(2 * n_tokens / mean))), max_len)
+        draws.append(batch)
+        total += int(batch.sum())
+    seqs = np.concatenate(draws)
+    return seqs[: int(np.searchsorted(np.cumsum(seqs), n_tokens)) + 1]
