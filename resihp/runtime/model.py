@@ -120,3 +120,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token loss summed over the tokens of a micro-batch (the caller divides by the global
     token count, so the result does not depend on how tokens are split into micro-batches)."""
     return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def init_by_name(module: nn.Module, seed: int, prefix: str = "") -> None:
+    """Initialise every parameter from a generator seeded by (seed, its global name), so that a
+    layer starts from the same values whichever stage, replica or layout holds it."""
+    import zlib
+
+    with torch.no_grad():
+        for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            leaf = name.rsplit(".", 1)[-1]
+            if name.split(".")[-2].startswith("ln"):
+                param.fill_(1.0 if leaf == "weight" else 0.0)
+            elif leaf == "bias":
+                param.zero_()
+            else:
+                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+                param.copy_(full)

@@ -1,0 +1,101 @@
+"""The configuration of one training run: model size, parallel layout, data, schedule, faults."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from resihp.errors import InputError
+from resihp.runtime.inject import Fault, check_faults, parse_fault
+from resihp.runtime.layout import ParallelDims, balanced_layers, ranges_from_counts
+from resihp.runtime.model import GPTConfig
+from resihp.runtime.schedule import SCHEDULES
+
+
+@dataclass
+class RunConfig:
+    # model
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    ffn_hidden: int = 512
+    vocab: int = 1024
+    # layout
+    dp: int = 2
+    pp: int = 2
+    tp: int = 1
+    schedule: str = "1f1b"
+    layer_split: list[int] | None = None  # layers per stage; None: balanced
+    dp_weights: list[float] | None = None  # micro-batch share per replica; None: equal
+    # data and optimisation
+    steps: int = 10
+    source: str = "code"
+    global_tokens: int = 4096
+    budget: int = 512
+    max_len: int = 512
+    seed: int = 0
+    lr: float = 1e-3
+    # run
+    out: str = "runs/latest"
+    inject: list[str] = field(default_factory=list)
+    device: str = "auto"  # cpu, cuda or auto
+    threads: int = 1
+    timeout_s: float = 60.0  # how long a collective or receive may wait for a peer
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"--schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ("steps", "global_tokens", "budget", "max_len", "threads"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise InputError(f"--lr: expected a positive number, got {self.lr}")
+        if self.timeout_s <= 0:
+            raise InputError(f"--timeout: expected a positive number of seconds, got {self.timeout_s}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InputError(f"--device: expected auto, cpu or cuda, got {self.device!r}")
+        self.model_config()
+        self.stage_ranges()
+        if self.dp_weights is not None and (len(self.dp_weights) != self.dp or min(self.dp_weights) < 0
+                                            or sum(self.dp_weights) <= 0):
+            raise InputError(f"--dp-weights: expected {self.dp} non-negative weights with a positive "
+                             f"sum, got {self.dp_weights}")
+        check_faults(self.faults(), self.dims().world_size)
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.dp, self.pp, self.tp)
+
+    def model_config(self) -> GPTConfig:
+        cfg = GPTConfig(layers=self.layers, hidden=self.hidden, heads=self.heads,
+                        ffn_hidden=self.ffn_hidden, vocab=self.vocab, max_seq_len=self.max_len)
+        if self.heads % self.tp or self.ffn_hidden % self.tp:
+            raise InputError(f"--tp {self.tp}: must divide --heads ({self.heads}) and --ffn-hidden "
+                             f"({self.ffn_hidden})")
+        return cfg
+
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        if self.layer_split is None:
+            return balanced_layers(self.layers, self.pp)
+        return ranges_from_counts(self.layer_split, self.layers, self.pp, source="--layer-split")
+
+    def weights(self) -> list[float]:
+        return list(self.dp_weights) if self.dp_weights is not None else [1.0] * self.dp
+
+    def faults(self) -> list[Fault]:
+        return [parse_fault(text) for text in self.inject]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> RunConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError(f"{path}: cannot read run config ({exc})") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InputError(f"{path}: unknown run config field(s) {', '.join(unknown)}")
+        return cls(**data)

@@ -1,0 +1,163 @@
+"""The hybrid-parallel training engine: one rank's stage model, its pipeline schedule over
+point-to-point sends and receives, the data-parallel gradient all-reduce and the optimizer step,
+every op timed into the ops trace.
+
+Why not ``torch.distributed.pipelining``: its stages allocate receive buffers from shapes fixed
+once, while packed micro-batches change their token count ``T`` (and ``seq_lens``) every time; and
+re-planning needs per-op timings and layer ranges that change between steps. Here every rank
+derives each micro-batch's ``seq_lens`` from the shared seed, so the receiver knows the shape of
+every message without a header, and the schedule is plain data (``resihp.runtime.schedule``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from resihp.runtime.config import RunConfig
+from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
+from resihp.runtime.inject import FaultInjector
+from resihp.runtime.model import GPTStage, init_by_name, lm_loss
+from resihp.runtime.recorder import OpRecorder
+from resihp.runtime.schedule import schedule_for
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float | None  # global mean token loss, known on last-stage ranks
+    tokens: int  # global tokens of the step
+    wall_s: float
+
+
+class Engine:
+    """One rank of a DP x PP (x TP) job. Construct after ``dist.init_process_group``."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device, injector: FaultInjector | None = None) -> None:
+        self.cfg, self.device = cfg, device
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.dims = cfg.dims()
+        self.dims.check_world(world)
+        self.coords = self.dims.coords(self.rank)
+        self.stage, self.dp_rank = self.coords.stage, self.coords.dp_rank
+        self.pp = self.dims.pp
+        # every rank creates every group, in the same order (a torch.distributed requirement)
+        self.dp_group = None
+        for stage in range(self.pp):
+            for tp_rank in range(self.dims.tp):
+                ranks = self.dims.dp_group_ranks(stage, tp_rank)
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.dp_group = group
+        self.prev = self.dims.rank_of(self.dp_rank, self.stage - 1, self.coords.tp_rank) if self.stage > 0 else None
+        self.next = (self.dims.rank_of(self.dp_rank, self.stage + 1, self.coords.tp_rank)
+                     if self.stage < self.pp - 1 else None)
+        self.model_cfg = cfg.model_config()
+        self.weights = cfg.weights()
+        self.build_stage(*cfg.stage_ranges()[self.stage])
+        self.data = DataSource(cfg.source, cfg.global_tokens, cfg.budget, cfg.max_len, cfg.seed)
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.coords.tp_rank, sync=sync)
+        self.injector = injector or FaultInjector([], self.rank)
+        self._pending: list[dist.Work] = []
+
+    def build_stage(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.model = GPTStage(self.model_cfg, first, last)
+        init_by_name(self.model, self.cfg.seed)
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+
+    # --- point-to-point -------------------------------------------------------------------------
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch) -> torch.Tensor:
+        buf = torch.empty(shape, device=self.device)
+        with self.rec.op(optype, mb.mb_id, mb.seq_lens):
+            dist.recv(buf, src, tag=tag)
+        return buf
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, optype: str, mb: MicroBatch) -> None:
+        # asynchronous, so that neighbouring stages never wait on each other's sends (1F1B)
+        with self.rec.op(optype, mb.mb_id, mb.seq_lens):
+            self._pending.append(dist.isend(tensor.contiguous(), dst, tag=tag))
+
+    def _compute(self, optype: str, mb: MicroBatch, fn) -> object:
+        with self.rec.op(optype, mb.mb_id, mb.seq_lens):
+            start = time.perf_counter()
+            result = fn()
+            self.rec.sync()
+            self.injector.stretch(time.perf_counter() - start)
+        return result
+
+    # --- one training step ----------------------------------------------------------------------
+    def train_step(self, step: int) -> StepResult:
+        self.injector.begin_step(step)
+        self.rec.begin_step(step)
+        data = self.data.step(step)
+        global_tokens = data.tokens
+        mbs = replica_microbatches(data, self.dp_rank, self.weights)
+        hidden = self.model_cfg.hidden
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_sum = torch.zeros((), device=self.device)
+        with self.rec.op("step", tokens=global_tokens) as step_row:
+            for action in schedule_for(self.cfg.schedule, self.pp, self.stage, len(mbs)):
+                mb = mbs[action.mb]
+                tag = 2 * mb.mb_id + (action.kind == "B")
+                if action.kind == "F":
+                    inputs, targets = self.data.tokens(step, mb, self.model_cfg.vocab)
+                    if self.prev is None:
+                        x = inputs.to(self.device)
+                    else:
+                        x = self._recv((mb.tokens, hidden), self.prev, tag, "forward-recv", mb)
+                        x.requires_grad_()
+
+                    def forward(x=x, mb=mb, targets=targets):
+                        out = self.model(x, mb.seq_lens)
+                        if self.next is None:
+                            out = lm_loss(out, targets.to(self.device)) / global_tokens
+                        return out
+
+                    out = self._compute("forward-compute", mb, forward)
+                    if self.next is None:
+                        loss_sum += out.detach()
+                    else:
+                        self._send(out.detach(), self.next, tag, "forward-send", mb)
+                    saved[action.mb] = (x if self.prev is not None else None, out)
+                else:
+                    x, out = saved.pop(action.mb)
+                    grad = (None if self.next is None else
+                            self._recv((mb.tokens, hidden), self.next, tag, "backward-recv", mb))
+                    self._compute("backward-compute", mb, lambda out=out, grad=grad: out.backward(grad))
+                    if x is not None:
+                        self._send(x.grad, self.prev, tag, "backward-send", mb)
+            for work in self._pending:
+                work.wait()
+            self._pending.clear()
+            loss = self._all_reduce_grads(loss_sum)
+            with self.rec.op("optimizer"):
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+            step_row["loss"] = loss
+        return StepResult(step, loss, global_tokens, step_row["duration"])
+
+    def _all_reduce_grads(self, loss_sum: torch.Tensor) -> float | None:
+        """Sum gradients over the data-parallel replicas (the loss is already divided by the
+        global token count). The last stage's loss rides in the same buffer: no extra collective."""
+        params = list(self.model.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.next is None:
+            grads.append(loss_sum.reshape(1))
+        flat = _flatten_dense_tensors(grads)
+        if self.dims.dp > 1:
+            with self.rec.op("grads-all-reduce"):
+                dist.all_reduce(flat, group=self.dp_group)
+        synced = _unflatten_dense_tensors(flat, grads)
+        for p, g in zip(params, synced):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        return float(synced[-1]) if self.next is None else None

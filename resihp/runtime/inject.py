@@ -1,0 +1,100 @@
+"""Fault injection: ``slow`` makes a rank's compute really take ``factor`` x longer (a sleep
+proportional to each measured compute op); ``stop`` kills the rank's process (SIGKILL, no cleanup)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from resihp.errors import InputError
+
+FORMS = "slow:rank=R,factor=F,step=S[,until=U] or stop:rank=R,step=S (time=T seconds instead of step=S)"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "slow" | "stop"
+    rank: int
+    step: int | None = None
+    time_s: float | None = None
+    factor: float = 1.0
+    until: int | None = None  # first step at normal speed again (slow only)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def parse_fault(text: str) -> Fault:
+    """Parse one ``--inject`` value."""
+    kind, _, rest = text.partition(":")
+    if kind not in ("slow", "stop") or not rest:
+        raise InputError(f"--inject {text!r}: expected {FORMS}")
+    fields: dict[str, str] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in ("rank", "factor", "step", "time", "until"):
+            raise InputError(f"--inject {text!r}: unknown field {item!r}; expected {FORMS}")
+        fields[key.strip()] = value.strip()
+    try:
+        rank = int(fields["rank"])
+        step = int(fields["step"]) if "step" in fields else None
+        time_s = float(fields["time"]) if "time" in fields else None
+        factor = float(fields.get("factor", "1"))
+        until = int(fields["until"]) if "until" in fields else None
+    except KeyError:
+        raise InputError(f"--inject {text!r}: rank= is required; expected {FORMS}") from None
+    except ValueError:
+        raise InputError(f"--inject {text!r}: rank, step and until are integers, factor and time "
+                         f"numbers; expected {FORMS}") from None
+    if (step is None) == (time_s is None):
+        raise InputError(f"--inject {text!r}: give exactly one of step= or time=")
+    if kind == "slow" and not factor >= 1.0:
+        raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
+    if kind == "stop" and ("factor" in fields or until is not None):
+        raise InputError(f"--inject {text!r}: stop takes only rank= and step= or time=")
+    if rank < 0 or (step is not None and step < 0):
+        raise InputError(f"--inject {text!r}: rank and step must be non-negative")
+    return Fault(kind, rank, step, time_s, factor, until)
+
+
+def check_faults(faults: Sequence[Fault], world_size: int) -> None:
+    for f in faults:
+        if f.rank >= world_size:
+            raise InputError(f"--inject {f.kind}:rank={f.rank}: no such rank (the world has ranks "
+                             f"0..{world_size - 1})")
+
+
+class FaultInjector:
+    """The faults aimed at one rank, applied by the engine at step boundaries and after compute."""
+
+    def __init__(self, faults: Sequence[Fault], rank: int, t0: float | None = None) -> None:
+        self.faults = [f for f in faults if f.rank == rank]
+        self.t0 = time.time() if t0 is None else t0
+        self.step = 0
+
+    def _started(self, f: Fault, step: int) -> bool:
+        if f.step is not None:
+            return step >= f.step
+        return time.time() - self.t0 >= f.time_s
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        for f in self.faults:
+            if f.kind == "stop" and self._started(f, step):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def slow_factor(self) -> float:
+        factor = 1.0
+        for f in self.faults:
+            if f.kind == "slow" and self._started(f, self.step) and (f.until is None or self.step < f.until):
+                factor *= f.factor
+        return factor
+
+    def stretch(self, elapsed_s: float) -> None:
+        """Called after a compute op that took ``elapsed_s``: wait so it takes factor x as long."""
+        factor = self.slow_factor()
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * elapsed_s)

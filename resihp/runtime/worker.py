@@ -1,0 +1,135 @@
+"""The per-rank entry point that torchrun launches:
+
+    torchrun --standalone --nproc-per-node 4 -m resihp.runtime.worker --dp 2 --pp 2 --steps 20 --out runs/x
+
+Each rank trains its stage and writes its part of the ops trace under ``OUT/ranks/``; rank 0 merges
+them into ``OUT/ops.parquet`` with the job meta ``OUT/job.yaml`` and ``OUT/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import MISSING, fields
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from resihp.errors import InputError
+from resihp.opstrace import JobMeta, write_meta
+from resihp.runtime.config import RunConfig
+from resihp.runtime.engine import Engine
+from resihp.runtime.inject import FaultInjector
+from resihp.runtime.recorder import merge_rank_traces
+
+FLUSH_EVERY = 5  # steps between writes of this rank's trace part (kept outside the step timing)
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    parser = argparse.ArgumentParser(prog="resihp.runtime.worker")
+    parser.add_argument("--config", help="a RunConfig JSON; flags given here override it")
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in ("layer_split", "dp_weights", "inject"):
+            parser.add_argument(flag, default=None, help=f"{f.name} (comma-separated; inject repeatable)",
+                                action="append" if f.name == "inject" else "store")
+        else:
+            default = f.default if f.default is not MISSING else None
+            parser.add_argument(flag, type=type(default) if default is not None else str, default=None)
+    args = vars(parser.parse_args(argv))
+    base = RunConfig.from_json(args.pop("config")).__dict__ if args.get("config") else {}
+    args.pop("config", None)
+    given = {k: v for k, v in args.items() if v is not None}
+    try:
+        if "layer_split" in given:
+            given["layer_split"] = [int(x) for x in given["layer_split"].split(",")]
+        if "dp_weights" in given:
+            given["dp_weights"] = [float(x) for x in given["dp_weights"].split(",")]
+    except ValueError:
+        raise InputError("--layer-split / --dp-weights: expected comma-separated numbers") from None
+    return RunConfig(**{**base, **given})
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise InputError("--device cuda: CUDA is not available on this machine")
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def write_job_files(cfg: RunConfig, out: Path, results: list) -> dict:
+    """Merge rank parts, write the job meta and the run summary (rank 0, or the launcher)."""
+    trace = merge_rank_traces(sorted((out / "ranks").glob("rank*.parquet")), out / "ops.parquet")
+    dims = cfg.dims()
+    write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
+               model=cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
+               global_tokens=cfg.global_tokens, budget=cfg.budget, layer_split=[
+                   b - a for a, b in cfg.stage_ranges()], seed=cfg.seed)
+    steps = trace[trace.optype == "step"]
+    per_step = steps.groupby("step").agg(wall_s=("duration", "max"), tokens=("tokens", "max"),
+                                         loss=("loss", "max"))
+    summary = {"steps": int(per_step.shape[0]), "world_size": dims.world_size,
+               "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.schedule,
+               "injected": [f.to_dict() for f in cfg.faults()],
+               "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()),
+               "loss_first": float(per_step.loss.iloc[0]), "loss_last": float(per_step.loss.iloc[-1]),
+               "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run(cfg: RunConfig) -> None:
+    out = Path(cfg.out)
+    device = _device(cfg)
+    torch.set_num_threads(cfg.threads)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    rank = dist.get_rank()
+    (out / "ranks").mkdir(parents=True, exist_ok=True)
+    part = out / "ranks" / f"rank{rank}.parquet"
+    engine = Engine(cfg, device, FaultInjector(cfg.faults(), rank))
+    results = []
+    step = 0
+    try:
+        for step in range(cfg.steps):
+            result = engine.train_step(step)
+            results.append(result)
+            if result.loss is not None and engine.dp_rank == 0:
+                print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} "
+                      f"wall {result.wall_s:.3f}s", file=sys.stderr, flush=True)
+            if (step + 1) % FLUSH_EVERY == 0:
+                engine.rec.write(part)
+    finally:
+        engine.rec.write(part)
+    dist.barrier()
+    if rank == 0:
+        summary = write_job_files(cfg, out, results)
+        print(json.dumps(summary), flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    rank = os.environ.get("RANK", "?")
+    try:
+        run(parse_args(argv))
+    except InputError as exc:
+        print(f"resihp: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
