@@ -30,10 +30,10 @@ class RunConfig:
     dp_weights: list[float] | None = None  # micro-batch share per replica; None: equal
     # data and optimisation
     steps: int = 10
-    source: str = "code"
-    global_tokens: int = 4096
-    budget: int = 512
-    max_len: int = 512
+    source: str = "text"
+    global_tokens: int = 8192
+    budget: int = 1024
+    max_len: int = 1024
     seed: int = 0
     lr: float = 1e-3
     # run
