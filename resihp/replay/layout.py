@@ -1,0 +1,144 @@
+"""How a replayed job is laid out on the cluster: replicas, their stages, groups, layers, micro-batches.
+
+Replicas may differ (an Oobleck template with fewer stages, a re-planned replica with moved layers),
+so a layout is a list of replicas; ``compile`` groups replicas of the same shape into padded arrays
+so that the engine evaluates every replica of a shape in one vectorised call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One data-parallel replica: per stage its device group, its layer count and its work factor.
+
+    ``load`` multiplies a stage's compute: ReCycle-style rerouting gives a stage its failed peer's
+    micro-batches on top of its own.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]
+    microbatches: int
+    load: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.load:
+            object.__setattr__(self, "load", (1.0,) * len(self.groups))
+
+    @property
+    def devices(self) -> list[int]:
+        return [d for g in self.groups for d in g]
+
+
+@dataclass(frozen=True)
+class Layout:
+    replicas: tuple[Replica, ...]
+    note: str = ""
+
+    @property
+    def devices(self) -> np.ndarray:
+        return np.array(sorted(d for r in self.replicas for d in r.devices), dtype=np.int64)
+
+    @property
+    def microbatches(self) -> int:
+        return sum(r.microbatches for r in self.replicas)
+
+    def with_note(self, note: str) -> Layout:
+        return replace(self, note=note)
+
+
+@dataclass
+class ShapeGroup:
+    """Replicas with the same (stages, micro-batches, max group width), as padded arrays."""
+
+    replica_ids: np.ndarray  # [R]
+    devices: np.ndarray  # [R, pp, tp_max], -1 pads
+    layers: np.ndarray  # [R, pp]
+    load: np.ndarray  # [R, pp]
+    width: np.ndarray  # [R, pp] devices per group
+    microbatches: int
+
+    @property
+    def stages(self) -> int:
+        return self.devices.shape[1]
+
+
+@dataclass
+class CompiledLayout:
+    layout: Layout
+    groups: list[ShapeGroup] = field(default_factory=list)
+
+    def stage_speeds(self, group: ShapeGroup, speeds: np.ndarray) -> np.ndarray:
+        """[R, pp] speed of each stage: the slowest device of its tensor-parallel group."""
+        padded = np.concatenate([speeds, [np.inf]])
+        return padded[group.devices].min(axis=-1)
+
+
+def compile_layout(layout: Layout) -> CompiledLayout:
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for i, r in enumerate(layout.replicas):
+        if r.microbatches <= 0:
+            continue
+        key = (len(r.groups), r.microbatches, max(len(g) for g in r.groups))
+        by_shape.setdefault(key, []).append(i)
+    out = CompiledLayout(layout)
+    for (pp, m, tp_max), ids in sorted(by_shape.items()):
+        devices = np.full((len(ids), pp, tp_max), -1, dtype=np.int64)
+        for k, i in enumerate(ids):
+            for s, g in enumerate(layout.replicas[i].groups):
+                devices[k, s, : len(g)] = g
+        reps = [layout.replicas[i] for i in ids]
+        out.groups.append(ShapeGroup(
+            replica_ids=np.array(ids), devices=devices,
+            layers=np.array([r.layers for r in reps], dtype=np.float64),
+            load=np.array([r.load for r in reps], dtype=np.float64),
+            width=(devices >= 0).sum(axis=-1).astype(np.float64), microbatches=m))
+    return out
+
+
+def split_layers(total: int, weights: np.ndarray) -> tuple[int, ...]:
+    """Contiguous layer counts proportional to ``weights`` (each at least 1), summing to ``total``."""
+    weights = np.asarray(weights, dtype=np.float64)
+    raw = total * weights / weights.sum()
+    counts = np.maximum(1, np.floor(raw)).astype(int)
+    while counts.sum() < total:
+        counts[np.argmax(raw - counts)] += 1
+    while counts.sum() > total:
+        over = np.where(counts > 1, counts - raw, -np.inf)
+        counts[np.argmax(over)] -= 1
+    return tuple(int(c) for c in counts)
+
+
+def split_microbatches(total: int, weights: np.ndarray) -> list[int]:
+    """Integer micro-batch counts proportional to ``weights`` (largest remainders), summing to total."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.sum() <= 0:
+        return [0] * len(weights)
+    raw = total * weights / weights.sum()
+    counts = np.floor(raw).astype(int)
+    for i in np.argsort(-(raw - counts))[: total - counts.sum()]:
+        counts[i] += 1
+    return [int(c) for c in counts]
+
+
+def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp: int,
+                   layers: int, microbatches: int) -> Layout:
+    """Megatron's default placement: tp inside a node, then pp, then dp, over ``devices`` in order.
+
+    ``devices`` lists whole nodes' worth of usable device ids; replicas beyond what they hold are
+    dropped, and the global batch is spread over the replicas that remain.
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    per_replica = pp * tp
+    n_rep = min(dp, len(devices) // per_replica)
+    per_stage = split_layers(layers, np.ones(pp))
+    mbs = split_microbatches(microbatches, np.ones(n_rep))
+    replicas = []
+    for r in range(n_rep):
+        block = devices[r * per_replica: (r + 1) * per_replica].reshape(pp, tp)
+        replicas.append(Replica(tuple(tuple(int(d) for d in g) for g in block), per_stage, mbs[r]))
+    return Layout(tuple(replicas), note=f"uniform dp={n_rep} pp={pp} tp={tp}")

@@ -1,0 +1,1 @@
+"""Resilience policies replayed side by side: each a small class over ``resihp.replay.engine.Policy``."""

@@ -1,0 +1,366 @@
+"""Replay scenario files (DESIGN.md "Replay scenario YAML"): parsing and validation.
+
+A scenario names the cluster, the model and its initial parallel layout, the workload (a sequence-length
+source), the duration, failure events and/or failure generators with their rates, and the costs of
+restart, checkpointing and reconfiguration. Every error names the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from resihp.errors import InputError
+from resihp.replay.yamlsrc import LineDict, load_yaml
+
+KINDS = ("slow", "stop", "recover")
+GENERATORS = ("llama3", "greyhound", "alibaba")
+_UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator model: memory, peak dense throughput and the fraction of it a step reaches."""
+
+    name: str = "A100-80GB"
+    memory_gb: float = 80.0
+    peak_tflops: float = 312.0
+    mfu: float = 0.5
+    hbm_gbps: float = 2039.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    device: Device
+    intra_node_gbps: float = 300.0
+    inter_node_gbps: float = 25.0
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    vocab: int
+    max_seq_len: int
+    global_batch_tokens: int
+    microbatch_tokens: int
+    schedule: str = "1f1b"
+
+    @property
+    def params_per_layer(self) -> float:
+        return 4.0 * self.hidden**2 + 3.0 * self.hidden * self.ffn_hidden
+
+    @property
+    def params(self) -> float:
+        return self.layers * self.params_per_layer + 2.0 * self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class Parallel:
+    dp: int
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds lost to each kind of recovery work; see each policy for which ones it pays."""
+
+    restart_s: float = 600.0
+    checkpoint_interval_s: float = 3600.0
+    reconfig_s: float = 60.0
+    heartbeat_timeout_s: float = 30.0
+    repair_s: float = 4 * 3600.0
+
+
+@dataclass(frozen=True)
+class Event:
+    at_s: float
+    device: int
+    kind: str
+    factor: float = 1.0
+    line: int = 0
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class Generator:
+    kind: str
+    params: dict
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """How the engine samples: steps simulated after each change, and periodic probe windows."""
+
+    window_steps: int = 32
+    observe_steps: int = 96
+    probe_interval_s: float = 6 * 3600.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    path: str
+    cluster: Cluster
+    model: Model
+    parallel: Parallel
+    workload: str
+    duration_s: float
+    costs: Costs
+    events: tuple[Event, ...] = ()
+    generators: tuple[Generator, ...] = ()
+    noise_job: int = 2
+    seed: int = 0
+    settings: ReplaySettings = field(default_factory=ReplaySettings)
+    family: str = ""
+
+
+def parse_duration(value: object, where: str) -> float:
+    """Seconds from a number (seconds) or a string with a unit: ``90s``, ``30m``, ``12h``, ``7d``."""
+    if isinstance(value, bool):
+        raise InputError(f"{where}: expected a duration like 3600, 90m, 12h or 7d, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).replace(" ", "")
+        parts = re.findall(r"([0-9]*\.?[0-9]+)(min|s|m|h|d)", text)
+        if not parts or "".join(a + b for a, b in parts) != text:
+            raise InputError(f"{where}: expected a duration like 3600, 90m, 12h, 9h30m or 7d, "
+                             f"got {value!r}")
+        seconds = sum(float(a) * _UNITS[b] for a, b in parts)
+    if not seconds >= 0 or seconds == float("inf"):
+        raise InputError(f"{where}: expected a finite non-negative duration, got {value!r}")
+    return seconds
+
+
+class _Reader:
+    """Typed field access on one mapping, with errors that say file:line: section.field."""
+
+    def __init__(self, path: Path, data: object, section: str, parent_line: int = 0) -> None:
+        self.path, self.section = path, section
+        line = data.line if isinstance(data, LineDict) else parent_line
+        self.where = f"{path}:{line}: {section}" if line else f"{path}: {section}"
+        if not isinstance(data, dict):
+            raise InputError(f"{self.where}: expected a mapping, got {type(data).__name__}")
+        self.data = data
+
+    def check_keys(self, allowed: set[str]) -> None:
+        unknown = sorted(set(self.data) - allowed)
+        if unknown:
+            raise InputError(f"{self.where}: unknown field(s) {', '.join(map(str, unknown))} "
+                             f"(expected some of {', '.join(sorted(allowed))})")
+
+    def number(self, key: str, default: float | None = None, minimum: float = 0.0,
+               integer: bool = False, strict: bool = False) -> float:
+        if key not in self.data:
+            if default is None:
+                raise InputError(f"{self.where}: missing field {key}")
+            return default
+        value = self.data[key]
+        kind = "an integer" if integer else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                integer and not isinstance(value, int)):
+            raise InputError(f"{self.where}.{key}: expected {kind}, got {value!r}")
+        if value < minimum or (strict and value == minimum) or value != value:
+            op = ">" if strict else ">="
+            raise InputError(f"{self.where}.{key}: expected {kind} {op} {minimum:g}, got {value!r}")
+        return int(value) if integer else float(value)
+
+    def text(self, key: str, default: str | None = None) -> str:
+        if key not in self.data:
+            if default is None:
+                raise InputError(f"{self.where}: missing field {key}")
+            return default
+        value = self.data[key]
+        if not isinstance(value, str) or not value:
+            raise InputError(f"{self.where}.{key}: expected a non-empty string, got {value!r}")
+        return value
+
+    def duration(self, key: str, default: float | None = None) -> float:
+        if key not in self.data:
+            if default is None:
+                raise InputError(f"{self.where}: missing field {key}")
+            return default
+        return parse_duration(self.data[key], f"{self.where}.{key}")
+
+    def sub(self, key: str, required: bool = True) -> _Reader:
+        if key not in self.data:
+            if required:
+                raise InputError(f"{self.where}: missing section {key}")
+            return _Reader(self.path, LineDict(), f"{self.section}.{key}" if self.section else key)
+        name = f"{self.section}.{key}" if self.section else key
+        return _Reader(self.path, self.data[key], name, getattr(self.data, "line", 0))
+
+
+def _cluster(r: _Reader) -> Cluster:
+    r.check_keys({"nodes", "gpus_per_node", "device", "intra_node_gbps", "inter_node_gbps"})
+    d = r.sub("device", required=False)
+    d.check_keys({"name", "memory_gb", "peak_tflops", "mfu", "hbm_gbps"})
+    device = Device(
+        name=d.text("name", Device.name), memory_gb=d.number("memory_gb", Device.memory_gb, strict=True),
+        peak_tflops=d.number("peak_tflops", Device.peak_tflops, strict=True),
+        mfu=d.number("mfu", Device.mfu, strict=True), hbm_gbps=d.number("hbm_gbps", Device.hbm_gbps, strict=True))
+    if device.mfu > 1:
+        raise InputError(f"{d.where}.mfu: a fraction of peak, expected at most 1, got {device.mfu}")
+    return Cluster(nodes=r.number("nodes", minimum=1, integer=True),
+                   gpus_per_node=r.number("gpus_per_node", minimum=1, integer=True), device=device,
+                   intra_node_gbps=r.number("intra_node_gbps", Cluster.intra_node_gbps, strict=True),
+                   inter_node_gbps=r.number("inter_node_gbps", Cluster.inter_node_gbps, strict=True))
+
+
+def _model(r: _Reader) -> Model:
+    r.check_keys({"name", "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len",
+                  "global_batch_tokens", "microbatch_tokens", "schedule"})
+    ints = {k: r.number(k, minimum=1, integer=True) for k in (
+        "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len", "global_batch_tokens",
+        "microbatch_tokens")}
+    schedule = r.text("schedule", "1f1b")
+    if schedule != "1f1b":
+        raise InputError(f"{r.where}.schedule: only 1f1b is replayed, got {schedule!r}")
+    if ints["hidden"] % ints["heads"]:
+        raise InputError(f"{r.where}: hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})")
+    if ints["microbatch_tokens"] < ints["max_seq_len"]:
+        raise InputError(f"{r.where}.microbatch_tokens: must hold one longest sequence "
+                         f"(max_seq_len {ints['max_seq_len']}), got {ints['microbatch_tokens']}")
+    return Model(name=r.text("name", "model"), schedule=schedule, **ints)
+
+
+def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line: int) -> tuple[Event, ...]:
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise InputError(f"{path}:{line}: events: expected a list of events")
+    events: list[Event] = []
+    state: dict[int, str] = {}
+    for i, item in enumerate(items):
+        r = _Reader(path, item, f"events[{i}]", line)
+        r.check_keys({"at", "device", "node", "kind", "factor", "cause"})
+        at = r.duration("at")
+        if at > duration_s:
+            raise InputError(f"{r.where}.at: {at:g} s is after the end of the scenario ({duration_s:g} s)")
+        if events and at < events[-1].at_s:
+            raise InputError(f"{r.where}.at: events must be in time order; {at:g} s comes after "
+                             f"{events[-1].at_s:g} s")
+        kind = r.text("kind")
+        if kind not in KINDS:
+            raise InputError(f"{r.where}.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+        if ("device" in r.data) == ("node" in r.data):
+            raise InputError(f"{r.where}: give exactly one of device (0..{cluster.size - 1}) or node "
+                             f"(0..{cluster.nodes - 1})")
+        if "device" in r.data:
+            dev = r.number("device", minimum=0, integer=True)
+            if dev >= cluster.size:
+                raise InputError(f"{r.where}.device: unknown device {dev}; the cluster has devices "
+                                 f"0..{cluster.size - 1}")
+            devices = [dev]
+        else:
+            node = r.number("node", minimum=0, integer=True)
+            if node >= cluster.nodes:
+                raise InputError(f"{r.where}.node: unknown node {node}; the cluster has nodes "
+                                 f"0..{cluster.nodes - 1}")
+            devices = list(range(node * cluster.gpus_per_node, (node + 1) * cluster.gpus_per_node))
+        factor = 1.0
+        if kind == "slow":
+            factor = r.number("factor")
+            if factor < 1.0:
+                raise InputError(f"{r.where}.factor: a slowdown factor is at least 1 (2.0 = twice as "
+                                 f"slow), got {factor:g}")
+        for dev in devices:
+            current = state.get(dev, "healthy")
+            if kind == "recover" and current == "healthy":
+                raise InputError(f"{r.where}: device {dev} recovers but is not slow or stopped")
+            if kind in ("slow", "stop") and current != "healthy":
+                raise InputError(f"{r.where}: device {dev} is already {current}; events overlap "
+                                 "(add a recover event first)")
+            state[dev] = "healthy" if kind == "recover" else ("slow" if kind == "slow" else "stopped")
+            events.append(Event(at, dev, kind, factor, r.data.line if isinstance(r.data, LineDict) else 0,
+                                r.text("cause", "")))
+    return tuple(events)
+
+
+def _generators(path: Path, items: object, line: int) -> tuple[Generator, ...]:
+    if items is None:
+        return ()
+    if not isinstance(items, list):
+        raise InputError(f"{path}:{line}: generators: expected a list")
+    out = []
+    for i, item in enumerate(items):
+        r = _Reader(path, item, f"generators[{i}]", line)
+        kind = r.text("kind")
+        if kind not in GENERATORS:
+            raise InputError(f"{r.where}.kind: expected one of {', '.join(GENERATORS)}, got {kind!r}")
+        params = {k: v for k, v in r.data.items() if k != "kind"}
+        out.append(Generator(kind, params, getattr(r.data, "line", 0)))
+    return tuple(out)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario YAML; raise InputError naming file, line and field."""
+    path = Path(path)
+    root = _Reader(path, load_yaml(path), "")
+    root.where = str(path)
+    root.check_keys({"name", "family", "cluster", "model", "parallel", "workload", "duration",
+                     "costs", "events", "generators", "noise", "seed", "replay"})
+    cluster = _cluster(root.sub("cluster"))
+    model = _model(root.sub("model"))
+    p = root.sub("parallel")
+    p.check_keys({"dp", "pp", "tp"})
+    parallel = Parallel(*(p.number(k, minimum=1, integer=True) for k in ("dp", "pp", "tp")))
+    world = parallel.dp * parallel.pp * parallel.tp
+    if world > cluster.size:
+        raise InputError(f"{p.where}: dp*pp*tp = {world} devices but the cluster has {cluster.size}")
+    if cluster.gpus_per_node % parallel.tp:
+        raise InputError(f"{p.where}.tp: tensor-parallel groups stay inside a node; tp {parallel.tp} "
+                         f"does not divide gpus_per_node {cluster.gpus_per_node}")
+    if parallel.pp > model.layers:
+        raise InputError(f"{p.where}.pp: {parallel.pp} stages for {model.layers} layers")
+    mbs = model.global_batch_tokens // model.microbatch_tokens
+    if mbs < parallel.dp:
+        raise InputError(f"{root.where}: model.global_batch_tokens gives {mbs} micro-batches, fewer "
+                         f"than dp {parallel.dp}")
+    w = root.sub("workload")
+    w.check_keys({"source"})
+    workload = w.text("source")
+    duration = root.duration("duration")
+    if duration <= 0:
+        raise InputError(f"{root.where}: duration must be positive")
+    c = root.sub("costs", required=False)
+    c.check_keys({"restart", "checkpoint_interval", "reconfig", "heartbeat_timeout", "repair"})
+    costs = Costs(restart_s=c.duration("restart", Costs.restart_s),
+                  checkpoint_interval_s=c.duration("checkpoint_interval", Costs.checkpoint_interval_s),
+                  reconfig_s=c.duration("reconfig", Costs.reconfig_s),
+                  heartbeat_timeout_s=c.duration("heartbeat_timeout", Costs.heartbeat_timeout_s),
+                  repair_s=c.duration("repair", Costs.repair_s))
+    if costs.checkpoint_interval_s <= 0:
+        raise InputError(f"{c.where}.checkpoint_interval: must be positive")
+    n = root.sub("noise", required=False)
+    n.check_keys({"alibaba_job"})
+    noise_job = n.number("alibaba_job", 2, minimum=1, integer=True)
+    s = root.sub("replay", required=False)
+    s.check_keys({"window_steps", "observe_steps", "probe_interval"})
+    settings = ReplaySettings(window_steps=s.number("window_steps", 32, minimum=4, integer=True),
+                              observe_steps=s.number("observe_steps", 96, minimum=4, integer=True),
+                              probe_interval_s=s.duration("probe_interval", 6 * 3600.0))
+    scenario = Scenario(
+        name=root.text("name", path.stem), path=str(path), cluster=cluster, model=model,
+        parallel=parallel, workload=workload, duration_s=duration, costs=costs,
+        events=_events(path, root.data.get("events"), cluster, duration, root.data.line),
+        generators=_generators(path, root.data.get("generators"), root.data.line),
+        noise_job=noise_job, seed=root.number("seed", 0, integer=True), settings=settings,
+        family=root.text("family", ""))
+    from resihp.replay.costmodel import check_fits  # the memory model lives with the cost model
+
+    check_fits(scenario, where=f"{path}: parallel")
+    return scenario
