@@ -1,0 +1,1 @@
+"""Workload-aware fail-slow / fail-stop detection, baselines and evaluation (issue 3)."""

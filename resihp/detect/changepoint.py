@@ -1,0 +1,167 @@
+"""A one-sided CUSUM change-point test run side by side over many series (one per rank), in numpy.
+
+Each series is first calibrated on its own healthy steps (robust centre and spread of the log value),
+then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at zero; the
+sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The step at which the sum last left
+zero is the onset. While a series is healthy its centre follows slow drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp.detect.config import DetectorConfig
+
+_MAD_TO_SIGMA = 1.4826
+
+
+@dataclass
+class Alarm:
+    index: int
+    onset_step: int
+    slowdown: float
+    confidence: float
+
+
+@dataclass
+class Recovery:
+    index: int
+    end_step: int
+    slowdown: float
+
+
+class CusumBank:
+    """CUSUM state for ``n`` series; ``update`` takes one step's log values (NaN: not observed)."""
+
+    def __init__(self, n: int, config: DetectorConfig) -> None:
+        self.n = n
+        self.cfg = config
+        w = config.calibration_steps
+        self._cal = np.full((w, n), np.nan)
+        self.cal_count = np.zeros(n, dtype=np.int64)
+        self.calibrated = np.zeros(n, dtype=bool)
+        self.mu = np.zeros(n)
+        self.sigma = np.full(n, np.inf)
+        self.first_step = np.full(n, -1, dtype=np.int64)
+        self.s = np.zeros(n)
+        self.run_start = np.full(n, -1, dtype=np.int64)
+        self.run_n = np.zeros(n, dtype=np.int64)
+        self.raised_sum = np.zeros(n)
+        self.raised_n = np.zeros(n, dtype=np.int64)
+        self.alarmed = np.zeros(n, dtype=bool)
+        self.alarm_sum = np.zeros(n)
+        self.alarm_n = np.zeros(n, dtype=np.int64)
+        self.quiet = np.zeros(n, dtype=np.int64)
+        self.last_quiet_start = np.full(n, -1, dtype=np.int64)
+        self._log_min = float(np.log(config.min_slowdown))
+
+    def update(self, step: int, x: np.ndarray) -> tuple[list[Alarm], list[Recovery], np.ndarray]:
+        """Feed one step; returns new alarms, recoveries and the indices calibrated at this step."""
+        cfg = self.cfg
+        seen = ~np.isnan(x)
+        self.first_step[seen & (self.first_step < 0)] = step
+        newly = self._calibrate(x, seen)
+        live = seen & self.calibrated
+        live[newly] = False
+        if not live.any():
+            return [], [], newly
+        idx = np.flatnonzero(live)
+        xi = x[idx]
+        dev = xi - self.mu[idx]
+        z = dev / self.sigma[idx]
+        s_old = self.s[idx]
+        s_new = np.maximum(0.0, s_old + np.clip(z, -cfg.z_clip, cfg.z_clip) - cfg.cusum_k)
+        raised = z > cfg.cusum_k
+        starting = (s_old == 0) & (s_new > 0)
+        start_idx = idx[starting]
+        self.run_start[start_idx] = step
+        self.run_n[start_idx] = 0
+        self.raised_sum[start_idx] = 0.0
+        self.raised_n[start_idx] = 0
+        in_run = s_new > 0
+        self.run_n[idx[in_run]] += 1
+        up = in_run & raised
+        self.raised_sum[idx[up]] += dev[up]
+        self.raised_n[idx[up]] += 1
+        ended = idx[~in_run]
+        self.run_n[ended] = 0
+        self.s[idx] = s_new
+
+        alarmed = self.alarmed[idx]
+        # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
+        calm = ~alarmed & ~in_run
+        if cfg.baseline_rate > 0 and calm.any():
+            c = idx[calm]
+            step_dev = np.clip(dev[calm], -3 * self.sigma[c], 3 * self.sigma[c])
+            self.mu[c] += cfg.baseline_rate * step_dev
+
+        alarms: list[Alarm] = []
+        rn = self.raised_n[idx]
+        mean_raised = np.where(rn > 0, self.raised_sum[idx] / np.maximum(rn, 1), 0.0)
+        fire = (~alarmed & (s_new >= cfg.cusum_h) & (rn >= cfg.min_persist)
+                & (mean_raised >= self._log_min))
+        for j in np.flatnonzero(fire):
+            i = int(idx[j])
+            n_up = int(rn[j])
+            # how far the raised steps sit above the noise, beyond what the threshold itself demands
+            t = mean_raised[j] / self.sigma[i] * np.sqrt(n_up) - cfg.cusum_k
+            conf = float(0.5 * (1 + _erf(t / np.sqrt(2))))
+            alarms.append(Alarm(i, int(self.run_start[i]), float(np.exp(mean_raised[j])), conf))
+            self.alarmed[i] = True
+            self.alarm_sum[i] = self.raised_sum[i]
+            self.alarm_n[i] = n_up
+            self.quiet[i] = 0
+
+        recoveries: list[Recovery] = []
+        was = alarmed & ~fire
+        if was.any():
+            a = idx[was]
+            still = dev[was] > self._log_min / 2
+            self.alarm_sum[a[still]] += dev[was][still]
+            self.alarm_n[a[still]] += 1
+            quiet = a[~still]
+            fresh = quiet[self.quiet[quiet] == 0]
+            self.last_quiet_start[fresh] = step
+            self.quiet[quiet] += 1
+            self.quiet[a[still]] = 0
+            for i in quiet[self.quiet[quiet] >= cfg.recover_steps]:
+                i = int(i)
+                recoveries.append(Recovery(i, int(self.last_quiet_start[i]) - 1,
+                                           float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1)))))
+                self.alarmed[i] = False
+                self.s[i] = 0.0
+                self.run_n[i] = 0
+                self.quiet[i] = 0
+        return alarms, recoveries, newly
+
+    def episode_slowdown(self, i: int) -> float:
+        """Mean slowdown over the raised steps of the current alarm of series ``i``."""
+        return float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1)))
+
+    def _calibrate(self, x: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        filling = np.flatnonzero(seen & ~self.calibrated)
+        if filling.size == 0:
+            return filling
+        self._cal[self.cal_count[filling], filling] = x[filling]
+        self.cal_count[filling] += 1
+        done = filling[self.cal_count[filling] >= cfg.calibration_steps]
+        if done.size:
+            cal = self._cal[:, done]
+            med = np.median(cal, axis=0)
+            mad = np.median(np.abs(cal - med), axis=0) * _MAD_TO_SIGMA
+            self.mu[done] = med
+            self.sigma[done] = np.maximum(mad, cfg.sigma_floor)
+            self.calibrated[done] = True
+            # a rank's own few steps can understate its noise: never below the typical rank's
+            pooled = float(np.median(self.sigma[self.calibrated]))
+            self.sigma[self.calibrated] = np.maximum(self.sigma[self.calibrated], 0.75 * pooled)
+        return done
+
+
+def _erf(x: float) -> float:
+    from math import erf
+
+    return erf(float(x))

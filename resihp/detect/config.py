@@ -1,0 +1,57 @@
+"""Detector parameters, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from resihp.errors import InputError
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """Thresholds of the workload-aware detector.
+
+    Per-step deviations are measured in units of each rank's own healthy noise (``sigma``, learned over
+    the first ``calibration_steps`` steps a rank is seen), so the same numbers serve a noisy CPU job
+    and a quiet GPU job.
+    """
+
+    calibration_steps: int = 12
+    # one-sided CUSUM on the standardised log own-work ratio: drift allowance and decision threshold
+    cusum_k: float = 3.0
+    cusum_h: float = 12.0
+    # a single step can add at most this much to the CUSUM, so one wild step never alarms alone
+    z_clip: float = 8.0
+    min_persist: int = 3
+    # an alarm needs an estimated slowdown at least this large (tiny persistent drifts are not faults)
+    min_slowdown: float = 1.08
+    sigma_floor: float = 0.01
+    # the baseline follows slow healthy drift at this rate (per step, in healthy stretches only)
+    baseline_rate: float = 0.02
+    recover_steps: int = 3
+    # among a rank's compute ops in one step, this quantile of measured/expected is its own-work ratio;
+    # a low quantile ignores the ops that were inflated by waiting on a slow neighbour
+    own_quantile: float = 0.1
+    stage_imbalance: float = 0.10
+    rank_imbalance: float = 0.15
+    workload_imbalance: float = 0.15
+
+    def __post_init__(self) -> None:
+        positive = ["calibration_steps", "cusum_k", "cusum_h", "z_clip", "min_persist", "sigma_floor",
+                    "recover_steps"]
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise InputError(f"detector config: {name} must be positive, got {getattr(self, name)!r}")
+        if self.calibration_steps < 3:
+            raise InputError("detector config: calibration_steps must be at least 3")
+        if not 0 <= self.own_quantile <= 1:
+            raise InputError(f"detector config: own_quantile must be in [0, 1], got {self.own_quantile}")
+        if not 0 <= self.baseline_rate < 1:
+            raise InputError(f"detector config: baseline_rate must be in [0, 1), got {self.baseline_rate}")
+        if self.min_slowdown < 1:
+            raise InputError(f"detector config: min_slowdown must be >= 1, got {self.min_slowdown}")
+        if self.z_clip <= self.cusum_k:
+            raise InputError("detector config: z_clip must exceed cusum_k")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,137 @@
+"""Scoring detectors against labelled traces: precision, recall, F1, false alarms, delay, slowdown error.
+
+An event matches an injected fault when it is a device-fault event of the same kind on the faulty rank
+(for ``link-slow``: either end of the link) detected between the onset and ``grace`` steps after the
+end. Each fault matches at most once; further events on it are duplicates, not false alarms. Every
+other device-fault event is a false alarm. ``workload-imbalance`` and ``stage-imbalance`` findings are
+not device faults and are never scored as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from resihp.detect.baselines import BASELINES
+from resihp.detect.config import DetectorConfig
+from resihp.detect.events import Event
+from resihp.detect.observe import (
+    ExpectedCompute,
+    Observations,
+    observe_ops,
+    rank_layout,
+    shape_from_meta,
+)
+from resihp.detect.online import OnlineDetector
+from resihp.detect.synth import Injection
+from resihp.opstrace import JobMeta
+
+
+@dataclass
+class Score:
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    duplicates: int = 0
+    healthy_steps: int = 0
+    false_alarms_healthy: int = 0
+    delays: list[float] = field(default_factory=list)
+    slowdown_errors: list[float] = field(default_factory=list)
+    factors: list[float] = field(default_factory=list)
+    detected_factors: list[float] = field(default_factory=list)
+
+    def add(self, other: Score) -> None:
+        for name in ("tp", "fp", "fn", "duplicates", "healthy_steps", "false_alarms_healthy"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("delays", "slowdown_errors", "factors", "detected_factors"):
+            getattr(self, name).extend(getattr(other, name))
+
+    def summary(self) -> dict:
+        precision = self.tp / (self.tp + self.fp) if self.tp + self.fp else 1.0
+        recall = self.tp / (self.tp + self.fn) if self.tp + self.fn else 1.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        d = np.asarray(self.delays, dtype=float)
+        e = np.asarray(self.slowdown_errors, dtype=float)
+        return {
+            "tp": self.tp, "fp": self.fp, "fn": self.fn, "precision": round(precision, 4),
+            "recall": round(recall, 4), "f1": round(f1, 4),
+            "false_alarms_per_10k_healthy_steps": round(1e4 * self.false_alarms_healthy
+                                                        / max(self.healthy_steps, 1), 3),
+            "healthy_steps": self.healthy_steps,
+            "delay_steps_median": float(np.median(d)) if d.size else None,
+            "delay_steps_max": float(d.max()) if d.size else None,
+            "slowdown_error_median": round(float(np.median(e)), 4) if e.size else None,
+            "slowdown_error_p90": round(float(np.quantile(e, 0.9)), 4) if e.size else None,
+        }
+
+
+def score_events(events: list[Event], injections: list[Injection], steps: np.ndarray, pp: int,
+                 *, grace: int = 5, skip_first: int = 0) -> Score:
+    """Match ``events`` of one trace against its injected faults."""
+    sc = Score()
+    faulty = np.zeros(len(steps), dtype=bool)
+    for inj in injections:
+        faulty |= (steps >= inj.onset_step) & (steps <= inj.end_step)
+    counted = steps >= (steps[0] + skip_first if len(steps) else 0)
+    sc.healthy_steps = int((~faulty & counted).sum())
+    healthy_steps = set(steps[~faulty].tolist())
+    matched = [False] * len(injections)
+    for ev in sorted((e for e in events if e.is_device_fault), key=lambda e: e.detected_step):
+        hit = None
+        for j, inj in enumerate(injections):
+            ranks = {inj.rank} if inj.kind == "fail-slow" else {inj.rank, inj.rank + 1}
+            if (ev.kind == inj.kind and ev.rank in ranks
+                    and inj.onset_step <= ev.detected_step <= inj.end_step + grace):
+                hit = j
+                break
+        if hit is None:
+            sc.fp += 1
+            sc.false_alarms_healthy += int(ev.detected_step in healthy_steps)
+        elif matched[hit]:
+            sc.duplicates += 1
+        else:
+            matched[hit] = True
+            inj = injections[hit]
+            sc.tp += 1
+            sc.delays.append(ev.detected_step - inj.onset_step)
+            sc.slowdown_errors.append(abs(ev.slowdown - inj.factor) / inj.factor)
+            sc.detected_factors.append(inj.factor)
+    sc.fn = matched.count(False)
+    sc.factors = [inj.factor for inj in injections]
+    return sc
+
+
+def make_detector(name: str, meta: JobMeta, layout, expected: ExpectedCompute | None = None,
+                  meta_dict: dict | None = None, config: DetectorConfig | None = None):
+    if name == "resihp":
+        return OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
+    return BASELINES[name](meta, layout)
+
+
+METHODS = ["resihp", *BASELINES]
+
+
+def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = None,
+                expected: ExpectedCompute | None = None, meta_dict: dict | None = None,
+                config: DetectorConfig | None = None,
+                on_obs: Callable[[Observations], None] | None = None) -> tuple[dict[str, list[Event]], Observations]:
+    """Every method over the same per-step observations of one trace."""
+    layout = rank_layout(df, meta)
+    cfg = config or DetectorConfig()
+    obs = observe_ops(df, meta, expected=expected, shape=shape_from_meta(meta_dict),
+                      own_quantile=cfg.own_quantile)
+    if on_obs:
+        on_obs(obs)
+    out = {}
+    for name in methods or METHODS:
+        det = make_detector(name, meta, layout, expected, meta_dict, cfg)
+        if name == "resihp":
+            det.observe_matrices(obs)
+        else:
+            for i, step in enumerate(obs.steps):
+                det.observe_arrays(int(step), obs.own[i], obs.raw[i])
+        out[name] = det.finish()
+    return out, obs

@@ -1,0 +1,48 @@
+"""Detector events and the event JSON of DESIGN.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEVICE_FAULTS = ("fail-slow", "fail-stop", "link-slow")
+NOT_DEVICE_FAULTS = ("workload-imbalance", "stage-imbalance")
+
+
+@dataclass
+class Event:
+    """One finding. ``rank`` is None for findings about a whole stage or replica."""
+
+    kind: str
+    rank: int | None
+    dp_rank: int | None
+    stage: int | None
+    tp_rank: int | None
+    onset_step: int
+    detected_step: int
+    slowdown: float
+    confidence: float
+    end_step: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_device_fault(self) -> bool:
+        return self.kind in DEVICE_FAULTS
+
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind, "rank": _int(self.rank), "dp_rank": _int(self.dp_rank),
+               "stage": _int(self.stage), "tp_rank": _int(self.tp_rank),
+               "onset_step": int(self.onset_step), "detected_step": int(self.detected_step),
+               "slowdown": round(float(self.slowdown), 4), "confidence": round(float(self.confidence), 4),
+               "end_step": _int(self.end_step)}
+        out.update(self.extra)
+        return out
+
+
+def _int(value: object) -> int | None:
+    return None if value is None else int(value)
+
+
+def events_json(events: list[Event], steps: int, ranks: int, **extra: object) -> dict:
+    """The ``resihp detect --json`` document: events in detection order, then step and rank counts."""
+    ordered = sorted(events, key=lambda e: (e.detected_step, e.kind, -1 if e.rank is None else e.rank))
+    return {"events": [e.to_dict() for e in ordered], "steps": int(steps), "ranks": int(ranks), **extra}

@@ -1,0 +1,260 @@
+"""The workload-aware fail-slow detector, fed step by step (live) or a whole trace (offline).
+
+Per rank and step it takes the rank's own-work ratio (measured / expected cost of the ops the rank
+ran; see ``observe``), divides out what all ranks share that step (a job-wide slowdown is not a device
+fault), and runs a per-rank CUSUM against the rank's own healthy baseline. Constant differences that
+were there from the first steps are sorted out at calibration: a whole stage slower than the others is
+``stage-imbalance``; one rank slower than the peers of its stage is a device that was slow from the
+start. A data-parallel replica that took longer only because its data cost more is
+``workload-imbalance``. Point-to-point transfer times get their own CUSUM (``link-slow``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from resihp.detect.changepoint import CusumBank
+from resihp.detect.config import DetectorConfig
+from resihp.detect.events import Event, events_json
+from resihp.detect.observe import (
+    ExpectedCompute,
+    Layout,
+    Observations,
+    infer_meta,
+    observe_ops,
+    rank_layout,
+    shape_from_meta,
+)
+from resihp.errors import InputError
+from resihp.opstrace import JobMeta, validate_ops_trace
+
+
+class OnlineDetector:
+    """``observe(step_df)`` per step, or ``observe_arrays`` with per-rank vectors (the fast path)."""
+
+    name = "resihp"
+
+    def __init__(self, meta: JobMeta, expected: ExpectedCompute | None = None,
+                 config: DetectorConfig | None = None, *, meta_dict: dict | None = None,
+                 layout: Layout | None = None) -> None:
+        self.meta = meta
+        self.expected = expected
+        self.cfg = config or DetectorConfig()
+        self.shape = shape_from_meta(meta_dict)
+        w = meta.world_size
+        self.layout = layout or Layout(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
+        self.compute = CusumBank(w, self.cfg)
+        self.link = CusumBank(w, self.cfg)
+        self.events: list[Event] = []
+        self._open: dict[tuple[str, int], Event] = {}
+        self._last_step: int | None = None
+        self._steps_seen = 0
+        self._wl_open: dict[int, Event] = {}
+        self.cost_model = "none"
+
+    # -- feeding -------------------------------------------------------------------------------
+    def observe(self, step_df: pd.DataFrame) -> list[Event]:
+        """Ops-trace rows of one step (or several consecutive steps); returns the new events."""
+        df = validate_ops_trace(step_df, source="step records")
+        self._merge_layout(rank_layout(df, self.meta, source="step records"))
+        obs = observe_ops(df, self.meta, expected=self.expected, shape=self.shape,
+                          own_quantile=self.cfg.own_quantile)
+        return self.observe_matrices(obs)
+
+    def observe_matrices(self, obs: Observations) -> list[Event]:
+        self.cost_model = obs.cost_model
+        new: list[Event] = []
+        for i, step in enumerate(obs.steps):
+            new += self.observe_arrays(
+                int(step), obs.own[i], obs.raw[i],
+                None if obs.expected is None else obs.expected[i],
+                None if obs.comm is None else obs.comm[i])
+        return new
+
+    def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
+                       expected: np.ndarray | None = None, comm: np.ndarray | None = None) -> list[Event]:
+        """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record)."""
+        if self._last_step is not None and step <= self._last_step:
+            raise InputError(f"step records: step {step} arrives after step {self._last_step}; "
+                             "expected increasing step numbers")
+        self._last_step = step
+        self._steps_seen += 1
+        new: list[Event] = []
+        x = _common_mode_log(own)
+        alarms, recoveries, calibrated = self.compute.update(step, x)
+        if calibrated.size:
+            new += self._calibration_findings(step, calibrated)
+        for a in alarms:
+            new.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown, a.confidence))
+        for r in recoveries:
+            self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
+        if comm is not None:
+            new += self._link_step(step, comm)
+        if expected is not None and raw is not None:
+            new += self._workload_step(step, raw, expected)
+        self.events += new
+        return new
+
+    def finish(self) -> list[Event]:
+        """Close what is still open (its slowdown becomes the mean over the whole episode)."""
+        for (kind, i), ev in list(self._open.items()):
+            bank = self.compute if kind == "fail-slow" else self.link
+            ev.slowdown = bank.episode_slowdown(i)
+        for ev in self._wl_open.values():
+            ev.end_step = ev.extra.pop("_last", ev.end_step)
+        self._wl_open.clear()
+        return self.events
+
+    # -- findings -----------------------------------------------------------------------------
+    def _where(self, i: int) -> tuple[int | None, int | None, int | None]:
+        lay = self.layout
+
+        def val(a: np.ndarray) -> int | None:
+            return None if a[i] < 0 else int(a[i])
+
+        return val(lay.dp_rank), val(lay.stage), val(lay.tp_rank)
+
+    def _open_event(self, kind: str, i: int, onset: int, step: int, slowdown: float,
+                    confidence: float) -> Event:
+        dp, st, tp = self._where(i)
+        ev = Event(kind, i, dp, st, tp, onset, step, slowdown, confidence)
+        self._open[(kind, i)] = ev
+        return ev
+
+    def _close_event(self, kind: str, i: int, end_step: int, slowdown: float) -> None:
+        ev = self._open.pop((kind, i), None)
+        if ev is not None:
+            ev.end_step = end_step
+            ev.slowdown = slowdown
+
+    def _calibration_findings(self, step: int, ranks: np.ndarray) -> list[Event]:
+        """Differences present from the first steps: stage imbalance, or one rank slow from the start."""
+        cfg = self.cfg
+        bank = self.compute
+        if not bank.calibrated.all() and (bank.first_step >= 0).sum() > bank.calibrated.sum():
+            return []  # wait until every rank seen so far has its baseline
+        if getattr(self, "_calibration_reported", False):
+            return []
+        self._calibration_reported = True
+        cal = np.flatnonzero(bank.calibrated)
+        stages = self.layout.stage[cal]
+        out: list[Event] = []
+        mu = bank.mu[cal]
+        overall = float(np.median(mu))
+        known = stages >= 0
+        peers_mu = mu.copy()
+        for s in np.unique(stages[known]):
+            sel = stages == s
+            m = float(np.median(mu[sel]))
+            peers_mu[sel] = m
+            ratio = float(np.exp(m - overall))
+            if ratio > 1 + cfg.stage_imbalance and np.unique(stages[known]).size > 1:
+                out.append(Event("stage-imbalance", None, None, int(s), None,
+                                 int(bank.first_step[cal[sel]].min()), step, ratio, 1.0))
+        for j in np.flatnonzero(known):
+            s = stages[j]
+            sel = stages == s
+            if sel.sum() < 3:
+                continue  # two peers cannot say which of them is the odd one
+            ratio = float(np.exp(mu[j] - peers_mu[j]))
+            if ratio > 1 + cfg.rank_imbalance:
+                i = int(cal[j])
+                noise = float(bank.sigma[i])
+                conf = float(min(1.0, (np.log(ratio) / noise) / 10))
+                out.append(self._open_event("fail-slow", i, int(bank.first_step[i]), step, ratio, conf))
+                self._open.pop(("fail-slow", i))
+                out[-1].extra["from_start"] = True
+        return out
+
+    def _link_step(self, step: int, comm: np.ndarray) -> list[Event]:
+        alarms, recoveries, _ = self.link.update(step, _common_mode_log(comm))
+        out = []
+        for a in alarms:
+            # a transfer that waited on a slow compute neighbour is not a slow link
+            if self._pipeline_has_fail_slow(a.index):
+                self.link.alarmed[a.index] = False
+                self.link.s[a.index] = 0.0
+                continue
+            out.append(self._open_event("link-slow", a.index, a.onset_step, step, a.slowdown, a.confidence))
+        for r in recoveries:
+            self._close_event("link-slow", r.index, r.end_step, r.slowdown)
+        return out
+
+    def _pipeline_has_fail_slow(self, i: int) -> bool:
+        dp = self.layout.dp_rank
+        same = np.flatnonzero(dp == dp[i]) if dp[i] >= 0 else np.array([i])
+        return bool(self.compute.alarmed[same].any())
+
+    def _workload_step(self, step: int, raw: np.ndarray, expected: np.ndarray) -> list[Event]:
+        """A replica that took longer because its data cost more (not because a device is slow)."""
+        dp = self.layout.dp_rank
+        ok = ~np.isnan(raw) & ~np.isnan(expected) & (dp >= 0)
+        if self.meta.dp_size < 2 or ok.sum() < 2:
+            return []
+        n = self.meta.dp_size
+        raw_r = np.bincount(dp[ok], raw[ok], minlength=n)
+        exp_r = np.bincount(dp[ok], expected[ok], minlength=n)
+        has = np.bincount(dp[ok], minlength=n) > 0
+        if has.sum() < 2:
+            return []
+        raw_rel = raw_r / np.median(raw_r[has])
+        exp_rel = exp_r / np.median(exp_r[has])
+        thr = 1 + self.cfg.workload_imbalance
+        heavy = has & (raw_rel > thr) & (exp_rel > 1 + self.cfg.workload_imbalance / 2)
+        out = []
+        for d in range(n):
+            ev = self._wl_open.get(d)
+            if heavy[d]:
+                if ev is None:
+                    ev = Event("workload-imbalance", None, d, None, None, step, step, float(raw_rel[d]),
+                               1.0, end_step=step)
+                    self._wl_open[d] = ev
+                    out.append(ev)
+                else:
+                    ev.end_step = step
+                    ev.slowdown = max(ev.slowdown, float(raw_rel[d]))
+            elif ev is not None:
+                del self._wl_open[d]
+        return out
+
+    def _merge_layout(self, lay: Layout) -> None:
+        for mine, theirs in ((self.layout.dp_rank, lay.dp_rank), (self.layout.stage, lay.stage),
+                             (self.layout.tp_rank, lay.tp_rank)):
+            seen = theirs >= 0
+            clash = seen & (mine >= 0) & (mine != theirs)
+            if clash.any():
+                r = int(np.flatnonzero(clash)[0])
+                raise InputError(f"step records: rank {r} moved from its earlier place in the job "
+                                 "(dp_rank/stage/tp_rank changed)")
+            mine[seen] = theirs[seen]
+
+    @property
+    def steps_seen(self) -> int:
+        return self._steps_seen
+
+
+def _common_mode_log(values: np.ndarray) -> np.ndarray:
+    """log(value / the median over ranks this step), NaN where missing or non-positive."""
+    v = np.asarray(values, dtype=np.float64)
+    ok = v > 0
+    out = np.full(v.shape, np.nan)
+    if ok.sum() == 0:
+        return out
+    logs = np.log(v[ok])
+    out[ok] = logs - (np.median(logs) if ok.sum() > 1 else 0.0)
+    return out
+
+
+def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: ExpectedCompute | None = None,
+                 config: DetectorConfig | None = None, meta_dict: dict | None = None) -> dict:
+    """The DESIGN event JSON for a whole (validated) ops trace."""
+    df = validate_ops_trace(df) if "duration" in df.columns and df["duration"].dtype != np.float64 else df
+    meta = meta or infer_meta(df)
+    layout = rank_layout(df, meta)
+    det = OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
+    obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile)
+    det.observe_matrices(obs)
+    events = det.finish()
+    return events_json(events, steps=len(obs.steps), ranks=int((layout.dp_rank >= 0).sum()),
+                       cost_model=obs.cost_model)

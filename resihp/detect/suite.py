@@ -1,0 +1,109 @@
+"""The labelled evaluation suite behind ``resihp detect-eval`` and ``benchmarks/detector.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from resihp.detect.alibaba import alibaba_path
+from resihp.detect.config import DetectorConfig
+from resihp.detect.evaluate import METHODS, Score, run_methods, score_events
+from resihp.detect.observe import ExpectedCompute
+from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
+from resihp.paths import TRACES
+
+DEFAULT_PROFILE = TRACES / "detect" / "profile_cpu.parquet"
+FACTORS = (1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0)
+
+
+def make_suite(quick: bool = False, seed: int = 0, steps: int = 300) -> list[tuple[str, SimJob]]:
+    """Healthy jobs, one fail-slow of each factor at a random rank/onset/duration, link-slows, and a
+    job with a heavier last stage (stage imbalance that must not be blamed on a device)."""
+    rng = np.random.default_rng(seed)
+    reps = 1 if quick else 4
+    steps = 160 if quick else steps
+    healthy = 2 if quick else 16
+    jobs: list[tuple[str, SimJob]] = []
+    sources = ("code", "text")
+    world = 16
+    for h in range(healthy):
+        jobs.append((f"healthy-{h}", SimJob(steps=steps, source=sources[h % 2], seed=seed * 1000 + h)))
+    n = 0
+    for factor in FACTORS:
+        for _ in range(reps):
+            onset = int(rng.integers(30, steps - 40))
+            length = int(rng.choice([10, 25, 60, steps]))
+            inj = Injection("fail-slow", int(rng.integers(world)), onset, min(onset + length, steps) - 1,
+                            factor)
+            jobs.append((f"fail-slow-{factor}x-{n}", SimJob(steps=steps, source=sources[n % 2],
+                                                            injections=[inj], seed=seed * 1000 + 100 + n)))
+            n += 1
+    for k, factor in enumerate((2.0, 4.0)):
+        d, s = int(rng.integers(4)), int(rng.integers(3))
+        inj = Injection("link-slow", d * 4 + s, 50, steps - 1, factor)
+        jobs.append((f"link-slow-{factor}x", SimJob(steps=steps, source="code", injections=[inj],
+                                                    seed=seed * 1000 + 300 + k)))
+    inj = Injection("fail-slow", int(rng.integers(world)), steps // 2, steps - 1, 1.5)
+    jobs.append(("stage-imbalance+fail-slow", SimJob(steps=steps, source="text", stage_layers=(2, 2, 2, 3),
+                                                      injections=[inj], seed=seed * 1000 + 400)))
+    return jobs
+
+
+def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute | None = None,
+                   profile: str | Path = DEFAULT_PROFILE, methods: list[str] | None = None,
+                   config: DetectorConfig | None = None, with_seq_lens: bool = True,
+                   on_progress: Callable[[int], None] | None = None) -> dict:
+    """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance check."""
+    pool = CostPool.from_profile(profile)
+    noise = alibaba_residuals(alibaba_path(2))
+    cfg = config or DetectorConfig()
+    methods = methods or METHODS
+    meta_dict = {"layers": pool.layers, "hidden": pool.hidden, "heads": 4, "ffn_hidden": 4 * pool.hidden}
+    totals = {m: Score() for m in methods}
+    by_factor = {m: {f: Score() for f in FACTORS} for m in methods}
+    strong = {m: Score() for m in methods}
+    imbalance: dict[str, object] = {}
+    cost_model = None
+    suite = make_suite(quick, seed)
+    for k, (_name, job) in enumerate(suite):
+        df = simulate(job, pool, noise)
+        if not with_seq_lens:
+            df = df.drop(columns=["seq_lens"])
+        found, obs = run_methods(df, job.meta(), methods, expected, meta_dict, cfg)
+        cost_model = obs.cost_model
+        for m in methods:
+            sc = score_events(found[m], job.injections, obs.steps, job.pp,
+                              skip_first=cfg.calibration_steps)
+            totals[m].add(sc)
+            if job.injections and all(i.kind == "fail-slow" for i in job.injections):
+                f = job.injections[0].factor
+                if f in by_factor[m]:
+                    by_factor[m][f].add(sc)
+                if f >= 1.2:
+                    strong[m].add(sc)
+            elif not job.injections:
+                strong[m].add(sc)
+        if job.stage_layers:
+            imbalance = {m: sorted({e.kind for e in found[m]}) for m in methods}
+            imbalance["resihp_stage_imbalance_stages"] = sorted(
+                e.stage for e in found.get("resihp", []) if e.kind == "stage-imbalance")
+        if on_progress:
+            on_progress(k + 1)
+    return {
+        "traces": len(suite), "steps": int(sum(j.steps for _, j in suite)),
+        "ranks_per_trace": suite[0][1].world_size, "cost_model": cost_model,
+        "noise": {"op_sigma_from_profile_spread": round(pool.op_sigma, 4),
+                  "host_residual_mad_alibaba_job2": round(float(np.median(np.abs(noise))), 4)},
+        "methods": {m: totals[m].summary() for m in methods},
+        "fail_slow_ge_1_2x_and_healthy": {m: strong[m].summary() for m in methods},
+        "by_factor": {m: {str(f): _factor_summary(s) for f, s in by_factor[m].items()} for m in methods},
+        "stage_imbalance_trace": imbalance,
+    }
+
+
+def _factor_summary(sc: Score) -> dict:
+    s = sc.summary()
+    return {k: s[k] for k in ("tp", "fn", "fp", "recall", "delay_steps_median", "delay_steps_max",
+                              "slowdown_error_median")}
