@@ -3,7 +3,8 @@
 For each rank and step: ``raw`` (seconds of compute), ``own`` (a low quantile over the rank's compute
 ops of measured / expected cost, i.e. how slow the rank's own work ran, ignoring the ops that were
 inflated by waiting on a neighbour), ``expected`` (seconds the cost model expects; only with a trained
-predictor) and ``comm`` (a low quantile of point-to-point transfer times).
+predictor) and ``comm`` (a low quantile of the per-token transfer times over the link to the next
+stage: forward sends and backward receives).
 
 The expected cost of an op comes from, in order of preference: a predictor callable given the op's
 packed sequence lengths; analytic FLOPs of those lengths; the same micro-batch's time on the other
@@ -26,7 +27,8 @@ from resihp.workload.flops import TransformerShape, stage_flops
 # expected_compute(seq_lens of each micro-batch, phase 'fwd'|'bwd') -> seconds per micro-batch
 ExpectedCompute = Callable[[Sequence[Sequence[int]], str], np.ndarray]
 
-P2P_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
+# transfers over the link from a rank's stage to the next one: the rank's view of that link
+NEXT_LINK_OPTYPES = ("forward-send", "backward-recv")
 _PHASE = {"forward-compute": "fwd", "backward-compute": "bwd"}
 
 
@@ -185,7 +187,7 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
         expected_m = _to_matrix(s_idx, r_idx, frame.groupby(["step", "rank"], sort=True)["expected"]
                                 .sum().to_numpy(), t, w)
     comm_m = None
-    p2p = df[df["optype"].isin(P2P_OPTYPES)]
+    p2p = df[df["optype"].isin(NEXT_LINK_OPTYPES)]
     if not p2p.empty:
         c = _low_quantile(_per_token(p2p, comp), "duration", own_quantile)
         ci = c.index

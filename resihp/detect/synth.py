@@ -29,7 +29,7 @@ _RANGE_OF_N = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.
 
 @dataclass(frozen=True)
 class Injection:
-    kind: str  # "fail-slow" (rank's compute) or "link-slow" (rank's sends to the next stage)
+    kind: str  # "fail-slow" (rank's compute) or "link-slow" (the link from rank's stage to the next)
     rank: int
     onset_step: int
     end_step: int  # last affected step, inclusive
@@ -193,7 +193,7 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
         if kind == "F":
             ready = end[(s - 1, "F", i)] + p2p_s[:, :, i] * link[:, :, s - 1] if s > 0 else 0.0
         else:
-            ready = end[(s + 1, "B", i)] + p2p_s[:, :, i] * link[:, :, s + 1] if s < p_ - 1 else 0.0
+            ready = end[(s + 1, "B", i)] + p2p_s[:, :, i] * link[:, :, s] if s < p_ - 1 else 0.0
         issued = free[s].copy()
         start = np.maximum(issued, ready)
         finish = start + own(kind, s, i)
@@ -205,9 +205,9 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
         if kind == "F" and s > 0:
             emit(s, "forward-recv", i, p2p_s[:, :, i] * link[:, :, s - 1], issued)
         if kind == "B" and s > 0:
-            emit(s, "backward-send", i, p2p_s[:, :, i] * link[:, :, s], finish)
+            emit(s, "backward-send", i, p2p_s[:, :, i] * link[:, :, s - 1], finish)
         if kind == "B" and s < p_ - 1:
-            emit(s, "backward-recv", i, p2p_s[:, :, i] * link[:, :, s + 1], issued)
+            emit(s, "backward-recv", i, p2p_s[:, :, i] * link[:, :, s], issued)
     done = free.max(axis=0).max(axis=1)  # [T]: every replica waits for the slowest at the reduction
     reduce_base = float(np.median(p2p_s)) * 4
     for s in range(p_):

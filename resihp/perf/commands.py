@@ -101,3 +101,55 @@ def profile_cmd(
 def register(app: typer.Typer) -> None:
     app.command("profile")(profile_cmd)
     app.add_typer(predictor_app, name="predictor")
+
+
+@predictor_app.command("train")
+def train_cmd(
+    logs: Annotated[list[Path], typer.Argument(help="Profiling logs (.parquet)")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Model directory to write")],
+    holdout: Annotated[float, typer.Option(help="Fraction of micro-batches held out for the card's "
+                                           "metrics (the model never sees them)")] = 0.25,
+    seed: int = 0,
+    target: Annotated[str, typer.Option(help="Measured column to learn: time_s (median wall), "
+                                        "time_min_s, cpu_time_s or cpu_time_min_s")] = "time_s",
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Train the learned micro-batch predictor (and the linear baseline beside it)."""
+    from resihp.perf.training import train_predictor
+
+    card = train_predictor(logs, output, holdout=holdout, seed=seed, target=target)
+    if json_out:
+        print(json.dumps({"model": str(output), "held_out": card["held_out"]}))
+    else:
+        _print_metrics(f"trained {output} on {card['training_data']['rows']} rows", card["held_out"])
+
+
+@predictor_app.command("eval")
+def eval_cmd(
+    logs: Annotated[list[Path], typer.Argument(help="Profiling logs (.parquet)")],
+    model: Annotated[Path, typer.Option("-m", "--model", help="Model directory")],
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Evaluate a predictor and its linear baseline on profiling logs: MAPE and p95 per phase."""
+    from resihp.perf.training import evaluate_model
+
+    result = evaluate_model(model, logs)
+    if json_out:
+        print(json.dumps(result))
+    else:
+        _print_metrics(f"{model} on {', '.join(map(str, logs))}", result)
+
+
+def _print_metrics(title: str, result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("phase", "n", "learned MAPE %", "learned p95 %", "linear MAPE %", "linear p95 %"):
+        table.add_column(col, justify="right")
+    for phase in ("fwd", "bwd"):
+        if phase in result:
+            r, lin = result[phase], result[phase]["linear_baseline"]
+            table.add_row(phase, str(r["n"]), f"{r['mape']:.2f}", f"{r['p95']:.2f}",
+                          f"{lin['mape']:.2f}", f"{lin['p95']:.2f}")
+    Console().print(table)

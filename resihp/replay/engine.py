@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from resihp.opstrace import JobMeta
 from resihp.perf.schedule import compile_schedule, rank_finish_times
 from resihp.replay.costmodel import MicroBatchPool, build_pool, comm_seconds, device_flops_per_s
 from resihp.replay.failures import scenario_events
@@ -71,9 +72,16 @@ class Window:
     tokens: np.ndarray
     layout: Layout
     _ops: Callable[[], pd.DataFrame]
+    meta: JobMeta | None = None
+    rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
 
     def ops(self) -> pd.DataFrame:
-        """The DESIGN.md ops trace of these steps (compute ops of tensor-parallel rank 0 of each stage)."""
+        """The DESIGN.md ops trace of these steps: forward/backward compute of the first
+        ``ops_microbatches`` micro-batches of every replica, on every tensor-parallel rank, with
+        ``seq_lens`` and ``tokens``; ``rank`` is the logical rank of ``meta``, ``device`` the device.
+
+        Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel peer
+        inside the collectives is not in it), so a slow device shows on its own rank only."""
         return self._ops()
 
 
@@ -219,32 +227,54 @@ class Simulator:
             finish = rank_finish_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, pp]
             replica_time.append(finish.max(axis=-1).max(axis=-1))
             tokens += self.pool.tokens[mb].sum(axis=(1, 2))
-            per_group.append((g, mb, fwd))
+            per_group.append((g, mb, fwd, sp))
         step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
         steps = np.arange(first_step, first_step + n_steps)
-        return Window(steps, start_s, step_time, tokens, compiled.layout,
-                      lambda: self._ops(per_group, steps))
+        layout = compiled.layout
+        pp_max = max(len(r.groups) for r in layout.replicas)
+        tp_max = max(len(gr) for r in layout.replicas for gr in r.groups)
+        meta = JobMeta(dp_size=len(layout.replicas), pp_size=pp_max, tp_size=tp_max,
+                       world_size=len(layout.replicas) * pp_max * tp_max)
+        rank_device = np.full(meta.world_size, -1, dtype=np.int64)
+        for i, r in enumerate(layout.replicas):
+            for st, gr in enumerate(r.groups):
+                base = (i * pp_max + st) * tp_max
+                rank_device[base: base + len(gr)] = gr
+        return Window(steps, start_s, step_time, tokens, layout,
+                      lambda: self._ops(per_group, steps, speeds, pp_max, tp_max), meta, rank_device)
 
     def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
         return Window(np.arange(first_step, first_step + n_steps), start_s,
                       np.full(n_steps, np.inf), np.zeros(n_steps), layout, lambda: pd.DataFrame())
 
-    def _ops(self, per_group: list, steps: np.ndarray) -> pd.DataFrame:
+    def _ops(self, per_group: list, steps: np.ndarray, speeds: np.ndarray, pp_max: int,
+             tp_max: int) -> pd.DataFrame:
         frames = []
-        for g, mb, fwd in per_group:
+        k = self.scenario.settings.ops_microbatches
+        padded = np.concatenate([speeds, [1.0]])
+        for g, mb, fwd, sp in per_group:
+            fwd, mb = fwd[..., :k], mb[..., :k]
             w, r, pp, m = fwd.shape
-            wi, ri, si, mi = np.meshgrid(np.arange(w), np.arange(r), np.arange(pp), np.arange(m),
-                                         indexing="ij")
-            ranks = g.devices[:, :, 0][ri, si].ravel()
-            mbi = mb[wi, ri, mi].ravel()
-            base = {"step": np.repeat(steps, r * pp * m), "rank": ranks,
-                    "dp_rank": g.replica_ids[ri].ravel(), "stage": si.ravel(), "tp_rank": 0,
-                    "mb_id": mi.ravel(), "tokens": self.pool.tokens[mbi].astype(np.int64)}
+            tp = g.devices.shape[-1]
+            # [R, pp, tp]: each rank's own pace relative to its stage's (slowest) device
+            rel = sp[:, :, None] / np.where(g.devices >= 0, padded[g.devices], 1.0)
+            own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, R, pp, tp, M]
+            wi, ri, si, ti, mi = np.meshgrid(np.arange(w), np.arange(r), np.arange(pp), np.arange(tp),
+                                             np.arange(m), indexing="ij")
+            real = (g.devices[ri, si, ti] >= 0).ravel()
+            dp_rank = g.replica_ids[ri].ravel()[real]
+            mbi = mb[wi, ri, mi].ravel()[real]
+            base = {"step": steps[wi.ravel()[real]],
+                    "rank": ((dp_rank * pp_max + si.ravel()[real]) * tp_max + ti.ravel()[real]),
+                    "dp_rank": dp_rank, "stage": si.ravel()[real], "tp_rank": ti.ravel()[real],
+                    "mb_id": mi.ravel()[real], "tokens": self.pool.tokens[mbi].astype(np.int64),
+                    "device": g.devices[ri, si, ti].ravel()[real]}
             seq = [self.pool.seq_lens[i] for i in mbi]
-            frames.append(pd.DataFrame({**base, "optype": "forward-compute",
-                                        "duration": fwd.ravel(), "seq_lens": seq}))
-            frames.append(pd.DataFrame({**base, "optype": "backward-compute",
-                                        "duration": 2.0 * fwd.ravel(), "seq_lens": seq}))
+            dur = own.ravel()[real]
+            frames.append(pd.DataFrame({**base, "optype": "forward-compute", "duration": dur,
+                                        "seq_lens": seq}))
+            frames.append(pd.DataFrame({**base, "optype": "backward-compute", "duration": 2.0 * dur,
+                                        "seq_lens": seq}))
         if not frames:
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True).sort_values(["step", "rank"], kind="stable",

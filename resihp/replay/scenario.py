@@ -107,6 +107,7 @@ class ReplaySettings:
     window_steps: int = 32
     observe_steps: int = 96
     probe_interval_s: float = 6 * 3600.0
+    ops_microbatches: int = 8
 
 
 @dataclass(frozen=True)
@@ -349,10 +350,12 @@ def load_scenario(path: str | Path) -> Scenario:
     n.check_keys({"alibaba_job"})
     noise_job = n.number("alibaba_job", 2, minimum=1, integer=True)
     s = root.sub("replay", required=False)
-    s.check_keys({"window_steps", "observe_steps", "probe_interval"})
+    s.check_keys({"window_steps", "observe_steps", "probe_interval", "ops_microbatches"})
     settings = ReplaySettings(window_steps=s.number("window_steps", 32, minimum=4, integer=True),
                               observe_steps=s.number("observe_steps", 96, minimum=4, integer=True),
-                              probe_interval_s=s.duration("probe_interval", 6 * 3600.0))
+                              probe_interval_s=s.duration("probe_interval", 6 * 3600.0),
+                              ops_microbatches=s.number("ops_microbatches", 8, minimum=1,
+                                                        integer=True))
     scenario = Scenario(
         name=root.text("name", path.stem), path=str(path), cluster=cluster, model=model,
         parallel=parallel, workload=workload, duration_s=duration, costs=costs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -99,3 +100,43 @@ class RunConfig:
         if unknown:
             raise InputError(f"{path}: unknown run config field(s) {', '.join(unknown)}")
         return cls(**data)
+
+
+def stage_memory_bytes(cfg: RunConfig) -> int:
+    """A rough upper estimate of one rank's memory: fp32 parameters, gradients and two AdamW
+    moments of the largest stage, plus the activations of the micro-batches in flight."""
+    h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab
+    layer = 4 * h * h + 2 * h * f + 9 * h + f
+    worst = 0
+    for stage, (first, last) in enumerate(cfg.stage_ranges()):
+        params = (last - first) * layer / cfg.tp
+        if first == 0:
+            params += (v + cfg.max_len) * h
+        if last == cfg.layers:
+            params += v * h + 2 * h
+        in_flight = cfg.pp - stage  # 1F1B bound; GPipe may hold more
+        acts = in_flight * cfg.budget * ((last - first) * (16 * h + 4 * f) / cfg.tp
+                                         + (3 * v if last == cfg.layers else 0))
+        worst = max(worst, int(4 * (4 * params + acts)))
+    return worst
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(cfg: RunConfig, ranks_here: int) -> None:
+    """Refuse a model that cannot fit in this machine's memory before launching anything."""
+    need, have = stage_memory_bytes(cfg) * ranks_here, available_memory_bytes()
+    if need > 0.9 * have:
+        raise InputError(
+            f"model too large: about {need / 2**30:.1f} GiB for {ranks_here} ranks (--layers "
+            f"{cfg.layers} --hidden {cfg.hidden} --ffn-hidden {cfg.ffn_hidden} --vocab {cfg.vocab} "
+            f"--budget {cfg.budget}) but {have / 2**30:.1f} GiB is available; shrink the model or "
+            f"the micro-batch budget")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ class OpRecorder:
         self.step = 0
         self._seq: dict[str, int] = defaultdict(int)
         self.listeners: list[Callable[[dict], None]] = []
+        self._flushed = 0
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -52,19 +54,41 @@ class OpRecorder:
             listener(row)
 
     def frame(self) -> pd.DataFrame:
-        df = pd.DataFrame(self.rows, columns=COLUMNS)
-        for col in ("mb_id", "tokens", "tp_rank", "seq_id"):
-            df[col] = df[col].astype("Int64")
-        df["loss"] = df["loss"].astype(float)
-        return df
+        return rows_frame(self.rows)
 
-    def write(self, path: str | Path) -> None:
-        write_ops_trace(self.frame(), path)
+    def flush(self, path: str | Path) -> None:
+        """Append the rows recorded since the last flush to a JSON-lines stream (one per rank):
+        cheap enough to run every step, and what a side process tails to feed the detector."""
+        new = self.rows[self._flushed:]
+        if new:
+            with open(path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in new))
+            self._flushed = len(self.rows)
 
 
-def merge_rank_traces(paths: Sequence[str | Path], out: str | Path) -> pd.DataFrame:
-    """Concatenate per-rank Parquet parts into one ops trace sorted by step, rank and time."""
-    parts = [pd.read_parquet(p) for p in paths if Path(p).exists()]
-    df = validate_ops_trace(pd.concat(parts, ignore_index=True), source=str(out))
+def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(list(rows), columns=COLUMNS)
+    for col in ("mb_id", "tokens", "tp_rank", "seq_id"):
+        df[col] = df[col].astype("Int64")
+    df["loss"] = df["loss"].astype(float)
+    return df
+
+
+def read_stream(path: str | Path) -> list[dict]:
+    """Rows of a rank's JSON-lines stream; a line cut short by a killed writer is skipped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def merge_streams(paths: Sequence[str | Path], out: str | Path) -> pd.DataFrame:
+    """Concatenate per-rank streams into one ops trace sorted by step, rank and time."""
+    rows = [r for p in paths if Path(p).exists() for r in read_stream(p)]
+    df = validate_ops_trace(rows_frame(rows), source=str(out))
     write_ops_trace(df, out)
     return df

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import MISSING, fields
 from datetime import timedelta
 from pathlib import Path
 
+import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -24,10 +26,9 @@ from resihp.errors import InputError
 from resihp.opstrace import JobMeta, write_meta
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
+from resihp.runtime.heartbeat import HeartbeatWriter
 from resihp.runtime.inject import FaultInjector
-from resihp.runtime.recorder import merge_rank_traces
-
-FLUSH_EVERY = 5  # steps between writes of this rank's trace part (kept outside the step timing)
+from resihp.runtime.recorder import merge_streams
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -66,22 +67,29 @@ def _device(cfg: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def write_job_files(cfg: RunConfig, out: Path, results: list) -> dict:
+def step_table(trace: pd.DataFrame) -> pd.DataFrame:
+    """Per step: the slowest rank's wall time, the global tokens and the loss (complete steps only)."""
+    steps = trace[trace.optype == "step"]
+    table = steps.groupby("step").agg(wall_s=("duration", "max"), tokens=("tokens", "max"),
+                                      loss=("loss", "max"), ranks=("rank", "nunique"))
+    return table[table.ranks == table.ranks.max()]
+
+
+def write_job_files(cfg: RunConfig, out: Path) -> dict:
     """Merge rank parts, write the job meta and the run summary (rank 0, or the launcher)."""
-    trace = merge_rank_traces(sorted((out / "ranks").glob("rank*.parquet")), out / "ops.parquet")
+    trace = merge_streams(sorted((out / "ranks").glob("rank*.jsonl")), out / "ops.parquet")
     dims = cfg.dims()
     write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
                model=cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
                global_tokens=cfg.global_tokens, budget=cfg.budget, layer_split=[
                    b - a for a, b in cfg.stage_ranges()], seed=cfg.seed)
-    steps = trace[trace.optype == "step"]
-    per_step = steps.groupby("step").agg(wall_s=("duration", "max"), tokens=("tokens", "max"),
-                                         loss=("loss", "max"))
+    per_step = step_table(trace)
     summary = {"steps": int(per_step.shape[0]), "world_size": dims.world_size,
                "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.schedule,
                "injected": [f.to_dict() for f in cfg.faults()],
-               "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()),
-               "loss_first": float(per_step.loss.iloc[0]), "loss_last": float(per_step.loss.iloc[-1]),
+               "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()) if len(per_step) else None,
+               "loss_first": float(per_step.loss.iloc[0]) if len(per_step) else None,
+               "loss_last": float(per_step.loss.iloc[-1]) if len(per_step) else None,
                "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -95,30 +103,40 @@ def run(cfg: RunConfig) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     rank = dist.get_rank()
     (out / "ranks").mkdir(parents=True, exist_ok=True)
-    part = out / "ranks" / f"rank{rank}.parquet"
+    part = out / "ranks" / f"rank{rank}.jsonl"
+    part.unlink(missing_ok=True)
+    heart = HeartbeatWriter(out / "heartbeats", rank).start()
     engine = Engine(cfg, device, FaultInjector(cfg.faults(), rank))
+    heart.phase = "train"
     results = []
-    step = 0
     try:
         for step in range(cfg.steps):
+            heart.step = step
             result = engine.train_step(step)
             results.append(result)
             if result.loss is not None and engine.dp_rank == 0:
                 print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} "
                       f"wall {result.wall_s:.3f}s", file=sys.stderr, flush=True)
-            if (step + 1) % FLUSH_EVERY == 0:
-                engine.rec.write(part)
+            engine.rec.flush(part)
     finally:
-        engine.rec.write(part)
+        engine.rec.flush(part)
+        heart.stop("done")
     dist.barrier()
     if rank == 0:
-        summary = write_job_files(cfg, out, results)
+        summary = write_job_files(cfg, out)
         print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # torchrun stops the surviving workers with SIGTERM when one fails: unwind so that each
+    # writes its trace part (``finally`` in ``run``)
+    raise SystemExit(143)
+
+
 def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK", "?")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         run(parse_args(argv))
     except InputError as exc:
@@ -126,6 +144,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except (RuntimeError, dist.DistBackendError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "waiting for clients" in first:
+            print(f"resihp: rank {rank}: not every worker joined within the timeout ({first})",
+                  file=sys.stderr)
+            sys.exit(3)
         print(f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
               file=sys.stderr)
         sys.exit(1)

@@ -28,12 +28,20 @@ class Oobleck(Policy):
     def start(self, ctx: Context) -> Layout:
         return self.instantiate(ctx)
 
-    def instantiate(self, ctx: Context) -> Layout:
+    exclude_label = "re-instantiate without"
+
+    def layout_without(self, ctx: Context, exclude: set[int]) -> Layout:
+        return self.instantiate(ctx, exclude)
+
+    def exclude_cost_s(self, ctx: Context) -> float:
+        return ctx.scenario.costs.reconfig_s
+
+    def instantiate(self, ctx: Context, exclude: set[int] = frozenset()) -> Layout:
         sc = ctx.scenario
         g, tp, pp, dp = sc.cluster.gpus_per_node, sc.parallel.tp, sc.parallel.pp, sc.parallel.dp
         per_node = g // tp
         nodes = [n for n in range(len(ctx.job_devices) // g)
-                 if not any(d in ctx.known_dead for d in range(n * g, (n + 1) * g))]
+                 if not any(d in ctx.known_dead or d in exclude for d in range(n * g, (n + 1) * g))]
         max_nodes = max(1, -(-pp // per_node))
         min_nodes = next((k for k in range(1, max_nodes + 1)
                           if stage_memory_gb(sc.model, -(-sc.model.layers // (k * per_node)), tp,

@@ -31,10 +31,18 @@ class ReCycle(Policy):
         self.home = ctx.uniform_layout(set())
         return self.home
 
-    def reroute(self, ctx: Context) -> Layout | None:
+    exclude_label = "reroute around"
+
+    def layout_without(self, ctx: Context, exclude: set[int]) -> Layout | None:
+        return self.reroute(ctx, exclude)
+
+    def exclude_cost_s(self, ctx: Context) -> float:
+        return ctx.scenario.costs.reconfig_s
+
+    def reroute(self, ctx: Context, exclude: set[int] = frozenset()) -> Layout | None:
         home = self.home.replicas
         pp = len(home[0].groups)
-        dead = ctx.known_dead
+        dead = ctx.known_dead | set(exclude)
         failed = np.array([[any(d in dead for d in g) for g in r.groups] for r in home])  # [dp, pp]
         alive_peers = (~failed).sum(axis=0)
         if (alive_peers == 0).any():

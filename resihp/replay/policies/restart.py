@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from resihp.replay.engine import Context, Policy, Reaction
+from resihp.replay.layout import Layout
 
 
 class CheckpointRestart(Policy):
@@ -17,6 +18,13 @@ class CheckpointRestart(Policy):
     """
 
     name = "checkpoint-restart"
+    exclude_label = "restart without"
+
+    def layout_without(self, ctx: Context, exclude: set[int]) -> Layout:
+        return ctx.uniform_layout(ctx.known_dead | exclude)
+
+    def exclude_cost_s(self, ctx: Context) -> float:
+        return ctx.scenario.costs.restart_s
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
         return Reaction(ctx.uniform_layout(ctx.known_dead), ctx.scenario.costs.restart_s,

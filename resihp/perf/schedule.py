@@ -1,0 +1,220 @@
+"""Pipeline schedules as data, and the critical path of a step through them.
+
+A schedule is, per pipeline rank, the ordered list of operations it runs: (phase, model chunk,
+micro-batch). Model chunk ``g = c * stages + s`` is chunk ``c`` of rank ``s`` (interleaved schedules
+have ``chunks > 1``). Each operation waits for the previous operation on its rank and for its data
+dependency: forward of chunk g-1 (activations) or backward of chunk g+1 (gradients), plus a
+point-to-point transfer time.
+
+``compile_schedule`` turns this into index arrays grouped by dependency level once; evaluating a
+step is then a loop over levels (a few times the number of micro-batches) of numpy operations
+vectorised over the nodes of a level and over any leading batch dimensions (replicas, steps,
+Monte-Carlo draws): no Python per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import networkx as nx
+import numpy as np
+
+from resihp.errors import InputError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+FWD, BWD = 0, 1
+
+
+@dataclass(frozen=True)
+class Op:
+    phase: int  # FWD or BWD
+    chunk: int  # global model chunk g
+    mb: int
+
+
+def _rank_order(name: str, stages: int, microbatches: int, chunks: int, s: int) -> list[Op]:
+    p, m, v = stages, microbatches, chunks
+    if name == "gpipe":
+        return [Op(FWD, s, j) for j in range(m)] + [Op(BWD, s, j) for j in range(m)]
+    if name == "1f1b":
+        warm = min(p - s - 1, m)
+        ops = [Op(FWD, s, j) for j in range(warm)]
+        for j in range(m - warm):
+            ops += [Op(FWD, s, warm + j), Op(BWD, s, j)]
+        return ops + [Op(BWD, s, j) for j in range(m - warm, m)]
+    # Megatron's interleaved 1F1B: micro-batches in groups of p, each group through every chunk
+    def fwd_op(k: int) -> Op:
+        c = (k // p) % v
+        return Op(FWD, c * p + s, (k // (p * v)) * p + k % p)
+
+    def bwd_op(k: int) -> Op:
+        c = v - 1 - (k // p) % v
+        return Op(BWD, c * p + s, (k // (p * v)) * p + k % p)
+
+    total = m * v
+    warm = min((p - s - 1) * 2 + (v - 1) * p, total)
+    ops = [fwd_op(k) for k in range(warm)]
+    for k in range(total - warm):
+        ops += [fwd_op(warm + k), bwd_op(k)]
+    return ops + [bwd_op(k) for k in range(total - warm, total)]
+
+
+@dataclass(frozen=True)
+class CompiledSchedule:
+    name: str
+    stages: int
+    microbatches: int
+    chunks: int
+    phase: np.ndarray  # [N] FWD/BWD
+    chunk: np.ndarray  # [N] global model chunk
+    mb: np.ndarray  # [N]
+    rank: np.ndarray  # [N] pipeline rank that runs the op
+    prev_same: np.ndarray  # [N] previous op on the same rank, or N (a sentinel that ended at 0)
+    prev_dep: np.ndarray  # [N] data dependency, or N
+    dep_is_p2p: np.ndarray  # [N] the dependency crosses ranks (pays a transfer)
+    levels: tuple[np.ndarray, ...]  # node ids grouped so each level only depends on earlier ones
+    last_on_rank: np.ndarray  # [stages] id of the last op of each rank
+
+    @property
+    def nodes(self) -> int:
+        return len(self.phase)
+
+
+@lru_cache(maxsize=256)
+def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> CompiledSchedule:
+    if name not in SCHEDULES:
+        raise InputError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    if stages < 1 or microbatches < 1 or chunks < 1:
+        raise InputError(f"stages, micro-batches and chunks must be positive, got {stages}, "
+                         f"{microbatches}, {chunks}")
+    if name == "interleaved":
+        if microbatches % stages:
+            raise InputError(f"interleaved schedule needs micro-batches ({microbatches}) divisible "
+                             f"by pipeline stages ({stages})")
+    elif chunks != 1:
+        raise InputError(f"schedule {name!r} has one model chunk per rank, got chunks={chunks}")
+    p, v = stages, chunks
+    orders = [_rank_order(name, p, microbatches, v, s) for s in range(p)]
+    ops = [op for order in orders for op in order]
+    index = {op: i for i, op in enumerate(ops)}
+    n = len(ops)
+    rank = np.array([s for s, order in enumerate(orders) for _ in order], dtype=np.int64)
+    prev_same = np.full(n, n, dtype=np.int64)
+    prev_dep = np.full(n, n, dtype=np.int64)
+    last_chunk = p * v - 1
+    for i, op in enumerate(ops):
+        if i > 0 and rank[i - 1] == rank[i]:
+            prev_same[i] = i - 1
+        if op.phase == FWD and op.chunk > 0:
+            prev_dep[i] = index[Op(FWD, op.chunk - 1, op.mb)]
+        elif op.phase == BWD:
+            prev_dep[i] = index[Op(FWD, op.chunk, op.mb) if op.chunk == last_chunk
+                                else Op(BWD, op.chunk + 1, op.mb)]
+    dep_is_p2p = (prev_dep < n) & (rank[np.minimum(prev_dep, n - 1)] != rank)
+    # level = longest chain of predecessors; ops are listed rank by rank, so iterate to a fixpoint
+    level = np.zeros(n + 1, dtype=np.int64)
+    for _ in range(n + 1):
+        new = np.maximum(level[prev_same], level[prev_dep]) + 1
+        new = np.where((prev_same == n) & (prev_dep == n), 0, new)
+        if np.array_equal(new, level[:n]):
+            break
+        level[:n] = new
+    else:
+        raise AssertionError(f"schedule {name} has a dependency cycle")
+    order = np.argsort(level[:n], kind="stable")
+    bounds = np.flatnonzero(np.diff(level[:n][order])) + 1
+    last_on_rank = np.array([max(i for i in range(n) if rank[i] == s) for s in range(p)])
+    return CompiledSchedule(
+        name, p, microbatches, v,
+        np.array([op.phase for op in ops]), np.array([op.chunk for op in ops]),
+        np.array([op.mb for op in ops]), rank, prev_same, prev_dep, dep_is_p2p,
+        tuple(np.split(order, bounds)), last_on_rank,
+    )
+
+
+def _node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    shape = (sched.stages * sched.chunks, sched.microbatches)
+    if fwd.shape[-2:] != shape or bwd.shape[-2:] != shape:
+        raise InputError(f"durations must have trailing shape (model chunks, micro-batches) = "
+                         f"{shape}, got {fwd.shape[-2:]} and {bwd.shape[-2:]}")
+    stacked = np.stack(np.broadcast_arrays(fwd, bwd), axis=-3)  # [..., 2, G, M]
+    return stacked[..., sched.phase, sched.chunk, sched.mb]
+
+
+def rank_finish_times(
+    sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float | np.ndarray = 0.0
+) -> np.ndarray:
+    """End time of each pipeline rank's last op, [..., stages]; ``fwd``/``bwd`` are
+    [..., model chunks, micro-batches] seconds (model chunk g = chunk * stages + rank)."""
+    dur = _node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
+    batch = dur.shape[:-1]
+    end = np.zeros(batch + (sched.nodes + 1,))  # the last slot is the sentinel "no predecessor"
+    comm = np.where(sched.dep_is_p2p, 1.0, 0.0) * np.asarray(p2p_s, np.float64)[..., None]
+    comm = np.broadcast_to(comm, batch + (sched.nodes,))
+    for nodes in sched.levels:
+        start = np.maximum(end[..., sched.prev_same[nodes]],
+                           end[..., sched.prev_dep[nodes]] + comm[..., nodes])
+        end[..., nodes] = start + dur[..., nodes]
+    return end[..., sched.last_on_rank]
+
+
+def pipeline_step_time(
+    fwd: np.ndarray,
+    bwd: np.ndarray,
+    schedule: str = "1f1b",
+    p2p_s: float | np.ndarray = 0.0,
+    dp_sync_s: float | np.ndarray = 0.0,
+    optimizer_s: float | np.ndarray = 0.0,
+    chunks: int = 1,
+) -> np.ndarray:
+    """Predicted step time: critical path through the schedule, then each rank's data-parallel
+    gradient synchronisation (``dp_sync_s``, scalar or [..., stages]), then the optimizer.
+
+    ``fwd``/``bwd``: [..., stages * chunks, micro-batches]. For data parallelism pass replicas as a
+    leading dimension and take the max over it (replicas wait for each other at the gradient sync).
+    """
+    fwd = np.asarray(fwd, np.float64)
+    groups, m = fwd.shape[-2:]
+    if groups % chunks:
+        raise InputError(f"{groups} model chunks do not split into {chunks} chunks per rank")
+    sched = compile_schedule(schedule, groups // chunks, m, chunks)
+    finish = rank_finish_times(sched, fwd, bwd, p2p_s) + np.asarray(dp_sync_s, np.float64)
+    return finish.max(axis=-1) + np.asarray(optimizer_s, np.float64)
+
+
+def one_f_one_b_uniform(stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatches: int) -> np.ndarray:
+    """Closed form of 1F1B when every micro-batch costs the same on a stage and transfers are free:
+    sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s). Arrays are [..., stages]."""
+    per = np.asarray(stage_fwd, np.float64) + np.asarray(stage_bwd, np.float64)
+    return per.sum(axis=-1) + (microbatches - 1) * per.max(axis=-1)
+
+
+def schedule_graph(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray,
+                   p2p_s: float = 0.0) -> nx.DiGraph:
+    """The schedule as a networkx DAG (for explaining and checking, not for the hot path): node
+    weights are durations, edge weights transfer times; node names are (phase, chunk, mb)."""
+    dur = _node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
+    graph = nx.DiGraph()
+    names = [("F" if ph == FWD else "B", int(c), int(j))
+             for ph, c, j in zip(sched.phase, sched.chunk, sched.mb)]
+    for i, name in enumerate(names):
+        graph.add_node(name, duration=float(dur[i]), rank=int(sched.rank[i]))
+    for i in range(sched.nodes):
+        if sched.prev_same[i] < sched.nodes:
+            graph.add_edge(names[sched.prev_same[i]], names[i], transfer=0.0)
+        if sched.prev_dep[i] < sched.nodes:
+            graph.add_edge(names[sched.prev_dep[i]], names[i],
+                           transfer=p2p_s if sched.dep_is_p2p[i] else 0.0)
+    return graph
+
+
+def critical_path(graph: nx.DiGraph) -> tuple[float, list]:
+    """Length and nodes of the longest path (node durations plus edge transfers)."""
+    weighted = nx.DiGraph()
+    for u, v, data in graph.edges(data=True):
+        weighted.add_edge(u, v, weight=graph.nodes[u]["duration"] + data["transfer"])
+    for node in graph.nodes:
+        weighted.add_edge(node, "end", weight=graph.nodes[node]["duration"])
+    path = nx.dag_longest_path(weighted, weight="weight")
+    return nx.dag_longest_path_length(weighted, weight="weight"), path[:-1]

@@ -1,0 +1,1 @@
+"""Cluster and model specs, Plan, the OR-Tools planner and the baseline policies."""

@@ -1,0 +1,165 @@
+"""The healthy layout (TP x PP x DP degrees), its home groups and pipelines, the uniform plan, and
+the ways a degraded tensor-parallel group can be re-formed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from resihp.errors import InputError
+from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
+from resihp.plan.timing import StageCoster, closed_form_step
+
+
+def powers_of_two_upto(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+
+
+def home_groups(cluster: ClusterSpec, tp: int) -> list[tuple[int, ...]]:
+    """Consecutive ranks of each node in groups of ``tp``; a node's leftover devices form none."""
+    groups = []
+    for ranks in cluster.node_ranks:
+        for i in range(0, len(ranks) - tp + 1, tp):
+            groups.append(tuple(ranks[i:i + tp]))
+    return groups
+
+
+def home_pipelines(cluster: ClusterSpec, layout: Layout) -> list[list[tuple[int, ...]]]:
+    """Replica r, stage s uses home group ``s * dp + r`` (Megatron order: TP fastest, then DP, then
+    PP), so consecutive stages of a pipeline sit on different nodes."""
+    groups = home_groups(cluster, layout.tp)
+    return [[groups[s * layout.dp + r] for s in range(layout.pp)] for r in range(layout.dp)]
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` into ``parts`` near-equal integers, the larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def layer_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    ends = np.cumsum(counts).tolist()
+    return [(e - c, e) for c, e in zip(counts, ends)]
+
+
+def uniform_layer_counts(layers: int, pp: int) -> list[int]:
+    """Even split; the remainder goes to the middle stages, away from the embedding and the head."""
+    counts = [layers // pp] * pp
+    order = sorted(range(pp), key=lambda s: (s in (0, pp - 1), abs(s - (pp - 1) / 2)))
+    for s in order[: layers % pp]:
+        counts[s] += 1
+    return counts
+
+
+def memory_ok(model: ModelSpec, coster: StageCoster, groups: Sequence[tuple[int, ...]],
+              counts: Sequence[int], m: int) -> bool:
+    p = len(groups)
+    for s, (g, n) in enumerate(zip(groups, counts)):
+        in_flight = min(m, p - s) if model.schedule == "1f1b" else m
+        if stage_memory_gb(model, n, len(g), in_flight, s == 0, s == p - 1) > coster.memory_free_gb(g):
+            return False
+    return True
+
+
+def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
+                     layout: Layout, groups: Sequence[tuple[int, ...]] | None = None) -> float | None:
+    """Step time of the uniform plan of a layout on healthy devices, or None if it does not fit.
+    ``groups``: the home groups of ``layout.tp`` when already at hand."""
+    groups = groups if groups is not None else home_groups(cluster, layout.tp)
+    groups = [groups[s * layout.dp] for s in range(layout.pp)]
+    m = -(-model.microbatches // layout.dp)
+    counts = uniform_layer_counts(model.layers, layout.pp)
+    if not memory_ok(model, coster, groups, counts, m):
+        return None
+    stages = tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts)))
+    fb = np.array([coster.stage_fb(s, i == len(stages) - 1) for i, s in enumerate(stages)])
+    step = closed_form_step(fb[:, 0], fb[:, 1], m, model.schedule, coster.p2p_s)
+    if layout.dp > 1:
+        shard = max(counts) * model.params_per_layer * 2 / layout.tp
+        step += 2.0 * (layout.dp - 1) / layout.dp * shard / (cluster.inter_node_gbs * 1e9)
+    return step
+
+
+def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -> Layout:
+    """The TP x PP x DP layout with the shortest predicted step on the healthy cluster (the
+    model's ``tp``/``pp`` fields, when given, fix those degrees)."""
+    healthy = StageCoster(cluster.healthy(), model, coster.cost)
+    smallest_node = min(len(r) for r in cluster.node_ranks)
+    best: tuple[float, Layout] | None = None
+    tps = [model.tp] if model.tp else [t for t in powers_of_two_upto(smallest_node)
+                                        if model.heads % t == 0]
+    for tp in tps:
+        groups = home_groups(cluster, tp)
+        n_groups = len(groups)
+        pps = [model.pp] if model.pp else range(1, min(model.layers, n_groups) + 1)
+        for pp in pps:
+            dp = n_groups // pp
+            if dp < 1 or dp > model.microbatches:
+                continue
+            layout = Layout(tp, pp, dp)
+            step = layout_step_time(healthy.cluster, model, healthy, layout, groups)
+            if step is not None and (best is None or step < best[0] - 1e-12):
+                best = (step, layout)
+    if best is None:
+        need = stage_memory_gb(model, model.layers, 1, 1, True, True)
+        have = sum(d.memory_gb - cluster.memory_reserve_gb for d in cluster.devices)
+        raise InputError(
+            f"cluster {cluster.name}: no TP x PP layout fits model {model.name} "
+            f"(model state alone needs about {need:.0f} GB, the cluster has {have:.0f} GB free; "
+            + (f"fixed tp={model.tp} pp={model.pp}; " if model.tp or model.pp else "")
+            + "add devices or memory, or shrink the micro-batch)")
+    return best[1]
+
+
+def uniform_plan(cluster: ClusterSpec, model: ModelSpec, layout: Layout,
+                 policy: str = "uniform") -> Plan:
+    """Every replica on its home groups with an even layer split and an even micro-batch share."""
+    pipes = home_pipelines(cluster, layout)
+    counts = uniform_layer_counts(model.layers, layout.pp)
+    shares = even_split(model.microbatches, layout.dp)
+    pipelines = [Pipeline(r, tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
+                          shares[r], home=r) for r, groups in enumerate(pipes)]
+    placed = {r for p in pipelines for r in p.ranks}
+    return Plan(len(cluster), layout, pipelines,
+                [r for r in range(len(cluster)) if r not in placed], policy=policy)
+
+
+def binary_chunks(ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """Consecutive chunks with power-of-two sizes, largest first (7 ranks: 4 + 2 + 1)."""
+    out, i = [], 0
+    for size in sorted(powers_of_two_upto(len(ranks)), reverse=True):
+        if len(ranks) - i >= size:
+            out.append(tuple(ranks[i:i + size]))
+            i += size
+    return out
+
+
+def group_options(group: tuple[int, ...], cluster: ClusterSpec,
+                  heads: int) -> list[list[tuple[int, ...]]]:
+    """Ways to re-form a home TP group around its degraded members, each a list of sub-groups that
+    become consecutive pipeline stages: keep it whole, keep only the fastest power-of-two subset
+    (ResiHP's selective exclusion), split the live members into power-of-two groups, split only the
+    full-speed members, or drop it. A healthy group has one option: itself."""
+    speeds = {r: cluster.devices[r].speed * cluster.devices[r].tflops for r in group}
+    top = max(speeds.values())
+    if all(v == top for v in speeds.values()) and top > 0 and \
+            all(cluster.devices[r].speed == 1.0 for r in group):
+        return [[group]]
+    alive = sorted((r for r in group if speeds[r] > 0), key=lambda r: (-speeds[r], r))
+    options: list[list[tuple[int, ...]]] = []
+    if len(alive) == len(group):
+        options.append([group])
+    for k in powers_of_two_upto(len(alive)):
+        options.append([tuple(sorted(alive[:k]))])
+    full = [r for r in alive if speeds[r] == top]
+    options.append([tuple(sorted(c)) for c in binary_chunks(alive)])
+    options.append([tuple(sorted(c)) for c in binary_chunks(full)])
+    options.append([])
+    unique, seen = [], set()
+    for opt in options:
+        if all(heads % len(g) == 0 for g in opt) and (key := tuple(opt)) not in seen:
+            seen.add(key)
+            unique.append(opt)
+    return unique

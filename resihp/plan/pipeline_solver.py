@@ -1,0 +1,162 @@
+"""CP-SAT model of one pipeline: how each of its degraded TP groups is re-formed, and the
+contiguous layer range of every resulting stage.
+
+Decisions: one option per home group (keep, exclude, split, drop; see ``group_options``), layers
+per candidate stage, which active stage is first (embedding) and last (LM head).
+Objective, in integer ticks: ``horizon * ((m - 1) * max_s t_s + sum_s t_s + 2 * p2p * (stages-1))
++ migration``, i.e. the 1F1B step time with its bubble, plus the time to move state into the new
+layout amortised over ``horizon`` steps, so that a small gain never pays for a large move.
+Memory: each stage's model state and in-flight activations fit its smallest device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from resihp.plan.layout import group_options
+from resihp.plan.plan import Stage
+from resihp.plan.timing import StageCoster
+
+TICKS_PER_S = 1e7  # 0.1 microsecond resolution
+MB = 1e3  # memory in MB
+
+
+@dataclass(frozen=True)
+class PipelineSolution:
+    stages: tuple[Stage, ...]
+    sum_s: float  # sum of per-micro-batch stage times
+    max_s: float  # slowest stage's per-micro-batch time
+    comm_s: float  # activation transfers on the critical path
+    migration_s: float
+    status: str
+    gap: float
+
+    def step(self, m: int) -> float:
+        return 0.0 if m < 1 else self.sum_s + (m - 1) * self.max_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    group: int
+    option: int
+    ranks: tuple[int, ...]
+
+
+def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
+                   current: dict[tuple[int, ...], tuple[int, int]] | None = None,
+                   horizon_steps: float = 100.0, time_limit_s: float = 1.0,
+                   ) -> PipelineSolution | None:
+    """Best re-formation and layer split of the pipeline over home ``groups`` for ``m`` micro-batches.
+
+    ``current`` maps a TP group (ranks tuple) of the plan in force to its layer range; it seeds the
+    solver's hint and prices migration. Returns None if no option fits in memory.
+    """
+    model, cluster = coster.model, coster.cluster
+    m = max(1, m)
+    options = [group_options(g, cluster, model.heads) for g in groups]
+    cands: list[_Candidate] = [
+        _Candidate(gi, oi, sub) for gi, opts in enumerate(options)
+        for oi, opt in enumerate(opts) for sub in opt]
+    # Upper bound on the number of active stages at or after each candidate (for in-flight memory).
+    max_after_group = [0] * (len(groups) + 1)
+    for gi in range(len(groups) - 1, -1, -1):
+        max_after_group[gi] = max_after_group[gi + 1] + max(len(o) for o in options[gi])
+
+    mdl = cp_model.CpModel()
+    choose = [[mdl.new_bool_var(f"g{gi}o{oi}") for oi in range(len(opts))]
+              for gi, opts in enumerate(options)]
+    for row in choose:
+        mdl.add_exactly_one(row)
+    L = model.layers
+    n, first, last, t, active, t_max = [], [], [], [], [], []
+    tick = lambda s: int(round(s * TICKS_PER_S))  # noqa: E731
+    for j, c in enumerate(cands):
+        x = choose[c.group][c.option]
+        active.append(x)
+        within = options[c.group][c.option].index(c.ranks)
+        in_flight = max_after_group[c.group + 1] + len(options[c.group][c.option]) - within
+        in_flight = min(m, in_flight) if model.schedule == "1f1b" else m
+        free = coster.memory_free_gb(c.ranks)
+        act_tok = model.activation_bytes_per_token_layer or 34.0 * model.hidden
+        per_layer = (model.params_per_layer * model.state_bytes_per_param
+                     + in_flight * model.microbatch_tokens * act_tok) / len(c.ranks) / 1e9
+        emb = model.embedding_params * model.state_bytes_per_param / len(c.ranks) / 1e9
+        cap = max(0, min(L, int(free // per_layer)))
+        nj = mdl.new_int_var(0, cap, f"n{j}")
+        mdl.add(nj <= cap * x)
+        mdl.add(nj >= x)
+        fj, lj = mdl.new_bool_var(f"first{j}"), mdl.new_bool_var(f"last{j}")
+        mdl.add_implication(fj, x)
+        mdl.add_implication(lj, x)
+        mdl.add(int(per_layer * MB) * nj + int(emb * MB) * (fj + lj) <= int(free * MB))
+        f, b = coster.per_layer_s(c.ranks)
+        hf, hb = coster.head_s(c.ranks)
+        t_max.append(tick(cap * (f + b) + hf + hb) + 1)
+        tj = mdl.new_int_var(0, t_max[-1], f"t{j}")
+        mdl.add(tj == tick(f + b) * nj + tick(hf + hb) * lj)
+        n.append(nj)
+        first.append(fj)
+        last.append(lj)
+        t.append(tj)
+    if not cands:
+        return None
+    mdl.add_exactly_one(first)
+    mdl.add_exactly_one(last)
+    for j in range(len(cands)):
+        for k in range(j + 1, len(cands)):
+            if cands[j].group == cands[k].group and cands[j].option != cands[k].option:
+                continue  # never active together
+            mdl.add(last[j] + active[k] <= 1)
+            mdl.add(first[k] + active[j] <= 1)
+    mdl.add(sum(n) == L)
+    z = mdl.new_int_var(0, max(t_max), "max_t")
+    mdl.add_max_equality(z, t)
+    stages_active = sum(active)
+    comm = tick(2.0 * coster.p2p_s)
+
+    # Migration: a stage formed by a group of the plan in force keeps the overlap of its old and
+    # new ranges; everything else it holds arrives over the network.
+    current = current or {}
+    worst = mdl.new_int_var(0, tick(L * coster.layer_state_gb(1) / cluster.inter_node_gbs) + 1, "w")
+    prefix = 0
+    for j, c in enumerate(cands):
+        start = prefix
+        prefix = prefix + n[j]
+        rate = tick(coster.layer_state_gb(len(c.ranks)) / cluster.inter_node_gbs)
+        if c.ranks in current:
+            cb, ce = current[c.ranks]
+            ov = mdl.new_int_var(0, max(0, ce - cb), f"ov{j}")
+            mdl.add(ov <= start + n[j] - cb)
+            mdl.add(ov <= ce - start)
+            mdl.add(ov <= n[j])
+            mdl.add(worst >= rate * (n[j] - ov))
+            mdl.add_hint(choose[c.group][c.option], 1)
+            mdl.add_hint(n[j], ce - cb)
+        elif current:
+            mdl.add(worst >= rate * n[j])
+    horizon = max(1, int(round(horizon_steps)))
+    step_ticks = (m - 1) * z + sum(t) + comm * stages_active
+    mdl.minimize(horizon * step_ticks + (worst if current else 0))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+    solver.parameters.num_workers = 1
+    status = solver.solve(mdl)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    stages, where = [], 0
+    for j, c in enumerate(cands):
+        k = solver.value(n[j])
+        if solver.value(active[j]) and k:
+            stages.append(Stage(c.ranks, (where, where + k)))
+            where += k
+    obj, bound = solver.objective_value, solver.best_objective_bound
+    gap = 0.0 if status == cp_model.OPTIMAL or obj <= 0 else max(0.0, (obj - bound) / obj)
+    times = [solver.value(tj) / TICKS_PER_S for tj in t]
+    return PipelineSolution(
+        stages=tuple(stages), sum_s=sum(times), max_s=max(times),
+        comm_s=2.0 * coster.p2p_s * (len(stages) - 1),
+        migration_s=solver.value(worst) / TICKS_PER_S if current else 0.0,
+        status="optimal" if status == cp_model.OPTIMAL else "feasible", gap=gap)

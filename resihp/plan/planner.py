@@ -1,0 +1,223 @@
+"""The resihp planner: re-plans TP groups, layer splits and micro-batch allocation around degraded
+devices, by decomposition.
+
+1. The healthy layout (TP x PP x DP) fixes each replica's home TP groups (from the plan in force,
+   or chosen for the healthy cluster).
+2. Replicas whose groups are all healthy keep the uniform split; each other replica is one small
+   CP-SAT model (``solve_pipeline``: group re-formation + layer split + memory + migration), solved
+   independently and in parallel, warm-started from the plan in force.
+3. CP-SAT allocates the global batch's micro-batches across replicas (``allocate_microbatches``);
+   replicas whose share changed are re-solved for their new micro-batch count, then allocated again.
+Every plan is evaluated by the same ``timing.evaluate`` as the baselines.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from resihp.errors import InputError
+from resihp.plan.allocation import allocate_microbatches
+from resihp.plan.cost import AnalyticCost, CostModel
+from resihp.plan.layout import (
+    choose_layout,
+    even_split,
+    group_options,
+    home_groups,
+    home_pipelines,
+    layer_ranges,
+    uniform_layer_counts,
+)
+from resihp.plan.pipeline_solver import PipelineSolution, solve_pipeline
+from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+from resihp.plan.specs import ClusterSpec, ModelSpec
+from resihp.plan.timing import CapacityBound, StageCoster, capacity_fraction, evaluate
+
+
+def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
+                 layout: Layout | None = None, time_limit_s: float = 2.0) -> Plan:
+    """The plan for the cluster with every device healthy: the best layout, every replica with the
+    same layer split (optimised by CP-SAT for the LM head and the memory of early stages) and an
+    even share of the micro-batches."""
+    healthy = StageCoster(cluster.healthy(), model, cost or AnalyticCost())
+    layout = layout or choose_layout(healthy.cluster, model, healthy)
+    pipes = home_pipelines(healthy.cluster, layout)
+    shares = even_split(model.microbatches, layout.dp)
+    sol = solve_pipeline(healthy, pipes[0], shares[0], None, time_limit_s=time_limit_s)
+    counts = ([s.n_layers for s in sol.stages] if sol is not None and len(sol.stages) == layout.pp
+              else uniform_layer_counts(model.layers, layout.pp))
+    pipelines = [Pipeline(r, tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
+                          shares[r], home=r) for r, groups in enumerate(pipes)]
+    placed = {x for p in pipelines for x in p.ranks}
+    plan = Plan(len(cluster), layout, pipelines, [x for x in range(len(cluster)) if x not in placed],
+                policy="healthy")
+    return evaluate(plan, healthy, capacity_bound(cluster, model, healthy.cost, layout))
+
+
+def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
+                   layout: Layout | None = None) -> CapacityBound:
+    """Throughput of an ideal plan that uses every device at its current speed with no imbalance.
+
+    Start from the best healthy layout with its integer constraints relaxed: every stage holds
+    ``layers / pp`` layers plus an equal share of the LM head, every replica ``M / dp``
+    micro-batches; its 1F1B step (bubble, activation transfers and gradient all-reduce included)
+    gives tokens/s per unit of compute used. Scale that by the compute the cluster has now
+    (sum of speed x FLOP rate). A re-plan that shortens pipelines shrinks the bubble and can pass
+    this bound by at most the bubble fraction.
+    """
+    healthy = StageCoster(cluster.healthy(), model, cost or AnalyticCost())
+    layout = layout or choose_layout(healthy.cluster, model, healthy)
+    groups = home_pipelines(healthy.cluster, layout)[0]
+    f, b = healthy.per_layer_s(groups[0])
+    hf, hb = healthy.head_s(groups[0])
+    stage = (model.layers * (f + b) + hf + hb) / layout.pp
+    m = model.microbatches / layout.dp
+    step = (m + layout.pp - 1) * stage + 2.0 * (layout.pp - 1) * healthy.p2p_s
+    if layout.dp > 1:
+        shard = model.layers / layout.pp * model.params_per_layer * 2 / layout.tp
+        step += 2.0 * (layout.dp - 1) / layout.dp * shard / (cluster.inter_node_gbs * 1e9)
+    tokens = model.global_batch_tokens / step
+    used = sum(cluster.devices[r].tflops for g in home_groups(cluster, layout.tp)[
+        : layout.pp * layout.dp] for r in g)
+    total = sum(d.tflops for d in cluster.devices)
+    frac = capacity_fraction(cluster)
+    return CapacityBound(tokens * total / used * frac, tokens, frac, layout)
+
+
+def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: Layout, where: str) -> None:
+    groups = len(home_groups(cluster, layout.tp))
+    if layout.tp * layout.pp * layout.dp > len(cluster) or layout.pp * layout.dp > groups:
+        raise InputError(f"{where}: layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs more "
+                         f"devices than the cluster's {len(cluster)}")
+    if layout.pp > model.layers:
+        raise InputError(f"{where}: layout pp={layout.pp} exceeds the model's {model.layers} layers")
+
+
+def _solution_of(coster: StageCoster, stages: tuple[Stage, ...]) -> PipelineSolution:
+    fb = [sum(coster.stage_fb(s, i == len(stages) - 1)) for i, s in enumerate(stages)]
+    return PipelineSolution(stages, float(sum(fb)), float(max(fb)),
+                            2.0 * coster.p2p_s * (len(stages) - 1), 0.0, "kept", 0.0)
+
+
+class Planner:
+    """``Planner(cost_model).plan(cluster, model, current, time_limit_s) -> Plan``.
+
+    ``horizon_steps``: steps over which a state migration is amortised when weighed against the
+    step-time gain it buys. ``threads``: pipelines solved at once.
+    """
+
+    name = "resihp"
+
+    def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
+                 threads: int | None = None) -> None:
+        self.cost = cost_model or AnalyticCost()
+        self.horizon_steps = horizon_steps
+        self.threads = threads or max(1, os.cpu_count() or 1)
+        self._healthy: dict[tuple, Plan] = {}
+
+    def healthy(self, cluster: ClusterSpec, model: ModelSpec) -> Plan:
+        """The healthy plan of this cluster and model (cached: it is the same at every detection)."""
+        key = (cluster.healthy(), model)
+        if key not in self._healthy:
+            self._healthy[key] = healthy_plan(cluster, model, self.cost)
+        return self._healthy[key]
+
+    def bound(self, cluster: ClusterSpec, model: ModelSpec) -> CapacityBound:
+        return capacity_bound(cluster, model, self.cost, self.healthy(cluster, model).layout)
+
+    def layout(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None) -> Layout:
+        if current is not None:
+            current.check_against(cluster)
+            check_layout(cluster, model, current.layout, "current plan")
+            return current.layout
+        return self.bound(cluster, model).layout
+
+    def plan(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None = None,
+             time_limit_s: float = 5.0) -> Plan:
+        t0 = time.perf_counter()
+        coster = StageCoster(cluster, model, self.cost)
+        layout = self.layout(cluster, model, current)
+        bound = self.bound(cluster, model)
+        pipes = home_pipelines(cluster, layout)
+        held: dict[tuple[int, ...], tuple[int, int]] = {}
+        share = even_split(model.microbatches, layout.dp)
+        if current is not None:
+            held = {s.ranks: s.layers for p in current.pipelines for s in p.stages}
+            by_home = {p.home: p.microbatches for p in current.pipelines if p.home is not None}
+            share = [by_home.get(r, share[r]) for r in range(layout.dp)]
+        healthy = self.healthy(cluster, model)
+        counts = ([s.n_layers for s in healthy.pipelines[0].stages] if healthy.layout == layout
+                  else uniform_layer_counts(model.layers, layout.pp))
+        solutions: dict[int, PipelineSolution | None] = {}
+        affected = []
+        for r, groups in enumerate(pipes):
+            if all(group_options(g, cluster, model.heads) == [[g]] for g in groups):
+                stages = tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
+                solutions[r] = _solution_of(coster, stages)
+            else:
+                affected.append(r)
+        rounds = 2
+        waves = -(-len(affected) // self.threads) if affected else 1
+        per_solve = max(0.05, 0.8 * time_limit_s / (rounds * waves + 1))
+        statuses: list[str] = []
+        gaps: list[float] = []
+
+        def solve(r: int, m: int) -> PipelineSolution | None:
+            return solve_pipeline(coster, pipes[r], m, held if current is not None else None,
+                                  self.horizon_steps, per_solve)
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            todo = {r: max(1, share[r]) for r in affected}
+            for round_ in range(rounds):
+                for r, sol in zip(todo, pool.map(solve, todo, todo.values())):
+                    solutions[r] = sol
+                live = [r for r in range(layout.dp) if solutions[r] is not None]
+                if not live:
+                    raise InputError(f"cluster {cluster.name}: no replica of layout "
+                                     f"tp={layout.tp} pp={layout.pp} can run model {model.name} "
+                                     "on the remaining devices")
+                first = [solutions[r].step(1) for r in live]
+                each = [solutions[r].max_s for r in live]
+                alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
+                                                           per_solve)
+                new_share = [0] * layout.dp
+                for r, m in zip(live, alloc):
+                    new_share[r] = m
+                if round_ == rounds - 1:
+                    statuses.append(f"allocation:{status}")
+                    gaps.append(gap)
+                    break
+                todo = {r: new_share[r] for r in affected
+                        if solutions[r] is not None and new_share[r] != todo[r] and new_share[r] > 0}
+                share = new_share
+                if not todo:
+                    statuses.append(f"allocation:{status}")
+                    gaps.append(gap)
+                    break
+        share = new_share
+        for r in affected:
+            if solutions[r] is not None:
+                statuses.append(solutions[r].status)
+                gaps.append(solutions[r].gap)
+        pipelines, dp = [], 0
+        for r in range(layout.dp):
+            if solutions[r] is None or share[r] == 0:
+                continue
+            pipelines.append(Pipeline(dp, solutions[r].stages, share[r], home=r))
+            dp += 1
+        placed = {x for p in pipelines for x in p.ranks}
+        plan = Plan(len(cluster), layout, pipelines,
+                    [x for x in range(len(cluster)) if x not in placed], policy=self.name)
+        evaluate(plan, coster, bound, current)
+        finite = [g for g in gaps if np.isfinite(g)]
+        plan.solver = {
+            "status": "optimal" if all(s.endswith("optimal") or s == "kept" for s in statuses)
+            else "time-limit",
+            "gap": max(finite) if finite else 0.0,
+            "solve_s": time.perf_counter() - t0,
+            "pipelines_solved": len(affected),
+        }
+        return plan

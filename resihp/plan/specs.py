@@ -1,0 +1,356 @@
+"""Cluster and model specs of the planner, read from YAML (or dicts) and validated up front."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import yaml
+
+from resihp.errors import InputError
+from resihp.workload.flops import TransformerShape
+
+
+def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a YAML mapping describing the {what}")
+    return data
+
+
+def _number(data: Mapping, key: str, where: str, default: Any = None, *, positive: bool = True,
+            integer: bool = False, minimum: float | None = None, maximum: float | None = None):
+    value = data.get(key, default)
+    if value is None:
+        raise InputError(f"{where}: field {key!r} is missing (expected a number)")
+    kind = "integer" if integer else "number"
+    if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
+        raise InputError(f"{where}: field {key!r} must be a {kind}, got {value!r}")
+    if positive and value <= 0:
+        raise InputError(f"{where}: field {key!r} must be a positive {kind}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InputError(f"{where}: field {key!r} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise InputError(f"{where}: field {key!r} must be <= {maximum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator. ``rank`` is its global index in node order; ``speed`` 0 means dead."""
+
+    rank: int
+    node: int
+    name: str
+    memory_gb: float
+    tflops: float
+    speed: float = 1.0
+
+    @property
+    def alive(self) -> bool:
+        return self.speed > 0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Nodes of devices, with intra- and inter-node bandwidth (GB/s)."""
+
+    devices: tuple[DeviceSpec, ...]
+    intra_node_gbs: float = 300.0
+    inter_node_gbs: float = 25.0
+    memory_reserve_gb: float = 2.0
+    name: str = "cluster"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterSpec:
+        return cls.from_dict(read_yaml(path, "cluster"), where=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
+        """Fields: ``nodes`` (a list of ``{name, devices: N | [ {memory_gb, speed, tflops}, ... ]}``
+        or the shorthand ``{count, devices}``), ``device`` (defaults: memory_gb, tflops, speed),
+        ``bandwidth`` (``intra_node_gbs``, ``inter_node_gbs``), optional ``speeds`` overrides
+        ``{rank or "node/index": speed}`` and ``memory_reserve_gb``."""
+        if not isinstance(data, Mapping):
+            raise InputError(f"{where}: expected a mapping describing the cluster")
+        defaults = data.get("device", {}) or {}
+        if not isinstance(defaults, Mapping):
+            raise InputError(f"{where}: field 'device' must be a mapping of device defaults")
+        bandwidth = data.get("bandwidth", {}) or {}
+        if not isinstance(bandwidth, Mapping):
+            raise InputError(f"{where}: field 'bandwidth' must be a mapping with intra_node_gbs, "
+                             "inter_node_gbs")
+        nodes = data.get("nodes")
+        if isinstance(nodes, Mapping):
+            count = _number(nodes, "count", f"{where}: nodes", integer=True)
+            nodes = [{"name": f"n{i}", "devices": nodes.get("devices")} for i in range(count)]
+        if not isinstance(nodes, list) or not nodes:
+            raise InputError(f"{where}: field 'nodes' must be a non-empty list of nodes or "
+                             "{count: N, devices: M}")
+        devices: list[DeviceSpec] = []
+        seen_names: set[str] = set()
+        for n, node in enumerate(nodes):
+            nwhere = f"{where}: nodes[{n}]"
+            if not isinstance(node, Mapping):
+                raise InputError(f"{nwhere}: expected a mapping with 'devices'")
+            name = str(node.get("name", f"n{n}"))
+            if name in seen_names:
+                raise InputError(f"{nwhere}: node name {name!r} is used twice")
+            seen_names.add(name)
+            entries = node.get("devices")
+            if isinstance(entries, int) and not isinstance(entries, bool):
+                if entries < 1:
+                    raise InputError(f"{nwhere}: field 'devices' must be positive, got {entries}")
+                entries = [{}] * entries
+            if not isinstance(entries, list) or not entries:
+                raise InputError(f"{nwhere}: field 'devices' must be a device count or a list of "
+                                 "devices")
+            for i, entry in enumerate(entries):
+                dwhere = f"{nwhere}.devices[{i}]"
+                if not isinstance(entry, Mapping):
+                    raise InputError(f"{dwhere}: expected a mapping (memory_gb, speed, tflops)")
+                merged = {**defaults, **entry}
+                devices.append(DeviceSpec(
+                    rank=len(devices), node=n, name=f"{name}/{i}",
+                    memory_gb=float(_number(merged, "memory_gb", dwhere)),
+                    tflops=float(_number(merged, "tflops", dwhere)),
+                    speed=float(_number(merged, "speed", dwhere, 1.0, positive=False,
+                                        minimum=0.0, maximum=1.0)),
+                ))
+        cluster = cls(
+            devices=tuple(devices),
+            intra_node_gbs=float(_number(bandwidth, "intra_node_gbs", f"{where}: bandwidth", 300.0)),
+            inter_node_gbs=float(_number(bandwidth, "inter_node_gbs", f"{where}: bandwidth", 25.0)),
+            memory_reserve_gb=float(_number(data, "memory_reserve_gb", where, 2.0, positive=False,
+                                            minimum=0.0)),
+            name=str(data.get("name", where)),
+        )
+        overrides = data.get("speeds") or {}
+        if not isinstance(overrides, Mapping):
+            raise InputError(f"{where}: field 'speeds' must map a rank or 'node/index' to a speed")
+        return cluster.with_speeds(overrides, where=f"{where}: speeds")
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes: dict[int, list] = {}
+        for d in self.devices:
+            nodes.setdefault(d.node, []).append(
+                {"memory_gb": d.memory_gb, "tflops": d.tflops, "speed": d.speed})
+        names = {d.node: d.name.split("/")[0] for d in self.devices}
+        return {"name": self.name,
+                "bandwidth": {"intra_node_gbs": self.intra_node_gbs,
+                              "inter_node_gbs": self.inter_node_gbs},
+                "memory_reserve_gb": self.memory_reserve_gb,
+                "nodes": [{"name": names[n], "devices": devs} for n, devs in nodes.items()]}
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @cached_property
+    def node_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each node, in node order."""
+        nodes: dict[int, list[int]] = {}
+        for d in self.devices:
+            nodes.setdefault(d.node, []).append(d.rank)
+        return tuple(tuple(r) for _, r in sorted(nodes.items()))
+
+    @cached_property
+    def speeds(self) -> np.ndarray:
+        return np.array([d.speed for d in self.devices])
+
+    @cached_property
+    def _by_name(self) -> dict[str, int]:
+        return {d.name: d.rank for d in self.devices}
+
+    def rank_of(self, key: int | str, where: str = "device") -> int:
+        """A device by rank (int or digits) or by ``node/index`` name."""
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool) or isinstance(key, str) and key.strip().isdigit():
+            rank = int(key)
+        elif isinstance(key, str) and key in self._by_name:
+            return self._by_name[key]
+        else:
+            raise InputError(f"{where}: unknown device {key!r} (expected a rank 0..{len(self) - 1} "
+                             "or a 'node/index' name)")
+        if not 0 <= rank < len(self):
+            raise InputError(f"{where}: unknown device rank {rank} (cluster has ranks "
+                             f"0..{len(self) - 1})")
+        return rank
+
+    def with_speeds(self, speeds: Mapping[int | str, float] | np.ndarray,
+                    where: str = "speeds") -> ClusterSpec:
+        """A copy with some device speeds replaced (1/slowdown from the detector; 0 = dead)."""
+        if isinstance(speeds, np.ndarray):
+            if speeds.shape != (len(self),):
+                raise InputError(f"{where}: expected {len(self)} speeds, got shape {speeds.shape}")
+            speeds = dict(enumerate(speeds.tolist()))
+        if not speeds:
+            return self
+        devices = list(self.devices)
+        for key, value in speeds.items():
+            rank = self.rank_of(key, where)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                    or not 0.0 <= float(value) <= 1.0:
+                raise InputError(f"{where}: speed of device {key!r} must be a number in [0, 1] "
+                                 f"(1 healthy, 0 dead), got {value!r}")
+            devices[rank] = replace(devices[rank], speed=float(value))
+        return replace(self, devices=tuple(devices))
+
+    def healthy(self) -> ClusterSpec:
+        """The same cluster with every device at full speed."""
+        return replace(self, devices=tuple(replace(d, speed=1.0) for d in self.devices))
+
+    def bandwidth_gbs(self, a: int, b: int) -> float:
+        same = self.devices[a].node == self.devices[b].node
+        return self.intra_node_gbs if same else self.inter_node_gbs
+
+    def topology(self) -> nx.Graph:
+        """Devices as graph nodes, each node's devices joined to a node switch (intra-node
+        bandwidth) and the switches to one fabric (inter-node bandwidth)."""
+        graph = nx.Graph()
+        graph.add_node("fabric", kind="fabric")
+        for n, ranks in enumerate(self.node_ranks):
+            switch = f"node{n}"
+            graph.add_node(switch, kind="switch")
+            graph.add_edge(switch, "fabric", bandwidth_gbs=self.inter_node_gbs)
+            for r in ranks:
+                d = self.devices[r]
+                graph.add_node(r, kind="device", name=d.name, memory_gb=d.memory_gb,
+                               tflops=d.tflops, speed=d.speed)
+                graph.add_edge(r, switch, bandwidth_gbs=self.intra_node_gbs)
+        return graph
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model and the batch it is trained with, plus the memory costs of its state."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn_hidden: int
+    vocab: int
+    max_seq_len: int
+    global_batch_tokens: int
+    microbatch_tokens: int
+    schedule: str = "1f1b"
+    name: str = "model"
+    state_bytes_per_param: float = 16.0  # bf16 weights + grads, fp32 Adam master, m and v
+    activation_bytes_per_token_layer: float | None = None  # default 34 * hidden (flash attention)
+    workload: str | None = None  # sequence-length source for the expected micro-batch mix
+    tp: int | None = None  # fixed parallel degrees of the healthy layout (None: planner picks)
+    pp: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    SCHEDULES = ("1f1b", "gpipe")
+
+    def __post_init__(self) -> None:
+        TransformerShape(self.layers, self.hidden, self.heads, self.ffn_hidden)
+        for name in ("vocab", "max_seq_len", "global_batch_tokens", "microbatch_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise InputError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
+        if self.schedule not in self.SCHEDULES:
+            raise InputError(f"model {self.name}: schedule must be one of {', '.join(self.SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        if self.global_batch_tokens % self.microbatch_tokens:
+            raise InputError(f"model {self.name}: global_batch_tokens ({self.global_batch_tokens}) must "
+                             f"be a multiple of microbatch_tokens ({self.microbatch_tokens})")
+        if self.microbatch_tokens < self.max_seq_len:
+            raise InputError(f"model {self.name}: microbatch_tokens ({self.microbatch_tokens}) must be "
+                             f">= max_seq_len ({self.max_seq_len}) so any sequence fits")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InputError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
+        if self.tp is not None and self.tp & (self.tp - 1):
+            raise InputError(f"model {self.name}: tp must be a power of two, got {self.tp}")
+        if self.pp is not None and self.pp > self.layers:
+            raise InputError(f"model {self.name}: pp ({self.pp}) exceeds the number of layers "
+                             f"({self.layers})")
+
+    FIELDS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len",
+              "global_batch_tokens", "microbatch_tokens")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ModelSpec:
+        return cls.from_dict(read_yaml(path, "model"), where=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "model") -> ModelSpec:
+        if not isinstance(data, Mapping):
+            raise InputError(f"{where}: expected a mapping describing the model")
+        kwargs: dict[str, Any] = {k: _number(data, k, where, integer=True) for k in cls.FIELDS}
+        for key in ("tp", "pp"):
+            if data.get(key) is not None:
+                kwargs[key] = _number(data, key, where, integer=True)
+        if "state_bytes_per_param" in data:
+            kwargs["state_bytes_per_param"] = float(_number(data, "state_bytes_per_param", where))
+        if data.get("activation_bytes_per_token_layer") is not None:
+            kwargs["activation_bytes_per_token_layer"] = float(
+                _number(data, "activation_bytes_per_token_layer", where))
+        schedule = data.get("schedule", "1f1b")
+        if schedule not in cls.SCHEDULES:
+            raise InputError(f"{where}: field 'schedule' must be one of {', '.join(cls.SCHEDULES)}, "
+                             f"got {schedule!r}")
+        workload = data.get("workload")
+        if workload is not None and not isinstance(workload, str):
+            raise InputError(f"{where}: field 'workload' must be a length source name or path")
+        known = set(cls.FIELDS) | {"tp", "pp", "state_bytes_per_param", "schedule", "workload",
+                                   "name", "activation_bytes_per_token_layer"}
+        try:
+            return cls(**kwargs, schedule=schedule, workload=workload,
+                       name=str(data.get("name", Path(where).stem)),
+                       extra={k: v for k, v in data.items() if k not in known})
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.FIELDS}
+        out.update(name=self.name, schedule=self.schedule,
+                   state_bytes_per_param=self.state_bytes_per_param)
+        for key in ("tp", "pp", "workload", "activation_bytes_per_token_layer"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per global batch."""
+        return self.global_batch_tokens // self.microbatch_tokens
+
+    def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:
+        return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp)
+
+    @property
+    def params_per_layer(self) -> int:
+        """QKV, projection and the two MLP matrices with biases, plus two LayerNorms."""
+        h, f = self.hidden, self.ffn_hidden
+        return 4 * h * h + 2 * h * f + 9 * h + f
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+
+def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
+                    first: bool, last: bool) -> float:
+    """Memory of one device of a stage: model state of its layer shard plus the activations of the
+    micro-batches in flight (1F1B: pipeline depth minus stage index; GPipe: all)."""
+    state = layers * model.params_per_layer
+    if first:
+        state += model.embedding_params
+    if last:
+        state += model.embedding_params  # untied LM head
+    act_per_token = model.activation_bytes_per_token_layer or 34.0 * model.hidden
+    activations = in_flight * layers * model.microbatch_tokens * act_per_token
+    return (state * model.state_bytes_per_param + activations) / tp / 1e9

@@ -1,0 +1,162 @@
+"""Predicted step time of a plan: per-stage times from the cost model, pipeline bubbles by the
+schedule's closed form, gradient synchronisation; the capacity bound; migration cost between plans.
+
+1F1B with ``m`` equal micro-batches on stages with per-micro-batch times ``t_s = f_s + b_s``:
+``sum_s t_s + (m - 1) * max_s t_s`` plus a forward and a backward activation transfer per stage
+boundary. GPipe: ``sum_s f_s + (m - 1) max_s f_s + sum_s b_s + (m - 1) max_s b_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp.plan.cost import CostModel
+from resihp.plan.plan import Plan, Stage
+from resihp.plan.specs import ClusterSpec, ModelSpec
+
+
+def closed_form_step(fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b",
+                     p2p_s: float = 0.0) -> float:
+    """Critical path of one pipeline over ``m`` equal micro-batches; fwd/bwd are per-stage seconds."""
+    fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
+    if m < 1 or fwd.size == 0:
+        return 0.0
+    comm = 2.0 * (fwd.size - 1) * p2p_s
+    if schedule == "gpipe":
+        return float(fwd.sum() + (m - 1) * fwd.max() + bwd.sum() + (m - 1) * bwd.max()) + comm
+    t = fwd + bwd
+    return float(t.sum() + (m - 1) * t.max()) + comm
+
+
+class StageCoster:
+    """Per-stage times and memory for one (cluster, model, cost model), cached per TP degree and
+    device FLOP rate."""
+
+    def __init__(self, cluster: ClusterSpec, model: ModelSpec, cost: CostModel) -> None:
+        self.cluster, self.model, self.cost = cluster, model, cost
+        self._layer: dict[tuple[int, float], tuple[float, float]] = {}
+        self._head: dict[tuple[int, float], tuple[float, float]] = {}
+
+    def layer_fb(self, tp: int, tflops: float) -> tuple[float, float]:
+        key = (tp, tflops)
+        if key not in self._layer:
+            self._layer[key] = self.cost.layer_seconds(self.model, self.cluster, tp, tflops)
+        return self._layer[key]
+
+    def head_fb(self, tp: int, tflops: float) -> tuple[float, float]:
+        key = (tp, tflops)
+        if key not in self._head:
+            self._head[key] = self.cost.head_seconds(self.model, self.cluster, tp, tflops)
+        return self._head[key]
+
+    def group_speed(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(speed, tflops) of the member that limits the group: the lowest speed * FLOP rate."""
+        devs = [self.cluster.devices[r] for r in ranks]
+        slow = min(devs, key=lambda d: d.speed * d.tflops)
+        return slow.speed, slow.tflops
+
+    def per_layer_s(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(fwd, bwd) seconds per layer per micro-batch on this group at its current speed."""
+        speed, tflops = self.group_speed(ranks)
+        f, b = self.layer_fb(len(ranks), tflops)
+        return (f / speed, b / speed) if speed > 0 else (np.inf, np.inf)
+
+    def head_s(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        speed, tflops = self.group_speed(ranks)
+        f, b = self.head_fb(len(ranks), tflops)
+        return (f / speed, b / speed) if speed > 0 else (np.inf, np.inf)
+
+    def stage_fb(self, stage: Stage, last: bool) -> tuple[float, float]:
+        f, b = self.per_layer_s(stage.ranks)
+        f, b = f * stage.n_layers, b * stage.n_layers
+        if last:
+            hf, hb = self.head_s(stage.ranks)
+            f, b = f + hf, b + hb
+        return f, b
+
+    def memory_free_gb(self, ranks: tuple[int, ...]) -> float:
+        return min(self.cluster.devices[r].memory_gb for r in ranks) - self.cluster.memory_reserve_gb
+
+    @property
+    def p2p_s(self) -> float:
+        """One micro-batch's activations (bf16) across a node boundary."""
+        return self.model.microbatch_tokens * self.model.hidden * 2 / (self.cluster.inter_node_gbs * 1e9)
+
+    def layer_state_gb(self, tp: int) -> float:
+        """Model state of one layer on one device of a TP group of size ``tp``."""
+        return self.model.params_per_layer * self.model.state_bytes_per_param / tp / 1e9
+
+    def pipeline_step(self, stages: tuple[Stage, ...], m: int) -> float:
+        if m < 1 or not stages:
+            return 0.0
+        fb = np.array([self.stage_fb(s, i == len(stages) - 1) for i, s in enumerate(stages)])
+        return closed_form_step(fb[:, 0], fb[:, 1], m, self.model.schedule, self.p2p_s)
+
+    def dp_sync_s(self, plan: Plan) -> float:
+        """Ring all-reduce of bf16 gradients across replicas; the largest per-device shard dominates."""
+        d = len(plan.pipelines)
+        if d < 2:
+            return 0.0
+        shard = max(s.n_layers * self.model.params_per_layer * 2 / s.tp
+                    for p in plan.pipelines for s in p.stages)
+        return 2.0 * (d - 1) / d * shard / (self.cluster.inter_node_gbs * 1e9)
+
+
+def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> float:
+    """Time to move model state into the new layout: each device receives the shards of layers it
+    did not hold in the same TP layout; transfers run in parallel, so the slowest receiver counts."""
+    if current is None:
+        return 0.0
+    held: dict[int, tuple[int, int, int, int]] = {}  # rank -> (start, end, tp, tp_rank)
+    for p in current.pipelines:
+        for s in p.stages:
+            for t, r in enumerate(s.ranks):
+                held[r] = (s.layers[0], s.layers[1], s.tp, t)
+    worst = 0.0
+    for p in new.pipelines:
+        for s in p.stages:
+            for t, r in enumerate(s.ranks):
+                start, end = s.layers
+                have = 0
+                if r in held and held[r][2] == s.tp and held[r][3] == t:
+                    have = max(0, min(end, held[r][1]) - max(start, held[r][0]))
+                moved = (s.n_layers - have) * coster.layer_state_gb(s.tp)
+                worst = max(worst, moved / coster.cluster.inter_node_gbs)
+    return worst
+
+
+@dataclass(frozen=True)
+class CapacityBound:
+    """Throughput of an ideal plan: the best healthy layout's throughput scaled by the fraction of
+    the cluster's compute (sum of speed x FLOP rate over devices) that remains, i.e. every remaining
+    device used at its current speed with no imbalance."""
+
+    tokens_per_s: float
+    healthy_tokens_per_s: float
+    capacity_fraction: float
+    layout: object
+
+
+def evaluate(plan: Plan, coster: StageCoster, bound: CapacityBound | None = None,
+             current: Plan | None = None) -> Plan:
+    """Fill the plan's predicted step time, throughput, bound ratio and migration cost."""
+    placed_dead = any(not coster.cluster.devices[r].alive for p in plan.pipelines for r in p.ranks)
+    if placed_dead or not plan.pipelines:
+        step = float("inf")  # a job that still waits on a dead rank makes no progress
+    else:
+        step = max(coster.pipeline_step(p.stages, p.microbatches) for p in plan.pipelines)
+        step += coster.dp_sync_s(plan)
+    plan.step_time_s = step
+    plan.tokens_per_s = coster.model.global_batch_tokens / step if np.isfinite(step) else 0.0
+    if bound is not None:
+        plan.capacity_tokens_per_s = bound.tokens_per_s
+        plan.bound_ratio = plan.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s else 0.0
+    plan.migration_s = migration_seconds(current, plan, coster)
+    return plan
+
+
+def capacity_fraction(cluster: ClusterSpec) -> float:
+    rate = np.array([d.tflops for d in cluster.devices])
+    return float((cluster.speeds * rate).sum() / rate.sum())

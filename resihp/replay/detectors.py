@@ -1,0 +1,107 @@
+"""Feeding the ops records of replayed steps to the detectors of ``resihp.detect``.
+
+The detector objects are the ones live runs use (``OnlineDetector`` and the baselines of
+``resihp.detect.baselines``); this module only turns a replay window into their input (the ops trace
+of DESIGN.md, through ``resihp.detect.observe.observe_ops``) and maps the logical ranks they name
+back to devices. A detector is rebuilt when the layout changes (ranks move; it recalibrates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp.detect.config import DetectorConfig
+from resihp.detect.observe import observe_ops, rank_layout
+from resihp.detect.online import OnlineDetector
+from resihp.opstrace import JobMeta
+from resihp.replay.engine import Window
+from resihp.workload.flops import TransformerShape
+
+DEVICE_FAULT = "fail-slow"
+
+
+@dataclass
+class Finding:
+    """A detector event placed on the replay: window index of the step, device, kind, slowdown."""
+
+    index: int
+    step: int
+    device: int
+    kind: str
+    slowdown: float
+    ended: bool = False
+
+
+class DetectorFeed:
+    """Owns one detector for the current layout and feeds it window after window."""
+
+    def __init__(self, make: Callable[[JobMeta, object], object], shape: TransformerShape | None,
+                 own_quantile: float = 0.1) -> None:
+        self.make = make
+        self.shape = shape
+        self.own_quantile = own_quantile
+        self.detector = None
+        self._layout = None
+        self._rank_device: np.ndarray | None = None
+        self._reported: dict[int, object] = {}
+
+    def reset(self) -> None:
+        self.detector = None
+        self._layout = None
+
+    def feed(self, window: Window) -> list[Finding]:
+        if window.meta is None or not np.isfinite(window.step_time).all():
+            return []
+        df = window.ops()
+        if df.empty:
+            return []
+        if self.detector is None or self._layout is not window.layout:
+            self.detector = self.make(window.meta, rank_layout(df, window.meta, source="replay ops"))
+            self._layout = window.layout
+            self._rank_device = window.rank_device
+            self._reported = {}
+        obs = observe_ops(df, window.meta, shape=self.shape, own_quantile=self.own_quantile)
+        first = int(window.steps[0])
+        out: list[Finding] = []
+        for i, step in enumerate(obs.steps):
+            events = self.detector.observe_arrays(
+                int(step), obs.own[i], obs.raw[i], None if obs.expected is None else obs.expected[i],
+                None if obs.comm is None else obs.comm[i])
+            for ev in events:
+                if ev.kind != DEVICE_FAULT or ev.rank is None:
+                    continue
+                device = int(self._rank_device[ev.rank])
+                if device < 0:
+                    continue
+                self._reported[device] = ev
+                out.append(Finding(int(step) - first, int(step), device, ev.kind, float(ev.slowdown)))
+            for device, ev in list(self._reported.items()):
+                if ev.end_step is not None:
+                    del self._reported[device]
+                    out.append(Finding(int(step) - first, int(step), device, ev.kind,
+                                       float(ev.slowdown), ended=True))
+        return out
+
+
+def model_shape(scenario) -> TransformerShape:
+    """The model's layer shape for the detector's analytic cost of each micro-batch (one layer)."""
+    m = scenario.model
+    return TransformerShape(1, m.hidden, m.heads, m.ffn_hidden, 1)
+
+
+def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorFeed:
+    """The workload-aware detector of ``resihp.detect`` (the one ``resihp detect`` runs)."""
+    cfg = config or DetectorConfig()
+    return DetectorFeed(lambda meta, layout: OnlineDetector(meta, None, cfg, layout=layout),
+                        model_shape(scenario), cfg.own_quantile)
+
+
+def greyhound_detector(scenario) -> DetectorFeed:
+    """Greyhound-style change-point detection on raw iteration time (``resihp.detect.baselines``)."""
+    from resihp.detect.baselines import IterationChangePointDetector
+
+    return DetectorFeed(lambda meta, layout: IterationChangePointDetector(meta, layout),
+                        model_shape(scenario))

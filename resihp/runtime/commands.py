@@ -1,0 +1,92 @@
+"""CLI verbs of the runtime: ``resihp run`` and ``resihp demo``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from resihp.errors import InputError
+from resihp.progress import progress_bar
+
+
+def _numbers(text: str | None, name: str, kind: type) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"{name} {text!r}: expected comma-separated {kind.__name__}s, e.g. 2,2") from None
+
+
+def run_cmd(
+    out: Annotated[Path, typer.Option("-o", "--out", help="Run folder: ops.parquet, job.yaml, summary.json")] = Path("runs/latest"),
+    layers: int = 4, hidden: int = 128, heads: int = 4, ffn_hidden: int = 512, vocab: int = 1024,
+    dp: Annotated[int, typer.Option(help="Data-parallel replicas")] = 2,
+    pp: Annotated[int, typer.Option(help="Pipeline stages")] = 2,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per stage")] = 1,
+    schedule: Annotated[str, typer.Option(help="1f1b or gpipe")] = "1f1b",
+    steps: int = 20,
+    source: Annotated[str, typer.Option(help="Sequence-length source: text, code or a lengths file")] = "text",
+    global_tokens: Annotated[int, typer.Option(help="Tokens per training step (all replicas)")] = 8192,
+    budget: Annotated[int, typer.Option(help="Micro-batch token budget")] = 1024,
+    max_len: Annotated[int, typer.Option(help="Longest sequence; longer documents are chunked")] = 1024,
+    layer_split: Annotated[str, typer.Option(help="Layers per stage, e.g. 3,1 (default: balanced)")] = None,
+    dp_weights: Annotated[str, typer.Option(help="Micro-batch share per replica, e.g. 2,1")] = None,
+    inject: Annotated[list[str], typer.Option(help="slow:rank=R,factor=F,step=S or stop:rank=R,step=S "
+                                              "(repeatable)")] = None,
+    seed: int = 0, lr: float = 1e-3,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    timeout: Annotated[float, typer.Option(help="Seconds a rank may wait for a peer, and for all ranks "
+                                           "to join")] = 60.0,
+    heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat before a rank "
+                                                     "counts as stopped")] = 10.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
+) -> None:
+    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected."""
+    from resihp.runtime.config import RunConfig, check_memory
+    from resihp.runtime.supervisor import supervise
+    from resihp.runtime.worker import write_job_files
+
+    cfg = RunConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab,
+                    dp=dp, pp=pp, tp=tp, schedule=schedule, steps=steps, source=source,
+                    global_tokens=global_tokens, budget=budget, max_len=max_len,
+                    layer_split=_numbers(layer_split, "--layer-split", int),
+                    dp_weights=_numbers(dp_weights, "--dp-weights", float), inject=list(inject or []),
+                    seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out))
+    check_memory(cfg, cfg.dims().world_size)
+    with progress_bar("training", steps, enabled=not json_out) as advance:
+        outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
+                            on_step=lambda s: advance(s + 1))
+    if outcome.input_error:
+        raise InputError(outcome.error)
+    summary_path = out / "summary.json"
+    if outcome.returncode != 0 or not summary_path.exists():
+        summary = write_job_files(cfg, out) if any((out / "ranks").glob("rank*.jsonl")) else {}
+        summary.update({"failure": outcome.failure, "error": outcome.error})
+        summary_path.write_text(json.dumps(summary, indent=2))
+    else:
+        summary = json.loads(summary_path.read_text())
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        _print_human(summary)
+    if outcome.error:
+        print(f"resihp: {outcome.error}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def _print_human(summary: dict) -> None:
+    tps = summary.get("tokens_per_s")
+    print(f"steps {summary.get('steps')}  dp {summary.get('dp')} pp {summary.get('pp')} "
+          f"tp {summary.get('tp')}  tokens/s {tps:.0f}" if tps else f"steps {summary.get('steps')}")
+    if summary.get("loss_first") is not None:
+        print(f"loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
+    print(f"trace {summary.get('trace')}  meta {summary.get('meta')}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run_cmd)

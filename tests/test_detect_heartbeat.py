@@ -1,0 +1,69 @@
+"""Fail-stop detection with real processes: senders and per-node aggregators over a real TCPStore."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resihp.detect.heartbeat import HeartbeatMonitor, start_local_store
+
+INTERVAL = 0.2
+TIMEOUT = 1.5
+
+
+def _spawn(port: int, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "resihp.detect.heartbeat", *args, "--port", str(port),
+                             "--interval", str(INTERVAL), "--timeout", str(TIMEOUT)], env=env)
+
+
+def _poll_until(monitor: HeartbeatMonitor, want: set[int], deadline_s: float, step: int) -> list:
+    found = []
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        found += monitor.poll(step)
+        if want <= {e.rank for e in found}:
+            break
+        time.sleep(INTERVAL)
+    return found
+
+
+@pytest.mark.slow
+def test_killed_rank_and_lost_node_become_fail_stop_events():
+    store, port = start_local_store()
+    nodes = {0: [0, 1], 1: [2, 3]}
+    procs = {}
+    try:
+        for node, ranks in nodes.items():
+            procs[f"agg{node}"] = _spawn(port, "aggregator", "--node", str(node),
+                                         "--ranks", ",".join(map(str, ranks)))
+            for r in ranks:
+                procs[r] = _spawn(port, "sender", "--node", str(node), "--rank", str(r))
+        monitor = HeartbeatMonitor(store, nodes, timeout_s=TIMEOUT)
+        # everyone alive: several timeouts pass with no event (start-up included)
+        quiet = _poll_until(monitor, {-1}, 3 * TIMEOUT + 3, step=1)
+        assert quiet == []
+
+        procs[3].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        found = _poll_until(monitor, {3}, 4 * TIMEOUT, step=2)
+        assert [(e.kind, e.rank) for e in found] == [("fail-stop", 3)]
+        assert found[0].extra == {"node": 1, "cause": "rank"}
+        assert time.monotonic() - t0 < TIMEOUT + 4 * INTERVAL + 1.0
+
+        # the whole of node 0 disappears (aggregator and ranks): both its ranks are reported
+        for key in ("agg0", 0, 1):
+            procs[key].send_signal(signal.SIGKILL)
+        found = _poll_until(monitor, {0, 1}, 4 * TIMEOUT, step=3)
+        assert sorted(e.rank for e in found) == [0, 1]
+        assert {e.extra["cause"] for e in found} <= {"node", "rank"}
+        assert 2 not in monitor.dead
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=10)

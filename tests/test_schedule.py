@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resihp.errors import InputError
+from resihp.perf.schedule import (
+    compile_schedule,
+    critical_path,
+    one_f_one_b_uniform,
+    pipeline_step_time,
+    rank_finish_times,
+    schedule_graph,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["gpipe", "1f1b", "interleaved"]),
+    st.integers(1, 4), st.integers(1, 3), st.integers(1, 6), st.integers(0, 2**31 - 1),
+    st.floats(0, 0.5),
+)
+def test_vectorised_critical_path_equals_networkx(name, stages, group, chunks, seed, p2p):
+    chunks = chunks if name == "interleaved" else 1
+    chunks = min(chunks, 3)
+    microbatches = stages * group
+    sched = compile_schedule(name, stages, microbatches, chunks)
+    rng = np.random.default_rng(seed)
+    fwd = rng.uniform(0.1, 2.0, (stages * chunks, microbatches))
+    bwd = rng.uniform(0.1, 4.0, (stages * chunks, microbatches))
+    fast = rank_finish_times(sched, fwd, bwd, p2p).max()
+    slow, _ = critical_path(schedule_graph(sched, fwd, bwd, p2p))
+    assert fast == pytest.approx(slow, rel=1e-12)
+
+
+@given(st.integers(1, 8), st.integers(1, 16), st.floats(0.1, 3), st.floats(0.1, 3))
+def test_1f1b_matches_closed_form_for_uniform_stages(stages, microbatches, f, b):
+    speeds = np.linspace(1.0, 2.0, stages)
+    fwd = np.repeat((f * speeds)[:, None], microbatches, axis=1)
+    bwd = np.repeat((b * speeds)[:, None], microbatches, axis=1)
+    expected = one_f_one_b_uniform(f * speeds, b * speeds, microbatches)
+    assert pipeline_step_time(fwd, bwd, "1f1b") == pytest.approx(expected)
+
+
+def test_every_op_runs_once_and_1f1b_bounds_in_flight_microbatches():
+    sched = compile_schedule("1f1b", 4, 8)
+    pairs = set(zip(sched.phase.tolist(), sched.chunk.tolist(), sched.mb.tolist()))
+    assert len(pairs) == sched.nodes == 2 * 4 * 8
+    for rank in range(4):
+        phases = sched.phase[sched.rank == rank]
+        in_flight = np.cumsum(np.where(phases == 0, 1, -1))
+        assert in_flight.max() <= 4 - rank  # activation memory bound of 1F1B
+
+
+def test_batched_evaluation_and_sync_terms():
+    rng = np.random.default_rng(0)
+    fwd = rng.uniform(0.5, 1.0, (5, 2, 4))  # 5 replicas
+    bwd = 2 * fwd
+    per_replica = pipeline_step_time(fwd, bwd, "1f1b", dp_sync_s=0.3, optimizer_s=0.2)
+    assert per_replica.shape == (5,)
+    assert per_replica[0] == pytest.approx(pipeline_step_time(fwd[0], bwd[0]) + 0.5)
+
+
+def test_bad_schedule_inputs():
+    with pytest.raises(InputError, match="must be one of"):
+        compile_schedule("zb-v", 2, 4)
+    with pytest.raises(InputError, match="divisible"):
+        compile_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(InputError, match="trailing shape"):
+        pipeline_step_time(np.ones((2, 3)), np.ones((2, 4)))
