@@ -31,26 +31,37 @@ def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int)
 def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: int,
                           time_limit_s: float = 1.0) -> tuple[list[int], str, float]:
     """(micro-batches per replica, solver status, relative gap). ``first[r]`` is T_r(1),
-    ``each[r]`` the time each further micro-batch adds."""
+    ``each[r]`` the time each further micro-batch adds.
+
+    Replicas with the same (first, each) form one class whose share is spread evenly, so the model
+    has one variable pair per class: thousands of healthy replicas cost the same as one.
+    """
     n = len(first)
     if n == 0:
         raise ValueError("no replica to allocate micro-batches to")
     hint = greedy_allocation(first, each, total)
-    mdl = cp_model.CpModel()
     tick = lambda s: max(1, int(round(s * TICKS_PER_S)))  # noqa: E731
-    horizon = max(tick(first[r]) + (total - 1) * tick(each[r]) for r in range(n))
-    span = mdl.new_int_var(0, horizon, "span")
-    ms = []
+    classes: dict[tuple[int, int], list[int]] = {}
     for r in range(n):
-        m = mdl.new_int_var(0, total, f"m{r}")
-        used = mdl.new_bool_var(f"u{r}")
-        mdl.add(m <= total * used)
-        mdl.add(m >= used)
-        mdl.add(span >= (tick(first[r]) - tick(each[r])) * used + tick(each[r]) * m)
-        mdl.add_hint(m, hint[r])
-        mdl.add_hint(used, hint[r] > 0)
-        ms.append(m)
-    mdl.add(sum(ms) == total)
+        classes.setdefault((tick(first[r]), tick(each[r])), []).append(r)
+    mdl = cp_model.CpModel()
+    horizon = max(a + (total - 1) * b for a, b in classes)
+    span = mdl.new_int_var(0, horizon, "span")
+    shares = []
+    for c, ((a, b), members) in enumerate(classes.items()):
+        k = mdl.new_int_var(0, total, f"k{c}")  # micro-batches of the class
+        top = mdl.new_int_var(0, total, f"top{c}")  # the most any replica of the class gets
+        used = mdl.new_bool_var(f"u{c}")
+        mdl.add(k <= len(members) * top)
+        mdl.add(top <= total * used)
+        mdl.add(top >= used)
+        mdl.add(span >= (a - b) * used + b * top)
+        hinted = [hint[r] for r in members]
+        mdl.add_hint(k, sum(hinted))
+        mdl.add_hint(top, max(hinted))
+        mdl.add_hint(used, max(hinted) > 0)
+        shares.append((k, members))
+    mdl.add(sum(k for k, _ in shares) == total)
     mdl.minimize(span)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
@@ -58,7 +69,15 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
     status = solver.solve(mdl)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint, "timeout-greedy", float("nan")
+    out = [0] * n
+    for k, members in shares:
+        for r, m in zip(members, even_shares(solver.value(k), len(members))):
+            out[r] = m
     obj, bound = solver.objective_value, solver.best_objective_bound
     gap = 0.0 if status == cp_model.OPTIMAL or obj <= 0 else (obj - bound) / obj
-    return ([solver.value(m) for m in ms], "optimal" if status == cp_model.OPTIMAL else "feasible",
-            gap)
+    return out, "optimal" if status == cp_model.OPTIMAL else "feasible", gap
+
+
+def even_shares(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

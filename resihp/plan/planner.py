@@ -68,14 +68,16 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     (sum of speed x FLOP rate). A re-plan that shortens pipelines shrinks the bubble and can pass
     this bound by at most the bubble fraction.
     """
-    healthy = StageCoster(cluster.healthy(), model, cost or AnalyticCost())
-    layout = layout or choose_layout(healthy.cluster, model, healthy)
-    groups = home_pipelines(healthy.cluster, layout)[0]
-    f, b = healthy.per_layer_s(groups[0])
-    hf, hb = healthy.head_s(groups[0])
+    coster = StageCoster(cluster, model, cost or AnalyticCost())
+    if layout is None:
+        healthy = StageCoster(cluster.healthy(), model, coster.cost)
+        layout = choose_layout(healthy.cluster, model, healthy)
+    tflops = max(d.tflops for d in cluster.devices)
+    f, b = coster.layer_fb(layout.tp, tflops)
+    hf, hb = coster.head_fb(layout.tp, tflops)
     stage = (model.layers * (f + b) + hf + hb) / layout.pp
     m = model.microbatches / layout.dp
-    step = (m + layout.pp - 1) * stage + 2.0 * (layout.pp - 1) * healthy.p2p_s
+    step = (m + layout.pp - 1) * stage + 2.0 * (layout.pp - 1) * coster.p2p_s
     if layout.dp > 1:
         shard = model.layers / layout.pp * model.params_per_layer * 2 / layout.tp
         step += 2.0 * (layout.dp - 1) / layout.dp * shard / (cluster.inter_node_gbs * 1e9)
@@ -120,7 +122,7 @@ class Planner:
 
     def healthy(self, cluster: ClusterSpec, model: ModelSpec) -> Plan:
         """The healthy plan of this cluster and model (cached: it is the same at every detection)."""
-        key = (cluster.healthy(), model)
+        key = (cluster.hardware_key, model)
         if key not in self._healthy:
             self._healthy[key] = healthy_plan(cluster, model, self.cost)
         return self._healthy[key]
@@ -169,49 +171,49 @@ class Planner:
             return solve_pipeline(coster, pipes[r], m, held if current is not None else None,
                                   self.horizon_steps, per_solve)
 
+        def allocate(dropped: frozenset[int] = frozenset()) -> list[int]:
+            live = [r for r in range(layout.dp) if solutions[r] is not None and r not in dropped]
+            if not live:
+                raise InputError(f"cluster {cluster.name}: no replica of layout tp={layout.tp} "
+                                 f"pp={layout.pp} can run model {model.name} on the remaining "
+                                 "devices")
+            alloc, status, gap = allocate_microbatches(
+                [solutions[r].step(1) for r in live], [solutions[r].max_s for r in live],
+                model.microbatches, per_solve)
+            statuses.append(f"allocation:{status}")
+            gaps.append(gap)
+            out = [0] * layout.dp
+            for r, m in zip(live, alloc):
+                out[r] = m
+            return out
+
         with ThreadPoolExecutor(self.threads) as pool:
             todo = {r: max(1, share[r]) for r in affected}
-            for round_ in range(rounds):
+            solved_for: dict[int, int] = {}
+            for _ in range(rounds):
                 for r, sol in zip(todo, pool.map(solve, todo, todo.values())):
                     solutions[r] = sol
-                live = [r for r in range(layout.dp) if solutions[r] is not None]
-                if not live:
-                    raise InputError(f"cluster {cluster.name}: no replica of layout "
-                                     f"tp={layout.tp} pp={layout.pp} can run model {model.name} "
-                                     "on the remaining devices")
-                first = [solutions[r].step(1) for r in live]
-                each = [solutions[r].max_s for r in live]
-                alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
-                                                           per_solve)
-                new_share = [0] * layout.dp
-                for r, m in zip(live, alloc):
-                    new_share[r] = m
-                if round_ == rounds - 1:
-                    statuses.append(f"allocation:{status}")
-                    gaps.append(gap)
-                    break
-                todo = {r: new_share[r] for r in affected
-                        if solutions[r] is not None and new_share[r] != todo[r] and new_share[r] > 0}
-                share = new_share
+                solved_for.update(todo)
+                share = allocate()
+                # re-solve the replicas whose micro-batch count moved: the bubble weighs with it
+                todo = {r: share[r] for r in affected
+                        if solutions[r] is not None and 0 < share[r] != solved_for[r]}
                 if not todo:
-                    statuses.append(f"allocation:{status}")
-                    gaps.append(gap)
                     break
-        share = new_share
         for r in affected:
             if solutions[r] is not None:
                 statuses.append(solutions[r].status)
                 gaps.append(solutions[r].gap)
-        pipelines, dp = [], 0
-        for r in range(layout.dp):
-            if solutions[r] is None or share[r] == 0:
-                continue
-            pipelines.append(Pipeline(dp, solutions[r].stages, share[r], home=r))
-            dp += 1
-        placed = {x for p in pipelines for x in p.ranks}
-        plan = Plan(len(cluster), layout, pipelines,
-                    [x for x in range(len(cluster)) if x not in placed], policy=self.name)
-        evaluate(plan, coster, bound, current)
+        # The allocation does not see the gradient all-reduce, which the replica with the largest
+        # per-device shard slows down; also weigh dropping the re-formed replicas altogether.
+        candidates = [self._assemble(cluster, layout, solutions, share)]
+        reformed = frozenset(r for r in affected if solutions[r] is not None
+                             and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
+        if reformed and len(reformed) < sum(s is not None for s in solutions.values()):
+            candidates.append(self._assemble(cluster, layout, solutions, allocate(reformed)))
+        for plan in candidates:
+            evaluate(plan, coster, bound, current)
+        plan = min(candidates, key=lambda p: (round(p.step_time_s, 9), p.migration_s))
         finite = [g for g in gaps if np.isfinite(g)]
         plan.solver = {
             "status": "optimal" if all(s.endswith("optimal") or s == "kept" for s in statuses)
@@ -221,3 +223,13 @@ class Planner:
             "pipelines_solved": len(affected),
         }
         return plan
+
+    def _assemble(self, cluster: ClusterSpec, layout: Layout,
+                  solutions: dict[int, PipelineSolution | None], share: list[int]) -> Plan:
+        pipelines = []
+        for r in range(layout.dp):
+            if solutions[r] is not None and share[r] > 0:
+                pipelines.append(Pipeline(len(pipelines), solutions[r].stages, share[r], home=r))
+        placed = {x for p in pipelines for x in p.ranks}
+        return Plan(len(cluster), layout, pipelines,
+                    [x for x in range(len(cluster)) if x not in placed], policy=self.name)

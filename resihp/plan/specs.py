@@ -207,7 +207,15 @@ class ClusterSpec:
 
     def healthy(self) -> ClusterSpec:
         """The same cluster with every device at full speed."""
+        if all(d.speed == 1.0 for d in self.devices):
+            return self
         return replace(self, devices=tuple(replace(d, speed=1.0) for d in self.devices))
+
+    @cached_property
+    def hardware_key(self) -> tuple:
+        """What the healthy layout depends on: nodes, device memory and FLOP rates, links."""
+        return (tuple((d.node, d.memory_gb, d.tflops) for d in self.devices),
+                self.intra_node_gbs, self.inter_node_gbs, self.memory_reserve_gb)
 
     def bandwidth_gbs(self, a: int, b: int) -> float:
         same = self.devices[a].node == self.devices[b].node
