@@ -3,11 +3,13 @@
 The detector objects are the ones live runs use (``OnlineDetector`` and the baselines of
 ``resihp.detect.baselines``); this module only turns a replay window into their input (the ops trace
 of DESIGN.md, through ``resihp.detect.observe.observe_ops``) and maps the logical ranks they name
-back to devices. A detector is rebuilt when the layout changes (ranks move; it recalibrates).
+back to devices. A detector is rebuilt when ranks move or a stage's layers change (its per-rank
+baselines no longer hold; it recalibrates); a change of micro-batch counts keeps it.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,23 +55,28 @@ class DetectorFeed:
         self._layout = None
 
     def feed(self, window: Window) -> list[Finding]:
+        """Feed the window step by step; stop at the first step with findings and return them."""
         if window.meta is None or not np.isfinite(window.step_time).all():
             return []
         df = window.ops()
         if df.empty:
             return []
-        if self.detector is None or self._layout is not window.layout:
+        signature = _signature(window)
+        if self.detector is None or self._layout != signature:
             self.detector = self.make(window.meta, rank_layout(df, window.meta, source="replay ops"))
-            self._layout = window.layout
+            self._layout = signature
             self._rank_device = window.rank_device
             self._reported = {}
         obs = observe_ops(df, window.meta, shape=self.shape, own_quantile=self.own_quantile)
         first = int(window.steps[0])
         out: list[Finding] = []
         for i, step in enumerate(obs.steps):
-            events = self.detector.observe_arrays(
-                int(step), obs.own[i], obs.raw[i], None if obs.expected is None else obs.expected[i],
-                None if obs.comm is None else obs.comm[i])
+            with warnings.catch_warnings():  # ranks with no record this step are NaN by design
+                warnings.simplefilter("ignore", RuntimeWarning)
+                events = self.detector.observe_arrays(
+                    int(step), obs.own[i], obs.raw[i],
+                    None if obs.expected is None else obs.expected[i],
+                    None if obs.comm is None else obs.comm[i])
             for ev in events:
                 if ev.kind != DEVICE_FAULT or ev.rank is None:
                     continue
@@ -83,7 +90,13 @@ class DetectorFeed:
                     del self._reported[device]
                     out.append(Finding(int(step) - first, int(step), device, ev.kind,
                                        float(ev.slowdown), ended=True))
+            if out:  # the policy acts here; later steps of the window are simulated again
+                break
         return out
+
+
+def _signature(window: Window) -> tuple:
+    return tuple((r.groups, r.layers, r.load) for r in window.layout.replicas)
 
 
 def model_shape(scenario) -> TransformerShape:

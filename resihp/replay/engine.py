@@ -372,6 +372,8 @@ class Replay:
             if reaction.rollback:
                 restart_s = t
                 ctx.last_checkpoint_s = t
+            if reaction.layout is None and pause <= 0 and not reaction.rollback:
+                return  # seen and ignored: nothing changes
             if reaction.layout is not None:
                 layout = reaction.layout
                 ctx.layout = layout

@@ -41,18 +41,17 @@ class GreyhoundModule:
         findings = self.feed.feed(window)
         if not findings:
             return None
-        f = findings[0]
-        time_s = window.start_s + float(window.step_time[: f.index + 1].sum())
+        index = findings[0].index
+        time_s = window.start_s + float(window.step_time[: index + 1].sum())
         detections = []
-        if f.ended:
-            self.slow.pop(f.device, None)
-        else:
-            self.slow[f.device] = max(f.slowdown, 1.0)
-            detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
-        reaction = self.mitigate(ctx)
-        if reaction is None:
-            reaction = Reaction(label="ignore")
-        reaction.at = f.index
+        for f in findings:
+            if f.ended:
+                self.slow.pop(f.device, None)
+            else:
+                self.slow[f.device] = max(f.slowdown, 1.0)
+                detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
+        reaction = self.mitigate(ctx) or Reaction(label="ignore")
+        reaction.at = index
         reaction.detections = detections
         return reaction
 
