@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from resihp.detect.heartbeat import HeartbeatMonitor, start_local_store
+from resihp.detect.heartbeat import HeartbeatMonitor, node_key, rank_key, start_local_store
 
 INTERVAL = 0.2
 TIMEOUT = 1.5
@@ -45,8 +45,16 @@ def test_killed_rank_and_lost_node_become_fail_stop_events():
             for r in ranks:
                 procs[r] = _spawn(port, "sender", "--node", str(node), "--rank", str(r))
         monitor = HeartbeatMonitor(store, nodes, timeout_s=TIMEOUT)
-        # everyone alive: several timeouts pass with no event (start-up included)
-        quiet = _poll_until(monitor, {-1}, 3 * TIMEOUT + 3, step=1)
+        # start-up (importing torch in 6 processes) is not a failure: wait for every first beat
+        keys = [rank_key("resihp/hb", n, r) for n, rs in nodes.items() for r in rs]
+        keys += [node_key("resihp/hb", n) for n in nodes]
+        end = time.monotonic() + 90
+        while not store.check(keys) and time.monotonic() < end:
+            assert monitor.poll(0) == []
+            time.sleep(INTERVAL)
+        assert store.check(keys), "heartbeat processes did not start"
+        # everyone alive: several timeouts pass with no event
+        quiet = _poll_until(monitor, {-1}, 3 * TIMEOUT, step=1)
         assert quiet == []
 
         procs[3].send_signal(signal.SIGKILL)

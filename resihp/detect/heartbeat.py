@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,7 @@ class _Loop:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.error: Exception | None = None
 
     def start(self) -> _Loop:
         self._thread = threading.Thread(target=self._run, daemon=True, name=type(self).__name__)
@@ -67,7 +69,8 @@ class _Loop:
         while not self._stop.is_set():
             try:
                 self.tick()
-            except Exception:  # the store went away: stop beating, which is what a dead rank does
+            except Exception as exc:  # the store went away: stop beating, as a dead rank would
+                self.error = exc
                 return
             self._stop.wait(self.interval_s)
 
@@ -98,10 +101,12 @@ class NodeAggregator(_Loop):
     """Run once per node (e.g. in local rank 0, or in the node's agent process)."""
 
     def __init__(self, store: TCPStore, node: int, ranks: Sequence[int], interval_s: float = 0.5,
-                 timeout_s: float = 3.0, prefix: str = "resihp/hb") -> None:
+                 timeout_s: float = 3.0, prefix: str = "resihp/hb", startup_s: float = 60.0) -> None:
         super().__init__(interval_s)
         self.store, self.node, self.ranks = store, node, list(ranks)
         self.timeout_s = timeout_s
+        self.startup_s = startup_s
+        self._seen: set[int] = set()
         self.keys = [rank_key(prefix, node, r) for r in self.ranks]
         self.out_key = node_key(prefix, node)
         self.count = 0
@@ -125,7 +130,10 @@ class NodeAggregator(_Loop):
             if value is not None and value != self._last[rank]:
                 self._last[rank] = value
                 self._moved[rank] = now
-        dead = [r for r in self.ranks if now - self._moved[r] > self.timeout_s]
+                self._seen.add(rank)
+        # a rank that never beat yet is still starting (imports, CUDA init) until startup_s
+        dead = [r for r in self.ranks
+                if now - self._moved[r] > (self.timeout_s if r in self._seen else self.startup_s)]
         self.count += 1
         self.store.set(self.out_key, json.dumps({"beat": self.count, "dead": dead}))
 
@@ -134,8 +142,10 @@ class HeartbeatMonitor:
     """The coordinator's view: ``poll(step)`` returns new ``fail-stop`` events (one per dead rank)."""
 
     def __init__(self, store: TCPStore, nodes: Mapping[int, Sequence[int]], timeout_s: float = 3.0,
-                 prefix: str = "resihp/hb", places: Mapping[int, tuple[int, int, int]] | None = None) -> None:
+                 prefix: str = "resihp/hb", places: Mapping[int, tuple[int, int, int]] | None = None,
+                 startup_s: float = 60.0) -> None:
         self.store = store
+        self.startup_s = startup_s
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
         self.timeout_s = timeout_s
         self.keys = {n: node_key(prefix, n) for n in self.nodes}
@@ -160,7 +170,8 @@ class HeartbeatMonitor:
                     self._beat[node] = msg["beat"]
                     self._moved[node] = now
                 dead_here = [int(r) for r in msg["dead"]]
-            if now - self._moved[node] > self.timeout_s:
+            limit = self.timeout_s if self._beat[node] is not None else self.startup_s
+            if now - self._moved[node] > limit:
                 dead_here = ranks  # the aggregator itself stopped: the node is gone
                 reason = "node"
             else:
@@ -192,19 +203,24 @@ def _serve(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--ranks", type=str, help="aggregator: the node's ranks, comma-separated")
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--startup", type=float, default=60.0)
     args = p.parse_args(argv)
     store = connect_store(args.host, args.port)
     if args.role == "sender":
         loop: _Loop = HeartbeatSender(store, args.rank, args.node, args.interval)
     else:
         ranks = [int(r) for r in args.ranks.split(",")]
-        loop = NodeAggregator(store, args.node, ranks, args.interval, args.timeout)
+        loop = NodeAggregator(store, args.node, ranks, args.interval, args.timeout,
+                              startup_s=args.startup)
     loop.start()
     try:
         while loop._thread is not None and loop._thread.is_alive():
             time.sleep(args.interval)
     except KeyboardInterrupt:
         loop.stop()
+    if loop.error is not None:
+        print(f"heartbeat {args.role}: stopped: {loop.error}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
