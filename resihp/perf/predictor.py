@@ -35,7 +35,7 @@ FORMAT = "resihp-microbatch-predictor/1"
 PHASES = ("fwd", "bwd")
 GBM_FEATURES = ["tokens", "sum_sq", "n_seqs", "max_len", "mean_len", "attn_share", "layers",
                 "hidden", "heads", "ffn_hidden", "tp"]
-GBM_PARAMS = {"objective": "regression", "learning_rate": 0.03, "num_leaves": 15,
+GBM_PARAMS = {"objective": "regression", "learning_rate": 0.08, "num_leaves": 15,
               "min_child_samples": 8, "subsample": 0.8, "subsample_freq": 1,
               "colsample_bytree": 0.9, "reg_lambda": 1.0, "verbose": -1, "num_threads": 1}
 
@@ -105,7 +105,7 @@ class MicroBatchPredictor:
     the shape columns and ``phase``; ``predict_seq_lens`` takes plain lists of lengths.
     """
 
-    def __init__(self, n_estimators: int = 600, early_stopping_rounds: int = 50,
+    def __init__(self, n_estimators: int = 400, early_stopping_rounds: int = 40,
                  random_state: int = 0) -> None:
         if n_estimators < 1:
             raise InputError(f"n_estimators must be positive, got {n_estimators}")
@@ -148,7 +148,7 @@ class MicroBatchPredictor:
                 raise InputError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
             rows = feats.iloc[idx]
             base = base_terms(rows) @ self.base_coef_[phase]
-            out[idx] = base * np.exp(self.boosters_[phase].predict(gbm_inputs(rows)))
+            out[idx] = base * np.exp(self.boosters_[phase].predict(gbm_inputs(rows), num_threads=0))
         return out
 
     def predict(self, log: pd.DataFrame) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import pandas as pd
@@ -15,24 +16,36 @@ LENGTH_FEATURES = ["tokens", "sum_sq", "n_seqs", "max_len", "mean_len", "sum_cub
 
 def length_features(seq_lens: Sequence[Sequence[int]]) -> pd.DataFrame:
     """tokens, sum of squared lengths, number of sequences, longest, mean, sum of cubes."""
-    counts = np.fromiter((len(s) for s in seq_lens), dtype=np.int64, count=len(seq_lens))
+    counts = np.fromiter(map(len, seq_lens), dtype=np.int64, count=len(seq_lens))
+    if len(seq_lens) and isinstance(seq_lens[0], np.ndarray):
+        flat = np.concatenate(seq_lens)
+    else:
+        flat = np.fromiter(chain.from_iterable(seq_lens), dtype=np.int64, count=int(counts.sum()))
+    return length_features_flat(flat, counts)
+
+
+def length_features_flat(flat: np.ndarray, counts: np.ndarray) -> pd.DataFrame:
+    """As ``length_features`` for micro-batches given as all lengths in one array plus the
+    number of sequences of each micro-batch (no Python per micro-batch)."""
+    counts = np.asarray(counts, dtype=np.int64)
     if len(counts) == 0:
         return pd.DataFrame({name: np.zeros(0) for name in LENGTH_FEATURES})
-    if counts.min() == 0:
+    if counts.min() <= 0:
         raise InputError(f"micro-batch {int(np.argmin(counts))} has no sequences")
-    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in seq_lens]).astype(np.float64)
+    flat = np.asarray(flat, dtype=np.float64)
     if flat.min() <= 0:
         raise InputError(f"sequence lengths must be positive, got {int(flat.min())}")
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     tokens = np.add.reduceat(flat, starts)
+    squares = flat * flat
     return pd.DataFrame(
         {
             "tokens": tokens,
-            "sum_sq": np.add.reduceat(flat * flat, starts),
+            "sum_sq": np.add.reduceat(squares, starts),
             "n_seqs": counts.astype(np.float64),
             "max_len": np.maximum.reduceat(flat, starts),
             "mean_len": tokens / counts,
-            "sum_cube": np.add.reduceat(flat**3, starts),
+            "sum_cube": np.add.reduceat(squares * flat, starts),
         }
     )
 

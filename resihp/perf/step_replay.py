@@ -1,0 +1,73 @@
+"""Replays the measured op durations of a real run through the step-time predictor.
+
+For each step of an ops trace this builds the per-stage, per-micro-batch forward and backward
+durations that the job measured, feeds them with the measured transfer, gradient-sync and
+optimizer times to ``pipeline_step_time``, and sets the prediction beside the step time the job
+measured. This is how the step predictor is validated on real multi-process runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from resihp.errors import InputError
+from resihp.opstrace import JobMeta
+from resihp.perf.schedule import pipeline_step_time
+
+SEND_OPTYPES = ("forward-send", "backward-send")
+SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter", "params-all-gather",
+                "embedding-grads-all-reduce", "layernorm-grads-all-reduce")
+
+
+def _grid(rows: pd.DataFrame, replicas: int, stages: int, mbs: int, source: str) -> np.ndarray:
+    """[replicas, stages, micro-batches] of the slowest tensor-parallel rank's duration."""
+    grid = np.full((replicas, stages, mbs), np.nan)
+    worst = rows.groupby(["dp_rank", "stage", "mb_id"])["duration"].max()
+    idx = worst.index.to_frame().to_numpy(np.int64)
+    grid[idx[:, 0], idx[:, 1], idx[:, 2]] = worst.to_numpy()
+    if np.isnan(grid).any():
+        r, s, j = (int(v[0]) for v in np.nonzero(np.isnan(grid)))
+        raise InputError(f"{source}: no duration for replica {r}, stage {s}, micro-batch {j}")
+    return grid
+
+
+def replay_step(ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "ops trace"
+                ) -> float:
+    """Predicted time of one step from its measured op durations."""
+    compute = ops[ops["optype"].isin(["forward-compute", "backward-compute"])]
+    if compute.empty or compute["mb_id"].isna().any():
+        raise InputError(f"{source}: step {ops['step'].iloc[0]} has compute ops without mb_id")
+    mbs = int(compute["mb_id"].max()) + 1
+    fwd = _grid(compute[compute["optype"] == "forward-compute"], meta.dp_size, meta.pp_size, mbs, source)
+    bwd = _grid(compute[compute["optype"] == "backward-compute"], meta.dp_size, meta.pp_size, mbs, source)
+    sends = ops.loc[ops["optype"].isin(SEND_OPTYPES), "duration"]
+    p2p = float(sends.median()) if len(sends) else 0.0
+    sync = ops[ops["optype"].isin(SYNC_OPTYPES)].groupby(["dp_rank", "stage"])["duration"].sum()
+    dp_sync = np.zeros((meta.dp_size, meta.pp_size))
+    if len(sync):
+        idx = sync.index.to_frame().to_numpy(np.int64)
+        dp_sync[idx[:, 0], idx[:, 1]] = sync.to_numpy()
+    optimizer = ops.loc[ops["optype"].str.startswith("optimizer"), "duration"]
+    per_replica = pipeline_step_time(fwd, bwd, schedule, p2p_s=p2p, dp_sync_s=dp_sync,
+                                     optimizer_s=float(optimizer.max()) if len(optimizer) else 0.0,
+                                     chunks=meta.vpp_size)
+    return float(per_replica.max())
+
+
+def replay_steps(ops: pd.DataFrame, meta: JobMeta, schedule: str, skip: int = 1,
+                 source: str = "ops trace") -> pd.DataFrame:
+    """One row per step: measured step time (slowest rank's ``step`` record) and prediction.
+    The first ``skip`` steps are warm-up and left out."""
+    measured = ops[ops["optype"] == "step"].groupby("step")["duration"].max()
+    if measured.empty:
+        raise InputError(f"{source}: no 'step' records (the runtime writes one per rank and step)")
+    rows = []
+    for step, step_ops in ops.groupby("step"):
+        if step < measured.index.min() + skip or step not in measured.index:
+            continue
+        rows.append({"step": int(step), "measured_s": float(measured[step]),
+                     "predicted_s": replay_step(step_ops, meta, schedule, source)})
+    out = pd.DataFrame(rows)
+    out["ape"] = (out["predicted_s"] - out["measured_s"]).abs() / out["measured_s"] * 100
+    return out
