@@ -20,6 +20,7 @@ app = typer.Typer(
 # Each module defines ``register(app)``; the order is the order of ``resihp --help``.
 COMMAND_MODULES = [
     "resihp.perf.commands",
+    "resihp.detect.commands",
     "resihp.runtime.commands",
 ]
 

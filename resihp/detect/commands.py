@@ -1,0 +1,113 @@
+"""CLI verbs of the detector: ``resihp detect`` and ``resihp detect-eval``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from resihp.errors import InputError
+from resihp.progress import progress_bar
+
+
+def detect_cmd(
+    trace: Annotated[Path, typer.Argument(help="Ops trace (.parquet or .csv), or an Alibaba PAI "
+                                          "mini-batch file with --input-format alibaba")],
+    meta: Annotated[Path, typer.Option(help="Job meta YAML (dp_size, pp_size, tp_size, world_size, "
+                                       "optional model fields); default: sizes implied by the trace")] = None,
+    model: Annotated[Path, typer.Option(help="Trained micro-batch predictor (models/NAME) for the "
+                                        "expected compute; needs the meta's model fields")] = None,
+    method: Annotated[str, typer.Option(help="resihp, or a baseline: raw-threshold, relative-score, "
+                                        "iteration-changepoint")] = "resihp",
+    input_format: Annotated[str, typer.Option("--input-format", help="ops or alibaba")] = "ops",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the event JSON")] = False,
+) -> None:
+    """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file)."""
+    from resihp.detect.alibaba import read_alibaba_job
+    from resihp.detect.evaluate import METHODS, run_methods
+    from resihp.detect.events import events_json
+    from resihp.detect.expected import load_expected, stage_shape
+    from resihp.detect.observe import infer_meta
+    from resihp.opstrace import read_meta, read_ops_trace
+
+    if method not in METHODS:
+        raise InputError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if input_format == "alibaba":
+        df, job = read_alibaba_job(trace)
+        meta_dict: dict | None = None
+    elif input_format == "ops":
+        df = read_ops_trace(trace)
+        job, meta_dict = read_meta(meta) if meta is not None else (infer_meta(df), None)
+    else:
+        raise InputError(f"--input-format: expected ops or alibaba, got {input_format!r}")
+    if input_format == "alibaba" and meta is not None:
+        job, meta_dict = read_meta(meta)
+    expected = load_expected(model, stage_shape(job, meta_dict)) if model is not None else None
+    with warnings.catch_warnings():  # ranks absent from a step are NaN by design
+        warnings.simplefilter("ignore", RuntimeWarning)
+        found, obs = run_methods(df, job, [method], expected, meta_dict)
+    ranks = int(df["rank"].nunique())
+    doc = events_json(found[method], steps=len(obs.steps), ranks=ranks, method=method,
+                      cost_model=obs.cost_model if method == "resihp" else "raw")
+    if json_out:
+        print(json.dumps(doc))
+        return
+    typer.echo(f"{trace}: {doc['steps']} steps, {ranks} ranks, method {method} "
+               f"(cost model: {doc['cost_model']}); {len(doc['events'])} event(s)")
+    for e in doc["events"]:
+        where = (f"rank {e['rank']} (dp {e['dp_rank']}, stage {e['stage']})" if e["rank"] is not None
+                 else f"stage {e['stage']}" if e["stage"] is not None else f"replica dp {e['dp_rank']}")
+        end = f"-{e['end_step']}" if e["end_step"] is not None else "-"
+        typer.echo(f"  {e['kind']:<18} {where:<28} steps {e['onset_step']}{end} detected at "
+                   f"{e['detected_step']}  x{e['slowdown']:.2f}  confidence {e['confidence']:.2f}")
+
+
+def detect_eval_cmd(
+    quick: Annotated[bool, typer.Option(help="A small suite (a few traces) for a fast check")] = False,
+    seed: int = 0,
+    profile: Annotated[Path, typer.Option(help="Profiling log giving the measured micro-batch "
+                                          "costs")] = None,
+    model: Annotated[Path, typer.Option(help="Trained predictor for resihp's expected compute "
+                                        "(default: analytic FLOPs of the sequence lengths)")] = None,
+    no_seq_lens: Annotated[bool, typer.Option("--no-seq-lens", help="Drop sequence lengths from the "
+                                              "traces (peer-normalised mode)")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
+) -> None:
+    """Score resihp and the baselines on labelled traces with injected fail-slows and link-slows."""
+    from resihp.detect.expected import load_expected
+    from resihp.detect.suite import DEFAULT_PROFILE, evaluate_suite, make_suite
+    from resihp.detect.synth import CostPool
+    from resihp.workload.flops import TransformerShape
+
+    profile = profile or DEFAULT_PROFILE
+    if not Path(profile).exists():
+        raise InputError(f"--profile {profile}: no such profiling log (write one with resihp profile)")
+    expected = None
+    if model is not None:
+        pool = CostPool.from_profile(profile)
+        expected = load_expected(model, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden))
+    n = len(make_suite(quick, seed))
+    with progress_bar("evaluating", n, enabled=not json_out) as advance, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = evaluate_suite(quick, seed, expected, profile, with_seq_lens=not no_seq_lens,
+                                on_progress=advance)
+    if json_out:
+        print(json.dumps(result))
+        return
+    typer.echo(f"{result['traces']} traces, {result['steps']} steps x {result['ranks_per_trace']} ranks; "
+               f"resihp cost model: {result['cost_model']}")
+    typer.echo(f"{'method':<24}{'precision':>10}{'recall':>8}{'F1':>7}{'FA/10k':>8}{'delay':>7}"
+               f"{'slow err':>9}")
+    for name, s in result["methods"].items():
+        delay = "-" if s["delay_steps_median"] is None else f"{s['delay_steps_median']:.0f}"
+        err = "-" if s["slowdown_error_median"] is None else f"{s['slowdown_error_median']:.1%}"
+        typer.echo(f"{name:<24}{s['precision']:>10.3f}{s['recall']:>8.3f}{s['f1']:>7.3f}"
+                   f"{s['false_alarms_per_10k_healthy_steps']:>8.1f}{delay:>7}{err:>9}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("detect")(detect_cmd)
+    app.command("detect-eval")(detect_eval_cmd)
