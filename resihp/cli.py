@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "resihp.perf.commands",
     "resihp.detect.commands",
     "resihp.runtime.commands",
+    "resihp.plan.commands",
 ]
 
 for _name in COMMAND_MODULES:

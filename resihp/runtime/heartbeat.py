@@ -41,6 +41,10 @@ class HeartbeatWriter:
                                    "pid": os.getpid(), "phase": self.phase}))
         os.replace(tmp, self.path)
 
+    def at_step(self, step: int) -> None:
+        self.step = step
+        self.beat()
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.beat()

@@ -24,7 +24,10 @@ class Fault:
     until: int | None = None  # first step at normal speed again (slow only)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        data = {k: v for k, v in self.__dict__.items() if v is not None}
+        if self.kind == "stop":
+            data.pop("factor")
+        return data
 
 
 def parse_fault(text: str) -> Fault:

@@ -111,7 +111,7 @@ def run(cfg: RunConfig) -> None:
     results = []
     try:
         for step in range(cfg.steps):
-            heart.step = step
+            heart.at_step(step)
             result = engine.train_step(step)
             results.append(result)
             if result.loss is not None and engine.dp_rank == 0:

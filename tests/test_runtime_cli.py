@@ -1,0 +1,87 @@
+"""``resihp run``: bad input exits 2 with one line; injected faults really happen; nothing hangs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resihp.opstrace import read_ops_trace
+from resihp.runtime.inject import parse_fault
+
+SMALL = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
+         "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--timeout", "30"]
+
+
+def resihp(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "resihp.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", "0"], "--dp: expected a positive integer"),
+    (["--pp", "5"], "cannot split 4 layers into 5 non-empty stages"),
+    (["--inject", "slow:rank=4,factor=2,step=1"], "no such rank (the world has ranks 0..3)"),
+    (["--inject", "slow:rank=1,factor=0.5,step=1"], "factor must be >= 1"),
+    (["--inject", "melt:rank=1"], "expected slow:rank=R"),
+    (["--layer-split", "3,3"], "expected 2 positive layer counts summing to 4"),
+    (["--dp-weights", "1,x"], "--dp-weights '1,x'"),
+    (["--hidden", "8192", "--ffn-hidden", "32768", "--heads", "64", "--layers", "64"], "model too large"),
+    (["--source", "nowhere.txt"], "length source 'nowhere.txt'"),
+    (["--schedule", "zigzag"], "--schedule"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = resihp("run", *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_fault_spec_parsing():
+    f = parse_fault("slow:rank=2,factor=2.5,step=7,until=9")
+    assert (f.kind, f.rank, f.factor, f.step, f.until) == ("slow", 2, 2.5, 7, 9)
+    assert parse_fault("stop:rank=1,time=3.5").time_s == 3.5
+
+
+@pytest.mark.slow
+def test_stop_kills_the_rank_and_the_job_ends_cleanly(tmp_path):
+    out = tmp_path / "stop"
+    proc = resihp("run", *SMALL, "--steps", "12", "--inject", "stop:rank=3,step=4", "--out", str(out),
+                  "--json")
+    assert proc.returncode == 1
+    summary = json.loads(proc.stdout)
+    assert summary["failure"]["kind"] == "fail-stop" and summary["failure"]["rank"] == 3
+    assert summary["failure"]["step"] == 4
+    assert "rank 3 stopped at step 4" in proc.stderr and "Traceback" not in proc.stderr
+    trace = read_ops_trace(out / "ops.parquet")  # what the ranks recorded before the stop is kept
+    assert trace[trace["rank"] == 3].step.max() == 3
+    assert set(trace["rank"]) == {0, 1, 2, 3}
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""  # no worker outlives the command
+
+
+@pytest.mark.slow
+def test_slow_rank_really_computes_slower(tmp_path):
+    out = tmp_path / "slow"
+    proc = resihp("run", *SMALL, "--steps", "8", "--inject", "slow:rank=2,factor=3,step=4",
+                  "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    trace = read_ops_trace(out / "ops.parquet")
+    comp = trace[trace.optype.isin(["forward-compute", "backward-compute"])]
+    per_token = comp.duration / comp.tokens
+    ratio = lambda rank, after: per_token[(comp["rank"] == rank) & ((comp.step >= 4) == after)].median()  # noqa: E731
+    # relative to a healthy rank: the sleeping rank frees CPU for the others on a shared machine
+    relative = (ratio(2, True) / ratio(2, False)) / (ratio(0, True) / ratio(0, False))
+    assert 2.3 < relative < 4.0, relative
+
+
+@pytest.mark.slow
+def test_worker_that_never_joins_is_a_clear_error(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
+    proc = subprocess.run([sys.executable, "-m", "resihp.runtime.worker", "--dp", "1", "--pp", "2",
+                           "--timeout-s", "3", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 3
+    assert "not every worker joined" in proc.stderr and "Traceback" not in proc.stderr
