@@ -33,7 +33,8 @@ class Op:
     mb: int
 
 
-def _rank_order(name: str, stages: int, microbatches: int, chunks: int, s: int) -> list[Op]:
+def rank_order(name: str, stages: int, microbatches: int, chunks: int, s: int) -> list[Op]:
+    """The ordered operations pipeline rank ``s`` runs in one step of schedule ``name``."""
     p, m, v = stages, microbatches, chunks
     if name == "gpipe":
         return [Op(FWD, s, j) for j in range(m)] + [Op(BWD, s, j) for j in range(m)]
@@ -95,7 +96,7 @@ def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1)
     elif chunks != 1:
         raise InputError(f"schedule {name!r} has one model chunk per rank, got chunks={chunks}")
     p, v = stages, chunks
-    orders = [_rank_order(name, p, microbatches, v, s) for s in range(p)]
+    orders = [rank_order(name, p, microbatches, v, s) for s in range(p)]
     ops = [op for order in orders for op in order]
     index = {op: i for i, op in enumerate(ops)}
     n = len(ops)
