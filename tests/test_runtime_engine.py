@@ -28,16 +28,19 @@ def step_losses(trace) -> np.ndarray:
 
 @pytest.mark.slow
 def test_layouts_train_the_same_model(tmp_path):
-    """The loss curve does not depend on the parallel layout, schedule, layer split or micro-batch
-    allocation: the loss is summed over tokens and divided by the global token count."""
+    """The loss curve does not depend on the parallel layout (DP, PP, Megatron TP), schedule, layer
+    split or micro-batch allocation: the loss is summed over tokens and divided by the global token count."""
     _, single = run(tmp_path, "single", dp=1, pp=1)
     summary, hybrid = run(tmp_path, "hybrid", dp=2, pp=2, schedule="1f1b")
     _, skewed = run(tmp_path, "skewed", dp=2, pp=2, schedule="gpipe", layer_split=[3, 1],
                     dp_weights=[3, 1])
+    _, tensor = run(tmp_path, "tensor", dp=1, pp=2, tp=2)
     reference = step_losses(single)
     assert reference[-1] < reference[0]  # it learns
     np.testing.assert_allclose(step_losses(hybrid), reference, rtol=1e-4)
     np.testing.assert_allclose(step_losses(skewed), reference, rtol=1e-4)
+    np.testing.assert_allclose(step_losses(tensor), reference, rtol=1e-4)
+    assert set(tensor["tp_rank"]) == {0, 1}
 
     # the trace follows the contract, with per-micro-batch sequence lengths on compute ops
     meta, extra = read_meta(tmp_path / "hybrid" / "job.yaml")

@@ -106,3 +106,22 @@ def test_data_source_rejects_bad_sizes():
         DataSource("text", global_tokens=4096, budget=512, max_len=1024, seed=0)
     with pytest.raises(InputError, match="length source"):
         DataSource("nope", global_tokens=4096, budget=512, max_len=512, seed=0)
+
+
+def test_tensor_parallel_shards_round_trip():
+    import torch
+
+    from resihp.runtime.model import GPTConfig, GPTStage, init_by_name
+    from resihp.runtime.tensor_parallel import TPContext, shard, unshard
+
+    cfg = GPTConfig(layers=1, hidden=32, heads=4, ffn_hidden=64, vocab=50)
+    full = GPTStage(cfg)
+    init_by_name(full, 7)
+    parts = []
+    for r in range(2):
+        part = GPTStage(cfg, tp=TPContext(2, r))
+        init_by_name(part, 7, TPContext(2, r), cfg.heads)
+        parts.append(dict(part.named_parameters()))
+    for name, p in full.named_parameters():
+        assert torch.equal(unshard(name, [parts[0][name], parts[1][name]], cfg.heads), p), name
+        assert torch.equal(shard(name, p, 2, 1, cfg.heads), parts[1][name]), name

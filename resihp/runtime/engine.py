@@ -24,6 +24,7 @@ from resihp.runtime.inject import FaultInjector
 from resihp.runtime.model import GPTStage, init_by_name, lm_loss
 from resihp.runtime.recorder import OpRecorder
 from resihp.runtime.schedule import schedule_for
+from resihp.runtime.tensor_parallel import TPContext
 
 
 @dataclass
@@ -53,6 +54,14 @@ class Engine:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.dp_group = group
+        tp_group = None
+        for dp_rank in range(self.dims.dp):
+            for stage in range(self.pp):
+                ranks = self.dims.tp_group_ranks(dp_rank, stage)
+                group = dist.new_group(ranks) if self.dims.tp > 1 else None
+                if self.rank in ranks:
+                    tp_group = group
+        self.tp = TPContext(self.dims.tp, self.coords.tp_rank, tp_group)
         self.prev = self.dims.rank_of(self.dp_rank, self.stage - 1, self.coords.tp_rank) if self.stage > 0 else None
         self.next = (self.dims.rank_of(self.dp_rank, self.stage + 1, self.coords.tp_rank)
                      if self.stage < self.pp - 1 else None)
@@ -67,8 +76,8 @@ class Engine:
 
     def build_stage(self, first: int, last: int) -> None:
         self.first, self.last = first, last
-        self.model = GPTStage(self.model_cfg, first, last)
-        init_by_name(self.model, self.cfg.seed)
+        self.model = GPTStage(self.model_cfg, first, last, self.tp)
+        init_by_name(self.model, self.cfg.seed, self.tp, self.model_cfg.heads)
         self.model.to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
 

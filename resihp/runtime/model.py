@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from resihp.errors import InputError
+from resihp.runtime.tensor_parallel import TPContext, copy_to_tp, full_shape, reduce_from_tp, shard
 from resihp.workload.flops import TransformerShape
 
 
@@ -62,21 +63,33 @@ def packed_causal_attention(
 class DecoderBlock(nn.Module):
     """Pre-norm decoder layer: LayerNorm, packed causal self-attention, LayerNorm, GELU MLP."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, tp: TPContext | None = None) -> None:
         super().__init__()
-        self.heads = cfg.heads
+        self.tp = tp or TPContext(1, 0)
+        size = self.tp.size
+        self.heads, self.head_dim = cfg.heads // size, cfg.hidden // cfg.heads
+        local = self.heads * self.head_dim
         self.ln1 = nn.LayerNorm(cfg.hidden)
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * local)  # column parallel (whole heads)
+        self.proj = nn.Linear(local, cfg.hidden)  # row parallel
         self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_hidden)
-        self.fc2 = nn.Linear(cfg.ffn_hidden, cfg.hidden)
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_hidden // size)  # column parallel
+        self.fc2 = nn.Linear(cfg.ffn_hidden // size, cfg.hidden)  # row parallel
+
+    def _row(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return layer(x)
+        # the bias is added once, after the partial products are summed
+        return reduce_from_tp(F.linear(x, layer.weight), self.tp) + layer.bias
 
     def forward(self, x: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-        tokens, hidden = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(tokens, 3, self.heads, hidden // self.heads).unbind(1)
-        x = x + self.proj(packed_causal_attention(q, k, v, seq_lens).reshape(tokens, hidden))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        tokens = x.shape[0]
+        h = copy_to_tp(self.ln1(x), self.tp)
+        q, k, v = self.qkv(h).view(tokens, 3, self.heads, self.head_dim).unbind(1)
+        attn = packed_causal_attention(q, k, v, seq_lens).reshape(tokens, self.heads * self.head_dim)
+        x = x + self._row(self.proj, attn)
+        h = copy_to_tp(self.ln2(x), self.tp)
+        return x + self._row(self.fc2, F.gelu(self.fc1(h)))
 
 
 def positions(seq_lens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -87,10 +100,12 @@ def positions(seq_lens: Sequence[int], device: torch.device | str = "cpu") -> to
 class GPTStage(nn.Module):
     """Layers ``[first, last)`` of the model; the first stage embeds, the last one has the LM head.
 
-    The whole model is ``GPTStage(cfg, 0, cfg.layers)``.
+    The whole model is ``GPTStage(cfg, 0, cfg.layers)``. With ``tp`` the decoder layers are
+    tensor parallel (``resihp.runtime.tensor_parallel``); embeddings and head stay replicated.
     """
 
-    def __init__(self, cfg: GPTConfig, first: int = 0, last: int | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, first: int = 0, last: int | None = None,
+                 tp: TPContext | None = None) -> None:
         super().__init__()
         last = cfg.layers if last is None else last
         if not 0 <= first < last <= cfg.layers:
@@ -100,7 +115,8 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.hidden)
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg) for i in range(first, last)})
+        self.tp = tp or TPContext(1, 0)
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, self.tp) for i in range(first, last)})
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
@@ -122,13 +138,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
-def init_by_name(module: nn.Module, seed: int, prefix: str = "") -> None:
+def init_by_name(module: nn.Module, seed: int, tp: TPContext | None = None, heads: int = 1) -> None:
     """Initialise every parameter from a generator seeded by (seed, its global name), so that a
-    layer starts from the same values whichever stage, replica or layout holds it."""
+    layer starts from the same values whichever stage, replica, tensor-parallel rank or layout
+    holds it (a tensor-parallel rank takes its slice of the global tensor)."""
     import zlib
 
+    tp = tp or TPContext(1, 0)
     with torch.no_grad():
-        for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+        for name, param in module.named_parameters():
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             leaf = name.rsplit(".", 1)[-1]
             if name.split(".")[-2].startswith("ln"):
@@ -136,5 +154,5 @@ def init_by_name(module: nn.Module, seed: int, prefix: str = "") -> None:
             elif leaf == "bias":
                 param.zero_()
             else:
-                full = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-                param.copy_(full)
+                full = torch.empty(full_shape(name, param.shape, tp.size)).normal_(0.0, 0.02, generator=gen)
+                param.copy_(shard(name, full, tp.size, tp.rank, heads))
