@@ -38,6 +38,14 @@ class Pipeline:
     stages: tuple[Stage, ...]
     microbatches: int
     home: int | None = None  # index of the replica of the healthy layout it was built from
+    tokens: int | None = None  # its share of the global batch; None: microbatches x model budget
+
+    def share(self, model: ModelSpec) -> int:
+        return self.tokens if self.tokens is not None else self.microbatches * model.microbatch_tokens
+
+    def budget(self, model: ModelSpec) -> float:
+        """Mean tokens per micro-batch (the packing budget is its ceiling)."""
+        return self.share(model) / self.microbatches if self.microbatches else 0.0
 
     @property
     def ranks(self) -> list[int]:
@@ -100,6 +108,7 @@ class Plan:
             "ranks": ranks,
             "pipelines": [
                 {"dp_rank": p.dp_rank, "home": p.home, "microbatches": p.microbatches,
+                 **({"tokens": p.tokens} if p.tokens is not None else {}),
                  "stages": [{"stage": s, "tp": st.tp, "ranks": list(st.ranks),
                              "layers": list(st.layers)} for s, st in enumerate(p.stages)]}
                 for p in self.pipelines],
@@ -162,10 +171,11 @@ class Plan:
                 if len(layers) != 2 or not all(isinstance(x, int) for x in layers):
                     raise InputError(f"{where}: {sctx}field 'layers' must be [start, end)")
                 stages.append(Stage(tuple(ranks), (layers[0], layers[1])))
-            home = p.get("home") if isinstance(p, Mapping) else None
+            home = p.get("home")
+            tokens = need(p, "tokens", int, ctx) if "tokens" in p else None
             pipelines.append(Pipeline(need(p, "dp_rank", int, ctx), tuple(stages),
                                       need(p, "microbatches", int, ctx),
-                                      home if isinstance(home, int) else None))
+                                      home if isinstance(home, int) else None, tokens))
         excluded = [r["rank"] for r in data.get("ranks", []) or []
                     if isinstance(r, Mapping) and r.get("excluded")]
         num = {k: float(data[k]) for k in ("step_time_s", "tokens_per_s", "capacity_tokens_per_s",
@@ -219,7 +229,7 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
                     problems.append(f"{name}: rank {r} is dead")
             in_flight = len(p.stages) - s if model.schedule == "1f1b" else p.microbatches
             need = stage_memory_gb(model, stage.n_layers, stage.tp, min(in_flight, p.microbatches),
-                                   s == 0, s == len(p.stages) - 1)
+                                   s == 0, s == len(p.stages) - 1, p.budget(model))
             have = min(cluster.devices[r].memory_gb for r in stage.ranks
                        if 0 <= r < len(cluster)) - cluster.memory_reserve_gb
             if need > have + 1e-9:
@@ -229,6 +239,10 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
                             f"{model.layers}")
         if p.microbatches < 1:
             problems.append(f"pipeline {p.dp_rank}: {p.microbatches} micro-batches")
+        elif p.tokens is not None and -(-p.tokens // p.microbatches) < model.max_seq_len:
+            problems.append(f"pipeline {p.dp_rank}: micro-batch budget "
+                            f"{-(-p.tokens // p.microbatches)} tokens is below max_seq_len "
+                            f"{model.max_seq_len}")
     dps = sorted(p.dp_rank for p in plan.pipelines)
     if dps != list(range(len(dps))):
         problems.append(f"data-parallel ranks {dps} are not 0..{len(dps) - 1}")
@@ -238,8 +252,8 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
             problems.append(f"rank {r} is both placed and excluded")
         elif r not in seen and r not in excluded:
             problems.append(f"rank {r} is neither placed nor excluded")
-    total = sum(p.microbatches for p in plan.pipelines)
-    if total != model.microbatches:
-        problems.append(f"micro-batches sum to {total}, the global batch needs "
-                        f"{model.microbatches}")
+    total = sum(p.share(model) for p in plan.pipelines)
+    if total != model.global_batch_tokens:
+        problems.append(f"replica shares sum to {total} tokens, the global batch is "
+                        f"{model.global_batch_tokens}")
     return problems

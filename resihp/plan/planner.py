@@ -35,6 +35,7 @@ from resihp.plan.pipeline_solver import PipelineSolution, solve_pipeline
 from resihp.plan.plan import Layout, Pipeline, Plan, Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import CapacityBound, StageCoster, capacity_fraction, evaluate
+from resihp.plan.tokens import balance_tokens
 
 
 def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
@@ -75,9 +76,13 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     tflops = max(d.tflops for d in cluster.devices)
     f, b = coster.layer_fb(layout.tp, tflops)
     hf, hb = coster.head_fb(layout.tp, tflops)
-    stage = (model.layers * (f + b) + hf + hb) / layout.pp
+    per_stage = np.array([[(model.layers * f + hf) / layout.pp, (model.layers * b + hb) / layout.pp]]
+                         * layout.pp)
     m = model.microbatches / layout.dp
-    step = (m + layout.pp - 1) * stage + 2.0 * (layout.pp - 1) * coster.p2p_s
+    lo = max(1, int(np.floor(m)))
+    t_lo = _equal_stages_step(per_stage, lo, model.schedule, coster.p2p_s)
+    t_hi = _equal_stages_step(per_stage, lo + 1, model.schedule, coster.p2p_s)
+    step = t_lo + (m - lo) * (t_hi - t_lo)  # linear in m for equal stages
     if layout.dp > 1:
         shard = model.layers / layout.pp * model.params_per_layer * 2 / layout.tp
         step += 2.0 * (layout.dp - 1) / layout.dp * shard / (cluster.inter_node_gbs * 1e9)
@@ -87,6 +92,15 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     total = sum(d.tflops for d in cluster.devices)
     frac = capacity_fraction(cluster)
     return CapacityBound(tokens * total / used * frac, tokens, frac, layout)
+
+
+def _equal_stages_step(per_stage: np.ndarray, m: int, schedule: str, p2p_s: float) -> float:
+    from resihp.perf.schedule import pipeline_step_time
+
+    p = len(per_stage)
+    return float(pipeline_step_time(np.broadcast_to(per_stage[:, :1], (p, m)),
+                                    np.broadcast_to(per_stage[:, 1:], (p, m)), schedule,
+                                    p2p_s=p2p_s))
 
 
 def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: Layout, where: str) -> None:
@@ -108,14 +122,17 @@ class Planner:
     """``Planner(cost_model).plan(cluster, model, current, time_limit_s) -> Plan``.
 
     ``horizon_steps``: steps over which a state migration is amortised when weighed against the
-    step-time gain it buys. ``threads``: pipelines solved at once.
+    step-time gain it buys. ``threads``: pipelines solved at once. ``token_budgets``: also give
+    replicas unequal shares of the global batch's tokens (``Pipeline.tokens``) where whole
+    micro-batches are too coarse; turn off for a runtime that packs one fixed budget.
     """
 
     name = "resihp"
 
     def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, token_budgets: bool = True) -> None:
         self.cost = cost_model or AnalyticCost()
+        self.token_budgets = token_budgets
         self.horizon_steps = horizon_steps
         self.threads = threads or max(1, os.cpu_count() or 1)
         self._healthy: dict[tuple, Plan] = {}
@@ -177,9 +194,15 @@ class Planner:
                 raise InputError(f"cluster {cluster.name}: no replica of layout tp={layout.tp} "
                                  f"pp={layout.pp} can run model {model.name} on the remaining "
                                  "devices")
-            alloc, status, gap = allocate_microbatches(
-                [solutions[r].step(1) for r in live], [solutions[r].max_s for r in live],
-                model.microbatches, per_solve)
+            # T_r(m) ~ T_r(1) + (m - 1) * slope_r through the schedule's dependency graph,
+            # the slope taken up to the replica's present share (p2p latencies included)
+            first, each = [], []
+            for r in live:
+                m_ref = max(2, share[r])
+                t1 = coster.pipeline_step(solutions[r].stages, 1)
+                first.append(t1)
+                each.append((coster.pipeline_step(solutions[r].stages, m_ref) - t1) / (m_ref - 1))
+            alloc, status, gap = allocate_microbatches(first, each, model.microbatches, per_solve)
             statuses.append(f"allocation:{status}")
             gaps.append(gap)
             out = [0] * layout.dp
@@ -211,6 +234,18 @@ class Planner:
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
         if reformed and len(reformed) < sum(s is not None for s in solutions.values()):
             candidates.append(self._assemble(cluster, layout, solutions, allocate(reformed)))
+        if self.token_budgets:
+            # Whole micro-batches are coarse when replicas have few: also keep every live
+            # replica's healthy micro-batch count and move tokens instead.
+            even = even_split(model.microbatches, layout.dp)
+            kept = [even[r] if solutions[r] is not None else 0 for r in range(layout.dp)]
+            extra = [self._assemble(cluster, layout, solutions, kept)]
+            if reformed:
+                extra.append(self._assemble(cluster, layout, solutions,
+                                            [0 if r in reformed else m for r, m in enumerate(kept)]))
+            candidates += [balance_tokens(c, coster) for c in candidates + extra]
+        candidates = [c for c in candidates if c.pipelines and sum(
+            p.share(model) for p in c.pipelines) == model.global_batch_tokens]
         for plan in candidates:
             evaluate(plan, coster, bound, current)
         plan = min(candidates, key=lambda p: (round(p.step_time_s, 9), p.migration_s))

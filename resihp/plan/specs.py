@@ -36,7 +36,8 @@ def _number(data: Mapping, key: str, where: str, default: Any = None, *, positiv
         raise InputError(f"{where}: field {key!r} is missing (expected a number)")
     kind = "integer" if integer else "number"
     if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
-        raise InputError(f"{where}: field {key!r} must be a {kind}, got {value!r}")
+        raise InputError(f"{where}: field {key!r} must be {'an' if integer else 'a'} {kind}, "
+                         f"got {value!r}")
     if positive and value <= 0:
         raise InputError(f"{where}: field {key!r} must be a positive {kind}, got {value!r}")
     if minimum is not None and value < minimum:
@@ -351,7 +352,7 @@ class ModelSpec:
 
 
 def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
-                    first: bool, last: bool) -> float:
+                    first: bool, last: bool, microbatch_tokens: float | None = None) -> float:
     """Memory of one device of a stage: model state of its layer shard plus the activations of the
     micro-batches in flight (1F1B: pipeline depth minus stage index; GPipe: all)."""
     state = layers * model.params_per_layer
@@ -360,5 +361,6 @@ def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
     if last:
         state += model.embedding_params  # untied LM head
     act_per_token = model.activation_bytes_per_token_layer or 34.0 * model.hidden
-    activations = in_flight * layers * model.microbatch_tokens * act_per_token
+    tokens = microbatch_tokens or model.microbatch_tokens
+    activations = in_flight * layers * tokens * act_per_token
     return (state * model.state_bytes_per_param + activations) / tp / 1e9

@@ -38,6 +38,7 @@ class StageCoster:
         self.cluster, self.model, self.cost = cluster, model, cost
         self._layer: dict[tuple[int, float], tuple[float, float]] = {}
         self._head: dict[tuple[int, float], tuple[float, float]] = {}
+        self._steps: dict[tuple, float] = {}
 
     def layer_fb(self, tp: int, tflops: float) -> tuple[float, float]:
         key = (tp, tflops)
@@ -68,13 +69,15 @@ class StageCoster:
         f, b = self.head_fb(len(ranks), tflops)
         return (f / speed, b / speed) if speed > 0 else (np.inf, np.inf)
 
-    def stage_fb(self, stage: Stage, last: bool) -> tuple[float, float]:
+    def stage_fb(self, stage: Stage, last: bool, scale: float = 1.0) -> tuple[float, float]:
+        """(fwd, bwd) seconds of one micro-batch on the stage; ``scale``: its tokens over the
+        model's micro-batch budget (compute, TP and p2p traffic all grow with tokens)."""
         f, b = self.per_layer_s(stage.ranks)
         f, b = f * stage.n_layers, b * stage.n_layers
         if last:
             hf, hb = self.head_s(stage.ranks)
             f, b = f + hf, b + hb
-        return f, b
+        return f * scale, b * scale
 
     def memory_free_gb(self, ranks: tuple[int, ...]) -> float:
         return min(self.cluster.devices[r].memory_gb for r in ranks) - self.cluster.memory_reserve_gb
@@ -88,11 +91,20 @@ class StageCoster:
         """Model state of one layer on one device of a TP group of size ``tp``."""
         return self.model.params_per_layer * self.model.state_bytes_per_param / tp / 1e9
 
-    def pipeline_step(self, stages: tuple[Stage, ...], m: int) -> float:
+    def pipeline_step(self, stages: tuple[Stage, ...], m: int, scale: float = 1.0) -> float:
+        """One replica's step through the schedule's dependency graph (no gradient sync)."""
         if m < 1 or not stages:
             return 0.0
-        fb = np.array([self.stage_fb(s, i == len(stages) - 1) for i, s in enumerate(stages)])
-        return closed_form_step(fb[:, 0], fb[:, 1], m, self.model.schedule, self.p2p_s)
+        fb = tuple(self.stage_fb(s, i == len(stages) - 1, scale) for i, s in enumerate(stages))
+        key = (fb, m, scale)
+        if key not in self._steps:
+            from resihp.perf.schedule import pipeline_step_time
+
+            arr = np.array(fb)
+            self._steps[key] = float(pipeline_step_time(
+                np.broadcast_to(arr[:, :1], (len(fb), m)), np.broadcast_to(arr[:, 1:], (len(fb), m)),
+                self.model.schedule, p2p_s=self.p2p_s * scale))
+        return self._steps[key]
 
     def dp_sync_s(self, plan: Plan) -> float:
         """Ring all-reduce of bf16 gradients across replicas; the largest per-device shard dominates."""
@@ -143,11 +155,8 @@ def evaluate(plan: Plan, coster: StageCoster, bound: CapacityBound | None = None
              current: Plan | None = None) -> Plan:
     """Fill the plan's predicted step time, throughput, bound ratio and migration cost."""
     placed_dead = any(not coster.cluster.devices[r].alive for p in plan.pipelines for r in p.ranks)
-    if placed_dead or not plan.pipelines:
-        step = float("inf")  # a job that still waits on a dead rank makes no progress
-    else:
-        step = max(coster.pipeline_step(p.stages, p.microbatches) for p in plan.pipelines)
-        step += coster.dp_sync_s(plan)
+    # a job that still waits on a dead rank makes no progress
+    step = float("inf") if placed_dead or not plan.pipelines else critical_path_step(plan, coster)
     plan.step_time_s = step
     plan.tokens_per_s = coster.model.global_batch_tokens / step if np.isfinite(step) else 0.0
     if bound is not None:
@@ -155,6 +164,29 @@ def evaluate(plan: Plan, coster: StageCoster, bound: CapacityBound | None = None
         plan.bound_ratio = plan.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s else 0.0
     plan.migration_s = migration_seconds(current, plan, coster)
     return plan
+
+
+def critical_path_step(plan: Plan, coster: StageCoster) -> float:
+    """The plan's step time through the schedule's dependency graph
+    (``resihp.perf.schedule.pipeline_step_time``), slowest replica, plus the gradient all-reduce.
+    Replicas with the same stage times are evaluated once."""
+    from resihp.perf.schedule import pipeline_step_time
+
+    by_shape: dict[tuple[int, int], set[tuple]] = {}
+    for p in plan.pipelines:
+        scale = p.budget(coster.model) / coster.model.microbatch_tokens
+        fb = tuple(coster.stage_fb(s, i == len(p.stages) - 1, scale) for i, s in enumerate(p.stages))
+        by_shape.setdefault((len(p.stages), p.microbatches), set()).add((fb, scale))
+    worst = 0.0
+    for (stages, m), rows in by_shape.items():
+        rows = sorted(rows)
+        arr = np.array([fb for fb, _ in rows])  # [replicas, stages, 2]
+        fwd = np.broadcast_to(arr[:, :, :1], (len(arr), stages, m))
+        bwd = np.broadcast_to(arr[:, :, 1:], (len(arr), stages, m))
+        p2p = coster.p2p_s * np.array([scale for _, scale in rows])
+        step = pipeline_step_time(fwd, bwd, coster.model.schedule, p2p_s=p2p)
+        worst = max(worst, float(np.max(step)))
+    return worst + coster.dp_sync_s(plan)
 
 
 def capacity_fraction(cluster: ClusterSpec) -> float:

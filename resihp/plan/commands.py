@@ -1,0 +1,93 @@
+"""``resihp plan``: plan a cluster and model (optionally re-plan from the plan in force)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from resihp.errors import InputError
+
+
+def parse_speeds(items: list[str] | None) -> dict[str, float]:
+    """``--speed 5=0.4 --speed node3/2=0`` -> {"5": 0.4, "node3/2": 0.0}."""
+    out: dict[str, float] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key:
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise InputError(f"--speed {item!r}: expected DEVICE=SPEED, e.g. 5=0.4 or node0/3=0 "
+                             "(speed 1 healthy, 0 dead)") from None
+    return out
+
+
+def plan_table(plan, console: Console) -> None:
+    table = Table(title=f"{plan.policy} plan: layout tp={plan.layout.tp} pp={plan.layout.pp} "
+                        f"dp={plan.layout.dp}")
+    for col in ("dp", "home", "micro-batches", "stages: ranks [layers)"):
+        table.add_column(col)
+    for p in plan.pipelines:
+        stages = "  ".join(f"{','.join(map(str, s.ranks)) if s.tp <= 4 else f'{s.ranks[0]}..{s.ranks[-1]}'}"
+                           f"[{s.layers[0]},{s.layers[1]})" for s in p.stages)
+        table.add_row(str(p.dp_rank), str(p.home), str(p.microbatches), stages)
+    console.print(table)
+    console.print(
+        f"step {plan.step_time_s:.3f} s   {plan.tokens_per_s:,.0f} tokens/s   "
+        f"{plan.bound_ratio:.3f} of the capacity bound ({plan.capacity_tokens_per_s:,.0f} tokens/s)   "
+        f"migration {plan.migration_s:.2f} s   excluded {len(plan.excluded)} ranks   "
+        f"solver {plan.solver.get('status')} in {plan.solver.get('solve_s', math.nan):.2f} s")
+
+
+def plan_cmd(
+    cluster: Annotated[Path, typer.Option(help="Cluster YAML (nodes, devices, bandwidth)")],
+    model: Annotated[Path, typer.Option(help="Model YAML (shape, batch, schedule)")],
+    current: Annotated[Path | None, typer.Option(help="Plan in force (JSON) to re-plan from")] = None,
+    speed: Annotated[list[str] | None, typer.Option(
+        help="Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable")] = None,
+    policy: Annotated[str, typer.Option(
+        help="resihp, uniform, resihp-heuristic or drop-replica")] = "resihp",
+    time_limit: Annotated[float, typer.Option(help="Solver time limit, seconds")] = 5.0,
+    horizon: Annotated[float, typer.Option(
+        help="Steps over which a state migration is amortised")] = 100.0,
+    predictor: Annotated[Path | None, typer.Option(
+        help="Learned micro-batch predictor directory to use as the cost model")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plan JSON")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
+) -> None:
+    """Plan TP groups, layer split and micro-batches around slow and dead devices."""
+    from resihp.plan.baselines import make_policy
+    from resihp.plan.cost import AnalyticCost, PredictorCost
+    from resihp.plan.plan import Plan
+    from resihp.plan.specs import ClusterSpec, ModelSpec
+
+    if not time_limit > 0:
+        raise InputError(f"--time-limit: must be positive seconds, got {time_limit}")
+    if not horizon >= 1:
+        raise InputError(f"--horizon: must be at least 1 step, got {horizon}")
+    spec = ClusterSpec.from_yaml(cluster).with_speeds(parse_speeds(speed), where="--speed")
+    mspec = ModelSpec.from_yaml(model)
+    cost = PredictorCost.load(str(predictor)) if predictor else AnalyticCost()
+    planner = make_policy(policy, cost, horizon_steps=horizon)
+    now = Plan.load(current) if current else None
+    if now is not None:
+        now.check_against(spec, where=str(current))
+    result = planner.plan(spec, mspec, now, time_limit_s=time_limit)
+    if output:
+        result.save(output)
+    if json_out:
+        print(json.dumps(result.to_dict()))
+    else:
+        plan_table(result, Console(file=sys.stdout))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_cmd)

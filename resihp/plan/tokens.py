@@ -1,0 +1,80 @@
+"""Token budgets per replica: the fine-grained complement of moving whole micro-batches.
+
+With few micro-batches per replica (4 at 16k GPUs), moving one micro-batch off a slow replica
+overloads another by a whole micro-batch. Instead each replica keeps its micro-batch count and
+its share of the global batch's tokens is set so that replicas finish together. A replica's step
+is linear in its micro-batch size (compute, tensor-parallel and pipeline traffic all scale with
+tokens), so this is a linear program, solved with OR-Tools GLOP:
+
+    minimise T  s.t.  T >= a_r * tau_r,  sum_r m_r * tau_r = global tokens,
+                      max_seq_len <= tau_r <= memory limit of replica r
+
+then rounded to whole tokens with the global batch kept exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+
+from resihp.plan.plan import Plan
+from resihp.plan.specs import stage_memory_gb
+from resihp.plan.timing import StageCoster
+
+
+def budget_limit(coster: StageCoster, plan_pipeline) -> float:
+    """Largest micro-batch (tokens) every stage of the replica can hold in memory."""
+    model = coster.model
+    stages = plan_pipeline.stages
+    limit = np.inf
+    for s, stage in enumerate(stages):
+        in_flight = len(stages) - s if model.schedule == "1f1b" else plan_pipeline.microbatches
+        in_flight = min(in_flight, plan_pipeline.microbatches)
+        first, last = s == 0, s == len(stages) - 1
+        state = stage_memory_gb(model, stage.n_layers, stage.tp, 0, first, last)
+        per_token = (stage_memory_gb(model, stage.n_layers, stage.tp, in_flight, first, last, 1.0)
+                     - state)
+        limit = min(limit, (coster.memory_free_gb(stage.ranks) - state) / per_token)
+    return float(limit)
+
+
+def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
+    """A copy of the plan whose replicas' token shares equalise their predicted finish times
+    (micro-batch counts and layouts unchanged). Returns the plan itself when nothing can move."""
+    model = coster.model
+    pipes = plan.pipelines
+    if len(pipes) < 2:
+        return plan
+    tau0 = model.microbatch_tokens
+    # seconds per token of micro-batch size; replicas with equal rows share one LP variable
+    rows: dict[tuple[float, int, float], list[int]] = {}
+    for i, p in enumerate(pipes):
+        rate = coster.pipeline_step(p.stages, p.microbatches) / tau0
+        rows.setdefault((rate, p.microbatches, budget_limit(coster, p)), []).append(i)
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    span = solver.NumVar(0.0, solver.infinity(), "span")
+    taus = []
+    for k, (rate, _m, limit) in enumerate(rows):
+        hi = max(float(model.max_seq_len), limit - 1.0)
+        tau = solver.NumVar(float(model.max_seq_len), hi, f"tau{k}")
+        solver.Add(span >= rate * tau)
+        taus.append(tau)
+    solver.Add(sum(m * len(members) * tau for (_, m, _), members, tau
+                   in zip(rows, rows.values(), taus)) == float(model.global_batch_tokens))
+    solver.Minimize(span)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return plan
+    shares = np.zeros(len(pipes))
+    for ((_, m, _), members), tau in zip(rows.items(), taus):
+        shares[members] = m * tau.solution_value()
+    tokens = np.floor(shares).astype(np.int64)
+    short = model.global_batch_tokens - int(tokens.sum())
+    for i in np.argsort(-(shares - tokens))[:max(0, short)]:
+        tokens[i] += 1
+    if tokens.sum() != model.global_batch_tokens:
+        return plan
+    new = [replace(p, tokens=None if t == p.microbatches * tau0 else int(t))
+           for p, t in zip(pipes, tokens.tolist())]
+    return replace(plan, pipelines=new)

@@ -1,0 +1,142 @@
+import networkx as nx
+import pytest
+
+from resihp.errors import InputError
+from resihp.paths import TRACES
+from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
+
+CLUSTERS = TRACES / "clusters"
+MODELS = TRACES / "models"
+
+
+def small_cluster(**over):
+    data = {"name": "t", "device": {"memory_gb": 80, "tflops": 400},
+            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 40},
+            "nodes": {"count": 2, "devices": 4}}
+    data.update(over)
+    return data
+
+
+@pytest.mark.parametrize("name,devices", [("h100-8", 8), ("h100-64", 64), ("h100-256", 256),
+                                          ("h100-1024", 1024), ("cpu-4", 4),
+                                          ("h100-8-degraded", 8)])
+def test_example_clusters_load(name, devices):
+    cluster = ClusterSpec.from_yaml(CLUSTERS / f"{name}.yaml")
+    assert len(cluster) == devices
+    assert sum(len(r) for r in cluster.node_ranks) == devices
+
+
+def test_degraded_example_has_its_faults():
+    cluster = ClusterSpec.from_yaml(CLUSTERS / "h100-8-degraded.yaml")
+    assert cluster.devices[3].speed == 0.4
+    assert not cluster.devices[6].alive
+    assert cluster.rank_of("node0/6") == 6
+
+
+@pytest.mark.parametrize("name", ["gpt-7b", "gpt-13b", "gpt-70b", "cpu-small"])
+def test_example_models_load(name):
+    model = ModelSpec.from_yaml(MODELS / f"{name}.yaml")
+    assert model.microbatches * model.microbatch_tokens == model.global_batch_tokens
+
+
+def test_model_sizes_are_their_class():
+    params = {n: ModelSpec.from_yaml(MODELS / f"{n}.yaml") for n in ("gpt-7b", "gpt-13b", "gpt-70b")}
+    total = {n: m.layers * m.params_per_layer + 2 * m.embedding_params for n, m in params.items()}
+    assert 6e9 < total["gpt-7b"] < 8e9
+    assert 12e9 < total["gpt-13b"] < 14e9
+    assert 60e9 < total["gpt-70b"] < 75e9
+
+
+def test_small_model_matches_runtime_config():
+    from resihp.runtime.model import GPTConfig
+
+    model = ModelSpec.from_yaml(MODELS / "cpu-small.yaml")
+    cfg = GPTConfig()
+    assert (model.layers, model.hidden, model.heads, model.ffn_hidden, model.vocab) == \
+        (cfg.layers, cfg.hidden, cfg.heads, cfg.ffn_hidden, cfg.vocab)
+
+
+def test_topology_graph_carries_bandwidths():
+    cluster = ClusterSpec.from_dict(small_cluster())
+    graph = cluster.topology()
+    assert graph.nodes[5]["kind"] == "device"
+    path = nx.shortest_path(graph, 0, 5)
+    assert path == [0, "node0", "fabric", "node1", 5]
+    assert cluster.bandwidth_gbs(0, 1) == 300 and cluster.bandwidth_gbs(0, 5) == 40
+
+
+def test_with_speeds_by_rank_and_name():
+    cluster = ClusterSpec.from_dict(small_cluster()).with_speeds({1: 0.5, "n1/2": 0.0})
+    assert cluster.devices[1].speed == 0.5
+    assert not cluster.devices[6].alive
+    assert cluster.healthy().devices[6].speed == 1.0
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"nodes": []}, "field 'nodes' must be a non-empty list"),
+    ({"nodes": [{"devices": 0}]}, r"nodes\[0\]: field 'devices' must be positive"),
+    ({"device": {"memory_gb": 80}}, "field 'tflops' is missing"),
+    ({"device": {"memory_gb": -1, "tflops": 1}}, "'memory_gb' must be a positive number"),
+    ({"nodes": [{"devices": [{"speed": 1.5}]}]}, "'speed' must be <= 1.0"),
+    ({"nodes": [{"name": "a", "devices": 1}, {"name": "a", "devices": 1}]}, "used twice"),
+    ({"speeds": {"n9/0": 0.5}}, "unknown device 'n9/0'"),
+    ({"speeds": {3: "slow"}}, "must be a number in"),
+    ({"bandwidth": {"intra_node_gbs": 0}}, "intra_node_gbs' must be a positive"),
+])
+def test_bad_cluster_is_one_line_error(over, match):
+    with pytest.raises(InputError, match=match) as err:
+        ClusterSpec.from_dict(small_cluster(**over), where="c.yaml")
+    assert "\n" not in str(err.value) and str(err.value).startswith("c.yaml")
+
+
+def test_unreadable_and_non_mapping_yaml(tmp_path):
+    with pytest.raises(InputError, match="cannot read cluster"):
+        ClusterSpec.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(InputError, match="expected a YAML mapping"):
+        ModelSpec.from_yaml(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("layers: [1,\n")
+    with pytest.raises(InputError, match="not valid YAML"):
+        ModelSpec.from_yaml(broken)
+
+
+MODEL = {"layers": 4, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 4096,
+         "max_seq_len": 2048, "global_batch_tokens": 65536, "microbatch_tokens": 2048}
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"layers": 0}, "'layers' must be a positive integer"),
+    ({"hidden": 250}, "divisible by heads"),
+    ({"global_batch_tokens": 1000}, "multiple of microbatch_tokens"),
+    ({"microbatch_tokens": 1024, "global_batch_tokens": 65536}, ">= max_seq_len"),
+    ({"schedule": "zigzag"}, "schedule' must be one of"),
+    ({"tp": 3}, "tp must be a power of two"),
+    ({"pp": 9}, "exceeds the number of layers"),
+    ({"vocab": "big"}, "'vocab' must be an integer"),
+])
+def test_bad_model_is_one_line_error(over, match):
+    with pytest.raises(InputError, match=match) as err:
+        ModelSpec.from_dict({**MODEL, **over}, where="m.yaml")
+    assert str(err.value).startswith("m.yaml")
+
+
+def test_missing_model_field_names_it():
+    data = dict(MODEL)
+    del data["vocab"]
+    with pytest.raises(InputError, match="m.yaml: field 'vocab' is missing"):
+        ModelSpec.from_dict(data, where="m.yaml")
+
+
+def test_stage_memory_grows_with_layers_and_in_flight_and_shrinks_with_tp():
+    model = ModelSpec.from_yaml(MODELS / "gpt-70b.yaml")
+    base = stage_memory_gb(model, 10, 8, 4, False, False)
+    assert stage_memory_gb(model, 11, 8, 4, False, False) > base
+    assert stage_memory_gb(model, 10, 8, 5, False, False) > base
+    assert stage_memory_gb(model, 10, 4, 4, False, False) == pytest.approx(2 * base)
+    assert stage_memory_gb(model, 10, 8, 4, True, False) > base
+    # 16 bytes per parameter: one layer's model state on one device with tp=8
+    state = model.params_per_layer * 16 / 8 / 1e9
+    act = stage_memory_gb(model, 1, 8, 1, False, False) - state
+    assert act == pytest.approx(model.microbatch_tokens * 34 * model.hidden / 8 / 1e9)
