@@ -2,7 +2,8 @@
 
 Compute: the analytic FLOPs of ``resihp.workload.flops`` (dense + document-masked attention, backward
 twice forward) for the stage's layers, divided by the device's effective rate (peak x MFU) and the
-tensor-parallel group size. The learned predictor of ``resihp.perf`` is trained on the machine that
+tensor-parallel group size, plus the tensor-parallel all-reduces (two per layer each way, at the
+intra-node link speed). The learned predictor of ``resihp.perf`` is trained on the machine that
 profiled it; cluster-scale replay of A100/H100 models uses the analytic model scaled to the device,
 with the per-step noise measured from real jobs (``resihp.replay.noise``).
 
@@ -94,3 +95,11 @@ def comm_seconds(scenario, stage_layers_max: float, tp: int, dp: int) -> tuple[f
     sync = 2.0 * (dp - 1) / max(dp, 1) * grads / bw
     optim = stage_layers_max * m.params_per_layer * BYTES_PER_PARAM * 2 / tp / (c.device.hbm_gbps * 1e9)
     return p2p, sync, optim
+
+
+def tp_allreduce_s(scenario, tokens: np.ndarray | float, width: np.ndarray | float) -> np.ndarray:
+    """One tensor-parallel all-reduce of a micro-batch's activations (bf16) over the intra-node
+    links, ring algorithm; Megatron runs two per layer forward and two backward."""
+    width = np.asarray(width, dtype=np.float64)
+    size = np.asarray(tokens, dtype=np.float64) * scenario.model.hidden * 2.0
+    return 2.0 * (width - 1.0) / width * size / (scenario.cluster.intra_node_gbps * 1e9)

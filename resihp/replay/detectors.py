@@ -41,8 +41,9 @@ class DetectorFeed:
     """Owns one detector for the current layout and feeds it window after window."""
 
     def __init__(self, make: Callable[[JobMeta, object], object], shape: TransformerShape | None,
-                 own_quantile: float = 0.1) -> None:
+                 own_quantile: float = 0.1, plan_aware: bool = False) -> None:
         self.make = make
+        self.plan_aware = plan_aware
         self.shape = shape
         self.own_quantile = own_quantile
         self.detector = None
@@ -68,6 +69,10 @@ class DetectorFeed:
             self._rank_device = window.rank_device
             self._reported = {}
         obs = observe_ops(df, window.meta, shape=self.shape, own_quantile=self.own_quantile)
+        if self.plan_aware and window.rank_work is not None:
+            # the plan in force gives each rank its share of a micro-batch (layers / tp width); a
+            # live system knows its own plan, so the per-rank expectation includes it
+            obs.own = obs.own / window.rank_work[None, :]
         first = int(window.steps[0])
         out: list[Finding] = []
         for i, step in enumerate(obs.steps):
@@ -109,7 +114,7 @@ def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorF
     """The workload-aware detector of ``resihp.detect`` (the one ``resihp detect`` runs)."""
     cfg = config or DetectorConfig()
     return DetectorFeed(lambda meta, layout: OnlineDetector(meta, None, cfg, layout=layout),
-                        model_shape(scenario), cfg.own_quantile)
+                        model_shape(scenario), cfg.own_quantile, plan_aware=True)
 
 
 def greyhound_detector(scenario) -> DetectorFeed:

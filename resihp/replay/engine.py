@@ -27,7 +27,13 @@ import pandas as pd
 
 from resihp.opstrace import JobMeta
 from resihp.perf.schedule import compile_schedule, rank_finish_times
-from resihp.replay.costmodel import MicroBatchPool, build_pool, comm_seconds, device_flops_per_s
+from resihp.replay.costmodel import (
+    MicroBatchPool,
+    build_pool,
+    comm_seconds,
+    device_flops_per_s,
+    tp_allreduce_s,
+)
 from resihp.replay.failures import scenario_events
 from resihp.replay.layout import CompiledLayout, Layout, compile_layout, uniform_layout
 from resihp.replay.noise import noise_pool
@@ -74,6 +80,7 @@ class Window:
     _ops: Callable[[], pd.DataFrame]
     meta: JobMeta | None = None
     rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
+    rank_work: np.ndarray | None = None  # logical rank -> planned work per micro-batch (layers/tp)
 
     def ops(self) -> pd.DataFrame:
         """The DESIGN.md ops trace of these steps: forward/backward compute of the first
@@ -122,6 +129,7 @@ class Context:
         self.rate = device_flops_per_s(scenario.cluster.device)
         self.mean_fwd_flops = float(pool.fwd_flops_per_layer.mean())
         self.mean_head_flops = float(pool.head_flops.mean())
+        self.mean_tokens = float(pool.tokens.mean())
 
     def uniform_layout(self, exclude: set[int], dp: int | None = None) -> Layout:
         """Megatron-style placement over the whole nodes that hold no excluded device."""
@@ -137,7 +145,9 @@ class Context:
                       last: np.ndarray | bool = False) -> np.ndarray:
         """Expected forward+backward seconds of one mean micro-batch on a stage (no noise)."""
         flops = np.asarray(layers) * self.mean_fwd_flops + np.where(last, self.mean_head_flops, 0.0)
-        return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed))
+        comm = 6.0 * np.asarray(layers) * tp_allreduce_s(self.scenario, self.mean_tokens,
+                                                         np.asarray(width, dtype=np.float64))
+        return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed)) + comm
 
     def predicted_step_time(self, layout: Layout, speeds: np.ndarray) -> float:
         """1F1B estimate with mean micro-batches: sum of stage times + (m - 1) x slowest stage."""
@@ -223,11 +233,16 @@ class Simulator:
             flops = flops + np.where(last, self.pool.head_flops[mb][:, :, None, :], 0.0)
             scale = g.load / (g.width * self.rate * sp)  # [R, pp]
             fwd = flops * (scale[None, :, :, None] * noise[..., None])
+            # tensor-parallel all-reduces run at link speed, whatever the devices' compute speed
+            comm = (tp_allreduce_s(self.scenario, self.pool.tokens[mb][:, :, None, :],
+                                   g.width[None, :, :, None])
+                    * (2.0 * g.layers * g.load)[None, :, :, None])
+            fwd = fwd + comm
             sched = compile_schedule("1f1b", pp, m)
             finish = rank_finish_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, pp]
             replica_time.append(finish.max(axis=-1).max(axis=-1))
             tokens += self.pool.tokens[mb].sum(axis=(1, 2))
-            per_group.append((g, mb, fwd, sp))
+            per_group.append((g, mb, fwd - comm, comm, sp))
         step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
         steps = np.arange(first_step, first_step + n_steps)
         layout = compiled.layout
@@ -236,12 +251,18 @@ class Simulator:
         meta = JobMeta(dp_size=len(layout.replicas), pp_size=pp_max, tp_size=tp_max,
                        world_size=len(layout.replicas) * pp_max * tp_max)
         rank_device = np.full(meta.world_size, -1, dtype=np.int64)
+        rank_work = np.full(meta.world_size, np.nan)
+        layer = float(self.pool.fwd_flops_per_layer.mean())
+        head = float(self.pool.head_flops.mean())
         for i, r in enumerate(layout.replicas):
             for st, gr in enumerate(r.groups):
                 base = (i * pp_max + st) * tp_max
                 rank_device[base: base + len(gr)] = gr
+                last = head if st == len(r.groups) - 1 else 0.0
+                rank_work[base: base + len(gr)] = (r.layers[st] + last / layer) * r.load[st] / len(gr)
         return Window(steps, start_s, step_time, tokens, layout,
-                      lambda: self._ops(per_group, steps, speeds, pp_max, tp_max), meta, rank_device)
+                      lambda: self._ops(per_group, steps, speeds, pp_max, tp_max), meta, rank_device,
+                      rank_work)
 
     def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
         return Window(np.arange(first_step, first_step + n_steps), start_s,
@@ -252,13 +273,14 @@ class Simulator:
         frames = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
-        for g, mb, fwd, sp in per_group:
-            fwd, mb = fwd[..., :k], mb[..., :k]
+        for g, mb, fwd, comm, sp in per_group:
+            fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]
             w, r, pp, m = fwd.shape
             tp = g.devices.shape[-1]
             # [R, pp, tp]: each rank's own pace relative to its stage's (slowest) device
             rel = sp[:, :, None] / np.where(g.devices >= 0, padded[g.devices], 1.0)
-            own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, R, pp, tp, M]
+            own = (fwd[:, :, :, None, :] * rel[None, :, :, :, None]
+                   + comm[:, :, :, None, :])  # [W, R, pp, tp, M]
             wi, ri, si, ti, mi = np.meshgrid(np.arange(w), np.arange(r), np.arange(pp), np.arange(tp),
                                              np.arange(m), indexing="ij")
             real = (g.devices[ri, si, ti] >= 0).ravel()

@@ -1,0 +1,126 @@
+"""The resihp policy: the workload-aware detector and the OR-Tools planner, as in live runs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from resihp.plan.cost import AnalyticCost
+from resihp.plan.plan import Plan
+from resihp.plan.planner import Planner
+from resihp.plan.specs import ClusterSpec, DeviceSpec, ModelSpec
+from resihp.replay.detectors import DetectorFeed, resihp_detector
+from resihp.replay.engine import Context, Detection, Policy, Reaction, Window
+from resihp.replay.layout import Layout, Replica
+from resihp.replay.policies.common import believed_speeds
+from resihp.replay.scenario import Scenario
+
+
+def cluster_spec(scenario: Scenario) -> ClusterSpec:
+    """The scenario's cluster as the planner's ClusterSpec (all devices healthy)."""
+    c = scenario.cluster
+    devices = tuple(DeviceSpec(rank=i, node=i // c.gpus_per_node,
+                               name=f"n{i // c.gpus_per_node}/{i % c.gpus_per_node}",
+                               memory_gb=c.device.memory_gb, tflops=c.device.peak_tflops)
+                    for i in range(c.size))
+    return ClusterSpec(devices, intra_node_gbs=c.intra_node_gbps, inter_node_gbs=c.inter_node_gbps,
+                       name=scenario.name)
+
+
+def model_spec(scenario: Scenario) -> ModelSpec:
+    m, p = scenario.model, scenario.parallel
+    return ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, ffn_hidden=m.ffn_hidden,
+                     vocab=m.vocab, max_seq_len=m.max_seq_len,
+                     global_batch_tokens=m.global_batch_tokens, microbatch_tokens=m.microbatch_tokens,
+                     schedule=m.schedule, name=m.name, workload=scenario.workload, tp=p.tp, pp=p.pp)
+
+
+def layout_of(plan: Plan) -> Layout:
+    """The planner's Plan as the replay's layout (one replica per pipeline, in plan order)."""
+    replicas = tuple(
+        Replica(tuple(tuple(int(r) for r in s.ranks) for s in p.stages),
+                tuple(int(s.n_layers) for s in p.stages), int(p.microbatches))
+        for p in plan.pipelines)
+    return Layout(replicas, note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} s/step, "
+                                 f"{len(plan.excluded)} excluded")
+
+
+class Resihp(Policy):
+    """resihp: the workload-aware detector of ``resihp.detect`` and the planner of ``resihp.plan``.
+
+    Each window's ops records go to ``OnlineDetector`` (own-work ratio against the analytic cost of
+    the micro-batches each rank actually ran, per-rank CUSUM); a ``fail-slow`` event sets that
+    device's believed speed to 1/slowdown and the ``Planner`` re-plans tensor-parallel groups, layer
+    split and micro-batch allocation from the plan in force; the pause is the plan's estimated
+    migration time. A detector recovery event restores the device's speed and re-plans; a device the
+plan excluded cannot be observed, so it is taken back (and watched again) after ``recheck_s``. Fail-stops
+    (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
+    (``costs.reconfig``, no rollback). The solver's own time runs beside training and is reported,
+    not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
+    a predictor trained on the replayed device.
+    """
+
+    name = "resihp"
+    observes = True
+
+    def __init__(self, time_limit_s: float = 5.0, recheck_s: float = 1800.0) -> None:
+        self.time_limit_s = time_limit_s
+        self.recheck_s = recheck_s
+        self.slow: dict[int, float] = {}
+        self.since: dict[int, float] = {}
+        self.feed: DetectorFeed | None = None
+        self.solve_s: list[float] = []
+
+    def start(self, ctx: Context) -> Layout:
+        sc = ctx.scenario
+        self.cluster = cluster_spec(sc)
+        self.model = model_spec(sc)
+        self.planner = Planner(AnalyticCost(efficiency=sc.cluster.device.mfu))
+        self.plan = self.planner.plan(self.cluster, self.model, None, self.time_limit_s)
+        self.feed = resihp_detector(sc)
+        return layout_of(self.plan)
+
+    def replan(self, ctx: Context, label: str, pause_s: float = 0.0) -> Reaction:
+        speeds = np.clip(believed_speeds(ctx, self.slow), 0.0, 1.0)
+        cluster = self.cluster.with_speeds(speeds)
+        plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
+        self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
+        self.plan = plan
+        return Reaction(layout_of(plan), pause_s, migration_s=float(plan.migration_s), label=label)
+
+    def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
+        for d in devices:
+            self.slow.pop(d, None)
+        return self.replan(ctx, "re-plan without dead devices", ctx.scenario.costs.reconfig_s)
+
+    def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
+        return self.replan(ctx, "re-plan with repaired devices")
+
+    def observe(self, ctx: Context, window: Window) -> Reaction | None:
+        findings = self.feed.feed(window)
+        excluded = set(np.flatnonzero(believed_speeds(ctx, self.slow) > 0)) - set(
+            int(d) for d in window.layout.devices)
+        stale = [d for d in self.slow if d in excluded and ctx.now - self.since[d] >= self.recheck_s]
+        if not findings and not stale:
+            return None
+        index = findings[0].index if findings else 0
+        time_s = window.start_s + float(window.step_time[: index + 1].sum())
+        detections, changed = [], bool(stale)
+        for d in stale:  # an excluded device cannot be observed: take it back and watch it again
+            self.slow.pop(d)
+        for f in findings:
+            if f.ended:
+                changed |= self.slow.pop(f.device, None) is not None
+                continue
+            detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
+            old = self.slow.get(f.device)
+            if old is None or abs(f.slowdown / old - 1.0) > 0.1:
+                self.slow[f.device] = max(f.slowdown, 1.0)
+                self.since[f.device] = time_s
+                changed = True
+        if not changed:  # the detector re-reported what the plan already accounts for
+            return Reaction(at=index, detections=detections, label="known")
+        reaction = self.replan(ctx, f"re-plan around slow {sorted(self.slow)}" if self.slow
+                               else "re-plan: slowdown over")
+        reaction.at = index
+        reaction.detections = detections
+        return reaction
