@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "resihp.detect.commands",
     "resihp.runtime.commands",
     "resihp.plan.commands",
+    "resihp.replay.commands",
 ]
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,52 @@
+"""``resihp replay SCENARIO.yaml``: compare resilience policies on one scenario."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from resihp.errors import InputError
+
+
+def replay_cmd(
+    scenario: Annotated[Path, typer.Argument(help="Replay scenario YAML (see traces/scenarios/)")],
+    policies: Annotated[str, typer.Option(help="Comma-separated policies (default: all)")] = "",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
+    plot: Annotated[Path, typer.Option(help="Write throughput timelines to this PNG")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for failure generators, workload and noise "
+                                      "(default: the scenario's)")] = None,
+) -> None:
+    """Replay a failure scenario under each policy through the one engine and compare throughput."""
+    from rich.console import Console
+
+    from resihp.progress import progress_bar
+    from resihp.replay.policies import make_policies
+    from resihp.replay.report import plot as plot_timelines
+    from resihp.replay.report import table
+    from resihp.replay.run import compare
+    from resihp.replay.scenario import load_scenario
+
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise InputError(f"--plot {plot}: expected a .png file name")
+    sc = load_scenario(scenario)
+    n = len(make_policies(policies or None))
+    total = int(sc.duration_s * n)
+    with progress_bar(f"replaying {sc.name}", total, enabled=not json_out) as advance:
+        result = compare(sc, policies or None, seed, on_progress=lambda t: advance(int(t)))
+    doc = result.summary()
+    if plot is not None:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_timelines(doc, result.outcomes, result.events, str(plot))
+    if json_out:
+        print(json.dumps(doc))
+    else:
+        Console().print(table(doc))
+        if plot is not None:
+            typer.echo(f"wrote {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("replay")(replay_cmd)

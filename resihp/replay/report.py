@@ -1,0 +1,110 @@
+"""Replay results: the JSON summary of DESIGN.md, a rich table, and throughput timelines."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from resihp.replay.engine import Outcome
+from resihp.replay.scenario import Event, Scenario
+
+BASE = "resihp"
+
+
+def _timeline(outcome: Outcome, points: int = 96) -> list[list[float]]:
+    """Mean tokens/s over ``points`` equal slices of the run, as [slice start s, tokens/s]."""
+    edges = np.linspace(0.0, outcome.duration_s, points + 1)
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        tokens = sum(max(0.0, min(b, e) - max(a, s)) * r for s, e, r in outcome.timeline)
+        out.append([round(float(a), 1), round(tokens / (b - a), 1)])
+    return out
+
+
+def summary(scenario: Scenario, outcomes: list[Outcome], events: list[Event],
+            wall_s: dict[str, float] | None = None, timeline_points: int = 96) -> dict:
+    """The ``resihp replay --json`` document."""
+    wall_s = wall_s or {}
+    by_name = {o.policy: o for o in outcomes}
+    policies = []
+    for o in outcomes:
+        delays = [d["delay_s"] for d in o.detections if d["true"] and d["delay_s"] is not None]
+        mean_step = o.duration_s / o.replayed_steps if o.replayed_steps else float("nan")
+        entry = {
+            "name": o.policy,
+            "tokens_per_s": round(o.tokens_per_s, 1),
+            "effective_time": round(o.effective_time, 4),
+            "false_alarms": o.false_alarms,
+            "bound_fraction": round(o.bound_fraction, 4),
+            "total_tokens": round(o.tokens),
+            "downtime_s": round(o.downtime_s, 1),
+            "lost_work_s": round(o.lost_s, 1),
+            "detections": sum(1 for d in o.detections if d["true"]),
+            "detection_delay_s": round(float(np.mean(delays)), 1) if delays else None,
+            "detection_delay_steps": round(float(np.mean(delays)) / mean_step, 1) if delays else None,
+            "actions": len(o.actions) - 1,
+            "simulated_steps": o.simulated_steps,
+            "replayed_steps": round(o.replayed_steps),
+            "timeline": _timeline(o, timeline_points),
+        }
+        if o.policy in wall_s:
+            entry["replay_wall_s"] = round(wall_s[o.policy], 2)
+        policies.append(entry)
+    cap = outcomes[0].capacity_tokens / outcomes[0].duration_s if outcomes else float("nan")
+    out = {"scenario": scenario.name, "family": scenario.family, "devices": scenario.cluster.size,
+           "model": scenario.model.name, "duration_s": scenario.duration_s,
+           "events": {k: sum(1 for e in events if e.kind == k) for k in ("stop", "slow", "recover")},
+           "policies": policies, "capacity_tokens_per_s": round(cap, 1)}
+    if BASE in by_name:
+        out["speedups"] = {o.policy: round(by_name[BASE].tokens / o.tokens, 4) if o.tokens > 0
+                           else None for o in outcomes if o.policy != BASE}
+    return out
+
+
+def table(doc: dict):
+    """A rich table of the summary."""
+    from rich.table import Table
+
+    t = Table(title=f"{doc['scenario']} ({doc['devices']} devices, {doc['model']}, "
+                    f"{doc['duration_s'] / 3600:g} h; capacity {doc['capacity_tokens_per_s']:,.0f} tok/s)")
+    for col in ("policy", "tokens/s", "of bound", "effective", "downtime s", "lost s",
+                "detections", "false alarms", "delay (steps)", "resihp speedup"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    speed = doc.get("speedups", {})
+    for p in doc["policies"]:
+        sp = speed.get(p["name"])
+        t.add_row(p["name"], f"{p['tokens_per_s']:,.0f}", f"{p['bound_fraction']:.3f}",
+                  f"{p['effective_time']:.3f}", f"{p['downtime_s']:,.0f}", f"{p['lost_work_s']:,.0f}",
+                  str(p["detections"]), str(p["false_alarms"]),
+                  "-" if p["detection_delay_steps"] is None else f"{p['detection_delay_steps']:.1f}",
+                  "-" if sp is None else f"{sp:.3f}x")
+    return t
+
+
+def plot(doc: dict, outcomes: list[Outcome], events: list[Event], path: str) -> None:
+    """Throughput timelines of every policy with the capacity bound and failure events marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5))
+    hours = 3600.0
+    cap = outcomes[0].capacity_timeline
+    xs = [x for a, b, _ in cap for x in (a / hours, b / hours)]
+    ax.plot(xs, [c for _, _, c in cap for _ in (0, 1)], color="black", lw=1, ls="--",
+            label="capacity bound")
+    for o in outcomes:
+        xs = [x for a, b, _ in o.timeline for x in (a / hours, b / hours)]
+        ax.plot(xs, [r for _, _, r in o.timeline for _ in (0, 1)], lw=1.2, label=o.policy)
+    colors = {"stop": "red", "slow": "orange", "recover": "green"}
+    for kind, color in colors.items():
+        times = sorted({e.at_s for e in events if e.kind == kind})
+        for i, t in enumerate(times):
+            ax.axvline(t / hours, color=color, alpha=0.25, lw=0.8, label=kind if i == 0 else None)
+    ax.set_xlabel("hours")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{doc['scenario']}: throughput by policy")
+    ax.legend(fontsize=8, ncol=2, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
