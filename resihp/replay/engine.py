@@ -215,10 +215,11 @@ class Simulator:
         per_group = []
         if not compiled.groups:  # no replica left to run
             return self._stalled(compiled.layout, n_steps, first_step, start_s)
-        comm_layers = max(max(r.layers) for r in compiled.layout.replicas)
-        width = min(min(len(g) for g in r.groups) for r in compiled.layout.replicas)
-        n_rep = sum(1 for r in compiled.layout.replicas if r.microbatches > 0)
-        p2p, sync, optim = comm_seconds(self.scenario, comm_layers, width, n_rep)
+        live = [r for r in compiled.layout.replicas if r.microbatches > 0]
+        # the gradient all-reduce waits for the largest per-device shard (layers / group width)
+        shard = max(n / len(g) for r in live for n, g in zip(r.layers, r.groups))
+        width = min(len(g) for r in live for g in r.groups)
+        p2p, sync, optim = comm_seconds(self.scenario, shard * width, width, len(live))
         replica_time = []
         tokens = np.zeros(n_steps)
         for g in compiled.groups:
