@@ -1,0 +1,70 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resihp.paths import REPO_ROOT, TRACES
+
+CLUSTER = str(TRACES / "clusters" / "h100-64.yaml")
+MODEL = str(TRACES / "models" / "gpt-13b.yaml")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resihp.cli", "plan", *args], capture_output=True,
+                          text=True, cwd=REPO_ROOT, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_plan_json_then_replan_from_it(tmp_path):
+    out = tmp_path / "plan.json"
+    first = cli("--cluster", CLUSTER, "--model", MODEL, "--json", "-o", str(out))
+    assert first.returncode == 0, first.stderr
+    plan = json.loads(first.stdout)
+    assert plan["layout"]["tp"] * plan["layout"]["pp"] * plan["layout"]["dp"] <= 64
+    assert json.loads(out.read_text())["ranks"] == plan["ranks"]
+    second = cli("--cluster", CLUSTER, "--model", MODEL, "--current", str(out), "--speed", "3=0",
+                 "--speed", "n5/1=0.5", "--json")
+    assert second.returncode == 0, second.stderr
+    replan = json.loads(second.stdout)
+    assert {"rank": 3, "excluded": True} in replan["ranks"]
+    assert replan["bound_ratio"] > 0.9
+    assert replan["solver"]["status"] in ("optimal", "time-limit")
+
+
+def test_readable_table_by_default():
+    result = cli("--cluster", str(TRACES / "clusters" / "h100-8-degraded.yaml"), "--model",
+                 str(TRACES / "models" / "gpt-7b.yaml"), "--policy", "resihp-heuristic")
+    assert result.returncode == 0, result.stderr
+    assert "resihp-heuristic plan" in result.stdout and "of the capacity bound" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cluster", "missing.yaml", "--model", MODEL], "missing.yaml: cannot read cluster"),
+    (["--cluster", CLUSTER, "--model", MODEL, "--speed", "3"], "--speed '3': expected DEVICE=SPEED"),
+    (["--cluster", CLUSTER, "--model", MODEL, "--speed", "64=0"], "unknown device rank 64"),
+    (["--cluster", CLUSTER, "--model", MODEL, "--speed", "3=2"], "must be a number in [0, 1]"),
+    (["--cluster", CLUSTER, "--model", MODEL, "--policy", "magic"], "unknown policy 'magic'"),
+    (["--cluster", CLUSTER, "--model", MODEL, "--time-limit", "0"], "--time-limit: must be positive"),
+    (["--cluster", str(TRACES / "clusters" / "h100-8.yaml"), "--model",
+      str(TRACES / "models" / "gpt-70b.yaml")], "no TP x PP layout fits model gpt-70b"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+
+
+def test_current_plan_for_another_cluster_is_rejected(tmp_path):
+    out = tmp_path / "plan.json"
+    assert cli("--cluster", CLUSTER, "--model", MODEL, "--json", "-o", str(out)).returncode == 0
+    result = cli("--cluster", str(TRACES / "clusters" / "h100-8.yaml"), "--model",
+                 str(TRACES / "models" / "gpt-7b.yaml"), "--current", str(out))
+    assert result.returncode == 2
+    assert "world_size 64 does not match the cluster's 8 devices" in result.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"world_size": 64}')
+    result = cli("--cluster", CLUSTER, "--model", MODEL, "--current", str(broken))
+    assert result.returncode == 2 and "field 'layout' is missing" in result.stderr

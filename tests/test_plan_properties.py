@@ -1,0 +1,81 @@
+"""Property-based checks: whatever the cluster and its faults, every plan the planner or a
+baseline returns is valid (each rank placed once or excluded, layers covered once per pipeline,
+memory respected, global batch kept), and re-planning from it stays valid."""
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from resihp.errors import InputError
+from resihp.plan.baselines import make_policy
+from resihp.plan.plan import plan_problems
+from resihp.plan.planner import Planner
+from resihp.plan.specs import ClusterSpec, ModelSpec
+
+SPEEDS = st.sampled_from([1.0, 1.0, 1.0, 0.8, 0.5, 0.2, 0.0])
+
+
+@st.composite
+def scenario(draw):
+    nodes = draw(st.integers(1, 4))
+    per_node = draw(st.sampled_from([1, 2, 4, 8]))
+    memory = draw(st.sampled_from([24, 40, 80]))
+    n = nodes * per_node
+    speeds = draw(st.lists(SPEEDS, min_size=n, max_size=n))
+    cluster = ClusterSpec.from_dict({
+        "name": "h", "device": {"memory_gb": memory, "tflops": 300},
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+        "memory_reserve_gb": 2, "nodes": {"count": nodes, "devices": per_node},
+        "speeds": dict(enumerate(speeds))})
+    layers = draw(st.integers(2, 24))
+    hidden = draw(st.sampled_from([1024, 2048, 4096]))
+    mb = draw(st.sampled_from([4096, 8192]))
+    model = ModelSpec.from_dict({
+        "name": "m", "layers": layers, "hidden": hidden, "heads": 16, "ffn_hidden": 4 * hidden,
+        "vocab": 32000, "max_seq_len": 4096, "microbatch_tokens": mb,
+        "global_batch_tokens": mb * draw(st.integers(1, 64))})
+    return cluster, model
+
+
+PLANNER = Planner(threads=2)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.sampled_from(["resihp", "resihp-heuristic", "drop-replica"]))
+def test_every_plan_is_valid(case, policy):
+    cluster, model = case
+    planner = PLANNER if policy == "resihp" else make_policy(policy)
+    try:
+        plan = planner.plan(cluster, model, time_limit_s=1.0)
+    except InputError as exc:
+        # only for clusters that truly cannot run the model: no layout fits, or none survives
+        assert "no TP x PP layout fits" in str(exc) or "no replica" in str(exc)
+        event("infeasible cluster")
+        return
+    event("planned")
+    if policy != "resihp" and plan.tokens_per_s == 0:
+        return  # a baseline that stops (e.g. every replica lost) is allowed to; it is not valid
+    assert plan_problems(plan, cluster, model) == []
+    assert set(plan.placement()) | set(plan.excluded) == set(range(len(cluster)))
+    assert sum(p.share(model) for p in plan.pipelines) == model.global_batch_tokens
+    assert plan.bound_ratio > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.lists(SPEEDS, min_size=1, max_size=4), st.randoms(use_true_random=False))
+def test_replanning_from_a_plan_stays_valid(case, new_speeds, rnd):
+    cluster, model = case
+    healthy = cluster.healthy()
+    try:
+        first = PLANNER.plan(healthy, model, time_limit_s=1.0)
+    except InputError:
+        return
+    ranks = rnd.sample(range(len(cluster)), min(len(new_speeds), len(cluster)))
+    degraded = cluster.with_speeds(dict(zip(ranks, new_speeds)))
+    try:
+        second = PLANNER.plan(degraded, model, first, time_limit_s=1.0)
+    except InputError as exc:
+        assert "no replica" in str(exc)
+        return
+    assert plan_problems(second, degraded, model) == []
+    assert second.layout == first.layout
+    assert second.migration_s >= 0 and second.tokens_per_s > 0
