@@ -72,8 +72,8 @@ def detect_eval_cmd(
                                           "costs")] = None,
     model: Annotated[Path, typer.Option(help="Trained predictor for resihp's expected compute "
                                         "(default: analytic FLOPs of the sequence lengths)")] = None,
-    no_seq_lens: Annotated[bool, typer.Option("--no-seq-lens", help="Drop sequence lengths from the "
-                                              "traces (peer-normalised mode)")] = False,
+    drop: Annotated[list[str], typer.Option(help="Optional trace column to drop before detection "
+                                            "(seq_lens, start_ts); repeatable")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
 ) -> None:
     """Score resihp and the baselines on labelled traces with injected fail-slows and link-slows."""
@@ -83,6 +83,10 @@ def detect_eval_cmd(
     from resihp.workload.flops import TransformerShape
 
     profile = profile or DEFAULT_PROFILE
+    drop = drop or []
+    for col in drop:
+        if col not in ("seq_lens", "start_ts"):
+            raise InputError(f"--drop: expected seq_lens or start_ts, got {col!r}")
     if not Path(profile).exists():
         raise InputError(f"--profile {profile}: no such profiling log (write one with resihp profile)")
     expected = None
@@ -92,8 +96,7 @@ def detect_eval_cmd(
     n = len(make_suite(quick, seed))
     with progress_bar("evaluating", n, enabled=not json_out) as advance, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = evaluate_suite(quick, seed, expected, profile, with_seq_lens=not no_seq_lens,
-                                on_progress=advance)
+        result = evaluate_suite(quick, seed, expected, profile, drop=tuple(drop), on_progress=advance)
     if json_out:
         print(json.dumps(result))
         return

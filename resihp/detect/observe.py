@@ -7,8 +7,9 @@ predictor) and ``comm`` (a low quantile of the per-token transfer times over the
 stage: forward sends and backward receives).
 
 The expected cost of an op comes from, in order of preference: a predictor callable given the op's
-packed sequence lengths; analytic FLOPs of those lengths; the same micro-batch's time on the other
-stages of its pipeline (peers that did the same work); the op's phase alone.
+packed sequence lengths; analytic FLOPs of those lengths; peers that did the same work (the same stage
+and micro-batch slot on the other data-parallel replicas, or with one replica the same micro-batch on
+the other stages); the op's phase alone.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:
 
 
 def _op_costs(comp: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
-              shape: TransformerShape | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+              shape: TransformerShape | None, unblocked: bool = False
+              ) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(relative cost of each compute op, expected seconds or None, name of the cost model)."""
     phase = comp["optype"].map(_PHASE).to_numpy()
     has_lens = "seq_lens" in comp.columns and comp["seq_lens"].notna().all() and len(comp)
@@ -140,11 +142,28 @@ def _op_costs(comp: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | Non
                 d, a = stage_flops(use, feats["tokens"].to_numpy()[sel], feats["sum_sq"].to_numpy()[sel], p)
                 cost_u[sel] = d + (a if shape is not None else 0.0)
         return cost_u[codes], None, "flops" if shape is not None else "tokens"
-    if meta.pp_size > 1 and "mb_id" in comp.columns and comp["mb_id"].notna().all():
-        # the same micro-batch on the other stages of its pipeline did the same data
-        ref = comp.groupby(["step", "dp_rank", "mb_id", "optype"])["duration"].transform("median")
-        return np.maximum(ref.to_numpy(np.float64), 1e-12), None, "peers"
+    if "mb_id" in comp.columns and comp["mb_id"].notna().all() and (meta.dp_size > 1 or meta.pp_size > 1):
+        return _peer_reference(comp, meta, unblocked), None, "peers"
     return np.where(phase == "bwd", 2.0, 1.0), None, "phase"
+
+
+def _peer_reference(ops: pd.DataFrame, meta: JobMeta, unblocked: bool) -> np.ndarray:
+    """Per op, the lower median of the same op of its peers (with few peers, one slow member must not
+    lift everybody's reference, so the lower, not the mean of the middle two).
+
+    Peers are the other stages of the pipeline running the same micro-batch (the same data; needs the
+    waits taken out, since upstream and downstream stages wait differently), else the same stage on
+    the other data-parallel replicas (the same layers and token budget; their data differ).
+    """
+    if (unblocked or meta.dp_size == 1) and meta.pp_size > 1:
+        keys = ["step", "dp_rank", "mb_id", "optype"]
+    else:
+        keys = ["step", "stage", "mb_id", "optype"]
+    if "tp_rank" in ops.columns and ops["tp_rank"].notna().all():
+        keys.append("tp_rank")
+    ref = ops.groupby(keys)["duration"].quantile(0.5, interpolation="lower")
+    ref = ref.reindex(pd.MultiIndex.from_frame(ops[keys])).to_numpy(np.float64)
+    return np.maximum(ref, 1e-12)
 
 
 def _unique_rows(keys: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -172,11 +191,15 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
     comp = df[df["optype"].isin(COMPUTE_OPTYPES)]
     if comp.empty:
         raise InputError("ops trace: no forward-compute or backward-compute rows to analyse")
-    cost, exp_s, model = _op_costs(comp, meta, expected, shape)
+    unblocked = _unblocked_durations(comp) if meta.pp_size > 1 else None
+    if unblocked is not None:
+        comp = comp.assign(duration=unblocked)
+    cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked is not None)
     frame = pd.DataFrame({"step": comp["step"].to_numpy(), "rank": comp["rank"].to_numpy(),
                           "ratio": comp["duration"].to_numpy() / cost,
                           "duration": comp["duration"].to_numpy()})
-    own = _low_quantile(frame, "ratio", own_quantile)
+    # with the waits taken out, the median op speaks for the rank; without, a low quantile does
+    own = _low_quantile(frame, "ratio", 0.5 if unblocked is not None else own_quantile)
     idx = own.index
     s_idx = np.searchsorted(steps, idx.get_level_values(0).to_numpy())
     r_idx = idx.get_level_values(1).to_numpy()
@@ -189,19 +212,27 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
     comm_m = None
     p2p = df[df["optype"].isin(NEXT_LINK_OPTYPES)]
     if not p2p.empty:
-        c = _low_quantile(_per_token(p2p, comp), "duration", own_quantile)
+        c = _low_quantile(_per_token(p2p, comp, meta), "duration", own_quantile)
         ci = c.index
         comm_m = _to_matrix(np.searchsorted(steps, ci.get_level_values(0).to_numpy()),
                             ci.get_level_values(1).to_numpy(), c.to_numpy(), t, w)
+    if unblocked is not None:
+        model += "+timestamps"
     return Observations(steps, _to_matrix(s_idx, r_idx, own.to_numpy(), t, w),
                         _to_matrix(s_idx, r_idx, raw.to_numpy(), t, w), expected_m, comm_m, model)
 
 
-def _per_token(p2p: pd.DataFrame, comp: pd.DataFrame) -> pd.DataFrame:
-    """Transfer seconds per token of the micro-batch carried, where the trace says which one it was."""
+def _per_token(p2p: pd.DataFrame, comp: pd.DataFrame, meta: JobMeta) -> pd.DataFrame:
+    """Transfer seconds per token of the micro-batch carried, where the trace says which one it was;
+    without lengths, relative to the same transfer on the pipeline's other links (or replicas)."""
     out = p2p[["step", "rank", "duration"]].copy()
     keys = ["step", "dp_rank", "mb_id"]
-    if "mb_id" not in p2p.columns or "seq_lens" not in comp.columns or comp["seq_lens"].isna().any():
+    if "mb_id" not in p2p.columns or p2p["mb_id"].isna().any():
+        return out
+    if "seq_lens" not in comp.columns or comp["seq_lens"].isna().any():
+        if meta.pp_size > 2 or meta.dp_size > 1:
+            ref = _peer_reference(p2p, meta, unblocked=meta.pp_size > 2)
+            out["duration"] = out["duration"].to_numpy() / ref
         return out
     first = comp.drop_duplicates(keys)
     tokens = pd.Series([sum(s) for s in first["seq_lens"]], dtype=np.float64,
@@ -210,3 +241,32 @@ def _per_token(p2p: pd.DataFrame, comp: pd.DataFrame) -> pd.DataFrame:
     t = tokens.reindex(look).to_numpy()
     out["duration"] = np.where(np.isfinite(t) & (t > 0), out["duration"].to_numpy() / t, np.nan)
     return out.dropna()
+
+
+def _unblocked_durations(comp: pd.DataFrame) -> np.ndarray | None:
+    """Compute durations without the time spent blocked on the pipeline neighbour, from timestamps.
+
+    A forward op of stage ``s`` cannot run before the same micro-batch's forward on ``s - 1`` ended
+    (a backward op: before the backward on ``s + 1``). Its own time is from the later of its issue
+    and that end to its own end. Needs ``start_ts`` and ``mb_id`` on every compute row and clocks
+    that agree across the ranks of a pipeline; an op whose neighbour is absent keeps its duration.
+    """
+    if not {"start_ts", "mb_id"} <= set(comp.columns):
+        return None
+    if comp["start_ts"].isna().any() or comp["mb_id"].isna().any():
+        return None
+    keys = ["step", "dp_rank", "mb_id", "optype"]
+    if "tp_rank" in comp.columns and comp["tp_rank"].notna().all():
+        keys.append("tp_rank")
+    start = comp["start_ts"].to_numpy(np.float64)
+    dur = comp["duration"].to_numpy(np.float64)
+    ends = comp[keys + ["stage"]].copy()
+    ends["_end"] = start + dur
+    ends = ends.drop_duplicates(keys + ["stage"])
+    look = comp[keys].copy()
+    look["stage"] = comp["stage"].to_numpy() + np.where(comp["optype"].to_numpy() == "backward-compute",
+                                                        1, -1)
+    dep_end = look.merge(ends, on=keys + ["stage"], how="left")["_end"].to_numpy()
+    own = np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
+                   start + dur - dep_end, dur)
+    return own

@@ -1,0 +1,112 @@
+"""Detector benchmark: detection quality beside the baselines on labelled traces, and analysis speed.
+
+Quality: ``resihp.detect.suite`` (real packed sequence lengths with their measured costs, measured
+noise, injected fail-slows 1.1x-5x and link-slows, healthy jobs, a heavier-stage job), scored for
+resihp and each baseline on the same traces: with sequence lengths (analytic-FLOPs expectation, and the
+trained predictor when one is shipped) and without them (peer normalisation).
+Speed: ``OnlineDetector.observe_arrays`` over 16,384 ranks on one core (rank-steps per second), and
+the ops-trace-to-matrices step on a simulated trace (ops rows per second). Medians of repeats.
+
+Usage: ``python benchmarks/detector.py [--quick]``; prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+from resihp.detect.alibaba import alibaba_path  # noqa: E402
+from resihp.detect.config import DetectorConfig  # noqa: E402
+from resihp.detect.observe import Layout, observe_ops  # noqa: E402
+from resihp.detect.online import OnlineDetector  # noqa: E402
+from resihp.detect.suite import DEFAULT_PROFILE, evaluate_suite  # noqa: E402
+from resihp.detect.synth import CostPool, SimJob, alibaba_residuals, simulate  # noqa: E402
+from resihp.opstrace import JobMeta  # noqa: E402
+from resihp.paths import MODELS  # noqa: E402
+
+
+def speed_observe_arrays(world: int = 16384, steps: int = 200, repeats: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    dp, pp, tp = world // 64, 8, 8
+    meta = JobMeta(dp_size=dp, pp_size=pp, tp_size=tp, world_size=world)
+    r = np.arange(world)
+    layout = Layout(r // (pp * tp), (r // tp) % pp, r % tp)
+    noise = np.exp(rng.normal(0, 0.02, size=(steps + 20, world)))
+    raw = noise * 0.5
+    rates = []
+    for _ in range(repeats):
+        det = OnlineDetector(meta, None, DetectorConfig(), layout=layout)
+        for t in range(20):  # calibration steps are not timed
+            det.observe_arrays(t, noise[t], raw[t])
+        t0 = time.perf_counter()
+        for t in range(20, steps + 20):
+            det.observe_arrays(t, noise[t], raw[t])
+        rates.append(world * steps / (time.perf_counter() - t0))
+    return {"ranks": world, "steps": steps, "rank_steps_per_s": float(np.median(rates)),
+            "repeats": [round(x) for x in rates]}
+
+
+def speed_observe_ops(repeats: int = 3) -> dict:
+    pool = CostPool.from_profile(DEFAULT_PROFILE)
+    job = SimJob(dp=8, pp=4, microbatches=8, steps=100, source="code")
+    df = simulate(job, pool, alibaba_residuals(alibaba_path(2)))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        observe_ops(df, job.meta())
+        times.append(time.perf_counter() - t0)
+    t = float(np.median(times))
+    return {"ops_rows": len(df), "rank_steps": job.world_size * job.steps,
+            "ops_rows_per_s": len(df) / t, "rank_steps_per_s": job.world_size * job.steps / t}
+
+
+def predictor_expected():
+    """The shipped predictor bound to the profiled shape, if the package has one (else None)."""
+    try:
+        from resihp.perf.predictor import MicroBatchPredictor  # noqa: F401
+    except ImportError:
+        return None, None
+    from resihp.detect.expected import load_expected
+    from resihp.workload.flops import TransformerShape
+
+    cards = sorted(MODELS.glob("*.json"))
+    pool = CostPool.from_profile(DEFAULT_PROFILE)
+    for card in cards:
+        for cand in (card.with_suffix(""), card):
+            try:
+                return load_expected(cand, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden)), str(cand)
+            except Exception:
+                continue
+    return None, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    out: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out["quality_flops"] = evaluate_suite(quick=args.quick)
+        out["quality_flops_no_timestamps"] = evaluate_suite(quick=args.quick, drop=("start_ts",))
+        out["quality_no_seq_lens"] = evaluate_suite(quick=args.quick, drop=("seq_lens",))
+        out["quality_no_seq_lens_no_timestamps"] = evaluate_suite(quick=args.quick,
+                                                                  drop=("seq_lens", "start_ts"))
+        expected, name = predictor_expected()
+        if expected is not None:
+            out["quality_predictor"] = evaluate_suite(quick=args.quick, expected=expected)
+            out["quality_predictor"]["model"] = name
+    out["speed_observe_arrays"] = speed_observe_arrays(steps=50 if args.quick else 200)
+    out["speed_observe_ops"] = speed_observe_ops()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

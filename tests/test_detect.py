@@ -1,0 +1,181 @@
+"""The workload-aware detector on labelled traces built from real measurements, and its baselines."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from resihp.detect.alibaba import alibaba_path, read_alibaba_job
+from resihp.detect.baselines import BASELINES
+from resihp.detect.config import DetectorConfig
+from resihp.detect.evaluate import run_methods, score_events
+from resihp.detect.observe import Layout
+from resihp.detect.online import OnlineDetector, detect_trace
+from resihp.detect.suite import DEFAULT_PROFILE
+from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
+from resihp.errors import InputError
+from resihp.opstrace import JobMeta
+from resihp.workload.flops import TransformerShape, stage_flops
+
+META = {"layers": 2, "hidden": 256, "heads": 4, "ffn_hidden": 1024}
+
+
+@pytest.fixture(scope="module")
+def pool() -> CostPool:
+    return CostPool.from_profile(DEFAULT_PROFILE)
+
+
+@pytest.fixture(scope="module")
+def noise() -> np.ndarray:
+    return alibaba_residuals(alibaba_path(2))
+
+
+def _device_faults(doc: dict) -> list[dict]:
+    return [e for e in doc["events"] if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
+
+
+@pytest.mark.parametrize("rank,factor", [(5, 2.0), (2, 1.3), (12, 1.5)])
+def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(pool, noise, rank, factor):
+    job = SimJob(steps=120, source="code", seed=rank,
+                 injections=[Injection("fail-slow", rank, 60, 119, factor)])
+    doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
+    faults = _device_faults(doc)
+    assert [(e["kind"], e["rank"]) for e in faults] == [("fail-slow", rank)]
+    ev = faults[0]
+    assert 57 <= ev["onset_step"] <= 62
+    assert 60 <= ev["detected_step"] <= 65
+    assert abs(ev["slowdown"] - factor) / factor < 0.1
+    assert ev["dp_rank"] == rank // 4 and ev["stage"] == rank % 4
+
+
+def test_waiting_inflates_neighbours_host_compute_times(pool, noise):
+    """The traces really carry the confounder: neighbours' raw compute rises with the slow rank."""
+    job = SimJob(steps=60, source="text", injections=[Injection("fail-slow", 5, 30, 59, 2.0)])
+    df = simulate(job, pool, noise)
+    comp = df[df["optype"].isin(["forward-compute", "backward-compute"])]
+    per = comp.groupby(["step", "rank"])["duration"].sum().unstack()
+    rise = per.iloc[35:].median() / per.iloc[:30].median()
+    # the slow rank's own waits shrink as it slows, so in raw times it barely stands out from the
+    # ranks of its pipeline that now wait for it; other replicas are unaffected
+    assert rise[5] > 1.3
+    assert all(rise[r] > 0.9 * rise[5] for r in (4, 6, 7))
+    assert all(abs(rise[r] - 1) < 0.05 for r in (0, 8, 12))
+
+
+def test_healthy_variable_lengths_raise_no_device_fault_but_raw_threshold_does(pool, noise):
+    job = SimJob(steps=200, source="code", seed=3)
+    df = simulate(job, pool, noise)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        found, obs = run_methods(df, job.meta(), None, None, META)
+    assert [e for e in found["resihp"] if e.is_device_fault] == []
+    assert score_events(found["raw-threshold"], [], obs.steps, 4).fp > 0
+
+
+def test_heavier_stage_is_stage_imbalance_not_a_device_fault(pool, noise):
+    job = SimJob(steps=80, source="text", stage_layers=(2, 2, 2, 3), seed=4)
+    doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
+    assert _device_faults(doc) == []
+    assert [(e["kind"], e["stage"]) for e in doc["events"]] == [("stage-imbalance", 3)]
+    assert 1.3 < doc["events"][0]["slowdown"] < 1.7
+
+
+def test_slow_link_is_link_slow_on_that_link(pool, noise):
+    job = SimJob(steps=100, source="code", injections=[Injection("link-slow", 9, 50, 99, 4.0)])
+    doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
+    faults = _device_faults(doc)
+    assert faults and all(e["kind"] == "link-slow" and e["rank"] in (9, 10) for e in faults)
+    assert 50 <= faults[0]["detected_step"] <= 55
+
+
+def test_without_sequence_lengths_peers_normalise(pool, noise):
+    job = SimJob(steps=120, source="code", injections=[Injection("fail-slow", 6, 60, 119, 2.0)])
+    df = simulate(job, pool, noise).drop(columns=["seq_lens"])
+    doc = detect_trace(df, job.meta())
+    assert doc["cost_model"] == "peers"
+    assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", 6)]
+
+
+def test_predictor_expectation_and_workload_imbalance(pool, noise):
+    """With an expected-cost callable, a replica that drew costlier data is workload-imbalance."""
+    shape = TransformerShape(2, 256, 4, 1024)
+
+    def expected(seq_lens, phase):
+        tok = np.array([sum(s) for s in seq_lens], float)
+        sq = np.array([sum(x * x for x in s) for s in seq_lens], float)
+        d, a = stage_flops(shape, tok, sq, phase)
+        return (d + a) * 1e-10
+
+    job = SimJob(steps=60, source="code", injections=[Injection("fail-slow", 3, 30, 59, 1.5)])
+    df = simulate(job, pool, noise)
+    # replica 2 ran twice the data from step 40 on: every op of its four ranks takes twice as long
+    heavy = (df["dp_rank"] == 2) & (df["step"] >= 40) & df["optype"].str.endswith("compute")
+    df.loc[heavy, "duration"] *= 2
+    df.loc[heavy, "seq_lens"] = pd.Series([s + s for s in df.loc[heavy, "seq_lens"]],
+                                          index=df.index[heavy])
+    doc = detect_trace(df, job.meta(), expected=expected)
+    assert doc["cost_model"] == "predictor"
+    assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", 3)]
+    wl = [e for e in doc["events"] if e["kind"] == "workload-imbalance"]
+    assert wl and {e["dp_rank"] for e in wl} == {2} and wl[0]["onset_step"] == 40
+
+
+def test_online_step_by_step_equals_offline_and_tolerates_gaps(pool, noise):
+    job = SimJob(steps=90, source="text", injections=[Injection("fail-slow", 10, 50, 89, 2.5)])
+    df = simulate(job, pool, noise)
+    # only some ranks recorded, and only every other step
+    df = df[(df["rank"] != 0) & (df["step"] % 2 == 0)]
+    offline = detect_trace(df, job.meta(), meta_dict=META)
+    det = OnlineDetector(job.meta(), meta_dict=META)
+    online = []
+    for _, part in df.groupby("step"):
+        online += det.observe(part)
+    det.finish()
+    assert [(e.kind, e.rank, e.onset_step, e.detected_step) for e in online] == [
+        (e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in offline["events"]]
+    assert [(e["kind"], e["rank"]) for e in offline["events"]] == [("fail-slow", 10)]
+    with pytest.raises(InputError, match="arrives after"):
+        det.observe(df[df["step"] == 10])
+
+
+def test_rank_slow_from_the_start_is_found_at_calibration():
+    meta = JobMeta(dp_size=4, pp_size=1, tp_size=1, world_size=4)
+    det = OnlineDetector(meta, layout=Layout(np.arange(4), np.zeros(4, int), np.zeros(4, int)))
+    rng = np.random.default_rng(0)
+    events = []
+    for t in range(20):
+        own = np.exp(rng.normal(0, 0.01, 4)) * np.array([1, 1, 1.4, 1])
+        events += det.observe_arrays(t, own, own)
+    assert [(e.kind, e.rank, e.onset_step) for e in events] == [("fail-slow", 2, 0)]
+    assert events[0].extra["from_start"]
+
+
+def test_alibaba_job1_worker6_straggler_found_by_resihp():
+    df, meta = read_alibaba_job(alibaba_path(1))
+    doc = detect_trace(df, meta)
+    w6 = [e for e in doc["events"] if e["rank"] == 6 and e["kind"] == "fail-slow"]
+    assert len(w6) == 1
+    assert 1790 <= w6[0]["onset_step"] <= 1830 and w6[0]["detected_step"] <= 1850
+    assert w6[0]["slowdown"] > 1.3
+
+
+def test_baselines_see_a_large_slowdown(pool, noise):
+    job = SimJob(steps=100, dp=4, pp=1, source="code",
+                 injections=[Injection("fail-slow", 1, 50, 99, 3.0)])
+    df = simulate(job, pool, noise)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        found, obs = run_methods(df, job.meta(), list(BASELINES))
+    for name in BASELINES:
+        sc = score_events(found[name], job.injections, obs.steps, 1)
+        assert sc.tp == 1, name
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(InputError, match="cusum_h"):
+        DetectorConfig(cusum_h=0)
+    with pytest.raises(InputError, match="own_quantile"):
+        DetectorConfig(own_quantile=2)
