@@ -31,8 +31,8 @@ def replay_cmd(
 
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: expected a .png file name")
-    sc = load_scenario(scenario)
     n = len(make_policies(policies or None))
+    sc = load_scenario(scenario)
     total = int(sc.duration_s * n)
     with progress_bar(f"replaying {sc.name}", total, enabled=not json_out) as advance:
         result = compare(sc, policies or None, seed, on_progress=lambda t: advance(int(t)))

@@ -1,0 +1,118 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from resihp.errors import InputError
+from resihp.paths import TRACES
+from resihp.replay.failures import LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, scenario_events
+from resihp.replay.scenario import load_scenario, parse_duration
+from tests.replay_fixtures import BASE, write
+
+
+def test_shipped_scenarios_load():
+    names = sorted(p.stem for p in (TRACES / "scenarios").glob("*.yaml"))
+    assert {"failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "llama3-week-16k",
+            "alibaba-7b-256"} <= set(names)
+    families = set()
+    for p in (TRACES / "scenarios").glob("*.yaml"):
+        sc = load_scenario(p)
+        families.add(sc.family)
+        assert sc.duration_s > 0 and sc.cluster.size >= sc.parallel.dp * sc.parallel.pp * sc.parallel.tp
+    assert {"fail-stop", "fail-slow", "mixed"} <= families
+
+
+def test_durations():
+    assert parse_duration("9h30m", "x") == 9.5 * 3600
+    assert parse_duration(90, "x") == 90.0
+    assert parse_duration("7d", "x") == 7 * 86400
+    with pytest.raises(InputError, match="expected a duration"):
+        parse_duration("soon", "x")
+
+
+@pytest.mark.parametrize("events, match", [
+    ([{"at": "1h", "device": 64, "kind": "stop"}], r":\d+: events\[0\].device: unknown device 64"),
+    ([{"at": "2h", "device": 1, "kind": "slow", "factor": 2},
+      {"at": "1h", "device": 2, "kind": "stop"}], r"events\[1\].at: events must be in time order"),
+    ([{"at": "1h", "device": 1, "kind": "slow", "factor": 2},
+      {"at": "2h", "device": 1, "kind": "stop"}], r"events\[1\]: device 1 is already slow"),
+    ([{"at": "1h", "device": 1, "kind": "slow", "factor": 0.5}], r"factor: a slowdown factor is at least 1"),
+    ([{"at": "1h", "device": 1, "kind": "recover"}], r"device 1 recovers but is not slow or stopped"),
+    ([{"at": "1h", "device": 1, "kind": "melt"}], r"kind: expected one of slow, stop, recover"),
+    ([{"at": "9h", "device": 1, "kind": "stop"}], r"after the end of the scenario"),
+])
+def test_bad_events_name_the_line(tmp_path, events, match):
+    path = write(tmp_path, events=events)
+    with pytest.raises(InputError, match=match) as err:
+        load_scenario(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_model_that_does_not_fit(tmp_path):
+    model = {**BASE["model"], "layers": 80, "hidden": 8192, "heads": 64, "ffn_hidden": 28672}
+    path = write(tmp_path, model=model, parallel={"dp": 32, "pp": 2, "tp": 1})
+    with pytest.raises(InputError, match="does not fit the cluster"):
+        load_scenario(path)
+
+
+def test_other_bad_fields(tmp_path):
+    with pytest.raises(InputError, match="dp\\*pp\\*tp = 128 devices but the cluster has 64"):
+        load_scenario(write(tmp_path, parallel={"dp": 8, "pp": 2, "tp": 8}))
+    with pytest.raises(InputError, match="unknown field"):
+        load_scenario(write(tmp_path, colour="red"))
+    with pytest.raises(InputError, match="generators\\[0\\].kind"):
+        load_scenario(write(tmp_path, generators=[{"kind": "gremlins"}]))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(InputError, match="bad.yaml:.*not valid YAML"):
+        load_scenario(bad)
+
+
+def test_cli_bad_input_one_line_exit_2(tmp_path):
+    path = write(tmp_path, events=[{"at": "1h", "device": 999, "kind": "stop"}])
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "replay", str(path), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown device 999" in lines[0] and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "replay", str(write(tmp_path)),
+                           "--policies", "magic"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown policy magic" in proc.stderr
+
+
+def test_llama3_generator_rate(tmp_path):
+    # 16,384 devices for 54 days must see about 419 interruptions (Poisson: within 4 sigma)
+    path = write(tmp_path, cluster={"nodes": 2048, "gpus_per_node": 8}, duration="54d",
+                 parallel={"dp": 256, "pp": 8, "tp": 8}, generators=[{"kind": "llama3"}],
+                 model={**BASE["model"], "global_batch_tokens": 4194304})
+    sc = load_scenario(path)
+    stops = [e for e in scenario_events(sc) if e.kind == "stop"]
+    expect = LLAMA3_INTERRUPTIONS * sc.cluster.size / LLAMA3_GPUS * sc.duration_s / (LLAMA3_DAYS * 86400)
+    assert abs(len(stops) - expect) < 4 * np.sqrt(expect)
+    causes = {e.cause for e in stops}
+    assert any("Faulty GPU" in c for c in causes)
+
+
+def test_generated_events_never_overlap(tmp_path):
+    path = write(tmp_path, generators=[{"kind": "greyhound", "per_day": 200},
+                                       {"kind": "llama3", "scale": 300}],
+                 events=[{"at": "1h", "device": 3, "kind": "slow", "factor": 2}])
+    sc = load_scenario(path)
+    state = {}
+    for e in scenario_events(sc):
+        if e.kind == "recover":
+            assert state.pop(e.device) in ("slow", "stop")
+        else:
+            assert e.device not in state, e
+            state[e.device] = e.kind
+            assert e.kind != "slow" or 1.0 <= e.factor <= 10.0
+
+
+def test_alibaba_generator_finds_the_job1_straggler(tmp_path):
+    devices = list(range(0, 60, 6))
+    path = write(tmp_path, duration="1d", generators=[
+        {"kind": "alibaba", "job": 1, "devices": devices, "seconds_per_iteration": 288}])
+    events = scenario_events(load_scenario(path))
+    worst = max((e for e in events if e.kind == "slow"), key=lambda e: e.factor)
+    assert worst.device == devices[6] and worst.factor > 1.2  # the publisher's worker 6
