@@ -42,8 +42,8 @@ class HeartbeatWriter:
         os.replace(tmp, self.path)
 
     def at_step(self, step: int) -> None:
+        # no write here: a beat costs milliseconds on some file systems; the thread writes it
         self.step = step
-        self.beat()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

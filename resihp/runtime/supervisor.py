@@ -18,6 +18,7 @@ from pathlib import Path
 from resihp.runtime.config import RunConfig
 from resihp.runtime.heartbeat import read_beats, stale_ranks
 from resihp.runtime.launch import torchrun_command, worker_env
+from resihp.runtime.recorder import read_stream
 
 STEP_LINE = re.compile(r"^step (\d+) loss ([\d.naninf]+)")
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -43,6 +44,17 @@ def pid_alive(pid: int) -> bool:
             return False
         return True
     return "\nState:\tZ" not in state and "\nState:\tX" not in state
+
+
+def _failed_step(out: Path, rank: int, beats: dict) -> int | None:
+    """The step a stopped rank was in: one past the last step in its stream (heartbeats lag)."""
+    stream = out / "ranks" / f"rank{rank}.jsonl"
+    if stream.exists():
+        steps = [r["step"] for r in read_stream(stream) if r.get("optype") == "step"]
+        if steps:
+            return max(steps) + 1
+    beat = beats.get(rank)
+    return beat.step if beat else None
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -101,7 +113,7 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
             hung = stale_ranks(beats, heartbeat_timeout_s, now)
             if dead or hung:
                 rank = (dead or hung)[0]
-                outcome.failure = {"kind": "fail-stop", "rank": rank, "step": beats[rank].step,
+                outcome.failure = {"kind": "fail-stop", "rank": rank, "step": _failed_step(out, rank, beats),
                                    "cause": "process exited" if dead else "heartbeats stopped",
                                    "detected_s": round(now - beats[rank].time, 3)}
                 break
@@ -117,8 +129,8 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
         m = ROOT_CAUSE.search(text)
         if m and int(m.group(2)) < 0:
             rank = int(m.group(1))
-            beat = read_beats(out / "heartbeats").get(rank)
-            outcome.failure = {"kind": "fail-stop", "rank": rank, "step": beat.step if beat else None,
+            outcome.failure = {"kind": "fail-stop", "rank": rank,
+                               "step": _failed_step(out, rank, read_beats(out / "heartbeats")),
                                "cause": f"killed by signal {-int(m.group(2))}"}
     if outcome.error is None and worker_errors:
         outcome.error = worker_errors[0].removeprefix("resihp: error: ")

@@ -1,0 +1,193 @@
+"""``resihp.attach``: instrument a user's own training loop in a few lines, without touching the model.
+
+    mon = resihp.attach(model, optimizer=opt, out="runs/myjob")
+    for batch in loader:
+        with mon.step(seq_lens=batch.seq_lens):
+            loss = model(batch.x).loss; loss.backward(); opt.step(); opt.zero_grad()
+    mon.close()
+
+Forward and module-output hooks time each forward (one micro-batch per forward call); the backward
+runs from the first gradient reaching the module's output to the last parameter gradient
+accumulated; optimizer hooks time ``optimizer.step``. Rows go, per step, to the same per-rank
+JSON-lines stream and heartbeat files as the built-in engine, which a side process tails to feed
+the detector (``resihp.runtime.live``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+
+from resihp.opstrace import JobMeta, validate_ops_trace, write_meta, write_ops_trace
+from resihp.runtime.heartbeat import HeartbeatWriter
+from resihp.runtime.recorder import OpRecorder
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _accounted(method):
+    def wrapper(self, *args):
+        t0 = time.perf_counter()
+        method(self, *args)
+        self.self_s += time.perf_counter() - t0
+
+    return wrapper
+
+
+class Monitor:
+    def __init__(self, model: nn.Module, out: Path, optimizer: torch.optim.Optimizer | None,
+                 rank: int, dp_rank: int, stage: int, tp_rank: int, heartbeat_s: float) -> None:
+        sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else None
+        self.rec = OpRecorder(rank, dp_rank, stage, tp_rank)
+        self._sync = sync or (lambda: None)
+        self.out = out
+        (out / "ranks").mkdir(parents=True, exist_ok=True)
+        self.stream = out / "ranks" / f"rank{rank}.jsonl"
+        self.stream.unlink(missing_ok=True)
+        self.heart = HeartbeatWriter(out / "heartbeats", rank, heartbeat_s).start()
+        self.heart.phase = "train"
+        self._step = -1
+        self._mb = 0
+        self._seq_lens: list[Sequence[int] | None] = []
+        self._open: dict[str, tuple[float, float, int]] = {}  # optype -> (start_ts, t0, mb)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._grads_left = 0
+        self.self_s = 0.0  # time spent in resihp's own code, for the overhead benchmark
+        self._handles = [
+            model.register_forward_pre_hook(self._fwd_start),
+            model.register_forward_hook(self._fwd_end),
+            *[p.register_post_accumulate_grad_hook(self._grad_done) for p in self._params],
+        ]
+        if optimizer is not None:
+            self._handles += [optimizer.register_step_pre_hook(self._opt_start),
+                              optimizer.register_step_post_hook(self._opt_end)]
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def _begin(self, optype: str, mb: int = -1) -> None:
+        self._sync()
+        self._open[optype] = (time.time(), time.perf_counter(), mb)
+
+    def _end(self, optype: str) -> None:
+        if optype not in self._open or self._step < 0:
+            return
+        self._sync()
+        start_ts, t0, mb = self._open.pop(optype)
+        seq_lens = self._seq_lens[mb] if 0 <= mb < len(self._seq_lens) else None
+        self.rec.rows.append({
+            "step": self._step, **self.rec.ids, "optype": optype, "start_ts": start_ts,
+            "duration": time.perf_counter() - t0, "seq_id": self.rec._seq[optype],
+            "mb_id": mb if mb >= 0 else None, "seq_lens": list(seq_lens) if seq_lens else None,
+            "tokens": int(sum(seq_lens)) if seq_lens else None, "loss": None})
+        self.rec._seq[optype] += 1
+
+    @_accounted
+    def _fwd_start(self, module, args) -> None:
+        self._begin("forward-compute", self._mb)
+
+    @_accounted
+    def _fwd_end(self, module, args, output) -> None:
+        self._end("forward-compute")
+        self._mb += 1
+        out = _first_grad_tensor(output)
+        if out is not None:  # the module's backward starts when its output's gradient arrives
+            out.register_hook(self._bwd_start)
+
+    @_accounted
+    def _bwd_start(self, grad: torch.Tensor) -> None:
+        if "backward-compute" not in self._open:
+            self._begin("backward-compute", self._mb - 1)
+            self._grads_left = len(self._params)
+
+    @_accounted
+    def _grad_done(self, param) -> None:
+        self._grads_left -= 1
+        if self._grads_left == 0:
+            self._end("backward-compute")
+
+    @_accounted
+    def _opt_start(self, optimizer, args, kwargs) -> None:
+        self._end("backward-compute")  # parameters the backward did not reach
+        self._begin("optimizer")
+
+    @_accounted
+    def _opt_end(self, optimizer, args, kwargs) -> None:
+        self._end("optimizer")
+
+    # --- public ---------------------------------------------------------------------------------
+    @contextmanager
+    def step(self, seq_lens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+             step: int | None = None) -> Iterator[None]:
+        """One training step. ``seq_lens``: the packed sequence lengths of the step's micro-batch,
+        or a list of them, one per forward call (gradient accumulation)."""
+        t0 = time.perf_counter()
+        self._step = self._step + 1 if step is None else step
+        self.heart.at_step(self._step)
+        self.rec.begin_step(self._step)
+        if seq_lens is not None and len(seq_lens) and not isinstance(seq_lens[0], (list, tuple)):
+            seq_lens = [seq_lens]
+        self._seq_lens = [list(map(int, s)) for s in seq_lens] if seq_lens is not None else []
+        self._mb = 0
+        tokens = sum(sum(s) for s in self._seq_lens) or None
+        self.self_s += time.perf_counter() - t0
+        with self.rec.op("step", tokens=tokens):
+            yield
+            self._end("backward-compute")
+        t0 = time.perf_counter()
+        self.rec.flush(self.stream)
+        self.self_s += time.perf_counter() - t0
+
+    def trace(self) -> pd.DataFrame:
+        """Everything recorded so far; also written to ``OUT/ops.parquet`` by ``close``."""
+        return validate_ops_trace(self.rec.frame(), source=str(self.stream))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self.rec.flush(self.stream)
+        self.heart.stop("done")
+        if self.rec.rows:
+            write_ops_trace(self.trace(), self.out / f"ops.rank{self.rec.ids['rank']}.parquet")
+
+
+def _first_grad_tensor(output: object) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values = output.values() if isinstance(output, dict) else output
+    if isinstance(values, (list, tuple)) or hasattr(values, "__iter__"):
+        for value in values:
+            found = _first_grad_tensor(value) if isinstance(value, (torch.Tensor, list, tuple, dict)) else None
+            if found is not None:
+                return found
+    return None
+
+
+def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+           out: str | Path = "runs/attached", rank: int | None = None, dp_rank: int | None = None,
+           stage: int = 0, tp_rank: int = 0, dp_size: int | None = None, pp_size: int = 1,
+           tp_size: int = 1, heartbeat_s: float = 0.5, **meta: object) -> Monitor:
+    """Start recording ``model``'s per-op timings into ``out`` (ops-trace rows per rank, job meta
+    from rank 0, heartbeats). Ranks default to torch.distributed's (or ``RANK``/``WORLD_SIZE``);
+    with no other hint every rank is its own data-parallel replica."""
+    out = Path(out)
+    dist_rank, world = _dist_rank_world()
+    rank = dist_rank if rank is None else rank
+    dp_size = dp_size or max(1, world // (pp_size * tp_size))
+    monitor = Monitor(model, out, optimizer, rank, rank if dp_rank is None else dp_rank, stage,
+                      tp_rank, heartbeat_s)
+    if rank == 0:
+        write_meta(JobMeta(dp_size, pp_size, tp_size, dp_size * pp_size * tp_size),
+                   out / "job.yaml", **meta)
+    return monitor
