@@ -1,0 +1,77 @@
+import numpy as np
+
+from resihp.replay.engine import Replay
+from resihp.replay.policies.greyhound import Greyhound
+from resihp.replay.policies.resihp import Resihp, layout_of
+from resihp.replay.policies.restart import CheckpointRestart
+from resihp.replay.scenario import load_scenario
+from tests.replay_fixtures import write
+
+SLOW = [{"at": "1h", "device": 13, "kind": "slow", "factor": 2.0},
+        {"at": "3h", "device": 13, "kind": "recover"}]
+
+
+def test_resihp_uses_the_real_detector_and_planner(tmp_path, monkeypatch):
+    from resihp.detect.online import OnlineDetector
+    from resihp.plan.planner import Planner
+
+    calls = {"observe": 0, "plan": 0}
+    real_observe, real_plan = OnlineDetector.observe_arrays, Planner.plan
+
+    def observe(self, *a, **k):
+        calls["observe"] += 1
+        return real_observe(self, *a, **k)
+
+    def plan(self, *a, **k):
+        calls["plan"] += 1
+        return real_plan(self, *a, **k)
+
+    monkeypatch.setattr(OnlineDetector, "observe_arrays", observe)
+    monkeypatch.setattr(Planner, "plan", plan)
+    sc = load_scenario(write(tmp_path, events=SLOW))
+    policy = Resihp()
+    out = Replay(sc, policy).run()
+    assert calls["observe"] > 50 and calls["plan"] >= 2
+    found = [d for d in out.detections if d["device"] == 13]
+    assert found and found[0]["true"] and found[0]["delay_s"] < 20 * 5.0  # within a few steps
+    assert 1.5 < found[0]["slowdown"] < 2.3  # the estimate at alarm time
+    assert out.false_alarms == 0
+
+
+def test_resihp_beats_doing_nothing_on_a_fail_slow(tmp_path):
+    sc = load_scenario(write(tmp_path, events=SLOW))
+    resihp = Replay(sc, Resihp()).run()
+    common = Replay(sc, CheckpointRestart()).run()
+    assert resihp.tokens > 1.1 * common.tokens
+    assert resihp.bound_fraction > 0.9
+
+
+def test_resihp_is_silent_on_healthy_variable_length_steps(tmp_path):
+    sc = load_scenario(write(tmp_path, duration="8h", replay={"window_steps": 32, "observe_steps": 32,
+                                                             "probe_interval": "30m"}))
+    out = Replay(sc, Resihp()).run()
+    assert out.false_alarms == 0 and len(out.actions) == 1
+
+
+def test_greyhound_detects_from_iteration_time(tmp_path):
+    sc = load_scenario(write(tmp_path, events=SLOW))
+    out = Replay(sc, Greyhound()).run()
+    assert any(d["true"] for d in out.detections)
+    assert len(out.actions) > 1
+
+
+def test_plan_to_layout_keeps_every_layer_and_microbatch(tmp_path):
+    sc = load_scenario(write(tmp_path))
+    policy = Resihp()
+    replay = Replay(sc, policy)
+    layout = policy.start(replay.ctx)
+    replay.ctx.layout = layout
+    replay.ctx.known_dead.add(20)
+    reaction = policy.on_stop(replay.ctx, [20])
+    new = reaction.layout
+    assert 20 not in set(new.devices.tolist())
+    assert all(sum(r.layers) == sc.model.layers for r in new.replicas)
+    assert new.microbatches == replay.ctx.total_microbatches
+    assert len(set(new.devices.tolist())) == len(new.devices)  # every device placed once
+    assert layout_of(policy.plan).microbatches == new.microbatches
+    assert np.isfinite(replay.ctx.predicted_step_time(new, np.ones(sc.cluster.size)))
