@@ -20,15 +20,21 @@ SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter", "params-all-gather",
                 "embedding-grads-all-reduce", "layernorm-grads-all-reduce")
 
 
-def _grid(rows: pd.DataFrame, replicas: int, stages: int, mbs: int, source: str) -> np.ndarray:
-    """[replicas, stages, micro-batches] of the slowest tensor-parallel rank's duration."""
-    grid = np.full((replicas, stages, mbs), np.nan)
-    worst = rows.groupby(["dp_rank", "stage", "mb_id"])["duration"].max()
+def _grid(rows: pd.DataFrame, meta: JobMeta, mbs: int, source: str) -> np.ndarray:
+    """[replicas, model chunks, micro-batches] of the slowest tensor-parallel rank's duration;
+    model chunk ``mc * pp_size + stage`` (``mc`` is 0 without interleaving)."""
+    if meta.vpp_size > 1 and ("mc" not in rows.columns or rows["mc"].isna().any()):
+        raise InputError(f"{source}: vpp_size is {meta.vpp_size} but compute ops lack the model "
+                         "chunk column mc")
+    chunk = rows["mc"].fillna(0).astype(np.int64) * meta.pp_size if "mc" in rows.columns else 0
+    rows = rows.assign(chunk=rows["stage"] + chunk)
+    grid = np.full((meta.dp_size, meta.pp_size * meta.vpp_size, mbs), np.nan)
+    worst = rows.groupby(["dp_rank", "chunk", "mb_id"])["duration"].max()
     idx = worst.index.to_frame().to_numpy(np.int64)
     grid[idx[:, 0], idx[:, 1], idx[:, 2]] = worst.to_numpy()
     if np.isnan(grid).any():
-        r, s, j = (int(v[0]) for v in np.nonzero(np.isnan(grid)))
-        raise InputError(f"{source}: no duration for replica {r}, stage {s}, micro-batch {j}")
+        r, g, j = (int(v[0]) for v in np.nonzero(np.isnan(grid)))
+        raise InputError(f"{source}: no duration for replica {r}, model chunk {g}, micro-batch {j}")
     return grid
 
 
@@ -39,8 +45,8 @@ def replay_step(ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "
     if compute.empty or compute["mb_id"].isna().any():
         raise InputError(f"{source}: step {ops['step'].iloc[0]} has compute ops without mb_id")
     mbs = int(compute["mb_id"].max()) + 1
-    fwd = _grid(compute[compute["optype"] == "forward-compute"], meta.dp_size, meta.pp_size, mbs, source)
-    bwd = _grid(compute[compute["optype"] == "backward-compute"], meta.dp_size, meta.pp_size, mbs, source)
+    fwd = _grid(compute[compute["optype"] == "forward-compute"], meta, mbs, source)
+    bwd = _grid(compute[compute["optype"] == "backward-compute"], meta, mbs, source)
     sends = ops.loc[ops["optype"].isin(SEND_OPTYPES), "duration"]
     p2p = float(sends.median()) if len(sends) else 0.0
     sync = ops[ops["optype"].isin(SYNC_OPTYPES)].groupby(["dp_rank", "stage"])["duration"].sum()
