@@ -1,0 +1,100 @@
+"""Replay benchmark: every policy on the paper's scenario families, and replay speed at 16,384 GPUs.
+
+Prints JSON: per scenario each policy's throughput as a fraction of the capacity bound and resihp's
+speedup over each baseline (ratios of runs on the same events, workload draws and noise), the mean
+per family; then the wall time to replay a 7-day, 16,384-GPU scenario at Llama 3 failure rates, per
+policy (target: under 60 s on this machine).
+
+    python benchmarks/replay.py [--families-only | --speed-only] [--speed-policies a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from resihp.paths import TRACES  # noqa: E402
+from resihp.replay.engine import Replay, shared_pool  # noqa: E402
+from resihp.replay.failures import scenario_events  # noqa: E402
+from resihp.replay.policies import make_policies  # noqa: E402
+from resihp.replay.run import compare  # noqa: E402
+from resihp.replay.scenario import load_scenario  # noqa: E402
+
+FAMILY_SCENARIOS = ["failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "alibaba-7b-256"]
+SPEED_SCENARIO = "llama3-week-16k"
+
+
+def families() -> dict:
+    rows = []
+    for name in FAMILY_SCENARIOS:
+        sc = load_scenario(TRACES / "scenarios" / f"{name}.yaml")
+        doc = compare(sc).summary(timeline_points=24)
+        rows.append({
+            "name": name, "family": sc.family, "devices": sc.cluster.size, "model": sc.model.name,
+            "capacity_tokens_per_s": doc["capacity_tokens_per_s"],
+            "bound_fraction": {p["name"]: p["bound_fraction"] for p in doc["policies"]},
+            "false_alarms": {p["name"]: p["false_alarms"] for p in doc["policies"]},
+            "detection_delay_steps": {p["name"]: p["detection_delay_steps"] for p in doc["policies"]},
+            "resihp_speedup": doc["speedups"],
+            "replay_wall_s": {p["name"]: p["replay_wall_s"] for p in doc["policies"]},
+        })
+    by_family: dict[str, list] = {}
+    for r in rows:
+        by_family.setdefault(r["family"], []).append(r)
+    summary = {}
+    for fam, rs in by_family.items():
+        names = list(rs[0]["bound_fraction"])
+        summary[fam] = {
+            "scenarios": [r["name"] for r in rs],
+            "mean_bound_fraction": {n: round(statistics.mean(r["bound_fraction"][n] for r in rs), 4)
+                                    for n in names},
+            "min_resihp_speedup": {n: round(min(r["resihp_speedup"][n] for r in rs), 4)
+                                   for n in rs[0]["resihp_speedup"]},
+            "resihp_ahead_of_every_baseline": all(v > 1.0 for r in rs
+                                                  for v in r["resihp_speedup"].values()),
+        }
+    return {"scenarios": rows, "families": summary}
+
+
+def speed(policies: str) -> dict:
+    sc = load_scenario(TRACES / "scenarios" / f"{SPEED_SCENARIO}.yaml")
+    t0 = time.perf_counter()
+    events = scenario_events(sc)
+    pool = shared_pool(sc)
+    setup = time.perf_counter() - t0
+    out = {"scenario": SPEED_SCENARIO, "devices": sc.cluster.size, "days": sc.duration_s / 86400,
+           "events": len(events), "setup_s": round(setup, 2), "policies": []}
+    for policy in make_policies(policies):
+        t0 = time.perf_counter()
+        res = Replay(sc, policy, events=events, pool=pool).run()
+        wall = time.perf_counter() - t0
+        out["policies"].append({
+            "name": policy.name, "wall_s": round(wall, 2), "under_60s": wall < 60.0,
+            "replayed_steps": round(res.replayed_steps), "simulated_steps": res.simulated_steps,
+            "us_per_replayed_step": round(wall / max(res.replayed_steps, 1) * 1e6, 1),
+            "bound_fraction": round(res.bound_fraction, 4), "tokens_per_s": round(res.tokens_per_s),
+            "false_alarms": res.false_alarms})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families-only", action="store_true")
+    ap.add_argument("--speed-only", action="store_true")
+    ap.add_argument("--speed-policies", default="checkpoint-restart,oobleck,recycle,greyhound,resihp")
+    args = ap.parse_args()
+    result = {}
+    if not args.speed_only:
+        result["comparison"] = families()
+    if not args.families_only:
+        result["speed"] = speed(args.speed_policies)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
