@@ -13,8 +13,8 @@ from resihp.plan.layout import binary_chunks, group_options
 from resihp.plan.plan import Plan, plan_problems
 from resihp.plan.planner import Planner, capacity_bound, healthy_plan
 from resihp.plan.specs import ClusterSpec, ModelSpec
-from resihp.plan.timing import StageCoster, closed_form_step
-from resihp.plan.tokens import balance_tokens
+from resihp.plan.timing import StageCoster, closed_form_step, evaluate
+from resihp.plan.tokens import balance_tokens, proportional_counts
 
 CLUSTERS = TRACES / "clusters"
 MODELS = TRACES / "models"
@@ -235,14 +235,16 @@ def test_token_budgets_balance_and_keep_the_global_batch():
     c, m = load("h100-256", "gpt-13b")
     slow = c.with_speeds({3: 0.5})
     coster = StageCoster(slow, m, AnalyticCost())
-    base = make_policy("resihp-heuristic").plan(slow, m)
-    balanced = balance_tokens(base, coster)
+    base = make_policy("uniform").plan(slow, m)
+    assert balance_tokens(base, coster).pipelines == base.pipelines  # budgets never shrink
+    balanced = balance_tokens(proportional_counts(base, coster), coster)
     assert sum(p.share(m) for p in balanced.pipelines) == m.global_batch_tokens
     assert plan_problems(balanced, slow, m) == []
-    from resihp.plan.timing import evaluate
-
+    assert all(p.budget(m) >= m.microbatch_tokens for p in balanced.pipelines)
+    slow_pipe = next(p for p in balanced.pipelines if 3 in p.ranks)
+    assert slow_pipe.microbatches < base.pipelines[0].microbatches
     evaluate(balanced, coster)
-    assert balanced.step_time_s < base.step_time_s
+    assert balanced.step_time_s < 0.7 * base.step_time_s
 
 
 def test_proportional_split_respects_caps_and_total():

@@ -23,6 +23,7 @@ from resihp.errors import InputError
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel
 from resihp.plan.layout import (
+    binary_chunks,
     choose_layout,
     even_split,
     group_options,
@@ -35,7 +36,7 @@ from resihp.plan.pipeline_solver import PipelineSolution, solve_pipeline
 from resihp.plan.plan import Layout, Pipeline, Plan, Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import CapacityBound, StageCoster, capacity_fraction, evaluate
-from resihp.plan.tokens import balance_tokens
+from resihp.plan.tokens import balance_tokens, proportional_counts
 
 
 def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
@@ -161,15 +162,17 @@ class Planner:
         layout = self.layout(cluster, model, current)
         bound = self.bound(cluster, model)
         pipes = home_pipelines(cluster, layout)
-        held: dict[tuple[int, ...], tuple[int, int]] = {}
-        share = even_split(model.microbatches, layout.dp)
+        even = dict(enumerate(even_split(model.microbatches, layout.dp)))
+        share = dict(even)
+        held: dict[tuple[int, ...], tuple[int, int]] | None = None
         if current is not None:
             held = {s.ranks: s.layers for p in current.pipelines for s in p.stages}
-            by_home = {p.home: p.microbatches for p in current.pipelines if p.home is not None}
-            share = [by_home.get(r, share[r]) for r in range(layout.dp)]
+            share.update({p.home: p.microbatches for p in current.pipelines
+                          if p.home is not None and p.home in share})
         healthy = self.healthy(cluster, model)
         counts = ([s.n_layers for s in healthy.pipelines[0].stages] if healthy.layout == layout
                   else uniform_layer_counts(model.layers, layout.pp))
+        # replica id -> solution; ids 0..dp-1 are the home replicas, later ids spare pipelines
         solutions: dict[int, PipelineSolution | None] = {}
         affected = []
         for r, groups in enumerate(pipes):
@@ -180,16 +183,14 @@ class Planner:
                 affected.append(r)
         rounds = 2
         waves = -(-len(affected) // self.threads) if affected else 1
-        per_solve = max(0.05, 0.8 * time_limit_s / (rounds * waves + 1))
-        statuses: list[str] = []
-        gaps: list[float] = []
+        per_solve = max(0.05, 0.7 * time_limit_s / (rounds * waves + 2))
+        log = _SolveLog()
 
         def solve(r: int, m: int) -> PipelineSolution | None:
-            return solve_pipeline(coster, pipes[r], m, held if current is not None else None,
-                                  self.horizon_steps, per_solve)
+            return solve_pipeline(coster, pipes[r], m, held, self.horizon_steps, per_solve)
 
-        def allocate(dropped: frozenset[int] = frozenset()) -> list[int]:
-            live = [r for r in range(layout.dp) if solutions[r] is not None and r not in dropped]
+        def allocate(dropped: frozenset[int] = frozenset()) -> dict[int, int]:
+            live = [r for r, sol in solutions.items() if sol is not None and r not in dropped]
             if not live:
                 raise InputError(f"cluster {cluster.name}: no replica of layout tp={layout.tp} "
                                  f"pp={layout.pp} can run model {model.name} on the remaining "
@@ -198,17 +199,13 @@ class Planner:
             # the slope taken up to the replica's present share (p2p latencies included)
             first, each = [], []
             for r in live:
-                m_ref = max(2, share[r])
+                m_ref = max(2, share.get(r, 0))
                 t1 = coster.pipeline_step(solutions[r].stages, 1)
                 first.append(t1)
                 each.append((coster.pipeline_step(solutions[r].stages, m_ref) - t1) / (m_ref - 1))
             alloc, status, gap = allocate_microbatches(first, each, model.microbatches, per_solve)
-            statuses.append(f"allocation:{status}")
-            gaps.append(gap)
-            out = [0] * layout.dp
-            for r, m in zip(live, alloc):
-                out[r] = m
-            return out
+            log.add(f"allocation:{status}", gap)
+            return dict(zip(live, alloc))
 
         with ThreadPoolExecutor(self.threads) as pool:
             todo = {r: max(1, share[r]) for r in affected}
@@ -219,52 +216,109 @@ class Planner:
                 solved_for.update(todo)
                 share = allocate()
                 # re-solve the replicas whose micro-batch count moved: the bubble weighs with it
-                todo = {r: share[r] for r in affected
-                        if solutions[r] is not None and 0 < share[r] != solved_for[r]}
+                todo = {r: share.get(r, 0) for r in affected
+                        if solutions[r] is not None and 0 < share.get(r, 0) != solved_for[r]}
                 if not todo:
                     break
         for r in affected:
             if solutions[r] is not None:
-                statuses.append(solutions[r].status)
-                gaps.append(solutions[r].gap)
-        # The allocation does not see the gradient all-reduce, which the replica with the largest
-        # per-device shard slows down; also weigh dropping the re-formed replicas altogether.
-        candidates = [self._assemble(cluster, layout, solutions, share)]
+                log.add(solutions[r].status, solutions[r].gap)
+        spares = self._spare_pipelines(coster, solutions, min(even.values()) or 1, held,
+                                       per_solve)
+        # Candidates, compared on the evaluator's step time (which, unlike the allocation, sees
+        # the gradient all-reduce that the largest per-device shard slows down): the allocation
+        # above; without the re-formed replicas; with spare devices built into extra pipelines;
+        # and each with token budgets instead of whole micro-batches.
         reformed = frozenset(r for r in affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
+        shares = [share]
         if reformed and len(reformed) < sum(s is not None for s in solutions.values()):
-            candidates.append(self._assemble(cluster, layout, solutions, allocate(reformed)))
+            shares.append(allocate(reformed))
+        if spares:
+            solutions.update(spares)
+            shares.append(allocate())
         if self.token_budgets:
-            # Whole micro-batches are coarse when replicas have few: also keep every live
-            # replica's healthy micro-batch count and move tokens instead.
-            even = even_split(model.microbatches, layout.dp)
-            kept = [even[r] if solutions[r] is not None else 0 for r in range(layout.dp)]
-            extra = [self._assemble(cluster, layout, solutions, kept)]
-            if reformed:
-                extra.append(self._assemble(cluster, layout, solutions,
-                                            [0 if r in reformed else m for r, m in enumerate(kept)]))
-            candidates += [balance_tokens(c, coster) for c in candidates + extra]
+            kept = {r: even.get(r, min(even.values())) for r, sol in solutions.items()
+                    if sol is not None}
+            shares.append(kept)
+            shares.append({r: m for r, m in kept.items() if r not in reformed})
+            if spares:
+                shares.append({r: m for r, m in kept.items() if r not in spares})
+        candidates = [self._assemble(cluster, layout, solutions, sh) for sh in shares]
+        if self.token_budgets:
+            candidates += [balance_tokens(c, coster) for c in candidates]
+            candidates += [balance_tokens(proportional_counts(c, coster), coster)
+                           for c in candidates[-len(shares):]]
         candidates = [c for c in candidates if c.pipelines and sum(
             p.share(model) for p in c.pipelines) == model.global_batch_tokens]
         for plan in candidates:
             evaluate(plan, coster, bound, current)
         plan = min(candidates, key=lambda p: (round(p.step_time_s, 9), p.migration_s))
-        finite = [g for g in gaps if np.isfinite(g)]
-        plan.solver = {
-            "status": "optimal" if all(s.endswith("optimal") or s == "kept" for s in statuses)
-            else "time-limit",
-            "gap": max(finite) if finite else 0.0,
-            "solve_s": time.perf_counter() - t0,
-            "pipelines_solved": len(affected),
-        }
+        plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
+                       "pipelines_solved": len(affected) + len(spares)}
         return plan
 
+    def _spare_pipelines(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
+                         m: int, held: dict | None, time_limit_s: float,
+                         ) -> dict[int, PipelineSolution]:
+        """Extra pipelines from live devices no replica uses (the rest of a broken TP group, or
+        devices the layout leaves over): power-of-two TP groups inside each node, chained into
+        pipelines across nodes while the CP-SAT model finds no split that fits in memory."""
+        cluster, model = coster.cluster, coster.model
+        used = {r for sol in solutions.values() if sol is not None
+                for s in sol.stages for r in s.ranks}
+        groups = []
+        for ranks in cluster.node_ranks:
+            free = sorted((r for r in ranks if r not in used and cluster.devices[r].alive),
+                          key=lambda r: (-cluster.devices[r].speed, r))
+            groups += [tuple(sorted(g)) for g in binary_chunks(free)
+                       if model.heads % len(g) == 0]
+        if not groups or sum(len(g) for g in groups) < 2:
+            return {}
+        groups.sort(key=lambda g: (-len(g), g))
+        state_gb = ((model.layers * model.params_per_layer + 2 * model.embedding_params)
+                    * model.state_bytes_per_param / 1e9)
+        out: dict[int, PipelineSolution] = {}
+        chain: list[tuple[int, ...]] = []
+        next_id = max(solutions) + 1
+        for g in groups:
+            chain.append(g)
+            if len(chain) > model.layers:
+                break
+            if sum(coster.memory_free_gb(c) * len(c) for c in chain) < state_gb:
+                continue  # cannot hold the model state, whatever the split
+            sol = solve_pipeline(coster, chain, m, held, self.horizon_steps, time_limit_s)
+            if sol is not None and len(sol.stages) == len(chain):
+                out[next_id] = sol
+                next_id += 1
+                chain = []
+        return out
+
     def _assemble(self, cluster: ClusterSpec, layout: Layout,
-                  solutions: dict[int, PipelineSolution | None], share: list[int]) -> Plan:
+                  solutions: dict[int, PipelineSolution | None], share: dict[int, int]) -> Plan:
         pipelines = []
-        for r in range(layout.dp):
-            if solutions[r] is not None and share[r] > 0:
-                pipelines.append(Pipeline(len(pipelines), solutions[r].stages, share[r], home=r))
+        for r in sorted(solutions):
+            if solutions[r] is not None and share.get(r, 0) > 0:
+                pipelines.append(Pipeline(len(pipelines), solutions[r].stages, share[r],
+                                          home=r if r < layout.dp else None))
         placed = {x for p in pipelines for x in p.ranks}
         return Plan(len(cluster), layout, pipelines,
                     [x for x in range(len(cluster)) if x not in placed], policy=self.name)
+
+
+class _SolveLog:
+    """Statuses and gaps of the CP-SAT solves behind one plan."""
+
+    def __init__(self) -> None:
+        self.statuses: list[str] = []
+        self.gaps: list[float] = []
+
+    def add(self, status: str, gap: float) -> None:
+        self.statuses.append(status)
+        if np.isfinite(gap):
+            self.gaps.append(gap)
+
+    def summary(self) -> dict:
+        done = all(s.endswith("optimal") or s == "kept" for s in self.statuses)
+        return {"status": "optimal" if done else "time-limit",
+                "gap": max(self.gaps) if self.gaps else 0.0}

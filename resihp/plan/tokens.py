@@ -7,9 +7,12 @@ is linear in its micro-batch size (compute, tensor-parallel and pipeline traffic
 tokens), so this is a linear program, solved with OR-Tools GLOP:
 
     minimise T  s.t.  T >= a_r * tau_r,  sum_r m_r * tau_r = global tokens,
-                      max_seq_len <= tau_r <= memory limit of replica r
+                      microbatch_tokens <= tau_r <= memory limit of replica r
 
-then rounded to whole tokens with the global batch kept exactly.
+then rounded to whole tokens with the global batch kept exactly. Budgets only grow from the
+model's micro-batch size: smaller ones would trade away GPU efficiency that a cost model linear in
+tokens does not see (and would shrink the bubble below what the capacity bound assumes); a slow
+replica instead runs fewer micro-batches (``proportional_counts``).
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
     span = solver.NumVar(0.0, solver.infinity(), "span")
     taus = []
     for k, (rate, _m, limit) in enumerate(rows):
-        hi = max(float(model.max_seq_len), limit - 1.0)
-        tau = solver.NumVar(float(model.max_seq_len), hi, f"tau{k}")
+        lo = float(model.microbatch_tokens)
+        tau = solver.NumVar(lo, max(lo, limit - 1.0), f"tau{k}")
         solver.Add(span >= rate * tau)
         taus.append(tau)
     solver.Add(sum(m * len(members) * tau for (_, m, _), members, tau
@@ -77,4 +80,29 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
         return plan
     new = [replace(p, tokens=None if t == p.microbatches * tau0 else int(t))
            for p, t in zip(pipes, tokens.tolist())]
+    return replace(plan, pipelines=new)
+
+
+def proportional_counts(plan: Plan, coster: StageCoster) -> Plan:
+    """A copy with micro-batch counts sized to each replica's speed, so that token budgets can then
+    close the rest of the gap (a slow replica cannot shrink its micro-batches, but it can run one
+    fewer). Shares are proportional to tokens per second at the present counts; each count is the
+    most micro-batches of at least the model's budget that fit the share, and at least as many as
+    the memory limit on micro-batch size requires."""
+    model = coster.model
+    pipes = plan.pipelines
+    if len(pipes) < 2:
+        return plan
+    speed = np.array([p.share(model) / coster.pipeline_step(
+        p.stages, p.microbatches, p.budget(model) / model.microbatch_tokens) for p in pipes])
+    ideal = speed / speed.sum() * model.global_batch_tokens
+    counts = []
+    for p, x in zip(pipes, ideal):
+        m = max(1, int(x // model.microbatch_tokens))
+        limit = budget_limit(coster, p)
+        if x / m > limit - 1:
+            m = int(np.ceil(x / (limit - 1)))
+        counts.append(m)
+    new = [replace(p, microbatches=m, tokens=m * model.microbatch_tokens)
+           for p, m in zip(pipes, counts)]
     return replace(plan, pipelines=new)
