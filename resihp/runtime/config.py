@@ -40,6 +40,7 @@ class RunConfig:
     # run
     out: str = "runs/latest"
     inject: list[str] = field(default_factory=list)
+    replan: list[dict] = field(default_factory=list)  # scheduled plan changes: {"step", "dp_weights"?, "layer_split"?}
     device: str = "auto"  # cpu, cuda or auto
     threads: int = 1
     timeout_s: float = 60.0  # how long a collective or receive may wait for a peer
@@ -63,6 +64,14 @@ class RunConfig:
             raise InputError(f"--dp-weights: expected {self.dp} non-negative weights with a positive "
                              f"sum, got {self.dp_weights}")
         check_faults(self.faults(), self.dims().world_size)
+        for change in self.replan:
+            if not isinstance(change, dict) or not isinstance(change.get("step"), int):
+                raise InputError(f"replan: each change needs an integer step, got {change!r}")
+            if change.get("layer_split") is not None:
+                ranges_from_counts(change["layer_split"], self.layers, self.pp, source="replan layer_split")
+            weights = change.get("dp_weights")
+            if weights is not None and (len(weights) != self.dp or min(weights) < 0 or sum(weights) <= 0):
+                raise InputError(f"replan dp_weights: expected {self.dp} non-negative weights, got {weights}")
 
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp, self.pp, self.tp)

@@ -67,7 +67,12 @@ class Engine:
                      if self.stage < self.pp - 1 else None)
         self.model_cfg = cfg.model_config()
         self.weights = cfg.weights()
-        self.build_stage(*cfg.stage_ranges()[self.stage])
+        self.ranges = cfg.stage_ranges()
+        self.build_stage(*self.ranges[self.stage])
+        # plan changes travel over their own gloo group, whatever the training backend
+        self.control_group = dist.new_group(list(range(world)), backend="gloo")
+        self.plan_version = 0
+        self.plan_changes: list[dict] = []
         self.data = DataSource(cfg.source, cfg.global_tokens, cfg.budget, cfg.max_len, cfg.seed)
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.coords.tp_rank, sync=sync)
@@ -100,6 +105,37 @@ class Engine:
             self.rec.sync()
             self.injector.stretch(time.perf_counter() - start)
         return result
+
+    # --- plan changes -----------------------------------------------------------------------------
+    def sync_plan(self, step: int, proposal: dict | None) -> dict | None:
+        """Called by every rank at the start of a step; ``proposal`` (a plan change) counts only
+        on rank 0, which broadcasts it; every rank applies it before the step. Returns it."""
+        version = torch.tensor([proposal["version"] if proposal and self.rank == 0 else self.plan_version])
+        dist.broadcast(version, 0, group=self.control_group)
+        if int(version) == self.plan_version:
+            return None
+        box = [proposal if self.rank == 0 else None]
+        dist.broadcast_object_list(box, 0, group=self.control_group)
+        change = dict(box[0])
+        self.apply(step, change)
+        self.plan_version = int(version)
+        return change
+
+    def apply(self, step: int, change: dict) -> None:
+        self.rec.begin_step(step)
+        if change.get("dp_weights") is not None:
+            with self.rec.op("replan-microbatches"):
+                self.weights = [float(w) for w in change["dp_weights"]]
+        if change.get("layer_split") is not None:
+            from resihp.runtime.layout import ranges_from_counts
+            from resihp.runtime.replan import repartition
+
+            new = ranges_from_counts(change["layer_split"], self.model_cfg.layers, self.pp,
+                                     source="plan layer_split")
+            if new != self.ranges:
+                with self.rec.op("replan-layers") as row:
+                    row["bytes"] = repartition(self, new)
+        self.plan_changes.append({"step": step, **change})
 
     # --- one training step ----------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:

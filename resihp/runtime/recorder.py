@@ -14,7 +14,7 @@ import pandas as pd
 from resihp.opstrace import validate_ops_trace, write_ops_trace
 
 COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "seq_id",
-           "mb_id", "seq_lens", "tokens", "loss"]
+           "mb_id", "seq_lens", "tokens", "loss", "bytes"]
 
 
 class OpRecorder:
@@ -71,6 +71,7 @@ def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
     for col in ("mb_id", "tokens", "tp_rank", "seq_id"):
         df[col] = df[col].astype("Int64")
     df["loss"] = df["loss"].astype(float)
+    df["bytes"] = df["bytes"].astype("Int64")
     return df
 
 

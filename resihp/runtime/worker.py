@@ -25,6 +25,7 @@ import torch.distributed as dist
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, write_meta
 from resihp.runtime.config import RunConfig
+from resihp.runtime.control import ControlInbox
 from resihp.runtime.engine import Engine
 from resihp.runtime.heartbeat import HeartbeatWriter
 from resihp.runtime.inject import FaultInjector
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser.add_argument("--config", help="a RunConfig JSON; flags given here override it")
     for f in fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
+        if f.name == "replan":
+            continue  # only through --config
         if f.name in ("layer_split", "dp_weights", "inject"):
             parser.add_argument(flag, default=None, help=f"{f.name} (comma-separated; inject repeatable)",
                                 action="append" if f.name == "inject" else "store")
@@ -108,10 +111,15 @@ def run(cfg: RunConfig) -> None:
     heart = HeartbeatWriter(out / "heartbeats", rank).start()
     engine = Engine(cfg, device, FaultInjector(cfg.faults(), rank))
     heart.phase = "train"
+    inbox = ControlInbox(out, cfg.replan) if rank == 0 else None
     results = []
     try:
         for step in range(cfg.steps):
             heart.at_step(step)
+            proposal = inbox.poll(step) if inbox else None
+            if proposal is not None:
+                proposal = {**proposal, "version": engine.plan_version + 1}
+            engine.sync_plan(step, proposal)
             result = engine.train_step(step)
             results.append(result)
             if result.loss is not None and engine.dp_rank == 0:
@@ -123,6 +131,7 @@ def run(cfg: RunConfig) -> None:
         heart.stop("done")
     dist.barrier()
     if rank == 0:
+        (out / "plan_changes.json").write_text(json.dumps(engine.plan_changes))
         summary = write_job_files(cfg, out)
         print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
