@@ -71,7 +71,8 @@ def test_plan_to_layout_keeps_every_layer_and_microbatch(tmp_path):
     new = reaction.layout
     assert 20 not in set(new.devices.tolist())
     assert all(sum(r.layers) == sc.model.layers for r in new.replicas)
-    assert new.microbatches == replay.ctx.total_microbatches
+    tokens = sum(r.microbatches * (r.budget or sc.model.microbatch_tokens) for r in new.replicas)
+    assert abs(tokens - sc.model.global_batch_tokens) <= sc.model.microbatch_tokens * len(new.replicas)
     assert len(set(new.devices.tolist())) == len(new.devices)  # every device placed once
-    assert layout_of(policy.plan).microbatches == new.microbatches
+    assert layout_of(policy.plan, policy.model).microbatches == new.microbatches
     assert np.isfinite(replay.ctx.predicted_step_time(new, np.ones(sc.cluster.size)))

@@ -16,6 +16,7 @@ that 1F1B keeps in flight on the first stage (pp of them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -26,7 +27,7 @@ BYTES_PER_PARAM = 16.0
 ACT_BYTES_PER_TOKEN_HIDDEN_LAYER = 34.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class MicroBatchPool:
     """Packed micro-batches of the workload with their per-layer costs (one entry per micro-batch)."""
 
@@ -38,14 +39,23 @@ class MicroBatchPool:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @cached_property
+    def seq_objects(self) -> np.ndarray:
+        """``seq_lens`` as an object array, so records for many micro-batches index it at once."""
+        out = np.empty(len(self.seq_lens), dtype=object)
+        out[:] = self.seq_lens
+        return out
 
-def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.Generator) -> MicroBatchPool:
+
+def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.Generator,
+               budget: int | None = None) -> MicroBatchPool:
     """Draw documents from a real length source, chunk to max_seq_len and pack to the token budget."""
     from resihp.workload.lengths import sample_sequences
     from resihp.workload.packing import pack_greedy
 
-    seqs = sample_sequences(lengths, n_microbatches * model.microbatch_tokens, model.max_seq_len, rng)
-    batches = pack_greedy(seqs, model.microbatch_tokens)[:n_microbatches]
+    budget = budget or model.microbatch_tokens
+    seqs = sample_sequences(lengths, n_microbatches * budget, min(model.max_seq_len, budget), rng)
+    batches = pack_greedy(seqs, budget)[:n_microbatches]
     tokens = np.array([b.sum() for b in batches], dtype=np.float64)
     sum_sq = np.array([(b.astype(np.float64) ** 2).sum() for b in batches])
     shape = TransformerShape(1, model.hidden, model.heads, model.ffn_hidden, 1)

@@ -209,6 +209,13 @@ class Simulator:
         self.rng = rng
         self.noise = noise_pool(scenario.noise_job)
         self.rate = device_flops_per_s(scenario.cluster.device)
+        self._pools = {None: pool}
+
+    def pool_for(self, budget: int | None) -> MicroBatchPool:
+        """Micro-batches packed to ``budget`` tokens (the model's budget when None)."""
+        if budget not in self._pools:
+            self._pools[budget] = shared_pool(self.scenario, budget)
+        return self._pools[budget]
 
     def window(self, compiled: CompiledLayout, speeds: np.ndarray, n_steps: int, first_step: int,
                start_s: float) -> Window:
@@ -227,22 +234,23 @@ class Simulator:
             if (sp <= 0).any():  # a dead device in the layout: the job hangs
                 return self._stalled(compiled.layout, n_steps, first_step, start_s)
             r, pp, m = len(g.replica_ids), g.stages, g.microbatches
-            mb = self.rng.integers(len(self.pool), size=(n_steps, r, m))
+            pool = self.pool_for(g.budget)
+            mb = self.rng.integers(len(pool), size=(n_steps, r, m))
             noise = self.rng.choice(self.noise, size=(n_steps, r, pp))
-            flops = self.pool.fwd_flops_per_layer[mb][:, :, None, :] * g.layers[None, :, :, None]
+            flops = pool.fwd_flops_per_layer[mb][:, :, None, :] * g.layers[None, :, :, None]
             last = (np.arange(pp) == pp - 1)[None, None, :, None]
-            flops = flops + np.where(last, self.pool.head_flops[mb][:, :, None, :], 0.0)
+            flops = flops + np.where(last, pool.head_flops[mb][:, :, None, :], 0.0)
             scale = g.load / (g.width * self.rate * sp)  # [R, pp]
             fwd = flops * (scale[None, :, :, None] * noise[..., None])
             # tensor-parallel all-reduces run at link speed, whatever the devices' compute speed
-            comm = (tp_allreduce_s(self.scenario, self.pool.tokens[mb][:, :, None, :],
+            comm = (tp_allreduce_s(self.scenario, pool.tokens[mb][:, :, None, :],
                                    g.width[None, :, :, None])
                     * (2.0 * g.layers * g.load)[None, :, :, None])
             fwd = fwd + comm
             sched = compile_schedule("1f1b", pp, m)
             finish = rank_finish_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, pp]
             replica_time.append(finish.max(axis=-1).max(axis=-1))
-            tokens += self.pool.tokens[mb].sum(axis=(1, 2))
+            tokens += pool.tokens[mb].sum(axis=(1, 2))
             per_group.append((g, mb, fwd - comm, comm, sp))
         step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
         steps = np.arange(first_step, first_step + n_steps)
@@ -276,6 +284,7 @@ class Simulator:
         padded = np.concatenate([speeds, [1.0]])
         for g, mb, fwd, comm, sp in per_group:
             fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]
+            pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
             tp = g.devices.shape[-1]
             # [R, pp, tp]: each rank's own pace relative to its stage's (slowest) device
@@ -290,9 +299,9 @@ class Simulator:
             base = {"step": steps[wi.ravel()[real]],
                     "rank": ((dp_rank * pp_max + si.ravel()[real]) * tp_max + ti.ravel()[real]),
                     "dp_rank": dp_rank, "stage": si.ravel()[real], "tp_rank": ti.ravel()[real],
-                    "mb_id": mi.ravel()[real], "tokens": self.pool.tokens[mbi].astype(np.int64),
+                    "mb_id": mi.ravel()[real], "tokens": pool.tokens[mbi].astype(np.int64),
                     "device": g.devices[ri, si, ti].ravel()[real]}
-            seq = [self.pool.seq_lens[i] for i in mbi]
+            seq = pool.seq_objects[mbi]
             dur = own.ravel()[real]
             frames.append(pd.DataFrame({**base, "optype": "forward-compute", "duration": dur,
                                         "seq_lens": seq}))
@@ -300,8 +309,7 @@ class Simulator:
                                         "seq_lens": seq}))
         if not frames:
             return pd.DataFrame()
-        return pd.concat(frames, ignore_index=True).sort_values(["step", "rank"], kind="stable",
-                                                               ignore_index=True)
+        return pd.concat(frames, ignore_index=True)  # row order is free in the contract
 
 
 class Replay:
@@ -485,12 +493,13 @@ def _names(devices: list[int]) -> str:
 _POOLS: dict[tuple, MicroBatchPool] = {}
 
 
-def shared_pool(scenario: Scenario) -> MicroBatchPool:
-    """The workload's packed micro-batches, built once per (source, model, seed) and shared by policies."""
+def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool:
+    """The workload's packed micro-batches, built once per (source, model, budget, seed) and shared."""
     m = scenario.model
-    key = (scenario.workload, m.hidden, m.heads, m.ffn_hidden, m.vocab, m.max_seq_len,
-           m.microbatch_tokens, scenario.seed)
+    budget = budget or m.microbatch_tokens
+    key = (scenario.workload, m.hidden, m.heads, m.ffn_hidden, m.vocab, m.max_seq_len, budget,
+           scenario.seed)
     if key not in _POOLS:
         _POOLS[key] = build_pool(m, resolve_source(scenario.workload), POOL_MICROBATCHES,
-                                 np.random.default_rng(scenario.seed))
+                                 np.random.default_rng(scenario.seed), budget)
     return _POOLS[key]

@@ -17,13 +17,15 @@ class Replica:
     """One data-parallel replica: per stage its device group, its layer count and its work factor.
 
     ``load`` multiplies a stage's compute: ReCycle-style rerouting gives a stage its failed peer's
-    micro-batches on top of its own.
+    micro-batches on top of its own. ``budget`` packs this replica's micro-batches to fewer tokens
+    (a planner's per-replica token share).
     """
 
     groups: tuple[tuple[int, ...], ...]
     layers: tuple[int, ...]
     microbatches: int
     load: tuple[float, ...] = ()
+    budget: int | None = None  # micro-batch token budget; None: the model's
 
     def __post_init__(self) -> None:
         if not self.load:
@@ -61,6 +63,7 @@ class ShapeGroup:
     load: np.ndarray  # [R, pp]
     width: np.ndarray  # [R, pp] devices per group
     microbatches: int
+    budget: int | None = None
 
     @property
     def stages(self) -> int:
@@ -79,14 +82,14 @@ class CompiledLayout:
 
 
 def compile_layout(layout: Layout) -> CompiledLayout:
-    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    by_shape: dict[tuple[int, int, int, int], list[int]] = {}
     for i, r in enumerate(layout.replicas):
         if r.microbatches <= 0:
             continue
-        key = (len(r.groups), r.microbatches, max(len(g) for g in r.groups))
+        key = (len(r.groups), r.microbatches, max(len(g) for g in r.groups), r.budget or 0)
         by_shape.setdefault(key, []).append(i)
     out = CompiledLayout(layout)
-    for (pp, m, tp_max), ids in sorted(by_shape.items()):
+    for (pp, m, tp_max, budget), ids in sorted(by_shape.items()):
         devices = np.full((len(ids), pp, tp_max), -1, dtype=np.int64)
         for k, i in enumerate(ids):
             for s, g in enumerate(layout.replicas[i].groups):
@@ -96,7 +99,8 @@ def compile_layout(layout: Layout) -> CompiledLayout:
             replica_ids=np.array(ids), devices=devices,
             layers=np.array([r.layers for r in reps], dtype=np.float64),
             load=np.array([r.load for r in reps], dtype=np.float64),
-            width=(devices >= 0).sum(axis=-1).astype(np.float64), microbatches=m))
+            width=(devices >= 0).sum(axis=-1).astype(np.float64), microbatches=m,
+            budget=budget or None))
     return out
 
 

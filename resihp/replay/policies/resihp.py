@@ -34,11 +34,14 @@ def model_spec(scenario: Scenario) -> ModelSpec:
                      schedule=m.schedule, name=m.name, workload=scenario.workload, tp=p.tp, pp=p.pp)
 
 
-def layout_of(plan: Plan) -> Layout:
-    """The planner's Plan as the replay's layout (one replica per pipeline, in plan order)."""
+def layout_of(plan: Plan, model: ModelSpec) -> Layout:
+    """The planner's Plan as the replay's layout (one replica per pipeline, in plan order); a
+    pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up)."""
     replicas = tuple(
         Replica(tuple(tuple(int(r) for r in s.ranks) for s in p.stages),
-                tuple(int(s.n_layers) for s in p.stages), int(p.microbatches))
+                tuple(int(s.n_layers) for s in p.stages), int(p.microbatches),
+                budget=None if p.tokens is None or not p.microbatches
+                else min(model.microbatch_tokens, -(-int(p.tokens) // int(p.microbatches))))
         for p in plan.pipelines)
     return Layout(replicas, note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} s/step, "
                                  f"{len(plan.excluded)} excluded")
@@ -77,7 +80,7 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
         self.planner = Planner(AnalyticCost(efficiency=sc.cluster.device.mfu))
         self.plan = self.planner.plan(self.cluster, self.model, None, self.time_limit_s)
         self.feed = resihp_detector(sc)
-        return layout_of(self.plan)
+        return layout_of(self.plan, self.model)
 
     def replan(self, ctx: Context, label: str, pause_s: float = 0.0) -> Reaction:
         speeds = np.clip(believed_speeds(ctx, self.slow), 0.0, 1.0)
@@ -85,7 +88,7 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
         plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
         self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
         self.plan = plan
-        return Reaction(layout_of(plan), pause_s, migration_s=float(plan.migration_s), label=label)
+        return Reaction(layout_of(plan, self.model), pause_s, migration_s=float(plan.migration_s), label=label)
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
         for d in devices:
