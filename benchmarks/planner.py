@@ -8,6 +8,8 @@ predicted by the same evaluator (analytic FLOPs cost model, the schedule's criti
 all-reduce). ``healthy_ratio`` = tokens/s / (healthy plan's tokens/s x remaining compute fraction),
 i.e. how much of the healthy plan's own efficiency survives the faults. ``solve_s``: median wall time
 of ``Planner.plan`` over repeats (the healthy plan of the cluster cached, as in a running job).
+The planner runs with token budgets (``Planner(token_budgets=True)``); ``whole_microbatches``
+gives the default planner's figures (whole micro-batches only), one run.
 
 Usage: ``python benchmarks/planner.py [--quick] [--repeats N]``; prints one JSON document.
 """
@@ -50,6 +52,8 @@ def faults(n: int, seed: int) -> dict[str, dict[int, float]]:
 
 def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
     policies = {name: make_policy(name) for name in POLICIES}
+    policies["resihp"] = make_policy("resihp", token_budgets=True)
+    whole = make_policy("resihp")  # whole micro-batches only (the planner's default)
     scenarios = []
     for n in sizes:
         cluster = ClusterSpec.from_yaml(TRACES / "clusters" / f"h100-{n}.yaml")
@@ -66,6 +70,9 @@ def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
                     runs.append(time.perf_counter() - t0)
                 results[policy_name], times[policy_name] = plan, statistics.median(runs)
             ours = results["resihp"]
+            t0 = time.perf_counter()
+            whole_plan = whole.plan(degraded, model, healthy, time_limit_s=time_limit_s)
+            whole_s = time.perf_counter() - t0
             problems = plan_problems(ours, degraded, model)
             frac = ours.capacity_tokens_per_s and (
                 sum(d.speed * d.tflops for d in degraded.devices)
@@ -79,6 +86,8 @@ def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
                 "bound_ratio": ours.bound_ratio,
                 "healthy_ratio": ours.tokens_per_s / (healthy.tokens_per_s * frac),
                 "baselines": {k: v.bound_ratio for k, v in results.items() if k != "resihp"},
+                "whole_microbatches": {"bound_ratio": whole_plan.bound_ratio, "solve_s": whole_s,
+                                       "valid": not plan_problems(whole_plan, degraded, model)},
                 "baseline_solve_s": {k: v for k, v in times.items() if k != "resihp"},
                 "ahead_of_baselines": all(ours.tokens_per_s >= v.tokens_per_s * (1 - 1e-9)
                                           for v in results.values()),

@@ -25,10 +25,12 @@ def test_plan_json_then_replan_from_it(tmp_path):
     assert plan["layout"]["tp"] * plan["layout"]["pp"] * plan["layout"]["dp"] <= 64
     assert json.loads(out.read_text())["ranks"] == plan["ranks"]
     second = cli("--cluster", CLUSTER, "--model", MODEL, "--current", str(out), "--speed", "3=0",
-                 "--speed", "n5/1=0.5", "--json")
+                 "--speed", "n5/1=0.5", "--token-budgets", "--json")
     assert second.returncode == 0, second.stderr
     replan = json.loads(second.stdout)
     assert {"rank": 3, "excluded": True} in replan["ranks"]
+    shares = [p.get("tokens", p["microbatches"] * 8192) for p in replan["pipelines"]]
+    assert sum(shares) == 4194304  # gpt-13b's global batch, whatever the per-replica budgets
     assert replan["bound_ratio"] > 0.9
     assert replan["solver"]["status"] in ("optimal", "time-limit")
 

@@ -24,9 +24,19 @@ def load(cluster: str, model: str) -> tuple[ClusterSpec, ModelSpec]:
     return ClusterSpec.from_yaml(CLUSTERS / f"{cluster}.yaml"), ModelSpec.from_yaml(MODELS / f"{model}.yaml")
 
 
-@pytest.fixture(scope="module")
-def planner() -> Planner:
-    return Planner()
+@pytest.fixture(scope="module", params=[False, True], ids=["microbatches", "token-budgets"])
+def planner(request) -> Planner:
+    return Planner(token_budgets=request.param)
+
+
+def test_default_planner_moves_whole_microbatches_only():
+    c, m = load("h100-256", "gpt-13b")
+    plan = Planner().plan(c.with_speeds({3: 0.5, 100: 0.0}), m)
+    assert all(p.tokens is None for p in plan.pipelines)
+    assert sum(p.microbatches for p in plan.pipelines) == m.microbatches
+    budgets = Planner(token_budgets=True).plan(c.with_speeds({3: 0.5, 100: 0.0}), m)
+    assert any(p.tokens is not None for p in budgets.pipelines)
+    assert budgets.step_time_s < plan.step_time_s
 
 
 @pytest.mark.parametrize("cluster,model", [("h100-8", "gpt-7b"), ("h100-64", "gpt-13b"),

@@ -36,14 +36,17 @@ def scenario(draw):
     return cluster, model
 
 
-PLANNER = Planner(threads=2)
+PLANNER = Planner(threads=2, token_budgets=True)
+POLICIES = {"resihp": Planner(threads=2), "resihp+tokens": PLANNER,
+            "resihp-heuristic": make_policy("resihp-heuristic"),
+            "drop-replica": make_policy("drop-replica")}
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenario(), st.sampled_from(["resihp", "resihp-heuristic", "drop-replica"]))
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.sampled_from(sorted(POLICIES)))
 def test_every_plan_is_valid(case, policy):
     cluster, model = case
-    planner = PLANNER if policy == "resihp" else make_policy(policy)
+    planner = POLICIES[policy]
     try:
         plan = planner.plan(cluster, model, time_limit_s=1.0)
     except InputError as exc:
@@ -52,7 +55,7 @@ def test_every_plan_is_valid(case, policy):
         event("infeasible cluster")
         return
     event("planned")
-    if policy != "resihp" and plan.tokens_per_s == 0:
+    if not policy.startswith("resihp") and plan.tokens_per_s == 0:
         return  # a baseline that stops (e.g. every replica lost) is allowed to; it is not valid
     assert plan_problems(plan, cluster, model) == []
     assert set(plan.placement()) | set(plan.excluded) == set(range(len(cluster)))

@@ -33,12 +33,15 @@ def parse_speeds(items: list[str] | None) -> dict[str, float]:
 def plan_table(plan, console: Console) -> None:
     table = Table(title=f"{plan.policy} plan: layout tp={plan.layout.tp} pp={plan.layout.pp} "
                         f"dp={plan.layout.dp}")
-    for col in ("dp", "home", "micro-batches", "stages: ranks [layers)"):
+    budgets = any(p.tokens is not None for p in plan.pipelines)
+    for col in ("dp", "home", "micro-batches", *(["tokens"] if budgets else []),
+                "stages: ranks [layers)"):
         table.add_column(col)
     for p in plan.pipelines:
         stages = "  ".join(f"{','.join(map(str, s.ranks)) if s.tp <= 4 else f'{s.ranks[0]}..{s.ranks[-1]}'}"
                            f"[{s.layers[0]},{s.layers[1]})" for s in p.stages)
-        table.add_row(str(p.dp_rank), str(p.home), str(p.microbatches), stages)
+        tokens = [str(p.tokens if p.tokens is not None else "-")] if budgets else []
+        table.add_row(str(p.dp_rank), str(p.home), str(p.microbatches), *tokens, stages)
     console.print(table)
     console.print(
         f"step {plan.step_time_s:.3f} s   {plan.tokens_per_s:,.0f} tokens/s   "
@@ -58,6 +61,9 @@ def plan_cmd(
     time_limit: Annotated[float, typer.Option(help="Solver time limit, seconds")] = 5.0,
     horizon: Annotated[float, typer.Option(
         help="Steps over which a state migration is amortised")] = 100.0,
+    token_budgets: Annotated[bool, typer.Option(
+        "--token-budgets", help="Also balance replicas by unequal token shares "
+        "(per-replica micro-batch budgets), not only whole micro-batches")] = False,
     predictor: Annotated[Path | None, typer.Option(
         help="Learned micro-batch predictor directory to use as the cost model")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plan JSON")] = None,
@@ -76,7 +82,7 @@ def plan_cmd(
     spec = ClusterSpec.from_yaml(cluster).with_speeds(parse_speeds(speed), where="--speed")
     mspec = ModelSpec.from_yaml(model)
     cost = PredictorCost.load(str(predictor)) if predictor else AnalyticCost()
-    planner = make_policy(policy, cost, horizon_steps=horizon)
+    planner = make_policy(policy, cost, horizon_steps=horizon, token_budgets=token_budgets)
     now = Plan.load(current) if current else None
     if now is not None:
         now.check_against(spec, where=str(current))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from resihp.errors import InputError
-from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+from resihp.plan.plan import Layout, Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster, closed_form_step
 
@@ -111,19 +111,6 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -
             + (f"fixed tp={model.tp} pp={model.pp}; " if model.tp or model.pp else "")
             + "add devices or memory, or shrink the micro-batch)")
     return best[1]
-
-
-def uniform_plan(cluster: ClusterSpec, model: ModelSpec, layout: Layout,
-                 policy: str = "uniform") -> Plan:
-    """Every replica on its home groups with an even layer split and an even micro-batch share."""
-    pipes = home_pipelines(cluster, layout)
-    counts = uniform_layer_counts(model.layers, layout.pp)
-    shares = even_split(model.microbatches, layout.dp)
-    pipelines = [Pipeline(r, tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
-                          shares[r], home=r) for r, groups in enumerate(pipes)]
-    placed = {r for p in pipelines for r in p.ranks}
-    return Plan(len(cluster), layout, pipelines,
-                [r for r in range(len(cluster)) if r not in placed], policy=policy)
 
 
 def binary_chunks(ranks: Sequence[int]) -> list[tuple[int, ...]]:

@@ -26,15 +26,9 @@ MB = 1e3  # memory in MB
 @dataclass(frozen=True)
 class PipelineSolution:
     stages: tuple[Stage, ...]
-    sum_s: float  # sum of per-micro-batch stage times
-    max_s: float  # slowest stage's per-micro-batch time
-    comm_s: float  # activation transfers on the critical path
-    migration_s: float
+    migration_s: float  # the solver's estimate for this pipeline; plans report their own
     status: str
     gap: float
-
-    def step(self, m: int) -> float:
-        return 0.0 if m < 1 else self.sum_s + (m - 1) * self.max_s + self.comm_s
 
 
 @dataclass(frozen=True)
@@ -154,9 +148,7 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
             where += k
     obj, bound = solver.objective_value, solver.best_objective_bound
     gap = 0.0 if status == cp_model.OPTIMAL or obj <= 0 else max(0.0, (obj - bound) / obj)
-    times = [solver.value(tj) / TICKS_PER_S for tj in t]
     return PipelineSolution(
-        stages=tuple(stages), sum_s=sum(times), max_s=max(times),
-        comm_s=2.0 * coster.p2p_s * (len(stages) - 1),
+        stages=tuple(stages),
         migration_s=solver.value(worst) / TICKS_PER_S if current else 0.0,
         status="optimal" if status == cp_model.OPTIMAL else "feasible", gap=gap)

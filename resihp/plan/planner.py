@@ -113,25 +113,21 @@ def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: Layout, where: 
         raise InputError(f"{where}: layout pp={layout.pp} exceeds the model's {model.layers} layers")
 
 
-def _solution_of(coster: StageCoster, stages: tuple[Stage, ...]) -> PipelineSolution:
-    fb = [sum(coster.stage_fb(s, i == len(stages) - 1)) for i, s in enumerate(stages)]
-    return PipelineSolution(stages, float(sum(fb)), float(max(fb)),
-                            2.0 * coster.p2p_s * (len(stages) - 1), 0.0, "kept", 0.0)
-
-
 class Planner:
     """``Planner(cost_model).plan(cluster, model, current, time_limit_s) -> Plan``.
 
     ``horizon_steps``: steps over which a state migration is amortised when weighed against the
     step-time gain it buys. ``threads``: pipelines solved at once. ``token_budgets``: also give
-    replicas unequal shares of the global batch's tokens (``Pipeline.tokens``) where whole
-    micro-batches are too coarse; turn off for a runtime that packs one fixed budget.
+    replicas unequal micro-batch counts and token shares of the global batch (``Pipeline.tokens``,
+    micro-batches never smaller than the model's budget) where whole micro-batches are too coarse;
+    only for consumers that pack each replica's share with its own budget
+    (``Pipeline.budget(model)``), so off by default.
     """
 
     name = "resihp"
 
     def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
-                 threads: int | None = None, token_budgets: bool = True) -> None:
+                 threads: int | None = None, token_budgets: bool = False) -> None:
         self.cost = cost_model or AnalyticCost()
         self.token_budgets = token_budgets
         self.horizon_steps = horizon_steps
@@ -178,7 +174,7 @@ class Planner:
         for r, groups in enumerate(pipes):
             if all(group_options(g, cluster, model.heads) == [[g]] for g in groups):
                 stages = tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
-                solutions[r] = _solution_of(coster, stages)
+                solutions[r] = PipelineSolution(stages, 0.0, "kept", 0.0)
             else:
                 affected.append(r)
         rounds = 2
