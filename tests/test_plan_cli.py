@@ -52,11 +52,22 @@ def test_readable_table_by_default():
     (["--cluster", str(TRACES / "clusters" / "h100-8.yaml"), "--model",
       str(TRACES / "models" / "gpt-70b.yaml")], "no TP x PP layout fits model gpt-70b"),
 ])
-def test_bad_input_exits_2_with_one_line(args, message):
-    result = cli(*args)
+def test_bad_input_exits_2_with_one_line(args, message, monkeypatch, capsys):
+    from resihp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["resihp", "plan", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_bad_input_from_the_installed_command_has_no_traceback():
+    result = cli("--cluster", CLUSTER, "--model", MODEL, "--speed", "64=0")
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("resihp: error: --speed: unknown device rank 64 (cluster has "
+                                     "ranks 0..63)")
 
 
 def test_current_plan_for_another_cluster_is_rejected(tmp_path):
