@@ -140,3 +140,18 @@ def test_stage_memory_grows_with_layers_and_in_flight_and_shrinks_with_tp():
     state = model.params_per_layer * 16 / 8 / 1e9
     act = stage_memory_gb(model, 1, 8, 1, False, False) - state
     assert act == pytest.approx(model.microbatch_tokens * 34 * model.hidden / 8 / 1e9)
+
+
+def test_state_bytes_from_their_parts_and_layer_memory():
+    from resihp.plan.specs import layer_memory_gb
+
+    model = ModelSpec.from_yaml(MODELS / "gpt-70b.yaml")
+    assert model.state_bytes_per_param == 16.0
+    lean = ModelSpec.from_dict({**MODEL, "optimizer_bytes_per_param": 8}, where="m.yaml")
+    assert lean.state_bytes_per_param == 12.0
+    with pytest.raises(InputError, match="either state_bytes_per_param or its parts"):
+        ModelSpec.from_dict({**MODEL, "grad_bytes_per_param": 4, "state_bytes_per_param": 18},
+                            where="m.yaml")
+    per = layer_memory_gb(model, tp=8)
+    assert stage_memory_gb(model, 3, 8, 2, False, False) == pytest.approx(
+        3 * per["state"] + 2 * 3 * per["activations_per_microbatch"])

@@ -249,7 +249,9 @@ class Planner:
             p.share(model) for p in c.pipelines) == model.global_batch_tokens]
         for plan in candidates:
             evaluate(plan, coster, bound, current)
-        plan = min(candidates, key=lambda p: (round(p.step_time_s, 9), p.migration_s))
+        # the same trade as inside the solver: step time plus migration amortised over the horizon
+        plan = min(candidates, key=lambda p: (p.step_time_s + p.migration_s / self.horizon_steps,
+                                              p.migration_s))
         plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
                        "pipelines_solved": len(affected) + len(spares)}
         return plan

@@ -253,7 +253,9 @@ class ModelSpec:
     microbatch_tokens: int
     schedule: str = "1f1b"
     name: str = "model"
-    state_bytes_per_param: float = 16.0  # bf16 weights + grads, fp32 Adam master, m and v
+    # bytes of model state per parameter: bf16 weights (2) + bf16 gradients (2) + fp32 Adam
+    # master weights, m and v (12); the YAML may give the parts (weight_bytes_per_param, ...)
+    state_bytes_per_param: float = 16.0
     activation_bytes_per_token_layer: float | None = None  # default 34 * hidden (flash attention)
     workload: str | None = None  # sequence-length source for the expected micro-batch mix
     tp: int | None = None  # fixed parallel degrees of the healthy layout (None: planner picks)
@@ -302,7 +304,15 @@ class ModelSpec:
         for key in ("tp", "pp"):
             if data.get(key) is not None:
                 kwargs[key] = _number(data, key, where, integer=True)
-        if "state_bytes_per_param" in data:
+        parts = [k for k in STATE_PARTS if k in data]
+        if parts and "state_bytes_per_param" in data:
+            raise InputError(f"{where}: give either state_bytes_per_param or its parts "
+                             f"({', '.join(STATE_PARTS)}), not both")
+        if parts:
+            kwargs["state_bytes_per_param"] = float(sum(
+                _number(data, k, where, STATE_PARTS[k], positive=False, minimum=0.0)
+                for k in STATE_PARTS))
+        elif "state_bytes_per_param" in data:
             kwargs["state_bytes_per_param"] = float(_number(data, "state_bytes_per_param", where))
         if data.get("activation_bytes_per_token_layer") is not None:
             kwargs["activation_bytes_per_token_layer"] = float(
@@ -314,8 +324,9 @@ class ModelSpec:
         workload = data.get("workload")
         if workload is not None and not isinstance(workload, str):
             raise InputError(f"{where}: field 'workload' must be a length source name or path")
-        known = set(cls.FIELDS) | {"tp", "pp", "state_bytes_per_param", "schedule", "workload",
-                                   "name", "activation_bytes_per_token_layer"}
+        known = set(cls.FIELDS) | set(STATE_PARTS) | {
+            "tp", "pp", "state_bytes_per_param", "schedule", "workload", "name",
+            "activation_bytes_per_token_layer"}
         try:
             return cls(**kwargs, schedule=schedule, workload=workload,
                        name=str(data.get("name", Path(where).stem)),
@@ -349,6 +360,18 @@ class ModelSpec:
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
+
+
+STATE_PARTS = {"weight_bytes_per_param": 2.0, "grad_bytes_per_param": 2.0,
+               "optimizer_bytes_per_param": 12.0}
+
+
+def layer_memory_gb(model: ModelSpec, tp: int = 1) -> dict[str, float]:
+    """Per device of a TP group of ``tp``: one layer's model state, and its activations per
+    micro-batch in flight."""
+    act = model.activation_bytes_per_token_layer or 34.0 * model.hidden
+    return {"state": model.params_per_layer * model.state_bytes_per_param / tp / 1e9,
+            "activations_per_microbatch": model.microbatch_tokens * act / tp / 1e9}
 
 
 def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
