@@ -79,6 +79,72 @@ def run_cmd(
         raise typer.Exit(1)
 
 
+DEMO = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
+            budget=512, max_len=512, source="text")
+
+
+def demo_cmd(
+    out: Annotated[Path, typer.Option("-o", "--out", help="Run folder")] = Path("runs/demo"),
+    steps: int = 40,
+    inject: Annotated[str, typer.Option(help="The fault to inject (slow:... only: the run keeps going)")]
+    = "slow:rank=1,factor=3,step=16",
+    plot: Annotated[Path, typer.Option(help="Plot of throughput per step (default OUT/demo.png)")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
+) -> None:
+    """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
+    the planner re-plans and the job applies the new plan while it keeps training."""
+    from resihp.opstrace import read_ops_trace
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.inject import parse_fault
+    from resihp.runtime.live import LiveLoop
+    from resihp.runtime.report import fault_summary, plot_run
+    from resihp.runtime.supervisor import supervise
+
+    fault = parse_fault(inject)
+    if fault.kind != "slow" or fault.step is None:
+        raise InputError(f"--inject {inject!r}: the demo takes a slow fault at a step "
+                         f"(slow:rank=R,factor=F,step=S)")
+    if fault.step + 8 > steps:
+        raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
+    cfg = RunConfig(**DEMO, steps=steps, inject=[inject], out=str(out))
+    loop = LiveLoop(cfg)
+    with progress_bar("demo", steps, enabled=not json_out) as advance:
+        outcome = supervise(cfg, on_step=lambda s: advance(s + 1), on_poll=loop.poll)
+    if outcome.error:
+        raise typer.Exit(_fail(outcome))
+    loop.poll()
+    loop.save()
+    trace = read_ops_trace(out / "ops.parquet")
+    applied = {c.get("id"): c["step"] for c in json.loads((out / "plan_changes.json").read_text())}
+    changes = [{**{k: v for k, v in c.items() if k != "plan"}, "applied_step": applied.get(c["id"]),
+                "plan": c["plan"]} for c in loop.changes]
+    summary = fault_summary(trace, fault.to_dict(), loop.events, changes, cfg.dims().world_size)
+    plot = plot or out / "demo.png"
+    plot_run(trace, summary, plot)
+    summary["plot"] = str(plot)
+    (out / "demo.json").write_text(json.dumps(summary, indent=1))
+    if json_out:
+        print(json.dumps(summary))
+        return
+    b, d, a = (summary[f"tokens_per_s_{k}"] for k in ("before", "during", "after"))
+    print(f"fault: {inject}")
+    print(f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)")
+    for c in changes:
+        print(f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
+              f"layer_split {c.get('layer_split')} (applied: {c['applied']}, solved in {c['solve_s']} s)")
+    fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
+    print(f"tokens/s before {fmt(b)}  during {fmt(d)}  after {fmt(a)}; recovered fraction "
+          f"{summary['recovered_fraction']}")
+    print(f"plot {plot}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
+
+
+def _fail(outcome) -> int:
+    if outcome.input_error:
+        raise InputError(outcome.error)
+    print(f"resihp: {outcome.error}", file=sys.stderr)
+    return 1
+
+
 def _print_human(summary: dict) -> None:
     tps = summary.get("tokens_per_s")
     print(f"steps {summary.get('steps')}  dp {summary.get('dp')} pp {summary.get('pp')} "
@@ -90,3 +156,4 @@ def _print_human(summary: dict) -> None:
 
 def register(app: typer.Typer) -> None:
     app.command("run")(run_cmd)
+    app.command("demo")(demo_cmd)

@@ -1,0 +1,170 @@
+"""The live loop beside a running job: tail the ranks' op streams, feed each complete step to the
+online detector (``resihp.detect``), and on a device fault ask the planner (``resihp.plan``) for a
+new plan and hand the part the running job can apply in place to its rank 0 (``control``).
+
+Applied in place: per-replica micro-batch shares, and the layer split when every pipeline gets the
+same one. A plan that moves ranks between pipelines or excludes one needs an elastic restart
+(``ckpt``); it is recorded with ``applied: false`` and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from resihp.opstrace import JobMeta
+from resihp.runtime.config import RunConfig
+from resihp.runtime.control import post_change
+from resihp.runtime.recorder import rows_frame
+
+
+class StreamTail:
+    """New complete lines of each rank's JSON-lines stream since the last call."""
+
+    def __init__(self, directory: Path, world: int) -> None:
+        self.paths = [directory / f"rank{r}.jsonl" for r in range(world)]
+        self.offsets = [0] * world
+
+    def read(self) -> list[dict]:
+        rows = []
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[i])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+            self.offsets[i] += end
+            rows += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        return rows
+
+
+def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
+    dims = cfg.dims()
+    meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
+    model = cfg.model_config()
+    return meta, {**meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
+                  "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
+                  "max_seq_len": model.max_seq_len}
+
+
+def planner_specs(cfg: RunConfig):
+    from resihp.plan.specs import ClusterSpec, ModelSpec
+
+    world = cfg.dims().world_size
+    cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": world}],
+                                     "device": {"memory_gb": 4.0, "tflops": 1.0},
+                                     "memory_reserve_gb": 0.0})
+    budget = cfg.budget
+    model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, ffn_hidden=cfg.ffn_hidden,
+                      vocab=cfg.vocab, max_seq_len=cfg.max_len,
+                      global_batch_tokens=max(1, cfg.global_tokens // budget) * budget,
+                      microbatch_tokens=budget, schedule=cfg.schedule, name="resihp-run",
+                      workload=cfg.source, tp=cfg.tp, pp=cfg.pp)
+    return cluster, model
+
+
+def current_plan(cfg: RunConfig, cluster, model, weights: list[float], ranges: list[tuple[int, int]]):
+    from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+    from resihp.runtime.data import split_counts
+
+    dims = cfg.dims()
+    counts = split_counts(model.microbatches, weights)
+    pipelines = [Pipeline(d, tuple(Stage(tuple(dims.tp_group_ranks(d, s)), ranges[s])
+                                   for s in range(dims.pp)), counts[d], home=d)
+                 for d in range(dims.dp)]
+    return Plan(dims.world_size, Layout(dims.tp, dims.pp, dims.dp), pipelines, [], policy="current")
+
+
+class LiveLoop:
+    def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None) -> None:
+        from resihp.detect.online import OnlineDetector
+        from resihp.plan.planner import Planner
+
+        self.cfg, self.out = cfg, Path(cfg.out)
+        self.world = cfg.dims().world_size
+        self.meta, self.meta_dict = job_meta(cfg)
+        self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
+                                                     meta_dict=self.meta_dict)
+        self.detector = self._make_detector()
+        self.planner, self.time_limit_s = Planner(), time_limit_s
+        self.cluster, self.model = planner_specs(cfg)
+        self.weights, self.ranges = cfg.weights(), cfg.stage_ranges()
+        self.tail = StreamTail(self.out / "ranks", self.world)
+        self.pending: dict[int, list[dict]] = defaultdict(list)
+        self.next_step = 0
+        self.events: list[dict] = []
+        self.changes: list[dict] = []
+        self.handled: set[int] = set()
+        self.speeds = {r: 1.0 for r in range(self.world)}
+
+    def poll(self) -> None:
+        for row in self.tail.read():
+            self.pending[int(row["step"])].append(row)
+        while True:
+            rows = self.pending.get(self.next_step)
+            done = {r["rank"] for r in rows or [] if r["optype"] == "step"}
+            if len(done) < self.world:
+                return
+            self._observe(self.next_step, self.pending.pop(self.next_step))
+            self.next_step += 1
+
+    def _observe(self, step: int, rows: list[dict]) -> None:
+        df = rows_frame(rows)
+        df = df[~df.optype.str.startswith("replan")]
+        for event in self.detector.observe(df):
+            record = {**event.to_dict(), "seen_at": time.time()}
+            self.events.append(record)
+            if event.kind == "fail-slow" and event.rank is not None and event.rank not in self.handled:
+                self.handled.add(event.rank)
+                self.speeds[event.rank] = 1.0 / max(event.slowdown, 1.0)
+                self._replan(step, record)
+
+    def _replan(self, step: int, event: dict) -> None:
+        t0 = time.perf_counter()
+        cluster = self.cluster.with_speeds(self.speeds)
+        current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges)
+        plan = self.planner.plan(cluster, self.model, current, time_limit_s=self.time_limit_s)
+        solve_s = time.perf_counter() - t0
+        pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
+        same_places = (not plan.excluded and len(pipes) == self.cfg.dp and all(
+            [s.ranks for s in p.stages] == [s.ranks for s in q.stages]
+            for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank))))
+        change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "slowdown",
+                                                                            "detected_step")},
+                  "decided_step": step, "solve_s": round(solve_s, 3),
+                  "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
+        if same_places:
+            change["dp_weights"] = [float(p.microbatches) for p in pipes]
+            splits = {tuple(s.n_layers for s in p.stages) for p in pipes}
+            if len(splits) == 1:
+                change["layer_split"] = list(next(iter(splits)))
+            change["applied"] = True
+        else:
+            # keep what can be applied in place: each replica's share in proportion to its speed
+            change["dp_weights"] = self._replica_speeds()
+            change["applied"] = "partial: the plan moves or excludes ranks (needs an elastic restart)"
+        if change.get("dp_weights") is not None:
+            self.weights = change["dp_weights"]
+        if change.get("layer_split") is not None:
+            from resihp.runtime.layout import ranges_from_counts
+
+            new = ranges_from_counts(change["layer_split"], self.cfg.layers, self.cfg.pp)
+            if new != self.ranges:
+                self.ranges = new
+                self.detector = self._make_detector()  # stage costs changed: a fresh baseline
+        self.changes.append(change)
+        post_change(self.out, {k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
+
+    def _replica_speeds(self) -> list[float]:
+        dims = self.cfg.dims()
+        return [min(self.speeds[r] for s in range(dims.pp) for r in dims.tp_group_ranks(d, s))
+                for d in range(dims.dp)]
+
+    def save(self) -> None:
+        (self.out / "live.json").write_text(json.dumps(
+            {"events": self.events, "changes": self.changes}, indent=1, default=str))
+

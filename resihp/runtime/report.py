@@ -1,0 +1,79 @@
+"""The summary of a run with an injected fault: throughput before, during and after re-planning,
+detection delay, adaptation times, and a plot (the DESIGN ``resihp demo --json`` fields)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from resihp.runtime.worker import step_table
+
+WARMUP_STEPS = 2
+
+
+def _window_tps(table: pd.DataFrame, first: int, last: int) -> float | None:
+    """Median per-step tokens/s over steps ``[first, last)`` (medians: the machine is shared)."""
+    rows = table[(table.index >= first) & (table.index < last)]
+    return float(np.median(rows.tokens / rows.wall_s)) if len(rows) else None
+
+
+def fault_summary(trace: pd.DataFrame, injected: dict, events: list[dict], changes: list[dict],
+                  world_size: int) -> dict:
+    table = step_table(trace)
+    onset = int(injected["step"])
+    slow = [e for e in events if e["kind"] == "fail-slow" and e.get("rank") == injected["rank"]]
+    detected = min((int(e["detected_step"]) for e in slow), default=None)
+    applied = [c for c in changes if c.get("applied_step") is not None]
+    plan_step = min((c["applied_step"] for c in applied), default=None)
+    factor = float(injected.get("factor", 1.0))
+    capacity = (world_size - 1 + 1 / factor) / world_size
+    before = _window_tps(table, WARMUP_STEPS, onset)
+    during = _window_tps(table, onset, plan_step if plan_step is not None else len(table) + onset)
+    after = _window_tps(table, plan_step + 1, 10**9) if plan_step is not None else None
+    adapt = trace[trace.optype.str.startswith("replan")].groupby(["step", "optype"]).duration.max()
+    return {
+        "steps": int(len(table)),
+        "injected": injected,
+        "detected_step": detected,
+        "detection_delay_steps": None if detected is None else detected - onset,
+        "plan_changes": changes,
+        "plan_applied_step": plan_step,
+        "adaptation_s": {f"{op}@{step}": round(float(v), 4) for (step, op), v in adapt.items()},
+        "tokens_per_s_before": before,
+        "tokens_per_s_during": during,
+        "tokens_per_s_after": after,
+        "remaining_capacity_fraction": capacity,
+        "recovered_fraction": (after / (before * capacity)) if after and before else None,
+        "events": events,
+    }
+
+
+def plot_run(trace: pd.DataFrame, summary: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = step_table(trace)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(table.index, table.tokens / table.wall_s, marker="o", ms=3, label="tokens/s per step")
+    marks = [("fault injected", summary["injected"]["step"], "tab:red"),
+             ("detected", summary.get("detected_step"), "tab:orange"),
+             ("new plan applied", summary.get("plan_applied_step"), "tab:green")]
+    for label, step, color in marks:
+        if step is not None:
+            ax.axvline(step, color=color, ls="--", label=f"{label} (step {step})")
+    for key, style in (("tokens_per_s_before", ":"), ("tokens_per_s_after", "-.")):
+        if summary.get(key):
+            ax.axhline(summary[key], color="gray", ls=style, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s")
+    rf = summary.get("recovered_fraction")
+    ax.set_title(f"{summary['injected']['kind']} x{summary['injected'].get('factor', '')} on rank "
+                 f"{summary['injected']['rank']}" + (f"; recovered {rf:.2f} of remaining capacity" if rf else ""))
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
