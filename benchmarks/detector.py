@@ -68,22 +68,17 @@ def speed_observe_ops(repeats: int = 3) -> dict:
 
 
 def predictor_expected():
-    """The shipped predictor bound to the profiled shape, if the package has one (else None)."""
-    try:
-        from resihp.perf.predictor import MicroBatchPredictor  # noqa: F401
-    except ImportError:
-        return None, None
+    """The shipped predictor (models/<name>/card.json) bound to the profiled shape, else (None, None)."""
     from resihp.detect.expected import load_expected
     from resihp.workload.flops import TransformerShape
 
-    cards = sorted(MODELS.glob("*.json"))
     pool = CostPool.from_profile(DEFAULT_PROFILE)
-    for card in cards:
-        for cand in (card.with_suffix(""), card):
-            try:
-                return load_expected(cand, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden)), str(cand)
-            except Exception:
-                continue
+    shape = TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden)
+    for card in sorted(MODELS.glob("*/card.json")):
+        try:
+            return load_expected(card.parent, shape), str(card.parent.relative_to(MODELS.parent))
+        except Exception:  # a predictor of another format or device: try the next one
+            continue
     return None, None
 
 

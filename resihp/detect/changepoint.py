@@ -44,6 +44,7 @@ class CusumBank:
         self.calibrated = np.zeros(n, dtype=bool)
         self.mu = np.zeros(n)
         self.sigma = np.full(n, np.inf)
+        self._sigma0 = np.zeros(n)
         self.first_step = np.full(n, -1, dtype=np.int64)
         self.s = np.zeros(n)
         self.run_start = np.full(n, -1, dtype=np.int64)
@@ -96,6 +97,10 @@ class CusumBank:
             c = idx[calm]
             step_dev = np.clip(dev[calm], -3 * self.sigma[c], 3 * self.sigma[c])
             self.mu[c] += cfg.baseline_rate * step_dev
+            # the spread is learned on as well (a few calibration steps can understate it), but
+            # never below what calibration measured
+            var = (1 - cfg.baseline_rate) * self.sigma[c] ** 2 + cfg.baseline_rate * step_dev ** 2
+            self.sigma[c] = np.maximum(np.sqrt(var), self._sigma0[c])
 
         alarms: list[Alarm] = []
         rn = self.raised_n[idx]
@@ -157,7 +162,9 @@ class CusumBank:
             self.calibrated[done] = True
             # a rank's own few steps can understate its noise: never below the typical rank's
             pooled = float(np.median(self.sigma[self.calibrated]))
-            self.sigma[self.calibrated] = np.maximum(self.sigma[self.calibrated], 0.75 * pooled)
+            self.sigma[self.calibrated] = np.maximum(self.sigma[self.calibrated],
+                                                     cfg.pooled_sigma * pooled)
+            self._sigma0[self.calibrated] = self.sigma[self.calibrated]
         return done
 
 

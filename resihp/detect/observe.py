@@ -113,38 +113,56 @@ def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:
 def _op_costs(comp: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
               shape: TransformerShape | None, unblocked: bool = False
               ) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """(relative cost of each compute op, expected seconds or None, name of the cost model)."""
+    """(relative cost of each compute op, expected seconds or None, name of the cost model).
+
+    With the waits taken out, the same micro-batch on the other stages of the pipeline is the best
+    reference (the same data, whatever a cost model gets wrong about it), so the model's cost is
+    scaled by the peers' measured/modelled ratio. Without lengths, peers are the only reference.
+    """
+    cost, exp_s, model = _model_costs(comp, expected, shape)
+    has_mb = "mb_id" in comp.columns and comp["mb_id"].notna().all()
+    if has_mb and ((unblocked and meta.pp_size > 1) or (model == "phase" and meta.world_size > 1
+                                                          and (meta.dp_size > 1 or meta.pp_size > 1))):
+        ratio = comp[["step", "dp_rank", "stage", "mb_id", "optype"]
+                     + (["tp_rank"] if "tp_rank" in comp.columns else [])].copy()
+        ratio["duration"] = comp["duration"].to_numpy() / cost
+        cost = cost * _peer_reference(ratio, meta, unblocked)
+        model = "peers" if model == "phase" else f"{model}+peers"
+    return cost, exp_s, model
+
+
+def _model_costs(comp: pd.DataFrame, expected: ExpectedCompute | None,
+                 shape: TransformerShape | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """Each op's cost from its sequence lengths (predictor, else analytic FLOPs), else its phase."""
     phase = comp["optype"].map(_PHASE).to_numpy()
     has_lens = "seq_lens" in comp.columns and comp["seq_lens"].notna().all() and len(comp)
-    if has_lens:
-        keys = comp[["step", "dp_rank", "optype"]].copy()
-        keys["mb"] = comp["mb_id"].to_numpy() if "mb_id" in comp.columns else np.arange(len(comp))
-        if "mb_id" in comp.columns and comp["mb_id"].isna().any():
-            keys["mb"] = np.arange(len(comp))
-        codes, first = _unique_rows(keys)
-        lens = comp["seq_lens"].to_numpy()[first]
-        ph = phase[first]
-        cost_u = np.empty(len(first))
-        if expected is not None:
-            for p in ("fwd", "bwd"):
-                sel = np.flatnonzero(ph == p)
-                if sel.size:
-                    cost_u[sel] = np.asarray(expected([lens[i] for i in sel], p), dtype=np.float64)
-            if not np.all(np.isfinite(cost_u)) or cost_u.min() <= 0:
-                raise InputError("predictor: expected compute times must be positive and finite")
-            cost = cost_u[codes]
-            return cost, cost, "predictor"
-        feats = length_features(list(lens))
-        use = shape or TransformerShape(1, 4096, 32, 16384)
+    if not has_lens:
+        return np.where(phase == "bwd", 2.0, 1.0), None, "phase"
+    keys = comp[["step", "dp_rank", "optype"]].copy()
+    keys["mb"] = comp["mb_id"].to_numpy() if "mb_id" in comp.columns else np.arange(len(comp))
+    if "mb_id" in comp.columns and comp["mb_id"].isna().any():
+        keys["mb"] = np.arange(len(comp))
+    codes, first = _unique_rows(keys)
+    lens = comp["seq_lens"].to_numpy()[first]
+    ph = phase[first]
+    cost_u = np.empty(len(first))
+    if expected is not None:
         for p in ("fwd", "bwd"):
             sel = np.flatnonzero(ph == p)
             if sel.size:
-                d, a = stage_flops(use, feats["tokens"].to_numpy()[sel], feats["sum_sq"].to_numpy()[sel], p)
-                cost_u[sel] = d + (a if shape is not None else 0.0)
-        return cost_u[codes], None, "flops" if shape is not None else "tokens"
-    if "mb_id" in comp.columns and comp["mb_id"].notna().all() and (meta.dp_size > 1 or meta.pp_size > 1):
-        return _peer_reference(comp, meta, unblocked), None, "peers"
-    return np.where(phase == "bwd", 2.0, 1.0), None, "phase"
+                cost_u[sel] = np.asarray(expected([lens[i] for i in sel], p), dtype=np.float64)
+        if not np.all(np.isfinite(cost_u)) or cost_u.min() <= 0:
+            raise InputError("predictor: expected compute times must be positive and finite")
+        cost = cost_u[codes]
+        return cost, cost, "predictor"
+    feats = length_features(list(lens))
+    use = shape or TransformerShape(1, 4096, 32, 16384)
+    for p in ("fwd", "bwd"):
+        sel = np.flatnonzero(ph == p)
+        if sel.size:
+            d, a = stage_flops(use, feats["tokens"].to_numpy()[sel], feats["sum_sq"].to_numpy()[sel], p)
+            cost_u[sel] = d + (a if shape is not None else 0.0)
+    return cost_u[codes], None, "flops" if shape is not None else "tokens"
 
 
 def _peer_reference(ops: pd.DataFrame, meta: JobMeta, unblocked: bool) -> np.ndarray:
@@ -198,8 +216,10 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
     frame = pd.DataFrame({"step": comp["step"].to_numpy(), "rank": comp["rank"].to_numpy(),
                           "ratio": comp["duration"].to_numpy() / cost,
                           "duration": comp["duration"].to_numpy()})
-    # with the waits taken out, the median op speaks for the rank; without, a low quantile does
-    own = _low_quantile(frame, "ratio", 0.5 if unblocked is not None else own_quantile)
+    # with the waits taken out (or none to take: one stage), the median op speaks for the rank;
+    # otherwise a low quantile, the ops that did not wait
+    waits_left = meta.pp_size > 1 and unblocked is None
+    own = _low_quantile(frame, "ratio", own_quantile if waits_left else 0.5)
     idx = own.index
     s_idx = np.searchsorted(steps, idx.get_level_values(0).to_numpy())
     r_idx = idx.get_level_values(1).to_numpy()
@@ -217,7 +237,7 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
         comm_m = _to_matrix(np.searchsorted(steps, ci.get_level_values(0).to_numpy()),
                             ci.get_level_values(1).to_numpy(), c.to_numpy(), t, w)
     if unblocked is not None:
-        model += "+timestamps"
+        model += "+timestamps" if "start_ts" in comp.columns else "+cumulative-times"
     return Observations(steps, _to_matrix(s_idx, r_idx, own.to_numpy(), t, w),
                         _to_matrix(s_idx, r_idx, raw.to_numpy(), t, w), expected_m, comm_m, model)
 
@@ -248,17 +268,22 @@ def _unblocked_durations(comp: pd.DataFrame) -> np.ndarray | None:
 
     A forward op of stage ``s`` cannot run before the same micro-batch's forward on ``s - 1`` ended
     (a backward op: before the backward on ``s + 1``). Its own time is from the later of its issue
-    and that end to its own end. Needs ``start_ts`` and ``mb_id`` on every compute row and clocks
-    that agree across the ranks of a pipeline; an op whose neighbour is absent keeps its duration.
+    and that end to its own end. Needs ``mb_id`` on every compute row; issue times are ``start_ts``
+    (clocks that agree across a pipeline) or, without it, the running sum of the rank's compute
+    durations in the step. An op whose neighbour is absent keeps its duration.
     """
-    if not {"start_ts", "mb_id"} <= set(comp.columns):
-        return None
-    if comp["start_ts"].isna().any() or comp["mb_id"].isna().any():
+    if "mb_id" not in comp.columns or comp["mb_id"].isna().any():
         return None
     keys = ["step", "dp_rank", "mb_id", "optype"]
     if "tp_rank" in comp.columns and comp["tp_rank"].notna().all():
         keys.append("tp_rank")
-    start = comp["start_ts"].to_numpy(np.float64)
+    if "start_ts" in comp.columns and comp["start_ts"].notna().all():
+        start = comp["start_ts"].to_numpy(np.float64)
+    else:
+        # no clock: a rank's compute ops run back to back from the step's start, in record order
+        # (every rank starts a step together, after the previous step's gradient synchronisation)
+        dur = comp["duration"].to_numpy(np.float64)
+        start = comp.assign(_d=dur).groupby(["step", "rank"], sort=False)["_d"].cumsum().to_numpy() - dur
     dur = comp["duration"].to_numpy(np.float64)
     ends = comp[keys + ["stage"]].copy()
     ends["_end"] = start + dur

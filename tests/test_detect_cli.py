@@ -1,0 +1,121 @@
+"""``resihp detect`` and ``resihp detect-eval`` as a user runs them, bad input included."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from resihp.detect.alibaba import alibaba_path
+from resihp.detect.suite import DEFAULT_PROFILE
+from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
+from resihp.opstrace import JobMeta, write_meta, write_ops_trace
+
+
+def resihp(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resihp.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("detect")
+    job = SimJob(steps=80, source="code", injections=[Injection("fail-slow", 7, 40, 79, 2.0)])
+    df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2)))
+    write_ops_trace(df, tmp / "t.parquet")
+    write_ops_trace(df, tmp / "t.csv")
+    write_meta(job.meta(), tmp / "meta.yaml", layers=8, hidden=256, heads=4, ffn_hidden=1024)
+    return tmp, df
+
+
+@pytest.mark.parametrize("name", ["t.parquet", "t.csv"])
+def test_detect_json_names_the_slow_rank(trace, name):
+    tmp, _ = trace
+    proc = resihp("detect", tmp / name, "--meta", tmp / "meta.yaml", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["steps"] == 80 and doc["ranks"] == 16
+    faults = [e for e in doc["events"] if e["kind"] == "fail-slow"]
+    assert [(e["rank"], e["dp_rank"], e["stage"]) for e in faults] == [(7, 1, 3)]
+    assert set(faults[0]) >= {"kind", "rank", "dp_rank", "stage", "tp_rank", "onset_step",
+                              "detected_step", "slowdown", "confidence"}
+
+
+def test_detect_text_output_and_baseline_and_alibaba(trace):
+    tmp, _ = trace
+    proc = resihp("detect", tmp / "t.parquet")
+    assert proc.returncode == 0 and "fail-slow" in proc.stdout and "rank 7" in proc.stdout
+    proc = resihp("detect", tmp / "t.parquet", "--method", "relative-score", "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["method"] == "relative-score"
+    proc = resihp("detect", alibaba_path(1), "--input-format", "alibaba", "--json")
+    assert proc.returncode == 0
+    assert any(e["rank"] == 6 for e in json.loads(proc.stdout)["events"])
+
+
+def _bad(tmp, df: pd.DataFrame, name: str = "bad.csv"):
+    path = tmp / name
+    df.to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("missing", "missing required column"),
+    ("nan", "duration"),
+    ("negative", "duration"),
+    ("rank", "world_size"),
+    ("dp", "dp_size"),
+    ("moved", "more than one"),
+])
+def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
+    tmp, df = trace
+    df = df[df["step"] < 20].drop(columns=["seq_lens"]).copy()
+    meta = tmp / "meta.yaml"
+    if case == "missing":
+        df = df.drop(columns=["stage"])
+    elif case == "nan":
+        df.loc[df.index[5], "duration"] = np.nan
+    elif case == "negative":
+        df.loc[df.index[5], "duration"] = -1.0
+    elif case == "rank":
+        df.loc[df.index[5], "rank"] = 99
+    elif case == "dp":
+        write_meta(JobMeta(dp_size=2, pp_size=4, tp_size=2, world_size=16), tmp / "small.yaml")
+        meta = tmp / "small.yaml"
+    elif case == "moved":
+        df.loc[df.index[5], "stage"] = (df.loc[df.index[5], "stage"] + 1) % 4
+    proc = resihp("detect", _bad(tmp, df, f"{case}.csv"), "--meta", meta)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("resihp: error:") and fragment in lines[0], lines
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["nope.parquet"], "no such ops trace"),
+    (["{t}", "--method", "magic"], "--method"),
+    (["{t}", "--input-format", "xml"], "--input-format"),
+    (["{t}", "--meta", "nope.yaml"], "cannot read job meta"),
+    (["{t}", "--model", "models/none", "--meta", "{m}"], "--model"),
+])
+def test_bad_options_exit_2(trace, args, fragment):
+    tmp, _ = trace
+    args = [a.format(t=tmp / "t.parquet", m=tmp / "meta.yaml") for a in args]
+    proc = resihp("detect", *args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_detect_eval_quick_json():
+    proc = resihp("detect-eval", "--quick", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc["methods"]) == {"resihp", "raw-threshold", "relative-score", "iteration-changepoint"}
+    ours = doc["methods"]["resihp"]
+    assert ours["recall"] >= 0.8 and ours["fp"] <= 1
+    assert ours["slowdown_error_median"] < 0.1
+    proc = resihp("detect-eval", "--quick", "--drop", "bogus")
+    assert proc.returncode == 2 and "--drop" in proc.stderr
