@@ -3,12 +3,17 @@ devices, by decomposition.
 
 1. The healthy layout (TP x PP x DP) fixes each replica's home TP groups (from the plan in force,
    or chosen for the healthy cluster).
-2. Replicas whose groups are all healthy keep the uniform split; each other replica is one small
+2. Replicas whose groups are all healthy keep the healthy split; each other replica is one small
    CP-SAT model (``solve_pipeline``: group re-formation + layer split + memory + migration), solved
    independently and in parallel, warm-started from the plan in force.
 3. CP-SAT allocates the global batch's micro-batches across replicas (``allocate_microbatches``);
    replicas whose share changed are re-solved for their new micro-batch count, then allocated again.
-Every plan is evaluated by the same ``timing.evaluate`` as the baselines.
+4. Live devices no replica uses are chained into extra pipelines where they can hold the model.
+5. A few whole plans are assembled from these parts (with or without re-formed replicas and extra
+   pipelines; optionally with token budgets, ``resihp.plan.tokens``) and the one with the shortest
+   predicted step (plus amortised migration) is returned.
+Every plan is evaluated by the same ``timing.evaluate`` as the baselines: the schedule's critical
+path (``resihp.perf.schedule.pipeline_step_time``) plus the gradient all-reduce.
 """
 
 from __future__ import annotations
