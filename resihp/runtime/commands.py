@@ -39,6 +39,8 @@ def run_cmd(
     inject: Annotated[list[str], typer.Option(help="slow:rank=R,factor=F,step=S or stop:rank=R,step=S "
                                               "(repeatable)")] = None,
     seed: int = 0, lr: float = 1e-3,
+    ckpt_every: Annotated[int, typer.Option(help="Steps between universal checkpoints; with it, a "
+                                            "stopped rank is excluded by an elastic restart")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds a rank may wait for a peer, and for all ranks "
                                            "to join")] = 60.0,
@@ -49,27 +51,23 @@ def run_cmd(
     """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected."""
     from resihp.runtime.config import RunConfig, check_memory
     from resihp.runtime.supervisor import supervise
-    from resihp.runtime.worker import write_job_files
 
     cfg = RunConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab,
                     dp=dp, pp=pp, tp=tp, schedule=schedule, steps=steps, source=source,
                     global_tokens=global_tokens, budget=budget, max_len=max_len,
                     layer_split=_numbers(layer_split, "--layer-split", int),
                     dp_weights=_numbers(dp_weights, "--dp-weights", float), inject=list(inject or []),
-                    seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out))
+                    seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out),
+                    ckpt_every=ckpt_every)
     check_memory(cfg, cfg.dims().world_size)
     with progress_bar("training", steps, enabled=not json_out) as advance:
         outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
                             on_step=lambda s: advance(s + 1))
     if outcome.input_error:
         raise InputError(outcome.error)
-    summary_path = out / "summary.json"
-    if outcome.returncode != 0 or not summary_path.exists():
-        summary = write_job_files(cfg, out) if any((out / "ranks").glob("rank*.jsonl")) else {}
-        summary.update({"failure": outcome.failure, "error": outcome.error})
-        summary_path.write_text(json.dumps(summary, indent=2))
-    else:
-        summary = json.loads(summary_path.read_text())
+    summary = _summary(cfg, outcome)
+    if outcome.failure and cfg.ckpt_every:
+        summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
     if json_out:
         print(json.dumps(summary))
     else:
@@ -77,10 +75,6 @@ def run_cmd(
     if outcome.error:
         print(f"resihp: {outcome.error}", file=sys.stderr)
         raise typer.Exit(1)
-
-
-DEMO = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
-            budget=512, max_len=512, source="text")
 
 
 def demo_cmd(
@@ -93,56 +87,81 @@ def demo_cmd(
 ) -> None:
     """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
     the planner re-plans and the job applies the new plan while it keeps training."""
-    from resihp.opstrace import read_ops_trace
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.inject import parse_fault
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.report import fault_summary, plot_run
-    from resihp.runtime.supervisor import supervise
+    from resihp.runtime.demo import RunFailed, run_demo
 
-    fault = parse_fault(inject)
-    if fault.kind != "slow" or fault.step is None:
-        raise InputError(f"--inject {inject!r}: the demo takes a slow fault at a step "
-                         f"(slow:rank=R,factor=F,step=S)")
-    if fault.step + 8 > steps:
-        raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
-    cfg = RunConfig(**DEMO, steps=steps, inject=[inject], out=str(out))
-    loop = LiveLoop(cfg)
     with progress_bar("demo", steps, enabled=not json_out) as advance:
-        outcome = supervise(cfg, on_step=lambda s: advance(s + 1), on_poll=loop.poll)
-    if outcome.error:
-        raise typer.Exit(_fail(outcome))
-    loop.poll()
-    loop.save()
-    trace = read_ops_trace(out / "ops.parquet")
-    applied = {c.get("id"): c["step"] for c in json.loads((out / "plan_changes.json").read_text())}
-    changes = [{**{k: v for k, v in c.items() if k != "plan"}, "applied_step": applied.get(c["id"]),
-                "plan": c["plan"]} for c in loop.changes]
-    summary = fault_summary(trace, fault.to_dict(), loop.events, changes, cfg.dims().world_size)
-    plot = plot or out / "demo.png"
-    plot_run(trace, summary, plot)
-    summary["plot"] = str(plot)
-    (out / "demo.json").write_text(json.dumps(summary, indent=1))
+        try:
+            summary = run_demo(out, steps, inject, plot, on_step=lambda s: advance(s + 1))
+        except RunFailed as exc:
+            print(f"resihp: {exc}", file=sys.stderr)
+            raise typer.Exit(1) from None
     if json_out:
         print(json.dumps(summary))
         return
     b, d, a = (summary[f"tokens_per_s_{k}"] for k in ("before", "during", "after"))
     print(f"fault: {inject}")
     print(f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)")
-    for c in changes:
+    for c in summary["plan_changes"]:
         print(f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
               f"layer_split {c.get('layer_split')} (applied: {c['applied']}, solved in {c['solve_s']} s)")
     fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
+    rf = summary["recovered_fraction"]
     print(f"tokens/s before {fmt(b)}  during {fmt(d)}  after {fmt(a)}; recovered fraction "
-          f"{summary['recovered_fraction']}")
-    print(f"plot {plot}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
+          f"{rf:.2f}" if rf else "-")
+    print(f"plot {summary['plot']}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
 
 
-def _fail(outcome) -> int:
-    if outcome.input_error:
-        raise InputError(outcome.error)
-    print(f"resihp: {outcome.error}", file=sys.stderr)
-    return 1
+def _summary(cfg, outcome) -> dict:
+    from resihp.runtime.worker import write_job_files
+
+    out = Path(cfg.out)
+    summary_path = out / "summary.json"
+    if outcome.returncode != 0 or not summary_path.exists():
+        summary = write_job_files(cfg, out) if any((out / "ranks").glob("rank*.jsonl")) else {}
+        summary.update({"failure": outcome.failure, "error": outcome.error})
+        summary_path.write_text(json.dumps(summary, indent=2))
+        return summary
+    return json.loads(summary_path.read_text())
+
+
+def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bool):
+    """Exclude the stopped rank: restart the surviving layout from the latest checkpoint."""
+    import time
+
+    from resihp.runtime.elastic import latest_checkpoint, layout_without
+    from resihp.runtime.supervisor import supervise
+
+    out = Path(cfg.out)
+    ckpt = latest_checkpoint(out)
+    rank = outcome.failure["rank"]
+    new = layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
+    if new is None:
+        summary["recovery"] = {"restarted": False, "reason": "no checkpoint" if not ckpt else
+                               "no device left to continue on"}
+        return summary, outcome
+    t0 = time.time()
+    with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
+        again = supervise(new, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=new.timeout_s,
+                          on_step=lambda s: advance(s + 1))
+    after = _summary(new, again)
+    ops = Path(new.out) / "ops.parquet"
+    first = None
+    if ops.exists():
+        import pandas as pd
+
+        trace = pd.read_parquet(ops)
+        steps = trace[trace.optype == "step"]
+        first = float(steps.start_ts.min()) if len(steps) else None
+    change = {"kind": "exclude", "rank": rank, "restart_from": str(ckpt),
+              "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
+              "layout": {"dp": new.dp, "pp": new.pp, "tp": new.tp},
+              "restart_s": round(first - t0, 3) if first else None}
+    summary.update({"plan_changes": [change], "after_restart": after,
+                    "steps": after.get("steps", 0) + change["resumed_step"],
+                    "tokens_per_s_after": after.get("tokens_per_s"),
+                    "error": again.error})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary, again
 
 
 def _print_human(summary: dict) -> None:

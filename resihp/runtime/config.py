@@ -40,6 +40,8 @@ class RunConfig:
     # run
     out: str = "runs/latest"
     inject: list[str] = field(default_factory=list)
+    ckpt_every: int = 0  # steps between universal checkpoints (0: none)
+    resume: str | None = None  # a checkpoint folder to start from (any layout)
     replan: list[dict] = field(default_factory=list)  # scheduled plan changes: {"step", "dp_weights"?, "layer_split"?}
     device: str = "auto"  # cpu, cuda or auto
     threads: int = 1
@@ -55,6 +57,8 @@ class RunConfig:
             raise InputError(f"--lr: expected a positive number, got {self.lr}")
         if self.timeout_s <= 0:
             raise InputError(f"--timeout: expected a positive number of seconds, got {self.timeout_s}")
+        if self.ckpt_every < 0:
+            raise InputError(f"--ckpt-every: expected zero or a positive integer, got {self.ckpt_every}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise InputError(f"--device: expected auto, cpu or cuda, got {self.device!r}")
         self.model_config()

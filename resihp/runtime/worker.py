@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser.add_argument("--config", help="a RunConfig JSON; flags given here override it")
     for f in fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "replan":
+        if f.name in ("replan", "resume"):
             continue  # only through --config
         if f.name in ("layer_split", "dp_weights", "inject"):
             parser.add_argument(flag, default=None, help=f"{f.name} (comma-separated; inject repeatable)",
@@ -57,6 +57,15 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except ValueError:
         raise InputError("--layer-split / --dp-weights: expected comma-separated numbers") from None
     return RunConfig(**{**base, **given})
+
+
+def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
+    from resihp.ckpt.universal import save
+
+    meta = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "layer_split": [b - a for a, b in engine.ranges],
+            "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source}
+    with engine.rec.op("checkpoint-save"):
+        save(directory, engine.model, engine.optimizer, step, meta, engine.coords.tp_rank, cfg.tp)
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -113,8 +122,15 @@ def run(cfg: RunConfig) -> None:
     heart.phase = "train"
     inbox = ControlInbox(out, cfg.replan) if rank == 0 else None
     results = []
+    first_step = 0
+    if cfg.resume:
+        from resihp.ckpt.universal import load
+
+        with engine.rec.op("checkpoint-load"):
+            first_step = int(load(cfg.resume, engine.model, engine.optimizer, engine.coords.tp_rank,
+                                  cfg.tp)["step"]) + 1
     try:
-        for step in range(cfg.steps):
+        for step in range(first_step, cfg.steps):
             heart.at_step(step)
             proposal = inbox.poll(step) if inbox else None
             if proposal is not None:
@@ -125,6 +141,8 @@ def run(cfg: RunConfig) -> None:
             if result.loss is not None and engine.dp_rank == 0:
                 print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} "
                       f"wall {result.wall_s:.3f}s", file=sys.stderr, flush=True)
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+                save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
             engine.rec.flush(part)
     finally:
         engine.rec.flush(part)

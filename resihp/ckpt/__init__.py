@@ -1,0 +1,2 @@
+"""Universal (reshardable) checkpoints: state keyed by global parameter name, written and read with
+torch.distributed.checkpoint, so a job can restart in a different parallel layout."""

@@ -1,0 +1,58 @@
+"""The README's main job: 4 CPU processes train (DP 2 x PP 2) while one rank is made slow; the live
+detector finds it, the planner re-plans, the job applies the plan and keeps training."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from resihp.errors import InputError
+from resihp.opstrace import read_ops_trace
+from resihp.runtime.config import RunConfig
+from resihp.runtime.inject import parse_fault
+from resihp.runtime.live import LiveLoop
+from resihp.runtime.report import fault_summary, plot_run
+from resihp.runtime.supervisor import supervise
+
+DEMO = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
+            budget=512, max_len=512, source="text")
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def run_demo(out: str | Path, steps: int = 40, inject: str = "slow:rank=1,factor=3,step=16",
+             plot: str | Path | None = None, on_step: Callable[[int], None] | None = None,
+             **overrides: object) -> dict:
+    """Run the demo job into ``out``; returns the summary (also written to ``OUT/demo.json``)."""
+    out = Path(out)
+    fault = parse_fault(inject)
+    if fault.kind != "slow" or fault.step is None:
+        raise InputError(f"--inject {inject!r}: the demo takes a slow fault at a step "
+                         f"(slow:rank=R,factor=F,step=S)")
+    if fault.step < 13:
+        raise InputError(f"--inject {inject!r}: inject at step 13 or later (the detector calibrates "
+                         f"on the first 12 steps)")
+    if fault.step + 8 > steps:
+        raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
+    cfg = RunConfig(**{**DEMO, **overrides}, steps=steps, inject=[inject], out=str(out))
+    loop = LiveLoop(cfg)
+    outcome = supervise(cfg, on_step=on_step, on_poll=loop.poll)
+    if outcome.input_error:
+        raise InputError(outcome.error)
+    if outcome.error:
+        raise RunFailed(outcome.error)
+    loop.poll()
+    loop.save()
+    trace = read_ops_trace(out / "ops.parquet")
+    applied = {c.get("id"): c["step"] for c in json.loads((out / "plan_changes.json").read_text())}
+    changes = [{**{k: v for k, v in c.items() if k != "plan"}, "applied_step": applied.get(c["id"]),
+                "plan": c["plan"]} for c in loop.changes]
+    summary = fault_summary(trace, fault.to_dict(), loop.events, changes, cfg.dims().world_size)
+    plot = Path(plot) if plot else out / "demo.png"
+    plot_run(trace, summary, plot)
+    summary["plot"] = str(plot)
+    (out / "demo.json").write_text(json.dumps(summary, indent=1))
+    return summary
