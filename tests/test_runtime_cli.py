@@ -45,20 +45,35 @@ def test_fault_spec_parsing():
 
 
 @pytest.mark.slow
-def test_stop_kills_the_rank_and_the_job_ends_cleanly(tmp_path):
+def test_stopped_rank_is_excluded_by_an_elastic_restart_with_the_same_math(tmp_path):
     out = tmp_path / "stop"
-    proc = resihp("run", *SMALL, "--steps", "12", "--inject", "stop:rank=3,step=4", "--out", str(out),
-                  "--json")
-    assert proc.returncode == 1
+    proc = resihp("run", *SMALL, "--steps", "8", "--inject", "stop:rank=3,step=5", "--ckpt-every", "2",
+                  "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["failure"]["kind"] == "fail-stop" and summary["failure"]["rank"] == 3
-    assert summary["failure"]["step"] == 4
-    assert "rank 3 stopped at step 4" in proc.stderr and "Traceback" not in proc.stderr
-    trace = read_ops_trace(out / "ops.parquet")  # what the ranks recorded before the stop is kept
-    assert trace[trace["rank"] == 3].step.max() == 3
-    assert set(trace["rank"]) == {0, 1, 2, 3}
+    assert summary["failure"]["step"] == 5
+    change = summary["plan_changes"][0]
+    assert change["kind"] == "exclude" and change["layout"] == {"dp": 1, "pp": 2, "tp": 1}
+    assert change["resumed_step"] == 4 and summary["steps"] == 8
+    before = read_ops_trace(out / "ops.parquet")  # what the ranks recorded before the stop is kept
+    after = read_ops_trace(out / "restart" / "ops.parquet")
+    assert before[before["rank"] == 3].step.max() == 4 and set(before["rank"]) == {0, 1, 2, 3}
+    assert set(after["rank"]) == {0, 1} and sorted(set(after.step)) == [4, 5, 6, 7]
+    # step 4 ran in both layouts from the same state and data: the same loss
+    loss = lambda t: t[(t.optype == "step") & (t.step == 4)].loss.max()  # noqa: E731
+    assert abs(loss(before) - loss(after)) < 1e-4 * abs(loss(before))
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""  # no worker outlives the command
+
+
+@pytest.mark.slow
+def test_stop_without_checkpoints_ends_the_job_with_one_line(tmp_path):
+    out = tmp_path / "stop"
+    proc = resihp("run", *SMALL, "--steps", "8", "--inject", "stop:rank=2,step=3", "--out", str(out))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("resihp: rank 2 stopped at step 3")
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

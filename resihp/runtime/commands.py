@@ -173,6 +173,43 @@ def _print_human(summary: dict) -> None:
     print(f"trace {summary.get('trace')}  meta {summary.get('meta')}")
 
 
+ckpt_app = typer.Typer(help="Universal (reshardable) checkpoints.", no_args_is_help=True)
+
+
+@ckpt_app.command("inspect")
+def ckpt_inspect_cmd(
+    directory: Annotated[Path, typer.Argument(help="A checkpoint folder (OUT/ckpt/stepN)")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """Show a checkpoint's step, the layout that wrote it, its layers and tensors."""
+    from resihp.ckpt.universal import inspect
+
+    info = inspect(directory)
+    if json_out:
+        print(json.dumps(info))
+        return
+    meta = info["meta"]
+    print(f"{directory}: step {meta.get('step')}, written by dp {meta.get('dp')} pp {meta.get('pp')} "
+          f"tp {meta.get('tp')}; {info['tensors']} tensors; layers {info['layers']}")
+
+
+@ckpt_app.command("convert")
+def ckpt_convert_cmd(
+    src: Annotated[Path, typer.Argument(help="A checkpoint folder")],
+    dst: Annotated[Path, typer.Argument(help="Where to write the universal checkpoint")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+) -> None:
+    """Join tensor-parallel shards into whole tensors: a checkpoint any layout can load."""
+    from resihp.ckpt.universal import convert
+
+    if dst.exists() and any(dst.iterdir()):
+        raise InputError(f"{dst}: destination exists and is not empty")
+    result = convert(src, dst)
+    print(json.dumps(result) if json_out else
+          f"{dst}: {result['tensors']} tensors ({result['joined']} joined from tensor-parallel shards)")
+
+
 def register(app: typer.Typer) -> None:
     app.command("run")(run_cmd)
     app.command("demo")(demo_cmd)
+    app.add_typer(ckpt_app, name="ckpt")

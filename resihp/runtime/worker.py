@@ -124,11 +124,12 @@ def run(cfg: RunConfig) -> None:
     results = []
     first_step = 0
     if cfg.resume:
-        from resihp.ckpt.universal import load
+        from resihp.ckpt.universal import load, read_meta
 
+        first_step = int(read_meta(cfg.resume)["step"]) + 1
+        engine.rec.begin_step(first_step)
         with engine.rec.op("checkpoint-load"):
-            first_step = int(load(cfg.resume, engine.model, engine.optimizer, engine.coords.tp_rank,
-                                  cfg.tp)["step"]) + 1
+            load(cfg.resume, engine.model, engine.optimizer, engine.coords.tp_rank, cfg.tp)
     try:
         for step in range(first_step, cfg.steps):
             heart.at_step(step)
