@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from resihp.opstrace import JobMeta
-from resihp.perf.schedule import compile_schedule, rank_finish_times
+from resihp.perf.schedule import CompiledSchedule, compile_schedule
 from resihp.replay.costmodel import (
     MicroBatchPool,
     build_pool,
@@ -80,7 +80,7 @@ class Window:
     _ops: Callable[[], pd.DataFrame]
     meta: JobMeta | None = None
     rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
-    rank_work: np.ndarray | None = None  # logical rank -> planned work per micro-batch (layers/tp)
+    rank_work: np.ndarray | None = None  # logical rank -> expected forward seconds per micro-batch
 
     def ops(self) -> pd.DataFrame:
         """The DESIGN.md ops trace of these steps: forward/backward compute of the first
@@ -248,10 +248,10 @@ class Simulator:
                     * (2.0 * g.layers * g.load)[None, :, :, None])
             fwd = fwd + comm
             sched = compile_schedule("1f1b", pp, m)
-            finish = rank_finish_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, pp]
-            replica_time.append(finish.max(axis=-1).max(axis=-1))
+            end = op_end_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, nodes]
+            replica_time.append(end[..., sched.last_on_rank].max(axis=-1).max(axis=-1))
             tokens += pool.tokens[mb].sum(axis=(1, 2))
-            per_group.append((g, mb, fwd - comm, comm, sp))
+            per_group.append((g, mb, fwd - comm, comm, sp, sched, end))
         step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
         steps = np.arange(first_step, first_step + n_steps)
         layout = compiled.layout
@@ -263,26 +263,38 @@ class Simulator:
         rank_work = np.full(meta.world_size, np.nan)
         layer = float(self.pool.fwd_flops_per_layer.mean())
         head = float(self.pool.head_flops.mean())
+        mean_tokens = float(self.pool.tokens.mean())
         for i, r in enumerate(layout.replicas):
             for st, gr in enumerate(r.groups):
                 base = (i * pp_max + st) * tp_max
                 rank_device[base: base + len(gr)] = gr
                 last = head if st == len(r.groups) - 1 else 0.0
-                rank_work[base: base + len(gr)] = (r.layers[st] + last / layer) * r.load[st] / len(gr)
+                # expected seconds of the rank's share of a mean micro-batch at full speed
+                rank_work[base: base + len(gr)] = r.load[st] * (
+                    (r.layers[st] * layer + last) / (len(gr) * self.rate)
+                    + 2.0 * r.layers[st] * float(tp_allreduce_s(self.scenario, mean_tokens, len(gr))))
+        step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
         return Window(steps, start_s, step_time, tokens, layout,
-                      lambda: self._ops(per_group, steps, speeds, pp_max, tp_max), meta, rank_device,
-                      rank_work)
+                      lambda: self._ops(per_group, steps, step_start, speeds, pp_max, tp_max), meta,
+                      rank_device, rank_work)
 
     def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
         return Window(np.arange(first_step, first_step + n_steps), start_s,
                       np.full(n_steps, np.inf), np.zeros(n_steps), layout, lambda: pd.DataFrame())
 
-    def _ops(self, per_group: list, steps: np.ndarray, speeds: np.ndarray, pp_max: int,
-             tp_max: int) -> pd.DataFrame:
+    def _ops(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
+             pp_max: int, tp_max: int) -> pd.DataFrame:
         frames = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
-        for g, mb, fwd, comm, sp in per_group:
+        for g, mb, fwd, comm, sp, sched, end in per_group:
+            # when each op began in the simulated schedule: its end minus its (stage) duration
+            node = np.zeros((2, g.stages, sched.microbatches), dtype=np.int64)
+            node[sched.phase, sched.chunk, sched.mb] = np.arange(sched.nodes)
+            node = node[:, :, :k]
+            stage_fwd = (fwd + comm)[..., :k]
+            start_f = end[:, :, node[0]] - stage_fwd + step_start[:, None, None, None]
+            start_b = end[:, :, node[1]] - 2.0 * stage_fwd + step_start[:, None, None, None]
             fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]
             pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
@@ -303,10 +315,13 @@ class Simulator:
                     "device": g.devices[ri, si, ti].ravel()[real]}
             seq = pool.seq_objects[mbi]
             dur = own.ravel()[real]
+            tp_axis = (slice(None), slice(None), slice(None), None, slice(None))
+            sf = np.broadcast_to(start_f[tp_axis], own.shape).ravel()[real]
+            sb = np.broadcast_to(start_b[tp_axis], own.shape).ravel()[real]
             frames.append(pd.DataFrame({**base, "optype": "forward-compute", "duration": dur,
-                                        "seq_lens": seq}))
+                                        "start_ts": sf, "seq_lens": seq}))
             frames.append(pd.DataFrame({**base, "optype": "backward-compute", "duration": 2.0 * dur,
-                                        "seq_lens": seq}))
+                                        "start_ts": sb, "seq_lens": seq}))
         if not frames:
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True)  # row order is free in the contract
@@ -484,6 +499,20 @@ class Replay:
         cap_tokens = sum((b - a) * c for a, b, c in capacity)
         return Outcome(self.policy.name, sc.duration_s, tokens, cap_tokens, downtime, lost, timeline,
                        capacity, actions, detections, simulated, replayed)
+
+
+def op_end_times(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray,
+                 p2p_s: float) -> np.ndarray:
+    """End time of every op of a compiled schedule, [..., nodes], for [..., stages, micro-batches]
+    durations. The same recurrence as ``resihp.perf.schedule.rank_finish_times``, which keeps only
+    each rank's last op; the replay also needs when each op ran (the ops records' ``start_ts``)."""
+    dur = np.stack(np.broadcast_arrays(fwd, bwd), axis=-3)[..., sched.phase, sched.chunk, sched.mb]
+    end = np.zeros(dur.shape[:-1] + (sched.nodes + 1,))
+    comm = np.where(sched.dep_is_p2p, p2p_s, 0.0)
+    for nodes in sched.levels:
+        end[..., nodes] = np.maximum(end[..., sched.prev_same[nodes]],
+                                     end[..., sched.prev_dep[nodes]] + comm[nodes]) + dur[..., nodes]
+    return end[..., :-1]
 
 
 def _names(devices: list[int]) -> str:
