@@ -360,6 +360,7 @@ class Replay:
         detections: list[dict] = []
         history: list[tuple[float, float]] = [(0.0, 0.0)]  # (time, tokens) for checkpoint rollback
         slow_since: dict[int, float] = {}
+        detected: set[tuple] = set()
         simulated = 0
         replayed = 0.0
         layout = self.policy.start(ctx)
@@ -398,7 +399,12 @@ class Replay:
             for d in reaction.detections:
                 truth = d.device is None and any(s < d.time_s for s in slow_since.values())
                 truth = truth or (d.device in slow_since) or (d.device in ctx.known_dead)
-                delay = (d.time_s - slow_since[d.device]) if d.device in slow_since else None
+                # the delay counts once per slow episode: from its onset to its first detection
+                episode = (d.device, slow_since.get(d.device))
+                delay = None
+                if d.device in slow_since and episode not in detected:
+                    delay = d.time_s - slow_since[d.device]
+                    detected.add(episode)
                 detections.append({"time_s": d.time_s, "step": d.step, "kind": d.kind,
                                    "device": d.device, "slowdown": d.slowdown, "true": bool(truth),
                                    "delay_s": delay})
