@@ -16,15 +16,15 @@ class DetectorConfig:
     and a quiet GPU job.
     """
 
-    calibration_steps: int = 12
+    calibration_steps: int = 20
     # one-sided CUSUM on the standardised log own-work ratio: drift allowance and decision threshold
     cusum_k: float = 3.0
-    cusum_h: float = 12.0
+    cusum_h: float = 14.0
     # a single step can add at most this much to the CUSUM, so one wild step never alarms alone
     z_clip: float = 8.0
     min_persist: int = 3
     # an alarm needs an estimated slowdown at least this large (tiny persistent drifts are not faults)
-    min_slowdown: float = 1.1
+    min_slowdown: float = 1.13
     sigma_floor: float = 0.01
     # no rank's noise is taken as less than this fraction of the typical rank's
     pooled_sigma: float = 1.0
