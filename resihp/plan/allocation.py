@@ -17,21 +17,31 @@ from ortools.sat.python import cp_model
 TICKS_PER_S = 1e7
 
 
-def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int) -> list[int]:
+def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
+                      caps: Sequence[int | None] | None = None) -> list[int]:
+    """Each micro-batch to the replica that would finish it first (optimal for min-max of
+    increasing per-replica times); replicas at their cap take no more. Raises ValueError when the
+    caps hold fewer than ``total``."""
+    caps = caps or [None] * len(first)
     m = [0] * len(first)
-    heap = [(first[r], r) for r in range(len(first))]
+    heap = [(first[r], r) for r in range(len(first)) if caps[r] is None or caps[r] > 0]
     heapq.heapify(heap)
     for _ in range(total):
+        if not heap:
+            raise ValueError(f"memory holds only {sum(m)} of {total} micro-batches")
         finish, r = heapq.heappop(heap)
         m[r] += 1
-        heapq.heappush(heap, (finish + each[r], r))
+        if caps[r] is None or m[r] < caps[r]:
+            heapq.heappush(heap, (finish + each[r], r))
     return m
 
 
 def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: int,
-                          time_limit_s: float = 1.0) -> tuple[list[int], str, float]:
+                          time_limit_s: float = 1.0, caps: Sequence[int | None] | None = None,
+                          ) -> tuple[list[int], str, float]:
     """(micro-batches per replica, solver status, relative gap). ``first[r]`` is T_r(1),
-    ``each[r]`` the time each further micro-batch adds.
+    ``each[r]`` the time each further micro-batch adds, ``caps[r]`` the most it can hold in
+    memory (None: no limit).
 
     Replicas with the same (first, each) form one class whose share is spread evenly, so the model
     has one variable pair per class: thousands of healthy replicas cost the same as one.
@@ -39,18 +49,20 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
     n = len(first)
     if n == 0:
         raise ValueError("no replica to allocate micro-batches to")
-    hint = greedy_allocation(first, each, total)
+    caps = list(caps) if caps is not None else [None] * n
+    hint = greedy_allocation(first, each, total, caps)
     tick = lambda s: max(1, int(round(s * TICKS_PER_S)))  # noqa: E731
-    classes: dict[tuple[int, int], list[int]] = {}
+    classes: dict[tuple[int, int, int], list[int]] = {}
     for r in range(n):
-        classes.setdefault((tick(first[r]), tick(each[r])), []).append(r)
+        cap = total if caps[r] is None else min(total, caps[r])
+        classes.setdefault((tick(first[r]), tick(each[r]), cap), []).append(r)
     mdl = cp_model.CpModel()
-    horizon = max(a + (total - 1) * b for a, b in classes)
+    horizon = max(a + (total - 1) * b for a, b, _ in classes)
     span = mdl.new_int_var(0, horizon, "span")
     shares = []
-    for c, ((a, b), members) in enumerate(classes.items()):
+    for c, ((a, b, cap), members) in enumerate(classes.items()):
         k = mdl.new_int_var(0, total, f"k{c}")  # micro-batches of the class
-        top = mdl.new_int_var(0, total, f"top{c}")  # the most any replica of the class gets
+        top = mdl.new_int_var(0, cap, f"top{c}")  # the most any replica of the class gets
         used = mdl.new_bool_var(f"u{c}")
         mdl.add(k <= len(members) * top)
         mdl.add(top <= total * used)

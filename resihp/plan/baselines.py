@@ -60,6 +60,9 @@ class _Policy(Planner):
         plan = self.build(cluster, model, coster, healthy if healthy.layout == layout else None,
                           layout)
         plan.policy = self.name
+        if sum(p.share(model) for p in plan.pipelines) != model.global_batch_tokens:
+            # the policy cannot place the global batch (memory): the job stops
+            plan = Plan(len(cluster), layout, [], list(range(len(cluster))), policy=self.name)
         evaluate(plan, coster, self.bound(cluster, model), current)
         plan.solver = {"status": "heuristic", "gap": float("nan"),
                        "solve_s": time.perf_counter() - t0}
@@ -67,6 +70,12 @@ class _Policy(Planner):
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:  # pragma: no cover
         raise NotImplementedError
+
+
+def _caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray:
+    """The most micro-batches each replica holds in memory (GPipe keeps all of them in flight)."""
+    return np.array([min(total, c) if (c := coster.max_microbatches(st)) is not None else total
+                     for st in pipelines], dtype=int)
 
 
 def _healthy_or_uniform(planner: Planner, cluster, model, healthy, layout) -> Plan:
@@ -90,7 +99,9 @@ class DropReplicaPolicy(_Policy):
         base = _healthy_or_uniform(self, cluster, model, healthy, layout)
         alive = [p for p in base.pipelines
                  if all(cluster.devices[r].alive for r in p.ranks)]
-        shares = even_split(model.microbatches, len(alive)) if alive else []
+        caps = _caps(coster, [p.stages for p in alive], model.microbatches)
+        shares = proportional_split(model.microbatches, np.ones(len(alive)), caps, minimum=0) \
+            if alive else []
         pipelines = [Pipeline(i, p.stages, m, home=p.home)
                      for i, (p, m) in enumerate(zip(alive, shares)) if m > 0]
         placed = {r for p in pipelines for r in p.ranks}
@@ -117,7 +128,8 @@ class HeuristicPolicy(_Policy):
                 built.append((r, stages))
         rates = np.array([1.0 / max(sum(coster.stage_fb(s, i == len(st) - 1))
                                     for i, s in enumerate(st)) for _, st in built])
-        shares = proportional_split(model.microbatches, rates, minimum=0)
+        caps = _caps(coster, [st for _, st in built], model.microbatches)
+        shares = proportional_split(model.microbatches, rates, caps, minimum=0)
         pipelines, dp = [], 0
         for (r, stages), m in zip(built, shares):
             if m > 0:
@@ -151,7 +163,7 @@ class HeuristicPolicy(_Policy):
         rates = np.array([1.0 / sum(coster.per_layer_s(g)) for g in groups])
         caps = []
         for s, g in enumerate(groups):
-            in_flight = min(m, p - s) if model.schedule == "1f1b" else m
+            in_flight = coster.in_flight(p, s, m)
             free = coster.memory_free_gb(g)
             cap = 0
             while cap < model.layers and stage_memory_gb(

@@ -55,12 +55,7 @@ def uniform_layer_counts(layers: int, pp: int) -> list[int]:
 
 def memory_ok(model: ModelSpec, coster: StageCoster, groups: Sequence[tuple[int, ...]],
               counts: Sequence[int], m: int) -> bool:
-    p = len(groups)
-    for s, (g, n) in enumerate(zip(groups, counts)):
-        in_flight = min(m, p - s) if model.schedule == "1f1b" else m
-        if stage_memory_gb(model, n, len(g), in_flight, s == 0, s == p - 1) > coster.memory_free_gb(g):
-            return False
-    return True
+    return coster.stages_fit(tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts))), m)
 
 
 def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,

@@ -70,8 +70,10 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         x = choose[c.group][c.option]
         active.append(x)
         within = options[c.group][c.option].index(c.ranks)
+        # 1F1B: the most stages that can follow, whatever ``m`` (so any later allocation fits);
+        # GPipe: all ``m`` micro-batches (the allocation then caps ``m`` per replica)
         in_flight = max_after_group[c.group + 1] + len(options[c.group][c.option]) - within
-        in_flight = min(m, in_flight) if model.schedule == "1f1b" else m
+        in_flight = in_flight if model.schedule == "1f1b" else m
         free = coster.memory_free_gb(c.ranks)
         act_tok = model.activation_bytes_per_token_layer or 34.0 * model.hidden
         per_layer = (model.params_per_layer * model.state_bytes_per_param

@@ -228,8 +228,9 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
                 if not cluster.devices[r].alive:
                     problems.append(f"{name}: rank {r} is dead")
             in_flight = len(p.stages) - s if model.schedule == "1f1b" else p.microbatches
-            need = stage_memory_gb(model, stage.n_layers, stage.tp, min(in_flight, p.microbatches),
-                                   s == 0, s == len(p.stages) - 1, p.budget(model))
+            need = stage_memory_gb(model, stage.n_layers, stage.tp,
+                                   min(in_flight, max(1, p.microbatches)), s == 0,
+                                   s == len(p.stages) - 1, p.budget(model) or None)
             have = min(cluster.devices[r].memory_gb for r in stage.ranks
                        if 0 <= r < len(cluster)) - cluster.memory_reserve_gb
             if need > have + 1e-9:

@@ -204,7 +204,14 @@ class Planner:
                 t1 = coster.pipeline_step(solutions[r].stages, 1)
                 first.append(t1)
                 each.append((coster.pipeline_step(solutions[r].stages, m_ref) - t1) / (m_ref - 1))
-            alloc, status, gap = allocate_microbatches(first, each, model.microbatches, per_solve)
+            caps = [coster.max_microbatches(solutions[r].stages) for r in live]
+            try:
+                alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
+                                                           per_solve, caps)
+            except ValueError as exc:
+                raise InputError(f"cluster {cluster.name}: the global batch of model "
+                                 f"{model.name} does not fit in memory on the remaining "
+                                 f"devices ({exc})") from None
             log.add(f"allocation:{status}", gap)
             return dict(zip(live, alloc))
 
@@ -251,7 +258,11 @@ class Planner:
             candidates += [balance_tokens(proportional_counts(c, coster), coster)
                            for c in candidates[-len(shares):]]
         candidates = [c for c in candidates if c.pipelines and sum(
-            p.share(model) for p in c.pipelines) == model.global_batch_tokens]
+            p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
+            coster.stages_fit(p.stages, p.microbatches, p.budget(model)) for p in c.pipelines)]
+        if not candidates:
+            raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
+                             "memory on the remaining devices")
         for plan in candidates:
             evaluate(plan, coster, bound, current)
         # the same trade as inside the solver: step time plus migration amortised over the horizon

@@ -14,7 +14,7 @@ import numpy as np
 
 from resihp.plan.cost import CostModel
 from resihp.plan.plan import Plan, Stage
-from resihp.plan.specs import ClusterSpec, ModelSpec
+from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 
 
 def closed_form_step(fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b",
@@ -78,6 +78,31 @@ class StageCoster:
             hf, hb = self.head_s(stage.ranks)
             f, b = f + hf, b + hb
         return f * scale, b * scale
+
+    def in_flight(self, stages: int, s: int, m: int) -> int:
+        """Micro-batches whose activations stage ``s`` of ``stages`` holds at once."""
+        return min(m, stages - s) if self.model.schedule == "1f1b" else m
+
+    def stages_fit(self, stages: tuple[Stage, ...], m: int, budget: float | None = None) -> bool:
+        """Whether every stage's state and in-flight activations fit its smallest device."""
+        p = len(stages)
+        return all(stage_memory_gb(self.model, st.n_layers, st.tp, self.in_flight(p, s, m),
+                                   s == 0, s == p - 1, budget) <= self.memory_free_gb(st.ranks)
+                   for s, st in enumerate(stages))
+
+    def max_microbatches(self, stages: tuple[Stage, ...], budget: float | None = None) -> int | None:
+        """The most micro-batches the replica can hold in memory; None when memory does not grow
+        with their number (1F1B once every stage is full)."""
+        if self.model.schedule == "1f1b":
+            return None if self.stages_fit(stages, len(stages), budget) else 0
+        p, best = len(stages), None
+        for s, st in enumerate(stages):
+            state = stage_memory_gb(self.model, st.n_layers, st.tp, 0, s == 0, s == p - 1, budget)
+            act = stage_memory_gb(self.model, st.n_layers, st.tp, 1, s == 0, s == p - 1,
+                                  budget) - state
+            cap = int((self.memory_free_gb(st.ranks) - state) // act) if act > 0 else None
+            best = cap if best is None else (best if cap is None else min(best, cap))
+        return best
 
     def memory_free_gb(self, ranks: tuple[int, ...]) -> float:
         return min(self.cluster.devices[r].memory_gb for r in ranks) - self.cluster.memory_reserve_gb

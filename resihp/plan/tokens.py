@@ -33,8 +33,7 @@ def budget_limit(coster: StageCoster, plan_pipeline) -> float:
     stages = plan_pipeline.stages
     limit = np.inf
     for s, stage in enumerate(stages):
-        in_flight = len(stages) - s if model.schedule == "1f1b" else plan_pipeline.microbatches
-        in_flight = min(in_flight, plan_pipeline.microbatches)
+        in_flight = coster.in_flight(len(stages), s, plan_pipeline.microbatches)
         first, last = s == 0, s == len(stages) - 1
         state = stage_memory_gb(model, stage.n_layers, stage.tp, 0, first, last)
         per_token = (stage_memory_gb(model, stage.n_layers, stage.tp, in_flight, first, last, 1.0)
