@@ -43,7 +43,10 @@ def replay_cmd(
     if json_out:
         print(json.dumps(doc))
     else:
-        Console().print(table(doc))
+        console = Console()
+        if not console.is_terminal:  # piped: do not squeeze the table to 80 columns
+            console = Console(width=160)
+        console.print(table(doc))
         if plot is not None:
             typer.echo(f"wrote {plot}")
 

@@ -68,7 +68,7 @@ def table(doc: dict):
                     f"{doc['duration_s'] / 3600:g} h; capacity {doc['capacity_tokens_per_s']:,.0f} tok/s)")
     for col in ("policy", "tokens/s", "of bound", "effective", "downtime s", "lost s",
                 "detections", "false alarms", "delay (steps)", "resihp speedup"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     speed = doc.get("speedups", {})
     for p in doc["policies"]:
         sp = speed.get(p["name"])
