@@ -51,6 +51,7 @@ class OnlineDetector:
         self._last_step: int | None = None
         self._steps_seen = 0
         self._wl_open: dict[int, Event] = {}
+        self._wl_quiet: dict[int, int] = {}
         self.cost_model = "none"
 
     # -- feeding -------------------------------------------------------------------------------
@@ -101,8 +102,6 @@ class OnlineDetector:
         for (kind, i), ev in list(self._open.items()):
             bank = self.compute if kind == "fail-slow" else self.link
             ev.slowdown = bank.episode_slowdown(i)
-        for ev in self._wl_open.values():
-            ev.end_step = ev.extra.pop("_last", ev.end_step)
         self._wl_open.clear()
         return self.events
 
@@ -214,8 +213,12 @@ class OnlineDetector:
                 else:
                     ev.end_step = step
                     ev.slowdown = max(ev.slowdown, float(raw_rel[d]))
+                self._wl_quiet[d] = 0
             elif ev is not None:
-                del self._wl_open[d]
+                # a stretch of heavy data survives a few lighter steps inside it
+                self._wl_quiet[d] = self._wl_quiet.get(d, 0) + 1
+                if self._wl_quiet[d] >= self.cfg.recover_steps:
+                    del self._wl_open[d]
         return out
 
     def _merge_layout(self, lay: Layout) -> None:
