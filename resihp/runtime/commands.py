@@ -79,16 +79,21 @@ def run_cmd(
 
 def demo_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder")] = Path("runs/demo"),
-    steps: int = 40,
-    inject: Annotated[str, typer.Option(help="The fault to inject (slow:... only: the run keeps going)")]
-    = "slow:rank=1,factor=3,step=16",
+    steps: Annotated[int, typer.Option(help="Training steps (default: the fault's step + 20)")] = None,
+    inject: Annotated[str, typer.Option(help="The fault to inject, slow:rank=R,factor=F,step=S "
+                                        "(default: rank 1, x3, 4 steps after the detector's "
+                                        "calibration)")] = None,
     plot: Annotated[Path, typer.Option(help="Plot of throughput per step (default OUT/demo.png)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
     """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
     the planner re-plans and the job applies the new plan while it keeps training."""
+    from resihp.detect.config import DetectorConfig
     from resihp.runtime.demo import RunFailed, run_demo
+    from resihp.runtime.inject import parse_fault
 
+    inject = inject or f"slow:rank=1,factor=3,step={DetectorConfig().calibration_steps + 4}"
+    steps = steps or (parse_fault(inject).step or 0) + 20
     with progress_bar("demo", steps, enabled=not json_out) as advance:
         try:
             summary = run_demo(out, steps, inject, plot, on_step=lambda s: advance(s + 1))

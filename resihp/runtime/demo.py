@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 from resihp.opstrace import read_ops_trace
 from resihp.runtime.config import RunConfig
@@ -23,22 +24,23 @@ class RunFailed(RuntimeError):
     pass
 
 
-def run_demo(out: str | Path, steps: int = 40, inject: str = "slow:rank=1,factor=3,step=16",
+def run_demo(out: str | Path, steps: int, inject: str,
              plot: str | Path | None = None, on_step: Callable[[int], None] | None = None,
-             **overrides: object) -> dict:
+             detector_config: DetectorConfig | None = None, **overrides: object) -> dict:
     """Run the demo job into ``out``; returns the summary (also written to ``OUT/demo.json``)."""
     out = Path(out)
     fault = parse_fault(inject)
     if fault.kind != "slow" or fault.step is None:
         raise InputError(f"--inject {inject!r}: the demo takes a slow fault at a step "
                          f"(slow:rank=R,factor=F,step=S)")
-    if fault.step < 13:
-        raise InputError(f"--inject {inject!r}: inject at step 13 or later (the detector calibrates "
-                         f"on the first 12 steps)")
+    calibration = (detector_config or DetectorConfig()).calibration_steps
+    if fault.step <= calibration:
+        raise InputError(f"--inject {inject!r}: inject after step {calibration} (the detector "
+                         f"calibrates on the first {calibration} steps)")
     if fault.step + 8 > steps:
         raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
     cfg = RunConfig(**{**DEMO, **overrides}, steps=steps, inject=[inject], out=str(out))
-    loop = LiveLoop(cfg)
+    loop = LiveLoop(cfg, detector_config=detector_config)
     outcome = supervise(cfg, on_step=on_step, on_poll=loop.poll)
     if outcome.input_error:
         raise InputError(outcome.error)

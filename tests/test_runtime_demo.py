@@ -1,0 +1,38 @@
+"""The demo job end to end: a slow rank is detected live, re-planned around, and throughput recovers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resihp.detect.config import DetectorConfig
+from resihp.runtime.demo import run_demo
+
+
+@pytest.mark.slow
+def test_demo_detects_replans_and_recovers(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # a shorter calibration than the CLI's default keeps the test short
+    summary = run_demo(tmp_path, steps=20, inject="slow:rank=1,factor=3,step=11",
+                       detector_config=DetectorConfig(calibration_steps=8))
+    for key in ("steps", "injected", "detection_delay_steps", "plan_changes", "tokens_per_s_before",
+                "tokens_per_s_after", "recovered_fraction"):
+        assert key in summary, key
+    assert summary["steps"] == 20 and summary["injected"]["rank"] == 1
+    assert 0 <= summary["detection_delay_steps"] <= 5
+    change = summary["plan_changes"][0]
+    assert change["reason"]["rank"] == 1 and change["applied_step"] is not None
+    weights = change["dp_weights"]
+    assert weights[1] < weights[0]  # the replica holding the slow rank gets fewer micro-batches
+    assert summary["tokens_per_s_after"] > summary["tokens_per_s_during"]
+    assert (tmp_path / "demo.png").stat().st_size > 0
+    assert json.loads((tmp_path / "demo.json").read_text())["plan_applied_step"] == change["applied_step"]
+
+
+def test_demo_rejects_a_fault_it_cannot_show():
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "demo", "--inject", "slow:rank=1,factor=2,step=5"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and "inject after step" in proc.stderr
