@@ -99,7 +99,7 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     (["{t}", "--method", "magic"], "--method"),
     (["{t}", "--input-format", "xml"], "--input-format"),
     (["{t}", "--meta", "nope.yaml"], "cannot read job meta"),
-    (["{t}", "--model", "models/none", "--meta", "{m}"], "--model"),
+    (["{t}", "--model", "models/none", "--meta", "{m}"], "not a predictor directory"),
 ])
 def test_bad_options_exit_2(trace, args, fragment):
     tmp, _ = trace
