@@ -1,0 +1,19 @@
+"""notebooks/detector.ipynb runs end to end (quick mode) and finds Alibaba job 1's straggler."""
+
+from __future__ import annotations
+
+import pytest
+
+from resihp.paths import REPO_ROOT
+from tests.notebook_runner import run_notebook
+
+
+@pytest.mark.slow
+def test_detector_notebook_runs():
+    proc = run_notebook(REPO_ROOT / "notebooks" / "detector.ipynb", timeout_s=600,
+                        env={"RESIHP_QUICK": "1", "OMP_NUM_THREADS": "1"})
+    out = proc.stdout
+    assert "worker 6 found" in out
+    assert "lengths+timestamps" in out and "false_alarms_per_10k_healthy_steps" in out
+    resihp_row = next(line for line in out.splitlines() if line.startswith("resihp "))
+    assert "True" in resihp_row
