@@ -52,6 +52,7 @@ class OnlineDetector:
         self._steps_seen = 0
         self._wl_open: dict[int, Event] = {}
         self._wl_quiet: dict[int, int] = {}
+        self._calibration_reported = False
         self.cost_model = "none"
 
     # -- feeding -------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class OnlineDetector:
         bank = self.compute
         if not bank.calibrated.all() and (bank.first_step >= 0).sum() > bank.calibrated.sum():
             return []  # wait until every rank seen so far has its baseline
-        if getattr(self, "_calibration_reported", False):
+        if self._calibration_reported:
             return []
         self._calibration_reported = True
         cal = np.flatnonzero(bank.calibrated)
@@ -252,7 +253,7 @@ def _common_mode_log(values: np.ndarray) -> np.ndarray:
 def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, meta_dict: dict | None = None) -> dict:
     """The DESIGN event JSON for a whole (validated) ops trace."""
-    df = validate_ops_trace(df) if "duration" in df.columns and df["duration"].dtype != np.float64 else df
+    df = validate_ops_trace(df)
     meta = meta or infer_meta(df)
     layout = rank_layout(df, meta)
     det = OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
