@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def cpu_name() -> str:
@@ -20,6 +22,8 @@ def cpu_name() -> str:
 
 def device_name(device: torch.device) -> str:
     """``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:AMD EPYC x1thr``: the kind, the model, CPU threads."""
+    import torch
+
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return f"cpu:{cpu_name()} x{torch.get_num_threads()}thr"
@@ -29,6 +33,7 @@ def versions() -> dict[str, str]:
     import lightgbm
     import numpy
     import sklearn
+    import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "numpy": numpy.__version__, "lightgbm": lightgbm.__version__,
