@@ -182,3 +182,11 @@ def test_config_rejects_nonsense():
         DetectorConfig(cusum_h=0)
     with pytest.raises(InputError, match="own_quantile"):
         DetectorConfig(own_quantile=2)
+
+
+def test_alibaba_job2_stable_spread_and_lone_reporter_raise_nothing():
+    """Job 2's workers differ persistently but steadily, and at the end only worker 0 reports."""
+    df, meta = read_alibaba_job(alibaba_path(2))
+    assert df.groupby("step")["rank"].nunique().min() == 1
+    doc = detect_trace(df, meta)
+    assert _device_faults(doc) == []

@@ -239,14 +239,19 @@ class OnlineDetector:
 
 
 def _common_mode_log(values: np.ndarray) -> np.ndarray:
-    """log(value / the median over ranks this step), NaN where missing or non-positive."""
+    """log(value / the median over ranks this step), NaN where missing or non-positive.
+
+    A one-rank job is compared with itself over time; in a larger job a step where a single rank
+    reported says nothing about that rank relative to the others, so it is skipped.
+    """
     v = np.asarray(values, dtype=np.float64)
     ok = v > 0
     out = np.full(v.shape, np.nan)
-    if ok.sum() == 0:
+    n = int(ok.sum())
+    if n == 0 or (n == 1 and v.size > 1):
         return out
     logs = np.log(v[ok])
-    out[ok] = logs - (np.median(logs) if ok.sum() > 1 else 0.0)
+    out[ok] = logs - (np.median(logs) if v.size > 1 else 0.0)
     return out
 
 
