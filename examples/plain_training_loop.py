@@ -2,7 +2,10 @@
 with resihp attached: three added lines, no change to the model.
 
     python examples/plain_training_loop.py --steps 50 --out runs/example
-    resihp detect runs/example/ops.parquet   # after merging, see below
+    resihp detect runs/example/ops.rank0.parquet --meta runs/example/job.yaml
+
+While it runs, each step's ops are appended to runs/example/ranks/rank0.jsonl (what the live
+detector tails) and runs/example/heartbeats/rank0.json is refreshed twice a second.
 """
 
 import argparse

@@ -46,10 +46,13 @@ def run_cmd(
                                            "to join")] = 60.0,
     heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat before a rank "
                                                      "counts as stopped")] = 10.0,
+    live: Annotated[bool, typer.Option(help="Run the live detector and planner beside the job and "
+                                       "apply their plan changes")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
     """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected."""
     from resihp.runtime.config import RunConfig, check_memory
+    from resihp.runtime.live import LiveLoop
     from resihp.runtime.supervisor import supervise
 
     cfg = RunConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab,
@@ -60,12 +63,16 @@ def run_cmd(
                     seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out),
                     ckpt_every=ckpt_every)
     check_memory(cfg, cfg.dims().world_size)
+    loop = LiveLoop(cfg) if live else None
     with progress_bar("training", steps, enabled=not json_out) as advance:
         outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                            on_step=lambda s: advance(s + 1))
+                            on_step=lambda s: advance(s + 1), on_poll=loop.poll if loop else None)
     if outcome.input_error:
         raise InputError(outcome.error)
     summary = _summary(cfg, outcome)
+    if loop is not None:
+        summary.update(_live_fields(cfg, loop, summary))
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if outcome.failure and cfg.ckpt_every:
         summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
     if json_out:
@@ -116,13 +123,41 @@ def demo_cmd(
     print(f"plot {summary['plot']}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
 
 
+def _live_fields(cfg, loop, summary: dict) -> dict:
+    """The DESIGN summary fields: detection delay, plan changes, throughput around a slow fault."""
+    from resihp.opstrace import read_ops_trace
+    from resihp.runtime.report import fault_summary
+
+    loop.poll()
+    loop.save()
+    out = Path(cfg.out)
+    applied_path = out / "plan_changes.json"
+    applied = ({c.get("id"): c["step"] for c in json.loads(applied_path.read_text())}
+               if applied_path.exists() else {})
+    changes = [{**{k: v for k, v in c.items() if k != "plan"}, "applied_step": applied.get(c["id"])}
+               for c in loop.changes]
+    fields = {"detection_delay_steps": None, "plan_changes": changes, "events": loop.events,
+              "tokens_per_s_before": summary.get("tokens_per_s"),
+              "tokens_per_s_after": summary.get("tokens_per_s"), "recovered_fraction": None,
+              "live_error": loop.error}
+    slow = [f for f in cfg.faults() if f.kind == "slow" and f.step is not None]
+    if slow and (out / "ops.parquet").exists():
+        report = fault_summary(read_ops_trace(out / "ops.parquet"), slow[0].to_dict(), loop.events,
+                               changes, cfg.dims().world_size)
+        fields.update({k: v for k, v in report.items() if k not in ("steps", "injected")})
+    return fields
+
+
 def _summary(cfg, outcome) -> dict:
     from resihp.runtime.worker import write_job_files
 
     out = Path(cfg.out)
     summary_path = out / "summary.json"
     if outcome.returncode != 0 or not summary_path.exists():
-        summary = write_job_files(cfg, out) if any((out / "ranks").glob("rank*.jsonl")) else {}
+        try:
+            summary = write_job_files(cfg, out)
+        except InputError:  # no rank recorded a single op
+            summary = {}
         summary.update({"failure": outcome.failure, "error": outcome.error})
         summary_path.write_text(json.dumps(summary, indent=2))
         return summary

@@ -56,5 +56,6 @@ def run_demo(out: str | Path, steps: int, inject: str,
     plot = Path(plot) if plot else out / "demo.png"
     plot_run(trace, summary, plot)
     summary["plot"] = str(plot)
+    summary["live_error"] = loop.error
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     return summary

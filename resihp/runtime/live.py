@@ -100,8 +100,19 @@ class LiveLoop:
         self.changes: list[dict] = []
         self.handled: set[int] = set()
         self.speeds = {r: 1.0 for r in range(self.world)}
+        self.error: str | None = None
 
     def poll(self) -> None:
+        """Never raises: a failure of the detector or planner is kept in ``error`` and stops the
+        loop, while the job trains on with the plan in force."""
+        if self.error is not None:
+            return
+        try:
+            self._poll()
+        except Exception as exc:  # noqa: BLE001 - the training job must not die of its monitor
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _poll(self) -> None:
         for row in self.tail.read():
             self.pending[int(row["step"])].append(row)
         while True:
