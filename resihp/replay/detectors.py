@@ -19,7 +19,7 @@ from resihp.detect.config import DetectorConfig
 from resihp.detect.observe import observe_ops, rank_layout
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
-from resihp.replay.engine import Window
+from resihp.replay.interface import Window
 from resihp.workload.flops import TransformerShape
 
 DEVICE_FAULT = "fail-slow"

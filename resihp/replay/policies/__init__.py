@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from resihp.errors import InputError
-from resihp.replay.engine import Policy
+from resihp.replay.interface import Policy
 from resihp.replay.policies.greyhound import Greyhound, OobleckGreyhound, ReCycleGreyhound
 from resihp.replay.policies.oobleck import Oobleck
 from resihp.replay.policies.recycle import ReCycle

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from resihp.replay.detectors import DetectorFeed, greyhound_detector
-from resihp.replay.engine import Context, Detection, Policy, Reaction, Window
 from resihp.replay.failures import GREYHOUND_CLASSES
+from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
 from resihp.replay.layout import Layout
 from resihp.replay.policies.common import balance_microbatches, believed_speeds
 from resihp.replay.policies.oobleck import Oobleck

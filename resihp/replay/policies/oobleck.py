@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from resihp.replay.costmodel import stage_memory_gb
-from resihp.replay.engine import Context, Policy, Reaction
+from resihp.replay.interface import Context, Policy, Reaction
 from resihp.replay.layout import Layout, Replica, split_layers
 from resihp.replay.policies.common import balance_microbatches, believed_speeds
 

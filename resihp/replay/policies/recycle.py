@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from resihp.replay.engine import Context, Policy, Reaction
+from resihp.replay.interface import Context, Policy, Reaction
 from resihp.replay.layout import Layout
 
 

@@ -9,7 +9,7 @@ from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, DeviceSpec, ModelSpec
 from resihp.replay.detectors import DetectorFeed, resihp_detector
-from resihp.replay.engine import Context, Detection, Policy, Reaction, Window
+from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
 from resihp.replay.layout import Layout, Replica
 from resihp.replay.policies.common import believed_speeds
 from resihp.replay.scenario import Scenario

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resihp.replay.engine import Context, Policy, Reaction
+from resihp.replay.interface import Context, Policy, Reaction
 from resihp.replay.layout import Layout
 
 

@@ -1,0 +1,142 @@
+"""The interface between the replay engine and the policies: what a policy sees and returns.
+
+``Policy`` is the one interface every replayed system implements; ``Context`` is what it may know
+(the scenario, the devices known dead, its cost model with the speeds it believes); ``Window`` is a
+run of simulated steps with their ops records; ``Reaction`` is what it does about them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from resihp.opstrace import JobMeta
+from resihp.replay.costmodel import MicroBatchPool, device_flops_per_s, tp_allreduce_s
+from resihp.replay.layout import Layout, uniform_layout
+from resihp.replay.scenario import Scenario
+
+
+@dataclass
+class Detection:
+    """A policy's detector naming a device (or only the job, ``device=None``) as slow or dead."""
+
+    time_s: float
+    step: int
+    kind: str
+    device: int | None
+    slowdown: float = float("nan")
+
+
+@dataclass
+class Reaction:
+    """What a policy does: a new layout after ``downtime_s`` seconds without progress; ``rollback``
+    loses the work since the last checkpoint; ``at`` is the index of the observed step it acted at."""
+
+    layout: Layout | None = None
+    downtime_s: float = 0.0
+    rollback: bool = False
+    at: int | None = None
+    label: str = ""
+    detections: list[Detection] = field(default_factory=list)
+    migration_s: float = 0.0
+
+
+@dataclass
+class Window:
+    """Simulated steps handed to a policy: global step numbers, step times, tokens, ops records."""
+
+    steps: np.ndarray
+    start_s: float
+    step_time: np.ndarray
+    tokens: np.ndarray
+    layout: Layout
+    _ops: Callable[[], pd.DataFrame]
+    meta: JobMeta | None = None
+    rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
+    rank_work: np.ndarray | None = None  # logical rank -> expected forward seconds per micro-batch
+
+    def ops(self) -> pd.DataFrame:
+        """The DESIGN.md ops trace of these steps: forward/backward compute of the first
+        ``ops_microbatches`` micro-batches of every replica, on every tensor-parallel rank, with
+        ``seq_lens`` and ``tokens``; ``rank`` is the logical rank of ``meta``, ``device`` the device.
+
+        Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel peer
+        inside the collectives is not in it), so a slow device shows on its own rank only."""
+        return self._ops()
+
+
+class Policy:
+    """The interface every replayed policy implements (see ``resihp.replay.policies``)."""
+
+    name = "policy"
+    observes = False
+
+    def start(self, ctx: Context) -> Layout:
+        return ctx.uniform_layout(set())
+
+    def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
+        raise NotImplementedError
+
+    def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
+        return None
+
+    def observe(self, ctx: Context, window: Window) -> Reaction | None:
+        return None
+
+
+class Context:
+    """What a policy may know and use: the scenario, the devices known dead, the time, and the
+    cost model for its own predictions (with nominal speeds it believes, never the true ones)."""
+
+    def __init__(self, scenario: Scenario, pool: MicroBatchPool) -> None:
+        self.scenario = scenario
+        self.pool = pool
+        self.known_dead: set[int] = set()
+        self.now = 0.0
+        self.step = 0
+        self.last_checkpoint_s = 0.0
+        self.layout: Layout | None = None
+        m, p = scenario.model, scenario.parallel
+        self.total_microbatches = m.global_batch_tokens // m.microbatch_tokens
+        self.job_devices = np.arange(p.dp * p.pp * p.tp)
+        self.rate = device_flops_per_s(scenario.cluster.device)
+        self.mean_fwd_flops = float(pool.fwd_flops_per_layer.mean())
+        self.mean_head_flops = float(pool.head_flops.mean())
+        self.mean_tokens = float(pool.tokens.mean())
+
+    def uniform_layout(self, exclude: set[int], dp: int | None = None) -> Layout:
+        """Megatron-style placement over the whole nodes that hold no excluded device."""
+        c, p = self.scenario.cluster, self.scenario.parallel
+        g = c.gpus_per_node
+        nodes = [n for n in range(len(self.job_devices) // g)
+                 if not any(d in exclude for d in range(n * g, (n + 1) * g))]
+        devices = np.array([d for n in nodes for d in range(n * g, (n + 1) * g)], dtype=np.int64)
+        return uniform_layout(devices, g, dp or p.dp, p.pp, p.tp, self.scenario.model.layers,
+                              self.total_microbatches)
+
+    def stage_seconds(self, layers: np.ndarray, width: np.ndarray, speed: np.ndarray,
+                      last: np.ndarray | bool = False) -> np.ndarray:
+        """Expected forward+backward seconds of one mean micro-batch on a stage (no noise)."""
+        flops = np.asarray(layers) * self.mean_fwd_flops + np.where(last, self.mean_head_flops, 0.0)
+        comm = 6.0 * np.asarray(layers) * tp_allreduce_s(self.scenario, self.mean_tokens,
+                                                         np.asarray(width, dtype=np.float64))
+        return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed)) + comm
+
+    def predicted_step_time(self, layout: Layout, speeds: np.ndarray) -> float:
+        """1F1B estimate with mean micro-batches: sum of stage times + (m - 1) x slowest stage."""
+        worst = 0.0
+        padded = np.concatenate([speeds, [np.inf]])
+        for r in layout.replicas:
+            if r.microbatches == 0:
+                continue
+            sp = np.array([padded[list(g)].min() for g in r.groups])
+            if (sp <= 0).any():
+                return float("inf")
+            last = np.arange(len(r.groups)) == len(r.groups) - 1
+            per = self.stage_seconds(np.array(r.layers), np.array([len(g) for g in r.groups]), sp,
+                                     last) * np.array(r.load)
+            worst = max(worst, per.sum() + (r.microbatches - 1) * per.max())
+        return worst
