@@ -123,7 +123,7 @@ def group_options(group: tuple[int, ...], cluster: ClusterSpec,
     """Ways to re-form a home TP group around its degraded members, each a list of sub-groups that
     become consecutive pipeline stages: keep it whole, keep only the fastest power-of-two subset
     (ResiHP's selective exclusion), split the live members into power-of-two groups, split only the
-    full-speed members, or drop it. A healthy group has one option: itself."""
+    full-speed members (the slower ones excluded, or in groups of their own), or drop it. A healthy group has one option: itself."""
     speeds = {r: cluster.devices[r].speed * cluster.devices[r].tflops for r in group}
     top = max(speeds.values())
     if all(v == top for v in speeds.values()) and top > 0 and \
@@ -138,6 +138,9 @@ def group_options(group: tuple[int, ...], cluster: ClusterSpec,
     full = [r for r in alive if speeds[r] == top]
     options.append([tuple(sorted(c)) for c in binary_chunks(alive)])
     options.append([tuple(sorted(c)) for c in binary_chunks(full)])
+    slower = [r for r in alive if speeds[r] < top]
+    if slower:  # the full-speed members and the slower ones each in groups of their own
+        options.append([tuple(sorted(c)) for c in binary_chunks(full) + binary_chunks(slower)])
     options.append([])
     unique, seen = [], set()
     for opt in options:

@@ -3,9 +3,11 @@ contiguous layer range of every resulting stage.
 
 Decisions: one option per home group (keep, exclude, split, drop; see ``group_options``), layers
 per candidate stage, which active stage is first (embedding) and last (LM head).
-Objective, in integer ticks: ``horizon * ((m - 1) * max_s t_s + sum_s t_s + 2 * p2p * (stages-1))
-+ migration``, i.e. the 1F1B step time with its bubble, plus the time to move state into the new
-layout amortised over ``horizon`` steps, so that a small gain never pays for a large move.
+Objective, in integer ticks: ``horizon * ((m - 1) * max_s t_s + sum_s t_s + 2 * p2p * (stages-1)
++ R * all-reduce growth) + R * migration``, i.e. the 1F1B step time with its bubble, plus the
+job-wide costs (a larger gradient shard slows every step's all-reduce; moving state pauses the job),
+weighted by the R replicas over which the allocation spreads this replica's own gain, the migration
+amortised over ``horizon`` steps, so that a small gain never pays for a large move.
 Memory: each stage's model state and in-flight activations fit its smallest device.
 """
 
@@ -41,11 +43,17 @@ class _Candidate:
 def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
                    current: dict[tuple[int, ...], tuple[int, int]] | None = None,
                    horizon_steps: float = 100.0, time_limit_s: float = 1.0,
+                   sync: tuple[float, float] | None = None, replicas: int = 1,
                    ) -> PipelineSolution | None:
     """Best re-formation and layer split of the pipeline over home ``groups`` for ``m`` micro-batches.
 
     ``current`` maps a TP group (ranks tuple) of the plan in force to its layer range; it seeds the
-    solver's hint and prices migration. Returns None if no option fits in memory.
+    solver's hint and prices migration. ``sync = (floor, seconds)``: the gradient all-reduce waits
+    for the largest per-device shard of any replica, in layers / TP size; ``floor`` is the largest
+    elsewhere and each unit above it costs ``seconds`` of every step. ``replicas``: how many
+    replicas share the work, i.e. how much more a job-wide second weighs than one of this replica's
+    own (which the micro-batch allocation spreads over the others). Returns None if no option
+    fits in memory.
     """
     model, cluster = coster.model, coster.cluster
     m = max(1, m)
@@ -134,7 +142,19 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
             mdl.add(worst >= rate * n[j])
     horizon = max(1, int(round(horizon_steps)))
     step_ticks = (m - 1) * z + sum(t) + comm * stages_active
-    mdl.minimize(horizon * step_ticks + (worst if current else 0))
+    if sync is not None:
+        # largest shard in 1/64 layer units (TP sizes are powers of two up to 64)
+        floor, per_unit = sync
+        shard = mdl.new_int_var(int(floor * 64), 64 * L, "shard")
+        for j, c in enumerate(cands):
+            mdl.add(shard >= (64 // len(c.ranks)) * n[j])
+        job_ticks = tick(per_unit / 64) * (shard - int(floor * 64))
+    else:
+        job_ticks = 0
+    # This replica's own step counts once; the all-reduce and the migration pause hold up the whole
+    # job, which the allocation rebalances over ``replicas`` replicas: weigh them accordingly.
+    weight = max(1, replicas)
+    mdl.minimize(horizon * (step_ticks + weight * job_ticks) + weight * (worst if current else 0))
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)

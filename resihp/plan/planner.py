@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -174,21 +175,61 @@ class Planner:
         counts = ([s.n_layers for s in healthy.pipelines[0].stages] if healthy.layout == layout
                   else uniform_layer_counts(model.layers, layout.pp))
         # replica id -> solution; ids 0..dp-1 are the home replicas, later ids spare pipelines
-        solutions: dict[int, PipelineSolution | None] = {}
+        kept: dict[int, PipelineSolution] = {}
         affected = []
         for r, groups in enumerate(pipes):
             if all(group_options(g, cluster, model.heads) == [[g]] for g in groups):
                 stages = tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
-                solutions[r] = PipelineSolution(stages, 0.0, "kept", 0.0)
+                kept[r] = PipelineSolution(stages, 0.0, "kept", 0.0)
             else:
                 affected.append(r)
-        rounds = 2
+        # Two weightings of the job-wide costs against a replica's own step (see
+        # ``solve_pipeline``): 1 (the replica is the bottleneck) and dp (the allocation spreads
+        # its gain over every replica); the evaluator picks between the plans they lead to.
+        weights = [1, layout.dp] if layout.dp > 1 and affected else [1]
         waves = -(-len(affected) // self.threads) if affected else 1
-        per_solve = max(0.05, 0.7 * time_limit_s / (rounds * waves + 2))
+        per_solve = max(0.05, 0.7 * time_limit_s / (len(weights) * (2 * waves + 1) + 1))
         log = _SolveLog()
+        floor = max((st.n_layers / st.tp for sol in kept.values() for st in sol.stages),
+                    default=0.0)
+        sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
+        context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
+                           per_solve, log)
+        candidates: list[Plan] = []
+        with ThreadPoolExecutor(self.threads) as pool:
+            for weight in weights:
+                new = self._candidates(context, dict(kept), dict(share), weight, pool)
+                new = [c for c in new if c.pipelines and sum(
+                    p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
+                    coster.stages_fit(p.stages, p.microbatches, p.budget(model))
+                    for p in c.pipelines)]
+                for plan in new:
+                    evaluate(plan, coster, bound, current)
+                candidates += new
+                if any(c.bound_ratio >= 0.99 for c in candidates):
+                    break  # close enough to the bound: the other weighting cannot gain much
+        if not candidates:
+            raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
+                             "memory on the remaining devices")
+        # the same trade as inside the solver: step time plus migration amortised over the horizon
+        plan = min(candidates, key=lambda p: (p.step_time_s + p.migration_s / self.horizon_steps,
+                                              p.migration_s))
+        plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
+                       "pipelines_solved": log.pipelines}
+        return plan
+
+    def _candidates(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
+                    share: dict[int, int], weight: int, pool: ThreadPoolExecutor) -> list[Plan]:
+        """Solve the affected replicas (two rounds: solve, allocate, re-solve those whose
+        micro-batch count moved), add spare-device pipelines, and assemble whole plans: the
+        allocation; without the re-formed replicas; with the spare pipelines; and, with token
+        budgets, each balanced by tokens. They are compared later on the evaluator's step time,
+        which unlike the allocation sees the gradient all-reduce."""
+        cluster, model, layout, coster = ctx.cluster, ctx.model, ctx.layout, ctx.coster
 
         def solve(r: int, m: int) -> PipelineSolution | None:
-            return solve_pipeline(coster, pipes[r], m, held, self.horizon_steps, per_solve)
+            return solve_pipeline(coster, ctx.pipes[r], m, ctx.held, self.horizon_steps,
+                                  ctx.per_solve, ctx.sync, weight)
 
         def allocate(dropped: frozenset[int] = frozenset()) -> dict[int, int]:
             live = [r for r, sol in solutions.items() if sol is not None and r not in dropped]
@@ -207,37 +248,34 @@ class Planner:
             caps = [coster.max_microbatches(solutions[r].stages) for r in live]
             try:
                 alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
-                                                           per_solve, caps)
+                                                           ctx.per_solve, caps)
             except ValueError as exc:
                 raise InputError(f"cluster {cluster.name}: the global batch of model "
                                  f"{model.name} does not fit in memory on the remaining "
                                  f"devices ({exc})") from None
-            log.add(f"allocation:{status}", gap)
+            ctx.log.add(f"allocation:{status}", gap)
             return dict(zip(live, alloc))
 
-        with ThreadPoolExecutor(self.threads) as pool:
-            todo = {r: max(1, share[r]) for r in affected}
-            solved_for: dict[int, int] = {}
-            for _ in range(rounds):
-                for r, sol in zip(todo, pool.map(solve, todo, todo.values())):
-                    solutions[r] = sol
-                solved_for.update(todo)
-                share = allocate()
-                # re-solve the replicas whose micro-batch count moved: the bubble weighs with it
-                todo = {r: share.get(r, 0) for r in affected
-                        if solutions[r] is not None and 0 < share.get(r, 0) != solved_for[r]}
-                if not todo:
-                    break
-        for r in affected:
+        todo = {r: max(1, share[r]) for r in ctx.affected}
+        solved_for: dict[int, int] = {}
+        for _ in range(2):
+            for r, sol in zip(todo, pool.map(solve, todo, todo.values())):
+                solutions[r] = sol
+                ctx.log.pipelines += 1
+            solved_for.update(todo)
+            share = allocate()
+            # re-solve the replicas whose micro-batch count moved: the bubble weighs with it
+            todo = {r: share.get(r, 0) for r in ctx.affected
+                    if solutions[r] is not None and 0 < share.get(r, 0) != solved_for[r]}
+            if not todo:
+                break
+        for r in ctx.affected:
             if solutions[r] is not None:
-                log.add(solutions[r].status, solutions[r].gap)
-        spares = self._spare_pipelines(coster, solutions, min(even.values()) or 1, held,
-                                       per_solve)
-        # Candidates, compared on the evaluator's step time (which, unlike the allocation, sees
-        # the gradient all-reduce that the largest per-device shard slows down): the allocation
-        # above; without the re-formed replicas; with spare devices built into extra pipelines;
-        # and each with token budgets instead of whole micro-batches.
-        reformed = frozenset(r for r in affected if solutions[r] is not None
+                ctx.log.add(solutions[r].status, solutions[r].gap)
+        spares = self._spare_pipelines(coster, solutions, min(ctx.even.values()) or 1, ctx.held,
+                                       ctx.per_solve)
+        ctx.log.pipelines += len(spares)
+        reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
         shares = [share]
         if reformed and len(reformed) < sum(s is not None for s in solutions.values()):
@@ -246,31 +284,18 @@ class Planner:
             solutions.update(spares)
             shares.append(allocate())
         if self.token_budgets:
-            kept = {r: even.get(r, min(even.values())) for r, sol in solutions.items()
+            keep = {r: ctx.even.get(r, min(ctx.even.values())) for r, sol in solutions.items()
                     if sol is not None}
-            shares.append(kept)
-            shares.append({r: m for r, m in kept.items() if r not in reformed})
+            shares.append(keep)
+            shares.append({r: m for r, m in keep.items() if r not in reformed})
             if spares:
-                shares.append({r: m for r, m in kept.items() if r not in spares})
-        candidates = [self._assemble(cluster, layout, solutions, sh) for sh in shares]
+                shares.append({r: m for r, m in keep.items() if r not in spares})
+        plans = [self._assemble(cluster, layout, solutions, sh) for sh in shares]
         if self.token_budgets:
-            candidates += [balance_tokens(c, coster) for c in candidates]
-            candidates += [balance_tokens(proportional_counts(c, coster), coster)
-                           for c in candidates[-len(shares):]]
-        candidates = [c for c in candidates if c.pipelines and sum(
-            p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
-            coster.stages_fit(p.stages, p.microbatches, p.budget(model)) for p in c.pipelines)]
-        if not candidates:
-            raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
-                             "memory on the remaining devices")
-        for plan in candidates:
-            evaluate(plan, coster, bound, current)
-        # the same trade as inside the solver: step time plus migration amortised over the horizon
-        plan = min(candidates, key=lambda p: (p.step_time_s + p.migration_s / self.horizon_steps,
-                                              p.migration_s))
-        plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
-                       "pipelines_solved": len(affected) + len(spares)}
-        return plan
+            plans += [balance_tokens(c, coster) for c in plans]
+            plans += [balance_tokens(proportional_counts(c, coster), coster)
+                      for c in plans[-len(shares):]]
+        return plans
 
     def _spare_pipelines(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
                          m: int, held: dict | None, time_limit_s: float,
@@ -320,12 +345,30 @@ class Planner:
                     [x for x in range(len(cluster)) if x not in placed], policy=self.name)
 
 
+@dataclass
+class _Context:
+    """What every candidate construction of one ``Planner.plan`` call shares."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    layout: Layout
+    coster: StageCoster
+    pipes: list[list[tuple[int, ...]]]
+    held: dict[tuple[int, ...], tuple[int, int]] | None
+    even: dict[int, int]
+    affected: list[int]
+    sync: tuple[float, float] | None
+    per_solve: float
+    log: _SolveLog
+
+
 class _SolveLog:
     """Statuses and gaps of the CP-SAT solves behind one plan."""
 
     def __init__(self) -> None:
         self.statuses: list[str] = []
         self.gaps: list[float] = []
+        self.pipelines = 0
 
     def add(self, status: str, gap: float) -> None:
         self.statuses.append(status)

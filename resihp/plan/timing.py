@@ -136,9 +136,15 @@ class StageCoster:
         d = len(plan.pipelines)
         if d < 2:
             return 0.0
-        shard = max(s.n_layers * self.model.params_per_layer * 2 / s.tp
-                    for p in plan.pipelines for s in p.stages)
-        return 2.0 * (d - 1) / d * shard / (self.cluster.inter_node_gbs * 1e9)
+        return max(s.n_layers / s.tp for p in plan.pipelines for s in p.stages) \
+            * self.sync_s_per_shard_layer(d)
+
+    def sync_s_per_shard_layer(self, replicas: int) -> float:
+        """All-reduce seconds per layer of per-device gradient shard (bf16, ring over replicas)."""
+        if replicas < 2:
+            return 0.0
+        shard = self.model.params_per_layer * 2
+        return 2.0 * (replicas - 1) / replicas * shard / (self.cluster.inter_node_gbs * 1e9)
 
 
 def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> float:

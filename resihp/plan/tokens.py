@@ -85,9 +85,9 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
 def proportional_counts(plan: Plan, coster: StageCoster) -> Plan:
     """A copy with micro-batch counts sized to each replica's speed, so that token budgets can then
     close the rest of the gap (a slow replica cannot shrink its micro-batches, but it can run one
-    fewer). Shares are proportional to tokens per second at the present counts; each count is the
-    most micro-batches of at least the model's budget that fit the share, and at least as many as
-    the memory limit on micro-batch size requires."""
+    fewer, or none). Shares are proportional to tokens per second at the present counts; each
+    count is the most micro-batches of at least the model's budget that fit the share, and at least
+    as many as the memory limit on micro-batch size requires."""
     model = coster.model
     pipes = plan.pipelines
     if len(pipes) < 2:
@@ -97,11 +97,13 @@ def proportional_counts(plan: Plan, coster: StageCoster) -> Plan:
     ideal = speed / speed.sum() * model.global_batch_tokens
     counts = []
     for p, x in zip(pipes, ideal):
-        m = max(1, int(x // model.microbatch_tokens))
+        m = int(x // model.microbatch_tokens)  # 0: too slow for even one micro-batch, dropped
         limit = budget_limit(coster, p)
-        if x / m > limit - 1:
+        if m and x / m > limit - 1:
             m = int(np.ceil(x / (limit - 1)))
         counts.append(m)
-    new = [replace(p, microbatches=m, tokens=m * model.microbatch_tokens)
-           for p, m in zip(pipes, counts)]
-    return replace(plan, pipelines=new)
+    new = [replace(p, dp_rank=i, microbatches=m, tokens=m * model.microbatch_tokens)
+           for i, (p, m) in enumerate((p, m) for p, m in zip(pipes, counts) if m > 0)]
+    placed = {r for p in new for r in p.ranks}
+    return replace(plan, pipelines=new,
+                   excluded=[r for r in range(plan.world_size) if r not in placed])
