@@ -31,11 +31,16 @@ def resihp(*args, timeout=180):
     (["--source", "nowhere.txt"], "length source 'nowhere.txt'"),
     (["--schedule", "zigzag"], "--schedule"),
 ])
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    proc = resihp("run", *args, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
+    from resihp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["resihp", "run", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()  # in-process: the same entry point as the installed command, without a torch import each
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_fault_spec_parsing():
@@ -74,21 +79,6 @@ def test_stop_without_checkpoints_ends_the_job_with_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("resihp: rank 2 stopped at step 3")
     assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-def test_slow_rank_really_computes_slower(tmp_path):
-    out = tmp_path / "slow"
-    proc = resihp("run", *SMALL, "--steps", "8", "--inject", "slow:rank=2,factor=3,step=4",
-                  "--out", str(out), "--json")
-    assert proc.returncode == 0, proc.stderr
-    trace = read_ops_trace(out / "ops.parquet")
-    comp = trace[trace.optype.isin(["forward-compute", "backward-compute"])]
-    per_token = comp.duration / comp.tokens
-    ratio = lambda rank, after: per_token[(comp["rank"] == rank) & ((comp.step >= 4) == after)].median()  # noqa: E731
-    # relative to a healthy rank: the sleeping rank frees CPU for the others on a shared machine
-    relative = (ratio(2, True) / ratio(2, False)) / (ratio(0, True) / ratio(0, False))
-    assert 2.3 < relative < 4.0, relative
 
 
 @pytest.mark.slow

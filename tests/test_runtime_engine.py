@@ -34,13 +34,10 @@ def test_layouts_train_the_same_model(tmp_path):
     # with live re-plans mid-run: micro-batches re-allocated, layers (with AdamW state) moved
     summary, hybrid = run(tmp_path, "hybrid", dp=2, pp=2, schedule="1f1b", replan=[
         {"step": 1, "dp_weights": [3, 1], "layer_split": [3, 1]}, {"step": 2, "layer_split": [1, 3]}])
-    _, skewed = run(tmp_path, "skewed", dp=2, pp=2, schedule="gpipe", layer_split=[3, 1],
-                    dp_weights=[3, 1])
-    _, tensor = run(tmp_path, "tensor", dp=1, pp=2, tp=2)
+    _, tensor = run(tmp_path, "tensor", dp=1, pp=2, tp=2, schedule="gpipe", layer_split=[3, 1])
     reference = step_losses(single)
     assert reference[-1] < reference[0]  # it learns
     np.testing.assert_allclose(step_losses(hybrid), reference, rtol=1e-4)
-    np.testing.assert_allclose(step_losses(skewed), reference, rtol=1e-4)
     np.testing.assert_allclose(step_losses(tensor), reference, rtol=1e-4)
     assert set(tensor["tp_rank"]) == {0, 1}
     moves = hybrid[hybrid.optype == "replan-layers"]

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+RECORD_BYTES = 256
+
 
 @dataclass(frozen=True)
 class Beat:
@@ -25,6 +27,8 @@ class HeartbeatWriter:
     def __init__(self, directory: str | Path, rank: int, interval_s: float = 0.5) -> None:
         self.path = Path(directory) / f"rank{rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         self.rank, self.interval = rank, interval_s
         self.step, self.phase = -1, "init"
         self._stop = threading.Event()
@@ -36,10 +40,11 @@ class HeartbeatWriter:
         return self
 
     def beat(self) -> None:
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"rank": self.rank, "time": time.time(), "step": self.step,
-                                   "pid": os.getpid(), "phase": self.phase}))
-        os.replace(tmp, self.path)
+        # one fixed-size positioned write into a file kept open: microseconds, where creating and
+        # renaming a file costs milliseconds on some file systems (and would show as overhead)
+        record = json.dumps({"rank": self.rank, "time": time.time(), "step": self.step,
+                             "pid": os.getpid(), "phase": self.phase}).encode()
+        os.pwrite(self._fd, record.ljust(RECORD_BYTES), 0)
 
     def at_step(self, step: int) -> None:
         # no write here: a beat costs milliseconds on some file systems; the thread writes it
@@ -52,7 +57,9 @@ class HeartbeatWriter:
     def stop(self, phase: str = "done") -> None:
         self.phase = phase
         self._stop.set()
+        self._thread.join(timeout=2 * self.interval)
         self.beat()
+        os.close(self._fd)
 
 
 def read_beats(directory: str | Path) -> dict[int, Beat]:
