@@ -6,11 +6,13 @@ per family; then the wall time to replay a 7-day, 16,384-GPU scenario at Llama 3
 policy (target: under 60 s on this machine).
 
     python benchmarks/replay.py [--families-only | --speed-only] [--speed-policies a,b]
+                                [--speed-days D]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -61,10 +63,13 @@ def families() -> dict:
     return {"scenarios": rows, "families": summary}
 
 
-def speed(policies: str) -> dict:
+def speed(policies: str, days: float | None = None) -> dict:
     sc = load_scenario(TRACES / "scenarios" / f"{SPEED_SCENARIO}.yaml")
     t0 = time.perf_counter()
     events = scenario_events(sc)
+    if days is not None:  # the first ``days`` of the same week: same events, shorter replay
+        sc = dataclasses.replace(sc, duration_s=days * 86400.0)
+        events = [e for e in events if e.at_s < sc.duration_s]
     pool = shared_pool(sc)
     setup = time.perf_counter() - t0
     out = {"scenario": SPEED_SCENARIO, "devices": sc.cluster.size, "days": sc.duration_s / 86400,
@@ -87,12 +92,14 @@ def main() -> None:
     ap.add_argument("--families-only", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--speed-policies", default="checkpoint-restart,oobleck,recycle,greyhound,resihp")
+    ap.add_argument("--speed-days", type=float, default=None,
+                    help="replay only the first DAYS of the week (same events)")
     args = ap.parse_args()
     result = {}
     if not args.speed_only:
         result["comparison"] = families()
     if not args.families_only:
-        result["speed"] = speed(args.speed_policies)
+        result["speed"] = speed(args.speed_policies, args.speed_days)
     print(json.dumps(result))
 
 
