@@ -43,6 +43,24 @@ def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_slow_fault_stretches_compute_from_its_step_until_recovery():
+    import time
+
+    from resihp.runtime.inject import FaultInjector
+
+    inj = FaultInjector([parse_fault("slow:rank=1,factor=3,step=2,until=4"),
+                         parse_fault("slow:rank=0,factor=9,step=0")], rank=1)
+    factors = []
+    for step in range(5):
+        inj.begin_step(step)
+        factors.append(inj.slow_factor())
+    assert factors == [1, 1, 3, 3, 1]
+    inj.begin_step(2)
+    t0 = time.perf_counter()
+    inj.stretch(0.05)
+    assert 0.1 <= time.perf_counter() - t0 < 0.2  # (factor - 1) x the op's own time
+
+
 def test_fault_spec_parsing():
     f = parse_fault("slow:rank=2,factor=2.5,step=7,until=9")
     assert (f.kind, f.rank, f.factor, f.step, f.until) == ("slow", 2, 2.5, 7, 9)
