@@ -24,7 +24,7 @@ class DetectorConfig:
     z_clip: float = 8.0
     min_persist: int = 3
     # an alarm needs an estimated slowdown at least this large (tiny persistent drifts are not faults)
-    min_slowdown: float = 1.13
+    min_slowdown: float = 1.08
     sigma_floor: float = 0.01
     # no rank's noise is taken as less than this fraction of the typical rank's
     pooled_sigma: float = 1.0

@@ -18,18 +18,24 @@ DEFAULT_PROFILE = TRACES / "detect" / "profile_cpu.parquet"
 FACTORS = (1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0)
 
 
-def make_suite(quick: bool = False, seed: int = 0, steps: int = 300) -> list[tuple[str, SimJob]]:
-    """Healthy jobs, one fail-slow of each factor at a random rank/onset/duration, link-slows, and a
-    job with a heavier last stage (stage imbalance that must not be blamed on a device)."""
+def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4,
+               pp: int = 4) -> list[tuple[str, SimJob]]:
+    """Healthy jobs, fail-slows of each factor at a random rank/onset/duration, and with a pipeline
+    link-slows and a job with a heavier last stage (stage imbalance that must not be blamed on a
+    device)."""
     rng = np.random.default_rng(seed)
     reps = 1 if quick else 4
     steps = 160 if quick else steps
     healthy = 2 if quick else 16
     jobs: list[tuple[str, SimJob]] = []
     sources = ("code", "text")
-    world = 16
+    world = dp * pp
+
+    def job(n: int, **kw: object) -> SimJob:
+        return SimJob(dp=dp, pp=pp, steps=steps, seed=seed * 1000 + n, **kw)
+
     for h in range(healthy):
-        jobs.append((f"healthy-{h}", SimJob(steps=steps, source=sources[h % 2], seed=seed * 1000 + h)))
+        jobs.append((f"healthy-{h}", job(h, source=sources[h % 2])))
     n = 0
     for factor in FACTORS:
         for _ in range(reps):
@@ -37,24 +43,25 @@ def make_suite(quick: bool = False, seed: int = 0, steps: int = 300) -> list[tup
             length = int(rng.choice([10, 25, 60, steps]))
             inj = Injection("fail-slow", int(rng.integers(world)), onset, min(onset + length, steps) - 1,
                             factor)
-            jobs.append((f"fail-slow-{factor}x-{n}", SimJob(steps=steps, source=sources[n % 2],
-                                                            injections=[inj], seed=seed * 1000 + 100 + n)))
+            jobs.append((f"fail-slow-{factor}x-{n}", job(100 + n, source=sources[n % 2], injections=[inj])))
             n += 1
-    for k, factor in enumerate((2.0, 4.0)):
-        d, s = int(rng.integers(4)), int(rng.integers(3))
-        inj = Injection("link-slow", d * 4 + s, 50, steps - 1, factor)
-        jobs.append((f"link-slow-{factor}x", SimJob(steps=steps, source="code", injections=[inj],
-                                                    seed=seed * 1000 + 300 + k)))
-    inj = Injection("fail-slow", int(rng.integers(world)), steps // 2, steps - 1, 1.5)
-    jobs.append(("stage-imbalance+fail-slow", SimJob(steps=steps, source="text", stage_layers=(2, 2, 2, 3),
-                                                      injections=[inj], seed=seed * 1000 + 400)))
+    if pp > 1:
+        for k, factor in enumerate((2.0, 4.0)):
+            d, s = int(rng.integers(dp)), int(rng.integers(pp - 1))
+            inj = Injection("link-slow", d * pp + s, 50, steps - 1, factor)
+            jobs.append((f"link-slow-{factor}x", job(300 + k, source="code", injections=[inj])))
+        inj = Injection("fail-slow", int(rng.integers(world)), steps // 2, steps - 1, 1.5)
+        heavy = (2,) * (pp - 1) + (3,)
+        jobs.append(("stage-imbalance+fail-slow", job(400, source="text", stage_layers=heavy,
+                                                       injections=[inj])))
     return jobs
 
 
 def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute | None = None,
                    profile: str | Path = DEFAULT_PROFILE, methods: list[str] | None = None,
                    config: DetectorConfig | None = None, drop: tuple[str, ...] = (),
-                   on_progress: Callable[[int], None] | None = None) -> dict:
+                   on_progress: Callable[[int], None] | None = None, dp: int = 4,
+                   pp: int = 4) -> dict:
     """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance check.
 
     ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on the
@@ -70,7 +77,7 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
     strong = {m: Score() for m in methods}
     imbalance: dict[str, object] = {}
     cost_model = None
-    suite = make_suite(quick, seed)
+    suite = make_suite(quick, seed, dp=dp, pp=pp)
     for k, (_name, job) in enumerate(suite):
         df = simulate(job, pool, noise)
         df = df.drop(columns=list(drop))
@@ -95,7 +102,7 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
         if on_progress:
             on_progress(k + 1)
     return {
-        "traces": len(suite), "dropped_columns": list(drop), "steps": int(sum(j.steps for _, j in suite)),
+        "traces": len(suite), "dp": dp, "pp": pp, "seed": seed, "dropped_columns": list(drop), "steps": int(sum(j.steps for _, j in suite)),
         "ranks_per_trace": suite[0][1].world_size, "cost_model": cost_model,
         "noise": {"op_sigma_from_profile_spread": round(pool.op_sigma, 4),
                   "host_residual_mad_alibaba_job2": round(float(np.median(np.abs(noise))), 4)},

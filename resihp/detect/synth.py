@@ -1,8 +1,9 @@
 """Labelled ops traces for evaluating detectors: a 1F1B pipeline-parallel job simulated from real parts.
 
 - Micro-batches are real packed sequence-length mixes with their real measured forward and backward
-  times, taken from a profiling log (``resihp profile``); a stage of ``L`` layers costs ``L / layers``
-  of the profiled stack.
+  times, taken from a profiling log (``resihp profile``; its thread CPU time where recorded, since on
+  a shared machine wall time also holds other processes' slices); a stage of ``L`` layers costs
+  ``L / layers`` of the profiled stack.
 - Op-to-op noise is log-normal with the spread measured between repeats in that same log; rank-to-rank
   host noise per step is resampled from the healthy per-worker residuals of a real Alibaba PAI job.
 - Injected faults multiply one rank's own compute (``fail-slow``) or one pipeline link's transfer time
@@ -24,6 +25,9 @@ from resihp.errors import InputError
 from resihp.opstrace import JobMeta
 
 # expected range of 5 normal draws in units of sigma (for turning a measured spread into a sigma)
+# expected minus-minimum of n standard normal draws
+_EXPECTED_NEG_MIN = {2: 0.564, 3: 0.846, 4: 1.029, 5: 1.163, 6: 1.267, 7: 1.352, 8: 1.424, 9: 1.485,
+                     10: 1.539}
 _RANGE_OF_N = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
 
 
@@ -59,14 +63,22 @@ class CostPool:
         if not need <= set(log.columns):
             raise InputError(f"{path}: profiling log lacks {', '.join(sorted(need - set(log.columns)))}")
         key = ["source", "mb_id"] if "source" in log.columns else ["mb_id"]
-        wide = log.pivot_table(index=key, columns="phase", values="time_s", aggfunc="first")
+        # on a shared machine the thread's CPU time is the micro-batch's own cost; wall time also
+        # holds other processes' time slices
+        cpu = "cpu_time_s" in log.columns and log["cpu_time_s"].notna().all()
+        value = "cpu_time_s" if cpu else "time_s"
+        wide = log.pivot_table(index=key, columns="phase", values=value, aggfunc="first")
         first = log[log["phase"] == "fwd"].set_index(key)
         wide = wide.join(first[["seq_lens"]]).dropna()
-        if "time_spread" in log.columns and "repeats" in log.columns:
-            n = int(log["repeats"].iloc[0])
+        n = int(log["repeats"].iloc[0]) if "repeats" in log.columns else 5
+        if cpu and "cpu_time_min_s" in log.columns:
+            # median minus minimum of n normal draws is about E[-min] sigma
+            gap = (log["cpu_time_s"] - log["cpu_time_min_s"]) / log["cpu_time_s"]
+            sigma = float(gap.median()) / _EXPECTED_NEG_MIN.get(n, 1.163)
+        elif "time_spread" in log.columns:
             sigma = float(log["time_spread"].median()) / _RANGE_OF_N.get(n, 2.326)
         else:
-            sigma = 0.02
+            raise InputError(f"{path}: profiling log has no repeat spread to take the op noise from")
         src = wide.index.get_level_values(0).to_numpy() if "source" in key else np.full(len(wide), "any")
         return cls([list(map(int, s)) for s in wide["seq_lens"]], wide["fwd"].to_numpy(float),
                    wide["bwd"].to_numpy(float), np.asarray(src, dtype=object), sigma,
