@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -273,7 +273,7 @@ class Planner:
             if solutions[r] is not None:
                 ctx.log.add(solutions[r].status, solutions[r].gap)
         spares = self._spare_pipelines(coster, solutions, min(ctx.even.values()) or 1, ctx.held,
-                                       ctx.per_solve)
+                                       ctx.per_solve, ctx.spares_seen)
         ctx.log.pipelines += len(spares)
         reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
@@ -298,14 +298,21 @@ class Planner:
         return plans
 
     def _spare_pipelines(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
-                         m: int, held: dict | None, time_limit_s: float,
+                         m: int, held: dict | None, time_limit_s: float, seen: dict,
                          ) -> dict[int, PipelineSolution]:
         """Extra pipelines from live devices no replica uses (the rest of a broken TP group, or
         devices the layout leaves over): power-of-two TP groups inside each node, chained into
         pipelines across nodes while the CP-SAT model finds no split that fits in memory."""
+        used = frozenset(r for sol in solutions.values() if sol is not None
+                         for s in sol.stages for r in s.ranks)
+        if used not in seen:  # the two weightings often leave the same devices over
+            seen[used] = self._build_spares(coster, solutions, used, m, held, time_limit_s)
+        return seen[used]
+
+    def _build_spares(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
+                      used: frozenset[int], m: int, held: dict | None, time_limit_s: float,
+                      ) -> dict[int, PipelineSolution]:
         cluster, model = coster.cluster, coster.model
-        used = {r for sol in solutions.values() if sol is not None
-                for s in sol.stages for r in s.ranks}
         groups = []
         for ranks in cluster.node_ranks:
             free = sorted((r for r in ranks if r not in used and cluster.devices[r].alive),
@@ -315,8 +322,10 @@ class Planner:
         if not groups or sum(len(g) for g in groups) < 2:
             return {}
         groups.sort(key=lambda g: (-len(g), g))
+        act = model.activation_bytes_per_token_layer or 34.0 * model.hidden
+        # a lower bound on what a pipeline must hold: all model state, one micro-batch per layer
         state_gb = ((model.layers * model.params_per_layer + 2 * model.embedding_params)
-                    * model.state_bytes_per_param / 1e9)
+                    * model.state_bytes_per_param + model.layers * model.microbatch_tokens * act) / 1e9
         out: dict[int, PipelineSolution] = {}
         chain: list[tuple[int, ...]] = []
         next_id = max(solutions) + 1
@@ -360,6 +369,7 @@ class _Context:
     sync: tuple[float, float] | None
     per_solve: float
     log: _SolveLog
+    spares_seen: dict = field(default_factory=dict)
 
 
 class _SolveLog:

@@ -39,6 +39,7 @@ class StageCoster:
         self._layer: dict[tuple[int, float], tuple[float, float]] = {}
         self._head: dict[tuple[int, float], tuple[float, float]] = {}
         self._steps: dict[tuple, float] = {}
+        self._groups: dict[tuple[int, ...], tuple[float, float]] = {}
 
     def layer_fb(self, tp: int, tflops: float) -> tuple[float, float]:
         key = (tp, tflops)
@@ -54,9 +55,10 @@ class StageCoster:
 
     def group_speed(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         """(speed, tflops) of the member that limits the group: the lowest speed * FLOP rate."""
-        devs = [self.cluster.devices[r] for r in ranks]
-        slow = min(devs, key=lambda d: d.speed * d.tflops)
-        return slow.speed, slow.tflops
+        if ranks not in self._groups:
+            slow = min((self.cluster.devices[r] for r in ranks), key=lambda d: d.speed * d.tflops)
+            self._groups[ranks] = (slow.speed, slow.tflops)
+        return self._groups[ranks]
 
     def per_layer_s(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         """(fwd, bwd) seconds per layer per micro-batch on this group at its current speed."""
@@ -157,9 +159,12 @@ def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> f
         for s in p.stages:
             for t, r in enumerate(s.ranks):
                 held[r] = (s.layers[0], s.layers[1], s.tp, t)
+    unchanged = {s for p in current.pipelines for s in p.stages}
     worst = 0.0
     for p in new.pipelines:
         for s in p.stages:
+            if s in unchanged:
+                continue  # the same group keeps the same layers: nothing moves
             for t, r in enumerate(s.ranks):
                 start, end = s.layers
                 have = 0
