@@ -14,6 +14,6 @@ def test_detector_notebook_runs():
                         env={"RESIHP_QUICK": "1", "OMP_NUM_THREADS": "1"})
     out = proc.stdout
     assert "worker 6 found" in out
-    assert "lengths+timestamps" in out and "false_alarms_per_10k_healthy_steps" in out
+    assert "pipeline, lengths+timestamps" in out and "false_alarms_per_10k_healthy_steps" in out
     resihp_row = next(line for line in out.splitlines() if line.startswith("resihp "))
     assert "True" in resihp_row
