@@ -52,6 +52,7 @@ class OnlineDetector:
         self._steps_seen = 0
         self._wl_open: dict[int, Event] = {}
         self._wl_quiet: dict[int, int] = {}
+        self._wl_steps: dict[int, int] = {}
         self._calibration_reported = False
         self.cost_model = "none"
 
@@ -187,7 +188,11 @@ class OnlineDetector:
         return bool(self.compute.alarmed[same].any())
 
     def _workload_step(self, step: int, raw: np.ndarray, expected: np.ndarray) -> list[Event]:
-        """A replica that took longer because its data cost more (not because a device is slow)."""
+        """A replica that took longer because its data cost more (not because a device is slow).
+
+        Reported once such a stretch has lasted ``min_persist`` steps (single heavy steps are what
+        variable sequence lengths do all the time), and never for a replica with a slow device.
+        """
         dp = self.layout.dp_rank
         ok = ~np.isnan(raw) & ~np.isnan(expected) & (dp >= 0)
         if self.meta.dp_size < 2 or ok.sum() < 2:
@@ -200,8 +205,10 @@ class OnlineDetector:
             return []
         raw_rel = raw_r / np.median(raw_r[has])
         exp_rel = exp_r / np.median(exp_r[has])
-        thr = 1 + self.cfg.workload_imbalance
-        heavy = has & (raw_rel > thr) & (exp_rel > 1 + self.cfg.workload_imbalance / 2)
+        thr = self.cfg.workload_imbalance
+        faulty = np.bincount(dp[self.compute.alarmed & (dp >= 0)], minlength=n) > 0
+        explained = raw_rel / np.where(exp_rel > 0, exp_rel, np.inf) < 1 + thr / 2
+        heavy = has & (raw_rel > 1 + thr) & (exp_rel > 1 + thr / 2) & explained & ~faulty
         out = []
         for d in range(n):
             ev = self._wl_open.get(d)
@@ -210,15 +217,18 @@ class OnlineDetector:
                     ev = Event("workload-imbalance", None, d, None, None, step, step, float(raw_rel[d]),
                                1.0, end_step=step)
                     self._wl_open[d] = ev
+                    self._wl_steps[d] = 0
+                ev.end_step = step
+                ev.slowdown = max(ev.slowdown, float(raw_rel[d]))
+                self._wl_steps[d] += 1
+                if self._wl_steps[d] == self.cfg.min_persist:
+                    ev.detected_step = step
                     out.append(ev)
-                else:
-                    ev.end_step = step
-                    ev.slowdown = max(ev.slowdown, float(raw_rel[d]))
                 self._wl_quiet[d] = 0
             elif ev is not None:
                 # a stretch of heavy data survives a few lighter steps inside it
                 self._wl_quiet[d] = self._wl_quiet.get(d, 0) + 1
-                if self._wl_quiet[d] >= self.cfg.recover_steps:
+                if self._wl_quiet[d] >= self.cfg.recover_steps or faulty[d]:
                     del self._wl_open[d]
         return out
 
