@@ -195,17 +195,22 @@ class Planner:
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
                            per_solve, log)
-        candidates: list[Plan] = []
+        def usable(plans: list[Plan]) -> list[Plan]:
+            """Plans that run: the global batch placed, memory respected, no dead rank."""
+            out = [c for c in plans if c.pipelines and sum(
+                p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
+                coster.stages_fit(p.stages, p.microbatches, p.budget(model))
+                and all(cluster.devices[r].alive for r in p.ranks) for p in c.pipelines)]
+            for plan in out:
+                evaluate(plan, coster, bound, current)
+            return out
+
+        # the heuristic baselines' plans are candidates too, so the optimizer never ends behind them
+        candidates = usable(self._baseline_plans(context, healthy))
         with ThreadPoolExecutor(self.threads) as pool:
             for weight in weights:
-                new = self._candidates(context, dict(kept), dict(share), weight, pool)
-                new = [c for c in new if c.pipelines and sum(
-                    p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
-                    coster.stages_fit(p.stages, p.microbatches, p.budget(model))
-                    for p in c.pipelines)]
-                for plan in new:
-                    evaluate(plan, coster, bound, current)
-                candidates += new
+                candidates += usable(self._candidates(context, dict(kept), dict(share), weight,
+                                                      pool))
                 if any(c.bound_ratio >= 0.99 for c in candidates):
                     break  # close enough to the bound: the other weighting cannot gain much
         if not candidates:
@@ -295,6 +300,20 @@ class Planner:
             plans += [balance_tokens(c, coster) for c in plans]
             plans += [balance_tokens(proportional_counts(c, coster), coster)
                       for c in plans[-len(shares):]]
+        return plans
+
+    def _baseline_plans(self, ctx: _Context, healthy: Plan) -> list[Plan]:
+        """The ResiHP-style heuristic and drop-replica plans (with token budgets when enabled)."""
+        from resihp.plan.baselines import DropReplicaPolicy, HeuristicPolicy
+
+        base = healthy if healthy.layout == ctx.layout else None
+        plans = [policy(self.cost).build(ctx.cluster, ctx.model, ctx.coster, base, ctx.layout)
+                 for policy in (HeuristicPolicy, DropReplicaPolicy)]
+        for plan in plans:
+            plan.policy = self.name
+        if self.token_budgets:
+            plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster)
+                      for c in plans if c.pipelines]
         return plans
 
     def _spare_pipelines(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
