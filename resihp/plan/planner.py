@@ -195,6 +195,7 @@ class Planner:
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
                            per_solve, log)
+
         def usable(plans: list[Plan]) -> list[Plan]:
             """Plans that run: the global batch placed, memory respected, no dead rank."""
             out = [c for c in plans if c.pipelines and sum(
@@ -209,8 +210,12 @@ class Planner:
         candidates = usable(self._baseline_plans(context, healthy))
         with ThreadPoolExecutor(self.threads) as pool:
             for weight in weights:
-                candidates += usable(self._candidates(context, dict(kept), dict(share), weight,
-                                                      pool))
+                try:
+                    candidates += usable(self._candidates(context, dict(kept), dict(share),
+                                                          weight, pool))
+                except InputError:
+                    if not candidates:
+                        raise
                 if any(c.bound_ratio >= 0.99 for c in candidates):
                     break  # close enough to the bound: the other weighting cannot gain much
         if not candidates:
