@@ -83,7 +83,7 @@ def fail_slow(out: Path) -> dict:
                               "adaptation_s", "tokens_per_s_before", "tokens_per_s_during",
                               "tokens_per_s_after", "remaining_capacity_fraction",
                               "recovered_fraction")} | {
-        "plan_changes": [{k: c.get(k) for k in ("dp_weights", "layer_split", "applied", "solve_s",
+        "plan_changes": [{k: c.get(k) for k in ("dp_weights", "layer_splits", "applied", "solve_s",
                                                  "applied_step")} for c in s["plan_changes"]],
         "targets": {"detection_delay_steps": 5, "recovered_fraction": 0.9}}
 

@@ -115,7 +115,7 @@ def demo_cmd(
     print(f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)")
     for c in summary["plan_changes"]:
         print(f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
-              f"layer_split {c.get('layer_split')} (applied: {c['applied']}, solved in {c['solve_s']} s)")
+              f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in {c['solve_s']} s)")
     fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
     rf = summary["recovered_fraction"]
     print(f"tokens/s before {fmt(b)}  during {fmt(d)}  after {fmt(a)}; recovered fraction "

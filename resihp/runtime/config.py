@@ -73,6 +73,10 @@ class RunConfig:
                 raise InputError(f"replan: each change needs an integer step, got {change!r}")
             if change.get("layer_split") is not None:
                 ranges_from_counts(change["layer_split"], self.layers, self.pp, source="replan layer_split")
+            for split in change.get("layer_splits") or []:
+                ranges_from_counts(split, self.layers, self.pp, source="replan layer_splits")
+            if change.get("layer_splits") is not None and len(change["layer_splits"]) != self.dp:
+                raise InputError(f"replan layer_splits: expected {self.dp} splits (one per replica)")
             weights = change.get("dp_weights")
             if weights is not None and (len(weights) != self.dp or min(weights) < 0 or sum(weights) <= 0):
                 raise InputError(f"replan dp_weights: expected {self.dp} non-negative weights, got {weights}")

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from resihp.errors import InputError
 from resihp.runtime.config import RunConfig
 from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
+from resihp.runtime.gradsync import GradSync
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.model import GPTStage, init_by_name, lm_loss
 from resihp.runtime.recorder import OpRecorder
@@ -47,13 +48,6 @@ class Engine:
         self.stage, self.dp_rank = self.coords.stage, self.coords.dp_rank
         self.pp = self.dims.pp
         # every rank creates every group, in the same order (a torch.distributed requirement)
-        self.dp_group = None
-        for stage in range(self.pp):
-            for tp_rank in range(self.dims.tp):
-                ranks = self.dims.dp_group_ranks(stage, tp_rank)
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    self.dp_group = group
         tp_group = None
         for dp_rank in range(self.dims.dp):
             for stage in range(self.pp):
@@ -67,8 +61,10 @@ class Engine:
                      if self.stage < self.pp - 1 else None)
         self.model_cfg = cfg.model_config()
         self.weights = cfg.weights()
-        self.ranges = cfg.stage_ranges()
+        self.replica_ranges = [cfg.stage_ranges() for _ in range(self.dims.dp)]
         self.build_stage(*self.ranges[self.stage])
+        self.grad_sync = GradSync(self.dims)
+        self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
         # plan changes travel over their own gloo group, whatever the training backend
         self.control_group = dist.new_group(list(range(world)), backend="gloo")
         self.plan_version = 0
@@ -78,6 +74,11 @@ class Engine:
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.coords.tp_rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
         self._pending: list[dist.Work] = []
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The layer ranges of this rank's pipeline."""
+        return self.replica_ranges[self.dp_rank]
 
     def build_stage(self, first: int, last: int) -> None:
         self.first, self.last = first, last
@@ -126,15 +127,21 @@ class Engine:
         if change.get("dp_weights") is not None:
             with self.rec.op("replan-microbatches"):
                 self.weights = [float(w) for w in change["dp_weights"]]
-        if change.get("layer_split") is not None:
+        splits = change.get("layer_splits") or (
+            [change["layer_split"]] * self.dims.dp if change.get("layer_split") is not None else None)
+        if splits is not None:
             from resihp.runtime.layout import ranges_from_counts
             from resihp.runtime.replan import repartition
 
-            new = ranges_from_counts(change["layer_split"], self.model_cfg.layers, self.pp,
-                                     source="plan layer_split")
-            if new != self.ranges:
+            if len(splits) != self.dims.dp:
+                raise InputError(f"plan layer_splits: expected {self.dims.dp} splits, got {len(splits)}")
+            new = [ranges_from_counts(split, self.model_cfg.layers, self.pp, source="plan layer split")
+                   for split in splits]
+            if new != self.replica_ranges:
                 with self.rec.op("replan-layers") as row:
-                    row["bytes"] = repartition(self, new)
+                    row["bytes"] = repartition(self, new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
+                    self.replica_ranges = new
+                    self.grad_sync.prepare(new, self.model_cfg.layers)
         self.plan_changes.append({"step": step, **change})
 
     # --- one training step ----------------------------------------------------------------------
@@ -190,19 +197,9 @@ class Engine:
 
     def _all_reduce_grads(self, loss_sum: torch.Tensor) -> float | None:
         """Sum gradients over the data-parallel replicas (the loss is already divided by the
-        global token count). The last stage's loss rides in the same buffer: no extra collective."""
-        params = list(self.model.parameters())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if self.next is None:
-            grads.append(loss_sum.reshape(1))
-        flat = _flatten_dense_tensors(grads)
+        global token count). The last stage's loss rides in the head's bucket: no extra collective."""
+        loss = loss_sum.reshape(1).clone() if self.next is None else None
         if self.dims.dp > 1:
             with self.rec.op("grads-all-reduce"):
-                dist.all_reduce(flat, group=self.dp_group)
-        synced = _unflatten_dense_tensors(flat, grads)
-        for p, g in zip(params, synced):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
-        return float(synced[-1]) if self.next is None else None
+                self.grad_sync.all_reduce(self.model, self.coords.tp_rank, loss)
+        return float(loss) if loss is not None else None

@@ -2,8 +2,7 @@
 online detector (``resihp.detect``), and on a device fault ask the planner (``resihp.plan``) for a
 new plan and hand the part the running job can apply in place to its rank 0 (``control``).
 
-Applied in place: per-replica micro-batch shares, and the layer split when every pipeline gets the
-same one. A plan that moves ranks between pipelines or excludes one needs an elastic restart
+Applied in place: per-replica micro-batch shares and per-pipeline layer splits. A plan that moves ranks between pipelines or excludes one needs an elastic restart
 (``ckpt``); it is recorded with ``applied: false`` and the reason.
 """
 
@@ -67,13 +66,14 @@ def planner_specs(cfg: RunConfig):
     return cluster, model
 
 
-def current_plan(cfg: RunConfig, cluster, model, weights: list[float], ranges: list[tuple[int, int]]):
+def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
+                 replica_ranges: list[list[tuple[int, int]]]):
     from resihp.plan.plan import Layout, Pipeline, Plan, Stage
     from resihp.runtime.data import split_counts
 
     dims = cfg.dims()
     counts = split_counts(model.microbatches, weights)
-    pipelines = [Pipeline(d, tuple(Stage(tuple(dims.tp_group_ranks(d, s)), ranges[s])
+    pipelines = [Pipeline(d, tuple(Stage(tuple(dims.tp_group_ranks(d, s)), replica_ranges[d][s])
                                    for s in range(dims.pp)), counts[d], home=d)
                  for d in range(dims.dp)]
     return Plan(dims.world_size, Layout(dims.tp, dims.pp, dims.dp), pipelines, [], policy="current")
@@ -92,7 +92,8 @@ class LiveLoop:
         self.detector = self._make_detector()
         self.planner, self.time_limit_s = Planner(), time_limit_s
         self.cluster, self.model = planner_specs(cfg)
-        self.weights, self.ranges = cfg.weights(), cfg.stage_ranges()
+        self.weights = cfg.weights()
+        self.ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]  # per replica
         self.tail = StreamTail(self.out / "ranks", self.world)
         self.pending: dict[int, list[dict]] = defaultdict(list)
         self.next_step = 0
@@ -150,9 +151,7 @@ class LiveLoop:
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
         if same_places:
             change["dp_weights"] = [float(p.microbatches) for p in pipes]
-            splits = {tuple(s.n_layers for s in p.stages) for p in pipes}
-            if len(splits) == 1:
-                change["layer_split"] = list(next(iter(splits)))
+            change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
             change["applied"] = True
         else:
             # keep what can be applied in place: each replica's share in proportion to its speed
@@ -160,10 +159,11 @@ class LiveLoop:
             change["applied"] = "partial: the plan moves or excludes ranks (needs an elastic restart)"
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
-        if change.get("layer_split") is not None:
+        if change.get("layer_splits") is not None:
             from resihp.runtime.layout import ranges_from_counts
 
-            new = ranges_from_counts(change["layer_split"], self.cfg.layers, self.cfg.pp)
+            new = [ranges_from_counts(split, self.cfg.layers, self.cfg.pp)
+                   for split in change["layer_splits"]]
             if new != self.ranges:
                 self.ranges = new
                 self.detector = self._make_detector()  # stage costs changed: a fresh baseline

@@ -7,7 +7,9 @@
   owner to the new one by global name, over point-to-point sends walked in global layer order (so
   every rank's sends and receives are in one consistent order and cannot deadlock).
 
-A plan change is a small dict: ``{"version", "dp_weights"?, "layer_split"?, "reason"?}``.
+A plan change is a small dict: ``{"version", "dp_weights"?, "layer_split"? (every pipeline) or
+"layer_splits"? (one per replica), "reason"?}``; pipelines may split their layers differently
+(``gradsync`` sums each layer's gradient over whichever stages hold it).
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ def repartition(engine, new_ranges: list[tuple[int, int]]) -> int:
     ends = {n: p.detach() for n, p in engine.model.named_parameters() if not n.startswith("layers.")}
     end_state = {n: engine.optimizer.state.get(p, {}) for n, p in engine.model.named_parameters()
                  if not n.startswith("layers.")}
-    engine.ranges = list(new_ranges)
     engine.first, engine.last = new_ranges[stage]
     model = GPTStage(engine.model_cfg, engine.first, engine.last, engine.tp).to(engine.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=engine.cfg.lr, weight_decay=0.0)

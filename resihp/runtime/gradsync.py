@@ -1,0 +1,81 @@
+"""Gradient all-reduce when pipelines may split their layers differently.
+
+Every unit of the model (the embeddings, each decoder layer, the final norm and head) is summed over
+the ranks that hold it in each data-parallel replica: with the same split everywhere that is the
+usual per-stage data-parallel group; after a re-plan gave the replicas different splits, a layer's
+holders sit on different stages. Units with the same holders share one flat all-reduce. Every rank
+creates every group and runs its all-reduces in one global order, so collectives cannot cross.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from resihp.runtime.layout import ParallelDims
+from resihp.runtime.replan import owner
+
+Ranges = Sequence[tuple[int, int]]
+
+
+def unit_of(name: str) -> str:
+    if name.startswith("layers."):
+        return f"layer{name.split('.')[1]}"
+    return "embed" if name.startswith(("embed.", "pos.")) else "head"
+
+
+def holders(unit: str, replica_ranges: Sequence[Ranges], dims: ParallelDims, tp_rank: int) -> tuple[int, ...]:
+    """The ranks, one per replica, that hold ``unit`` (on tensor-parallel rank ``tp_rank``)."""
+    stages = []
+    for ranges in replica_ranges:
+        if unit == "embed":
+            stages.append(0)
+        elif unit == "head":
+            stages.append(dims.pp - 1)
+        else:
+            stages.append(owner(ranges, int(unit.removeprefix("layer"))))
+    return tuple(dims.rank_of(d, s, tp_rank) for d, s in enumerate(stages))
+
+
+class GradSync:
+    def __init__(self, dims: ParallelDims) -> None:
+        self.dims = dims
+        self.groups: dict[tuple[int, ...], object] = {}
+
+    def prepare(self, replica_ranges: Sequence[Ranges], layers: int) -> None:
+        """Collective over the world: create the groups this layout needs (once each)."""
+        self.replica_ranges = [list(r) for r in replica_ranges]
+        units = ["embed", "head", *(f"layer{i}" for i in range(layers))]
+        needed = sorted({holders(u, self.replica_ranges, self.dims, t)
+                         for u in units for t in range(self.dims.tp)})
+        for members in needed:
+            if len(members) > 1 and members not in self.groups:
+                self.groups[members] = dist.new_group(list(members))
+
+    def all_reduce(self, model: torch.nn.Module, tp_rank: int, extra: torch.Tensor | None = None) -> None:
+        """Sum every parameter's gradient over its holders; ``extra`` (a tensor riding with the
+        head's bucket, e.g. the loss) is summed in place too."""
+        buckets: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+        params: dict[tuple[int, ...], list[torch.nn.Parameter]] = defaultdict(list)
+        for name, p in model.named_parameters():
+            key = holders(unit_of(name), self.replica_ranges, self.dims, tp_rank)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            buckets[key].append(p.grad)
+            params[key].append(p)
+        if extra is not None:
+            head = holders("head", self.replica_ranges, self.dims, tp_rank)
+            buckets[head].append(extra)
+        for key in sorted(buckets):
+            if len(key) < 2:
+                continue
+            grads = buckets[key]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.groups[key])
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
