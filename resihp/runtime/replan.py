@@ -15,11 +15,16 @@ A plan change is a small dict: ``{"version", "dp_weights"?, "layer_split"? (ever
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from resihp.runtime.model import DecoderBlock, GPTStage
+from resihp.runtime.model import DecoderBlock, GPTConfig, GPTStage
+from resihp.runtime.tensor_parallel import TPContext
+
+if TYPE_CHECKING:
+    from resihp.runtime.engine import Engine
 
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -41,7 +46,7 @@ def layer_state(model: GPTStage, optimizer: torch.optim.Optimizer, layer: int) -
     return out
 
 
-def layer_templates(cfg, tp, device) -> list[tuple[int, ...]]:
+def layer_templates(cfg: GPTConfig, tp: TPContext) -> list[tuple[int, ...]]:
     """Shapes, in ``layer_state`` order, of one layer's tensors on this tensor-parallel rank."""
     block = DecoderBlock(cfg, tp)
     shapes = []
@@ -50,7 +55,7 @@ def layer_templates(cfg, tp, device) -> list[tuple[int, ...]]:
     return shapes
 
 
-def repartition(engine, new_ranges: list[tuple[int, int]]) -> int:
+def repartition(engine: Engine, new_ranges: list[tuple[int, int]]) -> int:
     """Move layers between the stages of this rank's pipeline; returns the bytes this rank sent."""
     old_ranges = engine.ranges
     stage, dims = engine.stage, engine.dims
@@ -67,7 +72,7 @@ def repartition(engine, new_ranges: list[tuple[int, int]]) -> int:
                 dist.send(t.contiguous(), peer)
                 sent += t.numel() * t.element_size()
         else:
-            shapes = shapes or layer_templates(engine.model_cfg, engine.tp, engine.device)
+            shapes = shapes or layer_templates(engine.model_cfg, engine.tp)
             bufs = [torch.empty(s, device=engine.device) for s in shapes]
             for b in bufs:
                 dist.recv(b, peer)

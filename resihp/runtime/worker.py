@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
     from resihp.ckpt.universal import save
 
-    meta = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "layer_split": [b - a for a, b in engine.ranges],
+    meta = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
+            "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
             "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source}
     with engine.rec.op("checkpoint-save"):
         save(directory, engine.model, engine.optimizer, step, meta, engine.coords.tp_rank, cfg.tp)
