@@ -185,8 +185,12 @@ def pipeline_step_time(
 
 
 def one_f_one_b_uniform(stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatches: int) -> np.ndarray:
-    """Closed form of 1F1B when every micro-batch costs the same on a stage and transfers are free:
-    sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s). Arrays are [..., stages]."""
+    """Closed form of 1F1B with equal micro-batches and free transfers:
+    sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s). Arrays are [..., stages].
+
+    Exact when the stages' forward/backward ratio is the same everywhere (the test checks this);
+    otherwise the critical path can be a few percent longer: use ``pipeline_step_time`` for the
+    exact value and this inside optimisers that need a closed form."""
     per = np.asarray(stage_fwd, np.float64) + np.asarray(stage_bwd, np.float64)
     return per.sum(axis=-1) + (microbatches - 1) * per.max(axis=-1)
 
