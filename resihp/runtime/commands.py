@@ -119,7 +119,7 @@ def demo_cmd(
     fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
     rf = summary["recovered_fraction"]
     print(f"tokens/s before {fmt(b)}  during {fmt(d)}  after {fmt(a)}; recovered fraction "
-          f"{rf:.2f}" if rf else "-")
+          + (f"{rf:.2f}" if rf else "-"))
     print(f"plot {summary['plot']}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
 
 
