@@ -8,6 +8,7 @@ import pytest
 from resihp.opstrace import COMPUTE_OPTYPES, read_meta, read_ops_trace
 from resihp.runtime.config import RunConfig
 from resihp.runtime.launch import launch
+from resihp.runtime.live import follow
 
 SMALL = dict(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048,
              budget=512, max_len=512, source="text", steps=3, timeout_s=30)
@@ -47,7 +48,11 @@ def test_layouts_train_the_same_model(tmp_path):
     # the trace follows the contract, with per-micro-batch sequence lengths on compute ops
     meta, extra = read_meta(tmp_path / "hybrid" / "job.yaml")
     assert (meta.dp_size, meta.pp_size, meta.tp_size, meta.world_size) == (2, 2, 1, 4)
-    assert extra["model"]["layers"] == 4
+    assert extra["layers"] == 4 and extra["hidden"] == 64  # model fields the detector reads
+    # the side-process detector follows the finished run's streams: every step, no device fault
+    found = follow(tmp_path / "hybrid", timeout_s=5)
+    assert found["steps"] == 3
+    assert not [e for e in found["events"] if e["kind"] in ("fail-slow", "fail-stop")]
     assert set(hybrid["rank"]) == {0, 1, 2, 3}
     compute = hybrid[hybrid.optype.isin(COMPUTE_OPTYPES)]
     assert (compute.tokens == compute.seq_lens.map(sum)).all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from resihp.opstrace import JobMeta
@@ -79,6 +80,58 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
     return Plan(dims.world_size, Layout(dims.tp, dims.pp, dims.dp), pipelines, [], policy="current")
 
 
+class StepAssembler:
+    """Complete steps (rows from every rank) out of the ranks' streams, in step order."""
+
+    def __init__(self, directory: Path, world: int) -> None:
+        self.world = world
+        self.tail = StreamTail(directory, world)
+        self.pending: dict[int, list[dict]] = defaultdict(list)
+        self.next_step: int | None = None
+
+    def complete_steps(self) -> list[tuple[int, list[dict]]]:
+        for row in self.tail.read():
+            self.pending[int(row["step"])].append(row)
+        if self.next_step is None and self.pending:
+            self.next_step = min(self.pending)
+        done = []
+        while self.next_step is not None:
+            rows = self.pending.get(self.next_step, [])
+            if len({r["rank"] for r in rows if r["optype"] == "step"}) < self.world:
+                break
+            done.append((self.next_step, self.pending.pop(self.next_step)))
+            self.next_step += 1
+        return done
+
+
+def follow(out: str | Path, detector_config=None, poll_s: float = 0.5, timeout_s: float | None = None,
+           on_event: Callable[[dict], None] | None = None) -> dict:
+    """Detect live on a job that writes resihp streams (the engine, or ``resihp.attach``): read its
+    ``job.yaml``, feed every complete step to the online detector, until every rank's heartbeat
+    says done (or ``timeout_s``). Returns ``{"events": [...], "steps": n}``."""
+    from resihp.detect.online import OnlineDetector
+    from resihp.opstrace import read_meta
+    from resihp.runtime.heartbeat import read_beats
+
+    out = Path(out)
+    meta, meta_dict = read_meta(out / "job.yaml")
+    detector = OnlineDetector(meta, config=detector_config, meta_dict=meta_dict)
+    steps = StepAssembler(out / "ranks", meta.world_size)
+    events, seen, t0 = [], 0, time.time()
+    while True:
+        beats = read_beats(out / "heartbeats")
+        finished = len(beats) == meta.world_size and all(b.phase == "done" for b in beats.values())
+        for _, rows in steps.complete_steps():
+            seen += 1
+            for event in detector.observe(rows_frame(rows)):
+                events.append(event.to_dict())
+                if on_event:
+                    on_event(events[-1])
+        if finished or (timeout_s is not None and time.time() - t0 > timeout_s):
+            return {"events": events, "steps": seen}
+        time.sleep(poll_s)
+
+
 class LiveLoop:
     def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None) -> None:
         from resihp.detect.online import OnlineDetector
@@ -94,9 +147,7 @@ class LiveLoop:
         self.cluster, self.model = planner_specs(cfg)
         self.weights = cfg.weights()
         self.ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]  # per replica
-        self.tail = StreamTail(self.out / "ranks", self.world)
-        self.pending: dict[int, list[dict]] = defaultdict(list)
-        self.next_step = 0
+        self.steps = StepAssembler(self.out / "ranks", self.world)
         self.events: list[dict] = []
         self.changes: list[dict] = []
         self.handled: set[int] = set()
@@ -114,15 +165,8 @@ class LiveLoop:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def _poll(self) -> None:
-        for row in self.tail.read():
-            self.pending[int(row["step"])].append(row)
-        while True:
-            rows = self.pending.get(self.next_step)
-            done = {r["rank"] for r in rows or [] if r["optype"] == "step"}
-            if len(done) < self.world:
-                return
-            self._observe(self.next_step, self.pending.pop(self.next_step))
-            self.next_step += 1
+        for step, rows in self.steps.complete_steps():
+            self._observe(step, rows)
 
     def _observe(self, step: int, rows: list[dict]) -> None:
         df = rows_frame(rows)

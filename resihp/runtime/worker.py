@@ -93,7 +93,7 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
     trace = merge_streams(sorted((out / "ranks").glob("rank*.jsonl")), out / "ops.parquet")
     dims = cfg.dims()
     write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
-               model=cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
+               **cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
                global_tokens=cfg.global_tokens, budget=cfg.budget, layer_split=[
                    b - a for a, b in cfg.stage_ranges()], seed=cfg.seed)
     per_step = step_table(trace)
