@@ -20,9 +20,10 @@ import numpy as np
 from resihp.opstrace import read_meta, read_ops_trace
 from resihp.paths import TRACES
 from resihp.perf.device import versions
+from resihp.perf.logs import read_profile_logs
 from resihp.perf.predictor import MicroBatchPredictor
 from resihp.perf.step_replay import replay_steps
-from resihp.perf.training import train_predictor
+from resihp.perf.training import train_predictor, with_target
 from resihp.workload.flops import TransformerShape
 from resihp.workload.lengths import resolve_source, sample_sequences
 from resihp.workload.packing import pack_greedy
@@ -30,7 +31,21 @@ from resihp.workload.packing import pack_greedy
 
 def accuracy(logs: list[Path], target: str, workdir: Path) -> dict:
     card = train_predictor(logs, workdir / f"model-{target}", holdout=0.25, seed=0, target=target)
-    return card["held_out"]
+    return {**card["held_out"], "noise_floor": noise_floor(logs, target)}
+
+
+def noise_floor(logs: list[Path], target: str) -> dict:
+    """Mean absolute deviation (%) of identical micro-batches (same model, same lengths, measured
+    at different times) from their median: no predictor can beat this on the machine measured."""
+    log = with_target(read_profile_logs(logs), target, str(logs[0]))
+    log["key"] = log["model"] + ":" + log["seq_lens"].map(str)
+    out = {}
+    for phase, rows in log.groupby("phase"):
+        groups = rows.groupby("key")["time_s"]
+        big = groups.transform("size") >= 5
+        dev = (rows["time_s"] / groups.transform("median") - 1).abs()[big] * 100
+        out[phase] = {"mad_pct": float(dev.mean()), "n": int(big.sum())}
+    return out
 
 
 def step_accuracy(dp: int, pp: int, schedule: str, steps: int, workdir: Path) -> dict:
