@@ -8,6 +8,7 @@ from resihp.perf.schedule import (
     compile_schedule,
     critical_path,
     one_f_one_b_uniform,
+    op_end_times,
     pipeline_step_time,
     rank_finish_times,
     schedule_graph,
@@ -31,6 +32,27 @@ def test_vectorised_critical_path_equals_networkx(name, stages, group, chunks, s
     fast = rank_finish_times(sched, fwd, bwd, p2p).max()
     slow, _ = critical_path(schedule_graph(sched, fwd, bwd, p2p))
     assert fast == pytest.approx(slow, rel=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 4), st.integers(1, 6),
+       st.integers(0, 2**31 - 1), st.floats(0, 0.5))
+def test_op_end_times_follow_the_dependency_graph(name, stages, microbatches, seed, p2p):
+    sched = compile_schedule(name, stages, microbatches)
+    rng = np.random.default_rng(seed)
+    fwd = rng.uniform(0.1, 2.0, (2, stages, microbatches))  # a leading batch dimension
+    bwd = rng.uniform(0.1, 4.0, (2, stages, microbatches))
+    end = op_end_times(sched, fwd, bwd, p2p)
+    assert end.shape == (2, sched.nodes)
+    for b in range(2):
+        graph = schedule_graph(sched, fwd[b], bwd[b], p2p)
+        names = list(graph.nodes)  # schedule_graph adds nodes in the schedule's node order
+        got = dict(zip(names, end[b]))
+        for node in names:
+            ready = max((got[u] + graph.edges[u, node]["transfer"] for u in graph.predecessors(node)),
+                        default=0.0)
+            assert got[node] == pytest.approx(ready + graph.nodes[node]["duration"], rel=1e-12)
+        assert rank_finish_times(sched, fwd[b], bwd[b], p2p).tolist() == end[b, sched.last_on_rank].tolist()
 
 
 @given(st.integers(1, 8), st.integers(1, 16), st.floats(0.1, 3), st.floats(0.1, 3))

@@ -23,6 +23,7 @@ import pandas as pd
 
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
+from resihp.perf.schedule import FWD, rank_order
 
 # expected range of 5 normal draws in units of sigma (for turning a measured spread into a sigma)
 # expected minus-minimum of n standard normal draws
@@ -127,19 +128,10 @@ class SimJob:
 
 
 def _schedule(pp: int, m: int) -> list[tuple[int, str, int]]:
-    """A dependency-respecting global order of the 1F1B ops (stage, 'F'|'B', micro-batch)."""
-    orders = []
-    for s in range(pp):
-        warm = min(pp - s - 1, m)
-        seq = [("F", i) for i in range(warm)]
-        f, b = warm, 0
-        while f < m:
-            seq.append(("F", f))
-            f += 1
-            seq.append(("B", b))
-            b += 1
-        seq += [("B", i) for i in range(b, m)]
-        orders.append(seq)
+    """A dependency-respecting global order of the 1F1B ops (stage, 'F'|'B', micro-batch): each
+    stage's order is ``resihp.perf.schedule.rank_order``, taken round-robin as far as it can go."""
+    orders = [[("F" if op.phase == FWD else "B", op.mb) for op in rank_order("1f1b", pp, m, 1, s)]
+              for s in range(pp)]
     done: set[tuple[int, str, int]] = set()
     ptr = [0] * pp
     out = []

@@ -143,11 +143,11 @@ def _node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) -
     return stacked[..., sched.phase, sched.chunk, sched.mb]
 
 
-def rank_finish_times(
+def op_end_times(
     sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float | np.ndarray = 0.0
 ) -> np.ndarray:
-    """End time of each pipeline rank's last op, [..., stages]; ``fwd``/``bwd`` are
-    [..., model chunks, micro-batches] seconds (model chunk g = chunk * stages + rank)."""
+    """End time of every op of the schedule, [..., nodes] in ``sched``'s node order; ``fwd``/``bwd``
+    are [..., model chunks, micro-batches] seconds (model chunk g = chunk * stages + rank)."""
     dur = _node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
     batch = dur.shape[:-1]
     end = np.zeros(batch + (sched.nodes + 1,))  # the last slot is the sentinel "no predecessor"
@@ -157,7 +157,14 @@ def rank_finish_times(
         start = np.maximum(end[..., sched.prev_same[nodes]],
                            end[..., sched.prev_dep[nodes]] + comm[..., nodes])
         end[..., nodes] = start + dur[..., nodes]
-    return end[..., sched.last_on_rank]
+    return end[..., :-1]
+
+
+def rank_finish_times(
+    sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float | np.ndarray = 0.0
+) -> np.ndarray:
+    """End time of each pipeline rank's last op, [..., stages]; arguments as ``op_end_times``."""
+    return op_end_times(sched, fwd, bwd, p2p_s)[..., sched.last_on_rank]
 
 
 def pipeline_step_time(

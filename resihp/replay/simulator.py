@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from resihp.opstrace import JobMeta
-from resihp.perf.schedule import CompiledSchedule, compile_schedule
+from resihp.perf.schedule import compile_schedule, op_end_times
 from resihp.replay.costmodel import (
     MicroBatchPool,
     build_pool,
@@ -156,20 +156,6 @@ class Simulator:
         if not frames:
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True)  # row order is free in the contract
-
-
-def op_end_times(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray,
-                 p2p_s: float) -> np.ndarray:
-    """End time of every op of a compiled schedule, [..., nodes], for [..., stages, micro-batches]
-    durations. The same recurrence as ``resihp.perf.schedule.rank_finish_times``, which keeps only
-    each rank's last op; the replay also needs when each op ran (the ops records' ``start_ts``)."""
-    dur = np.stack(np.broadcast_arrays(fwd, bwd), axis=-3)[..., sched.phase, sched.chunk, sched.mb]
-    end = np.zeros(dur.shape[:-1] + (sched.nodes + 1,))
-    comm = np.where(sched.dep_is_p2p, p2p_s, 0.0)
-    for nodes in sched.levels:
-        end[..., nodes] = np.maximum(end[..., sched.prev_same[nodes]],
-                                     end[..., sched.prev_dep[nodes]] + comm[nodes]) + dur[..., nodes]
-    return end[..., :-1]
 
 
 _POOLS: dict[tuple, MicroBatchPool] = {}

@@ -1,7 +1,9 @@
 """Pipeline schedules as data: per stage, the ordered list of forward/backward actions.
 
 The engine walks this list; sends are asynchronous and receives block, so any schedule whose
-receive order matches its neighbour's send order runs without deadlock.
+receive order matches its neighbour's send order runs without deadlock. The orders themselves are
+``resihp.perf.schedule.rank_order`` (one model chunk per rank), so the runtime runs exactly the
+schedule the performance model predicts.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from resihp.errors import InputError
+from resihp.perf.schedule import FWD, rank_order
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -23,25 +26,23 @@ class Action:
         return f"{self.kind}{self.mb}"
 
 
+def _actions(name: str, pp: int, stage: int, n_mb: int) -> list[Action]:
+    return [Action("F" if op.phase == FWD else "B", op.mb)
+            for op in rank_order(name, pp, n_mb, 1, stage)]
+
+
 def gpipe(pp: int, stage: int, n_mb: int) -> list[Action]:
     """All forwards, then all backwards."""
-    return [Action("F", m) for m in range(n_mb)] + [Action("B", m) for m in range(n_mb)]
+    return _actions("gpipe", pp, stage, n_mb)
 
 
 def one_f_one_b(pp: int, stage: int, n_mb: int) -> list[Action]:
     """Non-interleaved 1F1B (PipeDream-flush): ``pp - stage - 1`` warm-up forwards, then
     alternate one forward and one backward, then drain the remaining backwards."""
-    warmup = min(pp - stage - 1, n_mb)
-    actions = [Action("F", m) for m in range(warmup)]
-    for i in range(n_mb - warmup):
-        actions += [Action("F", warmup + i), Action("B", i)]
-    actions += [Action("B", m) for m in range(n_mb - warmup, n_mb)]
-    return actions
+    return _actions("1f1b", pp, stage, n_mb)
 
 
 def schedule_for(name: str, pp: int, stage: int, n_mb: int) -> list[Action]:
-    if name == "1f1b":
-        return one_f_one_b(pp, stage, n_mb)
-    if name == "gpipe":
-        return gpipe(pp, stage, n_mb)
-    raise InputError(f"--schedule: expected one of {', '.join(SCHEDULES)}, got {name!r}")
+    if name not in SCHEDULES:
+        raise InputError(f"--schedule: expected one of {', '.join(SCHEDULES)}, got {name!r}")
+    return _actions(name, pp, stage, n_mb)
