@@ -16,6 +16,7 @@ import pandas as pd
 import yaml
 
 from resihp.errors import InputError
+from resihp.yamlio import read_yaml_mapping
 
 REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
             "duration": "float"}
@@ -54,15 +55,8 @@ class JobMeta:
 
 def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
     """The job meta YAML: (parallel sizes, the whole mapping including optional model fields)."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read job meta ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: job meta must be a mapping with dp_size, pp_size, tp_size, world_size")
+    data = read_yaml_mapping(path, "job meta",
+                             "job meta must be a mapping with dp_size, pp_size, tp_size, world_size")
     missing = [k for k in ("dp_size", "pp_size", "tp_size", "world_size") if k not in data]
     if missing:
         raise InputError(f"{path}: job meta lacks {', '.join(missing)}")

@@ -10,23 +10,10 @@ from typing import Any
 
 import networkx as nx
 import numpy as np
-import yaml
 
 from resihp.errors import InputError
 from resihp.workload.flops import TransformerShape
-
-
-def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a YAML mapping describing the {what}")
-    return data
+from resihp.yamlio import read_yaml_mapping
 
 
 def _number(data: Mapping, key: str, where: str, default: Any = None, *, positive: bool = True,
@@ -75,7 +62,8 @@ class ClusterSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
-        return cls.from_dict(read_yaml(path, "cluster"), where=str(path))
+        data = read_yaml_mapping(path, "cluster", "expected a YAML mapping describing the cluster")
+        return cls.from_dict(data, where=str(path))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
@@ -294,7 +282,8 @@ class ModelSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ModelSpec:
-        return cls.from_dict(read_yaml(path, "model"), where=str(path))
+        data = read_yaml_mapping(path, "model", "expected a YAML mapping describing the model")
+        return cls.from_dict(data, where=str(path))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "model") -> ModelSpec:

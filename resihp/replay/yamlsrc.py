@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from resihp.errors import InputError
+from resihp.yamlio import read_yaml_mapping
 
 
 class LineDict(dict):
@@ -30,17 +30,6 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 
 def load_yaml(path: str | Path) -> LineDict:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read scenario ({exc.strerror})") from None
-    try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        raise InputError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
-    if not isinstance(data, LineDict):
-        raise InputError(f"{path}: a scenario must be a mapping (cluster, model, parallel, duration, ...)")
-    return data
+    return read_yaml_mapping(path, "scenario",
+                             "a scenario must be a mapping (cluster, model, parallel, duration, ...)",
+                             loader=_Loader)
