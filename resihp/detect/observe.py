@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from resihp.errors import InputError
-from resihp.opstrace import COMPUTE_OPTYPES, JobMeta
+from resihp.opstrace import JobMeta
 from resihp.workload.features import length_features
 from resihp.workload.flops import TransformerShape, stage_flops
 
@@ -110,8 +110,81 @@ def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:
         raise InputError(f"job meta: model fields {', '.join(keys)} must be integers ({exc})") from None
 
 
-def _op_costs(comp: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
-              shape: TransformerShape | None, unblocked: bool = False
+class _Ops:
+    """The columns of a subset of trace rows as numpy arrays, converted from the frame once."""
+
+    def __init__(self, df: pd.DataFrame, rows: np.ndarray, op: np.ndarray) -> None:
+        self.frame = df
+        self.rows = rows
+        self.op = op[rows]  # small integer code of the optype
+        self.step = df["step"].to_numpy(np.int64)[rows]
+        self.rank = df["rank"].to_numpy(np.int64)[rows]
+        self.dp_rank = df["dp_rank"].to_numpy(np.int64)[rows]
+        self.stage = df["stage"].to_numpy(np.int64)[rows]
+        self.duration = df["duration"].to_numpy(np.float64)[rows]
+        self.tp_rank = self._full_int("tp_rank")
+        self.mb_id = self._full_int("mb_id")
+
+    def _full_int(self, name: str) -> np.ndarray | None:
+        """The column as int64 when present with a value on every row of the subset, else None."""
+        if name not in self.frame.columns:
+            return None
+        col = self.frame[name].to_numpy(np.float64, na_value=np.nan)[self.rows]
+        return None if np.isnan(col).any() else col.astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def has(self, name: str) -> bool:
+        return name in self.frame.columns and not self.frame[name].iloc[self.rows].isna().any()
+
+
+def _key_codes(*tables: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """One int64 code per row of each table of integer key columns, with the same radix for all
+    tables (so codes compare across them)."""
+    width = len(tables[0])
+    codes = [np.zeros(len(t[0]), dtype=np.int64) for t in tables]
+    for j in range(width):
+        cols = [np.asarray(t[j], dtype=np.int64) for t in tables]
+        nonempty = [c for c in cols if len(c)]
+        lo = min(int(c.min()) for c in nonempty) if nonempty else 0
+        span = (max(int(c.max()) for c in nonempty) - lo + 1) if nonempty else 1
+        codes = [code * span + (c - lo) for code, c in zip(codes, cols)]
+    return codes
+
+
+def _sorted_groups(code: np.ndarray, values: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(order, group code, group start, non-NaN count, group of each row) with rows sorted by code,
+    then value (NaN last)."""
+    order = np.lexsort((values, code))
+    sc = code[order]
+    bounds = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]])
+    group_of_sorted = np.cumsum(np.r_[True, sc[1:] != sc[:-1]]) - 1
+    valid = np.bincount(group_of_sorted, weights=~np.isnan(values[order]), minlength=len(bounds))
+    inverse = np.empty(len(code), dtype=np.int64)
+    inverse[order] = group_of_sorted
+    return order, sc[bounds], bounds, valid.astype(np.int64), inverse
+
+
+def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group of equal codes: (group codes, quantile, group of each row), as pandas' groupby
+    ``quantile(q)`` computes it (linear interpolation, or ``lower``; NaN ignored)."""
+    order, gcode, start, n, inverse = _sorted_groups(code, values)
+    v = values[order]
+    pos = q * np.maximum(n - 1, 0)
+    lo = np.floor(pos).astype(np.int64)
+    out = v[np.minimum(start + lo, len(v) - 1)]
+    if not lower:
+        frac = pos - lo
+        hi = v[np.minimum(start + np.minimum(lo + 1, np.maximum(n - 1, 0)), len(v) - 1)]
+        out = np.where(frac > 0, out + (hi - out) * frac, out)
+    return gcode, np.where(n > 0, out, np.nan), inverse
+
+
+def _op_costs(comp: _Ops, meta: JobMeta, expected: ExpectedCompute | None,
+              shape: TransformerShape | None, unblocked: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(relative cost of each compute op, expected seconds or None, name of the cost model).
 
@@ -120,35 +193,32 @@ def _op_costs(comp: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | Non
     scaled by the peers' measured/modelled ratio. Without lengths, peers are the only reference.
     """
     cost, exp_s, model = _model_costs(comp, expected, shape)
-    has_mb = "mb_id" in comp.columns and comp["mb_id"].notna().all()
-    if has_mb and ((unblocked and meta.pp_size > 1) or (model == "phase" and meta.world_size > 1
-                                                          and (meta.dp_size > 1 or meta.pp_size > 1))):
-        ratio = comp[["step", "dp_rank", "stage", "mb_id", "optype"]
-                     + (["tp_rank"] if "tp_rank" in comp.columns else [])].copy()
-        ratio["duration"] = comp["duration"].to_numpy() / cost
-        cost = cost * _peer_reference(ratio, meta, unblocked)
+    has_mb = comp.mb_id is not None
+    blocked = unblocked is not None
+    if has_mb and ((blocked and meta.pp_size > 1) or (model == "phase" and meta.world_size > 1
+                                                        and (meta.dp_size > 1 or meta.pp_size > 1))):
+        duration = unblocked if blocked else comp.duration
+        cost = cost * _peer_reference(comp, duration / cost, meta, blocked)
         model = "peers" if model == "phase" else f"{model}+peers"
     return cost, exp_s, model
 
 
-def _model_costs(comp: pd.DataFrame, expected: ExpectedCompute | None,
+def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
                  shape: TransformerShape | None) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Each op's cost from its sequence lengths (predictor, else analytic FLOPs), else its phase."""
-    phase = comp["optype"].map(_PHASE).to_numpy()
-    has_lens = "seq_lens" in comp.columns and comp["seq_lens"].notna().all() and len(comp)
-    if not has_lens:
-        return np.where(phase == "bwd", 2.0, 1.0), None, "phase"
-    keys = comp[["step", "dp_rank", "optype"]].copy()
-    keys["mb"] = comp["mb_id"].to_numpy() if "mb_id" in comp.columns else np.arange(len(comp))
-    if "mb_id" in comp.columns and comp["mb_id"].isna().any():
-        keys["mb"] = np.arange(len(comp))
-    codes, first = _unique_rows(keys)
-    lens = comp["seq_lens"].to_numpy()[first]
-    ph = phase[first]
+    bwd = comp.op == _OP_BWD
+    if not (len(comp) and comp.has("seq_lens")):
+        return np.where(bwd, 2.0, 1.0), None, "phase"
+    if comp.mb_id is not None:
+        (code,) = _key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))
+        _, first, codes = np.unique(code, return_index=True, return_inverse=True)
+    else:
+        first = codes = np.arange(len(comp))
+    lens = comp.frame["seq_lens"].to_numpy()[comp.rows[first]]
+    ph_bwd = bwd[first]
     cost_u = np.empty(len(first))
     if expected is not None:
-        for p in ("fwd", "bwd"):
-            sel = np.flatnonzero(ph == p)
+        for p, sel in (("fwd", np.flatnonzero(~ph_bwd)), ("bwd", np.flatnonzero(ph_bwd))):
             if sel.size:
                 cost_u[sel] = np.asarray(expected([lens[i] for i in sel], p), dtype=np.float64)
         if not np.all(np.isfinite(cost_u)) or cost_u.min() <= 0:
@@ -156,16 +226,16 @@ def _model_costs(comp: pd.DataFrame, expected: ExpectedCompute | None,
         cost = cost_u[codes]
         return cost, cost, "predictor"
     feats = length_features(list(lens))
+    tokens, sum_sq = feats["tokens"].to_numpy(), feats["sum_sq"].to_numpy()
     use = shape or TransformerShape(1, 4096, 32, 16384)
-    for p in ("fwd", "bwd"):
-        sel = np.flatnonzero(ph == p)
+    for p, sel in (("fwd", np.flatnonzero(~ph_bwd)), ("bwd", np.flatnonzero(ph_bwd))):
         if sel.size:
-            d, a = stage_flops(use, feats["tokens"].to_numpy()[sel], feats["sum_sq"].to_numpy()[sel], p)
+            d, a = stage_flops(use, tokens[sel], sum_sq[sel], p)
             cost_u[sel] = d + (a if shape is not None else 0.0)
     return cost_u[codes], None, "flops" if shape is not None else "tokens"
 
 
-def _peer_reference(ops: pd.DataFrame, meta: JobMeta, unblocked: bool) -> np.ndarray:
+def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool) -> np.ndarray:
     """Per op, the lower median of the same op of its peers (with few peers, one slow member must not
     lift everybody's reference, so the lower, not the mean of the middle two).
 
@@ -174,20 +244,14 @@ def _peer_reference(ops: pd.DataFrame, meta: JobMeta, unblocked: bool) -> np.nda
     the other data-parallel replicas (the same layers and token budget; their data differ).
     """
     if (unblocked or meta.dp_size == 1) and meta.pp_size > 1:
-        keys = ["step", "dp_rank", "mb_id", "optype"]
+        keys = [ops.step, ops.dp_rank, ops.mb_id, ops.op]
     else:
-        keys = ["step", "stage", "mb_id", "optype"]
-    if "tp_rank" in ops.columns and ops["tp_rank"].notna().all():
-        keys.append("tp_rank")
-    ref = ops.groupby(keys)["duration"].quantile(0.5, interpolation="lower")
-    ref = ref.reindex(pd.MultiIndex.from_frame(ops[keys])).to_numpy(np.float64)
-    return np.maximum(ref, 1e-12)
-
-
-def _unique_rows(keys: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    codes = keys.groupby(list(keys.columns), sort=False, dropna=False).ngroup().to_numpy()
-    _, first = np.unique(codes, return_index=True)
-    return codes, first
+        keys = [ops.step, ops.stage, ops.mb_id, ops.op]
+    if ops.tp_rank is not None:
+        keys.append(ops.tp_rank)
+    (code,) = _key_codes(keys)
+    _, ref, inverse = _group_quantile(code, values, 0.5, lower=True)
+    return np.maximum(ref[inverse], 1e-12)
 
 
 def _to_matrix(step_idx: np.ndarray, rank: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarray:
@@ -196,9 +260,28 @@ def _to_matrix(step_idx: np.ndarray, rank: np.ndarray, values: np.ndarray, t: in
     return out
 
 
-def _low_quantile(frame: pd.DataFrame, value: str, q: float) -> pd.Series:
-    grouped = frame.groupby(["step", "rank"], sort=True)[value]
-    return grouped.min() if q <= 0 else grouped.quantile(q)
+def _cells(steps: np.ndarray, step: np.ndarray, rank: np.ndarray, w: int) -> np.ndarray:
+    """Each row's cell of the (step, rank) matrix, as a flat index."""
+    return np.searchsorted(steps, step) * w + rank
+
+
+def _cell_quantile(cell: np.ndarray, values: np.ndarray, q: float, t: int, w: int) -> np.ndarray:
+    out = np.full(t * w, np.nan)
+    if q <= 0:
+        mins = np.full(t * w, np.inf)
+        np.fmin.at(mins, cell, values)
+        seen = np.bincount(cell, weights=~np.isnan(values), minlength=t * w) > 0
+        out[seen] = mins[seen]
+    else:
+        gcode, qv, _ = _group_quantile(cell, values, q)
+        out[gcode] = qv
+    return out.reshape(t, w)
+
+
+def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarray:
+    total = np.bincount(cell, weights=values, minlength=t * w)
+    seen = np.bincount(cell, minlength=t * w) > 0
+    return np.where(seen, total, np.nan).reshape(t, w)
 
 
 def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | None = None,
@@ -206,64 +289,75 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
     """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps)."""
     steps = np.unique(df["step"].to_numpy(np.int64))
     t, w = len(steps), meta.world_size
-    comp = df[df["optype"].isin(COMPUTE_OPTYPES)]
-    if comp.empty:
+    op = _optype_codes(df)
+    comp = _Ops(df, np.flatnonzero(op <= _OP_BWD), op)
+    if not len(comp):
         raise InputError("ops trace: no forward-compute or backward-compute rows to analyse")
     unblocked = _unblocked_durations(comp) if meta.pp_size > 1 else None
-    if unblocked is not None:
-        comp = comp.assign(duration=unblocked)
-    cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked is not None)
-    frame = pd.DataFrame({"step": comp["step"].to_numpy(), "rank": comp["rank"].to_numpy(),
-                          "ratio": comp["duration"].to_numpy() / cost,
-                          "duration": comp["duration"].to_numpy()})
+    cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked)
+    duration = comp.duration if unblocked is None else unblocked
+    cell = _cells(steps, comp.step, comp.rank, w)
     # with the waits taken out (or none to take: one stage), the median op speaks for the rank;
     # otherwise a low quantile, the ops that did not wait
     waits_left = meta.pp_size > 1 and unblocked is None
-    own = _low_quantile(frame, "ratio", own_quantile if waits_left else 0.5)
-    idx = own.index
-    s_idx = np.searchsorted(steps, idx.get_level_values(0).to_numpy())
-    r_idx = idx.get_level_values(1).to_numpy()
-    raw = frame.groupby(["step", "rank"], sort=True)["duration"].sum()
-    expected_m = None
-    if exp_s is not None:
-        frame["expected"] = exp_s
-        expected_m = _to_matrix(s_idx, r_idx, frame.groupby(["step", "rank"], sort=True)["expected"]
-                                .sum().to_numpy(), t, w)
+    own = _cell_quantile(cell, duration / cost, own_quantile if waits_left else 0.5, t, w)
+    raw = _cell_sum(cell, duration, t, w)
+    expected_m = None if exp_s is None else _cell_sum(cell, exp_s, t, w)
     comm_m = None
-    p2p = df[df["optype"].isin(NEXT_LINK_OPTYPES)]
-    if not p2p.empty:
-        c = _low_quantile(_per_token(p2p, comp, meta), "duration", own_quantile)
-        ci = c.index
-        comm_m = _to_matrix(np.searchsorted(steps, ci.get_level_values(0).to_numpy()),
-                            ci.get_level_values(1).to_numpy(), c.to_numpy(), t, w)
+    link = np.flatnonzero(op == _OP_LINK)
+    if link.size:
+        p2p = _Ops(df, link, op)
+        rows, per_token = _per_token(p2p, comp, meta)
+        comm_m = _cell_quantile(_cells(steps, p2p.step[rows], p2p.rank[rows], w), per_token,
+                                own_quantile, t, w)
     if unblocked is not None:
-        model += "+timestamps" if "start_ts" in comp.columns else "+cumulative-times"
-    return Observations(steps, _to_matrix(s_idx, r_idx, own.to_numpy(), t, w),
-                        _to_matrix(s_idx, r_idx, raw.to_numpy(), t, w), expected_m, comm_m, model)
+        model += "+timestamps" if "start_ts" in df.columns else "+cumulative-times"
+    return Observations(steps, own, raw, expected_m, comm_m, model)
 
 
-def _per_token(p2p: pd.DataFrame, comp: pd.DataFrame, meta: JobMeta) -> pd.DataFrame:
-    """Transfer seconds per token of the micro-batch carried, where the trace says which one it was;
-    without lengths, relative to the same transfer on the pipeline's other links (or replicas)."""
-    out = p2p[["step", "rank", "duration"]].copy()
-    keys = ["step", "dp_rank", "mb_id"]
-    if "mb_id" not in p2p.columns or p2p["mb_id"].isna().any():
-        return out
-    if "seq_lens" not in comp.columns or comp["seq_lens"].isna().any():
+_OP_FWD, _OP_BWD, _OP_LINK, _OP_OTHER = 0, 1, 2, 3
+
+
+def _optype_codes(df: pd.DataFrame) -> np.ndarray:
+    """0 forward compute, 1 backward compute, 2 a transfer over the next link, 3 anything else."""
+    codes, names = pd.factorize(df["optype"])
+    table = np.array([_OP_FWD if n == "forward-compute" else _OP_BWD if n == "backward-compute"
+                      else _OP_LINK if n in NEXT_LINK_OPTYPES else _OP_OTHER for n in names] + [_OP_OTHER])
+    return table[codes]
+
+
+def _per_token(p2p: _Ops, comp: _Ops, meta: JobMeta) -> tuple[np.ndarray, np.ndarray]:
+    """(rows of ``p2p`` kept, their transfer seconds per token of the micro-batch carried) where the
+    trace says which one it was; without lengths, relative to the same transfer on the pipeline's
+    other links (or replicas)."""
+    every = np.arange(len(p2p))
+    if p2p.mb_id is None:
+        return every, p2p.duration
+    if comp.mb_id is None or not comp.has("seq_lens"):
         if meta.pp_size > 2 or meta.dp_size > 1:
-            ref = _peer_reference(p2p, meta, unblocked=meta.pp_size > 2)
-            out["duration"] = out["duration"].to_numpy() / ref
-        return out
-    first = comp.drop_duplicates(keys)
-    tokens = pd.Series([sum(s) for s in first["seq_lens"]], dtype=np.float64,
-                       index=pd.MultiIndex.from_frame(first[keys].astype(np.int64)))
-    look = pd.MultiIndex.from_frame(p2p[keys].fillna(-1).astype(np.int64))
-    t = tokens.reindex(look).to_numpy()
-    out["duration"] = np.where(np.isfinite(t) & (t > 0), out["duration"].to_numpy() / t, np.nan)
-    return out.dropna()
+            ref = _peer_reference(p2p, p2p.duration, meta, unblocked=meta.pp_size > 2)
+            return every, p2p.duration / ref
+        return every, p2p.duration
+    comp_code, look = _key_codes((comp.step, comp.dp_rank, comp.mb_id),
+                                 (p2p.step, p2p.dp_rank, p2p.mb_id))
+    known, first = np.unique(comp_code, return_index=True)
+    lens = comp.frame["seq_lens"].to_numpy()[comp.rows[first]]
+    tokens = np.fromiter((sum(s) for s in lens), dtype=np.float64, count=len(lens))
+    t = _lookup(known, tokens, look)
+    per = np.where(np.isfinite(t) & (t > 0), p2p.duration / t, np.nan)
+    keep = np.flatnonzero(~np.isnan(per))
+    return keep, per[keep]
 
 
-def _unblocked_durations(comp: pd.DataFrame) -> np.ndarray | None:
+def _lookup(known: np.ndarray, values: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """``values`` of the sorted unique ``known`` codes at ``codes`` (NaN where unknown)."""
+    if not len(known):
+        return np.full(len(codes), np.nan)
+    pos = np.minimum(np.searchsorted(known, codes), len(known) - 1)
+    return np.where(known[pos] == codes, values[pos], np.nan)
+
+
+def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
     """Compute durations without the time spent blocked on the pipeline neighbour, from timestamps.
 
     A forward op of stage ``s`` cannot run before the same micro-batch's forward on ``s - 1`` ended
@@ -272,26 +366,21 @@ def _unblocked_durations(comp: pd.DataFrame) -> np.ndarray | None:
     (clocks that agree across a pipeline) or, without it, the running sum of the rank's compute
     durations in the step. An op whose neighbour is absent keeps its duration.
     """
-    if "mb_id" not in comp.columns or comp["mb_id"].isna().any():
+    if comp.mb_id is None:
         return None
-    keys = ["step", "dp_rank", "mb_id", "optype"]
-    if "tp_rank" in comp.columns and comp["tp_rank"].notna().all():
-        keys.append("tp_rank")
-    if "start_ts" in comp.columns and comp["start_ts"].notna().all():
-        start = comp["start_ts"].to_numpy(np.float64)
+    keys = [comp.step, comp.dp_rank, comp.mb_id, comp.op]
+    if comp.tp_rank is not None:
+        keys.append(comp.tp_rank)
+    dur = comp.duration
+    if comp.has("start_ts"):
+        start = comp.frame["start_ts"].to_numpy(np.float64)[comp.rows]
     else:
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)
-        dur = comp["duration"].to_numpy(np.float64)
-        start = comp.assign(_d=dur).groupby(["step", "rank"], sort=False)["_d"].cumsum().to_numpy() - dur
-    dur = comp["duration"].to_numpy(np.float64)
-    ends = comp[keys + ["stage"]].copy()
-    ends["_end"] = start + dur
-    ends = ends.drop_duplicates(keys + ["stage"])
-    look = comp[keys].copy()
-    look["stage"] = comp["stage"].to_numpy() + np.where(comp["optype"].to_numpy() == "backward-compute",
-                                                        1, -1)
-    dep_end = look.merge(ends, on=keys + ["stage"], how="left")["_end"].to_numpy()
-    own = np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
-                   start + dur - dep_end, dur)
-    return own
+        start = pd.Series(dur).groupby([comp.step, comp.rank], sort=False).cumsum().to_numpy() - dur
+    neighbour = comp.stage + np.where(comp.op == _OP_BWD, 1, -1)
+    own_code, dep_code = _key_codes((*keys, comp.stage), (*keys, neighbour))
+    known, first = np.unique(own_code, return_index=True)
+    dep_end = _lookup(known, (start + dur)[first], dep_code)
+    return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
+                    start + dur - dep_end, dur)
