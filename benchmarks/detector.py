@@ -7,7 +7,8 @@ lengths and timestamps; data-parallel jobs (dp 8 x pp 1), where replicas run dif
 shipped predictor, analytic FLOPs, and no lengths at all. Thresholds were set on seed 0; the figures
 are for seed 1.
 Speed: ``OnlineDetector.observe_arrays`` over 16,384 ranks on one core (rank-steps per second), and
-the ops-trace-to-matrices step on a simulated trace (ops rows per second). Medians of repeats.
+the whole path from an ops DataFrame (``observe_ops`` then ``observe_arrays``) on a simulated
+trace (ops rows and rank-steps per second, conversion alone and the whole path). Medians of repeats.
 
 Usage: ``python benchmarks/detector.py [--quick]``; prints one JSON document.
 """
@@ -26,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from resihp.detect.alibaba import alibaba_path  # noqa: E402
 from resihp.detect.config import DetectorConfig  # noqa: E402
-from resihp.detect.observe import Layout, observe_ops  # noqa: E402
+from resihp.detect.observe import Layout, observe_ops, rank_layout  # noqa: E402
 from resihp.detect.online import OnlineDetector  # noqa: E402
 from resihp.detect.suite import DEFAULT_PROFILE, evaluate_suite  # noqa: E402
 from resihp.detect.synth import CostPool, SimJob, alibaba_residuals, simulate  # noqa: E402
@@ -56,17 +57,28 @@ def speed_observe_arrays(world: int = 16384, steps: int = 200, repeats: int = 3)
 
 
 def speed_observe_ops(repeats: int = 3) -> dict:
+    """The whole path from an ops DataFrame: ``observe_ops`` (trace to matrices) and then
+    ``OnlineDetector.observe_arrays`` on every step, timed apart and together."""
     pool = CostPool.from_profile(DEFAULT_PROFILE)
     job = SimJob(dp=8, pp=4, microbatches=8, steps=100, source="code")
     df = simulate(job, pool, alibaba_residuals(alibaba_path(2)))
-    times = []
+    meta = job.meta()
+    layout = rank_layout(df, meta)
+    convert, analyse = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        observe_ops(df, job.meta())
-        times.append(time.perf_counter() - t0)
-    t = float(np.median(times))
-    return {"ops_rows": len(df), "rank_steps": job.world_size * job.steps,
-            "ops_rows_per_s": len(df) / t, "rank_steps_per_s": job.world_size * job.steps / t}
+        obs = observe_ops(df, meta)
+        t1 = time.perf_counter()
+        det = OnlineDetector(meta, None, DetectorConfig(), layout=layout)
+        for i, step in enumerate(obs.steps):
+            det.observe_arrays(int(step), obs.own[i], obs.raw[i], None, None)
+        convert.append(t1 - t0)
+        analyse.append(time.perf_counter() - t1)
+    rank_steps = job.world_size * job.steps
+    tc, ta = float(np.median(convert)), float(np.median(analyse))
+    return {"ops_rows": len(df), "rank_steps": rank_steps, "ops_per_rank_step": len(df) / rank_steps,
+            "observe_ops_s": tc, "ops_rows_per_s": len(df) / tc, "rank_steps_per_s": rank_steps / tc,
+            "whole_path_rank_steps_per_s": rank_steps / (tc + ta)}
 
 
 def predictor_expected():
