@@ -1,4 +1,5 @@
-"""Per-step compute noise measured on real jobs: the Alibaba PAI per-worker mini-batch times.
+"""Per-step compute noise measured on real jobs: the Alibaba PAI per-worker mini-batch times
+(traces/alibaba/, see its README).
 
 Each worker's time is divided by its own rolling median (21 iterations, centred), which leaves the
 step-to-step fluctuation and removes slow drifts; iterations where the worker is a straggler (more
@@ -13,17 +14,15 @@ from functools import lru_cache
 import numpy as np
 import pandas as pd
 
+from resihp.detect.alibaba import ALIBABA_DIR, alibaba_path
 from resihp.errors import InputError
-from resihp.paths import TRACES
-
-FAILURES = TRACES / "failures"
 
 
 def worker_times(job: int) -> pd.DataFrame:
     """Iterations x workers table of normalised mini-batch times of an Alibaba PAI job."""
-    path = FAILURES / f"job_{job}_norm.csv"
+    path = alibaba_path(job)
     if not path.exists():
-        available = sorted(p.stem.split("_")[1] for p in FAILURES.glob("job_*_norm.csv"))
+        available = sorted(p.stem.split("_")[1] for p in ALIBABA_DIR.glob("job_*_norm.csv"))
         raise InputError(f"noise.alibaba_job: no trace for job {job} (have {', '.join(available)})")
     df = pd.read_csv(path)
     return df.pivot_table(index="time", columns="worker", values="batch_time_norm").sort_index()
