@@ -16,6 +16,10 @@ from resihp.workload.flops import TransformerShape
 from resihp.yamlio import read_yaml_mapping
 
 
+def _read_spec(path: str | Path, what: str) -> dict[str, Any]:
+    return read_yaml_mapping(path, what, f"expected a YAML mapping describing the {what}")
+
+
 def _number(data: Mapping, key: str, where: str, default: Any = None, *, positive: bool = True,
             integer: bool = False, minimum: float | None = None, maximum: float | None = None):
     value = data.get(key, default)
@@ -62,8 +66,7 @@ class ClusterSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
-        data = read_yaml_mapping(path, "cluster", "expected a YAML mapping describing the cluster")
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(_read_spec(path, "cluster"), where=str(path))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
@@ -282,8 +285,7 @@ class ModelSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ModelSpec:
-        data = read_yaml_mapping(path, "model", "expected a YAML mapping describing the model")
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(_read_spec(path, "model"), where=str(path))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "model") -> ModelSpec:
