@@ -14,7 +14,7 @@ the other stages); the op's phase alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,32 +111,53 @@ def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:
 
 
 class _Ops:
-    """The columns of a subset of trace rows as numpy arrays, converted from the frame once."""
+    """The key and value columns of a subset of trace rows as numpy arrays."""
 
-    def __init__(self, df: pd.DataFrame, rows: np.ndarray, op: np.ndarray) -> None:
-        self.frame = df
+    def __init__(self, cols: Mapping[str, np.ndarray], rows: np.ndarray, op: np.ndarray) -> None:
+        self.cols = cols
         self.rows = rows
         self.op = op[rows]  # small integer code of the optype
-        self.step = df["step"].to_numpy(np.int64)[rows]
-        self.rank = df["rank"].to_numpy(np.int64)[rows]
-        self.dp_rank = df["dp_rank"].to_numpy(np.int64)[rows]
-        self.stage = df["stage"].to_numpy(np.int64)[rows]
-        self.duration = df["duration"].to_numpy(np.float64)[rows]
+        self.step, self.rank, self.dp_rank, self.stage, self.duration = (
+            cols[c][rows] for c in ("step", "rank", "dp_rank", "stage", "duration"))
         self.tp_rank = self._full_int("tp_rank")
         self.mb_id = self._full_int("mb_id")
 
     def _full_int(self, name: str) -> np.ndarray | None:
         """The column as int64 when present with a value on every row of the subset, else None."""
-        if name not in self.frame.columns:
+        if name not in self.cols:
             return None
-        col = self.frame[name].to_numpy(np.float64, na_value=np.nan)[self.rows]
+        col = self.cols[name][self.rows]
         return None if np.isnan(col).any() else col.astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def has(self, name: str) -> bool:
-        return name in self.frame.columns and not self.frame[name].iloc[self.rows].isna().any()
+        """Whether the column is there with a value on every row of the subset."""
+        if name not in self.cols:
+            return False
+        col = self.cols[name][self.rows]
+        return not (pd.isna(col).any() if col.dtype == object else np.isnan(col).any())
+
+    def values(self, name: str, at: np.ndarray | None = None) -> np.ndarray:
+        """The column on the subset's rows (or on its rows ``at``)."""
+        return self.cols[name][self.rows if at is None else self.rows[at]]
+
+
+# the columns observe reads, with the dtype it works in (NaN marks a missing integer)
+_COLUMN_DTYPES = {"step": np.int64, "rank": np.int64, "dp_rank": np.int64, "stage": np.int64,
+                  "duration": np.float64, "tp_rank": np.float64, "mb_id": np.float64,
+                  "start_ts": np.float64}
+
+
+def trace_columns(df: pd.DataFrame) -> dict[str, np.ndarray]:
+    """The columns of an ops trace that ``observe_columns`` reads, as numpy arrays."""
+    cols = {c: df[c].to_numpy(dt, na_value=np.nan) if dt is np.float64 else df[c].to_numpy(dt)
+            for c, dt in _COLUMN_DTYPES.items() if c in df.columns}
+    cols["optype"] = df["optype"]
+    if "seq_lens" in df.columns:
+        cols["seq_lens"] = df["seq_lens"].to_numpy()
+    return cols
 
 
 def _key_codes(*tables: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -214,7 +235,7 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
         _, first, codes = np.unique(code, return_index=True, return_inverse=True)
     else:
         first = codes = np.arange(len(comp))
-    lens = comp.frame["seq_lens"].to_numpy()[comp.rows[first]]
+    lens = comp.values("seq_lens", first)
     ph_bwd = bwd[first]
     cost_u = np.empty(len(first))
     if expected is not None:
@@ -287,10 +308,19 @@ def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarra
 def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | None = None,
                 shape: TransformerShape | None = None, own_quantile: float = 0.1) -> Observations:
     """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps)."""
-    steps = np.unique(df["step"].to_numpy(np.int64))
+    return observe_columns(trace_columns(df), meta, expected=expected, shape=shape,
+                           own_quantile=own_quantile)
+
+
+def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
+                    expected: ExpectedCompute | None = None, shape: TransformerShape | None = None,
+                    own_quantile: float = 0.1) -> Observations:
+    """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
+    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``."""
+    steps = np.unique(cols["step"])
     t, w = len(steps), meta.world_size
-    op = _optype_codes(df)
-    comp = _Ops(df, np.flatnonzero(op <= _OP_BWD), op)
+    op = _optype_codes(cols["optype"])
+    comp = _Ops(cols, np.flatnonzero(op <= _OP_BWD), op)
     if not len(comp):
         raise InputError("ops trace: no forward-compute or backward-compute rows to analyse")
     unblocked = _unblocked_durations(comp) if meta.pp_size > 1 else None
@@ -306,21 +336,21 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
     comm_m = None
     link = np.flatnonzero(op == _OP_LINK)
     if link.size:
-        p2p = _Ops(df, link, op)
+        p2p = _Ops(cols, link, op)
         rows, per_token = _per_token(p2p, comp, meta)
         comm_m = _cell_quantile(_cells(steps, p2p.step[rows], p2p.rank[rows], w), per_token,
                                 own_quantile, t, w)
     if unblocked is not None:
-        model += "+timestamps" if "start_ts" in df.columns else "+cumulative-times"
+        model += "+timestamps" if "start_ts" in cols else "+cumulative-times"
     return Observations(steps, own, raw, expected_m, comm_m, model)
 
 
 _OP_FWD, _OP_BWD, _OP_LINK, _OP_OTHER = 0, 1, 2, 3
 
 
-def _optype_codes(df: pd.DataFrame) -> np.ndarray:
+def _optype_codes(optype: pd.Series | pd.Categorical | np.ndarray) -> np.ndarray:
     """0 forward compute, 1 backward compute, 2 a transfer over the next link, 3 anything else."""
-    codes, names = pd.factorize(df["optype"])
+    codes, names = pd.factorize(optype)
     table = np.array([_OP_FWD if n == "forward-compute" else _OP_BWD if n == "backward-compute"
                       else _OP_LINK if n in NEXT_LINK_OPTYPES else _OP_OTHER for n in names] + [_OP_OTHER])
     return table[codes]
@@ -341,7 +371,7 @@ def _per_token(p2p: _Ops, comp: _Ops, meta: JobMeta) -> tuple[np.ndarray, np.nda
     comp_code, look = _key_codes((comp.step, comp.dp_rank, comp.mb_id),
                                  (p2p.step, p2p.dp_rank, p2p.mb_id))
     known, first = np.unique(comp_code, return_index=True)
-    lens = comp.frame["seq_lens"].to_numpy()[comp.rows[first]]
+    lens = comp.values("seq_lens", first)
     tokens = np.fromiter((sum(s) for s in lens), dtype=np.float64, count=len(lens))
     t = _lookup(known, tokens, look)
     per = np.where(np.isfinite(t) & (t > 0), p2p.duration / t, np.nan)
@@ -373,7 +403,7 @@ def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
         keys.append(comp.tp_rank)
     dur = comp.duration
     if comp.has("start_ts"):
-        start = comp.frame["start_ts"].to_numpy(np.float64)[comp.rows]
+        start = comp.values("start_ts")
     else:
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)

@@ -2,9 +2,11 @@
 
 The detector objects are the ones live runs use (``OnlineDetector`` and the baselines of
 ``resihp.detect.baselines``); this module only turns a replay window into their input (the ops trace
-of DESIGN.md, through ``resihp.detect.observe.observe_ops``) and maps the logical ranks they name
-back to devices. A detector is rebuilt when ranks move or a stage's layers change (its per-rank
-baselines no longer hold; it recalibrates); a change of micro-batch counts keeps it.
+of DESIGN.md, through ``resihp.detect.observe.observe_columns``) and maps the logical ranks they name
+back to devices. The window's records reach ``observe_columns`` as the arrays the simulator made
+(the same records ``Window.ops()`` gives as a frame, without building it). A detector is rebuilt
+when ranks move or a stage's layers change (its per-rank baselines no longer hold; it
+recalibrates); a change of micro-batch counts keeps it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from resihp.detect.config import DetectorConfig
-from resihp.detect.observe import observe_ops, rank_layout
+from resihp.detect.observe import observe_columns, rank_layout
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.replay.interface import Window
@@ -59,16 +62,17 @@ class DetectorFeed:
         """Feed the window step by step; stop at the first step with findings and return them."""
         if window.meta is None or not np.isfinite(window.step_time).all():
             return []
-        df = window.ops()
-        if df.empty:
+        cols = window.columns()
+        if not cols:
             return []
         signature = _signature(window)
         if self.detector is None or self._layout != signature:
-            self.detector = self.make(window.meta, rank_layout(df, window.meta, source="replay ops"))
+            places = pd.DataFrame({c: cols[c] for c in ("rank", "dp_rank", "stage", "tp_rank")})
+            self.detector = self.make(window.meta, rank_layout(places, window.meta, source="replay ops"))
             self._layout = signature
             self._rank_device = window.rank_device
             self._reported = {}
-        obs = observe_ops(df, window.meta, shape=self.shape, own_quantile=self.own_quantile)
+        obs = observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile)
         if self.plan_aware and window.rank_work is not None:
             # the plan in force gives each rank its share of a micro-batch (layers / tp width); a
             # live system knows its own plan, so the per-rank expectation includes it

@@ -57,6 +57,7 @@ class Window:
     meta: JobMeta | None = None
     rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
     rank_work: np.ndarray | None = None  # logical rank -> expected forward seconds per micro-batch
+    _columns: Callable[[], dict[str, np.ndarray]] | None = None
 
     def ops(self) -> pd.DataFrame:
         """The DESIGN.md ops trace of these steps: forward/backward compute of the first
@@ -66,6 +67,16 @@ class Window:
         Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel peer
         inside the collectives is not in it), so a slow device shows on its own rank only."""
         return self._ops()
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The same records as ``ops()``, as numpy columns (``resihp.detect.observe.trace_columns``
+        form, ``optype`` a ``pd.Categorical``) without building the frame; {} for no records."""
+        if self._columns is None:
+            from resihp.detect.observe import trace_columns
+
+            df = self.ops()
+            return trace_columns(df) if not df.empty else {}
+        return self._columns()
 
 
 class Policy:

@@ -10,10 +10,12 @@ sets the pace. The ops records of a window follow the DESIGN.md contract.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 
-from resihp.opstrace import JobMeta
+from resihp.opstrace import COMPUTE_OPTYPES, JobMeta
 from resihp.perf.schedule import compile_schedule, op_end_times
 from resihp.replay.costmodel import (
     MicroBatchPool,
@@ -105,17 +107,28 @@ class Simulator:
                     (r.layers[st] * layer + last) / (len(gr) * self.rate)
                     + 2.0 * r.layers[st] * float(tp_allreduce_s(self.scenario, mean_tokens, len(gr))))
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
-        return Window(steps, start_s, step_time, tokens, layout,
-                      lambda: self._ops(per_group, steps, step_start, speeds, pp_max, tp_max), meta,
-                      rank_device, rank_work)
+        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, pp_max, tp_max))
+        return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
+                      rank_device, rank_work, columns)
 
     def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
         return Window(np.arange(first_step, first_step + n_steps), start_s,
-                      np.full(n_steps, np.inf), np.zeros(n_steps), layout, lambda: pd.DataFrame())
+                      np.full(n_steps, np.inf), np.zeros(n_steps), layout, lambda: pd.DataFrame(),
+                      _columns=dict)
 
-    def _ops(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
-             pp_max: int, tp_max: int) -> pd.DataFrame:
-        frames = []
+    def _ops(self, columns: Callable[[], dict[str, np.ndarray]]) -> pd.DataFrame:
+        cols = columns()
+        if not cols:
+            return pd.DataFrame()
+        frame = pd.DataFrame({k: v for k, v in cols.items() if k not in ("optype", "seq_lens")})
+        frame.insert(8, "optype", pd.Series(cols["optype"]).astype(str))
+        frame["seq_lens"] = cols["seq_lens"]
+        return frame  # row order is free in the contract
+
+    def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
+                 pp_max: int, tp_max: int) -> dict[str, np.ndarray]:
+        """The window's ops records as columns (``resihp.detect.observe.trace_columns`` form)."""
+        parts: list[dict[str, np.ndarray]] = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
         for g, mb, fwd, comm, sp, sched, end in per_group:
@@ -149,13 +162,15 @@ class Simulator:
             tp_axis = (slice(None), slice(None), slice(None), None, slice(None))
             sf = np.broadcast_to(start_f[tp_axis], own.shape).ravel()[real]
             sb = np.broadcast_to(start_b[tp_axis], own.shape).ravel()[real]
-            frames.append(pd.DataFrame({**base, "optype": "forward-compute", "duration": dur,
-                                        "start_ts": sf, "seq_lens": seq}))
-            frames.append(pd.DataFrame({**base, "optype": "backward-compute", "duration": 2.0 * dur,
-                                        "start_ts": sb, "seq_lens": seq}))
-        if not frames:
-            return pd.DataFrame()
-        return pd.concat(frames, ignore_index=True)  # row order is free in the contract
+            n = len(dur)
+            for code, d, st in ((0, dur, sf), (1, 2.0 * dur, sb)):
+                parts.append({**base, "optype": np.full(n, code, dtype=np.int8), "duration": d,
+                              "start_ts": st, "seq_lens": seq})
+        if not parts:
+            return {}
+        cols = {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+        cols["optype"] = pd.Categorical.from_codes(cols["optype"], categories=list(COMPUTE_OPTYPES))
+        return cols
 
 
 _POOLS: dict[tuple, MicroBatchPool] = {}
@@ -171,3 +186,14 @@ def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool
         _POOLS[key] = build_pool(m, resolve_source(scenario.workload), POOL_MICROBATCHES,
                                  np.random.default_rng(scenario.seed), budget)
     return _POOLS[key]
+
+
+def _once(make: Callable[[], dict]) -> Callable[[], dict]:
+    """``make`` computed on the first call only (the ops frame and the detectors share it)."""
+    cache: list[dict] = []
+
+    def get() -> dict:
+        if not cache:
+            cache.append(make())
+        return cache[0]
+    return get

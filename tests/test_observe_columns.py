@@ -1,0 +1,64 @@
+"""The array path of the detector's trace analysis: the numpy group statistics against pandas, and
+the replay handing its records to the detector as columns (the same analysis as its ops frame)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from resihp.detect.observe import _group_quantile, observe_columns, observe_ops
+from resihp.replay.engine import Replay
+from resihp.replay.layout import compile_layout
+from resihp.replay.policies import make_policies
+from resihp.replay.scenario import load_scenario
+from tests.replay_fixtures import write
+
+
+@pytest.mark.parametrize("q,lower", [(0.5, True), (0.1, False), (0.5, False), (0.9, False)])
+def test_group_quantile_matches_pandas(q, lower):
+    rng = np.random.default_rng(0)
+    code = rng.integers(0, 300, size=5000) * 7  # groups of 1..~30 rows, codes with gaps
+    values = rng.lognormal(size=5000)
+    values[rng.random(5000) < 0.05] = np.nan
+    codes, got, inverse = _group_quantile(code, values, q, lower=lower)
+    want = pd.Series(values).groupby(code).quantile(q, interpolation="lower" if lower else "linear")
+    np.testing.assert_array_equal(codes, want.index.to_numpy())
+    np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
+    np.testing.assert_array_equal(codes[inverse], code)
+
+
+def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
+    sc = load_scenario(write(tmp_path))
+    rp = Replay(sc, make_policies("resihp")[0], events=[])
+    speeds = np.ones(sc.cluster.size)
+    speeds[3] = 0.6  # one slow device, so the matrices are not uniform
+    win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), speeds, 8, 0, 0.0)
+    df = win.ops()
+    cols = win.columns()
+    assert len(cols["step"]) == len(df)
+    from_frame = observe_ops(df, win.meta)
+    from_cols = observe_columns(cols, win.meta)
+    assert from_cols.cost_model == from_frame.cost_model
+    for name in ("own", "raw"):
+        np.testing.assert_array_equal(getattr(from_cols, name), getattr(from_frame, name))
+    # the slow device's rank is the slowest in its own compute, in every step
+    rank = int(np.flatnonzero(win.rank_device == 3)[0])
+    assert (np.nanargmax(from_cols.own / win.rank_work[None, :], axis=1) == rank).all()
+
+
+def test_optype_as_strings_or_categorical(tmp_path):
+    sc = load_scenario(write(tmp_path))
+    rp = Replay(sc, make_policies("resihp")[0], events=[])
+    win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), np.ones(sc.cluster.size), 4, 0,
+                        0.0)
+    cols = dict(win.columns())
+    assert isinstance(cols["optype"], pd.Categorical)
+    a = observe_columns(cols, win.meta)
+    cols["optype"] = np.asarray(cols["optype"], dtype=object)
+    b = observe_columns(cols, win.meta)
+    assert a.cost_model == b.cost_model == "tokens+peers+timestamps"
+    np.testing.assert_array_equal(a.own, b.own)
+    np.testing.assert_array_equal(a.raw, b.raw)
+    cols.pop("start_ts")  # no clock: issue times from the running sum of each rank's durations
+    c = observe_columns(cols, win.meta)
+    assert c.cost_model == "tokens+peers+cumulative-times"
+    assert np.isfinite(c.own).all()
