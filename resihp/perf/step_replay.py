@@ -20,45 +20,53 @@ SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter", "params-all-gather",
                 "embedding-grads-all-reduce", "layernorm-grads-all-reduce")
 
 
-def _grid(rows: pd.DataFrame, meta: JobMeta, mbs: int, source: str) -> np.ndarray:
-    """[replicas, model chunks, micro-batches] of the slowest tensor-parallel rank's duration;
+def _grid(rows: pd.DataFrame, meta: JobMeta, source: str) -> np.ndarray:
+    """[model chunks, micro-batches] of one replica's slowest tensor-parallel rank's duration;
     model chunk ``mc * pp_size + stage`` (``mc`` is 0 without interleaving)."""
     if meta.vpp_size > 1 and ("mc" not in rows.columns or rows["mc"].isna().any()):
         raise InputError(f"{source}: vpp_size is {meta.vpp_size} but compute ops lack the model "
                          "chunk column mc")
     chunk = rows["mc"].fillna(0).astype(np.int64) * meta.pp_size if "mc" in rows.columns else 0
     rows = rows.assign(chunk=rows["stage"] + chunk)
-    grid = np.full((meta.dp_size, meta.pp_size * meta.vpp_size, mbs), np.nan)
-    worst = rows.groupby(["dp_rank", "chunk", "mb_id"])["duration"].max()
+    grid = np.full((meta.pp_size * meta.vpp_size, int(rows["mb_id"].max()) + 1), np.nan)
+    worst = rows.groupby(["chunk", "mb_id"])["duration"].max()
     idx = worst.index.to_frame().to_numpy(np.int64)
-    grid[idx[:, 0], idx[:, 1], idx[:, 2]] = worst.to_numpy()
+    grid[idx[:, 0], idx[:, 1]] = worst.to_numpy()
     if np.isnan(grid).any():
-        r, g, j = (int(v[0]) for v in np.nonzero(np.isnan(grid)))
-        raise InputError(f"{source}: no duration for replica {r}, model chunk {g}, micro-batch {j}")
+        g, j = (int(v[0]) for v in np.nonzero(np.isnan(grid)))
+        raise InputError(f"{source}: step {int(rows['step'].iloc[0])} replica "
+                         f"{int(rows['dp_rank'].iloc[0])}: no duration for model chunk {g}, "
+                         f"micro-batch {j}")
     return grid
 
 
 def replay_step(ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "ops trace"
                 ) -> float:
-    """Predicted time of one step from its measured op durations."""
+    """Predicted time of one step from its measured op durations: each data-parallel replica's
+    critical path (replicas may run different numbers of micro-batches), its gradient sync, then
+    the optimizer; the slowest replica sets the step."""
     compute = ops[ops["optype"].isin(["forward-compute", "backward-compute"])]
     if compute.empty or compute["mb_id"].isna().any():
         raise InputError(f"{source}: step {ops['step'].iloc[0]} has compute ops without mb_id")
-    mbs = int(compute["mb_id"].max()) + 1
-    fwd = _grid(compute[compute["optype"] == "forward-compute"], meta, mbs, source)
-    bwd = _grid(compute[compute["optype"] == "backward-compute"], meta, mbs, source)
     sends = ops.loc[ops["optype"].isin(SEND_OPTYPES), "duration"]
     p2p = float(sends.median()) if len(sends) else 0.0
-    sync = ops[ops["optype"].isin(SYNC_OPTYPES)].groupby(["dp_rank", "stage"])["duration"].sum()
-    dp_sync = np.zeros((meta.dp_size, meta.pp_size))
-    if len(sync):
-        idx = sync.index.to_frame().to_numpy(np.int64)
-        dp_sync[idx[:, 0], idx[:, 1]] = sync.to_numpy()
     optimizer = ops.loc[ops["optype"].str.startswith("optimizer"), "duration"]
-    per_replica = pipeline_step_time(fwd, bwd, schedule, p2p_s=p2p, dp_sync_s=dp_sync,
-                                     optimizer_s=float(optimizer.max()) if len(optimizer) else 0.0,
-                                     chunks=meta.vpp_size)
-    return float(per_replica.max())
+    optimizer_s = float(optimizer.max()) if len(optimizer) else 0.0
+    sync = ops[ops["optype"].isin(SYNC_OPTYPES)].groupby(["dp_rank", "stage"])["duration"].sum()
+    worst = 0.0
+    for dp_rank, rows in compute.groupby("dp_rank"):
+        # micro-batch ids may be numbered across the whole step; the schedule wants 0..m-1
+        rows = rows.assign(mb_id=pd.factorize(rows["mb_id"], sort=True)[0])
+        dp_sync = np.zeros(meta.pp_size)
+        if dp_rank in sync.index.get_level_values(0):
+            per_stage = sync.loc[dp_rank]
+            dp_sync[per_stage.index.to_numpy(np.int64)] = per_stage.to_numpy()
+        fwd = _grid(rows[rows["optype"] == "forward-compute"], meta, source)
+        bwd = _grid(rows[rows["optype"] == "backward-compute"], meta, source)
+        step = pipeline_step_time(fwd, bwd, schedule, p2p_s=p2p, dp_sync_s=dp_sync,
+                                  optimizer_s=optimizer_s, chunks=meta.vpp_size)
+        worst = max(worst, float(step))
+    return worst
 
 
 def replay_steps(ops: pd.DataFrame, meta: JobMeta, schedule: str, skip: int = 1,
