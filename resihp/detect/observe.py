@@ -170,7 +170,10 @@ def _key_codes(*tables: Sequence[np.ndarray]) -> list[np.ndarray]:
         nonempty = [c for c in cols if len(c)]
         lo = min(int(c.min()) for c in nonempty) if nonempty else 0
         span = (max(int(c.max()) for c in nonempty) - lo + 1) if nonempty else 1
-        codes = [code * span + (c - lo) for code, c in zip(codes, cols)]
+        for code, c in zip(codes, cols):
+            code *= span
+            code += c
+            code -= lo
     return codes
 
 
@@ -178,7 +181,9 @@ def _sorted_groups(code: np.ndarray, values: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(order, group code, group start, non-NaN count, group of each row) with rows sorted by code,
     then value (NaN last)."""
-    order = np.lexsort((values, code))
+    by_value = np.argsort(values)  # NaN last
+    # a stable sort by code keeps each group's values in order (faster than np.lexsort here)
+    order = by_value[np.argsort(code[by_value], kind="stable")]
     sc = code[order]
     bounds = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]])
     group_of_sorted = np.cumsum(np.r_[True, sc[1:] != sc[:-1]]) - 1
