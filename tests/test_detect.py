@@ -190,3 +190,29 @@ def test_alibaba_job2_stable_spread_and_lone_reporter_raise_nothing():
     assert df.groupby("step")["rank"].nunique().min() == 1
     doc = detect_trace(df, meta)
     assert _device_faults(doc) == []
+
+
+def test_carried_detector_keeps_moved_ranks_and_recalibrates_new_ones():
+    meta = JobMeta(dp_size=6, pp_size=1, tp_size=1, world_size=6)
+    flat = Layout(np.arange(6), np.zeros(6, int), np.zeros(6, int))
+    det = OnlineDetector(meta, layout=flat)
+    rng = np.random.default_rng(1)
+
+    def step(d: OnlineDetector, t: int, slow: np.ndarray) -> list:
+        own = np.exp(rng.normal(0, 0.01, 6)) * slow
+        return d.observe_arrays(t, own, own)
+
+    events = []
+    for t in range(40):
+        events += step(det, t, np.where(np.arange(6) == 2, 1.5 if t >= 30 else 1.0, 1.0))
+    assert [(e.kind, e.rank) for e in events] == [("fail-slow", 2)]
+    # a re-plan: old rank 2 (still slow) is now rank 4, old 4 is rank 2, rank 5 is a new device
+    moved = det.carried(meta, flat, np.array([0, 1, 4, 3, 2, -1]))
+    later = []
+    for t in range(40, 70):
+        slow = np.ones(6)
+        slow[4] = 1.5 if t < 50 else 1.0  # the moved device recovers at step 50
+        slow[5] = 1.4  # the new device was slow from its first step
+        later += step(moved, t, slow)
+    assert events[0].end_step is not None and 49 <= events[0].end_step <= 53
+    assert [(e.kind, e.rank, e.extra.get("from_start")) for e in later] == [("fail-slow", 5, True)]

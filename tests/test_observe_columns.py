@@ -26,6 +26,22 @@ def test_group_quantile_matches_pandas(q, lower):
     np.testing.assert_array_equal(codes[inverse], code)
 
 
+@pytest.mark.parametrize("size", [1, 4, 8])
+def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
+    # a full trace: every (step, rank) cell has the same number of ops, codes mostly in order
+    rng = np.random.default_rng(size)
+    code = np.repeat(np.arange(500) * 3, size)
+    code[: 40 * size] = np.repeat(rng.permutation(40) * 3, size)
+    values = rng.lognormal(size=code.size)
+    values[rng.random(code.size) < 0.05] = np.nan
+    for q, lower in ((0.5, True), (0.1, False)):
+        codes, got, inverse = _group_quantile(code, values, q, lower=lower)
+        want = pd.Series(values).groupby(code).quantile(q, interpolation="lower" if lower else "linear")
+        np.testing.assert_array_equal(codes, want.index.to_numpy())
+        np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
+        np.testing.assert_array_equal(codes[inverse], code)
+
+
 def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
     sc = load_scenario(write(tmp_path))
     rp = Replay(sc, make_policies("resihp")[0], events=[])

@@ -58,6 +58,17 @@ class CusumBank:
         self.last_quiet_start = np.full(n, -1, dtype=np.int64)
         self._log_min = float(np.log(config.min_slowdown))
 
+    def carried(self, source: np.ndarray) -> CusumBank:
+        """A bank over a new set of series: series ``j`` continues this bank's series ``source[j]``
+        (its calibration, baseline, run and alarm), or starts afresh where ``source[j] < 0``."""
+        source = np.asarray(source, dtype=np.int64)
+        out = CusumBank(len(source), self.cfg)
+        keep = np.flatnonzero(source >= 0)
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
+                getattr(out, name)[..., keep] = value[..., source[keep]]
+        return out
+
     def update(self, step: int, x: np.ndarray) -> tuple[list[Alarm], list[Recovery], np.ndarray]:
         """Feed one step; returns new alarms, recoveries and the indices calibrated at this step."""
         cfg = self.cfg

@@ -56,6 +56,24 @@ class OnlineDetector:
         self._calibration_reported = False
         self.cost_model = "none"
 
+    def carried(self, meta: JobMeta, layout: Layout, source: np.ndarray) -> OnlineDetector:
+        """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
+        detector's rank ``source[j]`` (the same device doing the same work, so its baseline holds);
+        ranks with ``source[j] < 0`` calibrate afresh. Open fail-slow and link events move with
+        their ranks; those of ranks not carried are dropped."""
+        source = np.asarray(source, dtype=np.int64)
+        new = OnlineDetector(meta, self.expected, self.cfg, layout=layout)
+        new.shape, new.cost_model = self.shape, self.cost_model
+        new.compute = self.compute.carried(source)
+        new.link = self.link.carried(source)
+        new._last_step, new._steps_seen = self._last_step, self._steps_seen
+        # ranks that calibrate afresh are checked against their stage's peers once they have
+        new._calibration_reported = self._calibration_reported and bool((source >= 0).all())
+        new.events = self.events
+        moved = {int(old): j for j, old in enumerate(source) if old >= 0}
+        new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
+        return new
+
     # -- feeding -------------------------------------------------------------------------------
     def observe(self, step_df: pd.DataFrame) -> list[Event]:
         """Ops-trace rows of one step (or several consecutive steps); returns the new events."""

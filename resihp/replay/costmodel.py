@@ -91,20 +91,26 @@ def check_fits(scenario, where: str) -> None:
                          "(raise pp or tp)")
 
 
-def comm_seconds(scenario, stage_layers_max: float, tp: int, dp: int) -> tuple[float, float, float]:
-    """(p2p per micro-batch, data-parallel gradient sync, optimizer step) in seconds.
+def p2p_seconds(scenario, tp: np.ndarray | float) -> np.ndarray:
+    """One micro-batch's activations (bf16, the sequence-parallel shard of one of ``tp`` ranks)
+    over the inter-node link."""
+    m = scenario.model
+    return m.microbatch_tokens * m.hidden * 2.0 / np.asarray(tp, dtype=np.float64) / (
+        scenario.cluster.inter_node_gbps * 1e9)
 
-    p2p: one micro-batch's activations (bf16, sequence-parallel shard per tp rank) over the inter-node
-    link; sync: ring all-reduce of the largest stage's bf16 gradients shard; optimizer: one read and
-    write of the fp32 state in HBM.
+
+def sync_seconds(scenario, shard_layers: float, dp: int) -> tuple[float, float]:
+    """(data-parallel gradient sync, optimizer step) in seconds for the largest per-device shard of
+    ``shard_layers`` layers (a stage's layers / its tensor-parallel width).
+
+    sync: ring all-reduce of the shard's bf16 gradients over the inter-node link; optimizer: one
+    read and write of the shard's fp32 state in HBM.
     """
     m, c = scenario.model, scenario.cluster
-    bw = c.inter_node_gbps * 1e9
-    p2p = m.microbatch_tokens * m.hidden * 2.0 / tp / bw
-    grads = stage_layers_max * m.params_per_layer * 2.0 / tp
-    sync = 2.0 * (dp - 1) / max(dp, 1) * grads / bw
-    optim = stage_layers_max * m.params_per_layer * BYTES_PER_PARAM * 2 / tp / (c.device.hbm_gbps * 1e9)
-    return p2p, sync, optim
+    grads = shard_layers * m.params_per_layer * 2.0
+    sync = 2.0 * (dp - 1) / max(dp, 1) * grads / (c.inter_node_gbps * 1e9)
+    optim = shard_layers * m.params_per_layer * BYTES_PER_PARAM * 2 / (c.device.hbm_gbps * 1e9)
+    return sync, optim
 
 
 def tp_allreduce_s(scenario, tokens: np.ndarray | float, width: np.ndarray | float) -> np.ndarray:

@@ -4,9 +4,10 @@ The detector objects are the ones live runs use (``OnlineDetector`` and the base
 ``resihp.detect.baselines``); this module only turns a replay window into their input (the ops trace
 of DESIGN.md, through ``resihp.detect.observe.observe_columns``) and maps the logical ranks they name
 back to devices. The window's records reach ``observe_columns`` as the arrays the simulator made
-(the same records ``Window.ops()`` gives as a frame, without building it). A detector is rebuilt
-when ranks move or a stage's layers change (its per-rank baselines no longer hold; it
-recalibrates); a change of micro-batch counts keeps it.
+(the same records ``Window.ops()`` gives as a frame, without building it). When a re-plan moves
+ranks, ranks whose device does the same work as before keep their baselines
+(``OnlineDetector.carried``) and the others recalibrate; a detector that cannot carry state is
+rebuilt. A change of micro-batch counts keeps everything.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class DetectorFeed:
         self.detector = None
         self._layout = None
         self._rank_device: np.ndarray | None = None
+        self._rank_work: np.ndarray | None = None
         self._reported: dict[int, object] = {}
 
     def reset(self) -> None:
@@ -66,12 +68,20 @@ class DetectorFeed:
         if not cols:
             return []
         signature = _signature(window)
-        if self.detector is None or self._layout != signature:
-            places = pd.DataFrame({c: cols[c] for c in ("rank", "dp_rank", "stage", "tp_rank")})
-            self.detector = self.make(window.meta, rank_layout(places, window.meta, source="replay ops"))
-            self._layout = signature
-            self._rank_device = window.rank_device
-            self._reported = {}
+        if self._layout != signature:
+            places = rank_layout(pd.DataFrame({c: cols[c] for c in ("rank", "dp_rank", "stage", "tp_rank")}),
+                                 window.meta, source="replay ops")
+            if self.detector is None or not hasattr(self.detector, "carried"):
+                self.detector = self.make(window.meta, places)
+                self._reported = {}
+            else:  # ranks whose device does the same work as before keep their baselines
+                source = _same_work(self._rank_device, self._rank_work, window.rank_device,
+                                    window.rank_work)
+                self.detector = self.detector.carried(window.meta, places, source)
+                kept = set(window.rank_device[source >= 0].tolist())
+                self._reported = {d: ev for d, ev in self._reported.items() if d in kept}
+        self._layout = signature
+        self._rank_device, self._rank_work = window.rank_device, window.rank_work
         obs = observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile)
         if self.plan_aware and window.rank_work is not None:
             # the plan in force gives each rank its share of a micro-batch (layers / tp width); a
@@ -102,6 +112,18 @@ class DetectorFeed:
             if out:  # the policy acts here; later steps of the window are simulated again
                 break
         return out
+
+
+def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,
+               new_work: np.ndarray) -> np.ndarray:
+    """For each rank of the new layout, the old rank whose device did the same work (-1: none)."""
+    old_rank = {int(d): i for i, d in enumerate(old_device) if d >= 0}
+    source = np.full(len(new_device), -1, dtype=np.int64)
+    for j, d in enumerate(new_device):
+        i = old_rank.get(int(d), -1)
+        if d >= 0 and i >= 0 and np.isclose(old_work[i], new_work[j], rtol=1e-9):
+            source[j] = i
+    return source
 
 
 def _signature(window: Window) -> tuple:

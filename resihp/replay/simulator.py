@@ -20,8 +20,9 @@ from resihp.perf.schedule import compile_schedule, op_end_times
 from resihp.replay.costmodel import (
     MicroBatchPool,
     build_pool,
-    comm_seconds,
     device_flops_per_s,
+    p2p_seconds,
+    sync_seconds,
     tp_allreduce_s,
 )
 from resihp.replay.interface import Window
@@ -58,8 +59,7 @@ class Simulator:
         live = [r for r in compiled.layout.replicas if r.microbatches > 0]
         # the gradient all-reduce waits for the largest per-device shard (layers / group width)
         shard = max(n / len(g) for r in live for n, g in zip(r.layers, r.groups))
-        width = min(len(g) for r in live for g in r.groups)
-        p2p, sync, optim = comm_seconds(self.scenario, shard * width, width, len(live))
+        sync, optim = sync_seconds(self.scenario, shard, len(live))
         replica_time = []
         tokens = np.zeros(n_steps)
         for g in compiled.groups:
@@ -81,6 +81,8 @@ class Simulator:
                     * (2.0 * g.layers * g.load)[None, :, :, None])
             fwd = fwd + comm
             sched = compile_schedule("1f1b", pp, m)
+            # each replica's activations cross its pipeline at its narrowest group's shard size
+            p2p = p2p_seconds(self.scenario, g.width.min(axis=1))  # [R]
             end = op_end_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, nodes]
             replica_time.append(end[..., sched.last_on_rank].max(axis=-1).max(axis=-1))
             tokens += pool.tokens[mb].sum(axis=(1, 2))
@@ -127,7 +129,9 @@ class Simulator:
 
     def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
                  pp_max: int, tp_max: int) -> dict[str, np.ndarray]:
-        """The window's ops records as columns (``resihp.detect.observe.trace_columns`` form)."""
+        """The window's ops records as columns (``resihp.detect.observe.trace_columns`` form), in
+        (step, rank, phase, micro-batch) order within each shape group, as a trace sorted by time
+        and rank would come."""
         parts: list[dict[str, np.ndarray]] = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
@@ -137,8 +141,8 @@ class Simulator:
             node[sched.phase, sched.chunk, sched.mb] = np.arange(sched.nodes)
             node = node[:, :, :k]
             stage_fwd = (fwd + comm)[..., :k]
-            start_f = end[:, :, node[0]] - stage_fwd + step_start[:, None, None, None]
-            start_b = end[:, :, node[1]] - 2.0 * stage_fwd + step_start[:, None, None, None]
+            start = np.stack([end[:, :, node[0]] - stage_fwd, end[:, :, node[1]] - 2.0 * stage_fwd],
+                             axis=3) + step_start[:, None, None, None, None]  # [W, R, pp, 2, M]
             fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]
             pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
@@ -147,25 +151,25 @@ class Simulator:
             rel = sp[:, :, None] / np.where(g.devices >= 0, padded[g.devices], 1.0)
             own = (fwd[:, :, :, None, :] * rel[None, :, :, :, None]
                    + comm[:, :, :, None, :])  # [W, R, pp, tp, M]
-            wi, ri, si, ti, mi = np.meshgrid(np.arange(w), np.arange(r), np.arange(pp), np.arange(tp),
-                                             np.arange(m), indexing="ij")
-            real = (g.devices[ri, si, ti] >= 0).ravel()
-            dp_rank = g.replica_ids[ri].ravel()[real]
-            mbi = mb[wi, ri, mi].ravel()[real]
-            base = {"step": steps[wi.ravel()[real]],
-                    "rank": ((dp_rank * pp_max + si.ravel()[real]) * tp_max + ti.ravel()[real]),
-                    "dp_rank": dp_rank, "stage": si.ravel()[real], "tp_rank": ti.ravel()[real],
-                    "mb_id": mi.ravel()[real], "tokens": pool.tokens[mbi].astype(np.int64),
-                    "device": g.devices[ri, si, ti].ravel()[real]}
-            seq = pool.seq_objects[mbi]
-            dur = own.ravel()[real]
-            tp_axis = (slice(None), slice(None), slice(None), None, slice(None))
-            sf = np.broadcast_to(start_f[tp_axis], own.shape).ravel()[real]
-            sb = np.broadcast_to(start_b[tp_axis], own.shape).ravel()[real]
-            n = len(dur)
-            for code, d, st in ((0, dur, sf), (1, 2.0 * dur, sb)):
-                parts.append({**base, "optype": np.full(n, code, dtype=np.int8), "duration": d,
-                              "start_ts": st, "seq_lens": seq})
+            shape = (w, r, pp, tp, 2, m)
+            dur = np.stack([own, 2.0 * own], axis=4)
+            real = np.broadcast_to((g.devices >= 0)[None, :, :, :, None, None], shape).ravel()
+
+            def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real) -> np.ndarray:
+                """``values`` (laid along ``axes`` of the record grid) on every real record."""
+                at = [slice(None) if i in axes else None for i in range(len(shape))]
+                return np.broadcast_to(values[tuple(at)], shape).ravel()[real]
+
+            dp_rank = grid(g.replica_ids, (1,))
+            stage = grid(np.arange(pp), (2,))
+            tp_rank = grid(np.arange(tp), (3,))
+            mbi = grid(mb, (0, 1, 5))
+            parts.append({
+                "step": grid(steps, (0,)), "rank": (dp_rank * pp_max + stage) * tp_max + tp_rank,
+                "dp_rank": dp_rank, "stage": stage, "tp_rank": tp_rank, "mb_id": grid(np.arange(m), (5,)),
+                "tokens": pool.tokens[mbi].astype(np.int64), "device": grid(g.devices, (1, 2, 3)),
+                "optype": grid(np.array([0, 1], dtype=np.int8), (4,)), "duration": dur.ravel()[real],
+                "start_ts": grid(start, (0, 1, 2, 4, 5)), "seq_lens": pool.seq_objects[mbi]})
         if not parts:
             return {}
         cols = {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
