@@ -209,10 +209,11 @@ def test_carried_detector_keeps_moved_ranks_and_recalibrates_new_ones():
     # a re-plan: old rank 2 (still slow) is now rank 4, old 4 is rank 2, rank 5 is a new device
     moved = det.carried(meta, flat, np.array([0, 1, 4, 3, 2, -1]))
     later = []
-    for t in range(40, 70):
+    for t in range(40, 80):
         slow = np.ones(6)
         slow[4] = 1.5 if t < 50 else 1.0  # the moved device recovers at step 50
-        slow[5] = 1.4  # the new device was slow from its first step
+        slow[5] = 1.4 if t < 70 else 1.0  # the new device was slow from its first step until 70
         later += step(moved, t, slow)
     assert events[0].end_step is not None and 49 <= events[0].end_step <= 53
     assert [(e.kind, e.rank, e.extra.get("from_start")) for e in later] == [("fail-slow", 5, True)]
+    assert later[0].end_step is not None and 69 <= later[0].end_step <= 73

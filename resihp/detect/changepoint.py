@@ -69,6 +69,15 @@ class CusumBank:
                 getattr(out, name)[..., keep] = value[..., source[keep]]
         return out
 
+    def rebase_alarmed(self, i: int, baseline: float) -> None:
+        """Series ``i`` ran above ``baseline`` since calibration: take ``baseline`` as its healthy
+        centre and hold it alarmed at its calibrated level, so that its recovery is found."""
+        self.alarmed[i] = True
+        self.alarm_sum[i] = self.mu[i] - baseline
+        self.alarm_n[i] = 1
+        self.quiet[i] = 0
+        self.mu[i] = baseline
+
     def update(self, step: int, x: np.ndarray) -> tuple[list[Alarm], list[Recovery], np.ndarray]:
         """Feed one step; returns new alarms, recoveries and the indices calibrated at this step."""
         cfg = self.cfg

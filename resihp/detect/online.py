@@ -53,7 +53,7 @@ class OnlineDetector:
         self._wl_open: dict[int, Event] = {}
         self._wl_quiet: dict[int, int] = {}
         self._wl_steps: dict[int, int] = {}
-        self._calibration_reported = False
+        self._checked = np.zeros(w, dtype=bool)  # ranks compared with their stage's peers
         self.cost_model = "none"
 
     def carried(self, meta: JobMeta, layout: Layout, source: np.ndarray) -> OnlineDetector:
@@ -67,8 +67,7 @@ class OnlineDetector:
         new.compute = self.compute.carried(source)
         new.link = self.link.carried(source)
         new._last_step, new._steps_seen = self._last_step, self._steps_seen
-        # ranks that calibrate afresh are checked against their stage's peers once they have
-        new._calibration_reported = self._calibration_reported and bool((source >= 0).all())
+        new._checked[source >= 0] = self._checked[source[source >= 0]]
         new.events = self.events
         moved = {int(old): j for j, old in enumerate(source) if old >= 0}
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
@@ -148,14 +147,21 @@ class OnlineDetector:
             ev.slowdown = slowdown
 
     def _calibration_findings(self, step: int, ranks: np.ndarray) -> list[Event]:
-        """Differences present from the first steps: stage imbalance, or one rank slow from the start."""
+        """Differences present from the first steps: stage imbalance, or one rank slow from the start.
+
+        Runs once every rank seen so far has its baseline, over the ranks not yet compared (all of
+        them the first time; after ``carried``, the ranks that calibrated afresh). A rank slow from
+        the start is re-based on its peers and stays alarmed, so its recovery is found as any other.
+        """
         cfg = self.cfg
         bank = self.compute
         if not bank.calibrated.all() and (bank.first_step >= 0).sum() > bank.calibrated.sum():
             return []  # wait until every rank seen so far has its baseline
-        if self._calibration_reported:
+        fresh = bank.calibrated & ~self._checked
+        if not fresh.any():
             return []
-        self._calibration_reported = True
+        first_pass = not self._checked.any()
+        self._checked |= bank.calibrated
         cal = np.flatnonzero(bank.calibrated)
         stages = self.layout.stage[cal]
         out: list[Event] = []
@@ -168,10 +174,10 @@ class OnlineDetector:
             m = float(np.median(mu[sel]))
             peers_mu[sel] = m
             ratio = float(np.exp(m - overall))
-            if ratio > 1 + cfg.stage_imbalance and np.unique(stages[known]).size > 1:
+            if first_pass and ratio > 1 + cfg.stage_imbalance and np.unique(stages[known]).size > 1:
                 out.append(Event("stage-imbalance", None, None, int(s), None,
                                  int(bank.first_step[cal[sel]].min()), step, ratio, 1.0))
-        for j in np.flatnonzero(known):
+        for j in np.flatnonzero(known & fresh[cal]):
             s = stages[j]
             sel = stages == s
             if sel.sum() < 3:
@@ -182,8 +188,8 @@ class OnlineDetector:
                 noise = float(bank.sigma[i])
                 conf = float(min(1.0, (np.log(ratio) / noise) / 10))
                 out.append(self._open_event("fail-slow", i, int(bank.first_step[i]), step, ratio, conf))
-                self._open.pop(("fail-slow", i))
                 out[-1].extra["from_start"] = True
+                bank.rebase_alarmed(i, float(peers_mu[j]))
         return out
 
     def _link_step(self, step: int, comm: np.ndarray) -> list[Event]:

@@ -17,10 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
 from resihp.detect.config import DetectorConfig
-from resihp.detect.observe import observe_columns, rank_layout
+from resihp.detect.observe import Layout, observe_columns
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.replay.interface import Window
@@ -69,8 +68,7 @@ class DetectorFeed:
             return []
         signature = _signature(window)
         if self._layout != signature:
-            places = rank_layout(pd.DataFrame({c: cols[c] for c in ("rank", "dp_rank", "stage", "tp_rank")}),
-                                 window.meta, source="replay ops")
+            places = Layout(*(window.rank_place[:, k].copy() for k in range(3)))
             if self.detector is None or not hasattr(self.detector, "carried"):
                 self.detector = self.make(window.meta, places)
                 self._reported = {}
@@ -117,13 +115,13 @@ class DetectorFeed:
 def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,
                new_work: np.ndarray) -> np.ndarray:
     """For each rank of the new layout, the old rank whose device did the same work (-1: none)."""
-    old_rank = {int(d): i for i, d in enumerate(old_device) if d >= 0}
-    source = np.full(len(new_device), -1, dtype=np.int64)
-    for j, d in enumerate(new_device):
-        i = old_rank.get(int(d), -1)
-        if d >= 0 and i >= 0 and np.isclose(old_work[i], new_work[j], rtol=1e-9):
-            source[j] = i
-    return source
+    top = int(max(old_device.max(initial=-1), new_device.max(initial=-1))) + 1
+    old_rank = np.full(top + 1, -1, dtype=np.int64)  # by device id; the last slot is "no device"
+    had = np.flatnonzero(old_device >= 0)
+    old_rank[old_device[had]] = had
+    source = old_rank[np.where(new_device >= 0, new_device, top)]
+    same = (source >= 0) & np.isclose(old_work[np.maximum(source, 0)], new_work, rtol=1e-9)
+    return np.where(same, source, -1)
 
 
 def _signature(window: Window) -> tuple:

@@ -206,8 +206,9 @@ class Replay:
             if t >= sc.duration_s:
                 break
             seg_end = min(events[ei].at_s if ei < len(events) else sc.duration_s, sc.duration_s)
+            wake = self.policy.wake_at(ctx) if self.policy.observes else None
             probe_due = t >= next_probe
-            if observe_left > 0 or probe_due or cached is None:
+            if observe_left > 0 or probe_due or cached is None or (wake is not None and t >= wake):
                 ctx.now, ctx.step = t, int(simulated + replayed)
                 win = self.sim.window(compiled, speeds, st.window_steps, ctx.step, t)
                 simulated += len(win.steps)
@@ -233,7 +234,7 @@ class Replay:
                     cached = (float(win.tokens.sum() / win.step_time.sum()) if np.isfinite(
                         win.step_time.sum()) else 0.0, float(win.step_time.mean()))
             else:
-                end = min(seg_end, next_probe)
+                end = min(seg_end, next_probe, wake if wake is not None else np.inf)
                 tps, mean_step = cached
                 advance(t, end, tps)
                 if np.isfinite(mean_step) and mean_step > 0:

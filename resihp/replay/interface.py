@@ -58,6 +58,7 @@ class Window:
     rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
     rank_work: np.ndarray | None = None  # logical rank -> expected forward seconds per micro-batch
     _columns: Callable[[], dict[str, np.ndarray]] | None = None
+    rank_place: np.ndarray | None = None  # logical rank -> (dp_rank, stage, tp_rank), -1: none
 
     def ops(self) -> pd.DataFrame:
         """The DESIGN.md ops trace of these steps: forward/backward compute of the first
@@ -95,6 +96,11 @@ class Policy:
         return None
 
     def observe(self, ctx: Context, window: Window) -> Reaction | None:
+        return None
+
+    def wake_at(self, ctx: Context) -> float | None:
+        """When the policy wants to look at the job next, besides after changes and probes (the
+        engine simulates a window then and hands it to ``observe``); None: no such time."""
         return None
 
 

@@ -74,6 +74,7 @@ class ShapeGroup:
 class CompiledLayout:
     layout: Layout
     groups: list[ShapeGroup] = field(default_factory=list)
+    derived: dict = field(default_factory=dict)  # what the simulator derives once per layout
 
     def stage_speeds(self, group: ShapeGroup, speeds: np.ndarray) -> np.ndarray:
         """[R, pp] speed of each stage: the slowest device of its tensor-parallel group."""

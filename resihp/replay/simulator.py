@@ -90,28 +90,40 @@ class Simulator:
         step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
         steps = np.arange(first_step, first_step + n_steps)
         layout = compiled.layout
+        if "ranks" not in compiled.derived:
+            compiled.derived["ranks"] = self._rank_table(layout)
+        meta, rank_device, rank_work, rank_place = compiled.derived["ranks"]
+        pp_max, tp_max = meta.pp_size, meta.tp_size
+        step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
+        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, pp_max, tp_max))
+        return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
+                      rank_device, rank_work, columns, rank_place)
+
+    def _rank_table(self, layout: Layout) -> tuple[JobMeta, np.ndarray, np.ndarray, np.ndarray]:
+        """(job meta, device, expected work, (dp_rank, stage, tp_rank)) of every logical rank:
+        ``rank = (replica * pp_max + stage) * tp_max + tp_rank``; -1 / NaN where no device."""
         pp_max = max(len(r.groups) for r in layout.replicas)
         tp_max = max(len(gr) for r in layout.replicas for gr in r.groups)
         meta = JobMeta(dp_size=len(layout.replicas), pp_size=pp_max, tp_size=tp_max,
                        world_size=len(layout.replicas) * pp_max * tp_max)
         rank_device = np.full(meta.world_size, -1, dtype=np.int64)
         rank_work = np.full(meta.world_size, np.nan)
+        rank_place = np.full((meta.world_size, 3), -1, dtype=np.int64)
         layer = float(self.pool.fwd_flops_per_layer.mean())
         head = float(self.pool.head_flops.mean())
         mean_tokens = float(self.pool.tokens.mean())
         for i, r in enumerate(layout.replicas):
             for st, gr in enumerate(r.groups):
-                base = (i * pp_max + st) * tp_max
-                rank_device[base: base + len(gr)] = gr
+                at = slice((i * pp_max + st) * tp_max, (i * pp_max + st) * tp_max + len(gr))
+                rank_device[at] = gr
+                rank_place[at] = np.stack([np.full(len(gr), i), np.full(len(gr), st),
+                                           np.arange(len(gr))], axis=1)
                 last = head if st == len(r.groups) - 1 else 0.0
                 # expected seconds of the rank's share of a mean micro-batch at full speed
-                rank_work[base: base + len(gr)] = r.load[st] * (
+                rank_work[at] = r.load[st] * (
                     (r.layers[st] * layer + last) / (len(gr) * self.rate)
                     + 2.0 * r.layers[st] * float(tp_allreduce_s(self.scenario, mean_tokens, len(gr))))
-        step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
-        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, pp_max, tp_max))
-        return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
-                      rank_device, rank_work, columns)
+        return meta, rank_device, rank_work, rank_place
 
     def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
         return Window(np.arange(first_step, first_step + n_steps), start_s,

@@ -98,11 +98,20 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
     def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
         return self.replan(ctx, "re-plan with repaired devices")
 
+    def excluded_slow(self, ctx: Context) -> list[int]:
+        """Devices believed slow that the plan in force leaves out (so nobody observes them)."""
+        if not self.slow:
+            return []
+        used = set(ctx.layout.devices.tolist())
+        return [d for d in self.slow if d not in used and d not in ctx.known_dead]
+
+    def wake_at(self, ctx: Context) -> float | None:
+        times = [self.since[d] + self.recheck_s for d in self.excluded_slow(ctx)]
+        return min(times) if times else None
+
     def observe(self, ctx: Context, window: Window) -> Reaction | None:
         findings = self.feed.feed(window)
-        excluded = set(np.flatnonzero(believed_speeds(ctx, self.slow) > 0)) - set(
-            int(d) for d in window.layout.devices)
-        stale = [d for d in self.slow if d in excluded and ctx.now - self.since[d] >= self.recheck_s]
+        stale = [d for d in self.excluded_slow(ctx) if ctx.now - self.since[d] >= self.recheck_s]
         if not findings and not stale:
             return None
         index = findings[0].index if findings else 0
