@@ -17,7 +17,7 @@ import numpy as np
 
 from resihp.plan.cost import AnalyticCost, CostModel
 from resihp.plan.layout import even_split, home_pipelines, layer_ranges, powers_of_two_upto
-from resihp.plan.plan import Pipeline, Plan, Stage
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster, evaluate
@@ -54,7 +54,7 @@ class _Policy(Planner):
     def plan(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None = None,
              time_limit_s: float = 5.0) -> Plan:
         t0 = time.perf_counter()
-        coster = StageCoster(cluster, model, self.cost)
+        coster = self.coster(cluster, model)
         layout = self.layout(cluster, model, current)
         healthy = self.healthy(cluster, model)
         plan = self.build(cluster, model, coster, healthy if healthy.layout == layout else None,
@@ -97,8 +97,7 @@ class DropReplicaPolicy(_Policy):
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:
         base = _healthy_or_uniform(self, cluster, model, healthy, layout)
-        alive = [p for p in base.pipelines
-                 if all(cluster.devices[r].alive for r in p.ranks)]
+        alive = [p for p in base.pipelines if coster.alive(p.stages)]
         caps = _caps(coster, [p.stages for p in alive], model.microbatches)
         shares = proportional_split(model.microbatches, np.ones(len(alive)), caps, minimum=0) \
             if alive else []
@@ -118,16 +117,14 @@ class HeuristicPolicy(_Policy):
         shares0 = even_split(model.microbatches, layout.dp)
         built: list[tuple[int, tuple[Stage, ...]]] = []
         for r, groups in enumerate(pipes):
-            healthy_pipe = all(cluster.devices[x].speed == 1.0 for g in groups for x in g)
-            if healthy_pipe:
+            if not any(not cluster.degraded.isdisjoint(g) for g in groups):
                 built.append((r, base.pipelines[r].stages))
                 continue
             new_groups = [g for g in (self.exclude(g, cluster, model) for g in groups) if g]
             stages = self.split_layers(new_groups, coster, model, shares0[r])
             if stages is not None:
                 built.append((r, stages))
-        rates = np.array([1.0 / max(sum(coster.stage_fb(s, i == len(st) - 1))
-                                    for i, s in enumerate(st)) for _, st in built])
+        rates = np.array([1.0 / max(sum(fb) for fb in coster.pipeline_fb(st)) for _, st in built])
         caps = _caps(coster, [st for _, st in built], model.microbatches)
         shares = proportional_split(model.microbatches, rates, caps, minimum=0)
         pipelines, dp = [], 0
@@ -175,7 +172,7 @@ class HeuristicPolicy(_Policy):
         counts = proportional_split(model.layers, rates, np.array(caps))
         if sum(counts) != model.layers:
             return None
-        return tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
+        return Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
 
 
 POLICIES: dict[str, type[Planner]] = {

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from resihp.plan.layout import group_options
-from resihp.plan.plan import Stage
+from resihp.plan.plan import Stage, Stages
 from resihp.plan.timing import StageCoster
 
 TICKS_PER_S = 1e7  # 0.1 microsecond resolution
@@ -38,6 +38,24 @@ class _Candidate:
     group: int
     option: int
     ranks: tuple[int, ...]
+
+
+def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
+              current: dict[tuple[int, ...], tuple[int, int]] | None = None,
+              horizon_steps: float = 100.0, time_limit_s: float = 1.0,
+              sync: tuple[float, float] | None = None, replicas: int = 1) -> tuple:
+    """What ``solve_pipeline`` with these arguments depends on, beyond the hardware, the model and
+    the cost model behind ``coster``: the groups, their devices' speeds, the layer ranges that
+    the plan in force gives to the candidate stages, and the other arguments."""
+    cluster = coster.cluster
+    speeds = tuple(cluster.devices[r].speed for g in groups for r in g)
+    held: tuple = ()
+    if current:
+        subs = {sub for g in groups for opt in group_options(g, cluster, coster.model.heads)
+                for sub in opt}
+        held = tuple(sorted((sub, current[sub]) for sub in subs if sub in current))
+    return (tuple(groups), speeds, max(1, m), held, bool(current), horizon_steps, time_limit_s,
+            sync, replicas)
 
 
 def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
@@ -171,6 +189,6 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     obj, bound = solver.objective_value, solver.best_objective_bound
     gap = 0.0 if status == cp_model.OPTIMAL or obj <= 0 else max(0.0, (obj - bound) / obj)
     return PipelineSolution(
-        stages=tuple(stages),
+        stages=Stages(stages),
         migration_s=solver.value(worst) / TICKS_PER_S if current else 0.0,
         status="optimal" if status == cp_model.OPTIMAL else "feasible", gap=gap)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from resihp.errors import InputError
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
@@ -30,6 +34,22 @@ class Stage:
     @property
     def n_layers(self) -> int:
         return self.layers[1] - self.layers[0]
+
+    def __hash__(self) -> int:
+        # stages (and tuples of them) key the planner's caches: hash once, not at every lookup
+        if "_hash" not in self.__dict__:
+            object.__setattr__(self, "_hash", hash((self.ranks, self.layers)))
+        return self.__dict__["_hash"]
+
+
+class Stages(tuple):
+    """A pipeline's stages in order: a tuple that computes its hash once (tuples of stages key the
+    planner's caches and are looked up thousands of times per plan)."""
+
+    def __hash__(self) -> int:
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = tuple.__hash__(self)
+        return self.__dict__["_hash"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,24 @@ class Layout:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
 
 
+@dataclass(frozen=True)
+class Holdings:
+    """The model state a plan puts on its devices: the stage each placed rank belongs to, and the
+    plan's stages and pipelines (as tuples of stages)."""
+
+    stage_of: dict[int, Stage]
+    stages: frozenset[Stage]
+    pipelines: frozenset[tuple[Stage, ...]]
+
+    @classmethod
+    def of(cls, plan: Plan) -> Holdings:
+        stages = [s for p in plan.pipelines for s in p.stages]
+        ranks = chain.from_iterable(s.ranks for s in stages)
+        owners = chain.from_iterable(repeat(s, len(s.ranks)) for s in stages)
+        return cls(dict(zip(ranks, owners)), frozenset(stages),
+                   frozenset(p.stages for p in plan.pipelines))
+
+
 @dataclass
 class Plan:
     world_size: int
@@ -90,6 +128,11 @@ class Plan:
     @property
     def microbatches(self) -> dict[int, int]:
         return {p.dp_rank: p.microbatches for p in self.pipelines}
+
+    @cached_property
+    def holdings(self) -> Holdings:
+        """What its devices hold (computed once: a plan's pipelines do not change once built)."""
+        return Holdings.of(self)
 
     def to_dict(self) -> dict[str, Any]:
         place = self.placement()
@@ -173,7 +216,7 @@ class Plan:
                 stages.append(Stage(tuple(ranks), (layers[0], layers[1])))
             home = p.get("home")
             tokens = need(p, "tokens", int, ctx) if "tokens" in p else None
-            pipelines.append(Pipeline(need(p, "dp_rank", int, ctx), tuple(stages),
+            pipelines.append(Pipeline(need(p, "dp_rank", int, ctx), Stages(stages),
                                       need(p, "microbatches", int, ctx),
                                       home if isinstance(home, int) else None, tokens))
         excluded = [r["rank"] for r in data.get("ranks", []) or []
@@ -190,12 +233,21 @@ class Plan:
         if self.world_size != len(cluster):
             raise InputError(f"{where}: world_size {self.world_size} does not match the cluster's "
                              f"{len(cluster)} devices")
+        n = len(cluster)
         for p in self.pipelines:
             for s in p.stages:
-                for r in s.ranks:
-                    if not 0 <= r < len(cluster):
-                        raise InputError(f"{where}: unknown device rank {r} in pipeline "
-                                         f"{p.dp_rank} (cluster has ranks 0..{len(cluster) - 1})")
+                if s.ranks and (min(s.ranks) < 0 or max(s.ranks) >= n):
+                    r = next(r for r in s.ranks if not 0 <= r < n)
+                    raise InputError(f"{where}: unknown device rank {r} in pipeline "
+                                     f"{p.dp_rank} (cluster has ranks 0..{n - 1})")
+
+
+def unplaced(world_size: int, pipelines: list[Pipeline]) -> list[int]:
+    """The ranks of ``range(world_size)`` that no pipeline places, in order."""
+    placed = np.zeros(world_size, dtype=bool)
+    placed[np.fromiter(chain.from_iterable(s.ranks for p in pipelines for s in p.stages),
+                       dtype=np.int64)] = True
+    return np.flatnonzero(~placed).tolist()
 
 
 def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[str]:

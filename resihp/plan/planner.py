@@ -32,16 +32,16 @@ from resihp.plan.layout import (
     binary_chunks,
     choose_layout,
     even_split,
-    group_options,
     home_groups,
     home_pipelines,
     layer_ranges,
     uniform_layer_counts,
 )
-from resihp.plan.pipeline_solver import PipelineSolution, solve_pipeline
-from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+from resihp.plan.memo import HardwareMemo
+from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
+from resihp.plan.plan import Layout, Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec
-from resihp.plan.timing import CapacityBound, StageCoster, capacity_fraction, evaluate
+from resihp.plan.timing import CapacityBound, StageCoster, evaluate
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
 
@@ -57,11 +57,9 @@ def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None 
     sol = solve_pipeline(healthy, pipes[0], shares[0], None, time_limit_s=time_limit_s)
     counts = ([s.n_layers for s in sol.stages] if sol is not None and len(sol.stages) == layout.pp
               else uniform_layer_counts(model.layers, layout.pp))
-    pipelines = [Pipeline(r, tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
+    pipelines = [Pipeline(r, Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
                           shares[r], home=r) for r, groups in enumerate(pipes)]
-    placed = {x for p in pipelines for x in p.ranks}
-    plan = Plan(len(cluster), layout, pipelines, [x for x in range(len(cluster)) if x not in placed],
-                policy="healthy")
+    plan = Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy="healthy")
     return evaluate(plan, healthy, capacity_bound(cluster, model, healthy.cost, layout))
 
 
@@ -97,8 +95,7 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     used = sum(cluster.devices[r].tflops for g in home_groups(cluster, layout.tp)[
         : layout.pp * layout.dp] for r in g)
     total = sum(d.tflops for d in cluster.devices)
-    frac = capacity_fraction(cluster)
-    return CapacityBound(tokens * total / used * frac, tokens, frac, layout)
+    return CapacityBound(tokens * total / used, tokens, 1.0, layout).at_speeds(cluster)
 
 
 def _equal_stages_step(per_stage: np.ndarray, m: int, schedule: str, p2p_s: float) -> float:
@@ -138,17 +135,33 @@ class Planner:
         self.token_budgets = token_budgets
         self.horizon_steps = horizon_steps
         self.threads = threads or max(1, os.cpu_count() or 1)
-        self._healthy: dict[tuple, Plan] = {}
+        self._memos: dict[tuple, HardwareMemo] = {}
+        self._last: HardwareMemo | None = None
+
+    def _memo(self, cluster: ClusterSpec, model: ModelSpec) -> HardwareMemo:
+        last = self._last
+        if last is not None and last.hardware_key is cluster.hardware_key and last.model == model:
+            return last  # re-plans of one job: ``with_speeds`` keeps the hardware key object
+        key = (cluster.hardware_key, model)
+        if key not in self._memos:
+            healthy = healthy_plan(cluster, model, self.cost)
+            bound = capacity_bound(cluster.healthy(), model, self.cost, healthy.layout)
+            coster = StageCoster(cluster.healthy(), model, self.cost)
+            self._memos[key] = HardwareMemo(cluster, model, healthy, bound, coster)
+        self._last = self._memos[key]
+        return self._last
 
     def healthy(self, cluster: ClusterSpec, model: ModelSpec) -> Plan:
         """The healthy plan of this cluster and model (cached: it is the same at every detection)."""
-        key = (cluster.hardware_key, model)
-        if key not in self._healthy:
-            self._healthy[key] = healthy_plan(cluster, model, self.cost)
-        return self._healthy[key]
+        return self._memo(cluster, model).healthy
 
     def bound(self, cluster: ClusterSpec, model: ModelSpec) -> CapacityBound:
-        return capacity_bound(cluster, model, self.cost, self.healthy(cluster, model).layout)
+        return self._memo(cluster, model).bound.at_speeds(cluster)
+
+    def coster(self, cluster: ClusterSpec, model: ModelSpec) -> StageCoster:
+        """A coster at the cluster's device speeds, sharing what speeds do not change with the
+        planner's earlier calls."""
+        return self._memo(cluster, model).coster.at_speeds(cluster)
 
     def layout(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None) -> Layout:
         if current is not None:
@@ -160,10 +173,12 @@ class Planner:
     def plan(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None = None,
              time_limit_s: float = 5.0) -> Plan:
         t0 = time.perf_counter()
-        coster = StageCoster(cluster, model, self.cost)
+        memo = self._memo(cluster, model)
+        memo.trim()
+        coster = memo.coster.at_speeds(cluster)
         layout = self.layout(cluster, model, current)
         bound = self.bound(cluster, model)
-        pipes = home_pipelines(cluster, layout)
+        pipes = memo.home_pipelines(layout)
         even = dict(enumerate(even_split(model.microbatches, layout.dp)))
         share = dict(even)
         held: dict[tuple[int, ...], tuple[int, int]] | None = None
@@ -171,15 +186,16 @@ class Planner:
             held = {s.ranks: s.layers for p in current.pipelines for s in p.stages}
             share.update({p.home: p.microbatches for p in current.pipelines
                           if p.home is not None and p.home in share})
-        healthy = self.healthy(cluster, model)
+        healthy = memo.healthy
         counts = ([s.n_layers for s in healthy.pipelines[0].stages] if healthy.layout == layout
                   else uniform_layer_counts(model.layers, layout.pp))
-        # replica id -> solution; ids 0..dp-1 are the home replicas, later ids spare pipelines
+        # replica id -> solution; ids 0..dp-1 are the home replicas, later ids spare pipelines.
+        # A replica is kept when ``group_options`` keeps each of its groups whole.
         kept: dict[int, PipelineSolution] = {}
         affected = []
-        for r, groups in enumerate(pipes):
-            if all(group_options(g, cluster, model.heads) == [[g]] for g in groups):
-                stages = tuple(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
+        whole = memo.whole_at_full_speed(layout)
+        for r, stages in enumerate(memo.home_stages(layout, counts)):
+            if whole[r] and not any(not cluster.degraded.isdisjoint(s.ranks) for s in stages):
                 kept[r] = PipelineSolution(stages, 0.0, "kept", 0.0)
             else:
                 affected.append(r)
@@ -194,14 +210,14 @@ class Planner:
                     default=0.0)
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
-                           per_solve, log)
+                           per_solve, log, memo.solves, memo.leftover(layout))
 
         def usable(plans: list[Plan]) -> list[Plan]:
             """Plans that run: the global batch placed, memory respected, no dead rank."""
             out = [c for c in plans if c.pipelines and sum(
                 p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
                 coster.stages_fit(p.stages, p.microbatches, p.budget(model))
-                and all(cluster.devices[r].alive for r in p.ranks) for p in c.pipelines)]
+                and coster.alive(p.stages) for p in c.pipelines)]
             for plan in out:
                 evaluate(plan, coster, bound, current)
             return out
@@ -238,8 +254,7 @@ class Planner:
         cluster, model, layout, coster = ctx.cluster, ctx.model, ctx.layout, ctx.coster
 
         def solve(r: int, m: int) -> PipelineSolution | None:
-            return solve_pipeline(coster, ctx.pipes[r], m, ctx.held, self.horizon_steps,
-                                  ctx.per_solve, ctx.sync, weight)
+            return self._solve(ctx, ctx.pipes[r], m, ctx.sync, weight)
 
         def allocate(dropped: frozenset[int] = frozenset()) -> dict[int, int]:
             live = [r for r, sol in solutions.items() if sol is not None and r not in dropped]
@@ -282,8 +297,7 @@ class Planner:
         for r in ctx.affected:
             if solutions[r] is not None:
                 ctx.log.add(solutions[r].status, solutions[r].gap)
-        spares = self._spare_pipelines(coster, solutions, min(ctx.even.values()) or 1, ctx.held,
-                                       ctx.per_solve, ctx.spares_seen)
+        spares = self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
         ctx.log.pipelines += len(spares)
         reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
@@ -321,27 +335,44 @@ class Planner:
                       for c in plans if c.pipelines]
         return plans
 
-    def _spare_pipelines(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
-                         m: int, held: dict | None, time_limit_s: float, seen: dict,
-                         ) -> dict[int, PipelineSolution]:
+    def _solve(self, ctx: _Context, groups: list[tuple[int, ...]], m: int,
+               sync: tuple[float, float] | None, replicas: int) -> PipelineSolution | None:
+        """``solve_pipeline``, or its answer to the same inputs in an earlier call (proven optimal
+        answers only: one cut short by the time limit might come out differently)."""
+        key = solve_key(ctx.coster, groups, m, ctx.held, self.horizon_steps, ctx.per_solve, sync,
+                        replicas)
+        if key in ctx.solves:
+            return ctx.solves[key]
+        sol = solve_pipeline(ctx.coster, groups, m, ctx.held, self.horizon_steps, ctx.per_solve,
+                             sync, replicas)
+        if sol is not None and sol.status == "optimal":
+            ctx.solves[key] = sol
+        return sol
+
+    def _spare_pipelines(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
+                         m: int) -> dict[int, PipelineSolution]:
         """Extra pipelines from live devices no replica uses (the rest of a broken TP group, or
         devices the layout leaves over): power-of-two TP groups inside each node, chained into
         pipelines across nodes while the CP-SAT model finds no split that fits in memory."""
-        used = frozenset(r for sol in solutions.values() if sol is not None
-                         for s in sol.stages for r in s.ranks)
-        if used not in seen:  # the two weightings often leave the same devices over
-            seen[used] = self._build_spares(coster, solutions, used, m, held, time_limit_s)
-        return seen[used]
+        # kept replicas use all of their home groups: the others' and the layout's leftovers remain
+        used = {x for r in ctx.affected if solutions[r] is not None
+                for s in solutions[r].stages for x in s.ranks}
+        maybe = ctx.leftover.union(*(g for r in ctx.affected for g in ctx.pipes[r]))
+        free = frozenset(x for x in maybe if x not in used and x not in ctx.cluster.dead)
+        if free not in ctx.spares_seen:  # the two weightings often leave the same devices over
+            ctx.spares_seen[free] = self._build_spares(ctx, free, m, max(solutions) + 1)
+        return ctx.spares_seen[free]
 
-    def _build_spares(self, coster: StageCoster, solutions: dict[int, PipelineSolution | None],
-                      used: frozenset[int], m: int, held: dict | None, time_limit_s: float,
+    def _build_spares(self, ctx: _Context, free: frozenset[int], m: int, first_id: int,
                       ) -> dict[int, PipelineSolution]:
-        cluster, model = coster.cluster, coster.model
+        cluster, model, coster = ctx.cluster, ctx.model, ctx.coster
+        by_node: dict[int, list[int]] = {}
+        for r in free:
+            by_node.setdefault(cluster.devices[r].node, []).append(r)
         groups = []
-        for ranks in cluster.node_ranks:
-            free = sorted((r for r in ranks if r not in used and cluster.devices[r].alive),
-                          key=lambda r: (-cluster.devices[r].speed, r))
-            groups += [tuple(sorted(g)) for g in binary_chunks(free)
+        for ranks in by_node.values():
+            ranks.sort(key=lambda r: (-cluster.devices[r].speed, r))
+            groups += [tuple(sorted(g)) for g in binary_chunks(ranks)
                        if model.heads % len(g) == 0]
         if not groups or sum(len(g) for g in groups) < 2:
             return {}
@@ -352,14 +383,14 @@ class Planner:
                     * model.state_bytes_per_param + model.layers * model.microbatch_tokens * act) / 1e9
         out: dict[int, PipelineSolution] = {}
         chain: list[tuple[int, ...]] = []
-        next_id = max(solutions) + 1
+        next_id = first_id
         for g in groups:
             chain.append(g)
             if len(chain) > model.layers:
                 break
             if sum(coster.memory_free_gb(c) * len(c) for c in chain) < state_gb:
                 continue  # cannot hold the model state, whatever the split
-            sol = solve_pipeline(coster, chain, m, held, self.horizon_steps, time_limit_s)
+            sol = self._solve(ctx, chain, m, None, 1)
             if sol is not None and len(sol.stages) == len(chain):
                 out[next_id] = sol
                 next_id += 1
@@ -373,9 +404,8 @@ class Planner:
             if solutions[r] is not None and share.get(r, 0) > 0:
                 pipelines.append(Pipeline(len(pipelines), solutions[r].stages, share[r],
                                           home=r if r < layout.dp else None))
-        placed = {x for p in pipelines for x in p.ranks}
-        return Plan(len(cluster), layout, pipelines,
-                    [x for x in range(len(cluster)) if x not in placed], policy=self.name)
+        return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines),
+                    policy=self.name)
 
 
 @dataclass
@@ -393,7 +423,9 @@ class _Context:
     sync: tuple[float, float] | None
     per_solve: float
     log: _SolveLog
-    spares_seen: dict = field(default_factory=dict)
+    solves: dict[tuple, PipelineSolution]  # the planner's, across calls
+    leftover: frozenset[int]  # live or not, the devices no home replica uses
+    spares_seen: dict[frozenset[int], dict[int, PipelineSolution]] = field(default_factory=dict)
 
 
 class _SolveLog:

@@ -161,6 +161,19 @@ class ClusterSpec:
         return np.array([d.speed for d in self.devices])
 
     @cached_property
+    def tflops(self) -> np.ndarray:
+        return np.array([d.tflops for d in self.devices])
+
+    @cached_property
+    def degraded(self) -> frozenset[int]:
+        """Ranks of the devices not at full speed, dead ones included."""
+        return frozenset(np.flatnonzero(self.speeds != 1.0).tolist())
+
+    @cached_property
+    def dead(self) -> frozenset[int]:
+        return frozenset(np.flatnonzero(~(self.speeds > 0)).tolist())
+
+    @cached_property
     def _by_name(self) -> dict[str, int]:
         return {d.name: d.rank for d in self.devices}
 
@@ -184,24 +197,44 @@ class ClusterSpec:
         if isinstance(speeds, np.ndarray):
             if speeds.shape != (len(self),):
                 raise InputError(f"{where}: expected {len(self)} speeds, got shape {speeds.shape}")
+            if speeds.dtype.kind in "iuf":
+                return self._with_speed_array(speeds, where)
             speeds = dict(enumerate(speeds.tolist()))
         if not speeds:
             return self
-        devices = list(self.devices)
+        new = self.speeds.copy()
         for key, value in speeds.items():
             rank = self.rank_of(key, where)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
                     or not 0.0 <= float(value) <= 1.0:
                 raise InputError(f"{where}: speed of device {key!r} must be a number in [0, 1] "
                                  f"(1 healthy, 0 dead), got {value!r}")
-            devices[rank] = replace(devices[rank], speed=float(value))
-        return replace(self, devices=tuple(devices))
+            new[rank] = float(value)
+        return self._with_speed_array(new, where)
+
+    def _with_speed_array(self, speeds: np.ndarray, where: str) -> ClusterSpec:
+        bad = np.flatnonzero(~((speeds >= 0.0) & (speeds <= 1.0)))
+        if len(bad):
+            rank = int(bad[0])
+            raise InputError(f"{where}: speed of device {rank!r} must be a number in [0, 1] "
+                             f"(1 healthy, 0 dead), got {speeds[rank].item()!r}")
+        speeds = speeds.astype(np.float64)  # a copy: the caller's array may change later
+        devices = list(self.devices)
+        for rank in np.flatnonzero(speeds != self.speeds).tolist():
+            devices[rank] = replace(devices[rank], speed=speeds[rank].item())
+        new = replace(self, devices=tuple(devices))
+        # what only the hardware decides carries over (16,384 devices: rebuilding it is slow)
+        for name in ("node_ranks", "hardware_key", "_by_name", "tflops"):
+            if name in self.__dict__:
+                new.__dict__[name] = self.__dict__[name]
+        new.__dict__["speeds"] = speeds
+        return new
 
     def healthy(self) -> ClusterSpec:
         """The same cluster with every device at full speed."""
-        if all(d.speed == 1.0 for d in self.devices):
+        if not self.degraded:
             return self
-        return replace(self, devices=tuple(replace(d, speed=1.0) for d in self.devices))
+        return self._with_speed_array(np.ones(len(self)), "healthy")
 
     @cached_property
     def hardware_key(self) -> tuple:

@@ -8,7 +8,7 @@ boundary. GPipe: ``sum_s f_s + (m - 1) max_s f_s + sum_s b_s + (m - 1) max_s b_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,14 +32,41 @@ def closed_form_step(fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "
 
 class StageCoster:
     """Per-stage times and memory for one (cluster, model, cost model), cached per TP degree and
-    device FLOP rate."""
+    device FLOP rate, per TP group and per pipeline (a tuple of stages)."""
 
     def __init__(self, cluster: ClusterSpec, model: ModelSpec, cost: CostModel) -> None:
         self.cluster, self.model, self.cost = cluster, model, cost
+        # what device speeds do not change: shared by ``at_speeds`` copies
         self._layer: dict[tuple[int, float], tuple[float, float]] = {}
         self._head: dict[tuple[int, float], tuple[float, float]] = {}
         self._steps: dict[tuple, float] = {}
+        self._fits: dict[tuple, bool] = {}
+        self._caps: dict[tuple, int | None] = {}
+        self._shards: dict[tuple[Stage, ...], float] = {}
+        self._full_speed: dict[tuple, tuple[tuple[float, float], ...]] = {}
+        # what they do
         self._groups: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._pipelines: dict[tuple, tuple[tuple[float, float], ...]] = {}
+        self._alive: dict[tuple[Stage, ...], bool] = {}
+
+    def at_speeds(self, cluster: ClusterSpec) -> StageCoster:
+        """A coster for the same hardware and model at the device speeds of ``cluster``, sharing
+        this one's caches of what speeds do not change (memory, full-speed layer times, critical
+        paths by stage times)."""
+        if cluster.hardware_key is not self.cluster.hardware_key \
+                and cluster.hardware_key != self.cluster.hardware_key:
+            raise ValueError(f"cluster {cluster.name} is not the hardware of this coster")
+        new = StageCoster(cluster, self.model, self.cost)
+        for name in self._SHARED:
+            setattr(new, name, getattr(self, name))
+        return new
+
+    _SHARED = ("_layer", "_head", "_steps", "_fits", "_caps", "_shards", "_full_speed")
+
+    @property
+    def cache_entries(self) -> int:
+        """Entries in the caches that ``at_speeds`` copies share."""
+        return sum(len(getattr(self, name)) for name in self._SHARED)
 
     def layer_fb(self, tp: int, tflops: float) -> tuple[float, float]:
         key = (tp, tflops)
@@ -81,20 +108,39 @@ class StageCoster:
             f, b = f + hf, b + hb
         return f * scale, b * scale
 
+    def alive(self, stages: tuple[Stage, ...]) -> bool:
+        """Whether every device of the pipeline is alive."""
+        dead = self.cluster.dead
+        if not dead:
+            return True
+        if stages not in self._alive:
+            self._alive[stages] = all(dead.isdisjoint(s.ranks) for s in stages)
+        return self._alive[stages]
+
     def in_flight(self, stages: int, s: int, m: int) -> int:
         """Micro-batches whose activations stage ``s`` of ``stages`` holds at once."""
         return min(m, stages - s) if self.model.schedule == "1f1b" else m
 
     def stages_fit(self, stages: tuple[Stage, ...], m: int, budget: float | None = None) -> bool:
         """Whether every stage's state and in-flight activations fit its smallest device."""
-        p = len(stages)
-        return all(stage_memory_gb(self.model, st.n_layers, st.tp, self.in_flight(p, s, m),
-                                   s == 0, s == p - 1, budget) <= self.memory_free_gb(st.ranks)
-                   for s, st in enumerate(stages))
+        key = (stages, m, budget)
+        if key not in self._fits:
+            p = len(stages)
+            self._fits[key] = all(
+                stage_memory_gb(self.model, st.n_layers, st.tp, self.in_flight(p, s, m),
+                                s == 0, s == p - 1, budget) <= self.memory_free_gb(st.ranks)
+                for s, st in enumerate(stages))
+        return self._fits[key]
 
     def max_microbatches(self, stages: tuple[Stage, ...], budget: float | None = None) -> int | None:
         """The most micro-batches the replica can hold in memory; None when memory does not grow
         with their number (1F1B once every stage is full)."""
+        key = (stages, budget)
+        if key not in self._caps:
+            self._caps[key] = self._max_microbatches(stages, budget)
+        return self._caps[key]
+
+    def _max_microbatches(self, stages: tuple[Stage, ...], budget: float | None) -> int | None:
         if self.model.schedule == "1f1b":
             return None if self.stages_fit(stages, len(stages), budget) else 0
         p, best = len(stages), None
@@ -118,11 +164,28 @@ class StageCoster:
         """Model state of one layer on one device of a TP group of size ``tp``."""
         return self.model.params_per_layer * self.model.state_bytes_per_param / tp / 1e9
 
+    def pipeline_fb(self, stages: tuple[Stage, ...], scale: float = 1.0,
+                    ) -> tuple[tuple[float, float], ...]:
+        """``stage_fb`` of every stage of a pipeline (the last one runs the LM head)."""
+        key = (stages, scale)
+        fb = self._pipelines.get(key)
+        if fb is None:
+            # on devices all at full speed a pipeline takes what it takes on the healthy cluster
+            full = not any(not self.cluster.degraded.isdisjoint(s.ranks) for s in stages)
+            fb = self._full_speed.get(key) if full else None
+            if fb is None:
+                last = len(stages) - 1
+                fb = tuple(self.stage_fb(s, i == last, scale) for i, s in enumerate(stages))
+                if full:
+                    self._full_speed[key] = fb
+            self._pipelines[key] = fb
+        return fb
+
     def pipeline_step(self, stages: tuple[Stage, ...], m: int, scale: float = 1.0) -> float:
         """One replica's step through the schedule's dependency graph (no gradient sync)."""
         if m < 1 or not stages:
             return 0.0
-        fb = tuple(self.stage_fb(s, i == len(stages) - 1, scale) for i, s in enumerate(stages))
+        fb = self.pipeline_fb(stages, scale)
         key = (fb, m, scale)
         if key not in self._steps:
             from resihp.perf.schedule import pipeline_step_time
@@ -133,12 +196,18 @@ class StageCoster:
                 self.model.schedule, p2p_s=self.p2p_s * scale))
         return self._steps[key]
 
+    def largest_shard(self, stages: tuple[Stage, ...]) -> float:
+        """The pipeline's largest per-device gradient shard, in layers (layers / TP size)."""
+        if stages not in self._shards:
+            self._shards[stages] = max((s.n_layers / s.tp for s in stages), default=0.0)
+        return self._shards[stages]
+
     def dp_sync_s(self, plan: Plan) -> float:
         """Ring all-reduce of bf16 gradients across replicas; the largest per-device shard dominates."""
         d = len(plan.pipelines)
         if d < 2:
             return 0.0
-        return max(s.n_layers / s.tp for p in plan.pipelines for s in p.stages) \
+        return max(self.largest_shard(p.stages) for p in plan.pipelines) \
             * self.sync_s_per_shard_layer(d)
 
     def sync_s_per_shard_layer(self, replicas: int) -> float:
@@ -154,22 +223,20 @@ def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> f
     did not hold in the same TP layout; transfers run in parallel, so the slowest receiver counts."""
     if current is None:
         return 0.0
-    held: dict[int, tuple[int, int, int, int]] = {}  # rank -> (start, end, tp, tp_rank)
-    for p in current.pipelines:
-        for s in p.stages:
-            for t, r in enumerate(s.ranks):
-                held[r] = (s.layers[0], s.layers[1], s.tp, t)
-    unchanged = {s for p in current.pipelines for s in p.stages}
+    held = current.holdings
     worst = 0.0
     for p in new.pipelines:
+        if p.stages in held.pipelines:
+            continue
         for s in p.stages:
-            if s in unchanged:
+            if s in held.stages:
                 continue  # the same group keeps the same layers: nothing moves
+            start, end = s.layers
             for t, r in enumerate(s.ranks):
-                start, end = s.layers
                 have = 0
-                if r in held and held[r][2] == s.tp and held[r][3] == t:
-                    have = max(0, min(end, held[r][1]) - max(start, held[r][0]))
+                old = held.stage_of.get(r)
+                if old is not None and old.tp == s.tp and old.ranks.index(r) == t:
+                    have = max(0, min(end, old.layers[1]) - max(start, old.layers[0]))
                 moved = (s.n_layers - have) * coster.layer_state_gb(s.tp)
                 worst = max(worst, moved / coster.cluster.inter_node_gbs)
     return worst
@@ -186,11 +253,18 @@ class CapacityBound:
     capacity_fraction: float
     layout: object
 
+    def at_speeds(self, cluster: ClusterSpec) -> CapacityBound:
+        """This bound, taken at full speed, scaled to the compute that remains in ``cluster``."""
+        if self.capacity_fraction != 1.0:
+            raise ValueError("only a full-speed bound (capacity_fraction 1) can be scaled")
+        frac = capacity_fraction(cluster)
+        return replace(self, tokens_per_s=self.tokens_per_s * frac, capacity_fraction=frac)
+
 
 def evaluate(plan: Plan, coster: StageCoster, bound: CapacityBound | None = None,
              current: Plan | None = None) -> Plan:
     """Fill the plan's predicted step time, throughput, bound ratio and migration cost."""
-    placed_dead = any(not coster.cluster.devices[r].alive for p in plan.pipelines for r in p.ranks)
+    placed_dead = not all(coster.alive(p.stages) for p in plan.pipelines)
     # a job that still waits on a dead rank makes no progress
     step = float("inf") if placed_dead or not plan.pipelines else critical_path_step(plan, coster)
     plan.step_time_s = step
@@ -208,11 +282,12 @@ def critical_path_step(plan: Plan, coster: StageCoster) -> float:
     Replicas with the same stage times are evaluated once."""
     from resihp.perf.schedule import pipeline_step_time
 
+    model = coster.model
     by_shape: dict[tuple[int, int], set[tuple]] = {}
     for p in plan.pipelines:
-        scale = p.budget(coster.model) / coster.model.microbatch_tokens
-        fb = tuple(coster.stage_fb(s, i == len(p.stages) - 1, scale) for i, s in enumerate(p.stages))
-        by_shape.setdefault((len(p.stages), p.microbatches), set()).add((fb, scale))
+        scale = p.budget(model) / model.microbatch_tokens
+        by_shape.setdefault((len(p.stages), p.microbatches), set()).add(
+            (coster.pipeline_fb(p.stages, scale), scale))
     worst = 0.0
     for (stages, m), rows in by_shape.items():
         rows = sorted(rows)
@@ -220,11 +295,11 @@ def critical_path_step(plan: Plan, coster: StageCoster) -> float:
         fwd = np.broadcast_to(arr[:, :, :1], (len(arr), stages, m))
         bwd = np.broadcast_to(arr[:, :, 1:], (len(arr), stages, m))
         p2p = coster.p2p_s * np.array([scale for _, scale in rows])
-        step = pipeline_step_time(fwd, bwd, coster.model.schedule, p2p_s=p2p)
+        step = pipeline_step_time(fwd, bwd, model.schedule, p2p_s=p2p)
         worst = max(worst, float(np.max(step)))
     return worst + coster.dp_sync_s(plan)
 
 
 def capacity_fraction(cluster: ClusterSpec) -> float:
-    rate = np.array([d.tflops for d in cluster.devices])
+    rate = cluster.tflops
     return float((cluster.speeds * rate).sum() / rate.sum())
