@@ -1,4 +1,5 @@
 import networkx as nx
+import numpy as np
 import pytest
 
 from resihp.errors import InputError
@@ -70,6 +71,25 @@ def test_with_speeds_by_rank_and_name():
     assert cluster.devices[1].speed == 0.5
     assert not cluster.devices[6].alive
     assert cluster.healthy().devices[6].speed == 1.0
+
+
+def test_with_speeds_from_an_array_keeps_the_hardware():
+    base = ClusterSpec.from_dict(small_cluster())
+    speeds = np.ones(len(base))
+    speeds[[1, 6]] = [0.5, 0.0]
+    cluster = base.with_speeds(speeds)
+    speeds[2] = 0.3  # the caller's array is copied
+    assert [d.speed for d in cluster.devices] == [1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    assert cluster.speeds.tolist() == [d.speed for d in cluster.devices]
+    assert cluster.degraded == {1, 6} and cluster.dead == {6}
+    assert cluster.hardware_key is base.hardware_key
+    assert cluster.devices == base.with_speeds({1: 0.5, "n1/2": 0.0}).devices
+    healthy = cluster.healthy()
+    assert healthy.devices == base.devices and not healthy.degraded
+    with pytest.raises(InputError, match="speed of device 3 must be a number in"):
+        base.with_speeds(np.array([1.0, 1.0, 1.0, np.nan, 1.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(InputError, match="expected 8 speeds"):
+        base.with_speeds(np.ones(3))
 
 
 @pytest.mark.parametrize("over,match", [

@@ -223,10 +223,12 @@ class ClusterSpec:
         for rank in np.flatnonzero(speeds != self.speeds).tolist():
             devices[rank] = replace(devices[rank], speed=speeds[rank].item())
         new = replace(self, devices=tuple(devices))
-        # what only the hardware decides carries over (16,384 devices: rebuilding it is slow)
-        for name in ("node_ranks", "hardware_key", "_by_name", "tflops"):
-            if name in self.__dict__:
-                new.__dict__[name] = self.__dict__[name]
+        # what only the hardware decides is built once and carried over to every copy (16,384
+        # devices: rebuilding it at every re-plan is slow; the planner finds its caches by it)
+        for name in ("node_ranks", "hardware_key", "tflops"):
+            new.__dict__[name] = getattr(self, name)
+        if "_by_name" in self.__dict__:
+            new.__dict__["_by_name"] = self._by_name
         new.__dict__["speeds"] = speeds
         return new
 
