@@ -76,3 +76,18 @@ def test_plan_to_layout_keeps_every_layer_and_microbatch(tmp_path):
     assert len(set(new.devices.tolist())) == len(new.devices)  # every device placed once
     assert layout_of(policy.plan, policy.model).microbatches == new.microbatches
     assert np.isfinite(replay.ctx.predicted_step_time(new, np.ones(sc.cluster.size)))
+
+
+def test_resihp_rechecks_an_excluded_slow_device_less_often_and_takes_it_back(tmp_path):
+    events = [{"at": "1h", "device": 13, "kind": "slow", "factor": 5.0},
+              {"at": "4h", "device": 13, "kind": "recover"}]
+    sc = load_scenario(write(tmp_path, events=events, duration="8h"))
+    policy = Resihp()
+    out = Replay(sc, policy).run()
+    taken_back = [t for t, label in out.actions if "slowdown over" in label]
+    found = [d["time_s"] for d in out.detections if d["device"] == 13]
+    # nobody observes an excluded device: it is taken back after 30 min, then 1 h, then 2 h
+    gaps = np.diff([found[0]] + taken_back) if taken_back else []
+    assert len(taken_back) == 3 and all(b > 1.8 * a for a, b in zip(gaps, gaps[1:]))
+    assert all(t < 4 * 3600 for t in found)  # after the recovery it is not flagged again
+    assert 13 in {r for p in policy.plan.pipelines for r in p.ranks}

@@ -55,7 +55,9 @@ class Resihp(Policy):
     device's believed speed to 1/slowdown and the ``Planner`` re-plans tensor-parallel groups, layer
     split and micro-batch allocation from the plan in force; the pause is the plan's estimated
     migration time. A detector recovery event restores the device's speed and re-plans; a device the
-plan excluded cannot be observed, so it is taken back (and watched again) after ``recheck_s``. Fail-stops
+    plan excluded cannot be observed, so it is taken back (and watched again) after ``recheck_s``,
+    twice as long after each recheck that found it still slow, up to ``2 ** max_backoff`` times (the
+    policy asks the engine for a look then, ``wake_at``). Fail-stops
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
     (``costs.reconfig``, no rollback). The solver's own time runs beside training and is reported,
     not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
@@ -65,11 +67,15 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
     name = "resihp"
     observes = True
 
-    def __init__(self, time_limit_s: float = 5.0, recheck_s: float = 1800.0) -> None:
+    def __init__(self, time_limit_s: float = 5.0, recheck_s: float = 1800.0,
+                 max_backoff: int = 2) -> None:
         self.time_limit_s = time_limit_s
         self.recheck_s = recheck_s
+        self.max_backoff = max_backoff
         self.slow: dict[int, float] = {}
         self.since: dict[int, float] = {}
+        self.returned: dict[int, float] = {}  # when an excluded device was last taken back
+        self.backoff: dict[int, int] = {}  # rechecks in a row that found the device still slow
         self.feed: DetectorFeed | None = None
         self.solve_s: list[float] = []
 
@@ -105,13 +111,16 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
         used = set(ctx.layout.devices.tolist())
         return [d for d in self.slow if d not in used and d not in ctx.known_dead]
 
+    def recheck_after(self, device: int) -> float:
+        return self.recheck_s * 2 ** min(self.backoff.get(device, 0), self.max_backoff)
+
     def wake_at(self, ctx: Context) -> float | None:
-        times = [self.since[d] + self.recheck_s for d in self.excluded_slow(ctx)]
+        times = [self.since[d] + self.recheck_after(d) for d in self.excluded_slow(ctx)]
         return min(times) if times else None
 
     def observe(self, ctx: Context, window: Window) -> Reaction | None:
         findings = self.feed.feed(window)
-        stale = [d for d in self.excluded_slow(ctx) if ctx.now - self.since[d] >= self.recheck_s]
+        stale = [d for d in self.excluded_slow(ctx) if ctx.now - self.since[d] >= self.recheck_after(d)]
         if not findings and not stale:
             return None
         index = findings[0].index if findings else 0
@@ -119,6 +128,7 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
         detections, changed = [], bool(stale)
         for d in stale:  # an excluded device cannot be observed: take it back and watch it again
             self.slow.pop(d)
+            self.returned[d] = ctx.now
         for f in findings:
             if f.ended:
                 changed |= self.slow.pop(f.device, None) is not None
@@ -126,6 +136,9 @@ plan excluded cannot be observed, so it is taken back (and watched again) after 
             detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
             old = self.slow.get(f.device)
             if old is None or abs(f.slowdown / old - 1.0) > 0.1:
+                if old is None:  # still slow right after a recheck: wait twice as long next time
+                    again = time_s - self.returned.get(f.device, -np.inf) <= self.recheck_s
+                    self.backoff[f.device] = self.backoff.get(f.device, 0) + 1 if again else 0
                 self.slow[f.device] = max(f.slowdown, 1.0)
                 self.since[f.device] = time_s
                 changed = True
