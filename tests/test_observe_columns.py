@@ -5,7 +5,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from resihp.detect.observe import _group_quantile, observe_columns, observe_ops
+from resihp.detect.observe import (
+    _group_quantile,
+    _Ops,
+    _optype_codes,
+    _unblocked_durations,
+    observe_columns,
+    observe_ops,
+)
 from resihp.replay.engine import Replay
 from resihp.replay.layout import compile_layout
 from resihp.replay.policies import make_policies
@@ -40,6 +47,33 @@ def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
         np.testing.assert_array_equal(codes, want.index.to_numpy())
         np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
         np.testing.assert_array_equal(codes[inverse], code)
+
+
+def test_unblocked_durations_match_a_row_by_row_lookup():
+    # duplicated records, missing neighbours, stages out of order: each op waits for the first
+    # record of the same micro-batch on the stage before it (forward) or after it (backward)
+    rng = np.random.default_rng(3)
+    n = 3000
+    df = pd.DataFrame({"step": rng.integers(0, 3, n), "dp_rank": rng.integers(0, 2, n),
+                       "mb_id": rng.integers(0, 4, n).astype(float), "stage": rng.integers(0, 4, n),
+                       "tp_rank": rng.integers(0, 2, n).astype(float),
+                       "optype": rng.choice(["forward-compute", "backward-compute"], n),
+                       "start_ts": rng.random(n) * 10, "duration": rng.random(n) * 3})
+    df["rank"] = df["dp_rank"] * 8 + df["stage"] * 2 + df["tp_rank"].astype(int)
+    cols = {c: df[c].to_numpy() for c in df.columns}
+    op = _optype_codes(cols["optype"])
+    got = _unblocked_durations(_Ops(cols, np.arange(n), op))
+    keys = ["step", "dp_rank", "mb_id", "optype", "tp_rank"]
+    first = {}
+    for _, row in df.iterrows():
+        first.setdefault((*row[keys], row["stage"]), row["start_ts"] + row["duration"])
+    want = []
+    for _, row in df.iterrows():
+        step = 1 if row["optype"] == "backward-compute" else -1
+        dep = first.get((*row[keys], row["stage"] + step), np.nan)
+        start, end = row["start_ts"], row["start_ts"] + row["duration"]
+        want.append(end - dep if start < dep < end else row["duration"])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
 def test_replay_columns_give_the_ops_frame_analysis(tmp_path):

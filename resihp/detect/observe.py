@@ -421,9 +421,24 @@ def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)
         start = pd.Series(dur).groupby([comp.step, comp.rank], sort=False).cumsum().to_numpy() - dur
-    neighbour = comp.stage + np.where(comp.op == _OP_BWD, 1, -1)
-    own_code, dep_code = _key_codes((*keys, comp.stage), (*keys, neighbour))
-    known, first = np.unique(own_code, return_index=True)
-    dep_end = _lookup(known, (start + dur)[first], dep_code)
+    # with the stage as the last digit of the key code, a micro-batch's ops on the pipeline sort
+    # next to each other in stage order: the neighbour of an op is the run of codes one below
+    # (forward: stage - 1) or one above (backward: stage + 1); its first record counts
+    (code,) = _key_codes((*keys, comp.stage))
+    order = np.argsort(code, kind="stable")
+    sc = code[order]
+    n = len(sc)
+    change = np.r_[True, sc[1:] != sc[:-1]]
+    run_start = np.maximum.accumulate(np.where(change, np.arange(n), 0))
+    run_next = np.append(np.flatnonzero(change)[1:], n)[np.cumsum(change) - 1]  # next run's start
+    end_first = (start + dur)[order][run_start]  # end of the first record of each row's run
+    before = np.maximum(run_start - 1, 0)
+    after = np.minimum(run_next, n - 1)
+    bwd = comp.op[order] == _OP_BWD
+    st = comp.stage[order]  # one code apart across a group boundary is not a neighbour
+    found = np.where(bwd, (run_next < n) & (sc[after] == sc + 1) & (st[after] == st + 1),
+                     (run_start > 0) & (sc[before] == sc - 1) & (st[before] == st - 1))
+    dep_end = np.empty(n)
+    dep_end[order] = np.where(found, end_first[np.where(bwd, after, before)], np.nan)
     return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
                     start + dur - dep_end, dur)

@@ -166,8 +166,11 @@ class Simulator:
             shape = (w, r, pp, tp, 2, m)
             dur = np.stack([own, 2.0 * own], axis=4)
             real = np.broadcast_to((g.devices >= 0)[None, :, :, :, None, None], shape).ravel()
+            if real.all():
+                real = slice(None)  # no padded ranks: skip the copy a mask makes
 
-            def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real) -> np.ndarray:
+            def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
+                     ) -> np.ndarray:
                 """``values`` (laid along ``axes`` of the record grid) on every real record."""
                 at = [slice(None) if i in axes else None for i in range(len(shape))]
                 return np.broadcast_to(values[tuple(at)], shape).ravel()[real]
@@ -184,7 +187,8 @@ class Simulator:
                 "start_ts": grid(start, (0, 1, 2, 4, 5)), "seq_lens": pool.seq_objects[mbi]})
         if not parts:
             return {}
-        cols = {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+        cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
+                                                  for c in parts[0]}
         cols["optype"] = pd.Categorical.from_codes(cols["optype"], categories=list(COMPUTE_OPTYPES))
         return cols
 
