@@ -132,11 +132,12 @@ class _Ops:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def has(self, name: str) -> bool:
-        """Whether the column is there with a value on every row of the subset."""
+    def has(self, name: str, at: np.ndarray | None = None) -> bool:
+        """Whether the column is there with a value on every row of the subset (or on its rows
+        ``at``)."""
         if name not in self.cols:
             return False
-        col = self.cols[name][self.rows]
+        col = self.values(name, at)
         return not (pd.isna(col).any() if col.dtype == object else np.isnan(col).any())
 
     def values(self, name: str, at: np.ndarray | None = None) -> np.ndarray:
@@ -241,13 +242,16 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
                  shape: TransformerShape | None) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Each op's cost from its sequence lengths (predictor, else analytic FLOPs), else its phase."""
     bwd = comp.op == _OP_BWD
-    if not (len(comp) and comp.has("seq_lens")):
+    if not (len(comp) and "seq_lens" in comp.cols):
         return np.where(bwd, 2.0, 1.0), None, "phase"
     if comp.mb_id is not None:
+        # one cost per micro-batch and phase, from its first record
         (code,) = _key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))
         _, first, codes = np.unique(code, return_index=True, return_inverse=True)
     else:
         first = codes = np.arange(len(comp))
+    if not comp.has("seq_lens", first):
+        return np.where(bwd, 2.0, 1.0), None, "phase"
     lens = comp.values("seq_lens", first)
     ph_bwd = bwd[first]
     cost_u = np.empty(len(first))
