@@ -9,6 +9,7 @@ from resihp.detect.observe import (
     _group_quantile,
     _Ops,
     _optype_codes,
+    _pivot_lower_median,
     _unblocked_durations,
     observe_columns,
     observe_ops,
@@ -47,6 +48,21 @@ def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
         np.testing.assert_array_equal(codes, want.index.to_numpy())
         np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
         np.testing.assert_array_equal(codes[inverse], code)
+
+
+def test_pivot_lower_median_matches_the_sorted_groups():
+    rng = np.random.default_rng(4)
+    code = np.repeat(np.arange(300), 6)
+    member = np.tile(np.arange(6), 300) + 2
+    keep = rng.random(code.size) > 0.1  # some members missing
+    code, member = code[keep], member[keep]
+    values = rng.lognormal(size=code.size)
+    values[rng.random(code.size) < 0.05] = np.nan
+    _, ref, inverse = _group_quantile(code, values, 0.5, lower=True)
+    np.testing.assert_array_equal(_pivot_lower_median(code, member, values), ref[inverse])
+    assert _pivot_lower_median(np.r_[code, code[:1]], np.r_[member, member[:1]],
+                               np.r_[values, 1.0]) is None  # two rows of one member
+    assert _pivot_lower_median(code * 100, member, values) is None  # sparse codes
 
 
 def test_unblocked_durations_match_a_row_by_row_lookup():

@@ -282,14 +282,39 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
     the other data-parallel replicas (the same layers and token budget; their data differ).
     """
     if (unblocked or meta.dp_size == 1) and meta.pp_size > 1:
-        keys = [ops.step, ops.dp_rank, ops.mb_id, ops.op]
+        keys, member = [ops.step, ops.dp_rank, ops.mb_id, ops.op], ops.stage
     else:
-        keys = [ops.step, ops.stage, ops.mb_id, ops.op]
+        keys, member = [ops.step, ops.stage, ops.mb_id, ops.op], ops.dp_rank
     if ops.tp_rank is not None:
         keys.append(ops.tp_rank)
     (code,) = _key_codes(keys)
-    _, ref, inverse = _group_quantile(code, values, 0.5, lower=True)
-    return np.maximum(ref[inverse], 1e-12)
+    ref = _pivot_lower_median(code, member, values)
+    if ref is None:
+        _, ref_g, inverse = _group_quantile(code, values, 0.5, lower=True)
+        ref = ref_g[inverse]
+    return np.maximum(ref, 1e-12)
+
+
+def _pivot_lower_median(code: np.ndarray, member: np.ndarray, values: np.ndarray
+                        ) -> np.ndarray | None:
+    """``_group_quantile(code, values, 0.5, lower=True)`` per row, without sorting the rows, where
+    each group has at most one row per ``member`` and the codes are dense (a full trace): the
+    groups become the rows of a (code x member) table. None where that does not hold."""
+    if not len(code):
+        return None
+    member = member - member.min()
+    groups, width = int(code.max()) + 1, int(member.max()) + 1
+    if groups * width > 4 * len(code):
+        return None
+    slot = code * width + member
+    if np.bincount(slot, minlength=groups * width).max() > 1:
+        return None
+    table = np.full(groups * width, np.nan)
+    table[slot] = values
+    table = np.sort(table.reshape(groups, width), axis=1)  # NaN last
+    n = (~np.isnan(table)).sum(axis=1)
+    ref = table[np.arange(groups), np.maximum(n - 1, 0) // 2]
+    return ref[code]
 
 
 def _to_matrix(step_idx: np.ndarray, rank: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarray:
