@@ -91,7 +91,7 @@ class Simulator:
         steps = np.arange(first_step, first_step + n_steps)
         layout = compiled.layout
         if "ranks" not in compiled.derived:
-            compiled.derived["ranks"] = self._rank_table(layout)
+            compiled.derived["ranks"] = self._rank_table(compiled)
         meta, rank_device, rank_work, rank_place = compiled.derived["ranks"]
         pp_max, tp_max = meta.pp_size, meta.tp_size
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
@@ -99,9 +99,11 @@ class Simulator:
         return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
                       rank_device, rank_work, columns, rank_place)
 
-    def _rank_table(self, layout: Layout) -> tuple[JobMeta, np.ndarray, np.ndarray, np.ndarray]:
+    def _rank_table(self, compiled: CompiledLayout) -> tuple[JobMeta, np.ndarray, np.ndarray,
+                                                             np.ndarray]:
         """(job meta, device, expected work, (dp_rank, stage, tp_rank)) of every logical rank:
-        ``rank = (replica * pp_max + stage) * tp_max + tp_rank``; -1 / NaN where no device."""
+        ``rank = (replica * pp_max + stage) * tp_max + tp_rank``; -1 / NaN where no device works."""
+        layout = compiled.layout
         pp_max = max(len(r.groups) for r in layout.replicas)
         tp_max = max(len(gr) for r in layout.replicas for gr in r.groups)
         meta = JobMeta(dp_size=len(layout.replicas), pp_size=pp_max, tp_size=tp_max,
@@ -112,17 +114,20 @@ class Simulator:
         layer = float(self.pool.fwd_flops_per_layer.mean())
         head = float(self.pool.head_flops.mean())
         mean_tokens = float(self.pool.tokens.mean())
-        for i, r in enumerate(layout.replicas):
-            for st, gr in enumerate(r.groups):
-                at = slice((i * pp_max + st) * tp_max, (i * pp_max + st) * tp_max + len(gr))
-                rank_device[at] = gr
-                rank_place[at] = np.stack([np.full(len(gr), i), np.full(len(gr), st),
-                                           np.arange(len(gr))], axis=1)
-                last = head if st == len(r.groups) - 1 else 0.0
-                # expected seconds of the rank's share of a mean micro-batch at full speed
-                rank_work[at] = r.load[st] * (
-                    (r.layers[st] * layer + last) / (len(gr) * self.rate)
-                    + 2.0 * r.layers[st] * float(tp_allreduce_s(self.scenario, mean_tokens, len(gr))))
+        for g in compiled.groups:
+            r, pp, tp = g.devices.shape
+            place = np.stack(np.broadcast_arrays(g.replica_ids[:, None, None],
+                                                 np.arange(pp)[None, :, None],
+                                                 np.arange(tp)[None, None, :]), axis=-1)
+            rank = (place[..., 0] * pp_max + place[..., 1]) * tp_max + place[..., 2]
+            last = np.where(np.arange(pp) == pp - 1, head, 0.0)
+            # expected seconds of the rank's share of a mean micro-batch at full speed
+            work = g.load * ((g.layers * layer + last) / (g.width * self.rate)
+                             + 2.0 * g.layers * tp_allreduce_s(self.scenario, mean_tokens, g.width))
+            real = g.devices >= 0
+            rank_device[rank[real]] = g.devices[real]
+            rank_work[rank[real]] = np.broadcast_to(work[..., None], real.shape)[real]
+            rank_place[rank[real]] = place[real]
         return meta, rank_device, rank_work, rank_place
 
     def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
