@@ -1,3 +1,4 @@
+import heapq
 import json
 
 import numpy as np
@@ -259,6 +260,34 @@ def test_allocation_keeps_the_batch_and_matches_greedy_optimum():
             return max(f + (k - 1) * e for f, e, k in zip(first, each, a) if k)
 
         assert span(alloc) == pytest.approx(span(greedy_allocation(first, each, 100)), rel=1e-5)
+
+
+def test_greedy_allocation_is_the_one_at_a_time_greedy():
+    def one_at_a_time(first, each, total, caps):
+        m = [0] * len(first)
+        heap = [(first[r], r) for r in range(len(first)) if caps[r] is None or caps[r] > 0]
+        heapq.heapify(heap)
+        for _ in range(total):
+            finish, r = heapq.heappop(heap)
+            m[r] += 1
+            if caps[r] is None or m[r] < caps[r]:
+                heapq.heappush(heap, (finish + each[r], r))
+        return m
+
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        kinds = rng.integers(1, 4)  # few distinct replicas, as in a large healthy cluster
+        first = rng.choice(np.round(rng.uniform(1, 3, kinds), 1), n).tolist()
+        each = rng.choice([0.0, 0.25, 0.5, 1e-17, *np.round(rng.uniform(0, 1, kinds), 1)], n).tolist()
+        caps = rng.choice([None, 0, 1, 3, 8, 1000], n).tolist()
+        total = int(rng.integers(0, 200))
+        if sum(total if c is None else c for c in caps) < total:
+            with pytest.raises(ValueError, match="memory holds only"):
+                greedy_allocation(first, each, total, caps)
+        else:
+            assert greedy_allocation(first, each, total, caps) == one_at_a_time(
+                first, each, total, caps)
 
 
 def test_token_budgets_balance_and_keep_the_global_batch():

@@ -9,9 +9,11 @@ the solver runs out of time before it proves anything better.
 
 from __future__ import annotations
 
-import heapq
+from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import accumulate
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 TICKS_PER_S = 1e7
@@ -19,21 +21,51 @@ TICKS_PER_S = 1e7
 
 def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
                       caps: Sequence[int | None] | None = None) -> list[int]:
-    """Each micro-batch to the replica that would finish it first (optimal for min-max of
-    increasing per-replica times); replicas at their cap take no more. Raises ValueError when the
-    caps hold fewer than ``total``."""
+    """Each micro-batch to the replica that would finish it first, ties to the lower index
+    (optimal for min-max of increasing per-replica times; ``each`` must not be negative);
+    replicas at their cap take no more. Raises ValueError when the caps hold fewer than
+    ``total``.
+
+    Handing them out one at a time places the ``total`` smallest (finish time, replica) pairs,
+    replica r's finish times being ``first[r]``, ``first[r] + each[r]``, ... up to its cap.
+    So they are found at once: the smallest finish time ``v`` with ``total`` pairs at or below
+    it; every pair below ``v`` is placed, and the pairs at ``v`` go to the lowest replicas.
+    Replicas with the same (first, each, cap) share one sequence: thousands of healthy replicas
+    cost as much as one."""
     caps = caps or [None] * len(first)
-    m = [0] * len(first)
-    heap = [(first[r], r) for r in range(len(first)) if caps[r] is None or caps[r] > 0]
-    heapq.heapify(heap)
-    for _ in range(total):
-        if not heap:
-            raise ValueError(f"memory holds only {sum(m)} of {total} micro-batches")
-        finish, r = heapq.heappop(heap)
-        m[r] += 1
-        if caps[r] is None or m[r] < caps[r]:
-            heapq.heappush(heap, (finish + each[r], r))
-    return m
+    limits = [total if c is None else min(c, total) for c in caps]
+    if sum(limits) < total:
+        raise ValueError(f"memory holds only {sum(limits)} of {total} micro-batches")
+    if total < 1:
+        return [0] * len(first)
+    classes: dict[tuple[float, float, int], list[int]] = {}
+    for r, limit in enumerate(limits):
+        if limit > 0:
+            classes.setdefault((first[r], each[r], limit), []).append(r)
+    # the same float sums as adding one micro-batch at a time
+    finish = {c: np.array(list(accumulate([c[0]] + [c[1]] * (c[2] - 1)))) for c in classes}
+
+    def pairs(v: float, side: str) -> int:
+        """(finish time, replica) pairs below ``v`` (side "left") or at or below it ("right")."""
+        return sum(len(members) * int(np.searchsorted(finish[c], v, side))
+                   for c, members in classes.items())
+
+    values = np.unique(np.concatenate(list(finish.values())))
+    v = values[bisect_left(values, total, key=lambda x: pairs(x, "right"))]
+    out = [0] * len(first)
+    ties: list[tuple[int, int]] = []
+    for c, members in classes.items():
+        below = int(np.searchsorted(finish[c], v, "left"))
+        at = int(np.searchsorted(finish[c], v, "right")) - below
+        for r in members:
+            out[r] = below
+            if at:
+                ties.append((r, at))
+    need = total - pairs(v, "left")
+    for r, at in sorted(ties):
+        out[r] += min(at, need)
+        need -= min(at, need)
+    return out
 
 
 def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: int,

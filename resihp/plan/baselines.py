@@ -17,7 +17,7 @@ import numpy as np
 
 from resihp.plan.cost import AnalyticCost, CostModel
 from resihp.plan.layout import even_split, home_pipelines, layer_ranges, powers_of_two_upto
-from resihp.plan.plan import Pipeline, Plan, Stage, Stages
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster, evaluate
@@ -103,9 +103,7 @@ class DropReplicaPolicy(_Policy):
             if alive else []
         pipelines = [Pipeline(i, p.stages, m, home=p.home)
                      for i, (p, m) in enumerate(zip(alive, shares)) if m > 0]
-        placed = {r for p in pipelines for r in p.ranks}
-        return Plan(len(cluster), layout, pipelines,
-                    [r for r in range(len(cluster)) if r not in placed])
+        return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines))
 
 
 class HeuristicPolicy(_Policy):
@@ -132,9 +130,7 @@ class HeuristicPolicy(_Policy):
             if m > 0:
                 pipelines.append(Pipeline(dp, stages, m, home=r))
                 dp += 1
-        placed = {x for p in pipelines for x in p.ranks}
-        return Plan(len(cluster), layout, pipelines,
-                    [x for x in range(len(cluster)) if x not in placed])
+        return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines))
 
     @staticmethod
     def exclude(group: tuple[int, ...], cluster: ClusterSpec, model: ModelSpec) -> tuple[int, ...]:

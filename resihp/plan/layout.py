@@ -4,6 +4,7 @@ the ways a degraded tensor-parallel group can be re-formed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -19,11 +20,13 @@ def powers_of_two_upto(n: int) -> list[int]:
 
 def home_groups(cluster: ClusterSpec, tp: int) -> list[tuple[int, ...]]:
     """Consecutive ranks of each node in groups of ``tp``; a node's leftover devices form none."""
-    groups = []
-    for ranks in cluster.node_ranks:
-        for i in range(0, len(ranks) - tp + 1, tp):
-            groups.append(tuple(ranks[i:i + tp]))
-    return groups
+    return list(_home_groups(cluster.node_ranks, tp))
+
+
+@lru_cache(maxsize=16)  # re-plans ask again for the same nodes (``with_speeds`` keeps them)
+def _home_groups(node_ranks: tuple[tuple[int, ...], ...], tp: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(ranks[i:i + tp]) for ranks in node_ranks
+                 for i in range(0, len(ranks) - tp + 1, tp))
 
 
 def home_pipelines(cluster: ClusterSpec, layout: Layout) -> list[list[tuple[int, ...]]]:

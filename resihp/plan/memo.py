@@ -28,7 +28,7 @@ class HardwareMemo:
         self.healthy = healthy
         self.bound = bound  # at full speed
         self.coster = coster  # at full speed; re-plans use ``coster.at_speeds``
-        self.solves: dict[tuple, PipelineSolution] = {}
+        self.solves: dict[tuple, tuple[PipelineSolution, float]] = {}  # optimal answer, seconds
         self._homes: dict[Layout, list[list[tuple[int, ...]]]] = {}
         self._whole: dict[Layout, list[bool]] = {}
         self._stages: dict[tuple[Layout, tuple[int, ...]], list[tuple[Stage, ...]]] = {}

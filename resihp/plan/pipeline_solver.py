@@ -42,11 +42,13 @@ class _Candidate:
 
 def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
               current: dict[tuple[int, ...], tuple[int, int]] | None = None,
-              horizon_steps: float = 100.0, time_limit_s: float = 1.0,
-              sync: tuple[float, float] | None = None, replicas: int = 1) -> tuple:
-    """What ``solve_pipeline`` with these arguments depends on, beyond the hardware, the model and
+              horizon_steps: float = 100.0, sync: tuple[float, float] | None = None,
+              replicas: int = 1) -> tuple:
+    """What ``solve_pipeline`` with these arguments answers, beyond the hardware, the model and
     the cost model behind ``coster``: the groups, their devices' speeds, the layer ranges that
-    the plan in force gives to the candidate stages, and the other arguments."""
+    the plan in force gives to the candidate stages, and the other arguments. Not the time
+    limit: the search of one CP-SAT worker is deterministic and the limit only cuts it short, so
+    an answer proven optimal within some time is the answer to any limit at least that long."""
     cluster = coster.cluster
     speeds = tuple(cluster.devices[r].speed for g in groups for r in g)
     held: tuple = ()
@@ -54,8 +56,7 @@ def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         subs = {sub for g in groups for opt in group_options(g, cluster, coster.model.heads)
                 for sub in opt}
         held = tuple(sorted((sub, current[sub]) for sub in subs if sub in current))
-    return (tuple(groups), speeds, max(1, m), held, bool(current), horizon_steps, time_limit_s,
-            sync, replicas)
+    return (tuple(groups), speeds, max(1, m), held, bool(current), horizon_steps, sync, replicas)
 
 
 def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,

@@ -244,9 +244,10 @@ class Plan:
 
 def unplaced(world_size: int, pipelines: list[Pipeline]) -> list[int]:
     """The ranks of ``range(world_size)`` that no pipeline places, in order."""
+    ranks = np.fromiter(chain.from_iterable(s.ranks for p in pipelines for s in p.stages),
+                        dtype=np.int64)
     placed = np.zeros(world_size, dtype=bool)
-    placed[np.fromiter(chain.from_iterable(s.ranks for p in pipelines for s in p.stages),
-                       dtype=np.int64)] = True
+    placed[ranks[(ranks >= 0) & (ranks < world_size)]] = True
     return np.flatnonzero(~placed).tolist()
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -209,8 +209,9 @@ class Planner:
         floor = max((st.n_layers / st.tp for sol in kept.values() for st in sol.stages),
                     default=0.0)
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
+        pool = ThreadPoolExecutor(self.threads)
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
-                           per_solve, log, memo.solves, memo.leftover(layout))
+                           per_solve, log, memo.solves, memo.leftover(layout), pool)
 
         def usable(plans: list[Plan]) -> list[Plan]:
             """Plans that run: the global batch placed, memory respected, no dead rank."""
@@ -222,18 +223,25 @@ class Planner:
                 evaluate(plan, coster, bound, current)
             return out
 
-        # the heuristic baselines' plans are candidates too, so the optimizer never ends behind them
-        candidates = usable(self._baseline_plans(context, healthy))
-        with ThreadPoolExecutor(self.threads) as pool:
+        try:
+            # every weighting's first solves start now, beside the work below and each other
+            for weight in weights:
+                for r in affected:
+                    self._submit(context, pipes[r], max(1, share[r]), sync, weight)
+            # the heuristic baselines' plans are candidates too, so the optimizer never ends
+            # behind them
+            candidates = usable(self._baseline_plans(context, healthy))
             for weight in weights:
                 try:
                     candidates += usable(self._candidates(context, dict(kept), dict(share),
-                                                          weight, pool))
+                                                          weight))
                 except InputError:
                     if not candidates:
                         raise
                 if any(c.bound_ratio >= 0.99 for c in candidates):
                     break  # close enough to the bound: the other weighting cannot gain much
+        finally:
+            pool.shutdown(cancel_futures=True)  # the solves of a weighting not needed
         if not candidates:
             raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
                              "memory on the remaining devices")
@@ -245,16 +253,13 @@ class Planner:
         return plan
 
     def _candidates(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
-                    share: dict[int, int], weight: int, pool: ThreadPoolExecutor) -> list[Plan]:
+                    share: dict[int, int], weight: int) -> list[Plan]:
         """Solve the affected replicas (two rounds: solve, allocate, re-solve those whose
         micro-batch count moved), add spare-device pipelines, and assemble whole plans: the
         allocation; without the re-formed replicas; with the spare pipelines; and, with token
         budgets, each balanced by tokens. They are compared later on the evaluator's step time,
         which unlike the allocation sees the gradient all-reduce."""
         cluster, model, layout, coster = ctx.cluster, ctx.model, ctx.layout, ctx.coster
-
-        def solve(r: int, m: int) -> PipelineSolution | None:
-            return self._solve(ctx, ctx.pipes[r], m, ctx.sync, weight)
 
         def allocate(dropped: frozenset[int] = frozenset()) -> dict[int, int]:
             live = [r for r, sol in solutions.items() if sol is not None and r not in dropped]
@@ -284,8 +289,10 @@ class Planner:
         todo = {r: max(1, share[r]) for r in ctx.affected}
         solved_for: dict[int, int] = {}
         for _ in range(2):
-            for r, sol in zip(todo, pool.map(solve, todo, todo.values())):
-                solutions[r] = sol
+            solves = {r: self._submit(ctx, ctx.pipes[r], m, ctx.sync, weight)
+                      for r, m in todo.items()}
+            for r, solve in solves.items():
+                solutions[r] = solve.result()
                 ctx.log.pipelines += 1
             solved_for.update(todo)
             share = allocate()
@@ -335,18 +342,29 @@ class Planner:
                       for c in plans if c.pipelines]
         return plans
 
-    def _solve(self, ctx: _Context, groups: list[tuple[int, ...]], m: int,
+    def _submit(self, ctx: _Context, groups: list[tuple[int, ...]], m: int,
+                sync: tuple[float, float] | None, replicas: int) -> Future:
+        """``solve_pipeline``'s answer to come: from the planner's cache (an answer proven
+        optimal in no more than this call's time limit), from the same solve already started in
+        this call, or from a new solve in the pool."""
+        key = solve_key(ctx.coster, groups, m, ctx.held, self.horizon_steps, sync, replicas)
+        if key not in ctx.futures:
+            sol, seconds = ctx.solves.get(key, (None, np.inf))
+            if seconds <= ctx.per_solve:
+                ctx.futures[key] = Future()
+                ctx.futures[key].set_result(sol)
+            else:
+                ctx.futures[key] = ctx.pool.submit(self._solve, ctx, key, list(groups), m, sync,
+                                                   replicas)
+        return ctx.futures[key]
+
+    def _solve(self, ctx: _Context, key: tuple, groups: list[tuple[int, ...]], m: int,
                sync: tuple[float, float] | None, replicas: int) -> PipelineSolution | None:
-        """``solve_pipeline``, or its answer to the same inputs in an earlier call (proven optimal
-        answers only: one cut short by the time limit might come out differently)."""
-        key = solve_key(ctx.coster, groups, m, ctx.held, self.horizon_steps, ctx.per_solve, sync,
-                        replicas)
-        if key in ctx.solves:
-            return ctx.solves[key]
+        t0 = time.perf_counter()
         sol = solve_pipeline(ctx.coster, groups, m, ctx.held, self.horizon_steps, ctx.per_solve,
                              sync, replicas)
         if sol is not None and sol.status == "optimal":
-            ctx.solves[key] = sol
+            ctx.solves[key] = (sol, time.perf_counter() - t0)
         return sol
 
     def _spare_pipelines(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
@@ -390,7 +408,7 @@ class Planner:
                 break
             if sum(coster.memory_free_gb(c) * len(c) for c in chain) < state_gb:
                 continue  # cannot hold the model state, whatever the split
-            sol = self._solve(ctx, chain, m, None, 1)
+            sol = self._submit(ctx, chain, m, None, 1).result()
             if sol is not None and len(sol.stages) == len(chain):
                 out[next_id] = sol
                 next_id += 1
@@ -423,8 +441,10 @@ class _Context:
     sync: tuple[float, float] | None
     per_solve: float
     log: _SolveLog
-    solves: dict[tuple, PipelineSolution]  # the planner's, across calls
+    solves: dict[tuple, tuple[PipelineSolution, float]]  # the planner's: answer, seconds
     leftover: frozenset[int]  # live or not, the devices no home replica uses
+    pool: ThreadPoolExecutor
+    futures: dict[tuple, Future] = field(default_factory=dict)  # this call's, by ``solve_key``
     spares_seen: dict[frozenset[int], dict[int, PipelineSolution]] = field(default_factory=dict)
 
 

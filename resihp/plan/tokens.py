@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from resihp.plan.plan import Plan
+from resihp.plan.plan import Plan, unplaced
 from resihp.plan.specs import stage_memory_gb
 from resihp.plan.timing import StageCoster
 
@@ -104,6 +104,4 @@ def proportional_counts(plan: Plan, coster: StageCoster) -> Plan:
         counts.append(m)
     new = [replace(p, dp_rank=i, microbatches=m, tokens=m * model.microbatch_tokens)
            for i, (p, m) in enumerate((p, m) for p, m in zip(pipes, counts) if m > 0)]
-    placed = {r for p in new for r in p.ranks}
-    return replace(plan, pipelines=new,
-                   excluded=[r for r in range(plan.world_size) if r not in placed])
+    return replace(plan, pipelines=new, excluded=unplaced(plan.world_size, new))
