@@ -65,15 +65,21 @@ def test_pivot_lower_median_matches_the_sorted_groups():
     assert _pivot_lower_median(code * 100, member, values) is None  # sparse codes
 
 
-def test_unblocked_durations_match_a_row_by_row_lookup():
-    # duplicated records, missing neighbours, stages out of order: each op waits for the first
-    # record of the same micro-batch on the stage before it (forward) or after it (backward)
+@pytest.mark.parametrize("full", [True, False])
+def test_unblocked_durations_match_a_row_by_row_lookup(full):
+    # each op waits for the first record of the same micro-batch on the stage before it (forward)
+    # or after it (backward); a full trace (one record per op, a few missing) takes the table
+    # lookup, duplicated records and stages out of order the sorted one
     rng = np.random.default_rng(3)
-    n = 3000
-    df = pd.DataFrame({"step": rng.integers(0, 3, n), "dp_rank": rng.integers(0, 2, n),
-                       "mb_id": rng.integers(0, 4, n).astype(float), "stage": rng.integers(0, 4, n),
-                       "tp_rank": rng.integers(0, 2, n).astype(float),
-                       "optype": rng.choice(["forward-compute", "backward-compute"], n),
+    if full:
+        grid = np.indices((3, 2, 4, 4, 2, 2)).reshape(6, -1)
+        grid = grid[:, rng.random(grid.shape[1]) > 0.05]
+    else:
+        grid = rng.integers(0, [3, 2, 4, 4, 2, 2], size=(3000, 6)).T
+    n = grid.shape[1]
+    df = pd.DataFrame({"step": grid[0], "dp_rank": grid[1], "mb_id": grid[2].astype(float),
+                       "stage": grid[3], "tp_rank": grid[4].astype(float),
+                       "optype": np.array(["forward-compute", "backward-compute"])[grid[5]],
                        "start_ts": rng.random(n) * 10, "duration": rng.random(n) * 3})
     df["rank"] = df["dp_rank"] * 8 + df["stage"] * 2 + df["tp_rank"].astype(int)
     cols = {c: df[c].to_numpy() for c in df.columns}

@@ -295,25 +295,32 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
     return np.maximum(ref, 1e-12)
 
 
-def _pivot_lower_median(code: np.ndarray, member: np.ndarray, values: np.ndarray
-                        ) -> np.ndarray | None:
-    """``_group_quantile(code, values, 0.5, lower=True)`` per row, without sorting the rows, where
-    each group has at most one row per ``member`` and the codes are dense (a full trace): the
-    groups become the rows of a (code x member) table. None where that does not hold."""
+def _dense_table(code: np.ndarray, member: np.ndarray, values: np.ndarray) -> np.ndarray | None:
+    """``values`` as a (group code x member) table, NaN where a member has no row, when the codes
+    are dense and each group has at most one row per member (a full trace); else None."""
     if not len(code):
         return None
-    member = member - member.min()
     groups, width = int(code.max()) + 1, int(member.max()) + 1
-    if groups * width > 4 * len(code):
+    if member.min() < 0 or groups * width > 4 * len(code):
         return None
     slot = code * width + member
     if np.bincount(slot, minlength=groups * width).max() > 1:
         return None
     table = np.full(groups * width, np.nan)
     table[slot] = values
-    table = np.sort(table.reshape(groups, width), axis=1)  # NaN last
+    return table.reshape(groups, width)
+
+
+def _pivot_lower_median(code: np.ndarray, member: np.ndarray, values: np.ndarray
+                        ) -> np.ndarray | None:
+    """``_group_quantile(code, values, 0.5, lower=True)`` per row, without sorting the rows, where
+    the groups fit a ``_dense_table``; else None."""
+    table = _dense_table(code, member - member.min(), values) if len(code) else None
+    if table is None:
+        return None
+    table.sort(axis=1)  # NaN last
     n = (~np.isnan(table)).sum(axis=1)
-    ref = table[np.arange(groups), np.maximum(n - 1, 0) // 2]
+    ref = table[np.arange(len(table)), np.maximum(n - 1, 0) // 2]
     return ref[code]
 
 
@@ -450,24 +457,39 @@ def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)
         start = pd.Series(dur).groupby([comp.step, comp.rank], sort=False).cumsum().to_numpy() - dur
+    dep_end = _neighbour_ends(keys, comp.stage, comp.op == _OP_BWD, start + dur)
+    return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
+                    start + dur - dep_end, dur)
+
+
+def _neighbour_ends(keys: list[np.ndarray], stage: np.ndarray, bwd: np.ndarray, end: np.ndarray
+                    ) -> np.ndarray:
+    """Per op, the end of the first record of the same ``keys`` on the stage before it (forward) or
+    after it (backward); NaN where there is none."""
+    (group,) = _key_codes(keys)
+    lo = int(stage.min())
+    table = _dense_table(group, stage - lo, end)
+    if table is not None:  # a full trace: look the neighbour up in the (group x stage) table
+        nb = stage - lo + np.where(bwd, 1, -1)
+        ok = (nb >= 0) & (nb < table.shape[1])
+        return np.where(ok, table[group, np.clip(nb, 0, table.shape[1] - 1)], np.nan)
     # with the stage as the last digit of the key code, a micro-batch's ops on the pipeline sort
     # next to each other in stage order: the neighbour of an op is the run of codes one below
     # (forward: stage - 1) or one above (backward: stage + 1); its first record counts
-    (code,) = _key_codes((*keys, comp.stage))
+    (code,) = _key_codes((*keys, stage))
     order = np.argsort(code, kind="stable")
     sc = code[order]
     n = len(sc)
     change = np.r_[True, sc[1:] != sc[:-1]]
     run_start = np.maximum.accumulate(np.where(change, np.arange(n), 0))
     run_next = np.append(np.flatnonzero(change)[1:], n)[np.cumsum(change) - 1]  # next run's start
-    end_first = (start + dur)[order][run_start]  # end of the first record of each row's run
+    end_first = end[order][run_start]  # end of the first record of each row's run
     before = np.maximum(run_start - 1, 0)
     after = np.minimum(run_next, n - 1)
-    bwd = comp.op[order] == _OP_BWD
-    st = comp.stage[order]  # one code apart across a group boundary is not a neighbour
-    found = np.where(bwd, (run_next < n) & (sc[after] == sc + 1) & (st[after] == st + 1),
+    bwd_s = bwd[order]
+    st = stage[order]  # one code apart across a group boundary is not a neighbour
+    found = np.where(bwd_s, (run_next < n) & (sc[after] == sc + 1) & (st[after] == st + 1),
                      (run_start > 0) & (sc[before] == sc - 1) & (st[before] == st - 1))
-    dep_end = np.empty(n)
-    dep_end[order] = np.where(found, end_first[np.where(bwd, after, before)], np.nan)
-    return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
-                    start + dur - dep_end, dur)
+    out = np.empty(n)
+    out[order] = np.where(found, end_first[np.where(bwd_s, after, before)], np.nan)
+    return out
