@@ -42,14 +42,18 @@ class Stage:
         return self.__dict__["_hash"]
 
 
-class Stages(tuple):
-    """A pipeline's stages in order: a tuple that computes its hash once (tuples of stages key the
-    planner's caches and are looked up thousands of times per plan)."""
+class HashedTuple(tuple):
+    """A tuple that computes its hash once: for tuples that key caches and are looked up
+    thousands of times per plan (a pipeline's stages, its stage times)."""
 
     def __hash__(self) -> int:
         if "_hash" not in self.__dict__:
             self.__dict__["_hash"] = tuple.__hash__(self)
         return self.__dict__["_hash"]
+
+
+class Stages(HashedTuple):
+    """A pipeline's stages in order."""
 
 
 @dataclass(frozen=True)

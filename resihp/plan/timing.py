@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from resihp.plan.cost import CostModel
-from resihp.plan.plan import Plan, Stage
+from resihp.plan.plan import HashedTuple, Plan, Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 
 
@@ -175,7 +175,8 @@ class StageCoster:
             fb = self._full_speed.get(key) if full else None
             if fb is None:
                 last = len(stages) - 1
-                fb = tuple(self.stage_fb(s, i == last, scale) for i, s in enumerate(stages))
+                fb = HashedTuple(self.stage_fb(s, i == last, scale)
+                                 for i, s in enumerate(stages))
                 if full:
                     self._full_speed[key] = fb
             self._pipelines[key] = fb
