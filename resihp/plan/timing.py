@@ -42,6 +42,7 @@ class StageCoster:
         self._steps: dict[tuple, float] = {}
         self._fits: dict[tuple, bool] = {}
         self._caps: dict[tuple, int | None] = {}
+        self._budgets: dict[tuple, float] = {}
         self._shards: dict[tuple[Stage, ...], float] = {}
         self._full_speed: dict[tuple, tuple[tuple[float, float], ...]] = {}
         # what they do
@@ -61,7 +62,7 @@ class StageCoster:
             setattr(new, name, getattr(self, name))
         return new
 
-    _SHARED = ("_layer", "_head", "_steps", "_fits", "_caps", "_shards", "_full_speed")
+    _SHARED = ("_layer", "_head", "_steps", "_fits", "_caps", "_budgets", "_shards", "_full_speed")
 
     @property
     def cache_entries(self) -> int:
@@ -151,6 +152,23 @@ class StageCoster:
             cap = int((self.memory_free_gb(st.ranks) - state) // act) if act > 0 else None
             best = cap if best is None else (best if cap is None else min(best, cap))
         return best
+
+    def budget_limit(self, stages: tuple[Stage, ...], m: int) -> float:
+        """Largest micro-batch (tokens) every stage of a replica of ``m`` micro-batches can hold
+        in memory."""
+        key = (stages, m)
+        if key not in self._budgets:
+            limit = np.inf
+            p = len(stages)
+            for s, stage in enumerate(stages):
+                in_flight = self.in_flight(p, s, m)
+                first, last = s == 0, s == p - 1
+                state = stage_memory_gb(self.model, stage.n_layers, stage.tp, 0, first, last)
+                per_token = stage_memory_gb(self.model, stage.n_layers, stage.tp, in_flight, first,
+                                            last, 1.0) - state
+                limit = min(limit, (self.memory_free_gb(stage.ranks) - state) / per_token)
+            self._budgets[key] = float(limit)
+        return self._budgets[key]
 
     def memory_free_gb(self, ranks: tuple[int, ...]) -> float:
         return min(self.cluster.devices[r].memory_gb for r in ranks) - self.cluster.memory_reserve_gb

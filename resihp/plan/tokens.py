@@ -23,23 +23,12 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from resihp.plan.plan import Plan, unplaced
-from resihp.plan.specs import stage_memory_gb
 from resihp.plan.timing import StageCoster
 
 
 def budget_limit(coster: StageCoster, plan_pipeline) -> float:
     """Largest micro-batch (tokens) every stage of the replica can hold in memory."""
-    model = coster.model
-    stages = plan_pipeline.stages
-    limit = np.inf
-    for s, stage in enumerate(stages):
-        in_flight = coster.in_flight(len(stages), s, plan_pipeline.microbatches)
-        first, last = s == 0, s == len(stages) - 1
-        state = stage_memory_gb(model, stage.n_layers, stage.tp, 0, first, last)
-        per_token = (stage_memory_gb(model, stage.n_layers, stage.tp, in_flight, first, last, 1.0)
-                     - state)
-        limit = min(limit, (coster.memory_free_gb(stage.ranks) - state) / per_token)
-    return float(limit)
+    return coster.budget_limit(plan_pipeline.stages, plan_pipeline.microbatches)
 
 
 def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
