@@ -213,14 +213,21 @@ class Planner:
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
                            per_solve, log, memo.solves, memo.leftover(layout), pool)
 
+        seen: set[tuple] = set()
+
         def usable(plans: list[Plan]) -> list[Plan]:
-            """Plans that run: the global batch placed, memory respected, no dead rank."""
-            out = [c for c in plans if c.pipelines and sum(
-                p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
-                coster.stages_fit(p.stages, p.microbatches, p.budget(model))
-                and coster.alive(p.stages) for p in c.pipelines)]
-            for plan in out:
-                evaluate(plan, coster, bound, current)
+            """Plans that run (the global batch placed, memory respected, no dead rank), each
+            once: the two weightings and the allocations often build the same plan."""
+            out = []
+            for c in plans:
+                key = tuple((p.dp_rank, p.stages, p.microbatches, p.tokens, p.home)
+                            for p in c.pipelines)
+                if key not in seen and c.pipelines and sum(
+                        p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
+                        coster.stages_fit(p.stages, p.microbatches, p.budget(model))
+                        and coster.alive(p.stages) for p in c.pipelines):
+                    out.append(evaluate(c, coster, bound, current))
+                seen.add(key)
             return out
 
         try:
