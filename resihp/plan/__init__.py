@@ -7,7 +7,8 @@ Public API (import from the submodules; this package imports nothing so that the
 - ``plan``: ``Plan`` (``to_json / from_json / load / save / placement / check_against``),
   ``Pipeline``, ``Stage``, ``Layout``, ``plan_problems``
 - ``planner``: ``Planner(cost_model, horizon_steps, threads, token_budgets).plan(cluster, model,
-  current, time_limit_s)``, ``capacity_bound``, ``healthy_plan``
+  current, time_limit_s)`` (keep one planner for a job's re-plans: it caches what speeds do not
+  change, ``memo``), ``capacity_bound``, ``healthy_plan``
 - ``baselines``: ``make_policy(name)`` for ``resihp``, ``uniform``, ``resihp-heuristic``,
   ``drop-replica``, all with the planner's ``plan`` signature
 - ``cost``: ``AnalyticCost``, ``PredictorCost``; ``timing``: ``evaluate``, ``StageCoster``

@@ -14,6 +14,12 @@ devices, by decomposition.
    predicted step (plus amortised migration) is returned.
 Every plan is evaluated by the same ``timing.evaluate`` as the baselines: the schedule's critical
 path (``resihp.perf.schedule.pipeline_step_time``) plus the gradient all-reduce.
+
+A ``Planner`` lives as long as the job and re-plans at every detection: it keeps what device speeds
+do not change (``resihp.plan.memo``: healthy plan, home pipelines, memory fits, stage times at full
+speed) and the pipeline solves it proved optimal, so a re-plan at 16,384 devices costs about the
+few pipelines a fault touches. None of this changes a plan: a warm planner returns what a new one
+would.
 """
 
 from __future__ import annotations
