@@ -6,6 +6,8 @@ import pandas as pd
 import pytest
 
 from resihp.detect.observe import (
+    _distinct_steps,
+    _first_of_each,
     _group_quantile,
     _Ops,
     _optype_codes,
@@ -48,6 +50,17 @@ def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
         np.testing.assert_array_equal(codes, want.index.to_numpy())
         np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
         np.testing.assert_array_equal(codes[inverse], code)
+
+
+@pytest.mark.parametrize("spread", [1, 1000])
+def test_counting_paths_match_numpy_unique(spread):
+    rng = np.random.default_rng(spread)
+    code = rng.integers(0, 400, size=2000) * spread  # dense, then sparse codes
+    first, inverse = _first_of_each(code)
+    _, want_first, want_inverse = np.unique(code, return_index=True, return_inverse=True)
+    np.testing.assert_array_equal(first, want_first)
+    np.testing.assert_array_equal(inverse, want_inverse)
+    np.testing.assert_array_equal(_distinct_steps(code + 17), np.unique(code + 17))
 
 
 def test_pivot_lower_median_matches_the_sorted_groups():

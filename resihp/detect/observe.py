@@ -116,9 +116,10 @@ class _Ops:
     def __init__(self, cols: Mapping[str, np.ndarray], rows: np.ndarray, op: np.ndarray) -> None:
         self.cols = cols
         self.rows = rows
-        self.op = op[rows]  # small integer code of the optype
+        self._all = len(rows) == len(op)  # every row: the columns themselves, not copies
+        self.op = self.values_of(op)  # small integer code of the optype
         self.step, self.rank, self.dp_rank, self.stage, self.duration = (
-            cols[c][rows] for c in ("step", "rank", "dp_rank", "stage", "duration"))
+            self.values(c) for c in ("step", "rank", "dp_rank", "stage", "duration"))
         self.tp_rank = self._full_int("tp_rank")
         self.mb_id = self._full_int("mb_id")
 
@@ -126,7 +127,7 @@ class _Ops:
         """The column as int64 when present with a value on every row of the subset, else None."""
         if name not in self.cols:
             return None
-        col = self.cols[name][self.rows]
+        col = self.values(name)
         return None if np.isnan(col).any() else col.astype(np.int64)
 
     def __len__(self) -> int:
@@ -141,8 +142,13 @@ class _Ops:
         return not (pd.isna(col).any() if col.dtype == object else np.isnan(col).any())
 
     def values(self, name: str, at: np.ndarray | None = None) -> np.ndarray:
-        """The column on the subset's rows (or on its rows ``at``)."""
-        return self.cols[name][self.rows if at is None else self.rows[at]]
+        """The column on the subset's rows (or on its rows ``at``); not to be written to."""
+        return self.values_of(self.cols[name], at)
+
+    def values_of(self, column: np.ndarray, at: np.ndarray | None = None) -> np.ndarray:
+        if self._all:
+            return column if at is None else column[at]
+        return column[self.rows if at is None else self.rows[at]]
 
 
 # the columns observe reads, with the dtype it works in (NaN marks a missing integer)
@@ -176,6 +182,21 @@ def _key_codes(*tables: Sequence[np.ndarray]) -> list[np.ndarray]:
             code += c
             code -= lo
     return codes
+
+
+def _first_of_each(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(code, return_index=True, return_inverse=True)[1:]``: the first row of each
+    distinct code (in code order) and each row's index among them; without a sort when the
+    non-negative codes are dense."""
+    n = len(code)
+    if n and code.min() >= 0 and code.max() < 4 * n:
+        first = np.full(int(code.max()) + 1, n)
+        np.minimum.at(first, code, np.arange(n))
+        present = first < n
+        index = np.cumsum(present) - 1
+        return first[present], index[code]
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return first, inverse
 
 
 def _sorted_groups(code: np.ndarray, values: np.ndarray
@@ -247,7 +268,7 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
     if comp.mb_id is not None:
         # one cost per micro-batch and phase, from its first record
         (code,) = _key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))
-        _, first, codes = np.unique(code, return_index=True, return_inverse=True)
+        first, codes = _first_of_each(code)
     else:
         first = codes = np.arange(len(comp))
     if not comp.has("seq_lens", first):
@@ -330,8 +351,23 @@ def _to_matrix(step_idx: np.ndarray, rank: np.ndarray, values: np.ndarray, t: in
     return out
 
 
+def _distinct_steps(step: np.ndarray) -> np.ndarray:
+    """The sorted distinct step numbers (a window of consecutive steps: by counting, not sorting)."""
+    if not len(step):
+        return step[:0]
+    lo, hi = int(step.min()), int(step.max())
+    if hi - lo < 4 * len(step):
+        return np.flatnonzero(np.bincount(step - lo, minlength=hi - lo + 1)) + lo
+    return np.unique(step)
+
+
 def _cells(steps: np.ndarray, step: np.ndarray, rank: np.ndarray, w: int) -> np.ndarray:
     """Each row's cell of the (step, rank) matrix, as a flat index."""
+    lo, span = int(steps[0]), int(steps[-1] - steps[0]) + 1
+    if span <= 4 * len(steps) + 1024:
+        index = np.zeros(span, dtype=np.int64)
+        index[steps - lo] = np.arange(len(steps))
+        return index[step - lo] * w + rank
     return np.searchsorted(steps, step) * w + rank
 
 
@@ -366,7 +402,7 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
                     own_quantile: float = 0.1) -> Observations:
     """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
     its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``."""
-    steps = np.unique(cols["step"])
+    steps = _distinct_steps(np.asarray(cols["step"]))
     t, w = len(steps), meta.world_size
     op = _optype_codes(cols["optype"])
     comp = _Ops(cols, np.flatnonzero(op <= _OP_BWD), op)
