@@ -5,8 +5,12 @@ speedup over each baseline (ratios of runs on the same events, workload draws an
 per family; then the wall time to replay a 7-day, 16,384-GPU scenario at Llama 3 failure rates, per
 policy (target: under 60 s on this machine).
 
-    python benchmarks/replay.py [--families-only | --speed-only] [--speed-policies a,b]
-                                [--speed-days D]
+    python benchmarks/replay.py [--families-only | --speed-only] [--seeds N]
+                                [--speed-policies a,b] [--speed-days D]
+
+``--seeds N`` replays every family scenario with N seeds (its own and the next N - 1: other
+workload draws, noise and, for generated failures, other events); the family summary then takes the
+mean bound fraction and the smallest speedup over all of them.
 """
 
 from __future__ import annotations
@@ -31,20 +35,12 @@ FAMILY_SCENARIOS = ["failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "ali
 SPEED_SCENARIO = "llama3-week-16k"
 
 
-def families() -> dict:
+def families(seeds: int = 1) -> dict:
     rows = []
     for name in FAMILY_SCENARIOS:
         sc = load_scenario(TRACES / "scenarios" / f"{name}.yaml")
-        doc = compare(sc).summary(timeline_points=24)
-        rows.append({
-            "name": name, "family": sc.family, "devices": sc.cluster.size, "model": sc.model.name,
-            "capacity_tokens_per_s": doc["capacity_tokens_per_s"],
-            "bound_fraction": {p["name"]: p["bound_fraction"] for p in doc["policies"]},
-            "false_alarms": {p["name"]: p["false_alarms"] for p in doc["policies"]},
-            "detection_delay_steps": {p["name"]: p["detection_delay_steps"] for p in doc["policies"]},
-            "resihp_speedup": doc["speedups"],
-            "replay_wall_s": {p["name"]: p["replay_wall_s"] for p in doc["policies"]},
-        })
+        for seed in range(sc.seed, sc.seed + seeds):
+            rows.append(_comparison_row(name, sc, seed))
     by_family: dict[str, list] = {}
     for r in rows:
         by_family.setdefault(r["family"], []).append(r)
@@ -52,7 +48,8 @@ def families() -> dict:
     for fam, rs in by_family.items():
         names = list(rs[0]["bound_fraction"])
         summary[fam] = {
-            "scenarios": [r["name"] for r in rs],
+            "scenarios": sorted({r["name"] for r in rs}),
+            "runs": len(rs),
             "mean_bound_fraction": {n: round(statistics.mean(r["bound_fraction"][n] for r in rs), 4)
                                     for n in names},
             "min_resihp_speedup": {n: round(min(r["resihp_speedup"][n] for r in rs), 4)
@@ -61,6 +58,20 @@ def families() -> dict:
                                                   for v in r["resihp_speedup"].values()),
         }
     return {"scenarios": rows, "families": summary}
+
+
+def _comparison_row(name: str, sc, seed: int) -> dict:
+    doc = compare(sc, seed=seed).summary(timeline_points=24)
+    return {
+        "name": name, "seed": seed, "family": sc.family, "devices": sc.cluster.size,
+        "model": sc.model.name,
+        "capacity_tokens_per_s": doc["capacity_tokens_per_s"],
+        "bound_fraction": {p["name"]: p["bound_fraction"] for p in doc["policies"]},
+        "false_alarms": {p["name"]: p["false_alarms"] for p in doc["policies"]},
+        "detection_delay_steps": {p["name"]: p["detection_delay_steps"] for p in doc["policies"]},
+        "resihp_speedup": doc["speedups"],
+        "replay_wall_s": {p["name"]: p["replay_wall_s"] for p in doc["policies"]},
+    }
 
 
 def speed(policies: str, days: float | None = None) -> dict:
@@ -91,13 +102,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families-only", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds per family scenario")
     ap.add_argument("--speed-policies", default="checkpoint-restart,oobleck,recycle,greyhound,resihp")
     ap.add_argument("--speed-days", type=float, default=None,
                     help="replay only the first DAYS of the week (same events)")
     args = ap.parse_args()
     result = {}
     if not args.speed_only:
-        result["comparison"] = families()
+        result["comparison"] = families(args.seeds)
     if not args.families_only:
         result["speed"] = speed(args.speed_policies, args.speed_days)
     print(json.dumps(result))
