@@ -138,7 +138,7 @@ class Context:
                       last: np.ndarray | bool = False) -> np.ndarray:
         """Expected forward+backward seconds of one mean micro-batch on a stage (no noise)."""
         flops = np.asarray(layers) * self.mean_fwd_flops + np.where(last, self.mean_head_flops, 0.0)
-        comm = 6.0 * np.asarray(layers) * tp_allreduce_s(self.scenario, self.mean_tokens,
+        comm = 4.0 * np.asarray(layers) * tp_allreduce_s(self.scenario, self.mean_tokens,
                                                          np.asarray(width, dtype=np.float64))
         return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed)) + comm
 

@@ -75,18 +75,18 @@ class Simulator:
             flops = flops + np.where(last, pool.head_flops[mb][:, :, None, :], 0.0)
             scale = g.load / (g.width * self.rate * sp)  # [R, pp]
             fwd = flops * (scale[None, :, :, None] * noise[..., None])
-            # tensor-parallel all-reduces run at link speed, whatever the devices' compute speed
+            # tensor-parallel all-reduces run at link speed, whatever the devices' compute speed;
+            # two per layer forward and two backward, while backward compute is twice forward
             comm = (tp_allreduce_s(self.scenario, pool.tokens[mb][:, :, None, :],
                                    g.width[None, :, :, None])
                     * (2.0 * g.layers * g.load)[None, :, :, None])
-            fwd = fwd + comm
             sched = compile_schedule("1f1b", pp, m)
             # each replica's activations cross its pipeline at its narrowest group's shard size
             p2p = p2p_seconds(self.scenario, g.width.min(axis=1))  # [R]
-            end = op_end_times(sched, fwd, 2.0 * fwd, p2p)  # [W, R, nodes]
+            end = op_end_times(sched, fwd + comm, 2.0 * fwd + comm, p2p)  # [W, R, nodes]
             replica_time.append(end[..., sched.last_on_rank].max(axis=-1).max(axis=-1))
             tokens += pool.tokens[mb].sum(axis=(1, 2))
-            per_group.append((g, mb, fwd - comm, comm, sp, sched, end))
+            per_group.append((g, mb, fwd, comm, sp, sched, end))
         step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
         steps = np.arange(first_step, first_step + n_steps)
         layout = compiled.layout
@@ -157,19 +157,18 @@ class Simulator:
             node = np.zeros((2, g.stages, sched.microbatches), dtype=np.int64)
             node[sched.phase, sched.chunk, sched.mb] = np.arange(sched.nodes)
             node = node[:, :, :k]
-            stage_fwd = (fwd + comm)[..., :k]
-            start = np.stack([end[:, :, node[0]] - stage_fwd, end[:, :, node[1]] - 2.0 * stage_fwd],
-                             axis=3) + step_start[:, None, None, None, None]  # [W, R, pp, 2, M]
+            took = np.stack([fwd + comm, 2.0 * fwd + comm], axis=3)[..., :k]  # [W, R, pp, 2, M]
+            start = (np.stack([end[:, :, node[0]], end[:, :, node[1]]], axis=3) - took
+                     + step_start[:, None, None, None, None])
             fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]
             pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
             tp = g.devices.shape[-1]
             # [R, pp, tp]: each rank's own pace relative to its stage's (slowest) device
             rel = sp[:, :, None] / np.where(g.devices >= 0, padded[g.devices], 1.0)
-            own = (fwd[:, :, :, None, :] * rel[None, :, :, :, None]
-                   + comm[:, :, :, None, :])  # [W, R, pp, tp, M]
+            own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, R, pp, tp, M]
             shape = (w, r, pp, tp, 2, m)
-            dur = np.stack([own, 2.0 * own], axis=4)
+            dur = np.stack([own, 2.0 * own], axis=4) + comm[:, :, :, None, None, :]
             real = np.broadcast_to((g.devices >= 0)[None, :, :, :, None, None], shape).ravel()
             if real.all():
                 real = slice(None)  # no padded ranks: skip the copy a mask makes
