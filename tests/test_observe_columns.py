@@ -12,6 +12,7 @@ from resihp.detect.observe import (
     _Ops,
     _optype_codes,
     _pivot_lower_median,
+    _sort_rows,
     _unblocked_durations,
     observe_columns,
     observe_ops,
@@ -36,7 +37,7 @@ def test_group_quantile_matches_pandas(q, lower):
     np.testing.assert_array_equal(codes[inverse], code)
 
 
-@pytest.mark.parametrize("size", [1, 4, 8])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8, 12])
 def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
     # a full trace: every (step, rank) cell has the same number of ops, codes mostly in order
     rng = np.random.default_rng(size)
@@ -50,6 +51,15 @@ def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
         np.testing.assert_array_equal(codes, want.index.to_numpy())
         np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
         np.testing.assert_array_equal(codes[inverse], code)
+
+
+@pytest.mark.parametrize("k", range(1, 11))
+def test_sort_rows_matches_numpy_with_nan_last(k):
+    rng = np.random.default_rng(k)
+    table = rng.random((300, k))
+    table[rng.random(table.shape) < 0.2] = np.nan
+    table[:3] = np.nan
+    np.testing.assert_array_equal(_sort_rows(table), np.sort(table, axis=1))
 
 
 @pytest.mark.parametrize("spread", [1, 1000])

@@ -201,34 +201,50 @@ def _first_of_each(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _sorted_groups(code: np.ndarray, values: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(order, group code, group start, non-NaN count, group of each row) with rows sorted by code,
-    then value (NaN last)."""
+    """(values sorted by code, then value with NaN last; group code; group start; non-NaN count;
+    group of each row)."""
     # a stable sort by code is nearly free on the mostly ordered codes of real traces
     by_code = np.argsort(code, kind="stable")
     sc = code[by_code]
     change = np.r_[True, sc[1:] != sc[:-1]]
     bounds = np.flatnonzero(change)
-    size = len(code) // max(len(bounds), 1)
-    if len(bounds) and np.all(np.diff(bounds, append=len(code)) == size):
-        # groups of one size (a full trace): sort each group's values as a row
-        rows = by_code.reshape(-1, size)
-        order = np.take_along_axis(rows, np.argsort(values[rows], axis=1), axis=1).ravel()
-    else:
-        by_value = np.argsort(values)  # NaN last
-        order = by_value[np.argsort(code[by_value], kind="stable")]
-    group_of_sorted = np.cumsum(change) - 1
-    valid = np.bincount(group_of_sorted, weights=~np.isnan(values[order]), minlength=len(bounds))
+    groups = len(bounds)
+    size = len(code) // max(groups, 1)
     inverse = np.empty(len(code), dtype=np.int64)
+    if groups and np.all(np.diff(bounds, append=len(code)) == size):
+        # groups of one size (a full trace): each group's values sorted as a row of a table
+        table = _sort_rows(values[by_code].reshape(groups, size))
+        valid = sum((~np.isnan(table[:, j])).astype(np.int64) for j in range(size))
+        inverse[by_code] = np.repeat(np.arange(groups), size)
+        return table.ravel(), sc[bounds], bounds, valid, inverse
+    by_value = np.argsort(values)  # NaN last
+    order = by_value[np.argsort(code[by_value], kind="stable")]
+    group_of_sorted = np.cumsum(change) - 1
+    v = values[order]
+    valid = np.bincount(group_of_sorted, weights=~np.isnan(v), minlength=groups)
     inverse[order] = group_of_sorted
-    return order, sc[bounds], bounds, valid.astype(np.int64), inverse
+    return v, sc[bounds], bounds, valid.astype(np.int64), inverse
+
+
+def _sort_rows(table: np.ndarray) -> np.ndarray:
+    """Each row sorted, NaN last. Many short rows (a few ops per rank and step): an odd-even
+    transposition network over whole columns, which numpy does far faster than row-by-row sorts."""
+    k = table.shape[1]
+    if k > 8:
+        return np.sort(table, axis=1)
+    cols = [table[:, j].copy() for j in range(k)]
+    for r in range(k):
+        for j in range(r % 2, k - 1, 2):
+            # fmin skips a NaN, maximum keeps it: a NaN moves to the later column
+            cols[j], cols[j + 1] = np.fmin(cols[j], cols[j + 1]), np.maximum(cols[j], cols[j + 1])
+    return np.stack(cols, axis=1) if k else table
 
 
 def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool = False
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per group of equal codes: (group codes, quantile, group of each row), as pandas' groupby
     ``quantile(q)`` computes it (linear interpolation, or ``lower``; NaN ignored)."""
-    order, gcode, start, n, inverse = _sorted_groups(code, values)
-    v = values[order]
+    v, gcode, start, n, inverse = _sorted_groups(code, values)
     pos = q * np.maximum(n - 1, 0)
     lo = np.floor(pos).astype(np.int64)
     out = v[np.minimum(start + lo, len(v) - 1)]
