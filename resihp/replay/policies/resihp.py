@@ -136,8 +136,10 @@ class Resihp(Policy):
             detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
             old = self.slow.get(f.device)
             if old is None or abs(f.slowdown / old - 1.0) > 0.1:
-                if old is None:  # still slow right after a recheck: wait twice as long next time
-                    again = time_s - self.returned.get(f.device, -np.inf) <= self.recheck_s
+                if old is None:  # still slow after a recheck: wait twice as long next time
+                    # (found again within the longest recheck interval of being taken back)
+                    again = (time_s - self.returned.get(f.device, -np.inf)
+                             <= self.recheck_s * 2 ** self.max_backoff)
                     self.backoff[f.device] = self.backoff.get(f.device, 0) + 1 if again else 0
                 self.slow[f.device] = max(f.slowdown, 1.0)
                 self.since[f.device] = time_s
