@@ -135,11 +135,21 @@ MODEL = {"layers": 4, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 40
     ({"tp": 3}, "tp must be a power of two"),
     ({"pp": 9}, "exceeds the number of layers"),
     ({"vocab": "big"}, "'vocab' must be an integer"),
+    ({"mlp": "relu"}, "field 'mlp' must be one of gelu, swiglu"),
 ])
 def test_bad_model_is_one_line_error(over, match):
     with pytest.raises(InputError, match=match) as err:
         ModelSpec.from_dict({**MODEL, **over}, where="m.yaml")
     assert str(err.value).startswith("m.yaml")
+
+
+def test_swiglu_model_round_trips_with_its_third_matrix():
+    gelu = ModelSpec.from_dict(MODEL)
+    swiglu = ModelSpec.from_dict({**MODEL, "mlp": "swiglu"})
+    assert ModelSpec.from_dict(swiglu.to_dict()) == swiglu
+    h, f = MODEL["hidden"], MODEL["ffn_hidden"]
+    assert swiglu.params_per_layer - gelu.params_per_layer == h * f + f
+    assert swiglu.shape().mlp_matrices == 3 and gelu.shape().mlp_matrices == 2
 
 
 def test_missing_model_field_names_it():

@@ -63,6 +63,8 @@ def test_other_bad_fields(tmp_path):
         load_scenario(write(tmp_path, colour="red"))
     with pytest.raises(InputError, match="generators\\[0\\].kind"):
         load_scenario(write(tmp_path, generators=[{"kind": "gremlins"}]))
+    with pytest.raises(InputError, match="model.mlp: expected one of gelu, swiglu, got 'relu'"):
+        load_scenario(write(tmp_path, model={**BASE["model"], "mlp": "relu"}))
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
     with pytest.raises(InputError, match="bad.yaml:.*not valid YAML"):
@@ -116,3 +118,14 @@ def test_alibaba_generator_finds_the_job1_straggler(tmp_path):
     events = scenario_events(load_scenario(path))
     worst = max((e for e in events if e.kind == "slow"), key=lambda e: e.factor)
     assert worst.device == devices[6] and worst.factor > 1.2  # the publisher's worker 6
+
+
+def test_swiglu_costs_a_third_matrix_in_flops_and_parameters(tmp_path):
+    gelu = load_scenario(write(tmp_path, "g.yaml")).model
+    swiglu = load_scenario(write(tmp_path, "s.yaml", model={**BASE["model"], "mlp": "swiglu"})).model
+    h, f = gelu.hidden, gelu.ffn_hidden
+    assert swiglu.params_per_layer - gelu.params_per_layer == h * f + f
+    from resihp.workload.flops import linear_flops_per_token
+
+    extra = linear_flops_per_token(swiglu.shape()) - linear_flops_per_token(gelu.shape())
+    assert extra == 2.0 * h * f

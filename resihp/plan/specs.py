@@ -279,6 +279,7 @@ class ModelSpec:
     microbatch_tokens: int
     schedule: str = "1f1b"
     name: str = "model"
+    mlp: str = "gelu"  # "gelu": up and down projections; "swiglu": gate, up and down (Llama)
     # bytes of model state per parameter: bf16 weights (2) + bf16 gradients (2) + fp32 Adam
     # master weights, m and v (12); the YAML may give the parts (weight_bytes_per_param, ...)
     state_bytes_per_param: float = 16.0
@@ -289,9 +290,13 @@ class ModelSpec:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     SCHEDULES = ("1f1b", "gpipe")
+    MLP_MATRICES = {"gelu": 2, "swiglu": 3}
 
     def __post_init__(self) -> None:
-        TransformerShape(self.layers, self.hidden, self.heads, self.ffn_hidden)
+        if self.mlp not in self.MLP_MATRICES:
+            raise InputError(f"model {self.name}: mlp must be one of {', '.join(self.MLP_MATRICES)}, "
+                             f"got {self.mlp!r}")
+        self.shape()
         for name in ("vocab", "max_seq_len", "global_batch_tokens", "microbatch_tokens"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -347,14 +352,18 @@ class ModelSpec:
         if schedule not in cls.SCHEDULES:
             raise InputError(f"{where}: field 'schedule' must be one of {', '.join(cls.SCHEDULES)}, "
                              f"got {schedule!r}")
+        mlp = data.get("mlp", "gelu")
+        if mlp not in cls.MLP_MATRICES:
+            raise InputError(f"{where}: field 'mlp' must be one of {', '.join(cls.MLP_MATRICES)}, "
+                             f"got {mlp!r}")
         workload = data.get("workload")
         if workload is not None and not isinstance(workload, str):
             raise InputError(f"{where}: field 'workload' must be a length source name or path")
         known = set(cls.FIELDS) | set(STATE_PARTS) | {
-            "tp", "pp", "state_bytes_per_param", "schedule", "workload", "name",
+            "tp", "pp", "state_bytes_per_param", "schedule", "workload", "name", "mlp",
             "activation_bytes_per_token_layer"}
         try:
-            return cls(**kwargs, schedule=schedule, workload=workload,
+            return cls(**kwargs, schedule=schedule, workload=workload, mlp=mlp,
                        name=str(data.get("name", Path(where).stem)),
                        extra={k: v for k, v in data.items() if k not in known})
         except InputError as exc:
@@ -362,7 +371,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.FIELDS}
-        out.update(name=self.name, schedule=self.schedule,
+        out.update(name=self.name, schedule=self.schedule, mlp=self.mlp,
                    state_bytes_per_param=self.state_bytes_per_param)
         for key in ("tp", "pp", "workload", "activation_bytes_per_token_layer"):
             if getattr(self, key) is not None:
@@ -375,17 +384,26 @@ class ModelSpec:
         return self.global_batch_tokens // self.microbatch_tokens
 
     def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:
-        return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp)
+        return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp,
+                                self.MLP_MATRICES[self.mlp])
 
     @property
     def params_per_layer(self) -> int:
-        """QKV, projection and the two MLP matrices with biases, plus two LayerNorms."""
-        h, f = self.hidden, self.ffn_hidden
-        return 4 * h * h + 2 * h * f + 9 * h + f
+        return layer_params(self.hidden, self.ffn_hidden, self.mlp)
 
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
+
+
+MLP_MATRICES = ModelSpec.MLP_MATRICES
+
+
+def layer_params(hidden: int, ffn_hidden: int, mlp: str = "gelu") -> int:
+    """Parameters of one decoder layer: QKV, projection and the MLP matrices with biases, plus two
+    LayerNorms."""
+    h, f, m = hidden, ffn_hidden, MLP_MATRICES[mlp]
+    return 4 * h * h + m * h * f + 9 * h + (m - 1) * f
 
 
 STATE_PARTS = {"weight_bytes_per_param": 2.0, "grad_bytes_per_param": 2.0,

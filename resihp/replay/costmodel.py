@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 
 from resihp.errors import InputError
-from resihp.workload.flops import TransformerShape, stage_flops
+from resihp.workload.flops import stage_flops
 
 BYTES_PER_PARAM = 16.0
 ACT_BYTES_PER_TOKEN_HIDDEN_LAYER = 34.0
@@ -58,7 +58,7 @@ def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.G
     batches = pack_greedy(seqs, budget)[:n_microbatches]
     tokens = np.array([b.sum() for b in batches], dtype=np.float64)
     sum_sq = np.array([(b.astype(np.float64) ** 2).sum() for b in batches])
-    shape = TransformerShape(1, model.hidden, model.heads, model.ffn_hidden, 1)
+    shape = model.shape()
     dense, attn = stage_flops(shape, tokens, sum_sq, "fwd")
     return MicroBatchPool(tokens=tokens, fwd_flops_per_layer=dense + attn,
                           head_flops=2.0 * model.hidden * model.vocab * tokens, seq_lens=batches)

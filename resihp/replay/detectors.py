@@ -130,8 +130,7 @@ def _signature(window: Window) -> tuple:
 
 def model_shape(scenario) -> TransformerShape:
     """The model's layer shape for the detector's analytic cost of each micro-batch (one layer)."""
-    m = scenario.model
-    return TransformerShape(1, m.hidden, m.heads, m.ffn_hidden, 1)
+    return scenario.model.shape()
 
 
 def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorFeed:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from resihp.errors import InputError
+from resihp.plan.specs import MLP_MATRICES, layer_params
 from resihp.replay.yamlsrc import LineDict, load_yaml
+from resihp.workload.flops import TransformerShape
 
 KINDS = ("slow", "stop", "recover")
 GENERATORS = ("llama3", "greyhound", "alibaba")
@@ -55,10 +57,15 @@ class Model:
     global_batch_tokens: int
     microbatch_tokens: int
     schedule: str = "1f1b"
+    mlp: str = "gelu"  # or "swiglu" (Llama): the MLP's FLOPs and parameters
 
     @property
     def params_per_layer(self) -> float:
-        return 4.0 * self.hidden**2 + 3.0 * self.hidden * self.ffn_hidden
+        return float(layer_params(self.hidden, self.ffn_hidden, self.mlp))
+
+    def shape(self, layers: int = 1, tp: int = 1) -> TransformerShape:
+        return TransformerShape(layers, self.hidden, self.heads, self.ffn_hidden, tp,
+                                MLP_MATRICES[self.mlp])
 
     @property
     def params(self) -> float:
@@ -223,7 +230,7 @@ def _cluster(r: _Reader) -> Cluster:
 
 def _model(r: _Reader) -> Model:
     r.check_keys({"name", "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len",
-                  "global_batch_tokens", "microbatch_tokens", "schedule"})
+                  "global_batch_tokens", "microbatch_tokens", "schedule", "mlp"})
     ints = {k: r.number(k, minimum=1, integer=True) for k in (
         "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len", "global_batch_tokens",
         "microbatch_tokens")}
@@ -235,7 +242,10 @@ def _model(r: _Reader) -> Model:
     if ints["microbatch_tokens"] < ints["max_seq_len"]:
         raise InputError(f"{r.where}.microbatch_tokens: must hold one longest sequence "
                          f"(max_seq_len {ints['max_seq_len']}), got {ints['microbatch_tokens']}")
-    return Model(name=r.text("name", "model"), schedule=schedule, **ints)
+    mlp = r.text("mlp", "gelu")
+    if mlp not in MLP_MATRICES:
+        raise InputError(f"{r.where}.mlp: expected one of {', '.join(MLP_MATRICES)}, got {mlp!r}")
+    return Model(name=r.text("name", "model"), schedule=schedule, mlp=mlp, **ints)
 
 
 def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line: int) -> tuple[Event, ...]:

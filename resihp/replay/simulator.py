@@ -204,7 +204,7 @@ def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool
     """The workload's packed micro-batches, built once per (source, model, budget, seed) and shared."""
     m = scenario.model
     budget = budget or m.microbatch_tokens
-    key = (scenario.workload, m.hidden, m.heads, m.ffn_hidden, m.vocab, m.max_seq_len, budget,
+    key = (scenario.workload, m.hidden, m.heads, m.ffn_hidden, m.mlp, m.vocab, m.max_seq_len, budget,
            scenario.seed)
     if key not in _POOLS:
         _POOLS[key] = build_pool(m, resolve_source(scenario.workload), POOL_MICROBATCHES,

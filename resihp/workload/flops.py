@@ -18,8 +18,12 @@ class TransformerShape:
     heads: int
     ffn_hidden: int
     tp: int = 1
+    mlp_matrices: int = 2  # 2: GELU MLP (up, down); 3: SwiGLU (gate, up, down)
 
     def __post_init__(self) -> None:
+        if self.mlp_matrices not in (2, 3):
+            raise InputError(f"model shape: mlp_matrices must be 2 (GELU) or 3 (SwiGLU), got "
+                             f"{self.mlp_matrices!r}")
         for name in ("layers", "hidden", "heads", "ffn_hidden", "tp"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -36,7 +40,7 @@ class TransformerShape:
 def linear_flops_per_token(shape: TransformerShape) -> float:
     """Forward FLOPs per token of the dense parts of one layer (QKV, projection, MLP), per TP rank."""
     h, f = shape.hidden, shape.ffn_hidden
-    return 2.0 * (4 * h * h + 2 * h * f) / shape.tp
+    return 2.0 * (4 * h * h + shape.mlp_matrices * h * f) / shape.tp
 
 
 def attention_flops(shape: TransformerShape, sum_sq: np.ndarray, tokens: np.ndarray) -> np.ndarray:

@@ -31,7 +31,8 @@ def model_spec(scenario: Scenario) -> ModelSpec:
     return ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, ffn_hidden=m.ffn_hidden,
                      vocab=m.vocab, max_seq_len=m.max_seq_len,
                      global_batch_tokens=m.global_batch_tokens, microbatch_tokens=m.microbatch_tokens,
-                     schedule=m.schedule, name=m.name, workload=scenario.workload, tp=p.tp, pp=p.pp)
+                     schedule=m.schedule, name=m.name, workload=scenario.workload, tp=p.tp, pp=p.pp,
+                     mlp=m.mlp)
 
 
 def layout_of(plan: Plan, model: ModelSpec) -> Layout:
