@@ -157,10 +157,10 @@ class Simulator:
             node = np.zeros((2, g.stages, sched.microbatches), dtype=np.int64)
             node[sched.phase, sched.chunk, sched.mb] = np.arange(sched.nodes)
             node = node[:, :, :k]
-            took = np.stack([fwd + comm, 2.0 * fwd + comm], axis=3)[..., :k]  # [W, R, pp, 2, M]
+            fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]  # the recorded micro-batches
+            took = np.stack([fwd + comm, 2.0 * fwd + comm], axis=3)  # [W, R, pp, 2, k]
             start = (np.stack([end[:, :, node[0]], end[:, :, node[1]]], axis=3) - took
                      + step_start[:, None, None, None, None])
-            fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]
             pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
             tp = g.devices.shape[-1]
