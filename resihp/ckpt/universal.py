@@ -4,7 +4,10 @@ Keys: ``model.<global name>`` and ``optim.<global name>.<step|exp_avg|exp_avg_sq
 shard is saved as ``<key>@tp<rank>of<size>``; ``convert`` joins the shards into whole tensors (the
 universal form any layout can load). Replicas of the same key on several data-parallel ranks are
 written once (torch.distributed.checkpoint de-duplicates them). Beside the tensors, ``meta.json``
-holds the step and the layout that wrote it.
+holds the step, the layout that wrote it, the job id and the model hash; ``manifest.json`` (written
+last, see :mod:`resihp.ckpt.integrity`) lists every file with its sha256. Nothing is read from a
+checkpoint whose manifest does not verify, and DCP's pickled metadata only through a restricted
+unpickler.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
+from resihp.ckpt.integrity import newest_good, publish, read_dcp_metadata, safe_reader, verify
 from resihp.errors import InputError
-from resihp.runtime.replan import ADAM_KEYS
-from resihp.runtime.tensor_parallel import full_shape, shard, split_of, unshard
+from resihp.model.gpt import ADAM_KEYS
+from resihp.model.tensor_parallel import full_shape, shard, split_of, unshard
 
 
 def _key(name: str, tp_rank: int, tp: int) -> str:
@@ -46,16 +49,29 @@ def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp_rank: 
 
 def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          step: int, meta: dict, tp_rank: int = 0, tp: int = 1) -> None:
-    """Collective: every rank of the job calls it. Rank 0 also writes ``meta.json``."""
+    """Collective: every rank of the job calls it. The tensors go to a hidden temporary folder;
+    rank 0 (whose DCP call returns only after every rank's files are written) adds ``meta.json``
+    and the manifest, and renames the folder to ``directory``."""
     directory = Path(directory)
-    dcp.save(state_of(model, optimizer, tp_rank, tp), checkpoint_id=str(directory))
+    tmp = directory.with_name(f".{directory.name}.partial")
+    dcp.save(state_of(model, optimizer, tp_rank, tp), checkpoint_id=str(tmp))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        (directory / "meta.json").write_text(json.dumps({"step": step, **meta}))
+        meta = {"step": step, **meta}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        publish(tmp, directory, identity(meta))
+
+
+def identity(meta: dict) -> dict:
+    """What the manifest records of the job that wrote a checkpoint."""
+    return {k: meta.get(k) for k in ("job_id", "model_hash", "step")}
 
 
 def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          tp_rank: int = 0, tp: int = 1) -> dict:
-    """Fill this rank's parameters and AdamW state from ``directory``; returns its meta."""
+    """Fill this rank's parameters and AdamW state from ``directory`` (which must verify against
+    its manifest); returns its meta."""
+    verify(directory)
+    read_dcp_metadata(directory)  # refused here, with its reason, rather than inside DCP's load
     meta = read_meta(directory)
     saved_tp = int(meta.get("tp", 1))
     if saved_tp != tp and saved_tp > 1:
@@ -71,7 +87,7 @@ def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
         targets = {re.sub(r"@tp\d+of\d+", "", k): v for k, v in live.items()}
         wanted = {k: torch.empty(full_shape(_param_name(k), v.shape, tp) if v.dim() else ())
                   for k, v in targets.items()}
-    dcp.load(wanted, checkpoint_id=str(directory))
+    dcp.load(wanted, storage_reader=safe_reader(directory))
     heads = model.cfg.heads if hasattr(model, "cfg") else 1
     with torch.no_grad():
         for k, v in wanted.items():
@@ -96,30 +112,58 @@ def read_meta(directory: str | Path) -> dict:
         raise InputError(f"{path}: not valid JSON ({exc.msg})") from None
 
 
+def resolve(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder meaning its newest checkpoint that verifies."""
+    path = Path(path)
+    if (path / "meta.json").exists() or not (path / "ckpt").is_dir():
+        return path
+    found, skipped = newest_good(path)
+    if found is None:
+        why = f"; newest: {skipped[0][0].name}: {skipped[0][1]}" if skipped else ""
+        raise InputError(f"{path}: no checkpoint that verifies under {path / 'ckpt'}{why}")
+    return found
+
+
 def inspect(directory: str | Path) -> dict:
-    """What a checkpoint holds: its meta, and each key's shape and dtype."""
+    """What a checkpoint holds: its meta, and each key's shape and dtype. The checkpoint must verify
+    against its manifest; else InputError says what is wrong (and names the previous good one)."""
+    directory = resolve(directory)
+    read_meta(directory)
+    _verified(directory)
     meta = read_meta(directory)
-    try:
-        md = FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:  # torch raises several types for a missing or foreign .metadata
-        raise InputError(f"{directory}: cannot read checkpoint metadata ({type(exc).__name__})") from None
+    md = read_dcp_metadata(directory)
     keys = {k: {"shape": list(getattr(v, "size", [])), "dtype": str(getattr(getattr(v, "properties", None), "dtype", ""))}
             for k, v in md.state_dict_metadata.items()}
     layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
-    return {"meta": meta, "tensors": len(keys), "layers": layers, "keys": keys}
+    return {"meta": meta, "tensors": len(keys), "layers": layers, "keys": keys, "verified": True}
+
+
+def _verified(directory: Path) -> None:
+    try:
+        verify(directory)
+    except InputError as exc:
+        run = directory.parent.parent if directory.parent.name == "ckpt" else None
+        previous = newest_good(run)[0] if run is not None else None
+        hint = f"; previous good checkpoint: {previous}" if previous is not None else ""
+        raise InputError(f"{exc}{hint}") from None
 
 
 def convert(src: str | Path, dst: str | Path) -> dict:
-    """Join tensor-parallel shards into whole tensors: a universal checkpoint (single process)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """Join tensor-parallel shards into whole tensors: a universal checkpoint (single process).
+    ``src`` must verify against its manifest (a run folder means its newest one that does); the
+    result is written to a temporary folder with its own manifest and renamed to ``dst``."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    src = resolve(src)
+    read_meta(src)
+    _verified(src)
+    read_dcp_metadata(src)
     meta = read_meta(src)
     dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    flat_path = dst / "flat.pt"
-    dcp_to_torch_save(str(src), str(flat_path))
-    flat = torch.load(flat_path, weights_only=True)
-    flat_path.unlink()
+    flat: dict = {}
+    _load_state_dict(flat, storage_reader=safe_reader(src), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
     heads = int(meta.get("model", {}).get("heads", 1))
     groups: dict[str, dict[int, torch.Tensor]] = {}
     out = {}
@@ -133,11 +177,12 @@ def convert(src: str | Path, dst: str | Path) -> dict:
         name = _param_name(key)
         ordered = [pieces[i] for i in sorted(pieces)]
         out[key] = ordered[0] if key.endswith(".step") else unshard(name, ordered, heads)
-    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
-
-    tmp = dst / "universal.pt"
-    torch.save(out, tmp)
-    torch_save_to_dcp(str(tmp), str(dst))
-    tmp.unlink()
-    (dst / "meta.json").write_text(json.dumps({**meta, "tp": 1, "converted_from": str(src)}))
-    return {"tensors": len(out), "joined": len(groups)}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.partial")
+    dcp.save(out, checkpoint_id=str(tmp), no_dist=True)
+    new_meta = {**meta, "tp": 1, "converted_from": str(src)}
+    (tmp / "meta.json").write_text(json.dumps(new_meta))
+    if dst.exists():
+        dst.rmdir()  # empty (the CLI refuses a non-empty destination)
+    publish(tmp, dst, identity(new_meta))
+    return {"tensors": len(out), "joined": len(groups), "source": str(src)}

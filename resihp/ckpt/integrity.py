@@ -1,0 +1,244 @@
+"""Checkpoint integrity: a manifest of every file (size and sha256) written last and atomically, a
+check of it before any byte of a checkpoint is trusted, and a reader of torch.distributed.checkpoint's
+pickled ``.metadata`` that admits only DCP's own metadata types (a crafted pickle cannot run code).
+
+A checkpoint is written into a hidden temporary folder beside its final name; the manifest is
+written last, every file and the folder are fsynced, and one ``rename`` makes it visible. A folder
+named ``stepN`` without a manifest, or whose files do not match it, is never loaded."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+from resihp.errors import InputError
+
+MANIFEST = "manifest.json"
+FORMAT = "resihp-ckpt-manifest/1"
+CHUNK = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """``path`` holds either its old content or all of ``data``, never a part (temp, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=1, allow_nan=False))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(directory: str | Path, identity: dict | None = None) -> dict:
+    """List every file of ``directory`` with its size and sha256 in ``manifest.json`` (written last,
+    fsynced, renamed into place); ``identity`` (job id, model hash) is recorded beside the files."""
+    directory = Path(directory)
+    files = {}
+    for path in _files(directory):
+        _fsync_path(path)
+        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size,
+                                                        "sha256": _sha256(path)}
+    manifest = {"format": FORMAT, **(identity or {}), "files": files}
+    write_json_atomic(directory / MANIFEST, manifest)
+    _fsync_path(directory)
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    try:
+        data = json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+
+
+def problem(directory: str | Path) -> str | None:
+    """What is wrong with checkpoint ``directory`` (one phrase), or None when every file it lists is
+    there with its size and sha256 and the DCP metadata and resihp meta are among them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return "not a folder"
+    if not (directory / MANIFEST).exists():
+        return "no manifest.json (an incomplete checkpoint, or one written before manifests)"
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return "manifest.json is not a valid manifest"
+    files = manifest["files"]
+    for required in (".metadata", "meta.json"):
+        if required not in files:
+            return f"the manifest lists no {required}"
+    for name, entry in sorted(files.items()):
+        path = directory / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            return f"the manifest names a file outside the checkpoint: {name!r}"
+        if not path.is_file():
+            return f"{name} is missing"
+        try:
+            size, digest = int(entry["size"]), str(entry["sha256"])
+        except (KeyError, TypeError, ValueError):
+            return f"the manifest entry of {name} has no size and sha256"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(path) != digest:
+            return f"{name} does not match its sha256 in the manifest (corrupted)"
+    unlisted = [p.relative_to(directory).as_posix() for p in _files(directory)
+                if p.relative_to(directory).as_posix() not in files]
+    if any(name.endswith((".distcp", ".metadata")) for name in unlisted):
+        return f"{unlisted[0]} is not in the manifest"
+    return None
+
+
+def verify(directory: str | Path) -> dict:
+    """The manifest of a checkpoint that verifies; else InputError naming what is wrong."""
+    why = problem(directory)
+    if why is not None:
+        raise InputError(f"{directory}: damaged checkpoint: {why}")
+    return read_manifest(directory)  # type: ignore[return-value]
+
+
+def publish(tmp: Path, final: Path, identity: dict | None = None) -> None:
+    """Write the manifest of the complete checkpoint in ``tmp`` and rename it to ``final`` (an older
+    checkpoint of that name, e.g. of an earlier job in the same folder, is replaced whole)."""
+    write_manifest(tmp, identity)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --- DCP metadata through a restricted unpickler --------------------------------------------------
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch.serialization", "_get_layout"), ("torch", "Size"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+            ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+            ("builtins", "slice")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Admits only DCP's metadata classes, torch dtypes and sizes, and paths; anything else (such as
+    ``os.system`` or ``builtins.eval``) is refused before it can be called."""
+
+    def find_class(self, module: str, name: str) -> object:
+        import torch
+
+        if module in _DCP_MODULES and not name.startswith("__"):
+            import importlib
+
+            obj = getattr(importlib.import_module(module), name, None)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def read_dcp_metadata(directory: str | Path):
+    """DCP's ``Metadata`` of a checkpoint, read through :class:`MetadataUnpickler`."""
+    path = Path(directory) / ".metadata"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{directory}: cannot read checkpoint metadata ({exc.strerror})") from None
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise InputError(f"{path}: not DCP checkpoint metadata ({exc})") from None
+    except Exception as exc:  # a truncated or foreign pickle raises many types
+        raise InputError(f"{path}: not DCP checkpoint metadata ({type(exc).__name__})") from None
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    if not isinstance(metadata, Metadata):
+        raise InputError(f"{path}: not DCP checkpoint metadata (a {type(metadata).__name__})")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def safe_reader(directory: str | Path):
+    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_dcp_metadata(directory)
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(directory))
+
+
+# --- choosing a checkpoint ------------------------------------------------------------------------
+
+STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+def step_of(path: Path) -> int:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def candidates(out: str | Path) -> list[Path]:
+    """The ``stepN`` folders under ``OUT/ckpt``, newest first."""
+    folder = Path(out) / "ckpt"
+    found = [p for p in folder.glob("step*") if STEP_DIR.match(p.name) and p.is_dir()] if folder.is_dir() else []
+    return sorted(found, key=step_of, reverse=True)
+
+
+def newest_good(out: str | Path, job_id: str | None = None,
+                model_hash: str | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under ``OUT/ckpt`` that verifies and, when given, was written by job
+    ``job_id`` for the model with hash ``model_hash``; and each newer one skipped with its reason."""
+    skipped: list[tuple[Path, str]] = []
+    for path in candidates(out):
+        why = problem(path)
+        if why is None:
+            manifest = read_manifest(path) or {}
+            if job_id is not None and manifest.get("job_id") != job_id:
+                why = f"written by another job ({manifest.get('job_id') or 'unknown'})"
+            elif model_hash is not None and manifest.get("model_hash") != model_hash:
+                why = "written for another model configuration"
+        if why is None:
+            return path, skipped
+        skipped.append((path, why))
+    return None, skipped
+
+
+def remove_partial(out: str | Path) -> None:
+    """Hidden temporary checkpoint folders left by a job that died while writing one."""
+    for tmp in (Path(out) / "ckpt").glob(".step*"):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)

@@ -1,0 +1,204 @@
+"""Fault injection for the tests, in the manner of NVRx's ``inject_fault``: real signals to real
+processes (by PID), an exception or a hang at a named call, a disk that fills up, corrupted bytes.
+
+Every helper acts only on what the test names: a PID the test started (or found as a descendant of
+one it started), a file it wrote, a function it patches for the duration of a ``with`` block."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+# --- processes -------------------------------------------------------------------------------------
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status and "\nState:\tX" not in status
+
+
+def children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def descendants(pid: int) -> set[int]:
+    kids, found, todo = children_map(), set(), [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def worker_pids(out: Path, world: int, timeout_s: float = 60.0) -> dict[int, int]:
+    """rank -> pid of a running job's workers, from their heartbeat files (waits until all beat)."""
+    from resihp.runtime.heartbeat import read_beats
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        beats = read_beats(out / "heartbeats")
+        if len(beats) == world and all(b.step >= 0 for b in beats.values()):
+            return {r: b.pid for r, b in beats.items()}
+        time.sleep(0.1)
+    raise AssertionError(f"the workers under {out} did not all start within {timeout_s} s")
+
+
+def inject_signal(pid: int, sig: signal.Signals) -> None:
+    """SIGKILL, SIGTERM, SIGSTOP (a hang), ... to one process the test started."""
+    os.kill(pid, sig)
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    """The PIDs still alive after up to ``timeout_s`` seconds."""
+    deadline = time.time() + timeout_s
+    left = {p for p in pids if alive(p)}
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = {p for p in left if alive(p)}
+    return left
+
+
+def listening_ports(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(local address, port, pid) of every TCP socket in LISTEN state held by ``pids`` (from
+    /proc/net/tcp and tcp6 matched to each process's socket inodes)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes[target[8:-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                parts = line.split()
+                if parts[3] != "0A" or parts[9] not in inodes:  # 0A: LISTEN
+                    continue
+                addr, port = parts[1].split(":")
+                found.append((_address(addr), int(port, 16), inodes[parts[9]]))
+    return found
+
+
+def _address(hexaddr: str) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hexaddr)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))
+
+
+# --- calls -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def raise_at(monkeypatch, target: str, exc: BaseException, after: int = 0) -> Iterator[None]:
+    """Make ``module.attr`` raise ``exc`` on its call number ``after`` (0: the first)."""
+    module, _, attr = target.rpartition(".")
+    import importlib
+
+    mod = importlib.import_module(module)
+    real = getattr(mod, attr)
+    calls = [0]
+
+    def fake(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > after:
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, attr, fake)
+    yield
+    monkeypatch.setattr(mod, attr, real)
+
+
+def enospc(path: str = "") -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+# --- disks -----------------------------------------------------------------------------------------
+def can_mount_tmpfs() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None and _try_mount()
+
+
+def _try_mount() -> bool:
+    probe = Path(tempfile.mkdtemp(prefix="resihp-tmpfs-probe-"))
+    try:
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
+                            capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", str(probe)], capture_output=True)
+        return ok
+    finally:
+        probe.rmdir()
+
+
+@contextlib.contextmanager
+def small_disk(size: str = "512k") -> Iterator[Path]:
+    """A real, small tmpfs (root only): writes past ``size`` fail with ENOSPC."""
+    where = Path(tempfile.mkdtemp(prefix="resihp-full-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+        with contextlib.suppress(OSError):
+            where.rmdir()
+
+
+def fill(directory: Path, leave_bytes: int = 0) -> None:
+    """Fill the file system of ``directory`` up to ``leave_bytes`` free."""
+    stat = os.statvfs(directory)
+    free = stat.f_bavail * stat.f_frsize - leave_bytes
+    with open(directory / ".filler", "wb") as f, contextlib.suppress(OSError):
+        while free > 0:
+            n = min(free, 1 << 16)
+            f.write(b"\0" * n)
+            free -= n
+        f.flush()
+
+
+# --- bytes -----------------------------------------------------------------------------------------
+def corrupt_bytes(path: Path, offset: int | None = None, count: int = 4) -> None:
+    """Overwrite ``count`` bytes of ``path`` (in the middle by default) with their complement."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    for i in range(at, min(at + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, keep: int | None = None) -> None:
+    size = path.stat().st_size
+    os.truncate(path, size // 2 if keep is None else keep)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
