@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from resihp.detect.alibaba import alibaba_path  # noqa: E402
 from resihp.detect.config import DetectorConfig  # noqa: E402
-from resihp.detect.observe import Layout, observe_ops, rank_layout  # noqa: E402
+from resihp.detect.observe import RankPlacement, observe_ops, rank_layout  # noqa: E402
 from resihp.detect.online import OnlineDetector  # noqa: E402
 from resihp.detect.suite import DEFAULT_PROFILE, evaluate_suite  # noqa: E402
 from resihp.detect.synth import CostPool, SimJob, alibaba_residuals, simulate  # noqa: E402
@@ -40,7 +40,7 @@ def speed_observe_arrays(world: int = 16384, steps: int = 200, repeats: int = 3)
     dp, pp, tp = world // 64, 8, 8
     meta = JobMeta(dp_size=dp, pp_size=pp, tp_size=tp, world_size=world)
     r = np.arange(world)
-    layout = Layout(r // (pp * tp), (r // tp) % pp, r % tp)
+    layout = RankPlacement(r // (pp * tp), (r // tp) % pp, r % tp)
     noise = np.exp(rng.normal(0, 0.02, size=(steps + 20, world)))
     raw = noise * 0.5
     rates = []

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import resihp
+from resihp.model.gpt import GPTConfig, GPTStage, init_by_name, lm_loss
 from resihp.runtime.data import DataSource
-from resihp.runtime.model import GPTConfig, GPTStage, init_by_name, lm_loss
 
 
 def overhead(pairs: int, seed: int = 0) -> dict:

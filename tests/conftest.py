@@ -6,8 +6,8 @@ import torch
 @pytest.fixture(scope="session")
 def tiny_profile(tmp_path_factory):
     """A real profiling log of a tiny decoder stack (seconds to measure)."""
+    from resihp.model.gpt import GPTConfig
     from resihp.perf.profiler import profile
-    from resihp.runtime.model import GPTConfig
     from resihp.workload.lengths import resolve_source, sample_sequences
     from resihp.workload.packing import pack_greedy
 

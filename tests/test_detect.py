@@ -12,7 +12,7 @@ from resihp.detect.alibaba import alibaba_path, read_alibaba_job
 from resihp.detect.baselines import BASELINES
 from resihp.detect.config import DetectorConfig
 from resihp.detect.evaluate import run_methods, score_events
-from resihp.detect.observe import Layout
+from resihp.detect.observe import RankPlacement
 from resihp.detect.online import OnlineDetector, detect_trace
 from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
@@ -146,7 +146,7 @@ def test_online_step_by_step_equals_offline_and_tolerates_gaps(pool, noise):
 
 def test_rank_slow_from_the_start_is_found_at_calibration():
     meta = JobMeta(dp_size=4, pp_size=1, tp_size=1, world_size=4)
-    det = OnlineDetector(meta, layout=Layout(np.arange(4), np.zeros(4, int), np.zeros(4, int)))
+    det = OnlineDetector(meta, layout=RankPlacement(np.arange(4), np.zeros(4, int), np.zeros(4, int)))
     rng = np.random.default_rng(0)
     events = []
     for t in range(20):
@@ -194,7 +194,7 @@ def test_alibaba_job2_stable_spread_and_lone_reporter_raise_nothing():
 
 def test_carried_detector_keeps_moved_ranks_and_recalibrates_new_ones():
     meta = JobMeta(dp_size=6, pp_size=1, tp_size=1, world_size=6)
-    flat = Layout(np.arange(6), np.zeros(6, int), np.zeros(6, int))
+    flat = RankPlacement(np.arange(6), np.zeros(6, int), np.zeros(6, int))
     det = OnlineDetector(meta, layout=flat)
     rng = np.random.default_rng(1)
 

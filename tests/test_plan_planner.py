@@ -8,8 +8,9 @@ from resihp.errors import InputError
 from resihp.paths import TRACES
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches, greedy_allocation
-from resihp.plan.baselines import POLICIES, make_policy, proportional_split
+from resihp.plan.baselines import POLICIES, make_policy
 from resihp.plan.cost import AnalyticCost
+from resihp.plan.heuristics import proportional_split
 from resihp.plan.layout import binary_chunks, group_options
 from resihp.plan.plan import Plan, plan_problems
 from resihp.plan.planner import Planner, capacity_bound, healthy_plan

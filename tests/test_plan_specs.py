@@ -49,7 +49,7 @@ def test_model_sizes_are_their_class():
 
 
 def test_small_model_matches_runtime_config():
-    from resihp.runtime.model import GPTConfig
+    from resihp.model.gpt import GPTConfig
 
     model = ModelSpec.from_yaml(MODELS / "cpu-small.yaml")
     cfg = GPTConfig()

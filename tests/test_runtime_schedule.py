@@ -111,8 +111,8 @@ def test_data_source_rejects_bad_sizes():
 def test_tensor_parallel_shards_round_trip():
     import torch
 
-    from resihp.runtime.model import GPTConfig, GPTStage, init_by_name
-    from resihp.runtime.tensor_parallel import TPContext, shard, unshard
+    from resihp.model.gpt import GPTConfig, GPTStage, init_by_name
+    from resihp.model.tensor_parallel import TPContext, shard, unshard
 
     cfg = GPTConfig(layers=1, hidden=32, heads=4, ffn_hidden=64, vocab=50)
     full = GPTStage(cfg)

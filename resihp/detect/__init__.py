@@ -9,7 +9,7 @@ Public API (other areas import from the submodules named here):
 - ``online.detect_trace(df, meta=None, expected=None, config=None, meta_dict=None) -> dict``: the
   DESIGN event JSON for a whole trace.
 - ``observe.observe_ops(df, meta, *, expected=None, shape=None, own_quantile=0.1) -> Observations``
-  and ``observe.rank_layout(df, meta) -> Layout``: ops trace to per-step, per-rank matrices.
+  and ``observe.rank_layout(df, meta) -> RankPlacement``: ops trace to per-step, per-rank matrices.
 - ``observe.ExpectedCompute``: ``(seq_lens of each micro-batch, phase) -> seconds``;
   ``expected.predictor_expected(predictor, shape)`` wraps a ``MicroBatchPredictor``.
 - ``heartbeat.HeartbeatSender``, ``heartbeat.NodeAggregator``, ``heartbeat.HeartbeatMonitor``

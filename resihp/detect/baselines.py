@@ -21,17 +21,17 @@ import numpy as np
 from resihp.detect.changepoint import CusumBank
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event
-from resihp.detect.observe import Layout
+from resihp.detect.observe import RankPlacement
 from resihp.opstrace import JobMeta
 
 
 class _Base:
     name = "base"
 
-    def __init__(self, meta: JobMeta, layout: Layout | None = None) -> None:
+    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None) -> None:
         self.meta = meta
         w = meta.world_size
-        self.layout = layout or Layout(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
+        self.layout = layout or RankPlacement(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
         self.events: list[Event] = []
         self._open: dict[int, Event] = {}
 
@@ -59,7 +59,7 @@ class _Base:
 class RawThresholdDetector(_Base):
     name = "raw-threshold"
 
-    def __init__(self, meta: JobMeta, layout: Layout | None = None, threshold: float = 1.2,
+    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None, threshold: float = 1.2,
                  window: int = 20) -> None:
         super().__init__(meta, layout)
         self.threshold = threshold
@@ -90,7 +90,7 @@ class RawThresholdDetector(_Base):
 class RelativeScoreDetector(_Base):
     name = "relative-score"
 
-    def __init__(self, meta: JobMeta, layout: Layout | None = None, threshold: float = 0.75,
+    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None, threshold: float = 0.75,
                  report_every: int = 10) -> None:
         super().__init__(meta, layout)
         self.threshold = threshold
@@ -123,7 +123,7 @@ class RelativeScoreDetector(_Base):
 class IterationChangePointDetector(_Base):
     name = "iteration-changepoint"
 
-    def __init__(self, meta: JobMeta, layout: Layout | None = None,
+    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None,
                  config: DetectorConfig | None = None) -> None:
         super().__init__(meta, layout)
         self.cfg = config or DetectorConfig(baseline_rate=0.0)

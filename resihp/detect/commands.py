@@ -12,6 +12,9 @@ import typer
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
+# Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
+# to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
+
 
 def detect_cmd(
     trace: Annotated[Path, typer.Argument(help="Ops trace (.parquet or .csv), or an Alibaba PAI "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resihp.detect.observe import ExpectedCompute
+from resihp.detect.observe import ExpectedCompute, shape_from_meta
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
 from resihp.workload.flops import TransformerShape
@@ -25,8 +25,6 @@ def predictor_expected(predictor: object, shape: TransformerShape) -> ExpectedCo
 
 def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | None:
     """The shape of one pipeline stage from the job meta's model fields (layers split evenly)."""
-    from resihp.detect.observe import shape_from_meta
-
     full = shape_from_meta(meta_dict)
     if full is None:
         return None
@@ -36,7 +34,7 @@ def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | Non
 
 def load_expected(model: str | Path, shape: TransformerShape | None) -> ExpectedCompute:
     """The shipped predictor at ``model`` (a models/ path) bound to ``shape``."""
-    try:
+    try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
     except ImportError:
         raise InputError(f"--model {model}: this installation has no micro-batch predictor") from None

@@ -34,7 +34,7 @@ _PHASE = {"forward-compute": "fwd", "backward-compute": "bwd"}
 
 
 @dataclass
-class Layout:
+class RankPlacement:
     """Where each rank sits; indexed by rank id (``-1``: the rank never appears in the trace)."""
 
     dp_rank: np.ndarray
@@ -68,7 +68,7 @@ def infer_meta(df: pd.DataFrame) -> JobMeta:
     return JobMeta(dp_size=dp, pp_size=pp, tp_size=tp, world_size=world)
 
 
-def rank_layout(df: pd.DataFrame, meta: JobMeta, source: str = "ops trace") -> Layout:
+def rank_layout(df: pd.DataFrame, meta: JobMeta, source: str = "ops trace") -> RankPlacement:
     """Each rank's (dp_rank, stage, tp_rank), checked against the job meta."""
     world = meta.world_size
     for col, limit, name in (("rank", world, "world_size"), ("dp_rank", meta.dp_size, "dp_size"),
@@ -94,7 +94,7 @@ def rank_layout(df: pd.DataFrame, meta: JobMeta, source: str = "ops trace") -> L
     st[ranks] = pairs["stage"].to_numpy(np.int64)
     if has_tp:
         tp[ranks] = pairs["tp_rank"].fillna(-1).to_numpy(np.int64)
-    return Layout(dp, st, tp)
+    return RankPlacement(dp, st, tp)
 
 
 def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:

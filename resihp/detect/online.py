@@ -19,8 +19,8 @@ from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event, events_json
 from resihp.detect.observe import (
     ExpectedCompute,
-    Layout,
     Observations,
+    RankPlacement,
     infer_meta,
     observe_ops,
     rank_layout,
@@ -37,13 +37,13 @@ class OnlineDetector:
 
     def __init__(self, meta: JobMeta, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, *, meta_dict: dict | None = None,
-                 layout: Layout | None = None) -> None:
+                 layout: RankPlacement | None = None) -> None:
         self.meta = meta
         self.expected = expected
         self.cfg = config or DetectorConfig()
         self.shape = shape_from_meta(meta_dict)
         w = meta.world_size
-        self.layout = layout or Layout(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
+        self.layout = layout or RankPlacement(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
         self.compute = CusumBank(w, self.cfg)
         self.link = CusumBank(w, self.cfg)
         self.events: list[Event] = []
@@ -56,7 +56,7 @@ class OnlineDetector:
         self._checked = np.zeros(w, dtype=bool)  # ranks compared with their stage's peers
         self.cost_model = "none"
 
-    def carried(self, meta: JobMeta, layout: Layout, source: np.ndarray) -> OnlineDetector:
+    def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
         """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
         detector's rank ``source[j]`` (the same device doing the same work, so its baseline holds);
         ranks with ``source[j] < 0`` calibrate afresh. Open fail-slow and link events move with
@@ -256,7 +256,7 @@ class OnlineDetector:
                     del self._wl_open[d]
         return out
 
-    def _merge_layout(self, lay: Layout) -> None:
+    def _merge_layout(self, lay: RankPlacement) -> None:
         for mine, theirs in ((self.layout.dp_rank, lay.dp_rank), (self.layout.stage, lay.stage),
                              (self.layout.tp_rank, lay.tp_rank)):
             seen = theirs >= 0

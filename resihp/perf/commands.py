@@ -12,6 +12,9 @@ import typer
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
+# Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
+# to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
+
 predictor_app = typer.Typer(help="Train and evaluate micro-batch time predictors.",
                             no_args_is_help=True)
 
@@ -49,8 +52,8 @@ def profile_cmd(
     """Measure real forward/backward time of the decoder stack on packed micro-batches."""
     import torch
 
+    from resihp.model.gpt import GPTConfig
     from resihp.perf.profiler import profile
-    from resihp.runtime.model import GPTConfig
     from resihp.workload.lengths import load_lengths, resolve_source, sample_sequences
     from resihp.workload.packing import pack_greedy
 

@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from resihp.model.gpt import DecoderBlock, GPTConfig
 from resihp.perf.device import device_name
-from resihp.runtime.model import DecoderBlock, GPTConfig
 
 PROFILE_COLUMNS = ["device", "model", "layers", "hidden", "heads", "ffn_hidden", "tp", "phase",
                    "seq_lens", "time_s"]

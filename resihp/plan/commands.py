@@ -14,6 +14,9 @@ from rich.table import Table
 
 from resihp.errors import InputError
 
+# Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
+# to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
+
 
 def parse_speeds(items: list[str] | None) -> dict[str, float]:
     """``--speed 5=0.4 --speed node3/2=0`` -> {"5": 0.4, "node3/2": 0.0}."""

@@ -104,6 +104,7 @@ class PredictorCost:
 
     @classmethod
     def load(cls, path: str) -> PredictorCost:
+        # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
 
         return cls(MicroBatchPredictor.load(path))

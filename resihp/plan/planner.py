@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel
+from resihp.plan.heuristics import drop_replica_plan, heuristic_plan
 from resihp.plan.layout import (
     binary_chunks,
     choose_layout,
@@ -105,8 +107,6 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
 
 
 def _equal_stages_step(per_stage: np.ndarray, m: int, schedule: str, p2p_s: float) -> float:
-    from resihp.perf.schedule import pipeline_step_time
-
     p = len(per_stage)
     return float(pipeline_step_time(np.broadcast_to(per_stage[:, :1], (p, m)),
                                     np.broadcast_to(per_stage[:, 1:], (p, m)), schedule,
@@ -343,11 +343,10 @@ class Planner:
 
     def _baseline_plans(self, ctx: _Context, healthy: Plan) -> list[Plan]:
         """The ResiHP-style heuristic and drop-replica plans (with token budgets when enabled)."""
-        from resihp.plan.baselines import DropReplicaPolicy, HeuristicPolicy
-
-        base = healthy if healthy.layout == ctx.layout else None
-        plans = [policy(self.cost).build(ctx.cluster, ctx.model, ctx.coster, base, ctx.layout)
-                 for policy in (HeuristicPolicy, DropReplicaPolicy)]
+        base = (healthy if healthy.layout == ctx.layout
+                else healthy_plan(ctx.cluster, ctx.model, self.cost, ctx.layout))
+        plans = [build(ctx.cluster, ctx.model, ctx.coster, base, ctx.layout)
+                 for build in (heuristic_plan, drop_replica_plan)]
         for plan in plans:
             plan.policy = self.name
         if self.token_budgets:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.cost import CostModel
 from resihp.plan.plan import HashedTuple, Plan, Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
@@ -207,8 +208,6 @@ class StageCoster:
         fb = self.pipeline_fb(stages, scale)
         key = (fb, m, scale)
         if key not in self._steps:
-            from resihp.perf.schedule import pipeline_step_time
-
             arr = np.array(fb)
             self._steps[key] = float(pipeline_step_time(
                 np.broadcast_to(arr[:, :1], (len(fb), m)), np.broadcast_to(arr[:, 1:], (len(fb), m)),
@@ -299,8 +298,6 @@ def critical_path_step(plan: Plan, coster: StageCoster) -> float:
     """The plan's step time through the schedule's dependency graph
     (``resihp.perf.schedule.pipeline_step_time``), slowest replica, plus the gradient all-reduce.
     Replicas with the same stage times are evaluated once."""
-    from resihp.perf.schedule import pipeline_step_time
-
     model = coster.model
     by_shape: dict[tuple[int, int], set[tuple]] = {}
     for p in plan.pipelines:

@@ -10,6 +10,9 @@ import typer
 
 from resihp.errors import InputError
 
+# Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
+# to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
+
 
 def replay_cmd(
     scenario: Annotated[Path, typer.Argument(help="Replay scenario YAML (see traces/scenarios/)")],

@@ -22,6 +22,8 @@ import numpy as np
 
 from resihp.errors import InputError
 from resihp.workload.flops import stage_flops
+from resihp.workload.lengths import sample_sequences
+from resihp.workload.packing import pack_greedy
 
 BYTES_PER_PARAM = 16.0
 ACT_BYTES_PER_TOKEN_HIDDEN_LAYER = 34.0
@@ -50,9 +52,6 @@ class MicroBatchPool:
 def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.Generator,
                budget: int | None = None) -> MicroBatchPool:
     """Draw documents from a real length source, chunk to max_seq_len and pack to the token budget."""
-    from resihp.workload.lengths import sample_sequences
-    from resihp.workload.packing import pack_greedy
-
     budget = budget or model.microbatch_tokens
     seqs = sample_sequences(lengths, n_microbatches * budget, min(model.max_seq_len, budget), rng)
     batches = pack_greedy(seqs, budget)[:n_microbatches]

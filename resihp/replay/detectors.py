@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from resihp.detect.baselines import IterationChangePointDetector
 from resihp.detect.config import DetectorConfig
-from resihp.detect.observe import Layout, observe_columns
+from resihp.detect.observe import RankPlacement, observe_columns
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.replay.interface import Window
@@ -68,7 +69,7 @@ class DetectorFeed:
             return []
         signature = _signature(window)
         if self._layout != signature:
-            places = Layout(*(window.rank_place[:, k].copy() for k in range(3)))
+            places = RankPlacement(*(window.rank_place[:, k].copy() for k in range(3)))
             if self.detector is None or not hasattr(self.detector, "carried"):
                 self.detector = self.make(window.meta, places)
                 self._reported = {}
@@ -142,7 +143,5 @@ def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorF
 
 def greyhound_detector(scenario) -> DetectorFeed:
     """Greyhound-style change-point detection on raw iteration time (``resihp.detect.baselines``)."""
-    from resihp.detect.baselines import IterationChangePointDetector
-
     return DetectorFeed(lambda meta, layout: IterationChangePointDetector(meta, layout),
                         model_shape(scenario))

@@ -25,15 +25,15 @@ from resihp.replay.costmodel import MicroBatchPool
 from resihp.replay.failures import scenario_events
 from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
 from resihp.replay.layout import compile_layout
-from resihp.replay.scenario import Event, Scenario
+from resihp.replay.scenario import FailureEvent, Scenario
 from resihp.replay.simulator import Simulator, op_end_times, shared_pool
 
-__all__ = ["Context", "Detection", "Outcome", "Policy", "Reaction", "Replay", "Window",
+__all__ = ["Context", "Detection", "ReplayOutcome", "Policy", "Reaction", "Replay", "Window",
            "op_end_times", "shared_pool"]
 
 
 @dataclass
-class Outcome:
+class ReplayOutcome:
     """Everything a replay of one policy measured."""
 
     policy: str
@@ -67,10 +67,10 @@ class Outcome:
 
 
 class Replay:
-    """Replays one scenario under one policy; ``run()`` returns the Outcome."""
+    """Replays one scenario under one policy; ``run()`` returns the ReplayOutcome."""
 
     def __init__(self, scenario: Scenario, policy: Policy, seed: int | None = None,
-                 events: list[Event] | None = None, pool: MicroBatchPool | None = None) -> None:
+                 events: list[FailureEvent] | None = None, pool: MicroBatchPool | None = None) -> None:
         self.scenario = scenario
         self.policy = policy
         seed = scenario.seed if seed is None else seed
@@ -86,7 +86,7 @@ class Replay:
                             4 * self.scenario.settings.window_steps, 0, 0.0)
         return float(w.tokens.sum() / w.step_time.sum())
 
-    def run(self, on_progress: Callable[[float], None] | None = None) -> Outcome:
+    def run(self, on_progress: Callable[[float], None] | None = None) -> ReplayOutcome:
         sc, ctx, st = self.scenario, self.ctx, self.scenario.settings
         n = sc.cluster.size
         speeds = np.ones(n)
@@ -243,7 +243,7 @@ class Replay:
             if on_progress:
                 on_progress(t)
         cap_tokens = sum((b - a) * c for a, b, c in capacity)
-        return Outcome(self.policy.name, sc.duration_s, tokens, cap_tokens, downtime, lost, timeline,
+        return ReplayOutcome(self.policy.name, sc.duration_s, tokens, cap_tokens, downtime, lost, timeline,
                        capacity, actions, detections, simulated, replayed)
 
 

@@ -24,7 +24,7 @@ import pandas as pd
 from resihp.errors import InputError
 from resihp.paths import TRACES
 from resihp.replay.noise import worker_times
-from resihp.replay.scenario import Event, Generator, Scenario, parse_duration
+from resihp.replay.scenario import FailureEvent, Generator, Scenario, parse_duration
 
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54
@@ -41,7 +41,7 @@ def llama3_causes() -> pd.DataFrame:
 class _Occupancy:
     """Which devices are busy (slow or stopped) over which intervals, to keep events from overlapping."""
 
-    def __init__(self, events: list[Event]) -> None:
+    def __init__(self, events: list[FailureEvent]) -> None:
         self.busy: dict[int, list[tuple[float, float]]] = {}
         open_at: dict[int, float] = {}
         for e in events:
@@ -78,19 +78,19 @@ def _check_keys(gen: Generator, scenario: Scenario, allowed: set[str]) -> None:
                          f"{', '.join(unknown)} (expected some of {', '.join(sorted(allowed))})")
 
 
-def _pair(events: list[Event], occ: _Occupancy, device: int, start: float, end: float,
+def _pair(events: list[FailureEvent], occ: _Occupancy, device: int, start: float, end: float,
           stop_kind: str, factor: float, cause: str, duration_s: float) -> bool:
     if not occ.free(device, start, end):
         return False
     occ.take(device, start, end)
-    events.append(Event(start, device, stop_kind, factor, cause=cause))
+    events.append(FailureEvent(start, device, stop_kind, factor, cause=cause))
     if end < duration_s:
-        events.append(Event(end, device, "recover", cause=cause))
+        events.append(FailureEvent(end, device, "recover", cause=cause))
     return True
 
 
 def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
-                  occ: _Occupancy) -> list[Event]:
+                  occ: _Occupancy) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"scale"})
     scale = _param(gen, scenario, "scale", 1.0)
     n = scenario.cluster.size
@@ -98,7 +98,7 @@ def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
     causes = llama3_causes()
     p = causes["count"].to_numpy(np.float64)
     p /= p.sum()
-    events: list[Event] = []
+    events: list[FailureEvent] = []
     t = 0.0
     while True:
         t += rng.exponential(1.0 / rate_per_s) if rate_per_s > 0 else float("inf")
@@ -115,7 +115,7 @@ def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
 
 
 def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
-                     occ: _Occupancy) -> list[Event]:
+                     occ: _Occupancy) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"per_day", "size_class", "max_factor"})
     per_day = _param(gen, scenario, "per_day")
     size_class = gen.params.get("size_class", "512gpus")
@@ -124,7 +124,7 @@ def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generato
                          f"{', '.join(GREYHOUND_CLASSES)}, got {size_class!r}")
     cap = _param(gen, scenario, "max_factor", 10.0, minimum=1.0)
     mean_min, mean_slow = GREYHOUND_CLASSES[size_class]
-    events: list[Event] = []
+    events: list[FailureEvent] = []
     t = 0.0
     while per_day > 0:
         t += rng.exponential(86400.0 / per_day)
@@ -140,7 +140,7 @@ def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generato
 
 
 def alibaba_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
-                   occ: _Occupancy) -> list[Event]:
+                   occ: _Occupancy) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"job", "devices", "seconds_per_iteration", "start", "threshold"})
     where = f"{scenario.path}:{gen.line}: generators.alibaba"
     job = int(_param(gen, scenario, "job", minimum=1))
@@ -155,7 +155,7 @@ def alibaba_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
     if len(devices) < times.shape[1]:
         raise InputError(f"{where}.devices: job {job} has {times.shape[1]} workers; give that many devices")
     ratio = times.div(times.median(axis=1), axis=0).rolling(10, min_periods=1).median()
-    events: list[Event] = []
+    events: list[FailureEvent] = []
     for col, dev in zip(ratio.columns, devices):
         series = ratio[col].to_numpy()
         slow = series >= threshold
@@ -172,7 +172,7 @@ def alibaba_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
 GENERATOR_FUNCS = {"llama3": llama3_events, "greyhound": greyhound_events, "alibaba": alibaba_events}
 
 
-def scenario_events(scenario: Scenario, seed: int | None = None) -> list[Event]:
+def scenario_events(scenario: Scenario, seed: int | None = None) -> list[FailureEvent]:
     """The scenario's explicit events plus those its generators draw, in time order."""
     rng = np.random.default_rng(scenario.seed if seed is None else seed)
     events = list(scenario.events)

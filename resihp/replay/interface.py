@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from resihp.detect.observe import trace_columns
 from resihp.opstrace import JobMeta
 from resihp.replay.costmodel import MicroBatchPool, device_flops_per_s, tp_allreduce_s
-from resihp.replay.layout import Layout, uniform_layout
+from resihp.replay.layout import ReplicaLayout, uniform_layout
 from resihp.replay.scenario import Scenario
 
 
@@ -35,7 +36,7 @@ class Reaction:
     """What a policy does: a new layout after ``downtime_s`` seconds without progress; ``rollback``
     loses the work since the last checkpoint; ``at`` is the index of the observed step it acted at."""
 
-    layout: Layout | None = None
+    layout: ReplicaLayout | None = None
     downtime_s: float = 0.0
     rollback: bool = False
     at: int | None = None
@@ -52,7 +53,7 @@ class Window:
     start_s: float
     step_time: np.ndarray
     tokens: np.ndarray
-    layout: Layout
+    layout: ReplicaLayout
     _ops: Callable[[], pd.DataFrame]
     meta: JobMeta | None = None
     rank_device: np.ndarray | None = None  # logical rank -> device id (-1: no device)
@@ -73,8 +74,6 @@ class Window:
         """The same records as ``ops()``, as numpy columns (``resihp.detect.observe.trace_columns``
         form, ``optype`` a ``pd.Categorical``) without building the frame; {} for no records."""
         if self._columns is None:
-            from resihp.detect.observe import trace_columns
-
             df = self.ops()
             return trace_columns(df) if not df.empty else {}
         return self._columns()
@@ -86,7 +85,7 @@ class Policy:
     name = "policy"
     observes = False
 
-    def start(self, ctx: Context) -> Layout:
+    def start(self, ctx: Context) -> ReplicaLayout:
         return ctx.uniform_layout(set())
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
@@ -115,7 +114,7 @@ class Context:
         self.now = 0.0
         self.step = 0
         self.last_checkpoint_s = 0.0
-        self.layout: Layout | None = None
+        self.layout: ReplicaLayout | None = None
         m, p = scenario.model, scenario.parallel
         self.total_microbatches = m.global_batch_tokens // m.microbatch_tokens
         self.job_devices = np.arange(p.dp * p.pp * p.tp)
@@ -124,7 +123,7 @@ class Context:
         self.mean_head_flops = float(pool.head_flops.mean())
         self.mean_tokens = float(pool.tokens.mean())
 
-    def uniform_layout(self, exclude: set[int], dp: int | None = None) -> Layout:
+    def uniform_layout(self, exclude: set[int], dp: int | None = None) -> ReplicaLayout:
         """Megatron-style placement over the whole nodes that hold no excluded device."""
         c, p = self.scenario.cluster, self.scenario.parallel
         g = c.gpus_per_node
@@ -142,7 +141,7 @@ class Context:
                                                          np.asarray(width, dtype=np.float64))
         return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed)) + comm
 
-    def predicted_step_time(self, layout: Layout, speeds: np.ndarray) -> float:
+    def predicted_step_time(self, layout: ReplicaLayout, speeds: np.ndarray) -> float:
         """1F1B estimate with mean micro-batches: sum of stage times + (m - 1) x slowest stage."""
         worst = 0.0
         padded = np.concatenate([speeds, [np.inf]])

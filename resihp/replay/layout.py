@@ -37,7 +37,7 @@ class Replica:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ReplicaLayout:
     replicas: tuple[Replica, ...]
     note: str = ""
 
@@ -49,7 +49,7 @@ class Layout:
     def microbatches(self) -> int:
         return sum(r.microbatches for r in self.replicas)
 
-    def with_note(self, note: str) -> Layout:
+    def with_note(self, note: str) -> ReplicaLayout:
         return replace(self, note=note)
 
 
@@ -72,7 +72,7 @@ class ShapeGroup:
 
 @dataclass
 class CompiledLayout:
-    layout: Layout
+    layout: ReplicaLayout
     groups: list[ShapeGroup] = field(default_factory=list)
     derived: dict = field(default_factory=dict)  # what the simulator derives once per layout
 
@@ -82,7 +82,7 @@ class CompiledLayout:
         return padded[group.devices].min(axis=-1)
 
 
-def compile_layout(layout: Layout) -> CompiledLayout:
+def compile_layout(layout: ReplicaLayout) -> CompiledLayout:
     by_shape: dict[tuple[int, int, int, int], list[int]] = {}
     for i, r in enumerate(layout.replicas):
         if r.microbatches <= 0:
@@ -131,7 +131,7 @@ def split_microbatches(total: int, weights: np.ndarray) -> list[int]:
 
 
 def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp: int,
-                   layers: int, microbatches: int) -> Layout:
+                   layers: int, microbatches: int) -> ReplicaLayout:
     """Megatron's default placement: tp inside a node, then pp, then dp, over ``devices`` in order.
 
     ``devices`` lists whole nodes' worth of usable device ids; replicas beyond what they hold are
@@ -146,4 +146,4 @@ def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp
     for r in range(n_rep):
         block = devices[r * per_replica: (r + 1) * per_replica].reshape(pp, tp)
         replicas.append(Replica(tuple(tuple(int(d) for d in g) for g in block), per_stage, mbs[r]))
-    return Layout(tuple(replicas), note=f"uniform dp={n_rep} pp={pp} tp={tp}")
+    return ReplicaLayout(tuple(replicas), note=f"uniform dp={n_rep} pp={pp} tp={tp}")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from resihp.replay.engine import Outcome
-from resihp.replay.scenario import Event, Scenario
+from resihp.replay.engine import ReplayOutcome
+from resihp.replay.scenario import FailureEvent, Scenario
 
 BASE = "resihp"
 
 
-def _timeline(outcome: Outcome, points: int = 96) -> list[list[float]]:
+def _timeline(outcome: ReplayOutcome, points: int = 96) -> list[list[float]]:
     """Mean tokens/s over ``points`` equal slices of the run, as [slice start s, tokens/s]."""
     edges = np.linspace(0.0, outcome.duration_s, points + 1)
     out = []
@@ -20,7 +20,7 @@ def _timeline(outcome: Outcome, points: int = 96) -> list[list[float]]:
     return out
 
 
-def summary(scenario: Scenario, outcomes: list[Outcome], events: list[Event],
+def summary(scenario: Scenario, outcomes: list[ReplayOutcome], events: list[FailureEvent],
             wall_s: dict[str, float] | None = None, timeline_points: int = 96) -> dict:
     """The ``resihp replay --json`` document."""
     wall_s = wall_s or {}
@@ -80,7 +80,7 @@ def table(doc: dict):
     return t
 
 
-def plot(doc: dict, outcomes: list[Outcome], events: list[Event], path: str) -> None:
+def plot(doc: dict, outcomes: list[ReplayOutcome], events: list[FailureEvent], path: str) -> None:
     """Throughput timelines of every policy with the capacity bound and failure events marked."""
     import matplotlib
 

@@ -6,18 +6,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from resihp.replay.engine import Outcome, Replay, shared_pool
+from resihp.replay.engine import Replay, ReplayOutcome, shared_pool
 from resihp.replay.failures import scenario_events
 from resihp.replay.policies import make_policies
 from resihp.replay.report import summary
-from resihp.replay.scenario import Event, Scenario
+from resihp.replay.scenario import FailureEvent, Scenario
 
 
 @dataclass
 class Comparison:
     scenario: Scenario
-    events: list[Event]
-    outcomes: list[Outcome]
+    events: list[FailureEvent]
+    outcomes: list[ReplayOutcome]
     wall_s: dict[str, float]
 
     def summary(self, timeline_points: int = 96) -> dict:

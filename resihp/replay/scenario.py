@@ -13,6 +13,7 @@ from pathlib import Path
 
 from resihp.errors import InputError
 from resihp.plan.specs import MLP_MATRICES, layer_params
+from resihp.replay.costmodel import check_fits
 from resihp.replay.yamlsrc import LineDict, load_yaml
 from resihp.workload.flops import TransformerShape
 
@@ -91,7 +92,7 @@ class Costs:
 
 
 @dataclass(frozen=True)
-class Event:
+class FailureEvent:
     at_s: float
     device: int
     kind: str
@@ -127,7 +128,7 @@ class Scenario:
     workload: str
     duration_s: float
     costs: Costs
-    events: tuple[Event, ...] = ()
+    events: tuple[FailureEvent, ...] = ()
     generators: tuple[Generator, ...] = ()
     noise_job: int = 2
     seed: int = 0
@@ -248,12 +249,12 @@ def _model(r: _Reader) -> Model:
     return Model(name=r.text("name", "model"), schedule=schedule, mlp=mlp, **ints)
 
 
-def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line: int) -> tuple[Event, ...]:
+def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line: int) -> tuple[FailureEvent, ...]:
     if items is None:
         return ()
     if not isinstance(items, list):
         raise InputError(f"{path}:{line}: events: expected a list of events")
-    events: list[Event] = []
+    events: list[FailureEvent] = []
     state: dict[int, str] = {}
     for i, item in enumerate(items):
         r = _Reader(path, item, f"events[{i}]", line)
@@ -296,7 +297,7 @@ def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line
                 raise InputError(f"{r.where}: device {dev} is already {current}; events overlap "
                                  "(add a recover event first)")
             state[dev] = "healthy" if kind == "recover" else ("slow" if kind == "slow" else "stopped")
-            events.append(Event(at, dev, kind, factor, r.data.line if isinstance(r.data, LineDict) else 0,
+            events.append(FailureEvent(at, dev, kind, factor, r.data.line if isinstance(r.data, LineDict) else 0,
                                 r.text("cause", "")))
     return tuple(events)
 
@@ -373,7 +374,5 @@ def load_scenario(path: str | Path) -> Scenario:
         generators=_generators(path, root.data.get("generators"), root.data.line),
         noise_job=noise_job, seed=root.number("seed", 0, integer=True), settings=settings,
         family=root.text("family", ""))
-    from resihp.replay.costmodel import check_fits  # the memory model lives with the cost model
-
     check_fits(scenario, where=f"{path}: parallel")
     return scenario

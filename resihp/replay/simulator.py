@@ -26,7 +26,7 @@ from resihp.replay.costmodel import (
     tp_allreduce_s,
 )
 from resihp.replay.interface import Window
-from resihp.replay.layout import CompiledLayout, Layout
+from resihp.replay.layout import CompiledLayout, ReplicaLayout
 from resihp.replay.noise import noise_pool
 from resihp.replay.scenario import Scenario
 from resihp.workload.lengths import resolve_source
@@ -130,7 +130,7 @@ class Simulator:
             rank_place[rank[real]] = place[real]
         return meta, rank_device, rank_work, rank_place
 
-    def _stalled(self, layout: Layout, n_steps: int, first_step: int, start_s: float) -> Window:
+    def _stalled(self, layout: ReplicaLayout, n_steps: int, first_step: int, start_s: float) -> Window:
         return Window(np.arange(first_step, first_step + n_steps), start_s,
                       np.full(n_steps, np.inf), np.zeros(n_steps), layout, lambda: pd.DataFrame(),
                       _columns=dict)

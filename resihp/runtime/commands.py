@@ -12,6 +12,9 @@ import typer
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
+# Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
+# to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
+
 
 def _numbers(text: str | None, name: str, kind: type) -> list | None:
     if text is None:

@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from resihp.errors import InputError
+from resihp.model.gpt import GPTConfig
 from resihp.runtime.inject import Fault, check_faults, parse_fault
 from resihp.runtime.layout import ParallelDims, balanced_layers, ranges_from_counts
-from resihp.runtime.model import GPTConfig
 from resihp.runtime.schedule import SCHEDULES
 
 

@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 
 from resihp.errors import InputError
+from resihp.model.gpt import GPTStage, init_by_name, lm_loss
+from resihp.model.tensor_parallel import TPContext
 from resihp.runtime.config import RunConfig
 from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
 from resihp.runtime.gradsync import GradSync
 from resihp.runtime.inject import FaultInjector
-from resihp.runtime.model import GPTStage, init_by_name, lm_loss
+from resihp.runtime.layout import ranges_from_counts
 from resihp.runtime.recorder import OpRecorder
+from resihp.runtime.replan import repartition
 from resihp.runtime.schedule import schedule_for
-from resihp.runtime.tensor_parallel import TPContext
 
 
 @dataclass
@@ -130,19 +132,24 @@ class Engine:
         splits = change.get("layer_splits") or (
             [change["layer_split"]] * self.dims.dp if change.get("layer_split") is not None else None)
         if splits is not None:
-            from resihp.runtime.layout import ranges_from_counts
-            from resihp.runtime.replan import repartition
-
             if len(splits) != self.dims.dp:
                 raise InputError(f"plan layer_splits: expected {self.dims.dp} splits, got {len(splits)}")
             new = [ranges_from_counts(split, self.model_cfg.layers, self.pp, source="plan layer split")
                    for split in splits]
             if new != self.replica_ranges:
                 with self.rec.op("replan-layers") as row:
-                    row["bytes"] = repartition(self, new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
+                    row["bytes"] = self._repartition(new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
                     self.replica_ranges = new
                     self.grad_sync.prepare(new, self.model_cfg.layers)
         self.plan_changes.append({"step": step, **change})
+
+    def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
+        self.model, self.optimizer, sent = repartition(
+            self.model, self.optimizer, self.model_cfg, self.tp, self.ranges, new_ranges, self.stage,
+            lambda stage: self.dims.rank_of(self.dp_rank, stage, self.coords.tp_rank), self.cfg.lr,
+            self.device)
+        self.first, self.last = new_ranges[self.stage]
+        return sent
 
     # --- one training step ----------------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:

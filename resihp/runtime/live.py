@@ -14,9 +14,16 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from resihp.opstrace import JobMeta
+from resihp.detect.online import OnlineDetector
+from resihp.opstrace import JobMeta, read_meta
+from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+from resihp.plan.planner import Planner
+from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
 from resihp.runtime.control import post_change
+from resihp.runtime.data import split_counts
+from resihp.runtime.heartbeat import read_beats
+from resihp.runtime.layout import ranges_from_counts
 from resihp.runtime.recorder import rows_frame
 
 
@@ -52,8 +59,6 @@ def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
 
 
 def planner_specs(cfg: RunConfig):
-    from resihp.plan.specs import ClusterSpec, ModelSpec
-
     world = cfg.dims().world_size
     cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": world}],
                                      "device": {"memory_gb": 4.0, "tflops": 1.0},
@@ -69,9 +74,6 @@ def planner_specs(cfg: RunConfig):
 
 def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
                  replica_ranges: list[list[tuple[int, int]]]):
-    from resihp.plan.plan import Layout, Pipeline, Plan, Stage
-    from resihp.runtime.data import split_counts
-
     dims = cfg.dims()
     counts = split_counts(model.microbatches, weights)
     pipelines = [Pipeline(d, tuple(Stage(tuple(dims.tp_group_ranks(d, s)), replica_ranges[d][s])
@@ -109,10 +111,6 @@ def follow(out: str | Path, detector_config=None, poll_s: float = 0.5, timeout_s
     """Detect live on a job that writes resihp streams (the engine, or ``resihp.attach``): read its
     ``job.yaml``, feed every complete step to the online detector, until every rank's heartbeat
     says done (or ``timeout_s``). Returns ``{"events": [...], "steps": n}``."""
-    from resihp.detect.online import OnlineDetector
-    from resihp.opstrace import read_meta
-    from resihp.runtime.heartbeat import read_beats
-
     out = Path(out)
     meta, meta_dict = read_meta(out / "job.yaml")
     detector = OnlineDetector(meta, config=detector_config, meta_dict=meta_dict)
@@ -134,9 +132,6 @@ def follow(out: str | Path, detector_config=None, poll_s: float = 0.5, timeout_s
 
 class LiveLoop:
     def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None) -> None:
-        from resihp.detect.online import OnlineDetector
-        from resihp.plan.planner import Planner
-
         self.cfg, self.out = cfg, Path(cfg.out)
         self.world = cfg.dims().world_size
         self.meta, self.meta_dict = job_meta(cfg)
@@ -204,8 +199,6 @@ class LiveLoop:
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
         if change.get("layer_splits") is not None:
-            from resihp.runtime.layout import ranges_from_counts
-
             new = [ranges_from_counts(split, self.cfg.layers, self.cfg.pp)
                    for split in change["layer_splits"]]
             if new != self.ranges:

@@ -14,19 +14,13 @@ A plan change is a small dict: ``{"version", "dp_weights"?, "layer_split"? (ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from resihp.runtime.model import DecoderBlock, GPTConfig, GPTStage
-from resihp.runtime.tensor_parallel import TPContext
-
-if TYPE_CHECKING:
-    from resihp.runtime.engine import Engine
-
-ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+from resihp.model.gpt import ADAM_KEYS, DecoderBlock, GPTConfig, GPTStage
+from resihp.model.tensor_parallel import TPContext
 
 
 def owner(ranges: Sequence[tuple[int, int]], layer: int) -> int:
@@ -55,36 +49,37 @@ def layer_templates(cfg: GPTConfig, tp: TPContext) -> list[tuple[int, ...]]:
     return shapes
 
 
-def repartition(engine: Engine, new_ranges: list[tuple[int, int]]) -> int:
-    """Move layers between the stages of this rank's pipeline; returns the bytes this rank sent."""
-    old_ranges = engine.ranges
-    stage, dims = engine.stage, engine.dims
+def repartition(model: GPTStage, optimizer: torch.optim.Optimizer, cfg: GPTConfig, tp: TPContext,
+                old_ranges: Sequence[tuple[int, int]], new_ranges: Sequence[tuple[int, int]], stage: int,
+                peer_of: Callable[[int], int], lr: float,
+                device: torch.device) -> tuple[GPTStage, torch.optim.Optimizer, int]:
+    """Move layers between the stages of this rank's pipeline (``peer_of(stage)``: the rank holding
+    that stage beside this one); returns the new stage model, its optimizer and the bytes sent."""
     moved: dict[int, list[torch.Tensor]] = {}
     sent = 0
     shapes = None
-    for layer in range(engine.model_cfg.layers):
+    for layer in range(cfg.layers):
         src, dst = owner(old_ranges, layer), owner(new_ranges, layer)
         if src == dst or stage not in (src, dst):
             continue
-        peer = dims.rank_of(engine.dp_rank, dst if stage == src else src, engine.coords.tp_rank)
+        peer = peer_of(dst if stage == src else src)
         if stage == src:
-            for t in layer_state(engine.model, engine.optimizer, layer):
+            for t in layer_state(model, optimizer, layer):
                 dist.send(t.contiguous(), peer)
                 sent += t.numel() * t.element_size()
         else:
-            shapes = shapes or layer_templates(engine.model_cfg, engine.tp)
-            bufs = [torch.empty(s, device=engine.device) for s in shapes]
+            shapes = shapes or layer_templates(cfg, tp)
+            bufs = [torch.empty(s, device=device) for s in shapes]
             for b in bufs:
                 dist.recv(b, peer)
             moved[layer] = bufs
-    kept = {layer: layer_state(engine.model, engine.optimizer, layer)
+    kept = {layer: layer_state(model, optimizer, layer)
             for layer in range(*new_ranges[stage]) if layer not in moved}
-    ends = {n: p.detach() for n, p in engine.model.named_parameters() if not n.startswith("layers.")}
-    end_state = {n: engine.optimizer.state.get(p, {}) for n, p in engine.model.named_parameters()
+    ends = {n: p.detach() for n, p in model.named_parameters() if not n.startswith("layers.")}
+    end_state = {n: optimizer.state.get(p, {}) for n, p in model.named_parameters()
                  if not n.startswith("layers.")}
-    engine.first, engine.last = new_ranges[stage]
-    model = GPTStage(engine.model_cfg, engine.first, engine.last, engine.tp).to(engine.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=engine.cfg.lr, weight_decay=0.0)
+    model = GPTStage(cfg, *new_ranges[stage], tp).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     with torch.no_grad():
         for layer, tensors in {**kept, **moved}.items():
             params = sorted(model.layers[str(layer)].named_parameters())
@@ -98,5 +93,4 @@ def repartition(engine: Engine, new_ranges: list[tuple[int, int]]) -> int:
                 p.copy_(ends[name])
                 if end_state[name]:
                     optimizer.state[p] = {k: v.clone() for k, v in end_state[name].items()}
-    engine.model, engine.optimizer = model, optimizer
-    return sent
+    return model, optimizer, sent

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 
 from resihp.replay.interface import Context
-from resihp.replay.layout import Layout, Replica, split_microbatches
+from resihp.replay.layout import Replica, ReplicaLayout, split_microbatches
 
 
 def stage_times(ctx: Context, replica: Replica, speeds: np.ndarray) -> np.ndarray:
@@ -20,7 +20,7 @@ def stage_times(ctx: Context, replica: Replica, speeds: np.ndarray) -> np.ndarra
                                  sp, last) * np.array(replica.load)
 
 
-def balance_microbatches(ctx: Context, layout: Layout, speeds: np.ndarray) -> Layout:
+def balance_microbatches(ctx: Context, layout: ReplicaLayout, speeds: np.ndarray) -> ReplicaLayout:
     """Give each replica micro-batches so that all finish together (1F1B: sum + (m-1) x max).
 
     Starts from counts proportional to each replica's pace, then moves single micro-batches from the

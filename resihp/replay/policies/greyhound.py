@@ -5,7 +5,7 @@ from __future__ import annotations
 from resihp.replay.detectors import DetectorFeed, greyhound_detector
 from resihp.replay.failures import GREYHOUND_CLASSES
 from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
-from resihp.replay.layout import Layout
+from resihp.replay.layout import ReplicaLayout
 from resihp.replay.policies.common import balance_microbatches, believed_speeds
 from resihp.replay.policies.oobleck import Oobleck
 from resihp.replay.policies.recycle import ReCycle
@@ -61,7 +61,7 @@ class GreyhoundModule:
         current = ctx.layout
         options: list[tuple[float, Reaction | None]] = []
 
-        def value(layout: Layout | None, pause_s: float) -> float:
+        def value(layout: ReplicaLayout | None, pause_s: float) -> float:
             if layout is None or not layout.replicas:
                 return -1.0
             step = ctx.predicted_step_time(layout, speeds)

@@ -6,7 +6,7 @@ import numpy as np
 
 from resihp.replay.costmodel import stage_memory_gb
 from resihp.replay.interface import Context, Policy, Reaction
-from resihp.replay.layout import Layout, Replica, split_layers
+from resihp.replay.layout import Replica, ReplicaLayout, split_layers
 from resihp.replay.policies.common import balance_microbatches, believed_speeds
 
 
@@ -25,18 +25,18 @@ class Oobleck(Policy):
 
     name = "oobleck"
 
-    def start(self, ctx: Context) -> Layout:
+    def start(self, ctx: Context) -> ReplicaLayout:
         return self.instantiate(ctx)
 
     exclude_label = "re-instantiate without"
 
-    def layout_without(self, ctx: Context, exclude: set[int]) -> Layout:
+    def layout_without(self, ctx: Context, exclude: set[int]) -> ReplicaLayout:
         return self.instantiate(ctx, exclude)
 
     def exclude_cost_s(self, ctx: Context) -> float:
         return ctx.scenario.costs.reconfig_s
 
-    def instantiate(self, ctx: Context, exclude: set[int] = frozenset()) -> Layout:
+    def instantiate(self, ctx: Context, exclude: set[int] = frozenset()) -> ReplicaLayout:
         sc = ctx.scenario
         g, tp, pp, dp = sc.cluster.gpus_per_node, sc.parallel.tp, sc.parallel.pp, sc.parallel.dp
         per_node = g // tp
@@ -62,7 +62,7 @@ class Oobleck(Policy):
             groups = groups[: pp] if size == max_nodes else groups
             k += size
             replicas.append(Replica(tuple(groups), split_layers(sc.model.layers, np.ones(len(groups))), 1))
-        layout = Layout(tuple(replicas), note=f"oobleck templates {sorted(map(int, sizes))} nodes")
+        layout = ReplicaLayout(tuple(replicas), note=f"oobleck templates {sorted(map(int, sizes))} nodes")
         return balance_microbatches(ctx, layout, believed_speeds(ctx))
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:

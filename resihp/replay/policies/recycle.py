@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 
 from resihp.replay.interface import Context, Policy, Reaction
-from resihp.replay.layout import Layout
+from resihp.replay.layout import ReplicaLayout
 
 
 class ReCycle(Policy):
@@ -27,19 +27,19 @@ class ReCycle(Policy):
 
     name = "recycle"
 
-    def start(self, ctx: Context) -> Layout:
+    def start(self, ctx: Context) -> ReplicaLayout:
         self.home = ctx.uniform_layout(set())
         return self.home
 
     exclude_label = "reroute around"
 
-    def layout_without(self, ctx: Context, exclude: set[int]) -> Layout | None:
+    def layout_without(self, ctx: Context, exclude: set[int]) -> ReplicaLayout | None:
         return self.reroute(ctx, exclude)
 
     def exclude_cost_s(self, ctx: Context) -> float:
         return ctx.scenario.costs.reconfig_s
 
-    def reroute(self, ctx: Context, exclude: set[int] = frozenset()) -> Layout | None:
+    def reroute(self, ctx: Context, exclude: set[int] = frozenset()) -> ReplicaLayout | None:
         home = self.home.replicas
         pp = len(home[0].groups)
         dead = ctx.known_dead | set(exclude)
@@ -59,7 +59,7 @@ class ReCycle(Policy):
                 groups[s] = home[donor].groups[s]
             replicas.append(replace(r, groups=tuple(groups), load=tuple(float(x) for x in load)))
         note = f"rerouting around {int(k.sum())} failed stage(s)" if k.sum() else "home layout"
-        return Layout(tuple(replicas), note=note)
+        return ReplicaLayout(tuple(replicas), note=note)
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
         layout = self.reroute(ctx)

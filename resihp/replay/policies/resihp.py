@@ -10,7 +10,7 @@ from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, DeviceSpec, ModelSpec
 from resihp.replay.detectors import DetectorFeed, resihp_detector
 from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
-from resihp.replay.layout import Layout, Replica
+from resihp.replay.layout import Replica, ReplicaLayout
 from resihp.replay.policies.common import believed_speeds
 from resihp.replay.scenario import Scenario
 
@@ -35,7 +35,7 @@ def model_spec(scenario: Scenario) -> ModelSpec:
                      mlp=m.mlp)
 
 
-def layout_of(plan: Plan, model: ModelSpec) -> Layout:
+def layout_of(plan: Plan, model: ModelSpec) -> ReplicaLayout:
     """The planner's Plan as the replay's layout (one replica per pipeline, in plan order); a
     pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up)."""
     replicas = tuple(
@@ -44,7 +44,7 @@ def layout_of(plan: Plan, model: ModelSpec) -> Layout:
                 budget=None if p.tokens is None or not p.microbatches
                 else min(model.microbatch_tokens, -(-int(p.tokens) // int(p.microbatches))))
         for p in plan.pipelines)
-    return Layout(replicas, note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} s/step, "
+    return ReplicaLayout(replicas, note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} s/step, "
                                  f"{len(plan.excluded)} excluded")
 
 
@@ -80,7 +80,7 @@ class Resihp(Policy):
         self.feed: DetectorFeed | None = None
         self.solve_s: list[float] = []
 
-    def start(self, ctx: Context) -> Layout:
+    def start(self, ctx: Context) -> ReplicaLayout:
         sc = ctx.scenario
         self.cluster = cluster_spec(sc)
         self.model = model_spec(sc)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from resihp.replay.interface import Context, Policy, Reaction
-from resihp.replay.layout import Layout
+from resihp.replay.layout import ReplicaLayout
 
 
 class CheckpointRestart(Policy):
@@ -20,7 +20,7 @@ class CheckpointRestart(Policy):
     name = "checkpoint-restart"
     exclude_label = "restart without"
 
-    def layout_without(self, ctx: Context, exclude: set[int]) -> Layout:
+    def layout_without(self, ctx: Context, exclude: set[int]) -> ReplicaLayout:
         return ctx.uniform_layout(ctx.known_dead | exclude)
 
     def exclude_cost_s(self, ctx: Context) -> float:

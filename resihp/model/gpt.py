@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from resihp.errors import InputError
-from resihp.runtime.tensor_parallel import TPContext, copy_to_tp, full_shape, reduce_from_tp, shard
+from resihp.model.tensor_parallel import TPContext, copy_to_tp, full_shape, reduce_from_tp, shard
 from resihp.workload.flops import TransformerShape
+
+# the AdamW state that travels with each parameter when layers move or checkpoints reshard
+ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,118 @@
+"""Heuristic plans, one rule per dimension: the ResiHP heuristic (power-of-two TP subsets, layers in
+proportion to stage speed, micro-batches in proportion to replica throughput) and drop-replica.
+The planner seeds its search with them; ``baselines`` wraps them as policies."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from resihp.plan.layout import even_split, home_pipelines, layer_ranges, powers_of_two_upto
+from resihp.plan.plan import Layout, Pipeline, Plan, Stage, Stages, unplaced
+from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
+from resihp.plan.timing import StageCoster
+
+
+def proportional_split(total: int, weights: np.ndarray, caps: np.ndarray | None = None,
+                       minimum: int = 1) -> list[int]:
+    """Integers proportional to ``weights`` summing to ``total`` (largest remainder), each at
+    least ``minimum`` and at most its cap when the caps allow."""
+    weights = np.asarray(weights, dtype=np.float64)
+    caps = np.full(len(weights), total) if caps is None else np.asarray(caps)
+    share = weights / weights.sum() * total
+    counts = np.clip(np.floor(share).astype(int), minimum, caps)
+    order = np.argsort(-(share - np.floor(share)))
+    while counts.sum() < total:
+        grown = False
+        for i in order:
+            if counts.sum() < total and counts[i] < caps[i]:
+                counts[i] += 1
+                grown = True
+        if not grown:
+            break
+    while counts.sum() > total:
+        i = int(np.argmax(counts - share))
+        if counts[i] <= minimum:
+            break
+        counts[i] -= 1
+    return counts.tolist()
+
+
+def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray:
+    """The most micro-batches each replica holds in memory (GPipe keeps all of them in flight)."""
+    return np.array([min(total, c) if (c := coster.max_microbatches(st)) is not None else total
+                     for st in pipelines], dtype=int)
+
+
+def drop_replica_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
+                      layout: Layout) -> Plan:
+    """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly."""
+    alive = [p for p in base.pipelines if coster.alive(p.stages)]
+    caps = replica_caps(coster, [p.stages for p in alive], model.microbatches)
+    shares = proportional_split(model.microbatches, np.ones(len(alive)), caps, minimum=0) \
+        if alive else []
+    pipelines = [Pipeline(i, p.stages, m, home=p.home)
+                 for i, (p, m) in enumerate(zip(alive, shares)) if m > 0]
+    return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines))
+
+
+def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
+                   layout: Layout) -> Plan:
+    """The published ResiHP adaptation, one heuristic per dimension (see ``baselines``)."""
+    pipes = home_pipelines(cluster, layout)
+    shares0 = even_split(model.microbatches, layout.dp)
+    built: list[tuple[int, tuple[Stage, ...]]] = []
+    for r, groups in enumerate(pipes):
+        if not any(not cluster.degraded.isdisjoint(g) for g in groups):
+            built.append((r, base.pipelines[r].stages))
+            continue
+        new_groups = [g for g in (exclude_slow(g, cluster, model) for g in groups) if g]
+        stages = split_layers_by_speed(new_groups, coster, model, shares0[r])
+        if stages is not None:
+            built.append((r, stages))
+    rates = np.array([1.0 / max(sum(fb) for fb in coster.pipeline_fb(st)) for _, st in built])
+    caps = replica_caps(coster, [st for _, st in built], model.microbatches)
+    shares = proportional_split(model.microbatches, rates, caps, minimum=0)
+    pipelines, dp = [], 0
+    for (r, stages), m in zip(built, shares):
+        if m > 0:
+            pipelines.append(Pipeline(dp, stages, m, home=r))
+            dp += 1
+    return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines))
+
+
+def exclude_slow(group: tuple[int, ...], cluster: ClusterSpec, model: ModelSpec) -> tuple[int, ...]:
+    """The fastest power-of-two subset maximising k x (its slowest member's speed)."""
+    alive = sorted((r for r in group if cluster.devices[r].alive),
+                   key=lambda r: (-cluster.devices[r].speed, r))
+    best, best_value = (), 0.0
+    for k in powers_of_two_upto(len(alive)):
+        if model.heads % k:
+            continue
+        value = k * cluster.devices[alive[k - 1]].speed
+        if value > best_value + 1e-12:
+            best, best_value = tuple(sorted(alive[:k])), value
+    return best
+
+
+def split_layers_by_speed(groups: list[tuple[int, ...]], coster: StageCoster, model: ModelSpec,
+                          m: int) -> tuple[Stage, ...] | None:
+    """Layers in proportion to each stage's speed (1 / per-layer time), capped by memory."""
+    if not groups or len(groups) > model.layers:
+        return None
+    p = len(groups)
+    rates = np.array([1.0 / sum(coster.per_layer_s(g)) for g in groups])
+    caps = []
+    for s, g in enumerate(groups):
+        in_flight = coster.in_flight(p, s, m)
+        free = coster.memory_free_gb(g)
+        cap = 0
+        while cap < model.layers and stage_memory_gb(
+                model, cap + 1, len(g), in_flight, s == 0, s == p - 1) <= free:
+            cap += 1
+        caps.append(cap)
+    if min(caps) < 1 or sum(caps) < model.layers:
+        return None
+    counts = proportional_split(model.layers, rates, np.array(caps))
+    if sum(counts) != model.layers:
+        return None
+    return Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))
