@@ -1,9 +1,55 @@
-"""Where the repository's shipped data lives (models/, traces/)."""
+"""Where the shipped data lives, and shipped files by name.
+
+The trained predictors (``models/``) and the traces (``traces/``: length sources, cluster and model
+specs, replay scenarios, detector profiles, failure logs) are package data under ``resihp/data``
+(in the checkout, links to the repository's ``models/`` and ``traces/``), so an installed package
+finds them from any directory.
+"""
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACES = REPO_ROOT / "traces"
-MODELS = REPO_ROOT / "models"
+from resihp.errors import InputError
+
+DATA = Path(str(files("resihp") / "data"))
+TRACES = DATA / "traces"
+MODELS = DATA / "models"
+
+# kind -> (folder under DATA, file suffix, what the option names)
+SHIPPED = {
+    "cluster": ("traces/clusters", ".yaml", "cluster spec"),
+    "model": ("traces/models", ".yaml", "model spec"),
+    "scenario": ("traces/scenarios", ".yaml", "replay scenario"),
+    "predictor": ("models", "", "predictor"),
+    "alibaba": ("traces/alibaba", ".csv", "Alibaba PAI job file"),
+}
+
+
+def shipped_names(kind: str) -> list[str]:
+    """The names of the shipped files of ``kind`` (``h100-8``, ``gpt-7b``, ...)."""
+    folder, suffix, _ = SHIPPED[kind]
+    root = DATA / folder
+    if not root.is_dir():
+        return []
+    return sorted(p.name.removesuffix(suffix) for p in root.iterdir()
+                  if (p.is_dir() if not suffix else p.name.endswith(suffix)))
+
+
+def resolve(value: str | Path, kind: str, option: str) -> Path:
+    """``value`` itself when it exists; else the shipped file it names, by bare name
+    (``h100-8-degraded``) or by its repository path (``traces/clusters/h100-8-degraded.yaml``)
+    from any directory. InputError naming the shipped choices when neither exists."""
+    path = Path(value)
+    if path.exists():
+        return path
+    folder, suffix, what = SHIPPED[kind]
+    bare = len(path.parts) == 1
+    if bare or path.parent.as_posix().endswith(folder):
+        candidate = DATA / folder / (path.name if path.name.endswith(suffix) else path.name + suffix)
+        if candidate.exists():
+            return candidate
+    names = ", ".join(shipped_names(kind)) or "none"
+    raise InputError(f"{option} {value}: no such file, and no shipped {what} of that name "
+                     f"(shipped: {names})")

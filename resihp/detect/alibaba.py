@@ -8,7 +8,7 @@ import pandas as pd
 
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, validate_ops_trace
-from resihp.paths import TRACES
+from resihp.paths import TRACES, resolve
 
 ALIBABA_DIR = TRACES / "alibaba"
 
@@ -22,7 +22,7 @@ def read_alibaba_job(path: str | Path) -> tuple[pd.DataFrame, JobMeta]:
 
     Rows with no time (the files have a few gaps) are skipped, as the ops-trace contract allows.
     """
-    path = Path(path)
+    path = resolve(path, "alibaba", "trace")
     try:
         raw = pd.read_csv(path)
     except OSError as exc:

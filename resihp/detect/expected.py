@@ -10,6 +10,7 @@ import numpy as np
 from resihp.detect.observe import ExpectedCompute, shape_from_meta
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
+from resihp.paths import resolve
 from resihp.workload.flops import TransformerShape
 
 
@@ -33,7 +34,8 @@ def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | Non
 
 
 def load_expected(model: str | Path, shape: TransformerShape | None) -> ExpectedCompute:
-    """The shipped predictor at ``model`` (a models/ path) bound to ``shape``."""
+    """The predictor at ``model`` (a folder, or a shipped predictor by name) bound to ``shape``."""
+    model = resolve(model, "predictor", "--model")
     try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
     except ImportError:

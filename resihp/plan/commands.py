@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from resihp.errors import InputError
+from resihp.paths import resolve
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
@@ -54,8 +55,8 @@ def plan_table(plan, console: Console) -> None:
 
 
 def plan_cmd(
-    cluster: Annotated[Path, typer.Option(help="Cluster YAML (nodes, devices, bandwidth)")],
-    model: Annotated[Path, typer.Option(help="Model YAML (shape, batch, schedule)")],
+    cluster: Annotated[Path, typer.Option(help="Cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name (h100-8-degraded)")],
+    model: Annotated[Path, typer.Option(help="Model YAML (shape, batch, schedule), or a shipped model by name (gpt-7b)")],
     current: Annotated[Path | None, typer.Option(help="Plan in force (JSON) to re-plan from")] = None,
     speed: Annotated[list[str] | None, typer.Option(
         help="Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable")] = None,
@@ -82,6 +83,9 @@ def plan_cmd(
         raise InputError(f"--time-limit: must be positive seconds, got {time_limit}")
     if not horizon >= 1:
         raise InputError(f"--horizon: must be at least 1 step, got {horizon}")
+    cluster = resolve(cluster, "cluster", "--cluster")
+    model = resolve(model, "model", "--model")
+    predictor = resolve(predictor, "predictor", "--predictor") if predictor else None
     spec = ClusterSpec.from_yaml(cluster).with_speeds(parse_speeds(speed), where="--speed")
     mspec = ModelSpec.from_yaml(model)
     cost = PredictorCost.load(str(predictor)) if predictor else AnalyticCost()

@@ -9,13 +9,14 @@ from typing import Annotated
 import typer
 
 from resihp.errors import InputError
+from resihp.paths import resolve
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
 
 
 def replay_cmd(
-    scenario: Annotated[Path, typer.Argument(help="Replay scenario YAML (see traces/scenarios/)")],
+    scenario: Annotated[Path, typer.Argument(help="Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see traces/scenarios/)")],
     policies: Annotated[str, typer.Option(help="Comma-separated policies (default: all)")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     plot: Annotated[Path, typer.Option(help="Write throughput timelines to this PNG")] = None,
@@ -35,7 +36,7 @@ def replay_cmd(
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: expected a .png file name")
     n = len(make_policies(policies or None))
-    sc = load_scenario(scenario)
+    sc = load_scenario(resolve(scenario, "scenario", "scenario"))
     total = int(sc.duration_s * n)
     with progress_bar(f"replaying {sc.name}", total, enabled=not json_out) as advance:
         result = compare(sc, policies or None, seed, on_progress=lambda t: advance(int(t)))
