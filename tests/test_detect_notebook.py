@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from resihp.paths import REPO_ROOT
 from tests.notebook_runner import run_notebook
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (notebooks, examples)
 
 
 @pytest.mark.slow

@@ -2,10 +2,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from resihp.paths import REPO_ROOT, TRACES
+from resihp.paths import TRACES
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (notebooks, examples)
 
 CLUSTER = str(TRACES / "clusters" / "h100-64.yaml")
 MODEL = str(TRACES / "models" / "gpt-13b.yaml")
