@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -39,6 +40,13 @@ def main() -> None:
     except KeyboardInterrupt:
         print("resihp: interrupted", file=sys.stderr)
         sys.exit(130)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        # what was written before stays valid: outputs are replaced whole (temp file, rename)
+        where = f" writing {exc.filename}" if exc.filename else ""
+        print(f"resihp: disk full{where} ({exc.strerror}); free space and run again", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ parallel sizes. Parquet or CSV; in CSV, ``seq_lens`` is written as a JSON list.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -135,11 +136,18 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
 
 
 def write_ops_trace(df: pd.DataFrame, path: str | Path) -> None:
+    """Write the trace whole or not at all: into a temporary file renamed over ``path``, so that a
+    full disk or a kill leaves the previous file (or none), never a truncated one."""
     path = Path(path)
-    if path.suffix.lower() in (".parquet", ".pq"):
-        df.to_parquet(path, index=False)
-    else:
-        out = df.copy()
-        if "seq_lens" in out.columns:
-            out["seq_lens"] = [json.dumps(list(map(int, v))) if v is not None else "" for v in out["seq_lens"]]
-        out.to_csv(path, index=False)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        if path.suffix.lower() in (".parquet", ".pq"):
+            df.to_parquet(tmp, index=False)
+        else:
+            out = df.copy()
+            if "seq_lens" in out.columns:
+                out["seq_lens"] = [json.dumps(list(map(int, v))) if v is not None else "" for v in out["seq_lens"]]
+            out.to_csv(tmp, index=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

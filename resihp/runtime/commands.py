@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import signal
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -51,13 +55,22 @@ def run_cmd(
                                                      "counts as stopped")] = 10.0,
     live: Annotated[bool, typer.Option(help="Run the live detector and planner beside the job and "
                                        "apply their plan changes")] = True,
+    if_busy: Annotated[str, typer.Option(help="When another job holds --out: fail (exit 2) or "
+                                         "subfolder (write into a fresh OUT/<job id>)")] = "fail",
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
-    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected."""
+    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
+
+    The run folder belongs to this job while it runs (a second job into it exits 2); SIGTERM or
+    SIGINT stops the workers within a grace period, keeps the trace and summary written so far and
+    marks the run resumable in OUT/run.json (exit 143 / 130)."""
     from resihp.runtime.config import RunConfig, check_memory
+    from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
     from resihp.runtime.supervisor import supervise
 
+    if if_busy not in ("fail", "subfolder"):
+        raise InputError(f"--if-busy: expected fail or subfolder, got {if_busy!r}")
     cfg = RunConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab,
                     dp=dp, pp=pp, tp=tp, schedule=schedule, steps=steps, source=source,
                     global_tokens=global_tokens, budget=budget, max_len=max_len,
@@ -66,25 +79,66 @@ def run_cmd(
                     seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out),
                     ckpt_every=ckpt_every)
     check_memory(cfg, cfg.dims().world_size)
-    loop = LiveLoop(cfg) if live else None
-    with progress_bar("training", steps, enabled=not json_out) as advance:
-        outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                            on_step=lambda s: advance(s + 1), on_poll=loop.poll if loop else None)
-    if outcome.input_error:
-        raise InputError(outcome.error)
-    summary = _summary(cfg, outcome)
-    if loop is not None:
-        summary.update(_live_fields(cfg, loop, summary))
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    if outcome.failure and cfg.ckpt_every:
-        summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
+    with RunFolder(out).acquire(if_busy) as folder:
+        out = folder.out
+        cfg = replace(cfg, out=str(out), job_id=folder.job_id)
+        folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
+        loop = LiveLoop(cfg) if live else None
+        with progress_bar("training", steps, enabled=not json_out) as advance:
+            outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
+                                on_step=lambda s: advance(s + 1), on_poll=loop.poll if loop else None)
+        if outcome.input_error:
+            folder.record(state="failed", error=outcome.error)
+            raise InputError(outcome.error)
+        summary = _summary(cfg, outcome)
+        if loop is not None and not outcome.interrupted:
+            summary.update(_live_fields(cfg, loop, summary))
+            _write_summary(out, summary)
+        if outcome.failure and cfg.ckpt_every and not outcome.interrupted:
+            summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
+        _finish(folder, cfg, outcome, summary)
     if json_out:
         print(json.dumps(summary))
     else:
         _print_human(summary)
     if outcome.error:
         print(f"resihp: {outcome.error}", file=sys.stderr)
-        raise typer.Exit(1)
+        signum = getattr(signal, outcome.interrupted or "", None)
+        raise typer.Exit(128 + int(signum) if signum else 1)
+
+
+def _finish(folder, cfg, outcome, summary: dict) -> None:
+    """Record how the job ended in OUT/run.json (and the summary): done, failed, or interrupted
+    with the checkpoint of this job it can resume from."""
+    from resihp.ckpt.integrity import newest_good
+
+    state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
+    fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
+    if outcome.interrupted:
+        ckpt, _ = newest_good(folder.out, cfg.job_id, cfg.model_hash())
+        fields["resumable"] = summary["resumable"] = {
+            "checkpoint": str(ckpt) if ckpt else None,
+            "next_step": int(ckpt.name.removeprefix("step")) + 1 if ckpt else 0}
+        summary["interrupted"] = outcome.interrupted
+        _write_summary(folder.out, summary)
+    folder.record(**fields)
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    from resihp.ckpt.integrity import write_json_atomic
+
+    write_json_atomic(out / "summary.json", _json_safe(summary))
+
+
+def _json_safe(value):
+    """NaN and infinities are not JSON: null instead (the summary must parse anywhere)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def demo_cmd(
@@ -162,25 +216,26 @@ def _summary(cfg, outcome) -> dict:
         except InputError:  # no rank recorded a single op
             summary = {}
         summary.update({"failure": outcome.failure, "error": outcome.error})
-        summary_path.write_text(json.dumps(summary, indent=2))
+        summary = _json_safe(summary)
+        _write_summary(out, summary)
         return summary
     return json.loads(summary_path.read_text())
 
 
 def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bool):
     """Exclude the stopped rank: restart the surviving layout from the latest checkpoint."""
-    import time
-
     from resihp.runtime.elastic import latest_checkpoint, layout_without
     from resihp.runtime.supervisor import supervise
 
     out = Path(cfg.out)
-    ckpt = latest_checkpoint(out)
+    ckpt, skipped = latest_checkpoint(out, cfg)
     rank = outcome.failure["rank"]
     new = layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
-        summary["recovery"] = {"restarted": False, "reason": "no checkpoint" if not ckpt else
-                               "no device left to continue on"}
+        summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"
+                               if not ckpt else "no device left to continue on",
+                               "skipped": [f"{p.name}: {why}" for p, why in skipped]}
+        _write_summary(out, summary)
         return summary, outcome
     t0 = time.time()
     with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
@@ -198,12 +253,15 @@ def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
     change = {"kind": "exclude", "rank": rank, "restart_from": str(ckpt),
               "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
               "layout": {"dp": new.dp, "pp": new.pp, "tp": new.tp},
-              "restart_s": round(first - t0, 3) if first else None}
+              "restart_s": round(first - t0, 3) if first else None,
+              "skipped": [f"{p.name}: {why}" for p, why in skipped]}
     summary.update({"plan_changes": [change], "after_restart": after,
                     "steps": after.get("steps", 0) + change["resumed_step"],
                     "tokens_per_s_after": after.get("tokens_per_s"),
                     "error": again.error})
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if again.interrupted:
+        summary["interrupted"] = again.interrupted
+    _write_summary(out, summary)
     return summary, again
 
 

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from resihp.errors import InputError
 from resihp.model.gpt import GPTConfig
+from resihp.parallel import ParallelDims
 from resihp.runtime.inject import Fault, check_faults, parse_fault
-from resihp.runtime.layout import ParallelDims, balanced_layers, ranges_from_counts
+from resihp.runtime.layout import balanced_layers, ranges_from_counts
 from resihp.runtime.schedule import SCHEDULES
+
+# upper bounds of the run's sizes and durations: a value past them is a typo, not a plan
+LIMITS = {"steps": 10**8, "global_tokens": 2**40, "budget": 2**31, "max_len": 2**31, "threads": 4096,
+          "timeout_s": 7 * 86400.0}
 
 
 @dataclass
@@ -46,6 +53,7 @@ class RunConfig:
     device: str = "auto"  # cpu, cuda or auto
     threads: int = 1
     timeout_s: float = 60.0  # how long a collective or receive may wait for a peer
+    job_id: str = ""  # the job this run belongs to (recorded in its checkpoints; set by the launcher)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -53,10 +61,14 @@ class RunConfig:
         for name in ("steps", "global_tokens", "budget", "max_len", "threads"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise InputError(f"--lr: expected a positive number, got {self.lr}")
-        if self.timeout_s <= 0:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise InputError(f"--lr: expected a positive finite number, got {self.lr}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise InputError(f"--timeout: expected a positive number of seconds, got {self.timeout_s}")
+        for name, limit in LIMITS.items():
+            if getattr(self, name) > limit:
+                raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: at most {limit:,.0f}, "
+                                 f"got {getattr(self, name)}")
         if self.ckpt_every < 0:
             raise InputError(f"--ckpt-every: expected zero or a positive integer, got {self.ckpt_every}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -91,6 +103,11 @@ class RunConfig:
             raise InputError(f"--tp {self.tp}: must divide --heads ({self.heads}) and --ffn-hidden "
                              f"({self.ffn_hidden})")
         return cfg
+
+    def model_hash(self) -> str:
+        """A hash of what a checkpoint's tensors depend on (the model's shape), not the layout."""
+        text = json.dumps(self.model_config().to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def stage_ranges(self) -> list[tuple[int, int]]:
         if self.layer_split is None:

@@ -4,16 +4,17 @@ universal checkpoint, with the same global batch, so the optimizer's mathematics
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 
+from resihp.ckpt.integrity import newest_good
 from resihp.runtime.config import RunConfig
 
 
-def latest_checkpoint(out: str | Path) -> Path | None:
-    done = [p for p in (Path(out) / "ckpt").glob("step*") if (p / "meta.json").exists()]
-    return max(done, key=lambda p: int(re.sub(r"\D", "", p.name)), default=None)
+def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under ``OUT/ckpt`` that verifies against its manifest and was written
+    by this job (``cfg.job_id``) for this model; and each newer one skipped, with why."""
+    return newest_good(out, job_id=cfg.job_id, model_hash=cfg.model_hash())
 
 
 def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunConfig | None:

@@ -1,6 +1,14 @@
 """Runs a job's torchrun workers and watches them: heartbeats (a dead or hung rank is a
 fail-stop), ranks that never join, workers that reject their input. Whatever happens, every
-worker process is gone when ``supervise`` returns, and the trace written so far is merged."""
+process of the job is gone when ``supervise`` returns, and the trace written so far is merged.
+
+Nothing outlives the run: torchrun starts in its own session, wrapped so that the kernel kills it
+when this process dies (and each worker asks the same of torchrun); every process of the job is
+tracked by PID (:class:`~resihp.runtime.lifecycle.ProcessTracker`: workers start in sessions of
+their own, out of reach of torchrun's process group); SIGTERM, SIGINT and SIGHUP sent to this
+process are forwarded to the job, which gets a bounded grace to write its trace before the whole
+tree is killed, and ``Outcome.interrupted`` names the signal. The rendezvous store is hosted here,
+on loopback (:class:`~resihp.runtime.launch.LoopbackStore`)."""
 
 from __future__ import annotations
 
@@ -15,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resihp.ckpt.integrity import remove_partial
 from resihp.runtime.config import RunConfig
 from resihp.runtime.heartbeat import read_beats, stale_ranks
-from resihp.runtime.launch import torchrun_command, worker_env
+from resihp.runtime.launch import LoopbackStore, torchrun_command, worker_env
+from resihp.runtime.lifecycle import ProcessTracker
 from resihp.runtime.recorder import read_stream
 
 STEP_LINE = re.compile(r"^step (\d+) loss ([\d.naninf]+)")
@@ -32,6 +42,8 @@ class Outcome:
     failure: dict | None = None  # {"kind": "fail-stop", "rank", "step", "detected_s"}
     stderr_tail: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    interrupted: str | None = None  # the signal that stopped the supervisor ("SIGTERM", ...)
+    left_alive: list[int] = field(default_factory=list)  # PIDs that could not be ended (none, normally)
 
 
 def pid_alive(pid: int) -> bool:
@@ -46,6 +58,18 @@ def pid_alive(pid: int) -> bool:
     return "\nState:\tZ" not in state and "\nState:\tX" not in state
 
 
+def _ancestors(pid: int) -> set[int]:
+    found = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+    return found
+
+
 def _failed_step(out: Path, rank: int, beats: dict) -> int | None:
     """The step a stopped rank was in: one past the last step in its stream (heartbeats lag)."""
     stream = out / "ranks" / f"rank{rank}.jsonl"
@@ -57,34 +81,68 @@ def _failed_step(out: Path, rank: int, beats: dict) -> int | None:
     return beat.step if beat else None
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            continue
+GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _Signals:
+    """While supervising (main thread only): SIGTERM / SIGINT / SIGHUP set ``received`` instead
+    of killing this process, so that the job can be stopped, its trace kept and the run marked."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in FORWARDED:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _stop(proc: subprocess.Popen, tracker: ProcessTracker, grace_s: float = GRACE_S) -> list[int]:
+    """End every process of the job: SIGTERM to all (torchrun and each worker: they are in
+    different sessions), up to ``grace_s`` to exit, then SIGKILL to every process tree left."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # stray grandchildren
+        os.killpg(proc.pid, signal.SIGTERM)
+    left = tracker.end_all(grace_s, wait=proc.poll)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # stray grandchildren in torchrun's group
     proc.wait()
+    return left
 
 
 def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout_s: float = 60.0,
               on_step: Callable[[int], None] | None = None,
-              on_poll: Callable[[], None] | None = None, poll_s: float = 0.2) -> Outcome:
+              on_poll: Callable[[], None] | None = None, poll_s: float = 0.2,
+              grace_s: float = GRACE_S) -> Outcome:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*(out / "heartbeats").glob("rank*.json"), *(out / "ranks").glob("rank*.jsonl")]:
         old.unlink()
+    remove_partial(out)  # a checkpoint folder a killed job left half-written
     config_path = out / "config.json"
     config_path.write_text(cfg.to_json())
     world = cfg.dims().world_size
     t0 = time.time()
-    proc = subprocess.Popen(torchrun_command(config_path, world), env=worker_env(), text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    with _Signals() as signals, LoopbackStore(timeout_s=max(join_timeout_s, 60.0)) as store:
+        return _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeout_s,
+                          join_timeout_s, on_step, on_poll, poll_s, grace_s)
+
+
+def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeout_s, join_timeout_s,
+               on_step, on_poll, poll_s, grace_s) -> Outcome:
+    proc = subprocess.Popen(torchrun_command(config_path, world, endpoint=store.endpoint),
+                            env=worker_env(endpoint=store.endpoint), text=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    tracker = ProcessTracker(proc.pid)
     lines: list[str] = []
 
     def read_stderr() -> None:
@@ -100,9 +158,17 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
     try:
         while proc.poll() is None:
             time.sleep(poll_s)
+            tracker.scan()
+            if signals.received:
+                outcome.interrupted = signals.received
+                outcome.error = f"stopped by {signals.received}; all workers were stopped"
+                break
             if on_poll:
                 on_poll()
             beats = read_beats(out / "heartbeats")
+            for beat in beats.values():
+                if beat.pid in tracker.known or tracker.known.keys() & _ancestors(beat.pid):
+                    tracker.add(beat.pid)
             now = time.time()
             if len(beats) < world and now - t0 > join_timeout_s:
                 missing = sorted(set(range(world)) - set(beats))
@@ -118,14 +184,17 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
                                    "detected_s": round(now - beats[rank].time, 3)}
                 break
     finally:
-        _stop(proc)
+        outcome.left_alive = _stop(proc, tracker, grace_s)
         reader.join(timeout=5)
     outcome.returncode = proc.returncode
     outcome.wall_s = time.time() - t0
     outcome.stderr_tail = lines[-40:]
     text = "\n".join(lines)
     worker_errors = [ln for ln in lines if ln.startswith("resihp: error:")]
-    if outcome.failure is None and proc.returncode != 0:
+    stops = [ln for ln in lines if ln.startswith("resihp: stop:")]  # a worker's own reason to stop
+    if outcome.error is None and stops:
+        outcome.error = stops[0].removeprefix("resihp: stop: ")
+    if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted:
         m = ROOT_CAUSE.search(text)
         if m and int(m.group(2)) < 0:
             rank = int(m.group(1))
@@ -138,6 +207,9 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
     if outcome.error is None and outcome.failure is not None:
         f = outcome.failure
         outcome.error = f"rank {f['rank']} stopped at step {f['step']} ({f['cause']}); all workers were stopped"
+    if outcome.left_alive:
+        outcome.error = (f"{outcome.error or 'job ended'}; process(es) {outcome.left_alive} could not "
+                         f"be ended")
     if outcome.error is None and proc.returncode != 0:
         last = next((ln for ln in reversed(lines) if ln.startswith("resihp:")), None)
         outcome.error = (last or f"workers exited with status {proc.returncode}").removeprefix("resihp: ")

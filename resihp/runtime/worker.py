@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from resihp.runtime.control import ControlInbox
 from resihp.runtime.engine import Engine
 from resihp.runtime.heartbeat import HeartbeatWriter
 from resihp.runtime.inject import FaultInjector
+from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
 
 
@@ -65,7 +67,8 @@ def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) 
 
     meta = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
             "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
-            "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source}
+            "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source,
+            "job_id": cfg.job_id, "model_hash": cfg.model_hash()}
     with engine.rec.op("checkpoint-save"):
         save(directory, engine.model, engine.optimizer, step, meta, engine.coords.tp_rank, cfg.tp)
 
@@ -102,11 +105,20 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
                "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.schedule,
                "injected": [f.to_dict() for f in cfg.faults()],
                "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()) if len(per_step) else None,
-               "loss_first": float(per_step.loss.iloc[0]) if len(per_step) else None,
-               "loss_last": float(per_step.loss.iloc[-1]) if len(per_step) else None,
+               "loss_first": _finite(per_step.loss.iloc[0]) if len(per_step) else None,
+               "loss_last": _finite(per_step.loss.iloc[-1]) if len(per_step) else None,
                "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _finite(value: float) -> float | None:
+    """A loss for JSON: NaN and infinities are not JSON numbers (null instead)."""
+    return float(value) if math.isfinite(float(value)) else None
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss is NaN or infinite: the run stops (exit 1) and keeps its last good checkpoint."""
 
 
 def run(cfg: RunConfig) -> None:
@@ -114,7 +126,16 @@ def run(cfg: RunConfig) -> None:
     device = _device(cfg)
     torch.set_num_threads(cfg.threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    store = os.environ.get("RESIHP_STORE")
+    if store:  # the launcher's store, bound to loopback (resihp.runtime.launch.LoopbackStore)
+        host, _, port = store.rpartition(":")
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/{cfg.job_id}/{attempt}", client),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=cfg.timeout_s))
+    else:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     rank = dist.get_rank()
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     part = out / "ranks" / f"rank{rank}.jsonl"
@@ -145,6 +166,10 @@ def run(cfg: RunConfig) -> None:
             if result.loss is not None and engine.dp_rank == 0:
                 print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} "
                       f"wall {result.wall_s:.3f}s", file=sys.stderr, flush=True)
+            if result.loss is not None and not math.isfinite(result.loss):
+                # before any checkpoint of this step: the last one written stays the last good one
+                raise NonFiniteLoss(f"non-finite loss ({result.loss}) at step {step}; stopped before "
+                                    f"checkpointing it (lower --lr, or resume from the last checkpoint)")
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
             engine.rec.flush(part)
@@ -168,11 +193,17 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK", "?")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    die_with_parent()  # torchrun's death (even by SIGKILL) takes this worker with it
+    if os.getppid() == 1:
+        sys.exit(137)
     try:
         run(parse_args(argv))
     except InputError as exc:
         print(f"resihp: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteLoss as exc:
+        print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except (RuntimeError, dist.DistBackendError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "waiting for clients" in first:

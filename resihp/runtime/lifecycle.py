@@ -1,0 +1,196 @@
+"""The life of a run's processes and of its folder (no torch import: the launcher wrapper runs this).
+
+- ``RunFolder``: a run folder belongs to one job at a time (an ``flock`` the kernel drops when the
+  job's process dies, however it dies) and records that job in ``OUT/run.json``: its id, model hash,
+  state (running, done, failed, interrupted) and, when interrupted, the checkpoint it can resume from.
+- ``die_with_parent``: a process asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG),
+  so the death of ``resihp run`` (even by SIGKILL) takes torchrun, and torchrun's takes each worker.
+  ``python -m resihp.runtime.lifecycle --parent PID -- CMD...`` sets it and then execs CMD.
+- ``ProcessTracker``: the PIDs of every process of the job (with their start times, so a reused PID
+  is never signalled), found as descendants of the launched process however they re-parent or
+  re-group; it can end them all, SIGTERM first and SIGKILL to the whole process group after a grace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+from resihp.errors import InputError
+
+PR_SET_PDEATHSIG = 1
+LOCK_NAME = ".resihp.lock"
+RUN_FILE = "run.json"
+
+
+# --- a run folder belongs to one job ---------------------------------------------------------------
+def new_job_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+class RunFolder:
+    """Holds ``OUT``'s lock for the life of this process; ``record`` writes ``OUT/run.json``."""
+
+    def __init__(self, out: str | Path, job_id: str | None = None) -> None:
+        self.out = Path(out)
+        self.job_id = job_id or new_job_id()
+        self._fd: int | None = None
+        self.info: dict = {}
+
+    def acquire(self, if_busy: str = "fail") -> RunFolder:
+        """Take the folder, or (``if_busy="subfolder"``) a fresh ``OUT/<job id>`` when another job
+        holds it; else InputError naming the job that holds it."""
+        import fcntl
+
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--out {self.out}: cannot create the run folder ({exc.strerror})") from None
+        fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another job"
+            os.close(fd)
+            if if_busy == "subfolder":
+                self.out = self.out / self.job_id
+                return self.acquire("fail")
+            raise InputError(f"--out {self.out}: run folder in use by {holder}; choose another --out "
+                             f"or pass --if-busy subfolder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"job {self.job_id} (pid {os.getpid()})".encode(), 0)
+        self._fd = fd
+        return self
+
+    def record(self, **fields: object) -> None:
+        self.info.update({"job_id": self.job_id, "pid": os.getpid(), **fields})
+        tmp = self.out / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps(self.info, indent=1))
+        os.replace(tmp, self.out / RUN_FILE)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> RunFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# --- nothing outlives the run ----------------------------------------------------------------------
+def die_with_parent(expected_parent: int | None = None) -> None:
+    """Ask for SIGKILL when the parent dies (Linux); exit now if it is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(137)  # the parent died before the request took effect
+
+
+def guarded(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that it dies with this process (see the module docstring)."""
+    return [sys.executable, "-m", "resihp.runtime.lifecycle", "--parent", str(os.getpid()), "--", *cmd]
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (None when it is gone or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    return parents
+
+
+class ProcessTracker:
+    """Every process of one job: the launched root and all its descendants ever seen."""
+
+    def __init__(self, root: int) -> None:
+        self.known: dict[int, int] = {}  # pid -> start time
+        self.add(root)
+
+    def add(self, pid: int) -> None:
+        started = start_time(pid)
+        if started is not None and pid not in self.known:
+            self.known[pid] = started
+
+    def scan(self) -> None:
+        """Add the descendants of every known process (orphans keep their place: they were seen)."""
+        parents = _parents()
+        changed = True
+        while changed:
+            changed = False
+            for pid, ppid in parents.items():
+                if ppid in self.known and pid not in self.known and start_time(pid) is not None:
+                    self.add(pid)
+                    changed = True
+
+    def alive(self) -> list[int]:
+        return [pid for pid, started in self.known.items() if start_time(pid) == started]
+
+    def signal(self, sig: int, groups: bool = False) -> None:
+        """Send ``sig`` to each live process of the job (and, with ``groups``, to the process group
+        each of them leads: a worker's own children)."""
+        for pid in self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if groups and os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
+                os.kill(pid, sig)
+
+    def end_all(self, grace_s: float = 5.0, wait=None) -> list[int]:
+        """SIGTERM (and SIGCONT, so a stopped process can act on it) to every process, up to
+        ``grace_s`` for them to exit, then SIGKILL to each and to the groups they lead. ``wait``
+        reaps direct children (``Popen.poll``). Returns the PIDs still alive (none, normally)."""
+        self.scan()
+        self.signal(signal.SIGTERM)
+        self.signal(signal.SIGCONT)
+        deadline = time.time() + grace_s
+        while self.alive() and time.time() < deadline:
+            if wait:
+                wait()
+            time.sleep(0.05)
+            self.scan()
+        for _ in range(50):
+            if not self.alive():
+                break
+            self.scan()
+            self.signal(signal.SIGKILL, groups=True)
+            if wait:
+                wait()
+            time.sleep(0.05)
+        return self.alive()
+
+
+def _main(argv: list[str]) -> None:
+    if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--":
+        sys.exit("usage: python -m resihp.runtime.lifecycle --parent PID -- CMD...")
+    die_with_parent(int(argv[1]))
+    os.execvp(argv[3], argv[3:])
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
