@@ -2,24 +2,25 @@ import numpy as np
 import pytest
 import torch
 
+from resihp.paths import TRACES
+
 
 @pytest.fixture(scope="session")
-def tiny_profile(tmp_path_factory):
-    """A real profiling log of a tiny decoder stack (seconds to measure)."""
+def tiny_profile():
+    """A committed real profiling log of a tiny decoder stack (traces/profiles/README.md): training
+    and planning are tested on fixed data, never on how this machine happens to run today."""
+    return TRACES / "profiles" / "tiny-cpu.parquet"
+
+
+@pytest.fixture(scope="session")
+def measured_profile():
+    """A fresh real measurement of a few micro-batches, for tests of the profiler's bookkeeping
+    (its columns and schedule), never of its numbers."""
     from resihp.model.gpt import GPTConfig
-    from resihp.perf.profiler import profile
-    from resihp.workload.lengths import resolve_source, sample_sequences
-    from resihp.workload.packing import pack_greedy
+    from resihp.perf.calibrate import draw_microbatches, run_profile
 
     torch.set_num_threads(1)
-    rng = np.random.default_rng(0)
-    batches = []
-    for source in ("code", "text"):
-        seqs = sample_sequences(resolve_source(source), 30 * 256, 256, rng)
-        batches += pack_greedy(seqs, 256)[:30]
+    batches = draw_microbatches(["code", "changelog"], 3, 256, 256, np.random.default_rng(0))
     cfg = GPTConfig(layers=1, hidden=64, heads=2, ffn_hidden=128, max_seq_len=256)
-    log = profile(cfg, batches, repeats=2, warmup=1, model_name="tiny")
-    log["budget"] = 256
-    path = tmp_path_factory.mktemp("profile") / "tiny.parquet"
-    log.to_parquet(path, index=False)
-    return path
+    return batches, run_profile(cfg, batches, budget=256, device=torch.device("cpu"), repeats=3,
+                                model_name="tiny")

@@ -110,3 +110,137 @@ def test_cli_errors_are_one_line(tmp_path, tiny_profile):
         assert result.exit_code != 0
         assert isinstance(result.exception, InputError), result.output
         assert message in str(result.exception) and "\n" not in str(result.exception)
+
+
+# --- a profile robust to a drifting device (issue 12) ------------------------------------------
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from resihp.perf.profiler import measurement_order, noise_floor  # noqa: E402
+from resihp.perf.registry import check_device, device_slug, find_for_device, resolve_model  # noqa: E402
+
+
+@given(st.integers(1, 12), st.integers(1, 5), st.integers(0, 10_000))
+def test_measurement_order_spreads_every_repeat(n, repeats, seed):
+    order = measurement_order(n, repeats, np.random.default_rng(seed))
+    assert sorted(order.tolist()) == sorted(list(range(n)) * repeats)
+    if n >= 2:  # a repeat never follows itself, and each round holds every micro-batch once
+        assert all(sorted(order[r * n:(r + 1) * n]) == list(range(n)) for r in range(repeats))
+        assert not np.any(order[1:] == order[:-1])
+    again = measurement_order(n, repeats, np.random.default_rng(seed))
+    assert np.array_equal(order, again)
+
+
+def test_profile_times_a_reference_between_shuffled_measurements(measured_profile):
+    batches, result = measured_profile
+    log, speed = result.log, result.speed
+    assert len(log) == 2 * len(batches) and set(log["phase"]) == {"fwd", "bwd"}
+    assert list(log["source"].unique()) == ["code", "changelog"]
+    assert len(speed) == len(batches) * 3 + 1  # one reference before, between and after all
+    assert (speed["ref_wall_s"] > 0).all() and speed["t_s"].is_monotonic_increasing
+    for row in log.itertuples():
+        times, refs, costs = map(np.asarray, (row.times_s, row.ref_times_s, row.costs))
+        assert len(times) == len(costs) == 3
+        assert costs == pytest.approx(times / refs)
+        assert row.cost == pytest.approx(np.median(costs))
+        assert row.time_s == pytest.approx(np.median(times))
+        assert row.cpu_cost == pytest.approx(np.median(np.asarray(row.cpu_costs)))
+    # each reference time around a measurement is a mean of two timed references of the trace
+    refs = speed["ref_wall_s"].to_numpy()
+    around = set(np.round((refs[:-1] + refs[1:]) / 2, 12))
+    assert all(round(r, 12) in around for rs in log["ref_times_s"] for r in rs)
+    assert json.loads(log["reference"].iloc[0])["seq_lens"] == list(result.reference.seq_lens)
+
+
+def test_noise_floor_before_and_after_normalisation():
+    log = pd.DataFrame({"phase": ["fwd", "fwd"],
+                        "times_s": [[1.0, 1.1, 0.9], [2.0, 2.0, 2.0]],
+                        "costs": [[1.0, 1.0, 1.0], [2.0, 2.2, 2.0]]})
+    floor = noise_floor(log)["fwd"]
+    assert floor["raw_pct"] == pytest.approx((0.1 + 0.1) / 6 * 100)
+    assert floor["normalised_pct"] == pytest.approx(0.1 / 6 * 100)
+
+
+def test_a_normalised_model_converts_with_the_reference(tiny_profile, tmp_path):
+    card = train_predictor([tiny_profile], tmp_path / "m")
+    assert card["training_data"]["target"] == "cpu_cost"  # auto: the normalised CPU cost
+    reference = card["reference"]
+    assert reference["clock"] == "cpu" and reference["seconds"] > 0
+    predictor = MicroBatchPredictor.load(tmp_path / "m")
+    shape = TransformerShape(1, 64, 2, 128)
+    seconds = predictor.predict_seq_lens([[256], [64] * 4], "fwd", shape)
+    units = predictor._predict_features(predictor_features([[256], [64] * 4], shape))
+    assert seconds == pytest.approx(units * reference["seconds"])
+    slower = predictor.at_reference(2 * reference["seconds"])
+    assert slower.predict_seq_lens([[256]], "fwd", shape) == pytest.approx(2 * seconds[:1])
+    raw = train_predictor([tiny_profile], tmp_path / "raw", target="time_s")
+    assert raw["reference"] is None
+    with pytest.raises(InputError, match="learned raw seconds"):
+        MicroBatchPredictor.load(tmp_path / "raw").at_reference(1.0)
+
+
+def predictor_features(seq_lens, shape):
+    from resihp.workload.features import flops_features, length_features
+
+    lengths = length_features(seq_lens)
+    shapes = pd.DataFrame({k: np.full(len(lengths), v) for k, v in shape.to_dict().items()})
+    return pd.concat([lengths, flops_features(lengths, shapes, "fwd"), shapes],
+                     axis=1).assign(phase="fwd")
+
+
+def test_cross_source_split_holds_out_each_source(tiny_profile, tmp_path):
+    card = train_predictor([tiny_profile], tmp_path / "m")
+    cross = card["held_out_cross_source"]
+    log = read_profile_logs([tiny_profile])
+    assert set(cross["by_source"]) == set(log["source"]) == {"code", "text", "changelog"}
+    for phase in ("fwd", "bwd"):
+        per_source = [cross["by_source"][s][phase]["n"] for s in sorted(cross["by_source"])]
+        assert sum(per_source) == cross[phase]["n"] == (log["phase"] == phase).sum()
+        assert cross[phase]["worst_mape"] >= cross[phase]["mape"] > 0
+        assert cross[phase]["linear_baseline"]["mape"] > 0
+
+
+def _fake_model(root, name, device, created="2026-01-01T00:00:00Z"):
+    (root / name).mkdir(parents=True)
+    (root / name / "card.json").write_text(json.dumps({"device": device, "created": created}))
+    return root / name
+
+
+def test_registry_finds_the_model_of_this_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESIHP_MODELS", str(tmp_path))
+    assert device_slug("cpu:AMD EPYC x1thr") == "cpu-amd-epyc-x1thr"
+    _fake_model(tmp_path, "old", "cpu:Test Chip x1thr", "2026-01-01T00:00:00Z")
+    new = _fake_model(tmp_path, "new", "cpu:Test Chip x1thr", "2026-02-01T00:00:00Z")
+    _fake_model(tmp_path, "other", "cpu:Other Chip x1thr")
+    assert find_for_device("cpu:Test Chip x1thr") == new
+    assert resolve_model("auto", "cpu:Test Chip x1thr") == new
+    assert resolve_model("other", "cpu:Test Chip x1thr") == tmp_path / "other"  # by name
+    with pytest.raises(InputError, match=r"no micro-batch predictor for device 'cpu:Nope'.*"
+                                         r"resihp predictor calibrate"):
+        resolve_model("auto", "cpu:Nope")
+    with pytest.raises(InputError, match="not a predictor directory and not an installed model"):
+        resolve_model("missing", "cpu:Test Chip x1thr")
+    with pytest.raises(InputError, match="measured on 'cpu:Other Chip x1thr'.*calibrate"):
+        check_device(tmp_path / "other", "cpu:Other Chip x1thr", "cpu:Test Chip x1thr")
+
+
+def test_calibrate_makes_a_model_for_this_device(tmp_path, monkeypatch):
+    """The real command end to end on a few micro-batches (its accuracy is the benchmark's job)."""
+    from resihp.perf.device import device_name
+
+    monkeypatch.setenv("RESIHP_MODELS", str(tmp_path / "models"))
+    result = runner.invoke(app, ["predictor", "calibrate", "--microbatches", "6", "--repeats", "2",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    torch_device = device_name(__import__("torch").device("cpu"))
+    assert summary["device"] == torch_device
+    out = tmp_path / "models" / device_slug(torch_device)
+    assert summary["model"] == str(out)
+    assert sorted(p.name for p in (out / "profiles").glob("*.parquet")) == [
+        "h128-l2.parquet", "h256-l2.parquet"]
+    assert (out / "profiles" / "h256-l2.speed.csv").exists()
+    card = json.loads((out / "card.json").read_text())
+    assert card["calibration"]["seconds"] > 0 and card["reference"]["seconds"] > 0
+    assert set(card["held_out_cross_source"]["by_source"]) == {"code", "text", "changelog"}
+    assert resolve_model("auto", torch_device) == out

@@ -1,4 +1,5 @@
-"""CLI verbs of the performance model: ``resihp profile`` and ``resihp predictor train|eval``."""
+"""CLI verbs of the performance model: ``resihp profile`` and ``resihp predictor
+train|eval|calibrate``."""
 
 from __future__ import annotations
 
@@ -32,16 +33,20 @@ def _device(name: str):
 
 
 def profile_cmd(
-    output: Annotated[Path, typer.Option("-o", "--output", help="Profiling log to write (.parquet)")],
-    source: Annotated[list[str], typer.Option(help="Length source: code, text, or a lengths file; "
-                                              "documents are drawn at random and chunked")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Profiling log to write (.parquet); "
+                                         "its speed trace goes beside it as NAME.speed.csv")],
+    source: Annotated[list[str], typer.Option(help="Length source: code, text, changelog, or a "
+                                              "lengths file; documents are drawn at random and "
+                                              "chunked")] = None,
     lengths: Annotated[Path, typer.Option(help="Explicit sequence lengths, one integer per line, "
                                           "packed in file order")] = None,
     layers: int = 2, hidden: int = 256, heads: int = 4, ffn_hidden: int = 1024,
     budget: Annotated[int, typer.Option(help="Micro-batch token budget")] = 1024,
     max_len: Annotated[int, typer.Option(help="Longest sequence; longer documents are chunked")] = 1024,
     microbatches: Annotated[int, typer.Option(help="Micro-batches per source")] = 100,
-    repeats: int = 5, warmup: int = 1,
+    repeats: Annotated[int, typer.Option(help="Timed passes of each micro-batch, spread over the "
+                                         "whole profile in shuffled order")] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed passes right before each timed one")] = 0,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "float32",
     threads: Annotated[int, typer.Option(help="CPU threads for torch (0: torch's default)")] = 1,
@@ -49,12 +54,13 @@ def profile_cmd(
     seed: int = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
-    """Measure real forward/backward time of the decoder stack on packed micro-batches."""
+    """Measure real forward/backward time of the decoder stack on packed micro-batches, with a
+    reference micro-batch timed between measurements to normalise the device's drift."""
     import torch
 
     from resihp.model.gpt import GPTConfig
-    from resihp.perf.profiler import profile
-    from resihp.workload.lengths import load_lengths, resolve_source, sample_sequences
+    from resihp.perf.calibrate import draw_microbatches, profile_summary, run_profile, write_profile
+    from resihp.workload.lengths import load_lengths
     from resihp.workload.packing import pack_greedy
 
     if output.suffix.lower() not in (".parquet", ".pq"):
@@ -72,33 +78,80 @@ def profile_cmd(
     dev = _device(device)
     if threads > 0:
         torch.set_num_threads(threads)
-    rng = np.random.default_rng(seed)
     batches: list[tuple[str, np.ndarray]] = []
     if lengths is not None:
         seqs = load_lengths(lengths)
         if seqs.max() > budget:
             raise InputError(f"{lengths}: sequence length {int(seqs.max())} exceeds --budget {budget}")
         batches += [(str(lengths), b) for b in pack_greedy(seqs, budget)]
-    for name in source or ([] if lengths is not None else ["code", "text"]):
-        docs = resolve_source(name)
-        seqs = sample_sequences(docs, microbatches * budget, min(max_len, budget), rng)
-        batches += [(name, b) for b in pack_greedy(seqs, budget)[:microbatches]]
-    with progress_bar("profiling", len(batches), enabled=not json_out) as advance:
-        log = profile(cfg, [b for _, b in batches], device=dev, dtype=torch_dtype, repeats=repeats,
-                      warmup=warmup, model_name=model_name, seed=seed, on_progress=advance)
-    log["source"] = [batches[i][0] for i in log["mb_id"]]
-    log["budget"] = budget
-    output.parent.mkdir(parents=True, exist_ok=True)
-    log.to_parquet(output, index=False)
-    summary = {"output": str(output), "rows": len(log), "microbatches": len(batches),
-               "device": log["device"].iloc[0],
-               "median_spread": float(log["time_spread"].median()),
-               "time_s": {ph: float(g["time_s"].median()) for ph, g in log.groupby("phase")}}
+    sources = source or ([] if lengths is not None else ["code", "text"])
+    batches += draw_microbatches(sources, microbatches, budget, max_len, np.random.default_rng(seed))
+    with progress_bar("profiling", len(batches) * repeats, enabled=not json_out) as advance:
+        result = run_profile(cfg, batches, budget=budget, device=dev, dtype=torch_dtype,
+                             repeats=repeats, warmup=warmup, model_name=model_name, seed=seed,
+                             on_progress=advance)
+    write_profile(result, output)
+    summary = profile_summary(result, output)
     if json_out:
         print(json.dumps(summary))
-    else:
-        typer.echo(f"wrote {len(log)} rows ({len(batches)} micro-batches on {summary['device']}) to "
-                   f"{output}; median repeat spread {summary['median_spread']:.1%}")
+        return
+    floor = summary["noise_floor"]
+    typer.echo(f"wrote {len(result.log)} rows ({len(batches)} micro-batches on {summary['device']}) "
+               f"to {output}")
+    for phase in ("fwd", "bwd"):
+        f = floor.get(phase, {})
+        if "normalised_pct" in f:
+            extra = (f"; CPU time {f['cpu_raw_pct']:.1f}% -> {f['cpu_normalised_pct']:.1f}%"
+                     if "cpu_raw_pct" in f else "")
+            typer.echo(f"  {phase} noise floor (one repeat vs its micro-batch's median): wall "
+                       f"{f['raw_pct']:.1f}% raw -> {f['normalised_pct']:.1f}% normalised{extra}")
+    sp = summary["speed"]
+    typer.echo(f"  device speed over {sp['duration_s']:.0f} s: {sp['p05']:.2f}-{sp['p95']:.2f}x of "
+               f"its median (5th-95th percentile); trace in {summary['speed_trace']}")
+
+
+@predictor_app.command("calibrate")
+def calibrate_cmd(
+    output: Annotated[Path, typer.Option("-o", "--output", help="Model directory to write "
+                                         "(default: the user's model directory, named after the "
+                                         "device)")] = None,
+    microbatches: Annotated[int, typer.Option(help="Micro-batches per source and shape")] = 60,
+    repeats: Annotated[int, typer.Option(help="Timed passes of each micro-batch")] = 3,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
+    threads: Annotated[int, typer.Option(help="CPU threads for torch (resihp's jobs use 1)")] = 1,
+    seed: int = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
+) -> None:
+    """Make a predictor for this device: profile the shipped length sources (code, text,
+    changelog) on two decoder shapes, train on the normalised cost, write a model directory named
+    after the device; detect and plan find it with `--model auto`."""
+    import time
+
+    import torch
+
+    from resihp.perf.calibrate import CalibrationPlan, calibrate
+
+    dev = _device(device)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    plan = CalibrationPlan(microbatches=microbatches, repeats=repeats, seed=seed)
+    start = time.perf_counter()
+    with progress_bar("calibrating", plan.measurements, enabled=not json_out) as advance:
+        out, card = calibrate(plan, output, device=str(dev), on_progress=advance)
+    elapsed = time.perf_counter() - start
+    card_path = out / "card.json"
+    full = json.loads(card_path.read_text())
+    full["calibration"]["seconds"] = elapsed
+    card_path.write_text(json.dumps(full, indent=2) + "\n")
+    if json_out:
+        print(json.dumps({"model": str(out), "device": card["device"], "seconds": elapsed,
+                          "held_out": card["held_out"],
+                          "held_out_cross_source": card["held_out_cross_source"]}))
+        return
+    _print_metrics(f"{out} ({card['device']}, {elapsed:.0f} s), random split", card["held_out"])
+    if card["held_out_cross_source"]:
+        _print_metrics("leave one length source out (mean over sources)",
+                       card["held_out_cross_source"])
 
 
 def register(app: typer.Typer) -> None:
@@ -113,8 +166,10 @@ def train_cmd(
     holdout: Annotated[float, typer.Option(help="Fraction of micro-batches held out for the card's "
                                            "metrics (the model never sees them)")] = 0.25,
     seed: int = 0,
-    target: Annotated[str, typer.Option(help="Measured column to learn: time_s (median wall), "
-                                        "time_min_s, cpu_time_s or cpu_time_min_s")] = "time_s",
+    target: Annotated[str, typer.Option(help="Measured column to learn: auto (the normalised cost "
+                                        "when the log has it: cpu_cost on a CPU, else cost; else "
+                                        "time_s), cost, cpu_cost, time_s (median wall), "
+                                        "time_min_s, cpu_time_s or cpu_time_min_s")] = "auto",
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Train the learned micro-batch predictor (and the linear baseline beside it)."""
@@ -122,9 +177,15 @@ def train_cmd(
 
     card = train_predictor(logs, output, holdout=holdout, seed=seed, target=target)
     if json_out:
-        print(json.dumps({"model": str(output), "held_out": card["held_out"]}))
+        print(json.dumps({"model": str(output), "target": card["training_data"]["target"],
+                          "held_out": card["held_out"],
+                          "held_out_cross_source": card["held_out_cross_source"]}))
     else:
-        _print_metrics(f"trained {output} on {card['training_data']['rows']} rows", card["held_out"])
+        _print_metrics(f"trained {output} on {card['training_data']['rows']} rows "
+                       f"({card['training_data']['target']}), random split", card["held_out"])
+        if card["held_out_cross_source"]:
+            _print_metrics("leave one length source out (mean over sources)",
+                           card["held_out_cross_source"])
 
 
 @predictor_app.command("eval")

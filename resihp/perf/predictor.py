@@ -14,6 +14,7 @@ The learned model has two parts, fitted per phase:
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Sequence
@@ -101,9 +102,16 @@ class LinearBaseline:
 class MicroBatchPredictor:
     """Predicts forward / backward seconds of a stage's layers on one packed micro-batch.
 
-    ``fit(log)`` takes a profiling log (DESIGN.md); ``predict(log)`` takes rows with ``seq_lens``,
-    the shape columns and ``phase``; ``predict_seq_lens`` takes plain lists of lengths.
+    ``fit(log)`` learns the log's ``time_s`` column, in whatever unit it holds: seconds, or a cost
+    normalised by the device's reference time (``resihp.perf.profiler``; the training code swaps
+    the column in). ``reference_s_`` converts that unit to seconds (1.0 for a model of raw
+    seconds); :meth:`at_reference` gives the same model for a device measured faster or slower now.
+    ``predict(log)`` takes rows with ``seq_lens``, the shape columns and ``phase``;
+    ``predict_seq_lens`` takes plain lists of lengths; both return seconds.
     """
+
+    reference_: dict | None = None  # {"spec", "clock", "seconds"} of a model of normalised cost
+    reference_s_: float = 1.0
 
     def __init__(self, n_estimators: int = 400, early_stopping_rounds: int = 40,
                  random_state: int = 0) -> None:
@@ -152,7 +160,19 @@ class MicroBatchPredictor:
         return out
 
     def predict(self, log: pd.DataFrame) -> np.ndarray:
-        return self._predict_features(with_features(log))
+        return self._predict_features(with_features(log)) * self.reference_s_
+
+    def at_reference(self, reference_s: float) -> MicroBatchPredictor:
+        """This model for a device whose reference time is ``reference_s`` now (a model of
+        normalised cost only: a model of raw seconds knows no reference)."""
+        if not self.reference_:
+            raise InputError("this predictor learned raw seconds; re-measuring the reference needs a "
+                             "model trained on normalised cost (`resihp predictor calibrate`)")
+        if not (np.isfinite(reference_s) and reference_s > 0):
+            raise InputError(f"reference time: expected a positive number of seconds, got {reference_s}")
+        other = copy.copy(self)
+        other.reference_s_ = float(reference_s)
+        return other
 
     def predict_seq_lens(self, seq_lens: Sequence[Sequence[int]], phase: str,
                          shape: TransformerShape) -> np.ndarray:
@@ -161,7 +181,7 @@ class MicroBatchPredictor:
         shapes = pd.DataFrame({k: np.full(len(lengths), v) for k, v in shape.to_dict().items()})
         flops = flops_features(lengths, shapes, phase)
         feats = pd.concat([lengths, flops, shapes], axis=1).assign(phase=phase)
-        return self._predict_features(feats)
+        return self._predict_features(feats) * self.reference_s_
 
     # --- persistence -------------------------------------------------------------------------
     def save(self, directory: str | Path, card: dict | None = None) -> Path:
@@ -177,6 +197,7 @@ class MicroBatchPredictor:
             "gbm_features": GBM_FEATURES, "gbm_params": GBM_PARAMS,
             "gbm_trees": {p: b.num_trees() for p, b in self.boosters_.items()},
             "target": "log(time_s / analytic base)", "versions": versions(),
+            "reference": self.reference_,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **(card or {}),
         }
@@ -199,6 +220,8 @@ class MicroBatchPredictor:
         self = cls()
         self.card_ = card
         self.device_ = card["device"]
+        self.reference_ = card.get("reference")
+        self.reference_s_ = float((self.reference_ or {}).get("seconds", 1.0))
         self.base_coef_ = {p: np.asarray(c) for p, c in card["base_coef"].items()}
         self.boosters_ = {}
         for phase in PHASES:
@@ -221,7 +244,8 @@ def holdout_split(log: pd.DataFrame, fraction: float, seed: int) -> tuple[np.nda
 
 
 def evaluate(predictor: MicroBatchPredictor, baseline: LinearBaseline, log: pd.DataFrame) -> dict:
-    """Per-phase MAPE / p95 APE of the learned model and of the linear baseline on ``log``."""
+    """Per-phase MAPE / p95 APE of the learned model and of the linear baseline on ``log``, in the
+    unit both learned (the log's ``time_s`` column)."""
     feats = with_features(log)
     learned, linear = predictor._predict_features(feats), baseline.predict(feats)
     actual = feats["time_s"].to_numpy()

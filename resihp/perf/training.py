@@ -29,36 +29,99 @@ def _baseline_from_json(items: list[dict]) -> LinearBaseline:
     return baseline
 
 
-TARGETS = ("time_s", "time_min_s", "cpu_time_s", "cpu_time_min_s")
+TARGETS = ("auto", "time_s", "time_min_s", "cpu_time_s", "cpu_time_min_s", "cost", "cpu_cost")
+# a normalised target's reference column: the device's reference time around each measurement
+REFERENCE_COLUMNS = {"cost": ("ref_time_s", "wall"), "cpu_cost": ("ref_cpu_time_s", "cpu")}
+
+
+def resolve_target(log: pd.DataFrame, target: str) -> str:
+    """``auto``: the normalised cost when the log has it (thread-CPU cost on a CPU device, which
+    also leaves out time the OS gave to other processes), else the median wall time."""
+    if target not in TARGETS:
+        raise InputError(f"--target: expected one of {', '.join(TARGETS)}, got {target!r}")
+    if target != "auto":
+        return target
+    for name in ("cpu_cost", "cost"):
+        if name in log.columns and pd.to_numeric(log[name], errors="coerce").notna().all():
+            return name
+    return "time_s"
 
 
 def with_target(log: pd.DataFrame, target: str, source: str) -> pd.DataFrame:
     """The log with ``time_s`` replaced by the chosen measured column (validated the same way)."""
-    if target not in TARGETS:
-        raise InputError(f"--target: expected one of {', '.join(TARGETS)}, got {target!r}")
+    target = resolve_target(log, target)
     if target == "time_s":
         return log
     if target not in log.columns:
-        raise InputError(f"{source}: no column {target} (profiles from `resihp profile` on a CPU "
-                         "device have it)")
+        how = ("profiles from `resihp profile` have it" if target in REFERENCE_COLUMNS
+               else "profiles from `resihp profile` on a CPU device have it")
+        raise InputError(f"{source}: no column {target} ({how})")
     values = pd.to_numeric(log[target], errors="coerce")
     bad = values.isna() | ~np.isfinite(values) | (values <= 0)
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(f"{source}: column {target} row {row}: expected a positive finite number "
-                         f"of seconds, got {log[target].iloc[row]!r}")
+        raise InputError(f"{source}: column {target} row {row}: expected a positive finite number, "
+                         f"got {log[target].iloc[row]!r}")
     return log.assign(time_s=values.astype(np.float64))
 
 
+def reference_of(log: pd.DataFrame, target: str) -> dict | None:
+    """For a normalised target: the reference it is relative to and its median time over ``log``
+    (seconds per unit of cost on this device at its typical speed)."""
+    if target not in REFERENCE_COLUMNS:
+        return None
+    column, clock = REFERENCE_COLUMNS[target]
+    spec = json.loads(log["reference"].iloc[0]) if "reference" in log.columns else None
+    return {"spec": spec, "clock": clock, "seconds": float(pd.to_numeric(log[column]).median())}
+
+
+def _fit(train: pd.DataFrame, seed: int, reference: dict | None
+         ) -> tuple[MicroBatchPredictor, LinearBaseline]:
+    predictor = MicroBatchPredictor(random_state=seed).fit(train)
+    if reference:
+        predictor.reference_ = reference
+        predictor.reference_s_ = reference["seconds"]
+    return predictor, LinearBaseline().fit(train)
+
+
+def _mean_metrics(runs: list[dict]) -> dict:
+    """Metrics of several held-out sets: mean MAPE and p95 over the sets, the worst set's MAPE."""
+    return {"mape": float(np.mean([r["mape"] for r in runs])),
+            "p95": float(np.mean([r["p95"] for r in runs])), "n": int(sum(r["n"] for r in runs)),
+            "worst_mape": float(max(r["mape"] for r in runs))}
+
+
+def cross_source(log: pd.DataFrame, seed: int = 0) -> dict | None:
+    """Leave one length source out: for each source, train on the others and test on it. The
+    per-phase MAPE of the learned and the linear model, per held-out source and their mean; None
+    when the log has fewer than two sources."""
+    if "source" not in log.columns or log["source"].nunique() < 2:
+        return None
+    by_source = {}
+    for name in sorted(log["source"].unique()):
+        held = (log["source"] == name).to_numpy()
+        predictor, baseline = _fit(log[~held], seed, None)
+        by_source[name] = evaluate(predictor, baseline, log[held])
+    out: dict = {"split": "leave one length source out", "by_source": by_source}
+    for phase in ("fwd", "bwd"):
+        runs = [r[phase] for r in by_source.values() if phase in r]
+        out[phase] = _mean_metrics(runs)
+        out[phase]["linear_baseline"] = _mean_metrics([r["linear_baseline"] for r in runs])
+    return out
+
+
 def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: float = 0.25,
-                    seed: int = 0, target: str = "time_s") -> dict:
+                    seed: int = 0, target: str = "auto") -> dict:
     """Fit on all but a held-out share of micro-batches; the card reports the held-out metrics of
-    the saved model and of the linear baseline fitted on the same training rows."""
-    log = with_target(read_profile_logs(logs), target, str(logs[0]))
+    the saved model and of the linear baseline fitted on the same training rows, and the
+    leave-one-source-out metrics when the logs hold several length sources."""
+    raw = read_profile_logs(logs)
+    target = resolve_target(raw, target)
+    log = with_target(raw, target, str(logs[0]))
+    reference = reference_of(log, target)
     train_idx, test_idx = holdout_split(log, holdout, seed)
     train, test = log.iloc[train_idx], log.iloc[test_idx]
-    predictor = MicroBatchPredictor(random_state=seed).fit(train)
-    baseline = LinearBaseline().fit(train)
+    predictor, baseline = _fit(train, seed, reference)
     held_out = evaluate(predictor, baseline, test)
     card = {
         "training_data": {
@@ -67,8 +130,10 @@ def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: flo
             "split": "random by micro-batch (both phases of a micro-batch on one side)",
             "models": sorted(log["model"].unique().tolist()), "seed": seed,
             "target": target,
+            "sources": sorted(log["source"].unique().tolist()) if "source" in log.columns else [],
         },
         "held_out": held_out,
+        "held_out_cross_source": cross_source(log, seed),
         "linear_baseline": _baseline_to_json(baseline),
     }
     predictor.save(output, card)

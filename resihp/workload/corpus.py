@@ -49,27 +49,55 @@ def man_pages(roots: Iterable[Path] = (Path("/usr/share/man/man1"), Path("/usr/s
             yield path.name, text
 
 
+_CHANGELOG_ENTRY = re.compile(r"^\S.*\(.*\).*;.*urgency=", re.MULTILINE)
+
+
+def changelog_entries(root: Path = Path("/usr/share/doc")) -> Iterator[tuple[str, str]]:
+    """Debian package changelog entries, one document each (a version's heading, its change
+    items and the maintainer's sign-off): many short and medium texts, the shape of chat turns."""
+    for path in sorted(root.glob("*/changelog.Debian.gz")):
+        try:
+            text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+        except (OSError, EOFError):
+            continue
+        starts = [m.start() for m in _CHANGELOG_ENTRY.finditer(text)]
+        for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(text)])):
+            yield f"{path.parent.name}#{k}", text[a:b]
+
+
 SOURCES = {
     "code": (stdlib_sources, "CPython 3.11 standard library modules (.py, tests excluded); "
              "Python Software Foundation License"),
     "text": (man_pages, "Debian manual pages in /usr/share/man/man1 and man8, roff markup removed; "
              "each page under its package's licence (see /usr/share/doc/<package>/copyright)"),
+    "changelog": (changelog_entries, "Debian package changelog entries "
+                  "(/usr/share/doc/*/changelog.Debian.gz, one entry per document): many short and "
+                  "medium documents, a chat-like shape; each under its package's licence (see "
+                  "/usr/share/doc/<package>/copyright)"),
 }
 
 
-def build(out_dir: Path) -> None:
+def build(out_dir: Path, names: Iterable[str] | None = None) -> None:
+    """Write ``<name>.txt`` for the named sources (all by default) and list every source present
+    in ``out_dir`` in its README, with provenance and counts."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    notes = ["# Sequence-length sources", "",
-             "One integer per line: the length in GPT-2 pre-tokenisation pieces of one real document.",
-             "Built by `python -m resihp.workload.corpus traces/lengths` on the development machine.", ""]
-    for name, (documents, provenance) in SOURCES.items():
+    for name in names or SOURCES:
+        documents, _ = SOURCES[name]
         lengths = [n for _, text in documents() if (n := count_pretokens(text)) > 0]
         (out_dir / f"{name}.txt").write_text("".join(f"{n}\n" for n in lengths))
-        lengths.sort()
-        notes.append(f"- `{name}.txt`: {provenance}. {len(lengths)} documents, median "
-                     f"{lengths[len(lengths) // 2]}, max {lengths[-1]}.")
+    notes = ["# Sequence-length sources", "",
+             "One integer per line: the length in GPT-2 pre-tokenisation pieces of one real document.",
+             "Built by `python -m resihp.workload.corpus traces/lengths [NAME ...]` on the development "
+             "machine (code and text on an AMD EPYC machine of the first round, changelog on the "
+             "second round's machine; only the lengths are kept, no text).", ""]
+    for name, (_, provenance) in SOURCES.items():
+        path = out_dir / f"{name}.txt"
+        if path.exists():
+            lengths = sorted(int(n) for n in path.read_text().split())
+            notes.append(f"- `{name}.txt`: {provenance}. {len(lengths)} documents, median "
+                         f"{lengths[len(lengths) // 2]}, max {lengths[-1]}.")
     (out_dir / "README.md").write_text("\n".join(notes) + "\n")
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1] if len(sys.argv) > 1 else "traces/lengths"))
+    build(Path(sys.argv[1] if len(sys.argv) > 1 else "traces/lengths"), sys.argv[2:] or None)

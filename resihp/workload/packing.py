@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.workload.lengths import sample_sequences
 
 
 def pack_greedy(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[np.ndarray]:
@@ -34,3 +35,11 @@ def pack_greedy(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[np.nd
     if start < len(seq_lens):
         batches.append(seq_lens[start:])
     return batches
+
+
+def packed_microbatches(documents: np.ndarray, n: int, budget: int, max_len: int,
+                        rng: np.random.Generator) -> list[np.ndarray]:
+    """``n`` micro-batches packed from documents drawn at random from a length source, each chunked
+    to ``min(max_len, budget)`` (what a packing data loader feeds a job reading that source)."""
+    seqs = sample_sequences(documents, n * budget, min(max_len, budget), rng)
+    return pack_greedy(seqs, budget)[:n]
