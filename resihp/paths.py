@@ -17,13 +17,13 @@ DATA = Path(str(files("resihp") / "data"))
 TRACES = DATA / "traces"
 MODELS = DATA / "models"
 
-# kind -> (folder under DATA, file suffix, what the option names)
+# kind -> (folder under DATA, file suffix, what it is in messages)
 SHIPPED = {
-    "cluster": ("traces/clusters", ".yaml", "cluster spec"),
-    "model": ("traces/models", ".yaml", "model spec"),
-    "scenario": ("traces/scenarios", ".yaml", "replay scenario"),
+    "cluster": ("traces/clusters", ".yaml", "cluster"),
+    "model": ("traces/models", ".yaml", "model"),
+    "scenario": ("traces/scenarios", ".yaml", "scenario"),
     "predictor": ("models", "", "predictor"),
-    "alibaba": ("traces/alibaba", ".csv", "Alibaba PAI job file"),
+    "alibaba": ("traces/alibaba", ".csv", "Alibaba mini-batch file"),
 }
 
 
@@ -37,10 +37,11 @@ def shipped_names(kind: str) -> list[str]:
                   if (p.is_dir() if not suffix else p.name.endswith(suffix)))
 
 
-def resolve(value: str | Path, kind: str, option: str) -> Path:
+def resolve(value: str | Path, kind: str) -> Path:
     """``value`` itself when it exists; else the shipped file it names, by bare name
     (``h100-8-degraded``) or by its repository path (``traces/clusters/h100-8-degraded.yaml``)
-    from any directory. InputError naming the shipped choices when neither exists."""
+    from any directory. A bare name that is neither: InputError naming the shipped choices; any
+    other path comes back as given, for its reader to report."""
     path = Path(value)
     if path.exists():
         return path
@@ -50,6 +51,8 @@ def resolve(value: str | Path, kind: str, option: str) -> Path:
         candidate = DATA / folder / (path.name if path.name.endswith(suffix) else path.name + suffix)
         if candidate.exists():
             return candidate
+    if not bare:
+        return path
     names = ", ".join(shipped_names(kind)) or "none"
-    raise InputError(f"{option} {value}: no such file, and no shipped {what} of that name "
-                     f"(shipped: {names})")
+    raise InputError(f"{value}: cannot read {what} (no such file, and no shipped {what} of that "
+                     f"name; shipped: {names})")

@@ -37,9 +37,11 @@ def _device_faults(doc: dict) -> list[dict]:
     return [e for e in doc["events"] if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
 
 
-@pytest.mark.parametrize("rank,factor", [(5, 2.0), (2, 1.3), (12, 1.5)])
-def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(pool, noise, rank, factor):
-    job = SimJob(steps=120, source="code", seed=rank,
+@pytest.mark.parametrize("dp_rank,stage,factor,seed", [(1, 1, 2.0, 5), (0, 2, 1.3, 2), (3, 0, 1.5, 12)])
+def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(pool, noise, dp_rank, stage,
+                                                                         factor, seed):
+    rank = SimJob().rank(dp_rank, stage)
+    job = SimJob(steps=120, source="code", seed=seed,
                  injections=[Injection("fail-slow", rank, 60, 119, factor)])
     doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
     faults = _device_faults(doc)
@@ -48,21 +50,22 @@ def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(pool, no
     assert 57 <= ev["onset_step"] <= 62
     assert 60 <= ev["detected_step"] <= 65
     assert abs(ev["slowdown"] - factor) / factor < 0.1
-    assert ev["dp_rank"] == rank // 4 and ev["stage"] == rank % 4
+    assert ev["dp_rank"] == dp_rank and ev["stage"] == stage
 
 
 def test_waiting_inflates_neighbours_host_compute_times(pool, noise):
     """The traces really carry the confounder: neighbours' raw compute rises with the slow rank."""
-    job = SimJob(steps=60, source="text", injections=[Injection("fail-slow", 5, 30, 59, 2.0)])
+    job = SimJob(steps=60, source="text", injections=[Injection("fail-slow", SimJob().rank(1, 1), 30, 59, 2.0)])
     df = simulate(job, pool, noise)
     comp = df[df["optype"].isin(["forward-compute", "backward-compute"])]
     per = comp.groupby(["step", "rank"])["duration"].sum().unstack()
     rise = per.iloc[35:].median() / per.iloc[:30].median()
+    slow = job.rank(1, 1)
     # the slow rank's own waits shrink as it slows, so in raw times it does not stand out from the
     # ranks of its pipeline that now wait for it
-    assert rise[5] > 1.1
-    assert max(rise[4], rise[6], rise[7]) > 0.9 * rise[5]
-    assert all(rise[r] < rise[5] for r in (0, 8, 12))
+    assert rise[slow] > 1.1
+    assert max(rise[job.rank(1, s)] for s in (0, 2, 3)) > 0.9 * rise[slow]
+    assert all(rise[job.rank(d, 0)] < rise[slow] for d in (0, 2, 3))
 
 
 def test_healthy_variable_lengths_raise_no_device_fault_but_raw_threshold_does(pool, noise):
@@ -72,7 +75,7 @@ def test_healthy_variable_lengths_raise_no_device_fault_but_raw_threshold_does(p
         warnings.simplefilter("ignore", RuntimeWarning)
         found, obs = run_methods(df, job.meta(), None, None, META)
     assert [e for e in found["resihp"] if e.is_device_fault] == []
-    assert score_events(found["raw-threshold"], [], obs.steps, 4).fp > 0
+    assert score_events(found["raw-threshold"], [], obs.steps, job.dims).fp > 0
 
 
 def test_heavier_stage_is_stage_imbalance_not_a_device_fault(pool, noise):
@@ -84,19 +87,21 @@ def test_heavier_stage_is_stage_imbalance_not_a_device_fault(pool, noise):
 
 
 def test_slow_link_is_link_slow_on_that_link(pool, noise):
-    job = SimJob(steps=100, source="code", injections=[Injection("link-slow", 9, 50, 99, 4.0)])
+    ends = (SimJob().rank(2, 1), SimJob().rank(2, 2))
+    job = SimJob(steps=100, source="code", injections=[Injection("link-slow", ends[0], 50, 99, 4.0)])
     doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
     faults = _device_faults(doc)
-    assert faults and all(e["kind"] == "link-slow" and e["rank"] in (9, 10) for e in faults)
+    assert faults and all(e["kind"] == "link-slow" and e["rank"] in ends for e in faults)
     assert 50 <= faults[0]["detected_step"] <= 55
 
 
 def test_without_sequence_lengths_peers_normalise(pool, noise):
-    job = SimJob(steps=120, source="code", injections=[Injection("fail-slow", 6, 60, 119, 2.0)])
+    slow = SimJob().rank(1, 2)
+    job = SimJob(steps=120, source="code", injections=[Injection("fail-slow", slow, 60, 119, 2.0)])
     df = simulate(job, pool, noise).drop(columns=["seq_lens"])
     doc = detect_trace(df, job.meta())
     assert doc["cost_model"].startswith("peers")
-    assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", 6)]
+    assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", slow)]
 
 
 def test_predictor_expectation_and_workload_imbalance(pool, noise):
@@ -109,7 +114,8 @@ def test_predictor_expectation_and_workload_imbalance(pool, noise):
         d, a = stage_flops(shape, tok, sq, phase)
         return (d + a) * 1e-10
 
-    job = SimJob(steps=60, source="code", injections=[Injection("fail-slow", 3, 30, 59, 1.5)])
+    slow = SimJob().rank(0, 3)
+    job = SimJob(steps=60, source="code", injections=[Injection("fail-slow", slow, 30, 59, 1.5)])
     df = simulate(job, pool, noise).drop(columns=["start_ts"])
     # replica 2 ran twice the data from step 40 on: every op of its four ranks takes twice as long
     heavy = (df["dp_rank"] == 2) & (df["step"] >= 40) & df["optype"].str.endswith("compute")
@@ -118,7 +124,7 @@ def test_predictor_expectation_and_workload_imbalance(pool, noise):
                                           index=df.index[heavy])
     doc = detect_trace(df, job.meta(), expected=expected)
     assert doc["cost_model"].startswith("predictor")
-    assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", 3)]
+    assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", slow)]
     wl = [e for e in doc["events"] if e["kind"] == "workload-imbalance"]
     # replica 2's doubled data is one stretch; other replicas appear only on steps whose real data
     # was costlier than their peers' (that is what the kind is for)
@@ -173,7 +179,7 @@ def test_baselines_see_a_large_slowdown(pool, noise):
         warnings.simplefilter("ignore", RuntimeWarning)
         found, obs = run_methods(df, job.meta(), list(BASELINES))
     for name in BASELINES:
-        sc = score_events(found[name], job.injections, obs.steps, 1)
+        sc = score_events(found[name], job.injections, obs.steps, job.dims)
         assert sc.tp == 1, name
 
 

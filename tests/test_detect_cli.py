@@ -24,7 +24,7 @@ def resihp(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("detect")
-    job = SimJob(steps=80, source="code", injections=[Injection("fail-slow", 7, 40, 79, 2.0)])
+    job = SimJob(steps=80, source="code", injections=[Injection("fail-slow", SimJob().rank(1, 3), 40, 79, 2.0)])
     df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2)))
     write_ops_trace(df, tmp / "t.parquet")
     write_ops_trace(df, tmp / "t.csv")
@@ -40,7 +40,7 @@ def test_detect_json_names_the_slow_rank(trace, name):
     doc = json.loads(proc.stdout)
     assert doc["steps"] == 80 and doc["ranks"] == 16
     faults = [e for e in doc["events"] if e["kind"] == "fail-slow"]
-    assert [(e["rank"], e["dp_rank"], e["stage"]) for e in faults] == [(7, 1, 3)]
+    assert [(e["rank"], e["dp_rank"], e["stage"]) for e in faults] == [(13, 1, 3)]  # Megatron order: rank = stage * dp + dp_rank
     assert set(faults[0]) >= {"kind", "rank", "dp_rank", "stage", "tp_rank", "onset_step",
                               "detected_step", "slowdown", "confidence"}
 
@@ -48,7 +48,7 @@ def test_detect_json_names_the_slow_rank(trace, name):
 def test_detect_text_output_and_baseline_and_alibaba(trace):
     tmp, _ = trace
     proc = resihp("detect", tmp / "t.parquet")
-    assert proc.returncode == 0 and "fail-slow" in proc.stdout and "rank 7" in proc.stdout
+    assert proc.returncode == 0 and "fail-slow" in proc.stdout and "rank 13" in proc.stdout
     proc = resihp("detect", tmp / "t.parquet", "--method", "relative-score", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["method"] == "relative-score"
     proc = resihp("detect", alibaba_path(1), "--input-format", "alibaba", "--json")

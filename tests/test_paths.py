@@ -1,5 +1,7 @@
 """Shipped files by name or by repository path, from any directory (resihp.paths)."""
 
+from pathlib import Path
+
 import pytest
 
 from resihp.errors import InputError
@@ -21,17 +23,17 @@ def test_shipped_files_are_package_data():
 ])
 def test_names_and_repository_paths_resolve_from_any_directory(tmp_path, monkeypatch, value, kind, expect):
     monkeypatch.chdir(tmp_path)
-    assert resolve(value, kind, "--x") == DATA / expect
+    assert resolve(value, kind) == DATA / expect
 
 
 def test_an_existing_path_wins_and_an_unknown_name_lists_the_choices(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpt-7b.yaml").write_text("layers: 1\n")
-    assert resolve("gpt-7b.yaml", "model", "--model").resolve() == tmp_path / "gpt-7b.yaml"
-    with pytest.raises(InputError, match=r"--cluster nope: no such file.*shipped: .*h100-8-degraded"):
-        resolve("nope", "cluster", "--cluster")
-    with pytest.raises(InputError, match="no such file"):
-        resolve("elsewhere/h100-8.yaml", "cluster", "--cluster")
+    assert resolve("gpt-7b.yaml", "model").resolve() == tmp_path / "gpt-7b.yaml"
+    with pytest.raises(InputError, match=r"nope: cannot read cluster \(no such file.*shipped: .*h100-8-degraded"):
+        resolve("nope", "cluster")
+    # a path elsewhere is left to its reader, which names it
+    assert resolve("elsewhere/h100-8.yaml", "cluster") == Path("elsewhere/h100-8.yaml")
 
 
 def test_plan_names_shipped_specs_from_another_directory(tmp_path):

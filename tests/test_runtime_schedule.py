@@ -4,8 +4,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from resihp.errors import InputError
+from resihp.parallel import ParallelDims
 from resihp.runtime.data import DataSource, replica_microbatches, split_counts
-from resihp.runtime.layout import ParallelDims, balanced_layers, parse_layer_split
+from resihp.runtime.layout import balanced_layers, parse_layer_split
 from resihp.runtime.schedule import gpipe, one_f_one_b, schedule_for
 
 

@@ -22,7 +22,7 @@ def read_alibaba_job(path: str | Path) -> tuple[pd.DataFrame, JobMeta]:
 
     Rows with no time (the files have a few gaps) are skipped, as the ops-trace contract allows.
     """
-    path = resolve(path, "alibaba", "trace")
+    path = resolve(path, "alibaba")
     try:
         raw = pd.read_csv(path)
     except OSError as exc:

@@ -28,6 +28,7 @@ from resihp.detect.observe import (
 from resihp.detect.online import OnlineDetector
 from resihp.detect.synth import Injection
 from resihp.opstrace import JobMeta
+from resihp.parallel import ParallelDims
 
 
 @dataclass
@@ -68,9 +69,15 @@ class Score:
         }
 
 
-def score_events(events: list[Event], injections: list[Injection], steps: np.ndarray, pp: int,
-                 *, grace: int = 5, skip_first: int = 0) -> Score:
-    """Match ``events`` of one trace against its injected faults."""
+def _next_stage(dims: ParallelDims, rank: int) -> int:
+    place = dims.coords(rank)
+    return dims.rank_of(place.dp_rank, place.stage + 1, place.tp_rank)
+
+
+def score_events(events: list[Event], injections: list[Injection], steps: np.ndarray,
+                 dims: ParallelDims, *, grace: int = 5, skip_first: int = 0) -> Score:
+    """Match ``events`` of one trace (a job of ``dims``) against its injected faults; a link-slow
+    may be reported at either end of its link."""
     sc = Score()
     faulty = np.zeros(len(steps), dtype=bool)
     for inj in injections:
@@ -82,7 +89,7 @@ def score_events(events: list[Event], injections: list[Injection], steps: np.nda
     for ev in sorted((e for e in events if e.is_device_fault), key=lambda e: e.detected_step):
         hit = None
         for j, inj in enumerate(injections):
-            ranks = {inj.rank} if inj.kind == "fail-slow" else {inj.rank, inj.rank + 1}
+            ranks = {inj.rank} if inj.kind == "fail-slow" else {inj.rank, _next_stage(dims, inj.rank)}
             if (ev.kind == inj.kind and ev.rank in ranks
                     and inj.onset_step <= ev.detected_step <= inj.end_step + grace):
                 hit = j

@@ -35,7 +35,7 @@ def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | Non
 
 def load_expected(model: str | Path, shape: TransformerShape | None) -> ExpectedCompute:
     """The predictor at ``model`` (a folder, or a shipped predictor by name) bound to ``shape``."""
-    model = resolve(model, "predictor", "--model")
+    model = resolve(model, "predictor")
     try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
     except ImportError:

@@ -12,6 +12,7 @@ from resihp.detect.config import DetectorConfig
 from resihp.detect.evaluate import METHODS, Score, run_methods, score_events
 from resihp.detect.observe import ExpectedCompute
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
+from resihp.parallel import ParallelDims
 from resihp.paths import TRACES
 
 DEFAULT_PROFILE = TRACES / "detect" / "profile_cpu.parquet"
@@ -29,7 +30,13 @@ def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4
     healthy = 2 if quick else 16
     jobs: list[tuple[str, SimJob]] = []
     sources = ("code", "text")
-    world = dp * pp
+    dims = ParallelDims(dp, pp)
+    world = dims.world_size
+
+    def at(draw: int) -> int:
+        """The rank of the ``draw``-th (replica, stage) pair, replica-major."""
+        d, s = divmod(int(draw), pp)
+        return dims.rank_of(d, s)
 
     def job(n: int, **kw: object) -> SimJob:
         return SimJob(dp=dp, pp=pp, steps=steps, seed=seed * 1000 + n, **kw)
@@ -41,16 +48,16 @@ def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4
         for _ in range(reps):
             onset = int(rng.integers(30, steps - 40))
             length = int(rng.choice([10, 25, 60, steps]))
-            inj = Injection("fail-slow", int(rng.integers(world)), onset, min(onset + length, steps) - 1,
+            inj = Injection("fail-slow", at(rng.integers(world)), onset, min(onset + length, steps) - 1,
                             factor)
             jobs.append((f"fail-slow-{factor}x-{n}", job(100 + n, source=sources[n % 2], injections=[inj])))
             n += 1
     if pp > 1:
         for k, factor in enumerate((2.0, 4.0)):
             d, s = int(rng.integers(dp)), int(rng.integers(pp - 1))
-            inj = Injection("link-slow", d * pp + s, 50, steps - 1, factor)
+            inj = Injection("link-slow", dims.rank_of(d, s), 50, steps - 1, factor)
             jobs.append((f"link-slow-{factor}x", job(300 + k, source="code", injections=[inj])))
-        inj = Injection("fail-slow", int(rng.integers(world)), steps // 2, steps - 1, 1.5)
+        inj = Injection("fail-slow", at(rng.integers(world)), steps // 2, steps - 1, 1.5)
         heavy = (2,) * (pp - 1) + (3,)
         jobs.append(("stage-imbalance+fail-slow", job(400, source="text", stage_layers=heavy,
                                                        injections=[inj])))
@@ -84,7 +91,7 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
         found, obs = run_methods(df, job.meta(), methods, expected, meta_dict, cfg)
         cost_model = obs.cost_model
         for m in methods:
-            sc = score_events(found[m], job.injections, obs.steps, job.pp,
+            sc = score_events(found[m], job.injections, obs.steps, job.dims,
                               skip_first=cfg.calibration_steps)
             totals[m].add(sc)
             if job.injections and all(i.kind == "fail-slow" for i in job.injections):

@@ -23,6 +23,7 @@ import pandas as pd
 
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
+from resihp.parallel import ParallelDims
 from resihp.perf.schedule import FWD, rank_order
 
 # expected range of 5 normal draws in units of sigma (for turning a measured spread into a sigma)
@@ -35,7 +36,7 @@ _RANGE_OF_N = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.
 @dataclass(frozen=True)
 class Injection:
     kind: str  # "fail-slow" (rank's compute) or "link-slow" (the link from rank's stage to the next)
-    rank: int
+    rank: int  # in the one rank order (``resihp.parallel``)
     onset_step: int
     end_step: int  # last affected step, inclusive
     factor: float
@@ -52,6 +53,7 @@ class CostPool:
     op_sigma: float
     layers: int
     hidden: int
+    device: str | None = None  # the profiled device, as a predictor's card names it
 
     @classmethod
     def from_profile(cls, path: str | Path) -> CostPool:
@@ -83,7 +85,8 @@ class CostPool:
         src = wide.index.get_level_values(0).to_numpy() if "source" in key else np.full(len(wide), "any")
         return cls([list(map(int, s)) for s in wide["seq_lens"]], wide["fwd"].to_numpy(float),
                    wide["bwd"].to_numpy(float), np.asarray(src, dtype=object), sigma,
-                   int(log["layers"].iloc[0]), int(log["hidden"].iloc[0]))
+                   int(log["layers"].iloc[0]), int(log["hidden"].iloc[0]),
+                   str(log["device"].iloc[0]) if "device" in log.columns else None)
 
     def subset(self, source: str | None) -> np.ndarray:
         if source is None:
@@ -117,11 +120,15 @@ class SimJob:
     seed: int = 0
 
     @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.dp, self.pp)
+
+    @property
     def world_size(self) -> int:
-        return self.dp * self.pp
+        return self.dims.world_size
 
     def rank(self, dp_rank: int, stage: int) -> int:
-        return dp_rank * self.pp + stage
+        return self.dims.rank_of(dp_rank, stage)
 
     def meta(self) -> JobMeta:
         return JobMeta(dp_size=self.dp, pp_size=self.pp, tp_size=1, world_size=self.world_size)
@@ -170,9 +177,10 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
     slow = np.ones((t_, d_, p_))
     link = np.ones((t_, d_, p_))
     for inj in job.injections:
-        d, s = divmod(inj.rank, p_)
-        if not (0 <= d < d_):
+        if not 0 <= inj.rank < job.world_size:
             raise InputError(f"injection rank {inj.rank} is outside the job (world {job.world_size})")
+        place = job.dims.coords(inj.rank)
+        d, s = place.dp_rank, place.stage
         target = slow if inj.kind == "fail-slow" else link
         target[inj.onset_step: inj.end_step + 1, d, s] *= inj.factor
 
@@ -230,7 +238,7 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
     flat_c = compute.ravel()
     lens[flat_c] = [pool.seq_lens[j] for j in seq_idx.ravel()[flat_c]]
     df = pd.DataFrame({
-        "step": step.ravel(), "rank": (dp * p_ + stage).ravel(), "dp_rank": dp.ravel(),
+        "step": step.ravel(), "rank": job.dims.rank_of(dp, stage).ravel(), "dp_rank": dp.ravel(),
         "stage": stage.ravel(), "tp_rank": 0, "optype": optype.ravel(),
         "duration": np.stack(rows["dur"]).ravel(),
         "start_ts": (np.stack(rows["start"]) + step_start[None, :, None]).ravel(),

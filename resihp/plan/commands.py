@@ -83,9 +83,9 @@ def plan_cmd(
         raise InputError(f"--time-limit: must be positive seconds, got {time_limit}")
     if not horizon >= 1:
         raise InputError(f"--horizon: must be at least 1 step, got {horizon}")
-    cluster = resolve(cluster, "cluster", "--cluster")
-    model = resolve(model, "model", "--model")
-    predictor = resolve(predictor, "predictor", "--predictor") if predictor else None
+    cluster = resolve(cluster, "cluster")
+    model = resolve(model, "model")
+    predictor = resolve(predictor, "predictor") if predictor else None
     spec = ClusterSpec.from_yaml(cluster).with_speeds(parse_speeds(speed), where="--speed")
     mspec = ModelSpec.from_yaml(model)
     cost = PredictorCost.load(str(predictor)) if predictor else AnalyticCost()

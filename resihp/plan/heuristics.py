@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from resihp.parallel import ParallelDims
 from resihp.plan.layout import even_split, home_pipelines, layer_ranges, powers_of_two_upto
-from resihp.plan.plan import Layout, Pipeline, Plan, Stage, Stages, unplaced
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster
 
@@ -44,7 +45,7 @@ def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray
 
 
 def drop_replica_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
-                      layout: Layout) -> Plan:
+                      layout: ParallelDims) -> Plan:
     """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly."""
     alive = [p for p in base.pipelines if coster.alive(p.stages)]
     caps = replica_caps(coster, [p.stages for p in alive], model.microbatches)
@@ -56,7 +57,7 @@ def drop_replica_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoste
 
 
 def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
-                   layout: Layout) -> Plan:
+                   layout: ParallelDims) -> Plan:
     """The published ResiHP adaptation, one heuristic per dimension (see ``baselines``)."""
     pipes = home_pipelines(cluster, layout)
     shares0 = even_split(model.microbatches, layout.dp)

@@ -9,7 +9,8 @@ from functools import lru_cache
 import numpy as np
 
 from resihp.errors import InputError
-from resihp.plan.plan import Layout, Stage
+from resihp.parallel import ParallelDims
+from resihp.plan.plan import Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster, closed_form_step
 
@@ -29,7 +30,7 @@ def _home_groups(node_ranks: tuple[tuple[int, ...], ...], tp: int) -> tuple[tupl
                  for i in range(0, len(ranks) - tp + 1, tp))
 
 
-def home_pipelines(cluster: ClusterSpec, layout: Layout) -> list[list[tuple[int, ...]]]:
+def home_pipelines(cluster: ClusterSpec, layout: ParallelDims) -> list[list[tuple[int, ...]]]:
     """Replica r, stage s uses home group ``s * dp + r`` (Megatron order: TP fastest, then DP, then
     PP), so consecutive stages of a pipeline sit on different nodes."""
     groups = home_groups(cluster, layout.tp)
@@ -62,7 +63,7 @@ def memory_ok(model: ModelSpec, coster: StageCoster, groups: Sequence[tuple[int,
 
 
 def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
-                     layout: Layout, groups: Sequence[tuple[int, ...]] | None = None) -> float | None:
+                     layout: ParallelDims, groups: Sequence[tuple[int, ...]] | None = None) -> float | None:
     """Step time of the uniform plan of a layout on healthy devices, or None if it does not fit.
     ``groups``: the home groups of ``layout.tp`` when already at hand."""
     groups = groups if groups is not None else home_groups(cluster, layout.tp)
@@ -80,12 +81,12 @@ def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster
     return step
 
 
-def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -> Layout:
+def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -> ParallelDims:
     """The TP x PP x DP layout with the shortest predicted step on the healthy cluster (the
     model's ``tp``/``pp`` fields, when given, fix those degrees)."""
     healthy = StageCoster(cluster.healthy(), model, coster.cost)
     smallest_node = min(len(r) for r in cluster.node_ranks)
-    best: tuple[float, Layout] | None = None
+    best: tuple[float, ParallelDims] | None = None
     tps = [model.tp] if model.tp else [t for t in powers_of_two_upto(smallest_node)
                                         if model.heads % t == 0]
     for tp in tps:
@@ -96,7 +97,7 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -
             dp = n_groups // pp
             if dp < 1 or dp > model.microbatches:
                 continue
-            layout = Layout(tp, pp, dp)
+            layout = ParallelDims(dp=dp, pp=pp, tp=tp)
             step = layout_step_time(healthy.cluster, model, healthy, layout, groups)
             if step is not None and (best is None or step < best[0] - 1e-12):
                 best = (step, layout)

@@ -7,9 +7,10 @@ comes from here."""
 
 from __future__ import annotations
 
+from resihp.parallel import ParallelDims
 from resihp.plan.layout import group_options, home_pipelines, layer_ranges
 from resihp.plan.pipeline_solver import PipelineSolution
-from resihp.plan.plan import Layout, Plan, Stage, Stages
+from resihp.plan.plan import Plan, Stage, Stages
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import CapacityBound, StageCoster
 
@@ -29,26 +30,26 @@ class HardwareMemo:
         self.bound = bound  # at full speed
         self.coster = coster  # at full speed; re-plans use ``coster.at_speeds``
         self.solves: dict[tuple, tuple[PipelineSolution, float]] = {}  # optimal answer, seconds
-        self._homes: dict[Layout, list[list[tuple[int, ...]]]] = {}
-        self._whole: dict[Layout, list[bool]] = {}
-        self._stages: dict[tuple[Layout, tuple[int, ...]], list[tuple[Stage, ...]]] = {}
-        self._leftover: dict[Layout, frozenset[int]] = {}
+        self._homes: dict[ParallelDims, list[list[tuple[int, ...]]]] = {}
+        self._whole: dict[ParallelDims, list[bool]] = {}
+        self._stages: dict[tuple[ParallelDims, tuple[int, ...]], list[tuple[Stage, ...]]] = {}
+        self._leftover: dict[ParallelDims, frozenset[int]] = {}
         counts = tuple(s.n_layers for s in healthy.pipelines[0].stages)
         self._stages[(healthy.layout, counts)] = [p.stages for p in healthy.pipelines]
 
-    def home_pipelines(self, layout: Layout) -> list[list[tuple[int, ...]]]:
+    def home_pipelines(self, layout: ParallelDims) -> list[list[tuple[int, ...]]]:
         if layout not in self._homes:
             self._homes[layout] = home_pipelines(self.cluster, layout)
         return self._homes[layout]
 
-    def leftover(self, layout: Layout) -> frozenset[int]:
+    def leftover(self, layout: ParallelDims) -> frozenset[int]:
         """The devices no home replica uses."""
         if layout not in self._leftover:
             homes = {r for groups in self.home_pipelines(layout) for g in groups for r in g}
             self._leftover[layout] = frozenset(range(len(self.cluster))) - homes
         return self._leftover[layout]
 
-    def whole_at_full_speed(self, layout: Layout) -> list[bool]:
+    def whole_at_full_speed(self, layout: ParallelDims) -> list[bool]:
         """Per home replica: whether ``group_options`` keeps each of its groups whole (offers only
         the group itself) when every device runs at full speed. With devices slowed or dead it
         does so exactly for the groups whose devices are all still at full speed."""
@@ -58,7 +59,7 @@ class HardwareMemo:
                 for groups in self.home_pipelines(layout)]
         return self._whole[layout]
 
-    def home_stages(self, layout: Layout, counts: list[int]) -> list[tuple[Stage, ...]]:
+    def home_stages(self, layout: ParallelDims, counts: list[int]) -> list[tuple[Stage, ...]]:
         """Each home replica's stages with these layer counts (one tuple per replica, shared by
         every plan, so caches keyed by stages find them by identity)."""
         key = (layout, tuple(counts))

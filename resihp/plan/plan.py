@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.parallel import ParallelDims
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 
 
@@ -77,18 +78,6 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The healthy layout the plan derives from: tensor, pipeline and data-parallel degrees."""
-
-    tp: int
-    pp: int
-    dp: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
-
-
-@dataclass(frozen=True)
 class Holdings:
     """The model state a plan puts on its devices: the stage each placed rank belongs to, and the
     plan's stages and pipelines (as tuples of stages)."""
@@ -109,7 +98,7 @@ class Holdings:
 @dataclass
 class Plan:
     world_size: int
-    layout: Layout
+    layout: ParallelDims
     pipelines: list[Pipeline]
     excluded: list[int]
     policy: str = "resihp"
@@ -202,7 +191,10 @@ class Plan:
 
         world = need(data, "world_size", int, "")
         lay = need(data, "layout", Mapping, "")
-        layout = Layout(*(need(lay, k, int, "layout: ") for k in ("tp", "pp", "dp")))
+        degrees = {k: need(lay, k, int, "layout: ") for k in ("dp", "pp", "tp")}
+        if min(degrees.values()) < 1:
+            raise InputError(f"{where}: layout: degrees must be positive integers, got {degrees}")
+        layout = ParallelDims(**degrees)
         pipelines = []
         for i, p in enumerate(need(data, "pipelines", list, "")):
             ctx = f"pipelines[{i}]: "

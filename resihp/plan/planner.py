@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.parallel import ParallelDims
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel
@@ -47,14 +48,14 @@ from resihp.plan.layout import (
 )
 from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
-from resihp.plan.plan import Layout, Pipeline, Plan, Stage, Stages, unplaced
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import CapacityBound, StageCoster, evaluate
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
 
 def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
-                 layout: Layout | None = None, time_limit_s: float = 2.0) -> Plan:
+                 layout: ParallelDims | None = None, time_limit_s: float = 2.0) -> Plan:
     """The plan for the cluster with every device healthy: the best layout, every replica with the
     same layer split (optimised by CP-SAT for the LM head and the memory of early stages) and an
     even share of the micro-batches."""
@@ -72,7 +73,7 @@ def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None 
 
 
 def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
-                   layout: Layout | None = None) -> CapacityBound:
+                   layout: ParallelDims | None = None) -> CapacityBound:
     """Throughput of an ideal plan that uses every device at its current speed with no imbalance.
 
     Start from the best healthy layout with its integer constraints relaxed: every stage holds
@@ -113,7 +114,7 @@ def _equal_stages_step(per_stage: np.ndarray, m: int, schedule: str, p2p_s: floa
                                     p2p_s=p2p_s))
 
 
-def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: Layout, where: str) -> None:
+def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: ParallelDims, where: str) -> None:
     groups = len(home_groups(cluster, layout.tp))
     if layout.tp * layout.pp * layout.dp > len(cluster) or layout.pp * layout.dp > groups:
         raise InputError(f"{where}: layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs more "
@@ -169,7 +170,7 @@ class Planner:
         planner's earlier calls."""
         return self._memo(cluster, model).coster.at_speeds(cluster)
 
-    def layout(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None) -> Layout:
+    def layout(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None) -> ParallelDims:
         if current is not None:
             current.check_against(cluster)
             check_layout(cluster, model, current.layout, "current plan")
@@ -427,7 +428,7 @@ class Planner:
                 chain = []
         return out
 
-    def _assemble(self, cluster: ClusterSpec, layout: Layout,
+    def _assemble(self, cluster: ClusterSpec, layout: ParallelDims,
                   solutions: dict[int, PipelineSolution | None], share: dict[int, int]) -> Plan:
         pipelines = []
         for r in sorted(solutions):
@@ -444,7 +445,7 @@ class _Context:
 
     cluster: ClusterSpec
     model: ModelSpec
-    layout: Layout
+    layout: ParallelDims
     coster: StageCoster
     pipes: list[list[tuple[int, ...]]]
     held: dict[tuple[int, ...], tuple[int, int]] | None

@@ -395,6 +395,11 @@ class ModelSpec:
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
 
+    @property
+    def params(self) -> float:
+        """All parameters: the layers, the embedding and the (untied) LM head."""
+        return float(self.layers * self.params_per_layer + 2 * self.embedding_params)
+
 
 MLP_MATRICES = ModelSpec.MLP_MATRICES
 

@@ -36,7 +36,7 @@ def replay_cmd(
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: expected a .png file name")
     n = len(make_policies(policies or None))
-    sc = load_scenario(resolve(scenario, "scenario", "scenario"))
+    sc = load_scenario(resolve(scenario, "scenario"))
     total = int(sc.duration_s * n)
     with progress_bar(f"replaying {sc.name}", total, enabled=not json_out) as advance:
         result = compare(sc, policies or None, seed, on_progress=lambda t: advance(int(t)))

@@ -57,7 +57,7 @@ def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.G
     batches = pack_greedy(seqs, budget)[:n_microbatches]
     tokens = np.array([b.sum() for b in batches], dtype=np.float64)
     sum_sq = np.array([(b.astype(np.float64) ** 2).sum() for b in batches])
-    shape = model.shape()
+    shape = model.shape(1)  # per layer
     dense, attn = stage_flops(shape, tokens, sum_sq, "fwd")
     return MicroBatchPool(tokens=tokens, fwd_flops_per_layer=dense + attn,
                           head_flops=2.0 * model.hidden * model.vocab * tokens, seq_lens=batches)

@@ -131,7 +131,7 @@ def _signature(window: Window) -> tuple:
 
 def model_shape(scenario) -> TransformerShape:
     """The model's layer shape for the detector's analytic cost of each micro-batch (one layer)."""
-    return scenario.model.shape()
+    return scenario.model.shape(1)
 
 
 def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorFeed:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from resihp.errors import InputError
-from resihp.plan.specs import MLP_MATRICES, layer_params
+from resihp.parallel import ParallelDims
+from resihp.plan.specs import MLP_MATRICES, ModelSpec
 from resihp.replay.costmodel import check_fits
 from resihp.replay.yamlsrc import LineDict, load_yaml
-from resihp.workload.flops import TransformerShape
 
 KINDS = ("slow", "stop", "recover")
 GENERATORS = ("llama3", "greyhound", "alibaba")
@@ -44,40 +44,6 @@ class Cluster:
     @property
     def size(self) -> int:
         return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    ffn_hidden: int
-    vocab: int
-    max_seq_len: int
-    global_batch_tokens: int
-    microbatch_tokens: int
-    schedule: str = "1f1b"
-    mlp: str = "gelu"  # or "swiglu" (Llama): the MLP's FLOPs and parameters
-
-    @property
-    def params_per_layer(self) -> float:
-        return float(layer_params(self.hidden, self.ffn_hidden, self.mlp))
-
-    def shape(self, layers: int = 1, tp: int = 1) -> TransformerShape:
-        return TransformerShape(layers, self.hidden, self.heads, self.ffn_hidden, tp,
-                                MLP_MATRICES[self.mlp])
-
-    @property
-    def params(self) -> float:
-        return self.layers * self.params_per_layer + 2.0 * self.vocab * self.hidden
-
-
-@dataclass(frozen=True)
-class Parallel:
-    dp: int
-    pp: int
-    tp: int
 
 
 @dataclass(frozen=True)
@@ -123,8 +89,8 @@ class Scenario:
     name: str
     path: str
     cluster: Cluster
-    model: Model
-    parallel: Parallel
+    model: ModelSpec
+    parallel: ParallelDims
     workload: str
     duration_s: float
     costs: Costs
@@ -229,7 +195,7 @@ def _cluster(r: _Reader) -> Cluster:
                    inter_node_gbps=r.number("inter_node_gbps", Cluster.inter_node_gbps, strict=True))
 
 
-def _model(r: _Reader) -> Model:
+def _model(r: _Reader) -> ModelSpec:
     r.check_keys({"name", "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len",
                   "global_batch_tokens", "microbatch_tokens", "schedule", "mlp"})
     ints = {k: r.number(k, minimum=1, integer=True) for k in (
@@ -246,7 +212,10 @@ def _model(r: _Reader) -> Model:
     mlp = r.text("mlp", "gelu")
     if mlp not in MLP_MATRICES:
         raise InputError(f"{r.where}.mlp: expected one of {', '.join(MLP_MATRICES)}, got {mlp!r}")
-    return Model(name=r.text("name", "model"), schedule=schedule, mlp=mlp, **ints)
+    try:
+        return ModelSpec(name=r.text("name", "model"), schedule=schedule, mlp=mlp, **ints)
+    except InputError as exc:
+        raise InputError(f"{r.where}: {exc}") from None
 
 
 def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line: int) -> tuple[FailureEvent, ...]:
@@ -329,7 +298,7 @@ def load_scenario(path: str | Path) -> Scenario:
     model = _model(root.sub("model"))
     p = root.sub("parallel")
     p.check_keys({"dp", "pp", "tp"})
-    parallel = Parallel(*(p.number(k, minimum=1, integer=True) for k in ("dp", "pp", "tp")))
+    parallel = ParallelDims(*(p.number(k, minimum=1, integer=True) for k in ("dp", "pp", "tp")))
     world = parallel.dp * parallel.pp * parallel.tp
     if world > cluster.size:
         raise InputError(f"{p.where}: dp*pp*tp = {world} devices but the cluster has {cluster.size}")

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from resihp.opstrace import COMPUTE_OPTYPES, JobMeta
+from resihp.parallel import ParallelDims
 from resihp.perf.schedule import compile_schedule, op_end_times
 from resihp.replay.costmodel import (
     MicroBatchPool,
@@ -93,21 +94,22 @@ class Simulator:
         if "ranks" not in compiled.derived:
             compiled.derived["ranks"] = self._rank_table(compiled)
         meta, rank_device, rank_work, rank_place = compiled.derived["ranks"]
-        pp_max, tp_max = meta.pp_size, meta.tp_size
+        dims = ParallelDims(meta.dp_size, meta.pp_size, meta.tp_size)
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
-        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, pp_max, tp_max))
+        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims))
         return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
                       rank_device, rank_work, columns, rank_place)
 
     def _rank_table(self, compiled: CompiledLayout) -> tuple[JobMeta, np.ndarray, np.ndarray,
                                                              np.ndarray]:
         """(job meta, device, expected work, (dp_rank, stage, tp_rank)) of every logical rank:
-        ``rank = (replica * pp_max + stage) * tp_max + tp_rank``; -1 / NaN where no device works."""
+        ranks in the one order of ``resihp.parallel.ParallelDims(replicas, pp_max, tp_max)``;
+        -1 / NaN where no device works."""
         layout = compiled.layout
         pp_max = max(len(r.groups) for r in layout.replicas)
         tp_max = max(len(gr) for r in layout.replicas for gr in r.groups)
-        meta = JobMeta(dp_size=len(layout.replicas), pp_size=pp_max, tp_size=tp_max,
-                       world_size=len(layout.replicas) * pp_max * tp_max)
+        dims = ParallelDims(len(layout.replicas), pp_max, tp_max)
+        meta = JobMeta(dp_size=dims.dp, pp_size=dims.pp, tp_size=dims.tp, world_size=dims.world_size)
         rank_device = np.full(meta.world_size, -1, dtype=np.int64)
         rank_work = np.full(meta.world_size, np.nan)
         rank_place = np.full((meta.world_size, 3), -1, dtype=np.int64)
@@ -119,7 +121,7 @@ class Simulator:
             place = np.stack(np.broadcast_arrays(g.replica_ids[:, None, None],
                                                  np.arange(pp)[None, :, None],
                                                  np.arange(tp)[None, None, :]), axis=-1)
-            rank = (place[..., 0] * pp_max + place[..., 1]) * tp_max + place[..., 2]
+            rank = dims.rank_of(place[..., 0], place[..., 1], place[..., 2])
             last = np.where(np.arange(pp) == pp - 1, head, 0.0)
             # expected seconds of the rank's share of a mean micro-batch at full speed
             work = g.load * ((g.layers * layer + last) / (g.width * self.rate)
@@ -145,10 +147,10 @@ class Simulator:
         return frame  # row order is free in the contract
 
     def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
-                 pp_max: int, tp_max: int) -> dict[str, np.ndarray]:
+                 dims: ParallelDims) -> dict[str, np.ndarray]:
         """The window's ops records as columns (``resihp.detect.observe.trace_columns`` form), in
-        (step, rank, phase, micro-batch) order within each shape group, as a trace sorted by time
-        and rank would come."""
+        (step, replica, stage, tp rank, phase, micro-batch) order within each shape group (row
+        order is free in the contract)."""
         parts: list[dict[str, np.ndarray]] = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
@@ -184,7 +186,7 @@ class Simulator:
             tp_rank = grid(np.arange(tp), (3,))
             mbi = grid(mb, (0, 1, 5))
             parts.append({
-                "step": grid(steps, (0,)), "rank": (dp_rank * pp_max + stage) * tp_max + tp_rank,
+                "step": grid(steps, (0,)), "rank": dims.rank_of(dp_rank, stage, tp_rank),
                 "dp_rank": dp_rank, "stage": stage, "tp_rank": tp_rank, "mb_id": grid(np.arange(m), (5,)),
                 "tokens": pool.tokens[mbi].astype(np.int64), "device": grid(g.devices, (1, 2, 3)),
                 "optype": grid(np.array([0, 1], dtype=np.int8), (4,)), "duration": dur.ravel()[real],

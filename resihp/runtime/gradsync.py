@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from resihp.runtime.layout import ParallelDims
+from resihp.parallel import ParallelDims
 from resihp.runtime.replan import owner
 
 Ranges = Sequence[tuple[int, int]]

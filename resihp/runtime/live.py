@@ -16,7 +16,7 @@ from pathlib import Path
 
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta, read_meta
-from resihp.plan.plan import Layout, Pipeline, Plan, Stage
+from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
@@ -79,7 +79,7 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
     pipelines = [Pipeline(d, tuple(Stage(tuple(dims.tp_group_ranks(d, s)), replica_ranges[d][s])
                                    for s in range(dims.pp)), counts[d], home=d)
                  for d in range(dims.dp)]
-    return Plan(dims.world_size, Layout(dims.tp, dims.pp, dims.dp), pipelines, [], policy="current")
+    return Plan(dims.world_size, dims, pipelines, [], policy="current")
 
 
 class StepAssembler:

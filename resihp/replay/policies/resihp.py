@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from resihp.plan.cost import AnalyticCost
@@ -27,12 +29,9 @@ def cluster_spec(scenario: Scenario) -> ClusterSpec:
 
 
 def model_spec(scenario: Scenario) -> ModelSpec:
-    m, p = scenario.model, scenario.parallel
-    return ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, ffn_hidden=m.ffn_hidden,
-                     vocab=m.vocab, max_seq_len=m.max_seq_len,
-                     global_batch_tokens=m.global_batch_tokens, microbatch_tokens=m.microbatch_tokens,
-                     schedule=m.schedule, name=m.name, workload=scenario.workload, tp=p.tp, pp=p.pp,
-                     mlp=m.mlp)
+    """The scenario's model with its workload and its healthy layout's fixed TP and PP degrees."""
+    p = scenario.parallel
+    return replace(scenario.model, workload=scenario.workload, tp=p.tp, pp=p.pp)
 
 
 def layout_of(plan: Plan, model: ModelSpec) -> ReplicaLayout:
