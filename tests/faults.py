@@ -116,11 +116,20 @@ def _address(hexaddr: str) -> str:
 # --- calls -----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def raise_at(monkeypatch, target: str, exc: BaseException, after: int = 0) -> Iterator[None]:
-    """Make ``module.attr`` raise ``exc`` on its call number ``after`` (0: the first)."""
-    module, _, attr = target.rpartition(".")
+    """Make ``module.attr`` (or ``module.Class.attr``) raise ``exc`` from its call number ``after``
+    on (0: the first)."""
     import importlib
 
-    mod = importlib.import_module(module)
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            mod = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ModuleNotFoundError:
+            continue
+    for name in parts[cut:-1]:
+        mod = getattr(mod, name)
+    attr = parts[-1]
     real = getattr(mod, attr)
     calls = [0]
 

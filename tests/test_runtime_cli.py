@@ -30,6 +30,11 @@ def resihp(*args, timeout=180):
     (["--hidden", "8192", "--ffn-hidden", "32768", "--heads", "64", "--layers", "64"], "model too large"),
     (["--source", "nowhere.txt"], "length source 'nowhere.txt'"),
     (["--schedule", "zigzag"], "--schedule"),
+    (["--lr", "inf"], "--lr: expected a positive finite number, got inf"),
+    (["--lr", "nan"], "--lr: expected a positive finite number, got nan"),
+    (["--steps", "1000000000"], "--steps: at most 100,000,000, got 1000000000"),
+    (["--timeout", "1e12"], "--timeout: at most 604,800"),
+    (["--if-busy", "share"], "--if-busy: expected fail or subfolder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
     from resihp.cli import main

@@ -13,9 +13,14 @@ import pytest
 from resihp.errors import InputError
 from tests.faults import (
     alive,
+    can_mount_tmpfs,
     descendants,
+    enospc,
+    fill,
     inject_signal,
     listening_ports,
+    raise_at,
+    small_disk,
     wait_for,
     wait_gone,
     worker_pids,
@@ -153,3 +158,82 @@ def test_tracker_ends_a_whole_process_tree_even_when_stopped_and_regrouped(tmp_p
     left = tracker.end_all(grace_s=1.0, wait=root.poll)
     root.wait()
     assert left == [] and not alive(child) and time.time() - t0 < 10
+
+
+# --- fail loudly ----------------------------------------------------------------------------------
+ONE_PIPE = [*SMALL[:SMALL.index("--dp")], "--dp", "1", "--pp", "2", "--no-live", "--timeout", "20"]
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_with_exit_1_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    from resihp.ckpt.integrity import problem
+
+    out = tmp_path / "nan"
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *ONE_PIPE, "--steps", "20",
+                           "--ckpt-every", "1", "--lr", "1e30", "--out", str(out), "--json"],
+                          capture_output=True, text=True, env=ENV, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("resihp: non-finite loss (nan) at step ") and "Traceback" not in proc.stderr
+    summary = json.loads(proc.stdout)  # strict JSON: no bare NaN
+    bad_step = int(last.split("at step ")[1].split(";")[0])
+    assert summary["loss_last"] is None and summary["steps"] == bad_step + 1
+    kept = sorted((out / "ckpt").iterdir())  # no half-written .stepN.partial either
+    assert [p.name for p in kept] == [f"step{s}" for s in range(bad_step)]  # none of the bad step
+    assert all(problem(p) is None for p in kept)
+    assert summary["resumable"]["checkpoint"] == str(out / "ckpt" / f"step{bad_step - 1}")
+
+
+def _outputs_are_valid(out):
+    """Whatever a failed run left is whole: trace, summary, checkpoints (none half-written)."""
+    from resihp.ckpt.integrity import problem
+    from resihp.opstrace import read_ops_trace
+
+    if (out / "ops.parquet").exists():
+        read_ops_trace(out / "ops.parquet")
+    for name in ("summary.json", "run.json"):
+        if (out / name).exists():
+            json.loads((out / name).read_text())
+    for ckpt in (out / "ckpt").glob("step*"):
+        assert problem(ckpt) is None, ckpt
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root to mount a small tmpfs (the ENOSPC "
+                    "variant below runs everywhere)")
+def test_disk_full_during_a_run_is_one_line_and_leaves_valid_outputs():
+    with small_disk("16m") as disk:
+        out = disk / "run"
+        proc = start(out, "--ckpt-every", "2")
+        job_pids(proc, out)
+        wait_for(lambda: (out / "ckpt" / "step1" / "manifest.json").exists(), 60, "a first checkpoint")
+        fill(disk)
+        stdout, stderr = finish(proc)
+        assert proc.returncode == 1, stderr[-2000:]
+        assert "Traceback" not in stderr
+        assert "disk full" in stderr.strip().splitlines()[-1]
+        _outputs_are_valid(out)
+
+
+def test_disk_full_writing_a_trace_keeps_the_previous_one_and_is_one_line(tmp_path, monkeypatch, capsys):
+    """ENOSPC simulated by an injected OSError (the tmpfs test above does it for real, as root)."""
+    import pandas as pd
+
+    from resihp.cli import main
+    from resihp.opstrace import read_ops_trace, write_ops_trace
+
+    trace = pd.DataFrame({"step": [0], "rank": [0], "dp_rank": [0], "stage": [0],
+                          "optype": ["forward-compute"], "duration": [0.1]})
+    path = tmp_path / "ops.parquet"
+    write_ops_trace(trace, path)
+    with raise_at(monkeypatch, "pandas.DataFrame.to_parquet", enospc(str(path))):
+        with pytest.raises(OSError):
+            write_ops_trace(pd.concat([trace, trace]), path)
+        assert len(read_ops_trace(path)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ops.parquet"]
+    # the CLI turns it into one line and exit 1, whichever verb was writing
+    monkeypatch.setattr("resihp.cli.app", lambda: (_ for _ in ()).throw(enospc(str(path))))
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.strip() == (
+        f"resihp: disk full writing {path} (No space left on device); free space and run again")

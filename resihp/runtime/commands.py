@@ -114,12 +114,13 @@ def _finish(folder, cfg, outcome, summary: dict) -> None:
 
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
-    if outcome.interrupted:
+    if state != "done":  # the newest good checkpoint of this job is where it can go on from
         ckpt, _ = newest_good(folder.out, cfg.job_id, cfg.model_hash())
         fields["resumable"] = summary["resumable"] = {
             "checkpoint": str(ckpt) if ckpt else None,
             "next_step": int(ckpt.name.removeprefix("step")) + 1 if ckpt else 0}
-        summary["interrupted"] = outcome.interrupted
+        if outcome.interrupted:
+            summary["interrupted"] = outcome.interrupted
         _write_summary(folder.out, summary)
     folder.record(**fields)
 

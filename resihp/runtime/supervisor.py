@@ -186,6 +186,8 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
     finally:
         outcome.left_alive = _stop(proc, tracker, grace_s)
         reader.join(timeout=5)
+        if not outcome.left_alive:
+            remove_partial(out)  # a checkpoint the job did not finish writing is not a checkpoint
     outcome.returncode = proc.returncode
     outcome.wall_s = time.time() - t0
     outcome.stderr_tail = lines[-40:]

@@ -9,6 +9,7 @@ them into ``OUT/ops.parquet`` with the job meta ``OUT/job.yaml`` and ``OUT/summa
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -203,6 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except NonFiniteLoss as exc:
         print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        print(f"resihp: stop: rank {rank}: disk full writing {exc.filename or 'its outputs'} "
+              f"({exc.strerror}); what was written before stays valid", file=sys.stderr, flush=True)
         sys.exit(1)
     except (RuntimeError, dist.DistBackendError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
