@@ -72,13 +72,28 @@ def test_fault_spec_parsing():
     assert parse_fault("stop:rank=1,time=3.5").time_s == 3.5
 
 
+def older_job_checkpoint(directory):
+    """A complete, verifying checkpoint of the same model written by another job."""
+    import torch
+
+    from resihp.ckpt.universal import save
+    from resihp.runtime.config import RunConfig
+
+    cfg = RunConfig(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, max_len=512)
+    model = torch.nn.Linear(2, 2)
+    save(directory, model, torch.optim.AdamW(model.parameters()), 29,
+         {"dp": 2, "pp": 2, "tp": 1, "job_id": "older-job", "model_hash": cfg.model_hash()})
+
+
 @pytest.mark.slow
 def test_stopped_rank_is_excluded_by_an_elastic_restart_with_the_same_math(tmp_path):
     out = tmp_path / "stop"
+    older_job_checkpoint(out / "ckpt" / "step29")  # an earlier job's, newer-numbered: never taken
     proc = resihp("run", *SMALL, "--steps", "8", "--inject", "stop:rank=3,step=5", "--ckpt-every", "2",
                   "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
+    assert summary["plan_changes"][0]["skipped"] == ["step29: written by another job (older-job)"]
     assert summary["failure"]["kind"] == "fail-stop" and summary["failure"]["rank"] == 3
     assert summary["failure"]["step"] == 5
     change = summary["plan_changes"][0]
