@@ -17,7 +17,7 @@ import pandas as pd
 import yaml
 
 from resihp.errors import InputError
-from resihp.yamlio import read_yaml_mapping
+from resihp.yamlio import check_keys, read_yaml_mapping
 
 REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
             "duration": "float"}
@@ -54,10 +54,18 @@ class JobMeta:
         return asdict(self)
 
 
+# the job meta's own fields and the optional model fields resihp writes and reads beside them
+META_KEYS = ("dp_size", "pp_size", "tp_size", "world_size", "dsp_size", "vpp_size", "layers", "hidden",
+             "heads", "ffn_hidden", "vocab", "max_seq_len", "mlp", "schedule", "source", "global_tokens",
+             "budget", "layer_split", "seed", "name", "model")
+
+
 def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
     """The job meta YAML: (parallel sizes, the whole mapping including optional model fields)."""
     data = read_yaml_mapping(path, "job meta",
                              "job meta must be a mapping with dp_size, pp_size, tp_size, world_size")
+    # a public trace's meta may carry fields of its own: only a near miss of a known key is refused
+    check_keys(data, META_KEYS, str(path), typos_only=True)
     missing = [k for k in ("dp_size", "pp_size", "tp_size", "world_size") if k not in data]
     if missing:
         raise InputError(f"{path}: job meta lacks {', '.join(missing)}")

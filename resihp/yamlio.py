@@ -1,7 +1,13 @@
-"""Reading a YAML file that must hold a mapping, with the one-line errors the CLI prints."""
+"""Reading a YAML file that must hold a mapping, with the one-line errors the CLI prints.
+
+Aliases (``*name``) are refused: a few hundred bytes of nested aliases expand to gigabytes (the
+"billion laughs"), and none of resihp's files needs them. Files are bounded in size. ``check_keys``
+refuses keys a schema does not know, naming the key (and the known key it probably meant)."""
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -9,19 +15,51 @@ import yaml
 
 from resihp.errors import InputError
 
+MAX_BYTES = 16 * 2**20  # a spec or scenario is kilobytes; more is not one of resihp's files
+
+
+class _AliasRefused(yaml.YAMLError):
+    def __init__(self, mark: yaml.Mark) -> None:
+        super().__init__("YAML aliases (*name) are not allowed")
+        self.problem, self.problem_mark = "YAML aliases (*name) are not allowed", mark
+
+
+class _NoAliases:
+    """Mixed into a SafeLoader: an alias event is an error before anything is expanded."""
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        if self.check_event(yaml.AliasEvent):
+            raise _AliasRefused(self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+_LOADERS: dict[type, type] = {}
+
+
+def _no_alias_loader(loader: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
+    if loader not in _LOADERS:
+        _LOADERS[loader] = type(f"NoAlias{loader.__name__}", (_NoAliases, loader), {})
+    return _LOADERS[loader]
+
 
 def read_yaml_mapping(path: str | Path, what: str, expected: str,
                       loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> dict[str, Any]:
     """The mapping in YAML file ``path``. ``what`` names the file in read errors ("cannot read job
     meta"); ``expected`` is the message when the top level is not a mapping; ``loader`` may be a
-    ``yaml.SafeLoader`` subclass (the replay's keeps line numbers). Syntax errors name the line."""
+    ``yaml.SafeLoader`` subclass (the replay's keeps line numbers). Syntax errors and aliases name
+    the line."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise InputError(f"{path}: {size} bytes; a {what} file is at most {MAX_BYTES // 2**20} MiB")
         text = path.read_text()
     except OSError as exc:
         raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: cannot read {what} (not UTF-8 text)") from None
     try:
-        data = yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader (subclass)
+        data = yaml.load(text, Loader=_no_alias_loader(loader))  # noqa: S506 - a SafeLoader (subclass)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -29,3 +67,18 @@ def read_yaml_mapping(path: str | Path, what: str, expected: str,
     if not isinstance(data, dict):
         raise InputError(f"{path}: {expected}")
     return data
+
+
+def check_keys(data: Mapping, known: Iterable[str], where: str, *, typos_only: bool = False) -> None:
+    """Refuse a key of ``data`` that is not in ``known``: InputError naming it and the known keys
+    (and the one it probably meant). With ``typos_only``, keys that are not close to a known one
+    are let through (a format that admits foreign fields, such as a public trace's job meta)."""
+    known = sorted(known)
+    for key in data:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.8 if typos_only else 0.6)
+        if typos_only and not close:
+            continue
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise InputError(f"{where}: unknown key {key!r}{hint}; known keys: {', '.join(known)}")

@@ -13,7 +13,7 @@ import numpy as np
 
 from resihp.errors import InputError
 from resihp.workload.flops import TransformerShape
-from resihp.yamlio import read_yaml_mapping
+from resihp.yamlio import check_keys, read_yaml_mapping
 
 
 def _read_spec(path: str | Path, what: str) -> dict[str, Any]:
@@ -64,6 +64,8 @@ class ClusterSpec:
     memory_reserve_gb: float = 2.0
     name: str = "cluster"
 
+    DEVICE_KEYS = ("memory_gb", "tflops", "speed")
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
         return cls.from_dict(_read_spec(path, "cluster"), where=str(path))
@@ -76,15 +78,19 @@ class ClusterSpec:
         ``{rank or "node/index": speed}`` and ``memory_reserve_gb``."""
         if not isinstance(data, Mapping):
             raise InputError(f"{where}: expected a mapping describing the cluster")
+        check_keys(data, ("name", "device", "bandwidth", "memory_reserve_gb", "nodes", "speeds"), where)
         defaults = data.get("device", {}) or {}
         if not isinstance(defaults, Mapping):
             raise InputError(f"{where}: field 'device' must be a mapping of device defaults")
+        check_keys(defaults, cls.DEVICE_KEYS, f"{where}: device")
         bandwidth = data.get("bandwidth", {}) or {}
         if not isinstance(bandwidth, Mapping):
             raise InputError(f"{where}: field 'bandwidth' must be a mapping with intra_node_gbs, "
                              "inter_node_gbs")
+        check_keys(bandwidth, ("intra_node_gbs", "inter_node_gbs"), f"{where}: bandwidth")
         nodes = data.get("nodes")
         if isinstance(nodes, Mapping):
+            check_keys(nodes, ("count", "devices"), f"{where}: nodes")
             count = _number(nodes, "count", f"{where}: nodes", integer=True)
             nodes = [{"name": f"n{i}", "devices": nodes.get("devices")} for i in range(count)]
         if not isinstance(nodes, list) or not nodes:
@@ -96,6 +102,7 @@ class ClusterSpec:
             nwhere = f"{where}: nodes[{n}]"
             if not isinstance(node, Mapping):
                 raise InputError(f"{nwhere}: expected a mapping with 'devices'")
+            check_keys(node, ("name", "devices"), nwhere)
             name = str(node.get("name", f"n{n}"))
             if name in seen_names:
                 raise InputError(f"{nwhere}: node name {name!r} is used twice")
@@ -112,6 +119,7 @@ class ClusterSpec:
                 dwhere = f"{nwhere}.devices[{i}]"
                 if not isinstance(entry, Mapping):
                     raise InputError(f"{dwhere}: expected a mapping (memory_gb, speed, tflops)")
+                check_keys(entry, cls.DEVICE_KEYS, dwhere)
                 merged = {**defaults, **entry}
                 devices.append(DeviceSpec(
                     rank=len(devices), node=n, name=f"{name}/{i}",
@@ -362,6 +370,7 @@ class ModelSpec:
         known = set(cls.FIELDS) | set(STATE_PARTS) | {
             "tp", "pp", "state_bytes_per_param", "schedule", "workload", "name", "mlp",
             "activation_bytes_per_token_layer"}
+        check_keys(data, known, where)
         try:
             return cls(**kwargs, schedule=schedule, workload=workload, mlp=mlp,
                        name=str(data.get("name", Path(where).stem)),
