@@ -244,3 +244,19 @@ def test_calibrate_makes_a_model_for_this_device(tmp_path, monkeypatch):
     assert card["calibration"]["seconds"] > 0 and card["reference"]["seconds"] > 0
     assert set(card["held_out_cross_source"]["by_source"]) == {"code", "text", "changelog"}
     assert resolve_model("auto", torch_device) == out
+
+
+def test_detector_takes_only_a_model_of_the_jobs_device(tiny_profile, tmp_path, monkeypatch):
+    from resihp.detect.expected import load_expected
+
+    monkeypatch.setenv("RESIHP_MODELS", str(tmp_path))
+    train_predictor([tiny_profile], tmp_path / "mine")
+    device = json.loads((tmp_path / "mine" / "card.json").read_text())["device"]
+    shape = TransformerShape(1, 64, 2, 128)
+    expected = load_expected("auto", shape, device)
+    assert np.all(expected([[128], [32, 32]], "fwd") > 0)
+    assert load_expected("mine", shape, device)([[128]], "bwd")[0] > 0
+    with pytest.raises(InputError, match="no micro-batch predictor for device 'cpu:Elsewhere'"):
+        load_expected("auto", shape, "cpu:Elsewhere")
+    with pytest.raises(InputError, match="this job runs on 'cpu:Elsewhere'"):
+        load_expected(str(tmp_path / "mine"), shape, "cpu:Elsewhere")

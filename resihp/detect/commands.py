@@ -21,8 +21,10 @@ def detect_cmd(
                                           "mini-batch file with --input-format alibaba")],
     meta: Annotated[Path, typer.Option(help="Job meta YAML (dp_size, pp_size, tp_size, world_size, "
                                        "optional model fields); default: sizes implied by the trace")] = None,
-    model: Annotated[Path, typer.Option(help="Trained micro-batch predictor (models/NAME) for the "
-                                        "expected compute; needs the meta's model fields")] = None,
+    model: Annotated[str, typer.Option(help="Trained micro-batch predictor for the expected "
+                                       "compute: a folder, an installed model's name, or auto (the "
+                                       "one measured on the job's device: the meta's device field, "
+                                       "else this machine); needs the meta's model fields")] = None,
     method: Annotated[str, typer.Option(help="resihp, or a baseline: raw-threshold, relative-score, "
                                         "iteration-changepoint")] = "resihp",
     input_format: Annotated[str, typer.Option("--input-format", help="ops or alibaba")] = "ops",
@@ -48,7 +50,9 @@ def detect_cmd(
         raise InputError(f"--input-format: expected ops or alibaba, got {input_format!r}")
     if input_format == "alibaba" and meta is not None:
         job, meta_dict = read_meta(meta)
-    expected = load_expected(model, stage_shape(job, meta_dict)) if model is not None else None
+    device = (meta_dict or {}).get("device")
+    expected = (load_expected(model, stage_shape(job, meta_dict), str(device) if device else None)
+                if model is not None else None)
     with warnings.catch_warnings():  # ranks absent from a step are NaN by design
         warnings.simplefilter("ignore", RuntimeWarning)
         found, obs = run_methods(df, job, [method], expected, meta_dict)
@@ -73,8 +77,10 @@ def detect_eval_cmd(
     seed: int = 0,
     profile: Annotated[Path, typer.Option(help="Profiling log giving the measured micro-batch "
                                           "costs")] = None,
-    model: Annotated[Path, typer.Option(help="Trained predictor for resihp's expected compute "
-                                        "(default: analytic FLOPs of the sequence lengths)")] = None,
+    model: Annotated[str, typer.Option(help="Trained predictor for resihp's expected compute: a "
+                                       "folder, an installed model's name, or auto (the one "
+                                       "measured on the profile's device); default: analytic "
+                                       "FLOPs of the sequence lengths")] = None,
     drop: Annotated[list[str], typer.Option(help="Optional trace column to drop before detection "
                                             "(seq_lens, start_ts); repeatable")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
@@ -95,7 +101,8 @@ def detect_eval_cmd(
     expected = None
     if model is not None:
         pool = CostPool.from_profile(profile)
-        expected = load_expected(model, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden))
+        expected = load_expected(model, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden),
+                                 pool.device)
     n = len(make_suite(quick, seed))
     with progress_bar("evaluating", n, enabled=not json_out) as advance, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -10,7 +10,8 @@ import numpy as np
 from resihp.detect.observe import ExpectedCompute, shape_from_meta
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
-from resihp.paths import resolve
+from resihp.perf.device import this_device
+from resihp.perf.registry import check_device, resolve_model
 from resihp.workload.flops import TransformerShape
 
 
@@ -33,9 +34,13 @@ def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | Non
                             full.ffn_hidden, full.tp)
 
 
-def load_expected(model: str | Path, shape: TransformerShape | None) -> ExpectedCompute:
-    """The predictor at ``model`` (a folder, or a shipped predictor by name) bound to ``shape``."""
-    model = resolve(model, "predictor")
+def load_expected(model: str | Path, shape: TransformerShape | None,
+                  device: str | None = None) -> ExpectedCompute:
+    """The predictor ``model`` (a folder, an installed predictor by name, or ``auto``: the one
+    measured on ``device``) bound to ``shape``. ``device`` is the job's (its meta's ``device``
+    field), by default this machine's CPU; a predictor of another device is refused."""
+    device = device or this_device()
+    model = resolve_model(model, device)
     try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
     except ImportError:
@@ -43,4 +48,6 @@ def load_expected(model: str | Path, shape: TransformerShape | None) -> Expected
     if shape is None:
         raise InputError(f"--model {model}: the job meta needs the model fields layers, hidden, heads "
                          "and ffn_hidden to ask the predictor")
-    return predictor_expected(MicroBatchPredictor.load(model), shape)
+    predictor = MicroBatchPredictor.load(model)
+    check_device(model, predictor.device_, device)
+    return predictor_expected(predictor, shape)

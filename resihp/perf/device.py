@@ -29,6 +29,16 @@ def device_name(device: torch.device) -> str:
     return f"cpu:{cpu_name()} x{torch.get_num_threads()}thr"
 
 
+def this_device(kind: str = "cpu", threads: int = 1) -> str:
+    """The name :func:`device_name` gives this machine's ``kind`` device when a job runs torch with
+    ``threads`` intra-op threads (resihp's jobs and profiles use 1)."""
+    if kind == "cpu":
+        return f"cpu:{cpu_name()} x{threads}thr"
+    import torch
+
+    return device_name(torch.device(kind))
+
+
 def versions() -> dict[str, str]:
     import lightgbm
     import numpy

@@ -41,6 +41,14 @@ GBM_PARAMS = {"objective": "regression", "learning_rate": 0.08, "num_leaves": 15
               "colsample_bytree": 0.9, "reg_lambda": 1.0, "verbose": -1, "num_threads": 1}
 
 
+WIDTH_COLUMNS = ["hidden", "heads", "ffn_hidden", "tp"]
+MIN_WIDTH_ROWS = 20  # rows of one width and phase needed to fit that width's own base
+
+
+def _width_key(phase: str, key: tuple) -> str:
+    return ":".join([phase, *(str(int(k)) for k in key)])
+
+
 def base_terms(feats: pd.DataFrame) -> np.ndarray:
     """Cost terms of the analytic base, one column each, for rows with features and shape."""
     layers = feats["layers"].to_numpy(np.float64)
@@ -129,15 +137,19 @@ class MicroBatchPredictor:
                              "train one predictor per device")
         self.device_ = devices[0]
         self.base_coef_: dict[str, np.ndarray] = {}
+        self.width_coef_: dict[str, np.ndarray] = {}
         self.boosters_: dict[str, lgb.Booster] = {}
         for phase in PHASES:
             rows = feats[feats["phase"] == phase]
             if len(rows) < 20:
                 raise InputError(f"profiling logs: {len(rows)} '{phase}' rows; need at least 20 to train")
             y = rows["time_s"].to_numpy()
-            coef = _relative_fit(base_terms(rows), y)
-            self.base_coef_[phase] = coef
-            target = np.log(y / (base_terms(rows) @ coef))
+            self.base_coef_[phase] = _relative_fit(base_terms(rows), y)
+            for key, idx in rows.groupby(WIDTH_COLUMNS).indices.items():
+                if len(idx) >= MIN_WIDTH_ROWS:
+                    self.width_coef_[_width_key(phase, key)] = _relative_fit(
+                        base_terms(rows.iloc[idx]), y[idx])
+            target = np.log(y / self._base(rows, phase))
             x = gbm_inputs(rows)
             rng = np.random.default_rng(self.random_state)
             valid = rng.random(len(rows)) < 0.15
@@ -149,13 +161,25 @@ class MicroBatchPredictor:
                 callbacks=[lgb.early_stopping(self.early_stopping_rounds, verbose=False)])
         return self
 
+    def _base(self, rows: pd.DataFrame, phase: str) -> np.ndarray:
+        """The analytic base of one phase's rows: a width measured in training has its own
+        coefficients (each width runs its matrices at its own efficiency); another width uses the
+        coefficients fitted over all widths, which extrapolate by the cost terms."""
+        terms = base_terms(rows)
+        out = terms @ self.base_coef_[phase]
+        for key, idx in rows.groupby(WIDTH_COLUMNS).indices.items():
+            coef = self.width_coef_.get(_width_key(phase, key))
+            if coef is not None:
+                out[idx] = terms[idx] @ coef
+        return out
+
     def _predict_features(self, feats: pd.DataFrame) -> np.ndarray:
         out = np.empty(len(feats))
         for phase, idx in feats.groupby("phase").indices.items():
             if phase not in self.boosters_:
                 raise InputError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
             rows = feats.iloc[idx]
-            base = base_terms(rows) @ self.base_coef_[phase]
+            base = self._base(rows, phase)
             out[idx] = base * np.exp(self.boosters_[phase].predict(gbm_inputs(rows), num_threads=0))
         return out
 
@@ -194,6 +218,7 @@ class MicroBatchPredictor:
             "base_terms": ["flops_dense", "flops_attn", "layers*tokens*(hidden+ffn)/tp",
                            "layers*n_seqs", "layers"],
             "base_coef": {p: c.tolist() for p, c in self.base_coef_.items()},
+            "base_coef_by_width": {k: c.tolist() for k, c in self.width_coef_.items()},
             "gbm_features": GBM_FEATURES, "gbm_params": GBM_PARAMS,
             "gbm_trees": {p: b.num_trees() for p, b in self.boosters_.items()},
             "target": "log(time_s / analytic base)", "versions": versions(),
@@ -223,6 +248,7 @@ class MicroBatchPredictor:
         self.reference_ = card.get("reference")
         self.reference_s_ = float((self.reference_ or {}).get("seconds", 1.0))
         self.base_coef_ = {p: np.asarray(c) for p, c in card["base_coef"].items()}
+        self.width_coef_ = {k: np.asarray(c) for k, c in card.get("base_coef_by_width", {}).items()}
         self.boosters_ = {}
         for phase in PHASES:
             path = directory / f"{phase}.lgb.txt"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resihp.errors import InputError
-from resihp.paths import MODELS
+from resihp.paths import MODELS, resolve
 
 CALIBRATE_HINT = "make one on this machine with `resihp predictor calibrate` (a few minutes)"
 
@@ -76,15 +76,17 @@ def resolve_model(spec: str | Path, device: str) -> Path:
             raise InputError(f"no micro-batch predictor for device {device!r} (installed: "
                              f"{'; '.join(have) or 'none'}); {CALIBRATE_HINT}")
         return found
-    path = Path(text)
-    if not path.exists() and os.sep not in text:
-        named = [root / text for root in search_dirs() if (root / text / "card.json").exists()]
-        if named:
-            path = named[0]
+    user = user_models_dir() / text
+    if not Path(text).exists() and os.sep not in text and (user / "card.json").exists():
+        return user
+    try:
+        path = resolve(text, "predictor")  # a path, or a shipped model by name
+    except InputError:
+        path = Path(text)
     if not (path / "card.json").exists():
         names = sorted({m.path.name for m in installed_models()})
         raise InputError(f"--model {text}: not a predictor directory and not an installed model "
-                         f"(installed: {', '.join(names) or 'none'}; or `auto`)")
+                         f"(installed: {', '.join(names) or 'none'}; or auto)")
     return path
 
 

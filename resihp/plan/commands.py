@@ -68,12 +68,15 @@ def plan_cmd(
     token_budgets: Annotated[bool, typer.Option(
         "--token-budgets", help="Also balance replicas by unequal token shares "
         "(per-replica micro-batch budgets), not only whole micro-batches")] = False,
-    predictor: Annotated[Path | None, typer.Option(
-        help="Learned micro-batch predictor directory to use as the cost model")] = None,
+    predictor: Annotated[str | None, typer.Option(
+        help="Learned micro-batch predictor as the cost model: a folder, an installed model's "
+        "name, or auto (the one measured on this machine)")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plan JSON")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
     """Plan TP groups, layer split and micro-batches around slow and dead devices."""
+    from resihp.perf.device import this_device
+    from resihp.perf.registry import resolve_model
     from resihp.plan.baselines import make_policy
     from resihp.plan.cost import AnalyticCost, PredictorCost
     from resihp.plan.plan import Plan
@@ -85,7 +88,7 @@ def plan_cmd(
         raise InputError(f"--horizon: must be at least 1 step, got {horizon}")
     cluster = resolve(cluster, "cluster")
     model = resolve(model, "model")
-    predictor = resolve(predictor, "predictor") if predictor else None
+    predictor = resolve_model(predictor, this_device()) if predictor else None
     spec = ClusterSpec.from_yaml(cluster).with_speeds(parse_speeds(speed), where="--speed")
     mspec = ModelSpec.from_yaml(model)
     cost = PredictorCost.load(str(predictor)) if predictor else AnalyticCost()
