@@ -129,3 +129,10 @@ def test_swiglu_costs_a_third_matrix_in_flops_and_parameters(tmp_path):
 
     extra = linear_flops_per_token(swiglu.shape()) - linear_flops_per_token(gelu.shape())
     assert extra == 2.0 * h * f
+
+
+def test_a_thousand_year_replay_is_refused_with_the_limit(tmp_path):
+    """Issue 20: durations are bounded with a clear limit."""
+    with pytest.raises(InputError, match=r"duration 365,000 days is past the limit of 366 days"):
+        load_scenario(write(tmp_path, duration="365000d"))
+    assert load_scenario(write(tmp_path, duration="366d")).duration_s == 366 * 86400

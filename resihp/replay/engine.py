@@ -90,6 +90,7 @@ class Replay:
         sc, ctx, st = self.scenario, self.ctx, self.scenario.settings
         n = sc.cluster.size
         speeds = np.ones(n)
+        ctx._bench = lambda device: float(speeds[device])  # the true speed now (updated in place)
         base_tps = self.healthy_tokens_per_s()
         job_n = len(ctx.job_devices)
         t, tokens, downtime, lost = 0.0, 0.0, 0.0, 0.0

@@ -115,6 +115,7 @@ class Context:
         self.step = 0
         self.last_checkpoint_s = 0.0
         self.layout: ReplicaLayout | None = None
+        self._bench: Callable[[int], float] | None = None  # set by the engine (see ``benchmark``)
         m, p = scenario.model, scenario.parallel
         self.total_microbatches = m.global_batch_tokens // m.microbatch_tokens
         self.job_devices = np.arange(p.dp * p.pp * p.tp)
@@ -122,6 +123,14 @@ class Context:
         self.mean_fwd_flops = float(pool.fwd_flops_per_layer.mean())
         self.mean_head_flops = float(pool.head_flops.mean())
         self.mean_tokens = float(pool.tokens.mean())
+
+    def benchmark(self, device: int) -> float:
+        """The speed a short benchmark measures on ``device`` now, relative to a healthy device (0
+        when dead): what a real job can run on a device it has excluded and so cannot observe in
+        training. Only for devices out of the plan in force; the others are judged by the detector."""
+        if self._bench is None:
+            raise RuntimeError("benchmark: no engine attached to this context")
+        return self._bench(device)
 
     def uniform_layout(self, exclude: set[int], dp: int | None = None) -> ReplicaLayout:
         """Megatron-style placement over the whole nodes that hold no excluded device."""

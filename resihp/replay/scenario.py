@@ -102,6 +102,9 @@ class Scenario:
     family: str = ""
 
 
+MAX_DURATION_S = 366 * 86400.0  # the longest replay: a year of training
+
+
 def parse_duration(value: object, where: str) -> float:
     """Seconds from a number (seconds) or a string with a unit: ``90s``, ``30m``, ``12h``, ``7d``."""
     if isinstance(value, bool):
@@ -317,6 +320,9 @@ def load_scenario(path: str | Path) -> Scenario:
     duration = root.duration("duration")
     if duration <= 0:
         raise InputError(f"{root.where}: duration must be positive")
+    if duration > MAX_DURATION_S:
+        raise InputError(f"{root.where}: duration {duration / 86400:,.0f} days is past the limit of "
+                         f"{MAX_DURATION_S / 86400:.0f} days (a replay of a training job, not a century)")
     c = root.sub("costs", required=False)
     c.check_keys({"restart", "checkpoint_interval", "reconfig", "heartbeat_timeout", "repair"})
     costs = Costs(restart_s=c.duration("restart", Costs.restart_s),

@@ -55,9 +55,12 @@ class Resihp(Policy):
     device's believed speed to 1/slowdown and the ``Planner`` re-plans tensor-parallel groups, layer
     split and micro-batch allocation from the plan in force; the pause is the plan's estimated
     migration time. A detector recovery event restores the device's speed and re-plans; a device the
-    plan excluded cannot be observed, so it is taken back (and watched again) after ``recheck_s``,
-    twice as long after each recheck that found it still slow, up to ``2 ** max_backoff`` times (the
-    policy asks the engine for a look then, ``wake_at``). Fail-stops
+    plan excluded cannot be observed in training, so after ``recheck_s`` it runs a short benchmark
+    (``Context.benchmark``) and is taken back (and watched again) only when it measures healthy
+    (``healthy`` of nominal speed); still slow, it stays out with the measured slowdown and is
+    benchmarked again twice as long later, up to ``2 ** max_backoff`` times the interval (the
+    policy asks the engine for a look then, ``wake_at``). An extremely slow device is thus never
+    let back into training to be found again at its own pace. Fail-stops
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
     (``costs.reconfig``, no rollback). The solver's own time runs beside training and is reported,
     not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
@@ -68,10 +71,11 @@ class Resihp(Policy):
     observes = True
 
     def __init__(self, time_limit_s: float = 5.0, recheck_s: float = 1800.0,
-                 max_backoff: int = 2) -> None:
+                 max_backoff: int = 2, healthy: float = 0.95) -> None:
         self.time_limit_s = time_limit_s
         self.recheck_s = recheck_s
         self.max_backoff = max_backoff
+        self.healthy = healthy
         self.slow: dict[int, float] = {}
         self.since: dict[int, float] = {}
         self.returned: dict[int, float] = {}  # when an excluded device was last taken back
@@ -125,10 +129,20 @@ class Resihp(Policy):
             return None
         index = findings[0].index if findings else 0
         time_s = window.start_s + float(window.step_time[: index + 1].sum())
-        detections, changed = [], bool(stale)
-        for d in stale:  # an excluded device cannot be observed: take it back and watch it again
-            self.slow.pop(d)
-            self.returned[d] = ctx.now
+        detections, changed = [], False
+        for d in stale:  # an excluded device cannot be observed in training: benchmark it
+            measured = ctx.benchmark(d)
+            if measured >= self.healthy:  # healthy again: take it back and watch it again
+                self.slow.pop(d)
+                self.returned[d] = ctx.now
+                changed = True
+                continue
+            slowdown = 1.0 / max(measured, 1e-6)  # still slow: out, benchmarked again later
+            self.backoff[d] = self.backoff.get(d, 0) + 1
+            self.since[d] = ctx.now
+            if abs(slowdown / self.slow[d] - 1.0) > 0.1:
+                self.slow[d] = slowdown
+                changed = True
         for f in findings:
             if f.ended:
                 changed |= self.slow.pop(f.device, None) is not None
