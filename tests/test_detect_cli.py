@@ -56,6 +56,23 @@ def test_detect_text_output_and_baseline_and_alibaba(trace):
     assert any(e["rank"] == 6 for e in json.loads(proc.stdout)["events"])
 
 
+def test_detect_says_when_a_trace_has_too_few_steps_to_judge(trace):
+    """Issue 20: 15 steps (or 12 sparsely sampled ones) gave "events": [] and no word."""
+    tmp, df = trace
+    full = json.loads(resihp("detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml", "--json").stdout)
+    assert full["judged"] is True and "note" not in full
+    for name, part in [("short.parquet", df[df.step < 15]),
+                       ("sampled.parquet", df[(df.step % 7 == 0) & (df.step < 80)])]:
+        write_ops_trace(part, tmp / name)
+        proc = resihp("detect", tmp / name, "--meta", tmp / "meta.yaml", "--json")
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["judged"] is False and doc["events"] == []
+        assert f"the trace has {doc['steps']} distinct step(s), the detector needs at least 23" in doc["note"]
+    text = resihp("detect", tmp / "short.parquet", "--meta", tmp / "meta.yaml").stdout
+    assert "too few steps to judge: the trace has 15 distinct step(s)" in text
+
+
 def _bad(tmp, df: pd.DataFrame, name: str = "bad.csv"):
     path = tmp / name
     df.to_csv(path, index=False)

@@ -32,6 +32,7 @@ def detect_cmd(
 ) -> None:
     """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file)."""
     from resihp.detect.alibaba import read_alibaba_job
+    from resihp.detect.config import DetectorConfig
     from resihp.detect.evaluate import METHODS, run_methods
     from resihp.detect.events import events_json
     from resihp.detect.expected import load_expected, stage_shape
@@ -59,11 +60,21 @@ def detect_cmd(
     ranks = int(df["rank"].nunique())
     doc = events_json(found[method], steps=len(obs.steps), ranks=ranks, method=method,
                       cost_model=obs.cost_model if method == "resihp" else "raw")
+    cfg = DetectorConfig()
+    needed = cfg.calibration_steps + cfg.min_persist  # learn each rank's noise, then see a fault persist
+    doc["judged"] = doc["steps"] >= needed
+    if not doc["judged"]:
+        doc["note"] = (f"too few steps to judge: the trace has {doc['steps']} distinct step(s), the "
+                       f"detector needs at least {needed} ({cfg.calibration_steps} to learn each "
+                       f"rank's noise, {cfg.min_persist} for a fault to persist); no event is not "
+                       f"a clean bill of health")
     if json_out:
         print(json.dumps(doc))
         return
     typer.echo(f"{trace}: {doc['steps']} steps, {ranks} ranks, method {method} "
                f"(cost model: {doc['cost_model']}); {len(doc['events'])} event(s)")
+    if not doc["judged"]:
+        typer.echo(f"  {doc['note']}")
     for e in doc["events"]:
         where = (f"rank {e['rank']} (dp {e['dp_rank']}, stage {e['stage']})" if e["rank"] is not None
                  else f"stage {e['stage']}" if e["stage"] is not None else f"replica dp {e['dp_rank']}")
