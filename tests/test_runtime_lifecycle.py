@@ -237,3 +237,14 @@ def test_disk_full_writing_a_trace_keeps_the_previous_one_and_is_one_line(tmp_pa
     err = capsys.readouterr().err
     assert info.value.code == 1 and err.strip() == (
         f"resihp: disk full writing {path} (No space left on device); free space and run again")
+
+
+def test_resume_crosses_layouts_never_models():
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.worker import resume_step
+
+    cfg = RunConfig(dp=1, pp=2, resume="runs/x/ckpt/step9")
+    other = RunConfig(hidden=64, dp=2, pp=2)
+    assert resume_step(cfg, {"step": 9, "dp": 2, "pp": 2, "model_hash": RunConfig(dp=2).model_hash()}) == 10
+    with pytest.raises(InputError, match=r"step9: written for another model"):
+        resume_step(cfg, {"step": 9, "model_hash": other.model_hash(), "model": {"hidden": 64}})

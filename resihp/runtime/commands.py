@@ -159,12 +159,18 @@ def demo_cmd(
 
     inject = inject or f"slow:rank=1,factor=3,step={DetectorConfig().calibration_steps + 4}"
     steps = steps or (parse_fault(inject).step or 0) + 20
-    with progress_bar("demo", steps, enabled=not json_out) as advance:
+    from resihp.runtime.lifecycle import RunFolder
+
+    with RunFolder(out).acquire() as folder, progress_bar("demo", steps, enabled=not json_out) as advance:
+        folder.record(state="running", started=time.time())
         try:
-            summary = run_demo(out, steps, inject, plot, on_step=lambda s: advance(s + 1))
+            summary = run_demo(out, steps, inject, plot, on_step=lambda s: advance(s + 1),
+                               job_id=folder.job_id)
         except RunFailed as exc:
+            folder.record(state="failed", error=str(exc), ended=time.time())
             print(f"resihp: {exc}", file=sys.stderr)
             raise typer.Exit(1) from None
+        folder.record(state="done", ended=time.time())
     if json_out:
         print(json.dumps(summary))
         return

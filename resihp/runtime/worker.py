@@ -122,6 +122,15 @@ class NonFiniteLoss(RuntimeError):
     """The loss is NaN or infinite: the run stops (exit 1) and keeps its last good checkpoint."""
 
 
+def resume_step(cfg: RunConfig, saved: dict) -> int:
+    """The first step after checkpoint meta ``saved``, which must be of this run's model (its
+    layout may differ: checkpoints are universal)."""
+    if saved.get("model_hash") not in (None, cfg.model_hash()):
+        raise InputError(f"{cfg.resume}: written for another model ({saved.get('model')}); this run's "
+                         f"model is {cfg.model_config().to_dict()}")
+    return int(saved["step"]) + 1
+
+
 def run(cfg: RunConfig) -> None:
     out = Path(cfg.out)
     device = _device(cfg)
@@ -151,7 +160,7 @@ def run(cfg: RunConfig) -> None:
         # deferred for start-up time (see save_checkpoint)
         from resihp.ckpt.universal import load, read_meta
 
-        first_step = int(read_meta(cfg.resume)["step"]) + 1
+        first_step = resume_step(cfg, read_meta(cfg.resume))
         engine.rec.begin_step(first_step)
         with engine.rec.op("checkpoint-load"):
             load(cfg.resume, engine.model, engine.optimizer, engine.coords.tp_rank, cfg.tp)
