@@ -1,7 +1,13 @@
-"""Predictor benchmark: held-out micro-batch MAPE (learned vs the paper's linear model), step-time
-MAPE against real multi-process runs, and prediction throughput. Prints JSON.
+"""Predictor benchmark on this machine, in one run: calibration time, the device's noise floor before
+and after normalisation, held-out micro-batch MAPE (random split and leave-one-length-source-out)
+for the learned and the linear model with and without normalisation, step-time MAPE against real
+multi-process runs, and prediction throughput. Prints JSON.
 
-    python benchmarks/predictor.py [--logs traces/profiles/*.parquet] [--steps 12] [--quick]
+    python benchmarks/predictor.py [--microbatches 60] [--repeats 3] [--steps 12] [--quick]
+                                   [--keep DIR]
+
+The calibration is the real ``resihp predictor calibrate`` (its profiles interleave every repeat
+with a reference micro-batch); every arm below is trained and tested on those same profiles.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,36 +23,49 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from resihp.opstrace import read_meta, read_ops_trace
-from resihp.paths import TRACES
+from resihp.perf.calibrate import CalibrationPlan, calibrate
 from resihp.perf.device import versions
 from resihp.perf.logs import read_profile_logs
-from resihp.perf.predictor import MicroBatchPredictor
+from resihp.perf.predictor import LinearBaseline, MicroBatchPredictor, evaluate, holdout_split
+from resihp.perf.profiler import noise_floor
 from resihp.perf.step_replay import replay_steps
-from resihp.perf.training import train_predictor, with_target
+from resihp.perf.training import cross_source, with_target
 from resihp.workload.flops import TransformerShape
 from resihp.workload.lengths import resolve_source, sample_sequences
 from resihp.workload.packing import pack_greedy
 
+# target -> (clock, normalised?)
+ARMS = {"time_s": ("wall", False), "cost": ("wall", True), "cpu_time_s": ("cpu", False),
+        "cpu_cost": ("cpu", True)}
 
-def accuracy(logs: list[Path], target: str, workdir: Path) -> dict:
-    card = train_predictor(logs, workdir / f"model-{target}", holdout=0.25, seed=0, target=target)
-    return {**card["held_out"], "noise_floor": noise_floor(logs, target)}
+
+def _phase_pair(metrics: dict) -> dict:
+    return {phase: {"learned_mape": metrics[phase]["mape"],
+                    "linear_mape": metrics[phase]["linear_baseline"]["mape"],
+                    **({"learned_worst_mape": metrics[phase]["worst_mape"],
+                        "linear_worst_mape": metrics[phase]["linear_baseline"]["worst_mape"]}
+                       if "worst_mape" in metrics[phase] else {})}
+            for phase in ("fwd", "bwd")}
 
 
-def noise_floor(logs: list[Path], target: str) -> dict:
-    """Mean absolute deviation (%) of identical micro-batches (same model, same lengths, measured
-    at different times) from their median: no predictor can beat this on the machine measured."""
+def accuracy(logs: list[Path], target: str, seed: int = 0) -> dict:
+    """Held-out MAPE of the learned and the linear model on ``target``: a random 25% of the
+    micro-batches, and each length source held out in turn (trained on the others)."""
     log = with_target(read_profile_logs(logs), target, str(logs[0]))
-    log["key"] = log["model"] + ":" + log["seq_lens"].map(str)
-    out = {}
-    for phase, rows in log.groupby("phase"):
-        groups = rows.groupby("key")["time_s"]
-        big = groups.transform("size") >= 5
-        dev = (rows["time_s"] / groups.transform("median") - 1).abs()[big] * 100
-        out[phase] = {"mad_pct": float(dev.mean()), "n": int(big.sum())}
-    return out
+    train_idx, test_idx = holdout_split(log, 0.25, seed)
+    predictor = MicroBatchPredictor(random_state=seed).fit(log.iloc[train_idx])
+    linear = LinearBaseline().fit(log.iloc[train_idx])
+    random_split = evaluate(predictor, linear, log.iloc[test_idx])
+    cross = cross_source(log, seed)
+    return {"random": _phase_pair(random_split), "cross_source": _phase_pair(cross),
+            "cross_source_by_source": {s: _phase_pair(m) for s, m in cross["by_source"].items()}}
+
+
+def floors(logs: list[Path]) -> dict:
+    return {p.stem: noise_floor(read_profile_logs([p])) for p in logs}
 
 
 def step_accuracy(dp: int, pp: int, schedule: str, steps: int, workdir: Path) -> dict:
@@ -64,11 +84,10 @@ def step_accuracy(dp: int, pp: int, schedule: str, steps: int, workdir: Path) ->
             "median_step_s": float(table["measured_s"].median())}
 
 
-def throughput(model: Path, n: int = 100_000, repeats: int = 5) -> dict:
+def throughput(model: Path, shape: TransformerShape, n: int = 100_000, repeats: int = 5) -> dict:
     predictor = MicroBatchPredictor.load(model)
     seqs = sample_sequences(resolve_source("text"), n * 1024, 1024, np.random.default_rng(0))
     mbs = [m.tolist() for m in pack_greedy(seqs, 1024)[:n]]
-    shape = TransformerShape(2, 256, 4, 1024)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -80,20 +99,36 @@ def throughput(model: Path, n: int = 100_000, repeats: int = 5) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--logs", nargs="*", type=Path,
-                        default=sorted((TRACES / "profiles").glob("cpu-*.parquet")))
+    parser.add_argument("--microbatches", type=int, default=60, help="per source and shape")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="one short multi-process run")
+    parser.add_argument("--keep", type=Path, help="copy the calibrated model directory here")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        result = {"logs": [p.name for p in args.logs], "versions": versions(),
-                  "micro_batch": {t: accuracy(args.logs, t, workdir) for t in ("time_s", "cpu_time_s")}}
+        plan = CalibrationPlan(microbatches=args.microbatches, repeats=args.repeats)
+        start = time.perf_counter()
+        model, card = calibrate(plan, workdir / "model")
+        calibration_s = time.perf_counter() - start
+        logs = sorted((model / "profiles").glob("*.parquet"))
+        result = {"device": card["device"], "versions": versions(), "calibration_s": calibration_s,
+                  "calibration": {"shapes": [s.name for s in plan.shapes],
+                                  "sources": list(plan.sources),
+                                  "microbatches_per_source_and_shape": plan.microbatches,
+                                  "repeats": plan.repeats, "measurements": plan.measurements},
+                  "speed": {k: v["speed"] for k, v in card["calibration"]["profiles"].items()},
+                  "noise_floor": floors(logs),
+                  "micro_batch": {t: {"clock": ARMS[t][0], "normalised": ARMS[t][1],
+                                      **accuracy(logs, t)} for t in ARMS}}
         runs = [(1, 2, "1f1b")] if args.quick else [(1, 2, "1f1b"), (1, 2, "gpipe"), (2, 2, "1f1b")]
         result["step"] = [step_accuracy(dp, pp, s, 4 if args.quick else args.steps, workdir)
                           for dp, pp, s in runs]
         result["step_mape"] = float(np.mean([r["step_mape"] for r in result["step"]]))
-        result["throughput"] = throughput(workdir / "model-time_s")
+        result["throughput"] = throughput(model, plan.shapes[0].config(1024).shape())
+        if args.keep:
+            shutil.copytree(model, args.keep, dirs_exist_ok=True)
     print(json.dumps(result, indent=2))
 
 
