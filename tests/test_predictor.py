@@ -260,3 +260,22 @@ def test_detector_takes_only_a_model_of_the_jobs_device(tiny_profile, tmp_path, 
         load_expected("auto", shape, "cpu:Elsewhere")
     with pytest.raises(InputError, match="this job runs on 'cpu:Elsewhere'"):
         load_expected(str(tmp_path / "mine"), shape, "cpu:Elsewhere")
+
+
+def test_speed_remeasures_the_reference_of_a_normalised_model(tiny_profile, tmp_path, monkeypatch):
+    from resihp.perf.device import this_device
+
+    monkeypatch.setenv("RESIHP_MODELS", str(tmp_path))
+    train_predictor([tiny_profile], tmp_path / "mine")
+    card = json.loads((tmp_path / "mine" / "card.json").read_text())
+    card["device"] = this_device()  # as if calibrated on this machine (the log is a fixed one)
+    (tmp_path / "mine" / "card.json").write_text(json.dumps(card))
+    result = runner.invoke(app, ["predictor", "speed", "--repeats", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["model"] == str(tmp_path / "mine") and doc["clock"] == "cpu"
+    assert doc["reference_s"] > 0 and doc["slowdown"] == pytest.approx(
+        doc["reference_s"] / card["reference"]["seconds"])
+    train_predictor([tiny_profile], tmp_path / "raw", target="time_s")
+    result = runner.invoke(app, ["predictor", "speed", "-m", str(tmp_path / "raw")])
+    assert isinstance(result.exception, InputError)

@@ -204,6 +204,47 @@ def eval_cmd(
         _print_metrics(f"{model} on {', '.join(map(str, logs))}", result)
 
 
+@predictor_app.command("speed")
+def speed_cmd(
+    model: Annotated[str, typer.Option("-m", "--model", help="A predictor trained on normalised "
+                                       "cost: a folder, an installed model's name, or auto")] = "auto",
+    repeats: Annotated[int, typer.Option(help="Timed passes of the reference")] = 7,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Re-measure the device's reference micro-batch now (about a second) and compare it with the
+    predictor's calibration: the factor its predictions in seconds scale by on this device now."""
+    import torch
+
+    from resihp.perf.device import this_device
+    from resihp.perf.predictor import MicroBatchPredictor
+    from resihp.perf.profiler import ReferenceSpec, measure_reference
+    from resihp.perf.registry import check_device, resolve_model
+
+    if repeats < 1:
+        raise InputError(f"--repeats: expected a positive integer, got {repeats}")
+    torch.set_num_threads(1)
+    device = this_device()
+    path = resolve_model(model, device)
+    predictor = MicroBatchPredictor.load(path)
+    check_device(path, predictor.device_, device)
+    reference = predictor.reference_
+    if not reference or not reference.get("spec"):
+        raise InputError(f"{path}: this predictor learned raw seconds, so it has no reference to "
+                         "re-measure; make one with `resihp predictor calibrate`")
+    spec = ReferenceSpec.from_dict(reference["spec"], f"{path / 'card.json'}: field reference.spec")
+    now = measure_reference(spec, "cpu", repeats=repeats)["wall_s" if reference["clock"] == "wall"
+                                                             else "cpu_s"]
+    doc = {"model": str(path), "device": device, "clock": reference["clock"],
+           "calibrated_reference_s": reference["seconds"], "reference_s": now,
+           "slowdown": now / reference["seconds"]}
+    if json_out:
+        print(json.dumps(doc))
+    else:
+        typer.echo(f"{path}: reference now {now * 1e3:.1f} ms ({reference['clock']} clock) against "
+                   f"{reference['seconds'] * 1e3:.1f} ms at calibration: this device runs "
+                   f"x{doc['slowdown']:.2f} of its calibrated time")
+
+
 def _print_metrics(title: str, result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
