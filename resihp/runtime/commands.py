@@ -286,10 +286,12 @@ ckpt_app = typer.Typer(help="Universal (reshardable) checkpoints.", no_args_is_h
 
 @ckpt_app.command("inspect")
 def ckpt_inspect_cmd(
-    directory: Annotated[Path, typer.Argument(help="A checkpoint folder (OUT/ckpt/stepN)")],
+    directory: Annotated[Path, typer.Argument(help="A checkpoint folder (OUT/ckpt/stepN), or a run "
+                                              "folder (its newest checkpoint that verifies)")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Show a checkpoint's step, the layout that wrote it, its layers and tensors."""
+    """Verify a checkpoint against its manifest (one line saying what is wrong if it does not) and
+    show its step, the layout and job that wrote it, its layers and tensors."""
     from resihp.ckpt.universal import inspect
 
     info = inspect(directory)
@@ -298,7 +300,8 @@ def ckpt_inspect_cmd(
         return
     meta = info["meta"]
     print(f"{directory}: step {meta.get('step')}, written by dp {meta.get('dp')} pp {meta.get('pp')} "
-          f"tp {meta.get('tp')}; {info['tensors']} tensors; layers {info['layers']}")
+          f"tp {meta.get('tp')} (job {meta.get('job_id') or '-'}); {info['tensors']} tensors; layers "
+          f"{info['layers']}; every file matches its manifest")
 
 
 @ckpt_app.command("convert")
