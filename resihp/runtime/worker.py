@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, write_meta
+from resihp.perf.device import this_device
 from resihp.runtime.config import RunConfig
 from resihp.runtime.control import ControlInbox
 from resihp.runtime.engine import Engine
@@ -100,7 +101,9 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
     write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
                **cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
                global_tokens=cfg.global_tokens, budget=cfg.budget, layer_split=[
-                   b - a for a, b in cfg.stage_ranges()], seed=cfg.seed)
+                   b - a for a, b in cfg.stage_ranges()], seed=cfg.seed,
+               device=this_device("cuda" if cfg.device == "cuda" or (
+                   cfg.device == "auto" and torch.cuda.is_available()) else "cpu", cfg.threads))
     per_step = step_table(trace)
     summary = {"steps": int(per_step.shape[0]), "world_size": dims.world_size,
                "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.schedule,
