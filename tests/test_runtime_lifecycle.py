@@ -65,9 +65,12 @@ def test_a_signalled_worker_leaves_no_process_of_the_run(tmp_path, sig):
     victim = worker_pids(out, 2)[1]
     inject_signal(victim, sig)  # SIGSTOP: a hung worker (it keeps its PID but stops beating)
     stdout, stderr = finish(proc)
+    left = wait_gone(pids, 2.0)
+    for pid in left:  # clean up what this test started, by PID, before failing
+        os.kill(pid, signal.SIGKILL)
+    assert left == set(), f"left running after {sig.name}: {left}"
     assert proc.returncode == 1, stderr[-2000:]
     assert "Traceback" not in stderr
-    assert wait_gone(pids, 2.0) == set(), f"left running after {sig.name}: {wait_gone(pids, 0)}"
     summary = json.loads(stdout)
     if sig != signal.SIGTERM:
         assert summary["failure"]["rank"] == 1 and summary["failure"]["kind"] == "fail-stop"
@@ -102,12 +105,17 @@ def test_sigterm_to_the_supervisor_stops_the_job_keeps_its_trace_and_marks_it_re
 
 @pytest.mark.slow
 def test_sigkill_of_the_supervisor_takes_the_workers_with_it(tmp_path):
+    """Even a hung (stopped) worker, and its peer blocked on it, which no broken pipe would end."""
     out = tmp_path / "run"
     proc = start(out)
     pids = job_pids(proc, out)
+    inject_signal(worker_pids(out, 2)[1], signal.SIGSTOP)
     inject_signal(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
-    assert wait_gone(pids, 5.0) == set(), "torchrun or workers outlived a SIGKILLed resihp run"
+    left = wait_gone(pids, 5.0)
+    for pid in left:  # clean up what this test started, by PID, before failing
+        os.kill(pid, signal.SIGKILL)
+    assert left == set(), "torchrun or workers outlived a SIGKILLed resihp run"
 
 
 # --- a run folder belongs to one job --------------------------------------------------------------
