@@ -256,3 +256,12 @@ def test_resume_crosses_layouts_never_models():
     assert resume_step(cfg, {"step": 9, "dp": 2, "pp": 2, "model_hash": RunConfig(dp=2).model_hash()}) == 10
     with pytest.raises(InputError, match=r"step9: written for another model"):
         resume_step(cfg, {"step": 9, "model_hash": other.model_hash(), "model": {"hidden": 64}})
+
+
+def test_human_summary_of_a_run_stopped_by_a_non_finite_loss(capsys):
+    from resihp.runtime.commands import _json_safe, _print_human
+
+    summary = _json_safe({"steps": 2, "loss_first": 4.2, "loss_last": float("nan"), "losses": [4.2, float("inf")]})
+    assert summary["loss_last"] is None and summary["losses"] == [4.2, None]
+    _print_human(summary)
+    assert "loss 4.2000 -> not finite" in capsys.readouterr().out

@@ -277,7 +277,8 @@ def _print_human(summary: dict) -> None:
     print(f"steps {summary.get('steps')}  dp {summary.get('dp')} pp {summary.get('pp')} "
           f"tp {summary.get('tp')}  tokens/s {tps:.0f}" if tps else f"steps {summary.get('steps')}")
     if summary.get("loss_first") is not None:
-        print(f"loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}")
+        last = summary.get("loss_last")
+        print(f"loss {summary['loss_first']:.4f} -> " + (f"{last:.4f}" if last is not None else "not finite"))
     print(f"trace {summary.get('trace')}  meta {summary.get('meta')}")
 
 
