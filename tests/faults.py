@@ -182,7 +182,11 @@ def fill(directory: Path, leave_bytes: int = 0) -> None:
     """Fill the file system of ``directory`` up to ``leave_bytes`` free."""
     stat = os.statvfs(directory)
     free = stat.f_bavail * stat.f_frsize - leave_bytes
-    with open(directory / ".filler", "wb") as f, contextlib.suppress(OSError):
+    try:
+        f = open(directory / ".filler", "wb")  # noqa: SIM115 - closed below
+    except OSError:  # already full
+        return
+    with f, contextlib.suppress(OSError):
         while free > 0:
             n = min(free, 1 << 16)
             f.write(b"\0" * n)
