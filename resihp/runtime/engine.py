@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from resihp.errors import InputError
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.model.tensor_parallel import TPContext
 from resihp.runtime.config import RunConfig
 from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
 from resihp.runtime.gradsync import GradSync
 from resihp.runtime.inject import FaultInjector
-from resihp.runtime.layout import ranges_from_counts
+from resihp.runtime.planchange import PlanChange
 from resihp.runtime.recorder import OpRecorder
 from resihp.runtime.replan import repartition
 from resihp.runtime.schedule import schedule_for
@@ -111,37 +110,32 @@ class Engine:
 
     # --- plan changes -----------------------------------------------------------------------------
     def sync_plan(self, step: int, proposal: dict | None) -> dict | None:
-        """Called by every rank at the start of a step; ``proposal`` (a plan change) counts only
-        on rank 0, which broadcasts it; every rank applies it before the step. Returns it."""
+        """Called by every rank at the start of a step; ``proposal`` (a plan change dict) counts
+        only on rank 0, which broadcasts it; every rank checks it (``PlanChange.parse``: a bad one
+        stops every rank alike) and applies it before the step. Returns it."""
         version = torch.tensor([proposal["version"] if proposal and self.rank == 0 else self.plan_version])
         dist.broadcast(version, 0, group=self.control_group)
         if int(version) == self.plan_version:
             return None
         box = [proposal if self.rank == 0 else None]
         dist.broadcast_object_list(box, 0, group=self.control_group)
-        change = dict(box[0])
+        change = PlanChange.parse(box[0], self.dims, self.model_cfg.layers)
         self.apply(step, change)
         self.plan_version = int(version)
-        return change
+        return change.to_dict()
 
-    def apply(self, step: int, change: dict) -> None:
+    def apply(self, step: int, change: PlanChange) -> None:
         self.rec.begin_step(step)
-        if change.get("dp_weights") is not None:
+        if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
-                self.weights = [float(w) for w in change["dp_weights"]]
-        splits = change.get("layer_splits") or (
-            [change["layer_split"]] * self.dims.dp if change.get("layer_split") is not None else None)
-        if splits is not None:
-            if len(splits) != self.dims.dp:
-                raise InputError(f"plan layer_splits: expected {self.dims.dp} splits, got {len(splits)}")
-            new = [ranges_from_counts(split, self.model_cfg.layers, self.pp, source="plan layer split")
-                   for split in splits]
-            if new != self.replica_ranges:
-                with self.rec.op("replan-layers") as row:
-                    row["bytes"] = self._repartition(new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
-                    self.replica_ranges = new
-                    self.grad_sync.prepare(new, self.model_cfg.layers)
-        self.plan_changes.append({"step": step, **change})
+                self.weights = list(change.dp_weights)
+        new = change.replica_ranges(self.model_cfg.layers, self.pp)
+        if new is not None and new != self.replica_ranges:
+            with self.rec.op("replan-layers") as row:
+                row["bytes"] = self._repartition(new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
+                self.replica_ranges = new
+                self.grad_sync.prepare(new, self.model_cfg.layers)
+        self.plan_changes.append({"step": step, **change.to_dict()})
 
     def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
         self.model, self.optimizer, sent = repartition(

@@ -7,8 +7,8 @@
   owner to the new one by global name, over point-to-point sends walked in global layer order (so
   every rank's sends and receives are in one consistent order and cannot deadlock).
 
-A plan change is a small dict: ``{"version", "dp_weights"?, "layer_split"? (every pipeline) or
-"layer_splits"? (one per replica), "reason"?}``; pipelines may split their layers differently
+A plan change is a ``planchange.PlanChange`` (its JSON form: ``{"version", "dp_weights"?,
+"layer_split"? | "layer_splits"?, "reason"?}``); pipelines may split their layers differently
 (``gradsync`` sums each layer's gradient over whichever stages hold it).
 """
 

@@ -1,0 +1,62 @@
+"""A plan change: the part of a new plan a running job applies in place at a step boundary.
+
+It travels as a small JSON dict (``OUT/control/plan.json``, the run config's ``replan`` entries,
+the run summary's ``plan_changes``): ``{"version", "dp_weights"?, "layer_split"? (every pipeline)
+or "layer_splits"? (one per replica), "reason"?, ...}``. Every rank turns the dict it receives into
+a ``PlanChange`` once, checked against the job's parallel dimensions and layer count; the engine
+applies only checked changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from resihp.errors import InputError
+from resihp.parallel import ParallelDims
+from resihp.runtime.layout import ranges_from_counts
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    dp_weights: tuple[float, ...] | None = None  # micro-batch share per replica
+    layer_splits: tuple[tuple[int, ...], ...] | None = None  # layers per stage, one split per replica
+    record: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the dict as received
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], dims: ParallelDims, layers: int,
+              where: str = "plan") -> PlanChange:
+        """The change in ``data``, or InputError naming the field that does not fit the job."""
+        if not isinstance(data, Mapping):
+            raise InputError(f"{where}: expected a plan change mapping, got {type(data).__name__}")
+        weights = data.get("dp_weights")
+        if weights is not None:
+            try:
+                weights = tuple(float(w) for w in weights)
+            except (TypeError, ValueError):
+                weights = None
+            if weights is None or len(weights) != dims.dp or min(weights) < 0 or sum(weights) <= 0:
+                raise InputError(f"{where} dp_weights: expected {dims.dp} non-negative weights with a "
+                                 f"positive sum, got {data.get('dp_weights')!r}")
+        splits = data.get("layer_splits")
+        if splits is None and data.get("layer_split") is not None:
+            splits = [data["layer_split"]] * dims.dp
+        if splits is not None:
+            if not isinstance(splits, (list, tuple)) or len(splits) != dims.dp:
+                got = len(splits) if isinstance(splits, (list, tuple)) else repr(splits)
+                raise InputError(f"{where} layer_splits: expected {dims.dp} splits, got {got}")
+            for split in splits:
+                ranges_from_counts(split, layers, dims.pp, source=f"{where} layer split")
+            splits = tuple(tuple(int(c) for c in split) for split in splits)
+        return cls(weights, splits, dict(data))
+
+    def replica_ranges(self, layers: int, pp: int) -> list[list[tuple[int, int]]] | None:
+        """Each replica's contiguous layer ranges ``[first, last)`` per stage; None: unchanged."""
+        if self.layer_splits is None:
+            return None
+        return [ranges_from_counts(split, layers, pp) for split in self.layer_splits]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The change as it was received (the JSON form)."""
+        return dict(self.record)
