@@ -35,6 +35,7 @@ def resihp(*args, timeout=180):
     (["--steps", "1000000000"], "--steps: at most 100,000,000, got 1000000000"),
     (["--timeout", "1e12"], "--timeout: at most 604,800"),
     (["--if-busy", "share"], "--if-busy: expected fail or subfolder"),
+    (["--heartbeat-timeout", "inf"], "--heartbeat-timeout: expected seconds in (0, 86400], got inf"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
     from resihp.cli import main

@@ -71,6 +71,8 @@ def run_cmd(
 
     if if_busy not in ("fail", "subfolder"):
         raise InputError(f"--if-busy: expected fail or subfolder, got {if_busy!r}")
+    if not 0 < heartbeat_timeout <= 86400:
+        raise InputError(f"--heartbeat-timeout: expected seconds in (0, 86400], got {heartbeat_timeout}")
     cfg = RunConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab,
                     dp=dp, pp=pp, tp=tp, schedule=schedule, steps=steps, source=source,
                     global_tokens=global_tokens, budget=budget, max_len=max_len,
