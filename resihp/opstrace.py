@@ -107,6 +107,31 @@ def read_ops_trace(path: str | Path) -> pd.DataFrame:
     return validate_ops_trace(df, source=str(path))
 
 
+def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
+    """The ops trace of a run folder and its job meta's path (None when it has none): its merged
+    ``ops.parquet``, else its per-rank ``ops.rank<R>.parquet`` files merged, else the per-rank
+    JSON-lines streams a running job appends to (``ranks/rank<R>.jsonl``; a line still being
+    written is left out)."""
+    folder = Path(folder)
+    meta = folder / "job.yaml"
+    meta_path = meta if meta.exists() else None
+    if (folder / "ops.parquet").exists():
+        return read_ops_trace(folder / "ops.parquet"), meta_path
+    parts = sorted(folder.glob("ops.rank*.parquet"))
+    if parts:
+        df = pd.concat([read_ops_trace(p) for p in parts], ignore_index=True)
+        return validate_ops_trace(df, source=str(folder)), meta_path
+    streams = sorted((folder / "ranks").glob("rank*.jsonl"))
+    rows = []
+    for path in streams:
+        data = path.read_bytes()
+        rows += [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
+    if not rows:
+        raise InputError(f"{folder}: no ops trace in this folder (expected ops.parquet, "
+                         "ops.rank<R>.parquet files or ranks/rank<R>.jsonl streams)")
+    return validate_ops_trace(pd.DataFrame(rows), source=str(folder)), meta_path
+
+
 def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:

@@ -4,6 +4,11 @@ Each series is first calibrated on its own healthy steps (robust centre and spre
 then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at zero; the
 sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The step at which the sum last left
 zero is the onset. While a series is healthy its centre follows slow drift.
+
+``k``, ``h`` and the clip are per series: a quiet series keeps the configured ones; a noisy one gets
+thresholds from its own calibration dispersion (``DetectorConfig``: target slowdown, false-alarm run
+length), and its slowdown is estimated from every step of the run, not only the raised ones (whose
+mean overstates it when the noise is large next to the shift).
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ class CusumBank:
         self.quiet = np.zeros(n, dtype=np.int64)
         self.last_quiet_start = np.full(n, -1, dtype=np.int64)
         self._log_min = float(np.log(config.min_slowdown))
+        s = config.sensitivity
+        self.k = np.full(n, config.cusum_k / s)
+        self.h = np.full(n, config.cusum_h / s)
+        self.clip = np.full(n, float(config.z_clip))
+        self.adapted = np.zeros(n, dtype=bool)
+        self.run_sum = np.zeros(n)
+        self.down = np.zeros(n)  # a noisy series' downward CUSUM from its alarmed level
+        # what a slowdown of one series moves its own value by (its log value is taken against the
+        # median over series each step: with two series that median moves half-way with it)
+        self.share = 0.5 if n == 2 else 1.0
 
     def carried(self, source: np.ndarray) -> CusumBank:
         """A bank over a new set of series: series ``j`` continues this bank's series ``source[j]``
@@ -92,17 +107,20 @@ class CusumBank:
         xi = x[idx]
         dev = xi - self.mu[idx]
         z = dev / self.sigma[idx]
+        k, h, clip = self.k[idx], self.h[idx], self.clip[idx]
         s_old = self.s[idx]
-        s_new = np.maximum(0.0, s_old + np.clip(z, -cfg.z_clip, cfg.z_clip) - cfg.cusum_k)
-        raised = z > cfg.cusum_k
+        s_new = np.maximum(0.0, s_old + np.clip(z, -clip, clip) - k)
+        raised = z > k
         starting = (s_old == 0) & (s_new > 0)
         start_idx = idx[starting]
         self.run_start[start_idx] = step
         self.run_n[start_idx] = 0
+        self.run_sum[start_idx] = 0.0
         self.raised_sum[start_idx] = 0.0
         self.raised_n[start_idx] = 0
         in_run = s_new > 0
         self.run_n[idx[in_run]] += 1
+        self.run_sum[idx[in_run]] += dev[in_run]
         up = in_run & raised
         self.raised_sum[idx[up]] += dev[up]
         self.raised_n[idx[up]] += 1
@@ -125,27 +143,43 @@ class CusumBank:
         alarms: list[Alarm] = []
         rn = self.raised_n[idx]
         mean_raised = np.where(rn > 0, self.raised_sum[idx] / np.maximum(rn, 1), 0.0)
-        fire = (~alarmed & (s_new >= cfg.cusum_h) & (rn >= cfg.min_persist)
-                & (mean_raised >= self._log_min))
+        # a noisy series: the run's mean, every step of it (the raised steps alone overstate it)
+        rmean = self.run_sum[idx] / np.maximum(self.run_n[idx], 1)
+        level = np.where(self.adapted[idx], rmean, mean_raised)
+        fire = (~alarmed & (s_new >= h) & (rn >= cfg.min_persist)
+                & (level >= self._log_min * self.share))
         for j in np.flatnonzero(fire):
             i = int(idx[j])
             n_up = int(rn[j])
             # how far the raised steps sit above the noise, beyond what the threshold itself demands
-            t = mean_raised[j] / self.sigma[i] * np.sqrt(n_up) - cfg.cusum_k
+            t = mean_raised[j] / self.sigma[i] * np.sqrt(n_up) - k[j]
             conf = float(0.5 * (1 + _erf(t / np.sqrt(2))))
-            alarms.append(Alarm(i, int(self.run_start[i]), float(np.exp(mean_raised[j])), conf))
+            alarms.append(Alarm(i, int(self.run_start[i]), float(np.exp(level[j] / self.share)), conf))
             self.alarmed[i] = True
-            self.alarm_sum[i] = self.raised_sum[i]
-            self.alarm_n[i] = n_up
+            self.down[i] = 0.0
+            if self.adapted[i]:
+                self.alarm_sum[i], self.alarm_n[i] = self.run_sum[i], int(self.run_n[i])
+            else:
+                self.alarm_sum[i], self.alarm_n[i] = self.raised_sum[i], n_up
             self.quiet[i] = 0
 
         recoveries: list[Recovery] = []
         was = alarmed & ~fire
         if was.any():
             a = idx[was]
-            still = dev[was] > self._log_min / 2
-            self.alarm_sum[a[still]] += dev[was][still]
-            self.alarm_n[a[still]] += 1
+            d = dev[was]
+            still = d > self._log_min / 2 * self.share
+            # a noisy series recovers when a CUSUM of its fall from the alarmed level crosses h
+            ad = self.adapted[a]
+            if ad.any():
+                fall = (self.alarm_sum[a] / np.maximum(self.alarm_n[a], 1) - d) / self.sigma[a]
+                fall = np.clip(fall, -self.clip[a], self.clip[a]) - self.k[a]
+                self.down[a] = np.where(ad, np.maximum(0.0, self.down[a] + fall), 0.0)
+                still = np.where(ad, self.down[a] < self.h[a], still)
+            # a noisy series' estimate is the mean of all its alarmed steps
+            counted = still | ad
+            self.alarm_sum[a[counted]] += dev[was][counted]
+            self.alarm_n[a[counted]] += 1
             quiet = a[~still]
             fresh = quiet[self.quiet[quiet] == 0]
             self.last_quiet_start[fresh] = step
@@ -154,8 +188,9 @@ class CusumBank:
             for i in quiet[self.quiet[quiet] >= cfg.recover_steps]:
                 i = int(i)
                 recoveries.append(Recovery(i, int(self.last_quiet_start[i]) - 1,
-                                           float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1)))))
+                                           self.episode_slowdown(i)))
                 self.alarmed[i] = False
+                self.down[i] = 0.0
                 self.s[i] = 0.0
                 self.run_n[i] = 0
                 self.quiet[i] = 0
@@ -163,7 +198,41 @@ class CusumBank:
 
     def episode_slowdown(self, i: int) -> float:
         """Mean slowdown over the raised steps of the current alarm of series ``i``."""
-        return float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1)))
+        return float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1) / self.share))
+
+    @property
+    def calibrated_sigma(self) -> np.ndarray:
+        """Each series' spread as calibrated (before it was learned on)."""
+        return self._sigma0
+
+    def min_detectable(self) -> np.ndarray:
+        """Per series, the smallest slowdown found within ``detect_within`` steps at its noise
+        as calibrated (NaN before calibration): the shift whose CUSUM drift ``shift - k`` covers ``h`` (plus
+        Siegmund's overshoot) in that many steps, and at least ``min_slowdown``."""
+        cfg = self.cfg
+        shift = self.k + (self.h + _OVERSHOOT) / cfg.detect_within  # in sigmas
+        out = np.exp(np.maximum(shift * self._sigma0 / self.share, self._log_min))
+        return np.where(self.calibrated, out, np.nan)
+
+    def _set_thresholds(self, done: np.ndarray) -> None:
+        """Thresholds of the series just calibrated, from their noise (see the module doc)."""
+        cfg = self.cfg
+        sens = cfg.sensitivity
+        # a few calibration steps understate the noise as often as not: a noisy series is judged
+        # with its spread raised by the standard error of a MAD over that many steps
+        inflate = 1 + 1.7 / np.sqrt(cfg.calibration_steps)
+        target = np.log(cfg.target_slowdown) * self.share / self.sigma[done]  # in sigmas
+        # noisy: the configured thresholds would not find the target within detect_within steps
+        noisy = target < cfg.cusum_k + (cfg.cusum_h + _OVERSHOOT) / cfg.detect_within
+        target = np.where(noisy, target / inflate, target)
+        # half the target's shift, plus the error of the calibrated centre (a median of that many
+        # steps), which would otherwise eat into the allowance of every healthy step
+        k = np.where(noisy, target / 2 + 1.25 / np.sqrt(cfg.calibration_steps), cfg.cusum_k)
+        h = np.where(noisy, _cusum_h_for(k, cfg.false_alarm_steps) , cfg.cusum_h)
+        self.k[done] = k / sens
+        self.h[done] = h / sens
+        self.clip[done] = np.where(noisy, min(cfg.noisy_z_clip, cfg.z_clip), cfg.z_clip)
+        self.adapted[done] = noisy
 
     def _calibrate(self, x: np.ndarray, seen: np.ndarray) -> np.ndarray:
         cfg = self.cfg
@@ -185,7 +254,27 @@ class CusumBank:
             self.sigma[self.calibrated] = np.maximum(self.sigma[self.calibrated],
                                                      cfg.pooled_sigma * pooled)
             self._sigma0[self.calibrated] = self.sigma[self.calibrated]
+            self._set_thresholds(np.flatnonzero(self.calibrated))
         return done
+
+
+_OVERSHOOT = 1.166  # Siegmund's correction of the CUSUM threshold for Gaussian steps
+
+
+def _cusum_h_for(k: np.ndarray, run_length: float) -> np.ndarray:
+    """The threshold ``h`` at which a CUSUM with allowance ``k`` (in sigmas) on healthy Gaussian
+    steps runs ``run_length`` steps on average before a false alarm (Siegmund:
+    ``(exp(2kb) - 2kb - 1) / (2k^2)`` with ``b = h + 1.166``), solved by bisection on ``b``."""
+    k = np.maximum(np.asarray(k, dtype=np.float64), 1e-3)
+    lo, hi = np.zeros_like(k), np.full_like(k, 1e4)
+    for _ in range(60):
+        b = (lo + hi) / 2
+        x = np.minimum(2 * k * b, 700.0)
+        arl = (np.exp(x) - x - 1) / (2 * k * k)
+        big = arl > run_length
+        hi = np.where(big, b, hi)
+        lo = np.where(big, lo, b)
+    return np.maximum((lo + hi) / 2 - _OVERSHOOT, 1.0)
 
 
 def _erf(x: float) -> float:

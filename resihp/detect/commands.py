@@ -17,8 +17,10 @@ from resihp.progress import progress_bar
 
 
 def detect_cmd(
-    trace: Annotated[Path, typer.Argument(help="Ops trace (.parquet or .csv), or an Alibaba PAI "
-                                          "mini-batch file with --input-format alibaba")],
+    trace: Annotated[Path, typer.Argument(help="Ops trace (.parquet or .csv), a run folder (its "
+                                          "ops.parquet, else its per-rank ops.rank<R>.parquet or "
+                                          "ranks/*.jsonl merged; its job.yaml as --meta), or an "
+                                          "Alibaba PAI mini-batch file with --input-format alibaba")],
     meta: Annotated[Path, typer.Option(help="Job meta YAML (dp_size, pp_size, tp_size, world_size, "
                                        "optional model fields); default: sizes implied by the trace")] = None,
     model: Annotated[str, typer.Option(help="Trained micro-batch predictor for the expected "
@@ -28,16 +30,22 @@ def detect_cmd(
     method: Annotated[str, typer.Option(help="resihp, or a baseline: raw-threshold, relative-score, "
                                         "iteration-changepoint")] = "resihp",
     input_format: Annotated[str, typer.Option("--input-format", help="ops or alibaba")] = "ops",
+    sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold: "
+                                               "above 1 finds smaller slowdowns sooner at more risk "
+                                               "of false alarms (DetectorConfig.sensitivity)")] = 1.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print the event JSON")] = False,
 ) -> None:
-    """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file)."""
+    """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file).
+
+    Thresholds follow each rank's noise, measured over its first calibration steps; the output
+    gives each rank's noise and the smallest slowdown found within 10 steps at that noise."""
     from resihp.detect.alibaba import read_alibaba_job
     from resihp.detect.config import DetectorConfig
     from resihp.detect.evaluate import METHODS, run_methods
     from resihp.detect.events import events_json
     from resihp.detect.expected import load_expected, stage_shape
     from resihp.detect.observe import infer_meta
-    from resihp.opstrace import read_meta, read_ops_trace
+    from resihp.opstrace import read_meta, read_ops_trace, read_run_folder
 
     if method not in METHODS:
         raise InputError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
@@ -45,7 +53,11 @@ def detect_cmd(
         df, job = read_alibaba_job(trace)
         meta_dict: dict | None = None
     elif input_format == "ops":
-        df = read_ops_trace(trace)
+        if trace.is_dir():
+            df, folder_meta = read_run_folder(trace)
+            meta = meta if meta is not None else folder_meta
+        else:
+            df = read_ops_trace(trace)
         job, meta_dict = read_meta(meta) if meta is not None else (infer_meta(df), None)
     else:
         raise InputError(f"--input-format: expected ops or alibaba, got {input_format!r}")
@@ -54,13 +66,17 @@ def detect_cmd(
     device = (meta_dict or {}).get("device")
     expected = (load_expected(model, stage_shape(job, meta_dict), str(device) if device else None)
                 if model is not None else None)
+    cfg = DetectorConfig(sensitivity=sensitivity)
+    detectors: dict = {}
     with warnings.catch_warnings():  # ranks absent from a step are NaN by design
         warnings.simplefilter("ignore", RuntimeWarning)
-        found, obs = run_methods(df, job, [method], expected, meta_dict)
+        found, obs = run_methods(df, job, [method], expected, meta_dict, cfg, detectors=detectors)
     ranks = int(df["rank"].nunique())
     doc = events_json(found[method], steps=len(obs.steps), ranks=ranks, method=method,
                       cost_model=obs.cost_model if method == "resihp" else "raw")
-    cfg = DetectorConfig()
+    if method == "resihp":
+        doc["noise"] = {str(r): v for r, v in detectors[method].noise().items()}
+        doc["warnings"] = noise_warnings(doc["noise"], cfg)
     needed = cfg.calibration_steps + cfg.min_persist  # learn each rank's noise, then see a fault persist
     doc["judged"] = doc["steps"] >= needed
     if not doc["judged"]:
@@ -75,12 +91,28 @@ def detect_cmd(
                f"(cost model: {doc['cost_model']}); {len(doc['events'])} event(s)")
     if not doc["judged"]:
         typer.echo(f"  {doc['note']}")
+    for w in doc.get("warnings", []):
+        typer.echo(f"  warning: {w}")
     for e in doc["events"]:
         where = (f"rank {e['rank']} (dp {e['dp_rank']}, stage {e['stage']})" if e["rank"] is not None
                  else f"stage {e['stage']}" if e["stage"] is not None else f"replica dp {e['dp_rank']}")
-        end = f"-{e['end_step']}" if e["end_step"] is not None else "-"
+        end = f"-{e['end_step']}" if e["end_step"] is not None else "- (not ended)"
+        phase = f"  ({e['phase']} only)" if e.get("phase") else ""
         typer.echo(f"  {e['kind']:<18} {where:<28} steps {e['onset_step']}{end} detected at "
-                   f"{e['detected_step']}  x{e['slowdown']:.2f}  confidence {e['confidence']:.2f}")
+                   f"{e['detected_step']}  x{e['slowdown']:.2f}  confidence {e['confidence']:.2f}"
+                   f"{phase}")
+
+
+def noise_warnings(noise: dict, cfg) -> list[str]:
+    """One line per group of ranks whose noise hides slowdowns above the config's target."""
+    loud = {r: v for r, v in noise.items() if v["min_detectable_slowdown"] > cfg.target_slowdown}
+    if not loud:
+        return []
+    worst = max(v["min_detectable_slowdown"] for v in loud.values())
+    return [f"rank(s) {', '.join(sorted(loud, key=int))}: step-to-step noise up to "
+            f"{max(v['noise'] for v in loud.values()):.0%} hides slowdowns below about "
+            f"x{worst:.2f} for {cfg.detect_within} steps (larger ones are still found; "
+            "--sensitivity trades sooner detection for false alarms)"]
 
 
 def detect_eval_cmd(

@@ -14,6 +14,19 @@ class DetectorConfig:
     Per-step deviations are measured in units of each rank's own healthy noise (``sigma``, learned over
     the first ``calibration_steps`` steps a rank is seen), so the same numbers serve a noisy CPU job
     and a quiet GPU job.
+
+    A quiet rank is tested with ``cusum_k``/``cusum_h``. A noisy rank (one where a ``target_slowdown``
+    moves its value by less than ``cusum_k`` of its sigmas, so that the configured allowance would
+    swallow it and the CUSUM never grow) gets thresholds of its own, from its calibration
+    window's dispersion: the allowance is half the target's shift (``k = log(target) / sigma / 2``),
+    and the decision threshold is set so that a healthy rank would raise a false alarm about once in
+    ``false_alarm_steps`` steps under Gaussian noise (Siegmund's approximation of the CUSUM's run
+    length; the calibrated centre's own error and the baseline's drift-following make real rates
+    higher, hence the large default). The allowance also covers the error of a centre calibrated
+    on ``calibration_steps`` steps. Each rank's
+    smallest slowdown found within ``detect_within`` steps at its noise is reported
+    (``min_detectable_slowdown``). ``sensitivity`` divides every allowance and threshold: above 1
+    finds smaller slowdowns sooner at more risk of false alarms; below 1, the reverse.
     """
 
     calibration_steps: int = 20
@@ -37,10 +50,22 @@ class DetectorConfig:
     stage_imbalance: float = 0.10
     rank_imbalance: float = 0.15
     workload_imbalance: float = 0.15
+    # noise-adapted thresholds (see the class doc)
+    sensitivity: float = 1.0
+    target_slowdown: float = 2.0
+    false_alarm_steps: float = 1e7
+    detect_within: int = 10
+    # z of one step is clipped to this on a noisy rank (heavy-tailed noise: single wild steps)
+    noisy_z_clip: float = 3.0
+    # each phase (forward, backward, optimizer) also tested on its own; such an alarm needs a
+    # slowdown of the phase at least this large
+    phases: bool = True
+    phase_min_slowdown: float = 1.5
 
     def __post_init__(self) -> None:
         positive = ["calibration_steps", "cusum_k", "cusum_h", "z_clip", "min_persist", "sigma_floor",
-                    "recover_steps"]
+                    "recover_steps", "sensitivity", "false_alarm_steps", "detect_within",
+                    "noisy_z_clip"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise InputError(f"detector config: {name} must be positive, got {getattr(self, name)!r}")
@@ -52,6 +77,9 @@ class DetectorConfig:
             raise InputError(f"detector config: baseline_rate must be in [0, 1), got {self.baseline_rate}")
         if self.min_slowdown < 1:
             raise InputError(f"detector config: min_slowdown must be >= 1, got {self.min_slowdown}")
+        for name in ("target_slowdown", "phase_min_slowdown"):
+            if not getattr(self, name) > 1:
+                raise InputError(f"detector config: {name} must be above 1, got {getattr(self, name)!r}")
         if self.z_clip <= self.cusum_k:
             raise InputError("detector config: z_clip must exceed cusum_k")
 

@@ -25,7 +25,7 @@ from resihp.detect.observe import (
     rank_layout,
     shape_from_meta,
 )
-from resihp.detect.online import OnlineDetector
+from resihp.detect.online import OnlineDetector, phase_matrices
 from resihp.detect.synth import Injection
 from resihp.opstrace import JobMeta
 from resihp.parallel import ParallelDims
@@ -124,21 +124,25 @@ METHODS = ["resihp", *BASELINES]
 def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = None,
                 expected: ExpectedCompute | None = None, meta_dict: dict | None = None,
                 config: DetectorConfig | None = None,
-                on_obs: Callable[[Observations], None] | None = None) -> tuple[dict[str, list[Event]], Observations]:
-    """Every method over the same per-step observations of one trace."""
+                on_obs: Callable[[Observations], None] | None = None,
+                detectors: dict | None = None) -> tuple[dict[str, list[Event]], Observations]:
+    """Every method over the same per-step observations of one trace (``detectors``, if given,
+    receives each method's detector by name)."""
     layout = rank_layout(df, meta)
     cfg = config or DetectorConfig()
-    obs = observe_ops(df, meta, expected=expected, shape=shape_from_meta(meta_dict),
-                      own_quantile=cfg.own_quantile)
+    shape = shape_from_meta(meta_dict)
+    obs = observe_ops(df, meta, expected=expected, shape=shape, own_quantile=cfg.own_quantile)
     if on_obs:
         on_obs(obs)
     out = {}
     for name in methods or METHODS:
         det = make_detector(name, meta, layout, expected, meta_dict, cfg)
         if name == "resihp":
-            det.observe_matrices(obs)
+            det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, shape, cfg))
         else:
             for i, step in enumerate(obs.steps):
                 det.observe_arrays(int(step), obs.own[i], obs.raw[i])
         out[name] = det.finish()
+        if detectors is not None:
+            detectors[name] = det
     return out, obs

@@ -7,9 +7,16 @@ were there from the first steps are sorted out at calibration: a whole stage slo
 ``stage-imbalance``; one rank slower than the peers of its stage is a device that was slow from the
 start. A data-parallel replica that took longer only because its data cost more is
 ``workload-imbalance``. Point-to-point transfer times get their own CUSUM (``link-slow``).
+
+The rank's own-work ratio mixes its forward and backward ops (with waits on neighbours, a low quantile
+of them), so a slowdown of one phase alone moves it little. Each phase is therefore also tested on its
+own (``phase_matrices``: forward, backward and the optimizer step): such an alarm is a ``fail-slow``
+of the rank with ``"phase"`` naming the phase, unless the whole rank has alarmed already.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -18,6 +25,7 @@ from resihp.detect.changepoint import CusumBank
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event, events_json
 from resihp.detect.observe import (
+    NEXT_LINK_OPTYPES,
     ExpectedCompute,
     Observations,
     RankPlacement,
@@ -46,6 +54,10 @@ class OnlineDetector:
         self.layout = layout or RankPlacement(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
         self.compute = CusumBank(w, self.cfg)
         self.link = CusumBank(w, self.cfg)
+        phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
+                                                       self.cfg.phase_min_slowdown))
+        self.phase_banks = {p: CusumBank(w, phase_cfg) for p in PHASES}
+        self._bank_of: dict[tuple[str, int], CusumBank] = {}
         self.events: list[Event] = []
         self._open: dict[tuple[str, int], Event] = {}
         self._last_step: int | None = None
@@ -66,11 +78,16 @@ class OnlineDetector:
         new.shape, new.cost_model = self.shape, self.cost_model
         new.compute = self.compute.carried(source)
         new.link = self.link.carried(source)
+        new.phase_banks = {p: b.carried(source) for p, b in self.phase_banks.items()}
         new._last_step, new._steps_seen = self._last_step, self._steps_seen
         new._checked[source >= 0] = self._checked[source[source >= 0]]
         new.events = self.events
         moved = {int(old): j for j, old in enumerate(source) if old >= 0}
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
+        banks = {id(b): b2 for b, b2 in [(self.compute, new.compute), (self.link, new.link)]
+                 + [(self.phase_banks[p], new.phase_banks[p]) for p in PHASES]}
+        new._bank_of = {(kind, moved[i]): banks[id(b)] for (kind, i), b in self._bank_of.items()
+                        if i in moved}
         return new
 
     # -- feeding -------------------------------------------------------------------------------
@@ -80,21 +97,28 @@ class OnlineDetector:
         self._merge_layout(rank_layout(df, self.meta, source="step records"))
         obs = observe_ops(df, self.meta, expected=self.expected, shape=self.shape,
                           own_quantile=self.cfg.own_quantile)
-        return self.observe_matrices(obs)
+        phases = phase_matrices(df, self.meta, obs.steps, self.expected, self.shape, self.cfg)
+        return self.observe_matrices(obs, phases)
 
-    def observe_matrices(self, obs: Observations) -> list[Event]:
+    def observe_matrices(self, obs: Observations,
+                         phases: dict[str, np.ndarray] | None = None) -> list[Event]:
+        """``phases``: per phase a (step x rank) matrix of that phase's own-work ratio
+        (``phase_matrices``), or None to test only the rank's whole own work."""
         self.cost_model = obs.cost_model
         new: list[Event] = []
         for i, step in enumerate(obs.steps):
             new += self.observe_arrays(
                 int(step), obs.own[i], obs.raw[i],
                 None if obs.expected is None else obs.expected[i],
-                None if obs.comm is None else obs.comm[i])
+                None if obs.comm is None else obs.comm[i],
+                phases=None if not phases else {p: m[i] for p, m in phases.items()})
         return new
 
     def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
-                       expected: np.ndarray | None = None, comm: np.ndarray | None = None) -> list[Event]:
-        """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record)."""
+                       expected: np.ndarray | None = None, comm: np.ndarray | None = None,
+                       phases: dict[str, np.ndarray] | None = None) -> list[Event]:
+        """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record);
+        ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector."""
         if self._last_step is not None and step <= self._last_step:
             raise InputError(f"step records: step {step} arrives after step {self._last_step}; "
                              "expected increasing step numbers")
@@ -106,9 +130,18 @@ class OnlineDetector:
         if calibrated.size:
             new += self._calibration_findings(step, calibrated)
         for a in alarms:
-            new.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown, a.confidence))
+            ev = self._open.get(("fail-slow", a.index))
+            if ev is None:
+                new.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown,
+                                            a.confidence))
+            else:  # a phase found it first: the whole rank is slow, its bank takes the event over
+                ev.extra.pop("phase", None)
+                self._bank_of.pop(("fail-slow", a.index), None)
         for r in recoveries:
-            self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
+            if self._bank_of.get(("fail-slow", r.index), self.compute) is self.compute:
+                self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
+        for name, values in (phases or {}).items():
+            new += self._phase_step(step, name, values)
         if comm is not None:
             new += self._link_step(step, comm)
         if expected is not None and raw is not None:
@@ -119,7 +152,7 @@ class OnlineDetector:
     def finish(self) -> list[Event]:
         """Close what is still open (its slowdown becomes the mean over the whole episode)."""
         for (kind, i), ev in list(self._open.items()):
-            bank = self.compute if kind == "fail-slow" else self.link
+            bank = self._bank_of.get((kind, i), self.compute if kind == "fail-slow" else self.link)
             ev.slowdown = bank.episode_slowdown(i)
         self._wl_open.clear()
         return self.events
@@ -134,13 +167,47 @@ class OnlineDetector:
         return val(lay.dp_rank), val(lay.stage), val(lay.tp_rank)
 
     def _open_event(self, kind: str, i: int, onset: int, step: int, slowdown: float,
-                    confidence: float) -> Event:
+                    confidence: float, bank: CusumBank | None = None) -> Event:
         dp, st, tp = self._where(i)
         ev = Event(kind, i, dp, st, tp, onset, step, slowdown, confidence)
         self._open[(kind, i)] = ev
+        if bank is not None:
+            self._bank_of[(kind, i)] = bank
         return ev
 
+    def _phase_step(self, step: int, name: str, values: np.ndarray) -> list[Event]:
+        """One phase of every rank tested on its own; an alarm of a rank with no open fail-slow
+        opens one naming the phase (a second phase of the same rank is added to its name)."""
+        bank = self.phase_banks[name]
+        alarms, recoveries, _ = bank.update(step, _common_mode_log(values))
+        out = []
+        for a in alarms:
+            ev = self._open.get(("fail-slow", a.index))
+            if ev is None:
+                out.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown,
+                                            a.confidence, bank))
+                out[-1].extra["phase"] = name
+            elif "phase" in ev.extra and name not in ev.extra["phase"].split("+"):
+                ev.extra["phase"] += f"+{name}"
+        for r in recoveries:
+            if self._bank_of.get(("fail-slow", r.index)) is bank:
+                self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
+        return out
+
+    def noise(self) -> dict:
+        """Per rank its measured noise (the calibration dispersion of its own-work ratio, as a
+        fraction) and the smallest slowdown found within ``detect_within`` steps at that noise;
+        ranks not yet calibrated are left out."""
+        bank = self.compute
+        low = bank.min_detectable()
+        sigma = bank.calibrated_sigma
+        return {int(i): {"noise": round(float(np.expm1(sigma[i] / bank.share)), 4),
+                         "min_detectable_slowdown": round(float(low[i]), 3),
+                         "adapted": bool(bank.adapted[i])}
+                for i in np.flatnonzero(bank.calibrated)}
+
     def _close_event(self, kind: str, i: int, end_step: int, slowdown: float) -> None:
+        self._bank_of.pop((kind, i), None)
         ev = self._open.pop((kind, i), None)
         if ev is not None:
             ev.end_step = end_step
@@ -272,6 +339,46 @@ class OnlineDetector:
         return self._steps_seen
 
 
+PHASES = ("forward", "backward", "optimizer")
+_PHASE_OPTYPES = {"forward": ("forward-compute",), "backward": ("backward-compute",),
+                  "optimizer": ("optimizer", "optimizer-clip-main-grad")}
+
+
+def phase_matrices(df: pd.DataFrame, meta: JobMeta, steps: np.ndarray,
+                   expected: ExpectedCompute | None, shape, cfg: DetectorConfig
+                   ) -> dict[str, np.ndarray]:
+    """Per phase, a (step x rank) matrix of that phase's own-work ratio over ``steps`` (NaN where a
+    rank has none): forward and backward as ``observe_ops`` computes the whole own work, on that
+    phase's ops alone; the optimizer step's seconds (the same work every step)."""
+    if not cfg.phases or not len(steps):
+        return {}
+    out: dict[str, np.ndarray] = {}
+    optype = df["optype"].to_numpy()
+    w = meta.world_size
+    for name in PHASES:
+        sel = np.isin(optype, _PHASE_OPTYPES[name])
+        if not sel.any():
+            continue
+        part = df[sel]
+        m = np.full((len(steps), w), np.nan)
+        if name == "optimizer":
+            g = part.groupby(["step", "rank"], sort=False)["duration"].sum()
+            s_idx = np.searchsorted(steps, g.index.get_level_values(0).to_numpy())
+            ok = (s_idx < len(steps))
+            ok[ok] = steps[s_idx[ok]] == g.index.get_level_values(0).to_numpy()[ok]
+            m[s_idx[ok], g.index.get_level_values(1).to_numpy()[ok]] = g.to_numpy()[ok]
+        else:
+            if meta.pp_size > 1:  # a phase's waits come with its transfers; keep those rows
+                part = df[sel | np.isin(optype, NEXT_LINK_OPTYPES)]
+            obs = observe_ops(part, meta, expected=expected, shape=shape,
+                              own_quantile=cfg.own_quantile)
+            at = np.searchsorted(steps, obs.steps)
+            ok = (at < len(steps)) & (steps[np.minimum(at, len(steps) - 1)] == obs.steps)
+            m[at[ok]] = obs.own[ok]
+        out[name] = m
+    return out
+
+
 def _common_mode_log(values: np.ndarray) -> np.ndarray:
     """log(value / the median over ranks this step), NaN where missing or non-positive.
 
@@ -297,7 +404,7 @@ def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: Expect
     layout = rank_layout(df, meta)
     det = OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
     obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile)
-    det.observe_matrices(obs)
+    det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, det.shape, det.cfg))
     events = det.finish()
     return events_json(events, steps=len(obs.steps), ranks=int((layout.dp_rank >= 0).sum()),
-                       cost_model=obs.cost_model)
+                       cost_model=obs.cost_model, noise=det.noise())

@@ -1,0 +1,108 @@
+"""The detector on a noisy two-rank data-parallel job (issue 19's user loop, simulated): thresholds
+from each rank's measured noise, phase-only slowdowns, the smallest detectable slowdown reported."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from resihp.detect.config import DetectorConfig
+from resihp.detect.online import OnlineDetector, detect_trace
+from resihp.errors import InputError
+from resihp.opstrace import JobMeta
+from resihp.workload.flops import TransformerShape, stage_flops
+
+META = JobMeta(dp_size=2, pp_size=1, tp_size=1, world_size=2)
+SHAPE = {"layers": 2, "hidden": 128, "heads": 4, "ffn_hidden": 512}
+_PH = {"forward": "fwd", "backward": "bwd"}
+
+
+def noisy_job(steps=80, noise=0.25, slow_rank=None, factor=2.0, onset=30, phases=("forward", "backward"),
+              seed=0) -> pd.DataFrame:
+    """Rows of a 2-rank job whose ops take their FLOPs' time times lognormal noise (sigma
+    ``noise`` per op) and, on ``slow_rank`` from ``onset``, ``factor`` in the given phases."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        for rank in (0, 1):
+            lens = [int(x) for x in rng.integers(16, 160, size=rng.integers(1, 5))]
+            tokens, sq = sum(lens), sum(x * x for x in lens)
+            shape = TransformerShape(**SHAPE)
+            for optype, phase in (("forward-compute", "forward"), ("backward-compute", "backward"),
+                                  ("optimizer", "optimizer")):
+                if phase == "optimizer":
+                    work = 0.002
+                else:  # the job's FLOPs at 10 GFLOP/s
+                    d, a = stage_flops(shape, np.array([tokens]), np.array([sq]), _PH[phase])
+                    work = float(d[0] + a[0]) / 1e10
+                slow = factor if (rank == slow_rank and step >= onset and phase in phases) else 1.0
+                rows.append({"step": step, "rank": rank, "dp_rank": rank, "stage": 0, "tp_rank": 0,
+                             "optype": optype, "mb_id": 0 if phase != "optimizer" else None,
+                             "seq_lens": lens if phase != "optimizer" else None,
+                             "duration": work * slow * float(np.exp(rng.normal(0, noise)))})
+    return pd.DataFrame(rows)
+
+
+def _faults(doc):
+    return [e for e in doc["events"] if e["kind"] == "fail-slow"]
+
+
+def _detect(df, **cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return detect_trace(df, META, config=DetectorConfig(**cfg), meta_dict=SHAPE)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_2x_slower_rank_in_a_25_percent_noisy_loop_is_found_within_10_steps(seed):
+    doc = _detect(noisy_job(slow_rank=1, seed=seed))
+    faults = _faults(doc)
+    assert [e["rank"] for e in faults] == [1]
+    ev = faults[0]
+    assert 30 <= ev["detected_step"] <= 40 and ev["end_step"] is None
+    assert abs(ev["slowdown"] - 2.0) / 2.0 < 0.15
+    assert doc["noise"][1]["adapted"] and doc["noise"][1]["min_detectable_slowdown"] < 2.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_same_noisy_loop_without_a_slowdown_raises_nothing(seed):
+    assert _faults(_detect(noisy_job(steps=120, seed=100 + seed))) == []
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+def test_a_slowdown_of_one_phase_alone_is_found_and_named(phase):
+    doc = _detect(noisy_job(noise=0.1, slow_rank=0, phases=(phase,), seed=3))
+    faults = _faults(doc)
+    assert [e["rank"] for e in faults] == [0]
+    assert faults[0]["phase"] == phase and faults[0]["detected_step"] <= 40
+    assert abs(faults[0]["slowdown"] - 2.0) / 2.0 < 0.15
+
+
+def test_quiet_ranks_keep_the_configured_thresholds_and_say_what_they_can_find():
+    doc = _detect(noisy_job(noise=0.01, slow_rank=1, factor=1.3, seed=1))
+    assert not any(v["adapted"] for v in doc["noise"].values())
+    assert all(v["min_detectable_slowdown"] < 1.2 for v in doc["noise"].values())
+    assert [e["rank"] for e in _faults(doc)] == [1]
+
+
+def test_noise_hiding_slowdowns_is_reported_and_sensitivity_moves_it():
+    df = noisy_job(noise=0.6, seed=5)
+    low, high = (_detect(df, sensitivity=s)["noise"][0]["min_detectable_slowdown"] for s in (1, 2))
+    assert low > 2.0 and high < low
+
+
+def test_detector_config_refuses_bad_noise_settings():
+    for bad in ({"sensitivity": 0}, {"target_slowdown": 1.0}, {"false_alarm_steps": -1}):
+        with pytest.raises(InputError, match=next(iter(bad))):
+            DetectorConfig(**bad)
+
+
+def test_live_detector_reports_noise_per_rank():
+    det = OnlineDetector(META, meta_dict=SHAPE)
+    df = noisy_job(steps=25, seed=2)
+    for _, rows in df.groupby("step"):
+        det.observe(rows)
+    assert set(det.noise()) == {0, 1}
