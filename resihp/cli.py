@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import errno
 import importlib
 import sys
 
 import typer
 
-from resihp.errors import InputError
+from resihp.errors import InputError, disk_full
 
 app = typer.Typer(
     name="resihp",
@@ -40,12 +39,15 @@ def main() -> None:
     except KeyboardInterrupt:
         print("resihp: interrupted", file=sys.stderr)
         sys.exit(130)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is None:
             raise
         # what was written before stays valid: outputs are replaced whole (temp file, rename)
-        where = f" writing {exc.filename}" if exc.filename else ""
-        print(f"resihp: disk full{where} ({exc.strerror}); free space and run again", file=sys.stderr)
+        name = getattr(full, "filename", None)
+        where = f" writing {name}" if name else ""
+        print(f"resihp: disk full{where} ({getattr(full, 'strerror', None) or 'No space left on device'}); "
+              f"free space and run again", file=sys.stderr)
         sys.exit(1)
 
 

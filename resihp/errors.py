@@ -16,3 +16,27 @@ class InputError(ValueError):
 def where(path: object, field: str | None = None) -> str:
     """Prefix for messages: ``file`` or ``file: field``."""
     return f"{path}: {field}" if field else f"{path}"
+
+
+DISK_FULL_ERRNOS = (28, 122, 27)  # ENOSPC, EDQUOT, EFBIG
+
+
+def disk_full(exc: BaseException | None) -> BaseException | None:
+    """The error in ``exc``'s chain that says the disk is full (ENOSPC, quota, file too large), or
+    None. Follows causes, contexts and the per-rank failures that torch.distributed.checkpoint wraps
+    (its CheckpointException), and Arrow's messages that carry the errno only in their text."""
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and (e.errno in DISK_FULL_ERRNOS or "No space left on device" in str(e)):
+            return e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():  # DCP: (exception, traceback) per rank
+                f = f[0] if isinstance(f, tuple) and f else f
+                stack.append(f if isinstance(f, BaseException) else None)
+    return None

@@ -265,3 +265,20 @@ def test_human_summary_of_a_run_stopped_by_a_non_finite_loss(capsys):
     assert summary["loss_last"] is None and summary["losses"] == [4.2, None]
     _print_human(summary)
     assert "loss 4.2000 -> not finite" in capsys.readouterr().out
+
+
+def test_disk_full_is_found_inside_a_checkpoint_exception_and_arrow_text():
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from resihp.errors import disk_full
+
+    wrapped = CheckpointException("save failed", {1: _wrap_exception(enospc("ckpt/__1_0.distcp"))})
+    assert disk_full(wrapped).filename == "ckpt/__1_0.distcp"
+    try:
+        try:
+            raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+        except OSError as inner:
+            raise RuntimeError("merge failed") from inner
+    except RuntimeError as exc:
+        assert disk_full(exc) is not None
+    assert disk_full(RuntimeError("peer closed")) is None and disk_full(OSError(13, "denied")) is None

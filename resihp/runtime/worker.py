@@ -9,7 +9,6 @@ them into ``OUT/ops.parquet`` with the job meta ``OUT/job.yaml`` and ``OUT/summa
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
@@ -24,7 +23,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from resihp.errors import InputError
+from resihp.errors import InputError, disk_full
 from resihp.opstrace import JobMeta, write_meta
 from resihp.perf.device import this_device
 from resihp.runtime.config import RunConfig
@@ -217,13 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteLoss as exc:
         print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        print(f"resihp: stop: rank {rank}: disk full writing {exc.filename or 'its outputs'} "
-              f"({exc.strerror}); what was written before stays valid", file=sys.stderr, flush=True)
-        sys.exit(1)
     except (RuntimeError, dist.DistBackendError) as exc:
+        _stop_if_disk_full(exc, rank)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "waiting for clients" in first:
             print(f"resihp: rank {rank}: not every worker joined within the timeout ({first})",
@@ -231,6 +225,19 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(3)
         print(f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
               file=sys.stderr)
+        sys.exit(1)
+    except BaseException as exc:  # DCP wraps a rank's write error in a BaseException
+        _stop_if_disk_full(exc, rank)
+        raise
+
+
+def _stop_if_disk_full(exc: BaseException, rank: str) -> None:
+    """A full disk (however deep in the exception chain) is one line and exit 1."""
+    full = disk_full(exc)
+    if full is not None:
+        print(f"resihp: stop: rank {rank}: disk full writing {getattr(full, 'filename', None) or 'its outputs'}"
+              f" ({getattr(full, 'strerror', None) or 'No space left on device'}); what was written "
+              f"before stays valid", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
