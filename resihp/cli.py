@@ -15,13 +15,29 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from resihp import __version__
+
+        print(f"resihp {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                       help="Print the version and exit")) -> None:
+    """Resilience layer for hybrid-parallel LLM training."""
 
 # Each module defines ``register(app)``; the order is the order of ``resihp --help``.
 COMMAND_MODULES = [
     "resihp.perf.commands",
     "resihp.detect.commands",
     "resihp.runtime.commands",
+    "resihp.runtime.follow_commands",
     "resihp.plan.commands",
     "resihp.replay.commands",
 ]

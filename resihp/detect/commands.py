@@ -45,6 +45,7 @@ def detect_cmd(
     from resihp.detect.events import events_json
     from resihp.detect.expected import load_expected, stage_shape
     from resihp.detect.observe import infer_meta
+    from resihp.detect.online import noise_warnings
     from resihp.opstrace import read_meta, read_ops_trace, read_run_folder
 
     if method not in METHODS:
@@ -101,18 +102,6 @@ def detect_cmd(
         typer.echo(f"  {e['kind']:<18} {where:<28} steps {e['onset_step']}{end} detected at "
                    f"{e['detected_step']}  x{e['slowdown']:.2f}  confidence {e['confidence']:.2f}"
                    f"{phase}")
-
-
-def noise_warnings(noise: dict, cfg) -> list[str]:
-    """One line per group of ranks whose noise hides slowdowns above the config's target."""
-    loud = {r: v for r, v in noise.items() if v["min_detectable_slowdown"] > cfg.target_slowdown}
-    if not loud:
-        return []
-    worst = max(v["min_detectable_slowdown"] for v in loud.values())
-    return [f"rank(s) {', '.join(sorted(loud, key=int))}: step-to-step noise up to "
-            f"{max(v['noise'] for v in loud.values()):.0%} hides slowdowns below about "
-            f"x{worst:.2f} for {cfg.detect_within} steps (larger ones are still found; "
-            "--sensitivity trades sooner detection for false alarms)"]
 
 
 def detect_eval_cmd(

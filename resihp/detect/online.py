@@ -194,6 +194,10 @@ class OnlineDetector:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
         return out
 
+    def open_events(self) -> list[Event]:
+        """The findings still open (a device still slow, a link still slow), current estimates."""
+        return list(self._open.values())
+
     def noise(self) -> dict:
         """Per rank its measured noise (the calibration dispersion of its own-work ratio, as a
         fraction) and the smallest slowdown found within ``detect_within`` steps at that noise;
@@ -337,6 +341,18 @@ class OnlineDetector:
     @property
     def steps_seen(self) -> int:
         return self._steps_seen
+
+
+def noise_warnings(noise: dict, cfg: DetectorConfig) -> list[str]:
+    """One line per group of ranks whose noise hides slowdowns above the config's target."""
+    loud = {r: v for r, v in noise.items() if v["min_detectable_slowdown"] > cfg.target_slowdown}
+    if not loud:
+        return []
+    worst = max(v["min_detectable_slowdown"] for v in loud.values())
+    return [f"rank(s) {', '.join(sorted(loud, key=int))}: step-to-step noise up to "
+            f"{max(v['noise'] for v in loud.values()):.0%} hides slowdowns below about "
+            f"x{worst:.2f} for {cfg.detect_within} steps (larger ones are still found; "
+            "--sensitivity trades sooner detection for false alarms)"]
 
 
 PHASES = ("forward", "backward", "optimizer")

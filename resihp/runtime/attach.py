@@ -9,30 +9,56 @@
 Forward and module-output hooks time each forward (one micro-batch per forward call); the backward
 runs from the first gradient reaching the module's output to the last parameter gradient
 accumulated; optimizer hooks time ``optimizer.step``. Rows go, per step, to the same per-rank
-JSON-lines stream and heartbeat files as the built-in engine, which a side process tails to feed
-the detector (``resihp.runtime.live``).
+JSON-lines stream and heartbeat files as the built-in engine.
+
+Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards) or,
+with ``detect=True``, in a thread of rank 0 (``resihp.runtime.follow.Follower``): then
+``monitor.report()`` gives the current stragglers, ``on_event`` is called with each finding, and
+``on_fault`` acts on a device fault at the next step boundary on every rank alike ("stop" raises
+``DeviceFault`` out of ``monitor.step``; a callable, e.g. one saving a checkpoint, is called with
+the event). attach records and detects; it does not re-plan the user's job (``resihp run`` does).
+Records go to the ``resihp`` logger (``OUT/logs/rank<R>.log``, rank-prefixed lines on stderr).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from resihp.detect.config import DetectorConfig
+from resihp.detect.events import DEVICE_FAULTS
+from resihp.errors import InputError
 from resihp.opstrace import JobMeta, validate_ops_trace, write_meta, write_ops_trace
+from resihp.runtime import logs
+from resihp.runtime.follow import Follower
 from resihp.runtime.heartbeat import HeartbeatWriter
+from resihp.runtime.metrics import Metrics
 from resihp.runtime.recorder import OpRecorder
+
+log = logging.getLogger("resihp.attach")
+
+
+class DeviceFault(RuntimeError):
+    """Raised out of ``monitor.step`` on every rank when ``on_fault="stop"`` and a device fault was
+    found; ``event`` is the finding (the DESIGN event JSON)."""
+
+    def __init__(self, event: dict) -> None:
+        super().__init__(f"resihp: {event['kind']} on rank {event.get('rank')} (x{event['slowdown']:.2f}"
+                         f" from step {event['onset_step']}); stopping as asked (on_fault='stop')")
+        self.event = event
 
 
 def _dist_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -51,6 +77,12 @@ class Monitor:
     def __init__(self, model: nn.Module, out: Path, optimizer: torch.optim.Optimizer | None,
                  rank: int, dp_rank: int, stage: int, tp_rank: int, heartbeat_s: float) -> None:
         sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else None
+        self.follower: Follower | None = None
+        self.on_fault: str | Callable[[dict], None] | None = None
+        self.metrics: Metrics | None = None
+        self._group = None
+        self._handled = 0  # device faults acted on
+        self._step_t0: float | None = None
         self.rec = OpRecorder(rank, dp_rank, stage, tp_rank)
         self._sync = sync or (lambda: None)
         self.out = out
@@ -132,6 +164,8 @@ class Monitor:
              step: int | None = None) -> Iterator[None]:
         """One training step. ``seq_lens``: the packed sequence lengths of the step's micro-batch,
         or a list of them, one per forward call (gradient accumulation)."""
+        if self.on_fault is not None:
+            self._act_on_faults()
         t0 = time.perf_counter()
         self._step = self._step + 1 if step is None else step
         self.heart.at_step(self._step)
@@ -142,12 +176,47 @@ class Monitor:
         self._mb = 0
         tokens = sum(sum(s) for s in self._seq_lens) or None
         self.self_s += time.perf_counter() - t0
-        with self.rec.op("step", tokens=tokens):
+        with self.rec.op("step", tokens=tokens) as row:
             yield
             self._end("backward-compute")
         t0 = time.perf_counter()
         self.rec.flush(self.stream)
+        if self.metrics is not None:
+            self.metrics.step(self._step, row.get("duration"), tokens)
+        log.debug("step %d: %.4f s, %s tokens", self._step, row.get("duration", 0.0), tokens)
         self.self_s += time.perf_counter() - t0
+
+    def report(self) -> dict:
+        """What the in-process detector holds now (``detect=True``, rank 0): ``stragglers`` (device
+        faults still open: rank, kind, slowdown, onset_step, detected_step, phase), every
+        ``event``, ``steps`` judged and each rank's ``noise`` with its smallest detectable
+        slowdown. Elsewhere: an empty report saying why."""
+        if self.follower is None:
+            why = ("detection runs on rank 0" if self.rec.ids["rank"] != 0 else
+                   "attach(..., detect=True) runs the detector in the job; or run resihp follow "
+                   f"{self.out} beside it")
+            return {"stragglers": [], "events": [], "steps": 0, "noise": {}, "note": why}
+        return self.follower.report()
+
+    def _act_on_faults(self) -> None:
+        """At a step boundary: the device faults found since the last one, the same on every rank
+        (rank 0's detector decides; a gloo broadcast carries it)."""
+        new = None
+        if self.follower is not None:
+            faults = [e for e in self.follower.report()["events"] if e["kind"] in DEVICE_FAULTS]
+            new = faults[self._handled] if len(faults) > self._handled else None
+        if self._group is not None:
+            box = [new]
+            dist.broadcast_object_list(box, src=0, group=self._group)
+            new = box[0]
+        if new is None:
+            return
+        self._handled += 1
+        log.warning("acting on %s of rank %s (on_fault=%s)", new["kind"], new.get("rank"),
+                    "stop" if self.on_fault == "stop" else getattr(self.on_fault, "__name__", "callable"))
+        if self.on_fault == "stop":
+            raise DeviceFault(new)
+        self.on_fault(new)
 
     def trace(self) -> pd.DataFrame:
         """Everything recorded so far; also written to ``OUT/ops.parquet`` by ``close``."""
@@ -160,6 +229,18 @@ class Monitor:
         self.heart.stop("done")
         if self.rec.rows:
             write_ops_trace(self.trace(), self.out / f"ops.rank{self.rec.ids['rank']}.parquet")
+        if self.follower is not None:
+            self.follower.stop()
+            report = self.follower.report()
+            (self.out / "live.json").write_text(json.dumps(report, indent=1, default=str))
+            stragglers = report["stragglers"]
+            log.info("detector: %d step(s) judged, %d event(s), %d straggler(s) now%s",
+                     report["steps"], len(report["events"]), len(stragglers),
+                     "".join(f"; rank {s['rank']} x{s['slowdown']:.2f} from step {s['onset_step']}"
+                             for s in stragglers))
+        if self.metrics is not None:
+            self.metrics.close()
+        logs.close()
 
 
 def _first_grad_tensor(output: object) -> torch.Tensor | None:
@@ -177,17 +258,61 @@ def _first_grad_tensor(output: object) -> torch.Tensor | None:
 def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
            out: str | Path = "runs/attached", rank: int | None = None, dp_rank: int | None = None,
            stage: int = 0, tp_rank: int = 0, dp_size: int | None = None, pp_size: int = 1,
-           tp_size: int = 1, heartbeat_s: float = 0.5, **meta: object) -> Monitor:
+           tp_size: int = 1, heartbeat_s: float = 0.5, detect: bool = False,
+           on_event: Callable[[dict], None] | None = None,
+           on_fault: str | Callable[[dict], None] | None = None,
+           detector_config: DetectorConfig | None = None, tensorboard: bool = False,
+           log_level: int | str = logging.INFO, **meta: object) -> Monitor:
     """Start recording ``model``'s per-op timings into ``out`` (ops-trace rows per rank, job meta
     from rank 0, heartbeats). Ranks default to torch.distributed's (or ``RANK``/``WORLD_SIZE``);
-    with no other hint every rank is its own data-parallel replica."""
+    with no other hint every rank is its own data-parallel replica.
+
+    ``detect``: run the detector in a thread of rank 0 (``monitor.report()``, ``on_event``);
+    ``on_fault``: ``"stop"`` (``DeviceFault`` out of ``monitor.step`` on every rank) or a callable
+    given the event on every rank (e.g. saving a checkpoint), at the step boundary after a device
+    fault is found (implies ``detect``); ``tensorboard``: step time, tokens/s and events as
+    TensorBoard scalars under ``OUT/tensorboard`` (rank 0; needs the ``tensorboard`` extra).
+    Keyword ``meta`` goes to ``job.yaml`` (e.g. ``layers``, ``hidden``, ``heads``, ``ffn_hidden``
+    let the detector weigh each step's sequence lengths by the model's FLOPs)."""
+    if on_fault is not None and on_fault != "stop" and not callable(on_fault):
+        raise InputError(f"attach: on_fault must be 'stop' or a callable, got {on_fault!r}")
     out = Path(out)
     dist_rank, world = _dist_rank_world()
     rank = dist_rank if rank is None else rank
+    logs.setup(out, rank, log_level)
     dp_size = dp_size or max(1, world // (pp_size * tp_size))
     monitor = Monitor(model, out, optimizer, rank, rank if dp_rank is None else dp_rank, stage,
                       tp_rank, heartbeat_s)
     if rank == 0:
+        (out / "job.yaml").unlink(missing_ok=True)
+        (out / "live.json").unlink(missing_ok=True)
         write_meta(JobMeta(dp_size, pp_size, tp_size, dp_size * pp_size * tp_size),
                    out / "job.yaml", **meta)
+        if tensorboard:
+            monitor.metrics = Metrics(out / "tensorboard")
+        if detect or on_fault is not None:
+            callback = on_event
+            if monitor.metrics is not None:
+                def callback(event: dict, user=on_event, metrics=monitor.metrics) -> None:
+                    metrics.event(event)
+                    if user is not None:
+                        user(event)
+            monitor.follower = Follower(out, detector_config, callback)
+            monitor.follower.start()
+    if on_fault is not None:
+        monitor.on_fault = on_fault
+        monitor._group = _fault_group(world)
+    log.info("attached: rank %d of %d, recording into %s%s", rank, world, out,
+             " (detecting in-process)" if monitor.follower is not None else "")
     return monitor
+
+
+def _fault_group(world: int):
+    """A gloo group over every rank for the per-step fault decision (whatever the job's backend),
+    or None in a one-process job."""
+    if world <= 1:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InputError("attach: on_fault in a multi-process job needs torch.distributed "
+                         "initialised first (every rank must agree to stop)")
+    return dist.new_group(backend="gloo")

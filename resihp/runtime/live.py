@@ -10,43 +10,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 from resihp.detect.online import OnlineDetector
-from resihp.opstrace import JobMeta, read_meta
+from resihp.opstrace import JobMeta
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
 from resihp.runtime.control import post_change
 from resihp.runtime.data import split_counts
-from resihp.runtime.heartbeat import read_beats
+from resihp.runtime.follow import StepAssembler, StreamTail, follow  # noqa: F401 (re-exported)
 from resihp.runtime.layout import ranges_from_counts
 from resihp.runtime.recorder import rows_frame
-
-
-class StreamTail:
-    """New complete lines of each rank's JSON-lines stream since the last call."""
-
-    def __init__(self, directory: Path, world: int) -> None:
-        self.paths = [directory / f"rank{r}.jsonl" for r in range(world)]
-        self.offsets = [0] * world
-
-    def read(self) -> list[dict]:
-        rows = []
-        for i, path in enumerate(self.paths):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[i])
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
-            self.offsets[i] += end
-            rows += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-        return rows
 
 
 def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
@@ -80,54 +56,6 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
                                    for s in range(dims.pp)), counts[d], home=d)
                  for d in range(dims.dp)]
     return Plan(dims.world_size, dims, pipelines, [], policy="current")
-
-
-class StepAssembler:
-    """Complete steps (rows from every rank) out of the ranks' streams, in step order."""
-
-    def __init__(self, directory: Path, world: int) -> None:
-        self.world = world
-        self.tail = StreamTail(directory, world)
-        self.pending: dict[int, list[dict]] = defaultdict(list)
-        self.next_step: int | None = None
-
-    def complete_steps(self) -> list[tuple[int, list[dict]]]:
-        for row in self.tail.read():
-            self.pending[int(row["step"])].append(row)
-        if self.next_step is None and self.pending:
-            self.next_step = min(self.pending)
-        done = []
-        while self.next_step is not None:
-            rows = self.pending.get(self.next_step, [])
-            if len({r["rank"] for r in rows if r["optype"] == "step"}) < self.world:
-                break
-            done.append((self.next_step, self.pending.pop(self.next_step)))
-            self.next_step += 1
-        return done
-
-
-def follow(out: str | Path, detector_config=None, poll_s: float = 0.5, timeout_s: float | None = None,
-           on_event: Callable[[dict], None] | None = None) -> dict:
-    """Detect live on a job that writes resihp streams (the engine, or ``resihp.attach``): read its
-    ``job.yaml``, feed every complete step to the online detector, until every rank's heartbeat
-    says done (or ``timeout_s``). Returns ``{"events": [...], "steps": n}``."""
-    out = Path(out)
-    meta, meta_dict = read_meta(out / "job.yaml")
-    detector = OnlineDetector(meta, config=detector_config, meta_dict=meta_dict)
-    steps = StepAssembler(out / "ranks", meta.world_size)
-    events, seen, t0 = [], 0, time.time()
-    while True:
-        beats = read_beats(out / "heartbeats")
-        finished = len(beats) == meta.world_size and all(b.phase == "done" for b in beats.values())
-        for _, rows in steps.complete_steps():
-            seen += 1
-            for event in detector.observe(rows_frame(rows)):
-                events.append(event.to_dict())
-                if on_event:
-                    on_event(events[-1])
-        if finished or (timeout_s is not None and time.time() - t0 > timeout_s):
-            return {"events": events, "steps": seen}
-        time.sleep(poll_s)
 
 
 class LiveLoop:

@@ -1,0 +1,205 @@
+"""Detection on a job that writes resihp streams (the engine, or ``resihp.attach``), without the
+planner: read its ``job.yaml`` (waiting for the job to start), assemble complete steps from the
+ranks' JSON-lines streams and feed them to the online detector.
+
+``follow(out)`` runs in a side process (``resihp follow RUN``); ``Follower`` is the same loop in a
+thread of the job itself (``resihp.attach(..., detect=True)`` on rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from resihp.detect.config import DetectorConfig
+from resihp.detect.events import DEVICE_FAULTS
+from resihp.detect.online import OnlineDetector, noise_warnings
+from resihp.errors import InputError
+from resihp.opstrace import read_meta
+from resihp.runtime.heartbeat import read_beats
+from resihp.runtime.recorder import rows_frame
+
+log = logging.getLogger("resihp.follow")
+
+
+class StreamTail:
+    """New complete lines of each rank's JSON-lines stream since the last call."""
+
+    def __init__(self, directory: Path, world: int) -> None:
+        self.paths = [directory / f"rank{r}.jsonl" for r in range(world)]
+        self.offsets = [0] * world
+
+    def read(self) -> list[dict]:
+        rows = []
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets[i])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+            self.offsets[i] += end
+            rows += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        return rows
+
+
+class StepAssembler:
+    """Complete steps (rows from every rank) out of the ranks' streams, in step order."""
+
+    def __init__(self, directory: Path, world: int) -> None:
+        self.world = world
+        self.tail = StreamTail(directory, world)
+        self.pending: dict[int, list[dict]] = defaultdict(list)
+        self.next_step: int | None = None
+
+    def complete_steps(self) -> list[tuple[int, list[dict]]]:
+        for row in self.tail.read():
+            self.pending[int(row["step"])].append(row)
+        if self.next_step is None and self.pending:
+            self.next_step = min(self.pending)
+        done = []
+        while self.next_step is not None:
+            rows = self.pending.get(self.next_step, [])
+            if len({r["rank"] for r in rows if r["optype"] == "step"}) < self.world:
+                break
+            done.append((self.next_step, self.pending.pop(self.next_step)))
+            self.next_step += 1
+        return done
+
+
+def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float = 0.5) -> Path:
+    """The job meta of a run folder, once the job's rank 0 has written it (a side process started
+    before the job waits here); ``InputError`` after ``timeout_s``."""
+    meta = Path(out) / "job.yaml"
+    t0 = time.time()
+    while not meta.exists():
+        if timeout_s is not None and time.time() - t0 > timeout_s:
+            raise InputError(f"{out}: no job.yaml after {timeout_s:g} s (has the job started, "
+                             "with resihp.attach(out=...) or resihp run -o ...?)")
+        time.sleep(poll_s)
+    return meta
+
+
+class Detection:
+    """The detector over one job's streams, fed by ``poll``; ``report`` is what it holds now."""
+
+    def __init__(self, out: str | Path, config: DetectorConfig | None = None,
+                 on_event: Callable[[dict], None] | None = None) -> None:
+        self.out = Path(out)
+        meta, meta_dict = read_meta(self.out / "job.yaml")
+        self.detector = OnlineDetector(meta, config=config, meta_dict=meta_dict)
+        self.steps = StepAssembler(self.out / "ranks", meta.world_size)
+        self.world = meta.world_size
+        self.events: list[dict] = []
+        self.seen = 0
+        self.on_event = on_event
+        self.warned = False
+        self._lock = threading.Lock()
+
+    def poll(self) -> list[dict]:
+        new = []
+        for _, rows in self.steps.complete_steps():
+            self.seen += 1
+            df = rows_frame(rows)
+            df = df[~df.optype.str.startswith("replan")]
+            for event in self.detector.observe(df):
+                record = {**event.to_dict(), "seen_at": time.time()}
+                with self._lock:
+                    self.events.append(record)
+                new.append(record)
+                _log_event(record)
+                if self.on_event:
+                    self.on_event(record)
+        noise = self.detector.noise()
+        if not self.warned and len(noise) == self.world:
+            self.warned = True
+            for line in noise_warnings({str(r): v for r, v in noise.items()}, self.detector.cfg):
+                log.warning(line)
+        return new
+
+    def finished(self) -> bool:
+        beats = read_beats(self.out / "heartbeats")
+        return len(beats) == self.world and all(b.phase == "done" for b in beats.values())
+
+    def report(self) -> dict:
+        """Current stragglers (device faults still open: rank, slowdown, onset, phase), every event
+        so far, steps seen and each rank's noise with the smallest slowdown it lets through."""
+        with self._lock:
+            events = [dict(e) for e in self.events]
+        open_ = {}
+        for ev in self.detector.open_events():
+            if ev.kind in DEVICE_FAULTS and ev.rank is not None:
+                open_[(ev.kind, ev.rank)] = ev
+        stragglers = [{"rank": ev.rank, "kind": ev.kind, "slowdown": round(float(ev.slowdown), 3),
+                       "onset_step": ev.onset_step, "detected_step": ev.detected_step,
+                       **({"phase": ev.extra["phase"]} if "phase" in ev.extra else {})}
+                      for ev in sorted(open_.values(), key=lambda e: e.rank)]
+        return {"stragglers": stragglers, "events": events, "steps": self.seen,
+                "noise": {str(r): v for r, v in self.detector.noise().items()}}
+
+
+def _log_event(e: dict) -> None:
+    where = f"rank {e['rank']}" if e.get("rank") is not None else f"stage {e.get('stage')}"
+    phase = f" ({e['phase']} only)" if e.get("phase") else ""
+    level = logging.WARNING if e["kind"] in DEVICE_FAULTS else logging.INFO
+    log.log(level, "%s on %s from step %s (detected at %s): x%.2f%s", e["kind"], where,
+            e["onset_step"], e["detected_step"], e["slowdown"], phase)
+
+
+def follow(out: str | Path, detector_config: DetectorConfig | None = None, poll_s: float = 0.5,
+           timeout_s: float | None = None, on_event: Callable[[dict], None] | None = None,
+           start_timeout_s: float | None = None) -> dict:
+    """Detect live on a job that writes resihp streams: wait for its ``job.yaml`` (up to
+    ``start_timeout_s``, default ``timeout_s``), feed every complete step to the online detector,
+    until every rank's heartbeat says done (or ``timeout_s``). Returns ``report()``'s document
+    (``{"events": [...], "steps": n, "stragglers": [...], "noise": {...}}``)."""
+    t0 = time.time()
+    wait_for_job(out, start_timeout_s if start_timeout_s is not None else timeout_s, poll_s)
+    det = Detection(out, detector_config, on_event)
+    while True:
+        finished = det.finished()
+        det.poll()
+        if finished or (timeout_s is not None and time.time() - t0 > timeout_s):
+            return det.report()
+        time.sleep(poll_s)
+
+
+class Follower(threading.Thread):
+    """``follow`` in a daemon thread of the job (rank 0 of ``resihp.attach(..., detect=True)``);
+    ``stop`` drains the steps written so far. A failure of the detector is kept in ``error`` and
+    logged; the training goes on."""
+
+    def __init__(self, out: str | Path, config: DetectorConfig | None = None,
+                 on_event: Callable[[dict], None] | None = None, poll_s: float = 0.2) -> None:
+        super().__init__(name="resihp-detect", daemon=True)
+        self.out, self.config, self.on_event, self.poll_s = Path(out), config, on_event, poll_s
+        self.detection: Detection | None = None
+        self.error: str | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            wait_for_job(self.out, timeout_s=60, poll_s=self.poll_s)
+            self.detection = Detection(self.out, self.config, self.on_event)
+            while not self._stop_event.wait(self.poll_s):
+                self.detection.poll()
+            self.detection.poll()
+        except Exception as exc:  # noqa: BLE001 - the training job must not die of its monitor
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("detector stopped: %s", self.error)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+
+    def report(self) -> dict:
+        if self.detection is None:
+            return {"stragglers": [], "events": [], "steps": 0, "noise": {},
+                    **({"error": self.error} if self.error else {})}
+        return {**self.detection.report(), **({"error": self.error} if self.error else {})}

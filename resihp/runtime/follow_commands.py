@@ -1,0 +1,46 @@
+"""CLI verb ``resihp follow RUN``: detect live beside a running job (waits for it to start)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+# Imports inside the verb are deferred for start-up time: ``resihp`` imports every commands module
+# to build its help, and following pulls in torch and the detector.
+
+
+def follow_cmd(
+    run: Annotated[Path, typer.Argument(help="Run folder of a job writing resihp streams "
+                                        "(resihp.attach(out=...) or resihp run -o ...)")],
+    start_timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to write its "
+                                                 "job.yaml")] = 600.0,
+    timeout: Annotated[float, typer.Option(help="Stop following after this many seconds "
+                                           "(default: until every rank is done)")] = None,
+    sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold "
+                                               "(see resihp detect)")] = 1.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the final report as JSON")] = False,
+) -> None:
+    """Detect live on a running job: waits for it to start, prints each finding as it comes, and
+    the stragglers still open when the job ends."""
+    from resihp.detect.config import DetectorConfig
+    from resihp.runtime import logs
+    from resihp.runtime.follow import follow
+
+    logs.setup(None, 0)
+    report = follow(run, DetectorConfig(sensitivity=sensitivity), timeout_s=timeout,
+                    start_timeout_s=start_timeout)
+    if json_out:
+        print(json.dumps(report, default=str))
+        return
+    typer.echo(f"{run}: {report['steps']} step(s) judged, {len(report['events'])} event(s)")
+    for s in report["stragglers"]:
+        phase = f" ({s['phase']} only)" if s.get("phase") else ""
+        typer.echo(f"  straggler: rank {s['rank']} x{s['slowdown']:.2f} from step {s['onset_step']} "
+                   f"(detected at {s['detected_step']}){phase}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("follow")(follow_cmd)
