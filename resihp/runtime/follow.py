@@ -1,4 +1,4 @@
-"""Detection on a job that writes resihp streams (the engine, or ``resihp.attach``), without the
+"""LiveDetection on a job that writes resihp streams (the engine, or ``resihp.attach``), without the
 planner: read its ``job.yaml`` (waiting for the job to start), assemble complete steps from the
 ranks' JSON-lines streams and feed them to the online detector.
 
@@ -86,7 +86,7 @@ def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float 
     return meta
 
 
-class Detection:
+class LiveDetection:
     """The detector over one job's streams, fed by ``poll``; ``report`` is what it holds now."""
 
     def __init__(self, out: str | Path, config: DetectorConfig | None = None,
@@ -161,7 +161,7 @@ def follow(out: str | Path, detector_config: DetectorConfig | None = None, poll_
     (``{"events": [...], "steps": n, "stragglers": [...], "noise": {...}}``)."""
     t0 = time.time()
     wait_for_job(out, start_timeout_s if start_timeout_s is not None else timeout_s, poll_s)
-    det = Detection(out, detector_config, on_event)
+    det = LiveDetection(out, detector_config, on_event)
     while True:
         finished = det.finished()
         det.poll()
@@ -179,14 +179,14 @@ class Follower(threading.Thread):
                  on_event: Callable[[dict], None] | None = None, poll_s: float = 0.2) -> None:
         super().__init__(name="resihp-detect", daemon=True)
         self.out, self.config, self.on_event, self.poll_s = Path(out), config, on_event, poll_s
-        self.detection: Detection | None = None
+        self.detection: LiveDetection | None = None
         self.error: str | None = None
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         try:
             wait_for_job(self.out, timeout_s=60, poll_s=self.poll_s)
-            self.detection = Detection(self.out, self.config, self.on_event)
+            self.detection = LiveDetection(self.out, self.config, self.on_event)
             while not self._stop_event.wait(self.poll_s):
                 self.detection.poll()
             self.detection.poll()
