@@ -1,8 +1,18 @@
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
 import torch
 from torch import nn
 
 import resihp
-from resihp.opstrace import read_meta
+from resihp.detect.config import DetectorConfig
+from resihp.errors import InputError
+from resihp.opstrace import read_meta, read_run_folder
+from resihp.runtime.attach import DeviceFault
+from resihp.runtime.follow import follow
 
 
 def test_attach_records_ops_without_changing_training(tmp_path):
@@ -39,3 +49,102 @@ def test_attach_records_ops_without_changing_training(tmp_path):
     assert meta.world_size == 1 and extra["model_name"] == "toy"
     # hooks are gone after close
     assert not watched._forward_hooks and not watched._forward_pre_hooks
+
+
+class _SlowAfter(nn.Module):
+    """A tiny model whose forward and backward take ``factor`` times longer from a given step
+    (sleeps proportional to the work: a fixed cost per token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, 8), nn.Linear(8, 50)
+        self.factor = 1.0
+
+    def forward(self, ids):
+        time.sleep(1e-3 * ids.numel() * self.factor)
+        return _SleepBack.apply(self.out(self.emb(ids)), 2e-3 * ids.numel() * self.factor)
+
+
+class _SleepBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+# conservative thresholds: this loop's timings are sleeps on a shared machine, and a one-process
+# job is compared with itself over time
+QUIET = DetectorConfig(sensitivity=0.5)
+
+
+def _loop(mon, model, opt, steps=60, slow_from=None, factor=5.0):
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        if slow_from is not None and step >= slow_from:
+            model.factor = factor
+        n = int(rng.integers(8, 24))
+        ids = torch.randint(0, 50, (1, n))
+        with mon.step(seq_lens=[n]):
+            loss = nn.functional.cross_entropy(model(ids).reshape(-1, 50), ids.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_in_process_detection_reports_the_straggler_and_calls_back(tmp_path):
+    model = _SlowAfter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    mon = resihp.attach(model, optimizer=opt, out=tmp_path, detect=True, on_event=seen.append,
+                        detector_config=QUIET)
+    _loop(mon, model, opt, steps=50, slow_from=30)
+    mon.close()
+    report = mon.report()
+    assert report["steps"] == 50
+    assert [(s["rank"], s["kind"]) for s in report["stragglers"]] == [(0, "fail-slow")]
+    s = report["stragglers"][0]
+    assert 27 <= s["onset_step"] <= 33 and s["detected_step"] <= 49
+    assert abs(s["slowdown"] - 5.0) / 5.0 < 0.3
+    assert [e["rank"] for e in seen] == [0]
+    assert json.loads((tmp_path / "live.json").read_text())["stragglers"]
+    assert "fail-slow on rank 0" in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+def test_on_fault_stop_raises_out_of_the_step(tmp_path):
+    model = _SlowAfter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = resihp.attach(model, optimizer=opt, out=tmp_path, on_fault="stop", detector_config=QUIET)
+    with pytest.raises(DeviceFault) as err:
+        _loop(mon, model, opt, steps=60, slow_from=30)
+    mon.close()
+    assert err.value.event["rank"] == 0 and err.value.event["kind"] == "fail-slow"
+    assert err.value.event["onset_step"] >= 28 and mon._step < 59  # stopped before the loop ended
+
+
+def test_attach_refuses_an_unknown_on_fault(tmp_path):
+    with pytest.raises(InputError, match="on_fault"):
+        resihp.attach(nn.Linear(2, 2), out=tmp_path, on_fault="pause")
+
+
+def test_follow_waits_for_the_job_and_detect_reads_the_run_folder(tmp_path):
+    out = tmp_path / "job"
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(follow(out, timeout_s=60, poll_s=0.1)))
+    waiter.start()
+    time.sleep(0.3)  # the side process starts first: no job.yaml yet
+    model = _SlowAfter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = resihp.attach(model, optimizer=opt, out=out)
+    _loop(mon, model, opt, steps=25)
+    mon.close()
+    waiter.join(60)
+    assert result["steps"] == 25
+    df, meta = read_run_folder(out)
+    assert meta == out / "job.yaml" and df.step.nunique() == 25
+    with pytest.raises(InputError, match="no job.yaml"):
+        follow(tmp_path / "never", timeout_s=0.3, poll_s=0.1)

@@ -231,7 +231,9 @@ class CusumBank:
         h = np.where(noisy, _cusum_h_for(k, cfg.false_alarm_steps) , cfg.cusum_h)
         self.k[done] = k / sens
         self.h[done] = h / sens
-        self.clip[done] = np.where(noisy, min(cfg.noisy_z_clip, cfg.z_clip), cfg.z_clip)
+        # a noisy series' steps are clipped closer (heavy tails), but never to within a sigma of k
+        self.clip[done] = np.where(noisy, np.maximum(min(cfg.noisy_z_clip, cfg.z_clip), k / sens + 1),
+                                   cfg.z_clip)
         self.adapted[done] = noisy
 
     def _calibrate(self, x: np.ndarray, seen: np.ndarray) -> np.ndarray:

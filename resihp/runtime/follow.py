@@ -1,4 +1,4 @@
-"""LiveDetection on a job that writes resihp streams (the engine, or ``resihp.attach``), without the
+"""Detection on a job that writes resihp streams (the engine, or ``resihp.attach``), without the
 planner: read its ``job.yaml`` (waiting for the job to start), assemble complete steps from the
 ranks' JSON-lines streams and feed them to the online detector.
 
