@@ -1,0 +1,448 @@
+"""A tight upper bound on the throughput of any plan: integral layers per stage, whole devices per
+tensor-parallel group, every live device at its current speed.
+
+The bound holds for every plan the planner's evaluator (``timing.evaluate``) can score, whatever its
+layout: pipelines of any length, each stage a group of ``t`` devices (``t`` a power of two up to
+the largest node that divides the heads) holding at least one whole layer, the last stage also the
+LM head, each pipeline ``m >= 1`` micro-batches of at least the model's token budget, model state
+and one micro-batch of activations in each device's memory; the step is the slowest pipeline's
+critical path plus the gradient all-reduce (``StageCoster.dp_sync_s``).
+
+Why it is an upper bound (the tests check it against exhaustive search on small clusters and
+against the planner on random faults):
+
+1. A pipeline with per-micro-batch stage times ``t_s`` (``c_t / speed`` per layer, plus the head)
+   and ``x`` micro-batches' worth of tokens (``m`` micro-batches scaled by ``sigma >= 1``) takes at
+   least ``(x - 1) * mu + S + comm`` through the schedule, ``mu = max_s t_s``, ``S = sum_s t_s``,
+   ``comm`` the activation transfers (1F1B closed form; GPipe is longer). So in a step of ``T``
+   it carries at most ``x <= (T - S - comm - sync) / mu + 1`` micro-batches.
+2. ``mu`` is one of the finitely many stage times ``n * c`` or ``n * c + h``; a pipeline whose
+   stages all take at most ``mu`` needs enough groups that their layer capacities at ``mu``
+   (``floor(mu / c)``, within memory) cover the ``L`` layers with one of them also holding the
+   head: the fewest devices that do so (a small covering DP) is what the pipeline costs at least.
+   ``S >= L * c_min + h_min``; ``comm`` counts at least the fewest stages of such a cover.
+3. The gradient all-reduce waits for the largest per-device shard, at least ``L / devices`` of a
+   pipeline, at the ring cost of at least ``d_min`` replicas (no pipeline carries more than the
+   largest ``x`` above, so a plan needs at least ``M / x_max`` of them).
+4. Each pipeline design is a knapsack item (cost: devices, value: ``x``); a step ``T`` is feasible
+   only if the best packing of the live devices carries the global batch's ``M`` micro-batches.
+   Slow devices: a group is as slow as its slowest member, so a pipeline holding slow devices is an
+   item with one slow group (its fastest slow member's speed; other slow members count as any
+   device), and groups made only of full-speed devices use only full-speed devices.
+   The bound is ``B / T*`` with ``T*`` the least feasible ``T`` (bisection; the knapsack is
+   unbounded and solved exactly per residue class with NumPy).
+
+Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
+into nodes, memory holds one micro-batch in flight and no embedding, micro-batch counts need
+not be whole, the all-reduce shard is counted per pipeline, p2p transfers at the fewest stages.
+The older ``planner.capacity_bound`` (the best healthy layout with fractional layers, scaled by the
+compute that remains) is kept as ``loose`` beside it: it is no upper bound (integrality aside, a
+plan that shortens pipelines can pass it by its bubble), which is why this one exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp.plan.cost import AnalyticCost, CostModel
+from resihp.plan.layout import powers_of_two_upto
+from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
+from resihp.plan.timing import StageCoster
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class TightBound:
+    """``tokens_per_s``: no plan of ``cluster`` and ``model`` predicts more; ``step_s``: the least
+    step time that carries the global batch; ``pipelines``: the fewest pipelines such a step
+    needs; ``devices``: live devices."""
+
+    tokens_per_s: float
+    step_s: float
+    pipelines: int
+    devices: int
+
+
+@dataclass(frozen=True)
+class _Type:
+    """A group kind: ``t`` devices limited by a device of ``speed``; ``caps[k]``: the layers its
+    memory holds with ``k`` micro-batches in flight (``caps[0]`` unused)."""
+
+    t: int
+    c: float  # seconds per layer per micro-batch (fwd + bwd)
+    h: float  # LM head seconds per micro-batch
+    caps: tuple[int, ...]
+
+
+def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
+                 speed: float) -> list[_Type]:
+    tflops = float(max(d.tflops for d in cluster.devices))
+    node = max(len(r) for r in cluster.node_ranks)
+    free = max(d.memory_gb for d in cluster.devices) - cluster.memory_reserve_gb
+    L = model.layers
+    out = []
+    for t in powers_of_two_upto(node):
+        if model.heads % t:
+            continue
+        f, b = coster.layer_fb(t, tflops)
+        hf, hb = coster.head_fb(t, tflops)
+        state = stage_memory_gb(model, 1, t, 0, False, False)
+        act = stage_memory_gb(model, 1, t, 1, False, False) - state
+        caps = [0] + [min(L, int(math.floor(free / (state + k * act) + _EPS)))
+                      for k in range(1, L + 1)]
+        if caps[1]:
+            out.append(_Type(t, (f + b) / speed, (hf + hb) / speed, tuple(caps)))
+    return out
+
+
+# in-flight floors: a pipeline carrying x micro-batches (x in [f, next f)) is priced with family f
+FAMILIES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
+             family: int) -> list[tuple[float, int, int]]:
+    """(mu, fewest devices, fewest stages) of a pipeline whose stages all take at most ``mu``,
+    per candidate ``mu``, for pipelines that carry at least ``family`` micro-batches (1F1B: the
+    ``k``-th stage from the end holds at least ``min(family, k)`` micro-batches' activations).
+    ``special``: the kinds of the one slow group the pipeline holds; None: full-speed groups
+    only. Built from the last stage (the LM head) backwards, vectorised over ``mu``."""
+    L = layers
+    kinds = healthy + (special or [])
+    mus = np.array(sorted({v for ty in kinds for n in range(1, ty.caps[1] + 1)
+                           for v in (n * ty.c, n * ty.c + ty.h)}))
+    if not len(mus):
+        return []
+    big = np.iinfo(np.int64).max // 4
+    need = np.arange(L + 1)
+
+    def k_of(ty: _Type, k: int, last: bool) -> np.ndarray:
+        room = (mus - ty.h) if last else mus
+        return np.minimum(ty.caps[min(family, k, L)], np.floor(room / ty.c + _EPS)).astype(
+            np.int64)
+
+    def step(prev: np.ndarray, ty: _Type, k: int) -> np.ndarray:
+        kk = k_of(ty, k, False)
+        idx = np.maximum(0, need[None, :] - kk[:, None])
+        out = np.take_along_axis(prev, idx, axis=1) + ty.t
+        out[kk < 1] = big
+        return np.minimum(out, big)
+
+    def first(ty: _Type) -> np.ndarray:
+        kk = k_of(ty, 1, True)
+        out = np.where(need[None, :] <= kk[:, None], ty.t, big)
+        out[kk < 1] = big
+        return out
+
+    n_mu = len(mus)
+    plain = np.full((n_mu, L + 1), big, dtype=np.int64)
+    for ty in healthy:
+        plain = np.minimum(plain, first(ty))
+    with_special = np.full((n_mu, L + 1), big, dtype=np.int64)
+    for ty in special or []:
+        with_special = np.minimum(with_special, first(ty))
+    target = with_special if special else plain
+    best_dev = target[:, L].copy()
+    stages = np.where(best_dev < big, 1, big)
+    for k in range(2, L + 1):
+        new_plain = np.full_like(plain, big)
+        for ty in healthy:
+            new_plain = np.minimum(new_plain, step(plain, ty, k))
+        if special:
+            new_sp = np.full_like(plain, big)
+            for ty in healthy:
+                new_sp = np.minimum(new_sp, step(with_special, ty, k))
+            for ty in special:
+                new_sp = np.minimum(new_sp, step(plain, ty, k))
+            with_special = new_sp
+        plain = new_plain
+        target = with_special if special else plain
+        best_dev = np.minimum(best_dev, target[:, L])
+        stages = np.where((stages >= big) & (target[:, L] < big), k, stages)
+        if (target[:, L] >= big).all() and (plain[:, 1:] >= big).all():
+            break
+    # every mu stays: a design with a larger mu can have a smaller S (fewer, wider stages)
+    return [(float(mu), int(d), int(p)) for mu, d, p in zip(mus, best_dev, stages) if d < big]
+
+
+SLOW_FAMILIES = (1, 2, 4, 8, 16)
+D_EXACT = 64  # pipelines of up to this many devices: S + comm by exact DP; above, a Lagrangian bound
+LAMBDAS = np.concatenate([[0.0], 0.05 * 1.5 ** np.arange(16)])  # device prices, in units of c_min
+
+
+# knapsack items per (hardware, model, cost model), per speed (None: full speed); they depend on
+# nothing else, so re-plans of one job and the benchmark's scenarios build each once
+_ITEMS: dict[tuple, dict[float | None, tuple[np.ndarray, ...]]] = {}
+
+
+def _cost_key(cost: CostModel) -> tuple:
+    try:
+        key = (type(cost).__qualname__, tuple(sorted(vars(cost).items())))
+        hash(key)
+        return key
+    except TypeError:
+        return (type(cost).__qualname__, cost)  # by identity, and kept alive with its items
+
+
+def _cat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(6))
+
+
+def _unbounded_knapsack(cost: np.ndarray, value: np.ndarray, capacity: int) -> np.ndarray:
+    """best[c] = the largest total value of items (any number of each) of total cost <= c."""
+    best = np.zeros(capacity + 1)
+    for w, v in zip(cost.tolist(), value.tolist()):
+        if v <= 0 or w > capacity:
+            continue
+        n = -(-(capacity + 1) // w)
+        padded = np.full(n * w, -np.inf)
+        padded[: capacity + 1] = best
+        grid = padded.reshape(n, w)  # grid[j, r] = best[j * w + r]
+        j = np.arange(n)[:, None] * v
+        best = (np.maximum.accumulate(grid - j, axis=0) + j).reshape(-1)[: capacity + 1]
+    return np.maximum.accumulate(best)
+
+
+def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
+                coster: StageCoster | None = None) -> TightBound:
+    """The tight capacity bound of ``cluster`` (devices at their current speeds) for ``model``."""
+    coster = coster or StageCoster(cluster.healthy(), model, cost or AnalyticCost())
+    speeds = np.array([d.speed for d in cluster.devices])
+    live = int((speeds > 0).sum())
+    n_full = int((speeds >= 1.0).sum())
+    slow = sorted({float(s) for s in speeds if 0 < s < 1.0}, reverse=True)
+    L = model.layers
+    M = model.global_batch_tokens / model.microbatch_tokens
+    healthy = _group_types(cluster, model, coster, 1.0)
+    if not healthy or not live:
+        return TightBound(0.0, np.inf, 0, live)
+    c_min = min(ty.c for ty in healthy)
+    h_min = min(ty.h for ty in healthy)
+    s_min = L * c_min + h_min  # no pipeline's stage times sum to less
+    p2p = coster.p2p_s
+    sync_unit = coster.sync_s_per_shard_layer(2) / 1.0  # 2 (d - 1) / d = 1 at d = 2
+    t_max = max(ty.t for ty in healthy)
+
+    q = 2.0 * p2p  # activation transfers per stage boundary (forward and backward)
+
+    def fixed_parts(mus: np.ndarray, kinds: list[_Type]) -> tuple[np.ndarray, np.ndarray]:
+        """Per ``mu``: ``Phi(lam) = min (S + comm + lam * devices)`` over pipelines whose stages
+        all take at most ``mu`` (whole layers per stage, one stage with the head; memory with one
+        micro-batch in flight), for each ``lam`` of ``LAMBDAS * c_min``: exact by a DP over
+        layers, vectorised over ``mu``. A pipeline with ``devices <= D`` then has
+        ``S + comm >= Phi(lam) - lam * D`` for every ``lam``."""
+        lams = LAMBDAS * c_min
+        big = 1e30
+        phi = np.empty((len(mus), len(lams)))
+        for j, lam in enumerate(lams):
+            plain = np.full((len(mus), L + 1), big)
+            plain[:, 0] = 0.0
+            head = np.full((len(mus), L + 1), big)  # the head's stage among them
+            for n_l in range(1, L + 1):
+                for ty in kinds:
+                    k = np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS))
+                    kh = np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))
+                    for n in range(1, min(n_l, ty.caps[1]) + 1):
+                        stage = n * ty.c + q + lam * ty.t
+                        cand = np.where(n <= k, plain[:, n_l - n] + stage, big)
+                        plain[:, n_l] = np.minimum(plain[:, n_l], cand)
+                        cand = np.minimum(np.where(n <= k, head[:, n_l - n] + stage, big),
+                                          np.where(n <= kh, plain[:, n_l - n] + stage + ty.h,
+                                                   big))
+                        head[:, n_l] = np.minimum(head[:, n_l], cand)
+            phi[:, j] = head[:, L] - q
+        return phi, lams
+
+    def exact_parts(mus: np.ndarray, special: list[_Type] | None) -> np.ndarray:
+        """Per ``mu`` and ``D <= D_EXACT``: the least ``S + comm`` of a pipeline of at most ``D``
+        devices whose stages all take at most ``mu`` (whole layers, one stage with the head,
+        memory with one micro-batch in flight; with ``special``, exactly one stage of those
+        kinds). A DP over layers and devices, vectorised over ``mu``."""
+        big = 1e30
+        Dc = D_EXACT
+        n_mu = len(mus)
+        # state: (head placed, special placed) -> [mu, layers, devices]
+        flags = [(h, sp) for h in (0, 1) for sp in ((0, 1) if special else (0,))]
+        arr = {f: np.full((n_mu, L + 1, Dc + 1), big) for f in flags}
+        arr[(0, 0)][:, 0, 0] = 0.0
+        kinds = [(ty, False) for ty in healthy] + [(ty, True) for ty in special or []]
+        ks = [(np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
+               np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))) for ty, _ in kinds]
+        for n_l in range(1, L + 1):
+            for (ty, is_sp), (k, kh) in zip(kinds, ks):
+                if ty.t > Dc:
+                    continue
+                for n in range(1, min(n_l, ty.caps[1]) + 1):
+                    plain_ok = (n <= k)[:, None]
+                    head_ok = (n <= kh)[:, None]
+                    if not plain_ok.any() and not head_ok.any():
+                        break
+                    stage = n * ty.c + q
+                    for h, sp in flags:
+                        if is_sp and not sp:
+                            continue
+                        src_sp = 0 if is_sp else sp
+                        dst = arr[(h, sp)][:, n_l, ty.t:]
+                        cand = np.where(plain_ok, arr[(h, src_sp)][:, n_l - n, : Dc + 1 - ty.t]
+                                        + stage, big)
+                        if h:
+                            cand = np.minimum(cand, np.where(
+                                head_ok, arr[(0, src_sp)][:, n_l - n, : Dc + 1 - ty.t]
+                                + stage + ty.h, big))
+                        np.minimum(dst, cand, out=dst)
+        final = arr[(1, 1 if special else 0)][:, L, :] - q
+        return np.minimum.accumulate(final, axis=1)  # at most D devices
+
+    def items(rows: list[tuple[float, int, int]], phi: dict[float, np.ndarray], lams: np.ndarray,
+              exact: dict[float, np.ndarray], family: int, top: float) -> tuple[np.ndarray, ...]:
+        """Per design and device count ``D`` in a geometric grid from its fewest devices: cost
+        ``D``, mu, the fixed part of the step and the all-reduce shard ``L / D_next`` of every
+        pipeline of this design with ``D <= devices < D_next``."""
+        cost_, mu_, fixed_, shard_ = [], [], [], []
+        for mu, dev_n, _stages in rows:
+            grid = [dev_n]
+            while grid[-1] < L * t_max:
+                step = 1 if grid[-1] < D_EXACT else max(1, int(grid[-1] * 0.1))
+                grid.append(min(L * t_max, grid[-1] + step))
+            nxt = np.array(grid[1:] + [np.inf], dtype=np.float64)
+            cost_.append(np.array(grid, dtype=np.float64))
+            mu_.append(np.full(len(grid), mu))
+            bound = phi[mu][None, :] - lams[None, :] * np.where(np.isfinite(nxt), nxt, 0.0)[:, None]
+            bound[~np.isfinite(nxt)] = phi[mu][0]  # unbounded devices: lam = 0
+            fixed = np.maximum(bound.max(axis=1), s_min)
+            small = np.isfinite(nxt) & (nxt - 1 <= D_EXACT)
+            idx = np.where(small, nxt - 1, 0).astype(np.int64)
+            fixed_.append(np.where(small, np.maximum(fixed, exact[mu][idx]), fixed))
+            shard_.append(np.where(np.isfinite(nxt), L / nxt, 1.0 / t_max))
+        if not cost_:
+            return tuple(np.zeros(0) for _ in range(6))
+        cost_, mu_, fixed_, shard_ = (np.concatenate(x) for x in (cost_, mu_, fixed_, shard_))
+        return (cost_, mu_, fixed_, shard_, np.full(len(cost_), float(family)),
+                np.full(len(cost_), top))
+
+    def family_items(special: list[_Type] | None, families: tuple[int, ...]):
+        tops = list(families[1:]) + [np.inf]
+        kinds = healthy + (special or [])
+        rows = {f: _designs(healthy, special, L, f) for f in families}
+        mus = np.array(sorted({r[0] for rs in rows.values() for r in rs}))
+        if not len(mus):
+            return tuple(np.zeros(0) for _ in range(6))
+        table, lams = fixed_parts(mus, kinds)
+        phi = dict(zip(mus.tolist(), table))
+        exact = dict(zip(mus.tolist(), exact_parts(mus, special)))
+        # a family whose design has as few devices as the previous one's adds nothing: widen the
+        # previous one's range instead
+        merged: dict[float, list[tuple[int, int, float]]] = {}  # mu -> [(devices, family, top)]
+        for f, top in zip(families, tops):
+            for mu, dev_n, _p in rows[f]:
+                ranges = merged.setdefault(mu, [])
+                if ranges and ranges[-1][0] == dev_n and ranges[-1][2] == f:
+                    ranges[-1] = (dev_n, ranges[-1][1], top)
+                else:
+                    ranges.append((dev_n, f, top))
+        parts = [items([(mu, dev_n, 0)], phi, lams, exact, f, top)
+                 for mu, ranges in merged.items() for dev_n, f, top in ranges]
+        return _cat(parts)
+
+    key = (cluster.hardware_key, model, _cost_key(coster.cost))
+    if key not in _ITEMS:
+        if len(_ITEMS) > 64:
+            _ITEMS.clear()
+        _ITEMS[key] = {}
+    cache = _ITEMS[key]
+    if None not in cache:
+        cache[None] = family_items(None, FAMILIES)
+    full = cache[None]
+    per_slow = {}
+    for s in slow:
+        special = _group_types(cluster, model, coster, s)
+        if special:
+            if s not in cache:
+                cache[s] = family_items(special, SLOW_FAMILIES)
+            per_slow[s] = cache[s]
+    slow_counts = {s: int((speeds == s).sum()) for s in slow}
+    n_slow = sum(slow_counts.values())
+    all_items = [full] + list(per_slow.values())
+
+    def x_max(T: float, sync: float) -> float:
+        """The most micro-batches one pipeline of at most ``live`` devices carries."""
+        best = 0.0
+        for it in all_items:
+            ok = it[0] <= live
+            if ok.any():
+                best = max(best, float(np.max((T - it[2][ok] - sync * it[3][ok]) / it[1][ok])
+                                       + 1.0))
+        return best
+
+    def feasible(T: float) -> tuple[bool, int]:
+        """Whether some plan could carry the ``M`` micro-batches in a step of ``T``, and the
+        fewest pipelines that needs. A plan of ``d`` pipelines waits for a ring all-reduce of
+        ``2 (1 - 1/d)`` per shard unit: pipeline ``r`` carries at most
+        ``(T - a_r - 2 u s_r) / mu_r + 1 + (2 u s_r / mu_r) / d``, so all of them at most the
+        knapsack of the first terms plus the largest ``2 u s / mu`` (the last terms' mean)."""
+        sync = 2.0 * sync_unit
+        extra = 0.0
+        for it in all_items:
+            ok = it[0] <= live
+            if ok.any():
+                extra = max(extra, float(np.max(sync * it[3][ok] / it[1][ok])))
+        ok = carried(T, sync, extra) + extra >= M - _EPS
+        most = x_max(T, 0.0)
+        return ok, (max(1, math.ceil(M / most - _EPS)) if most > 0 else 0)
+
+    def carried(T: float, sync: float, slack: float) -> float:
+        """The most micro-batches the live devices carry in a step of ``T`` when the gradient
+        all-reduce costs ``sync`` per unit of shard (layers per device)."""
+
+        def value(it: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+            """Costs and values of the items worth having at this ``T``: a pipeline that cannot
+            finish one micro-batch carries nothing; of items with the same or more devices only
+            those carrying more are kept."""
+            cost_, mu_, fixed_, shard_, fam_, top_ = it
+            x = (T - fixed_ - sync * shard_) / mu_ + 1.0
+            keep = (x + slack >= fam_) & (x > 0)
+            x = np.minimum(x, top_)
+            cost_, x = cost_[keep].astype(np.int64), x[keep]
+            order = np.lexsort((-x, cost_))
+            cost_, x = cost_[order], x[order]
+            front = x > np.concatenate([[-np.inf], np.maximum.accumulate(x)[:-1]])
+            return cost_[front], x[front]
+
+        best_full = _unbounded_knapsack(*value(full), n_full)
+        # slow pipelines: each holds a group limited by one slow device (at most as many as there
+        # are devices of that speed); extra[D] = their best value using D devices in all
+        extra = np.zeros(1)
+        for s, it in per_slow.items():
+            cost_, val = value(it)
+            if not len(cost_):
+                continue
+            for _ in range(slow_counts[s]):
+                new = np.concatenate([extra, np.full(int(cost_.max()), -np.inf)])
+                for w, v in zip(cost_.tolist(), val.tolist()):
+                    new[w: w + len(extra)] = np.maximum(new[w: w + len(extra)], extra + v)
+                extra = np.maximum.accumulate(new[: live + 1])
+        used = np.arange(len(extra))
+        # full-speed devices left for pipelines of full-speed groups: slow pipelines use at
+        # least ``D - n_slow`` of them
+        left = np.clip(n_full - np.maximum(0, used - n_slow), 0, n_full)
+        total = extra + best_full[left]
+        return float(np.max(total))
+
+    # bisection on T for the least step that carries M micro-batches
+    lo, hi = 0.0, max(s_min, 1e-6)
+    while not feasible(hi)[0]:
+        lo, hi = hi, hi * 2.0
+        if hi > 1e12:
+            return TightBound(0.0, np.inf, 0, live)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if feasible(mid)[0]:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    return TightBound(model.global_batch_tokens / hi, hi, feasible(hi)[1], live)

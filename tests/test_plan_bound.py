@@ -1,0 +1,186 @@
+"""The tight capacity bound (``resihp.plan.bound``) is an upper bound: no plan beats it.
+
+Exhaustive search on small clusters: every plan the evaluator can score (every set of disjoint
+tensor-parallel groups of power-of-two sizes inside a node, chained in any order into any number of
+pipelines, every whole-layer split, every micro-batch allocation that fits in memory), with
+devices slow, dead or heterogeneous. On larger random clusters the planner (with token budgets)
+and the baselines never beat it either."""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from resihp.errors import InputError
+from resihp.parallel import ParallelDims
+from resihp.plan.baselines import make_policy
+from resihp.plan.bound import tight_bound
+from resihp.plan.cost import AnalyticCost
+from resihp.plan.layout import layer_ranges
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
+from resihp.plan.planner import Planner
+from resihp.plan.specs import ClusterSpec, ModelSpec
+from resihp.plan.timing import StageCoster, evaluate
+
+
+def cluster_of(nodes: list[list[float]], memory: float = 80, tflops=None) -> ClusterSpec:
+    devices = [[{"speed": s, **({"tflops": tflops[i][j]} if tflops else {})}
+                for j, s in enumerate(node)] for i, node in enumerate(nodes)]
+    return ClusterSpec.from_dict({
+        "name": "small", "device": {"memory_gb": memory, "tflops": 300},
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}, "memory_reserve_gb": 2,
+        "nodes": [{"devices": d} for d in devices]})
+
+
+def model_of(layers: int = 4, microbatches: int = 4, hidden: int = 4096,
+             schedule: str = "1f1b", heads: int = 16) -> ModelSpec:
+    return ModelSpec.from_dict({
+        "name": "m", "layers": layers, "hidden": hidden, "heads": heads,
+        "ffn_hidden": 4 * hidden, "vocab": 32000, "max_seq_len": 4096,
+        "microbatch_tokens": 8192, "global_batch_tokens": 8192 * microbatches,
+        "schedule": schedule})
+
+
+def compositions(total: int, parts: int):
+    """Every way to write ``total`` as ``parts`` positive integers, in order."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def candidate_groups(cluster: ClusterSpec, heads: int) -> list[tuple[int, ...]]:
+    out = []
+    for node in cluster.node_ranks:
+        alive = [r for r in node if cluster.devices[r].speed > 0]
+        for size in (1, 2, 4, 8):
+            if size <= len(alive) and heads % size == 0:
+                out += list(itertools.combinations(alive, size))
+    return out
+
+
+def pipeline_sets(groups: list[tuple[int, ...]], max_pipelines: int):
+    """Every set of pipelines (ordered chains of disjoint groups), each set once."""
+    chains = []
+
+    def grow(chain: tuple, used: frozenset[int]) -> None:
+        if chain:
+            chains.append(chain)
+        for g in groups:
+            if used.isdisjoint(g):
+                grow((*chain, g), used | set(g))
+
+    grow((), frozenset())
+
+    def sets(start: int, used: frozenset[int], chosen: tuple):
+        if chosen:
+            yield chosen
+        if len(chosen) == max_pipelines:
+            return
+        for i in range(start, len(chains)):
+            ranks = {r for g in chains[i] for r in g}
+            if used.isdisjoint(ranks):
+                yield from sets(i + 1, used | ranks, (*chosen, chains[i]))
+
+    yield from sets(0, frozenset(), ())
+
+
+def best_plan(cluster: ClusterSpec, model: ModelSpec) -> float:
+    """The most tokens/s of any plan, by exhaustive search."""
+    coster = StageCoster(cluster, model, AnalyticCost())
+    groups = candidate_groups(cluster, model.heads)
+    best = 0.0
+    for pipes in pipeline_sets(groups, model.microbatches):
+        splits = [list(compositions(model.layers, len(p))) if len(p) <= model.layers else []
+                  for p in pipes]
+        if any(not s for s in splits):
+            continue
+        for choice in itertools.product(*splits):
+            stages = [Stages(Stage(g, r) for g, r in zip(p, layer_ranges(c)))
+                      for p, c in zip(pipes, choice)]
+            for alloc in compositions(model.microbatches, len(pipes)):
+                if not all(coster.stages_fit(s, m) for s, m in zip(stages, alloc)):
+                    continue
+                pipelines = [Pipeline(i, s, m) for i, (s, m) in enumerate(zip(stages, alloc))]
+                plan = Plan(len(cluster), ParallelDims(1, 1, 1), pipelines,
+                            unplaced(len(cluster), pipelines))
+                best = max(best, evaluate(plan, coster).tokens_per_s)
+    return best
+
+
+SMALL = [
+    ([[1.0, 1.0], [1.0, 1.0]], 80, 4, 4),
+    ([[1.0, 1.0], [1.0, 1.0]], 80, 3, 5),
+    ([[1.0, 0.5], [1.0, 1.0]], 80, 4, 4),
+    ([[0.2, 1.0], [0.0, 1.0]], 80, 4, 3),
+    ([[1.0, 1.0, 1.0, 1.0]], 80, 5, 4),
+    ([[1.0, 0.8, 1.0, 0.0]], 80, 4, 4),
+    ([[1.0, 1.0], [1.0, 1.0]], 14, 4, 4),  # memory: a device holds few layers
+    ([[1.0, 1.0], [0.5, 1.0]], 10, 6, 4),
+    ([[1.0], [1.0], [1.0]], 12, 4, 4),
+]
+
+
+@cache
+def _case(i: int, schedule: str) -> tuple[float, float]:
+    nodes, memory, layers, mbs = SMALL[i]
+    cluster = cluster_of(nodes, memory)
+    model = model_of(layers, mbs, schedule=schedule)
+    return best_plan(cluster, model), tight_bound(cluster, model).tokens_per_s
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("i", range(len(SMALL)))
+def test_no_plan_beats_the_tight_bound_exhaustive(i, schedule):
+    best, bound = _case(i, schedule)
+    assert best <= bound * (1 + 1e-9)
+    if best > 0:
+        assert bound <= 1.5 * best  # and it is not vacuous
+
+
+def test_heterogeneous_flop_rates_exhaustive():
+    cluster = cluster_of([[1.0, 0.7], [1.0, 1.0]], 80, tflops=[[300, 150], [150, 300]])
+    model = model_of(4, 4)
+    assert best_plan(cluster, model) <= tight_bound(cluster, model).tokens_per_s * (1 + 1e-9)
+
+
+def test_bound_falls_with_capacity():
+    cluster = cluster_of([[1.0] * 8] * 4)
+    model = model_of(layers=16, microbatches=32)
+    healthy = tight_bound(cluster, model).tokens_per_s
+    slow = tight_bound(cluster.with_speeds({3: 0.5}), model).tokens_per_s
+    dead = tight_bound(cluster.with_speeds({3: 0.0}), model).tokens_per_s
+    assert dead <= slow <= healthy
+
+
+SPEEDS = st.sampled_from([1.0, 1.0, 1.0, 0.8, 0.5, 0.2, 0.0])
+
+
+@st.composite
+def medium(draw):
+    sizes = draw(st.lists(st.sampled_from([2, 4, 8]), min_size=1, max_size=4))
+    memory = draw(st.sampled_from([24, 40, 80]))
+    nodes = [[draw(SPEEDS) for _ in range(size)] for size in sizes]
+    cluster = cluster_of(nodes, memory)
+    hidden = draw(st.sampled_from([1024, 2048, 4096]))
+    model = model_of(draw(st.integers(2, 24)), draw(st.integers(1, 48)), hidden,
+                     draw(st.sampled_from(["1f1b", "1f1b", "gpipe"])))
+    return cluster, model
+
+
+PLANNERS = {"resihp+tokens": Planner(threads=2, token_budgets=True), "resihp": Planner(threads=2),
+            "resihp-heuristic": make_policy("resihp-heuristic")}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(medium(), st.sampled_from(sorted(PLANNERS)))
+def test_no_planner_plan_beats_the_tight_bound(case, name):
+    cluster, model = case
+    try:
+        plan = PLANNERS[name].plan(cluster, model, time_limit_s=1.0)
+    except InputError:
+        return
+    assert plan.tokens_per_s <= tight_bound(cluster, model).tokens_per_s * (1 + 1e-9)
