@@ -89,6 +89,22 @@ class AnalyticCost:
         fwd = 2.0 * tokens * model.hidden * model.vocab / tp / (tflops * 1e12 * self.efficiency)
         return fwd, 2.0 * fwd
 
+    def microbatch_factors(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
+                           tflops: float) -> np.ndarray:
+        """Each of the workload's packed micro-batches' layer time (forward + backward) over the
+        mean micro-batch's: what makes one micro-batch slower than another on the critical path.
+        Mean 1 (the analytic cost is linear in tokens and in the sum of squared lengths)."""
+        batches = expected_microbatches(model.workload, model.microbatch_tokens,
+                                        model.max_seq_len)
+        tokens = np.array([sum(b) for b in batches], dtype=np.float64)
+        sum_sq = np.array([sum(x * x for x in b) for b in batches], dtype=np.float64)
+        rate = tflops * 1e12 * self.efficiency
+        total = 2.0 * 2.0 * self._allreduce_s(model, cluster, tp, 1.0) * tokens
+        for phase in ("fwd", "bwd"):
+            dense, attn = stage_flops(model.shape(1, tp), tokens, sum_sq, phase)
+            total = total + (np.asarray(dense) + np.asarray(attn)) / rate
+        return total / total.mean()
+
 
 class PredictorCost:
     """The learned micro-batch predictor (``MicroBatchPredictor.load(path)``, issue on the
@@ -124,3 +140,13 @@ class PredictorCost:
     def head_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
                      tflops: float) -> tuple[float, float]:
         return 0.0, 0.0
+
+    def microbatch_factors(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
+                           tflops: float) -> np.ndarray:
+        """Each packed micro-batch's predicted time (forward + backward) over their mean."""
+        batches = [list(b) for b in expected_microbatches(
+            model.workload, model.microbatch_tokens, model.max_seq_len)]
+        shape = model.shape(model.layers, tp)
+        total = sum(np.asarray(self.predictor.predict_seq_lens(batches, phase, shape),
+                               dtype=np.float64) for phase in ("fwd", "bwd"))
+        return total / total.mean()

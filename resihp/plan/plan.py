@@ -108,6 +108,8 @@ class Plan:
     bound_ratio: float = float("nan")
     migration_s: float = 0.0
     solver: dict[str, Any] = field(default_factory=dict)
+    # expected step with variable micro-batch costs on the critical path (``timing.expected_step``)
+    expected_step_time_s: float = float("nan")
 
     def placement(self) -> dict[int, tuple[int, int, int]]:
         """rank -> (dp_rank, stage, tp_rank) for every placed rank."""
@@ -155,6 +157,8 @@ class Plan:
             "bound_ratio": self.bound_ratio,
             "migration_s": self.migration_s,
             "solver": self.solver,
+            **({"expected_step_time_s": self.expected_step_time_s}
+               if np.isfinite(self.expected_step_time_s) else {}),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -218,7 +222,8 @@ class Plan:
         excluded = [r["rank"] for r in data.get("ranks", []) or []
                     if isinstance(r, Mapping) and r.get("excluded")]
         num = {k: float(data[k]) for k in ("step_time_s", "tokens_per_s", "capacity_tokens_per_s",
-                                           "bound_ratio", "migration_s")
+                                           "bound_ratio", "migration_s",
+                                           "expected_step_time_s")
                if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)}
         return cls(world_size=world, layout=layout, pipelines=pipelines, excluded=sorted(excluded),
                    policy=str(data.get("policy", "resihp")), solver=dict(data.get("solver") or {}),

@@ -50,7 +50,7 @@ from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec
-from resihp.plan.timing import CapacityBound, StageCoster, evaluate
+from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_step
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
 
@@ -69,7 +69,9 @@ def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None 
     pipelines = [Pipeline(r, Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
                           shares[r], home=r) for r, groups in enumerate(pipes)]
     plan = Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy="healthy")
-    return evaluate(plan, healthy, capacity_bound(cluster, model, healthy.cost, layout))
+    plan = evaluate(plan, healthy, capacity_bound(cluster, model, healthy.cost, layout))
+    plan.expected_step_time_s = expected_step(plan, healthy)
+    return plan
 
 
 def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
@@ -264,6 +266,8 @@ class Planner:
                                               p.migration_s))
         plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
                        "pipelines_solved": log.pipelines}
+        # the step to expect with variable micro-batches (``step_time_s`` prices the mean one)
+        plan.expected_step_time_s = expected_step(plan, coster)
         return plan
 
     def _candidates(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],

@@ -46,6 +46,7 @@ class StageCoster:
         self._budgets: dict[tuple, float] = {}
         self._shards: dict[tuple[Stage, ...], float] = {}
         self._full_speed: dict[tuple, tuple[tuple[float, float], ...]] = {}
+        self._factors: dict[tuple[int, float], np.ndarray] = {}
         # what they do
         self._groups: dict[tuple[int, ...], tuple[float, float]] = {}
         self._pipelines: dict[tuple, tuple[tuple[float, float], ...]] = {}
@@ -63,7 +64,8 @@ class StageCoster:
             setattr(new, name, getattr(self, name))
         return new
 
-    _SHARED = ("_layer", "_head", "_steps", "_fits", "_caps", "_budgets", "_shards", "_full_speed")
+    _SHARED = ("_layer", "_head", "_steps", "_fits", "_caps", "_budgets", "_shards", "_full_speed",
+               "_factors")
 
     @property
     def cache_entries(self) -> int:
@@ -81,6 +83,17 @@ class StageCoster:
         if key not in self._head:
             self._head[key] = self.cost.head_seconds(self.model, self.cluster, tp, tflops)
         return self._head[key]
+
+    def microbatch_factors_for(self, tp: int, tflops: float) -> np.ndarray:
+        """The relative cost of each of the workload's packed micro-batches on a group of ``tp``
+        devices of this FLOP rate (mean 1); all ones when the cost model does not tell
+        micro-batches apart."""
+        key = (tp, tflops)
+        if key not in self._factors:
+            of = getattr(self.cost, "microbatch_factors", None)
+            self._factors[key] = (np.asarray(of(self.model, self.cluster, tp, tflops),
+                                             dtype=np.float64) if of else np.ones(1))
+        return self._factors[key]
 
     def group_speed(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         """(speed, tflops) of the member that limits the group: the lowest speed * FLOP rate."""
@@ -314,6 +327,51 @@ def critical_path_step(plan: Plan, coster: StageCoster) -> float:
         step = pipeline_step_time(fwd, bwd, model.schedule, p2p_s=p2p)
         worst = max(worst, float(np.max(step)))
     return worst + coster.dp_sync_s(plan)
+
+
+EXPECTED_SAMPLES = 256  # drawn steps per kind of replica
+
+
+def expected_step(plan: Plan, coster: StageCoster, samples: int = EXPECTED_SAMPLES,
+                  seed: int = 0) -> float:
+    """The plan's expected step when micro-batches differ in cost (as the workload's packed
+    micro-batches do), plus the gradient all-reduce.
+
+    Each replica draws its micro-batches from the cost model's relative costs
+    (``StageCoster.microbatch_factors``; a micro-batch has the same relative cost on every stage
+    it crosses) and takes the schedule's critical path; the slowest replica sets the step. Per
+    kind of replica (same stage times, token scale and cost table) ``samples`` steps are drawn
+    (fixed seed); the step's distribution is the product of the kinds' empirical distributions,
+    each raised to its number of replicas (replicas draw independently), and its mean is returned.
+    ``critical_path_step`` prices the mean micro-batch instead, which is optimistic: a step's
+    critical path is a maximum over paths, and the slowest of many replicas a maximum again."""
+    model = coster.model
+    if not plan.pipelines or not all(coster.alive(p.stages) for p in plan.pipelines):
+        return float("inf")
+    rng = np.random.default_rng(seed)
+    kinds: dict[tuple, int] = {}
+    for p in plan.pipelines:
+        scale = p.budget(model) / model.microbatch_tokens
+        widest = max(p.stages, key=lambda st: st.tp).ranks
+        key = (coster.pipeline_fb(p.stages, scale), scale, p.microbatches,
+               len(widest), coster.group_speed(widest)[1])
+        kinds[key] = kinds.get(key, 0) + 1
+    draws, counts = [], []
+    for (fb, scale, m, width, tflops), count in kinds.items():
+        table = coster.microbatch_factors_for(width, tflops)
+        arr = np.array(fb)  # [stages, 2]
+        factor = table[rng.integers(len(table), size=(samples, m))]  # [K, m]
+        fwd = arr[None, :, :1] * factor[:, None, :]
+        bwd = arr[None, :, 1:] * factor[:, None, :]
+        draws.append(np.sort(np.asarray(pipeline_step_time(fwd, bwd, model.schedule,
+                                                           p2p_s=coster.p2p_s * scale))))
+        counts.append(count)
+    points = np.unique(np.concatenate(draws))
+    cdf = np.ones(len(points))
+    for d, count in zip(draws, counts):
+        cdf *= (np.searchsorted(d, points, side="right") / len(d)) ** count
+    mass = np.diff(np.concatenate([[0.0], cdf]))
+    return float((mass * points).sum()) + coster.dp_sync_s(plan)
 
 
 def capacity_fraction(cluster: ClusterSpec) -> float:
