@@ -81,6 +81,7 @@ class _Type:
 def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
                  speed: float) -> list[_Type]:
     tflops = float(max(d.tflops for d in cluster.devices))
+    uniform = len({d.tflops for d in cluster.devices if d.speed > 0}) <= 1
     node = max(len(r) for r in cluster.node_ranks)
     free = max(d.memory_gb for d in cluster.devices) - cluster.memory_reserve_gb
     L = model.layers
@@ -90,12 +91,20 @@ def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
             continue
         f, b = coster.layer_fb(t, tflops)
         hf, hb = coster.head_fb(t, tflops)
+        c, h = (f + b) / speed, (hf + hb) / speed
+        if not uniform and speed < 1.0:
+            # a group holding a device of this speed is limited by a member whose speed x FLOP
+            # rate is at most this speed x the largest rate: its compute takes at least
+            # compute / speed, its links' time at least the links' time
+            f2, b2 = coster.layer_fb(t, 2.0 * tflops)
+            compute = 2.0 * ((f + b) - (f2 + b2))
+            c = compute / speed + (f + b - compute)
         state = stage_memory_gb(model, 1, t, 0, False, False)
         act = stage_memory_gb(model, 1, t, 1, False, False) - state
         caps = [0] + [min(L, int(math.floor(free / (state + k * act) + _EPS)))
                       for k in range(1, L + 1)]
         if caps[1]:
-            out.append(_Type(t, (f + b) / speed, (hf + hb) / speed, tuple(caps)))
+            out.append(_Type(t, c, h, tuple(caps)))
     return out
 
 
