@@ -16,7 +16,14 @@ of ``Planner.plan`` over repeats (the healthy plan of the cluster cached, as in 
 The planner runs with token budgets (``Planner(token_budgets=True)``); ``whole_microbatches``
 gives the default planner's figures (whole micro-batches only), one run.
 
-Usage: ``python benchmarks/planner.py [--quick] [--repeats N]``; prints one JSON document.
+Step estimates (``step_estimates``): on the four 256-GPU replay scenarios, the planner's plan
+(healthy, one device at 1/3 speed, one dead) replayed for 100 steps by the replay's simulator
+(the workload's packed micro-batches, measured noise); ``predicted_vs_replayed_step_error`` is the
+largest relative error of the plan's ``expected_step_time_s`` (variable micro-batch costs on the
+critical path), ``mean_cost_step_error`` that of ``step_time_s`` (the mean micro-batch).
+
+Usage: ``python benchmarks/planner.py [--quick] [--repeats N] [--steps-only]``; prints one JSON
+document.
 """
 
 from __future__ import annotations
@@ -34,8 +41,14 @@ import numpy as np  # noqa: E402
 from resihp.paths import TRACES  # noqa: E402
 from resihp.plan.baselines import POLICIES, make_policy  # noqa: E402
 from resihp.plan.bound import tight_bound  # noqa: E402
+from resihp.plan.cost import AnalyticCost  # noqa: E402
 from resihp.plan.plan import plan_problems  # noqa: E402
+from resihp.plan.planner import Planner  # noqa: E402
 from resihp.plan.specs import ClusterSpec, ModelSpec  # noqa: E402
+from resihp.replay.layout import compile_layout  # noqa: E402
+from resihp.replay.policies.resihp import cluster_spec, layout_of, model_spec  # noqa: E402
+from resihp.replay.scenario import load_scenario  # noqa: E402
+from resihp.replay.simulator import Simulator, shared_pool  # noqa: E402
 
 SIZES = {64: "gpt-13b", 256: "gpt-13b", 1024: "gpt-70b", 4096: "gpt-70b", 16384: "gpt-70b"}
 
@@ -150,14 +163,50 @@ def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
     }
 
 
+STEP_SCENARIOS = ("failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "alibaba-7b-256")
+
+
+def step_estimates(steps: int = 100) -> dict:
+    """The planner's step estimates against the replay's simulated steps for the same plan."""
+    cases = []
+    for name in STEP_SCENARIOS:
+        scenario = load_scenario(TRACES / "scenarios" / f"{name}.yaml")
+        cluster, model = cluster_spec(scenario), model_spec(scenario)
+        planner = Planner(AnalyticCost(efficiency=scenario.cluster.device.mfu))
+        healthy = planner.plan(cluster, model, None, 5.0)
+        for label, speeds in (("healthy", {}), ("slow1-3x", {5: 1 / 3}), ("dead1", {9: 0.0})):
+            degraded = cluster.with_speeds(speeds) if speeds else cluster
+            plan = planner.plan(degraded, model, healthy, 5.0) if speeds else healthy
+            sim = Simulator(scenario, shared_pool(scenario), np.random.default_rng(1))
+            at = np.ones(scenario.cluster.size)
+            for device, speed in speeds.items():
+                at[device] = speed
+            window = sim.window(compile_layout(layout_of(plan, model)), at, steps, 0, 0.0)
+            replayed = float(np.mean(window.step_time))
+            cases.append({"scenario": name, "faults": label, "replayed_step_s": replayed,
+                          "expected_step_s": plan.expected_step_time_s,
+                          "mean_cost_step_s": plan.step_time_s,
+                          "error": plan.expected_step_time_s / replayed - 1,
+                          "mean_cost_error": plan.step_time_s / replayed - 1})
+    return {"cases": cases, "steps": steps,
+            "predicted_vs_replayed_step_error": max(abs(c["error"]) for c in cases),
+            "mean_cost_step_error": max(abs(c["mean_cost_error"]) for c in cases)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 and 256 devices, one repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only the step estimates against the replay")
     args = parser.parse_args()
     sizes = [64, 256] if args.quick else list(SIZES)
-    print(json.dumps(run(sizes, 1 if args.quick else args.repeats, args.time_limit), indent=1))
+    out = {} if args.steps_only else run(sizes, 1 if args.quick else args.repeats, args.time_limit)
+    out["step_estimates"] = step_estimates(20 if args.quick else 100)
+    out["predicted_vs_replayed_step_error"] = out["step_estimates"][
+        "predicted_vs_replayed_step_error"]
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
