@@ -186,6 +186,11 @@ class Monitor:
         log.debug("step %d: %.4f s, %s tokens", self._step, row.get("duration", 0.0), tokens)
         self.self_s += time.perf_counter() - t0
 
+    def note_lengths(self, seq_lens: Sequence[int]) -> None:
+        """The sequence lengths of the next forward call's micro-batch, for loops that do not pass
+        them to ``step`` (integrations read them from the batch in a forward pre-hook)."""
+        self._seq_lens.append([int(x) for x in seq_lens])
+
     def report(self) -> dict:
         """What the in-process detector holds now (``detect=True``, rank 0): ``stragglers`` (device
         faults still open: rank, kind, slowdown, onset_step, detected_step, phase), every
