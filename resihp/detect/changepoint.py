@@ -84,6 +84,22 @@ class CusumBank:
                 getattr(out, name)[..., keep] = value[..., source[keep]]
         return out
 
+    def recalibrate(self) -> None:
+        """Every series learns its baseline afresh (the work behind it changed: a re-plan moved
+        layers). A series in alarm leaves it without a recovery: its episode is not known to have
+        ended, and its new baseline is the slow level."""
+        cfg = self.cfg
+        self._cal[:] = np.nan
+        self.cal_count[:] = 0
+        self.calibrated[:] = False
+        self.alarmed[:] = False
+        self.s[:] = 0.0
+        self.run_n[:] = 0
+        self.quiet[:] = 0
+        self.down[:] = 0.0
+        self.k[:], self.h[:], self.clip[:] = cfg.cusum_k / cfg.sensitivity, cfg.cusum_h / cfg.sensitivity, cfg.z_clip
+        self.adapted[:] = False
+
     def rebase_alarmed(self, i: int, baseline: float) -> None:
         """Series ``i`` ran above ``baseline`` since calibration: take ``baseline`` as its healthy
         centre and hold it alarmed at its calibrated level, so that its recovery is found."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +12,17 @@ import typer
 
 from resihp.errors import InputError
 from resihp.progress import progress_bar
+
+
+def _choices(name: str, values: list[str]) -> type[Enum]:
+    """A str Enum, so that ``--help`` shows the choices and typer checks them."""
+    return Enum(name, {v: v for v in values}, type=str)
+
+
+# the baselines' names as resihp.detect.baselines registers them (kept here: no import for --help)
+Method = _choices("Method", ["resihp", "raw-threshold", "relative-score", "iteration-changepoint"])
+InputFormat = _choices("InputFormat", ["ops", "alibaba"])
+DropColumn = _choices("DropColumn", ["seq_lens", "start_ts"])
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
@@ -27,9 +39,9 @@ def detect_cmd(
                                        "compute: a folder, an installed model's name, or auto (the "
                                        "one measured on the job's device: the meta's device field, "
                                        "else this machine); needs the meta's model fields")] = None,
-    method: Annotated[str, typer.Option(help="resihp, or a baseline: raw-threshold, relative-score, "
-                                        "iteration-changepoint")] = "resihp",
-    input_format: Annotated[str, typer.Option("--input-format", help="ops or alibaba")] = "ops",
+    method: Annotated[Method, typer.Option(help="resihp, or a baseline")] = "resihp",
+    input_format: Annotated[InputFormat, typer.Option("--input-format", help="Ops trace or "
+                                                      "Alibaba PAI mini-batch times")] = "ops",
     sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold: "
                                                "above 1 finds smaller slowdowns sooner at more risk "
                                                "of false alarms (DetectorConfig.sensitivity)")] = 1.0,
@@ -48,6 +60,7 @@ def detect_cmd(
     from resihp.detect.online import noise_warnings
     from resihp.opstrace import read_meta, read_ops_trace, read_run_folder
 
+    method, input_format = getattr(method, "value", method), getattr(input_format, "value", input_format)
     if method not in METHODS:
         raise InputError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
     if input_format == "alibaba":
@@ -75,6 +88,9 @@ def detect_cmd(
     ranks = int(df["rank"].nunique())
     doc = events_json(found[method], steps=len(obs.steps), ranks=ranks, method=method,
                       cost_model=obs.cost_model if method == "resihp" else "raw")
+    # step numbers as the trace has them (a sampled trace has gaps): events use these numbers
+    doc["first_step"] = int(obs.steps[0]) if len(obs.steps) else None
+    doc["last_step"] = int(obs.steps[-1]) if len(obs.steps) else None
     if method == "resihp":
         doc["noise"] = {str(r): v for r, v in detectors[method].noise().items()}
         doc["warnings"] = noise_warnings(doc["noise"], cfg)
@@ -88,7 +104,11 @@ def detect_cmd(
     if json_out:
         print(json.dumps(doc))
         return
-    typer.echo(f"{trace}: {doc['steps']} steps, {ranks} ranks, method {method} "
+    span = doc["last_step"] - doc["first_step"] + 1 if doc["steps"] else 0
+    steps_text = (f"{doc['steps']} steps ({doc['first_step']}-{doc['last_step']})" if span == doc["steps"]
+                  else f"{doc['steps']} sampled steps (step numbers {doc['first_step']}-"
+                       f"{doc['last_step']}; events below use these numbers)")
+    typer.echo(f"{trace}: {steps_text}, {ranks} ranks, method {method} "
                f"(cost model: {doc['cost_model']}); {len(doc['events'])} event(s)")
     if not doc["judged"]:
         typer.echo(f"  {doc['note']}")
@@ -113,8 +133,8 @@ def detect_eval_cmd(
                                        "folder, an installed model's name, or auto (the one "
                                        "measured on the profile's device); default: analytic "
                                        "FLOPs of the sequence lengths")] = None,
-    drop: Annotated[list[str], typer.Option(help="Optional trace column to drop before detection "
-                                            "(seq_lens, start_ts); repeatable")] = None,
+    drop: Annotated[list[DropColumn], typer.Option(help="Optional trace column to drop before "
+                                                   "detection; repeatable")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
 ) -> None:
     """Score resihp and the baselines on labelled traces with injected fail-slows and link-slows."""
@@ -124,7 +144,7 @@ def detect_eval_cmd(
     from resihp.workload.flops import TransformerShape
 
     profile = profile or DEFAULT_PROFILE
-    drop = drop or []
+    drop = [getattr(d, "value", d) for d in drop or []]
     for col in drop:
         if col not in ("seq_lens", "start_ts"):
             raise InputError(f"--drop: expected seq_lens or start_ts, got {col!r}")

@@ -138,7 +138,10 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
     for name in methods or METHODS:
         det = make_detector(name, meta, layout, expected, meta_dict, cfg)
         if name == "resihp":
-            det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, shape, cfg))
+            # a re-plan that moved layers changes the ranks' work from its step on
+            moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
+            det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, shape, cfg),
+                                 rebase_at=moved)
         else:
             for i, step in enumerate(obs.steps):
                 det.observe_arrays(int(step), obs.own[i], obs.raw[i])

@@ -100,13 +100,16 @@ class OnlineDetector:
         phases = phase_matrices(df, self.meta, obs.steps, self.expected, self.shape, self.cfg)
         return self.observe_matrices(obs, phases)
 
-    def observe_matrices(self, obs: Observations,
-                         phases: dict[str, np.ndarray] | None = None) -> list[Event]:
+    def observe_matrices(self, obs: Observations, phases: dict[str, np.ndarray] | None = None,
+                         rebase_at: set[int] | frozenset[int] = frozenset()) -> list[Event]:
         """``phases``: per phase a (step x rank) matrix of that phase's own-work ratio
-        (``phase_matrices``), or None to test only the rank's whole own work."""
+        (``phase_matrices``), or None to test only the rank's whole own work; ``rebase_at``: steps
+        before which every rank's baseline is learned afresh (``rebaseline``)."""
         self.cost_model = obs.cost_model
         new: list[Event] = []
         for i, step in enumerate(obs.steps):
+            if int(step) in rebase_at:
+                self.rebaseline()
             new += self.observe_arrays(
                 int(step), obs.own[i], obs.raw[i],
                 None if obs.expected is None else obs.expected[i],
@@ -193,6 +196,12 @@ class OnlineDetector:
             if self._bank_of.get(("fail-slow", r.index)) is bank:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
         return out
+
+    def rebaseline(self) -> None:
+        """After a re-plan that changed the ranks' work (layers moved): every rank calibrates
+        afresh; open device faults stay open (no end is known) and are not reported again."""
+        for bank in (self.compute, self.link, *self.phase_banks.values()):
+            bank.recalibrate()
 
     def open_events(self) -> list[Event]:
         """The findings still open (a device still slow, a link still slow), current estimates."""
@@ -371,9 +380,12 @@ def phase_matrices(df: pd.DataFrame, meta: JobMeta, steps: np.ndarray,
     out: dict[str, np.ndarray] = {}
     optype = df["optype"].to_numpy()
     w = meta.world_size
+    # in a pipeline, one phase's waits on its neighbours come out only with timestamps (without
+    # them, issue times are rebuilt from both phases' durations in record order)
+    clocked = "start_ts" in df.columns and bool(df["start_ts"].notna().all())
     for name in PHASES:
         sel = np.isin(optype, _PHASE_OPTYPES[name])
-        if not sel.any():
+        if not sel.any() or (name != "optimizer" and meta.pp_size > 1 and not clocked):
             continue
         part = df[sel]
         m = np.full((len(steps), w), np.nan)
@@ -420,7 +432,9 @@ def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: Expect
     layout = rank_layout(df, meta)
     det = OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
     obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile)
-    det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, det.shape, det.cfg))
+    moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
+    det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, det.shape, det.cfg),
+                         rebase_at=moved)
     events = det.finish()
     return events_json(events, steps=len(obs.steps), ranks=int((layout.dp_rank >= 0).sum()),
                        cost_model=obs.cost_model, noise=det.noise())
