@@ -93,6 +93,9 @@ def run_cmd(
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
         summary = _summary(cfg, outcome)
+        from resihp.runtime.report import oversubscription  # deferred: torch (start-up time)
+
+        summary.update(oversubscription(cfg.dims().world_size, "cuda" if cfg.device == "cuda" else "cpu"))
         if loop is not None and not outcome.interrupted:
             summary.update(_live_fields(cfg, loop, summary))
             _write_summary(out, summary)
@@ -282,6 +285,8 @@ def _print_human(summary: dict) -> None:
         last = summary.get("loss_last")
         print(f"loss {summary['loss_first']:.4f} -> " + (f"{last:.4f}" if last is not None else "not finite"))
     print(f"trace {summary.get('trace')}  meta {summary.get('meta')}")
+    if summary.get("oversubscribed"):
+        print(f"note: {summary['oversubscribed_note']}")
 
 
 ckpt_app = typer.Typer(help="Universal (reshardable) checkpoints.", no_args_is_help=True)

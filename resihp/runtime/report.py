@@ -3,6 +3,7 @@ detection delay, adaptation times, and a plot (the DESIGN ``resihp demo --json``
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,26 @@ def _window_tps(table: pd.DataFrame, first: int, last: int) -> float | None:
     """Median per-step tokens/s over steps ``[first, last)`` (medians: the machine is shared)."""
     rows = table[(table.index >= first) & (table.index < last)]
     return float(np.median(rows.tokens / rows.wall_s)) if len(rows) else None
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def oversubscription(processes: int, device: str = "cpu") -> dict:
+    """Whether a CPU run had more processes than cores, and what that does to its figures."""
+    cores = cores_available()
+    out = {"processes": processes, "cpu_cores": cores,
+           "oversubscribed": device == "cpu" and processes > cores}
+    if out["oversubscribed"]:
+        out["oversubscribed_note"] = (
+            f"{processes} processes on {cores} cores: ranks take turns on the cores, so tokens/s is "
+            "below what the model runs at on dedicated cores, and a slowed rank that sleeps lends "
+            "its core to the others (measured slowdowns come out smaller than injected)")
+    return out
 
 
 def fault_summary(trace: pd.DataFrame, injected: dict, events: list[dict], changes: list[dict],
