@@ -82,3 +82,24 @@ def test_lightning_callback_records_steps_with_lengths_from_the_batch(tmp_path):
     expected = [[int(r["attention_mask"].sum()) for r in data[i:i + 2]] for i in range(0, 8, 2)]
     assert fwd.seq_lens.map(list).tolist() == expected
     assert (df.optype == "backward-compute").sum() == 4
+
+
+def test_tensorboard_scalars_of_an_attached_loop(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import resihp
+
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = resihp.attach(model, optimizer=opt, out=tmp_path, tensorboard=True)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (1, 12))
+        with mon.step(seq_lens=[12]):
+            torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1)).backward()
+            opt.step()
+    mon.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {"train/step_time_s", "train/tokens_per_s"} <= set(acc.Tags()["scalars"])
+    assert len(acc.Scalars("train/tokens_per_s")) == 3

@@ -57,6 +57,9 @@ def run_cmd(
                                        "apply their plan changes")] = True,
     if_busy: Annotated[str, typer.Option(help="When another job holds --out: fail (exit 2) or "
                                          "subfolder (write into a fresh OUT/<job id>)")] = "fail",
+    tensorboard: Annotated[bool, typer.Option(help="Write step time, tokens/s, events and plan "
+                                              "changes as TensorBoard scalars under OUT/tensorboard "
+                                              "(needs the tensorboard extra)")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
     """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
@@ -102,6 +105,10 @@ def run_cmd(
         if outcome.failure and cfg.ckpt_every and not outcome.interrupted:
             summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
         _finish(folder, cfg, outcome, summary)
+        if tensorboard:
+            from resihp.runtime.metrics import write_run  # deferred: tensorboard, an optional extra
+
+            write_run(out, summary)
     if json_out:
         print(json.dumps(summary))
     else:

@@ -45,3 +45,28 @@ class Metrics:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def write_run(out: str | Path, summary: dict) -> None:
+    """A finished ``resihp run``'s metrics from its trace and summary into ``OUT/tensorboard``."""
+    import pandas as pd
+
+    out = Path(out)
+    m = Metrics(out / "tensorboard")
+    try:
+        trace = pd.read_parquet(out / "ops.parquet")
+        steps = trace[trace.optype == "step"].groupby("step").agg(wall=("duration", "max"),
+                                                                  tokens=("tokens", "max"))
+        for step, row in steps.iterrows():
+            m.step(int(step), float(row.wall), int(row.tokens) if row.tokens == row.tokens else None)
+    except (OSError, ValueError, KeyError):
+        pass  # a run stopped before its trace was merged: events and changes only
+    for event in summary.get("events") or []:
+        m.event(event)
+    for change in summary.get("plan_changes") or []:
+        m.plan_change(int(change.get("applied_step") or change.get("decided_step") or 0),
+                      change.get("applied") is True)
+    rec = summary.get("recovery") or {}
+    if rec.get("resumed_step") is not None:
+        m.scalar("resihp/recovery_lost_steps", float(rec.get("lost_steps") or 0), int(rec["resumed_step"]))
+    m.close()

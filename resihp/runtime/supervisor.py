@@ -81,6 +81,7 @@ def _failed_step(out: Path, rank: int, beats: dict) -> int | None:
     return beat.step if beat else None
 
 
+SCAN_S = 1.0  # seconds between scans for the job's processes once all are known
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -146,19 +147,28 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
     lines: list[str] = []
 
     def read_stderr() -> None:
-        for line in proc.stderr:
-            lines.append(line.rstrip("\n"))
-            m = STEP_LINE.match(line)
-            if m and on_step:
-                on_step(int(m.group(1)))
+        # the workers' lines (per-step progress, warnings, errors) are kept in OUT/logs/workers.log
+        (out / "logs").mkdir(exist_ok=True)
+        with open(out / "logs" / "workers.log", "a", buffering=1) as keep:
+            for line in proc.stderr:
+                keep.write(line)
+                lines.append(line.rstrip("\n"))
+                m = STEP_LINE.match(line)
+                if m and on_step:
+                    on_step(int(m.group(1)))
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     outcome = Outcome(returncode=0)
+    scanned = 0.0
     try:
         while proc.poll() is None:
             time.sleep(poll_s)
-            tracker.scan()
+            # a scan reads /proc (milliseconds): every poll until torchrun and each worker are
+            # known, then once a second (a worker's own children are ended with its process group)
+            if len(tracker.known) <= world or time.time() - scanned >= SCAN_S:
+                tracker.scan()
+                scanned = time.time()
             if signals.received:
                 outcome.interrupted = signals.received
                 outcome.error = f"stopped by {signals.received}; all workers were stopped"
