@@ -184,7 +184,7 @@ LAMBDAS = np.concatenate([[0.0], 0.05 * 1.5 ** np.arange(16)])  # device prices,
 
 # knapsack items per (hardware, model, cost model), per speed (None: full speed); they depend on
 # nothing else, so re-plans of one job and the benchmark's scenarios build each once
-_ITEMS: dict[tuple, dict[float | None, tuple[np.ndarray, ...]]] = {}
+_ITEMS: dict[tuple, dict[object, tuple[np.ndarray, ...]]] = {}
 
 
 def _cost_key(cost: CostModel) -> tuple:
@@ -241,69 +241,97 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         """Per ``mu``: ``Phi(lam) = min (S + comm + lam * devices)`` over pipelines whose stages
         all take at most ``mu`` (whole layers per stage, one stage with the head; memory with one
         micro-batch in flight), for each ``lam`` of ``LAMBDAS * c_min``: exact by a DP over
-        layers, vectorised over ``mu``. A pipeline with ``devices <= D`` then has
-        ``S + comm >= Phi(lam) - lam * D`` for every ``lam``."""
+        layers, vectorised over ``mu``, ``lam`` and a stage's layer count. A pipeline with
+        ``devices <= D`` then has ``S + comm >= Phi(lam) - lam * D`` for every ``lam``."""
         lams = LAMBDAS * c_min
         big = 1e30
-        phi = np.empty((len(mus), len(lams)))
-        for j, lam in enumerate(lams):
-            plain = np.full((len(mus), L + 1), big)
-            plain[:, 0] = 0.0
-            head = np.full((len(mus), L + 1), big)  # the head's stage among them
-            for n_l in range(1, L + 1):
-                for ty in kinds:
-                    k = np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS))
-                    kh = np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))
-                    for n in range(1, min(n_l, ty.caps[1]) + 1):
-                        stage = n * ty.c + q + lam * ty.t
-                        cand = np.where(n <= k, plain[:, n_l - n] + stage, big)
-                        plain[:, n_l] = np.minimum(plain[:, n_l], cand)
-                        cand = np.minimum(np.where(n <= k, head[:, n_l - n] + stage, big),
-                                          np.where(n <= kh, plain[:, n_l - n] + stage + ty.h,
-                                                   big))
-                        head[:, n_l] = np.minimum(head[:, n_l], cand)
-            phi[:, j] = head[:, L] - q
-        return phi, lams
+        plain = np.full((len(mus), len(lams), L + 1), big)
+        plain[:, :, 0] = 0.0
+        head = np.full_like(plain, big)  # the head's stage among them
+        ks = [(np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
+               np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))) for ty in kinds]
+        for n_l in range(1, L + 1):
+            for ty, (k, kh) in zip(kinds, ks):
+                ns = np.arange(1, min(n_l, ty.caps[1]) + 1)
+                stage = ns[None, :] * ty.c + q + lams[:, None] * ty.t  # [lam, n]
+                ok = (ns[None, :] <= k[:, None])[:, None, :]  # [mu, 1, n]
+                ok_h = (ns[None, :] <= kh[:, None])[:, None, :]
+                cand = np.where(ok, plain[:, :, n_l - ns] + stage, big).min(axis=2)
+                plain[:, :, n_l] = np.minimum(plain[:, :, n_l], cand)
+                cand = np.minimum(np.where(ok, head[:, :, n_l - ns] + stage, big).min(axis=2),
+                                  np.where(ok_h, plain[:, :, n_l - ns] + stage + ty.h,
+                                           big).min(axis=2))
+                head[:, :, n_l] = np.minimum(head[:, :, n_l], cand)
+        return head[:, :, L] - q, lams
+
+    def exact_tables(mus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per ``mu``, layer count ``l <= L`` and ``D <= D_EXACT``: the least ``S + comm`` (with
+        one ``q`` too many) of stages of full-speed groups, at most ``mu`` each (whole layers,
+        memory with one micro-batch in flight), holding ``l`` layers on exactly ``D`` devices;
+        without (``plain``) and with (``head``) one of them running the LM head. A DP over layers
+        and devices, vectorised over ``mu`` and a stage's layer count."""
+        big = 1e30
+        Dc = D_EXACT
+        plain = np.full((len(mus), L + 1, Dc + 1), big)
+        plain[:, 0, 0] = 0.0
+        head = np.full_like(plain, big)
+        ks = [(np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
+               np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))) for ty in healthy]
+        for n_l in range(1, L + 1):
+            for ty, (k, kh) in zip(healthy, ks):
+                if ty.t > Dc:
+                    continue
+                ns = np.arange(1, min(n_l, ty.caps[1]) + 1)
+                stage = (ns * ty.c + q)[None, :, None]
+                ok = (ns[None, :] <= k[:, None])[:, :, None]  # [mu, n, 1]
+                ok_h = (ns[None, :] <= kh[:, None])[:, :, None]
+                width = Dc + 1 - ty.t
+                src = plain[:, n_l - ns, :width] + stage  # [mu, n, D]
+                cand = np.where(ok, src, big).min(axis=1)
+                dst = plain[:, n_l, ty.t:]
+                np.minimum(dst, cand, out=dst)
+                cand = np.minimum(np.where(ok, head[:, n_l - ns, :width] + stage, big).min(axis=1),
+                                  np.where(ok_h, src + ty.h, big).min(axis=1))
+                dst = head[:, n_l, ty.t:]
+                np.minimum(dst, cand, out=dst)
+        return plain, head
 
     def exact_parts(mus: np.ndarray, special: list[_Type] | None) -> np.ndarray:
         """Per ``mu`` and ``D <= D_EXACT``: the least ``S + comm`` of a pipeline of at most ``D``
-        devices whose stages all take at most ``mu`` (whole layers, one stage with the head,
-        memory with one micro-batch in flight; with ``special``, exactly one stage of those
-        kinds). A DP over layers and devices, vectorised over ``mu``."""
+        devices whose stages all take at most ``mu``; with ``special``, exactly one stage is of
+        those kinds: that stage, and the full-speed rest from ``exact_tables`` at the largest
+        full-speed stage time not above ``mu`` (the same stages fit under both)."""
+        if "exact" not in cache:
+            hmus = np.array(sorted({v for ty in healthy for n in range(1, ty.caps[1] + 1)
+                                    for v in (n * ty.c, n * ty.c + ty.h)}))
+            cache["exact"] = (hmus, *exact_tables(hmus))
+        hmus, plain, head = cache["exact"]
+        row = np.searchsorted(hmus, mus + _EPS * np.maximum(mus, 1.0), side="right") - 1
+        if special is None:
+            return np.minimum.accumulate(head[row, L, :] - q, axis=1)
         big = 1e30
         Dc = D_EXACT
-        n_mu = len(mus)
-        # state: (head placed, special placed) -> [mu, layers, devices]
-        flags = [(h, sp) for h in (0, 1) for sp in ((0, 1) if special else (0,))]
-        arr = {f: np.full((n_mu, L + 1, Dc + 1), big) for f in flags}
-        arr[(0, 0)][:, 0, 0] = 0.0
-        kinds = [(ty, False) for ty in healthy] + [(ty, True) for ty in special or []]
-        ks = [(np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
-               np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))) for ty, _ in kinds]
-        for n_l in range(1, L + 1):
-            for (ty, is_sp), (k, kh) in zip(kinds, ks):
-                if ty.t > Dc:
-                    continue
-                for n in range(1, min(n_l, ty.caps[1]) + 1):
-                    plain_ok = (n <= k)[:, None]
-                    head_ok = (n <= kh)[:, None]
-                    if not plain_ok.any() and not head_ok.any():
-                        break
-                    stage = n * ty.c + q
-                    for h, sp in flags:
-                        if is_sp and not sp:
-                            continue
-                        src_sp = 0 if is_sp else sp
-                        dst = arr[(h, sp)][:, n_l, ty.t:]
-                        cand = np.where(plain_ok, arr[(h, src_sp)][:, n_l - n, : Dc + 1 - ty.t]
-                                        + stage, big)
-                        if h:
-                            cand = np.minimum(cand, np.where(
-                                head_ok, arr[(0, src_sp)][:, n_l - n, : Dc + 1 - ty.t]
-                                + stage + ty.h, big))
-                        np.minimum(dst, cand, out=dst)
-        final = arr[(1, 1 if special else 0)][:, L, :] - q
-        return np.minimum.accumulate(final, axis=1)  # at most D devices
+        none_p = np.full((1, L + 1, Dc + 1), big)
+        none_p[0, 0, 0] = 0.0
+        none_h = np.full((1, L + 1, Dc + 1), big)
+        plain_x = np.concatenate([none_p, plain])[row + 1]
+        head_x = np.concatenate([none_h, head])[row + 1]
+        out = np.full((len(mus), Dc + 1), big)
+        for ty in special:
+            if ty.t > Dc:
+                continue
+            k = np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS))
+            kh = np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))
+            ns = np.arange(1, min(L, ty.caps[1]) + 1)
+            stage = (ns * ty.c + q)[None, :, None]
+            width = Dc + 1 - ty.t
+            rest_h = head_x[:, L - ns, :width] + stage  # the head elsewhere
+            rest_p = plain_x[:, L - ns, :width] + stage + ty.h  # the slow stage runs it
+            cand = np.minimum(
+                np.where((ns[None, :] <= k[:, None])[:, :, None], rest_h, big).min(axis=1),
+                np.where((ns[None, :] <= kh[:, None])[:, :, None], rest_p, big).min(axis=1))
+            out[:, ty.t:] = np.minimum(out[:, ty.t:], cand)
+        return np.minimum.accumulate(out - q, axis=1)
 
     def items(rows: list[tuple[float, int, int]], phi: dict[float, np.ndarray], lams: np.ndarray,
               exact: dict[float, np.ndarray], family: int, top: float) -> tuple[np.ndarray, ...]:
