@@ -147,15 +147,27 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
     lines: list[str] = []
 
     def read_stderr() -> None:
-        # the workers' lines (per-step progress, warnings, errors) are kept in OUT/logs/workers.log
-        (out / "logs").mkdir(exist_ok=True)
-        with open(out / "logs" / "workers.log", "a", buffering=1) as keep:
-            for line in proc.stderr:
-                keep.write(line)
-                lines.append(line.rstrip("\n"))
-                m = STEP_LINE.match(line)
-                if m and on_step:
-                    on_step(int(m.group(1)))
+        # the workers' lines (per-step progress, warnings, errors) are kept in OUT/logs/workers.log;
+        # if that cannot be written (a full disk) the pipe is still drained, or the workers would block
+        keep = None
+        with contextlib.suppress(OSError):
+            (out / "logs").mkdir(exist_ok=True)
+            keep = open(out / "logs" / "workers.log", "a", buffering=1)  # noqa: SIM115 - closed below
+        for line in proc.stderr:
+            if keep is not None:
+                try:
+                    keep.write(line)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        keep.close()
+                    keep = None
+            lines.append(line.rstrip("\n"))
+            m = STEP_LINE.match(line)
+            if m and on_step:
+                on_step(int(m.group(1)))
+        if keep is not None:
+            with contextlib.suppress(OSError):
+                keep.close()
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
