@@ -209,6 +209,7 @@ def speed_cmd(
     model: Annotated[str, typer.Option("-m", "--model", help="A predictor trained on normalised "
                                        "cost: a folder, an installed model's name, or auto")] = "auto",
     repeats: Annotated[int, typer.Option(help="Timed passes of the reference")] = 7,
+    device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Re-measure the device's reference micro-batch now (about a second) and compare it with the
@@ -223,18 +224,19 @@ def speed_cmd(
     if repeats < 1:
         raise InputError(f"--repeats: expected a positive integer, got {repeats}")
     torch.set_num_threads(1)
-    device = this_device()
-    path = resolve_model(model, device)
+    dev = _device(device)
+    name = this_device(dev.type)
+    path = resolve_model(model, name)
     predictor = MicroBatchPredictor.load(path)
-    check_device(path, predictor.device_, device)
+    check_device(path, predictor.device_, name)
     reference = predictor.reference_
     if not reference or not reference.get("spec"):
         raise InputError(f"{path}: this predictor learned raw seconds, so it has no reference to "
                          "re-measure; make one with `resihp predictor calibrate`")
     spec = ReferenceSpec.from_dict(reference["spec"], f"{path / 'card.json'}: field reference.spec")
-    now = measure_reference(spec, "cpu", repeats=repeats)["wall_s" if reference["clock"] == "wall"
+    now = measure_reference(spec, dev, repeats=repeats)["wall_s" if reference["clock"] == "wall"
                                                              else "cpu_s"]
-    doc = {"model": str(path), "device": device, "clock": reference["clock"],
+    doc = {"model": str(path), "device": name, "clock": reference["clock"],
            "calibrated_reference_s": reference["seconds"], "reference_s": now,
            "slowdown": now / reference["seconds"]}
     if json_out:
