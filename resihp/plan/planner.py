@@ -133,14 +133,18 @@ class Planner:
     replicas unequal micro-batch counts and token shares of the global batch (``Pipeline.tokens``,
     micro-batches never smaller than the model's budget) where whole micro-batches are too coarse;
     only for consumers that pack each replica's share with its own budget
-    (``Pipeline.budget(model)``), so off by default.
+    (``Pipeline.budget(model)``), so off by default. ``expected_steps``: fill each plan's
+    ``expected_step_time_s`` (variable micro-batch costs on the critical path; some
+    milliseconds per plan at 16,384 devices), which a caller that measures its steps can skip.
     """
 
     name = "resihp"
 
     def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
-                 threads: int | None = None, token_budgets: bool = False) -> None:
+                 threads: int | None = None, token_budgets: bool = False,
+                 expected_steps: bool = True) -> None:
         self.cost = cost_model or AnalyticCost()
+        self.expected_steps = expected_steps
         self.token_budgets = token_budgets
         self.horizon_steps = horizon_steps
         self.threads = threads or max(1, os.cpu_count() or 1)
@@ -266,8 +270,9 @@ class Planner:
                                               p.migration_s))
         plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
                        "pipelines_solved": log.pipelines}
-        # the step to expect with variable micro-batches (``step_time_s`` prices the mean one)
-        plan.expected_step_time_s = expected_step(plan, coster)
+        if self.expected_steps:
+            # the step to expect with variable micro-batches (``step_time_s`` prices the mean one)
+            plan.expected_step_time_s = expected_step(plan, coster)
         return plan
 
     def _candidates(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],

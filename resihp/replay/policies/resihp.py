@@ -87,7 +87,9 @@ class Resihp(Policy):
         sc = ctx.scenario
         self.cluster = cluster_spec(sc)
         self.model = model_spec(sc)
-        self.planner = Planner(AnalyticCost(efficiency=sc.cluster.device.mfu))
+        # the replay measures its steps: the plans' expected steps are not needed
+        self.planner = Planner(AnalyticCost(efficiency=sc.cluster.device.mfu),
+                               expected_steps=False)
         self.plan = self.planner.plan(self.cluster, self.model, None, self.time_limit_s)
         self.feed = resihp_detector(sc)
         return layout_of(self.plan, self.model)
