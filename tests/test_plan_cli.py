@@ -84,3 +84,12 @@ def test_current_plan_for_another_cluster_is_rejected(tmp_path):
     broken.write_text('{"world_size": 64}')
     result = cli("--cluster", CLUSTER, "--model", MODEL, "--current", str(broken))
     assert result.returncode == 2 and "field 'layout' is missing" in result.stderr
+
+
+def test_out_is_the_spelling_and_output_a_hidden_alias(tmp_path):
+    assert cli("--cluster", CLUSTER, "--model", MODEL, "--time-limit", "1", "--out",
+               str(tmp_path / "a.json")).returncode == 0
+    assert cli("--cluster", CLUSTER, "--model", MODEL, "--time-limit", "1", "--output",
+               str(tmp_path / "b.json")).returncode == 0
+    assert (tmp_path / "a.json").exists() and (tmp_path / "b.json").exists()
+    assert "--output" not in cli("--help").stdout

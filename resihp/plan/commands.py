@@ -71,7 +71,8 @@ def plan_cmd(
     predictor: Annotated[str | None, typer.Option(
         help="Learned micro-batch predictor as the cost model: a folder, an installed model's "
         "name, or auto (the one measured on this machine)")] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plan JSON")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write the plan JSON")] = None,
+    output: Annotated[Path | None, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
     """Plan TP groups, layer split and micro-batches around slow and dead devices."""
@@ -97,8 +98,9 @@ def plan_cmd(
     if now is not None:
         now.check_against(spec, where=str(current))
     result = planner.plan(spec, mspec, now, time_limit_s=time_limit)
-    if output:
-        result.save(output)
+    out = out or output
+    if out:
+        result.save(out)
     if json_out:
         print(json.dumps(result.to_dict()))
     else:
