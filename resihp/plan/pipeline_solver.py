@@ -176,7 +176,10 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     mdl.minimize(horizon * (step_ticks + weight * job_ticks) + weight * (worst if current else 0))
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+    # the limit is on CP-SAT's deterministic time (the same search whatever the machine's load, so
+    # a replay with the same seed gives the same plans); wall time only as a backstop
+    solver.parameters.max_deterministic_time = max(0.01, time_limit_s)
+    solver.parameters.max_time_in_seconds = max(30.0, 20 * time_limit_s)
     solver.parameters.num_workers = 1
     status = solver.solve(mdl)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

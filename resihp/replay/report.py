@@ -81,30 +81,47 @@ def table(doc: dict):
 
 
 def plot(doc: dict, outcomes: list[ReplayOutcome], events: list[FailureEvent], path: str) -> None:
-    """Throughput timelines of every policy with the capacity bound and failure events marked."""
+    """Small multiples: one panel per policy (shared axes), each with the capacity bound and the
+    failure events drawn, so that no policy's line hides another's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5))
+    n = len(outcomes)
+    cols = 1 if n <= 3 else 2
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 1.9 * rows + 0.8), sharex=True, sharey=True,
+                             squeeze=False)
     hours = 3600.0
     cap = outcomes[0].capacity_timeline
-    xs = [x for a, b, _ in cap for x in (a / hours, b / hours)]
-    ax.plot(xs, [c for _, _, c in cap for _ in (0, 1)], color="black", lw=1, ls="--",
-            label="capacity bound")
-    for o in outcomes:
-        xs = [x for a, b, _ in o.timeline for x in (a / hours, b / hours)]
-        ax.plot(xs, [r for _, _, r in o.timeline for _ in (0, 1)], lw=1.2, label=o.policy)
+    cap_x = [x for a, b, _ in cap for x in (a / hours, b / hours)]
+    cap_y = [c for _, _, c in cap for _ in (0, 1)]
     colors = {"stop": "red", "slow": "orange", "recover": "green"}
-    for kind, color in colors.items():
-        times = sorted({e.at_s for e in events if e.kind == kind})
-        for i, t in enumerate(times):
-            ax.axvline(t / hours, color=color, alpha=0.25, lw=0.8, label=kind if i == 0 else None)
-    ax.set_xlabel("hours")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"{doc['scenario']}: throughput by policy")
-    ax.legend(fontsize=8, ncol=2, loc="lower left")
-    fig.tight_layout()
+    by_name = {p["name"]: p for p in doc.get("policies", [])}
+    for i, o in enumerate(outcomes):
+        ax = axes[i // cols][i % cols]
+        ax.plot(cap_x, cap_y, color="black", lw=1, ls="--", label="capacity bound")
+        xs = [x for a, b, _ in o.timeline for x in (a / hours, b / hours)]
+        ax.plot(xs, [r for _, _, r in o.timeline for _ in (0, 1)], lw=1.2, color=f"C{i}")
+        for kind, color in colors.items():
+            times = sorted({e.at_s for e in events if e.kind == kind})
+            for j, t in enumerate(times):
+                ax.axvline(t / hours, color=color, alpha=0.25, lw=0.8,
+                           label=kind if (j == 0 and i == 0) else None)
+        frac = by_name.get(o.policy, {}).get("bound_fraction")
+        ax.set_title(o.policy + (f"  ({frac:.1%} of bound)" if frac is not None else ""),
+                     fontsize=9, loc="left")
+        if i % cols == 0:
+            ax.set_ylabel("tokens / s", fontsize=8)
+    for j in range(n, rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    for j in range(max(0, n - cols), n):  # the lowest panel of each column
+        axes[j // cols][j % cols].set_xlabel("hours")
+        axes[j // cols][j % cols].xaxis.set_tick_params(labelbottom=True)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, ncol=len(labels), loc="upper right")
+    fig.suptitle(f"{doc['scenario']}: throughput by policy", x=0.01, ha="left", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
