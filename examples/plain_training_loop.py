@@ -2,12 +2,14 @@
 with resihp attached: three added lines, no change to the model.
 
     python examples/plain_training_loop.py --steps 50 --out runs/example
-    resihp detect runs/example/ops.rank0.parquet --meta runs/example/job.yaml
+    resihp detect runs/example
 
 While it runs, each step's ops are appended to runs/example/ranks/rank0.jsonl and
 runs/example/heartbeats/rank0.json is refreshed twice a second; a side process detects live with
 
-    python -c "from resihp.runtime.live import follow; print(follow('runs/example'))"
+    resihp follow runs/example      # started before or after the job
+
+or, inside the job, ``resihp.attach(..., detect=True)`` and ``monitor.report()``.
 """
 
 import argparse
