@@ -1,0 +1,90 @@
+"""The distributed core inside the test process's reach: two spawned ranks on gloo over a
+FileStore (no torchrun). A plan change broadcast from rank 0 is checked and applied on every rank;
+layers move between pipeline stages with their parameters and AdamW state."""
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from resihp.errors import InputError
+
+CFG = {"dp": 1, "pp": 2, "layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64,
+       "global_tokens": 1024, "budget": 256, "max_len": 256, "steps": 2}
+
+
+def _layer_state(engine) -> dict[str, torch.Tensor]:
+    """Each decoder-layer parameter of this stage and its AdamW exp_avg, by global name."""
+    out = {}
+    for name, p in engine.model.named_parameters():
+        if name.startswith("layers."):
+            out[name] = p.detach().clone()
+            out[name + ":exp_avg"] = engine.optimizer.state[p]["exp_avg"].clone()
+    return out
+
+
+def _rank(rank: int, world: int, tmp: str) -> None:
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.engine import Engine
+
+    result: dict = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
+                                rank=rank, world_size=world)
+        engine = Engine(RunConfig(**CFG, out=tmp), torch.device("cpu"))
+        engine.train_step(0)
+        result["before"] = _layer_state(engine)
+        result["ranges_before"] = list(engine.ranges)
+        change = engine.sync_plan(1, {"version": 1, "layer_split": [1, 3], "reason": "test"}
+                                  if rank == 0 else None)
+        result["change"] = change
+        result["after"] = _layer_state(engine)
+        result["ranges_after"] = list(engine.ranges)
+        result["loss"] = engine.train_step(1).loss  # training goes on under the new split
+        try:
+            engine.sync_plan(2, {"version": 2, "layer_split": [4, 0]} if rank == 0 else None)
+        except InputError as exc:
+            result["bad_change"] = str(exc)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test process
+        result["error"] = traceback.format_exc()
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_rank, args=(2, str(tmp)), nprocs=2, join=True, start_method="spawn")
+    out = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, res in enumerate(out):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    return out
+
+
+def test_a_broadcast_plan_change_is_applied_on_every_rank(ranks):
+    for res in ranks:
+        assert res["change"]["layer_split"] == [1, 3] and res["change"]["version"] == 1
+    assert ranks[0]["ranges_before"] == [(0, 2), (2, 4)]
+    assert ranks[0]["ranges_after"] == ranks[1]["ranges_after"] == [(0, 1), (1, 4)]
+    assert ranks[1]["loss"] is not None and torch.isfinite(torch.tensor(ranks[1]["loss"]))
+
+
+def test_a_moved_layer_keeps_its_parameters_and_adam_state(ranks):
+    before0, after1 = ranks[0]["before"], ranks[1]["after"]
+    moved = [k for k in before0 if k.startswith("layers.1.")]
+    assert moved and all(k not in ranks[0]["after"] for k in moved)
+    for key in moved:
+        assert torch.equal(before0[key], after1[key]), key
+    for key in ranks[1]["before"]:  # the layers it held already are untouched
+        assert torch.equal(ranks[1]["before"][key], after1[key]), key
+
+
+def test_a_bad_plan_change_stops_every_rank_alike(ranks):
+    for res in ranks:
+        assert "expected 2 positive layer counts" in res["bad_change"]
