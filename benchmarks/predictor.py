@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from resihp.opstrace import read_meta, read_ops_trace
-from resihp.perf.calibrate import CalibrationPlan, calibrate
+from resihp.perf.calibrate import CalibrationPlan, calibrate, shape_name
 from resihp.perf.device import versions
 from resihp.perf.logs import read_profile_logs
 from resihp.perf.predictor import LinearBaseline, MicroBatchPredictor, evaluate, holdout_split
@@ -114,7 +114,7 @@ def main() -> None:
         calibration_s = time.perf_counter() - start
         logs = sorted((model / "profiles").glob("*.parquet"))
         result = {"device": card["device"], "versions": versions(), "calibration_s": calibration_s,
-                  "calibration": {"shapes": [s.name for s in plan.shapes],
+                  "calibration": {"shapes": [shape_name(s) for s in plan.shapes],
                                   "sources": list(plan.sources),
                                   "microbatches_per_source_and_shape": plan.microbatches,
                                   "repeats": plan.repeats, "measurements": plan.measurements},
@@ -126,7 +126,7 @@ def main() -> None:
         result["step"] = [step_accuracy(dp, pp, s, 4 if args.quick else args.steps, workdir)
                           for dp, pp, s in runs]
         result["step_mape"] = float(np.mean([r["step_mape"] for r in result["step"]]))
-        result["throughput"] = throughput(model, plan.shapes[0].config(1024).shape())
+        result["throughput"] = throughput(model, plan.shapes[0].shape())
         if args.keep:
             shutil.copytree(model, args.keep, dirs_exist_ok=True)
     print(json.dumps(result, indent=2))

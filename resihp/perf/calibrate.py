@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,26 +27,13 @@ from resihp.workload.packing import packed_microbatches
 CALIBRATION_SOURCES = ("code", "text", "changelog")
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A decoder-stack shape to profile."""
-
-    layers: int = 2
-    hidden: int = 256
-    heads: int = 4
-    ffn_hidden: int = 1024
-
-    def config(self, max_seq_len: int) -> GPTConfig:
-        return GPTConfig(layers=self.layers, hidden=self.hidden, heads=self.heads,
-                         ffn_hidden=self.ffn_hidden, max_seq_len=max_seq_len)
-
-    @property
-    def name(self) -> str:
-        return f"h{self.hidden}-l{self.layers}"
+def shape_name(cfg: GPTConfig) -> str:
+    return f"h{cfg.hidden}-l{cfg.layers}"
 
 
 # the profile verb's default shape and the runtime's default width (resihp run)
-CALIBRATION_SHAPES = (Shape(2, 256, 4, 1024), Shape(2, 128, 4, 512))
+CALIBRATION_SHAPES = (GPTConfig(layers=2, hidden=256, heads=4, ffn_hidden=1024),
+                      GPTConfig(layers=2, hidden=128, heads=4, ffn_hidden=512))
 
 
 def draw_microbatches(sources: Sequence[str], n: int, budget: int, max_len: int,
@@ -97,7 +84,7 @@ def profile_summary(result: Profile, output: Path) -> dict:
 class CalibrationPlan:
     """What ``calibrate`` measures: shapes x sources x micro-batches x repeats."""
 
-    shapes: tuple[Shape, ...] = CALIBRATION_SHAPES
+    shapes: tuple[GPTConfig, ...] = CALIBRATION_SHAPES
     sources: tuple[str, ...] = CALIBRATION_SOURCES
     microbatches: int = 60
     repeats: int = 3
@@ -132,16 +119,16 @@ def calibrate(plan: CalibrationPlan, output: Path | None = None, device: str = "
         batches = draw_microbatches(plan.sources, plan.microbatches, plan.budget, plan.max_len, rng)
         offset = done
         result = run_profile(
-            shape.config(max(plan.max_len, plan.budget)), batches, budget=plan.budget, device=dev,
-            repeats=plan.repeats, model_name=f"gpt-{shape.name}", seed=plan.seed,
+            replace(shape, max_seq_len=max(plan.max_len, plan.budget)), batches, budget=plan.budget,
+            device=dev, repeats=plan.repeats, model_name=f"gpt-{shape_name(shape)}", seed=plan.seed,
             on_progress=(lambda n, o=offset: on_progress(o + n)) if on_progress else None)
         done += len(batches) * plan.repeats
-        path = out / "profiles" / f"{shape.name}.parquet"
+        path = out / "profiles" / f"{shape_name(shape)}.parquet"
         write_profile(result, path)
         logs.append(path)
-        summaries[shape.name] = profile_summary(result, path)
+        summaries[shape_name(shape)] = profile_summary(result, path)
     card = train_predictor(logs, out, holdout=0.25, seed=plan.seed, target="auto")
-    card["calibration"] = {"shapes": [s.__dict__ for s in plan.shapes], "sources": list(plan.sources),
+    card["calibration"] = {"shapes": [s.to_dict() for s in plan.shapes], "sources": list(plan.sources),
                            "microbatches_per_source": plan.microbatches, "repeats": plan.repeats,
                            "budget": plan.budget, "profiles": summaries, **plan.notes}
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
