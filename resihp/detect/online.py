@@ -54,8 +54,10 @@ class OnlineDetector:
         self.layout = layout or RankPlacement(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
         self.compute = CusumBank(w, self.cfg)
         self.link = CusumBank(w, self.cfg)
+        # three more tests per rank: each held to a hundredfold false-alarm run length
         phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
-                                                       self.cfg.phase_min_slowdown))
+                                                       self.cfg.phase_min_slowdown),
+                            false_alarm_steps=100 * self.cfg.false_alarm_steps)
         self.phase_banks = {p: CusumBank(w, phase_cfg) for p in PHASES}
         self._bank_of: dict[tuple[str, int], CusumBank] = {}
         self.events: list[Event] = []
