@@ -206,6 +206,7 @@ def main() -> None:
     out["step_estimates"] = step_estimates(20 if args.quick else 100)
     out["predicted_vs_replayed_step_error"] = out["step_estimates"][
         "predicted_vs_replayed_step_error"]
+    out["load_average"] = os.getloadavg()  # other work on the machine disturbs the times
     print(json.dumps(out, indent=1))
 
 
