@@ -70,12 +70,18 @@ class TightBound:
 @dataclass(frozen=True)
 class _Type:
     """A group kind: ``t`` devices limited by a device of ``speed``; ``caps[k]``: the layers its
-    memory holds with ``k`` micro-batches in flight (``caps[0]`` unused)."""
+    memory holds with ``k`` micro-batches in flight (``caps[0]`` unused); ``cap(v)`` for any
+    ``v >= 1`` micro-batches' worth of activations."""
 
     t: int
     c: float  # seconds per layer per micro-batch (fwd + bwd)
     h: float  # LM head seconds per micro-batch
     caps: tuple[int, ...]
+    mem: tuple[float, float, float] = (0.0, 0.0, 0.0)  # free GB, state and activations per layer
+
+    def cap(self, in_flight: float) -> int:
+        free, state, act = self.mem
+        return min(len(self.caps) - 1, int(math.floor(free / (state + in_flight * act) + _EPS)))
 
 
 def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
@@ -104,16 +110,18 @@ def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
         caps = [0] + [min(L, int(math.floor(free / (state + k * act) + _EPS)))
                       for k in range(1, L + 1)]
         if caps[1]:
-            out.append(_Type(t, c, h, tuple(caps)))
+            out.append(_Type(t, c, h, tuple(caps), (free, state, act)))
     return out
 
 
 # in-flight floors: a pipeline carrying x micro-batches (x in [f, next f)) is priced with family f
-FAMILIES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# (its k-th stage from the end holds at least min(f, k) micro-batches' activations); fine steps
+# where pipelines carry few (thousands of devices share a global batch)
+FAMILIES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
-             family: int) -> list[tuple[float, int, int]]:
+             family: float) -> list[tuple[float, int, int]]:
     """(mu, fewest devices, fewest stages) of a pipeline whose stages all take at most ``mu``,
     per candidate ``mu``, for pipelines that carry at least ``family`` micro-batches (1F1B: the
     ``k``-th stage from the end holds at least ``min(family, k)`` micro-batches' activations).
@@ -130,7 +138,7 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
 
     def k_of(ty: _Type, k: int, last: bool) -> np.ndarray:
         room = (mus - ty.h) if last else mus
-        return np.minimum(ty.caps[min(family, k, L)], np.floor(room / ty.c + _EPS)).astype(
+        return np.minimum(ty.cap(min(family, k)), np.floor(room / ty.c + _EPS)).astype(
             np.int64)
 
     def step(prev: np.ndarray, ty: _Type, k: int) -> np.ndarray:
@@ -177,7 +185,7 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
     return [(float(mu), int(d), int(p)) for mu, d, p in zip(mus, best_dev, stages) if d < big]
 
 
-SLOW_FAMILIES = (1, 2, 4, 8, 16)
+SLOW_FAMILIES = (1, 1.5, 2, 3, 4, 8, 16)
 D_EXACT = 64  # pipelines of up to this many devices: S + comm by exact DP; above, a Lagrangian bound
 LAMBDAS = np.concatenate([[0.0], 0.05 * 1.5 ** np.arange(16)])  # device prices, in units of c_min
 
@@ -334,7 +342,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         return np.minimum.accumulate(out - q, axis=1)
 
     def items(rows: list[tuple[float, int, int]], phi: dict[float, np.ndarray], lams: np.ndarray,
-              exact: dict[float, np.ndarray], family: int, top: float) -> tuple[np.ndarray, ...]:
+              exact: dict[float, np.ndarray], family: float, top: float) -> tuple[np.ndarray, ...]:
         """Per design and device count ``D`` in a geometric grid from its fewest devices: cost
         ``D``, mu, the fixed part of the step and the all-reduce shard ``L / D_next`` of every
         pipeline of this design with ``D <= devices < D_next``."""
@@ -360,7 +368,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         return (cost_, mu_, fixed_, shard_, np.full(len(cost_), float(family)),
                 np.full(len(cost_), top))
 
-    def family_items(special: list[_Type] | None, families: tuple[int, ...]):
+    def family_items(special: list[_Type] | None, families: tuple[float, ...]):
         tops = list(families[1:]) + [np.inf]
         kinds = healthy + (special or [])
         rows = {f: _designs(healthy, special, L, f) for f in families}
