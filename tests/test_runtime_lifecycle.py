@@ -32,8 +32,8 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def start(out, *extra, steps=100000):
-    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", str(steps),
+def start(out, *extra, steps=100000, args=None):
+    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *(args or SMALL), "--steps", str(steps),
                              "--out", str(out), "--json", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
@@ -169,7 +169,7 @@ def test_tracker_ends_a_whole_process_tree_even_when_stopped_and_regrouped(tmp_p
 
 
 # --- fail loudly ----------------------------------------------------------------------------------
-ONE_PIPE = [*SMALL[:SMALL.index("--dp")], "--dp", "1", "--pp", "2", "--no-live", "--timeout", "20"]
+ONE_RANK = [*SMALL[:SMALL.index("--dp")], "--dp", "1", "--pp", "1", "--no-live", "--timeout", "20"]
 
 
 @pytest.mark.slow
@@ -177,7 +177,7 @@ def test_non_finite_loss_stops_with_exit_1_one_line_and_keeps_the_last_good_chec
     from resihp.ckpt.integrity import problem
 
     out = tmp_path / "nan"
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *ONE_PIPE, "--steps", "20",
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *ONE_RANK, "--steps", "20",
                            "--ckpt-every", "1", "--lr", "1e30", "--out", str(out), "--json"],
                           capture_output=True, text=True, env=ENV, timeout=180)
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -212,8 +212,8 @@ def _outputs_are_valid(out):
 def test_disk_full_during_a_run_is_one_line_and_leaves_valid_outputs():
     with small_disk("16m") as disk:
         out = disk / "run"
-        proc = start(out, "--ckpt-every", "2")
-        job_pids(proc, out)
+        proc = start(out, "--ckpt-every", "2", args=ONE_RANK)
+        job_pids(proc, out, world=1)
         wait_for(lambda: (out / "ckpt" / "step1" / "manifest.json").exists(), 60, "a first checkpoint")
         fill(disk)
         stdout, stderr = finish(proc)
