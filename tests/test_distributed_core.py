@@ -1,6 +1,7 @@
-"""The distributed core inside the test process's reach: two spawned ranks on gloo over a
-FileStore (no torchrun). A plan change broadcast from rank 0 is checked and applied on every rank;
-layers move between pipeline stages with their parameters and AdamW state."""
+"""The distributed core inside the test process's reach: ranks spawned on gloo over a FileStore
+(no torchrun). A plan change broadcast from rank 0 is checked and applied on every rank; layers move
+between pipeline stages with their parameters and AdamW state; gradients are summed over whichever
+stages hold a layer when replicas split their layers differently."""
 
 import os
 import traceback
@@ -88,3 +89,37 @@ def test_a_moved_layer_keeps_its_parameters_and_adam_state(ranks):
 def test_a_bad_plan_change_stops_every_rank_alike(ranks):
     for res in ranks:
         assert "expected 2 positive layer counts" in res["bad_change"]
+
+
+def _replicas(rank: int, world: int, tmp: str) -> None:
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.engine import Engine
+
+    result: dict = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
+                                rank=rank, world_size=world)
+        engine = Engine(RunConfig(**{**CFG, "dp": 2}, out=tmp), torch.device("cpu"))
+        engine.sync_plan(0, {"version": 1, "layer_splits": [[2, 2], [1, 3]]} if rank == 0 else None)
+        for step in range(2):
+            engine.train_step(step)
+        result["params"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test process
+        result["error"] = traceback.format_exc()
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+def test_replicas_with_different_layer_splits_stay_identical(tmp_path):
+    """Replica 0 holds layer 1 on stage 0, replica 1 on stage 1: its gradient is still summed over
+    both, so every parameter is the same in both replicas after training steps."""
+    mp.start_processes(_replicas, args=(4, str(tmp_path)), nprocs=4, join=True, start_method="spawn")
+    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r, res in enumerate(out):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    # Megatron order: rank = stage * dp + dp_rank
+    replica = [{**out[0]["params"], **out[2]["params"]}, {**out[1]["params"], **out[3]["params"]}]
+    assert set(replica[0]) == set(replica[1]) and any(k.startswith("layers.1.") for k in replica[0])
+    for name, value in replica[0].items():
+        assert torch.allclose(value, replica[1][name], atol=1e-6), name
