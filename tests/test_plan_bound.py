@@ -147,6 +147,15 @@ def test_heterogeneous_flop_rates_exhaustive():
     assert best_plan(cluster, model) <= tight_bound(cluster, model).tokens_per_s * (1 + 1e-9)
 
 
+def test_a_plan_at_the_bound_does_not_pass_it():
+    """One live device, one micro-batch: the planner's plan is the bound's own step (the
+    bisection's tolerance must not put the bound under it)."""
+    cluster = cluster_of([[1.0, 0.0]], 24)
+    model = model_of(layers=2, microbatches=1, hidden=1024)
+    plan = Planner(threads=1).plan(cluster, model, time_limit_s=1.0)
+    assert plan.tokens_per_s <= tight_bound(cluster, model).tokens_per_s * (1 + 1e-12)
+
+
 def test_bound_falls_with_capacity():
     cluster = cluster_of([[1.0] * 8] * 4)
     model = model_of(layers=16, microbatches=32)

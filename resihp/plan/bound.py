@@ -57,9 +57,9 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class TightBound:
-    """``tokens_per_s``: no plan of ``cluster`` and ``model`` predicts more; ``step_s``: the least
-    step time that carries the global batch; ``pipelines``: the fewest pipelines such a step
-    needs; ``devices``: live devices."""
+    """``tokens_per_s``: no plan of ``cluster`` and ``model`` predicts more; ``step_s``: no plan's
+    step is shorter; ``pipelines``: the fewest pipelines a step that short needs; ``devices``:
+    live devices."""
 
     tokens_per_s: float
     step_s: float
@@ -476,18 +476,23 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         total = extra + best_full[left]
         return float(np.max(total))
 
-    # bisection on T for the least step that carries M micro-batches
-    lo, hi = 0.0, max(s_min, 1e-6)
+    # bisection on T for the least step that carries M micro-batches. No step is shorter than
+    # one micro-batch's way through the cheapest pipeline (s_min); the bound is taken at the
+    # longest step found infeasible, so the bisection's tolerance can only raise it
+    lo = max(s_min, 1e-9)
+    if feasible(lo)[0]:
+        return TightBound(model.global_batch_tokens / lo, lo, feasible(lo)[1], live)
+    hi = 2.0 * lo
     while not feasible(hi)[0]:
         lo, hi = hi, hi * 2.0
         if hi > 1e12:
             return TightBound(0.0, np.inf, 0, live)
-    for _ in range(60):
+    for _ in range(80):
         mid = 0.5 * (lo + hi)
         if feasible(mid)[0]:
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-7 * hi:
+        if hi - lo <= 1e-9 * hi:
             break
-    return TightBound(model.global_batch_tokens / hi, hi, feasible(hi)[1], live)
+    return TightBound(model.global_batch_tokens / lo, lo, feasible(hi)[1], live)
