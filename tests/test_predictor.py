@@ -288,3 +288,30 @@ def test_faster_half_mean_leaves_out_the_slowed_repeats():
     assert faster_half_mean(np.array([2.0, 1.0])) == 1.0
     assert faster_half_mean(np.array([5.0])) == 5.0
     assert faster_half_mean(np.array([4.0, 1.0, 2.0, 9.0, 3.0])) == pytest.approx(2.0)
+
+
+def test_a_damaged_model_file_is_one_line_not_an_abort(tiny_profile, tmp_path):
+    train_predictor([tiny_profile], tmp_path / "m")
+    fwd = tmp_path / "m" / "fwd.lgb.txt"
+    text = fwd.read_bytes()
+    fwd.write_bytes(text[: len(text) // 2])  # truncated: LightGBM itself would abort the process
+    with pytest.raises(InputError, match="does not match the sha256"):
+        MicroBatchPredictor.load(tmp_path / "m")
+    card = json.loads((tmp_path / "m" / "card.json").read_text())
+    del card["files"]  # a card written before checksums: the file's own end markers are checked
+    (tmp_path / "m" / "card.json").write_text(json.dumps(card))
+    with pytest.raises(InputError, match="not a complete LightGBM model"):
+        MicroBatchPredictor.load(tmp_path / "m")
+    fwd.write_bytes(text)
+    assert MicroBatchPredictor.load(tmp_path / "m").predict_seq_lens([[64]], "fwd",
+                                                                      TransformerShape(1, 64, 2, 128))[0] > 0
+
+
+def test_out_is_the_option_and_output_still_works(tiny_profile, tmp_path):
+    for flag in ("-o", "--out", "--output"):
+        result = runner.invoke(app, ["predictor", "train", str(tiny_profile), flag,
+                                     str(tmp_path / flag.strip("-")), "--json"])
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / flag.strip("-") / "card.json").exists()
+    result = runner.invoke(app, ["predictor", "train", str(tiny_profile)])
+    assert isinstance(result.exception, InputError) and "-o/--out" in str(result.exception)

@@ -20,6 +20,13 @@ predictor_app = typer.Typer(help="Train and evaluate micro-batch time predictors
                             no_args_is_help=True)
 
 
+def _out(out: Path | None, output: Path | None) -> Path:
+    """``-o/--out`` (``--output``, the old spelling, still works); required."""
+    if (out or output) is None:
+        raise InputError("missing option -o/--out: where to write")
+    return out or output
+
+
 def _device(name: str):
     import torch
 
@@ -33,8 +40,9 @@ def _device(name: str):
 
 
 def profile_cmd(
-    output: Annotated[Path, typer.Option("-o", "--output", help="Profiling log to write (.parquet); "
-                                         "its speed trace goes beside it as NAME.speed.csv")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Profiling log to write (.parquet); its "
+                                      "speed trace goes beside it as NAME.speed.csv")] = None,
+    output: Annotated[Path, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     source: Annotated[list[str], typer.Option(help="Length source: code, text, changelog, or a "
                                               "lengths file; documents are drawn at random and "
                                               "chunked")] = None,
@@ -63,8 +71,9 @@ def profile_cmd(
     from resihp.workload.lengths import load_lengths
     from resihp.workload.packing import pack_greedy
 
+    output = _out(out, output)
     if output.suffix.lower() not in (".parquet", ".pq"):
-        raise InputError(f"--output {output}: the profiling log is Parquet; use a .parquet name")
+        raise InputError(f"--out {output}: the profiling log is Parquet; use a .parquet name")
     for name, value in (("repeats", repeats), ("microbatches", microbatches)):
         if value < 1:
             raise InputError(f"--{name}: expected a positive integer, got {value}")
@@ -112,9 +121,9 @@ def profile_cmd(
 
 @predictor_app.command("calibrate")
 def calibrate_cmd(
-    output: Annotated[Path, typer.Option("-o", "--output", help="Model directory to write "
-                                         "(default: the user's model directory, named after the "
-                                         "device)")] = None,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Model directory to write (default: the "
+                                      "user's model directory, named after the device)")] = None,
+    output: Annotated[Path, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     microbatches: Annotated[int, typer.Option(help="Micro-batches per source and shape")] = 60,
     repeats: Annotated[int, typer.Option(help="Timed passes of each micro-batch")] = 3,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
@@ -137,7 +146,7 @@ def calibrate_cmd(
     plan = CalibrationPlan(microbatches=microbatches, repeats=repeats, seed=seed)
     start = time.perf_counter()
     with progress_bar("calibrating", plan.measurements, enabled=not json_out) as advance:
-        out, card = calibrate(plan, output, device=str(dev), on_progress=advance)
+        out, card = calibrate(plan, out or output, device=str(dev), on_progress=advance)
     elapsed = time.perf_counter() - start
     card_path = out / "card.json"
     full = json.loads(card_path.read_text())
@@ -162,7 +171,8 @@ def register(app: typer.Typer) -> None:
 @predictor_app.command("train")
 def train_cmd(
     logs: Annotated[list[Path], typer.Argument(help="Profiling logs (.parquet)")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Model directory to write")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Model directory to write")] = None,
+    output: Annotated[Path, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     holdout: Annotated[float, typer.Option(help="Fraction of micro-batches held out for the card's "
                                            "metrics (the model never sees them)")] = 0.25,
     seed: int = 0,
@@ -175,6 +185,7 @@ def train_cmd(
     """Train the learned micro-batch predictor (and the linear baseline beside it)."""
     from resihp.perf.training import train_predictor
 
+    output = _out(out, output)
     card = train_predictor(logs, output, holdout=holdout, seed=seed, target=target)
     if json_out:
         print(json.dumps({"model": str(output), "target": card["training_data"]["target"],

@@ -15,6 +15,7 @@ The learned model has two parts, fitted per phase:
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -213,6 +214,8 @@ class MicroBatchPredictor:
         directory.mkdir(parents=True, exist_ok=True)
         for phase, booster in self.boosters_.items():
             booster.save_model(directory / f"{phase}.lgb.txt")
+        files = {f"{phase}.lgb.txt": sha256_of(directory / f"{phase}.lgb.txt")
+                 for phase in self.boosters_}
         full_card = {
             "format": FORMAT, "kind": "micro-batch time predictor", "device": self.device_,
             "base_terms": ["flops_dense", "flops_attn", "layers*tokens*(hidden+ffn)/tp",
@@ -222,7 +225,7 @@ class MicroBatchPredictor:
             "gbm_features": GBM_FEATURES, "gbm_params": GBM_PARAMS,
             "gbm_trees": {p: b.num_trees() for p, b in self.boosters_.items()},
             "target": "log(time_s / analytic base)", "versions": versions(),
-            "reference": self.reference_,
+            "reference": self.reference_, "files": files,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **(card or {}),
         }
@@ -254,8 +257,28 @@ class MicroBatchPredictor:
             path = directory / f"{phase}.lgb.txt"
             if not path.exists():
                 raise InputError(f"{path}: missing (the predictor directory is incomplete)")
+            _check_model_file(path, card.get("files", {}).get(path.name))
             self.boosters_[phase] = lgb.Booster(model_file=str(path))
         return self
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_model_file(path: Path, sha256: str | None) -> None:
+    """Refuse a damaged LightGBM file before LightGBM reads it: its C++ parser aborts the whole
+    process on a truncated file. Against the card's checksum, or (a card without one) by the
+    markers a complete text model ends with."""
+    if sha256 is not None:
+        if sha256_of(path) != sha256:
+            raise InputError(f"{path}: does not match the sha256 in card.json (damaged or replaced); "
+                             "retrain or re-copy the predictor directory")
+        return
+    text = path.read_bytes()
+    if b"end of trees" not in text or b"end of parameters" not in text[-4096:]:
+        raise InputError(f"{path}: not a complete LightGBM model (truncated?); retrain or re-copy "
+                         "the predictor directory")
 
 
 def holdout_split(log: pd.DataFrame, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

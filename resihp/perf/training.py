@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,11 +11,13 @@ import pandas as pd
 
 from resihp.errors import InputError
 from resihp.perf.logs import read_profile_logs
-from resihp.perf.predictor import LinearBaseline, MicroBatchPredictor, evaluate, holdout_split
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+from resihp.perf.predictor import (
+    LinearBaseline,
+    MicroBatchPredictor,
+    evaluate,
+    holdout_split,
+    sha256_of,
+)
 
 
 def _baseline_to_json(baseline: LinearBaseline) -> list[dict]:
@@ -125,7 +126,7 @@ def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: flo
     held_out = evaluate(predictor, baseline, test)
     card = {
         "training_data": {
-            "logs": [{"file": Path(p).name, "sha256": _sha256(Path(p))} for p in logs],
+            "logs": [{"file": Path(p).name, "sha256": sha256_of(Path(p))} for p in logs],
             "rows": int(len(train)), "held_out_rows": int(len(test)), "held_out_fraction": holdout,
             "split": "random by micro-batch (both phases of a micro-batch on one side)",
             "models": sorted(log["model"].unique().tolist()), "seed": seed,
