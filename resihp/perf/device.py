@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,52 @@ def this_device(kind: str = "cpu", threads: int = 1) -> str:
     import torch
 
     return device_name(torch.device(kind))
+
+
+def available_memory_gb(kind: str = "cpu") -> float:
+    """Memory free for a job now: the kernel's MemAvailable on a CPU, the device's free memory on
+    a GPU."""
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0] / 2**30
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def measured_tflops(kind: str = "cpu", threads: int = 1, size: int = 512,
+                    seconds: float = 0.2) -> float:
+    """Dense matmul rate of one device (``threads`` torch threads on a CPU) measured now, in
+    TFLOP/s: the median of repeated ``size``-square float32 matmuls over about ``seconds``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _matmul_tflops(torch.device(kind), size, seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _matmul_tflops(device: torch.device, size: int, seconds: float) -> float:
+    import torch
+
+    kind = device.type
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * size**3 / times[len(times) // 2] / 1e12
 
 
 def versions() -> dict[str, str]:

@@ -12,8 +12,11 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
+from resihp.perf.device import available_memory_gb, measured_tflops
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
@@ -35,9 +38,14 @@ def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
 
 
 def planner_specs(cfg: RunConfig):
+    """The cluster the job runs on, measured here (memory free now, shared by the ranks of this
+    node; one device's matmul rate), and the model it trains."""
     world = cfg.dims().world_size
+    kind = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    memory = available_memory_gb(kind) / (world if kind == "cpu" else 1)
     cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": world}],
-                                     "device": {"memory_gb": 4.0, "tflops": 1.0},
+                                     "device": {"memory_gb": round(memory, 3),
+                                                "tflops": measured_tflops(kind, cfg.threads)},
                                      "memory_reserve_gb": 0.0})
     budget = cfg.budget
     model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, ffn_hidden=cfg.ffn_hidden,
