@@ -234,7 +234,8 @@ def _summary(cfg, outcome) -> dict:
             summary = write_job_files(cfg, out)
         except InputError:  # no rank recorded a single op
             summary = {}
-        summary.update({"failure": outcome.failure, "error": outcome.error})
+        summary.update({"failure": outcome.failure.to_dict() if outcome.failure else None,
+                        "error": outcome.error})
         summary = _json_safe(summary)
         _write_summary(out, summary)
         return summary
@@ -248,7 +249,7 @@ def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
 
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(out, cfg)
-    rank = outcome.failure["rank"]
+    rank = outcome.failure.rank
     new = layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
         summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"

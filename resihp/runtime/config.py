@@ -14,6 +14,7 @@ from resihp.model.gpt import GPTConfig
 from resihp.parallel import ParallelDims
 from resihp.runtime.inject import Fault, check_faults, parse_fault
 from resihp.runtime.layout import balanced_layers, ranges_from_counts
+from resihp.runtime.planchange import PlanChange
 from resihp.runtime.schedule import SCHEDULES
 
 # upper bounds of the run's sizes and durations: a value past them is a typo, not a plan
@@ -83,15 +84,7 @@ class RunConfig:
         for change in self.replan:
             if not isinstance(change, dict) or not isinstance(change.get("step"), int):
                 raise InputError(f"replan: each change needs an integer step, got {change!r}")
-            if change.get("layer_split") is not None:
-                ranges_from_counts(change["layer_split"], self.layers, self.pp, source="replan layer_split")
-            for split in change.get("layer_splits") or []:
-                ranges_from_counts(split, self.layers, self.pp, source="replan layer_splits")
-            if change.get("layer_splits") is not None and len(change["layer_splits"]) != self.dp:
-                raise InputError(f"replan layer_splits: expected {self.dp} splits (one per replica)")
-            weights = change.get("dp_weights")
-            if weights is not None and (len(weights) != self.dp or min(weights) < 0 or sum(weights) <= 0):
-                raise InputError(f"replan dp_weights: expected {self.dp} non-negative weights, got {weights}")
+            PlanChange.parse(change, self.dims(), self.layers, "replan")
 
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp, self.pp, self.tp)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from resihp.ckpt.integrity import remove_partial
+from resihp.detect.events import Event
+from resihp.parallel import ParallelDims
 from resihp.runtime.config import RunConfig
 from resihp.runtime.heartbeat import read_beats, stale_ranks
 from resihp.runtime.launch import LoopbackStore, torchrun_command, worker_env
@@ -39,11 +41,24 @@ class Outcome:
     returncode: int
     error: str | None = None  # one line, when the job did not finish
     input_error: bool = False  # a worker rejected its configuration (exit status 2)
-    failure: dict | None = None  # {"kind": "fail-stop", "rank", "step", "detected_s"}
+    failure: Event | None = None  # a fail-stop; extra: step, cause, detected_s
     stderr_tail: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     interrupted: str | None = None  # the signal that stopped the supervisor ("SIGTERM", ...)
     left_alive: list[int] = field(default_factory=list)  # PIDs that could not be ended (none, normally)
+
+
+def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
+              detected_s: float | None = None) -> Event:
+    """The supervisor's fail-stop as the detector's one event type (its JSON keeps the
+    supervisor's ``step``, ``cause`` and ``detected_s``)."""
+    where = dims.coords(rank)
+    at = -1 if step is None else step
+    extra = {"step": step, "cause": cause}
+    if detected_s is not None:
+        extra["detected_s"] = detected_s
+    return Event("fail-stop", rank, where.dp_rank, where.stage, where.tp_rank, at, at, 0.0, 1.0,
+                 extra=extra)
 
 
 def pid_alive(pid: int) -> bool:
@@ -201,9 +216,9 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
             hung = stale_ranks(beats, heartbeat_timeout_s, now)
             if dead or hung:
                 rank = (dead or hung)[0]
-                outcome.failure = {"kind": "fail-stop", "rank": rank, "step": _failed_step(out, rank, beats),
-                                   "cause": "process exited" if dead else "heartbeats stopped",
-                                   "detected_s": round(now - beats[rank].time, 3)}
+                outcome.failure = fail_stop(cfg.dims(), rank, _failed_step(out, rank, beats),
+                                            "process exited" if dead else "heartbeats stopped",
+                                            round(now - beats[rank].time, 3))
                 break
     finally:
         outcome.left_alive = _stop(proc, tracker, grace_s)
@@ -222,15 +237,16 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
         m = ROOT_CAUSE.search(text)
         if m and int(m.group(2)) < 0:
             rank = int(m.group(1))
-            outcome.failure = {"kind": "fail-stop", "rank": rank,
-                               "step": _failed_step(out, rank, read_beats(out / "heartbeats")),
-                               "cause": f"killed by signal {-int(m.group(2))}"}
+            outcome.failure = fail_stop(cfg.dims(), rank,
+                                        _failed_step(out, rank, read_beats(out / "heartbeats")),
+                                        f"killed by signal {-int(m.group(2))}")
     if outcome.error is None and worker_errors:
         outcome.error = worker_errors[0].removeprefix("resihp: error: ")
         outcome.input_error = True
     if outcome.error is None and outcome.failure is not None:
         f = outcome.failure
-        outcome.error = f"rank {f['rank']} stopped at step {f['step']} ({f['cause']}); all workers were stopped"
+        outcome.error = (f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']}); all "
+                         "workers were stopped")
     if outcome.left_alive:
         outcome.error = (f"{outcome.error or 'job ended'}; process(es) {outcome.left_alive} could not "
                          f"be ended")
