@@ -219,7 +219,7 @@ def test_disk_full_during_a_run_is_one_line_and_leaves_valid_outputs():
         stdout, stderr = finish(proc)
         assert proc.returncode == 1, stderr[-2000:]
         assert "Traceback" not in stderr
-        assert "disk full" in stderr.strip().splitlines()[-1]
+        assert "disk full" in stderr.strip().splitlines()[-1], stderr[-3000:]
         _outputs_are_valid(out)
 
 

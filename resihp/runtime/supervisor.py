@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -59,6 +60,13 @@ def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
         extra["detected_s"] = detected_s
     return Event("fail-stop", rank, where.dp_rank, where.stage, where.tp_rank, at, at, 0.0, 1.0,
                  extra=extra)
+
+
+def _disk_full(path: Path, floor_bytes: int = 1 << 20) -> bool:
+    try:
+        return shutil.disk_usage(path).free < floor_bytes
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
@@ -250,6 +258,10 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
     if outcome.left_alive:
         outcome.error = (f"{outcome.error or 'job ended'}; process(es) {outcome.left_alive} could not "
                          f"be ended")
+    if outcome.error is None and proc.returncode != 0 and _disk_full(out):
+        # the workers may die of it where no line could say so (a heartbeat, torchrun's own files)
+        outcome.error = (f"disk full writing {out} (No space left on device); free space and run "
+                         "again")
     if outcome.error is None and proc.returncode != 0:
         last = next((ln for ln in reversed(lines) if ln.startswith("resihp:")), None)
         outcome.error = (last or f"workers exited with status {proc.returncode}").removeprefix("resihp: ")
