@@ -8,8 +8,9 @@ model directory named after the device, with the profiling logs beside it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,6 @@ class CalibrationPlan:
     budget: int = 1024
     max_len: int = 1024
     seed: int = 0
-    notes: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "repeats", "budget", "max_len"):
@@ -110,6 +110,7 @@ def calibrate(plan: CalibrationPlan, output: Path | None = None, device: str = "
               on_progress: Callable[[int], None] | None = None) -> tuple[Path, dict]:
     """Profile ``plan`` on ``device``, train on the normalised cost, write the model directory
     (default: the user's model directory, named after the device). Returns (directory, card)."""
+    start = time.perf_counter()
     dev = torch.device(device)
     name = device_name(dev)
     out = Path(output) if output is not None else user_models_dir() / device_slug(name)
@@ -130,7 +131,8 @@ def calibrate(plan: CalibrationPlan, output: Path | None = None, device: str = "
     card = train_predictor(logs, out, holdout=0.25, seed=plan.seed, target="auto")
     card["calibration"] = {"shapes": [s.to_dict() for s in plan.shapes], "sources": list(plan.sources),
                            "microbatches_per_source": plan.microbatches, "repeats": plan.repeats,
-                           "budget": plan.budget, "profiles": summaries, **plan.notes}
+                           "budget": plan.budget, "profiles": summaries,
+                           "seconds": time.perf_counter() - start}
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     return out, card
 
