@@ -110,6 +110,9 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
                "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()) if len(per_step) else None,
                "loss_first": _finite(per_step.loss.iloc[0]) if len(per_step) else None,
                "loss_last": _finite(per_step.loss.iloc[-1]) if len(per_step) else None,
+               # the global loss of every step this run trained, in step order, from first_step
+               "first_step": int(per_step.index.min()) if len(per_step) else None,
+               "losses": [_finite(v) for v in per_step.loss],
                "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
