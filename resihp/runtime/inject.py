@@ -11,21 +11,25 @@ from dataclasses import dataclass
 
 from resihp.errors import InputError
 
-FORMS = "slow:rank=R,factor=F,step=S[,until=U] or stop:rank=R,step=S (time=T seconds instead of step=S)"
+FORMS = ("slow:rank=R,factor=F,step=S[,until=U], stop:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] "
+         "(time=T seconds instead of step=S)")
+HANG_HOW = ("block", "stop")  # block: the rank's main thread never returns (its heartbeat thread beats on);
+# stop: SIGSTOP on itself (alive, silent)
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "slow" | "stop"
+    kind: str  # "slow" | "stop" | "hang"
     rank: int
     step: int | None = None
     time_s: float | None = None
     factor: float = 1.0
     until: int | None = None  # first step at normal speed again (slow only)
+    how: str | None = None  # hang only: "block" or "stop"
 
     def to_dict(self) -> dict:
         data = {k: v for k, v in self.__dict__.items() if v is not None}
-        if self.kind == "stop":
+        if self.kind in ("stop", "hang"):
             data.pop("factor")
         return data
 
@@ -33,12 +37,12 @@ class Fault:
 def parse_fault(text: str) -> Fault:
     """Parse one ``--inject`` value."""
     kind, _, rest = text.partition(":")
-    if kind not in ("slow", "stop") or not rest:
+    if kind not in ("slow", "stop", "hang") or not rest:
         raise InputError(f"--inject {text!r}: expected {FORMS}")
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key.strip() not in ("rank", "factor", "step", "time", "until"):
+        if not eq or key.strip() not in ("rank", "factor", "step", "time", "until", "how"):
             raise InputError(f"--inject {text!r}: unknown field {item!r}; expected {FORMS}")
         fields[key.strip()] = value.strip()
     try:
@@ -56,11 +60,18 @@ def parse_fault(text: str) -> Fault:
         raise InputError(f"--inject {text!r}: give exactly one of step= or time=")
     if kind == "slow" and not factor >= 1.0:
         raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
-    if kind == "stop" and ("factor" in fields or until is not None):
+    if kind == "stop" and ("factor" in fields or until is not None or "how" in fields):
         raise InputError(f"--inject {text!r}: stop takes only rank= and step= or time=")
+    how = fields.get("how")
+    if kind == "hang":
+        how = how or "block"
+        if how not in HANG_HOW or "factor" in fields or until is not None:
+            raise InputError(f"--inject {text!r}: hang takes rank=, step= or time=, and how=block|stop")
+    elif how is not None:
+        raise InputError(f"--inject {text!r}: how= is for hang only")
     if rank < 0 or (step is not None and step < 0):
         raise InputError(f"--inject {text!r}: rank and step must be non-negative")
-    return Fault(kind, rank, step, time_s, factor, until)
+    return Fault(kind, rank, step, time_s, factor, until, how)
 
 
 def check_faults(faults: Sequence[Fault], world_size: int) -> None:
@@ -88,6 +99,11 @@ class FaultInjector:
         for f in self.faults:
             if f.kind == "stop" and self._started(f, step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "hang" and self._started(f, step):
+                if f.how == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                while True:  # no progress, no exit: only a signal ends it
+                    time.sleep(1.0)
 
     def slow_factor(self) -> float:
         factor = 1.0
