@@ -1,30 +1,48 @@
-"""Fail-stop detection by heartbeats through torch.distributed's TCPStore, with per-node aggregators.
+"""Fail-stop and hang detection by heartbeats through torch.distributed's store, with one
+aggregator per node: the job's one heartbeat.
 
 Layout (all keys under ``prefix``):
-- each rank's ``HeartbeatSender`` bumps ``{prefix}/n{node}/r{rank}`` every ``interval_s``;
-- one ``NodeAggregator`` per node reads only its node's rank keys (one ``multi_get``), notes by its own
-  monotonic clock when each counter last moved, and publishes one key ``{prefix}/agg/n{node}`` with its
-  own counter and the ranks it considers dead;
-- the coordinator's ``HeartbeatMonitor`` reads one key per node (one ``multi_get``), so its load grows
-  with nodes, not ranks. A rank is dead when its aggregator says so; every rank of a node is dead when
-  the aggregator's own counter stops (the whole node is gone).
+- each rank's ``HeartbeatSender`` (a thread of the rank) rewrites ``{prefix}/n{node}/r{rank}`` every
+  ``interval_s`` with a counter and the rank's progress: step, phase, operations finished, the
+  communication op it is waiting in (if any) and its PID;
+- one ``NodeAggregator`` per node (the node's launcher, or local rank 0) reads only its node's
+  rank keys (one ``multi_get``), notes by its own monotonic clock when each counter and each
+  rank's progress last moved, checks the PIDs (same host), and publishes one key
+  ``{prefix}/agg/n{node}``;
+- the coordinator's ``HeartbeatMonitor`` reads one key per node (one ``multi_get``), so its load
+  grows with nodes, not ranks, and turns what it reads into ``fail-stop`` events with a cause:
+  ``exited`` (the process is gone), ``hang`` (alive but silent, or beating without progress for
+  longer than the hang timeout) or ``node`` (the node's aggregator itself went silent).
 
-Counters, not wall-clock times, travel through the store, so clocks of different hosts never meet.
+Counters and durations measured by one clock, not wall-clock times, travel through the store, so
+clocks of different hosts never meet.
+
+Why a hang needs progress, not only beats: a rank stuck in a collective keeps its heartbeat thread
+alive. When one rank hangs its peers soon block too (they wait for it), so the monitor blames the
+stalled rank that is not waiting in a communication op (the peers are), as NCCL's flight recorder
+compares what each rank has entered.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import socket
+import statistics
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
 
 from resihp.detect.events import Event
+
+PREFIX = "resihp/hb"
+FINISHED = ("done", "stopped")  # phases of a rank that ended on purpose: never judged again
 
 
 def rank_key(prefix: str, node: int, rank: int) -> str:
@@ -51,6 +69,19 @@ def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
     return TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
 
 
+@dataclass
+class Progress:
+    """What a rank is doing, as its heartbeat carries it."""
+
+    step: int = -1
+    phase: str = "init"  # "init", "train", then "done" (finished) or "stopped" (ended early)
+    ops: int = 0  # operations finished so far
+    wait: str = ""  # the communication op the rank is blocked in, "" when computing
+
+    def key(self) -> tuple:
+        return (self.step, self.phase, self.ops, self.wait)
+
+
 class _Loop:
     """A daemon thread calling ``tick`` every ``interval_s`` until ``stop``."""
 
@@ -74,45 +105,76 @@ class _Loop:
                 return
             self._stop.wait(self.interval_s)
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def tick(self) -> None:
         raise NotImplementedError
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.interval_s + 1)
 
 
 class HeartbeatSender(_Loop):
-    """Run in every rank: ``HeartbeatSender(store, rank, node).start()``; ``stop()`` at exit."""
+    """Run in every rank: ``HeartbeatSender(store, rank, node, progress=...).start()``; ``stop()``
+    at exit. ``progress`` is read at each beat (the engine's op recorder supplies it)."""
 
-    def __init__(self, store: TCPStore, rank: int, node: int, interval_s: float = 0.5,
-                 prefix: str = "resihp/hb") -> None:
+    def __init__(self, store: Store, rank: int, node: int, interval_s: float = 0.5,
+                 prefix: str = PREFIX, progress: Callable[[], Progress] | None = None) -> None:
         super().__init__(interval_s)
         self.store, self.key = store, rank_key(prefix, node, rank)
         self.count = 0
+        self.state = Progress()
+        self._progress = progress or (lambda: self.state)
+
+    def follow(self, progress: Callable[[], Progress]) -> None:
+        """From now on, beat with what ``progress`` says (e.g. once the engine exists)."""
+        self._progress = progress
 
     def tick(self) -> None:
         self.count += 1
-        self.store.set(self.key, str(self.count))
+        p = self._progress()
+        self.store.set(self.key, json.dumps({"c": self.count, "pid": os.getpid(), "step": p.step,
+                                             "phase": p.phase, "ops": p.ops, "wait": p.wait}))
+
+    def finish(self, phase: str = "done") -> None:
+        """The last beat: the rank is done (a monitor never judges it again)."""
+        self.stop()
+        last = self._progress()
+        self._progress = lambda: Progress(last.step, phase, last.ops, "")
+        self.tick()
+
+
+def _process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (``T``: stopped), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class NodeAggregator(_Loop):
-    """Run once per node (e.g. in local rank 0, or in the node's agent process)."""
+    """Run once per node (in the node's launcher, or in local rank 0). With ``check_pids`` (it
+    runs on the ranks' host) a rank whose process is gone or stopped is known at once."""
 
-    def __init__(self, store: TCPStore, node: int, ranks: Sequence[int], interval_s: float = 0.5,
-                 timeout_s: float = 3.0, prefix: str = "resihp/hb", startup_s: float = 60.0) -> None:
+    def __init__(self, store: Store, node: int, ranks: Sequence[int], interval_s: float = 0.5,
+                 timeout_s: float = 3.0, prefix: str = PREFIX, startup_s: float = 60.0,
+                 check_pids: bool = True) -> None:
         super().__init__(interval_s)
         self.store, self.node, self.ranks = store, node, list(ranks)
-        self.timeout_s = timeout_s
-        self.startup_s = startup_s
-        self._seen: set[int] = set()
+        self.timeout_s, self.startup_s, self.check_pids = timeout_s, startup_s, check_pids
         self.keys = [rank_key(prefix, node, r) for r in self.ranks]
         self.out_key = node_key(prefix, node)
         self.count = 0
-        self._last: dict[int, bytes | None] = dict.fromkeys(self.ranks)
+        self._last: dict[int, dict | None] = dict.fromkeys(self.ranks)
         now = time.monotonic()
-        self._moved = dict.fromkeys(self.ranks, now)
+        self._beat_at = dict.fromkeys(self.ranks, now)
+        self._moved_at = dict.fromkeys(self.ranks, now)
+        self._step_at: dict[int, float] = {}
+        self._step_s: dict[int, deque] = {r: deque(maxlen=16) for r in self.ranks}
         self._all_present = False
 
     def read(self) -> dict[int, bytes | None]:
@@ -124,75 +186,169 @@ class NodeAggregator(_Loop):
                 return dict(zip(self.ranks, got))
         return dict(zip(self.ranks, self.store.multi_get(self.keys)))
 
-    def tick(self) -> None:
+    def snapshot(self) -> dict:
+        """This node's view of its ranks, as published."""
         now = time.monotonic()
-        for rank, value in self.read().items():
-            if value is not None and value != self._last[rank]:
-                self._last[rank] = value
-                self._moved[rank] = now
-                self._seen.add(rank)
-        # a rank that never beat yet is still starting (imports, CUDA init) until startup_s
-        dead = [r for r in self.ranks
-                if now - self._moved[r] > (self.timeout_s if r in self._seen else self.startup_s)]
+        ranks = {}
+        for rank, raw in self.read().items():
+            msg = json.loads(raw) if raw is not None else None
+            last = self._last[rank]
+            if msg is not None and (last is None or msg["c"] != last["c"]):
+                self._beat_at[rank] = now
+                if last is None or (msg["step"], msg["phase"], msg["ops"], msg["wait"]) != (
+                        last["step"], last["phase"], last["ops"], last["wait"]):
+                    self._moved_at[rank] = now
+                if last is not None and msg["step"] != last["step"] and rank in self._step_at:
+                    self._step_s[rank].append((now - self._step_at[rank]) / max(1, msg["step"] - last["step"]))
+                if last is None or msg["step"] != last["step"]:
+                    self._step_at[rank] = now
+                self._last[rank] = msg
+            msg = self._last[rank]
+            entry = {"seen": msg is not None, "silent_s": round(now - self._beat_at[rank], 3),
+                     "stalled_s": round(now - self._moved_at[rank], 3)}
+            if msg is not None:
+                entry.update(step=msg["step"], phase=msg["phase"], ops=msg["ops"], wait=msg["wait"],
+                             pid=msg["pid"])
+                if self._step_s[rank]:
+                    entry["step_s"] = round(statistics.median(self._step_s[rank]), 4)
+                if self.check_pids and msg["phase"] not in FINISHED:
+                    state = _process_state(msg["pid"])
+                    entry["exited"] = state is None or state == "Z"
+                    entry["stopped"] = state in ("T", "t")
+            ranks[str(rank)] = entry
+        return ranks
+
+    def tick(self) -> None:
+        ranks = self.snapshot()
         self.count += 1
-        self.store.set(self.out_key, json.dumps({"beat": self.count, "dead": dead}))
+        self.store.set(self.out_key, json.dumps({"beat": self.count, "ranks": ranks}))
+
+
+@dataclass
+class RankView:
+    """One rank as the monitor last read it."""
+
+    rank: int
+    node: int
+    seen: bool = False
+    step: int = -1
+    phase: str = "init"
+    ops: int = 0
+    wait: str = ""
+    pid: int | None = None
+    silent_s: float = 0.0
+    stalled_s: float = 0.0
+    step_s: float | None = None
+    exited: bool = False
+    stopped: bool = False
 
 
 class HeartbeatMonitor:
-    """The coordinator's view: ``poll(step)`` returns new ``fail-stop`` events (one per dead rank)."""
+    """The coordinator's view: ``poll(step)`` returns new ``fail-stop`` events (one per dead or hung
+    rank, ``extra``: node, cause ``exited`` | ``hang`` | ``node``, step, silent_s).
 
-    def __init__(self, store: TCPStore, nodes: Mapping[int, Sequence[int]], timeout_s: float = 3.0,
-                 prefix: str = "resihp/hb", places: Mapping[int, tuple[int, int, int]] | None = None,
-                 startup_s: float = 60.0) -> None:
+    ``hang_timeout_s``: how long a training rank may make no progress before it counts as hung;
+    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default: ``timeout_s``).
+    """
+
+    def __init__(self, store: Store, nodes: Mapping[int, Sequence[int]], timeout_s: float = 3.0,
+                 prefix: str = PREFIX, places: Mapping[int, tuple[int, int, int]] | None = None,
+                 startup_s: float = 60.0, hang_timeout_s: float | None = None,
+                 hang_factor: float = 5.0, hang_floor_s: float | None = None) -> None:
         self.store = store
         self.startup_s = startup_s
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
         self.timeout_s = timeout_s
+        self.hang_timeout_s, self.hang_factor = hang_timeout_s, hang_factor
+        self.hang_floor_s = timeout_s if hang_floor_s is None else hang_floor_s
         self.keys = {n: node_key(prefix, n) for n in self.nodes}
         self.places = dict(places or {})
         start = time.monotonic()
         self._beat: dict[int, int | None] = dict.fromkeys(self.nodes)
         self._moved = dict.fromkeys(self.nodes, start)
-        self._last_step: dict[int, int] = {}
+        self.views = {r: RankView(r, n) for n, rs in self.nodes.items() for r in rs}
         self.dead: dict[int, Event] = {}
 
-    def poll(self, step: int = -1) -> list[Event]:
-        now = time.monotonic()
+    def hang_limit(self) -> float:
+        if self.hang_timeout_s is not None:
+            return self.hang_timeout_s
+        steps = [v.step_s for v in self.views.values() if v.step_s]
+        return max(self.hang_floor_s, self.hang_factor * statistics.median(steps)) if steps else self.hang_floor_s
+
+    def _read(self, now: float) -> list[int]:
+        """Update the rank views; returns the nodes whose aggregator went silent."""
         present = {n: k for n, k in self.keys.items() if self.store.check([k])}
         values = dict(zip(present, self.store.multi_get(list(present.values())))) if present else {}
-        new: list[Event] = []
-        for node, ranks in self.nodes.items():
-            dead_here: list[int] = []
+        lost = []
+        for node in self.nodes:
             raw = values.get(node)
             if raw is not None:
                 msg = json.loads(raw)
                 if msg["beat"] != self._beat[node]:
                     self._beat[node] = msg["beat"]
                     self._moved[node] = now
-                dead_here = [int(r) for r in msg["dead"]]
+                for r, entry in msg["ranks"].items():
+                    view = self.views.get(int(r))
+                    if view is not None and entry["seen"]:
+                        for name in ("step", "phase", "ops", "wait", "pid", "silent_s", "stalled_s",
+                                     "step_s", "exited", "stopped"):
+                            if name in entry:
+                                setattr(view, name, entry[name])
+                        view.seen = True
+                    elif view is not None:
+                        view.silent_s = entry["silent_s"]
             limit = self.timeout_s if self._beat[node] is not None else self.startup_s
             if now - self._moved[node] > limit:
-                dead_here = ranks  # the aggregator itself stopped: the node is gone
-                reason = "node"
-            else:
-                reason = "rank"
-            for r in dead_here:
-                if r not in self.dead:
-                    dp, st, tp = self.places.get(r, (None, None, None))
-                    ev = Event("fail-stop", r, dp, st, tp, self._last_step.get(r, step), step, 0.0, 1.0,
-                               extra={"node": node, "cause": reason})
-                    self.dead[r] = ev
-                    new.append(ev)
-        for ranks in self.nodes.values():
-            for r in ranks:
-                if r not in self.dead:
-                    self._last_step[r] = step
+                lost.append(node)
+        return lost
+
+    def poll(self, step: int = -1) -> list[Event]:
+        now = time.monotonic()
+        lost = self._read(now)
+        found: dict[int, tuple[str, float]] = {}
+        for node in lost:
+            for r in self.nodes[node]:
+                found[r] = ("node", round(now - self._moved[node], 3))
+        live = [v for v in self.views.values() if v.rank not in found and v.phase not in FINISHED]
+        for v in live:
+            if v.exited:
+                found[v.rank] = ("exited", v.silent_s)
+            elif v.seen and v.silent_s > self.timeout_s:
+                found[v.rank] = ("hang" if v.stopped else "exited", v.silent_s)
+            elif not v.seen and v.silent_s > self.startup_s:
+                found[v.rank] = ("exited", v.silent_s)
+        if not found:
+            limit = self.hang_limit()
+            stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit]
+            if stalled:
+                # the ranks waiting in a communication op wait for the one that is not
+                culprits = [v for v in stalled if not v.wait] or [min(stalled, key=lambda v: (v.step, v.ops))]
+                for v in culprits:
+                    found[v.rank] = ("hang", v.stalled_s)
+        new: list[Event] = []
+        for r, (cause, silent_s) in sorted(found.items()):
+            if r in self.dead:
+                continue
+            view = self.views[r]
+            dp, st, tp = self.places.get(r, (None, None, None))
+            at = view.step if view.step >= 0 else step
+            ev = Event("fail-stop", r, dp, st, tp, at, step if step >= 0 else at, 0.0, 1.0,
+                       extra={"node": view.node, "cause": cause, "step": view.step if view.step >= 0 else None,
+                              "silent_s": silent_s})
+            self.dead[r] = ev
+            new.append(ev)
         return new
+
+    def all_done(self) -> bool:
+        return all(v.phase in FINISHED for v in self.views.values())
+
+    def min_step(self) -> int:
+        return min((v.step for v in self.views.values()), default=-1)
 
 
 def _serve(argv: Sequence[str] | None = None) -> None:
     """``python -m resihp.detect.heartbeat sender|aggregator ...``: one heartbeat role as a process."""
-    import argparse
+    import argparse  # deferred: only this command line needs it
 
     p = argparse.ArgumentParser(prog="python -m resihp.detect.heartbeat")
     p.add_argument("role", choices=["sender", "aggregator"])
@@ -214,7 +370,7 @@ def _serve(argv: Sequence[str] | None = None) -> None:
                               startup_s=args.startup)
     loop.start()
     try:
-        while loop._thread is not None and loop._thread.is_alive():
+        while loop.alive():
             time.sleep(args.interval)
     except KeyboardInterrupt:
         loop.stop()

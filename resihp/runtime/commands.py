@@ -91,7 +91,7 @@ def run_cmd(
         loop = LiveLoop(cfg) if live else None
         with progress_bar("training", steps, enabled=not json_out) as advance:
             outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                                on_step=lambda s: advance(s + 1), on_poll=loop.poll if loop else None)
+                                on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None)
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
@@ -204,7 +204,6 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
     from resihp.opstrace import read_ops_trace
     from resihp.runtime.report import fault_summary
 
-    loop.poll()
     loop.save()
     out = Path(cfg.out)
     applied_path = out / "plan_changes.json"

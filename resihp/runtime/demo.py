@@ -41,12 +41,11 @@ def run_demo(out: str | Path, steps: int, inject: str,
         raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
     cfg = RunConfig(**{**DEMO, **overrides}, steps=steps, inject=[inject], out=str(out))
     loop = LiveLoop(cfg, detector_config=detector_config)
-    outcome = supervise(cfg, on_step=on_step, on_poll=loop.poll)
+    outcome = supervise(cfg, on_step=on_step, on_steps=loop.on_steps)
     if outcome.input_error:
         raise InputError(outcome.error)
     if outcome.error:
         raise RunFailed(outcome.error)
-    loop.poll()
     loop.save()
     trace = read_ops_trace(out / "ops.parquet")
     applied = {c.get("id"): c["step"] for c in json.loads((out / "plan_changes.json").read_text())}

@@ -114,11 +114,13 @@ class Engine:
         only on rank 0, which broadcasts it; every rank checks it (``PlanChange.parse``: a bad one
         stops every rank alike) and applies it before the step. Returns it."""
         version = torch.tensor([proposal["version"] if proposal and self.rank == 0 else self.plan_version])
-        dist.broadcast(version, 0, group=self.control_group)
+        with self.rec.waiting("plan-sync"):
+            dist.broadcast(version, 0, group=self.control_group)
         if int(version) == self.plan_version:
             return None
         box = [proposal if self.rank == 0 else None]
-        dist.broadcast_object_list(box, 0, group=self.control_group)
+        with self.rec.waiting("plan-sync"):
+            dist.broadcast_object_list(box, 0, group=self.control_group)
         change = PlanChange.parse(box[0], self.dims, self.model_cfg.layers)
         self.apply(step, change)
         self.plan_version = int(version)

@@ -1,8 +1,9 @@
-"""Launching a training run as torchrun worker processes on this machine.
+"""Launching a training run as torchrun worker processes, on one node or as one node of many.
 
-On one node nothing of the job listens beyond loopback: the launcher hosts the rendezvous store
-itself, on a socket it binds to 127.0.0.1 (torchrun joins it as a client, ``is_host=false``, and the
-workers share it for their process group), and gloo's sockets are bound to the loopback interface.
+The launcher of node 0 hosts the job's store itself, on a socket it binds to the endpoint's address
+(127.0.0.1 on one node: nothing of the job listens beyond loopback); torchrun joins it as a client
+(``is_host=false``) and the workers share it for their process group and the control plane. On one
+node gloo's sockets are bound to the loopback interface too.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
+from resihp.errors import InputError
 from resihp.runtime.config import RunConfig
 from resihp.runtime.lifecycle import guarded
 
@@ -28,29 +31,87 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LoopbackStore:
-    """The job's rendezvous store (a TCPStore server) listening on 127.0.0.1 only: the socket is
-    bound here and handed to the store, which would otherwise listen on every interface."""
+@dataclass(frozen=True)
+class Nodes:
+    """One node's part of a job, in torchrun's terms (``--nnodes``, ``--node-rank``,
+    ``--nproc-per-node``, ``--rdzv-endpoint``). Node 0 hosts the job's store at the endpoint (bound
+    to its host: loopback unless the user names another address); the other nodes join it."""
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((LOOPBACK, 0))
-        self._sock.listen(512)
-        self.port = self._sock.getsockname()[1]
-        self.store = dist.TCPStore(LOOPBACK, self.port, is_master=True, master_listen_fd=self._sock.fileno(),
-                                   wait_for_workers=False, multi_tenant=True,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
-        self._sock.detach()  # the store owns the listening socket now and closes it
+    nnodes: int = 1
+    node_rank: int = 0
+    nproc_per_node: int = 1
+    endpoint: str | None = None  # HOST:PORT; None: one node, a free loopback port
+
+    def check(self, world: int) -> None:
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise InputError(f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: expected "
+                             "positive integers")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InputError(f"--node-rank {self.node_rank}: out of range for --nnodes {self.nnodes} "
+                             f"(expected 0..{self.nnodes - 1})")
+        if self.nnodes * self.nproc_per_node != world:
+            raise InputError(f"--nnodes {self.nnodes} x --nproc-per-node {self.nproc_per_node} = "
+                             f"{self.nnodes * self.nproc_per_node} ranks, but the layout needs {world} "
+                             "(dp x pp x tp)")
+        if self.nnodes > 1 and self.endpoint is None:
+            raise InputError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (node 0's "
+                             "address, reachable from every node)")
+        if self.endpoint is not None:
+            host_port(self.endpoint)
+
+    @property
+    def ranks(self) -> list[int]:
+        first = self.node_rank * self.nproc_per_node
+        return list(range(first, first + self.nproc_per_node))
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+    return host, int(port)
+
+
+class JobStore:
+    """The job's store (a TCPStore): the rendezvous of torchrun's agents, the workers' process
+    group and the control plane. ``host=True``: listen on ``endpoint``'s address only (the socket is
+    bound here and handed to the store, which would otherwise listen on every interface); else join
+    the store node 0 hosts there."""
+
+    def __init__(self, endpoint: str | None = None, host: bool = True, timeout_s: float = 300.0) -> None:
+        addr, port = host_port(endpoint) if endpoint else (LOOPBACK, 0)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if host:
+            self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self._sock.bind((addr, port))
+            except OSError as exc:
+                self._sock.close()
+                raise InputError(f"--rdzv-endpoint {addr}:{port}: cannot listen there ({exc.strerror}; "
+                                 "another job on this endpoint?)") from None
+            self._sock.listen(512)
+            self.addr, self.port = addr, self._sock.getsockname()[1]
+            self.store = dist.TCPStore(addr, self.port, is_master=True, master_listen_fd=self._sock.fileno(),
+                                       wait_for_workers=False, multi_tenant=True, timeout=timeout)
+            self._sock.detach()  # the store owns the listening socket now and closes it
+        else:
+            self.addr, self.port = addr, port
+            try:
+                self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+            except (RuntimeError, dist.DistError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise InputError(f"--rdzv-endpoint {addr}:{port}: cannot reach the job's store within "
+                                 f"{timeout_s:g} s ({first[:120]})") from None
 
     @property
     def endpoint(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        return f"{self.addr}:{self.port}"
 
     def close(self) -> None:
         self.store = None  # the server stops with its last reference
 
-    def __enter__(self) -> LoopbackStore:
+    def __enter__(self) -> JobStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -58,25 +119,33 @@ class LoopbackStore:
 
 
 def torchrun_command(config_path: str | Path, nproc: int, max_restarts: int = 0,
-                     endpoint: str | None = None) -> list[str]:
-    """torchrun for ``nproc`` workers; with ``endpoint`` (a :class:`LoopbackStore`'s) it joins that
-    store instead of hosting one. Wrapped so that it dies with this process."""
+                     endpoint: str | None = None, nnodes: int = 1, run_id: str | None = None) -> list[str]:
+    """torchrun for ``nproc`` workers on this node; with ``endpoint`` (a :class:`JobStore`'s) it
+    joins that store instead of hosting one. Wrapped so that it dies with this process."""
     rdzv = ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"] if endpoint else [
         "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}"]
-    return guarded([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+    if run_id:
+        rdzv += ["--rdzv-id", run_id]
+    return guarded([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
                     str(nproc), "--rdzv-backend", "c10d", *rdzv, "--max-restarts", str(max_restarts),
                     "--monitor-interval", "0.2", "-m", "resihp.runtime.worker", "--config", str(config_path)])
 
 
-def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None) -> dict[str, str]:
-    """The environment of torchrun and its workers. With ``endpoint`` (a :class:`LoopbackStore`'s)
-    the workers form their process group on that store, and torchrun hosts no store of its own
-    for them (its shared store would listen on every interface)."""
+def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None, node: int = 0,
+               managed: bool = False) -> dict[str, str]:
+    """The environment of torchrun and its workers. With ``endpoint`` (a :class:`JobStore`'s)
+    the workers form their process group and control plane on that store, and torchrun hosts no
+    store of its own for them (its shared store would listen on every interface). ``managed``: this
+    node's launcher aggregates heartbeats and reads the trace (``resihp run``)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["MASTER_ADDR"] = LOOPBACK
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listening sockets on loopback, not the host's address
+    if endpoint is None or host_port(endpoint)[0] == LOOPBACK:
+        env["MASTER_ADDR"] = LOOPBACK
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listening sockets on loopback, not the host's address
     env["PYTHONUNBUFFERED"] = "1"
+    env["RESIHP_NODE"] = str(node)
+    if managed:
+        env["RESIHP_MANAGED"] = "1"
     if endpoint:
         env["RESIHP_STORE"] = endpoint
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -91,6 +160,6 @@ def launch(cfg: RunConfig, timeout_s: float | None = None, capture: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.json"
     config_path.write_text(cfg.to_json())
-    with LoopbackStore() as store:
+    with JobStore() as store:
         cmd = torchrun_command(config_path, cfg.dims().world_size, max_restarts, store.endpoint)
         return subprocess.run(cmd, env=worker_env(endpoint=store.endpoint), timeout=timeout_s, text=True, capture_output=capture)

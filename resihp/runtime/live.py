@@ -1,4 +1,5 @@
-"""The live loop beside a running job: tail the ranks' op streams, feed each complete step to the
+"""The live loop beside a running job (node 0's launcher): take each complete step's op records
+from the job's control plane (``controlplane.StepReader``, through the supervisor), feed it to the
 online detector (``resihp.detect``), and on a device fault ask the planner (``resihp.plan``) for a
 new plan and hand the part the running job can apply in place to its rank 0 (``control``).
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,9 +23,8 @@ from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
-from resihp.runtime.control import post_change
+from resihp.runtime.controlplane import StepRecords
 from resihp.runtime.data import split_counts
-from resihp.runtime.follow import StepAssembler, StreamTail, follow  # noqa: F401 (re-exported)
 from resihp.runtime.layout import ranges_from_counts
 from resihp.runtime.recorder import rows_frame
 
@@ -78,26 +79,27 @@ class LiveLoop:
         self.cluster, self.model = planner_specs(cfg)
         self.weights = cfg.weights()
         self.ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]  # per replica
-        self.steps = StepAssembler(self.out / "ranks", self.world)
+        self.lags: list[float] = []  # seconds from a step's last record sent to its being observed
+        self._post = None
         self.events: list[dict] = []
         self.changes: list[dict] = []
         self.handled: set[int] = set()
         self.speeds = {r: 1.0 for r in range(self.world)}
         self.error: str | None = None
 
-    def poll(self) -> None:
-        """Never raises: a failure of the detector or planner is kept in ``error`` and stops the
-        loop, while the job trains on with the plan in force."""
+    def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
+        """Observe complete steps; ``post`` hands a plan change to the job. Never raises: a failure
+        of the detector or planner is kept in ``error`` and stops the loop, while the job trains on
+        with the plan in force."""
+        self._post = post
         if self.error is not None:
             return
         try:
-            self._poll()
+            for records in steps:
+                self._observe(records.step, records.rows)
+                self.lags.append(time.time() - records.sent)
         except Exception as exc:  # noqa: BLE001 - the training job must not die of its monitor
             self.error = f"{type(exc).__name__}: {exc}"
-
-    def _poll(self) -> None:
-        for step, rows in self.steps.complete_steps():
-            self._observe(step, rows)
 
     def _observe(self, step: int, rows: list[dict]) -> None:
         df = rows_frame(rows)
@@ -141,7 +143,7 @@ class LiveLoop:
                 self.ranges = new
                 self.detector = self._make_detector()  # stage costs changed: a fresh baseline
         self.changes.append(change)
-        post_change(self.out, {k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
+        self._post({k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
 
     def _replica_speeds(self) -> list[float]:
         dims = self.cfg.dims()
@@ -150,5 +152,14 @@ class LiveLoop:
 
     def save(self) -> None:
         (self.out / "live.json").write_text(json.dumps(
-            {"events": self.events, "changes": self.changes}, indent=1, default=str))
+            {"events": self.events, "changes": self.changes, "lag_s": self.lag_summary()}, indent=1,
+            default=str))
+
+    def lag_summary(self) -> dict | None:
+        """How long after a step's records were sent the detector saw them (median, max)."""
+        if not self.lags:
+            return None
+        ordered = sorted(self.lags)
+        return {"median": round(ordered[len(ordered) // 2], 4), "max": round(ordered[-1], 4),
+                "steps": len(ordered)}
 

@@ -11,10 +11,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from resihp.detect.heartbeat import Progress
 from resihp.opstrace import validate_ops_trace, write_ops_trace
 
 COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "seq_id",
            "mb_id", "seq_lens", "tokens", "loss", "bytes"]
+
+
+def is_wait(optype: str) -> bool:
+    """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers)."""
+    return optype.endswith("-recv") or "all-reduce" in optype or optype in ("plan-sync", "barrier")
 
 
 class OpRecorder:
@@ -30,6 +36,8 @@ class OpRecorder:
         self._seq: dict[str, int] = defaultdict(int)
         self.listeners: list[Callable[[dict], None]] = []
         self._flushed = 0
+        self.active: str | None = None  # the op running now (what a heartbeat reports)
+        self.finished = 0  # ops finished so far: the rank's progress counter
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -46,12 +54,37 @@ class OpRecorder:
                      "seq_lens": list(seq_lens) if seq_lens is not None else None,
                      "tokens": int(sum(seq_lens)) if seq_lens is not None else None, **extra}
         self._seq[optype] += 1
+        self.active = optype
         yield row
         self.sync()
         row["duration"] = time.perf_counter() - t0
         self.rows.append(row)
+        self.active = None
+        self.finished += 1
         for listener in self.listeners:
             listener(row)
+
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Marks a wait on peers that is not an op of the trace (a plan broadcast, a barrier), so
+        that a heartbeat shows the rank waiting, not stuck."""
+        self.active = what
+        try:
+            yield
+        finally:
+            self.active = None
+            self.finished += 1
+
+    def progress(self, phase: str) -> Progress:
+        """What the heartbeat carries: the step, ops finished, and the communication op it waits in."""
+        wait = self.active if self.active is not None and is_wait(self.active) else ""
+        return Progress(self.step, phase, self.finished, wait)
+
+    def take_new(self) -> list[dict]:
+        """The rows recorded since the last call (what a rank publishes after each step)."""
+        new = self.rows[self._flushed:]
+        self._flushed = len(self.rows)
+        return new
 
     def frame(self) -> pd.DataFrame:
         return rows_frame(self.rows)

@@ -13,6 +13,7 @@ on loopback (:class:`~resihp.runtime.launch.LoopbackStore`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -20,20 +21,35 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch.distributed as dist
 
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
+from resihp.detect.heartbeat import HeartbeatMonitor, NodeAggregator
+from resihp.errors import InputError
 from resihp.parallel import ParallelDims
 from resihp.runtime.config import RunConfig
-from resihp.runtime.heartbeat import read_beats, stale_ranks
-from resihp.runtime.launch import LoopbackStore, torchrun_command, worker_env
+from resihp.runtime.controlplane import (
+    StepReader,
+    StepRecords,
+    announce_job,
+    ended,
+    heartbeat_prefix,
+    mark_ended,
+    node_ranks,
+    post_change,
+    read_errors,
+    read_job,
+)
+from resihp.runtime.launch import JobStore, Nodes, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
-from resihp.runtime.recorder import read_stream
+from resihp.runtime.worker import TRACE_STREAM, append_steps
 
-STEP_LINE = re.compile(r"^step (\d+) loss ([\d.naninf]+)")
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
@@ -47,10 +63,12 @@ class Outcome:
     wall_s: float = 0.0
     interrupted: str | None = None  # the signal that stopped the supervisor ("SIGTERM", ...)
     left_alive: list[int] = field(default_factory=list)  # PIDs that could not be ended (none, normally)
+    errors: list[dict] = field(default_factory=list)  # workers' reasons to stop (the control plane)
+    ended_by_node0: bool = False  # another node: node 0 ended the job (or was lost)
 
 
 def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
-              detected_s: float | None = None) -> Event:
+              detected_s: float | None = None, node: int | None = None) -> Event:
     """The supervisor's fail-stop as the detector's one event type (its JSON keeps the
     supervisor's ``step``, ``cause`` and ``detected_s``)."""
     where = dims.coords(rank)
@@ -58,6 +76,8 @@ def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
     extra = {"step": step, "cause": cause}
     if detected_s is not None:
         extra["detected_s"] = detected_s
+    if node is not None:
+        extra["node"] = node
     return Event("fail-stop", rank, where.dp_rank, where.stage, where.tp_rank, at, at, 0.0, 1.0,
                  extra=extra)
 
@@ -91,17 +111,6 @@ def _ancestors(pid: int) -> set[int]:
             break
         pid = int(stat[stat.rindex(")") + 2:].split()[1])
     return found
-
-
-def _failed_step(out: Path, rank: int, beats: dict) -> int | None:
-    """The step a stopped rank was in: one past the last step in its stream (heartbeats lag)."""
-    stream = out / "ranks" / f"rank{rank}.jsonl"
-    if stream.exists():
-        steps = [r["step"] for r in read_stream(stream) if r.get("optype") == "step"]
-        if steps:
-            return max(steps) + 1
-    beat = beats.get(rank)
-    return beat.step if beat else None
 
 
 SCAN_S = 1.0  # seconds between scans for the job's processes once all are known
@@ -145,29 +154,116 @@ def _stop(proc: subprocess.Popen, tracker: ProcessTracker, grace_s: float = GRAC
 
 def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout_s: float = 60.0,
               on_step: Callable[[int], None] | None = None,
+              on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
               on_poll: Callable[[], None] | None = None, poll_s: float = 0.2,
-              grace_s: float = GRACE_S) -> Outcome:
+              grace_s: float = GRACE_S, nodes: Nodes | None = None,
+              hang_timeout_s: float | None = None) -> Outcome:
+    """Run this node's part of the job and watch it. On node 0 (the only node, by default):
+    host the job's store, judge every rank's heartbeats (a dead or hung rank, or a lost node, is a
+    fail-stop), read the op records into ``OUT/ops.jsonl`` and hand complete steps to ``on_steps``
+    (the live loop, with a function that posts a plan change to the job). On the other nodes: join
+    node 0's store, check that the job's configuration is the same, run the workers and the node's
+    heartbeat aggregator until node 0 says the job is over (or cannot be reached)."""
+    world = cfg.dims().world_size
+    if not cfg.job_id:  # the control plane's namespace on the store
+        cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
+    nodes = nodes or Nodes(1, 0, world, None)
+    nodes.check(world)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*(out / "heartbeats").glob("rank*.json"), *(out / "ranks").glob("rank*.jsonl")]:
-        old.unlink()
+    (out / TRACE_STREAM).unlink(missing_ok=True)
     remove_partial(out)  # a checkpoint folder a killed job left half-written
-    config_path = out / "config.json"
-    config_path.write_text(cfg.to_json())
-    world = cfg.dims().world_size
     t0 = time.time()
-    with _Signals() as signals, LoopbackStore(timeout_s=max(join_timeout_s, 60.0)) as store:
-        return _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeout_s,
-                          join_timeout_s, on_step, on_poll, poll_s, grace_s)
+    host = nodes.node_rank == 0
+    with _Signals() as signals, JobStore(nodes.endpoint, host=host,
+                                         timeout_s=max(join_timeout_s, 60.0) if host else join_timeout_s) as js:
+        if host:
+            announce_job(js.store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node)
+        else:
+            cfg = _join(js.store, cfg, nodes, join_timeout_s)
+        config_path = out / "config.json"
+        config_path.write_text(cfg.to_json())
+        watch = _Watch(cfg, nodes, js.store, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
+        try:
+            return _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step,
+                              on_steps, on_poll, poll_s, grace_s)
+        finally:
+            watch.close()
 
 
-def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeout_s, join_timeout_s,
-               on_step, on_poll, poll_s, grace_s) -> Outcome:
-    proc = subprocess.Popen(torchrun_command(config_path, world, endpoint=store.endpoint),
-                            env=worker_env(endpoint=store.endpoint), text=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+def job_config(cfg: RunConfig) -> dict:
+    """What every node of a job must agree on: the run config without this node's own fields."""
+    data = json.loads(cfg.to_json())
+    for own in ("out", "job_id", "device", "threads"):
+        data.pop(own, None)
+    return data
+
+
+def _join(store, cfg: RunConfig, nodes: Nodes, timeout_s: float) -> RunConfig:
+    """A node other than 0: the job's identity from node 0, after checking that both agree."""
+    job = read_job(store, timeout_s)
+    if job is None:
+        raise InputError(f"--rdzv-endpoint {nodes.endpoint}: no job announced there within {timeout_s:g} s "
+                         "(start node 0 first, or check the endpoint)")
+    mine = job_config(cfg)
+    theirs = job["config"]
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if differ or (job["nnodes"], job["nproc_per_node"]) != (nodes.nnodes, nodes.nproc_per_node):
+        what = ", ".join(f"{k} (node 0: {theirs.get(k)!r}, here: {mine.get(k)!r})" for k in differ[:3]) or (
+            f"--nnodes/--nproc-per-node (node 0: {job['nnodes']}x{job['nproc_per_node']}, here: "
+            f"{nodes.nnodes}x{nodes.nproc_per_node})")
+        raise InputError(f"--rdzv-endpoint {nodes.endpoint}: this node's configuration differs from the "
+                         f"job's there (job {job['job_id']}): {what}")
+    if ended(store, job["job_id"]):
+        raise InputError(f"--rdzv-endpoint {nodes.endpoint}: job {job['job_id']} there has already ended")
+    return replace(cfg, job_id=job["job_id"])
+
+
+class _Watch:
+    """This node's heartbeat aggregator; on node 0 also the job's heartbeat monitor and the reader
+    of its op records."""
+
+    def __init__(self, cfg: RunConfig, nodes: Nodes, store, heartbeat_timeout_s: float,
+                 join_timeout_s: float, hang_timeout_s: float | None) -> None:
+        self.cfg, self.store = cfg, store
+        dims = cfg.dims()
+        layout = node_ranks(nodes.nnodes, nodes.nproc_per_node)
+        hb = heartbeat_prefix(cfg.job_id)
+        interval = min(0.5, heartbeat_timeout_s / 4)
+        self.aggregator = NodeAggregator(store, nodes.node_rank, nodes.ranks, interval_s=interval,
+                                         timeout_s=heartbeat_timeout_s, prefix=hb,
+                                         startup_s=join_timeout_s).start()
+        self.monitor = self.reader = None
+        if nodes.node_rank == 0:
+            places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size)
+                      for c in [dims.coords(r)]}
+            # a silent aggregator means a lost node: give it the aggregator's beat interval slack
+            self.monitor = HeartbeatMonitor(store, layout, timeout_s=heartbeat_timeout_s + interval,
+                                            prefix=hb, places=places, startup_s=join_timeout_s,
+                                            hang_timeout_s=hang_timeout_s,
+                                            hang_floor_s=heartbeat_timeout_s)
+            self.reader = StepReader(store, cfg.job_id, layout, owner=True)
+
+    def pids(self) -> list[int]:
+        return [m["pid"] for m in self.aggregator._last.values() if m is not None]
+
+    def close(self) -> None:
+        self.aggregator.stop()
+
+
+def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step, on_steps,
+               on_poll, poll_s, grace_s) -> Outcome:
+    local = nodes.nproc_per_node
+    proc = subprocess.Popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
+                                             run_id=cfg.job_id or None),
+                            env=worker_env(endpoint=js.endpoint, node=nodes.node_rank, managed=True),
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
     tracker = ProcessTracker(proc.pid)
     lines: list[str] = []
+
+    def post(change: dict) -> None:
+        post_change(js.store, cfg.job_id, change)
 
     def read_stderr() -> None:
         # the workers' lines (per-step progress, warnings, errors) are kept in OUT/logs/workers.log;
@@ -185,12 +281,20 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
                         keep.close()
                     keep = None
             lines.append(line.rstrip("\n"))
-            m = STEP_LINE.match(line)
-            if m and on_step:
-                on_step(int(m.group(1)))
         if keep is not None:
             with contextlib.suppress(OSError):
                 keep.close()
+
+    def read_steps() -> None:
+        if watch.reader is None:
+            return
+        steps = watch.reader.complete_steps()
+        if steps:
+            append_steps(out / TRACE_STREAM, steps)
+            if on_step:
+                on_step(steps[-1].step)
+            if on_steps:
+                on_steps(steps, post)
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
@@ -201,32 +305,32 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
             time.sleep(poll_s)
             # a scan reads /proc (milliseconds): every poll until torchrun and each worker are
             # known, then once a second (a worker's own children are ended with its process group)
-            if len(tracker.known) <= world or time.time() - scanned >= SCAN_S:
+            if len(tracker.known) <= local or time.time() - scanned >= SCAN_S:
                 tracker.scan()
                 scanned = time.time()
             if signals.received:
                 outcome.interrupted = signals.received
                 outcome.error = f"stopped by {signals.received}; all workers were stopped"
                 break
+            for pid in watch.pids():
+                if pid in tracker.known or tracker.known.keys() & _ancestors(pid):
+                    tracker.add(pid)
+            if watch.monitor is None:  # another node: run until node 0 ends the job
+                try:
+                    reason = ended(js.store, cfg.job_id)
+                except (RuntimeError, dist.DistError):
+                    reason = "node 0 cannot be reached (its store is gone)"
+                if reason is not None:
+                    outcome.error = f"the job ended on node 0: {reason}" if "node 0" not in reason else reason
+                    outcome.ended_by_node0 = True
+                    break
+                continue
+            read_steps()
             if on_poll:
                 on_poll()
-            beats = read_beats(out / "heartbeats")
-            for beat in beats.values():
-                if beat.pid in tracker.known or tracker.known.keys() & _ancestors(beat.pid):
-                    tracker.add(beat.pid)
-            now = time.time()
-            if len(beats) < world and now - t0 > join_timeout_s:
-                missing = sorted(set(range(world)) - set(beats))
-                outcome.error = (f"rank(s) {missing} never joined within {join_timeout_s:g} s; "
-                                 f"all workers were stopped")
-                break
-            dead = [r for r, b in beats.items() if b.phase != "done" and not pid_alive(b.pid)]
-            hung = stale_ranks(beats, heartbeat_timeout_s, now)
-            if dead or hung:
-                rank = (dead or hung)[0]
-                outcome.failure = fail_stop(cfg.dims(), rank, _failed_step(out, rank, beats),
-                                            "process exited" if dead else "heartbeats stopped",
-                                            round(now - beats[rank].time, 3))
+            failure = _judge(watch, cfg, t0, outcome)
+            if failure is not None or outcome.error:
+                outcome.failure = failure
                 break
     finally:
         outcome.left_alive = _stop(proc, tracker, grace_s)
@@ -234,35 +338,74 @@ def _supervise(cfg, out, config_path, world, t0, signals, store, heartbeat_timeo
         if not outcome.left_alive:
             remove_partial(out)  # a checkpoint the job did not finish writing is not a checkpoint
     outcome.returncode = proc.returncode
+    if watch.monitor is not None:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            read_steps()
+            if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted:
+                # torchrun may end the job before the monitor's next look: look once more
+                watch.aggregator.tick()
+                outcome.failure = _judge(watch, cfg, t0, outcome)
+            outcome.errors = read_errors(js.store, cfg.job_id)
+            mark_ended(js.store, cfg.job_id, outcome.error or _reason(outcome) or "finished")
     outcome.wall_s = time.time() - t0
     outcome.stderr_tail = lines[-40:]
-    text = "\n".join(lines)
-    worker_errors = [ln for ln in lines if ln.startswith("resihp: error:")]
-    stops = [ln for ln in lines if ln.startswith("resihp: stop:")]  # a worker's own reason to stop
+    _explain(outcome, lines, cfg, out)
+    return outcome
+
+
+def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event | None:
+    """Node 0's look at every rank: the first fail-stop (dead, hung, or its node lost), or a rank
+    that never joined (``outcome.error``)."""
+    events = watch.monitor.poll(watch.monitor.min_step())
+    if events:
+        ev = events[0]
+        return fail_stop(cfg.dims(), ev.rank, ev.extra.get("step"), ev.extra["cause"],
+                         ev.extra.get("silent_s"), node=ev.extra.get("node"))
+    missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
+    if missing and time.time() - t0 > watch.monitor.startup_s:
+        outcome.error = (f"rank(s) {missing} never joined within {watch.monitor.startup_s:g} s; all workers "
+                         "were stopped")
+    return None
+
+
+def _reason(outcome: Outcome) -> str | None:
+    f = outcome.failure
+    if f is None:
+        return None
+    return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']})"
+
+
+def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> None:
+    """The one-line ``error`` of an outcome: a worker's own reason (over the control plane), the
+    fail-stop found, or what torchrun said."""
+    errors = outcome.errors
+    if not errors:  # before the control plane was joined: the workers' stderr says it
+        errors = [{"kind": "input", "message": ln.removeprefix("resihp: error: ")}
+                  for ln in lines if ln.startswith("resihp: error:")]
+        errors += [{"kind": "stop", "message": ln.removeprefix("resihp: stop: ")}
+                   for ln in lines if ln.startswith("resihp: stop:")]
+    stops = [e["message"] for e in errors if e["kind"] == "stop"]
+    inputs = [e["message"] for e in errors if e["kind"] == "input"]
     if outcome.error is None and stops:
-        outcome.error = stops[0].removeprefix("resihp: stop: ")
-    if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted:
-        m = ROOT_CAUSE.search(text)
+        outcome.error = stops[0]
+    if outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
+            stops or inputs or outcome.ended_by_node0):
+        m = ROOT_CAUSE.search("\n".join(lines))
         if m and int(m.group(2)) < 0:
-            rank = int(m.group(1))
-            outcome.failure = fail_stop(cfg.dims(), rank,
-                                        _failed_step(out, rank, read_beats(out / "heartbeats")),
-                                        f"killed by signal {-int(m.group(2))}")
-    if outcome.error is None and worker_errors:
-        outcome.error = worker_errors[0].removeprefix("resihp: error: ")
+            outcome.failure = fail_stop(cfg.dims(), int(m.group(1)), None,
+                                        f"exited (killed by signal {-int(m.group(2))})")
+    if outcome.error is None and inputs:
+        outcome.error = inputs[0]
         outcome.input_error = True
     if outcome.error is None and outcome.failure is not None:
-        f = outcome.failure
-        outcome.error = (f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']}); all "
-                         "workers were stopped")
+        outcome.error = f"{_reason(outcome)}; all workers were stopped"
     if outcome.left_alive:
         outcome.error = (f"{outcome.error or 'job ended'}; process(es) {outcome.left_alive} could not "
                          f"be ended")
-    if outcome.error is None and proc.returncode != 0 and _disk_full(out):
+    if outcome.error is None and outcome.returncode != 0 and _disk_full(out):
         # the workers may die of it where no line could say so (a heartbeat, torchrun's own files)
         outcome.error = (f"disk full writing {out} (No space left on device); free space and run "
                          "again")
-    if outcome.error is None and proc.returncode != 0:
+    if outcome.error is None and outcome.returncode != 0:
         last = next((ln for ln in reversed(lines) if ln.startswith("resihp:")), None)
-        outcome.error = (last or f"workers exited with status {proc.returncode}").removeprefix("resihp: ")
-    return outcome
+        outcome.error = (last or f"workers exited with status {outcome.returncode}").removeprefix("resihp: ")

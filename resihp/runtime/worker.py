@@ -2,18 +2,23 @@
 
     torchrun --standalone --nproc-per-node 4 -m resihp.runtime.worker --dp 2 --pp 2 --steps 20 --out runs/x
 
-Each rank trains its stage and writes its part of the ops trace under ``OUT/ranks/``; rank 0 merges
-them into ``OUT/ops.parquet`` with the job meta ``OUT/job.yaml`` and ``OUT/summary.json``.
+Each rank trains its stage and sends its heartbeats and op records over the job's control plane
+(``resihp.runtime.controlplane``, on the job's store). Under ``resihp run`` the launcher of node 0
+reads them (live loop, run folder); under plain torchrun rank 0 reads them in a thread and writes
+``OUT/ops.parquet``, the job meta ``OUT/job.yaml`` and ``OUT/summary.json`` itself, and local rank
+0 of each node runs the node's heartbeat aggregator.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import MISSING, fields
 from datetime import timedelta
@@ -23,13 +28,20 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError, disk_full
 from resihp.opstrace import JobMeta, write_meta
 from resihp.perf.device import this_device
 from resihp.runtime.config import RunConfig
-from resihp.runtime.control import ControlInbox
+from resihp.runtime.controlplane import (
+    PlanInbox,
+    StepPublisher,
+    StepReader,
+    heartbeat_prefix,
+    node_ranks,
+    report_error,
+)
 from resihp.runtime.engine import Engine
-from resihp.runtime.heartbeat import HeartbeatWriter
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
@@ -94,8 +106,9 @@ def step_table(trace: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_job_files(cfg: RunConfig, out: Path) -> dict:
-    """Merge rank parts, write the job meta and the run summary (rank 0, or the launcher)."""
-    trace = merge_streams(sorted((out / "ranks").glob("rank*.jsonl")), out / "ops.parquet")
+    """Write the ops trace (from node 0's stream ``OUT/ops.jsonl``), the job meta and the run
+    summary (the launcher of node 0, or rank 0 under plain torchrun)."""
+    trace = merge_streams([out / TRACE_STREAM], out / "ops.parquet")
     dims = cfg.dims()
     write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
                **cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
@@ -136,29 +149,77 @@ def resume_step(cfg: RunConfig, saved: dict) -> int:
     return int(saved["step"]) + 1
 
 
+TRACE_STREAM = "ops.jsonl"  # node 0's stream of complete steps' op records (JSON lines)
+_report: list = []  # where main() sends a worker's reason to stop: the control plane, once joined
+
+
+def append_steps(path: Path, steps) -> None:
+    """Append complete steps' rows to node 0's trace stream."""
+    if steps:
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for s in steps for r in s.rows))
+
+
+class TraceCollector(threading.Thread):
+    """Under plain torchrun, rank 0 reads the job's op records from the store into the run folder
+    (the job's own launcher does it under ``resihp run``)."""
+
+    def __init__(self, reader: StepReader, path: Path, poll_s: float = 0.2) -> None:
+        super().__init__(name="resihp-trace", daemon=True)
+        self.reader, self.path, self.poll_s = reader, path, poll_s
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.poll_s):
+            append_steps(self.path, self.reader.complete_steps())
+
+    def finish(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+        append_steps(self.path, self.reader.complete_steps())
+
+
+def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int, int]:
+    """Join the job: the control plane's store (the launcher's, else plain torchrun's agent
+    store), this rank, the world size and this node."""
+    node = int(os.environ.get("RESIHP_NODE", os.environ.get("GROUP_RANK", "0")))
+    local, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world = int(os.environ["WORLD_SIZE"])
+    endpoint = os.environ.get("RESIHP_STORE")
+    if endpoint:  # the launcher's store (resihp.runtime.launch.JobStore)
+        host, _, port = endpoint.rpartition(":")
+        # the rank follows the node's place in the job (node i: ranks i*P .. i*P+P-1), not the
+        # order in which torchrun's agents happened to join, so a layout means the same machines
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), node * per_node + local, world, node
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout), int(os.environ["RANK"]), world, node
+
+
 def run(cfg: RunConfig) -> None:
     out = Path(cfg.out)
     device = _device(cfg)
     torch.set_num_threads(cfg.threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = os.environ.get("RESIHP_STORE")
-    if store:  # the launcher's store, bound to loopback (resihp.runtime.launch.LoopbackStore)
-        host, _, port = store.rpartition(":")
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.timeout_s))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/{cfg.job_id}/{attempt}", client),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=timedelta(seconds=cfg.timeout_s))
-    else:
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-    rank = dist.get_rank()
-    (out / "ranks").mkdir(parents=True, exist_ok=True)
-    part = out / "ranks" / f"rank{rank}.jsonl"
-    part.unlink(missing_ok=True)
-    heart = HeartbeatWriter(out / "heartbeats", rank).start()
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store, rank, world, node = _job_store(cfg, timeout)
+    # under resihp run the launchers aggregate heartbeats and read the trace; else the job does
+    launched = os.environ.get("RESIHP_MANAGED") == "1"
+    job_id = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "job")
+    _report.append(lambda kind, message: report_error(store, job_id, rank, kind, message))
+    heart = HeartbeatSender(store, rank, node, prefix=heartbeat_prefix(job_id)).start()
+    nodes = node_ranks(world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    aggregator = None
+    if not launched and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        aggregator = NodeAggregator(store, node, nodes[node], prefix=heartbeat_prefix(job_id),
+                                    timeout_s=max(3.0, 4 * heart.interval_s)).start()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/{job_id}/{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+    out.mkdir(parents=True, exist_ok=True)
     engine = Engine(cfg, device, FaultInjector(cfg.faults(), rank))
-    heart.phase = "train"
-    inbox = ControlInbox(out, cfg.replan) if rank == 0 else None
+    heart.follow(lambda: engine.rec.progress("train"))
+    inbox = PlanInbox(store, job_id, cfg.replan) if rank == 0 else None
     results = []
     first_step = 0
     if cfg.resume:
@@ -169,9 +230,17 @@ def run(cfg: RunConfig) -> None:
         engine.rec.begin_step(first_step)
         with engine.rec.op("checkpoint-load"):
             load(cfg.resume, engine.model, engine.optimizer, engine.coords.tp_rank, cfg.tp)
+    publisher = StepPublisher(store, job_id, node, first_step if rank == 0 else None)
+    collector = None
+    if rank == 0 and not launched:
+        (out / TRACE_STREAM).unlink(missing_ok=True)
+        collector = TraceCollector(StepReader(store, job_id, nodes, first_step, owner=True),
+                                   out / TRACE_STREAM)
+        collector.start()
+    phase = "stopped"
     try:
         for step in range(first_step, cfg.steps):
-            heart.at_step(step)
+            engine.rec.begin_step(step)
             proposal = inbox.poll(step) if inbox else None
             if proposal is not None:
                 proposal = {**proposal, "version": engine.plan_version + 1}
@@ -187,15 +256,20 @@ def run(cfg: RunConfig) -> None:
                                     f"checkpointing it (lower --lr, or resume from the last checkpoint)")
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
-            engine.rec.flush(part)
+            publisher.publish(step, engine.rec.take_new())
+        phase = "done"
     finally:
-        engine.rec.flush(part)
-        heart.stop("done")
-    dist.barrier()
+        heart.finish(phase)
+    with engine.rec.waiting("barrier"):
+        dist.barrier()
+    if aggregator is not None:
+        aggregator.stop()
     if rank == 0:
         (out / "plan_changes.json").write_text(json.dumps(engine.plan_changes))
-        summary = write_job_files(cfg, out)
-        print(json.dumps(summary), flush=True)
+        if collector is not None:
+            collector.finish()
+            summary = write_job_files(cfg, out)
+            print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
 
 
@@ -214,9 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(parse_args(argv))
     except InputError as exc:
+        _tell("input", str(exc))
         print(f"resihp: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteLoss as exc:
+        _tell("stop", str(exc))
         print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     except (RuntimeError, dist.DistBackendError) as exc:
@@ -232,6 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as exc:  # DCP wraps a rank's write error in a BaseException
         _stop_if_disk_full(exc, rank)
         raise
+
+
+def _tell(kind: str, message: str) -> None:
+    """A worker's reason to stop, over the control plane when it has joined one."""
+    for report in _report:
+        with contextlib.suppress(Exception):  # the store may be gone with the job
+            report(kind, message)
 
 
 def _stop_if_disk_full(exc: BaseException, rank: str) -> None:

@@ -1,0 +1,212 @@
+"""The job's control plane on its torch.distributed store: nothing shared between nodes but the
+network. One namespace per job (``resihp/<job id>/cp``) carries
+
+- heartbeats with progress, hierarchical (``resihp.detect.heartbeat``: a sender per rank, an
+  aggregator per node, a monitor on node 0);
+- the op records the live detector needs: at the end of each step every rank appends one compact,
+  column-wise record of its ops to its node's key for that step (``ops/n<node>/s<step>``), so a
+  reader takes one key per node per step; the reader that owns the run folder deletes steps once
+  consumed and older than a window, other readers (``resihp follow --store``) read within it;
+- plan changes from the live loop to the job's rank 0 (``plan``), which broadcasts them;
+- workers' errors (``errors``, one line each) and the job's identity and configuration (``job``),
+  which a joining node checks against its own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch.distributed import Store
+
+from resihp.detect.heartbeat import PREFIX as HB
+
+JOB_KEY = "resihp/job"
+KEEP_STEPS = 64  # steps of op records kept in the store for other readers
+_ROUND = 6  # decimals of seconds kept in records (microseconds)
+
+
+def prefix_of(job_id: str) -> str:
+    return f"resihp/{job_id}/cp"
+
+
+def heartbeat_prefix(job_id: str) -> str:
+    return f"{prefix_of(job_id)}/{HB.rpartition('/')[2]}"
+
+
+def node_ranks(nnodes: int, nproc_per_node: int) -> dict[int, list[int]]:
+    """The global ranks of each node: node ``i`` holds ``i * P .. i * P + P - 1``."""
+    return {n: list(range(n * nproc_per_node, (n + 1) * nproc_per_node)) for n in range(nnodes)}
+
+
+# --- op records -----------------------------------------------------------------------------------
+_IDS = ("step", "rank", "dp_rank", "stage", "tp_rank")
+_COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes")
+
+
+def encode_rows(rows: Sequence[dict]) -> bytes:
+    """One rank's rows of one step, column-wise: the ids once, times as offsets in microseconds,
+    each micro-batch's sequence lengths once."""
+    first = rows[0]
+    t0 = min(r["start_ts"] for r in rows)
+    lens: dict[str, list[int]] = {}
+    for r in rows:
+        if r.get("seq_lens") is not None and r.get("mb_id") is not None:
+            lens.setdefault(str(r["mb_id"]), r["seq_lens"])
+    doc = {"ids": [first[k] for k in _IDS], "t0": t0,
+           "ts": [round(r["start_ts"] - t0, _ROUND) for r in rows],
+           "dur": [round(r["duration"], _ROUND) for r in rows],
+           **{c: [r.get(c) for r in rows] for c in _COLS}, "lens": lens,
+           "sent": time.time()}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_rows(blob: bytes) -> tuple[list[dict], float]:
+    """Rows (the ops-trace row dicts) and the time the rank sent them."""
+    doc = json.loads(blob)
+    ids = dict(zip(_IDS, doc["ids"]))
+    rows = []
+    for i in range(len(doc["ts"])):
+        row = {**ids, "start_ts": doc["t0"] + doc["ts"][i], "duration": doc["dur"][i],
+               **{c: doc[c][i] for c in _COLS}}
+        row["seq_lens"] = doc["lens"].get(str(row["mb_id"])) if row["mb_id"] is not None else None
+        rows.append(row)
+    return rows, float(doc["sent"])
+
+
+class StepPublisher:
+    """A rank's sending end: ``publish(step, rows)`` after each step (one store message). Rank 0
+    first says which step the job starts at (``first``: 0, or the step after a checkpoint)."""
+
+    def __init__(self, store: Store, job_id: str, node: int, first: int | None = None) -> None:
+        self.store, self.base = store, f"{prefix_of(job_id)}/ops/n{node}"
+        self.bytes = 0
+        self.messages = 0
+        if first is not None:
+            store.set(f"{prefix_of(job_id)}/ops/first", str(first))
+
+    def publish(self, step: int, rows: Sequence[dict]) -> None:
+        if not rows:
+            return
+        blob = encode_rows(rows) + b"\n"
+        self.store.append(f"{self.base}/s{step}", blob)
+        self.bytes += len(blob)
+        self.messages += 1
+
+
+@dataclass
+class StepRecords:
+    step: int
+    rows: list[dict]
+    sent: float  # when the last rank sent its part (its clock)
+    seen: float  # when this reader had every part
+
+
+class StepReader:
+    """Complete steps (every rank's part) in step order, read from the store; ``owner`` (the run
+    folder's writer) deletes what it has read, beyond the last ``KEEP_STEPS`` steps."""
+
+    def __init__(self, store: Store, job_id: str, nodes: Mapping[int, Sequence[int]],
+                 first_step: int | None = None, owner: bool = False) -> None:
+        self.store, self.prefix = store, prefix_of(job_id)
+        self.nodes = {int(n): list(r) for n, r in nodes.items()}
+        self.next_step, self.owner = first_step, owner  # None: the job's first step, once it says
+        self.messages = 0
+
+    def _keys(self, step: int) -> list[str]:
+        return [f"{self.prefix}/ops/n{n}/s{step}" for n in self.nodes]
+
+    def complete_steps(self, limit: int = 1000) -> list[StepRecords]:
+        done: list[StepRecords] = []
+        if self.next_step is None:
+            first = f"{self.prefix}/ops/first"
+            if not self.store.check([first]):
+                return done
+            self.next_step = int(self.store.get(first))
+        while len(done) < limit:
+            keys = self._keys(self.next_step)
+            self.messages += 1
+            if not self.store.check(keys):
+                break
+            blobs = self.store.multi_get(keys)
+            self.messages += 1
+            parts = [line for blob in blobs for line in blob.splitlines() if line.strip()]
+            decoded = [decode_rows(p) for p in parts]
+            ranks = {rows[0]["rank"] for rows, _ in decoded if rows}
+            if len(ranks) < sum(len(r) for r in self.nodes.values()):
+                break
+            rows = [row for part, _ in decoded for row in part]
+            done.append(StepRecords(self.next_step, rows, max(s for _, s in decoded), time.time()))
+            if self.owner and self.next_step >= KEEP_STEPS:
+                for key in self._keys(self.next_step - KEEP_STEPS):
+                    self.store.delete_key(key)
+            self.next_step += 1
+        return done
+
+
+# --- plan changes, errors, the job ------------------------------------------------------------------
+def post_change(store: Store, job_id: str, change: dict) -> None:
+    """Hand a plan change to the running job (its rank 0 takes it at the next step boundary)."""
+    store.set(f"{prefix_of(job_id)}/plan", json.dumps(change))
+
+
+class PlanInbox:
+    """Rank 0's view of the plan channel: scheduled changes from the run config first, then the
+    newest change posted (each ``id`` once)."""
+
+    def __init__(self, store: Store, job_id: str, scheduled: Sequence[dict]) -> None:
+        self.store, self.key = store, f"{prefix_of(job_id)}/plan"
+        self.scheduled = {int(c["step"]): c for c in scheduled}
+        self._seen_id: object = None
+
+    def poll(self, step: int) -> dict | None:
+        if step in self.scheduled:
+            return {**self.scheduled[step], "source": "scheduled"}
+        if not self.store.check([self.key]):
+            return None
+        change = json.loads(self.store.get(self.key))
+        if change.get("id") == self._seen_id:
+            return None
+        self._seen_id = change.get("id")
+        return change
+
+
+def report_error(store: Store, job_id: str, rank: int | str, kind: str, message: str) -> None:
+    """A worker's reason to stop, one line (``kind``: input | stop | lost-peer)."""
+    line = json.dumps({"rank": rank, "kind": kind, "message": message}) + "\n"
+    store.append(f"{prefix_of(job_id)}/errors", line.encode())
+
+
+def read_errors(store: Store, job_id: str) -> list[dict]:
+    key = f"{prefix_of(job_id)}/errors"
+    if not store.check([key]):
+        return []
+    return [json.loads(line) for line in store.get(key).splitlines() if line.strip()]
+
+
+def announce_job(store: Store, job_id: str, config: dict, nnodes: int, nproc_per_node: int) -> None:
+    """Node 0: the job's identity and configuration, which every joining node checks."""
+    store.set(JOB_KEY, json.dumps({"job_id": job_id, "config": config, "nnodes": nnodes,
+                                   "nproc_per_node": nproc_per_node, "started": time.time()}))
+
+
+def read_job(store: Store, timeout_s: float, poll_s: float = 0.2) -> dict | None:
+    end = time.monotonic() + timeout_s
+    while True:
+        if store.check([JOB_KEY]):
+            return json.loads(store.get(JOB_KEY))
+        if time.monotonic() > end:
+            return None
+        time.sleep(poll_s)
+
+
+def mark_ended(store: Store, job_id: str, reason: str) -> None:
+    """Node 0: the job is over (the other nodes' launchers stop their workers)."""
+    store.set(f"{prefix_of(job_id)}/ended", reason)
+
+
+def ended(store: Store, job_id: str) -> str | None:
+    key = f"{prefix_of(job_id)}/ended"
+    return store.get(key).decode() if store.check([key]) else None
