@@ -359,7 +359,9 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
     events = watch.monitor.poll(watch.monitor.min_step())
     if events:
         ev = events[0]
-        return fail_stop(cfg.dims(), ev.rank, ev.extra.get("step"), ev.extra["cause"],
+        # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
+        steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
+        return fail_stop(cfg.dims(), ev.rank, max(steps) if steps else None, ev.extra["cause"],
                          ev.extra.get("silent_s"), node=ev.extra.get("node"))
     missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
     if missing and time.time() - t0 > watch.monitor.startup_s:
