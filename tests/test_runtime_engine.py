@@ -7,8 +7,8 @@ import pytest
 
 from resihp.opstrace import COMPUTE_OPTYPES, read_meta, read_ops_trace
 from resihp.runtime.config import RunConfig
+from resihp.runtime.follow import follow
 from resihp.runtime.launch import launch
-from resihp.runtime.live import follow
 
 SMALL = dict(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048,
              budget=512, max_len=512, source="text", steps=3, timeout_s=30)

@@ -24,15 +24,19 @@ from resihp.opstrace import read_meta
 from resihp.runtime.heartbeat import read_beats
 from resihp.runtime.recorder import rows_frame
 
+TRACE_STREAM = "ops.jsonl"  # the stream resihp run's launcher writes on node 0
+
 log = logging.getLogger("resihp.follow")
 
 
 class StreamTail:
-    """New complete lines of each rank's JSON-lines stream since the last call."""
+    """New complete lines of a run folder's JSON-lines streams since the last call: node 0's
+    stream of complete steps (``ops.jsonl``, written by ``resihp run``'s launcher from the control
+    plane) or each rank's own (``ranks/rank<R>.jsonl``, written by ``resihp.attach``)."""
 
-    def __init__(self, directory: Path, world: int) -> None:
-        self.paths = [directory / f"rank{r}.jsonl" for r in range(world)]
-        self.offsets = [0] * world
+    def __init__(self, out: Path, world: int) -> None:
+        self.paths = [out / TRACE_STREAM, *(out / "ranks" / f"rank{r}.jsonl" for r in range(world))]
+        self.offsets = [0] * len(self.paths)
 
     def read(self) -> list[dict]:
         rows = []
@@ -50,11 +54,11 @@ class StreamTail:
 
 
 class StepAssembler:
-    """Complete steps (rows from every rank) out of the ranks' streams, in step order."""
+    """Complete steps (rows from every rank) out of a run folder's streams, in step order."""
 
-    def __init__(self, directory: Path, world: int) -> None:
+    def __init__(self, out: Path, world: int) -> None:
         self.world = world
-        self.tail = StreamTail(directory, world)
+        self.tail = StreamTail(out, world)
         self.pending: dict[int, list[dict]] = defaultdict(list)
         self.next_step: int | None = None
 
@@ -94,7 +98,7 @@ class LiveDetection:
         self.out = Path(out)
         meta, meta_dict = read_meta(self.out / "job.yaml")
         self.detector = OnlineDetector(meta, config=config, meta_dict=meta_dict)
-        self.steps = StepAssembler(self.out / "ranks", meta.world_size)
+        self.steps = StepAssembler(self.out, meta.world_size)
         self.world = meta.world_size
         self.events: list[dict] = []
         self.seen = 0
@@ -124,7 +128,9 @@ class LiveDetection:
         return new
 
     def finished(self) -> bool:
-        beats = read_beats(self.out / "heartbeats")
+        if (self.out / "summary.json").exists():  # resihp run's launcher wrote it: the job is over
+            return True
+        beats = read_beats(self.out / "heartbeats")  # resihp.attach's heartbeats
         return len(beats) == self.world and all(b.phase == "done" for b in beats.values())
 
     def report(self) -> dict:

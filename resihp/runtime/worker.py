@@ -42,6 +42,7 @@ from resihp.runtime.controlplane import (
     report_error,
 )
 from resihp.runtime.engine import Engine
+from resihp.runtime.follow import TRACE_STREAM
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
@@ -149,7 +150,6 @@ def resume_step(cfg: RunConfig, saved: dict) -> int:
     return int(saved["step"]) + 1
 
 
-TRACE_STREAM = "ops.jsonl"  # node 0's stream of complete steps' op records (JSON lines)
 _report: list = []  # where main() sends a worker's reason to stop: the control plane, once joined
 
 
