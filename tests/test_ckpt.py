@@ -9,10 +9,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resihp.ckpt.integrity import write_manifest
-from resihp.ckpt.universal import convert, inspect, load, state_of
+from resihp.ckpt.universal import convert, inspect, load
 from resihp.errors import InputError
 from resihp.model.gpt import GPTConfig, GPTStage, init_by_name, lm_loss
-from resihp.model.tensor_parallel import TPContext
+from resihp.model.tensor_parallel import TPContext, split_of
 
 CFG = GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64)
 
@@ -29,15 +29,31 @@ def trained(tp_rank: int = 0, tp: int = 1):
     return model, opt
 
 
-def test_tp_shards_join_into_a_universal_checkpoint_any_layout_loads(tmp_path):
-    # two tensor-parallel ranks' shards in one checkpoint (what a tp=2 job writes)
+def v1_state(model, opt, tp_rank: int = 0, tp: int = 1) -> dict:
+    """What an older resihp (checkpoint format 1) saved: a shard as ``<key>@tp<r>of<n>`` in the
+    unsharded model's shape."""
+    out = {}
+    for name, p in model.named_parameters():
+        key = f"{name}@tp{tp_rank}of{tp}" if tp > 1 and split_of(name) else name
+        out[f"model.{key}"] = p.detach()
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            out[f"optim.{key}.{k}"] = opt.state[p][k]
+    return out
+
+
+def test_format1_tp_shards_load_into_their_tp_or_join_into_a_checkpoint_any_layout_loads(tmp_path):
+    # two tensor-parallel ranks' shards in one checkpoint (what a tp=2 job of an older resihp wrote)
     shards = [trained(r, 2) for r in range(2)]
-    state = {**state_of(*shards[0], 0, 2), **state_of(*shards[1], 1, 2)}
+    state = {**v1_state(*shards[0], 0, 2), **v1_state(*shards[1], 1, 2)}
     dcp.save(state, checkpoint_id=str(tmp_path / "tp2"))
     (tmp_path / "tp2" / "meta.json").write_text('{"step": 0, "tp": 2, "model": {"heads": 4}}')
     write_manifest(tmp_path / "tp2")
-    with pytest.raises(InputError, match="resihp ckpt convert"):
-        load(tmp_path / "tp2", *trained(), tp_rank=0, tp=1)
+    with pytest.raises(InputError, match="format 1.*resihp ckpt convert"):
+        load(tmp_path / "tp2", *trained(), tp=1)
+    same = GPTStage(CFG, tp=TPContext(2, 1))  # into its own tensor-parallel size it still loads
+    load(tmp_path / "tp2", same, torch.optim.AdamW(same.parameters(), lr=0.01), tp=TPContext(2, 1))
+    for (name, a), b in zip(shards[1][0].named_parameters(), same.parameters()):
+        assert torch.equal(a, b), name
 
     result = convert(tmp_path / "tp2", tmp_path / "universal")
     assert result["joined"] > 0
@@ -56,11 +72,70 @@ def test_tp_shards_join_into_a_universal_checkpoint_any_layout_loads(tmp_path):
     # and a tensor-parallel rank of another job loads its slice of it
     part = GPTStage(CFG, tp=TPContext(2, 1))
     part_opt = torch.optim.AdamW(part.parameters(), lr=0.01)
-    load(tmp_path / "universal", part, part_opt, tp_rank=1, tp=2)
+    load(tmp_path / "universal", part, part_opt, tp=TPContext(2, 1))
     for (name, a), b in zip(shards[1][0].named_parameters(), part.parameters()):
         torch.testing.assert_close(a, b, msg=name)
     ids = torch.arange(10)
     torch.testing.assert_close(lm_loss(fresh(ids, [10]), ids), lm_loss(reference(ids, [10]), ids))
+
+
+def test_checkpoint_round_trips_and_exports_one_consolidated_file(tmp_path):
+    from safetensors.torch import load_file
+
+    from resihp.ckpt.universal import read_full, save
+
+    cfg = GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64, mlp="swiglu")
+    model = GPTStage(cfg)
+    init_by_name(model, 5)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = p.detach().clone()
+    opt.step()
+    save(tmp_path / "c", model, opt, 7, {"tp": 1, "model": cfg.to_dict()})
+    assert read_full(tmp_path / "c")["model.layers.0.qkv.weight"].shape == (3, 32, 32)  # per head
+    assert read_full(tmp_path / "c")["model.layers.0.gate_up.weight"].shape == (2, 64, 32)  # per half
+    fresh = GPTStage(cfg)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    assert load(tmp_path / "c", fresh, fresh_opt)["format"] == 2
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b) and torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"]), name
+    convert(tmp_path / "c", tmp_path / "model.safetensors")
+    convert(tmp_path / "c", tmp_path / "model.pt")
+    exported = load_file(tmp_path / "model.safetensors")
+    pt = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
+    for name, p in model.named_parameters():  # the model's own shapes, usable outside resihp
+        assert torch.equal(exported[name], p.detach()) and torch.equal(pt[name], p.detach()), name
+    other = GPTStage(GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64))
+    with pytest.raises(InputError, match="has no model.layers.0.fc1.weight"):
+        load(tmp_path / "c", other, torch.optim.AdamW(other.parameters()))
+
+
+def test_fused_and_padded_parameters_are_placed_per_head_half_and_real_row():
+    # a shard's block of the global tensor, for each parameter that splits unlike a plain row cut
+    cfg = GPTConfig(layers=1, hidden=32, heads=4, ffn_hidden=64, vocab=61, max_seq_len=64, mlp="swiglu",
+                    vocab_parallel=True, tie_embeddings=True)
+    full = GPTStage(cfg)
+    init_by_name(full, 11)
+    whole = dict(full.named_parameters())
+    assert full.head.weight is full.embed.weight and "head.weight" not in whole  # one tied parameter
+    for tp in (2, 4):
+        for r in range(tp):
+            part = GPTStage(cfg, tp=TPContext(tp, r))
+            init_by_name(part, 11, TPContext(tp, r))
+            mine = dict(part.named_parameters())
+            gate_up = mine["layers.0.gate_up.weight"].view(2, 64 // tp, 32)  # [gate shard; up shard]
+            assert torch.equal(gate_up[0], whole["layers.0.gate_up.weight"][r * 64 // tp:(r + 1) * 64 // tp])
+            assert torch.equal(gate_up[1], whole["layers.0.gate_up.weight"][64 + r * 64 // tp:64 + (r + 1) * 64 // tp])
+            qkv = mine["layers.0.qkv.weight"].view(3, 32 // tp, 32)  # whole heads of Q, K and V
+            for g in range(3):
+                assert torch.equal(qkv[g], whole["layers.0.qkv.weight"][g * 32 + r * 32 // tp:g * 32 + (r + 1) * 32 // tp])
+            rows = -(-61 // tp)  # the vocabulary padded to a multiple of tp; padding rows stay zero
+            real = max(0, min(rows, 61 - r * rows))
+            assert mine["embed.weight"].shape == (rows, 32)
+            assert torch.equal(mine["embed.weight"][:real], whole["embed.weight"][r * rows:r * rows + real])
+            assert not mine["embed.weight"][real:].any()
+            where = cfg.placement("embed.weight", (rows, 32), tp)
+            assert where.global_shape == (61, 32) and where.local_view(mine["embed.weight"], tp, r).shape[0] == real
 
 
 def test_ckpt_cli_bad_input(tmp_path):

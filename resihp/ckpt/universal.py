@@ -1,13 +1,19 @@
 """Checkpoints keyed by global names, independent of the parallel layout.
 
-Keys: ``model.<global name>`` and ``optim.<global name>.<step|exp_avg|exp_avg_sq>``. A tensor-parallel
-shard is saved as ``<key>@tp<rank>of<size>``; ``convert`` joins the shards into whole tensors (the
-universal form any layout can load). Replicas of the same key on several data-parallel ranks are
-written once (torch.distributed.checkpoint de-duplicates them). Beside the tensors, ``meta.json``
-holds the step, the layout that wrote it, the job id and the model hash; ``manifest.json`` (written
-last, see :mod:`resihp.ckpt.integrity`) lists every file with its sha256. Nothing is read from a
-checkpoint whose manifest does not verify, and DCP's pickled metadata only through a restricted
-unpickler.
+Format 2 (what ``save`` writes): keys ``model.<global name>`` and
+``optim.<global name>.<step|exp_avg|exp_avg_sq>``; every tensor-parallel shard is saved with its
+place in the global tensor (``resihp.ckpt.reshard``: DTensor chunk metadata), so ``load`` reads it
+into any data x pipeline x tensor-parallel layout, optimizer state included, with no convert step:
+DCP reads each rank's block from whichever shards overlap it. Replicas of the same key on several
+data-parallel ranks are written once. Beside the tensors, ``meta.json`` holds the step, the layout
+that wrote it, the job id, the model hash and the non-tensor state (``resihp.ckpt.reshard_rules``
+says how each key crosses a layout change); ``manifest.json`` (written last, see
+:mod:`resihp.ckpt.integrity`) lists every file with its sha256. Nothing is read from a checkpoint
+whose manifest does not verify, and DCP's pickled metadata only through a restricted unpickler.
+
+Format 1 (older resihp: a shard saved as ``<key>@tp<rank>of<size>`` in the unsharded model's
+shape) still loads into its own tensor-parallel size, and into any size once ``convert`` has
+joined it; ``convert`` also exports any checkpoint as one consolidated file.
 """
 
 from __future__ import annotations
@@ -20,43 +26,34 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resihp.ckpt.integrity import newest_good, publish, read_dcp_metadata, safe_reader, verify
+from resihp.ckpt.reshard import ensure_adam_state, placed_state
 from resihp.errors import InputError
-from resihp.model.gpt import ADAM_KEYS
-from resihp.model.tensor_parallel import full_shape, shard, split_of, unshard
+from resihp.model.gpt import ADAM_KEYS, GPTConfig
+from resihp.model.tensor_parallel import TPContext, full_shape, shard, split_of, unshard
+
+FORMAT = 2
 
 
-def _key(name: str, tp_rank: int, tp: int) -> str:
-    return f"{name}@tp{tp_rank}of{tp}" if tp > 1 and split_of(name) else name
-
-
-def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp_rank: int = 0,
-             tp: int = 1) -> dict[str, torch.Tensor]:
-    """This rank's tensors under their universal keys (views of the live tensors)."""
-    out = {}
-    for name, p in model.named_parameters():
-        key = _key(name, tp_rank, tp)
-        out[f"model.{key}"] = p.detach()
-        state = optimizer.state.get(p, {})
-        for k in ADAM_KEYS:
-            value = state.get(k)
-            if value is None:
-                value = torch.zeros(() if k == "step" else p.shape)
-                state[k] = value
-                optimizer.state[p] = state
-            out[f"optim.{key}.{k}"] = value
-    return out
+def _tp(tp: TPContext | int | None, tp_rank: int = 0) -> TPContext:
+    if isinstance(tp, TPContext):
+        return tp
+    return TPContext(int(tp or 1), tp_rank)
 
 
 def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         step: int, meta: dict, tp_rank: int = 0, tp: int = 1) -> None:
+         step: int, meta: dict, tp: TPContext | None = None, cfg: GPTConfig | None = None,
+         extra: dict[str, torch.Tensor] | None = None) -> None:
     """Collective: every rank of the job calls it. The tensors go to a hidden temporary folder;
     rank 0 (whose DCP call returns only after every rank's files are written) adds ``meta.json``
-    and the manifest, and renames the folder to ``directory``."""
+    and the manifest, and renames the folder to ``directory``. ``extra``: this rank's own tensors
+    (keys unique to the rank, such as its RNG state)."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.partial")
-    dcp.save(state_of(model, optimizer, tp_rank, tp), checkpoint_id=str(tmp))
+    state = placed_state(model, optimizer, tp, cfg)
+    state.update(extra or {})
+    dcp.save(state, checkpoint_id=str(tmp))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        meta = {"step": step, **meta}
+        meta = {"step": step, "format": FORMAT, **meta}
         (tmp / "meta.json").write_text(json.dumps(meta))
         publish(tmp, directory, identity(meta))
 
@@ -67,32 +64,80 @@ def identity(meta: dict) -> dict:
 
 
 def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         tp_rank: int = 0, tp: int = 1) -> dict:
-    """Fill this rank's parameters and AdamW state from ``directory`` (which must verify against
-    its manifest); returns its meta."""
+         tp: TPContext | int | None = None, cfg: GPTConfig | None = None,
+         extra: dict[str, torch.Tensor] | None = None, tp_rank: int = 0) -> dict:
+    """Fill this rank's parameters and AdamW state (and the tensors of ``extra``, in place) from
+    ``directory``, which must verify against its manifest, whatever layout wrote it; returns its
+    meta. Collective when a process group is up (every rank calls it)."""
     verify(directory)
-    read_dcp_metadata(directory)  # refused here, with its reason, rather than inside DCP's load
+    metadata = read_dcp_metadata(directory)  # refused here, with its reason, rather than inside DCP
     meta = read_meta(directory)
+    tp = _tp(tp, tp_rank)
+    if int(meta.get("format", 1)) < 2:
+        return _load_v1(directory, meta, model, optimizer, tp)
+    state = placed_state(model, optimizer, tp, cfg)
+    _check_shapes(directory, state, metadata)
+    state.update(extra or {})
+    dcp.load(state, storage_reader=safe_reader(directory))
+    return meta
+
+
+def _check_shapes(directory: str | Path, state: dict[str, torch.Tensor], metadata) -> None:
+    """One line naming the first key this model needs that the checkpoint lacks or holds in
+    another global shape (DCP's own error is a multi-rank traceback)."""
+    saved = metadata.state_dict_metadata
+    for key, value in state.items():
+        if key not in saved:
+            raise InputError(f"{directory}: has no {key} (written for another model or model options)")
+        have = tuple(getattr(saved[key], "size", ()))
+        if tuple(value.shape) != have:
+            layout = " (a format-1 checkpoint: `resihp ckpt convert` it)" if key.endswith("qkv.weight") else ""
+            raise InputError(f"{directory}: {key} has global shape {list(have)}, this model needs "
+                             f"{list(value.shape)}{layout}")
+
+
+def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint as its whole global tensor (one process, no process group)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    verify(directory)
+    read_dcp_metadata(directory)
+    flat: dict = {}
+    _load_state_dict(flat, storage_reader=safe_reader(directory), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return flat
+
+
+# --- format 1 --------------------------------------------------------------------------------------
+def _v1_key(name: str, tp: TPContext) -> str:
+    return f"{name}@tp{tp.rank}of{tp.size}" if tp.size > 1 and split_of(name) else name
+
+
+def _load_v1(directory: str | Path, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             tp: TPContext) -> dict:
+    """Format 1: shards in the unsharded model's shape; into the tensor-parallel size that wrote
+    them, or slices of whole tensors (a tp=1 or converted checkpoint) into any size."""
     saved_tp = int(meta.get("tp", 1))
-    if saved_tp != tp and saved_tp > 1:
-        raise InputError(f"{directory}: written with tp={saved_tp}; run `resihp ckpt convert` to "
-                         f"make a universal checkpoint before loading it with tp={tp}")
-    for p in model.parameters():  # AdamW state must exist to be loaded into
-        optimizer.state.setdefault(p, {})
-    live = state_of(model, optimizer, tp_rank, tp)
-    if saved_tp == tp:
-        targets = live
-        wanted = {k: torch.empty_like(v) for k, v in live.items()}
-    else:  # a universal checkpoint into a tensor-parallel layout: load whole tensors, keep a slice
-        targets = {re.sub(r"@tp\d+of\d+", "", k): v for k, v in live.items()}
-        wanted = {k: torch.empty(full_shape(_param_name(k), v.shape, tp) if v.dim() else ())
-                  for k, v in targets.items()}
+    if saved_tp not in (1, tp.size):
+        raise InputError(f"{directory}: an older resihp checkpoint (format 1) written with tp={saved_tp}; "
+                         f"run `resihp ckpt convert` on it before loading it with tp={tp.size}")
+    ensure_adam_state(model, optimizer)
+    live = {}
+    for name, p in model.named_parameters():
+        key = _v1_key(name, TPContext(saved_tp, tp.rank))
+        live[f"model.{key}"] = p.detach()
+        for k in ADAM_KEYS:
+            live[f"optim.{key}.{k}"] = optimizer.state[p][k]
+    if saved_tp == tp.size:
+        dcp.load(live, storage_reader=safe_reader(directory))
+        return meta
+    wanted = {k: torch.empty(full_shape(_param_name(k), v.shape, tp.size) if v.dim() else ())
+              for k, v in live.items()}
     dcp.load(wanted, storage_reader=safe_reader(directory))
-    heads = model.cfg.heads if hasattr(model, "cfg") else 1
     with torch.no_grad():
         for k, v in wanted.items():
-            value = v if targets[k].shape == v.shape else shard(_param_name(k), v, tp, tp_rank, heads)
-            targets[k].copy_(value)
+            live[k].copy_(v if live[k].shape == v.shape else shard(_param_name(k), v, tp.size, tp.rank))
     return meta
 
 
@@ -149,40 +194,52 @@ def _verified(directory: Path) -> None:
 
 
 def convert(src: str | Path, dst: str | Path) -> dict:
-    """Join tensor-parallel shards into whole tensors: a universal checkpoint (single process).
-    ``src`` must verify against its manifest (a run folder means its newest one that does); the
-    result is written to a temporary folder with its own manifest and renamed to ``dst``."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+    """Every tensor of a checkpoint as one whole tensor in the unsharded model's shape (single
+    process). ``dst`` ending in ``.pt`` or ``.safetensors``: one consolidated file for use outside
+    resihp (torch.save / safetensors); else a checkpoint folder (format 1, tp 1: what any layout of
+    any resihp version loads), written to a temporary folder with its own manifest and renamed.
+    ``src`` must verify against its manifest (a run folder means its newest one that does)."""
     src = resolve(src)
     read_meta(src)
     _verified(src)
     read_dcp_metadata(src)
     meta = read_meta(src)
     dst = Path(dst)
-    flat: dict = {}
-    _load_state_dict(flat, storage_reader=safe_reader(src), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    heads = int(meta.get("model", {}).get("heads", 1))
+    flat = read_full(src)
     groups: dict[str, dict[int, torch.Tensor]] = {}
     out = {}
     for key, value in flat.items():
         m = re.match(r"^(.*)@tp(\d+)of(\d+)(\..*)?$", key)
-        if m:
+        if m:  # format 1: join the shards
             groups.setdefault(m.group(1) + (m.group(4) or ""), {})[int(m.group(2))] = value
+        elif key.startswith(("model.", "optim.")) and split_of(_param_name(key)) and value.dim() > 1 \
+                and split_of(_param_name(key))[1] > 1 and int(meta.get("format", 1)) >= 2:
+            out[key] = value.reshape(-1, *value.shape[2:])  # fused (groups, rows, ...) -> the model's shape
         else:
             out[key] = value
     for key, pieces in groups.items():
-        name = _param_name(key)
         ordered = [pieces[i] for i in sorted(pieces)]
-        out[key] = ordered[0] if key.endswith(".step") else unshard(name, ordered, heads)
+        out[key] = ordered[0] if key.endswith(".step") else unshard(_param_name(key), ordered)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    result = {"tensors": len(out), "joined": len(groups), "source": str(src)}
+    if dst.suffix in (".pt", ".safetensors"):
+        model = {k.removeprefix("model."): v.contiguous() for k, v in out.items() if k.startswith("model.")}
+        if dst.suffix == ".pt":
+            torch.save({"model": model, "meta": meta}, dst)
+        else:
+            try:  # deferred: only this export needs safetensors
+                from safetensors.torch import save_file
+            except ImportError:
+                raise InputError(f"{dst}: writing .safetensors needs the safetensors package "
+                                 f"(pip install safetensors), or name a .pt file") from None
+            save_file(model, str(dst), metadata={"resihp": json.dumps(meta)})
+        return {**result, "tensors": len(model), "file": str(dst)}
     tmp = dst.with_name(f".{dst.name}.partial")
     dcp.save(out, checkpoint_id=str(tmp), no_dist=True)
-    new_meta = {**meta, "tp": 1, "converted_from": str(src)}
+    new_meta = {**{k: v for k, v in meta.items() if k != "format"}, "tp": 1, "format": 1,
+                "converted_from": str(src)}
     (tmp / "meta.json").write_text(json.dumps(new_meta))
     if dst.exists():
         dst.rmdir()  # empty (the CLI refuses a non-empty destination)
     publish(tmp, dst, identity(new_meta))
-    return {"tensors": len(out), "joined": len(groups), "source": str(src)}
+    return result

@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from resihp.errors import InputError
-from resihp.model.tensor_parallel import TPContext, copy_to_tp, full_shape, reduce_from_tp, shard
+from resihp.model.tensor_parallel import (
+    Placement,
+    TPContext,
+    chunk_rows,
+    copy_to_tp,
+    gather_from_tp,
+    placement,
+    reduce_from_tp,
+)
 from resihp.workload.flops import TransformerShape
 
 # the AdamW state that travels with each parameter when layers move or checkpoints reshard
@@ -33,19 +41,43 @@ class GPTConfig:
     ffn_hidden: int = 1024
     vocab: int = 4096
     max_seq_len: int = 2048
+    # options (in ``to_dict`` only when set, so that a model without them keeps its hash)
+    mlp: str = "gelu"  # gelu, or swiglu (a fused gate/up projection, split per half)
+    tie_embeddings: bool = False  # the LM head is the token embedding (across first and last stage)
+    vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows (padded to tp)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not isinstance(value, int) or value < 1:
+            if name in OPTIONS:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InputError(f"model config: {name} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:
             raise InputError(f"model config: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.mlp not in MLPS:
+            raise InputError(f"model config: mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
+        for name in ("tie_embeddings", "vocab_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
+
+    def saved_name(self, name: str) -> str:
+        """The global name a parameter is saved and initialised under: a tied LM head is the
+        token embedding, wherever the stage holding it sits."""
+        return "embed.weight" if self.tie_embeddings and name == "head.weight" else name
+
+    def placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> Placement:
+        """Where a rank's shard of parameter ``name`` sits in its global tensor."""
+        return placement(name, local_shape, tp, self.vocab if self.vocab_parallel else None)
 
     def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:
         return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp)
 
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, int | str | bool]:
+        return {k: v for k, v in asdict(self).items() if k not in OPTIONS or v != OPTIONS[k]}
+
+
+MLPS = ("gelu", "swiglu")
+OPTIONS = {"mlp": "gelu", "tie_embeddings": False, "vocab_parallel": False}  # option: its default
 
 
 def packed_causal_attention(
@@ -64,7 +96,8 @@ def packed_causal_attention(
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm decoder layer: LayerNorm, packed causal self-attention, LayerNorm, GELU MLP."""
+    """Pre-norm decoder layer: LayerNorm, packed causal self-attention (a fused QKV projection),
+    LayerNorm, GELU MLP or SwiGLU MLP (a fused gate/up projection)."""
 
     def __init__(self, cfg: GPTConfig, tp: TPContext | None = None) -> None:
         super().__init__()
@@ -76,7 +109,11 @@ class DecoderBlock(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * local)  # column parallel (whole heads)
         self.proj = nn.Linear(local, cfg.hidden)  # row parallel
         self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_hidden // size)  # column parallel
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:  # column parallel per half: [gate shard; up shard]
+            self.gate_up = nn.Linear(cfg.hidden, 2 * (cfg.ffn_hidden // size))
+        else:
+            self.fc1 = nn.Linear(cfg.hidden, cfg.ffn_hidden // size)  # column parallel
         self.fc2 = nn.Linear(cfg.ffn_hidden // size, cfg.hidden)  # row parallel
 
     def _row(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +129,9 @@ class DecoderBlock(nn.Module):
         attn = packed_causal_attention(q, k, v, seq_lens).reshape(tokens, self.heads * self.head_dim)
         x = x + self._row(self.proj, attn)
         h = copy_to_tp(self.ln2(x), self.tp)
+        if self.swiglu:
+            gate, up = self.gate_up(h).view(tokens, 2, -1).unbind(1)
+            return x + self._row(self.fc2, F.silu(gate) * up)
         return x + self._row(self.fc2, F.gelu(self.fc1(h)))
 
 
@@ -104,7 +144,11 @@ class GPTStage(nn.Module):
     """Layers ``[first, last)`` of the model; the first stage embeds, the last one has the LM head.
 
     The whole model is ``GPTStage(cfg, 0, cfg.layers)``. With ``tp`` the decoder layers are
-    tensor parallel (``resihp.runtime.tensor_parallel``); embeddings and head stay replicated.
+    tensor parallel (``resihp.model.tensor_parallel``); embeddings and head stay replicated, or with
+    ``cfg.vocab_parallel`` are split by vocabulary rows (each rank ``ceil(vocab / tp)`` rows, the
+    last ones padded; padded logits are dropped). With ``cfg.tie_embeddings`` the head is the token
+    embedding: one parameter when one stage holds both, else a copy on the last stage whose
+    gradient is summed with the first stage's (``resihp.runtime.gradsync``).
     """
 
     def __init__(self, cfg: GPTConfig, first: int = 0, last: int | None = None,
@@ -115,23 +159,40 @@ class GPTStage(nn.Module):
             raise InputError(f"layer range [{first}, {last}) is not inside [0, {cfg.layers})")
         self.cfg, self.first, self.last = cfg, first, last
         self.is_first, self.is_last = first == 0, last == cfg.layers
-        if self.is_first:
-            self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-            self.pos = nn.Embedding(cfg.max_seq_len, cfg.hidden)
         self.tp = tp or TPContext(1, 0)
+        split = cfg.vocab_parallel and self.tp.size > 1
+        self.vocab_rows = chunk_rows(cfg.vocab, self.tp.size) if split else cfg.vocab
+        self.vocab_start = self.tp.rank * self.vocab_rows if split else 0
+        if self.is_first:
+            self.embed = nn.Embedding(self.vocab_rows, cfg.hidden)
+            self.pos = nn.Embedding(cfg.max_seq_len, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, self.tp) for i in range(first, last)})
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden)
-            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+            self.head = nn.Linear(cfg.hidden, self.vocab_rows, bias=False)
+            if cfg.tie_embeddings and self.is_first:
+                self.head.weight = self.embed.weight
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_rows == self.cfg.vocab:
+            return self.embed(ids)
+        local = ids - self.vocab_start  # vocabulary parallel: rows of this rank, summed over tp
+        mine = (local >= 0) & (local < self.vocab_rows)
+        out = self.embed(torch.where(mine, local, torch.zeros_like(local))) * mine.unsqueeze(-1)
+        return reduce_from_tp(out, self.tp)
 
     def forward(self, x: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
         """Token ids [T] on the first stage, hidden states [T, hidden] elsewhere."""
         if self.is_first:
-            x = self.embed(x) + self.pos(positions(seq_lens, x.device))
+            x = self._embed(x) + self.pos(positions(seq_lens, x.device))
         for layer in self.layers.values():
             x = layer(x, seq_lens)
         if self.is_last:
-            x = self.head(self.ln_f(x))
+            if self.vocab_rows == self.cfg.vocab:
+                x = self.head(self.ln_f(x))
+            else:  # vocabulary parallel: every rank's rows of the logits, padding dropped
+                x = gather_from_tp(self.head(copy_to_tp(self.ln_f(x), self.tp)), self.tp)
+                x = x[..., : self.cfg.vocab]
         return x
 
 
@@ -141,21 +202,27 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
-def init_by_name(module: nn.Module, seed: int, tp: TPContext | None = None, heads: int = 1) -> None:
+def init_by_name(module: nn.Module, seed: int, tp: TPContext | None = None, heads: int = 1,
+                 cfg: GPTConfig | None = None) -> None:
     """Initialise every parameter from a generator seeded by (seed, its global name), so that a
     layer starts from the same values whichever stage, replica, tensor-parallel rank or layout
-    holds it (a tensor-parallel rank takes its slice of the global tensor)."""
+    holds it (a tensor-parallel rank takes its block of the global tensor; padding rows are zero).
+    ``cfg`` (default: ``module.cfg`` where it has one) gives the options that place parameters."""
     import zlib
 
     tp = tp or TPContext(1, 0)
+    cfg = cfg or getattr(module, "cfg", None) or GPTConfig()
     with torch.no_grad():
         for name, param in module.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            saved = cfg.saved_name(name)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(saved.encode()))
             leaf = name.rsplit(".", 1)[-1]
             if name.split(".")[-2].startswith("ln"):
                 param.fill_(1.0 if leaf == "weight" else 0.0)
             elif leaf == "bias":
                 param.zero_()
             else:
-                full = torch.empty(full_shape(name, param.shape, tp.size)).normal_(0.0, 0.02, generator=gen)
-                param.copy_(shard(name, full, tp.size, tp.rank, heads))
+                where = cfg.placement(saved, tuple(param.shape), tp.size)
+                full = torch.empty(where.global_shape).normal_(0.0, 0.02, generator=gen)
+                param.zero_()
+                where.local_view(param, tp.size, tp.rank).copy_(where.block(full, tp.size, tp.rank))

@@ -30,6 +30,9 @@ class RunConfig:
     heads: int = 4
     ffn_hidden: int = 512
     vocab: int = 1024
+    mlp: str = "gelu"  # gelu or swiglu (a fused gate/up projection)
+    tie_embeddings: bool = False  # the LM head is the token embedding (first and last stage)
+    vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows (padded to --tp)
     # layout
     dp: int = 2
     pp: int = 2
@@ -91,7 +94,8 @@ class RunConfig:
 
     def model_config(self) -> GPTConfig:
         cfg = GPTConfig(layers=self.layers, hidden=self.hidden, heads=self.heads,
-                        ffn_hidden=self.ffn_hidden, vocab=self.vocab, max_seq_len=self.max_len)
+                        ffn_hidden=self.ffn_hidden, vocab=self.vocab, max_seq_len=self.max_len,
+                        mlp=self.mlp, tie_embeddings=self.tie_embeddings, vocab_parallel=self.vocab_parallel)
         if self.heads % self.tp or self.ffn_hidden % self.tp:
             raise InputError(f"--tp {self.tp}: must divide --heads ({self.heads}) and --ffn-hidden "
                              f"({self.ffn_hidden})")

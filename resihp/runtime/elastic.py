@@ -1,14 +1,21 @@
 """Excluding a stopped device by an elastic restart: the surviving layout (one data-parallel replica
 fewer, or one pipeline stage fewer when there is a single replica) restarts from the latest
-universal checkpoint, with the same global batch, so the optimizer's mathematics do not change."""
+universal checkpoint, with the same global batch, so the optimizer's mathematics do not change.
+Resuming (``resihp run --resume``) from a checkpoint in any layout, and what a checkpoint records
+beside its tensors."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from resihp.ckpt.integrity import newest_good
+from resihp.ckpt.reshard_rules import decide, derived_seed, same_layout, state_of_run
+from resihp.ckpt.universal import load, read_meta
 from resihp.runtime.config import RunConfig
+from resihp.runtime.engine import Engine
 
 
 def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -30,3 +37,52 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
     else:
         return None
     return replace(cfg, **changes, inject=[], replan=[], resume=str(resume), out=str(out))
+
+
+# --- resuming from a checkpoint in any layout -----------------------------------------------------
+def run_state(engine: Engine, cfg: RunConfig) -> dict:
+    """This run's non-tensor state (``resihp.ckpt.reshard_rules``), as its checkpoints record it."""
+    return state_of_run(cfg.seed, cfg.source, cfg.global_tokens, cfg.max_len, cfg.budget, engine.weights,
+                        [[b - a for a, b in ranges] for ranges in engine.replica_ranges], cfg.lr,
+                        cfg.dims().to_dict())
+
+
+def checkpoint_meta(engine: Engine, cfg: RunConfig) -> dict:
+    """What ``meta.json`` records beside the tensors."""
+    return {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
+            "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
+            "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source,
+            "job_id": cfg.job_id, "model_hash": cfg.model_hash(), "state": run_state(engine, cfg)}
+
+
+def rank_tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    """This rank's own tensors for a checkpoint: its torch generator state."""
+    return {f"rng.torch.rank{engine.rank}": torch.get_rng_state()}
+
+
+@dataclass
+class Resumed:
+    checkpoint: Path
+    first_step: int
+    decisions: list[dict]
+
+    def to_dict(self) -> dict:
+        return {"checkpoint": str(self.checkpoint), "first_step": self.first_step, "decisions": self.decisions}
+
+
+def resume(engine: Engine, cfg: RunConfig, path: Path, first_step: int) -> Resumed:
+    """Collective: load checkpoint ``path`` (``resihp.ckpt.universal.resolve`` of ``--resume``)
+    into this rank's model and AdamW state, whatever layout wrote it; non-tensor state by its rule
+    (``resihp.ckpt.reshard_rules``: a refused change is an InputError naming the flag)."""
+    saved = read_meta(path)
+    now = run_state(engine, cfg)
+    decisions = decide(saved.get("state", {}), now, str(path))
+    same = same_layout(saved.get("state", {}), now)
+    extra = {f"rng.torch.rank{engine.rank}": torch.empty_like(torch.get_rng_state())} if same else {}
+    load(path, engine.model, engine.optimizer, engine.tp, engine.model_cfg, extra)
+    if same:
+        torch.set_rng_state(extra[f"rng.torch.rank{engine.rank}"])
+    else:
+        c = engine.coords
+        torch.manual_seed(derived_seed(cfg.seed, first_step, (c.dp_rank, c.stage, c.tp_rank)))
+    return Resumed(path, first_step, decisions)

@@ -64,7 +64,7 @@ class Engine:
         self.weights = cfg.weights()
         self.replica_ranges = [cfg.stage_ranges() for _ in range(self.dims.dp)]
         self.build_stage(*self.ranges[self.stage])
-        self.grad_sync = GradSync(self.dims)
+        self.grad_sync = GradSync(self.dims, tied=self.model_cfg.tie_embeddings)
         self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
         # plan changes travel over their own gloo group, whatever the training backend
         self.control_group = dist.new_group(list(range(world)), backend="gloo")
@@ -202,7 +202,8 @@ class Engine:
         """Sum gradients over the data-parallel replicas (the loss is already divided by the
         global token count). The last stage's loss rides in the head's bucket: no extra collective."""
         loss = loss_sum.reshape(1).clone() if self.next is None else None
-        if self.dims.dp > 1:
+        # a tied embedding is summed over its first- and last-stage copies even with one replica
+        if self.dims.dp > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):
             with self.rec.op("grads-all-reduce"):
                 self.grad_sync.all_reduce(self.model, self.coords.tp_rank, loss)
         return float(loss) if loss is not None else None

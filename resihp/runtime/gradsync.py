@@ -21,7 +21,9 @@ from resihp.runtime.replan import owner
 Ranges = Sequence[tuple[int, int]]
 
 
-def unit_of(name: str) -> str:
+def unit_of(name: str, tied: bool = False) -> str:
+    if tied and name in ("embed.weight", "head.weight"):
+        return "tied"  # one parameter held by the first and the last stage
     if name.startswith("layers."):
         return f"layer{name.split('.')[1]}"
     return "embed" if name.startswith(("embed.", "pos.")) else "head"
@@ -29,6 +31,9 @@ def unit_of(name: str) -> str:
 
 def holders(unit: str, replica_ranges: Sequence[Ranges], dims: ParallelDims, tp_rank: int) -> tuple[int, ...]:
     """The ranks, one per replica, that hold ``unit`` (on tensor-parallel rank ``tp_rank``)."""
+    if unit == "tied":  # the embedding tied to the LM head: first and last stage of every replica
+        return tuple(sorted({dims.rank_of(d, s, tp_rank) for d in range(len(replica_ranges))
+                             for s in (0, dims.pp - 1)}))
     stages = []
     for ranges in replica_ranges:
         if unit == "embed":
@@ -41,14 +46,14 @@ def holders(unit: str, replica_ranges: Sequence[Ranges], dims: ParallelDims, tp_
 
 
 class GradSync:
-    def __init__(self, dims: ParallelDims) -> None:
-        self.dims = dims
+    def __init__(self, dims: ParallelDims, tied: bool = False) -> None:
+        self.dims, self.tied = dims, tied
         self.groups: dict[tuple[int, ...], object] = {}
 
     def prepare(self, replica_ranges: Sequence[Ranges], layers: int) -> None:
         """Collective over the world: create the groups this layout needs (once each)."""
         self.replica_ranges = [list(r) for r in replica_ranges]
-        units = ["embed", "head", *(f"layer{i}" for i in range(layers))]
+        units = ["embed", "head", *(["tied"] if self.tied else []), *(f"layer{i}" for i in range(layers))]
         needed = sorted({holders(u, self.replica_ranges, self.dims, t)
                          for u in units for t in range(self.dims.tp)})
         for members in needed:
@@ -61,7 +66,7 @@ class GradSync:
         buckets: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         params: dict[tuple[int, ...], list[torch.nn.Parameter]] = defaultdict(list)
         for name, p in model.named_parameters():
-            key = holders(unit_of(name), self.replica_ranges, self.dims, tp_rank)
+            key = holders(unit_of(name, self.tied), self.replica_ranges, self.dims, tp_rank)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             buckets[key].append(p.grad)

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser.add_argument("--config", help="a RunConfig JSON; flags given here override it")
     for f in fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name in ("replan", "resume"):
+        if f.name in ("replan", "resume", "tie_embeddings", "vocab_parallel"):
             continue  # only through --config
         if f.name in ("layer_split", "dp_weights", "inject"):
             parser.add_argument(flag, default=None, help=f"{f.name} (comma-separated; inject repeatable)",
@@ -78,13 +78,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
     # deferred for start-up time: torch.distributed.checkpoint (~0.6 s) only for runs that checkpoint
     from resihp.ckpt.universal import save
+    from resihp.runtime.elastic import checkpoint_meta, rank_tensors
 
-    meta = {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
-            "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
-            "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source,
-            "job_id": cfg.job_id, "model_hash": cfg.model_hash()}
     with engine.rec.op("checkpoint-save"):
-        save(directory, engine.model, engine.optimizer, step, meta, engine.coords.tp_rank, cfg.tp)
+        save(directory, engine.model, engine.optimizer, step, checkpoint_meta(engine, cfg), engine.tp,
+             engine.model_cfg, rank_tensors(engine))
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -224,12 +222,16 @@ def run(cfg: RunConfig) -> None:
     first_step = 0
     if cfg.resume:
         # deferred for start-up time (see save_checkpoint)
-        from resihp.ckpt.universal import load, read_meta
+        from resihp.ckpt.universal import read_meta, resolve
+        from resihp.runtime.elastic import resume
 
-        first_step = resume_step(cfg, read_meta(cfg.resume))
+        source = resolve(cfg.resume)  # a run folder means its newest checkpoint that verifies
+        first_step = resume_step(cfg, read_meta(source))
         engine.rec.begin_step(first_step)
         with engine.rec.op("checkpoint-load"):
-            load(cfg.resume, engine.model, engine.optimizer, engine.coords.tp_rank, cfg.tp)
+            resumed = resume(engine, cfg, source, first_step)  # any layout; non-tensor state by rule
+        if rank == 0:
+            (out / "resume.json").write_text(json.dumps(resumed.to_dict()))
     publisher = StepPublisher(store, job_id, node, first_step if rank == 0 else None)
     collector = None
     if rank == 0 and not launched:

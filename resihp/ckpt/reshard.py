@@ -1,0 +1,97 @@
+"""Every rank's tensors under their global names, each placed in its global tensor, so that state
+written by one layout is read by any other: the resharding is DCP's (each reader asks for the
+overlap of its own block with the blocks that were written).
+
+A tensor-parallel shard is a ``DTensor`` over the tensor-parallel group (a one-dimensional CPU or
+GPU ``DeviceMesh`` made from the group the engine already has) with ``Shard(dim)`` placement in the
+parameter's canonical global shape (``resihp.model.tensor_parallel.Placement``: fused QKV and
+gate/up split per head and per half; a padded vocabulary without its padding, so DTensor's uneven
+split is the model's); DCP saves its chunk metadata (offsets and lengths in the global tensor).
+Replicated tensors are plain tensors (the same key from every replica is written once). Keys:
+``model.<global name>``, ``optim.<global name>.<step|exp_avg|exp_avg_sq>``; a tied LM head is
+saved as the embedding it is tied to.
+
+The same views serve the disk path and the in-memory one: every value is a view of the live
+parameter or AdamW tensor, so loading into them writes the model in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from resihp.model.gpt import ADAM_KEYS, GPTConfig
+from resihp.model.tensor_parallel import Placement, TPContext
+
+_MESHES: dict[int, DeviceMesh] = {}
+
+
+def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
+    """The one-dimensional mesh of this rank's tensor-parallel group (None without one)."""
+    if tp.size == 1 or tp.group is None:
+        return None
+    key = id(tp.group)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(tp.group, device_type)
+    return _MESHES[key]
+
+
+def ensure_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load into."""
+    for p in model.parameters():
+        state = optimizer.state.setdefault(p, {})
+        for k in ADAM_KEYS:
+            if state.get(k) is None:
+                state[k] = torch.zeros((), device=p.device) if k == "step" else torch.zeros_like(p)
+
+
+def placements(model: torch.nn.Module, tp: TPContext, cfg: GPTConfig | None = None
+               ) -> dict[str, tuple[str, torch.nn.Parameter, Placement | None]]:
+    """Per parameter name: its saved (global) name, the parameter, and its placement (None:
+    replicated, for a module that is not the GPT model)."""
+    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(cfg, GPTConfig):
+            out[name] = (cfg.saved_name(name), p, cfg.placement(cfg.saved_name(name), tuple(p.shape), tp.size))
+        else:
+            out[name] = (name, p, None)
+    return out
+
+
+def _placed(local: torch.Tensor, where: Placement | None, tp: TPContext, mesh: DeviceMesh | None
+            ) -> torch.Tensor:
+    if where is None or where.dim is None:
+        return local
+    block = where.local_view(local, tp.size, tp.rank)
+    if mesh is None:  # one rank holds the whole global tensor
+        return block
+    stride = torch.empty(where.global_shape, device="meta").stride()
+    return DTensor.from_local(block, mesh, [Shard(where.dim)], run_check=False,
+                              shape=torch.Size(where.global_shape), stride=stride)
+
+
+def placed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, tp: TPContext | None = None,
+                 cfg: GPTConfig | None = None) -> dict[str, torch.Tensor]:
+    """This rank's parameters and AdamW state under their global keys, each a view of the live
+    tensor, tensor-parallel shards as DTensors placed in their global tensor."""
+    tp = tp or TPContext(1, 0)
+    first = next(model.parameters(), None)
+    mesh = tp_mesh(tp, first.device.type if first is not None else "cpu")
+    if optimizer is not None:
+        ensure_adam_state(model, optimizer)
+    out: dict[str, torch.Tensor] = {}
+    for saved, p, where in placements(model, tp, cfg).values():
+        out[f"model.{saved}"] = _placed(p.detach(), where, tp, mesh)
+        if optimizer is None:
+            continue
+        state = optimizer.state[p]
+        for k in ADAM_KEYS:
+            out[f"optim.{saved}.{k}"] = state[k] if k == "step" else _placed(state[k], where, tp, mesh)
+    return out
+
+
+def local_blocks(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The local tensors of a placed state (DTensors' own blocks)."""
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
