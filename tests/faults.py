@@ -53,14 +53,28 @@ def descendants(pid: int) -> set[int]:
 
 
 def worker_pids(out: Path, world: int, timeout_s: float = 60.0) -> dict[int, int]:
-    """rank -> pid of a running job's workers, from their heartbeat files (waits until all beat)."""
-    from resihp.runtime.heartbeat import read_beats
-
+    """rank -> pid of a running job's workers (their command lines name the run's config, their
+    environment their node and local rank), once every rank finished a step (node 0's trace)."""
     deadline = time.time() + timeout_s
+    config = str(out / "config.json")
     while time.time() < deadline:
-        beats = read_beats(out / "heartbeats")
-        if len(beats) == world and all(b.step >= 0 for b in beats.values()):
-            return {r: b.pid for r, b in beats.items()}
+        pids = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"resihp.runtime.worker" not in cmd or config.encode() not in cmd:
+                    continue
+                env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
+                           if b"=" in item)
+            except OSError:
+                continue
+            rank = int(env[b"RESIHP_NODE"]) * int(env[b"LOCAL_WORLD_SIZE"]) + int(env[b"LOCAL_RANK"])
+            pids[rank] = int(entry.name)
+        stream = out / "ops.jsonl"
+        if len(pids) == world and stream.exists() and stream.stat().st_size > 0:
+            return pids
         time.sleep(0.1)
     raise AssertionError(f"the workers under {out} did not all start within {timeout_s} s")
 

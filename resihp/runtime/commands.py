@@ -48,6 +48,15 @@ def run_cmd(
     seed: int = 0, lr: float = 1e-3,
     ckpt_every: Annotated[int, typer.Option(help="Steps between universal checkpoints; with it, a "
                                             "stopped rank is excluded by an elastic restart")] = 0,
+    resume: Annotated[Path, typer.Option(help="Start from a checkpoint folder, or a run folder's newest "
+                                         "checkpoint that verifies, in any layout; --steps stays the "
+                                         "total step count")] = None,
+    mlp: Annotated[str, typer.Option(help="gelu, or swiglu (a fused gate/up projection)")] = "gelu",
+    tie_embeddings: Annotated[bool, typer.Option(help="Tie the LM head to the token embedding (across "
+                                                 "the first and last pipeline stage)")] = False,
+    vocab_parallel: Annotated[bool, typer.Option(help="Split the embedding and LM head by vocabulary "
+                                                 "rows over --tp (the vocabulary padded to a multiple "
+                                                 "of it)")] = False,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
     timeout: Annotated[float, typer.Option(help="Seconds a rank may wait for a peer, and for all ranks "
                                            "to join")] = 60.0,
@@ -60,6 +69,19 @@ def run_cmd(
     tensorboard: Annotated[bool, typer.Option(help="Write step time, tokens/s, events and plan "
                                               "changes as TensorBoard scalars under OUT/tensorboard "
                                               "(needs the tensorboard extra)")] = False,
+    hang_timeout: Annotated[float, typer.Option(help="Seconds a training rank may make no progress "
+                                                "while its heartbeat goes on before it counts as hung "
+                                                "(default: 5 x the median step time, at least "
+                                                "--heartbeat-timeout)")] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes in the job (torchrun's option): run this command "
+                                        "once per node", rich_help_panel="Multi-node")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1; node 0 hosts the "
+                                           "job's store, runs the live loop and writes the summary",
+                                           rich_help_panel="Multi-node")] = 0,
+    nproc_per_node: Annotated[int, typer.Option(help="Workers on this node (default: dp x pp x tp / "
+                                                "nnodes)", rich_help_panel="Multi-node")] = None,
+    rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, where it hosts the job's "
+                                               "store (bound to HOST)", rich_help_panel="Multi-node")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
     """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
@@ -68,6 +90,7 @@ def run_cmd(
     SIGINT stops the workers within a grace period, keeps the trace and summary written so far and
     marks the run resumable in OUT/run.json (exit 143 / 130)."""
     from resihp.runtime.config import RunConfig, check_memory
+    from resihp.runtime.launch import Nodes
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
     from resihp.runtime.supervisor import supervise
@@ -82,19 +105,42 @@ def run_cmd(
                     layer_split=_numbers(layer_split, "--layer-split", int),
                     dp_weights=_numbers(dp_weights, "--dp-weights", float), inject=list(inject or []),
                     seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out),
-                    ckpt_every=ckpt_every)
-    check_memory(cfg, cfg.dims().world_size)
+                    ckpt_every=ckpt_every, mlp=mlp, tie_embeddings=tie_embeddings,
+                    vocab_parallel=vocab_parallel)
+    if resume is not None:
+        cfg = replace(cfg, resume=str(_resume_source(resume, steps)))
+    world = cfg.dims().world_size
+    if hang_timeout is not None and not 0 < hang_timeout <= 86400:
+        raise InputError(f"--hang-timeout: expected seconds in (0, 86400], got {hang_timeout}")
+    if nnodes < 1 or (nproc_per_node is None and world % nnodes):
+        raise InputError(f"--nnodes {nnodes}: expected a positive divisor of the world size {world} "
+                         "(or give --nproc-per-node)")
+    nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
+    nodes.check(world)
+    check_memory(cfg, nodes.nproc_per_node)
     with RunFolder(out).acquire(if_busy) as folder:
         out = folder.out
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
         folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
-        loop = LiveLoop(cfg) if live else None
+        loop = LiveLoop(cfg) if live and node_rank == 0 else None
         with progress_bar("training", steps, enabled=not json_out) as advance:
             outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                                on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None)
+                                on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None,
+                                nodes=nodes, hang_timeout_s=hang_timeout)
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
+        if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
+            summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
+                       "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
+            outcome.error = summary["error"]
+            _finish(folder, cfg, outcome, summary)
+            if json_out:
+                print(json.dumps(summary))
+            if outcome.error:
+                print(f"resihp: {outcome.error}", file=sys.stderr)
+                raise typer.Exit(1)
+            return
         summary = _summary(cfg, outcome)
         from resihp.runtime.report import oversubscription  # deferred: torch (start-up time)
 
@@ -117,6 +163,18 @@ def run_cmd(
         print(f"resihp: {outcome.error}", file=sys.stderr)
         signum = getattr(signal, outcome.interrupted or "", None)
         raise typer.Exit(128 + int(signum) if signum else 1)
+
+
+def _resume_source(path: Path, steps: int) -> Path:
+    """The checkpoint ``--resume`` names (a run folder: its newest that verifies), checked up front."""
+    from resihp.ckpt.universal import read_meta, resolve  # deferred: torch.distributed.checkpoint
+
+    source = resolve(path).resolve()
+    step = int(read_meta(source).get("step", -1))
+    if step + 1 >= steps:
+        raise InputError(f"--steps {steps}: the checkpoint {source} is at step {step}; --steps is the run's "
+                         f"total step count, so give more than {step + 1}")
+    return source
 
 
 def _finish(folder, cfg, outcome, summary: dict) -> None:

@@ -374,6 +374,9 @@ def _reason(outcome: Outcome) -> str | None:
     f = outcome.failure
     if f is None:
         return None
+    if f.extra.get("cause") == "node":
+        return (f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped answering "
+                f"at step {f.extra['step']} (node)")
     return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']})"
 
 

@@ -46,6 +46,7 @@ from resihp.runtime.follow import TRACE_STREAM
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
+from resihp.runtime.snapshots import MemorySnapshots
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -126,6 +127,8 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
                "first_step": int(per_step.index.min()) if len(per_step) else None,
                "losses": [_finite(v) for v in per_step.loss],
                "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
+    if cfg.resume and (out / "resume.json").exists():  # the checkpoint and each non-tensor key's rule
+        summary["resume"] = json.loads((out / "resume.json").read_text())
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -133,6 +136,15 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
 def _finite(value: float) -> float | None:
     """A loss for JSON: NaN and infinities are not JSON numbers (null instead)."""
     return float(value) if math.isfinite(float(value)) else None
+
+
+class JoinTimeout(RuntimeError):
+    """The job could not be joined in time (its store, or the other workers)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class NonFiniteLoss(RuntimeError):
@@ -188,9 +200,19 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
         host, _, port = endpoint.rpartition(":")
         # the rank follows the node's place in the job (node i: ranks i*P .. i*P+P-1), not the
         # order in which torchrun's agents happened to join, so a layout means the same machines
-        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), node * per_node + local, world, node
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return dist.TCPStore(host, port, is_master=False, timeout=timeout), int(os.environ["RANK"]), world, node
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        except (RuntimeError, dist.DistError) as exc:
+            raise JoinTimeout(f"cannot reach the job's store at {endpoint} ({_first_line(exc)})") from None
+        return store, node * per_node + local, world, node
+    # plain torchrun: its agent's store; started by hand (no agent): rank 0 hosts it
+    host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False, timeout=timeout)
+    except (RuntimeError, dist.DistError) as exc:
+        raise JoinTimeout(f"cannot reach the job's store at {host}:{port} ({_first_line(exc)})") from None
+    return store, rank, world, node
 
 
 def run(cfg: RunConfig) -> None:
@@ -220,7 +242,16 @@ def run(cfg: RunConfig) -> None:
     inbox = PlanInbox(store, job_id, cfg.replan) if rank == 0 else None
     results = []
     first_step = 0
-    if cfg.resume:
+    memory = MemorySnapshots(cfg, engine, job_id, node, nodes[node], launched) if cfg.snapshot_every else None
+    restored = None
+    if memory is not None:  # a restart in place: every rank's state from memory (its own or a peer's)
+        with engine.rec.op("snapshot-restore"):
+            restored = memory.restore()
+        if restored is not None:
+            first_step = restored.step + 1
+            if rank == 0:
+                (out / "restore.json").write_text(json.dumps(restored.to_dict()))
+    if cfg.resume and restored is None:
         # deferred for start-up time (see save_checkpoint)
         from resihp.ckpt.universal import read_meta, resolve
         from resihp.runtime.elastic import resume
@@ -232,6 +263,8 @@ def run(cfg: RunConfig) -> None:
             resumed = resume(engine, cfg, source, first_step)  # any layout; non-tensor state by rule
         if rank == 0:
             (out / "resume.json").write_text(json.dumps(resumed.to_dict()))
+    if memory is not None:
+        memory.discard_after(first_step - 1)
     publisher = StepPublisher(store, job_id, node, first_step if rank == 0 else None)
     collector = None
     if rank == 0 and not launched:
@@ -256,11 +289,16 @@ def run(cfg: RunConfig) -> None:
                 # before any checkpoint of this step: the last one written stays the last good one
                 raise NonFiniteLoss(f"non-finite loss ({result.loss}) at step {step}; stopped before "
                                     f"checkpointing it (lower --lr, or resume from the last checkpoint)")
+            if memory is not None:  # the copy runs beside the next step, fenced before its optimizer step
+                with engine.rec.op("snapshot"):
+                    memory.after_step(step)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
             publisher.publish(step, engine.rec.take_new())
         phase = "done"
     finally:
+        if memory is not None:
+            memory.close()  # a stopping rank finishes the copy of its last complete step
         heart.finish(phase)
     with engine.rec.waiting("barrier"):
         dist.barrier()
@@ -297,9 +335,13 @@ def main(argv: list[str] | None = None) -> None:
         _tell("stop", str(exc))
         print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except JoinTimeout as exc:
+        print(f"resihp: rank {rank}: not every worker joined within the timeout ({exc})", file=sys.stderr)
+        sys.exit(3)
     except (RuntimeError, dist.DistBackendError) as exc:
         _stop_if_disk_full(exc, rank)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc)
+        _tell("lost-peer", first)
         if "waiting for clients" in first:
             print(f"resihp: rank {rank}: not every worker joined within the timeout ({first})",
                   file=sys.stderr)
