@@ -48,6 +48,12 @@ def run_cmd(
     seed: int = 0, lr: float = 1e-3,
     ckpt_every: Annotated[int, typer.Option(help="Steps between universal checkpoints; with it, a "
                                             "stopped rank is excluded by an elastic restart")] = 0,
+    snapshot_every: Annotated[int, typer.Option(help="Steps between in-memory snapshots (/dev/shm, kept "
+                                                "by a per-node keeper); default 1 with --recovery "
+                                                "restart, else none")] = None,
+    recovery: Annotated[str, typer.Option(help="On a fail-stop: none, or restart (relaunch the same "
+                                          "layout; every rank restores from memory, a peer's memory, "
+                                          "else the newest checkpoint)")] = "none",
     resume: Annotated[Path, typer.Option(help="Start from a checkpoint folder, or a run folder's newest "
                                          "checkpoint that verifies, in any layout; --steps stays the "
                                          "total step count")] = None,
@@ -93,6 +99,7 @@ def run_cmd(
     from resihp.runtime.launch import Nodes
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
+    from resihp.runtime.snapshots import start_keeper
     from resihp.runtime.supervisor import supervise
 
     if if_busy not in ("fail", "subfolder"):
@@ -106,7 +113,8 @@ def run_cmd(
                     dp_weights=_numbers(dp_weights, "--dp-weights", float), inject=list(inject or []),
                     seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out),
                     ckpt_every=ckpt_every, mlp=mlp, tie_embeddings=tie_embeddings,
-                    vocab_parallel=vocab_parallel)
+                    vocab_parallel=vocab_parallel, recovery=recovery,
+                    snapshot_every=snapshot_every if snapshot_every is not None else 0)
     if resume is not None:
         cfg = replace(cfg, resume=str(_resume_source(resume, steps)))
     world = cfg.dims().world_size
@@ -123,10 +131,11 @@ def run_cmd(
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
         folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
         loop = LiveLoop(cfg) if live and node_rank == 0 else None
+        keeper = start_keeper(cfg, node_rank)  # the memory tier's keeper (--snapshot-every), restarted if it dies
         with progress_bar("training", steps, enabled=not json_out) as advance:
             outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
                                 on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None,
-                                nodes=nodes, hang_timeout_s=hang_timeout)
+                                nodes=nodes, hang_timeout_s=hang_timeout, on_poll=keeper)
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
@@ -148,7 +157,9 @@ def run_cmd(
         if loop is not None and not outcome.interrupted:
             summary.update(_live_fields(cfg, loop, summary))
             _write_summary(out, summary)
-        if outcome.failure and cfg.ckpt_every and not outcome.interrupted:
+        if outcome.failure and cfg.recovery == "restart" and not outcome.interrupted and nnodes == 1:
+            summary, outcome = _restart(cfg, outcome, summary, heartbeat_timeout, json_out, keeper)
+        elif outcome.failure and cfg.ckpt_every and not outcome.interrupted:
             summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
@@ -181,7 +192,9 @@ def _finish(folder, cfg, outcome, summary: dict) -> None:
     """Record how the job ended in OUT/run.json (and the summary): done, failed, or interrupted
     with the checkpoint of this job it can resume from."""
     from resihp.ckpt.integrity import newest_good
+    from resihp.runtime.snapshots import stop_keepers
 
+    stop_keepers(cfg.job_id)  # the job is over: its memory tier goes
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
     if state != "done":  # the newest good checkpoint of this job is where it can go on from
@@ -297,6 +310,44 @@ def _summary(cfg, outcome) -> dict:
         _write_summary(out, summary)
         return summary
     return json.loads(summary_path.read_text())
+
+
+def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bool, keeper,
+             attempts: int = 3):
+    """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
+    its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
+    join the run's before the failure to those after it, from the step it went on at."""
+    from resihp.runtime.elastic import latest_checkpoint
+    from resihp.runtime.snapshots import recovery_record
+    from resihp.runtime.supervisor import supervise
+
+    out, before, first = Path(cfg.out), Path(cfg.out), summary.get("first_step") or 0
+    losses, records = list(summary.get("losses") or []), []
+    before_summary, after, again = summary, {}, outcome
+    for attempt in range(1, attempts + 1):
+        ckpt, _ = latest_checkpoint(out, cfg)
+        new = replace(cfg, inject=[], resume=str(ckpt) if ckpt else None,
+                      out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
+        failure = again.failure
+        with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
+            again = supervise(new, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=new.timeout_s,
+                              on_step=lambda s: advance(s + 1), on_poll=keeper)
+        after = _summary(new, again)
+        record = recovery_record(before, Path(new.out), failure, before_summary, after)
+        records.append(record)
+        resumed = record["resumed_step"] if record["resumed_step"] is not None else len(losses) + first
+        losses = losses[:max(0, resumed - first)] + list(after.get("losses") or [])
+        before, before_summary = Path(new.out), after
+        if not again.failure or again.interrupted:
+            break
+    summary.update({"recovery": records[0] if len(records) == 1 else {**records[-1], "restarts": records},
+                    "losses": losses, "first_step": first, "steps": first + len(losses),
+                    "loss_last": losses[-1] if losses else None, "after_restart": after,
+                    "tokens_per_s_after": after.get("tokens_per_s"), "error": again.error})
+    if again.interrupted:
+        summary["interrupted"] = again.interrupted
+    _write_summary(out, summary)
+    return summary, again
 
 
 def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bool):

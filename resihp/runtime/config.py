@@ -17,6 +17,8 @@ from resihp.runtime.layout import balanced_layers, ranges_from_counts
 from resihp.runtime.planchange import PlanChange
 from resihp.runtime.schedule import SCHEDULES
 
+RECOVERY_MODES = ("none", "restart")  # what the launcher does on a fail-stop (restart: same layout)
+
 # upper bounds of the run's sizes and durations: a value past them is a typo, not a plan
 LIMITS = {"steps": 10**8, "global_tokens": 2**40, "budget": 2**31, "max_len": 2**31, "threads": 4096,
           "timeout_s": 7 * 86400.0}
@@ -52,6 +54,8 @@ class RunConfig:
     out: str = "runs/latest"
     inject: list[str] = field(default_factory=list)
     ckpt_every: int = 0  # steps between universal checkpoints (0: none)
+    snapshot_every: int = 0  # steps between in-memory snapshots (0: none; 1 with --recovery restart)
+    recovery: str = "none"  # none or restart (relaunch the same layout, restore from memory)
     resume: str | None = None  # a checkpoint folder to start from (any layout)
     replan: list[dict] = field(default_factory=list)  # scheduled plan changes: {"step", "dp_weights"?, "layer_split"?}
     device: str = "auto"  # cpu, cuda or auto
@@ -75,6 +79,12 @@ class RunConfig:
                                  f"got {getattr(self, name)}")
         if self.ckpt_every < 0:
             raise InputError(f"--ckpt-every: expected zero or a positive integer, got {self.ckpt_every}")
+        if self.recovery not in RECOVERY_MODES:
+            raise InputError(f"--recovery: expected one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
+        if self.snapshot_every < 0:
+            raise InputError(f"--snapshot-every: expected zero or a positive integer, got {self.snapshot_every}")
+        if self.recovery == "restart" and self.snapshot_every == 0:
+            self.snapshot_every = 1  # restart in place restores from memory: snapshot every step
         if self.device not in ("auto", "cpu", "cuda"):
             raise InputError(f"--device: expected auto, cpu or cuda, got {self.device!r}")
         self.model_config()

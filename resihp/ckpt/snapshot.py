@@ -1,0 +1,249 @@
+"""Snapshots of a rank's model and AdamW state into the memory tier, off the training path, and
+the restore from it.
+
+Taking one (:class:`Snapshotter`): after the optimizer step of step ``s`` the trainer calls
+``snapshot``; a thread copies every parameter, AdamW tensor and the RNG state into the free slot
+while the next step's forward and backward run (they read the parameters, never write them); the
+next optimizer step waits for the copy first (an optimizer step pre-hook: torchtitan's
+``maybe_wait_for_staging``), so a snapshot is never torn. Once the copy is complete the trainer
+marks the slot written; the node's keeper checksums and publishes it.
+
+Restoring (:func:`restore`, collective): every rank verifies the slots its memory holds (its own
+two, and explicit copies of other ranks), the ranks exchange what they hold, and all pick the newest
+step for which every rank's state is complete and verified somewhere, counting data-parallel peers
+(the same state) and explicit copies (NVRx's ``find_latest``). A rank loads from its own memory
+if it holds that step, else a holder sends it over the (gloo) group. None when no step is
+complete everywhere: the caller goes on to the next tier (disk).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, plan_shards
+from resihp.ckpt.reshard import ensure_adam_state
+from resihp.model.gpt import ADAM_KEYS
+
+RNG_KEY = "rng.torch"
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """What a snapshot holds, by this rank's local names: parameters, AdamW state, the RNG."""
+    ensure_adam_state(model, optimizer)
+    out = []
+    for name, p in model.named_parameters():
+        out.append((f"model.{name}", p.detach()))
+        for k in ADAM_KEYS:
+            out.append((f"optim.{name}.{k}", optimizer.state[p][k]))
+    out.append((RNG_KEY, torch.get_rng_state()))
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def comparable(layout: dict) -> dict:
+    """The part of a layout that must match to restore (``run``: state restored, not compared)."""
+    return {k: v for k, v in layout.items() if k != "run"}
+
+
+class Snapshotter:
+    """One rank's snapshots every ``every`` steps into ``tier``; ``copy_to``: the rank that keeps
+    an explicit copy of each (a rank with no data-parallel peer), or None."""
+
+    def __init__(self, tier: MemoryTier, every: int, copy_to: int | None = None,
+                 keeper_alive: Callable[[], None] | None = None, timeout_s: float = 60.0) -> None:
+        self.tier, self.every, self.copy_to = tier, every, copy_to
+        self.keeper_alive, self.timeout_s = keeper_alive, timeout_s
+        self._next = tier.free_slot()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._hooked: torch.optim.Optimizer | None = None
+        self._hook = None
+        self.blocked_s: list[float] = []  # per snapshot: how long the trainer waited for it
+        self.copy_s: list[float] = []  # per snapshot: how long the copy took (in the background)
+        self.fence_waits = 0  # optimizer steps that found a copy still running
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step + 1) % self.every == 0
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Fence ``optimizer``'s steps: each waits for the copy in flight (re-attach after a
+        re-plan replaced the optimizer)."""
+        if optimizer is self._hooked:
+            return
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.fence())
+        self._hooked = optimizer
+
+    def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 layout: dict) -> None:
+        """Start copying this rank's state after step ``step`` into the free slot."""
+        t0 = time.perf_counter()
+        self.fence()
+        self.attach(optimizer)
+        slot = self._next
+        self.tier.begin_write(slot, self.timeout_s, self.keeper_alive)
+        tensors = state_tensors(model, optimizer)
+        shards, nbytes = plan_shards(tensors)
+        buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
+        header = SlotHeader(self.tier.rank, slot, step, layout, shards, nbytes, holder=self.tier.rank,
+                            copy_to=self.copy_to)
+        self._error = None
+        self._thread = threading.Thread(target=self._copy, args=(buf, tensors, header),
+                                        name="resihp-snapshot", daemon=True)
+        self._thread.start()
+        self._next = SLOTS[1 - SLOTS.index(slot)]
+        self.blocked_s.append(time.perf_counter() - t0)
+
+    def _copy(self, buf: torch.Tensor, tensors: list[tuple[str, torch.Tensor]], header: SlotHeader) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                for (_, t), s in zip(tensors, header.shards, strict=True):
+                    buf[s.offset:s.offset + s.nbytes].copy_(_bytes(t))
+            self.tier.mark_written(header)
+        except BaseException as exc:  # handed to the trainer at the fence
+            self._error = exc
+        self.copy_s.append(time.perf_counter() - t0)
+
+    def fence(self) -> None:
+        """Wait for the copy in flight (called before every optimizer step)."""
+        thread = self._thread
+        if thread is None:
+            return
+        t0 = time.perf_counter()
+        if thread.is_alive():
+            self.fence_waits += 1
+        thread.join()
+        self._thread = None
+        if self.blocked_s:
+            self.blocked_s[-1] += time.perf_counter() - t0
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"snapshot copy failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish the copy in flight (a stopping trainer keeps its last complete step)."""
+        try:
+            self.fence()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+            self.tier.close()
+
+
+# --- restore ----------------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    step: int  # the snapshot's step: training goes on at step + 1
+    source: str  # "memory" (every rank from its own memory) or "peer" (some over the network)
+    sources: list[str]  # per rank
+    restore_s: float  # the slowest rank's restore time
+    run: dict  # the run state recorded with the snapshot (layout["run"])
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "source": self.source, "sources": self.sources,
+                "restore_s": round(self.restore_s, 4), "run": self.run}
+
+
+def find_latest(inventory: list[list[dict]], peers: Callable[[int], list[int]], world: int
+                ) -> tuple[int, dict[int, dict]] | None:
+    """The newest step whose state is held, verified, for every rank (its own slot, a
+    data-parallel peer's, or an explicit copy), and for each rank the slot to load: its own memory
+    first, then a peer's slot, then a copy. ``inventory[h]``: the verified headers rank ``h``
+    holds (dicts with ``rank``, ``holder``, ``slot``, ``step``)."""
+    held = [h for per_rank in inventory for h in per_rank]
+    for step in sorted({h["step"] for h in held}, reverse=True):
+        at = [h for h in held if h["step"] == step]
+        choice = {}
+        for r in range(world):
+            same = set(peers(r))
+            options = [h for h in at if h["rank"] in same]
+            if not options:
+                break
+            choice[r] = min(options, key=lambda h: (h["holder"] != r, h["rank"] != h["holder"],
+                                                    h["slot"] not in SLOTS, h["holder"], h["slot"]))
+        else:
+            return step, choice
+    return None
+
+
+def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: dict,
+            peers: Callable[[int], list[int]], group: dist.ProcessGroup | None = None) -> Restored | None:
+    """Collective over ``group`` (gloo; every rank calls it): load the newest step complete for
+    every rank from the memory tier, or None (every rank alike) if there is none."""
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    want = comparable(layout)
+    mine = [h.to_dict() for h in tier.held()
+            if comparable(h.layout) == want and tier.verify(h)]
+    inventory: list = [None] * world
+    dist.all_gather_object(inventory, mine, group=group)
+    found = find_latest(inventory, peers, world)
+    if found is None:
+        return None
+    step, choice = found
+    # every transfer, in the same order on every rank: (holder -> rank) for the ranks not local
+    transfers = sorted((c["holder"], r) for r, c in choice.items() if c["holder"] != r)
+    received: dict[int, torch.Tensor] = {}
+    works = []
+    for tag, (src, dst) in enumerate(transfers):
+        header = SlotHeader.from_dict(choice[dst])
+        if src == rank:
+            data = tier.read(header, writable=True)
+            works.append(dist.isend(torch.from_numpy(data), dst, group=group, tag=tag))
+        elif dst == rank:
+            received[dst] = torch.empty(header.nbytes, dtype=torch.uint8)
+            works.append(dist.irecv(received[dst], src, group=group, tag=tag))
+    for w in works:
+        w.wait()
+    header = SlotHeader.from_dict(choice[rank])
+    if rank in received:
+        data = received[rank].numpy()
+        ok = tier.verify(header, data)
+    else:
+        data = tier.read(header, writable=True)
+        ok = data is not None  # verified above
+    ok = ok and _load(header, data, model, optimizer)
+    # every rank loaded (min of the flags) and the slowest rank's time (min of the negated times)
+    both = torch.tensor([1.0 if ok else 0.0, -(time.perf_counter() - t0)], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    if both[0] < 1:
+        return None
+    sources = ["peer" if choice[r]["holder"] != r else "memory" for r in range(world)]
+    return Restored(step, "peer" if "peer" in sources else "memory", sources, float(-both[1]),
+                    dict(header.layout.get("run", {})))
+
+
+def _load(header: SlotHeader, data: np.ndarray, model: torch.nn.Module,
+          optimizer: torch.optim.Optimizer) -> bool:
+    """Copy a slot's bytes into this rank's tensors; False if its shards do not fit them."""
+    tensors = dict(state_tensors(model, optimizer))
+    by_key = {s.key: s for s in header.shards}
+    if set(by_key) != set(tensors):
+        return False
+    for key, t in tensors.items():
+        s = by_key[key]
+        if tuple(s.shape) != tuple(t.shape) or s.dtype != str(t.dtype).removeprefix("torch."):
+            return False
+    src = torch.from_numpy(np.asarray(data))
+    with torch.no_grad():
+        for key, t in tensors.items():
+            s = by_key[key]
+            piece = src[s.offset:s.offset + s.nbytes]
+            if key == RNG_KEY:
+                torch.set_rng_state(piece.clone())
+            else:
+                _bytes(t).copy_(piece)
+    return True
+

@@ -1,0 +1,165 @@
+"""A training rank's in-memory snapshots (``--snapshot-every``): the memory tier of its node
+(``resihp.ckpt.memory``), the keeper that owns it (``resihp.ckpt.keeper``), the snapshot after
+each K-th step and the restore at start (``resihp.ckpt.snapshot``), with the redundancy the
+layout gives: a rank's data-parallel peers hold the same state; a rank with none (dp = 1) has an
+explicit copy kept for the next rank of its node (a ring; a pair on two ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from resihp.ckpt.keeper import ensure_keeper, stop_keeper
+from resihp.ckpt.memory import MemoryTier, plan_shards, tier_dir
+from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
+from resihp.detect.events import Event
+from resihp.runtime.config import RunConfig
+from resihp.runtime.engine import Engine
+
+KEEPER_OWNER = "RESIHP_KEEPER_OWNER"  # the launcher that owns the job's keepers (resihp run)
+
+
+def same_state(engine: Engine, rank: int) -> list[int]:
+    """The ranks holding the same model and AdamW state as ``rank``: its data-parallel peers
+    whose pipeline gives its stage the same layers (itself included)."""
+    dims, c = engine.dims, engine.dims.coords(rank)
+    mine = engine.replica_ranges[c.dp_rank][c.stage]
+    return [dims.rank_of(d, c.stage, c.tp_rank) for d in range(dims.dp)
+            if engine.replica_ranges[d][c.stage] == mine]
+
+
+def copy_holder(engine: Engine, rank: int, local_ranks: list[int]) -> int | None:
+    """Who keeps an explicit copy of ``rank``'s snapshots: the next rank of its node, when no
+    data-parallel peer holds its state (else None)."""
+    if len(same_state(engine, rank)) > 1 or len(local_ranks) < 2:
+        return None
+    return local_ranks[(local_ranks.index(rank) + 1) % len(local_ranks)]
+
+
+def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
+    """What a snapshot must match to be restored (and ``run``: the plan state it carries)."""
+    return {"job_id": job_id, "model_hash": cfg.model_hash(), "dims": cfg.dims().to_dict(),
+            "ranges": [[list(r) for r in ranges] for ranges in engine.replica_ranges],
+            "run": {"weights": list(engine.weights), "plan_version": engine.plan_version}}
+
+
+class MemorySnapshots:
+    """One rank's memory tier for the job: restore at start, a snapshot after each K-th step."""
+
+    def __init__(self, cfg: RunConfig, engine: Engine, job_id: str, node: int, local_ranks: list[int],
+                 managed: bool) -> None:
+        self.cfg, self.engine, self.job_id = cfg, engine, job_id
+        self.dir: Path = tier_dir(job_id, node)
+        self.tier = MemoryTier(self.dir, engine.rank)
+        holder = copy_holder(engine, engine.rank, local_ranks)
+        holds = sum(1 for r in local_ranks if r != engine.rank and copy_holder(engine, r, local_ranks) == engine.rank)
+        _, nbytes = plan_shards(state_tensors(engine.model, engine.optimizer))
+        # two slots per rank, plus the copies this rank keeps (about its own size: same model)
+        self.tier.check_capacity((2 + holds) * nbytes, len(local_ranks))
+        keep = None
+        if not managed:  # under plain torchrun the job starts its keepers (owned by torchrun's agent)
+            owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
+            ensure_keeper(self.dir, owner)
+            keep = lambda: ensure_keeper(self.dir, owner)  # noqa: E731 - a keeper killed is restarted
+        # under resihp run the launcher starts the keeper and restarts it if it dies
+        self.snapshotter = Snapshotter(self.tier, cfg.snapshot_every, holder, keep, cfg.timeout_s)
+
+    def restore(self) -> Restored | None:
+        """Collective: the newest step complete in memory for every rank, loaded; or None."""
+        e = self.engine
+        restored = restore(self.tier, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id),
+                           lambda r: same_state(e, r), e.control_group)
+        if restored is not None:
+            e.weights = list(restored.run.get("weights", e.weights))
+            e.plan_version = int(restored.run.get("plan_version", e.plan_version))
+        return restored
+
+    def discard_after(self, step: int) -> None:
+        """Training goes on after ``step``: this rank's snapshots of later steps (from before the
+        failure) are not this run's future; unpublish them, then pick the slot to write next."""
+        for h in self.tier.headers():
+            if h.rank == self.engine.rank and h.step > step:
+                self.tier.header_path(h.slot).unlink(missing_ok=True)
+        s = self.snapshotter
+        self.snapshotter = Snapshotter(self.tier, s.every, s.copy_to, s.keeper_alive, s.timeout_s)
+
+    def after_step(self, step: int) -> None:
+        """Start this step's snapshot if one is due (the next optimizer step waits for it)."""
+        if self.snapshotter.due(step):
+            e = self.engine
+            self.snapshotter.snapshot(step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id))
+
+    def close(self) -> None:
+        self.snapshotter.close()
+
+
+# --- the launcher's side (resihp run) ----------------------------------------------------------------
+_KEEPERS: dict[str, Path] = {}  # job id -> the tier whose keeper this launcher started
+
+
+def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
+    """Start this node's keeper for the job (owned by this process: it removes the tier when this
+    process is gone); returns what restarts it if it dies (the supervisor's poll), or None."""
+    if not cfg.snapshot_every:
+        return None
+    directory = tier_dir(cfg.job_id, node)
+    ensure_keeper(directory, os.getpid())
+    _KEEPERS[cfg.job_id] = directory
+    return lambda: ensure_keeper(directory, os.getpid())
+
+
+def stop_keepers(job_id: str) -> None:
+    """The job is over: its keeper removes its memory tier."""
+    directory = _KEEPERS.pop(job_id, None)
+    if directory is not None:
+        stop_keeper(directory)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _step_times(out: Path) -> tuple[float | None, float | None]:
+    """The first step's start and the last step's end in a run folder's trace (wall clock)."""
+    try:
+        trace = pd.read_parquet(out / "ops.parquet", columns=["optype", "start_ts", "duration"])
+    except (OSError, ValueError, KeyError):
+        return None, None
+    steps = trace[trace.optype == "step"]
+    if not len(steps):
+        return None, None
+    return float(steps.start_ts.min()), float((steps.start_ts + steps.duration).max())
+
+
+def recovery_record(before: Path, after: Path, failure: Event | None, before_summary: dict,
+                    after_summary: dict) -> dict:
+    """The run summary's ``recovery`` object for a restart in place: where the state came from
+    (``memory``, ``peer``, ``disk``, or ``none``: step 0), the step training went on at, the steps
+    done twice, and the times: the fail-stop's detection, the restore, and the whole stall (the
+    last step's end before the failure to the first step's start after it)."""
+    restored = _read(after / "restore.json")
+    resumed = after_summary.get("first_step")
+    if restored is not None:
+        source, restore_s, resumed = restored["source"], restored["restore_s"], restored["step"] + 1
+    elif (after / "resume.json").exists():
+        source, restore_s = "disk", None
+    else:
+        source, restore_s = "none", None
+    resumed = int(resumed) if resumed is not None else None
+    first, losses = before_summary.get("first_step"), before_summary.get("losses") or []
+    done = (int(first) + len(losses)) if first is not None else 0  # steps complete before the failure
+    _, last_end = _step_times(before)
+    first_start, _ = _step_times(after)
+    extra = failure.extra if failure is not None else {}
+    return {"mode": "restart", "source": source, "cause": extra.get("cause"),
+            "rank": failure.rank if failure is not None else None,
+            "resumed_step": resumed, "lost_steps": max(0, done - resumed) if resumed is not None else None,
+            "detected_s": extra.get("detected_s"), "restore_s": restore_s,
+            "stall_s": round(first_start - last_end, 3) if first_start and last_end else None}
