@@ -148,7 +148,8 @@ class MemoryTier:
         if need > free:
             raise InputError(
                 f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in {self.dir.parent} "
-                f"({ranks_here} rank(s) x 2 slots of {need_bytes / 2 / 2**20:.0f} MiB) but "
+                f"({ranks_here} rank(s) x {need_bytes / 2**20:.0f} MiB: two slots, and the copies a rank "
+                f"keeps) but "
                 f"{free / 2**20:.0f} MiB is free; enlarge it (mount -o remount,size=... /dev/shm), "
                 f"set RESIHP_SHM to a larger tmpfs, or snapshot less state")
 
