@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
-from resihp.detect.heartbeat import HeartbeatMonitor, NodeAggregator
+from resihp.detect.heartbeat import FINISHED, HeartbeatMonitor, NodeAggregator
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
 from resihp.runtime.config import RunConfig
@@ -321,6 +321,10 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                 except (RuntimeError, dist.DistError):
                     reason = "node 0 cannot be reached (its store is gone)"
                 if reason is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=grace_s)  # this node's workers may be finishing on their own
+                    if proc.returncode == 0 or reason == "finished":
+                        break
                     outcome.error = f"the job ended on node 0: {reason}" if "node 0" not in reason else reason
                     outcome.ended_by_node0 = True
                     break
@@ -347,10 +351,23 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                 outcome.failure = _judge(watch, cfg, t0, outcome)
             outcome.errors = read_errors(js.store, cfg.job_id)
             mark_ended(js.store, cfg.job_id, outcome.error or _reason(outcome) or "finished")
+            if nodes.nnodes > 1:  # the store goes with this process: let the other nodes see the end
+                _linger(watch, grace_s)
     outcome.wall_s = time.time() - t0
     outcome.stderr_tail = lines[-40:]
     _explain(outcome, lines, cfg, out)
     return outcome
+
+
+def _linger(watch: _Watch, limit_s: float) -> None:
+    """Node 0, the job over: wait (bounded) until every other node's ranks are finished or gone."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        watch.monitor.poll()
+        if all(v.phase in FINISHED or v.rank in watch.monitor.dead or v.exited
+               for v in watch.monitor.views.values()):
+            return
+        time.sleep(0.2)
 
 
 def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event | None:
