@@ -189,3 +189,28 @@ def test_find_latest_counts_peers_and_copies():
     assert step == 5 and choice[0] == _h(0, 1, 5, "copy") and choice[1]["holder"] == 1
     # two ranks that are each other's only copy, both lost: no step is complete
     assert find_latest([[], [_h(1, 1, 5)]], alone, 2) is None
+
+
+def test_ckpt_inspect_shows_the_memory_tier(keeper):
+    import json
+
+    from typer.testing import CliRunner
+
+    from resihp.cli import app
+
+    directory, pid = keeper
+    model, opt = _model(128, 1)
+    tier = MemoryTier(directory, 0)
+    snap = Snapshotter(tier, every=1)
+    snap.snapshot(7, model, opt, {})
+    snap.close()
+    header = _wait_published(tier, 7)
+    result = CliRunner().invoke(app, ["ckpt", "inspect", str(directory), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)["memory"][0]
+    assert info["keeper_pid"] == pid and info["pending"] == []
+    assert info["slots"] == [{"rank": 0, "slot": header.slot, "step": 7, "holder": 0, "bytes": header.nbytes,
+                              "tensors": len(header.shards), "verified": True,
+                              "published_s": header.published_s}]
+    text = CliRunner().invoke(app, ["ckpt", "inspect", str(directory)]).output
+    assert "rank 0 slot A: step 7" in text and "checksums match" in text

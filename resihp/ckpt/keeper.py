@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from resihp.ckpt.memory import publish
+from resihp.ckpt.memory import MemoryTier, publish, read_json, shm_root
 
 POLL_S = 0.005
 LOCK = "keeper.lock"
@@ -173,3 +173,29 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def find_tiers(path: Path) -> list[Path]:
+    """The memory tiers ``path`` names: a tier folder itself, or a run folder's job's (its
+    ``run.json`` names the job), on every node of this machine."""
+    path = Path(path)
+    if (path / LOCK).exists() or list(path.glob("rank*.bin")):
+        return [path]
+    job = read_json(path / "run.json") or {}
+    if not job.get("job_id"):
+        return []
+    return sorted(p for p in shm_root().glob(f"resihp-{job['job_id']}-n*") if p.is_dir())
+
+
+def inspect_tier(directory: Path, verify: bool = True) -> dict:
+    """What a memory tier holds: each published slot (whose state, which step, who holds it, its
+    size, whether its bytes match its checksums), the slots still pending, and the keeper."""
+    directory = Path(directory)
+    slots = []
+    for h in MemoryTier(directory, -1).headers():
+        tier = MemoryTier(directory, h.rank)
+        slots.append({"rank": h.rank, "slot": h.slot, "step": h.step, "holder": h.holder,
+                      "bytes": h.nbytes, "tensors": len(h.shards),
+                      "verified": tier.verify(h) if verify else None, "published_s": h.published_s})
+    pending = sorted(p.name.removesuffix(".pending.json") for p in directory.glob("rank*.pending.json"))
+    return {"dir": str(directory), "keeper_pid": keeper_pid(directory), "slots": slots, "pending": pending}

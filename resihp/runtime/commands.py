@@ -43,8 +43,10 @@ def run_cmd(
     max_len: Annotated[int, typer.Option(help="Longest sequence; longer documents are chunked")] = 1024,
     layer_split: Annotated[str, typer.Option(help="Layers per stage, e.g. 3,1 (default: balanced)")] = None,
     dp_weights: Annotated[str, typer.Option(help="Micro-batch share per replica, e.g. 2,1")] = None,
-    inject: Annotated[list[str], typer.Option(help="slow:rank=R,factor=F,step=S or stop:rank=R,step=S "
-                                              "(repeatable)")] = None,
+    inject: Annotated[list[str], typer.Option(help="slow:rank=R,factor=F,step=S (compute x F), "
+                                              "link:ranks=A+B,factor=F,step=S (every transfer between "
+                                              "A and B x F: pipeline sends/receives and their share of "
+                                              "collectives) or stop:rank=R,step=S (repeatable)")] = None,
     seed: int = 0, lr: float = 1e-3,
     ckpt_every: Annotated[int, typer.Option(help="Steps between universal checkpoints; with it, a "
                                             "stopped rank is excluded by an elastic restart")] = 0,
@@ -410,17 +412,37 @@ ckpt_app = typer.Typer(help="Universal (reshardable) checkpoints.", no_args_is_h
 
 @ckpt_app.command("inspect")
 def ckpt_inspect_cmd(
-    directory: Annotated[Path, typer.Argument(help="A checkpoint folder (OUT/ckpt/stepN), or a run "
-                                              "folder (its newest checkpoint that verifies)")],
+    directory: Annotated[Path, typer.Argument(help="A checkpoint folder (OUT/ckpt/stepN), a run "
+                                              "folder (its newest checkpoint that verifies, and its "
+                                              "job's memory tier while it has one), or a memory tier "
+                                              "(/dev/shm/resihp-<job>-n<node>)")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """Verify a checkpoint against its manifest (one line saying what is wrong if it does not) and
-    show its step, the layout and job that wrote it, its layers and tensors."""
+    show its step, the layout and job that wrote it, its layers and tensors; and the memory tier's
+    snapshot slots (each one's rank, step, holder and whether its bytes match its checksums)."""
+    from resihp.ckpt.keeper import find_tiers, inspect_tier
     from resihp.ckpt.universal import inspect
 
-    info = inspect(directory)
+    memory = [inspect_tier(t) for t in find_tiers(directory)]
+    try:
+        info = inspect(directory)
+    except InputError:
+        if not memory:
+            raise
+        info = {}
+    if memory:
+        info["memory"] = memory
     if json_out:
         print(json.dumps(info))
+        return
+    for tier in memory:
+        print(f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending {tier['pending'] or '-'}")
+        for s in tier["slots"]:
+            print(f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank {s['holder']}, "
+                  f"{s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
+                  + ("checksums match" if s["verified"] else "CHECKSUM MISMATCH"))
+    if "meta" not in info:
         return
     meta = info["meta"]
     print(f"{directory}: step {meta.get('step')}, written by dp {meta.get('dp')} pp {meta.get('pp')} "
