@@ -15,6 +15,7 @@ from resihp.runtime.inject import parse_fault
 from resihp.runtime.live import LiveLoop
 from resihp.runtime.report import fault_summary, plot_run
 from resihp.runtime.supervisor import supervise
+from resihp.runtime.worker import write_job_files
 
 DEMO = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
             budget=512, max_len=512, source="text")
@@ -47,6 +48,7 @@ def run_demo(out: str | Path, steps: int, inject: str,
     if outcome.error:
         raise RunFailed(outcome.error)
     loop.save()
+    write_job_files(cfg, out)
     trace = read_ops_trace(out / "ops.parquet")
     applied = {c.get("id"): c["step"] for c in json.loads((out / "plan_changes.json").read_text())}
     changes = [{**{k: v for k, v in c.items() if k != "plan"}, "applied_step": applied.get(c["id"]),
