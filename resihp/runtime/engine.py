@@ -19,13 +19,15 @@ import torch.distributed as dist
 
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.model.tensor_parallel import TPContext
+from resihp.parallel import ParallelDims
 from resihp.runtime.config import RunConfig
 from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
 from resihp.runtime.gradsync import GradSync
 from resihp.runtime.inject import FaultInjector
+from resihp.runtime.layout import balanced_layers
 from resihp.runtime.planchange import PlanChange
 from resihp.runtime.recorder import OpRecorder
-from resihp.runtime.replan import repartition
+from resihp.runtime.replan import relayout, repartition, retire_groups
 from resihp.runtime.schedule import schedule_for
 
 
@@ -42,49 +44,65 @@ class Engine:
 
     def __init__(self, cfg: RunConfig, device: torch.device, injector: FaultInjector | None = None) -> None:
         self.cfg, self.device = cfg, device
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.dims = cfg.dims()
-        self.dims.check_world(world)
-        self.coords = self.dims.coords(self.rank)
-        self.stage, self.dp_rank = self.coords.stage, self.coords.dp_rank
-        self.pp = self.dims.pp
-        # every rank creates every group, in the same order (a torch.distributed requirement)
-        tp_group = None
-        for dp_rank in range(self.dims.dp):
-            for stage in range(self.pp):
-                ranks = self.dims.tp_group_ranks(dp_rank, stage)
-                group = dist.new_group(ranks) if self.dims.tp > 1 else None
-                if self.rank in ranks:
-                    tp_group = group
-        self.tp = TPContext(self.dims.tp, self.coords.tp_rank, tp_group)
-        self.prev = self.dims.rank_of(self.dp_rank, self.stage - 1, self.coords.tp_rank) if self.stage > 0 else None
-        self.next = (self.dims.rank_of(self.dp_rank, self.stage + 1, self.coords.tp_rank)
-                     if self.stage < self.pp - 1 else None)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cfg.dims().check_world(self.world)
         self.model_cfg = cfg.model_config()
         self.weights = cfg.weights()
-        self.replica_ranges = [cfg.stage_ranges() for _ in range(self.dims.dp)]
+        self.replica_ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]
+        self.generation = 0  # the process groups' generation: a live layout change starts a new one
+        self.form_groups(cfg.dims(), list(range(self.world)))
         self.build_stage(*self.ranges[self.stage])
-        self.grad_sync = GradSync(self.dims, tied=self.model_cfg.tie_embeddings)
-        self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
         # plan changes travel over their own gloo group, whatever the training backend
-        self.control_group = dist.new_group(list(range(world)), backend="gloo")
+        self.control_group = dist.new_group(list(range(self.world)), backend="gloo")
         self.plan_version = 0
         self.plan_changes: list[dict] = []
         self.data = DataSource(cfg.source, cfg.global_tokens, cfg.budget, cfg.max_len, cfg.seed)
         sync = torch.cuda.synchronize if device.type == "cuda" else None
-        self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.coords.tp_rank, sync=sync)
+        self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.tp.rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
         self._pending: list[dist.Work] = []
+
+    def form_groups(self, dims: ParallelDims, active: list[int]) -> None:
+        """Collective over the world: this rank's place in layout ``dims`` laid over world ranks
+        ``active`` (layout rank i is world rank ``active[i]``; a world rank not in it is a hot
+        spare), and the layout's tensor-parallel and gradient groups. Every rank creates every
+        group, in the same order (a torch.distributed requirement)."""
+        active = list(active)
+        for dp_rank in range(dims.dp):  # inside a tensor-parallel group, world ranks ascend with
+            for stage in range(dims.pp):  # the tp rank: the group's own rank order (its collectives')
+                places = dims.tp_group_ranks(dp_rank, stage)
+                for place, world_rank in zip(places, sorted(active[p] for p in places), strict=True):
+                    active[place] = world_rank
+        self.dims, self.active = dims, active
+        self.pp = dims.pp
+        self.coords = dims.coords(self.active.index(self.rank)) if self.rank in self.active else None
+        spare = self.coords is None
+        self.stage = -1 if spare else self.coords.stage
+        self.dp_rank = -1 if spare else self.coords.dp_rank
+        tp_group = None
+        for dp_rank in range(dims.dp):
+            for stage in range(dims.pp):
+                ranks = [self.active[r] for r in dims.tp_group_ranks(dp_rank, stage)]
+                group = dist.new_group(ranks) if dims.tp > 1 else None
+                if self.rank in ranks:
+                    tp_group = group
+        self.tp = TPContext(dims.tp, 0 if spare else self.coords.tp_rank, tp_group)
+        neighbour = lambda stage: self.active[dims.rank_of(self.dp_rank, stage, self.tp.rank)]  # noqa: E731
+        self.prev = neighbour(self.stage - 1) if not spare and self.stage > 0 else None
+        self.next = neighbour(self.stage + 1) if not spare and self.stage < self.pp - 1 else None
+        self.grad_sync = GradSync(dims, tied=self.model_cfg.tie_embeddings, ranks=self.active)
+        self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
         """The layer ranges of this rank's pipeline."""
         return self.replica_ranges[self.dp_rank]
 
-    def build_stage(self, first: int, last: int) -> None:
+    def build_stage(self, first: int, last: int, init: bool = True) -> None:
         self.first, self.last = first, last
         self.model = GPTStage(self.model_cfg, first, last, self.tp)
-        init_by_name(self.model, self.cfg.seed, self.tp, self.model_cfg.heads)
+        if init:
+            init_by_name(self.model, self.cfg.seed, self.tp, self.model_cfg.heads)
         self.model.to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
 
@@ -92,7 +110,10 @@ class Engine:
     def _recv(self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch) -> torch.Tensor:
         buf = torch.empty(shape, device=self.device)
         with self.rec.op(optype, mb.mb_id, mb.seq_lens):
+            start = time.perf_counter()
             dist.recv(buf, src, tag=tag)
+            # an injected slow link delivers the data later, in proportion to the transfer
+            self.injector.received(src, time.perf_counter() - start, buf.numel() * buf.element_size())
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, optype: str, mb: MicroBatch) -> None:
@@ -121,13 +142,19 @@ class Engine:
         box = [proposal if self.rank == 0 else None]
         with self.rec.waiting("plan-sync"):
             dist.broadcast_object_list(box, 0, group=self.control_group)
-        change = PlanChange.parse(box[0], self.dims, self.model_cfg.layers)
+        change = PlanChange.parse(box[0], self.dims, self.model_cfg.layers, world=self.world)
         self.apply(step, change)
         self.plan_version = int(version)
         return change.to_dict()
 
     def apply(self, step: int, change: PlanChange) -> None:
         self.rec.begin_step(step)
+        if change.layout is not None:
+            with self.rec.op("replan-layout") as row:
+                moved = self._relayout(change)
+                row["bytes"] = moved["moved_bytes"]
+            self.plan_changes.append({"step": step, **change.to_dict(), **moved})
+            return
         if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
                 self.weights = list(change.dp_weights)
@@ -139,10 +166,37 @@ class Engine:
                 self.grad_sync.prepare(new, self.model_cfg.layers)
         self.plan_changes.append({"step": step, **change.to_dict()})
 
+    def _relayout(self, change: PlanChange) -> dict:
+        """A new generation of process groups for ``change.layout``; parameters and AdamW state
+        resharded into it by global name from memory (``replan.relayout``)."""
+        new = change.layout
+        layers = self.model_cfg.layers
+        ranges = change.replica_ranges(layers, new.dims.pp) or [balanced_layers(layers, new.dims.pp)] * new.dims.dp
+        weights = list(change.dp_weights) if change.dp_weights is not None else [1.0] * new.dims.dp
+
+        def rebuild() -> tuple[torch.nn.Module, torch.optim.Optimizer, TPContext] | None:
+            old_groups = [self.tp.group, *self.grad_sync.groups.values()]
+            self.replica_ranges, self.weights = ranges, weights
+            self.form_groups(new.dims, list(new.ranks))
+            self.generation += 1
+            if self.coords is None:
+                self.model = self.optimizer = None
+            else:
+                self.build_stage(*self.ranges[self.stage], init=False)
+                self.rec.ids.update(dp_rank=self.dp_rank, stage=self.stage, tp_rank=self.tp.rank)
+            self._retired = old_groups
+            return None if self.coords is None else (self.model, self.optimizer, self.tp)
+
+        moved = relayout(self.model, self.optimizer, self.tp, self.model_cfg, rebuild, self.control_group,
+                         self.cfg.out)
+        retire_groups(self._retired)
+        return {**moved, "generation": self.generation, "spares": [r for r in range(self.world)
+                                                                   if r not in self.active]}
+
     def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
         self.model, self.optimizer, sent = repartition(
             self.model, self.optimizer, self.model_cfg, self.tp, self.ranges, new_ranges, self.stage,
-            lambda stage: self.dims.rank_of(self.dp_rank, stage, self.coords.tp_rank), self.cfg.lr,
+            lambda stage: self.active[self.dims.rank_of(self.dp_rank, stage, self.tp.rank)], self.cfg.lr,
             self.device)
         self.first, self.last = new_ranges[self.stage]
         return sent
@@ -153,6 +207,10 @@ class Engine:
         self.rec.begin_step(step)
         data = self.data.step(step)
         global_tokens = data.tokens
+        if self.coords is None:  # a hot spare: no part in this layout; it keeps step with the job
+            with self.rec.op("step", tokens=global_tokens) as step_row:
+                step_row["spare"] = True
+            return StepResult(step, None, global_tokens, step_row["duration"])
         mbs = replica_microbatches(data, self.dp_rank, self.weights)
         hidden = self.model_cfg.hidden
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -205,5 +263,6 @@ class Engine:
         # a tied embedding is summed over its first- and last-stage copies even with one replica
         if self.dims.dp > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):
             with self.rec.op("grads-all-reduce"):
-                self.grad_sync.all_reduce(self.model, self.coords.tp_rank, loss)
+                self.grad_sync.all_reduce(self.model, self.coords.tp_rank, loss,
+                                          after=self.injector.collective)
         return float(loss) if loss is not None else None

@@ -9,8 +9,9 @@ creates every group and runs its all-reduces in one global order, so collectives
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,40 +47,50 @@ def holders(unit: str, replica_ranges: Sequence[Ranges], dims: ParallelDims, tp_
 
 
 class GradSync:
-    def __init__(self, dims: ParallelDims, tied: bool = False) -> None:
+    def __init__(self, dims: ParallelDims, tied: bool = False, ranks: Sequence[int] | None = None) -> None:
+        """``ranks``: the world rank of each rank of the layout (default: the same numbers)."""
         self.dims, self.tied = dims, tied
+        self.ranks = list(ranks) if ranks is not None else list(range(dims.world_size))
         self.groups: dict[tuple[int, ...], object] = {}
+
+    def _world(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(self.ranks[r] for r in members))
 
     def prepare(self, replica_ranges: Sequence[Ranges], layers: int) -> None:
         """Collective over the world: create the groups this layout needs (once each)."""
         self.replica_ranges = [list(r) for r in replica_ranges]
         units = ["embed", "head", *(["tied"] if self.tied else []), *(f"layer{i}" for i in range(layers))]
-        needed = sorted({holders(u, self.replica_ranges, self.dims, t)
+        needed = sorted({self._world(holders(u, self.replica_ranges, self.dims, t))
                          for u in units for t in range(self.dims.tp)})
         for members in needed:
             if len(members) > 1 and members not in self.groups:
                 self.groups[members] = dist.new_group(list(members))
 
-    def all_reduce(self, model: torch.nn.Module, tp_rank: int, extra: torch.Tensor | None = None) -> None:
+    def all_reduce(self, model: torch.nn.Module, tp_rank: int, extra: torch.Tensor | None = None,
+                   after: Callable[[tuple[int, ...], float, int], None] | None = None) -> None:
         """Sum every parameter's gradient over its holders; ``extra`` (a tensor riding with the
-        head's bucket, e.g. the loss) is summed in place too."""
+        head's bucket, e.g. the loss) is summed in place too. ``after(members, seconds, bytes)``
+        runs after each bucket's all-reduce (fault injection on a slow link)."""
         buckets: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         params: dict[tuple[int, ...], list[torch.nn.Parameter]] = defaultdict(list)
         for name, p in model.named_parameters():
-            key = holders(unit_of(name, self.tied), self.replica_ranges, self.dims, tp_rank)
+            key = self._world(holders(unit_of(name, self.tied), self.replica_ranges, self.dims, tp_rank))
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             buckets[key].append(p.grad)
             params[key].append(p)
         if extra is not None:
-            head = holders("head", self.replica_ranges, self.dims, tp_rank)
+            head = self._world(holders("head", self.replica_ranges, self.dims, tp_rank))
             buckets[head].append(extra)
         for key in sorted(buckets):
             if len(key) < 2:
                 continue
             grads = buckets[key]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            start = time.perf_counter()
             dist.all_reduce(flat, group=self.groups[key])
+            if after is not None:
+                after(key, time.perf_counter() - start, flat.numel() * flat.element_size())
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -1,5 +1,7 @@
 """Fault injection: ``slow`` makes a rank's compute really take ``factor`` x longer (a sleep
-proportional to each measured compute op); ``stop`` kills the rank's process (SIGKILL, no cleanup)."""
+proportional to each measured compute op); ``link`` makes every transfer between two ranks take
+``factor`` x longer (a sleep proportional to each measured transfer, so it scales with the bytes);
+``stop`` kills the rank's process (SIGKILL, no cleanup)."""
 
 from __future__ import annotations
 
@@ -11,40 +13,65 @@ from dataclasses import dataclass
 
 from resihp.errors import InputError
 
-FORMS = ("slow:rank=R,factor=F,step=S[,until=U], stop:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] "
-         "(time=T seconds instead of step=S)")
+FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], stop:rank=R,step=S "
+         "or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
 HANG_HOW = ("block", "stop")  # block: the rank's main thread never returns (its heartbeat thread beats on);
 # stop: SIGSTOP on itself (alive, silent)
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "slow" | "stop" | "hang"
-    rank: int
+    kind: str  # "slow" | "link" | "stop" | "hang"
+    rank: int  # link: its first end
     step: int | None = None
     time_s: float | None = None
     factor: float = 1.0
     until: int | None = None  # first step at normal speed again (slow only)
     how: str | None = None  # hang only: "block" or "stop"
+    peer: int | None = None  # link only: its other end
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.rank,) if self.peer is None else (self.rank, self.peer)
 
     def to_dict(self) -> dict:
         data = {k: v for k, v in self.__dict__.items() if v is not None}
         if self.kind in ("stop", "hang"):
             data.pop("factor")
+        if self.kind == "link":
+            data.pop("rank")
+            data.pop("peer")
+            data["ranks"] = list(self.ranks)
         return data
 
 
 def parse_fault(text: str) -> Fault:
     """Parse one ``--inject`` value."""
     kind, _, rest = text.partition(":")
-    if kind not in ("slow", "stop", "hang") or not rest:
+    if kind not in ("slow", "link", "stop", "hang") or not rest:
         raise InputError(f"--inject {text!r}: expected {FORMS}")
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key.strip() not in ("rank", "factor", "step", "time", "until", "how"):
+        if not eq or key.strip() not in ("rank", "ranks", "factor", "step", "time", "until", "how"):
             raise InputError(f"--inject {text!r}: unknown field {item!r}; expected {FORMS}")
         fields[key.strip()] = value.strip()
+    peer = None
+    if kind == "link":
+        if "rank" in fields or "ranks" not in fields:
+            raise InputError(f"--inject {text!r}: a link takes ranks=A+B (its two ends); expected {FORMS}")
+        ends = fields.pop("ranks").split("+")
+        try:
+            ends_i = [int(e) for e in ends]
+        except ValueError:
+            ends_i = []
+        if len(ends_i) != 2 or ends_i[0] == ends_i[1]:
+            raise InputError(f"--inject {text!r}: ranks= names two different ranks as A+B; expected {FORMS}")
+        fields["rank"], peer = str(ends_i[0]), ends_i[1]
+        if peer < 0:
+            raise InputError(f"--inject {text!r}: rank and step must be non-negative")
+    elif "ranks" in fields:
+        raise InputError(f"--inject {text!r}: ranks=A+B is for link only; expected {FORMS}")
     try:
         rank = int(fields["rank"])
         step = int(fields["step"]) if "step" in fields else None
@@ -58,7 +85,7 @@ def parse_fault(text: str) -> Fault:
                          f"numbers; expected {FORMS}") from None
     if (step is None) == (time_s is None):
         raise InputError(f"--inject {text!r}: give exactly one of step= or time=")
-    if kind == "slow" and not factor >= 1.0:
+    if kind in ("slow", "link") and not factor >= 1.0:
         raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
     if kind == "stop" and ("factor" in fields or until is not None or "how" in fields):
         raise InputError(f"--inject {text!r}: stop takes only rank= and step= or time=")
@@ -71,23 +98,33 @@ def parse_fault(text: str) -> Fault:
         raise InputError(f"--inject {text!r}: how= is for hang only")
     if rank < 0 or (step is not None and step < 0):
         raise InputError(f"--inject {text!r}: rank and step must be non-negative")
-    return Fault(kind, rank, step, time_s, factor, until, how)
+    return Fault(kind, rank, step, time_s, factor, until, how, peer)
 
 
 def check_faults(faults: Sequence[Fault], world_size: int) -> None:
     for f in faults:
-        if f.rank >= world_size:
-            raise InputError(f"--inject {f.kind}:rank={f.rank}: no such rank (the world has ranks "
-                             f"0..{world_size - 1})")
+        for r in f.ranks:
+            if r >= world_size:
+                what = f"ranks={f.rank}+{f.peer}" if f.kind == "link" else f"rank={f.rank}"
+                raise InputError(f"--inject {f.kind}:{what}: no such rank {r} (the world has ranks "
+                                 f"0..{world_size - 1})")
 
 
 class FaultInjector:
     """The faults aimed at one rank, applied by the engine at step boundaries and after compute."""
 
-    def __init__(self, faults: Sequence[Fault], rank: int, t0: float | None = None) -> None:
-        self.faults = [f for f in faults if f.rank == rank]
+    def __init__(self, faults: Sequence[Fault], rank: int, t0: float | None = None,
+                 sleep=time.sleep) -> None:
+        self.rank = rank
+        self.faults = [f for f in faults if f.kind != "link" and f.rank == rank]
+        self.links = [f for f in faults if f.kind == "link" and rank in f.ranks]
         self.t0 = time.time() if t0 is None else t0
         self.step = 0
+        self.sleep = sleep
+        # per channel (a peer, or a collective's members) the lowest seconds per byte measured:
+        # what a transfer costs when the data did not have to wait for its sender
+        self._per_byte: dict[object, float] = {}
+        self.delayed_s = 0.0  # seconds of injected link delay so far
 
     def _started(self, f: Fault, step: int) -> bool:
         if f.step is not None:
@@ -116,4 +153,44 @@ class FaultInjector:
         """Called after a compute op that took ``elapsed_s``: wait so it takes factor x as long."""
         factor = self.slow_factor()
         if factor > 1.0:
-            time.sleep((factor - 1.0) * elapsed_s)
+            self.sleep((factor - 1.0) * elapsed_s)
+
+    def link_factor(self, peers: Sequence[int]) -> float:
+        """The slowdown of this rank's link to any of ``peers`` now (1.0: none)."""
+        factor = 1.0
+        for f in self.links:
+            other = f.peer if f.rank == self.rank else f.rank
+            if other in peers and self._started(f, self.step) and (f.until is None or self.step < f.until):
+                factor *= f.factor
+        return factor
+
+    def transfer_s(self, channel: object, elapsed_s: float, nbytes: int) -> float:
+        """The transfer part of an op that took ``elapsed_s`` to move ``nbytes``: the op's time
+        without its wait on the sender, taken as the lowest per-byte time seen on the channel so far
+        (the transfers whose data was ready) times the bytes, and never more than the op took."""
+        if nbytes <= 0:
+            return 0.0
+        rate = min(self._per_byte.get(channel, float("inf")), elapsed_s / nbytes)
+        self._per_byte[channel] = rate
+        return min(elapsed_s, rate * nbytes)
+
+    def received(self, src: int, elapsed_s: float, nbytes: int) -> None:
+        """Called after a point-to-point receive from ``src``: on a slow link, wait so that the
+        transfer takes factor x as long (the receiver sees the data that much later)."""
+        transfer = self.transfer_s(("p2p", src), elapsed_s, nbytes)
+        factor = self.link_factor((src,))
+        if factor > 1.0:
+            self._delay((factor - 1.0) * transfer)
+
+    def collective(self, members: Sequence[int], elapsed_s: float, nbytes: int) -> None:
+        """Called by each member after a collective: the two ends of a slow link both in it wait
+        factor - 1 times its transfer (a ring is as slow as its slowest link)."""
+        members = tuple(members)
+        transfer = self.transfer_s(("coll", members), elapsed_s, nbytes)
+        factor = self.link_factor([m for m in members if m != self.rank])
+        if factor > 1.0:
+            self._delay((factor - 1.0) * transfer)
+
+    def _delay(self, seconds: float) -> None:
+        self.delayed_s += seconds
+        self.sleep(seconds)
