@@ -24,17 +24,19 @@ from torch.distributed.tensor import DTensor, Shard
 from resihp.model.gpt import ADAM_KEYS, GPTConfig
 from resihp.model.tensor_parallel import Placement, TPContext
 
-_MESHES: dict[int, DeviceMesh] = {}
+_MESHES: dict[int, tuple[object, DeviceMesh]] = {}  # id(group) -> (the group, held so its id stays its own; mesh)
 
 
 def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
-    """The one-dimensional mesh of this rank's tensor-parallel group (None without one)."""
+    """The one-dimensional mesh of this rank's tensor-parallel group (None without one); its
+    coordinates are the group's ranks, so ``tp.rank`` must be this rank's place in the group
+    (world ranks ascending with tensor-parallel rank, as ``torch.distributed.new_group`` orders)."""
     if tp.size == 1 or tp.group is None:
         return None
     key = id(tp.group)
     if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(tp.group, device_type)
-    return _MESHES[key]
+        _MESHES[key] = (tp.group, DeviceMesh.from_group(tp.group, device_type))
+    return _MESHES[key][1]
 
 
 def ensure_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -95,3 +97,61 @@ def placed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 def local_blocks(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The local tensors of a placed state (DTensors' own blocks)."""
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+Extent = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes in the global tensor; bytes per element
+
+
+def extents(state: dict[str, torch.Tensor]) -> dict[str, Extent]:
+    """Where each tensor of a placed state sits in its global tensor."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            chunk = value.__create_chunk_list__()[0]
+            out[key] = (tuple(chunk.offsets), tuple(chunk.sizes), value.element_size())
+        else:
+            out[key] = ((0,) * value.dim(), tuple(value.shape), value.element_size())
+    return out
+
+
+def _volume(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def bytes_to_receive(held: dict[str, Extent], needed: dict[str, Extent]) -> int:
+    """The bytes of ``needed`` that ``held`` (what the same rank had before) does not cover: the
+    least a layout change must bring to this rank."""
+    total = 0
+    for key, (offsets, sizes, width) in needed.items():
+        have = 0
+        if key in held:
+            o2, s2, _ = held[key]
+            have = _volume(tuple(max(0, min(a + n, b + m) - max(a, b))
+                                 for a, n, b, m in zip(offsets, sizes, o2, s2, strict=True)))
+        total += (_volume(sizes) - have) * width
+    return total
+
+
+def forget_mesh(group: object) -> None:
+    """Drop the cached mesh of a process group that is being destroyed."""
+    _MESHES.pop(id(group), None)
+
+
+def counting_reader(reader, counter: list[int]):
+    """``reader`` (a DCP FileSystemReader) adding to ``counter[0]`` the bytes of every stored item a
+    load reads (DCP reads an item whole, then narrows it to the overlap the reader asked for)."""
+    read_data = reader.read_data
+
+    def counted(plan, planner):
+        seen = {}
+        for item in plan.items:
+            stored = reader.storage_data[item.storage_index]
+            seen[(stored.relative_path, stored.offset)] = stored.length
+        counter[0] += sum(seen.values())
+        return read_data(plan, planner)
+
+    reader.read_data = counted
+    return reader

@@ -65,10 +65,11 @@ def identity(meta: dict) -> dict:
 
 def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          tp: TPContext | int | None = None, cfg: GPTConfig | None = None,
-         extra: dict[str, torch.Tensor] | None = None, tp_rank: int = 0) -> dict:
+         extra: dict[str, torch.Tensor] | None = None, tp_rank: int = 0, reader=None) -> dict:
     """Fill this rank's parameters and AdamW state (and the tensors of ``extra``, in place) from
     ``directory``, which must verify against its manifest, whatever layout wrote it; returns its
-    meta. Collective when a process group is up (every rank calls it)."""
+    meta. Collective when a process group is up (every rank calls it). ``reader``: a DCP storage
+    reader of ``directory`` in place of ``safe_reader``'s (one that counts bytes, say)."""
     verify(directory)
     metadata = read_dcp_metadata(directory)  # refused here, with its reason, rather than inside DCP
     meta = read_meta(directory)
@@ -78,7 +79,7 @@ def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
     state = placed_state(model, optimizer, tp, cfg)
     _check_shapes(directory, state, metadata)
     state.update(extra or {})
-    dcp.load(state, storage_reader=safe_reader(directory))
+    dcp.load(state, storage_reader=reader or safe_reader(directory))
     return meta
 
 

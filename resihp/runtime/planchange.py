@@ -2,9 +2,14 @@
 
 It travels as a small JSON dict (``OUT/control/plan.json``, the run config's ``replan`` entries,
 the run summary's ``plan_changes``): ``{"version", "dp_weights"?, "layer_split"? (every pipeline)
-or "layer_splits"? (one per replica), "reason"?, ...}``. Every rank turns the dict it receives into
-a ``PlanChange`` once, checked against the job's parallel dimensions and layer count; the engine
-applies only checked changes.
+or "layer_splits"? (one per replica), "layout"?, "reason"?, ...}``. Every rank turns the dict it
+receives into a ``PlanChange`` once, checked against the job's parallel dimensions and layer count;
+the engine applies only checked changes.
+
+``"layout": {"dp", "pp", "tp", "ranks"?}`` re-forms the job's groups live: the new data x pipeline x
+tensor-parallel split over ``ranks`` (world ranks in the new layout's rank order; default all of
+them in order); world ranks left out become hot spares. ``dp_weights`` and ``layer_split(s)`` of
+the same change are then read against the new layout (default: equal shares, balanced layers).
 """
 
 from __future__ import annotations
@@ -19,17 +24,47 @@ from resihp.runtime.layout import ranges_from_counts
 
 
 @dataclass(frozen=True)
+class Relayout:
+    """A new parallel layout over some of the job's world ranks (the rest become hot spares)."""
+
+    dims: ParallelDims
+    ranks: tuple[int, ...]  # world rank of each rank of the new layout, in its rank order
+
+    @classmethod
+    def parse(cls, data: Any, world: int, where: str = "plan") -> Relayout:
+        if not isinstance(data, Mapping):
+            raise InputError(f"{where} layout: expected {{\"dp\", \"pp\", \"tp\", \"ranks\"?}}, got {data!r}")
+        try:
+            dims = ParallelDims(*(int(data.get(k, 1)) for k in ("dp", "pp", "tp")))
+        except (TypeError, ValueError):
+            raise InputError(f"{where} layout: dp, pp and tp must be positive integers, got {dict(data)}") from None
+        ranks = data.get("ranks", list(range(dims.world_size)))
+        if (not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size
+                or len(set(ranks)) != len(ranks)
+                or not all(isinstance(r, int) and 0 <= r < world for r in ranks)):
+            raise InputError(f"{where} layout ranks: expected {dims.world_size} distinct world ranks in "
+                             f"[0, {world}) for dp {dims.dp} x pp {dims.pp} x tp {dims.tp}, got {ranks!r}")
+        return cls(dims, tuple(ranks))
+
+
+@dataclass(frozen=True)
 class PlanChange:
     dp_weights: tuple[float, ...] | None = None  # micro-batch share per replica
     layer_splits: tuple[tuple[int, ...], ...] | None = None  # layers per stage, one split per replica
     record: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the dict as received
+    layout: Relayout | None = None  # new groups over the world's ranks; None: the same layout
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], dims: ParallelDims, layers: int,
-              where: str = "plan") -> PlanChange:
-        """The change in ``data``, or InputError naming the field that does not fit the job."""
+              where: str = "plan", world: int | None = None) -> PlanChange:
+        """The change in ``data``, or InputError naming the field that does not fit the job
+        (``world``: the job's processes, when the current layout uses only some of them)."""
         if not isinstance(data, Mapping):
             raise InputError(f"{where}: expected a plan change mapping, got {type(data).__name__}")
+        layout = None
+        if data.get("layout") is not None:
+            layout = Relayout.parse(data["layout"], world or dims.world_size, where)
+            dims = layout.dims  # the rest of the change is read against the new layout
         weights = data.get("dp_weights")
         if weights is not None:
             try:
@@ -49,7 +84,7 @@ class PlanChange:
             for split in splits:
                 ranges_from_counts(split, layers, dims.pp, source=f"{where} layer split")
             splits = tuple(tuple(int(c) for c in split) for split in splits)
-        return cls(weights, splits, dict(data))
+        return cls(weights, splits, dict(data), layout)
 
     def replica_ranges(self, layers: int, pp: int) -> list[list[tuple[int, int]]] | None:
         """Each replica's contiguous layer ranges ``[first, last)`` per stage; None: unchanged."""

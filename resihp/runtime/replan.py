@@ -7,6 +7,12 @@
   owner to the new one by global name, over point-to-point sends walked in global layer order (so
   every rank's sends and receives are in one consistent order and cannot deadlock).
 
+- a new layout (``relayout``): the data x pipeline x tensor-parallel split itself changes (tensor-
+  parallel groups re-formed, a device excluded as a hot spare or taken back, ranks moved between
+  pipelines, another depth): every rank builds the new generation of process groups and the state
+  is resharded into it by global name from memory with the checkpoints' own code
+  (``resihp.ckpt.reshard.placed_state`` through DCP, over shared memory on one node).
+
 A plan change is a ``planchange.PlanChange`` (its JSON form: ``{"version", "dp_weights"?,
 "layer_split"? | "layer_splits"?, "reason"?}``); pipelines may split their layers differently
 (``gradsync`` sums each layer's gradient over whichever stages hold it).
@@ -14,11 +20,23 @@ A plan change is a ``planchange.PlanChange`` (its JSON form: ``{"version", "dp_w
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from resihp.ckpt.reshard import (
+    bytes_to_receive,
+    counting_reader,
+    extents,
+    forget_mesh,
+    placed_state,
+)
 from resihp.model.gpt import ADAM_KEYS, DecoderBlock, GPTConfig, GPTStage
 from resihp.model.tensor_parallel import TPContext
 
@@ -94,3 +112,60 @@ def repartition(model: GPTStage, optimizer: torch.optim.Optimizer, cfg: GPTConfi
                 if end_state[name]:
                     optimizer.state[p] = {k: v.clone() for k, v in end_state[name].items()}
     return model, optimizer, sent
+
+
+Rebuilt = tuple[torch.nn.Module, torch.optim.Optimizer, TPContext] | None
+
+
+def _exchange_dir(control_group: object, out: str) -> str:
+    """A fresh folder every rank sees: in shared memory when the whole job is on this node, else
+    under the run folder; rank 0 makes it and tells the others."""
+    box = [None]
+    if dist.get_rank() == 0:
+        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
+        base = Path("/dev/shm") if one_node and Path("/dev/shm").is_dir() else Path(out)
+        base.mkdir(parents=True, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix="resihp-relayout-", dir=base)
+    dist.broadcast_object_list(box, 0, group=control_group)
+    return box[0]
+
+
+def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, tp: TPContext,
+             cfg: GPTConfig, rebuild: Callable[[], Rebuilt], control_group: object, out: str) -> dict:
+    """Collective over the world: every rank's parameters and AdamW state (none on a spare) under
+    their global keys and placements, as a checkpoint writes them, into a shared-memory folder;
+    ``rebuild()`` forms the new layout and returns this rank's new stage model, optimizer and
+    tensor-parallel context (None: a spare); the new placed state is read back with DCP's
+    resharding. Returns the bytes moved (written + read), the least the two layouts need (each
+    rank's new blocks less what it already held), and the seconds."""
+    # deferred for start-up time: torch.distributed.checkpoint only in runs that reshard or checkpoint
+    import torch.distributed.checkpoint as dcp
+
+    start = time.perf_counter()
+    old = placed_state(model, optimizer, tp, cfg) if model is not None else {}
+    held = extents(old)
+    directory = _exchange_dir(control_group, out)
+    dcp.save(old, checkpoint_id=directory)
+    written = sum(p.stat().st_size for p in Path(directory).iterdir()) if dist.get_rank() == 0 else 0
+    del old
+    built = rebuild()
+    new = placed_state(*built[:2], built[2], cfg) if built is not None else {}
+    read = [0]
+    dcp.load(new, storage_reader=counting_reader(dcp.FileSystemReader(directory), read))
+    minimum = bytes_to_receive(held, extents(new))
+    totals = torch.tensor([written, read[0], minimum], dtype=torch.float64)
+    dist.all_reduce(totals, group=control_group)  # also: every rank has read before the folder goes
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
+    return {"moved_bytes": int(totals[0] + totals[1]), "written_bytes": int(totals[0]),
+            "read_bytes": int(totals[1]), "minimum_bytes": int(totals[2]), "relayout_s": round(float(seconds), 4)}
+
+
+def retire_groups(groups: Sequence[object]) -> None:
+    """Destroy a past generation's process groups this rank belongs to."""
+    for group in groups:
+        if isinstance(group, dist.ProcessGroup):
+            forget_mesh(group)
+            dist.destroy_process_group(group)

@@ -1,0 +1,153 @@
+"""Resharding benchmark: a checkpoint written at one layout loaded into others from disk (the path
+``resihp run --resume`` takes), at the runtime's default model and at one with >= 256 MiB of state
+(parameters and AdamW moments) per rank. Two ranks spawned on gloo; every target layout's engine
+is built once and reloaded in interleaved rounds; medians. Per transition: wall time of the load
+(the slowest rank; it includes checking every file against the manifest, timed alone as
+``verify_s``), bytes DCP read versus the minimum (each rank's own blocks: its shards and its copies
+of replicated tensors). Prints JSON; ``--out`` also writes it.
+
+    OMP_NUM_THREADS=1 python benchmarks/reshard.py [--quick] [--out benchmarks/results/reshard.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+SAVED = {"dp": 1, "pp": 1, "tp": 2}
+TARGETS = {"1x1x2 (same)": {"dp": 1, "pp": 1, "tp": 2}, "2x1x1": {"dp": 2, "pp": 1, "tp": 1},
+           "1x2x1": {"dp": 1, "pp": 2, "tp": 1}}
+MODELS = {
+    "default": {},  # the runtime's default model (RunConfig)
+    "large": {"layers": 4, "hidden": 1024, "heads": 8, "ffn_hidden": 4096, "vocab": 8192},
+}
+
+
+def _state_bytes(engine) -> int:
+    from resihp.ckpt.reshard import local_blocks, placed_state
+
+    blocks = local_blocks(placed_state(engine.model, engine.optimizer, engine.tp, engine.model_cfg))
+    return sum(t.numel() * t.element_size() for t in blocks.values())
+
+
+def _counting_reader(directory: Path, counter: list[int]):
+    from resihp.ckpt.integrity import safe_reader
+    from resihp.ckpt.reshard import counting_reader
+
+    return counting_reader(safe_reader(directory), counter)
+
+
+def _max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _sum(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
+    from resihp.ckpt.integrity import verify
+    from resihp.ckpt.universal import load, save
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.elastic import checkpoint_meta
+    from resihp.runtime.engine import Engine
+
+    result: dict = {"models": {}}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), WORLD),
+                                rank=rank, world_size=WORLD)
+        for name in models:
+            shape = MODELS[name]
+            saved = Path(tmp) / name
+            cfg = RunConfig(**shape, **SAVED, out=tmp)
+            engine = Engine(cfg, torch.device("cpu"))
+            saves = []
+            for i in range(rounds):
+                dist.barrier()
+                t0 = time.perf_counter()
+                save(saved / f"r{i}", engine.model, engine.optimizer, 0, checkpoint_meta(engine, cfg), engine.tp,
+                     engine.model_cfg)
+                saves.append(_max(time.perf_counter() - t0))
+            state_bytes = _max(_state_bytes(engine))
+            del engine
+            engines = {t: Engine(RunConfig(**shape, **layout, out=tmp), torch.device("cpu"))
+                       for t, layout in TARGETS.items()}
+            times = {t: [] for t in TARGETS}
+            verifies, read, minimum = [], {}, {}
+            for i in range(rounds):
+                names = list(TARGETS)
+                for t in names[i % len(names):] + names[: i % len(names)]:  # rotate the order
+                    engine = engines[t]
+                    counter = [0]
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    load(saved / f"r{i}", engine.model, engine.optimizer, engine.tp, engine.model_cfg,
+                         reader=_counting_reader(saved / f"r{i}", counter))
+                    times[t].append(_max(time.perf_counter() - t0))
+                    read[t], minimum[t] = _sum(counter[0]), _sum(_state_bytes(engine))
+                dist.barrier()
+                t0 = time.perf_counter()
+                verify(saved / f"r{i}")
+                verifies.append(_max(time.perf_counter() - t0))
+            result["models"][name] = {
+                "shape": RunConfig(**shape).model_config().to_dict(), "saved_layout": SAVED,
+                "state_bytes_per_rank": int(state_bytes), "save_s": statistics.median(saves),
+                "verify_s": statistics.median(verifies),
+                "transitions": {t: {"layout": TARGETS[t], "load_s": statistics.median(times[t]),
+                                    "load_s_all": times[t], "bytes_read": read[t], "bytes_minimum": minimum[t],
+                                    "read_over_minimum": read[t] / minimum[t]} for t in TARGETS}}
+            del engines
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds instead of 5")
+    parser.add_argument("--models", default="default,large")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rounds = 3 if args.quick else 5
+    models = args.models.split(",")
+    load_before = os.getloadavg()
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.start_processes(_rank, args=(tmp, rounds, models), nprocs=WORLD, join=True, start_method="spawn")
+        results = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise SystemExit(f"rank {r}:\n{res['error']}")
+    report = {"benchmark": "reshard", "world": WORLD, "rounds": rounds, "models": results[0]["models"],
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "cpu_count": os.cpu_count(), "torch": torch.__version__, "machine": platform.machine(),
+              "wall_s": round(time.time() - started, 1),
+              "note": "from disk, through the page cache (files just written); load_s includes each rank "
+                      "checking every file's sha256 against the manifest (verify_s alone)"}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

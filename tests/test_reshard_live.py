@@ -1,0 +1,80 @@
+"""Live layout changes without restarting processes: a broadcast plan change with a ``layout``
+makes every rank build a new generation of process groups and reshard parameters and AdamW state
+into it from memory. (2, 1, 2) -> rank 1 excluded as a hot spare, (3, 1, 1) on ranks 0, 2, 3 ->
+the spare taken back into re-formed tensor-parallel groups of another depth, (1, 2, 2) on ranks
+3, 2, 1, 0 (inside a tensor-parallel group world ranks ascend with the tp rank: 2, 3, 0, 1); the
+losses stay the uninterrupted run's. Four ranks spawned on gloo."""
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.test_reshard import BASE
+
+STEPS = 7
+CHANGES = {3: {"version": 1, "layout": {"dp": 3, "pp": 1, "tp": 1, "ranks": [0, 2, 3]}, "reason": "exclude rank 1"},
+           5: {"version": 2, "layout": {"dp": 1, "pp": 2, "tp": 2, "ranks": [3, 2, 1, 0]},
+               "layer_split": [3, 1], "reason": "take rank 1 back"}}
+
+
+def _rank(rank: int, world: int, tmp: str) -> None:
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.engine import Engine
+
+    result: dict = {}
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
+                                rank=rank, world_size=world)
+        cfg = RunConfig(**{**BASE, "steps": STEPS}, dp=2, pp=1, tp=2, out=tmp)
+        reference = Engine(cfg, torch.device("cpu"))
+        result["reference"] = [reference.train_step(s).loss for s in range(STEPS)]
+        del reference
+        engine = Engine(cfg, torch.device("cpu"))
+        losses, seen = [], []
+        for step in range(STEPS):
+            change = engine.sync_plan(step, CHANGES.get(step) if rank == 0 else None)
+            if change is not None:
+                seen.append({"active": list(engine.active), "spare": engine.coords is None})
+            losses.append(engine.train_step(step).loss)
+        result.update(losses=losses, seen=seen, changes=engine.plan_changes)
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the test process
+        result["error"] = traceback.format_exc()
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("live")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_rank, args=(4, str(tmp)), nprocs=4, join=True, start_method="spawn")
+    out = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for r, res in enumerate(out):
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    return out
+
+
+@pytest.mark.slow
+def test_layout_changes_live_keep_the_uninterrupted_losses(live):
+    reference = live[0]["reference"]
+    for step in range(STEPS):  # the global loss, from whichever rank holds the last stage then
+        got = [r["losses"][step] for r in live if r["losses"][step] is not None]
+        assert got, f"no rank trained step {step}"
+        assert abs(got[0] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got[0], reference[step])
+
+
+@pytest.mark.slow
+def test_the_excluded_rank_is_a_spare_then_taken_back(live):
+    assert live[1]["seen"] == [{"active": [0, 2, 3], "spare": True}, {"active": [2, 3, 0, 1], "spare": False}]
+    assert [s["spare"] for s in live[0]["seen"]] == [False, False]
+    first, second = live[0]["changes"]
+    assert first["generation"] == 1 and first["spares"] == [1] and second["generation"] == 2 and second["spares"] == []
+    for change in (first, second):  # what moved, against the least the two layouts need
+        assert 0 < change["minimum_bytes"] <= change["read_bytes"] <= change["moved_bytes"]
+        assert change["relayout_s"] > 0
