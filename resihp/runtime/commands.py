@@ -101,7 +101,7 @@ def run_cmd(
     from resihp.runtime.launch import Nodes
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
-    from resihp.runtime.snapshots import start_keeper
+    from resihp.runtime.snapshots import restartable, start_keeper
     from resihp.runtime.supervisor import supervise
 
     if if_busy not in ("fail", "subfolder"):
@@ -159,7 +159,7 @@ def run_cmd(
         if loop is not None and not outcome.interrupted:
             summary.update(_live_fields(cfg, loop, summary))
             _write_summary(out, summary)
-        if outcome.failure and cfg.recovery == "restart" and not outcome.interrupted and nnodes == 1:
+        if cfg.recovery == "restart" and nnodes == 1 and restartable(outcome):
             summary, outcome = _restart(cfg, outcome, summary, heartbeat_timeout, json_out, keeper)
         elif outcome.failure and cfg.ckpt_every and not outcome.interrupted:
             summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
@@ -320,7 +320,7 @@ def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
     its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
     join the run's before the failure to those after it, from the step it went on at."""
     from resihp.runtime.elastic import latest_checkpoint
-    from resihp.runtime.snapshots import recovery_record
+    from resihp.runtime.snapshots import recovery_record, restartable
     from resihp.runtime.supervisor import supervise
 
     out, before, first = Path(cfg.out), Path(cfg.out), summary.get("first_step") or 0
@@ -330,17 +330,17 @@ def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
         ckpt, _ = latest_checkpoint(out, cfg)
         new = replace(cfg, inject=[], resume=str(ckpt) if ckpt else None,
                       out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
-        failure = again.failure
+        failure, why = again.failure, again.error
         with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
             again = supervise(new, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=new.timeout_s,
                               on_step=lambda s: advance(s + 1), on_poll=keeper)
         after = _summary(new, again)
-        record = recovery_record(before, Path(new.out), failure, before_summary, after)
+        record = recovery_record(before, Path(new.out), failure, before_summary, after, cause=why)
         records.append(record)
         resumed = record["resumed_step"] if record["resumed_step"] is not None else len(losses) + first
         losses = losses[:max(0, resumed - first)] + list(after.get("losses") or [])
         before, before_summary = Path(new.out), after
-        if not again.failure or again.interrupted:
+        if not restartable(again):
             break
     summary.update({"recovery": records[0] if len(records) == 1 else {**records[-1], "restarts": records},
                     "losses": losses, "first_step": first, "steps": first + len(losses),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,6 +98,23 @@ class MemorySnapshots:
         self.snapshotter.close()
 
 
+class BoundaryStop:
+    """With snapshots on, SIGTERM ends a rank at the next step boundary, once that step's snapshot
+    has started (closing the tier completes it), so a SIGTERM loses no step. A rank blocked on a
+    dead peer still ends by the collective's error."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def check(self) -> None:
+        if self.requested:
+            raise SystemExit(143)
+
+
 # --- the launcher's side (resihp run) ----------------------------------------------------------------
 _KEEPERS: dict[str, Path] = {}  # job id -> the tier whose keeper this launcher started
 
@@ -119,6 +137,19 @@ def stop_keepers(job_id: str) -> None:
         stop_keeper(directory)
 
 
+def restartable(outcome) -> bool:
+    """Whether a job's end calls for a restart in place: a fail-stop, or workers that died
+    without saying why (a rank ended by a signal or an exception brings down its peers, whose
+    heartbeats then end as stopped); not an input error, a worker's own reason to stop (a
+    non-finite loss, a full disk) nor an interrupt of the launcher."""
+    if outcome.interrupted or outcome.input_error:
+        return False
+    if outcome.failure is not None:
+        return True
+    said = any(e.get("kind") in ("stop", "input") for e in outcome.errors) or "disk full" in (outcome.error or "")
+    return outcome.returncode != 0 and not said and not outcome.left_alive
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -139,7 +170,7 @@ def _step_times(out: Path) -> tuple[float | None, float | None]:
 
 
 def recovery_record(before: Path, after: Path, failure: Event | None, before_summary: dict,
-                    after_summary: dict) -> dict:
+                    after_summary: dict, cause: str | None = None) -> dict:
     """The run summary's ``recovery`` object for a restart in place: where the state came from
     (``memory``, ``peer``, ``disk``, or ``none``: step 0), the step training went on at, the steps
     done twice, and the times: the fail-stop's detection, the restore, and the whole stall (the
@@ -157,7 +188,7 @@ def recovery_record(before: Path, after: Path, failure: Event | None, before_sum
     done = (int(first) + len(losses)) if first is not None else 0  # steps complete before the failure
     _, last_end = _step_times(before)
     first_start, _ = _step_times(after)
-    extra = failure.extra if failure is not None else {}
+    extra = failure.extra if failure is not None else {"cause": cause}
     return {"mode": "restart", "source": source, "cause": extra.get("cause"),
             "rank": failure.rank if failure is not None else None,
             "resumed_step": resumed, "lost_steps": max(0, done - resumed) if resumed is not None else None,

@@ -46,7 +46,7 @@ from resihp.runtime.follow import TRACE_STREAM
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
-from resihp.runtime.snapshots import MemorySnapshots
+from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
@@ -273,6 +273,7 @@ def run(cfg: RunConfig) -> None:
                                    out / TRACE_STREAM)
         collector.start()
     phase = "stopped"
+    boundary = BoundaryStop() if memory is not None else None
     try:
         for step in range(first_step, cfg.steps):
             engine.rec.begin_step(step)
@@ -295,6 +296,8 @@ def run(cfg: RunConfig) -> None:
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
             publisher.publish(step, engine.rec.take_new())
+            if boundary is not None:
+                boundary.check()  # a SIGTERM during the step ends the rank here, its snapshot kept
         phase = "done"
     finally:
         if memory is not None:

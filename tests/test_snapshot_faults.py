@@ -1,0 +1,190 @@
+"""Fault matrix of the memory tier, with real processes and real signals (``resihp run`` with
+torchrun workers on gloo, CPU, fixed seed): after each fault the run restarts in place and its
+per-step losses from the resumed step on are bitwise those of an uninterrupted run.
+
+- SIGKILL of a trainer rank (``stop``), with the keeper SIGKILLed earlier in the run: restored from
+  each rank's own memory, no step lost;
+- SIGTERM of a trainer rank: the rank finishes its snapshot copy on its way out;
+- SIGSTOP of a trainer rank (``hang:how=stop``) in a dp = 1 layout, its own slots corrupted (a
+  flipped byte each) while it is stopped: found by the checksums, restored from the explicit copy
+  the other rank keeps (over gloo);
+- SIGKILL during the snapshot copy: the slot being written is never published, the previous one
+  stays whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
+         "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--steps", "6",
+         "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60"]
+
+
+def _env(shm: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
+
+
+def _start(out: Path, shm: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
+                            env=_env(shm), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> dict:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def shm(tmp_path):
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = root / f"resihp-faults-{os.getpid()}-{time.monotonic_ns()}"
+    root.mkdir()
+    yield root
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs (no snapshots) of the two layouts."""
+    base = tmp_path_factory.mktemp("reference")
+    procs = {name: _start(base / name, base, *layout) for name, layout in
+             (("dp2", ["--dp", "2", "--pp", "1"]), ("pp2", ["--dp", "1", "--pp", "2"]))}
+    return {name: _finish(p)["losses"] for name, p in procs.items()}
+
+
+def _tier(shm: Path, timeout_s: float = 120) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [p for p in shm.glob("resihp-*-n0") if p.is_dir()]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no memory tier appeared under {shm}")
+
+
+def _published(tier: Path, rank: int, step: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in tier.glob(f"rank{rank}.[AB].json"):
+            try:
+                if json.loads(path.read_text())["step"] >= step:
+                    return
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} never published step {step}")
+
+
+def _worker_pid(tier: Path, rank: int) -> int:
+    """The trainer process of ``rank``: the one that has its slot file open."""
+    target = str(tier / f"rank{rank}.A.bin")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text().splitlines()
+            if any(ln.rstrip().endswith(target) for ln in maps) and b"resihp.runtime.worker" in (
+                    proc / "cmdline").read_bytes():
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no worker maps {target}")
+
+
+def _check(summary: dict, reference: list, source: str, max_lost: int = 0) -> None:
+    rec = summary["recovery"]
+    assert rec["mode"] == "restart" and rec["source"] == source, rec
+    assert rec["lost_steps"] <= max_lost, rec
+    assert summary["first_step"] == 0 and summary["losses"] == reference, (summary["losses"], reference)
+    for key in ("detected_s", "restore_s", "stall_s"):
+        assert rec[key] is None or rec[key] >= 0
+
+
+def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(reference, shm, tmp_path):
+    proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
+                  "--inject", "stop:rank=1,step=4")
+    tier = _tier(shm)
+    _published(tier, 0, 0)
+    keeper = int((tier / "keeper.pid").read_text())
+    os.kill(keeper, signal.SIGKILL)  # the launcher starts another; the files stay
+    summary = _finish(proc)
+    _check(summary, reference["dp2"], "memory")
+    assert summary["recovery"]["resumed_step"] == 4
+    assert not tier.exists()  # the job is over: its keeper removed the tier
+
+
+def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
+    proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
+                  "--inject", "slow:rank=0,factor=4,step=0")
+    tier = _tier(shm)
+    _published(tier, 1, 1)
+    os.kill(_worker_pid(tier, 1), signal.SIGTERM)
+    summary = _finish(proc)
+    _check(summary, reference["dp2"], "memory")
+
+
+def test_sigstop_with_corrupted_own_slots_restores_from_the_peer_copy(reference, shm, tmp_path):
+    proc = _start(tmp_path / "run", shm, "--dp", "1", "--pp", "2", "--recovery", "restart",
+                  "--inject", "hang:rank=0,step=3,how=stop")
+    tier = _tier(shm)
+    _published(tier, 0, 2)
+    _published(tier, 1, 2)
+    deadline = time.monotonic() + 60  # the keeper's copy of rank 0's newest slot, held by rank 1
+    while not (tier / "rank0.copy.json").exists() or list(tier.glob("*.pending.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for slot in ("A", "B"):  # rank 0 is stopped: flip a byte in each of its own slots
+        header = json.loads((tier / f"rank0.{slot}.json").read_text())
+        with open(tier / f"rank0.{slot}.bin", "r+b") as f:
+            f.seek(header["shards"][0]["offset"] + 7)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+    summary = _finish(proc)
+    _check(summary, reference["pp2"], "peer")
+    assert summary["recovery"]["cause"] == "hang"
+
+
+def test_sigkill_during_the_snapshot_copy_never_publishes_the_slot(shm):
+    code = f"""
+import os, signal, torch
+from resihp.ckpt.keeper import ensure_keeper
+from resihp.ckpt.memory import MemoryTier, tier_dir
+from resihp.ckpt.snapshot import Snapshotter
+d = tier_dir("kill", 0)
+ensure_keeper(d, {os.getpid()})
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 1024)).sum().backward(); opt.step()
+snap = Snapshotter(MemoryTier(d, 0), every=1)
+snap.snapshot(0, model, opt, {{}}); snap.fence()
+while not (d / "rank0.A.json").exists(): pass
+opt.step()
+snap.snapshot(1, model, opt, {{}})
+os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the copy of step 1
+"""
+    subprocess.run([sys.executable, "-c", code], env=_env(shm), timeout=120)
+    from resihp.ckpt.keeper import stop_keeper
+    from resihp.ckpt.memory import MemoryTier
+
+    tier_dir = shm / "resihp-kill-n0"
+    time.sleep(0.5)  # the keeper would have published a complete slot by now
+    tier = MemoryTier(tier_dir, 0)
+    headers = tier.headers()
+    assert [h.step for h in headers] == [0] and tier.verify(headers[0])
+    assert not (tier_dir / "rank0.B.json").exists()
+    stop_keeper(tier_dir)
