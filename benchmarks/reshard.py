@@ -4,7 +4,11 @@
 is built once and reloaded in interleaved rounds; medians. Per transition: wall time of the load
 (the slowest rank; it includes checking every file against the manifest, timed alone as
 ``verify_s``), bytes DCP read versus the minimum (each rank's own blocks: its shards and its copies
-of replicated tensors). Prints JSON; ``--out`` also writes it.
+of replicated tensors). From memory (``from_memory``): live layout changes of the running engine
+(``Engine.sync_plan`` with a layout: new process groups, state resharded through shared memory)
+to each target and back: seconds (the slowest rank), bytes moved (written + read) versus the least
+the two layouts need (what each rank did not hold before), and at the default model the stall in
+steps (seconds over the median step time). Prints JSON; ``--out`` also writes it.
 
     OMP_NUM_THREADS=1 python benchmarks/reshard.py [--quick] [--out benchmarks/results/reshard.json]
 """
@@ -61,6 +65,37 @@ def _sum(value: int) -> int:
     return int(t)
 
 
+def _from_memory(engine, rounds: int, time_steps: bool) -> dict:
+    """Live layout changes (no restart): from the saved layout to each other target and back, in
+    rotated order; per direction the slowest rank's seconds, bytes moved and the least needed. At
+    the default model also the step time, to give the stall in steps."""
+    step_s = []
+    if time_steps:
+        for s in range(3):
+            step_s.append(_max(engine.train_step(s).wall_s))
+    out: dict[str, dict[str, list]] = {}
+    version = engine.plan_version
+    names = [t for t in TARGETS if TARGETS[t] != SAVED]
+    for i in range(rounds):
+        for t in names[i % len(names):] + names[: i % len(names)]:
+            for label, layout in ((f"1x1x2 -> {t}", TARGETS[t]), (f"{t} -> 1x1x2", SAVED)):
+                version += 1
+                engine.sync_plan(0, {"version": version, "layout": layout} if dist.get_rank() == 0 else None)
+                change = engine.plan_changes[-1]
+                row = out.setdefault(label, {"relayout_s": [], "moved_bytes": [], "minimum_bytes": []})
+                for k in row:
+                    row[k].append(change[k])
+    result = {}
+    for label, row in out.items():
+        seconds = statistics.median(row["relayout_s"])
+        result[label] = {"relayout_s": seconds, "relayout_s_all": row["relayout_s"],
+                         "moved_bytes": row["moved_bytes"][0], "minimum_bytes": row["minimum_bytes"][0],
+                         "moved_over_minimum": row["moved_bytes"][0] / max(row["minimum_bytes"][0], 1)}
+        if step_s:
+            result[label]["stall_steps"] = seconds / statistics.median(step_s)
+    return {"step_s": statistics.median(step_s) if step_s else None, "changes": result}
+
+
 def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
     from resihp.ckpt.integrity import verify
     from resihp.ckpt.universal import load, save
@@ -86,6 +121,7 @@ def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
                      engine.model_cfg)
                 saves.append(_max(time.perf_counter() - t0))
             state_bytes = _max(_state_bytes(engine))
+            memory = _from_memory(engine, rounds, name == "default")
             del engine
             engines = {t: Engine(RunConfig(**shape, **layout, out=tmp), torch.device("cpu"))
                        for t, layout in TARGETS.items()}
@@ -109,7 +145,7 @@ def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
             result["models"][name] = {
                 "shape": RunConfig(**shape).model_config().to_dict(), "saved_layout": SAVED,
                 "state_bytes_per_rank": int(state_bytes), "save_s": statistics.median(saves),
-                "verify_s": statistics.median(verifies),
+                "verify_s": statistics.median(verifies), "from_memory": memory,
                 "transitions": {t: {"layout": TARGETS[t], "load_s": statistics.median(times[t]),
                                     "load_s_all": times[t], "bytes_read": read[t], "bytes_minimum": minimum[t],
                                     "read_over_minimum": read[t] / minimum[t]} for t in TARGETS}}

@@ -155,3 +155,24 @@ def counting_reader(reader, counter: list[int]):
 
     reader.read_data = counted
     return reader
+
+
+def copy_held(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> set[str]:
+    """Fill every tensor of placed state ``new`` whose block lies inside the block this rank held
+    of the same key in ``old`` by a local copy; returns the keys filled (the rest must be read)."""
+    held, needed = extents(old), extents(new)
+    done = set()
+    with torch.no_grad():
+        for key, (offsets, sizes, _) in needed.items():
+            if key not in held:
+                continue
+            o2, s2, _ = held[key]
+            if not all(b <= a and a + n <= b + m for a, n, b, m in zip(offsets, sizes, o2, s2, strict=True)):
+                continue
+            source = old[key].to_local() if isinstance(old[key], DTensor) else old[key]
+            for dim, (a, n, b) in enumerate(zip(offsets, sizes, o2, strict=True)):
+                source = source.narrow(dim, a - b, n)
+            target = new[key].to_local() if isinstance(new[key], DTensor) else new[key]
+            target.copy_(source)
+            done.add(key)
+    return done

@@ -30,13 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from resihp.ckpt.reshard import (
-    bytes_to_receive,
-    counting_reader,
-    extents,
-    forget_mesh,
-    placed_state,
-)
 from resihp.model.gpt import ADAM_KEYS, DecoderBlock, GPTConfig, GPTStage
 from resihp.model.tensor_parallel import TPContext
 
@@ -135,11 +128,20 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     """Collective over the world: every rank's parameters and AdamW state (none on a spare) under
     their global keys and placements, as a checkpoint writes them, into a shared-memory folder;
     ``rebuild()`` forms the new layout and returns this rank's new stage model, optimizer and
-    tensor-parallel context (None: a spare); the new placed state is read back with DCP's
-    resharding. Returns the bytes moved (written + read), the least the two layouts need (each
-    rank's new blocks less what it already held), and the seconds."""
-    # deferred for start-up time: torch.distributed.checkpoint only in runs that reshard or checkpoint
+    tensor-parallel context (None: a spare); what a rank held already is copied locally, the rest
+    read back with DCP's resharding. Returns the bytes moved (written + read), the least the two
+    layouts need (each rank's new blocks less what it already held), and the seconds."""
+    # deferred for start-up time: torch.distributed.checkpoint and DTensor (~2.5 s on a loaded
+    # machine) only in runs that reshard or checkpoint
     import torch.distributed.checkpoint as dcp
+
+    from resihp.ckpt.reshard import (
+        bytes_to_receive,
+        copy_held,
+        counting_reader,
+        extents,
+        placed_state,
+    )
 
     start = time.perf_counter()
     old = placed_state(model, optimizer, tp, cfg) if model is not None else {}
@@ -147,12 +149,14 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     directory = _exchange_dir(control_group, out)
     dcp.save(old, checkpoint_id=directory)
     written = sum(p.stat().st_size for p in Path(directory).iterdir()) if dist.get_rank() == 0 else 0
-    del old
     built = rebuild()
     new = placed_state(*built[:2], built[2], cfg) if built is not None else {}
-    read = [0]
-    dcp.load(new, storage_reader=counting_reader(dcp.FileSystemReader(directory), read))
     minimum = bytes_to_receive(held, extents(new))
+    local = copy_held(old, new)
+    del old
+    read = [0]
+    dcp.load({k: v for k, v in new.items() if k not in local},
+             storage_reader=counting_reader(dcp.FileSystemReader(directory), read))
     totals = torch.tensor([written, read[0], minimum], dtype=torch.float64)
     dist.all_reduce(totals, group=control_group)  # also: every rank has read before the folder goes
     if dist.get_rank() == 0:
@@ -165,6 +169,8 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
 
 def retire_groups(groups: Sequence[object]) -> None:
     """Destroy a past generation's process groups this rank belongs to."""
+    from resihp.ckpt.reshard import forget_mesh  # deferred for start-up time (see relayout)
+
     for group in groups:
         if isinstance(group, dist.ProcessGroup):
             forget_mesh(group)
