@@ -75,7 +75,8 @@ def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault,
     assert failure["step"] >= 4 and failure["node"] == 1
     assert node0.returncode == 1 and err0.strip().splitlines()[-1].startswith("resihp: rank")
     assert "Traceback" not in err0 and "Traceback" not in err1
-    assert node1.returncode == 1 and "node 0" in err1.strip().splitlines()[-1]
+    # node 1 ends too, with one line (node 0's reason, or its own torchrun's if it saw it first)
+    assert node1.returncode == 1 and err1.strip().splitlines()[-1].startswith("resihp: ")
     assert time.time() - t0 < 200
     _no_workers_left(tmp_path)
 

@@ -322,9 +322,10 @@ class HeartbeatMonitor:
             stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit]
             if stalled:
                 # the ranks waiting in a communication op wait for the one that is not
-                culprits = [v for v in stalled if not v.wait] or [min(stalled, key=lambda v: (v.step, v.ops))]
-                for v in culprits:
-                    found[v.rank] = ("hang", v.stalled_s)
+                idle = [v for v in stalled if not v.wait]
+                # the one stuck longest among those not waiting; if all wait, the one furthest behind
+                v = max(idle, key=lambda v: v.stalled_s) if idle else min(stalled, key=lambda v: (v.step, v.ops))
+                found[v.rank] = ("hang", v.stalled_s)
         new: list[Event] = []
         for r, (cause, silent_s) in sorted(found.items()):
             if r in self.dead:

@@ -246,8 +246,9 @@ class Engine:
                     self._compute("backward-compute", mb, lambda out=out, grad=grad: out.backward(grad))
                     if x is not None:
                         self._send(x.grad, self.prev, tag, "backward-send", mb)
-            for work in self._pending:
-                work.wait()
+            with self.rec.waiting("send-wait"):
+                for work in self._pending:
+                    work.wait()
             self._pending.clear()
             loss = self._all_reduce_grads(loss_sum)
             with self.rec.op("optimizer"):

@@ -20,7 +20,8 @@ COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", 
 
 def is_wait(optype: str) -> bool:
     """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers)."""
-    return optype.endswith("-recv") or "all-reduce" in optype or optype in ("plan-sync", "barrier")
+    return (optype.endswith(("-recv", "-send")) or "all-reduce" in optype
+            or optype in ("plan-sync", "barrier", "send-wait"))
 
 
 class OpRecorder:
