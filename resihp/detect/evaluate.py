@@ -69,11 +69,6 @@ class Score:
         }
 
 
-def _next_stage(dims: ParallelDims, rank: int) -> int:
-    place = dims.coords(rank)
-    return dims.rank_of(place.dp_rank, place.stage + 1, place.tp_rank)
-
-
 def score_events(events: list[Event], injections: list[Injection], steps: np.ndarray,
                  dims: ParallelDims, *, grace: int = 5, skip_first: int = 0) -> Score:
     """Match ``events`` of one trace (a job of ``dims``) against its injected faults; a link-slow
@@ -89,8 +84,9 @@ def score_events(events: list[Event], injections: list[Injection], steps: np.nda
     for ev in sorted((e for e in events if e.is_device_fault), key=lambda e: e.detected_step):
         hit = None
         for j, inj in enumerate(injections):
-            ranks = {inj.rank} if inj.kind == "fail-slow" else {inj.rank, _next_stage(dims, inj.rank)}
+            ranks = set(inj.link_ends(dims))
             if (ev.kind == inj.kind and ev.rank in ranks
+                    and ev.extra.get("traffic", inj.traffic) == inj.traffic
                     and inj.onset_step <= ev.detected_step <= inj.end_step + grace):
                 hit = j
                 break

@@ -10,7 +10,9 @@ NOT_DEVICE_FAULTS = ("workload-imbalance", "stage-imbalance")
 
 @dataclass
 class Event:
-    """One finding. ``rank`` is None for findings about a whole stage or replica."""
+    """One finding. ``rank`` is None for findings about a whole stage or replica. A ``link-slow``
+    names both ends of its link in ``ranks`` (``rank`` is one of them) and its traffic
+    (``extra["traffic"]``: ``pipeline`` or ``gradient-sync``)."""
 
     kind: str
     rank: int | None
@@ -23,6 +25,7 @@ class Event:
     confidence: float
     end_step: int | None = None
     extra: dict = field(default_factory=dict)
+    ranks: list[int] | None = None
 
     @property
     def is_device_fault(self) -> bool:
@@ -34,6 +37,8 @@ class Event:
                "onset_step": int(self.onset_step), "detected_step": int(self.detected_step),
                "slowdown": round(float(self.slowdown), 4), "confidence": round(float(self.confidence), 4),
                "end_step": _int(self.end_step)}
+        if self.ranks is not None:
+            out["ranks"] = [int(r) for r in self.ranks]
         out.update(self.extra)
         return out
 

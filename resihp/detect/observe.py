@@ -3,8 +3,9 @@
 For each rank and step: ``raw`` (seconds of compute), ``own`` (a low quantile over the rank's compute
 ops of measured / expected cost, i.e. how slow the rank's own work ran, ignoring the ops that were
 inflated by waiting on a neighbour), ``expected`` (seconds the cost model expects; only with a trained
-predictor) and ``comm`` (a low quantile of the per-token transfer times over the link to the next
-stage: forward sends and backward receives).
+predictor), ``comm`` (per-token transfer times over the link to the next stage: with ``start_ts``
+the median of its messages with the waits taken out, ``links``; without, a low quantile of forward
+sends and backward receives) and ``sync`` (gradient-collective transfer seconds, ``links``).
 
 The expected cost of an op comes from, in order of preference: a predictor callable given the op's
 packed sequence lengths; analytic FLOPs of those lengths; peers that did the same work (the same stage
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from resihp.detect.links import pipeline_transfers, sync_transfers
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
 from resihp.workload.features import length_features
@@ -54,6 +56,8 @@ class Observations:
     expected: np.ndarray | None
     comm: np.ndarray | None
     cost_model: str
+    # per rank, seconds in gradient collectives after their last member arrived (``links``)
+    sync: np.ndarray | None = None
 
 
 def infer_meta(df: pd.DataFrame) -> JobMeta:
@@ -434,16 +438,18 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     own = _cell_quantile(cell, duration / cost, own_quantile if waits_left else 0.5, t, w)
     raw = _cell_sum(cell, duration, t, w)
     expected_m = None if exp_s is None else _cell_sum(cell, exp_s, t, w)
-    comm_m = None
+    # transfers with the waits taken out where the trace has the clock for it (``links``)
+    comm_m = pipeline_transfers(cols, steps, w) if meta.pp_size > 1 else None
     link = np.flatnonzero(op == _OP_LINK)
-    if link.size:
+    if link.size and comm_m is None:
         p2p = _Ops(cols, link, op)
         rows, per_token = _per_token(p2p, comp, meta)
         comm_m = _cell_quantile(_cells(steps, p2p.step[rows], p2p.rank[rows], w), per_token,
                                 own_quantile, t, w)
     if unblocked is not None:
         model += "+timestamps" if "start_ts" in cols else "+cumulative-times"
-    return Observations(steps, own, raw, expected_m, comm_m, model)
+    sync = sync_transfers(cols, steps, w) if meta.dp_size > 1 else None
+    return Observations(steps, own, raw, expected_m, comm_m, model, sync)
 
 
 _OP_FWD, _OP_BWD, _OP_LINK, _OP_OTHER = 0, 1, 2, 3

@@ -6,7 +6,9 @@ fault), and runs a per-rank CUSUM against the rank's own healthy baseline. Const
 were there from the first steps are sorted out at calibration: a whole stage slower than the others is
 ``stage-imbalance``; one rank slower than the peers of its stage is a device that was slow from the
 start. A data-parallel replica that took longer only because its data cost more is
-``workload-imbalance``. Point-to-point transfer times get their own CUSUM (``link-slow``).
+``workload-imbalance``. Transfer times with the waits taken out (``links``) get their own CUSUMs: per
+pipeline link, and per rank in gradient collectives; an alarm is a ``link-slow`` naming both ends
+(``"ranks": [A, B]``) and the traffic (``pipeline`` or ``gradient-sync``), never a fail-slow.
 
 The rank's own-work ratio mixes its forward and backward ops (with waits on neighbours, a low quantile
 of them), so a slowdown of one phase alone moves it little. Each phase is therefore also tested on its
@@ -54,6 +56,7 @@ class OnlineDetector:
         self.layout = layout or RankPlacement(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
         self.compute = CusumBank(w, self.cfg)
         self.link = CusumBank(w, self.cfg)
+        self.sync = CusumBank(w, self.cfg)  # per rank: its gradient collectives' transfers
         # three more tests per rank: each held to a hundredfold false-alarm run length
         phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
                                                        self.cfg.phase_min_slowdown),
@@ -80,13 +83,15 @@ class OnlineDetector:
         new.shape, new.cost_model = self.shape, self.cost_model
         new.compute = self.compute.carried(source)
         new.link = self.link.carried(source)
+        new.sync = self.sync.carried(source)
         new.phase_banks = {p: b.carried(source) for p, b in self.phase_banks.items()}
         new._last_step, new._steps_seen = self._last_step, self._steps_seen
         new._checked[source >= 0] = self._checked[source[source >= 0]]
         new.events = self.events
         moved = {int(old): j for j, old in enumerate(source) if old >= 0}
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
-        banks = {id(b): b2 for b, b2 in [(self.compute, new.compute), (self.link, new.link)]
+        banks = {id(b): b2 for b, b2 in [(self.compute, new.compute), (self.link, new.link),
+                                          (self.sync, new.sync)]
                  + [(self.phase_banks[p], new.phase_banks[p]) for p in PHASES]}
         new._bank_of = {(kind, moved[i]): banks[id(b)] for (kind, i), b in self._bank_of.items()
                         if i in moved}
@@ -116,14 +121,17 @@ class OnlineDetector:
                 int(step), obs.own[i], obs.raw[i],
                 None if obs.expected is None else obs.expected[i],
                 None if obs.comm is None else obs.comm[i],
-                phases=None if not phases else {p: m[i] for p, m in phases.items()})
+                phases=None if not phases else {p: m[i] for p, m in phases.items()},
+                sync=None if obs.sync is None else obs.sync[i])
         return new
 
     def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
                        expected: np.ndarray | None = None, comm: np.ndarray | None = None,
-                       phases: dict[str, np.ndarray] | None = None) -> list[Event]:
+                       phases: dict[str, np.ndarray] | None = None,
+                       sync: np.ndarray | None = None) -> list[Event]:
         """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record);
-        ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector."""
+        ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector; ``comm``
+        and ``sync``: per rank its pipeline link's and its gradient collectives' transfers."""
         if self._last_step is not None and step <= self._last_step:
             raise InputError(f"step records: step {step} arrives after step {self._last_step}; "
                              "expected increasing step numbers")
@@ -149,6 +157,8 @@ class OnlineDetector:
             new += self._phase_step(step, name, values)
         if comm is not None:
             new += self._link_step(step, comm)
+        if sync is not None:
+            new += self._sync_step(step, sync)
         if expected is not None and raw is not None:
             new += self._workload_step(step, raw, expected)
         self.events += new
@@ -172,12 +182,14 @@ class OnlineDetector:
         return val(lay.dp_rank), val(lay.stage), val(lay.tp_rank)
 
     def _open_event(self, kind: str, i: int, onset: int, step: int, slowdown: float,
-                    confidence: float, bank: CusumBank | None = None) -> Event:
+                    confidence: float, bank: CusumBank | None = None,
+                    key: tuple[str, int] | None = None) -> Event:
         dp, st, tp = self._where(i)
         ev = Event(kind, i, dp, st, tp, onset, step, slowdown, confidence)
-        self._open[(kind, i)] = ev
+        key = key or (kind, i)
+        self._open[key] = ev
         if bank is not None:
-            self._bank_of[(kind, i)] = bank
+            self._bank_of[key] = bank
         return ev
 
     def _phase_step(self, step: int, name: str, values: np.ndarray) -> list[Event]:
@@ -202,7 +214,7 @@ class OnlineDetector:
     def rebaseline(self) -> None:
         """After a re-plan that changed the ranks' work (layers moved): every rank calibrates
         afresh; open device faults stay open (no end is known) and are not reported again."""
-        for bank in (self.compute, self.link, *self.phase_banks.values()):
+        for bank in (self.compute, self.link, self.sync, *self.phase_banks.values()):
             bank.recalibrate()
 
     def open_events(self) -> list[Event]:
@@ -275,7 +287,7 @@ class OnlineDetector:
         return out
 
     def _link_step(self, step: int, comm: np.ndarray) -> list[Event]:
-        alarms, recoveries, _ = self.link.update(step, _common_mode_log(comm))
+        alarms, recoveries, _ = self.link.update(step, _others_log(comm))
         out = []
         for a in alarms:
             # a transfer that waited on a slow compute neighbour is not a slow link
@@ -283,9 +295,49 @@ class OnlineDetector:
                 self.link.alarmed[a.index] = False
                 self.link.s[a.index] = 0.0
                 continue
-            out.append(self._open_event("link-slow", a.index, a.onset_step, step, a.slowdown, a.confidence))
+            ev = self._open_event("link-slow", a.index, a.onset_step, step, a.slowdown, a.confidence)
+            peer = self._neighbour(a.index)
+            ev.ranks = [a.index] + ([peer] if peer is not None else [])
+            ev.extra["traffic"] = "pipeline"
+            out.append(ev)
         for r in recoveries:
             self._close_event("link-slow", r.index, r.end_step, r.slowdown)
+        return out
+
+    def _neighbour(self, i: int) -> int | None:
+        """The rank at the next stage of rank ``i``'s pipeline (its link's other end)."""
+        lay = self.layout
+        hit = np.flatnonzero((lay.dp_rank == lay.dp_rank[i]) & (lay.stage == lay.stage[i] + 1)
+                             & (lay.tp_rank == lay.tp_rank[i]))
+        return int(hit[0]) if hit.size and lay.stage[i] >= 0 else None
+
+    def _sync_step(self, step: int, sync: np.ndarray) -> list[Event]:
+        """Gradient collectives: a slow link between two members stretches the transfers of
+        those two ends only. A group (the ranks of one stage and tensor-parallel rank) with exactly
+        two members alarmed, and no fail-slow open in the job (a slow device can hold every
+        collective up), is one event naming both, keyed by the lower rank."""
+        alarms, recoveries, _ = self.sync.update(step, _others_log(sync))
+        out = []
+        lay = self.layout
+        quiet = not any(kind == "fail-slow" for kind, _ in self._open) and not self.compute.alarmed.any()
+        for a in alarms:
+            i = a.index
+            group = np.flatnonzero((lay.stage == lay.stage[i]) & (lay.tp_rank == lay.tp_rank[i]))
+            hot = [int(j) for j in group if self.sync.alarmed[j]]
+            if not quiet or len(hot) != 2 or not self.sync.calibrated[group].all():
+                continue
+            lo, hi = hot
+            if ("sync", lo) in self._open:
+                continue
+            ev = self._open_event("link-slow", lo, a.onset_step, step, a.slowdown, a.confidence,
+                                  self.sync, key=("sync", lo))
+            ev.ranks = [lo, hi]
+            ev.extra["traffic"] = "gradient-sync"
+            out.append(ev)
+        for r in recoveries:
+            for (kind, lo), ev in list(self._open.items()):
+                if kind == "sync" and r.index in (ev.ranks or ()):
+                    self._close_event("sync", lo, r.end_step, r.slowdown)
         return out
 
     def _pipeline_has_fail_slow(self, i: int) -> bool:
@@ -423,6 +475,23 @@ def _common_mode_log(values: np.ndarray) -> np.ndarray:
         return out
     logs = np.log(v[ok])
     out[ok] = logs - (np.median(logs) if v.size > 1 else 0.0)
+    return out
+
+
+def _others_log(values: np.ndarray) -> np.ndarray:
+    """log(value / the median of the other ranks' values) this step: ``_common_mode_log`` with the
+    rank itself left out of its reference, so that with few links (two in a 2-stage, 2-replica
+    job) a slow one's shift is measured whole."""
+    v = np.asarray(values, dtype=np.float64)
+    ok = np.flatnonzero(v > 0)
+    out = np.full(v.shape, np.nan)
+    if ok.size == 1 and v.size == 1:
+        out[ok] = np.log(v[ok])
+    if ok.size < 2:
+        return out
+    logs = np.log(v[ok])
+    for k, i in enumerate(ok):
+        out[i] = logs[k] - np.median(np.delete(logs, k))
     return out
 
 

@@ -17,6 +17,9 @@ from resihp.paths import TRACES
 
 DEFAULT_PROFILE = TRACES / "detect" / "profile_cpu.parquet"
 FACTORS = (1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0)
+LINK_FACTORS = (1.5, 2.0, 3.0, 4.0)
+LINK_TRAFFIC = ("pipeline", "gradient-sync")
+KINDS = ("fail-slow", "link-slow")
 
 
 def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4,
@@ -57,6 +60,18 @@ def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4
             d, s = int(rng.integers(dp)), int(rng.integers(pp - 1))
             inj = Injection("link-slow", dims.rank_of(d, s), 50, steps - 1, factor)
             jobs.append((f"link-slow-{factor}x", job(300 + k, source="code", injections=[inj])))
+    # slow links of both kinds of traffic, at a random place, onset and length
+    for k, (traffic, factor) in enumerate((t, f) for t in LINK_TRAFFIC for f in LINK_FACTORS):
+        if (traffic == "pipeline" and pp < 2) or (traffic == "gradient-sync" and dp < 2):
+            continue
+        for r in range(reps // 2 or 1):
+            d, s = int(rng.integers(dp)), int(rng.integers(pp - 1 if traffic == "pipeline" else pp))
+            onset = int(rng.integers(30, steps - 40))
+            length = int(rng.choice([25, 60, steps]))
+            inj = Injection("link-slow", dims.rank_of(d, s), onset, min(onset + length, steps) - 1,
+                            factor, traffic)
+            jobs.append((f"link-slow-{traffic}-{factor}x-{r}",
+                         job(500 + 10 * k + r, source=sources[(k + r) % 2], injections=[inj])))
         inj = Injection("fail-slow", at(rng.integers(world)), steps // 2, steps - 1, 1.5)
         heavy = (2,) * (pp - 1) + (3,)
         jobs.append(("stage-imbalance+fail-slow", job(400, source="text", stage_layers=heavy,
@@ -80,6 +95,7 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
     methods = methods or METHODS
     meta_dict = {"layers": pool.layers, "hidden": pool.hidden, "heads": 4, "ffn_hidden": 4 * pool.hidden}
     totals = {m: Score() for m in methods}
+    by_kind = {m: {k: Score() for k in KINDS} for m in methods}
     by_factor = {m: {f: Score() for f in FACTORS} for m in methods}
     strong = {m: Score() for m in methods}
     imbalance: dict[str, object] = {}
@@ -94,6 +110,11 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
             sc = score_events(found[m], job.injections, obs.steps, job.dims,
                               skip_first=cfg.calibration_steps)
             totals[m].add(sc)
+            for kind in KINDS:  # each kind scored on its own: its events against its faults
+                by_kind[m][kind].add(score_events(
+                    [e for e in found[m] if e.kind == kind],
+                    [i for i in job.injections if i.kind == kind], obs.steps, job.dims,
+                    skip_first=cfg.calibration_steps))
             if job.injections and all(i.kind == "fail-slow" for i in job.injections):
                 f = job.injections[0].factor
                 if f in by_factor[m]:
@@ -114,6 +135,7 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
         "noise": {"op_sigma_from_profile_spread": round(pool.op_sigma, 4),
                   "host_residual_mad_alibaba_job2": round(float(np.median(np.abs(noise))), 4)},
         "methods": {m: totals[m].summary() for m in methods},
+        "by_kind": {m: {k: sc.summary() for k, sc in by_kind[m].items()} for m in methods},
         "fail_slow_ge_1_2x_and_healthy": {m: strong[m].summary() for m in methods},
         "by_factor": {m: {str(f): _factor_summary(s) for f, s in by_factor[m].items()} for m in methods},
         "stage_imbalance_trace": imbalance,

@@ -40,6 +40,20 @@ class Injection:
     onset_step: int
     end_step: int  # last affected step, inclusive
     factor: float
+    # link-slow only: "pipeline" (to the next stage) or "gradient-sync" (to the rank of the same
+    # stage in the next replica: both ends' gradient reductions take factor x as long)
+    traffic: str = "pipeline"
+
+    def link_ends(self, dims) -> tuple[int, ...]:
+        """The ranks a finding may name: the slow rank, or both ends of the slow link."""
+        if self.kind != "link-slow":
+            return (self.rank,)
+        place = dims.coords(self.rank)
+        if self.traffic == "gradient-sync":
+            peer = dims.rank_of((place.dp_rank + 1) % dims.dp, place.stage, place.tp_rank)
+        else:
+            peer = dims.rank_of(place.dp_rank, place.stage + 1, place.tp_rank)
+        return (self.rank, peer)
 
 
 @dataclass
@@ -176,9 +190,15 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
     host = np.exp(rng.choice(host_noise, size=(t_, d_, p_)))
     slow = np.ones((t_, d_, p_))
     link = np.ones((t_, d_, p_))
+    sync_link = np.ones((t_, d_, p_))
     for inj in job.injections:
         if not 0 <= inj.rank < job.world_size:
             raise InputError(f"injection rank {inj.rank} is outside the job (world {job.world_size})")
+        if inj.kind == "link-slow" and inj.traffic == "gradient-sync":
+            for r in inj.link_ends(job.dims):
+                place = job.dims.coords(r)
+                sync_link[inj.onset_step: inj.end_step + 1, place.dp_rank, place.stage] = inj.factor
+            continue
         place = job.dims.coords(inj.rank)
         d, s = place.dp_rank, place.stage
         target = slow if inj.kind == "fail-slow" else link
@@ -220,11 +240,17 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
             emit(s, "backward-send", i, p2p_s[:, :, i] * link[:, :, s - 1], finish)
         if kind == "B" and s < p_ - 1:
             emit(s, "backward-recv", i, p2p_s[:, :, i] * link[:, :, s], issued)
-    done = free.max(axis=0).max(axis=1)  # [T]: every replica waits for the slowest at the reduction
+    # each stage's replicas reduce together once the last of them arrives; the step ends with the
+    # last stage's reduction
     reduce_base = float(np.median(p2p_s)) * 4
+    ends = np.zeros((t_,))
     for s in range(p_):
-        emit(s, "grads-reduce-scatter", -1, done[:, None] - free[s] + reduce_base, free[s])
-    step_len = done + reduce_base
+        arrived = free[s].max(axis=1)  # [T]
+        jitter = np.exp(rng.normal(0.0, pool.op_sigma, size=(t_, d_)))
+        end_s = arrived[:, None] + reduce_base * jitter * sync_link[:, :, s]
+        emit(s, "grads-reduce-scatter", -1, end_s - free[s], free[s])
+        ends = np.maximum(ends, end_s.max(axis=1))
+    step_len = ends
     step_start = np.concatenate(([0.0], np.cumsum(step_len)[:-1]))
 
     stage = np.stack(rows["stage"])  # [ops, T, D]

@@ -1,0 +1,136 @@
+"""Transfer times of each link, with the waiting taken out, from the ops trace's send/receive and
+collective records (the detector's view of a slow link).
+
+A receive's record spans its wait for the sender and the transfer. With ``start_ts`` the wait is
+taken out: a message's transfer is from the later of the receive's start and the matching send's
+start to the receive's end; a trace that times the transfer on the sending side (its send's
+duration) counts that too (the larger of the two). Per pipeline link (indexed by the rank at its
+lower stage) and step: the median of its messages' transfer seconds per token.
+
+A gradient collective waits for its last member: a member's transfer is from the latest start
+over its group (the ranks of its stage and tensor-parallel rank across replicas) to its own end.
+Per rank and step: the sum over its gradient collectives.
+
+A slow compute rank makes its neighbours wait, never transfer longer: neither figure moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+
+SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter")
+_SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
+
+
+def _frame(cols: Mapping[str, np.ndarray], keep: np.ndarray, names: tuple[str, ...]) -> pd.DataFrame:
+    return pd.DataFrame({n: np.asarray(cols[n])[keep] for n in names if n in cols})
+
+
+def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
+                       ) -> np.ndarray | None:
+    """(step x rank) median transfer seconds per token of the link from each rank's stage to the
+    next one (NaN where none); None when the trace cannot separate transfers from waits (no
+    ``start_ts`` or ``mb_id``)."""
+    if "start_ts" not in cols or "mb_id" not in cols:
+        return None
+    optype = np.asarray(cols["optype"]).astype(object)
+    sel = np.isin(optype, _SEND_RECV)
+    if not sel.any():
+        return None
+    names = ("step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "mb_id",
+             "tokens", "seq_lens")
+    df = _frame(cols, sel, names)
+    df = df[df["mb_id"].notna()]
+    if "tp_rank" not in df:
+        df["tp_rank"] = 0
+    df["tp_rank"] = df["tp_rank"].fillna(0).astype(np.int64)
+    df["mb_id"] = df["mb_id"].astype(np.int64)
+    df["optype"] = df["optype"].astype(str)
+    # the lower stage of the link each record crossed
+    fwd = df["optype"].str.startswith("forward")
+    sender_side = df["optype"].str.endswith("send")
+    lower_is_self = fwd == sender_side  # forward-send and backward-recv sit on the lower stage
+    df["link_stage"] = np.where(lower_is_self, df["stage"], df["stage"] - 1)
+    df["direction"] = np.where(fwd, 0, 1)
+    key = ["step", "dp_rank", "tp_rank", "mb_id", "link_stage", "direction"]
+    send = df[sender_side].drop_duplicates(key)
+    recv = df[~sender_side].drop_duplicates(key)
+    pairs = recv.merge(send, on=key, how="outer", suffixes=("_r", "_s"))
+    if not len(pairs):
+        return None
+    recv_end = pairs["start_ts_r"] + pairs["duration_r"]
+    from_ready = recv_end - np.fmax(pairs["start_ts_r"], pairs["start_ts_s"])
+    transfer = np.fmax(from_ready.to_numpy(np.float64), pairs["duration_s"].to_numpy(np.float64))
+    # the lower end's rank: the sender of a forward message, the receiver of a backward one
+    lower = np.where(pairs["direction"] == 0, pairs["rank_s"], pairs["rank_r"]).astype(np.float64)
+    tokens = _message_tokens(pairs, cols)
+    per_token = transfer / tokens
+    ok = np.isfinite(per_token) & np.isfinite(lower) & (per_token >= 0)
+    if not ok.any():
+        return None
+    frame = pd.DataFrame({"step": pairs["step"].to_numpy()[ok], "rank": lower[ok].astype(np.int64),
+                          "v": per_token[ok]})
+    med = frame.groupby(["step", "rank"], sort=False)["v"].median()
+    return _matrix(med, steps, world)
+
+
+def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Tokens of each message's micro-batch: its own record's, else the micro-batch's compute
+    records'; 1 where unknown (then the figure is seconds per message)."""
+    out = np.full(len(pairs), np.nan)
+    for side in ("_r", "_s"):
+        if "tokens" + side in pairs:
+            out = np.where(np.isnan(out), pd.to_numeric(pairs["tokens" + side], errors="coerce")
+                           .to_numpy(np.float64), out)
+    if np.isnan(out).any() and "seq_lens" in cols:
+        optype = np.asarray(cols["optype"]).astype(object)
+        comp = np.isin(optype, ("forward-compute", "backward-compute"))
+        cdf = _frame(cols, comp, ("step", "dp_rank", "mb_id", "seq_lens"))
+        cdf = cdf[cdf["mb_id"].notna() & cdf["seq_lens"].notna()]
+        if len(cdf):
+            cdf = cdf.drop_duplicates(["step", "dp_rank", "mb_id"])
+            cdf["n"] = [float(sum(s)) for s in cdf["seq_lens"]]
+            cdf["mb_id"] = cdf["mb_id"].astype(np.int64)
+            look = pairs[["step", "dp_rank", "mb_id"]].merge(
+                cdf[["step", "dp_rank", "mb_id", "n"]], on=["step", "dp_rank", "mb_id"], how="left")
+            out = np.where(np.isnan(out), look["n"].to_numpy(np.float64), out)
+    return np.where(np.isfinite(out) & (out > 0), out, 1.0)
+
+
+def sync_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
+                   ) -> np.ndarray | None:
+    """(step x rank) seconds each rank spent in gradient collectives after their last member
+    arrived (NaN where none); None without ``start_ts`` or such records."""
+    if "start_ts" not in cols:
+        return None
+    optype = np.asarray(cols["optype"]).astype(object)
+    sel = np.isin(optype, SYNC_OPTYPES)
+    if not sel.any():
+        return None
+    df = _frame(cols, sel, ("step", "rank", "stage", "tp_rank", "optype", "start_ts", "duration"))
+    if "tp_rank" not in df:
+        df["tp_rank"] = 0
+    df["tp_rank"] = df["tp_rank"].fillna(0).astype(np.int64)
+    group = ["step", "stage", "tp_rank", "optype"]
+    members = df.groupby(group)["rank"].transform("nunique")
+    last_in = df.groupby(group)["start_ts"].transform("max")
+    df["v"] = (df["start_ts"] + df["duration"] - last_in).clip(lower=0.0)
+    df = df[members > 1]
+    if not len(df):
+        return None
+    return _matrix(df.groupby(["step", "rank"], sort=False)["v"].sum(), steps, world)
+
+
+def _matrix(values: pd.Series, steps: np.ndarray, world: int) -> np.ndarray:
+    """A (step, rank)-indexed series as a (len(steps) x world) matrix, NaN elsewhere."""
+    out = np.full((len(steps), world), np.nan)
+    s = values.index.get_level_values(0).to_numpy(np.int64)
+    r = values.index.get_level_values(1).to_numpy(np.int64)
+    at = np.searchsorted(steps, s)
+    ok = (at < len(steps)) & (r >= 0) & (r < world)
+    ok[ok] = steps[at[ok]] == s[ok]
+    out[at[ok], r[ok]] = values.to_numpy(np.float64)[ok]
+    return out
