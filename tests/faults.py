@@ -70,6 +70,8 @@ def worker_pids(out: Path, world: int, timeout_s: float = 60.0) -> dict[int, int
                            if b"=" in item)
             except OSError:
                 continue
+            if b"LOCAL_RANK" not in env:  # torchrun itself: its command line names the config too
+                continue
             rank = int(env[b"RESIHP_NODE"]) * int(env[b"LOCAL_WORLD_SIZE"]) + int(env[b"LOCAL_RANK"])
             pids[rank] = int(entry.name)
         stream = out / "ops.jsonl"

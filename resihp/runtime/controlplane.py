@@ -77,7 +77,7 @@ def decode_rows(blob: bytes) -> tuple[list[dict], float]:
 
 
 class StepPublisher:
-    """A rank's sending end: ``publish(step, rows)`` after each step (one store message). Rank 0
+    """A rank's sending end: ``publish(rows)`` after each step (one store message). Rank 0
     first says which step the job starts at (``first``: 0, or the step after a checkpoint)."""
 
     def __init__(self, store: Store, job_id: str, node: int, first: int | None = None) -> None:
@@ -87,13 +87,16 @@ class StepPublisher:
         if first is not None:
             store.set(f"{prefix_of(job_id)}/ops/first", str(first))
 
-    def publish(self, step: int, rows: Sequence[dict]) -> None:
-        if not rows:
-            return
-        blob = encode_rows(rows) + b"\n"
-        self.store.append(f"{self.base}/s{step}", blob)
-        self.bytes += len(blob)
-        self.messages += 1
+    def publish(self, rows: Sequence[dict]) -> None:
+        """Send rows (normally one step's; rows of several steps go to each step's key)."""
+        by_step: dict[int, list[dict]] = {}
+        for row in rows:
+            by_step.setdefault(int(row["step"]), []).append(row)
+        for step, part in by_step.items():
+            blob = encode_rows(part) + b"\n"
+            self.store.append(f"{self.base}/s{step}", blob)
+            self.bytes += len(blob)
+            self.messages += 1
 
 
 @dataclass

@@ -408,6 +408,8 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> N
                    for ln in lines if ln.startswith("resihp: stop:")]
     stops = [e["message"] for e in errors if e["kind"] == "stop"]
     inputs = [e["message"] for e in errors if e["kind"] == "input"]
+    if (stops or inputs) and outcome.failure is not None and outcome.failure.extra.get("cause") == "exited":
+        outcome.failure = None  # the rank ended on purpose, and said why
     if outcome.error is None and stops:
         outcome.error = stops[0]
     if outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (

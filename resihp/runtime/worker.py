@@ -234,8 +234,12 @@ def run(cfg: RunConfig) -> None:
         aggregator = NodeAggregator(store, node, nodes[node], prefix=heartbeat_prefix(job_id),
                                     timeout_s=max(3.0, 4 * heart.interval_s)).start()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/{job_id}/{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/{job_id}/{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    except (RuntimeError, dist.DistError) as exc:
+        heart.finish("stopped")
+        raise JoinTimeout(_first_line(exc)) from None
     out.mkdir(parents=True, exist_ok=True)
     engine = Engine(cfg, device, FaultInjector(cfg.faults(), rank))
     heart.follow(lambda: engine.rec.progress("train"))
@@ -295,13 +299,15 @@ def run(cfg: RunConfig) -> None:
                     memory.after_step(step)
             if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
-            publisher.publish(step, engine.rec.take_new())
+            publisher.publish(engine.rec.take_new())
             if boundary is not None:
                 boundary.check()  # a SIGTERM during the step ends the rank here, its snapshot kept
         phase = "done"
     finally:
         if memory is not None:
             memory.close()  # a stopping rank finishes the copy of its last complete step
+        with contextlib.suppress(Exception):  # what the rank did before it stopped (the store may be gone)
+            publisher.publish(engine.rec.take_new())
         heart.finish(phase)
     with engine.rec.waiting("barrier"):
         dist.barrier()
