@@ -214,3 +214,28 @@ def test_ckpt_inspect_shows_the_memory_tier(keeper):
                               "published_s": header.published_s}]
     text = CliRunner().invoke(app, ["ckpt", "inspect", str(directory)]).output
     assert "rank 0 slot A: step 7" in text and "checksums match" in text
+
+
+def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper):
+    from resihp.ckpt.keeper import request_verify
+
+    directory, _ = keeper
+    model, opt = _model(128, 1)
+    tier = MemoryTier(directory, 0)
+    snap = Snapshotter(tier, every=1)
+    snap.snapshot(1, model, opt, {})
+    snap.close()
+    header = _wait_published(tier, 1)
+    assert tier.checked(header) is None  # not checked yet: the restoring rank checks it itself
+    with open(tier.data_path(header.slot), "r+b") as f:
+        f.write(b"\xff\xff")
+    request_verify(directory)
+    deadline = time.monotonic() + 10
+    while (directory / "VERIFY").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier.checked(header) is False
+    snap = Snapshotter(tier, every=1)  # a slot published after the check has no verdict
+    snap.snapshot(3, model, opt, {})
+    snap.close()
+    again = _wait_published(tier, 3)
+    assert tier.checked(again) is None and tier.verify(again)

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from resihp.ckpt.memory import MemoryTier, publish, read_json, shm_root
+from resihp.ckpt.memory import VERIFY, MemoryTier, publish, read_json, shm_root, verify_all
 
 POLL_S = 0.005
 LOCK = "keeper.lock"
@@ -160,6 +160,10 @@ class Keeper:
             with contextlib.suppress(FileNotFoundError):
                 if publish(self.dir, path) is not None:
                     self.published += 1
+        request = self.dir / VERIFY
+        if request.exists() and not pending:
+            verify_all(self.dir)
+            request.unlink(missing_ok=True)
         return bool(pending)
 
 
@@ -173,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def request_verify(directory: Path) -> None:
+    """Ask the keeper to check every slot now (call once the job's trainers have stopped)."""
+    with contextlib.suppress(OSError):
+        (Path(directory) / VERIFY).touch()
 
 
 def find_tiers(path: Path) -> list[Path]:

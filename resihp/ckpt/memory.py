@@ -34,6 +34,8 @@ from resihp.errors import InputError
 
 SLOTS = ("A", "B")
 COPY = "copy"
+VERIFY = "VERIFY"  # a request to the keeper: check every slot now (the trainers have stopped)
+VERIFIED = "verified.json"  # its verdicts
 ALIGN = 64
 CRC_CHUNK = 1 << 24  # crc32 in 16 MiB pieces (zlib releases the GIL on large buffers)
 
@@ -235,6 +237,14 @@ class MemoryTier:
             return False
         return all(crc_of(data, s) == c for s, c in zip(header.shards, header.crc32, strict=True))
 
+    def checked(self, header: SlotHeader) -> bool | None:
+        """The keeper's verdict on a slot, if it checked this very slot (same step, same
+        publication) after the trainers stopped (:func:`verify_all`); else None."""
+        entry = (read_json(self.dir / VERIFIED) or {}).get(self.header_path(header.slot, header.rank).name)
+        if entry is None or entry.get("step") != header.step or entry.get("published_s") != header.published_s:
+            return None
+        return bool(entry.get("ok"))
+
     def newest_step(self) -> int | None:
         """The newest step of this rank's own published slots."""
         steps = [h.step for h in self.headers() if h.rank == self.rank and h.slot in SLOTS]
@@ -247,6 +257,16 @@ class MemoryTier:
             if h.rank == self.rank and h.slot in SLOTS:
                 steps[h.slot] = h.step
         return min(SLOTS, key=lambda s: (steps.get(s, -1), s))
+
+
+def verify_all(directory: Path) -> dict:
+    """Check every published slot of a tier against its checksums (the keeper does it while a
+    job relaunches, so that the restoring ranks need not); written to ``verified.json``."""
+    tier = MemoryTier(directory, -1)
+    verdicts = {tier.header_path(h.slot, h.rank).name: {"step": h.step, "published_s": h.published_s,
+                                                         "ok": tier.verify(h)} for h in tier.headers()}
+    write_json_atomic(Path(directory) / VERIFIED, verdicts)
+    return verdicts
 
 
 def publish(directory: Path, pending: Path) -> SlotHeader | None:

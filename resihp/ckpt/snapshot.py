@@ -185,8 +185,7 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     want = comparable(layout)
-    mine = [h.to_dict() for h in tier.held()
-            if comparable(h.layout) == want and tier.verify(h)]
+    mine = [h.to_dict() for h in tier.held() if comparable(h.layout) == want and _good(tier, h)]
     inventory: list = [None] * world
     dist.all_gather_object(inventory, mine, group=group)
     found = find_latest(inventory, peers, world)
@@ -201,7 +200,9 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
         header = SlotHeader.from_dict(choice[dst])
         if src == rank:
             data = tier.read(header, writable=True)
-            works.append(dist.isend(torch.from_numpy(data), dst, group=group, tag=tag))
+            # a slot gone since it was verified: zeros, which fail the receiver's checksums
+            payload = torch.from_numpy(data) if data is not None else torch.zeros(header.nbytes, dtype=torch.uint8)
+            works.append(dist.isend(payload, dst, group=group, tag=tag))
         elif dst == rank:
             received[dst] = torch.empty(header.nbytes, dtype=torch.uint8)
             works.append(dist.irecv(received[dst], src, group=group, tag=tag))
@@ -223,6 +224,13 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     sources = ["peer" if choice[r]["holder"] != r else "memory" for r in range(world)]
     return Restored(step, "peer" if "peer" in sources else "memory", sources, float(-both[1]),
                     dict(header.layout.get("run", {})))
+
+
+def _good(tier: MemoryTier, header: SlotHeader) -> bool:
+    """A slot's bytes match its checksums: the keeper's verdict if it checked this slot while the
+    job relaunched (``resihp.ckpt.memory.verify_all``), else checked here."""
+    verdict = tier.checked(header)
+    return tier.verify(header) if verdict is None else verdict
 
 
 def _load(header: SlotHeader, data: np.ndarray, model: torch.nn.Module,

@@ -320,7 +320,7 @@ def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
     its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
     join the run's before the failure to those after it, from the step it went on at."""
     from resihp.runtime.elastic import latest_checkpoint
-    from resihp.runtime.snapshots import recovery_record, restartable
+    from resihp.runtime.snapshots import recovery_record, restartable, verify_ahead
     from resihp.runtime.supervisor import supervise
 
     out, before, first = Path(cfg.out), Path(cfg.out), summary.get("first_step") or 0
@@ -328,9 +328,10 @@ def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
     before_summary, after, again = summary, {}, outcome
     for attempt in range(1, attempts + 1):
         ckpt, _ = latest_checkpoint(out, cfg)
-        new = replace(cfg, inject=[], resume=str(ckpt) if ckpt else None,
+        new = replace(cfg, inject=[], resume=str(ckpt) if ckpt else cfg.resume,
                       out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
         failure, why = again.failure, again.error
+        verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
         with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
             again = supervise(new, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=new.timeout_s,
                               on_step=lambda s: advance(s + 1), on_poll=keeper)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from resihp.ckpt.keeper import ensure_keeper, stop_keeper
+from resihp.ckpt.keeper import ensure_keeper, request_verify, stop_keeper
 from resihp.ckpt.memory import MemoryTier, plan_shards, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
@@ -128,6 +128,13 @@ def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
     ensure_keeper(directory, os.getpid())
     _KEEPERS[cfg.job_id] = directory
     return lambda: ensure_keeper(directory, os.getpid())
+
+
+def verify_ahead(job_id: str) -> None:
+    """The job's trainers have stopped: the keeper checks every slot while the job relaunches."""
+    directory = _KEEPERS.get(job_id)
+    if directory is not None:
+        request_verify(directory)
 
 
 def stop_keepers(job_id: str) -> None:
