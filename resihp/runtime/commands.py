@@ -153,6 +153,9 @@ def run_cmd(
                 raise typer.Exit(1)
             return
         summary = _summary(cfg, outcome)
+        if outcome.control_plane is not None:
+            summary["control_plane"] = {**outcome.control_plane,
+                                        "lag_s": loop.lag_summary() if loop is not None else None}
         from resihp.runtime.report import oversubscription  # deferred: torch (start-up time)
 
         summary.update(oversubscription(cfg.dims().world_size, "cuda" if cfg.device == "cuda" else "cpu"))

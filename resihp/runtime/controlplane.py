@@ -46,9 +46,9 @@ _IDS = ("step", "rank", "dp_rank", "stage", "tp_rank")
 _COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes")
 
 
-def encode_rows(rows: Sequence[dict]) -> bytes:
+def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
     """One rank's rows of one step, column-wise: the ids once, times as offsets in microseconds,
-    each micro-batch's sequence lengths once."""
+    each micro-batch's sequence lengths once; ``cost_s``: the rank's time spent publishing so far."""
     first = rows[0]
     t0 = min(r["start_ts"] for r in rows)
     lens: dict[str, list[int]] = {}
@@ -59,12 +59,21 @@ def encode_rows(rows: Sequence[dict]) -> bytes:
            "ts": [round(r["start_ts"] - t0, _ROUND) for r in rows],
            "dur": [round(r["duration"], _ROUND) for r in rows],
            **{c: [r.get(c) for r in rows] for c in _COLS}, "lens": lens,
-           "sent": time.time()}
+           "sent": time.time(), "cost_s": round(cost_s, _ROUND)}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def decode_rows(blob: bytes) -> tuple[list[dict], float]:
-    """Rows (the ops-trace row dicts) and the time the rank sent them."""
+@dataclass
+class Part:
+    """One rank's records of one step, as read."""
+
+    rows: list[dict]
+    sent: float  # when the rank sent them (its clock)
+    cost_s: float  # the rank's time spent publishing before this part
+    nbytes: int
+
+
+def decode_rows(blob: bytes) -> Part:
     doc = json.loads(blob)
     ids = dict(zip(_IDS, doc["ids"]))
     rows = []
@@ -73,7 +82,7 @@ def decode_rows(blob: bytes) -> tuple[list[dict], float]:
                **{c: doc[c][i] for c in _COLS}}
         row["seq_lens"] = doc["lens"].get(str(row["mb_id"])) if row["mb_id"] is not None else None
         rows.append(row)
-    return rows, float(doc["sent"])
+    return Part(rows, float(doc["sent"]), float(doc.get("cost_s", 0.0)), len(blob))
 
 
 class StepPublisher:
@@ -84,6 +93,7 @@ class StepPublisher:
         self.store, self.base = store, f"{prefix_of(job_id)}/ops/n{node}"
         self.bytes = 0
         self.messages = 0
+        self.seconds = 0.0  # time spent encoding and sending: the control plane's cost on the rank
         if first is not None:
             store.set(f"{prefix_of(job_id)}/ops/first", str(first))
 
@@ -93,8 +103,10 @@ class StepPublisher:
         for row in rows:
             by_step.setdefault(int(row["step"]), []).append(row)
         for step, part in by_step.items():
-            blob = encode_rows(part) + b"\n"
+            t0 = time.perf_counter()
+            blob = encode_rows(part, self.seconds) + b"\n"
             self.store.append(f"{self.base}/s{step}", blob)
+            self.seconds += time.perf_counter() - t0
             self.bytes += len(blob)
             self.messages += 1
 
@@ -116,7 +128,11 @@ class StepReader:
         self.store, self.prefix = store, prefix_of(job_id)
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
         self.next_step, self.owner = first_step, owner  # None: the job's first step, once it says
-        self.messages = 0
+        self.messages = 0  # store requests this reader made
+        self.bytes = 0  # record bytes read (complete steps)
+        self.parts = 0  # rank-step parts read
+        self.steps = 0
+        self.cost_s: dict[int, float] = {}  # per rank: time spent publishing, as last reported
 
     def _keys(self, step: int) -> list[str]:
         return [f"{self.prefix}/ops/n{n}/s{step}" for n in self.nodes]
@@ -135,13 +151,18 @@ class StepReader:
                 break
             blobs = self.store.multi_get(keys)
             self.messages += 1
-            parts = [line for blob in blobs for line in blob.splitlines() if line.strip()]
-            decoded = [decode_rows(p) for p in parts]
-            ranks = {rows[0]["rank"] for rows, _ in decoded if rows}
+            decoded = [decode_rows(line) for blob in blobs for line in blob.splitlines() if line.strip()]
+            ranks = {p.rows[0]["rank"] for p in decoded if p.rows}
             if len(ranks) < sum(len(r) for r in self.nodes.values()):
                 break
-            rows = [row for part, _ in decoded for row in part]
-            done.append(StepRecords(self.next_step, rows, max(s for _, s in decoded), time.time()))
+            rows = [row for p in decoded for row in p.rows]
+            done.append(StepRecords(self.next_step, rows, max(p.sent for p in decoded), time.time()))
+            self.bytes += sum(p.nbytes for p in decoded)
+            self.parts += len(decoded)
+            self.steps += 1
+            for p in decoded:
+                if p.rows:
+                    self.cost_s[p.rows[0]["rank"]] = p.cost_s
             if self.owner and self.next_step >= KEEP_STEPS:
                 for key in self._keys(self.next_step - KEEP_STEPS):
                     self.store.delete_key(key)

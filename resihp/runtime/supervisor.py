@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -65,6 +66,7 @@ class Outcome:
     left_alive: list[int] = field(default_factory=list)  # PIDs that could not be ended (none, normally)
     errors: list[dict] = field(default_factory=list)  # workers' reasons to stop (the control plane)
     ended_by_node0: bool = False  # another node: node 0 ended the job (or was lost)
+    control_plane: dict | None = None  # node 0: what the control plane cost (bytes, messages, time)
 
 
 def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
@@ -244,6 +246,22 @@ class _Watch:
                                             hang_floor_s=heartbeat_timeout_s)
             self.reader = StepReader(store, cfg.job_id, layout, owner=True)
 
+    def costs(self) -> dict | None:
+        """Per rank and step: record bytes and messages, heartbeat messages, the rank's time spent
+        publishing; and the reader's store requests per step (its load grows with nodes)."""
+        r = self.reader
+        if r is None or not r.steps:
+            return None
+        ranks = sum(len(v) for v in r.nodes.values())
+        beats = [m["c"] for m in self.aggregator._last.values() if m is not None]
+        cost = sorted(r.cost_s.values())
+        return {"ranks": ranks, "steps": r.steps,
+                "record_bytes_per_rank_step": round(r.bytes / r.parts, 1),
+                "record_messages_per_rank_step": round(r.parts / (r.steps * ranks), 3),
+                "heartbeat_messages_per_rank_step": round(statistics.mean(beats) / r.steps, 3) if beats else None,
+                "publish_s_per_rank_step": round(cost[len(cost) // 2] / max(1, r.steps - 1), 6) if cost else None,
+                "reader_requests_per_step": round(r.messages / r.steps, 2)}
+
     def pids(self) -> list[int]:
         return [m["pid"] for m in self.aggregator._last.values() if m is not None]
 
@@ -350,6 +368,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                 watch.aggregator.tick()
                 outcome.failure = _judge(watch, cfg, t0, outcome)
             outcome.errors = read_errors(js.store, cfg.job_id)
+            outcome.control_plane = watch.costs()
             mark_ended(js.store, cfg.job_id, outcome.error or _reason(outcome) or "finished")
             if nodes.nnodes > 1:  # the store goes with this process: let the other nodes see the end
                 _linger(watch, grace_s)
