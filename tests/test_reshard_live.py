@@ -1,9 +1,12 @@
 """Live layout changes without restarting processes: a broadcast plan change with a ``layout``
 makes every rank build a new generation of process groups and reshard parameters and AdamW state
-into it from memory. (2, 1, 2) -> rank 1 excluded as a hot spare, (3, 1, 1) on ranks 0, 2, 3 ->
-the spare taken back into re-formed tensor-parallel groups of another depth, (1, 2, 2) on ranks
-3, 2, 1, 0 (inside a tensor-parallel group world ranks ascend with the tp rank: 2, 3, 0, 1); the
-losses stay the uninterrupted run's. Four ranks spawned on gloo."""
+into it from memory. (2, 1, 2) -> rank 1 excluded as a hot spare, its replica re-formed at tp 1 on
+rank 0 beside a tp-2 replica (the planner's plan for a slow rank 1) -> the spare taken back into
+re-formed tensor-parallel groups of another depth, (1, 2, 2) on ranks 3, 2, 1, 0 (inside a
+tensor-parallel group world ranks ascend with the tp rank: 2, 3, 0, 1) -> replicas of different
+depths (two tp-1 stages beside one tp-2 stage); the losses stay the uninterrupted run's. Four
+ranks spawned on gloo; the model has fused QKV and SwiGLU, a padded vocabulary and tied
+embeddings (``tests.test_reshard.BASE``)."""
 
 import os
 import traceback
@@ -16,10 +19,13 @@ import torch.multiprocessing as mp
 
 from tests.test_reshard import BASE
 
-STEPS = 7
-CHANGES = {3: {"version": 1, "layout": {"dp": 3, "pp": 1, "tp": 1, "ranks": [0, 2, 3]}, "reason": "exclude rank 1"},
-           5: {"version": 2, "layout": {"dp": 1, "pp": 2, "tp": 2, "ranks": [3, 2, 1, 0]},
-               "layer_split": [3, 1], "reason": "take rank 1 back"}}
+STEPS = 8
+CHANGES = {  # what the planner gives for a slow rank 1: its replica re-formed at tp 1 without it
+    2: {"version": 1, "layout": {"pipelines": [[[0]], [[2, 3]]]}, "dp_weights": [3, 5], "reason": "exclude 1"},
+    4: {"version": 2, "layout": {"dp": 1, "pp": 2, "tp": 2, "ranks": [3, 2, 1, 0]}, "layer_split": [3, 1],
+        "reason": "take rank 1 back"},
+    6: {"version": 3, "layout": {"pipelines": [[[0], [1]], [[2, 3]]]}, "layer_splits": [[3, 1], [4]],
+        "reason": "replicas of different depths"}}
 
 
 def _rank(rank: int, world: int, tmp: str) -> None:
@@ -71,10 +77,12 @@ def test_layout_changes_live_keep_the_uninterrupted_losses(live):
 
 @pytest.mark.slow
 def test_the_excluded_rank_is_a_spare_then_taken_back(live):
-    assert live[1]["seen"] == [{"active": [0, 2, 3], "spare": True}, {"active": [2, 3, 0, 1], "spare": False}]
-    assert [s["spare"] for s in live[0]["seen"]] == [False, False]
-    first, second = live[0]["changes"]
+    assert live[1]["seen"] == [{"active": [0, 2, 3], "spare": True}, {"active": [2, 3, 0, 1], "spare": False},
+                               {"active": [0, 1, 2, 3], "spare": False}]
+    assert [s["spare"] for s in live[0]["seen"]] == [False, False, False]
+    first, second, third = live[0]["changes"]
     assert first["generation"] == 1 and first["spares"] == [1] and second["generation"] == 2 and second["spares"] == []
-    for change in (first, second):  # what moved, against the least the two layouts need
+    assert third["spares"] == []
+    for change in (first, second, third):  # what moved, against the least the two layouts need
         assert 0 < change["minimum_bytes"] <= change["read_bytes"] <= change["moved_bytes"]
         assert change["relayout_s"] > 0

@@ -42,14 +42,16 @@ def _tp(tp: TPContext | int | None, tp_rank: int = 0) -> TPContext:
 
 def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          step: int, meta: dict, tp: TPContext | None = None, cfg: GPTConfig | None = None,
-         extra: dict[str, torch.Tensor] | None = None) -> None:
+         extra: dict[str, torch.Tensor] | None = None, write: bool = True) -> None:
     """Collective: every rank of the job calls it. The tensors go to a hidden temporary folder;
     rank 0 (whose DCP call returns only after every rank's files are written) adds ``meta.json``
     and the manifest, and renames the folder to ``directory``. ``extra``: this rank's own tensors
-    (keys unique to the rank, such as its RNG state)."""
+    (keys unique to the rank, such as its RNG state). ``write``: whether this rank's model state is
+    written (False on a hot spare, and on all but one replica when replicas differ in
+    tensor-parallel size: their blocks would overlap)."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.partial")
-    state = placed_state(model, optimizer, tp, cfg)
+    state = placed_state(model, optimizer, tp, cfg) if write and model is not None else {}
     state.update(extra or {})
     dcp.save(state, checkpoint_id=str(tmp))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:

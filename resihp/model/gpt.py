@@ -60,6 +60,12 @@ class GPTConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
 
+    def check_tp(self, tp: int) -> None:
+        """Tensor parallelism of size ``tp`` splits whole heads and the FFN evenly."""
+        if self.heads % tp or self.ffn_hidden % tp:
+            raise InputError(f"tensor-parallel size {tp} must divide heads ({self.heads}) and ffn_hidden "
+                             f"({self.ffn_hidden})")
+
     def saved_name(self, name: str) -> str:
         """The global name a parameter is saved and initialised under: a tied LM head is the
         token embedding, wherever the stage holding it sits."""

@@ -44,7 +44,7 @@ def run_state(engine: Engine, cfg: RunConfig) -> dict:
     """This run's non-tensor state (``resihp.ckpt.reshard_rules``), as its checkpoints record it."""
     return state_of_run(cfg.seed, cfg.source, cfg.global_tokens, cfg.max_len, cfg.budget, engine.weights,
                         [[b - a for a, b in ranges] for ranges in engine.replica_ranges], cfg.lr,
-                        cfg.dims().to_dict())
+                        {"pipelines": [[list(s) for s in p] for p in engine.pipelines]})
 
 
 def checkpoint_meta(engine: Engine, cfg: RunConfig) -> dict:

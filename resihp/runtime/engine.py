@@ -12,6 +12,7 @@ every message without a header, and the schedule is plain data (``resihp.runtime
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,10 @@ import torch.distributed as dist
 
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.model.tensor_parallel import TPContext
-from resihp.parallel import ParallelDims
+from resihp.parallel import Coords, ParallelDims
 from resihp.runtime.config import RunConfig
 from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
-from resihp.runtime.gradsync import GradSync
+from resihp.runtime.gradsync import GradSync, pipelines_of
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.layout import balanced_layers
 from resihp.runtime.planchange import PlanChange
@@ -50,7 +51,7 @@ class Engine:
         self.weights = cfg.weights()
         self.replica_ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]
         self.generation = 0  # the process groups' generation: a live layout change starts a new one
-        self.form_groups(cfg.dims(), list(range(self.world)))
+        self.form_groups(pipelines_of(cfg.dims()))
         self.build_stage(*self.ranges[self.stage])
         # plan changes travel over their own gloo group, whatever the training backend
         self.control_group = dist.new_group(list(range(self.world)), backend="gloo")
@@ -62,35 +63,34 @@ class Engine:
         self.injector = injector or FaultInjector([], self.rank)
         self._pending: list[dist.Work] = []
 
-    def form_groups(self, dims: ParallelDims, active: list[int]) -> None:
-        """Collective over the world: this rank's place in layout ``dims`` laid over world ranks
-        ``active`` (layout rank i is world rank ``active[i]``; a world rank not in it is a hot
-        spare), and the layout's tensor-parallel and gradient groups. Every rank creates every
-        group, in the same order (a torch.distributed requirement)."""
-        active = list(active)
-        for dp_rank in range(dims.dp):  # inside a tensor-parallel group, world ranks ascend with
-            for stage in range(dims.pp):  # the tp rank: the group's own rank order (its collectives')
-                places = dims.tp_group_ranks(dp_rank, stage)
-                for place, world_rank in zip(places, sorted(active[p] for p in places), strict=True):
-                    active[place] = world_rank
-        self.dims, self.active = dims, active
-        self.pp = dims.pp
-        self.coords = dims.coords(self.active.index(self.rank)) if self.rank in self.active else None
-        spare = self.coords is None
-        self.stage = -1 if spare else self.coords.stage
-        self.dp_rank = -1 if spare else self.coords.dp_rank
+    def form_groups(self, pipelines: Sequence[Sequence[Sequence[int]]]) -> None:
+        """Collective over the world: this rank's place in a layout given as pipelines of world
+        ranks (replica -> stage -> that stage's tensor-parallel group; replicas may differ in depth
+        and tensor-parallel size; a world rank in none is a hot spare), and the layout's
+        tensor-parallel and gradient groups. Inside a group world ranks ascend with the tp rank
+        (the group's own rank order). Every rank creates every group, in the same order."""
+        self.pipelines = [[tuple(sorted(stage)) for stage in p] for p in pipelines]
+        self.active = [r for p in self.pipelines for stage in p for r in stage]
+        where = {r: (d, s, t) for d, p in enumerate(self.pipelines) for s, stage in enumerate(p)
+                 for t, r in enumerate(stage)}
+        d, s, t = where.get(self.rank, (-1, -1, 0))
+        spare = self.rank not in where
+        mine = [(self.rank,)] if spare else self.pipelines[d]
+        self.coords = None if spare else Coords(d, s, t)
+        self.dp_rank, self.stage, self.pp = d, s, len(mine)
         tp_group = None
-        for dp_rank in range(dims.dp):
-            for stage in range(dims.pp):
-                ranks = [self.active[r] for r in dims.tp_group_ranks(dp_rank, stage)]
-                group = dist.new_group(ranks) if dims.tp > 1 else None
-                if self.rank in ranks:
+        for p in self.pipelines:
+            for stage in p:
+                group = dist.new_group(list(stage)) if len(stage) > 1 else None
+                if self.rank in stage:
                     tp_group = group
-        self.tp = TPContext(dims.tp, 0 if spare else self.coords.tp_rank, tp_group)
-        neighbour = lambda stage: self.active[dims.rank_of(self.dp_rank, stage, self.tp.rank)]  # noqa: E731
-        self.prev = neighbour(self.stage - 1) if not spare and self.stage > 0 else None
-        self.next = neighbour(self.stage + 1) if not spare and self.stage < self.pp - 1 else None
-        self.grad_sync = GradSync(dims, tied=self.model_cfg.tie_embeddings, ranks=self.active)
+        self.tp = TPContext(len(mine[0]), t, tp_group)
+        shapes = {(len(p), len(stage)) for p in self.pipelines for stage in p}
+        # the layout as one data x pipeline x tensor split, when every replica has the same shape
+        self.dims = (ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None)
+        self.prev = mine[s - 1][t] if not spare and s > 0 else None
+        self.next = mine[s + 1][t] if not spare and s < self.pp - 1 else None
+        self.grad_sync = GradSync(self.pipelines, tied=self.model_cfg.tie_embeddings, cfg=self.model_cfg)
         self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
 
     @property
@@ -142,7 +142,8 @@ class Engine:
         box = [proposal if self.rank == 0 else None]
         with self.rec.waiting("plan-sync"):
             dist.broadcast_object_list(box, 0, group=self.control_group)
-        change = PlanChange.parse(box[0], self.dims, self.model_cfg.layers, world=self.world)
+        change = PlanChange.parse(box[0], self.dims or ParallelDims(len(self.pipelines), 1), self.model_cfg.layers,
+                                  world=self.world, depths=[len(p) for p in self.pipelines])
         self.apply(step, change)
         self.plan_version = int(version)
         return change.to_dict()
@@ -158,7 +159,7 @@ class Engine:
         if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
                 self.weights = list(change.dp_weights)
-        new = change.replica_ranges(self.model_cfg.layers, self.pp)
+        new = change.replica_ranges(self.model_cfg.layers)
         if new is not None and new != self.replica_ranges:
             with self.rec.op("replan-layers") as row:
                 row["bytes"] = self._repartition(new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
@@ -171,13 +172,15 @@ class Engine:
         resharded into it by global name from memory (``replan.relayout``)."""
         new = change.layout
         layers = self.model_cfg.layers
-        ranges = change.replica_ranges(layers, new.dims.pp) or [balanced_layers(layers, new.dims.pp)] * new.dims.dp
-        weights = list(change.dp_weights) if change.dp_weights is not None else [1.0] * new.dims.dp
+        ranges = change.replica_ranges(layers) or [balanced_layers(layers, len(p)) for p in new.pipelines]
+        weights = list(change.dp_weights) if change.dp_weights is not None else [1.0] * len(new.pipelines)
+        for p in new.pipelines:  # checked on every rank alike before anything changes
+            self.cfg.model_config().check_tp(len(p[0]))
 
         def rebuild() -> tuple[torch.nn.Module, torch.optim.Optimizer, TPContext] | None:
             old_groups = [self.tp.group, *self.grad_sync.groups.values()]
             self.replica_ranges, self.weights = ranges, weights
-            self.form_groups(new.dims, list(new.ranks))
+            self.form_groups(new.pipelines)
             self.generation += 1
             if self.coords is None:
                 self.model = self.optimizer = None
@@ -188,7 +191,7 @@ class Engine:
             return None if self.coords is None else (self.model, self.optimizer, self.tp)
 
         moved = relayout(self.model, self.optimizer, self.tp, self.model_cfg, rebuild, self.control_group,
-                         self.cfg.out)
+                         self.cfg.out, write=self.dp_rank == 0)
         retire_groups(self._retired)
         return {**moved, "generation": self.generation, "spares": [r for r in range(self.world)
                                                                    if r not in self.active]}
@@ -196,7 +199,7 @@ class Engine:
     def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
         self.model, self.optimizer, sent = repartition(
             self.model, self.optimizer, self.model_cfg, self.tp, self.ranges, new_ranges, self.stage,
-            lambda stage: self.active[self.dims.rank_of(self.dp_rank, stage, self.tp.rank)], self.cfg.lr,
+            lambda stage: self.pipelines[self.dp_rank][stage][self.tp.rank], self.cfg.lr,
             self.device)
         self.first, self.last = new_ranges[self.stage]
         return sent
@@ -262,7 +265,7 @@ class Engine:
         global token count). The last stage's loss rides in the head's bucket: no extra collective."""
         loss = loss_sum.reshape(1).clone() if self.next is None else None
         # a tied embedding is summed over its first- and last-stage copies even with one replica
-        if self.dims.dp > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):
+        if len(self.pipelines) > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):
             with self.rec.op("grads-all-reduce"):
                 self.grad_sync.all_reduce(self.model, self.coords.tp_rank, loss,
                                           after=self.injector.collective)

@@ -1,10 +1,16 @@
-"""Gradient all-reduce when pipelines may split their layers differently.
+"""Gradient all-reduce when pipelines may split their layers differently, and replicas may differ in
+depth and tensor-parallel size.
 
-Every unit of the model (the embeddings, each decoder layer, the final norm and head) is summed over
-the ranks that hold it in each data-parallel replica: with the same split everywhere that is the
-usual per-stage data-parallel group; after a re-plan gave the replicas different splits, a layer's
-holders sit on different stages. Units with the same holders share one flat all-reduce. Every rank
-creates every group and runs its all-reduces in one global order, so collectives cannot cross.
+Every unit of the model (the embeddings, each decoder layer, the final norm and head; a tied
+embedding is one unit on the first and last stage) is summed over the ranks that hold it in each
+data-parallel replica. A tensor-parallel shard is summed block by block in the parameter's global
+tensor (``GPTConfig.placement``): each piece of the global tensor is held by exactly one rank of
+each replica, whatever that replica's tensor-parallel size, and those ranks sum it. A replicated
+parameter held by a tensor-parallel group is summed in lanes (lane j: the j-th rank of each
+replica's group, cycling through smaller groups), so every replica counts once. With one layout
+everywhere this is the usual per-stage data-parallel group. Pieces with the same holders share one
+flat all-reduce; every rank creates every group and runs its all-reduces in one global order, so
+collectives cannot cross.
 """
 
 from __future__ import annotations
@@ -16,10 +22,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from resihp.model.gpt import GPTConfig, GPTStage
+from resihp.model.tensor_parallel import TPContext, chunk_rows
 from resihp.parallel import ParallelDims
 from resihp.runtime.replan import owner
 
 Ranges = Sequence[tuple[int, int]]
+Pipelines = Sequence[Sequence[Sequence[int]]]  # replica -> stage -> world ranks in tp order
+LOSS = "~loss"  # the last stage's loss rides with the head's pieces (sorts after every name)
 
 
 def unit_of(name: str, tied: bool = False) -> str:
@@ -30,68 +40,109 @@ def unit_of(name: str, tied: bool = False) -> str:
     return "embed" if name.startswith(("embed.", "pos.")) else "head"
 
 
-def holders(unit: str, replica_ranges: Sequence[Ranges], dims: ParallelDims, tp_rank: int) -> tuple[int, ...]:
-    """The ranks, one per replica, that hold ``unit`` (on tensor-parallel rank ``tp_rank``)."""
-    if unit == "tied":  # the embedding tied to the LM head: first and last stage of every replica
-        return tuple(sorted({dims.rank_of(d, s, tp_rank) for d in range(len(replica_ranges))
-                             for s in (0, dims.pp - 1)}))
-    stages = []
-    for ranges in replica_ranges:
-        if unit == "embed":
-            stages.append(0)
-        elif unit == "head":
-            stages.append(dims.pp - 1)
-        else:
-            stages.append(owner(ranges, int(unit.removeprefix("layer"))))
-    return tuple(dims.rank_of(d, s, tp_rank) for d, s in enumerate(stages))
+def holder_stages(unit: str, ranges: Ranges) -> list[int]:
+    """The stages of one replica (with layer ``ranges``) that hold ``unit``."""
+    last = len(ranges) - 1
+    if unit == "tied":
+        return sorted({0, last})
+    if unit == "embed":
+        return [0]
+    if unit == "head":
+        return [last]
+    return [owner(ranges, int(unit.removeprefix("layer")))]
+
+
+def pipelines_of(dims: ParallelDims, ranks: Sequence[int] | None = None) -> list[list[tuple[int, ...]]]:
+    """A uniform layout as pipelines of world ranks (``ranks[i]``: the world rank of layout rank i)."""
+    ranks = list(ranks) if ranks is not None else list(range(dims.world_size))
+    return [[tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
 
 
 class GradSync:
-    def __init__(self, dims: ParallelDims, tied: bool = False, ranks: Sequence[int] | None = None) -> None:
-        """``ranks``: the world rank of each rank of the layout (default: the same numbers)."""
-        self.dims, self.tied = dims, tied
-        self.ranks = list(ranks) if ranks is not None else list(range(dims.world_size))
+    def __init__(self, pipelines: Pipelines | ParallelDims, tied: bool = False,
+                 cfg: GPTConfig | None = None) -> None:
+        self.pipelines = [[tuple(s) for s in p] for p in
+                          (pipelines_of(pipelines) if isinstance(pipelines, ParallelDims) else pipelines)]
+        self.tied, self.cfg = tied, cfg or GPTConfig(tie_embeddings=tied)
         self.groups: dict[tuple[int, ...], object] = {}
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # every parameter of the whole model: (name it is saved under, sharded dimension, its size)
+        with torch.device("meta"):  # names and global shapes only
+            whole = GPTStage(self.cfg, 0, self.cfg.layers, TPContext(1, 0))
+        self.params = {}
+        for name, p in whole.named_parameters():
+            where = self.cfg.placement(name, tuple(p.shape), 1)
+            self.params[name] = (where.dim, where.global_shape[where.dim] if where.dim is not None else 0)
 
-    def _world(self, members: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(sorted(self.ranks[r] for r in members))
+    def _pieces(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
+        """The pieces of parameter ``name``: (members, start, length) along its sharded dimension
+        (length 0: the whole tensor)."""
+        if name not in self._cache:
+            self._cache[name] = self._find_pieces(name)
+        return self._cache[name]
+
+    def _find_pieces(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
+        unit = unit_of(name, self.tied)
+        holding = [self.pipelines[d][s] for d in range(len(self.pipelines))
+                   for s in holder_stages(unit, self.replica_ranges[d])]
+        dim, n = self.params["embed.weight" if unit == "tied" else name]
+        if dim is None:
+            lanes = max(len(g) for g in holding)
+            return [(tuple(sorted({g[j % len(g)] for g in holding})), 0, 0) for j in range(lanes)]
+        bounds = sorted({0, n} | {min(n, i * chunk_rows(n, len(g))) for g in holding for i in range(len(g))})
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                members = {g[min(a // chunk_rows(n, len(g)), len(g) - 1)] for g in holding}
+                out.append((tuple(sorted(members)), a, b - a))
+        return out
 
     def prepare(self, replica_ranges: Sequence[Ranges], layers: int) -> None:
         """Collective over the world: create the groups this layout needs (once each)."""
         self.replica_ranges = [list(r) for r in replica_ranges]
-        units = ["embed", "head", *(["tied"] if self.tied else []), *(f"layer{i}" for i in range(layers))]
-        needed = sorted({self._world(holders(u, self.replica_ranges, self.dims, t))
-                         for u in units for t in range(self.dims.tp)})
+        self._cache: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+        needed = sorted({members for name in self.params for members, _, _ in self._pieces(name)})
         for members in needed:
             if len(members) > 1 and members not in self.groups:
                 self.groups[members] = dist.new_group(list(members))
 
-    def all_reduce(self, model: torch.nn.Module, tp_rank: int, extra: torch.Tensor | None = None,
+    def all_reduce(self, model: torch.nn.Module, tp_rank: int | None = None, extra: torch.Tensor | None = None,
                    after: Callable[[tuple[int, ...], float, int], None] | None = None) -> None:
-        """Sum every parameter's gradient over its holders; ``extra`` (a tensor riding with the
-        head's bucket, e.g. the loss) is summed in place too. ``after(members, seconds, bytes)``
-        runs after each bucket's all-reduce (fault injection on a slow link)."""
-        buckets: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
-        params: dict[tuple[int, ...], list[torch.nn.Parameter]] = defaultdict(list)
+        """Sum every parameter's gradient over its holders, piece by piece; ``extra`` (a tensor
+        riding with the head's pieces, e.g. the loss) is summed in place too. ``after(members,
+        seconds, bytes)`` runs after each bucket's all-reduce (fault injection on a slow link)."""
+        tp = model.tp if isinstance(model, GPTStage) else TPContext(1, 0)
+        entries: dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]] = defaultdict(list)
         for name, p in model.named_parameters():
-            key = self._world(holders(unit_of(name, self.tied), self.replica_ranges, self.dims, tp_rank))
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            buckets[key].append(p.grad)
-            params[key].append(p)
+            saved = self.cfg.saved_name(name)
+            where = self.cfg.placement(saved, tuple(p.shape), tp.size)
+            grad = where.local_view(p.grad, tp.size, tp.rank)
+            mine = min(where.global_shape[where.dim], tp.rank * chunk_rows(where.global_shape[where.dim], tp.size)) \
+                if where.dim is not None else 0
+            for members, start, length in self._pieces(name):
+                if self.rank not in members:
+                    continue
+                piece = grad if length == 0 else grad.narrow(where.dim, start - mine, length)
+                entries[members].append((saved, start, piece))
         if extra is not None:
-            head = self._world(holders("head", self.replica_ranges, self.dims, tp_rank))
-            buckets[head].append(extra)
-        for key in sorted(buckets):
-            if len(key) < 2:
-                continue
-            grads = buckets[key]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            for members, _, _ in self._pieces("ln_f.weight"):  # replicated on every last stage
+                if self.rank in members:
+                    entries[members].append((LOSS, 0, extra))
+        # every piece is read before any is written back: a rank in several lanes adds its own value
+        flats = {}
+        for key in sorted(entries):
+            if len(key) > 1:
+                entries[key].sort(key=lambda e: (e[0], e[1]))
+                flats[key] = torch.cat([t.reshape(-1) for _, _, t in entries[key]])
+        for key, flat in flats.items():
             start = time.perf_counter()
             dist.all_reduce(flat, group=self.groups[key])
             if after is not None:
                 after(key, time.perf_counter() - start, flat.numel() * flat.element_size())
+        for key, flat in flats.items():
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for _, _, t in entries[key]:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

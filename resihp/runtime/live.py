@@ -3,8 +3,11 @@ from the job's control plane (``controlplane.StepReader``, through the superviso
 online detector (``resihp.detect``), and on a device fault ask the planner (``resihp.plan``) for a
 new plan and hand the part the running job can apply in place to its rank 0 (``control``).
 
-Applied in place: per-replica micro-batch shares and per-pipeline layer splits. A plan that moves ranks between pipelines or excludes one needs an elastic restart
-(``ckpt``); it is recorded with ``applied: false`` and the reason.
+Applied in place: per-replica micro-batch shares and per-pipeline layer splits; a plan that
+re-forms tensor-parallel groups, excludes a device (a hot spare), moves ranks between pipelines or
+gives replicas different depths goes to the job as a ``layout`` (every rank forms the new process
+groups and reshards its state from memory, ``Engine.apply``). Only a plan whose replica mixes
+tensor-parallel sizes across its stages is still recorded as applied in part, with the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.perf.device import available_memory_gb, measured_tflops
+from resihp.plan.links import with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
@@ -58,13 +62,17 @@ def planner_specs(cfg: RunConfig):
 
 
 def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
-                 replica_ranges: list[list[tuple[int, int]]]):
+                 replica_ranges: list[list[tuple[int, int]]], groups: list[list[tuple[int, ...]]] | None = None):
+    """The plan in force; ``groups``: per replica, per stage, its ranks (default: the launch layout)."""
     dims = cfg.dims()
+    groups = groups or [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
     counts = split_counts(model.microbatches, weights)
-    pipelines = [Pipeline(d, tuple(Stage(tuple(dims.tp_group_ranks(d, s)), replica_ranges[d][s])
-                                   for s in range(dims.pp)), counts[d], home=d)
-                 for d in range(dims.dp)]
-    return Plan(dims.world_size, dims, pipelines, [], policy="current")
+    pipelines = [Pipeline(d, tuple(Stage(tuple(groups[d][s]), replica_ranges[d][s])
+                                   for s in range(len(groups[d]))), counts[d], home=d)
+                 for d in range(len(groups))]
+    placed = {r for p in groups for s in p for r in s}
+    return Plan(dims.world_size, dims, pipelines, [r for r in range(dims.world_size) if r not in placed],
+                policy="current")
 
 
 class LiveLoop:
@@ -79,11 +87,13 @@ class LiveLoop:
         self.cluster, self.model = planner_specs(cfg)
         self.weights = cfg.weights()
         self.ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]  # per replica
+        dims = cfg.dims()
+        self.groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
         self.lags: list[float] = []  # seconds from a step's last record sent to its being observed
         self._post = None
         self.events: list[dict] = []
         self.changes: list[dict] = []
-        self.handled: set[int] = set()
+        self.handled: set[int | tuple[int, ...]] = set()
         self.speeds = {r: 1.0 for r in range(self.world)}
         self.error: str | None = None
 
@@ -104,6 +114,8 @@ class LiveLoop:
     def _observe(self, step: int, rows: list[dict]) -> None:
         df = rows_frame(rows)
         df = df[~df.optype.str.startswith("replan")]
+        placed = {r for p in self.groups for s in p for r in s}
+        df = df[df["rank"].isin(placed)]  # a hot spare only keeps step
         for event in self.detector.observe(df):
             record = {**event.to_dict(), "seen_at": time.time()}
             self.events.append(record)
@@ -111,33 +123,48 @@ class LiveLoop:
                 self.handled.add(event.rank)
                 self.speeds[event.rank] = 1.0 / max(event.slowdown, 1.0)
                 self._replan(step, record)
+            elif event.kind == "link-slow" and event.ranks and tuple(event.ranks) not in self.handled:
+                # the link at its measured slowdown, priced at the transfers measured before it
+                self.handled.add(tuple(event.ranks))
+                self.cluster = with_link_event(self.cluster, self.model, tuple(event.ranks), event.slowdown,
+                                               event.extra.get("traffic", "pipeline"),
+                                               self.detector.healthy_transfers())
+                self._replan(step, record)
+                self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
 
     def _replan(self, step: int, event: dict) -> None:
         t0 = time.perf_counter()
         cluster = self.cluster.with_speeds(self.speeds)
-        current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges)
+        current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
         plan = self.planner.plan(cluster, self.model, current, time_limit_s=self.time_limit_s)
         solve_s = time.perf_counter() - t0
         pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
         same_places = (not plan.excluded and len(pipes) == self.cfg.dp and all(
             [s.ranks for s in p.stages] == [s.ranks for s in q.stages]
             for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank))))
-        change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "slowdown",
-                                                                            "detected_step")},
+        change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "ranks", "traffic",
+                                                                            "slowdown", "detected_step")
+                                                          if k in event},
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
-        if same_places:
+        one_tp = all(len({len(s.ranks) for s in p.stages}) == 1 for p in pipes)
+        if same_places or one_tp:
             change["dp_weights"] = [float(p.microbatches) for p in pipes]
             change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
             change["applied"] = True
+            if not same_places:  # new process groups: the job re-forms them and reshards live
+                change["layout"] = {"pipelines": [[list(s.ranks) for s in p.stages] for p in pipes]}
+                self.groups = [[tuple(s.ranks) for s in p.stages] for p in pipes]
+                self.ranges = []  # set below from the new splits, with a fresh detector baseline
         else:
             # keep what can be applied in place: each replica's share in proportion to its speed
             change["dp_weights"] = self._replica_speeds()
-            change["applied"] = "partial: the plan moves or excludes ranks (needs an elastic restart)"
+            change["applied"] = ("partial: a replica of the plan mixes tensor-parallel sizes across its "
+                                 "stages (the runtime keeps one per replica)")
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
         if change.get("layer_splits") is not None:
-            new = [ranges_from_counts(split, self.cfg.layers, self.cfg.pp)
+            new = [ranges_from_counts(split, self.cfg.layers, len(split))
                    for split in change["layer_splits"]]
             if new != self.ranges:
                 self.ranges = new
@@ -146,9 +173,7 @@ class LiveLoop:
         self._post({k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
 
     def _replica_speeds(self) -> list[float]:
-        dims = self.cfg.dims()
-        return [min(self.speeds[r] for s in range(dims.pp) for r in dims.tp_group_ranks(d, s))
-                for d in range(dims.dp)]
+        return [min(self.speeds[r] for stage in p for r in stage) for p in self.groups]
 
     def save(self) -> None:
         (self.out / "live.json").write_text(json.dumps(

@@ -8,7 +8,9 @@ the engine applies only checked changes.
 
 ``"layout": {"dp", "pp", "tp", "ranks"?}`` re-forms the job's groups live: the new data x pipeline x
 tensor-parallel split over ``ranks`` (world ranks in the new layout's rank order; default all of
-them in order); world ranks left out become hot spares. ``dp_weights`` and ``layer_split(s)`` of
+them in order); or ``"layout": {"pipelines": [[[ranks of stage 0], ...], ...]}``, per replica per
+stage its tensor-parallel group, replicas free to differ in depth and tensor-parallel size (what
+the planner's plans give); world ranks left out become hot spares. ``dp_weights`` and ``layer_split(s)`` of
 the same change are then read against the new layout (default: equal shares, balanced layers).
 """
 
@@ -25,26 +27,45 @@ from resihp.runtime.layout import ranges_from_counts
 
 @dataclass(frozen=True)
 class Relayout:
-    """A new parallel layout over some of the job's world ranks (the rest become hot spares)."""
+    """A new parallel layout over some of the job's world ranks (the rest become hot spares): per
+    data-parallel replica, per pipeline stage, the world ranks of its tensor-parallel group.
+    Replicas may differ in depth and tensor-parallel size; the stages of one replica share one."""
 
-    dims: ParallelDims
-    ranks: tuple[int, ...]  # world rank of each rank of the new layout, in its rank order
+    pipelines: tuple[tuple[tuple[int, ...], ...], ...]
 
     @classmethod
     def parse(cls, data: Any, world: int, where: str = "plan") -> Relayout:
+        form = (f"{where} layout: expected {{\"dp\", \"pp\", \"tp\", \"ranks\"?}} or {{\"pipelines\": "
+                f"[[[world ranks of a stage], ...], ...]}}")
         if not isinstance(data, Mapping):
-            raise InputError(f"{where} layout: expected {{\"dp\", \"pp\", \"tp\", \"ranks\"?}}, got {data!r}")
-        try:
-            dims = ParallelDims(*(int(data.get(k, 1)) for k in ("dp", "pp", "tp")))
-        except (TypeError, ValueError):
-            raise InputError(f"{where} layout: dp, pp and tp must be positive integers, got {dict(data)}") from None
-        ranks = data.get("ranks", list(range(dims.world_size)))
-        if (not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size
-                or len(set(ranks)) != len(ranks)
-                or not all(isinstance(r, int) and 0 <= r < world for r in ranks)):
-            raise InputError(f"{where} layout ranks: expected {dims.world_size} distinct world ranks in "
-                             f"[0, {world}) for dp {dims.dp} x pp {dims.pp} x tp {dims.tp}, got {ranks!r}")
-        return cls(dims, tuple(ranks))
+            raise InputError(f"{form}, got {data!r}")
+        if "pipelines" in data:
+            pipes = data["pipelines"]
+            ok = isinstance(pipes, (list, tuple)) and pipes and all(
+                isinstance(p, (list, tuple)) and p and all(isinstance(s, (list, tuple)) and s for s in p)
+                for p in pipes)
+            if not ok:
+                raise InputError(f"{form}, got {dict(data)}")
+            pipelines = tuple(tuple(tuple(s) for s in p) for p in pipes)
+        else:
+            try:
+                dims = ParallelDims(*(int(data.get(k, 1)) for k in ("dp", "pp", "tp")))
+            except (TypeError, ValueError):
+                raise InputError(f"{form}, got {dict(data)}") from None
+            ranks = data.get("ranks", list(range(dims.world_size)))
+            if not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size:
+                raise InputError(f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
+                                 f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}")
+            pipelines = tuple(tuple(tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp))
+                              for d in range(dims.dp))
+        ranks = [r for p in pipelines for s in p for r in s]
+        if len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and 0 <= r < world for r in ranks):
+            raise InputError(f"{where} layout: expected distinct world ranks in [0, {world}), got {ranks}")
+        for p in pipelines:
+            if len({len(s) for s in p}) != 1:
+                raise InputError(f"{where} layout: the stages of a replica need one tensor-parallel size, "
+                                 f"got {[list(s) for s in p]}")
+        return cls(pipelines)
 
 
 @dataclass(frozen=True)
@@ -56,15 +77,19 @@ class PlanChange:
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], dims: ParallelDims, layers: int,
-              where: str = "plan", world: int | None = None) -> PlanChange:
+              where: str = "plan", world: int | None = None,
+              depths: list[int] | None = None) -> PlanChange:
         """The change in ``data``, or InputError naming the field that does not fit the job
-        (``world``: the job's processes, when the current layout uses only some of them)."""
+        (``world``: the job's processes, when the current layout uses only some of them;
+        ``depths``: each replica's stages, when they differ)."""
         if not isinstance(data, Mapping):
             raise InputError(f"{where}: expected a plan change mapping, got {type(data).__name__}")
         layout = None
         if data.get("layout") is not None:
             layout = Relayout.parse(data["layout"], world or dims.world_size, where)
-            dims = layout.dims  # the rest of the change is read against the new layout
+            # the rest of the change is read against the new layout
+            depths = [len(p) for p in layout.pipelines]
+            dims = ParallelDims(len(depths), max(depths))
         weights = data.get("dp_weights")
         if weights is not None:
             try:
@@ -81,16 +106,16 @@ class PlanChange:
             if not isinstance(splits, (list, tuple)) or len(splits) != dims.dp:
                 got = len(splits) if isinstance(splits, (list, tuple)) else repr(splits)
                 raise InputError(f"{where} layer_splits: expected {dims.dp} splits, got {got}")
-            for split in splits:
-                ranges_from_counts(split, layers, dims.pp, source=f"{where} layer split")
+            for d, split in enumerate(splits):
+                ranges_from_counts(split, layers, depths[d] if depths else dims.pp, source=f"{where} layer split")
             splits = tuple(tuple(int(c) for c in split) for split in splits)
         return cls(weights, splits, dict(data), layout)
 
-    def replica_ranges(self, layers: int, pp: int) -> list[list[tuple[int, int]]] | None:
+    def replica_ranges(self, layers: int, pp: int | None = None) -> list[list[tuple[int, int]]] | None:
         """Each replica's contiguous layer ranges ``[first, last)`` per stage; None: unchanged."""
         if self.layer_splits is None:
             return None
-        return [ranges_from_counts(split, layers, pp) for split in self.layer_splits]
+        return [ranges_from_counts(split, layers, pp or len(split)) for split in self.layer_splits]
 
     def to_dict(self) -> dict[str, Any]:
         """The change as it was received (the JSON form)."""

@@ -124,13 +124,16 @@ def _exchange_dir(control_group: object, out: str) -> str:
 
 
 def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, tp: TPContext,
-             cfg: GPTConfig, rebuild: Callable[[], Rebuilt], control_group: object, out: str) -> dict:
+             cfg: GPTConfig, rebuild: Callable[[], Rebuilt], control_group: object, out: str,
+             write: bool = True) -> dict:
     """Collective over the world: every rank's parameters and AdamW state (none on a spare) under
     their global keys and placements, as a checkpoint writes them, into a shared-memory folder;
     ``rebuild()`` forms the new layout and returns this rank's new stage model, optimizer and
     tensor-parallel context (None: a spare); what a rank held already is copied locally, the rest
     read back with DCP's resharding. Returns the bytes moved (written + read), the least the two
-    layouts need (each rank's new blocks less what it already held), and the seconds."""
+    layouts need (each rank's new blocks less what it already held), and the seconds. ``write``:
+    whether this rank's state is written (one replica's ranks suffice; replicas of different
+    tensor-parallel sizes would write overlapping blocks)."""
     # deferred for start-up time: torch.distributed.checkpoint and DTensor (~2.5 s on a loaded
     # machine) only in runs that reshard or checkpoint
     import torch.distributed.checkpoint as dcp
@@ -147,7 +150,7 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     old = placed_state(model, optimizer, tp, cfg) if model is not None else {}
     held = extents(old)
     directory = _exchange_dir(control_group, out)
-    dcp.save(old, checkpoint_id=directory)
+    dcp.save(old if write else {}, checkpoint_id=directory)
     written = sum(p.stat().st_size for p in Path(directory).iterdir()) if dist.get_rank() == 0 else 0
     built = rebuild()
     new = placed_state(*built[:2], built[2], cfg) if built is not None else {}

@@ -83,7 +83,7 @@ def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) 
 
     with engine.rec.op("checkpoint-save"):
         save(directory, engine.model, engine.optimizer, step, checkpoint_meta(engine, cfg), engine.tp,
-             engine.model_cfg, rank_tensors(engine))
+             engine.model_cfg, rank_tensors(engine), write=engine.dp_rank == 0)  # one replica writes
 
 
 def _device(cfg: RunConfig) -> torch.device:
