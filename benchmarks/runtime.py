@@ -135,11 +135,144 @@ def elastic_restart(out: Path) -> dict:
             "tokens_per_s_after": summary["tokens_per_s_after"]}
 
 
+def _rows(rank: int, step: int, microbatches: int = 8) -> list[dict]:
+    """One rank's ops of one 1F1B step (forward/backward compute, sends and receives per
+    micro-batch; the all-reduce, optimizer and step rows), with plausible lengths and times."""
+    rng = np.random.default_rng(rank * 100003 + step)
+    t, rows = time.time(), []
+    for mb in range(microbatches):
+        lens = [int(x) for x in rng.integers(64, 1024, size=int(rng.integers(2, 9)))]
+        for op in ("forward-recv", "forward-compute", "forward-send", "backward-recv", "backward-compute",
+                   "backward-send"):
+            d = float(rng.uniform(0.001, 0.05))
+            rows.append({"step": step, "rank": rank, "dp_rank": rank % 8, "stage": rank // 8 % 4, "tp_rank": 0,
+                         "optype": op, "start_ts": t, "duration": d, "seq_id": mb, "mb_id": mb,
+                         "seq_lens": lens, "tokens": sum(lens), "loss": None, "bytes": None})
+            t += d
+    for op in ("grads-all-reduce", "optimizer", "step"):
+        rows.append({"step": step, "rank": rank, "dp_rank": rank % 8, "stage": rank // 8 % 4, "tp_rank": 0,
+                     "optype": op, "start_ts": t, "duration": 0.01, "seq_id": 0, "mb_id": None, "seq_lens": None,
+                     "tokens": None, "loss": 2.5 if op == "step" else None, "bytes": None})
+    return rows
+
+
+def _simulated_nodes(endpoint: str, job: str, nodes: list[int], per_node: int, step_s: float, steps: int,
+                     t_start: float, costs) -> None:
+    """One process standing in for several nodes: every rank's heartbeat thread (one loop here) and
+    each node's aggregator, and every rank publishing its step's records at each step boundary."""
+    import threading
+
+    from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
+    from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix
+    from resihp.runtime.launch import JobStore
+
+    stop = threading.Event()
+    hb = heartbeat_prefix(job)
+
+    def beats() -> None:
+        store = JobStore(endpoint, host=False).store
+        senders = [HeartbeatSender(store, n * per_node + i, n, prefix=hb) for n in nodes for i in range(per_node)]
+        aggs = [NodeAggregator(store, n, range(n * per_node, (n + 1) * per_node), prefix=hb, timeout_s=5.0,
+                               check_pids=False) for n in nodes]
+        while not stop.wait(0.5):
+            for snd in senders:
+                snd.state.phase, snd.state.ops = "train", snd.state.ops + 1
+                snd.tick()
+            for agg in aggs:
+                agg.tick()
+
+    thread = threading.Thread(target=beats, daemon=True)
+    thread.start()
+    store = JobStore(endpoint, host=False).store
+    pubs = {n * per_node + i: StepPublisher(store, job, n) for n in nodes for i in range(per_node)}
+    for step in range(steps):
+        time.sleep(max(0.0, t_start + (step + 1) * step_s - time.time()))
+        for rank, pub in pubs.items():
+            pub.publish(_rows(rank, step))
+    stop.set()
+    thread.join(timeout=5)
+    costs.put([(p.seconds, p.bytes, p.messages) for p in pubs.values()])
+
+
+def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step_s: float = 2.0,
+                  steps: int = 12) -> dict:
+    """A simulated ``world``-rank job on this machine: store clients in ``processes`` processes
+    send every rank's heartbeats and per-step records, per-node aggregators beat, and node 0's
+    reader and heartbeat monitor (this process) take complete steps and judge ranks, as in a real
+    job. Measures the live loop's lag (records sent -> step observed), bytes and messages per
+    rank-step, each rank's publishing time against the step time, and false fail-stops."""
+    import multiprocessing as mp
+
+    from resihp.detect.heartbeat import HeartbeatMonitor
+    from resihp.runtime.controlplane import StepReader, heartbeat_prefix, node_ranks
+    from resihp.runtime.launch import JobStore
+
+    nnodes = world // per_node
+    job = "bench"
+    layout = node_ranks(nnodes, per_node)
+    with JobStore(timeout_s=120) as js:
+        reader = StepReader(js.store, job, layout, first_step=0, owner=True)
+        monitor = HeartbeatMonitor(js.store, layout, timeout_s=5.0, prefix=heartbeat_prefix(job), startup_s=60)
+        ctx = mp.get_context("spawn")
+        costs = ctx.Queue()
+        t_start = time.time() + 15  # every process connected before the first step ends
+        share = [list(range(nnodes))[i::processes] for i in range(processes)]
+        procs = [ctx.Process(target=_simulated_nodes, args=(js.endpoint, job, share[i], per_node, step_s, steps,
+                                                             t_start, costs)) for i in range(processes)]
+        for proc in procs:
+            proc.start()
+        lags, false_stops, polls = [], [], 0
+        end = t_start + (steps + 3) * step_s
+        while time.time() < end and reader.steps < steps:
+            for rec in reader.complete_steps():
+                lags.append(rec.seen - (t_start + (rec.step + 1) * step_s))  # step boundary -> observed
+            if time.time() > t_start:
+                false_stops += monitor.poll(reader.next_step or 0)
+            polls += 1
+            time.sleep(0.2)
+        per_rank = [c for _ in procs for c in costs.get(timeout=60)]
+        for proc in procs:
+            proc.join(timeout=30)
+    publish_s = statistics.median(c[0] for c in per_rank) / steps
+    return {"world": world, "nodes": nnodes, "step_s": step_s, "steps_observed": reader.steps,
+            "lag_s_median": round(statistics.median(lags), 3) if lags else None,
+            "lag_s_max": round(max(lags), 3) if lags else None,
+            "lag_steps_max": round(max(lags) / step_s, 3) if lags else None,
+            "record_bytes_per_rank_step": round(statistics.mean(c[1] for c in per_rank) / steps, 1),
+            "record_messages_per_rank_step": round(statistics.mean(c[2] for c in per_rank) / steps, 3),
+            "heartbeat_messages_per_rank_step": round(step_s / 0.5, 2),
+            "publish_s_per_rank_step": round(publish_s, 6),
+            "overhead_fraction_of_step": round(publish_s / step_s, 6),
+            "reader_requests_per_step": round(reader.messages / max(1, reader.steps), 1),
+            "false_fail_stops": len(false_stops)}
+
+
+def control_plane_live(out: Path) -> dict:
+    """The control plane of a real 4-rank run (``resihp run --json``'s ``control_plane``)."""
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "--dp", "2", "--pp", "2", "--steps", "30",
+                           "-o", str(out), "--json"], capture_output=True, text=True, timeout=600)
+    summary = json.loads(proc.stdout)
+    step_s = 8192 / summary["tokens_per_s"]
+    cp = summary["control_plane"]
+    return {**cp, "step_s": round(step_s, 3), "overhead_fraction_of_step": round(cp["publish_s_per_rank_step"] / step_s, 6),
+            "lag_steps_median": round(cp["lag_s"]["median"] / step_s, 3),
+            "lag_steps_max": round(cp["lag_s"]["max"] / step_s, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--overhead-pairs", type=int, default=60)
     parser.add_argument("--skip-runs", action="store_true", help="only the overhead benchmark")
+    parser.add_argument("--control-plane-only", action="store_true",
+                        help="only the control plane: a real 4-rank run and a simulated 1,024-rank job")
+    parser.add_argument("--world", type=int, default=1024, help="ranks of the simulated job")
     args = parser.parse_args()
+    if args.control_plane_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            live = control_plane_live(Path(tmp) / "cp")
+        print(json.dumps({"control_plane": {"live_4_ranks": live, "simulated": control_plane(args.world)}},
+                         indent=1))
+        return
     result = {"overhead": overhead(args.overhead_pairs)}
     if not args.skip_runs:
         with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +280,8 @@ def main() -> None:
             result["fail_slow"] = fail_slow(tmp / "demo")
             result["layer_repartition"] = layer_repartition(tmp / "layers")
             result["elastic_restart"] = elastic_restart(tmp / "elastic")
+            result["control_plane"] = {"live_4_ranks": control_plane_live(tmp / "cp"),
+                                       "simulated": control_plane(args.world)}
     print(json.dumps(result, indent=1, default=lambda o: float(o) if isinstance(o, np.floating) else str(o)))
 
 
