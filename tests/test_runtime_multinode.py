@@ -32,9 +32,9 @@ def _node(tmp: Path, port: int, rank: int, *args: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _two_nodes(tmp: Path, *args: str, node1_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, subprocess.Popen]:
-    port = free_port()
-    return _node(tmp, port, 0, *args), _node(tmp, port, 1, *args, *node1_args)
+def _two_nodes(tmp: Path, *args: str, port: int | None = None) -> tuple[subprocess.Popen, subprocess.Popen]:
+    port = port or free_port()
+    return _node(tmp, port, 0, *args), _node(tmp, port, 1, *args)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[dict, str]:
@@ -49,9 +49,17 @@ def _no_workers_left(tmp: Path) -> None:
 
 @pytest.mark.slow
 def test_slow_rank_on_node_1_is_detected_and_replanned_by_node_0(tmp_path):
-    node0, node1 = _two_nodes(tmp_path, "--steps", "34", "--inject", "slow:rank=3,factor=3,step=24")
+    port = free_port()
+    node0, node1 = _two_nodes(tmp_path, "--steps", "34", "--inject", "slow:rank=3,factor=3,step=24", port=port)
+    # a third machine follows the job through its store alone (no run folder)
+    follower = subprocess.Popen([sys.executable, "-m", "resihp.cli", "follow", "--store", f"127.0.0.1:{port}",
+                                 "--json", "--start-timeout", "120"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     s0, err0 = _finish(node0)
     s1, err1 = _finish(node1)
+    report, ferr = _finish(follower, timeout=60)
+    assert follower.returncode == 0, ferr[-2000:]
+    assert report["steps"] >= 30 and any(e["kind"] == "fail-slow" and e["rank"] == 3 for e in report["events"])
     assert node0.returncode == 0 and node1.returncode == 0, (err0[-2000:], err1[-2000:])
     assert s0["steps"] == 34 and len(s0["losses"]) == 34
     slow = [e for e in s0["events"] if e["kind"] == "fail-slow" and e["rank"] == 3]

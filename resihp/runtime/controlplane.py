@@ -133,6 +133,7 @@ class StepReader:
         self.parts = 0  # rank-step parts read
         self.steps = 0
         self.cost_s: dict[int, float] = {}  # per rank: time spent publishing, as last reported
+        self.skipped = 0  # steps a slow non-owner reader lost to the window
 
     def _keys(self, step: int) -> list[str]:
         return [f"{self.prefix}/ops/n{n}/s{step}" for n in self.nodes]
@@ -148,6 +149,8 @@ class StepReader:
             keys = self._keys(self.next_step)
             self.messages += 1
             if not self.store.check(keys):
+                if not self.owner:
+                    self._catch_up()
                 break
             blobs = self.store.multi_get(keys)
             self.messages += 1
@@ -163,11 +166,22 @@ class StepReader:
             for p in decoded:
                 if p.rows:
                     self.cost_s[p.rows[0]["rank"]] = p.cost_s
-            if self.owner and self.next_step >= KEEP_STEPS:
-                for key in self._keys(self.next_step - KEEP_STEPS):
-                    self.store.delete_key(key)
+            if self.owner:
+                self.store.set(f"{self.prefix}/ops/last", str(self.next_step))
+                if self.next_step >= KEEP_STEPS:
+                    for key in self._keys(self.next_step - KEEP_STEPS):
+                        self.store.delete_key(key)
             self.next_step += 1
         return done
+
+    def _catch_up(self) -> None:
+        """A reader that fell out of the window the owner keeps skips to its oldest step."""
+        last_key = f"{self.prefix}/ops/last"
+        if self.store.check([last_key]):
+            oldest = int(self.store.get(last_key)) - KEEP_STEPS + 2
+            if oldest > self.next_step:
+                self.skipped += oldest - self.next_step
+                self.next_step = oldest
 
 
 # --- plan changes, errors, the job ------------------------------------------------------------------

@@ -16,12 +16,17 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
+
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import DEVICE_FAULTS
 from resihp.detect.online import OnlineDetector, noise_warnings
 from resihp.errors import InputError
-from resihp.opstrace import read_meta
+from resihp.opstrace import JobMeta, read_meta
+from resihp.runtime.config import RunConfig
+from resihp.runtime.controlplane import StepReader, ended, node_ranks, read_job
 from resihp.runtime.heartbeat import read_beats
+from resihp.runtime.launch import JobStore
 from resihp.runtime.recorder import rows_frame
 
 TRACE_STREAM = "ops.jsonl"  # the stream resihp run's launcher writes on node 0
@@ -90,15 +95,50 @@ def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float 
     return meta
 
 
-class LiveDetection:
-    """The detector over one job's streams, fed by ``poll``; ``report`` is what it holds now."""
+class StoreSteps:
+    """Complete steps read from a job's control plane (``resihp run``'s store, from any machine
+    that reaches it), not its run folder; ``finished`` once node 0 says the job ended."""
 
-    def __init__(self, out: str | Path, config: DetectorConfig | None = None,
-                 on_event: Callable[[dict], None] | None = None) -> None:
-        self.out = Path(out)
-        meta, meta_dict = read_meta(self.out / "job.yaml")
+    def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.js = JobStore(endpoint, host=False, timeout_s=timeout_s)
+        job = read_job(self.js.store, timeout_s)
+        if job is None:
+            raise InputError(f"--store {endpoint}: no resihp job announced there within {timeout_s:g} s")
+        self.job_id = job["job_id"]
+        cfg = RunConfig(**job["config"])
+        dims, model = cfg.dims(), cfg.model_config()
+        self.meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
+        self.meta_dict = {**self.meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
+                          "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
+                          "max_seq_len": model.max_seq_len}
+        self.reader = StepReader(self.js.store, self.job_id, node_ranks(job["nnodes"], job["nproc_per_node"]))
+
+    def complete_steps(self) -> list[tuple[int, list[dict]]]:
+        return [(s.step, s.rows) for s in self.reader.complete_steps()]
+
+    def finished(self) -> bool:
+        try:
+            return ended(self.js.store, self.job_id) is not None
+        except (RuntimeError, dist.DistError):  # node 0 and its store are gone: the job is over
+            return True
+
+
+class LiveDetection:
+    """The detector over one job's records (a run folder's streams, or ``source``: a job's store),
+    fed by ``poll``; ``report`` is what it holds now."""
+
+    def __init__(self, out: str | Path | None, config: DetectorConfig | None = None,
+                 on_event: Callable[[dict], None] | None = None, source: StoreSteps | None = None) -> None:
+        self.out = Path(out) if out is not None else None
+        self.source = source
+        if source is not None:
+            meta, meta_dict = source.meta, source.meta_dict
+            self.steps = source
+        else:
+            meta, meta_dict = read_meta(self.out / "job.yaml")
+            self.steps = StepAssembler(self.out, meta.world_size)
         self.detector = OnlineDetector(meta, config=config, meta_dict=meta_dict)
-        self.steps = StepAssembler(self.out, meta.world_size)
         self.world = meta.world_size
         self.events: list[dict] = []
         self.seen = 0
@@ -128,6 +168,8 @@ class LiveDetection:
         return new
 
     def finished(self) -> bool:
+        if self.source is not None:
+            return self.source.finished()
         if (self.out / "summary.json").exists():  # resihp run's launcher wrote it: the job is over
             return True
         beats = read_beats(self.out / "heartbeats")  # resihp.attach's heartbeats
@@ -158,16 +200,21 @@ def _log_event(e: dict) -> None:
             e["onset_step"], e["detected_step"], e["slowdown"], phase)
 
 
-def follow(out: str | Path, detector_config: DetectorConfig | None = None, poll_s: float = 0.5,
+def follow(out: str | Path | None, detector_config: DetectorConfig | None = None, poll_s: float = 0.5,
            timeout_s: float | None = None, on_event: Callable[[dict], None] | None = None,
-           start_timeout_s: float | None = None) -> dict:
-    """Detect live on a job that writes resihp streams: wait for its ``job.yaml`` (up to
-    ``start_timeout_s``, default ``timeout_s``), feed every complete step to the online detector,
-    until every rank's heartbeat says done (or ``timeout_s``). Returns ``report()``'s document
+           start_timeout_s: float | None = None, store: str | None = None) -> dict:
+    """Detect live on a job: its run folder ``out`` (wait for its ``job.yaml`` up to
+    ``start_timeout_s``, default ``timeout_s``) or, with ``store`` (``HOST:PORT`` of node 0's
+    ``--rdzv-endpoint``), its control plane; feed every complete step to the online detector,
+    until the job is over (or ``timeout_s``). Returns ``report()``'s document
     (``{"events": [...], "steps": n, "stragglers": [...], "noise": {...}}``)."""
     t0 = time.time()
-    wait_for_job(out, start_timeout_s if start_timeout_s is not None else timeout_s, poll_s)
-    det = LiveDetection(out, detector_config, on_event)
+    start = start_timeout_s if start_timeout_s is not None else timeout_s
+    if store is not None:  # the job's control plane, from any machine that reaches node 0
+        det = LiveDetection(None, detector_config, on_event, source=StoreSteps(store, start or 60.0))
+    else:
+        wait_for_job(out, start, poll_s)
+        det = LiveDetection(out, detector_config, on_event)
     while True:
         finished = det.finished()
         det.poll()

@@ -8,13 +8,18 @@ from typing import Annotated
 
 import typer
 
+from resihp.errors import InputError
+
 # Imports inside the verb are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and following pulls in torch and the detector.
 
 
 def follow_cmd(
     run: Annotated[Path, typer.Argument(help="Run folder of a job writing resihp streams "
-                                        "(resihp.attach(out=...) or resihp run -o ...)")],
+                                        "(resihp.attach(out=...) or resihp run -o ...)")] = None,
+    store: Annotated[str, typer.Option(help="HOST:PORT of a resihp run job's store (node 0's "
+                                       "--rdzv-endpoint): follow its control plane from any machine "
+                                       "that reaches it, no shared files")] = None,
     start_timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to write its "
                                                  "job.yaml")] = 600.0,
     timeout: Annotated[float, typer.Option(help="Stop following after this many seconds "
@@ -29,13 +34,15 @@ def follow_cmd(
     from resihp.runtime import logs
     from resihp.runtime.follow import follow
 
+    if (run is None) == (store is None):
+        raise InputError("resihp follow: give a run folder or --store HOST:PORT (one of them)")
     logs.setup(None, 0)
     report = follow(run, DetectorConfig(sensitivity=sensitivity), timeout_s=timeout,
-                    start_timeout_s=start_timeout)
+                    start_timeout_s=start_timeout, store=store)
     if json_out:
         print(json.dumps(report, default=str))
         return
-    typer.echo(f"{run}: {report['steps']} step(s) judged, {len(report['events'])} event(s)")
+    typer.echo(f"{run or store}: {report['steps']} step(s) judged, {len(report['events'])} event(s)")
     for s in report["stragglers"]:
         phase = f" ({s['phase']} only)" if s.get("phase") else ""
         typer.echo(f"  straggler: rank {s['rank']} x{s['slowdown']:.2f} from step {s['onset_step']} "
