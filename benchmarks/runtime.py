@@ -185,10 +185,11 @@ def _simulated_nodes(endpoint: str, job: str, nodes: list[int], per_node: int, s
     thread.start()
     store = JobStore(endpoint, host=False).store
     pubs = {n * per_node + i: StepPublisher(store, job, n) for n in nodes for i in range(per_node)}
+    rows = {rank: _rows(rank, 0) for rank in pubs}  # made once: the simulation's cost is not the plane's
     for step in range(steps):
         time.sleep(max(0.0, t_start + (step + 1) * step_s - time.time()))
         for rank, pub in pubs.items():
-            pub.publish(_rows(rank, step))
+            pub.publish([{**r, "step": step} for r in rows[rank]])
     stop.set()
     thread.join(timeout=5)
     costs.put([(p.seconds, p.bytes, p.messages) for p in pubs.values()])
@@ -221,11 +222,14 @@ def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step
                                                              t_start, costs)) for i in range(processes)]
         for proc in procs:
             proc.start()
-        lags, false_stops, polls = [], [], 0
+        lags, late, false_stops, polls, read_s = [], [], [], 0, 0.0
         end = t_start + (steps + 3) * step_s
         while time.time() < end and reader.steps < steps:
+            t0 = time.perf_counter()
             for rec in reader.complete_steps():
-                lags.append(rec.seen - (t_start + (rec.step + 1) * step_s))  # step boundary -> observed
+                lags.append(rec.seen - rec.sent)  # the step's last record sent -> the step observed
+                late.append(rec.sent - (t_start + (rec.step + 1) * step_s))  # the simulation's own delay
+            read_s += time.perf_counter() - t0
             if time.time() > t_start:
                 false_stops += monitor.poll(reader.next_step or 0)
             polls += 1
@@ -244,6 +248,8 @@ def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step
             "publish_s_per_rank_step": round(publish_s, 6),
             "overhead_fraction_of_step": round(publish_s / step_s, 6),
             "reader_requests_per_step": round(reader.messages / max(1, reader.steps), 1),
+            "reader_s_per_step": round(read_s / max(1, reader.steps), 4),
+            "senders_late_s_median": round(statistics.median(late), 3) if late else None,
             "false_fail_stops": len(false_stops)}
 
 
