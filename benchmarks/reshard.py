@@ -90,7 +90,9 @@ def _from_memory(engine, rounds: int, time_steps: bool) -> dict:
         seconds = statistics.median(row["relayout_s"])
         result[label] = {"relayout_s": seconds, "relayout_s_all": row["relayout_s"],
                          "moved_bytes": row["moved_bytes"][0], "minimum_bytes": row["minimum_bytes"][0],
-                         "moved_over_minimum": row["moved_bytes"][0] / max(row["minimum_bytes"][0], 1)}
+                         # None where the layouts need nothing moved (every rank held its new blocks)
+                         "moved_over_minimum": (row["moved_bytes"][0] / row["minimum_bytes"][0]
+                                                if row["minimum_bytes"][0] else None)}
         if step_s:
             result[label]["stall_steps"] = seconds / statistics.median(step_s)
     return {"step_s": statistics.median(step_s) if step_s else None, "changes": result}

@@ -126,14 +126,14 @@ def _exchange_dir(control_group: object, out: str) -> str:
 def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, tp: TPContext,
              cfg: GPTConfig, rebuild: Callable[[], Rebuilt], control_group: object, out: str,
              write: bool = True) -> dict:
-    """Collective over the world: every rank's parameters and AdamW state (none on a spare) under
-    their global keys and placements, as a checkpoint writes them, into a shared-memory folder;
-    ``rebuild()`` forms the new layout and returns this rank's new stage model, optimizer and
-    tensor-parallel context (None: a spare); what a rank held already is copied locally, the rest
-    read back with DCP's resharding. Returns the bytes moved (written + read), the least the two
-    layouts need (each rank's new blocks less what it already held), and the seconds. ``write``:
-    whether this rank's state is written (one replica's ranks suffice; replicas of different
-    tensor-parallel sizes would write overlapping blocks)."""
+    """Collective over the world: ``rebuild()`` forms the new layout and returns this rank's new
+    stage model, optimizer and tensor-parallel context (None: a spare); each new tensor (under its
+    global key and placement, as a checkpoint holds it) that lies inside what the rank held is
+    copied locally; the keys some rank still needs are written, as a checkpoint writes them, into a
+    shared-memory folder and read back with DCP's resharding. Returns the bytes moved (written +
+    read), the least the two layouts need (each rank's new blocks less what it already held), and
+    the seconds. ``write``: whether this rank's state is written (one replica's ranks suffice;
+    replicas of different tensor-parallel sizes would write overlapping blocks)."""
     # deferred for start-up time: torch.distributed.checkpoint and DTensor (~2.5 s on a loaded
     # machine) only in runs that reshard or checkpoint
     import torch.distributed.checkpoint as dcp
@@ -149,20 +149,26 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     start = time.perf_counter()
     old = placed_state(model, optimizer, tp, cfg) if model is not None else {}
     held = extents(old)
-    directory = _exchange_dir(control_group, out)
-    dcp.save(old if write else {}, checkpoint_id=directory)
-    written = sum(p.stat().st_size for p in Path(directory).iterdir()) if dist.get_rank() == 0 else 0
-    built = rebuild()
+    built = rebuild()  # the old tensors stay alive in ``old`` until they are written or copied
     new = placed_state(*built[:2], built[2], cfg) if built is not None else {}
     minimum = bytes_to_receive(held, extents(new))
     local = copy_held(old, new)
+    wanted = sorted(k for k in new if k not in local)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wanted, group=control_group)
+    needed = set().union(*everyone)  # a key is written whole (DCP checks its blocks fill it)
+    written, read = 0, [0]
+    if needed:
+        directory = _exchange_dir(control_group, out)
+        dcp.save({k: v for k, v in old.items() if k in needed} if write else {}, checkpoint_id=directory)
+        if dist.get_rank() == 0:
+            written = sum(p.stat().st_size for p in Path(directory).iterdir())
+        dcp.load({k: new[k] for k in wanted},
+                 storage_reader=counting_reader(dcp.FileSystemReader(directory), read))
     del old
-    read = [0]
-    dcp.load({k: v for k, v in new.items() if k not in local},
-             storage_reader=counting_reader(dcp.FileSystemReader(directory), read))
     totals = torch.tensor([written, read[0], minimum], dtype=torch.float64)
     dist.all_reduce(totals, group=control_group)  # also: every rank has read before the folder goes
-    if dist.get_rank() == 0:
+    if needed and dist.get_rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
