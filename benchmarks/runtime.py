@@ -172,7 +172,7 @@ def _simulated_nodes(endpoint: str, job: str, nodes: list[int], per_node: int, s
     def beats() -> None:
         store = JobStore(endpoint, host=False).store
         senders = [HeartbeatSender(store, n * per_node + i, n, prefix=hb) for n in nodes for i in range(per_node)]
-        aggs = [NodeAggregator(store, n, range(n * per_node, (n + 1) * per_node), prefix=hb, timeout_s=5.0,
+        aggs = [NodeAggregator(store, n, range(n * per_node, (n + 1) * per_node), prefix=hb, timeout_s=10.0,
                                check_pids=False) for n in nodes]
         while not stop.wait(0.5):
             for snd in senders:
@@ -213,7 +213,7 @@ def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step
     layout = node_ranks(nnodes, per_node)
     with JobStore(timeout_s=120) as js:
         reader = StepReader(js.store, job, layout, first_step=0, owner=True)
-        monitor = HeartbeatMonitor(js.store, layout, timeout_s=5.0, prefix=heartbeat_prefix(job), startup_s=60)
+        monitor = HeartbeatMonitor(js.store, layout, timeout_s=10.0, prefix=heartbeat_prefix(job), startup_s=60)
         ctx = mp.get_context("spawn")
         costs = ctx.Queue()
         t_start = time.time() + 15  # every process connected before the first step ends
@@ -227,7 +227,8 @@ def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step
         while time.time() < end and reader.steps < steps:
             t0 = time.perf_counter()
             for rec in reader.complete_steps():
-                lags.append(rec.seen - rec.sent)  # the step's last record sent -> the step observed
+                rec.frame()  # the detector's input, as the live loop builds it
+                lags.append(time.time() - rec.sent)  # the step's last record sent -> ready for the detector
                 late.append(rec.sent - (t_start + (rec.step + 1) * step_s))  # the simulation's own delay
             read_s += time.perf_counter() - t0
             if time.time() > t_start:

@@ -19,9 +19,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import pandas as pd
 from torch.distributed import Store
 
 from resihp.detect.heartbeat import PREFIX as HB
+from resihp.runtime.recorder import columns_frame
 
 JOB_KEY = "resihp/job"
 KEEP_STEPS = 64  # steps of op records kept in the store for other readers
@@ -65,24 +67,43 @@ def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
 
 @dataclass
 class Part:
-    """One rank's records of one step, as read."""
+    """One rank's records of one step, as read (column-wise, as sent)."""
 
-    rows: list[dict]
-    sent: float  # when the rank sent them (its clock)
-    cost_s: float  # the rank's time spent publishing before this part
+    doc: dict
     nbytes: int
+
+    @property
+    def sent(self) -> float:  # when the rank sent them (its clock)
+        return float(self.doc["sent"])
+
+    @property
+    def cost_s(self) -> float:  # the rank's time spent publishing before this part
+        return float(self.doc.get("cost_s", 0.0))
+
+    @property
+    def rank(self) -> int:
+        return int(self.doc["ids"][1])
+
+    def columns(self) -> dict[str, list]:
+        doc, n = self.doc, len(self.doc["ts"])
+        cols: dict[str, list] = {k: [v] * n for k, v in zip(_IDS, doc["ids"])}
+        t0 = doc["t0"]
+        cols["start_ts"] = [t0 + x for x in doc["ts"]]
+        cols["duration"] = doc["dur"]
+        for c in _COLS:
+            cols[c] = doc[c]
+        lens = doc["lens"]
+        cols["seq_lens"] = [lens.get(str(m)) if m is not None else None for m in doc["mb_id"]]
+        return cols
+
+    def rows(self) -> list[dict]:
+        cols = self.columns()
+        names = list(cols)
+        return [dict(zip(names, values)) for values in zip(*cols.values())]
 
 
 def decode_rows(blob: bytes) -> Part:
-    doc = json.loads(blob)
-    ids = dict(zip(_IDS, doc["ids"]))
-    rows = []
-    for i in range(len(doc["ts"])):
-        row = {**ids, "start_ts": doc["t0"] + doc["ts"][i], "duration": doc["dur"][i],
-               **{c: doc[c][i] for c in _COLS}}
-        row["seq_lens"] = doc["lens"].get(str(row["mb_id"])) if row["mb_id"] is not None else None
-        rows.append(row)
-    return Part(rows, float(doc["sent"]), float(doc.get("cost_s", 0.0)), len(blob))
+    return Part(json.loads(blob), len(blob))
 
 
 class StepPublisher:
@@ -114,9 +135,23 @@ class StepPublisher:
 @dataclass
 class StepRecords:
     step: int
-    rows: list[dict]
+    parts: list[Part]
     sent: float  # when the last rank sent its part (its clock)
     seen: float  # when this reader had every part
+
+    @property
+    def rows(self) -> list[dict]:
+        """The step's ops-trace rows (dicts)."""
+        return [row for p in self.parts for row in p.rows()]
+
+    def frame(self) -> pd.DataFrame:
+        """The step's rows as an ops-trace frame, built column-wise (no row dicts: thousands of
+        ranks' records are read every step)."""
+        merged: dict[str, list] = {}
+        for p in self.parts:
+            for name, values in p.columns().items():
+                merged.setdefault(name, []).extend(values)
+        return columns_frame(merged)
 
 
 class StepReader:
@@ -155,17 +190,14 @@ class StepReader:
             blobs = self.store.multi_get(keys)
             self.messages += 1
             decoded = [decode_rows(line) for blob in blobs for line in blob.splitlines() if line.strip()]
-            ranks = {p.rows[0]["rank"] for p in decoded if p.rows}
-            if len(ranks) < sum(len(r) for r in self.nodes.values()):
+            if len({p.rank for p in decoded}) < sum(len(r) for r in self.nodes.values()):
                 break
-            rows = [row for p in decoded for row in p.rows]
-            done.append(StepRecords(self.next_step, rows, max(p.sent for p in decoded), time.time()))
+            done.append(StepRecords(self.next_step, decoded, max(p.sent for p in decoded), time.time()))
             self.bytes += sum(p.nbytes for p in decoded)
             self.parts += len(decoded)
             self.steps += 1
             for p in decoded:
-                if p.rows:
-                    self.cost_s[p.rows[0]["rank"]] = p.cost_s
+                self.cost_s[p.rank] = p.cost_s
             if self.owner:
                 self.store.set(f"{self.prefix}/ops/last", str(self.next_step))
                 if self.next_step >= KEEP_STEPS:

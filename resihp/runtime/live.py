@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from resihp.detect.online import OnlineDetector
@@ -30,7 +31,6 @@ from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepRecords
 from resihp.runtime.data import split_counts
 from resihp.runtime.layout import ranges_from_counts
-from resihp.runtime.recorder import rows_frame
 
 
 def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
@@ -106,13 +106,12 @@ class LiveLoop:
             return
         try:
             for records in steps:
-                self._observe(records.step, records.rows)
+                self._observe(records.step, records.frame())
                 self.lags.append(time.time() - records.sent)
         except Exception as exc:  # noqa: BLE001 - the training job must not die of its monitor
             self.error = f"{type(exc).__name__}: {exc}"
 
-    def _observe(self, step: int, rows: list[dict]) -> None:
-        df = rows_frame(rows)
+    def _observe(self, step: int, df: pd.DataFrame) -> None:
         df = df[~df.optype.str.startswith("replan")]
         placed = {r for p in self.groups for s in p for r in s}
         df = df[df["rank"].isin(placed)]  # a hot spare only keeps step
@@ -128,7 +127,8 @@ class LiveLoop:
                 self.handled.add(tuple(event.ranks))
                 self.cluster = with_link_event(self.cluster, self.model, tuple(event.ranks), event.slowdown,
                                                event.extra.get("traffic", "pipeline"),
-                                               self.detector.healthy_transfers())
+                                               self.detector.healthy_transfers(),
+                                               self.planner.coster(self.cluster, self.model))
                 self._replan(step, record)
                 self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
 

@@ -101,7 +101,15 @@ class OpRecorder:
 
 
 def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
-    df = pd.DataFrame(list(rows), columns=COLUMNS)
+    return _typed(pd.DataFrame(list(rows), columns=COLUMNS))
+
+
+def columns_frame(columns: dict[str, list]) -> pd.DataFrame:
+    """``rows_frame`` from columns (name -> values) instead of row dicts."""
+    return _typed(pd.DataFrame({c: columns.get(c, [None] * len(columns["step"])) for c in COLUMNS}))
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
     for col in ("mb_id", "tokens", "tp_rank", "seq_id"):
         df[col] = df[col].astype("Int64")
     df["loss"] = df["loss"].astype(float)
