@@ -27,11 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, plan_shards
+from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, crc_of, plan_shards
 from resihp.ckpt.reshard import ensure_adam_state
 from resihp.model.gpt import ADAM_KEYS
 
 RNG_KEY = "rng.torch"
+CHUNK = 1 << 25  # a peer's slot travels in 32 MiB pieces
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -192,29 +193,33 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     if found is None:
         return None
     step, choice = found
-    # every transfer, in the same order on every rank: (holder -> rank) for the ranks not local
+    # every transfer, in the same order on every rank: (holder -> rank) for the ranks not local,
+    # in chunks, so that the receiver checks each shard as it arrives
     transfers = sorted((c["holder"], r) for r, c in choice.items() if c["holder"] != r)
-    received: dict[int, torch.Tensor] = {}
-    works = []
-    for tag, (src, dst) in enumerate(transfers):
+    sends, receive, tag = [], None, 0
+    for src, dst in transfers:
         header = SlotHeader.from_dict(choice[dst])
+        chunks = _chunks(header.nbytes)
         if src == rank:
             data = tier.read(header, writable=True)
             # a slot gone since it was verified: zeros, which fail the receiver's checksums
             payload = torch.from_numpy(data) if data is not None else torch.zeros(header.nbytes, dtype=torch.uint8)
-            works.append(dist.isend(payload, dst, group=group, tag=tag))
+            sends += [dist.isend(payload[o:o + n], dst, group=group, tag=tag + i) for i, (o, n) in enumerate(chunks)]
         elif dst == rank:
-            received[dst] = torch.empty(header.nbytes, dtype=torch.uint8)
-            works.append(dist.irecv(received[dst], src, group=group, tag=tag))
-    for w in works:
-        w.wait()
+            buf = torch.empty(header.nbytes, dtype=torch.uint8)
+            receive = (buf, chunks, [dist.irecv(buf[o:o + n], src, group=group, tag=tag + i)
+                                     for i, (o, n) in enumerate(chunks)])
+        tag += len(chunks)
     header = SlotHeader.from_dict(choice[rank])
-    if rank in received:
-        data = received[rank].numpy()
-        ok = tier.verify(header, data)
+    if receive is not None:
+        buf, chunks, works = receive
+        data = buf.numpy()
+        ok = _check_as_received(header, data, chunks, works)
     else:
         data = tier.read(header, writable=True)
         ok = data is not None  # verified above
+    for w in sends:
+        w.wait()
     ok = ok and _load(header, data, model, optimizer)
     # every rank loaded (min of the flags) and the slowest rank's time (min of the negated times)
     both = torch.tensor([1.0 if ok else 0.0, -(time.perf_counter() - t0)], dtype=torch.float64)
@@ -224,6 +229,22 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     sources = ["peer" if choice[r]["holder"] != r else "memory" for r in range(world)]
     return Restored(step, "peer" if "peer" in sources else "memory", sources, float(-both[1]),
                     dict(header.layout.get("run", {})))
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    return [(o, min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
+
+
+def _check_as_received(header: SlotHeader, data: np.ndarray, chunks: list[tuple[int, int]], works: list) -> bool:
+    """Wait for each chunk and check every shard complete so far against its checksum."""
+    shards = sorted(zip(header.shards, header.crc32, strict=False), key=lambda sc: sc[0].offset)
+    ok, j = len(header.crc32) == len(header.shards), 0
+    for (o, n), work in zip(chunks, works, strict=True):
+        work.wait()
+        while j < len(shards) and shards[j][0].offset + shards[j][0].nbytes <= o + n:
+            ok = ok and crc_of(data, shards[j][0]) == shards[j][1]
+            j += 1
+    return ok and j == len(shards)
 
 
 def _good(tier: MemoryTier, header: SlotHeader) -> bool:
