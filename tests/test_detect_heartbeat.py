@@ -75,3 +75,48 @@ def test_killed_rank_and_lost_node_become_fail_stop_events():
         for p in procs.values():
             p.kill()
             p.wait(timeout=10)
+
+
+def test_a_rank_beating_without_progress_is_hung_and_its_waiting_peers_are_not():
+    """In one process: three ranks' heartbeat threads. Rank 0 makes progress; rank 1 is stuck
+    waiting in a receive (for rank 2); rank 2 is stuck outside any communication op: rank 2 is
+    the hang. A rank whose beats stop while its process lives is a hang too; finished ranks are
+    never judged."""
+    from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator, Progress
+
+    store, _ = start_local_store()
+    ops = {"n": 0}
+
+    def moving() -> Progress:
+        ops["n"] += 1
+        return Progress(3, "train", ops["n"], "")
+
+    senders = [HeartbeatSender(store, 0, 0, 0.05, progress=moving),
+               HeartbeatSender(store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "backward-recv")),
+               HeartbeatSender(store, 2, 0, 0.05, progress=lambda: Progress(3, "train", 17, ""))]
+    for snd in senders:
+        snd.start()
+    agg = NodeAggregator(store, 0, [0, 1, 2], interval_s=0.05, timeout_s=1.0).start()
+    monitor = HeartbeatMonitor(store, {0: [0, 1, 2]}, timeout_s=1.0, hang_timeout_s=0.6)
+    try:
+        found = []
+        end = time.monotonic() + 10
+        while not found and time.monotonic() < end:
+            found = monitor.poll(3)
+            time.sleep(0.05)
+        assert [(e.rank, e.extra["cause"]) for e in found] == [(2, "hang")]
+        assert found[0].extra["step"] == 3 and found[0].extra["silent_s"] >= 0.6
+        senders[1].finish("done")  # a rank that finished is never judged
+        senders[0].stop()  # silent while its process lives: hung
+        found = []
+        end = time.monotonic() + 10
+        while not found and time.monotonic() < end:
+            found = monitor.poll(4)
+            time.sleep(0.05)
+        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+        time.sleep(0.3)
+        assert monitor.poll(5) == []
+    finally:
+        for snd in senders:
+            snd.stop()
+        agg.stop()

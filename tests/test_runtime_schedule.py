@@ -126,19 +126,3 @@ def test_tensor_parallel_shards_round_trip():
     for name, p in full.named_parameters():
         assert torch.equal(unshard(name, [parts[0][name], parts[1][name]], cfg.heads), p), name
         assert torch.equal(shard(name, p, 2, 1, cfg.heads), parts[1][name]), name
-
-
-def test_heartbeats_tell_a_silent_rank(tmp_path):
-    import time
-
-    from resihp.runtime.heartbeat import HeartbeatWriter, read_beats, stale_ranks
-
-    alive = HeartbeatWriter(tmp_path, 0, interval_s=0.05).start()
-    silent = HeartbeatWriter(tmp_path, 1, interval_s=60).start()  # beats once, then never again
-    alive.at_step(4)
-    time.sleep(0.4)
-    beats = read_beats(tmp_path)
-    assert beats[0].step == 4 and stale_ranks(beats, timeout_s=0.3) == [1]
-    alive.stop()
-    silent.stop()
-    assert stale_ranks(read_beats(tmp_path), timeout_s=0.0) == []  # finished ranks are not stopped

@@ -215,6 +215,7 @@ class NodeAggregator(_Loop):
                     state = _process_state(msg["pid"])
                     entry["exited"] = state is None or state == "Z"
                     entry["stopped"] = state in ("T", "t")
+                    entry["alive"] = not entry["exited"]
             ranks[str(rank)] = entry
         return ranks
 
@@ -241,6 +242,7 @@ class RankView:
     step_s: float | None = None
     exited: bool = False
     stopped: bool = False
+    alive: bool | None = None  # its process exists (known where the aggregator can look)
 
 
 class HeartbeatMonitor:
@@ -291,7 +293,7 @@ class HeartbeatMonitor:
                     view = self.views.get(int(r))
                     if view is not None and entry["seen"]:
                         for name in ("step", "phase", "ops", "wait", "pid", "silent_s", "stalled_s",
-                                     "step_s", "exited", "stopped"):
+                                     "step_s", "exited", "stopped", "alive"):
                             if name in entry:
                                 setattr(view, name, entry[name])
                         view.seen = True
@@ -314,7 +316,8 @@ class HeartbeatMonitor:
             if v.exited:
                 found[v.rank] = ("exited", v.silent_s)
             elif v.seen and v.silent_s > self.timeout_s:
-                found[v.rank] = ("hang" if v.stopped else "exited", v.silent_s)
+                # silent: hung if its process is still there (stopped, or stuck holding the GIL)
+                found[v.rank] = ("hang" if v.stopped or v.alive else "exited", v.silent_s)
             elif not v.seen and v.silent_s > self.startup_s:
                 found[v.rank] = ("exited", v.silent_s)
         if not found:

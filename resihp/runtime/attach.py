@@ -8,8 +8,11 @@
 
 Forward and module-output hooks time each forward (one micro-batch per forward call); the backward
 runs from the first gradient reaching the module's output to the last parameter gradient
-accumulated; optimizer hooks time ``optimizer.step``. Rows go, per step, to the same per-rank
-JSON-lines stream and heartbeat files as the built-in engine.
+accumulated; optimizer hooks time ``optimizer.step``. Under torchrun, rows and heartbeats go over
+the job's control plane, as the built-in engine's (``resihp.runtime.controlplane``, on torchrun's
+agent store: nothing shared between nodes but the network; rank 0 writes the run folder, local
+rank 0 of each node aggregates its node's heartbeats, ``resihp follow --store`` follows it from
+any machine); in a process started otherwise, rows go to a per-rank JSON-lines stream in ``out``.
 
 Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards) or,
 with ``detect=True``, in a thread of rank 0 (``resihp.runtime.follow.Follower``): then
@@ -22,6 +25,7 @@ Records go to the ``resihp`` logger (``OUT/logs/rank<R>.log``, rank-prefixed lin
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -37,11 +41,21 @@ from torch import nn
 
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import DEVICE_FAULTS
+from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, validate_ops_trace, write_meta, write_ops_trace
 from resihp.runtime import logs
+from resihp.runtime.controlplane import (
+    TRACE_STREAM,
+    StepPublisher,
+    StepReader,
+    announce_job,
+    append_steps,
+    heartbeat_prefix,
+    mark_ended,
+    node_ranks,
+)
 from resihp.runtime.follow import Follower
-from resihp.runtime.heartbeat import HeartbeatWriter
 from resihp.runtime.metrics import Metrics
 from resihp.runtime.recorder import OpRecorder
 
@@ -89,8 +103,8 @@ class Monitor:
         (out / "ranks").mkdir(parents=True, exist_ok=True)
         self.stream = out / "ranks" / f"rank{rank}.jsonl"
         self.stream.unlink(missing_ok=True)
-        self.heart = HeartbeatWriter(out / "heartbeats", rank, heartbeat_s).start()
-        self.heart.phase = "train"
+        (out / "ranks" / f"rank{rank}.done").unlink(missing_ok=True)
+        self.plane = _ControlPlane.join(self.rec, rank, heartbeat_s)
         self._step = -1
         self._mb = 0
         self._seq_lens: list[Sequence[int] | None] = []
@@ -168,7 +182,6 @@ class Monitor:
             self._act_on_faults()
         t0 = time.perf_counter()
         self._step = self._step + 1 if step is None else step
-        self.heart.at_step(self._step)
         self.rec.begin_step(self._step)
         if seq_lens is not None and len(seq_lens) and not isinstance(seq_lens[0], (list, tuple)):
             seq_lens = [seq_lens]
@@ -180,7 +193,11 @@ class Monitor:
             yield
             self._end("backward-compute")
         t0 = time.perf_counter()
-        self.rec.flush(self.stream)
+        if self.plane is not None:
+            self.plane.publisher.publish(self.rec.take_new())
+            self.plane.collect(self.out)  # rank 0: the steps every rank finished, into the run folder
+        else:
+            self.rec.flush(self.stream)
         if self.metrics is not None:
             self.metrics.step(self._step, row.get("duration"), tokens)
         log.debug("step %d: %.4f s, %s tokens", self._step, row.get("duration", 0.0), tokens)
@@ -230,8 +247,11 @@ class Monitor:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        self.rec.flush(self.stream)
-        self.heart.stop("done")
+        if self.plane is not None:
+            self.plane.close(self.rec.take_new(), self.out)
+        else:
+            self.rec.flush(self.stream)
+            (self.out / "ranks" / f"rank{self.rec.ids['rank']}.done").touch()  # for resihp follow
         if self.rec.rows:
             write_ops_trace(self.trace(), self.out / f"ops.rank{self.rec.ids['rank']}.parquet")
         if self.follower is not None:
@@ -246,6 +266,67 @@ class Monitor:
         if self.metrics is not None:
             self.metrics.close()
         logs.close()
+
+
+class _ControlPlane:
+    """attach's part of the job's control plane under torchrun (its agent store): this rank's
+    heartbeat and step records; local rank 0's node aggregator; rank 0's trace collector."""
+
+    def __init__(self, store, job_id: str, rec: OpRecorder, rank: int, heartbeat_s: float) -> None:
+        node, per_node = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        self.store, self.job_id, self.rank = store, job_id, rank
+        self.nodes = node_ranks(max(1, world // per_node), per_node)
+        hb = heartbeat_prefix(job_id)
+        self.heart = HeartbeatSender(store, rank, node, heartbeat_s, prefix=hb,
+                                     progress=lambda: rec.progress("train")).start()
+        self.aggregator = (NodeAggregator(store, node, self.nodes.get(node, [rank]), heartbeat_s, prefix=hb).start()
+                           if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None)
+        self.publisher = StepPublisher(store, job_id, node, 0 if rank == 0 else None)
+        self.collector: StepReader | None = None
+
+    @classmethod
+    def join(cls, rec: OpRecorder, rank: int, heartbeat_s: float) -> _ControlPlane | None:
+        """Under torchrun (its agent store is the job's), else None (no store to join)."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+            return None
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        return cls(store, os.environ.get("TORCHELASTIC_RUN_ID", "job"), rec, rank, heartbeat_s)
+
+    def lead(self, out: Path, meta: dict) -> None:
+        """Rank 0: announce the job (``resihp follow --store``) and collect the trace into ``out``."""
+        announce_job(self.store, self.job_id, None, len(self.nodes), len(self.nodes[0]), meta=meta)
+        (out / TRACE_STREAM).unlink(missing_ok=True)
+        self.collector = StepReader(self.store, self.job_id, self.nodes, 0, owner=True)
+
+    def collect(self, out: Path) -> None:
+        if self.collector is not None:
+            append_steps(out / TRACE_STREAM, self.collector.complete_steps())
+
+    def close(self, rows: list[dict], out: Path) -> None:
+        self.publisher.publish(rows)
+        self.heart.finish("done")
+        if self.collector is not None:
+            end = time.monotonic() + 30  # the other ranks' last steps
+            while time.monotonic() < end:
+                self.collect(out)
+                if self._all_done():
+                    self.collect(out)
+                    break
+                time.sleep(0.1)
+            for ranks in self.nodes.values():  # for resihp follow on the run folder
+                for r in ranks:
+                    (out / "ranks" / f"rank{r}.done").touch()
+            mark_ended(self.store, self.job_id, "finished")
+        if self.aggregator is not None:
+            self.aggregator.stop()
+
+    def _all_done(self) -> bool:
+        keys = [f"{heartbeat_prefix(self.job_id)}/n{n}/r{r}" for n, rs in self.nodes.items() for r in rs]
+        if not self.store.check(keys):
+            return False
+        return all(json.loads(v)["phase"] == "done" for v in self.store.multi_get(keys))
 
 
 def _first_grad_tensor(output: object) -> torch.Tensor | None:
@@ -291,8 +372,10 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     if rank == 0:
         (out / "job.yaml").unlink(missing_ok=True)
         (out / "live.json").unlink(missing_ok=True)
-        write_meta(JobMeta(dp_size, pp_size, tp_size, dp_size * pp_size * tp_size),
-                   out / "job.yaml", **meta)
+        job = JobMeta(dp_size, pp_size, tp_size, dp_size * pp_size * tp_size)
+        write_meta(job, out / "job.yaml", **meta)
+        if monitor.plane is not None:
+            monitor.plane.lead(out, {**job.to_dict(), **meta})
         if tensorboard:
             monitor.metrics = Metrics(out / "tensorboard")
         if detect or on_fault is not None:

@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 from torch.distributed import Store
@@ -41,6 +42,16 @@ def heartbeat_prefix(job_id: str) -> str:
 def node_ranks(nnodes: int, nproc_per_node: int) -> dict[int, list[int]]:
     """The global ranks of each node: node ``i`` holds ``i * P .. i * P + P - 1``."""
     return {n: list(range(n * nproc_per_node, (n + 1) * nproc_per_node)) for n in range(nnodes)}
+
+
+TRACE_STREAM = "ops.jsonl"  # node 0's stream of complete steps' rows in the run folder (JSON lines)
+
+
+def append_steps(path: str | Path, steps: Sequence[StepRecords]) -> None:
+    """Append complete steps' rows to the run folder's trace stream."""
+    if steps:
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for s in steps for r in s.rows))
 
 
 # --- op records -----------------------------------------------------------------------------------
@@ -256,10 +267,12 @@ def read_errors(store: Store, job_id: str) -> list[dict]:
     return [json.loads(line) for line in store.get(key).splitlines() if line.strip()]
 
 
-def announce_job(store: Store, job_id: str, config: dict, nnodes: int, nproc_per_node: int) -> None:
-    """Node 0: the job's identity and configuration, which every joining node checks."""
+def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, nproc_per_node: int,
+                 meta: dict | None = None) -> None:
+    """Node 0: the job's identity and configuration (``resihp run``'s, which every joining node
+    checks) and its job meta (what a detector following it needs)."""
     store.set(JOB_KEY, json.dumps({"job_id": job_id, "config": config, "nnodes": nnodes,
-                                   "nproc_per_node": nproc_per_node, "started": time.time()}))
+                                   "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time()}))
 
 
 def read_job(store: Store, timeout_s: float, poll_s: float = 0.2) -> dict | None:

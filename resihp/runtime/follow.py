@@ -24,12 +24,9 @@ from resihp.detect.online import OnlineDetector, noise_warnings
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, read_meta
 from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import StepReader, ended, node_ranks, read_job
-from resihp.runtime.heartbeat import read_beats
+from resihp.runtime.controlplane import TRACE_STREAM, StepReader, ended, node_ranks, read_job
 from resihp.runtime.launch import JobStore
 from resihp.runtime.recorder import rows_frame
-
-TRACE_STREAM = "ops.jsonl"  # the stream resihp run's launcher writes on node 0
 
 log = logging.getLogger("resihp.follow")
 
@@ -106,12 +103,16 @@ class StoreSteps:
         if job is None:
             raise InputError(f"--store {endpoint}: no resihp job announced there within {timeout_s:g} s")
         self.job_id = job["job_id"]
-        cfg = RunConfig(**job["config"])
-        dims, model = cfg.dims(), cfg.model_config()
-        self.meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
-        self.meta_dict = {**self.meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
-                          "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
-                          "max_seq_len": model.max_seq_len}
+        if job.get("meta"):  # resihp.attach's job: its meta as rank 0 wrote it
+            self.meta_dict = job["meta"]
+            self.meta = JobMeta(*(int(self.meta_dict[k]) for k in ("dp", "pp", "tp", "world_size")))
+        else:
+            cfg = RunConfig(**job["config"])
+            dims, model = cfg.dims(), cfg.model_config()
+            self.meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
+            self.meta_dict = {**self.meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
+                              "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
+                              "max_seq_len": model.max_seq_len}
         self.reader = StepReader(self.js.store, self.job_id, node_ranks(job["nnodes"], job["nproc_per_node"]))
 
     def complete_steps(self) -> list[tuple[int, list[dict]]]:
@@ -172,8 +173,7 @@ class LiveDetection:
             return self.source.finished()
         if (self.out / "summary.json").exists():  # resihp run's launcher wrote it: the job is over
             return True
-        beats = read_beats(self.out / "heartbeats")  # resihp.attach's heartbeats
-        return len(beats) == self.world and all(b.phase == "done" for b in beats.values())
+        return all((self.out / "ranks" / f"rank{r}.done").exists() for r in range(self.world))  # attach's
 
     def report(self) -> dict:
         """Current stragglers (device faults still open: rank, slowdown, onset, phase), every event

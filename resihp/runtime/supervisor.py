@@ -36,9 +36,11 @@ from resihp.errors import InputError
 from resihp.parallel import ParallelDims
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
+    TRACE_STREAM,
     StepReader,
     StepRecords,
     announce_job,
+    append_steps,
     ended,
     heartbeat_prefix,
     mark_ended,
@@ -49,7 +51,6 @@ from resihp.runtime.controlplane import (
 )
 from resihp.runtime.launch import JobStore, Nodes, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
-from resihp.runtime.worker import TRACE_STREAM, append_steps
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 

@@ -34,15 +34,16 @@ from resihp.opstrace import JobMeta, write_meta
 from resihp.perf.device import this_device
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
+    TRACE_STREAM,
     PlanInbox,
     StepPublisher,
     StepReader,
+    append_steps,
     heartbeat_prefix,
     node_ranks,
     report_error,
 )
 from resihp.runtime.engine import Engine
-from resihp.runtime.follow import TRACE_STREAM
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
@@ -161,13 +162,6 @@ def resume_step(cfg: RunConfig, saved: dict) -> int:
 
 
 _report: list = []  # where main() sends a worker's reason to stop: the control plane, once joined
-
-
-def append_steps(path: Path, steps) -> None:
-    """Append complete steps' rows to node 0's trace stream."""
-    if steps:
-        with open(path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for s in steps for r in s.rows))
 
 
 class TraceCollector(threading.Thread):
