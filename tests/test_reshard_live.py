@@ -48,7 +48,8 @@ def _rank(rank: int, world: int, tmp: str) -> None:
             if change is not None:
                 seen.append({"active": list(engine.active), "spare": engine.coords is None})
             losses.append(engine.train_step(step).loss)
-        result.update(losses=losses, seen=seen, changes=engine.plan_changes)
+        result.update(losses=losses, seen=seen, changes=engine.plan_changes,
+                      probes=[r["step"] for r in engine.rec.rows if r["optype"] == "probe"])
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the test process
         result["error"] = traceback.format_exc()
@@ -83,6 +84,31 @@ def test_the_excluded_rank_is_a_spare_then_taken_back(live):
     first, second, third = live[0]["changes"]
     assert first["generation"] == 1 and first["spares"] == [1] and second["generation"] == 2 and second["spares"] == []
     assert third["spares"] == []
+    # every rank's first step records its probe (its reference); the spare re-checks itself with
+    # backoff while it is one (steps 2 and 3, then it is taken back)
+    assert live[1]["probes"] == [0, 2, 3] and live[0]["probes"] == [0]
     for change in (first, second, third):  # what moved, against the least the two layouts need
         assert 0 < change["minimum_bytes"] <= change["read_bytes"] <= change["moved_bytes"]
         assert change["relayout_s"] > 0
+
+
+def test_a_spare_that_runs_at_its_reference_speed_again_is_taken_back():
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.live import LiveLoop
+    from resihp.runtime.recorder import rows_frame
+
+    loop = LiveLoop(RunConfig(layers=4, dp=2, pp=1, tp=2))
+    posted = []
+    loop._post = posted.append
+    probe = lambda step, rank, s: {"step": step, "rank": rank, "dp_rank": 0, "stage": 0, "tp_rank": 0,  # noqa: E731
+                                   "optype": "probe", "start_ts": 0.0, "duration": s}
+    loop._observe(0, rows_frame([probe(0, r, 0.01) for r in range(4)]))  # each rank's reference
+    # the planner's plan for a slow rank 1, in force: rank 1 a hot spare
+    loop.groups, loop.weights, loop.ranges = [[(0,)], [(2, 3)]], [3.0, 5.0], [[(0, 4)], [(0, 4)]]
+    loop.speeds[1], loop.handled = 0.25, {1}
+    loop._observe(5, rows_frame([probe(5, 1, 0.04)]))  # still four times slower: stays a spare
+    assert posted == [] and loop.probes == [{"step": 5, "rank": 1, "slowdown": 4.0}]
+    loop._observe(9, rows_frame([probe(9, 1, 0.011)]))  # healthy again
+    (change,) = posted
+    assert change["reason"]["kind"] == "recovered" and change["applied"] is True
+    assert sorted(r for p in change["layout"]["pipelines"] for s in p for r in s) == [0, 1, 2, 3]

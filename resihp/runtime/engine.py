@@ -31,6 +31,8 @@ from resihp.runtime.recorder import OpRecorder
 from resihp.runtime.replan import relayout, repartition, retire_groups
 from resihp.runtime.schedule import schedule_for
 
+PROBE_MAX_GAP = 16  # steps between a hot spare's probes, at most
+
 
 @dataclass
 class StepResult:
@@ -62,6 +64,7 @@ class Engine:
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.tp.rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
         self._pending: list[dist.Work] = []
+        self._probed = False  # the first step records the probe once: the device's own reference
 
     def form_groups(self, pipelines: Sequence[Sequence[Sequence[int]]]) -> None:
         """Collective over the world: this rank's place in a layout given as pipelines of world
@@ -77,6 +80,7 @@ class Engine:
         spare = self.rank not in where
         mine = [(self.rank,)] if spare else self.pipelines[d]
         self.coords = None if spare else Coords(d, s, t)
+        self._probe_gap, self._next_probe = 1, 0  # a new spare is probed at once, then with backoff
         self.dp_rank, self.stage, self.pp = d, s, len(mine)
         tp_group = None
         for p in self.pipelines:
@@ -105,6 +109,20 @@ class Engine:
             init_by_name(self.model, self.cfg.seed, self.tp, self.model_cfg.heads)
         self.model.to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+
+    def _probe(self) -> None:
+        """A small fixed compute, timed as op ``probe`` and stretched as any compute op is by an
+        injected slowdown. Every rank records one in its first step (its own reference); a hot
+        spare records more, with backoff, so the live loop can tell when it is healthy again."""
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 256, generator=gen).to(self.device)  # ~0.27 GFLOP whatever the model
+        w = torch.randn(256, 256, generator=gen).to(self.device) / 16
+        with self.rec.op("probe"):
+            start = time.perf_counter()
+            for _ in range(8):
+                x = torch.tanh(x @ w)
+            self.rec.sync()
+            self.injector.stretch(time.perf_counter() - start)
 
     # --- point-to-point -------------------------------------------------------------------------
     def _recv(self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch) -> torch.Tensor:
@@ -210,9 +228,16 @@ class Engine:
         self.rec.begin_step(step)
         data = self.data.step(step)
         global_tokens = data.tokens
+        if not self._probed:
+            self._probe()
+            self._probed = True
         if self.coords is None:  # a hot spare: no part in this layout; it keeps step with the job
             with self.rec.op("step", tokens=global_tokens) as step_row:
                 step_row["spare"] = True
+            if step >= self._next_probe:  # re-checked with backoff: 1, 2, 4, ... steps apart
+                self._probe()
+                self._next_probe = step + self._probe_gap
+                self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
             return StepResult(step, None, global_tokens, step_row["duration"])
         mbs = replica_microbatches(data, self.dp_rank, self.weights)
         hidden = self.model_cfg.hidden

@@ -75,6 +75,9 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
                 policy="current")
 
 
+RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
+
+
 class LiveLoop:
     def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None) -> None:
         self.cfg, self.out = cfg, Path(cfg.out)
@@ -95,6 +98,8 @@ class LiveLoop:
         self.changes: list[dict] = []
         self.handled: set[int | tuple[int, ...]] = set()
         self.speeds = {r: 1.0 for r in range(self.world)}
+        self.probe_ref: dict[int, float] = {}  # each rank's first probe (seconds): its reference
+        self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
         self.error: str | None = None
 
     def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
@@ -114,7 +119,11 @@ class LiveLoop:
     def _observe(self, step: int, df: pd.DataFrame) -> None:
         df = df[~df.optype.str.startswith("replan")]
         placed = {r for p in self.groups for s in p for r in s}
-        df = df[df["rank"].isin(placed)]  # a hot spare only keeps step
+        for probe in df[df.optype == "probe"].itertuples():
+            self._probe(step, int(probe.rank), float(probe.duration), placed)
+        df = df[df["rank"].isin(placed) & (df.optype != "probe")]  # a hot spare only keeps step
+        if df.empty:
+            return
         for event in self.detector.observe(df):
             record = {**event.to_dict(), "seen_at": time.time()}
             self.events.append(record)
@@ -131,6 +140,21 @@ class LiveLoop:
                                                self.planner.coster(self.cluster, self.model))
                 self._replan(step, record)
                 self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
+
+    def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
+        """Each rank's first probe is its reference; a hot spare probes again with backoff
+        (``Engine._probe``): once it runs within ``RECOVERED`` of its reference, the planner may
+        take it back."""
+        if rank not in self.probe_ref:
+            self.probe_ref[rank] = seconds
+            return
+        slowdown = seconds / self.probe_ref[rank]
+        self.probes.append({"step": step, "rank": rank, "slowdown": round(slowdown, 4)})
+        if rank not in placed and slowdown < RECOVERED:
+            self.speeds[rank] = 1.0
+            self.handled.discard(rank)
+            self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": round(slowdown, 4),
+                                "detected_step": step})
 
     def _replan(self, step: int, event: dict) -> None:
         t0 = time.perf_counter()
@@ -177,7 +201,8 @@ class LiveLoop:
 
     def save(self) -> None:
         (self.out / "live.json").write_text(json.dumps(
-            {"events": self.events, "changes": self.changes, "lag_s": self.lag_summary()}, indent=1,
+            {"events": self.events, "changes": self.changes, "lag_s": self.lag_summary(),
+             "spare_probes": self.probes}, indent=1,
             default=str))
 
     def lag_summary(self) -> dict | None:
