@@ -461,14 +461,17 @@ def ckpt_inspect_cmd(
 @ckpt_app.command("convert")
 def ckpt_convert_cmd(
     src: Annotated[Path, typer.Argument(help="A checkpoint folder")],
-    dst: Annotated[Path, typer.Argument(help="Where to write the universal checkpoint")],
+    dst: Annotated[Path, typer.Argument(help="Where to write: a folder (a tp-1 checkpoint any resihp "
+                                        "layout loads), or one consolidated file NAME.pt / "
+                                        "NAME.safetensors for use outside resihp")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Join tensor-parallel shards into whole tensors: a checkpoint any layout can load."""
+    """Every tensor as one whole tensor in the model's own shape: a tp-1 checkpoint folder, or one
+    consolidated .pt / .safetensors file (checkpoints load into any layout without this)."""
     from resihp.ckpt.universal import convert
 
-    if dst.exists() and any(dst.iterdir()):
-        raise InputError(f"{dst}: destination exists and is not empty")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise InputError(f"{dst}: destination exists" + (" and is not empty" if dst.is_dir() else ""))
     result = convert(src, dst)
     print(json.dumps(result) if json_out else
           f"{dst}: {result['tensors']} tensors ({result['joined']} joined from tensor-parallel shards)")
