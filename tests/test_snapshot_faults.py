@@ -8,6 +8,8 @@ per-step losses from the resumed step on are bitwise those of an uninterrupted r
 - SIGSTOP of a trainer rank (``hang:how=stop``) in a dp = 1 layout, its own slots corrupted (a
   flipped byte each) while it is stopped: found by the checksums, restored from the explicit copy
   the other rank keeps (over gloo);
+- SIGSTOP of the only rank, both its slots corrupted: no step complete in memory, restored from
+  the newest disk checkpoint of the job;
 - SIGKILL during the snapshot copy: the slot being written is never published, the previous one
   stays whole.
 """
@@ -62,7 +64,8 @@ def reference(tmp_path_factory):
     """Uninterrupted runs (no snapshots) of the two layouts."""
     base = tmp_path_factory.mktemp("reference")
     procs = {name: _start(base / name, base, *layout) for name, layout in
-             (("dp2", ["--dp", "2", "--pp", "1"]), ("pp2", ["--dp", "1", "--pp", "2"]))}
+             (("dp2", ["--dp", "2", "--pp", "1"]), ("pp2", ["--dp", "1", "--pp", "2"]),
+              ("one", ["--dp", "1", "--pp", "1"]))}
     return {name: _finish(p)["losses"] for name, p in procs.items()}
 
 
@@ -148,15 +151,35 @@ def test_sigstop_with_corrupted_own_slots_restores_from_the_peer_copy(reference,
         assert time.monotonic() < deadline
         time.sleep(0.02)
     for slot in ("A", "B"):  # rank 0 is stopped: flip a byte in each of its own slots
-        header = json.loads((tier / f"rank0.{slot}.json").read_text())
-        with open(tier / f"rank0.{slot}.bin", "r+b") as f:
-            f.seek(header["shards"][0]["offset"] + 7)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x10]))
+        _flip(tier, 0, slot)
     summary = _finish(proc)
     _check(summary, reference["pp2"], "peer")
     assert summary["recovery"]["cause"] == "hang"
+
+
+def _flip(tier: Path, rank: int, slot: str) -> None:
+    header = json.loads((tier / f"rank{rank}.{slot}.json").read_text())
+    with open(tier / f"rank{rank}.{slot}.bin", "r+b") as f:
+        f.seek(header["shards"][0]["offset"] + 7)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm, tmp_path):
+    proc = _start(tmp_path / "run", shm, "--dp", "1", "--pp", "1", "--recovery", "restart",
+                  "--ckpt-every", "2", "--inject", "hang:rank=0,step=4,how=stop")
+    tier = _tier(shm)
+    _published(tier, 0, 3)
+    deadline = time.monotonic() + 60
+    while list(tier.glob("*.pending.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for slot in ("A", "B"):  # the only rank is stopped: both its slots corrupted, no peer, no copy
+        _flip(tier, 0, slot)
+    summary = _finish(proc)
+    _check(summary, reference["one"], "disk")
+    assert summary["recovery"]["resumed_step"] == 4  # the checkpoint of step 3
 
 
 def test_sigkill_during_the_snapshot_copy_never_publishes_the_slot(shm):
