@@ -37,15 +37,20 @@ def _injector(rank, text="link:ranks=0+2,factor=4,step=2,until=5"):
     return FaultInjector([parse_fault(text)], rank, sleep=slept.append), slept
 
 
-def test_receives_over_the_slow_link_wait_in_proportion_to_their_transfer():
+def test_receives_over_the_slow_link_wait_in_proportion_to_their_bytes():
     inj, slept = _injector(0)
+    inj.begin_step(1)
+    for ms in (10, 50, 12, 80, 11, 90, 13, 60, 10, 70, 14):  # healthy: 10 us per byte, or waited
+        inj.received(2, ms / 1000, 1000)
+    assert slept == []
     inj.begin_step(2)
-    inj.received(2, 0.010, 1000)  # 10 us per byte: the lowest so far
-    inj.received(2, 0.020, 1000)  # waited on its sender: only its transfer part counts
-    inj.received(2, 0.040, 4000)  # four times the bytes, four times the delay
+    inj.received(2, 0.020, 1000)  # the healthy rate (a low quantile, without waits) x bytes
+    inj.received(2, 0.500, 1000)  # waited on its sender: only its transfer counts
+    inj.received(2, 0.001, 4000)  # four times the bytes, four times the delay
     assert slept == pytest.approx([3 * 0.010, 3 * 0.010, 3 * 0.040])
     inj.received(1, 0.010, 1000)  # another peer: its own link is healthy
     assert len(slept) == 3
+    assert inj.delayed_s == pytest.approx(0.18)
 
 
 def test_only_the_two_ends_and_only_between_step_and_until():

@@ -22,6 +22,9 @@ import numpy as np
 import pandas as pd
 
 SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter")
+# per link and step, this quantile of its messages' transfers (0: the fastest): a host's scheduling delays only
+# lengthen some messages, a slow link every one
+LINK_QUANTILE = 0.0
 _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 
 
@@ -31,7 +34,7 @@ def _frame(cols: Mapping[str, np.ndarray], keep: np.ndarray, names: tuple[str, .
 
 def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
                        ) -> np.ndarray | None:
-    """(step x rank) median transfer seconds per token of the link from each rank's stage to the
+    """(step x rank) low-quantile transfer seconds per token of the link from each rank's stage to the
     next one (NaN where none); None when the trace cannot separate transfers from waits (no
     ``start_ts`` or ``mb_id``)."""
     if "start_ts" not in cols or "mb_id" not in cols:
@@ -73,8 +76,8 @@ def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world:
         return None
     frame = pd.DataFrame({"step": pairs["step"].to_numpy()[ok], "rank": lower[ok].astype(np.int64),
                           "v": per_token[ok]})
-    med = frame.groupby(["step", "rank"], sort=False)["v"].median()
-    return _matrix(med, steps, world)
+    low = frame.groupby(["step", "rank"], sort=False)["v"].quantile(LINK_QUANTILE)
+    return _matrix(low, steps, world)
 
 
 def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -72,6 +72,11 @@ class OnlineDetector:
         self._wl_steps: dict[int, int] = {}
         self._checked = np.zeros(w, dtype=bool)  # ranks compared with their stage's peers
         self.cost_model = "none"
+        self._healthy_transfers: dict[str, list[float]] = {"pipeline": [], "gradient-sync": [],
+                                                           "compute": []}
+        # per traffic: each rank's transfers of the calibration steps, and of the last few steps
+        self._healthy_rows: dict[str, list[np.ndarray]] = {"pipeline": [], "gradient-sync": []}
+        self._recent: dict[str, dict[int, np.ndarray]] = {"pipeline": {}, "gradient-sync": {}}
 
     def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
         """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
@@ -105,6 +110,8 @@ class OnlineDetector:
         obs = observe_ops(df, self.meta, expected=self.expected, shape=self.shape,
                           own_quantile=self.cfg.own_quantile)
         phases = phase_matrices(df, self.meta, obs.steps, self.expected, self.shape, self.cfg)
+        if self._steps_seen < self.cfg.calibration_steps:
+            self._healthy_transfers["compute"] += _compute_per_token(df)
         return self.observe_matrices(obs, phases)
 
     def observe_matrices(self, obs: Observations, phases: dict[str, np.ndarray] | None = None,
@@ -159,6 +166,16 @@ class OnlineDetector:
             new += self._link_step(step, comm)
         if sync is not None:
             new += self._sync_step(step, sync)
+        for name, values in (("pipeline", comm), ("gradient-sync", sync)):
+            if values is None:
+                continue
+            recent = self._recent[name]
+            recent[step] = np.asarray(values, dtype=np.float64)
+            for old in [k for k in recent if k <= step - RECENT_STEPS]:
+                del recent[old]
+            if self._steps_seen <= self.cfg.calibration_steps and np.isfinite(values).any():
+                self._healthy_transfers[name].append(float(np.nanmedian(values)))
+                self._healthy_rows[name].append(np.asarray(values, dtype=np.float64))
         if expected is not None and raw is not None:
             new += self._workload_step(step, raw, expected)
         self.events += new
@@ -216,6 +233,13 @@ class OnlineDetector:
         afresh; open device faults stay open (no end is known) and are not reported again."""
         for bank in (self.compute, self.link, self.sync, *self.phase_banks.values()):
             bank.recalibrate()
+
+    def healthy_transfers(self) -> dict[str, float]:
+        """The transfers measured over the calibration steps (medians): ``pipeline`` seconds per
+        token of a pipeline message, ``gradient-sync`` seconds of a rank's gradient collectives
+        per step, and beside them ``compute``: a rank's forward and backward seconds per token
+        (each only where the trace had them)."""
+        return {k: float(np.median(v)) for k, v in self._healthy_transfers.items() if v}
 
     def open_events(self) -> list[Event]:
         """The findings still open (a device still slow, a link still slow), current estimates."""
@@ -295,7 +319,9 @@ class OnlineDetector:
                 self.link.alarmed[a.index] = False
                 self.link.s[a.index] = 0.0
                 continue
-            ev = self._open_event("link-slow", a.index, a.onset_step, step, a.slowdown, a.confidence)
+            ev = self._open_event("link-slow", a.index, a.onset_step, step,
+                                  self._link_slowdown("pipeline", [a.index], a.onset_step, a.slowdown),
+                                  a.confidence)
             peer = self._neighbour(a.index)
             ev.ranks = [a.index] + ([peer] if peer is not None else [])
             ev.extra["traffic"] = "pipeline"
@@ -303,6 +329,21 @@ class OnlineDetector:
         for r in recoveries:
             self._close_event("link-slow", r.index, r.end_step, r.slowdown)
         return out
+
+    def _link_slowdown(self, traffic: str, ranks: list[int], onset: int, fallback: float) -> float:
+        """How many times its own healthy transfers the link's transfers took since ``onset``
+        (median over those steps, over its ends), measured in seconds rather than against the
+        other links: with few links the others' noise would be in it. ``fallback`` where the
+        healthy level is not known."""
+        rows = self._healthy_rows[traffic]
+        recent = [v for k, v in self._recent[traffic].items() if k >= onset]
+        if not rows or not recent:
+            return fallback
+        healthy = np.nanmedian(np.array(rows)[:, ranks], axis=0)
+        now = np.nanmedian(np.array(recent)[:, ranks], axis=0)
+        ratio = now / healthy
+        ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
+        return float(max(np.median(ratio), 1.0)) if ratio.size else fallback
 
     def _neighbour(self, i: int) -> int | None:
         """The rank at the next stage of rank ``i``'s pipeline (its link's other end)."""
@@ -329,7 +370,9 @@ class OnlineDetector:
             lo, hi = hot
             if ("sync", lo) in self._open:
                 continue
-            ev = self._open_event("link-slow", lo, a.onset_step, step, a.slowdown, a.confidence,
+            ev = self._open_event("link-slow", lo, a.onset_step, step,
+                                  self._link_slowdown("gradient-sync", [lo, hi], a.onset_step,
+                                                      a.slowdown), a.confidence,
                                   self.sync, key=("sync", lo))
             ev.ranks = [lo, hi]
             ev.extra["traffic"] = "gradient-sync"
@@ -476,6 +519,21 @@ def _common_mode_log(values: np.ndarray) -> np.ndarray:
     logs = np.log(v[ok])
     out[ok] = logs - (np.median(logs) if v.size > 1 else 0.0)
     return out
+
+
+RECENT_STEPS = 32  # steps of transfers kept to measure a slow link's slowdown
+
+
+def _compute_per_token(df: pd.DataFrame) -> list[float]:
+    """Per rank, its forward and backward seconds per token of one step's rows (where the rows
+    carry their tokens)."""
+    comp = df[df["optype"].isin(("forward-compute", "backward-compute"))]
+    if "tokens" not in comp or not comp["tokens"].notna().any():
+        return []
+    comp = comp[comp["tokens"].notna()]
+    g = comp.groupby(["step", "rank"])
+    per = g["duration"].sum() / (g["tokens"].sum().astype(float) / 2)  # each token: one fwd, one bwd
+    return [float(v) for v in per.to_numpy() if np.isfinite(v) and v > 0]
 
 
 def _others_log(values: np.ndarray) -> np.ndarray:

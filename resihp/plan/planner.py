@@ -46,6 +46,7 @@ from resihp.plan.layout import (
     layer_ranges,
     uniform_layer_counts,
 )
+from resihp.plan.links import boundary_moves
 from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
@@ -260,6 +261,8 @@ class Planner:
                         raise
                 if any(c.bound_ratio >= 0.99 for c in candidates):
                     break  # close enough to the bound: the other weighting cannot gain much
+            # around a slow link between data-parallel peers: fewer layers on its stage
+            candidates += usable([m for c in list(candidates) for m in boundary_moves(c, cluster)])
         finally:
             pool.shutdown(cancel_futures=True)  # the solves of a weighting not needed
         if not candidates:

@@ -56,13 +56,16 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Nodes of devices, with intra- and inter-node bandwidth (GB/s)."""
+    """Nodes of devices, with intra- and inter-node bandwidth (GB/s), and the links between two
+    devices that run below that bandwidth (``links``: ``(a, b, speed)``, ``a < b``, speed in (0, 1),
+    a fraction of the link's healthy bandwidth)."""
 
     devices: tuple[DeviceSpec, ...]
     intra_node_gbs: float = 300.0
     inter_node_gbs: float = 25.0
     memory_reserve_gb: float = 2.0
     name: str = "cluster"
+    links: tuple[tuple[int, int, float], ...] = ()
 
     DEVICE_KEYS = ("memory_gb", "tflops", "speed")
 
@@ -75,10 +78,12 @@ class ClusterSpec:
         """Fields: ``nodes`` (a list of ``{name, devices: N | [ {memory_gb, speed, tflops}, ... ]}``
         or the shorthand ``{count, devices}``), ``device`` (defaults: memory_gb, tflops, speed),
         ``bandwidth`` (``intra_node_gbs``, ``inter_node_gbs``), optional ``speeds`` overrides
-        ``{rank or "node/index": speed}`` and ``memory_reserve_gb``."""
+        ``{rank or "node/index": speed}``, ``links`` (slow links: a list of ``{ranks: [a, b],
+        speed: s}``, s a fraction of the healthy bandwidth) and ``memory_reserve_gb``."""
         if not isinstance(data, Mapping):
             raise InputError(f"{where}: expected a mapping describing the cluster")
-        check_keys(data, ("name", "device", "bandwidth", "memory_reserve_gb", "nodes", "speeds"), where)
+        check_keys(data, ("name", "device", "bandwidth", "memory_reserve_gb", "nodes", "speeds", "links"),
+                   where)
         defaults = data.get("device", {}) or {}
         if not isinstance(defaults, Mapping):
             raise InputError(f"{where}: field 'device' must be a mapping of device defaults")
@@ -139,7 +144,19 @@ class ClusterSpec:
         overrides = data.get("speeds") or {}
         if not isinstance(overrides, Mapping):
             raise InputError(f"{where}: field 'speeds' must map a rank or 'node/index' to a speed")
-        return cluster.with_speeds(overrides, where=f"{where}: speeds")
+        cluster = cluster.with_speeds(overrides, where=f"{where}: speeds")
+        links = data.get("links") or []
+        if not isinstance(links, list):
+            raise InputError(f"{where}: field 'links' must be a list of {{ranks: [a, b], speed: s}}")
+        found: dict[tuple[int | str, int | str], float] = {}
+        for k, link in enumerate(links):
+            lwhere = f"{where}: links[{k}]"
+            if not isinstance(link, Mapping) or not isinstance(link.get("ranks"), list) \
+                    or len(link["ranks"]) != 2:
+                raise InputError(f"{lwhere}: expected {{ranks: [a, b], speed: s}}")
+            check_keys(link, ("ranks", "speed"), lwhere)
+            found[tuple(link["ranks"])] = float(_number(link, "speed", lwhere, maximum=1.0))
+        return cluster.with_link_speeds(found, where=f"{where}: links") if found else cluster
 
     def to_dict(self) -> dict[str, Any]:
         nodes: dict[int, list] = {}
@@ -151,7 +168,9 @@ class ClusterSpec:
                 "bandwidth": {"intra_node_gbs": self.intra_node_gbs,
                               "inter_node_gbs": self.inter_node_gbs},
                 "memory_reserve_gb": self.memory_reserve_gb,
-                "nodes": [{"name": names[n], "devices": devs} for n, devs in nodes.items()]}
+                "nodes": [{"name": names[n], "devices": devs} for n, devs in nodes.items()],
+                **({"links": [{"ranks": [a, b], "speed": v} for a, b, v in self.links]}
+                   if self.links else {})}
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -174,8 +193,43 @@ class ClusterSpec:
 
     @cached_property
     def degraded(self) -> frozenset[int]:
-        """Ranks of the devices not at full speed, dead ones included."""
-        return frozenset(np.flatnonzero(self.speeds != 1.0).tolist())
+        """Ranks of the devices not at full speed, dead ones included, and the ends of slow links
+        (what a re-plan works around)."""
+        return frozenset(np.flatnonzero(self.speeds != 1.0).tolist()) | self.slow_link_ranks
+
+    @cached_property
+    def link_speeds(self) -> dict[tuple[int, int], float]:
+        """``{(a, b): speed}`` (a < b) of the slow links."""
+        return {(a, b): v for a, b, v in self.links}
+
+    @cached_property
+    def slow_link_ranks(self) -> frozenset[int]:
+        return frozenset(r for a, b, _ in self.links for r in (a, b))
+
+    def link_speed(self, a: int, b: int) -> float:
+        """The link's fraction of its healthy bandwidth (1.0 unless it is a slow link)."""
+        if not self.links:
+            return 1.0
+        return self.link_speeds.get((a, b) if a < b else (b, a), 1.0)
+
+    def with_link_speeds(self, speeds: Mapping[tuple, float], where: str = "links") -> ClusterSpec:
+        """A copy with some links' speeds replaced (``{(a, b): speed}``, a and b ranks or
+        ``node/index`` names; 1.0 makes a link healthy again)."""
+        merged = dict(self.link_speeds)
+        for (a, b), value in speeds.items():
+            ra, rb = self.rank_of(a, where), self.rank_of(b, where)
+            if ra == rb:
+                raise InputError(f"{where}: a link joins two different devices, got {a!r} twice")
+            if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
+                raise InputError(f"{where}: speed of link {a!r}-{b!r} must be a number in (0, 1] "
+                                 f"(1 healthy), got {value!r}")
+            merged[(min(ra, rb), max(ra, rb))] = float(value)
+        links = tuple((a, b, v) for (a, b), v in sorted(merged.items()) if v < 1.0)
+        new = replace(self, links=links)
+        for name in ("node_ranks", "hardware_key", "tflops", "speeds", "_by_name"):
+            if name in self.__dict__ or name in ("node_ranks", "hardware_key", "tflops"):
+                new.__dict__[name] = getattr(self, name)
+        return new
 
     @cached_property
     def dead(self) -> frozenset[int]:
@@ -241,10 +295,11 @@ class ClusterSpec:
         return new
 
     def healthy(self) -> ClusterSpec:
-        """The same cluster with every device at full speed."""
+        """The same cluster with every device at full speed and every link healthy."""
         if not self.degraded:
             return self
-        return self._with_speed_array(np.ones(len(self)), "healthy")
+        cluster = self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
+        return cluster._with_speed_array(np.ones(len(self)), "healthy") if cluster.degraded else cluster
 
     @cached_property
     def hardware_key(self) -> tuple:

@@ -209,10 +209,30 @@ class StageCoster:
                 last = len(stages) - 1
                 fb = HashedTuple(self.stage_fb(s, i == last, scale)
                                  for i, s in enumerate(stages))
+                if self.cluster.links:
+                    fb = HashedTuple(self._slow_link_fb(stages, fb, scale))
                 if full:
                     self._full_speed[key] = fb
             self._pipelines[key] = fb
         return fb
+
+    def boundary_speed(self, a: Stage, b: Stage) -> float:
+        """The speed of the slowest link between two neighbouring stages (each TP rank sends to
+        its counterpart; groups of different sizes: any pair)."""
+        pairs = zip(a.ranks, b.ranks) if a.tp == b.tp else ((x, y) for x in a.ranks for y in b.ranks)
+        return min(self.cluster.link_speed(x, y) for x, y in pairs)
+
+    def _slow_link_fb(self, stages: tuple[Stage, ...], fb: tuple, scale: float) -> list:
+        """Stage times with each slow boundary's extra transfer time charged to the stage that
+        sends over it: the forward's sender before it, the backward's after it."""
+        out = [list(x) for x in fb]
+        for i in range(len(stages) - 1):
+            speed = self.boundary_speed(stages[i], stages[i + 1])
+            if speed < 1.0:
+                extra = self.p2p_s * scale * (1.0 / speed - 1.0)
+                out[i][0] += extra
+                out[i + 1][1] += extra
+        return [tuple(x) for x in out]
 
     def pipeline_step(self, stages: tuple[Stage, ...], m: int, scale: float = 1.0) -> float:
         """One replica's step through the schedule's dependency graph (no gradient sync)."""
@@ -238,8 +258,24 @@ class StageCoster:
         d = len(plan.pipelines)
         if d < 2:
             return 0.0
+        if self.cluster.links and len({len(p.stages) for p in plan.pipelines}) == 1:
+            return self._slow_link_sync_s(plan)
         return max(self.largest_shard(p.stages) for p in plan.pipelines) \
             * self.sync_s_per_shard_layer(d)
+
+    def _slow_link_sync_s(self, plan: Plan) -> float:
+        """With slow links: each stage's replicas reduce their shards over a ring as slow as its
+        slowest link; the slowest stage's reduction counts."""
+        d = len(plan.pipelines)
+        unit = self.sync_s_per_shard_layer(d)
+        worst = 0.0
+        for s in range(len(plan.pipelines[0].stages)):
+            group = [p.stages[s] for p in plan.pipelines]
+            ranks = sorted({r for st in group for r in st.ranks})
+            speed = min((self.cluster.link_speed(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]),
+                        default=1.0)
+            worst = max(worst, max(st.n_layers / st.tp for st in group) * unit / speed)
+        return worst
 
     def sync_s_per_shard_layer(self, replicas: int) -> float:
         """All-reduce seconds per layer of per-device gradient shard (bf16, ring over replicas)."""

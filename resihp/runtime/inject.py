@@ -15,6 +15,8 @@ from resihp.errors import InputError
 
 FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], stop:rank=R,step=S "
          "or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
+RATE_SAMPLES = 256  # healthy transfers kept per channel
+RATE_QUANTILE = 0.1  # the low quantile of their per-byte times taken as the healthy rate
 HANG_HOW = ("block", "stop")  # block: the rank's main thread never returns (its heartbeat thread beats on);
 # stop: SIGSTOP on itself (alive, silent)
 
@@ -121,9 +123,10 @@ class FaultInjector:
         self.t0 = time.time() if t0 is None else t0
         self.step = 0
         self.sleep = sleep
-        # per channel (a peer, or a collective's members) the lowest seconds per byte measured:
-        # what a transfer costs when the data did not have to wait for its sender
-        self._per_byte: dict[object, float] = {}
+        # per channel (a peer, or a collective's members): seconds per byte of its healthy
+        # transfers (``transfer_s``), and the rate fixed when a fault on it starts
+        self._samples: dict[object, list[float]] = {}
+        self._rate: dict[object, float] = {}
         self.delayed_s = 0.0  # seconds of injected link delay so far
 
     def _started(self, f: Fault, step: int) -> bool:
@@ -164,21 +167,30 @@ class FaultInjector:
                 factor *= f.factor
         return factor
 
-    def transfer_s(self, channel: object, elapsed_s: float, nbytes: int) -> float:
-        """The transfer part of an op that took ``elapsed_s`` to move ``nbytes``: the op's time
-        without its wait on the sender, taken as the lowest per-byte time seen on the channel so far
-        (the transfers whose data was ready) times the bytes, and never more than the op took."""
+    def transfer_s(self, channel: object, elapsed_s: float, nbytes: int, slow: bool) -> float:
+        """The transfer part of an op that took ``elapsed_s`` to move ``nbytes``, without its wait
+        on the sender: the channel's healthy seconds per byte times the bytes. The healthy rate is
+        a low quantile (``RATE_QUANTILE``: the receives whose data was ready) of the per-byte times
+        measured on the channel before its fault started (``slow``), fixed from then on, so that
+        the delay scales with the bytes and not with waits or the machine's load."""
         if nbytes <= 0:
             return 0.0
-        rate = min(self._per_byte.get(channel, float("inf")), elapsed_s / nbytes)
-        self._per_byte[channel] = rate
-        return min(elapsed_s, rate * nbytes)
+        per_byte = elapsed_s / nbytes
+        if not slow:
+            samples = self._samples.setdefault(channel, [])
+            samples.append(per_byte)
+            del samples[:-RATE_SAMPLES]
+            return elapsed_s
+        if channel not in self._rate:
+            samples = sorted(self._samples.get(channel) or [per_byte])
+            self._rate[channel] = samples[int(RATE_QUANTILE * (len(samples) - 1))]
+        return self._rate[channel] * nbytes
 
     def received(self, src: int, elapsed_s: float, nbytes: int) -> None:
         """Called after a point-to-point receive from ``src``: on a slow link, wait so that the
         transfer takes factor x as long (the receiver sees the data that much later)."""
-        transfer = self.transfer_s(("p2p", src), elapsed_s, nbytes)
         factor = self.link_factor((src,))
+        transfer = self.transfer_s(("p2p", src), elapsed_s, nbytes, factor > 1.0)
         if factor > 1.0:
             self._delay((factor - 1.0) * transfer)
 
@@ -186,8 +198,8 @@ class FaultInjector:
         """Called by each member after a collective: the two ends of a slow link both in it wait
         factor - 1 times its transfer (a ring is as slow as its slowest link)."""
         members = tuple(members)
-        transfer = self.transfer_s(("coll", members), elapsed_s, nbytes)
         factor = self.link_factor([m for m in members if m != self.rank])
+        transfer = self.transfer_s(("coll", members), elapsed_s, nbytes, factor > 1.0)
         if factor > 1.0:
             self._delay((factor - 1.0) * transfer)
 

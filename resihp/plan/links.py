@@ -1,0 +1,94 @@
+"""Plans that move pipeline boundaries away from slow links.
+
+A slow link between data-parallel peers slows the gradient reduction of the stage they hold: the
+reduction moves that stage's shards, so fewer layers on that stage means fewer bytes over the slow
+link (a slow pipeline link is priced into its stages' times, ``StageCoster``, and the allocation
+moves micro-batches away from it). These candidates take a plan and shift one or more layers off
+each stage whose reduction crosses a slow link, to a neighbouring stage, in every replica alike;
+the planner's evaluator keeps one only if its step time (compute, bubbles, reduction) is better.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from resihp.plan.plan import Pipeline, Plan, Stage
+from resihp.plan.specs import ClusterSpec, ModelSpec
+from resihp.plan.timing import StageCoster
+
+
+def slow_sync_stages(plan: Plan, cluster: ClusterSpec) -> list[int]:
+    """Stage indices whose replicas' gradient reduction crosses a slow link."""
+    if not cluster.links or len(plan.pipelines) < 2 or len({len(p.stages) for p in plan.pipelines}) != 1:
+        return []
+    out = []
+    for s in range(len(plan.pipelines[0].stages)):
+        ranks = sorted({r for p in plan.pipelines for r in p.stages[s].ranks})
+        if any(cluster.link_speed(a, b) < 1.0 for i, a in enumerate(ranks) for b in ranks[i + 1:]):
+            out.append(s)
+    return out
+
+
+def _shift(stages: tuple[Stage, ...], s: int, to: int, k: int) -> tuple[Stage, ...] | None:
+    """``k`` layers moved from stage ``s`` to its neighbour ``to`` (s +- 1); None if ``s`` would
+    be left with none."""
+    counts = [st.n_layers for st in stages]
+    if counts[s] - k < 1:
+        return None
+    counts[s] -= k
+    counts[to] += k
+    out, start = [], stages[0].layers[0]
+    for st, n in zip(stages, counts):
+        out.append(Stage(st.ranks, (start, start + n)))
+        start += n
+    return tuple(out)
+
+
+def boundary_moves(plan: Plan, cluster: ClusterSpec, max_shift: int = 4) -> list[Plan]:
+    """Copies of ``plan`` with up to ``max_shift`` layers moved off each slow-reduction stage to
+    either neighbour, the same move in every replica (unevaluated)."""
+    out = []
+    for s in slow_sync_stages(plan, cluster):
+        for to in (s - 1, s + 1):
+            if not 0 <= to < len(plan.pipelines[0].stages):
+                continue
+            for k in range(1, max_shift + 1):
+                moved = [_shift(p.stages, s, to, k) for p in plan.pipelines]
+                if any(m is None for m in moved):
+                    break
+                pipes = [Pipeline(p.dp_rank, m, p.microbatches, p.home, p.tokens)
+                         for p, m in zip(plan.pipelines, moved)]
+                out.append(replace(plan, pipelines=pipes, solver={}, step_time_s=float("nan")))
+    return out
+
+
+def with_link_event(cluster: ClusterSpec, model: ModelSpec, ranks: tuple[int, int], slowdown: float,
+                    traffic: str, measured: dict[str, float] | None = None,
+                    coster: StageCoster | None = None) -> ClusterSpec:
+    """The cluster as a ``link-slow`` finding describes it: the link between ``ranks`` at
+    1/slowdown of its bandwidth. ``measured`` (``OnlineDetector.healthy_transfers``): the healthy
+    transfers and compute the job measured; with ``coster`` (the planner's, for ``cluster``) the
+    cluster's bandwidth is set so that the planner's healthy transfer of that traffic stands to
+    its compute as the measured ones did (pipeline: seconds per token of activations; gradient
+    sync: seconds of a stage's reduction), so the slow link is priced at its real share."""
+    gbs = _bandwidth_gbs(model, traffic, measured or {}, coster)
+    if gbs is not None:
+        cluster = replace(cluster, intra_node_gbs=gbs, inter_node_gbs=gbs)
+    return cluster.with_link_speeds({tuple(ranks): 1.0 / max(float(slowdown), 1.0)})
+
+
+def _bandwidth_gbs(model: ModelSpec, traffic: str, measured: dict[str, float],
+                   coster: StageCoster | None) -> float | None:
+    measured_compute = measured.get("compute", 0.0)
+    if coster is None or not measured_compute > 0:
+        return None
+    per_stage = max(1, model.layers // max(model.pp or 1, 1))
+    f, b = coster.stage_fb(Stage((0,), (0, per_stage)), last=False)
+    scale = (f + b) / model.microbatch_tokens / measured_compute  # planner seconds per measured one
+    if traffic == "pipeline" and measured.get("pipeline", 0.0) > 0:
+        # the planner's message: tokens x hidden x 2 bytes over the bandwidth
+        return model.hidden * 2 / (measured["pipeline"] * scale * 1e9)
+    if traffic == "gradient-sync" and measured.get("gradient-sync", 0.0) > 0:
+        # the planner's reduction (two replicas): layers on the stage x layer bytes over it
+        return model.params_per_layer * 2 * per_stage / (measured["gradient-sync"] * scale * 1e9)
+    return None
