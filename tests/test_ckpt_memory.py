@@ -149,6 +149,12 @@ def test_keeper_outlives_the_process_that_started_it(shm):
     assert (directory / "rank0.A.bin").exists()
     new = ensure_keeper(directory, os.getpid())
     assert new != pid
+    os.kill(new, signal.SIGTERM)  # a SIGTERM that is not the job's end: the files stay too
+    deadline = time.monotonic() + 5
+    while keeper_pid(directory) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert keeper_pid(directory) is None and (directory / "rank0.A.bin").exists()
+    ensure_keeper(directory, os.getpid())
     stop_keeper(directory)  # the job's end: the tier goes
     assert not directory.exists()
 
@@ -239,3 +245,13 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
     snap.close()
     again = _wait_published(tier, 3)
     assert tier.checked(again) is None and tier.verify(again)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recovery", "sometimes"], "--recovery: expected one of none, restart"),
+    (["--snapshot-every", "-1"], "--snapshot-every: expected zero or a positive integer"),
+])
+def test_bad_snapshot_options_are_one_line(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
