@@ -13,8 +13,10 @@ so the shared machine's drifts hit all alike); medians over rounds:
 
 ``stall_ratio`` = blocked time of one snapshot / of one synchronous save; ``overhead_ratio`` =
 extra wall time per step with snapshots / with synchronous saves; ``restore_memory_ratio`` =
-restore from the rank's own slot (``restore``: verify checksums, all-gather, load) / a cold-cache
-``dcp.load`` (pages dropped with ``posix_fadvise(DONTNEED)`` after ``fsync``);
+restore from the rank's own slot (``restore``: all-gather, load; the checksums checked by the
+keeper beforehand, as while a job relaunches; ``restore_memory_selfcheck_ratio``: the rank checks
+them itself) / a cold-cache ``dcp.load`` (pages dropped with ``posix_fadvise(DONTNEED)`` after
+``fsync``; ``cold_resident_bytes``: what fincore still finds cached);
 ``restore_peer_ratio`` = a rank with no slot restored from a data-parallel peer's over gloo
 (two processes, loopback) / the same cold load; ``lost_steps_sigkill`` = the most steps lost
 over SIGKILLs at random moments of a training process with that state (its last finished step
@@ -43,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from resihp.ckpt.keeper import ensure_keeper, stop_keeper
+from resihp.ckpt.keeper import ensure_keeper, request_verify, stop_keeper
 from resihp.ckpt.memory import MemoryTier, tier_dir
 from resihp.ckpt.snapshot import Snapshotter, restore, state_tensors
 
@@ -105,6 +107,28 @@ def dcp_cold_load(model, opt, directory: Path) -> float:
     return time.perf_counter() - t0
 
 
+def keeper_check(directory: Path, timeout_s: float = 120) -> None:
+    """Ask the keeper to check every slot and wait for its verdicts."""
+    request_verify(directory)
+    deadline = time.monotonic() + timeout_s
+    while (directory / "VERIFY").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the keeper did not check the slots")
+        time.sleep(0.005)
+
+
+def resident_bytes(directory: Path) -> int | None:
+    """Bytes of a folder's files in the page cache right after dropping them (fincore), or None."""
+    drop_cache(directory)
+    files = [str(p) for p in directory.rglob("*") if p.is_file()]
+    try:
+        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *files], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(int(x) for x in out.split() if x.isdigit())
+
+
 def _wait_published(tier: MemoryTier, step: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not any(h.rank == tier.rank and h.step == step for h in tier.headers()):
@@ -134,6 +158,7 @@ def _peer_restore(rank: int, layers: int, root: str, port: int, repeats: int, ou
         snap.snapshot(0, model, opt, {"job": "peer"})
         snap.close()
         _wait_published(tier, 0)
+        keeper_check(tier.dir)  # as after a failure (the receiver checks what it receives itself)
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -216,7 +241,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    rounds = args.rounds or (3 if args.quick else 8)
+    rounds = args.rounds or (6 if args.quick else 12)
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     shm = Path(tempfile.mkdtemp(prefix="resihp-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -230,9 +255,15 @@ def main() -> None:
     ensure_keeper(tier.dir, os.getpid())
     snap = Snapshotter(tier, every=1)
     snap.attach(opt)
+    for i in range(3):  # memory overhead: both slots in use, nothing else of the benchmark yet
+        train_step(model, opt, args.batch)
+        snap.snapshot(i, model, opt, {"job": "bench"})
+    snap.fence()
+    shm_bytes = sum(p.stat().st_size for p in tier.dir.glob("*.bin"))
+    memory_overhead = (max(0, rss_anon() - rss0) + shm_bytes) / nbytes
     step_s = {"none": [], "snapshot": [], "dcp": []}
     blocked = {"snapshot": [], "dcp": []}
-    step = 0
+    step = 3
     arms = ["none", "snapshot", "dcp"]
     warm = 0
     for r in range(rounds + 1):  # round 0 warms up (first touches of the slots' pages)
@@ -258,22 +289,27 @@ def main() -> None:
     blocked["snapshot"] = snap.blocked_s[warm:]
     snap.close()
     _wait_published(tier, last)
-    shm_bytes = sum(p.stat().st_size for p in tier.dir.glob("*.bin"))
-    memory_overhead = (max(0, rss_anon() - rss0) + shm_bytes) / nbytes
 
     # restore: own memory (one-rank group) vs cold dcp.load
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     newest = max(h.step for h in tier.headers() if h.slot in ("A", "B"))
-    restore_mem, cold = [], []
+    restore_mem, restore_self, cold = [], [], []
+    arms = ["memory", "self", "disk"]
     for i in range(rounds):
-        for arm in (["memory", "disk"] if i % 2 == 0 else ["disk", "memory"]):
-            if arm == "memory":
-                restored = restore(tier, model, opt, {"job": "bench"}, lambda r: [0])
-                assert restored is not None and restored.step == newest
-                restore_mem.append(restored.restore_s)
-            else:
+        for arm in arms[i % 3:] + arms[:i % 3]:
+            if arm == "disk":
                 cold.append(dcp_cold_load(model, opt, disk / "ckpt"))
+                continue
+            # memory: as after a failure, the keeper has checked the slots while the job relaunched;
+            # self: no such check, the restoring rank computes the checksums itself
+            (tier.dir / "verified.json").unlink(missing_ok=True)
+            if arm == "memory":
+                keeper_check(tier.dir)
+            restored = restore(tier, model, opt, {"job": "bench"}, lambda r: [0])
+            assert restored is not None and restored.step == newest
+            (restore_mem if arm == "memory" else restore_self).append(restored.restore_s)
+    resident = resident_bytes(disk / "ckpt")
     dist.destroy_process_group()
     stop_keeper(tier.dir)
 
@@ -298,13 +334,16 @@ def main() -> None:
         "overhead_ratio": round(extra_snap / extra_dcp, 4),
         "restore_memory_ratio": round(med(restore_mem) / med(cold), 4),
         "restore_peer_ratio": round(med(restore_peer) / med(cold), 4),
+        "restore_memory_selfcheck_ratio": round(med(restore_self) / med(cold), 4),
+        "cold_resident_bytes": resident,
         "lost_steps_sigkill": max(lost), "lost_steps_sigkill_each": lost,
         "memory_overhead": round(memory_overhead, 3),
         "seconds": {"snapshot_blocked": med(blocked["snapshot"]), "dcp_save_blocked": med(blocked["dcp"]),
                     "snapshot_copy": med(snap.copy_s[1:] or snap.copy_s),
                     "step_none": med(step_s["none"]), "step_snapshot": med(step_s["snapshot"]),
                     "step_dcp": med(step_s["dcp"]), "restore_memory": med(restore_mem),
-                    "restore_peer": med(restore_peer), "dcp_load_cold": med(cold)},
+                    "restore_memory_selfcheck": med(restore_self), "restore_peer": med(restore_peer),
+                    "dcp_load_cold": med(cold)},
         "fence_waits": snap.fence_waits,
         "e2e": e2e,
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "torch": torch.__version__,
