@@ -148,3 +148,41 @@ def test_follow_waits_for_the_job_and_detect_reads_the_run_folder(tmp_path):
     assert meta == out / "job.yaml" and df.step.nunique() == 25
     with pytest.raises(InputError, match="no job.yaml"):
         follow(tmp_path / "never", timeout_s=0.3, poll_s=0.1)
+
+
+@pytest.mark.slow
+def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_the_store(tmp_path):
+    """A user's own 2-rank torchrun job with resihp attached: heartbeats and step records go over
+    torchrun's agent store (no per-rank stream files); rank 0 writes the run folder; a follower
+    with only the store's address sees every step."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from resihp.runtime.launch import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    example = Path(__file__).resolve().parent.parent / "examples" / "ddp_straggler.py"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", str(example),
+                            "--out", str(tmp_path / "run"), "--steps", "30"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the workers' store is torchrun's agent store (not the rendezvous endpoint): rank 0 says where
+    where = tmp_path / "run" / "controlplane.json"
+    end = time.time() + 120
+    while not where.exists() and time.time() < end:
+        time.sleep(0.1)
+    store = json.loads(where.read_text())["store"]
+    follower = subprocess.run([sys.executable, "-m", "resihp.cli", "follow", "--store", store,
+                               "--json", "--start-timeout", "120"], capture_output=True, text=True, env=env,
+                              timeout=240)
+    out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err[-2000:]
+    assert follower.returncode == 0, follower.stderr[-2000:]
+    assert json.loads(follower.stdout)["steps"] == 30
+    run = tmp_path / "run"
+    assert not list((run / "ranks").glob("*.jsonl"))  # nothing per rank on disk: the store carried it
+    rows = [json.loads(line) for line in (run / "ops.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["rank"]) for r in rows if r["optype"] == "step"} == {(s, r) for s in range(30) for r in (0, 1)}

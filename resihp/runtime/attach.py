@@ -297,6 +297,9 @@ class _ControlPlane:
     def lead(self, out: Path, meta: dict) -> None:
         """Rank 0: announce the job (``resihp follow --store``) and collect the trace into ``out``."""
         announce_job(self.store, self.job_id, None, len(self.nodes), len(self.nodes[0]), meta=meta)
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        (out / "controlplane.json").write_text(json.dumps({"store": endpoint, "job_id": self.job_id}))
+        log.info("control plane on torchrun's store %s: resihp follow --store %s", endpoint, endpoint)
         (out / TRACE_STREAM).unlink(missing_ok=True)
         self.collector = StepReader(self.store, self.job_id, self.nodes, 0, owner=True)
 
@@ -319,6 +322,7 @@ class _ControlPlane:
                 for r in ranks:
                     (out / "ranks" / f"rank{r}.done").touch()
             mark_ended(self.store, self.job_id, "finished")
+            self.collector.wait_for_followers()
         if self.aggregator is not None:
             self.aggregator.stop()
 

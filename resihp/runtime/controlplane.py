@@ -180,6 +180,8 @@ class StepReader:
         self.steps = 0
         self.cost_s: dict[int, float] = {}  # per rank: time spent publishing, as last reported
         self.skipped = 0  # steps a slow non-owner reader lost to the window
+        # a follower says how far it has read, so that the owner can wait for it at the job's end
+        self.follower_id = None if owner else store.add(f"{self.prefix}/followers", 1)
 
     def _keys(self, step: int) -> list[str]:
         return [f"{self.prefix}/ops/n{n}/s{step}" for n in self.nodes]
@@ -209,6 +211,8 @@ class StepReader:
             self.steps += 1
             for p in decoded:
                 self.cost_s[p.rank] = p.cost_s
+            if self.follower_id is not None:
+                self.store.set(f"{self.prefix}/followed/{self.follower_id}", str(self.next_step))
             if self.owner:
                 self.store.set(f"{self.prefix}/ops/last", str(self.next_step))
                 if self.next_step >= KEEP_STEPS:
@@ -216,6 +220,16 @@ class StepReader:
                         self.store.delete_key(key)
             self.next_step += 1
         return done
+
+    def wait_for_followers(self, timeout_s: float = 10.0) -> None:
+        """The owner, at the job's end: give the followers reading the store (``resihp follow
+        --store``) up to ``timeout_s`` to read the last step before the store goes."""
+        last = (self.next_step or 0) - 1
+        end = time.monotonic() + timeout_s
+        for i in range(1, int(self.store.add(f"{self.prefix}/followers", 0)) + 1):
+            key = f"{self.prefix}/followed/{i}"
+            while time.monotonic() < end and not (self.store.check([key]) and int(self.store.get(key)) >= last):
+                time.sleep(0.1)
 
     def _catch_up(self) -> None:
         """A reader that fell out of the window the owner keeps skips to its oldest step."""

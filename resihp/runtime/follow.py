@@ -105,7 +105,7 @@ class StoreSteps:
         self.job_id = job["job_id"]
         if job.get("meta"):  # resihp.attach's job: its meta as rank 0 wrote it
             self.meta_dict = job["meta"]
-            self.meta = JobMeta(*(int(self.meta_dict[k]) for k in ("dp", "pp", "tp", "world_size")))
+            self.meta = JobMeta(*(int(self.meta_dict[k]) for k in ("dp_size", "pp_size", "tp_size", "world_size")))
         else:
             cfg = RunConfig(**job["config"])
             dims, model = cfg.dims(), cfg.model_config()
@@ -114,11 +114,18 @@ class StoreSteps:
                               "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
                               "max_seq_len": model.max_seq_len}
         self.reader = StepReader(self.js.store, self.job_id, node_ranks(job["nnodes"], job["nproc_per_node"]))
+        self.gone = False
 
     def complete_steps(self) -> list[tuple[int, list[dict]]]:
-        return [(s.step, s.rows) for s in self.reader.complete_steps()]
+        try:
+            return [(s.step, s.rows) for s in self.reader.complete_steps()]
+        except (RuntimeError, dist.DistError):  # the job and its store are gone
+            self.gone = True
+            return []
 
     def finished(self) -> bool:
+        if self.gone:
+            return True
         try:
             return ended(self.js.store, self.job_id) is not None
         except (RuntimeError, dist.DistError):  # node 0 and its store are gone: the job is over

@@ -371,6 +371,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
             outcome.errors = read_errors(js.store, cfg.job_id)
             outcome.control_plane = watch.costs()
             mark_ended(js.store, cfg.job_id, outcome.error or _reason(outcome) or "finished")
+            watch.reader.wait_for_followers(grace_s)
             if nodes.nnodes > 1:  # the store goes with this process: let the other nodes see the end
                 _linger(watch, grace_s)
     outcome.wall_s = time.time() - t0

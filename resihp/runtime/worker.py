@@ -40,6 +40,7 @@ from resihp.runtime.controlplane import (
     StepReader,
     append_steps,
     heartbeat_prefix,
+    mark_ended,
     node_ranks,
     report_error,
 )
@@ -311,6 +312,8 @@ def run(cfg: RunConfig) -> None:
         (out / "plan_changes.json").write_text(json.dumps(engine.plan_changes))
         if collector is not None:
             collector.finish()
+            mark_ended(store, job_id, "finished")
+            collector.reader.wait_for_followers()
             summary = write_job_files(cfg, out)
             print(json.dumps(summary), flush=True)
     dist.destroy_process_group()
