@@ -49,7 +49,8 @@ def run_state(engine: Engine, cfg: RunConfig) -> dict:
 
 def checkpoint_meta(engine: Engine, cfg: RunConfig) -> dict:
     """What ``meta.json`` records beside the tensors."""
-    return {"dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
+    dims = engine.dims  # the layout in force (None: replicas of different shapes, see state.layout)
+    return {"dp": len(engine.pipelines), "pp": dims.pp if dims else None, "tp": dims.tp if dims else None,
             "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
             "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source,
             "job_id": cfg.job_id, "model_hash": cfg.model_hash(), "state": run_state(engine, cfg)}

@@ -138,6 +138,7 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     # machine) only in runs that reshard or checkpoint
     import torch.distributed.checkpoint as dcp
 
+    # deferred for start-up time, as above (resihp.ckpt.reshard imports DTensor)
     from resihp.ckpt.reshard import (
         bytes_to_receive,
         copy_held,
