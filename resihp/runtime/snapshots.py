@@ -90,8 +90,8 @@ class MemorySnapshots:
 
     def after_step(self, step: int) -> None:
         """Start this step's snapshot if one is due (the next optimizer step waits for it)."""
-        if self.snapshotter.due(step):
-            e = self.engine
+        e = self.engine
+        if self.snapshotter.due(step) and e.model is not None:  # a hot spare holds no state
             self.snapshotter.snapshot(step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id))
 
     def close(self) -> None:
