@@ -39,7 +39,7 @@ def test_durations():
       {"at": "2h", "device": 1, "kind": "stop"}], r"events\[1\]: device 1 is already slow"),
     ([{"at": "1h", "device": 1, "kind": "slow", "factor": 0.5}], r"factor: a slowdown factor is at least 1"),
     ([{"at": "1h", "device": 1, "kind": "recover"}], r"device 1 recovers but is not slow or stopped"),
-    ([{"at": "1h", "device": 1, "kind": "melt"}], r"kind: expected one of slow, stop, recover"),
+    ([{"at": "1h", "device": 1, "kind": "melt"}], r"kind: expected one of slow, link, stop, recover"),
     ([{"at": "9h", "device": 1, "kind": "stop"}], r"after the end of the scenario"),
 ])
 def test_bad_events_name_the_line(tmp_path, events, match):

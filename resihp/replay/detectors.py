@@ -27,6 +27,7 @@ from resihp.replay.interface import Window
 from resihp.workload.flops import TransformerShape
 
 DEVICE_FAULT = "fail-slow"
+LINK_FAULT = "link-slow"
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Finding:
     kind: str
     slowdown: float
     ended: bool = False
+    peer: int | None = None  # link-slow: the link's other end
 
 
 class DetectorFeed:
@@ -54,7 +56,7 @@ class DetectorFeed:
         self._layout = None
         self._rank_device: np.ndarray | None = None
         self._rank_work: np.ndarray | None = None
-        self._reported: dict[int, object] = {}
+        self._reported: dict[int | tuple[int, int], object] = {}  # by device, or link (ends)
 
     def reset(self) -> None:
         self.detector = None
@@ -78,7 +80,8 @@ class DetectorFeed:
                                     window.rank_work)
                 self.detector = self.detector.carried(window.meta, places, source)
                 kept = set(window.rank_device[source >= 0].tolist())
-                self._reported = {d: ev for d, ev in self._reported.items() if d in kept}
+                self._reported = {d: ev for d, ev in self._reported.items()
+                                  if set(d if isinstance(d, tuple) else (d,)) <= kept}
         self._layout = signature
         self._rank_device, self._rank_work = window.rank_device, window.rank_work
         obs = observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile)
@@ -86,6 +89,9 @@ class DetectorFeed:
             # the plan in force gives each rank its share of a micro-batch (layers / tp width); a
             # live system knows its own plan, so the per-rank expectation includes it
             obs.own = obs.own / window.rank_work[None, :]
+        comm = obs.comm
+        if comm is None and window.transfers is not None:  # the simulator's transfer timings
+            comm = window.transfers[np.searchsorted(window.steps, obs.steps)]
         first = int(window.steps[0])
         out: list[Finding] = []
         for i, step in enumerate(obs.steps):
@@ -94,8 +100,15 @@ class DetectorFeed:
                 events = self.detector.observe_arrays(
                     int(step), obs.own[i], obs.raw[i],
                     None if obs.expected is None else obs.expected[i],
-                    None if obs.comm is None else obs.comm[i])
+                    None if comm is None else comm[i])
             for ev in events:
+                if ev.kind == LINK_FAULT and ev.ranks and len(ev.ranks) == 2:
+                    ends = tuple(int(self._rank_device[r]) for r in ev.ranks)
+                    if min(ends) >= 0:
+                        self._reported[ends] = ev
+                        out.append(Finding(int(step) - first, int(step), ends[0], ev.kind,
+                                           float(ev.slowdown), peer=ends[1]))
+                    continue
                 if ev.kind != DEVICE_FAULT or ev.rank is None:
                     continue
                 device = int(self._rank_device[ev.rank])
@@ -103,11 +116,12 @@ class DetectorFeed:
                     continue
                 self._reported[device] = ev
                 out.append(Finding(int(step) - first, int(step), device, ev.kind, float(ev.slowdown)))
-            for device, ev in list(self._reported.items()):
+            for key, ev in list(self._reported.items()):
                 if ev.end_step is not None:
-                    del self._reported[device]
+                    del self._reported[key]
+                    device, peer = key if isinstance(key, tuple) else (key, None)
                     out.append(Finding(int(step) - first, int(step), device, ev.kind,
-                                       float(ev.slowdown), ended=True))
+                                       float(ev.slowdown), ended=True, peer=peer))
             if out:  # the policy acts here; later steps of the window are simulated again
                 break
         return out

@@ -90,6 +90,7 @@ class Replay:
         sc, ctx, st = self.scenario, self.ctx, self.scenario.settings
         n = sc.cluster.size
         speeds = np.ones(n)
+        links = np.ones(n)  # each device's network link: a fraction of its bandwidth
         ctx._bench = lambda device: float(speeds[device])  # the true speed now (updated in place)
         base_tps = self.healthy_tokens_per_s()
         job_n = len(ctx.job_devices)
@@ -139,11 +140,14 @@ class Replay:
             for d in reaction.detections:
                 truth = d.device is None and any(s < d.time_s for s in slow_since.values())
                 truth = truth or (d.device in slow_since) or (d.device in ctx.known_dead)
+                # a slow link: either end may be the slow one
+                at = d.peer if d.peer in slow_since and d.device not in slow_since else d.device
+                truth = truth or at in slow_since
                 # the delay counts once per slow episode: from its onset to its first detection
-                episode = (d.device, slow_since.get(d.device))
+                episode = (at, slow_since.get(at))
                 delay = None
-                if d.device in slow_since and episode not in detected:
-                    delay = d.time_s - slow_since[d.device]
+                if at in slow_since and episode not in detected:
+                    delay = d.time_s - slow_since[at]
                     detected.add(episode)
                 detections.append({"time_s": d.time_s, "step": d.step, "kind": d.kind,
                                    "device": d.device, "slowdown": d.slowdown, "true": bool(truth),
@@ -184,6 +188,9 @@ class Replay:
                     if e.kind == "slow":
                         speeds[e.device] = 1.0 / e.factor
                         slow_since[e.device] = e.at_s
+                    elif e.kind == "link":  # its transfers slow, its compute not
+                        links[e.device] = 1.0 / e.factor
+                        slow_since[e.device] = e.at_s
                     elif e.kind == "stop":
                         speeds[e.device] = 0.0
                         slow_since.pop(e.device, None)
@@ -192,6 +199,7 @@ class Replay:
                         if speeds[e.device] == 0.0:
                             returned.append(e.device)
                         speeds[e.device] = 1.0
+                        links[e.device] = 1.0
                         slow_since.pop(e.device, None)
                 ctx.now = t
                 cached = None
@@ -211,7 +219,7 @@ class Replay:
             probe_due = t >= next_probe
             if observe_left > 0 or probe_due or cached is None or (wake is not None and t >= wake):
                 ctx.now, ctx.step = t, int(simulated + replayed)
-                win = self.sim.window(compiled, speeds, st.window_steps, ctx.step, t)
+                win = self.sim.window(compiled, speeds, st.window_steps, ctx.step, t, links)
                 simulated += len(win.steps)
                 ends = t + np.cumsum(win.step_time)
                 reaction = self.policy.observe(ctx, win) if self.policy.observes else None

@@ -9,8 +9,11 @@
   jobs saw one, not a per-device rate), with mean duration and mean slowdown from Greyhound's
   Table 1 for the job's size class (Wu et al., ATC 2025). Durations are exponential around the mean;
   slowdown factors are 1 + exponential around the mean excess, capped at 10x (the paper's compound
-  events reach 10% of normal throughput). Most published fail-slows are network congestion; the
-  replay applies each as a compute slowdown of the device, which is how it shows in step time.
+  events reach 10% of normal throughput). ``communication`` (a share in [0, 1], or ``greyhound``:
+  the paper's mix, 40% network congestion against under 2% computation, so 40/42 of the drawn
+  events) makes that share of the events slow links (``link``: the device's network transfers take
+  factor x as long; 24 minutes on average, the paper's network-congestion mean) and the rest compute
+  slowdowns (the size class's duration); without it every event slows compute.
 - ``alibaba``: the per-worker slowdowns of a real Alibaba PAI job over time (worker time / median
   worker, smoothed over 10 iterations), placed on chosen devices, one iteration per
   ``seconds_per_iteration`` of replay time.
@@ -32,6 +35,9 @@ LLAMA3_GPUS = 16384
 SOFTWARE_CATEGORIES = ("Dependency", "Unknown")
 # Greyhound Table 1: (mean fail-slow duration in minutes, mean job slowdown) per job size class
 GREYHOUND_CLASSES = {"1node": (10.0, 0.1179), "4nodes": (24.0, 0.1545), "512gpus": (72.0, 0.3459)}
+# Greyhound's causes: network congestion 40% of fail-slows (mean 24 minutes), computation under 2%
+GREYHOUND_COMMUNICATION = 0.40 / (0.40 + 0.02)
+GREYHOUND_COMMUNICATION_MIN = 24.0
 
 
 def llama3_causes() -> pd.DataFrame:
@@ -116,13 +122,20 @@ def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
 
 def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
                      occ: _Occupancy) -> list[FailureEvent]:
-    _check_keys(gen, scenario, {"per_day", "size_class", "max_factor"})
+    _check_keys(gen, scenario, {"per_day", "size_class", "max_factor", "communication"})
     per_day = _param(gen, scenario, "per_day")
     size_class = gen.params.get("size_class", "512gpus")
     if size_class not in GREYHOUND_CLASSES:
         raise InputError(f"{scenario.path}:{gen.line}: generators.greyhound.size_class: expected one of "
                          f"{', '.join(GREYHOUND_CLASSES)}, got {size_class!r}")
     cap = _param(gen, scenario, "max_factor", 10.0, minimum=1.0)
+    if gen.params.get("communication") == "greyhound":
+        comm = GREYHOUND_COMMUNICATION
+    else:
+        comm = _param(gen, scenario, "communication", 0.0)
+        if comm > 1.0:
+            raise InputError(f"{scenario.path}:{gen.line}: generators.greyhound.communication: expected "
+                             f"a share in [0, 1] or greyhound, got {comm:g}")
     mean_min, mean_slow = GREYHOUND_CLASSES[size_class]
     events: list[FailureEvent] = []
     t = 0.0
@@ -130,11 +143,13 @@ def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generato
         t += rng.exponential(86400.0 / per_day)
         if t >= scenario.duration_s:
             break
-        length = rng.exponential(mean_min * 60.0)
+        link = comm > 0 and rng.random() < comm
+        length = rng.exponential((GREYHOUND_COMMUNICATION_MIN if link else mean_min) * 60.0)
         factor = float(min(cap, 1.0 + rng.exponential(mean_slow)))
         for _ in range(32):
-            if _pair(events, occ, int(rng.integers(scenario.cluster.size)), t, t + length, "slow",
-                     round(factor, 3), f"greyhound {size_class}", scenario.duration_s):
+            if _pair(events, occ, int(rng.integers(scenario.cluster.size)), t, t + length,
+                     "link" if link else "slow", round(factor, 3),
+                     f"greyhound {size_class}{' network' if link else ''}", scenario.duration_s):
                 break
     return events
 
@@ -179,5 +194,5 @@ def scenario_events(scenario: Scenario, seed: int | None = None) -> list[Failure
     occ = _Occupancy(events)
     for gen in scenario.generators:
         events += GENERATOR_FUNCS[gen.kind](gen, scenario, rng, occ)
-    order = {"recover": 0, "slow": 1, "stop": 2}
+    order = {"recover": 0, "slow": 1, "link": 1, "stop": 2}
     return sorted(events, key=lambda e: (e.at_s, order[e.kind], e.device))

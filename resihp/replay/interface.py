@@ -29,6 +29,7 @@ class Detection:
     kind: str
     device: int | None
     slowdown: float = float("nan")
+    peer: int | None = None  # a slow link's other end
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Window:
     rank_work: np.ndarray | None = None  # logical rank -> expected forward seconds per micro-batch
     _columns: Callable[[], dict[str, np.ndarray]] | None = None
     rank_place: np.ndarray | None = None  # logical rank -> (dp_rank, stage, tp_rank), -1: none
+    # (step x logical rank) seconds per token of each rank's transfers to the next stage (NaN: none)
+    transfers: np.ndarray | None = None
 
     def ops(self) -> pd.DataFrame:
         """The DESIGN.md ops trace of these steps: forward/backward compute of the first

@@ -52,7 +52,7 @@ def summary(scenario: Scenario, outcomes: list[ReplayOutcome], events: list[Fail
     cap = outcomes[0].capacity_tokens / outcomes[0].duration_s if outcomes else float("nan")
     out = {"scenario": scenario.name, "family": scenario.family, "devices": scenario.cluster.size,
            "model": scenario.model.name, "duration_s": scenario.duration_s,
-           "events": {k: sum(1 for e in events if e.kind == k) for k in ("stop", "slow", "recover")},
+           "events": {k: sum(1 for e in events if e.kind == k) for k in ("stop", "slow", "link", "recover")},
            "policies": policies, "capacity_tokens_per_s": round(cap, 1)}
     if BASE in by_name:
         out["speedups"] = {o.policy: round(by_name[BASE].tokens / o.tokens, 4) if o.tokens > 0
@@ -97,7 +97,7 @@ def plot(doc: dict, outcomes: list[ReplayOutcome], events: list[FailureEvent], p
     cap = outcomes[0].capacity_timeline
     cap_x = [x for a, b, _ in cap for x in (a / hours, b / hours)]
     cap_y = [c for _, _, c in cap for _ in (0, 1)]
-    colors = {"stop": "red", "slow": "orange", "recover": "green"}
+    colors = {"stop": "red", "slow": "orange", "link": "purple", "recover": "green"}
     by_name = {p["name"]: p for p in doc.get("policies", [])}
     for i, o in enumerate(outcomes):
         ax = axes[i // cols][i % cols]

@@ -17,7 +17,7 @@ from resihp.plan.specs import MLP_MATRICES, ModelSpec
 from resihp.replay.costmodel import check_fits
 from resihp.replay.yamlsrc import LineDict, load_yaml
 
-KINDS = ("slow", "stop", "recover")
+KINDS = ("slow", "link", "stop", "recover")  # link: the device's network link slowed by factor
 GENERATORS = ("llama3", "greyhound", "alibaba")
 _UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -256,7 +256,7 @@ def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line
                                  f"0..{cluster.nodes - 1}")
             devices = list(range(node * cluster.gpus_per_node, (node + 1) * cluster.gpus_per_node))
         factor = 1.0
-        if kind == "slow":
+        if kind in ("slow", "link"):
             factor = r.number("factor")
             if factor < 1.0:
                 raise InputError(f"{r.where}.factor: a slowdown factor is at least 1 (2.0 = twice as "
@@ -265,10 +265,10 @@ def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line
             current = state.get(dev, "healthy")
             if kind == "recover" and current == "healthy":
                 raise InputError(f"{r.where}: device {dev} recovers but is not slow or stopped")
-            if kind in ("slow", "stop") and current != "healthy":
+            if kind in ("slow", "link", "stop") and current != "healthy":
                 raise InputError(f"{r.where}: device {dev} is already {current}; events overlap "
                                  "(add a recover event first)")
-            state[dev] = "healthy" if kind == "recover" else ("slow" if kind == "slow" else "stopped")
+            state[dev] = "healthy" if kind == "recover" else ("stopped" if kind == "stop" else kind)
             events.append(FailureEvent(at, dev, kind, factor, r.data.line if isinstance(r.data, LineDict) else 0,
                                 r.text("cause", "")))
     return tuple(events)

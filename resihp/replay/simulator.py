@@ -33,6 +33,7 @@ from resihp.replay.scenario import Scenario
 from resihp.workload.lengths import resolve_source
 
 POOL_MICROBATCHES = 4096
+TRANSFER_JITTER = 0.05  # log-sd of a rank's per-token transfer time from step to step
 
 
 class Simulator:
@@ -53,14 +54,19 @@ class Simulator:
         return self._pools[budget]
 
     def window(self, compiled: CompiledLayout, speeds: np.ndarray, n_steps: int, first_step: int,
-               start_s: float) -> Window:
+               start_s: float, links: np.ndarray | None = None) -> Window:
+        """``links``: each device's network link as a fraction of its bandwidth (None: all
+        healthy); a slow one stretches the pipeline transfers it takes part in, not compute (the
+        gradient ring is modelled healthy: the simulator emits no per-rank collective timings)."""
         per_group = []
+        link_of = np.ones(len(speeds) + 1) if links is None else np.concatenate([links, [1.0]])
         if not compiled.groups:  # no replica left to run
             return self._stalled(compiled.layout, n_steps, first_step, start_s)
         live = [r for r in compiled.layout.replicas if r.microbatches > 0]
         # the gradient all-reduce waits for the largest per-device shard (layers / group width)
         shard = max(n / len(g) for r in live for n, g in zip(r.layers, r.groups))
         sync, optim = sync_seconds(self.scenario, shard, len(live))
+        comm_rows = []
         replica_time = []
         tokens = np.zeros(n_steps)
         for g in compiled.groups:
@@ -84,7 +90,13 @@ class Simulator:
             sched = compile_schedule("1f1b", pp, m)
             # each replica's activations cross its pipeline at its narrowest group's shard size
             p2p = p2p_seconds(self.scenario, g.width.min(axis=1))  # [R]
+            # each tensor-parallel rank sends its shard to its counterpart on the next stage, as
+            # fast as the slower of their links; a replica's transfers wait for its slowest one
+            dev_link = link_of[g.devices]  # [R, pp, tp]
+            boundary = np.minimum(dev_link[:, :-1], dev_link[:, 1:])  # [R, pp - 1, tp]
+            p2p = p2p / boundary.min(axis=(1, 2), initial=1.0)
             end = op_end_times(sched, fwd + comm, 2.0 * fwd + comm, p2p)  # [W, R, nodes]
+            comm_rows.append((g, boundary))
             replica_time.append(end[..., sched.last_on_rank].max(axis=-1).max(axis=-1))
             tokens += pool.tokens[mb].sum(axis=(1, 2))
             per_group.append((g, mb, fwd, comm, sp, sched, end))
@@ -97,8 +109,26 @@ class Simulator:
         dims = ParallelDims(meta.dp_size, meta.pp_size, meta.tp_size)
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
         columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims))
+        transfers = self._transfers(comm_rows, n_steps, dims)
         return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
-                      rank_device, rank_work, columns, rank_place)
+                      rank_device, rank_work, columns, rank_place, transfers)
+
+    def _transfers(self, rows: list, n_steps: int, dims: ParallelDims) -> np.ndarray:
+        """(step x logical rank) seconds per token of each rank's transfers to the next stage (the
+        detector's ``comm``): the boundary's healthy rate over its speed, with a measured-size
+        jitter; NaN on last stages and padded ranks."""
+        out = np.full((n_steps, dims.world_size), np.nan)
+        per_token = p2p_seconds(self.scenario, 1.0) / self.scenario.model.microbatch_tokens
+        for g, boundary in rows:
+            r, pp, tp = g.devices.shape
+            for s in range(pp - 1):
+                ranks = dims.rank_of(g.replica_ids[:, None], s, np.arange(tp)[None, :])  # [R, tp]
+                base = per_token / g.width[:, s][:, None] / boundary[:, s, :]
+                jitter = self.rng.lognormal(0.0, TRANSFER_JITTER, size=(n_steps, r, tp))
+                vals = base[None] * jitter
+                real = g.devices[:, s, :] >= 0
+                out[:, ranks[real]] = vals[:, real]
+        return out
 
     def _rank_table(self, compiled: CompiledLayout) -> tuple[JobMeta, np.ndarray, np.ndarray,
                                                              np.ndarray]:

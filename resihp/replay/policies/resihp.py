@@ -60,7 +60,10 @@ class Resihp(Policy):
     (``healthy`` of nominal speed); still slow, it stays out with the measured slowdown and is
     benchmarked again twice as long later, up to ``2 ** max_backoff`` times the interval (the
     policy asks the engine for a look then, ``wake_at``). An extremely slow device is thus never
-    let back into training to be found again at its own pace. Fail-stops
+    let back into training to be found again at its own pace. A ``link-slow`` event sets the link
+    between its two devices to 1/slowdown of its bandwidth in the planner's cluster (transfers, not
+    compute: the planner moves micro-batches or layers away from it) until the detector sees it
+    recover. Fail-stops
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
     (``costs.reconfig``, no rollback). The solver's own time runs beside training and is reported,
     not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
@@ -77,6 +80,7 @@ class Resihp(Policy):
         self.max_backoff = max_backoff
         self.healthy = healthy
         self.slow: dict[int, float] = {}
+        self.links: dict[tuple[int, int], float] = {}  # slow links (their ends): slowdown
         self.since: dict[int, float] = {}
         self.returned: dict[int, float] = {}  # when an excluded device was last taken back
         self.backoff: dict[int, int] = {}  # rechecks in a row that found the device still slow
@@ -97,6 +101,8 @@ class Resihp(Policy):
     def replan(self, ctx: Context, label: str, pause_s: float = 0.0) -> Reaction:
         speeds = np.clip(believed_speeds(ctx, self.slow), 0.0, 1.0)
         cluster = self.cluster.with_speeds(speeds)
+        if self.links:
+            cluster = cluster.with_link_speeds({ends: 1.0 / s for ends, s in self.links.items()})
         plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
         self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
         self.plan = plan
@@ -146,6 +152,17 @@ class Resihp(Policy):
                 self.slow[d] = slowdown
                 changed = True
         for f in findings:
+            if f.kind == "link-slow":
+                ends = (f.device, f.peer)
+                if f.ended:
+                    changed |= self.links.pop(ends, None) is not None
+                    continue
+                detections.append(Detection(time_s, f.step, "link-slow", f.device, f.slowdown, f.peer))
+                old = self.links.get(ends)
+                if old is None or abs(f.slowdown / old - 1.0) > 0.1:
+                    self.links[ends] = max(f.slowdown, 1.0)
+                    changed = True
+                continue
             if f.ended:
                 changed |= self.slow.pop(f.device, None) is not None
                 continue
@@ -162,8 +179,8 @@ class Resihp(Policy):
                 changed = True
         if not changed:  # the detector re-reported what the plan already accounts for
             return Reaction(at=index, detections=detections, label="known")
-        reaction = self.replan(ctx, f"re-plan around slow {sorted(self.slow)}" if self.slow
-                               else "re-plan: slowdown over")
+        what = sorted(self.slow) + [f"{a}-{b}" for a, b in sorted(self.links)]
+        reaction = self.replan(ctx, f"re-plan around slow {what}" if what else "re-plan: slowdown over")
         reaction.at = index
         reaction.detections = detections
         return reaction
