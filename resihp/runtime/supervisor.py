@@ -364,11 +364,16 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
     if watch.monitor is not None:
         with contextlib.suppress(RuntimeError, dist.DistError):
             read_steps()
-            if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted:
-                # torchrun may end the job before the monitor's next look: look once more
-                watch.aggregator.tick()
-                outcome.failure = _judge(watch, cfg, t0, outcome)
             outcome.errors = read_errors(js.store, cfg.job_id)
+            deliberate = any(e["kind"] in ("stop", "input") for e in outcome.errors)
+            if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted and not deliberate:
+                # torchrun may end the job (its ranks lost a peer) before the monitor can tell why:
+                # look until a heartbeat timeout has passed (a lost node is silent that long)
+                end = time.monotonic() + watch.monitor.timeout_s + 1.0
+                while outcome.failure is None and time.monotonic() < end:
+                    watch.aggregator.tick()
+                    outcome.failure = _judge(watch, cfg, t0, outcome)
+                    time.sleep(0.2)
             outcome.control_plane = watch.costs()
             mark_ended(js.store, cfg.job_id, outcome.error or _reason(outcome) or "finished")
             watch.reader.wait_for_followers(grace_s)
