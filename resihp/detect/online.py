@@ -539,7 +539,8 @@ def _compute_per_token(df: pd.DataFrame) -> list[float]:
 def _others_log(values: np.ndarray) -> np.ndarray:
     """log(value / the median of the other ranks' values) this step: ``_common_mode_log`` with the
     rank itself left out of its reference, so that with few links (two in a 2-stage, 2-replica
-    job) a slow one's shift is measured whole."""
+    job) a slow one's shift is measured whole. O(n log n): each leave-one-out median is read off
+    the sorted values."""
     v = np.asarray(values, dtype=np.float64)
     ok = np.flatnonzero(v > 0)
     out = np.full(v.shape, np.nan)
@@ -548,8 +549,22 @@ def _others_log(values: np.ndarray) -> np.ndarray:
     if ok.size < 2:
         return out
     logs = np.log(v[ok])
-    for k, i in enumerate(ok):
-        out[i] = logs[k] - np.median(np.delete(logs, k))
+    order = np.argsort(logs, kind="stable")
+    a = logs[order]
+    n = a.size
+    k = np.empty(n, dtype=np.int64)
+    k[order] = np.arange(n)  # each value's place in the sorted order
+
+    def without(j: int) -> np.ndarray:
+        """Position ``j`` of the sorted values with each rank's own value taken out."""
+        return np.where(j < k, a[min(j, n - 1)], a[min(j + 1, n - 1)])
+
+    rest = n - 1
+    if rest % 2:
+        median = without((rest - 1) // 2)
+    else:
+        median = 0.5 * (without(rest // 2 - 1) + without(rest // 2))
+    out[ok] = logs - median
     return out
 
 
