@@ -33,6 +33,11 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128
          "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60"]
 
 
+# every step slowed (a rank's compute stretched 30x), so that a signal sent from the test lands
+# before the run ends, also on a fast machine
+SLOW = ["--inject", "slow:rank=0,factor=30,step=0"]
+
+
 def _env(shm: Path) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
 
@@ -119,7 +124,7 @@ def _check(summary: dict, reference: list, source: str, max_lost: int = 0) -> No
 
 def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(reference, shm, tmp_path):
     proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
-                  "--inject", "stop:rank=1,step=4")
+                  "--inject", "stop:rank=1,step=4", *SLOW)
     tier = _tier(shm)
     _published(tier, 0, 0)
     keeper = int((tier / "keeper.pid").read_text())
@@ -132,7 +137,7 @@ def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(refe
 
 def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
     proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
-                  "--inject", "slow:rank=0,factor=4,step=0")
+                  *SLOW)
     tier = _tier(shm)
     _published(tier, 1, 1)
     os.kill(_worker_pid(tier, 1), signal.SIGTERM)
