@@ -172,6 +172,8 @@ def main() -> None:
         out["pipeline_lengths_timestamps"] = evaluate_suite(quick=q, seed=seed)
         out["pipeline_no_lengths_no_timestamps"] = evaluate_suite(quick=q, seed=seed,
                                                                   drop=("seq_lens", "start_ts"))
+        # slow links (pipeline and gradient-sync traffic) beside fail-slows, each kind scored alone
+        out["link_slow_vs_fail_slow"] = out["pipeline_lengths_timestamps"]["by_kind"]
         # data-parallel jobs (dp 8 x pp 1): replicas run different data, so the cost model matters
         dp_only = {"dp": 8, "pp": 1, "quick": q, "seed": seed}
         if expected is not None:

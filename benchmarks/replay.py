@@ -31,7 +31,7 @@ from resihp.replay.policies import make_policies  # noqa: E402
 from resihp.replay.run import compare  # noqa: E402
 from resihp.replay.scenario import load_scenario  # noqa: E402
 
-FAMILY_SCENARIOS = ["failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "alibaba-7b-256"]
+FAMILY_SCENARIOS = ["failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "alibaba-7b-256", "commslow-7b-64"]
 SPEED_SCENARIO = "llama3-week-16k"
 
 

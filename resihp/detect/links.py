@@ -28,6 +28,17 @@ LINK_QUANTILE = 0.0
 _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 
 
+def _rows_of(cols: Mapping[str, np.ndarray], wanted: tuple[str, ...]) -> np.ndarray | None:
+    """Indices of the rows whose optype is one of ``wanted``; None when there are none (checked
+    on the distinct optypes first: a long trace of compute ops alone costs nothing here)."""
+    codes, names = pd.factorize(cols["optype"])
+    hit = np.flatnonzero(np.isin(np.asarray(names, dtype=object), wanted))
+    if not hit.size:
+        return None
+    rows = np.flatnonzero(np.isin(codes, hit))
+    return rows if rows.size else None
+
+
 def _frame(cols: Mapping[str, np.ndarray], keep: np.ndarray, names: tuple[str, ...]) -> pd.DataFrame:
     return pd.DataFrame({n: np.asarray(cols[n])[keep] for n in names if n in cols})
 
@@ -39,9 +50,8 @@ def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world:
     ``start_ts`` or ``mb_id``)."""
     if "start_ts" not in cols or "mb_id" not in cols:
         return None
-    optype = np.asarray(cols["optype"]).astype(object)
-    sel = np.isin(optype, _SEND_RECV)
-    if not sel.any():
+    sel = _rows_of(cols, _SEND_RECV)
+    if sel is None:
         return None
     names = ("step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "mb_id",
              "tokens", "seq_lens")
@@ -88,9 +98,8 @@ def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.n
         if "tokens" + side in pairs:
             out = np.where(np.isnan(out), pd.to_numeric(pairs["tokens" + side], errors="coerce")
                            .to_numpy(np.float64), out)
-    if np.isnan(out).any() and "seq_lens" in cols:
-        optype = np.asarray(cols["optype"]).astype(object)
-        comp = np.isin(optype, ("forward-compute", "backward-compute"))
+    comp = _rows_of(cols, ("forward-compute", "backward-compute")) if "seq_lens" in cols else None
+    if np.isnan(out).any() and comp is not None:
         cdf = _frame(cols, comp, ("step", "dp_rank", "mb_id", "seq_lens"))
         cdf = cdf[cdf["mb_id"].notna() & cdf["seq_lens"].notna()]
         if len(cdf):
@@ -109,9 +118,8 @@ def sync_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
     arrived (NaN where none); None without ``start_ts`` or such records."""
     if "start_ts" not in cols:
         return None
-    optype = np.asarray(cols["optype"]).astype(object)
-    sel = np.isin(optype, SYNC_OPTYPES)
-    if not sel.any():
+    sel = _rows_of(cols, SYNC_OPTYPES)
+    if sel is None:
         return None
     df = _frame(cols, sel, ("step", "rank", "stage", "tp_rank", "optype", "start_ts", "duration"))
     if "tp_rank" not in df:
