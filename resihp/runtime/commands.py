@@ -199,7 +199,7 @@ def _finish(folder, cfg, outcome, summary: dict) -> None:
     from resihp.ckpt.integrity import newest_good
     from resihp.runtime.snapshots import stop_keepers
 
-    stop_keepers(cfg.job_id)  # the job is over: its memory tier goes
+    stop_keepers(cfg)  # the job is over: its memory tiers go
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
     if state != "done":  # the newest good checkpoint of this job is where it can go on from

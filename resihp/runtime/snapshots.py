@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from resihp.ckpt.keeper import ensure_keeper, request_verify, stop_keeper
-from resihp.ckpt.memory import MemoryTier, plan_shards, tier_dir
+from resihp.ckpt.memory import MemoryTier, plan_shards, shm_root, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
 from resihp.runtime.config import RunConfig
@@ -51,8 +51,7 @@ def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
 class MemorySnapshots:
     """One rank's memory tier for the job: restore at start, a snapshot after each K-th step."""
 
-    def __init__(self, cfg: RunConfig, engine: Engine, job_id: str, node: int, local_ranks: list[int],
-                 managed: bool) -> None:
+    def __init__(self, cfg: RunConfig, engine: Engine, job_id: str, node: int, local_ranks: list[int]) -> None:
         self.cfg, self.engine, self.job_id = cfg, engine, job_id
         self.dir: Path = tier_dir(job_id, node)
         self.tier = MemoryTier(self.dir, engine.rank)
@@ -61,12 +60,12 @@ class MemorySnapshots:
         _, nbytes = plan_shards(state_tensors(engine.model, engine.optimizer))
         # two slots per rank, plus the copies this rank keeps (about its own size: same model)
         self.tier.check_capacity((2 + holds) * nbytes, len(local_ranks))
-        keep = None
-        if not managed:  # under plain torchrun the job starts its keepers (owned by torchrun's agent)
-            owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
-            ensure_keeper(self.dir, owner)
-            keep = lambda: ensure_keeper(self.dir, owner)  # noqa: E731 - a keeper killed is restarted
-        # under resihp run the launcher starts the keeper and restarts it if it dies
+        # the keeper is owned by the launcher (resihp run: it started node 0's and restarts it if it
+        # dies) or by torchrun's agent (plain torchrun); a rank starts it where none runs (another
+        # node of a resihp run, or the first rank under torchrun) and restarts it while waiting on it
+        owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
+        ensure_keeper(self.dir, owner)
+        keep = lambda: ensure_keeper(self.dir, owner)  # noqa: E731
         self.snapshotter = Snapshotter(self.tier, cfg.snapshot_every, holder, keep, cfg.timeout_s)
 
     def restore(self) -> Restored | None:
@@ -124,6 +123,9 @@ def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
     process is gone); returns what restarts it if it dies (the supervisor's poll), or None."""
     if not cfg.snapshot_every:
         return None
+    os.environ[KEEPER_OWNER] = str(os.getpid())  # keepers the ranks start are this process's too
+    if node != 0:  # the job's id comes from node 0 (at joining): the ranks start this node's keeper
+        return None
     directory = tier_dir(cfg.job_id, node)
     ensure_keeper(directory, os.getpid())
     _KEEPERS[cfg.job_id] = directory
@@ -137,11 +139,14 @@ def verify_ahead(job_id: str) -> None:
         request_verify(directory)
 
 
-def stop_keepers(job_id: str) -> None:
-    """The job is over: its keeper removes its memory tier."""
-    directory = _KEEPERS.pop(job_id, None)
-    if directory is not None:
-        stop_keeper(directory)
+def stop_keepers(cfg: RunConfig) -> None:
+    """The job is over: its memory tiers on this machine go (node 0's, started here; another
+    node's, named by the job id it joined under, from ``OUT/config.json``)."""
+    _KEEPERS.pop(cfg.job_id, None)
+    joined = (_read(Path(cfg.out) / "config.json") or {}).get("job_id")
+    for job in {cfg.job_id, joined} - {None, ""}:
+        for directory in shm_root().glob(f"resihp-{job}-n*"):
+            stop_keeper(directory)
 
 
 def restartable(outcome) -> bool:

@@ -241,7 +241,7 @@ def run(cfg: RunConfig) -> None:
     inbox = PlanInbox(store, job_id, cfg.replan) if rank == 0 else None
     results = []
     first_step = 0
-    memory = MemorySnapshots(cfg, engine, job_id, node, nodes[node], launched) if cfg.snapshot_every else None
+    memory = MemorySnapshots(cfg, engine, job_id, node, nodes[node]) if cfg.snapshot_every else None
     restored = None
     if memory is not None:  # a restart in place: every rank's state from memory (its own or a peer's)
         with engine.rec.op("snapshot-restore"):
