@@ -22,7 +22,7 @@ def resihp(*args, timeout=180):
 @pytest.mark.parametrize("args, message", [
     (["--dp", "0"], "--dp: expected a positive integer"),
     (["--pp", "5"], "cannot split 4 layers into 5 non-empty stages"),
-    (["--inject", "slow:rank=4,factor=2,step=1"], "no such rank (the world has ranks 0..3)"),
+    (["--inject", "slow:rank=4,factor=2,step=1"], "no such rank 4 (the world has ranks 0..3)"),
     (["--inject", "slow:rank=1,factor=0.5,step=1"], "factor must be >= 1"),
     (["--inject", "melt:rank=1"], "expected slow:rank=R"),
     (["--layer-split", "3,3"], "expected 2 positive layer counts summing to 4"),
