@@ -3,16 +3,12 @@
 between pipeline stages with their parameters and AdamW state; gradients are summed over whichever
 stages hold a layer when replicas split their layers differently."""
 
-import os
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from resihp.errors import InputError
+from tests.gloo_ranks import spawn_ranks
 
 CFG = {"dp": 1, "pp": 2, "layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64,
        "global_tokens": 1024, "budget": 256, "max_len": 256, "steps": 2}
@@ -28,43 +24,32 @@ def _layer_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank(rank: int, world: int, tmp: str) -> None:
+def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.config import RunConfig
     from resihp.runtime.engine import Engine
 
     result: dict = {}
+    engine = Engine(RunConfig(**CFG, out=tmp), torch.device("cpu"))
+    engine.train_step(0)
+    result["before"] = _layer_state(engine)
+    result["ranges_before"] = list(engine.ranges)
+    change = engine.sync_plan(1, {"version": 1, "layer_split": [1, 3], "reason": "test"}
+                              if rank == 0 else None)
+    result["change"] = change
+    result["after"] = _layer_state(engine)
+    result["ranges_after"] = list(engine.ranges)
+    result["loss"] = engine.train_step(1).loss  # training goes on under the new split
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
-                                rank=rank, world_size=world)
-        engine = Engine(RunConfig(**CFG, out=tmp), torch.device("cpu"))
-        engine.train_step(0)
-        result["before"] = _layer_state(engine)
-        result["ranges_before"] = list(engine.ranges)
-        change = engine.sync_plan(1, {"version": 1, "layer_split": [1, 3], "reason": "test"}
-                                  if rank == 0 else None)
-        result["change"] = change
-        result["after"] = _layer_state(engine)
-        result["ranges_after"] = list(engine.ranges)
-        result["loss"] = engine.train_step(1).loss  # training goes on under the new split
-        try:
-            engine.sync_plan(2, {"version": 2, "layer_split": [4, 0]} if rank == 0 else None)
-        except InputError as exc:
-            result["bad_change"] = str(exc)
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - reported to the test process
-        result["error"] = traceback.format_exc()
-    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+        engine.sync_plan(2, {"version": 2, "layer_split": [4, 0]} if rank == 0 else None)
+    except InputError as exc:
+        result["bad_change"] = str(exc)
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("dist")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(2, str(tmp)), nprocs=2, join=True, start_method="spawn")
-    out = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for r, res in enumerate(out):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    out = spawn_ranks(_rank, 2, tmp)
     return out
 
 
@@ -91,33 +76,23 @@ def test_a_bad_plan_change_stops_every_rank_alike(ranks):
         assert "expected 2 positive layer counts" in res["bad_change"]
 
 
-def _replicas(rank: int, world: int, tmp: str) -> None:
+def _replicas(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.config import RunConfig
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
-                                rank=rank, world_size=world)
-        engine = Engine(RunConfig(**{**CFG, "dp": 2}, out=tmp), torch.device("cpu"))
-        engine.sync_plan(0, {"version": 1, "layer_splits": [[2, 2], [1, 3]]} if rank == 0 else None)
-        for step in range(2):
-            engine.train_step(step)
-        result["params"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - reported to the test process
-        result["error"] = traceback.format_exc()
-    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    engine = Engine(RunConfig(**{**CFG, "dp": 2}, out=tmp), torch.device("cpu"))
+    engine.sync_plan(0, {"version": 1, "layer_splits": [[2, 2], [1, 3]]} if rank == 0 else None)
+    for step in range(2):
+        engine.train_step(step)
+    result["params"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return result
 
 
 def test_replicas_with_different_layer_splits_stay_identical(tmp_path):
     """Replica 0 holds layer 1 on stage 0, replica 1 on stage 1: its gradient is still summed over
     both, so every parameter is the same in both replicas after training steps."""
-    mp.start_processes(_replicas, args=(4, str(tmp_path)), nprocs=4, join=True, start_method="spawn")
-    out = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    for r, res in enumerate(out):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    out = spawn_ranks(_replicas, 4, tmp_path)
     # Megatron order: rank = stage * dp + dp_rank
     replica = [{**out[0]["params"], **out[2]["params"]}, {**out[1]["params"], **out[3]["params"]}]
     assert set(replica[0]) == set(replica[1]) and any(k.startswith("layers.1.") for k in replica[0])

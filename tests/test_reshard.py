@@ -5,16 +5,13 @@ The model has every option that breaks resharding elsewhere: a fused QKV and a f
 gate/up, a vocabulary (61) padded to a multiple of tp, and the embedding tied to the LM head across
 the first and last stage. Four ranks spawned on gloo over a FileStore, one Engine per layout."""
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from resihp.errors import InputError
+from tests.gloo_ranks import spawn_ranks
 
 BASE = {"layers": 4, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 61, "global_tokens": 1024,
         "budget": 256, "max_len": 256, "steps": 6, "lr": 1e-2, "mlp": "swiglu", "tie_embeddings": True,
@@ -34,46 +31,35 @@ def _losses(engine, steps) -> list[float | None]:
     return [engine.train_step(s).loss for s in steps]
 
 
-def _rank(rank: int, world: int, tmp: str) -> None:
+def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.ckpt.universal import save
     from resihp.runtime.config import RunConfig
     from resihp.runtime.elastic import checkpoint_meta, rank_tensors, resume
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
-                                rank=rank, world_size=world)
-        cfg = RunConfig(**BASE, **SAVED_AT, out=tmp)
-        engine = Engine(cfg, torch.device("cpu"))
-        _losses(engine, range(SAVE_STEP + 1))
-        save(Path(tmp) / "saved", engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, cfg),
-             engine.tp, engine.model_cfg, rank_tensors(engine))
-        result["reference"] = _losses(engine, range(SAVE_STEP + 1, cfg.steps))
-        for name, layout in LAYOUTS.items():
-            new = RunConfig(**BASE, **layout, out=tmp, resume=str(Path(tmp) / "saved"))
-            engine = Engine(new, torch.device("cpu"))
-            resumed = resume(engine, new, Path(tmp) / "saved", SAVE_STEP + 1)
-            # what this layout holds now, written back: must be what was saved
-            save(Path(tmp) / name, engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, new),
-                 engine.tp, engine.model_cfg)
-            result[name] = _losses(engine, range(SAVE_STEP + 1, new.steps))
-            result[name + ":decisions"] = resumed.decisions
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - reported to the test process
-        result["error"] = traceback.format_exc()
-    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    cfg = RunConfig(**BASE, **SAVED_AT, out=tmp)
+    engine = Engine(cfg, torch.device("cpu"))
+    _losses(engine, range(SAVE_STEP + 1))
+    save(Path(tmp) / "saved", engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, cfg),
+         engine.tp, engine.model_cfg, rank_tensors(engine))
+    result["reference"] = _losses(engine, range(SAVE_STEP + 1, cfg.steps))
+    for name, layout in LAYOUTS.items():
+        new = RunConfig(**BASE, **layout, out=tmp, resume=str(Path(tmp) / "saved"))
+        engine = Engine(new, torch.device("cpu"))
+        resumed = resume(engine, new, Path(tmp) / "saved", SAVE_STEP + 1)
+        # what this layout holds now, written back: must be what was saved
+        save(Path(tmp) / name, engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, new),
+             engine.tp, engine.model_cfg)
+        result[name] = _losses(engine, range(SAVE_STEP + 1, new.steps))
+        result[name + ":decisions"] = resumed.decisions
+    return result
 
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory) -> tuple[Path, list[dict]]:
     tmp = tmp_path_factory.mktemp("reshard")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(4, str(tmp)), nprocs=4, join=True, start_method="spawn")
-    out = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    for r, res in enumerate(out):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    out = spawn_ranks(_rank, 4, tmp)
     return Path(tmp), out
 
 

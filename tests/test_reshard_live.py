@@ -8,15 +8,12 @@ depths (two tp-1 stages beside one tp-2 stage); the losses stay the uninterrupte
 ranks spawned on gloo; the model has fused QKV and SwiGLU, a padded vocabulary and tied
 embeddings (``tests.test_reshard.BASE``)."""
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.gloo_ranks import spawn_ranks
 from tests.test_reshard import BASE
 
 STEPS = 8
@@ -28,38 +25,31 @@ CHANGES = {  # what the planner gives for a slow rank 1: its replica re-formed a
         "reason": "replicas of different depths"}}
 
 
-def _rank(rank: int, world: int, tmp: str) -> None:
+def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.ckpt.universal import save
     from resihp.runtime.config import RunConfig
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
-                                rank=rank, world_size=world)
-        cfg = RunConfig(**{**BASE, "steps": STEPS}, dp=2, pp=1, tp=2, out=tmp)
-        reference = Engine(cfg, torch.device("cpu"))
-        result["reference"] = [reference.train_step(s).loss for s in range(STEPS)]
-        save(Path(tmp) / "reference", reference.model, reference.optimizer, STEPS - 1, {}, reference.tp,
-             reference.model_cfg, write=reference.dp_rank == 0)
-        del reference
-        engine = Engine(cfg, torch.device("cpu"))
-        losses, seen = [], []
-        for step in range(STEPS):
-            change = engine.sync_plan(step, CHANGES.get(step) if rank == 0 else None)
-            if change is not None:
-                seen.append({"active": list(engine.active), "spare": engine.coords is None})
-            losses.append(engine.train_step(step).loss)
-        # the last layout mixes depths and tp sizes: one replica writes a whole, non-overlapping checkpoint
-        save(Path(tmp) / "after", engine.model, engine.optimizer, STEPS - 1, {}, engine.tp, engine.model_cfg,
-             write=engine.dp_rank == 0)
-        result.update(losses=losses, seen=seen, changes=engine.plan_changes,
-                      probes=[r["step"] for r in engine.rec.rows if r["optype"] == "probe"])
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - reported to the test process
-        result["error"] = traceback.format_exc()
-    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    cfg = RunConfig(**{**BASE, "steps": STEPS}, dp=2, pp=1, tp=2, out=tmp)
+    reference = Engine(cfg, torch.device("cpu"))
+    result["reference"] = [reference.train_step(s).loss for s in range(STEPS)]
+    save(Path(tmp) / "reference", reference.model, reference.optimizer, STEPS - 1, {}, reference.tp,
+         reference.model_cfg, write=reference.dp_rank == 0)
+    del reference
+    engine = Engine(cfg, torch.device("cpu"))
+    losses, seen = [], []
+    for step in range(STEPS):
+        change = engine.sync_plan(step, CHANGES.get(step) if rank == 0 else None)
+        if change is not None:
+            seen.append({"active": list(engine.active), "spare": engine.coords is None})
+        losses.append(engine.train_step(step).loss)
+    # the last layout mixes depths and tp sizes: one replica writes a whole, non-overlapping checkpoint
+    save(Path(tmp) / "after", engine.model, engine.optimizer, STEPS - 1, {}, engine.tp, engine.model_cfg,
+         write=engine.dp_rank == 0)
+    result.update(losses=losses, seen=seen, changes=engine.plan_changes,
+                  probes=[r["step"] for r in engine.rec.rows if r["optype"] == "probe"])
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +60,7 @@ def live_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def live(live_dir) -> list[dict]:
     tmp = live_dir
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, args=(4, str(tmp)), nprocs=4, join=True, start_method="spawn")
-    out = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    for r, res in enumerate(out):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    out = spawn_ranks(_rank, 4, tmp)
     return out
 
 
