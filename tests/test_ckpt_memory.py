@@ -197,6 +197,16 @@ def test_find_latest_counts_peers_and_copies():
     assert find_latest([[], [_h(1, 1, 5)]], alone, 2) is None
 
 
+def _snapshot_of_one_rank(directory, step: int):
+    """Rank 0's snapshot of a small model at ``step``, once the keeper has published it."""
+    model, opt = _model(128, 1)
+    tier = MemoryTier(directory, 0)
+    snap = Snapshotter(tier, every=1)
+    snap.snapshot(step, model, opt, {})
+    snap.close()
+    return tier, _wait_published(tier, step)
+
+
 def test_ckpt_inspect_shows_the_memory_tier(keeper):
     import json
 
@@ -205,12 +215,7 @@ def test_ckpt_inspect_shows_the_memory_tier(keeper):
     from resihp.cli import app
 
     directory, pid = keeper
-    model, opt = _model(128, 1)
-    tier = MemoryTier(directory, 0)
-    snap = Snapshotter(tier, every=1)
-    snap.snapshot(7, model, opt, {})
-    snap.close()
-    header = _wait_published(tier, 7)
+    tier, header = _snapshot_of_one_rank(directory, 7)
     result = CliRunner().invoke(app, ["ckpt", "inspect", str(directory), "--json"])
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)["memory"][0]
@@ -226,12 +231,7 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
     from resihp.ckpt.keeper import request_verify
 
     directory, _ = keeper
-    model, opt = _model(128, 1)
-    tier = MemoryTier(directory, 0)
-    snap = Snapshotter(tier, every=1)
-    snap.snapshot(1, model, opt, {})
-    snap.close()
-    header = _wait_published(tier, 1)
+    tier, header = _snapshot_of_one_rank(directory, 1)
     assert tier.checked(header) is None  # not checked yet: the restoring rank checks it itself
     with open(tier.data_path(header.slot), "r+b") as f:
         f.write(b"\xff\xff")
@@ -241,6 +241,7 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
         time.sleep(0.01)
     assert tier.checked(header) is False
     snap = Snapshotter(tier, every=1)  # a slot published after the check has no verdict
+    model, opt = _model(128, 1)
     snap.snapshot(3, model, opt, {})
     snap.close()
     again = _wait_published(tier, 3)
