@@ -165,23 +165,21 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     example = Path(__file__).resolve().parent.parent / "examples" / "ddp_straggler.py"
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", str(example),
-                            "--out", str(tmp_path / "run"), "--steps", "30"], env=env,
+    # torchrun's static rendezvous: its agent hosts the workers' store at the master port, so the
+    # follower can be started first and wait for the job (it registers, and the job waits for it)
+    follower = subprocess.Popen([sys.executable, "-m", "resihp.cli", "follow", "--store", f"127.0.0.1:{port}",
+                                 "--json", "--start-timeout", "120"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
+                            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                            str(example), "--out", str(tmp_path / "run"), "--steps", "30"], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # the workers' store is torchrun's agent store (not the rendezvous endpoint): rank 0 says where
-    where = tmp_path / "run" / "controlplane.json"
-    end = time.time() + 120
-    while not where.exists() and time.time() < end:
-        time.sleep(0.1)
-    store = json.loads(where.read_text())["store"]
-    follower = subprocess.run([sys.executable, "-m", "resihp.cli", "follow", "--store", store,
-                               "--json", "--start-timeout", "120"], capture_output=True, text=True, env=env,
-                              timeout=240)
+    report, ferr = follower.communicate(timeout=240)
     out, err = job.communicate(timeout=240)
     assert job.returncode == 0, err[-2000:]
-    assert follower.returncode == 0, follower.stderr[-2000:]
-    assert json.loads(follower.stdout)["steps"] == 30
+    assert follower.returncode == 0, ferr[-2000:]
+    assert json.loads(report)["steps"] == 30
+    assert json.loads((tmp_path / "run" / "controlplane.json").read_text())["store"].endswith(f":{port}")
     run = tmp_path / "run"
     assert not list((run / "ranks").glob("*.jsonl"))  # nothing per rank on disk: the store carried it
     rows = [json.loads(line) for line in (run / "ops.jsonl").read_text().splitlines()]
