@@ -50,10 +50,17 @@ def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, 
     ev = links[0]
     assert sorted(ev["ranks"]) == list(ends) and ev["rank"] in ends and ev["traffic"] == traffic
     assert ONSET <= ev["detected_step"] <= ONSET + 5
-    # the planner re-planned for the link (priced at the transfers measured), and the job applied it
+    # the planner re-planned for the link (priced at the transfers measured), and the job applied
+    # what it decided; around a slow data-parallel link of this 4-layer model no split beats the plan
+    # in force, and a plan that changes nothing is recorded, not sent
     change = loop.changes[0]
-    assert change["reason"]["ranks"] == ev["ranks"] and change["applied"] is True
-    step = applied[change["id"]]
+    assert change["reason"]["ranks"] == ev["ranks"]
+    if traffic == "pipeline" or change["applied"] is True:
+        assert change["applied"] is True
+        step = applied[change["id"]]
+    else:
+        assert change["applied"] == "none: the planner keeps the plan in force" and change["id"] not in applied
+        step = change["decided_step"]
     # never a fail-slow of either end; none at all until the new plan has run a few steps (later,
     # on 2 shared cores, a millisecond op can be held up by the scheduler: not this test's subject)
     slow = [e for e in loop.events if e["kind"] == "fail-slow"]

@@ -185,6 +185,13 @@ class LiveLoop:
             change["dp_weights"] = self._replica_speeds()
             change["applied"] = ("partial: a replica of the plan mixes tensor-parallel sizes across its "
                                  "stages (the runtime keeps one per replica)")
+        if same_places and self._unchanged(change):
+            # the planner keeps the plan in force (e.g. no split beats it around a slow data-parallel
+            # link): record the decision, hand the job nothing
+            change = {k: v for k, v in change.items() if k not in ("dp_weights", "layer_splits")}
+            change["applied"] = "none: the planner keeps the plan in force"
+            self.changes.append(change)
+            return
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
         if change.get("layer_splits") is not None:
@@ -195,6 +202,16 @@ class LiveLoop:
                 self.detector = self._make_detector()  # stage costs changed: a fresh baseline
         self.changes.append(change)
         self._post({k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
+
+    def _unchanged(self, change: dict) -> bool:
+        """Whether a change in place gives every replica the share and layer split it has now."""
+        def shares(w: list[float]) -> list[float]:
+            total = sum(w)
+            return [round(x / total, 9) for x in w] if total else list(w)
+
+        splits = [[b - a for a, b in ranges] for ranges in self.ranges]
+        return (shares(change["dp_weights"]) == shares(self.weights)
+                and change["layer_splits"] == splits)
 
     def _replica_speeds(self) -> list[float]:
         return [min(self.speeds[r] for stage in p for r in stage) for p in self.groups]
