@@ -124,6 +124,8 @@ class _Ops:
         self.op = self.values_of(op)  # small integer code of the optype
         self.step, self.rank, self.dp_rank, self.stage, self.duration = (
             self.values(c) for c in ("step", "rank", "dp_rank", "stage", "duration"))
+        if "wait_s" in cols:  # time a compute op spent in tensor-parallel collectives, waiting for peers
+            self.duration = self.duration - np.nan_to_num(self.values("wait_s"))
         self.tp_rank = self._full_int("tp_rank")
         self.mb_id = self._full_int("mb_id")
 
@@ -158,7 +160,7 @@ class _Ops:
 # the columns observe reads, with the dtype it works in (NaN marks a missing integer)
 _COLUMN_DTYPES = {"step": np.int64, "rank": np.int64, "dp_rank": np.int64, "stage": np.int64,
                   "duration": np.float64, "tp_rank": np.float64, "mb_id": np.float64,
-                  "start_ts": np.float64}
+                  "start_ts": np.float64, "wait_s": np.float64}
 
 
 def trace_columns(df: pd.DataFrame) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ says where a rank's shard sits in the global tensor, which is what checkpoints s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,21 @@ class TPContext:
     group: object = None  # a torch.distributed process group
 
 
+class WaitClock:
+    """Seconds this process has spent inside tensor-parallel collectives. They run inside a compute
+    op (forward and backward), so a rank waiting there for a slow peer would look slow itself; the
+    engine records each compute op's share (``wait_s``) and the detector takes it out. One per
+    process (a process is one rank), since autograd functions get only the group."""
+
+    seconds = 0.0
+
+    @classmethod
+    def timed(cls, fn, *args, **kwargs) -> None:
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        cls.seconds += time.perf_counter() - t0
+
+
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the input gradient (Megatron's ``f``)."""
 
@@ -36,7 +52,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        WaitClock.timed(dist.all_reduce, grad, group=ctx.group)
         return grad, None
 
 
@@ -46,7 +62,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: object) -> torch.Tensor:
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        WaitClock.timed(dist.all_reduce, x, group=group)
         return x
 
     @staticmethod
@@ -70,7 +86,7 @@ class _GatherFromTP(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: object, size: int, rank: int) -> torch.Tensor:
         ctx.rank, ctx.width = rank, x.shape[-1]
         parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        WaitClock.timed(dist.all_gather, parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=-1)
 
     @staticmethod

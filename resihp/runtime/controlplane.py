@@ -56,7 +56,7 @@ def append_steps(path: str | Path, steps: Sequence[StepRecords]) -> None:
 
 # --- op records -----------------------------------------------------------------------------------
 _IDS = ("step", "rank", "dp_rank", "stage", "tp_rank")
-_COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes")
+_COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes", "wait_s")
 
 
 def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
@@ -102,7 +102,7 @@ class Part:
         cols["start_ts"] = [t0 + x for x in doc["ts"]]
         cols["duration"] = doc["dur"]
         for c in _COLS:
-            cols[c] = doc[c]
+            cols[c] = doc.get(c, [None] * n)
         lens = doc["lens"]
         cols["seq_lens"] = [lens.get(str(m)) if m is not None else None for m in doc["mb_id"]]
         return cols

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
-from resihp.model.tensor_parallel import TPContext
+from resihp.model.tensor_parallel import TPContext, WaitClock
 from resihp.parallel import Coords, ParallelDims
 from resihp.runtime.config import RunConfig
 from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
@@ -140,11 +140,13 @@ class Engine:
             self._pending.append(dist.isend(tensor.contiguous(), dst, tag=tag))
 
     def _compute(self, optype: str, mb: MicroBatch, fn) -> object:
-        with self.rec.op(optype, mb.mb_id, mb.seq_lens):
-            start = time.perf_counter()
+        with self.rec.op(optype, mb.mb_id, mb.seq_lens) as row:
+            start, waited = time.perf_counter(), WaitClock.seconds
             result = fn()
             self.rec.sync()
             self.injector.stretch(time.perf_counter() - start)
+            if self.tp.size > 1:  # time inside tensor-parallel collectives, waiting for the group
+                row["wait_s"] = WaitClock.seconds - waited
         return result
 
     # --- plan changes -----------------------------------------------------------------------------

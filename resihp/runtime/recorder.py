@@ -15,7 +15,7 @@ from resihp.detect.heartbeat import Progress
 from resihp.opstrace import validate_ops_trace, write_ops_trace
 
 COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "seq_id",
-           "mb_id", "seq_lens", "tokens", "loss", "bytes"]
+           "mb_id", "seq_lens", "tokens", "loss", "bytes", "wait_s"]
 
 
 def is_wait(optype: str) -> bool:
@@ -113,6 +113,7 @@ def _typed(df: pd.DataFrame) -> pd.DataFrame:
     for col in ("mb_id", "tokens", "tp_rank", "seq_id"):
         df[col] = df[col].astype("Int64")
     df["loss"] = df["loss"].astype(float)
+    df["wait_s"] = df["wait_s"].astype(float)
     df["bytes"] = df["bytes"].astype("Int64")
     return df
 
