@@ -322,8 +322,10 @@ class HeartbeatMonitor:
                 found[v.rank] = ("exited", v.silent_s)
         if not found:
             limit = self.hang_limit()
-            stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit]
-            if stalled:
+            if any(v.phase == "train" and v.stalled_s > limit for v in live):
+                # the candidates: every rank stalled for a while, not only those past the limit (each
+                # node's view is up to an aggregator beat old, so the culprit may read a little less)
+                stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit / 2]
                 # the ranks waiting in a communication op wait for the one that is not
                 idle = [v for v in stalled if not v.wait]
                 # the one stuck longest among those not waiting; if all wait, the one furthest behind
