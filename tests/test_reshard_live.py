@@ -140,7 +140,7 @@ def test_a_slow_tensor_parallel_rank_is_excluded_live_with_the_same_losses(tmp_p
 
     def run(out, *extra):
         proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "--dp", "2", "--pp", "1", "--tp", "2",
-                               "--steps", "30", "--out", str(out), "--json", *extra], capture_output=True,
+                               "--steps", "30", "--global-tokens", "4096", "--out", str(out), "--json", *extra], capture_output=True,
                               text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
