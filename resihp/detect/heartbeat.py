@@ -345,9 +345,6 @@ class HeartbeatMonitor:
             new.append(ev)
         return new
 
-    def all_done(self) -> bool:
-        return all(v.phase in FINISHED for v in self.views.values())
-
     def min_step(self) -> int:
         return min((v.step for v in self.views.values()), default=-1)
 

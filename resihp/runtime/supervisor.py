@@ -92,18 +92,6 @@ def _disk_full(path: Path, floor_bytes: int = 1 << 20) -> bool:
         return False
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return "\nState:\tZ" not in state and "\nState:\tX" not in state
-
-
 def _ancestors(pid: int) -> set[int]:
     found = set()
     while pid > 1 and pid not in found:
