@@ -297,7 +297,9 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
             return
         steps = watch.reader.complete_steps()
         if steps:
-            append_steps(out / TRACE_STREAM, steps)
+            # a full disk: the job goes on (and says so if it cannot); a line cut short is skipped
+            with contextlib.suppress(OSError):
+                append_steps(out / TRACE_STREAM, steps)
             if on_step:
                 on_step(steps[-1].step)
             if on_steps:

@@ -371,9 +371,11 @@ def _stop_if_disk_full(exc: BaseException, rank: str) -> None:
     """A full disk (however deep in the exception chain) is one line and exit 1."""
     full = disk_full(exc)
     if full is not None:
-        print(f"resihp: stop: rank {rank}: disk full writing {getattr(full, 'filename', None) or 'its outputs'}"
-              f" ({getattr(full, 'strerror', None) or 'No space left on device'}); what was written "
-              f"before stays valid", file=sys.stderr, flush=True)
+        line = (f"rank {rank}: disk full writing {getattr(full, 'filename', None) or 'its outputs'}"
+                f" ({getattr(full, 'strerror', None) or 'No space left on device'}); what was written "
+                f"before stays valid")
+        _tell("stop", line)
+        print(f"resihp: stop: {line}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
