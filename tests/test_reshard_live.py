@@ -149,7 +149,9 @@ def test_a_slow_tensor_parallel_rank_is_excluded_live_with_the_same_losses(tmp_p
     healthy = run(tmp_path / "healthy")
     found = [e for e in slow["events"] if e["kind"] == "fail-slow"]
     assert [e["rank"] for e in found] == [1], slow["events"]
-    change = next(c for c in slow["plan_changes"] if c["applied"] is True)
+    # the change that re-forms the layout (a share-only change may come first, as the slowdown grows)
+    change = next((c for c in slow["plan_changes"] if c["applied"] is True and "layout" in c), None)
+    assert change is not None, slow["plan_changes"]
     stages = [stage for p in change["layout"]["pipelines"] for stage in p]
     assert all(1 not in stage for stage in stages) or any(stage != [0, 1] and 1 in stage for stage in stages)
     assert change["applied_step"] is not None
