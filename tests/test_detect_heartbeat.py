@@ -77,6 +77,17 @@ def test_killed_rank_and_lost_node_become_fail_stop_events():
             p.wait(timeout=10)
 
 
+def _first_events(monitor: HeartbeatMonitor, step: int, within_s: float = 10.0) -> list:
+    """The first events the monitor reports (polling every 50 ms), or [] after ``within_s``."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        found = monitor.poll(step)
+        if found:
+            return found
+        time.sleep(0.05)
+    return []
+
+
 def test_a_rank_beating_without_progress_is_hung_and_its_waiting_peers_are_not():
     """In one process: three ranks' heartbeat threads. Rank 0 makes progress; rank 1 is stuck
     waiting in a receive (for rank 2); rank 2 is stuck outside any communication op: rank 2 is
@@ -99,20 +110,12 @@ def test_a_rank_beating_without_progress_is_hung_and_its_waiting_peers_are_not()
     agg = NodeAggregator(store, 0, [0, 1, 2], interval_s=0.05, timeout_s=1.0).start()
     monitor = HeartbeatMonitor(store, {0: [0, 1, 2]}, timeout_s=1.0, hang_timeout_s=0.6)
     try:
-        found = []
-        end = time.monotonic() + 10
-        while not found and time.monotonic() < end:
-            found = monitor.poll(3)
-            time.sleep(0.05)
+        found = _first_events(monitor, 3)
         assert [(e.rank, e.extra["cause"]) for e in found] == [(2, "hang")]
         assert found[0].extra["step"] == 3 and found[0].extra["silent_s"] >= 0.6
         senders[1].finish("done")  # a rank that finished is never judged
         senders[0].stop()  # silent while its process lives: hung
-        found = []
-        end = time.monotonic() + 10
-        while not found and time.monotonic() < end:
-            found = monitor.poll(4)
-            time.sleep(0.05)
+        found = _first_events(monitor, 4)
         assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
         time.sleep(0.3)
         assert monitor.poll(5) == []
