@@ -348,6 +348,13 @@ class HeartbeatMonitor:
     def min_step(self) -> int:
         return min((v.step for v in self.views.values()), default=-1)
 
+    def reset(self, node: int) -> None:
+        """A node's ranks were relaunched (a replica restarted alone): judge them afresh."""
+        self._beat[node], self._moved[node] = None, time.monotonic()
+        for r in self.nodes[node]:
+            self.views[r] = RankView(r, node)
+            self.dead.pop(r, None)
+
 
 def _serve(argv: Sequence[str] | None = None) -> None:
     """``python -m resihp.detect.heartbeat sender|aggregator ...``: one heartbeat role as a process."""

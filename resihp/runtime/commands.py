@@ -53,9 +53,13 @@ def run_cmd(
     snapshot_every: Annotated[int, typer.Option(help="Steps between in-memory snapshots (/dev/shm, kept "
                                                 "by a per-node keeper); default 1 with --recovery "
                                                 "restart, else none")] = None,
-    recovery: Annotated[str, typer.Option(help="On a fail-stop: none, or restart (relaunch the same "
+    recovery: Annotated[str, typer.Option(help="On a fail-stop: none; restart (relaunch the same "
                                           "layout; every rank restores from memory, a peer's memory, "
-                                          "else the newest checkpoint)")] = "none",
+                                          "else the newest checkpoint); replica (only the lost "
+                                          "data-parallel replica restarts and catches up from a live "
+                                          "peer while the others train on, taking over its "
+                                          "micro-batches); replica-drop (the same, its micro-batches "
+                                          "skipped while it is away)")] = "none",
     resume: Annotated[Path, typer.Option(help="Start from a checkpoint folder, or a run folder's newest "
                                          "checkpoint that verifies, in any layout; --steps stays the "
                                          "total step count")] = None,
@@ -127,6 +131,9 @@ def run_cmd(
                          "(or give --nproc-per-node)")
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
+    replicas = cfg.recovery.startswith("replica")
+    if replicas and nnodes > 1:
+        raise InputError(f"--recovery {cfg.recovery}: one node only for now (got --nnodes {nnodes})")
     check_memory(cfg, nodes.nproc_per_node)
     with RunFolder(out).acquire(if_busy) as folder:
         out = folder.out
@@ -135,9 +142,16 @@ def run_cmd(
         loop = LiveLoop(cfg) if live and node_rank == 0 else None
         keeper = start_keeper(cfg, node_rank)  # the memory tier's keeper (--snapshot-every), restarted if it dies
         with progress_bar("training", steps, enabled=not json_out) as advance:
-            outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                                on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None,
-                                nodes=nodes, hang_timeout_s=hang_timeout, on_poll=keeper)
+            if replicas:
+                from resihp.runtime.replicas import supervise_replicas
+
+                loop = None  # the live planner's changes are not applied across replica restarts yet
+                outcome = supervise_replicas(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
+                                             on_step=lambda s: advance(s + 1), hang_timeout_s=hang_timeout)
+            else:
+                outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
+                                    on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None,
+                                    nodes=nodes, hang_timeout_s=hang_timeout, on_poll=keeper)
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
@@ -153,6 +167,13 @@ def run_cmd(
                 raise typer.Exit(1)
             return
         summary = _summary(cfg, outcome)
+        if replicas:
+            from resihp.opstrace import read_ops_trace
+            from resihp.runtime.replicas import recovery_summary
+
+            if (out / "ops.parquet").exists():
+                summary["recovery"] = recovery_summary(outcome, read_ops_trace(out / "ops.parquet"))
+            _write_summary(out, summary)
         if outcome.control_plane is not None:
             summary["control_plane"] = {**outcome.control_plane,
                                         "lag_s": loop.lag_summary() if loop is not None else None}

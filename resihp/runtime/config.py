@@ -17,7 +17,9 @@ from resihp.runtime.layout import balanced_layers, ranges_from_counts
 from resihp.runtime.planchange import PlanChange
 from resihp.runtime.schedule import SCHEDULES
 
-RECOVERY_MODES = ("none", "restart")  # what the launcher does on a fail-stop (restart: same layout)
+RECOVERY_MODES = ("none", "restart", "replica", "replica-drop")
+# what the launcher does on a fail-stop: restart the same layout, or relaunch the lost replica alone
+# while the others go on (replica: they also train its micro-batches; replica-drop: they skip them)
 
 # upper bounds of the run's sizes and durations: a value past them is a typo, not a plan
 LIMITS = {"steps": 10**8, "global_tokens": 2**40, "budget": 2**31, "max_len": 2**31, "threads": 4096,
@@ -55,7 +57,7 @@ class RunConfig:
     inject: list[str] = field(default_factory=list)
     ckpt_every: int = 0  # steps between universal checkpoints (0: none)
     snapshot_every: int = 0  # steps between in-memory snapshots (0: none; 1 with --recovery restart)
-    recovery: str = "none"  # none or restart (relaunch the same layout, restore from memory)
+    recovery: str = "none"  # none, restart (the same layout, from memory), replica or replica-drop
     resume: str | None = None  # a checkpoint folder to start from (any layout)
     replan: list[dict] = field(default_factory=list)  # scheduled plan changes: {"step", "dp_weights"?, "layer_split"?}
     device: str = "auto"  # cpu, cuda or auto
@@ -83,6 +85,12 @@ class RunConfig:
             raise InputError(f"--recovery: expected one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
         if self.snapshot_every < 0:
             raise InputError(f"--snapshot-every: expected zero or a positive integer, got {self.snapshot_every}")
+        if self.recovery.startswith("replica") and self.dp < 2:
+            raise InputError(f"--recovery {self.recovery}: needs --dp 2 or more (the replica is the unit "
+                             f"of failure), got --dp {self.dp}")
+        if self.recovery.startswith("replica") and (self.snapshot_every or self.ckpt_every or self.resume):
+            raise InputError(f"--recovery {self.recovery}: a lost replica recovers from a live peer; "
+                             "--snapshot-every, --ckpt-every and --resume are not combined with it yet")
         if self.recovery == "restart" and self.snapshot_every == 0:
             self.snapshot_every = 1  # restart in place restores from memory: snapshot every step
         if self.device not in ("auto", "cpu", "cuda"):

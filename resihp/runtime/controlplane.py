@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,9 +170,13 @@ class StepReader:
     folder's writer) deletes what it has read, beyond the last ``KEEP_STEPS`` steps."""
 
     def __init__(self, store: Store, job_id: str, nodes: Mapping[int, Sequence[int]],
-                 first_step: int | None = None, owner: bool = False) -> None:
+                 first_step: int | None = None, owner: bool = False,
+                 members: Callable[[int], Sequence[int] | None] | None = None) -> None:
         self.store, self.prefix = store, prefix_of(job_id)
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
+        # which nodes trained a step (replica-level fault tolerance: those the quorum committed it
+        # with; None: not decided yet); by default every node
+        self.members = members
         self.next_step, self.owner = first_step, owner  # None: the job's first step, once it says
         self.messages = 0  # store requests this reader made
         self.bytes = 0  # record bytes read (complete steps)
@@ -183,8 +187,8 @@ class StepReader:
         # a follower says how far it has read, so that the owner can wait for it at the job's end
         self.follower_id = None if owner else store.add(f"{self.prefix}/followers", 1)
 
-    def _keys(self, step: int) -> list[str]:
-        return [f"{self.prefix}/ops/n{n}/s{step}" for n in self.nodes]
+    def _keys(self, step: int, nodes: Sequence[int] | None = None) -> list[str]:
+        return [f"{self.prefix}/ops/n{n}/s{step}" for n in (self.nodes if nodes is None else nodes)]
 
     def complete_steps(self, limit: int = 1000) -> list[StepRecords]:
         done: list[StepRecords] = []
@@ -194,7 +198,13 @@ class StepReader:
                 return done
             self.next_step = int(self.store.get(first))
         while len(done) < limit:
-            keys = self._keys(self.next_step)
+            nodes = None
+            if self.members is not None:
+                nodes = self.members(self.next_step)
+                self.messages += 1
+                if nodes is None:
+                    break
+            keys = self._keys(self.next_step, nodes)
             self.messages += 1
             if not self.store.check(keys):
                 if not self.owner:
@@ -203,7 +213,8 @@ class StepReader:
             blobs = self.store.multi_get(keys)
             self.messages += 1
             decoded = [decode_rows(line) for blob in blobs for line in blob.splitlines() if line.strip()]
-            if len({p.rank for p in decoded}) < sum(len(r) for r in self.nodes.values()):
+            expected = self.nodes if nodes is None else {n: self.nodes[n] for n in nodes}
+            if len({p.rank for p in decoded}) < sum(len(r) for r in expected.values()):
                 break
             done.append(StepRecords(self.next_step, decoded, max(p.sent for p in decoded), time.time()))
             self.bytes += sum(p.nbytes for p in decoded)

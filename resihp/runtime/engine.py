@@ -22,7 +22,7 @@ from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.model.tensor_parallel import TPContext, WaitClock
 from resihp.parallel import Coords, ParallelDims
 from resihp.runtime.config import RunConfig
-from resihp.runtime.data import DataSource, MicroBatch, replica_microbatches
+from resihp.runtime.data import DataSource, MicroBatch, StepData, replica_microbatches
 from resihp.runtime.gradsync import GradSync, pipelines_of
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.layout import balanced_layers
@@ -229,7 +229,7 @@ class Engine:
         self.injector.begin_step(step)
         self.rec.begin_step(step)
         data = self.data.step(step)
-        global_tokens = data.tokens
+        global_tokens = self.loss_tokens(data)
         if not self._probed:
             self._probe()
             self._probed = True
@@ -241,7 +241,7 @@ class Engine:
                 self._next_probe = step + self._probe_gap
                 self._probe_gap = min(2 * self._probe_gap, PROBE_MAX_GAP)
             return StepResult(step, None, global_tokens, step_row["duration"])
-        mbs = replica_microbatches(data, self.dp_rank, self.weights)
+        mbs = self.microbatches(data)
         hidden = self.model_cfg.hidden
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=self.device)
@@ -286,6 +286,14 @@ class Engine:
                 self.optimizer.zero_grad(set_to_none=False)
             step_row["loss"] = loss
         return StepResult(step, loss, global_tokens, step_row["duration"])
+
+    def microbatches(self, data: StepData) -> list[MicroBatch]:
+        """The micro-batches this rank's replica trains in a step."""
+        return replica_microbatches(data, self.dp_rank, self.weights)
+
+    def loss_tokens(self, data: StepData) -> int:
+        """The tokens the step's loss is averaged over (the global batch's)."""
+        return data.tokens
 
     def _all_reduce_grads(self, loss_sum: torch.Tensor) -> float | None:
         """Sum gradients over the data-parallel replicas (the loss is already divided by the

@@ -21,7 +21,7 @@ COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", 
 def is_wait(optype: str) -> bool:
     """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers)."""
     return (optype.endswith(("-recv", "-send")) or "all-reduce" in optype
-            or optype in ("plan-sync", "barrier", "send-wait"))
+            or optype in ("plan-sync", "barrier", "send-wait", "ft-commit"))
 
 
 class OpRecorder:

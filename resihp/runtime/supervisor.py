@@ -68,6 +68,8 @@ class Outcome:
     errors: list[dict] = field(default_factory=list)  # workers' reasons to stop (the control plane)
     ended_by_node0: bool = False  # another node: node 0 ended the job (or was lost)
     control_plane: dict | None = None  # node 0: what the control plane cost (bytes, messages, time)
+    replica_failures: list = field(default_factory=list)  # --recovery replica: replicas lost and relaunched
+    replica_catchups: list[dict] = field(default_factory=list)  # --recovery replica: how each came back
 
 
 def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError, disk_full
+from resihp.ft.quorum import Member
 from resihp.opstrace import JobMeta, write_meta
 from resihp.perf.device import this_device
 from resihp.runtime.config import RunConfig
@@ -48,6 +49,7 @@ from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
+from resihp.runtime.replica import ATTEMPT_ENV, REPLICA_ENV, run_replica
 from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
 
 
@@ -99,12 +101,14 @@ def _device(cfg: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def step_table(trace: pd.DataFrame) -> pd.DataFrame:
-    """Per step: the slowest rank's wall time, the global tokens and the loss (complete steps only)."""
+def step_table(trace: pd.DataFrame, complete_only: bool = True) -> pd.DataFrame:
+    """Per step: the slowest rank's wall time, the global tokens and the loss (complete steps only,
+    unless ``complete_only`` is False: with replica-level fault tolerance a step may be trained by
+    fewer replicas, and every step in the trace was committed)."""
     steps = trace[trace.optype == "step"]
     table = steps.groupby("step").agg(wall_s=("duration", "max"), tokens=("tokens", "max"),
                                       loss=("loss", "max"), ranks=("rank", "nunique"))
-    return table[table.ranks == table.ranks.max()]
+    return table[table.ranks == table.ranks.max()] if complete_only else table
 
 
 def write_job_files(cfg: RunConfig, out: Path) -> dict:
@@ -118,7 +122,7 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
                    b - a for a, b in cfg.stage_ranges()], seed=cfg.seed,
                device=this_device("cuda" if cfg.device == "cuda" or (
                    cfg.device == "auto" and torch.cuda.is_available()) else "cpu", cfg.threads))
-    per_step = step_table(trace)
+    per_step = step_table(trace, complete_only=not cfg.recovery.startswith("replica"))
     summary = {"steps": int(per_step.shape[0]), "world_size": dims.world_size,
                "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.schedule,
                "injected": [f.to_dict() for f in cfg.faults()],
@@ -217,6 +221,12 @@ def run(cfg: RunConfig) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=cfg.timeout_s)
     store, rank, world, node = _job_store(cfg, timeout)
+    if REPLICA_ENV in os.environ:  # --recovery replica: this torchrun job is one replica
+        host, _, port = os.environ["RESIHP_STORE"].rpartition(":")
+        member = Member(int(os.environ[REPLICA_ENV]), int(os.environ.get(ATTEMPT_ENV, "0")))
+        connect = lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timeout)  # noqa: E731
+        run_replica(cfg, device, store, connect, member, _report)
+        return
     # under resihp run the launchers aggregate heartbeats and read the trace; else the job does
     launched = os.environ.get("RESIHP_MANAGED") == "1"
     job_id = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "job")

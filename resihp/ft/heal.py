@@ -1,0 +1,131 @@
+"""A returning replica catches up from a live peer while the survivors keep stepping.
+
+The source (the rank at the same position in the lowest surviving replica) copies its model and
+AdamW state after a committed step ``t0`` and, from then on, the summed gradients of every
+committed step; a thread sends them over a two-rank gloo group of its own (its own store client:
+a TCPStore client is not to be shared with a thread blocked in a rendezvous). The returning rank
+loads the state and applies each step's gradients with its own optimizer: the same AdamW update
+on the same numbers, so it ends bitwise equal to the source. It joins at the step boundary the
+quorum admits it at, without the survivors ever waiting for the transfer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+
+from resihp.ft.group import gloo_group
+
+STATE, GRAD, END = 0, 1, 2
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors a returning rank needs, in one order on both sides: parameters, then each
+    parameter's AdamW step, first and second moments."""
+    params = list(model.parameters())
+    out = [p.data for p in params]
+    for p in params:
+        st = optimizer.state[p]
+        out += [st["step"], st["exp_avg"], st["exp_avg_sq"]]
+    return out
+
+
+def ensure_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create empty AdamW state on a rank that never stepped (to be overwritten)."""
+    for p in model.parameters():
+        st = optimizer.state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t).to(t.dtype))
+        offset += n
+
+
+def heal_prefix(job_id: str, replica: int, attempt: int, position: str) -> str:
+    return f"resihp/{job_id}/ft/heal/{replica}/{attempt}/{position}"
+
+
+class HealSource(threading.Thread):
+    """The sending end for one returning rank: ``push(kind, step, flat)`` from the training loop
+    (a copy, so training goes on), sent in order by this thread; ``close(last)`` once the returning
+    replica is admitted and the gradients of step ``last`` are queued."""
+
+    def __init__(self, connect: Callable[[], Store], prefix: str, timeout_s: float) -> None:
+        super().__init__(name="resihp-heal", daemon=True)
+        self.connect, self.prefix, self.timeout_s = connect, prefix, timeout_s
+        self.items: queue.Queue = queue.Queue()
+        self.error: str | None = None
+        self.sent_bytes = 0
+        self.last: int | None = None  # the last step whose gradients the returning rank needs
+
+    def push(self, kind: int, step: int, flat: torch.Tensor) -> None:
+        self.items.put((kind, step, flat))
+
+    def close(self, last: int) -> None:
+        self.last = last
+        self.items.put(None)
+
+    @property
+    def done(self) -> bool:
+        return not self.is_alive()
+
+    def run(self) -> None:
+        try:
+            store = self.connect()
+            # connect only once the returning rank listens: a thread blocked in a rendezvous could
+            # not be stopped when the job ends first
+            while not store.check([f"{self.prefix}/listening"]):
+                if self.last is not None:
+                    return
+                time.sleep(0.02)
+            pg = gloo_group(store, self.prefix, 0, 2, self.timeout_s)
+            while True:
+                item = self.items.get()
+                if item is None:
+                    pg.send([torch.tensor([END, self.last, 0], dtype=torch.int64)], 1, 0).wait()
+                    return
+                kind, step, flat = item
+                pg.send([torch.tensor([kind, step, flat.numel()], dtype=torch.int64)], 1, 0).wait()
+                pg.send([flat], 1, 1).wait()
+                self.sent_bytes += flat.numel() * 4
+        except (RuntimeError, dist.DistError) as exc:  # the returning rank was lost: stop serving it
+            self.error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+class HealTarget:
+    """The receiving end on a returning rank."""
+
+    def __init__(self, store: Store, prefix: str, timeout_s: float) -> None:
+        store.set(f"{prefix}/listening", "1")
+        self.pg = gloo_group(store, prefix, 1, 2, timeout_s)
+        self.received_bytes = 0
+
+    def next(self) -> tuple[int, int, torch.Tensor | None]:
+        """(kind, step, payload): STATE or GRAD with their numbers, or END (no payload)."""
+        head = torch.zeros(3, dtype=torch.int64)
+        self.pg.recv([head], 0, 0).wait()
+        kind, step, n = (int(x) for x in head)
+        if kind == END:
+            return kind, step, None
+        flat = torch.empty(n, dtype=torch.float32)
+        self.pg.recv([flat], 0, 1).wait()
+        self.received_bytes += n * 4
+        return kind, step, flat
+

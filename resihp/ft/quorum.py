@@ -1,0 +1,223 @@
+"""Which replicas take part in each step, decided on the job's store (a TCPStore).
+
+Every rank of every member replica votes after its gradient all-reduce (ok, or failed: a peer was
+lost inside it); the last ``ok`` voter decides that the step commits. A step commits only with
+every member's every rank voting ok, so no rank applies a partial sum. When the supervisor evicts
+a member (its heartbeats say a rank died or hangs), the waiting ranks decide an abort instead: the
+step is redone by the next generation of members. Each decision is written once with
+``compare_set``, so every rank reads the same outcome, and it carries the next generation (members
+minus the evicted, plus a returning replica that has caught up), so membership only changes at a
+step boundary that every rank agrees on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from torch.distributed import Store
+
+
+@dataclass(frozen=True, order=True)
+class Member:
+    """One incarnation of a data-parallel replica: ``attempt`` counts its launches."""
+
+    replica: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Members of the cross-replica groups from step ``from_step`` on (until the next one)."""
+
+    gen: int
+    members: tuple[Member, ...]
+    from_step: int
+    reason: str = ""
+
+    @property
+    def replicas(self) -> list[int]:
+        return [m.replica for m in self.members]
+
+    def to_dict(self) -> dict:
+        return {"gen": self.gen, "members": [[m.replica, m.attempt] for m in self.members],
+                "from_step": self.from_step, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Generation:
+        return cls(int(data["gen"]), tuple(Member(int(r), int(a)) for r, a in data["members"]),
+                   int(data["from_step"]), str(data.get("reason", "")))
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: int
+    commit: bool
+    next: Generation  # the generation of the next attempt (step + 1 on commit, else this step again)
+    joined: tuple[Member, ...] = field(default=())  # returning replicas admitted by this decision
+
+
+class Evicted(RuntimeError):
+    """This rank's replica is no longer a member (the supervisor evicted it)."""
+
+
+class QuorumLost(RuntimeError):
+    """A step could not be decided: a rank voted failed and no member was evicted in time."""
+
+
+class Quorum:
+    """The store protocol (``resihp/<job>/ft/...``). ``ranks_per_replica``: pipeline x tensor."""
+
+    def __init__(self, store: Store, job_id: str, ranks_per_replica: int, timeout_s: float = 60.0) -> None:
+        self.store, self.prefix = store, f"resihp/{job_id}/ft"
+        self.ranks_per_replica, self.timeout_s = ranks_per_replica, timeout_s
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    # --- the supervisor ---------------------------------------------------------------------------
+    def start(self, members: list[Member], from_step: int) -> Generation:
+        first = Generation(0, tuple(members), from_step, "start")
+        self._publish(first)
+        return first
+
+    def evict(self, member: Member, reason: str) -> None:
+        self.store.set(self._key("evicted", member.replica, member.attempt), reason)
+
+    def is_evicted(self, member: Member) -> bool:
+        return self.store.check([self._key("evicted", member.replica, member.attempt)])
+
+    def latest(self) -> Generation:
+        return self.generation(int(self.store.get(self._key("gen", "latest"))))
+
+    def generation(self, gen: int) -> Generation:
+        return Generation.from_dict(json.loads(self.store.get(self._key("gen", gen))))
+
+    def committed(self, step: int) -> list[int] | None:
+        """The replicas whose ranks trained ``step`` (None: not committed yet)."""
+        key = self._key("committed", step)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _publish(self, gen: Generation) -> None:
+        self.store.set(self._key("gen", gen.gen), json.dumps(gen.to_dict()))
+        self.store.set(self._key("gen", "latest"), str(gen.gen))
+
+    # --- returning replicas ---------------------------------------------------------------------
+    def request_join(self, member: Member) -> None:
+        self.store.set(self._key("join", member.replica), json.dumps([member.replica, member.attempt]))
+
+    def join_request(self, replica: int) -> Member | None:
+        key = self._key("join", replica)
+        if not self.store.check([key]):
+            return None
+        r, a = json.loads(self.store.get(key))
+        return Member(r, a)
+
+    def report_held(self, member: Member, local_rank: int, step: int) -> None:
+        """A returning rank holds the survivors' state after ``step``."""
+        self.store.set(self._key("held", member.replica, member.attempt, local_rank), str(step))
+
+    def held(self, member: Member) -> int | None:
+        """The step every rank of a returning replica holds the state after (None: not all do)."""
+        keys = [self._key("held", member.replica, member.attempt, r) for r in range(self.ranks_per_replica)]
+        if not self.store.check(keys):
+            return None
+        return min(int(v) for v in self.store.multi_get(keys))
+
+    def admitted(self, member: Member) -> Generation | None:
+        """The generation that admitted a returning replica (its ``from_step``: the step it trains
+        first), once a decision did."""
+        key = self._key("admitted", member.replica, member.attempt)
+        return self.generation(int(self.store.get(key))) if self.store.check([key]) else None
+
+    # --- the ranks ------------------------------------------------------------------------------
+    def vote(self, gen: Generation, step: int, ok: bool) -> Decision | None:
+        """This rank's vote; the last ok voter decides the commit (returned), others get None."""
+        if not ok:
+            self.store.add(self._key("vote", gen.gen, step, "fail"), 1)
+            return None
+        count = self.store.add(self._key("vote", gen.gen, step, "ok"), 1)
+        if count == self.ranks_per_replica * len(gen.members):
+            return self._decide(gen, step, commit=True)
+        return None
+
+    def wait(self, gen: Generation, step: int, poll_s: float = 0.02) -> Decision:
+        """The decision of ``step`` under ``gen``: a commit, or an abort once a member is evicted."""
+        key = self._key("decision", gen.gen, step)
+        fail_key = self._key("vote", gen.gen, step, "fail")
+        start = time.monotonic()
+        pause = 0.0005
+        while True:
+            # polled (a store wait that times out logs a warning each time)
+            if self.store.check([key]):
+                return self._read(key, step)
+            if any(self.is_evicted(m) for m in gen.members):
+                return self._decide(gen, step, commit=False)
+            if self.store.check([fail_key]) and time.monotonic() - start > self.timeout_s:
+                raise QuorumLost(f"step {step}: a rank's gradient all-reduce failed and no replica was "
+                                 f"evicted within {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(poll_s, pause * 2)
+
+    def _decide(self, gen: Generation, step: int, commit: bool) -> Decision:
+        evicted = [m for m in gen.members if self.is_evicted(m)]
+        members = [m for m in gen.members if m not in evicted]
+        joined: list[Member] = []
+        if commit:
+            # a returning replica joins when every rank of it holds the state after step - 1: it
+            # applies this step's gradients (sent after this decision) and trains step + 1
+            present = {m.replica for m in members}
+            for replica in sorted({m.replica for m in gen.members} | set(self._requests()) - present):
+                m = self.join_request(replica)
+                if m is not None and m.replica not in present and not self.is_evicted(m):
+                    held = self.held(m)
+                    if held is not None and held >= step - 1:
+                        joined.append(m)
+        members = sorted(members + joined)
+        changed = tuple(members) != gen.members
+        reason = ("rejoined " + ",".join(str(m.replica) for m in joined) if joined else "") + (
+            ("; " if joined and evicted else "") + "evicted " + ",".join(str(m.replica) for m in evicted)
+            if evicted else "")
+        nxt = Generation(gen.gen + 1 if changed else gen.gen, tuple(members),
+                         step + 1 if commit else step, reason if changed else gen.reason)
+        proposal = json.dumps({"commit": commit, "next": nxt.to_dict(),
+                               "joined": [[m.replica, m.attempt] for m in joined]})
+        key = self._key("decision", gen.gen, step)
+        value = self.store.compare_set(key, "", proposal)
+        decision = self._parse(value, step)
+        if value.decode() == proposal:  # this rank's proposal stands: say what follows from it
+            if decision.next.gen != gen.gen:
+                self._publish(decision.next)
+            for m in decision.joined:
+                self.store.set(self._key("admitted", m.replica, m.attempt), str(decision.next.gen))
+            if decision.commit:
+                self.store.set(self._key("committed", step), json.dumps(gen.replicas))
+        return decision
+
+    def _requests(self) -> list[int]:
+        return [r for r in range(self._replicas()) if self.store.check([self._key("join", r)])]
+
+    def _replicas(self) -> int:
+        key = self._key("replicas")
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def set_replicas(self, dp: int) -> None:
+        self.store.set(self._key("replicas"), str(dp))
+
+    def _read(self, key: str, step: int) -> Decision:
+        return self._parse(self.store.get(key), step)
+
+    @staticmethod
+    def _parse(value: bytes, step: int) -> Decision:
+        data = json.loads(value)
+        return Decision(step, bool(data["commit"]), Generation.from_dict(data["next"]),
+                        tuple(Member(r, a) for r, a in data["joined"]))
+
+    def finish(self, step: int) -> None:
+        """The job trained its last step: a replica still catching up stops instead of waiting."""
+        self.store.set(self._key("finished"), str(step))
+
+    def finished(self) -> bool:
+        return self.store.check([self._key("finished")])
+

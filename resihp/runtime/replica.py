@@ -1,0 +1,291 @@
+"""A rank of a job run with replica-level fault tolerance (``--recovery replica``): each
+data-parallel replica is a torchrun job of its own (its pipeline and tensor-parallel ranks, with a
+default process group of just them), launched, watched and relaunched alone by the supervisor
+(``resihp.runtime.replicas``). Across replicas a rank sums gradients over its position's group of
+the current generation (``resihp.ft.group``), votes, and commits only what every member summed
+(``resihp.ft.quorum``); an aborted step is redone by the survivors. In zero-drift mode the
+survivors also train the absent replicas' micro-batches, so the global batch never changes. A
+relaunched replica catches up from a live peer (``resihp.ft.heal``) and joins at a step boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+
+from resihp.detect.heartbeat import HeartbeatSender
+from resihp.ft.group import ReplicaGroup
+from resihp.ft.heal import (
+    GRAD,
+    STATE,
+    HealSource,
+    HealTarget,
+    ensure_state,
+    flatten,
+    heal_prefix,
+    state_tensors,
+    unflatten,
+)
+from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
+from resihp.runtime.config import RunConfig
+from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix, report_error
+from resihp.runtime.data import MicroBatch, StepData, replica_microbatches
+from resihp.runtime.engine import Engine
+from resihp.runtime.inject import FaultInjector
+
+REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
+
+
+class StepAborted(RuntimeError):
+    """The quorum did not commit this step (a member was lost inside it): redo it."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(f"step {decision.step} aborted")
+        self.decision = decision
+
+
+class ReplicaEngine(Engine):
+    """The engine of one rank of one replica: the default process group is the replica's own
+    (pipeline x tensor ranks); gradients are summed across replicas by the quorum's group."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device, member: Member, store: Store,
+                 connect: Callable[[], Store], drop: bool = False) -> None:
+        local = replace(cfg, dp=1, dp_weights=None, inject=[], replan=[], recovery="none")
+        self.full = cfg
+        global_rank = cfg.dims().rank_of(member.replica, dist.get_rank() // cfg.tp, dist.get_rank() % cfg.tp)
+        faults = cfg.faults() if member.attempt == 0 else []  # an injected fault strikes the first launch only
+        super().__init__(local, device, FaultInjector(faults, global_rank))
+        self.member, self.global_rank, self.drop = member, global_rank, drop
+        self.rec.ids.update(rank=global_rank, dp_rank=member.replica)
+        self.position = f"{self.stage}.{self.tp.rank}"
+        self.store, self.connect = store, connect
+        self.quorum = Quorum(store, cfg.job_id, cfg.pp * cfg.tp, cfg.timeout_s)
+        self.group = ReplicaGroup(store, cfg.job_id, self.position, member.replica, cfg.timeout_s)
+        self.gen: Generation | None = None
+        self.decision: Decision | None = None
+        self.sources: dict[Member, HealSource] = {}
+        self.full_weights = cfg.weights()
+
+    # --- which micro-batches --------------------------------------------------------------------
+    def _owned(self) -> list[int]:
+        """The replicas whose micro-batches this replica trains: its own, and in zero-drift mode
+        those of absent replicas (replica L goes to member L mod the member count)."""
+        members = self.gen.replicas
+        if self.drop:
+            return [self.member.replica]
+        return [r for r in range(self.full.dp)
+                if (r if r in members else members[r % len(members)]) == self.member.replica]
+
+    def microbatches(self, data: StepData) -> list[MicroBatch]:
+        return [mb for r in self._owned() for mb in replica_microbatches(data, r, self.full_weights)]
+
+    def loss_tokens(self, data: StepData) -> int:
+        if not self.drop:
+            return data.tokens
+        return sum(mb.tokens for r in self.gen.replicas
+                   for mb in replica_microbatches(data, r, self.full_weights))
+
+    # --- the cross-replica sum and the vote -----------------------------------------------------
+    def _all_reduce_grads(self, loss_sum: torch.Tensor) -> float | None:
+        loss = loss_sum.reshape(1).clone() if self.next is None else None
+        step = self.rec.step
+        if self.model_cfg.tie_embeddings and self.pp > 1:  # the tied copies, inside the replica
+            with self.rec.op("grads-all-reduce"):
+                self.grad_sync.all_reduce(self.model, self.coords.tp_rank, None)
+        params = list(self.model.parameters())
+        ok = True
+        try:
+            if self.group.gen != self.gen.gen:
+                with self.rec.op("ft-regroup"):
+                    self.group.form(self.gen)
+            if self.group.size > 1:
+                flat = flatten([p.grad for p in params] + ([loss] if loss is not None else []))
+                with self.rec.op("grads-all-reduce"):
+                    self.group.all_reduce(flat)
+                unflatten(flat, [p.grad for p in params] + ([loss] if loss is not None else []))
+        except (RuntimeError, dist.DistError):
+            ok = False  # a member was lost inside the sum: the vote says so, nothing is applied
+            self.rec.active = None
+        with self.rec.waiting("ft-commit"):
+            decision = self.quorum.vote(self.gen, step, ok) or self.quorum.wait(self.gen, step)
+        self.decision = decision
+        if self.member not in decision.next.members:
+            raise Evicted(f"replica {self.member.replica} was evicted at step {step}")
+        if not decision.commit:
+            raise StepAborted(decision)
+        if self.sources:  # returning ranks replay this step's summed gradients
+            grads = flatten([p.grad for p in params])
+            for source in self.sources.values():
+                source.push(GRAD, step, grads)
+        return float(loss) if loss is not None else None
+
+    def abandon_step(self) -> None:
+        """An aborted attempt: its gradients and records go; the step is trained again."""
+        self.optimizer.zero_grad(set_to_none=False)
+        self._pending.clear()
+        del self.rec.rows[self.rec._flushed:]
+        self.rec.active = None
+
+    # --- serving returning replicas -------------------------------------------------------------
+    def after_commit(self, step: int) -> None:
+        """After the optimizer step of ``step``: close the streams of replicas admitted now, and
+        start one for each new request if this rank's replica is the source."""
+        nxt = self.decision.next
+        for m in self.decision.joined:
+            if m in self.sources:
+                self.sources.pop(m).close(step)
+        for m in [m for m, s in self.sources.items() if s.done]:
+            self.sources.pop(m)  # its returning rank was lost
+        if self.member.replica != min(nxt.replicas):
+            return
+        for replica in range(self.full.dp):
+            if replica in nxt.replicas:
+                continue
+            m = self.quorum.join_request(replica)
+            if m is None or m in self.sources or self.quorum.is_evicted(m):
+                continue
+            for old in [o for o in self.sources if o.replica == replica]:
+                self.sources.pop(old).close(-1)
+            source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
+                                                          self.position), self.full.timeout_s)
+            source.push(STATE, step, flatten(state_tensors(self.model, self.optimizer)))
+            source.start()
+            self.sources[m] = source
+
+    def finish_serving(self) -> None:
+        for source in self.sources.values():
+            source.close(-1)
+        for source in self.sources.values():
+            source.join(timeout=5)
+
+    # --- catching up ------------------------------------------------------------------------------
+    def catch_up(self, local_rank: int) -> dict:
+        """A relaunched replica's rank: the survivors' state from a live peer, then their summed
+        gradients step by step, until the quorum admits this replica. Returns what it took."""
+        t0 = time.time()
+        self.quorum.request_join(self.member)
+        target = HealTarget(self.store, heal_prefix(self.full.job_id, self.member.replica, self.member.attempt,
+                                                    self.position), self.full.timeout_s)
+        params = list(self.model.parameters())
+        ensure_state(self.model, self.optimizer)
+        state_at = held = None
+        replayed = 0
+        while True:
+            kind, step, flat = target.next()
+            if kind == STATE:
+                unflatten(flat, state_tensors(self.model, self.optimizer))
+                state_at, held = time.time(), step
+            elif kind == GRAD:
+                if held is None or step != held + 1:
+                    raise RuntimeError(f"catch-up: gradients of step {step} after the state of step {held}")
+                unflatten(flat, _grads(params))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)
+                held, replayed = step, replayed + 1
+            else:
+                break
+            self.quorum.report_held(self.member, local_rank, held)
+        gen = None
+        end = time.monotonic() + self.full.timeout_s
+        while gen is None and step >= 0 and time.monotonic() < end:
+            gen = self.quorum.admitted(self.member)
+            if gen is None:
+                time.sleep(0.01)
+        if gen is None:
+            raise Evicted(f"replica {self.member.replica}: the job finished before it rejoined")
+        if held != gen.from_step - 1:
+            raise RuntimeError(f"catch-up: holds step {held}, admitted at step {gen.from_step}")
+        self.gen = gen
+        return {"state_step": None if state_at is None else gen.from_step - 1 - replayed,
+                "requested_ts": t0, "state_ts": state_at, "admitted_ts": time.time(),
+                "from_step": gen.from_step, "replayed_steps": replayed, "bytes": target.received_bytes}
+
+
+def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Callable[[], Store],
+                member: Member, tell: list) -> None:
+    """One rank of replica ``member``: train from the quorum's generation (a first launch) or
+    catch up and join (a relaunch), commit step by step, serve returning peers."""
+    local, per_replica = int(os.environ.get("LOCAL_RANK", "0")), cfg.pp * cfg.tp
+    job_id = cfg.job_id
+    dims = cfg.dims()
+    global_rank = dims.rank_of(member.replica, local // cfg.tp, local % cfg.tp)
+    tell.append(lambda kind, message: report_error(store, job_id, global_rank, kind, message))
+    heart = HeartbeatSender(store, global_rank, member.replica, prefix=heartbeat_prefix(job_id)).start()
+    timeout = timedelta(seconds=cfg.timeout_s)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
+                            rank=local, world_size=per_replica, timeout=timeout)
+    out = Path(cfg.out)
+    engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.recovery == "replica-drop")
+    phase = "stopped"
+    publisher = StepPublisher(store, job_id, member.replica)
+    try:
+        if member.attempt == 0:
+            engine.gen = engine.quorum.generation(0)
+        else:
+            heart.follow(lambda: engine.rec.progress("join"))
+            joined = engine.catch_up(local)
+            if local == 0:
+                store.set(f"{engine.quorum.prefix}/catchup/{member.replica}/{member.attempt}", json.dumps(joined))
+        heart.follow(lambda: engine.rec.progress("train"))
+        step = engine.gen.from_step
+        while step < cfg.steps:
+            engine.rec.begin_step(step)
+            try:
+                result = engine.train_step(step)
+            except StepAborted as exc:
+                lost = time.time() - _attempt_start(engine)
+                engine.abandon_step()
+                engine.gen = exc.decision.next
+                with engine.rec.op("ft-abort") as row:
+                    row["wait_s"] = lost  # the attempt's time, lost to the failure
+                continue
+            engine.gen = engine.decision.next
+            engine.after_commit(step)
+            if result.loss is not None and member.replica == min(engine.gen.replicas) and local == per_replica - cfg.tp:
+                print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
+                      file=sys.stderr, flush=True)
+            if result.loss is not None and not math.isfinite(result.loss):
+                raise RuntimeError(f"non-finite loss ({result.loss}) at step {step}")
+            publisher.publish(engine.rec.take_new())
+            step += 1
+        phase = "done"
+        if local == 0 and member.replica == min(engine.gen.replicas):
+            engine.quorum.finish(cfg.steps - 1)
+    except Evicted as exc:
+        print(f"resihp: replica {member.replica}: {exc}", file=sys.stderr, flush=True)
+        phase = "evicted"
+    finally:
+        engine.finish_serving()
+        with contextlib.suppress(Exception):
+            publisher.publish(engine.rec.take_new())
+        heart.finish(phase)
+    if phase == "done" and local == 0:
+        (out / f"plan_changes.r{member.replica}.json").write_text(json.dumps(engine.plan_changes))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def _attempt_start(engine: ReplicaEngine) -> float:
+    """When the aborted attempt began (its first row this step), for the time it lost."""
+    rows = engine.rec.rows[engine.rec._flushed:]
+    return min((r["start_ts"] for r in rows), default=time.time())

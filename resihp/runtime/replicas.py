@@ -1,0 +1,287 @@
+"""The launcher of a job with replica-level fault tolerance (``resihp run --recovery replica``):
+each data-parallel replica runs as its own torchrun (its pipeline and tensor-parallel ranks), all
+on the job's store. The launcher hosts the store and the quorum's first generation, aggregates each
+replica's heartbeats, and judges them: a dead or hung rank (or a replica whose workers exit with an
+error) evicts its replica from the quorum, which the survivors see at their next vote; the
+replica's processes are killed (which also frees any survivor blocked on it in a collective) and
+relaunched alone, to catch up from a live peer and rejoin. The survivors are never restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from resihp.ckpt.integrity import remove_partial
+from resihp.detect.heartbeat import HeartbeatMonitor, NodeAggregator, node_key, rank_key
+from resihp.errors import InputError
+from resihp.ft.quorum import Member, Quorum
+from resihp.runtime.config import RunConfig
+from resihp.runtime.controlplane import (
+    TRACE_STREAM,
+    StepReader,
+    StepRecords,
+    announce_job,
+    append_steps,
+    heartbeat_prefix,
+    mark_ended,
+    prefix_of,
+    read_errors,
+)
+from resihp.runtime.launch import JobStore, torchrun_command, worker_env
+from resihp.runtime.lifecycle import ProcessTracker
+from resihp.runtime.replica import ATTEMPT_ENV, REPLICA_ENV
+from resihp.runtime.supervisor import GRACE_S, Outcome, _Signals, _stop, fail_stop, job_config
+
+MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
+
+
+@dataclass
+class _Replica:
+    replica: int
+    attempt: int
+    proc: subprocess.Popen
+    tracker: ProcessTracker
+    aggregator: NodeAggregator
+    lines: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+
+@dataclass
+class ReplicaFailure:
+    """One replica lost and relaunched (the launcher's record)."""
+
+    replica: int
+    attempt: int
+    rank: int | None
+    cause: str
+    step: int | None
+    detected_s: float | None
+    at: float  # when it was evicted (wall clock)
+    relaunched: bool
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout_s: float = 60.0,
+                       on_step: Callable[[int], None] | None = None,
+                       on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
+                       hang_timeout_s: float | None = None, poll_s: float = 0.1,
+                       grace_s: float = GRACE_S) -> Outcome:
+    if cfg.dp < 2:
+        raise InputError(f"--recovery replica: needs --dp 2 or more (the replica is the unit of "
+                         f"failure), got --dp {cfg.dp}")
+    if not cfg.job_id:
+        cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
+    dims = cfg.dims()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / TRACE_STREAM).unlink(missing_ok=True)
+    remove_partial(out)
+    config_path = out / "config.json"
+    config_path.write_text(cfg.to_json())
+    per = cfg.pp * cfg.tp
+    ranks = {d: sorted(dims.rank_of(d, s, t) for s in range(cfg.pp) for t in range(cfg.tp)) for d in range(cfg.dp)}
+    t0 = time.time()
+    outcome = Outcome(returncode=0)
+    with _Signals() as signals, JobStore(None, host=True, timeout_s=max(join_timeout_s, 60.0)) as js:
+        store = js.store
+        announce_job(store, cfg.job_id, job_config(cfg), 1, dims.world_size)
+        quorum = Quorum(store, cfg.job_id, per, cfg.timeout_s)
+        quorum.set_replicas(cfg.dp)
+        quorum.start([Member(d, 0) for d in range(cfg.dp)], 0)
+        store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
+        hb = heartbeat_prefix(cfg.job_id)
+        interval = min(0.5, heartbeat_timeout_s / 4)
+        places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size) for c in [dims.coords(r)]}
+        monitor = HeartbeatMonitor(store, ranks, timeout_s=heartbeat_timeout_s + interval, prefix=hb,
+                                   places=places, startup_s=join_timeout_s, hang_timeout_s=hang_timeout_s,
+                                   hang_floor_s=heartbeat_timeout_s)
+        reader = StepReader(store, cfg.job_id, ranks, 0, owner=True, members=quorum.committed)
+
+        def launch(d: int, attempt: int) -> _Replica:
+            for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks[d])]:
+                store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
+            env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt)},
+                             endpoint=js.endpoint, node=d, managed=True)
+            proc = subprocess.Popen(torchrun_command(config_path, per, endpoint=js.endpoint,
+                                                     run_id=f"{cfg.job_id}-r{d}-a{attempt}"),
+                                    env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+            agg = NodeAggregator(store, d, ranks[d], interval_s=interval, timeout_s=heartbeat_timeout_s,
+                                 prefix=hb, startup_s=join_timeout_s).start()
+            rep = _Replica(d, attempt, proc, ProcessTracker(proc.pid), agg)
+            threading.Thread(target=_drain, args=(proc, rep.lines, out, d, attempt), daemon=True).start()
+            return rep
+
+        live = {d: launch(d, 0) for d in range(cfg.dp)}
+        done: set[int] = set()
+
+        def read_steps() -> None:
+            steps = reader.complete_steps()
+            if steps:
+                with contextlib.suppress(OSError):
+                    append_steps(out / TRACE_STREAM, steps)
+                if on_step:
+                    on_step(steps[-1].step)
+                if on_steps:
+                    on_steps(steps, lambda change: None)  # plan changes are not applied in this mode
+
+        def lose(d: int, rank: int | None, cause: str, step: int | None, detected_s: float | None) -> None:
+            rep = live[d]
+            quorum.evict(Member(d, rep.attempt), cause)
+            at = time.time()
+            _stop(rep.proc, rep.tracker, 0.5)
+            rep.aggregator.stop()
+            members = [m for m in _latest_members(quorum) if not quorum.is_evicted(m)]
+            again = rep.attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
+            outcome.replica_failures.append(ReplicaFailure(d, rep.attempt, rank, cause, step, detected_s, at, again))
+            if not members:
+                outcome.error = (f"every replica was lost (replica {d}: {cause}); no live peer holds the "
+                                 "state to go on from")
+            if again:
+                monitor.reset(d)
+                live[d] = launch(d, rep.attempt + 1)
+            else:
+                live.pop(d)
+
+        try:
+            while live and outcome.error is None:
+                time.sleep(poll_s)
+                if signals.received:
+                    outcome.interrupted = signals.received
+                    outcome.error = f"stopped by {signals.received}; all workers were stopped"
+                    break
+                for rep in live.values():
+                    rep.tracker.scan()
+                read_steps()
+                for ev in monitor.poll(monitor.min_step()):
+                    d = dims.coords(ev.rank).dp_rank
+                    if d in live and d not in done:
+                        lose(d, ev.rank, ev.extra["cause"], ev.extra.get("step"), ev.extra.get("silent_s"))
+                for d, rep in list(live.items()):
+                    rc = rep.proc.poll()
+                    if rc is None or d in done:
+                        continue
+                    if rc == 0:
+                        done.add(d)
+                        continue
+                    errors = [e for e in read_errors(store, cfg.job_id) if e["rank"] in ranks[d]]
+                    if any(e["kind"] == "input" for e in errors):
+                        outcome.error = errors[0]["message"]
+                        outcome.input_error = True
+                        break
+                    lose(d, None, f"workers exited with status {rc}", None, None)
+                if done and all(d in done for d in live):
+                    break
+                if quorum.finished() and all(d in done or live[d].attempt > 0 for d in live):
+                    # the survivors are through; a replica still catching up has nothing to join
+                    end = time.monotonic() + grace_s
+                    while time.monotonic() < end and any(r.proc.poll() is None for r in live.values()):
+                        time.sleep(0.1)
+                    break
+        finally:
+            for rep in live.values():
+                with contextlib.suppress(Exception):
+                    _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and outcome.error is None else 0.5)
+                rep.aggregator.stop()
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                read_steps()
+                outcome.errors = read_errors(store, cfg.job_id)
+                outcome.replica_catchups = _catchups(store, quorum, outcome.replica_failures)
+                mark_ended(store, cfg.job_id, outcome.error or "finished")
+                reader.wait_for_followers(grace_s)
+    if outcome.error is None and not done:
+        outcome.error = "no replica finished the job"
+    outcome.returncode = 0 if outcome.error is None else 1
+    outcome.wall_s = time.time() - t0
+    if outcome.error and not outcome.interrupted and outcome.replica_failures:
+        last = outcome.replica_failures[-1]
+        outcome.failure = fail_stop(dims, last.rank if last.rank is not None else ranks[last.replica][0],
+                                    last.step, last.cause, last.detected_s)
+    return outcome
+
+
+def _latest_members(quorum: Quorum) -> list[Member]:
+    return list(quorum.latest().members)
+
+
+def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dict]:
+    """What each relaunched replica reported about its catch-up (absent: it never rejoined)."""
+    found = []
+    for f in failures:
+        if not f.relaunched:
+            continue
+        key = f"{quorum.prefix}/catchup/{f.replica}/{f.attempt + 1}"
+        if store.check([key]):
+            found.append({"replica": f.replica, "attempt": f.attempt + 1, **json.loads(store.get(key))})
+    return found
+
+
+def _drain(proc: subprocess.Popen, lines: list[str], out: Path, replica: int, attempt: int) -> None:
+    """A replica's workers' stderr into OUT/logs/workers.log (tagged), and the last lines kept."""
+    keep = None
+    with contextlib.suppress(OSError):
+        (out / "logs").mkdir(exist_ok=True)
+        keep = open(out / "logs" / "workers.log", "a", buffering=1)  # noqa: SIM115 - closed below
+    for line in proc.stderr:
+        if keep is not None:
+            try:
+                keep.write(f"[replica {replica} attempt {attempt}] {line}")
+            except OSError:
+                keep = None
+        lines.append(line.rstrip("\n"))
+        del lines[:-200]
+    if keep is not None:
+        with contextlib.suppress(OSError):
+            keep.close()
+
+
+def recovery_summary(outcome: Outcome, trace) -> dict | None:
+    """The summary's ``recovery`` object for replica-level fault tolerance, from the launcher's
+    records and the ops trace: per lost replica when it was found, what the survivors lost (the
+    time of aborted attempts and of forming the next group, in seconds and in median failure-free
+    steps), when it rejoined and how long its catch-up took once the state was there."""
+    if not outcome.replica_failures:
+        return None
+    steps = trace[trace.optype == "step"]
+    per_step = steps.groupby("step").duration.max()
+    lost_ops = trace[trace.optype.isin(["ft-abort", "ft-regroup"])]
+    catchups = {(c["replica"], c["attempt"]): c for c in outcome.replica_catchups}
+    records = []
+    for f in outcome.replica_failures:
+        came = catchups.get((f.replica, f.attempt + 1))
+        first = f.step if f.step is not None else 0
+        until = came["from_step"] if came else int(per_step.index.max()) + 1 if len(per_step) else first
+        before = per_step[per_step.index < first]
+        median = float(before.median()) if len(before) else float(per_step.median()) if len(per_step) else None
+        window = lost_ops[(lost_ops.step >= first) & (lost_ops.step <= until) & (lost_ops.dp_rank != f.replica)]
+        # per survivor rank: aborted attempts (their time, in wait_s) and group re-formation
+        lost = window.assign(lost=window.wait_s.where(window.optype == "ft-abort", window.duration))
+        stall_s = float(lost.groupby("rank").lost.sum().max()) if len(lost) else 0.0
+        records.append({
+            "mode": "replica", "lost_replica": f.replica, "attempt": f.attempt, "rank": f.rank,
+            "cause": f.cause, "failed_step": f.step, "detected_s": f.detected_s,
+            "survivor_stall_s": round(stall_s, 4),
+            "survivor_stall_steps": round(stall_s / median, 3) if median else None,
+            "aborted_attempts": int((window.optype == "ft-abort").groupby(window["rank"]).sum().max())
+            if len(window) else 0,
+            "survivors_restarted": False, "relaunched": f.relaunched,
+            "rejoined_step": came["from_step"] if came else None,
+            "catchup_s": round(came["admitted_ts"] - came["state_ts"], 4) if came and came.get("state_ts") else None,
+            "restart_s": round(came["requested_ts"] - f.at, 4) if came else None,
+            "replayed_steps": came["replayed_steps"] if came else None,
+            "transfer_bytes": came["bytes"] if came else None,
+            "source": "peer" if came else None})
+    first = records[0]
+    return {**first, "failures": records} if len(records) > 1 else first
