@@ -219,6 +219,12 @@ class NodeAggregator(_Loop):
             ranks[str(rank)] = entry
         return ranks
 
+    def excuse(self) -> None:
+        """This node's ranks were held up by a peer that is gone (a replica evicted): their stall
+        clocks start again."""
+        now = time.monotonic()
+        self._moved_at = dict.fromkeys(self.ranks, now)
+
     def tick(self) -> None:
         ranks = self.snapshot()
         self.count += 1
@@ -256,13 +262,15 @@ class HeartbeatMonitor:
     def __init__(self, store: Store, nodes: Mapping[int, Sequence[int]], timeout_s: float = 3.0,
                  prefix: str = PREFIX, places: Mapping[int, tuple[int, int, int]] | None = None,
                  startup_s: float = 60.0, hang_timeout_s: float | None = None,
-                 hang_factor: float = 5.0, hang_floor_s: float | None = None) -> None:
+                 hang_factor: float = 5.0, hang_floor_s: float | None = None,
+                 stopped_s: float | None = None) -> None:
         self.store = store
         self.startup_s = startup_s
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
         self.timeout_s = timeout_s
         self.hang_timeout_s, self.hang_factor = hang_timeout_s, hang_factor
         self.hang_floor_s = timeout_s if hang_floor_s is None else hang_floor_s
+        self.stopped_s = stopped_s  # a process stopped (SIGSTOP) this long is hung; None: once silent
         self.keys = {n: node_key(prefix, n) for n in self.nodes}
         self.places = dict(places or {})
         start = time.monotonic()
@@ -270,6 +278,14 @@ class HeartbeatMonitor:
         self._moved = dict.fromkeys(self.nodes, start)
         self.views = {r: RankView(r, n) for n, rs in self.nodes.items() for r in rs}
         self.dead: dict[int, Event] = {}
+        self._excused_until: dict[int, float] = {}
+
+    def excuse(self, ranks: Sequence[int], seconds: float) -> None:
+        """These ranks were held up by a peer now gone: no stall counts against them for a while
+        (their nodes' views of the stall lag by up to an aggregator beat)."""
+        until = time.monotonic() + seconds
+        for r in ranks:
+            self._excused_until[r] = until
 
     def hang_limit(self) -> float:
         if self.hang_timeout_s is not None:
@@ -315,6 +331,8 @@ class HeartbeatMonitor:
         for v in live:
             if v.exited:
                 found[v.rank] = ("exited", v.silent_s)
+            elif v.stopped and self.stopped_s is not None and v.stalled_s > self.stopped_s:
+                found[v.rank] = ("hang", v.stalled_s)
             elif v.seen and v.silent_s > self.timeout_s:
                 # silent: hung if its process is still there (stopped, or stuck holding the GIL)
                 found[v.rank] = ("hang" if v.stopped or v.alive else "exited", v.silent_s)
@@ -322,6 +340,7 @@ class HeartbeatMonitor:
                 found[v.rank] = ("exited", v.silent_s)
         if not found:
             limit = self.hang_limit()
+            live = [v for v in live if self._excused_until.get(v.rank, 0.0) < now]
             if any(v.phase == "train" and v.stalled_s > limit for v in live):
                 # the candidates: every rank stalled for a while, not only those past the limit (each
                 # node's view is up to an aggregator beat old, so the culprit may read a little less)

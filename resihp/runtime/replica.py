@@ -46,6 +46,7 @@ from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
+BEAT_S = 0.25  # heartbeat interval: a hung replica is judged within a few beats
 
 
 class StepAborted(RuntimeError):
@@ -229,7 +230,8 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     dims = cfg.dims()
     global_rank = dims.rank_of(member.replica, local // cfg.tp, local % cfg.tp)
     tell.append(lambda kind, message: report_error(store, job_id, global_rank, kind, message))
-    heart = HeartbeatSender(store, global_rank, member.replica, prefix=heartbeat_prefix(job_id)).start()
+    heart = HeartbeatSender(store, global_rank, member.replica, interval_s=BEAT_S,
+                            prefix=heartbeat_prefix(job_id)).start()
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),

@@ -39,10 +39,11 @@ from resihp.runtime.controlplane import (
 )
 from resihp.runtime.launch import JobStore, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
-from resihp.runtime.replica import ATTEMPT_ENV, REPLICA_ENV
+from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, REPLICA_ENV
 from resihp.runtime.supervisor import GRACE_S, Outcome, _Signals, _stop, fail_stop, job_config
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
+HANG_FACTOR, HANG_FLOOR_S = 2.0, 1.0
 
 
 @dataclass
@@ -102,11 +103,14 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
         quorum.start([Member(d, 0) for d in range(cfg.dp)], 0)
         store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
         hb = heartbeat_prefix(cfg.job_id)
-        interval = min(0.5, heartbeat_timeout_s / 4)
+        interval = min(BEAT_S, heartbeat_timeout_s / 4)
         places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size) for c in [dims.coords(r)]}
+        # a false hang costs one replica's relaunch here, not the job: judge hangs sooner (a process
+        # stopped for a second; no progress for 2 x the median step, at least a second)
         monitor = HeartbeatMonitor(store, ranks, timeout_s=heartbeat_timeout_s + interval, prefix=hb,
                                    places=places, startup_s=join_timeout_s, hang_timeout_s=hang_timeout_s,
-                                   hang_floor_s=heartbeat_timeout_s)
+                                   hang_factor=HANG_FACTOR, hang_floor_s=min(heartbeat_timeout_s, HANG_FLOOR_S),
+                                   stopped_s=HANG_FLOOR_S)
         reader = StepReader(store, cfg.job_id, ranks, 0, owner=True, members=quorum.committed)
 
         def launch(d: int, attempt: int) -> _Replica:
@@ -143,6 +147,10 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
             at = time.time()
             _stop(rep.proc, rep.tracker, 0.5)
             rep.aggregator.stop()
+            for other in live.values():  # held up by the lost replica, not hung themselves
+                if other is not rep:
+                    other.aggregator.excuse()
+                    monitor.excuse(ranks[other.replica], 2 * interval + 1.0)
             members = [m for m in _latest_members(quorum) if not quorum.is_evicted(m)]
             again = rep.attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
             outcome.replica_failures.append(ReplicaFailure(d, rep.attempt, rank, cause, step, detected_s, at, again))
