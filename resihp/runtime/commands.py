@@ -172,7 +172,13 @@ def run_cmd(
             from resihp.runtime.replicas import recovery_summary
 
             if (out / "ops.parquet").exists():
-                summary["recovery"] = recovery_summary(outcome, read_ops_trace(out / "ops.parquet"))
+                trace = read_ops_trace(out / "ops.parquet")
+                summary["recovery"] = recovery_summary(outcome, trace)
+                if summary["recovery"] is not None:
+                    from resihp.runtime.report import plot_replicas  # deferred: matplotlib
+
+                    plot_replicas(trace, summary["recovery"], out / "timeline.png")
+                    summary["timeline"] = str(out / "timeline.png")
             _write_summary(out, summary)
         if outcome.control_plane is not None:
             summary["control_plane"] = {**outcome.control_plane,

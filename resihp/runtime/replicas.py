@@ -269,7 +269,10 @@ def recovery_summary(outcome: Outcome, trace) -> dict | None:
     records = []
     for f in outcome.replica_failures:
         came = catchups.get((f.replica, f.attempt + 1))
-        first = f.step if f.step is not None else 0
+        # the step the survivors redid (the heartbeat's step of the lost rank may lag behind it)
+        aborts = lost_ops[(lost_ops.optype == "ft-abort") & (lost_ops.dp_rank != f.replica)
+                          & (lost_ops.step >= (f.step or 0))]
+        first = int(aborts.step.min()) if len(aborts) else f.step if f.step is not None else 0
         until = came["from_step"] if came else int(per_step.index.max()) + 1 if len(per_step) else first
         before = per_step[per_step.index < first]
         median = float(before.median()) if len(before) else float(per_step.median()) if len(per_step) else None
@@ -279,7 +282,7 @@ def recovery_summary(outcome: Outcome, trace) -> dict | None:
         stall_s = float(lost.groupby("rank").lost.sum().max()) if len(lost) else 0.0
         records.append({
             "mode": "replica", "lost_replica": f.replica, "attempt": f.attempt, "rank": f.rank,
-            "cause": f.cause, "failed_step": f.step, "detected_s": f.detected_s,
+            "cause": f.cause, "failed_step": first, "detected_s": f.detected_s,
             "survivor_stall_s": round(stall_s, 4),
             "survivor_stall_steps": round(stall_s / median, 3) if median else None,
             "aborted_attempts": int((window.optype == "ft-abort").groupby(window["rank"]).sum().max())

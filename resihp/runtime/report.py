@@ -98,3 +98,37 @@ def plot_run(trace: pd.DataFrame, summary: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_replicas(trace: pd.DataFrame, recovery: dict, path: str | Path) -> None:
+    """Replica-level fault tolerance on one timeline: tokens/s per step, and below it which
+    replicas trained each step (a lost replica's absence shaded, its failure and return marked)."""
+    import matplotlib  # deferred: start-up time
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = step_table(trace, complete_only=False)
+    steps = trace[trace.optype == "step"]
+    present = steps.groupby("dp_rank").step.apply(set)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True, height_ratios=[3, 1.2])
+    top.plot(table.index, table.tokens / table.wall_s, marker="o", ms=2, label="tokens/s per step")
+    for f in recovery.get("failures", [recovery]):
+        if f.get("failed_step") is not None:
+            top.axvline(f["failed_step"], color="tab:red", ls="--",
+                        label=f"replica {f['lost_replica']} lost ({f['cause']}, step {f['failed_step']})")
+        if f.get("rejoined_step") is not None:
+            top.axvline(f["rejoined_step"], color="tab:green", ls="--",
+                        label=f"replica {f['lost_replica']} rejoined (step {f['rejoined_step']})")
+    top.set_ylabel("tokens / s")
+    top.legend(fontsize=7, loc="lower left")
+    for d, trained in present.items():
+        absent = [s for s in table.index if s not in trained]
+        bottom.scatter(sorted(trained), [d] * len(trained), s=4, color="tab:blue")
+        bottom.scatter(absent, [d] * len(absent), s=4, color="tab:red", marker="x")
+    bottom.set_yticks(list(present.index))
+    bottom.set_ylabel("replica")
+    bottom.set_xlabel("step (x: replica away, its micro-batches trained by the others)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
