@@ -20,30 +20,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 
+from resihp.ckpt.snapshot import RNG_KEY, state_tensors
 from resihp.ft.group import gloo_group
 
 STATE, GRAD, END = 0, 1, 2
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The tensors a returning rank needs, in one order on both sides: parameters, then each
-    parameter's AdamW step, first and second moments."""
-    params = list(model.parameters())
-    out = [p.data for p in params]
-    for p in params:
-        st = optimizer.state[p]
-        out += [st["step"], st["exp_avg"], st["exp_avg_sq"]]
-    return out
-
-
-def ensure_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Create empty AdamW state on a rank that never stepped (to be overwritten)."""
-    for p in model.parameters():
-        st = optimizer.state[p]
-        if not st:
-            st["step"] = torch.zeros((), dtype=torch.float32)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def heal_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a returning rank needs, in one order on both sides: a snapshot's tensors (parameters
+    and AdamW state, ``ckpt.snapshot.state_tensors``; zeros where it never stepped), without the
+    RNG state (each rank keeps its own)."""
+    return [t for name, t in state_tensors(model, optimizer) if name != RNG_KEY]
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

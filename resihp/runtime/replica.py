@@ -32,10 +32,9 @@ from resihp.ft.heal import (
     STATE,
     HealSource,
     HealTarget,
-    ensure_state,
     flatten,
     heal_prefix,
-    state_tensors,
+    heal_tensors,
     unflatten,
 )
 from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
@@ -161,7 +160,7 @@ class ReplicaEngine(Engine):
                 self.sources.pop(old).close(-1)
             source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
                                                           self.position), self.full.timeout_s)
-            source.push(STATE, step, flatten(state_tensors(self.model, self.optimizer)))
+            source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer)))
             source.start()
             self.sources[m] = source
 
@@ -180,13 +179,12 @@ class ReplicaEngine(Engine):
         target = HealTarget(self.store, heal_prefix(self.full.job_id, self.member.replica, self.member.attempt,
                                                     self.position), self.full.timeout_s)
         params = list(self.model.parameters())
-        ensure_state(self.model, self.optimizer)
         state_at = held = None
         replayed = 0
         while True:
             kind, step, flat = target.next()
             if kind == STATE:
-                unflatten(flat, state_tensors(self.model, self.optimizer))
+                unflatten(flat, heal_tensors(self.model, self.optimizer))
                 state_at, held = time.time(), step
             elif kind == GRAD:
                 if held is None or step != held + 1:
