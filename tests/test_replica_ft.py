@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from resihp.ft.quorum import Generation, Member, Quorum
+from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.parallel import ParallelDims
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
@@ -98,7 +98,9 @@ def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
     # step 1: a rank's sum failed; nothing commits until the supervisor evicts its replica
     q[0].vote(gen, 1, True)
     q[2].vote(gen, 1, False)
+    chain = DecisionChain(q[0], gen)  # the supervisor's
     q[0].evict(Member(1, 0), "exited")
+    assert chain.abort_for(Member(1, 0)) is not None
     aborted = q[1].wait(gen, 1)
     assert not aborted.commit and aborted.next.replicas == [0] and aborted.next.from_step == 1
     assert q[0].wait(gen, 1) == aborted  # the same decision for every rank (written once)
@@ -116,6 +118,11 @@ def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
         d = q[i].vote(nxt, 2, True)
     assert d.commit and d.joined == (joiner,) and d.next.replicas == [0, 1] and d.next.from_step == 3
     assert q[2].admitted(joiner) == d.next
+    # an eviction after the step in flight committed aborts the next one instead
+    q[0].evict(Member(1, 1), "hang")
+    d = chain.abort_for(Member(1, 1))
+    assert not d.commit and d.step == 3 and d.next.replicas == [0]
+    assert chain.abort_for(Member(1, 1)) is None  # already out
 
 
 def test_generation_round_trips():

@@ -13,10 +13,10 @@ step boundary that every rank agrees on.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
-from torch.distributed import Store
+from torch.distributed import DistStoreError, Store
 
 
 @dataclass(frozen=True, order=True)
@@ -142,23 +142,16 @@ class Quorum:
             return self._decide(gen, step, commit=True)
         return None
 
-    def wait(self, gen: Generation, step: int, poll_s: float = 0.02) -> Decision:
-        """The decision of ``step`` under ``gen``: a commit, or an abort once a member is evicted."""
+    def wait(self, gen: Generation, step: int) -> Decision:
+        """The decision of ``step`` under ``gen``, blocking on the store until it is written: by
+        the last ok voter (a commit) or by the supervisor (an abort, when it evicts a member)."""
         key = self._key("decision", gen.gen, step)
-        fail_key = self._key("vote", gen.gen, step, "fail")
-        start = time.monotonic()
-        pause = 0.0005
-        while True:
-            # polled (a store wait that times out logs a warning each time)
-            if self.store.check([key]):
-                return self._read(key, step)
-            if any(self.is_evicted(m) for m in gen.members):
-                return self._decide(gen, step, commit=False)
-            if self.store.check([fail_key]) and time.monotonic() - start > self.timeout_s:
-                raise QuorumLost(f"step {step}: a rank's gradient all-reduce failed and no replica was "
-                                 f"evicted within {self.timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(poll_s, pause * 2)
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout_s))
+        except DistStoreError:
+            raise QuorumLost(f"step {step}: not decided within {self.timeout_s:g} s (a rank's gradient "
+                             "all-reduce failed and no replica was evicted)") from None
+        return self._read(key, step)
 
     def _decide(self, gen: Generation, step: int, commit: bool) -> Decision:
         evicted = [m for m in gen.members if self.is_evicted(m)]
@@ -214,6 +207,10 @@ class Quorum:
         return Decision(step, bool(data["commit"]), Generation.from_dict(data["next"]),
                         tuple(Member(r, a) for r, a in data["joined"]))
 
+    def decision(self, gen: int, step: int) -> Decision | None:
+        key = self._key("decision", gen, step)
+        return self._read(key, step) if self.store.check([key]) else None
+
     def finish(self, step: int) -> None:
         """The job trained its last step: a replica still catching up stops instead of waiting."""
         self.store.set(self._key("finished"), str(step))
@@ -221,3 +218,26 @@ class Quorum:
     def finished(self) -> bool:
         return self.store.check([self._key("finished")])
 
+
+
+class DecisionChain:
+    """The supervisor's walk along the decisions, each naming the generation and step of the next
+    attempt, up to the attempt in flight: where an abort goes when a member is evicted."""
+
+    def __init__(self, quorum: Quorum, start: Generation) -> None:
+        self.quorum, self.gen, self.step = quorum, start, start.from_step
+
+    def advance(self) -> None:
+        while (d := self.quorum.decision(self.gen.gen, self.step)) is not None:
+            self.gen, self.step = d.next, d.next.from_step
+
+    def abort_for(self, member: Member) -> Decision | None:
+        """``member`` was evicted: abort the attempt in flight if it takes part (so no survivor
+        waits on it), unless a decision that leaves it out is there first."""
+        while True:
+            self.advance()
+            if member not in self.gen.members:
+                return None
+            d = self.quorum._decide(self.gen, self.step, commit=False)
+            if not d.commit:
+                return d

@@ -228,7 +228,8 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     dims = cfg.dims()
     global_rank = dims.rank_of(member.replica, local // cfg.tp, local % cfg.tp)
     tell.append(lambda kind, message: report_error(store, job_id, global_rank, kind, message))
-    heart = HeartbeatSender(store, global_rank, member.replica, interval_s=BEAT_S,
+    # its own store client: the main thread blocks in store waits (the quorum's decision, rendezvous)
+    heart = HeartbeatSender(connect(), global_rank, member.replica, interval_s=BEAT_S,
                             prefix=heartbeat_prefix(job_id)).start()
     timeout = timedelta(seconds=cfg.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.heartbeat import HeartbeatMonitor, NodeAggregator, node_key, rank_key
 from resihp.errors import InputError
-from resihp.ft.quorum import Member, Quorum
+from resihp.ft.quorum import DecisionChain, Member, Quorum
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
     TRACE_STREAM,
@@ -100,7 +100,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
         announce_job(store, cfg.job_id, job_config(cfg), 1, dims.world_size)
         quorum = Quorum(store, cfg.job_id, per, cfg.timeout_s)
         quorum.set_replicas(cfg.dp)
-        quorum.start([Member(d, 0) for d in range(cfg.dp)], 0)
+        chain = DecisionChain(quorum, quorum.start([Member(d, 0) for d in range(cfg.dp)], 0))
         store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
         hb = heartbeat_prefix(cfg.job_id)
         interval = min(BEAT_S, heartbeat_timeout_s / 4)
@@ -144,6 +144,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
         def lose(d: int, rank: int | None, cause: str, step: int | None, detected_s: float | None) -> None:
             rep = live[d]
             quorum.evict(Member(d, rep.attempt), cause)
+            chain.abort_for(Member(d, rep.attempt))  # the survivors redo the step in flight without it
             at = time.time()
             _stop(rep.proc, rep.tracker, 0.5)
             rep.aggregator.stop()
@@ -151,7 +152,8 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
                 if other is not rep:
                     other.aggregator.excuse()
                     monitor.excuse(ranks[other.replica], 2 * interval + 1.0)
-            members = [m for m in _latest_members(quorum) if not quorum.is_evicted(m)]
+            chain.advance()
+            members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
             again = rep.attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
             outcome.replica_failures.append(ReplicaFailure(d, rep.attempt, rank, cause, step, detected_s, at, again))
             if not members:
@@ -173,6 +175,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
                 for rep in live.values():
                     rep.tracker.scan()
                 read_steps()
+                chain.advance()
                 for ev in monitor.poll(monitor.min_step()):
                     d = dims.coords(ev.rank).dp_rank
                     if d in live and d not in done:
@@ -218,10 +221,6 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
         outcome.failure = fail_stop(dims, last.rank if last.rank is not None else ranks[last.replica][0],
                                     last.step, last.cause, last.detected_s)
     return outcome
-
-
-def _latest_members(quorum: Quorum) -> list[Member]:
-    return list(quorum.latest().members)
 
 
 def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dict]:
