@@ -29,9 +29,7 @@ from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
     TRACE_STREAM,
     StepReader,
-    StepRecords,
     announce_job,
-    append_steps,
     heartbeat_prefix,
     mark_ended,
     prefix_of,
@@ -40,7 +38,16 @@ from resihp.runtime.controlplane import (
 from resihp.runtime.launch import JobStore, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
 from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, REPLICA_ENV
-from resihp.runtime.supervisor import GRACE_S, Outcome, _Signals, _stop, fail_stop, job_config
+from resihp.runtime.supervisor import (
+    GRACE_S,
+    Outcome,
+    _Signals,
+    _stop,
+    drain_stderr,
+    fail_stop,
+    hand_on_steps,
+    job_config,
+)
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
 HANG_FACTOR, HANG_FLOOR_S = 2.0, 1.0
@@ -76,7 +83,6 @@ class ReplicaFailure:
 
 def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout_s: float = 60.0,
                        on_step: Callable[[int], None] | None = None,
-                       on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
                        hang_timeout_s: float | None = None, poll_s: float = 0.1,
                        grace_s: float = GRACE_S) -> Outcome:
     if cfg.dp < 2:
@@ -125,21 +131,15 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
             agg = NodeAggregator(store, d, ranks[d], interval_s=interval, timeout_s=heartbeat_timeout_s,
                                  prefix=hb, startup_s=join_timeout_s).start()
             rep = _Replica(d, attempt, proc, ProcessTracker(proc.pid), agg)
-            threading.Thread(target=_drain, args=(proc, rep.lines, out, d, attempt), daemon=True).start()
+            threading.Thread(target=drain_stderr, args=(proc, rep.lines, out, f"[replica {d} attempt {attempt}] ", 200),
+                             daemon=True).start()
             return rep
 
         live = {d: launch(d, 0) for d in range(cfg.dp)}
         done: set[int] = set()
 
         def read_steps() -> None:
-            steps = reader.complete_steps()
-            if steps:
-                with contextlib.suppress(OSError):
-                    append_steps(out / TRACE_STREAM, steps)
-                if on_step:
-                    on_step(steps[-1].step)
-                if on_steps:
-                    on_steps(steps, lambda change: None)  # plan changes are not applied in this mode
+            hand_on_steps(reader, out, on_step, None, post=lambda change: None)
 
         def lose(d: int, rank: int | None, cause: str, step: int | None, detected_s: float | None) -> None:
             rep = live[d]
@@ -233,25 +233,6 @@ def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dic
         if store.check([key]):
             found.append({"replica": f.replica, "attempt": f.attempt + 1, **json.loads(store.get(key))})
     return found
-
-
-def _drain(proc: subprocess.Popen, lines: list[str], out: Path, replica: int, attempt: int) -> None:
-    """A replica's workers' stderr into OUT/logs/workers.log (tagged), and the last lines kept."""
-    keep = None
-    with contextlib.suppress(OSError):
-        (out / "logs").mkdir(exist_ok=True)
-        keep = open(out / "logs" / "workers.log", "a", buffering=1)  # noqa: SIM115 - closed below
-    for line in proc.stderr:
-        if keep is not None:
-            try:
-                keep.write(f"[replica {replica} attempt {attempt}] {line}")
-            except OSError:
-                keep = None
-        lines.append(line.rstrip("\n"))
-        del lines[:-200]
-    if keep is not None:
-        with contextlib.suppress(OSError):
-            keep.close()
 
 
 def recovery_summary(outcome: Outcome, trace) -> dict | None:

@@ -260,6 +260,45 @@ class _Watch:
         self.aggregator.stop()
 
 
+def hand_on_steps(reader: StepReader, out: Path, on_step: Callable[[int], None] | None,
+                  on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None,
+                  post: Callable[[dict], None]) -> None:
+    """The complete steps read so far: into the run folder's trace stream, then to the callers."""
+    steps = reader.complete_steps()
+    if steps:
+        # a full disk: the job goes on (and says so if it cannot); a line cut short is skipped
+        with contextlib.suppress(OSError):
+            append_steps(out / TRACE_STREAM, steps)
+        if on_step:
+            on_step(steps[-1].step)
+        if on_steps:
+            on_steps(steps, post)
+
+
+def drain_stderr(proc: subprocess.Popen, lines: list[str], out: Path, tag: str = "", keep_last: int = 0) -> None:
+    """The workers' lines (per-step progress, warnings, errors) into OUT/logs/workers.log (each
+    prefixed with ``tag``) and ``lines`` (only the last ``keep_last``, if given); if the log cannot
+    be written (a full disk) the pipe is still drained, or the workers would block."""
+    keep = None
+    with contextlib.suppress(OSError):
+        (out / "logs").mkdir(exist_ok=True)
+        keep = open(out / "logs" / "workers.log", "a", buffering=1)  # noqa: SIM115 - closed below
+    for line in proc.stderr:
+        if keep is not None:
+            try:
+                keep.write(tag + line)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    keep.close()
+                keep = None
+        lines.append(line.rstrip("\n"))
+        if keep_last:
+            del lines[:-keep_last]
+    if keep is not None:
+        with contextlib.suppress(OSError):
+            keep.close()
+
+
 def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step, on_steps,
                on_poll, poll_s, grace_s) -> Outcome:
     local = nodes.nproc_per_node
@@ -275,37 +314,11 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
         post_change(js.store, cfg.job_id, change)
 
     def read_stderr() -> None:
-        # the workers' lines (per-step progress, warnings, errors) are kept in OUT/logs/workers.log;
-        # if that cannot be written (a full disk) the pipe is still drained, or the workers would block
-        keep = None
-        with contextlib.suppress(OSError):
-            (out / "logs").mkdir(exist_ok=True)
-            keep = open(out / "logs" / "workers.log", "a", buffering=1)  # noqa: SIM115 - closed below
-        for line in proc.stderr:
-            if keep is not None:
-                try:
-                    keep.write(line)
-                except OSError:
-                    with contextlib.suppress(OSError):
-                        keep.close()
-                    keep = None
-            lines.append(line.rstrip("\n"))
-        if keep is not None:
-            with contextlib.suppress(OSError):
-                keep.close()
+        drain_stderr(proc, lines, out)
 
     def read_steps() -> None:
-        if watch.reader is None:
-            return
-        steps = watch.reader.complete_steps()
-        if steps:
-            # a full disk: the job goes on (and says so if it cannot); a line cut short is skipped
-            with contextlib.suppress(OSError):
-                append_steps(out / TRACE_STREAM, steps)
-            if on_step:
-                on_step(steps[-1].step)
-            if on_steps:
-                on_steps(steps, post)
+        if watch.reader is not None:
+            hand_on_steps(watch.reader, out, on_step, on_steps, post)
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
