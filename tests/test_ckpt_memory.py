@@ -249,7 +249,7 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"recovery": "sometimes"}, "--recovery: expected one of none, restart, got 'sometimes'"),
+    ({"recovery": "sometimes"}, "--recovery: expected one of none, restart, replica, replica-drop, got 'sometimes'"),
     ({"snapshot_every": -1}, "--snapshot-every: expected zero or a positive integer, got -1"),
 ])
 def test_bad_snapshot_options_are_one_line(fields, message):

@@ -173,15 +173,15 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
 def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(reference, tmp_path):
     dims = ParallelDims(3, 1, 2)
     rank = 3  # replica 1, tensor-parallel rank 1
-    rc, summary, err = _run(tmp_path / "run", "--dp", "3", "--pp", "1", "--tp", "2", "--steps", str(STEPS),
-                            "--recovery", "replica", "--inject", "stop:rank=3,step=8",
-                            "--inject", f"slow:rank={dims.rank_of(0, 0, 0)},factor=3,step=0")
+    steps = 40  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
+    rc, summary, err = _run(tmp_path / "run", "--dp", "3", "--pp", "1", "--tp", "2", "--steps", str(steps),
+                            "--recovery", "replica", "--inject", "stop:rank=3,step=8")
     assert rc == 0, err[-2000:]
     rec = summary["recovery"]
-    assert rec["lost_replica"] == dims.coords(rank).dp_rank == 1 and rec["rejoined_step"] is not None
-    _trained_every_step(tmp_path / "run", [0, 1, 4, 5], STEPS)
+    assert rec["lost_replica"] == dims.coords(rank).dp_rank == 1 and not rec["survivors_restarted"]
+    _trained_every_step(tmp_path / "run", [0, 1, 4, 5], steps)
     # the same global batch, in another layout: the same losses up to reduction order
-    _same_losses(summary["losses"], reference, "dp3 x tp2")
+    _same_losses(summary["losses"], reference[:steps], "dp3 x tp2")
 
 
 @pytest.mark.slow
@@ -224,15 +224,15 @@ def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_pat
 
 @pytest.mark.slow
 def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
-    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", "40",
-                            "--recovery", "replica-drop", "--inject", "stop:rank=3,step=10")
+    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", "24",
+                            "--recovery", "replica-drop", "--inject", "stop:rank=3,step=8")
     assert rc == 0, err[-2000:]
     rec = summary["recovery"]
     losses = summary["losses"]
     first = rec["failed_step"]
     _same_losses(losses[:first], reference[:first], "drop mode before the failure")
     # the steps it was away trained on replica 0's half of the batch: other numbers
-    assert any(abs(a - b) > RTOL * abs(b) for a, b in zip(losses[first:], reference[first:40]))
+    assert any(abs(a - b) > RTOL * abs(b) for a, b in zip(losses[first:], reference[first:24]))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -197,7 +197,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
                     break
                 if quorum.finished() and all(d in done or live[d].attempt > 0 for d in live):
                     # the survivors are through; a replica still catching up has nothing to join
-                    end = time.monotonic() + grace_s
+                    end = time.monotonic() + min(grace_s, 1.0)  # it gets an end of stream, or is stopped
                     while time.monotonic() < end and any(r.proc.poll() is None for r in live.values()):
                         time.sleep(0.1)
                     break
