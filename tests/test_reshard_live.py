@@ -140,11 +140,13 @@ def test_a_slow_tensor_parallel_rank_is_excluded_live_with_the_same_losses(tmp_p
 
     def run(out, *extra):
         proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "--dp", "2", "--pp", "1", "--tp", "2",
-                               "--steps", "30", "--global-tokens", "4096", "--out", str(out), "--json", *extra], capture_output=True,
+                               "--steps", "40", "--global-tokens", "4096", "--out", str(out), "--json", *extra], capture_output=True,
                               text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout)
 
+    # 40 steps: on a loaded machine the slowdown is measured late (about 2.4x at step 19 in one CI
+    # run) and a share-only change may come first; the layout change needs the steps after it
     slow = run(tmp_path / "slow", "--inject", "slow:rank=1,factor=4,step=10")
     healthy = run(tmp_path / "healthy")
     found = [e for e in slow["events"] if e["kind"] == "fail-slow"]
@@ -155,7 +157,7 @@ def test_a_slow_tensor_parallel_rank_is_excluded_live_with_the_same_losses(tmp_p
     stages = [stage for p in change["layout"]["pipelines"] for stage in p]
     assert all(1 not in stage for stage in stages) or any(stage != [0, 1] and 1 in stage for stage in stages)
     assert change["applied_step"] is not None
-    assert len(slow["losses"]) == len(healthy["losses"]) == 30
+    assert len(slow["losses"]) == len(healthy["losses"]) == 40
     for a, b in zip(slow["losses"], healthy["losses"]):
         assert abs(a - b) <= 1e-4 * abs(b)
     assert slow["recovered_fraction"] >= 0.8, slow["recovered_fraction"]

@@ -113,9 +113,9 @@ def _worker_pid(tier: Path, rank: int) -> int:
     raise AssertionError(f"no worker maps {target}")
 
 
-def _check(summary: dict, reference: list, source: str, max_lost: int = 0) -> None:
+def _check(summary: dict, reference: list, source: str | tuple[str, ...], max_lost: int = 0) -> None:
     rec = summary["recovery"]
-    assert rec["mode"] == "restart" and rec["source"] == source, rec
+    assert rec["mode"] == "restart" and rec["source"] in ((source,) if isinstance(source, str) else source), rec
     assert rec["lost_steps"] <= max_lost, rec
     assert summary["first_step"] == 0 and summary["losses"] == reference, (summary["losses"], reference)
     for key in ("detected_s", "restore_s", "stall_s"):
@@ -130,7 +130,8 @@ def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(refe
     keeper = int((tier / "keeper.pid").read_text())
     os.kill(keeper, signal.SIGKILL)  # the launcher starts another; the files stay
     summary = _finish(proc)
-    _check(summary, reference["dp2"], "memory")
+    # its own slot, or (killed inside its last snapshot copy) its data-parallel peer's of that step
+    _check(summary, reference["dp2"], ("memory", "peer"))
     assert summary["recovery"]["resumed_step"] == 4
     assert not tier.exists()  # the job is over: its keeper removed the tier
 
