@@ -50,7 +50,7 @@ from resihp.runtime.supervisor import (
 )
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
-HANG_FACTOR, HANG_FLOOR_S = 2.0, 1.0
+HANG_FACTOR, HANG_FLOOR_S, STOPPED_S = 2.0, 3.0, 1.0
 
 
 @dataclass
@@ -112,11 +112,12 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
         interval = min(BEAT_S, heartbeat_timeout_s / 4)
         places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size) for c in [dims.coords(r)]}
         # a false hang costs one replica's relaunch here, not the job: judge hangs sooner (a process
-        # stopped for a second; no progress for 2 x the median step, at least a second)
+        # stopped for a second; no progress for 2 x the median step, at least 3 s: a relaunched
+        # replica's start-up can hold a loaded machine's survivors back for a second or two)
         monitor = HeartbeatMonitor(store, ranks, timeout_s=heartbeat_timeout_s + interval, prefix=hb,
                                    places=places, startup_s=join_timeout_s, hang_timeout_s=hang_timeout_s,
                                    hang_factor=HANG_FACTOR, hang_floor_s=min(heartbeat_timeout_s, HANG_FLOOR_S),
-                                   stopped_s=HANG_FLOOR_S)
+                                   stopped_s=STOPPED_S)
         reader = StepReader(store, cfg.job_id, ranks, 0, owner=True, members=quorum.committed)
 
         def launch(d: int, attempt: int) -> _Replica:
@@ -151,7 +152,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
             for other in live.values():  # held up by the lost replica, not hung themselves
                 if other is not rep:
                     other.aggregator.excuse()
-                    monitor.excuse(ranks[other.replica], 2 * interval + 1.0)
+                    monitor.excuse(ranks[other.replica], 2 * interval + HANG_FLOOR_S)
             chain.advance()
             members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
             again = rep.attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
