@@ -88,9 +88,6 @@ class Quorum:
     def is_evicted(self, member: Member) -> bool:
         return self.store.check([self._key("evicted", member.replica, member.attempt)])
 
-    def latest(self) -> Generation:
-        return self.generation(int(self.store.get(self._key("gen", "latest"))))
-
     def generation(self, gen: int) -> Generation:
         return Generation.from_dict(json.loads(self.store.get(self._key("gen", gen))))
 
