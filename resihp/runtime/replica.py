@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -235,7 +234,6 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
                             rank=local, world_size=per_replica, timeout=timeout)
-    out = Path(cfg.out)
     engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.recovery == "replica-drop")
     phase = "stopped"
     publisher = StepPublisher(store, job_id, member.replica)
@@ -280,8 +278,6 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
         with contextlib.suppress(Exception):
             publisher.publish(engine.rec.take_new())
         heart.finish(phase)
-    if phase == "done" and local == 0:
-        (out / f"plan_changes.r{member.replica}.json").write_text(json.dumps(engine.plan_changes))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
