@@ -113,7 +113,7 @@ def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
         for name in models:
             shape = MODELS[name]
             saved = Path(tmp) / name
-            cfg = RunConfig(**shape, **SAVED, out=tmp)
+            cfg = RunConfig.from_flags(**shape, **SAVED, out=tmp)
             engine = Engine(cfg, torch.device("cpu"))
             saves = []
             for i in range(rounds):
@@ -125,7 +125,7 @@ def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
             state_bytes = _max(_state_bytes(engine))
             memory = _from_memory(engine, rounds, name == "default")
             del engine
-            engines = {t: Engine(RunConfig(**shape, **layout, out=tmp), torch.device("cpu"))
+            engines = {t: Engine(RunConfig.from_flags(**shape, **layout, out=tmp), torch.device("cpu"))
                        for t, layout in TARGETS.items()}
             times = {t: [] for t in TARGETS}
             verifies, read, minimum = [], {}, {}
@@ -145,7 +145,7 @@ def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
                 verify(saved / f"r{i}")
                 verifies.append(_max(time.perf_counter() - t0))
             result["models"][name] = {
-                "shape": RunConfig(**shape).model_config().to_dict(), "saved_layout": SAVED,
+                "shape": RunConfig.from_flags(**shape).model.to_dict(), "saved_layout": SAVED,
                 "state_bytes_per_rank": int(state_bytes), "save_s": statistics.median(saves),
                 "verify_s": statistics.median(verifies), "from_memory": memory,
                 "transitions": {t: {"layout": TARGETS[t], "load_s": statistics.median(times[t]),

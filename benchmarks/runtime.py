@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 import resihp
-from resihp.model.gpt import GPTConfig, GPTStage, init_by_name, lm_loss
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.runtime.data import DataSource
 
 
@@ -95,7 +96,7 @@ def layer_repartition(out: Path) -> dict:
     from resihp.runtime.demo import DEMO
     from resihp.runtime.launch import launch
 
-    cfg = RunConfig(**DEMO, steps=6, out=str(out), replan=[
+    cfg = RunConfig.from_flags(**DEMO, steps=6, out=str(out), replan=[
         {"step": 2, "layer_split": [3, 1]}, {"step": 4, "layer_split": [1, 3]}])
     proc = launch(cfg, timeout_s=300)
     if proc.returncode:

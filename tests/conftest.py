@@ -16,7 +16,7 @@ def tiny_profile():
 def measured_profile():
     """A fresh real measurement of a few micro-batches, for tests of the profiler's bookkeeping
     (its columns and schedule), never of its numbers."""
-    from resihp.model.gpt import GPTConfig
+    from resihp.model.config import GPTConfig
     from resihp.perf.calibrate import draw_microbatches, run_profile
 
     torch.set_num_threads(1)

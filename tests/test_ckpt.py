@@ -11,8 +11,10 @@ import torch.distributed.checkpoint as dcp
 from resihp.ckpt.integrity import write_manifest
 from resihp.ckpt.universal import convert, inspect, load
 from resihp.errors import InputError
-from resihp.model.gpt import GPTConfig, GPTStage, init_by_name, lm_loss
-from resihp.model.tensor_parallel import TPContext, split_of
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import GPTStage, init_by_name, lm_loss
+from resihp.model.placement import split_of
+from resihp.model.tensor_parallel import TPContext
 
 CFG = GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64)
 

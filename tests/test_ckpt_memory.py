@@ -249,20 +249,21 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"recovery": "sometimes"}, "--recovery: expected one of none, restart, replica, replica-drop, got 'sometimes'"),
-    ({"snapshot_every": -1}, "--snapshot-every: expected zero or a positive integer, got -1"),
+    ({"recovery": "sometimes"}, "faults.recovery (--recovery): expected one of none, restart, replica, replica-drop, "
+                             "got 'sometimes'"),
+    ({"snapshot_every": -1}, "checkpoint.snapshot_every (--snapshot-every): expected an integer >= 0, got -1"),
 ])
 def test_bad_snapshot_options_are_one_line(fields, message):
     from resihp.runtime.config import RunConfig
 
     with pytest.raises(InputError) as info:  # the CLI prints it as one line, exit 2
-        RunConfig(**fields)
+        RunConfig.from_flags(**fields)
     assert str(info.value) == message
 
 
 def test_restart_snapshots_every_step_unless_told():
     from resihp.runtime.config import RunConfig
 
-    assert RunConfig(recovery="restart").snapshot_every == 1
-    assert RunConfig(recovery="restart", snapshot_every=3).snapshot_every == 3
-    assert RunConfig().snapshot_every == 0
+    assert RunConfig.from_flags(recovery="restart").snapshot_interval() == 1
+    assert RunConfig.from_flags(recovery="restart", snapshot_every=3).snapshot_interval() == 3
+    assert RunConfig().snapshot_interval() == 0

@@ -29,7 +29,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    engine = Engine(RunConfig(**CFG, out=tmp), torch.device("cpu"))
+    engine = Engine(RunConfig.from_flags(**CFG, out=tmp), torch.device("cpu"))
     engine.train_step(0)
     result["before"] = _layer_state(engine)
     result["ranges_before"] = list(engine.ranges)
@@ -81,7 +81,7 @@ def _replicas(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    engine = Engine(RunConfig(**{**CFG, "dp": 2}, out=tmp), torch.device("cpu"))
+    engine = Engine(RunConfig.from_flags(**{**CFG, "dp": 2}, out=tmp), torch.device("cpu"))
     engine.sync_plan(0, {"version": 1, "layer_splits": [[2, 2], [1, 3]]} if rank == 0 else None)
     for step in range(2):
         engine.train_step(step)

@@ -6,9 +6,9 @@ from resihp.runtime.live import planner_specs
 
 
 def test_live_cluster_is_measured_not_invented():
-    cfg = RunConfig(dp=2, pp=2, device="cpu")
+    cfg = RunConfig.from_flags(dp=2, pp=2, device="cpu")
     cluster, model = planner_specs(cfg)
-    assert len(cluster.devices) == 4 and model.layers == cfg.layers
+    assert len(cluster.devices) == 4 and model.layers == cfg.model.layers
     device = cluster.devices[0]
     # memory: what the kernel says is available now, shared by the node's 4 ranks
     assert 0 < device.memory_gb <= available_memory_gb() / 4 * 1.5

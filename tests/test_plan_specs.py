@@ -49,7 +49,7 @@ def test_model_sizes_are_their_class():
 
 
 def test_small_model_matches_runtime_config():
-    from resihp.model.gpt import GPTConfig
+    from resihp.model.config import GPTConfig
 
     model = ModelSpec.from_yaml(MODELS / "cpu-small.yaml")
     cfg = GPTConfig()

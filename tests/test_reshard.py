@@ -38,20 +38,20 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    cfg = RunConfig(**BASE, **SAVED_AT, out=tmp)
+    cfg = RunConfig.from_flags(**BASE, **SAVED_AT, out=tmp)
     engine = Engine(cfg, torch.device("cpu"))
     _losses(engine, range(SAVE_STEP + 1))
     save(Path(tmp) / "saved", engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, cfg),
          engine.tp, engine.model_cfg, rank_tensors(engine))
-    result["reference"] = _losses(engine, range(SAVE_STEP + 1, cfg.steps))
+    result["reference"] = _losses(engine, range(SAVE_STEP + 1, cfg.train.steps))
     for name, layout in LAYOUTS.items():
-        new = RunConfig(**BASE, **layout, out=tmp, resume=str(Path(tmp) / "saved"))
+        new = RunConfig.from_flags(**BASE, **layout, out=tmp, resume=str(Path(tmp) / "saved"))
         engine = Engine(new, torch.device("cpu"))
         resumed = resume(engine, new, Path(tmp) / "saved", SAVE_STEP + 1)
         # what this layout holds now, written back: must be what was saved
         save(Path(tmp) / name, engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, new),
              engine.tp, engine.model_cfg)
-        result[name] = _losses(engine, range(SAVE_STEP + 1, new.steps))
+        result[name] = _losses(engine, range(SAVE_STEP + 1, new.train.steps))
         result[name + ":decisions"] = resumed.decisions
     return result
 

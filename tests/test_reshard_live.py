@@ -31,7 +31,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.engine import Engine
 
     result: dict = {}
-    cfg = RunConfig(**{**BASE, "steps": STEPS}, dp=2, pp=1, tp=2, out=tmp)
+    cfg = RunConfig.from_flags(**{**BASE, "steps": STEPS}, dp=2, pp=1, tp=2, out=tmp)
     reference = Engine(cfg, torch.device("cpu"))
     result["reference"] = [reference.train_step(s).loss for s in range(STEPS)]
     save(Path(tmp) / "reference", reference.model, reference.optimizer, STEPS - 1, {}, reference.tp,
@@ -110,7 +110,7 @@ def test_a_spare_that_runs_at_its_reference_speed_again_is_taken_back():
     from resihp.runtime.live import LiveLoop
     from resihp.runtime.recorder import rows_frame
 
-    loop = LiveLoop(RunConfig(layers=4, dp=2, pp=1, tp=2))
+    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=2, pp=1, tp=2))
     posted = []
     loop._post = posted.append
     probe = lambda step, rank, s: {"step": step, "rank": rank, "dp_rank": 0, "stage": 0, "tp_rank": 0,  # noqa: E731

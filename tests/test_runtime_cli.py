@@ -20,7 +20,7 @@ def resihp(*args, timeout=180):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dp", "0"], "--dp: expected a positive integer"),
+    (["--dp", "0"], "parallel.dp (--dp): expected an integer >= 1, got 0"),
     (["--pp", "5"], "cannot split 4 layers into 5 non-empty stages"),
     (["--inject", "slow:rank=4,factor=2,step=1"], "no such rank 4 (the world has ranks 0..3)"),
     (["--inject", "slow:rank=1,factor=0.5,step=1"], "factor must be >= 1"),
@@ -29,13 +29,15 @@ def resihp(*args, timeout=180):
     (["--dp-weights", "1,x"], "--dp-weights '1,x'"),
     (["--hidden", "8192", "--ffn-hidden", "32768", "--heads", "64", "--layers", "64"], "model too large"),
     (["--source", "nowhere.txt"], "length source 'nowhere.txt'"),
-    (["--schedule", "zigzag"], "--schedule"),
-    (["--lr", "inf"], "--lr: expected a positive finite number, got inf"),
-    (["--lr", "nan"], "--lr: expected a positive finite number, got nan"),
-    (["--steps", "1000000000"], "--steps: at most 100,000,000, got 1000000000"),
-    (["--timeout", "1e12"], "--timeout: at most 604,800"),
-    (["--if-busy", "share"], "--if-busy: expected fail or subfolder"),
-    (["--heartbeat-timeout", "inf"], "--heartbeat-timeout: expected seconds in (0, 86400], got inf"),
+    (["--schedule", "zigzag"], "parallel.schedule (--schedule): expected one of 1f1b, gpipe, got 'zigzag'"),
+    (["--lr", "inf"], "train.lr (--lr): expected a finite number, got inf"),
+    (["--lr", "nan"], "train.lr (--lr): expected a finite number, got nan"),
+    (["--steps", "1000000000"], "train.steps (--steps): at most 100,000,000, got 1000000000"),
+    (["--timeout", "1e12"], "faults.timeout_s (--timeout): at most 604,800"),
+    (["--if-busy", "share"], "--if-busy: expected fail or subfolder, got 'share'"),
+    (["--lr", "0"], "train.lr (--lr): expected a number > 0, got 0.0"),
+    (["--recovery", "sometimes"], "faults.recovery (--recovery): expected one of none, restart, replica, replica-drop, got 'sometimes'"),
+    (["--heartbeat-timeout", "inf"], "faults.heartbeat_timeout_s (--heartbeat-timeout): expected a finite number, got inf"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
     from resihp.cli import main
@@ -80,7 +82,7 @@ def older_job_checkpoint(directory):
     from resihp.ckpt.universal import save
     from resihp.runtime.config import RunConfig
 
-    cfg = RunConfig(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, max_len=512)
+    cfg = RunConfig.from_flags(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, max_len=512)
     model = torch.nn.Linear(2, 2)
     save(directory, model, torch.optim.AdamW(model.parameters()), 29,
          {"dp": 2, "pp": 2, "tp": 1, "job_id": "older-job", "model_hash": cfg.model_hash()})
@@ -125,7 +127,7 @@ def test_worker_that_never_joins_is_a_clear_error(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
     proc = subprocess.run([sys.executable, "-m", "resihp.runtime.worker", "--dp", "1", "--pp", "2",
-                           "--timeout-s", "3", "--out", str(tmp_path)], capture_output=True,
+                           "--timeout", "3", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 3
     assert "not every worker joined" in proc.stderr and "Traceback" not in proc.stderr

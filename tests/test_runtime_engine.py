@@ -11,11 +11,11 @@ from resihp.runtime.follow import follow
 from resihp.runtime.launch import launch
 
 SMALL = dict(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048,
-             budget=512, max_len=512, source="text", steps=3, timeout_s=30)
+             budget=512, max_len=512, source="text", steps=3, timeout=30)
 
 
 def run(tmp_path, name, **kw) -> tuple[dict, "object"]:
-    cfg = RunConfig(**{**SMALL, **kw, "out": str(tmp_path / name)})
+    cfg = RunConfig.from_flags(**{**SMALL, **kw, "out": str(tmp_path / name)})
     proc = launch(cfg, timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / name / "summary.json").read_text())

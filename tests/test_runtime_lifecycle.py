@@ -251,9 +251,9 @@ def test_resume_crosses_layouts_never_models():
     from resihp.runtime.config import RunConfig
     from resihp.runtime.worker import resume_step
 
-    cfg = RunConfig(dp=1, pp=2, resume="runs/x/ckpt/step9")
-    other = RunConfig(hidden=64, dp=2, pp=2)
-    assert resume_step(cfg, {"step": 9, "dp": 2, "pp": 2, "model_hash": RunConfig(dp=2).model_hash()}) == 10
+    cfg = RunConfig.from_flags(dp=1, pp=2, resume="runs/x/ckpt/step9")
+    other = RunConfig.from_flags(hidden=64, dp=2, pp=2)
+    assert resume_step(cfg, {"step": 9, "dp": 2, "pp": 2, "model_hash": RunConfig.from_flags(dp=2).model_hash()}) == 10
     with pytest.raises(InputError, match=r"step9: written for another model"):
         resume_step(cfg, {"step": 9, "model_hash": other.model_hash(), "model": {"hidden": 64}})
 

@@ -112,7 +112,8 @@ def test_data_source_rejects_bad_sizes():
 def test_tensor_parallel_shards_round_trip():
     import torch
 
-    from resihp.model.gpt import GPTConfig, GPTStage, init_by_name
+    from resihp.model.config import GPTConfig
+    from resihp.model.gpt import GPTStage, init_by_name
     from resihp.model.tensor_parallel import TPContext, shard, unshard
 
     cfg = GPTConfig(layers=1, hidden=32, heads=4, ffn_hidden=64, vocab=50)

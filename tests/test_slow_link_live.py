@@ -22,7 +22,7 @@ ONSET, FACTOR = 10, 100
 
 
 def _run(tmp_path, inject: str, steps: int) -> tuple[LiveLoop, dict, object]:
-    cfg = RunConfig(**JOB, steps=steps, inject=[inject], out=str(tmp_path))
+    cfg = RunConfig.from_flags(**JOB, steps=steps, inject=[inject], out=str(tmp_path))
     loop = LiveLoop(cfg, detector_config=DetectorConfig(calibration_steps=8))
     outcome = supervise(cfg, on_steps=loop.on_steps)
     assert outcome.error is None, outcome.error

@@ -21,8 +21,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from resihp.model.gpt import ADAM_KEYS, GPTConfig
-from resihp.model.tensor_parallel import Placement, TPContext
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import ADAM_KEYS
+from resihp.model.placement import Placement
+from resihp.model.tensor_parallel import TPContext
 
 _MESHES: dict[int, tuple[object, DeviceMesh]] = {}  # id(group) -> (the group, held so its id stays its own; mesh)
 

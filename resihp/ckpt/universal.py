@@ -28,8 +28,10 @@ import torch.distributed.checkpoint as dcp
 from resihp.ckpt.integrity import newest_good, publish, read_dcp_metadata, safe_reader, verify
 from resihp.ckpt.reshard import ensure_adam_state, placed_state
 from resihp.errors import InputError
-from resihp.model.gpt import ADAM_KEYS, GPTConfig
-from resihp.model.tensor_parallel import TPContext, full_shape, shard, split_of, unshard
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import ADAM_KEYS
+from resihp.model.placement import split_of
+from resihp.model.tensor_parallel import TPContext, full_shape, shard, unshard
 
 FORMAT = 2
 

@@ -11,79 +11,18 @@ so state can move between layouts by name.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from resihp.errors import InputError
-from resihp.model.tensor_parallel import (
-    Placement,
-    TPContext,
-    chunk_rows,
-    copy_to_tp,
-    gather_from_tp,
-    placement,
-    reduce_from_tp,
-)
-from resihp.workload.flops import TransformerShape
+from resihp.model.config import GPTConfig
+from resihp.model.placement import chunk_rows
+from resihp.model.tensor_parallel import TPContext, copy_to_tp, gather_from_tp, reduce_from_tp
 
 # the AdamW state that travels with each parameter when layers move or checkpoints reshard
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    layers: int = 4
-    hidden: int = 256
-    heads: int = 4
-    ffn_hidden: int = 1024
-    vocab: int = 4096
-    max_seq_len: int = 2048
-    # options (in ``to_dict`` only when set, so that a model without them keeps its hash)
-    mlp: str = "gelu"  # gelu, or swiglu (a fused gate/up projection, split per half)
-    tie_embeddings: bool = False  # the LM head is the token embedding (across first and last stage)
-    vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows (padded to tp)
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if name in OPTIONS:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InputError(f"model config: {name} must be a positive integer, got {value!r}")
-        if self.hidden % self.heads:
-            raise InputError(f"model config: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if self.mlp not in MLPS:
-            raise InputError(f"model config: mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
-        for name in ("tie_embeddings", "vocab_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise InputError(f"model config: {name} must be true or false, got {getattr(self, name)!r}")
-
-    def check_tp(self, tp: int) -> None:
-        """Tensor parallelism of size ``tp`` splits whole heads and the FFN evenly."""
-        if self.heads % tp or self.ffn_hidden % tp:
-            raise InputError(f"tensor-parallel size {tp} must divide heads ({self.heads}) and ffn_hidden "
-                             f"({self.ffn_hidden})")
-
-    def saved_name(self, name: str) -> str:
-        """The global name a parameter is saved and initialised under: a tied LM head is the
-        token embedding, wherever the stage holding it sits."""
-        return "embed.weight" if self.tie_embeddings and name == "head.weight" else name
-
-    def placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> Placement:
-        """Where a rank's shard of parameter ``name`` sits in its global tensor."""
-        return placement(name, local_shape, tp, self.vocab if self.vocab_parallel else None)
-
-    def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:
-        return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp)
-
-    def to_dict(self) -> dict[str, int | str | bool]:
-        return {k: v for k, v in asdict(self).items() if k not in OPTIONS or v != OPTIONS[k]}
-
-
-MLPS = ("gelu", "swiglu")
-OPTIONS = {"mlp": "gelu", "tie_embeddings": False, "vocab_parallel": False}  # option: its default
 
 
 def packed_causal_attention(

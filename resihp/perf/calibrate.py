@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from resihp.errors import InputError
-from resihp.model.gpt import GPTConfig
+from resihp.model.config import GPTConfig
 from resihp.perf.device import device_name
 from resihp.perf.profiler import Profile, noise_floor, profile, speed_summary
 from resihp.perf.registry import device_slug, user_models_dir

@@ -66,7 +66,7 @@ def profile_cmd(
     reference micro-batch timed between measurements to normalise the device's drift."""
     import torch
 
-    from resihp.model.gpt import GPTConfig
+    from resihp.model.config import GPTConfig
     from resihp.perf.calibrate import draw_microbatches, profile_summary, run_profile, write_profile
     from resihp.workload.lengths import load_lengths
     from resihp.workload.packing import pack_greedy

@@ -33,7 +33,8 @@ import pandas as pd
 import torch
 
 from resihp.errors import InputError
-from resihp.model.gpt import DecoderBlock, GPTConfig
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import DecoderBlock
 from resihp.perf.device import device_name
 
 PROFILE_COLUMNS = ["device", "model", "layers", "hidden", "heads", "ffn_hidden", "tp", "phase",

@@ -54,6 +54,10 @@ def plan_table(plan, console: Console) -> None:
         f"solver {plan.solver.get('status')} in {plan.solver.get('solve_s', math.nan):.2f} s")
 
 
+# the names in plan.baselines.POLICIES (a test keeps them equal), here for --help without OR-Tools
+PLAN_POLICIES = "resihp|uniform|resihp-heuristic|drop-replica"
+
+
 def plan_cmd(
     cluster: Annotated[Path, typer.Option(help="Cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name (h100-8-degraded)")],
     model: Annotated[Path, typer.Option(help="Model YAML (shape, batch, schedule), or a shipped model by name (gpt-7b)")],
@@ -61,7 +65,7 @@ def plan_cmd(
     speed: Annotated[list[str] | None, typer.Option(
         help="Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable")] = None,
     policy: Annotated[str, typer.Option(
-        help="resihp, uniform, resihp-heuristic or drop-replica")] = "resihp",
+        metavar=PLAN_POLICIES, help="The planner, or a baseline of it")] = "resihp",
     time_limit: Annotated[float, typer.Option(help="Solver time limit, seconds")] = 5.0,
     horizon: Annotated[float, typer.Option(
         help="Steps over which a state migration is amortised")] = 100.0,

@@ -15,9 +15,14 @@ from resihp.paths import resolve
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
 
 
+# the names in replay.policies.POLICIES (a test keeps them equal), here for --help without the planner
+REPLAY_POLICIES = "resihp, checkpoint-restart, oobleck, recycle, greyhound, oobleck+greyhound, recycle+greyhound"
+
+
 def replay_cmd(
     scenario: Annotated[Path, typer.Argument(help="Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see traces/scenarios/)")],
-    policies: Annotated[str, typer.Option(help="Comma-separated policies (default: all)")] = "",
+    policies: Annotated[str, typer.Option(
+        metavar="NAME,...", help=f"Comma-separated policies, of {REPLAY_POLICIES} (default: all)")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     plot: Annotated[Path, typer.Option(help="Write throughput timelines to this PNG")] = None,
     seed: Annotated[int, typer.Option(help="Seed for failure generators, workload and noise "

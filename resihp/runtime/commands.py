@@ -9,82 +9,27 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
 from resihp.progress import progress_bar
+from resihp.runtime.config import RunConfig, check_memory
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
 
 
-def _numbers(text: str | None, name: str, kind: type) -> list | None:
-    if text is None:
-        return None
-    try:
-        return [kind(x) for x in text.split(",")]
-    except ValueError:
-        raise InputError(f"{name} {text!r}: expected comma-separated {kind.__name__}s, e.g. 2,2") from None
-
-
+@tree_options(RunConfig)
 def run_cmd(
-    out: Annotated[Path, typer.Option("-o", "--out", help="Run folder: ops.parquet, job.yaml, summary.json")] = Path("runs/latest"),
-    layers: int = 4, hidden: int = 128, heads: int = 4, ffn_hidden: int = 512, vocab: int = 1024,
-    dp: Annotated[int, typer.Option(help="Data-parallel replicas")] = 2,
-    pp: Annotated[int, typer.Option(help="Pipeline stages")] = 2,
-    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per stage")] = 1,
-    schedule: Annotated[str, typer.Option(help="1f1b or gpipe")] = "1f1b",
-    steps: int = 20,
-    source: Annotated[str, typer.Option(help="Sequence-length source: text, code or a lengths file")] = "text",
-    global_tokens: Annotated[int, typer.Option(help="Tokens per training step (all replicas)")] = 8192,
-    budget: Annotated[int, typer.Option(help="Micro-batch token budget")] = 1024,
-    max_len: Annotated[int, typer.Option(help="Longest sequence; longer documents are chunked")] = 1024,
-    layer_split: Annotated[str, typer.Option(help="Layers per stage, e.g. 3,1 (default: balanced)")] = None,
-    dp_weights: Annotated[str, typer.Option(help="Micro-batch share per replica, e.g. 2,1")] = None,
-    inject: Annotated[list[str], typer.Option(help="slow:rank=R,factor=F,step=S (compute x F), "
-                                              "link:ranks=A+B,factor=F,step=S (every transfer between "
-                                              "A and B x F: pipeline sends/receives and their share of "
-                                              "collectives) or stop:rank=R,step=S (repeatable)")] = None,
-    seed: int = 0, lr: float = 1e-3,
-    ckpt_every: Annotated[int, typer.Option(help="Steps between universal checkpoints; with it, a "
-                                            "stopped rank is excluded by an elastic restart")] = 0,
-    snapshot_every: Annotated[int, typer.Option(help="Steps between in-memory snapshots (/dev/shm, kept "
-                                                "by a per-node keeper); default 1 with --recovery "
-                                                "restart, else none")] = None,
-    recovery: Annotated[str, typer.Option(help="On a fail-stop: none; restart (relaunch the same "
-                                          "layout; every rank restores from memory, a peer's memory, "
-                                          "else the newest checkpoint); replica (only the lost "
-                                          "data-parallel replica restarts and catches up from a live "
-                                          "peer while the others train on, taking over its "
-                                          "micro-batches); replica-drop (the same, its micro-batches "
-                                          "skipped while it is away)")] = "none",
-    resume: Annotated[Path, typer.Option(help="Start from a checkpoint folder, or a run folder's newest "
-                                         "checkpoint that verifies, in any layout; --steps stays the "
-                                         "total step count")] = None,
-    mlp: Annotated[str, typer.Option(help="gelu, or swiglu (a fused gate/up projection)")] = "gelu",
-    tie_embeddings: Annotated[bool, typer.Option(help="Tie the LM head to the token embedding (across "
-                                                 "the first and last pipeline stage)")] = False,
-    vocab_parallel: Annotated[bool, typer.Option(help="Split the embedding and LM head by vocabulary "
-                                                 "rows over --tp (the vocabulary padded to a multiple "
-                                                 "of it)")] = False,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
-    timeout: Annotated[float, typer.Option(help="Seconds a rank may wait for a peer, and for all ranks "
-                                           "to join")] = 60.0,
-    heartbeat_timeout: Annotated[float, typer.Option(help="Seconds without a heartbeat before a rank "
-                                                     "counts as stopped")] = 10.0,
-    live: Annotated[bool, typer.Option(help="Run the live detector and planner beside the job and "
-                                       "apply their plan changes")] = True,
-    if_busy: Annotated[str, typer.Option(help="When another job holds --out: fail (exit 2) or "
-                                         "subfolder (write into a fresh OUT/<job id>)")] = "fail",
+    if_busy: Annotated[str, typer.Option(
+        metavar="fail|subfolder", help="When another job holds --out: fail (exit 2) or subfolder "
+        "(write into a fresh OUT/<job id>)")] = "fail",
     tensorboard: Annotated[bool, typer.Option(help="Write step time, tokens/s, events and plan "
                                               "changes as TensorBoard scalars under OUT/tensorboard "
                                               "(needs the tensorboard extra)")] = False,
-    hang_timeout: Annotated[float, typer.Option(help="Seconds a training rank may make no progress "
-                                                "while its heartbeat goes on before it counts as hung "
-                                                "(default: 5 x the median step time, at least "
-                                                "--heartbeat-timeout)")] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job (torchrun's option): run this command "
                                         "once per node", rich_help_panel="Multi-node")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1; node 0 hosts the "
@@ -95,13 +40,14 @@ def run_cmd(
     rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, where it hosts the job's "
                                                "store (bound to HOST)", rich_help_panel="Multi-node")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
+    **options: Any,
 ) -> None:
     """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
 
-    The run folder belongs to this job while it runs (a second job into it exits 2); SIGTERM or
-    SIGINT stops the workers within a grace period, keeps the trace and summary written so far and
-    marks the run resumable in OUT/run.json (exit 143 / 130)."""
-    from resihp.runtime.config import RunConfig, check_memory
+    The options are the run configuration's fields (resihp.runtime.config.RunConfig), grouped by
+    section. The run folder belongs to this job while it runs (a second job into it exits 2);
+    SIGTERM or SIGINT stops the workers within a grace period, keeps the trace and summary written
+    so far and marks the run resumable in OUT/run.json (exit 143 / 130)."""
     from resihp.runtime.launch import Nodes
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
@@ -110,30 +56,19 @@ def run_cmd(
 
     if if_busy not in ("fail", "subfolder"):
         raise InputError(f"--if-busy: expected fail or subfolder, got {if_busy!r}")
-    if not 0 < heartbeat_timeout <= 86400:
-        raise InputError(f"--heartbeat-timeout: expected seconds in (0, 86400], got {heartbeat_timeout}")
-    cfg = RunConfig(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, vocab=vocab,
-                    dp=dp, pp=pp, tp=tp, schedule=schedule, steps=steps, source=source,
-                    global_tokens=global_tokens, budget=budget, max_len=max_len,
-                    layer_split=_numbers(layer_split, "--layer-split", int),
-                    dp_weights=_numbers(dp_weights, "--dp-weights", float), inject=list(inject or []),
-                    seed=seed, lr=lr, device=device, timeout_s=timeout, out=str(out),
-                    ckpt_every=ckpt_every, mlp=mlp, tie_embeddings=tie_embeddings,
-                    vocab_parallel=vocab_parallel, recovery=recovery,
-                    snapshot_every=snapshot_every if snapshot_every is not None else 0)
-    if resume is not None:
-        cfg = replace(cfg, resume=str(_resume_source(resume, steps)))
-    world = cfg.dims().world_size
-    if hang_timeout is not None and not 0 < hang_timeout <= 86400:
-        raise InputError(f"--hang-timeout: expected seconds in (0, 86400], got {hang_timeout}")
+    cfg = tree_from_options(RunConfig, options)
+    if cfg.checkpoint.resume is not None:
+        cfg = cfg.updated(resume=str(_resume_source(Path(cfg.checkpoint.resume), cfg.train.steps)))
+    out, steps, world = Path(cfg.out), cfg.train.steps, cfg.dims().world_size
+    live = cfg.live.live
     if nnodes < 1 or (nproc_per_node is None and world % nnodes):
         raise InputError(f"--nnodes {nnodes}: expected a positive divisor of the world size {world} "
                          "(or give --nproc-per-node)")
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
-    replicas = cfg.recovery.startswith("replica")
+    replicas = cfg.faults.recovery.startswith("replica")
     if replicas and nnodes > 1:
-        raise InputError(f"--recovery {cfg.recovery}: one node only for now (got --nnodes {nnodes})")
+        raise InputError(f"--recovery {cfg.faults.recovery}: one node only for now (got --nnodes {nnodes})")
     check_memory(cfg, nodes.nproc_per_node)
     with RunFolder(out).acquire(if_busy) as folder:
         out = folder.out
@@ -146,12 +81,10 @@ def run_cmd(
                 from resihp.runtime.replicas import supervise_replicas
 
                 loop = None  # the live planner's changes are not applied across replica restarts yet
-                outcome = supervise_replicas(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                                             on_step=lambda s: advance(s + 1), hang_timeout_s=hang_timeout)
+                outcome = supervise_replicas(cfg, on_step=lambda s: advance(s + 1))
             else:
-                outcome = supervise(cfg, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=timeout,
-                                    on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None,
-                                    nodes=nodes, hang_timeout_s=hang_timeout, on_poll=keeper)
+                outcome = supervise(cfg, on_step=lambda s: advance(s + 1),
+                                    on_steps=loop.on_steps if loop else None, nodes=nodes, on_poll=keeper)
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
@@ -189,10 +122,10 @@ def run_cmd(
         if loop is not None and not outcome.interrupted:
             summary.update(_live_fields(cfg, loop, summary))
             _write_summary(out, summary)
-        if cfg.recovery == "restart" and nnodes == 1 and restartable(outcome):
-            summary, outcome = _restart(cfg, outcome, summary, heartbeat_timeout, json_out, keeper)
-        elif outcome.failure and cfg.ckpt_every and not outcome.interrupted:
-            summary, outcome = _recover(cfg, outcome, summary, heartbeat_timeout, json_out)
+        if cfg.faults.recovery == "restart" and nnodes == 1 and restartable(outcome):
+            summary, outcome = _restart(cfg, outcome, summary, json_out, keeper)
+        elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted:
+            summary, outcome = _recover(cfg, outcome, summary, json_out)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
             from resihp.runtime.metrics import write_run  # deferred: tensorboard, an optional extra
@@ -322,7 +255,7 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
               "tokens_per_s_before": summary.get("tokens_per_s"),
               "tokens_per_s_after": summary.get("tokens_per_s"), "recovered_fraction": None,
               "live_error": loop.error}
-    slow = [f for f in cfg.faults() if f.kind == "slow" and f.step is not None]
+    slow = [f for f in cfg.fault_list() if f.kind == "slow" and f.step is not None]
     if slow and (out / "ops.parquet").exists():
         report = fault_summary(read_ops_trace(out / "ops.parquet"), slow[0].to_dict(), loop.events,
                                changes, cfg.dims().world_size)
@@ -348,7 +281,7 @@ def _summary(cfg, outcome) -> dict:
     return json.loads(summary_path.read_text())
 
 
-def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bool, keeper,
+def _restart(cfg, outcome, summary: dict, json_out: bool, keeper,
              attempts: int = 3):
     """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
     its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
@@ -362,12 +295,12 @@ def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
     before_summary, after, again = summary, {}, outcome
     for attempt in range(1, attempts + 1):
         ckpt, _ = latest_checkpoint(out, cfg)
-        new = replace(cfg, inject=[], resume=str(ckpt) if ckpt else cfg.resume,
+        new = cfg.updated(inject=[], resume=str(ckpt) if ckpt else cfg.checkpoint.resume,
                       out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
         failure, why = again.failure, again.error
         verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
-        with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
-            again = supervise(new, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=new.timeout_s,
+        with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
+            again = supervise(new,
                               on_step=lambda s: advance(s + 1), on_poll=keeper)
         after = _summary(new, again)
         record = recovery_record(before, Path(new.out), failure, before_summary, after, cause=why)
@@ -387,7 +320,7 @@ def _restart(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
     return summary, again
 
 
-def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bool):
+def _recover(cfg, outcome, summary: dict, json_out: bool):
     """Exclude the stopped rank: restart the surviving layout from the latest checkpoint."""
     from resihp.runtime.elastic import latest_checkpoint, layout_without
     from resihp.runtime.supervisor import supervise
@@ -403,8 +336,8 @@ def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
         _write_summary(out, summary)
         return summary, outcome
     t0 = time.time()
-    with progress_bar("after restart", new.steps, enabled=not json_out) as advance:
-        again = supervise(new, heartbeat_timeout_s=heartbeat_timeout, join_timeout_s=new.timeout_s,
+    with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
+        again = supervise(new,
                           on_step=lambda s: advance(s + 1))
     after = _summary(new, again)
     ops = Path(new.out) / "ops.parquet"
@@ -417,7 +350,7 @@ def _recover(cfg, outcome, summary: dict, heartbeat_timeout: float, json_out: bo
         first = float(steps.start_ts.min()) if len(steps) else None
     change = {"kind": "exclude", "rank": rank, "restart_from": str(ckpt),
               "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
-              "layout": {"dp": new.dp, "pp": new.pp, "tp": new.tp},
+              "layout": {"dp": new.parallel.dp, "pp": new.parallel.pp, "tp": new.parallel.tp},
               "restart_s": round(first - t0, 3) if first else None,
               "skipped": [f"{p.name}: {why}" for p, why in skipped]}
     summary.update({"plan_changes": [change], "after_restart": after,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 from resihp.errors import InputError
-from resihp.model.gpt import GPTConfig
+from resihp.model.config import GPTConfig
+from resihp.options import Section, build, check_section, flat_values, from_nested, opt, updated
 from resihp.parallel import ParallelDims
 from resihp.runtime.inject import Fault, check_faults, parse_fault
 from resihp.runtime.layout import balanced_layers, ranges_from_counts
@@ -21,122 +22,189 @@ RECOVERY_MODES = ("none", "restart", "replica", "replica-drop")
 # what the launcher does on a fail-stop: restart the same layout, or relaunch the lost replica alone
 # while the others go on (replica: they also train its micro-batches; replica-drop: they skip them)
 
-# upper bounds of the run's sizes and durations: a value past them is a typo, not a plan
-LIMITS = {"steps": 10**8, "global_tokens": 2**40, "budget": 2**31, "max_len": 2**31, "threads": 4096,
-          "timeout_s": 7 * 86400.0}
+
+def _run_model() -> GPTConfig:
+    """The run's default model: small enough for a few CPU processes."""
+    return GPTConfig(layers=4, hidden=128, heads=4, ffn_hidden=512, vocab=1024, max_seq_len=1024)
 
 
-@dataclass
-class RunConfig:
-    # model
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
-    ffn_hidden: int = 512
-    vocab: int = 1024
-    mlp: str = "gelu"  # gelu or swiglu (a fused gate/up projection)
-    tie_embeddings: bool = False  # the LM head is the token embedding (first and last stage)
-    vocab_parallel: bool = False  # embedding and LM head split by vocabulary rows (padded to --tp)
-    # layout
-    dp: int = 2
-    pp: int = 2
-    tp: int = 1
-    schedule: str = "1f1b"
-    layer_split: list[int] | None = None  # layers per stage; None: balanced
-    dp_weights: list[float] | None = None  # micro-batch share per replica; None: equal
-    # data and optimisation
-    steps: int = 10
-    source: str = "text"
-    global_tokens: int = 8192
-    budget: int = 1024
-    max_len: int = 1024
-    seed: int = 0
-    lr: float = 1e-3
-    # run
-    out: str = "runs/latest"
-    inject: list[str] = field(default_factory=list)
-    ckpt_every: int = 0  # steps between universal checkpoints (0: none)
-    snapshot_every: int = 0  # steps between in-memory snapshots (0: none; 1 with --recovery restart)
-    recovery: str = "none"  # none, restart (the same layout, from memory), replica or replica-drop
-    resume: str | None = None  # a checkpoint folder to start from (any layout)
-    replan: list[dict] = field(default_factory=list)  # scheduled plan changes: {"step", "dp_weights"?, "layer_split"?}
-    device: str = "auto"  # cpu, cuda or auto
-    threads: int = 1
-    timeout_s: float = 60.0  # how long a collective or receive may wait for a peer
-    job_id: str = ""  # the job this run belongs to (recorded in its checkpoints; set by the launcher)
+@dataclass(frozen=True)
+class ParallelConfig(Section):
+    SECTION: ClassVar[str] = "parallel"
 
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise InputError(f"--schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        for name in ("steps", "global_tokens", "budget", "max_len", "threads"):
-            if getattr(self, name) < 1:
-                raise InputError(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(self, name)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise InputError(f"--lr: expected a positive finite number, got {self.lr}")
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            raise InputError(f"--timeout: expected a positive number of seconds, got {self.timeout_s}")
-        for name, limit in LIMITS.items():
-            if getattr(self, name) > limit:
-                raise InputError(f"--{name.removesuffix('_s').replace('_', '-')}: at most {limit:,.0f}, "
-                                 f"got {getattr(self, name)}")
-        if self.ckpt_every < 0:
-            raise InputError(f"--ckpt-every: expected zero or a positive integer, got {self.ckpt_every}")
-        if self.recovery not in RECOVERY_MODES:
-            raise InputError(f"--recovery: expected one of {', '.join(RECOVERY_MODES)}, got {self.recovery!r}")
-        if self.snapshot_every < 0:
-            raise InputError(f"--snapshot-every: expected zero or a positive integer, got {self.snapshot_every}")
-        if self.recovery.startswith("replica") and self.dp < 2:
-            raise InputError(f"--recovery {self.recovery}: needs --dp 2 or more (the replica is the unit "
-                             f"of failure), got --dp {self.dp}")
-        if self.recovery.startswith("replica") and (self.snapshot_every or self.ckpt_every or self.resume):
-            raise InputError(f"--recovery {self.recovery}: a lost replica recovers from a live peer; "
-                             "--snapshot-every, --ckpt-every and --resume are not combined with it yet")
-        if self.recovery == "restart" and self.snapshot_every == 0:
-            self.snapshot_every = 1  # restart in place restores from memory: snapshot every step
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise InputError(f"--device: expected auto, cpu or cuda, got {self.device!r}")
-        self.model_config()
-        self.stage_ranges()
-        if self.dp_weights is not None and (len(self.dp_weights) != self.dp or min(self.dp_weights) < 0
-                                            or sum(self.dp_weights) <= 0):
-            raise InputError(f"--dp-weights: expected {self.dp} non-negative weights with a positive "
-                             f"sum, got {self.dp_weights}")
-        check_faults(self.faults(), self.dims().world_size)
-        for change in self.replan:
-            if not isinstance(change, dict) or not isinstance(change.get("step"), int):
-                raise InputError(f"replan: each change needs an integer step, got {change!r}")
-            PlanChange.parse(change, self.dims(), self.layers, "replan")
+    dp: int = opt(2, help="Data-parallel replicas", minimum=1, panel="Parallel")
+    pp: int = opt(2, help="Pipeline stages", minimum=1, panel="Parallel")
+    tp: int = opt(1, help="Tensor-parallel ranks per stage", minimum=1, panel="Parallel")
+    schedule: str = opt("1f1b", choices=SCHEDULES, help="Pipeline schedule", panel="Parallel")
+    layer_split: list[int] | None = opt(None, panel="Parallel",
+                                        help="Layers per stage, e.g. 3,1 (default: balanced)")
+    dp_weights: list[float] | None = opt(None, panel="Parallel",
+                                         help="Micro-batch share per replica, e.g. 2,1 (default: equal)")
 
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp, self.pp, self.tp)
 
-    def model_config(self) -> GPTConfig:
-        cfg = GPTConfig(layers=self.layers, hidden=self.hidden, heads=self.heads,
-                        ffn_hidden=self.ffn_hidden, vocab=self.vocab, max_seq_len=self.max_len,
-                        mlp=self.mlp, tie_embeddings=self.tie_embeddings, vocab_parallel=self.vocab_parallel)
-        if self.heads % self.tp or self.ffn_hidden % self.tp:
-            raise InputError(f"--tp {self.tp}: must divide --heads ({self.heads}) and --ffn-hidden "
-                             f"({self.ffn_hidden})")
-        return cfg
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    SECTION: ClassVar[str] = "data"
+
+    source: str = opt("text", panel="Data", help="Sequence-length source: text, code or a lengths file")
+    global_tokens: int = opt(8192, minimum=1, maximum=2**40, panel="Data",
+                             help="Tokens per training step (all replicas)")
+    budget: int = opt(1024, minimum=1, maximum=2**31, panel="Data", help="Micro-batch token budget")
+
+
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    SECTION: ClassVar[str] = "train"
+
+    steps: int = opt(20, minimum=1, maximum=10**8, panel="Training",
+                     help="Training steps in all (a resumed run goes on to this step count)")
+    lr: float = opt(1e-3, above=0, finite=True, panel="Training", help="AdamW learning rate")
+    seed: int = opt(0, panel="Training", help="Seed of the model's initialisation and the data order")
+
+
+@dataclass(frozen=True)
+class FaultConfig(Section):
+    SECTION: ClassVar[str] = "faults"
+
+    inject: list[str] = opt(factory=list, panel="Faults and recovery", help=(
+        "slow:rank=R,factor=F,step=S (compute x F), link:ranks=A+B,factor=F,step=S (every transfer "
+        "between A and B x F: pipeline sends/receives and their share of collectives), "
+        "stop:rank=R,step=S or hang:rank=R,step=S (repeatable)"))
+    recovery: str = opt("none", choices=RECOVERY_MODES, panel="Faults and recovery", help=(
+        "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
+        "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "
+        "restarts and catches up from a live peer while the others train on, taking over its "
+        "micro-batches); replica-drop (the same, its micro-batches skipped while it is away)"))
+    timeout_s: float = opt(60.0, flag="timeout", above=0, maximum=7 * 86400.0, finite=True,
+                           panel="Faults and recovery",
+                           help="Seconds a rank may wait for a peer, and for all ranks to join")
+    heartbeat_timeout_s: float = opt(10.0, flag="heartbeat-timeout", above=0, maximum=86400.0,
+                                     finite=True, panel="Faults and recovery",
+                                     help="Seconds without a heartbeat before a rank counts as stopped")
+    hang_timeout_s: float | None = opt(None, flag="hang-timeout", above=0, maximum=86400.0,
+                                       finite=True, panel="Faults and recovery", help=(
+        "Seconds a training rank may make no progress while its heartbeat goes on before it counts "
+        "as hung (default: 5 x the median step time, at least --heartbeat-timeout)"))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    SECTION: ClassVar[str] = "checkpoint"
+
+    ckpt_every: int = opt(0, minimum=0, panel="Checkpoints", help=(
+        "Steps between universal checkpoints; with it, a stopped rank is excluded by an elastic "
+        "restart"))
+    snapshot_every: int | None = opt(None, minimum=0, panel="Checkpoints", help=(
+        "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 with "
+        "--recovery restart, else none"))
+    resume: str | None = opt(None, panel="Checkpoints", help=(
+        "Start from a checkpoint folder, or a run folder's newest checkpoint that verifies, in any "
+        "layout; --steps stays the total step count"))
+
+
+@dataclass(frozen=True)
+class LiveConfig(Section):
+    SECTION: ClassVar[str] = "live"
+
+    live: bool = opt(True, panel="Live re-planning", help=(
+        "Run the live detector and planner beside the job and apply their plan changes"))
+    # scheduled plan changes, {"step", "dp_weights"?, "layer_split"?} (set through a config file)
+    replan: list[dict] = opt(factory=list, cli=False)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run: the tree the CLI's options, the workers and the checks all read."""
+
+    model: GPTConfig = field(default_factory=_run_model)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    live: LiveConfig = field(default_factory=LiveConfig)
+    out: str = opt("runs/latest", decls=("-o",), help="Run folder: ops.parquet, job.yaml, summary.json")
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"), help="Where the ranks train")
+    threads: int = opt(1, minimum=1, maximum=4096, help="Intra-op threads per rank")
+    job_id: str = opt("", cli=False)  # the job this run belongs to (set by the launcher)
+
+    def __post_init__(self) -> None:
+        check_section(self)
+        faults, parallel, ckpt = self.faults, self.parallel, self.checkpoint
+        replica = faults.recovery.startswith("replica")
+        if replica and parallel.dp < 2:
+            raise InputError(f"faults.recovery (--recovery {faults.recovery}): needs --dp 2 or more (the "
+                             f"replica is the unit of failure), got --dp {parallel.dp}")
+        if replica and (ckpt.snapshot_every or ckpt.ckpt_every or ckpt.resume):
+            raise InputError(f"faults.recovery (--recovery {faults.recovery}): a lost replica recovers "
+                             "from a live peer; --snapshot-every, --ckpt-every and --resume are not "
+                             "combined with it yet")
+        model = self.model
+        if model.heads % parallel.tp or model.ffn_hidden % parallel.tp:
+            raise InputError(f"parallel.tp (--tp {parallel.tp}): must divide model.heads (--heads "
+                             f"{model.heads}) and model.ffn_hidden (--ffn-hidden {model.ffn_hidden})")
+        self.stage_ranges()
+        if parallel.dp_weights is not None and (len(parallel.dp_weights) != parallel.dp
+                                                or min(parallel.dp_weights) < 0
+                                                or sum(parallel.dp_weights) <= 0):
+            raise InputError(f"parallel.dp_weights (--dp-weights): expected {parallel.dp} non-negative "
+                             f"weights with a positive sum, got {parallel.dp_weights}")
+        check_faults(self.fault_list(), self.dims().world_size)
+        for change in self.live.replan:
+            if not isinstance(change, dict) or not isinstance(change.get("step"), int):
+                raise InputError(f"live.replan: each change needs an integer step, got {change!r}")
+            PlanChange.parse(change, self.dims(), self.model.layers, "live.replan")
+
+    @classmethod
+    def from_flags(cls, **flat: Any) -> RunConfig:
+        """The tree from flat options (``dp=2, steps=40``: each leaf by its flag's name), the
+        CLI's form; leaves not given keep their defaults."""
+        return build(cls, flat, "run config")
+
+    def updated(self, **flat: Any) -> RunConfig:
+        """A copy with the leaves named in flat form changed, checked again."""
+        return updated(self, **flat)
+
+    def flags(self) -> dict[str, Any]:
+        return flat_values(self)
+
+    def dims(self) -> ParallelDims:
+        return self.parallel.dims()
+
+    def snapshot_interval(self) -> int:
+        """Steps between in-memory snapshots: as given, else 1 with --recovery restart (restart in
+        place restores from memory), else 0 (none)."""
+        every = self.checkpoint.snapshot_every
+        return every if every is not None else int(self.faults.recovery == "restart")
 
     def model_hash(self) -> str:
         """A hash of what a checkpoint's tensors depend on (the model's shape), not the layout."""
-        text = json.dumps(self.model_config().to_dict(), sort_keys=True)
+        text = json.dumps(self.model.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def stage_ranges(self) -> list[tuple[int, int]]:
-        if self.layer_split is None:
-            return balanced_layers(self.layers, self.pp)
-        return ranges_from_counts(self.layer_split, self.layers, self.pp, source="--layer-split")
+        if self.parallel.layer_split is None:
+            return balanced_layers(self.model.layers, self.parallel.pp)
+        return ranges_from_counts(self.parallel.layer_split, self.model.layers, self.parallel.pp,
+                                  source="--layer-split")
 
     def weights(self) -> list[float]:
-        return list(self.dp_weights) if self.dp_weights is not None else [1.0] * self.dp
+        dp_weights = self.parallel.dp_weights
+        return list(dp_weights) if dp_weights is not None else [1.0] * self.parallel.dp
 
-    def faults(self) -> list[Fault]:
-        return [parse_fault(text) for text in self.inject]
+    def fault_list(self) -> list[Fault]:
+        return [parse_fault(text) for text in self.faults.inject]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "run config") -> RunConfig:
+        """From the nested form ``to_json`` writes."""
+        return from_nested(cls, data, where)
 
     @classmethod
     def from_json(cls, path: str | Path) -> RunConfig:
@@ -144,28 +212,24 @@ class RunConfig:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise InputError(f"{path}: cannot read run config ({exc})") from None
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise InputError(f"{path}: unknown run config field(s) {', '.join(unknown)}")
-        return cls(**data)
+        return cls.from_dict(data, str(path))
 
 
 def stage_memory_bytes(cfg: RunConfig) -> int:
     """A rough upper estimate of one rank's memory: fp32 parameters, gradients and two AdamW
     moments of the largest stage, plus the activations of the micro-batches in flight."""
-    h, f, v = cfg.hidden, cfg.ffn_hidden, cfg.vocab
+    h, f, v = cfg.model.hidden, cfg.model.ffn_hidden, cfg.model.vocab
     layer = 4 * h * h + 2 * h * f + 9 * h + f
     worst = 0
     for stage, (first, last) in enumerate(cfg.stage_ranges()):
-        params = (last - first) * layer / cfg.tp
+        params = (last - first) * layer / cfg.parallel.tp
         if first == 0:
-            params += (v + cfg.max_len) * h
-        if last == cfg.layers:
+            params += (v + cfg.model.max_seq_len) * h
+        if last == cfg.model.layers:
             params += v * h + 2 * h
-        in_flight = cfg.pp - stage  # 1F1B bound; GPipe may hold more
-        acts = in_flight * cfg.budget * ((last - first) * (16 * h + 4 * f) / cfg.tp
-                                         + (3 * v if last == cfg.layers else 0))
+        in_flight = cfg.parallel.pp - stage  # 1F1B bound; GPipe may hold more
+        acts = in_flight * cfg.data.budget * ((last - first) * (16 * h + 4 * f) / cfg.parallel.tp
+                                         + (3 * v if last == cfg.model.layers else 0))
         worst = max(worst, int(4 * (4 * params + acts)))
     return worst
 
@@ -186,6 +250,6 @@ def check_memory(cfg: RunConfig, ranks_here: int) -> None:
     if need > 0.9 * have:
         raise InputError(
             f"model too large: about {need / 2**30:.1f} GiB for {ranks_here} ranks (--layers "
-            f"{cfg.layers} --hidden {cfg.hidden} --ffn-hidden {cfg.ffn_hidden} --vocab {cfg.vocab} "
-            f"--budget {cfg.budget}) but {have / 2**30:.1f} GiB is available; shrink the model or "
+            f"{cfg.model.layers} --hidden {cfg.model.hidden} --ffn-hidden {cfg.model.ffn_hidden} --vocab {cfg.model.vocab} "
+            f"--budget {cfg.data.budget}) but {have / 2**30:.1f} GiB is available; shrink the model or "
             f"the micro-batch budget")

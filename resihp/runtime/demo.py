@@ -40,7 +40,7 @@ def run_demo(out: str | Path, steps: int, inject: str,
                          f"calibrates on the first {calibration} steps)")
     if fault.step + 8 > steps:
         raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
-    cfg = RunConfig(**{**DEMO, **overrides}, steps=steps, inject=[inject], out=str(out))
+    cfg = RunConfig.from_flags(**{**DEMO, **overrides}, steps=steps, inject=[inject], out=str(out))
     loop = LiveLoop(cfg, detector_config=detector_config)
     outcome = supervise(cfg, on_step=on_step, on_steps=loop.on_steps)
     if outcome.input_error:

@@ -6,7 +6,7 @@ beside its tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,22 +28,22 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
     """The run config that continues without ``rank``'s replica (or stage); None if nothing is left."""
     dims = cfg.dims()
     lost = dims.coords(rank)
-    if cfg.dp > 1:
+    if cfg.parallel.dp > 1:
         weights = cfg.weights()
         del weights[lost.dp_rank]
-        changes = dict(dp=cfg.dp - 1, dp_weights=weights if sum(weights) > 0 else None)
-    elif cfg.pp > 1:
-        changes = dict(pp=cfg.pp - 1, layer_split=None)
+        changes = dict(dp=cfg.parallel.dp - 1, dp_weights=weights if sum(weights) > 0 else None)
+    elif cfg.parallel.pp > 1:
+        changes = dict(pp=cfg.parallel.pp - 1, layer_split=None)
     else:
         return None
-    return replace(cfg, **changes, inject=[], replan=[], resume=str(resume), out=str(out))
+    return cfg.updated(**changes, inject=[], replan=[], resume=str(resume), out=str(out))
 
 
 # --- resuming from a checkpoint in any layout -----------------------------------------------------
 def run_state(engine: Engine, cfg: RunConfig) -> dict:
     """This run's non-tensor state (``resihp.ckpt.reshard_rules``), as its checkpoints record it."""
-    return state_of_run(cfg.seed, cfg.source, cfg.global_tokens, cfg.max_len, cfg.budget, engine.weights,
-                        [[b - a for a, b in ranges] for ranges in engine.replica_ranges], cfg.lr,
+    return state_of_run(cfg.train.seed, cfg.data.source, cfg.data.global_tokens, cfg.model.max_seq_len, cfg.data.budget, engine.weights,
+                        [[b - a for a, b in ranges] for ranges in engine.replica_ranges], cfg.train.lr,
                         {"pipelines": [[list(s) for s in p] for p in engine.pipelines]})
 
 
@@ -52,7 +52,7 @@ def checkpoint_meta(engine: Engine, cfg: RunConfig) -> dict:
     dims = engine.dims  # the layout in force (None: replicas of different shapes, see state.layout)
     return {"dp": len(engine.pipelines), "pp": dims.pp if dims else None, "tp": dims.tp if dims else None,
             "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
-            "model": cfg.model_config().to_dict(), "seed": cfg.seed, "source": cfg.source,
+            "model": cfg.model.to_dict(), "seed": cfg.train.seed, "source": cfg.data.source,
             "job_id": cfg.job_id, "model_hash": cfg.model_hash(), "state": run_state(engine, cfg)}
 
 
@@ -85,5 +85,5 @@ def resume(engine: Engine, cfg: RunConfig, path: Path, first_step: int) -> Resum
         torch.set_rng_state(extra[f"rng.torch.rank{engine.rank}"])
     else:
         c = engine.coords
-        torch.manual_seed(derived_seed(cfg.seed, first_step, (c.dp_rank, c.stage, c.tp_rank)))
+        torch.manual_seed(derived_seed(cfg.train.seed, first_step, (c.dp_rank, c.stage, c.tp_rank)))
     return Resumed(path, first_step, decisions)

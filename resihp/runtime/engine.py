@@ -49,9 +49,9 @@ class Engine:
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.dims().check_world(self.world)
-        self.model_cfg = cfg.model_config()
+        self.model_cfg = cfg.model
         self.weights = cfg.weights()
-        self.replica_ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]
+        self.replica_ranges = [cfg.stage_ranges() for _ in range(cfg.parallel.dp)]
         self.generation = 0  # the process groups' generation: a live layout change starts a new one
         self.form_groups(pipelines_of(cfg.dims()))
         self.build_stage(*self.ranges[self.stage])
@@ -59,7 +59,7 @@ class Engine:
         self.control_group = dist.new_group(list(range(self.world)), backend="gloo")
         self.plan_version = 0
         self.plan_changes: list[dict] = []
-        self.data = DataSource(cfg.source, cfg.global_tokens, cfg.budget, cfg.max_len, cfg.seed)
+        self.data = DataSource(cfg.data.source, cfg.data.global_tokens, cfg.data.budget, cfg.model.max_seq_len, cfg.train.seed)
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.tp.rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
@@ -106,9 +106,9 @@ class Engine:
         self.first, self.last = first, last
         self.model = GPTStage(self.model_cfg, first, last, self.tp)
         if init:
-            init_by_name(self.model, self.cfg.seed, self.tp, self.model_cfg.heads)
+            init_by_name(self.model, self.cfg.train.seed, self.tp, self.model_cfg.heads)
         self.model.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.train.lr, weight_decay=0.0)
 
     def _probe(self) -> None:
         """A small fixed compute, timed as op ``probe`` and stretched as any compute op is by an
@@ -195,7 +195,7 @@ class Engine:
         ranges = change.replica_ranges(layers) or [balanced_layers(layers, len(p)) for p in new.pipelines]
         weights = list(change.dp_weights) if change.dp_weights is not None else [1.0] * len(new.pipelines)
         for p in new.pipelines:  # checked on every rank alike before anything changes
-            self.cfg.model_config().check_tp(len(p[0]))
+            self.cfg.model.check_tp(len(p[0]))
 
         def rebuild() -> tuple[torch.nn.Module, torch.optim.Optimizer, TPContext] | None:
             old_groups = [self.tp.group, *self.grad_sync.groups.values()]
@@ -219,7 +219,7 @@ class Engine:
     def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
         self.model, self.optimizer, sent = repartition(
             self.model, self.optimizer, self.model_cfg, self.tp, self.ranges, new_ranges, self.stage,
-            lambda stage: self.pipelines[self.dp_rank][stage][self.tp.rank], self.cfg.lr,
+            lambda stage: self.pipelines[self.dp_rank][stage][self.tp.rank], self.cfg.train.lr,
             self.device)
         self.first, self.last = new_ranges[self.stage]
         return sent
@@ -246,7 +246,7 @@ class Engine:
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=self.device)
         with self.rec.op("step", tokens=global_tokens) as step_row:
-            for action in schedule_for(self.cfg.schedule, self.pp, self.stage, len(mbs)):
+            for action in schedule_for(self.cfg.parallel.schedule, self.pp, self.stage, len(mbs)):
                 mb = mbs[action.mb]
                 tag = 2 * mb.mb_id + (action.kind == "B")
                 if action.kind == "F":

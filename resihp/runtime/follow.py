@@ -107,8 +107,8 @@ class StoreSteps:
             self.meta_dict = job["meta"]
             self.meta = JobMeta(*(int(self.meta_dict[k]) for k in ("dp_size", "pp_size", "tp_size", "world_size")))
         else:
-            cfg = RunConfig(**job["config"])
-            dims, model = cfg.dims(), cfg.model_config()
+            cfg = RunConfig.from_flags(**job["config"])
+            dims, model = cfg.dims(), cfg.model
             self.meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
             self.meta_dict = {**self.meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
                               "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,

@@ -22,8 +22,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from resihp.model.gpt import GPTConfig, GPTStage
-from resihp.model.tensor_parallel import TPContext, chunk_rows
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import GPTStage
+from resihp.model.placement import chunk_rows
+from resihp.model.tensor_parallel import TPContext
 from resihp.parallel import ParallelDims
 from resihp.runtime.replan import owner
 

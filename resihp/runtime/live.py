@@ -36,7 +36,7 @@ from resihp.runtime.layout import ranges_from_counts
 def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
     dims = cfg.dims()
     meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
-    model = cfg.model_config()
+    model = cfg.model
     return meta, {**meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
                   "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
                   "max_seq_len": model.max_seq_len}
@@ -52,12 +52,12 @@ def planner_specs(cfg: RunConfig):
                                      "device": {"memory_gb": round(memory, 3),
                                                 "tflops": measured_tflops(kind, cfg.threads)},
                                      "memory_reserve_gb": 0.0})
-    budget = cfg.budget
-    model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, ffn_hidden=cfg.ffn_hidden,
-                      vocab=cfg.vocab, max_seq_len=cfg.max_len,
-                      global_batch_tokens=max(1, cfg.global_tokens // budget) * budget,
-                      microbatch_tokens=budget, schedule=cfg.schedule, name="resihp-run",
-                      workload=cfg.source, tp=cfg.tp, pp=cfg.pp)
+    budget = cfg.data.budget
+    model = ModelSpec(layers=cfg.model.layers, hidden=cfg.model.hidden, heads=cfg.model.heads, ffn_hidden=cfg.model.ffn_hidden,
+                      vocab=cfg.model.vocab, max_seq_len=cfg.model.max_seq_len,
+                      global_batch_tokens=max(1, cfg.data.global_tokens // budget) * budget,
+                      microbatch_tokens=budget, schedule=cfg.parallel.schedule, name="resihp-run",
+                      workload=cfg.data.source, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     return cluster, model
 
 
@@ -89,7 +89,7 @@ class LiveLoop:
         self.planner, self.time_limit_s = Planner(), time_limit_s
         self.cluster, self.model = planner_specs(cfg)
         self.weights = cfg.weights()
-        self.ranges = [cfg.stage_ranges() for _ in range(cfg.dp)]  # per replica
+        self.ranges = [cfg.stage_ranges() for _ in range(cfg.parallel.dp)]  # per replica
         dims = cfg.dims()
         self.groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
         self.lags: list[float] = []  # seconds from a step's last record sent to its being observed
@@ -163,7 +163,7 @@ class LiveLoop:
         plan = self.planner.plan(cluster, self.model, current, time_limit_s=self.time_limit_s)
         solve_s = time.perf_counter() - t0
         pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
-        same_places = (not plan.excluded and len(pipes) == self.cfg.dp and all(
+        same_places = (not plan.excluded and len(pipes) == self.cfg.parallel.dp and all(
             [s.ranks for s in p.stages] == [s.ranks for s in q.stages]
             for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank))))
         change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "ranks", "traffic",
@@ -195,7 +195,7 @@ class LiveLoop:
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
         if change.get("layer_splits") is not None:
-            new = [ranges_from_counts(split, self.cfg.layers, len(split))
+            new = [ranges_from_counts(split, self.cfg.model.layers, len(split))
                    for split in change["layer_splits"]]
             if new != self.ranges:
                 self.ranges = new

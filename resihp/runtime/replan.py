@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from resihp.model.gpt import ADAM_KEYS, DecoderBlock, GPTConfig, GPTStage
+from resihp.model.config import GPTConfig
+from resihp.model.gpt import ADAM_KEYS, DecoderBlock, GPTStage
 from resihp.model.tensor_parallel import TPContext
 
 

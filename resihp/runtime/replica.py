@@ -17,7 +17,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -61,17 +60,17 @@ class ReplicaEngine(Engine):
 
     def __init__(self, cfg: RunConfig, device: torch.device, member: Member, store: Store,
                  connect: Callable[[], Store], drop: bool = False) -> None:
-        local = replace(cfg, dp=1, dp_weights=None, inject=[], replan=[], recovery="none")
+        local = cfg.updated(dp=1, dp_weights=None, inject=[], replan=[], recovery="none")
         self.full = cfg
-        global_rank = cfg.dims().rank_of(member.replica, dist.get_rank() // cfg.tp, dist.get_rank() % cfg.tp)
-        faults = cfg.faults() if member.attempt == 0 else []  # an injected fault strikes the first launch only
+        global_rank = cfg.dims().rank_of(member.replica, dist.get_rank() // cfg.parallel.tp, dist.get_rank() % cfg.parallel.tp)
+        faults = cfg.fault_list() if member.attempt == 0 else []  # an injected fault strikes the first launch only
         super().__init__(local, device, FaultInjector(faults, global_rank))
         self.member, self.global_rank, self.drop = member, global_rank, drop
         self.rec.ids.update(rank=global_rank, dp_rank=member.replica)
         self.position = f"{self.stage}.{self.tp.rank}"
         self.store, self.connect = store, connect
-        self.quorum = Quorum(store, cfg.job_id, cfg.pp * cfg.tp, cfg.timeout_s)
-        self.group = ReplicaGroup(store, cfg.job_id, self.position, member.replica, cfg.timeout_s)
+        self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s)
+        self.group = ReplicaGroup(store, cfg.job_id, self.position, member.replica, cfg.faults.timeout_s)
         self.gen: Generation | None = None
         self.decision: Decision | None = None
         self.sources: dict[Member, HealSource] = {}
@@ -84,7 +83,7 @@ class ReplicaEngine(Engine):
         members = self.gen.replicas
         if self.drop:
             return [self.member.replica]
-        return [r for r in range(self.full.dp)
+        return [r for r in range(self.full.parallel.dp)
                 if (r if r in members else members[r % len(members)]) == self.member.replica]
 
     def microbatches(self, data: StepData) -> list[MicroBatch]:
@@ -149,7 +148,7 @@ class ReplicaEngine(Engine):
             self.sources.pop(m)  # its returning rank was lost
         if self.member.replica != min(nxt.replicas):
             return
-        for replica in range(self.full.dp):
+        for replica in range(self.full.parallel.dp):
             if replica in nxt.replicas:
                 continue
             m = self.quorum.join_request(replica)
@@ -158,7 +157,7 @@ class ReplicaEngine(Engine):
             for old in [o for o in self.sources if o.replica == replica]:
                 self.sources.pop(old).close(-1)
             source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
-                                                          self.position), self.full.timeout_s)
+                                                          self.position), self.full.faults.timeout_s)
             source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer)))
             source.start()
             self.sources[m] = source
@@ -176,7 +175,7 @@ class ReplicaEngine(Engine):
         t0 = time.time()
         self.quorum.request_join(self.member)
         target = HealTarget(self.store, heal_prefix(self.full.job_id, self.member.replica, self.member.attempt,
-                                                    self.position), self.full.timeout_s)
+                                                    self.position), self.full.faults.timeout_s)
         params = list(self.model.parameters())
         state_at = held = None
         replayed = 0
@@ -196,7 +195,7 @@ class ReplicaEngine(Engine):
                 break
             self.quorum.report_held(self.member, local_rank, held)
         gen = None
-        end = time.monotonic() + self.full.timeout_s
+        end = time.monotonic() + self.full.faults.timeout_s
         while gen is None and step >= 0 and time.monotonic() < end:
             gen = self.quorum.admitted(self.member)
             if gen is None:
@@ -222,19 +221,19 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
                 member: Member, tell: list) -> None:
     """One rank of replica ``member``: train from the quorum's generation (a first launch) or
     catch up and join (a relaunch), commit step by step, serve returning peers."""
-    local, per_replica = int(os.environ.get("LOCAL_RANK", "0")), cfg.pp * cfg.tp
+    local, per_replica = int(os.environ.get("LOCAL_RANK", "0")), cfg.parallel.pp * cfg.parallel.tp
     job_id = cfg.job_id
     dims = cfg.dims()
-    global_rank = dims.rank_of(member.replica, local // cfg.tp, local % cfg.tp)
+    global_rank = dims.rank_of(member.replica, local // cfg.parallel.tp, local % cfg.parallel.tp)
     tell.append(lambda kind, message: report_error(store, job_id, global_rank, kind, message))
     # its own store client: the main thread blocks in store waits (the quorum's decision, rendezvous)
     heart = HeartbeatSender(connect(), global_rank, member.replica, interval_s=BEAT_S,
                             prefix=heartbeat_prefix(job_id)).start()
-    timeout = timedelta(seconds=cfg.timeout_s)
+    timeout = timedelta(seconds=cfg.faults.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
                             rank=local, world_size=per_replica, timeout=timeout)
-    engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.recovery == "replica-drop")
+    engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.faults.recovery == "replica-drop")
     phase = "stopped"
     publisher = StepPublisher(store, job_id, member.replica)
     try:
@@ -247,7 +246,7 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
                 store.set(f"{engine.quorum.prefix}/catchup/{member.replica}/{member.attempt}", json.dumps(joined))
         heart.follow(lambda: engine.rec.progress("train"))
         step = engine.gen.from_step
-        while step < cfg.steps:
+        while step < cfg.train.steps:
             engine.rec.begin_step(step)
             try:
                 result = engine.train_step(step)
@@ -260,7 +259,7 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
                 continue
             engine.gen = engine.decision.next
             engine.after_commit(step)
-            if result.loss is not None and member.replica == min(engine.gen.replicas) and local == per_replica - cfg.tp:
+            if result.loss is not None and member.replica == min(engine.gen.replicas) and local == per_replica - cfg.parallel.tp:
                 print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
                       file=sys.stderr, flush=True)
             if result.loss is not None and not math.isfinite(result.loss):
@@ -269,7 +268,7 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
             step += 1
         phase = "done"
         if local == 0 and member.replica == min(engine.gen.replicas):
-            engine.quorum.finish(cfg.steps - 1)
+            engine.quorum.finish(cfg.train.steps - 1)
     except Evicted as exc:
         print(f"resihp: replica {member.replica}: {exc}", file=sys.stderr, flush=True)
         phase = "evicted"

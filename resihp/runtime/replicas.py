@@ -45,6 +45,7 @@ from resihp.runtime.supervisor import (
     _stop,
     drain_stderr,
     fail_stop,
+    fault_timeouts,
     hand_on_steps,
     job_config,
 )
@@ -81,13 +82,16 @@ class ReplicaFailure:
         return dict(self.__dict__)
 
 
-def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout_s: float = 60.0,
+def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None,
+                       join_timeout_s: float | None = None,
                        on_step: Callable[[int], None] | None = None,
                        hang_timeout_s: float | None = None, poll_s: float = 0.1,
                        grace_s: float = GRACE_S) -> Outcome:
-    if cfg.dp < 2:
+    heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
+        cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
+    if cfg.parallel.dp < 2:
         raise InputError(f"--recovery replica: needs --dp 2 or more (the replica is the unit of "
-                         f"failure), got --dp {cfg.dp}")
+                         f"failure), got --dp {cfg.parallel.dp}")
     if not cfg.job_id:
         cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
     dims = cfg.dims()
@@ -97,16 +101,16 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
     remove_partial(out)
     config_path = out / "config.json"
     config_path.write_text(cfg.to_json())
-    per = cfg.pp * cfg.tp
-    ranks = {d: sorted(dims.rank_of(d, s, t) for s in range(cfg.pp) for t in range(cfg.tp)) for d in range(cfg.dp)}
+    per = cfg.parallel.pp * cfg.parallel.tp
+    ranks = {d: sorted(dims.rank_of(d, s, t) for s in range(cfg.parallel.pp) for t in range(cfg.parallel.tp)) for d in range(cfg.parallel.dp)}
     t0 = time.time()
     outcome = Outcome(returncode=0)
     with _Signals() as signals, JobStore(None, host=True, timeout_s=max(join_timeout_s, 60.0)) as js:
         store = js.store
         announce_job(store, cfg.job_id, job_config(cfg), 1, dims.world_size)
-        quorum = Quorum(store, cfg.job_id, per, cfg.timeout_s)
-        quorum.set_replicas(cfg.dp)
-        chain = DecisionChain(quorum, quorum.start([Member(d, 0) for d in range(cfg.dp)], 0))
+        quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s)
+        quorum.set_replicas(cfg.parallel.dp)
+        chain = DecisionChain(quorum, quorum.start([Member(d, 0) for d in range(cfg.parallel.dp)], 0))
         store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
         hb = heartbeat_prefix(cfg.job_id)
         interval = min(BEAT_S, heartbeat_timeout_s / 4)
@@ -136,7 +140,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, joi
                              daemon=True).start()
             return rep
 
-        live = {d: launch(d, 0) for d in range(cfg.dp)}
+        live = {d: launch(d, 0) for d in range(cfg.parallel.dp)}
         done: set[int] = set()
 
         def read_steps() -> None:

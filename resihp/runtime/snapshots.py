@@ -66,7 +66,7 @@ class MemorySnapshots:
         owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
         ensure_keeper(self.dir, owner)
         keep = lambda: ensure_keeper(self.dir, owner)  # noqa: E731
-        self.snapshotter = Snapshotter(self.tier, cfg.snapshot_every, holder, keep, cfg.timeout_s)
+        self.snapshotter = Snapshotter(self.tier, cfg.snapshot_interval(), holder, keep, cfg.faults.timeout_s)
 
     def restore(self) -> Restored | None:
         """Collective: the newest step complete in memory for every rank, loaded; or None."""
@@ -121,7 +121,7 @@ _KEEPERS: dict[str, Path] = {}  # job id -> the tier whose keeper this launcher 
 def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
     """Start this node's keeper for the job (owned by this process: it removes the tier when this
     process is gone); returns what restarts it if it dies (the supervisor's poll), or None."""
-    if not cfg.snapshot_every:
+    if not cfg.snapshot_interval():
         return None
     os.environ[KEEPER_OWNER] = str(os.getpid())  # keepers the ranks start are this process's too
     if node != 0:  # the job's id comes from node 0 (at joining): the ranks start this node's keeper

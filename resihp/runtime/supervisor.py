@@ -145,7 +145,16 @@ def _stop(proc: subprocess.Popen, tracker: ProcessTracker, grace_s: float = GRAC
     return left
 
 
-def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout_s: float = 60.0,
+def fault_timeouts(cfg: RunConfig, heartbeat_s: float | None, join_s: float | None,
+                   hang_s: float | None) -> tuple[float, float, float | None]:
+    """The heartbeat, join and hang timeouts: those given, else the run configuration's."""
+    faults = cfg.faults
+    return (faults.heartbeat_timeout_s if heartbeat_s is None else heartbeat_s,
+            faults.timeout_s if join_s is None else join_s,
+            faults.hang_timeout_s if hang_s is None else hang_s)
+
+
+def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_timeout_s: float | None = None,
               on_step: Callable[[int], None] | None = None,
               on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
               on_poll: Callable[[], None] | None = None, poll_s: float = 0.2,
@@ -156,7 +165,10 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
     fail-stop), read the op records into ``OUT/ops.jsonl`` and hand complete steps to ``on_steps``
     (the live loop, with a function that posts a plan change to the job). On the other nodes: join
     node 0's store, check that the job's configuration is the same, run the workers and the node's
-    heartbeat aggregator until node 0 says the job is over (or cannot be reached)."""
+    heartbeat aggregator until node 0 says the job is over (or cannot be reached). The timeouts
+    not given are the run configuration's (``cfg.faults``)."""
+    heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
+        cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
     world = cfg.dims().world_size
     if not cfg.job_id:  # the control plane's namespace on the store
         cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
@@ -185,11 +197,10 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float = 10.0, join_timeout
 
 
 def job_config(cfg: RunConfig) -> dict:
-    """What every node of a job must agree on: the run config without this node's own fields."""
-    data = json.loads(cfg.to_json())
-    for own in ("out", "job_id", "device", "threads"):
-        data.pop(own, None)
-    return data
+    """What every node of a job must agree on: the run config (flat, by option name) without this
+    node's own fields."""
+    own = ("out", "job_id", "device", "threads")
+    return json.loads(json.dumps({k: v for k, v in cfg.flags().items() if k not in own}))
 
 
 def _join(store, cfg: RunConfig, nodes: Nodes, timeout_s: float) -> RunConfig:

@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import MISSING, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from resihp.cli_options import add_arguments, from_command_line
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError, disk_full
 from resihp.ft.quorum import Member
@@ -56,28 +56,12 @@ from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser = argparse.ArgumentParser(prog="resihp.runtime.worker")
     parser.add_argument("--config", help="a RunConfig JSON; flags given here override it")
-    for f in fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name in ("replan", "resume", "tie_embeddings", "vocab_parallel"):
-            continue  # only through --config
-        if f.name in ("layer_split", "dp_weights", "inject"):
-            parser.add_argument(flag, default=None, help=f"{f.name} (comma-separated; inject repeatable)",
-                                action="append" if f.name == "inject" else "store")
-        else:
-            default = f.default if f.default is not MISSING else None
-            parser.add_argument(flag, type=type(default) if default is not None else str, default=None)
+    add_arguments(parser, RunConfig)
     args = vars(parser.parse_args(argv))
-    base = RunConfig.from_json(args.pop("config")).__dict__ if args.get("config") else {}
-    args.pop("config", None)
-    given = {k: v for k, v in args.items() if v is not None}
-    try:
-        if "layer_split" in given:
-            given["layer_split"] = [int(x) for x in given["layer_split"].split(",")]
-        if "dp_weights" in given:
-            given["dp_weights"] = [float(x) for x in given["dp_weights"].split(",")]
-    except ValueError:
-        raise InputError("--layer-split / --dp-weights: expected comma-separated numbers") from None
-    return RunConfig(**{**base, **given})
+    config = args.pop("config")
+    base = RunConfig.from_json(config).flags() if config else {}
+    given = from_command_line(RunConfig, {k: v for k, v in args.items() if v is not None})
+    return RunConfig.from_flags(**{**base, **given})
 
 
 def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
@@ -117,15 +101,15 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
     trace = merge_streams([out / TRACE_STREAM], out / "ops.parquet")
     dims = cfg.dims()
     write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
-               **cfg.model_config().to_dict(), schedule=cfg.schedule, source=cfg.source,
-               global_tokens=cfg.global_tokens, budget=cfg.budget, layer_split=[
-                   b - a for a, b in cfg.stage_ranges()], seed=cfg.seed,
+               **cfg.model.to_dict(), schedule=cfg.parallel.schedule, source=cfg.data.source,
+               global_tokens=cfg.data.global_tokens, budget=cfg.data.budget, layer_split=[
+                   b - a for a, b in cfg.stage_ranges()], seed=cfg.train.seed,
                device=this_device("cuda" if cfg.device == "cuda" or (
                    cfg.device == "auto" and torch.cuda.is_available()) else "cpu", cfg.threads))
-    per_step = step_table(trace, complete_only=not cfg.recovery.startswith("replica"))
+    per_step = step_table(trace, complete_only=not cfg.faults.recovery.startswith("replica"))
     summary = {"steps": int(per_step.shape[0]), "world_size": dims.world_size,
-               "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.schedule,
-               "injected": [f.to_dict() for f in cfg.faults()],
+               "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.parallel.schedule,
+               "injected": [f.to_dict() for f in cfg.fault_list()],
                "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()) if len(per_step) else None,
                "loss_first": _finite(per_step.loss.iloc[0]) if len(per_step) else None,
                "loss_last": _finite(per_step.loss.iloc[-1]) if len(per_step) else None,
@@ -133,7 +117,7 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
                "first_step": int(per_step.index.min()) if len(per_step) else None,
                "losses": [_finite(v) for v in per_step.loss],
                "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
-    if cfg.resume and (out / "resume.json").exists():  # the checkpoint and each non-tensor key's rule
+    if cfg.checkpoint.resume and (out / "resume.json").exists():  # the checkpoint and each non-tensor key's rule
         summary["resume"] = json.loads((out / "resume.json").read_text())
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -161,8 +145,8 @@ def resume_step(cfg: RunConfig, saved: dict) -> int:
     """The first step after checkpoint meta ``saved``, which must be of this run's model (its
     layout may differ: checkpoints are universal)."""
     if saved.get("model_hash") not in (None, cfg.model_hash()):
-        raise InputError(f"{cfg.resume}: written for another model ({saved.get('model')}); this run's "
-                         f"model is {cfg.model_config().to_dict()}")
+        raise InputError(f"{cfg.checkpoint.resume}: written for another model ({saved.get('model')}); this run's "
+                         f"model is {cfg.model.to_dict()}")
     return int(saved["step"]) + 1
 
 
@@ -219,7 +203,7 @@ def run(cfg: RunConfig) -> None:
     device = _device(cfg)
     torch.set_num_threads(cfg.threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=cfg.timeout_s)
+    timeout = timedelta(seconds=cfg.faults.timeout_s)
     store, rank, world, node = _job_store(cfg, timeout)
     if REPLICA_ENV in os.environ:  # --recovery replica: this torchrun job is one replica
         host, _, port = os.environ["RESIHP_STORE"].rpartition(":")
@@ -246,12 +230,12 @@ def run(cfg: RunConfig) -> None:
         heart.finish("stopped")
         raise JoinTimeout(_first_line(exc)) from None
     out.mkdir(parents=True, exist_ok=True)
-    engine = Engine(cfg, device, FaultInjector(cfg.faults(), rank))
+    engine = Engine(cfg, device, FaultInjector(cfg.fault_list(), rank))
     heart.follow(lambda: engine.rec.progress("train"))
-    inbox = PlanInbox(store, job_id, cfg.replan) if rank == 0 else None
+    inbox = PlanInbox(store, job_id, cfg.live.replan) if rank == 0 else None
     results = []
     first_step = 0
-    memory = MemorySnapshots(cfg, engine, job_id, node, nodes[node]) if cfg.snapshot_every else None
+    memory = MemorySnapshots(cfg, engine, job_id, node, nodes[node]) if cfg.snapshot_interval() else None
     restored = None
     if memory is not None:  # a restart in place: every rank's state from memory (its own or a peer's)
         with engine.rec.op("snapshot-restore"):
@@ -260,12 +244,12 @@ def run(cfg: RunConfig) -> None:
             first_step = restored.step + 1
             if rank == 0:
                 (out / "restore.json").write_text(json.dumps(restored.to_dict()))
-    if cfg.resume and restored is None:
+    if cfg.checkpoint.resume and restored is None:
         # deferred for start-up time (see save_checkpoint)
         from resihp.ckpt.universal import read_meta, resolve
         from resihp.runtime.elastic import resume
 
-        source = resolve(cfg.resume)  # a run folder means its newest checkpoint that verifies
+        source = resolve(cfg.checkpoint.resume)  # a run folder means its newest checkpoint that verifies
         first_step = resume_step(cfg, read_meta(source))
         engine.rec.begin_step(first_step)
         with engine.rec.op("checkpoint-load"):
@@ -284,7 +268,7 @@ def run(cfg: RunConfig) -> None:
     phase = "stopped"
     boundary = BoundaryStop() if memory is not None else None
     try:
-        for step in range(first_step, cfg.steps):
+        for step in range(first_step, cfg.train.steps):
             engine.rec.begin_step(step)
             proposal = inbox.poll(step) if inbox else None
             if proposal is not None:
@@ -302,7 +286,7 @@ def run(cfg: RunConfig) -> None:
             if memory is not None:  # the copy runs beside the next step, fenced before its optimizer step
                 with engine.rec.op("snapshot"):
                     memory.after_step(step)
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+            if cfg.checkpoint.ckpt_every and (step + 1) % cfg.checkpoint.ckpt_every == 0:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
             publisher.publish(engine.rec.take_new())
             if boundary is not None:
