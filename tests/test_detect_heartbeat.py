@@ -123,3 +123,32 @@ def test_a_rank_beating_without_progress_is_hung_and_its_waiting_peers_are_not()
         for snd in senders:
             snd.stop()
         agg.stop()
+
+
+def test_ranks_waiting_on_a_slow_rank_that_still_makes_progress_are_not_hung():
+    """Rank 0 is slow (a fail-slow: its ops still finish); rank 1 waits in a collective for it for
+    longer than the hang timeout: nobody is hung. Once rank 0 stops finishing ops, it is the hang."""
+    from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator, Progress
+
+    store, _ = start_local_store()
+    state = {"n": 0, "stuck": False}
+
+    def slow() -> Progress:
+        state["n"] += 0 if state["stuck"] else 1
+        return Progress(3, "train", state["n"], "")
+
+    senders = [HeartbeatSender(store, 0, 0, 0.05, progress=slow),
+               HeartbeatSender(store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "grads-all-reduce"))]
+    for snd in senders:
+        snd.start()
+    agg = NodeAggregator(store, 0, [0, 1], interval_s=0.05, timeout_s=5.0).start()
+    monitor = HeartbeatMonitor(store, {0: [0, 1]}, timeout_s=5.0, hang_timeout_s=0.4)
+    try:
+        assert _first_events(monitor, 3, within_s=1.5) == []  # rank 1 waited ~4x the hang timeout
+        state["stuck"] = True
+        found = _first_events(monitor, 3)
+        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+    finally:
+        for snd in senders:
+            snd.stop()
+        agg.stop()

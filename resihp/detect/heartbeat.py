@@ -20,7 +20,8 @@ clocks of different hosts never meet.
 Why a hang needs progress, not only beats: a rank stuck in a collective keeps its heartbeat thread
 alive. When one rank hangs its peers soon block too (they wait for it), so the monitor blames the
 stalled rank that is not waiting in a communication op (the peers are), as NCCL's flight recorder
-compares what each rank has entered.
+compares what each rank has entered. Ranks that only wait, while another training rank still
+finishes ops, wait for a slow rank (a fail-slow, the detector's to find), not a hung one: no verdict.
 """
 
 from __future__ import annotations
@@ -347,9 +348,12 @@ class HeartbeatMonitor:
                 stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit / 2]
                 # the ranks waiting in a communication op wait for the one that is not
                 idle = [v for v in stalled if not v.wait]
-                # the one stuck longest among those not waiting; if all wait, the one furthest behind
-                v = max(idle, key=lambda v: v.stalled_s) if idle else min(stalled, key=lambda v: (v.step, v.ops))
-                found[v.rank] = ("hang", v.stalled_s)
+                # a training rank still finishing ops: what the waiting ranks wait for is slow, not hung
+                moving = any(v.phase == "train" and v.stalled_s <= limit / 2 for v in live)
+                if idle or not moving:
+                    # the one stuck longest among those not waiting; if all wait, the one furthest behind
+                    v = max(idle, key=lambda v: v.stalled_s) if idle else min(stalled, key=lambda v: (v.step, v.ops))
+                    found[v.rank] = ("hang", v.stalled_s)
         new: list[Event] = []
         for r, (cause, silent_s) in sorted(found.items()):
             if r in self.dead:

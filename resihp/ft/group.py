@@ -2,12 +2,19 @@
 member replica, as a gloo process group built straight on the job's store (not through the
 default world, which a lost replica leaves), one generation per membership. A group whose
 members changed is dropped without a collective (it may hold a dead peer) and a new one formed
-under a fresh store prefix."""
+under a fresh store prefix.
+
+A sum is waited on by polling, not by a blocking wait: when a member is lost, the survivors beside
+it in a ring may not see the dead peer at all, only a survivor that left the sum on its own error
+(its retired group keeps the connection open), and would wait for the group's timeout. ``abandon``
+(the quorum decided the step without this rank's vote: an abort) lets them leave at once."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +31,10 @@ def gloo_group(store: Store, prefix: str, rank: int, size: int, timeout_s: float
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
                      else dist.ProcessGroupGloo.create_default_device()]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+
+
+class GroupAbandoned(RuntimeError):
+    """The sum was left unfinished: the step it belongs to was already decided (aborted)."""
 
 
 class ReplicaGroup:
@@ -49,7 +60,20 @@ class ReplicaGroup:
                                  replicas.index(self.replica), self.size, self.timeout_s)
         self.gen = gen.gen
 
-    def all_reduce(self, flat: torch.Tensor) -> None:
-        """Sum ``flat`` over the members (in place)."""
-        if self.pg is not None:
-            self.pg.allreduce([flat]).wait()
+    def all_reduce(self, flat: torch.Tensor, abandon: Callable[[], bool] | None = None,
+                   check_s: float = 0.05) -> None:
+        """Sum ``flat`` over the members (in place). ``abandon`` (asked every ``check_s`` while the
+        sum is in flight): True leaves it with ``GroupAbandoned``; the group is not used again."""
+        if self.pg is None:
+            return
+        work = self.pg.allreduce([flat])
+        if abandon is not None:
+            pause, check_at = 0.0005, time.monotonic() + check_s
+            while not work.is_completed():
+                if time.monotonic() >= check_at:
+                    if abandon():
+                        raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
+                    check_at = time.monotonic() + check_s
+                time.sleep(pause)
+                pause = min(2 * pause, 0.005)
+        work.wait()  # the sum's own error, if it failed

@@ -204,6 +204,10 @@ class Quorum:
         return Decision(step, bool(data["commit"]), Generation.from_dict(data["next"]),
                         tuple(Member(r, a) for r, a in data["joined"]))
 
+    def decided(self, gen: Generation, step: int) -> bool:
+        """Whether ``step`` under ``gen`` is decided already (before this rank voted: an abort)."""
+        return self.store.check([self._key("decision", gen.gen, step)])
+
     def decision(self, gen: int, step: int) -> Decision | None:
         key = self._key("decision", gen, step)
         return self._read(key, step) if self.store.check([key]) else None

@@ -110,8 +110,9 @@ class ReplicaEngine(Engine):
                     self.group.form(self.gen)
             if self.group.size > 1:
                 flat = flatten([p.grad for p in params] + ([loss] if loss is not None else []))
-                with self.rec.op("grads-all-reduce"):
-                    self.group.all_reduce(flat)
+                gen = self.gen
+                with self.rec.op("grads-all-reduce"):  # left once the step is decided without it
+                    self.group.all_reduce(flat, abandon=lambda: self.quorum.decided(gen, step))
                 unflatten(flat, [p.grad for p in params] + ([loss] if loss is not None else []))
         except (RuntimeError, dist.DistError):
             ok = False  # a member was lost inside the sum: the vote says so, nothing is applied
