@@ -238,7 +238,7 @@ def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dp", "1", "--pp", "2"], "--recovery replica: needs --dp 2 or more"),
+    (["--dp", "1", "--pp", "2"], "faults.recovery (--recovery replica): needs --dp 2 or more"),
     (["--dp", "2", "--pp", "1", "--snapshot-every", "2"], "recovers from a live peer"),
 ])
 def test_bad_replica_recovery_input_is_one_line(args, message, tmp_path):

@@ -11,7 +11,9 @@ per-step losses from the resumed step on are bitwise those of an uninterrupted r
 - SIGSTOP of the only rank, both its slots corrupted: no step complete in memory, restored from
   the newest disk checkpoint of the job;
 - SIGKILL during the snapshot copy: the slot being written is never published, the previous one
-  stays whole.
+  stays whole;
+- a Python exception in a trainer rank (``error``): the rank is the fail-stop (cause
+  ``exception``), restored from memory, no step lost.
 """
 
 from __future__ import annotations
@@ -217,3 +219,11 @@ os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the copy of step 1
     assert [h.step for h in headers] == [0] and tier.verify(headers[0])
     assert not (tier_dir / "rank0.B.json").exists()
     stop_keeper(tier_dir)
+
+
+def test_python_exception_in_a_rank_restarts_from_memory(reference, shm, tmp_path):
+    summary = _finish(_start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
+                             "--inject", "error:rank=1,step=3"))
+    rec = summary["recovery"]
+    assert rec["cause"] == "exception" and rec["rank"] == 1 and rec["resumed_step"] == 3, rec
+    _check(summary, reference["dp2"], "memory")

@@ -72,7 +72,8 @@ class FaultConfig(Section):
     inject: list[str] = opt(factory=list, panel="Faults and recovery", help=(
         "slow:rank=R,factor=F,step=S (compute x F), link:ranks=A+B,factor=F,step=S (every transfer "
         "between A and B x F: pipeline sends/receives and their share of collectives), "
-        "stop:rank=R,step=S or hang:rank=R,step=S (repeatable)"))
+        "stop:rank=R,step=S (SIGKILL), error:rank=R,step=S (a Python exception) or "
+        "hang:rank=R,step=S[,how=block|stop] (repeatable)"))
     recovery: str = opt("none", choices=RECOVERY_MODES, panel="Faults and recovery", help=(
         "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
         "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "

@@ -280,7 +280,7 @@ class PlanInbox:
 
 
 def report_error(store: Store, job_id: str, rank: int | str, kind: str, message: str) -> None:
-    """A worker's reason to stop, one line (``kind``: input | stop | lost-peer)."""
+    """A worker's reason to stop, one line (``kind``: input | stop | lost-peer | crash)."""
     line = json.dumps({"rank": rank, "kind": kind, "message": message}) + "\n"
     store.append(f"{prefix_of(job_id)}/errors", line.encode())
 

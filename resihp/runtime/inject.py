@@ -1,7 +1,8 @@
 """Fault injection: ``slow`` makes a rank's compute really take ``factor`` x longer (a sleep
 proportional to each measured compute op); ``link`` makes every transfer between two ranks take
 ``factor`` x longer (a sleep proportional to each measured transfer, so it scales with the bytes);
-``stop`` kills the rank's process (SIGKILL, no cleanup)."""
+``stop`` kills the rank's process (SIGKILL, no cleanup); ``hang`` stops its progress; ``error``
+raises a Python exception in it (a crash: the process ends by the exception)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,22 @@ from dataclasses import dataclass
 
 from resihp.errors import InputError
 
-FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], stop:rank=R,step=S "
-         "or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
+FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], stop:rank=R,step=S, "
+         "error:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
 RATE_SAMPLES = 256  # healthy transfers kept per channel
 RATE_QUANTILE = 0.1  # the low quantile of their per-byte times taken as the healthy rate
 HANG_HOW = ("block", "stop")  # block: the rank's main thread never returns (its heartbeat thread beats on);
 # stop: SIGSTOP on itself (alive, silent)
 
 
+class InjectedError(Exception):
+    """The exception an ``error`` fault raises in its rank (not a RuntimeError: the worker takes
+    those for a lost peer)."""
+
+
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "slow" | "link" | "stop" | "hang"
+    kind: str  # "slow" | "link" | "stop" | "hang" | "error"
     rank: int  # link: its first end
     step: int | None = None
     time_s: float | None = None
@@ -38,7 +44,7 @@ class Fault:
 
     def to_dict(self) -> dict:
         data = {k: v for k, v in self.__dict__.items() if v is not None}
-        if self.kind in ("stop", "hang"):
+        if self.kind in ("stop", "hang", "error"):
             data.pop("factor")
         if self.kind == "link":
             data.pop("rank")
@@ -50,7 +56,7 @@ class Fault:
 def parse_fault(text: str) -> Fault:
     """Parse one ``--inject`` value."""
     kind, _, rest = text.partition(":")
-    if kind not in ("slow", "link", "stop", "hang") or not rest:
+    if kind not in ("slow", "link", "stop", "hang", "error") or not rest:
         raise InputError(f"--inject {text!r}: expected {FORMS}")
     fields: dict[str, str] = {}
     for item in rest.split(","):
@@ -89,8 +95,8 @@ def parse_fault(text: str) -> Fault:
         raise InputError(f"--inject {text!r}: give exactly one of step= or time=")
     if kind in ("slow", "link") and not factor >= 1.0:
         raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
-    if kind == "stop" and ("factor" in fields or until is not None or "how" in fields):
-        raise InputError(f"--inject {text!r}: stop takes only rank= and step= or time=")
+    if kind in ("stop", "error") and ("factor" in fields or until is not None or "how" in fields):
+        raise InputError(f"--inject {text!r}: {kind} takes only rank= and step= or time=")
     how = fields.get("how")
     if kind == "hang":
         how = how or "block"
@@ -139,6 +145,8 @@ class FaultInjector:
         for f in self.faults:
             if f.kind == "stop" and self._started(f, step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if f.kind == "error" and self._started(f, step):
+                raise InjectedError(f"injected exception at step {step}")
             if f.kind == "hang" and self._started(f, step):
                 if f.how == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)

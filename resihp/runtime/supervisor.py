@@ -436,6 +436,8 @@ def _reason(outcome: Outcome) -> str | None:
     if f.extra.get("cause") == "node":
         return (f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped answering "
                 f"at step {f.extra['step']} (node)")
+    if f.extra.get("cause") == "exception":
+        return f"rank {f.rank} crashed ({f.extra.get('message')})"
     return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']})"
 
 
@@ -452,6 +454,13 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> N
     inputs = [e["message"] for e in errors if e["kind"] == "input"]
     if (stops or inputs) and outcome.failure is not None and outcome.failure.extra.get("cause") == "exited":
         outcome.failure = None  # the rank ended on purpose, and said why
+    crashes = [e for e in errors if e["kind"] == "crash" and str(e["rank"]).isdigit()]
+    if crashes and not (stops or inputs) and (outcome.failure is None
+                                              or outcome.failure.extra.get("cause") == "exited"):
+        # a rank died of an exception (its peers then lost it): that rank is the fail-stop
+        crash = crashes[0]
+        outcome.failure = fail_stop(cfg.dims(), int(crash["rank"]), None, "exception")
+        outcome.failure.extra["message"] = crash["message"]
     if outcome.error is None and stops:
         outcome.error = stops[0]
     if outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -348,6 +349,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(3)
         print(f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
               file=sys.stderr)
+        sys.exit(1)
+    except Exception as exc:  # a crash: said over the control plane, the traceback kept in the log
+        _stop_if_disk_full(exc, rank)
+        _tell("crash", f"{type(exc).__name__}: {_first_line(exc)}")
+        traceback.print_exc()
+        print(f"resihp: rank {rank}: crashed: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr,
+              flush=True)
         sys.exit(1)
     except BaseException as exc:  # DCP wraps a rank's write error in a BaseException
         _stop_if_disk_full(exc, rank)
