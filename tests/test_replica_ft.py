@@ -4,7 +4,8 @@ heartbeat goes on, or SIGSTOP) at a random step; the other replicas are never re
 replica is relaunched alone, catches up from a live peer and rejoins, and every step's loss equals
 the failure-free run's within 1e-5 relative (zero-drift: the survivors train its micro-batches
 while it is away). Also: a second failure of the returning replica, the loss of the replica that
-serves the catch-up (nothing left to go on from: a one-line reason), drop mode, bad input."""
+serves the catch-up (nothing left to go on from: a one-line reason), drop mode (its losses equal
+one process replaying the recorded membership), bad input."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.parallel import ParallelDims
+from tests.replica_replay import replay_membership
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
          "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60"]
@@ -235,6 +237,12 @@ def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
     _same_losses(losses[:first], reference[:first], "drop mode before the failure")
     # the steps it was away trained on replica 0's half of the batch: other numbers
     assert any(abs(a - b) > RTOL * abs(b) for a, b in zip(losses[first:], reference[first:24]))
+    # ... and exactly those of one process replaying the recorded membership
+    members = summary["members"]
+    assert len(members) == 24 and [1] not in members and [0] in members[first:], members
+    flags = dict(layers=2, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048, budget=256,
+                 max_len=256, dp=2, pp=2, steps=24)
+    _same_losses(losses, replay_membership(flags, members, tmp_path / "replay"), "drop mode vs its replay")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -107,6 +107,7 @@ def run_cmd(
             if (out / "ops.parquet").exists():
                 trace = read_ops_trace(out / "ops.parquet")
                 summary["recovery"] = recovery_summary(outcome, trace)
+                summary["members"] = outcome.replica_members  # per step, the replicas that trained it
                 if summary["recovery"] is not None:
                     from resihp.runtime.report import plot_replicas  # deferred: matplotlib
 

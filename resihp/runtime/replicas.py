@@ -215,6 +215,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 read_steps()
                 outcome.errors = read_errors(store, cfg.job_id)
                 outcome.replica_catchups = _catchups(store, quorum, outcome.replica_failures)
+                outcome.replica_members = _members(quorum, cfg.train.steps)
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
     if outcome.error is None and not done:
@@ -226,6 +227,17 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         outcome.failure = fail_stop(dims, last.rank if last.rank is not None else ranks[last.replica][0],
                                     last.step, last.cause, last.detected_s)
     return outcome
+
+
+def _members(quorum: Quorum, steps: int) -> list[list[int]]:
+    """The recorded membership: per committed step from 0, the replicas that trained it."""
+    found = []
+    for step in range(steps):
+        members = quorum.committed(step)
+        if members is None:
+            break
+        found.append(members)
+    return found
 
 
 def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dict]:

@@ -70,6 +70,8 @@ class Outcome:
     control_plane: dict | None = None  # node 0: what the control plane cost (bytes, messages, time)
     replica_failures: list = field(default_factory=list)  # --recovery replica: replicas lost and relaunched
     replica_catchups: list[dict] = field(default_factory=list)  # --recovery replica: how each came back
+    # --recovery replica: per committed step, in order, the replicas whose ranks trained it
+    replica_members: list[list[int]] = field(default_factory=list)
 
 
 def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
