@@ -7,7 +7,7 @@ import pytest
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
 from resihp.plan.cost import AnalyticCost
-from resihp.plan.links import boundary_moves, with_link_event
+from resihp.plan.links import boundary_moves, rank_swaps, with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
@@ -69,11 +69,28 @@ def test_planner_moves_work_away_from_a_slow_link():
         piped = planner.plan(cluster.with_link_speeds({(0, 2): speed}), MODEL, current, time_limit_s=1.0)
         counts = {p.stages[0].ranks: p.microbatches for p in piped.pipelines}
         assert counts.get((0,), 0) < counts[(1,)], (speed, counts)
-    # a slow link between the data-parallel peers of stage 0: fewer layers on stage 0
-    synced = planner.plan(cluster.with_link_speeds({(0, 1): 0.01}), MODEL, current, time_limit_s=1.0)
-    assert all(p.stages[0].n_layers < p.stages[1].n_layers for p in synced.pipelines)
-    assert synced.step_time_s < planner.coster(cluster.with_link_speeds({(0, 1): 0.01}), MODEL) \
-        .dp_sync_s(current) + base.step_time_s
+    # a slow link between the data-parallel peers of stage 0: an end trades places with the other
+    # stage of its pipeline, so the link carries neither a reduction nor a pipeline transfer (the
+    # healthy step again, for the price of moving two stages' state)
+    for speed in (0.5, 0.01):
+        synced = planner.plan(cluster.with_link_speeds({(0, 1): speed}), MODEL, current, time_limit_s=1.0)
+        groups = [{p.stages[s].ranks[0] for p in synced.pipelines} for s in range(2)]
+        hops = [{p.stages[0].ranks[0], p.stages[1].ranks[0]} for p in synced.pipelines]
+        assert {0, 1} not in groups and {0, 1} not in hops, (groups, hops)
+        assert synced.step_time_s == pytest.approx(base.step_time_s) and synced.migration_s > 0
+    # without the swap, fewer layers on stage 0 is what is left
+    moved = boundary_moves(current, cluster.with_link_speeds({(0, 1): 0.01}))
+    assert all(p.stages[0].n_layers < p.stages[1].n_layers for m in moved for p in m.pipelines)
+
+
+def test_rank_swaps_only_around_slow_links():
+    cluster = ClusterSpec.from_dict(CLUSTER)
+    assert rank_swaps(_plan(), cluster) == []
+    swaps = rank_swaps(_plan(), cluster.with_link_speeds({(0, 1): 0.5}))
+    placed = {tuple(tuple(s.ranks[0] for s in p.stages) for p in m.pipelines) for m in swaps}
+    assert placed == {((2, 0), (1, 3)), ((0, 2), (3, 1))}
+    for m in swaps:  # layers stay with their stage position
+        assert [[s.layers for s in p.stages] for p in m.pipelines] == [[(0, 2), (2, 4)]] * 2
 
 
 def test_boundary_moves_only_around_slow_reductions():

@@ -6,6 +6,9 @@ link (a slow pipeline link is priced into its stages' times, ``StageCoster``, an
 moves micro-batches away from it). These candidates take a plan and shift one or more layers off
 each stage whose reduction crosses a slow link, to a neighbouring stage, in every replica alike;
 the planner's evaluator keeps one only if its step time (compute, bubbles, reduction) is better.
+Or a slow link's end swaps places with another stage of its own pipeline (``rank_swaps``): the
+link then joins neither a gradient reduction nor a pipeline boundary it did before, at the price of
+moving those stages' state (the evaluator charges the migration).
 """
 
 from __future__ import annotations
@@ -59,6 +62,31 @@ def boundary_moves(plan: Plan, cluster: ClusterSpec, max_shift: int = 4) -> list
                 pipes = [Pipeline(p.dp_rank, m, p.microbatches, p.home, p.tokens)
                          for p, m in zip(plan.pipelines, moved)]
                 out.append(replace(plan, pipelines=pipes, solver={}, step_time_s=float("nan")))
+    return out
+
+
+def rank_swaps(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
+    """Copies of ``plan`` in which the stage holding an end of a slow link trades its ranks with
+    another stage of the same pipeline (same tensor-parallel size; layers stay with their stage
+    position), unevaluated."""
+    out = []
+    for a, b, speed in cluster.links:
+        if speed >= 1.0:
+            continue
+        for end in (a, b):
+            for i, p in enumerate(plan.pipelines):
+                s = next((k for k, st in enumerate(p.stages) if end in st.ranks), None)
+                if s is None:
+                    continue
+                for t, other in enumerate(p.stages):
+                    if t == s or other.tp != p.stages[s].tp:
+                        continue
+                    stages = list(p.stages)
+                    stages[s], stages[t] = Stage(other.ranks, p.stages[s].layers), Stage(p.stages[s].ranks,
+                                                                                        other.layers)
+                    pipes = list(plan.pipelines)
+                    pipes[i] = Pipeline(p.dp_rank, tuple(stages), p.microbatches, p.home, p.tokens)
+                    out.append(replace(plan, pipelines=pipes, solver={}, step_time_s=float("nan")))
     return out
 
 

@@ -46,7 +46,7 @@ from resihp.plan.layout import (
     layer_ranges,
     uniform_layer_counts,
 )
-from resihp.plan.links import boundary_moves
+from resihp.plan.links import boundary_moves, rank_swaps
 from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
@@ -263,6 +263,8 @@ class Planner:
                     break  # close enough to the bound: the other weighting cannot gain much
             # around a slow link between data-parallel peers: fewer layers on its stage
             candidates += usable([m for c in list(candidates) for m in boundary_moves(c, cluster)])
+            # ... or its end trades places with another stage of its pipeline
+            candidates += usable([m for c in list(candidates) for m in rank_swaps(c, cluster)])
         finally:
             pool.shutdown(cancel_futures=True)  # the solves of a weighting not needed
         if not candidates:

@@ -62,13 +62,15 @@ _COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes", "wait_s")
 def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
     """One rank's rows of one step, column-wise: the ids once, times as offsets in microseconds,
     each micro-batch's sequence lengths once; ``cost_s``: the rank's time spent publishing so far."""
-    first = rows[0]
+    # the ids once: the step's last row's (a live layout change at the step's start records its
+    # own op at the old place; the step's training ops, and so the step, are at the new one)
+    last = rows[-1]
     t0 = min(r["start_ts"] for r in rows)
     lens: dict[str, list[int]] = {}
     for r in rows:
         if r.get("seq_lens") is not None and r.get("mb_id") is not None:
             lens.setdefault(str(r["mb_id"]), r["seq_lens"])
-    doc = {"ids": [first[k] for k in _IDS], "t0": t0,
+    doc = {"ids": [last[k] for k in _IDS], "t0": t0,
            "ts": [round(r["start_ts"] - t0, _ROUND) for r in rows],
            "dur": [round(r["duration"], _ROUND) for r in rows],
            **{c: [r.get(c) for r in rows] for c in _COLS}, "lens": lens,

@@ -117,6 +117,8 @@ class LiveLoop:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def _observe(self, step: int, df: pd.DataFrame) -> None:
+        if df.optype.eq("replan-layout").any():  # ranks took new places: learned afresh from here
+            self.detector = self._make_detector()
         df = df[~df.optype.str.startswith("replan")]
         placed = {r for p in self.groups for s in p for r in s}
         for probe in df[df.optype == "probe"].itertuples():
