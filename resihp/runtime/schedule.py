@@ -13,8 +13,7 @@ from typing import Literal
 
 from resihp.errors import InputError
 from resihp.perf.schedule import FWD, rank_order
-
-SCHEDULES = ("1f1b", "gpipe")
+from resihp.runtime.config import SCHEDULES
 
 
 @dataclass(frozen=True)
