@@ -143,10 +143,10 @@ def reference(tmp_path_factory):
     return summary["losses"]
 
 
-def _survivor_slow(dims: ParallelDims, lost: int) -> list[str]:
-    # a survivor's compute stretched 3x (a sleep): steps long enough, on any machine, for the lost
-    # replica to come back before the end
-    return ["--inject", f"slow:rank={dims.rank_of(1 - lost, 0, 0)},factor=3,step=0"]
+def _survivor_slow(dims: ParallelDims, lost: int, step: int) -> list[str]:
+    # a survivor's compute stretched 3x (a sleep) from the failure on: steps long enough, on any
+    # machine, for the lost replica to come back before the end (the steps before it run at speed)
+    return ["--inject", f"slow:rank={dims.rank_of(1 - lost, 0, 0)},factor=3,step={step}"]
 
 
 @pytest.mark.slow
@@ -158,7 +158,7 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
     lost = dims.coords(rank).dp_rank
     what = f"{fault}:rank={rank},step={step}"
     rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(STEPS),
-                            "--recovery", "replica", "--inject", what, *_survivor_slow(dims, lost))
+                            "--recovery", "replica", "--inject", what, *_survivor_slow(dims, lost, step))
     assert rc == 0, f"{what}: {err[-2000:]}"
     rec = summary["recovery"]
     assert rec["mode"] == "replica" and rec["lost_replica"] == lost, what
@@ -169,6 +169,21 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
     survivors = [r for r in range(dims.world_size) if dims.coords(r).dp_rank != lost]
     _trained_every_step(tmp_path / "run", survivors, STEPS)
     _same_losses(summary["losses"], reference, what)
+
+
+@pytest.mark.slow
+def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_path):
+    # the crashed rank says so over the control plane: its replica is evicted at once (the
+    # survivors were found hung, and then every replica lost, when only its exit told)
+    steps = 30
+    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(steps),
+                            "--recovery", "replica", "--inject", "error:rank=3,step=10")
+    assert rc == 0, err[-2000:]
+    rec = summary["recovery"]
+    assert rec["lost_replica"] == 1 and rec["cause"] == "exception" and rec["rank"] == 3, rec
+    assert "failures" not in rec and not rec["survivors_restarted"], rec
+    _trained_every_step(tmp_path / "run", [0, 2], steps)
+    _same_losses(summary["losses"], reference[:steps], "a crashed rank")
 
 
 @pytest.mark.slow
@@ -192,7 +207,7 @@ def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(refere
 def test_a_second_failure_of_the_returning_replica_is_relaunched_again(reference, tmp_path):
     out = tmp_path / "run"
     proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(STEPS), "--recovery", "replica",
-                  "--inject", "stop:rank=1,step=6", *_survivor_slow(ParallelDims(2, 2), 1))
+                  "--inject", "stop:rank=1,step=6", *_survivor_slow(ParallelDims(2, 2), 1, 6))
     try:
         pids = _wait_pids(out, 1, 1)  # the relaunch, starting or catching up
         time.sleep(random.uniform(0.0, 2.0))
@@ -213,7 +228,7 @@ def test_a_second_failure_of_the_returning_replica_is_relaunched_again(reference
 def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(STEPS), "--recovery", "replica",
-                  "--inject", "stop:rank=1,step=6", *_survivor_slow(ParallelDims(2, 2), 1))
+                  "--inject", "stop:rank=1,step=6", *_survivor_slow(ParallelDims(2, 2), 1, 6))
     try:
         _wait_pids(out, 1, 1)
         os.kill(_pids(out, 0, 0)[0], signal.SIGKILL)  # the only live peer

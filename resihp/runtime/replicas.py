@@ -170,6 +170,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             else:
                 live.pop(d)
 
+        seen_reports = 0  # the workers' reports (read_errors) handled so far
         try:
             while live and outcome.error is None:
                 time.sleep(poll_s)
@@ -181,6 +182,12 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     rep.tracker.scan()
                 read_steps()
                 chain.advance()
+                reports = read_errors(store, cfg.job_id)
+                for e in reports[seen_reports:]:  # a rank that crashed said so: its replica is lost now
+                    d = dims.coords(int(e["rank"])).dp_rank if str(e["rank"]).isdigit() else None
+                    if e["kind"] == "crash" and d in live and d not in done:
+                        lose(d, int(e["rank"]), "exception", None, None)
+                seen_reports = len(reports)
                 for ev in monitor.poll(monitor.min_step()):
                     d = dims.coords(ev.rank).dp_rank
                     if d in live and d not in done:
