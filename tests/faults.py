@@ -202,7 +202,7 @@ def fill(directory: Path, leave_bytes: int = 0) -> None:
         f = open(directory / ".filler", "wb")  # noqa: SIM115 - closed below
     except OSError:  # already full
         return
-    with f, contextlib.suppress(OSError):
+    with contextlib.suppress(OSError), f:  # the close (its last flush) may hit the full disk too
         while free > 0:
             n = min(free, 1 << 16)
             f.write(b"\0" * n)
