@@ -17,8 +17,6 @@ from typing import Any, ClassVar
 
 from resihp.errors import InputError
 
-_NO_FLAG = ""
-
 
 def opt(default: Any = dataclasses.MISSING, *, help: str = "", flag: str | None = None,
         choices: tuple[str, ...] | None = None, minimum: float | None = None,

@@ -42,8 +42,8 @@ class GPTConfig(Section):
     def check_tp(self, tp: int) -> None:
         """Tensor parallelism of size ``tp`` splits whole heads and the FFN evenly."""
         if self.heads % tp or self.ffn_hidden % tp:
-            raise InputError(f"tensor-parallel size {tp} must divide heads ({self.heads}) and ffn_hidden "
-                             f"({self.ffn_hidden})")
+            raise InputError(f"parallel.tp (--tp {tp}): must divide model.heads (--heads {self.heads}) "
+                             f"and model.ffn_hidden (--ffn-hidden {self.ffn_hidden})")
 
     def saved_name(self, name: str) -> str:
         """The global name a parameter is saved and initialised under: a tied LM head is the

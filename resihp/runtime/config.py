@@ -143,10 +143,7 @@ class RunConfig:
             raise InputError(f"faults.recovery (--recovery {faults.recovery}): a lost replica recovers "
                              "from a live peer; --snapshot-every, --ckpt-every and --resume are not "
                              "combined with it yet")
-        model = self.model
-        if model.heads % parallel.tp or model.ffn_hidden % parallel.tp:
-            raise InputError(f"parallel.tp (--tp {parallel.tp}): must divide model.heads (--heads "
-                             f"{model.heads}) and model.ffn_hidden (--ffn-hidden {model.ffn_hidden})")
+        self.model.check_tp(parallel.tp)
         self.stage_ranges()
         if parallel.dp_weights is not None and (len(parallel.dp_weights) != parallel.dp
                                                 or min(parallel.dp_weights) < 0
