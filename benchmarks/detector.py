@@ -99,11 +99,11 @@ def speed_trace_16k(steps: int = 40, calibration: int = 20, repeats: int = 3) ->
     ``trace_rank_steps_per_s``: rank-steps over both; ``core_rank_steps_per_s``: over the core."""
     sc = load_scenario(TRACES / "scenarios" / "llama3-week-16k.yaml")
     p = sc.parallel
-    layout = compile_layout(uniform_layout(np.arange(sc.cluster.size), sc.cluster.gpus_per_node,
+    layout = compile_layout(uniform_layout(np.arange(len(sc.cluster)), sc.cluster.gpus_per_node,
                                            p.dp, p.pp, p.tp, sc.model.layers,
                                            sc.model.microbatches))
     sim = Simulator(sc, shared_pool(sc), np.random.default_rng(0))
-    speeds = np.ones(sc.cluster.size)
+    speeds = np.ones(len(sc.cluster))
     cal = sim.window(layout, speeds, calibration, 0, 0.0)
     win = sim.window(layout, speeds, steps, calibration, float(cal.step_time.sum()))
     cal_cols, cols = cal.columns(), win.columns()  # simulated records: not timed

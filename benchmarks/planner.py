@@ -46,7 +46,7 @@ from resihp.plan.plan import plan_problems  # noqa: E402
 from resihp.plan.planner import Planner  # noqa: E402
 from resihp.plan.specs import ClusterSpec, ModelSpec  # noqa: E402
 from resihp.replay.layout import compile_layout  # noqa: E402
-from resihp.replay.policies.resihp import cluster_spec, layout_of, model_spec  # noqa: E402
+from resihp.replay.policies.resihp import layout_of, model_spec  # noqa: E402
 from resihp.replay.scenario import load_scenario  # noqa: E402
 from resihp.replay.simulator import Simulator, shared_pool  # noqa: E402
 
@@ -171,14 +171,14 @@ def step_estimates(steps: int = 100) -> dict:
     cases = []
     for name in STEP_SCENARIOS:
         scenario = load_scenario(TRACES / "scenarios" / f"{name}.yaml")
-        cluster, model = cluster_spec(scenario), model_spec(scenario)
-        planner = Planner(AnalyticCost(efficiency=scenario.cluster.device.mfu))
+        cluster, model = scenario.cluster, model_spec(scenario)
+        planner = Planner(AnalyticCost())
         healthy = planner.plan(cluster, model, None, 5.0)
         for label, speeds in (("healthy", {}), ("slow1-3x", {5: 1 / 3}), ("dead1", {9: 0.0})):
             degraded = cluster.with_speeds(speeds) if speeds else cluster
             plan = planner.plan(degraded, model, healthy, 5.0) if speeds else healthy
             sim = Simulator(scenario, shared_pool(scenario), np.random.default_rng(1))
-            at = np.ones(scenario.cluster.size)
+            at = np.ones(len(scenario.cluster))
             for device, speed in speeds.items():
                 at[device] = speed
             window = sim.window(compile_layout(layout_of(plan, model)), at, steps, 0, 0.0)

@@ -63,7 +63,7 @@ def families(seeds: int = 1) -> dict:
 def _comparison_row(name: str, sc, seed: int) -> dict:
     doc = compare(sc, seed=seed).summary(timeline_points=24)
     return {
-        "name": name, "seed": seed, "family": sc.family, "devices": sc.cluster.size,
+        "name": name, "seed": seed, "family": sc.family, "devices": len(sc.cluster),
         "model": sc.model.name,
         "capacity_tokens_per_s": doc["capacity_tokens_per_s"],
         "bound_fraction": {p["name"]: p["bound_fraction"] for p in doc["policies"]},
@@ -83,7 +83,7 @@ def speed(policies: str, days: float | None = None) -> dict:
         events = [e for e in events if e.at_s < sc.duration_s]
     pool = shared_pool(sc)
     setup = time.perf_counter() - t0
-    out = {"scenario": SPEED_SCENARIO, "devices": sc.cluster.size, "days": sc.duration_s / 86400,
+    out = {"scenario": SPEED_SCENARIO, "devices": len(sc.cluster), "days": sc.duration_s / 86400,
            "events": len(events), "setup_s": round(setup, 2), "policies": []}
     for policy in make_policies(policies):
         t0 = time.perf_counter()

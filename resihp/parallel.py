@@ -5,11 +5,17 @@ Ranks are ordered with tensor parallel fastest, then data parallel, then pipelin
 ``rank = (stage * dp + dp_rank) * tp + tp_rank``. The runtime places its processes so, the
 detector's synthetic traces and the replay's ops records number their ranks so, and a Plan's
 ``layout`` is one of these.
+
+``apportion`` splits a whole number of things (layers over stages, micro-batches over replicas) in
+proportion to weights: the one integer split of the planner, the replay and the runtime.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from resihp.errors import InputError
 
@@ -63,3 +69,35 @@ class ParallelDims:
     def to_dict(self) -> dict[str, int]:
         """The Plan JSON ``layout`` form."""
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+
+def apportion(total: int, weights: Sequence[float] | np.ndarray, *, minimum: int = 0,
+              caps: Sequence[int] | np.ndarray | None = None, what: str = "weights") -> list[int]:
+    """``total`` split into integers in proportion to ``weights`` (largest remainder).
+
+    Each count starts at the floor of its exact share, held to at least ``minimum`` and at most its
+    cap; then, round by round, the counts furthest below their share get one more (ties to the
+    lower index) until the counts reach ``total``, or those furthest above theirs one less (never
+    below ``minimum``). Equal weights give the larger counts to the first parts. Where the caps
+    (or ``minimum``) do not allow ``total``, the sum falls short of it (or passes it): callers that
+    need the exact total check. Weights must be finite and non-negative with a positive sum
+    (InputError naming ``what``)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise InputError(f"{what} must be non-negative with a positive sum, got {list(weights)}")
+    share = total * w / w.sum()
+    hi = np.full(w.size, np.iinfo(np.int64).max) if caps is None else np.asarray(caps, dtype=np.int64)
+    counts = np.minimum(np.maximum(np.floor(share).astype(np.int64), minimum), hi)
+    while (short := total - int(counts.sum())) > 0:
+        room = counts < hi
+        if not room.any():
+            break
+        order = np.argsort(np.where(room, counts - share, np.inf), kind="stable")
+        counts[order[: min(short, int(room.sum()))]] += 1
+    while (over := int(counts.sum()) - total) > 0:
+        spare = counts > minimum
+        if not spare.any():
+            break
+        order = np.argsort(np.where(spare, share - counts, np.inf), kind="stable")
+        counts[order[: min(over, int(spare.sum()))]] -= 1
+    return counts.tolist()

@@ -124,7 +124,7 @@ def test_unblocked_durations_match_a_row_by_row_lookup(full):
 def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
     sc = load_scenario(write(tmp_path))
     rp = Replay(sc, make_policies("resihp")[0], events=[])
-    speeds = np.ones(sc.cluster.size)
+    speeds = np.ones(len(sc.cluster))
     speeds[3] = 0.6  # one slow device, so the matrices are not uniform
     win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), speeds, 8, 0, 0.0)
     df = win.ops()
@@ -143,7 +143,7 @@ def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
 def test_optype_as_strings_or_categorical(tmp_path):
     sc = load_scenario(write(tmp_path))
     rp = Replay(sc, make_policies("resihp")[0], events=[])
-    win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), np.ones(sc.cluster.size), 4, 0,
+    win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), np.ones(len(sc.cluster)), 4, 0,
                         0.0)
     cols = dict(win.columns())
     assert isinstance(cols["optype"], pd.Categorical)

@@ -14,7 +14,7 @@ from resihp.plan.planner import Planner, healthy_plan
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import StageCoster, critical_path_step, expected_step
 from resihp.replay.layout import compile_layout
-from resihp.replay.policies.resihp import cluster_spec, layout_of, model_spec
+from resihp.replay.policies.resihp import layout_of, model_spec
 from resihp.replay.scenario import load_scenario
 from resihp.replay.simulator import Simulator, shared_pool
 
@@ -89,11 +89,11 @@ def test_within_five_percent_of_the_replayed_step():
     micro-batches of the real workload, measured noise, the same schedule); the mean-cost step
     is about a tenth short."""
     scenario = load_scenario(TRACES / "scenarios" / "failstop-7b-256.yaml")
-    cluster, model = cluster_spec(scenario), model_spec(scenario)
-    planner = Planner(AnalyticCost(efficiency=scenario.cluster.device.mfu))
+    cluster, model = scenario.cluster, model_spec(scenario)
+    planner = Planner(AnalyticCost())
     plan = planner.plan(cluster, model, None, 5.0)
     sim = Simulator(scenario, shared_pool(scenario), np.random.default_rng(1))
-    window = sim.window(compile_layout(layout_of(plan, model)), np.ones(scenario.cluster.size),
+    window = sim.window(compile_layout(layout_of(plan, model)), np.ones(len(scenario.cluster)),
                         100, 0, 0.0)
     replayed = float(np.mean(window.step_time))
     assert abs(plan.expected_step_time_s / replayed - 1) <= 0.05

@@ -10,7 +10,6 @@ from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches, greedy_allocation
 from resihp.plan.baselines import POLICIES, make_policy
 from resihp.plan.cost import AnalyticCost
-from resihp.plan.heuristics import proportional_split
 from resihp.plan.layout import binary_chunks, group_options
 from resihp.plan.plan import Plan, plan_problems
 from resihp.plan.planner import Planner, capacity_bound, healthy_plan
@@ -305,12 +304,6 @@ def test_token_budgets_balance_and_keep_the_global_batch():
     assert slow_pipe.microbatches < base.pipelines[0].microbatches
     evaluate(balanced, coster)
     assert balanced.step_time_s < 0.7 * base.step_time_s
-
-
-def test_proportional_split_respects_caps_and_total():
-    assert proportional_split(10, np.array([1, 1, 2])) in ([3, 2, 5], [2, 3, 5])
-    out = proportional_split(20, np.array([1.0, 1.0, 10.0]), caps=np.array([10, 10, 8]))
-    assert sum(out) == 20 and out[2] <= 8 and min(out) >= 1
 
 
 def test_predictor_cost_plans_with_a_trained_predictor(tiny_profile, tmp_path):

@@ -75,7 +75,7 @@ def test_plan_to_layout_keeps_every_layer_and_microbatch(tmp_path):
     assert abs(tokens - sc.model.global_batch_tokens) <= sc.model.microbatch_tokens * len(new.replicas)
     assert len(set(new.devices.tolist())) == len(new.devices)  # every device placed once
     assert layout_of(policy.plan, policy.model).microbatches == new.microbatches
-    assert np.isfinite(replay.ctx.predicted_step_time(new, np.ones(sc.cluster.size)))
+    assert np.isfinite(replay.ctx.predicted_step_time(new, np.ones(len(sc.cluster))))
 
 
 def test_resihp_benchmarks_an_excluded_slow_device_less_often_and_takes_it_back_when_healthy(tmp_path):

@@ -19,7 +19,7 @@ def test_shipped_scenarios_load():
     for p in (TRACES / "scenarios").glob("*.yaml"):
         sc = load_scenario(p)
         families.add(sc.family)
-        assert sc.duration_s > 0 and sc.cluster.size >= sc.parallel.dp * sc.parallel.pp * sc.parallel.tp
+        assert sc.duration_s > 0 and len(sc.cluster) >= sc.parallel.dp * sc.parallel.pp * sc.parallel.tp
     assert {"fail-stop", "fail-slow", "mixed"} <= families
 
 
@@ -90,7 +90,7 @@ def test_llama3_generator_rate(tmp_path):
                  model={**BASE["model"], "global_batch_tokens": 4194304})
     sc = load_scenario(path)
     stops = [e for e in scenario_events(sc) if e.kind == "stop"]
-    expect = LLAMA3_INTERRUPTIONS * sc.cluster.size / LLAMA3_GPUS * sc.duration_s / (LLAMA3_DAYS * 86400)
+    expect = LLAMA3_INTERRUPTIONS * len(sc.cluster) / LLAMA3_GPUS * sc.duration_s / (LLAMA3_DAYS * 86400)
     assert abs(len(stops) - expect) < 4 * np.sqrt(expect)
     causes = {e.cause for e in stops}
     assert any("Faulty GPU" in c for c in causes)

@@ -1,10 +1,18 @@
-"""Cost models: seconds of one micro-batch through one layer (and through the LM head) on a device.
+"""Cost models: seconds of one micro-batch through one layer (and through the LM head) on a device,
+and the analytic times of a step's communication and optimizer step.
 
 The planner only needs per-layer forward/backward times at full speed for a tensor-parallel degree;
 a device at speed ``s`` takes ``1/s`` as long. Two implementations share the interface:
 ``AnalyticCost`` (analytic FLOPs / the device's FLOP rate plus tensor-parallel all-reduces, for
 cluster-scale planning) and ``PredictorCost`` (the learned micro-batch predictor of resihp.perf,
 for the devices it was trained on).
+
+The analytic formulas are defined once here, for the planner (``AnalyticCost``, ``StageCoster``)
+and the replay's simulator alike (vectorised: tokens and widths may be arrays): ``flops_per_s``
+(a device's sustained rate), ``head_flops`` (the LM head's forward), ``tp_allreduce_s`` (a
+tensor-parallel all-reduce of activations, ring, intra-node), ``p2p_s`` (activations across a
+stage boundary, inter-node), ``grad_sync_s`` (the data-parallel ring all-reduce of bf16 gradients,
+inter-node) and ``optimizer_s`` (one read and write of the optimizer state in HBM).
 """
 
 from __future__ import annotations
@@ -16,8 +24,59 @@ import numpy as np
 
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.workload.flops import stage_flops
-from resihp.workload.lengths import resolve_source, sample_sequences
-from resihp.workload.packing import pack_greedy
+from resihp.workload.lengths import resolve_source
+from resihp.workload.packing import packed_microbatches
+
+ACTIVATION_BYTES = 2.0  # bf16 activations and gradients on the wire
+GRADIENT_BYTES = 2.0
+
+
+def flops_per_s(tflops: float | np.ndarray, efficiency: float = 1.0) -> float | np.ndarray:
+    """A device's FLOP rate in training: ``tflops`` (sustained) x ``efficiency``."""
+    return tflops * 1e12 * efficiency
+
+
+def head_flops(model: ModelSpec, tokens: float | np.ndarray) -> float | np.ndarray:
+    """Forward FLOPs of the LM head (the logits projection) for ``tokens`` tokens, at tp = 1;
+    its backward is twice as many."""
+    return 2.0 * tokens * model.hidden * model.vocab
+
+
+def tp_allreduce_s(model: ModelSpec, cluster: ClusterSpec, tokens: float | np.ndarray,
+                   width: float | np.ndarray) -> float | np.ndarray:
+    """One tensor-parallel all-reduce of ``tokens`` tokens' activations (bf16) over the
+    intra-node links, ring algorithm, on a group of ``width`` devices (0 for one device);
+    Megatron runs two per layer forward and two backward."""
+    width = np.asarray(width, dtype=np.float64)
+    size = np.asarray(tokens, dtype=np.float64) * model.hidden * ACTIVATION_BYTES
+    return 2.0 * (width - 1.0) / width * size / (cluster.intra_node_gbs * 1e9)
+
+
+def p2p_s(model: ModelSpec, cluster: ClusterSpec, width: float | np.ndarray = 1.0,
+          tokens: float | None = None) -> float | np.ndarray:
+    """One micro-batch's activations (bf16; ``tokens``, the model's budget by default) across a
+    stage boundary over the inter-node link, split over ``width`` tensor-parallel senders (each
+    sends its sequence-parallel shard). The replay gives a replica's narrowest group; the planner
+    prices every boundary unsplit (width 1), whatever its groups."""
+    tokens = model.microbatch_tokens if tokens is None else tokens
+    return tokens * model.hidden * ACTIVATION_BYTES / np.asarray(width, dtype=np.float64) / (
+        cluster.inter_node_gbs * 1e9)
+
+
+def grad_sync_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float, replicas: int) -> float:
+    """Ring all-reduce across ``replicas`` of one device's bf16 gradients for ``shard_layers``
+    layers (a stage's layers / its tensor-parallel width) over the inter-node link."""
+    if replicas < 2:
+        return 0.0
+    grads = shard_layers * model.params_per_layer * GRADIENT_BYTES
+    return 2.0 * (replicas - 1) / replicas * grads / (cluster.inter_node_gbs * 1e9)
+
+
+def optimizer_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float) -> float:
+    """The optimizer step of a device holding ``shard_layers`` layers: one read and one write of
+    their state in HBM (the slowest device's bandwidth)."""
+    return shard_layers * model.params_per_layer * model.state_bytes_per_param * 2 / (
+        cluster.min_hbm_gbs * 1e9)
 
 
 class CostModel(Protocol):
@@ -38,10 +97,8 @@ def expected_microbatches(workload: str | None, microbatch_tokens: int, max_seq_
     if workload is None:
         per = microbatch_tokens // max_seq_len
         return ((max_seq_len,) * per,)
-    lengths = resolve_source(workload)
-    seqs = sample_sequences(lengths, samples * microbatch_tokens, max_seq_len,
-                            np.random.default_rng(seed))
-    batches = pack_greedy(seqs, microbatch_tokens)[:samples]
+    batches = packed_microbatches(resolve_source(workload), samples, microbatch_tokens, max_seq_len,
+                                  np.random.default_rng(seed))
     return tuple(tuple(int(x) for x in b) for b in batches)
 
 
@@ -57,25 +114,18 @@ class AnalyticCost:
     """Analytic FLOPs over the device's sustained FLOP rate, plus the tensor-parallel all-reduces
     (two per layer forward, two backward) on the intra-node links.
 
-    ``efficiency`` scales the rate given in the cluster spec (set 1.0 when ``tflops`` is already a
-    measured sustained rate).
+    ``efficiency`` scales the rate given in the cluster spec (1.0, the default, when ``tflops`` is
+    already the sustained rate, as in the shipped clusters and the replay's).
     """
 
-    def __init__(self, efficiency: float = 1.0, activation_bytes: int = 2) -> None:
+    def __init__(self, efficiency: float = 1.0) -> None:
         self.efficiency = efficiency
-        self.activation_bytes = activation_bytes
-
-    def _allreduce_s(self, model: ModelSpec, cluster: ClusterSpec, tp: int, tokens: float) -> float:
-        if tp == 1:
-            return 0.0
-        size = tokens * model.hidden * self.activation_bytes
-        return 2.0 * (tp - 1) / tp * size / (cluster.intra_node_gbs * 1e9)
 
     def layer_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
                       tflops: float) -> tuple[float, float]:
         tokens, sum_sq = mean_mix(model)
-        rate = tflops * 1e12 * self.efficiency
-        comm = 2.0 * self._allreduce_s(model, cluster, tp, tokens)
+        rate = flops_per_s(tflops, self.efficiency)
+        comm = 2.0 * float(tp_allreduce_s(model, cluster, tokens, tp))
         out = []
         for phase in ("fwd", "bwd"):
             dense, attn = stage_flops(model.shape(1, tp), np.array([tokens]), np.array([sum_sq]),
@@ -86,7 +136,7 @@ class AnalyticCost:
     def head_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
                      tflops: float) -> tuple[float, float]:
         tokens, _ = mean_mix(model)
-        fwd = 2.0 * tokens * model.hidden * model.vocab / tp / (tflops * 1e12 * self.efficiency)
+        fwd = head_flops(model, tokens) / tp / flops_per_s(tflops, self.efficiency)
         return fwd, 2.0 * fwd
 
     def microbatch_factors(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
@@ -98,8 +148,8 @@ class AnalyticCost:
                                         model.max_seq_len)
         tokens = np.array([sum(b) for b in batches], dtype=np.float64)
         sum_sq = np.array([sum(x * x for x in b) for b in batches], dtype=np.float64)
-        rate = tflops * 1e12 * self.efficiency
-        total = 2.0 * 2.0 * self._allreduce_s(model, cluster, tp, 1.0) * tokens
+        rate = flops_per_s(tflops, self.efficiency)
+        total = 2.0 * 2.0 * tp_allreduce_s(model, cluster, tokens, tp)
         for phase in ("fwd", "bwd"):
             dense, attn = stage_flops(model.shape(1, tp), tokens, sum_sq, phase)
             total = total + (np.asarray(dense) + np.asarray(attn)) / rate

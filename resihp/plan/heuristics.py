@@ -6,36 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from resihp.parallel import ParallelDims
-from resihp.plan.layout import even_split, home_pipelines, layer_ranges, powers_of_two_upto
+from resihp.parallel import ParallelDims, apportion
+from resihp.plan.layout import home_pipelines, layer_ranges, powers_of_two_upto
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
-from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
+from resihp.plan.specs import ClusterSpec, ModelSpec, in_flight_microbatches, stage_memory_gb
 from resihp.plan.timing import StageCoster
-
-
-def proportional_split(total: int, weights: np.ndarray, caps: np.ndarray | None = None,
-                       minimum: int = 1) -> list[int]:
-    """Integers proportional to ``weights`` summing to ``total`` (largest remainder), each at
-    least ``minimum`` and at most its cap when the caps allow."""
-    weights = np.asarray(weights, dtype=np.float64)
-    caps = np.full(len(weights), total) if caps is None else np.asarray(caps)
-    share = weights / weights.sum() * total
-    counts = np.clip(np.floor(share).astype(int), minimum, caps)
-    order = np.argsort(-(share - np.floor(share)))
-    while counts.sum() < total:
-        grown = False
-        for i in order:
-            if counts.sum() < total and counts[i] < caps[i]:
-                counts[i] += 1
-                grown = True
-        if not grown:
-            break
-    while counts.sum() > total:
-        i = int(np.argmax(counts - share))
-        if counts[i] <= minimum:
-            break
-        counts[i] -= 1
-    return counts.tolist()
 
 
 def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray:
@@ -49,8 +24,7 @@ def drop_replica_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoste
     """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly."""
     alive = [p for p in base.pipelines if coster.alive(p.stages)]
     caps = replica_caps(coster, [p.stages for p in alive], model.microbatches)
-    shares = proportional_split(model.microbatches, np.ones(len(alive)), caps, minimum=0) \
-        if alive else []
+    shares = apportion(model.microbatches, np.ones(len(alive)), caps=caps) if alive else []
     pipelines = [Pipeline(i, p.stages, m, home=p.home)
                  for i, (p, m) in enumerate(zip(alive, shares)) if m > 0]
     return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines))
@@ -60,7 +34,7 @@ def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, 
                    layout: ParallelDims) -> Plan:
     """The published ResiHP adaptation, one heuristic per dimension (see ``baselines``)."""
     pipes = home_pipelines(cluster, layout)
-    shares0 = even_split(model.microbatches, layout.dp)
+    shares0 = apportion(model.microbatches, np.ones(layout.dp))
     built: list[tuple[int, tuple[Stage, ...]]] = []
     for r, groups in enumerate(pipes):
         if not any(not cluster.degraded.isdisjoint(g) for g in groups):
@@ -72,7 +46,7 @@ def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, 
             built.append((r, stages))
     rates = np.array([1.0 / max(sum(fb) for fb in coster.pipeline_fb(st)) for _, st in built])
     caps = replica_caps(coster, [st for _, st in built], model.microbatches)
-    shares = proportional_split(model.microbatches, rates, caps, minimum=0)
+    shares = apportion(model.microbatches, rates, caps=caps) if built else []
     pipelines, dp = [], 0
     for (r, stages), m in zip(built, shares):
         if m > 0:
@@ -104,8 +78,8 @@ def split_layers_by_speed(groups: list[tuple[int, ...]], coster: StageCoster, mo
     rates = np.array([1.0 / sum(coster.per_layer_s(g)) for g in groups])
     caps = []
     for s, g in enumerate(groups):
-        in_flight = coster.in_flight(p, s, m)
-        free = coster.memory_free_gb(g)
+        in_flight = in_flight_microbatches(model.schedule, p, s, m)
+        free = coster.cluster.free_memory_gb(g)
         cap = 0
         while cap < model.layers and stage_memory_gb(
                 model, cap + 1, len(g), in_flight, s == 0, s == p - 1) <= free:
@@ -113,7 +87,7 @@ def split_layers_by_speed(groups: list[tuple[int, ...]], coster: StageCoster, mo
         caps.append(cap)
     if min(caps) < 1 or sum(caps) < model.layers:
         return None
-    counts = proportional_split(model.layers, rates, np.array(caps))
+    counts = apportion(model.layers, rates, minimum=1, caps=caps)
     if sum(counts) != model.layers:
         return None
     return Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts)))

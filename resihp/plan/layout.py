@@ -10,6 +10,7 @@ import numpy as np
 
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
+from resihp.plan.cost import grad_sync_s
 from resihp.plan.plan import Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster, closed_form_step
@@ -35,12 +36,6 @@ def home_pipelines(cluster: ClusterSpec, layout: ParallelDims) -> list[list[tupl
     PP), so consecutive stages of a pipeline sit on different nodes."""
     groups = home_groups(cluster, layout.tp)
     return [[groups[s * layout.dp + r] for s in range(layout.pp)] for r in range(layout.dp)]
-
-
-def even_split(total: int, parts: int) -> list[int]:
-    """``total`` into ``parts`` near-equal integers, the larger ones first."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def layer_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -75,10 +70,7 @@ def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster
     stages = tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts)))
     fb = np.array([coster.stage_fb(s, i == len(stages) - 1) for i, s in enumerate(stages)])
     step = closed_form_step(fb[:, 0], fb[:, 1], m, model.schedule, coster.p2p_s)
-    if layout.dp > 1:
-        shard = max(counts) * model.params_per_layer * 2 / layout.tp
-        step += 2.0 * (layout.dp - 1) / layout.dp * shard / (cluster.inter_node_gbs * 1e9)
-    return step
+    return step + grad_sync_s(model, cluster, max(counts) / layout.tp, layout.dp)
 
 
 def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -> ParallelDims:

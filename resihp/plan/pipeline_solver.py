@@ -19,6 +19,7 @@ from ortools.sat.python import cp_model
 
 from resihp.plan.layout import group_options
 from resihp.plan.plan import Stage, Stages
+from resihp.plan.specs import stage_memory_gb
 from resihp.plan.timing import StageCoster
 
 TICKS_PER_S = 1e7  # 0.1 microsecond resolution
@@ -101,11 +102,9 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         # GPipe: all ``m`` micro-batches (the allocation then caps ``m`` per replica)
         in_flight = max_after_group[c.group + 1] + len(options[c.group][c.option]) - within
         in_flight = in_flight if model.schedule == "1f1b" else m
-        free = coster.memory_free_gb(c.ranks)
-        act_tok = model.activation_bytes_per_token_layer or 34.0 * model.hidden
-        per_layer = (model.params_per_layer * model.state_bytes_per_param
-                     + in_flight * model.microbatch_tokens * act_tok) / len(c.ranks) / 1e9
-        emb = model.embedding_params * model.state_bytes_per_param / len(c.ranks) / 1e9
+        free = coster.cluster.free_memory_gb(c.ranks)
+        per_layer = stage_memory_gb(model, 1, len(c.ranks), in_flight, False, False)
+        emb = stage_memory_gb(model, 0, len(c.ranks), 0, True, False)  # the embedding (or head)
         cap = max(0, min(L, int(free // per_layer)))
         nj = mdl.new_int_var(0, cap, f"n{j}")
         mdl.add(nj <= cap * x)

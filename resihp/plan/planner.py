@@ -32,15 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from resihp.errors import InputError
-from resihp.parallel import ParallelDims
+from resihp.parallel import ParallelDims, apportion
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
-from resihp.plan.cost import AnalyticCost, CostModel
+from resihp.plan.cost import AnalyticCost, CostModel, grad_sync_s
 from resihp.plan.heuristics import drop_replica_plan, heuristic_plan
 from resihp.plan.layout import (
     binary_chunks,
     choose_layout,
-    even_split,
     home_groups,
     home_pipelines,
     layer_ranges,
@@ -50,7 +49,7 @@ from resihp.plan.links import boundary_moves, rank_swaps
 from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
-from resihp.plan.specs import ClusterSpec, ModelSpec
+from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_step
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
@@ -63,7 +62,7 @@ def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None 
     healthy = StageCoster(cluster.healthy(), model, cost or AnalyticCost())
     layout = layout or choose_layout(healthy.cluster, model, healthy)
     pipes = home_pipelines(healthy.cluster, layout)
-    shares = even_split(model.microbatches, layout.dp)
+    shares = apportion(model.microbatches, np.ones(layout.dp))
     sol = solve_pipeline(healthy, pipes[0], shares[0], None, time_limit_s=time_limit_s)
     counts = ([s.n_layers for s in sol.stages] if sol is not None and len(sol.stages) == layout.pp
               else uniform_layer_counts(model.layers, layout.pp))
@@ -100,9 +99,7 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     t_lo = _equal_stages_step(per_stage, lo, model.schedule, coster.p2p_s)
     t_hi = _equal_stages_step(per_stage, lo + 1, model.schedule, coster.p2p_s)
     step = t_lo + (m - lo) * (t_hi - t_lo)  # linear in m for equal stages
-    if layout.dp > 1:
-        shard = model.layers / layout.pp * model.params_per_layer * 2 / layout.tp
-        step += 2.0 * (layout.dp - 1) / layout.dp * shard / (cluster.inter_node_gbs * 1e9)
+    step += grad_sync_s(model, cluster, model.layers / layout.pp / layout.tp, layout.dp)
     tokens = model.global_batch_tokens / step
     used = sum(cluster.devices[r].tflops for g in home_groups(cluster, layout.tp)[
         : layout.pp * layout.dp] for r in g)
@@ -193,7 +190,7 @@ class Planner:
         layout = self.layout(cluster, model, current)
         bound = self.bound(cluster, model)
         pipes = memo.home_pipelines(layout)
-        even = dict(enumerate(even_split(model.microbatches, layout.dp)))
+        even = dict(enumerate(apportion(model.microbatches, np.ones(layout.dp))))
         share = dict(even)
         held: dict[tuple[int, ...], tuple[int, int]] | None = None
         if current is not None:
@@ -422,10 +419,8 @@ class Planner:
         if not groups or sum(len(g) for g in groups) < 2:
             return {}
         groups.sort(key=lambda g: (-len(g), g))
-        act = model.activation_bytes_per_token_layer or 34.0 * model.hidden
         # a lower bound on what a pipeline must hold: all model state, one micro-batch per layer
-        state_gb = ((model.layers * model.params_per_layer + 2 * model.embedding_params)
-                    * model.state_bytes_per_param + model.layers * model.microbatch_tokens * act) / 1e9
+        state_gb = stage_memory_gb(model, model.layers, 1, 1, True, True)
         out: dict[int, PipelineSolution] = {}
         chain: list[tuple[int, ...]] = []
         next_id = first_id
@@ -433,7 +428,7 @@ class Planner:
             chain.append(g)
             if len(chain) > model.layers:
                 break
-            if sum(coster.memory_free_gb(c) * len(c) for c in chain) < state_gb:
+            if sum(coster.cluster.free_memory_gb(c) * len(c) for c in chain) < state_gb:
                 continue  # cannot hold the model state, whatever the split
             sol = self._submit(ctx, chain, m, None, 1).result()
             if sol is not None and len(sol.stages) == len(chain):

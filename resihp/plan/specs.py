@@ -1,8 +1,10 @@
-"""Cluster and model specs of the planner, read from YAML (or dicts) and validated up front."""
+"""Cluster and model specs, read from YAML (or dicts) and validated up front, and the memory a
+stage needs: one definition each, for the planner and the replay (whose scenario's cluster is a
+``ClusterSpec.uniform``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -40,7 +42,10 @@ def _number(data: Mapping, key: str, where: str, default: Any = None, *, positiv
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator. ``rank`` is its global index in node order; ``speed`` 0 means dead."""
+    """One accelerator. ``rank`` is its global index in node order; ``speed`` 0 means dead.
+    ``tflops``: the sustained rate a training step reaches (a replay scenario's peak x MFU), what
+    the analytic cost model divides FLOPs by; ``hbm_gbs``: its memory bandwidth (GB/s), the pace of
+    the optimizer step."""
 
     rank: int
     node: int
@@ -48,6 +53,7 @@ class DeviceSpec:
     memory_gb: float
     tflops: float
     speed: float = 1.0
+    hbm_gbs: float = 2039.0
 
     @property
     def alive(self) -> bool:
@@ -67,7 +73,7 @@ class ClusterSpec:
     name: str = "cluster"
     links: tuple[tuple[int, int, float], ...] = ()
 
-    DEVICE_KEYS = ("memory_gb", "tflops", "speed")
+    DEVICE_KEYS = ("memory_gb", "tflops", "speed", "hbm_gbs")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
@@ -76,7 +82,8 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
         """Fields: ``nodes`` (a list of ``{name, devices: N | [ {memory_gb, speed, tflops}, ... ]}``
-        or the shorthand ``{count, devices}``), ``device`` (defaults: memory_gb, tflops, speed),
+        or the shorthand ``{count, devices}``), ``device`` (defaults: memory_gb, tflops, speed,
+        optional hbm_gbs),
         ``bandwidth`` (``intra_node_gbs``, ``inter_node_gbs``), optional ``speeds`` overrides
         ``{rank or "node/index": speed}``, ``links`` (slow links: a list of ``{ranks: [a, b],
         speed: s}``, s a fraction of the healthy bandwidth) and ``memory_reserve_gb``."""
@@ -132,6 +139,7 @@ class ClusterSpec:
                     tflops=float(_number(merged, "tflops", dwhere)),
                     speed=float(_number(merged, "speed", dwhere, 1.0, positive=False,
                                         minimum=0.0, maximum=1.0)),
+                    hbm_gbs=float(_number(merged, "hbm_gbs", dwhere, DeviceSpec.hbm_gbs)),
                 ))
         cluster = cls(
             devices=tuple(devices),
@@ -158,11 +166,25 @@ class ClusterSpec:
             found[tuple(link["ranks"])] = float(_number(link, "speed", lwhere, maximum=1.0))
         return cluster.with_link_speeds(found, where=f"{where}: links") if found else cluster
 
+    @classmethod
+    def uniform(cls, nodes: int, gpus_per_node: int, memory_gb: float, tflops: float, *,
+                hbm_gbs: float = DeviceSpec.hbm_gbs, intra_node_gbs: float = 300.0,
+                inter_node_gbs: float = 25.0, memory_reserve_gb: float = 2.0,
+                name: str = "cluster") -> ClusterSpec:
+        """``nodes`` nodes of ``gpus_per_node`` identical healthy devices (``n<node>/<index>``)."""
+        devices = tuple(DeviceSpec(rank=i, node=i // gpus_per_node,
+                                   name=f"n{i // gpus_per_node}/{i % gpus_per_node}",
+                                   memory_gb=memory_gb, tflops=tflops, hbm_gbs=hbm_gbs)
+                        for i in range(nodes * gpus_per_node))
+        return cls(devices, intra_node_gbs=intra_node_gbs, inter_node_gbs=inter_node_gbs,
+                   memory_reserve_gb=memory_reserve_gb, name=name)
+
     def to_dict(self) -> dict[str, Any]:
         nodes: dict[int, list] = {}
         for d in self.devices:
             nodes.setdefault(d.node, []).append(
-                {"memory_gb": d.memory_gb, "tflops": d.tflops, "speed": d.speed})
+                {"memory_gb": d.memory_gb, "tflops": d.tflops, "speed": d.speed,
+                 "hbm_gbs": d.hbm_gbs})
         names = {d.node: d.name.split("/")[0] for d in self.devices}
         return {"name": self.name,
                 "bandwidth": {"intra_node_gbs": self.intra_node_gbs,
@@ -183,6 +205,19 @@ class ClusterSpec:
             nodes.setdefault(d.node, []).append(d.rank)
         return tuple(tuple(r) for _, r in sorted(nodes.items()))
 
+    @property
+    def node_count(self) -> int:
+        return len(self.node_ranks)
+
+    @cached_property
+    def gpus_per_node(self) -> int:
+        """Devices per node, for layouts that need nodes of one size (the replay's)."""
+        sizes = sorted({len(r) for r in self.node_ranks})
+        if len(sizes) != 1:
+            raise InputError(f"cluster {self.name}: nodes of different sizes ({sizes}) where one "
+                             "size is needed")
+        return sizes[0]
+
     @cached_property
     def speeds(self) -> np.ndarray:
         return np.array([d.speed for d in self.devices])
@@ -190,6 +225,21 @@ class ClusterSpec:
     @cached_property
     def tflops(self) -> np.ndarray:
         return np.array([d.tflops for d in self.devices])
+
+    @cached_property
+    def min_memory_gb(self) -> float:
+        return min(d.memory_gb for d in self.devices)
+
+    @cached_property
+    def min_hbm_gbs(self) -> float:
+        """The slowest device memory's bandwidth (GB/s)."""
+        return min(d.hbm_gbs for d in self.devices)
+
+    def free_memory_gb(self, ranks: Iterable[int] | None = None) -> float:
+        """What a stage may hold on each device of ``ranks`` (every device when None): the smallest
+        one's memory less the reserve."""
+        least = self.min_memory_gb if ranks is None else min(self.devices[r].memory_gb for r in ranks)
+        return least - self.memory_reserve_gb
 
     @cached_property
     def degraded(self) -> frozenset[int]:
@@ -482,21 +532,46 @@ STATE_PARTS = {"weight_bytes_per_param": 2.0, "grad_bytes_per_param": 2.0,
 def layer_memory_gb(model: ModelSpec, tp: int = 1) -> dict[str, float]:
     """Per device of a TP group of ``tp``: one layer's model state, and its activations per
     micro-batch in flight."""
-    act = model.activation_bytes_per_token_layer or 34.0 * model.hidden
+    act = activation_bytes_per_token_layer(model)
     return {"state": model.params_per_layer * model.state_bytes_per_param / tp / 1e9,
             "activations_per_microbatch": model.microbatch_tokens * act / tp / 1e9}
 
 
+def activation_bytes_per_token_layer(model: ModelSpec) -> float:
+    """Activation bytes a layer keeps per token for the backward (before the tensor-parallel split):
+    the model's own figure, else 34 x hidden (selective recomputation with sequence parallelism,
+    Korthikanti et al., 2022)."""
+    return model.activation_bytes_per_token_layer or 34.0 * model.hidden
+
+
+def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` of ``stages`` holds at once (1F1B: the
+    pipeline depth minus the stage index, at most ``microbatches``; GPipe: all)."""
+    return min(microbatches, stages - stage) if schedule == "1f1b" else microbatches
+
+
 def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
                     first: bool, last: bool, microbatch_tokens: float | None = None) -> float:
-    """Memory of one device of a stage: model state of its layer shard plus the activations of the
-    micro-batches in flight (1F1B: pipeline depth minus stage index; GPipe: all)."""
+    """Memory of one device of a stage, in GB: the model state of its layer shard (the first stage
+    also the embedding, the last the untied LM head; ``model.state_bytes_per_param``, mixed-
+    precision Adam by default) plus the activations of ``in_flight`` micro-batches
+    (``activation_bytes_per_token_layer``), all divided over the ``tp`` devices."""
     state = layers * model.params_per_layer
     if first:
         state += model.embedding_params
     if last:
         state += model.embedding_params  # untied LM head
-    act_per_token = model.activation_bytes_per_token_layer or 34.0 * model.hidden
+    act_per_token = activation_bytes_per_token_layer(model)
     tokens = microbatch_tokens or model.microbatch_tokens
     activations = in_flight * layers * tokens * act_per_token
     return (state * model.state_bytes_per_param + activations) / tp / 1e9
+
+
+def pipeline_memory_gb(model: ModelSpec, layer_counts: Sequence[int], tp: int, microbatches: int,
+                       microbatch_tokens: float | None = None) -> list[float]:
+    """``stage_memory_gb`` of every stage of a pipeline of ``tp``-wide groups running
+    ``microbatches`` micro-batches per step."""
+    p = len(layer_counts)
+    return [stage_memory_gb(model, n, tp, in_flight_microbatches(model.schedule, p, s, microbatches),
+                            s == 0, s == p - 1, microbatch_tokens)
+            for s, n in enumerate(layer_counts)]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from resihp.perf.schedule import pipeline_step_time
-from resihp.plan.cost import CostModel
+from resihp.plan.cost import CostModel, grad_sync_s, p2p_s
 from resihp.plan.plan import HashedTuple, Plan, Stage
-from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
+from resihp.plan.specs import ClusterSpec, ModelSpec, in_flight_microbatches, stage_memory_gb
 
 
 def closed_form_step(fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b",
@@ -132,18 +132,16 @@ class StageCoster:
             self._alive[stages] = all(dead.isdisjoint(s.ranks) for s in stages)
         return self._alive[stages]
 
-    def in_flight(self, stages: int, s: int, m: int) -> int:
-        """Micro-batches whose activations stage ``s`` of ``stages`` holds at once."""
-        return min(m, stages - s) if self.model.schedule == "1f1b" else m
-
     def stages_fit(self, stages: tuple[Stage, ...], m: int, budget: float | None = None) -> bool:
         """Whether every stage's state and in-flight activations fit its smallest device."""
         key = (stages, m, budget)
         if key not in self._fits:
             p = len(stages)
+            schedule = self.model.schedule
             self._fits[key] = all(
-                stage_memory_gb(self.model, st.n_layers, st.tp, self.in_flight(p, s, m),
-                                s == 0, s == p - 1, budget) <= self.memory_free_gb(st.ranks)
+                stage_memory_gb(self.model, st.n_layers, st.tp,
+                                in_flight_microbatches(schedule, p, s, m), s == 0, s == p - 1,
+                                budget) <= self.cluster.free_memory_gb(st.ranks)
                 for s, st in enumerate(stages))
         return self._fits[key]
 
@@ -163,7 +161,7 @@ class StageCoster:
             state = stage_memory_gb(self.model, st.n_layers, st.tp, 0, s == 0, s == p - 1, budget)
             act = stage_memory_gb(self.model, st.n_layers, st.tp, 1, s == 0, s == p - 1,
                                   budget) - state
-            cap = int((self.memory_free_gb(st.ranks) - state) // act) if act > 0 else None
+            cap = int((self.cluster.free_memory_gb(st.ranks) - state) // act) if act > 0 else None
             best = cap if best is None else (best if cap is None else min(best, cap))
         return best
 
@@ -175,26 +173,23 @@ class StageCoster:
             limit = np.inf
             p = len(stages)
             for s, stage in enumerate(stages):
-                in_flight = self.in_flight(p, s, m)
+                in_flight = in_flight_microbatches(self.model.schedule, p, s, m)
                 first, last = s == 0, s == p - 1
                 state = stage_memory_gb(self.model, stage.n_layers, stage.tp, 0, first, last)
                 per_token = stage_memory_gb(self.model, stage.n_layers, stage.tp, in_flight, first,
                                             last, 1.0) - state
-                limit = min(limit, (self.memory_free_gb(stage.ranks) - state) / per_token)
+                limit = min(limit, (self.cluster.free_memory_gb(stage.ranks) - state) / per_token)
             self._budgets[key] = float(limit)
         return self._budgets[key]
 
-    def memory_free_gb(self, ranks: tuple[int, ...]) -> float:
-        return min(self.cluster.devices[r].memory_gb for r in ranks) - self.cluster.memory_reserve_gb
-
     @property
     def p2p_s(self) -> float:
-        """One micro-batch's activations (bf16) across a node boundary."""
-        return self.model.microbatch_tokens * self.model.hidden * 2 / (self.cluster.inter_node_gbs * 1e9)
+        """One micro-batch's activations (bf16) across a stage boundary (``cost.p2p_s``, unsplit)."""
+        return float(p2p_s(self.model, self.cluster))
 
     def layer_state_gb(self, tp: int) -> float:
         """Model state of one layer on one device of a TP group of size ``tp``."""
-        return self.model.params_per_layer * self.model.state_bytes_per_param / tp / 1e9
+        return stage_memory_gb(self.model, 1, tp, 0, False, False)
 
     def pipeline_fb(self, stages: tuple[Stage, ...], scale: float = 1.0,
                     ) -> tuple[tuple[float, float], ...]:
@@ -279,10 +274,7 @@ class StageCoster:
 
     def sync_s_per_shard_layer(self, replicas: int) -> float:
         """All-reduce seconds per layer of per-device gradient shard (bf16, ring over replicas)."""
-        if replicas < 2:
-            return 0.0
-        shard = self.model.params_per_layer * 2
-        return 2.0 * (replicas - 1) / replicas * shard / (self.cluster.inter_node_gbs * 1e9)
+        return grad_sync_s(self.model, self.cluster, 1.0, replicas)
 
 
 def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> float:

@@ -82,13 +82,13 @@ class Replay:
 
     def healthy_tokens_per_s(self) -> float:
         layout = self.ctx.uniform_layout(set())
-        w = self.sim.window(compile_layout(layout), np.ones(self.scenario.cluster.size),
+        w = self.sim.window(compile_layout(layout), np.ones(len(self.scenario.cluster)),
                             4 * self.scenario.settings.window_steps, 0, 0.0)
         return float(w.tokens.sum() / w.step_time.sum())
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> ReplayOutcome:
         sc, ctx, st = self.scenario, self.ctx, self.scenario.settings
-        n = sc.cluster.size
+        n = len(sc.cluster)
         speeds = np.ones(n)
         links = np.ones(n)  # each device's network link: a fraction of its bandwidth
         ctx._bench = lambda device: float(speeds[device])  # the true speed now (updated in place)

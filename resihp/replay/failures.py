@@ -99,7 +99,7 @@ def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
                   occ: _Occupancy) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"scale"})
     scale = _param(gen, scenario, "scale", 1.0)
-    n = scenario.cluster.size
+    n = len(scenario.cluster)
     rate_per_s = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 86400.0 * LLAMA3_GPUS) * n * scale
     causes = llama3_causes()
     p = causes["count"].to_numpy(np.float64)
@@ -147,7 +147,7 @@ def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generato
         length = rng.exponential((GREYHOUND_COMMUNICATION_MIN if link else mean_min) * 60.0)
         factor = float(min(cap, 1.0 + rng.exponential(mean_slow)))
         for _ in range(32):
-            if _pair(events, occ, int(rng.integers(scenario.cluster.size)), t, t + length,
+            if _pair(events, occ, int(rng.integers(len(scenario.cluster))), t, t + length,
                      "link" if link else "slow", round(factor, 3),
                      f"greyhound {size_class}{' network' if link else ''}", scenario.duration_s):
                 break
@@ -160,9 +160,9 @@ def alibaba_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
     where = f"{scenario.path}:{gen.line}: generators.alibaba"
     job = int(_param(gen, scenario, "job", minimum=1))
     devices = gen.params.get("devices")
-    if not isinstance(devices, list) or not all(isinstance(d, int) and 0 <= d < scenario.cluster.size
+    if not isinstance(devices, list) or not all(isinstance(d, int) and 0 <= d < len(scenario.cluster)
                                                 for d in devices):
-        raise InputError(f"{where}.devices: expected a list of device ids in 0..{scenario.cluster.size - 1}")
+        raise InputError(f"{where}.devices: expected a list of device ids in 0..{len(scenario.cluster) - 1}")
     per_iter = _param(gen, scenario, "seconds_per_iteration", minimum=1e-9)
     start = parse_duration(gen.params.get("start", 0), f"{where}.start")
     threshold = _param(gen, scenario, "threshold", 1.1, minimum=1.0)

@@ -15,7 +15,8 @@ import pandas as pd
 
 from resihp.detect.observe import trace_columns
 from resihp.opstrace import JobMeta
-from resihp.replay.costmodel import MicroBatchPool, device_flops_per_s, tp_allreduce_s
+from resihp.plan.cost import flops_per_s, tp_allreduce_s
+from resihp.replay.costmodel import MicroBatchPool
 from resihp.replay.layout import ReplicaLayout, uniform_layout
 from resihp.replay.scenario import Scenario
 
@@ -122,7 +123,7 @@ class Context:
         m, p = scenario.model, scenario.parallel
         self.total_microbatches = m.global_batch_tokens // m.microbatch_tokens
         self.job_devices = np.arange(p.dp * p.pp * p.tp)
-        self.rate = device_flops_per_s(scenario.cluster.device)
+        self.rate = flops_per_s(float(scenario.cluster.tflops.min()))  # identical devices
         self.mean_fwd_flops = float(pool.fwd_flops_per_layer.mean())
         self.mean_head_flops = float(pool.head_flops.mean())
         self.mean_tokens = float(pool.tokens.mean())
@@ -149,8 +150,8 @@ class Context:
                       last: np.ndarray | bool = False) -> np.ndarray:
         """Expected forward+backward seconds of one mean micro-batch on a stage (no noise)."""
         flops = np.asarray(layers) * self.mean_fwd_flops + np.where(last, self.mean_head_flops, 0.0)
-        comm = 4.0 * np.asarray(layers) * tp_allreduce_s(self.scenario, self.mean_tokens,
-                                                         np.asarray(width, dtype=np.float64))
+        comm = 4.0 * np.asarray(layers) * tp_allreduce_s(self.scenario.model, self.scenario.cluster,
+                                                         self.mean_tokens, width)
         return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed)) + comm
 
     def predicted_step_time(self, layout: ReplicaLayout, speeds: np.ndarray) -> float:

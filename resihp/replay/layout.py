@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from resihp.parallel import apportion
+
 
 @dataclass(frozen=True)
 class Replica:
@@ -105,31 +107,6 @@ def compile_layout(layout: ReplicaLayout) -> CompiledLayout:
     return out
 
 
-def split_layers(total: int, weights: np.ndarray) -> tuple[int, ...]:
-    """Contiguous layer counts proportional to ``weights`` (each at least 1), summing to ``total``."""
-    weights = np.asarray(weights, dtype=np.float64)
-    raw = total * weights / weights.sum()
-    counts = np.maximum(1, np.floor(raw)).astype(int)
-    while counts.sum() < total:
-        counts[np.argmax(raw - counts)] += 1
-    while counts.sum() > total:
-        over = np.where(counts > 1, counts - raw, -np.inf)
-        counts[np.argmax(over)] -= 1
-    return tuple(int(c) for c in counts)
-
-
-def split_microbatches(total: int, weights: np.ndarray) -> list[int]:
-    """Integer micro-batch counts proportional to ``weights`` (largest remainders), summing to total."""
-    weights = np.asarray(weights, dtype=np.float64)
-    if weights.sum() <= 0:
-        return [0] * len(weights)
-    raw = total * weights / weights.sum()
-    counts = np.floor(raw).astype(int)
-    for i in np.argsort(-(raw - counts))[: total - counts.sum()]:
-        counts[i] += 1
-    return [int(c) for c in counts]
-
-
 def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp: int,
                    layers: int, microbatches: int) -> ReplicaLayout:
     """Megatron's default placement: tp inside a node, then pp, then dp, over ``devices`` in order.
@@ -140,8 +117,8 @@ def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp
     devices = np.asarray(devices, dtype=np.int64)
     per_replica = pp * tp
     n_rep = min(dp, len(devices) // per_replica)
-    per_stage = split_layers(layers, np.ones(pp))
-    mbs = split_microbatches(microbatches, np.ones(n_rep))
+    per_stage = tuple(apportion(layers, np.ones(pp), minimum=1))
+    mbs = apportion(microbatches, np.ones(n_rep)) if n_rep else []
     replicas = []
     for r in range(n_rep):
         block = devices[r * per_replica: (r + 1) * per_replica].reshape(pp, tp)

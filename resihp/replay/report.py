@@ -50,7 +50,7 @@ def summary(scenario: Scenario, outcomes: list[ReplayOutcome], events: list[Fail
             entry["replay_wall_s"] = round(wall_s[o.policy], 2)
         policies.append(entry)
     cap = outcomes[0].capacity_tokens / outcomes[0].duration_s if outcomes else float("nan")
-    out = {"scenario": scenario.name, "family": scenario.family, "devices": scenario.cluster.size,
+    out = {"scenario": scenario.name, "family": scenario.family, "devices": len(scenario.cluster),
            "model": scenario.model.name, "duration_s": scenario.duration_s,
            "events": {k: sum(1 for e in events if e.kind == k) for k in ("stop", "slow", "link", "recover")},
            "policies": policies, "capacity_tokens_per_s": round(cap, 1)}

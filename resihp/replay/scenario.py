@@ -3,6 +3,10 @@
 A scenario names the cluster, the model and its initial parallel layout, the workload (a sequence-length
 source), the duration, failure events and/or failure generators with their rates, and the costs of
 restart, checkpointing and reconfiguration. Every error names the file, the line and the field.
+
+The cluster is the planner's ``ClusterSpec`` (``ClusterSpec.uniform``: nodes of identical devices,
+each at the sustained rate ``peak_tflops x mfu``) and the model its ``ModelSpec``; the initial
+layout must fit the planner's memory model (``resihp.plan.specs.pipeline_memory_gb``).
 """
 
 from __future__ import annotations
@@ -11,39 +15,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from resihp.errors import InputError
-from resihp.parallel import ParallelDims
-from resihp.plan.specs import MLP_MATRICES, ModelSpec
-from resihp.replay.costmodel import check_fits
+from resihp.parallel import ParallelDims, apportion
+from resihp.plan.specs import MLP_MATRICES, ClusterSpec, ModelSpec, pipeline_memory_gb
 from resihp.replay.yamlsrc import LineDict, load_yaml
 
 KINDS = ("slow", "link", "stop", "recover")  # link: the device's network link slowed by factor
 GENERATORS = ("llama3", "greyhound", "alibaba")
 _UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-@dataclass(frozen=True)
-class Device:
-    """An accelerator model: memory, peak dense throughput and the fraction of it a step reaches."""
-
-    name: str = "A100-80GB"
-    memory_gb: float = 80.0
-    peak_tflops: float = 312.0
-    mfu: float = 0.5
-    hbm_gbps: float = 2039.0
-
-
-@dataclass(frozen=True)
-class Cluster:
-    nodes: int
-    gpus_per_node: int
-    device: Device
-    intra_node_gbps: float = 300.0
-    inter_node_gbps: float = 25.0
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -88,7 +69,7 @@ class ReplaySettings:
 class Scenario:
     name: str
     path: str
-    cluster: Cluster
+    cluster: ClusterSpec
     model: ModelSpec
     parallel: ParallelDims
     workload: str
@@ -182,20 +163,23 @@ class _Reader:
         return _Reader(self.path, self.data[key], name, getattr(self.data, "line", 0))
 
 
-def _cluster(r: _Reader) -> Cluster:
+def _cluster(r: _Reader, name: str) -> ClusterSpec:
+    """``cluster``: nodes, gpus_per_node, device {name, memory_gb, peak_tflops, mfu, hbm_gbps}
+    (an A100-80GB at 50% MFU by default), intra_node_gbps, inter_node_gbps."""
     r.check_keys({"nodes", "gpus_per_node", "device", "intra_node_gbps", "inter_node_gbps"})
     d = r.sub("device", required=False)
     d.check_keys({"name", "memory_gb", "peak_tflops", "mfu", "hbm_gbps"})
-    device = Device(
-        name=d.text("name", Device.name), memory_gb=d.number("memory_gb", Device.memory_gb, strict=True),
-        peak_tflops=d.number("peak_tflops", Device.peak_tflops, strict=True),
-        mfu=d.number("mfu", Device.mfu, strict=True), hbm_gbps=d.number("hbm_gbps", Device.hbm_gbps, strict=True))
-    if device.mfu > 1:
-        raise InputError(f"{d.where}.mfu: a fraction of peak, expected at most 1, got {device.mfu}")
-    return Cluster(nodes=r.number("nodes", minimum=1, integer=True),
-                   gpus_per_node=r.number("gpus_per_node", minimum=1, integer=True), device=device,
-                   intra_node_gbps=r.number("intra_node_gbps", Cluster.intra_node_gbps, strict=True),
-                   inter_node_gbps=r.number("inter_node_gbps", Cluster.inter_node_gbps, strict=True))
+    d.text("name", "A100-80GB")  # named for the reader; the figures below are what counts
+    mfu = d.number("mfu", 0.5, strict=True)
+    if mfu > 1:
+        raise InputError(f"{d.where}.mfu: a fraction of peak, expected at most 1, got {mfu}")
+    return ClusterSpec.uniform(
+        r.number("nodes", minimum=1, integer=True), r.number("gpus_per_node", minimum=1, integer=True),
+        memory_gb=d.number("memory_gb", 80.0, strict=True),
+        tflops=d.number("peak_tflops", 312.0, strict=True) * mfu,
+        hbm_gbs=d.number("hbm_gbps", 2039.0, strict=True),
+        intra_node_gbs=r.number("intra_node_gbps", 300.0, strict=True),
+        inter_node_gbs=r.number("inter_node_gbps", 25.0, strict=True), name=name)
 
 
 def _model(r: _Reader) -> ModelSpec:
@@ -221,7 +205,8 @@ def _model(r: _Reader) -> ModelSpec:
         raise InputError(f"{r.where}: {exc}") from None
 
 
-def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line: int) -> tuple[FailureEvent, ...]:
+def _events(path: Path, items: object, cluster: ClusterSpec, duration_s: float,
+            line: int) -> tuple[FailureEvent, ...]:
     if items is None:
         return ()
     if not isinstance(items, list):
@@ -241,20 +226,20 @@ def _events(path: Path, items: object, cluster: Cluster, duration_s: float, line
         if kind not in KINDS:
             raise InputError(f"{r.where}.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
         if ("device" in r.data) == ("node" in r.data):
-            raise InputError(f"{r.where}: give exactly one of device (0..{cluster.size - 1}) or node "
-                             f"(0..{cluster.nodes - 1})")
+            raise InputError(f"{r.where}: give exactly one of device (0..{len(cluster) - 1}) or node "
+                             f"(0..{cluster.node_count - 1})")
         if "device" in r.data:
             dev = r.number("device", minimum=0, integer=True)
-            if dev >= cluster.size:
+            if dev >= len(cluster):
                 raise InputError(f"{r.where}.device: unknown device {dev}; the cluster has devices "
-                                 f"0..{cluster.size - 1}")
+                                 f"0..{len(cluster) - 1}")
             devices = [dev]
         else:
             node = r.number("node", minimum=0, integer=True)
-            if node >= cluster.nodes:
+            if node >= cluster.node_count:
                 raise InputError(f"{r.where}.node: unknown node {node}; the cluster has nodes "
-                                 f"0..{cluster.nodes - 1}")
-            devices = list(range(node * cluster.gpus_per_node, (node + 1) * cluster.gpus_per_node))
+                                 f"0..{cluster.node_count - 1}")
+            devices = list(cluster.node_ranks[node])
         factor = 1.0
         if kind in ("slow", "link"):
             factor = r.number("factor")
@@ -297,14 +282,15 @@ def load_scenario(path: str | Path) -> Scenario:
     root.where = str(path)
     root.check_keys({"name", "family", "cluster", "model", "parallel", "workload", "duration",
                      "costs", "events", "generators", "noise", "seed", "replay"})
-    cluster = _cluster(root.sub("cluster"))
+    name = root.text("name", path.stem)
+    cluster = _cluster(root.sub("cluster"), name)
     model = _model(root.sub("model"))
     p = root.sub("parallel")
     p.check_keys({"dp", "pp", "tp"})
     parallel = ParallelDims(*(p.number(k, minimum=1, integer=True) for k in ("dp", "pp", "tp")))
     world = parallel.dp * parallel.pp * parallel.tp
-    if world > cluster.size:
-        raise InputError(f"{p.where}: dp*pp*tp = {world} devices but the cluster has {cluster.size}")
+    if world > len(cluster):
+        raise InputError(f"{p.where}: dp*pp*tp = {world} devices but the cluster has {len(cluster)}")
     if cluster.gpus_per_node % parallel.tp:
         raise InputError(f"{p.where}.tp: tensor-parallel groups stay inside a node; tp {parallel.tp} "
                          f"does not divide gpus_per_node {cluster.gpus_per_node}")
@@ -343,7 +329,7 @@ def load_scenario(path: str | Path) -> Scenario:
                               ops_microbatches=s.number("ops_microbatches", 8, minimum=1,
                                                         integer=True))
     scenario = Scenario(
-        name=root.text("name", path.stem), path=str(path), cluster=cluster, model=model,
+        name=name, path=str(path), cluster=cluster, model=model,
         parallel=parallel, workload=workload, duration_s=duration, costs=costs,
         events=_events(path, root.data.get("events"), cluster, duration, root.data.line),
         generators=_generators(path, root.data.get("generators"), root.data.line),
@@ -351,3 +337,17 @@ def load_scenario(path: str | Path) -> Scenario:
         family=root.text("family", ""))
     check_fits(scenario, where=f"{path}: parallel")
     return scenario
+
+
+def check_fits(scenario: Scenario, where: str) -> None:
+    """The initial layout must fit in device memory: the uniform layout's layer split, each stage
+    with the micro-batches 1F1B keeps in flight, within a device's memory less the reserve."""
+    m, p = scenario.model, scenario.parallel
+    counts = apportion(m.layers, np.ones(p.pp), minimum=1)
+    need = pipeline_memory_gb(m, counts, p.tp, -(-m.microbatches // p.dp))
+    s = int(np.argmax(need))
+    have = scenario.cluster.free_memory_gb()
+    if need[s] > have:
+        raise InputError(f"{where}: the model does not fit the cluster: stage {s} of {counts[s]} "
+                         f"layers on tp={p.tp} needs {need[s]:.1f} GB per device, a device has "
+                         f"{have:g} GB free (raise pp or tp)")

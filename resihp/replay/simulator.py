@@ -18,14 +18,8 @@ import pandas as pd
 from resihp.opstrace import COMPUTE_OPTYPES, JobMeta
 from resihp.parallel import ParallelDims
 from resihp.perf.schedule import compile_schedule, op_end_times
-from resihp.replay.costmodel import (
-    MicroBatchPool,
-    build_pool,
-    device_flops_per_s,
-    p2p_seconds,
-    sync_seconds,
-    tp_allreduce_s,
-)
+from resihp.plan.cost import flops_per_s, grad_sync_s, optimizer_s, p2p_s, tp_allreduce_s
+from resihp.replay.costmodel import MicroBatchPool, build_pool
 from resihp.replay.interface import Window
 from resihp.replay.layout import CompiledLayout, ReplicaLayout
 from resihp.replay.noise import noise_pool
@@ -44,7 +38,7 @@ class Simulator:
         self.pool = pool
         self.rng = rng
         self.noise = noise_pool(scenario.noise_job)
-        self.rate = device_flops_per_s(scenario.cluster.device)
+        self.rate = flops_per_s(float(scenario.cluster.tflops.min()))  # identical devices
         self._pools = {None: pool}
 
     def pool_for(self, budget: int | None) -> MicroBatchPool:
@@ -65,7 +59,9 @@ class Simulator:
         live = [r for r in compiled.layout.replicas if r.microbatches > 0]
         # the gradient all-reduce waits for the largest per-device shard (layers / group width)
         shard = max(n / len(g) for r in live for n, g in zip(r.layers, r.groups))
-        sync, optim = sync_seconds(self.scenario, shard, len(live))
+        model, cluster = self.scenario.model, self.scenario.cluster
+        sync = grad_sync_s(model, cluster, shard, len(live))
+        optim = optimizer_s(model, cluster, shard)
         comm_rows = []
         replica_time = []
         tokens = np.zeros(n_steps)
@@ -84,12 +80,12 @@ class Simulator:
             fwd = flops * (scale[None, :, :, None] * noise[..., None])
             # tensor-parallel all-reduces run at link speed, whatever the devices' compute speed;
             # two per layer forward and two backward, while backward compute is twice forward
-            comm = (tp_allreduce_s(self.scenario, pool.tokens[mb][:, :, None, :],
+            comm = (tp_allreduce_s(model, cluster, pool.tokens[mb][:, :, None, :],
                                    g.width[None, :, :, None])
                     * (2.0 * g.layers * g.load)[None, :, :, None])
             sched = compile_schedule("1f1b", pp, m)
             # each replica's activations cross its pipeline at its narrowest group's shard size
-            p2p = p2p_seconds(self.scenario, g.width.min(axis=1))  # [R]
+            p2p = p2p_s(model, cluster, g.width.min(axis=1))  # [R]
             # each tensor-parallel rank sends its shard to its counterpart on the next stage, as
             # fast as the slower of their links; a replica's transfers wait for its slowest one
             dev_link = link_of[g.devices]  # [R, pp, tp]
@@ -118,7 +114,8 @@ class Simulator:
         detector's ``comm``): the boundary's healthy rate over its speed, with a measured-size
         jitter; NaN on last stages and padded ranks."""
         out = np.full((n_steps, dims.world_size), np.nan)
-        per_token = p2p_seconds(self.scenario, 1.0) / self.scenario.model.microbatch_tokens
+        model = self.scenario.model
+        per_token = p2p_s(model, self.scenario.cluster) / model.microbatch_tokens
         for g, boundary in rows:
             r, pp, tp = g.devices.shape
             for s in range(pp - 1):
@@ -155,7 +152,8 @@ class Simulator:
             last = np.where(np.arange(pp) == pp - 1, head, 0.0)
             # expected seconds of the rank's share of a mean micro-batch at full speed
             work = g.load * ((g.layers * layer + last) / (g.width * self.rate)
-                             + 2.0 * g.layers * tp_allreduce_s(self.scenario, mean_tokens, g.width))
+                             + 2.0 * g.layers * tp_allreduce_s(self.scenario.model, self.scenario.cluster,
+                                                               mean_tokens, g.width))
             real = g.devices >= 0
             rank_device[rank[real]] = g.devices[real]
             rank_work[rank[real]] = np.broadcast_to(work[..., None], real.shape)[real]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from resihp.errors import InputError
+from resihp.parallel import apportion
 from resihp.workload.lengths import resolve_source, sample_sequences
 from resihp.workload.packing import pack_greedy
 
@@ -74,19 +75,12 @@ class DataSource:
 
 
 def split_counts(n: int, weights: Sequence[float]) -> list[int]:
-    """``n`` items split in proportion to ``weights`` (largest remainder; ties to lower index)."""
-    w = np.asarray(weights, dtype=float)
-    if w.size == 0 or (w < 0).any() or w.sum() <= 0:
-        raise InputError(f"micro-batch weights must be non-negative with a positive sum, got {list(weights)}")
-    exact = n * w / w.sum()
-    counts = np.floor(exact).astype(int)
-    for i in np.argsort(-(exact - counts), kind="stable")[: n - counts.sum()]:
-        counts[i] += 1
-    return counts.tolist()
+    """``n`` micro-batches split in proportion to ``weights`` (``resihp.parallel.apportion``)."""
+    return apportion(n, weights, what="micro-batch weights")
 
 
 def replica_microbatches(data: StepData, dp_rank: int, weights: Sequence[float]) -> list[MicroBatch]:
     """The contiguous run of the step's micro-batches that replica ``dp_rank`` trains."""
-    counts = split_counts(len(data.microbatches), weights)
+    counts = apportion(len(data.microbatches), weights, what="micro-batch weights")
     start = sum(counts[:dp_rank])
     return list(data.microbatches[start : start + counts[dp_rank]])

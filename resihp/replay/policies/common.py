@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from resihp.parallel import apportion
 from resihp.replay.interface import Context
-from resihp.replay.layout import Replica, ReplicaLayout, split_microbatches
+from resihp.replay.layout import Replica, ReplicaLayout
 
 
 def stage_times(ctx: Context, replica: Replica, speeds: np.ndarray) -> np.ndarray:
@@ -29,7 +30,9 @@ def balance_microbatches(ctx: Context, layout: ReplicaLayout, speeds: np.ndarray
     per = [stage_times(ctx, r, speeds) for r in layout.replicas]
     first = np.array([p.sum() - p.max() for p in per])
     each = np.array([p.max() for p in per])
-    counts = np.array(split_microbatches(ctx.total_microbatches, 1.0 / each))
+    pace = 1.0 / each  # 0 where a replica cannot run (a dead stage)
+    counts = np.array(apportion(ctx.total_microbatches, pace) if pace.sum() > 0
+                      else np.zeros(len(pace), dtype=int))
     for _ in range(4 * len(counts) + ctx.total_microbatches):
         finish = np.where(counts > 0, first + counts * each, 0.0)
         slow = int(np.argmax(finish))
@@ -45,7 +48,7 @@ def balance_microbatches(ctx: Context, layout: ReplicaLayout, speeds: np.ndarray
 
 def believed_speeds(ctx: Context, slow: dict[int, float] | None = None) -> np.ndarray:
     """Device speeds as a policy believes them: known-dead at 0, detected slowdowns applied."""
-    speeds = np.ones(ctx.scenario.cluster.size)
+    speeds = np.ones(len(ctx.scenario.cluster))
     for d, factor in (slow or {}).items():
         speeds[d] = 1.0 / factor
     speeds[list(ctx.known_dead)] = 0.0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from resihp.replay.costmodel import stage_memory_gb
+from resihp.parallel import apportion
+from resihp.plan.specs import pipeline_memory_gb
 from resihp.replay.interface import Context, Policy, Reaction
-from resihp.replay.layout import Replica, ReplicaLayout, split_layers
+from resihp.replay.layout import Replica, ReplicaLayout
 from resihp.replay.policies.common import balance_microbatches, believed_speeds
 
 
@@ -44,8 +45,7 @@ class Oobleck(Policy):
                  if not any(d in ctx.known_dead or d in exclude for d in range(n * g, (n + 1) * g))]
         max_nodes = max(1, -(-pp // per_node))
         min_nodes = next((k for k in range(1, max_nodes + 1)
-                          if stage_memory_gb(sc.model, -(-sc.model.layers // (k * per_node)), tp,
-                                             k * per_node) <= sc.cluster.device.memory_gb), max_nodes)
+                          if self.fits(sc, k * per_node, tp)), max_nodes)
         n_pipes = min(dp, len(nodes) // min_nodes)
         sizes = np.minimum(max_nodes, np.full(n_pipes, len(nodes) // max(n_pipes, 1)))
         spare = len(nodes) - sizes.sum()
@@ -61,9 +61,18 @@ class Oobleck(Policy):
                     groups.append(tuple(range(n * g + s * tp, n * g + (s + 1) * tp)))
             groups = groups[: pp] if size == max_nodes else groups
             k += size
-            replicas.append(Replica(tuple(groups), split_layers(sc.model.layers, np.ones(len(groups))), 1))
+            replicas.append(Replica(tuple(groups), tuple(apportion(sc.model.layers, np.ones(len(groups)),
+                                                                   minimum=1)), 1))
         layout = ReplicaLayout(tuple(replicas), note=f"oobleck templates {sorted(map(int, sizes))} nodes")
         return balance_microbatches(ctx, layout, believed_speeds(ctx))
+
+    @staticmethod
+    def fits(sc, stages: int, tp: int) -> bool:
+        """Whether a template of ``stages`` stages of ``tp`` devices, layers split evenly, holds the
+        model (1F1B's in-flight micro-batches on each stage) in a device's free memory."""
+        counts = apportion(sc.model.layers, np.ones(stages), minimum=1)
+        need = pipeline_memory_gb(sc.model, counts, tp, sc.model.microbatches)
+        return max(need) <= sc.cluster.free_memory_gb()
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
         return Reaction(self.instantiate(ctx), ctx.scenario.costs.reconfig_s, label="re-instantiate")

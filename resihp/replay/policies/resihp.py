@@ -9,23 +9,12 @@ import numpy as np
 from resihp.plan.cost import AnalyticCost
 from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
-from resihp.plan.specs import ClusterSpec, DeviceSpec, ModelSpec
+from resihp.plan.specs import ModelSpec
 from resihp.replay.detectors import DetectorFeed, resihp_detector
 from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
 from resihp.replay.layout import Replica, ReplicaLayout
 from resihp.replay.policies.common import believed_speeds
 from resihp.replay.scenario import Scenario
-
-
-def cluster_spec(scenario: Scenario) -> ClusterSpec:
-    """The scenario's cluster as the planner's ClusterSpec (all devices healthy)."""
-    c = scenario.cluster
-    devices = tuple(DeviceSpec(rank=i, node=i // c.gpus_per_node,
-                               name=f"n{i // c.gpus_per_node}/{i % c.gpus_per_node}",
-                               memory_gb=c.device.memory_gb, tflops=c.device.peak_tflops)
-                    for i in range(c.size))
-    return ClusterSpec(devices, intra_node_gbs=c.intra_node_gbps, inter_node_gbs=c.inter_node_gbps,
-                       name=scenario.name)
 
 
 def model_spec(scenario: Scenario) -> ModelSpec:
@@ -89,11 +78,10 @@ class Resihp(Policy):
 
     def start(self, ctx: Context) -> ReplicaLayout:
         sc = ctx.scenario
-        self.cluster = cluster_spec(sc)
+        self.cluster = sc.cluster  # the planner's ClusterSpec, every device healthy
         self.model = model_spec(sc)
         # the replay measures its steps: the plans' expected steps are not needed
-        self.planner = Planner(AnalyticCost(efficiency=sc.cluster.device.mfu),
-                               expected_steps=False)
+        self.planner = Planner(AnalyticCost(), expected_steps=False)
         self.plan = self.planner.plan(self.cluster, self.model, None, self.time_limit_s)
         self.feed = resihp_detector(sc)
         return layout_of(self.plan, self.model)
