@@ -19,6 +19,11 @@ import numpy as np
 
 from resihp.errors import InputError
 
+# The pipeline schedules: the runtime runs and the planner plans SCHEDULES; the performance model
+# (perf.schedule) also prices the interleaved one.
+SCHEDULES = ("1f1b", "gpipe")
+MODELLED_SCHEDULES = SCHEDULES + ("interleaved",)
+
 
 @dataclass(frozen=True)
 class Coords:

@@ -1,11 +1,10 @@
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
-from resihp.runtime.data import DataSource, replica_microbatches, split_counts
+from resihp.runtime.data import DataSource, replica_microbatches
 from resihp.runtime.layout import balanced_layers, parse_layer_split
 from resihp.runtime.schedule import gpipe, one_f_one_b, schedule_for
 
@@ -75,18 +74,6 @@ def test_layer_splits():
         parse_layer_split("2,3", 4, 2)
     with pytest.raises(InputError, match="non-empty stages"):
         balanced_layers(2, 3)
-
-
-@given(st.integers(0, 50), st.lists(st.floats(0, 10), min_size=1, max_size=6))
-def test_split_counts_is_proportional(n, weights):
-    if sum(weights) <= 0:
-        with pytest.raises(InputError):
-            split_counts(n, weights)
-        return
-    counts = split_counts(n, weights)
-    assert sum(counts) == n
-    exact = np.array(weights) * n / sum(weights)
-    assert np.all(np.abs(np.array(counts) - exact) < 1 + 1e-9)
 
 
 def test_step_data_is_deterministic_and_real():

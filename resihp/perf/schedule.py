@@ -21,8 +21,8 @@ import networkx as nx
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.parallel import MODELLED_SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FWD, BWD = 0, 1
 
 
@@ -84,8 +84,8 @@ class CompiledSchedule:
 
 @lru_cache(maxsize=256)
 def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> CompiledSchedule:
-    if name not in SCHEDULES:
-        raise InputError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    if name not in MODELLED_SCHEDULES:
+        raise InputError(f"pipeline schedule must be one of {', '.join(MODELLED_SCHEDULES)}, got {name!r}")
     if stages < 1 or microbatches < 1 or chunks < 1:
         raise InputError(f"stages, micro-batches and chunks must be positive, got {stages}, "
                          f"{microbatches}, {chunks}")

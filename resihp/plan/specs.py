@@ -14,6 +14,7 @@ import networkx as nx
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.parallel import SCHEDULES
 from resihp.workload.flops import TransformerShape
 from resihp.yamlio import check_keys, read_yaml_mapping
 
@@ -402,7 +403,6 @@ class ModelSpec:
     pp: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
-    SCHEDULES = ("1f1b", "gpipe")
     MLP_MATRICES = {"gelu": 2, "swiglu": 3}
 
     def __post_init__(self) -> None:
@@ -414,8 +414,8 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise InputError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
-        if self.schedule not in self.SCHEDULES:
-            raise InputError(f"model {self.name}: schedule must be one of {', '.join(self.SCHEDULES)}, "
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"model {self.name}: schedule must be one of {', '.join(SCHEDULES)}, "
                              f"got {self.schedule!r}")
         if self.global_batch_tokens % self.microbatch_tokens:
             raise InputError(f"model {self.name}: global_batch_tokens ({self.global_batch_tokens}) must "
@@ -462,8 +462,8 @@ class ModelSpec:
             kwargs["activation_bytes_per_token_layer"] = float(
                 _number(data, "activation_bytes_per_token_layer", where))
         schedule = data.get("schedule", "1f1b")
-        if schedule not in cls.SCHEDULES:
-            raise InputError(f"{where}: field 'schedule' must be one of {', '.join(cls.SCHEDULES)}, "
+        if schedule not in SCHEDULES:
+            raise InputError(f"{where}: field 'schedule' must be one of {', '.join(SCHEDULES)}, "
                              f"got {schedule!r}")
         mlp = data.get("mlp", "gelu")
         if mlp not in cls.MLP_MATRICES:

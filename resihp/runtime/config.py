@@ -12,12 +12,11 @@ from typing import Any, ClassVar
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
 from resihp.options import Section, build, check_section, flat_values, from_nested, opt, updated
-from resihp.parallel import ParallelDims
+from resihp.parallel import SCHEDULES, ParallelDims
 from resihp.runtime.inject import Fault, check_faults, parse_fault
 from resihp.runtime.layout import balanced_layers, ranges_from_counts
 from resihp.runtime.planchange import PlanChange
 
-SCHEDULES = ("1f1b", "gpipe")  # the pipeline schedules the runtime runs (runtime.schedule)
 RECOVERY_MODES = ("none", "restart", "replica", "replica-drop")
 # what the launcher does on a fail-stop: restart the same layout, or relaunch the lost replica alone
 # while the others go on (replica: they also train its micro-batches; replica-drop: they skip them)

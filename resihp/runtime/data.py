@@ -74,11 +74,6 @@ class DataSource:
         return (torch.from_numpy(np.concatenate(inputs)), torch.from_numpy(np.concatenate(targets)))
 
 
-def split_counts(n: int, weights: Sequence[float]) -> list[int]:
-    """``n`` micro-batches split in proportion to ``weights`` (``resihp.parallel.apportion``)."""
-    return apportion(n, weights, what="micro-batch weights")
-
-
 def replica_microbatches(data: StepData, dp_rank: int, weights: Sequence[float]) -> list[MicroBatch]:
     """The contiguous run of the step's micro-batches that replica ``dp_rank`` trains."""
     counts = apportion(len(data.microbatches), weights, what="micro-batch weights")

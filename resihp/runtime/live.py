@@ -22,6 +22,7 @@ import torch
 
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
+from resihp.parallel import apportion
 from resihp.perf.device import available_memory_gb, measured_tflops
 from resihp.plan.links import with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
@@ -29,7 +30,6 @@ from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepRecords
-from resihp.runtime.data import split_counts
 from resihp.runtime.layout import ranges_from_counts
 
 
@@ -66,7 +66,7 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
     """The plan in force; ``groups``: per replica, per stage, its ranks (default: the launch layout)."""
     dims = cfg.dims()
     groups = groups or [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
-    counts = split_counts(model.microbatches, weights)
+    counts = apportion(model.microbatches, weights, what="micro-batch weights")
     pipelines = [Pipeline(d, tuple(Stage(tuple(groups[d][s]), replica_ranges[d][s])
                                    for s in range(len(groups[d]))), counts[d], home=d)
                  for d in range(len(groups))]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from resihp.errors import InputError
+from resihp.parallel import SCHEDULES
 from resihp.perf.schedule import FWD, rank_order
-from resihp.runtime.config import SCHEDULES
 
 
 @dataclass(frozen=True)
