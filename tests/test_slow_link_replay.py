@@ -9,8 +9,10 @@ import pytest
 
 from resihp.errors import InputError
 from resihp.paths import resolve
+from resihp.plan.cost import grad_sync_s
 from resihp.replay.engine import Replay
 from resihp.replay.failures import GREYHOUND_COMMUNICATION, scenario_events
+from resihp.replay.layout import compile_layout
 from resihp.replay.policies.resihp import Resihp
 from resihp.replay.policies.restart import CheckpointRestart
 from resihp.replay.run import compare
@@ -41,6 +43,23 @@ def test_a_slow_link_slows_transfers_not_compute(tmp_path):
     assert slow.tokens < 0.97 * healthy.tokens
     # the capacity bound counts compute only: a slow link leaves it whole
     assert slow.capacity_tokens == pytest.approx(healthy.capacity_tokens, rel=1e-6)
+
+
+def test_a_slow_link_stretches_its_gradient_ring(tmp_path):
+    """One pipeline stage (no boundary to cross): the slow link shows only in the step's gradient
+    all-reduce, which runs at the ring's slowest link."""
+    sc = load_scenario(write(tmp_path, cluster=SLOW_FABRIC, parallel={"dp": 8, "pp": 1, "tp": 8}))
+    replay = Replay(sc, CheckpointRestart())
+    compiled = compile_layout(replay.ctx.uniform_layout(set()))
+    speeds, links = np.ones(len(sc.cluster)), np.ones(len(sc.cluster))
+    links[13] = 1.0 / 4.0
+    replay.sim.rng = np.random.default_rng(0)
+    healthy = replay.sim.window(compiled, speeds, 4, 0, 0.0, links=np.ones(len(sc.cluster)))
+    replay.sim.rng = np.random.default_rng(0)
+    slow = replay.sim.window(compiled, speeds, 4, 0, 0.0, links=links)
+    ring = grad_sync_s(sc.model, sc.cluster, sc.model.layers / 8, 8)
+    assert ring > 0
+    np.testing.assert_allclose(slow.step_time - healthy.step_time, 3.0 * ring, rtol=1e-9)
 
 
 def test_resihp_finds_the_link_and_replans(tmp_path):

@@ -50,8 +50,10 @@ class Simulator:
     def window(self, compiled: CompiledLayout, speeds: np.ndarray, n_steps: int, first_step: int,
                start_s: float, links: np.ndarray | None = None) -> Window:
         """``links``: each device's network link as a fraction of its bandwidth (None: all
-        healthy); a slow one stretches the pipeline transfers it takes part in, not compute (the
-        gradient ring is modelled healthy: the simulator emits no per-rank collective timings)."""
+        healthy); a slow one stretches the transfers it takes part in, not compute: its pipeline
+        boundaries and its gradient ring (a ring all-reduce runs at its slowest link, and the step
+        waits for the slowest ring). The detector sees the pipeline transfers (``transfers``); the
+        simulator emits no per-rank collective timings."""
         per_group = []
         link_of = np.ones(len(speeds) + 1) if links is None else np.concatenate([links, [1.0]])
         if not compiled.groups:  # no replica left to run
@@ -59,8 +61,10 @@ class Simulator:
         live = [r for r in compiled.layout.replicas if r.microbatches > 0]
         # the gradient all-reduce waits for the largest per-device shard (layers / group width)
         shard = max(n / len(g) for r in live for n, g in zip(r.layers, r.groups))
+        ring = max(n / len(g) / link_of[d] for r in live for n, g in zip(r.layers, r.groups)
+                   for d in g)  # grad_sync_s is linear in the shard: its slowest ring's time
         model, cluster = self.scenario.model, self.scenario.cluster
-        sync = grad_sync_s(model, cluster, shard, len(live))
+        sync = grad_sync_s(model, cluster, ring, len(live))
         optim = optimizer_s(model, cluster, shard)
         comm_rows = []
         replica_time = []
