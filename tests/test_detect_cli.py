@@ -64,6 +64,18 @@ def test_detect_json_names_the_slow_rank(trace, name):
                               "detected_step", "slowdown", "confidence"}
 
 
+def test_detect_reads_the_meta_beside_a_trace(trace, tmp_path):
+    """A trace in its run folder is read with that run's job.yaml (its model fields give the
+    analytic cost model) unless --meta names another."""
+    tmp, _ = trace
+    (tmp_path / "ops.parquet").write_bytes((tmp / "t.parquet").read_bytes())
+    bare = json.loads(resihp("detect", tmp_path / "ops.parquet", "--json").stdout)
+    (tmp_path / "job.yaml").write_bytes((tmp / "meta.yaml").read_bytes())
+    beside = json.loads(resihp("detect", tmp_path / "ops.parquet", "--json").stdout)
+    named = json.loads(resihp("detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml", "--json").stdout)
+    assert beside == named and beside["cost_model"] != bare["cost_model"]
+
+
 def test_detect_text_output_and_baseline_and_alibaba(trace):
     tmp, _ = trace
     proc = resihp_process("detect", tmp / "t.parquet")  # once as its own process: the real command

@@ -34,7 +34,8 @@ def detect_cmd(
                                           "ranks/*.jsonl merged; its job.yaml as --meta), or an "
                                           "Alibaba PAI mini-batch file with --input-format alibaba")],
     meta: Annotated[Path, typer.Option(help="Job meta YAML (dp_size, pp_size, tp_size, world_size, "
-                                       "optional model fields); default: sizes implied by the trace")] = None,
+                                       "optional model fields); default: the job.yaml beside the trace, else "
+                                       "sizes implied by the trace")] = None,
     model: Annotated[str, typer.Option(help="Trained micro-batch predictor for the expected "
                                        "compute: a folder, an installed model's name, or auto (the "
                                        "one measured on the job's device: the meta's device field, "
@@ -72,6 +73,8 @@ def detect_cmd(
             meta = meta if meta is not None else folder_meta
         else:
             df = read_ops_trace(trace)
+            beside = trace.parent / "job.yaml"  # a trace in its run folder: that run's meta
+            meta = meta if meta is not None or not beside.is_file() else beside
         job, meta_dict = read_meta(meta) if meta is not None else (infer_meta(df), None)
     else:
         raise InputError(f"--input-format: expected ops or alibaba, got {input_format!r}")
