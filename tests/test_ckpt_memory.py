@@ -249,7 +249,7 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"recovery": "sometimes"}, "faults.recovery (--recovery): expected one of none, restart, replica, replica-drop, "
+    ({"recovery": "sometimes"}, "faults.recovery (--recovery): expected one of auto, none, restart, replica, replica-drop, "
                              "got 'sometimes'"),
     ({"snapshot_every": -1}, "checkpoint.snapshot_every (--snapshot-every): expected an integer >= 0, got -1"),
 ])

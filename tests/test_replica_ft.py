@@ -10,6 +10,7 @@ one process replaying the recorded membership), bad input."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -25,7 +26,8 @@ from resihp.parallel import ParallelDims
 from tests.replica_replay import replay_membership
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
-         "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60"]
+         "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60",
+         "--no-live"]  # recovery alone; live re-planning in this mode has its own test below
 STEPS = 120
 RTOL = 1e-5
 
@@ -127,6 +129,34 @@ def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
     assert chain.abort_for(Member(1, 1)) is None  # already out
 
 
+def test_commits_carry_the_newest_plan_change_and_a_joiner_gets_its_admitting_one():
+    import torch.distributed as dist
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", host.port, is_master=False)  # noqa: E731
+    q = [Quorum(client(), "job", ranks_per_replica=1, timeout_s=5, plan_key="plan") for _ in range(2)]
+    gen = q[0].start([Member(0), Member(1)], 0)
+    q[0].vote(gen, 0, True)
+    assert q[1].vote(gen, 0, True).plan is None  # nothing posted yet
+    host.set("plan", json.dumps({"id": 1, "dp_weights": [2.0, 1.0]}))
+    q[0].vote(gen, 1, True)
+    d1 = q[1].vote(gen, 1, True)
+    assert d1.plan == {"id": 1, "dp_weights": [2.0, 1.0]} and q[0].wait(gen, 1) == d1
+    q[0].evict(Member(1, 0), "exited")
+    q[0].vote(gen, 2, True)
+    aborted = DecisionChain(q[0], gen).abort_for(Member(1, 0))
+    assert not aborted.commit and aborted.plan is None  # an abort carries no plan
+    host.set("plan", json.dumps({"id": 2, "dp_weights": [1.0, 1.0]}))
+    q[0].set_replicas(2)
+    q[1].request_join(Member(1, 1))
+    q[1].report_held(Member(1, 1), 0, 1)
+    d2 = q[0].vote(aborted.next, 2, True)
+    assert d2.commit and d2.joined == (Member(1, 1),) and d2.plan["id"] == 2
+    assert q[1].admitting(q[1].admitted(Member(1, 1))) == d2
+    assert [(d.step, d.commit, (d.plan or {}).get("id")) for d in q[0].decisions(gen)] == [
+        (0, True, None), (1, True, 1), (2, False, None), (2, True, 2)]
+
+
 def test_generation_round_trips():
     g = Generation(3, (Member(0, 0), Member(2, 1)), 17, "rejoined 2")
     assert Generation.from_dict(json.loads(json.dumps(g.to_dict()))) == g
@@ -157,8 +187,9 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
     rank, step = rng.randrange(dims.world_size), rng.randrange(5, 25)
     lost = dims.coords(rank).dp_rank
     what = f"{fault}:rank={rank},step={step}"
+    # no --recovery: with --dp 2 on one node replica-level recovery is the default
     rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(STEPS),
-                            "--recovery", "replica", "--inject", what, *_survivor_slow(dims, lost, step))
+                            "--inject", what, *_survivor_slow(dims, lost, step))
     assert rc == 0, f"{what}: {err[-2000:]}"
     rec = summary["recovery"]
     assert rec["mode"] == "replica" and rec["lost_replica"] == lost, what
@@ -267,3 +298,33 @@ def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
 def test_bad_replica_recovery_input_is_one_line(args, message, tmp_path):
     rc, _, err = _run(tmp_path / "bad", "--steps", "2", "--recovery", "replica", *args, timeout=60)
     assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_live_replanning_reaches_every_replica_through_the_commits(tmp_path):
+    """A slow rank found live: its replica's micro-batch share goes down at one step boundary on
+    every rank (the commit before it carries the change), and every step still trains the whole
+    global batch once (zero drift)."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--layers", "4",
+                           "--hidden", "64", "--heads", "2", "--ffn-hidden", "256", "--vocab", "512",
+                           "--global-tokens", "8192", "--budget", "512", "--max-len", "512", "--dp", "2",
+                           "--pp", "2", "--steps", "40", "--recovery", "replica", "--json",
+                           "--inject", "slow:rank=1,factor=3,step=20"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [e["rank"] for e in summary["events"] if e["kind"] == "fail-slow"][:1] == [1]
+    change = summary["plan_changes"][0]
+    at = change["applied_step"]
+    assert at is not None and change["dp_weights"][1] < change["dp_weights"][0], change
+    rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
+    assert sorted(r["rank"] for r in rows if r["optype"] == "replan-microbatches") == [0, 1, 2, 3]
+    assert {r["step"] for r in rows if r["optype"] == "replan-microbatches"} == {at}
+    firsts = [r for r in rows if r["optype"] == "forward-compute" and r["stage"] == 0]
+    for step in range(40):
+        ids = sorted(r["mb_id"] for r in firsts if r["step"] == step)
+        assert ids == list(range(len(ids))), f"step {step}: micro-batches {ids}"
+    share = lambda step, d: sum(1 for r in firsts if r["step"] == step and r["dp_rank"] == d)  # noqa: E731
+    assert share(at, 1) < share(at - 1, 1) and share(at, 0) > share(at - 1, 0)
+    assert all(math.isfinite(x) for x in summary["losses"]) and len(summary["losses"]) == 40

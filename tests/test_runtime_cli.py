@@ -36,7 +36,7 @@ def resihp(*args, timeout=180):
     (["--timeout", "1e12"], "faults.timeout_s (--timeout): at most 604,800"),
     (["--if-busy", "share"], "--if-busy: expected fail or subfolder, got 'share'"),
     (["--lr", "0"], "train.lr (--lr): expected a number > 0, got 0.0"),
-    (["--recovery", "sometimes"], "faults.recovery (--recovery): expected one of none, restart, replica, replica-drop, got 'sometimes'"),
+    (["--recovery", "sometimes"], "faults.recovery (--recovery): expected one of auto, none, restart, replica, replica-drop, got 'sometimes'"),
     (["--heartbeat-timeout", "inf"], "faults.heartbeat_timeout_s (--heartbeat-timeout): expected a finite number, got inf"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
@@ -116,7 +116,8 @@ def test_stopped_rank_is_excluded_by_an_elastic_restart_with_the_same_math(tmp_p
 @pytest.mark.slow
 def test_stop_without_checkpoints_ends_the_job_with_one_line(tmp_path):
     out = tmp_path / "stop"
-    proc = resihp("run", *SMALL, "--steps", "8", "--inject", "stop:rank=2,step=3", "--out", str(out))
+    proc = resihp("run", *SMALL, "--steps", "8", "--inject", "stop:rank=2,step=3", "--out", str(out),
+                  "--recovery", "none")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("resihp: rank 2 stopped at step 3")
     assert "Traceback" not in proc.stderr

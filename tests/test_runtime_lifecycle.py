@@ -28,7 +28,8 @@ from tests.faults import (
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64", "--vocab", "128",
          "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",
-         "--no-live", "--timeout", "20", "--heartbeat-timeout", "3"]
+         "--no-live", "--timeout", "20", "--heartbeat-timeout", "3",
+         "--recovery", "none"]  # a lost worker ends the job (replica-level recovery: test_replica_ft)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -104,10 +105,12 @@ def test_sigterm_to_the_supervisor_stops_the_job_keeps_its_trace_and_marks_it_re
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_supervisor_takes_the_workers_with_it(tmp_path):
-    """Even a hung (stopped) worker, and its peer blocked on it, which no broken pipe would end."""
+@pytest.mark.parametrize("recovery", ["none", "replica"])
+def test_sigkill_of_the_supervisor_takes_the_workers_with_it(tmp_path, recovery):
+    """Even a hung (stopped) worker, and its peer blocked on it, which no broken pipe would end;
+    with replica-level recovery (the default here) every replica's torchrun as well."""
     out = tmp_path / "run"
-    proc = start(out)
+    proc = start(out, "--recovery", recovery)
     pids = job_pids(proc, out)
     inject_signal(worker_pids(out, 2)[1], signal.SIGSTOP)
     inject_signal(proc.pid, signal.SIGKILL)

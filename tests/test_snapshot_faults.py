@@ -70,7 +70,7 @@ def shm(tmp_path):
 def reference(tmp_path_factory):
     """Uninterrupted runs (no snapshots) of the two layouts."""
     base = tmp_path_factory.mktemp("reference")
-    procs = {name: _start(base / name, base, *layout) for name, layout in
+    procs = {name: _start(base / name, base, "--recovery", "none", *layout) for name, layout in
              (("dp2", ["--dp", "2", "--pp", "1"]), ("pp2", ["--dp", "1", "--pp", "2"]),
               ("one", ["--dp", "1", "--pp", "1"]))}
     return {name: _finish(p)["losses"] for name, p in procs.items()}

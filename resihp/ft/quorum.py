@@ -7,14 +7,17 @@ a member (its heartbeats say a rank died or hangs), the waiting ranks decide an 
 step is redone by the next generation of members. Each decision is written once with
 ``compare_set``, so every rank reads the same outcome, and it carries the next generation (members
 minus the evicted, plus a returning replica that has caught up), so membership only changes at a
-step boundary that every rank agrees on.
+step boundary that every rank agrees on. A commit also carries the newest plan change posted on the
+store (``plan_key``), so every rank of every replica applies it at the same step boundary.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
@@ -56,6 +59,7 @@ class Decision:
     commit: bool
     next: Generation  # the generation of the next attempt (step + 1 on commit, else this step again)
     joined: tuple[Member, ...] = field(default=())  # returning replicas admitted by this decision
+    plan: dict[str, Any] | None = None  # a commit: the newest plan change posted (its JSON form)
 
 
 class Evicted(RuntimeError):
@@ -67,11 +71,14 @@ class QuorumLost(RuntimeError):
 
 
 class Quorum:
-    """The store protocol (``resihp/<job>/ft/...``). ``ranks_per_replica``: pipeline x tensor."""
+    """The store protocol (``resihp/<job>/ft/...``). ``ranks_per_replica``: pipeline x tensor;
+    ``plan_key``: where the live planner posts plan changes (None: the job takes none)."""
 
-    def __init__(self, store: Store, job_id: str, ranks_per_replica: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, store: Store, job_id: str, ranks_per_replica: int, timeout_s: float = 60.0,
+                 plan_key: str | None = None) -> None:
         self.store, self.prefix = store, f"resihp/{job_id}/ft"
         self.ranks_per_replica, self.timeout_s = ranks_per_replica, timeout_s
+        self.plan_key = plan_key
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -171,8 +178,10 @@ class Quorum:
             if evicted else "")
         nxt = Generation(gen.gen + 1 if changed else gen.gen, tuple(members),
                          step + 1 if commit else step, reason if changed else gen.reason)
+        plan = (json.loads(self.store.get(self.plan_key))
+                if commit and self.plan_key and self.store.check([self.plan_key]) else None)
         proposal = json.dumps({"commit": commit, "next": nxt.to_dict(),
-                               "joined": [[m.replica, m.attempt] for m in joined]})
+                               "joined": [[m.replica, m.attempt] for m in joined], "plan": plan})
         key = self._key("decision", gen.gen, step)
         value = self.store.compare_set(key, "", proposal)
         decision = self._parse(value, step)
@@ -202,7 +211,7 @@ class Quorum:
     def _parse(value: bytes, step: int) -> Decision:
         data = json.loads(value)
         return Decision(step, bool(data["commit"]), Generation.from_dict(data["next"]),
-                        tuple(Member(r, a) for r, a in data["joined"]))
+                        tuple(Member(r, a) for r, a in data["joined"]), data.get("plan"))
 
     def decided(self, gen: Generation, step: int) -> bool:
         """Whether ``step`` under ``gen`` is decided already (before this rank voted: an abort)."""
@@ -211,6 +220,18 @@ class Quorum:
     def decision(self, gen: int, step: int) -> Decision | None:
         key = self._key("decision", gen, step)
         return self._read(key, step) if self.store.check([key]) else None
+
+    def decisions(self, start: Generation) -> Iterator[Decision]:
+        """The decisions written so far, in order, from generation ``start``'s first step."""
+        gen, step = start.gen, start.from_step
+        while (d := self.decision(gen, step)) is not None:
+            yield d
+            gen, step = d.next.gen, d.next.from_step
+
+    def admitting(self, gen: Generation) -> Decision | None:
+        """The commit that admitted a returning replica into ``gen`` (a join changes the
+        generation: it was decided under ``gen.gen - 1``, at the step before ``gen.from_step``)."""
+        return self.decision(gen.gen - 1, gen.from_step - 1)
 
     def finish(self, step: int) -> None:
         """The job trained its last step: a replica still catching up stops instead of waiting."""

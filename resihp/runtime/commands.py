@@ -59,6 +59,8 @@ def run_cmd(
     cfg = tree_from_options(RunConfig, options)
     if cfg.checkpoint.resume is not None:
         cfg = cfg.updated(resume=str(_resume_source(Path(cfg.checkpoint.resume), cfg.train.steps)))
+    gpus = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
+    cfg = cfg.updated(recovery=cfg.resolved_recovery(nnodes, gpus))
     out, steps, world = Path(cfg.out), cfg.train.steps, cfg.dims().world_size
     live = cfg.live.live
     if nnodes < 1 or (nproc_per_node is None and world % nnodes):
@@ -80,8 +82,8 @@ def run_cmd(
             if replicas:
                 from resihp.runtime.replicas import supervise_replicas
 
-                loop = None  # the live planner's changes are not applied across replica restarts yet
-                outcome = supervise_replicas(cfg, on_step=lambda s: advance(s + 1))
+                outcome = supervise_replicas(cfg, on_step=lambda s: advance(s + 1),
+                                             on_steps=loop.on_steps if loop else None)
             else:
                 outcome = supervise(cfg, on_step=lambda s: advance(s + 1),
                                     on_steps=loop.on_steps if loop else None, nodes=nodes, on_poll=keeper)
@@ -140,6 +142,12 @@ def run_cmd(
         print(f"resihp: {outcome.error}", file=sys.stderr)
         signum = getattr(signal, outcome.interrupted or "", None)
         raise typer.Exit(128 + int(signum) if signum else 1)
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred for start-up time (the live loop imports it anyway)
+
+    return torch.cuda.is_available()
 
 
 def _resume_source(path: Path, steps: int) -> Path:

@@ -17,9 +17,10 @@ from resihp.runtime.inject import Fault, check_faults, parse_fault
 from resihp.runtime.layout import balanced_layers, ranges_from_counts
 from resihp.runtime.planchange import PlanChange
 
-RECOVERY_MODES = ("none", "restart", "replica", "replica-drop")
+RECOVERY_MODES = ("auto", "none", "restart", "replica", "replica-drop")
 # what the launcher does on a fail-stop: restart the same layout, or relaunch the lost replica alone
-# while the others go on (replica: they also train its micro-batches; replica-drop: they skip them)
+# while the others go on (replica: they also train its micro-batches; replica-drop: they skip them);
+# auto: replica where the run allows it (RunConfig.resolved_recovery), else none
 
 
 def _run_model() -> GPTConfig:
@@ -73,11 +74,13 @@ class FaultConfig(Section):
         "between A and B x F: pipeline sends/receives and their share of collectives), "
         "stop:rank=R,step=S (SIGKILL), error:rank=R,step=S (a Python exception) or "
         "hang:rank=R,step=S[,how=block|stop] (repeatable)"))
-    recovery: str = opt("none", choices=RECOVERY_MODES, panel="Faults and recovery", help=(
+    recovery: str = opt("auto", choices=RECOVERY_MODES, panel="Faults and recovery", help=(
         "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
         "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "
         "restarts and catches up from a live peer while the others train on, taking over its "
-        "micro-batches); replica-drop (the same, its micro-batches skipped while it is away)"))
+        "micro-batches; live re-planning then moves micro-batch shares only); replica-drop (the "
+        "same, its micro-batches skipped while it is away); auto: replica when --dp > 1 on one node "
+        "of CPUs without --ckpt-every, --snapshot-every or --resume, else none"))
     timeout_s: float = opt(60.0, flag="timeout", above=0, maximum=7 * 86400.0, finite=True,
                            panel="Faults and recovery",
                            help="Seconds a rank may wait for a peer, and for all ranks to join")
@@ -170,6 +173,18 @@ class RunConfig:
 
     def dims(self) -> ParallelDims:
         return self.parallel.dims()
+
+    def resolved_recovery(self, nnodes: int = 1, gpus: bool = False) -> str:
+        """The recovery mode ``auto`` stands for in this run: replica-level fault tolerance where
+        the run allows it (data parallel, one node, CPUs: ``gpus`` says whether the ranks train on
+        GPUs, where the mode is not checked yet; no disk or memory checkpoints, no resume), else
+        none; any other mode as given."""
+        if self.faults.recovery != "auto":
+            return self.faults.recovery
+        ckpt = self.checkpoint
+        replica = (self.parallel.dp > 1 and nnodes == 1 and not gpus
+                   and not (ckpt.ckpt_every or ckpt.snapshot_every or ckpt.resume))
+        return "replica" if replica else "none"
 
     def snapshot_interval(self) -> int:
         """Steps between in-memory snapshots: as given, else 1 with --recovery restart (restart in

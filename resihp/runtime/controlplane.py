@@ -255,9 +255,15 @@ class StepReader:
 
 
 # --- plan changes, errors, the job ------------------------------------------------------------------
+def plan_key(job_id: str) -> str:
+    """Where the live planner posts the newest plan change of a job."""
+    return f"{prefix_of(job_id)}/plan"
+
+
 def post_change(store: Store, job_id: str, change: dict) -> None:
-    """Hand a plan change to the running job (its rank 0 takes it at the next step boundary)."""
-    store.set(f"{prefix_of(job_id)}/plan", json.dumps(change))
+    """Hand a plan change to the running job (its rank 0 takes it at the next step boundary; with
+    replica-level fault tolerance, the next commit carries it to every rank)."""
+    store.set(plan_key(job_id), json.dumps(change))
 
 
 class PlanInbox:
@@ -265,7 +271,7 @@ class PlanInbox:
     newest change posted (each ``id`` once)."""
 
     def __init__(self, store: Store, job_id: str, scheduled: Sequence[dict]) -> None:
-        self.store, self.key = store, f"{prefix_of(job_id)}/plan"
+        self.store, self.key = store, plan_key(job_id)
         self.scheduled = {int(c["step"]): c for c in scheduled}
         self._seen_id: object = None
 

@@ -174,6 +174,24 @@ class LiveLoop:
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
         one_tp = all(len({len(s.ranks) for s in p.stages}) == 1 for p in pipes)
+        if self.cfg.faults.recovery.startswith("replica"):
+            # each replica is its own job: the commits carry micro-batch shares to every rank; layer
+            # moves and new groups would move state across replicas together (not in this mode).
+            # With the layers where they are, a replica's share follows its slowest rank's speed.
+            splits = [[s.n_layers for s in p.stages] for p in pipes]
+            current = [[b - a for a, b in ranges] for ranges in self.ranges]
+            as_planned = same_places and splits == current
+            change["dp_weights"] = ([float(p.microbatches) for p in pipes] if as_planned
+                                    else self._replica_speeds())
+            change["applied"] = (True if as_planned else "partial: with --recovery replica the "
+                                 "micro-batch shares apply, the layers stay where they are")
+            if self._unchanged({**change, "layer_splits": current}):
+                change.pop("dp_weights")
+                change["applied"] = "none: the planner keeps the plan in force"
+                self.changes.append(change)
+            else:
+                self._post_in_place(change)  # no layer_splits: the ranges in force stay
+            return
         if same_places or one_tp:
             change["dp_weights"] = [float(p.microbatches) for p in pipes]
             change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
@@ -194,6 +212,10 @@ class LiveLoop:
             change["applied"] = "none: the planner keeps the plan in force"
             self.changes.append(change)
             return
+        self._post_in_place(change)
+
+    def _post_in_place(self, change: dict) -> None:
+        """Record ``change`` as the plan in force and hand it to the job."""
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
         if change.get("layer_splits") is not None:

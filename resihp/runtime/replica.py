@@ -6,6 +6,8 @@ the current generation (``resihp.ft.group``), votes, and commits only what every
 (``resihp.ft.quorum``); an aborted step is redone by the survivors. In zero-drift mode the
 survivors also train the absent replicas' micro-batches, so the global batch never changes. A
 relaunched replica catches up from a live peer (``resihp.ft.heal``) and joins at a step boundary.
+The live planner's micro-batch shares reach every rank with the commit before the step they apply
+to (``Decision.plan``); a returning replica takes the one of the commit that admitted it.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from resihp.ft.heal import (
 )
 from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
 from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix, report_error
+from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix, plan_key, report_error
 from resihp.runtime.data import MicroBatch, StepData, replica_microbatches
 from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
+from resihp.runtime.planchange import PlanChange
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
 BEAT_S = 0.25  # heartbeat interval: a hung replica is judged within a few beats
@@ -69,12 +72,14 @@ class ReplicaEngine(Engine):
         self.rec.ids.update(rank=global_rank, dp_rank=member.replica)
         self.position = f"{self.stage}.{self.tp.rank}"
         self.store, self.connect = store, connect
-        self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s)
+        self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s,
+                             plan_key=plan_key(cfg.job_id))
         self.group = ReplicaGroup(store, cfg.job_id, self.position, member.replica, cfg.faults.timeout_s)
         self.gen: Generation | None = None
         self.decision: Decision | None = None
         self.sources: dict[Member, HealSource] = {}
         self.full_weights = cfg.weights()
+        self.plan_id: object = None  # the plan change in force (its id)
 
     # --- which micro-batches --------------------------------------------------------------------
     def _owned(self) -> list[int]:
@@ -88,6 +93,22 @@ class ReplicaEngine(Engine):
 
     def microbatches(self, data: StepData) -> list[MicroBatch]:
         return [mb for r in self._owned() for mb in replica_microbatches(data, r, self.full_weights)]
+
+    def take_plan(self, step: int) -> None:
+        """Before ``step``: the plan change the last commit carried, if it is new. Its micro-batch
+        shares apply here on every rank of every replica alike; layer moves and new groups need
+        the replicas' state moved together and are not applied in this mode (the live planner
+        sends none)."""
+        plan = self.decision.plan if self.decision is not None and self.decision.commit else None
+        if plan is None or plan.get("id") == self.plan_id:
+            return
+        full = self.full.dims()
+        change = PlanChange.parse(plan, full, self.model_cfg.layers, "plan")
+        if change.dp_weights is not None:
+            with self.rec.op("replan-microbatches"):
+                self.full_weights = list(change.dp_weights)
+        self.plan_id = plan.get("id")
+        self.plan_changes.append({"step": step, **change.to_dict()})
 
     def loss_tokens(self, data: StepData) -> int:
         if not self.drop:
@@ -206,6 +227,7 @@ class ReplicaEngine(Engine):
         if held != gen.from_step - 1:
             raise RuntimeError(f"catch-up: holds step {held}, admitted at step {gen.from_step}")
         self.gen = gen
+        self.decision = self.quorum.admitting(gen)  # its plan is the survivors' from here
         return {"state_step": None if state_at is None else gen.from_step - 1 - replayed,
                 "requested_ts": t0, "state_ts": state_at, "admitted_ts": time.time(),
                 "from_step": gen.from_step, "replayed_steps": replayed, "bytes": target.received_bytes}
@@ -249,6 +271,7 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
         step = engine.gen.from_step
         while step < cfg.train.steps:
             engine.rec.begin_step(step)
+            engine.take_plan(step)
             try:
                 result = engine.train_step(step)
             except StepAborted as exc:

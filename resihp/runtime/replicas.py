@@ -29,9 +29,12 @@ from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
     TRACE_STREAM,
     StepReader,
+    StepRecords,
     announce_job,
     heartbeat_prefix,
     mark_ended,
+    plan_key,
+    post_change,
     prefix_of,
     read_errors,
 )
@@ -43,6 +46,7 @@ from resihp.runtime.supervisor import (
     Outcome,
     _Signals,
     _stop,
+    control_plane_costs,
     drain_stderr,
     fail_stop,
     fault_timeouts,
@@ -85,8 +89,12 @@ class ReplicaFailure:
 def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None,
                        join_timeout_s: float | None = None,
                        on_step: Callable[[int], None] | None = None,
+                       on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
                        hang_timeout_s: float | None = None, poll_s: float = 0.1,
                        grace_s: float = GRACE_S) -> Outcome:
+    """Launch every replica, watch them on the job's store, relaunch a lost one alone. Complete
+    steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next commit
+    carries the newest one to every rank."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
     if cfg.parallel.dp < 2:
@@ -108,9 +116,10 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
     with _Signals() as signals, JobStore(None, host=True, timeout_s=max(join_timeout_s, 60.0)) as js:
         store = js.store
         announce_job(store, cfg.job_id, job_config(cfg), 1, dims.world_size)
-        quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s)
+        quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s, plan_key=plan_key(cfg.job_id))
         quorum.set_replicas(cfg.parallel.dp)
-        chain = DecisionChain(quorum, quorum.start([Member(d, 0) for d in range(cfg.parallel.dp)], 0))
+        first = quorum.start([Member(d, 0) for d in range(cfg.parallel.dp)], 0)
+        chain = DecisionChain(quorum, first)
         store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
         hb = heartbeat_prefix(cfg.job_id)
         interval = min(BEAT_S, heartbeat_timeout_s / 4)
@@ -144,9 +153,14 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         done: set[int] = set()
 
         def read_steps() -> None:
-            hand_on_steps(reader, out, on_step, None, post=lambda change: None)
+            hand_on_steps(reader, out, on_step, on_steps,
+                          post=lambda change: post_change(store, cfg.job_id, change))
 
         def lose(d: int, rank: int | None, cause: str, step: int | None, detected_s: float | None) -> None:
+            bad = [e for e in read_errors(store, cfg.job_id) if e["kind"] == "input"]
+            if bad:  # it stopped on bad input (said just before it exited): the job stops, exit 2
+                outcome.error, outcome.input_error = bad[0]["message"], True
+                return
             rep = live[d]
             quorum.evict(Member(d, rep.attempt), cause)
             chain.abort_for(Member(d, rep.attempt))  # the survivors redo the step in flight without it
@@ -184,10 +198,15 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 chain.advance()
                 reports = read_errors(store, cfg.job_id)
                 for e in reports[seen_reports:]:  # a rank that crashed said so: its replica is lost now
+                    if e["kind"] == "input":  # bad input fails every replica alike: the job stops
+                        outcome.error, outcome.input_error = e["message"], True
+                        break
                     d = dims.coords(int(e["rank"])).dp_rank if str(e["rank"]).isdigit() else None
                     if e["kind"] == "crash" and d in live and d not in done:
                         lose(d, int(e["rank"]), "exception", None, None)
                 seen_reports = len(reports)
+                if outcome.input_error:
+                    break
                 for ev in monitor.poll(monitor.min_step()):
                     d = dims.coords(ev.rank).dp_rank
                     if d in live and d not in done:
@@ -218,11 +237,14 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 with contextlib.suppress(Exception):
                     _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and outcome.error is None else 0.5)
                 rep.aggregator.stop()
+            beats = [m["c"] for rep in live.values() for m in rep.aggregator._last.values() if m is not None]
             with contextlib.suppress(RuntimeError, dist.DistError):
                 read_steps()
                 outcome.errors = read_errors(store, cfg.job_id)
                 outcome.replica_catchups = _catchups(store, quorum, outcome.replica_failures)
                 outcome.replica_members = _members(quorum, cfg.train.steps)
+                outcome.control_plane = control_plane_costs(reader, beats)
+                (out / "plan_changes.json").write_text(json.dumps(_applied_plans(quorum, first)))
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
     if outcome.error is None and not done:
@@ -245,6 +267,17 @@ def _members(quorum: Quorum, steps: int) -> list[list[int]]:
             break
         found.append(members)
     return found
+
+
+def _applied_plans(quorum: Quorum, first) -> list[dict]:
+    """Each plan change the commits carried, with the step every rank applied it at (the one
+    after the first commit that carried it)."""
+    applied, seen = [], set()
+    for d in quorum.decisions(first):
+        if d.commit and d.plan is not None and d.plan.get("id") not in seen:
+            seen.add(d.plan.get("id"))
+            applied.append({"step": d.step + 1, **d.plan})
+    return applied
 
 
 def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dict]:

@@ -251,26 +251,31 @@ class _Watch:
             self.reader = StepReader(store, cfg.job_id, layout, owner=True)
 
     def costs(self) -> dict | None:
-        """Per rank and step: record bytes and messages, heartbeat messages, the rank's time spent
-        publishing; and the reader's store requests per step (its load grows with nodes)."""
-        r = self.reader
-        if r is None or not r.steps:
+        if self.reader is None:
             return None
-        ranks = sum(len(v) for v in r.nodes.values())
-        beats = [m["c"] for m in self.aggregator._last.values() if m is not None]
-        cost = sorted(r.cost_s.values())
-        return {"ranks": ranks, "steps": r.steps,
-                "record_bytes_per_rank_step": round(r.bytes / r.parts, 1),
-                "record_messages_per_rank_step": round(r.parts / (r.steps * ranks), 3),
-                "heartbeat_messages_per_rank_step": round(statistics.mean(beats) / r.steps, 3) if beats else None,
-                "publish_s_per_rank_step": round(cost[len(cost) // 2] / max(1, r.steps - 1), 6) if cost else None,
-                "reader_requests_per_step": round(r.messages / r.steps, 2)}
+        return control_plane_costs(self.reader, [m["c"] for m in self.aggregator._last.values() if m is not None])
 
     def pids(self) -> list[int]:
         return [m["pid"] for m in self.aggregator._last.values() if m is not None]
 
     def close(self) -> None:
         self.aggregator.stop()
+
+
+def control_plane_costs(r: StepReader, beats: list[int]) -> dict | None:
+    """Per rank and step: record bytes and messages, heartbeat messages (``beats``: each node's
+    count), the rank's time spent publishing; and the reader's store requests per step (its load
+    grows with nodes)."""
+    if not r.steps:
+        return None
+    ranks = sum(len(v) for v in r.nodes.values())
+    cost = sorted(r.cost_s.values())
+    return {"ranks": ranks, "steps": r.steps,
+            "record_bytes_per_rank_step": round(r.bytes / r.parts, 1),
+            "record_messages_per_rank_step": round(r.parts / (r.steps * ranks), 3),
+            "heartbeat_messages_per_rank_step": round(statistics.mean(beats) / r.steps, 3) if beats else None,
+            "publish_s_per_rank_step": round(cost[len(cost) // 2] / max(1, r.steps - 1), 6) if cost else None,
+            "reader_requests_per_step": round(r.messages / r.steps, 2)}
 
 
 def hand_on_steps(reader: StepReader, out: Path, on_step: Callable[[int], None] | None,
