@@ -258,6 +258,7 @@ def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step
 def control_plane_live(out: Path) -> dict:
     """The control plane of a real 4-rank run (``resihp run --json``'s ``control_plane``)."""
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "--dp", "2", "--pp", "2", "--steps", "30",
+                           "--recovery", "none",  # one torchrun job, as in the figures before replica default
                            "-o", str(out), "--json"], capture_output=True, text=True, timeout=600)
     summary = json.loads(proc.stdout)
     step_s = 8192 / summary["tokens_per_s"]
