@@ -110,6 +110,7 @@ def _ancestors(pid: int) -> set[int]:
 
 SCAN_S = 1.0  # seconds between scans for the job's processes once all are known
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
+SETTLE_S = 0.5  # how long a fail-stop waits for the rest of the dead rank's last step's records
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -375,6 +376,8 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
             if on_poll:
                 on_poll()
             failure = _judge(watch, cfg, t0, outcome)
+            if failure is not None:
+                failure = _settle(failure, watch, read_steps, cfg)
             if failure is not None or outcome.error:
                 outcome.failure = failure
                 break
@@ -434,6 +437,23 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         outcome.error = (f"rank(s) {missing} never joined within {watch.monitor.startup_s:g} s; all workers "
                          "were stopped")
     return None
+
+
+def _settle(failure: Event, watch: _Watch, read_steps: Callable[[], None], cfg: RunConfig,
+            limit_s: float = SETTLE_S) -> Event:
+    """A rank found dead right after it finished a step: the other ranks' records of that step may
+    still be on their way (a loaded machine). Wait for them (bounded): if the step completes, the
+    rank failed in a later one."""
+    step = failure.extra.get("step")
+    end = time.monotonic() + limit_s
+    while step is not None and (watch.reader.next_step or 0) <= step and time.monotonic() < end:
+        time.sleep(0.05)
+        read_steps()
+    later = watch.reader.next_step
+    if step is None or later is None or later <= step:
+        return failure
+    extra = failure.extra
+    return fail_stop(cfg.dims(), failure.rank, later, extra["cause"], extra.get("detected_s"), node=extra.get("node"))
 
 
 def _reason(outcome: Outcome) -> str | None:
