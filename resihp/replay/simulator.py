@@ -60,9 +60,14 @@ class Simulator:
             return self._stalled(compiled.layout, n_steps, first_step, start_s)
         live = [r for r in compiled.layout.replicas if r.microbatches > 0]
         # the gradient all-reduce waits for the largest per-device shard (layers / group width)
-        shard = max(n / len(g) for r in live for n, g in zip(r.layers, r.groups))
-        ring = max(n / len(g) / link_of[d] for r in live for n, g in zip(r.layers, r.groups)
-                   for d in g)  # grad_sync_s is linear in the shard: its slowest ring's time
+        if "ring" not in compiled.derived:  # each live device and its gradient shard (layers / width)
+            compiled.derived["ring"] = (
+                np.array([d for r in live for g in r.groups for d in g], dtype=np.int64),
+                np.array([n / len(g) for r in live for n, g in zip(r.layers, r.groups) for _ in g]))
+        ring_devices, ring_shards = compiled.derived["ring"]
+        shard = float(ring_shards.max())
+        # grad_sync_s is linear in the shard: the slowest ring's time, at its slowest link
+        ring = float((ring_shards / link_of[ring_devices]).max())
         model, cluster = self.scenario.model, self.scenario.cluster
         sync = grad_sync_s(model, cluster, ring, len(live))
         optim = optimizer_s(model, cluster, shard)
