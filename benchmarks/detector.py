@@ -27,11 +27,13 @@ import numpy as np  # noqa: E402
 
 from resihp.detect.alibaba import alibaba_path  # noqa: E402
 from resihp.detect.config import DetectorConfig  # noqa: E402
+from resihp.detect.links import pipeline_transfers, sync_transfers  # noqa: E402
 from resihp.detect.observe import (  # noqa: E402
     RankPlacement,
     observe_columns,
     observe_ops,
     rank_layout,
+    trace_columns,  # noqa: E402
 )
 from resihp.detect.online import OnlineDetector  # noqa: E402
 from resihp.detect.suite import DEFAULT_PROFILE, evaluate_suite  # noqa: E402
@@ -88,6 +90,32 @@ def speed_observe_ops(repeats: int = 3) -> dict:
     return {"ops_rows": len(df), "rank_steps": rank_steps, "ops_per_rank_step": len(df) / rank_steps,
             "observe_ops_s": tc, "ops_rows_per_s": len(df) / tc, "rank_steps_per_s": rank_steps / tc,
             "whole_path_rank_steps_per_s": rank_steps / (tc + ta)}
+
+
+def speed_link_extraction(repeats: int = 5) -> dict:
+    """The share of ``observe_ops`` (on the ``speed_observe_ops`` trace) spent taking link
+    transfers out of the send/receive and gradient-collective records (the link-slow input)."""
+    pool = CostPool.from_profile(DEFAULT_PROFILE)
+    job = SimJob(dp=8, pp=4, microbatches=8, steps=100, source="code")
+    df = simulate(job, pool, alibaba_residuals(alibaba_path(2)))
+    meta, cols = job.meta(), trace_columns(df)
+    steps = np.unique(np.asarray(cols["step"]))
+    times: dict[str, list[float]] = {"observe_ops_s": [], "pipeline_transfers_s": [], "sync_transfers_s": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        observe_ops(df, meta)
+        t1 = time.perf_counter()
+        pipeline_transfers(cols, steps, meta.world_size)
+        t2 = time.perf_counter()
+        sync_transfers(cols, steps, meta.world_size)
+        t3 = time.perf_counter()
+        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[key].append(dt)
+    out = {k: round(float(np.median(v)), 4) for k, v in times.items()}
+    links = out["pipeline_transfers_s"] + out["sync_transfers_s"]
+    out["links_share"] = round(links / out["observe_ops_s"], 3)
+    out["rank_steps_per_s_without_links"] = round(job.world_size * job.steps / (out["observe_ops_s"] - links))
+    return out
 
 
 def speed_trace_16k(steps: int = 40, calibration: int = 20, repeats: int = 3) -> dict:
@@ -157,6 +185,7 @@ def main() -> None:
     if args.speed_only:
         out["speed_observe_arrays"] = speed_observe_arrays(steps=50 if args.quick else 200)
         out["speed_observe_ops"] = speed_observe_ops()
+        out["speed_link_extraction"] = speed_link_extraction()
         out["speed_trace_16k"] = speed_trace_16k()
         out["trace_rank_steps_per_s"] = out["speed_trace_16k"]["trace_rank_steps_per_s"]
         out["core_rank_steps_per_s"] = out["speed_trace_16k"]["core_rank_steps_per_s"]
@@ -183,6 +212,7 @@ def main() -> None:
         out["data_parallel_no_lengths"] = evaluate_suite(drop=("seq_lens",), **dp_only)
     out["speed_observe_arrays"] = speed_observe_arrays(steps=50 if args.quick else 200)
     out["speed_observe_ops"] = speed_observe_ops()
+    out["speed_link_extraction"] = speed_link_extraction()
     out["speed_trace_16k"] = speed_trace_16k()
     out["trace_rank_steps_per_s"] = out["speed_trace_16k"]["trace_rank_steps_per_s"]
     out["core_rank_steps_per_s"] = out["speed_trace_16k"]["core_rank_steps_per_s"]
