@@ -102,8 +102,7 @@ class ReplicaEngine(Engine):
         plan = self.decision.plan if self.decision is not None and self.decision.commit else None
         if plan is None or plan.get("id") == self.plan_id:
             return
-        full = self.full.dims()
-        change = PlanChange.parse(plan, full, self.model_cfg.layers, "plan")
+        change = PlanChange.parse(plan, self.full.dims(), self.model_cfg.layers, "plan")
         if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
                 self.full_weights = list(change.dp_weights)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.heartbeat import HeartbeatMonitor, NodeAggregator, node_key, rank_key
 from resihp.errors import InputError
-from resihp.ft.quorum import DecisionChain, Member, Quorum
+from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
     TRACE_STREAM,
@@ -269,7 +269,7 @@ def _members(quorum: Quorum, steps: int) -> list[list[int]]:
     return found
 
 
-def _applied_plans(quorum: Quorum, first) -> list[dict]:
+def _applied_plans(quorum: Quorum, first: Generation) -> list[dict]:
     """Each plan change the commits carried, with the step every rank applied it at (the one
     after the first commit that carried it)."""
     applied, seen = [], set()
