@@ -40,16 +40,22 @@ def keeper(shm):
     stop_keeper(directory)
 
 
-def _model(width: int = 1024, layers: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+# state on a GPU takes the side-stream copy into pinned slots (run where a GPU is: issue 18)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device"))]
+
+
+def _model(width: int = 1024, layers: int = 8, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt)
     return model, opt
 
 
 def _train(model, opt) -> None:
-    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    first = model[0]
+    model(torch.randn(4, first.in_features, device=first.weight.device)).square().mean().backward()
     opt.step()
 
 
@@ -68,9 +74,10 @@ def _flat(tensors) -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in tensors}
 
 
-def test_snapshot_is_not_torn_by_the_next_optimizer_step(keeper):
+@pytest.mark.parametrize("device", DEVICES)
+def test_snapshot_is_not_torn_by_the_next_optimizer_step(keeper, device):
     directory, _ = keeper
-    model, opt = _model()  # 8 x 1M parameters: 32 MiB of weights, 96 MiB with AdamW state
+    model, opt = _model(device=device)  # 8 x 1M parameters: 32 MiB of weights, 96 MiB with AdamW state
     tier = MemoryTier(directory, 0)
     snap = Snapshotter(tier, every=1)
     before = _flat(state_tensors(model, opt))
@@ -86,22 +93,25 @@ def test_snapshot_is_not_torn_by_the_next_optimizer_step(keeper):
     changed = 0
     for s in header.shards:
         saved = data[s.offset:s.offset + s.nbytes]
-        assert torch.equal(saved, before[s.key].reshape(-1).view(torch.uint8)), f"{s.key} torn"
-        changed += not torch.equal(saved, after[s.key].reshape(-1).view(torch.uint8))
+        assert torch.equal(saved, before[s.key].cpu().reshape(-1).view(torch.uint8)), f"{s.key} torn"
+        changed += not torch.equal(saved, after[s.key].cpu().reshape(-1).view(torch.uint8))
     assert changed > 0  # the step really changed the state the snapshot kept
+    if device == "cuda":
+        assert snap.pinned is not None
     snap.close()
 
 
-def test_restore_loads_bitwise_and_a_flipped_byte_is_found(keeper):
+@pytest.mark.parametrize("device", DEVICES)
+def test_restore_loads_bitwise_and_a_flipped_byte_is_found(keeper, device):
     directory, _ = keeper
-    model, opt = _model(256, 2)
+    model, opt = _model(256, 2, device)
     tier = MemoryTier(directory, 0)
     snap = Snapshotter(tier, every=1)
     saved = _flat(state_tensors(model, opt))
     snap.snapshot(3, model, opt, {"job_id": "job"})
     snap.close()
     header = _wait_published(tier, 3)
-    other, other_opt = _model(256, 2)
+    other, other_opt = _model(256, 2, device)
     _train(other, other_opt)
     assert _load(header, tier.read(header, writable=True), other, other_opt)
     for key, t in state_tensors(other, other_opt):

@@ -14,17 +14,23 @@ from resihp.opstrace import read_meta, read_run_folder
 from resihp.runtime.attach import DeviceFault
 from resihp.runtime.follow import follow
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-def test_attach_records_ops_without_changing_training(tmp_path):
+
+@pytest.mark.parametrize("device,gpu_timing", [("cpu", "events"), pytest.param("cuda", "events", marks=CUDA),
+                                               pytest.param("cuda", "sync", marks=CUDA)])
+def test_attach_records_ops_without_changing_training(tmp_path, device, gpu_timing):
+    """On a GPU, durations come from CUDA events (rows of a step recorded at the next step or at
+    close) or from synchronising around each op; both record the same rows."""
     torch.manual_seed(0)
-    make = lambda: nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))  # noqa: E731
+    make = lambda: nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50)).to(device)  # noqa: E731
     plain, watched = make(), make()
     watched.load_state_dict(plain.state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, watched)]
-    mon = resihp.attach(watched, optimizer=opts[1], out=tmp_path, model_name="toy")
+    mon = resihp.attach(watched, optimizer=opts[1], out=tmp_path, model_name="toy", gpu_timing=gpu_timing)
     losses = {0: [], 1: []}
     for step in range(3):
-        ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(step)).to(device)
         for i, (model, opt) in enumerate(zip((plain, watched), opts)):
             ctx = mon.step(seq_lens=[9, 9]) if i else torch.enable_grad()
             with ctx:
@@ -37,7 +43,8 @@ def test_attach_records_ops_without_changing_training(tmp_path):
     assert losses[0] == losses[1]
     trace = mon.trace()
     assert sorted(trace.optype.unique()) == ["backward-compute", "forward-compute", "optimizer", "step"]
-    assert (trace.groupby("step").size() == 4).all()
+    assert (trace.groupby("step").size() == 4).all() and trace.step.nunique() == 3
+    assert (trace.duration > 0).all() and np.isfinite(trace.duration).all()
     fwd = trace[trace.optype == "forward-compute"]
     assert fwd.seq_lens.map(list).tolist() == [[9, 9]] * 3 and (fwd.tokens == 18).all()
     # the backward ends before the optimizer starts, the forward before the backward

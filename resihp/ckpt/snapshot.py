@@ -5,7 +5,10 @@ Taking one (:class:`Snapshotter`): after the optimizer step of step ``s`` the tr
 ``snapshot``; a thread copies every parameter, AdamW tensor and the RNG state into the free slot
 while the next step's forward and backward run (they read the parameters, never write them); the
 next optimizer step waits for the copy first (an optimizer step pre-hook: torchtitan's
-``maybe_wait_for_staging``), so a snapshot is never torn. Once the copy is complete the trainer
+``maybe_wait_for_staging``), so a snapshot is never torn. State on a GPU is copied on a side stream
+that starts after the optimizer step's kernels, straight into the slot's shared memory pinned once
+(``cudaHostRegister``), so the device-to-host copy overlaps the next forward and backward instead
+of queueing behind them on the training stream. Once the copy is complete the trainer
 marks the slot written; the node's keeper checksums and publishes it.
 
 Restoring (:func:`restore`, collective): every rank verifies the slots its memory holds (its own
@@ -72,6 +75,8 @@ class Snapshotter:
         self.blocked_s: list[float] = []  # per snapshot: how long the trainer waited for it
         self.copy_s: list[float] = []  # per snapshot: how long the copy took (in the background)
         self.fence_waits = 0  # optimizer steps that found a copy still running
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pinned: dict[str, tuple[int, int, bool]] = {}  # slot -> (address, bytes, pinned)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0
@@ -99,19 +104,51 @@ class Snapshotter:
         buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
         header = SlotHeader(self.tier.rank, slot, step, layout, shards, nbytes, holder=self.tier.rank,
                             copy_to=self.copy_to)
+        gpu = next((t.device for _, t in tensors if t.is_cuda), None)
+        ready = None
+        if gpu is not None:
+            self._pin(slot, buf)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(gpu))  # after the optimizer step's kernels
         self._error = None
-        self._thread = threading.Thread(target=self._copy, args=(buf, tensors, header),
+        self._thread = threading.Thread(target=self._copy, args=(buf, tensors, header, gpu, ready),
                                         name="resihp-snapshot", daemon=True)
         self._thread.start()
         self._next = SLOTS[1 - SLOTS.index(slot)]
         self.blocked_s.append(time.perf_counter() - t0)
 
-    def _copy(self, buf: torch.Tensor, tensors: list[tuple[str, torch.Tensor]], header: SlotHeader) -> None:
+    @property
+    def pinned(self) -> bool | None:
+        """Whether the slots a GPU copy went into are page-locked (None: no GPU copy yet)."""
+        return all(p for _, _, p in self._pinned.values()) if self._pinned else None
+
+    def _pin(self, slot: str, buf: torch.Tensor) -> None:
+        """Page-lock a slot's mapping once, so that copies into it run at full DMA speed without
+        blocking the host; a mapping the driver refuses stays pageable (slower, still correct)."""
+        key = (buf.data_ptr(), buf.numel())
+        old = self._pinned.get(slot)
+        if old is not None and old[:2] == key:
+            return
+        if old is not None and old[2]:
+            torch.cuda.cudart().cudaHostUnregister(old[0])
+        rc = torch.cuda.cudart().cudaHostRegister(key[0], key[1], 0)
+        self._pinned[slot] = (*key, int(rc) == 0)
+
+    def _copy(self, buf: torch.Tensor, tensors: list[tuple[str, torch.Tensor]], header: SlotHeader,
+              gpu: torch.device | None = None, ready: torch.cuda.Event | None = None) -> None:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                for (_, t), s in zip(tensors, header.shards, strict=True):
-                    buf[s.offset:s.offset + s.nbytes].copy_(_bytes(t))
+                if gpu is None:
+                    for (_, t), s in zip(tensors, header.shards, strict=True):
+                        buf[s.offset:s.offset + s.nbytes].copy_(_bytes(t))
+                else:
+                    stream = self._streams.setdefault(gpu, torch.cuda.Stream(gpu))
+                    with torch.cuda.device(gpu), torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        for (_, t), s in zip(tensors, header.shards, strict=True):
+                            buf[s.offset:s.offset + s.nbytes].copy_(_bytes(t), non_blocking=t.is_cuda)
+                    stream.synchronize()
             self.tier.mark_written(header)
         except BaseException as exc:  # handed to the trainer at the fence
             self._error = exc
@@ -140,6 +177,10 @@ class Snapshotter:
         finally:
             if self._hook is not None:
                 self._hook.remove()
+            for address, _, pinned in self._pinned.values():
+                if pinned:
+                    torch.cuda.cudart().cudaHostUnregister(address)
+            self._pinned.clear()
             self.tier.close()
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,3 +100,33 @@ def versions() -> dict[str, str]:
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     return out
+
+
+def measurement_env(device: torch.device) -> dict[str, str]:
+    """The device and software a measurement was taken with (recorded in profiling logs, so a
+    model trained elsewhere still names the machine and versions its data came from)."""
+    import torch
+
+    out = {"device": device_name(device), "python": platform.python_version(),
+           "torch": torch.__version__, "machine": platform.machine()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        out.update(cuda=str(torch.version.cuda), cudnn=str(torch.backends.cudnn.version()),
+                   gpu_memory_gib=f"{props.total_memory / 2**30:.1f}",
+                   multiprocessors=str(props.multi_processor_count), driver=_nvidia_driver())
+    else:
+        out["cpu"] = cpu_name()
+    return out
+
+
+def _nvidia_driver() -> str:
+    """The NVIDIA driver's version as nvidia-smi reports it, or "unknown" (torch does not say)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "unknown"
+    try:
+        done = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else "unknown"

@@ -35,7 +35,7 @@ import torch
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import DecoderBlock
-from resihp.perf.device import device_name
+from resihp.perf.device import device_name, measurement_env
 
 PROFILE_COLUMNS = ["device", "model", "layers", "hidden", "heads", "ffn_hidden", "tp", "phase",
                    "seq_lens", "time_s"]
@@ -219,6 +219,7 @@ def profile(
     name = device_name(device)
     on_cpu = device.type == "cpu"
     reference_json = json.dumps(reference.to_dict())
+    env_json = json.dumps(measurement_env(device))
     rows = []
     for mb_id, mb in enumerate(timed):
         ks = np.flatnonzero(order == mb_id)
@@ -243,7 +244,7 @@ def profile(
                 "ref_times_s": around[ks, 0].tolist(), "costs": cost.tolist(),
                 "cpu_costs": cpu_cost.tolist() if on_cpu else [],
                 "dtype": str(dtype).removeprefix("torch."), "reference": reference_json,
-                "measured_at": wall_start + float(stamps[ks[0] + 1]),
+                "measured_at": wall_start + float(stamps[ks[0] + 1]), "env": env_json,
             })
     speed = pd.DataFrame({"t_s": stamps, "ref_wall_s": refs[:, 0],
                           "ref_cpu_s": refs[:, 1] if on_cpu else np.nan})

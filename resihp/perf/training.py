@@ -111,6 +111,14 @@ def cross_source(log: pd.DataFrame, seed: int = 0) -> dict | None:
     return out
 
 
+def measured_on(log: pd.DataFrame) -> list[dict]:
+    """The devices and software the profiles were measured with (the logs' ``env``; older logs
+    have none)."""
+    if "env" not in log.columns:
+        return []
+    return [json.loads(e) for e in sorted(log["env"].dropna().unique())]
+
+
 def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: float = 0.25,
                     seed: int = 0, target: str = "auto") -> dict:
     """Fit on all but a held-out share of micro-batches; the card reports the held-out metrics of
@@ -133,6 +141,7 @@ def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: flo
             "target": target,
             "sources": sorted(log["source"].unique().tolist()) if "source" in log.columns else [],
         },
+        "measured_on": measured_on(log),
         "held_out": held_out,
         "held_out_cross_source": cross_source(log, seed),
         "linear_baseline": _baseline_to_json(baseline),

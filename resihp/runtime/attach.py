@@ -56,6 +56,7 @@ from resihp.runtime.controlplane import (
     node_ranks,
 )
 from resihp.runtime.follow import Follower
+from resihp.runtime.gpu_timing import EventTimer
 from resihp.runtime.metrics import Metrics
 from resihp.runtime.recorder import OpRecorder
 
@@ -87,10 +88,19 @@ def _accounted(method):
     return wrapper
 
 
+GPU_TIMINGS = ("events", "sync")
+
+
 class Monitor:
     def __init__(self, model: nn.Module, out: Path, optimizer: torch.optim.Optimizer | None,
-                 rank: int, dp_rank: int, stage: int, tp_rank: int, heartbeat_s: float) -> None:
-        sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else None
+                 rank: int, dp_rank: int, stage: int, tp_rank: int, heartbeat_s: float,
+                 gpu_timing: str = "events") -> None:
+        if gpu_timing not in GPU_TIMINGS:
+            raise InputError(f"attach: gpu_timing must be one of {', '.join(GPU_TIMINGS)}, got {gpu_timing!r}")
+        on_gpu = next(model.parameters()).is_cuda
+        # on a GPU, CUDA events (durations read a step later) unless synchronising is asked for
+        self.events = EventTimer() if on_gpu and gpu_timing == "events" else None
+        sync = torch.cuda.synchronize if on_gpu and self.events is None else None
         self.follower: Follower | None = None
         self.on_fault: str | Callable[[dict], None] | None = None
         self.metrics: Metrics | None = None
@@ -111,6 +121,7 @@ class Monitor:
         self._open: dict[str, tuple[float, float, int]] = {}  # optype -> (start_ts, t0, mb)
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grads_left = 0
+        self._tokens: dict[int, int | None] = {}  # step -> tokens, for steps timed by events
         self.self_s = 0.0  # time spent in resihp's own code, for the overhead benchmark
         self._handles = [
             model.register_forward_pre_hook(self._fwd_start),
@@ -124,20 +135,25 @@ class Monitor:
     # --- hooks ----------------------------------------------------------------------------------
     def _begin(self, optype: str, mb: int = -1) -> None:
         self._sync()
-        self._open[optype] = (time.time(), time.perf_counter(), mb)
+        clock = self.events.mark() if self.events is not None else time.perf_counter()
+        self._open[optype] = (time.time(), clock, mb)
 
     def _end(self, optype: str) -> None:
         if optype not in self._open or self._step < 0:
             return
         self._sync()
-        start_ts, t0, mb = self._open.pop(optype)
+        start_ts, clock, mb = self._open.pop(optype)
         seq_lens = self._seq_lens[mb] if 0 <= mb < len(self._seq_lens) else None
-        self.rec.rows.append({
-            "step": self._step, **self.rec.ids, "optype": optype, "start_ts": start_ts,
-            "duration": time.perf_counter() - t0, "seq_id": self.rec._seq[optype],
-            "mb_id": mb if mb >= 0 else None, "seq_lens": list(seq_lens) if seq_lens else None,
-            "tokens": int(sum(seq_lens)) if seq_lens else None, "loss": None})
+        row = {"step": self._step, **self.rec.ids, "optype": optype, "start_ts": start_ts,
+               "duration": None, "seq_id": self.rec._seq[optype],
+               "mb_id": mb if mb >= 0 else None, "seq_lens": list(seq_lens) if seq_lens else None,
+               "tokens": int(sum(seq_lens)) if seq_lens else None, "loss": None}
         self.rec._seq[optype] += 1
+        if self.events is not None:
+            self.events.stop(self._step, row, clock)
+        else:
+            row["duration"] = time.perf_counter() - clock
+            self.rec.rows.append(row)
 
     @_accounted
     def _fwd_start(self, module, args) -> None:
@@ -189,19 +205,40 @@ class Monitor:
         self._mb = 0
         tokens = sum(sum(s) for s in self._seq_lens) or None
         self.self_s += time.perf_counter() - t0
-        with self.rec.op("step", tokens=tokens) as row:
+        if self.events is not None:
+            self._open["step"] = (time.time(), self.events.mark(), -1)
+            self._tokens[self._step] = tokens
             yield
             self._end("backward-compute")
-        t0 = time.perf_counter()
+            self._end("step")
+            t0 = time.perf_counter()
+            self._take_timed(self._step)  # the earlier steps' rows, complete on the device by now
+        else:
+            with self.rec.op("step", tokens=tokens) as row:
+                yield
+                self._end("backward-compute")
+            t0 = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.step(self._step, row.get("duration"), tokens)
+            log.debug("step %d: %.4f s, %s tokens", self._step, row.get("duration", 0.0), tokens)
         if self.plane is not None:
             self.plane.publisher.publish(self.rec.take_new())
             self.plane.collect(self.out)  # rank 0: the steps every rank finished, into the run folder
         else:
             self.rec.flush(self.stream)
-        if self.metrics is not None:
-            self.metrics.step(self._step, row.get("duration"), tokens)
-        log.debug("step %d: %.4f s, %s tokens", self._step, row.get("duration", 0.0), tokens)
         self.self_s += time.perf_counter() - t0
+
+    def _take_timed(self, before_step: int | None) -> None:
+        """Rows timed by CUDA events whose steps (before ``before_step``; all with None) have
+        completed on the device, into the recorder in order; a step row closes each step."""
+        for row in self.events.completed(before_step):
+            if row["optype"] == "step":
+                row["tokens"] = self._tokens.pop(row["step"], None)
+                self.rec.finished += 1
+                if self.metrics is not None:
+                    self.metrics.step(row["step"], row["duration"], row["tokens"])
+                log.debug("step %d: %.4f s, %s tokens", row["step"], row["duration"], row["tokens"])
+            self.rec.rows.append(row)
 
     def note_lengths(self, seq_lens: Sequence[int]) -> None:
         """The sequence lengths of the next forward call's micro-batch, for loops that do not pass
@@ -247,6 +284,8 @@ class Monitor:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        if self.events is not None:
+            self._take_timed(None)
         if self.plane is not None:
             self.plane.close(self.rec.take_new(), self.out)
         else:
@@ -352,7 +391,8 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
            on_event: Callable[[dict], None] | None = None,
            on_fault: str | Callable[[dict], None] | None = None,
            detector_config: DetectorConfig | None = None, tensorboard: bool = False,
-           log_level: int | str = logging.INFO, **meta: object) -> Monitor:
+           log_level: int | str = logging.INFO, gpu_timing: str = "events",
+           **meta: object) -> Monitor:
     """Start recording ``model``'s per-op timings into ``out`` (ops-trace rows per rank, job meta
     from rank 0, heartbeats). Ranks default to torch.distributed's (or ``RANK``/``WORLD_SIZE``);
     with no other hint every rank is its own data-parallel replica.
@@ -361,7 +401,10 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     ``on_fault``: ``"stop"`` (``DeviceFault`` out of ``monitor.step`` on every rank) or a callable
     given the event on every rank (e.g. saving a checkpoint), at the step boundary after a device
     fault is found (implies ``detect``); ``tensorboard``: step time, tokens/s and events as
-    TensorBoard scalars under ``OUT/tensorboard`` (rank 0; needs the ``tensorboard`` extra).
+    TensorBoard scalars under ``OUT/tensorboard`` (rank 0; needs the ``tensorboard`` extra);
+    ``gpu_timing`` (a model on a GPU): ``"events"`` times ops with CUDA events and records each
+    step's rows once the next step starts, never stalling the GPU; ``"sync"`` synchronises around
+    every op (rows at once, at a measured cost: ``benchmarks/gpu.py``).
     Keyword ``meta`` goes to ``job.yaml`` (e.g. ``layers``, ``hidden``, ``heads``, ``ffn_hidden``
     let the detector weigh each step's sequence lengths by the model's FLOPs)."""
     if on_fault is not None and on_fault != "stop" and not callable(on_fault):
@@ -372,7 +415,7 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     logs.setup(out, rank, log_level)
     dp_size = dp_size or max(1, world // (pp_size * tp_size))
     monitor = Monitor(model, out, optimizer, rank, rank if dp_rank is None else dp_rank, stage,
-                      tp_rank, heartbeat_s)
+                      tp_rank, heartbeat_s, gpu_timing)
     if rank == 0:
         (out / "job.yaml").unlink(missing_ok=True)
         (out / "live.json").unlink(missing_ok=True)
