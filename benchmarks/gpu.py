@@ -114,7 +114,7 @@ def snapshot(args: argparse.Namespace) -> dict:
             times[arm].append(t)
             if b is not None:
                 blocked[arm].append(b)
-    copy_s = snap.copy_s[2:]
+    copy_s, pinned = snap.copy_s[2:], snap.pinned
     snap.close()
     # the keeper publishes the last snapshot; its bytes must match the state it was taken of
     deadline = time.monotonic() + 120
@@ -134,7 +134,7 @@ def snapshot(args: argparse.Namespace) -> dict:
     return {
         "state_bytes": nbytes, "state_gib": round(nbytes / 2**30, 3), "params": sum(p.numel() for p in model.parameters()),
         "tokens_per_step": 4096 * args.microbatches, "window_steps": args.window, "rounds": args.rounds,
-        "step_s": step_s, "pinned": snap.pinned,
+        "step_s": step_s, "pinned": pinned,
         "snapshot_blocked_s": _median(blocked["snapshot"]), "dcp_blocked_s": _median(blocked["dcp"]),
         "stall_ratio": _median(blocked["snapshot"]) / _median(blocked["dcp"]),
         "snapshot_copy_s": _median(copy_s) if copy_s else None,
