@@ -28,22 +28,14 @@ ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int]
 ) -> torch.Tensor:
-    """Causal attention inside each packed sequence. q, k, v: [T, heads, head_dim].
-
-    On a GPU each sequence goes to SDPA as a 4-D batch of one, the shape its fused (flash and
-    memory-efficient) kernels require; 3-D inputs fall back to the unfused math path. CPU runs keep
-    the 3-D call, whose numerics the project's bitwise recovery checks and CPU predictors are
-    measured on."""
+    """Causal attention inside each packed sequence. q, k, v: [T, heads, head_dim]."""
     outputs = []
-    fused = q.is_cuda
     for qs, ks, vs in zip(
         q.split(list(seq_lens)), k.split(list(seq_lens)), v.split(list(seq_lens)), strict=True
     ):
-        qs, ks, vs = qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1)
-        if fused:
-            out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True)[0]
-        else:
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        out = F.scaled_dot_product_attention(
+            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True
+        )
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs)
 
