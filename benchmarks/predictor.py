@@ -5,6 +5,11 @@ multi-process runs, and prediction throughput. Prints JSON.
 
     python benchmarks/predictor.py [--microbatches 60] [--repeats 3] [--steps 12] [--quick]
                                    [--keep DIR]
+    python benchmarks/predictor.py --profiles LOG.parquet ...
+
+``--profiles``: no calibration and no runs here; the accuracy arms on profiling logs measured
+elsewhere (the GPU logs of ``benchmarks/gpu.sh``, ``traces/profiles/cuda-nvidia-h200``): their device
+and versions as recorded, noise floors, held-out MAPE of every target the logs have.
 
 The calibration is the real ``resihp predictor calibrate`` (its profiles interleave every repeat
 with a reference micro-batch); every arm below is trained and tested on those same profiles.
@@ -32,7 +37,7 @@ from resihp.perf.logs import read_profile_logs
 from resihp.perf.predictor import LinearBaseline, MicroBatchPredictor, evaluate, holdout_split
 from resihp.perf.profiler import noise_floor
 from resihp.perf.step_replay import replay_steps
-from resihp.perf.training import cross_source, with_target
+from resihp.perf.training import cross_source, measured_on, with_target
 from resihp.workload.flops import TransformerShape
 from resihp.workload.lengths import resolve_source, sample_sequences
 from resihp.workload.packing import pack_greedy
@@ -97,6 +102,19 @@ def throughput(model: Path, shape: TransformerShape, n: int = 100_000, repeats: 
     return {"microbatches": len(mbs), "median_s": median, "per_s": len(mbs) / median}
 
 
+def measured_elsewhere(logs: list[Path]) -> dict:
+    """The accuracy arms on logs measured on another device (wall-clock targets only: a GPU's
+    host thread time says nothing about its kernels)."""
+    log = read_profile_logs(logs)
+    targets = [t for t in ARMS if t in log.columns and log[t].notna().all()]
+    return {"device": sorted(log["device"].unique().tolist()),
+            "measured_on": measured_on(log), "logs": [str(p) for p in logs],
+            "microbatches": {p.stem: int(read_profile_logs([p])["mb_id"].nunique()) for p in logs},
+            "noise_floor": floors(logs),
+            "micro_batch": {t: {"clock": ARMS[t][0], "normalised": ARMS[t][1], **accuracy(logs, t)}
+                            for t in targets}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--microbatches", type=int, default=60, help="per source and shape")
@@ -104,7 +122,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="one short multi-process run")
     parser.add_argument("--keep", type=Path, help="copy the calibrated model directory here")
+    parser.add_argument("--profiles", type=Path, nargs="+",
+                        help="evaluate these profiling logs instead (measured elsewhere)")
     args = parser.parse_args()
+    if args.profiles:
+        print(json.dumps(measured_elsewhere(args.profiles), indent=2))
+        return
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
