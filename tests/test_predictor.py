@@ -1,8 +1,10 @@
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from resihp.cli import app
@@ -150,6 +152,23 @@ def test_profile_times_a_reference_between_shuffled_measurements(measured_profil
     around = set(np.round((refs[:-1] + refs[1:]) / 2, 12))
     assert all(round(r, 12) in around for rs in log["ref_times_s"] for r in rs)
     assert json.loads(log["reference"].iloc[0])["seq_lens"] == list(result.reference.seq_lens)
+    # the device and software it was measured with travel in the log, into a model's card
+    env = json.loads(log["env"].iloc[0])
+    assert env["device"] == log["device"].iloc[0] and env["torch"] == torch.__version__
+
+
+def test_a_card_names_the_machine_its_profiles_were_measured_on(tmp_path):
+    """The shipped GPU model was trained on a CPU from profiles measured on a GPU: its card says
+    which GPU, driver and versions measured them (the logs' env column)."""
+    root = Path(__file__).resolve().parent.parent
+    logs = sorted((root / "traces/profiles/cuda-nvidia-h200").glob("*.parquet"))
+    assert len(logs) == 3
+    card = train_predictor(logs, tmp_path / "m", seed=0)
+    assert card["training_data"]["target"] == "cost"  # wall cost on a GPU
+    (on,) = card["measured_on"]
+    assert on["device"] == "cuda:NVIDIA H200" and on["driver"] and on["cuda"] and on["torch"]
+    shipped = json.loads((root / "models/cuda-nvidia-h200/card.json").read_text())
+    assert shipped["measured_on"] == card["measured_on"] and shipped["device"] == on["device"]
 
 
 def test_noise_floor_before_and_after_normalisation():

@@ -136,6 +136,8 @@ def test_on_fault_stop_raises_out_of_the_step(tmp_path):
 def test_attach_refuses_an_unknown_on_fault(tmp_path):
     with pytest.raises(InputError, match="on_fault"):
         resihp.attach(nn.Linear(2, 2), out=tmp_path, on_fault="pause")
+    with pytest.raises(InputError, match="gpu_timing must be one of events, sync"):
+        resihp.attach(nn.Linear(2, 2), out=tmp_path, gpu_timing="cupti")
 
 
 def test_follow_waits_for_the_job_and_detect_reads_the_run_folder(tmp_path):

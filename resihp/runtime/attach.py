@@ -95,8 +95,6 @@ class Monitor:
     def __init__(self, model: nn.Module, out: Path, optimizer: torch.optim.Optimizer | None,
                  rank: int, dp_rank: int, stage: int, tp_rank: int, heartbeat_s: float,
                  gpu_timing: str = "events") -> None:
-        if gpu_timing not in GPU_TIMINGS:
-            raise InputError(f"attach: gpu_timing must be one of {', '.join(GPU_TIMINGS)}, got {gpu_timing!r}")
         on_gpu = next(model.parameters()).is_cuda
         # on a GPU, CUDA events (durations read a step later) unless synchronising is asked for
         self.events = EventTimer() if on_gpu and gpu_timing == "events" else None
@@ -409,6 +407,8 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     let the detector weigh each step's sequence lengths by the model's FLOPs)."""
     if on_fault is not None and on_fault != "stop" and not callable(on_fault):
         raise InputError(f"attach: on_fault must be 'stop' or a callable, got {on_fault!r}")
+    if gpu_timing not in GPU_TIMINGS:
+        raise InputError(f"attach: gpu_timing must be one of {', '.join(GPU_TIMINGS)}, got {gpu_timing!r}")
     out = Path(out)
     dist_rank, world = _dist_rank_world()
     rank = dist_rank if rank is None else rank
