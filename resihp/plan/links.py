@@ -8,7 +8,10 @@ each stage whose reduction crosses a slow link, to a neighbouring stage, in ever
 the planner's evaluator keeps one only if its step time (compute, bubbles, reduction) is better.
 Or a slow link's end swaps places with another stage of its own pipeline (``rank_swaps``): the
 link then joins neither a gradient reduction nor a pipeline boundary it did before, at the price of
-moving those stages' state (the evaluator charges the migration).
+moving those stages' state (the evaluator charges the migration). Or the replica holding an end
+leaves the job (``replica_drops``), its micro-batches spread over the others: when a stage's
+reduction runs at a slow network card's pace (several times slower on a congested fabric), losing
+one replica's compute can cost far less than that ring, and the evaluator weighs the two.
 """
 
 from __future__ import annotations
@@ -88,6 +91,41 @@ def rank_swaps(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
                     pipes[i] = Pipeline(p.dp_rank, tuple(stages), p.microbatches, p.home, p.tokens)
                     out.append(replace(plan, pipelines=pipes, solver={}, step_time_s=float("nan")))
     return out
+
+
+def replica_drops(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
+    """Copies of ``plan`` without the pipeline holding an end of a slow link, its micro-batches
+    (and token share) spread over the remaining pipelines as evenly as they go, unevaluated."""
+    out, seen = [], set()
+    if len(plan.pipelines) < 2:
+        return out
+    for a, b, speed in cluster.links:
+        if speed >= 1.0:
+            continue
+        for end in (a, b):
+            i = next((k for k, p in enumerate(plan.pipelines) if end in p.ranks), None)
+            if i is None or i in seen:
+                continue
+            seen.add(i)
+            out.append(replace(plan, pipelines=_spread(plan.pipelines, i), solver={},
+                               step_time_s=float("nan")))
+    return out
+
+
+def _spread(pipelines: list[Pipeline], drop: int) -> list[Pipeline]:
+    """The pipelines without ``drop``, which gives each of the others an even part of its
+    micro-batches (the first ones one more) and of its tokens when shares are set."""
+    gone, rest = pipelines[drop], [p for k, p in enumerate(pipelines) if k != drop]
+    n = len(rest)
+    extra_mb = [gone.microbatches // n + (k < gone.microbatches % n) for k in range(n)]
+    tokens: list[int | None] = [p.tokens for p in rest]
+    if gone.tokens is not None and all(t is not None for t in tokens):
+        extra = [gone.tokens // n + (k < gone.tokens % n) for k in range(n)]
+        tokens = [t + e for t, e in zip(tokens, extra)]
+    elif gone.tokens is not None or any(t is not None for t in tokens):
+        tokens = [None] * n  # mixed shares: every pipeline at the model's budget
+    return [Pipeline(p.dp_rank, p.stages, p.microbatches + e, p.home, t)
+            for p, e, t in zip(rest, extra_mb, tokens)]
 
 
 def with_link_event(cluster: ClusterSpec, model: ModelSpec, ranks: tuple[int, int], slowdown: float,

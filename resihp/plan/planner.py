@@ -45,7 +45,7 @@ from resihp.plan.layout import (
     layer_ranges,
     uniform_layer_counts,
 )
-from resihp.plan.links import boundary_moves, rank_swaps
+from resihp.plan.links import boundary_moves, rank_swaps, replica_drops
 from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
@@ -262,6 +262,8 @@ class Planner:
             candidates += usable([m for c in list(candidates) for m in boundary_moves(c, cluster)])
             # ... or its end trades places with another stage of its pipeline
             candidates += usable([m for c in list(candidates) for m in rank_swaps(c, cluster)])
+            # ... or the replica holding an end leaves, the others take its micro-batches
+            candidates += usable([m for c in list(candidates) for m in replica_drops(c, cluster)])
         finally:
             pool.shutdown(cancel_futures=True)  # the solves of a weighting not needed
         if not candidates:

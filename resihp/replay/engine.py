@@ -92,6 +92,7 @@ class Replay:
         speeds = np.ones(n)
         links = np.ones(n)  # each device's network link: a fraction of its bandwidth
         ctx._bench = lambda device: float(speeds[device])  # the true speed now (updated in place)
+        ctx._bench_link = lambda a, b: float(min(links[a], links[b]))
         base_tps = self.healthy_tokens_per_s()
         job_n = len(ctx.job_devices)
         t, tokens, downtime, lost = 0.0, 0.0, 0.0, 0.0

@@ -120,6 +120,7 @@ class Context:
         self.last_checkpoint_s = 0.0
         self.layout: ReplicaLayout | None = None
         self._bench: Callable[[int], float] | None = None  # set by the engine (see ``benchmark``)
+        self._bench_link: Callable[[int, int], float] | None = None  # (see ``benchmark_link``)
         m, p = scenario.model, scenario.parallel
         self.total_microbatches = m.global_batch_tokens // m.microbatch_tokens
         self.job_devices = np.arange(p.dp * p.pp * p.tp)
@@ -135,6 +136,13 @@ class Context:
         if self._bench is None:
             raise RuntimeError("benchmark: no engine attached to this context")
         return self._bench(device)
+
+    def benchmark_link(self, a: int, b: int) -> float:
+        """The bandwidth a short transfer between ``a`` and ``b`` measures now, relative to a
+        healthy link: what a job can probe on a link its plan no longer uses."""
+        if self._bench_link is None:
+            raise RuntimeError("benchmark_link: no engine attached to this context")
+        return self._bench_link(a, b)
 
     def uniform_layout(self, exclude: set[int], dp: int | None = None) -> ReplicaLayout:
         """Megatron-style placement over the whole nodes that hold no excluded device."""

@@ -9,7 +9,7 @@ import numpy as np
 from resihp.plan.cost import AnalyticCost
 from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
-from resihp.plan.specs import ModelSpec
+from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.replay.detectors import DetectorFeed, resihp_detector
 from resihp.replay.interface import Context, Detection, Policy, Reaction, Window
 from resihp.replay.layout import Replica, ReplicaLayout
@@ -36,6 +36,22 @@ def layout_of(plan: Plan, model: ModelSpec) -> ReplicaLayout:
                                  f"{len(plan.excluded)} excluded")
 
 
+def suspect_cards(cluster: ClusterSpec, links: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Link speeds for the planner when ``links`` (ends: slowdown) were found slow: each end's
+    network card is suspect, so every link from an end to a device on another node runs at that
+    speed (links inside a node do not use the card)."""
+    node = {r: n for n, ranks in enumerate(cluster.node_ranks) for r in ranks}
+    out: dict[tuple[int, int], float] = {}
+    for ends, slowdown in links.items():
+        speed = 1.0 / max(slowdown, 1.0)
+        for end in ends:
+            for other in range(len(node)):
+                if node[other] != node[end]:
+                    key = (min(end, other), max(end, other))
+                    out[key] = min(out.get(key, 1.0), speed)
+    return out
+
+
 class Resihp(Policy):
     """resihp: the workload-aware detector of ``resihp.detect`` and the planner of ``resihp.plan``.
 
@@ -52,7 +68,12 @@ class Resihp(Policy):
     let back into training to be found again at its own pace. A ``link-slow`` event sets the link
     between its two devices to 1/slowdown of its bandwidth in the planner's cluster (transfers, not
     compute: the planner moves micro-batches or layers away from it) until the detector sees it
-    recover. Fail-stops
+    recover. Which end is slow the finding cannot say, and a device's network card carries all its
+    traffic to other nodes (its gradient ring too, which stretches every step): so both ends are
+    suspects and the planner sees every inter-node link of each at that speed; it may then move
+    layers, swap ranks or let the replica holding an end go (``resihp.plan.links``). A plan that no
+    longer uses a slow link cannot see it recover, so its two ends, idle, are probed
+    (``Context.benchmark_link``) every ``link_recheck_s``. Fail-stops
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
     (``costs.reconfig``, no rollback). The solver's own time runs beside training and is reported,
     not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
@@ -63,13 +84,15 @@ class Resihp(Policy):
     observes = True
 
     def __init__(self, time_limit_s: float = 5.0, recheck_s: float = 1800.0,
-                 max_backoff: int = 2, healthy: float = 0.95) -> None:
+                 max_backoff: int = 2, healthy: float = 0.95, link_recheck_s: float = 600.0) -> None:
         self.time_limit_s = time_limit_s
         self.recheck_s = recheck_s
+        self.link_recheck_s = link_recheck_s
         self.max_backoff = max_backoff
         self.healthy = healthy
         self.slow: dict[int, float] = {}
         self.links: dict[tuple[int, int], float] = {}  # slow links (their ends): slowdown
+        self.link_since: dict[tuple[int, int], float] = {}  # when each was found or last probed
         self.since: dict[int, float] = {}
         self.returned: dict[int, float] = {}  # when an excluded device was last taken back
         self.backoff: dict[int, int] = {}  # rechecks in a row that found the device still slow
@@ -90,7 +113,7 @@ class Resihp(Policy):
         speeds = np.clip(believed_speeds(ctx, self.slow), 0.0, 1.0)
         cluster = self.cluster.with_speeds(speeds)
         if self.links:
-            cluster = cluster.with_link_speeds({ends: 1.0 / s for ends, s in self.links.items()})
+            cluster = cluster.with_link_speeds(suspect_cards(cluster, self.links))
         plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
         self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
         self.plan = plan
@@ -114,14 +137,26 @@ class Resihp(Policy):
     def recheck_after(self, device: int) -> float:
         return self.recheck_s * 2 ** min(self.backoff.get(device, 0), self.max_backoff)
 
+    def unused_links(self, ctx: Context) -> list[tuple[int, int]]:
+        """Links believed slow that the plan in force does not use (an end left out)."""
+        if not self.links:
+            return []
+        used = set(ctx.layout.devices.tolist())
+        return [e for e in self.links if not (e[0] in used and e[1] in used)]
+
+    def link_recheck_at(self, ends: tuple[int, int]) -> float:
+        return self.link_since[ends] + self.link_recheck_s
+
     def wake_at(self, ctx: Context) -> float | None:
         times = [self.since[d] + self.recheck_after(d) for d in self.excluded_slow(ctx)]
+        times += [self.link_recheck_at(e) for e in self.unused_links(ctx)]
         return min(times) if times else None
 
     def observe(self, ctx: Context, window: Window) -> Reaction | None:
         findings = self.feed.feed(window)
         stale = [d for d in self.excluded_slow(ctx) if ctx.now - self.since[d] >= self.recheck_after(d)]
-        if not findings and not stale:
+        stale_links = [e for e in self.unused_links(ctx) if ctx.now >= self.link_recheck_at(e)]
+        if not findings and not stale and not stale_links:
             return None
         index = findings[0].index if findings else 0
         time_s = window.start_s + float(window.step_time[: index + 1].sum())
@@ -139,6 +174,16 @@ class Resihp(Policy):
             if abs(slowdown / self.slow[d] - 1.0) > 0.1:
                 self.slow[d] = slowdown
                 changed = True
+        for ends in stale_links:  # a link out of use cannot be observed in training: probe it
+            measured = ctx.benchmark_link(*ends)
+            self.link_since[ends] = ctx.now
+            if measured >= self.healthy:
+                self.links.pop(ends)
+                changed = True
+                continue
+            if abs(1.0 / max(measured, 1e-6) / self.links[ends] - 1.0) > 0.1:
+                self.links[ends] = 1.0 / max(measured, 1e-6)
+                changed = True
         for f in findings:
             if f.kind == "link-slow":
                 ends = (f.device, f.peer)
@@ -149,6 +194,7 @@ class Resihp(Policy):
                 old = self.links.get(ends)
                 if old is None or abs(f.slowdown / old - 1.0) > 0.1:
                     self.links[ends] = max(f.slowdown, 1.0)
+                    self.link_since[ends] = time_s
                     changed = True
                 continue
             if f.ended:
