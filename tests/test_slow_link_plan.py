@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
 from resihp.plan.cost import AnalyticCost
-from resihp.plan.links import boundary_moves, rank_swaps, with_link_event
+from resihp.plan.links import boundary_moves, rank_swaps, replica_drops, with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
@@ -113,3 +115,24 @@ def test_link_event_prices_the_measured_transfers():
     assert p2p == pytest.approx(0.1 * planned * MODEL.microbatch_tokens)
     # without measurements: only the link's speed
     assert with_link_event(cluster, MODEL, (0, 2), 4.0, "pipeline").inter_node_gbs == cluster.inter_node_gbs
+
+
+def test_replica_drops_spread_the_micro_batches_and_tokens():
+    cluster = ClusterSpec.from_dict(CLUSTER)
+    assert replica_drops(_plan(), cluster) == []
+    (drop,) = replica_drops(_plan(), cluster.with_link_speeds({(0, 2): 0.5}))  # both ends: replica 0
+    assert [(p.dp_rank, p.microbatches, p.tokens) for p in drop.pipelines] == [(1, 16, None)]
+    plan = _plan()
+    plan = replace(plan, pipelines=[Pipeline(p.dp_rank, p.stages, p.microbatches, p.home, 4096)
+                                    for p in plan.pipelines])
+    (drop,) = replica_drops(plan, cluster.with_link_speeds({(1, 3): 0.5}))
+    assert [(p.dp_rank, p.microbatches, p.tokens) for p in drop.pipelines] == [(0, 16, 8192)]
+
+
+def test_a_slow_network_card_can_cost_its_replica():
+    """Every link of device 0 (its card) at 1% of its bandwidth: its ring and its pipeline hop would
+    cost more than the replica's compute, so the plan runs on the other replica alone."""
+    cluster = ClusterSpec.from_dict(CLUSTER).with_link_speeds({(0, 1): 0.01, (0, 2): 0.01, (0, 3): 0.01})
+    plan = Planner().plan(cluster, MODEL, _plan(), time_limit_s=1.0)
+    assert all(0 not in p.ranks for p in plan.pipelines)
+    assert sum(p.microbatches for p in plan.pipelines) == 16

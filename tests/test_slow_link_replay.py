@@ -81,3 +81,19 @@ def test_resihp_ahead_of_every_baseline_on_communication_fail_slows():
     others = {k: v for k, v in tokens.items() if k != "resihp"}
     assert all(tokens["resihp"] > v for v in others.values()), tokens
     assert np.isfinite(list(tokens.values())).all()
+
+
+def test_a_replica_out_for_a_slow_card_comes_back_when_its_link_probes_healthy(tmp_path):
+    """8x slow card for 2 h on a congested fabric: resihp lets the replica holding it go (both
+    ends are suspect cards, the ring through them stretches every step), probes the idle link every
+    ``link_recheck_s`` and plans it back in soon after it recovers."""
+    sc = load_scenario(write(tmp_path, events=SLOW_LINK, cluster=SLOW_FABRIC))
+    policy = Resihp()
+    out = Replay(sc, policy).run()
+    actions = [(t, a) for t, a in out.actions]
+    around = [t for t, a in actions if "re-plan around slow" in a]
+    back = [t for t, a in actions if "slowdown over" in a]
+    assert around and 3600 <= around[0] < 3600 + 120
+    assert back and 3 * 3600 <= back[0] <= 3 * 3600 + policy.link_recheck_s + 600, (around, back)
+    restart = Replay(sc, CheckpointRestart()).run()
+    assert out.tokens > 1.05 * restart.tokens  # the replica's compute is cheaper than the ring
