@@ -82,6 +82,11 @@ def test_lightning_callback_records_steps_with_lengths_from_the_batch(tmp_path):
     expected = [[int(r["attention_mask"].sum()) for r in data[i:i + 2]] for i in range(0, 8, 2)]
     assert fwd.seq_lens.map(list).tolist() == expected
     assert (df.optype == "backward-compute").sum() == 4
+    # the optimizer's update is timed after Lightning's closure ran the forward and backward
+    opt = df[df.optype == "optimizer"].set_index("step")
+    assert sorted(opt.index) == [0, 1, 2, 3] and (opt.duration > 0).all()
+    bwd = df[df.optype == "backward-compute"].set_index("step")
+    assert (bwd.start_ts + bwd.duration <= opt.start_ts + 1e-6).all()
 
 
 def test_tensorboard_scalars_of_an_attached_loop(tmp_path):

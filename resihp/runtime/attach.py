@@ -177,13 +177,21 @@ class Monitor:
         if self._grads_left == 0:
             self._end("backward-compute")
 
-    @_accounted
     def _opt_start(self, optimizer, args, kwargs) -> None:
+        self.optimizer_step_begins()
+
+    def _opt_end(self, optimizer, args, kwargs) -> None:
+        self.optimizer_step_ends()
+
+    @_accounted
+    def optimizer_step_begins(self) -> None:
+        """The optimizer's update starts (its hooks call this; frameworks that run the forward and
+        backward inside ``optimizer.step(closure)``, like Lightning, call it after the closure)."""
         self._end("backward-compute")  # parameters the backward did not reach
         self._begin("optimizer")
 
     @_accounted
-    def _opt_end(self, optimizer, args, kwargs) -> None:
+    def optimizer_step_ends(self) -> None:
         self._end("optimizer")
 
     # --- public ---------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ Attaches resihp to the LightningModule when training starts; every training batc
 step with its sequence lengths read from the batch (``attention_mask``'s ones per row, else the
 rows of ``input_ids`` or of the first tensor). Forward and backward are timed on the module (its
 ``training_step`` must call ``self(...)``, or pass ``module=`` a function returning the submodule
-it calls). The optimizer is not timed: Lightning runs the forward and backward inside
-``optimizer.step(closure)``. Keyword arguments go to ``resihp.attach``; ``monitor.report()`` is at
+it calls). The optimizer is timed from ``on_before_optimizer_step`` (Lightning runs the forward
+and backward inside ``optimizer.step(closure)`` and calls that hook after the closure) to the end
+of the batch. Keyword arguments go to ``resihp.attach``; ``monitor.report()`` is at
 ``callback.monitor``.
 """
 
@@ -53,8 +54,13 @@ class ResihpLightningCallback(L.Callback):
         self._step = self.monitor.step(seq_lens=lengths_from_batch(batch))
         self._step.__enter__()
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self._step is not None:
+            self.monitor.optimizer_step_begins()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self._step is not None:
+            self.monitor.optimizer_step_ends()
             self._step.__exit__(None, None, None)
             self._step = None
 
