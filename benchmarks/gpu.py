@@ -51,6 +51,17 @@ def _median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def interleaved(window, arms: tuple[str, ...], rounds: int) -> dict[str, list]:
+    """``window(arm)`` for every arm in every round, the order rotated each round (so a drifting
+    device hits every arm alike); each arm's results in round order."""
+    out: dict[str, list] = {a: [] for a in arms}
+    for r in range(rounds):
+        k = r % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            out[arm].append(window(arm))
+    return out
+
+
 # --- snapshot ---------------------------------------------------------------------------------------
 def snapshot(args: argparse.Namespace) -> dict:
     dev = torch.device("cuda")
@@ -105,15 +116,9 @@ def snapshot(args: argparse.Namespace) -> dict:
 
     for arm in ("none", "snapshot", "snapshot", "dcp"):  # warm-up: kernels, pinning, both slots, disk
         window(arm)
-    arms = ("none", "snapshot", "dcp")
-    times: dict[str, list[float]] = {a: [] for a in arms}
-    blocked: dict[str, list[float]] = {a: [] for a in arms}
-    for r in range(args.rounds):
-        for arm in arms[r % 3:] + arms[:r % 3]:
-            t, b = window(arm)
-            times[arm].append(t)
-            if b is not None:
-                blocked[arm].append(b)
+    runs = interleaved(window, ("none", "snapshot", "dcp"), args.rounds)
+    times = {a: [t for t, _ in r] for a, r in runs.items()}
+    blocked = {a: [b for _, b in r if b is not None] for a, r in runs.items()}
     copy_s, pinned = snap.copy_s[2:], snap.pinned
     snap.close()
     # the keeper publishes the last snapshot; its bytes must match the state it was taken of
@@ -201,14 +206,9 @@ def attach(args: argparse.Namespace) -> dict:
 
     for arm in ("plain", "events", "sync"):
         window(arm)
-    arms = ("plain", "events", "sync")
-    step_s: dict[str, list[float]] = {a: [] for a in arms}
-    own_s: dict[str, list[float]] = {a: [] for a in arms}
-    for r in range(args.rounds):
-        for arm in arms[r % 3:] + arms[:r % 3]:
-            s, o = window(arm)
-            step_s[arm].append(s)
-            own_s[arm].append(o)
+    runs = interleaved(window, ("plain", "events", "sync"), args.rounds)
+    step_s = {a: [s for s, _ in r] for a, r in runs.items()}
+    own_s = {a: [o for _, o in r] for a, r in runs.items()}
     # the rows an events-timed run recorded: every step, forward and backward, positive durations
     check = root / "check"
     mon = resihp.attach(model, optimizer=opt, out=check, log_level="WARNING")
