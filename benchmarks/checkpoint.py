@@ -159,14 +159,15 @@ def _peer_restore(rank: int, layers: int, root: str, port: int, repeats: int, ou
         snap.close()
         _wait_published(tier, 0)
         keeper_check(tier.dir)  # as after a failure (the receiver checks what it receives itself)
-    times = []
+    times, phases = [], []
     for _ in range(repeats):
         dist.barrier()
         restored = restore(tier, model, opt, {"job": "peer"}, lambda r: [0, 1])
         assert restored is not None and restored.sources == ["memory", "peer"], restored
         times.append(restored.restore_s)
+        phases.append(restored.phases_s)
     if rank == 1:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps({"times": times, "phases": phases}))
     dist.barrier()
     if rank == 0:
         stop_keeper(tier.dir)
@@ -317,7 +318,9 @@ def main() -> None:
     peer_file = disk / "peer.json"
     port = 29500 + rng.randint(1000, 20000)
     mp.spawn(_peer_restore, args=(args.layers, str(shm), port, rounds, str(peer_file)), nprocs=2, join=True)
-    restore_peer = json.loads(peer_file.read_text())
+    peer = json.loads(peer_file.read_text())
+    restore_peer = peer["times"]
+    peer_phases = {k: statistics.median(p[k] for p in peer["phases"]) for k in peer["phases"][0]}
 
     lost = lost_steps_sigkill(args.layers, 2 if args.quick else 5, rng)
     e2e = e2e_sigkill(args.seed)
@@ -343,6 +346,7 @@ def main() -> None:
                     "step_none": med(step_s["none"]), "step_snapshot": med(step_s["snapshot"]),
                     "step_dcp": med(step_s["dcp"]), "restore_memory": med(restore_mem),
                     "restore_memory_selfcheck": med(restore_self), "restore_peer": med(restore_peer),
+                    "restore_peer_phases": peer_phases,
                     "dcp_load_cold": med(cold)},
         "fence_waits": snap.fence_waits,
         "e2e": e2e,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -192,10 +192,15 @@ class Restored:
     sources: list[str]  # per rank
     restore_s: float  # the slowest rank's restore time
     run: dict  # the run state recorded with the snapshot (layout["run"])
+    # this rank's time in each phase: inventory (checking its slots, exchanging what every rank
+    # holds), transfer (receiving and checking a peer's slot as it arrives; sending its own),
+    # load (copying into the model and optimizer), agree (the closing all-reduce)
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "source": self.source, "sources": self.sources,
-                "restore_s": round(self.restore_s, 4), "run": self.run}
+                "restore_s": round(self.restore_s, 4), "run": self.run,
+                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()}}
 
 
 def find_latest(inventory: list[list[dict]], peers: Callable[[int], list[int]], world: int
@@ -230,6 +235,7 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     mine = [h.to_dict() for h in tier.held() if comparable(h.layout) == want and _good(tier, h)]
     inventory: list = [None] * world
     dist.all_gather_object(inventory, mine, group=group)
+    t_inventory = time.perf_counter()
     found = find_latest(inventory, peers, world)
     if found is None:
         return None
@@ -261,15 +267,19 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
         ok = data is not None  # verified above
     for w in sends:
         w.wait()
+    t_transfer = time.perf_counter()
     ok = ok and _load(header, data, model, optimizer)
+    t_load = time.perf_counter()
     # every rank loaded (min of the flags) and the slowest rank's time (min of the negated times)
     both = torch.tensor([1.0 if ok else 0.0, -(time.perf_counter() - t0)], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
     if both[0] < 1:
         return None
     sources = ["peer" if choice[r]["holder"] != r else "memory" for r in range(world)]
+    phases = {"inventory": t_inventory - t0, "transfer": t_transfer - t_inventory,
+              "load": t_load - t_transfer, "agree": time.perf_counter() - t_load}
     return Restored(step, "peer" if "peer" in sources else "memory", sources, float(-both[1]),
-                    dict(header.layout.get("run", {})))
+                    dict(header.layout.get("run", {})), phases)
 
 
 def _chunks(nbytes: int) -> list[tuple[int, int]]:
