@@ -116,7 +116,8 @@ class Monitor:
         self._step = -1
         self._mb = 0
         self._seq_lens: list[Sequence[int] | None] = []
-        self._open: dict[str, tuple[float, float, int]] = {}  # optype -> (start_ts, t0, mb)
+        # optype -> (start_ts, clock: perf_counter seconds or a CUDA event, mb)
+        self._open: dict[str, tuple[float, float | torch.cuda.Event, int]] = {}
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._grads_left = 0
         self._tokens: dict[int, int | None] = {}  # step -> tokens, for steps timed by events
