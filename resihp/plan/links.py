@@ -29,8 +29,7 @@ def slow_sync_stages(plan: Plan, cluster: ClusterSpec) -> list[int]:
         return []
     out = []
     for s in range(len(plan.pipelines[0].stages)):
-        ranks = sorted({r for p in plan.pipelines for r in p.stages[s].ranks})
-        if any(cluster.link_speed(a, b) < 1.0 for i, a in enumerate(ranks) for b in ranks[i + 1:]):
+        if cluster.slowest_link_within(r for p in plan.pipelines for r in p.stages[s].ranks) < 1.0:
             out.append(s)
     return out
 

@@ -263,6 +263,12 @@ class ClusterSpec:
             return 1.0
         return self.link_speeds.get((a, b) if a < b else (b, a), 1.0)
 
+    def slowest_link_within(self, ranks: Iterable[int]) -> float:
+        """The slowest link joining two of ``ranks`` (1.0 if none is slow): one pass over the slow
+        links, not over every pair of ranks (a gradient ring's ranks number in the thousands)."""
+        inside = set(ranks)
+        return min((v for a, b, v in self.links if a in inside and b in inside), default=1.0)
+
     def with_link_speeds(self, speeds: Mapping[tuple, float], where: str = "links") -> ClusterSpec:
         """A copy with some links' speeds replaced (``{(a, b): speed}``, a and b ranks or
         ``node/index`` names; 1.0 makes a link healthy again)."""

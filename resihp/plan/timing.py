@@ -266,9 +266,7 @@ class StageCoster:
         worst = 0.0
         for s in range(len(plan.pipelines[0].stages)):
             group = [p.stages[s] for p in plan.pipelines]
-            ranks = sorted({r for st in group for r in st.ranks})
-            speed = min((self.cluster.link_speed(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]),
-                        default=1.0)
+            speed = self.cluster.slowest_link_within(r for st in group for r in st.ranks)
             worst = max(worst, max(st.n_layers / st.tp for st in group) * unit / speed)
         return worst
 
