@@ -242,3 +242,13 @@ def remove_partial(out: str | Path) -> None:
     for tmp in (Path(out) / "ckpt").glob(".step*"):
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
+
+
+def prune(out: str | Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` checkpoints under ``OUT/ckpt`` (0: keep all)."""
+    if keep <= 0:
+        return []
+    old = candidates(out)[keep:]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old

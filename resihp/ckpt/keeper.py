@@ -21,28 +21,30 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from resihp.ckpt.memory import VERIFY, MemoryTier, publish, read_json, shm_root, verify_all
+from resihp.ckpt.integrity import candidates, step_of
+from resihp.ckpt.memory import (
+    SLOTS,
+    VERIFY,
+    MemoryTier,
+    SlotHeader,
+    pid_alive,
+    publish,
+    read_json,
+    shm_root,
+    verify_all,
+    write_json_atomic,
+)
 
 POLL_S = 0.005
 LOCK = "keeper.lock"
 PID = "keeper.pid"
 END = "END"  # written by stop_keeper: the job is over, SIGTERM means remove the tier
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
+FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe write the newest
+FLUSHED = "flushed.json"  # the keeper's answer to it
 
 
 def keeper_pid(directory: Path) -> int | None:
@@ -65,9 +67,10 @@ def keeper_pid(directory: Path) -> int | None:
         os.close(fd)
 
 
-def ensure_keeper(directory: Path, owner: int, timeout_s: float = 30.0) -> int:
+def ensure_keeper(directory: Path, owner: int, timeout_s: float = 30.0, warm: bool = False) -> int:
     """Start the keeper of ``directory`` unless one runs; returns its PID. Safe to call from
-    several processes at once (one of them starts it)."""
+    several processes at once (one of them starts it). ``warm``: the job's checkpoints are written
+    from memory, so the keeper loads torch as it starts."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory / "spawn.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -76,7 +79,7 @@ def ensure_keeper(directory: Path, owner: int, timeout_s: float = 30.0) -> int:
         pid = keeper_pid(directory)
         if pid is None:
             proc = subprocess.Popen([sys.executable, "-m", "resihp.ckpt.keeper", "--dir", str(directory),
-                                     "--owner", str(owner)], start_new_session=True,
+                                     "--owner", str(owner), *(["--warm"] if warm else [])], start_new_session=True,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=open(directory / "keeper.log", "a"))  # noqa: SIM115
             deadline = time.monotonic() + timeout_s
@@ -105,19 +108,71 @@ def stop_keeper(directory: Path, timeout_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _alive(pid):
+        if pid_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def _load_persist() -> None:
+    from resihp.ckpt import persist  # noqa: F401  (deferred: see Keeper._write)
+
+
+def request_flush(directory: Path, newest: bool, timeout_s: float = 120.0) -> dict | None:
+    """Ask the keeper to finish the checkpoints it owes (``newest``: and to write the newest step
+    complete in memory when no checkpoint has it: the job's breakpoint); waits for its answer
+    (``step``: the checkpoint written for the breakpoint, or None; ``error``). None if no keeper
+    runs or none answers within ``timeout_s``."""
+    directory = Path(directory)
+    if keeper_pid(directory) in (None, -1):
+        return None
+    ident = f"{os.getpid()}-{time.time()}"
+    write_json_atomic(directory / FLUSH, {"id": ident, "newest": newest})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = read_json(directory / FLUSHED)
+        if answer is not None and answer.get("id") == ident:
+            return answer
+        if keeper_pid(directory) in (None, -1):
+            return None
+        time.sleep(0.02)
+    return None
+
+
+def complete_steps(headers: list[SlotHeader], due_only: bool) -> list[tuple[int, list[SlotHeader]]]:
+    """The steps, newest first, for which every rank of the job has a published slot (its own)
+    with a persist request (``due_only``: one marked due), and those slots."""
+    by_step: dict[int, dict[int, SlotHeader]] = {}
+    world = None
+    for h in headers:
+        if h.persist is None or h.slot == "copy" or (due_only and not h.persist.get("due")):
+            continue
+        world = int(h.persist["world"])
+        by_step.setdefault(h.step, {})[h.rank] = h
+    return [(step, [ranks[r] for r in sorted(ranks)]) for step, ranks in sorted(by_step.items(), reverse=True)
+            if world is not None and len(ranks) == world and any(ranks[r].persist.get("meta") for r in ranks)]
+
+
+def newest_on_disk(root: Path) -> int:
+    """The newest checkpoint step under ``root`` (-1: none)."""
+    found = candidates(root.parent)
+    return step_of(found[0]) if found else -1
+
+
 class Keeper:
-    def __init__(self, directory: Path, owner: int | None) -> None:
+    def __init__(self, directory: Path, owner: int | None, warm: bool = False) -> None:
         self.dir, self.owner = Path(directory), owner
         self.stopping = False
         self.published = 0
+        self._persisting: threading.Thread | None = None
+        self._writing: set[Path] = set()  # the holds of the checkpoint being written
+        self._persisted: set[int] = set()  # steps written (or found moot) by this keeper
+        self._persists = False  # a slot asked for a checkpoint: torch and DCP are (being) loaded
+        self._dirty = False  # a slot was published or a checkpoint finished since the last look
+        if warm:
+            self._warm()
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -139,7 +194,7 @@ class Keeper:
             now = time.monotonic()
             if now - checked > 0.5:
                 checked = now
-                if self.owner and not _alive(self.owner):
+                if self.owner and not pid_alive(self.owner):
                     owner_gone = True
                     break
                 if not self.dir.exists():
@@ -151,28 +206,124 @@ class Keeper:
         # else (a SIGTERM not from the job's end): the files stay for the next keeper
 
     def step(self) -> bool:
-        """Publish every pending slot; whether there was any."""
+        """Publish every pending slot, start a checkpoint that is due, answer a flush; whether
+        there was any work."""
         try:
             pending = sorted(self.dir.glob("rank*.pending.json"))
         except OSError:
             return False
         for path in pending:
             with contextlib.suppress(FileNotFoundError):
+                self._hold_if_due(path)
                 if publish(self.dir, path) is not None:
                     self.published += 1
+                    self._dirty = True
         request = self.dir / VERIFY
         if request.exists() and not pending:
+            self._release()  # the trainers have stopped: nobody finishes an incomplete checkpoint
             verify_all(self.dir)
             request.unlink(missing_ok=True)
+        if self._persists and self._dirty:
+            self._persist_due()
+        flush = read_json(self.dir / FLUSH)
+        if flush is not None and not pending:
+            self._flush(flush)
         return bool(pending)
+
+    # --- checkpoints to disk (resihp.ckpt.persist) ----------------------------------------------------
+    def _warm(self) -> None:
+        """Load torch and DCP in the background, so that the first checkpoint does not wait for them."""
+        self._persists = True
+        self._persisting = threading.Thread(target=_load_persist, name="resihp-persist-import", daemon=True)
+        self._persisting.start()
+
+    def _hold_if_due(self, pending: Path) -> None:
+        """A slot of a checkpoint step is held from its publication on (its trainer does not write
+        it again until the keeper has written the checkpoint or found it moot)."""
+        data = read_json(pending)
+        request = (data or {}).get("persist") or {}
+        if not request:
+            return
+        if not self._persists:
+            self._warm()
+        if request.get("due") and int(data["step"]) not in self._persisted:
+            MemoryTier(self.dir, int(data["rank"])).hold_path(data["slot"]).write_text(str(os.getpid()))
+
+    def _release(self, keep: set[Path] = frozenset()) -> None:
+        """Drop every hold except ``keep`` and those of the checkpoint being written."""
+        for path in self.dir.glob("rank*.persisting"):
+            if path not in keep and path not in self._writing:
+                path.unlink(missing_ok=True)
+
+    def _persist_due(self) -> None:
+        """Start writing the newest checkpoint step complete in memory; release the holds it makes
+        moot (older steps, steps written already, slots whose trainer went on without them)."""
+        if self._persisting is not None and self._persisting.is_alive():
+            return
+        self._dirty = False
+        self._writing = set()
+        tier = MemoryTier(self.dir, -1)
+        headers = tier.headers()
+        published = {tier.hold_path(h.slot, h.rank): h.step for h in headers if h.slot in SLOTS}
+        due = complete_steps(headers, due_only=True)
+        newest = due[0][0] if due else None
+        moot = {p for p, step in published.items() if newest is not None and step <= newest}
+        keep = {p for p in self.dir.glob("rank*.persisting") if p in published and p not in moot}
+        if newest is not None and newest not in self._persisted:
+            self._persisted.add(newest)
+            slots = due[0][1]
+            self._writing = {tier.hold_path(h.slot, h.rank) for h in slots}
+            self._persisting = threading.Thread(target=self._write, args=(slots, "due"),
+                                                name="resihp-persist", daemon=True)
+            self._persisting.start()
+        self._release(keep)
+
+    def _write(self, headers: list, reason: str) -> int | None:
+        try:
+            # deferred: torch and DCP (seconds to import) only in a keeper whose job persists, and
+            # in this thread, never in the loop that publishes the trainers' slots
+            from resihp.ckpt import persist
+
+            done = persist.write_checkpoint(self.dir, headers, reason)
+        except Exception as exc:  # a failed checkpoint must not take the memory tier down with it
+            print(f"resihp keeper: checkpoint of step {headers[0].step} failed: {exc!r}", file=sys.stderr, flush=True)
+            return None
+        finally:
+            self._dirty = True  # newer steps may have become complete meanwhile
+        return done.step if done is not None else None
+
+    def _flush(self, request: dict) -> None:
+        """The job's end: finish the checkpoints owed and, at a breakpoint, write the newest step
+        complete in memory unless a checkpoint has it."""
+        step, error = None, None
+        try:
+            if self._persisting is not None:
+                self._persisting.join()
+            if self._persists:
+                self._persist_due()
+                if self._persisting is not None:
+                    self._persisting.join()
+                self._writing = set()
+                complete = complete_steps(MemoryTier(self.dir, -1).headers(), due_only=False)
+                if request.get("newest") and complete:
+                    newest, headers = complete[0]
+                    root = Path(headers[0].persist["root"])
+                    if newest > newest_on_disk(root):
+                        step = self._write(headers, "breakpoint")
+                self._release()
+        except Exception as exc:
+            error = repr(exc)
+        write_json_atomic(self.dir / FLUSHED, {"id": request.get("id"), "step": step, "error": error})
+        (self.dir / FLUSH).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="resihp.ckpt.keeper")
     parser.add_argument("--dir", required=True)
     parser.add_argument("--owner", type=int, default=None, help="end with this process")
+    parser.add_argument("--warm", action="store_true", help="load torch at start (the job checkpoints from memory)")
     args = parser.parse_args(argv)
-    Keeper(Path(args.dir), args.owner).run()
+    Keeper(Path(args.dir), args.owner, args.warm).run()
 
 
 if __name__ == "__main__":

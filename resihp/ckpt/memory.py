@@ -76,6 +76,7 @@ class SlotHeader:
     copy_to: int | None = None  # the keeper also keeps a copy of this slot for that rank
     crc32: list[int] = field(default_factory=list)
     published_s: float | None = None
+    persist: dict | None = None  # resihp.ckpt.persist.PersistRequest: the keeper writes it to disk
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +120,32 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+def _holder(path: Path) -> int | None:
+    """The PID in a hold file; None if there is none (a hold being written counts as held)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return os.getpid()  # written but not filled yet: held, by someone alive
 
 
 class MemoryTier:
@@ -179,9 +206,15 @@ class MemoryTier:
         self._maps[slot] = mm
         return mm
 
-    def begin_write(self, slot: str, timeout_s: float = 60.0, keeper_alive=None) -> None:
+    def hold_path(self, slot: str, rank: int | None = None) -> Path:
+        """The keeper's hold on a slot it is persisting to disk (its content: the keeper's PID)."""
+        return self.dir / f"rank{self.rank if rank is None else rank}.{slot}.persisting"
+
+    def begin_write(self, slot: str, timeout_s: float = 60.0, keeper_alive=None) -> float:
         """Make ``slot`` writable: wait until the keeper has published its previous content (its
-        pending file is gone), then unlink its header, so that a slot cut short is never read."""
+        pending file is gone), unlink its header, so that a slot cut short is never read, then wait
+        while the keeper still reads it for a checkpoint (a hold whose keeper died is void).
+        Returns the seconds waited for that hold."""
         pending = self.pending_path(slot)
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
@@ -193,7 +226,18 @@ class MemoryTier:
                                    f"rank {self.rank} within {timeout_s:g} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
-        self.header_path(slot).unlink(missing_ok=True)
+        self.header_path(slot).unlink(missing_ok=True)  # first: the keeper holds only a slot still published
+        t0, delay = time.monotonic(), 0.0005
+        while (holder := _holder(self.hold_path(slot))) is not None:
+            if not pid_alive(holder):
+                self.hold_path(slot).unlink(missing_ok=True)
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"memory tier {self.dir}: the keeper held slot {slot} of rank "
+                                   f"{self.rank} for a checkpoint longer than {timeout_s:g} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return time.monotonic() - t0
 
     def mark_written(self, header: SlotHeader) -> None:
         """The slot's bytes are complete: hand them to the keeper to checksum and publish."""

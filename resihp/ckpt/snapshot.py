@@ -75,6 +75,7 @@ class Snapshotter:
         self.blocked_s: list[float] = []  # per snapshot: how long the trainer waited for it
         self.copy_s: list[float] = []  # per snapshot: how long the copy took (in the background)
         self.fence_waits = 0  # optimizer steps that found a copy still running
+        self.held_s: list[float] = []  # per snapshot: the wait for the keeper to release the slot
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pinned: dict[str, tuple[int, int, bool]] = {}  # slot -> (address, bytes, pinned)
 
@@ -92,18 +93,20 @@ class Snapshotter:
         self._hooked = optimizer
 
     def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 layout: dict) -> None:
-        """Start copying this rank's state after step ``step`` into the free slot."""
+                 layout: dict, persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None) -> None:
+        """Start copying this rank's state after step ``step`` into the free slot. ``persist``:
+        given the tensors copied, the request for the keeper to write them to disk
+        (``resihp.ckpt.persist.PersistRequest`` as a dict), or None."""
         t0 = time.perf_counter()
         self.fence()
         self.attach(optimizer)
         slot = self._next
-        self.tier.begin_write(slot, self.timeout_s, self.keeper_alive)
+        self.held_s.append(self.tier.begin_write(slot, self.timeout_s, self.keeper_alive))
         tensors = state_tensors(model, optimizer)
         shards, nbytes = plan_shards(tensors)
         buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
         header = SlotHeader(self.tier.rank, slot, step, layout, shards, nbytes, holder=self.tier.rank,
-                            copy_to=self.copy_to)
+                            copy_to=self.copy_to, persist=persist(tensors) if persist is not None else None)
         gpu = next((t.device for _, t in tensors if t.is_cuda), None)
         ready = None
         if gpu is not None:

@@ -51,7 +51,7 @@ def run_cmd(
     from resihp.runtime.launch import Nodes
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
-    from resihp.runtime.snapshots import restartable, start_keeper
+    from resihp.runtime.snapshots import flush_checkpoints, restartable, start_keeper
     from resihp.runtime.supervisor import supervise
 
     if if_busy not in ("fail", "subfolder"):
@@ -128,6 +128,7 @@ def run_cmd(
         if cfg.faults.recovery == "restart" and nnodes == 1 and restartable(outcome):
             summary, outcome = _restart(cfg, outcome, summary, json_out, keeper)
         elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted:
+            flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
             summary, outcome = _recover(cfg, outcome, summary, json_out)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
@@ -168,8 +169,8 @@ def _finish(folder, cfg, outcome, summary: dict) -> None:
     from resihp.ckpt.integrity import newest_good
     from resihp.runtime.snapshots import stop_keepers
 
-    stop_keepers(cfg)  # the job is over: its memory tiers go
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
+    stop_keepers(cfg, breakpoint=state != "done")  # the job is over: checkpoints owed written, memory tiers gone
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
     if state != "done":  # the newest good checkpoint of this job is where it can go on from
         ckpt, _ = newest_good(folder.out, cfg.job_id, cfg.model_hash())

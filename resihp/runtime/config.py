@@ -99,7 +99,10 @@ class CheckpointConfig(Section):
 
     ckpt_every: int = opt(0, minimum=0, panel="Checkpoints", help=(
         "Steps between universal checkpoints; with it, a stopped rank is excluded by an elastic "
-        "restart"))
+        "restart. With --snapshot-every on one node the node's keeper writes them from memory, "
+        "off the training path, and writes the newest snapshot when the job stops early"))
+    ckpt_keep: int = opt(0, minimum=0, panel="Checkpoints", help=(
+        "Keep only the newest N universal checkpoints (0: keep all)"))
     snapshot_every: int | None = opt(None, minimum=0, panel="Checkpoints", help=(
         "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 with "
         "--recovery restart, else none"))

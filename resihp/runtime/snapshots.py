@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from resihp.ckpt.keeper import ensure_keeper, request_verify, stop_keeper
+from resihp.ckpt.keeper import ensure_keeper, request_flush, request_verify, stop_keeper
 from resihp.ckpt.memory import MemoryTier, plan_shards, shm_root, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
@@ -49,10 +49,16 @@ def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
 
 
 class MemorySnapshots:
-    """One rank's memory tier for the job: restore at start, a snapshot after each K-th step."""
+    """One rank's memory tier for the job: restore at start, a snapshot after each K-th step.
+    ``persist_root`` (``OUT/ckpt``): the keeper writes the universal checkpoints there from the
+    snapshots (every ``--ckpt-every`` steps, and the newest when the job stops early), in place
+    of the trainers' own saves."""
 
-    def __init__(self, cfg: RunConfig, engine: Engine, job_id: str, node: int, local_ranks: list[int]) -> None:
+    def __init__(self, cfg: RunConfig, engine: Engine, job_id: str, node: int, local_ranks: list[int],
+                 persist_root: Path | None = None) -> None:
         self.cfg, self.engine, self.job_id = cfg, engine, job_id
+        self.persist_root = persist_root
+        self._blocks: tuple[tuple, list] | None = None  # (model, optimizer, plan version) -> blocks
         self.dir: Path = tier_dir(job_id, node)
         self.tier = MemoryTier(self.dir, engine.rank)
         holder = copy_holder(engine, engine.rank, local_ranks)
@@ -64,8 +70,9 @@ class MemorySnapshots:
         # dies) or by torchrun's agent (plain torchrun); a rank starts it where none runs (another
         # node of a resihp run, or the first rank under torchrun) and restarts it while waiting on it
         owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
-        ensure_keeper(self.dir, owner)
-        keep = lambda: ensure_keeper(self.dir, owner)  # noqa: E731
+        warm = persist_root is not None
+        ensure_keeper(self.dir, owner, warm=warm)
+        keep = lambda: ensure_keeper(self.dir, owner, warm=warm)  # noqa: E731
         self.snapshotter = Snapshotter(self.tier, cfg.snapshot_interval(), holder, keep, cfg.faults.timeout_s)
 
     def restore(self) -> Restored | None:
@@ -88,10 +95,29 @@ class MemorySnapshots:
         self.snapshotter = Snapshotter(self.tier, s.every, s.copy_to, s.keeper_alive, s.timeout_s)
 
     def after_step(self, step: int) -> None:
-        """Start this step's snapshot if one is due (the next optimizer step waits for it)."""
+        """Start this step's snapshot if one is due, or a checkpoint the keeper writes from it (the
+        next optimizer step waits for the copy)."""
         e = self.engine
-        if self.snapshotter.due(step) and e.model is not None:  # a hot spare holds no state
-            self.snapshotter.snapshot(step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id))
+        every = self.cfg.checkpoint.ckpt_every
+        ckpt = self.persist_root is not None and every > 0 and (step + 1) % every == 0
+        if (self.snapshotter.due(step) or ckpt) and e.model is not None:  # a hot spare holds no state
+            request = (lambda tensors: self._request(tensors, ckpt)) if self.persist_root is not None else None
+            self.snapshotter.snapshot(step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id), request)
+
+    def _request(self, tensors: list, due: bool) -> dict:
+        """What the keeper needs to write these tensors into a universal checkpoint."""
+        # deferred for start-up time, as in worker.save_checkpoint: DCP only for runs that checkpoint
+        from resihp.ckpt.persist import PersistRequest, blocks_of
+        from resihp.runtime.elastic import checkpoint_meta
+
+        e = self.engine
+        key = (id(e.model), id(e.optimizer), e.plan_version)
+        write = e.dp_rank == 0  # one replica writes the model state (as resihp.ckpt.universal.save)
+        if self._blocks is None or self._blocks[0] != key:
+            self._blocks = (key, blocks_of(e.model, e.optimizer, tensors, e.tp, e.model_cfg, e.rank, write))
+        meta = checkpoint_meta(e, self.cfg) if e.rank == 0 else None
+        return PersistRequest(str(self.persist_root), self.cfg.checkpoint.ckpt_keep, len(e.active), write,
+                              self._blocks[1], meta, due).to_dict()
 
     def close(self) -> None:
         self.snapshotter.close()
@@ -127,9 +153,10 @@ def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
     if node != 0:  # the job's id comes from node 0 (at joining): the ranks start this node's keeper
         return None
     directory = tier_dir(cfg.job_id, node)
-    ensure_keeper(directory, os.getpid())
+    warm = bool(cfg.checkpoint.ckpt_every)  # it may write the checkpoints: torch loads while the job starts
+    ensure_keeper(directory, os.getpid(), warm=warm)
     _KEEPERS[cfg.job_id] = directory
-    return lambda: ensure_keeper(directory, os.getpid())
+    return lambda: ensure_keeper(directory, os.getpid(), warm=warm)
 
 
 def verify_ahead(job_id: str) -> None:
@@ -139,9 +166,21 @@ def verify_ahead(job_id: str) -> None:
         request_verify(directory)
 
 
-def stop_keepers(cfg: RunConfig) -> None:
-    """The job is over: its memory tiers on this machine go (node 0's, started here; another
-    node's, named by the job id it joined under, from ``OUT/config.json``)."""
+def flush_checkpoints(cfg: RunConfig, breakpoint: bool) -> dict | None:
+    """The job's processes have stopped: node 0's keeper finishes the checkpoints it owes and, at
+    a ``breakpoint`` (a failure, an interrupt), writes the newest step complete in memory unless a
+    checkpoint has it. Its answer (``step``: that checkpoint's step, or None), or None."""
+    directory = _KEEPERS.get(cfg.job_id)
+    if directory is None or not cfg.checkpoint.ckpt_every:
+        return None
+    return request_flush(directory, newest=breakpoint)
+
+
+def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> None:
+    """The job is over: its checkpoints owed are written (:func:`flush_checkpoints`), and its
+    memory tiers on this machine go (node 0's, started here; another node's, named by the job id
+    it joined under, from ``OUT/config.json``)."""
+    flush_checkpoints(cfg, breakpoint)
     _KEEPERS.pop(cfg.job_id, None)
     joined = (_read(Path(cfg.out) / "config.json") or {}).get("job_id")
     for job in {cfg.job_id, joined} - {None, ""}:

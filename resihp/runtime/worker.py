@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from resihp.ckpt.integrity import prune
 from resihp.cli_options import add_arguments, from_command_line
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError, disk_full
@@ -73,6 +74,8 @@ def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) 
     with engine.rec.op("checkpoint-save"):
         save(directory, engine.model, engine.optimizer, step, checkpoint_meta(engine, cfg), engine.tp,
              engine.model_cfg, rank_tensors(engine), write=engine.dp_rank == 0)  # one replica writes
+    if engine.rank == 0:
+        prune(directory.parent.parent, cfg.checkpoint.ckpt_keep)
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -236,7 +239,10 @@ def run(cfg: RunConfig) -> None:
     inbox = PlanInbox(store, job_id, cfg.live.replan) if rank == 0 else None
     results = []
     first_step = 0
-    memory = MemorySnapshots(cfg, engine, job_id, node, nodes[node]) if cfg.snapshot_interval() else None
+    # with snapshots on one node, the keeper writes the universal checkpoints from them
+    keeper_saves = bool(cfg.snapshot_interval() and cfg.checkpoint.ckpt_every and len(nodes) == 1)
+    memory = (MemorySnapshots(cfg, engine, job_id, node, nodes[node], out / "ckpt" if keeper_saves else None)
+              if cfg.snapshot_interval() else None)
     restored = None
     if memory is not None:  # a restart in place: every rank's state from memory (its own or a peer's)
         with engine.rec.op("snapshot-restore"):
@@ -287,7 +293,7 @@ def run(cfg: RunConfig) -> None:
             if memory is not None:  # the copy runs beside the next step, fenced before its optimizer step
                 with engine.rec.op("snapshot"):
                     memory.after_step(step)
-            if cfg.checkpoint.ckpt_every and (step + 1) % cfg.checkpoint.ckpt_every == 0:
+            if cfg.checkpoint.ckpt_every and (step + 1) % cfg.checkpoint.ckpt_every == 0 and not keeper_saves:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
             publisher.publish(engine.rec.take_new())
             if boundary is not None:
