@@ -9,7 +9,11 @@ so the shared machine's drifts hit all alike); medians over rounds:
 - ``none``: training steps only;
 - ``snapshot``: a snapshot after every step into the memory tier (a real keeper process
   checksums and publishes each one); blocked time = the snapshot call + the wait at the fence;
-- ``dcp``: a synchronous ``dcp.save`` after every step (to the local disk).
+- ``dcp``: a synchronous ``dcp.save`` after every step (to the local disk);
+- ``persist``: a snapshot after every step, the block's first one a checkpoint step that the keeper
+  writes to disk as a universal checkpoint from the slot (``resihp.ckpt.persist``); blocked time per
+  checkpoint = every snapshot call and fence wait of the block, including the wait for the keeper
+  to release the slot it reads (``held``).
 
 ``stall_ratio`` = blocked time of one snapshot / of one synchronous save; ``overhead_ratio`` =
 extra wall time per step with snapshots / with synchronous saves; ``restore_memory_ratio`` =
@@ -17,6 +21,9 @@ restore from the rank's own slot (``restore``: all-gather, load; the checksums c
 keeper beforehand, as while a job relaunches; ``restore_memory_selfcheck_ratio``: the rank checks
 them itself) / a cold-cache ``dcp.load`` (pages dropped with ``posix_fadvise(DONTNEED)`` after
 ``fsync``; ``cold_resident_bytes``: what fincore still finds cached);
+``persist_stall_ratio`` = blocked time per keeper-written checkpoint / per synchronous save;
+``persist_overhead_ratio`` = extra wall time per keeper-written checkpoint (its block's steps
+against as many plain ones) / extra wall time per synchronous save;
 ``restore_peer_ratio`` = a rank with no slot restored from a data-parallel peer's over gloo
 (two processes, loopback) / the same cold load; ``lost_steps_sigkill`` = the most steps lost
 over SIGKILLs at random moments of a training process with that state (its last finished step
@@ -45,8 +52,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from resihp.ckpt.integrity import problem
 from resihp.ckpt.keeper import ensure_keeper, request_verify, stop_keeper
 from resihp.ckpt.memory import MemoryTier, tier_dir
+from resihp.ckpt.persist import LOG, PersistRequest, blocks_of
 from resihp.ckpt.snapshot import Snapshotter, restore, state_tensors
 
 WIDTH = 2048
@@ -135,6 +144,13 @@ def _wait_published(tier: MemoryTier, step: int, timeout_s: float = 120) -> None
         if time.monotonic() > deadline:
             raise RuntimeError(f"step {step} never published")
         time.sleep(0.005)
+
+
+def _lines(path: Path) -> int:
+    try:
+        return len(path.read_text().splitlines())
+    except OSError:
+        return 0
 
 
 def _init_group(rank: int, world: int, port: int) -> None:
@@ -253,8 +269,15 @@ def main() -> None:
     nbytes = state_bytes(model, opt)
     rss0 = rss_anon()
     tier = MemoryTier(tier_dir("bench", 0), 0)
-    ensure_keeper(tier.dir, os.getpid())
+    ensure_keeper(tier.dir, os.getpid(), warm=True)
     snap = Snapshotter(tier, every=1)
+    persist_root = disk / "persist" / "ckpt"
+
+    def request(due: bool):
+        return lambda tensors: PersistRequest(str(persist_root), 1, 1, True,
+                                              blocks_of(model, opt, tensors, None, None, 0),
+                                              {"job_id": "bench", "model_hash": "bench"}, due).to_dict()
+
     snap.attach(opt)
     for i in range(3):  # memory overhead: both slots in use, nothing else of the benchmark yet
         train_step(model, opt, args.batch)
@@ -262,21 +285,22 @@ def main() -> None:
     snap.fence()
     shm_bytes = sum(p.stat().st_size for p in tier.dir.glob("*.bin"))
     memory_overhead = (max(0, rss_anon() - rss0) + shm_bytes) / nbytes
-    step_s = {"none": [], "snapshot": [], "dcp": []}
-    blocked = {"snapshot": [], "dcp": []}
+    step_s = {"none": [], "snapshot": [], "dcp": [], "persist": []}
+    blocked = {"snapshot": [], "dcp": [], "persist": []}
+    held = []
     step = 3
-    arms = ["none", "snapshot", "dcp"]
-    warm = 0
-    for r in range(rounds + 1):  # round 0 warms up (first touches of the slots' pages)
-        if r == 1:
-            warm = len(snap.blocked_s)
-        order = arms[r % 3:] + arms[:r % 3]
+    arms = ["none", "snapshot", "dcp", "persist"]
+    written = 0
+    for r in range(rounds + 1):  # round 0 warms up (first touches of the slots' pages, imports)
+        order = arms[r % len(arms):] + arms[:r % len(arms)]
         for arm in order:
+            n0 = len(snap.blocked_s)
             for i in range(args.steps):
                 t0 = time.perf_counter()
                 train_step(model, opt, args.batch)  # its optimizer step waits for the copy in flight
-                if arm == "snapshot":
-                    snap.snapshot(step, model, opt, {"job": "bench"})
+                if arm in ("snapshot", "persist"):
+                    snap.snapshot(step, model, opt, {"job": "bench"},
+                                  request(i == 0) if arm == "persist" else None)
                     last = step
                     if i == args.steps - 1:
                         snap.fence()  # the block's last copy is charged to this arm
@@ -287,9 +311,23 @@ def main() -> None:
                 step += 1
                 if r:
                     step_s[arm].append(time.perf_counter() - t0)
-    blocked["snapshot"] = snap.blocked_s[warm:]
+            if r and arm == "snapshot":
+                blocked["snapshot"] += snap.blocked_s[n0:]
+            elif r and arm == "persist":
+                blocked["persist"].append(sum(snap.blocked_s[n0:]))
+                held.append(sum(snap.held_s[n0:]))
+            if arm == "persist":  # the checkpoint on disk before the next arm (untimed)
+                written += 1
+                deadline = time.monotonic() + 300
+                while _lines(persist_root / LOG) < written:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the keeper did not write its checkpoint")
+                    time.sleep(0.005)
     snap.close()
     _wait_published(tier, last)
+    persisted = [json.loads(line) for line in (persist_root / LOG).read_text().splitlines()][1:]
+    kept = sorted(persist_root.glob("step*"))
+    persist_ok = len(kept) == 1 and problem(kept[0]) is None  # keep=1: the newest, whole
 
     # restore: own memory (one-rank group) vs cold dcp.load
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -335,6 +373,9 @@ def main() -> None:
         "rounds": rounds, "steps_per_arm_per_round": args.steps,
         "stall_ratio": round(med(blocked["snapshot"]) / med(blocked["dcp"]), 4),
         "overhead_ratio": round(extra_snap / extra_dcp, 4),
+        "persist_stall_ratio": round(med(blocked["persist"]) / med(blocked["dcp"]), 4),
+        "persist_overhead_ratio": round((med(step_s["persist"]) - med(step_s["none"])) * args.steps / extra_dcp, 4),
+        "persist_checkpoints_verify": persist_ok,
         "restore_memory_ratio": round(med(restore_mem) / med(cold), 4),
         "restore_peer_ratio": round(med(restore_peer) / med(cold), 4),
         "restore_memory_selfcheck_ratio": round(med(restore_self) / med(cold), 4),
@@ -344,7 +385,12 @@ def main() -> None:
         "seconds": {"snapshot_blocked": med(blocked["snapshot"]), "dcp_save_blocked": med(blocked["dcp"]),
                     "snapshot_copy": med(snap.copy_s[1:] or snap.copy_s),
                     "step_none": med(step_s["none"]), "step_snapshot": med(step_s["snapshot"]),
-                    "step_dcp": med(step_s["dcp"]), "restore_memory": med(restore_mem),
+                    "step_dcp": med(step_s["dcp"]), "step_persist": med(step_s["persist"]),
+                    "persist_blocked_per_checkpoint": med(blocked["persist"]),
+                    "persist_held_per_checkpoint": med(held),
+                    "persist_keeper_hold": med(p["hold_s"] for p in persisted),
+                    "persist_keeper_total": med(p["total_s"] for p in persisted),
+                    "restore_memory": med(restore_mem),
                     "restore_memory_selfcheck": med(restore_self), "restore_peer": med(restore_peer),
                     "restore_peer_phases": peer_phases,
                     "dcp_load_cold": med(cold)},

@@ -212,9 +212,9 @@ class MemoryTier:
 
     def begin_write(self, slot: str, timeout_s: float = 60.0, keeper_alive=None) -> float:
         """Make ``slot`` writable: wait until the keeper has published its previous content (its
-        pending file is gone), unlink its header, so that a slot cut short is never read, then wait
-        while the keeper still reads it for a checkpoint (a hold whose keeper died is void).
-        Returns the seconds waited for that hold."""
+        pending file is gone) and no longer holds it for a checkpoint (a slot of a checkpoint step
+        is held from before its publication; a hold whose keeper died is void), then unlink its
+        header, so that a slot cut short is never read. Returns the seconds waited for the hold."""
         pending = self.pending_path(slot)
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
@@ -226,7 +226,6 @@ class MemoryTier:
                                    f"rank {self.rank} within {timeout_s:g} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
-        self.header_path(slot).unlink(missing_ok=True)  # first: the keeper holds only a slot still published
         t0, delay = time.monotonic(), 0.0005
         while (holder := _holder(self.hold_path(slot))) is not None:
             if not pid_alive(holder):
@@ -237,6 +236,7 @@ class MemoryTier:
                                    f"{self.rank} for a checkpoint longer than {timeout_s:g} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
+        self.header_path(slot).unlink(missing_ok=True)
         return time.monotonic() - t0
 
     def mark_written(self, header: SlotHeader) -> None:

@@ -156,8 +156,9 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
     for path in holds:
         path.write_text(str(os.getpid()))
     try:
-        # a trainer unlinks a slot's header before it waits for the hold: a header still there now,
-        # as published, means the slot's bytes stay as they are until the hold goes
+        # a slot of a due step is held from before its publication, and its trainer waits for the
+        # hold before it unlinks the header; a slot taken at a breakpoint has no trainer left. So a
+        # header still there as published means the bytes stay as they are until the hold goes
         now = {(h.rank, h.slot): h for h in tier.headers()}
         if any(now.get((h.rank, h.slot)) is None or now[(h.rank, h.slot)].published_s != h.published_s
                for h in headers):

@@ -122,6 +122,11 @@ class MemorySnapshots:
     def close(self) -> None:
         self.snapshotter.close()
 
+    def drain(self) -> None:
+        """Wait for the keeper to write the checkpoints it owes (when it writes them)."""
+        if self.persist_root is not None:
+            request_flush(self.dir, newest=False)
+
 
 class BoundaryStop:
     """With snapshots on, SIGTERM ends a rank at the next step boundary, once that step's snapshot

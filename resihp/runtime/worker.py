@@ -306,7 +306,9 @@ def run(cfg: RunConfig) -> None:
             publisher.publish(engine.rec.take_new())
         heart.finish(phase)
     with engine.rec.waiting("barrier"):
-        dist.barrier()
+        dist.barrier()  # every rank's last snapshot is complete
+    if memory is not None and rank == 0 and not launched:
+        memory.drain()  # plain torchrun: no launcher waits for the keeper's last checkpoint
     if aggregator is not None:
         aggregator.stop()
     if rank == 0:
