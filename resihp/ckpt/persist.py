@@ -8,10 +8,11 @@ that step is published, writes the checkpoint with DCP from the slots' bytes, in
 own. The files are the ones ``resihp.ckpt.universal.save`` writes (format 2, a manifest published
 last), so a persisted checkpoint loads into any layout like a saved one.
 
-While the keeper reads a slot it holds a marker (``rankR.S.persisting``, naming the keeper's PID);
-a trainer about to overwrite that slot waits for it (``MemoryTier.begin_write``), which is the only
-way the persist can hold training up. Files are written to the page cache first and the slots
-released, then synced. A checkpoint cut short (the keeper killed while writing) stays a hidden
+A slot of a due step is held (``rankR.S.persisting``, naming the keeper's PID) from before its
+publication until the keeper has copied its blocks out (one pass over memory; the keeper holds that
+copy, the size of the state it writes, while it writes); a trainer about to overwrite that slot, two
+snapshots later, waits for the hold (``MemoryTier.begin_write``), which is the only way persisting
+can hold training up. Files go to the page cache, then are synced. A checkpoint cut short (the keeper killed while writing) stays a hidden
 ``.stepN.partial`` folder that nothing reads; the checkpoints already on disk are not touched.
 
 No process group: the keeper is one process and writes the node's whole checkpoint (DCP's
@@ -186,16 +187,19 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
                     continue
                 s = shards[b.shard]
                 flat = src[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype))
-                tensor = flat.as_strided(b.sizes, b.strides, flat.storage_offset() + b.storage_offset)
+                # copied out (DCP would copy a view of a larger storage anyway), so that the slot
+                # is released after one pass over memory, not after the write to disk
+                tensor = flat.as_strided(b.sizes, b.strides, flat.storage_offset() + b.storage_offset).clone()
                 blocks[(b.key, b.offsets)] = (tensor, b.size)
                 nbytes += tensor.numel() * tensor.element_size()
-        writer = dcp.FileSystemWriter(str(tmp), sync_files=False, thread_count=1)
-        dcp.save({}, storage_writer=writer, planner=_BlockPlanner(blocks), no_dist=True)
     finally:
         for path in holds:
             path.unlink(missing_ok=True)
     hold_s = time.monotonic() - t0
-    for path in [*tmp.iterdir(), tmp]:  # written to the page cache with the slots held; synced now
+    writer = dcp.FileSystemWriter(str(tmp), sync_files=False, thread_count=1)
+    dcp.save({}, storage_writer=writer, planner=_BlockPlanner(blocks), no_dist=True)
+    del blocks
+    for path in [*tmp.iterdir(), tmp]:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
