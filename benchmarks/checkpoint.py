@@ -174,7 +174,7 @@ def _peer_restore(rank: int, layers: int, root: str, port: int, repeats: int, ou
         snap.snapshot(0, model, opt, {"job": "peer"})
         snap.close()
         _wait_published(tier, 0)
-        keeper_check(tier.dir)  # as after a failure (the receiver checks what it receives itself)
+        keeper_check(tier.dir)  # as after a failure: the holder offers only a slot that verifies
     times, phases = [], []
     for _ in range(repeats):
         dist.barrier()

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from resihp.errors import InputError
 from resihp.opstrace import read_ops_trace
-from resihp.runtime.inject import parse_fault
+from resihp.runtime.inject import FaultInjector, parse_fault
 
 SMALL = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
          "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--timeout", "30"]
@@ -54,8 +55,6 @@ def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
 def test_slow_fault_stretches_compute_from_its_step_until_recovery():
     import time
 
-    from resihp.runtime.inject import FaultInjector
-
     inj = FaultInjector([parse_fault("slow:rank=1,factor=3,step=2,until=4"),
                          parse_fault("slow:rank=0,factor=9,step=0")], rank=1)
     factors = []
@@ -73,6 +72,14 @@ def test_fault_spec_parsing():
     f = parse_fault("slow:rank=2,factor=2.5,step=7,until=9")
     assert (f.kind, f.rank, f.factor, f.step, f.until) == ("slow", 2, 2.5, 7, 9)
     assert parse_fault("stop:rank=1,time=3.5").time_s == 3.5
+    during = parse_fault("stop:rank=0,during=restore")
+    assert during.during == "restore" and during.step is None
+    assert FaultInjector([during], rank=0)._started(during, 99) is False  # never a step's fault
+    for bad, said in (("stop:rank=0,during=step", "during= is for stop only"),
+                      ("hang:rank=0,during=restore", "during= is for stop only"),
+                      ("stop:rank=0,step=2,during=restore", "exactly one of step= or time= or during=")):
+        with pytest.raises(InputError, match=said):
+            parse_fault(bad)
 
 
 def older_job_checkpoint(directory):

@@ -13,7 +13,9 @@ per-step losses from the resumed step on are bitwise those of an uninterrupted r
 - SIGKILL during the snapshot copy: the slot being written is never published, the previous one
   stays whole;
 - a Python exception in a trainer rank (``error``): the rank is the fail-stop (cause
-  ``exception``), restored from memory, no step lost.
+  ``exception``), restored from memory, no step lost;
+- SIGKILL of a rank in the middle of the restore (``stop:during=restore``, after the ranks agreed
+  what to load): that relaunch fails as well, the next one restores from memory.
 """
 
 from __future__ import annotations
@@ -227,3 +229,18 @@ def test_python_exception_in_a_rank_restarts_from_memory(reference, shm, tmp_pat
     rec = summary["recovery"]
     assert rec["cause"] == "exception" and rec["rank"] == 1 and rec["resumed_step"] == 3, rec
     _check(summary, reference["dp2"], "memory")
+
+
+def test_sigkill_during_the_restore_restarts_again_from_memory(reference, shm, tmp_path):
+    # rank 1 dies at step 3; in the relaunch, rank 0 is SIGKILLed inside the restore, after every
+    # rank agreed what to load: that relaunch fails too, and the next one restores from memory
+    summary = _finish(_start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
+                             "--inject", "stop:rank=1,step=3", "--inject", "stop:rank=0,during=restore"))
+    rec = summary["recovery"]
+    assert len(rec["restarts"]) == 2, rec
+    first, second = rec["restarts"]
+    assert first["rank"] == 1 and first["cause"] == "exited", first
+    assert second["cause"] == "exited" and second["rank"] == 0, second
+    # rank 1 died before its copy of step 2 was complete: its data-parallel peer's slot (same node)
+    _check(summary, reference["dp2"], ("memory", "peer"))
+    assert rec["resumed_step"] == 3

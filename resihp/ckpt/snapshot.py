@@ -14,9 +14,12 @@ marks the slot written; the node's keeper checksums and publishes it.
 Restoring (:func:`restore`, collective): every rank verifies the slots its memory holds (its own
 two, and explicit copies of other ranks), the ranks exchange what they hold, and all pick the newest
 step for which every rank's state is complete and verified somewhere, counting data-parallel peers
-(the same state) and explicit copies (NVRx's ``find_latest``). A rank loads from its own memory
-if it holds that step, else a holder sends it over the (gloo) group. None when no step is
-complete everywhere: the caller goes on to the next tier (disk).
+(the same state) and explicit copies (NVRx's ``find_latest``). A rank loads from its node's
+memory if the slot is there (its own, or a peer's or copy on the same node: the tier is shared
+memory), else a holder on another node sends it over the (gloo) group, straight into the rank's
+tensors, once every rank has agreed that what it must read or send is there (so a failure leaves
+every model untouched). None when no step is complete everywhere: the caller goes on to the next
+tier (disk).
 """
 
 from __future__ import annotations
@@ -30,12 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, crc_of, plan_shards
+from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, plan_shards
 from resihp.ckpt.reshard import ensure_adam_state
 from resihp.model.gpt import ADAM_KEYS
 
 RNG_KEY = "rng.torch"
-CHUNK = 1 << 25  # a peer's slot travels in 32 MiB pieces
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -196,8 +198,9 @@ class Restored:
     restore_s: float  # the slowest rank's restore time
     run: dict  # the run state recorded with the snapshot (layout["run"])
     # this rank's time in each phase: inventory (checking its slots, exchanging what every rank
-    # holds), transfer (receiving and checking a peer's slot as it arrives; sending its own),
-    # load (copying into the model and optimizer), agree (the closing all-reduce)
+    # holds), transfer (agreeing that every slot is ready, then receiving a peer's slot straight
+    # into the model and optimizer, or sending its own), load (copying its own slot into the model
+    # and optimizer, while the transfers run), agree (the closing all-reduce)
     phases_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -229,76 +232,77 @@ def find_latest(inventory: list[list[dict]], peers: Callable[[int], list[int]], 
 
 
 def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: dict,
-            peers: Callable[[int], list[int]], group: dist.ProcessGroup | None = None) -> Restored | None:
+            peers: Callable[[int], list[int]], group: dist.ProcessGroup | None = None,
+            before_transfer: Callable[[], None] | None = None) -> Restored | None:
     """Collective over ``group`` (gloo; every rank calls it): load the newest step complete for
-    every rank from the memory tier, or None (every rank alike) if there is none."""
+    every rank from the memory tier, or None (every rank alike) if there is none.
+    ``before_transfer``: called once every rank has agreed what to load (fault injection)."""
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     want = comparable(layout)
     mine = [h.to_dict() for h in tier.held() if comparable(h.layout) == want and _good(tier, h)]
-    inventory: list = [None] * world
-    dist.all_gather_object(inventory, mine, group=group)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (str(tier.dir), mine), group=group)
     t_inventory = time.perf_counter()
-    found = find_latest(inventory, peers, world)
+    tiers = [t for t, _ in gathered]
+    found = find_latest([held for _, held in gathered], peers, world)
     if found is None:
         return None
     step, choice = found
-    # every transfer, in the same order on every rank: (holder -> rank) for the ranks not local,
-    # in chunks, so that the receiver checks each shard as it arrives
-    transfers = sorted((c["holder"], r) for r, c in choice.items() if c["holder"] != r)
-    sends, receive, tag = [], None, 0
-    for src, dst in transfers:
-        header = SlotHeader.from_dict(choice[dst])
-        chunks = _chunks(header.nbytes)
-        if src == rank:
-            data = tier.read(header, writable=True)
-            # a slot gone since it was verified: zeros, which fail the receiver's checksums
-            payload = torch.from_numpy(data) if data is not None else torch.zeros(header.nbytes, dtype=torch.uint8)
-            sends += [dist.isend(payload[o:o + n], dst, group=group, tag=tag + i) for i, (o, n) in enumerate(chunks)]
-        elif dst == rank:
-            buf = torch.empty(header.nbytes, dtype=torch.uint8)
-            receive = (buf, chunks, [dist.irecv(buf[o:o + n], src, group=group, tag=tag + i)
-                                     for i, (o, n) in enumerate(chunks)])
-        tag += len(chunks)
     header = SlotHeader.from_dict(choice[rank])
-    if receive is not None:
-        buf, chunks, works = receive
-        data = buf.numpy()
-        ok = _check_as_received(header, data, chunks, works)
-    else:
-        data = tier.read(header, writable=True)
-        ok = data is not None  # verified above
+    # a slot in this rank's own node's tier is read from the shared memory, whoever holds it
+    local = {r: tiers[r] == tiers[c["holder"]] for r, c in choice.items()}
+    transfers = sorted((c["holder"], r) for r, c in choice.items() if not local[r])
+    # before any byte lands in the model: every slot to read is there and every slot to receive fits
+    # this rank's tensors; else every rank alike goes on to the next tier with its model untouched
+    sending = {dst: SlotHeader.from_dict(choice[dst]) for src, dst in transfers if src == rank}
+    mapped = {dst: tier.read(h, writable=True) for dst, h in sending.items()}
+    data = tier.read(header, writable=True) if local[rank] else None
+    tensors = dict(state_tensors(model, optimizer))
+    ready = all(m is not None for m in mapped.values()) and _fits(header, tensors) and (
+        not local[rank] or data is not None)
+    flag = torch.tensor([1 if ready else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if flag.item() < 1:
+        return None
+    if before_transfer is not None:
+        before_transfer()
+    # every transfer, in the same order on every rank: (holder -> rank), one message per tensor,
+    # received straight into this rank's parameters and AdamW state (pages it has already touched:
+    # no receive buffer, no copy after). The holder checked the slot against its checksums (the
+    # inventory above), and the transport checks what it carries.
+    sends, receives, tag = [], [], 0
+    rng = torch.empty_like(tensors[RNG_KEY])
+    for src, dst in transfers:
+        h = SlotHeader.from_dict(choice[dst])
+        if src == rank:
+            payload = torch.from_numpy(mapped[dst])
+            sends += [dist.isend(payload[sh.offset:sh.offset + sh.nbytes], dst, group=group, tag=tag + i)
+                      for i, sh in enumerate(h.shards)]
+        elif dst == rank:
+            receives += [dist.irecv(_bytes(rng) if sh.key == RNG_KEY else _bytes(tensors[sh.key]), src,
+                                    group=group, tag=tag + i) for i, sh in enumerate(h.shards)]
+        tag += len(h.shards)
+    t_posted = time.perf_counter()
+    ok = _load(header, data, tensors) if data is not None else True  # beside the transfers in flight
+    t_load = time.perf_counter()
+    for w in receives:
+        w.wait()
+    if receives:
+        torch.set_rng_state(rng)
     for w in sends:
         w.wait()
     t_transfer = time.perf_counter()
-    ok = ok and _load(header, data, model, optimizer)
-    t_load = time.perf_counter()
     # every rank loaded (min of the flags) and the slowest rank's time (min of the negated times)
     both = torch.tensor([1.0 if ok else 0.0, -(time.perf_counter() - t0)], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
     if both[0] < 1:
         return None
     sources = ["peer" if choice[r]["holder"] != r else "memory" for r in range(world)]
-    phases = {"inventory": t_inventory - t0, "transfer": t_transfer - t_inventory,
-              "load": t_load - t_transfer, "agree": time.perf_counter() - t_load}
+    phases = {"inventory": t_inventory - t0, "load": t_load - t_posted,
+              "transfer": t_transfer - t_inventory - (t_load - t_posted), "agree": time.perf_counter() - t_transfer}
     return Restored(step, "peer" if "peer" in sources else "memory", sources, float(-both[1]),
                     dict(header.layout.get("run", {})), phases)
-
-
-def _chunks(nbytes: int) -> list[tuple[int, int]]:
-    return [(o, min(CHUNK, nbytes - o)) for o in range(0, nbytes, CHUNK)]
-
-
-def _check_as_received(header: SlotHeader, data: np.ndarray, chunks: list[tuple[int, int]], works: list) -> bool:
-    """Wait for each chunk and check every shard complete so far against its checksum."""
-    shards = sorted(zip(header.shards, header.crc32, strict=False), key=lambda sc: sc[0].offset)
-    ok, j = len(header.crc32) == len(header.shards), 0
-    for (o, n), work in zip(chunks, works, strict=True):
-        work.wait()
-        while j < len(shards) and shards[j][0].offset + shards[j][0].nbytes <= o + n:
-            ok = ok and crc_of(data, shards[j][0]) == shards[j][1]
-            j += 1
-    return ok and j == len(shards)
 
 
 def _good(tier: MemoryTier, header: SlotHeader) -> bool:
@@ -308,17 +312,21 @@ def _good(tier: MemoryTier, header: SlotHeader) -> bool:
     return tier.verify(header) if verdict is None else verdict
 
 
-def _load(header: SlotHeader, data: np.ndarray, model: torch.nn.Module,
-          optimizer: torch.optim.Optimizer) -> bool:
-    """Copy a slot's bytes into this rank's tensors; False if its shards do not fit them."""
-    tensors = dict(state_tensors(model, optimizer))
+def _fits(header: SlotHeader, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether a slot's shards are exactly this rank's tensors (keys, shapes, dtypes)."""
     by_key = {s.key: s for s in header.shards}
     if set(by_key) != set(tensors):
         return False
-    for key, t in tensors.items():
-        s = by_key[key]
-        if tuple(s.shape) != tuple(t.shape) or s.dtype != str(t.dtype).removeprefix("torch."):
-            return False
+    return all(tuple(by_key[k].shape) == tuple(t.shape) and by_key[k].dtype == str(t.dtype).removeprefix("torch.")
+               for k, t in tensors.items())
+
+
+def _load(header: SlotHeader, data: np.ndarray, tensors: dict[str, torch.Tensor]) -> bool:
+    """Copy a slot's bytes into this rank's tensors (``state_tensors``); False if its shards do
+    not fit them."""
+    if not _fits(header, tensors):
+        return False
+    by_key = {s.key: s for s in header.shards}
     src = torch.from_numpy(np.asarray(data))
     with torch.no_grad():
         for key, t in tensors.items():
@@ -329,4 +337,3 @@ def _load(header: SlotHeader, data: np.ndarray, model: torch.nn.Module,
             else:
                 _bytes(t).copy_(piece)
     return True
-

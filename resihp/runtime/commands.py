@@ -305,8 +305,11 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper,
     before_summary, after, again = summary, {}, outcome
     for attempt in range(1, attempts + 1):
         ckpt, _ = latest_checkpoint(out, cfg)
-        new = cfg.updated(inject=[], resume=str(ckpt) if ckpt else cfg.checkpoint.resume,
-                      out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
+        # the faults injected are the failed run's; one during=restore strikes the first restore
+        during = [text for text, f in zip(cfg.faults.inject, cfg.fault_list(), strict=True)
+                  if f.during == "restore"] if attempt == 1 else []
+        new = cfg.updated(inject=during, resume=str(ckpt) if ckpt else cfg.checkpoint.resume,
+                          out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
         failure, why = again.failure, again.error
         verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
         with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:

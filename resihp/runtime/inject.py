@@ -1,8 +1,10 @@
 """Fault injection: ``slow`` makes a rank's compute really take ``factor`` x longer (a sleep
 proportional to each measured compute op); ``link`` makes every transfer between two ranks take
 ``factor`` x longer (a sleep proportional to each measured transfer, so it scales with the bytes);
-``stop`` kills the rank's process (SIGKILL, no cleanup); ``hang`` stops its progress; ``error``
-raises a Python exception in it (a crash: the process ends by the exception)."""
+``stop`` kills the rank's process (SIGKILL, no cleanup; ``during=restore``: in the middle of the
+memory-tier restore of the first restart in place, after every rank has agreed what to load and
+before the transfers); ``hang`` stops its progress; ``error`` raises a Python exception in it (a
+crash: the process ends by the exception)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 from resihp.errors import InputError
 
-FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], stop:rank=R,step=S, "
+FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], "
+         "stop:rank=R,step=S (or during=restore), "
          "error:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
 RATE_SAMPLES = 256  # healthy transfers kept per channel
 RATE_QUANTILE = 0.1  # the low quantile of their per-byte times taken as the healthy rate
@@ -37,6 +40,7 @@ class Fault:
     until: int | None = None  # first step at normal speed again (slow only)
     how: str | None = None  # hang only: "block" or "stop"
     peer: int | None = None  # link only: its other end
+    during: str | None = None  # stop only: "restore" (the first restart in place's restore)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -61,7 +65,7 @@ def parse_fault(text: str) -> Fault:
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key.strip() not in ("rank", "ranks", "factor", "step", "time", "until", "how"):
+        if not eq or key.strip() not in ("rank", "ranks", "factor", "step", "time", "until", "how", "during"):
             raise InputError(f"--inject {text!r}: unknown field {item!r}; expected {FORMS}")
         fields[key.strip()] = value.strip()
     peer = None
@@ -91,12 +95,17 @@ def parse_fault(text: str) -> Fault:
     except ValueError:
         raise InputError(f"--inject {text!r}: rank, step and until are integers, factor and time "
                          f"numbers; expected {FORMS}") from None
-    if (step is None) == (time_s is None):
-        raise InputError(f"--inject {text!r}: give exactly one of step= or time=")
+    during = fields.get("during")
+    if during is not None and (kind != "stop" or during != "restore"):
+        raise InputError(f"--inject {text!r}: during= is for stop only, and only during=restore")
+    if (step is None) + (time_s is None) + (during is None) != 2:
+        raise InputError(f"--inject {text!r}: give exactly one of step= or time=" +
+                         (" or during=" if kind == "stop" else ""))
     if kind in ("slow", "link") and not factor >= 1.0:
         raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
     if kind in ("stop", "error") and ("factor" in fields or until is not None or "how" in fields):
-        raise InputError(f"--inject {text!r}: {kind} takes only rank= and step= or time=")
+        raise InputError(f"--inject {text!r}: {kind} takes only rank= and step= or time="
+                         + (" or during=restore" if kind == "stop" else ""))
     how = fields.get("how")
     if kind == "hang":
         how = how or "block"
@@ -106,7 +115,7 @@ def parse_fault(text: str) -> Fault:
         raise InputError(f"--inject {text!r}: how= is for hang only")
     if rank < 0 or (step is not None and step < 0):
         raise InputError(f"--inject {text!r}: rank and step must be non-negative")
-    return Fault(kind, rank, step, time_s, factor, until, how, peer)
+    return Fault(kind, rank, step, time_s, factor, until, how, peer, during)
 
 
 def check_faults(faults: Sequence[Fault], world_size: int) -> None:
@@ -136,6 +145,8 @@ class FaultInjector:
         self.delayed_s = 0.0  # seconds of injected link delay so far
 
     def _started(self, f: Fault, step: int) -> bool:
+        if f.during is not None:
+            return False  # not a step's fault (during_restore)
         if f.step is not None:
             return step >= f.step
         return time.time() - self.t0 >= f.time_s
@@ -152,6 +163,12 @@ class FaultInjector:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 while True:  # no progress, no exit: only a signal ends it
                     time.sleep(1.0)
+
+    def during_restore(self) -> None:
+        """Called in the middle of a memory-tier restore: a ``stop`` fault ``during=restore`` kills
+        the rank there."""
+        if any(f.kind == "stop" and f.during == "restore" for f in self.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_factor(self) -> float:
         factor = 1.0

@@ -79,7 +79,7 @@ class MemorySnapshots:
         """Collective: the newest step complete in memory for every rank, loaded; or None."""
         e = self.engine
         restored = restore(self.tier, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id),
-                           lambda r: same_state(e, r), e.control_group)
+                           lambda r: same_state(e, r), e.control_group, e.injector.during_restore)
         if restored is not None:
             e.weights = list(restored.run.get("weights", e.weights))
             e.plan_version = int(restored.run.get("plan_version", e.plan_version))
