@@ -15,7 +15,10 @@ per-step losses from the resumed step on are bitwise those of an uninterrupted r
 - a Python exception in a trainer rank (``error``): the rank is the fail-stop (cause
   ``exception``), restored from memory, no step lost;
 - SIGKILL of a rank in the middle of the restore (``stop:during=restore``, after the ranks agreed
-  what to load): that relaunch fails as well, the next one restores from memory.
+  what to load): that relaunch fails as well, the next one restores from memory;
+- every rank of a simulated node SIGKILLed and that node's memory tier lost (two launchers, one
+  rank each): node 0 relaunches the job in place on both nodes, and the lost rank's state comes
+  from its data-parallel peer on the other node, over gloo.
 """
 
 from __future__ import annotations
@@ -244,3 +247,39 @@ def test_sigkill_during_the_restore_restarts_again_from_memory(reference, shm, t
     # rank 1 died before its copy of step 2 was complete: its data-parallel peer's slot (same node)
     _check(summary, reference["dp2"], ("memory", "peer"))
     assert rec["resumed_step"] == 3
+
+
+def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(reference, shm, tmp_path):
+    # two simulated nodes, one rank each (data-parallel peers): every rank of node 1 is SIGKILLed
+    # and node 1's memory tier is lost with it (its keeper killed, its files gone); node 0 relaunches
+    # the job in place, node 1's launcher joins the relaunch, and rank 1 receives rank 0's slot over
+    # gloo from the other node
+    from resihp.runtime.launch import free_port
+
+    port = free_port()
+    multi = ["--dp", "2", "--pp", "1", "--recovery", "restart", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", *SLOW]
+    node0 = _start(tmp_path / "node0", shm, *multi, "--node-rank", "0")
+    node1 = _start(tmp_path / "node1", shm, *multi, "--node-rank", "1")
+    deadline = time.monotonic() + 120
+    while not (found := [p for p in shm.glob("resihp-*-n1") if p.is_dir()]):
+        assert time.monotonic() < deadline, "node 1 has no memory tier"
+        time.sleep(0.05)
+    tier1 = found[0]
+    _published(tier1, 1, 2)
+    worker = _worker_pid(tier1, 1)
+    keeper = int((tier1 / "keeper.pid").read_text())
+    os.kill(worker, signal.SIGKILL)
+    os.kill(keeper, signal.SIGKILL)
+    import shutil
+
+    shutil.rmtree(tier1)
+    summary = _finish(node0)
+    stdout, stderr = node1.communicate(timeout=240)
+    assert node1.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout.strip().splitlines()[-1])["error"] is None
+    rec = summary["recovery"]
+    assert rec["rank"] == 1 and rec["cause"] == "exited", rec
+    restored = json.loads((tmp_path / "node0" / "restart" / "restore.json").read_text())
+    assert restored["sources"] == ["memory", "peer"], restored  # rank 1's state came from node 0
+    _check(summary, reference["dp2"], "peer", max_lost=1)

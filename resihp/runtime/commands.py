@@ -18,6 +18,9 @@ from resihp.errors import InputError
 from resihp.progress import progress_bar
 from resihp.runtime.config import RunConfig, check_memory
 
+RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
+RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch the job
+
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
 
@@ -90,6 +93,8 @@ def run_cmd(
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
+        if node_rank != 0 and cfg.faults.recovery == "restart":  # node 0 may relaunch the job in place
+            outcome = _follow_restarts(cfg, outcome, nodes)
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
                        "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
@@ -125,8 +130,8 @@ def run_cmd(
         if loop is not None and not outcome.interrupted:
             summary.update(_live_fields(cfg, loop, summary))
             _write_summary(out, summary)
-        if cfg.faults.recovery == "restart" and nnodes == 1 and restartable(outcome):
-            summary, outcome = _restart(cfg, outcome, summary, json_out, keeper)
+        if cfg.faults.recovery == "restart" and restartable(outcome):
+            summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
         elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted:
             flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
             summary, outcome = _recover(cfg, outcome, summary, json_out)
@@ -291,8 +296,27 @@ def _summary(cfg, outcome) -> dict:
     return json.loads(summary_path.read_text())
 
 
-def _restart(cfg, outcome, summary: dict, json_out: bool, keeper,
-             attempts: int = 3):
+def _follow_restarts(cfg, outcome, nodes, attempts: int = RESTARTS):
+    """A node other than 0 under --recovery restart: after its part of a failed launch, join each
+    relaunch node 0 announces (into OUT/restart, restart-2, ...), until one ends well, none comes
+    within the join timeout, or this node is stopped."""
+    from resihp.runtime.supervisor import await_relaunch, supervise
+
+    out = Path(cfg.out)
+    for attempt in range(1, attempts + 1):
+        failed = (outcome.error not in (None, "the job ended on node 0: finished")) or outcome.returncode != 0
+        if not failed or outcome.interrupted or outcome.input_error:
+            break
+        # node 0 relaunches once it has stopped every node's workers and written its summary
+        if not await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s)):
+            break
+        outcome = supervise(cfg.updated(out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}"))),
+                            nodes=nodes, attempt=attempt)
+    return outcome
+
+
+def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
+             attempts: int = RESTARTS):
     """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
     its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
     join the run's before the failure to those after it, from the step it went on at."""
@@ -313,8 +337,8 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper,
         failure, why = again.failure, again.error
         verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
         with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-            again = supervise(new,
-                              on_step=lambda s: advance(s + 1), on_poll=keeper)
+            again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper, nodes=nodes,
+                              attempt=attempt)
         after = _summary(new, again)
         record = recovery_record(before, Path(new.out), failure, before_summary, after, cause=why)
         records.append(record)

@@ -301,18 +301,24 @@ def read_errors(store: Store, job_id: str) -> list[dict]:
 
 
 def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, nproc_per_node: int,
-                 meta: dict | None = None) -> None:
+                 meta: dict | None = None, attempt: int = 0) -> None:
     """Node 0: the job's identity and configuration (``resihp run``'s, which every joining node
-    checks) and its job meta (what a detector following it needs)."""
+    checks) and its job meta (what a detector following it needs); ``attempt``: the restart in
+    place this launch is (0: the first launch)."""
     store.set(JOB_KEY, json.dumps({"job_id": job_id, "config": config, "nnodes": nnodes,
-                                   "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time()}))
+                                   "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time(),
+                                   "attempt": attempt}))
 
 
-def read_job(store: Store, timeout_s: float, poll_s: float = 0.2) -> dict | None:
+def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0) -> dict | None:
+    """The job announced on ``store`` (its launch ``attempt`` or a later one), or None after
+    ``timeout_s``."""
     end = time.monotonic() + timeout_s
     while True:
         if store.check([JOB_KEY]):
-            return json.loads(store.get(JOB_KEY))
+            job = json.loads(store.get(JOB_KEY))
+            if int(job.get("attempt", 0)) >= attempt:
+                return job
         if time.monotonic() > end:
             return None
         time.sleep(poll_s)

@@ -162,14 +162,16 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
               on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
               on_poll: Callable[[], None] | None = None, poll_s: float = 0.2,
               grace_s: float = GRACE_S, nodes: Nodes | None = None,
-              hang_timeout_s: float | None = None) -> Outcome:
+              hang_timeout_s: float | None = None, attempt: int = 0) -> Outcome:
     """Run this node's part of the job and watch it. On node 0 (the only node, by default):
     host the job's store, judge every rank's heartbeats (a dead or hung rank, or a lost node, is a
     fail-stop), read the op records into ``OUT/ops.jsonl`` and hand complete steps to ``on_steps``
     (the live loop, with a function that posts a plan change to the job). On the other nodes: join
     node 0's store, check that the job's configuration is the same, run the workers and the node's
-    heartbeat aggregator until node 0 says the job is over (or cannot be reached). The timeouts
-    not given are the run configuration's (``cfg.faults``)."""
+    heartbeat aggregator until node 0 says the job is over (or cannot be reached). ``attempt``: the
+    restart in place this launch is (node 0 announces it; another node joins that launch, taking
+    the faults and the checkpoint node 0 relaunched with). The timeouts not given are the run
+    configuration's (``cfg.faults``)."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
     world = cfg.dims().world_size
@@ -186,9 +188,10 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
     with _Signals() as signals, JobStore(nodes.endpoint, host=host,
                                          timeout_s=max(join_timeout_s, 60.0) if host else join_timeout_s) as js:
         if host:
-            announce_job(js.store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node)
+            announce_job(js.store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node,
+                         attempt=attempt)
         else:
-            cfg = _join(js.store, cfg, nodes, join_timeout_s)
+            cfg = _join(js.store, cfg, nodes, join_timeout_s, attempt)
         config_path = out / "config.json"
         config_path.write_text(cfg.to_json())
         watch = _Watch(cfg, nodes, js.store, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
@@ -199,6 +202,25 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
             watch.close()
 
 
+RELAUNCH_KEYS = ("inject", "resume")  # what node 0 changes when it restarts the job in place
+
+
+def await_relaunch(nodes: Nodes, attempt: int, timeout_s: float) -> bool:
+    """A node other than 0, its part of the job over: wait until node 0 announces launch
+    ``attempt`` of the job (a restart in place) on its endpoint; whether it did within
+    ``timeout_s``. Node 0's store goes and comes back between launches: each try connects anew."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with JobStore(nodes.endpoint, host=False, timeout_s=max(1.0, min(10.0, end - time.monotonic()))) as js:
+                if read_job(js.store, timeout_s=min(2.0, max(0.0, end - time.monotonic())), attempt=attempt):
+                    return True
+        except (InputError, RuntimeError, dist.DistError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def job_config(cfg: RunConfig) -> dict:
     """What every node of a job must agree on: the run config (flat, by option name) without this
     node's own fields."""
@@ -206,14 +228,16 @@ def job_config(cfg: RunConfig) -> dict:
     return json.loads(json.dumps({k: v for k, v in cfg.flags().items() if k not in own}))
 
 
-def _join(store, cfg: RunConfig, nodes: Nodes, timeout_s: float) -> RunConfig:
+def _join(store, cfg: RunConfig, nodes: Nodes, timeout_s: float, attempt: int = 0) -> RunConfig:
     """A node other than 0: the job's identity from node 0, after checking that both agree."""
-    job = read_job(store, timeout_s)
+    job = read_job(store, timeout_s, attempt=attempt)
     if job is None:
         raise InputError(f"--rdzv-endpoint {nodes.endpoint}: no job announced there within {timeout_s:g} s "
                          "(start node 0 first, or check the endpoint)")
-    mine = job_config(cfg)
     theirs = job["config"]
+    if attempt:  # a restart in place: node 0 chose what it relaunches with
+        cfg = cfg.updated(**{k: theirs[k] for k in RELAUNCH_KEYS if k in theirs})
+    mine = job_config(cfg)
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     if differ or (job["nnodes"], job["nproc_per_node"]) != (nodes.nnodes, nodes.nproc_per_node):
         what = ", ".join(f"{k} (node 0: {theirs.get(k)!r}, here: {mine.get(k)!r})" for k in differ[:3]) or (
