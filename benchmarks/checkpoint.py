@@ -265,7 +265,8 @@ def main() -> None:
     os.environ["RESIHP_SHM"] = str(shm)
     disk = Path(tempfile.mkdtemp(prefix="resihp-bench-dcp-", dir=os.environ.get("BENCH_DISK")))
     model, opt = build(args.layers)
-    train_step(model, opt, args.batch)
+    for _ in range(4):  # as many steps as the snapshot phase below trains: the same temporaries
+        train_step(model, opt, args.batch)
     nbytes = state_bytes(model, opt)
     rss0 = rss_anon()
     tier = MemoryTier(tier_dir("bench", 0), 0)

@@ -18,7 +18,9 @@ per-step losses from the resumed step on are bitwise those of an uninterrupted r
   what to load): that relaunch fails as well, the next one restores from memory;
 - every rank of a simulated node SIGKILLed and that node's memory tier lost (two launchers, one
   rank each): node 0 relaunches the job in place on both nodes, and the lost rank's state comes
-  from its data-parallel peer on the other node, over gloo.
+  from its data-parallel peer on the other node, over gloo;
+- SIGTERM of the job with the keeper writing the checkpoints: the newest step in memory is written
+  to disk at the breakpoint, and a resumed run from it trains the same losses.
 """
 
 from __future__ import annotations
@@ -283,3 +285,26 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
     restored = json.loads((tmp_path / "node0" / "restart" / "restore.json").read_text())
     assert restored["sources"] == ["memory", "peer"], restored  # rank 1's state came from node 0
     _check(summary, reference["dp2"], "peer", max_lost=1)
+
+
+def test_sigterm_of_the_job_leaves_its_newest_snapshot_on_disk_to_resume_from(reference, shm, tmp_path):
+    # the keeper writes the checkpoints (--ckpt-every with snapshots); none is due before the
+    # SIGTERM, so the one the job can resume from is the newest step in memory, written at the end
+    out = tmp_path / "run"
+    proc = _start(out, shm, "--dp", "2", "--pp", "1", "--snapshot-every", "1", "--ckpt-every", "100",
+                  "--recovery", "none", *SLOW)
+    _published(_tier(shm), 0, 1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 143, stderr[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == "interrupted", run
+    resumable = run["resumable"]
+    assert resumable["checkpoint"] is not None and resumable["next_step"] >= 2, run
+    log = [json.loads(line) for line in (out / "ckpt" / "persist.jsonl").read_text().splitlines()]
+    assert [e["reason"] for e in log] == ["breakpoint"]
+    assert resumable["next_step"] < 6, "the run ended before the signal: slow it further"
+    resumed = _finish(_start(tmp_path / "resumed", shm, "--dp", "2", "--pp", "1", "--recovery", "none",
+                             "--resume", str(out)))
+    assert resumed["first_step"] == resumable["next_step"]
+    assert resumed["losses"] == reference["dp2"][resumable["next_step"]:]
