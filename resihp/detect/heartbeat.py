@@ -220,6 +220,18 @@ class NodeAggregator(_Loop):
             ranks[str(rank)] = entry
         return ranks
 
+    def exited_now(self) -> list[tuple[int, int, float]]:
+        """The ranks whose process is gone, checked now rather than at the next beat (a few
+        ``/proc`` reads): (rank, its last step, seconds since its last beat)."""
+        now, gone = time.monotonic(), []
+        for rank, msg in self._last.items():
+            if msg is not None and msg["phase"] not in FINISHED and _process_state(msg["pid"]) in (None, "Z"):
+                gone.append((rank, msg["step"], round(now - self._beat_at[rank], 3)))
+        if gone:  # a rank that finished says so in its last beat, which may be newer than ours
+            fresh = self.read()
+            gone = [g for g in gone if fresh.get(g[0]) is None or json.loads(fresh[g[0]])["phase"] not in FINISHED]
+        return gone
+
     def excuse(self) -> None:
         """This node's ranks were held up by a peer that is gone (a replica evicted): their stall
         clocks start again."""

@@ -43,6 +43,7 @@ from resihp.runtime.lifecycle import ProcessTracker
 from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, REPLICA_ENV
 from resihp.runtime.supervisor import (
     GRACE_S,
+    SCAN_S,
     Outcome,
     _Signals,
     _stop,
@@ -67,6 +68,7 @@ class _Replica:
     aggregator: NodeAggregator
     lines: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
+    scanned: float = 0.0  # when its process tree was last scanned
 
 
 @dataclass
@@ -193,7 +195,11 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     outcome.error = f"stopped by {signals.received}; all workers were stopped"
                     break
                 for rep in live.values():
-                    rep.tracker.scan()
+                    # a scan reads all of /proc (about 10 ms here): every poll until the replica's
+                    # torchrun and workers are known, then once a second (as supervise does)
+                    if len(rep.tracker.known) <= per or time.time() - rep.scanned >= SCAN_S:
+                        rep.tracker.scan()
+                        rep.scanned = time.time()
                 read_steps()
                 chain.advance()
                 reports = read_errors(store, cfg.job_id)
@@ -207,6 +213,11 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 seen_reports = len(reports)
                 if outcome.input_error:
                     break
+                for d, rep in list(live.items()):  # a worker gone: known at this poll, not at the next beat
+                    gone = rep.aggregator.exited_now() if d not in done else []
+                    if gone and d in live:
+                        rank, step, silent_s = gone[0]
+                        lose(d, rank, "exited", step, silent_s)
                 for ev in monitor.poll(monitor.min_step()):
                     d = dims.coords(ev.rank).dp_rank
                     if d in live and d not in done:
