@@ -19,7 +19,11 @@ rounds, in a rotated order, so the machine's drifts hit all alike; medians over 
   disk checkpoint, without the lost rank). Stall = the survivors' time from their last step before
   the failure to the first step after the restart, plus the steps done twice.
 - ``failure_free``: ``--recovery replica`` against ``--recovery none`` without a fault
-  (tokens per second), the overhead of the quorum and the cross-replica groups.
+  (tokens per second), the overhead of the quorum and the cross-replica groups: the median over
+  rounds of each round's ratio (``failure_free_overhead``), beside the ratio of the medians; a
+  second ``--recovery none`` run per round gives the noise floor of that comparison on this machine
+  (``failure_free_noise``: the median of |none / none again - 1|). ``--ff-only`` runs only these
+  arms (``--ff-rounds`` of them).
 torchft is not run here: it is an optional extra, absent unless installed (``torchft`` import).
 """
 
@@ -103,9 +107,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--fail-step", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--ff-only", action="store_true", help="only the failure-free arms")
+    parser.add_argument("--ff-rounds", type=int, default=None, help="rounds of the failure-free arms")
     args = parser.parse_args()
-    arms = ["replica", "memory", "disk", "ff-replica", "ff-none"]
-    results: dict[str, list[dict]] = {a: [] for a in arms}
+    arms = ([] if args.ff_only else ["replica", "memory", "disk"]) + ["ff-replica", "ff-none", "ff-none-again"]
+    args.rounds = args.ff_rounds or args.rounds if args.ff_only else args.rounds
+    results: dict[str, list[dict]] = {a: [] for a in ["replica", "memory", "disk", *arms]}
     with tempfile.TemporaryDirectory(prefix="replica-ft-") as tmp:
         for r in range(args.rounds):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
@@ -132,6 +139,10 @@ def main() -> None:
         torchft_note = "not installed (optional extra): not run"
     replica_stall, memory_stall, disk_stall = med("replica", "stall_s"), med("memory", "stall_s"), med("disk", "stall_s")
     ff_replica, ff_none = med("ff-replica", "tokens_per_s"), med("ff-none", "tokens_per_s")
+    pairs = list(zip(results["ff-replica"], results["ff-none"], results["ff-none-again"], strict=True))
+    paired = [n["tokens_per_s"] / r["tokens_per_s"] - 1 for r, n, _ in pairs if r.get("tokens_per_s") and n.get("tokens_per_s")]
+    noise = [abs(n["tokens_per_s"] / a["tokens_per_s"] - 1) for _, n, a in pairs
+             if n.get("tokens_per_s") and a.get("tokens_per_s")]
     summary = {
         "harness": {"model": MODEL, "steps": args.steps, "fault": f"stop:rank=1,step={args.fail_step}",
                     "rounds": args.rounds, "machine": os.cpu_count()},
@@ -142,7 +153,10 @@ def main() -> None:
         "disk_restart": {k: med("disk", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")},
         "stall_vs_disk_restart": round(replica_stall / disk_stall, 4) if replica_stall and disk_stall else None,
         "stall_vs_memory_restart": round(replica_stall / memory_stall, 4) if replica_stall and memory_stall else None,
-        "failure_free_overhead": round(ff_none / ff_replica - 1, 4) if ff_replica and ff_none else None,
+        "failure_free_overhead": round(statistics.median(paired), 4) if paired else None,
+        "failure_free_overhead_of_medians": round(ff_none / ff_replica - 1, 4) if ff_replica and ff_none else None,
+        "failure_free_overhead_each": [round(x, 4) for x in paired],
+        "failure_free_noise": round(statistics.median(noise), 4) if noise else None,
         "failure_free_tokens_per_s": {"replica": ff_replica, "none": ff_none},
         "torchft": torchft_note,
         "targets": {"stall_vs_disk_restart": "<= 0.05", "stall_steps": "<= 3", "catchup_over_step": "<= 1",

@@ -1,3 +1,8 @@
+import os
+import shutil
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -24,3 +29,14 @@ def measured_profile():
     cfg = GPTConfig(layers=1, hidden=64, heads=2, ffn_hidden=128, max_seq_len=256)
     return batches, run_profile(cfg, batches, budget=256, device=torch.device("cpu"), repeats=3,
                                 model_name="tiny")
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch) -> Path:
+    """A scratch root for memory tiers (under /dev/shm where there is one), as RESIHP_SHM."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = root / f"resihp-test-{os.getpid()}-{time.monotonic_ns()}"
+    root.mkdir()
+    monkeypatch.setenv("RESIHP_SHM", str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,18 +17,6 @@ from resihp.ckpt.keeper import ensure_keeper, keeper_pid, stop_keeper
 from resihp.ckpt.memory import MemoryTier, SlotHeader, tier_dir
 from resihp.ckpt.snapshot import Snapshotter, _load, find_latest, state_tensors
 from resihp.errors import InputError
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch) -> Path:
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    root = root / f"resihp-test-{os.getpid()}-{time.monotonic_ns()}"
-    root.mkdir()
-    monkeypatch.setenv("RESIHP_SHM", str(root))
-    yield root
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

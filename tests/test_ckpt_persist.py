@@ -11,7 +11,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from resihp.ckpt.integrity import candidates, problem
@@ -20,18 +19,6 @@ from resihp.ckpt.memory import MemoryTier, tier_dir
 from resihp.ckpt.persist import PersistRequest, blocks_of
 from resihp.ckpt.snapshot import Snapshotter, state_tensors
 from resihp.ckpt.universal import read_full, read_meta
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch) -> Path:
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    root = root / f"resihp-persist-{os.getpid()}-{time.monotonic_ns()}"
-    root.mkdir()
-    monkeypatch.setenv("RESIHP_SHM", str(root))
-    yield root
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _model(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -69,12 +56,16 @@ def _expected(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_the_keeper_writes_each_due_step_from_memory_and_keeps_the_newest(shm, tmp_path):
-    model, opt = _model(256, 3)
+def _keeper_and_snapshots(tmp_path: Path) -> tuple[Path, Snapshotter, Path]:
+    """A keeper that loads DCP as it starts, a rank's snapshots into its tier, a checkpoint root."""
     directory = tier_dir("job", 0)
     ensure_keeper(directory, os.getpid(), warm=True)
-    snap = Snapshotter(MemoryTier(directory, 0), every=1)
-    root = tmp_path / "run" / "ckpt"
+    return directory, Snapshotter(MemoryTier(directory, 0), every=1), tmp_path / "run" / "ckpt"
+
+
+def test_the_keeper_writes_each_due_step_from_memory_and_keeps_the_newest(shm, tmp_path):
+    model, opt = _model(256, 3)
+    directory, snap, root = _keeper_and_snapshots(tmp_path)
     expected = {}
     try:
         for step in range(7):
@@ -103,10 +94,7 @@ def test_the_keeper_writes_each_due_step_from_memory_and_keeps_the_newest(shm, t
 
 def test_keep_prunes_older_checkpoints(shm, tmp_path):
     model, opt = _model(64, 1)
-    directory = tier_dir("job", 0)
-    ensure_keeper(directory, os.getpid(), warm=True)
-    snap = Snapshotter(MemoryTier(directory, 0), every=1)
-    root = tmp_path / "run" / "ckpt"
+    directory, snap, root = _keeper_and_snapshots(tmp_path)
     try:
         for step in range(6):
             _train(model, opt)
