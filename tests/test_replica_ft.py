@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,47 @@ def test_commits_carry_the_newest_plan_change_and_a_joiner_gets_its_admitting_on
     assert q[1].admitting(q[1].admitted(Member(1, 1))) == d2
     assert [(d.step, d.commit, (d.plan or {}).get("id")) for d in q[0].decisions(gen)] == [
         (0, True, None), (1, True, 1), (2, False, None), (2, True, 2)]
+
+
+def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full_one():
+    """A commit that follows the previous one with the store's change count unchanged skips the
+    eviction, join and plan look-ups; every eviction, join request, held report and plan post bumps
+    the count, so the next commit looks again."""
+    import torch.distributed as dist
+
+    from resihp.runtime.controlplane import plan_key, post_change
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", host.port, is_master=False)  # noqa: E731
+    q = [Quorum(client(), "job", ranks_per_replica=1, timeout_s=5, plan_key=plan_key("job")) for _ in range(2)]
+    q[0].set_replicas(2)
+    gen = q[0].start([Member(0), Member(1)], 0)
+
+    def commit(step: int, previous):
+        now = previous.next if previous else gen
+        votes = [q[r].vote(now, step, True, previous) for r in now.replicas]
+        d = votes[-1]  # the last voter decides
+        assert votes[:-1] == [None] * (len(votes) - 1) and d.commit and q[0].wait(now, step) == d
+        return d
+
+    d0 = commit(0, None)
+    d1 = commit(1, d0)
+    assert (d1.next, d1.seen, d1.plan) == (replace(gen, from_step=2), d0.seen, None)
+    # a key written without the count's bump is not looked for: the fast path was taken
+    host.set("resihp/job/ft/evicted/1/0", "by hand")
+    d2 = commit(2, d1)
+    assert d2.next.replicas == [0, 1]
+    post_change(host, "job", {"id": 7, "dp_weights": [2.0, 1.0]})
+    d3 = commit(3, d2)
+    assert d3.plan == {"id": 7, "dp_weights": [2.0, 1.0]} and d3.seen == d2.seen + 1
+    assert d3.next.replicas == [0]  # the full path saw the hand-written eviction with the post
+    d4 = commit(4, d3)
+    assert d4.plan == d3.plan and d4.seen == d3.seen  # a fast commit carries the plan in force
+    # a returning replica: its request and held report each bump the count
+    q[1].request_join(Member(1, 1))
+    q[1].report_held(Member(1, 1), 0, 4)
+    d5 = commit(5, d4)
+    assert d5.joined == (Member(1, 1),) and d5.next.replicas == [0, 1] and d5.seen == d4.seen + 2
 
 
 def test_generation_round_trips():

@@ -4,16 +4,21 @@ default world, which a lost replica leaves), one generation per membership. A gr
 members changed is dropped without a collective (it may hold a dead peer) and a new one formed
 under a fresh store prefix.
 
-A sum is waited on by polling, not by a blocking wait: when a member is lost, the survivors beside
+A sum is waited on in slices, not by one blocking wait: when a member is lost, the survivors beside
 it in a ring may not see the dead peer at all, only a survivor that left the sum on its own error
 (its retired group keeps the connection open), and would wait for the group's timeout. ``abandon``
-(the quorum decided the step without this rank's vote: an abort) lets them leave at once."""
+(the quorum decided the step without this rank's vote: an abort) lets them leave at once. The
+slices end on the sum's completion (a callback on its future), not on a sleep, so a sum that
+finishes is noticed at once.
+
+On a GPU the group is still gloo (it stages CUDA tensors through host memory): a NCCL group with a
+dead peer must be aborted, not dropped, and several ranks of one host may share a GPU here."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
+import threading
 from collections.abc import Callable
 
 import torch
@@ -68,12 +73,9 @@ class ReplicaGroup:
             return
         work = self.pg.allreduce([flat])
         if abandon is not None:
-            pause, check_at = 0.0005, time.monotonic() + check_s
-            while not work.is_completed():
-                if time.monotonic() >= check_at:
-                    if abandon():
-                        raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
-                    check_at = time.monotonic() + check_s
-                time.sleep(pause)
-                pause = min(2 * pause, 0.005)
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            while not done.wait(check_s):
+                if abandon():
+                    raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
         work.wait()  # the sum's own error, if it failed

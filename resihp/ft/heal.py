@@ -33,8 +33,11 @@ def heal_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     return [t for name, t in state_tensors(model, optimizer) if name != RNG_KEY]
 
 
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+def flatten(tensors: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """One float32 vector of ``tensors`` on ``device`` (default: the first tensor's). On a GPU
+    AdamW keeps its ``step`` counts on the CPU, so a state mixes devices."""
+    device = tensors[0].device if device is None else device
+    return torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
 
 
 def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -63,7 +66,7 @@ class HealSource(threading.Thread):
         self.last: int | None = None  # the last step whose gradients the returning rank needs
 
     def push(self, kind: int, step: int, flat: torch.Tensor) -> None:
-        self.items.put((kind, step, flat))
+        self.items.put((kind, step, flat.cpu()))  # gloo sends from host memory
 
     def close(self, last: int) -> None:
         self.last = last

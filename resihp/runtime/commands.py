@@ -75,6 +75,8 @@ def run_cmd(
     if replicas and nnodes > 1:
         raise InputError(f"--recovery {cfg.faults.recovery}: one node only for now (got --nnodes {nnodes})")
     check_memory(cfg, nodes.nproc_per_node)
+    if gpus:
+        _check_gpus(cfg, nodes.nproc_per_node)
     with RunFolder(out).acquire(if_busy) as folder:
         out = folder.out
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
@@ -154,6 +156,20 @@ def _cuda_available() -> bool:
     import torch  # deferred for start-up time (the live loop imports it anyway)
 
     return torch.cuda.is_available()
+
+
+def _check_gpus(cfg: RunConfig, nproc_per_node: int) -> None:
+    """NCCL refuses two ranks of one group on one GPU: each rank of a node needs a GPU of its own,
+    except that replicas (``--recovery replica``) may share GPUs, since their sums go over gloo."""
+    import torch  # deferred, as above
+
+    replicas = cfg.faults.recovery.startswith("replica")
+    need = cfg.parallel.pp * cfg.parallel.tp if replicas else nproc_per_node
+    have = torch.cuda.device_count()
+    if need > have:
+        raise InputError(f"--device cuda: {need} ranks {'per replica' if replicas else 'on this node'} "
+                         f"need a GPU each (NCCL), this node has {have}"
+                         + ("" if replicas or cfg.parallel.dp < 2 else "; --recovery replica lets replicas share GPUs"))
 
 
 def _resume_source(path: Path, steps: int) -> Path:

@@ -24,6 +24,7 @@ import pandas as pd
 from torch.distributed import Store
 
 from resihp.detect.heartbeat import PREFIX as HB
+from resihp.ft.quorum import changes_key
 from resihp.runtime.recorder import columns_frame
 
 JOB_KEY = "resihp/job"
@@ -264,6 +265,7 @@ def post_change(store: Store, job_id: str, change: dict) -> None:
     """Hand a plan change to the running job (its rank 0 takes it at the next step boundary; with
     replica-level fault tolerance, the next commit carries it to every rank)."""
     store.set(plan_key(job_id), json.dumps(change))
+    store.add(changes_key(job_id), 1)  # after it: replica mode's next commit looks for it
 
 
 class PlanInbox:

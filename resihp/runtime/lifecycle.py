@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import os
 import secrets
 import signal
@@ -131,6 +132,7 @@ class ProcessTracker:
 
     def __init__(self, root: int) -> None:
         self.known: dict[int, int] = {}  # pid -> start time
+        self._scanned = -math.inf
         self.add(root)
 
     def add(self, pid: int) -> None:
@@ -148,6 +150,15 @@ class ProcessTracker:
                 if ppid in self.known and pid not in self.known and start_time(pid) is not None:
                     self.add(pid)
                     changed = True
+
+    def watch(self, workers: int, every_s: float = 1.0) -> None:
+        """While the job runs: a scan reads all of /proc (about 10 ms here), so scan every call
+        until the root and its ``workers`` are known, then at most once every ``every_s`` (a
+        worker's own children are ended with its process group)."""
+        now = time.monotonic()
+        if len(self.known) <= workers or now - self._scanned >= every_s:
+            self.scan()
+            self._scanned = now
 
     def alive(self) -> list[int]:
         return [pid for pid, started in self.known.items() if start_time(pid) == started]

@@ -46,6 +46,7 @@ from resihp.runtime.inject import FaultInjector
 from resihp.runtime.planchange import PlanChange
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
+GPU_OFFSET_ENV = "RESIHP_GPU_OFFSET"  # the first GPU of a replica's local rank 0 on its host
 BEAT_S = 0.25  # heartbeat interval: a hung replica is judged within a few beats
 
 
@@ -138,7 +139,8 @@ class ReplicaEngine(Engine):
             ok = False  # a member was lost inside the sum: the vote says so, nothing is applied
             self.rec.active = None
         with self.rec.waiting("ft-commit"):
-            decision = self.quorum.vote(self.gen, step, ok) or self.quorum.wait(self.gen, step)
+            decision = (self.quorum.vote(self.gen, step, ok, previous=self.decision)
+                        or self.quorum.wait(self.gen, step))
         self.decision = decision
         if self.member not in decision.next.members:
             raise Evicted(f"replica {self.member.replica} was evicted at step {step}")
@@ -179,7 +181,7 @@ class ReplicaEngine(Engine):
                 self.sources.pop(old).close(-1)
             source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
                                                           self.position), self.full.faults.timeout_s)
-            source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer)))
+            source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer), "cpu"))
             source.start()
             self.sources[m] = source
 
@@ -252,7 +254,9 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     heart = HeartbeatSender(connect(), global_rank, member.replica, interval_s=BEAT_S,
                             prefix=heartbeat_prefix(job_id)).start()
     timeout = timedelta(seconds=cfg.faults.timeout_s)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+    # NCCL inside the replica when its ranks have a GPU each, else gloo (NCCL refuses a shared GPU)
+    backend = "nccl" if device.type == "cuda" and per_replica <= torch.cuda.device_count() else "gloo"
+    dist.init_process_group(backend,
                             store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
                             rank=local, world_size=per_replica, timeout=timeout)
     engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.faults.recovery == "replica-drop")

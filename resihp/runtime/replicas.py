@@ -40,10 +40,9 @@ from resihp.runtime.controlplane import (
 )
 from resihp.runtime.launch import JobStore, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
-from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, REPLICA_ENV
+from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, GPU_OFFSET_ENV, REPLICA_ENV
 from resihp.runtime.supervisor import (
     GRACE_S,
-    SCAN_S,
     Outcome,
     _Signals,
     _stop,
@@ -68,7 +67,6 @@ class _Replica:
     aggregator: NodeAggregator
     lines: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
-    scanned: float = 0.0  # when its process tree was last scanned
 
 
 @dataclass
@@ -138,7 +136,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         def launch(d: int, attempt: int) -> _Replica:
             for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks[d])]:
                 store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
-            env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt)},
+            env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str(d * per)},
                              endpoint=js.endpoint, node=d, managed=True)
             proc = subprocess.Popen(torchrun_command(config_path, per, endpoint=js.endpoint,
                                                      run_id=f"{cfg.job_id}-r{d}-a{attempt}"),
@@ -195,11 +193,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     outcome.error = f"stopped by {signals.received}; all workers were stopped"
                     break
                 for rep in live.values():
-                    # a scan reads all of /proc (about 10 ms here): every poll until the replica's
-                    # torchrun and workers are known, then once a second (as supervise does)
-                    if len(rep.tracker.known) <= per or time.time() - rep.scanned >= SCAN_S:
-                        rep.tracker.scan()
-                        rep.scanned = time.time()
+                    rep.tracker.watch(per)
                 read_steps()
                 chain.advance()
                 reports = read_errors(store, cfg.job_id)

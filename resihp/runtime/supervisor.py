@@ -108,7 +108,6 @@ def _ancestors(pid: int) -> set[int]:
     return found
 
 
-SCAN_S = 1.0  # seconds between scans for the job's processes once all are known
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
 SETTLE_S = 0.5  # how long a fail-stop waits for the rest of the dead rank's last step's records
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -366,15 +365,10 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     outcome = Outcome(returncode=0)
-    scanned = 0.0
     try:
         while proc.poll() is None:
             time.sleep(poll_s)
-            # a scan reads /proc (milliseconds): every poll until torchrun and each worker are
-            # known, then once a second (a worker's own children are ended with its process group)
-            if len(tracker.known) <= local or time.time() - scanned >= SCAN_S:
-                tracker.scan()
-                scanned = time.time()
+            tracker.watch(local)
             if signals.received:
                 outcome.interrupted = signals.received
                 outcome.error = f"stopped by {signals.received}; all workers were stopped"

@@ -51,7 +51,7 @@ from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent
 from resihp.runtime.recorder import merge_streams
-from resihp.runtime.replica import ATTEMPT_ENV, REPLICA_ENV, run_replica
+from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
 from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
 
 
@@ -83,9 +83,12 @@ def _device(cfg: RunConfig) -> torch.device:
     if use_cuda and not torch.cuda.is_available():
         raise InputError("--device cuda: CUDA is not available on this machine")
     if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+        # the replicas of one host are torchrun jobs of their own: replica d's ranks take the GPUs
+        # after the replicas before it, wrapping round (ranks share a GPU) where the host has fewer
+        index = (int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get(GPU_OFFSET_ENV, "0"))) \
+            % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
