@@ -254,9 +254,8 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     heart = HeartbeatSender(connect(), global_rank, member.replica, interval_s=BEAT_S,
                             prefix=heartbeat_prefix(job_id)).start()
     timeout = timedelta(seconds=cfg.faults.timeout_s)
-    # NCCL inside the replica when its ranks have a GPU each, else gloo (NCCL refuses a shared GPU)
-    backend = "nccl" if device.type == "cuda" and per_replica <= torch.cuda.device_count() else "gloo"
-    dist.init_process_group(backend,
+    # on GPUs each rank of a replica has one of its own (resihp run checks before launching)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
                             rank=local, world_size=per_replica, timeout=timeout)
     engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.faults.recovery == "replica-drop")
