@@ -61,6 +61,9 @@ class DetectorConfig:
     # slowdown of the phase at least this large
     phases: bool = True
     phase_min_slowdown: float = 1.5
+    # with one pipeline stage and no trained predictor, each phase's cost is fitted on the job's
+    # own calibration window (``fitted``), not taken from analytic FLOPs
+    fit_cost: bool = True
 
     def __post_init__(self) -> None:
         positive = ["calibration_steps", "cusum_k", "cusum_h", "z_clip", "min_persist", "sigma_floor",

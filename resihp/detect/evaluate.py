@@ -25,7 +25,7 @@ from resihp.detect.observe import (
     rank_layout,
     shape_from_meta,
 )
-from resihp.detect.online import OnlineDetector, phase_matrices
+from resihp.detect.online import OnlineDetector, phase_matrices, trace_cost
 from resihp.detect.synth import Injection
 from resihp.opstrace import JobMeta
 from resihp.parallel import ParallelDims
@@ -127,6 +127,7 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
     layout = rank_layout(df, meta)
     cfg = config or DetectorConfig()
     shape = shape_from_meta(meta_dict)
+    expected = trace_cost(df, meta, expected, cfg, meta_dict)
     obs = observe_ops(df, meta, expected=expected, shape=shape, own_quantile=cfg.own_quantile)
     if on_obs:
         on_obs(obs)

@@ -8,7 +8,8 @@ the median of its messages with the waits taken out, ``links``; without, a low q
 sends and backward receives) and ``sync`` (gradient-collective transfer seconds, ``links``).
 
 The expected cost of an op comes from, in order of preference: a predictor callable given the op's
-packed sequence lengths; analytic FLOPs of those lengths; peers that did the same work (the same stage
+packed sequence lengths (or the job's own cost fitted on its calibration window, ``fitted``); analytic
+FLOPs of those lengths; peers that did the same work (the same stage
 and micro-batch slot on the other data-parallel replicas, or with one replica the same micro-batch on
 the other stages); the op's phase alone.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from resihp.detect.fitted import FittedCost
 from resihp.detect.links import pipeline_transfers, sync_transfers
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
@@ -299,12 +301,17 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
     ph_bwd = bwd[first]
     cost_u = np.empty(len(first))
     if expected is not None:
+        fitted = isinstance(expected, FittedCost)
         for p, sel in (("fwd", np.flatnonzero(~ph_bwd)), ("bwd", np.flatnonzero(ph_bwd))):
-            if sel.size:
+            if sel.size and fitted:  # the fitted window out of fold: its noise seen honestly
+                cost_u[sel] = expected.costs([lens[i] for i in sel], p, comp.step[first[sel]])
+            elif sel.size:
                 cost_u[sel] = np.asarray(expected([lens[i] for i in sel], p), dtype=np.float64)
         if not np.all(np.isfinite(cost_u)) or cost_u.min() <= 0:
             raise InputError("predictor: expected compute times must be positive and finite")
         cost = cost_u[codes]
+        if fitted:  # relative costs: the job's own, not a device's seconds
+            return cost, None, "fitted"
         return cost, cost, "predictor"
     feats = length_features(list(lens))
     tokens, sum_sq = feats["tokens"].to_numpy(), feats["sum_sq"].to_numpy()

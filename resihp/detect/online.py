@@ -26,6 +26,7 @@ import pandas as pd
 from resihp.detect.changepoint import CusumBank
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event, events_json
+from resihp.detect.fitted import fit_trace
 from resihp.detect.observe import (
     NEXT_LINK_OPTYPES,
     ExpectedCompute,
@@ -77,6 +78,7 @@ class OnlineDetector:
         # per traffic: each rank's transfers of the calibration steps, and of the last few steps
         self._healthy_rows: dict[str, list[np.ndarray]] = {"pipeline": [], "gradient-sync": []}
         self._recent: dict[str, dict[int, np.ndarray]] = {"pipeline": {}, "gradient-sync": {}}
+        self._fit_window: list[pd.DataFrame] | None = [] if fits_cost(meta, expected, self.cfg) else None
 
     def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
         """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
@@ -104,8 +106,18 @@ class OnlineDetector:
 
     # -- feeding -------------------------------------------------------------------------------
     def observe(self, step_df: pd.DataFrame) -> list[Event]:
-        """Ops-trace rows of one step (or several consecutive steps); returns the new events."""
+        """Ops-trace rows of one step (or several consecutive steps); returns the new events.
+
+        Where the cost is to be fitted (``fits_cost``), the calibration window's steps are held
+        until it is complete, then fitted and observed together."""
         df = validate_ops_trace(step_df, source="step records")
+        if self._fit_window is not None:
+            self._fit_window.append(df)
+            df = pd.concat(self._fit_window, ignore_index=True)
+            if df["step"].nunique() < self.cfg.calibration_steps:
+                return []
+            self._fit_window = None
+            self.expected = fit_trace(df, self.cfg.calibration_steps, self.shape) or self.expected
         self._merge_layout(rank_layout(df, self.meta, source="step records"))
         obs = observe_ops(df, self.meta, expected=self.expected, shape=self.shape,
                           own_quantile=self.cfg.own_quantile)
@@ -568,13 +580,30 @@ def _others_log(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def fits_cost(meta: JobMeta, expected: ExpectedCompute | None, cfg: DetectorConfig) -> bool:
+    """Whether the job's own cost is fitted: no predictor given, and one pipeline stage (with
+    several, the same micro-batch on the other stages is the better reference)."""
+    return cfg.fit_cost and expected is None and meta.pp_size == 1
+
+
+def trace_cost(df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
+               cfg: DetectorConfig, meta_dict: dict | None = None) -> ExpectedCompute | None:
+    """The cost model for a whole trace: ``expected`` if given; where ``fits_cost``, the job's own
+    cost fitted on its first ``calibration_steps`` steps; else None (FLOPs, peers or phases)."""
+    if not fits_cost(meta, expected, cfg):
+        return expected
+    return fit_trace(df, cfg.calibration_steps, shape_from_meta(meta_dict)) or expected
+
+
 def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, meta_dict: dict | None = None) -> dict:
     """The DESIGN event JSON for a whole (validated) ops trace."""
     df = validate_ops_trace(df)
     meta = meta or infer_meta(df)
     layout = rank_layout(df, meta)
-    det = OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
+    cfg = config or DetectorConfig()
+    expected = trace_cost(df, meta, expected, cfg, meta_dict)
+    det = OnlineDetector(meta, expected, cfg, meta_dict=meta_dict, layout=layout)
     obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile)
     moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
     det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, det.shape, det.cfg),

@@ -1,0 +1,176 @@
+"""A job's own compute cost, learned from its calibration window: the cost model of a job with no
+trained predictor and no pipeline peers (an attached user job, a data-parallel run).
+
+Analytic FLOPs miss what dominates a small model's step on a CPU or a launch-bound GPU: a fixed cost
+per step and per sequence (kernel launches, Python, a per-document attention loop). Per phase
+(forward, backward), the fit is ``seconds = a + b * sequences + c * tokens + d * sum of squared
+lengths`` with every coefficient non-negative (a cost never falls as the work grows), reweighted
+towards least log error (the detector works on log ratios), refitted once without the ops beyond
+three robust sigmas (a CPU hiccup in the window must not bend the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import combinations
+
+import numpy as np
+import pandas as pd
+
+from resihp.workload.features import length_features
+from resihp.workload.flops import TransformerShape, stage_flops
+
+PHASES = ("fwd", "bwd")
+# the fit needs a few ops per coefficient; below this a phase falls back to the analytic model
+MIN_OPS = 12
+_TRIM_SIGMAS = 3.0
+# the window's steps fall into this many folds, each costed by a fit on the others
+FOLDS = 5
+# reweighting rounds: each weighs an op by its predicted cost, which approaches log error
+_IRLS = 3
+
+
+def _features(seq_lens: Sequence[Sequence[int]], shape: TransformerShape | None) -> np.ndarray:
+    """Per micro-batch: 1, sequences, and its FLOPs where the model's shape is known (one
+    coefficient for the compute, whose split between dense and attention work the shape fixes),
+    else tokens and the sum of squared lengths."""
+    f = length_features([list(s) for s in seq_lens])
+    tokens, sum_sq = f["tokens"].to_numpy(), f["sum_sq"].to_numpy()
+    if shape is None:
+        return np.column_stack([np.ones(len(f)), f["n_seqs"], tokens, sum_sq])
+    dense, attention = stage_flops(shape, tokens, sum_sq, "fwd")
+    return np.column_stack([np.ones(len(f)), f["n_seqs"], dense + attention])
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by trying every subset of free coefficients (at most four columns:
+    15 small solves): exact, and it keeps scipy and scikit-learn (seconds of import) out of a user's
+    training process, where the in-process detector runs."""
+    k = x.shape[1]
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-300)
+    xs = x / scale
+    best, best_err = np.zeros(k), float(np.sum(y * y))
+    for size in range(1, k + 1):
+        for cols in combinations(range(k), size):
+            c, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+            if np.any(c < 0):
+                continue
+            err = float(np.sum((xs[:, cols] @ c - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(k), err
+                best[list(cols)] = c
+    return best / scale
+
+
+def _fit_phase(x: np.ndarray, seconds: np.ndarray) -> np.ndarray | None:
+    y = np.asarray(seconds, dtype=np.float64)
+    keep = np.isfinite(y) & (y > 0)
+    if keep.sum() < MIN_OPS:
+        return None
+    for _ in range(2):
+        xk, yk = x[keep], y[keep]
+        coef = _nnls(xk / yk[:, None], np.ones(len(yk)))  # relative error: each row over its value
+        for _ in range(_IRLS):
+            pk = xk @ coef
+            if not np.all(pk > 0):
+                break
+            coef = _nnls(xk / pk[:, None], yk / pk)
+        pred = x @ coef
+        if not np.all(pred[keep] > 0):
+            return None
+        resid = np.log(y / np.where(pred > 0, pred, np.nan))
+        centre = np.nanmedian(resid[keep])
+        spread = 1.4826 * np.nanmedian(np.abs(resid[keep] - centre))
+        inliers = keep & (np.abs(resid - centre) <= _TRIM_SIGMAS * max(spread, 1e-9))
+        if inliers.sum() < MIN_OPS or inliers.sum() == keep.sum():
+            break
+        keep = inliers
+    return coef
+
+
+def _fit_phases(x: np.ndarray, phase: np.ndarray, seconds: np.ndarray
+                ) -> dict[str, np.ndarray] | None:
+    coef = {}
+    for p in PHASES:
+        sel = np.flatnonzero(phase == p)
+        c = _fit_phase(x[sel], seconds[sel])
+        if c is None:
+            return None
+        coef[p] = c
+    return coef
+
+
+@dataclass(frozen=True)
+class FittedCost:
+    """Per phase the fitted coefficients (of ``_features``: with the model's ``shape``, intercept,
+    per sequence, per FLOP); called as an ``ExpectedCompute``: seconds of each micro-batch.
+
+    The ops the fit was made on would look quieter through it than any later op (it has bent
+    towards their noise), and the detector learns each rank's noise on those very steps. So an op
+    of the window is costed by a fit without its own step (``costs`` with its step): ``folds[k]``
+    was fitted without the steps of fold ``k``, and ``fold_of_step`` says where each step fell."""
+
+    coef: dict[str, np.ndarray]
+    shape: TransformerShape | None = None
+    folds: tuple[dict[str, np.ndarray], ...] = ()
+    fold_of_step: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, seq_lens: Sequence[Sequence[int]], phase: Sequence[str], seconds: np.ndarray,
+            steps: Sequence[int] | None = None, shape: TransformerShape | None = None
+            ) -> FittedCost | None:
+        """From compute ops of healthy steps: their lengths, phase (``fwd``/``bwd``), own seconds
+        and (for the out-of-fold costs of those steps) step numbers; ``shape``: the model's
+        (stage's) shape, for its FLOPs; None when a phase has too few ops or no positive fit."""
+        phase = np.asarray(phase)
+        seconds = np.asarray(seconds, dtype=np.float64)
+        x = _features(seq_lens, shape)
+        coef = _fit_phases(x, phase, seconds)
+        if coef is None or steps is None:
+            return None if coef is None else cls(coef, shape)
+        steps = np.asarray(steps, dtype=np.int64)
+        distinct = np.unique(steps)
+        fold_of_step = {int(s): i % FOLDS for i, s in enumerate(distinct)}
+        fold = np.array([fold_of_step[int(s)] for s in steps])
+        folds = []
+        for k in range(FOLDS):
+            out = np.flatnonzero(fold != k)
+            c = _fit_phases(x[out], phase[out], seconds[out])
+            if c is None:  # too few ops to leave a fold out: the window is costed in-sample
+                return cls(coef, shape)
+            folds.append(c)
+        return cls(coef, shape, tuple(folds), fold_of_step)
+
+    def __call__(self, seq_lens: Sequence[Sequence[int]], phase: str) -> np.ndarray:
+        return np.maximum(_features(seq_lens, self.shape) @ self.coef[phase], 1e-12)
+
+    def costs(self, seq_lens: Sequence[Sequence[int]], phase: str, steps: np.ndarray) -> np.ndarray:
+        """Seconds of each micro-batch, run at ``steps``: out of fold for the fitted window."""
+        x = _features(seq_lens, self.shape)
+        out = x @ self.coef[phase]
+        fold = np.array([self.fold_of_step.get(int(s), -1) for s in steps], dtype=np.int64)
+        for k, c in enumerate(self.folds):
+            at = fold == k
+            out[at] = x[at] @ c[phase]
+        return np.maximum(out, 1e-12)
+
+
+_OPTYPE_PHASE = {"forward-compute": "fwd", "backward-compute": "bwd"}
+
+
+def fit_trace(df: pd.DataFrame, calibration_steps: int, shape: TransformerShape | None = None
+              ) -> FittedCost | None:
+    """The fit over the compute ops of a trace's first ``calibration_steps`` steps (their own
+    seconds: tensor-parallel waits taken out); None without lengths on every one of them."""
+    if "seq_lens" not in df.columns:
+        return None
+    steps = np.unique(df["step"].to_numpy())[:calibration_steps]
+    rows = df[df["optype"].isin(list(_OPTYPE_PHASE)) & df["step"].isin(steps)]
+    if rows.empty or rows["seq_lens"].isna().any():
+        return None
+    seconds = rows["duration"].to_numpy(np.float64)
+    if "wait_s" in rows.columns:
+        seconds = seconds - np.nan_to_num(rows["wait_s"].to_numpy(np.float64, na_value=np.nan))
+    return FittedCost.fit(rows["seq_lens"].tolist(), rows["optype"].map(_OPTYPE_PHASE).to_numpy(),
+                          seconds, rows["step"].to_numpy(), shape)
