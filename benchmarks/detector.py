@@ -4,7 +4,7 @@ Quality: ``resihp.detect.suite`` (real packed sequence lengths with their measur
 noise, injected fail-slows 1.1x-5x and link-slows, healthy jobs, a heavier-stage job), scored for
 resihp and each baseline on the same traces. Pipeline jobs (dp 4 x pp 4) with and without sequence
 lengths and timestamps; data-parallel jobs (dp 8 x pp 1), where replicas run different data, with the
-shipped predictor, analytic FLOPs, and no lengths at all. Thresholds were set on seed 0; the figures
+shipped predictor, the job's own fitted cost (the default), analytic FLOPs, and no lengths at all. Thresholds were set on seed 0; the figures
 are for seed 1.
 Speed: ``OnlineDetector.observe_arrays`` over 16,384 ranks on one core (rank-steps per second), and
 the whole path from an ops DataFrame (``observe_ops`` then ``observe_arrays``) on a simulated
@@ -208,7 +208,9 @@ def main() -> None:
         if expected is not None:
             out["data_parallel_predictor"] = evaluate_suite(expected=expected, **dp_only)
             out["data_parallel_predictor"]["model"] = name
-        out["data_parallel_flops"] = evaluate_suite(**dp_only)
+        # the default without a predictor: each phase's cost fitted on the calibration window
+        out["data_parallel_fitted"] = evaluate_suite(**dp_only)
+        out["data_parallel_flops"] = evaluate_suite(config=DetectorConfig(fit_cost=False), **dp_only)
         out["data_parallel_no_lengths"] = evaluate_suite(drop=("seq_lens",), **dp_only)
     out["speed_observe_arrays"] = speed_observe_arrays(steps=50 if args.quick else 200)
     out["speed_observe_ops"] = speed_observe_ops()

@@ -18,7 +18,6 @@ from itertools import combinations
 import numpy as np
 import pandas as pd
 
-from resihp.workload.features import length_features
 from resihp.workload.flops import TransformerShape, stage_flops
 
 PHASES = ("fwd", "bwd")
@@ -35,12 +34,14 @@ def _features(seq_lens: Sequence[Sequence[int]], shape: TransformerShape | None)
     """Per micro-batch: 1, sequences, and its FLOPs where the model's shape is known (one
     coefficient for the compute, whose split between dense and attention work the shape fixes),
     else tokens and the sum of squared lengths."""
-    f = length_features([list(s) for s in seq_lens])
-    tokens, sum_sq = f["tokens"].to_numpy(), f["sum_sq"].to_numpy()
+    # per call a few micro-batches (one step, live): plain loops beat building a frame
+    n = np.array([len(s) for s in seq_lens], dtype=np.float64)
+    tokens = np.array([sum(s) for s in seq_lens], dtype=np.float64)
+    sum_sq = np.array([sum(v * v for v in s) for s in seq_lens], dtype=np.float64)
     if shape is None:
-        return np.column_stack([np.ones(len(f)), f["n_seqs"], tokens, sum_sq])
+        return np.column_stack([np.ones(len(n)), n, tokens, sum_sq])
     dense, attention = stage_flops(shape, tokens, sum_sq, "fwd")
-    return np.column_stack([np.ones(len(f)), f["n_seqs"], dense + attention])
+    return np.column_stack([np.ones(len(n)), n, dense + attention])
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
