@@ -39,7 +39,10 @@ def detect_cmd(
     model: Annotated[str, typer.Option(help="Trained micro-batch predictor for the expected "
                                        "compute: a folder, an installed model's name, or auto (the "
                                        "one measured on the job's device: the meta's device field, "
-                                       "else this machine); needs the meta's model fields")] = None,
+                                       "else this machine); needs the meta's model fields. "
+                                       "Without it: with one pipeline stage, the job's own cost "
+                                       "fitted on its first steps; in a pipeline, its peers and "
+                                       "FLOPs")] = None,
     method: Annotated[Method, typer.Option(help="resihp, or a baseline")] = "resihp",
     input_format: Annotated[InputFormat, typer.Option("--input-format", help="Ops trace or "
                                                       "Alibaba PAI mini-batch times")] = "ops",
