@@ -13,6 +13,7 @@ from resihp.detect.config import DetectorConfig
 from resihp.detect.fitted import MIN_OPS, FittedCost, _nnls, fit_trace
 from resihp.detect.online import OnlineDetector, detect_trace, fits_cost
 from resihp.opstrace import JobMeta
+from resihp.workload.flops import TransformerShape
 
 SHAPE = {"layers": 2, "hidden": 128, "heads": 4, "ffn_hidden": 512}
 # seconds = fixed + per sequence + per token + per squared length, per phase
@@ -137,3 +138,19 @@ def test_a_pipeline_or_a_predictor_or_the_switch_keeps_the_other_cost_models():
     assert off["cost_model"] == "flops"
     given = detect_trace(df, META, expected=lambda lens, phase: np.ones(len(lens)), meta_dict=SHAPE)
     assert given["cost_model"] == "predictor"
+
+
+def test_the_fit_is_kept_only_where_it_explains_the_window_better_than_flops():
+    from tests.test_detect_noisy import noisy_job
+
+    shape = TransformerShape(**SHAPE)
+    # a job whose cost is its FLOPs times noise: the fit's extra freedom only adds noise (a window
+    # of 20 noisy steps can still favour it now and then)
+    kept = [fit_trace(noisy_job(seed=s), 20, shape) is None for s in range(12)]
+    assert sum(kept) >= 10, kept
+    assert detect_trace(noisy_job(seed=4), META, meta_dict=SHAPE)["cost_model"] == "flops"
+    # fixed costs per step and per sequence: the fit explains what FLOPs cannot, with the model's
+    # shape or without it
+    for s in range(12):
+        assert fit_trace(_trace(None, s), 20, shape) is not None
+        assert fit_trace(_trace(None, s), 20, None) is not None

@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from resihp.detect.alibaba import alibaba_path
 from resihp.detect.observe import (
     _distinct_steps,
     _first_of_each,
@@ -17,10 +18,13 @@ from resihp.detect.observe import (
     observe_columns,
     observe_ops,
 )
+from resihp.detect.suite import DEFAULT_PROFILE
+from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.replay.engine import Replay
 from resihp.replay.layout import compile_layout
 from resihp.replay.policies import make_policies
 from resihp.replay.scenario import load_scenario
+from resihp.workload.flops import TransformerShape
 from tests.replay_fixtures import write
 
 
@@ -157,3 +161,35 @@ def test_optype_as_strings_or_categorical(tmp_path):
     c = observe_columns(cols, win.meta)
     assert c.cost_model == "tokens+peers+cumulative-times"
     assert np.isfinite(c.own).all()
+
+
+def _phase_alone(df: pd.DataFrame, meta, phase_optype: str, **kw) -> np.ndarray:
+    """The definition of one phase's own work: the whole analysis on that phase's rows alone (with
+    the transfers, where the waits come from)."""
+    keep = df["optype"].isin([phase_optype, "forward-send", "backward-recv"])
+    obs = observe_ops(df[keep], meta, **kw)
+    steps = observe_ops(df, meta, **kw).steps
+    out = np.full((len(steps), meta.world_size), np.nan)
+    out[np.searchsorted(steps, obs.steps)] = obs.own
+    return out
+
+
+@pytest.mark.parametrize("dp,pp,drop", [(4, 4, ()), (8, 1, ()), (8, 1, ("seq_lens",)), (2, 2, ("seq_lens",))])
+def test_each_phase_from_one_pass_equals_the_analysis_of_its_rows_alone(dp, pp, drop):
+    job = SimJob(dp=dp, pp=pp, steps=40, source="code", seed=3,
+                 injections=[Injection("fail-slow", SimJob(dp=dp, pp=pp).rank(1, pp - 1), 20, 39, 2.0)])
+    df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2)))
+    df = df.drop(columns=list(drop))
+    shape = TransformerShape(2, 256, 4, 1024)
+    obs = observe_ops(df, job.meta(), shape=shape, phases=True)
+    assert set(obs.phase_own) == {"forward", "backward"}
+    for name, optype in (("forward", "forward-compute"), ("backward", "backward-compute")):
+        np.testing.assert_allclose(obs.phase_own[name], _phase_alone(df, job.meta(), optype, shape=shape),
+                                   rtol=1e-12, equal_nan=True)
+
+
+def test_a_pipeline_without_clocks_gives_no_phase_alone():
+    job = SimJob(dp=2, pp=2, steps=25, source="code", seed=1)
+    df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2)))
+    assert observe_ops(df.drop(columns="start_ts"), job.meta(), phases=True).phase_own is None
+    assert observe_ops(df, job.meta()).phase_own is None  # not asked for

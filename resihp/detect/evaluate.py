@@ -128,7 +128,8 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
     cfg = config or DetectorConfig()
     shape = shape_from_meta(meta_dict)
     expected = trace_cost(df, meta, expected, cfg, meta_dict)
-    obs = observe_ops(df, meta, expected=expected, shape=shape, own_quantile=cfg.own_quantile)
+    obs = observe_ops(df, meta, expected=expected, shape=shape, own_quantile=cfg.own_quantile,
+                      phases=cfg.phases)
     if on_obs:
         on_obs(obs)
     out = {}
@@ -137,7 +138,7 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
         if name == "resihp":
             # a re-plan that moved layers changes the ranks' work from its step on
             moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
-            det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, shape, cfg),
+            det.observe_matrices(obs, phase_matrices(df, obs, cfg),
                                  rebase_at=moved)
         else:
             for i, step in enumerate(obs.steps):

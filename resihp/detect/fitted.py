@@ -163,7 +163,8 @@ _OPTYPE_PHASE = {"forward-compute": "fwd", "backward-compute": "bwd"}
 def fit_trace(df: pd.DataFrame, calibration_steps: int, shape: TransformerShape | None = None
               ) -> FittedCost | None:
     """The fit over the compute ops of a trace's first ``calibration_steps`` steps (their own
-    seconds: tensor-parallel waits taken out); None without lengths on every one of them."""
+    seconds: tensor-parallel waits taken out); None without lengths on every one of them, or
+    where it does not explain them better than the analytic cost."""
     if "seq_lens" not in df.columns:
         return None
     steps = np.unique(df["step"].to_numpy())[:calibration_steps]
@@ -173,5 +174,30 @@ def fit_trace(df: pd.DataFrame, calibration_steps: int, shape: TransformerShape 
     seconds = rows["duration"].to_numpy(np.float64)
     if "wait_s" in rows.columns:
         seconds = seconds - np.nan_to_num(rows["wait_s"].to_numpy(np.float64, na_value=np.nan))
-    return FittedCost.fit(rows["seq_lens"].tolist(), rows["optype"].map(_OPTYPE_PHASE).to_numpy(),
-                          seconds, rows["step"].to_numpy(), shape)
+    lens, phase, steps = rows["seq_lens"].tolist(), rows["optype"].map(_OPTYPE_PHASE).to_numpy(), \
+        rows["step"].to_numpy()
+    fit = FittedCost.fit(lens, phase, seconds, steps, shape)
+    if fit is None or not _explains_better(fit, lens, phase, seconds, steps):
+        return None
+    return fit
+
+
+def _spread(resid: np.ndarray) -> float:
+    return float(1.4826 * np.median(np.abs(resid - np.median(resid))))
+
+
+def _explains_better(fit: FittedCost, lens: list, phase: np.ndarray, seconds: np.ndarray,
+                     steps: np.ndarray) -> bool:
+    """Whether the fit, out of fold, leaves less spread in the window than the analytic cost (FLOPs,
+    or tokens without the shape) scaled per phase: a job whose cost is its FLOPs keeps them, and
+    the noise a fit's extra freedom adds."""
+    ok = np.isfinite(seconds) & (seconds > 0)
+    fitted, analytic = [], []
+    for p in PHASES:
+        sel = np.flatnonzero((phase == p) & ok)
+        sub = [lens[i] for i in sel]
+        for out, cost in ((fitted, fit.costs(sub, p, steps[sel])),
+                          (analytic, _features(sub, fit.shape)[:, 2])):  # FLOPs, or tokens
+            r = np.log(seconds[sel] / cost)
+            out.append(r - np.median(r))
+    return _spread(np.concatenate(fitted)) < _spread(np.concatenate(analytic))

@@ -60,6 +60,8 @@ class Observations:
     cost_model: str
     # per rank, seconds in gradient collectives after their last member arrived (``links``)
     sync: np.ndarray | None = None
+    # per phase (``forward``, ``backward``), its own-work ratio alone, as ``own`` on its ops only
+    phase_own: dict[str, np.ndarray] | None = None
 
 
 def infer_meta(df: pd.DataFrame) -> JobMeta:
@@ -420,17 +422,19 @@ def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarra
 
 
 def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | None = None,
-                shape: TransformerShape | None = None, own_quantile: float = 0.1) -> Observations:
+                shape: TransformerShape | None = None, own_quantile: float = 0.1,
+                phases: bool = False) -> Observations:
     """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps)."""
     return observe_columns(trace_columns(df), meta, expected=expected, shape=shape,
-                           own_quantile=own_quantile)
+                           own_quantile=own_quantile, phases=phases)
 
 
 def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
                     expected: ExpectedCompute | None = None, shape: TransformerShape | None = None,
-                    own_quantile: float = 0.1) -> Observations:
+                    own_quantile: float = 0.1, phases: bool = False) -> Observations:
     """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
-    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``."""
+    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``.
+    ``phases``: also each phase's own work alone (``Observations.phase_own``)."""
     steps = _distinct_steps(np.asarray(cols["step"]))
     t, w = len(steps), meta.world_size
     op = _optype_codes(cols["optype"])
@@ -444,7 +448,17 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     # with the waits taken out (or none to take: one stage), the median op speaks for the rank;
     # otherwise a low quantile, the ops that did not wait
     waits_left = meta.pp_size > 1 and unblocked is None
-    own = _cell_quantile(cell, duration / cost, own_quantile if waits_left else 0.5, t, w)
+    ratio, q = duration / cost, own_quantile if waits_left else 0.5
+    own = _cell_quantile(cell, ratio, q, t, w)
+    phase_own = None
+    # one phase's waits come out only with timestamps (without, issue times are rebuilt from both
+    # phases' durations in record order)
+    if phases and (meta.pp_size == 1 or comp.has("start_ts")):
+        phase_own = {}
+        for name, code in (("forward", _OP_FWD), ("backward", _OP_BWD)):
+            sel = np.flatnonzero(comp.op == code)
+            if sel.size:
+                phase_own[name] = _cell_quantile(cell[sel], ratio[sel], q, t, w)
     raw = _cell_sum(cell, duration, t, w)
     expected_m = None if exp_s is None else _cell_sum(cell, exp_s, t, w)
     # transfers with the waits taken out where the trace has the clock for it (``links``)
@@ -458,7 +472,7 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     if unblocked is not None:
         model += "+timestamps" if "start_ts" in cols else "+cumulative-times"
     sync = sync_transfers(cols, steps, w) if meta.dp_size > 1 else None
-    return Observations(steps, own, raw, expected_m, comm_m, model, sync)
+    return Observations(steps, own, raw, expected_m, comm_m, model, sync, phase_own)
 
 
 _OP_FWD, _OP_BWD, _OP_LINK, _OP_OTHER = 0, 1, 2, 3

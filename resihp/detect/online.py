@@ -28,7 +28,6 @@ from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event, events_json
 from resihp.detect.fitted import fit_trace
 from resihp.detect.observe import (
-    NEXT_LINK_OPTYPES,
     ExpectedCompute,
     Observations,
     RankPlacement,
@@ -120,8 +119,8 @@ class OnlineDetector:
             self.expected = fit_trace(df, self.cfg.calibration_steps, self.shape) or self.expected
         self._merge_layout(rank_layout(df, self.meta, source="step records"))
         obs = observe_ops(df, self.meta, expected=self.expected, shape=self.shape,
-                          own_quantile=self.cfg.own_quantile)
-        phases = phase_matrices(df, self.meta, obs.steps, self.expected, self.shape, self.cfg)
+                          own_quantile=self.cfg.own_quantile, phases=self.cfg.phases)
+        phases = phase_matrices(df, obs, self.cfg)
         if self._steps_seen < self.cfg.calibration_steps:
             self._healthy_transfers["compute"] += _compute_per_token(df)
         return self.observe_matrices(obs, phases)
@@ -478,41 +477,24 @@ _PHASE_OPTYPES = {"forward": ("forward-compute",), "backward": ("backward-comput
                   "optimizer": ("optimizer", "optimizer-clip-main-grad")}
 
 
-def phase_matrices(df: pd.DataFrame, meta: JobMeta, steps: np.ndarray,
-                   expected: ExpectedCompute | None, shape, cfg: DetectorConfig
-                   ) -> dict[str, np.ndarray]:
-    """Per phase, a (step x rank) matrix of that phase's own-work ratio over ``steps`` (NaN where a
-    rank has none): forward and backward as ``observe_ops`` computes the whole own work, on that
-    phase's ops alone; the optimizer step's seconds (the same work every step)."""
-    if not cfg.phases or not len(steps):
+def phase_matrices(df: pd.DataFrame, obs: Observations, cfg: DetectorConfig) -> dict[str, np.ndarray]:
+    """Per phase, a (step x rank) matrix over ``obs.steps`` (NaN where a rank has none): forward
+    and backward, that phase's own-work ratio (``obs.phase_own``, from ``observe_ops(...,
+    phases=True)``); the optimizer step's seconds (the same work every step)."""
+    if not cfg.phases or not len(obs.steps):
         return {}
-    out: dict[str, np.ndarray] = {}
-    optype = df["optype"].to_numpy()
-    w = meta.world_size
-    # in a pipeline, one phase's waits on its neighbours come out only with timestamps (without
-    # them, issue times are rebuilt from both phases' durations in record order)
-    clocked = "start_ts" in df.columns and bool(df["start_ts"].notna().all())
-    for name in PHASES:
-        sel = np.isin(optype, _PHASE_OPTYPES[name])
-        if not sel.any() or (name != "optimizer" and meta.pp_size > 1 and not clocked):
-            continue
-        part = df[sel]
-        m = np.full((len(steps), w), np.nan)
-        if name == "optimizer":
-            g = part.groupby(["step", "rank"], sort=False)["duration"].sum()
-            s_idx = np.searchsorted(steps, g.index.get_level_values(0).to_numpy())
-            ok = (s_idx < len(steps))
-            ok[ok] = steps[s_idx[ok]] == g.index.get_level_values(0).to_numpy()[ok]
-            m[s_idx[ok], g.index.get_level_values(1).to_numpy()[ok]] = g.to_numpy()[ok]
-        else:
-            if meta.pp_size > 1:  # a phase's waits come with its transfers; keep those rows
-                part = df[sel | np.isin(optype, NEXT_LINK_OPTYPES)]
-            obs = observe_ops(part, meta, expected=expected, shape=shape,
-                              own_quantile=cfg.own_quantile)
-            at = np.searchsorted(steps, obs.steps)
-            ok = (at < len(steps)) & (steps[np.minimum(at, len(steps) - 1)] == obs.steps)
-            m[at[ok]] = obs.own[ok]
-        out[name] = m
+    steps = obs.steps
+    out = dict(obs.phase_own or {})
+    part = df[np.isin(df["optype"].to_numpy(), _PHASE_OPTYPES["optimizer"])]
+    if len(part):
+        m = np.full((len(steps), obs.own.shape[1]), np.nan)
+        g = part.groupby(["step", "rank"], sort=False)["duration"].sum()
+        step_of = g.index.get_level_values(0).to_numpy()
+        s_idx = np.searchsorted(steps, step_of)
+        ok = s_idx < len(steps)
+        ok[ok] = steps[s_idx[ok]] == step_of[ok]
+        m[s_idx[ok], g.index.get_level_values(1).to_numpy()[ok]] = g.to_numpy()[ok]
+        out["optimizer"] = m
     return out
 
 
@@ -604,9 +586,10 @@ def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: Expect
     cfg = config or DetectorConfig()
     expected = trace_cost(df, meta, expected, cfg, meta_dict)
     det = OnlineDetector(meta, expected, cfg, meta_dict=meta_dict, layout=layout)
-    obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile)
+    obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile,
+                      phases=cfg.phases)
     moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
-    det.observe_matrices(obs, phase_matrices(df, meta, obs.steps, expected, det.shape, det.cfg),
+    det.observe_matrices(obs, phase_matrices(df, obs, cfg),
                          rebase_at=moved)
     events = det.finish()
     return events_json(events, steps=len(obs.steps), ranks=int((layout.dp_rank >= 0).sum()),
