@@ -3,10 +3,11 @@ trained predictor and no pipeline peers (an attached user job, a data-parallel r
 
 Analytic FLOPs miss what dominates a small model's step on a CPU or a launch-bound GPU: a fixed cost
 per step and per sequence (kernel launches, Python, a per-document attention loop). Per phase
-(forward, backward), the fit is ``seconds = a + b * sequences + c * tokens + d * sum of squared
-lengths`` with every coefficient non-negative (a cost never falls as the work grows), reweighted
-towards least log error (the detector works on log ratios), refitted once without the ops beyond
-three robust sigmas (a CPU hiccup in the window must not bend the model).
+(forward, backward), the fit is ``seconds = a + b * sequences + c * FLOPs`` (without the model's
+shape: ``c * tokens + d * sum of squared lengths``), every coefficient non-negative (a cost never
+falls as the work grows), reweighted towards least log error (the detector works on log ratios),
+refitted once without the ops beyond three robust sigmas (a CPU hiccup in the window must not bend
+the model). It is kept only where, out of fold, it explains the window better than FLOPs alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pandas as pd
 
 from resihp.workload.flops import TransformerShape, stage_flops
 
-PHASES = ("fwd", "bwd")
+_PHASES = ("fwd", "bwd")
 # the fit needs a few ops per coefficient; below this a phase falls back to the analytic model
 MIN_OPS = 12
 _TRIM_SIGMAS = 3.0
@@ -28,6 +29,11 @@ _TRIM_SIGMAS = 3.0
 FOLDS = 5
 # reweighting rounds: each weighs an op by its predicted cost, which approaches log error
 _IRLS = 3
+
+
+def _spread(resid: np.ndarray) -> float:
+    """A robust standard deviation: the median absolute deviation, scaled for Gaussian noise."""
+    return float(1.4826 * np.median(np.abs(resid - np.median(resid))))
 
 
 def _features(seq_lens: Sequence[Sequence[int]], shape: TransformerShape | None) -> np.ndarray:
@@ -81,9 +87,8 @@ def _fit_phase(x: np.ndarray, seconds: np.ndarray) -> np.ndarray | None:
         if not np.all(pred[keep] > 0):
             return None
         resid = np.log(y / np.where(pred > 0, pred, np.nan))
-        centre = np.nanmedian(resid[keep])
-        spread = 1.4826 * np.nanmedian(np.abs(resid[keep] - centre))
-        inliers = keep & (np.abs(resid - centre) <= _TRIM_SIGMAS * max(spread, 1e-9))
+        centre = np.median(resid[keep])
+        inliers = keep & (np.abs(resid - centre) <= _TRIM_SIGMAS * max(_spread(resid[keep]), 1e-9))
         if inliers.sum() < MIN_OPS or inliers.sum() == keep.sum():
             break
         keep = inliers
@@ -93,7 +98,7 @@ def _fit_phase(x: np.ndarray, seconds: np.ndarray) -> np.ndarray | None:
 def _fit_phases(x: np.ndarray, phase: np.ndarray, seconds: np.ndarray
                 ) -> dict[str, np.ndarray] | None:
     coef = {}
-    for p in PHASES:
+    for p in _PHASES:
         sel = np.flatnonzero(phase == p)
         c = _fit_phase(x[sel], seconds[sel])
         if c is None:
@@ -174,26 +179,22 @@ def fit_trace(df: pd.DataFrame, calibration_steps: int, shape: TransformerShape 
     seconds = rows["duration"].to_numpy(np.float64)
     if "wait_s" in rows.columns:
         seconds = seconds - np.nan_to_num(rows["wait_s"].to_numpy(np.float64, na_value=np.nan))
-    lens, phase, steps = rows["seq_lens"].tolist(), rows["optype"].map(_OPTYPE_PHASE).to_numpy(), \
-        rows["step"].to_numpy()
+    lens, steps = rows["seq_lens"].tolist(), rows["step"].to_numpy()
+    phase = rows["optype"].map(_OPTYPE_PHASE).to_numpy()
     fit = FittedCost.fit(lens, phase, seconds, steps, shape)
     if fit is None or not _explains_better(fit, lens, phase, seconds, steps):
         return None
     return fit
 
 
-def _spread(resid: np.ndarray) -> float:
-    return float(1.4826 * np.median(np.abs(resid - np.median(resid))))
-
-
 def _explains_better(fit: FittedCost, lens: list, phase: np.ndarray, seconds: np.ndarray,
                      steps: np.ndarray) -> bool:
     """Whether the fit, out of fold, leaves less spread in the window than the analytic cost (FLOPs,
-    or tokens without the shape) scaled per phase: a job whose cost is its FLOPs keeps them, and
-    the noise a fit's extra freedom adds."""
+    or tokens without the shape) scaled per phase: a job whose cost is its FLOPs keeps them,
+    without the noise a fit's extra freedom would add."""
     ok = np.isfinite(seconds) & (seconds > 0)
     fitted, analytic = [], []
-    for p in PHASES:
+    for p in _PHASES:
         sel = np.flatnonzero((phase == p) & ok)
         sub = [lens[i] for i in sel]
         for out, cost in ((fitted, fit.costs(sub, p, steps[sel])),
