@@ -16,7 +16,7 @@ import torch
 from resihp.ckpt.integrity import candidates, problem
 from resihp.ckpt.keeper import ensure_keeper, keeper_pid, request_flush, stop_keeper
 from resihp.ckpt.memory import MemoryTier, tier_dir
-from resihp.ckpt.persist import PersistRequest, blocks_of
+from resihp.ckpt.persist import PersistRequest, blocks_of, write_checkpoint
 from resihp.ckpt.snapshot import Snapshotter, state_tensors
 from resihp.ckpt.universal import read_full, read_meta
 
@@ -171,3 +171,29 @@ def test_a_keeper_killed_while_writing_leaves_no_torn_checkpoint(shm, tmp_path):
     for path in candidates(root.parent):
         assert problem(path) is None
     assert not list(root.glob(".keeper-*.partial"))  # the interrupted write's folder was cleaned up
+
+
+def test_a_slot_that_went_bad_after_its_publication_is_not_written_to_disk(shm, tmp_path, capfd):
+    model, opt = _model(64, 2)
+    directory, snap, root = _keeper_and_snapshots(tmp_path)
+    tier = MemoryTier(directory, 0)
+    try:
+        for step in range(2):  # slots A and B, neither due: the keeper leaves them in memory
+            _train(model, opt)
+            snap.snapshot(step, model, opt, {"job": "job"}, _request(model, opt, root, due=False))
+            snap.fence()
+        _wait_for(lambda: len(tier.headers()) == 2, what="both slots published")
+        good, bad = sorted(tier.headers(), key=lambda h: h.step)
+        with open(tier.data_path(bad.slot), "r+b") as f:  # one bit of a parameter goes bad
+            f.seek(bad.shards[0].offset + 7)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+        assert write_checkpoint(directory, [bad]) is None
+        assert not (root / f"step{bad.step}").exists()
+        assert "no longer matches its checksums" in capfd.readouterr().err
+        assert write_checkpoint(directory, [good]).step == good.step
+        snap.close()
+    finally:
+        stop_keeper(directory)
+    assert [p.name for p in candidates(root.parent)] == [f"step{good.step}"]

@@ -186,8 +186,11 @@ def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm,
                   "--ckpt-every", "2", "--inject", "hang:rank=0,step=4,how=stop")
     tier = _tier(shm)
     _published(tier, 0, 3)
+    # the keeper writes step 3's checkpoint from its slot; corrupting the slot under that write
+    # would (rightly) leave no checkpoint of step 3
+    done = tmp_path / "run" / "ckpt" / "step3" / "manifest.json"
     deadline = time.monotonic() + 60
-    while list(tier.glob("*.pending.json")):
+    while list(tier.glob("*.pending.json")) or not done.exists():
         assert time.monotonic() < deadline
         time.sleep(0.02)
     for slot in ("A", "B"):  # the only rank is stopped: both its slots corrupted, no peer, no copy

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -150,7 +151,8 @@ class Persisted:
 def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "due") -> Persisted | None:
     """Write the checkpoint of ``headers`` (one published slot per rank of the job, all of one
     step, each with a persist request) from tier ``directory``; None if a slot changed under it
-    (a trainer began to overwrite it before the keeper held it: the next due step is persisted)."""
+    (a trainer began to overwrite it before the keeper held it: the next due step is persisted)
+    or its bytes no longer match the checksums of its publication."""
     t0 = time.monotonic()
     tier = MemoryTier(directory, -1)
     holds = [tier.hold_path(h.slot, h.rank) for h in headers]
@@ -192,6 +194,12 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
                 tensor = flat.as_strided(b.sizes, b.strides, flat.storage_offset() + b.storage_offset).clone()
                 blocks[(b.key, b.offsets)] = (tensor, b.size)
                 nbytes += tensor.numel() * tensor.element_size()
+            # the slot still matches the checksums taken at its publication, so the copies are of
+            # the published bytes: memory that went bad since is never written as a checkpoint
+            if not tier.verify(header, data):
+                print(f"resihp keeper: rank {header.rank}'s slot {header.slot} no longer matches its "
+                      f"checksums: step {header.step} is not written to disk", file=sys.stderr, flush=True)
+                return None
     finally:
         for path in holds:
             path.unlink(missing_ok=True)
