@@ -220,6 +220,16 @@ def corrupt_bytes(path: Path, offset: int | None = None, count: int = 4) -> None
     path.write_bytes(bytes(data))
 
 
+def flip_bit(path: Path, offset: int, mask: int = 0x10) -> None:
+    """Flip bits of one byte of ``path`` in place (a file mapped by a live process keeps its size:
+    a memory slot going bad under its readers)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def truncate(path: Path, keep: int | None = None) -> None:
     size = path.stat().st_size
     os.truncate(path, size // 2 if keep is None else keep)

@@ -19,6 +19,7 @@ from resihp.ckpt.memory import MemoryTier, tier_dir
 from resihp.ckpt.persist import PersistRequest, blocks_of, write_checkpoint
 from resihp.ckpt.snapshot import Snapshotter, state_tensors
 from resihp.ckpt.universal import read_full, read_meta
+from tests.faults import flip_bit
 
 
 def _model(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -184,11 +185,7 @@ def test_a_slot_that_went_bad_after_its_publication_is_not_written_to_disk(shm, 
             snap.fence()
         _wait_for(lambda: len(tier.headers()) == 2, what="both slots published")
         good, bad = sorted(tier.headers(), key=lambda h: h.step)
-        with open(tier.data_path(bad.slot), "r+b") as f:  # one bit of a parameter goes bad
-            f.seek(bad.shards[0].offset + 7)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x10]))
+        flip_bit(tier.data_path(bad.slot), bad.shards[0].offset + 7)  # a parameter's bit goes bad
         assert write_checkpoint(directory, [bad]) is None
         assert not (root / f"step{bad.step}").exists()
         assert "no longer matches its checksums" in capfd.readouterr().err

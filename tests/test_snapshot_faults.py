@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults import flip_bit
+
 pytestmark = pytest.mark.slow
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
@@ -174,11 +176,7 @@ def test_sigstop_with_corrupted_own_slots_restores_from_the_peer_copy(reference,
 
 def _flip(tier: Path, rank: int, slot: str) -> None:
     header = json.loads((tier / f"rank{rank}.{slot}.json").read_text())
-    with open(tier / f"rank{rank}.{slot}.bin", "r+b") as f:
-        f.seek(header["shards"][0]["offset"] + 7)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bit(tier / f"rank{rank}.{slot}.bin", header["shards"][0]["offset"] + 7)
 
 
 def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm, tmp_path):
