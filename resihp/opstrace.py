@@ -17,6 +17,7 @@ import pandas as pd
 import yaml
 
 from resihp.errors import InputError
+from resihp.paths import write_text_atomic
 from resihp.yamlio import check_keys, read_yaml_mapping
 
 REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
@@ -78,7 +79,8 @@ def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
 
 
 def write_meta(meta: JobMeta, path: str | Path, **extra: object) -> None:
-    Path(path).write_text(yaml.safe_dump({**meta.to_dict(), **extra}, sort_keys=False))
+    # whole or not at all: a follower polls for it from another process
+    write_text_atomic(path, yaml.safe_dump({**meta.to_dict(), **extra}, sort_keys=False), durable=False)
 
 
 def _parse_seq_lens(value: object) -> list[int] | None:

@@ -1,4 +1,4 @@
-"""Where the shipped data lives, and shipped files by name.
+"""Where the shipped data lives, shipped files by name, and writing a file whole.
 
 The trained predictors (``models/``) and the traces (``traces/``: length sources, cluster and model
 specs, replay scenarios, detector profiles, failure logs) are package data under ``resihp/data``
@@ -8,6 +8,7 @@ finds them from any directory.
 
 from __future__ import annotations
 
+import os
 from importlib.resources import files
 from pathlib import Path
 
@@ -56,3 +57,17 @@ def resolve(value: str | Path, kind: str) -> Path:
     names = ", ".join(shipped_names(kind)) or "none"
     raise InputError(f"{value}: cannot read {what} (no such file, and no shipped {what} of that "
                      f"name; shipped: {names})")
+
+
+def write_text_atomic(path: str | Path, text: str, durable: bool = True) -> None:
+    """``path`` holds either its old content or all of ``text``, never a part, for a reader polling
+    it from another process (a temp file beside it, renamed over it); ``durable`` also survives a
+    power loss (fsync before the rename; not needed on tmpfs)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)

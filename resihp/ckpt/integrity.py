@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from resihp.errors import InputError
+from resihp.paths import write_text_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "resihp-ckpt-manifest/1"
@@ -47,12 +48,7 @@ def _files(directory: Path) -> list[Path]:
 
 def write_json_atomic(path: Path, data: object) -> None:
     """``path`` holds either its old content or all of ``data``, never a part (temp, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1, allow_nan=False))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False))
 
 
 def write_manifest(directory: str | Path, identity: dict | None = None) -> dict:

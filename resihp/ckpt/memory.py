@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from resihp.errors import InputError
+from resihp.paths import write_text_atomic
 
 SLOTS = ("A", "B")
 COPY = "copy"
@@ -110,9 +111,7 @@ def crc_of(buffer: memoryview | np.ndarray, shard: Shard) -> int:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """``path`` appears complete or not at all (tmpfs: no fsync needed)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data), durable=False)
 
 
 def read_json(path: Path) -> dict | None:

@@ -2,8 +2,10 @@
 
 Each series is first calibrated on its own healthy steps (robust centre and spread of the log value),
 then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at zero; the
-sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The step at which the sum last left
-zero is the onset. While a series is healthy its centre follows slow drift.
+sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The onset is the most likely start
+of a raised level among the steps since the sum last left zero (on a noisy series the sum often
+leaves zero a few healthy steps before the change, and those steps would also dilute the slowdown).
+While a series is healthy its centre follows slow drift.
 
 ``k``, ``h`` and the clip are per series: a quiet series keeps the configured ones; a noisy one gets
 thresholds from its own calibration dispersion (``DetectorConfig``: target slowdown, false-alarm run
@@ -72,6 +74,9 @@ class CusumBank:
         # what a slowdown of one series moves its own value by (its log value is taken against the
         # median over series each step: with two series that median moves half-way with it)
         self.share = 0.5 if n == 2 else 1.0
+        # the last steps' deviations (a ring: row ``step % _HISTORY``), to place an alarm's onset
+        self._hist = np.full((_HISTORY, n), np.nan)
+        self._hist_step = np.full(_HISTORY, -1, dtype=np.int64)
 
     def carried(self, source: np.ndarray) -> CusumBank:
         """A bank over a new set of series: series ``j`` continues this bank's series ``source[j]``
@@ -80,8 +85,9 @@ class CusumBank:
         out = CusumBank(len(source), self.cfg)
         keep = np.flatnonzero(source >= 0)
         for name, value in vars(self).items():
-            if isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
+            if name != "_hist_step" and isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
                 getattr(out, name)[..., keep] = value[..., source[keep]]
+        out._hist_step[:] = self._hist_step
         return out
 
     def recalibrate(self) -> None:
@@ -122,6 +128,10 @@ class CusumBank:
         idx = np.flatnonzero(live)
         xi = x[idx]
         dev = xi - self.mu[idx]
+        slot = step % _HISTORY
+        self._hist[slot] = np.nan
+        self._hist[slot, idx] = dev
+        self._hist_step[slot] = step
         z = dev / self.sigma[idx]
         k, h, clip = self.k[idx], self.h[idx], self.clip[idx]
         s_old = self.s[idx]
@@ -170,13 +180,16 @@ class CusumBank:
             # how far the raised steps sit above the noise, beyond what the threshold itself demands
             t = mean_raised[j] / self.sigma[i] * np.sqrt(n_up) - k[j]
             conf = float(0.5 * (1 + _erf(t / np.sqrt(2))))
-            alarms.append(Alarm(i, int(self.run_start[i]), float(np.exp(level[j] / self.share)), conf))
-            self.alarmed[i] = True
-            self.down[i] = 0.0
-            if self.adapted[i]:
-                self.alarm_sum[i], self.alarm_n[i] = self.run_sum[i], int(self.run_n[i])
+            onset, shift_sum, shift_n = self._onset(i, step)
+            if self.adapted[i]:  # a noisy series: the mean of every step since the onset
+                self.alarm_sum[i], self.alarm_n[i] = shift_sum, shift_n
+                est = shift_sum / shift_n
             else:
                 self.alarm_sum[i], self.alarm_n[i] = self.raised_sum[i], n_up
+                est = level[j]
+            alarms.append(Alarm(i, onset, float(np.exp(est / self.share)), conf))
+            self.alarmed[i] = True
+            self.down[i] = 0.0
             self.quiet[i] = 0
 
         recoveries: list[Recovery] = []
@@ -211,6 +224,24 @@ class CusumBank:
                 self.run_n[i] = 0
                 self.quiet[i] = 0
         return alarms, recoveries, newly
+
+    def _onset(self, i: int, step: int) -> tuple[int, float, int]:
+        """Where series ``i``'s raised level most likely began, among the steps since its sum last
+        left zero (those still in the history), and the sum and count of its deviations since then:
+        the start ``t`` maximising ``S_t^2 / n_t`` with ``S_t > 0`` (``S_t``, ``n_t``: sum and count
+        of the deviations from ``t`` on), the likelihood ratio of a shift of unknown size from ``t``
+        against none, for Gaussian steps around the calibrated centre."""
+        first = max(int(self.run_start[i]), step - _HISTORY + 1)
+        steps = np.arange(first, step + 1)
+        rows = steps % _HISTORY
+        v = np.where(self._hist_step[rows] == steps, self._hist[rows, i], np.nan)
+        seen = ~np.isnan(v)
+        steps, v = steps[seen], v[seen]
+        tail_sum = np.cumsum(v[::-1])[::-1]
+        tail_n = np.arange(len(v), 0, -1)
+        score = np.where(tail_sum > 0, tail_sum ** 2 / tail_n, -np.inf)
+        best = int(np.argmax(score))
+        return int(steps[best]), float(tail_sum[best]), int(tail_n[best])
 
     def episode_slowdown(self, i: int) -> float:
         """Mean slowdown over the raised steps of the current alarm of series ``i``."""
@@ -276,6 +307,7 @@ class CusumBank:
         return done
 
 
+_HISTORY = 128  # steps of deviations kept per series to place an onset
 _OVERSHOOT = 1.166  # Siegmund's correction of the CUSUM threshold for Gaussian steps
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from resihp.ckpt.integrity import write_json_atomic
 from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
 from resihp.progress import progress_bar
@@ -205,8 +206,6 @@ def _finish(folder, cfg, outcome, summary: dict) -> None:
 
 
 def _write_summary(out: Path, summary: dict) -> None:
-    from resihp.ckpt.integrity import write_json_atomic
-
     write_json_atomic(out / "summary.json", _json_safe(summary))
 
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from resihp.errors import InputError
+from resihp.paths import write_text_atomic
 
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".resihp.lock"
@@ -72,9 +73,7 @@ class RunFolder:
 
     def record(self, **fields: object) -> None:
         self.info.update({"job_id": self.job_id, "pid": os.getpid(), **fields})
-        tmp = self.out / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps(self.info, indent=1))
-        os.replace(tmp, self.out / RUN_FILE)
+        write_text_atomic(self.out / RUN_FILE, json.dumps(self.info, indent=1), durable=False)
 
     def release(self) -> None:
         if self._fd is not None:
