@@ -1,11 +1,13 @@
-"""Shipped files by name or by repository path, from any directory (resihp.paths)."""
+"""Shipped files by name or by repository path, from any directory, and files written whole
+(resihp.paths)."""
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from resihp.errors import InputError
-from resihp.paths import DATA, resolve, shipped_names
+from resihp.paths import DATA, resolve, shipped_names, write_text_atomic
 
 
 def test_shipped_files_are_package_data():
@@ -46,3 +48,25 @@ def test_plan_names_shipped_specs_from_another_directory(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["world_size"] == 8
+
+
+def test_a_reader_polling_a_file_never_sees_part_of_a_write(tmp_path):
+    """``follow`` polls a job's ``job.yaml`` from another process while rank 0 writes it (CI once
+    read it half-written and failed): every read sees one whole version."""
+    path = tmp_path / "job.yaml"
+    versions = [f"v{i}\n" + "x" * 200_000 + "\n" for i in range(40)]
+    seen, stop = set(), threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            if path.exists():
+                seen.add(path.read_text())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for text in versions:
+        write_text_atomic(path, text, durable=False)
+    stop.set()
+    reader.join()
+    assert seen and seen <= set(versions)
+    assert path.read_text() == versions[-1] and [p.name for p in tmp_path.iterdir()] == ["job.yaml"]
