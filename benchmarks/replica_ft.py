@@ -18,12 +18,17 @@ rounds, in a rotated order, so the machine's drifts hit all alike; medians over 
 - ``disk``: ``--ckpt-every 5`` without a memory tier (the whole job restarted from the newest
   disk checkpoint, without the lost rank). Stall = the survivors' time from their last step before
   the failure to the first step after the restart, plus the steps done twice.
-- ``failure_free``: ``--recovery replica`` against ``--recovery none`` without a fault
-  (tokens per second), the overhead of the quorum and the cross-replica groups: the median over
-  rounds of each round's ratio (``failure_free_overhead``), beside the ratio of the medians; a
-  second ``--recovery none`` run per round gives the noise floor of that comparison on this machine
-  (``failure_free_noise``: the median of |none / none again - 1|). ``--ff-only`` runs only these
-  arms (``--ff-rounds`` of them).
+- ``failure_free``: ``--recovery replica`` against ``--recovery none`` without a fault, the
+  overhead of the quorum and the cross-replica groups while training: the steady step period (the
+  median over ranks of each rank's median interval between the starts of its steps, from step 3 on:
+  everything a rank does per step, the vote and what runs between steps included), the median
+  over rounds of each round's ratio (``failure_free_overhead``). Forming the cross-replica groups
+  once at the start is reported apart (``failure_free_startup_s``: the first step's extra wall
+  time), and the summary's tokens per second over every step, start included, as before
+  (``failure_free_overhead_tokens_per_s``: over 40 steps the start weighs about 2%). A second
+  ``--recovery none`` run per round gives the noise floor of each comparison on this machine
+  (``..._noise``: the median of |none / none again - 1|). ``--ff-only`` runs only these arms
+  (``--ff-rounds`` of them).
 torchft is not run here: it is an optional extra, absent unless installed (``torchft`` import).
 """
 
@@ -59,6 +64,19 @@ def run(out: Path, *args: str) -> dict:
 def step_walls(out: Path) -> pd.Series:
     trace = pd.read_parquet(out / "ops.parquet")
     return trace[trace.optype == "step"].groupby("step").duration.max()
+
+
+def failure_free_arm(out: Path, steps: int, recovery: str) -> dict:
+    s = run(out, "--steps", str(steps), "--recovery", recovery)
+    row = {"rc": s["_rc"], "tokens_per_s": s.get("tokens_per_s"), "step_period_s": None, "first_step_s": None}
+    if (out / "ops.parquet").exists():
+        trace = pd.read_parquet(out / "ops.parquet")
+        starts = trace[trace.optype == "step"].sort_values("step")
+        periods = [float(g[g.step >= 3].start_ts.diff().median()) for _, g in starts.groupby("rank")]
+        walls = starts.groupby("step").duration.max()
+        row["step_period_s"] = round(statistics.median(periods), 5)
+        row["first_step_s"] = round(float(walls.iloc[0] - walls.iloc[3:].median()), 4)
+    return row
 
 
 def replica_arm(out: Path, steps: int, fail: int) -> dict:
@@ -123,8 +141,7 @@ def main() -> None:
                 elif arm in ("memory", "disk"):
                     results[arm].append(restart_arm(out, args.steps, args.fail_step, arm))
                 else:
-                    s = run(out, "--steps", str(args.steps), "--recovery", "replica" if arm == "ff-replica" else "none")
-                    results[arm].append({"rc": s["_rc"], "tokens_per_s": s.get("tokens_per_s")})
+                    results[arm].append(failure_free_arm(out, args.steps, "replica" if arm == "ff-replica" else "none"))
                 print(arm, r, json.dumps(results[arm][-1]), file=sys.stderr, flush=True)
 
     def med(arm: str, key: str) -> float | None:
@@ -140,9 +157,21 @@ def main() -> None:
     replica_stall, memory_stall, disk_stall = med("replica", "stall_s"), med("memory", "stall_s"), med("disk", "stall_s")
     ff_replica, ff_none = med("ff-replica", "tokens_per_s"), med("ff-none", "tokens_per_s")
     pairs = list(zip(results["ff-replica"], results["ff-none"], results["ff-none-again"], strict=True))
-    paired = [n["tokens_per_s"] / r["tokens_per_s"] - 1 for r, n, _ in pairs if r.get("tokens_per_s") and n.get("tokens_per_s")]
-    noise = [abs(n["tokens_per_s"] / a["tokens_per_s"] - 1) for _, n, a in pairs
-             if n.get("tokens_per_s") and a.get("tokens_per_s")]
+
+    def paired(key: str, slower: bool) -> tuple[list[float], list[float]]:
+        """Per round, replica's cost over none's (``slower``: a larger ``key`` is worse), and the
+        noise floor |none / none again - 1|."""
+        over = [(r[key] / n[key] if slower else n[key] / r[key]) - 1 for r, n, _ in pairs if r.get(key) and n.get(key)]
+        noise = [abs(n[key] / a[key] - 1) for _, n, a in pairs if n.get(key) and a.get(key)]
+        return over, noise
+
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 4) if values else None
+
+    over, noise = paired("step_period_s", slower=True)
+    over_tps, noise_tps = paired("tokens_per_s", slower=False)
+    startup = [r["first_step_s"] - n["first_step_s"] for r, n, _ in pairs
+               if r.get("first_step_s") is not None and n.get("first_step_s") is not None]
     summary = {
         "harness": {"model": MODEL, "steps": args.steps, "fault": f"stop:rank=1,step={args.fail_step}",
                     "rounds": args.rounds, "machine": os.cpu_count()},
@@ -153,10 +182,15 @@ def main() -> None:
         "disk_restart": {k: med("disk", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")},
         "stall_vs_disk_restart": round(replica_stall / disk_stall, 4) if replica_stall and disk_stall else None,
         "stall_vs_memory_restart": round(replica_stall / memory_stall, 4) if replica_stall and memory_stall else None,
-        "failure_free_overhead": round(statistics.median(paired), 4) if paired else None,
-        "failure_free_overhead_of_medians": round(ff_none / ff_replica - 1, 4) if ff_replica and ff_none else None,
-        "failure_free_overhead_each": [round(x, 4) for x in paired],
-        "failure_free_noise": round(statistics.median(noise), 4) if noise else None,
+        "failure_free_overhead": median(over),
+        "failure_free_overhead_each": [round(x, 4) for x in over],
+        "failure_free_noise": median(noise),
+        "failure_free_step_period_s": {"replica": med("ff-replica", "step_period_s"), "none": med("ff-none", "step_period_s")},
+        "failure_free_startup_s": median(startup),
+        "failure_free_overhead_tokens_per_s": median(over_tps),
+        "failure_free_overhead_tokens_per_s_each": [round(x, 4) for x in over_tps],
+        "failure_free_noise_tokens_per_s": median(noise_tps),
+        "failure_free_overhead_tokens_per_s_of_medians": round(ff_none / ff_replica - 1, 4) if ff_replica and ff_none else None,
         "failure_free_tokens_per_s": {"replica": ff_replica, "none": ff_none},
         "torchft": torchft_note,
         "targets": {"stall_vs_disk_restart": "<= 0.05", "stall_steps": "<= 3", "catchup_over_step": "<= 1",
