@@ -96,7 +96,10 @@ def older_job_checkpoint(directory):
 
 
 @pytest.mark.slow
-def test_stopped_rank_is_excluded_by_an_elastic_restart_with_the_same_math(tmp_path):
+def test_stopped_rank_is_excluded_and_its_replica_re_formed_by_the_planner_with_the_same_math(tmp_path):
+    """DP 2 x PP 2 loses rank 3: the planner re-forms the survivors around it (its replica's other
+    rank kept at work), the relaunch reshards the checkpoint into that layout before its first
+    step, and every step's loss equals a failure-free run's."""
     out = tmp_path / "stop"
     older_job_checkpoint(out / "ckpt" / "step29")  # an earlier job's, newer-numbered: never taken
     proc = resihp("run", *SMALL, "--steps", "8", "--inject", "stop:rank=3,step=5", "--ckpt-every", "2",
@@ -107,15 +110,29 @@ def test_stopped_rank_is_excluded_by_an_elastic_restart_with_the_same_math(tmp_p
     assert summary["failure"]["kind"] == "fail-stop" and summary["failure"]["rank"] == 3
     assert summary["failure"]["step"] == 5
     change = summary["plan_changes"][0]
-    assert change["kind"] == "exclude" and change["layout"] == {"dp": 1, "pp": 2, "tp": 1}
+    assert change["kind"] == "exclude" and change["applied"] is True
+    assert change["ranks"] == [0, 1, 2]  # the relaunch's ranks 0, 1, 2 are these old ones
+    pipelines = change["layout"]["pipelines"]
+    assert sorted(r for p in pipelines for s in p for r in s) == [0, 1, 2]  # no survivor left idle
+    assert len(pipelines) == 2  # the lost rank's replica goes on
+    assert [sum(split) for split in change["layer_splits"]] == [4, 4] and sum(change["dp_weights"]) == 4
+    assert {"rank": 3, "excluded": True} in change["plan"]["ranks"] and change["predicted_step_s"] > 0
     assert change["resumed_step"] == 4 and summary["steps"] == 8
     before = read_ops_trace(out / "ops.parquet")  # what the ranks recorded before the stop is kept
     after = read_ops_trace(out / "restart" / "ops.parquet")
     assert before[before["rank"] == 3].step.max() == 4 and set(before["rank"]) == {0, 1, 2, 3}
-    assert set(after["rank"]) == {0, 1} and sorted(set(after.step)) == [4, 5, 6, 7]
-    # step 4 ran in both layouts from the same state and data: the same loss
-    loss = lambda t: t[(t.optype == "step") & (t.step == 4)].loss.max()  # noqa: E731
-    assert abs(loss(before) - loss(after)) < 1e-4 * abs(loss(before))
+    assert set(after["rank"]) == {0, 1, 2} and sorted(set(after.step)) == [4, 5, 6, 7]
+    assert after[after.optype == "replan-layout"].step.unique().tolist() == [4]  # before its first step
+    # the layout applied is the planner's: each rank's stage and replica in the restart's trace
+    work = after[(after.optype == "forward-compute") & (after.step == 5)]
+    placed = {(int(r.dp_rank), int(r.stage)): int(r.rank) for r in work.itertuples()}
+    assert placed == {(d, st): stage[0] for d, p in enumerate(pipelines) for st, stage in enumerate(p)}
+    clean = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "2", "--out", str(tmp_path / "clean"), "--json")
+    assert clean.returncode == 0, clean.stderr
+    reference = json.loads(clean.stdout)["losses"]
+    step_loss = lambda t: t[t.optype == "step"].groupby("step").loss.max()  # noqa: E731
+    got = list(step_loss(before).loc[:3]) + list(step_loss(after))
+    assert len(got) == 8 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, reference)), (got, reference)
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""  # no worker outlives the command
 

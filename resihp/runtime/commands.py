@@ -373,14 +373,16 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
 
 
 def _recover(cfg, outcome, summary: dict, json_out: bool):
-    """Exclude the stopped rank: restart the surviving layout from the latest checkpoint."""
-    from resihp.runtime.elastic import latest_checkpoint, layout_without
+    """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
+    it as the planner says (else the surviving uniform layout)."""
+    from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
     from resihp.runtime.supervisor import supervise
 
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(out, cfg)
     rank = outcome.failure.rank
-    new = layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
+    reformed = reform_around(cfg, rank, ckpt, out / "restart") if ckpt else None
+    new = reformed.cfg if reformed else layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
         summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"
                                if not ckpt else "no device left to continue on",
@@ -405,6 +407,10 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
               "layout": {"dp": new.parallel.dp, "pp": new.parallel.pp, "tp": new.parallel.tp},
               "restart_s": round(first - t0, 3) if first else None,
               "skipped": [f"{p.name}: {why}" for p, why in skipped]}
+    if reformed is not None:  # the planner's layout: pipelines of the relaunch's ranks
+        change.update(applied=True, layout=reformed.change["layout"], ranks=reformed.ranks,
+                      layer_splits=reformed.change["layer_splits"], dp_weights=reformed.change["dp_weights"],
+                      predicted_step_s=reformed.plan.step_time_s, plan=reformed.plan.to_dict())
     summary.update({"plan_changes": [change], "after_restart": after,
                     "steps": after.get("steps", 0) + change["resumed_step"],
                     "tokens_per_s_after": after.get("tokens_per_s"),

@@ -1,8 +1,10 @@
-"""Excluding a stopped device by an elastic restart: the surviving layout (one data-parallel replica
-fewer, or one pipeline stage fewer when there is a single replica) restarts from the latest
-universal checkpoint, with the same global batch, so the optimizer's mathematics do not change.
-Resuming (``resihp run --resume``) from a checkpoint in any layout, and what a checkpoint records
-beside its tensors."""
+"""Excluding a stopped device by an elastic restart from the latest universal checkpoint, with the
+same global batch, so the optimizer's mathematics do not change: the survivors re-formed around the
+lost device as the planner says (``reform_around``: its replica kept where the planner keeps it,
+with fewer stages, a smaller tensor-parallel group or fewer micro-batches), else the surviving
+uniform layout (``layout_without``: one data-parallel replica fewer, or one pipeline stage fewer
+when there is a single replica). Resuming (``resihp run --resume``) from a checkpoint in any
+layout, and what a checkpoint records beside its tensors."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import torch
 from resihp.ckpt.integrity import newest_good
 from resihp.ckpt.reshard_rules import decide, derived_seed, same_layout, state_of_run
 from resihp.ckpt.universal import load, read_meta
+from resihp.plan.plan import Plan
+from resihp.plan.planner import Planner
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
+from resihp.runtime.live import current_plan, planner_specs
 
 
 def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -37,6 +42,48 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
     else:
         return None
     return cfg.updated(**changes, inject=[], replan=[], resume=str(resume), out=str(out))
+
+
+@dataclass
+class Reformed:
+    """The relaunch around a lost rank: its run config (the survivors renumbered in order, a
+    uniform launch layout over them and, scheduled at the first step, the planner's layout), the
+    plan, and each new rank's old world rank."""
+
+    cfg: RunConfig
+    plan: Plan
+    ranks: list[int]
+    change: dict
+
+
+def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit_s: float = 2.0) -> Reformed | None:
+    """The planner's layout over every rank but ``rank`` (its speed 0), to restart from checkpoint
+    ``resume`` into: the job relaunches with the survivors only, loads the checkpoint into a uniform
+    launch layout and, before its first step, re-forms into the plan's process groups by a layout
+    change (the live path: ``Engine.apply``), which reshards from memory. None where the plan
+    cannot be applied so (no survivor, or a replica mixing tensor-parallel sizes across stages)."""
+    dims = cfg.dims()
+    survivors = [r for r in range(dims.world_size) if r != rank]
+    if not survivors:
+        return None
+    cluster, model = planner_specs(cfg)
+    current = current_plan(cfg, cluster, model, cfg.weights(), [cfg.stage_ranges()] * dims.dp)
+    plan = Planner().plan(cluster.with_speeds({rank: 0.0}), model, current, time_limit_s=time_limit_s)
+    pipes = sorted((p for p in plan.pipelines if p.microbatches > 0), key=lambda p: p.dp_rank)
+    new = {old: i for i, old in enumerate(survivors)}
+    used = [r for p in pipes for s in p.stages for r in s.ranks]
+    if (not pipes or rank in used or any(len({s.tp for s in p.stages}) != 1 for p in pipes)):
+        return None
+    first = int(resume.name.removeprefix("step")) + 1
+    change = {"step": first, "reason": {"kind": "fail-stop", "rank": rank},
+              "layout": {"pipelines": [[[new[r] for r in s.ranks] for s in p.stages] for p in pipes]},
+              "layer_splits": [[s.n_layers for s in p.stages] for p in pipes],
+              "dp_weights": [float(p.microbatches) for p in pipes]}
+    n = len(survivors)
+    pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
+    relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=[],
+                           replan=[change], resume=str(resume), out=str(out))
+    return Reformed(relaunch, plan, survivors, change)
 
 
 # --- resuming from a checkpoint in any layout -----------------------------------------------------

@@ -31,6 +31,7 @@ from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepRecords
 from resihp.runtime.layout import ranges_from_counts
+from resihp.runtime.planchange import Relayout
 
 
 def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
@@ -101,6 +102,8 @@ class LiveLoop:
         self.probe_ref: dict[int, float] = {}  # each rank's first probe (seconds): its reference
         self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
         self.error: str | None = None
+        # the run's scheduled changes (live.replan), which the job applies before their step
+        self._scheduled = {int(c["step"]): c for c in cfg.live.replan}
 
     def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
         """Observe complete steps; ``post`` hands a plan change to the job. Never raises: a failure
@@ -117,6 +120,9 @@ class LiveLoop:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def _observe(self, step: int, df: pd.DataFrame) -> None:
+        scheduled = self._scheduled.pop(step, None)
+        if scheduled is not None:  # the plan in force from this step (the job applied it before it)
+            self._adopt(scheduled)
         if df.optype.eq("replan-layout").any():  # ranks took new places: learned afresh from here
             self.detector = self._make_detector()
         df = df[~df.optype.str.startswith("replan")]
@@ -226,6 +232,22 @@ class LiveLoop:
                 self.detector = self._make_detector()  # stage costs changed: a fresh baseline
         self.changes.append(change)
         self._post({k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
+
+    def _adopt(self, change: dict) -> None:
+        """Take a change the job applies without this loop (a scheduled one) as the plan in force."""
+        layout = change.get("layout")
+        if layout is not None:
+            pipelines = layout.get("pipelines") or Relayout.parse(layout, self.world, "live.replan").pipelines
+            self.groups = [[tuple(s) for s in p] for p in pipelines]
+        if change.get("dp_weights") is not None:
+            self.weights = list(change["dp_weights"])
+        splits = change.get("layer_splits")
+        if splits is None and change.get("layer_split") is not None:
+            splits = [change["layer_split"]] * len(self.groups)
+        if splits is not None:
+            self.ranges = [ranges_from_counts(split, self.cfg.model.layers, len(split)) for split in splits]
+        if layout is not None or splits is not None:
+            self.detector = self._make_detector()  # new stage costs or places: a fresh baseline
 
     def _unchanged(self, change: dict) -> bool:
         """Whether a change in place gives every replica the share and layer split it has now."""
