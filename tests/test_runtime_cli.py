@@ -131,10 +131,31 @@ def test_stopped_rank_is_excluded_and_its_replica_re_formed_by_the_planner_with_
     assert clean.returncode == 0, clean.stderr
     reference = json.loads(clean.stdout)["losses"]
     step_loss = lambda t: t[t.optype == "step"].groupby("step").loss.max()  # noqa: E731
-    got = list(step_loss(before).loc[:3]) + list(step_loss(after))
-    assert len(got) == 8 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, reference)), (got, reference)
+    assert summary["losses"] == list(step_loss(before).loc[:3]) + list(step_loss(after))
+    assert len(summary["losses"]) == 8 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(summary["losses"], reference))
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""  # no worker outlives the command
+
+
+@pytest.mark.slow
+def test_a_dead_rank_of_a_tensor_parallel_group_leaves_its_peer_training_from_the_newest_snapshot(tmp_path):
+    """DP 2 x TP 2 loses rank 1 with the memory tier on: the keeper writes the newest snapshot, the
+    planner puts every survivor to work (rank 0, its group's survivor, too), and the losses equal a
+    failure-free run's."""
+    layout = ["--dp", "2", "--pp", "1", "--tp", "2", "--steps", "8", "--ckpt-every", "3", "--snapshot-every", "1"]
+    proc = resihp("run", *SMALL, *layout, "--inject", "stop:rank=1,step=5", "--out", str(tmp_path / "dead"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    change = summary["plan_changes"][0]
+    assert change["applied"] is True and change["ranks"] == [0, 2, 3]
+    # every survivor at work (here: rank 0 alone beside the group of ranks 2 and 3)
+    assert sorted(r for p in change["layout"]["pipelines"] for s in p for r in s) == [0, 1, 2]
+    assert change["resumed_step"] >= 4  # the keeper's breakpoint: newer than step 2's checkpoint
+    clean = resihp("run", *SMALL, *layout, "--out", str(tmp_path / "clean"), "--json")
+    assert clean.returncode == 0, clean.stderr
+    reference = json.loads(clean.stdout)["losses"]
+    assert len(summary["losses"]) == 8
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(summary["losses"], reference)), (summary["losses"], reference)
 
 
 @pytest.mark.slow

@@ -411,7 +411,12 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
         change.update(applied=True, layout=reformed.change["layout"], ranks=reformed.ranks,
                       layer_splits=reformed.change["layer_splits"], dp_weights=reformed.change["dp_weights"],
                       predicted_step_s=reformed.plan.step_time_s, plan=reformed.plan.to_dict())
-    summary.update({"plan_changes": [change], "after_restart": after,
+    first_step = summary.get("first_step") or 0
+    # the losses of the steps before the checkpoint it resumed from, then the relaunch's
+    losses = list(summary.get("losses") or [])[:max(0, change["resumed_step"] - first_step)] + list(
+        after.get("losses") or [])
+    summary.update({"plan_changes": [change], "after_restart": after, "losses": losses,
+                    "loss_last": losses[-1] if losses else None,
                     "steps": after.get("steps", 0) + change["resumed_step"],
                     "tokens_per_s_after": after.get("tokens_per_s"),
                     "error": again.error})

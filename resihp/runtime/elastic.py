@@ -81,8 +81,10 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
               "dp_weights": [float(p.microbatches) for p in pipes]}
     n = len(survivors)
     pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
+    # no memory tier after the re-form: the node's keeper persists a job of one uniform layout (its
+    # world's slots), so the relaunch's ranks save their checkpoints themselves
     relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=[],
-                           replan=[change], resume=str(resume), out=str(out))
+                           replan=[change], resume=str(resume), out=str(out), snapshot_every=0)
     return Reformed(relaunch, plan, survivors, change)
 
 
