@@ -41,7 +41,7 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
         changes = dict(pp=cfg.parallel.pp - 1, layer_split=None)
     else:
         return None
-    return cfg.updated(**changes, inject=[], replan=[], resume=str(resume), out=str(out))
+    return cfg.updated(**changes, inject=[], replan=[], resume=str(resume), out=str(out), snapshot_every=0)
 
 
 @dataclass
@@ -81,8 +81,8 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
               "dp_weights": [float(p.microbatches) for p in pipes]}
     n = len(survivors)
     pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
-    # no memory tier after the re-form: the node's keeper persists a job of one uniform layout (its
-    # world's slots), so the relaunch's ranks save their checkpoints themselves
+    # no memory tier in a relaunch (here or in layout_without): the node's keeper persists the
+    # slots of the world it was started for, so the relaunch's ranks save their checkpoints
     relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=[],
                            replan=[change], resume=str(resume), out=str(out), snapshot_every=0)
     return Reformed(relaunch, plan, survivors, change)
