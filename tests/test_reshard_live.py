@@ -4,7 +4,9 @@ into it from memory. (2, 1, 2) -> rank 1 excluded as a hot spare, its replica re
 rank 0 beside a tp-2 replica (the planner's plan for a slow rank 1) -> the spare taken back into
 re-formed tensor-parallel groups of another depth, (1, 2, 2) on ranks 3, 2, 1, 0 (inside a
 tensor-parallel group world ranks ascend with the tp rank: 2, 3, 0, 1) -> replicas of different
-depths (two tp-1 stages beside one tp-2 stage); the losses stay the uninterrupted run's. Four
+depths (two tp-1 stages beside one tp-2 stage) -> a replica whose stages differ in tensor-parallel
+size (a tp-2 stage feeding a tp-1 stage) beside a one-rank replica; the losses stay the
+uninterrupted run's. Four
 ranks spawned on gloo; the model has fused QKV and SwiGLU, a padded vocabulary and tied
 embeddings (``tests.test_reshard.BASE``)."""
 
@@ -16,13 +18,15 @@ import torch
 from tests.gloo_ranks import spawn_ranks
 from tests.test_reshard import BASE
 
-STEPS = 8
+STEPS = 10
 CHANGES = {  # what the planner gives for a slow rank 1: its replica re-formed at tp 1 without it
     2: {"version": 1, "layout": {"pipelines": [[[0]], [[2, 3]]]}, "dp_weights": [3, 5], "reason": "exclude 1"},
     4: {"version": 2, "layout": {"dp": 1, "pp": 2, "tp": 2, "ranks": [3, 2, 1, 0]}, "layer_split": [3, 1],
         "reason": "take rank 1 back"},
     6: {"version": 3, "layout": {"pipelines": [[[0], [1]], [[2, 3]]]}, "layer_splits": [[3, 1], [4]],
-        "reason": "replicas of different depths"}}
+        "reason": "replicas of different depths"},
+    8: {"version": 4, "layout": {"pipelines": [[[2, 3], [1]], [[0]]]}, "layer_splits": [[1, 3], [4]],
+        "dp_weights": [5, 3], "reason": "stages of different tensor-parallel sizes"}}
 
 
 def _rank(rank: int, world: int, tmp: str) -> dict:
@@ -45,6 +49,7 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
             seen.append({"active": list(engine.active), "spare": engine.coords is None})
         losses.append(engine.train_step(step).loss)
     # the last layout mixes depths and tp sizes: one replica writes a whole, non-overlapping checkpoint
+    # (replica 0: layer 0 and the embeddings at tp 2, the rest and the head at tp 1)
     save(Path(tmp) / "after", engine.model, engine.optimizer, STEPS - 1, {}, engine.tp, engine.model_cfg,
          write=engine.dp_rank == 0)
     result.update(losses=losses, seen=seen, changes=engine.plan_changes,
@@ -76,15 +81,15 @@ def test_layout_changes_live_keep_the_uninterrupted_losses(live):
 @pytest.mark.slow
 def test_the_excluded_rank_is_a_spare_then_taken_back(live):
     assert live[1]["seen"] == [{"active": [0, 2, 3], "spare": True}, {"active": [2, 3, 0, 1], "spare": False},
-                               {"active": [0, 1, 2, 3], "spare": False}]
-    assert [s["spare"] for s in live[0]["seen"]] == [False, False, False]
-    first, second, third = live[0]["changes"]
+                               {"active": [0, 1, 2, 3], "spare": False}, {"active": [2, 3, 1, 0], "spare": False}]
+    assert [s["spare"] for s in live[0]["seen"]] == [False, False, False, False]
+    first, second, third, fourth = live[0]["changes"]
     assert first["generation"] == 1 and first["spares"] == [1] and second["generation"] == 2 and second["spares"] == []
-    assert third["spares"] == []
+    assert third["spares"] == [] and fourth["spares"] == []
     # every rank's first step records its probe (its reference); the spare re-checks itself with
     # backoff while it is one (steps 2 and 3, then it is taken back)
     assert live[1]["probes"] == [0, 2, 3] and live[0]["probes"] == [0]
-    for change in (first, second, third):  # what moved, against the least the two layouts need
+    for change in (first, second, third, fourth):  # what moved, against the least the two layouts need
         assert 0 < change["minimum_bytes"] <= change["read_bytes"] <= change["moved_bytes"]
         assert change["relayout_s"] > 0
 

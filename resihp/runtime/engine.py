@@ -88,12 +88,18 @@ class Engine:
                 group = dist.new_group(list(stage)) if len(stage) > 1 else None
                 if self.rank in stage:
                     tp_group = group
-        self.tp = TPContext(len(mine[0]), t, tp_group)
+        self.tp = TPContext(len(mine[s]), t, tp_group)
         shapes = {(len(p), len(stage)) for p in self.pipelines for stage in p}
         # the layout as one data x pipeline x tensor split, when every replica has the same shape
         self.dims = (ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None)
-        self.prev = mine[s - 1][t] if not spare and s > 0 else None
-        self.next = mine[s + 1][t] if not spare and s < self.pp - 1 else None
+        # neighbouring stages may differ in tensor-parallel size: a stage's output (and its input's
+        # gradient) is whole on each rank of its group, so rank j of a stage of size b takes it from
+        # rank j mod a of the neighbour of size a, which sends it to every such j
+        here = len(mine[s])
+        self.prev = mine[s - 1][t % len(mine[s - 1])] if not spare and s > 0 else None
+        self.next = mine[s + 1][t % len(mine[s + 1])] if not spare and s < self.pp - 1 else None
+        self.send_prev = [r for i, r in enumerate(mine[s - 1]) if i % here == t] if self.prev is not None else []
+        self.send_next = [r for j, r in enumerate(mine[s + 1]) if j % here == t] if self.next is not None else []
         self.grad_sync = GradSync(self.pipelines, tied=self.model_cfg.tie_embeddings, cfg=self.model_cfg)
         self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
 
@@ -266,16 +272,16 @@ class Engine:
                     out = self._compute("forward-compute", mb, forward)
                     if self.next is None:
                         loss_sum += out.detach()
-                    else:
-                        self._send(out.detach(), self.next, tag, "forward-send", mb)
+                    for dst in self.send_next:
+                        self._send(out.detach(), dst, tag, "forward-send", mb)
                     saved[action.mb] = (x if self.prev is not None else None, out)
                 else:
                     x, out = saved.pop(action.mb)
                     grad = (None if self.next is None else
                             self._recv((mb.tokens, hidden), self.next, tag, "backward-recv", mb))
                     self._compute("backward-compute", mb, lambda out=out, grad=grad: out.backward(grad))
-                    if x is not None:
-                        self._send(x.grad, self.prev, tag, "backward-send", mb)
+                    for dst in self.send_prev:
+                        self._send(x.grad, dst, tag, "backward-send", mb)
             with self.rec.waiting("send-wait"):
                 for work in self._pending:
                     work.wait()

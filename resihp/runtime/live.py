@@ -5,9 +5,9 @@ new plan and hand the part the running job can apply in place to its rank 0 (``c
 
 Applied in place: per-replica micro-batch shares and per-pipeline layer splits; a plan that
 re-forms tensor-parallel groups, excludes a device (a hot spare), moves ranks between pipelines or
-gives replicas different depths goes to the job as a ``layout`` (every rank forms the new process
-groups and reshards its state from memory, ``Engine.apply``). Only a plan whose replica mixes
-tensor-parallel sizes across its stages is still recorded as applied in part, with the reason.
+gives replicas different depths or stages different tensor-parallel sizes goes to the job as a
+``layout`` (every rank forms the new process groups and reshards its state from memory,
+``Engine.apply``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,6 @@ class LiveLoop:
                                                           if k in event},
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
-        one_tp = all(len({len(s.ranks) for s in p.stages}) == 1 for p in pipes)
         if self.cfg.faults.recovery.startswith("replica"):
             # each replica is its own job: the commits carry micro-batch shares to every rank; layer
             # moves and new groups would move state across replicas together (not in this mode).
@@ -198,19 +197,13 @@ class LiveLoop:
             else:
                 self._post_in_place(change)  # no layer_splits: the ranges in force stay
             return
-        if same_places or one_tp:
-            change["dp_weights"] = [float(p.microbatches) for p in pipes]
-            change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
-            change["applied"] = True
-            if not same_places:  # new process groups: the job re-forms them and reshards live
-                change["layout"] = {"pipelines": [[list(s.ranks) for s in p.stages] for p in pipes]}
-                self.groups = [[tuple(s.ranks) for s in p.stages] for p in pipes]
-                self.ranges = []  # set below from the new splits, with a fresh detector baseline
-        else:
-            # keep what can be applied in place: each replica's share in proportion to its speed
-            change["dp_weights"] = self._replica_speeds()
-            change["applied"] = ("partial: a replica of the plan mixes tensor-parallel sizes across its "
-                                 "stages (the runtime keeps one per replica)")
+        change["dp_weights"] = [float(p.microbatches) for p in pipes]
+        change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
+        change["applied"] = True
+        if not same_places:  # new process groups: the job re-forms them and reshards live
+            change["layout"] = {"pipelines": [[list(s.ranks) for s in p.stages] for p in pipes]}
+            self.groups = [[tuple(s.ranks) for s in p.stages] for p in pipes]
+            self.ranges = []  # set below from the new splits, with a fresh detector baseline
         if same_places and self._unchanged(change):
             # the planner keeps the plan in force (e.g. no split beats it around a slow data-parallel
             # link): record the decision, hand the job nothing

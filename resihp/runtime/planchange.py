@@ -29,7 +29,7 @@ from resihp.runtime.layout import ranges_from_counts
 class Relayout:
     """A new parallel layout over some of the job's world ranks (the rest become hot spares): per
     data-parallel replica, per pipeline stage, the world ranks of its tensor-parallel group.
-    Replicas may differ in depth and tensor-parallel size; the stages of one replica share one."""
+    Replicas may differ in depth, and stages (of one replica too) in tensor-parallel size."""
 
     pipelines: tuple[tuple[tuple[int, ...], ...], ...]
 
@@ -61,10 +61,6 @@ class Relayout:
         ranks = [r for p in pipelines for s in p for r in s]
         if len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and 0 <= r < world for r in ranks):
             raise InputError(f"{where} layout: expected distinct world ranks in [0, {world}), got {ranks}")
-        for p in pipelines:
-            if len({len(s) for s in p}) != 1:
-                raise InputError(f"{where} layout: the stages of a replica need one tensor-parallel size, "
-                                 f"got {[list(s) for s in p]}")
         return cls(pipelines)
 
 
