@@ -60,8 +60,8 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     """The planner's layout over every rank but ``rank`` (its speed 0), to restart from checkpoint
     ``resume`` into: the job relaunches with the survivors only, loads the checkpoint into a uniform
     launch layout and, before its first step, re-forms into the plan's process groups by a layout
-    change (the live path: ``Engine.apply``), which reshards from memory. None where the plan
-    cannot be applied so (no survivor, or a replica mixing tensor-parallel sizes across stages)."""
+    change (the live path: ``Engine.apply``), which reshards from memory. None where no survivor
+    is left or the plan places none."""
     dims = cfg.dims()
     survivors = [r for r in range(dims.world_size) if r != rank]
     if not survivors:
@@ -72,7 +72,7 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     pipes = sorted((p for p in plan.pipelines if p.microbatches > 0), key=lambda p: p.dp_rank)
     new = {old: i for i, old in enumerate(survivors)}
     used = [r for p in pipes for s in p.stages for r in s.ranks]
-    if (not pipes or rank in used or any(len({s.tp for s in p.stages}) != 1 for p in pipes)):
+    if not pipes or rank in used:
         return None
     first = int(resume.name.removeprefix("step")) + 1
     change = {"step": first, "reason": {"kind": "fail-stop", "rank": rank},
