@@ -132,6 +132,26 @@ def test_a_spare_that_runs_at_its_reference_speed_again_is_taken_back():
     assert sorted(r for p in change["layout"]["pipelines"] for s in p for r in s) == [0, 1, 2, 3]
 
 
+def test_the_live_loop_takes_a_scheduled_layout_change_as_the_plan_in_force():
+    """A change scheduled in the run config (``live.replan``; the re-formed restart's) is applied by
+    the job before its step; the live loop plans from it afterwards, not from the launch layout."""
+    from resihp.runtime.config import RunConfig
+    from resihp.runtime.live import LiveLoop
+    from resihp.runtime.recorder import rows_frame
+
+    change = {"step": 2, "layout": {"pipelines": [[[0], [1]], [[2]]]}, "layer_splits": [[1, 3], [4]],
+              "dp_weights": [3, 1]}
+    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=1, pp=3, tp=1, replan=[change]))
+    row = lambda step, rank: {"step": step, "rank": rank, "dp_rank": 0, "stage": 0, "tp_rank": 0,  # noqa: E731
+                              "optype": "probe", "start_ts": 0.0, "duration": 0.01}
+    loop._observe(1, rows_frame([row(1, r) for r in range(3)]))
+    assert loop.groups == [[(0,), (1,), (2,)]] and loop.weights == [1.0]  # the launch layout
+    before = loop.detector
+    loop._observe(2, rows_frame([row(2, r) for r in range(3)]))
+    assert loop.groups == [[(0,), (1,)], [(2,)]] and loop.weights == [3, 1]
+    assert loop.ranges == [[(0, 1), (1, 4)], [(0, 4)]] and loop.detector is not before  # a fresh baseline
+
+
 FACTOR, ONSET, LIVE_STEPS = 6, 10, 20
 
 
