@@ -31,7 +31,7 @@ from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepRecords
 from resihp.runtime.layout import ranges_from_counts
-from resihp.runtime.planchange import Relayout
+from resihp.runtime.planchange import PlanChange
 
 
 def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
@@ -228,18 +228,16 @@ class LiveLoop:
 
     def _adopt(self, change: dict) -> None:
         """Take a change the job applies without this loop (a scheduled one) as the plan in force."""
-        layout = change.get("layout")
-        if layout is not None:
-            pipelines = layout.get("pipelines") or Relayout.parse(layout, self.world, "live.replan").pipelines
-            self.groups = [[tuple(s) for s in p] for p in pipelines]
-        if change.get("dp_weights") is not None:
-            self.weights = list(change["dp_weights"])
-        splits = change.get("layer_splits")
-        if splits is None and change.get("layer_split") is not None:
-            splits = [change["layer_split"]] * len(self.groups)
-        if splits is not None:
-            self.ranges = [ranges_from_counts(split, self.cfg.model.layers, len(split)) for split in splits]
-        if layout is not None or splits is not None:
+        planned = PlanChange.parse(change, self.cfg.dims(), self.cfg.model.layers, "live.replan", world=self.world,
+                                   depths=[len(p) for p in self.groups])
+        if planned.layout is not None:
+            self.groups = [[tuple(s) for s in p] for p in planned.layout.pipelines]
+        if planned.dp_weights is not None:
+            self.weights = list(planned.dp_weights)
+        ranges = planned.replica_ranges(self.cfg.model.layers)
+        if ranges is not None:
+            self.ranges = ranges
+        if planned.layout is not None or ranges is not None:
             self.detector = self._make_detector()  # new stage costs or places: a fresh baseline
 
     def _unchanged(self, change: dict) -> bool:
