@@ -83,10 +83,16 @@ class CusumBank:
         (its calibration, baseline, run and alarm), or starts afresh where ``source[j] < 0``."""
         source = np.asarray(source, dtype=np.int64)
         out = CusumBank(len(source), self.cfg)
-        keep = np.flatnonzero(source >= 0)
+        carry = source >= 0
+        fresh = np.flatnonzero(~carry)
+        src = np.where(carry, source, 0)
         for name, value in vars(self).items():
             if name != "_hist_step" and isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
-                getattr(out, name)[..., keep] = value[..., source[keep]]
+                # a gather along the series axis (np.take: several times faster than fancy
+                # indexing of the 2-D histories at 16,384 series), then the fresh series reset
+                moved = np.take(value, src, axis=-1)
+                moved[..., fresh] = getattr(out, name)[..., fresh]
+                setattr(out, name, moved)
         out._hist_step[:] = self._hist_step
         return out
 
