@@ -118,6 +118,10 @@ def test_stopped_rank_is_excluded_and_its_replica_re_formed_by_the_planner_with_
     assert [sum(split) for split in change["layer_splits"]] == [4, 4] and sum(change["dp_weights"]) == 4
     assert {"rank": 3, "excluded": True} in change["plan"]["ranks"] and change["predicted_step_s"] > 0
     assert change["resumed_step"] == 4 and summary["steps"] == 8
+    # the planner's costs paced on the launch's healthy steps 1-4, its estimate checked on steps 5-7
+    assert change["planner_calibration"]["steps"] == 4 and change["planner_calibration"]["factor"] > 0
+    assert change["measured_steps"] == 3
+    assert change["step_error"] == pytest.approx(change["predicted_step_s"] / change["measured_step_s"] - 1, abs=1e-3)
     before = read_ops_trace(out / "ops.parquet")  # what the ranks recorded before the stop is kept
     after = read_ops_trace(out / "restart" / "ops.parquet")
     assert before[before["rank"] == 3].step.max() == 4 and set(before["rank"]) == {0, 1, 2, 3}

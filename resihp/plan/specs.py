@@ -358,6 +358,17 @@ class ClusterSpec:
         cluster = self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
         return cluster._with_speed_array(np.ones(len(self)), "healthy") if cluster.degraded else cluster
 
+    def paced(self, factor: float) -> ClusterSpec:
+        """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
+        bandwidth) divided by it, so every analytic time is ``factor`` times as long. A job's
+        measured steps give the factor (``resihp.runtime.live``): an analytic model priced on a
+        matmul benchmark misses a training loop's overheads by a roughly constant multiple."""
+        if not (isinstance(factor, (int, float)) and np.isfinite(factor) and factor > 0):
+            raise InputError(f"cluster pace: expected a positive finite factor, got {factor!r}")
+        devices = tuple(replace(d, tflops=d.tflops / factor, hbm_gbs=d.hbm_gbs / factor) for d in self.devices)
+        return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / factor,
+                       inter_node_gbs=self.inter_node_gbs / factor)
+
     @cached_property
     def hardware_key(self) -> tuple:
         """What the healthy layout depends on: nodes, device memory and FLOP rates, links."""

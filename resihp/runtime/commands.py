@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -281,7 +282,11 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
     changes = [{**c, "applied_step": applied.get(c["id"], {}).get("step"),
                 **{k: applied[c["id"]][k] for k in moved if k in applied.get(c["id"], {})}}
                for c in loop.changes]
+    # each change's estimate beside the step measured while it was in force
+    for change, check in zip(changes, loop.measured_steps([c["applied_step"] for c in changes])):
+        change.update(check)
     fields = {"detection_delay_steps": None, "plan_changes": changes, "events": loop.events,
+              "planner_calibration": loop.calibration,
               "tokens_per_s_before": summary.get("tokens_per_s"),
               "tokens_per_s_after": summary.get("tokens_per_s"), "recovered_fraction": None,
               "live_error": loop.error}
@@ -375,13 +380,21 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
 def _recover(cfg, outcome, summary: dict, json_out: bool):
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
     it as the planner says (else the surviving uniform layout)."""
+    import pandas as pd
+
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
+    from resihp.runtime.live import MIN_MEASURED_STEPS, trace_step_seconds
     from resihp.runtime.supervisor import supervise
 
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(out, cfg)
     rank = outcome.failure.rank
-    reformed = reform_around(cfg, rank, ckpt, out / "restart") if ckpt else None
+    # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
+    before = trace_step_seconds(pd.read_parquet(out / "ops.parquet")) if (out / "ops.parquet").exists() else {}
+    changed = [c["applied_step"] for c in summary.get("plan_changes") or [] if c.get("applied_step") is not None]
+    last = min([outcome.failure.extra.get("step") or max(before, default=0) + 1, *changed]) if before else 0
+    healthy = [v for s, v in before.items() if 0 < s < last]
+    reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=healthy) if ckpt else None
     new = reformed.cfg if reformed else layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
         summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"
@@ -395,13 +408,12 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
                           on_step=lambda s: advance(s + 1))
     after = _summary(new, again)
     ops = Path(new.out) / "ops.parquet"
-    first = None
+    first, relaunched = None, {}
     if ops.exists():
-        import pandas as pd
-
         trace = pd.read_parquet(ops)
         steps = trace[trace.optype == "step"]
         first = float(steps.start_ts.min()) if len(steps) else None
+        relaunched = trace_step_seconds(trace)
     change = {"kind": "exclude", "rank": rank, "restart_from": str(ckpt),
               "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
               "layout": {"dp": new.parallel.dp, "pp": new.parallel.pp, "tp": new.parallel.tp},
@@ -410,7 +422,15 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     if reformed is not None:  # the planner's layout: pipelines of the relaunch's ranks
         change.update(applied=True, layout=reformed.change["layout"], ranks=reformed.ranks,
                       layer_splits=reformed.change["layer_splits"], dp_weights=reformed.change["dp_weights"],
-                      predicted_step_s=reformed.plan.step_time_s, plan=reformed.plan.to_dict())
+                      predicted_step_s=reformed.plan.step_time_s, plan=reformed.plan.to_dict(),
+                      planner_calibration=reformed.calibration)
+        # the estimate against the relaunch's steps after the one that re-formed the groups
+        resumed = change["resumed_step"]
+        seconds = [v for s, v in relaunched.items() if s > resumed]
+        if len(seconds) >= MIN_MEASURED_STEPS:
+            measured = statistics.median(seconds)
+            change.update(measured_step_s=round(measured, 6), measured_steps=len(seconds),
+                          step_error=round(reformed.plan.step_time_s / measured - 1, 4))
     first_step = summary.get("first_step") or 0
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
     losses = list(summary.get("losses") or [])[:max(0, change["resumed_step"] - first_step)] + list(

@@ -20,7 +20,7 @@ from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
-from resihp.runtime.live import current_plan, planner_specs
+from resihp.runtime.live import current_plan, paced_to, planner_specs
 
 
 def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -48,27 +48,33 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
 class Reformed:
     """The relaunch around a lost rank: its run config (the survivors renumbered in order, a
     uniform launch layout over them and, scheduled at the first step, the planner's layout), the
-    plan, and each new rank's old world rank."""
+    plan, each new rank's old world rank, and the planner's calibration to the steps measured
+    before the loss (``live.paced_to``; None without enough of them)."""
 
     cfg: RunConfig
     plan: Plan
     ranks: list[int]
     change: dict
+    calibration: dict | None = None
 
 
-def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit_s: float = 2.0) -> Reformed | None:
+def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit_s: float = 2.0,
+                  measured: list[float] = ()) -> Reformed | None:
     """The planner's layout over every rank but ``rank`` (its speed 0), to restart from checkpoint
     ``resume`` into: the job relaunches with the survivors only, loads the checkpoint into a uniform
     launch layout and, before its first step, re-forms into the plan's process groups by a layout
-    change (the live path: ``Engine.apply``), which reshards from memory. None where no survivor
-    is left or the plan places none."""
+    change (the live path: ``Engine.apply``), which reshards from memory. ``measured``: the step
+    times of the launch layout before the loss, which pace the planner's costs. None where no
+    survivor is left or the plan places none."""
     dims = cfg.dims()
     survivors = [r for r in range(dims.world_size) if r != rank]
     if not survivors:
         return None
+    planner = Planner()
     cluster, model = planner_specs(cfg)
     current = current_plan(cfg, cluster, model, cfg.weights(), [cfg.stage_ranges()] * dims.dp)
-    plan = Planner().plan(cluster.with_speeds({rank: 0.0}), model, current, time_limit_s=time_limit_s)
+    cluster, calibration = paced_to(cluster, model, current, list(measured), planner)
+    plan = planner.plan(cluster.with_speeds({rank: 0.0}), model, current, time_limit_s=time_limit_s)
     pipes = sorted((p for p in plan.pipelines if p.microbatches > 0), key=lambda p: p.dp_rank)
     new = {old: i for i, old in enumerate(survivors)}
     used = [r for p in pipes for s in p.stages for r in s.ranks]
@@ -85,7 +91,7 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     # slots of the world it was started for, so the relaunch's ranks save their checkpoints
     relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=[],
                            replan=[change], resume=str(resume), out=str(out), snapshot_every=0)
-    return Reformed(relaunch, plan, survivors, change)
+    return Reformed(relaunch, plan, survivors, change, calibration)
 
 
 # --- resuming from a checkpoint in any layout -----------------------------------------------------

@@ -13,6 +13,7 @@ gives replicas different depths or stages different tensor-parallel sizes goes t
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from resihp.plan.links import with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
+from resihp.plan.timing import evaluate
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepRecords
 from resihp.runtime.layout import ranges_from_counts
@@ -77,6 +79,37 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
 
 
 RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
+MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
+
+
+def step_seconds(df: pd.DataFrame) -> float | None:
+    """One step's wall time: the longest ``step`` record among the ranks in ``df``."""
+    steps = df.loc[df.optype == "step", "duration"]
+    return float(steps.max()) if len(steps) else None
+
+
+def trace_step_seconds(trace: pd.DataFrame) -> dict[int, float]:
+    """Every step's wall time in an ops trace (``step_seconds`` per step)."""
+    steps = trace[trace.optype == "step"]
+    return {int(k): float(v) for k, v in steps.groupby("step")["duration"].max().items()}
+
+
+def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[float],
+             planner: Planner) -> tuple[ClusterSpec, dict | None]:
+    """``cluster`` paced (``ClusterSpec.paced``) so that ``plan``, the plan the steps ``measured``
+    ran under, predicts their median, and what was measured; the cluster as it is (and None) from
+    fewer than ``MIN_MEASURED_STEPS`` steps. The planner's analytic costs (a matmul benchmark's
+    FLOP rate, nominal bandwidths) miss a training loop's own overheads (Python, gloo, several
+    ranks per core) by a factor that stays roughly constant across the plans of one job."""
+    if len(measured) < MIN_MEASURED_STEPS:
+        return cluster, None
+    median = statistics.median(measured)
+    analytic = evaluate(plan, planner.coster(cluster, model)).step_time_s
+    if not (0 < analytic < float("inf") and median > 0):
+        return cluster, None
+    factor = median / analytic
+    return cluster.paced(factor), {"steps": len(measured), "measured_step_s": round(median, 6),
+                                   "analytic_step_s": analytic, "factor": round(factor, 4)}
 
 
 class LiveLoop:
@@ -104,6 +137,11 @@ class LiveLoop:
         self.error: str | None = None
         # the run's scheduled changes (live.replan), which the job applies before their step
         self._scheduled = {int(c["step"]): c for c in cfg.live.replan}
+        # each step's measured time; the first healthy ones pace the planner's analytic costs
+        self.step_s: dict[int, float] = {}
+        self._healthy: list[float] = []
+        self._calibration_steps = self.detector.cfg.calibration_steps
+        self.calibration: dict | None = None
 
     def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
         """Observe complete steps; ``post`` hands a plan change to the job. Never raises: a failure
@@ -132,6 +170,7 @@ class LiveLoop:
         df = df[df["rank"].isin(placed) & (df.optype != "probe")]  # a hot spare only keeps step
         if df.empty:
             return
+        self._measure(step, df, fresh_plan=scheduled is not None)
         for event in self.detector.observe(df):
             record = {**event.to_dict(), "seen_at": time.time()}
             self.events.append(record)
@@ -149,6 +188,25 @@ class LiveLoop:
                 self._replan(step, record)
                 self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
 
+    def _measure(self, step: int, df: pd.DataFrame, fresh_plan: bool) -> None:
+        """Keep the step's time; the healthy steps under the launch plan (step 0, the warm-up,
+        aside) calibrate the planner once there are as many as the detector calibrates on."""
+        seconds = step_seconds(df)
+        if seconds is None:
+            return
+        self.step_s[step] = seconds
+        if fresh_plan:
+            self._healthy = []
+        if self.calibration is None and step > 0 and not self.events and not self.changes:
+            self._healthy.append(seconds)
+            if len(self._healthy) >= self._calibration_steps:
+                self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Pace the planner's cluster to the healthy steps measured under the plan in force."""
+        current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
+        self.cluster, self.calibration = paced_to(self.cluster, self.model, current, self._healthy, self.planner)
+
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """Each rank's first probe is its reference; a hot spare probes again with backoff
         (``Engine._probe``): once it runs within ``RECOVERED`` of its reference, the planner may
@@ -165,6 +223,8 @@ class LiveLoop:
                                 "detected_step": step})
 
     def _replan(self, step: int, event: dict) -> None:
+        if self.calibration is None:  # an event before the calibration window filled
+            self._calibrate()
         t0 = time.perf_counter()
         cluster = self.cluster.with_speeds(self.speeds)
         current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
@@ -190,6 +250,9 @@ class LiveLoop:
                                     else self._replica_speeds())
             change["applied"] = (True if as_planned else "partial: with --recovery replica the "
                                  "micro-batch shares apply, the layers stay where they are")
+            if not as_planned:  # the estimate is of what runs: the shares on the layers in force
+                applied = current_plan(self.cfg, cluster, self.model, change["dp_weights"], self.ranges, self.groups)
+                change["predicted_step_s"] = evaluate(applied, self.planner.coster(cluster, self.model)).step_time_s
             if self._unchanged({**change, "layer_splits": current}):
                 change.pop("dp_weights")
                 change["applied"] = "none: the planner keeps the plan in force"
@@ -253,10 +316,31 @@ class LiveLoop:
     def _replica_speeds(self) -> list[float]:
         return [min(self.speeds[r] for stage in p for r in stage) for p in self.groups]
 
+    def measured_steps(self, applied_steps: list[int | None]) -> list[dict]:
+        """For each change (the step the job applied it at, None: never applied), the median
+        measured step while it was in force (from the step after it until the next change) and
+        its estimate's error against that: ``predicted / measured - 1``."""
+        starts = sorted(s for s in applied_steps if s is not None)
+        out = []
+        for change, start in zip(self.changes, applied_steps):
+            if start is None:
+                out.append({})
+                continue
+            end = next((s for s in starts if s > start), None)
+            seconds = [v for s, v in self.step_s.items() if s > start and (end is None or s < end)]
+            if len(seconds) < MIN_MEASURED_STEPS:
+                out.append({})
+                continue
+            measured = statistics.median(seconds)
+            predicted = change.get("predicted_step_s")
+            out.append({"measured_step_s": round(measured, 6), "measured_steps": len(seconds),
+                        "step_error": round(predicted / measured - 1, 4) if predicted else None})
+        return out
+
     def save(self) -> None:
         (self.out / "live.json").write_text(json.dumps(
             {"events": self.events, "changes": self.changes, "lag_s": self.lag_summary(),
-             "spare_probes": self.probes}, indent=1,
+             "spare_probes": self.probes, "planner_calibration": self.calibration}, indent=1,
             default=str))
 
     def lag_summary(self) -> dict | None:

@@ -1,0 +1,74 @@
+"""The live planner's step estimates are paced to the job's measured steps, and every applied plan
+change is checked against the steps measured while it was in force."""
+
+from __future__ import annotations
+
+import pytest
+
+from resihp.detect.config import DetectorConfig
+from resihp.errors import InputError
+from resihp.plan.timing import evaluate
+from resihp.runtime.config import RunConfig
+from resihp.runtime.live import LiveLoop, current_plan
+from resihp.runtime.recorder import rows_frame
+
+
+def _loop(calibration_steps: int = 5) -> LiveLoop:
+    return LiveLoop(RunConfig.from_flags(layers=4, dp=2, pp=2, tp=1),
+                    detector_config=DetectorConfig(calibration_steps=calibration_steps))
+
+
+def _predicted(loop: LiveLoop, cluster=None) -> float:
+    cluster = cluster or loop.cluster
+    plan = current_plan(loop.cfg, cluster, loop.model, loop.weights, loop.ranges, loop.groups)
+    return evaluate(plan, loop.planner.coster(cluster, loop.model)).step_time_s
+
+
+def _rows(step: int, seconds: float) -> list[dict]:
+    """One step of a DP 2 x PP 2 job: each rank's step record and two micro-batches' compute."""
+    out = []
+    for rank in range(4):
+        base = {"step": step, "rank": rank, "dp_rank": rank // 2, "stage": rank % 2, "tp_rank": 0,
+                "start_ts": float(step)}
+        out.append({**base, "optype": "step", "duration": seconds - 0.01 * rank})
+        for mb in range(2):
+            for op, dur in (("forward-compute", 0.1), ("backward-compute", 0.2)):
+                out.append({**base, "optype": op, "duration": dur, "mb_id": mb, "seq_id": mb,
+                            "seq_lens": [200, 56], "tokens": 256})
+    return out
+
+
+def test_pacing_a_cluster_scales_every_predicted_time_by_its_factor():
+    loop = _loop()
+    base = _predicted(loop)
+    assert _predicted(loop, loop.cluster.paced(7.5)) == pytest.approx(7.5 * base, rel=1e-9)
+    with pytest.raises(InputError, match="positive finite factor"):
+        loop.cluster.paced(0.0)
+
+
+def test_the_plan_in_force_predicts_the_median_measured_healthy_step_after_calibration():
+    loop = _loop(calibration_steps=5)
+    analytic = _predicted(loop)
+    seconds = {0: 9.0, 1: 2.0, 2: 2.4, 3: 1.8, 4: 2.2, 5: 2.1, 6: 30.0}  # step 0: the warm-up
+    for step in range(5):
+        loop._observe(step, rows_frame(_rows(step, seconds[step])))
+    assert loop.calibration is None  # four healthy steps so far (step 0 aside)
+    for step in (5, 6):
+        loop._observe(step, rows_frame(_rows(step, seconds[step])))
+    # each step's time is its slowest rank's; the median of steps 1-5, not the warm-up or step 6
+    assert loop.step_s == seconds
+    assert loop.calibration["steps"] == 5 and loop.calibration["measured_step_s"] == pytest.approx(2.1)
+    assert loop.calibration["factor"] == pytest.approx(2.1 / analytic, rel=1e-3)
+    assert _predicted(loop) == pytest.approx(2.1, rel=1e-3)
+
+
+def test_each_applied_change_is_measured_over_the_steps_it_was_in_force():
+    loop = _loop()
+    loop.step_s = {s: 1.0 for s in range(10)} | {s: 2.0 for s in range(11, 20)} | {20: 5.0, 21: 4.0}
+    loop.changes = [{"id": 1, "predicted_step_s": 1.8}, {"id": 2, "predicted_step_s": 3.0},
+                    {"id": 3, "predicted_step_s": 1.0}]
+    first, second, never = loop.measured_steps([10, 20, None])
+    # steps 11-19 (the applied step itself carries the change's own cost; step 20 the next change)
+    assert first == {"measured_step_s": 2.0, "measured_steps": 9, "step_error": -0.1}
+    assert second == {}  # one step under it: too few to measure
+    assert never == {}
