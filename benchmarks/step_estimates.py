@@ -40,7 +40,8 @@ STEPS = 50
 
 def run_case(name: str, args: list[str], tmp: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "resihp.cli", "run", "--steps", str(STEPS), *args, "-o", str(tmp / name), "--json"]
+    cmd = [sys.executable, "-m", "resihp.cli", "run", "--device", "cpu", "--steps", str(STEPS), *args,
+           "-o", str(tmp / name), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         return {"case": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}

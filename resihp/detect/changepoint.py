@@ -15,6 +15,7 @@ mean overstates it when the noise is large next to the shift).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,7 +282,8 @@ class CusumBank:
         # half the target's shift, plus the error of the calibrated centre (a median of that many
         # steps), which would otherwise eat into the allowance of every healthy step
         k = np.where(noisy, target / 2 + 1.25 / np.sqrt(cfg.calibration_steps), cfg.cusum_k)
-        h = np.where(noisy, _cusum_h_for(k, cfg.false_alarm_steps) , cfg.cusum_h)
+        h = np.full(len(k), float(cfg.cusum_h))
+        h[noisy] = _cusum_h_for(k[noisy], cfg.false_alarm_steps)  # a bisection: only where used
         self.k[done] = k / sens
         self.h[done] = h / sens
         # a noisy series' steps are clipped closer (heavy tails), but never to within a sigma of k
@@ -334,6 +336,4 @@ def _cusum_h_for(k: np.ndarray, run_length: float) -> np.ndarray:
 
 
 def _erf(x: float) -> float:
-    from math import erf
-
-    return erf(float(x))
+    return math.erf(float(x))
