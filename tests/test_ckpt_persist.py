@@ -194,3 +194,26 @@ def test_a_slot_that_went_bad_after_its_publication_is_not_written_to_disk(shm, 
     finally:
         stop_keeper(directory)
     assert [p.name for p in candidates(root.parent)] == [f"step{good.step}"]
+
+
+def test_a_flush_waits_for_a_slot_pending_before_it_was_asked(tmp_path, monkeypatch):
+    """The trainer's last slot is pending before its job asks for the flush; the keeper may look for
+    pending slots and for the flush at moments between which both arrive. It reads the flush first,
+    so it sees that slot and publishes (and writes) it before answering: here the slot lands just
+    as the flush is read, and the flush stays unanswered while the slot is pending."""
+    import resihp.ckpt.keeper as keeper_module
+
+    directory = tmp_path / "tier"
+    directory.mkdir()
+    keeper = keeper_module.Keeper(directory, owner=None)
+    (directory / keeper_module.FLUSH).write_text('{"id": "x", "newest": false}')
+    read = keeper_module.read_json
+
+    def trainer_publishes_meanwhile(path):
+        if path.name == keeper_module.FLUSH:
+            (directory / "rank0.pending.json").write_text("")  # being written: not yet readable
+        return read(path)
+
+    monkeypatch.setattr(keeper_module, "read_json", trainer_publishes_meanwhile)
+    assert keeper.step() is True  # the pending slot was seen
+    assert not (directory / keeper_module.FLUSHED).exists()  # no answer while it is pending

@@ -208,6 +208,10 @@ class Keeper:
     def step(self) -> bool:
         """Publish every pending slot, start a checkpoint that is due, answer a flush; whether
         there was any work."""
+        # the flush request is read before the pending slots are listed: a trainer's last slot,
+        # pending before its job asked for the flush, is then published and written first (read
+        # after the listing, a flush answered at once could leave that slot's checkpoint unwritten)
+        flush = read_json(self.dir / FLUSH)
         try:
             pending = sorted(self.dir.glob("rank*.pending.json"))
         except OSError:
@@ -225,7 +229,6 @@ class Keeper:
             request.unlink(missing_ok=True)
         if self._persists and self._dirty:
             self._persist_due()
-        flush = read_json(self.dir / FLUSH)
         if flush is not None and not pending:
             self._flush(flush)
         return bool(pending)
