@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -383,7 +382,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     import pandas as pd
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
-    from resihp.runtime.live import MIN_MEASURED_STEPS, trace_step_seconds
+    from resihp.runtime.live import step_check, trace_step_seconds
     from resihp.runtime.supervisor import supervise
 
     out = Path(cfg.out)
@@ -425,12 +424,8 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
                       predicted_step_s=reformed.plan.step_time_s, plan=reformed.plan.to_dict(),
                       planner_calibration=reformed.calibration)
         # the estimate against the relaunch's steps after the one that re-formed the groups
-        resumed = change["resumed_step"]
-        seconds = [v for s, v in relaunched.items() if s > resumed]
-        if len(seconds) >= MIN_MEASURED_STEPS:
-            measured = statistics.median(seconds)
-            change.update(measured_step_s=round(measured, 6), measured_steps=len(seconds),
-                          step_error=round(reformed.plan.step_time_s / measured - 1, 4))
+        change.update(step_check(reformed.plan.step_time_s,
+                                 [v for s, v in relaunched.items() if s > change["resumed_step"]]))
     first_step = summary.get("first_step") or 0
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
     losses = list(summary.get("losses") or [])[:max(0, change["resumed_step"] - first_step)] + list(

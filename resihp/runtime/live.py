@@ -94,6 +94,16 @@ def trace_step_seconds(trace: pd.DataFrame) -> dict[int, float]:
     return {int(k): float(v) for k, v in steps.groupby("step")["duration"].max().items()}
 
 
+def step_check(predicted: float | None, seconds: list[float]) -> dict:
+    """The median of ``seconds`` (the steps measured under one plan) and ``predicted``'s error
+    against it, ``predicted / measured - 1``; nothing from fewer than ``MIN_MEASURED_STEPS``."""
+    if len(seconds) < MIN_MEASURED_STEPS:
+        return {}
+    measured = statistics.median(seconds)
+    return {"measured_step_s": round(measured, 6), "measured_steps": len(seconds),
+            "step_error": round(predicted / measured - 1, 4) if predicted else None}
+
+
 def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[float],
              planner: Planner) -> tuple[ClusterSpec, dict | None]:
     """``cluster`` paced (``ClusterSpec.paced``) so that ``plan``, the plan the steps ``measured``
@@ -328,13 +338,7 @@ class LiveLoop:
                 continue
             end = next((s for s in starts if s > start), None)
             seconds = [v for s, v in self.step_s.items() if s > start and (end is None or s < end)]
-            if len(seconds) < MIN_MEASURED_STEPS:
-                out.append({})
-                continue
-            measured = statistics.median(seconds)
-            predicted = change.get("predicted_step_s")
-            out.append({"measured_step_s": round(measured, 6), "measured_steps": len(seconds),
-                        "step_error": round(predicted / measured - 1, 4) if predicted else None})
+            out.append(step_check(change.get("predicted_step_s"), seconds))
         return out
 
     def save(self) -> None:
