@@ -388,12 +388,14 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(out, cfg)
     rank = outcome.failure.rank
-    # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
-    before = trace_step_seconds(pd.read_parquet(out / "ops.parquet")) if (out / "ops.parquet").exists() else {}
-    changed = [c["applied_step"] for c in summary.get("plan_changes") or [] if c.get("applied_step") is not None]
-    last = min([outcome.failure.extra.get("step") or max(before, default=0) + 1, *changed]) if before else 0
-    healthy = [v for s, v in before.items() if 0 < s < last]
-    reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=healthy) if ckpt else None
+    reformed = None
+    if ckpt:
+        # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
+        before = trace_step_seconds(pd.read_parquet(out / "ops.parquet")) if (out / "ops.parquet").exists() else {}
+        ends = [outcome.failure.extra.get("step")] + [c.get("applied_step") for c in summary.get("plan_changes") or []]
+        stop = min((s for s in ends if s is not None), default=None)
+        healthy = [v for s, v in before.items() if s > 0 and (stop is None or s < stop)]
+        reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=healthy)
     new = reformed.cfg if reformed else layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
         summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"

@@ -82,14 +82,8 @@ RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference
 MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
 
 
-def step_seconds(df: pd.DataFrame) -> float | None:
-    """One step's wall time: the longest ``step`` record among the ranks in ``df``."""
-    steps = df.loc[df.optype == "step", "duration"]
-    return float(steps.max()) if len(steps) else None
-
-
 def trace_step_seconds(trace: pd.DataFrame) -> dict[int, float]:
-    """Every step's wall time in an ops trace (``step_seconds`` per step)."""
+    """Every step's wall time in an ops trace: the longest ``step`` record among its ranks."""
     steps = trace[trace.optype == "step"]
     return {int(k): float(v) for k, v in steps.groupby("step")["duration"].max().items()}
 
@@ -201,7 +195,7 @@ class LiveLoop:
     def _measure(self, step: int, df: pd.DataFrame, fresh_plan: bool) -> None:
         """Keep the step's time; the healthy steps under the launch plan (step 0, the warm-up,
         aside) calibrate the planner once there are as many as the detector calibrates on."""
-        seconds = step_seconds(df)
+        seconds = trace_step_seconds(df).get(step)
         if seconds is None:
             return
         self.step_s[step] = seconds
