@@ -4,14 +4,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resihp.errors import InputError
+from resihp.perf.critical_path import critical_path, schedule_graph
 from resihp.perf.schedule import (
     compile_schedule,
-    critical_path,
     one_f_one_b_uniform,
     op_end_times,
     pipeline_step_time,
     rank_finish_times,
-    schedule_graph,
 )
 
 

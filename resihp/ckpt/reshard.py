@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from resihp.model.config import GPTConfig
-from resihp.model.gpt import ADAM_KEYS
+from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
 from resihp.model.placement import Placement
 from resihp.model.tensor_parallel import TPContext
 
@@ -39,15 +39,6 @@ def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
     if key not in _MESHES:
         _MESHES[key] = (tp.group, DeviceMesh.from_group(tp.group, device_type))
     return _MESHES[key][1]
-
-
-def ensure_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load into."""
-    for p in model.parameters():
-        state = optimizer.state.setdefault(p, {})
-        for k in ADAM_KEYS:
-            if state.get(k) is None:
-                state[k] = torch.zeros((), device=p.device) if k == "step" else torch.zeros_like(p)
 
 
 def placements(model: torch.nn.Module, tp: TPContext, cfg: GPTConfig | None = None

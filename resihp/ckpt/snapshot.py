@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, plan_shards
-from resihp.ckpt.reshard import ensure_adam_state
-from resihp.model.gpt import ADAM_KEYS
+from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
 
 RNG_KEY = "rng.torch"
 

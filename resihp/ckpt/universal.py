@@ -26,10 +26,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from resihp.ckpt.integrity import newest_good, publish, read_dcp_metadata, safe_reader, verify
-from resihp.ckpt.reshard import ensure_adam_state, placed_state
+from resihp.ckpt.reshard import placed_state
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
-from resihp.model.gpt import ADAM_KEYS
+from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
 from resihp.model.placement import split_of
 from resihp.model.tensor_parallel import TPContext, full_shape, shard, unshard
 

@@ -25,6 +25,15 @@ from resihp.model.tensor_parallel import TPContext, copy_to_tp, gather_from_tp, 
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
+def ensure_adam_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load into."""
+    for p in model.parameters():
+        state = optimizer.state.setdefault(p, {})
+        for k in ADAM_KEYS:
+            if state.get(k) is None:
+                state[k] = torch.zeros((), device=p.device) if k == "step" else torch.zeros_like(p)
+
+
 def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int]
 ) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data, and the critical path of a step through them.
+"""Pipeline schedules as data, and the time of a step through them.
 
 A schedule is, per pipeline rank, the ordered list of operations it runs: (phase, model chunk,
 micro-batch). Model chunk ``g = c * stages + s`` is chunk ``c`` of rank ``s`` (interleaved schedules
@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import networkx as nx
 import numpy as np
 
 from resihp.errors import InputError
@@ -134,7 +133,7 @@ def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1)
     )
 
 
-def _node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+def node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     shape = (sched.stages * sched.chunks, sched.microbatches)
     if fwd.shape[-2:] != shape or bwd.shape[-2:] != shape:
         raise InputError(f"durations must have trailing shape (model chunks, micro-batches) = "
@@ -148,7 +147,7 @@ def op_end_times(
 ) -> np.ndarray:
     """End time of every op of the schedule, [..., nodes] in ``sched``'s node order; ``fwd``/``bwd``
     are [..., model chunks, micro-batches] seconds (model chunk g = chunk * stages + rank)."""
-    dur = _node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
+    dur = node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
     batch = dur.shape[:-1]
     end = np.zeros(batch + (sched.nodes + 1,))  # the last slot is the sentinel "no predecessor"
     comm = np.where(sched.dep_is_p2p, 1.0, 0.0) * np.asarray(p2p_s, np.float64)[..., None]
@@ -200,33 +199,3 @@ def one_f_one_b_uniform(stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatch
     exact value and this inside optimisers that need a closed form."""
     per = np.asarray(stage_fwd, np.float64) + np.asarray(stage_bwd, np.float64)
     return per.sum(axis=-1) + (microbatches - 1) * per.max(axis=-1)
-
-
-def schedule_graph(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray,
-                   p2p_s: float = 0.0) -> nx.DiGraph:
-    """The schedule as a networkx DAG (for explaining and checking, not for the hot path): node
-    weights are durations, edge weights transfer times; node names are (phase, chunk, mb)."""
-    dur = _node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
-    graph = nx.DiGraph()
-    names = [("F" if ph == FWD else "B", int(c), int(j))
-             for ph, c, j in zip(sched.phase, sched.chunk, sched.mb)]
-    for i, name in enumerate(names):
-        graph.add_node(name, duration=float(dur[i]), rank=int(sched.rank[i]))
-    for i in range(sched.nodes):
-        if sched.prev_same[i] < sched.nodes:
-            graph.add_edge(names[sched.prev_same[i]], names[i], transfer=0.0)
-        if sched.prev_dep[i] < sched.nodes:
-            graph.add_edge(names[sched.prev_dep[i]], names[i],
-                           transfer=p2p_s if sched.dep_is_p2p[i] else 0.0)
-    return graph
-
-
-def critical_path(graph: nx.DiGraph) -> tuple[float, list]:
-    """Length and nodes of the longest path (node durations plus edge transfers)."""
-    weighted = nx.DiGraph()
-    for u, v, data in graph.edges(data=True):
-        weighted.add_edge(u, v, weight=graph.nodes[u]["duration"] + data["transfer"])
-    for node in graph.nodes:
-        weighted.add_edge(node, "end", weight=graph.nodes[node]["duration"])
-    path = nx.dag_longest_path(weighted, weight="weight")
-    return nx.dag_longest_path_length(weighted, weight="weight"), path[:-1]
