@@ -129,6 +129,14 @@ def test_live_feeding_holds_the_calibration_window_and_finds_the_same_events():
     assert det.cost_model == "fitted"
     assert [e["kind"] for e in events] == [e["kind"] for e in offline["events"]]
     assert [(e["rank"], e["onset_step"], e["detected_step"]) for e in events] == _faults(offline)
+    # a live follower feeds whatever steps completed since its last poll, in one frame: the same
+    # events from batches of uneven size (across the calibration window's end too)
+    det = OnlineDetector(META, meta_dict=SHAPE)
+    cuts = [0, 1, 4, 11, 19, 23, 30, 31, 45, 52, 60, 77, 80]
+    batched = [ev.to_dict() for a, b in zip(cuts, cuts[1:])
+               for ev in det.observe(df[(df.step >= a) & (df.step < b)])]
+    assert [(e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in batched] == \
+        [(e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in events]
 
 
 def test_a_pipeline_or_a_predictor_or_the_switch_keeps_the_other_cost_models():

@@ -1,6 +1,7 @@
 import json
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,7 +168,6 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from resihp.runtime.launch import free_port
 
@@ -179,6 +179,12 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     follower = subprocess.Popen([sys.executable, "-m", "resihp.cli", "follow", "--store", f"127.0.0.1:{port}",
                                  "--json", "--start-timeout", "120"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env)
+    # beside the job, the follower yields the CPU to it (nice 10 by default): it must not slow the
+    # ranks it times
+    deadline = time.monotonic() + 30
+    while _nice(follower.pid) != 10 and follower.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _nice(follower.pid) == 10
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
                             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                             str(example), "--out", str(tmp_path / "run"), "--steps", "30"], env=env,
@@ -193,3 +199,12 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     assert not list((run / "ranks").glob("*.jsonl"))  # nothing per rank on disk: the store carried it
     rows = [json.loads(line) for line in (run / "ops.jsonl").read_text().splitlines()]
     assert {(r["step"], r["rank"]) for r in rows if r["optype"] == "step"} == {(s, r) for s in range(30) for r in (0, 1)}
+
+
+def _nice(pid: int) -> int | None:
+    """A running process's nice value (field 19 of /proc/PID/stat), None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[16])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -26,16 +27,22 @@ def follow_cmd(
                                            "(default: until every rank is done)")] = None,
     sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold "
                                                "(see resihp detect)")] = 1.0,
+    nice: Annotated[int, typer.Option(min=0, max=19, help="Lower the follower's CPU priority by this "
+                                      "much (Linux nice; 0 keeps it): beside the job on its machine it "
+                                      "must not take a core from the ranks it times")] = 10,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final report as JSON")] = False,
 ) -> None:
     """Detect live on a running job: waits for it to start, prints each finding as it comes, and
     the stragglers still open when the job ends."""
+    if (run is None) == (store is None):
+        raise InputError("resihp follow: give a run folder or --store HOST:PORT (one of them)")
+    if nice:
+        os.nice(nice)  # first: the imports below (torch) are most of what the follower ever runs
+
     from resihp.detect.config import DetectorConfig
     from resihp.runtime import logs
     from resihp.runtime.follow import follow
 
-    if (run is None) == (store is None):
-        raise InputError("resihp follow: give a run folder or --store HOST:PORT (one of them)")
     logs.setup(None, 0)
     report = follow(run, DetectorConfig(sensitivity=sensitivity), timeout_s=timeout,
                     start_timeout_s=start_timeout, store=store)
