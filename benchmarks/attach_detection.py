@@ -60,7 +60,7 @@ def _faults(events: list[dict]) -> list[dict]:
             for e in events if e["kind"] == "fail-slow"]
 
 
-def run_one(root: Path, way: str, seed: int, steps: int, slow: bool) -> dict:
+def run_one(root: Path, way: str, seed: int, steps: int, slow: bool, nice: int = 10) -> dict:
     out, port = root / f"{way}-{'slow' if slow else 'healthy'}{seed}", _free_port()
     job = _job(out, port, seed, steps, slow, detect=way == "in-process")
     if way == "in-process":
@@ -69,7 +69,8 @@ def run_one(root: Path, way: str, seed: int, steps: int, slow: bool) -> dict:
     else:
         time.sleep(1.0)  # the follower waits for the store; a head start only saves retries
         follower = subprocess.run([shutil.which("resihp") or "resihp", "follow", "--store",
-                                   f"127.0.0.1:{port}", "--json", "--start-timeout", "120"],
+                                   f"127.0.0.1:{port}", "--json", "--start-timeout", "120",
+                                   "--nice", str(nice)],
                                   capture_output=True, text=True, timeout=900)
         job.communicate(timeout=900)
         report = json.loads(follower.stdout)
@@ -113,16 +114,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--ways", default="in-process,follow", help="comma-separated: in-process, follow")
+    ap.add_argument("--nice", type=int, default=10, help="resihp follow --nice")
     args = ap.parse_args()
+    ways = args.ways.split(",")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             for slow in (True, False):  # interleaved: the machine's drift falls on both alike
-                for way in ("in-process", "follow"):
-                    runs.append(run_one(Path(tmp), way, seed, args.steps, slow))
-    out = {"onset_step": ONSET, "factor": FACTOR, "seeds": args.seeds, "steps": args.steps,
+                for way in ways:
+                    runs.append(run_one(Path(tmp), way, seed, args.steps, slow, args.nice))
+    out = {"onset_step": ONSET, "factor": FACTOR, "seeds": args.seeds, "steps": args.steps, "follow_nice": args.nice,
            "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "summary": {}}
-    for way in ("in-process", "follow"):
+    for way in ways:
         mine = [r for r in runs if r["way"] == way]
         out["summary"][f"{way} live"] = _summary(mine, lambda r: r["live"])
         for name in ("fitted", "flops"):
