@@ -128,3 +128,15 @@ def parse_numbers(text: str, flag: str, kind: type) -> list:
         return [kind(x) for x in text.split(",")]
     except ValueError:
         raise InputError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s, e.g. 2,2") from None
+
+
+def renamed(value: Any, old_value: Any, old: str, new: str) -> Any:
+    """The value of option ``new`` where a verb still accepts its old name ``old`` (hidden, so that
+    one option name means one thing across verbs): the old name works and says once, on stderr,
+    what it is called now; both at once is an error."""
+    if old_value is None:
+        return value
+    if value is not None:
+        raise InputError(f"{old} is the old name of {new}: give one of them")
+    typer.echo(f"resihp: {old} is now {new} (the old name still works)", err=True)
+    return old_value

@@ -147,7 +147,7 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     (["{t}", "--method", "magic"], "--method"),
     (["{t}", "--input-format", "xml"], "--input-format"),
     (["{t}", "--meta", "nope.yaml"], "cannot read job meta"),
-    (["{t}", "--model", "models/none", "--meta", "{m}"], "not a predictor directory"),
+    (["{t}", "--predictor", "models/none", "--meta", "{m}"], "not a predictor directory"),
 ])
 def test_bad_options_exit_2(trace, args, fragment):
     tmp, _ = trace
@@ -155,6 +155,18 @@ def test_bad_options_exit_2(trace, args, fragment):
     proc = resihp("detect", *args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_predictor_option_has_one_name_across_verbs_and_the_old_one_still_works(trace):
+    # ``--model`` is a model YAML in ``resihp plan``; a predictor is ``--predictor`` everywhere
+    tmp, _ = trace
+    for verb in (["detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml"], ["detect-eval", "--quick"]):
+        assert "--predictor" in resihp(*verb[:1], "--help").stdout
+        old = resihp(*verb, "--model", "models/none")
+        assert old.returncode == 2 and "--model is now --predictor" in old.stderr, old.stderr
+        both = resihp(*verb, "--model", "a", "--predictor", "b")
+        assert both.returncode == 2, both.stderr
+        assert "--model is the old name of --predictor: give one of them" in both.stderr
 
 
 def test_detect_eval_quick_json():

@@ -103,7 +103,7 @@ def test_cli_errors_are_one_line(tmp_path, tiny_profile):
         (["predictor", "train", str(empty), "-o", str(tmp_path / "m")], "missing column"),
         (["predictor", "train", str(notparquet), "-o", str(tmp_path / "m")], "not a readable Parquet"),
         (["predictor", "train", str(tmp_path / "nope.parquet"), "-o", str(tmp_path / "m")], "no such"),
-        (["predictor", "eval", "-m", str(model), str(tiny_profile)], "field format"),
+        (["predictor", "eval", "-p", str(model), str(tiny_profile)], "field format"),
         (["profile", "-o", str(tmp_path / "p.parquet"), "--lengths", str(tmp_path / "none.txt")],
          "cannot read lengths"),
     ]
@@ -296,7 +296,7 @@ def test_speed_remeasures_the_reference_of_a_normalised_model(tiny_profile, tmp_
     assert doc["reference_s"] > 0 and doc["slowdown"] == pytest.approx(
         doc["reference_s"] / card["reference"]["seconds"])
     train_predictor([tiny_profile], tmp_path / "raw", target="time_s")
-    result = runner.invoke(app, ["predictor", "speed", "-m", str(tmp_path / "raw")])
+    result = runner.invoke(app, ["predictor", "speed", "-p", str(tmp_path / "raw")])
     assert isinstance(result.exception, InputError)
 
 

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from resihp.cli_options import renamed
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
@@ -36,13 +37,14 @@ def detect_cmd(
     meta: Annotated[Path, typer.Option(help="Job meta YAML (dp_size, pp_size, tp_size, world_size, "
                                        "optional model fields); default: the job.yaml beside the trace, else "
                                        "sizes implied by the trace")] = None,
-    model: Annotated[str, typer.Option(help="Trained micro-batch predictor for the expected "
-                                       "compute: a folder, an installed model's name, or auto (the "
-                                       "one measured on the job's device: the meta's device field, "
-                                       "else this machine); needs the meta's model fields. "
-                                       "Without it: with one pipeline stage, the job's own cost "
-                                       "fitted on its first steps; in a pipeline, its peers and "
-                                       "FLOPs")] = None,
+    predictor: Annotated[str, typer.Option(help="Trained micro-batch predictor for the expected "
+                                           "compute: a folder, an installed model's name, or auto "
+                                           "(the one measured on the job's device: the meta's device "
+                                           "field, else this machine); needs the meta's model "
+                                           "fields. Without it: with one pipeline stage, the job's "
+                                           "own cost fitted on its first steps; in a pipeline, its "
+                                           "peers and FLOPs")] = None,
+    model: Annotated[str, typer.Option(hidden=True, help="Old name of --predictor")] = None,
     method: Annotated[Method, typer.Option(help="resihp, or a baseline")] = "resihp",
     input_format: Annotated[InputFormat, typer.Option("--input-format", help="Ops trace or "
                                                       "Alibaba PAI mini-batch times")] = "ops",
@@ -64,6 +66,7 @@ def detect_cmd(
     from resihp.detect.online import noise_warnings
     from resihp.opstrace import read_meta, read_ops_trace, read_run_folder
 
+    predictor = renamed(predictor, model, "--model", "--predictor")
     method, input_format = getattr(method, "value", method), getattr(input_format, "value", input_format)
     if method not in METHODS:
         raise InputError(f"--method: expected one of {', '.join(METHODS)}, got {method!r}")
@@ -84,8 +87,8 @@ def detect_cmd(
     if input_format == "alibaba" and meta is not None:
         job, meta_dict = read_meta(meta)
     device = (meta_dict or {}).get("device")
-    expected = (load_expected(model, stage_shape(job, meta_dict), str(device) if device else None)
-                if model is not None else None)
+    expected = (load_expected(predictor, stage_shape(job, meta_dict), str(device) if device else None)
+                if predictor is not None else None)
     cfg = DetectorConfig(sensitivity=sensitivity)
     detectors: dict = {}
     with warnings.catch_warnings():  # ranks absent from a step are NaN by design
@@ -135,10 +138,11 @@ def detect_eval_cmd(
     seed: int = 0,
     profile: Annotated[Path, typer.Option(help="Profiling log giving the measured micro-batch "
                                           "costs")] = None,
-    model: Annotated[str, typer.Option(help="Trained predictor for resihp's expected compute: a "
-                                       "folder, an installed model's name, or auto (the one "
-                                       "measured on the profile's device); default: analytic "
-                                       "FLOPs of the sequence lengths")] = None,
+    predictor: Annotated[str, typer.Option(help="Trained predictor for resihp's expected compute: a "
+                                           "folder, an installed model's name, or auto (the one "
+                                           "measured on the profile's device); default: analytic "
+                                           "FLOPs of the sequence lengths")] = None,
+    model: Annotated[str, typer.Option(hidden=True, help="Old name of --predictor")] = None,
     drop: Annotated[list[DropColumn], typer.Option(help="Optional trace column to drop before "
                                                    "detection; repeatable")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
@@ -149,6 +153,7 @@ def detect_eval_cmd(
     from resihp.detect.synth import CostPool
     from resihp.workload.flops import TransformerShape
 
+    predictor = renamed(predictor, model, "--model", "--predictor")
     profile = profile or DEFAULT_PROFILE
     drop = [getattr(d, "value", d) for d in drop or []]
     for col in drop:
@@ -157,9 +162,9 @@ def detect_eval_cmd(
     if not Path(profile).exists():
         raise InputError(f"--profile {profile}: no such profiling log (write one with resihp profile)")
     expected = None
-    if model is not None:
+    if predictor is not None:
         pool = CostPool.from_profile(profile)
-        expected = load_expected(model, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden),
+        expected = load_expected(predictor, TransformerShape(pool.layers, pool.hidden, 4, 4 * pool.hidden),
                                  pool.device)
     n = len(make_suite(quick, seed))
     with progress_bar("evaluating", n, enabled=not json_out) as advance, warnings.catch_warnings():

@@ -10,6 +10,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from resihp.cli_options import renamed
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
@@ -195,12 +196,16 @@ def train_cmd(
 @predictor_app.command("eval")
 def eval_cmd(
     logs: Annotated[list[Path], typer.Argument(help="Profiling logs (.parquet)")],
-    model: Annotated[Path, typer.Option("-m", "--model", help="Model directory")],
+    predictor: Annotated[Path, typer.Option("-p", "--predictor", help="Predictor directory")] = None,
+    model: Annotated[Path, typer.Option("-m", "--model", hidden=True, help="Old name of --predictor")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Evaluate a predictor and its linear baseline on profiling logs: MAPE and p95 per phase."""
     from resihp.perf.training import evaluate_model
 
+    model = renamed(predictor, model, "--model", "--predictor")
+    if model is None:
+        raise InputError("resihp predictor eval: --predictor DIR is required (a trained predictor)")
     result = evaluate_model(model, logs)
     if json_out:
         print(json.dumps(result))
@@ -210,8 +215,10 @@ def eval_cmd(
 
 @predictor_app.command("speed")
 def speed_cmd(
-    model: Annotated[str, typer.Option("-m", "--model", help="A predictor trained on normalised "
-                                       "cost: a folder, an installed model's name, or auto")] = "auto",
+    predictor: Annotated[str, typer.Option("-p", "--predictor", help="A predictor trained on "
+                                           "normalised cost: a folder, an installed model's name, or "
+                                           "auto")] = None,
+    model: Annotated[str, typer.Option("-m", "--model", hidden=True, help="Old name of --predictor")] = None,
     repeats: Annotated[int, typer.Option(help="Timed passes of the reference")] = 7,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json")] = False,
@@ -225,15 +232,16 @@ def speed_cmd(
     from resihp.perf.profiler import ReferenceSpec, measure_reference
     from resihp.perf.registry import check_device, resolve_model
 
+    which = renamed(predictor, model, "--model", "--predictor") or "auto"
     if repeats < 1:
         raise InputError(f"--repeats: expected a positive integer, got {repeats}")
     torch.set_num_threads(1)
     dev = _device(device)
     name = this_device(dev.type)
-    path = resolve_model(model, name)
-    predictor = MicroBatchPredictor.load(path)
-    check_device(path, predictor.device_, name)
-    reference = predictor.reference_
+    path = resolve_model(which, name)
+    loaded = MicroBatchPredictor.load(path)
+    check_device(path, loaded.device_, name)
+    reference = loaded.reference_
     if not reference or not reference.get("spec"):
         raise InputError(f"{path}: this predictor learned raw seconds, so it has no reference to "
                          "re-measure; make one with `resihp predictor calibrate`")
