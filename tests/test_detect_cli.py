@@ -157,6 +157,22 @@ def test_bad_options_exit_2(trace, args, fragment):
     assert fragment in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("text,fragment", [
+    ("# notes\nsee, the, paper\n", "not a CSV Alibaba mini-batch file"),
+    ("", "not a CSV Alibaba mini-batch file"),
+    ("worker,time\n1,2\n", "expected columns worker, time, batch_time_norm"),
+    ("worker,time,batch_time_norm\n1,2,3\nx,3,4\n", "column worker row 1: 'x' is not an integer"),
+    ("worker,time,batch_time_norm\n1,2,fast\n", "column batch_time_norm row 0: 'fast' is not a number"),
+])
+def test_a_bad_alibaba_file_is_one_line(tmp_path, text, fragment):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(text)
+    proc = resihp("detect", bad, "--input-format", "alibaba")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and fragment in lines[0], lines
+
+
 def test_the_predictor_option_has_one_name_across_verbs_and_the_old_one_still_works(trace):
     # ``--model`` is a model YAML in ``resihp plan``; a predictor is ``--predictor`` everywhere
     tmp, _ = trace
