@@ -158,7 +158,7 @@ def test_bad_options_exit_2(trace, args, fragment):
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ("# notes\nsee, the, paper\n", "not a CSV Alibaba mini-batch file"),
+    ("title\nline one\nsee, the\n", "not a CSV Alibaba mini-batch file"),
     ("", "not a CSV Alibaba mini-batch file"),
     ("worker,time\n1,2\n", "expected columns worker, time, batch_time_norm"),
     ("worker,time,batch_time_norm\n1,2,3\nx,3,4\n", "column worker row 1: 'x' is not an integer"),
