@@ -203,14 +203,14 @@ def eval_cmd(
     """Evaluate a predictor and its linear baseline on profiling logs: MAPE and p95 per phase."""
     from resihp.perf.training import evaluate_model
 
-    model = renamed(predictor, model, "--model", "--predictor")
-    if model is None:
+    which = renamed(predictor, model, "--model", "--predictor")
+    if which is None:
         raise InputError("resihp predictor eval: --predictor DIR is required (a trained predictor)")
-    result = evaluate_model(model, logs)
+    result = evaluate_model(which, logs)
     if json_out:
         print(json.dumps(result))
     else:
-        _print_metrics(f"{model} on {', '.join(map(str, logs))}", result)
+        _print_metrics(f"{which} on {', '.join(map(str, logs))}", result)
 
 
 @predictor_app.command("speed")
