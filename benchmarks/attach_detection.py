@@ -124,8 +124,8 @@ def main() -> None:
             for slow in (True, False):  # interleaved: the machine's drift falls on both alike
                 for way in ways:
                     runs.append(run_one(Path(tmp), way, seed, args.steps, slow, args.nice))
-    out = {"onset_step": ONSET, "factor": FACTOR, "seeds": args.seeds, "steps": args.steps, "follow_nice": args.nice,
-           "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "summary": {}}
+    out = {"onset_step": ONSET, "factor": FACTOR, "seeds": args.seeds, "steps": args.steps,
+           "follow_nice": args.nice, "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "summary": {}}
     for way in ways:
         mine = [r for r in runs if r["way"] == way]
         out["summary"][f"{way} live"] = _summary(mine, lambda r: r["live"])

@@ -1,4 +1,5 @@
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -165,7 +166,6 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     """A user's own 2-rank torchrun job with resihp attached: heartbeats and step records go over
     torchrun's agent store (no per-rank stream files); rank 0 writes the run folder; a follower
     with only the store's address sees every step."""
-    import os
     import subprocess
     import sys
 
@@ -202,9 +202,8 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
 
 
 def _nice(pid: int) -> int | None:
-    """A running process's nice value (field 19 of /proc/PID/stat), None once it is gone."""
+    """A running process's nice value, None once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except ProcessLookupError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[16])
