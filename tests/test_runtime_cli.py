@@ -9,7 +9,7 @@ import pytest
 
 from resihp.errors import InputError
 from resihp.opstrace import read_ops_trace
-from resihp.runtime.inject import FaultInjector, parse_fault
+from resihp.runtime.inject import FaultInjector, carried_faults, parse_fault
 
 SMALL = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
          "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--timeout", "30"]
@@ -82,6 +82,24 @@ def test_fault_spec_parsing():
             parse_fault(bad)
 
 
+@pytest.mark.parametrize("text", ["slow:rank=2,factor=2.5,step=7,until=9", "link:ranks=0+3,factor=4.0,step=2",
+                                  "stop:rank=1,time=3.5", "stop:rank=0,during=restore",
+                                  "hang:rank=3,step=4,how=stop", "error:rank=2,step=0"])
+def test_a_fault_spec_parses_back_to_the_same_fault(text):
+    fault = parse_fault(text)
+    assert parse_fault(fault.spec()) == fault
+
+
+def test_fail_stops_ahead_of_a_relaunch_are_carried_to_the_survivors_new_numbers():
+    faults = [parse_fault(t) for t in ("stop:rank=3,step=3", "stop:rank=0,step=6", "hang:rank=2,step=7,how=stop",
+                                       "error:rank=1,step=1", "stop:rank=2,time=9", "slow:rank=1,factor=3,step=5")]
+    # survivors 0, 1, 2 from step 2: the later stop and hang; not the earlier error, the lost
+    # rank's stop, a fault by wall time nor a slowdown
+    assert [f.spec() for f in carried_faults(faults, [0, 1, 2], 2)] == ["stop:rank=0,step=6",
+                                                                         "hang:rank=2,step=7,how=stop"]
+    assert [f.spec() for f in carried_faults(faults, [1, 2], 6)] == ["hang:rank=1,step=7,how=stop"]
+
+
 def older_job_checkpoint(directory):
     """A complete, verifying checkpoint of the same model written by another job."""
     import torch
@@ -95,8 +113,17 @@ def older_job_checkpoint(directory):
          {"dp": 2, "pp": 2, "tp": 1, "job_id": "older-job", "model_hash": cfg.model_hash()})
 
 
+@pytest.fixture(scope="module")
+def clean_losses(tmp_path_factory):
+    """The failure-free run the re-formed DP 2 x PP 2 runs below are checked against."""
+    out = tmp_path_factory.mktemp("clean") / "run"
+    clean = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "2", "--out", str(out), "--json")
+    assert clean.returncode == 0, clean.stderr
+    return json.loads(clean.stdout)["losses"]
+
+
 @pytest.mark.slow
-def test_stopped_rank_is_excluded_and_its_replica_re_formed_by_the_planner_with_the_same_math(tmp_path):
+def test_stopped_rank_is_excluded_and_its_replica_re_formed_by_the_planner_with_the_same_math(tmp_path, clean_losses):
     """DP 2 x PP 2 loses rank 3: the planner re-forms the survivors around it (its replica's other
     rank kept at work), the relaunch reshards the checkpoint into that layout before its first
     step, and every step's loss equals a failure-free run's."""
@@ -131,14 +158,37 @@ def test_stopped_rank_is_excluded_and_its_replica_re_formed_by_the_planner_with_
     work = after[(after.optype == "forward-compute") & (after.step == 5)]
     placed = {(int(r.dp_rank), int(r.stage)): int(r.rank) for r in work.itertuples()}
     assert placed == {(d, st): stage[0] for d, p in enumerate(pipelines) for st, stage in enumerate(p)}
-    clean = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "2", "--out", str(tmp_path / "clean"), "--json")
-    assert clean.returncode == 0, clean.stderr
-    reference = json.loads(clean.stdout)["losses"]
+    reference = clean_losses
     step_loss = lambda t: t[t.optype == "step"].groupby("step").loss.max()  # noqa: E731
     assert summary["losses"] == list(step_loss(before).loc[:3]) + list(step_loss(after))
     assert len(summary["losses"]) == 8 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(summary["losses"], reference))
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""  # no worker outlives the command
+
+
+@pytest.mark.slow
+def test_a_second_death_in_the_relaunch_is_re_formed_around_in_turn(tmp_path, clean_losses):
+    """Rank 3 dies at step 3 and, in the relaunch the survivors re-formed into, old rank 0 dies at
+    step 6 (its stop carried into the relaunch, renumbered): the relaunch is re-formed around it in
+    turn from its own newest checkpoint, two ranks finish the run, and every step's loss equals the
+    failure-free run's."""
+    out = tmp_path / "twice"
+    proc = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "2", "--inject", "stop:rank=3,step=3",
+                  "--inject", "stop:rank=0,step=6", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    first, second = summary["plan_changes"]
+    assert first["kind"] == second["kind"] == "exclude" and first["applied"] and second["applied"]
+    assert first["rank"] == 3 and first["resumed_step"] == 2 and first["ranks"] == [0, 1, 2]
+    # the relaunch's rank 0 is old rank 0; its newest checkpoint is its own, of step 5
+    assert second["rank"] == 0 and second["ranks"] == [1, 2] and second["resumed_step"] == 6
+    assert second["restart_from"] == str(out / "restart" / "ckpt" / "step5")
+    assert json.loads((out / "restart" / "config.json").read_text())["faults"]["inject"] == ["stop:rank=0,step=6"]
+    last = read_ops_trace(out / "restart" / "restart" / "ops.parquet")
+    assert set(last["rank"]) == {0, 1} and sorted(set(last.step)) == [6, 7]
+    assert summary["steps"] == 8 and len(summary["losses"]) == 8
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(summary["losses"], clean_losses)), (
+        summary["losses"], clean_losses)
 
 
 @pytest.mark.slow

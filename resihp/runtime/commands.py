@@ -408,6 +408,10 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
         again = supervise(new,
                           on_step=lambda s: advance(s + 1))
     after = _summary(new, again)
+    if again.failure is not None and not again.interrupted and new.checkpoint.ckpt_every:
+        # another device lost in the relaunch: re-formed around it in turn, from the relaunch's
+        # newest checkpoint (``after`` then holds both relaunches' losses and plan changes)
+        after, again = _recover(new, again, after, json_out)
     ops = Path(new.out) / "ops.parquet"
     first, relaunched = None, {}
     if ops.exists():
@@ -432,9 +436,9 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
     losses = list(summary.get("losses") or [])[:max(0, change["resumed_step"] - first_step)] + list(
         after.get("losses") or [])
-    summary.update({"plan_changes": [change], "after_restart": after, "losses": losses,
-                    "loss_last": losses[-1] if losses else None,
-                    "steps": after.get("steps", 0) + change["resumed_step"],
+    summary.update({"plan_changes": [change, *(after.get("plan_changes") or [])], "after_restart": after,
+                    "losses": losses, "loss_last": losses[-1] if losses else None,
+                    "steps": change["resumed_step"] + len(after.get("losses") or []),
                     "tokens_per_s_after": after.get("tokens_per_s"),
                     "error": again.error})
     if again.interrupted:

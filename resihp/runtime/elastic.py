@@ -20,13 +20,20 @@ from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
+from resihp.runtime.inject import carried_faults
 from resihp.runtime.live import current_plan, paced_to, planner_specs
 
 
 def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint under ``OUT/ckpt`` that verifies against its manifest and was written
-    by this job (``cfg.job_id``) for this model; and each newer one skipped, with why."""
-    return newest_good(out, job_id=cfg.job_id, model_hash=cfg.model_hash())
+    by this job (``cfg.job_id``) for this model, else the checkpoint the run resumed from (a
+    relaunch that failed before its own first checkpoint goes back to where it started); and each
+    newer one skipped, with why."""
+    found, skipped = newest_good(out, job_id=cfg.job_id, model_hash=cfg.model_hash())
+    started = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
+    if found is None and started is not None and started.name.startswith("step") and started.is_dir():
+        found = started
+    return found, skipped
 
 
 def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunConfig | None:
@@ -89,7 +96,8 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
     # no memory tier in a relaunch (here or in layout_without): the node's keeper persists the
     # slots of the world it was started for, so the relaunch's ranks save their checkpoints
-    relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=[],
+    ahead = [f.spec() for f in carried_faults(cfg.fault_list(), survivors, first)]
+    relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=ahead,
                            replan=[change], resume=str(resume), out=str(out), snapshot_every=0)
     return Reformed(relaunch, plan, survivors, change, calibration)
 

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from resihp.errors import InputError
 
@@ -55,6 +55,33 @@ class Fault:
             data.pop("peer")
             data["ranks"] = list(self.ranks)
         return data
+
+
+    def spec(self) -> str:
+        """The ``--inject`` value that parses back to this fault."""
+        if self.kind == "link":
+            fields = [f"ranks={self.rank}+{self.peer}"]
+        else:
+            fields = [f"rank={self.rank}"]
+        if self.kind in ("slow", "link"):
+            fields.append(f"factor={self.factor!r}")
+        for key, value in (("step", self.step), ("time", self.time_s), ("until", self.until),
+                           ("how", self.how), ("during", self.during)):
+            if value is not None:
+                fields.append(f"{key}={value}")
+        return f"{self.kind}:{','.join(fields)}"
+
+
+def carried_faults(faults: Sequence[Fault], survivors: Sequence[int], first_step: int) -> list[Fault]:
+    """The fail-stops still ahead of a relaunch that goes on at ``first_step`` with ``survivors``
+    (old ranks, in the order of their new numbers), renumbered: each stop, hang or error of a step
+    at or after ``first_step`` aimed at a survivor. Faults by wall time or of the first restart's
+    restore are not carried, nor slowdowns: a relaunch has no live loop to find them again, and
+    the planner that re-forms it does not know them."""
+    new = {old: i for i, old in enumerate(survivors)}
+    return [replace(f, rank=new[f.rank]) for f in faults
+            if f.kind in ("stop", "hang", "error") and f.step is not None and f.step >= first_step
+            and f.rank in new]
 
 
 def parse_fault(text: str) -> Fault:
