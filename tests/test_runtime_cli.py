@@ -192,6 +192,29 @@ def test_a_second_death_in_the_relaunch_is_re_formed_around_in_turn(tmp_path, cl
 
 
 @pytest.mark.slow
+def test_a_re_formed_relaunch_snapshots_to_a_memory_tier_of_its_own(tmp_path, clean_losses):
+    """With the memory tier on, the relaunch keeps one too (its own, under the job id ``<job>-r``):
+    when old rank 0 dies at step 6 of it, its keeper writes the newest step in memory (5) to disk,
+    newer than any checkpoint due (every 4 steps: step 3), and the second relaunch goes on from there
+    with the failure-free run's losses."""
+    out = tmp_path / "memory"
+    proc = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "4", "--snapshot-every", "1",
+                  "--inject", "stop:rank=3,step=3", "--inject", "stop:rank=0,step=6", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    first, second = summary["plan_changes"]
+    assert first["restart_from"] == str(out / "ckpt" / "step2")  # the first launch's keeper: its newest step
+    assert second["restart_from"] == str(out / "restart" / "ckpt" / "step5") and second["resumed_step"] == 6
+    written = [json.loads(line) for line in (out / "restart" / "ckpt" / "persist.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["reason"]) for e in written] == [(3, "due"), (5, "breakpoint")], written
+    job = json.loads((out / "config.json").read_text())["job_id"]
+    assert json.loads((out / "restart" / "config.json").read_text())["job_id"] == f"{job}-r"
+    assert len(summary["losses"]) == 8
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(summary["losses"], clean_losses)), (
+        summary["losses"], clean_losses)
+
+
+@pytest.mark.slow
 def test_a_dead_rank_of_a_tensor_parallel_group_leaves_its_peer_training_from_the_newest_snapshot(tmp_path):
     """DP 2 x TP 2 loses rank 1 with the memory tier on: the keeper writes the newest snapshot, the
     planner puts every survivor to work (rank 0, its group's survivor, too), and the losses equal a

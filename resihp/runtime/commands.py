@@ -383,6 +383,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
     from resihp.runtime.live import step_check, trace_step_seconds
+    from resihp.runtime.snapshots import flush_checkpoints, start_keeper, stop_keepers
     from resihp.runtime.supervisor import supervise
 
     out = Path(cfg.out)
@@ -404,14 +405,17 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
         _write_summary(out, summary)
         return summary, outcome
     t0 = time.time()
+    keeper = start_keeper(new, 0)  # the relaunch's own memory tier (elastic.relaunch_config), if it snapshots
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-        again = supervise(new,
-                          on_step=lambda s: advance(s + 1))
+        again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper)
     after = _summary(new, again)
     if again.failure is not None and not again.interrupted and new.checkpoint.ckpt_every:
         # another device lost in the relaunch: re-formed around it in turn, from the relaunch's
-        # newest checkpoint (``after`` then holds both relaunches' losses and plan changes)
+        # newest checkpoint (its newest snapshot first written by its keeper), so ``after`` then
+        # holds both relaunches' losses and plan changes
+        flush_checkpoints(new, breakpoint=True)
         after, again = _recover(new, again, after, json_out)
+    stop_keepers(new, breakpoint=again.error is not None)
     ops = Path(new.out) / "ops.parquet"
     first, relaunched = None, {}
     if ops.exists():

@@ -48,7 +48,15 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
         changes = dict(pp=cfg.parallel.pp - 1, layer_split=None)
     else:
         return None
-    return cfg.updated(**changes, inject=[], replan=[], resume=str(resume), out=str(out), snapshot_every=0)
+    return relaunch_config(cfg, resume, out, **changes, inject=[], replan=[])
+
+
+def relaunch_config(cfg: RunConfig, resume: Path, out: Path, **changes) -> RunConfig:
+    """``cfg`` for a relaunch into ``out`` from checkpoint ``resume``, with ``changes``. A relaunch
+    that keeps snapshots is a job of its own (job id ``<job>-r``): the first launch's keeper persists
+    the slots of the world it was started for, so the relaunch's memory tier is a fresh one."""
+    job = f"{cfg.job_id}-r" if cfg.snapshot_interval() and cfg.job_id else cfg.job_id
+    return cfg.updated(**changes, resume=str(resume), out=str(out), job_id=job)
 
 
 @dataclass
@@ -94,11 +102,9 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
               "dp_weights": [float(p.microbatches) for p in pipes]}
     n = len(survivors)
     pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
-    # no memory tier in a relaunch (here or in layout_without): the node's keeper persists the
-    # slots of the world it was started for, so the relaunch's ranks save their checkpoints
     ahead = [f.spec() for f in carried_faults(cfg.fault_list(), survivors, first)]
-    relaunch = cfg.updated(dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None, inject=ahead,
-                           replan=[change], resume=str(resume), out=str(out), snapshot_every=0)
+    relaunch = relaunch_config(cfg, resume, out, dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None,
+                               inject=ahead, replan=[change])
     return Reformed(relaunch, plan, survivors, change, calibration)
 
 
