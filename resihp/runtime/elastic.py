@@ -21,7 +21,7 @@ from resihp.plan.planner import Planner
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
 from resihp.runtime.inject import carried_faults
-from resihp.runtime.live import current_plan, paced_to, planner_specs
+from resihp.runtime.live import paced_to, plan_at_start, planner_specs
 
 
 def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -87,7 +87,7 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
         return None
     planner = Planner()
     cluster, model = planner_specs(cfg)
-    current = current_plan(cfg, cluster, model, cfg.weights(), [cfg.stage_ranges()] * dims.dp)
+    current = plan_at_start(cfg, cluster, model)  # what ``measured`` ran under
     cluster, calibration = paced_to(cluster, model, current, list(measured), planner)
     plan = planner.plan(cluster.with_speeds({rank: 0.0}), model, current, time_limit_s=time_limit_s)
     pipes = sorted((p for p in plan.pipelines if p.microbatches > 0), key=lambda p: p.dp_rank)

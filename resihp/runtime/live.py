@@ -78,6 +78,27 @@ def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
                 policy="current")
 
 
+def plan_at_start(cfg: RunConfig, cluster, model) -> Plan:
+    """The plan a run trains its first step under: its launch layout, or the change scheduled for
+    that step (``live.replan``; a relaunch re-formed by ``elastic.reform_around`` applies its
+    planner's layout before its first step, from the checkpoint ``--resume`` names)."""
+    dims = cfg.dims()
+    resume = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
+    first = int(resume.name.removeprefix("step")) + 1 if resume and resume.name.startswith("step") else 0
+    groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
+    weights, ranges = cfg.weights(), [cfg.stage_ranges()] * dims.dp
+    for change in cfg.live.replan:
+        if int(change["step"]) != first:
+            continue
+        planned = PlanChange.parse(change, dims, cfg.model.layers, "live.replan", world=dims.world_size,
+                                   depths=[len(p) for p in groups])
+        if planned.layout is not None:
+            groups = [[tuple(s) for s in p] for p in planned.layout.pipelines]
+        weights = list(planned.dp_weights) if planned.dp_weights is not None else weights
+        ranges = planned.replica_ranges(cfg.model.layers) or ranges
+    return current_plan(cfg, cluster, model, weights, ranges, groups)
+
+
 RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
 MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
 
