@@ -90,14 +90,19 @@ def test_a_fault_spec_parses_back_to_the_same_fault(text):
     assert parse_fault(fault.spec()) == fault
 
 
-def test_fail_stops_ahead_of_a_relaunch_are_carried_to_the_survivors_new_numbers():
+def test_faults_ahead_of_a_relaunch_are_carried_to_the_survivors_new_numbers():
     faults = [parse_fault(t) for t in ("stop:rank=3,step=3", "stop:rank=0,step=6", "hang:rank=2,step=7,how=stop",
-                                       "error:rank=1,step=1", "stop:rank=2,time=9", "slow:rank=1,factor=3,step=5")]
-    # survivors 0, 1, 2 from step 2: the later stop and hang; not the earlier error, the lost
-    # rank's stop, a fault by wall time nor a slowdown
-    assert [f.spec() for f in carried_faults(faults, [0, 1, 2], 2)] == ["stop:rank=0,step=6",
-                                                                         "hang:rank=2,step=7,how=stop"]
-    assert [f.spec() for f in carried_faults(faults, [1, 2], 6)] == ["hang:rank=1,step=7,how=stop"]
+                                       "error:rank=1,step=1", "stop:rank=2,time=9", "slow:rank=1,factor=3,step=1",
+                                       "slow:rank=2,factor=2,step=0,until=2", "link:ranks=2+3,factor=5,step=4",
+                                       "link:ranks=0+2,factor=5,step=4")]
+    # survivors 0, 1, 2 from step 2: the later stop and hang, and the slowdown of rank 1 still in
+    # force (from step 2); not the earlier error, the lost rank's stop or link, a fault by wall
+    # time, nor a slowdown over by step 2
+    assert [f.spec() for f in carried_faults(faults, [0, 1, 2], 2)] == [
+        "stop:rank=0,step=6", "hang:rank=2,step=7,how=stop", "slow:rank=1,factor=3.0,step=2",
+        "link:ranks=0+2,factor=5.0,step=4"]
+    assert [f.spec() for f in carried_faults(faults, [1, 2], 6)] == [
+        "hang:rank=1,step=7,how=stop", "slow:rank=0,factor=3.0,step=6"]
 
 
 def older_job_checkpoint(directory):
@@ -189,6 +194,30 @@ def test_a_second_death_in_the_relaunch_is_re_formed_around_in_turn(tmp_path, cl
     assert summary["steps"] == 8 and len(summary["losses"]) == 8
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(summary["losses"], clean_losses)), (
         summary["losses"], clean_losses)
+
+
+@pytest.mark.slow
+def test_a_re_formed_relaunch_has_a_live_loop_that_re_plans_around_a_slowdown(tmp_path):
+    """Rank 3 dies at step 3; the slowdown of rank 1 from step 26 is carried into the relaunch,
+    whose live loop calibrates on the re-formed layout, finds it and re-plans around it; the
+    launch's exclusion and the relaunch's change are both in the summary, and every step's loss
+    equals the failure-free run's."""
+    args = [*SMALL, "--steps", "40", "--ckpt-every", "2"]
+    proc = resihp("run", *args, "--inject", "stop:rank=3,step=3", "--inject", "slow:rank=1,factor=4,step=26",
+                  "--out", str(tmp_path / "run"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    exclude, *live = summary["plan_changes"]
+    assert exclude["kind"] == "exclude" and exclude["ranks"] == [0, 1, 2]
+    found = [c for c in live if c["reason"]["kind"] == "fail-slow"]
+    assert found and found[0]["reason"]["rank"] == 1 and found[0]["applied"] is True, live  # old rank 1
+    assert 26 <= found[0]["decided_step"] < 40 and found[0]["predicted_step_s"] > 0
+    assert summary["after_restart"]["planner_calibration"]["steps"] >= 3
+    clean = resihp("run", *args, "--out", str(tmp_path / "clean"), "--json")
+    assert clean.returncode == 0, clean.stderr
+    reference = json.loads(clean.stdout)["losses"]
+    assert len(summary["losses"]) == 40
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(summary["losses"], reference)), (summary["losses"], reference)
 
 
 @pytest.mark.slow

@@ -333,18 +333,30 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
     waits taken out, since upstream and downstream stages wait differently), else the same stage on
     the other data-parallel replicas (the same layers and token budget; their data differ).
     """
+    tp = [] if ops.tp_rank is None else [ops.tp_rank]
+    replicas = [ops.step, ops.stage, ops.mb_id, ops.op, *tp]
     if (unblocked or meta.dp_size == 1) and meta.pp_size > 1:
-        keys, member = [ops.step, ops.dp_rank, ops.mb_id, ops.op], ops.stage
+        ref, alone = _lower_median_by([ops.step, ops.dp_rank, ops.mb_id, ops.op, *tp], ops.stage, values)
+        if alone.any():
+            # a pipeline of one stage among deeper ones (replicas of different depths): no other
+            # stage ran its micro-batch, so its reference is the step's same phase on every rank
+            # (a constant ratio of layers, which the detector's baseline takes in), not itself
+            other, lonely = _lower_median_by([ops.step, ops.op, *tp], ops.rank, values)
+            ref = np.where(alone & ~lonely, other, ref)
     else:
-        keys, member = [ops.step, ops.stage, ops.mb_id, ops.op], ops.dp_rank
-    if ops.tp_rank is not None:
-        keys.append(ops.tp_rank)
+        ref, _ = _lower_median_by(replicas, ops.dp_rank, values)
+    return np.maximum(ref, 1e-12)
+
+
+def _lower_median_by(keys: list, member: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the lower median of ``values`` over the rows with the same ``keys``; and whether
+    the row is alone in its group."""
     (code,) = _key_codes(keys)
     ref = _pivot_lower_median(code, member, values)
     if ref is None:
         _, ref_g, inverse = _group_quantile(code, values, 0.5, lower=True)
         ref = ref_g[inverse]
-    return np.maximum(ref, 1e-12)
+    return ref, np.bincount(code)[code] == 1
 
 
 def _dense_table(code: np.ndarray, member: np.ndarray, values: np.ndarray) -> np.ndarray | None:

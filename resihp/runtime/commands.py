@@ -382,7 +382,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     import pandas as pd
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
-    from resihp.runtime.live import step_check, trace_compute_seconds, trace_step_seconds
+    from resihp.runtime.live import LiveLoop, step_check, trace_compute_seconds, trace_step_seconds
     from resihp.runtime.snapshots import flush_checkpoints, start_keeper, stop_keepers
     from resihp.runtime.supervisor import supervise
 
@@ -409,9 +409,16 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
         return summary, outcome
     t0 = time.time()
     keeper = start_keeper(new, 0)  # the relaunch's own memory tier (elastic.relaunch_config), if it snapshots
+    # the relaunch is watched as the launch was: its live loop takes the re-formed layout as the
+    # plan in force and re-plans around a slowdown found after it
+    loop = LiveLoop(new) if new.live.live else None
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-        again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper)
+        again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper,
+                          on_steps=loop.on_steps if loop else None)
     after = _summary(new, again)
+    if loop is not None and not again.interrupted:
+        after.update(_live_fields(new, loop, after))
+        _write_summary(Path(new.out), after)
     if again.failure is not None and not again.interrupted and new.checkpoint.ckpt_every:
         # another device lost in the relaunch: re-formed around it in turn, from the relaunch's
         # newest checkpoint (its newest snapshot first written by its keeper), so ``after`` then
@@ -443,7 +450,9 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
     losses = list(summary.get("losses") or [])[:max(0, change["resumed_step"] - first_step)] + list(
         after.get("losses") or [])
-    summary.update({"plan_changes": [change, *(after.get("plan_changes") or [])], "after_restart": after,
+    # the launch's own live changes, this exclusion, then the relaunch's (and any later exclusion)
+    before_changes = [c for c in summary.get("plan_changes") or [] if c.get("kind") != "exclude"]
+    summary.update({"plan_changes": [*before_changes, change, *(after.get("plan_changes") or [])], "after_restart": after,
                     "losses": losses, "loss_last": losses[-1] if losses else None,
                     "steps": change["resumed_step"] + len(after.get("losses") or []),
                     "tokens_per_s_after": after.get("tokens_per_s"),

@@ -73,15 +73,26 @@ class Fault:
 
 
 def carried_faults(faults: Sequence[Fault], survivors: Sequence[int], first_step: int) -> list[Fault]:
-    """The fail-stops still ahead of a relaunch that goes on at ``first_step`` with ``survivors``
-    (old ranks, in the order of their new numbers), renumbered: each stop, hang or error of a step
-    at or after ``first_step`` aimed at a survivor. Faults by wall time or of the first restart's
-    restore are not carried, nor slowdowns: a relaunch has no live loop to find them again, and
-    the planner that re-forms it does not know them."""
+    """The faults still ahead of a relaunch that goes on at ``first_step`` with ``survivors`` (old
+    ranks, in the order of their new numbers), renumbered: each stop, hang or error of a step at or
+    after ``first_step``, and each slowdown (of a device or a link) still in force at it, from
+    there on (the device is as slow as it was; the relaunch's live loop finds it again). Faults by
+    wall time, of the first restart's restore, or aimed at a rank that is gone are not carried."""
     new = {old: i for i, old in enumerate(survivors)}
-    return [replace(f, rank=new[f.rank]) for f in faults
-            if f.kind in ("stop", "hang", "error") and f.step is not None and f.step >= first_step
-            and f.rank in new]
+    carried = []
+    for f in faults:
+        if f.step is None or any(r not in new for r in f.ranks):
+            continue
+        if f.kind in ("slow", "link"):
+            if f.until is not None and f.until <= first_step:
+                continue
+            step = max(f.step, first_step)
+        elif f.step >= first_step:
+            step = f.step
+        else:
+            continue
+        carried.append(replace(f, rank=new[f.rank], peer=None if f.peer is None else new[f.peer], step=step))
+    return carried
 
 
 def parse_fault(text: str) -> Fault:

@@ -347,6 +347,7 @@ class LiveLoop:
         if not same_places:  # new process groups: the job re-forms them and reshards live
             change["layout"] = {"pipelines": [[list(s.ranks) for s in p.stages] for p in pipes]}
             self.groups = [[tuple(s.ranks) for s in p.stages] for p in pipes]
+            self._cover(self.groups)
             self.ranges = []  # set below from the new splits, with a fresh detector baseline
         if same_places and self._unchanged(change):
             # the planner keeps the plan in force (e.g. no split beats it around a slow data-parallel
@@ -381,8 +382,23 @@ class LiveLoop:
         ranges = planned.replica_ranges(self.cfg.model.layers)
         if ranges is not None:
             self.ranges = ranges
+        if planned.layout is not None:
+            self._cover(self.groups)
         if planned.layout is not None or ranges is not None:
             self.detector = self._make_detector()  # new stage costs or places: a fresh baseline
+
+    def _cover(self, groups: list[list[tuple[int, ...]]]) -> None:
+        """A job meta whose coordinates take in ``groups`` where the launch layout's do not (a
+        relaunch re-formed by the planner: two pipelines over three ranks launched as one): replicas
+        x the deepest pipeline x the widest group, padded with stages to hold every rank number;
+        ranks the layout leaves out only have no records."""
+        dp, tp = len(groups), max(len(s) for p in groups for s in p)
+        depth = max(len(p) for p in groups)
+        if dp <= self.meta.dp_size and depth <= self.meta.pp_size and tp <= self.meta.tp_size:
+            return
+        pp = max(depth, math.ceil(self.world / (dp * tp)))
+        self.meta = JobMeta(dp, pp, tp, dp * pp * tp)
+        self.meta_dict = {**self.meta_dict, **self.meta.to_dict()}
 
     def _unchanged(self, change: dict) -> bool:
         """Whether a change in place gives every replica the share and layer split it has now."""
