@@ -56,7 +56,6 @@ class Fault:
             data["ranks"] = list(self.ranks)
         return data
 
-
     def spec(self) -> str:
         """The ``--inject`` value that parses back to this fault."""
         if self.kind == "link":
