@@ -51,9 +51,7 @@ def run_case(name: str, args: list[str], tmp: Path) -> dict:
         cal = c.get("planner_calibration") or summary.get("planner_calibration")
         if c.get("measured_step_s") is None:
             continue
-        # one factor for the whole step: what the analytic costs alone would have predicted (with
-        # compute and links paced apart, no one factor undoes the pacing)
-        factor = cal["factor"] if cal and "compute_factor" not in cal else None
+        factor = cal["factor"] if cal else None
         changes.append({
             "reason": (c.get("reason") or {"kind": c.get("kind")}).get("kind"),
             "applied": c.get("applied"), "predicted_step_s": round(c["predicted_step_s"], 4),

@@ -9,7 +9,7 @@ from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 from resihp.plan.timing import evaluate
 from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop, current_plan, plan_compute_s
+from resihp.runtime.live import LiveLoop, current_plan
 from resihp.runtime.recorder import rows_frame
 
 
@@ -72,29 +72,3 @@ def test_each_applied_change_is_measured_over_the_steps_it_was_in_force():
     assert first == {"measured_step_s": 2.0, "measured_steps": 9, "step_error": -0.1}
     assert second == {}  # one step under it: too few to measure
     assert never == {}
-
-
-def test_compute_is_paced_on_the_compute_records_and_the_links_on_the_rest_of_the_step():
-    loop = _loop(calibration_steps=5)
-    unpaced = loop.planner.coster(loop.cluster, loop.model)
-    plan = current_plan(loop.cfg, loop.cluster, loop.model, loop.weights, loop.ranges, loop.groups)
-    flops_s = plan_compute_s(plan, unpaced)
-    for step in range(6):
-        loop._observe(step, rows_frame(_rows(step, 2.1)))
-    cal = loop.calibration
-    # each step: 4 ranks x 2 micro-batches x (0.1 + 0.2) s of compute
-    assert cal["compute_s"] == pytest.approx(2.4) and cal["compute_factor"] == pytest.approx(2.4 / flops_s, rel=1e-3)
-    assert plan_compute_s(plan, loop.planner.coster(loop.cluster, loop.model)) == pytest.approx(2.4, rel=1e-3)
-    assert _predicted(loop) == pytest.approx(2.1, rel=1e-3)  # the links carry the rest of the step
-    assert cal["link_factor"] > cal["compute_factor"]  # gloo on a busy CPU, against nominal bandwidth
-
-
-def test_one_factor_where_the_compute_records_alone_overshoot_the_step():
-    loop = _loop(calibration_steps=5)
-    analytic = _predicted(loop)
-    for step in range(6):  # 2.4 s of compute per rank, in steps of 1 s: no link pace explains that
-        rows = [dict(r, duration=r["duration"] * 8) if r["optype"] != "step" else r for r in _rows(step, 1.0)]
-        loop._observe(step, rows_frame(rows))
-    assert "compute_factor" not in loop.calibration
-    assert loop.calibration["factor"] == pytest.approx(1.0 / analytic, rel=1e-3)
-    assert _predicted(loop) == pytest.approx(1.0, rel=1e-3)

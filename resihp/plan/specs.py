@@ -358,20 +358,16 @@ class ClusterSpec:
         cluster = self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
         return cluster._with_speed_array(np.ones(len(self)), "healthy") if cluster.degraded else cluster
 
-    def paced(self, factor: float, links: float | None = None) -> ClusterSpec:
-        """The same cluster running ``factor`` times slower: the devices' rates (FLOP rate, memory
-        bandwidth) divided by it, and the links' bandwidths by ``links`` (default: ``factor``), so
-        every analytic compute time is ``factor`` times as long and every transfer ``links`` times.
-        A job's measured steps give the factors (``resihp.runtime.live``): an analytic model priced
-        on a matmul benchmark and nominal bandwidths misses a training loop's overheads by roughly
-        constant multiples."""
-        links = factor if links is None else links
-        for value in (factor, links):
-            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
-                raise InputError(f"cluster pace: expected a positive finite factor, got {value!r}")
+    def paced(self, factor: float) -> ClusterSpec:
+        """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
+        bandwidth) divided by it, so every analytic time is ``factor`` times as long. A job's
+        measured steps give the factor (``resihp.runtime.live``): an analytic model priced on a
+        matmul benchmark misses a training loop's overheads by a roughly constant multiple."""
+        if not (isinstance(factor, (int, float)) and np.isfinite(factor) and factor > 0):
+            raise InputError(f"cluster pace: expected a positive finite factor, got {factor!r}")
         devices = tuple(replace(d, tflops=d.tflops / factor, hbm_gbs=d.hbm_gbs / factor) for d in self.devices)
-        return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / links,
-                       inter_node_gbs=self.inter_node_gbs / links)
+        return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / factor,
+                       inter_node_gbs=self.inter_node_gbs / factor)
 
     @cached_property
     def hardware_key(self) -> tuple:

@@ -13,7 +13,6 @@ gives replicas different depths or stages different tensor-parallel sizes goes t
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -121,73 +120,21 @@ def step_check(predicted: float | None, seconds: list[float]) -> dict:
 
 
 def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[float],
-             planner: Planner, compute: list[float] = ()) -> tuple[ClusterSpec, dict | None]:
+             planner: Planner) -> tuple[ClusterSpec, dict | None]:
     """``cluster`` paced (``ClusterSpec.paced``) so that ``plan``, the plan the steps ``measured``
     ran under, predicts their median, and what was measured; the cluster as it is (and None) from
     fewer than ``MIN_MEASURED_STEPS`` steps. The planner's analytic costs (a matmul benchmark's
     FLOP rate, nominal bandwidths) miss a training loop's own overheads (Python, gloo, several
-    ranks per core) by factors that stay roughly constant across the plans of one job.
-
-    With ``compute`` (each step's compute seconds summed over its ranks, from their op records)
-    the devices are paced on compute alone (``compute_factor``) and the links on the rest of the
-    step (``link_factor``, solved so the step's median comes out), because a plan that changes the
-    transfers (a rank excluded, a pipeline shortened) changes that rest by its own measure. One
-    factor for both (``factor``) where the compute alone already overshoots the step, or where the
-    plan has no transfer to carry the rest."""
+    ranks per core) by a factor that stays roughly constant across the plans of one job."""
     if len(measured) < MIN_MEASURED_STEPS:
         return cluster, None
     median = statistics.median(measured)
-    coster = planner.coster(cluster, model)
-    analytic = evaluate(plan, coster).step_time_s
+    analytic = evaluate(plan, planner.coster(cluster, model)).step_time_s
     if not (0 < analytic < float("inf") and median > 0):
         return cluster, None
     factor = median / analytic
-    info = {"steps": len(measured), "measured_step_s": round(median, 6), "analytic_step_s": analytic,
-            "factor": round(factor, 4)}
-    flops_s = plan_compute_s(plan, coster)
-    if len(compute) >= MIN_MEASURED_STEPS and flops_s > 0 and statistics.median(compute) > 0:
-        per_compute = statistics.median(compute) / flops_s
-        links = _link_factor(cluster, model, plan, planner, per_compute, median)
-        if links is not None:
-            info.update(compute_s=round(statistics.median(compute), 6), compute_factor=round(per_compute, 4),
-                        link_factor=round(links, 4))
-            return cluster.paced(per_compute, links=links), info
-    return cluster.paced(factor), info
-
-
-def plan_compute_s(plan: Plan, coster) -> float:
-    """The plan's compute seconds in one step summed over its ranks, as the planner's costs price
-    them: each stage's forward and backward per micro-batch, times its micro-batches and ranks."""
-    total = 0.0
-    for p in plan.pipelines:
-        fb = coster.pipeline_fb(p.stages, p.budget(coster.model) / coster.model.microbatch_tokens)
-        total += sum((f + b) * p.microbatches * len(s.ranks) for (f, b), s in zip(fb, p.stages, strict=True))
-    return float(total)
-
-
-def _link_factor(cluster: ClusterSpec, model: ModelSpec, plan: Plan, planner: Planner, per_compute: float,
-                 target: float) -> float | None:
-    """The link pace that, with the devices paced by ``per_compute``, makes ``plan`` predict
-    ``target`` (bisection: the step grows with it); None where no pace gets there."""
-    def step(links: float) -> float:
-        return evaluate(plan, planner.coster(cluster.paced(per_compute, links=links), model)).step_time_s
-
-    lo, hi = 1e-6, 1e9
-    if not step(lo) <= target <= step(hi):
-        return None
-    for _ in range(60):  # in log space: 1e-6..1e9 to well under a part in a thousand
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
-COMPUTE_OPS = ("forward-compute", "backward-compute")
-
-
-def trace_compute_seconds(trace: pd.DataFrame) -> dict[int, float]:
-    """Every step's compute seconds in an ops trace, summed over its ranks."""
-    compute = trace[trace.optype.isin(COMPUTE_OPS)]
-    return {int(k): float(v) for k, v in compute.groupby("step")["duration"].sum().items()}
+    return cluster.paced(factor), {"steps": len(measured), "measured_step_s": round(median, 6),
+                                   "analytic_step_s": analytic, "factor": round(factor, 4)}
 
 
 class LiveLoop:
@@ -218,7 +165,6 @@ class LiveLoop:
         # each step's measured time; the first healthy ones pace the planner's analytic costs
         self.step_s: dict[int, float] = {}
         self._healthy: list[float] = []
-        self._healthy_compute: list[float] = []  # the same steps' compute seconds, summed over ranks
         self._calibration_steps = self.detector.cfg.calibration_steps
         self.calibration: dict | None = None
 
@@ -275,18 +221,16 @@ class LiveLoop:
             return
         self.step_s[step] = seconds
         if fresh_plan:
-            self._healthy, self._healthy_compute = [], []
+            self._healthy = []
         if self.calibration is None and step > 0 and not self.events and not self.changes:
             self._healthy.append(seconds)
-            self._healthy_compute.append(float(df.loc[df.optype.isin(COMPUTE_OPS), "duration"].sum()))
             if len(self._healthy) >= self._calibration_steps:
                 self._calibrate()
 
     def _calibrate(self) -> None:
         """Pace the planner's cluster to the healthy steps measured under the plan in force."""
         current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
-        self.cluster, self.calibration = paced_to(self.cluster, self.model, current, self._healthy, self.planner,
-                                                  self._healthy_compute)
+        self.cluster, self.calibration = paced_to(self.cluster, self.model, current, self._healthy, self.planner)
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """Each rank's first probe is its reference; a hot spare probes again with backoff
