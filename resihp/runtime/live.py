@@ -13,6 +13,7 @@ gives replicas different depths or stages different tensor-parallel sizes goes t
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
