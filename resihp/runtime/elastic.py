@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from resihp.ckpt.integrity import newest_good
+from resihp.ckpt.integrity import newest_good, step_of
 from resihp.ckpt.reshard_rules import decide, derived_seed, same_layout, state_of_run
 from resihp.ckpt.universal import load, read_meta
 from resihp.plan.plan import Plan
@@ -31,7 +31,7 @@ def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, lis
     newer one skipped, with why."""
     found, skipped = newest_good(out, job_id=cfg.job_id, model_hash=cfg.model_hash())
     started = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
-    if found is None and started is not None and started.name.startswith("step") and started.is_dir():
+    if found is None and started is not None and step_of(started) >= 0 and started.is_dir():
         found = started
     return found, skipped
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from resihp.ckpt.integrity import step_of
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.parallel import apportion
@@ -84,20 +85,27 @@ def plan_at_start(cfg: RunConfig, cluster, model) -> Plan:
     that step (``live.replan``; a relaunch re-formed by ``elastic.reform_around`` applies its
     planner's layout before its first step, from the checkpoint ``--resume`` names)."""
     dims = cfg.dims()
-    resume = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
-    first = int(resume.name.removeprefix("step")) + 1 if resume and resume.name.startswith("step") else 0
+    first = step_of(Path(cfg.checkpoint.resume)) + 1 if cfg.checkpoint.resume else 0  # -1 + 1: not a stepN
     groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
     weights, ranges = cfg.weights(), [cfg.stage_ranges()] * dims.dp
     for change in cfg.live.replan:
-        if int(change["step"]) != first:
-            continue
-        planned = PlanChange.parse(change, dims, cfg.model.layers, "live.replan", world=dims.world_size,
-                                   depths=[len(p) for p in groups])
-        if planned.layout is not None:
-            groups = [[tuple(s) for s in p] for p in planned.layout.pipelines]
-        weights = list(planned.dp_weights) if planned.dp_weights is not None else weights
-        ranges = planned.replica_ranges(cfg.model.layers) or ranges
+        if int(change["step"]) == first:
+            groups, weights, ranges, _, _ = with_change(change, cfg, groups, weights, ranges, dims.world_size)
     return current_plan(cfg, cluster, model, weights, ranges, groups)
+
+
+def with_change(change: dict, cfg: RunConfig, groups: list[list[tuple[int, ...]]], weights: list[float],
+                ranges: list[list[tuple[int, int]]], world: int) -> tuple[list, list[float], list, bool, bool]:
+    """The plan state (each replica's stage groups, micro-batch weights, layer ranges) after a
+    scheduled change (``live.replan``), and whether it moved ranks and whether it moved layers."""
+    planned = PlanChange.parse(change, cfg.dims(), cfg.model.layers, "live.replan", world=world,
+                               depths=[len(p) for p in groups])
+    if planned.layout is not None:
+        groups = [[tuple(s) for s in p] for p in planned.layout.pipelines]
+    if planned.dp_weights is not None:
+        weights = list(planned.dp_weights)
+    new_ranges = planned.replica_ranges(cfg.model.layers)
+    return groups, weights, new_ranges or ranges, planned.layout is not None, new_ranges is not None
 
 
 RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
@@ -318,18 +326,11 @@ class LiveLoop:
 
     def _adopt(self, change: dict) -> None:
         """Take a change the job applies without this loop (a scheduled one) as the plan in force."""
-        planned = PlanChange.parse(change, self.cfg.dims(), self.cfg.model.layers, "live.replan", world=self.world,
-                                   depths=[len(p) for p in self.groups])
-        if planned.layout is not None:
-            self.groups = [[tuple(s) for s in p] for p in planned.layout.pipelines]
-        if planned.dp_weights is not None:
-            self.weights = list(planned.dp_weights)
-        ranges = planned.replica_ranges(self.cfg.model.layers)
-        if ranges is not None:
-            self.ranges = ranges
-        if planned.layout is not None:
+        self.groups, self.weights, self.ranges, moved, resplit = with_change(
+            change, self.cfg, self.groups, self.weights, self.ranges, self.world)
+        if moved:
             self._cover(self.groups)
-        if planned.layout is not None or ranges is not None:
+        if moved or resplit:
             self.detector = self._make_detector()  # new stage costs or places: a fresh baseline
 
     def _cover(self, groups: list[list[tuple[int, ...]]]) -> None:
