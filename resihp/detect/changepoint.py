@@ -15,6 +15,7 @@ mean overstates it when the noise is large next to the shift).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -72,9 +73,7 @@ class CusumBank:
         self.adapted = np.zeros(n, dtype=bool)
         self.run_sum = np.zeros(n)
         self.down = np.zeros(n)  # a noisy series' downward CUSUM from its alarmed level
-        # what a slowdown of one series moves its own value by (its log value is taken against the
-        # median over series each step: with two series that median moves half-way with it)
-        self.share = 0.5 if n == 2 else 1.0
+        self.share = _share(n)
         # the last steps' deviations (a ring: row ``step % _HISTORY``), to place an alarm's onset
         self._hist = np.full((_HISTORY, n), np.nan)
         self._hist_step = np.full(_HISTORY, -1, dtype=np.int64)
@@ -83,18 +82,20 @@ class CusumBank:
         """A bank over a new set of series: series ``j`` continues this bank's series ``source[j]``
         (its calibration, baseline, run and alarm), or starts afresh where ``source[j] < 0``."""
         source = np.asarray(source, dtype=np.int64)
-        out = CusumBank(len(source), self.cfg)
-        carry = source >= 0
-        fresh = np.flatnonzero(~carry)
-        src = np.where(carry, source, 0)
+        fresh = np.flatnonzero(source < 0)
+        src = np.where(source >= 0, source, 0)
+        start = CusumBank(1, self.cfg)  # a fresh series' values, broadcast over the fresh ones
+        out = copy.copy(self)
+        out.n, out.share = len(source), _share(len(source))
         for name, value in vars(self).items():
             if name != "_hist_step" and isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
                 # a gather along the series axis (np.take: several times faster than fancy
                 # indexing of the 2-D histories at 16,384 series), then the fresh series reset
                 moved = np.take(value, src, axis=-1)
-                moved[..., fresh] = getattr(out, name)[..., fresh]
+                if fresh.size:
+                    moved[..., fresh] = getattr(start, name)
                 setattr(out, name, moved)
-        out._hist_step[:] = self._hist_step
+        out._hist_step = self._hist_step.copy()
         return out
 
     def recalibrate(self) -> None:
@@ -313,6 +314,12 @@ class CusumBank:
             self._sigma0[self.calibrated] = self.sigma[self.calibrated]
             self._set_thresholds(np.flatnonzero(self.calibrated))
         return done
+
+
+def _share(n: int) -> float:
+    """What a slowdown of one of ``n`` series moves its own value by: its log value is taken
+    against the median over series each step, and with two that median moves half-way with it."""
+    return 0.5 if n == 2 else 1.0
 
 
 _HISTORY = 128  # steps of deviations kept per series to place an onset

@@ -39,6 +39,9 @@ from resihp.detect.observe import (
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, validate_ops_trace
 
+# compute, pipeline-link and gradient-sync banks, and one bank per phase
+Banks = tuple[CusumBank, CusumBank, CusumBank, dict[str, CusumBank]]
+
 
 class OnlineDetector:
     """``observe(step_df)`` per step, or ``observe_arrays`` with per-rank vectors (the fast path)."""
@@ -47,21 +50,17 @@ class OnlineDetector:
 
     def __init__(self, meta: JobMeta, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, *, meta_dict: dict | None = None,
-                 layout: RankPlacement | None = None) -> None:
+                 layout: RankPlacement | None = None, banks: Banks | None = None) -> None:
+        """``banks``: the CUSUM banks to go on with (``carried``); new ones where None."""
         self.meta = meta
         self.expected = expected
         self.cfg = config or DetectorConfig()
         self.shape = shape_from_meta(meta_dict)
         w = meta.world_size
         self.layout = layout or RankPlacement(*(np.full(w, -1, dtype=np.int64) for _ in range(3)))
-        self.compute = CusumBank(w, self.cfg)
-        self.link = CusumBank(w, self.cfg)
-        self.sync = CusumBank(w, self.cfg)  # per rank: its gradient collectives' transfers
-        # three more tests per rank: each held to a hundredfold false-alarm run length
-        phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
-                                                       self.cfg.phase_min_slowdown),
-                            false_alarm_steps=100 * self.cfg.false_alarm_steps)
-        self.phase_banks = {p: CusumBank(w, phase_cfg) for p in PHASES}
+        # per rank: its compute, its pipeline transfers, its gradient collectives' transfers, and
+        # each phase's compute
+        self.compute, self.link, self.sync, self.phase_banks = banks or self._new_banks(w)
         self._bank_of: dict[tuple[str, int], CusumBank] = {}
         self.events: list[Event] = []
         self._open: dict[tuple[str, int], Event] = {}
@@ -79,18 +78,24 @@ class OnlineDetector:
         self._recent: dict[str, dict[int, np.ndarray]] = {"pipeline": {}, "gradient-sync": {}}
         self._fit_window: list[pd.DataFrame] | None = [] if fits_cost(meta, expected, self.cfg) else None
 
+    def _new_banks(self, w: int) -> Banks:
+        # the phase tests: three more per rank, each held to a hundredfold false-alarm run length
+        phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
+                                                       self.cfg.phase_min_slowdown),
+                            false_alarm_steps=100 * self.cfg.false_alarm_steps)
+        return (CusumBank(w, self.cfg), CusumBank(w, self.cfg), CusumBank(w, self.cfg),
+                {p: CusumBank(w, phase_cfg) for p in PHASES})
+
     def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
         """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
         detector's rank ``source[j]`` (the same device doing the same work, so its baseline holds);
         ranks with ``source[j] < 0`` calibrate afresh. Open fail-slow and link events move with
         their ranks; those of ranks not carried are dropped."""
         source = np.asarray(source, dtype=np.int64)
-        new = OnlineDetector(meta, self.expected, self.cfg, layout=layout)
+        banks = (self.compute.carried(source), self.link.carried(source), self.sync.carried(source),
+                 {p: b.carried(source) for p, b in self.phase_banks.items()})
+        new = OnlineDetector(meta, self.expected, self.cfg, layout=layout, banks=banks)
         new.shape, new.cost_model = self.shape, self.cost_model
-        new.compute = self.compute.carried(source)
-        new.link = self.link.carried(source)
-        new.sync = self.sync.carried(source)
-        new.phase_banks = {p: b.carried(source) for p, b in self.phase_banks.items()}
         new._last_step, new._steps_seen = self._last_step, self._steps_seen
         new._checked[source >= 0] = self._checked[source[source >= 0]]
         new.events = self.events
@@ -533,8 +538,8 @@ def _compute_per_token(df: pd.DataFrame) -> list[float]:
 def _others_log(values: np.ndarray) -> np.ndarray:
     """log(value / the median of the other ranks' values) this step: ``_common_mode_log`` with the
     rank itself left out of its reference, so that with few links (two in a 2-stage, 2-replica
-    job) a slow one's shift is measured whole. O(n log n): each leave-one-out median is read off
-    the sorted values."""
+    job) a slow one's shift is measured whole. O(n): each leave-one-out median is one of the
+    sorted values at the middle positions (``np.partition``), chosen by the rank's own value."""
     v = np.asarray(values, dtype=np.float64)
     ok = np.flatnonzero(v > 0)
     out = np.full(v.shape, np.nan)
@@ -543,17 +548,17 @@ def _others_log(values: np.ndarray) -> np.ndarray:
     if ok.size < 2:
         return out
     logs = np.log(v[ok])
-    order = np.argsort(logs, kind="stable")
-    a = logs[order]
-    n = a.size
-    k = np.empty(n, dtype=np.int64)
-    k[order] = np.arange(n)  # each value's place in the sorted order
+    n = logs.size
+    rest = n - 1
+    mids = sorted({min(j, n - 1) for j in range(max(0, rest // 2 - 1), rest // 2 + 2)})
+    part = np.partition(logs, mids)
 
     def without(j: int) -> np.ndarray:
-        """Position ``j`` of the sorted values with each rank's own value taken out."""
-        return np.where(j < k, a[min(j, n - 1)], a[min(j + 1, n - 1)])
+        """Sorted position ``j`` with each rank's own value taken out: ``a[j]`` for a value above
+        it (its place is after ``j``), else ``a[j + 1]`` (a value equal to ``a[j]`` placed after
+        ``j`` makes the two equal, so ties need no rank)."""
+        return np.where(logs > part[j], part[j], part[min(j + 1, n - 1)])
 
-    rest = n - 1
     if rest % 2:
         median = without((rest - 1) // 2)
     else:
