@@ -90,7 +90,8 @@ class OnlineDetector:
         """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
         detector's rank ``source[j]`` (the same device doing the same work, so its baseline holds);
         ranks with ``source[j] < 0`` calibrate afresh. Open fail-slow and link events move with
-        their ranks; those of ranks not carried are dropped."""
+        their ranks; those of ranks not carried are dropped. The new detector takes this one's
+        state over: this one is not to be used after."""
         source = np.asarray(source, dtype=np.int64)
         banks = (self.compute.carried(source), self.link.carried(source), self.sync.carried(source),
                  {p: b.carried(source) for p, b in self.phase_banks.items()})
