@@ -13,7 +13,7 @@ rebuilt. A change of micro-batch counts keeps everything.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +84,18 @@ class DetectorFeed:
                                   if set(d if isinstance(d, tuple) else (d,)) <= kept}
         self._layout = signature
         self._rank_device, self._rank_work = window.rank_device, window.rank_work
+        first = int(window.steps[0])
+        out: list[Finding] = []
+        for part in _step_chunks(cols, FEED_STEPS):
+            self._feed_steps(window, part, first, out)
+            if out:  # the policy acts here; later steps of the window are simulated again
+                break
+        return out
+
+    def _feed_steps(self, window: Window, cols: dict[str, np.ndarray], first: int,
+                    out: list[Finding]) -> None:
+        """Feed the steps of ``cols`` one by one, adding the findings to ``out``; stop at the
+        first step with any."""
         obs = observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile)
         if self.plan_aware and window.rank_work is not None:
             # the plan in force gives each rank its share of a micro-batch (layers / tp width); a
@@ -92,8 +104,6 @@ class DetectorFeed:
         comm = obs.comm
         if comm is None and window.transfers is not None:  # the simulator's transfer timings
             comm = window.transfers[np.searchsorted(window.steps, obs.steps)]
-        first = int(window.steps[0])
-        out: list[Finding] = []
         for i, step in enumerate(obs.steps):
             with warnings.catch_warnings():  # ranks with no record this step are NaN by design
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -122,9 +132,28 @@ class DetectorFeed:
                     device, peer = key if isinstance(key, tuple) else (key, None)
                     out.append(Finding(int(step) - first, int(step), device, ev.kind,
                                        float(ev.slowdown), ended=True, peer=peer))
-            if out:  # the policy acts here; later steps of the window are simulated again
-                break
-        return out
+            if out:
+                return
+
+
+# steps of a window observed at once: a detector that fires early in a window (most re-plans
+# come a few steps after the change that prompted them) leaves the rest unread, and the arrays of a
+# few steps stay in cache; every step's observations depend on that step's records alone
+FEED_STEPS = 4
+
+
+def _step_chunks(cols: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:
+    """The records of ``size`` consecutive steps at a time, in step order: views where the records
+    are in step order (the simulator's), else after one stable sort by step."""
+    step = np.asarray(cols["step"])
+    if len(step) > 1 and (step[1:] < step[:-1]).any():
+        order = np.argsort(step, kind="stable")
+        cols = {c: v[order] for c, v in cols.items()}
+        step = np.asarray(cols["step"])
+    starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])  # each step's first record
+    ends = np.r_[starts[size::size], len(step)]
+    for a, b in zip(starts[::size].tolist(), ends.tolist()):
+        yield {c: v[a:b] for c, v in cols.items()}
 
 
 def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,

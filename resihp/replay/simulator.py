@@ -186,7 +186,7 @@ class Simulator:
     def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
                  dims: ParallelDims) -> dict[str, np.ndarray]:
         """The window's ops records as columns (``resihp.detect.observe.trace_columns`` form), in
-        (step, replica, stage, tp rank, phase, micro-batch) order within each shape group (row
+        step order, then by shape group, then (replica, stage, tp rank, phase, micro-batch) (row
         order is free in the contract)."""
         parts: list[dict[str, np.ndarray]] = []
         k = self.scenario.settings.ops_microbatches
@@ -230,8 +230,11 @@ class Simulator:
                 "start_ts": grid(start, (0, 1, 2, 4, 5)), "seq_lens": pool.seq_objects[mbi]})
         if not parts:
             return {}
-        cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
-                                                  for c in parts[0]}
+        # step-major across groups too (each group's records of a step are contiguous), so that a
+        # reader can take a few steps as views (``DetectorFeed`` feeds a window a few steps at once)
+        cols = parts[0] if len(parts) == 1 else {
+            c: np.concatenate([p[c].reshape(len(steps), -1) for p in parts], axis=1).ravel()
+            for c in parts[0]}
         cols["optype"] = pd.Categorical.from_codes(cols["optype"], categories=list(COMPUTE_OPTYPES))
         return cols
 
