@@ -137,41 +137,36 @@ class CusumBank:
         live[newly] = False
         if not live.any():
             return [], [], newly
-        idx = np.flatnonzero(live)
-        xi = x[idx]
-        dev = xi - self.mu[idx]
+        # on whole arrays, masked to the live series (most are, most steps: cheaper than gathers)
+        dev = np.where(live, x - self.mu, np.nan)
         slot = step % _HISTORY
-        self._hist[slot] = np.nan
-        self._hist[slot, idx] = dev
+        self._hist[slot] = dev
         self._hist_step[slot] = step
-        z = dev / self.sigma[idx]
-        k, h, clip = self.k[idx], self.h[idx], self.clip[idx]
-        s_old = self.s[idx]
-        s_new = np.maximum(0.0, s_old + np.clip(z, -clip, clip) - k)
+        z = dev / self.sigma
+        k, h = self.k, self.h
+        s_new = np.where(live, np.maximum(0.0, self.s + np.clip(z, -self.clip, self.clip) - k), self.s)
         raised = z > k
-        starting = (s_old == 0) & (s_new > 0)
-        start_idx = idx[starting]
+        in_run = live & (s_new > 0)
+        start_idx = np.flatnonzero(in_run & (self.s == 0))
         self.run_start[start_idx] = step
         self.run_n[start_idx] = 0
         self.run_sum[start_idx] = 0.0
         self.raised_sum[start_idx] = 0.0
         self.raised_n[start_idx] = 0
-        in_run = s_new > 0
-        self.run_n[idx[in_run]] += 1
-        self.run_sum[idx[in_run]] += dev[in_run]
+        self.run_n += in_run
+        self.run_sum += np.where(in_run, dev, 0.0)
         up = in_run & raised
-        self.raised_sum[idx[up]] += dev[up]
-        self.raised_n[idx[up]] += 1
-        ended = idx[~in_run]
-        self.run_n[ended] = 0
-        self.s[idx] = s_new
+        self.raised_sum += np.where(up, dev, 0.0)
+        self.raised_n += up
+        self.run_n[live & ~in_run] = 0
+        self.s = s_new
 
-        alarmed = self.alarmed[idx]
+        alarmed = self.alarmed.copy()  # as before this step's alarms
         # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
-        calm = ~alarmed & ~in_run
+        calm = live & ~alarmed & ~in_run
         if cfg.baseline_rate > 0 and calm.any():
-            c = idx[calm]
-            step_dev = np.clip(dev[calm], -3 * self.sigma[c], 3 * self.sigma[c])
+            c = np.flatnonzero(calm)
+            step_dev = np.clip(dev[c], -3 * self.sigma[c], 3 * self.sigma[c])
             self.mu[c] += cfg.baseline_rate * step_dev
             # the spread is learned on as well (a few calibration steps can understate it), but
             # never below what calibration measured
@@ -179,18 +174,17 @@ class CusumBank:
             self.sigma[c] = np.maximum(np.sqrt(var), self._sigma0[c])
 
         alarms: list[Alarm] = []
-        rn = self.raised_n[idx]
-        mean_raised = np.where(rn > 0, self.raised_sum[idx] / np.maximum(rn, 1), 0.0)
+        rn = self.raised_n
+        mean_raised = np.where(rn > 0, self.raised_sum / np.maximum(rn, 1), 0.0)
         # a noisy series: the run's mean, every step of it (the raised steps alone overstate it)
-        rmean = self.run_sum[idx] / np.maximum(self.run_n[idx], 1)
-        level = np.where(self.adapted[idx], rmean, mean_raised)
-        fire = (~alarmed & (s_new >= h) & (rn >= cfg.min_persist)
+        rmean = self.run_sum / np.maximum(self.run_n, 1)
+        level = np.where(self.adapted, rmean, mean_raised)
+        fire = (live & ~alarmed & (s_new >= h) & (rn >= cfg.min_persist)
                 & (level >= self._log_min * self.share))
-        for j in np.flatnonzero(fire):
-            i = int(idx[j])
-            n_up = int(rn[j])
+        for i in np.flatnonzero(fire).tolist():
+            n_up = int(rn[i])
             # how far the raised steps sit above the noise, beyond what the threshold itself demands
-            t = mean_raised[j] / self.sigma[i] * np.sqrt(n_up) - k[j]
+            t = mean_raised[i] / self.sigma[i] * np.sqrt(n_up) - k[i]
             conf = float(0.5 * (1 + _erf(t / np.sqrt(2))))
             onset, shift_sum, shift_n = self._onset(i, step)
             if self.adapted[i]:  # a noisy series: the mean of every step since the onset
@@ -198,17 +192,17 @@ class CusumBank:
                 est = shift_sum / shift_n
             else:
                 self.alarm_sum[i], self.alarm_n[i] = self.raised_sum[i], n_up
-                est = level[j]
+                est = level[i]
             alarms.append(Alarm(i, onset, float(np.exp(est / self.share)), conf))
             self.alarmed[i] = True
             self.down[i] = 0.0
             self.quiet[i] = 0
 
         recoveries: list[Recovery] = []
-        was = alarmed & ~fire
+        was = live & alarmed & ~fire
         if was.any():
-            a = idx[was]
-            d = dev[was]
+            a = np.flatnonzero(was)
+            d = dev[a]
             still = d > self._log_min / 2 * self.share
             # a noisy series recovers when a CUSUM of its fall from the alarmed level crosses h
             ad = self.adapted[a]
@@ -219,7 +213,7 @@ class CusumBank:
                 still = np.where(ad, self.down[a] < self.h[a], still)
             # a noisy series' estimate is the mean of all its alarmed steps
             counted = still | ad
-            self.alarm_sum[a[counted]] += dev[was][counted]
+            self.alarm_sum[a[counted]] += d[counted]
             self.alarm_n[a[counted]] += 1
             quiet = a[~still]
             fresh = quiet[self.quiet[quiet] == 0]
