@@ -28,11 +28,22 @@ LINK_QUANTILE = 0.0
 _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 
 
+def optype_factors(optype: pd.Series | pd.Categorical | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``pd.factorize(optype)``: each row's code (-1: missing) and the names coded; a categorical
+    column's own codes and categories as they are (no hashing of the rows)."""
+    if isinstance(optype, pd.Series) and isinstance(optype.dtype, pd.CategoricalDtype):
+        optype = optype.array
+    if isinstance(optype, pd.Categorical):
+        return np.asarray(optype.codes), np.asarray(optype.categories, dtype=object)
+    codes, names = pd.factorize(optype)
+    return codes, np.asarray(names, dtype=object)
+
+
 def _rows_of(cols: Mapping[str, np.ndarray], wanted: tuple[str, ...]) -> np.ndarray | None:
     """Indices of the rows whose optype is one of ``wanted``; None when there are none (checked
     on the distinct optypes first: a long trace of compute ops alone costs nothing here)."""
-    codes, names = pd.factorize(cols["optype"])
-    hit = np.flatnonzero(np.isin(np.asarray(names, dtype=object), wanted))
+    codes, names = optype_factors(cols["optype"])
+    hit = np.flatnonzero(np.isin(names, wanted))
     if not hit.size:
         return None
     rows = np.flatnonzero(np.isin(codes, hit))

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from resihp.detect.fitted import FittedCost
-from resihp.detect.links import pipeline_transfers, sync_transfers
+from resihp.detect.links import optype_factors, pipeline_transfers, sync_transfers
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
 from resihp.workload.features import length_features
@@ -138,6 +138,8 @@ class _Ops:
         if name not in self.cols:
             return None
         col = self.values(name)
+        if col.dtype.kind in "iu":  # an integer column has a value on every row
+            return col.astype(np.int64, copy=False)
         return None if np.isnan(col).any() else col.astype(np.int64)
 
     def __len__(self) -> int:
@@ -492,7 +494,7 @@ _OP_FWD, _OP_BWD, _OP_LINK, _OP_OTHER = 0, 1, 2, 3
 
 def _optype_codes(optype: pd.Series | pd.Categorical | np.ndarray) -> np.ndarray:
     """0 forward compute, 1 backward compute, 2 a transfer over the next link, 3 anything else."""
-    codes, names = pd.factorize(optype)
+    codes, names = optype_factors(optype)
     table = np.array([_OP_FWD if n == "forward-compute" else _OP_BWD if n == "backward-compute"
                       else _OP_LINK if n in NEXT_LINK_OPTYPES else _OP_OTHER for n in names] + [_OP_OTHER])
     return table[codes]
