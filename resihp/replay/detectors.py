@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from resihp.detect.baselines import IterationChangePointDetector
 from resihp.detect.config import DetectorConfig
-from resihp.detect.observe import RankPlacement, observe_columns
+from resihp.detect.observe import Observations, RankPlacement, observe_columns
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.replay.interface import Window
@@ -86,17 +87,30 @@ class DetectorFeed:
         self._rank_device, self._rank_work = window.rank_device, window.rank_work
         first = int(window.steps[0])
         out: list[Finding] = []
-        for part in _step_chunks(cols, FEED_STEPS):
-            self._feed_steps(window, part, first, out)
-            if out:  # the policy acts here; later steps of the window are simulated again
-                break
-        return out
 
-    def _feed_steps(self, window: Window, cols: dict[str, np.ndarray], first: int,
+        def observe(part: dict[str, np.ndarray]) -> Observations:
+            return observe_columns(part, window.meta, shape=self.shape, own_quantile=self.own_quantile)
+
+        # the next steps' observations are read from their records (numpy, mostly without the
+        # GIL) on the other core while the detector takes in these steps'
+        pool = ThreadPoolExecutor(1, thread_name_prefix="resihp-observe")
+        try:
+            parts = _step_chunks(cols, FEED_STEPS)
+            ahead = pool.submit(observe, next(parts))
+            for part in parts:
+                obs, ahead = ahead.result(), pool.submit(observe, part)
+                self._feed_steps(window, obs, first, out)
+                if out:  # the policy acts here; later steps of the window are simulated again
+                    return out
+            self._feed_steps(window, ahead.result(), first, out)
+            return out
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # steps read ahead and not needed
+
+    def _feed_steps(self, window: Window, obs: Observations, first: int,
                     out: list[Finding]) -> None:
-        """Feed the steps of ``cols`` one by one, adding the findings to ``out``; stop at the
+        """Feed the observed steps one by one, adding the findings to ``out``; stop at the
         first step with any."""
-        obs = observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile)
         if self.plan_aware and window.rank_work is not None:
             # the plan in force gives each rank its share of a micro-batch (layers / tp width); a
             # live system knows its own plan, so the per-rank expectation includes it
