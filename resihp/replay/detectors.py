@@ -13,7 +13,7 @@ rebuilt. A change of micro-batch counts keeps everything.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -67,9 +67,6 @@ class DetectorFeed:
         """Feed the window step by step; stop at the first step with findings and return them."""
         if window.meta is None or not np.isfinite(window.step_time).all():
             return []
-        cols = window.columns()
-        if not cols:
-            return []
         signature = _signature(window)
         if self._layout != signature:
             places = RankPlacement(*(window.rank_place[:, k].copy() for k in range(3)))
@@ -88,21 +85,28 @@ class DetectorFeed:
         first = int(window.steps[0])
         out: list[Finding] = []
 
-        def observe(part: dict[str, np.ndarray]) -> Observations:
-            return observe_columns(part, window.meta, shape=self.shape, own_quantile=self.own_quantile)
+        n = len(window.steps)
 
-        # the next steps' observations are read from their records (numpy, mostly without the
-        # GIL) on the other core while the detector takes in these steps'
+        def observe(i: int) -> Observations | None:
+            """The observations of the window's steps ``i`` to ``i + FEED_STEPS`` (None: no
+            records)."""
+            cols = window.step_columns(i, min(i + FEED_STEPS, n))
+            return observe_columns(cols, window.meta, shape=self.shape,
+                                   own_quantile=self.own_quantile) if cols else None
+
+        # the next steps' records are made and observed (numpy, mostly without the GIL) on the
+        # other core while the detector takes in these steps'
         pool = ThreadPoolExecutor(1, thread_name_prefix="resihp-observe")
         try:
-            parts = _step_chunks(cols, FEED_STEPS)
-            ahead = pool.submit(observe, next(parts))
-            for part in parts:
-                obs, ahead = ahead.result(), pool.submit(observe, part)
-                self._feed_steps(window, obs, first, out)
+            ahead = pool.submit(observe, 0)
+            for i in range(FEED_STEPS, n + FEED_STEPS, FEED_STEPS):
+                obs = ahead.result()
+                if i < n:
+                    ahead = pool.submit(observe, i)
+                if obs is not None:
+                    self._feed_steps(window, obs, first, out)
                 if out:  # the policy acts here; later steps of the window are simulated again
-                    return out
-            self._feed_steps(window, ahead.result(), first, out)
+                    break
             return out
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # steps read ahead and not needed
@@ -150,24 +154,10 @@ class DetectorFeed:
                 return
 
 
-# steps of a window observed at once: a detector that fires early in a window (most re-plans
-# come a few steps after the change that prompted them) leaves the rest unread, and the arrays of a
-# few steps stay in cache; every step's observations depend on that step's records alone
+# steps of a window made and observed at once: a detector that fires early in a window (most
+# re-plans come a few steps after the change that prompted them) leaves the rest unmade, and the
+# arrays of a few steps stay in cache; every step's observations depend on that step's records alone
 FEED_STEPS = 4
-
-
-def _step_chunks(cols: dict[str, np.ndarray], size: int) -> Iterator[dict[str, np.ndarray]]:
-    """The records of ``size`` consecutive steps at a time, in step order: views where the records
-    are in step order (the simulator's), else after one stable sort by step."""
-    step = np.asarray(cols["step"])
-    if len(step) > 1 and (step[1:] < step[:-1]).any():
-        order = np.argsort(step, kind="stable")
-        cols = {c: v[order] for c, v in cols.items()}
-        step = np.asarray(cols["step"])
-    starts = np.flatnonzero(np.r_[True, step[1:] != step[:-1]])  # each step's first record
-    ends = np.r_[starts[size::size], len(step)]
-    for a, b in zip(starts[::size].tolist(), ends.tolist()):
-        yield {c: v[a:b] for c, v in cols.items()}
 
 
 def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,

@@ -64,6 +64,7 @@ class Window:
     rank_place: np.ndarray | None = None  # logical rank -> (dp_rank, stage, tp_rank), -1: none
     # (step x logical rank) seconds per token of each rank's transfers to the next stage (NaN: none)
     transfers: np.ndarray | None = None
+    _step_columns: Callable[[int, int], dict[str, np.ndarray]] | None = None
 
     def ops(self) -> pd.DataFrame:
         """The DESIGN.md ops trace of these steps: forward/backward compute of the first
@@ -81,6 +82,18 @@ class Window:
             df = self.ops()
             return trace_columns(df) if not df.empty else {}
         return self._columns()
+
+    def step_columns(self, first: int, stop: int) -> dict[str, np.ndarray]:
+        """``columns()`` of the steps ``steps[first:stop]`` alone (built for those steps only where
+        the window's maker can)."""
+        if self._step_columns is not None:
+            return self._step_columns(first, stop)
+        cols = self.columns()
+        if not cols:
+            return {}
+        step = np.asarray(cols["step"])
+        keep = np.flatnonzero((step >= self.steps[first]) & (step <= self.steps[stop - 1]))
+        return {c: v[keep] for c, v in cols.items()}
 
 
 class Policy:

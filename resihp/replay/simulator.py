@@ -116,7 +116,8 @@ class Simulator:
         columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims))
         transfers = self._transfers(comm_rows, n_steps, dims)
         return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
-                      rank_device, rank_work, columns, rank_place, transfers)
+                      rank_device, rank_work, columns, rank_place, transfers,
+                      lambda i, j: self._columns(per_group, steps, step_start, speeds, dims, i, j))
 
     def _transfers(self, rows: list, n_steps: int, dims: ParallelDims) -> np.ndarray:
         """(step x logical rank) seconds per token of each rank's transfers to the next stage (the
@@ -184,14 +185,17 @@ class Simulator:
         return frame  # row order is free in the contract
 
     def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
-                 dims: ParallelDims) -> dict[str, np.ndarray]:
-        """The window's ops records as columns (``resihp.detect.observe.trace_columns`` form), in
-        step order, then by shape group, then (replica, stage, tp rank, phase, micro-batch) (row
-        order is free in the contract)."""
+                 dims: ParallelDims, first: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+        """The ops records of the window's steps ``first`` to ``stop`` (indices; all by default) as
+        columns (``resihp.detect.observe.trace_columns`` form), in (step, replica, stage, tp rank,
+        phase, micro-batch) order within each shape group (row order is free in the contract)."""
         parts: list[dict[str, np.ndarray]] = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
+        at = slice(first, stop)
+        steps, step_start = steps[at], step_start[at]
         for g, mb, fwd, comm, sp, sched, end in per_group:
+            mb, fwd, comm, end = mb[at], fwd[at], comm[at], end[at]
             # when each op began in the simulated schedule: its end minus its (stage) duration
             node = np.zeros((2, g.stages, sched.microbatches), dtype=np.int64)
             node[sched.phase, sched.chunk, sched.mb] = np.arange(sched.nodes)
@@ -230,11 +234,8 @@ class Simulator:
                 "start_ts": grid(start, (0, 1, 2, 4, 5)), "seq_lens": pool.seq_objects[mbi]})
         if not parts:
             return {}
-        # step-major across groups too (each group's records of a step are contiguous), so that a
-        # reader can take a few steps as views (``DetectorFeed`` feeds a window a few steps at once)
-        cols = parts[0] if len(parts) == 1 else {
-            c: np.concatenate([p[c].reshape(len(steps), -1) for p in parts], axis=1).ravel()
-            for c in parts[0]}
+        cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
+                                                  for c in parts[0]}
         cols["optype"] = pd.Categorical.from_codes(cols["optype"], categories=list(COMPUTE_OPTYPES))
         return cols
 
