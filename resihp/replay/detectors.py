@@ -87,26 +87,29 @@ class DetectorFeed:
 
         n = len(window.steps)
 
-        def observe(i: int) -> Observations | None:
-            """The observations of the window's steps ``i`` to ``i + FEED_STEPS`` (None: no
-            records)."""
-            cols = window.step_columns(i, min(i + FEED_STEPS, n))
+        def records(i: int) -> dict[str, np.ndarray]:
+            return window.step_columns(i, min(i + FEED_STEPS, n)) if i < n else {}
+
+        def observe(cols: dict[str, np.ndarray]) -> Observations | None:
             return observe_columns(cols, window.meta, shape=self.shape,
                                    own_quantile=self.own_quantile) if cols else None
 
-        # the next steps' records are made and observed (numpy, mostly without the GIL) on the
-        # other core while the detector takes in these steps'
+        # a pipeline over the window, a few steps at a time: while the other core observes the
+        # next steps' records (numpy, mostly without the GIL), this one takes in these steps and
+        # makes the records of the steps after
         pool = ThreadPoolExecutor(1, thread_name_prefix="resihp-observe")
         try:
-            ahead = pool.submit(observe, 0)
+            ahead = pool.submit(observe, records(0))
+            cols = records(FEED_STEPS)
             for i in range(FEED_STEPS, n + FEED_STEPS, FEED_STEPS):
                 obs = ahead.result()
                 if i < n:
-                    ahead = pool.submit(observe, i)
+                    ahead = pool.submit(observe, cols)
                 if obs is not None:
                     self._feed_steps(window, obs, first, out)
                 if out:  # the policy acts here; later steps of the window are simulated again
                     break
+                cols = records(i + FEED_STEPS)
             return out
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # steps read ahead and not needed
