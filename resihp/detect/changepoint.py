@@ -144,7 +144,9 @@ class CusumBank:
         self._hist_step[slot] = step
         z = dev / self.sigma
         k, h = self.k, self.h
-        s_new = np.where(live, np.maximum(0.0, self.s + np.clip(z, -self.clip, self.clip) - k), self.s)
+        # np.minimum/np.maximum, not np.clip: the same values, several times faster with array bounds
+        s_new = np.where(live, np.maximum(0.0, self.s + np.minimum(np.maximum(z, -self.clip), self.clip) - k),
+                         self.s)
         raised = z > k
         in_run = live & (s_new > 0)
         start_idx = np.flatnonzero(in_run & (self.s == 0))
@@ -165,13 +167,13 @@ class CusumBank:
         # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
         calm = live & ~alarmed & ~in_run
         if cfg.baseline_rate > 0 and calm.any():
-            c = np.flatnonzero(calm)
-            step_dev = np.clip(dev[c], -3 * self.sigma[c], 3 * self.sigma[c])
-            self.mu[c] += cfg.baseline_rate * step_dev
+            bound = 3 * self.sigma
+            step_dev = np.minimum(np.maximum(dev, -bound), bound)
+            self.mu = np.where(calm, self.mu + cfg.baseline_rate * step_dev, self.mu)
             # the spread is learned on as well (a few calibration steps can understate it), but
             # never below what calibration measured
-            var = (1 - cfg.baseline_rate) * self.sigma[c] ** 2 + cfg.baseline_rate * step_dev ** 2
-            self.sigma[c] = np.maximum(np.sqrt(var), self._sigma0[c])
+            var = (1 - cfg.baseline_rate) * self.sigma ** 2 + cfg.baseline_rate * step_dev ** 2
+            self.sigma = np.where(calm, np.maximum(np.sqrt(var), self._sigma0), self.sigma)
 
         alarms: list[Alarm] = []
         rn = self.raised_n
