@@ -212,9 +212,9 @@ class Simulator:
             own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, R, pp, tp, M]
             shape = (w, r, pp, tp, 2, m)
             dur = np.stack([own, 2.0 * own], axis=4) + comm[:, :, :, None, None, :]
-            real = np.broadcast_to((g.devices >= 0)[None, :, :, :, None, None], shape).ravel()
-            if real.all():
-                real = slice(None)  # no padded ranks: skip the copy a mask makes
+            # no padded ranks: no mask (and none of the copies a mask makes)
+            real = slice(None) if (g.devices >= 0).all() else np.broadcast_to(
+                (g.devices >= 0)[None, :, :, :, None, None], shape).ravel()
 
             def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
                      ) -> np.ndarray:
@@ -229,18 +229,20 @@ class Simulator:
             parts.append({
                 "step": grid(steps, (0,)), "rank": dims.rank_of(dp_rank, stage, tp_rank),
                 "dp_rank": dp_rank, "stage": stage, "tp_rank": tp_rank, "mb_id": grid(np.arange(m), (5,)),
-                "tokens": pool.tokens[mbi].astype(np.int64), "device": grid(g.devices, (1, 2, 3)),
+                "tokens": pool.tokens[mbi].astype(np.int64, copy=False), "device": grid(g.devices, (1, 2, 3)),
                 "optype": grid(np.array([0, 1], dtype=np.int8), (4,)), "duration": dur.ravel()[real],
                 "start_ts": grid(start, (0, 1, 2, 4, 5)), "seq_lens": pool.seq_objects[mbi]})
         if not parts:
             return {}
         cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
                                                   for c in parts[0]}
-        cols["optype"] = pd.Categorical.from_codes(cols["optype"], categories=list(COMPUTE_OPTYPES))
+        # codes 0 and 1 by construction: pandas' check of every row is not needed
+        cols["optype"] = pd.Categorical.from_codes(cols["optype"], dtype=_OPTYPE, validate=False)
         return cols
 
 
 _POOLS: dict[tuple, MicroBatchPool] = {}
+_OPTYPE = pd.CategoricalDtype(list(COMPUTE_OPTYPES))
 
 
 def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool:
