@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -132,6 +133,15 @@ class _Ops:
             self.duration = self.duration - np.nan_to_num(self.values("wait_s"))
         self.tp_rank = self._full_int("tp_rank")
         self.mb_id = self._full_int("mb_id")
+
+    @cached_property
+    def micro_batch_code(self) -> np.ndarray:
+        """Per row, one code for its micro-batch and phase on its pipeline (step, dp_rank, mb_id,
+        op and tp_rank): what a micro-batch's ops on the pipeline's stages share (``mb_id`` on
+        every row)."""
+        tp = [] if self.tp_rank is None else [self.tp_rank]
+        (code,) = _key_codes([self.step, self.dp_rank, self.mb_id, self.op, *tp])
+        return code
 
     def _full_int(self, name: str) -> np.ndarray | None:
         """The column as int64 when present with a value on every row of the subset, else None."""
@@ -338,22 +348,22 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
     tp = [] if ops.tp_rank is None else [ops.tp_rank]
     replicas = [ops.step, ops.stage, ops.mb_id, ops.op, *tp]
     if (unblocked or meta.dp_size == 1) and meta.pp_size > 1:
-        ref, alone = _lower_median_by([ops.step, ops.dp_rank, ops.mb_id, ops.op, *tp], ops.stage, values)
+        ref, alone = _lower_median_by(ops.micro_batch_code, ops.stage, values)
         if alone.any():
             # a pipeline of one stage among deeper ones (replicas of different depths): no other
             # stage ran its micro-batch, so its reference is the step's same phase on every rank
             # (a constant ratio of layers, which the detector's baseline takes in), not itself
-            other, lonely = _lower_median_by([ops.step, ops.op, *tp], ops.rank, values)
+            other, lonely = _lower_median_by(_key_codes([ops.step, ops.op, *tp])[0], ops.rank, values)
             ref = np.where(alone & ~lonely, other, ref)
     else:
-        ref, _ = _lower_median_by(replicas, ops.dp_rank, values)
+        ref, _ = _lower_median_by(_key_codes(replicas)[0], ops.dp_rank, values)
     return np.maximum(ref, 1e-12)
 
 
-def _lower_median_by(keys: list, member: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the lower median of ``values`` over the rows with the same ``keys``; and whether
-    the row is alone in its group."""
-    (code,) = _key_codes(keys)
+def _lower_median_by(code: np.ndarray, member: np.ndarray, values: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the lower median of ``values`` over the rows with the same key ``code``
+    (``_key_codes``); and whether the row is alone in its group."""
     ref = _pivot_lower_median(code, member, values)
     if ref is None:
         _, ref_g, inverse = _group_quantile(code, values, 0.5, lower=True)
@@ -552,16 +562,15 @@ def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)
         start = pd.Series(dur).groupby([comp.step, comp.rank], sort=False).cumsum().to_numpy() - dur
-    dep_end = _neighbour_ends(keys, comp.stage, comp.op == _OP_BWD, start + dur)
+    dep_end = _neighbour_ends(keys, comp.stage, comp.op == _OP_BWD, start + dur, comp.micro_batch_code)
     return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
                     start + dur - dep_end, dur)
 
 
-def _neighbour_ends(keys: list[np.ndarray], stage: np.ndarray, bwd: np.ndarray, end: np.ndarray
-                    ) -> np.ndarray:
-    """Per op, the end of the first record of the same ``keys`` on the stage before it (forward) or
-    after it (backward); NaN where there is none."""
-    (group,) = _key_codes(keys)
+def _neighbour_ends(keys: list[np.ndarray], stage: np.ndarray, bwd: np.ndarray, end: np.ndarray,
+                    group: np.ndarray) -> np.ndarray:
+    """Per op, the end of the first record of the same ``keys`` (whose code is ``group``) on the
+    stage before it (forward) or after it (backward); NaN where there is none."""
     lo = int(stage.min())
     table = _dense_table(group, stage - lo, end)
     if table is not None:  # a full trace: look the neighbour up in the (group x stage) table
