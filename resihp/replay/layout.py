@@ -8,6 +8,7 @@ so that the engine evaluates every replica of a shape in one vectorised call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -43,9 +44,12 @@ class ReplicaLayout:
     replicas: tuple[Replica, ...]
     note: str = ""
 
-    @property
+    @cached_property  # a layout is frozen; policies ask for its devices at every window
     def devices(self) -> np.ndarray:
-        return np.array(sorted(d for r in self.replicas for d in r.devices), dtype=np.int64)
+        """The devices the layout uses, sorted (read-only)."""
+        out = np.array(sorted(d for r in self.replicas for d in r.devices), dtype=np.int64)
+        out.setflags(write=False)
+        return out
 
     @property
     def microbatches(self) -> int:
