@@ -7,13 +7,16 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from resihp.detect.alibaba import alibaba_path, read_alibaba_job
 from resihp.detect.baselines import BASELINES
+from resihp.detect.changepoint import CusumBank
 from resihp.detect.config import DetectorConfig
 from resihp.detect.evaluate import run_methods, score_events
 from resihp.detect.observe import RankPlacement
-from resihp.detect.online import OnlineDetector, detect_trace
+from resihp.detect.online import OnlineDetector, _others_log, detect_trace
 from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.errors import InputError
@@ -223,3 +226,43 @@ def test_carried_detector_keeps_moved_ranks_and_recalibrates_new_ones():
     assert events[0].end_step is not None and 49 <= events[0].end_step <= 53
     assert [(e.kind, e.rank, e.extra.get("from_start")) for e in later] == [("fail-slow", 5, True)]
     assert later[0].end_step is not None and 69 <= later[0].end_step <= 73
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(0.0), st.sampled_from([0.5, 1.0, 2.0]),
+                          st.floats(0.01, 100.0)), min_size=1, max_size=40))
+def test_each_ranks_reference_is_the_median_of_the_others(values):
+    # _others_log reads each leave-one-out median off a partition (O(n)); by definition it is the
+    # median of the other ranks' logs (ties and ranks without a value included)
+    v = np.array(values)
+    out = _others_log(v)
+    ok = np.flatnonzero(v > 0)
+    for i in range(len(v)):
+        others = np.log(v[[j for j in ok if j != i]])
+        if v[i] <= 0 or (len(ok) < 2 and not (len(v) == 1 and len(ok) == 1)):
+            assert np.isnan(out[i])
+        elif len(v) == 1:
+            assert out[i] == np.log(v[i])
+        else:
+            assert out[i] == pytest.approx(np.log(v[i]) - np.median(others), abs=1e-12)
+
+
+def test_a_carried_bank_that_keeps_its_ranks_resets_only_the_fresh_ones_in_place():
+    cfg = DetectorConfig(calibration_steps=5)
+    rng = np.random.default_rng(3)
+    bank = CusumBank(8, cfg)
+    for t in range(12):
+        bank.update(t, rng.normal(0, 0.01, 8) + np.where(np.arange(8) == 2, 0.4 * (t > 8), 0.0))
+    before = {k: v.copy() for k, v in vars(bank).items() if isinstance(v, np.ndarray)}
+    source = np.array([0, 1, 2, 3, -1, 5, -1, 7])
+    moved = bank.carried(source)
+    fresh = CusumBank(8, cfg)
+    for name, old in before.items():
+        now = getattr(moved, name)
+        if name == "_hist_step" or old.shape[-1:] != (8,):
+            assert np.array_equal(now, old, equal_nan=True), name
+            continue
+        expect = old.copy()
+        expect[..., [4, 6]] = getattr(fresh, name)[..., [4, 6]]
+        assert np.array_equal(now, expect, equal_nan=True), name
+    assert moved.alarmed[2] and not moved.calibrated[[4, 6]].any() and moved.calibrated[[0, 7]].all()

@@ -97,3 +97,31 @@ def test_every_policy_runs_through_the_one_engine(tmp_path):
         assert {"name", "tokens_per_s", "effective_time", "false_alarms", "bound_fraction"} <= set(p)
         assert 0 < p["bound_fraction"] <= 1.05
     assert doc["capacity_tokens_per_s"] > 0 and set(doc["speedups"]) == set(names) - {"resihp"}
+
+
+def test_a_windows_records_made_a_few_steps_at_a_time_are_its_records(tmp_path):
+    # the detector feed makes a window's records a few steps at a time (Window.step_columns): the
+    # parts are the whole window's records, and a window without a maker of its own slices them
+    import pandas as pd
+
+    from resihp.replay.interface import Window
+
+    sc = load_scenario(write(tmp_path))
+    replay = Replay(sc, CheckpointRestart())
+    speeds = np.ones(len(sc.cluster))
+    speeds[3] = 0.5
+    w = replay.sim.window(compile_layout(replay.ctx.uniform_layout(set())), speeds, 7, 40, 0.0)
+
+    def frame(cols: dict) -> pd.DataFrame:
+        df = pd.DataFrame({k: np.asarray(v) for k, v in cols.items() if k != "seq_lens"})
+        df["optype"] = df["optype"].astype(str)
+        return df.sort_values(list(df.columns)).reset_index(drop=True)
+
+    whole = frame(w.columns())
+    parts = [w.step_columns(i, min(i + 3, 7)) for i in range(0, 7, 3)]
+    assert [sorted(set(p["step"])) for p in parts] == [[40, 41, 42], [43, 44, 45], [46]]
+    pd.testing.assert_frame_equal(frame({k: np.concatenate([np.asarray(p[k]) for p in parts])
+                                         for k in parts[0]}), whole)
+    sliced = Window(w.steps, w.start_s, w.step_time, w.tokens, w.layout, w.ops, w.meta,
+                    w.rank_device, w.rank_work, w.columns)
+    pd.testing.assert_frame_equal(frame(sliced.step_columns(3, 6)), frame(parts[1]))
