@@ -84,10 +84,10 @@ class CusumBank:
         The new bank may take this one's arrays over: this bank is not to be used after."""
         source = np.asarray(source, dtype=np.int64)
         fresh = np.flatnonzero(source < 0)
-        src = np.where(source >= 0, source, np.arange(len(source)))
+        src = np.where(source >= 0, source, 0)
         # a re-plan that keeps every rank's work mostly recalibrates a few series in place: no
         # gather of the 2-D histories (16 MB each at 16,384 series)
-        in_place = len(source) == self.n and bool((src == np.arange(self.n)).all())
+        in_place = len(source) == self.n and bool(((source == np.arange(self.n)) | (source < 0)).all())
         start = CusumBank(1, self.cfg)  # a fresh series' values, broadcast over the fresh ones
         out = copy.copy(self)
         out.n, out.share = len(source), _share(len(source))
@@ -95,7 +95,7 @@ class CusumBank:
             if name != "_hist_step" and isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
                 # a gather along the series axis (np.take: several times faster than fancy
                 # indexing of the 2-D histories), then the fresh series reset
-                moved = value if in_place else np.take(value, np.minimum(src, self.n - 1), axis=-1)
+                moved = value if in_place else np.take(value, src, axis=-1)
                 if fresh.size:
                     moved[..., fresh] = getattr(start, name)
                 setattr(out, name, moved)

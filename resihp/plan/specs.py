@@ -75,7 +75,7 @@ class ClusterSpec:
     links: tuple[tuple[int, int, float], ...] = ()
     # seconds each stage-boundary transfer costs beyond its bytes: a runtime's own overhead per
     # send/recv (gloo on CPUs: Python and the library, not the wire), measured by a live job's
-    # pacing (``ClusterSpec.paced``); 0 in cluster specs
+    # pacing (``resihp.runtime.live.paced_to``); 0 in cluster specs
     p2p_overhead_s: float = 0.0
 
     DEVICE_KEYS = ("memory_gb", "tflops", "speed", "hbm_gbs")
@@ -362,22 +362,19 @@ class ClusterSpec:
         cluster = self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
         return cluster._with_speed_array(np.ones(len(self)), "healthy") if cluster.degraded else cluster
 
-    def paced(self, factor: float, links: float | None = None, p2p_overhead_s: float = 0.0) -> ClusterSpec:
+    def paced(self, factor: float, links: float | None = None) -> ClusterSpec:
         """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
         bandwidth) divided by it, so every analytic time is ``factor`` times as long; ``links``:
-        link bandwidths divided by this instead, and each stage-boundary transfer costing
-        ``p2p_overhead_s`` more. A job's measured steps give the factors
+        link bandwidths divided by this instead. A job's measured steps give the factors
         (``resihp.runtime.live``): an analytic model priced on a matmul benchmark misses a
         training loop's overheads by a roughly constant multiple."""
         for value in (factor, 1.0 if links is None else links):
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise InputError(f"cluster pace: expected a positive finite factor, got {value!r}")
-        if not (np.isfinite(p2p_overhead_s) and p2p_overhead_s >= 0):
-            raise InputError(f"cluster pace: expected a transfer overhead >= 0 s, got {p2p_overhead_s!r}")
         links = factor if links is None else links
         devices = tuple(replace(d, tflops=d.tflops / factor, hbm_gbs=d.hbm_gbs / factor) for d in self.devices)
         return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / links,
-                       inter_node_gbs=self.inter_node_gbs / links, p2p_overhead_s=p2p_overhead_s)
+                       inter_node_gbs=self.inter_node_gbs / links)
 
     @cached_property
     def hardware_key(self) -> tuple:

@@ -82,10 +82,8 @@ class DetectorFeed:
                                   if set(d if isinstance(d, tuple) else (d,)) <= kept}
         self._layout = signature
         self._rank_device, self._rank_work = window.rank_device, window.rank_work
-        first = int(window.steps[0])
+        first, n = int(window.steps[0]), len(window.steps)
         out: list[Finding] = []
-
-        n = len(window.steps)
 
         def records(i: int) -> dict[str, np.ndarray]:
             return window.step_columns(i, min(i + FEED_STEPS, n)) if i < n else {}
