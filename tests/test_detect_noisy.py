@@ -78,11 +78,16 @@ def test_the_same_noisy_loop_without_a_slowdown_raises_nothing(seed):
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
 def test_a_slowdown_of_one_phase_alone_is_found_and_named(phase):
-    doc = _detect(noisy_job(noise=0.1, slow_rank=0, phases=(phase,), seed=3))
-    faults = _faults(doc)
+    df = noisy_job(noise=0.1, slow_rank=0, phases=(phase,), seed=3)
+    faults = _faults(_detect(df))
     assert [e["rank"] for e in faults] == [0]
     assert faults[0]["phase"] == phase and faults[0]["detected_step"] <= 40
     assert abs(faults[0]["slowdown"] - 2.0) / 2.0 < 0.15
+    # what it costs the rank: the phase's share of the rank's healthy seconds, times the slowdown
+    healthy = df[(df["rank"] == 0) & (df["step"] < 30)]
+    share = healthy.loc[healthy["optype"] == f"{phase}-compute" if phase != "optimizer"
+                        else healthy["optype"] == "optimizer", "duration"].sum() / healthy["duration"].sum()
+    assert faults[0]["rank_slowdown"] - 1.0 == pytest.approx(share * 1.0, rel=0.2)
 
 
 def test_quiet_ranks_keep_the_configured_thresholds_and_say_what_they_can_find():

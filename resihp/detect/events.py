@@ -31,6 +31,12 @@ class Event:
     def is_device_fault(self) -> bool:
         return self.kind in DEVICE_FAULTS
 
+    @property
+    def rank_slowdown(self) -> float:
+        """What the finding costs its rank's step: for a fail-slow of one phase alone
+        (``extra["phase"]``), ``extra["rank_slowdown"]``; otherwise the slowdown itself."""
+        return float(self.extra.get("rank_slowdown", self.slowdown))
+
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "rank": _int(self.rank), "dp_rank": _int(self.dp_rank),
                "stage": _int(self.stage), "tp_rank": _int(self.tp_rank),

@@ -18,7 +18,7 @@ of the rank with ``"phase"`` naming the phase, unless the whole rank has alarmed
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -77,6 +77,8 @@ class OnlineDetector:
         self._healthy_rows: dict[str, list[np.ndarray]] = {"pipeline": [], "gradient-sync": []}
         self._recent: dict[str, dict[int, np.ndarray]] = {"pipeline": {}, "gradient-sync": {}}
         self._fit_window: list[pd.DataFrame] | None = [] if fits_cost(meta, expected, self.cfg) else None
+        # per phase, each rank's share of its compute seconds (a running mean of its calm steps)
+        self._phase_share = {p: np.full(w, np.nan) for p in PHASES}
 
     def _new_banks(self, w: int) -> Banks:
         # the phase tests: three more per rank, each held to a hundredfold false-alarm run length
@@ -99,6 +101,8 @@ class OnlineDetector:
         new.shape, new.cost_model = self.shape, self.cost_model
         new._last_step, new._steps_seen = self._last_step, self._steps_seen
         new._checked[source >= 0] = self._checked[source[source >= 0]]
+        for p, share in self._phase_share.items():
+            new._phase_share[p] = np.where(source >= 0, share[np.maximum(source, 0)], np.nan)
         new.events = self.events
         moved = {int(old): j for j, old in enumerate(source) if old >= 0}
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
@@ -131,31 +135,33 @@ class OnlineDetector:
             self._healthy_transfers["compute"] += _compute_per_token(df)
         return self.observe_matrices(obs, phases)
 
-    def observe_matrices(self, obs: Observations, phases: dict[str, np.ndarray] | None = None,
+    def observe_matrices(self, obs: Observations, phases: PhaseMatrices | None = None,
                          rebase_at: set[int] | frozenset[int] = frozenset()) -> list[Event]:
-        """``phases``: per phase a (step x rank) matrix of that phase's own-work ratio
-        (``phase_matrices``), or None to test only the rank's whole own work; ``rebase_at``: steps
-        before which every rank's baseline is learned afresh (``rebaseline``)."""
+        """``phases``: the phases' matrices (``phase_matrices``), or None to test only the rank's
+        whole own work; ``rebase_at``: steps before which every rank's baseline is learned afresh
+        (``rebaseline``)."""
         self.cost_model = obs.cost_model
         new: list[Event] = []
         for i, step in enumerate(obs.steps):
             if int(step) in rebase_at:
                 self.rebaseline()
+            own, share = phases.at(i) if phases is not None else (None, None)
             new += self.observe_arrays(
                 int(step), obs.own[i], obs.raw[i],
                 None if obs.expected is None else obs.expected[i],
                 None if obs.comm is None else obs.comm[i],
-                phases=None if not phases else {p: m[i] for p, m in phases.items()},
-                sync=None if obs.sync is None else obs.sync[i])
+                phases=own, sync=None if obs.sync is None else obs.sync[i], phase_shares=share)
         return new
 
     def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
                        expected: np.ndarray | None = None, comm: np.ndarray | None = None,
                        phases: dict[str, np.ndarray] | None = None,
-                       sync: np.ndarray | None = None) -> list[Event]:
+                       sync: np.ndarray | None = None,
+                       phase_shares: dict[str, np.ndarray] | None = None) -> list[Event]:
         """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record);
-        ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector; ``comm``
-        and ``sync``: per rank its pipeline link's and its gradient collectives' transfers."""
+        ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector, and
+        ``phase_shares`` its share of each rank's compute seconds; ``comm`` and ``sync``: per rank
+        its pipeline link's and its gradient collectives' transfers."""
         if self._last_step is not None and step <= self._last_step:
             raise InputError(f"step records: step {step} arrives after step {self._last_step}; "
                              "expected increasing step numbers")
@@ -173,12 +179,14 @@ class OnlineDetector:
                                             a.confidence))
             else:  # a phase found it first: the whole rank is slow, its bank takes the event over
                 ev.extra.pop("phase", None)
+                ev.extra.pop("rank_slowdown", None)
+                ev.slowdown = a.slowdown
                 self._bank_of.pop(("fail-slow", a.index), None)
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index), self.compute) is self.compute:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
         for name, values in (phases or {}).items():
-            new += self._phase_step(step, name, values)
+            new += self._phase_step(step, name, values, (phase_shares or {}).get(name))
         if comm is not None:
             new += self._link_step(step, comm)
         if sync is not None:
@@ -226,24 +234,43 @@ class OnlineDetector:
             self._bank_of[key] = bank
         return ev
 
-    def _phase_step(self, step: int, name: str, values: np.ndarray) -> list[Event]:
+    def _phase_step(self, step: int, name: str, values: np.ndarray,
+                    share: np.ndarray | None) -> list[Event]:
         """One phase of every rank tested on its own; an alarm of a rank with no open fail-slow
-        opens one naming the phase (a second phase of the same rank is added to its name)."""
+        opens one naming the phase (a second phase of the same rank is added to its name). Its
+        ``rank_slowdown`` is what the phase's slowdown costs the rank: ``1 + share x (slowdown -
+        1)``, the share that of the rank's calm steps (a 2x slower optimizer step that takes 1% of
+        the step costs the rank 1%)."""
         bank = self.phase_banks[name]
         alarms, recoveries, _ = bank.update(step, _common_mode_log(values))
+        if share is not None:  # steps of no rise under way (this one's included) only
+            running = self._phase_share[name]
+            calm = ~bank.alarmed & (bank.s <= 0) & np.isfinite(share)
+            first = calm & np.isnan(running)
+            running[first] = share[first]
+            running[calm & ~first] += SHARE_RATE * (share[calm & ~first] - running[calm & ~first])
         out = []
         for a in alarms:
             ev = self._open.get(("fail-slow", a.index))
+            cost = self._phase_cost(name, a.index, a.slowdown)
             if ev is None:
                 out.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown,
                                             a.confidence, bank))
                 out[-1].extra["phase"] = name
+                out[-1].extra["rank_slowdown"] = round(1.0 + cost, 4)
             elif "phase" in ev.extra and name not in ev.extra["phase"].split("+"):
                 ev.extra["phase"] += f"+{name}"
+                ev.extra["rank_slowdown"] = round(ev.extra.get("rank_slowdown", 1.0) + cost, 4)
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index)) is bank:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
         return out
+
+    def _phase_cost(self, name: str, i: int, slowdown: float) -> float:
+        """The rank's extra time, as a fraction of its step, from ``slowdown`` of phase ``name``
+        alone; the whole slowdown where the phase's share is not known."""
+        share = float(self._phase_share[name][i])
+        return (slowdown - 1.0) * (share if np.isfinite(share) else 1.0)
 
     def rebaseline(self) -> None:
         """After a re-plan that changed the ranks' work (layers moved): every rank calibrates
@@ -479,20 +506,39 @@ def noise_warnings(noise: dict, cfg: DetectorConfig) -> list[str]:
 
 
 PHASES = ("forward", "backward", "optimizer")
+SHARE_RATE = 0.1  # weight of a step in a phase's running share of the rank's compute
 _PHASE_OPTYPES = {"forward": ("forward-compute",), "backward": ("backward-compute",),
                   "optimizer": ("optimizer", "optimizer-clip-main-grad")}
 
 
-def phase_matrices(df: pd.DataFrame, obs: Observations, cfg: DetectorConfig) -> dict[str, np.ndarray]:
-    """Per phase, a (step x rank) matrix over ``obs.steps`` (NaN where a rank has none): forward
-    and backward, that phase's own-work ratio (``obs.phase_own``, from ``observe_ops(...,
-    phases=True)``); the optimizer step's seconds (the same work every step)."""
+@dataclass(frozen=True)
+class PhaseMatrices:
+    """Per phase a (step x rank) matrix over the observed steps (NaN where a rank has none).
+    ``own``: what the phase's test runs on (forward and backward: the phase's own-work ratio; the
+    optimizer: its seconds, the same work every step). ``share``: the phase's fraction of the
+    rank's compute seconds that step, which turns a slowdown of the phase alone into what it costs
+    the rank (``Event.rank_slowdown``)."""
+
+    own: dict[str, np.ndarray]
+    share: dict[str, np.ndarray]
+
+    def at(self, i: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The ``i``-th step's vectors: (own, share)."""
+        return {p: m[i] for p, m in self.own.items()}, {p: m[i] for p, m in self.share.items()}
+
+
+def phase_matrices(df: pd.DataFrame, obs: Observations, cfg: DetectorConfig) -> PhaseMatrices | None:
+    """The phases' matrices of ``df`` over ``obs.steps`` (forward and backward own work from
+    ``observe_ops(..., phases=True)``), or None where the config tests no phases."""
     if not cfg.phases or not len(obs.steps):
-        return {}
+        return None
     steps = obs.steps
-    out = dict(obs.phase_own or {})
-    part = df[np.isin(df["optype"].to_numpy(), _PHASE_OPTYPES["optimizer"])]
-    if len(part):
+    optype = df["optype"].to_numpy()
+    seconds = {}
+    for name, optypes in _PHASE_OPTYPES.items():
+        part = df[np.isin(optype, optypes)]
+        if not len(part):
+            continue
         m = np.full((len(steps), obs.own.shape[1]), np.nan)
         g = part.groupby(["step", "rank"], sort=False)["duration"].sum()
         step_of = g.index.get_level_values(0).to_numpy()
@@ -500,8 +546,14 @@ def phase_matrices(df: pd.DataFrame, obs: Observations, cfg: DetectorConfig) -> 
         ok = s_idx < len(steps)
         ok[ok] = steps[s_idx[ok]] == step_of[ok]
         m[s_idx[ok], g.index.get_level_values(1).to_numpy()[ok]] = g.to_numpy()[ok]
-        out["optimizer"] = m
-    return out
+        seconds[name] = m
+    own = dict(obs.phase_own or {})
+    if "optimizer" in seconds:
+        own["optimizer"] = seconds["optimizer"]
+    total = np.nansum(np.stack(list(seconds.values())), axis=0) if seconds else None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = {name: np.where(total > 0, m / total, np.nan) for name, m in seconds.items()}
+    return PhaseMatrices(own, share)
 
 
 def _common_mode_log(values: np.ndarray) -> np.ndarray:

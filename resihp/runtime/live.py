@@ -206,21 +206,27 @@ class LiveLoop:
             return
         self._measure(step, df, fresh_plan=scheduled is not None)
         for event in self.detector.observe(df):
-            record = {**event.to_dict(), "seen_at": time.time()}
-            self.events.append(record)
-            if event.kind == "fail-slow" and event.rank is not None and event.rank not in self.handled:
-                self.handled.add(event.rank)
-                self.speeds[event.rank] = 1.0 / max(event.slowdown, 1.0)
-                self._replan(step, record)
-            elif event.kind == "link-slow" and event.ranks and tuple(event.ranks) not in self.handled:
+            self.events.append({**event.to_dict(), "seen_at": time.time()})
+            if event.kind == "link-slow" and event.ranks and tuple(event.ranks) not in self.handled:
                 # the link at its measured slowdown, priced at the transfers measured before it
                 self.handled.add(tuple(event.ranks))
                 self.cluster = with_link_event(self.cluster, self.model, tuple(event.ranks), event.slowdown,
                                                event.extra.get("traffic", "pipeline"),
                                                self.detector.healthy_transfers(),
                                                self.planner.coster(self.cluster, self.model))
-                self._replan(step, record)
+                self._replan(step, self.events[-1])
                 self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
+        # a slow device is planned around at what it costs its rank's step: a slowdown of one
+        # phase alone that costs the step less than the detector's least slowdown (a slower
+        # optimizer step of a few milliseconds) is reported but not planned around, until its
+        # rank's whole work is found slow (the event is then the rank's)
+        least = self.detector.cfg.min_slowdown
+        for event in self.detector.open_events():
+            if (event.kind == "fail-slow" and event.rank is not None and event.rank not in self.handled
+                    and event.rank_slowdown >= least):
+                self.handled.add(event.rank)
+                self.speeds[event.rank] = 1.0 / max(event.rank_slowdown, 1.0)
+                self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
 
     def _measure(self, step: int, df: pd.DataFrame, fresh_plan: bool) -> None:
         """Keep the step's time; the healthy steps under the launch plan (step 0, the warm-up,
