@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -52,28 +53,36 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def announced(out: Path) -> list[dict]:
+    """The worker processes of the run in ``out`` that said who they are
+    (``OUT/logs/processes.jsonl``, ``resihp.runtime.worker.announce``) and are still running it:
+    alive, and with a command line that names the run's config (a PID reused by another process
+    does not)."""
+    path = out / "logs" / "processes.jsonl"
+    if not path.exists():
+        return []
+    config = str(out / "config.json").encode()
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        try:
+            cmd = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if config in cmd and alive(entry["pid"]):
+            found.append(entry)
+    return found
+
+
 def worker_pids(out: Path, world: int, timeout_s: float = 60.0) -> dict[int, int]:
-    """rank -> pid of a running job's workers (their command lines name the run's config, their
-    environment their node and local rank), once every rank finished a step (node 0's trace)."""
+    """rank -> pid of a running job's workers (as they announced themselves), once every rank
+    finished a step (node 0's trace)."""
     deadline = time.time() + timeout_s
-    config = str(out / "config.json")
     while time.time() < deadline:
-        pids = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"resihp.runtime.worker" not in cmd or config.encode() not in cmd:
-                    continue
-                env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
-                           if b"=" in item)
-            except OSError:
-                continue
-            if b"LOCAL_RANK" not in env:  # torchrun itself: its command line names the config too
-                continue
-            rank = int(env[b"RESIHP_NODE"]) * int(env[b"LOCAL_WORLD_SIZE"]) + int(env[b"LOCAL_RANK"])
-            pids[rank] = int(entry.name)
+        pids = {e["node"] * e["local_world_size"] + e["local_rank"]: e["pid"] for e in announced(out)}
         stream = out / "ops.jsonl"
         if len(pids) == world and stream.exists() and stream.stat().st_size > 0:
             return pids

@@ -24,6 +24,7 @@ import pytest
 
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.parallel import ParallelDims
+from tests.faults import announced
 from tests.replica_replay import replay_membership
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
@@ -46,21 +47,8 @@ def _start(out: Path, *args: str) -> subprocess.Popen:
 
 
 def _pids(out: Path, replica: int, attempt: int) -> list[int]:
-    """The worker processes of one launch of a replica of the run in ``out`` (from /proc)."""
-    found = []
-    config = str(out / "config.json")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"resihp.runtime.worker" in cmd and config.encode() in cmd and \
-                f"RESIHP_REPLICA={replica}".encode() in env and f"RESIHP_ATTEMPT={attempt}".encode() in env:
-            found.append(int(entry.name))
-    return found
+    """The worker processes of one launch of a replica of the run in ``out``."""
+    return [e["pid"] for e in announced(out) if (e["replica"], e["attempt"]) == (replica, attempt)]
 
 
 def _wait_pids(out: Path, replica: int, attempt: int, timeout_s: float = 120) -> list[int]:

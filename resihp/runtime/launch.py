@@ -126,7 +126,7 @@ def torchrun_command(config_path: str | Path, nproc: int, max_restarts: int = 0,
         "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}"]
     if run_id:
         rdzv += ["--rdzv-id", run_id]
-    return guarded([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+    return guarded([sys.executable, "-m", "resihp.runtime.agent", "--nnodes", str(nnodes), "--nproc-per-node",
                     str(nproc), "--rdzv-backend", "c10d", *rdzv, "--max-restarts", str(max_restarts),
                     "--monitor-interval", "0.2", "-m", "resihp.runtime.worker", "--config", str(config_path)])
 

@@ -205,8 +205,32 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
     return store, rank, world, node
 
 
+PROCESSES_FILE = "processes.jsonl"
+
+
+def announce(out: Path) -> None:
+    """One line in ``OUT/logs/processes.jsonl`` saying which process this worker is: its PID,
+    node, local rank, torchrun's restart count and, with ``--recovery replica``, its replica and
+    launch attempt. Forked workers (``resihp.runtime.agent``) share the agent's command line and
+    initial environment, so this is where an operator (py-spy on a slow rank) or a fault test finds
+    a rank's process. Best effort: a folder that cannot take the line does not stop the worker."""
+    env = os.environ
+    line = {"pid": os.getpid(), "node": int(env.get("RESIHP_NODE", env.get("GROUP_RANK", "0"))),
+            "local_rank": int(env.get("LOCAL_RANK", "0")),
+            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
+            "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "replica": int(env[REPLICA_ENV]) if REPLICA_ENV in env else None,
+            "attempt": int(env.get(ATTEMPT_ENV, "0")) if REPLICA_ENV in env else None,
+            "started": round(time.time(), 3)}
+    with contextlib.suppress(OSError):
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        with open(out / "logs" / PROCESSES_FILE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def run(cfg: RunConfig) -> None:
     out = Path(cfg.out)
+    announce(out)
     device = _device(cfg)
     torch.set_num_threads(cfg.threads)
     backend = "nccl" if device.type == "cuda" else "gloo"
