@@ -349,8 +349,10 @@ def test_live_replanning_reaches_every_replica_through_the_commits(tmp_path):
     at = change["applied_step"]
     assert at is not None and change["dp_weights"][1] < change["dp_weights"][0], change
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
-    assert sorted(r["rank"] for r in rows if r["optype"] == "replan-microbatches") == [0, 1, 2, 3]
-    assert {r["step"] for r in rows if r["optype"] == "replan-microbatches"} == {at}
+    # every applied change (a later detection may add one) at one step boundary on all four ranks
+    applied = [c["applied_step"] for c in summary["plan_changes"] if c["applied_step"] is not None]
+    replans = [(r["step"], r["rank"]) for r in rows if r["optype"] == "replan-microbatches"]
+    assert sorted(replans) == sorted((step, rank) for step in applied for rank in range(4)), replans
     firsts = [r for r in rows if r["optype"] == "forward-compute" and r["stage"] == 0]
     for step in range(40):
         ids = sorted(r["mb_id"] for r in firsts if r["step"] == step)
