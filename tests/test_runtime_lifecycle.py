@@ -7,8 +7,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from resihp.errors import InputError
 from tests.faults import (
@@ -40,10 +42,15 @@ def start(out, *extra, steps=100000, args=None):
 
 
 def job_pids(proc, out, world=2) -> set[int]:
-    """Every process of the job started by ``proc``: the CLI, torchrun and its workers."""
+    """Every process of the job started by ``proc``: the CLI, the torchrun agent and its workers
+    (forked from the agent on CPU: each worker's parent runs ``resihp.runtime.agent``)."""
     workers = worker_pids(out, world)
     pids = {proc.pid} | descendants(proc.pid)
     assert set(workers.values()) <= pids, (workers, pids)
+    for pid in workers.values() if not torch.cuda.is_available() else ():
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        assert b"resihp.runtime.agent" in Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
     return pids
 
 

@@ -3,10 +3,12 @@
 ``python -m resihp.runtime.agent [torchrun's options] -m resihp.runtime.worker --config PATH`` takes
 torchrun's own options (parsed by torchrun's parser into its ``LaunchConfig``) and runs the same
 elastic agent (rendezvous, restarts, monitoring, SIGTERM then SIGKILL to the workers) with one
-difference: on CPU, each worker is forked from this process, which has imported torch, the worker and
+difference: each worker is forked from this process, which has imported torch, the worker and
 what the optimizer's first ``add_param_group`` imports (``torch._dynamo``), instead of starting a
 new interpreter that imports them again. On two cores that was about 2.5 s of CPU per worker and
-most of a small run's start.
+most of a small run's start. The launcher runs it for CPU runs only (``launch.forks_workers``):
+a child forked from a process that touched CUDA cannot use it, so runs that may use CUDA keep
+torchrun.
 
 The workers are children of this process as torchrun's are of torchrun; their command line is this
 one (it names the run's config), their environment torchrun's variables set by the agent in the
@@ -18,14 +20,12 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch._dynamo  # noqa: F401 - here, before the workers fork: AdamW's add_param_group imports it
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args
 
 from resihp.runtime import worker
-from resihp.runtime.config import RunConfig
 
 WORKER_MODULE = "resihp.runtime.worker"
 
@@ -34,19 +34,13 @@ def _work(*argv: str) -> None:
     worker.main(list(argv))
 
 
-def start_method(cfg: RunConfig) -> str:
-    """``fork`` for a run on CPU; ``spawn`` (a fresh interpreter per worker, as torchrun's) where
-    the ranks may use CUDA, which a forked child of a process that touched it cannot."""
-    return "fork" if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()) else "spawn"
-
-
 @record
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.module or args.training_script != WORKER_MODULE:
         sys.exit(f"resihp.runtime.agent: expected '-m {WORKER_MODULE}' after the options, got "
                  f"{args.training_script!r}")
-    args.start_method = start_method(worker.parse_args(list(args.training_script_args)))
+    args.start_method = "fork"
     config, _cmd, _args = config_from_args(args)
     elastic_launch(config=config, entrypoint=_work)(*args.training_script_args)
 

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from resihp.errors import InputError
@@ -118,15 +119,25 @@ class JobStore:
         self.close()
 
 
+def forks_workers(cfg: RunConfig) -> bool:
+    """Whether the run's workers are forked from a warm agent (``resihp.runtime.agent``): on CPU;
+    where the ranks may use CUDA they start as torchrun starts them, in a fresh interpreter."""
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
 def torchrun_command(config_path: str | Path, nproc: int, max_restarts: int = 0,
-                     endpoint: str | None = None, nnodes: int = 1, run_id: str | None = None) -> list[str]:
-    """torchrun for ``nproc`` workers on this node; with ``endpoint`` (a :class:`JobStore`'s) it
-    joins that store instead of hosting one. Wrapped so that it dies with this process."""
+                     endpoint: str | None = None, nnodes: int = 1, run_id: str | None = None,
+                     forked: bool = False) -> list[str]:
+    """torchrun for ``nproc`` workers on this node, or (``forked``) resihp's agent with the same
+    options (torchrun's elastic agent, the workers forked from it); with ``endpoint`` (a
+    :class:`JobStore`'s) it joins that store instead of hosting one. Wrapped so that it dies with
+    this process."""
     rdzv = ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"] if endpoint else [
         "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}"]
     if run_id:
         rdzv += ["--rdzv-id", run_id]
-    return guarded([sys.executable, "-m", "resihp.runtime.agent", "--nnodes", str(nnodes), "--nproc-per-node",
+    agent = "resihp.runtime.agent" if forked else "torch.distributed.run"
+    return guarded([sys.executable, "-m", agent, "--nnodes", str(nnodes), "--nproc-per-node",
                     str(nproc), "--rdzv-backend", "c10d", *rdzv, "--max-restarts", str(max_restarts),
                     "--monitor-interval", "0.2", "-m", "resihp.runtime.worker", "--config", str(config_path)])
 
@@ -161,5 +172,6 @@ def launch(cfg: RunConfig, timeout_s: float | None = None, capture: bool = True,
     config_path = out / "config.json"
     config_path.write_text(cfg.to_json())
     with JobStore() as store:
-        cmd = torchrun_command(config_path, cfg.dims().world_size, max_restarts, store.endpoint)
+        cmd = torchrun_command(config_path, cfg.dims().world_size, max_restarts, store.endpoint,
+                               forked=forks_workers(cfg))
         return subprocess.run(cmd, env=worker_env(endpoint=store.endpoint), timeout=timeout_s, text=True, capture_output=capture)

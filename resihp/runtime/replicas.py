@@ -38,7 +38,7 @@ from resihp.runtime.controlplane import (
     prefix_of,
     read_errors,
 )
-from resihp.runtime.launch import JobStore, torchrun_command, worker_env
+from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
 from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, GPU_OFFSET_ENV, REPLICA_ENV
 from resihp.runtime.supervisor import (
@@ -139,7 +139,8 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str(d * per)},
                              endpoint=js.endpoint, node=d, managed=True)
             proc = subprocess.Popen(torchrun_command(config_path, per, endpoint=js.endpoint,
-                                                     run_id=f"{cfg.job_id}-r{d}-a{attempt}"),
+                                                     run_id=f"{cfg.job_id}-r{d}-a{attempt}",
+                                                     forked=forks_workers(cfg)),
                                     env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     start_new_session=True)
             agg = NodeAggregator(store, d, ranks[d], interval_s=interval, timeout_s=heartbeat_timeout_s,

@@ -49,7 +49,7 @@ from resihp.runtime.controlplane import (
     read_errors,
     read_job,
 )
-from resihp.runtime.launch import JobStore, Nodes, torchrun_command, worker_env
+from resihp.runtime.launch import JobStore, Nodes, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -345,7 +345,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                on_poll, poll_s, grace_s) -> Outcome:
     local = nodes.nproc_per_node
     proc = subprocess.Popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
-                                             run_id=cfg.job_id or None),
+                                             run_id=cfg.job_id or None, forked=forks_workers(cfg)),
                             env=worker_env(endpoint=js.endpoint, node=nodes.node_rank, managed=True),
                             text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
