@@ -256,7 +256,9 @@ class LiveLoop:
             return
         slowdown = seconds / self.probe_ref[rank]
         self.probes.append({"step": step, "rank": rank, "slowdown": round(slowdown, 4)})
-        if rank not in placed and slowdown < RECOVERED:
+        # a probe times the device's compute: it can clear a device planned around as slow, not
+        # one left out for a slow link (its probe was healthy all along; the link is not re-timed)
+        if rank not in placed and self.speeds[rank] < 1.0 and slowdown < RECOVERED:
             self.speeds[rank] = 1.0
             self.handled.discard(rank)
             self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": round(slowdown, 4),
@@ -271,9 +273,11 @@ class LiveLoop:
         plan = self.planner.plan(cluster, self.model, current, time_limit_s=self.time_limit_s)
         solve_s = time.perf_counter() - t0
         pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
-        same_places = (not plan.excluded and len(pipes) == self.cfg.parallel.dp and all(
+        # the pipelines in force, hot spares (excluded devices) and all: a plan that keeps them
+        # re-forms nothing (the spares follow from the pipelines)
+        same_places = len(pipes) == len(current.pipelines) and all(
             [s.ranks for s in p.stages] == [s.ranks for s in q.stages]
-            for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank))))
+            for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank)))
         change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "ranks", "traffic",
                                                                             "slowdown", "detected_step")
                                                           if k in event},
