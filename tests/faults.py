@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from resihp.runtime.worker import processes_file
+
 
 # --- processes -------------------------------------------------------------------------------------
 def alive(pid: int) -> bool:
@@ -29,17 +31,20 @@ def alive(pid: int) -> bool:
     return "\nState:\tZ" not in status and "\nState:\tX" not in status
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent PID of ``pid`` (None when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        kids.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (ppid := parent_of(int(entry.name))) is not None:
+            kids.setdefault(ppid, []).append(int(entry.name))
     return kids
 
 
@@ -58,7 +63,7 @@ def announced(out: Path) -> list[dict]:
     (``OUT/logs/processes.jsonl``, ``resihp.runtime.worker.announce``) and are still running it:
     alive, and with a command line that names the run's config (a PID reused by another process
     does not)."""
-    path = out / "logs" / "processes.jsonl"
+    path = processes_file(out)
     if not path.exists():
         return []
     config = str(out / "config.json").encode()

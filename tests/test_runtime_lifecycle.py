@@ -21,6 +21,7 @@ from tests.faults import (
     fill,
     inject_signal,
     listening_ports,
+    parent_of,
     raise_at,
     small_disk,
     wait_for,
@@ -48,9 +49,8 @@ def job_pids(proc, out, world=2) -> set[int]:
     pids = {proc.pid} | descendants(proc.pid)
     assert set(workers.values()) <= pids, (workers, pids)
     for pid in workers.values() if not torch.cuda.is_available() else ():
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
-        assert b"resihp.runtime.agent" in Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+        agent = Path(f"/proc/{parent_of(pid)}/cmdline").read_bytes().split(b"\0")
+        assert b"resihp.runtime.agent" in agent
     return pids
 
 

@@ -182,7 +182,7 @@ class TraceCollector(threading.Thread):
 def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int, int]:
     """Join the job: the control plane's store (the launcher's, else plain torchrun's agent
     store), this rank, the world size and this node."""
-    node = int(os.environ.get("RESIHP_NODE", os.environ.get("GROUP_RANK", "0")))
+    node = _node()
     local, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = int(os.environ["WORLD_SIZE"])
     endpoint = os.environ.get("RESIHP_STORE")
@@ -205,7 +205,14 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
     return store, rank, world, node
 
 
-PROCESSES_FILE = "processes.jsonl"
+def _node() -> int:
+    """This worker's node: the launcher's numbering, else torchrun's group rank."""
+    return int(os.environ.get("RESIHP_NODE", os.environ.get("GROUP_RANK", "0")))
+
+
+def processes_file(out: str | Path) -> Path:
+    """Where the workers of the run in ``out`` announce themselves (``announce``)."""
+    return Path(out) / "logs" / "processes.jsonl"
 
 
 def announce(out: Path) -> None:
@@ -215,16 +222,17 @@ def announce(out: Path) -> None:
     initial environment, so this is where an operator (py-spy on a slow rank) or a fault test finds
     a rank's process. Best effort: a folder that cannot take the line does not stop the worker."""
     env = os.environ
-    line = {"pid": os.getpid(), "node": int(env.get("RESIHP_NODE", env.get("GROUP_RANK", "0"))),
+    line = {"pid": os.getpid(), "node": _node(),
             "local_rank": int(env.get("LOCAL_RANK", "0")),
             "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
             "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "replica": int(env[REPLICA_ENV]) if REPLICA_ENV in env else None,
             "attempt": int(env.get(ATTEMPT_ENV, "0")) if REPLICA_ENV in env else None,
             "started": round(time.time(), 3)}
+    path = processes_file(out)
     with contextlib.suppress(OSError):
-        (out / "logs").mkdir(parents=True, exist_ok=True)
-        with open(out / "logs" / PROCESSES_FILE, "a") as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
