@@ -7,9 +7,9 @@ import pytest
 
 from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
-from resihp.plan.timing import evaluate
+from resihp.plan.timing import StageCoster, evaluate
 from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop, current_plan
+from resihp.runtime.live import LiveLoop, current_plan, paced_to, plan_compute_s
 from resihp.runtime.recorder import rows_frame
 
 
@@ -58,8 +58,23 @@ def test_the_plan_in_force_predicts_the_median_measured_healthy_step_after_calib
     # each step's time is its slowest rank's; the median of steps 1-5, not the warm-up or step 6
     assert loop.step_s == seconds
     assert loop.calibration["steps"] == 5 and loop.calibration["measured_step_s"] == pytest.approx(2.1)
-    assert loop.calibration["factor"] == pytest.approx(2.1 / analytic, rel=1e-3)
-    assert _predicted(loop) == pytest.approx(2.1, rel=1e-3)
+    # the devices paced on the compute records (four ranks, each 2 x (0.1 + 0.2) s a step), the rest
+    # of the step an overhead per stage-boundary transfer
+    plan = current_plan(loop.cfg, loop.cluster, loop.model, loop.weights, loop.ranges, loop.groups)
+    assert loop.calibration["compute_s"] == pytest.approx(2.4)
+    assert loop.cluster.p2p_overhead_s > 0
+    assert loop.cluster.p2p_overhead_s == pytest.approx(loop.calibration["p2p_overhead_s"], abs=1e-6)
+    assert plan_compute_s(plan, StageCoster(loop.cluster, loop.model, loop.planner.cost)) == pytest.approx(2.4, rel=1e-3)
+    assert analytic < _predicted(loop) == pytest.approx(2.1, rel=1e-3)
+
+
+def test_without_compute_records_one_factor_paces_every_time():
+    loop = _loop()
+    plan = current_plan(loop.cfg, loop.cluster, loop.model, loop.weights, loop.ranges, loop.groups)
+    analytic = _predicted(loop)
+    cluster, record = paced_to(loop.cluster, loop.model, plan, [2.0, 2.2, 2.1], loop.planner)
+    assert record["factor"] == pytest.approx(2.1 / analytic, rel=1e-3) and "p2p_overhead_s" not in record
+    assert _predicted(loop, cluster) == pytest.approx(2.1, rel=1e-3) and cluster.p2p_overhead_s == 0.0
 
 
 def test_each_applied_change_is_measured_over_the_steps_it_was_in_force():

@@ -13,9 +13,9 @@ from resihp.runtime.launch import forks_workers, torchrun_command
 
 
 def test_cpu_runs_fork_their_workers_and_runs_that_may_use_cuda_keep_torchrun():
-    assert forks_workers(RunConfig.from_flags(device="cpu"))
     assert not forks_workers(RunConfig.from_flags(device="cuda"))
-    assert forks_workers(RunConfig.from_flags(device="auto")) == (not torch.cuda.is_available())
+    for device in ("cpu", "auto"):  # never forked where a GPU is visible, even for a CPU run
+        assert forks_workers(RunConfig.from_flags(device=device)) == (not torch.cuda.is_available())
 
 
 def test_the_launch_command_is_torchruns_options_for_either_agent(tmp_path):

@@ -1,7 +1,7 @@
 """A slow link in a real 4-process job (DP 2 x PP 2, gloo, CPU): the live detector names it as a
 link-slow (both ends, the traffic), never a fail-slow of either end; the planner prices the link
 and the job applies the new plan live (around a slow pipeline link fewer micro-batches for its
-replica; around a slow data-parallel link a new placement that takes the link out of use), and
+replica, or none; around a slow data-parallel link a new placement that takes the link out of use), and
 throughput recovers."""
 
 from __future__ import annotations
@@ -63,8 +63,13 @@ def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, 
     # on 2 shared cores, a millisecond op can be held up by the scheduler: not this test's subject)
     slow = [e for e in loop.events if e["kind"] == "fail-slow"]
     assert not [e for e in slow if e["rank"] in ends or e["detected_step"] <= step + 3], slow
-    if traffic == "pipeline":  # the replica behind the slow link gets fewer micro-batches
-        assert change["dp_weights"][0] < change["dp_weights"][1]
+    if traffic == "pipeline":
+        # the replica behind the slow link gets fewer micro-batches, or leaves the job (its ranks
+        # hot spares) where the planner prices that cheaper: a transfer also costs the runtime's
+        # measured overhead per send/recv (``ClusterSpec.p2p_overhead_s``)
+        pipes = (change.get("layout") or {}).get("pipelines") or [[[0], [2]], [[1], [3]]]
+        behind = sum(w for p, w in zip(pipes, change["dp_weights"]) if {p[0][0], p[-1][0]} == set(ends))
+        assert behind < 0.5 * sum(change["dp_weights"]), change
     else:  # the link's ends share no gradient reduction and no pipeline boundary any more
         pipes = change["layout"]["pipelines"]
         groups = [{p[s][0] for p in pipes} for s in range(2)]

@@ -57,10 +57,11 @@ def p2p_s(model: ModelSpec, cluster: ClusterSpec, width: float | np.ndarray = 1.
     """One micro-batch's activations (bf16; ``tokens``, the model's budget by default) across a
     stage boundary over the inter-node link, split over ``width`` tensor-parallel senders (each
     sends its sequence-parallel shard). The replay gives a replica's narrowest group; the planner
-    prices every boundary unsplit (width 1), whatever its groups."""
+    prices every boundary unsplit (width 1), whatever its groups. Plus the cluster's
+    ``p2p_overhead_s`` per transfer (a live job's measured software overhead; 0 in specs)."""
     tokens = model.microbatch_tokens if tokens is None else tokens
     return tokens * model.hidden * ACTIVATION_BYTES / np.asarray(width, dtype=np.float64) / (
-        cluster.inter_node_gbs * 1e9)
+        cluster.inter_node_gbs * 1e9) + cluster.p2p_overhead_s
 
 
 def grad_sync_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float, replicas: int) -> float:

@@ -73,6 +73,10 @@ class ClusterSpec:
     memory_reserve_gb: float = 2.0
     name: str = "cluster"
     links: tuple[tuple[int, int, float], ...] = ()
+    # seconds each stage-boundary transfer costs beyond its bytes: a runtime's own overhead per
+    # send/recv (gloo on CPUs: Python and the library, not the wire), measured by a live job's
+    # pacing (``resihp.runtime.live.paced_to``); 0 in cluster specs
+    p2p_overhead_s: float = 0.0
 
     DEVICE_KEYS = ("memory_gb", "tflops", "speed", "hbm_gbs")
 
@@ -358,22 +362,25 @@ class ClusterSpec:
         cluster = self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
         return cluster._with_speed_array(np.ones(len(self)), "healthy") if cluster.degraded else cluster
 
-    def paced(self, factor: float) -> ClusterSpec:
+    def paced(self, factor: float, links: float | None = None) -> ClusterSpec:
         """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
-        bandwidth) divided by it, so every analytic time is ``factor`` times as long. A job's
-        measured steps give the factor (``resihp.runtime.live``): an analytic model priced on a
-        matmul benchmark misses a training loop's overheads by a roughly constant multiple."""
-        if not (isinstance(factor, (int, float)) and np.isfinite(factor) and factor > 0):
-            raise InputError(f"cluster pace: expected a positive finite factor, got {factor!r}")
+        bandwidth) divided by it, so every analytic time is ``factor`` times as long; ``links``:
+        link bandwidths divided by this instead. A job's measured steps give the factors
+        (``resihp.runtime.live``): an analytic model priced on a matmul benchmark misses a
+        training loop's overheads by a roughly constant multiple."""
+        for value in (factor, 1.0 if links is None else links):
+            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
+                raise InputError(f"cluster pace: expected a positive finite factor, got {value!r}")
+        links = factor if links is None else links
         devices = tuple(replace(d, tflops=d.tflops / factor, hbm_gbs=d.hbm_gbs / factor) for d in self.devices)
-        return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / factor,
-                       inter_node_gbs=self.inter_node_gbs / factor)
+        return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / links,
+                       inter_node_gbs=self.inter_node_gbs / links)
 
     @cached_property
     def hardware_key(self) -> tuple:
         """What the healthy layout depends on: nodes, device memory and FLOP rates, links."""
         return (tuple((d.node, d.memory_gb, d.tflops) for d in self.devices),
-                self.intra_node_gbs, self.inter_node_gbs, self.memory_reserve_gb)
+                self.intra_node_gbs, self.inter_node_gbs, self.memory_reserve_gb, self.p2p_overhead_s)
 
     def bandwidth_gbs(self, a: int, b: int) -> float:
         same = self.devices[a].node == self.devices[b].node

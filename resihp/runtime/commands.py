@@ -382,7 +382,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     import pandas as pd
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
-    from resihp.runtime.live import LiveLoop, step_check, trace_step_seconds
+    from resihp.runtime.live import LiveLoop, step_check, trace_compute_seconds, trace_step_seconds
     from resihp.runtime.snapshots import flush_checkpoints, start_keeper, stop_keepers
     from resihp.runtime.supervisor import supervise
 
@@ -392,11 +392,15 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     reformed = None
     if ckpt:
         # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
-        before = trace_step_seconds(pd.read_parquet(out / "ops.parquet")) if (out / "ops.parquet").exists() else {}
+        trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
+        before = trace_step_seconds(trace) if trace is not None else {}
+        computed = trace_compute_seconds(trace) if trace is not None else {}
         ends = [outcome.failure.extra.get("step")] + [c.get("applied_step") for c in summary.get("plan_changes") or []]
         stop = min((s for s in ends if s is not None), default=None)
-        healthy = [v for s, v in before.items() if s > 0 and (stop is None or s < stop)]
-        reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=healthy)
+        healthy = [s for s in before if s > 0 and (stop is None or s < stop)]
+        compute = [computed[s] for s in healthy if s in computed]
+        reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=[before[s] for s in healthy],
+                                 compute=compute if len(compute) == len(healthy) else None)
     new = reformed.cfg if reformed else layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
         summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"

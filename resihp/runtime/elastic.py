@@ -74,12 +74,13 @@ class Reformed:
 
 
 def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit_s: float = 2.0,
-                  measured: list[float] = ()) -> Reformed | None:
+                  measured: list[float] = (), compute: list[float] | None = None) -> Reformed | None:
     """The planner's layout over every rank but ``rank`` (its speed 0), to restart from checkpoint
     ``resume`` into: the job relaunches with the survivors only, loads the checkpoint into a uniform
     launch layout and, before its first step, re-forms into the plan's process groups by a layout
     change (the live path: ``Engine.apply``), which reshards from memory. ``measured``: the step
-    times of the launch layout before the loss, which pace the planner's costs. None where no
+    times of the launch layout before the loss, which pace the planner's costs (with ``compute``,
+    the same steps' ``live.trace_compute_seconds``: compute and transfers apart). None where no
     survivor is left or the plan places none."""
     dims = cfg.dims()
     survivors = [r for r in range(dims.world_size) if r != rank]
@@ -88,7 +89,7 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     planner = Planner()
     cluster, model = planner_specs(cfg)
     current = plan_at_start(cfg, cluster, model)  # what ``measured`` ran under
-    cluster, calibration = paced_to(cluster, model, current, list(measured), planner)
+    cluster, calibration = paced_to(cluster, model, current, list(measured), planner, compute)
     plan = planner.plan(cluster.with_speeds({rank: 0.0}), model, current, time_limit_s=time_limit_s)
     pipes = sorted((p for p in plan.pipelines if p.microbatches > 0), key=lambda p: p.dp_rank)
     new = {old: i for i, old in enumerate(survivors)}

@@ -120,9 +120,12 @@ class JobStore:
 
 
 def forks_workers(cfg: RunConfig) -> bool:
-    """Whether the run's workers are forked from a warm agent (``resihp.runtime.agent``): on CPU;
-    where the ranks may use CUDA they start as torchrun starts them, in a fresh interpreter."""
-    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    """Whether the run's workers are forked from a warm agent (``resihp.runtime.agent``): a CPU
+    run on a machine with no usable GPU. Where a GPU is visible, the workers start as torchrun
+    starts them, in a fresh interpreter, whatever the device: the agent's imports can initialise
+    CUDA's driver (Triton's do), and a process forked after that fails at its first CUDA call,
+    even a CPU run's ("CUDA error: initialization error", seen on an H200 machine)."""
+    return cfg.device in ("cpu", "auto") and not torch.cuda.is_available()
 
 
 def torchrun_command(config_path: str | Path, nproc: int, max_restarts: int = 0,

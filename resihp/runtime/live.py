@@ -17,6 +17,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -31,7 +32,7 @@ from resihp.plan.links import with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
-from resihp.plan.timing import evaluate
+from resihp.plan.timing import StageCoster, evaluate
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepRecords
 from resihp.runtime.layout import ranges_from_counts
@@ -128,22 +129,67 @@ def step_check(predicted: float | None, seconds: list[float]) -> dict:
             "step_error": round(predicted / measured - 1, 4) if predicted else None}
 
 
+def trace_compute_seconds(trace: pd.DataFrame) -> dict[int, float]:
+    """Every step's compute in an ops trace: the seconds all its ranks spent in forward and
+    backward compute together (time waiting inside tensor-parallel collectives taken out)."""
+    comp = trace[trace.optype.isin(("forward-compute", "backward-compute"))]
+    if comp.empty:
+        return {}
+    own = comp["duration"] - (comp["wait_s"].fillna(0.0) if "wait_s" in comp else 0.0)
+    return {int(k): float(v) for k, v in own.groupby(comp["step"]).sum().items()}
+
+
+def plan_compute_s(plan: Plan, coster: StageCoster) -> float:
+    """The analytic counterpart of ``trace_compute_seconds``: the compute all the plan's devices
+    do in a step (each stage's micro-batches' forward and backward, on each of its devices). A
+    total, not the busiest stage's: the analytic model misprices stages against each other (the
+    head's share of a small model), and a plan that merges stages keeps the total."""
+    return sum(sum(coster.stage_fb(s, i == len(p.stages) - 1)) * p.microbatches * s.tp
+               for p in plan.pipelines if p.microbatches > 0 for i, s in enumerate(p.stages))
+
+
 def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[float],
-             planner: Planner) -> tuple[ClusterSpec, dict | None]:
+             planner: Planner, compute: list[float] | None = None) -> tuple[ClusterSpec, dict | None]:
     """``cluster`` paced (``ClusterSpec.paced``) so that ``plan``, the plan the steps ``measured``
     ran under, predicts their median, and what was measured; the cluster as it is (and None) from
     fewer than ``MIN_MEASURED_STEPS`` steps. The planner's analytic costs (a matmul benchmark's
     FLOP rate, nominal bandwidths) miss a training loop's own overheads (Python, gloo, several
-    ranks per core) by a factor that stays roughly constant across the plans of one job."""
+    ranks per core) by a factor that stays roughly constant across the plans of one job.
+
+    With ``compute`` (each measured step's ``trace_compute_seconds``) and a plan with pipeline
+    stages: the devices are paced on the compute alone, and what the step takes beyond it is an
+    overhead per stage-boundary transfer (``ClusterSpec.p2p_overhead_s``; gloo's send/recv cost
+    milliseconds whatever their bytes), so a plan with fewer stages is not priced with the
+    transfers of the launch's. Else one factor for everything."""
     if len(measured) < MIN_MEASURED_STEPS:
         return cluster, None
     median = statistics.median(measured)
-    analytic = evaluate(plan, planner.coster(cluster, model)).step_time_s
+    coster = StageCoster(cluster, model, planner.cost)
+    analytic = evaluate(plan, coster).step_time_s
     if not (0 < analytic < float("inf") and median > 0):
         return cluster, None
+    record = {"steps": len(measured), "measured_step_s": round(median, 6), "analytic_step_s": analytic}
+    deep = any(len(p.stages) > 1 for p in plan.pipelines if p.microbatches > 0)
+    own = plan_compute_s(plan, coster)
+    if deep and compute and len(compute) >= MIN_MEASURED_STEPS and own > 0:
+        factor = statistics.median(compute) / own
+        paced = cluster.paced(factor, links=1.0)
+
+        def step_at(overhead: float) -> float:
+            return evaluate(plan, StageCoster(replace(paced, p2p_overhead_s=overhead), model,
+                                              planner.cost)).step_time_s
+
+        if step_at(0.0) < median:
+            lo, hi = 0.0, median
+            for _ in range(40):  # the step grows with the overhead: bisection to the median
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if step_at(mid) < median else (lo, mid)
+            overhead = 0.5 * (lo + hi)
+            return replace(paced, p2p_overhead_s=overhead), {
+                **record, "factor": round(factor, 4), "compute_s": round(statistics.median(compute), 6),
+                "p2p_overhead_s": round(overhead, 6)}
     factor = median / analytic
-    return cluster.paced(factor), {"steps": len(measured), "measured_step_s": round(median, 6),
-                                   "analytic_step_s": analytic, "factor": round(factor, 4)}
+    return cluster.paced(factor), {**record, "factor": round(factor, 4)}
 
 
 class LiveLoop:
@@ -174,6 +220,7 @@ class LiveLoop:
         # each step's measured time; the first healthy ones pace the planner's analytic costs
         self.step_s: dict[int, float] = {}
         self._healthy: list[float] = []
+        self._healthy_compute: list[float] = []  # the same steps' compute (trace_compute_seconds)
         self._calibration_steps = self.detector.cfg.calibration_steps
         self.calibration: dict | None = None
 
@@ -236,16 +283,21 @@ class LiveLoop:
             return
         self.step_s[step] = seconds
         if fresh_plan:
-            self._healthy = []
+            self._healthy, self._healthy_compute = [], []
         if self.calibration is None and step > 0 and not self.events and not self.changes:
             self._healthy.append(seconds)
+            compute = trace_compute_seconds(df).get(step)
+            if compute is not None:
+                self._healthy_compute.append(compute)
             if len(self._healthy) >= self._calibration_steps:
                 self._calibrate()
 
     def _calibrate(self) -> None:
         """Pace the planner's cluster to the healthy steps measured under the plan in force."""
         current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
-        self.cluster, self.calibration = paced_to(self.cluster, self.model, current, self._healthy, self.planner)
+        compute = self._healthy_compute if len(self._healthy_compute) == len(self._healthy) else None
+        self.cluster, self.calibration = paced_to(self.cluster, self.model, current, self._healthy,
+                                                  self.planner, compute)
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """Each rank's first probe is its reference; a hot spare probes again with backoff
