@@ -187,11 +187,23 @@ class StepReader:
         self.steps = 0
         self.cost_s: dict[int, float] = {}  # per rank: time spent publishing, as last reported
         self.skipped = 0  # steps a slow non-owner reader lost to the window
+        # per node: the steps before this one are not waited for where the node's parts are
+        # missing (``lost``: a replica's attempt died after a commit, before it published)
+        self.lost_before: dict[int, int] = {}
         # a follower says how far it has read, so that the owner can wait for it at the job's end
         self.follower_id = None if owner else store.add(f"{self.prefix}/followers", 1)
 
     def _keys(self, step: int, nodes: Sequence[int] | None = None) -> list[str]:
         return [f"{self.prefix}/ops/n{n}/s{step}" for n in (self.nodes if nodes is None else nodes)]
+
+    def lost(self, node: int, before_step: int) -> None:
+        """``node``'s attempt in flight is gone: of the steps before ``before_step`` (the first
+        its survivors train without it), take what its ranks published and wait for no more. With
+        replica-level fault tolerance a replica can die after the quorum committed a step and
+        before its ranks published that step's records; the survivors' records carry the step's
+        global loss and tokens, and without this the reader would wait for that step, and so for
+        every later one, forever."""
+        self.lost_before[node] = max(before_step, self.lost_before.get(node, before_step))
 
     def complete_steps(self, limit: int = 1000) -> list[StepRecords]:
         done: list[StepRecords] = []
@@ -207,17 +219,20 @@ class StepReader:
                 self.messages += 1
                 if nodes is None:
                     break
-            keys = self._keys(self.next_step, nodes)
+            members = list(self.nodes) if nodes is None else list(nodes)
+            waived = [n for n in members if self.next_step < self.lost_before.get(n, -1)]
+            awaited = [n for n in members if n not in waived]
+            keys = self._keys(self.next_step, awaited)
             self.messages += 1
             if not self.store.check(keys):
                 if not self.owner:
                     self._catch_up()
                 break
+            keys += [k for k in self._keys(self.next_step, waived) if self.store.check([k])]
             blobs = self.store.multi_get(keys)
             self.messages += 1
             decoded = [decode_rows(line) for blob in blobs for line in blob.splitlines() if line.strip()]
-            expected = self.nodes if nodes is None else {n: self.nodes[n] for n in nodes}
-            if len({p.rank for p in decoded}) < sum(len(r) for r in expected.values()):
+            if not {r for n in awaited for r in self.nodes[n]} <= {p.rank for p in decoded}:
                 break
             done.append(StepRecords(self.next_step, decoded, max(p.sent for p in decoded), time.time()))
             self.bytes += sum(p.nbytes for p in decoded)

@@ -173,6 +173,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     other.aggregator.excuse()
                     monitor.excuse(ranks[other.replica], 2 * interval + HANG_FLOOR_S)
             chain.advance()
+            reader.lost(d, chain.step)  # it trained no step from there on; it may not have published its last
             members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
             again = rep.attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
             outcome.replica_failures.append(ReplicaFailure(d, rep.attempt, rank, cause, step, detected_s, at, again))
