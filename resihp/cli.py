@@ -8,6 +8,7 @@ import sys
 import typer
 
 from resihp.errors import InputError, disk_full
+from resihp.procexit import run_then_exit
 
 app = typer.Typer(
     name="resihp",
@@ -67,5 +68,12 @@ def main() -> None:
         sys.exit(1)
 
 
+def entry() -> None:
+    """The installed ``resihp`` command and ``python -m resihp.cli``: ``main``, then the process
+    ends without finalising torch and the other modules it imported (``resihp.procexit``). Tests
+    call ``main`` in their own process instead."""
+    run_then_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

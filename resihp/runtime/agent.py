@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args
 
+from resihp.procexit import run_then_exit
 from resihp.runtime import worker
 
 WORKER_MODULE = "resihp.runtime.worker"
@@ -46,4 +47,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # without torch's and torch._dynamo's teardown: 0.8 s of each launch
