@@ -325,3 +325,20 @@ def test_predictor_cost_plans_with_a_trained_predictor(tiny_profile, tmp_path):
     assert plan.step_time_s < uniform.step_time_s
     coster = StageCoster(cluster, model, cost)
     assert coster.layer_fb(1, 1.0) == (f, b)
+
+
+def test_with_token_budgets_the_healthy_plan_shares_the_tokens_evenly():
+    """At 4,096 devices whole micro-batches leave some replicas one more than the others (2,048
+    over 170 of TP 8 x PP 3, or 16 each over the 128 of PP 4); with token budgets each of the
+    layout's replicas runs floor(M / dp) micro-batches a little over the budget, and the step is
+    shorter than the whole-micro-batch plan's."""
+    c, m = load("h100-4096", "gpt-70b")
+    whole = Planner().healthy(c, m)
+    even = Planner(token_budgets=True).healthy(c, m)
+    dp = even.layout.dp
+    assert len(even.pipelines) == dp and {p.microbatches for p in even.pipelines} == {m.microbatches // dp}
+    assert sum(p.share(m) for p in even.pipelines) == m.global_batch_tokens
+    assert plan_problems(even, c, m) == []
+    assert even.step_time_s < whole.step_time_s
+    # re-planning from it keeps its layout
+    assert Planner(token_budgets=True).plan(c.with_speeds({5: 0.5}), m, even).layout == even.layout

@@ -53,29 +53,44 @@ def uniform_layer_counts(layers: int, pp: int) -> list[int]:
 
 
 def memory_ok(model: ModelSpec, coster: StageCoster, groups: Sequence[tuple[int, ...]],
-              counts: Sequence[int], m: int) -> bool:
-    return coster.stages_fit(tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts))), m)
+              counts: Sequence[int], m: int, budget: float | None = None) -> bool:
+    return coster.stages_fit(tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts))), m,
+                             budget)
+
+
+def replica_load(model: ModelSpec, dp: int, token_budgets: bool = False) -> tuple[int, float]:
+    """(micro-batches, each one's tokens over the model's budget) of the busiest of ``dp`` equal
+    replicas: ``ceil(M / dp)`` whole micro-batches, or with token budgets ``floor(M / dp)`` of them
+    that share the global batch's tokens evenly (``resihp.plan.tokens``: budgets only grow)."""
+    if not token_budgets or model.microbatches < dp:
+        return -(-model.microbatches // dp), 1.0
+    m = model.microbatches // dp
+    return m, model.global_batch_tokens / (dp * m * model.microbatch_tokens)
 
 
 def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
-                     layout: ParallelDims, groups: Sequence[tuple[int, ...]] | None = None) -> float | None:
+                     layout: ParallelDims, groups: Sequence[tuple[int, ...]] | None = None,
+                     token_budgets: bool = False) -> float | None:
     """Step time of the uniform plan of a layout on healthy devices, or None if it does not fit.
-    ``groups``: the home groups of ``layout.tp`` when already at hand."""
+    ``groups``: the home groups of ``layout.tp`` when already at hand; ``token_budgets``: replicas
+    share the tokens evenly (``replica_load``)."""
     groups = groups if groups is not None else home_groups(cluster, layout.tp)
     groups = [groups[s * layout.dp] for s in range(layout.pp)]
-    m = -(-model.microbatches // layout.dp)
+    m, scale = replica_load(model, layout.dp, token_budgets)
     counts = uniform_layer_counts(model.layers, layout.pp)
-    if not memory_ok(model, coster, groups, counts, m):
+    if not memory_ok(model, coster, groups, counts, m, None if scale == 1.0 else scale * model.microbatch_tokens):
         return None
     stages = tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts)))
-    fb = np.array([coster.stage_fb(s, i == len(stages) - 1) for i, s in enumerate(stages)])
-    step = closed_form_step(fb[:, 0], fb[:, 1], m, model.schedule, coster.p2p_s)
+    fb = np.array([coster.stage_fb(s, i == len(stages) - 1, scale) for i, s in enumerate(stages)])
+    step = closed_form_step(fb[:, 0], fb[:, 1], m, model.schedule, coster.p2p_s * scale)
     return step + grad_sync_s(model, cluster, max(counts) / layout.tp, layout.dp)
 
 
-def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -> ParallelDims:
+def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
+                  token_budgets: bool = False) -> ParallelDims:
     """The TP x PP x DP layout with the shortest predicted step on the healthy cluster (the
-    model's ``tp``/``pp`` fields, when given, fix those degrees)."""
+    model's ``tp``/``pp`` fields, when given, fix those degrees); ``token_budgets``: replicas may
+    share the tokens evenly (``replica_load``)."""
     healthy = StageCoster(cluster.healthy(), model, coster.cost)
     smallest_node = min(len(r) for r in cluster.node_ranks)
     best: tuple[float, ParallelDims] | None = None
@@ -90,7 +105,7 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster) -
             if dp < 1 or dp > model.microbatches:
                 continue
             layout = ParallelDims(dp=dp, pp=pp, tp=tp)
-            step = layout_step_time(healthy.cluster, model, healthy, layout, groups)
+            step = layout_step_time(healthy.cluster, model, healthy, layout, groups, token_budgets)
             if step is not None and (best is None or step < best[0] - 1e-12):
                 best = (step, layout)
     if best is None:

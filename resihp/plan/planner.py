@@ -43,33 +43,46 @@ from resihp.plan.layout import (
     home_groups,
     home_pipelines,
     layer_ranges,
+    replica_load,
     uniform_layer_counts,
 )
 from resihp.plan.links import boundary_moves, rank_swaps, replica_drops
 from resihp.plan.memo import HardwareMemo
 from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipeline
-from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages, plan_problems, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_step
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
 
 def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
-                 layout: ParallelDims | None = None, time_limit_s: float = 2.0) -> Plan:
+                 layout: ParallelDims | None = None, time_limit_s: float = 2.0,
+                 token_budgets: bool = False) -> Plan:
     """The plan for the cluster with every device healthy: the best layout, every replica with the
     same layer split (optimised by CP-SAT for the LM head and the memory of early stages) and an
-    even share of the micro-batches."""
+    even share of the micro-batches; with ``token_budgets``, of the tokens where that is faster
+    (``floor(M / dp)`` micro-batches each, a little over the model's budget: at 16,384 devices
+    682 replicas of 3 micro-batches, where whole micro-batches left two replicas a fourth)."""
     healthy = StageCoster(cluster.healthy(), model, cost or AnalyticCost())
-    layout = layout or choose_layout(healthy.cluster, model, healthy)
+    layout = layout or choose_layout(healthy.cluster, model, healthy, token_budgets)
     pipes = home_pipelines(healthy.cluster, layout)
     shares = apportion(model.microbatches, np.ones(layout.dp))
-    sol = solve_pipeline(healthy, pipes[0], shares[0], None, time_limit_s=time_limit_s)
+    m = replica_load(model, layout.dp, True)[0] if token_budgets else shares[0]
+    sol = solve_pipeline(healthy, pipes[0], m, None, time_limit_s=time_limit_s)
     counts = ([s.n_layers for s in sol.stages] if sol is not None and len(sol.stages) == layout.pp
               else uniform_layer_counts(model.layers, layout.pp))
     pipelines = [Pipeline(r, Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
                           shares[r], home=r) for r, groups in enumerate(pipes)]
     plan = Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy="healthy")
-    plan = evaluate(plan, healthy, capacity_bound(cluster, model, healthy.cost, layout))
+    bound = capacity_bound(cluster, model, healthy.cost, layout)
+    plan = evaluate(plan, healthy, bound)
+    if token_budgets and layout.dp > 1:
+        even = evaluate(balance_tokens(proportional_counts(plan, healthy), healthy), healthy, bound)
+        # every home replica kept (the re-plans and baselines index the healthy plan by it)
+        if (even.step_time_s < plan.step_time_s and len(even.pipelines) == len(plan.pipelines)
+                and not plan_problems(even, cluster, model)):
+            plan = even
+    plan.policy = "healthy"
     plan.expected_step_time_s = expected_step(plan, healthy)
     return plan
 
@@ -155,7 +168,7 @@ class Planner:
             return last  # re-plans of one job: ``with_speeds`` keeps the hardware key object
         key = (cluster.hardware_key, model)
         if key not in self._memos:
-            healthy = healthy_plan(cluster, model, self.cost)
+            healthy = healthy_plan(cluster, model, self.cost, token_budgets=self.token_budgets)
             bound = capacity_bound(cluster.healthy(), model, self.cost, healthy.layout)
             coster = StageCoster(cluster.healthy(), model, self.cost)
             self._memos[key] = HardwareMemo(cluster, model, healthy, bound, coster)
