@@ -121,6 +121,11 @@ SMALL = [
     ([[1.0, 1.0], [1.0, 1.0]], 14, 4, 4),  # memory: a device holds few layers
     ([[1.0, 1.0], [0.5, 1.0]], 10, 6, 4),
     ([[1.0], [1.0], [1.0]], 12, 4, 4),
+    # several slow devices: a pipeline is priced at its slowest one, holding faster ones
+    ([[1.0, 0.5], [0.8, 1.0]], 80, 4, 4),
+    ([[0.5, 0.7, 1.0, 1.0]], 80, 4, 4),
+    ([[0.6, 0.6], [1.0, 1.0]], 14, 4, 4),
+    ([[0.3, 0.9, 0.6, 1.0]], 80, 4, 3),
 ]
 
 
@@ -137,8 +142,10 @@ def _case(i: int, schedule: str) -> tuple[float, float]:
 def test_no_plan_beats_the_tight_bound_exhaustive(i, schedule):
     best, bound = _case(i, schedule)
     assert best <= bound * (1 + 1e-9)
-    if best > 0:
-        assert bound <= 1.5 * best  # and it is not vacuous
+    if best > 0:  # and it is not vacuous: with several slow devices it prices a pipeline's
+        # groups but its slowest at full speed, so it is looser there (1.51 at most here)
+        slow = {s for node in SMALL[i][0] for s in node if 0 < s < 1}
+        assert bound <= (1.6 if len(slow) > 1 else 1.5) * best
 
 
 def test_heterogeneous_flop_rates_exhaustive():

@@ -27,8 +27,10 @@ against the planner on random faults):
 4. Each pipeline design is a knapsack item (cost: devices, value: ``x``); a step ``T`` is feasible
    only if the best packing of the live devices carries the global batch's ``M`` micro-batches.
    Slow devices: a group is as slow as its slowest member, so a pipeline holding slow devices is an
-   item with one slow group (its fastest slow member's speed; other slow members count as any
-   device), and groups made only of full-speed devices use only full-speed devices.
+   item with one group at the speed of its slowest device, every other group at full speed (no
+   faster than the pipeline); the other slow devices it holds are at least as fast as that one
+   (items of speed >= s hold at most the slow devices of speed >= s), and groups made only of
+   full-speed devices use only full-speed devices.
    The bound is ``B / T*`` with ``T*`` the least feasible ``T`` (bisection; the knapsack is
    unbounded and solved exactly per residue class with NumPy).
 
@@ -413,6 +415,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             per_slow[s] = cache[s]
     slow_counts = {s: int((speeds == s).sum()) for s in slow}
     n_slow = sum(slow_counts.values())
+    at_least = {s: int(((speeds >= s) & (speeds < 1.0)).sum()) for s in slow}
     all_items = [full] + list(per_slow.values())
 
     def x_max(T: float, sync: float) -> float:
@@ -460,23 +463,37 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             return cost_[front], x[front]
 
         best_full = _unbounded_knapsack(*value(full), n_full)
-        # slow pipelines: each holds a group limited by one slow device (at most as many as there
-        # are devices of that speed); extra[D] = their best value using D devices in all
-        extra = np.zeros(1)
+        # slow pipelines, by speed from the fastest: each is an item with one group limited by
+        # its slowest device (so at most as many of speed s as there are devices of speed s);
+        # its other devices are full-speed or slow ones at least as fast, which it absorbs:
+        # extra[D, a] = their best value using D devices of which a are slow. Items of speed
+        # >= s absorb at most ``at_least[s]`` slow devices (those of speed >= s); taking as many
+        # as that allows is best, as only the count of full-speed devices left matters
+        extra = np.full((1, n_slow + 1), -np.inf)
+        extra[0, 0] = 0.0
         for s, it in per_slow.items():
             cost_, val = value(it)
             if not len(cost_):
                 continue
+            cap = at_least[s]
             for _ in range(slow_counts[s]):
-                new = np.concatenate([extra, np.full(int(cost_.max()), -np.inf)])
+                rows = min(live + 1, len(extra) + int(cost_.max()))
+                new = np.full((rows, n_slow + 1), -np.inf)
+                new[: len(extra)] = extra
                 for w, v in zip(cost_.tolist(), val.tolist()):
-                    new[w: w + len(extra)] = np.maximum(new[w: w + len(extra)], extra + v)
-                extra = np.maximum.accumulate(new[: live + 1])
-        used = np.arange(len(extra))
-        # full-speed devices left for pipelines of full-speed groups: slow pipelines use at
-        # least ``D - n_slow`` of them
-        left = np.clip(n_full - np.maximum(0, used - n_slow), 0, n_full)
-        total = extra + best_full[left]
+                    n = min(len(extra), rows - w)
+                    if n <= 0:
+                        continue
+                    for a in range(n_slow + 1):
+                        b = min(a + w, cap)
+                        np.maximum(new[w: w + n, b], extra[:n, a] + v, out=new[w: w + n, b])
+                extra = new
+        used = np.arange(len(extra))[:, None]
+        # full-speed devices left for pipelines of full-speed groups
+        full_used = used - np.arange(n_slow + 1)[None, :]
+        ok = (full_used <= n_full) & np.isfinite(extra)
+        left = np.clip(n_full - full_used, 0, n_full)
+        total = np.where(ok, extra + best_full[left], -np.inf)
         return float(np.max(total))
 
     # bisection on T for the least step that carries M micro-batches. No step is shorter than
