@@ -82,7 +82,6 @@ def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None 
         if (even.step_time_s < plan.step_time_s and len(even.pipelines) == len(plan.pipelines)
                 and not plan_problems(even, cluster, model)):
             plan = even
-    plan.policy = "healthy"
     plan.expected_step_time_s = expected_step(plan, healthy)
     return plan
 

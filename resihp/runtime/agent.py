@@ -8,7 +8,7 @@ what the optimizer's first ``add_param_group`` imports (``torch._dynamo``), inst
 new interpreter that imports them again. On two cores that was about 2.5 s of CPU per worker and
 most of a small run's start. The launcher runs it for CPU runs on machines with no usable GPU
 only (``launch.forks_workers``): a child forked from a process that initialised CUDA's driver
-cannot use it, and these imports can (Triton's), so elsewhere the workers start as torchrun's.
+cannot use it, and these imports can, so elsewhere the workers start as torchrun's.
 
 The workers are children of this process as torchrun's are of torchrun; their command line is this
 one (it names the run's config), their environment torchrun's variables set by the agent in the

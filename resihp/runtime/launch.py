@@ -123,8 +123,9 @@ def forks_workers(cfg: RunConfig) -> bool:
     """Whether the run's workers are forked from a warm agent (``resihp.runtime.agent``): a CPU
     run on a machine with no usable GPU. Where a GPU is visible, the workers start as torchrun
     starts them, in a fresh interpreter, whatever the device: the agent's imports can initialise
-    CUDA's driver (Triton's do), and a process forked after that fails at its first CUDA call,
-    even a CPU run's ("CUDA error: initialization error", seen on an H200 machine)."""
+    CUDA's driver, and a process forked after that fails at its first CUDA call, even a CPU
+    run's: on an H200 machine every forked worker of a ``--device cpu`` run stopped with "CUDA
+    error: initialization error"."""
     return cfg.device in ("cpu", "auto") and not torch.cuda.is_available()
 
 
