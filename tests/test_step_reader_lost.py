@@ -28,14 +28,19 @@ def test_a_replica_lost_after_a_commit_does_not_stop_the_reader():
             for rank in NODES[node]:
                 if (step, rank) != (2, 3):  # rank 3 was killed after step 2's commit, before publishing
                     _publish(store, node, rank, step)
-    assert [s.step for s in reader.complete_steps()] == [0, 1]  # step 2 lacks rank 3: not complete yet
-    assert reader.complete_steps() == []
+    # a follower (``resihp follow --store``) reads the same steps
+    follower = StepReader(store, JOB, NODES, members=committed.get)
+    for r in (reader, follower):
+        assert [s.step for s in r.complete_steps()] == [0, 1]  # step 2 lacks rank 3: not complete yet
+        assert r.complete_steps() == []
     reader.lost(1, before_step=3)  # the supervisor: replica 1's attempt trained no step from 3 on
-    steps = reader.complete_steps()
-    assert [s.step for s in steps] == [2, 3, 4]
-    # step 2 with every part that was sent (rank 1's too), step 4 with the relaunched replica's
-    assert sorted(p.rank for p in steps[0].parts) == [0, 1, 2]
-    assert sorted(p.rank for p in steps[2].parts) == [0, 1, 2, 3]
+    for r in (reader, follower):  # the follower learns it from the owner, on the store
+        steps = r.complete_steps()
+        assert [s.step for s in steps] == [2, 3, 4]
+        # step 2 with every part that was sent (rank 1's too), step 4 with the relaunched replica's
+        assert sorted(p.rank for p in steps[0].parts) == [0, 1, 2]
+        assert sorted(p.rank for p in steps[2].parts) == [0, 1, 2, 3]
+    assert follower.skipped == 0
 
 
 def test_the_relaunched_replicas_steps_are_still_waited_for():

@@ -202,8 +202,28 @@ class StepReader:
         replica-level fault tolerance a replica can die after the quorum committed a step and
         before its ranks published that step's records; the survivors' records carry the step's
         global loss and tokens, and without this the reader would wait for that step, and so for
-        every later one, forever."""
+        every later one, forever. The owner says so on the store, for the followers."""
         self.lost_before[node] = max(before_step, self.lost_before.get(node, before_step))
+        if self.owner:
+            self.store.set(self._lost_key(node), str(self.lost_before[node]))
+
+    def _lost_key(self, node: int) -> str:
+        return f"{self.prefix}/ops/lost/n{node}"
+
+    def _learn_lost(self, nodes: Sequence[int]) -> bool:
+        """A follower: whether the owner said that any of ``nodes`` was lost before this step
+        (asked only once the owner has read past it: before that the step is still coming)."""
+        last = self._owner_last()
+        if last is None or last < self.next_step:
+            return False
+        learned = False
+        for n in nodes:
+            key = self._lost_key(n)
+            self.messages += 1
+            if self.store.check([key]) and int(self.store.get(key)) > self.lost_before.get(n, -1):
+                self.lost_before[n] = int(self.store.get(key))
+                learned = learned or self.next_step < self.lost_before[n]
+        return learned
 
     def complete_steps(self, limit: int = 1000) -> list[StepRecords]:
         done: list[StepRecords] = []
@@ -226,6 +246,8 @@ class StepReader:
             self.messages += 1
             if not self.store.check(keys):
                 if not self.owner:
+                    if self._learn_lost(awaited):
+                        continue
                     self._catch_up()
                 break
             keys += [k for k in self._keys(self.next_step, waived) if self.store.check([k])]
@@ -233,6 +255,8 @@ class StepReader:
             self.messages += 1
             decoded = [decode_rows(line) for blob in blobs for line in blob.splitlines() if line.strip()]
             if not {r for n in awaited for r in self.nodes[n]} <= {p.rank for p in decoded}:
+                if not self.owner and self._learn_lost(awaited):
+                    continue
                 break
             done.append(StepRecords(self.next_step, decoded, max(p.sent for p in decoded), time.time()))
             self.bytes += sum(p.nbytes for p in decoded)
@@ -260,11 +284,17 @@ class StepReader:
             while time.monotonic() < end and not (self.store.check([key]) and int(self.store.get(key)) >= last):
                 time.sleep(0.1)
 
+    def _owner_last(self) -> int | None:
+        """The last step the owner has read (None: none yet)."""
+        key = f"{self.prefix}/ops/last"
+        self.messages += 1
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
     def _catch_up(self) -> None:
         """A reader that fell out of the window the owner keeps skips to its oldest step."""
-        last_key = f"{self.prefix}/ops/last"
-        if self.store.check([last_key]):
-            oldest = int(self.store.get(last_key)) - KEEP_STEPS + 2
+        last = self._owner_last()
+        if last is not None:
+            oldest = last - KEEP_STEPS + 2
             if oldest > self.next_step:
                 self.skipped += oldest - self.next_step
                 self.next_step = oldest
