@@ -51,7 +51,10 @@ def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, 
     assert len(links) == 1, loop.events
     ev = links[0]
     assert sorted(ev["ranks"]) == list(ends) and ev["rank"] in ends and ev["traffic"] == traffic
-    assert ONSET <= ev["detected_step"] <= ONSET + 5
+    # within the detector's own promise (``detect_within``). Not 5: in the gradient-sync case the
+    # unslowed end's own collective time spans 1-13 ms over its 8 calibration steps on 2 shared
+    # cores, so its CUSUM, which must alarm too, needed 6 or 7 steps in 4 of 16 runs (at a861868 too)
+    assert ONSET <= ev["detected_step"] <= ONSET + DetectorConfig().detect_within
     # the planner re-planned for the link (priced at the transfers measured), and the job applied
     # it live: around a slow data-parallel link, an end trades places with the other stage of its
     # pipeline (a new layout, its state moved without a restart)
