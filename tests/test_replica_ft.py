@@ -248,6 +248,25 @@ def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_
 
 
 @pytest.mark.slow
+def test_a_replica_killed_after_a_commit_before_publishing_loses_no_step_of_the_trace(reference, tmp_path):
+    # rank 3 is killed after step 10's update, which the quorum committed with its replica, and
+    # before it published step 10's records: the launcher's reader used to wait for them forever,
+    # and the trace, the losses and the live loop stopped at step 9
+    steps = 30
+    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(steps),
+                            "--recovery", "replica", "--inject", "stop:rank=3,step=10,during=publish")
+    assert rc == 0, err[-2000:]
+    rec = summary["recovery"]
+    assert rec["lost_replica"] == 1 and rec["cause"] == "exited" and rec["rank"] == 3, rec
+    assert summary["members"][10] == [0, 1], summary["members"][:12]  # it died after the commit
+    rows = [json.loads(line) for line in (tmp_path / "run" / "ops.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["rank"] == 3 and r["step"] == 10]  # and before publishing
+    assert summary["steps"] == steps and summary["first_step"] == 0
+    _trained_every_step(tmp_path / "run", [0, 2], steps)
+    _same_losses(summary["losses"], reference[:steps], "a replica killed after a commit")
+
+
+@pytest.mark.slow
 def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(reference, tmp_path):
     dims = ParallelDims(3, 1, 2)
     rank = 3  # replica 1, tensor-parallel rank 1

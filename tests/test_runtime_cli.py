@@ -75,15 +75,21 @@ def test_fault_spec_parsing():
     during = parse_fault("stop:rank=0,during=restore")
     assert during.during == "restore" and during.step is None
     assert FaultInjector([during], rank=0)._started(during, 99) is False  # never a step's fault
+    publish = parse_fault("stop:rank=3,step=10,during=publish")  # after step 10's update, unpublished
+    assert (publish.step, publish.during) == (10, "publish")
+    assert FaultInjector([publish], rank=3)._started(publish, 10) is False  # not at the step's start
     for bad, said in (("stop:rank=0,during=step", "during= is for stop only"),
                       ("hang:rank=0,during=restore", "during= is for stop only"),
-                      ("stop:rank=0,step=2,during=restore", "exactly one of step= or time= or during=")):
+                      ("stop:rank=0,step=2,during=restore", "exactly one of step= or time= or during="),
+                      ("stop:rank=0,during=publish", "during=publish needs step=S"),
+                      ("stop:rank=0,time=2,during=publish", "during=publish needs step=S")):
         with pytest.raises(InputError, match=said):
             parse_fault(bad)
 
 
 @pytest.mark.parametrize("text", ["slow:rank=2,factor=2.5,step=7,until=9", "link:ranks=0+3,factor=4.0,step=2",
                                   "stop:rank=1,time=3.5", "stop:rank=0,during=restore",
+                                  "stop:rank=3,step=10,during=publish",
                                   "hang:rank=3,step=4,how=stop", "error:rank=2,step=0"])
 def test_a_fault_spec_parses_back_to_the_same_fault(text):
     fault = parse_fault(text)

@@ -3,7 +3,8 @@ proportional to each measured compute op); ``link`` makes every transfer between
 ``factor`` x longer (a sleep proportional to each measured transfer, so it scales with the bytes);
 ``stop`` kills the rank's process (SIGKILL, no cleanup; ``during=restore``: in the middle of the
 memory-tier restore of the first restart in place, after every rank has agreed what to load and
-before the transfers); ``hang`` stops its progress; ``error`` raises a Python exception in it (a
+before the transfers; ``step=S,during=publish``: after step S's update, committed with replica-level
+fault tolerance, before the rank publishes the step's records); ``hang`` stops its progress; ``error`` raises a Python exception in it (a
 crash: the process ends by the exception)."""
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from dataclasses import dataclass, replace
 from resihp.errors import InputError
 
 FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], "
-         "stop:rank=R,step=S (or during=restore), "
+         "stop:rank=R,step=S[,during=publish] (or during=restore), "
          "error:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
 RATE_SAMPLES = 256  # healthy transfers kept per channel
 RATE_QUANTILE = 0.1  # the low quantile of their per-byte times taken as the healthy rate
+DURING = ("restore", "publish")  # stop only: where in a rank's work it is killed
 HANG_HOW = ("block", "stop")  # block: the rank's main thread never returns (its heartbeat thread beats on);
 # stop: SIGSTOP on itself (alive, silent)
 
@@ -40,7 +42,9 @@ class Fault:
     until: int | None = None  # first step at normal speed again (slow only)
     how: str | None = None  # hang only: "block" or "stop"
     peer: int | None = None  # link only: its other end
-    during: str | None = None  # stop only: "restore" (the first restart in place's restore)
+    # stop only: "restore" (the first restart in place's restore, no step) or "publish" (after
+    # ``step``'s update, before its records are published)
+    during: str | None = None
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -133,16 +137,19 @@ def parse_fault(text: str) -> Fault:
         raise InputError(f"--inject {text!r}: rank, step and until are integers, factor and time "
                          f"numbers; expected {FORMS}") from None
     during = fields.get("during")
-    if during is not None and (kind != "stop" or during != "restore"):
-        raise InputError(f"--inject {text!r}: during= is for stop only, and only during=restore")
-    if (step is None) + (time_s is None) + (during is None) != 2:
+    if during is not None and (kind != "stop" or during not in DURING):
+        raise InputError(f"--inject {text!r}: during= is for stop only: during=restore, or "
+                         "step=S,during=publish")
+    if during == "publish" and step is None:
+        raise InputError(f"--inject {text!r}: during=publish needs step=S (the step whose records it stops)")
+    if (step is None) + (time_s is None) + (during in (None, "publish")) != 2:
         raise InputError(f"--inject {text!r}: give exactly one of step= or time=" +
                          (" or during=" if kind == "stop" else ""))
     if kind in ("slow", "link") and not factor >= 1.0:
         raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
     if kind in ("stop", "error") and ("factor" in fields or until is not None or "how" in fields):
         raise InputError(f"--inject {text!r}: {kind} takes only rank= and step= or time="
-                         + (" or during=restore" if kind == "stop" else ""))
+                         + (" (and during=publish) or during=restore" if kind == "stop" else ""))
     how = fields.get("how")
     if kind == "hang":
         how = how or "block"
@@ -200,6 +207,13 @@ class FaultInjector:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 while True:  # no progress, no exit: only a signal ends it
                     time.sleep(1.0)
+
+    def before_publish(self, step: int) -> None:
+        """Called after ``step``'s update, before the rank publishes its records: a ``stop``
+        fault ``step=S,during=publish`` kills the rank there (with replica-level fault tolerance
+        the step is committed by then)."""
+        if any(f.kind == "stop" and f.during == "publish" and f.step == step for f in self.faults):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def during_restore(self) -> None:
         """Called in the middle of a memory-tier restore: a ``stop`` fault ``during=restore`` kills

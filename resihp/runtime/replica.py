@@ -290,6 +290,7 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
                       file=sys.stderr, flush=True)
             if result.loss is not None and not math.isfinite(result.loss):
                 raise RuntimeError(f"non-finite loss ({result.loss}) at step {step}")
+            engine.injector.before_publish(step)  # committed: a kill here leaves its records unsent
             publisher.publish(engine.rec.take_new())
             step += 1
         phase = "done"

@@ -330,6 +330,7 @@ def run(cfg: RunConfig) -> None:
                     memory.after_step(step)
             if cfg.checkpoint.ckpt_every and (step + 1) % cfg.checkpoint.ckpt_every == 0 and not keeper_saves:
                 save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
+            engine.injector.before_publish(step)
             publisher.publish(engine.rec.take_new())
             if boundary is not None:
                 boundary.check()  # a SIGTERM during the step ends the rank here, its snapshot kept
