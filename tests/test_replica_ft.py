@@ -203,6 +203,20 @@ def reference(tmp_path_factory):
     return summary["losses"]
 
 
+def _lose_rank_3(out: Path, steps: int, fault: str, cause: str, reference: list) -> dict:
+    """A DP 2 x PP 2 run in replica mode whose rank 3 ``fault`` takes out (``cause``): it ends well,
+    replica 1 is lost, replica 0's ranks trained every step and the losses are the failure-free
+    run's. Its summary."""
+    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", str(steps), "--recovery", "replica",
+                            "--inject", fault)
+    assert rc == 0, f"{fault}: {err[-2000:]}"
+    rec = summary["recovery"]
+    assert rec["lost_replica"] == 1 and rec["cause"] == cause and rec["rank"] == 3, rec
+    _trained_every_step(out, [0, 2], steps)
+    _same_losses(summary["losses"], reference[:steps], fault)
+    return summary
+
+
 def _survivor_slow(dims: ParallelDims, lost: int, step: int) -> list[str]:
     # a survivor's compute stretched 3x (a sleep) from the failure on: steps long enough, on any
     # machine, for the lost replica to come back before the end (the steps before it run at speed)
@@ -236,15 +250,8 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
 def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_path):
     # the crashed rank says so over the control plane: its replica is evicted at once (the
     # survivors were found hung, and then every replica lost, when only its exit told)
-    steps = 30
-    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(steps),
-                            "--recovery", "replica", "--inject", "error:rank=3,step=10")
-    assert rc == 0, err[-2000:]
-    rec = summary["recovery"]
-    assert rec["lost_replica"] == 1 and rec["cause"] == "exception" and rec["rank"] == 3, rec
+    rec = _lose_rank_3(tmp_path / "run", 30, "error:rank=3,step=10", "exception", reference)["recovery"]
     assert "failures" not in rec and not rec["survivors_restarted"], rec
-    _trained_every_step(tmp_path / "run", [0, 2], steps)
-    _same_losses(summary["losses"], reference[:steps], "a crashed rank")
 
 
 @pytest.mark.slow
@@ -252,18 +259,11 @@ def test_a_replica_killed_after_a_commit_before_publishing_loses_no_step_of_the_
     # rank 3 is killed after step 10's update, which the quorum committed with its replica, and
     # before it published step 10's records: the launcher's reader used to wait for them forever,
     # and the trace, the losses and the live loop stopped at step 9
-    steps = 30
-    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(steps),
-                            "--recovery", "replica", "--inject", "stop:rank=3,step=10,during=publish")
-    assert rc == 0, err[-2000:]
-    rec = summary["recovery"]
-    assert rec["lost_replica"] == 1 and rec["cause"] == "exited" and rec["rank"] == 3, rec
+    summary = _lose_rank_3(tmp_path / "run", 30, "stop:rank=3,step=10,during=publish", "exited", reference)
     assert summary["members"][10] == [0, 1], summary["members"][:12]  # it died after the commit
     rows = [json.loads(line) for line in (tmp_path / "run" / "ops.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["rank"] == 3 and r["step"] == 10]  # and before publishing
-    assert summary["steps"] == steps and summary["first_step"] == 0
-    _trained_every_step(tmp_path / "run", [0, 2], steps)
-    _same_losses(summary["losses"], reference[:steps], "a replica killed after a commit")
+    assert summary["steps"] == 30 and summary["first_step"] == 0
 
 
 @pytest.mark.slow
