@@ -506,6 +506,14 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> N
         crash = crashes[0]
         outcome.failure = fail_stop(cfg.dims(), int(crash["rank"]), None, "exception")
         outcome.failure.extra["message"] = crash["message"]
+    root = ROOT_CAUSE.search("\n".join(lines))
+    if (root and int(root.group(2)) < 0 and outcome.failure is not None and not outcome.interrupted
+            and outcome.failure.extra.get("cause") == "exited" and int(root.group(1)) != outcome.failure.rank):
+        # several ranks were gone when the monitor looked (torchrun stops a dead rank's peers
+        # within its monitor interval) and it named the lowest; torchrun's first observed failure,
+        # killed by a signal, is the rank that died first
+        outcome.failure = fail_stop(cfg.dims(), int(root.group(1)), outcome.failure.extra.get("step"), "exited",
+                                    outcome.failure.extra.get("detected_s"), node=outcome.failure.extra.get("node"))
     if outcome.error is None and stops:
         outcome.error = stops[0]
     if outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
