@@ -3,9 +3,9 @@ proportional to each measured compute op); ``link`` makes every transfer between
 ``factor`` x longer (a sleep proportional to each measured transfer, so it scales with the bytes);
 ``stop`` kills the rank's process (SIGKILL, no cleanup; ``during=restore``: in the middle of the
 memory-tier restore of the first restart in place, after every rank has agreed what to load and
-before the transfers; ``step=S,during=publish``: after step S's update, committed with replica-level
-fault tolerance, before the rank publishes the step's records); ``hang`` stops its progress; ``error`` raises a Python exception in it (a
-crash: the process ends by the exception)."""
+before the transfers; ``step=S,during=publish``: after step S's update, committed with
+replica-level fault tolerance, before the rank publishes the step's records); ``hang`` stops its
+progress; ``error`` raises a Python exception in it (a crash: the process ends by the exception)."""
 
 from __future__ import annotations
 

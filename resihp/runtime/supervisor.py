@@ -506,8 +506,9 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> N
         crash = crashes[0]
         outcome.failure = fail_stop(cfg.dims(), int(crash["rank"]), None, "exception")
         outcome.failure.extra["message"] = crash["message"]
-    root = ROOT_CAUSE.search("\n".join(lines))
-    if (root and int(root.group(2)) < 0 and outcome.failure is not None and not outcome.interrupted
+    root = ROOT_CAUSE.search("\n".join(lines))  # torchrun's first observed failure
+    signalled = root is not None and int(root.group(2)) < 0
+    if (signalled and outcome.failure is not None and not outcome.interrupted
             and outcome.failure.extra.get("cause") == "exited" and int(root.group(1)) != outcome.failure.rank):
         # several ranks were gone when the monitor looked (torchrun stops a dead rank's peers
         # within its monitor interval) and it named the lowest; torchrun's first observed failure,
@@ -516,12 +517,10 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> N
                                     outcome.failure.extra.get("detected_s"), node=outcome.failure.extra.get("node"))
     if outcome.error is None and stops:
         outcome.error = stops[0]
-    if outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
+    if signalled and outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
             stops or inputs or outcome.ended_by_node0):
-        m = ROOT_CAUSE.search("\n".join(lines))
-        if m and int(m.group(2)) < 0:
-            outcome.failure = fail_stop(cfg.dims(), int(m.group(1)), None,
-                                        f"exited (killed by signal {-int(m.group(2))})")
+        outcome.failure = fail_stop(cfg.dims(), int(root.group(1)), None,
+                                    f"exited (killed by signal {-int(root.group(2))})")
     if outcome.error is None and inputs:
         outcome.error = inputs[0]
         outcome.input_error = True
