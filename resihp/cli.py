@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from resihp.errors import InputError, disk_full
+from resihp.errors import InputError, SetupError, disk_full
 from resihp.procexit import run_then_exit
 
 app = typer.Typer(
@@ -53,6 +53,9 @@ def main() -> None:
     except InputError as exc:
         print(f"resihp: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except SetupError as exc:
+        print(f"resihp: error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("resihp: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -1,4 +1,5 @@
-"""The one exception type that the CLI turns into a one-line message and a non-zero exit."""
+"""The exception types that the CLI turns into a one-line message and a non-zero exit: bad input
+(exit 2) and a part of the job this machine could not start (exit 1)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ class InputError(ValueError):
 
     The message is a single line that names the file (or option), the field and the expected form.
     """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class SetupError(RuntimeError):
+    """A part of the job that this machine could not start or reach (a memory tier's keeper): not
+    the user's input, not a bug; one line that says what and where to look."""
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))

@@ -292,3 +292,29 @@ def test_disk_full_is_found_inside_a_checkpoint_exception_and_arrow_text():
     except RuntimeError as exc:
         assert disk_full(exc) is not None
     assert disk_full(RuntimeError("peer closed")) is None and disk_full(OSError(13, "denied")) is None
+
+
+def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(tmp_path, monkeypatch, capsys):
+    # the memory tier's lock path is taken by a folder: the keeper process exits at its start
+    from resihp.ckpt import keeper
+    from resihp.cli import main
+    from resihp.errors import SetupError
+
+    broken = tmp_path / "tier"
+    (broken / keeper.LOCK).mkdir(parents=True)
+    with pytest.raises(SetupError, match=r"keeper exited with status 1 \(see .*keeper.log\)"):
+        keeper.ensure_keeper(broken, os.getpid(), timeout_s=30)
+    assert (broken / "keeper.log").read_text().strip()  # its traceback is kept for the user
+
+    real = keeper.ensure_keeper
+    monkeypatch.setattr("resihp.runtime.snapshots.ensure_keeper",
+                        lambda directory, owner, warm=False: real(broken, owner, timeout_s=30, warm=warm))
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["resihp", "run", *SMALL, "--steps", "3", "--snapshot-every", "1",
+                                      "--out", str(out)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 1 and len(err.splitlines()) == 1 and "keeper exited with status 1" in err, err
+    run = json.loads((out / "run.json").read_text())
+    assert run["state"] == "failed" and "keeper exited" in run["error"], run

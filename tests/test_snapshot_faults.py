@@ -85,19 +85,28 @@ def reference(tmp_path_factory):
     return {name: _finish(p)["losses"] for name, p in procs.items()}
 
 
-def _tier(shm: Path, timeout_s: float = 120) -> Path:
+def _tier(shm: Path, proc: subprocess.Popen, timeout_s: float = 120) -> Path:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = [p for p in shm.glob("resihp-*-n0") if p.is_dir()]
         if found:
             return found[0]
+        _running(proc)
         time.sleep(0.05)
     raise AssertionError(f"no memory tier appeared under {shm}")
 
 
-def _published(tier: Path, rank: int, step: int, timeout_s: float = 120) -> None:
+def _running(proc: subprocess.Popen) -> None:
+    """Fail now, with what the run said, if it ended while the test waits for it."""
+    if proc.poll() is not None:
+        _, stderr = proc.communicate()
+        raise AssertionError(f"the run ended early (exit {proc.returncode}): {stderr[-3000:]}")
+
+
+def _published(tier: Path, rank: int, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        _running(proc)
         for path in tier.glob(f"rank{rank}.[AB].json"):
             try:
                 if json.loads(path.read_text())["step"] >= step:
@@ -136,8 +145,8 @@ def _check(summary: dict, reference: list, source: str | tuple[str, ...], max_lo
 def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(reference, shm, tmp_path):
     proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
                   "--inject", "stop:rank=1,step=4", *SLOW)
-    tier = _tier(shm)
-    _published(tier, 0, 0)
+    tier = _tier(shm, proc)
+    _published(tier, 0, 0, proc)
     keeper = int((tier / "keeper.pid").read_text())
     os.kill(keeper, signal.SIGKILL)  # the launcher starts another; the files stay
     summary = _finish(proc)
@@ -150,8 +159,8 @@ def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(refe
 def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
     proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
                   *SLOW)
-    tier = _tier(shm)
-    _published(tier, 1, 1)
+    tier = _tier(shm, proc)
+    _published(tier, 1, 1, proc)
     os.kill(_worker_pid(tier, 1), signal.SIGTERM)
     summary = _finish(proc)
     _check(summary, reference["dp2"], "memory")
@@ -160,9 +169,9 @@ def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
 def test_sigstop_with_corrupted_own_slots_restores_from_the_peer_copy(reference, shm, tmp_path):
     proc = _start(tmp_path / "run", shm, "--dp", "1", "--pp", "2", "--recovery", "restart",
                   "--inject", "hang:rank=0,step=3,how=stop")
-    tier = _tier(shm)
-    _published(tier, 0, 2)
-    _published(tier, 1, 2)
+    tier = _tier(shm, proc)
+    _published(tier, 0, 2, proc)
+    _published(tier, 1, 2, proc)
     deadline = time.monotonic() + 60  # the keeper's copy of rank 0's newest slot, held by rank 1
     while not (tier / "rank0.copy.json").exists() or list(tier.glob("*.pending.json")):
         assert time.monotonic() < deadline
@@ -182,8 +191,8 @@ def _flip(tier: Path, rank: int, slot: str) -> None:
 def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm, tmp_path):
     proc = _start(tmp_path / "run", shm, "--dp", "1", "--pp", "1", "--recovery", "restart",
                   "--ckpt-every", "2", "--inject", "hang:rank=0,step=4,how=stop")
-    tier = _tier(shm)
-    _published(tier, 0, 3)
+    tier = _tier(shm, proc)
+    _published(tier, 0, 3, proc)
     # the keeper writes step 3's checkpoint from its slot; corrupting the slot under that write
     # would (rightly) leave no checkpoint of step 3
     done = tmp_path / "run" / "ckpt" / "step3" / "manifest.json"
@@ -269,7 +278,7 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
         assert time.monotonic() < deadline, "node 1 has no memory tier"
         time.sleep(0.05)
     tier1 = found[0]
-    _published(tier1, 1, 2)
+    _published(tier1, 1, 2, node1)
     worker = _worker_pid(tier1, 1)
     keeper = int((tier1 / "keeper.pid").read_text())
     os.kill(worker, signal.SIGKILL)
@@ -294,7 +303,7 @@ def test_sigterm_of_the_job_leaves_its_newest_snapshot_on_disk_to_resume_from(re
     out = tmp_path / "run"
     proc = _start(out, shm, "--dp", "2", "--pp", "1", "--snapshot-every", "1", "--ckpt-every", "100",
                   "--recovery", "none", *SLOW)
-    _published(_tier(shm), 0, 1)
+    _published(_tier(shm, proc), 0, 1, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 143, stderr[-3000:]

@@ -38,6 +38,7 @@ from resihp.ckpt.memory import (
     verify_all,
     write_json_atomic,
 )
+from resihp.errors import SetupError
 
 POLL_S = 0.005
 LOCK = "keeper.lock"
@@ -67,7 +68,7 @@ def keeper_pid(directory: Path) -> int | None:
         os.close(fd)
 
 
-def ensure_keeper(directory: Path, owner: int, timeout_s: float = 30.0, warm: bool = False) -> int:
+def ensure_keeper(directory: Path, owner: int, timeout_s: float = 60.0, warm: bool = False) -> int:
     """Start the keeper of ``directory`` unless one runs; returns its PID. Safe to call from
     several processes at once (one of them starts it). ``warm``: the job's checkpoints are written
     from memory, so the keeper loads torch as it starts."""
@@ -85,10 +86,11 @@ def ensure_keeper(directory: Path, owner: int, timeout_s: float = 30.0, warm: bo
             deadline = time.monotonic() + timeout_s
             while (pid := keeper_pid(directory)) in (None, -1):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"memory tier keeper exited with status {proc.returncode} "
-                                       f"(see {directory / 'keeper.log'})")
+                    raise SetupError(f"memory tier keeper exited with status {proc.returncode} "
+                                     f"(see {directory / 'keeper.log'})")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"memory tier keeper did not start within {timeout_s:g} s")
+                    raise SetupError(f"memory tier keeper did not start within {timeout_s:g} s "
+                                     f"(see {directory / 'keeper.log'})")
                 time.sleep(0.01)
         return pid
     finally:

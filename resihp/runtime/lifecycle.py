@@ -83,8 +83,20 @@ class RunFolder:
     def __enter__(self) -> RunFolder:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        # an error the run did not record itself (a keeper that never started, a store that could
+        # not listen): the folder must not say "running" for a job whose process has ended
+        if exc is not None and self.info.get("state") == "running":
+            code = getattr(exc, "exit_code", getattr(exc, "code", 1))  # SystemExit, typer's Exit
+            if isinstance(exc, KeyboardInterrupt):
+                self._record_end(state="interrupted")
+            elif code not in (0, None):
+                self._record_end(state="failed", error=f"{type(exc).__name__}: {exc}"[:500])
         self.release()
+
+    def _record_end(self, **fields: object) -> None:
+        with contextlib.suppress(OSError):
+            self.record(**fields, ended=time.time())
 
 
 # --- nothing outlives the run ----------------------------------------------------------------------
