@@ -9,6 +9,7 @@ from resihp.paths import TRACES
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches, greedy_allocation
 from resihp.plan.baselines import POLICIES, make_policy
+from resihp.plan.bound import tight_bound
 from resihp.plan.cost import AnalyticCost
 from resihp.plan.layout import binary_chunks, group_options
 from resihp.plan.plan import Plan, plan_problems
@@ -47,7 +48,9 @@ def test_example_plans_are_valid(planner, cluster, model):
     c, m = load(cluster, model)
     plan = planner.plan(c, m)
     assert plan_problems(plan, c, m) == []
-    assert 0 < plan.bound_ratio <= 1.0 + 1e-9
+    # the loose bound (``bound_ratio``) a plan of designed pipelines can pass; never the tight one
+    assert plan.bound_ratio > 0
+    assert plan.tokens_per_s <= tight_bound(c, m).tokens_per_s * (1 + 1e-9)
     assert plan.solver["status"] in ("optimal", "time-limit")
 
 
@@ -68,10 +71,12 @@ def test_slow_replica_gets_less_work_and_the_plan_beats_no_adaptation(planner):
     plan = planner.plan(slow, m)
     uniform = make_policy("uniform").plan(slow, m)
     assert plan.step_time_s < 0.6 * uniform.step_time_s
-    # device 5 sits in home group (4, 5): stage 0 of replica 2 (Megatron order, dp=8)
-    assert plan.layout.dp == 8 and plan.layout.tp == 2
-    pipe = next(p for p in plan.pipelines if p.home == 2)
-    assert pipe.share(m) < min(p.share(m) for p in plan.pipelines if p.home != 2)
+    assert plan.layout.dp == 8 and plan.layout.tp == 2  # the home layout stays
+    # the slow device is left out (designed pipelines on the full-speed devices), or the
+    # pipeline holding it gets less work than every other
+    if 5 not in plan.excluded:
+        pipe = next(p for p in plan.pipelines if 5 in p.ranks)
+        assert pipe.share(m) < min(p.share(m) for p in plan.pipelines if p is not pipe)
 
 
 def test_dead_devices_are_excluded_everywhere(planner):
@@ -132,8 +137,10 @@ def test_small_imbalance_moves_work_not_layers():
     assert after == before
     assert mild.migration_s == 0.0
     severe = Planner(horizon_steps=100).plan(c.with_speeds({18: 0.3}), m, current)
-    pipe = next(p for p in severe.pipelines if 18 in p.ranks or p.home == 1)
-    assert [s.layers for s in pipe.stages] != [before[s.ranks] for s in current.pipelines[1].stages]
+    old = next(p for p in current.pipelines if 18 in p.ranks)
+    pipe = next((p for p in severe.pipelines if 18 in p.ranks), None)  # None: 18 left out
+    assert pipe is None or [(s.ranks, s.layers) for s in pipe.stages] != [
+        (s.ranks, s.layers) for s in old.stages]
     assert severe.migration_s > 0
 
 
@@ -218,7 +225,7 @@ def test_current_plan_naming_unknown_devices_is_an_input_error(planner, tmp_path
         planner.plan(small, m, plan)
     data = plan.to_dict()
     data["world_size"] = 8
-    with pytest.raises(InputError, match="unknown device rank 16 in pipeline 0"):
+    with pytest.raises(InputError, match=r"unknown device rank \d+ in pipeline 0 \(cluster has ranks 0..7\)"):
         planner.plan(small, m, Plan.from_dict(data))
     with pytest.raises(InputError, match="field 'layout' is missing"):
         Plan.from_dict({"world_size": 8, "pipelines": []})

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from resihp.plan.cost import AnalyticCost, CostModel
+from resihp.plan.knapsack import unbounded_knapsack
 from resihp.plan.layout import powers_of_two_upto
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster
@@ -211,21 +212,6 @@ def _cost_key(cost: CostModel) -> tuple:
 
 def _cat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(6))
-
-
-def _unbounded_knapsack(cost: np.ndarray, value: np.ndarray, capacity: int) -> np.ndarray:
-    """best[c] = the largest total value of items (any number of each) of total cost <= c."""
-    best = np.zeros(capacity + 1)
-    for w, v in zip(cost.tolist(), value.tolist()):
-        if v <= 0 or w > capacity:
-            continue
-        n = -(-(capacity + 1) // w)
-        padded = np.full(n * w, -np.inf)
-        padded[: capacity + 1] = best
-        grid = padded.reshape(n, w)  # grid[j, r] = best[j * w + r]
-        j = np.arange(n)[:, None] * v
-        best = (np.maximum.accumulate(grid - j, axis=0) + j).reshape(-1)[: capacity + 1]
-    return np.maximum.accumulate(best)
 
 
 def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
@@ -462,7 +448,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             front = x > np.concatenate([[-np.inf], np.maximum.accumulate(x)[:-1]])
             return cost_[front], x[front]
 
-        best_full = _unbounded_knapsack(*value(full), n_full)
+        best_full = unbounded_knapsack(*value(full), n_full)
         # slow pipelines, by speed from the fastest: each is an item with one group limited by
         # its slowest device (so at most as many of speed s as there are devices of speed s);
         # its other devices are full-speed or slow ones at least as fast, which it absorbs:

@@ -1,13 +1,16 @@
 """What a ``Planner`` keeps between re-plans of one cluster and model: the parts of a plan that
 device speeds do not change (the healthy plan, the capacity bound at full speed, home pipelines,
-memory fits, critical paths by stage times) and the pipeline solves already done.
+memory fits, critical paths by stage times, pipeline designs) and the pipeline solves already done.
 
 A re-plan at 16,384 devices touches a handful of its 256 pipelines; everything about the others
 comes from here."""
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from resihp.parallel import ParallelDims
+from resihp.plan.designs import Designer
 from resihp.plan.layout import group_options, home_pipelines, layer_ranges
 from resihp.plan.pipeline_solver import PipelineSolution
 from resihp.plan.plan import Plan, Stage, Stages
@@ -36,6 +39,11 @@ class HardwareMemo:
         self._leftover: dict[ParallelDims, frozenset[int]] = {}
         counts = tuple(s.n_layers for s in healthy.pipelines[0].stages)
         self._stages[(healthy.layout, counts)] = [p.stages for p in healthy.pipelines]
+
+    @cached_property
+    def designer(self) -> Designer:
+        """Pipeline designs of mixed TP sizes and depths at full speed (built at first use)."""
+        return Designer(self.coster)
 
     def home_pipelines(self, layout: ParallelDims) -> list[list[tuple[int, ...]]]:
         if layout not in self._homes:

@@ -36,6 +36,7 @@ from resihp.parallel import ParallelDims, apportion
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel, grad_sync_s
+from resihp.plan.designs import design_plan
 from resihp.plan.heuristics import drop_replica_plan, heuristic_plan
 from resihp.plan.layout import (
     binary_chunks,
@@ -270,6 +271,10 @@ class Planner:
                         raise
                 if any(c.bound_ratio >= 0.99 for c in candidates):
                     break  # close enough to the bound: the other weighting cannot gain much
+            # pipelines designed for the devices at hand (mixed TP sizes and depths): from
+            # scratch, and keeping the pipelines of the plan in force that no fault touched
+            best = min(candidates, key=lambda p: p.step_time_s, default=None)
+            candidates += usable(self._designed_plans(context, memo, current, best))
             # around a slow link between data-parallel peers: fewer layers on its stage
             candidates += usable([m for c in list(candidates) for m in boundary_moves(c, cluster)])
             # ... or its end trades places with another stage of its pipeline
@@ -365,6 +370,41 @@ class Planner:
             plans += [balance_tokens(c, coster) for c in plans]
             plans += [balance_tokens(proportional_counts(c, coster), coster)
                       for c in plans[-len(shares):]]
+        return plans
+
+    def _designed_plans(self, ctx: _Context, memo: HardwareMemo, current: Plan | None,
+                        best: Plan | None) -> list[Plan]:
+        """Plans of designed pipelines (``resihp.plan.designs``) on the full-speed live devices:
+        all of them designed anew; and, re-planning, only those of the pipelines a fault touched
+        designed anew beside the untouched ones, or every pipeline that still runs kept as it is
+        (its micro-batches re-allocated; free devices designed into new ones); and the pipelines
+        of ``best`` (the best candidate so far) that run slow devices kept, every full-speed
+        device around them designed anew. Not where the model fixes its TP or PP size."""
+        model, cluster = ctx.model, ctx.cluster
+        if model.tp or model.pp:
+            return []
+        keeps: list[list[Pipeline]] = [[]]
+        if current is not None:
+            touched = cluster.degraded
+            keeps.append([p for p in current.pipelines if touched.isdisjoint(p.ranks)])
+            # every pipeline that still runs kept, the micro-batches moved (nothing migrates)
+            keeps.append([p for p in current.pipelines if cluster.dead.isdisjoint(p.ranks)])
+        slow = cluster.degraded - cluster.dead
+        if best is not None and slow:
+            # the best plan so far's pipelines that run slow devices (re-formed around them by
+            # CP-SAT), the full-speed devices around them designed anew
+            keeps.append([p for p in best.pipelines if not slow.isdisjoint(p.ranks)])
+        broken = any(not all(cluster.devices[r].speed >= 1.0 for r in ranks)
+                     for ranks in cluster.node_ranks)
+        # designs that cannot beat the best plan so far are not built; with token budgets a
+        # balanced plan can be some percent faster than its whole micro-batches
+        target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
+        plans = [design_plan(ctx.coster, ctx.layout, memo.designer, keep, self.name, ctx.per_solve,
+                             whole_nodes_first=first, target_s=target)
+                 for keep in keeps for first in ([False, True] if broken else [False])]
+        plans = [p for p in plans if p is not None]
+        if self.token_budgets:
+            plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
         return plans
 
     def _baseline_plans(self, ctx: _Context, healthy: Plan) -> list[Plan]:

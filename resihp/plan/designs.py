@@ -1,0 +1,426 @@
+"""Pipelines designed for the devices at hand, not cut from the healthy layout: stages of mixed
+tensor-parallel sizes and depths, as many of each design as the devices allow.
+
+The healthy layout gives every replica the same TP x PP shape; the capacity bound
+(``resihp.plan.bound``) showed where that leaves throughput behind: at 1,024 devices its best
+pipelines are 13 TP 4 stages with a TP 2 stage for the LM head, at 64 a mix of TP 2 and TP 1
+stages, and after a fault the devices left over rarely make whole replicas of the old shape.
+
+1. **Designs** (``Design``): ``a`` stages of TP ``t1``, then ``b`` of TP ``t2 < t1``, then the LM
+   head's stage of TP ``th``; layers per stage from the shortest cap ``mu`` on a stage's time that
+   covers the model's layers (memory at each stage's micro-batches in flight), the layers a cap
+   leaves over taken from the stages slowest per layer.
+2. **Packing**: for a step ``T``, design ``g`` carries ``x_g(T) = floor((T - S_g - comm_g - sync_g)
+   / mu_g) + 1`` micro-batches (1F1B closed form); an unbounded knapsack over the devices
+   (``resihp.plan.knapsack``) finds the most micro-batches the designs carry, and a bisection the
+   least ``T`` that carries the global batch.
+3. **Placement**: every tensor-parallel group inside one node, widest first, into the node with
+   the fewest free devices that holds it; the micro-batches are then allocated by CP-SAT
+   (``allocate_microbatches``) across the pipelines placed, as in every other plan.
+
+``design_plan`` may keep pipelines of the plan in force (a re-plan: only the pipelines a fault
+touched are designed anew, from their full-speed devices and the ones no pipeline used). Slow
+devices are left out: a design runs at full speed. The planner scores the result with the same
+evaluator as its other candidates and keeps it only if it is better.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from resihp.parallel import ParallelDims
+from resihp.perf.schedule import pipeline_step_time
+from resihp.plan.allocation import allocate_microbatches
+from resihp.plan.knapsack import choose, unbounded_knapsack
+from resihp.plan.layout import layer_ranges, powers_of_two_upto
+from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
+from resihp.plan.specs import in_flight_microbatches, stage_memory_gb
+from resihp.plan.timing import StageCoster
+
+_EPS = 1e-9
+MAX_SECOND_KIND = 2  # stages of the narrower body TP size per design
+ROUNDS = 4  # of packing and placement, while groups find no node
+PRICED = 16  # designs priced on the schedule's graph besides the ones the first pass chose
+
+
+@dataclass(frozen=True)
+class Design:
+    """A pipeline shape: TP size and layer count per stage, in pipeline order (the last stage
+    runs the LM head); ``mu`` its slowest stage, ``fixed`` the rest of one micro-batch's way
+    through it (stage times' sum and activation transfers, ``S + comm``), at full speed;
+    ``inflight``: the most micro-batches in flight its memory was checked for."""
+
+    tps: tuple[int, ...]
+    counts: tuple[int, ...]
+    mu: float
+    fixed: float
+    inflight: int
+    # the step as ``first + (m - 1) * each``: the closed form, or (``priced``) the schedule's
+    # dependency graph at some micro-batch count and the next
+    first: float = float("nan")
+    each: float = float("nan")
+
+    def __post_init__(self) -> None:
+        if self.first != self.first:  # nan: the closed form
+            object.__setattr__(self, "first", self.fixed)
+            object.__setattr__(self, "each", self.mu)
+
+    @property
+    def devices(self) -> int:
+        return sum(self.tps)
+
+    @property
+    def shard(self) -> float:
+        """Its largest per-device gradient shard, in layers."""
+        return max(n / t for n, t in zip(self.counts, self.tps))
+
+    def step(self, m: int) -> float:
+        """Its step over ``m`` micro-batches, no gradient sync."""
+        return (m - 1) * self.each + self.first
+
+    def carries(self, seconds: float) -> int:
+        """The most micro-batches it finishes within ``seconds`` (memory permitting)."""
+        if seconds < self.first - _EPS:
+            return 0
+        x = int(math.floor((seconds - self.first) / self.each + _EPS)) + 1
+        return x if len(self.tps) <= self.inflight else min(x, self.inflight)
+
+
+class Designer:
+    """Designs for one (healthy hardware, model, cost model) at full speed."""
+
+    def __init__(self, coster: StageCoster) -> None:
+        self.coster = coster
+        self.model = model = coster.model
+        cluster = coster.cluster
+        tflops = float(max(d.tflops for d in cluster.devices))
+        node = min(len(r) for r in cluster.node_ranks)
+        self.tps = [t for t in powers_of_two_upto(node) if model.heads % t == 0]
+        self.free = max(d.memory_gb for d in cluster.devices) - cluster.memory_reserve_gb
+        self.fb = {t: coster.layer_fb(t, tflops) for t in self.tps}
+        self.head_fb = {t: coster.head_fb(t, tflops) for t in self.tps}
+        self.c = {t: sum(self.fb[t]) for t in self.tps}
+        self.h = {t: sum(self.head_fb[t]) for t in self.tps}
+        self.q = 2.0 * coster.p2p_s
+        self._designs: dict[int, list[Design]] = {}
+        self._caps: dict[tuple[int, int, bool, bool], int] = {}
+        self._priced: dict[tuple, Design] = {}
+
+    def _mem_cap(self, t: int, in_flight: int, first: bool, last: bool) -> int:
+        """Layers a stage of TP ``t`` holds with ``in_flight`` micro-batches' activations."""
+        key = (t, in_flight, first, last)
+        if key not in self._caps:
+            self._caps[key] = self._layers_that_fit(t, in_flight, first, last)
+        return self._caps[key]
+
+    def _layers_that_fit(self, t: int, in_flight: int, first: bool, last: bool) -> int:
+        lo, hi = 0, self.model.layers
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if stage_memory_gb(self.model, mid, t, in_flight, first, last) <= self.free + _EPS:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def priced(self, d: Design, m: int) -> Design:
+        """``d`` with its step through the schedule's dependency graph at ``m`` micro-batches and
+        the slope to ``m + 1`` (the closed form misses a few percent on uneven stages)."""
+        key = (d.tps, d.counts, d.inflight, m)
+        if key not in self._priced:
+            self._priced[key] = self._price(d, m)
+        return self._priced[key]
+
+    def _price(self, d: Design, m: int) -> Design:
+        p = len(d.tps)
+        f = np.array([self.fb[t][0] * n for t, n in zip(d.tps, d.counts)])
+        b = np.array([self.fb[t][1] * n for t, n in zip(d.tps, d.counts)])
+        f[-1] += self.head_fb[d.tps[-1]][0]
+        b[-1] += self.head_fb[d.tps[-1]][1]
+        m = max(1, m)
+        steps = [float(pipeline_step_time(np.broadcast_to(f[:, None], (p, k)),
+                                          np.broadcast_to(b[:, None], (p, k)), self.model.schedule,
+                                          p2p_s=self.coster.p2p_s)) for k in (m, m + 1)]
+        each = max(steps[1] - steps[0], _EPS)
+        return replace(d, first=steps[0] - (m - 1) * each, each=each)
+
+    def designs(self, m: int, devices: int) -> list[Design]:
+        """The designs of at most ``devices`` devices whose memory holds ``m`` micro-batches in
+        flight (1F1B: at most the depth)."""
+        if m not in self._designs:
+            self._designs[m] = self._build(m, len(self.coster.cluster))
+        return [d for d in self._designs[m] if d.devices <= devices]
+
+    def _build(self, m: int, devices: int) -> list[Design]:
+        L, schedule = self.model.layers, self.model.schedule
+        out: dict[tuple, Design] = {}
+        for t1 in self.tps:
+            for t2 in [None] + [t for t in self.tps if t < t1]:
+                for b in ([0] if t2 is None else range(1, MAX_SECOND_KIND + 1)):
+                    for th in self.tps:
+                        for a in range(L):
+                            tps = (t1,) * a + (t2,) * b + (th,)
+                            if len(tps) > L or sum(tps) > devices:
+                                break
+                            d = self._fit(tps, m, schedule)
+                            if d is not None:
+                                out.setdefault((d.tps, d.counts), d)
+        return sorted(out.values(), key=lambda d: (d.devices, d.step(m)))
+
+    def _fit(self, tps: tuple[int, ...], m: int, schedule: str) -> Design | None:
+        """Layer counts for stages of these TP sizes: the least cap on a stage's time under which
+        they hold every layer, then the layers over the model's taken from the slowest per layer."""
+        L, p = self.model.layers, len(tps)
+        caps = [self._mem_cap(t, in_flight_microbatches(schedule, p, s, m), s == 0, s == p - 1)
+                for s, t in enumerate(tps)]
+        if min(caps) < 1 or sum(caps) < L:
+            return None
+        c = np.array([self.c[t] for t in tps])
+        h = np.zeros(p)
+        h[-1] = self.h[tps[-1]]
+        cap = np.array(caps)
+        # candidate caps on a stage's time: n layers (and the head) on some stage
+        kinds = {(self.c[t], 0.0) for t in tps[:-1]} | {(self.c[tps[-1]], self.h[tps[-1]])}
+        n_all = np.arange(1, L + 1)
+        mus = np.unique(np.concatenate([n_all * ck + hk for ck, hk in kinds]))
+        held = np.minimum(cap[None, :], np.floor((mus[:, None] - h[None, :]) / c[None, :] + _EPS))
+        ok = (held >= 1).all(axis=1) & (held.sum(axis=1) >= L)
+        if not ok.any():
+            return None
+        n = held[int(np.argmax(ok))].astype(int)
+        extra = int(n.sum()) - L
+        for s in np.argsort(-c, kind="stable"):  # the extra layers off the slowest per layer
+            cut = min(extra, int(n[s]) - 1)
+            n[s] -= cut
+            extra -= cut
+        times = n * c + h
+        inflight = m if schedule == "1f1b" and m < p else (10**9 if schedule == "1f1b" else m)
+        return Design(tps, tuple(int(x) for x in n), float(times.max()),
+                      float(times.sum()) + self.q * (p - 1), inflight)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Designs and how many pipelines of each, and the step the bisection found."""
+
+    designs: tuple[Design, ...]
+    counts: tuple[int, ...]
+    step_s: float
+
+
+def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tuple[float, float]] = (),
+         kept_shard: float = 0.0, replicas_hint: int = 2, max_tp: int | None = None,
+         target_s: float | None = None) -> Packing | None:
+    """The designs (groups of at most ``max_tp`` devices), and how many of each, that carry
+    ``microbatches`` in the least step on ``devices`` full-speed devices, beside pipelines
+    already placed (``kept``: each one's (first micro-batch's step, each further one's),
+    largest shard ``kept_shard``). None if none can carry them in a step of ``target_s``."""
+    coster = designer.coster
+    m_guess = max(1, -(-microbatches // max(1, replicas_hint)))
+    pool: dict[tuple, Design] = {}
+    for m in sorted({1, 2, m_guess, 10**6}):
+        for d in designer.designs(m, devices):
+            if max_tp is None or max(d.tps) <= max_tp:
+                pool.setdefault((d.tps, d.counts, d.inflight), d)
+    designs = list(pool.values())
+    if not designs and not kept:
+        return None
+    replicas = max(2, replicas_hint)
+    packing = _bisect(coster, designs, devices, microbatches, kept, kept_shard, replicas, target_s)
+    if packing is None or not designs:
+        return packing
+    # the second pass on the schedule's graph: the designs worth having at that step, each
+    # priced at the micro-batches it would carry there
+    unit = coster.sync_s_per_shard_layer(max(2, len(kept) + sum(packing.counts)))
+    vals = [d.carries(packing.step_s - unit * max(d.shard, kept_shard)) for d in designs]
+    order = sorted(range(len(designs)), key=lambda i: (designs[i].devices, -vals[i]))
+    front, best = [], 0
+    for i in order:
+        if vals[i] > best:
+            front.append(i)
+            best = vals[i]
+    # the designs chosen and the most micro-batches per device among the rest
+    chosen = {i for i, k in enumerate(packing.counts) if k}
+    front = sorted(set(front) - chosen, key=lambda i: -vals[i] / designs[i].devices)[:PRICED] + \
+        sorted(chosen)
+    priced = [designer.priced(designs[i], vals[i]) for i in front]
+    replicas = max(2, len(kept) + sum(packing.counts))
+    return _bisect(coster, priced, devices, microbatches, kept, kept_shard, replicas, target_s) or packing
+
+
+def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatches: int,
+            kept: Sequence[tuple[float, float]], kept_shard: float, replicas: int,
+            target_s: float | None = None) -> Packing | None:
+    """The least step at which the designs (and the kept pipelines) carry the micro-batches,
+    and the packing there; the all-reduce's ring length taken from the answer, once more.
+    None if it is longer than ``target_s``."""
+    cost = np.array([d.devices for d in designs], dtype=np.int64)
+    first = np.array([d.first for d in designs])
+    each = np.array([d.each for d in designs])
+    shard = np.maximum(np.array([d.shard for d in designs]), kept_shard)
+    limit = np.array([np.inf if len(d.tps) <= d.inflight else d.inflight for d in designs])
+    k_first = np.array([f for f, _ in kept])
+    k_each = np.array([e for _, e in kept])
+    result = None
+    for _ in range(2):
+        unit = coster.sync_s_per_shard_layer(replicas)
+
+        def carried(T: float, unit: float = unit) -> tuple[float, np.ndarray]:
+            room = T - unit * shard - first
+            vals = np.where(room >= -_EPS, np.minimum(np.floor(np.maximum(room, 0) / each + _EPS) + 1,
+                                                      limit), 0.0)
+            k_room = T - unit * kept_shard - k_first
+            base = float(np.where(k_room >= -_EPS, np.floor(np.maximum(k_room, 0) / k_each + _EPS) + 1,
+                                  0.0).sum()) if len(kept) else 0.0
+            return base, vals
+
+        def feasible(T: float) -> bool:
+            base, vals = carried(T)
+            if not len(vals):
+                return base >= microbatches - _EPS
+            keep = _front(cost, vals)
+            return base + (unbounded_knapsack(cost[keep], vals[keep], devices)[-1]
+                           if len(keep) else 0.0) >= microbatches - _EPS
+
+        lo = float(min(first.min(initial=np.inf), k_first.min(initial=np.inf)))
+        if target_s is not None:
+            if not feasible(target_s):
+                return None
+            hi = target_s
+        else:
+            hi = max(lo, 1e-6) * 2
+        while not feasible(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1e9:
+                return None
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+            if hi - lo <= 1e-5 * hi:
+                break
+        _, vals = carried(hi)
+        counts = [0] * len(designs)
+        if len(designs):
+            keep = _front(cost, vals)
+            for i, k in zip(keep, choose(cost[keep], vals[keep], devices)[1]):
+                counts[i] = k
+        result = Packing(tuple(designs), tuple(counts), hi)
+        if max(2, len(kept) + sum(counts)) == replicas:
+            break
+        replicas = max(2, len(kept) + sum(counts))
+    return result
+
+
+def _front(cost: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """The designs worth packing: of those with the same or more devices, only the ones that
+    carry more."""
+    order = np.lexsort((-vals, cost))
+    front = vals[order] > np.concatenate([[0.0], np.maximum.accumulate(vals[order])[:-1]])
+    return order[front]
+
+
+def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: dict[int, int],
+          ) -> list[tuple[Stage, ...]]:
+    """Ranks for the pipelines: each TP group inside one node, the widest groups first, each into
+    the node with the fewest free devices that holds it (so whole nodes stay whole for wide
+    groups). A pipeline some group of which finds no node is left out."""
+    nodes: dict[int, list[int]] = {}
+    for r in sorted(free):
+        nodes.setdefault(node_of[r], []).append(r)
+    wanted = [(d, i) for d, k in counts for i in range(k)]
+    groups = sorted(((t, j, s) for j, (d, _) in enumerate(wanted) for s, t in enumerate(d.tps)),
+                    key=lambda g: (-g[0], g[1], g[2]))
+    got: dict[int, dict[int, tuple[int, ...]]] = {}
+    failed: set[int] = set()
+    for t, j, s in groups:
+        if j in failed:
+            continue
+        fits = [n for n, ranks in nodes.items() if len(ranks) >= t]
+        if not fits:
+            failed.add(j)
+            for g in got.pop(j, {}).values():  # its groups go back
+                nodes[node_of[g[0]]].extend(g)
+                nodes[node_of[g[0]]].sort()
+            continue
+        n = min(fits, key=lambda n: (len(nodes[n]), n))
+        got.setdefault(j, {})[s] = tuple(nodes[n][:t])
+        del nodes[n][:t]
+    out = []
+    for j, (d, _) in enumerate(wanted):
+        if j in failed or j not in got:
+            continue
+        ranges = layer_ranges(d.counts)
+        out.append(Stages(Stage(got[j][s], ranges[s]) for s in range(len(d.tps))))
+    return out
+
+
+def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
+                keep: Sequence[Pipeline] = (), policy: str = "resihp",
+                time_limit_s: float = 0.5, whole_nodes_first: bool = False,
+                target_s: float | None = None) -> Plan | None:
+    """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
+    pipelines of the plan in force, kept as they are) does not use; None if they carry nothing.
+    ``layout`` stays the plan's home layout (what later re-plans start from).
+    ``whole_nodes_first``: design for the nodes with every device free first, then for the
+    rest; else for every free device at once (the knapsack counts devices, not nodes: where
+    faults broke nodes up, either can be better). ``target_s``: a step to beat (a plan at hand):
+    None when the designs cannot."""
+    cluster, model = coster.cluster, coster.model
+    used = {r for p in keep for r in p.ranks}
+    free = {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
+    node_of = {d.rank: d.node for d in cluster.devices}
+    kept_stages = [p.stages for p in keep]
+    new: list[tuple[Stage, ...]] = []
+    m_ref = max(2, -(-model.microbatches // max(1, layout.dp)))
+    # rounds, while pipelines find room: the knapsack counts devices, not which node they sit
+    # in (power-of-two groups, widest first, always fill whole nodes); a later round designs
+    # for the devices left, with groups no wider than the most any node has free
+    sizes = {n: len(ranks) for n, ranks in enumerate(cluster.node_ranks)}
+    for rnd in range(ROUNDS):
+        per_node: dict[int, list[int]] = {}
+        for r in free:
+            per_node.setdefault(node_of[r], []).append(r)
+        whole = {r for n, rs in per_node.items() if len(rs) == sizes.get(n, -1) for r in rs}
+        pool = whole if rnd == 0 and whole and whole_nodes_first else free
+        widest = max((len(rs) for rs in per_node.values()), default=0)
+        if not pool or widest < 1:
+            break
+        placed = kept_stages + new
+        rates = [(coster.pipeline_step(s, 1),
+                  (coster.pipeline_step(s, m_ref) - coster.pipeline_step(s, 1)) / (m_ref - 1))
+                 for s in placed]
+        shard = max((coster.largest_shard(s) for s in placed), default=0.0)
+        packing = pack(designer, len(pool), model.microbatches, rates, shard,
+                       replicas_hint=max(2, layout.dp), max_tp=1 << (widest.bit_length() - 1),
+                       target_s=target_s if rnd == 0 else None)
+        if packing is None and rnd == 0 and target_s is not None:
+            return None
+        if packing is None:
+            break
+        more = place(zip(packing.designs, packing.counts), pool, node_of)
+        new += more
+        free -= {r for st in more for g in st for r in g.ranks}
+        if not more and pool is free:
+            break
+    stages = kept_stages + new
+    if not stages:
+        return None
+    # T(m) ~ T(1) + (m - 1) * slope, the slope taken up to about what each pipeline carries
+    m_ref = max(2, -(-model.microbatches // len(stages)))
+    first = [coster.pipeline_step(s, 1) for s in stages]
+    each = [max(0.0, (coster.pipeline_step(s, m_ref) - f) / (m_ref - 1)) for s, f in zip(stages, first)]
+    caps = [coster.max_microbatches(s) for s in stages]
+    try:
+        alloc, _, _ = allocate_microbatches(first, each, model.microbatches, time_limit_s, caps)
+    except ValueError:
+        return None
+    homes = [p.home for p in keep] + [None] * len(new)
+    pipelines = []
+    for s, m, home in zip(stages, alloc, homes):
+        if m > 0:
+            pipelines.append(Pipeline(len(pipelines), s, m, home=home))
+    return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy=policy)
