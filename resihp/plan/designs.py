@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -64,19 +64,15 @@ class Design:
     first: float = float("nan")
     each: float = float("nan")
 
+    devices: int = field(init=False)
+    shard: float = field(init=False)  # its largest per-device gradient shard, in layers
+
     def __post_init__(self) -> None:
         if self.first != self.first:  # nan: the closed form
             object.__setattr__(self, "first", self.fixed)
             object.__setattr__(self, "each", self.mu)
-
-    @property
-    def devices(self) -> int:
-        return sum(self.tps)
-
-    @property
-    def shard(self) -> float:
-        """Its largest per-device gradient shard, in layers."""
-        return max(n / t for n, t in zip(self.counts, self.tps))
+        object.__setattr__(self, "devices", sum(self.tps))
+        object.__setattr__(self, "shard", max(n / t for n, t in zip(self.counts, self.tps)))
 
     def step(self, m: int) -> float:
         """Its step over ``m`` micro-batches, no gradient sync."""
@@ -214,11 +210,13 @@ class Packing:
 
 def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tuple[float, float]] = (),
          kept_shard: float = 0.0, replicas_hint: int = 2, max_tp: int | None = None,
-         target_s: float | None = None) -> Packing | None:
+         target_s: float | None = None, token_budgets: bool = False) -> Packing | None:
     """The designs (groups of at most ``max_tp`` devices), and how many of each, that carry
     ``microbatches`` in the least step on ``devices`` full-speed devices, beside pipelines
     already placed (``kept``: each one's (first micro-batch's step, each further one's),
-    largest shard ``kept_shard``). None if none can carry them in a step of ``target_s``."""
+    largest shard ``kept_shard``). None if none can carry them in a step of ``target_s``.
+    ``token_budgets``: a pipeline's micro-batches may be larger than the model's budget
+    (``resihp.plan.tokens``), so it carries ``m * room / step(m)`` budgets' worth, not ``m``."""
     coster = designer.coster
     m_guess = max(1, -(-microbatches // max(1, replicas_hint)))
     pool: dict[tuple, Design] = {}
@@ -230,7 +228,8 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
     if not designs and not kept:
         return None
     replicas = max(2, replicas_hint)
-    packing = _bisect(coster, designs, devices, microbatches, kept, kept_shard, replicas, target_s)
+    packing = _bisect(coster, designs, devices, microbatches, kept, kept_shard, replicas, target_s,
+                      token_budgets)
     if packing is None or not designs:
         return packing
     # the second pass on the schedule's graph: the designs worth having at that step, each
@@ -249,12 +248,13 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
         sorted(chosen)
     priced = [designer.priced(designs[i], vals[i]) for i in front]
     replicas = max(2, len(kept) + sum(packing.counts))
-    return _bisect(coster, priced, devices, microbatches, kept, kept_shard, replicas, target_s) or packing
+    return _bisect(coster, priced, devices, microbatches, kept, kept_shard, replicas, target_s,
+                   token_budgets) or packing
 
 
 def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatches: int,
             kept: Sequence[tuple[float, float]], kept_shard: float, replicas: int,
-            target_s: float | None = None) -> Packing | None:
+            target_s: float | None = None, token_budgets: bool = False) -> Packing | None:
     """The least step at which the designs (and the kept pipelines) carry the micro-batches,
     and the packing there; the all-reduce's ring length taken from the answer, once more.
     None if it is longer than ``target_s``."""
@@ -270,12 +270,8 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
         unit = coster.sync_s_per_shard_layer(replicas)
 
         def carried(T: float, unit: float = unit) -> tuple[float, np.ndarray]:
-            room = T - unit * shard - first
-            vals = np.where(room >= -_EPS, np.minimum(np.floor(np.maximum(room, 0) / each + _EPS) + 1,
-                                                      limit), 0.0)
-            k_room = T - unit * kept_shard - k_first
-            base = float(np.where(k_room >= -_EPS, np.floor(np.maximum(k_room, 0) / k_each + _EPS) + 1,
-                                  0.0).sum()) if len(kept) else 0.0
+            vals = _carried(T - unit * shard, first, each, limit, token_budgets)
+            base = float(_carried(T - unit * kept_shard, k_first, k_each, np.inf, token_budgets).sum())
             return base, vals
 
         def feasible(T: float) -> bool:
@@ -313,6 +309,20 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
             break
         replicas = max(2, len(kept) + sum(counts))
     return result
+
+
+def _carried(room: np.ndarray | float, first: np.ndarray, each: np.ndarray,
+             limit: np.ndarray | float, token_budgets: bool) -> np.ndarray:
+    """Micro-batches (model budgets' worth) pipelines of step ``first + (m - 1) * each`` carry in
+    ``room`` seconds: the most whole ones that fit; with token budgets, that many stretched
+    to fill the room (each at least the budget)."""
+    room = np.broadcast_to(np.asarray(room, dtype=np.float64), first.shape)
+    m = np.where(room >= first - _EPS,
+                 np.minimum(np.floor(np.maximum(room - first, 0.0) / each + _EPS) + 1, limit), 0.0)
+    if not token_budgets:
+        return m
+    step = first + np.maximum(m - 1, 0) * each
+    return np.where(m > 0, m * room / np.where(step > 0, step, 1.0), 0.0)
 
 
 def _front(cost: np.ndarray, vals: np.ndarray) -> np.ndarray:
@@ -361,14 +371,16 @@ def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: di
 def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
                 keep: Sequence[Pipeline] = (), policy: str = "resihp",
                 time_limit_s: float = 0.5, whole_nodes_first: bool = False,
-                target_s: float | None = None) -> Plan | None:
+                target_s: float | None = None, token_budgets: bool = False) -> Plan | None:
     """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
     pipelines of the plan in force, kept as they are) does not use; None if they carry nothing.
     ``layout`` stays the plan's home layout (what later re-plans start from).
     ``whole_nodes_first``: design for the nodes with every device free first, then for the
     rest; else for every free device at once (the knapsack counts devices, not nodes: where
     faults broke nodes up, either can be better). ``target_s``: a step to beat (a plan at hand):
-    None when the designs cannot."""
+    None when the designs cannot. ``token_budgets``: packed for plans whose replicas share the
+    tokens by speed (``resihp.plan.tokens``); the plan returned has whole micro-batches, which
+    the caller balances."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
@@ -396,7 +408,7 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         shard = max((coster.largest_shard(s) for s in placed), default=0.0)
         packing = pack(designer, len(pool), model.microbatches, rates, shard,
                        replicas_hint=max(2, layout.dp), max_tp=1 << (widest.bit_length() - 1),
-                       target_s=target_s if rnd == 0 else None)
+                       target_s=target_s if rnd == 0 else None, token_budgets=token_budgets)
         if packing is None and rnd == 0 and target_s is not None:
             return None
         if packing is None:

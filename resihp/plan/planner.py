@@ -400,7 +400,8 @@ class Planner:
         # balanced plan can be some percent faster than its whole micro-batches
         target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
         plans = [design_plan(ctx.coster, ctx.layout, memo.designer, keep, self.name, ctx.per_solve,
-                             whole_nodes_first=first, target_s=target)
+                             whole_nodes_first=first, target_s=target,
+                             token_budgets=self.token_budgets)
                  for keep in keeps for first in ([False, True] if broken else [False])]
         plans = [p for p in plans if p is not None]
         if self.token_budgets:
