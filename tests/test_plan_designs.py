@@ -85,6 +85,22 @@ def test_placement_keeps_groups_in_nodes_and_away_from_faults(h100_64):
     assert place([(d, 1)], range(7), {r: 0 for r in range(8)}) == []
 
 
+def test_slow_devices_get_pipelines_of_their_own_when_they_carry_work(h100_64):
+    c, m, coster, designer = h100_64
+    layout = healthy_plan(c, m).layout
+    node0 = set(c.node_ranks[0])
+    slow = c.with_speeds({r: 0.5 for r in node0})
+    dead = c.with_speeds({r: 0.0 for r in node0})
+    with_slow = evaluate(design_plan(coster.at_speeds(slow), layout, designer), coster.at_speeds(slow))
+    without = evaluate(design_plan(coster.at_speeds(dead), layout, designer), coster.at_speeds(dead))
+    assert plan_problems(with_slow, slow, m) == []
+    on_slow = [p for p in with_slow.pipelines if node0 & set(p.ranks)]
+    assert on_slow and all(set(p.ranks) <= node0 for p in on_slow)  # never mixed with full speed
+    full = [p.microbatches for p in with_slow.pipelines if p not in on_slow]
+    assert max(p.microbatches for p in on_slow) < min(full)  # half speed: less work
+    assert with_slow.step_time_s < without.step_time_s
+
+
 def test_a_repair_keeps_the_untouched_pipelines_and_the_planner_does_no_worse(h100_64):
     c, m, coster, designer = h100_64
     layout = healthy_plan(c, m).layout

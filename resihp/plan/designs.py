@@ -20,13 +20,17 @@ stages, and after a fault the devices left over rarely make whole replicas of th
 
 ``design_plan`` may keep pipelines of the plan in force (a re-plan: only the pipelines a fault
 touched are designed anew, from their full-speed devices and the ones no pipeline used). Slow
-devices are left out: a design runs at full speed. The planner scores the result with the same
-evaluator as its other candidates and keeps it only if it is better.
+devices get pipelines of their own last: the ``k`` fastest of them, each design stretched to the
+slowest of those ``k`` speeds, for the ``k`` that carries the batch in the least step. The planner
+scores the result with the same evaluator as its other candidates and keeps it only if it is
+better.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -42,7 +46,8 @@ from resihp.plan.specs import in_flight_microbatches, stage_memory_gb
 from resihp.plan.timing import StageCoster
 
 _EPS = 1e-9
-MAX_SECOND_KIND = 2  # stages of the narrower body TP size per design
+MAX_SECOND_KIND = 4  # stages of the narrower body TP size per design
+FIRST_ROUNDS = ("all", "chunks", "whole")  # what the first round of packing designs for
 ROUNDS = 4  # of packing and placement, while groups find no node
 PRICED = 16  # designs priced on the schedule's graph besides the ones the first pass chose
 
@@ -105,6 +110,7 @@ class Designer:
         self._designs: dict[int, list[Design]] = {}
         self._caps: dict[tuple[int, int, bool, bool], int] = {}
         self._priced: dict[tuple, Design] = {}
+        self._pools: dict[tuple, list[Design]] = {}
 
     def _mem_cap(self, t: int, in_flight: int, first: bool, last: bool) -> int:
         """Layers a stage of TP ``t`` holds with ``in_flight`` micro-batches' activations."""
@@ -149,7 +155,23 @@ class Designer:
         flight (1F1B: at most the depth)."""
         if m not in self._designs:
             self._designs[m] = self._build(m, len(self.coster.cluster))
-        return [d for d in self._designs[m] if d.devices <= devices]
+        built = self._designs[m]  # by device count
+        return built[: bisect_right(built, devices, key=lambda d: d.devices)]
+
+    def pool(self, m_guess: int, devices: int, max_tp: int | None) -> list[Design]:
+        """The designs a packing for about ``m_guess`` micro-batches per pipeline draws from:
+        memory for one, two, ``m_guess`` and any number of micro-batches in flight."""
+        key = (m_guess, devices, max_tp)
+        if key not in self._pools:
+            pool: dict[tuple, Design] = {}
+            for m in sorted({1, 2, m_guess, 10**6}):
+                for d in self.designs(m, devices):
+                    if max_tp is None or max(d.tps) <= max_tp:
+                        pool.setdefault((d.tps, d.counts, d.inflight), d)
+            if len(self._pools) > 256:
+                self._pools.clear()
+            self._pools[key] = list(pool.values())
+        return self._pools[key]
 
     def _build(self, m: int, devices: int) -> list[Design]:
         L, schedule = self.model.layers, self.model.schedule
@@ -210,21 +232,18 @@ class Packing:
 
 def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tuple[float, float]] = (),
          kept_shard: float = 0.0, replicas_hint: int = 2, max_tp: int | None = None,
-         target_s: float | None = None, token_budgets: bool = False) -> Packing | None:
+         target_s: float | None = None, token_budgets: bool = False,
+         speed: float = 1.0) -> Packing | None:
     """The designs (groups of at most ``max_tp`` devices), and how many of each, that carry
-    ``microbatches`` in the least step on ``devices`` full-speed devices, beside pipelines
+    ``microbatches`` in the least step on ``devices`` devices of ``speed``, beside pipelines
     already placed (``kept``: each one's (first micro-batch's step, each further one's),
     largest shard ``kept_shard``). None if none can carry them in a step of ``target_s``.
     ``token_budgets``: a pipeline's micro-batches may be larger than the model's budget
     (``resihp.plan.tokens``), so it carries ``m * room / step(m)`` budgets' worth, not ``m``."""
     coster = designer.coster
     m_guess = max(1, -(-microbatches // max(1, replicas_hint)))
-    pool: dict[tuple, Design] = {}
-    for m in sorted({1, 2, m_guess, 10**6}):
-        for d in designer.designs(m, devices):
-            if max_tp is None or max(d.tps) <= max_tp:
-                pool.setdefault((d.tps, d.counts, d.inflight), d)
-    designs = list(pool.values())
+    base = designer.pool(m_guess, devices, max_tp)
+    designs = [_slowed(d, speed) for d in base]
     if not designs and not kept:
         return None
     replicas = max(2, replicas_hint)
@@ -246,7 +265,7 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
     chosen = {i for i, k in enumerate(packing.counts) if k}
     front = sorted(set(front) - chosen, key=lambda i: -vals[i] / designs[i].devices)[:PRICED] + \
         sorted(chosen)
-    priced = [designer.priced(designs[i], vals[i]) for i in front]
+    priced = [_slowed(designer.priced(base[i], vals[i]), speed) for i in front]
     replicas = max(2, len(kept) + sum(packing.counts))
     return _bisect(coster, priced, devices, microbatches, kept, kept_shard, replicas, target_s,
                    token_budgets) or packing
@@ -311,6 +330,15 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
     return result
 
 
+def _slowed(d: Design, speed: float) -> Design:
+    """``d`` on devices of ``speed`` (a fraction of full speed): every time stretched, transfers
+    included (so never faster than it is)."""
+    if speed >= 1.0:
+        return d
+    return replace(d, mu=d.mu / speed, fixed=d.fixed / speed, first=d.first / speed,
+                   each=d.each / speed)
+
+
 def _carried(room: np.ndarray | float, first: np.ndarray, each: np.ndarray,
              limit: np.ndarray | float, token_budgets: bool) -> np.ndarray:
     """Micro-batches (model budgets' worth) pipelines of step ``first + (m - 1) * each`` carry in
@@ -344,21 +372,45 @@ def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: di
     wanted = [(d, i) for d, k in counts for i in range(k)]
     groups = sorted(((t, j, s) for j, (d, _) in enumerate(wanted) for s, t in enumerate(d.tps)),
                     key=lambda g: (-g[0], g[1], g[2]))
+    # nodes by how many devices they have free (heaps of node ids; an entry whose node's count
+    # has since changed is skipped): the fullest node that fits found in a few steps
+    by_free: dict[int, list[int]] = {}
+    for n, ranks in nodes.items():
+        heapq.heappush(by_free.setdefault(len(ranks), []), n)
+    most = max(by_free, default=0)
+
+    def lowest(c: int) -> int | None:
+        heap = by_free.get(c, [])
+        while heap and len(nodes[heap[0]]) != c:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def moved(n: int) -> None:
+        heapq.heappush(by_free.setdefault(len(nodes[n]), []), n)
+
+    def take(n: int, t: int) -> tuple[int, ...]:
+        got_ranks = tuple(nodes[n][:t])
+        del nodes[n][:t]
+        moved(n)
+        return got_ranks
+
+    def give(g: tuple[int, ...]) -> None:
+        n = node_of[g[0]]
+        nodes[n] = sorted(nodes[n] + list(g))
+        moved(n)
+
     got: dict[int, dict[int, tuple[int, ...]]] = {}
     failed: set[int] = set()
     for t, j, s in groups:
         if j in failed:
             continue
-        fits = [n for n, ranks in nodes.items() if len(ranks) >= t]
-        if not fits:
+        n = next((x for c in range(t, most + 1) if (x := lowest(c)) is not None), None)
+        if n is None:
             failed.add(j)
             for g in got.pop(j, {}).values():  # its groups go back
-                nodes[node_of[g[0]]].extend(g)
-                nodes[node_of[g[0]]].sort()
+                give(g)
             continue
-        n = min(fits, key=lambda n: (len(nodes[n]), n))
-        got.setdefault(j, {})[s] = tuple(nodes[n][:t])
-        del nodes[n][:t]
+        got.setdefault(j, {})[s] = take(n, t)
     out = []
     for j, (d, _) in enumerate(wanted):
         if j in failed or j not in got:
@@ -370,14 +422,15 @@ def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: di
 
 def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
                 keep: Sequence[Pipeline] = (), policy: str = "resihp",
-                time_limit_s: float = 0.5, whole_nodes_first: bool = False,
+                time_limit_s: float = 0.5, first_round: str = "all",
                 target_s: float | None = None, token_budgets: bool = False) -> Plan | None:
     """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
     pipelines of the plan in force, kept as they are) does not use; None if they carry nothing.
     ``layout`` stays the plan's home layout (what later re-plans start from).
-    ``whole_nodes_first``: design for the nodes with every device free first, then for the
-    rest; else for every free device at once (the knapsack counts devices, not nodes: where
-    faults broke nodes up, either can be better). ``target_s``: a step to beat (a plan at hand):
+    ``first_round``: what the first round of packing designs for: ``all`` free devices, the
+    ``whole`` nodes (every device free), or every node's largest power-of-two ``chunks`` of
+    free devices (the knapsack counts devices, not nodes: where faults broke nodes up, the
+    devices beside a chunk hold only narrow groups; which is best depends on how they broke). ``target_s``: a step to beat (a plan at hand):
     None when the designs cannot. ``token_budgets``: packed for plans whose replicas share the
     tokens by speed (``resihp.plan.tokens``); the plan returned has whole micro-batches, which
     the caller balances."""
@@ -397,7 +450,15 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         for r in free:
             per_node.setdefault(node_of[r], []).append(r)
         whole = {r for n, rs in per_node.items() if len(rs) == sizes.get(n, -1) for r in rs}
-        pool = whole if rnd == 0 and whole and whole_nodes_first else free
+        if rnd == 0 and whole and first_round == "whole":
+            pool = whole
+        elif rnd == 0 and first_round == "chunks":
+            # a node that faults broke up counts with its largest power-of-two chunk only: the
+            # devices beside it hold only narrow groups, which the next round designs for
+            pool = {r for rs in per_node.values()
+                    for r in sorted(rs)[: 1 << (len(rs).bit_length() - 1)]}
+        else:
+            pool = free
         widest = max((len(rs) for rs in per_node.values()), default=0)
         if not pool or widest < 1:
             break
@@ -418,6 +479,8 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         free -= {r for st in more for g in st for r in g.ranks}
         if not more and pool is free:
             break
+    new += _slow_pipelines(coster, designer, layout, kept_stages + new, used | {
+        r for st in new for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
     stages = kept_stages + new
     if not stages:
         return None
@@ -436,3 +499,41 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         if m > 0:
             pipelines.append(Pipeline(len(pipelines), s, m, home=home))
     return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy=policy)
+
+
+def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDims,
+                    placed: list[tuple[Stage, ...]], used: set[int], node_of: dict[int, int],
+                    m_ref: int, token_budgets: bool) -> list[tuple[Stage, ...]]:
+    """Pipelines of slow live devices beside the ones placed: the ``k`` fastest of them, each
+    design priced at the slowest of those ``k`` speeds; the ``k`` whose packing carries the
+    batch in the least step, if any of its pipelines carries something."""
+    cluster, model = coster.cluster, coster.model
+    slow = sorted((d.rank for d in cluster.devices if 0 < d.speed < 1.0 and d.rank not in used),
+                  key=lambda r: (-cluster.devices[r].speed, r))
+    if not slow:
+        return []
+    rates = [(coster.pipeline_step(s, 1),
+              (coster.pipeline_step(s, m_ref) - coster.pipeline_step(s, 1)) / (m_ref - 1))
+             for s in placed]
+    shard = max((coster.largest_shard(s) for s in placed), default=0.0)
+    best: tuple[float, Packing, list[int]] | None = None
+    for k in range(1, len(slow) + 1):
+        if k < len(slow) and cluster.devices[slow[k]].speed == cluster.devices[slow[k - 1]].speed:
+            continue  # the next device is as fast: more devices at the same price
+        if not designer.designs(10**6, k) and not designer.designs(1, k):
+            continue  # no design fits on so few devices
+        pool = slow[:k]
+        per_node: dict[int, int] = {}
+        for r in pool:
+            per_node[node_of[r]] = per_node.get(node_of[r], 0) + 1
+        widest = max(per_node.values())
+        packing = pack(designer, k, model.microbatches, rates, shard, max(2, layout.dp),
+                       max_tp=1 << (widest.bit_length() - 1), token_budgets=token_budgets,
+                       speed=cluster.devices[pool[-1]].speed)
+        if packing is not None and sum(packing.counts) and (
+                best is None or packing.step_s < best[0] - _EPS):
+            best = (packing.step_s, packing, pool)
+    if best is None:
+        return []
+    _, packing, pool = best
+    return place(zip(packing.designs, packing.counts), pool, node_of)

@@ -36,7 +36,7 @@ from resihp.parallel import ParallelDims, apportion
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel, grad_sync_s
-from resihp.plan.designs import design_plan
+from resihp.plan.designs import FIRST_ROUNDS, design_plan
 from resihp.plan.heuristics import drop_replica_plan, heuristic_plan
 from resihp.plan.layout import (
     binary_chunks,
@@ -400,9 +400,8 @@ class Planner:
         # balanced plan can be some percent faster than its whole micro-batches
         target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
         plans = [design_plan(ctx.coster, ctx.layout, memo.designer, keep, self.name, ctx.per_solve,
-                             whole_nodes_first=first, target_s=target,
-                             token_budgets=self.token_budgets)
-                 for keep in keeps for first in ([False, True] if broken else [False])]
+                             first_round=first, target_s=target, token_budgets=self.token_budgets)
+                 for keep in keeps for first in (FIRST_ROUNDS if broken else ["all"])]
         plans = [p for p in plans if p is not None]
         if self.token_budgets:
             plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
