@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from resihp.plan.cost import AnalyticCost, CostModel
+from resihp.plan.cost import AnalyticCost, CostModel, cost_key
 from resihp.plan.knapsack import unbounded_knapsack
 from resihp.plan.layout import powers_of_two_upto
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
@@ -199,15 +199,6 @@ LAMBDAS = np.concatenate([[0.0], 0.05 * 1.5 ** np.arange(16)])  # device prices,
 # knapsack items per (hardware, model, cost model), per speed (None: full speed); they depend on
 # nothing else, so re-plans of one job and the benchmark's scenarios build each once
 _ITEMS: dict[tuple, dict[object, tuple[np.ndarray, ...]]] = {}
-
-
-def _cost_key(cost: CostModel) -> tuple:
-    try:
-        key = (type(cost).__qualname__, tuple(sorted(vars(cost).items())))
-        hash(key)
-        return key
-    except TypeError:
-        return (type(cost).__qualname__, cost)  # by identity, and kept alive with its items
 
 
 def _cat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
@@ -383,7 +374,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                  for mu, ranges in merged.items() for dev_n, f, top in ranges]
         return _cat(parts)
 
-    key = (cluster.hardware_key, model, _cost_key(coster.cost))
+    key = (cluster.hardware_key, model, cost_key(coster.cost))
     if key not in _ITEMS:
         if len(_ITEMS) > 64:
             _ITEMS.clear()

@@ -91,6 +91,17 @@ class CostModel(Protocol):
 
 
 @lru_cache(maxsize=64)
+def cost_key(cost: CostModel) -> tuple:
+    """What keys the caches of one cost model's derived tables (its type and settings, or the
+    object itself when they do not hash)."""
+    try:
+        key = (type(cost).__qualname__, tuple(sorted(vars(cost).items())))
+        hash(key)
+        return key
+    except TypeError:
+        return (type(cost).__qualname__, cost)  # by identity, and kept alive with its items
+
+
 def expected_microbatches(workload: str | None, microbatch_tokens: int, max_seq_len: int,
                           samples: int = 256, seed: int = 0) -> tuple[tuple[int, ...], ...]:
     """Micro-batches as a data loader would pack them from the workload's real document lengths;

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from resihp.parallel import ParallelDims
-from resihp.plan.designs import Designer
+from resihp.plan.designs import Designer, designer_for
 from resihp.plan.layout import group_options, home_pipelines, layer_ranges
 from resihp.plan.pipeline_solver import PipelineSolution
 from resihp.plan.plan import Plan, Stage, Stages
@@ -43,7 +43,7 @@ class HardwareMemo:
     @cached_property
     def designer(self) -> Designer:
         """Pipeline designs of mixed TP sizes and depths at full speed (built at first use)."""
-        return Designer(self.coster)
+        return designer_for(self.coster)
 
     def home_pipelines(self, layout: ParallelDims) -> list[list[tuple[int, ...]]]:
         if layout not in self._homes:
