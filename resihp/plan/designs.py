@@ -446,10 +446,11 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
     ``first_round``: what the first round of packing designs for: ``all`` free devices, the
     ``whole`` nodes (every device free), or every node's largest power-of-two ``chunks`` of
     free devices (the knapsack counts devices, not nodes: where faults broke nodes up, the
-    devices beside a chunk hold only narrow groups; which is best depends on how they broke). ``target_s``: a step to beat (a plan at hand):
-    None when the designs cannot. ``token_budgets``: packed for plans whose replicas share the
-    tokens by speed (``resihp.plan.tokens``); the plan returned has whole micro-batches, which
-    the caller balances."""
+    devices beside a chunk hold only narrow groups; which is best depends on how they broke).
+    ``target_s``: a step to beat (a plan at hand): None when the designs cannot.
+    ``token_budgets``: packed for plans whose replicas share the tokens by speed
+    (``resihp.plan.tokens``); the plan returned has whole micro-batches, which the caller
+    balances."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
@@ -479,9 +480,7 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         if not pool or widest < 1:
             break
         placed = kept_stages + new
-        rates = [(coster.pipeline_step(s, 1),
-                  (coster.pipeline_step(s, m_ref) - coster.pipeline_step(s, 1)) / (m_ref - 1))
-                 for s in placed]
+        rates = _rates(coster, placed, m_ref)
         shard = max((coster.largest_shard(s) for s in placed), default=0.0)
         packing = pack(designer, len(pool), model.microbatches, rates, shard,
                        replicas_hint=max(2, layout.dp), max_tp=1 << (widest.bit_length() - 1),
@@ -500,10 +499,7 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
     stages = kept_stages + new
     if not stages:
         return None
-    # T(m) ~ T(1) + (m - 1) * slope, the slope taken up to about what each pipeline carries
-    m_ref = max(2, -(-model.microbatches // len(stages)))
-    first = [coster.pipeline_step(s, 1) for s in stages]
-    each = [max(0.0, (coster.pipeline_step(s, m_ref) - f) / (m_ref - 1)) for s, f in zip(stages, first)]
+    first, each = zip(*_rates(coster, stages, max(2, -(-model.microbatches // len(stages)))))
     caps = [coster.max_microbatches(s) for s in stages]
     try:
         alloc, _, _ = allocate_microbatches(first, each, model.microbatches, time_limit_s, caps)
@@ -517,6 +513,17 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
     return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy=policy)
 
 
+def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: int,
+           ) -> list[tuple[float, float]]:
+    """Each pipeline's step as ``T(1) + (m - 1) * slope`` on the schedule's graph, the slope
+    taken up to ``m_ref`` micro-batches (about what each carries)."""
+    out = []
+    for s in pipelines:
+        first = coster.pipeline_step(s, 1)
+        out.append((first, max(0.0, (coster.pipeline_step(s, m_ref) - first) / (m_ref - 1))))
+    return out
+
+
 def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDims,
                     placed: list[tuple[Stage, ...]], used: set[int], node_of: dict[int, int],
                     m_ref: int, token_budgets: bool) -> list[tuple[Stage, ...]]:
@@ -528,9 +535,7 @@ def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDim
                   key=lambda r: (-cluster.devices[r].speed, r))
     if not slow:
         return []
-    rates = [(coster.pipeline_step(s, 1),
-              (coster.pipeline_step(s, m_ref) - coster.pipeline_step(s, 1)) / (m_ref - 1))
-             for s in placed]
+    rates = _rates(coster, placed, m_ref)
     shard = max((coster.largest_shard(s) for s in placed), default=0.0)
     best: tuple[float, Packing, list[int]] | None = None
     for k in range(1, len(slow) + 1):

@@ -271,8 +271,8 @@ class Planner:
                         raise
                 if any(c.bound_ratio >= 0.99 for c in candidates):
                     break  # close enough to the bound: the other weighting cannot gain much
-            # pipelines designed for the devices at hand (mixed TP sizes and depths): from
-            # scratch, and keeping the pipelines of the plan in force that no fault touched
+            # pipelines designed for the devices at hand (mixed TP sizes and depths), alone or
+            # beside pipelines kept from the plan in force or the best plan so far
             best = min(candidates, key=lambda p: p.step_time_s, default=None)
             candidates += usable(self._designed_plans(context, memo, current, best))
             # around a slow link between data-parallel peers: fewer layers on its stage
@@ -394,8 +394,7 @@ class Planner:
             # the best plan so far's pipelines that run slow devices (re-formed around them by
             # CP-SAT), the full-speed devices around them designed anew
             keeps.append([p for p in best.pipelines if not slow.isdisjoint(p.ranks)])
-        broken = any(not all(cluster.devices[r].speed >= 1.0 for r in ranks)
-                     for ranks in cluster.node_ranks)
+        broken = any(d.speed < 1.0 for d in cluster.devices)  # a node with a device not at full speed
         # designs that cannot beat the best plan so far are not built; with token budgets a
         # balanced plan can be some percent faster than its whole micro-batches
         target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
