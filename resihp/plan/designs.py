@@ -89,12 +89,11 @@ class Design:
         """Its step over ``m`` micro-batches, no gradient sync."""
         return (m - 1) * self.each + self.first
 
-    def carries(self, seconds: float) -> int:
-        """The most micro-batches it finishes within ``seconds`` (memory permitting)."""
-        if seconds < self.first - _EPS:
-            return 0
-        x = int(math.floor((seconds - self.first) / self.each + _EPS)) + 1
-        return x if len(self.tps) <= self.inflight else min(x, self.inflight)
+    @property
+    def limit(self) -> float:
+        """The most micro-batches it may carry: those its memory was checked for, or any number
+        once every stage holds as many in flight as the schedule ever puts there."""
+        return math.inf if len(self.tps) <= self.inflight else self.inflight
 
 
 class Designer:
@@ -274,15 +273,17 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
         return packing
     # the second pass on the schedule's graph: the designs worth having at that step, each
     # priced at the micro-batches it would carry there
-    unit = coster.sync_s_per_shard_layer(max(2, len(kept) + sum(packing.counts)))
-    vals = [d.carries(packing.step_s - unit * max(d.shard, kept_shard)) for d in designs]
+    replicas = max(2, len(kept) + sum(packing.counts))
+    room = packing.step_s - coster.sync_s_per_shard_layer(replicas) * np.array(
+        [max(d.shard, kept_shard) for d in designs])
+    vals = _carried(room, np.array([d.first for d in designs]), np.array([d.each for d in designs]),
+                    np.array([d.limit for d in designs]), False).astype(int).tolist()
     front = _front(np.array([d.devices for d in designs]), np.array(vals, dtype=np.float64)).tolist()
     # the designs chosen and the most micro-batches per device among the rest
     chosen = {i for i, k in enumerate(packing.counts) if k}
     front = sorted(set(front) - chosen, key=lambda i: (-vals[i] / designs[i].devices, i))[:PRICED] + \
         sorted(chosen)
     priced = [_slowed(designer.priced(base[i], vals[i]), speed) for i in front]
-    replicas = max(2, len(kept) + sum(packing.counts))
     return _bisect(coster, priced, devices, microbatches, kept, kept_shard, replicas, target_s,
                    token_budgets) or packing
 
@@ -297,7 +298,7 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
     first = np.array([d.first for d in designs])
     each = np.array([d.each for d in designs])
     shard = np.maximum(np.array([d.shard for d in designs]), kept_shard)
-    limit = np.array([np.inf if len(d.tps) <= d.inflight else d.inflight for d in designs])
+    limit = np.array([d.limit for d in designs])
     k_first = np.array([f for f, _ in kept])
     k_each = np.array([e for _, e in kept])
     result = None
