@@ -37,10 +37,12 @@ def choose(cost: np.ndarray, value: np.ndarray, capacity: int) -> tuple[float, l
     for i in range(len(tables) - 1, -1, -1):
         prev = tables[i - 1] if i else np.zeros(capacity + 1)
         w, v = int(cost[i]), float(value[i])
-        k = 0
         # the fewest of item i that, with the items before it, reach this table's value at c
-        while prev[c - k * w] + k * v < tables[i][c] - 1e-9 * max(1.0, abs(tables[i][c])):
-            k += 1
+        # (within rounding; the most valuable count if rounding hid every one)
+        ks = np.arange(c // w + 1) if v > 0 and 0 < w <= capacity else np.zeros(1, dtype=int)
+        got = prev[c - ks * w] + ks * v
+        reach = np.flatnonzero(got >= tables[i][c] - 1e-12 * max(1.0, abs(tables[i][c])))
+        k = int(ks[reach[0]] if len(reach) else ks[np.argmax(got)])
         counts[i] = k
         c -= k * w
     return total, counts
