@@ -43,6 +43,7 @@ from resihp.errors import SetupError
 POLL_S = 0.005
 LOCK = "keeper.lock"
 PID = "keeper.pid"
+PERSIST_JOIN_S = 8.0  # a stopping keeper waits this long for the checkpoint it writes (stop_keeper: 10 s)
 END = "END"  # written by stop_keeper: the job is over, SIGTERM means remove the tier
 FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe write the newest
 FLUSHED = "flushed.json"  # the keeper's answer to it
@@ -203,6 +204,10 @@ class Keeper:
                     return
             if not busy:
                 time.sleep(POLL_S)
+        if self._persisting is not None:
+            # a checkpoint being written finishes (its publication and the pruning of older ones)
+            # before the tier it reads from goes; stop_keeper's SIGKILL bounds the wait
+            self._persisting.join(timeout=PERSIST_JOIN_S)
         if owner_gone or (self.dir / END).exists():
             shutil.rmtree(self.dir, ignore_errors=True)  # the job is over: its snapshots go with it
         # else (a SIGTERM not from the job's end): the files stay for the next keeper
