@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from resihp.runtime.lifecycle import start_time
 from resihp.runtime.worker import processes_file
 
 
@@ -61,23 +62,17 @@ def descendants(pid: int) -> set[int]:
 def announced(out: Path) -> list[dict]:
     """The worker processes of the run in ``out`` that said who they are
     (``OUT/logs/processes.jsonl``, ``resihp.runtime.worker.announce``) and are still running it:
-    alive, and with a command line that names the run's config (a PID reused by another process
-    does not)."""
+    alive, and started when the line says (a PID reused by another process was not)."""
     path = processes_file(out)
     if not path.exists():
         return []
-    config = str(out / "config.json").encode()
     found = []
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:  # a line being written
             continue
-        try:
-            cmd = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if config in cmd and alive(entry["pid"]):
+        if entry.get("ticks") is not None and start_time(entry["pid"]) == entry["ticks"] and alive(entry["pid"]):
             found.append(entry)
     return found
 

@@ -169,7 +169,7 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     import subprocess
     import sys
 
-    from resihp.runtime.launch import free_port
+    from resihp.runtime.nodes import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from resihp.runtime.launch import free_port
+from resihp.runtime.nodes import free_port
 from tests.faults import descendants
 
 DEMO = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "256", "--vocab", "512",

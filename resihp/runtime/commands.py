@@ -18,6 +18,8 @@ from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 from resihp.runtime.config import RunConfig, check_memory
+from resihp.runtime.nodes import Nodes
+from resihp.runtime.spares import SPARES, spare_env
 
 RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
 RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch the job
@@ -52,30 +54,40 @@ def run_cmd(
     section. The run folder belongs to this job while it runs (a second job into it exits 2);
     SIGTERM or SIGINT stops the workers within a grace period, keeps the trace and summary written
     so far and marks the run resumable in OUT/run.json (exit 143 / 130)."""
-    from resihp.runtime.launch import Nodes
-    from resihp.runtime.lifecycle import RunFolder
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.snapshots import flush_checkpoints, restartable, start_keeper
-    from resihp.runtime.supervisor import supervise
-
     if if_busy not in ("fail", "subfolder"):
         raise InputError(f"--if-busy: expected fail or subfolder, got {if_busy!r}")
     cfg = tree_from_options(RunConfig, options)
-    if cfg.checkpoint.resume is not None:
-        cfg = cfg.updated(resume=str(_resume_source(Path(cfg.checkpoint.resume), cfg.train.steps)))
-    gpus = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
-    cfg = cfg.updated(recovery=cfg.resolved_recovery(nnodes, gpus))
-    out, steps, world = Path(cfg.out), cfg.train.steps, cfg.dims().world_size
-    live = cfg.live.live
+    world = cfg.dims().world_size
     if nnodes < 1 or (nproc_per_node is None and world % nnodes):
         raise InputError(f"--nnodes {nnodes}: expected a positive divisor of the world size {world} "
                          "(or give --nproc-per-node)")
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
+    check_memory(cfg, nodes.nproc_per_node)
+    # the first launch's agents start now, so that their imports and this process's overlap
+    SPARES.start(spare_env(), _spare_agents(cfg, nnodes))
+    try:
+        _run(cfg, nodes, if_busy, tensorboard, json_out)
+    finally:
+        SPARES.close()
+
+
+def _run(cfg: RunConfig, nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
+    from resihp.runtime.lifecycle import RunFolder
+    from resihp.runtime.live import LiveLoop
+    from resihp.runtime.snapshots import flush_checkpoints, restartable, start_keeper
+    from resihp.runtime.supervisor import supervise
+
+    nnodes, node_rank = nodes.nnodes, nodes.node_rank
+    if cfg.checkpoint.resume is not None:
+        cfg = cfg.updated(resume=str(_resume_source(Path(cfg.checkpoint.resume), cfg.train.steps)))
+    gpus = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
+    cfg = cfg.updated(recovery=cfg.resolved_recovery(nnodes, gpus))
+    out, steps = Path(cfg.out), cfg.train.steps
+    live = cfg.live.live
     replicas = cfg.faults.recovery.startswith("replica")
     if replicas and nnodes > 1:
         raise InputError(f"--recovery {cfg.faults.recovery}: one node only for now (got --nnodes {nnodes})")
-    check_memory(cfg, nodes.nproc_per_node)
     if gpus:
         _check_gpus(cfg, nodes.nproc_per_node)
     with RunFolder(out).acquire(if_busy) as folder:
@@ -151,6 +163,14 @@ def run_cmd(
         print(f"resihp: {outcome.error}", file=sys.stderr)
         signum = getattr(signal, outcome.interrupted or "", None)
         raise typer.Exit(128 + int(signum) if signum else 1)
+
+
+def _spare_agents(cfg: RunConfig, nnodes: int) -> int:
+    """The agents the first launch starts, where their workers will be forked from them (a CPU run
+    on a machine with no GPU, ``launch.forks_workers``, told here without importing torch), else 0."""
+    if cfg.device == "cuda" or Path("/dev/nvidiactl").exists():
+        return 0
+    return cfg.parallel.dp if cfg.resolved_recovery(nnodes, gpus=False).startswith("replica") else 1
 
 
 def _cuda_available() -> bool:

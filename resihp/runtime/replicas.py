@@ -41,6 +41,7 @@ from resihp.runtime.controlplane import (
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
 from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, GPU_OFFSET_ENV, REPLICA_ENV
+from resihp.runtime.spares import SPARES
 from resihp.runtime.supervisor import (
     GRACE_S,
     Outcome,
@@ -138,11 +139,9 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
             env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str(d * per)},
                              endpoint=js.endpoint, node=d, managed=True)
-            proc = subprocess.Popen(torchrun_command(config_path, per, endpoint=js.endpoint,
-                                                     run_id=f"{cfg.job_id}-r{d}-a{attempt}",
-                                                     forked=forks_workers(cfg)),
-                                    env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+            proc = SPARES.popen(torchrun_command(config_path, per, endpoint=js.endpoint,
+                                                 run_id=f"{cfg.job_id}-r{d}-a{attempt}",
+                                                 forked=forks_workers(cfg)), env)
             agg = NodeAggregator(store, d, ranks[d], interval_s=interval, timeout_s=heartbeat_timeout_s,
                                  prefix=hb, startup_s=join_timeout_s).start()
             rep = _Replica(d, attempt, proc, ProcessTracker(proc.pid), agg)

@@ -49,8 +49,10 @@ from resihp.runtime.controlplane import (
     read_errors,
     read_job,
 )
-from resihp.runtime.launch import JobStore, Nodes, forks_workers, torchrun_command, worker_env
+from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
+from resihp.runtime.nodes import Nodes
+from resihp.runtime.spares import SPARES
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
@@ -344,11 +346,9 @@ def drain_stderr(proc: subprocess.Popen, lines: list[str], out: Path, tag: str =
 def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step, on_steps,
                on_poll, poll_s, grace_s) -> Outcome:
     local = nodes.nproc_per_node
-    proc = subprocess.Popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
-                                             run_id=cfg.job_id or None, forked=forks_workers(cfg)),
-                            env=worker_env(endpoint=js.endpoint, node=nodes.node_rank, managed=True),
-                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = SPARES.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
+                                         run_id=cfg.job_id or None, forked=forks_workers(cfg)),
+                        worker_env(endpoint=js.endpoint, node=nodes.node_rank, managed=True))
     tracker = ProcessTracker(proc.pid)
     lines: list[str] = []
 
@@ -409,8 +409,10 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
         with contextlib.suppress(RuntimeError, dist.DistError):
             read_steps()
             outcome.errors = read_errors(js.store, cfg.job_id)
-            deliberate = any(e["kind"] in ("stop", "input") for e in outcome.errors)
-            if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted and not deliberate:
+            # a rank that ended on purpose or crashed said so (``_explain`` names it)
+            said = any(e["kind"] in ("stop", "input") or (e["kind"] == "crash" and str(e["rank"]).isdigit())
+                       for e in outcome.errors)
+            if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted and not said:
                 # torchrun may end the job (its ranks lost a peer) before the monitor can tell why:
                 # look until a heartbeat timeout has passed (a lost node is silent that long)
                 end = time.monotonic() + watch.monitor.timeout_s + 1.0

@@ -49,7 +49,7 @@ from resihp.runtime.controlplane import (
 )
 from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
-from resihp.runtime.lifecycle import die_with_parent
+from resihp.runtime.lifecycle import die_with_parent, start_time
 from resihp.runtime.recorder import merge_streams
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
 from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
@@ -219,7 +219,7 @@ def announce(out: Path) -> None:
     """One line in ``OUT/logs/processes.jsonl`` saying which process this worker is: its PID,
     node, local rank, torchrun's restart count and, with ``--recovery replica``, its replica and
     launch attempt. Forked workers (``resihp.runtime.agent``) share the agent's command line and
-    initial environment, so this is where an operator (py-spy on a slow rank) or a fault test finds
+    initial environment (a spare agent's names no config), so this is where an operator (py-spy on a slow rank) or a fault test finds
     a rank's process. Best effort: a folder that cannot take the line does not stop the worker."""
     env = os.environ
     line = {"pid": os.getpid(), "node": _node(),
@@ -228,7 +228,8 @@ def announce(out: Path) -> None:
             "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "replica": int(env[REPLICA_ENV]) if REPLICA_ENV in env else None,
             "attempt": int(env.get(ATTEMPT_ENV, "0")) if REPLICA_ENV in env else None,
-            "started": round(time.time(), 3)}
+            "started": round(time.time(), 3),
+            "ticks": start_time(os.getpid())}  # with the PID, this process and no later one of that PID
     path = processes_file(out)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
