@@ -12,6 +12,7 @@ gives replicas different depths or stages different tensor-parallel sizes goes t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -48,6 +49,11 @@ def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
                   "max_seq_len": model.max_seq_len}
 
 
+# one measurement per launcher process: its relaunches run on the same devices, and each
+# measurement (0.2 s) fell inside a relaunch's stall, three times
+_device_tflops = functools.cache(measured_tflops)
+
+
 def planner_specs(cfg: RunConfig):
     """The cluster the job runs on, measured here (memory free now, shared by the ranks of this
     node; one device's matmul rate), and the model it trains."""
@@ -56,7 +62,7 @@ def planner_specs(cfg: RunConfig):
     memory = available_memory_gb(kind) / (world if kind == "cpu" else 1)
     cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": world}],
                                      "device": {"memory_gb": round(memory, 3),
-                                                "tflops": measured_tflops(kind, cfg.threads)},
+                                                "tflops": _device_tflops(kind, cfg.threads)},
                                      "memory_reserve_gb": 0.0})
     budget = cfg.data.budget
     model = ModelSpec(layers=cfg.model.layers, hidden=cfg.model.hidden, heads=cfg.model.heads, ffn_hidden=cfg.model.ffn_hidden,
