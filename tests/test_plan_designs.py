@@ -16,7 +16,8 @@ from resihp.plan.bound import tight_bound
 from resihp.plan.cost import AnalyticCost
 from resihp.plan.designs import Designer, design_plan, pack, place
 from resihp.plan.knapsack import choose, unbounded_knapsack
-from resihp.plan.plan import plan_problems
+from resihp.plan.layout import layer_ranges
+from resihp.plan.plan import Stage, Stages, plan_problems
 from resihp.plan.planner import Planner, healthy_plan
 from resihp.plan.timing import StageCoster, evaluate
 from tests.test_plan_planner import load
@@ -76,16 +77,20 @@ def test_placement_keeps_groups_in_nodes_and_away_from_faults(h100_64):
     assert plan.layout == uniform_layout
     assert plan_problems(plan, faulty, m) == []
     used = [r for p in plan.pipelines for r in p.ranks]
-    assert len(used) == len(set(used)) and not {3, 9, 10, 33} & set(used)
+    assert len(used) == len(set(used)) and not {3, 9, 33} & set(used)
     for p in plan.pipelines:
         for s in p.stages:
             assert len({c.devices[r].node for r in s.ranks}) == 1
+            assert 10 not in s.ranks or s.ranks == (10,)  # the slow device slows no full-speed group
     # a pipeline whose group finds no node is left out, never split across nodes
     d = next(x for x in designer.designs(10**6, 8) if 8 in x.tps)
     assert place([(d, 1)], range(7), {r: 0 for r in range(8)}) == []
 
 
-def test_slow_devices_get_pipelines_of_their_own_when_they_carry_work(h100_64):
+def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):
+    """A node at half speed: its devices work (a stage of their own ahead of a full-speed
+    pipeline, or pipelines of slow devices), each less than a full-speed device, and the plan is
+    faster than one without them."""
     c, m, coster, designer = h100_64
     layout = healthy_plan(c, m).layout
     node0 = set(c.node_ranks[0])
@@ -94,11 +99,29 @@ def test_slow_devices_get_pipelines_of_their_own_when_they_carry_work(h100_64):
     with_slow = evaluate(design_plan(coster.at_speeds(slow), layout, designer), coster.at_speeds(slow))
     without = evaluate(design_plan(coster.at_speeds(dead), layout, designer), coster.at_speeds(dead))
     assert plan_problems(with_slow, slow, m) == []
-    on_slow = [p for p in with_slow.pipelines if node0 & set(p.ranks)]
-    assert on_slow and all(set(p.ranks) <= node0 for p in on_slow)  # never mixed with full speed
-    full = [p.microbatches for p in with_slow.pipelines if p not in on_slow]
-    assert max(p.microbatches for p in on_slow) < min(full)  # half speed: less work
+    groups = [set(g.ranks) for p in with_slow.pipelines for g in p.stages]
+    assert all(g <= node0 or not g & node0 for g in groups)  # never a group of both speeds
+    work = {r: g.n_layers * p.microbatches / g.tp for p in with_slow.pipelines for g in p.stages
+            for r in g.ranks}
+    on_slow = [w for r, w in work.items() if r in node0]
+    assert on_slow and max(on_slow) < min(w for r, w in work.items() if r not in node0)
     assert with_slow.step_time_s < without.step_time_s
+
+
+def test_a_slow_device_joins_a_full_speed_pipeline_as_a_short_stage(h100_64):
+    """The bound's answer for one slow device: a stage of its own with few layers ahead of a
+    full-speed pipeline, which is then faster than the same pipeline without it."""
+    c, m, coster, designer = h100_64
+    slow = c.with_speeds({5: 0.5})
+    at = coster.at_speeds(slow)
+    plan = design_plan(at, healthy_plan(c, m).layout, designer)
+    pipe = next(p for p in plan.pipelines if 5 in p.ranks)
+    assert pipe.stages[0].ranks == (5,) and all(5 not in g.ranks for g in pipe.stages[1:])
+    assert pipe.stages[0].n_layers < min(g.n_layers for g in pipe.stages[1:])
+    rest = pipe.stages[1:]
+    alone = Stages(Stage(g.ranks, r) for g, r in zip(rest, layer_ranges(
+        designer.fit_slowed(tuple(g.tp for g in rest), (1.0,) * len(rest), 8).counts)))
+    assert at.pipeline_step(pipe.stages, 8) < at.pipeline_step(alone, 8)
 
 
 def test_a_repair_keeps_the_untouched_pipelines_and_the_planner_does_no_worse(h100_64):

@@ -115,6 +115,7 @@ class Designer:
         self._designs: dict[int, list[Design]] = {}
         self._caps: dict[tuple[int, int, bool, bool], int] = {}
         self._priced: dict[tuple, Design] = {}
+        self._slowed: dict[tuple, Design | None] = {}
         self._pools: dict[tuple, list[Design]] = {}
 
     def _mem_cap(self, t: int, in_flight: int, first: bool, last: bool) -> int:
@@ -194,20 +195,31 @@ class Designer:
                                 out.setdefault((d.tps, d.counts), d)
         return sorted(out.values(), key=lambda d: (d.devices, d.step(m)))
 
-    def _fit(self, tps: tuple[int, ...], m: int, schedule: str) -> Design | None:
+    def fit_slowed(self, tps: tuple[int, ...], stretch: tuple[float, ...], m: int) -> Design | None:
+        """``_fit`` for stages some of which run slower: each stage's times ``stretch`` times
+        (1 / its speed); the design's times are at those speeds."""
+        key = (tps, stretch, m)
+        if key not in self._slowed:
+            self._slowed[key] = self._fit(tps, m, self.model.schedule, stretch)
+        return self._slowed[key]
+
+    def _fit(self, tps: tuple[int, ...], m: int, schedule: str,
+             stretch: tuple[float, ...] | None = None) -> Design | None:
         """Layer counts for stages of these TP sizes: the least cap on a stage's time under which
-        they hold every layer, then the layers over the model's taken from the slowest per layer."""
+        they hold every layer, then the layers over the model's taken from the slowest per layer.
+        ``stretch``: per stage, how much slower it runs than full speed (default: none)."""
         L, p = self.model.layers, len(tps)
         caps = [self._mem_cap(t, in_flight_microbatches(schedule, p, s, m), s == 0, s == p - 1)
                 for s, t in enumerate(tps)]
         if min(caps) < 1 or sum(caps) < L:
             return None
-        c = np.array([self.c[t] for t in tps])
+        k = np.ones(p) if stretch is None else np.array(stretch, dtype=np.float64)
+        c = np.array([self.c[t] for t in tps]) * k
         h = np.zeros(p)
-        h[-1] = self.h[tps[-1]]
+        h[-1] = self.h[tps[-1]] * k[-1]
         cap = np.array(caps)
         # candidate caps on a stage's time: n layers (and the head) on some stage
-        kinds = {(self.c[t], 0.0) for t in tps[:-1]} | {(self.c[tps[-1]], self.h[tps[-1]])}
+        kinds = {(float(c[s]), 0.0) for s in range(p - 1)} | {(float(c[-1]), float(h[-1]))}
         n_all = np.arange(1, L + 1)
         mus = np.unique(np.concatenate([n_all * ck + hk for ck, hk in kinds]))
         held = np.minimum(cap[None, :], np.floor((mus[:, None] - h[None, :]) / c[None, :] + _EPS))
@@ -495,6 +507,8 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         free -= {r for st in more for g in st for r in g.ranks}
         if not more and pool is free:
             break
+    slow = [d.rank for d in cluster.devices if 0 < d.speed < 1.0 and d.rank not in used]
+    new, _ = _slow_stages(coster, designer, new, slow, m_ref)
     new += _slow_pipelines(coster, designer, layout, kept_stages + new, used | {
         r for st in new for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
     stages = kept_stages + new
@@ -523,6 +537,46 @@ def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: i
         first = coster.pipeline_step(s, 1)
         out.append((first, max(0.0, (coster.pipeline_step(s, m_ref) - first) / (m_ref - 1))))
     return out
+
+
+def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
+                 slow: Sequence[int], m_ref: int) -> tuple[list[tuple[Stage, ...]], set[int]]:
+    """Slow devices as one more stage at the head of a designed pipeline, each with the layers
+    its speed carries within the pipeline's slowest stage's time, taken off the others (the
+    bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). The
+    fastest slow devices first, each into the pipeline whose step (at ``m_ref`` micro-batches)
+    it shortens most, one per pipeline; a device that shortens none is left out of here. Returns
+    the pipelines and the devices placed."""
+    cluster = coster.cluster
+    out = list(designed)
+    by_shape: dict[tuple, list[int]] = {}  # full-speed pipelines of one shape step alike
+    for j, stages in enumerate(out):
+        by_shape.setdefault(tuple((s.tp, s.n_layers) for s in stages), []).append(j)
+    before: dict[tuple, float] = {}
+    taken: set[int] = set()
+    for r in sorted(slow, key=lambda r: (-cluster.devices[r].speed, r)):
+        speed = cluster.devices[r].speed
+        best: tuple[float, tuple, tuple[Stage, ...]] | None = None
+        for shape, free in by_shape.items():
+            if not free:
+                continue
+            stages = out[free[0]]
+            tps = tuple(t for t, _ in shape)
+            d = designer.fit_slowed((1,) + tps, (1.0 / speed,) + (1.0,) * len(tps), m_ref)
+            if d is None:
+                continue
+            ranges = layer_ranges(d.counts)
+            new = (Stage((r,), ranges[0]),) + tuple(Stage(s.ranks, ranges[i + 1]) for i, s in enumerate(stages))
+            if shape not in before:
+                before[shape] = coster.pipeline_step(stages, m_ref)
+            gain = before[shape] / coster.pipeline_step(new, m_ref)
+            if gain > 1.0 + _EPS and (best is None or gain > best[0]):
+                best = (gain, shape, new)
+        if best is not None:
+            _, shape, new = best
+            out[by_shape[shape].pop(0)] = new
+            taken.add(r)
+    return out, taken
 
 
 def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDims,
