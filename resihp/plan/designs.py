@@ -452,7 +452,8 @@ def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: di
 def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
                 keep: Sequence[Pipeline] = (), policy: str = "resihp",
                 time_limit_s: float = 0.5, first_round: str = "all",
-                target_s: float | None = None, token_budgets: bool = False) -> Plan | None:
+                target_s: float | None = None, token_budgets: bool = False,
+                slow_stages: bool = True) -> Plan | None:
     """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
     pipelines of the plan in force, kept as they are) does not use; None if they carry nothing.
     ``layout`` stays the plan's home layout (what later re-plans start from).
@@ -463,7 +464,8 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
     ``target_s``: a step to beat (a plan at hand): None when the designs cannot.
     ``token_budgets``: packed for plans whose replicas share the tokens by speed
     (``resihp.plan.tokens``); the plan returned has whole micro-batches, which the caller
-    balances."""
+    balances. ``slow_stages``: slow devices may join designed pipelines as stages of their own
+    (``_slow_stages``), else they get pipelines of their own only."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
@@ -508,7 +510,11 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         if not more and pool is free:
             break
     slow = [d.rank for d in cluster.devices if 0 < d.speed < 1.0 and d.rank not in used]
-    new, _ = _slow_stages(coster, designer, new, slow, m_ref)
+    # each pipeline's micro-batches about what it will carry: the stages' times weigh against
+    # the fill and drain a slow stage adds at that count, not at the home layout's
+    carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
+    if slow_stages:
+        new, _ = _slow_stages(coster, designer, new, slow, carried)
     new += _slow_pipelines(coster, designer, layout, kept_stages + new, used | {
         r for st in new for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
     stages = kept_stages + new
@@ -540,13 +546,14 @@ def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: i
 
 
 def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
-                 slow: Sequence[int], m_ref: int) -> tuple[list[tuple[Stage, ...]], set[int]]:
+                 slow: Sequence[int], m: int) -> tuple[list[tuple[Stage, ...]], set[int]]:
     """Slow devices as one more stage at the head of a designed pipeline, each with the layers
     its speed carries within the pipeline's slowest stage's time, taken off the others (the
     bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). The
-    fastest slow devices first, each into the pipeline whose step (at ``m_ref`` micro-batches)
-    it shortens most, one per pipeline; a device that shortens none is left out of here. Returns
-    the pipelines and the devices placed."""
+    fastest slow devices first, each into the pipeline whose step (at ``m`` micro-batches, about
+    what each pipeline carries) it shortens most, one per pipeline; a device that shortens none, or would hold more layers
+    than the largest per-device shard (the gradient all-reduce waits for that one), is left out
+    of here. Returns the pipelines and the devices placed."""
     cluster = coster.cluster
     out = list(designed)
     by_shape: dict[tuple, list[int]] = {}  # full-speed pipelines of one shape step alike
@@ -554,6 +561,8 @@ def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[S
         by_shape.setdefault(tuple((s.tp, s.n_layers) for s in stages), []).append(j)
     before: dict[tuple, float] = {}
     taken: set[int] = set()
+    # the gradient all-reduce waits for the largest per-device shard: a slow stage holds no more
+    shard = max((st.n_layers / st.tp for stages in out for st in stages), default=0.0)
     for r in sorted(slow, key=lambda r: (-cluster.devices[r].speed, r)):
         speed = cluster.devices[r].speed
         best: tuple[float, tuple, tuple[Stage, ...]] | None = None
@@ -562,14 +571,14 @@ def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[S
                 continue
             stages = out[free[0]]
             tps = tuple(t for t, _ in shape)
-            d = designer.fit_slowed((1,) + tps, (1.0 / speed,) + (1.0,) * len(tps), m_ref)
-            if d is None:
+            d = designer.fit_slowed((1,) + tps, (1.0 / speed,) + (1.0,) * len(tps), m)
+            if d is None or d.counts[0] > shard:
                 continue
             ranges = layer_ranges(d.counts)
             new = (Stage((r,), ranges[0]),) + tuple(Stage(s.ranks, ranges[i + 1]) for i, s in enumerate(stages))
             if shape not in before:
-                before[shape] = coster.pipeline_step(stages, m_ref)
-            gain = before[shape] / coster.pipeline_step(new, m_ref)
+                before[shape] = coster.pipeline_step(stages, m)
+            gain = before[shape] / coster.pipeline_step(new, m)
             if gain > 1.0 + _EPS and (best is None or gain > best[0]):
                 best = (gain, shape, new)
         if best is not None:

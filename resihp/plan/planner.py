@@ -398,9 +398,17 @@ class Planner:
         # designs that cannot beat the best plan so far are not built; with token budgets a
         # balanced plan can be some percent faster than its whole micro-batches
         target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
+        firsts = FIRST_ROUNDS if broken else ("all",)
+        # the variants as before (slow devices in pipelines of their own) and, from scratch, slow
+        # devices joining designed pipelines as short stages (which is better depends on the
+        # micro-batches each pipeline carries; each variant more costs a packing)
+        variants = [(keep, first, False) for keep in keeps for first in firsts]
+        if slow:
+            variants.append(([], "all", True))
         plans = [design_plan(ctx.coster, ctx.layout, memo.designer, keep, self.name, ctx.per_solve,
-                             first_round=first, target_s=target, token_budgets=self.token_budgets)
-                 for keep in keeps for first in (FIRST_ROUNDS if broken else ["all"])]
+                             first_round=first, target_s=target, token_budgets=self.token_budgets,
+                             slow_stages=joined)
+                 for keep, first, joined in variants]
         plans = [p for p in plans if p is not None]
         if self.token_budgets:
             plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
