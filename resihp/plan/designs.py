@@ -454,18 +454,32 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
                 time_limit_s: float = 0.5, first_round: str = "all",
                 target_s: float | None = None, token_budgets: bool = False,
                 slow_stages: bool = True) -> Plan | None:
+    """``design_plans`` with one variant: slow devices joining designed pipelines as short
+    stages (``slow_stages``) or in pipelines of their own only."""
+    plans = design_plans(coster, layout, designer, keep, policy, time_limit_s, first_round,
+                         target_s, token_budgets, (slow_stages,))
+    return plans[0] if plans else None
+
+
+def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
+                 keep: Sequence[Pipeline] = (), policy: str = "resihp",
+                 time_limit_s: float = 0.5, first_round: str = "all",
+                 target_s: float | None = None, token_budgets: bool = False,
+                 variants: Sequence[bool] = (True,)) -> list[Plan]:
     """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
-    pipelines of the plan in force, kept as they are) does not use; None if they carry nothing.
+    pipelines of the plan in force, kept as they are) does not use, per variant.
     ``layout`` stays the plan's home layout (what later re-plans start from).
     ``first_round``: what the first round of packing designs for: ``all`` free devices, the
     ``whole`` nodes (every device free), or every node's largest power-of-two ``chunks`` of
     free devices (the knapsack counts devices, not nodes: where faults broke nodes up, the
     devices beside a chunk hold only narrow groups; which is best depends on how they broke).
-    ``target_s``: a step to beat (a plan at hand): None when the designs cannot.
+    ``target_s``: a step to beat (a plan at hand): no plan when the designs cannot.
     ``token_budgets``: packed for plans whose replicas share the tokens by speed
     (``resihp.plan.tokens``); the plan returned has whole micro-batches, which the caller
-    balances. ``slow_stages``: slow devices may join designed pipelines as stages of their own
-    (``_slow_stages``), else they get pipelines of their own only."""
+    balances. ``variants``: per plan returned (they share the packing of the full-speed
+    devices), whether slow devices may join designed pipelines as stages of their own
+    (``_slow_stages``; which is better depends on the micro-batches each pipeline carries), else
+    they get pipelines of their own only; a variant that carries nothing is left out."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
@@ -501,7 +515,7 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
                        replicas_hint=max(2, layout.dp), max_tp=1 << (widest.bit_length() - 1),
                        target_s=target_s if rnd == 0 else None, token_budgets=token_budgets)
         if packing is None and rnd == 0 and target_s is not None:
-            return None
+            return []
         if packing is None:
             break
         more = place(zip(packing.designs, packing.counts), pool, node_of)
@@ -513,11 +527,22 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # each pipeline's micro-batches about what it will carry: the stages' times weigh against
     # the fill and drain a slow stage adds at that count, not at the home layout's
     carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
-    if slow_stages:
-        new, _ = _slow_stages(coster, designer, new, slow, carried)
-    new += _slow_pipelines(coster, designer, layout, kept_stages + new, used | {
-        r for st in new for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
-    stages = kept_stages + new
+    plans = []
+    for joined in variants:
+        more = _slow_stages(coster, designer, new, slow, carried)[0] if joined and slow else list(new)
+        more += _slow_pipelines(coster, designer, layout, kept_stages + more, used | {
+            r for st in more for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
+        plan = _allocated(coster, layout, keep, kept_stages + more, policy, time_limit_s)
+        if plan is not None:
+            plans.append(plan)
+    return plans
+
+
+def _allocated(coster: StageCoster, layout: ParallelDims, keep: Sequence[Pipeline],
+               stages: list[tuple[Stage, ...]], policy: str, time_limit_s: float) -> Plan | None:
+    """The plan of these pipelines (``keep``'s first, with their homes), the micro-batches
+    allocated by CP-SAT; None if there are none or they cannot carry the batch."""
+    cluster, model = coster.cluster, coster.model
     if not stages:
         return None
     first, each = zip(*_rates(coster, stages, max(2, -(-model.microbatches // len(stages)))))
@@ -526,7 +551,7 @@ def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
         alloc, _, _ = allocate_microbatches(first, each, model.microbatches, time_limit_s, caps)
     except ValueError:
         return None
-    homes = [p.home for p in keep] + [None] * len(new)
+    homes = [p.home for p in keep] + [None] * (len(stages) - len(keep))
     pipelines = []
     for s, m, home in zip(stages, alloc, homes):
         if m > 0:

@@ -36,7 +36,7 @@ from resihp.parallel import ParallelDims, apportion
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel, grad_sync_s
-from resihp.plan.designs import FIRST_ROUNDS, design_plan
+from resihp.plan.designs import FIRST_ROUNDS, design_plans
 from resihp.plan.heuristics import drop_replica_plan, heuristic_plan
 from resihp.plan.layout import (
     binary_chunks,
@@ -399,17 +399,15 @@ class Planner:
         # balanced plan can be some percent faster than its whole micro-batches
         target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
         firsts = FIRST_ROUNDS if broken else ("all",)
-        # the variants as before (slow devices in pipelines of their own) and, from scratch, slow
-        # devices joining designed pipelines as short stages (which is better depends on the
-        # micro-batches each pipeline carries; each variant more costs a packing)
-        variants = [(keep, first, False) for keep in keeps for first in firsts]
-        if slow:
-            variants.append(([], "all", True))
-        plans = [design_plan(ctx.coster, ctx.layout, memo.designer, keep, self.name, ctx.per_solve,
-                             first_round=first, target_s=target, token_budgets=self.token_budgets,
-                             slow_stages=joined)
-                 for keep, first, joined in variants]
-        plans = [p for p in plans if p is not None]
+        # slow devices in pipelines of their own and, from scratch, also joining designed
+        # pipelines as short stages (which is better depends on the micro-batches each pipeline
+        # carries); the two share the packing of the full-speed devices
+        plans = [p for keep in keeps for first in firsts
+                 for p in design_plans(ctx.coster, ctx.layout, memo.designer, keep, self.name,
+                                       ctx.per_solve, first_round=first, target_s=target,
+                                       token_budgets=self.token_budgets,
+                                       variants=(False, True) if slow and not keep and first == "all"
+                                       else (False,))]
         if self.token_budgets:
             plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
         return plans
