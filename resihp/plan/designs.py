@@ -23,12 +23,14 @@ stages, and after a fault the devices left over rarely make whole replicas of th
    wider than the most any node has free). The micro-batches are then allocated by CP-SAT
    (``allocate_microbatches``) across the pipelines placed, as in every other plan.
 
-``design_plan`` may keep pipelines of the plan in force (a re-plan: only the pipelines a fault
+``design_plans`` may keep pipelines of the plan in force (a re-plan: only the pipelines a fault
 touched are designed anew, from their full-speed devices and the ones no pipeline used). Slow
-devices get pipelines of their own last: the ``k`` fastest of them, each design stretched to the
-slowest of those ``k`` speeds, for the ``k`` that carries the batch in the least step. The planner
-scores the result with the same evaluator as its other candidates and keeps it only if it is
-better.
+devices come last, in one of two ways (a variant each, sharing the packing above): each may join
+a designed pipeline as a short stage of its own ahead of it (``_slow_stages``: the layers its
+speed carries in that pipeline's slowest stage's time), and the rest get pipelines of their own:
+the ``k`` fastest of them, each design stretched to the slowest of those ``k`` speeds, for the
+``k`` that carries the batch in the least step. The planner scores the results with the same
+evaluator as its other candidates and keeps one only if it is better.
 """
 
 from __future__ import annotations
@@ -529,7 +531,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
     plans = []
     for joined in variants:
-        more = _slow_stages(coster, designer, new, slow, carried)[0] if joined and slow else list(new)
+        more = _slow_stages(coster, designer, new, slow, carried) if joined and slow else list(new)
         more += _slow_pipelines(coster, designer, layout, kept_stages + more, used | {
             r for st in more for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
         plan = _allocated(coster, layout, keep, kept_stages + more, policy, time_limit_s)
@@ -571,21 +573,20 @@ def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: i
 
 
 def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
-                 slow: Sequence[int], m: int) -> tuple[list[tuple[Stage, ...]], set[int]]:
+                 slow: Sequence[int], m: int) -> list[tuple[Stage, ...]]:
     """Slow devices as one more stage at the head of a designed pipeline, each with the layers
     its speed carries within the pipeline's slowest stage's time, taken off the others (the
     bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). The
     fastest slow devices first, each into the pipeline whose step (at ``m`` micro-batches, about
-    what each pipeline carries) it shortens most, one per pipeline; a device that shortens none, or would hold more layers
-    than the largest per-device shard (the gradient all-reduce waits for that one), is left out
-    of here. Returns the pipelines and the devices placed."""
+    what each pipeline carries) it shortens most, one per pipeline; a device that shortens none,
+    or would hold more layers than the largest per-device shard (the gradient all-reduce waits
+    for that one), is left out of here."""
     cluster = coster.cluster
     out = list(designed)
     by_shape: dict[tuple, list[int]] = {}  # full-speed pipelines of one shape step alike
     for j, stages in enumerate(out):
         by_shape.setdefault(tuple((s.tp, s.n_layers) for s in stages), []).append(j)
     before: dict[tuple, float] = {}
-    taken: set[int] = set()
     # the gradient all-reduce waits for the largest per-device shard: a slow stage holds no more
     shard = max((st.n_layers / st.tp for stages in out for st in stages), default=0.0)
     for r in sorted(slow, key=lambda r: (-cluster.devices[r].speed, r)):
@@ -609,8 +610,7 @@ def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[S
         if best is not None:
             _, shape, new = best
             out[by_shape[shape].pop(0)] = new
-            taken.add(r)
-    return out, taken
+    return out
 
 
 def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDims,

@@ -399,15 +399,14 @@ class Planner:
         # balanced plan can be some percent faster than its whole micro-batches
         target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
         firsts = FIRST_ROUNDS if broken else ("all",)
-        # slow devices in pipelines of their own and, from scratch, also joining designed
-        # pipelines as short stages (which is better depends on the micro-batches each pipeline
-        # carries); the two share the packing of the full-speed devices
+        # slow devices in pipelines of their own, and also joining designed pipelines as short
+        # stages (which is better depends on the micro-batches each pipeline carries); the two
+        # share the packing of the full-speed devices
         plans = [p for keep in keeps for first in firsts
                  for p in design_plans(ctx.coster, ctx.layout, memo.designer, keep, self.name,
                                        ctx.per_solve, first_round=first, target_s=target,
                                        token_budgets=self.token_budgets,
-                                       variants=(False, True) if slow and not keep and first == "all"
-                                       else (False,))]
+                                       variants=(False, True) if slow else (False,))]
         if self.token_budgets:
             plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
         return plans

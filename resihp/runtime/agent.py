@@ -16,8 +16,8 @@ worker's ``os.environ`` (not its initial environment block: ``/proc/PID/environ`
 process's). Each worker says who it is in ``OUT/logs/processes.jsonl`` (``worker.announce``).
 
 ``python -m resihp.runtime.agent --spare`` imports all that and then waits on its stdin for the
-launch it will run (``resihp.runtime.spares``): the launcher starts it ahead of need, so the imports
-are done by the time the job (or its relaunch) starts. Its workers' command line is then the
+launch it will run (``resihp.runtime.spares``): ``resihp run`` starts it before its own imports,
+so the two overlap. Its workers' command line is then the
 spare's, which names no config; ``processes.jsonl`` still says which process is which rank.
 """
 
@@ -68,4 +68,5 @@ def serve_spare() -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(serve_spare if sys.argv[1:] == [SPARE_FLAG] else main)  # without torch's and torch._dynamo's teardown: 0.8 s of each launch
+    # without torch's and torch._dynamo's teardown: 0.8 s of each launch
+    run_then_exit(serve_spare if sys.argv[1:] == [SPARE_FLAG] else main)

@@ -72,7 +72,7 @@ def run_cmd(
         SPARES.close()
 
 
-def _run(cfg: RunConfig, nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
+def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
     from resihp.runtime.snapshots import flush_checkpoints, restartable, start_keeper
