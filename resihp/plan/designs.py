@@ -588,7 +588,7 @@ def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[S
         by_shape.setdefault(tuple((s.tp, s.n_layers) for s in stages), []).append(j)
     before: dict[tuple, float] = {}
     # the gradient all-reduce waits for the largest per-device shard: a slow stage holds no more
-    shard = max((st.n_layers / st.tp for stages in out for st in stages), default=0.0)
+    shard = max((coster.largest_shard(stages) for stages in out), default=0.0)
     for r in sorted(slow, key=lambda r: (-cluster.devices[r].speed, r)):
         speed = cluster.devices[r].speed
         best: tuple[float, tuple, tuple[Stage, ...]] | None = None
