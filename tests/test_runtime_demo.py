@@ -30,8 +30,10 @@ def test_demo_detects_replans_and_recovers(tmp_path, monkeypatch):
     # the slow rank itself was found from its measured compute (the detector's event), and its
     # replica's share cut; how fast it runs after is the benchmark's to say (benchmarks/runtime.py),
     # not a test's on a shared machine
-    event = next(e for e in summary["events"] if e["kind"] == "fail-slow")
-    assert event["rank"] == 1 and event["slowdown"] > 1.0
+    # (another rank's false alarm on a loaded machine, which the planner weighs and keeps the plan
+    # for, is not this test's subject: a CI dry run saw rank 3 flagged before rank 1)
+    event = next((e for e in summary["events"] if e["kind"] == "fail-slow" and e["rank"] == 1), None)
+    assert event is not None and event["slowdown"] > 1.0, summary["events"]
     assert json.loads((tmp_path / "demo.json").read_text())["plan_applied_step"] == change["applied_step"]
 
 
