@@ -144,6 +144,28 @@ def test_small_imbalance_moves_work_not_layers():
     assert severe.migration_s > 0
 
 
+def test_without_regroup_a_slow_device_keeps_its_group_and_its_stage_sheds_layers():
+    """``regroup=False`` (replica-level fault tolerance): every group of the plan in force stays,
+    the slow stage holds fewer layers than before, and the plan beats keeping the plan in force."""
+    c, m = load("h100-64", "gpt-13b")
+    current = Planner().plan(c, m)
+    slow = c.with_speeds({18: 0.3})
+    planner = Planner(regroup=False)
+    plan = planner.plan(slow, m, current)
+    groups = lambda p: [q.groups for q in sorted(p.pipelines, key=lambda q: q.dp_rank)]  # noqa: E731
+    assert groups(plan) == groups(current)
+    assert plan_problems(plan, slow, m) == []
+    old = next(p for p in current.pipelines if 18 in p.ranks)
+    new = next(p for p in plan.pipelines if 18 in p.ranks)
+    before, after = (next(s.n_layers for s in q.stages if 18 in s.ranks) for q in (old, new))
+    assert after < before
+    kept = evaluate(Plan(current.world_size, current.layout, current.pipelines, current.excluded),
+                    planner.coster(slow, m))
+    assert plan.step_time_s < kept.step_time_s
+    # the same fault, regrouping allowed, may leave the slow device out
+    assert groups(Planner().plan(slow, m, current)) != groups(current)
+
+
 def test_replan_from_current_plan_and_recovery(planner):
     c, m = load("h100-64", "gpt-13b")
     first = planner.plan(c, m)

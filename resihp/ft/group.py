@@ -1,8 +1,14 @@
-"""This rank's cross-replica group: the ranks at its (stage, tensor-parallel rank) position in every
-member replica, as a gloo process group built straight on the job's store (not through the
-default world, which a lost replica leaves), one generation per membership. A group whose
-members changed is dropped without a collective (it may hold a dead peer) and a new one formed
-under a fresh store prefix.
+"""This rank's cross-replica groups: for each set of ranks that hold the same parameters in every
+member replica, a gloo process group built straight on the job's store (not through the default
+world, which a lost replica leaves), one set per membership (generation). When every replica splits
+its layers alike there is one group per (stage, tensor-parallel rank) position; when replicas split
+them differently a layer's holders sit at different stages, and each distinct combination of
+stages (a ``key``: the holding stage in each member replica, in replica order) has a group of its
+own, formed the first time it is summed. A group whose members changed is dropped without a
+collective (it may hold a dead peer) and new ones formed under a fresh store prefix.
+
+Every rank sums its keys in ascending order, so two ranks never wait on each other's later group
+(a cycle would need one of them to go back to a smaller key).
 
 A sum is waited on in slices, not by one blocking wait: when a member is lost, the survivors beside
 it in a ring may not see the dead peer at all, only a survivor that left the sum on its own error
@@ -42,40 +48,55 @@ class GroupAbandoned(RuntimeError):
     """The sum was left unfinished: the step it belongs to was already decided (aborted)."""
 
 
+Key = tuple[int, ...]  # the stage holding a bucket's parameters in each member replica
+
+
 class ReplicaGroup:
-    def __init__(self, store: Store, job_id: str, position: str, replica: int, timeout_s: float) -> None:
-        self.store, self.job_id, self.position = store, job_id, position
+    def __init__(self, store: Store, job_id: str, tp_rank: int, replica: int, timeout_s: float) -> None:
+        self.store, self.job_id, self.tp_rank = store, job_id, tp_rank
         self.replica, self.timeout_s = replica, timeout_s
         self.gen: int | None = None
-        self.pg: dist.ProcessGroup | None = None
-        self.size = 0
+        self.replicas: list[int] = []
+        self.groups: dict[Key, dist.ProcessGroup] = {}
         self._retired: list[dist.ProcessGroup] = []  # kept: a group with a dead peer is never waited on
 
-    def form(self, gen: Generation) -> None:
-        """Collective over the generation's members at this position (a no-op if already formed)."""
-        if self.gen == gen.gen:
-            return
-        if self.pg is not None:
-            self._retired.append(self.pg)
-        self.pg, self.gen = None, None
-        replicas = gen.replicas
-        self.size = len(replicas)
-        if self.size > 1:
-            self.pg = gloo_group(self.store, f"resihp/{self.job_id}/ft/pg/{gen.gen}/{self.position}",
-                                 replicas.index(self.replica), self.size, self.timeout_s)
-        self.gen = gen.gen
+    @property
+    def size(self) -> int:
+        """The member replicas of the generation formed last."""
+        return len(self.replicas)
 
-    def all_reduce(self, flat: torch.Tensor, abandon: Callable[[], bool] | None = None,
+    def form(self, gen: Generation, keys: list[Key]) -> None:
+        """Collective over the generation's members: start generation ``gen`` (nothing if it is
+        the one in force) with the groups of ``keys``; a later plan's new keys form as they are
+        first summed."""
+        if self.gen != gen.gen:
+            self._retired += self.groups.values()
+            self.groups, self.gen, self.replicas = {}, gen.gen, list(gen.replicas)
+        if self.size > 1:
+            for key in sorted(keys):
+                self._group(key)
+
+    def _group(self, key: Key) -> dist.ProcessGroup:
+        """Collective over the ranks of ``key``: this generation's group of them."""
+        if key not in self.groups:
+            name = "-".join(map(str, key))
+            self.groups[key] = gloo_group(self.store, f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
+                                          self.replicas.index(self.replica), self.size, self.timeout_s)
+        return self.groups[key]
+
+    def all_reduce(self, buckets: dict[Key, torch.Tensor], abandon: Callable[[], bool] | None = None,
                    check_s: float = 0.05) -> None:
-        """Sum ``flat`` over the members (in place). ``abandon`` (asked every ``check_s`` while the
-        sum is in flight): True leaves it with ``GroupAbandoned``; the group is not used again."""
-        if self.pg is None:
+        """Sum each bucket over the ranks of its key (in place), keys in ascending order.
+        ``abandon`` (asked every ``check_s`` while a sum is in flight): True leaves it with
+        ``GroupAbandoned``; the group is not used again."""
+        if self.size < 2:
             return
-        work = self.pg.allreduce([flat])
-        if abandon is not None:
-            done = threading.Event()
-            work.get_future().add_done_callback(lambda _: done.set())
-            while not done.wait(check_s):
-                if abandon():
-                    raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
-        work.wait()  # the sum's own error, if it failed
+        for key in sorted(buckets):
+            work = self._group(key).allreduce([buckets[key]])
+            if abandon is not None:
+                done = threading.Event()
+                work.get_future().add_done_callback(lambda _, done=done: done.set())
+                while not done.wait(check_s):
+                    if abandon():
+                        raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
+            work.wait()  # the sum's own error, if it failed

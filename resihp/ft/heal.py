@@ -1,8 +1,9 @@
 """A returning replica catches up from a live peer while the survivors keep stepping.
 
 The source (the rank at the same position in the lowest surviving replica) copies its model and
-AdamW state after a committed step ``t0`` and, from then on, the summed gradients of every
-committed step; a thread sends them over a two-rank gloo group of its own (its own store client:
+AdamW state after a committed step ``t0``, with its replica's layer split (the returning rank
+builds its stage to match), and from then on the summed gradients of every committed step, or its
+state again after a plan change moved its layers; a thread sends them over a two-rank gloo group of its own (its own store client:
 a TCPStore client is not to be shared with a thread blocked in a rendezvous). The returning rank
 loads the state and applies each step's gradients with its own optimizer: the same AdamW update
 on the same numbers, so it ends bitwise equal to the source. It joins at the step boundary the
@@ -53,8 +54,8 @@ def heal_prefix(job_id: str, replica: int, attempt: int, position: str) -> str:
 
 
 class HealSource(threading.Thread):
-    """The sending end for one returning rank: ``push(kind, step, flat)`` from the training loop
-    (a copy, so training goes on), sent in order by this thread; ``close(last)`` once the returning
+    """The sending end for one returning rank: ``push(kind, step, flat, split)`` from the training
+    loop (a copy, so training goes on; ``split``: with a state, the layers per stage it is in), sent in order by this thread; ``close(last)`` once the returning
     replica is admitted and the gradients of step ``last`` are queued."""
 
     def __init__(self, connect: Callable[[], Store], prefix: str, timeout_s: float) -> None:
@@ -65,8 +66,8 @@ class HealSource(threading.Thread):
         self.sent_bytes = 0
         self.last: int | None = None  # the last step whose gradients the returning rank needs
 
-    def push(self, kind: int, step: int, flat: torch.Tensor) -> None:
-        self.items.put((kind, step, flat.cpu()))  # gloo sends from host memory
+    def push(self, kind: int, step: int, flat: torch.Tensor, split: list[int] | None = None) -> None:
+        self.items.put((kind, step, flat.cpu(), list(split or [])))  # gloo sends from host memory
 
     def close(self, last: int) -> None:
         self.last = last
@@ -89,10 +90,12 @@ class HealSource(threading.Thread):
             while True:
                 item = self.items.get()
                 if item is None:
-                    pg.send([torch.tensor([END, self.last, 0], dtype=torch.int64)], 1, 0).wait()
+                    pg.send([torch.tensor([END, self.last, 0, 0], dtype=torch.int64)], 1, 0).wait()
                     return
-                kind, step, flat = item
-                pg.send([torch.tensor([kind, step, flat.numel()], dtype=torch.int64)], 1, 0).wait()
+                kind, step, flat, split = item
+                pg.send([torch.tensor([kind, step, flat.numel(), len(split)], dtype=torch.int64)], 1, 0).wait()
+                if split:
+                    pg.send([torch.tensor(split, dtype=torch.int64)], 1, 2).wait()
                 pg.send([flat], 1, 1).wait()
                 self.sent_bytes += flat.numel() * 4
         except (RuntimeError, dist.DistError) as exc:  # the returning rank was lost: stop serving it
@@ -107,15 +110,19 @@ class HealTarget:
         self.pg = gloo_group(store, prefix, 1, 2, timeout_s)
         self.received_bytes = 0
 
-    def next(self) -> tuple[int, int, torch.Tensor | None]:
-        """(kind, step, payload): STATE or GRAD with their numbers, or END (no payload)."""
-        head = torch.zeros(3, dtype=torch.int64)
+    def next(self) -> tuple[int, int, torch.Tensor | None, list[int]]:
+        """(kind, step, payload, split): STATE (with the layers per stage of the source's replica)
+        or GRAD with their numbers, or END (no payload)."""
+        head = torch.zeros(4, dtype=torch.int64)
         self.pg.recv([head], 0, 0).wait()
-        kind, step, n = (int(x) for x in head)
+        kind, step, n, k = (int(x) for x in head)
         if kind == END:
-            return kind, step, None
+            return kind, step, None, []
+        split = torch.zeros(k, dtype=torch.int64)
+        if k:
+            self.pg.recv([split], 0, 2).wait()
         flat = torch.empty(n, dtype=torch.float32)
         self.pg.recv([flat], 0, 1).wait()
         self.received_bytes += n * 4
-        return kind, step, flat
+        return kind, step, flat, split.tolist()
 

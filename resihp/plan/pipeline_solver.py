@@ -44,7 +44,7 @@ class _Candidate:
 def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
               current: dict[tuple[int, ...], tuple[int, int]] | None = None,
               horizon_steps: float = 100.0, sync: tuple[float, float] | None = None,
-              replicas: int = 1) -> tuple:
+              replicas: int = 1, regroup: bool = True) -> tuple:
     """What ``solve_pipeline`` with these arguments answers, beyond the hardware, the model and
     the cost model behind ``coster``: the groups, their devices' speeds, the layer ranges that
     the plan in force gives to the candidate stages, and the other arguments. Not the time
@@ -57,14 +57,15 @@ def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         subs = {sub for g in groups for opt in group_options(g, cluster, coster.model.heads)
                 for sub in opt}
         held = tuple(sorted((sub, current[sub]) for sub in subs if sub in current))
-    return (tuple(groups), speeds, max(1, m), held, bool(current), horizon_steps, sync, replicas)
+    return (tuple(groups), speeds, max(1, m), held, bool(current), horizon_steps, sync, replicas,
+            regroup)
 
 
 def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
                    current: dict[tuple[int, ...], tuple[int, int]] | None = None,
                    horizon_steps: float = 100.0, time_limit_s: float = 1.0,
                    sync: tuple[float, float] | None = None, replicas: int = 1,
-                   ) -> PipelineSolution | None:
+                   regroup: bool = True) -> PipelineSolution | None:
     """Best re-formation and layer split of the pipeline over home ``groups`` for ``m`` micro-batches.
 
     ``current`` maps a TP group (ranks tuple) of the plan in force to its layer range; it seeds the
@@ -72,12 +73,12 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     for the largest per-device shard of any replica, in layers / TP size; ``floor`` is the largest
     elsewhere and each unit above it costs ``seconds`` of every step. ``replicas``: how many
     replicas share the work, i.e. how much more a job-wide second weighs than one of this replica's
-    own (which the micro-batch allocation spreads over the others). Returns None if no option
-    fits in memory.
+    own (which the micro-batch allocation spreads over the others). ``regroup``: False keeps
+    every group whole (only the layer split is decided). Returns None if no option fits in memory.
     """
     model, cluster = coster.model, coster.cluster
     m = max(1, m)
-    options = [group_options(g, cluster, model.heads) for g in groups]
+    options = [group_options(g, cluster, model.heads) if regroup else [[g]] for g in groups]
     cands: list[_Candidate] = [
         _Candidate(gi, oi, sub) for gi, opts in enumerate(options)
         for oi, opt in enumerate(opts) for sub in opt]

@@ -76,6 +76,11 @@ class Pipeline:
     def ranks(self) -> list[int]:
         return [r for s in self.stages for r in s.ranks]
 
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Its stages' groups (ranks), in pipeline order."""
+        return tuple(s.ranks for s in self.stages)
+
 
 @dataclass(frozen=True)
 class Holdings:

@@ -147,14 +147,18 @@ class Planner:
     (``Pipeline.budget(model)``), so off by default. ``expected_steps``: fill each plan's
     ``expected_step_time_s`` (variable micro-batch costs on the critical path; some
     milliseconds per plan at 16,384 devices), which a caller that measures its steps can skip.
+    ``regroup``: False re-plans only layer splits and micro-batch shares, every stage keeping its
+    group of the plan in force: for a job that cannot move ranks between its groups while it runs
+    (replica-level fault tolerance, where each replica is a job of its own).
     """
 
     name = "resihp"
 
     def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
                  threads: int | None = None, token_budgets: bool = False,
-                 expected_steps: bool = True) -> None:
+                 expected_steps: bool = True, regroup: bool = True) -> None:
         self.cost = cost_model or AnalyticCost()
+        self.regroup = regroup
         self.expected_steps = expected_steps
         self.token_budgets = token_budgets
         self.horizon_steps = horizon_steps
@@ -217,8 +221,17 @@ class Planner:
         # A replica is kept when ``group_options`` keeps each of its groups whole.
         kept: dict[int, PipelineSolution] = {}
         affected = []
+        fixed = not self.regroup and current is not None
+        if fixed:
+            # the groups in force, whatever the layout's home groups: every pipeline re-split
+            # (the solver keeps its groups whole), its share re-allocated
+            ordered = sorted(current.pipelines, key=lambda p: p.dp_rank)
+            pipes = [list(p.groups) for p in ordered]
+            even = dict(enumerate(apportion(model.microbatches, np.ones(len(pipes)))))
+            share = {r: p.microbatches for r, p in enumerate(ordered)}
+            affected = list(range(len(pipes)))
         whole = memo.whole_at_full_speed(layout)
-        for r, stages in enumerate(memo.home_stages(layout, counts)):
+        for r, stages in enumerate(memo.home_stages(layout, counts) if not fixed else []):
             if whole[r] and not any(not cluster.degraded.isdisjoint(s.ranks) for s in stages):
                 kept[r] = PipelineSolution(stages, 0.0, "kept", 0.0)
             else:
@@ -239,13 +252,19 @@ class Planner:
 
         seen: set[tuple] = set()
 
+        def places(plan: Plan) -> list[tuple[tuple[int, ...], ...]]:
+            return [p.groups for p in sorted(plan.pipelines, key=lambda p: p.dp_rank)]
+
         def usable(plans: list[Plan]) -> list[Plan]:
             """Plans that run (the global batch placed, memory respected, no dead rank), each
-            once: the two weightings and the allocations often build the same plan."""
+            once: the two weightings and the allocations often build the same plan. Without
+            ``regroup``, only those that keep the groups in force."""
             out = []
             for c in plans:
                 key = tuple((p.dp_rank, p.stages, p.microbatches, p.tokens, p.home)
                             for p in c.pipelines)
+                if fixed and places(c) != places(current):
+                    continue
                 if key not in seen and c.pipelines and sum(
                         p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
                         coster.stages_fit(p.stages, p.microbatches, p.budget(model))
@@ -261,7 +280,7 @@ class Planner:
                     self._submit(context, pipes[r], max(1, share[r]), sync, weight)
             # the heuristic baselines' plans are candidates too, so the optimizer never ends
             # behind them
-            candidates = usable(self._baseline_plans(context, healthy))
+            candidates = usable(self._baseline_plans(context, healthy)) if not fixed else []
             for weight in weights:
                 try:
                     candidates += usable(self._candidates(context, dict(kept), dict(share),
@@ -274,18 +293,22 @@ class Planner:
             # pipelines designed for the devices at hand (mixed TP sizes and depths), alone or
             # beside pipelines kept from the plan in force or the best plan so far
             best = min(candidates, key=lambda p: p.step_time_s, default=None)
-            candidates += usable(self._designed_plans(context, memo, current, best))
+            if not fixed:
+                candidates += usable(self._designed_plans(context, memo, current, best))
             # around a slow link between data-parallel peers: fewer layers on its stage
             candidates += usable([m for c in list(candidates) for m in boundary_moves(c, cluster)])
-            # ... or its end trades places with another stage of its pipeline
-            candidates += usable([m for c in list(candidates) for m in rank_swaps(c, cluster)])
-            # ... or the replica holding an end leaves, the others take its micro-batches
-            candidates += usable([m for c in list(candidates) for m in replica_drops(c, cluster)])
+            if not fixed:
+                # ... or its end trades places with another stage of its pipeline
+                candidates += usable([m for c in list(candidates) for m in rank_swaps(c, cluster)])
+                # ... or the replica holding an end leaves, the others take its micro-batches
+                candidates += usable([m for c in list(candidates)
+                                      for m in replica_drops(c, cluster)])
         finally:
             pool.shutdown(cancel_futures=True)  # the solves of a weighting not needed
         if not candidates:
             raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
-                             "memory on the remaining devices")
+                             "memory on the remaining devices"
+                             + (" in the groups in force" if fixed else ""))
         # the same trade as inside the solver: step time plus migration amortised over the horizon
         plan = min(candidates, key=lambda p: (p.step_time_s + p.migration_s / self.horizon_steps,
                                               p.migration_s))
@@ -348,7 +371,8 @@ class Planner:
         for r in ctx.affected:
             if solutions[r] is not None:
                 ctx.log.add(solutions[r].status, solutions[r].gap)
-        spares = self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
+        spares = (self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
+                  if self.regroup else {})
         ctx.log.pipelines += len(spares)
         reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
@@ -429,7 +453,8 @@ class Planner:
         """``solve_pipeline``'s answer to come: from the planner's cache (an answer proven
         optimal in no more than this call's time limit), from the same solve already started in
         this call, or from a new solve in the pool."""
-        key = solve_key(ctx.coster, groups, m, ctx.held, self.horizon_steps, sync, replicas)
+        key = solve_key(ctx.coster, groups, m, ctx.held, self.horizon_steps, sync, replicas,
+                        self.regroup)
         if key not in ctx.futures:
             sol, seconds = ctx.solves.get(key, (None, np.inf))
             if seconds <= ctx.per_solve:
@@ -444,7 +469,7 @@ class Planner:
                sync: tuple[float, float] | None, replicas: int) -> PipelineSolution | None:
         t0 = time.perf_counter()
         sol = solve_pipeline(ctx.coster, groups, m, ctx.held, self.horizon_steps, ctx.per_solve,
-                             sync, replicas)
+                             sync, replicas, self.regroup)
         if sol is not None and sol.status == "optimal":
             ctx.solves[key] = (sol, time.perf_counter() - t0)
         return sol

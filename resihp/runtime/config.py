@@ -78,7 +78,8 @@ class FaultConfig(Section):
         "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
         "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "
         "restarts and catches up from a live peer while the others train on, taking over its "
-        "micro-batches; live re-planning then moves micro-batch shares only); replica-drop (the "
+        "micro-batches; live re-planning then moves micro-batch shares, and layers between the stages "
+        "of each replica, but never ranks between groups); replica-drop (the "
         "same, its micro-batches skipped while it is away); auto: replica when --dp > 1 on one node "
         "of CPUs without --ckpt-every, --snapshot-every or --resume, else none"))
     timeout_s: float = opt(60.0, flag="timeout", above=0, maximum=7 * 86400.0, finite=True,

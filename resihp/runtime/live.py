@@ -7,7 +7,9 @@ Applied in place: per-replica micro-batch shares and per-pipeline layer splits; 
 re-forms tensor-parallel groups, excludes a device (a hot spare), moves ranks between pipelines or
 gives replicas different depths or stages different tensor-parallel sizes goes to the job as a
 ``layout`` (every rank forms the new process groups and reshards its state from memory,
-``Engine.apply``).
+``Engine.apply``). With replica-level fault tolerance each replica is a job of its own and its
+ranks keep their groups: the planner re-plans layer splits and micro-batch shares only
+(``Planner(regroup=False)``), which the commits carry to every rank (``ReplicaEngine.take_plan``).
 """
 
 from __future__ import annotations
@@ -206,7 +208,10 @@ class LiveLoop:
         self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
                                                      meta_dict=self.meta_dict)
         self.detector = self._make_detector()
-        self.planner, self.time_limit_s = Planner(), time_limit_s
+        # each replica of replica-level fault tolerance is a job of its own: its ranks keep their
+        # groups, and the planner re-plans layer splits and micro-batch shares around them
+        self.planner = Planner(regroup=not cfg.faults.recovery.startswith("replica"))
+        self.time_limit_s = time_limit_s
         self.cluster, self.model = planner_specs(cfg)
         self.weights = cfg.weights()
         self.ranges = [cfg.stage_ranges() for _ in range(cfg.parallel.dp)]  # per replica
@@ -341,27 +346,9 @@ class LiveLoop:
                                                           if k in event},
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
-        if self.cfg.faults.recovery.startswith("replica"):
-            # each replica is its own job: the commits carry micro-batch shares to every rank; layer
-            # moves and new groups would move state across replicas together (not in this mode).
-            # With the layers where they are, a replica's share follows its slowest rank's speed.
-            splits = [[s.n_layers for s in p.stages] for p in pipes]
-            current = [[b - a for a, b in ranges] for ranges in self.ranges]
-            as_planned = same_places and splits == current
-            change["dp_weights"] = ([float(p.microbatches) for p in pipes] if as_planned
-                                    else self._replica_speeds())
-            change["applied"] = (True if as_planned else "partial: with --recovery replica the "
-                                 "micro-batch shares apply, the layers stay where they are")
-            if not as_planned:  # the estimate is of what runs: the shares on the layers in force
-                applied = current_plan(self.cfg, cluster, self.model, change["dp_weights"], self.ranges, self.groups)
-                change["predicted_step_s"] = evaluate(applied, self.planner.coster(cluster, self.model)).step_time_s
-            if self._unchanged({**change, "layer_splits": current}):
-                change.pop("dp_weights")
-                change["applied"] = "none: the planner keeps the plan in force"
-                self.changes.append(change)
-            else:
-                self._post_in_place(change)  # no layer_splits: the ranges in force stay
-            return
+        if not same_places and not self.planner.regroup:
+            raise RuntimeError(f"the planner moved ranks between groups of a job that keeps them "
+                               f"(--recovery {self.cfg.faults.recovery})")
         change["dp_weights"] = [float(p.microbatches) for p in pipes]
         change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
         change["applied"] = True
@@ -423,9 +410,6 @@ class LiveLoop:
         splits = [[b - a for a, b in ranges] for ranges in self.ranges]
         return (shares(change["dp_weights"]) == shares(self.weights)
                 and change["layer_splits"] == splits)
-
-    def _replica_speeds(self) -> list[float]:
-        return [min(self.speeds[r] for stage in p for r in stage) for p in self.groups]
 
     def measured_steps(self, applied_steps: list[int | None]) -> list[dict]:
         """For each change (the step the job applied it at, None: never applied), the median

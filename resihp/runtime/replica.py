@@ -6,8 +6,11 @@ the current generation (``resihp.ft.group``), votes, and commits only what every
 (``resihp.ft.quorum``); an aborted step is redone by the survivors. In zero-drift mode the
 survivors also train the absent replicas' micro-batches, so the global batch never changes. A
 relaunched replica catches up from a live peer (``resihp.ft.heal``) and joins at a step boundary.
-The live planner's micro-batch shares reach every rank with the commit before the step they apply
-to (``Decision.plan``); a returning replica takes the one of the commit that admitted it.
+The live planner's micro-batch shares and per-replica layer splits reach every rank with the commit
+before the step they apply to (``Decision.plan``): each replica moves layers between its own stages
+(``Engine._repartition``), and the cross-replica sums follow each layer to the stage holding it in
+every replica (``_buckets``). A returning replica catches up in its source replica's split and
+takes the plan of the commit that admitted it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed import Store
 
 from resihp.detect.heartbeat import HeartbeatSender
-from resihp.ft.group import ReplicaGroup
+from resihp.ft.group import Key, ReplicaGroup
 from resihp.ft.heal import (
     GRAD,
     STATE,
@@ -43,7 +46,9 @@ from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix, plan_ke
 from resihp.runtime.data import MicroBatch, StepData, replica_microbatches
 from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
+from resihp.runtime.layout import ranges_from_counts
 from resihp.runtime.planchange import PlanChange
+from resihp.runtime.replan import owner
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
 GPU_OFFSET_ENV = "RESIHP_GPU_OFFSET"  # the first GPU of a replica's local rank 0 on its host
@@ -75,11 +80,12 @@ class ReplicaEngine(Engine):
         self.store, self.connect = store, connect
         self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s,
                              plan_key=plan_key(cfg.job_id))
-        self.group = ReplicaGroup(store, cfg.job_id, self.position, member.replica, cfg.faults.timeout_s)
+        self.group = ReplicaGroup(store, cfg.job_id, self.tp.rank, member.replica, cfg.faults.timeout_s)
         self.gen: Generation | None = None
         self.decision: Decision | None = None
         self.sources: dict[Member, HealSource] = {}
         self.full_weights = cfg.weights()
+        self.full_ranges = [self.ranges for _ in range(cfg.parallel.dp)]  # every replica's layer ranges
         self.plan_id: object = None  # the plan change in force (its id)
 
     # --- which micro-batches --------------------------------------------------------------------
@@ -96,19 +102,47 @@ class ReplicaEngine(Engine):
         return [mb for r in self._owned() for mb in replica_microbatches(data, r, self.full_weights)]
 
     def take_plan(self, step: int) -> None:
-        """Before ``step``: the plan change the last commit carried, if it is new. Its micro-batch
-        shares apply here on every rank of every replica alike; layer moves and new groups need
-        the replicas' state moved together and are not applied in this mode (the live planner
-        sends none)."""
+        """Before ``step``: the plan change the last commit carried, if it is new, on every rank of
+        every replica alike: the micro-batch shares, and each replica's layer split (its ranks move
+        layers between its stages; a returning peer this rank serves gets the state anew)."""
         plan = self.decision.plan if self.decision is not None and self.decision.commit else None
         if plan is None or plan.get("id") == self.plan_id:
             return
-        change = PlanChange.parse(plan, self.full.dims(), self.model_cfg.layers, "plan")
+        layers = self.model_cfg.layers
+        change = PlanChange.parse(plan, self.full.dims(), layers, "plan")
         if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
                 self.full_weights = list(change.dp_weights)
+        new = change.replica_ranges(layers)
+        if new is not None:
+            mine = new[self.member.replica]
+            if mine != self.ranges:
+                with self.rec.op("replan-layers") as row:
+                    row["bytes"] = self._repartition(mine)
+                    self.replica_ranges = [mine]
+                    self.grad_sync.prepare([mine], layers)
+                for source in self.sources.values():  # its state in the new split, as of the last step
+                    source.push(STATE, step - 1, flatten(heal_tensors(self.model, self.optimizer), "cpu"),
+                                self._split())
+            self.full_ranges = new
         self.plan_id = plan.get("id")
         self.plan_changes.append({"step": step, **change.to_dict()})
+
+    def _split(self) -> list[int]:
+        return [b - a for a, b in self.ranges]
+
+    def _buckets(self, loss: torch.Tensor | None) -> dict[Key, list[torch.Tensor]]:
+        """This rank's gradients (and the loss, with the head's) by the ranks that sum them
+        (``holder_key``)."""
+        members = self.gen.replicas
+        out: dict[Key, list[torch.Tensor]] = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.setdefault(holder_key(name, self.stage, self.full_ranges, members), []).append(p.grad)
+        if loss is not None:
+            out.setdefault((self.stage,) * len(members), []).append(loss)
+        return out
 
     def loss_tokens(self, data: StepData) -> int:
         if not self.drop:
@@ -126,15 +160,17 @@ class ReplicaEngine(Engine):
         params = list(self.model.parameters())
         ok = True
         try:
+            buckets = self._buckets(loss)
             if self.group.gen != self.gen.gen:
                 with self.rec.op("ft-regroup"):
-                    self.group.form(self.gen)
+                    self.group.form(self.gen, list(buckets))
             if self.group.size > 1:
-                flat = flatten([p.grad for p in params] + ([loss] if loss is not None else []))
+                flats = {key: flatten(tensors) for key, tensors in buckets.items()}
                 gen = self.gen
                 with self.rec.op("grads-all-reduce"):  # left once the step is decided without it
-                    self.group.all_reduce(flat, abandon=lambda: self.quorum.decided(gen, step))
-                unflatten(flat, [p.grad for p in params] + ([loss] if loss is not None else []))
+                    self.group.all_reduce(flats, abandon=lambda: self.quorum.decided(gen, step))
+                for key, tensors in buckets.items():
+                    unflatten(flats[key], tensors)
         except (RuntimeError, dist.DistError):
             ok = False  # a member was lost inside the sum: the vote says so, nothing is applied
             self.rec.active = None
@@ -181,7 +217,7 @@ class ReplicaEngine(Engine):
                 self.sources.pop(old).close(-1)
             source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
                                                           self.position), self.full.faults.timeout_s)
-            source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer), "cpu"))
+            source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer), "cpu"), self._split())
             source.start()
             self.sources[m] = source
 
@@ -199,15 +235,20 @@ class ReplicaEngine(Engine):
         self.quorum.request_join(self.member)
         target = HealTarget(self.store, heal_prefix(self.full.job_id, self.member.replica, self.member.attempt,
                                                     self.position), self.full.faults.timeout_s)
-        params = list(self.model.parameters())
         state_at = held = None
         replayed = 0
         while True:
-            kind, step, flat = target.next()
+            kind, step, flat, split = target.next()
             if kind == STATE:
+                ranges = ranges_from_counts(split, self.model_cfg.layers, self.pp, source="catch-up split")
+                if ranges != self.ranges:  # its source replica's split: rebuilt to take the state
+                    self.replica_ranges = [ranges]
+                    self.build_stage(*ranges[self.stage], init=False)
+                    self.grad_sync.prepare([ranges], self.model_cfg.layers)
                 unflatten(flat, heal_tensors(self.model, self.optimizer))
-                state_at, held = time.time(), step
+                state_at, held, replayed = time.time(), step, 0
             elif kind == GRAD:
+                params = list(self.model.parameters())
                 if held is None or step != held + 1:
                     raise RuntimeError(f"catch-up: gradients of step {step} after the state of step {held}")
                 unflatten(flat, _grads(params))
@@ -232,6 +273,16 @@ class ReplicaEngine(Engine):
         return {"state_step": None if state_at is None else gen.from_step - 1 - replayed,
                 "requested_ts": t0, "state_ts": state_at, "admitted_ts": time.time(),
                 "from_step": gen.from_step, "replayed_steps": replayed, "bytes": target.received_bytes}
+
+
+def holder_key(name: str, stage: int, ranges: list[list[tuple[int, int]]], members: list[int]) -> Key:
+    """The stage holding parameter ``name`` (held at ``stage`` here) in each of the ``members``
+    replicas, given every replica's layer ``ranges``: a layer's owner in that replica's split; the
+    embedding and the head at ``stage`` everywhere (every replica has the same depth)."""
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return tuple(owner(ranges[d], layer) for d in members)
+    return (stage,) * len(members)
 
 
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
