@@ -281,8 +281,9 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
     if not designs and not kept:
         return None
     replicas = max(2, replicas_hint)
+    # a coarse first answer: it only prices the designs for the second pass
     packing = _bisect(coster, designs, devices, microbatches, kept, kept_shard, replicas, target_s,
-                      token_budgets)
+                      token_budgets, tolerance=1e-3)
     if packing is None or not designs:
         return packing
     # the second pass on the schedule's graph: the designs worth having at that step, each
@@ -304,10 +305,11 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
 
 def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatches: int,
             kept: Sequence[tuple[float, float]], kept_shard: float, replicas: int,
-            target_s: float | None = None, token_budgets: bool = False) -> Packing | None:
-    """The least step at which the designs (and the kept pipelines) carry the micro-batches,
-    and the packing there; the all-reduce's ring length taken from the answer, once more.
-    None if it is longer than ``target_s``."""
+            target_s: float | None = None, token_budgets: bool = False,
+            tolerance: float = 1e-5) -> Packing | None:
+    """The least step at which the designs (and the kept pipelines) carry the micro-batches
+    (within ``tolerance``, relative), and the packing there; the all-reduce's ring length taken
+    from the answer, once more. None if it is longer than ``target_s``."""
     cost = np.array([d.devices for d in designs], dtype=np.int64)
     first = np.array([d.first for d in designs])
     each = np.array([d.each for d in designs])
@@ -346,7 +348,7 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
         for _ in range(60):
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-            if hi - lo <= 1e-5 * hi:
+            if hi - lo <= tolerance * hi:
                 break
         _, vals = carried(hi)
         counts = [0] * len(designs)
