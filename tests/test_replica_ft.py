@@ -399,6 +399,7 @@ def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_spl
     change = summary["plan_changes"][0]
     at = change["applied_step"]
     assert change["applied"] is True and at is not None, change
+    assert change["moved_bytes"] > 0 and change["move_s"] > 0, change  # replica 1's layer, sent once
     assert change["dp_weights"][1] < change["dp_weights"][0], change
     assert change["layer_splits"][1][0] < 2 and change["layer_splits"][0] == [2, 2], change
     assert [[s["ranks"] for s in p["stages"]] for p in change["plan"]["pipelines"]] == [[[0], [2]], [[1], [3]]]

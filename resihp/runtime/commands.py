@@ -301,6 +301,15 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
     changes = [{**c, "applied_step": applied.get(c["id"], {}).get("step"),
                 **{k: applied[c["id"]][k] for k in moved if k in applied.get(c["id"], {})}}
                for c in loop.changes]
+    trace = read_ops_trace(out / "ops.parquet") if (out / "ops.parquet").exists() else None
+    if trace is not None:
+        # layers moved in place (no new groups): the bytes the ranks sent and the slowest rank's
+        # seconds, from the step's ``replan-layers`` ops
+        moves = trace[trace.optype == "replan-layers"]
+        for change in changes:
+            at = moves[moves.step == change["applied_step"]]
+            if "moved_bytes" not in change and len(at):
+                change.update(moved_bytes=int(at["bytes"].fillna(0).sum()), move_s=round(float(at.duration.max()), 4))
     # each change's estimate beside the step measured while it was in force
     for change, check in zip(changes, loop.measured_steps([c["applied_step"] for c in changes])):
         change.update(check)
@@ -310,9 +319,8 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
               "tokens_per_s_after": summary.get("tokens_per_s"), "recovered_fraction": None,
               "live_error": loop.error}
     slow = [f for f in cfg.fault_list() if f.kind == "slow" and f.step is not None]
-    if slow and (out / "ops.parquet").exists():
-        report = fault_summary(read_ops_trace(out / "ops.parquet"), slow[0].to_dict(), loop.events,
-                               changes, cfg.dims().world_size)
+    if slow and trace is not None:
+        report = fault_summary(trace, slow[0].to_dict(), loop.events, changes, cfg.dims().world_size)
         fields.update({k: v for k, v in report.items() if k not in ("steps", "injected")})
     return fields
 
