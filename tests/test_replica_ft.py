@@ -25,6 +25,7 @@ from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.parallel import ParallelDims
 from resihp.runtime.replica import holder_key
 from tests.faults import announced
+from tests.gloo_ranks import spawn_ranks
 from tests.replica_replay import replay_membership
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
@@ -202,6 +203,41 @@ def test_cross_replica_sums_follow_each_layer_to_its_stage_in_every_replica():
     # one split everywhere: one key per stage, the usual per-position group
     same = [[(0, 2), (2, 4)]] * 2
     assert {holder_key(f"layers.{i}.w", i // 2, same, [0, 1]) for i in range(4)} == {(0, 0), (1, 1)}
+
+
+def _heal_stream(rank: int, world: int, tmp: str) -> dict:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from resihp.ft.heal import GRAD, STATE, HealSource, HealTarget
+    from resihp.runtime.nodes import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    source = HealSource(lambda: dist.TCPStore("127.0.0.1", port, is_master=False,
+                                              timeout=datetime.timedelta(seconds=30)), "t/heal", 30)
+    source.push(STATE, 4, torch.arange(6.0), [2, 2])
+    source.push(GRAD, 5, torch.ones(6))
+    source.push(STATE, 5, torch.arange(4.0), [1, 3])  # a plan moved the source's layers
+    source.start()
+    target = HealTarget(store, "t/heal", 30)
+    got = [target.next() for _ in range(3)]
+    source.close(5)
+    got.append(target.next())
+    source.join(10)
+    return {"got": [(kind, step, None if flat is None else flat.tolist(), split) for kind, step, flat, split in got],
+            "sent": source.sent_bytes, "received": target.received_bytes}
+
+
+def test_the_catch_up_stream_carries_each_states_layer_split(tmp_path):
+    from resihp.ft.heal import END, GRAD, STATE
+
+    (result,) = spawn_ranks(_heal_stream, 1, tmp_path)
+    assert result["got"] == [(STATE, 4, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 2]), (GRAD, 5, [1.0] * 6, []),
+                             (STATE, 5, [0.0, 1.0, 2.0, 3.0], [1, 3]), (END, 5, None, [])]
+    assert result["sent"] == result["received"] == 4 * (6 + 6 + 4)
 
 
 # --- real runs -----------------------------------------------------------------------------------
