@@ -3,8 +3,9 @@
 The source (the rank at the same position in the lowest surviving replica) copies its model and
 AdamW state after a committed step ``t0``, with its replica's layer split (the returning rank
 builds its stage to match), and from then on the summed gradients of every committed step, or its
-state again after a plan change moved its layers; a thread sends them over a two-rank gloo group of its own (its own store client:
-a TCPStore client is not to be shared with a thread blocked in a rendezvous). The returning rank
+state again after a plan change moved its layers; a thread sends them over a two-rank gloo group
+of its own (its own store client: a TCPStore client is not to be shared with a thread blocked in
+a rendezvous). The returning rank
 loads the state and applies each step's gradients with its own optimizer: the same AdamW update
 on the same numbers, so it ends bitwise equal to the source. It joins at the step boundary the
 quorum admits it at, without the survivors ever waiting for the transfer.
@@ -55,8 +56,9 @@ def heal_prefix(job_id: str, replica: int, attempt: int, position: str) -> str:
 
 class HealSource(threading.Thread):
     """The sending end for one returning rank: ``push(kind, step, flat, split)`` from the training
-    loop (a copy, so training goes on; ``split``: with a state, the layers per stage it is in), sent in order by this thread; ``close(last)`` once the returning
-    replica is admitted and the gradients of step ``last`` are queued."""
+    loop (a copy, so training goes on; ``split``: with a state, the layers per stage it is in),
+    sent in order by this thread; ``close(last)`` once the returning replica is admitted and the
+    gradients of step ``last`` are queued."""
 
     def __init__(self, connect: Callable[[], Store], prefix: str, timeout_s: float) -> None:
         super().__init__(name="resihp-heal", daemon=True)
