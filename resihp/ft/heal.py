@@ -5,10 +5,10 @@ AdamW state after a committed step ``t0``, with its replica's layer split (the r
 builds its stage to match), and from then on the summed gradients of every committed step, or its
 state again after a plan change moved its layers; a thread sends them over a two-rank gloo group
 of its own (its own store client: a TCPStore client is not to be shared with a thread blocked in
-a rendezvous). The returning rank
-loads the state and applies each step's gradients with its own optimizer: the same AdamW update
-on the same numbers, so it ends bitwise equal to the source. It joins at the step boundary the
-quorum admits it at, without the survivors ever waiting for the transfer.
+a rendezvous). The returning rank loads the state and applies each step's gradients with its own
+optimizer: the same AdamW update on the same numbers, so it ends bitwise equal to the source. It
+joins at the step boundary the quorum admits it at, without the survivors ever waiting for the
+transfer.
 """
 
 from __future__ import annotations
