@@ -328,8 +328,10 @@ class Planner:
         which unlike the allocation sees the gradient all-reduce."""
         cluster, model, layout, coster = ctx.cluster, ctx.model, ctx.layout, ctx.coster
 
-        def allocate(dropped: frozenset[int] = frozenset()) -> dict[int, int]:
-            live = [r for r, sol in solutions.items() if sol is not None and r not in dropped]
+        def allocate(dropped: frozenset[int] = frozenset(),
+                     sols: dict[int, PipelineSolution | None] | None = None) -> dict[int, int]:
+            sols = solutions if sols is None else sols
+            live = [r for r, sol in sols.items() if sol is not None and r not in dropped]
             if not live:
                 raise InputError(f"cluster {cluster.name}: no replica of layout tp={layout.tp} "
                                  f"pp={layout.pp} can run model {model.name} on the remaining "
@@ -339,10 +341,10 @@ class Planner:
             first, each = [], []
             for r in live:
                 m_ref = max(2, share.get(r, 0))
-                t1 = coster.pipeline_step(solutions[r].stages, 1)
+                t1 = coster.pipeline_step(sols[r].stages, 1)
                 first.append(t1)
-                each.append((coster.pipeline_step(solutions[r].stages, m_ref) - t1) / (m_ref - 1))
-            caps = [coster.max_microbatches(solutions[r].stages) for r in live]
+                each.append((coster.pipeline_step(sols[r].stages, m_ref) - t1) / (m_ref - 1))
+            caps = [coster.max_microbatches(sols[r].stages) for r in live]
             try:
                 alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
                                                            ctx.per_solve, caps)
@@ -371,25 +373,27 @@ class Planner:
         for r in ctx.affected:
             if solutions[r] is not None:
                 ctx.log.add(solutions[r].status, solutions[r].gap)
-        spares = (self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
-                  if self.regroup else {})
-        ctx.log.pipelines += len(spares)
+        # ways to use the live devices no replica holds (each a set of spare pipelines)
+        alternatives = (self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
+                        if self.regroup else [])
+        ctx.log.pipelines += sum(len(spares) for spares in alternatives)
         reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
-        shares = [share]
+        shares = [(solutions, share)]
         if reformed and len(reformed) < sum(s is not None for s in solutions.values()):
-            shares.append(allocate(reformed))
-        if spares:
-            solutions.update(spares)
-            shares.append(allocate())
-        if self.token_budgets:
-            keep = {r: ctx.even.get(r, min(ctx.even.values())) for r, sol in solutions.items()
-                    if sol is not None}
-            shares.append(keep)
-            shares.append({r: m for r, m in keep.items() if r not in reformed})
+            shares.append((solutions, allocate(reformed)))
+        for spares in alternatives or [{}]:
+            sols = {**solutions, **spares}
             if spares:
-                shares.append({r: m for r, m in keep.items() if r not in spares})
-        plans = [self._assemble(cluster, layout, solutions, sh) for sh in shares]
+                shares.append((sols, allocate(sols=sols)))
+            if self.token_budgets:
+                keep = {r: ctx.even.get(r, min(ctx.even.values())) for r, sol in sols.items()
+                        if sol is not None}
+                shares.append((sols, keep))
+                shares.append((sols, {r: m for r, m in keep.items() if r not in reformed}))
+                if spares:
+                    shares.append((sols, {r: m for r, m in keep.items() if r not in spares}))
+        plans = [self._assemble(cluster, layout, sols, sh) for sols, sh in shares]
         if self.token_budgets:
             plans += [balance_tokens(c, coster) for c in plans]
             plans += [balance_tokens(proportional_counts(c, coster), coster)
@@ -475,10 +479,12 @@ class Planner:
         return sol
 
     def _spare_pipelines(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
-                         m: int) -> dict[int, PipelineSolution]:
+                         m: int) -> list[dict[int, PipelineSolution]]:
         """Extra pipelines from live devices no replica uses (the rest of a broken TP group, or
-        devices the layout leaves over): power-of-two TP groups inside each node, chained into
-        pipelines across nodes while the CP-SAT model finds no split that fits in memory."""
+        devices the layout leaves over), power-of-two TP groups inside each node, two ways: chained
+        into pipelines across nodes while the CP-SAT model finds no split that fits in memory (the
+        groups left over lengthen the last one); and all in one pipeline. Which carries more
+        depends on the micro-batches each gets: both are candidates."""
         # kept replicas use all of their home groups: the others' and the layout's leftovers remain
         used = {x for r in ctx.affected if solutions[r] is not None
                 for s in solutions[r].stages for x in s.ranks}
@@ -489,7 +495,7 @@ class Planner:
         return ctx.spares_seen[free]
 
     def _build_spares(self, ctx: _Context, free: frozenset[int], m: int, first_id: int,
-                      ) -> dict[int, PipelineSolution]:
+                      ) -> list[dict[int, PipelineSolution]]:
         cluster, model, coster = ctx.cluster, ctx.model, ctx.coster
         by_node: dict[int, list[int]] = {}
         for r in free:
@@ -500,11 +506,12 @@ class Planner:
             groups += [tuple(sorted(g)) for g in binary_chunks(ranks)
                        if model.heads % len(g) == 0]
         if not groups or sum(len(g) for g in groups) < 2:
-            return {}
+            return []
         groups.sort(key=lambda g: (-len(g), g))
         # a lower bound on what a pipeline must hold: all model state, one micro-batch per layer
         state_gb = stage_memory_gb(model, model.layers, 1, 1, True, True)
         out: dict[int, PipelineSolution] = {}
+        chains: dict[int, list[tuple[int, ...]]] = {}
         chain: list[tuple[int, ...]] = []
         next_id = first_id
         for g in groups:
@@ -515,10 +522,29 @@ class Planner:
                 continue  # cannot hold the model state, whatever the split
             sol = self._submit(ctx, chain, m, None, 1).result()
             if sol is not None and len(sol.stages) == len(chain):
-                out[next_id] = sol
+                out[next_id], chains[next_id] = sol, chain
                 next_id += 1
                 chain = []
-        return out
+        per_replica = ctx.layout.tp * ctx.layout.pp
+
+        def whole(chain: list[tuple[int, ...]]) -> PipelineSolution | None:
+            """One pipeline of every group of ``chain``, at micro-batches in proportion to its
+            devices; None if the model leaves a group out."""
+            m_chain = max(1, round(m * sum(len(g) for g in chain) / per_replica))
+            sol = self._submit(ctx, chain, m_chain, None, 1).result()
+            return sol if sol is not None and len(sol.stages) == len(chain) else None
+
+        if chain and out and len(chains[next_id - 1]) + len(chain) <= model.layers:
+            # the groups left over (too few to hold the model alone) lengthen the last pipeline
+            longer = whole(chains[next_id - 1] + chain)
+            if longer is not None:
+                out[next_id - 1] = longer
+        alternatives = [out] if out else []
+        if (len(out) > 1 or (chain and out)) and len(groups) <= model.layers:
+            one = whole(groups)
+            if one is not None and {first_id: one} != out:
+                alternatives.append({first_id: one})
+        return alternatives
 
     def _assemble(self, cluster: ClusterSpec, layout: ParallelDims,
                   solutions: dict[int, PipelineSolution | None], share: dict[int, int]) -> Plan:
@@ -550,7 +576,7 @@ class _Context:
     leftover: frozenset[int]  # live or not, the devices no home replica uses
     pool: ThreadPoolExecutor
     futures: dict[tuple, Future] = field(default_factory=dict)  # this call's, by ``solve_key``
-    spares_seen: dict[frozenset[int], dict[int, PipelineSolution]] = field(default_factory=dict)
+    spares_seen: dict[frozenset[int], list[dict[int, PipelineSolution]]] = field(default_factory=dict)
 
 
 class _SolveLog:
