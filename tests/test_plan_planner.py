@@ -166,6 +166,23 @@ def test_without_regroup_a_slow_device_keeps_its_group_and_its_stage_sheds_layer
     assert groups(Planner().plan(slow, m, current)) != groups(current)
 
 
+def test_devices_left_over_by_dead_ones_in_four_nodes_all_train():
+    """Four dead devices in four nodes of h100-256 (13B at TP 4): each node keeps 3 live devices
+    that no TP 4 group can use. They go into spare pipelines of TP 2 and TP 1 stages across nodes,
+    every one of them (the chaining used to leave the groups it could not close a pipeline with
+    idle, 6 of the 12), and the plan gets nearer the tight bound than without them."""
+    c, m = load("h100-256", "gpt-13b")
+    dead = {57: 0.0, 108: 0.0, 176: 0.0, 248: 0.0}
+    assert len({c.devices[r].node for r in dead}) == 4
+    degraded = c.with_speeds(dead)
+    planner = Planner(token_budgets=True)
+    plan = planner.plan(degraded, m, planner.healthy(c, m))
+    assert plan_problems(plan, degraded, m) == []
+    assert sorted(plan.excluded) == sorted(dead)
+    assert any(st.tp < 4 for p in plan.pipelines for st in p.stages)
+    assert plan.tokens_per_s >= 0.97 * tight_bound(degraded, m).tokens_per_s
+
+
 def test_replan_from_current_plan_and_recovery(planner):
     c, m = load("h100-64", "gpt-13b")
     first = planner.plan(c, m)
