@@ -404,12 +404,13 @@ LIVE = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, global_toke
 @pytest.mark.slow
 def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_split(tmp_path):
     """A slow rank found live: the commit before one step boundary carries the new plan to every
-    rank; the slow rank's replica gets fewer micro-batches and its slow stage sheds layers to the
+    rank; the slow rank's replica gets no more micro-batches and its slow stage sheds layers to the
     other stage of its replica (``applied: true``), and every step still trains the whole global
     batch once (zero drift). Then a rank of the other replica is killed (SIGKILL): relaunched, it
     catches up in the slow replica's split (its source's, the only survivor) and moves its layers
-    back to its own split as it rejoins. Every step's loss equals one process training the same batches within
-    1e-4 relative (the issue's tolerance: shares moved between replicas reorder the sums)."""
+    back to its own split as it rejoins. Every step's loss equals one process training the same
+    batches within 1e-4 relative (the issue's tolerance: shares moved between replicas reorder
+    the sums)."""
     out, steps = tmp_path / "run", 60
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIVE.items()]
     proc = subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *flags, "--steps",
