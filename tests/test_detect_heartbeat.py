@@ -152,3 +152,42 @@ def test_ranks_waiting_on_a_slow_rank_that_still_makes_progress_are_not_hung():
         for snd in senders:
             snd.stop()
         agg.stop()
+
+
+_WAITING_RANK = """
+import sys, time
+from resihp.detect.heartbeat import HeartbeatSender, Progress, connect_store
+store = connect_store("127.0.0.1", int(sys.argv[1]))
+HeartbeatSender(store, int(sys.argv[2]), 0, 0.05,
+                progress=lambda: Progress(3, "train", 40, "grads-all-reduce")).start()
+time.sleep(120)
+"""
+
+
+def test_a_stopped_rank_inside_the_op_its_peer_waits_in_is_the_hang():
+    """Two real rank processes beat the same progress (step 3, 40 ops, both waiting in the
+    gradient all-reduce); rank 1's process is stopped (SIGSTOP) inside it. Step, ops and the op
+    waited in are a tie: the stopped process is the hang, not the first rank of the tie."""
+    from resihp.detect.heartbeat import NodeAggregator
+
+    store, port = start_local_store()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _WAITING_RANK, str(port), str(r)], env=env) for r in (0, 1)]
+    agg = None
+    try:
+        keys = [rank_key("resihp/hb", 0, r) for r in (0, 1)]
+        end = time.monotonic() + 90
+        while not store.check(keys) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert store.check(keys), "the rank processes did not start"
+        agg = NodeAggregator(store, 0, [0, 1], interval_s=0.05, timeout_s=30.0).start()
+        procs[1].send_signal(signal.SIGSTOP)
+        monitor = HeartbeatMonitor(store, {0: [0, 1]}, timeout_s=30.0, hang_timeout_s=1.0)
+        found = _first_events(monitor, 3)
+        assert [(e.rank, e.extra["cause"]) for e in found] == [(1, "hang")]
+    finally:
+        if agg is not None:
+            agg.stop()
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)

@@ -362,7 +362,14 @@ class HeartbeatMonitor:
                 idle = [v for v in stalled if not v.wait]
                 # a training rank still finishing ops: what the waiting ranks wait for is slow, not hung
                 moving = any(v.phase == "train" and v.stalled_s <= limit / 2 for v in live)
-                if idle or not moving:
+                # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit whatever
+                # its last beat said: it may have stopped inside the very op its peers wait in, a tie
+                # that its step and ops cannot break
+                frozen = [v for v in stalled if v.stopped]
+                if frozen:
+                    v = max(frozen, key=lambda v: v.stalled_s)
+                    found[v.rank] = ("hang", v.stalled_s)
+                elif idle or not moving:
                     # the one stuck longest among those not waiting; if all wait, the one furthest behind
                     v = max(idle, key=lambda v: v.stalled_s) if idle else min(stalled, key=lambda v: (v.step, v.ops))
                     found[v.rank] = ("hang", v.stalled_s)
