@@ -379,3 +379,16 @@ def mark_ended(store: Store, job_id: str, reason: str) -> None:
 def ended(store: Store, job_id: str) -> str | None:
     key = f"{prefix_of(job_id)}/ended"
     return store.get(key).decode() if store.check([key]) else None
+
+
+def mark_stopping(store: Store, job_id: str, reason: str) -> None:
+    """Node 0 found a failure and is stopping its workers: the other nodes stop theirs at once
+    (a rank blocked on a peer of another node ends only when that peer does), before node 0 has
+    gathered the job's last records and marked it ended."""
+    store.set(f"{prefix_of(job_id)}/stopping", reason)
+
+
+def stopping(store: Store, job_id: str) -> str | None:
+    """Why the job ended or is being stopped (``mark_ended``, ``mark_stopping``), or None."""
+    key = f"{prefix_of(job_id)}/stopping"
+    return ended(store, job_id) or (store.get(key).decode() if store.check([key]) else None)

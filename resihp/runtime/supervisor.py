@@ -44,10 +44,12 @@ from resihp.runtime.controlplane import (
     ended,
     heartbeat_prefix,
     mark_ended,
+    mark_stopping,
     node_ranks,
     post_change,
     read_errors,
     read_job,
+    stopping,
 )
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
@@ -378,13 +380,16 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                     tracker.add(pid)
             if watch.monitor is None:  # another node: run until node 0 ends the job
                 try:
-                    reason = ended(js.store, cfg.job_id)
+                    reason = stopping(js.store, cfg.job_id)
                 except (RuntimeError, dist.DistError):
                     reason = "node 0 cannot be reached (its store is gone)"
                 if reason is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=grace_s)  # this node's workers may be finishing on their own
-                    if proc.returncode == 0 or reason == "finished":
+                    if reason == "finished":  # this node's workers may be finishing on their own
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.wait(timeout=grace_s)
+                    # else the job failed: they are stopped now, not after a grace they would spend
+                    # blocked on a hung peer (and holding node 0's ranks blocked on them)
+                    if proc.poll() == 0 or reason == "finished":
                         break
                     outcome.error = f"the job ended on node 0: {reason}" if "node 0" not in reason else reason
                     outcome.ended_by_node0 = True
@@ -398,6 +403,9 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                 failure = _settle(failure, watch, read_steps, cfg)
             if failure is not None or outcome.error:
                 outcome.failure = failure
+                if nodes.nnodes > 1:
+                    with contextlib.suppress(RuntimeError, dist.DistError):
+                        mark_stopping(js.store, cfg.job_id, outcome.error or _reason(outcome))
                 break
     finally:
         outcome.left_alive = _stop(proc, tracker, grace_s)
