@@ -12,6 +12,7 @@ import datetime
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,22 @@ from resihp.runtime.config import RunConfig
 from resihp.runtime.lifecycle import guarded
 from resihp.runtime.nodes import LOOPBACK, free_port, host_port
 from resihp.runtime.spares import spare_env
+
+
+def _wait_listening(addr: str, port: int, timeout_s: float) -> float:
+    """Wait until something listens at addr:port (node 0 may start later than this node); returns
+    the seconds left of ``timeout_s``. TCPStore's own connect retries with a back-off that ran
+    past its timeout (8 s for 3 here), so the wait is done here and the store given what is left."""
+    end = time.monotonic() + timeout_s
+    while True:
+        left = end - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left))):
+                return max(left, 1.0)
+        except OSError:
+            if left <= 0:
+                raise
+            time.sleep(min(0.1, max(0.0, left)))
 
 
 class JobStore:
@@ -50,8 +67,9 @@ class JobStore:
         else:
             self.addr, self.port = addr, port
             try:
-                self.store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
-            except (RuntimeError, dist.DistError) as exc:
+                left = _wait_listening(addr, port, timeout_s)
+                self.store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=left))
+            except (OSError, RuntimeError, dist.DistError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise InputError(f"--rdzv-endpoint {addr}:{port}: cannot reach the job's store within "
                                  f"{timeout_s:g} s ({first[:120]})") from None
