@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from resihp.cli_options import renamed
+from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
@@ -51,6 +52,9 @@ def detect_cmd(
     sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold: "
                                                "above 1 finds smaller slowdowns sooner at more risk "
                                                "of false alarms (DetectorConfig.sensitivity)")] = 1.0,
+    calibration_steps: Annotated[int, typer.Option(
+        min=3, help="Steps of each rank its healthy baseline (centre and noise) is learned "
+        "on")] = DetectorConfig.calibration_steps,
     json_out: Annotated[bool, typer.Option("--json", help="Print the event JSON")] = False,
 ) -> None:
     """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file).
@@ -58,7 +62,6 @@ def detect_cmd(
     Thresholds follow each rank's noise, measured over its first calibration steps; the output
     gives each rank's noise and the smallest slowdown found within 10 steps at that noise."""
     from resihp.detect.alibaba import read_alibaba_job
-    from resihp.detect.config import DetectorConfig
     from resihp.detect.evaluate import METHODS, run_methods
     from resihp.detect.events import events_json
     from resihp.detect.expected import load_expected, stage_shape
@@ -89,7 +92,7 @@ def detect_cmd(
     device = (meta_dict or {}).get("device")
     expected = (load_expected(predictor, stage_shape(job, meta_dict), str(device) if device else None)
                 if predictor is not None else None)
-    cfg = DetectorConfig(sensitivity=sensitivity)
+    cfg = DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps)
     detectors: dict = {}
     with warnings.catch_warnings():  # ranks absent from a step are NaN by design
         warnings.simplefilter("ignore", RuntimeWarning)

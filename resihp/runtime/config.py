@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
 from resihp.options import Section, build, check_section, flat_values, from_nested, opt, updated
@@ -118,6 +119,10 @@ class LiveConfig(Section):
 
     live: bool = opt(True, panel="Live re-planning", help=(
         "Run the live detector and planner beside the job and apply their plan changes"))
+    calibration_steps: int = opt(DetectorConfig.calibration_steps, minimum=3, maximum=100000,
+                                 panel="Live re-planning", help=(
+        "Steps of each rank the live detector learns its healthy baseline on before it can find a "
+        "fail-slow there (and again after a plan change moves work)"))
     # scheduled plan changes, {"step", "dp_weights"?, "layer_split"?} (set through a config file)
     replan: list[dict] = opt(factory=list, cli=False)
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 
 # Imports inside the verb are deferred for start-up time: ``resihp`` imports every commands module
@@ -27,6 +28,9 @@ def follow_cmd(
                                            "(default: until every rank is done)")] = None,
     sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold "
                                                "(see resihp detect)")] = 1.0,
+    calibration_steps: Annotated[int, typer.Option(
+        min=3, help="Steps of each rank its healthy baseline is learned on (a resihp run's "
+        "--calibration-steps)")] = DetectorConfig.calibration_steps,
     nice: Annotated[int, typer.Option(min=0, max=19, help="Lower the follower's CPU priority by this "
                                       "much (Linux nice; 0 keeps it): beside the job on its machine it "
                                       "must not take a core from the ranks it times")] = 10,
@@ -39,13 +43,12 @@ def follow_cmd(
     if nice:
         os.nice(nice)  # first: the imports below (torch) are most of what the follower ever runs
 
-    from resihp.detect.config import DetectorConfig
     from resihp.runtime import logs
     from resihp.runtime.follow import follow
 
     logs.setup(None, 0)
-    report = follow(run, DetectorConfig(sensitivity=sensitivity), timeout_s=timeout,
-                    start_timeout_s=start_timeout, store=store)
+    report = follow(run, DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps),
+                    timeout_s=timeout, start_timeout_s=start_timeout, store=store)
     if json_out:
         print(json.dumps(report, default=str))
         return

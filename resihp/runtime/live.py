@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 
 from resihp.ckpt.integrity import step_of
+from resihp.detect.config import DetectorConfig
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.parallel import apportion
@@ -205,6 +206,7 @@ class LiveLoop:
         self.cfg, self.out = cfg, Path(cfg.out)
         self.world = cfg.dims().world_size
         self.meta, self.meta_dict = job_meta(cfg)
+        detector_config = detector_config or DetectorConfig(calibration_steps=cfg.live.calibration_steps)
         self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
                                                      meta_dict=self.meta_dict)
         self.detector = self._make_detector()
