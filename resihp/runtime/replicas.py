@@ -44,6 +44,7 @@ from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, GPU_OFFSET_ENV, REPLICA_
 from resihp.runtime.spares import SPARES
 from resihp.runtime.supervisor import (
     GRACE_S,
+    STOPPED_S,
     Outcome,
     _Signals,
     _stop,
@@ -56,7 +57,7 @@ from resihp.runtime.supervisor import (
 )
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
-HANG_FACTOR, HANG_FLOOR_S, STOPPED_S = 2.0, 3.0, 1.0
+HANG_FACTOR, HANG_FLOOR_S = 2.0, 3.0
 
 
 @dataclass

@@ -114,6 +114,9 @@ def _ancestors(pid: int) -> set[int]:
 
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
 SETTLE_S = 0.5  # how long a fail-stop waits for the rest of the dead rank's last step's records
+# a rank whose process is stopped (SIGSTOP, a freezer) this long is hung, without waiting out the
+# heartbeat timeout: it cannot make progress until someone resumes it
+STOPPED_S = 1.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -275,7 +278,7 @@ class _Watch:
             self.monitor = HeartbeatMonitor(store, layout, timeout_s=heartbeat_timeout_s + interval,
                                             prefix=hb, places=places, startup_s=join_timeout_s,
                                             hang_timeout_s=hang_timeout_s,
-                                            hang_floor_s=heartbeat_timeout_s)
+                                            hang_floor_s=heartbeat_timeout_s, stopped_s=STOPPED_S)
             self.reader = StepReader(store, cfg.job_id, layout, owner=True)
 
     def costs(self) -> dict | None:
