@@ -78,6 +78,37 @@ def _trained_every_step(out: Path, ranks: list[int], steps: int) -> None:
 
 
 # --- the quorum, on a real store (one client per rank, as in the job) ------------------------------
+def test_the_supervisor_writes_the_commit_record_of_a_decider_that_died_after_its_decision():
+    """The last voter of a step writes the decision, then the record of which replicas trained it;
+    killed in between (a replica lost mid-commit), the record was never written and the launcher's
+    trace reader waited for that step, and every later one, forever (the trace and the losses
+    stopped there while the job trained on). The supervisor's walk along the decisions writes it."""
+    import torch.distributed as dist
+
+    class Dies:  # the decider's store: its process dies right after the decision is written
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+        def set(self, key, value):
+            raise ConnectionError("the deciding rank was killed")
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    q = [Quorum(dist.TCPStore("127.0.0.1", host.port, is_master=False), "job", ranks_per_replica=1,
+                timeout_s=5) for _ in range(2)]
+    gen = q[0].start([Member(0), Member(1)], 0)
+    chain = DecisionChain(q[0], gen)  # the supervisor's
+    q[1].store = Dies(q[1].store)
+    assert q[0].vote(gen, 0, True) is None
+    with pytest.raises(ConnectionError):
+        q[1].vote(gen, 0, True)
+    assert q[0].wait(gen, 0).commit and q[0].committed(0) is None  # decided, not recorded
+    chain.advance()
+    assert q[0].committed(0) == [0, 1] and chain.step == 1
+
+
 def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
     import torch.distributed as dist
 

@@ -218,6 +218,25 @@ class Quorum:
                 self.store.set(self._key("committed", step), json.dumps(gen.replicas))
         return decision
 
+    def complete(self, gen: Generation, decision: Decision) -> None:
+        """The supervisor's chain: write what follows from ``decision`` (under ``gen``) where its
+        decider did not. The decider writes it right after the decision and may die in between (a
+        replica lost mid-commit); without the commit record every reader of the membership would
+        wait for that step forever, without the admission a returning replica would. The same
+        values either way; the latest generation never goes back."""
+        step, nxt = decision.step, decision.next
+        missing = lambda key: not self.store.check([key])  # noqa: E731
+        if decision.commit and missing(key := self._key("committed", step)):
+            self.store.set(key, json.dumps(gen.replicas))
+        if nxt.gen != gen.gen and missing(self._key("gen", nxt.gen)):
+            self.store.set(self._key("gen", nxt.gen), json.dumps(nxt.to_dict()))
+            latest = self._key("gen", "latest")
+            if missing(latest) or int(self.store.get(latest)) < nxt.gen:
+                self.store.set(latest, str(nxt.gen))
+        for m in decision.joined:
+            if missing(key := self._key("admitted", m.replica, m.attempt)):
+                self.store.set(key, str(nxt.gen))
+
     def _requests(self) -> list[int]:
         return [r for r in range(self._replicas()) if self.store.check([self._key("join", r)])]
 
@@ -276,6 +295,7 @@ class DecisionChain:
 
     def advance(self) -> None:
         while (d := self.quorum.decision(self.gen.gen, self.step)) is not None:
+            self.quorum.complete(self.gen, d)
             self.gen, self.step = d.next, d.next.from_step
 
     def abort_for(self, member: Member) -> Decision | None:
