@@ -96,10 +96,14 @@ def test_the_supervisor_writes_the_commit_record_of_a_decider_that_died_after_it
             raise ConnectionError("the deciding rank was killed")
 
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    q = [Quorum(dist.TCPStore("127.0.0.1", host.port, is_master=False), "job", ranks_per_replica=1,
-                timeout_s=5) for _ in range(2)]
+
+    def quorum():
+        return Quorum(dist.TCPStore("127.0.0.1", host.port, is_master=False), "job", ranks_per_replica=1,
+                      timeout_s=5)
+
+    q, sup = [quorum(), quorum()], quorum()  # two ranks (one per replica) and the supervisor
     gen = q[0].start([Member(0), Member(1)], 0)
-    chain = DecisionChain(q[0], gen)  # the supervisor's
+    chain = DecisionChain(sup, gen)
     q[1].store = Dies(q[1].store)
     assert q[0].vote(gen, 0, True) is None
     with pytest.raises(ConnectionError):
@@ -107,6 +111,24 @@ def test_the_supervisor_writes_the_commit_record_of_a_decider_that_died_after_it
     assert q[0].wait(gen, 0).commit and q[0].committed(0) is None  # decided, not recorded
     chain.advance()
     assert q[0].committed(0) == [0, 1] and chain.step == 1
+    # a decision that admits a returning replica (a new generation): its admission and the
+    # generation are written for a decider that died too, or the returning replica waits forever
+    sup.evict(Member(1, 0), "exited")
+    assert not chain.abort_for(Member(1, 0)).commit
+    chain.advance()
+    alone = chain.gen
+    sup.set_replicas(2)
+    joiner = Member(1, 1)
+    sup.request_join(joiner)
+    sup.report_held(joiner, 0, 0)
+    q[0].store = Dies(q[0].store)
+    with pytest.raises(ConnectionError):
+        q[0].vote(alone, 1, True)
+    assert sup.admitted(joiner) is None and sup.committed(1) is None
+    chain.advance()
+    admitted = sup.admitted(joiner)
+    assert admitted is not None and admitted.replicas == [0, 1] and admitted.from_step == 2
+    assert sup.committed(1) == [0] and chain.gen == admitted
 
 
 def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
