@@ -210,32 +210,32 @@ class Quorum:
         value = self.store.compare_set(key, "", proposal)
         decision = self._parse(value, step)
         if value.decode() == proposal:  # this rank's proposal stands: say what follows from it
-            if decision.next.gen != gen.gen:
-                self._publish(decision.next)
-            for m in decision.joined:
-                self.store.set(self._key("admitted", m.replica, m.attempt), str(decision.next.gen))
-            if decision.commit:
-                self.store.set(self._key("committed", step), json.dumps(gen.replicas))
+            self.complete(gen, decision, only_missing=False)
         return decision
 
-    def complete(self, gen: Generation, decision: Decision) -> None:
-        """The supervisor's chain: write what follows from ``decision`` (under ``gen``) where its
-        decider did not. The decider writes it right after the decision and may die in between (a
-        replica lost mid-commit); without the commit record every reader of the membership would
-        wait for that step forever, without the admission a returning replica would. The same
-        values either way; the latest generation never goes back."""
-        step, nxt = decision.step, decision.next
-        missing = lambda key: not self.store.check([key])  # noqa: E731
-        if decision.commit and missing(key := self._key("committed", step)):
-            self.store.set(key, json.dumps(gen.replicas))
-        if nxt.gen != gen.gen and missing(self._key("gen", nxt.gen)):
-            self.store.set(self._key("gen", nxt.gen), json.dumps(nxt.to_dict()))
+    def complete(self, gen: Generation, decision: Decision, only_missing: bool = True) -> None:
+        """Write what follows from ``decision`` (under ``gen``): the next generation, the returning
+        replicas it admits, the step's commit record. Its decider writes them right after the
+        decision (``only_missing=False``: no reads on its path) and may die in between (a replica
+        lost mid-commit); the supervisor's chain then writes those missing. Without the commit
+        record every reader of the membership would wait for that step forever, without the
+        admission a returning replica would. The same values either way; the latest generation
+        never goes back."""
+        def put(key: str, value: str) -> bool:
+            if only_missing and self.store.check([key]):
+                return False
+            self.store.set(key, value)
+            return True
+
+        nxt = decision.next
+        if nxt.gen != gen.gen and put(self._key("gen", nxt.gen), json.dumps(nxt.to_dict())):
             latest = self._key("gen", "latest")
-            if missing(latest) or int(self.store.get(latest)) < nxt.gen:
+            if not only_missing or not self.store.check([latest]) or int(self.store.get(latest)) < nxt.gen:
                 self.store.set(latest, str(nxt.gen))
         for m in decision.joined:
-            if missing(key := self._key("admitted", m.replica, m.attempt)):
-                self.store.set(key, str(nxt.gen))
+            put(self._key("admitted", m.replica, m.attempt), str(nxt.gen))
+        if decision.commit:
+            put(self._key("committed", decision.step), json.dumps(gen.replicas))
 
     def _requests(self) -> list[int]:
         return [r for r in range(self._replicas()) if self.store.check([self._key("join", r)])]
