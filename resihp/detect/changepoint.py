@@ -255,6 +255,16 @@ class CusumBank:
         """Mean slowdown over the raised steps of the current alarm of series ``i``."""
         return float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1) / self.share))
 
+    def recent_slowdown(self, i: int, steps: int) -> float | None:
+        """Series ``i``'s slowdown over its last ``steps`` observed steps (the median deviation
+        from its baseline, so one noisy step does not move it); None unless it is in alarm, as
+        after a recalibration its baseline is the slow level and its deviations say nothing."""
+        if not self.alarmed[i]:
+            return None
+        v = self._hist[:, i][np.argsort(self._hist_step)]
+        v = v[~np.isnan(v)][-steps:]
+        return float(np.exp(np.median(v) / self.share)) if len(v) else None
+
     @property
     def calibrated_sigma(self) -> np.ndarray:
         """Each series' spread as calibrated (before it was learned on)."""

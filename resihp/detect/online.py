@@ -289,6 +289,23 @@ class OnlineDetector:
         """The findings still open (a device still slow, a link still slow), current estimates."""
         return list(self._open.values())
 
+    def current_cost(self, event: Event) -> float | None:
+        """What an open fail-slow of a device costs its rank's step now, over the last
+        ``CURRENT_STEPS`` steps (``Event.rank_slowdown`` is its estimate when found, and a slowdown
+        that grows or fades after that leaves it behind); None when it is no longer open or its
+        baseline was learned afresh since (``rebaseline``: its deviations say nothing then)."""
+        key = (event.kind, event.rank)
+        if event.kind != "fail-slow" or event.rank is None or self._open.get(key) is not event:
+            return None
+        i = int(event.rank)
+        if "phase" not in event.extra:
+            return self.compute.recent_slowdown(i, CURRENT_STEPS)
+        now = [(name, self.phase_banks[name].recent_slowdown(i, CURRENT_STEPS))
+               for name in event.extra["phase"].split("+")]
+        if all(s is None for _, s in now):
+            return None
+        return 1.0 + sum(self._phase_cost(name, i, s) for name, s in now if s is not None)
+
     def noise(self) -> dict:
         """Per rank its measured noise (the calibration dispersion of its own-work ratio, as a
         fraction) and the smallest slowdown found within ``detect_within`` steps at that noise;
@@ -573,6 +590,7 @@ def _common_mode_log(values: np.ndarray) -> np.ndarray:
     return out
 
 
+CURRENT_STEPS = 5  # steps an open finding's current cost is the median over (``current_cost``)
 RECENT_STEPS = 32  # steps of transfers kept to measure a slow link's slowdown
 
 

@@ -119,6 +119,7 @@ def with_change(change: dict, cfg: RunConfig, groups: list[list[tuple[int, ...]]
 
 
 RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
+REVISED = 1.25  # a slow rank's slowdown moved by this factor since it was priced: re-planned
 MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
 
 
@@ -224,6 +225,8 @@ class LiveLoop:
         self.events: list[dict] = []
         self.changes: list[dict] = []
         self.handled: set[int | tuple[int, ...]] = set()
+        # each rank planned around as slow: the detector that follows it, the slowdown priced
+        self._priced: dict[int, tuple[OnlineDetector, float]] = {}
         self.speeds = {r: 1.0 for r in range(self.world)}
         self.probe_ref: dict[int, float] = {}  # each rank's first probe (seconds): its reference
         self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
@@ -281,12 +284,51 @@ class LiveLoop:
         # optimizer step of a few milliseconds) is reported but not planned around, until its
         # rank's whole work is found slow (the event is then the rank's)
         least = self.detector.cfg.min_slowdown
+        open_now = {}
         for event in self.detector.open_events():
-            if (event.kind == "fail-slow" and event.rank is not None and event.rank not in self.handled
-                    and event.rank_slowdown >= least):
-                self.handled.add(event.rank)
-                self.speeds[event.rank] = 1.0 / max(event.rank_slowdown, 1.0)
-                self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
+            if event.kind != "fail-slow" or event.rank is None:
+                continue
+            open_now[event.rank] = event
+            if event.rank_slowdown < least or event.rank in self._priced:
+                continue
+            if event.rank in self.handled:
+                # planned around before a re-plan moved work and gave the loop a fresh detector:
+                # one that found it slow against its peers from the start (re-based on them) says
+                # its whole slowdown and follows it from here; moved 1.25x, it is re-planned
+                if not event.extra.get("from_start") or self.speeds[event.rank] >= 1.0:
+                    continue
+                self._priced[event.rank] = (self.detector, 1.0 / self.speeds[event.rank])
+                continue
+            self.handled.add(event.rank)
+            self._priced[event.rank] = (self.detector, event.rank_slowdown)
+            self.speeds[event.rank] = 1.0 / max(event.rank_slowdown, 1.0)
+            self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
+        self._revise(step, open_now)
+
+    def _revise(self, step: int, open_now: dict) -> None:
+        """Re-plan around a rank planned around as slow whose slowdown has since moved by
+        ``REVISED`` either way (found one phase or two steps in, it is often priced low), or whose
+        finding has closed (its device at speed again while it still trains). Only while the
+        detector that found it keeps its baseline: a fresh one (a re-plan moved work) calibrates
+        on the slow rank and follows it only where it finds it slow against its peers."""
+        for rank, (detector, priced) in list(self._priced.items()):
+            if detector is not self.detector:
+                del self._priced[rank]
+                continue
+            event = open_now.get(rank)
+            if event is None:  # the episode ended: the device is at speed again
+                del self._priced[rank]
+                self.handled.discard(rank)
+                self.speeds[rank] = 1.0
+                self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step})
+                continue
+            now = self.detector.current_cost(event)
+            if now is None or max(now, priced) < REVISED * min(now, priced):
+                continue
+            self._priced[rank] = (self.detector, now)
+            self.speeds[rank] = 1.0 / max(now, 1.0)
+            self._replan(step, {**event.to_dict(), "slowdown": round(now, 4), "detected_step": step,
+                                "priced_at": round(priced, 4)})
 
     def _measure(self, step: int, df: pd.DataFrame, fresh_plan: bool) -> None:
         """Keep the step's time; the healthy steps under the launch plan (step 0, the warm-up,
@@ -344,7 +386,7 @@ class LiveLoop:
             [s.ranks for s in p.stages] == [s.ranks for s in q.stages]
             for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank)))
         change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "ranks", "traffic",
-                                                                            "slowdown", "detected_step")
+                                                                            "slowdown", "detected_step", "priced_at")
                                                           if k in event},
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
