@@ -1,5 +1,6 @@
 """Universal checkpoints: save tensor-parallel shards, join them, load into another layout."""
 
+import json
 import os
 import subprocess
 import sys
@@ -182,6 +183,8 @@ def test_checkpoint_has_a_manifest_written_last_and_no_partial_folder_is_left(tm
     ("delete", "is missing"),
     ("truncate", "bytes, the manifest says"),
     ("no-manifest", "no manifest.json"),
+    # a shard written elsewhere (another node's own folder), the manifest of what is here intact
+    ("torn", "the DCP metadata names it"),
 ])
 def test_damaged_checkpoint_is_refused_and_the_previous_good_one_is_used(tmp_path, damage, message):
     from resihp.ckpt.integrity import newest_good
@@ -195,6 +198,10 @@ def test_damaged_checkpoint_is_refused_and_the_previous_good_one_is_used(tmp_pat
         shard_of(newest).unlink()
     elif damage == "truncate":
         truncate(shard_of(newest))
+    elif damage == "torn":
+        manifest = json.loads((newest / "manifest.json").read_text())
+        shard_of(newest).unlink()
+        write_manifest(newest, {k: manifest[k] for k in ("job_id", "model_hash")})
     else:
         (newest / "manifest.json").unlink()
     with pytest.raises(InputError, match=message) as info:  # inspect says what is wrong
@@ -204,7 +211,7 @@ def test_damaged_checkpoint_is_refused_and_the_previous_good_one_is_used(tmp_pat
         load(newest, *trained())
     with pytest.raises(InputError, match=message):  # and so does convert
         convert(newest, tmp_path / "converted")
-    found, skipped = newest_good(out)  # the previous good one is what a restart takes
+    found, skipped = newest_good(out / "ckpt")  # the previous good one is what a restart takes
     assert found == out / "ckpt" / "step1" and skipped[0][0] == newest
     result = convert(out, tmp_path / "from-run")  # a run folder means its newest good checkpoint
     assert result["source"].endswith("step1")
@@ -219,10 +226,10 @@ def test_restart_takes_only_a_checkpoint_of_the_same_job_and_model(tmp_path):
 
     out, _ = saved_run(tmp_path, steps=(29,), job="old-job")
     saved_run(tmp_path, steps=(9,), job="new-job")  # the same folder, a later job
-    assert newest_good(out, job_id="new-job", model_hash="m1")[0] == out / "ckpt" / "step9"
-    found, skipped = newest_good(out, job_id="new-job", model_hash="other")
+    assert newest_good(out / "ckpt", job_id="new-job", model_hash="m1")[0] == out / "ckpt" / "step9"
+    found, skipped = newest_good(out / "ckpt", job_id="new-job", model_hash="other")
     assert found is None and "another model" in skipped[-1][1]
-    found, skipped = newest_good(out, job_id="third-job")
+    found, skipped = newest_good(out / "ckpt", job_id="third-job")
     assert found is None and "another job (old-job)" in skipped[0][1]
 
 

@@ -81,7 +81,7 @@ def test_the_keeper_writes_each_due_step_from_memory_and_keeps_the_newest(shm, t
     finally:
         stop_keeper(directory)
     # steps 1 and 4 were due; keep=2 kept both (and nothing else was written)
-    assert [p.name for p in candidates(root.parent)] == ["step4", "step1"]
+    assert [p.name for p in candidates(root)] == ["step4", "step1"]
     for step in (1, 4):
         saved = read_full(root / f"step{step}")
         assert set(saved) == set(expected[step])
@@ -106,7 +106,7 @@ def test_keep_prunes_older_checkpoints(shm, tmp_path):
         snap.close()
     finally:
         stop_keeper(directory)
-    assert [p.name for p in candidates(root.parent)] == ["step5"]
+    assert [p.name for p in candidates(root)] == ["step5"]
 
 
 def test_a_trainer_waits_for_a_slot_the_keeper_holds_but_not_for_a_dead_keeper(shm):
@@ -166,10 +166,10 @@ def test_a_keeper_killed_while_writing_leaves_no_torn_checkpoint(shm, tmp_path):
         assert answer is not None and answer["error"] is None
     finally:
         stop_keeper(directory)
-    names = [p.name for p in candidates(root.parent)]
+    names = [p.name for p in candidates(root)]
     # step1 again only if the new keeper found its slot before the trainer wrote it over
     assert names in (["step3", "step0"], ["step3", "step1", "step0"])
-    for path in candidates(root.parent):
+    for path in candidates(root):
         assert problem(path) is None
     assert not list(root.glob(".keeper-*.partial"))  # the interrupted write's folder was cleaned up
 
@@ -193,7 +193,7 @@ def test_a_slot_that_went_bad_after_its_publication_is_not_written_to_disk(shm, 
         snap.close()
     finally:
         stop_keeper(directory)
-    assert [p.name for p in candidates(root.parent)] == [f"step{good.step}"]
+    assert [p.name for p in candidates(root)] == [f"step{good.step}"]
 
 
 def test_a_flush_waits_for_a_slot_pending_before_it_was_asked(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def test_keeper_checkpoints_hold_what_the_trainers_would_save(tmp_path):
     kept = _run(tmp_path / "kept", *layout, "--ckpt-every", "3", "--snapshot-every", "1", "--ckpt-keep", "1")
     assert kept["losses"] == saved["losses"]
     assert [e["step"] for e in _log(tmp_path / "kept")] == [2, 5]
-    assert [p.name for p in candidates(tmp_path / "kept")] == ["step5"]  # --ckpt-keep 1
+    assert [p.name for p in candidates(tmp_path / "kept" / "ckpt")] == ["step5"]  # --ckpt-keep 1
     assert not (tmp_path / "saved" / "ckpt" / "persist.jsonl").exists()  # no snapshots: the trainers saved
     ours, theirs = read_full(tmp_path / "kept" / "ckpt" / "step5"), read_full(tmp_path / "saved" / "ckpt" / "step5")
     assert set(ours) == set(theirs)

@@ -183,10 +183,11 @@ def test_a_second_death_in_the_relaunch_is_re_formed_around_in_turn(tmp_path, cl
     """Rank 3 dies at step 3 and, in the relaunch the survivors re-formed into, old rank 0 dies at
     step 6 (its stop carried into the relaunch, renumbered): the relaunch is re-formed around it in
     turn from its own newest checkpoint, two ranks finish the run, and every step's loss equals the
-    failure-free run's."""
-    out = tmp_path / "twice"
-    proc = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "2", "--inject", "stop:rank=3,step=3",
-                  "--inject", "stop:rank=0,step=6", "--out", str(out), "--json")
+    failure-free run's. The checkpoints go to a folder of their own (``--ckpt-dir``), each
+    relaunch's below it."""
+    out, ckpts = tmp_path / "twice", tmp_path / "checkpoints"
+    proc = resihp("run", *SMALL, "--steps", "8", "--ckpt-every", "2", "--ckpt-dir", str(ckpts),
+                  "--inject", "stop:rank=3,step=3", "--inject", "stop:rank=0,step=6", "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     first, second = summary["plan_changes"]
@@ -194,7 +195,8 @@ def test_a_second_death_in_the_relaunch_is_re_formed_around_in_turn(tmp_path, cl
     assert first["rank"] == 3 and first["resumed_step"] == 2 and first["ranks"] == [0, 1, 2]
     # the relaunch's rank 0 is old rank 0; its newest checkpoint is its own, of step 5
     assert second["rank"] == 0 and second["ranks"] == [1, 2] and second["resumed_step"] == 6
-    assert second["restart_from"] == str(out / "restart" / "ckpt" / "step5")
+    assert first["restart_from"] == str(ckpts / "step1") and second["restart_from"] == str(ckpts / "restart" / "step5")
+    assert not (out / "ckpt").exists() and not (out / "restart" / "ckpt").exists()
     assert json.loads((out / "restart" / "config.json").read_text())["faults"]["inject"] == ["stop:rank=0,step=6"]
     last = read_ops_trace(out / "restart" / "restart" / "ops.parquet")
     assert set(last["rank"]) == {0, 1} and sorted(set(last.step)) == [6, 7]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from resihp.ckpt.integrity import problem
 from resihp.runtime.nodes import free_port
 from tests.faults import descendants
 
@@ -74,8 +75,14 @@ def test_slow_rank_on_node_1_is_detected_and_replanned_by_node_0(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,cause", [("stop:rank=2,step=4", "exited"), ("hang:rank=3,step=4", "hang")])
 def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault, cause):
+    """Checkpoints of a job on two nodes go to one folder both write (``--ckpt-dir``): each is
+    whole (every rank's shards), and the job's survivors resume from it in any layout. Node 0 does
+    not relaunch them itself (its launcher holds only its own node's devices): it names the
+    checkpoint."""
     t0 = time.time()
-    node0, node1 = _two_nodes(tmp_path, "--steps", "40", "--inject", fault)
+    shared = tmp_path / "shared-ckpt"
+    node0, node1 = _two_nodes(tmp_path, "--steps", "40", "--inject", fault, "--ckpt-every", "2",
+                              "--ckpt-dir", str(shared))
     s0, err0 = _finish(node0)
     s1, err1 = _finish(node1)
     failure = s0["failure"]
@@ -85,8 +92,20 @@ def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault,
     assert "Traceback" not in err0 and "Traceback" not in err1
     # node 1 ends too, with one line (node 0's reason, or its own torchrun's if it saw it first)
     assert node1.returncode == 1 and err1.strip().splitlines()[-1].startswith("resihp: ")
+    rec = s0["recovery"]
+    assert rec["restarted"] is False and "resihp run --resume" in rec["reason"], rec
+    ckpt = Path(rec["checkpoint"])
+    assert ckpt.parent == shared and s0["resumable"]["checkpoint"] == s1["resumable"]["checkpoint"] == str(ckpt)
+    assert problem(ckpt) is None and len(list(ckpt.glob("*.distcp"))) == 4  # every rank's shards
     assert time.time() - t0 < 200
     _no_workers_left(tmp_path)
+    if cause == "exited":  # the survivors' resume, on one node in another layout (the folder: its newest)
+        first = int(ckpt.name.removeprefix("step")) + 1
+        resumed = _run(*DEMO[:-4], "--dp", "1", "--pp", "3", "--steps", str(first + 2), "--resume", str(shared),
+                       "--out", str(tmp_path / "resumed"), "--json")
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        summary = json.loads(resumed.stdout)
+        assert summary["first_step"] == first and len(summary["losses"]) == 2
 
 
 @pytest.mark.slow
@@ -122,6 +141,7 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--nnodes", "3"], "--nnodes 3: expected a positive divisor"),
     (["--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required"),
     (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "nonsense"], "expected HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--ckpt-every", "2"], "expected --ckpt-dir DIR"),
 ])
 def test_bad_multinode_options_are_one_line(tmp_path, args, expect):
     proc = _run("--dp", "2", "--pp", "2", "--steps", "2", "--out", str(tmp_path / "x"), *args)

@@ -107,6 +107,17 @@ def problem(directory: str | Path) -> str | None:
                 if p.relative_to(directory).as_posix() not in files]
     if any(name.endswith((".distcp", ".metadata")) for name in unlisted):
         return f"{unlisted[0]} is not in the manifest"
+    try:
+        metadata = read_dcp_metadata(directory)
+    except InputError as exc:
+        return str(exc).split(": ", 1)[-1]
+    # the manifest lists what was in this folder when it was written; the DCP metadata names every
+    # rank's shard file: one written elsewhere (another node's own folder) leaves the state torn
+    named = {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
+    missing = sorted(name for name in named if name and name not in files)
+    if missing:
+        return (f"{missing[0]} is missing: the DCP metadata names it (its rank wrote it elsewhere; "
+                "a job on several nodes needs one --ckpt-dir every node writes to)")
     return None
 
 
@@ -207,19 +218,20 @@ def step_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def candidates(out: str | Path) -> list[Path]:
-    """The ``stepN`` folders under ``OUT/ckpt``, newest first."""
-    folder = Path(out) / "ckpt"
+def candidates(root: str | Path) -> list[Path]:
+    """The ``stepN`` folders under the checkpoint folder ``root`` (``OUT/ckpt``), newest first."""
+    folder = Path(root)
     found = [p for p in folder.glob("step*") if STEP_DIR.match(p.name) and p.is_dir()] if folder.is_dir() else []
     return sorted(found, key=step_of, reverse=True)
 
 
-def newest_good(out: str | Path, job_id: str | None = None,
+def newest_good(root: str | Path, job_id: str | None = None,
                 model_hash: str | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint under ``OUT/ckpt`` that verifies and, when given, was written by job
-    ``job_id`` for the model with hash ``model_hash``; and each newer one skipped with its reason."""
+    """The newest checkpoint under the checkpoint folder ``root`` that verifies and, when given,
+    was written by job ``job_id`` for the model with hash ``model_hash``; and each newer one
+    skipped with its reason."""
     skipped: list[tuple[Path, str]] = []
-    for path in candidates(out):
+    for path in candidates(root):
         why = problem(path)
         if why is None:
             manifest = read_manifest(path) or {}
@@ -233,18 +245,18 @@ def newest_good(out: str | Path, job_id: str | None = None,
     return None, skipped
 
 
-def remove_partial(out: str | Path) -> None:
-    """Hidden temporary checkpoint folders left by a job that died while writing one."""
-    for tmp in (Path(out) / "ckpt").glob(".step*"):
+def remove_partial(root: str | Path) -> None:
+    """Hidden temporary checkpoint folders under ``root`` left by a job that died while writing one."""
+    for tmp in Path(root).glob(".step*"):
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
 
 
-def prune(out: str | Path, keep: int) -> list[Path]:
-    """Remove all but the newest ``keep`` checkpoints under ``OUT/ckpt`` (0: keep all)."""
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` checkpoints under ``root`` (0: keep all)."""
     if keep <= 0:
         return []
-    old = candidates(out)[keep:]
+    old = candidates(root)[keep:]
     for path in old:
         shutil.rmtree(path, ignore_errors=True)
     return old

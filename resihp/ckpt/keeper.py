@@ -160,7 +160,7 @@ def complete_steps(headers: list[SlotHeader], due_only: bool) -> list[tuple[int,
 
 def newest_on_disk(root: Path) -> int:
     """The newest checkpoint step under ``root`` (-1: none)."""
-    found = candidates(root.parent)
+    found = candidates(root)
     return step_of(found[0]) if found else -1
 
 

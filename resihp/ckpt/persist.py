@@ -216,7 +216,7 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
     meta = {"step": step, "format": FORMAT, **meta}
     (tmp / "meta.json").write_text(json.dumps(meta))
     publish(tmp, final, identity(meta))
-    prune(root.parent, requests[0].keep)
+    prune(root, requests[0].keep)
     done = Persisted(step, str(final), nbytes, round(hold_s, 4), round(time.monotonic() - t0, 4), reason)
     with open(root / LOG, "a") as log:
         log.write(json.dumps(asdict(done)) + "\n")

@@ -25,7 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resihp.ckpt.integrity import newest_good, publish, read_dcp_metadata, safe_reader, verify
+from resihp.ckpt.integrity import (
+    candidates,
+    newest_good,
+    publish,
+    read_dcp_metadata,
+    safe_reader,
+    step_of,
+    verify,
+)
 from resihp.ckpt.reshard import placed_state
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
@@ -163,14 +171,18 @@ def read_meta(directory: str | Path) -> dict:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder meaning its newest checkpoint that verifies."""
+    """A checkpoint folder; a run folder or a folder of checkpoints (``--ckpt-dir``), meaning the
+    newest checkpoint in it that verifies."""
     path = Path(path)
-    if (path / "meta.json").exists() or not (path / "ckpt").is_dir():
+    if (path / "meta.json").exists():
         return path
-    found, skipped = newest_good(path)
+    root = path / "ckpt" if (path / "ckpt").is_dir() else path
+    if not candidates(root):
+        return path
+    found, skipped = newest_good(root)
     if found is None:
         why = f"; newest: {skipped[0][0].name}: {skipped[0][1]}" if skipped else ""
-        raise InputError(f"{path}: no checkpoint that verifies under {path / 'ckpt'}{why}")
+        raise InputError(f"{path}: no checkpoint that verifies under {root}{why}")
     return found
 
 
@@ -192,8 +204,7 @@ def _verified(directory: Path) -> None:
     try:
         verify(directory)
     except InputError as exc:
-        run = directory.parent.parent if directory.parent.name == "ckpt" else None
-        previous = newest_good(run)[0] if run is not None else None
+        previous = newest_good(directory.parent)[0] if step_of(directory) >= 0 else None
         hint = f"; previous good checkpoint: {previous}" if previous is not None else ""
         raise InputError(f"{exc}{hint}") from None
 

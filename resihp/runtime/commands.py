@@ -88,6 +88,9 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
     replicas = cfg.faults.recovery.startswith("replica")
     if replicas and nnodes > 1:
         raise InputError(f"--recovery {cfg.faults.recovery}: one node only for now (got --nnodes {nnodes})")
+    if nnodes > 1 and cfg.checkpoint.ckpt_every and not cfg.checkpoint.ckpt_dir:
+        raise InputError(f"--ckpt-every on {nnodes} nodes: expected --ckpt-dir DIR, one folder every node "
+                         "writes to (a shared filesystem); each node's own OUT/ckpt holds only its ranks' shards")
     if gpus:
         _check_gpus(cfg, nodes.nproc_per_node)
     with RunFolder(out).acquire(if_busy) as folder:
@@ -114,7 +117,8 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
                        "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
             outcome.error = summary["error"]
-            _finish(folder, cfg, outcome, summary)
+            # the job's checkpoints carry node 0's job id (this node's run folder has its own)
+            _finish(folder, cfg, outcome, summary, job_id=outcome.job_id)
             if json_out:
                 print(json.dumps(summary))
             if outcome.error:
@@ -149,7 +153,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
         elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted:
             flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
-            summary, outcome = _recover(cfg, outcome, summary, json_out)
+            summary, outcome = _recover(cfg, outcome, summary, json_out, nnodes)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
             from resihp.runtime.metrics import write_run  # deferred: tensorboard, an optional extra
@@ -205,9 +209,9 @@ def _resume_source(path: Path, steps: int) -> Path:
     return source
 
 
-def _finish(folder, cfg, outcome, summary: dict) -> None:
+def _finish(folder, cfg, outcome, summary: dict, job_id: str | None = None) -> None:
     """Record how the job ended in OUT/run.json (and the summary): done, failed, or interrupted
-    with the checkpoint of this job it can resume from."""
+    with the checkpoint of this job (``job_id``, else ``cfg``'s) it can resume from."""
     from resihp.ckpt.integrity import newest_good
     from resihp.runtime.snapshots import stop_keepers
 
@@ -215,7 +219,7 @@ def _finish(folder, cfg, outcome, summary: dict) -> None:
     stop_keepers(cfg, breakpoint=state != "done")  # the job is over: checkpoints owed written, memory tiers gone
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
     if state != "done":  # the newest good checkpoint of this job is where it can go on from
-        ckpt, _ = newest_good(folder.out, cfg.job_id, cfg.model_hash())
+        ckpt, _ = newest_good(cfg.ckpt_root(), job_id or cfg.job_id, cfg.model_hash())
         fields["resumable"] = summary["resumable"] = {
             "checkpoint": str(ckpt) if ckpt else None,
             "next_step": int(ckpt.name.removeprefix("step")) + 1 if ckpt else 0}
@@ -357,7 +361,7 @@ def _follow_restarts(cfg, outcome, nodes, attempts: int = RESTARTS):
         # node 0 relaunches once it has stopped every node's workers and written its summary
         if not await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s)):
             break
-        outcome = supervise(cfg.updated(out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}"))),
+        outcome = supervise(cfg.relaunched_into(out / ("restart" if attempt == 1 else f"restart-{attempt}")),
                             nodes=nodes, attempt=attempt)
     return outcome
 
@@ -375,12 +379,12 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
     losses, records = list(summary.get("losses") or []), []
     before_summary, after, again = summary, {}, outcome
     for attempt in range(1, attempts + 1):
-        ckpt, _ = latest_checkpoint(out, cfg)
+        ckpt, _ = latest_checkpoint(cfg)
         # the faults injected are the failed run's; one during=restore strikes the first restore
         during = [text for text, f in zip(cfg.faults.inject, cfg.fault_list(), strict=True)
                   if f.during == "restore"] if attempt == 1 else []
-        new = cfg.updated(inject=during, resume=str(ckpt) if ckpt else cfg.checkpoint.resume,
-                          out=str(out / ("restart" if attempt == 1 else f"restart-{attempt}")))
+        new = cfg.relaunched_into(out / ("restart" if attempt == 1 else f"restart-{attempt}"), inject=during,
+                                  resume=str(ckpt) if ckpt else cfg.checkpoint.resume)
         failure, why = again.failure, again.error
         verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
         with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
@@ -404,9 +408,11 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
     return summary, again
 
 
-def _recover(cfg, outcome, summary: dict, json_out: bool):
+def _recover(cfg, outcome, summary: dict, json_out: bool, nnodes: int = 1):
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
-    it as the planner says (else the surviving uniform layout)."""
+    it as the planner says (else the surviving uniform layout). A job on several nodes is not
+    relaunched: the relaunch runs on one node (node 0's launcher), which holds only its own ranks'
+    devices; the summary names the checkpoint its survivors resume from."""
     import pandas as pd
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
@@ -415,9 +421,17 @@ def _recover(cfg, outcome, summary: dict, json_out: bool):
     from resihp.runtime.supervisor import supervise
 
     out = Path(cfg.out)
-    ckpt, skipped = latest_checkpoint(out, cfg)
+    ckpt, skipped = latest_checkpoint(cfg)
     rank = outcome.failure.rank
     reformed = None
+    if nnodes > 1:
+        summary["recovery"] = {
+            "restarted": False, "checkpoint": str(ckpt) if ckpt else None,
+            "reason": f"a re-formed relaunch runs on one node; this job spans {nnodes}: resume its survivors "
+                      f"with resihp run --resume {ckpt}" if ckpt else "no checkpoint of this job that verifies",
+            "skipped": [f"{p.name}: {why}" for p, why in skipped]}
+        _write_summary(out, summary)
+        return summary, outcome
     if ckpt:
         # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
         trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None

@@ -108,6 +108,10 @@ class CheckpointConfig(Section):
     snapshot_every: int | None = opt(None, minimum=0, panel="Checkpoints", help=(
         "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 with "
         "--recovery restart, else none"))
+    ckpt_dir: str | None = opt(None, panel="Checkpoints", help=(
+        "Folder of the universal checkpoints (default OUT/ckpt); required with --ckpt-every on "
+        "several nodes: one folder every node writes to (a shared filesystem), as a checkpoint "
+        "holds every rank's shards"))
     resume: str | None = opt(None, panel="Checkpoints", help=(
         "Start from a checkpoint folder, or a run folder's newest checkpoint that verifies, in any "
         "layout; --steps stays the total step count"))
@@ -176,6 +180,17 @@ class RunConfig:
     def updated(self, **flat: Any) -> RunConfig:
         """A copy with the leaves named in flat form changed, checked again."""
         return updated(self, **flat)
+
+    def ckpt_root(self) -> Path:
+        """Where this run's universal checkpoints go: ``--ckpt-dir``, else ``OUT/ckpt``."""
+        return Path(self.checkpoint.ckpt_dir) if self.checkpoint.ckpt_dir else Path(self.out) / "ckpt"
+
+    def relaunched_into(self, out: str | Path, **changes: Any) -> RunConfig:
+        """A copy for a relaunch into ``out`` (``OUT/restart``, ...): its checkpoints go beside
+        it, under ``OUT/restart/ckpt`` or, with ``--ckpt-dir D``, ``D/restart``."""
+        ckpt_dir = self.checkpoint.ckpt_dir
+        moved = str(Path(ckpt_dir) / Path(out).name) if ckpt_dir else None
+        return self.updated(**changes, out=str(out), ckpt_dir=moved)
 
     def flags(self) -> dict[str, Any]:
         return flat_values(self)

@@ -24,12 +24,12 @@ from resihp.runtime.inject import carried_faults
 from resihp.runtime.live import paced_to, plan_at_start, planner_specs
 
 
-def latest_checkpoint(out: str | Path, cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint under ``OUT/ckpt`` that verifies against its manifest and was written
-    by this job (``cfg.job_id``) for this model, else the checkpoint the run resumed from (a
+def latest_checkpoint(cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint in the run's checkpoint folder (``RunConfig.ckpt_root``) that
+    verifies against its manifest and was written by this job (``cfg.job_id``) for this model, else the checkpoint the run resumed from (a
     relaunch that failed before its own first checkpoint goes back to where it started); and each
     newer one skipped, with why."""
-    found, skipped = newest_good(out, job_id=cfg.job_id, model_hash=cfg.model_hash())
+    found, skipped = newest_good(cfg.ckpt_root(), job_id=cfg.job_id, model_hash=cfg.model_hash())
     started = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
     if found is None and started is not None and step_of(started) >= 0 and started.is_dir():
         found = started
@@ -56,7 +56,7 @@ def relaunch_config(cfg: RunConfig, resume: Path, out: Path, **changes) -> RunCo
     that keeps snapshots is a job of its own (job id ``<job>-r``): the first launch's keeper persists
     the slots of the world it was started for, so the relaunch's memory tier is a fresh one."""
     job = f"{cfg.job_id}-r" if cfg.snapshot_interval() and cfg.job_id else cfg.job_id
-    return cfg.updated(**changes, resume=str(resume), out=str(out), job_id=job)
+    return cfg.relaunched_into(out, **changes, resume=str(resume), job_id=job)
 
 
 @dataclass

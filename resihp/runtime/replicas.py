@@ -108,7 +108,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / TRACE_STREAM).unlink(missing_ok=True)
-    remove_partial(out)
+    remove_partial(cfg.ckpt_root())
     config_path = out / "config.json"
     config_path.write_text(cfg.to_json())
     per = cfg.parallel.pp * cfg.parallel.tp

@@ -71,6 +71,7 @@ class Outcome:
     left_alive: list[int] = field(default_factory=list)  # PIDs that could not be ended (none, normally)
     errors: list[dict] = field(default_factory=list)  # workers' reasons to stop (the control plane)
     ended_by_node0: bool = False  # another node: node 0 ended the job (or was lost)
+    job_id: str | None = None  # the job's id on its store (node 0's, which every node's checkpoints carry)
     control_plane: dict | None = None  # node 0: what the control plane cost (bytes, messages, time)
     replica_failures: list = field(default_factory=list)  # --recovery replica: replicas lost and relaunched
     replica_catchups: list[dict] = field(default_factory=list)  # --recovery replica: how each came back
@@ -188,7 +189,7 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / TRACE_STREAM).unlink(missing_ok=True)
-    remove_partial(out)  # a checkpoint folder a killed job left half-written
+    remove_partial(cfg.ckpt_root())  # a checkpoint folder a killed job left half-written
     t0 = time.time()
     host = nodes.node_rank == 0
     with _Signals() as signals, JobStore(nodes.endpoint, host=host,
@@ -202,8 +203,10 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
         config_path.write_text(cfg.to_json())
         watch = _Watch(cfg, nodes, js.store, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
         try:
-            return _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step,
-                              on_steps, on_poll, poll_s, grace_s)
+            outcome = _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step,
+                                 on_steps, on_poll, poll_s, grace_s)
+            outcome.job_id = cfg.job_id
+            return outcome
         finally:
             watch.close()
 
@@ -414,7 +417,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
         outcome.left_alive = _stop(proc, tracker, grace_s)
         reader.join(timeout=5)
         if not outcome.left_alive:
-            remove_partial(out)  # a checkpoint the job did not finish writing is not a checkpoint
+            remove_partial(cfg.ckpt_root())  # a checkpoint the job did not finish writing is not a checkpoint
     outcome.returncode = proc.returncode
     if watch.monitor is not None:
         with contextlib.suppress(RuntimeError, dist.DistError):

@@ -75,7 +75,7 @@ def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) 
         save(directory, engine.model, engine.optimizer, step, checkpoint_meta(engine, cfg), engine.tp,
              engine.model_cfg, rank_tensors(engine), write=engine.dp_rank == 0)  # one replica writes
     if engine.rank == 0:
-        prune(directory.parent.parent, cfg.checkpoint.ckpt_keep)
+        prune(directory.parent, cfg.checkpoint.ckpt_keep)
 
 
 def _device(cfg: RunConfig) -> torch.device:
@@ -277,7 +277,7 @@ def run(cfg: RunConfig) -> None:
     first_step = 0
     # with snapshots on one node, the keeper writes the universal checkpoints from them
     keeper_saves = bool(cfg.snapshot_interval() and cfg.checkpoint.ckpt_every and len(nodes) == 1)
-    memory = (MemorySnapshots(cfg, engine, job_id, node, nodes[node], out / "ckpt" if keeper_saves else None)
+    memory = (MemorySnapshots(cfg, engine, job_id, node, nodes[node], cfg.ckpt_root() if keeper_saves else None)
               if cfg.snapshot_interval() else None)
     restored = None
     if memory is not None:  # a restart in place: every rank's state from memory (its own or a peer's)
@@ -330,7 +330,7 @@ def run(cfg: RunConfig) -> None:
                 with engine.rec.op("snapshot"):
                     memory.after_step(step)
             if cfg.checkpoint.ckpt_every and (step + 1) % cfg.checkpoint.ckpt_every == 0 and not keeper_saves:
-                save_checkpoint(engine, cfg, out / "ckpt" / f"step{step}", step)
+                save_checkpoint(engine, cfg, cfg.ckpt_root() / f"step{step}", step)
             engine.injector.before_publish(step)
             publisher.publish(engine.rec.take_new())
             if boundary is not None:
