@@ -75,14 +75,8 @@ def test_slow_rank_on_node_1_is_detected_and_replanned_by_node_0(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,cause", [("stop:rank=2,step=4", "exited"), ("hang:rank=3,step=4", "hang")])
 def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault, cause):
-    """Checkpoints of a job on two nodes go to one folder both write (``--ckpt-dir``): each is
-    whole (every rank's shards), and the job's survivors resume from it in any layout. Node 0 does
-    not relaunch them itself (its launcher holds only its own node's devices): it names the
-    checkpoint."""
     t0 = time.time()
-    shared = tmp_path / "shared-ckpt"
-    node0, node1 = _two_nodes(tmp_path, "--steps", "40", "--inject", fault, "--ckpt-every", "2",
-                              "--ckpt-dir", str(shared))
+    node0, node1 = _two_nodes(tmp_path, "--steps", "40", "--inject", fault)
     s0, err0 = _finish(node0)
     s1, err1 = _finish(node1)
     failure = s0["failure"]
@@ -92,20 +86,60 @@ def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault,
     assert "Traceback" not in err0 and "Traceback" not in err1
     # node 1 ends too, with one line (node 0's reason, or its own torchrun's if it saw it first)
     assert node1.returncode == 1 and err1.strip().splitlines()[-1].startswith("resihp: ")
-    rec = s0["recovery"]
-    assert rec["restarted"] is False and "resihp run --resume" in rec["reason"], rec
-    ckpt = Path(rec["checkpoint"])
-    assert ckpt.parent == shared and s0["resumable"]["checkpoint"] == s1["resumable"]["checkpoint"] == str(ckpt)
-    assert problem(ckpt) is None and len(list(ckpt.glob("*.distcp"))) == 4  # every rank's shards
     assert time.time() - t0 < 200
     _no_workers_left(tmp_path)
-    if cause == "exited":  # the survivors' resume, on one node in another layout (the folder: its newest)
-        first = int(ckpt.name.removeprefix("step")) + 1
-        resumed = _run(*DEMO[:-4], "--dp", "1", "--pp", "3", "--steps", str(first + 2), "--resume", str(shared),
-                       "--out", str(tmp_path / "resumed"), "--json")
-        assert resumed.returncode == 0, resumed.stderr[-2000:]
-        summary = json.loads(resumed.stdout)
-        assert summary["first_step"] == first and len(summary["losses"]) == 2
+
+
+@pytest.mark.slow
+def test_a_rank_lost_on_node_1_is_re_formed_around_with_every_survivor_on_its_node(tmp_path):
+    """Rank 3 (node 1) dies at step 5 of a job that checkpoints to one folder both nodes write
+    (``--ckpt-dir``): each checkpoint is whole (every rank's shards), node 0 re-forms the survivors
+    as the planner says and relaunches its two ranks, node 1's launcher joins with its one (ranks
+    per node 2 and 1), and every step's loss equals the failure-free run's."""
+    shared = tmp_path / "shared-ckpt"
+    node0, node1 = _two_nodes(tmp_path, "--steps", "12", "--inject", "stop:rank=3,step=5", "--ckpt-every", "2",
+                              "--ckpt-dir", str(shared), "--no-live")
+    s0, err0 = _finish(node0)
+    s1, err1 = _finish(node1)
+    assert node0.returncode == 0 and node1.returncode == 0, (err0[-2000:], err1[-2000:])
+    assert s1["error"] is None and "Traceback" not in err0 + err1
+    change = s0["plan_changes"][0]
+    assert change["kind"] == "exclude" and change["rank"] == 3 and change["ranks"] == [0, 1, 2], change
+    assert Path(change["restart_from"]).parent == shared and problem(change["restart_from"]) is None
+    assert len(list(Path(change["restart_from"]).glob("*.distcp"))) == 4  # every rank's shards
+    # the relaunch: ranks 0 and 1 on node 0, rank 2 on node 1 (the survivor of node 1)
+    placed = {node: [json.loads(line) for line in (tmp_path / node / "restart" / "logs" / "processes.jsonl").read_text().splitlines()]
+              for node in ("node0", "node1")}
+    assert [len(placed["node0"]), len(placed["node1"])] == [2, 1], placed
+    reference = _run(*DEMO, "--steps", "12", "--recovery", "none", "--no-live", "--out", str(tmp_path / "ref"), "--json")
+    want = json.loads(reference.stdout)["losses"]
+    assert s0["steps"] == 12 and len(s0["losses"]) == 12
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(s0["losses"], want)), (s0["losses"], want)
+    _no_workers_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_node_left_with_no_rank_is_not_relaunched_and_its_launcher_is_told_at_once(tmp_path):
+    """One rank per node; node 1's only rank dies: no re-formed relaunch keeps every survivor on
+    its node, so node 0 names the newest whole checkpoint and tells node 1's launcher, which ends
+    with node 0's reason rather than after its wait for a relaunch."""
+    shared = tmp_path / "shared-ckpt"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *DEMO[:-4], "--dp", "2", "--pp", "1", *FAST,
+                               "--json", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(tmp_path / f"node{rank}"),
+                               "--steps", "10", "--ckpt-every", "2", "--ckpt-dir", str(shared), "--no-live",
+                               "--inject", "stop:rank=1,step=4"],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
+    s0, err0 = _finish(procs[0])
+    s1, err1 = _finish(procs[1])
+    assert procs[0].returncode == 1 and procs[1].returncode == 1
+    rec = s0["recovery"]
+    assert rec["restarted"] is False and rec["reason"] == "a node has no device left", rec
+    assert Path(rec["checkpoint"]).parent == shared and problem(rec["checkpoint"]) is None
+    assert "node 0 does not relaunch it: a node has no device left" in s1["error"], s1
+    _no_workers_left(tmp_path)
 
 
 @pytest.mark.slow

@@ -113,6 +113,8 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             raise InputError(outcome.error)
         if node_rank != 0 and cfg.faults.recovery == "restart":  # node 0 may relaunch the job in place
             outcome = _follow_restarts(cfg, outcome, nodes)
+        elif node_rank != 0 and cfg.checkpoint.ckpt_every and not cfg.snapshot_interval():
+            outcome = _follow_reformed(cfg, outcome, nodes)  # node 0 may relaunch it re-formed
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
                        "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
@@ -153,7 +155,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
         elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted:
             flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
-            summary, outcome = _recover(cfg, outcome, summary, json_out, nnodes)
+            summary, outcome = _recover(cfg, outcome, summary, json_out, nodes)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
             from resihp.runtime.metrics import write_run  # deferred: tensorboard, an optional extra
@@ -366,6 +368,30 @@ def _follow_restarts(cfg, outcome, nodes, attempts: int = RESTARTS):
     return outcome
 
 
+def _follow_reformed(cfg, outcome, nodes, attempts: int = RESTARTS):
+    """A node other than 0 of a job that checkpoints: after its part of a failed launch, join each
+    relaunch node 0 re-forms around a lost device (into OUT/restart, OUT/restart/restart, ...) on
+    the ranks it gives this node, in the layout it chose, until one ends well, node 0 announces
+    none, none comes within the wait, or this node is stopped."""
+    from resihp.runtime.supervisor import await_relaunch, supervise
+
+    out = Path(cfg.out)
+    for attempt in range(1, attempts + 1):
+        failed = (outcome.error not in (None, "the job ended on node 0: finished")) or outcome.returncode != 0
+        if not failed or outcome.interrupted or outcome.input_error:
+            break
+        job = await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s))
+        if not job or not job.get("sizes"):  # none came, or node 0 said there is none
+            why = ((job or {}).get("config") or {}).get("no_relaunch")
+            if why:
+                outcome.error = f"{outcome.error}; node 0 does not relaunch it: {why}"
+            break
+        nodes, out = replace(nodes, sizes=tuple(job["sizes"])), out / "restart"
+        # node 0's configuration of the relaunch (its layout, checkpoint, faults still ahead)
+        outcome = supervise(cfg.updated(**job["config"], out=str(out)), nodes=nodes, attempt=attempt)
+    return outcome
+
+
 def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
              attempts: int = RESTARTS):
     """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
@@ -408,31 +434,27 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
     return summary, again
 
 
-def _recover(cfg, outcome, summary: dict, json_out: bool, nnodes: int = 1):
+def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = None, attempt: int = 1):
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
-    it as the planner says (else the surviving uniform layout). A job on several nodes is not
-    relaunched: the relaunch runs on one node (node 0's launcher), which holds only its own ranks'
-    devices; the summary names the checkpoint its survivors resume from."""
+    it as the planner says (else the surviving uniform layout). On several nodes every survivor
+    stays on its node (``Nodes.sizes``: the nodes' ranks in order) and the other nodes' launchers
+    join the relaunch node 0 announces (``_follow_reformed``); where that cannot be (a memory tier,
+    a node with no survivor, no re-formed plan) node 0 tells them there is none, and the summary
+    names the checkpoint the survivors resume from."""
     import pandas as pd
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
     from resihp.runtime.live import LiveLoop, step_check, trace_compute_seconds, trace_step_seconds
     from resihp.runtime.snapshots import flush_checkpoints, start_keeper, stop_keepers
-    from resihp.runtime.supervisor import supervise
+    from resihp.runtime.supervisor import announce_no_relaunch, supervise
 
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(cfg)
     rank = outcome.failure.rank
     reformed = None
-    if nnodes > 1:
-        summary["recovery"] = {
-            "restarted": False, "checkpoint": str(ckpt) if ckpt else None,
-            "reason": f"a re-formed relaunch runs on one node; this job spans {nnodes}: resume its survivors "
-                      f"with resihp run --resume {ckpt}" if ckpt else "no checkpoint of this job that verifies",
-            "skipped": [f"{p.name}: {why}" for p, why in skipped]}
-        _write_summary(out, summary)
-        return summary, outcome
-    if ckpt:
+    nodes = nodes or Nodes()
+    multi = nodes.nnodes > 1
+    if ckpt and not (multi and cfg.snapshot_interval()):
         # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
         trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
         before = trace_step_seconds(trace) if trace is not None else {}
@@ -443,6 +465,20 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nnodes: int = 1):
         compute = [computed[s] for s in healthy if s in computed]
         reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=[before[s] for s in healthy],
                                  compute=compute if len(compute) == len(healthy) else None)
+    new_nodes = nodes
+    if multi:  # each survivor on its node: the nodes' new rank counts
+        node_of = {r: n for n, rs in nodes.layout().items() for r in rs}
+        sizes = tuple(sum(node_of[old] == n for old in reformed.ranks) for n in range(nodes.nnodes)) if reformed else ()
+        if not sizes or min(sizes) == 0:
+            why = ("no checkpoint of this job that verifies" if not ckpt else
+                   "a memory tier on several nodes is not relaunched re-formed" if cfg.snapshot_interval() else
+                   "a node has no device left" if sizes else "no re-formed plan for the survivors")
+            announce_no_relaunch(nodes, attempt, why)
+            summary["recovery"] = {"restarted": False, "reason": why, "checkpoint": str(ckpt) if ckpt else None,
+                                   "skipped": [f"{p.name}: {w}" for p, w in skipped]}
+            _write_summary(out, summary)
+            return summary, outcome
+        new_nodes = replace(nodes, sizes=sizes)
     new = reformed.cfg if reformed else layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
     if new is None:
         summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"
@@ -457,7 +493,8 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nnodes: int = 1):
     loop = LiveLoop(new) if new.live.live else None
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
         again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper,
-                          on_steps=loop.on_steps if loop else None)
+                          on_steps=loop.on_steps if loop else None, nodes=new_nodes if multi else None,
+                          attempt=attempt if multi else 0)
     after = _summary(new, again)
     if loop is not None and not again.interrupted:
         after.update(_live_fields(new, loop, after))
@@ -467,7 +504,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nnodes: int = 1):
         # newest checkpoint (its newest snapshot first written by its keeper), so ``after`` then
         # holds both relaunches' losses and plan changes
         flush_checkpoints(new, breakpoint=True)
-        after, again = _recover(new, again, after, json_out)
+        after, again = _recover(new, again, after, json_out, new_nodes, attempt + 1)
     stop_keepers(new, breakpoint=again.error is not None)
     ops = Path(new.out) / "ops.parquet"
     first, relaunched = None, {}

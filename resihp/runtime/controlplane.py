@@ -25,6 +25,7 @@ from torch.distributed import Store
 
 from resihp.detect.heartbeat import PREFIX as HB
 from resihp.ft.quorum import changes_key
+from resihp.runtime.nodes import Nodes
 from resihp.runtime.recorder import columns_frame
 
 JOB_KEY = "resihp/job"
@@ -40,9 +41,11 @@ def heartbeat_prefix(job_id: str) -> str:
     return f"{prefix_of(job_id)}/{HB.rpartition('/')[2]}"
 
 
-def node_ranks(nnodes: int, nproc_per_node: int) -> dict[int, list[int]]:
-    """The global ranks of each node: node ``i`` holds ``i * P .. i * P + P - 1``."""
-    return {n: list(range(n * nproc_per_node, (n + 1) * nproc_per_node)) for n in range(nnodes)}
+def node_ranks(nnodes: int, nproc_per_node: int, sizes: list[int] | tuple[int, ...] | None = None,
+               ) -> dict[int, list[int]]:
+    """The global ranks of each node: node ``i`` holds ``i * P .. i * P + P - 1``; with ``sizes``
+    (ranks per node), node ``i`` the next ``sizes[i]`` after those of the nodes before it."""
+    return Nodes(nnodes, 0, nproc_per_node, None, tuple(sizes) if sizes else None).layout()
 
 
 TRACE_STREAM = "ops.jsonl"  # node 0's stream of complete steps' rows in the run folder (JSON lines)
@@ -348,13 +351,13 @@ def read_errors(store: Store, job_id: str) -> list[dict]:
 
 
 def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, nproc_per_node: int,
-                 meta: dict | None = None, attempt: int = 0) -> None:
+                 meta: dict | None = None, attempt: int = 0, sizes: list[int] | None = None) -> None:
     """Node 0: the job's identity and configuration (``resihp run``'s, which every joining node
-    checks) and its job meta (what a detector following it needs); ``attempt``: the restart in
-    place this launch is (0: the first launch)."""
+    checks) and its job meta (what a detector following it needs); ``attempt``: the relaunch this
+    launch is (0: the first launch); ``sizes``: the ranks of each node where they differ."""
     store.set(JOB_KEY, json.dumps({"job_id": job_id, "config": config, "nnodes": nnodes,
                                    "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time(),
-                                   "attempt": attempt}))
+                                   "attempt": attempt, "sizes": sizes}))
 
 
 def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0) -> dict | None:

@@ -17,6 +17,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# a worker's global rank is this plus its local rank (set by the launcher: nodes may hold different
+# numbers of ranks after a relaunch re-formed around a lost device)
+FIRST_RANK_ENV = "RESIHP_FIRST_RANK"
+
+
 @dataclass(frozen=True)
 class Nodes:
     """One node's part of a job, in torchrun's terms (``--nnodes``, ``--node-rank``,
@@ -27,8 +32,16 @@ class Nodes:
     node_rank: int = 0
     nproc_per_node: int = 1
     endpoint: str | None = None  # HOST:PORT; None: one node, a free loopback port
+    # ranks per node where they differ (a relaunch re-formed around a lost device keeps each
+    # survivor on its node); None: ``nproc_per_node`` on every node
+    sizes: tuple[int, ...] | None = None
 
     def check(self, world: int) -> None:
+        if self.sizes is not None:
+            if len(self.sizes) != self.nnodes or min(self.sizes) < 1 or sum(self.sizes) != world:
+                raise InputError(f"ranks per node {list(self.sizes)}: expected {self.nnodes} positive counts "
+                                 f"adding up to the world size {world}")
+            return
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise InputError(f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: expected "
                              "positive integers")
@@ -46,9 +59,20 @@ class Nodes:
             host_port(self.endpoint)
 
     @property
+    def counts(self) -> tuple[int, ...]:
+        """The ranks of each node."""
+        return self.sizes if self.sizes is not None else (self.nproc_per_node,) * self.nnodes
+
+    def layout(self) -> dict[int, list[int]]:
+        """Every node's ranks."""
+        starts = [sum(self.counts[:n]) for n in range(self.nnodes)]
+        return {n: list(range(starts[n], starts[n] + self.counts[n])) for n in range(self.nnodes)}
+
+    @property
     def ranks(self) -> list[int]:
-        first = self.node_rank * self.nproc_per_node
-        return list(range(first, first + self.nproc_per_node))
+        """This node's ranks: the nodes' ranks in order, node ``i``'s after those of the nodes before."""
+        first = sum(self.counts[: self.node_rank])
+        return list(range(first, first + self.counts[self.node_rank]))
 
 
 def host_port(endpoint: str) -> tuple[str, int]:

@@ -37,7 +37,7 @@ AGENT = "resihp.runtime.agent"
 SPARE_FLAG = "--spare"
 # read by the agent, torchrun or the workers after they start, never at import
 RUNTIME_ENV = frozenset({
-    "RESIHP_STORE", "RESIHP_NODE", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
+    "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
     "RESIHP_GPU_OFFSET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
 })
 

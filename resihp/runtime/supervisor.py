@@ -45,7 +45,6 @@ from resihp.runtime.controlplane import (
     heartbeat_prefix,
     mark_ended,
     mark_stopping,
-    node_ranks,
     post_change,
     read_errors,
     read_job,
@@ -53,7 +52,7 @@ from resihp.runtime.controlplane import (
 )
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker
-from resihp.runtime.nodes import Nodes
+from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
 from resihp.runtime.spares import SPARES
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
@@ -196,7 +195,7 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
                                          timeout_s=max(join_timeout_s, 60.0) if host else join_timeout_s) as js:
         if host:
             announce_job(js.store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node,
-                         attempt=attempt)
+                         attempt=attempt, sizes=list(nodes.sizes) if nodes.sizes else None)
         else:
             cfg = _join(js.store, cfg, nodes, join_timeout_s, attempt)
         config_path = out / "config.json"
@@ -211,23 +210,43 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
             watch.close()
 
 
-RELAUNCH_KEYS = ("inject", "resume")  # what node 0 changes when it restarts the job in place
-
-
-def await_relaunch(nodes: Nodes, attempt: int, timeout_s: float) -> bool:
+def await_relaunch(nodes: Nodes, attempt: int, timeout_s: float) -> dict | None:
     """A node other than 0, its part of the job over: wait until node 0 announces launch
-    ``attempt`` of the job (a restart in place) on its endpoint; whether it did within
-    ``timeout_s``. Node 0's store goes and comes back between launches: each try connects anew."""
+    ``attempt`` of the job (a restart in place, a re-formed layout) on its endpoint; the job's
+    record (``announce_job``), or None if none came within ``timeout_s``. Node 0's store goes and
+    comes back between launches: each try connects anew."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
             with JobStore(nodes.endpoint, host=False, timeout_s=max(1.0, min(10.0, end - time.monotonic()))) as js:
-                if read_job(js.store, timeout_s=min(2.0, max(0.0, end - time.monotonic())), attempt=attempt):
-                    return True
+                job = read_job(js.store, timeout_s=min(2.0, max(0.0, end - time.monotonic())), attempt=attempt)
+                if job:
+                    js.store.set(_seen_key(attempt, nodes.node_rank), "1")
+                    return job
         except (InputError, RuntimeError, dist.DistError):
             pass
         time.sleep(0.2)
-    return False
+    return None
+
+
+def _seen_key(attempt: int, node: int) -> str:
+    return f"resihp/relaunch/{attempt}/seen/{node}"
+
+
+def announce_no_relaunch(nodes: Nodes, attempt: int, reason: str, wait_s: float = 10.0) -> None:
+    """Node 0, which will not relaunch the job: host its store once more and say so (a launch
+    ``attempt`` with no ranks), until every other node waiting for a relaunch (``await_relaunch``)
+    has read it or ``wait_s`` is over, so that they end now rather than after their wait."""
+    try:
+        with JobStore(nodes.endpoint, host=True, timeout_s=wait_s) as js:
+            store = js.store
+            announce_job(store, "", {"no_relaunch": reason}, nodes.nnodes, nodes.nproc_per_node, attempt=attempt)
+            end = time.monotonic() + wait_s
+            keys = [_seen_key(attempt, n) for n in range(1, nodes.nnodes)]
+            while time.monotonic() < end and not store.check(keys):
+                time.sleep(0.1)
+    except (InputError, RuntimeError, dist.DistError):
+        pass  # the endpoint is taken or gone: the other nodes end after their wait
 
 
 def job_config(cfg: RunConfig) -> dict:
@@ -244,11 +263,12 @@ def _join(store, cfg: RunConfig, nodes: Nodes, timeout_s: float, attempt: int = 
         raise InputError(f"--rdzv-endpoint {nodes.endpoint}: no job announced there within {timeout_s:g} s "
                          "(start node 0 first, or check the endpoint)")
     theirs = job["config"]
-    if attempt:  # a restart in place: node 0 chose what it relaunches with
-        cfg = cfg.updated(**{k: theirs[k] for k in RELAUNCH_KEYS if k in theirs})
+    if attempt:  # a relaunch: node 0 chose what it relaunches with (a restart in place, a re-formed layout)
+        cfg = cfg.updated(**theirs)
     mine = job_config(cfg)
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-    if differ or (job["nnodes"], job["nproc_per_node"]) != (nodes.nnodes, nodes.nproc_per_node):
+    sizes = tuple(job["sizes"]) if job.get("sizes") else None
+    if differ or (job["nnodes"], job["nproc_per_node"], sizes) != (nodes.nnodes, nodes.nproc_per_node, nodes.sizes):
         what = ", ".join(f"{k} (node 0: {theirs.get(k)!r}, here: {mine.get(k)!r})" for k in differ[:3]) or (
             f"--nnodes/--nproc-per-node (node 0: {job['nnodes']}x{job['nproc_per_node']}, here: "
             f"{nodes.nnodes}x{nodes.nproc_per_node})")
@@ -267,7 +287,7 @@ class _Watch:
                  join_timeout_s: float, hang_timeout_s: float | None) -> None:
         self.cfg, self.store = cfg, store
         dims = cfg.dims()
-        layout = node_ranks(nodes.nnodes, nodes.nproc_per_node)
+        layout = nodes.layout()
         hb = heartbeat_prefix(cfg.job_id)
         interval = min(0.5, heartbeat_timeout_s / 4)
         self.aggregator = NodeAggregator(store, nodes.node_rank, nodes.ranks, interval_s=interval,
@@ -353,10 +373,11 @@ def drain_stderr(proc: subprocess.Popen, lines: list[str], out: Path, tag: str =
 
 def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step, on_steps,
                on_poll, poll_s, grace_s) -> Outcome:
-    local = nodes.nproc_per_node
+    local = len(nodes.ranks)
     proc = SPARES.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
                                          run_id=cfg.job_id or None, forked=forks_workers(cfg)),
-                        worker_env(endpoint=js.endpoint, node=nodes.node_rank, managed=True))
+                        worker_env({FIRST_RANK_ENV: str(nodes.ranks[0])}, endpoint=js.endpoint,
+                                   node=nodes.node_rank, managed=True))
     tracker = ProcessTracker(proc.pid)
     lines: list[str] = []
 

@@ -50,6 +50,7 @@ from resihp.runtime.controlplane import (
 from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.lifecycle import die_with_parent, start_time
+from resihp.runtime.nodes import FIRST_RANK_ENV
 from resihp.runtime.recorder import merge_streams
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
 from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
@@ -194,7 +195,7 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         except (RuntimeError, dist.DistError) as exc:
             raise JoinTimeout(f"cannot reach the job's store at {endpoint} ({_first_line(exc)})") from None
-        return store, node * per_node + local, world, node
+        return store, int(os.environ.get(FIRST_RANK_ENV, node * per_node)) + local, world, node
     # plain torchrun: its agent's store; started by hand (no agent): rank 0 hosts it
     host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
     hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
