@@ -131,6 +131,43 @@ def test_the_supervisor_writes_the_commit_record_of_a_decider_that_died_after_it
     assert sup.committed(1) == [0] and chain.gen == admitted
 
 
+def test_a_replica_admitted_after_its_eviction_is_aborted_by_the_supervisor():
+    """A returning replica is killed while the last survivor decides the step that admits it: the
+    decider read its join before the eviction and writes after it, and the supervisor's abort came
+    first and found the chain before that decision (nothing to abort). The next generation names a
+    dead replica, the survivors wait on it (a CI-like run judged them hung); the supervisor's walk
+    aborts that attempt without it."""
+    import torch.distributed as dist
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def quorum():
+        return Quorum(dist.TCPStore("127.0.0.1", host.port, is_master=False), "job", ranks_per_replica=1,
+                      timeout_s=5)
+
+    survivor, sup = quorum(), quorum()
+    gen = survivor.start([Member(0)], 0)
+    sup.set_replicas(2)
+    chain = DecisionChain(sup, gen)
+    joiner = Member(1, 1)
+    sup.request_join(joiner)
+    sup.report_held(joiner, 0, 0)
+    sup.evict(joiner, "exited")
+    assert chain.abort_for(joiner) is None  # not a member of the attempt in flight
+    # the decider's look at the join came before the eviction: it admits the evicted replica
+    is_evicted = survivor.is_evicted
+    survivor.is_evicted = lambda m: False
+    decision = survivor.vote(gen, 0, True) or survivor.wait(gen, 0)
+    survivor.is_evicted = is_evicted
+    assert decision.commit and joiner in decision.next.members
+    chain.advance()
+    assert joiner in chain.gen.members and chain.step == 1
+    chain.abort_evicted()
+    # step 1 under the generation that names it: aborted, redone by the survivor alone
+    assert not survivor.decision(decision.next.gen, 1).commit
+    assert chain.gen.members == (Member(0),) and chain.step == 1, chain.gen
+
+
 def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
     import torch.distributed as dist
 

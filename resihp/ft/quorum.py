@@ -298,6 +298,17 @@ class DecisionChain:
             self.quorum.complete(self.gen, d)
             self.gen, self.step = d.next, d.next.from_step
 
+    def abort_evicted(self) -> None:
+        """Abort the attempt in flight where it names an evicted member: one admitted by a decider
+        that read the join before the eviction and wrote after it, while ``abort_for`` found the
+        chain before that decision (the survivors would wait on a dead replica)."""
+        self.advance()
+        for member in self.gen.members:
+            if self.quorum.is_evicted(member):
+                self.abort_for(member)
+                self.advance()
+                return
+
     def abort_for(self, member: Member) -> Decision | None:
         """``member`` was evicted: abort the attempt in flight if it takes part (so no survivor
         waits on it), unless a decision that leaves it out is there first."""

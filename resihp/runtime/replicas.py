@@ -198,6 +198,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     rep.tracker.watch(per)
                 read_steps()
                 chain.advance()
+                chain.abort_evicted()
                 reports = read_errors(store, cfg.job_id)
                 for e in reports[seen_reports:]:  # a rank that crashed said so: its replica is lost now
                     if e["kind"] == "input":  # bad input fails every replica alike: the job stops
