@@ -115,7 +115,7 @@ def test_a_rank_lost_on_node_1_is_re_formed_around_with_every_survivor_on_its_no
     s0, err0 = _finish(node0)
     s1, err1 = _finish(node1)
     assert node0.returncode == 0 and node1.returncode == 0, (err0[-2000:], err1[-2000:])
-    assert s1["error"] is None and "Traceback" not in err0 + err1
+    assert s1["error"] is None and s1["ranks"] == [2] and "Traceback" not in err0 + err1
     failure = s0["failure"]  # found by node 0 on node 1
     assert (failure["rank"], failure["cause"], failure["node"], failure["step"]) == (3, "exited", 1, 4), failure
     change = s0["plan_changes"][0]

@@ -590,7 +590,7 @@ def _common_mode_log(values: np.ndarray) -> np.ndarray:
     return out
 
 
-CURRENT_STEPS = 5  # steps an open finding's current cost is the median over (``current_cost``)
+CURRENT_STEPS = 3  # steps an open finding's current cost is the median over (``current_cost``)
 RECENT_STEPS = 32  # steps of transfers kept to measure a slow link's slowdown
 
 

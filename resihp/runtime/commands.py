@@ -114,7 +114,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         if node_rank != 0 and cfg.faults.recovery == "restart":  # node 0 may relaunch the job in place
             outcome = _follow_restarts(cfg, outcome, nodes)
         elif node_rank != 0 and cfg.checkpoint.ckpt_every and not cfg.snapshot_interval():
-            outcome = _follow_reformed(cfg, outcome, nodes)  # node 0 may relaunch it re-formed
+            outcome, nodes = _follow_reformed(cfg, outcome, nodes)  # node 0 may relaunch it re-formed
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
                        "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
@@ -372,7 +372,8 @@ def _follow_reformed(cfg, outcome, nodes, attempts: int = RESTARTS):
     """A node other than 0 of a job that checkpoints: after its part of a failed launch, join each
     relaunch node 0 re-forms around a lost device (into OUT/restart, OUT/restart/restart, ...) on
     the ranks it gives this node, in the layout it chose, until one ends well, node 0 announces
-    none, none comes within the wait, or this node is stopped."""
+    none, none comes within the wait, or this node is stopped. The last outcome, and this node's
+    part of the last launch."""
     from resihp.runtime.supervisor import await_relaunch, supervise
 
     out = Path(cfg.out)
@@ -382,14 +383,13 @@ def _follow_reformed(cfg, outcome, nodes, attempts: int = RESTARTS):
             break
         job = await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s))
         if not job or not job.get("sizes"):  # none came, or node 0 said there is none
-            why = ((job or {}).get("config") or {}).get("no_relaunch")
-            if why:
-                outcome.error = f"{outcome.error}; node 0 does not relaunch it: {why}"
+            if job and job.get("no_relaunch"):
+                outcome.error = f"{outcome.error}; node 0 does not relaunch it: {job['no_relaunch']}"
             break
         nodes, out = replace(nodes, sizes=tuple(job["sizes"])), out / "restart"
         # node 0's configuration of the relaunch (its layout, checkpoint, faults still ahead)
         outcome = supervise(cfg.updated(**job["config"], out=str(out)), nodes=nodes, attempt=attempt)
-    return outcome
+    return outcome, nodes
 
 
 def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,

@@ -351,13 +351,15 @@ def read_errors(store: Store, job_id: str) -> list[dict]:
 
 
 def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, nproc_per_node: int,
-                 meta: dict | None = None, attempt: int = 0, sizes: list[int] | None = None) -> None:
+                 meta: dict | None = None, attempt: int = 0, sizes: list[int] | None = None,
+                 no_relaunch: str | None = None) -> None:
     """Node 0: the job's identity and configuration (``resihp run``'s, which every joining node
     checks) and its job meta (what a detector following it needs); ``attempt``: the relaunch this
-    launch is (0: the first launch); ``sizes``: the ranks of each node where they differ."""
+    launch is (0: the first launch); ``sizes``: the ranks of each node where they differ;
+    ``no_relaunch``: why there is no launch ``attempt`` (the nodes waiting for it end)."""
     store.set(JOB_KEY, json.dumps({"job_id": job_id, "config": config, "nnodes": nnodes,
                                    "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time(),
-                                   "attempt": attempt, "sizes": sizes}))
+                                   "attempt": attempt, "sizes": sizes, "no_relaunch": no_relaunch}))
 
 
 def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0) -> dict | None:

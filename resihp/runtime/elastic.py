@@ -26,9 +26,9 @@ from resihp.runtime.live import paced_to, plan_at_start, planner_specs
 
 def latest_checkpoint(cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint in the run's checkpoint folder (``RunConfig.ckpt_root``) that
-    verifies against its manifest and was written by this job (``cfg.job_id``) for this model, else the checkpoint the run resumed from (a
-    relaunch that failed before its own first checkpoint goes back to where it started); and each
-    newer one skipped, with why."""
+    verifies against its manifest and was written by this job (``cfg.job_id``) for this model,
+    else the checkpoint the run resumed from (a relaunch that failed before its own first
+    checkpoint goes back to where it started); and each newer one skipped, with why."""
     found, skipped = newest_good(cfg.ckpt_root(), job_id=cfg.job_id, model_hash=cfg.model_hash())
     started = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
     if found is None and started is not None and step_of(started) >= 0 and started.is_dir():

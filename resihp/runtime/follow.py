@@ -113,7 +113,8 @@ class StoreSteps:
             self.meta_dict = {**self.meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
                               "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
                               "max_seq_len": model.max_seq_len}
-        self.reader = StepReader(self.js.store, self.job_id, node_ranks(job["nnodes"], job["nproc_per_node"], job.get("sizes")))
+        layout = node_ranks(job["nnodes"], job["nproc_per_node"], job.get("sizes"))
+        self.reader = StepReader(self.js.store, self.job_id, layout)
         self.gone = False
 
     def complete_steps(self) -> list[tuple[int, list[dict]]]:

@@ -325,6 +325,8 @@ class LiveLoop:
             now = self.detector.current_cost(event)
             if now is None or max(now, priced) < REVISED * min(now, priced):
                 continue
+            if now < self.detector.cfg.min_slowdown:
+                continue  # at speed again, or nearly: the episode's close (a step or two on) says so
             self._priced[rank] = (self.detector, now)
             self.speeds[rank] = 1.0 / max(now, 1.0)
             self._replan(step, {**event.to_dict(), "slowdown": round(now, 4), "detected_step": step,

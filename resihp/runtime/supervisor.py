@@ -240,7 +240,7 @@ def announce_no_relaunch(nodes: Nodes, attempt: int, reason: str, wait_s: float 
     try:
         with JobStore(nodes.endpoint, host=True, timeout_s=wait_s) as js:
             store = js.store
-            announce_job(store, "", {"no_relaunch": reason}, nodes.nnodes, nodes.nproc_per_node, attempt=attempt)
+            announce_job(store, "", None, nodes.nnodes, nodes.nproc_per_node, attempt=attempt, no_relaunch=reason)
             end = time.monotonic() + wait_s
             keys = [_seen_key(attempt, n) for n in range(1, nodes.nnodes)]
             while time.monotonic() < end and not store.check(keys):
