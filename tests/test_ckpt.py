@@ -231,6 +231,10 @@ def test_restart_takes_only_a_checkpoint_of_the_same_job_and_model(tmp_path):
     assert found is None and "another model" in skipped[-1][1]
     found, skipped = newest_good(out / "ckpt", job_id="third-job")
     assert found is None and "another job (old-job)" in skipped[0][1]
+    # --resume takes a run folder or a folder of checkpoints (--ckpt-dir): its newest that verifies
+    from resihp.ckpt.universal import resolve
+
+    assert resolve(out) == resolve(out / "ckpt") == out / "ckpt" / "step29"
 
 
 def test_crafted_metadata_cannot_run_code(tmp_path):
