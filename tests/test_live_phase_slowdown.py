@@ -40,9 +40,17 @@ def _rows(step: int, rng: np.random.Generator, slow: tuple[str, ...],
     return out
 
 
-def _run(slow: tuple[str, ...], steps: int = 40, **factor) -> LiveLoop:
-    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1),
+def _loop(microbatches: int = 8) -> LiveLoop:
+    """The live loop of a DP 4 job of ``microbatches`` micro-batches a step. With 16, a rank 2x
+    slow keeps a smaller share (a step of 5 micro-batches' time against 6 with it left out); with
+    8 the two tie (3 against 3), and which one the planner takes depends on this machine's measured
+    device and the solver under load; a rank left out is no longer observed."""
+    return LiveLoop(RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1, global_tokens=1024 * microbatches),
                     detector_config=DetectorConfig(calibration_steps=8, fit_cost=False))
+
+
+def _run(slow: tuple[str, ...], steps: int = 40, microbatches: int = 8, **factor) -> LiveLoop:
+    loop = _loop(microbatches)
     loop._post = lambda change: None  # the job's side of a change is not under test here
     rng = np.random.default_rng(0)
     for step in range(steps):
@@ -76,25 +84,28 @@ COMPUTE = ("forward-compute", "backward-compute")
 def test_a_slowdown_that_grows_after_it_was_planned_around_is_planned_around_again():
     """1.5x from step 15, 3x from step 25: priced at 1.5x when found, at 3x once it grew (a CI dry
     run found a 3x slowdown one step after its onset at 1.5x, and nothing planned it again)."""
-    loop = _run(COMPUTE, factor=lambda step: 1.0 if step < ONSET else 1.5 if step < 25 else 3.0)
+    loop = _run(COMPUTE, microbatches=16, factor=lambda step: 1.0 if step < ONSET else 1.5 if step < 25 else 3.0)
     reasons = [c["reason"] for c in loop.changes]
     assert [r["rank"] for r in reasons] == [1, 1], reasons
     assert reasons[0]["slowdown"] == pytest.approx(1.5, rel=0.1) and "priced_at" not in reasons[0]
     assert reasons[1]["slowdown"] == pytest.approx(3.0, rel=0.1), reasons
     assert reasons[1]["priced_at"] == reasons[0]["slowdown"] and 25 <= loop.changes[1]["decided_step"] < 32
     assert 1.0 / loop.speeds[1] == pytest.approx(3.0, rel=0.1)
-    # at 1.5x the planner keeps the plan in force; at 3x it leaves rank 1 out (a hot spare)
-    assert loop.changes[0]["applied"].startswith("none")
-    assert loop.changes[1]["applied"] is True and loop.changes[1]["layout"] == {"pipelines": [[[0]], [[2]], [[3]]]}
+    # priced at 3x, rank 1 trains less than at 1.5x: a smaller share, or none (left out as a hot spare)
+    first, second = loop.changes
+    before = first.get("dp_weights", [4.0] * 4)[1] if "layout" not in first else 0.0
+    placed = [r for p in second.get("layout", {}).get("pipelines", []) for stage in p for r in stage]
+    assert second["applied"] is True, second
+    assert (1 not in placed) if "layout" in second else second["dp_weights"][1] < min(before, 4.0), loop.changes
 
 
 def test_a_slow_rank_that_runs_at_speed_again_gets_its_share_back():
     """2x from step 15 to 24: planned around, then, once its finding closes, planned at full speed."""
-    loop = _run(COMPUTE, steps=50, factor=lambda step: 2.0 if ONSET <= step < 25 else 1.0)
+    loop = _run(COMPUTE, steps=50, microbatches=16, factor=lambda step: 2.0 if ONSET <= step < 25 else 1.0)
     reasons = [c["reason"] for c in loop.changes]
     assert [(r["kind"], r["rank"]) for r in reasons] == [("fail-slow", 1), ("recovered", 1)], reasons
     assert loop.speeds[1] == 1.0 and 1 not in loop.handled
-    assert loop.changes[1]["dp_weights"] == [2.0, 2.0, 2.0, 2.0], loop.changes[1]
+    assert loop.changes[1]["dp_weights"] == [4.0, 4.0, 4.0, 4.0], loop.changes[1]
 
 
 def test_a_steady_slowdown_is_planned_around_once():
@@ -107,8 +118,7 @@ def test_a_rank_slow_again_after_a_fresh_baseline_is_followed_by_the_new_detecto
     moving layers does, ``LiveLoop._post_in_place``), which finds rank 1 slow against its peers
     from the start (no second change: the plan in force prices it so) and follows it: 4x from
     step 45 is re-planned at 4x."""
-    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1),
-                    detector_config=DetectorConfig(calibration_steps=8, fit_cost=False))
+    loop = _loop(16)
     loop._post = lambda change: None
     rng = np.random.default_rng(0)
     for step in range(60):
