@@ -112,9 +112,9 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
         if node_rank != 0 and cfg.faults.recovery == "restart":  # node 0 may relaunch the job in place
-            outcome = _follow_restarts(cfg, outcome, nodes)
+            outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=False)
         elif node_rank != 0 and cfg.checkpoint.ckpt_every and not cfg.snapshot_interval():
-            outcome, nodes = _follow_reformed(cfg, outcome, nodes)  # node 0 may relaunch it re-formed
+            outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=True)  # node 0 may re-form it
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
                        "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
@@ -349,10 +349,13 @@ def _summary(cfg, outcome) -> dict:
     return json.loads(summary_path.read_text())
 
 
-def _follow_restarts(cfg, outcome, nodes, attempts: int = RESTARTS):
-    """A node other than 0 under --recovery restart: after its part of a failed launch, join each
-    relaunch node 0 announces (into OUT/restart, restart-2, ...), until one ends well, none comes
-    within the join timeout, or this node is stopped."""
+def _follow_relaunches(cfg, outcome, nodes, reformed: bool, attempts: int = RESTARTS):
+    """A node other than 0: after its part of a failed launch, join each relaunch node 0
+    announces, in node 0's configuration of it, until one ends well, node 0 announces none, none
+    comes within the wait, or this node is stopped. ``reformed``: re-formed around a lost device
+    (into OUT/restart, OUT/restart/restart, ..., on the ranks node 0 gives this node), else a
+    restart in place (--recovery restart: into OUT/restart, restart-2, ...). The last outcome, and
+    this node's part of the last launch."""
     from resihp.runtime.supervisor import await_relaunch, supervise
 
     out = Path(cfg.out)
@@ -361,32 +364,14 @@ def _follow_restarts(cfg, outcome, nodes, attempts: int = RESTARTS):
         if not failed or outcome.interrupted or outcome.input_error:
             break
         # node 0 relaunches once it has stopped every node's workers and written its summary
-        if not await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s)):
-            break
-        outcome = supervise(cfg.relaunched_into(out / ("restart" if attempt == 1 else f"restart-{attempt}")),
-                            nodes=nodes, attempt=attempt)
-    return outcome
-
-
-def _follow_reformed(cfg, outcome, nodes, attempts: int = RESTARTS):
-    """A node other than 0 of a job that checkpoints: after its part of a failed launch, join each
-    relaunch node 0 re-forms around a lost device (into OUT/restart, OUT/restart/restart, ...) on
-    the ranks it gives this node, in the layout it chose, until one ends well, node 0 announces
-    none, none comes within the wait, or this node is stopped. The last outcome, and this node's
-    part of the last launch."""
-    from resihp.runtime.supervisor import await_relaunch, supervise
-
-    out = Path(cfg.out)
-    for attempt in range(1, attempts + 1):
-        failed = (outcome.error not in (None, "the job ended on node 0: finished")) or outcome.returncode != 0
-        if not failed or outcome.interrupted or outcome.input_error:
-            break
         job = await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s))
-        if not job or not job.get("sizes"):  # none came, or node 0 said there is none
-            if job and job.get("no_relaunch"):
+        if not job or job.get("no_relaunch"):  # none came, or node 0 said there is none
+            if job:
                 outcome.error = f"{outcome.error}; node 0 does not relaunch it: {job['no_relaunch']}"
             break
-        nodes, out = replace(nodes, sizes=tuple(job["sizes"])), out / "restart"
+        if job.get("sizes"):
+            nodes = replace(nodes, sizes=tuple(job["sizes"]))
+        out = out / "restart" if reformed else Path(cfg.out) / ("restart" if attempt == 1 else f"restart-{attempt}")
         # node 0's configuration of the relaunch (its layout, checkpoint, faults still ahead)
         outcome = supervise(cfg.updated(**job["config"], out=str(out)), nodes=nodes, attempt=attempt)
     return outcome, nodes
@@ -438,7 +423,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
     it as the planner says (else the surviving uniform layout). On several nodes every survivor
     stays on its node (``Nodes.sizes``: the nodes' ranks in order) and the other nodes' launchers
-    join the relaunch node 0 announces (``_follow_reformed``); where that cannot be (a memory tier,
+    join the relaunch node 0 announces (``_follow_relaunches``); where that cannot be (a memory tier,
     a node with no survivor, no re-formed plan) node 0 tells them there is none, and the summary
     names the checkpoint the survivors resume from."""
     import pandas as pd

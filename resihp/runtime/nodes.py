@@ -64,15 +64,14 @@ class Nodes:
         return self.sizes if self.sizes is not None else (self.nproc_per_node,) * self.nnodes
 
     def layout(self) -> dict[int, list[int]]:
-        """Every node's ranks."""
+        """Every node's ranks: the nodes' ranks in order, node ``i``'s after those of the nodes before."""
         starts = [sum(self.counts[:n]) for n in range(self.nnodes)]
         return {n: list(range(starts[n], starts[n] + self.counts[n])) for n in range(self.nnodes)}
 
     @property
     def ranks(self) -> list[int]:
-        """This node's ranks: the nodes' ranks in order, node ``i``'s after those of the nodes before."""
-        first = sum(self.counts[: self.node_rank])
-        return list(range(first, first + self.counts[self.node_rank]))
+        """This node's ranks."""
+        return self.layout()[self.node_rank]
 
 
 def host_port(endpoint: str) -> tuple[str, int]:
