@@ -331,6 +331,41 @@ def test_the_catch_up_stream_carries_each_states_layer_split(tmp_path):
     assert result["sent"] == result["received"] == 4 * (6 + 6 + 4)
 
 
+def _form_without_a_dead_peer(rank: int, world: int, tmp: str) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from resihp.ft.group import GroupAbandoned, ReplicaGroup
+
+    store = dist.FileStore(os.path.join(tmp, "job-store"), world)
+    group = ReplicaGroup(store, "job", 0, rank, timeout_s=120)
+    both = Generation(1, (Member(0), Member(1)), 0)
+    group.form(both, [(0, 0)], abandon=lambda: False)
+    flat = torch.ones(3)
+    group.all_reduce({(0, 0): flat}, abandon=lambda: False)
+    if rank == 1:
+        return {"sum": flat.tolist()}  # and it is lost: it never reaches the next rendezvous
+    again = Generation(2, (Member(0), Member(1, 1)), 5)  # admitted, then killed before it formed
+    t0 = time.monotonic()
+    try:
+        group.form(again, [(0, 0)], abandon=lambda: time.monotonic() - t0 > 0.5)
+    except GroupAbandoned as exc:
+        return {"sum": flat.tolist(), "abandoned": str(exc), "left_after_s": time.monotonic() - t0}
+    return {"sum": flat.tolist(), "abandoned": None}
+
+
+def test_forming_a_group_with_a_peer_lost_before_the_rendezvous_is_left_when_the_step_is_decided(tmp_path):
+    # a returning replica admitted and killed before it formed the new generation's groups: the
+    # survivor must leave the rendezvous when the supervisor aborts the step, not wait out the
+    # group's timeout (120 s here) while the monitor judges it hung
+    first, second = spawn_ranks(_form_without_a_dead_peer, 2, tmp_path)
+    assert first["sum"] == second["sum"] == [2.0, 2.0, 2.0]
+    assert first["abandoned"] and "generation 2" in first["abandoned"]
+    assert first["left_after_s"] < 60, first
+
+
 # --- real runs -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

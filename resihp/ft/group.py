@@ -65,23 +65,48 @@ class ReplicaGroup:
         """The member replicas of the generation formed last."""
         return len(self.replicas)
 
-    def form(self, gen: Generation, keys: list[Key]) -> None:
+    def form(self, gen: Generation, keys: list[Key], abandon: Callable[[], bool] | None = None,
+             check_s: float = 0.05) -> None:
         """Collective over the generation's members: start generation ``gen`` (nothing if it is
         the one in force) with the groups of ``keys``; a later plan's new keys form as they are
-        first summed."""
+        first summed. ``abandon`` as in ``all_reduce``: a member that died before it reached the
+        rendezvous would hold the others for the group's whole timeout."""
         if self.gen != gen.gen:
             self._retired += self.groups.values()
             self.groups, self.gen, self.replicas = {}, gen.gen, list(gen.replicas)
         if self.size > 1:
             for key in sorted(keys):
-                self._group(key)
+                self._group(key, abandon, check_s)
 
-    def _group(self, key: Key) -> dist.ProcessGroup:
-        """Collective over the ranks of ``key``: this generation's group of them."""
-        if key not in self.groups:
-            name = "-".join(map(str, key))
-            self.groups[key] = gloo_group(self.store, f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
-                                          self.replicas.index(self.replica), self.size, self.timeout_s)
+    def _group(self, key: Key, abandon: Callable[[], bool] | None, check_s: float) -> dist.ProcessGroup:
+        """Collective over the ranks of ``key``: this generation's group of them. With ``abandon``
+        the rendezvous runs on a thread of its own (gloo's constructor blocks in C++, without the
+        GIL), left to time out where ``abandon`` says the step was decided without this rank."""
+        if key in self.groups:
+            return self.groups[key]
+        name = "-".join(map(str, key))
+        args = (self.store, f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
+                self.replicas.index(self.replica), self.size, self.timeout_s)
+        if abandon is None:
+            self.groups[key] = gloo_group(*args)
+            return self.groups[key]
+        made: dict[str, object] = {}
+
+        def rendezvous() -> None:
+            try:
+                made["group"] = gloo_group(*args)
+            except (RuntimeError, dist.DistError) as exc:
+                made["error"] = exc
+
+        thread = threading.Thread(target=rendezvous, name="resihp-ft-form", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(check_s)
+            if thread.is_alive() and abandon():
+                raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
+        if "error" in made:
+            raise made["error"]
+        self.groups[key] = made["group"]
         return self.groups[key]
 
     def all_reduce(self, buckets: dict[Key, torch.Tensor], abandon: Callable[[], bool] | None = None,
@@ -92,7 +117,7 @@ class ReplicaGroup:
         if self.size < 2:
             return
         for key in sorted(buckets):
-            work = self._group(key).allreduce([buckets[key]])
+            work = self._group(key, abandon, check_s).allreduce([buckets[key]])
             if abandon is not None:
                 done = threading.Event()
                 work.get_future().add_done_callback(lambda _, done=done: done.set())

@@ -161,14 +161,18 @@ class ReplicaEngine(Engine):
         ok = True
         try:
             buckets = self._buckets(loss)
+            gen = self.gen
+
+            def decided() -> bool:  # the step was decided without this rank's vote: an abort
+                return self.quorum.decided(gen, step)
+
             if self.group.gen != self.gen.gen:
                 with self.rec.op("ft-regroup"):
-                    self.group.form(self.gen, list(buckets))
+                    self.group.form(self.gen, list(buckets), abandon=decided)
             if self.group.size > 1:
                 flats = {key: flatten(tensors) for key, tensors in buckets.items()}
-                gen = self.gen
-                with self.rec.op("grads-all-reduce"):  # left once the step is decided without it
-                    self.group.all_reduce(flats, abandon=lambda: self.quorum.decided(gen, step))
+                with self.rec.op("grads-all-reduce"):
+                    self.group.all_reduce(flats, abandon=decided)
                 for key, tensors in buckets.items():
                     unflatten(flats[key], tensors)
         except (RuntimeError, dist.DistError):
