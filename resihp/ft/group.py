@@ -15,7 +15,9 @@ it in a ring may not see the dead peer at all, only a survivor that left the sum
 (its retired group keeps the connection open), and would wait for the group's timeout. ``abandon``
 (the quorum decided the step without this rank's vote: an abort) lets them leave at once. The
 slices end on the sum's completion (a callback on its future), not on a sleep, so a sum that
-finishes is noticed at once.
+finishes is noticed at once. Forming a generation's groups is left the same way: a returning replica
+admitted and lost before it reached the rendezvous would otherwise hold the survivors for the
+group's whole timeout (each rendezvous runs on a thread, on a store client of its own).
 
 On a GPU the group is still gloo (it stages CUDA tensors through host memory): a NCCL group with a
 dead peer must be aborted, not dropped, and several ranks of one host may share a GPU here."""
@@ -52,8 +54,13 @@ Key = tuple[int, ...]  # the stage holding a bucket's parameters in each member 
 
 
 class ReplicaGroup:
-    def __init__(self, store: Store, job_id: str, tp_rank: int, replica: int, timeout_s: float) -> None:
-        self.store, self.job_id, self.tp_rank = store, job_id, tp_rank
+    """``connect``: a new client of the job's store, one per rendezvous. A TCPStore client is one
+    socket behind one lock: a rendezvous blocked on a dead peer would hold up every other call
+    through the client it uses, the quorum's ``decided`` that lets this rank leave it too."""
+
+    def __init__(self, connect: Callable[[], Store], job_id: str, tp_rank: int, replica: int,
+                 timeout_s: float) -> None:
+        self.connect, self.job_id, self.tp_rank = connect, job_id, tp_rank
         self.replica, self.timeout_s = replica, timeout_s
         self.gen: int | None = None
         self.replicas: list[int] = []
@@ -85,7 +92,7 @@ class ReplicaGroup:
         if key in self.groups:
             return self.groups[key]
         name = "-".join(map(str, key))
-        args = (self.store, f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
+        args = (self.connect(), f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
                 self.replicas.index(self.replica), self.size, self.timeout_s)
         if abandon is None:
             self.groups[key] = gloo_group(*args)

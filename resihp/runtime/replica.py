@@ -80,7 +80,7 @@ class ReplicaEngine(Engine):
         self.store, self.connect = store, connect
         self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s,
                              plan_key=plan_key(cfg.job_id))
-        self.group = ReplicaGroup(store, cfg.job_id, self.tp.rank, member.replica, cfg.faults.timeout_s)
+        self.group = ReplicaGroup(connect, cfg.job_id, self.tp.rank, member.replica, cfg.faults.timeout_s)
         self.gen: Generation | None = None
         self.decision: Decision | None = None
         self.sources: dict[Member, HealSource] = {}
