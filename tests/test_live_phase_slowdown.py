@@ -133,3 +133,29 @@ def test_a_rank_slow_again_after_a_fresh_baseline_is_followed_by_the_new_detecto
     assert reasons[1]["slowdown"] == pytest.approx(4.0, rel=0.1) and loop.changes[1]["decided_step"] >= 45
     assert reasons[1]["priced_at"] == reasons[0]["slowdown"]
     assert 1.0 / loop.speeds[1] == pytest.approx(4.0, rel=0.1)
+
+
+def test_a_slowdown_that_grows_after_a_fresh_baseline_without_peers_to_compare_is_followed():
+    """DP 2: two ranks a stage (as at pp 2 of the last stop's real runs), so a fresh detector
+    cannot find rank 1 slow against its peers; it calibrates on rank 1 already 2x slow (priced so), and its finding that rank 1 got 2x
+    slower than that baseline at step 45 is priced at 4x, not at 2x (the last stop's real runs:
+    a 3x slowdown after a layer move stayed priced at 2.3x). Back at 2x, it is priced at 2x again."""
+    cfg = RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1, global_tokens=1024 * 16)
+    loop = LiveLoop(cfg, detector_config=DetectorConfig(calibration_steps=8, fit_cost=False))
+    loop._post = lambda change: None
+    rng = np.random.default_rng(0)
+    factor = lambda s: 1.0 if s < ONSET else 2.0 if s < 45 or s >= 60 else 4.0  # noqa: E731
+    for step in range(75):
+        if step == 25:
+            loop.detector = loop._make_detector()  # as a re-plan that moved layers does
+        rows = [r for r in _rows(step, rng, COMPUTE, factor=factor) if r["rank"] < 2]  # rank 1 slow
+        loop._observe(step, rows_frame(rows))
+    assert loop.error is None
+    assert not any(e.get("from_start") for e in loop.events)
+    reasons = [c["reason"] for c in loop.changes]
+    assert [r["rank"] for r in reasons] == [1] * 3, reasons
+    assert reasons[0]["slowdown"] == pytest.approx(2.0, rel=0.15)
+    assert reasons[1]["slowdown"] == pytest.approx(4.0, rel=0.15) and loop.changes[1]["decided_step"] >= 45
+    assert reasons[1]["priced_at"] == pytest.approx(reasons[0]["slowdown"])
+    assert reasons[2]["slowdown"] == pytest.approx(2.0, rel=0.15) and loop.changes[2]["decided_step"] >= 60
+    assert 1.0 / loop.speeds[1] == pytest.approx(2.0, rel=0.15)

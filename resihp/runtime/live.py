@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -202,6 +202,17 @@ def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[
     return cluster.paced(factor), {**record, "factor": round(factor, 4)}
 
 
+@dataclass
+class Priced:
+    """A rank planned around as slow: the detector that follows it, the slowdown priced, and the
+    slowdown it already had when that detector set its baseline (``base``; 1.0: a baseline at
+    speed, or one re-based on its peers), so what the detector measures is ``base`` times over."""
+
+    detector: OnlineDetector
+    slowdown: float
+    base: float = 1.0
+
+
 class LiveLoop:
     def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None) -> None:
         self.cfg, self.out = cfg, Path(cfg.out)
@@ -225,8 +236,7 @@ class LiveLoop:
         self.events: list[dict] = []
         self.changes: list[dict] = []
         self.handled: set[int | tuple[int, ...]] = set()
-        # each rank planned around as slow: the detector that follows it, the slowdown priced
-        self._priced: dict[int, tuple[OnlineDetector, float]] = {}
+        self._priced: dict[int, Priced] = {}  # each rank planned around as slow
         self.speeds = {r: 1.0 for r in range(self.world)}
         self.probe_ref: dict[int, float] = {}  # each rank's first probe (seconds): its reference
         self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
@@ -294,13 +304,18 @@ class LiveLoop:
             if event.rank in self.handled:
                 # planned around before a re-plan moved work and gave the loop a fresh detector:
                 # one that found it slow against its peers from the start (re-based on them) says
-                # its whole slowdown and follows it from here; moved 1.25x, it is re-planned
-                if not event.extra.get("from_start") or self.speeds[event.rank] >= 1.0:
+                # its whole slowdown; one that found it slower than its own baseline, set while it
+                # ran at the slowdown priced, says how much more (with two peers a stage, the
+                # usual case at pp 2, no peer-based finding can name it). Either is followed from
+                # here: moved 1.25x, it is re-planned
+                if self.speeds[event.rank] >= 1.0:
                     continue
-                self._priced[event.rank] = (self.detector, 1.0 / self.speeds[event.rank])
+                priced = 1.0 / self.speeds[event.rank]
+                base = 1.0 if event.extra.get("from_start") else priced
+                self._priced[event.rank] = Priced(self.detector, priced, base)
                 continue
             self.handled.add(event.rank)
-            self._priced[event.rank] = (self.detector, event.rank_slowdown)
+            self._priced[event.rank] = Priced(self.detector, event.rank_slowdown)
             self.speeds[event.rank] = 1.0 / max(event.rank_slowdown, 1.0)
             self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
         self._revise(step, open_now)
@@ -309,13 +324,23 @@ class LiveLoop:
         """Re-plan around a rank planned around as slow whose slowdown has since moved by
         ``REVISED`` either way (found one phase or two steps in, it is often priced low), or whose
         finding has closed (its device at speed again while it still trains). Only while the
-        detector that found it keeps its baseline: a fresh one (a re-plan moved work) calibrates
-        on the slow rank and follows it only where it finds it slow against its peers."""
-        for rank, (detector, priced) in list(self._priced.items()):
-            if detector is not self.detector:
+        detector that follows it keeps its baseline: a fresh one (a re-plan moved work) calibrates
+        on the slow rank and takes it over when it finds it slow, against its peers or against
+        that baseline (then its measure is times the slowdown the baseline had, and the finding's
+        close means back to that slowdown; one faster than its baseline is not found)."""
+        for rank, entry in list(self._priced.items()):
+            if entry.detector is not self.detector:
                 del self._priced[rank]
                 continue
+            priced, base = entry.slowdown, entry.base
             event = open_now.get(rank)
+            if event is None and base > 1.0:  # back to the slowdown its baseline had
+                del self._priced[rank]
+                if max(base, priced) >= REVISED * min(base, priced):
+                    self.speeds[rank] = 1.0 / base
+                    self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(base, 4),
+                                        "detected_step": step, "priced_at": round(priced, 4)})
+                continue
             if event is None:  # the episode ended: the device is at speed again
                 del self._priced[rank]
                 self.handled.discard(rank)
@@ -323,11 +348,14 @@ class LiveLoop:
                 self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step})
                 continue
             now = self.detector.current_cost(event)
-            if now is None or max(now, priced) < REVISED * min(now, priced):
+            if now is None:
+                continue
+            now *= base
+            if max(now, priced) < REVISED * min(now, priced):
                 continue
             if now < self.detector.cfg.min_slowdown:
                 continue  # at speed again, or nearly: the episode's close (a step or two on) says so
-            self._priced[rank] = (self.detector, now)
+            self._priced[rank] = Priced(self.detector, now, base)
             self.speeds[rank] = 1.0 / max(now, 1.0)
             self._replan(step, {**event.to_dict(), "slowdown": round(now, 4), "detected_step": step,
                                 "priced_at": round(priced, 4)})
