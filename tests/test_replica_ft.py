@@ -435,6 +435,10 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
     survivors = [r for r in range(dims.world_size) if dims.coords(r).dp_rank != lost]
     _trained_every_step(tmp_path / "run", survivors, STEPS)
     _same_losses(summary["losses"], reference[:STEPS], what)
+    if fault == "hang":  # the rank judged hung left its stacks in the log before it was stopped
+        log = (tmp_path / "run" / "logs" / "workers.log").read_text()
+        assert f"resihp: rank {rec['rank']} judged hung" in log, what
+        assert "most recent call first" in log and ("in begin_step" in log or rec["rank"] != rank), what
 
 
 @pytest.mark.slow

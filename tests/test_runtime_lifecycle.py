@@ -318,3 +318,49 @@ def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(t
     assert info.value.code == 1 and len(err.splitlines()) == 1 and "keeper exited with status 1" in err, err
     run = json.loads((out / "run.json").read_text())
     assert run["state"] == "failed" and "keeper exited" in run["error"], run
+
+
+def test_a_worker_asked_for_its_stacks_writes_every_thread_even_one_blocked_in_a_call(tmp_path):
+    """``dump_stacks``: a line in the log, then the worker's threads' stacks through its stderr,
+    a thread blocked inside a C call (a lock wait here, as a collective or a store wait) included."""
+    from resihp.runtime.lifecycle import dump_stacks
+
+    code = ("import threading, time\n"
+            "from resihp.runtime.lifecycle import enable_stack_dumps\n"
+            "enable_stack_dumps()\n"
+            "def blocked_in_a_call():\n"
+            "    lock = threading.Lock()\n"
+            "    lock.acquire()\n"
+            "    lock.acquire()\n"
+            "def beside():\n"
+            "    time.sleep(60)\n"
+            "threading.Thread(target=beside, daemon=True).start()\n"
+            "print('ready', flush=True)\n"
+            "blocked_in_a_call()\n")
+    log = tmp_path / "workers.log"
+    with open(log, "a") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            assert dump_stacks(proc.pid, log, "rank 1 judged hung")
+            text = log.read_text()
+            assert text.startswith(f"resihp: rank 1 judged hung; its stacks (process {proc.pid}) follow\n")
+            assert "in blocked_in_a_call" in text and "in beside" in text, text
+            assert proc.poll() is None  # asking stopped nothing
+        finally:
+            proc.kill()
+            proc.wait()
+    assert not dump_stacks(proc.pid, log, "gone")
+
+
+@pytest.mark.slow
+def test_a_rank_judged_hung_leaves_its_stacks_in_the_log_before_it_is_stopped(tmp_path):
+    out = tmp_path / "run"
+    proc = start(out, "--inject", "hang:rank=1,step=3", steps=8)
+    _, stderr = finish(proc)
+    assert proc.returncode == 1 and stderr.strip().splitlines()[-1].startswith("resihp: rank 1"), stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["failure"]["rank"], summary["failure"]["cause"]) == (1, "hang"), summary["failure"]
+    log = (out / "logs" / "workers.log").read_text()
+    assert "resihp: rank 1 judged hung" in log and "most recent call first" in log
+    assert "in begin_step" in log  # where the injected hang holds it (runtime/inject.py)

@@ -9,12 +9,16 @@
 - ``ProcessTracker``: the PIDs of every process of the job (with their start times, so a reused PID
   is never signalled), found as descendants of the launched process however they re-parent or
   re-group; it can end them all, SIGTERM first and SIGKILL to the whole process group after a grace.
+- ``enable_stack_dumps`` / ``dump_stacks``: a worker judged hung writes every thread's Python stack
+  to the run's ``logs/workers.log`` before it is stopped (``faulthandler`` on SIGUSR1: it writes from
+  the signal handler, so a thread blocked inside a C call, a collective or a store wait, shows too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import math
 import os
@@ -108,6 +112,30 @@ def die_with_parent(expected_parent: int | None = None) -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(137)  # the parent died before the request took effect
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_SETTLE_S = 0.3  # for the stacks to reach the log before the process is stopped
+
+
+def enable_stack_dumps() -> None:
+    """This worker writes its threads' stacks to its stderr on ``STACKS_SIGNAL`` (call it first:
+    the signal's default action would end a process that did not)."""
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def dump_stacks(pid: int, log: Path, why: str) -> bool:
+    """Ask worker ``pid`` (one that called ``enable_stack_dumps``, on this host, not stopped: a
+    stopped process runs no handler) for its stacks, after a line in ``log`` saying ``why``; they
+    land in the same log through the worker's stderr. False where it is gone."""
+    with contextlib.suppress(OSError), open(log, "a") as f:
+        f.write(f"resihp: {why}; its stacks (process {pid}) follow\n")
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    time.sleep(STACKS_SETTLE_S)
+    return True
 
 
 def guarded(cmd: list[str]) -> list[str]:

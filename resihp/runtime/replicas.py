@@ -48,6 +48,7 @@ from resihp.runtime.supervisor import (
     Outcome,
     _Signals,
     _stop,
+    ask_for_stacks,
     control_plane_costs,
     drain_stderr,
     fail_stop,
@@ -165,6 +166,8 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             rep = live[d]
             quorum.evict(Member(d, rep.attempt), cause)
             chain.abort_for(Member(d, rep.attempt))  # the survivors redo the step in flight without it
+            if cause == "hang" and rank is not None:
+                ask_for_stacks(monitor, rank, d, out)  # each replica is a node of the monitor
             at = time.time()
             _stop(rep.proc, rep.tracker, 0.5)
             rep.aggregator.stop()

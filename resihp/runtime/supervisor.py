@@ -51,7 +51,7 @@ from resihp.runtime.controlplane import (
     stopping,
 )
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker
+from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
 from resihp.runtime.spares import SPARES
 
@@ -485,6 +485,8 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         ev = events[0]
         # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
         steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
+        if ev.extra["cause"] == "hang":
+            ask_for_stacks(watch.monitor, ev.rank, 0, Path(cfg.out))
         return fail_stop(cfg.dims(), ev.rank, max(steps) if steps else None, ev.extra["cause"],
                          ev.extra.get("silent_s"), node=ev.extra.get("node"))
     missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
@@ -492,6 +494,15 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         outcome.error = (f"rank(s) {missing} never joined within {watch.monitor.startup_s:g} s; all workers "
                          "were stopped")
     return None
+
+
+def ask_for_stacks(monitor: HeartbeatMonitor, rank: int, node: int, out: Path) -> None:
+    """A rank judged hung on this launcher's ``node``, its process still running: its stacks into
+    ``OUT/logs/workers.log`` before it is stopped (``lifecycle.dump_stacks``)."""
+    view = monitor.views.get(rank)
+    if view is not None and view.pid and view.node == node and not view.stopped:
+        dump_stacks(view.pid, out / "logs" / "workers.log",
+                    f"rank {rank} judged hung (no progress for {view.stalled_s:.1f} s)")
 
 
 def _settle(failure: Event, watch: _Watch, read_steps: Callable[[], None], cfg: RunConfig,

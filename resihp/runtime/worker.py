@@ -49,7 +49,7 @@ from resihp.runtime.controlplane import (
 )
 from resihp.runtime.engine import Engine
 from resihp.runtime.inject import FaultInjector
-from resihp.runtime.lifecycle import die_with_parent, start_time
+from resihp.runtime.lifecycle import die_with_parent, enable_stack_dumps, start_time
 from resihp.runtime.nodes import FIRST_RANK_ENV
 from resihp.runtime.recorder import merge_streams
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
@@ -369,6 +369,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK", "?")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    enable_stack_dumps()  # the supervisor asks a rank it judges hung for its stacks
     die_with_parent()  # torchrun's death (even by SIGKILL) takes this worker with it
     if os.getppid() == 1:
         sys.exit(137)
