@@ -86,17 +86,14 @@ class ReplicaGroup:
                 self._group(key, abandon, check_s)
 
     def _group(self, key: Key, abandon: Callable[[], bool] | None, check_s: float) -> dist.ProcessGroup:
-        """Collective over the ranks of ``key``: this generation's group of them. With ``abandon``
-        the rendezvous runs on a thread of its own (gloo's constructor blocks in C++, without the
-        GIL), left to time out where ``abandon`` says the step was decided without this rank."""
+        """Collective over the ranks of ``key``: this generation's group of them. The rendezvous
+        runs on a thread of its own (gloo's constructor blocks in C++, without the GIL), left to
+        time out where ``abandon`` says the step was decided without this rank."""
         if key in self.groups:
             return self.groups[key]
         name = "-".join(map(str, key))
         args = (self.connect(), f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
                 self.replicas.index(self.replica), self.size, self.timeout_s)
-        if abandon is None:
-            self.groups[key] = gloo_group(*args)
-            return self.groups[key]
         made: dict[str, object] = {}
 
         def rendezvous() -> None:
@@ -109,7 +106,7 @@ class ReplicaGroup:
         thread.start()
         while thread.is_alive():
             thread.join(check_s)
-            if thread.is_alive() and abandon():
+            if thread.is_alive() and abandon is not None and abandon():
                 raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
         if "error" in made:
             raise made["error"]
