@@ -87,7 +87,8 @@ def test_slow_rank_on_node_1_is_detected_and_replanned_by_node_0(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,cause", [("hang:rank=3,step=4", "hang")])
 def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault, cause):
-    """(A killed rank on node 1: the re-formed relaunch below starts from that failure.)"""
+    """(A killed rank on node 1: the re-formed relaunch below starts from that failure.) The hung
+    rank's stacks are in node 1's log."""
     t0 = time.time()
     node0, node1 = _two_nodes(tmp_path, "--steps", "40", "--inject", fault)
     s0, err0 = _finish(node0)
@@ -99,6 +100,9 @@ def test_killed_or_hung_rank_on_node_1_is_a_fail_stop_on_node_0(tmp_path, fault,
     assert "Traceback" not in err0 and "Traceback" not in err1
     # node 1 ends too, with one line (node 0's reason, or its own torchrun's if it saw it first)
     assert node1.returncode == 1 and err1.strip().splitlines()[-1].startswith("resihp: ")
+    # node 0 asked node 1's launcher, which can signal it, for the hung rank's stacks
+    log = (tmp_path / "node1" / "logs" / "workers.log").read_text()
+    assert "resihp: rank 3 judged hung" in log and "in begin_step" in log, log[-2000:]
     assert time.time() - t0 < 200
     _no_workers_left(tmp_path)
 

@@ -393,6 +393,36 @@ def mark_stopping(store: Store, job_id: str, reason: str) -> None:
     store.set(f"{prefix_of(job_id)}/stopping", reason)
 
 
+def ask_for_stacks(store: Store, job_id: str, node: int, rank: int, why: str) -> None:
+    """Node 0 judged ``rank``, on ``node``, hung: that node's launcher, which can signal the rank's
+    process, writes its stacks to its run folder's log (``stacks_asked``, then ``stacks_written``)
+    before the job is stopped."""
+    store.set(f"{prefix_of(job_id)}/stacks/{node}", json.dumps({"rank": rank, "why": why}))
+
+
+def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None:
+    """The rank of ``node`` whose stacks node 0 asked for, and why (None: none)."""
+    key = f"{prefix_of(job_id)}/stacks/{node}"
+    if not store.check([key]):
+        return None
+    asked = json.loads(store.get(key))
+    return int(asked["rank"]), str(asked["why"])
+
+
+def stacks_written(store: Store, job_id: str, node: int) -> None:
+    store.set(f"{prefix_of(job_id)}/stacks/{node}/written", "1")
+
+
+def await_stacks(store: Store, job_id: str, node: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Whether ``node``'s launcher wrote the stacks asked for within ``timeout_s``."""
+    key, end = f"{prefix_of(job_id)}/stacks/{node}/written", time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > end:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def stopping(store: Store, job_id: str) -> str | None:
     """Why the job ended or is being stopped (``mark_ended``, ``mark_stopping``), or None."""
     key = f"{prefix_of(job_id)}/stopping"

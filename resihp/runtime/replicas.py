@@ -48,13 +48,13 @@ from resihp.runtime.supervisor import (
     Outcome,
     _Signals,
     _stop,
-    ask_for_stacks,
     control_plane_costs,
     drain_stderr,
     fail_stop,
     fault_timeouts,
     hand_on_steps,
     job_config,
+    stacks_of_hung,
 )
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
@@ -167,7 +167,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             quorum.evict(Member(d, rep.attempt), cause)
             chain.abort_for(Member(d, rep.attempt))  # the survivors redo the step in flight without it
             if cause == "hang" and rank is not None:
-                ask_for_stacks(monitor, rank, d, out)  # each replica is a node of the monitor
+                stacks_of_hung(monitor, rank, d, out)  # each replica is a node of the monitor
             at = time.time()
             _stop(rep.proc, rep.tracker, 0.5)
             rep.aggregator.stop()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed import Store
 
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
@@ -41,6 +42,8 @@ from resihp.runtime.controlplane import (
     StepRecords,
     announce_job,
     append_steps,
+    ask_for_stacks,
+    await_stacks,
     ended,
     heartbeat_prefix,
     mark_ended,
@@ -48,6 +51,8 @@ from resihp.runtime.controlplane import (
     post_change,
     read_errors,
     read_job,
+    stacks_asked,
+    stacks_written,
     stopping,
 )
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
@@ -114,6 +119,7 @@ def _ancestors(pid: int) -> set[int]:
 
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
 SETTLE_S = 0.5  # how long a fail-stop waits for the rest of the dead rank's last step's records
+STACKS_WAIT_S = 2.0  # how long node 0 waits for another node to write a hung rank's stacks
 # a rank whose process is stopped (SIGSTOP, a freezer) this long is hung, without waiting out the
 # heartbeat timeout: it cannot make progress until someone resumes it
 STOPPED_S = 1.0
@@ -312,6 +318,10 @@ class _Watch:
     def pids(self) -> list[int]:
         return [m["pid"] for m in self.aggregator._last.values() if m is not None]
 
+    def pid_of(self, rank: int) -> int | None:
+        beat = self.aggregator._last.get(rank)
+        return beat["pid"] if beat is not None else None
+
     def close(self) -> None:
         self.aggregator.stop()
 
@@ -394,6 +404,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     outcome = Outcome(returncode=0)
+    answered: set[int] = set()  # the ranks whose stacks node 0 asked this node for
     try:
         while proc.poll() is None:
             time.sleep(poll_s)
@@ -407,6 +418,14 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                     tracker.add(pid)
             if watch.monitor is None:  # another node: run until node 0 ends the job
                 try:
+                    asked = stacks_asked(js.store, cfg.job_id, nodes.node_rank)
+                    if asked is not None and asked[0] not in answered:  # a rank of this node hung
+                        rank, why = asked
+                        pid = watch.pid_of(rank)
+                        if pid is not None:
+                            dump_stacks(pid, out / "logs" / "workers.log", why)
+                        answered.add(rank)
+                        stacks_written(js.store, cfg.job_id, nodes.node_rank)
                     reason = stopping(js.store, cfg.job_id)
                 except (RuntimeError, dist.DistError):
                     reason = "node 0 cannot be reached (its store is gone)"
@@ -486,7 +505,7 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
         steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
         if ev.extra["cause"] == "hang":
-            ask_for_stacks(watch.monitor, ev.rank, 0, Path(cfg.out))
+            stacks_of_hung(watch.monitor, ev.rank, 0, Path(cfg.out), watch.store, cfg.job_id)
         return fail_stop(cfg.dims(), ev.rank, max(steps) if steps else None, ev.extra["cause"],
                          ev.extra.get("silent_s"), node=ev.extra.get("node"))
     missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
@@ -496,13 +515,22 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
     return None
 
 
-def ask_for_stacks(monitor: HeartbeatMonitor, rank: int, node: int, out: Path) -> None:
-    """A rank judged hung on this launcher's ``node``, its process still running: its stacks into
-    ``OUT/logs/workers.log`` before it is stopped (``lifecycle.dump_stacks``)."""
+def stacks_of_hung(monitor: HeartbeatMonitor, rank: int, node: int, out: Path,
+                   store: Store | None = None, job_id: str = "") -> None:
+    """A rank judged hung, its process still running (a stopped one runs no handler): its stacks
+    into ``OUT/logs/workers.log`` of its node before it is stopped (``lifecycle.dump_stacks``),
+    signalled here where it runs on this launcher's ``node``, else asked of its node's launcher on
+    the job's ``store`` (``controlplane.ask_for_stacks``) and waited for, at most ``STACKS_WAIT_S``."""
     view = monitor.views.get(rank)
-    if view is not None and view.pid and view.node == node and not view.stopped:
-        dump_stacks(view.pid, out / "logs" / "workers.log",
-                    f"rank {rank} judged hung (no progress for {view.stalled_s:.1f} s)")
+    if view is None or not view.pid or view.stopped:
+        return
+    why = f"rank {rank} judged hung (no progress for {view.stalled_s:.1f} s)"
+    if view.node == node:
+        dump_stacks(view.pid, out / "logs" / "workers.log", why)
+    elif store is not None:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            ask_for_stacks(store, job_id, view.node, rank, why)
+            await_stacks(store, job_id, view.node, STACKS_WAIT_S)
 
 
 def _settle(failure: Event, watch: _Watch, read_steps: Callable[[], None], cfg: RunConfig,
