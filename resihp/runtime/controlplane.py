@@ -414,13 +414,19 @@ def stacks_written(store: Store, job_id: str, node: int) -> None:
 
 
 def await_stacks(store: Store, job_id: str, node: int, timeout_s: float, poll_s: float = 0.05) -> bool:
-    """Whether ``node``'s launcher wrote the stacks asked for within ``timeout_s``."""
-    key, end = f"{prefix_of(job_id)}/stacks/{node}/written", time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > end:
-            return False
-        time.sleep(poll_s)
-    return True
+    """Whether ``node``'s launcher wrote the stacks asked for within ``timeout_s``. The request
+    goes either way: a relaunch on the same store must not answer it again."""
+    asked = f"{prefix_of(job_id)}/stacks/{node}"
+    key, end = f"{asked}/written", time.monotonic() + timeout_s
+    try:
+        while not store.check([key]):
+            if time.monotonic() > end:
+                return False
+            time.sleep(poll_s)
+        return True
+    finally:
+        store.delete_key(asked)
+        store.delete_key(key)
 
 
 def stopping(store: Store, job_id: str) -> str | None:
