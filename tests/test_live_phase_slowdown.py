@@ -137,9 +137,10 @@ def test_a_rank_slow_again_after_a_fresh_baseline_is_followed_by_the_new_detecto
 
 def test_a_slowdown_that_grows_after_a_fresh_baseline_without_peers_to_compare_is_followed():
     """DP 2: two ranks a stage (as at pp 2 of the last stop's real runs), so a fresh detector
-    cannot find rank 1 slow against its peers; it calibrates on rank 1 already 2x slow (priced so), and its finding that rank 1 got 2x
-    slower than that baseline at step 45 is priced at 4x, not at 2x (the last stop's real runs:
-    a 3x slowdown after a layer move stayed priced at 2.3x). Back at 2x, it is priced at 2x again."""
+    cannot find rank 1 slow against its peers; it calibrates on rank 1 already 2x slow (priced
+    so), and its finding that rank 1 got 2x slower than that baseline at step 45 is priced at 4x,
+    not at 2x (the last stop's real runs: a 3x slowdown after a layer move stayed priced at 2.3x).
+    Back at 2x, it is priced at 2x again."""
     cfg = RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1, global_tokens=1024 * 16)
     loop = LiveLoop(cfg, detector_config=DetectorConfig(calibration_steps=8, fit_cost=False))
     loop._post = lambda change: None

@@ -340,8 +340,7 @@ def _form_without_a_dead_peer(rank: int, world: int, tmp: str) -> dict:
 
     from resihp.ft.group import GroupAbandoned, ReplicaGroup
 
-    port = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None]
-    host = port[0]
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
     ports = [host.port if host is not None else 0]
     dist.broadcast_object_list(ports, src=0)
 
