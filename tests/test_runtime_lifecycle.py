@@ -331,11 +331,14 @@ def test_a_worker_asked_for_its_stacks_writes_every_thread_even_one_blocked_in_a
             "def blocked_in_a_call():\n"
             "    lock = threading.Lock()\n"
             "    lock.acquire()\n"
+            "    print('ready', flush=True)\n"  # from inside: its frame is on the stack from here on
             "    lock.acquire()\n"
+            "running = threading.Event()\n"
             "def beside():\n"
+            "    running.set()\n"
             "    time.sleep(60)\n"
             "threading.Thread(target=beside, daemon=True).start()\n"
-            "print('ready', flush=True)\n"
+            "running.wait()\n"
             "blocked_in_a_call()\n")
     log = tmp_path / "workers.log"
     with open(log, "a") as err:
