@@ -160,3 +160,40 @@ def test_a_slowdown_that_grows_after_a_fresh_baseline_without_peers_to_compare_i
     assert reasons[1]["priced_at"] == pytest.approx(reasons[0]["slowdown"])
     assert reasons[2]["slowdown"] == pytest.approx(2.0, rel=0.15) and loop.changes[2]["decided_step"] >= 60
     assert 1.0 / loop.speeds[1] == pytest.approx(2.0, rel=0.15)
+
+
+@pytest.mark.parametrize("after", [1.0, 1.5])
+def test_a_rank_that_recovers_after_a_fresh_baseline_is_given_its_work_back(after: float):
+    """DP 2 x PP 2 (two ranks a stage: no peer-based finding can name a rank): rank 1 is 3x slow
+    from ``ONSET`` and priced so; a re-plan that moved work gives the loop a fresh detector at step
+    25, whose baseline for rank 1 is the slow level. From step 45 the device runs at ``after``:
+    faster than that baseline, which the detector's findings (rises only) never report, so on the
+    landed code rank 1 stayed priced at 3x for the rest of the run. Now it is re-planned at full
+    speed (``recovered``), or at 1.5x."""
+    cfg = RunConfig.from_flags(layers=4, dp=2, pp=2, tp=1, global_tokens=1024 * 16)
+    dims = cfg.dims()
+    loop = LiveLoop(cfg, detector_config=DetectorConfig(calibration_steps=8, fit_cost=False))
+    loop._post = lambda change: None
+    rng = np.random.default_rng(0)
+    factor = lambda s: 1.0 if s < ONSET else 3.0 if s < 45 else after  # noqa: E731
+    for step in range(70):
+        if step == 25:
+            loop.detector = loop._make_detector()  # as a re-plan that moved layers does
+        rows = _rows(step, rng, COMPUTE, factor=factor)
+        for row in rows:
+            at = dims.coords(row["rank"])
+            row["dp_rank"], row["stage"] = at.dp_rank, at.stage
+            row.pop("mb_id", None)  # no pipeline waits to take out: the stages' ops are not a schedule
+        loop._observe(step, rows_frame(rows))
+    assert loop.error is None
+    reasons = [c["reason"] for c in loop.changes]
+    assert [r["rank"] for r in reasons] == [1, 1], reasons
+    assert reasons[0]["slowdown"] == pytest.approx(3.0, rel=0.15)
+    assert 45 <= loop.changes[1]["decided_step"] <= 45 + 8
+    assert reasons[1]["priced_at"] == pytest.approx(reasons[0]["slowdown"])
+    if after == 1.0:
+        assert reasons[1]["kind"] == "recovered" and loop.speeds[1] == 1.0 and 1 not in loop.handled
+    else:
+        assert reasons[1]["kind"] == "fail-slow"
+        assert reasons[1]["slowdown"] == pytest.approx(1.5, rel=0.15)
+        assert 1.0 / loop.speeds[1] == pytest.approx(1.5, rel=0.15)

@@ -117,6 +117,7 @@ class CusumBank:
         self.down[:] = 0.0
         self.k[:], self.h[:], self.clip[:] = cfg.cusum_k / cfg.sensitivity, cfg.cusum_h / cfg.sensitivity, cfg.z_clip
         self.adapted[:] = False
+        self._hist[:] = np.nan  # deviations from the old baselines say nothing of the new ones
 
     def rebase_alarmed(self, i: int, baseline: float) -> None:
         """Series ``i`` ran above ``baseline`` since calibration: take ``baseline`` as its healthy
@@ -264,6 +265,17 @@ class CusumBank:
         v = self._hist[:, i][np.argsort(self._hist_step)]
         v = v[~np.isnan(v)][-steps:]
         return float(np.exp(np.median(v) / self.share)) if len(v) else None
+
+    def recent_level(self, i: int, steps: int) -> float | None:
+        """Series ``i``'s level over its last ``steps`` observed steps against its baseline (the
+        median deviation; below 1: faster than the baseline), in alarm or not; None until that
+        many steps were observed since it was calibrated. The one-sided test finds rises only:
+        this is how a fall below the baseline is seen."""
+        if not self.calibrated[i]:
+            return None
+        v = self._hist[:, i][np.argsort(self._hist_step)]
+        v = v[~np.isnan(v)][-steps:]
+        return float(np.exp(np.median(v) / self.share)) if len(v) >= steps else None
 
     @property
     def calibrated_sigma(self) -> np.ndarray:

@@ -120,6 +120,7 @@ def with_change(change: dict, cfg: RunConfig, groups: list[list[tuple[int, ...]]
 
 RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
 REVISED = 1.25  # a slow rank's slowdown moved by this factor since it was priced: re-planned
+FASTER_STEPS = 5  # steps a rank's level below its baseline is the median over (``LiveLoop._faster``)
 MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
 
 
@@ -237,6 +238,9 @@ class LiveLoop:
         self.changes: list[dict] = []
         self.handled: set[int | tuple[int, ...]] = set()
         self._priced: dict[int, Priced] = {}  # each rank planned around as slow
+        # each rank planned around as slow: the slowdown it was priced at when the detector in
+        # force set its baseline (``_faster``)
+        self._baseline_at: dict[int, tuple[OnlineDetector, float]] = {}
         self.speeds = {r: 1.0 for r in range(self.world)}
         self.probe_ref: dict[int, float] = {}  # each rank's first probe (seconds): its reference
         self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
@@ -289,6 +293,7 @@ class LiveLoop:
                                                self.planner.coster(self.cluster, self.model))
                 self._replan(step, self.events[-1])
                 self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
+                self._baseline_at.clear()
         # a slow device is planned around at what it costs its rank's step: a slowdown of one
         # phase alone that costs the step less than the detector's least slowdown (a slower
         # optimizer step of a few milliseconds) is reported but not planned around, until its
@@ -319,6 +324,7 @@ class LiveLoop:
             self.speeds[event.rank] = 1.0 / max(event.rank_slowdown, 1.0)
             self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
         self._revise(step, open_now)
+        self._faster(step, placed)
 
     def _revise(self, step: int, open_now: dict) -> None:
         """Re-plan around a rank planned around as slow whose slowdown has since moved by
@@ -336,6 +342,7 @@ class LiveLoop:
             event = open_now.get(rank)
             if event is None and base > 1.0:  # back to the slowdown its baseline had
                 del self._priced[rank]
+                self._baseline_at[rank] = (self.detector, base)
                 if max(base, priced) >= REVISED * min(base, priced):
                     self.speeds[rank] = 1.0 / base
                     self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(base, 4),
@@ -358,6 +365,47 @@ class LiveLoop:
             self._priced[rank] = Priced(self.detector, now, base)
             self.speeds[rank] = 1.0 / max(now, 1.0)
             self._replan(step, {**event.to_dict(), "slowdown": round(now, 4), "detected_step": step,
+                                "priced_at": round(priced, 4)})
+
+    def _faster(self, step: int, placed: set[int]) -> None:
+        """A rank planned around as slow that runs faster than the baseline the detector in force
+        set for it. The detector's findings are rises only, so once a re-plan moved work (a fresh
+        detector, its baselines set at the slowdowns priced) a rank that recovered in part or in
+        full was never found: it stayed priced slow and kept too little work. Its slowdown is the
+        one it had at its baseline times the level it runs at now (the median of the last
+        ``FASTER_STEPS`` steps); moved ``REVISED`` from its price, and by more than the rank's
+        noise, it is re-planned, at full speed once under the detector's least slowdown. A rank
+        the detector has found slow is ``_revise``'s. Not with two ranks in all: each is taken
+        against their median, so one's fall is the other's rise, which the detector reports as
+        such (and priced so, the two are even again)."""
+        bank = self.detector.compute
+        if bank.share < 1.0:
+            return
+        for rank in sorted(r for r in self.handled if isinstance(r, int)):
+            if rank in self._priced or rank not in placed or self.speeds[rank] >= 1.0:
+                self._baseline_at.pop(rank, None)
+                continue
+            priced = 1.0 / self.speeds[rank]
+            detector, base = self._baseline_at.get(rank, (None, priced))
+            if detector is not self.detector:
+                if bank.calibrated[rank]:
+                    self._baseline_at[rank] = (self.detector, priced)
+                continue
+            level = bank.recent_level(rank, FASTER_STEPS)
+            if level is None or level > 1.0 / max(REVISED, float(bank.min_detectable()[rank])):
+                continue
+            now = base * level
+            if priced < REVISED * now:
+                continue
+            if now < self.detector.cfg.min_slowdown:
+                del self._baseline_at[rank]
+                self.handled.discard(rank)
+                self.speeds[rank] = 1.0
+                self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step,
+                                    "priced_at": round(priced, 4)})
+                continue
+            self.speeds[rank] = 1.0 / now
+            self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(now, 4), "detected_step": step,
                                 "priced_at": round(priced, 4)})
 
     def _measure(self, step: int, df: pd.DataFrame, fresh_plan: bool) -> None:
