@@ -11,14 +11,17 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import yaml
 
 from resihp.errors import InputError
 from resihp.paths import write_text_atomic
 from resihp.yamlio import check_keys, read_yaml_mapping
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
             "duration": "float"}
@@ -95,6 +98,7 @@ def _parse_seq_lens(value: object) -> list[int] | None:
 
 def read_ops_trace(path: str | Path) -> pd.DataFrame:
     """Read and validate an ops trace (Parquet or CSV). Rows come back sorted by step, rank, time."""
+    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     path = Path(path)
     try:
         if path.suffix.lower() in (".parquet", ".pq"):
@@ -114,6 +118,7 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
     ``ops.parquet``, else its per-rank ``ops.rank<R>.parquet`` files merged, else the per-rank
     JSON-lines streams a running job appends to (``ranks/rank<R>.jsonl``; a line still being
     written is left out)."""
+    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     folder = Path(folder)
     meta = folder / "job.yaml"
     meta_path = meta if meta.exists() else None
@@ -135,6 +140,7 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
 
 
 def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
+    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise InputError(f"{source}: missing required column(s) {', '.join(missing)} "

@@ -19,14 +19,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 from torch.distributed import Store
 
 from resihp.detect.heartbeat import PREFIX as HB
 from resihp.ft.quorum import changes_key
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.recorder import columns_frame
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 JOB_KEY = "resihp/job"
 KEEP_STEPS = 64  # steps of op records kept in the store for other readers

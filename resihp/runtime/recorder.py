@@ -8,11 +8,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from resihp.detect.heartbeat import Progress
 from resihp.opstrace import validate_ops_trace, write_ops_trace
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "seq_id",
            "mb_id", "seq_lens", "tokens", "loss", "bytes", "wait_s"]
@@ -101,11 +103,13 @@ class OpRecorder:
 
 
 def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
+    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     return _typed(pd.DataFrame(list(rows), columns=COLUMNS))
 
 
 def columns_frame(columns: dict[str, list]) -> pd.DataFrame:
     """``rows_frame`` from columns (name -> values) instead of row dicts."""
+    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     return _typed(pd.DataFrame({c: columns.get(c, [None] * len(columns["step"])) for c in COLUMNS}))
 
 

@@ -12,8 +12,6 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-import pandas as pd
-
 from resihp.ckpt.keeper import ensure_keeper, request_flush, request_verify, stop_keeper
 from resihp.ckpt.memory import MemoryTier, plan_shards, shm_root, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
@@ -215,6 +213,7 @@ def _read(path: Path) -> dict | None:
 
 def _step_times(out: Path) -> tuple[float | None, float | None]:
     """The first step's start and the last step's end in a run folder's trace (wall clock)."""
+    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     try:
         trace = pd.read_parquet(out / "ops.parquet", columns=["optype", "start_ts", "duration"])
     except (OSError, ValueError, KeyError):

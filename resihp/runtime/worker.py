@@ -23,8 +23,8 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 
@@ -54,6 +54,9 @@ from resihp.runtime.nodes import FIRST_RANK_ENV
 from resihp.runtime.recorder import merge_streams
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
 from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
