@@ -33,6 +33,16 @@ against the planner on random faults):
    full-speed devices use only full-speed devices.
    The bound is ``B / T*`` with ``T*`` the least feasible ``T`` (bisection; the knapsack is
    unbounded and solved exactly per residue class with NumPy).
+5. What 4. prices at full speed is held to the work its devices can do. A group of ``t`` devices
+   limited by speed ``s`` takes ``(f + b) / s`` per layer and micro-batch, so over ``x``
+   micro-batches of its ``n`` layers ``x n (f + b) <= s T``, i.e. ``x n t (f + b) <= T`` times the
+   sum of its devices' speeds (each ``>= s``). Summed over a pipeline's groups: ``x W <= T`` times
+   the sum of its devices' speeds, ``W`` the least full-speed device-seconds of a micro-batch (each
+   layer at the group size that takes the fewest, ``t (f + b)``, and the head). A pipeline holding
+   ``k`` slow devices, its slowest of speed ``s``, is held to that with the ``k - 1`` fastest other
+   slow devices of speed ``>= s`` beside ``s``; each item chooses its ``k`` (a pipeline need not
+   hold more slow devices than its slowest). Without it a pipeline made of slow devices was priced
+   as if all its groups but one ran at full speed.
 
 Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
 into nodes, memory holds one micro-batch in flight and no embedding, micro-batch counts need
@@ -393,6 +403,14 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     slow_counts = {s: int((speeds == s).sum()) for s in slow}
     n_slow = sum(slow_counts.values())
     at_least = {s: int(((speeds >= s) & (speeds < 1.0)).sum()) for s in slow}
+    # 5.: the full-speed device-seconds a micro-batch needs (every layer at the group size that
+    # takes the fewest, and the head), and per speed s the most that k slow devices of speed >= s
+    # do in a second, one of them of speed s (``held[s][k]``)
+    work = L * min(ty.t * ty.c for ty in healthy) + min(ty.t * ty.h for ty in healthy)
+    held = {}
+    for s in slow:
+        faster = sorted((float(v) for v in speeds if s <= v < 1.0), reverse=True)[:-1]
+        held[s] = np.concatenate([[0.0], s + np.concatenate([[0.0], np.cumsum(faster)])])
     all_items = [full] + list(per_slow.values())
 
     def x_max(T: float, sync: float) -> float:
@@ -461,9 +479,12 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                     n = min(len(extra), rows - w)
                     if n <= 0:
                         continue
-                    for a in range(n_slow + 1):
-                        b = min(a + w, cap)
-                        np.maximum(new[w: w + n, b], extra[:n, a] + v, out=new[w: w + n, b])
+                    # it holds k >= 1 slow devices (one of speed s, so it has one left to take),
+                    # each more capping what it carries (5.)
+                    for k in range(1, min(w, cap) + 1):
+                        vk = min(v, T * (w - k + held[s][k]) / work)
+                        dst = new[w: w + n, k: cap + 1]
+                        np.maximum(dst, extra[:n, : cap + 1 - k] + vk, out=dst)
                 extra = new
         used = np.arange(len(extra))[:, None]
         # full-speed devices left for pipelines of full-speed groups
