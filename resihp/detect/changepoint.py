@@ -260,22 +260,21 @@ class CusumBank:
         """Series ``i``'s slowdown over its last ``steps`` observed steps (the median deviation
         from its baseline, so one noisy step does not move it); None unless it is in alarm, as
         after a recalibration its baseline is the slow level and its deviations say nothing."""
-        if not self.alarmed[i]:
-            return None
-        v = self._hist[:, i][np.argsort(self._hist_step)]
-        v = v[~np.isnan(v)][-steps:]
-        return float(np.exp(np.median(v) / self.share)) if len(v) else None
+        return self._recent(i, steps, 1) if self.alarmed[i] else None
 
     def recent_level(self, i: int, steps: int) -> float | None:
         """Series ``i``'s level over its last ``steps`` observed steps against its baseline (the
         median deviation; below 1: faster than the baseline), in alarm or not; None until that
         many steps were observed since it was calibrated. The one-sided test finds rises only:
         this is how a fall below the baseline is seen."""
-        if not self.calibrated[i]:
-            return None
+        return self._recent(i, steps, steps) if self.calibrated[i] else None
+
+    def _recent(self, i: int, steps: int, least: int) -> float | None:
+        """The median of series ``i``'s last ``steps`` deviations as a ratio; None with fewer than
+        ``least`` of them."""
         v = self._hist[:, i][np.argsort(self._hist_step)]
         v = v[~np.isnan(v)][-steps:]
-        return float(np.exp(np.median(v) / self.share)) if len(v) >= steps else None
+        return float(np.exp(np.median(v) / self.share)) if len(v) >= max(least, 1) else None
 
     @property
     def calibrated_sigma(self) -> np.ndarray:

@@ -479,8 +479,8 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                     n = min(len(extra), rows - w)
                     if n <= 0:
                         continue
-                    # it holds k >= 1 slow devices (one of speed s, so it has one left to take),
-                    # each more capping what it carries (5.)
+                    # it holds k >= 1 slow devices, its slowest of speed s among them; each one
+                    # more caps what it carries (5.)
                     for k in range(1, min(w, cap) + 1):
                         vk = min(v, T * (w - k + held[s][k]) / work)
                         dst = new[w: w + n, k: cap + 1]

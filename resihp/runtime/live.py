@@ -379,8 +379,9 @@ class LiveLoop:
         against their median, so one's fall is the other's rise, which the detector reports as
         such (and priced so, the two are even again)."""
         bank = self.detector.compute
-        if bank.share < 1.0:
+        if bank.share < 1.0 or not self.handled:
             return
+        noise = bank.min_detectable()
         for rank in sorted(r for r in self.handled if isinstance(r, int)):
             if rank in self._priced or rank not in placed or self.speeds[rank] >= 1.0:
                 self._baseline_at.pop(rank, None)
@@ -392,7 +393,7 @@ class LiveLoop:
                     self._baseline_at[rank] = (self.detector, priced)
                 continue
             level = bank.recent_level(rank, FASTER_STEPS)
-            if level is None or level > 1.0 / max(REVISED, float(bank.min_detectable()[rank])):
+            if level is None or level > 1.0 / max(REVISED, float(noise[rank])):
                 continue
             now = base * level
             if priced < REVISED * now:
