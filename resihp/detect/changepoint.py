@@ -274,7 +274,7 @@ class CusumBank:
         ``least`` of them."""
         v = self._hist[:, i][np.argsort(self._hist_step)]
         v = v[~np.isnan(v)][-steps:]
-        return float(np.exp(np.median(v) / self.share)) if len(v) >= max(least, 1) else None
+        return float(np.exp(np.median(v) / self.share)) if len(v) >= least else None
 
     @property
     def calibrated_sigma(self) -> np.ndarray:
