@@ -407,6 +407,10 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     # takes the fewest, and the head), and per speed s the most that k slow devices of speed >= s
     # do in a second, one of them of speed s (``held[s][k]``)
     work = L * min(ty.t * ty.c for ty in healthy) + min(ty.t * ty.h for ty in healthy)
+    # every layer at one group size and the head at one (the vertices of 5.'s fractional
+    # program): full-speed stage seconds ``A`` and device-seconds ``B`` of a micro-batch
+    a_b = np.array([(L * ty.c + th.h, L * ty.t * ty.c + th.t * th.h)
+                    for ty in healthy for th in healthy])
     held = {}
     for s in slow:
         faster = sorted((float(v) for v in speeds if s <= v < 1.0), reverse=True)[:-1]
@@ -439,25 +443,29 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         most = x_max(T, 0.0)
         return ok, (max(1, math.ceil(M / most - _EPS)) if most > 0 else 0)
 
+    def front(cost_: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The items worth having: of items with the same or more devices only those carrying
+        more are kept."""
+        order = np.lexsort((-x, cost_))
+        cost_, x = cost_[order], x[order]
+        keep = x > np.concatenate([[-np.inf], np.maximum.accumulate(x)[:-1]])
+        return cost_[keep], x[keep]
+
     def carried(T: float, sync: float, slack: float) -> float:
         """The most micro-batches the live devices carry in a step of ``T`` when the gradient
         all-reduce costs ``sync`` per unit of shard (layers per device)."""
 
-        def value(it: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
-            """Costs and values of the items worth having at this ``T``: a pipeline that cannot
-            finish one micro-batch carries nothing; of items with the same or more devices only
-            those carrying more are kept."""
+        def value(it: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Costs, values and the step left beside each item's fixed part (``T - fixed``) of
+            the items a pipeline could be at this ``T``: one that cannot finish a micro-batch
+            carries nothing."""
             cost_, mu_, fixed_, shard_, fam_, top_ = it
             x = (T - fixed_ - sync * shard_) / mu_ + 1.0
             keep = (x + slack >= fam_) & (x > 0)
             x = np.minimum(x, top_)
-            cost_, x = cost_[keep].astype(np.int64), x[keep]
-            order = np.lexsort((-x, cost_))
-            cost_, x = cost_[order], x[order]
-            front = x > np.concatenate([[-np.inf], np.maximum.accumulate(x)[:-1]])
-            return cost_[front], x[front]
+            return cost_[keep].astype(np.int64), x[keep], (T - fixed_)[keep]
 
-        best_full = unbounded_knapsack(*value(full), n_full)
+        best_full = unbounded_knapsack(*front(*value(full)[:2]), n_full)
         # slow pipelines, by speed from the fastest: each is an item with one group limited by
         # its slowest device (so at most as many of speed s as there are devices of speed s);
         # its other devices are full-speed or slow ones at least as fast, which it absorbs:
@@ -466,23 +474,30 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         # as that allows is best, as only the count of full-speed devices left matters
         extra = np.full((1, n_slow + 1), -np.inf)
         extra[0, 0] = 0.0
+        per_speed = float(np.max((T - a_b[:, 0]) / a_b[:, 1]))
         for s, it in per_slow.items():
-            cost_, val = value(it)
+            cost_, val, rest = value(it)
             if not len(cost_):
                 continue
             cap = at_least[s]
+            # it holds k >= 1 slow devices, its slowest of speed s among them; each one more
+            # caps what it carries (5.); dominated items are dropped once capped
+            by_k = []
+            for k in range(1, cap + 1):
+                speed_sum = cost_ - k + held[s][k]
+                vk = np.minimum(val, np.minimum(T, rest + work / speed_sum) * speed_sum / work)
+                vk = np.minimum(vk, 1.0 + speed_sum * per_speed)
+                ok = cost_ >= k
+                by_k.append((k, *front(cost_[ok], vk[ok])))
             for _ in range(slow_counts[s]):
                 rows = min(live + 1, len(extra) + int(cost_.max()))
                 new = np.full((rows, n_slow + 1), -np.inf)
                 new[: len(extra)] = extra
-                for w, v in zip(cost_.tolist(), val.tolist()):
-                    n = min(len(extra), rows - w)
-                    if n <= 0:
-                        continue
-                    # it holds k >= 1 slow devices, its slowest of speed s among them; each one
-                    # more caps what it carries (5.)
-                    for k in range(1, min(w, cap) + 1):
-                        vk = min(v, T * (w - k + held[s][k]) / work)
+                for k, ws, vs in by_k:
+                    for w, vk in zip(ws.tolist(), vs.tolist()):
+                        n = min(len(extra), rows - w)
+                        if n <= 0:
+                            continue
                         dst = new[w: w + n, k: cap + 1]
                         np.maximum(dst, extra[:n, : cap + 1 - k] + vk, out=dst)
                 extra = new
