@@ -159,6 +159,16 @@ def test_a_pipeline_of_slow_devices_is_held_to_the_work_they_do():
     assert bound <= 1.3 * best
 
 
+def test_slow_devices_are_counted_once_across_the_pipelines_that_absorb_them():
+    """Devices at 0.3, 0.6 and 0.9 beside one at full speed: each pipeline's work cap counted
+    the fastest other slow device as its own, so two pipelines both counted the one at 0.9 (the
+    bound 1.45x the best plan); summed over the pipelines, the slow devices they absorb are
+    distinct (1.36x)."""
+    best, bound = _case(SMALL.index(([[0.3, 0.9, 0.6, 1.0]], 80, 4, 3)), "1f1b")
+    assert best <= bound * (1 + 1e-9)
+    assert bound <= 1.4 * best
+
+
 def test_heterogeneous_flop_rates_exhaustive():
     cluster = cluster_of([[1.0, 0.7], [1.0, 1.0]], 80, tflops=[[300, 150], [150, 300]])
     model = model_of(4, 4)

@@ -43,6 +43,14 @@ against the planner on random faults):
    slow devices of speed ``>= s`` beside ``s``; each item chooses its ``k`` (a pipeline need not
    hold more slow devices than its slowest). Without it a pipeline made of slow devices was priced
    as if all its groups but one ran at full speed.
+   Fill and drain count too: each stage ``i`` (``t_i`` devices at speed ``s_i``, full-speed time
+   ``a_i``) has ``(x - 1) a_i / s_i + S <= T`` and ``S >= A = sum a_i``, so ``(x - 1) t_i a_i <=
+   t_i s_i (T - A)``; summed, ``x <= 1 + P (T - A) / B`` with ``B = sum t_i a_i`` and ``P`` the
+   sum of the pipeline's speeds. ``(T - A) / B`` over the layers placed at each group size is
+   linear-fractional, so it is largest at a vertex: every layer at one size, the head at one.
+   Each slow pipeline's caps count the fastest other slow devices as its own; summed over the
+   slow pipelines, the ``a`` slow devices they hold are distinct, of speeds at most the ``a``
+   fastest, which caps their total (with ``x - 1`` summed, at most ``a`` pipelines).
 
 Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
 into nodes, memory holds one micro-batch in flight and no embedding, micro-batch counts need
@@ -415,6 +423,8 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     for s in slow:
         faster = sorted((float(v) for v in speeds if s <= v < 1.0), reverse=True)[:-1]
         held[s] = np.concatenate([[0.0], s + np.concatenate([[0.0], np.cumsum(faster)])])
+    fastest = np.concatenate([[0.0], np.cumsum(sorted(
+        (float(v) for v in speeds if 0 < v < 1.0), reverse=True))])
     all_items = [full] + list(per_slow.values())
 
     def x_max(T: float, sync: float) -> float:
@@ -501,7 +511,13 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                         dst = new[w: w + n, k: cap + 1]
                         np.maximum(dst, extra[:n, : cap + 1 - k] + vk, out=dst)
                 extra = new
+        # the caps above, summed over the slow pipelines, count a slow device in every pipeline
+        # that absorbs it: the a absorbed are a distinct a, of speeds at most the a fastest
         used = np.arange(len(extra))[:, None]
+        absorbed = np.arange(n_slow + 1)[None, :]
+        speed_sum = np.maximum(used - absorbed, 0) + fastest[None, :]
+        extra = np.minimum(extra, np.minimum(absorbed + speed_sum * per_speed,
+                                             T * speed_sum / work))
         # full-speed devices left for pipelines of full-speed groups
         full_used = used - np.arange(n_slow + 1)[None, :]
         ok = (full_used <= n_full) & np.isfinite(extra)
