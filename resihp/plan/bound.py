@@ -492,13 +492,18 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             cap = at_least[s]
             # it holds k >= 1 slow devices, its slowest of speed s among them; each one more
             # caps what it carries (5.); dominated items are dropped once capped
+            order = np.argsort(cost_, kind="stable")
+            cost_, val, rest = cost_[order], val[order], rest[order]
+            costs, starts = np.unique(cost_, return_index=True)
             by_k = []
             for k in range(1, cap + 1):
                 speed_sum = cost_ - k + held[s][k]
                 vk = np.minimum(val, np.minimum(T, rest + work / speed_sum) * speed_sum / work)
                 vk = np.minimum(vk, 1.0 + speed_sum * per_speed)
-                ok = cost_ >= k
-                by_k.append((k, *front(cost_[ok], vk[ok])))
+                best = np.maximum.reduceat(vk, starts)  # the best item of each device count
+                keep = (costs >= k) & (best > np.concatenate(
+                    [[-np.inf], np.maximum.accumulate(np.where(costs >= k, best, -np.inf))[:-1]]))
+                by_k.append((k, costs[keep], best[keep]))
             for _ in range(slow_counts[s]):
                 rows = min(live + 1, len(extra) + int(cost_.max()))
                 new = np.full((rows, n_slow + 1), -np.inf)
