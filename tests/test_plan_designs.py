@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 from resihp.plan.bound import tight_bound
 from resihp.plan.cost import AnalyticCost
-from resihp.plan.designs import Designer, design_plan, pack, place
+from resihp.plan.designs import (
+    Designer,
+    design_plan,
+    design_plans,
+    first_pool,
+    free_devices,
+    pack,
+    place,
+)
 from resihp.plan.knapsack import choose, unbounded_knapsack
 from resihp.plan.layout import layer_ranges
 from resihp.plan.plan import Stage, Stages, plan_problems
@@ -85,6 +93,25 @@ def test_placement_keeps_groups_in_nodes_and_away_from_faults(h100_64):
     # a pipeline whose group finds no node is left out, never split across nodes
     d = next(x for x in designer.designs(10**6, 8) if 8 in x.tps)
     assert place([(d, 1)], range(7), {r: 0 for r in range(8)}) == []
+
+
+def test_first_rounds_that_design_for_the_same_devices_build_the_same_plans(h100_64):
+    """The planner skips a first round whose devices another round already designed for: its
+    plans are the same, as the first round's pool is all the choice makes."""
+    c, m, coster, designer = h100_64
+    faulty = c.with_speeds({3: 0.0, 9: 0.0, 10: 0.5})  # nodes 0 and 1 broken, 7 whole
+    free = free_devices(faulty)
+    assert free == {d.rank for d in faulty.devices if d.speed >= 1.0}
+    whole, chunks = first_pool(faulty, free, "whole"), first_pool(faulty, free, "chunks")
+    assert first_pool(faulty, free, "all") == free and whole == set(range(16, 64))
+    assert chunks == whole | {0, 1, 2, 4, 8, 11, 12, 13}  # the first 4 of nodes 0 and 1's free
+    layout = healthy_plan(c, m).layout
+    # no node whole: "whole" designs for every free device, as "all" does
+    broken = c.with_speeds({8 * n: 0.0 for n in range(8)})
+    assert first_pool(broken, free_devices(broken), "whole") == free_devices(broken)
+    plans = {f: design_plans(coster.at_speeds(broken), layout, designer, first_round=f)
+             for f in ("all", "whole")}
+    assert plans["all"] and [p.pipelines for p in plans["all"]] == [p.pipelines for p in plans["whole"]]
 
 
 def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):

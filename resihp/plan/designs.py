@@ -50,7 +50,7 @@ from resihp.plan.cost import cost_key
 from resihp.plan.knapsack import choose, unbounded_knapsack
 from resihp.plan.layout import layer_ranges, powers_of_two_upto
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
-from resihp.plan.specs import in_flight_microbatches, stage_memory_gb
+from resihp.plan.specs import ClusterSpec, in_flight_microbatches, stage_memory_gb
 from resihp.plan.timing import StageCoster
 
 _EPS = 1e-9
@@ -79,6 +79,9 @@ class Design:
 
     devices: int = field(init=False)
     shard: float = field(init=False)  # its largest per-device gradient shard, in layers
+    # the most micro-batches it may carry: those its memory was checked for, or any number
+    # once every stage holds as many in flight as the schedule ever puts there
+    limit: float = field(init=False)
 
     def __post_init__(self) -> None:
         if self.first != self.first:  # nan: the closed form
@@ -86,16 +89,11 @@ class Design:
             object.__setattr__(self, "each", self.mu)
         object.__setattr__(self, "devices", sum(self.tps))
         object.__setattr__(self, "shard", max(n / t for n, t in zip(self.counts, self.tps)))
+        object.__setattr__(self, "limit", math.inf if len(self.tps) <= self.inflight else self.inflight)
 
     def step(self, m: int) -> float:
         """Its step over ``m`` micro-batches, no gradient sync."""
         return (m - 1) * self.each + self.first
-
-    @property
-    def limit(self) -> float:
-        """The most micro-batches it may carry: those its memory was checked for, or any number
-        once every stage holds as many in flight as the schedule ever puts there."""
-        return math.inf if len(self.tps) <= self.inflight else self.inflight
 
 
 class Designer:
@@ -317,6 +315,9 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
     limit = np.array([d.limit for d in designs])
     k_first = np.array([f for f, _ in kept])
     k_each = np.array([e for _, e in kept])
+    # the designs by device count, for the front of each feasibility test (one per count)
+    by_cost = np.argsort(cost, kind="stable")
+    costs, starts = np.unique(cost[by_cost], return_index=True)
     result = None
     for _ in range(2):
         unit = coster.sync_s_per_shard_layer(replicas)
@@ -330,9 +331,10 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
             base, vals = carried(T)
             if not len(vals):
                 return base >= microbatches - _EPS
-            keep = _front(cost, vals)
-            return base + (unbounded_knapsack(cost[keep], vals[keep], devices)[-1]
-                           if len(keep) else 0.0) >= microbatches - _EPS
+            best = np.maximum.reduceat(vals[by_cost], starts)  # the most any design of a count carries
+            keep = best > np.concatenate([[0.0], np.maximum.accumulate(best)[:-1]])
+            return base + (unbounded_knapsack(costs[keep], best[keep], devices)[-1]
+                           if keep.any() else 0.0) >= microbatches - _EPS
 
         lo = float(min(first.min(initial=np.inf), k_first.min(initial=np.inf)))
         if target_s is not None:
@@ -486,7 +488,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     they get pipelines of their own only; a variant that carries nothing is left out."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
-    free = {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
+    free = free_devices(cluster, keep)
     node_of = {d.rank: d.node for d in cluster.devices}
     kept_stages = [p.stages for p in keep]
     new: list[tuple[Stage, ...]] = []
@@ -494,22 +496,9 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # rounds, while pipelines find room: the knapsack counts devices, not which node they sit
     # in (power-of-two groups, widest first, always fill whole nodes); a later round designs
     # for the devices left, with groups no wider than the most any node has free
-    sizes = {n: len(ranks) for n, ranks in enumerate(cluster.node_ranks)}
     for rnd in range(ROUNDS):
-        per_node: dict[int, list[int]] = {}
-        for r in free:
-            per_node.setdefault(node_of[r], []).append(r)
-        whole = {r for n, rs in per_node.items() if len(rs) == sizes.get(n, -1) for r in rs}
-        if rnd == 0 and whole and first_round == "whole":
-            pool = whole
-        elif rnd == 0 and first_round == "chunks":
-            # a node that faults broke up counts with its largest power-of-two chunk only: the
-            # devices beside it hold only narrow groups, which the next round designs for
-            pool = {r for rs in per_node.values()
-                    for r in sorted(rs)[: 1 << (len(rs).bit_length() - 1)]}
-        else:
-            pool = free
-        widest = max((len(rs) for rs in per_node.values()), default=0)
+        pool = first_pool(cluster, free, first_round) if rnd == 0 else free
+        widest = max((len(rs) for rs in _per_node(free, node_of).values()), default=0)
         if not pool or widest < 1:
             break
         placed = kept_stages + new
@@ -540,6 +529,35 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
         if plan is not None:
             plans.append(plan)
     return plans
+
+
+def free_devices(cluster: ClusterSpec, keep: Sequence[Pipeline] = ()) -> set[int]:
+    """The full-speed live devices no pipeline of ``keep`` uses: what ``design_plans`` designs
+    for."""
+    used = {r for p in keep for r in p.ranks}
+    return {d.rank for d in cluster.devices if d.speed >= 1.0 and d.rank not in used}
+
+
+def first_pool(cluster: ClusterSpec, free: set[int], first_round: str) -> set[int]:
+    """The devices ``design_plans``' first round designs for (``first_round`` as there); the
+    later rounds, and so the plan, follow from it."""
+    per_node = _per_node(free, {d.rank: d.node for d in cluster.devices})
+    if first_round == "whole":
+        sizes = {n: len(ranks) for n, ranks in enumerate(cluster.node_ranks)}
+        whole = {r for n, rs in per_node.items() if len(rs) == sizes.get(n, -1) for r in rs}
+        return whole or free
+    if first_round == "chunks":
+        # a node that faults broke up counts with its largest power-of-two chunk only: the
+        # devices beside it hold only narrow groups, which the next round designs for
+        return {r for rs in per_node.values() for r in sorted(rs)[: 1 << (len(rs).bit_length() - 1)]}
+    return free
+
+
+def _per_node(ranks: Iterable[int], node_of: dict[int, int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in ranks:
+        out.setdefault(node_of[r], []).append(r)
+    return out
 
 
 def _allocated(coster: StageCoster, layout: ParallelDims, keep: Sequence[Pipeline],

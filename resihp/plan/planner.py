@@ -36,7 +36,7 @@ from resihp.parallel import ParallelDims, apportion
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import AnalyticCost, CostModel, grad_sync_s
-from resihp.plan.designs import FIRST_ROUNDS, design_plans
+from resihp.plan.designs import FIRST_ROUNDS, design_plans, first_pool, free_devices
 from resihp.plan.heuristics import drop_replica_plan, heuristic_plan
 from resihp.plan.layout import (
     binary_chunks,
@@ -430,11 +430,19 @@ class Planner:
         # slow devices in pipelines of their own, and also joining designed pipelines as short
         # stages (which is better depends on the micro-batches each pipeline carries); the two
         # share the packing of the full-speed devices
-        plans = [p for keep in keeps for first in firsts
-                 for p in design_plans(ctx.coster, ctx.layout, memo.designer, keep, self.name,
-                                       ctx.per_solve, first_round=first, target_s=target,
-                                       token_budgets=self.token_budgets,
-                                       variants=(False, True) if slow else (False,))]
+        plans, done = [], set()
+        for keep in keeps:
+            free = free_devices(cluster, keep)
+            for first in firsts:
+                # a first round designing for the devices another did builds the same plans
+                pool = (tuple((p.stages, p.home) for p in keep), frozenset(first_pool(cluster, free, first)))
+                if pool in done:
+                    continue
+                done.add(pool)
+                plans += design_plans(ctx.coster, ctx.layout, memo.designer, keep, self.name,
+                                      ctx.per_solve, first_round=first, target_s=target,
+                                      token_budgets=self.token_budgets,
+                                      variants=(False, True) if slow else (False,))
         if self.token_budgets:
             plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
         return plans
