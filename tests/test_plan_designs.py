@@ -114,6 +114,28 @@ def test_first_rounds_that_design_for_the_same_devices_build_the_same_plans(h100
     assert plans["all"] and [p.pipelines for p in plans["all"]] == [p.pipelines for p in plans["whole"]]
 
 
+def test_slow_devices_too_slow_for_stretched_designs_chain_into_a_pipeline_split_by_speed(h100_64):
+    """Eight devices from 1.2x to 5x slower, spread over the nodes: designs stretched to the
+    slowest of them carry too little, so the packing leaves them all out; one pipeline of them,
+    each a stage whose layers follow its speed, carries its share and the plan is faster."""
+    c, m, coster, designer = h100_64
+    speeds = {r: 1 / f for r, f in zip((2, 14, 27, 29, 32, 47, 50, 53), np.linspace(5.0, 1.2, 8))}
+    slow = c.with_speeds(speeds)
+    at = coster.at_speeds(slow)
+    plans = [evaluate(p, at) for p in design_plans(at, healthy_plan(c, m).layout, designer,
+                                                   variants=(False,))]
+    packed, chained = plans
+    assert not set(speeds) & {r for p in packed.pipelines for r in p.ranks}
+    assert plan_problems(chained, slow, m) == []
+    assert chained.tokens_per_s > 1.01 * packed.tokens_per_s
+    chain = next(p for p in chained.pipelines if set(p.ranks) <= set(speeds))
+    assert len(chain.stages) >= 6 and all(s.tp == 1 for s in chain.stages)
+    # the layers follow the speeds: its slowest stage near the proportional split's (an even
+    # split of 40 layers over these 8 would be 2x it)
+    ideal = sum(s.n_layers for s in chain.stages) / sum(speeds[s.ranks[0]] for s in chain.stages)
+    assert max(s.n_layers / speeds[s.ranks[0]] for s in chain.stages) <= 1.25 * ideal
+
+
 def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):
     """A node at half speed: its devices work (a stage of their own ahead of a full-speed
     pipeline, or pipelines of slow devices), each less than a full-speed device, and the plan is

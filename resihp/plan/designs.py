@@ -29,8 +29,11 @@ devices come last, in one of two ways (a variant each, sharing the packing above
 a designed pipeline as a short stage of its own ahead of it (``_slow_stages``: the layers its
 speed carries in that pipeline's slowest stage's time), and the rest get pipelines of their own:
 the ``k`` fastest of them, each design stretched to the slowest of those ``k`` speeds, for the
-``k`` that carries the batch in the least step. The planner scores the results with the same
-evaluator as its other candidates and keeps one only if it is better.
+``k`` that carries the batch in the least step; where those leave slow devices out (designs
+stretched to the slowest of ``k`` carry little when the speeds spread), a variant chains them
+instead into one pipeline, a stage each, the layers split by speed (``_slow_chain``, CP-SAT). The
+planner scores the results with the same evaluator as its other candidates and keeps one only if
+it is better.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from resihp.plan.allocation import allocate_microbatches
 from resihp.plan.cost import cost_key
 from resihp.plan.knapsack import choose, unbounded_knapsack
 from resihp.plan.layout import layer_ranges, powers_of_two_upto
+from resihp.plan.pipeline_solver import solve_pipeline
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.specs import ClusterSpec, in_flight_microbatches, stage_memory_gb
 from resihp.plan.timing import StageCoster
@@ -523,11 +527,18 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     plans = []
     for joined in variants:
         more = _slow_stages(coster, designer, new, slow, carried) if joined and slow else list(new)
-        more += _slow_pipelines(coster, designer, layout, kept_stages + more, used | {
-            r for st in more for g in st for r in g.ranks}, node_of, m_ref, token_budgets)
-        plan = _allocated(coster, layout, keep, kept_stages + more, policy, time_limit_s)
-        if plan is not None:
-            plans.append(plan)
+        taken = used | {r for st in more for g in st for r in g.ranks}
+        own = _slow_pipelines(coster, designer, layout, kept_stages + more, taken, node_of, m_ref,
+                              token_budgets)
+        left = [r for r in slow if r not in taken]
+        # where designs stretched to their slowest device leave slow devices out, one pipeline
+        # of all of them with the layers split by speed may carry more: both are candidates
+        chain = (_slow_chain(coster, left, carried)
+                 if len(left) - len({r for st in own for g in st for r in g.ranks}) > 1 else [])
+        for extra in [own] + ([chain] if chain else []):
+            plan = _allocated(coster, layout, keep, kept_stages + more + extra, policy, time_limit_s)
+            if plan is not None:
+                plans.append(plan)
     return plans
 
 
@@ -631,6 +642,21 @@ def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[S
             _, shape, new = best
             out[by_shape[shape].pop(0)] = new
     return out
+
+
+def _slow_chain(coster: StageCoster, slow: Sequence[int], m: int) -> list[tuple[Stage, ...]]:
+    """One pipeline of the ``slow`` devices, each a stage of its own, slowest first (it holds
+    the fewest layers, and the first stage the most micro-batches in flight), its layers split by
+    their speeds (CP-SAT, ``solve_pipeline``) for about ``m`` micro-batches; the slowest left
+    out while the model does not fit. Empty if no two of them hold it."""
+    cluster = coster.cluster
+    chain = sorted(slow, key=lambda r: (cluster.devices[r].speed, r))
+    while len(chain) > 1:
+        sol = solve_pipeline(coster, [(r,) for r in chain], m, time_limit_s=0.5, regroup=False)
+        if sol is not None and sol.stages:
+            return [tuple(sol.stages)]
+        chain = chain[1:]
+    return []
 
 
 def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDims,
