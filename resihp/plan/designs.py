@@ -533,8 +533,14 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
         left = [r for r in slow if r not in taken]
         # where designs stretched to their slowest device leave slow devices out, one pipeline
         # of all of them with the layers split by speed may carry more: both are candidates
-        chain = (_slow_chain(coster, left, carried)
-                 if len(left) - len({r for st in own for g in st for r in g.ranks}) > 1 else [])
+        chain = []
+        if len(left) - len({r for st in own for g in st for r in g.ranks}) > 1:
+            # none carries a micro-batch in the step of the others (at about their share) if one
+            # micro-batch running every layer on the fastest of them takes longer
+            fastest = max(left, key=lambda r: (cluster.devices[r].speed, -r))
+            alone = coster.pipeline_step((Stage((fastest,), (0, model.layers)),), 1)
+            if any(coster.pipeline_step(st, carried) > alone for st in new or kept_stages):
+                chain = _slow_chain(coster, left, carried)
         for extra in [own] + ([chain] if chain else []):
             plan = _allocated(coster, layout, keep, kept_stages + more + extra, policy, time_limit_s)
             if plan is not None:
