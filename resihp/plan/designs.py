@@ -489,7 +489,9 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     balances. ``variants``: per plan returned (they share the packing of the full-speed
     devices), whether slow devices may join designed pipelines as stages of their own
     (``_slow_stages``; which is better depends on the micro-batches each pipeline carries), else
-    they get pipelines of their own only; a variant that carries nothing is left out."""
+    they get pipelines of their own only; a variant that carries nothing is left out. A variant
+    whose own pipelines leave slow devices out gives a second plan, those devices chained into
+    one pipeline split by speed (``_slow_chain``), where it could carry a micro-batch."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = free_devices(cluster, keep)

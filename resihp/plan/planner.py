@@ -435,10 +435,10 @@ class Planner:
             free = free_devices(cluster, keep)
             for first in firsts:
                 # a first round designing for the devices another did builds the same plans
-                pool = (tuple((p.stages, p.home) for p in keep), frozenset(first_pool(cluster, free, first)))
-                if pool in done:
+                key = (tuple((p.stages, p.home) for p in keep), frozenset(first_pool(cluster, free, first)))
+                if key in done:
                     continue
-                done.add(pool)
+                done.add(key)
                 plans += design_plans(ctx.coster, ctx.layout, memo.designer, keep, self.name,
                                       ctx.per_solve, first_round=first, target_s=target,
                                       token_budgets=self.token_budgets,
