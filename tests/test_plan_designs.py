@@ -99,7 +99,7 @@ def test_first_rounds_that_design_for_the_same_devices_build_the_same_plans(h100
     """The planner skips a first round whose devices another round already designed for: its
     plans are the same, as the first round's pool is all the choice makes."""
     c, m, coster, designer = h100_64
-    faulty = c.with_speeds({3: 0.0, 9: 0.0, 10: 0.5})  # nodes 0 and 1 broken, 7 whole
+    faulty = c.with_speeds({3: 0.0, 9: 0.0, 10: 0.5})  # nodes 0 and 1 broken, 6 whole
     free = free_devices(faulty)
     assert free == {d.rank for d in faulty.devices if d.speed >= 1.0}
     whole, chunks = first_pool(faulty, free, "whole"), first_pool(faulty, free, "chunks")
