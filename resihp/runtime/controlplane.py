@@ -412,6 +412,22 @@ def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None
     return int(asked["rank"]), str(asked["why"])
 
 
+def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitcode: int) -> None:
+    """This node's torchrun ended on a failure: its first observed one (``rank``, the job's rank
+    number, and its ``exitcode``) for node 0, which may have found several of this node's ranks
+    gone at once (torchrun stops a dead rank's peers) and cannot tell from them which died first."""
+    store.set(f"{prefix_of(job_id)}/first-failure/{node}", json.dumps({"rank": rank, "exitcode": exitcode}))
+
+
+def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
+    """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published it."""
+    key = f"{prefix_of(job_id)}/first-failure/{node}"
+    if not store.check([key]):
+        return None
+    said = json.loads(store.get(key))
+    return int(said["rank"]), int(said["exitcode"])
+
+
 def stacks_written(store: Store, job_id: str, node: int) -> None:
     store.set(f"{prefix_of(job_id)}/stacks/{node}/written", "1")
 

@@ -45,10 +45,12 @@ from resihp.runtime.controlplane import (
     ask_for_stacks,
     await_stacks,
     ended,
+    first_failure,
     heartbeat_prefix,
     mark_ended,
     mark_stopping,
     post_change,
+    publish_first_failure,
     read_errors,
     read_job,
     stacks_asked,
@@ -60,7 +62,16 @@ from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
 from resihp.runtime.spares import SPARES
 
-ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
+FIRST_FAILURE_WAIT_S = 5.0  # node 0's wait for another node's first observed failure
+
+
+def torchrun_first_failure(lines: list[str], first_rank: int) -> tuple[int, int] | None:
+    """torchrun's first observed failure in its output (``lines``): the job's rank (this node's
+    ``first_rank`` plus torchrun's local rank; torchrun's own global rank follows its rendezvous
+    order, not the job's) and its exit code (negative: killed by that signal)."""
+    root = ROOT_CAUSE.search("\n".join(lines))
+    return None if root is None else (first_rank + int(root.group(1)), int(root.group(2)))
 
 
 @dataclass
@@ -456,6 +467,10 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
     finally:
         outcome.left_alive = _stop(proc, tracker, grace_s)
         reader.join(timeout=5)
+        first = torchrun_first_failure(lines, nodes.ranks[0])
+        if watch.monitor is None and first is not None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                publish_first_failure(js.store, cfg.job_id, nodes.node_rank, *first)
         if not outcome.left_alive:
             remove_partial(cfg.ckpt_root())  # a checkpoint the job did not finish writing is not a checkpoint
     outcome.returncode = proc.returncode
@@ -481,7 +496,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                 _linger(watch, grace_s)
     outcome.wall_s = time.time() - t0
     outcome.stderr_tail = lines[-40:]
-    _explain(outcome, lines, cfg, out)
+    _explain(outcome, lines, cfg, out, nodes)
     return outcome
 
 
@@ -501,7 +516,7 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
     that never joined (``outcome.error``)."""
     events = watch.monitor.poll(watch.monitor.min_step())
     if events:
-        ev = events[0]
+        ev = _first_gone(events, watch)
         # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
         steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
         if ev.extra["cause"] == "hang":
@@ -513,6 +528,25 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         outcome.error = (f"rank(s) {missing} never joined within {watch.monitor.startup_s:g} s; all workers "
                          "were stopped")
     return None
+
+
+def _first_gone(events: list[Event], watch: _Watch) -> Event:
+    """The event to act on: the first (the lowest rank) unless several ranks of one other node were
+    found exited in one look. torchrun there stops a dead rank's peers within its monitor interval,
+    so the lowest need not be the one that died; that node's launcher publishes torchrun's first
+    observed failure once its torchrun has ended (waited for, at most ``FIRST_FAILURE_WAIT_S``)."""
+    nodes = {e.extra.get("node") for e in events}
+    if len(events) < 2 or len(nodes) != 1 or any(e.extra["cause"] != "exited" for e in events):
+        return events[0]
+    node = nodes.pop()
+    if node in (None, 0):  # node 0's own torchrun output settles it (``_explain``)
+        return events[0]
+    end = time.monotonic() + FIRST_FAILURE_WAIT_S
+    first = None
+    with contextlib.suppress(RuntimeError, dist.DistError):
+        while (first := first_failure(watch.store, watch.cfg.job_id, node)) is None and time.monotonic() < end:
+            time.sleep(0.05)
+    return next((e for e in events if first is not None and e.rank == first[0]), events[0])
 
 
 def stacks_of_hung(monitor: HeartbeatMonitor, rank: int, node: int, out: Path,
@@ -562,9 +596,9 @@ def _reason(outcome: Outcome) -> str | None:
     return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']})"
 
 
-def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> None:
+def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, nodes: Nodes) -> None:
     """The one-line ``error`` of an outcome: a worker's own reason (over the control plane), the
-    fail-stop found, or what torchrun said."""
+    fail-stop found, or what torchrun said (``lines``: this node's torchrun's output)."""
     errors = outcome.errors
     if not errors:  # before the control plane was joined: the workers' stderr says it
         errors = [{"kind": "input", "message": ln.removeprefix("resihp: error: ")}
@@ -582,21 +616,21 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path) -> N
         crash = crashes[0]
         outcome.failure = fail_stop(cfg.dims(), int(crash["rank"]), None, "exception")
         outcome.failure.extra["message"] = crash["message"]
-    root = ROOT_CAUSE.search("\n".join(lines))  # torchrun's first observed failure
-    signalled = root is not None and int(root.group(2)) < 0
+    root = torchrun_first_failure(lines, nodes.ranks[0])
+    signalled = root is not None and root[1] < 0
     if (signalled and outcome.failure is not None and not outcome.interrupted
-            and outcome.failure.extra.get("cause") == "exited" and int(root.group(1)) != outcome.failure.rank):
+            and outcome.failure.extra.get("cause") == "exited" and root[0] != outcome.failure.rank
+            and outcome.failure.extra.get("node", nodes.node_rank) == nodes.node_rank):
         # several ranks were gone when the monitor looked (torchrun stops a dead rank's peers
         # within its monitor interval) and it named the lowest; torchrun's first observed failure,
         # killed by a signal, is the rank that died first
-        outcome.failure = fail_stop(cfg.dims(), int(root.group(1)), outcome.failure.extra.get("step"), "exited",
+        outcome.failure = fail_stop(cfg.dims(), root[0], outcome.failure.extra.get("step"), "exited",
                                     outcome.failure.extra.get("detected_s"), node=outcome.failure.extra.get("node"))
     if outcome.error is None and stops:
         outcome.error = stops[0]
     if signalled and outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
             stops or inputs or outcome.ended_by_node0):
-        outcome.failure = fail_stop(cfg.dims(), int(root.group(1)), None,
-                                    f"exited (killed by signal {-int(root.group(2))})")
+        outcome.failure = fail_stop(cfg.dims(), root[0], None, f"exited (killed by signal {-root[1]})")
     if outcome.error is None and inputs:
         outcome.error = inputs[0]
         outcome.input_error = True
