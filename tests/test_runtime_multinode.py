@@ -137,6 +137,51 @@ def test_a_rank_lost_on_node_1_is_re_formed_around_with_every_survivor_on_its_no
     _no_workers_left(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def replica_reference(tmp_path_factory):
+    """The failure-free losses of the replica-mode job below, on one node."""
+    out = tmp_path_factory.mktemp("replica-ref")
+    ref = _run(*DEMO, "--steps", str(REPLICA_STEPS), "--recovery", "replica", "--out", str(out / "ref"), "--json")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    return json.loads(ref.stdout)["losses"]
+
+
+REPLICA_STEPS = 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,cause", [("stop", "exited"), ("hang", "hang")])
+def test_replica_mode_on_two_nodes_relaunches_a_lost_replica_on_its_node_and_the_losses_are_kept(
+        tmp_path, replica_reference, fault, cause):
+    """--recovery replica with one replica per node: rank 3 (replica 1, node 1) is killed or hangs
+    at step 4. Node 0 judges it and evicts the replica; node 1's launcher stops it and relaunches
+    it alone (a hung rank's stacks in node 1's log first); it catches up from replica 0 and rejoins,
+    and every step's loss equals the failure-free run's. Replica 0's ranks are slowed from the
+    fault on so that the relaunched replica is back before the end on any machine."""
+    node0, node1 = _two_nodes(tmp_path, "--steps", str(REPLICA_STEPS), "--recovery", "replica",
+                              "--inject", f"{fault}:rank=3,step=4", "--inject", "slow:rank=0,factor=3,step=4",
+                              "--inject", "slow:rank=2,factor=3,step=4")
+    s0, err0 = _finish(node0)
+    s1, err1 = _finish(node1)
+    assert node0.returncode == 0 and node1.returncode == 0, (err0[-2000:], err1[-2000:])
+    assert s1 == {"node_rank": 1, "nnodes": 2, "ranks": [1, 3], "error": None}, s1  # replica 1's ranks
+    rec = s0["recovery"]
+    assert (rec["lost_replica"], rec["rank"], rec["cause"], rec["relaunched"]) == (1, 3, cause, True), rec
+    assert rec["rejoined_step"] is not None and rec["source"] == "peer", rec
+    assert all(0 in m for m in s0["members"]) and [1] not in s0["members"], s0["members"]
+    # each node ran its own replica, the relaunch too (each worker says which it is)
+    ran = {n: {(w["replica"], w["attempt"]) for line in (tmp_path / n / "logs" / "processes.jsonl").read_text().splitlines()
+               for w in [json.loads(line)]} for n in ("node0", "node1")}
+    assert ran == {"node0": {(0, 0)}, "node1": {(1, 0), (1, 1)}}, ran
+    if fault == "hang":
+        log = (tmp_path / "node1" / "logs" / "workers.log").read_text()
+        assert "resihp: rank 3 judged hung" in log and "in begin_step" in log, log[-2000:]
+    assert len(s0["losses"]) == REPLICA_STEPS
+    want = replica_reference
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(s0["losses"], want)), (s0["losses"], want)
+    _no_workers_left(tmp_path)
+
+
 @pytest.mark.slow
 def test_a_node_left_with_no_rank_is_not_relaunched_and_its_launcher_is_told_at_once(tmp_path):
     """One rank per node; node 1's only rank dies: no re-formed relaunch keeps every survivor on
@@ -195,6 +240,7 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--nnodes", "2"], "--rdzv-endpoint HOST:PORT is required"),
     (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "nonsense"], "expected HOST:PORT"),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--ckpt-every", "2"], "expected --ckpt-dir DIR"),
+    (["--nnodes", "4", "--rdzv-endpoint", "127.0.0.1:1", "--recovery", "replica"], "each node holds whole replicas"),
 ])
 def test_bad_multinode_options_are_one_line(tmp_path, args, expect):
     proc = _run("--dp", "2", "--pp", "2", "--steps", "2", "--out", str(tmp_path / "x"), *args)

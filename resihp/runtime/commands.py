@@ -86,8 +86,6 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
     out, steps = Path(cfg.out), cfg.train.steps
     live = cfg.live.live
     replicas = cfg.faults.recovery.startswith("replica")
-    if replicas and nnodes > 1:
-        raise InputError(f"--recovery {cfg.faults.recovery}: one node only for now (got --nnodes {nnodes})")
     if nnodes > 1 and cfg.checkpoint.ckpt_every and not cfg.checkpoint.ckpt_dir:
         raise InputError(f"--ckpt-every on {nnodes} nodes: expected --ckpt-dir DIR, one folder every node "
                          "writes to (a shared filesystem); each node's own OUT/ckpt holds only its ranks' shards")
@@ -104,7 +102,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
                 from resihp.runtime.replicas import supervise_replicas
 
                 outcome = supervise_replicas(cfg, on_step=lambda s: advance(s + 1),
-                                             on_steps=loop.on_steps if loop else None)
+                                             on_steps=loop.on_steps if loop else None, nodes=nodes)
             else:
                 outcome = supervise(cfg, on_step=lambda s: advance(s + 1),
                                     on_steps=loop.on_steps if loop else None, nodes=nodes, on_poll=keeper)
@@ -113,10 +111,16 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             raise InputError(outcome.error)
         if node_rank != 0 and cfg.faults.recovery == "restart":  # node 0 may relaunch the job in place
             outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=False)
-        elif node_rank != 0 and cfg.checkpoint.ckpt_every and not cfg.snapshot_interval():
+        elif node_rank != 0 and cfg.checkpoint.ckpt_every and not cfg.snapshot_interval() and not replicas:
             outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=True)  # node 0 may re-form it
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
-            summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": nodes.ranks,
+            if replicas:
+                from resihp.runtime.replicas import node_replicas, replica_ranks
+
+                ranks = sorted(r for d in node_replicas(cfg, nodes) for r in replica_ranks(cfg)[d])
+            else:
+                ranks = nodes.ranks
+            summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": ranks,
                        "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
             outcome.error = summary["error"]
             # the job's checkpoints carry node 0's job id (this node's run folder has its own)
@@ -176,7 +180,8 @@ def _spare_agents(cfg: RunConfig, nnodes: int) -> int:
     on a machine with no GPU, ``launch.forks_workers``, told here without importing torch), else 0."""
     if cfg.device == "cuda" or Path("/dev/nvidiactl").exists():
         return 0
-    return cfg.parallel.dp if cfg.resolved_recovery(nnodes, gpus=False).startswith("replica") else 1
+    # replica mode: this node's replicas (each node holds whole replicas)
+    return cfg.parallel.dp // nnodes if cfg.resolved_recovery(nnodes, gpus=False).startswith("replica") else 1
 
 
 def _cuda_available() -> bool:

@@ -389,6 +389,45 @@ def ended(store: Store, job_id: str) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
+# --recovery replica on several nodes: node 0 judges every replica; the node a replica runs on
+# stops and relaunches it when told, and says when it has (its heartbeat keys then hold the new
+# attempt's beats only) and when one finished
+
+def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunch: bool) -> None:
+    """Node 0 evicted ``replica``: its node stops its processes and, if ``relaunch``, launches
+    attempt ``attempt`` of it."""
+    store.set(f"{prefix_of(job_id)}/replica/{replica}/order", json.dumps({"attempt": attempt, "relaunch": relaunch}))
+
+
+def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] | None:
+    """The newest order for ``replica`` (attempt, relaunch), or None."""
+    key = f"{prefix_of(job_id)}/replica/{replica}/order"
+    if not store.check([key]):
+        return None
+    order = json.loads(store.get(key))
+    return int(order["attempt"]), bool(order["relaunch"])
+
+
+def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: str) -> None:
+    """The node of ``replica`` says that its ``attempt`` is ``launched`` or ``done`` (exited 0)."""
+    store.set(f"{prefix_of(job_id)}/replica/{replica}/{state}", str(attempt))
+
+
+def replica_attempt(store: Store, job_id: str, replica: int, state: str) -> int | None:
+    """The newest attempt of ``replica`` its node said is in ``state`` (``replica_state``)."""
+    key = f"{prefix_of(job_id)}/replica/{replica}/{state}"
+    return int(store.get(key)) if store.check([key]) else None
+
+
+def node_left(store: Store, job_id: str, node: int) -> None:
+    """A node other than 0 saw the job end and stopped its workers: node 0's store may go."""
+    store.set(f"{prefix_of(job_id)}/left/{node}", "1")
+
+
+def nodes_left(store: Store, job_id: str, nodes: Sequence[int]) -> bool:
+    return not nodes or store.check([f"{prefix_of(job_id)}/left/{n}" for n in nodes])
+
+
 def mark_stopping(store: Store, job_id: str, reason: str) -> None:
     """Node 0 found a failure and is stopping its workers: the other nodes stop theirs at once
     (a rank blocked on a peer of another node ends only when that peer does), before node 0 has

@@ -31,21 +31,32 @@ from resihp.runtime.controlplane import (
     StepReader,
     StepRecords,
     announce_job,
+    ended,
     heartbeat_prefix,
     mark_ended,
+    node_left,
+    nodes_left,
+    order_replica,
     plan_key,
     post_change,
     prefix_of,
     read_errors,
+    replica_attempt,
+    replica_order,
+    replica_state,
+    stacks_asked,
+    stacks_written,
 )
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker
+from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
+from resihp.runtime.nodes import Nodes
 from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, GPU_OFFSET_ENV, REPLICA_ENV
 from resihp.runtime.spares import SPARES
 from resihp.runtime.supervisor import (
     GRACE_S,
     STOPPED_S,
     Outcome,
+    _join,
     _Signals,
     _stop,
     control_plane_costs,
@@ -89,43 +100,107 @@ class ReplicaFailure:
         return dict(self.__dict__)
 
 
+def replica_ranks(cfg: RunConfig) -> dict[int, list[int]]:
+    """Each data-parallel replica's ranks (its pipeline and tensor-parallel ranks)."""
+    dims, par = cfg.dims(), cfg.parallel
+    return {d: sorted(dims.rank_of(d, s, t) for s in range(par.pp) for t in range(par.tp)) for d in range(par.dp)}
+
+
+def node_replicas(cfg: RunConfig, nodes: Nodes) -> list[int]:
+    """The replicas ``nodes``' node runs: node ``n`` runs ``n k .. n k + k - 1``, ``k`` =
+    nproc_per_node / (pp x tp). Their ranks are not contiguous (stage-major:
+    ``ParallelDims.rank_of``)."""
+    per_node = nodes.nproc_per_node // (cfg.parallel.pp * cfg.parallel.tp)
+    return [d for d in range(cfg.parallel.dp) if d // per_node == nodes.node_rank]
+
+
+@dataclass
+class ReplicaLauncher:
+    """Launches this node's replicas, each its own torchrun on the job's store with a heartbeat
+    aggregator of its own (each replica is a node of the monitor)."""
+
+    cfg: RunConfig
+    store: dist.Store
+    endpoint: str
+    config_path: Path
+    interval_s: float
+    heartbeat_timeout_s: float
+    join_timeout_s: float
+
+    def launch(self, d: int, attempt: int) -> _Replica:
+        cfg, store = self.cfg, self.store
+        hb = heartbeat_prefix(cfg.job_id)
+        ranks = replica_ranks(cfg)[d]
+        per = len(ranks)
+        for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks)]:
+            store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
+        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str(d * per)},
+                         endpoint=self.endpoint, node=d, managed=True)
+        proc = SPARES.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
+                                             run_id=f"{cfg.job_id}-r{d}-a{attempt}",
+                                             forked=forks_workers(cfg)), env)
+        agg = NodeAggregator(store, d, ranks, interval_s=self.interval_s, timeout_s=self.heartbeat_timeout_s,
+                             prefix=hb, startup_s=self.join_timeout_s).start()
+        rep = _Replica(d, attempt, proc, ProcessTracker(proc.pid), agg)
+        threading.Thread(target=drain_stderr, args=(proc, rep.lines, Path(cfg.out), f"[replica {d} attempt {attempt}] ", 200),
+                         daemon=True).start()
+        return rep
+
+
 def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None,
                        join_timeout_s: float | None = None,
                        on_step: Callable[[int], None] | None = None,
                        on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
                        hang_timeout_s: float | None = None, poll_s: float = 0.1,
-                       grace_s: float = GRACE_S) -> Outcome:
-    """Launch every replica, watch them on the job's store, relaunch a lost one alone. Complete
-    steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next commit
-    carries the newest one to every rank."""
+                       grace_s: float = GRACE_S, nodes: Nodes | None = None) -> Outcome:
+    """Launch this node's replicas, watch them on the job's store, relaunch a lost one alone.
+    Complete steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next
+    commit carries the newest one to every rank. On several nodes (``nodes``, each holding whole
+    replicas) node 0 hosts the store and the quorum and judges every replica; another node runs
+    its replicas and stops or relaunches one when node 0 says so (``replica_node``)."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
     if cfg.parallel.dp < 2:
         raise InputError(f"--recovery replica: needs --dp 2 or more (the replica is the unit of "
                          f"failure), got --dp {cfg.parallel.dp}")
-    if not cfg.job_id:
-        cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
     dims = cfg.dims()
+    per = cfg.parallel.pp * cfg.parallel.tp
+    nodes = nodes or Nodes(1, 0, dims.world_size, None)
+    nodes.check(dims.world_size)
+    if nodes.sizes is not None or nodes.nproc_per_node % per:
+        raise InputError(f"--recovery replica on {nodes.nnodes} nodes: each node holds whole replicas, so "
+                         f"--nproc-per-node must be a multiple of pp x tp = {per} (got {nodes.nproc_per_node})")
+    host = nodes.node_rank == 0
+    if host and not cfg.job_id:
+        cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / TRACE_STREAM).unlink(missing_ok=True)
     remove_partial(cfg.ckpt_root())
-    config_path = out / "config.json"
-    config_path.write_text(cfg.to_json())
-    per = cfg.parallel.pp * cfg.parallel.tp
-    ranks = {d: sorted(dims.rank_of(d, s, t) for s in range(cfg.parallel.pp) for t in range(cfg.parallel.tp)) for d in range(cfg.parallel.dp)}
+    ranks = replica_ranks(cfg)
+    mine = node_replicas(cfg, nodes)
     t0 = time.time()
     outcome = Outcome(returncode=0)
-    with _Signals() as signals, JobStore(None, host=True, timeout_s=max(join_timeout_s, 60.0)) as js:
+    with _Signals() as signals, JobStore(nodes.endpoint, host=host, timeout_s=max(join_timeout_s, 60.0) if host
+                                         else join_timeout_s) as js:
         store = js.store
-        announce_job(store, cfg.job_id, job_config(cfg), 1, dims.world_size)
+        if host:
+            announce_job(store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node)
+        else:
+            cfg = _join(store, cfg, nodes, join_timeout_s)
+        config_path = out / "config.json"
+        config_path.write_text(cfg.to_json())
+        interval = min(BEAT_S, heartbeat_timeout_s / 4)
+        launcher = ReplicaLauncher(cfg, store, js.endpoint, config_path, interval, heartbeat_timeout_s,
+                                   join_timeout_s)
+        if not host:
+            return serve_replicas(launcher, mine, signals, nodes.node_rank, poll_s, grace_s, t0)
         quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s, plan_key=plan_key(cfg.job_id))
         quorum.set_replicas(cfg.parallel.dp)
         first = quorum.start([Member(d, 0) for d in range(cfg.parallel.dp)], 0)
         chain = DecisionChain(quorum, first)
         store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
         hb = heartbeat_prefix(cfg.job_id)
-        interval = min(BEAT_S, heartbeat_timeout_s / 4)
         places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size) for c in [dims.coords(r)]}
         # a false hang costs one replica's relaunch here, not the job: judge hangs sooner (a process
         # stopped for a second; no progress for 2 x the median step, at least 3 s: a relaunched
@@ -135,23 +210,10 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                                    hang_factor=HANG_FACTOR, hang_floor_s=min(heartbeat_timeout_s, HANG_FLOOR_S),
                                    stopped_s=STOPPED_S)
         reader = StepReader(store, cfg.job_id, ranks, 0, owner=True, members=quorum.committed)
-
-        def launch(d: int, attempt: int) -> _Replica:
-            for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks[d])]:
-                store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
-            env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str(d * per)},
-                             endpoint=js.endpoint, node=d, managed=True)
-            proc = SPARES.popen(torchrun_command(config_path, per, endpoint=js.endpoint,
-                                                 run_id=f"{cfg.job_id}-r{d}-a{attempt}",
-                                                 forked=forks_workers(cfg)), env)
-            agg = NodeAggregator(store, d, ranks[d], interval_s=interval, timeout_s=heartbeat_timeout_s,
-                                 prefix=hb, startup_s=join_timeout_s).start()
-            rep = _Replica(d, attempt, proc, ProcessTracker(proc.pid), agg)
-            threading.Thread(target=drain_stderr, args=(proc, rep.lines, out, f"[replica {d} attempt {attempt}] ", 200),
-                             daemon=True).start()
-            return rep
-
-        live = {d: launch(d, 0) for d in range(cfg.parallel.dp)}
+        live = {d: launcher.launch(d, 0) for d in mine}  # this node's replicas
+        away = {d for d in ranks if d not in mine}  # other nodes' replicas still in the job
+        attempts = dict.fromkeys(ranks, 0)
+        pending: set[int] = set()  # relaunches ordered on another node, not yet said launched
         done: set[int] = set()
 
         def read_steps() -> None:
@@ -163,35 +225,46 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             if bad:  # it stopped on bad input (said just before it exited): the job stops, exit 2
                 outcome.error, outcome.input_error = bad[0]["message"], True
                 return
-            rep = live[d]
-            quorum.evict(Member(d, rep.attempt), cause)
-            chain.abort_for(Member(d, rep.attempt))  # the survivors redo the step in flight without it
+            attempt = attempts[d]
+            quorum.evict(Member(d, attempt), cause)
+            chain.abort_for(Member(d, attempt))  # the survivors redo the step in flight without it
             if cause == "hang" and rank is not None:
-                stacks_of_hung(monitor, rank, d, out)  # each replica is a node of the monitor
+                # each replica is a node of the monitor; another node's replica's stacks are asked
+                # of that node's launcher
+                stacks_of_hung(monitor, rank, d if d in live else -1, out, store, cfg.job_id)
             at = time.time()
-            _stop(rep.proc, rep.tracker, 0.5)
-            rep.aggregator.stop()
-            for other in live.values():  # held up by the lost replica, not hung themselves
-                if other is not rep:
-                    other.aggregator.excuse()
-                    monitor.excuse(ranks[other.replica], 2 * interval + HANG_FLOOR_S)
+            if d in live:
+                _stop(live[d].proc, live[d].tracker, 0.5)
+                live[d].aggregator.stop()
+            for other in [*live, *away]:  # held up by the lost replica, not hung themselves
+                if other != d:
+                    if other in live:
+                        live[other].aggregator.excuse()
+                    monitor.excuse(ranks[other], 2 * interval + HANG_FLOOR_S)
             chain.advance()
             reader.lost(d, chain.step)  # it trained no step from there on; it may not have published its last
             members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
-            again = rep.attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
-            outcome.replica_failures.append(ReplicaFailure(d, rep.attempt, rank, cause, step, detected_s, at, again))
+            again = attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
+            outcome.replica_failures.append(ReplicaFailure(d, attempt, rank, cause, step, detected_s, at, again))
             if not members:
                 outcome.error = (f"every replica was lost (replica {d}: {cause}); no live peer holds the "
                                  "state to go on from")
+            if d in away:  # its node stops it, and relaunches it if told to
+                order_replica(store, cfg.job_id, d, attempt + 1, again)
             if again:
+                attempts[d] = attempt + 1
                 monitor.reset(d)
-                live[d] = launch(d, rep.attempt + 1)
+                if d in live:
+                    live[d] = launcher.launch(d, attempt + 1)
+                else:
+                    pending.add(d)  # judged afresh once its node has relaunched it (no stale beats)
             else:
-                live.pop(d)
+                live.pop(d, None)
+                away.discard(d)
 
         seen_reports = 0  # the workers' reports (read_errors) handled so far
         try:
-            while live and outcome.error is None:
+            while (live or away) and outcome.error is None:
                 time.sleep(poll_s)
                 if signals.received:
                     outcome.interrupted = signals.received
@@ -199,6 +272,14 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     break
                 for rep in live.values():
                     rep.tracker.watch(per)
+                for d in list(pending):
+                    if replica_attempt(store, cfg.job_id, d, "launched") == attempts[d]:
+                        monitor.reset(d)
+                        pending.discard(d)
+                for d in away - done:
+                    if replica_attempt(store, cfg.job_id, d, "done") == attempts[d]:
+                        done.add(d)
+                in_job = set(live) | away
                 read_steps()
                 chain.advance()
                 chain.abort_evicted()
@@ -208,7 +289,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                         outcome.error, outcome.input_error = e["message"], True
                         break
                     d = dims.coords(int(e["rank"])).dp_rank if str(e["rank"]).isdigit() else None
-                    if e["kind"] == "crash" and d in live and d not in done:
+                    if e["kind"] == "crash" and d in in_job and d not in done and d not in pending:
                         lose(d, int(e["rank"]), "exception", None, None)
                 seen_reports = len(reports)
                 if outcome.input_error:
@@ -220,7 +301,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                         lose(d, rank, "exited", step, silent_s)
                 for ev in monitor.poll(monitor.min_step()):
                     d = dims.coords(ev.rank).dp_rank
-                    if d in live and d not in done:
+                    if d in (set(live) | away) and d not in done and d not in pending:
                         lose(d, ev.rank, ev.extra["cause"], ev.extra.get("step"), ev.extra.get("silent_s"))
                 for d, rep in list(live.items()):
                     rc = rep.proc.poll()
@@ -235,9 +316,10 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                         outcome.input_error = True
                         break
                     lose(d, None, f"workers exited with status {rc}", None, None)
-                if done and all(d in done for d in live):
+                in_job = set(live) | away
+                if done and in_job <= done:
                     break
-                if quorum.finished() and all(d in done or live[d].attempt > 0 for d in live):
+                if quorum.finished() and all(d in done or attempts[d] > 0 for d in in_job):
                     # the survivors are through; a replica still catching up has nothing to join
                     end = time.monotonic() + min(grace_s, 1.0)  # it gets an end of stream, or is stopped
                     while time.monotonic() < end and any(r.proc.poll() is None for r in live.values()):
@@ -258,6 +340,10 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 (out / "plan_changes.json").write_text(json.dumps(_applied_plans(quorum, first)))
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
+                # the store goes with this process: the other nodes see the end and stop their replicas
+                end = time.monotonic() + grace_s + 2.0
+                while not nodes_left(store, cfg.job_id, range(1, nodes.nnodes)) and time.monotonic() < end:
+                    time.sleep(0.1)
     if outcome.error is None and not done:
         outcome.error = "no replica finished the job"
     outcome.returncode = 0 if outcome.error is None else 1
@@ -266,6 +352,68 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         last = outcome.replica_failures[-1]
         outcome.failure = fail_stop(dims, last.rank if last.rank is not None else ranks[last.replica][0],
                                     last.step, last.cause, last.detected_s)
+    return outcome
+
+
+def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals, node: int,
+                   poll_s: float, grace_s: float, t0: float) -> Outcome:
+    """A node other than 0 in replica mode: run this node's replicas until node 0 ends the job (or
+    cannot be reached); stop a replica node 0 evicted, and relaunch it when told to."""
+    cfg, store = launcher.cfg, launcher.store
+    outcome = Outcome(returncode=0)
+    live = {}
+    for d in mine:
+        live[d] = launcher.launch(d, 0)
+        replica_state(store, cfg.job_id, d, 0, "launched")
+    said_done: set[tuple[int, int]] = set()
+    answered: set[tuple[int, int, int]] = set()  # (replica, attempt, rank) whose stacks were written
+    try:
+        while True:
+            time.sleep(poll_s)
+            if signals.received:
+                outcome.interrupted = signals.received
+                outcome.error = f"stopped by {signals.received}; all workers were stopped"
+                break
+            try:
+                for d, rep in list(live.items()):
+                    rep.tracker.watch(len(rep.aggregator.ranks))
+                    order = replica_order(store, cfg.job_id, d)
+                    if order is not None and order[0] > rep.attempt:  # node 0 evicted it
+                        _stop(rep.proc, rep.tracker, 0.5)
+                        rep.aggregator.stop()
+                        live.pop(d)
+                        if order[1]:
+                            live[d] = launcher.launch(d, order[0])
+                            replica_state(store, cfg.job_id, d, order[0], "launched")
+                        continue
+                    asked = stacks_asked(store, cfg.job_id, d)  # node 0 judged a rank of it hung
+                    if asked is not None and (d, rep.attempt, asked[0]) not in answered:
+                        beat = rep.aggregator._last.get(asked[0])  # its last beat names its process
+                        if beat is not None:
+                            dump_stacks(beat["pid"], Path(cfg.out) / "logs" / "workers.log", asked[1])
+                        answered.add((d, rep.attempt, asked[0]))
+                        stacks_written(store, cfg.job_id, d)
+                    if rep.proc.poll() == 0 and (d, rep.attempt) not in said_done:
+                        replica_state(store, cfg.job_id, d, rep.attempt, "done")
+                        said_done.add((d, rep.attempt))
+                reason = ended(store, cfg.job_id)
+            except (RuntimeError, dist.DistError):
+                reason = "node 0 cannot be reached (its store is gone)"
+            if reason is not None:
+                outcome.ended_by_node0 = True
+                if reason != "finished":
+                    outcome.error = reason if "node 0" in reason else f"the job ended on node 0: {reason}"
+                break
+    finally:
+        for rep in live.values():
+            with contextlib.suppress(Exception):
+                _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and outcome.error is None else 0.5)
+            rep.aggregator.stop()
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            node_left(store, cfg.job_id, node)
+    outcome.job_id = cfg.job_id
+    outcome.returncode = 0 if outcome.error is None else 1
+    outcome.wall_s = time.time() - t0
     return outcome
 
 
