@@ -126,6 +126,7 @@ class ReplicaLauncher:
     interval_s: float
     heartbeat_timeout_s: float
     join_timeout_s: float
+    first: int = 0  # this node's first replica: its ranks take the node's first GPUs
 
     def launch(self, d: int, attempt: int) -> _Replica:
         cfg, store = self.cfg, self.store
@@ -134,7 +135,7 @@ class ReplicaLauncher:
         per = len(ranks)
         for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks)]:
             store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
-        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str(d * per)},
+        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per)},
                          endpoint=self.endpoint, node=d, managed=True)
         proc = SPARES.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
                                              run_id=f"{cfg.job_id}-r{d}-a{attempt}",
@@ -192,7 +193,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         config_path.write_text(cfg.to_json())
         interval = min(BEAT_S, heartbeat_timeout_s / 4)
         launcher = ReplicaLauncher(cfg, store, js.endpoint, config_path, interval, heartbeat_timeout_s,
-                                   join_timeout_s)
+                                   join_timeout_s, first=min(mine))
         if not host:
             return serve_replicas(launcher, mine, signals, nodes.node_rank, poll_s, grace_s, t0)
         quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s, plan_key=plan_key(cfg.job_id))
