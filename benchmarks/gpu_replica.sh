@@ -7,6 +7,7 @@
 # $OUT/gpu-replica.json.
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_replica.sh      (lightgbm from .whl/ when the machine lacks it)
+#   OUT=/tmp/gpu ARMS="ff stop-2nodes" bash benchmarks/gpu_replica.sh   (results/gpu-replica-2nodes.json)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 R=$OUT/replica
@@ -23,15 +24,25 @@ cat "$R/machine.txt"
 # a learning rate at which this model trains stably: at 1e-3 its loss climbs again after step 25, and
 # any difference in reduction order grows from there
 MODEL="--layers ${LAYERS:-8} --hidden ${HIDDEN:-1024} --heads 16 --lr ${LR:-2e-4}"
-for arm in ff stop hang; do
+# ARMS: ff, stop, hang (one launcher), stop-2nodes (two launchers on this machine, one replica each:
+# node 1's launcher relaunches its replica when node 0 evicts it)
+for arm in ${ARMS:-ff stop hang}; do
     case $arm in
         ff) inject="" ;;
-        stop) inject="--inject stop:rank=1,step=10" ;;
+        stop|stop-2nodes) inject="--inject stop:rank=1,step=10" ;;
         hang) inject="--inject hang:rank=1,step=10" ;;
     esac
-    timeout 150 python3 -m resihp.cli run --device cuda --dp 2 --pp 1 --steps ${STEPS:-120} --recovery replica $MODEL $inject \
-        -o "$R/$arm" --json > "$R/$arm.json" 2> "$R/$arm.err"
-    echo "$arm: rc $?"; tail -3 "$R/$arm.err"
+    run="python3 -m resihp.cli run --device cuda --dp 2 --pp 1 --steps ${STEPS:-120} --recovery replica $MODEL $inject --json"
+    if [ "$arm" = stop-2nodes ]; then
+        nodes="--nnodes 2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:29561"
+        timeout 150 $run $nodes --node-rank 1 -o "$R/$arm-node1" > "$R/$arm-node1.json" 2> "$R/$arm-node1.err" &
+        timeout 150 $run $nodes --node-rank 0 -o "$R/$arm" > "$R/$arm.json" 2> "$R/$arm.err"
+        echo "$arm: rc $?"; wait; echo "$arm node 1: $(cat "$R/$arm-node1.json") $(tail -2 "$R/$arm-node1.err")"
+    else
+        timeout 150 $run -o "$R/$arm" > "$R/$arm.json" 2> "$R/$arm.err"
+        echo "$arm: rc $?"
+    fi
+    tail -3 "$R/$arm.err"
     tar czf "$OUT/$arm-run.tgz" -C "$R/$arm" logs summary.json 2>/dev/null
 done
 # two ranks on one GPU without replicas: NCCL would refuse them; resihp says so before launching
@@ -46,7 +57,7 @@ def load(arm):
         return json.loads((r / f"{arm}.json").read_text())
     except Exception as exc:  # a run that failed: its error is in its .err
         return {"error": f"{type(exc).__name__}: {exc}"}
-runs = {arm: load(arm) for arm in ("ff", "stop", "hang")}
+runs = {arm: load(arm) for arm in ("ff", "stop", "hang", "stop-2nodes") if (r / f"{arm}.err").exists()}
 out = {"benchmark": "gpu-replica", "machine": (r / "machine.txt").read_text().splitlines()}
 base = runs["ff"].get("losses")
 for arm, s in runs.items():
