@@ -115,7 +115,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=True)  # node 0 may re-form it
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             if replicas:
-                from resihp.runtime.replicas import node_replicas, replica_ranks
+                from resihp.runtime.replica_launch import node_replicas, replica_ranks
 
                 ranks = sorted(r for d in node_replicas(cfg, nodes) for r in replica_ranks(cfg)[d])
             else:

@@ -5,24 +5,24 @@ replica's heartbeats, and judges them: a dead or hung rank (or a replica whose w
 error) evicts its replica from the quorum, which the survivors see at their next vote; the
 replica's processes are killed (which also frees any survivor blocked on it in a collective) and
 relaunched alone, to catch up from a live peer and rejoin. The survivors are never restarted.
+On several nodes this is node 0's part (it also judges the other nodes' replicas, and tells their
+launchers to stop and relaunch one: ``replica_launch.serve_replicas``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch.distributed as dist
 
 from resihp.ckpt.integrity import remove_partial
-from resihp.detect.heartbeat import HeartbeatMonitor, NodeAggregator, node_key, rank_key
+from resihp.detect.heartbeat import HeartbeatMonitor
 from resihp.errors import InputError
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.runtime.config import RunConfig
@@ -31,10 +31,8 @@ from resihp.runtime.controlplane import (
     StepReader,
     StepRecords,
     announce_job,
-    ended,
     heartbeat_prefix,
     mark_ended,
-    node_left,
     nodes_left,
     order_replica,
     plan_key,
@@ -42,16 +40,16 @@ from resihp.runtime.controlplane import (
     prefix_of,
     read_errors,
     replica_attempt,
-    replica_order,
-    replica_state,
-    stacks_asked,
-    stacks_written,
 )
-from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
+from resihp.runtime.launch import JobStore
 from resihp.runtime.nodes import Nodes
-from resihp.runtime.replica import ATTEMPT_ENV, BEAT_S, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.spares import SPARES
+from resihp.runtime.replica import BEAT_S
+from resihp.runtime.replica_launch import (
+    ReplicaLauncher,
+    node_replicas,
+    replica_ranks,
+    serve_replicas,
+)
 from resihp.runtime.supervisor import (
     GRACE_S,
     STOPPED_S,
@@ -60,7 +58,6 @@ from resihp.runtime.supervisor import (
     _Signals,
     _stop,
     control_plane_costs,
-    drain_stderr,
     fail_stop,
     fault_timeouts,
     hand_on_steps,
@@ -70,17 +67,6 @@ from resihp.runtime.supervisor import (
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
 HANG_FACTOR, HANG_FLOOR_S = 2.0, 3.0
-
-
-@dataclass
-class _Replica:
-    replica: int
-    attempt: int
-    proc: subprocess.Popen
-    tracker: ProcessTracker
-    aggregator: NodeAggregator
-    lines: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -98,54 +84,6 @@ class ReplicaFailure:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def replica_ranks(cfg: RunConfig) -> dict[int, list[int]]:
-    """Each data-parallel replica's ranks (its pipeline and tensor-parallel ranks)."""
-    dims, par = cfg.dims(), cfg.parallel
-    return {d: sorted(dims.rank_of(d, s, t) for s in range(par.pp) for t in range(par.tp)) for d in range(par.dp)}
-
-
-def node_replicas(cfg: RunConfig, nodes: Nodes) -> list[int]:
-    """The replicas ``nodes``' node runs: node ``n`` runs ``n k .. n k + k - 1``, ``k`` =
-    nproc_per_node / (pp x tp). Their ranks are not contiguous (stage-major:
-    ``ParallelDims.rank_of``)."""
-    per_node = nodes.nproc_per_node // (cfg.parallel.pp * cfg.parallel.tp)
-    return [d for d in range(cfg.parallel.dp) if d // per_node == nodes.node_rank]
-
-
-@dataclass
-class ReplicaLauncher:
-    """Launches this node's replicas, each its own torchrun on the job's store with a heartbeat
-    aggregator of its own (each replica is a node of the monitor)."""
-
-    cfg: RunConfig
-    store: dist.Store
-    endpoint: str
-    config_path: Path
-    interval_s: float
-    heartbeat_timeout_s: float
-    join_timeout_s: float
-    first: int = 0  # this node's first replica: its ranks take the node's first GPUs
-
-    def launch(self, d: int, attempt: int) -> _Replica:
-        cfg, store = self.cfg, self.store
-        hb = heartbeat_prefix(cfg.job_id)
-        ranks = replica_ranks(cfg)[d]
-        per = len(ranks)
-        for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks)]:
-            store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
-        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per)},
-                         endpoint=self.endpoint, node=d, managed=True)
-        proc = SPARES.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
-                                             run_id=f"{cfg.job_id}-r{d}-a{attempt}",
-                                             forked=forks_workers(cfg)), env)
-        agg = NodeAggregator(store, d, ranks, interval_s=self.interval_s, timeout_s=self.heartbeat_timeout_s,
-                             prefix=hb, startup_s=self.join_timeout_s).start()
-        rep = _Replica(d, attempt, proc, ProcessTracker(proc.pid), agg)
-        threading.Thread(target=drain_stderr, args=(proc, rep.lines, Path(cfg.out), f"[replica {d} attempt {attempt}] ", 200),
-                         daemon=True).start()
-        return rep
 
 
 def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None,
@@ -353,68 +291,6 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         last = outcome.replica_failures[-1]
         outcome.failure = fail_stop(dims, last.rank if last.rank is not None else ranks[last.replica][0],
                                     last.step, last.cause, last.detected_s)
-    return outcome
-
-
-def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals, node: int,
-                   poll_s: float, grace_s: float, t0: float) -> Outcome:
-    """A node other than 0 in replica mode: run this node's replicas until node 0 ends the job (or
-    cannot be reached); stop a replica node 0 evicted, and relaunch it when told to."""
-    cfg, store = launcher.cfg, launcher.store
-    outcome = Outcome(returncode=0)
-    live = {}
-    for d in mine:
-        live[d] = launcher.launch(d, 0)
-        replica_state(store, cfg.job_id, d, 0, "launched")
-    said_done: set[tuple[int, int]] = set()
-    answered: set[tuple[int, int, int]] = set()  # (replica, attempt, rank) whose stacks were written
-    try:
-        while True:
-            time.sleep(poll_s)
-            if signals.received:
-                outcome.interrupted = signals.received
-                outcome.error = f"stopped by {signals.received}; all workers were stopped"
-                break
-            try:
-                for d, rep in list(live.items()):
-                    rep.tracker.watch(len(rep.aggregator.ranks))
-                    order = replica_order(store, cfg.job_id, d)
-                    if order is not None and order[0] > rep.attempt:  # node 0 evicted it
-                        _stop(rep.proc, rep.tracker, 0.5)
-                        rep.aggregator.stop()
-                        live.pop(d)
-                        if order[1]:
-                            live[d] = launcher.launch(d, order[0])
-                            replica_state(store, cfg.job_id, d, order[0], "launched")
-                        continue
-                    asked = stacks_asked(store, cfg.job_id, d)  # node 0 judged a rank of it hung
-                    if asked is not None and (d, rep.attempt, asked[0]) not in answered:
-                        beat = rep.aggregator._last.get(asked[0])  # its last beat names its process
-                        if beat is not None:
-                            dump_stacks(beat["pid"], Path(cfg.out) / "logs" / "workers.log", asked[1])
-                        answered.add((d, rep.attempt, asked[0]))
-                        stacks_written(store, cfg.job_id, d)
-                    if rep.proc.poll() == 0 and (d, rep.attempt) not in said_done:
-                        replica_state(store, cfg.job_id, d, rep.attempt, "done")
-                        said_done.add((d, rep.attempt))
-                reason = ended(store, cfg.job_id)
-            except (RuntimeError, dist.DistError):
-                reason = "node 0 cannot be reached (its store is gone)"
-            if reason is not None:
-                outcome.ended_by_node0 = True
-                if reason != "finished":
-                    outcome.error = reason if "node 0" in reason else f"the job ended on node 0: {reason}"
-                break
-    finally:
-        for rep in live.values():
-            with contextlib.suppress(Exception):
-                _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and outcome.error is None else 0.5)
-            rep.aggregator.stop()
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            node_left(store, cfg.job_id, node)
-    outcome.job_id = cfg.job_id
-    outcome.returncode = 0 if outcome.error is None else 1
-    outcome.wall_s = time.time() - t0
     return outcome
 
 
