@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from resihp.ckpt.integrity import problem
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.parallel import ParallelDims
 from resihp.runtime.replica import holder_key
@@ -536,6 +537,30 @@ def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
     flags = dict(layers=2, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048, budget=256,
                  max_len=256, dp=2, pp=2, steps=24)
     _same_losses(losses, replay_membership(flags, members, tmp_path / "replay"), "drop mode vs its replay")
+
+
+@pytest.mark.slow
+def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts(tmp_path):
+    """--ckpt-every in replica mode: each checkpoint is written by the lowest replica that trained
+    its step. Replica 0 is killed during step 6, so replica 1 alone trains step 7 and writes
+    ``step7`` (a relaunch takes seconds, steps a fraction of one); the checkpoint verifies, records
+    the job's layout, and ``--resume`` continues it in other layouts (no replicas; tensor parallel)
+    with the replica run's losses."""
+    run = tmp_path / "run"
+    rc, summary, err = _run(run, "--dp", "2", "--pp", "2", "--steps", "12", "--recovery", "replica",
+                            "--ckpt-every", "4", "--inject", "stop:rank=0,step=6")
+    assert rc == 0, err[-2000:]
+    assert summary["members"][7] == [1] and summary["recovery"]["lost_replica"] == 0, summary["members"]
+    ckpt = run / "ckpt" / "step7"
+    assert problem(ckpt) is None and (run / "ckpt" / "step11").exists()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert (meta["dp"], meta["pp"], meta["layer_splits"]) == (2, 2, [[1, 1], [1, 1]]), meta
+    for layout in (["--dp", "1", "--pp", "2"], ["--dp", "1", "--pp", "1", "--tp", "2"]):
+        rc, resumed, err = _run(tmp_path / "-".join(layout), *layout, "--steps", "12", "--recovery", "none",
+                                "--resume", str(ckpt))
+        assert rc == 0, err[-2000:]
+        assert resumed["first_step"] == 8, resumed.get("first_step")
+        _same_losses(resumed["losses"], summary["losses"][8:], f"resumed in {layout}")
 
 
 @pytest.mark.parametrize("args, message", [

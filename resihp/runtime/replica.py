@@ -23,11 +23,13 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed import Store
 
+from resihp.ckpt.integrity import prune
 from resihp.detect.heartbeat import HeartbeatSender
 from resihp.ft.group import Key, ReplicaGroup
 from resihp.ft.heal import (
@@ -199,6 +201,26 @@ class ReplicaEngine(Engine):
         del self.rec.rows[self.rec._flushed:]
         self.rec.active = None
 
+    # --- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Path, step: int) -> None:
+        """Collective over this replica's ranks: the model and AdamW state after ``step`` as a
+        universal checkpoint (any layout loads it), the job's layout in its meta: every replica's
+        layer split and micro-batch share. Its layout names replicas, which no other mode's does,
+        so a resume re-derives the torch generators (none is written)."""
+        # deferred for start-up time, as in worker.save_checkpoint: torch.distributed.checkpoint
+        from resihp.ckpt.universal import save
+        from resihp.runtime.elastic import checkpoint_meta, run_state
+
+        full = self.full
+        splits = [[b - a for a, b in ranges] for ranges in self.full_ranges]
+        state = {**run_state(self, full), "data.dp_weights": list(self.full_weights), "layer_splits": splits,
+                 "layout": {"replicas": full.parallel.dp, "pp": full.parallel.pp, "tp": full.parallel.tp}}
+        meta = {**checkpoint_meta(self, full), "dp": full.parallel.dp, "layer_splits": splits, "state": state}
+        with self.rec.op("checkpoint-save"):
+            save(directory, self.model, self.optimizer, step, meta, self.tp, self.model_cfg)
+        if dist.get_rank() == 0:
+            prune(directory.parent, full.checkpoint.ckpt_keep)
+
     # --- serving returning replicas -------------------------------------------------------------
     def after_commit(self, step: int) -> None:
         """After the optimizer step of ``step``: close the streams of replicas admitted now, and
@@ -338,8 +360,12 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
                 with engine.rec.op("ft-abort") as row:
                     row["wait_s"] = lost  # the attempt's time, lost to the failure
                 continue
+            trained = engine.gen  # the members that trained the step committed now
             engine.gen = engine.decision.next
             engine.after_commit(step)
+            every = cfg.checkpoint.ckpt_every
+            if every and (step + 1) % every == 0 and member.replica == min(trained.replicas):
+                engine.save_checkpoint(cfg.ckpt_root() / f"step{step}", step)  # one member writes
             if result.loss is not None and member.replica == min(engine.gen.replicas) and local == per_replica - cfg.parallel.tp:
                 print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
                       file=sys.stderr, flush=True)
