@@ -544,8 +544,8 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     """--ckpt-every in replica mode: each checkpoint is written by the lowest replica that trained
     its step. Replica 0 is killed during step 6, so replica 1 alone trains step 7 and writes
     ``step7`` (a relaunch takes seconds, steps a fraction of one); the checkpoint verifies, records
-    the job's layout, and ``--resume`` continues it in other layouts (no replicas; tensor parallel)
-    with the replica run's losses."""
+    the job's layout, and ``--resume`` continues it in other layouts (no replicas; tensor parallel;
+    replicas of one stage, one of them lost again) with the replica run's losses."""
     run = tmp_path / "run"
     rc, summary, err = _run(run, "--dp", "2", "--pp", "2", "--steps", "12", "--recovery", "replica",
                             "--ckpt-every", "4", "--inject", "stop:rank=0,step=6")
@@ -561,11 +561,17 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
         assert rc == 0, err[-2000:]
         assert resumed["first_step"] == 8, resumed.get("first_step")
         _same_losses(resumed["losses"], summary["losses"][8:], f"resumed in {layout}")
+    rc, resumed, err = _run(tmp_path / "replicas", "--dp", "2", "--pp", "1", "--steps", "12", "--recovery", "replica",
+                            "--resume", str(ckpt), "--inject", "stop:rank=1,step=9")
+    assert rc == 0, err[-2000:]
+    assert resumed["first_step"] == 8 and resumed["resume"]["first_step"] == 8, resumed.get("resume")
+    assert resumed["members"][0] == [0, 1] and resumed["recovery"]["lost_replica"] == 1, resumed["members"]
+    _same_losses(resumed["losses"], summary["losses"][8:], "resumed in replica mode")
 
 
 @pytest.mark.parametrize("args, message", [
     (["--dp", "1", "--pp", "2"], "faults.recovery (--recovery replica): needs --dp 2 or more"),
-    (["--dp", "2", "--pp", "1", "--snapshot-every", "2"], "recovers from a live peer"),
+    (["--dp", "2", "--pp", "1", "--snapshot-every", "2"], "--snapshot-every is not combined with it"),
 ])
 def test_bad_replica_recovery_input_is_one_line(args, message, tmp_path):
     rc, _, err = _run(tmp_path / "bad", "--steps", "2", "--recovery", "replica", *args, timeout=60)

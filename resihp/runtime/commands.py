@@ -139,7 +139,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             if (out / "ops.parquet").exists():
                 trace = read_ops_trace(out / "ops.parquet")
                 summary["recovery"] = recovery_summary(outcome, trace)
-                summary["members"] = outcome.replica_members  # per step, the replicas that trained it
+                summary["members"] = outcome.replica_members  # per step from first_step, the replicas that trained it
                 if summary["recovery"] is not None:
                     from resihp.runtime.report import plot_replicas  # deferred: matplotlib
 

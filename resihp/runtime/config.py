@@ -154,10 +154,10 @@ class RunConfig:
         if replica and parallel.dp < 2:
             raise InputError(f"faults.recovery (--recovery {faults.recovery}): needs --dp 2 or more (the "
                              f"replica is the unit of failure), got --dp {parallel.dp}")
-        if replica and (ckpt.snapshot_every or ckpt.resume):
+        if replica and ckpt.snapshot_every:
             raise InputError(f"faults.recovery (--recovery {faults.recovery}): a lost replica recovers "
-                             "from a live peer; --snapshot-every and --resume are not combined with it "
-                             "yet (--ckpt-every is: one member replica writes each checkpoint)")
+                             "from a live peer; --snapshot-every is not combined with it yet "
+                             "(--ckpt-every and --resume are)")
         self.model.check_tp(parallel.tp)
         self.stage_ranges()
         if parallel.dp_weights is not None and (len(parallel.dp_weights) != parallel.dp

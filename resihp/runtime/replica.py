@@ -221,6 +221,18 @@ class ReplicaEngine(Engine):
         if dist.get_rank() == 0:
             prune(directory.parent, full.checkpoint.ckpt_keep)
 
+    def resume(self, source: Path, first_step: int) -> None:
+        """Collective over this replica's ranks: its model and AdamW state from checkpoint
+        ``source`` (any layout wrote it; non-tensor state by its rule), before ``first_step``.
+        Replica 0's first rank records the decisions in ``OUT/resume.json``."""
+        from resihp.runtime.elastic import resume  # deferred, as save_checkpoint's imports
+
+        self.rec.begin_step(first_step)
+        with self.rec.op("checkpoint-load"):
+            resumed = resume(self, self.full, source, first_step)
+        if self.member.replica == 0 and dist.get_rank() == 0:
+            (Path(self.full.out) / "resume.json").write_text(json.dumps(resumed.to_dict()))
+
     # --- serving returning replicas -------------------------------------------------------------
     def after_commit(self, step: int) -> None:
         """After the optimizer step of ``step``: close the streams of replicas admitted now, and
@@ -340,7 +352,9 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     publisher = StepPublisher(store, job_id, member.replica)
     try:
         if member.attempt == 0:
-            engine.gen = engine.quorum.generation(0)
+            engine.gen = engine.quorum.generation(0)  # from the step after the checkpoint it resumes
+            if cfg.checkpoint.resume:
+                engine.resume(Path(cfg.checkpoint.resume), engine.gen.from_step)
         else:
             heart.follow(lambda: engine.rec.progress("join"))
             joined = engine.catch_up(local)

@@ -136,9 +136,10 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             return serve_replicas(launcher, mine, signals, nodes.node_rank, poll_s, grace_s, t0)
         quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s, plan_key=plan_key(cfg.job_id))
         quorum.set_replicas(cfg.parallel.dp)
-        first = quorum.start([Member(d, 0) for d in range(cfg.parallel.dp)], 0)
+        first_step = resumed_step(cfg)
+        first = quorum.start([Member(d, 0) for d in range(cfg.parallel.dp)], first_step)
         chain = DecisionChain(quorum, first)
-        store.set(f"{prefix_of(cfg.job_id)}/ops/first", "0")
+        store.set(f"{prefix_of(cfg.job_id)}/ops/first", str(first_step))
         hb = heartbeat_prefix(cfg.job_id)
         places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size) for c in [dims.coords(r)]}
         # a false hang costs one replica's relaunch here, not the job: judge hangs sooner (a process
@@ -148,7 +149,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                                    places=places, startup_s=join_timeout_s, hang_timeout_s=hang_timeout_s,
                                    hang_factor=HANG_FACTOR, hang_floor_s=min(heartbeat_timeout_s, HANG_FLOOR_S),
                                    stopped_s=STOPPED_S)
-        reader = StepReader(store, cfg.job_id, ranks, 0, owner=True, members=quorum.committed)
+        reader = StepReader(store, cfg.job_id, ranks, first_step, owner=True, members=quorum.committed)
         live = {d: launcher.launch(d, 0) for d in mine}  # this node's replicas
         away = {d for d in ranks if d not in mine}  # other nodes' replicas still in the job
         attempts = dict.fromkeys(ranks, 0)
@@ -274,7 +275,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 read_steps()
                 outcome.errors = read_errors(store, cfg.job_id)
                 outcome.replica_catchups = _catchups(store, quorum, outcome.replica_failures)
-                outcome.replica_members = _members(quorum, cfg.train.steps)
+                outcome.replica_members = _members(quorum, first_step, cfg.train.steps)
                 outcome.control_plane = control_plane_costs(reader, beats)
                 (out / "plan_changes.json").write_text(json.dumps(_applied_plans(quorum, first)))
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
@@ -294,10 +295,20 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
     return outcome
 
 
-def _members(quorum: Quorum, steps: int) -> list[list[int]]:
-    """The recorded membership: per committed step from 0, the replicas that trained it."""
+def resumed_step(cfg: RunConfig) -> int:
+    """The job's first step: after the checkpoint it resumes (``--resume``, resolved), else 0."""
+    if not cfg.checkpoint.resume:
+        return 0
+    # deferred: torch.distributed.checkpoint, for start-up time
+    from resihp.ckpt.universal import read_meta
+
+    return int(read_meta(cfg.checkpoint.resume)["step"]) + 1
+
+
+def _members(quorum: Quorum, first_step: int, steps: int) -> list[list[int]]:
+    """The recorded membership: per committed step from ``first_step``, the replicas that trained it."""
     found = []
-    for step in range(steps):
+    for step in range(first_step, steps):
         members = quorum.committed(step)
         if members is None:
             break
