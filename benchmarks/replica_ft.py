@@ -2,6 +2,7 @@
 ``resihp run --recovery replica`` against restarting the whole job, on one harness. Prints JSON.
 
     OMP_NUM_THREADS=1 python benchmarks/replica_ft.py [--rounds 2] [--out benchmarks/results/replica-ft.json]
+    OMP_NUM_THREADS=1 python benchmarks/replica_ft.py --nodes-only --out benchmarks/results/replica-ft-2nodes.json
 
 Every arm is a real ``resihp run`` (DP 2 x PP 2, torchrun workers on gloo, CPU) with the same
 model, data and fault: ``stop:rank=1,step=S`` (SIGKILL of a rank of replica 1). Arms run in
@@ -18,6 +19,9 @@ rounds, in a rotated order, so the machine's drifts hit all alike; medians over 
 - ``disk``: ``--ckpt-every 5`` without a memory tier (the whole job restarted from the newest
   disk checkpoint, without the lost rank). Stall = the survivors' time from their last step before
   the failure to the first step after the restart, plus the steps done twice.
+- ``replica-2nodes`` (with ``--nodes``): the ``replica`` arm on two launchers (``--nnodes 2``, one
+  replica each, as on two machines): node 0 judges and evicts replica 1, node 1's launcher relaunches
+  it. ``--nodes-only`` runs just the two replica arms.
 - ``failure_free``: ``--recovery replica`` against ``--recovery none`` without a fault, the
   overhead of the quorum and the cross-replica groups while training: the steady step period (the
   median over ranks of each rank's median interval between the starts of its steps, from step 3 on:
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -51,11 +56,23 @@ MODEL = ["--layers", "4", "--hidden", "128", "--heads", "4", "--ffn-hidden", "51
          "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60"]
 
 
-def run(out: Path, *args: str) -> dict:
+def run(out: Path, *args: str, nodes: int = 1) -> dict:
+    """One ``resihp run``; with ``nodes`` 2, two launchers on this machine (node 0's summary)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "resihp.cli", "run", *MODEL, *args]
+    others = []
+    if nodes > 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd += ["--nnodes", str(nodes), "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        others = [subprocess.Popen([*cmd, "--node-rank", str(n), "-o", str(out) + f"-node{n}"], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in range(1, nodes)]
+        cmd += ["--node-rank", "0"]
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *MODEL, *args],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, env=env, timeout=900)
+    for other in others:
+        other.wait(timeout=120)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     summary["_rc"], summary["_wall_s"], summary["_stderr"] = proc.returncode, time.time() - t0, proc.stderr[-400:]
     return summary
@@ -79,8 +96,8 @@ def failure_free_arm(out: Path, steps: int, recovery: str) -> dict:
     return row
 
 
-def replica_arm(out: Path, steps: int, fail: int) -> dict:
-    s = run(out, "--steps", str(steps), "--recovery", "replica", "--inject", f"stop:rank=1,step={fail}")
+def replica_arm(out: Path, steps: int, fail: int, nodes: int = 1) -> dict:
+    s = run(out, "--steps", str(steps), "--recovery", "replica", "--inject", f"stop:rank=1,step={fail}", nodes=nodes)
     rec = s.get("recovery") or {}
     walls = step_walls(out)
     median = float(walls[walls.index < fail].median())
@@ -127,17 +144,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ff-only", action="store_true", help="only the failure-free arms")
     parser.add_argument("--ff-rounds", type=int, default=None, help="rounds of the failure-free arms")
+    parser.add_argument("--nodes", action="store_true", help="also the replica arm on two launchers")
+    parser.add_argument("--nodes-only", action="store_true", help="only the replica arms, one and two launchers")
     args = parser.parse_args()
     arms = ([] if args.ff_only else ["replica", "memory", "disk"]) + ["ff-replica", "ff-none", "ff-none-again"]
+    if args.nodes or args.nodes_only:
+        arms.insert(1, "replica-2nodes")
+    if args.nodes_only:
+        arms = ["replica", "replica-2nodes"]
     args.rounds = args.ff_rounds or args.rounds if args.ff_only else args.rounds
-    results: dict[str, list[dict]] = {a: [] for a in ["replica", "memory", "disk", *arms]}
+    results: dict[str, list[dict]] = {a: [] for a in ["replica", "replica-2nodes", "memory", "disk", *arms]}
     with tempfile.TemporaryDirectory(prefix="replica-ft-") as tmp:
         for r in range(args.rounds):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
             for arm in order:
                 out = Path(tmp) / f"{arm}-{r}"
-                if arm == "replica":
-                    results[arm].append(replica_arm(out, args.steps, args.fail_step))
+                if arm in ("replica", "replica-2nodes"):
+                    results[arm].append(replica_arm(out, args.steps, args.fail_step, 2 if arm == "replica-2nodes" else 1))
                 elif arm in ("memory", "disk"):
                     results[arm].append(restart_arm(out, args.steps, args.fail_step, arm))
                 else:
@@ -157,6 +180,8 @@ def main() -> None:
     replica_stall, memory_stall, disk_stall = med("replica", "stall_s"), med("memory", "stall_s"), med("disk", "stall_s")
     ff_replica, ff_none = med("ff-replica", "tokens_per_s"), med("ff-none", "tokens_per_s")
     pairs = list(zip(results["ff-replica"], results["ff-none"], results["ff-none-again"], strict=True))
+    replica_keys = ("stall_s", "stall_steps", "median_step_s", "detected_s", "restart_s", "catchup_s",
+                    "catchup_over_step", "rejoin_slowest_over_median", "rejoined_step")
 
     def paired(key: str, slower: bool) -> tuple[list[float], list[float]]:
         """Per round, replica's cost over none's (``slower``: a larger ``key`` is worse), and the
@@ -175,9 +200,8 @@ def main() -> None:
     summary = {
         "harness": {"model": MODEL, "steps": args.steps, "fault": f"stop:rank=1,step={args.fail_step}",
                     "rounds": args.rounds, "machine": os.cpu_count()},
-        "replica": {k: med("replica", k) for k in ("stall_s", "stall_steps", "median_step_s", "detected_s",
-                                                    "restart_s", "catchup_s", "catchup_over_step",
-                                                    "rejoin_slowest_over_median", "rejoined_step")},
+        "replica": {k: med("replica", k) for k in replica_keys},
+        "replica_2nodes": {k: med("replica-2nodes", k) for k in replica_keys} if results["replica-2nodes"] else None,
         "memory_restart": {k: med("memory", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")},
         "disk_restart": {k: med("disk", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")},
         "stall_vs_disk_restart": round(replica_stall / disk_stall, 4) if replica_stall and disk_stall else None,
