@@ -183,6 +183,34 @@ def test_replica_mode_on_two_nodes_relaunches_a_lost_replica_on_its_node_and_the
 
 
 @pytest.mark.slow
+def test_replica_mode_trains_on_when_a_whole_node_is_lost(tmp_path, replica_reference):
+    """--recovery replica, one replica per node: node 1's launcher is killed (SIGKILL; its workers
+    die with it). Node 0 finds node 1 silent, evicts its replica (not relaunched: nobody is left
+    there to do it) and trains every step with replica 0, at the failure-free run's losses."""
+    slow = ["--inject", "slow:rank=0,factor=2,step=1"]  # steps long enough to see it go on any machine
+    node0, node1 = _two_nodes(tmp_path, "--steps", str(REPLICA_STEPS), "--recovery", "replica", *slow)
+    stream = tmp_path / "node0" / "ops.jsonl"
+    end = time.time() + 120
+    while not (stream.exists() and stream.stat().st_size > 0) and time.time() < end:
+        time.sleep(0.1)
+    assert stream.exists(), "the job did not start"
+    workers1 = descendants(node1.pid)
+    node1.send_signal(signal.SIGKILL)
+    node1.wait(timeout=10)
+    s0, err0 = _finish(node0)
+    assert node0.returncode == 0, err0[-2000:]
+    rec = s0["recovery"]
+    assert (rec["lost_replica"], rec["cause"], rec["relaunched"]) == (1, "node", False), rec
+    assert s0["members"][-1] == [0] and len(s0["losses"]) == REPLICA_STEPS
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(s0["losses"], replica_reference))
+    deadline = time.time() + 15
+    while any(Path(f"/proc/{p}").exists() for p in workers1) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in workers1), "node 1's workers outlived it"
+    _no_workers_left(tmp_path)
+
+
+@pytest.mark.slow
 def test_a_node_left_with_no_rank_is_not_relaunched_and_its_launcher_is_told_at_once(tmp_path):
     """One rank per node; node 1's only rank dies: no re-formed relaunch keeps every survivor on
     its node, so node 0 names the newest whole checkpoint and tells node 1's launcher, which ends

@@ -152,6 +152,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         reader = StepReader(store, cfg.job_id, ranks, first_step, owner=True, members=quorum.committed)
         live = {d: launcher.launch(d, 0) for d in mine}  # this node's replicas
         away = {d for d in ranks if d not in mine}  # other nodes' replicas still in the job
+        lost_nodes: set[int] = set()  # nodes whose launcher went silent
         attempts = dict.fromkeys(ranks, 0)
         pending: set[int] = set()  # relaunches ordered on another node, not yet said launched
         done: set[int] = set()
@@ -184,13 +185,17 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             chain.advance()
             reader.lost(d, chain.step)  # it trained no step from there on; it may not have published its last
             members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
-            again = attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
+            # a replica whose node's launcher went silent (a lost node) has nobody to relaunch it
+            again = (attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
+                     and not (d in away and cause == "node"))
             outcome.replica_failures.append(ReplicaFailure(d, attempt, rank, cause, step, detected_s, at, again))
             if not members:
                 outcome.error = (f"every replica was lost (replica {d}: {cause}); no live peer holds the "
                                  "state to go on from")
             if d in away:  # its node stops it, and relaunches it if told to
                 order_replica(store, cfg.job_id, d, attempt + 1, again)
+                if cause == "node":
+                    lost_nodes.add(d // (nodes.nproc_per_node // per))
             if again:
                 attempts[d] = attempt + 1
                 monitor.reset(d)
@@ -282,7 +287,8 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 reader.wait_for_followers(grace_s)
                 # the store goes with this process: the other nodes see the end and stop their replicas
                 end = time.monotonic() + grace_s + 2.0
-                while not nodes_left(store, cfg.job_id, range(1, nodes.nnodes)) and time.monotonic() < end:
+                waited = [n for n in range(1, nodes.nnodes) if n not in lost_nodes]
+                while not nodes_left(store, cfg.job_id, waited) and time.monotonic() < end:
                     time.sleep(0.1)
     if outcome.error is None and not done:
         outcome.error = "no replica finished the job"
