@@ -153,7 +153,8 @@ def main() -> None:
     if args.nodes_only:
         arms = ["replica", "replica-2nodes"]
     args.rounds = args.ff_rounds or args.rounds if args.ff_only else args.rounds
-    results: dict[str, list[dict]] = {a: [] for a in ["replica", "replica-2nodes", "memory", "disk", *arms]}
+    every = ["replica", "replica-2nodes", "memory", "disk", "ff-replica", "ff-none", "ff-none-again"]
+    results: dict[str, list[dict]] = {a: [] for a in every}
     with tempfile.TemporaryDirectory(prefix="replica-ft-") as tmp:
         for r in range(args.rounds):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
