@@ -96,7 +96,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
     Complete steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next
     commit carries the newest one to every rank. On several nodes (``nodes``, each holding whole
     replicas) node 0 hosts the store and the quorum and judges every replica; another node runs
-    its replicas and stops or relaunches one when node 0 says so (``replica_node``)."""
+    its replicas and stops or relaunches one when node 0 says so (``replica_launch.serve_replicas``)."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
     if cfg.parallel.dp < 2:
