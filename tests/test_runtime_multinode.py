@@ -60,6 +60,26 @@ def _no_workers_left(tmp: Path) -> None:
     assert left == [], f"processes of the job still alive: {left}"
 
 
+def _kill_node_1_once_started(tmp: Path, node1: subprocess.Popen) -> list[int]:
+    """SIGKILL node 1's launcher once node 0 has the job's first step; the PIDs it had below it."""
+    stream = tmp / "node0" / "ops.jsonl"
+    end = time.time() + 120
+    while not (stream.exists() and stream.stat().st_size > 0) and time.time() < end:
+        time.sleep(0.1)
+    assert stream.exists(), "the job did not start"
+    workers = descendants(node1.pid)
+    node1.send_signal(signal.SIGKILL)
+    node1.wait(timeout=10)
+    return workers
+
+
+def _all_gone(pids: list[int], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.time() + timeout_s
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in pids), what
+
+
 @pytest.mark.slow
 def test_slow_rank_on_node_1_is_detected_and_replanned_by_node_0(tmp_path):
     port = free_port()
@@ -189,24 +209,14 @@ def test_replica_mode_trains_on_when_a_whole_node_is_lost(tmp_path, replica_refe
     there to do it) and trains every step with replica 0, at the failure-free run's losses."""
     slow = ["--inject", "slow:rank=0,factor=2,step=1"]  # steps long enough to see it go on any machine
     node0, node1 = _two_nodes(tmp_path, "--steps", str(REPLICA_STEPS), "--recovery", "replica", *slow)
-    stream = tmp_path / "node0" / "ops.jsonl"
-    end = time.time() + 120
-    while not (stream.exists() and stream.stat().st_size > 0) and time.time() < end:
-        time.sleep(0.1)
-    assert stream.exists(), "the job did not start"
-    workers1 = descendants(node1.pid)
-    node1.send_signal(signal.SIGKILL)
-    node1.wait(timeout=10)
+    workers1 = _kill_node_1_once_started(tmp_path, node1)
     s0, err0 = _finish(node0)
     assert node0.returncode == 0, err0[-2000:]
     rec = s0["recovery"]
     assert (rec["lost_replica"], rec["cause"], rec["relaunched"]) == (1, "node", False), rec
     assert s0["members"][-1] == [0] and len(s0["losses"]) == REPLICA_STEPS
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(s0["losses"], replica_reference))
-    deadline = time.time() + 15
-    while any(Path(f"/proc/{p}").exists() for p in workers1) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not any(Path(f"/proc/{p}").exists() for p in workers1), "node 1's workers outlived it"
+    _all_gone(workers1, "node 1's workers outlived it")
     _no_workers_left(tmp_path)
 
 
@@ -237,23 +247,13 @@ def test_a_node_left_with_no_rank_is_not_relaunched_and_its_launcher_is_told_at_
 @pytest.mark.slow
 def test_node_1_launcher_killed_node_0_ends_cleanly_with_one_line(tmp_path):
     node0, node1 = _two_nodes(tmp_path, "--steps", "200")
-    stream = tmp_path / "node0" / "ops.jsonl"
-    end = time.time() + 120
-    while not (stream.exists() and stream.stat().st_size > 0) and time.time() < end:
-        time.sleep(0.2)
-    assert stream.exists(), "the job did not start"
-    workers1 = descendants(node1.pid)
-    node1.send_signal(signal.SIGKILL)
-    node1.wait(timeout=10)
+    workers1 = _kill_node_1_once_started(tmp_path, node1)
     s0, err0 = _finish(node0)
     assert node0.returncode == 1
     last = err0.strip().splitlines()[-1]
     assert last.startswith("resihp: node 1") and "stopped answering" in last, err0[-2000:]
     assert s0["failure"]["cause"] == "node"
-    deadline = time.time() + 15
-    while any(Path(f"/proc/{p}").exists() for p in workers1) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not any(Path(f"/proc/{p}").exists() for p in workers1), "node 1's workers outlived it"
+    _all_gone(workers1, "node 1's workers outlived it")
     _no_workers_left(tmp_path)
 
 

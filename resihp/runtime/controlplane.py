@@ -399,13 +399,15 @@ def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunc
     store.set(f"{prefix_of(job_id)}/replica/{replica}/order", json.dumps({"attempt": attempt, "relaunch": relaunch}))
 
 
+def _read_json(store: Store, key: str) -> dict | None:
+    """The JSON object at ``key``, or None where nothing was set there."""
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
 def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] | None:
     """The newest order for ``replica`` (attempt, relaunch), or None."""
-    key = f"{prefix_of(job_id)}/replica/{replica}/order"
-    if not store.check([key]):
-        return None
-    order = json.loads(store.get(key))
-    return int(order["attempt"]), bool(order["relaunch"])
+    order = _read_json(store, f"{prefix_of(job_id)}/replica/{replica}/order")
+    return None if order is None else (int(order["attempt"]), bool(order["relaunch"]))
 
 
 def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: str) -> None:
@@ -444,11 +446,8 @@ def ask_for_stacks(store: Store, job_id: str, node: int, rank: int, why: str) ->
 
 def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None:
     """The rank of ``node`` whose stacks node 0 asked for, and why (None: none)."""
-    key = f"{prefix_of(job_id)}/stacks/{node}"
-    if not store.check([key]):
-        return None
-    asked = json.loads(store.get(key))
-    return int(asked["rank"]), str(asked["why"])
+    asked = _read_json(store, f"{prefix_of(job_id)}/stacks/{node}")
+    return None if asked is None else (int(asked["rank"]), str(asked["why"]))
 
 
 def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitcode: int) -> None:
@@ -460,11 +459,8 @@ def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitc
 
 def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
     """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published it."""
-    key = f"{prefix_of(job_id)}/first-failure/{node}"
-    if not store.check([key]):
-        return None
-    said = json.loads(store.get(key))
-    return int(said["rank"]), int(said["exitcode"])
+    said = _read_json(store, f"{prefix_of(job_id)}/first-failure/{node}")
+    return None if said is None else (int(said["rank"]), int(said["exitcode"]))
 
 
 def stacks_written(store: Store, job_id: str, node: int) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,15 @@ class ReplicaLauncher:
         return rep
 
 
+def stop_replicas(replicas: Iterable[ReplicaProcess], grace_s: float, failed: bool) -> None:
+    """The job is over: each replica's processes are ended (a finished one's at once, a running
+    one's after ``grace_s`` unless the job ``failed``) and its aggregator stopped."""
+    for rep in replicas:
+        with contextlib.suppress(Exception):
+            _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and not failed else 0.5)
+        rep.aggregator.stop()
+
+
 def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals, node: int,
                    poll_s: float, grace_s: float, t0: float) -> Outcome:
     """A node other than 0 in replica mode: run this node's replicas until node 0 ends the job (or
@@ -145,10 +155,7 @@ def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals
                     outcome.error = reason if "node 0" in reason else f"the job ended on node 0: {reason}"
                 break
     finally:
-        for rep in live.values():
-            with contextlib.suppress(Exception):
-                _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and outcome.error is None else 0.5)
-            rep.aggregator.stop()
+        stop_replicas(live.values(), grace_s, failed=outcome.error is not None)
         with contextlib.suppress(RuntimeError, dist.DistError):
             node_left(store, cfg.job_id, node)
     outcome.job_id = cfg.job_id

@@ -49,6 +49,7 @@ from resihp.runtime.replica_launch import (
     node_replicas,
     replica_ranks,
     serve_replicas,
+    stop_replicas,
 )
 from resihp.runtime.supervisor import (
     GRACE_S,
@@ -271,10 +272,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                         time.sleep(0.1)
                     break
         finally:
-            for rep in live.values():
-                with contextlib.suppress(Exception):
-                    _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and outcome.error is None else 0.5)
-                rep.aggregator.stop()
+            stop_replicas(live.values(), grace_s, failed=outcome.error is not None)
             beats = [m["c"] for rep in live.values() for m in rep.aggregator._last.values() if m is not None]
             with contextlib.suppress(RuntimeError, dist.DistError):
                 read_steps()
