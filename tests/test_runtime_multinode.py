@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from resihp.ckpt.integrity import problem
-from resihp.runtime.nodes import free_port
+from resihp.runtime.config import RunConfig
+from resihp.runtime.nodes import Nodes, free_port
+from resihp.runtime.replica_launch import node_replicas, replica_ranks
 from tests.faults import descendants
 
 DEMO = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "256", "--vocab", "512",
@@ -155,6 +157,18 @@ def test_a_rank_lost_on_node_1_is_re_formed_around_with_every_survivor_on_its_no
     assert s0["steps"] == 10 and len(s0["losses"]) == 10
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(s0["losses"], want)), (s0["losses"], want)
     _no_workers_left(tmp_path)
+
+
+def test_each_node_runs_whole_replicas_in_order():
+    """Replica mode on several nodes: node n runs replicas n k .. n k + k - 1 (k per node), whose
+    ranks are not contiguous (stage-major): node 1 of a DP 4 x PP 2 job on two nodes runs replicas
+    2 and 3, ranks 2, 6, 3 and 7."""
+    cfg = RunConfig.from_flags(dp=4, pp=2, recovery="replica")
+    ranks = replica_ranks(cfg)
+    assert ranks == {0: [0, 4], 1: [1, 5], 2: [2, 6], 3: [3, 7]}
+    layout = {n: node_replicas(cfg, Nodes(2, n, 4, "127.0.0.1:1")) for n in (0, 1)}
+    assert layout == {0: [0, 1], 1: [2, 3]}
+    assert node_replicas(cfg, Nodes(4, 3, 2, "127.0.0.1:1")) == [3]
 
 
 @pytest.fixture(scope="module")
