@@ -569,6 +569,21 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     _same_losses(resumed["losses"], summary["losses"][8:], "resumed in replica mode")
 
 
+@pytest.mark.slow
+def test_every_replica_lost_restarts_the_job_from_its_newest_checkpoint(reference, tmp_path):
+    """Both replicas killed in step 9 (no live peer is left to catch up from): with --ckpt-every
+    the job is relaunched whole from ``step7``, the faults that took it down not repeated, and
+    every step's loss equals the failure-free run's."""
+    out = tmp_path / "run"
+    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", "16", "--recovery", "replica",
+                            "--ckpt-every", "4", "--inject", "stop:rank=0,step=9", "--inject", "stop:rank=1,step=9")
+    assert rc == 0, err[-2000:]
+    restart = summary["restart"]
+    assert restart["restarted"] and restart["resumed_step"] == 8 and restart["restart_from"].endswith("step7"), restart
+    assert summary["steps"] == 16 and summary["after_restart"]["first_step"] == 8
+    _same_losses(summary["losses"], reference[:16], "restarted after every replica was lost")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dp", "1", "--pp", "2"], "faults.recovery (--recovery replica): needs --dp 2 or more"),
     (["--dp", "2", "--pp", "1", "--snapshot-every", "2"], "--snapshot-every is not combined with it"),

@@ -133,19 +133,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             return
         summary = _summary(cfg, outcome)
         if replicas:
-            from resihp.opstrace import read_ops_trace
-            from resihp.runtime.replicas import recovery_summary
-
-            if (out / "ops.parquet").exists():
-                trace = read_ops_trace(out / "ops.parquet")
-                summary["recovery"] = recovery_summary(outcome, trace)
-                summary["members"] = outcome.replica_members  # per step from first_step, the replicas that trained it
-                if summary["recovery"] is not None:
-                    from resihp.runtime.report import plot_replicas  # deferred: matplotlib
-
-                    plot_replicas(trace, summary["recovery"], out / "timeline.png")
-                    summary["timeline"] = str(out / "timeline.png")
-            _write_summary(out, summary)
+            _replica_fields(out, outcome, summary)
         if outcome.control_plane is not None:
             summary["control_plane"] = {**outcome.control_plane,
                                         "lag_s": loop.lag_summary() if loop is not None else None}
@@ -157,7 +145,9 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             _write_summary(out, summary)
         if cfg.faults.recovery == "restart" and restartable(outcome):
             summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
-        elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted:
+        elif replicas and outcome.all_replicas_lost and cfg.checkpoint.ckpt_every and nnodes == 1:
+            summary, outcome = _restart_replicas(cfg, outcome, summary, json_out)
+        elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted and not replicas:
             flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
             summary, outcome = _recover(cfg, outcome, summary, json_out, nodes)
         _finish(folder, cfg, outcome, summary)
@@ -334,6 +324,76 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
         report = fault_summary(trace, slow[0].to_dict(), loop.events, changes, cfg.dims().world_size)
         fields.update({k: v for k, v in report.items() if k not in ("steps", "injected")})
     return fields
+
+
+def _replica_fields(out: Path, outcome, summary: dict) -> None:
+    """Replica mode's summary fields from the launcher's records and the ops trace: ``recovery``,
+    ``members`` (per step from first_step, the replicas that trained it) and the timeline plot."""
+    from resihp.opstrace import read_ops_trace
+    from resihp.runtime.replicas import recovery_summary
+
+    if (out / "ops.parquet").exists():
+        trace = read_ops_trace(out / "ops.parquet")
+        summary["recovery"] = recovery_summary(outcome, trace)
+        summary["members"] = outcome.replica_members
+        if summary["recovery"] is not None:
+            from resihp.runtime.report import plot_replicas  # deferred: matplotlib
+
+            plot_replicas(trace, summary["recovery"], out / "timeline.png")
+            summary["timeline"] = str(out / "timeline.png")
+    _write_summary(out, summary)
+
+
+def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
+    """Replica mode with checkpoints, every replica lost (no live peer holds the state): the job
+    relaunched whole into OUT/restart from its newest checkpoint, with the slowdowns still in force
+    (a stop, hang or error injected before struck once: it took the job down). The summary's losses
+    go on from the checkpoint (``restart``: where from, and how long the relaunch took)."""
+    import pandas as pd
+
+    from resihp.ckpt.integrity import step_of
+    from resihp.runtime.elastic import latest_checkpoint, relaunch_config
+    from resihp.runtime.inject import carried_faults
+    from resihp.runtime.live import LiveLoop
+    from resihp.runtime.replicas import supervise_replicas
+
+    out = Path(cfg.out)
+    ckpt, skipped = latest_checkpoint(cfg)
+    skipped = [f"{p.name}: {why}" for p, why in skipped]
+    if ckpt is None:
+        summary["restart"] = {"restarted": False, "reason": "no checkpoint of this job that verifies",
+                              "skipped": skipped}
+        _write_summary(out, summary)
+        return summary, outcome
+    resumed = step_of(ckpt) + 1
+    world = cfg.dims().world_size
+    ahead = [f.spec() for f in carried_faults(cfg.fault_list(), list(range(world)), resumed) if f.kind in ("slow", "link")]
+    new = relaunch_config(cfg, ckpt, out / "restart", inject=ahead)
+    loop = LiveLoop(new) if new.live.live else None
+    t0 = time.time()
+    with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
+        again = supervise_replicas(new, on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None)
+    after = _summary(new, again)
+    _replica_fields(Path(new.out), again, after)
+    if loop is not None and not again.interrupted:
+        after.update(_live_fields(new, loop, after))
+        _write_summary(Path(new.out), after)
+    first_step = summary.get("first_step") or 0
+    losses = list(summary.get("losses") or [])[:max(0, resumed - first_step)] + list(after.get("losses") or [])
+    ops = Path(new.out) / "ops.parquet"
+    steps = pd.read_parquet(ops, columns=["optype", "start_ts"]) if ops.exists() else None
+    first = float(steps[steps.optype == "step"].start_ts.min()) if steps is not None and len(steps) else None
+    summary.update({"restart": {"restarted": True, "reason": "every replica was lost", "restart_from": str(ckpt),
+                                "resumed_step": resumed, "skipped": skipped,
+                                "restart_s": round(first - t0, 3) if first is not None else None},
+                    "plan_changes": [*(summary.get("plan_changes") or []), *(after.get("plan_changes") or [])],
+                    "after_restart": after, "losses": losses, "loss_last": losses[-1] if losses else None,
+                    "steps": resumed + len(after.get("losses") or []), "tokens_per_s_after": after.get("tokens_per_s"),
+                    "error": again.error})
+    if again.interrupted:
+        summary["interrupted"] = again.interrupted
+    _write_summary(out, summary)
+    return summary, again
 
 
 def _summary(cfg, outcome) -> dict:

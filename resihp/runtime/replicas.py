@@ -193,6 +193,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             if not members:
                 outcome.error = (f"every replica was lost (replica {d}: {cause}); no live peer holds the "
                                  "state to go on from")
+                outcome.all_replicas_lost = True
             if d in away:  # its node stops it, and relaunches it if told to
                 order_replica(store, cfg.job_id, d, attempt + 1, again)
                 if cause == "node":

@@ -92,6 +92,7 @@ class Outcome:
     replica_catchups: list[dict] = field(default_factory=list)  # --recovery replica: how each came back
     # --recovery replica: per committed step, in order, the replicas whose ranks trained it
     replica_members: list[list[int]] = field(default_factory=list)
+    all_replicas_lost: bool = False  # --recovery replica: no live peer was left to catch up from
 
 
 def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
