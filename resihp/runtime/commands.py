@@ -145,7 +145,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             _write_summary(out, summary)
         if cfg.faults.recovery == "restart" and restartable(outcome):
             summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
-        elif replicas and outcome.all_replicas_lost and cfg.checkpoint.ckpt_every and nnodes == 1:
+        elif replicas and outcome.all_replicas_lost and cfg.checkpoint.ckpt_every and nnodes == 1 and not outcome.interrupted:
             summary, outcome = _restart_replicas(cfg, outcome, summary, json_out)
         elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted and not replicas:
             flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
