@@ -129,9 +129,7 @@ def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals
                     rep.tracker.watch(len(rep.aggregator.ranks))
                     order = replica_order(store, cfg.job_id, d)
                     if order is not None and order[0] > rep.attempt:  # node 0 evicted it
-                        _stop(rep.proc, rep.tracker, 0.5)
-                        rep.aggregator.stop()
-                        live.pop(d)
+                        stop_replicas([live.pop(d)], grace_s, failed=True)
                         if order[1]:
                             live[d] = launcher.launch(d, order[0])
                             replica_state(store, cfg.job_id, d, order[0], "launched")

@@ -57,7 +57,6 @@ from resihp.runtime.supervisor import (
     Outcome,
     _join,
     _Signals,
-    _stop,
     control_plane_costs,
     fail_stop,
     fault_timeouts,
@@ -176,8 +175,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 stacks_of_hung(monitor, rank, d if d in live else -1, out, store, cfg.job_id)
             at = time.time()
             if d in live:
-                _stop(live[d].proc, live[d].tracker, 0.5)
-                live[d].aggregator.stop()
+                stop_replicas([live[d]], grace_s, failed=True)
             for other in [*live, *away]:  # held up by the lost replica, not hung themselves
                 if other != d:
                     if other in live:
