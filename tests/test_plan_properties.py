@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from resihp.errors import InputError
 from resihp.plan.baselines import make_policy
+from resihp.plan.pipeline_solver import solve_pipeline
 from resihp.plan.plan import plan_problems
 from resihp.plan.planner import Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
@@ -86,3 +87,23 @@ def test_replanning_from_a_plan_stays_valid(case, new_speeds, rnd):
     assert plan_problems(second, degraded, model) == []
     assert second.layout == first.layout
     assert second.migration_s >= 0 and second.tokens_per_s > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(tflops=st.floats(0.05, 400.0), speed=st.floats(0.1, 1.0), layers=st.integers(2, 12),
+       replicas=st.integers(1, 4))
+def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas):
+    """One group that fits the whole model is always solved, whatever its speed: the stage time's
+    bound is the exact bound of its ticks (rounded per term, they once summed past a bound rounded
+    as a whole, and a healthy group of the runtime's small model came out infeasible)."""
+    cluster = ClusterSpec.from_dict({
+        "name": "h", "device": {"memory_gb": 80, "tflops": tflops},
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}, "memory_reserve_gb": 2,
+        "nodes": [{"devices": [{"speed": speed}, {}]}]})
+    model = ModelSpec.from_dict({
+        "name": "m", "layers": layers, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 512,
+        "max_seq_len": 256, "microbatch_tokens": 1024, "global_batch_tokens": 8192})
+    coster = Planner(regroup=False).coster(cluster, model)
+    held = {(0, 1): (0, layers)}
+    sol = solve_pipeline(coster, [(0, 1)], 4, held, 100.0, 0.05, (0.0, 1e-5), replicas, False)
+    assert sol is not None and [s.layers for s in sol.stages] == [(0, layers)]

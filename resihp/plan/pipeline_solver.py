@@ -116,7 +116,9 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         mdl.add(int(per_layer * MB) * nj + int(emb * MB) * (fj + lj) <= int(free * MB))
         f, b = coster.per_layer_s(c.ranks)
         hf, hb = coster.head_s(c.ranks)
-        t_max.append(tick(cap * (f + b) + hf + hb) + 1)
+        # the bound of the very expression below: ticks rounded per term can sum past the rounded
+        # total, which made a feasible stage infeasible (and a re-plan fail) by a tick or two
+        t_max.append(tick(f + b) * cap + tick(hf + hb))
         tj = mdl.new_int_var(0, t_max[-1], f"t{j}")
         mdl.add(tj == tick(f + b) * nj + tick(hf + hb) * lj)
         n.append(nj)
