@@ -11,9 +11,9 @@ from resihp.plan.allocation import allocate_microbatches, greedy_allocation
 from resihp.plan.baselines import POLICIES, make_policy
 from resihp.plan.bound import tight_bound
 from resihp.plan.cost import AnalyticCost
-from resihp.plan.layout import binary_chunks, group_options
-from resihp.plan.plan import Plan, plan_problems
-from resihp.plan.planner import Planner, capacity_bound, healthy_plan
+from resihp.plan.layout import binary_chunks, group_options, layer_ranges, uniform_layer_counts
+from resihp.plan.plan import Pipeline, Plan, Stage, plan_problems, unplaced
+from resihp.plan.planner import WITHIN_REPLICAS, Planner, capacity_bound, healthy_plan
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import StageCoster, closed_form_step, evaluate
 from resihp.plan.tokens import balance_tokens, proportional_counts
@@ -388,3 +388,32 @@ def test_with_token_budgets_the_healthy_plan_shares_the_tokens_evenly():
     assert even.step_time_s < whole.step_time_s
     # re-planning from it keeps its layout
     assert Planner(token_budgets=True).plan(c.with_speeds({5: 0.5}), m, even).layout == even.layout
+
+
+def test_within_replicas_a_slow_device_is_left_out_of_its_own_replica_only():
+    """``regroup=WITHIN_REPLICAS`` (replica-level fault tolerance): a replica's groups may be
+    re-formed around its slow device from that replica's own launch ranks, no rank moves to
+    another replica, every replica keeps a pipeline, and the plan beats keeping every group."""
+    c, m = load("h100-64", "gpt-13b")
+    current = Planner().plan(c, m)
+    layout = current.layout
+    homes = [[tuple(layout.tp_group_ranks(d, s)) for s in range(layout.pp)] for d in range(layout.dp)]
+    counts = uniform_layer_counts(m.layers, layout.pp)
+    ordered = sorted(current.pipelines, key=lambda p: p.dp_rank)[:layout.dp]
+    pipes = [Pipeline(d, tuple(Stage(g, r) for g, r in zip(homes[d], layer_ranges(counts))), p.microbatches, home=d)
+             for d, p in enumerate(ordered)]  # the runtime's plan in force: each replica on its home groups
+    current = Plan(current.world_size, layout, pipes, unplaced(current.world_size, pipes))
+    victim = homes[1][0][1]
+    slow = c.with_speeds({victim: 0.25})
+    fixed = Planner(regroup=False).plan(slow, m, current)
+    plan = Planner(regroup=WITHIN_REPLICAS).plan(slow, m, current)
+    assert plan_problems(plan, slow, m) == []
+    pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
+    assert len(pipes) == layout.dp
+    for d, p in enumerate(pipes):
+        assert set(p.ranks) <= {r for g in homes[d] for r in g}
+    assert victim not in pipes[1].ranks or any(len(s.ranks) != layout.tp for s in pipes[1].stages)
+    assert [q.groups for q in pipes[:1] + pipes[2:]] == [tuple(homes[d]) for d in [0, *range(2, layout.dp)]]
+    assert plan.step_time_s < fixed.step_time_s
+    with pytest.raises(ValueError, match="regroup"):
+        Planner(regroup="sometimes")

@@ -56,6 +56,18 @@ from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_st
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
 
+WITHIN_REPLICAS = "within-replicas"  # ``Planner(regroup=...)``: groups re-formed inside each replica
+
+
+def within_homes(plan: Plan, homes: list[list[tuple[int, ...]]]) -> bool:
+    """Whether ``plan`` keeps every replica (one pipeline each, in order, none empty) on ranks of
+    its own ``homes`` groups."""
+    pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
+    return len(pipes) == len(homes) and all(
+        p.stages and set(p.ranks) <= {r for g in homes[d] for r in g}
+        for d, p in enumerate(pipes))
+
+
 def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
                  layout: ParallelDims | None = None, time_limit_s: float = 2.0,
                  token_budgets: bool = False) -> Plan:
@@ -148,15 +160,20 @@ class Planner:
     ``expected_step_time_s`` (variable micro-batch costs on the critical path; some
     milliseconds per plan at 16,384 devices), which a caller that measures its steps can skip.
     ``regroup``: False re-plans only layer splits and micro-batch shares, every stage keeping its
-    group of the plan in force: for a job that cannot move ranks between its groups while it runs
-    (replica-level fault tolerance, where each replica is a job of its own).
+    group of the plan in force: for a job that cannot move ranks between its groups while it runs.
+    ``WITHIN_REPLICAS``: each replica's groups may be re-formed (a slow device left out as a hot
+    spare, a smaller tensor-parallel group, another depth) from the ranks that replica was launched
+    with, and no rank moves to another replica (replica-level fault tolerance, where each replica
+    is a job of its own and its ranks share a process group only with each other).
     """
 
     name = "resihp"
 
     def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
                  threads: int | None = None, token_budgets: bool = False,
-                 expected_steps: bool = True, regroup: bool = True) -> None:
+                 expected_steps: bool = True, regroup: bool | str = True) -> None:
+        if regroup not in (True, False, WITHIN_REPLICAS):
+            raise ValueError(f"regroup: expected True, False or {WITHIN_REPLICAS!r}, got {regroup!r}")
         self.cost = cost_model or AnalyticCost()
         self.regroup = regroup
         self.expected_steps = expected_steps
@@ -221,12 +238,16 @@ class Planner:
         # A replica is kept when ``group_options`` keeps each of its groups whole.
         kept: dict[int, PipelineSolution] = {}
         affected = []
-        fixed = not self.regroup and current is not None
+        fixed = self.regroup is not True and current is not None
+        within = self.regroup == WITHIN_REPLICAS
         if fixed:
             # the groups in force, whatever the layout's home groups: every pipeline re-split
-            # (the solver keeps its groups whole), its share re-allocated
+            # (the solver keeps its groups whole), its share re-allocated; within replicas, each
+            # replica's home groups (a pipeline without a home: its groups), which the solver
+            # may re-form
             ordered = sorted(current.pipelines, key=lambda p: p.dp_rank)
-            pipes = [list(p.groups) for p in ordered]
+            pipes = [list(pipes[p.home]) if within and p.home is not None else list(p.groups)
+                     for p in ordered]
             even = dict(enumerate(apportion(model.microbatches, np.ones(len(pipes)))))
             share = {r: p.microbatches for r, p in enumerate(ordered)}
             affected = list(range(len(pipes)))
@@ -258,12 +279,13 @@ class Planner:
         def usable(plans: list[Plan]) -> list[Plan]:
             """Plans that run (the global batch placed, memory respected, no dead rank), each
             once: the two weightings and the allocations often build the same plan. Without
-            ``regroup``, only those that keep the groups in force."""
+            ``regroup``, only those that keep the groups in force (within replicas: that keep
+            every replica, on its own ranks)."""
             out = []
             for c in plans:
                 key = tuple((p.dp_rank, p.stages, p.microbatches, p.tokens, p.home)
                             for p in c.pipelines)
-                if fixed and places(c) != places(current):
+                if fixed and not (within_homes(c, pipes) if within else places(c) == places(current)):
                     continue
                 if key not in seen and c.pipelines and sum(
                         p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
@@ -375,7 +397,7 @@ class Planner:
                 ctx.log.add(solutions[r].status, solutions[r].gap)
         # ways to use the live devices no replica holds (each a set of spare pipelines)
         alternatives = (self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
-                        if self.regroup else [])
+                        if self.regroup is True else [])
         ctx.log.pipelines += sum(len(spares) for spares in alternatives)
         reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
                              and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
