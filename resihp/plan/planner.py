@@ -55,7 +55,6 @@ from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_step
 from resihp.plan.tokens import balance_tokens, proportional_counts
 
-
 WITHIN_REPLICAS = "within-replicas"  # ``Planner(regroup=...)``: groups re-formed inside each replica
 
 
