@@ -15,6 +15,7 @@ collectives cannot cross.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -60,30 +61,39 @@ def pipelines_of(dims: ParallelDims, ranks: Sequence[int] | None = None) -> list
     return [[tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
 
 
-class GradSync:
-    def __init__(self, pipelines: Pipelines | ParallelDims, tied: bool = False,
-                 cfg: GPTConfig | None = None) -> None:
-        self.pipelines = [[tuple(s) for s in p] for p in
-                          (pipelines_of(pipelines) if isinstance(pipelines, ParallelDims) else pipelines)]
-        self.tied, self.cfg = tied, cfg or GPTConfig(tie_embeddings=tied)
-        self.groups: dict[tuple[int, ...], object] = {}
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        # every parameter of the whole model: (name it is saved under, sharded dimension, its size)
-        with torch.device("meta"):  # names and global shapes only
-            whole = GPTStage(self.cfg, 0, self.cfg.layers, TPContext(1, 0))
-        self.params = {}
-        for name, p in whole.named_parameters():
-            where = self.cfg.placement(name, tuple(p.shape), 1)
-            self.params[name] = (where.dim, where.global_shape[where.dim] if where.dim is not None else 0)
+@functools.cache
+def _global_params(cfg: GPTConfig) -> dict[str, tuple[int | None, int]]:
+    """Every parameter of the whole model: its sharded dimension and that dimension's size."""
+    with torch.device("meta"):  # names and global shapes only
+        whole = GPTStage(cfg, 0, cfg.layers, TPContext(1, 0))
+    out = {}
+    for name, p in whole.named_parameters():
+        where = cfg.placement(name, tuple(p.shape), 1)
+        out[name] = (where.dim, where.global_shape[where.dim] if where.dim is not None else 0)
+    return out
 
-    def _pieces(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
+
+class Pieces:
+    """Which ranks sum each block of each parameter's gradient, for a layout given as pipelines of
+    ranks (replica -> stage -> its tensor-parallel group) and each replica's layer ranges: every
+    key (the summing ranks, ascending) holds one rank of each replica. Pure: no process group."""
+
+    def __init__(self, pipelines: Pipelines, replica_ranges: Sequence[Ranges], cfg: GPTConfig,
+                 tied: bool = False) -> None:
+        self.pipelines = [[tuple(s) for s in p] for p in pipelines]
+        self.replica_ranges = [list(r) for r in replica_ranges]
+        self.cfg, self.tied = cfg, tied
+        self.params = _global_params(cfg)
+        self._cache: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
+
+    def of(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
         """The pieces of parameter ``name``: (members, start, length) along its sharded dimension
         (length 0: the whole tensor)."""
         if name not in self._cache:
-            self._cache[name] = self._find_pieces(name)
+            self._cache[name] = self._find(name)
         return self._cache[name]
 
-    def _find_pieces(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
+    def _find(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
         unit = unit_of(name, self.tied)
         holding = [self.pipelines[d][s] for d in range(len(self.pipelines))
                    for s in holder_stages(unit, self.replica_ranges[d])]
@@ -99,20 +109,15 @@ class GradSync:
                 out.append((tuple(sorted(members)), a, b - a))
         return out
 
-    def prepare(self, replica_ranges: Sequence[Ranges], layers: int) -> None:
-        """Collective over the world: create the groups this layout needs (once each)."""
-        self.replica_ranges = [list(r) for r in replica_ranges]
-        self._cache: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
-        needed = sorted({members for name in self.params for members, _, _ in self._pieces(name)})
-        for members in needed:
-            if len(members) > 1 and members not in self.groups:
-                self.groups[members] = dist.new_group(list(members))
+    def keys(self) -> list[tuple[int, ...]]:
+        """Every key of the layout, ascending."""
+        return sorted({members for name in self.params for members, _, _ in self.of(name)})
 
-    def all_reduce(self, model: torch.nn.Module, tp_rank: int | None = None, extra: torch.Tensor | None = None,
-                   after: Callable[[tuple[int, ...], float, int], None] | None = None) -> None:
-        """Sum every parameter's gradient over its holders, piece by piece; ``extra`` (a tensor
-        riding with the head's pieces, e.g. the loss) is summed in place too. ``after(members,
-        seconds, bytes)`` runs after each bucket's all-reduce (fault injection on a slow link)."""
+    def entries(self, model: torch.nn.Module, rank: int, extra: torch.Tensor | None = None
+                ) -> dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]]:
+        """Rank ``rank``'s gradient pieces (views into its ``model``'s gradients) by key, each key's
+        in (name, start) order; ``extra`` (e.g. the loss) rides with every piece of the final norm
+        this rank sums (replicated on every last stage)."""
         tp = model.tp if isinstance(model, GPTStage) else TPContext(1, 0)
         entries: dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]] = defaultdict(list)
         for name, p in model.named_parameters():
@@ -123,21 +128,49 @@ class GradSync:
             grad = where.local_view(p.grad, tp.size, tp.rank)
             mine = min(where.global_shape[where.dim], tp.rank * chunk_rows(where.global_shape[where.dim], tp.size)) \
                 if where.dim is not None else 0
-            for members, start, length in self._pieces(name):
-                if self.rank not in members:
+            for members, start, length in self.of(name):
+                if rank not in members:
                     continue
                 piece = grad if length == 0 else grad.narrow(where.dim, start - mine, length)
                 entries[members].append((saved, start, piece))
         if extra is not None:
-            for members, _, _ in self._pieces("ln_f.weight"):  # replicated on every last stage
-                if self.rank in members:
+            for members, _, _ in self.of("ln_f.weight"):
+                if rank in members:
                     entries[members].append((LOSS, 0, extra))
+        for key in entries:
+            entries[key].sort(key=lambda e: (e[0], e[1]))
+        return dict(entries)
+
+
+class GradSync:
+    """The gradient all-reduce of a job whose replicas share one world: ``Pieces`` summed over
+    process groups of the world (every rank creates every group, in one order)."""
+
+    def __init__(self, pipelines: Pipelines | ParallelDims, tied: bool = False,
+                 cfg: GPTConfig | None = None) -> None:
+        self.pipelines = [[tuple(s) for s in p] for p in
+                          (pipelines_of(pipelines) if isinstance(pipelines, ParallelDims) else pipelines)]
+        self.tied, self.cfg = tied, cfg or GPTConfig(tie_embeddings=tied)
+        self.groups: dict[tuple[int, ...], object] = {}
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def prepare(self, replica_ranges: Sequence[Ranges], layers: int) -> None:
+        """Collective over the world: create the groups this layout needs (once each)."""
+        self.replica_ranges = [list(r) for r in replica_ranges]
+        self.pieces = Pieces(self.pipelines, self.replica_ranges, self.cfg, self.tied)
+        for members in self.pieces.keys():
+            if len(members) > 1 and members not in self.groups:
+                self.groups[members] = dist.new_group(list(members))
+
+    def all_reduce(self, model: torch.nn.Module, tp_rank: int | None = None, extra: torch.Tensor | None = None,
+                   after: Callable[[tuple[int, ...], float, int], None] | None = None) -> None:
+        """Sum every parameter's gradient over its holders, piece by piece; ``extra`` (a tensor
+        riding with the head's pieces, e.g. the loss) is summed in place too. ``after(members,
+        seconds, bytes)`` runs after each bucket's all-reduce (fault injection on a slow link)."""
+        entries = self.pieces.entries(model, self.rank, extra)
         # every piece is read before any is written back: a rank in several lanes adds its own value
-        flats = {}
-        for key in sorted(entries):
-            if len(key) > 1:
-                entries[key].sort(key=lambda e: (e[0], e[1]))
-                flats[key] = torch.cat([t.reshape(-1) for _, _, t in entries[key]])
+        flats = {key: torch.cat([t.reshape(-1) for _, _, t in entries[key]])
+                 for key in sorted(entries) if len(key) > 1}
         for key, flat in flats.items():
             start = time.perf_counter()
             dist.all_reduce(flat, group=self.groups[key])
