@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from resihp.ckpt.integrity import problem
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
+from resihp.model.config import GPTConfig
 from resihp.parallel import ParallelDims
-from resihp.runtime.replica import holder_key
+from resihp.runtime.gradsync import Pieces
+from resihp.runtime.replica import heal_source
 from tests.faults import announced
 from tests.gloo_ranks import spawn_ranks
 from tests.replica_replay import replay_membership
@@ -286,16 +288,27 @@ def test_generation_round_trips():
     assert Generation.from_dict(json.loads(json.dumps(g.to_dict()))) == g
 
 
-def test_cross_replica_sums_follow_each_layer_to_its_stage_in_every_replica():
-    ranges = [[(0, 2), (2, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]]  # three replicas, 4 layers, 2 stages
-    keys = {n: holder_key(n, 0, ranges, [0, 1, 2]) for n in ("embed.weight", "layers.0.w", "layers.1.w")}
-    assert keys == {"embed.weight": (0, 0, 0), "layers.0.w": (0, 0, 0), "layers.1.w": (0, 1, 0)}
-    assert holder_key("layers.2.w", 1, ranges, [0, 1, 2]) == (1, 1, 0)
-    assert holder_key("head.weight", 1, ranges, [0, 2]) == (1, 1)  # replica 1 away
-    assert holder_key("layers.3.w", 1, ranges, [0, 2]) == (1, 1)
-    # one split everywhere: one key per stage, the usual per-position group
-    same = [[(0, 2), (2, 4)]] * 2
-    assert {holder_key(f"layers.{i}.w", i // 2, same, [0, 1]) for i in range(4)} == {(0, 0), (1, 1)}
+def test_cross_replica_sums_follow_each_layer_to_its_holder_in_every_replica():
+    """Each key holds one rank of each member replica: the one holding the block, whatever the
+    replica's layer split, depth or tensor-parallel size."""
+    cfg = GPTConfig(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256)
+    # three replicas of two one-rank stages (ranks 0-5), each splitting its 4 layers its own way
+    pipes = [[(0,), (1,)], [(2,), (3,)], [(4,), (5,)]]
+    ranges = [[(0, 2), (2, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]]
+    pieces = Pieces(pipes, ranges, cfg)
+    key = lambda name: {m for m, _, _ in pieces.of(name)}  # noqa: E731
+    assert key("embed.weight") == key("layers.0.ln1.weight") == {(0, 2, 4)}
+    assert key("layers.1.ln1.weight") == {(0, 3, 4)}
+    assert key("layers.2.ln1.weight") == {(1, 3, 4)} and key("ln_f.weight") == {(1, 3, 5)}
+    # replica 1 away: the members' holders only
+    assert {m for m, _, _ in Pieces([pipes[0], pipes[2]], [ranges[0], ranges[2]], cfg).of("layers.3.ln1.weight")} \
+        == {(1, 5)}
+    # a tp-2 replica beside one left at tp 1 (its other rank a hot spare): a sharded weight is
+    # summed in halves, each with the tp-1 rank's matching rows; a replicated one in two lanes
+    mixed = Pieces([[(0, 1)], [(2,)]], [[(0, 4)], [(0, 4)]], cfg)
+    rows = [(m, start, n) for m, start, n in mixed.of("layers.0.fc1.weight")]
+    assert [m for m, _, _ in rows] == [(0, 2), (1, 2)] and rows[0][1] == 0 and rows[1][1] == rows[0][2]
+    assert [m for m, _, _ in mixed.of("ln_f.weight")] == [(0, 2), (1, 2)]
 
 
 def _heal_stream(rank: int, world: int, tmp: str) -> dict:
@@ -348,7 +361,7 @@ def _form_without_a_dead_peer(rank: int, world: int, tmp: str) -> dict:
         return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
 
     store = connect()  # this rank's client, as a replica's rank reads the quorum through
-    group = ReplicaGroup(connect, "job", 0, rank, timeout_s=120)
+    group = ReplicaGroup(connect, "job", rank, timeout_s=120)
     both = Generation(1, (Member(0), Member(1)), 0)
     group.form(both, [(0, 0)], abandon=lambda: False)
     flat = torch.ones(3)
@@ -661,6 +674,54 @@ def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_spl
     if weights[1] < weights[0]:
         assert share(at, 1) < share(at - 1, 1)
     want = replay_membership({**LIVE, "steps": steps}, [[0, 1]] * steps, tmp_path / "replay")
+    assert len(summary["losses"]) == steps
+    for step, (a, b) in enumerate(zip(summary["losses"], want)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: loss {a} != {b}"
+
+
+def test_a_returning_replica_is_served_by_the_lowest_member_in_its_launch_layout():
+    launch = [[(0, 1)], [(2, 3)], [(4, 5)]]
+    regrouped = [[(0,), (1,)], [(2, 3)], [(4, 5)]]  # replica 0 re-formed around its slow rank 1
+    assert heal_source([0, 1, 2], launch, launch) == 0
+    assert heal_source([0, 2], regrouped, launch) == 2
+    assert heal_source([0], regrouped, launch) is None  # no peer holds its positions
+
+
+@pytest.mark.slow
+def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tmp_path):
+    """The issue's run (DP 2 x TP 2, rank 1 slow from step 10) in replica mode, where each replica is
+    a job of its own: the planner re-forms replica 0's tensor-parallel group from its own ranks (rank
+    1 left out as a hot spare, or given a stage of its own with fewer layers), which replica 0's ranks
+    apply live (a new generation of its process groups, its state resharded from memory) while
+    replica 1 keeps its group; the cross-replica sums follow each block to its new holder (a tp-1
+    rank beside a tp-2 group), and every step's loss equals one process training the same batches.
+    The detector calibrates on the 8 steps before the fault (a baseline the fault falls into
+    measures it low, see ``tests/test_reshard_live.py``)."""
+    out, steps = tmp_path / "run", 20
+    flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
+                           "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
+                           "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10", "--json"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["live_error"] is None and summary["recovery"] is None, summary  # nothing was lost
+    change = next((c for c in summary["plan_changes"] if c.get("spares") or
+                   [len(s) for p in c["layout"]["pipelines"] for s in p] != [2, 2]), None)
+    assert change is not None and change["applied"] is True, summary["plan_changes"]
+    assert change["reason"]["rank"] == 1 and 10 <= change["applied_step"] < steps, change
+    pipes = change["layout"]["pipelines"]
+    assert pipes[1] == [[2, 3]] and {r for s in pipes[0] for r in s} <= {0, 1}, pipes  # in its replica
+    assert change["moved_bytes"] > 0, change
+    rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
+    at = change["applied_step"]
+    assert {r["rank"] for r in rows if r["optype"] == "replan-layout" and r["step"] == at} == {0, 1}
+    compute = {(r["rank"], r["step"]) for r in rows if r["optype"] == "forward-compute"}
+    if 1 in change["spares"]:  # left out: it trains nothing more
+        assert not any(rank == 1 and step >= at for rank, step in compute)
+    for rank in (0, 2, 3):
+        assert {step for r, step in compute if r == rank} == set(range(steps)), rank
+    want = replay_membership({**flags, "steps": steps}, [[0, 1]] * steps, tmp_path / "replay")
     assert len(summary["losses"]) == steps
     for step, (a, b) in enumerate(zip(summary["losses"], want)):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: loss {a} != {b}"

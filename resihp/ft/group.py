@@ -1,11 +1,13 @@
-"""This rank's cross-replica groups: for each set of ranks that hold the same parameters in every
-member replica, a gloo process group built straight on the job's store (not through the default
-world, which a lost replica leaves), one set per membership (generation). When every replica splits
-its layers alike there is one group per (stage, tensor-parallel rank) position; when replicas split
-them differently a layer's holders sit at different stages, and each distinct combination of
-stages (a ``key``: the holding stage in each member replica, in replica order) has a group of its
-own, formed the first time it is summed. A group whose members changed is dropped without a
-collective (it may hold a dead peer) and new ones formed under a fresh store prefix.
+"""This rank's cross-replica groups: for each set of ranks that hold the same block of parameters
+in every member replica, a gloo process group built straight on the job's store (not through the
+default world, which a lost replica leaves), one set per membership (generation). A ``key`` is
+such a set: one job rank of each member replica (``resihp.runtime.gradsync.Pieces``). When every
+replica has the same layout there is one key per (stage, tensor-parallel rank) position; when
+replicas split their layers differently, or differ in depth or tensor-parallel size, a block's
+holders sit at other positions, and each distinct key has a group of its own, formed the first
+time it is summed. A rank's index in a group is its replica's among the members. A group whose
+members changed is dropped without a collective (it may hold a dead peer) and new ones formed
+under a fresh store prefix.
 
 Every rank sums its keys in ascending order, so two ranks never wait on each other's later group
 (a cycle would need one of them to go back to a smaller key).
@@ -50,7 +52,7 @@ class GroupAbandoned(RuntimeError):
     """The sum was left unfinished: the step it belongs to was already decided (aborted)."""
 
 
-Key = tuple[int, ...]  # the stage holding a bucket's parameters in each member replica
+Key = tuple[int, ...]  # the ranks that sum a bucket: one (job rank) of each member replica
 
 
 class ReplicaGroup:
@@ -58,9 +60,8 @@ class ReplicaGroup:
     socket behind one lock: a rendezvous blocked on a dead peer would hold up every other call
     through the client it uses, the quorum's ``decided`` that lets this rank leave it too."""
 
-    def __init__(self, connect: Callable[[], Store], job_id: str, tp_rank: int, replica: int,
-                 timeout_s: float) -> None:
-        self.connect, self.job_id, self.tp_rank = connect, job_id, tp_rank
+    def __init__(self, connect: Callable[[], Store], job_id: str, replica: int, timeout_s: float) -> None:
+        self.connect, self.job_id = connect, job_id
         self.replica, self.timeout_s = replica, timeout_s
         self.gen: int | None = None
         self.replicas: list[int] = []
@@ -92,7 +93,7 @@ class ReplicaGroup:
         if key in self.groups:
             return self.groups[key]
         name = "-".join(map(str, key))
-        args = (self.connect(), f"resihp/{self.job_id}/ft/pg/{self.gen}/{self.tp_rank}/{name}",
+        args = (self.connect(), f"resihp/{self.job_id}/ft/pg/{self.gen}/{name}",
                 self.replicas.index(self.replica), self.size, self.timeout_s)
         made: dict[str, object] = {}
 

@@ -304,13 +304,16 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
                for c in loop.changes]
     trace = read_ops_trace(out / "ops.parquet") if (out / "ops.parquet").exists() else None
     if trace is not None:
-        # layers moved in place (no new groups): the bytes the ranks sent and the slowest rank's
-        # seconds, from the step's ``replan-layers`` ops
-        moves = trace[trace.optype == "replan-layers"]
+        # layers moved in place, or (replica mode) a replica's groups re-formed: the bytes the
+        # ranks sent and the slowest rank's seconds, from the step's ``replan-*`` ops
+        moves = trace[trace.optype.isin(["replan-layers", "replan-layout"])]
         for change in changes:
             at = moves[moves.step == change["applied_step"]]
             if "moved_bytes" not in change and len(at):
                 change.update(moved_bytes=int(at["bytes"].fillna(0).sum()), move_s=round(float(at.duration.max()), 4))
+            if "layout" in change and "spares" not in change:  # the ranks its groups leave out
+                placed = {r for p in change["layout"]["pipelines"] for s in p for r in s}
+                change["spares"] = [r for r in range(cfg.dims().world_size) if r not in placed]
     # each change's estimate beside the step measured while it was in force
     for change, check in zip(changes, loop.measured_steps([c["applied_step"] for c in changes])):
         change.update(check)

@@ -109,7 +109,7 @@ class Pieces:
                 out.append((tuple(sorted(members)), a, b - a))
         return out
 
-    def keys(self) -> list[tuple[int, ...]]:
+    def needed(self) -> list[tuple[int, ...]]:
         """Every key of the layout, ascending."""
         return sorted({members for name in self.params for members, _, _ in self.of(name)})
 
@@ -158,7 +158,7 @@ class GradSync:
         """Collective over the world: create the groups this layout needs (once each)."""
         self.replica_ranges = [list(r) for r in replica_ranges]
         self.pieces = Pieces(self.pipelines, self.replica_ranges, self.cfg, self.tied)
-        for members in self.pieces.keys():
+        for members in self.pieces.needed():
             if len(members) > 1 and members not in self.groups:
                 self.groups[members] = dist.new_group(list(members))
 

@@ -7,9 +7,10 @@ Applied in place: per-replica micro-batch shares and per-pipeline layer splits; 
 re-forms tensor-parallel groups, excludes a device (a hot spare), moves ranks between pipelines or
 gives replicas different depths or stages different tensor-parallel sizes goes to the job as a
 ``layout`` (every rank forms the new process groups and reshards its state from memory,
-``Engine.apply``). With replica-level fault tolerance each replica is a job of its own and its
-ranks keep their groups: the planner re-plans layer splits and micro-batch shares only
-(``Planner(regroup=False)``), which the commits carry to every rank (``ReplicaEngine.take_plan``).
+``Engine.apply``). With replica-level fault tolerance each replica is a job of its own: the
+planner re-forms a replica's groups from that replica's own ranks only
+(``Planner(regroup=WITHIN_REPLICAS)``), and the commits carry the change to every rank
+(``ReplicaEngine.take_plan``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from resihp.parallel import apportion
 from resihp.perf.device import available_memory_gb, measured_tflops
 from resihp.plan.links import with_link_event
 from resihp.plan.plan import Pipeline, Plan, Stage
-from resihp.plan.planner import Planner
+from resihp.plan.planner import WITHIN_REPLICAS, Planner
 from resihp.plan.specs import ClusterSpec, ModelSpec
 from resihp.plan.timing import StageCoster, evaluate
 from resihp.runtime.config import RunConfig
@@ -223,9 +224,10 @@ class LiveLoop:
         self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
                                                      meta_dict=self.meta_dict)
         self.detector = self._make_detector()
-        # each replica of replica-level fault tolerance is a job of its own: its ranks keep their
-        # groups, and the planner re-plans layer splits and micro-batch shares around them
-        self.planner = Planner(regroup=not cfg.faults.recovery.startswith("replica"))
+        # each replica of replica-level fault tolerance is a job of its own: the planner re-forms
+        # a replica's groups from its own ranks only
+        self.replica_mode = cfg.faults.recovery.startswith("replica")
+        self.planner = Planner(regroup=WITHIN_REPLICAS if self.replica_mode else True)
         self.time_limit_s = time_limit_s
         self.cluster, self.model = planner_specs(cfg)
         self.weights = cfg.weights()
@@ -469,14 +471,14 @@ class LiveLoop:
                                                           if k in event},
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
-        if not same_places and not self.planner.regroup:
-            raise RuntimeError(f"the planner moved ranks between groups of a job that keeps them "
-                               f"(--recovery {self.cfg.faults.recovery})")
         change["dp_weights"] = [float(p.microbatches) for p in pipes]
         change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
         change["applied"] = True
-        if not same_places:  # new process groups: the job re-forms them and reshards live
+        if not same_places or self.replica_mode:
+            # new process groups: the job re-forms them and reshards live. In replica mode every
+            # change names every replica's groups: a returning replica takes only the last one
             change["layout"] = {"pipelines": [[list(s.ranks) for s in p.stages] for p in pipes]}
+        if not same_places:
             self.groups = [[tuple(s.ranks) for s in p.stages] for p in pipes]
             self._cover(self.groups)
             self.ranges = []  # set below from the new splits, with a fresh detector baseline

@@ -31,6 +31,7 @@ from torch.distributed import Store
 
 from resihp.ckpt.integrity import prune
 from resihp.detect.heartbeat import HeartbeatSender
+from resihp.errors import InputError
 from resihp.ft.group import Key, ReplicaGroup
 from resihp.ft.heal import (
     GRAD,
@@ -46,11 +47,11 @@ from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix, plan_key, report_error
 from resihp.runtime.data import MicroBatch, StepData, replica_microbatches
-from resihp.runtime.engine import Engine
+from resihp.runtime.engine import Engine, StepResult
+from resihp.runtime.gradsync import Pieces, pipelines_of
 from resihp.runtime.inject import FaultInjector
-from resihp.runtime.layout import ranges_from_counts
-from resihp.runtime.planchange import PlanChange
-from resihp.runtime.replan import owner
+from resihp.runtime.layout import balanced_layers, ranges_from_counts
+from resihp.runtime.planchange import PlanChange, Relayout
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
 GPU_OFFSET_ENV = "RESIHP_GPU_OFFSET"  # the first GPU of a replica's local rank 0 on its host
@@ -82,12 +83,19 @@ class ReplicaEngine(Engine):
         self.store, self.connect = store, connect
         self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s,
                              plan_key=plan_key(cfg.job_id))
-        self.group = ReplicaGroup(connect, cfg.job_id, self.tp.rank, member.replica, cfg.faults.timeout_s)
+        self.group = ReplicaGroup(connect, cfg.job_id, member.replica, cfg.faults.timeout_s)
         self.gen: Generation | None = None
         self.decision: Decision | None = None
         self.sources: dict[Member, HealSource] = {}
         self.full_weights = cfg.weights()
         self.full_ranges = [self.ranges for _ in range(cfg.parallel.dp)]  # every replica's layer ranges
+        # every replica's groups (job ranks), as launched and as in force: the live planner may
+        # re-form a replica's groups from its own ranks (a slow one left out as a hot spare)
+        self.launch = [[tuple(s) for s in p] for p in pipelines_of(cfg.dims())]
+        self.full_pipelines = [list(p) for p in self.launch]
+        self._local = {g: s * cfg.parallel.tp + t for s, group in enumerate(self.launch[member.replica])
+                       for t, g in enumerate(group)}  # job rank -> rank in this replica's group
+        self._pieces: tuple[tuple, Pieces] | None = None
         self.plan_id: object = None  # the plan change in force (its id)
 
     # --- which micro-batches --------------------------------------------------------------------
@@ -105,46 +113,79 @@ class ReplicaEngine(Engine):
 
     def take_plan(self, step: int) -> None:
         """Before ``step``: the plan change the last commit carried, if it is new, on every rank of
-        every replica alike: the micro-batch shares, and each replica's layer split (its ranks move
-        layers between its stages; a returning peer this rank serves gets the state anew)."""
+        every replica alike: the micro-batch shares, each replica's groups (a replica whose groups
+        the plan re-forms builds them from its own ranks and reshards its state from memory, a left-
+        out rank becoming a hot spare) and each replica's layer split (its ranks move layers
+        between its stages); a returning peer this rank serves gets the state anew."""
         plan = self.decision.plan if self.decision is not None and self.decision.commit else None
         if plan is None or plan.get("id") == self.plan_id:
             return
         layers = self.model_cfg.layers
-        change = PlanChange.parse(plan, self.full.dims(), layers, "plan")
+        change = PlanChange.parse(plan, self.full.dims(), layers, "plan", world=self.full.dims().world_size,
+                                  depths=[len(p) for p in self.full_pipelines])
         if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
                 self.full_weights = list(change.dp_weights)
+        pipes = self.full_pipelines
+        if change.layout is not None:
+            pipes = [list(p) for p in change.layout.pipelines]
+            self._check_within(pipes)
         new = change.replica_ranges(layers)
+        if new is None and pipes != self.full_pipelines:
+            new = [balanced_layers(layers, len(p)) for p in pipes]
+        replica = self.member.replica
+        moved = relaid = pipes[replica] != self.full_pipelines[replica]
+        if relaid:
+            ranges = (new or self.full_ranges)[replica]
+            local = Relayout((tuple(tuple(self._local[g] for g in stage) for stage in pipes[replica]),))
+            with self.rec.op("replan-layout") as row:
+                done = self._relayout(PlanChange(None, (tuple(b - a for a, b in ranges),), {}, local))
+                row["bytes"] = done["moved_bytes"] if dist.get_rank() == 0 else 0  # the replica's total, once
+            self.rec.ids.update(dp_rank=replica)  # the engine's own layout has one replica: this one
+            self.position = f"{self.stage}.{self.tp.rank}"
+            self.plan_changes.append({"step": step, **change.to_dict(), **done,
+                                      "spares": [g for g, r in self._local.items() if r in done["spares"]]})
+        elif new is not None and new[replica] != self.ranges and self.coords is not None:
+            with self.rec.op("replan-layers") as row:
+                row["bytes"] = self._repartition(new[replica])
+                self.replica_ranges = [new[replica]]
+                self.grad_sync.prepare([new[replica]], layers)
+            moved = True
+        if moved:
+            for source in self.sources.values():  # its state in the new split, as of the last step
+                source.push(STATE, step - 1, flatten(heal_tensors(self.model, self.optimizer), "cpu"),
+                            self._split())
+        self.full_pipelines = pipes
         if new is not None:
-            mine = new[self.member.replica]
-            if mine != self.ranges:
-                with self.rec.op("replan-layers") as row:
-                    row["bytes"] = self._repartition(mine)
-                    self.replica_ranges = [mine]
-                    self.grad_sync.prepare([mine], layers)
-                for source in self.sources.values():  # its state in the new split, as of the last step
-                    source.push(STATE, step - 1, flatten(heal_tensors(self.model, self.optimizer), "cpu"),
-                                self._split())
             self.full_ranges = new
         self.plan_id = plan.get("id")
-        self.plan_changes.append({"step": step, **change.to_dict()})
+        if not relaid:
+            self.plan_changes.append({"step": step, **change.to_dict()})
+
+    def _check_within(self, pipes: list[list[tuple[int, ...]]]) -> None:
+        """A plan's layout keeps every replica on ranks it was launched with (each replica is a job
+        of its own: no rank can join another's process groups)."""
+        if len(pipes) != len(self.launch) or any(
+                not {g for s in p for g in s} <= {g for s in home for g in s}
+                for p, home in zip(pipes, self.launch)):
+            raise InputError(f"plan layout: expected each of the {len(self.launch)} replicas on its own "
+                             f"ranks {[[list(s) for s in p] for p in self.launch]}, got {pipes}")
 
     def _split(self) -> list[int]:
         return [b - a for a, b in self.ranges]
 
     def _buckets(self, loss: torch.Tensor | None) -> dict[Key, list[torch.Tensor]]:
-        """This rank's gradients (and the loss, with the head's) by the ranks that sum them
-        (``holder_key``)."""
+        """This rank's gradient pieces (and the loss, with the final norm's) by the ranks of the
+        member replicas that sum them (``gradsync.Pieces``: any layer split, depth and
+        tensor-parallel size per replica)."""
         members = self.gen.replicas
-        out: dict[Key, list[torch.Tensor]] = {}
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.setdefault(holder_key(name, self.stage, self.full_ranges, members), []).append(p.grad)
-        if loss is not None:
-            out.setdefault((self.stage,) * len(members), []).append(loss)
-        return out
+        layout = (tuple(members), tuple(tuple(self.full_pipelines[d]) for d in members),
+                  tuple(tuple(self.full_ranges[d]) for d in members))
+        if self._pieces is None or self._pieces[0] != layout:
+            self._pieces = (layout, Pieces([self.full_pipelines[d] for d in members],
+                                           [self.full_ranges[d] for d in members], self.model_cfg))
+        entries = self._pieces[1].entries(self.model, self.global_rank, loss)
+        return {key: [t for _, _, t in pieces] for key, pieces in entries.items()}
 
     def loss_tokens(self, data: StepData) -> int:
         if not self.drop:
@@ -180,6 +221,15 @@ class ReplicaEngine(Engine):
         except (RuntimeError, dist.DistError):
             ok = False  # a member was lost inside the sum: the vote says so, nothing is applied
             self.rec.active = None
+        self._commit(step, ok)
+        if self.sources:  # returning ranks replay this step's summed gradients
+            grads = flatten([p.grad for p in params])
+            for source in self.sources.values():
+                source.push(GRAD, step, grads)
+        return float(loss) if loss is not None else None
+
+    def _commit(self, step: int, ok: bool) -> None:
+        """This rank's vote on ``step`` and the quorum's decision (raises on an abort or eviction)."""
         with self.rec.waiting("ft-commit"):
             decision = (self.quorum.vote(self.gen, step, ok, previous=self.decision)
                         or self.quorum.wait(self.gen, step))
@@ -188,11 +238,12 @@ class ReplicaEngine(Engine):
             raise Evicted(f"replica {self.member.replica} was evicted at step {step}")
         if not decision.commit:
             raise StepAborted(decision)
-        if self.sources:  # returning ranks replay this step's summed gradients
-            grads = flatten([p.grad for p in params])
-            for source in self.sources.values():
-                source.push(GRAD, step, grads)
-        return float(loss) if loss is not None else None
+
+    def train_step(self, step: int) -> StepResult:
+        result = super().train_step(step)
+        if self.coords is None:  # a hot spare of its replica trains nothing, but votes every step
+            self._commit(step, True)
+        return result
 
     def abandon_step(self) -> None:
         """An aborted attempt: its gradients and records go; the step is trained again."""
@@ -243,7 +294,7 @@ class ReplicaEngine(Engine):
                 self.sources.pop(m).close(step)
         for m in [m for m, s in self.sources.items() if s.done]:
             self.sources.pop(m)  # its returning rank was lost
-        if self.member.replica != min(nxt.replicas):
+        if self.member.replica != heal_source(nxt.replicas, self.full_pipelines, self.launch):
             return
         for replica in range(self.full.parallel.dp):
             if replica in nxt.replicas:
@@ -313,14 +364,13 @@ class ReplicaEngine(Engine):
                 "from_step": gen.from_step, "replayed_steps": replayed, "bytes": target.received_bytes}
 
 
-def holder_key(name: str, stage: int, ranges: list[list[tuple[int, int]]], members: list[int]) -> Key:
-    """The stage holding parameter ``name`` (held at ``stage`` here) in each of the ``members``
-    replicas, given every replica's layer ``ranges``: a layer's owner in that replica's split; the
-    embedding and the head at ``stage`` everywhere (every replica has the same depth)."""
-    if name.startswith("layers."):
-        layer = int(name.split(".")[1])
-        return tuple(owner(ranges[d], layer) for d in members)
-    return (stage,) * len(members)
+def heal_source(members: list[int], pipelines: list[list[tuple[int, ...]]],
+                launch: list[list[tuple[int, ...]]]) -> int | None:
+    """The replica that serves a returning one: the lowest member whose groups in force
+    (``pipelines``) are its ``launch`` groups, as the returning replica's are: it takes the state
+    position by position. None: every member was re-formed, and no peer can serve it."""
+    same = [d for d in members if pipelines[d] == launch[d]]
+    return min(same) if same else None
 
 
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -380,7 +430,7 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
             every = cfg.checkpoint.ckpt_every
             if every and (step + 1) % every == 0 and member.replica == min(trained.replicas):
                 engine.save_checkpoint(cfg.ckpt_root() / f"step{step}", step)  # one member writes
-            if result.loss is not None and member.replica == min(engine.gen.replicas) and local == per_replica - cfg.parallel.tp:
+            if result.loss is not None and member.replica == min(engine.gen.replicas) and engine.tp.rank == 0:
                 print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
                       file=sys.stderr, flush=True)
             if result.loss is not None and not math.isfinite(result.loss):
