@@ -132,12 +132,22 @@ class Quorum:
         self.store.set(self._key("held", member.replica, member.attempt, local_rank), str(step))
         self.store.add(self.changes, 1)
 
-    def held(self, member: Member) -> int | None:
-        """The step every rank of a returning replica holds the state after (None: not all do)."""
-        keys = [self._key("held", member.replica, member.attempt, r) for r in range(self.ranks_per_replica)]
+    def held(self, member: Member, ranks: list[int] | None = None) -> int | None:
+        """The step every rank of a returning replica (or its ``ranks``) holds the state after
+        (None: not all do)."""
+        ranks = range(self.ranks_per_replica) if ranks is None else ranks
+        keys = [self._key("held", member.replica, member.attempt, r) for r in ranks]
         if not self.store.check(keys):
             return None
         return min(int(v) for v in self.store.multi_get(keys))
+
+    def set_heal_shape(self, member: Member, shape: list[int]) -> None:
+        """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
+        self.store.set(self._key("heal-shape", member.replica, member.attempt), json.dumps(shape))
+
+    def heal_shape(self, member: Member) -> list[int] | None:
+        key = self._key("heal-shape", member.replica, member.attempt)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def admitted(self, member: Member) -> Generation | None:
         """The generation that admitted a returning replica (its ``from_step``: the step it trains

@@ -214,16 +214,7 @@ class Engine:
             self.cfg.model.check_tp(len(p[0]))
 
         def rebuild() -> tuple[torch.nn.Module, torch.optim.Optimizer, TPContext] | None:
-            old_groups = [self.tp.group, *self.grad_sync.groups.values()]
-            self.replica_ranges, self.weights = ranges, weights
-            self.form_groups(new.pipelines)
-            self.generation += 1
-            if self.coords is None:
-                self.model = self.optimizer = None
-            else:
-                self.build_stage(*self.ranges[self.stage], init=False)
-                self.rec.ids.update(dp_rank=self.dp_rank, stage=self.stage, tp_rank=self.tp.rank)
-            self._retired = old_groups
+            self._retired = self.reform(new.pipelines, ranges, weights)
             return None if self.coords is None else (self.model, self.optimizer, self.tp)
 
         moved = relayout(self.model, self.optimizer, self.tp, self.model_cfg, rebuild, self.control_group,
@@ -231,6 +222,22 @@ class Engine:
         retire_groups(self._retired)
         return {**moved, "generation": self.generation, "spares": [r for r in range(self.world)
                                                                    if r not in self.active]}
+
+    def reform(self, pipelines: Sequence[Sequence[Sequence[int]]], ranges: list[list[tuple[int, int]]],
+               weights: list[float]) -> list:
+        """Collective over the world: a new generation of process groups for ``pipelines`` and this
+        rank's stage built in it, its values not kept (``_relayout`` moves them in). Returns the
+        groups it retires (``replan.retire_groups``)."""
+        old_groups = [self.tp.group, *self.grad_sync.groups.values()]
+        self.replica_ranges, self.weights = ranges, weights
+        self.form_groups(pipelines)
+        self.generation += 1
+        if self.coords is None:
+            self.model = self.optimizer = None
+        else:
+            self.build_stage(*self.ranges[self.stage], init=False)
+            self.rec.ids.update(dp_rank=self.dp_rank, stage=self.stage, tp_rank=self.tp.rank)
+        return old_groups
 
     def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
         self.model, self.optimizer, sent = repartition(

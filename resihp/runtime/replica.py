@@ -52,6 +52,7 @@ from resihp.runtime.gradsync import Pieces, pipelines_of
 from resihp.runtime.inject import FaultInjector
 from resihp.runtime.layout import balanced_layers, ranges_from_counts
 from resihp.runtime.planchange import PlanChange, Relayout
+from resihp.runtime.replan import retire_groups
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
 GPU_OFFSET_ENV = "RESIHP_GPU_OFFSET"  # the first GPU of a replica's local rank 0 on its host
@@ -145,13 +146,16 @@ class ReplicaEngine(Engine):
             self.position = f"{self.stage}.{self.tp.rank}"
             self.plan_changes.append({"step": step, **change.to_dict(), **done,
                                       "spares": [g for g, r in self._local.items() if r in done["spares"]]})
+            for source in self.sources.values():  # served position by position: those are gone
+                source.close(-1)
+            self.sources.clear()
         elif new is not None and new[replica] != self.ranges and self.coords is not None:
             with self.rec.op("replan-layers") as row:
                 row["bytes"] = self._repartition(new[replica])
                 self.replica_ranges = [new[replica]]
                 self.grad_sync.prepare([new[replica]], layers)
             moved = True
-        if moved:
+        if moved and not relaid:
             for source in self.sources.values():  # its state in the new split, as of the last step
                 source.push(STATE, step - 1, flatten(heal_tensors(self.model, self.optimizer), "cpu"),
                             self._split())
@@ -247,7 +251,8 @@ class ReplicaEngine(Engine):
 
     def abandon_step(self) -> None:
         """An aborted attempt: its gradients and records go; the step is trained again."""
-        self.optimizer.zero_grad(set_to_none=False)
+        if self.optimizer is not None:  # None: a hot spare, which holds nothing
+            self.optimizer.zero_grad(set_to_none=False)
         self._pending.clear()
         del self.rec.rows[self.rec._flushed:]
         self.rec.active = None
@@ -294,7 +299,7 @@ class ReplicaEngine(Engine):
                 self.sources.pop(m).close(step)
         for m in [m for m, s in self.sources.items() if s.done]:
             self.sources.pop(m)  # its returning rank was lost
-        if self.member.replica != heal_source(nxt.replicas, self.full_pipelines, self.launch):
+        if self.coords is None or self.member.replica != heal_source(nxt.replicas, self.full_pipelines, self.launch):
             return
         for replica in range(self.full.parallel.dp):
             if replica in nxt.replicas:
@@ -304,6 +309,8 @@ class ReplicaEngine(Engine):
                 continue
             for old in [o for o in self.sources if o.replica == replica]:
                 self.sources.pop(old).close(-1)
+            # the returning replica forms its groups in this one's shape before it listens
+            self.quorum.set_heal_shape(m, [len(stage) for stage in self.pipelines[0]])
             source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
                                                           self.position), self.full.faults.timeout_s)
             source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer), "cpu"), self._split())
@@ -317,11 +324,69 @@ class ReplicaEngine(Engine):
             source.join(timeout=5)
 
     # --- catching up ------------------------------------------------------------------------------
+    def _source_shape(self) -> list[int]:
+        """The groups of the replica that serves this returning one (tensor-parallel size per
+        stage), once it starts serving."""
+        end = time.monotonic() + self.full.faults.timeout_s
+        while (shape := self.quorum.heal_shape(self.member)) is None:
+            if self.quorum.finished():
+                raise Evicted(f"replica {self.member.replica}: the job finished before it rejoined")
+            if time.monotonic() > end:
+                raise RuntimeError(f"catch-up: no replica served replica {self.member.replica} "
+                                   f"in {self.full.faults.timeout_s:g} s")
+            time.sleep(0.01)
+        if sum(shape) > self.world:
+            raise RuntimeError(f"catch-up: the serving replica's groups {shape} need more than this "
+                               f"replica's {self.world} ranks")
+        return shape
+
+    def _mirror(self, shape: list[int]) -> None:
+        """Served by a peer whose groups were re-formed: this replica's groups formed in the same
+        shape (stage s: the next ``shape[s]`` of its ranks in order, the rest hot spares), so each
+        rank takes the state of the peer's rank at its position; its plan's groups follow as it
+        rejoins (``take_plan``)."""
+        ranks = iter(range(self.world))
+        local = [tuple(next(ranks) for _ in range(n)) for n in shape]
+        layers = self.model_cfg.layers
+        retire_groups(self.reform([local], [balanced_layers(layers, len(local))], [1.0]))
+        self.rec.ids.update(dp_rank=self.member.replica)
+        self.position = f"{self.stage}.{self.tp.rank}"
+        job_rank = {r: g for g, r in self._local.items()}
+        self.full_pipelines[self.member.replica] = [tuple(job_rank[r] for r in stage) for stage in local]
+        self.full_ranges[self.member.replica] = self.ranges if self.coords is not None else balanced_layers(
+            layers, len(local))
+
+    def _follow_peers(self, local_rank: int, t0: float) -> dict:
+        """A returning rank left out of the groups its replica mirrors: it holds nothing, and
+        reports each step its peers hold until the quorum admits the replica."""
+        active = sorted(r for p in self.pipelines for stage in p for r in stage)
+        reported = None
+        end = time.monotonic() + self.full.faults.timeout_s
+        while (gen := self.quorum.admitted(self.member)) is None:
+            if self.quorum.finished():
+                raise Evicted(f"replica {self.member.replica}: the job finished before it rejoined")
+            held = self.quorum.held(self.member, active)
+            if held is not None and held != reported:
+                self.quorum.report_held(self.member, local_rank, held)
+                reported, end = held, time.monotonic() + self.full.faults.timeout_s
+            if time.monotonic() > end:
+                raise RuntimeError(f"catch-up: replica {self.member.replica} was not admitted")
+            time.sleep(0.01)
+        self.gen = gen
+        self.decision = self.quorum.admitting(gen)
+        return {"state_step": None, "requested_ts": t0, "state_ts": None, "admitted_ts": time.time(),
+                "from_step": gen.from_step, "replayed_steps": 0, "bytes": 0}
+
     def catch_up(self, local_rank: int) -> dict:
         """A relaunched replica's rank: the survivors' state from a live peer, then their summed
         gradients step by step, until the quorum admits this replica. Returns what it took."""
         t0 = time.time()
         self.quorum.request_join(self.member)
+        shape = self._source_shape()
+        if shape != [len(stage) for stage in self.launch[self.member.replica]]:
+            self._mirror(shape)
+        if self.coords is None:
+            return self._follow_peers(local_rank, t0)
         target = HealTarget(self.store, heal_prefix(self.full.job_id, self.member.replica, self.member.attempt,
                                                     self.position), self.full.faults.timeout_s)
         state_at = held = None
@@ -367,10 +432,11 @@ class ReplicaEngine(Engine):
 def heal_source(members: list[int], pipelines: list[list[tuple[int, ...]]],
                 launch: list[list[tuple[int, ...]]]) -> int | None:
     """The replica that serves a returning one: the lowest member whose groups in force
-    (``pipelines``) are its ``launch`` groups, as the returning replica's are: it takes the state
-    position by position. None: every member was re-formed, and no peer can serve it."""
+    (``pipelines``) are its ``launch`` groups, as the returning replica's are (it takes the state
+    position by position); where every member was re-formed, the lowest member (the returning
+    replica then forms its groups in that one's shape, ``ReplicaEngine._mirror``)."""
     same = [d for d in members if pipelines[d] == launch[d]]
-    return min(same) if same else None
+    return min(same) if same else min(members, default=None)
 
 
 def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
