@@ -705,12 +705,13 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     replica 1 keeps its group; the cross-replica sums follow each block to its new holder (a tp-1
     rank beside a tp-2 group), and every step's loss equals one process training the same batches.
     The detector calibrates on the 8 steps before the fault (a baseline the fault falls into
-    measures it low, see ``tests/test_reshard_live.py``)."""
-    out, steps = tmp_path / "run", 20
+    measures it low, see ``tests/test_reshard_live.py``). The slowdown ends at step 17: a rank left
+    out re-checks itself with backoff as a hot spare of its replica and a later plan takes it back."""
+    out, steps = tmp_path / "run", 28
     flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
                            "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
-                           "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10", "--json"],
+                           "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10,until=17", "--json"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -726,8 +727,13 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     at = change["applied_step"]
     assert {r["rank"] for r in rows if r["optype"] == "replan-layout" and r["step"] == at} == {0, 1}
     compute = {(r["rank"], r["step"]) for r in rows if r["optype"] == "forward-compute"}
-    if 1 in change["spares"]:  # left out: it trains nothing more
-        assert not any(rank == 1 and step >= at for rank, step in compute)
+    if 1 in change["spares"]:  # left out: it trains nothing until a plan takes it back
+        back = next((c for c in summary["plan_changes"] if c["reason"]["kind"] == "recovered"), None)
+        assert back is not None and back["reason"]["rank"] == 1 and back["applied"] is True, summary["plan_changes"]
+        assert 1 in {r for p in back["layout"]["pipelines"] for s in p for r in s} and back["spares"] == [], back
+        assert back["reason"]["detected_step"] >= 17 and at < back["applied_step"] < steps, back
+        assert {step for rank, step in compute if rank == 1 and step >= at} == set(range(back["applied_step"], steps))
+        assert any(r["optype"] == "probe" and r["rank"] == 1 and r["step"] > at for r in rows)
     for rank in (0, 2, 3):
         assert {step for r, step in compute if r == rank} == set(range(steps)), rank
     want = replay_membership({**flags, "steps": steps}, [[0, 1]] * steps, tmp_path / "replay")
