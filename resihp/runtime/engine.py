@@ -135,10 +135,16 @@ class Engine:
             # loading) took 4x as long here, and a reference that slow makes a spare still
             # running at a third of its speed look recovered
             compute()
-        with self.rec.op("probe"):
-            start = time.perf_counter()
+        with self.rec.op("probe") as row:
+            start, cpu = time.perf_counter(), time.process_time()
             compute()
-            self.injector.stretch(time.perf_counter() - start)
+            wall = time.perf_counter() - start
+            # on a CPU shared by more ranks than cores, the time the probe waited for a core is not
+            # the device's speed (a healthy spare probing beside busy ranks measured 2x its
+            # reference): kept apart as the op's wait, as inside tensor-parallel collectives
+            busy = min(wall, time.process_time() - cpu) if self.device.type == "cpu" else wall
+            self.injector.stretch(busy)
+            row["wait_s"] = wall - busy
 
     # --- point-to-point -------------------------------------------------------------------------
     def _recv(self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch) -> torch.Tensor:

@@ -279,7 +279,8 @@ class LiveLoop:
         df = df[~df.optype.str.startswith("replan")]
         placed = {r for p in self.groups for s in p for r in s}
         for probe in df[df.optype == "probe"].itertuples():
-            self._probe(step, int(probe.rank), float(probe.duration), placed)
+            waited = 0.0 if pd.isna(probe.wait_s) else float(probe.wait_s)  # for a core (``Engine._probe``)
+            self._probe(step, int(probe.rank), float(probe.duration) - waited, placed)
         df = df[df["rank"].isin(placed) & (df.optype != "probe")]  # a hot spare only keeps step
         if df.empty:
             return
