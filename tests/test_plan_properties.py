@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 
 from resihp.errors import InputError
 from resihp.plan.baselines import make_policy
+from resihp.plan.layout import home_pipelines
 from resihp.plan.pipeline_solver import solve_pipeline
 from resihp.plan.plan import plan_problems
-from resihp.plan.planner import Planner
+from resihp.plan.planner import WITHIN_REPLICAS, Planner, own_groups
 from resihp.plan.specs import ClusterSpec, ModelSpec
 
 SPEEDS = st.sampled_from([1.0, 1.0, 1.0, 0.8, 0.5, 0.2, 0.0])
@@ -107,3 +108,33 @@ def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas):
     held = {(0, 1): (0, layers)}
     sol = solve_pipeline(coster, [(0, 1)], 4, held, 100.0, 0.05, (0.0, 1e-5), replicas, False)
     assert sol is not None and [s.layers for s in sol.stages] == [(0, layers)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.lists(SPEEDS, min_size=1, max_size=4), st.randoms(use_true_random=False))
+def test_within_replicas_every_replica_stays_on_its_own_ranks(case, new_speeds, rnd):
+    """Replica mode's re-plans: whatever the faults, each replica keeps one pipeline, on ranks of
+    the groups it was launched with (``own_groups``), and the plan is valid."""
+    cluster, model = case
+    try:
+        first = Planner(threads=2).plan(cluster.healthy(), model, time_limit_s=1.0)
+    except InputError:
+        return
+    ranks = rnd.sample(range(len(cluster)), min(len(new_speeds), len(cluster)))
+    degraded = cluster.with_speeds(dict(zip(ranks, new_speeds)))
+    try:
+        plan = Planner(threads=2, regroup=WITHIN_REPLICAS).plan(degraded, model, first, time_limit_s=1.0)
+    except InputError as exc:  # a replica that cannot run on its live ranks: only with a dead one
+        assert any(why in str(exc) for why in (*INFEASIBLE, "fits in memory on the remaining devices"))
+        assert degraded.dead, exc  # slow devices alone: keeping every group is always a plan
+        event("no plan keeps every replica")
+        return
+    event("planned")
+    assert plan_problems(plan, degraded, model) == []
+    before = sorted(first.pipelines, key=lambda p: p.dp_rank)
+    after = sorted(plan.pipelines, key=lambda p: p.dp_rank)
+    assert len(after) == len(before)
+    homes = home_pipelines(cluster, first.layout)
+    for old, new in zip(before, after):
+        own = {r for g in own_groups(old, homes, first) for r in g}
+        assert new.stages and set(new.ranks) <= own, (old.groups, new.groups)

@@ -711,7 +711,9 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
                            "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
-                           "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10,until=17", "--json"],
+                           "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10,until=17", "--json",
+                           # a 6x rank on a loaded machine can pass the default hang timeout (5 steps)
+                           "--hang-timeout", "120"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

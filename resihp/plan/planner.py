@@ -67,6 +67,19 @@ def within_homes(plan: Plan, homes: list[list[tuple[int, ...]]]) -> bool:
         for d, p in enumerate(pipes))
 
 
+def own_groups(pipe: Pipeline, homes: list[list[tuple[int, ...]]], current: Plan) -> list[tuple[int, ...]]:
+    """The groups a replica of ``current`` was launched with: its home groups where it runs on
+    ranks of them and no other pipeline holds one (its left-out ranks are its hot spares), else
+    the groups it has now."""
+    if pipe.home is not None:
+        home = homes[pipe.home]
+        ranks = {r for g in home for r in g}
+        others = {r for p in current.pipelines if p is not pipe for r in p.ranks}
+        if set(pipe.ranks) <= ranks and ranks.isdisjoint(others):
+            return list(home)
+    return list(pipe.groups)
+
+
 def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
                  layout: ParallelDims | None = None, time_limit_s: float = 2.0,
                  token_budgets: bool = False) -> Plan:
@@ -242,11 +255,9 @@ class Planner:
         if fixed:
             # the groups in force, whatever the layout's home groups: every pipeline re-split
             # (the solver keeps its groups whole), its share re-allocated; within replicas, each
-            # replica's home groups (a pipeline without a home: its groups), which the solver
-            # may re-form
+            # replica's own groups (``own_groups``), which the solver may re-form
             ordered = sorted(current.pipelines, key=lambda p: p.dp_rank)
-            pipes = [list(pipes[p.home]) if within and p.home is not None else list(p.groups)
-                     for p in ordered]
+            pipes = [own_groups(p, pipes, current) if within else list(p.groups) for p in ordered]
             even = dict(enumerate(apportion(model.microbatches, np.ones(len(pipes)))))
             share = {r: p.microbatches for r, p in enumerate(ordered)}
             affected = list(range(len(pipes)))

@@ -135,7 +135,7 @@ class ReplicaEngine(Engine):
         if new is None and pipes != self.full_pipelines:
             new = [balanced_layers(layers, len(p)) for p in pipes]
         replica = self.member.replica
-        moved = relaid = pipes[replica] != self.full_pipelines[replica]
+        relaid = pipes[replica] != self.full_pipelines[replica]
         if relaid:
             ranges = (new or self.full_ranges)[replica]
             local = Relayout((tuple(tuple(self._local[g] for g in stage) for stage in pipes[replica]),))
@@ -154,8 +154,6 @@ class ReplicaEngine(Engine):
                 row["bytes"] = self._repartition(new[replica])
                 self.replica_ranges = [new[replica]]
                 self.grad_sync.prepare([new[replica]], layers)
-            moved = True
-        if moved and not relaid:
             for source in self.sources.values():  # its state in the new split, as of the last step
                 source.push(STATE, step - 1, flatten(heal_tensors(self.model, self.optimizer), "cpu"),
                             self._split())
@@ -353,8 +351,7 @@ class ReplicaEngine(Engine):
         self.position = f"{self.stage}.{self.tp.rank}"
         job_rank = {r: g for g, r in self._local.items()}
         self.full_pipelines[self.member.replica] = [tuple(job_rank[r] for r in stage) for stage in local]
-        self.full_ranges[self.member.replica] = self.ranges if self.coords is not None else balanced_layers(
-            layers, len(local))
+        self.full_ranges[self.member.replica] = balanced_layers(layers, len(local))
 
     def _follow_peers(self, local_rank: int, t0: float) -> dict:
         """A returning rank left out of the groups its replica mirrors: it holds nothing, and
