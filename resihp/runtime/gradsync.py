@@ -76,7 +76,8 @@ def _global_params(cfg: GPTConfig) -> dict[str, tuple[int | None, int]]:
 class Pieces:
     """Which ranks sum each block of each parameter's gradient, for a layout given as pipelines of
     ranks (replica -> stage -> its tensor-parallel group) and each replica's layer ranges: every
-    key (the summing ranks, ascending) holds one rank of each replica. Pure: no process group."""
+    key (the summing ranks, ascending) holds one rank of each replica (with ``tied``, a tied
+    embedding's key holds its first- and last-stage copies). Pure: no process group."""
 
     def __init__(self, pipelines: Pipelines, replica_ranges: Sequence[Ranges], cfg: GPTConfig,
                  tied: bool = False) -> None:
