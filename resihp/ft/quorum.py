@@ -141,6 +141,17 @@ class Quorum:
             return None
         return min(int(v) for v in self.store.multi_get(keys))
 
+    def report_relayout(self, plan_id: object, replica: int, record: dict) -> None:
+        """What re-forming ``replica``'s groups for plan change ``plan_id`` moved (its first
+        application: a returning replica that re-forms again as it rejoins does not count)."""
+        key = self._key("relayout", plan_id, replica)
+        if not self.store.check([key]):
+            self.store.set(key, json.dumps(record))
+
+    def relayouts(self, plan_id: object, replicas: int) -> list[dict]:
+        keys = [self._key("relayout", plan_id, d) for d in range(replicas)]
+        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+
     def set_heal_shape(self, member: Member, shape: list[int]) -> None:
         """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
         self.store.set(self._key("heal-shape", member.replica, member.attempt), json.dumps(shape))

@@ -304,13 +304,22 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
                for c in loop.changes]
     trace = read_ops_trace(out / "ops.parquet") if (out / "ops.parquet").exists() else None
     if trace is not None:
-        # layers moved in place, or (replica mode) a replica's groups re-formed: the bytes the
-        # ranks sent and the slowest rank's seconds, from the step's ``replan-*`` ops
+        # layers moved in place, or (replica mode) replicas' groups re-formed: the slowest rank's
+        # seconds and, where the job recorded no totals, the bytes the ranks sent, from the step's
+        # ``replan-*`` ops; in replica mode the layers other replicas moved beside re-formed ones
+        # (a layer moved is exactly what its new stage needs: its bytes are the minimum too)
         moves = trace[trace.optype.isin(["replan-layers", "replan-layout"])]
         for change in changes:
             at = moves[moves.step == change["applied_step"]]
-            if "moved_bytes" not in change and len(at):
-                change.update(moved_bytes=int(at["bytes"].fillna(0).sum()), move_s=round(float(at.duration.max()), 4))
+            if not len(at):
+                continue
+            change["move_s"] = round(float(at.duration.max()), 4)
+            layers = int(at[at.optype == "replan-layers"]["bytes"].fillna(0).sum())
+            if "moved_bytes" not in change:
+                change["moved_bytes"] = int(at["bytes"].fillna(0).sum())
+            elif layers and "minimum_bytes" in change:
+                change.update(moved_bytes=change["moved_bytes"] + layers,
+                              minimum_bytes=change["minimum_bytes"] + layers)
             if "layout" in change and "spares" not in change:  # the ranks its groups leave out
                 placed = {r for p in change["layout"]["pipelines"] for s in p for r in s}
                 change["spares"] = [r for r in range(cfg.dims().world_size) if r not in placed]

@@ -144,8 +144,12 @@ class ReplicaEngine(Engine):
                 row["bytes"] = done["moved_bytes"] if dist.get_rank() == 0 else 0  # the replica's total, once
             self.rec.ids.update(dp_rank=replica)  # the engine's own layout has one replica: this one
             self.position = f"{self.stage}.{self.tp.rank}"
-            self.plan_changes.append({"step": step, **change.to_dict(), **done,
-                                      "spares": [g for g, r in self._local.items() if r in done["spares"]]})
+            spares = [g for g, r in self._local.items() if r in done["spares"]]
+            self.plan_changes.append({"step": step, **change.to_dict(), **done, "spares": spares})
+            if dist.get_rank() == 0:  # the replica's totals (``relayout`` sums them over its ranks)
+                self.quorum.report_relayout(plan.get("id"), replica, {
+                    k: done[k] for k in ("moved_bytes", "written_bytes", "read_bytes", "minimum_bytes",
+                                         "relayout_s")})
             for source in self.sources.values():  # served position by position: those are gone
                 source.close(-1)
             self.sources.clear()

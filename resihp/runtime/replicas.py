@@ -279,7 +279,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 outcome.replica_catchups = _catchups(store, quorum, outcome.replica_failures)
                 outcome.replica_members = _members(quorum, first_step, cfg.train.steps)
                 outcome.control_plane = control_plane_costs(reader, beats)
-                (out / "plan_changes.json").write_text(json.dumps(_applied_plans(quorum, first)))
+                (out / "plan_changes.json").write_text(json.dumps(_applied_plans(quorum, first, cfg.parallel.dp)))
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
                 # the store goes with this process: the other nodes see the end and stop their replicas
@@ -319,14 +319,22 @@ def _members(quorum: Quorum, first_step: int, steps: int) -> list[list[int]]:
     return found
 
 
-def _applied_plans(quorum: Quorum, first: Generation) -> list[dict]:
+def _applied_plans(quorum: Quorum, first: Generation, replicas: int) -> list[dict]:
     """Each plan change the commits carried, with the step every rank applied it at (the one
-    after the first commit that carried it)."""
+    after the first commit that carried it) and, where it re-formed replicas' groups, what that
+    moved: bytes summed over those replicas (written, read, and the least their layouts need),
+    seconds of the slowest."""
     applied, seen = [], set()
     for d in quorum.decisions(first):
         if d.commit and d.plan is not None and d.plan.get("id") not in seen:
             seen.add(d.plan.get("id"))
-            applied.append({"step": d.step + 1, **d.plan})
+            entry = {"step": d.step + 1, **d.plan}
+            records = quorum.relayouts(d.plan.get("id"), replicas)
+            if records:
+                entry.update({k: sum(r[k] for r in records)
+                              for k in ("moved_bytes", "written_bytes", "read_bytes", "minimum_bytes")})
+                entry["relayout_s"] = max(r["relayout_s"] for r in records)
+            applied.append(entry)
     return applied
 
 
