@@ -217,3 +217,29 @@ def test_a_flush_waits_for_a_slot_pending_before_it_was_asked(tmp_path, monkeypa
     monkeypatch.setattr(keeper_module, "read_json", trainer_publishes_meanwhile)
     assert keeper.step() is True  # the pending slot was seen
     assert not (directory / keeper_module.FLUSHED).exists()  # no answer while it is pending
+
+
+def test_a_keeper_starting_while_its_lock_is_probed_still_starts(shm):
+    """``keeper_pid`` takes the tier's lock for an instant (the process that starts a keeper polls
+    it): a keeper trying the lock in that instant waits it out instead of leaving as if another
+    keeper held the tier (a CI run caught that race once). Here the probe is stretched to 0.6 s,
+    over the keeper's start-up (about 0.2 s on this project's machines)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    directory = shm / "probed"
+    directory.mkdir()
+    fd = os.open(directory / "keeper.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    proc = subprocess.Popen([sys.executable, "-m", "resihp.ckpt.keeper", "--dir", str(directory),
+                             "--owner", str(os.getpid())], start_new_session=True)
+    try:
+        time.sleep(0.6)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        _wait_for(lambda: keeper_pid(directory) == proc.pid or proc.poll() is not None, 30, "the keeper")
+        assert proc.poll() is None and keeper_pid(directory) == proc.pid
+    finally:
+        stop_keeper(directory)
+        proc.wait(timeout=30)
