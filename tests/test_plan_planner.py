@@ -417,3 +417,50 @@ def test_within_replicas_a_slow_device_is_left_out_of_its_own_replica_only():
     assert plan.step_time_s < fixed.step_time_s
     with pytest.raises(ValueError, match="regroup"):
         Planner(regroup="sometimes")
+
+
+def test_allocation_with_a_floor_gives_every_replica_its_floor_at_the_least_span():
+    """``floor``: every replica keeps at least that many micro-batches (replica mode's replicas
+    all keep training); the greedy and the CP-SAT allocation reach the brute-force optimum."""
+    rng = np.random.default_rng(3)
+
+    def span(a, first, each):
+        return max(f + (k - 1) * e for f, e, k in zip(first, each, a) if k)
+
+    for _ in range(40):
+        n, total, floor = int(rng.integers(1, 4)), int(rng.integers(3, 9)), int(rng.integers(1, 3))
+        first = np.round(rng.uniform(1, 9, n), 2).tolist()
+        each = np.round(rng.uniform(0.1, 6, n), 2).tolist()
+        if floor * n > total:
+            with pytest.raises(ValueError, match="cannot give each"):
+                greedy_allocation(first, each, total, floor=floor)
+            continue
+        best = min(span(a, first, each) for a in np.ndindex(*[total + 1] * n)
+                   if sum(a) == total and min(a) >= floor)
+        greedy = greedy_allocation(first, each, total, floor=floor)
+        alloc, _, _ = allocate_microbatches(first, each, total, 2.0, floor=floor)
+        for a in (greedy, alloc):
+            assert sum(a) == total and min(a) >= floor
+            assert span(a, first, each) == pytest.approx(best)
+
+
+def test_within_replicas_keeps_a_replica_the_allocation_would_leave_idle():
+    """A live re-plan of the runtime's own run (``resihp run --dp 2 --tp 2``, rank 1 about 7x
+    slow, the cluster paced as the live loop paced it on a CI machine): the fastest split of the
+    global batch gives the slow replica nothing, which in replica mode is no plan (every replica
+    trains on), and the re-plan once failed with "no plan ... fits in memory". Every replica now
+    keeps at least one micro-batch."""
+    cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": 4}],
+                                     "device": {"memory_gb": 5.735, "tflops": 0.0861},
+                                     "memory_reserve_gb": 0.0}).paced(0.1313)
+    model = ModelSpec(layers=4, hidden=128, heads=4, ffn_hidden=512, vocab=1024, max_seq_len=1024,
+                      global_batch_tokens=4096, microbatch_tokens=1024, name="resihp-run", tp=2, pp=1)
+    layout = Planner().plan(cluster, model).layout
+    pipes = [Pipeline(d, (Stage(tuple(layout.tp_group_ranks(d, 0)), (0, 4)),), 2, home=d) for d in range(2)]
+    current = Plan(4, layout, pipes, [])
+    slow = cluster.with_speeds({1: 0.1459})
+    plan = Planner(regroup=WITHIN_REPLICAS).plan(slow, model, current)
+    assert plan_problems(plan, slow, model) == []
+    assert [p.home for p in sorted(plan.pipelines, key=lambda p: p.dp_rank)] == [0, 1]
+    assert all(p.microbatches >= 1 for p in plan.pipelines)
+    assert sum(p.microbatches for p in plan.pipelines) == model.microbatches

@@ -2,7 +2,7 @@
 baseline returns is valid (each rank placed once or excluded, layers covered once per pipeline,
 memory respected, global batch kept), and re-planning from it stays valid."""
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from resihp.errors import InputError
@@ -90,25 +90,35 @@ def test_replanning_from_a_plan_stays_valid(case, new_speeds, rnd):
     assert second.migration_s >= 0 and second.tokens_per_s > 0
 
 
-@settings(max_examples=60, deadline=None)
-@given(tflops=st.floats(0.05, 400.0), speed=st.floats(0.1, 1.0), layers=st.integers(2, 12),
-       replicas=st.integers(1, 4))
-def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas):
-    """One group that fits the whole model is always solved, whatever its speed: the stage time's
-    bound is the exact bound of its ticks (rounded per term, they once summed past a bound rounded
-    as a whole, and a healthy group of the runtime's small model came out infeasible)."""
+@settings(max_examples=80, deadline=None)
+@given(tflops=st.floats(0.05, 400.0), speed=st.one_of(st.just(0.0), st.floats(0.1, 1.0)),
+       layers=st.integers(2, 12), replicas=st.integers(1, 4), link_gbs=st.floats(0.5, 400.0),
+       regroup=st.booleans())
+@example(tflops=1.0, speed=0.0, layers=7, replicas=1, link_gbs=3.0, regroup=True)  # once infeasible
+def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas, link_gbs, regroup):
+    """A group that fits the whole model is always solved, whatever its speed and links, and so
+    is its survivor when one of its two devices died (re-forming, the whole model migrating to
+    it): each bound of the CP-SAT model is the exact bound of its expression in ticks (rounded
+    per term, a stage's ticks once summed past a bound rounded as a whole, and a healthy group of
+    the runtime's small model came out infeasible; so did a migration's)."""
     cluster = ClusterSpec.from_dict({
         "name": "h", "device": {"memory_gb": 80, "tflops": tflops},
-        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}, "memory_reserve_gb": 2,
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": link_gbs}, "memory_reserve_gb": 2,
         "nodes": [{"devices": [{"speed": speed}, {}]}]})
     model = ModelSpec.from_dict({
         "name": "m", "layers": layers, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 512,
         "max_seq_len": 256, "microbatch_tokens": 1024, "global_batch_tokens": 8192})
     coster = Planner(regroup=False).coster(cluster, model)
     held = {(0, 1): (0, layers)}
-    sol = solve_pipeline(coster, [(0, 1)], 4, held, 100.0, 0.05, (0.0, 1e-5), replicas, False)
-    assert sol is not None and [s.layers for s in sol.stages] == [(0, layers)]
-
+    sol = solve_pipeline(coster, [(0, 1)], 4, held, 100.0, 0.05, (0.0, 1e-5), replicas, regroup)
+    if speed == 0.0 and not regroup:
+        assert sol is None  # kept whole, the group cannot run
+        return
+    assert sol is not None and sum(s.n_layers for s in sol.stages) == layers
+    if speed == 0.0:
+        assert [(s.ranks, s.layers) for s in sol.stages] == [((1,), (0, layers))]
+    elif not regroup:
+        assert [s.layers for s in sol.stages] == [(0, layers)]
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario(), st.lists(SPEEDS, min_size=1, max_size=4), st.randoms(use_true_random=False))

@@ -20,11 +20,12 @@ TICKS_PER_S = 1e7
 
 
 def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
-                      caps: Sequence[int | None] | None = None) -> list[int]:
+                      caps: Sequence[int | None] | None = None, floor: int = 0) -> list[int]:
     """Each micro-batch to the replica that would finish it first, ties to the lower index
     (optimal for min-max of increasing per-replica times; ``each`` must not be negative);
-    replicas at their cap take no more. Raises ValueError when the caps hold fewer than
-    ``total``.
+    replicas at their cap take no more; every replica takes at least ``floor`` (a replica that
+    must keep training). Raises ValueError when the caps hold fewer than ``total``, or the
+    floors more.
 
     Handing them out one at a time places the ``total`` smallest (finish time, replica) pairs,
     replica r's finish times being ``first[r]``, ``first[r] + each[r]``, ... up to its cap.
@@ -36,6 +37,14 @@ def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
     limits = [total if c is None else min(c, total) for c in caps]
     if sum(limits) < total:
         raise ValueError(f"memory holds only {sum(limits)} of {total} micro-batches")
+    if floor > 0:
+        # the floors placed first; the rest continue each replica's finish times from there
+        if floor * len(first) > total or min(limits) < floor:
+            raise ValueError(f"{total} micro-batches cannot give each of {len(first)} replicas "
+                             f"{floor} within memory")
+        rest = greedy_allocation([a + floor * b for a, b in zip(first, each)], each,
+                                 total - floor * len(first), [c - floor for c in limits])
+        return [floor + m for m in rest]
     if total < 1:
         return [0] * len(first)
     classes: dict[tuple[float, float, int], list[int]] = {}
@@ -70,10 +79,10 @@ def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
 
 def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: int,
                           time_limit_s: float = 1.0, caps: Sequence[int | None] | None = None,
-                          ) -> tuple[list[int], str, float]:
+                          floor: int = 0) -> tuple[list[int], str, float]:
     """(micro-batches per replica, solver status, relative gap). ``first[r]`` is T_r(1),
     ``each[r]`` the time each further micro-batch adds, ``caps[r]`` the most it can hold in
-    memory (None: no limit).
+    memory (None: no limit), ``floor`` the least every replica takes (none dropped).
 
     Replicas with the same (first, each) form one class whose share is spread evenly, so the model
     has one variable pair per class: thousands of healthy replicas cost the same as one.
@@ -82,7 +91,7 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
     if n == 0:
         raise ValueError("no replica to allocate micro-batches to")
     caps = list(caps) if caps is not None else [None] * n
-    hint = greedy_allocation(first, each, total, caps)
+    hint = greedy_allocation(first, each, total, caps, floor)
     tick = lambda s: max(1, int(round(s * TICKS_PER_S)))  # noqa: E731
     classes: dict[tuple[int, int, int], list[int]] = {}
     for r in range(n):
@@ -99,6 +108,8 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
         mdl.add(k <= len(members) * top)
         mdl.add(top <= total * used)
         mdl.add(top >= used)
+        if floor > 0:
+            mdl.add(k >= len(members) * floor)  # spread evenly: each member gets the floor
         mdl.add(span >= (a - b) * used + b * top)
         hinted = [hint[r] for r in members]
         mdl.add_hint(k, sum(hinted))

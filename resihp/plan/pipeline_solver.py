@@ -74,10 +74,13 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     elsewhere and each unit above it costs ``seconds`` of every step. ``replicas``: how many
     replicas share the work, i.e. how much more a job-wide second weighs than one of this replica's
     own (which the micro-batch allocation spreads over the others). ``regroup``: False keeps
-    every group whole (only the layer split is decided). Returns None if no option fits in memory.
+    every group whole (only the layer split is decided). Returns None if no option fits in memory
+    (or, kept whole, a group holds a dead device).
     """
     model, cluster = coster.model, coster.cluster
     m = max(1, m)
+    if not regroup and not cluster.dead.isdisjoint(r for g in groups for r in g):
+        return None  # a group kept whole with a dead device in it cannot run
     options = [group_options(g, cluster, model.heads) if regroup else [[g]] for g in groups]
     cands: list[_Candidate] = [
         _Candidate(gi, oi, sub) for gi, opts in enumerate(options)
@@ -144,12 +147,13 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     # Migration: a stage formed by a group of the plan in force keeps the overlap of its old and
     # new ranges; everything else it holds arrives over the network.
     current = current or {}
-    worst = mdl.new_int_var(0, tick(L * coster.layer_state_gb(1) / cluster.inter_node_gbs) + 1, "w")
+    rates = [tick(coster.layer_state_gb(len(c.ranks)) / cluster.inter_node_gbs) for c in cands]
+    worst = mdl.new_int_var(0, L * max(rates), "w")  # the bound of the ticks below, as they round
     prefix = 0
     for j, c in enumerate(cands):
         start = prefix
         prefix = prefix + n[j]
-        rate = tick(coster.layer_state_gb(len(c.ranks)) / cluster.inter_node_gbs)
+        rate = rates[j]
         if c.ranks in current:
             cb, ce = current[c.ranks]
             ov = mdl.new_int_var(0, max(0, ce - cb), f"ov{j}")

@@ -279,7 +279,8 @@ class Planner:
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
         pool = ThreadPoolExecutor(self.threads)
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
-                           per_solve, log, memo.solves, memo.leftover(layout), pool)
+                           per_solve, log, memo.solves, memo.leftover(layout), pool,
+                           floor=1 if fixed else 0)
 
         seen: set[tuple] = set()
 
@@ -379,7 +380,7 @@ class Planner:
             caps = [coster.max_microbatches(sols[r].stages) for r in live]
             try:
                 alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
-                                                           ctx.per_solve, caps)
+                                                           ctx.per_solve, caps, ctx.floor)
             except ValueError as exc:
                 raise InputError(f"cluster {cluster.name}: the global batch of model "
                                  f"{model.name} does not fit in memory on the remaining "
@@ -615,6 +616,7 @@ class _Context:
     solves: dict[tuple, tuple[PipelineSolution, float]]  # the planner's: answer, seconds
     leftover: frozenset[int]  # live or not, the devices no home replica uses
     pool: ThreadPoolExecutor
+    floor: int  # the least micro-batches a replica takes: 1 where every replica must stay
     futures: dict[tuple, Future] = field(default_factory=dict)  # this call's, by ``solve_key``
     spares_seen: dict[frozenset[int], list[dict[int, PipelineSolution]]] = field(default_factory=dict)
 
