@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from resihp.errors import InputError
+from resihp.parallel import ParallelDims
 from resihp.paths import TRACES
 from resihp.perf.schedule import pipeline_step_time
 from resihp.plan.allocation import allocate_microbatches, greedy_allocation
@@ -464,3 +465,25 @@ def test_within_replicas_keeps_a_replica_the_allocation_would_leave_idle():
     assert [p.home for p in sorted(plan.pipelines, key=lambda p: p.dp_rank)] == [0, 1]
     assert all(p.microbatches >= 1 for p in plan.pipelines)
     assert sum(p.microbatches for p in plan.pipelines) == model.microbatches
+
+
+@pytest.mark.parametrize("regroup", [True, WITHIN_REPLICAS])
+def test_a_pipeline_re_formed_in_force_is_solved_again(regroup):
+    """A replica running re-formed (here (4, 5) and (6,) of its home group (4, 5, 6, 7), the
+    last device the slower kind) is re-planned: its CP-SAT model once hinted one option twice (a
+    model CP-SAT refuses, read as "does not fit") and bounded the overlap of an inactive option
+    below zero. Fails on the old model: "no plan ... fits in memory"."""
+    cluster = ClusterSpec.from_dict({
+        "name": "h", "device": {"memory_gb": 24, "tflops": 300},
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}, "memory_reserve_gb": 2,
+        "nodes": [{"devices": [{} for _ in range(7)] + [{"tflops": 150.0}]}]})
+    model = ModelSpec.from_dict({
+        "name": "m", "layers": 4, "hidden": 2048, "heads": 16, "ffn_hidden": 8192, "vocab": 32000,
+        "max_seq_len": 4096, "microbatch_tokens": 4096, "global_batch_tokens": 40960})
+    layout = ParallelDims(dp=2, pp=1, tp=4)
+    pipes = [Pipeline(0, (Stage((0, 1, 2, 3), (0, 4)),), 6, home=0),
+             Pipeline(1, (Stage((4, 5), (0, 3)), Stage((6,), (3, 4))), 4, home=1)]
+    current = Plan(8, layout, pipes, unplaced(8, pipes))
+    plan = Planner(threads=1, regroup=regroup).plan(cluster, model, current, time_limit_s=1.0)
+    assert plan_problems(plan, cluster, model) == []
+    assert plan.tokens_per_s >= evaluate(current, Planner().coster(cluster, model)).tokens_per_s * (1 - 1e-9)

@@ -150,21 +150,29 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     rates = [tick(coster.layer_state_gb(len(c.ranks)) / cluster.inter_node_gbs) for c in cands]
     worst = mdl.new_int_var(0, L * max(rates), "w")  # the bound of the ticks below, as they round
     prefix = 0
+    hints: dict[cp_model.IntVar, int] = {}
     for j, c in enumerate(cands):
         start = prefix
         prefix = prefix + n[j]
         rate = rates[j]
         if c.ranks in current:
             cb, ce = current[c.ranks]
+            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): each bound floored at 0
+            # (a range wholly before or after the old one overlaps nothing; an inactive option's
+            # candidate, with n = 0, sits anywhere)
             ov = mdl.new_int_var(0, max(0, ce - cb), f"ov{j}")
-            mdl.add(ov <= start + n[j] - cb)
-            mdl.add(ov <= ce - start)
+            for k, bound in enumerate((start + n[j] - cb, ce - start)):
+                floored = mdl.new_int_var(0, 2 * L, f"ov{j}b{k}")
+                mdl.add_max_equality(floored, [bound, 0])
+                mdl.add(ov <= floored)
             mdl.add(ov <= n[j])
             mdl.add(worst >= rate * (n[j] - ov))
-            mdl.add_hint(choose[c.group][c.option], 1)
-            mdl.add_hint(n[j], ce - cb)
+            hints[choose[c.group][c.option]] = 1  # once per option (CP-SAT refuses a repeat)
+            hints[n[j]] = ce - cb
         elif current:
             mdl.add(worst >= rate * n[j])
+    for var, value in hints.items():
+        mdl.add_hint(var, value)
     horizon = max(1, int(round(horizon_steps)))
     step_ticks = (m - 1) * z + sum(t) + comm * stages_active
     if sync is not None:
@@ -188,6 +196,8 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     solver.parameters.max_time_in_seconds = max(30.0, 20 * time_limit_s)
     solver.parameters.num_workers = 1
     status = solver.solve(mdl)
+    if status == cp_model.MODEL_INVALID:  # a bug here, not a pipeline that does not fit
+        raise RuntimeError(f"pipeline model invalid: {mdl.validate()}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     stages, where = [], 0

@@ -53,7 +53,7 @@ from resihp.plan.pipeline_solver import PipelineSolution, solve_key, solve_pipel
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, plan_problems, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_step
-from resihp.plan.tokens import balance_tokens, proportional_counts
+from resihp.plan.tokens import balance_tokens, balanced, proportional_counts
 
 WITHIN_REPLICAS = "within-replicas"  # ``Planner(regroup=...)``: groups re-formed inside each replica
 
@@ -429,8 +429,7 @@ class Planner:
         plans = [self._assemble(cluster, layout, sols, sh) for sols, sh in shares]
         if self.token_budgets:
             plans += [balance_tokens(c, coster) for c in plans]
-            plans += [balance_tokens(proportional_counts(c, coster), coster)
-                      for c in plans[-len(shares):]]
+            plans += [b for c in plans[-len(shares):] for b in balanced(c, coster)]
         return plans
 
     def _designed_plans(self, ctx: _Context, memo: HardwareMemo, current: Plan | None,
@@ -477,7 +476,7 @@ class Planner:
                                       token_budgets=self.token_budgets,
                                       variants=(False, True) if slow else (False,))
         if self.token_budgets:
-            plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster) for c in plans]
+            plans += [b for c in plans for b in balanced(c, ctx.coster)]
         return plans
 
     def _baseline_plans(self, ctx: _Context, healthy: Plan) -> list[Plan]:
@@ -489,8 +488,7 @@ class Planner:
         for plan in plans:
             plan.policy = self.name
         if self.token_budgets:
-            plans += [balance_tokens(proportional_counts(c, ctx.coster), ctx.coster)
-                      for c in plans if c.pipelines]
+            plans += [b for c in plans if c.pipelines for b in balanced(c, ctx.coster)]
         return plans
 
     def _submit(self, ctx: _Context, groups: list[tuple[int, ...]], m: int,

@@ -71,12 +71,14 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
     return replace(plan, pipelines=new)
 
 
-def proportional_counts(plan: Plan, coster: StageCoster) -> Plan:
+def proportional_counts(plan: Plan, coster: StageCoster, fewer: bool = False) -> Plan:
     """A copy with micro-batch counts sized to each replica's speed, so that token budgets can then
     close the rest of the gap (a slow replica cannot shrink its micro-batches, but it can run one
     fewer, or none). Shares are proportional to tokens per second at the present counts; each
     count is the most micro-batches of at least the model's budget that fit the share, and at least
-    as many as the memory limit on micro-batch size requires."""
+    as many as the memory limit on micro-batch size requires; ``fewer``: where memory caps the
+    micro-batch below the share, the count stays and the replica takes less than its share (the
+    others absorb the rest), instead of one more micro-batch that may take longer than the share."""
     model = coster.model
     pipes = plan.pipelines
     if len(pipes) < 2:
@@ -88,9 +90,19 @@ def proportional_counts(plan: Plan, coster: StageCoster) -> Plan:
     for p, x in zip(pipes, ideal):
         m = int(x // model.microbatch_tokens)  # 0: too slow for even one micro-batch, dropped
         limit = budget_limit(coster, p)
-        if m and x / m > limit - 1:
+        if m and x / m > limit - 1 and not fewer:
             m = int(np.ceil(x / (limit - 1)))
         counts.append(m)
     new = [replace(p, dp_rank=i, microbatches=m, tokens=m * model.microbatch_tokens)
            for i, (p, m) in enumerate((p, m) for p, m in zip(pipes, counts) if m > 0)]
     return replace(plan, pipelines=new, excluded=unplaced(plan.world_size, new))
+
+
+def balanced(plan: Plan, coster: StageCoster) -> list[Plan]:
+    """``plan`` with counts proportional to speed and token budgets balanced, both ways of
+    meeting a memory cap on a replica's micro-batch (``proportional_counts``), each once."""
+    out = [balance_tokens(proportional_counts(plan, coster), coster)]
+    fewer = balance_tokens(proportional_counts(plan, coster, fewer=True), coster)
+    if fewer.pipelines != out[0].pipelines:
+        out.append(fewer)
+    return out
