@@ -706,8 +706,9 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     rank beside a tp-2 group), and every step's loss equals one process training the same batches.
     The detector calibrates on the 8 steps before the fault (a baseline the fault falls into
     measures it low, see ``tests/test_reshard_live.py``). The slowdown ends at step 17: a rank left
-    out re-checks itself with backoff as a hot spare of its replica and a later plan takes it back."""
-    out, steps = tmp_path / "run", 28
+    out re-checks itself with backoff as a hot spare of its replica and a later plan takes it back
+    (32 steps: probes 1, 2, 4 and 8 steps apart leave a loaded machine two chances after 17)."""
+    out, steps = tmp_path / "run", 32
     flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
                            "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
@@ -718,20 +719,23 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["live_error"] is None and summary["recovery"] is None, summary  # nothing was lost
-    change = next((c for c in summary["plan_changes"] if c.get("spares") or
-                   [len(s) for p in c["layout"]["pipelines"] for s in p] != [2, 2]), None)
+    # (a loaded machine can add findings of a few percent on other ranks: each is planned too)
+    change = next((c for c in summary["plan_changes"] if c["reason"].get("rank") == 1 and (
+        c.get("spares") or [len(s) for p in c["layout"]["pipelines"] for s in p] != [2, 2])), None)
     assert change is not None and change["applied"] is True, summary["plan_changes"]
-    assert change["reason"]["rank"] == 1 and 10 <= change["applied_step"] < steps, change
+    assert 10 <= change["applied_step"] < steps, change
     pipes = change["layout"]["pipelines"]
-    assert pipes[1] == [[2, 3]] and {r for s in pipes[0] for r in s} <= {0, 1}, pipes  # in its replica
+    assert [{r for s in p for r in s} for p in pipes] == [{0}, {2, 3}] if change["spares"] else \
+        [{0, 1}, {2, 3}], pipes  # each replica on its own ranks
     assert 0 < change["minimum_bytes"] <= change["moved_bytes"] and change["relayout_s"] > 0, change
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     at = change["applied_step"]
     assert {r["rank"] for r in rows if r["optype"] == "replan-layout" and r["step"] == at} == {0, 1}
     compute = {(r["rank"], r["step"]) for r in rows if r["optype"] == "forward-compute"}
     if 1 in change["spares"]:  # left out: it trains nothing until a plan takes it back
-        back = next((c for c in summary["plan_changes"] if c["reason"]["kind"] == "recovered"), None)
-        assert back is not None and back["reason"]["rank"] == 1 and back["applied"] is True, summary["plan_changes"]
+        back = next((c for c in summary["plan_changes"]
+                     if c["reason"]["kind"] == "recovered" and c["reason"]["rank"] == 1), None)
+        assert back is not None and back["applied"] is True, summary["plan_changes"]
         assert 1 in {r for p in back["layout"]["pipelines"] for s in p for r in s} and back["spares"] == [], back
         assert back["reason"]["detected_step"] >= 17 and at < back["applied_step"] < steps, back
         assert {step for rank, step in compute if rank == 1 and step >= at} == set(range(back["applied_step"], steps))
