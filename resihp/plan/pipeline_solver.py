@@ -157,14 +157,13 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         rate = rates[j]
         if c.ranks in current:
             cb, ce = current[c.ranks]
-            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): each bound floored at 0
-            # (a range wholly before or after the old one overlaps nothing; an inactive option's
-            # candidate, with n = 0, sits anywhere)
             ov = mdl.new_int_var(0, max(0, ce - cb), f"ov{j}")
-            for k, bound in enumerate((start + n[j] - cb, ce - start)):
-                floored = mdl.new_int_var(0, 2 * L, f"ov{j}b{k}")
-                mdl.add_max_equality(floored, [bound, 0])
-                mdl.add(ov <= floored)
+            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): a range wholly before or after
+            # the old one (an inactive option's candidate, n = 0, sits anywhere) overlaps nothing
+            meets = mdl.new_bool_var(f"meets{j}")  # the bounds hold, or the overlap is 0
+            mdl.add(ov <= start + n[j] - cb).only_enforce_if(meets)
+            mdl.add(ov <= ce - start).only_enforce_if(meets)
+            mdl.add(ov == 0).only_enforce_if(meets.Not())
             mdl.add(ov <= n[j])
             mdl.add(worst >= rate * (n[j] - ov))
             hints[choose[c.group][c.option]] = 1  # once per option (CP-SAT refuses a repeat)
