@@ -725,8 +725,8 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     assert change is not None and change["applied"] is True, summary["plan_changes"]
     assert 10 <= change["applied_step"] < steps, change
     pipes = change["layout"]["pipelines"]
-    assert [{r for s in p for r in s} for p in pipes] == [{0}, {2, 3}] if change["spares"] else \
-        [{0, 1}, {2, 3}], pipes  # each replica on its own ranks
+    own = [{0}, {2, 3}] if change["spares"] else [{0, 1}, {2, 3}]  # each replica on its own ranks
+    assert [{r for s in p for r in s} for p in pipes] == own, pipes
     assert 0 < change["minimum_bytes"] <= change["moved_bytes"] and change["relayout_s"] > 0, change
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     at = change["applied_step"]
