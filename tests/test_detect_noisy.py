@@ -136,3 +136,43 @@ def test_onset_is_placed_at_the_change_not_where_noise_first_raised_the_sum():
     errors = np.array(errors)
     assert len(errors) == 40 and (errors == 0).mean() >= 0.9 and (abs(errors) <= 3).all()
     assert abs(np.median(ratios) - 1) < 0.15
+
+
+def test_a_rise_inside_the_calibration_window_is_an_alarm_from_its_step():
+    """A fault that begins before a series has its baseline: the series calibrates on its steps
+    before the rise (its spread its own, not the two levels'), is in alarm from the rise's step at
+    the rise's slowdown, and its recovery is found as any other's (the live run of the issue's
+    ``slow:rank=1,factor=4,step=10`` was priced from step 0 at about half its slowdown, its noise
+    taken as 220%)."""
+    onsets, ratios = [], []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        bank = CusumBank(8, DetectorConfig())  # calibration_steps=20: steps 0..19
+        alarms, recoveries = [], []
+        for step in range(60):
+            x = rng.normal(0.0, 0.05, 8)
+            x[3] += np.log(3.0) if 10 <= step < 30 else 0.0
+            found, ended, _ = bank.update(step, x)
+            alarms += [(step, a) for a in found]
+            recoveries += [(step, r) for r in ended]
+        assert [(step, a.index) for step, a in alarms] == [(19, 3)]
+        onsets.append(alarms[0][1].onset_step)
+        ratios.append(alarms[0][1].slowdown / 3.0)
+        sigma = bank.calibrated_sigma
+        assert sigma[3] < 2 * np.median(np.delete(sigma, 3))
+        assert [r.index for _, r in recoveries] == [3] and recoveries[0][1].end_step >= 29
+    assert (np.array(onsets) == 10).mean() >= 0.9 and max(abs(o - 10) for o in onsets) <= 2
+    assert abs(np.median(ratios) - 1) < 0.05
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.4])
+def test_noise_alone_in_the_calibration_windows_raises_no_alarm(noise):
+    """The two-level fit of each window is judged at the configured thresholds: 4,000 series of
+    heavy-tailed noise calibrate without an alarm."""
+    rng = np.random.default_rng(1)
+    for window in (8, 20):
+        bank = CusumBank(4000, DetectorConfig(calibration_steps=window))
+        for step in range(window):
+            x = rng.normal(0, noise, 4000) + (rng.random(4000) < 0.05) * rng.exponential(3 * noise, 4000)
+            assert bank.update(step, x)[0] == []
+        assert bank.calibrated.all()

@@ -68,6 +68,38 @@ def test_the_plan_in_force_predicts_the_median_measured_healthy_step_after_calib
     assert analytic < _predicted(loop) == pytest.approx(2.1, rel=1e-3)
 
 
+def test_a_finding_inside_the_calibration_window_paces_on_the_steps_before_its_onset():
+    """An event before the calibration window filled: the steps from its onset on are not the
+    healthy pace (paced as healthy, the slowdown would be priced twice); the steps before it are,
+    or, with too few of them, the slow steps priced with the slowdown found."""
+    def slow_rows(step: int) -> list[dict]:
+        rows = _rows(step, 6.0)
+        for row in rows:
+            if row["rank"] == 1 and row["optype"].endswith("compute"):
+                row["duration"] *= 3
+        return rows
+
+    def fed(slow_from: int) -> LiveLoop:
+        loop = _loop(calibration_steps=12)
+        for step in range(10):
+            loop._observe(step, rows_frame(slow_rows(step) if step >= slow_from else _rows(step, 2.0)))
+        assert loop.calibration is None
+        return loop
+
+    loop = fed(slow_from=6)
+    loop._calibrate(onset=6)
+    assert loop.calibration["steps"] == 5 and loop.calibration["measured_step_s"] == pytest.approx(2.0)
+    assert loop.calibration["onset_step"] == 6
+    assert _predicted(loop) == pytest.approx(2.0, rel=1e-3)
+
+    loop = fed(slow_from=2)  # one healthy step before the onset: the slow ones, priced slow
+    loop.speeds[1] = 1 / 3
+    loop._calibrate(onset=2)
+    assert loop.calibration["steps"] == 8 and loop.calibration["measured_step_s"] == pytest.approx(6.0)
+    assert list(loop.cluster.speeds) == [1.0] * 4  # the slowdown stays the loop's, not the cluster's
+    assert _predicted(loop, loop.cluster.with_speeds(loop.speeds)) == pytest.approx(6.0, rel=1e-3)
+
+
 def test_without_compute_records_one_factor_paces_every_time():
     loop = _loop()
     plan = current_plan(loop.cfg, loop.cluster, loop.model, loop.weights, loop.ranges, loop.groups)

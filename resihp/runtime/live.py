@@ -251,8 +251,8 @@ class LiveLoop:
         self._scheduled = {int(c["step"]): c for c in cfg.live.replan}
         # each step's measured time; the first healthy ones pace the planner's analytic costs
         self.step_s: dict[int, float] = {}
-        self._healthy: list[float] = []
-        self._healthy_compute: list[float] = []  # the same steps' compute (trace_compute_seconds)
+        self._healthy: dict[int, float] = {}  # step -> seconds, under the launch plan
+        self._healthy_compute: dict[int, float] = {}  # the same steps' compute (trace_compute_seconds)
         self._calibration_steps = self.detector.cfg.calibration_steps
         self.calibration: dict | None = None
 
@@ -420,21 +420,38 @@ class LiveLoop:
             return
         self.step_s[step] = seconds
         if fresh_plan:
-            self._healthy, self._healthy_compute = [], []
+            self._healthy, self._healthy_compute = {}, {}
         if self.calibration is None and step > 0 and not self.events and not self.changes:
-            self._healthy.append(seconds)
+            self._healthy[step] = seconds
             compute = trace_compute_seconds(df).get(step)
             if compute is not None:
-                self._healthy_compute.append(compute)
+                self._healthy_compute[step] = compute
             if len(self._healthy) >= self._calibration_steps:
                 self._calibrate()
 
-    def _calibrate(self) -> None:
-        """Pace the planner's cluster to the healthy steps measured under the plan in force."""
-        current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
-        compute = self._healthy_compute if len(self._healthy_compute) == len(self._healthy) else None
-        self.cluster, self.calibration = paced_to(self.cluster, self.model, current, self._healthy,
-                                                  self.planner, compute)
+    def _calibrate(self, onset: int | None = None) -> None:
+        """Pace the planner's cluster to the steps measured under the plan in force: the healthy
+        ones. Where a finding's ``onset`` falls inside them (an event before the calibration
+        window filled), the steps before it, or, with too few of those, the steps from it on
+        priced with the slowdowns found (``speeds``): the slow steps paced as healthy would price
+        the slowdown twice, once in the pace and again in the planner's speeds."""
+        steps = sorted(self._healthy)
+        cluster = self.cluster
+        if onset is not None:
+            before = [s for s in steps if s < onset]
+            if len(before) >= MIN_MEASURED_STEPS:
+                steps = before
+            else:
+                steps = [s for s in steps if s >= onset]
+                cluster = self.cluster.with_speeds(self.speeds)
+        current = current_plan(self.cfg, cluster, self.model, self.weights, self.ranges, self.groups)
+        measured = [self._healthy[s] for s in steps]
+        compute = [self._healthy_compute[s] for s in steps] if all(s in self._healthy_compute for s in steps) else None
+        paced, self.calibration = paced_to(cluster, self.model, current, measured, self.planner, compute)
+        # the pace is the cluster's; the slowdowns stay the loop's own (speeds)
+        self.cluster = paced.with_speeds(self.cluster.speeds)
+        if self.calibration is not None and (steps != sorted(self._healthy)):
+            self.calibration["onset_step"] = onset
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """Each rank's first probe is its reference; a hot spare probes again with backoff
@@ -455,7 +472,7 @@ class LiveLoop:
 
     def _replan(self, step: int, event: dict) -> None:
         if self.calibration is None:  # an event before the calibration window filled
-            self._calibrate()
+            self._calibrate(event.get("onset_step"))
         t0 = time.perf_counter()
         cluster = self.cluster.with_speeds(self.speeds)
         current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
