@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from resihp.detect.alibaba import alibaba_path
+from resihp.detect.online import detect_trace
 from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.opstrace import JobMeta, write_meta, write_ops_trace
@@ -195,3 +196,29 @@ def test_detect_eval_quick_json():
     assert ours["slowdown_error_median"] < 0.1
     proc = resihp("detect-eval", "--quick", "--drop", "bogus")
     assert proc.returncode == 2 and "--drop" in proc.stderr
+
+
+def test_a_trace_whose_ranks_took_new_places_live_is_judged_layout_by_layout(tmp_path):
+    """A run folder after a live re-plan that re-formed the layout (``replan-layout``): ranks in new
+    places with other work. Each layout is observed with baselines learned in it; the old layout's
+    fault is found, and the new layout's doubled work per stage is no fault (the trace was refused:
+    a rank in two places; and a re-formed run's deeper pipeline was outside its job meta)."""
+    slow = SimJob(dp=2, pp=4).rank(1, 1)
+    first = SimJob(dp=2, pp=4, steps=60, source="code", seed=5,
+                   injections=[Injection("fail-slow", slow, 35, 59, 2.0)])
+    second = SimJob(dp=4, pp=2, steps=60, source="code", seed=6)
+    pool, noise = CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2))
+    before, after = simulate(first, pool, noise), simulate(second, pool, noise)
+    after["step"] += 60
+    mark = after[(after["rank"] == 0) & (after["step"] == 60)].iloc[[0]].assign(optype="replan-layout", duration=0.01)
+    df = pd.concat([before, mark, after], ignore_index=True)
+    write_ops_trace(df, tmp_path / "ops.parquet")
+    write_meta(first.meta(), tmp_path / "job.yaml")
+    done = resihp("detect", tmp_path, "--json")
+    assert done.returncode == 0, done.stderr
+    cli = json.loads(done.stdout)
+    assert "ranks took new places at step(s) 60" in cli["warnings"][-1]
+    for doc in (detect_trace(df, first.meta()), cli):
+        faults = [e for e in doc["events"] if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
+        assert [(e["kind"], e["rank"], e["stage"]) for e in faults] == [("fail-slow", slow, 1)]
+        assert 33 <= faults[0]["onset_step"] <= 37 and faults[0]["detected_step"] < 60

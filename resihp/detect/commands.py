@@ -65,7 +65,7 @@ def detect_cmd(
     from resihp.detect.evaluate import METHODS, run_methods
     from resihp.detect.events import events_json
     from resihp.detect.expected import load_expected, stage_shape
-    from resihp.detect.observe import infer_meta
+    from resihp.detect.observe import infer_meta, layout_parts
     from resihp.detect.online import noise_warnings
     from resihp.opstrace import read_meta, read_ops_trace, read_run_folder
 
@@ -108,6 +108,13 @@ def detect_cmd(
         doc["warnings"] = noise_warnings(doc["noise"], cfg)
     needed = cfg.calibration_steps + cfg.min_persist  # learn each rank's noise, then see a fault persist
     doc["judged"] = doc["steps"] >= needed
+    parts = [part for part, _ in layout_parts(df, job)] if input_format == "ops" else [df]
+    if len(parts) > 1:
+        short = [f"{int(p.step.min())}-{int(p.step.max())}" for p in parts if p["step"].nunique() < needed]
+        doc.setdefault("warnings", []).append(
+            f"ranks took new places at step(s) {', '.join(str(int(p.step.min())) for p in parts[1:])} "
+            f"(a live re-plan): each layout is judged against baselines learned in it"
+            + (f"; steps {', '.join(short)} are too few for that ({needed} needed)" if short else ""))
     if not doc["judged"]:
         doc["note"] = (f"too few steps to judge: the trace has {doc['steps']} distinct step(s), the "
                        f"detector needs at least {needed} ({cfg.calibration_steps} to learn each "

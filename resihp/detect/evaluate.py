@@ -21,6 +21,7 @@ from resihp.detect.events import Event
 from resihp.detect.observe import (
     ExpectedCompute,
     Observations,
+    layout_parts,
     observe_ops,
     rank_layout,
     shape_from_meta,
@@ -123,7 +124,23 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
                 on_obs: Callable[[Observations], None] | None = None,
                 detectors: dict | None = None) -> tuple[dict[str, list[Event]], Observations]:
     """Every method over the same per-step observations of one trace (``detectors``, if given,
-    receives each method's detector by name)."""
+    receives each method's detector by name: the last part's). A trace whose ranks took new places
+    in a live re-plan (``layout_parts``) is observed part by part, each with fresh detectors, as
+    the live loop does: a rank's work in its new place says nothing of its old baseline."""
+    found: dict[str, list[Event]] = {}
+    parts = []
+    for part, part_meta in layout_parts(df, meta):
+        events, obs = _run_part(part, part_meta, methods, expected, meta_dict, config, on_obs, detectors)
+        for name, evs in events.items():
+            found.setdefault(name, []).extend(evs)
+        parts.append(obs)
+    return found, Observations.joined(parts)
+
+
+def _run_part(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None,
+              expected: ExpectedCompute | None, meta_dict: dict | None, config: DetectorConfig | None,
+              on_obs: Callable[[Observations], None] | None,
+              detectors: dict | None) -> tuple[dict[str, list[Event]], Observations]:
     layout = rank_layout(df, meta)
     cfg = config or DetectorConfig()
     shape = shape_from_meta(meta_dict)

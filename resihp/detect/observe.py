@@ -16,6 +16,7 @@ the other stages); the op's phase alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,6 +64,61 @@ class Observations:
     sync: np.ndarray | None = None
     # per phase (``forward``, ``backward``), its own-work ratio alone, as ``own`` on its ops only
     phase_own: dict[str, np.ndarray] | None = None
+
+    @classmethod
+    def joined(cls, parts: Sequence[Observations]) -> Observations:
+        """Parts of one trace in step order (``layout_parts``) as one: each per-rank matrix padded
+        to the widest part's ranks (NaN: no record), one missing in some part NaN there."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(o.own.shape[1] for o in parts)
+
+        def cat(mats: list[np.ndarray | None]) -> np.ndarray | None:
+            if all(m is None for m in mats):
+                return None
+            out = []
+            for o, m in zip(parts, mats):
+                full = np.full((len(o.steps), width), np.nan)
+                if m is not None:
+                    full[:, :m.shape[1]] = m
+                out.append(full)
+            return np.concatenate(out)
+
+        names = sorted({n for o in parts for n in (o.phase_own or {})})
+        models = list(dict.fromkeys(o.cost_model for o in parts))
+        return cls(np.concatenate([o.steps for o in parts]), cat([o.own for o in parts]),
+                   cat([o.raw for o in parts]), cat([o.expected for o in parts]),
+                   cat([o.comm for o in parts]), " then ".join(models), cat([o.sync for o in parts]),
+                   {n: cat([(o.phase_own or {}).get(n) for o in parts]) for n in names} or None)
+
+
+def covering_meta(meta: JobMeta, dp: int, pp: int, tp: int) -> JobMeta:
+    """A job meta whose coordinates take in ``dp`` pipelines, ``pp`` stages and groups of ``tp``
+    where ``meta``'s do not (a layout a live re-plan re-formed: pipelines of other depths, a rank
+    moved to another stage): replicas x the deepest pipeline x the widest group, padded with stages
+    to hold every rank number of ``meta``; ranks the layout leaves out only have no records."""
+    if dp <= meta.dp_size and pp <= meta.pp_size and tp <= meta.tp_size:
+        return meta
+    depth = max(pp, math.ceil(meta.world_size / (dp * tp)))
+    return JobMeta(dp, depth, tp, dp * depth * tp)
+
+
+def layout_parts(df: pd.DataFrame, meta: JobMeta) -> list[tuple[pd.DataFrame, JobMeta]]:
+    """A trace in parts between the live re-forms of its layout (``replan-layout`` ops: ranks took
+    new places from that step), each with a job meta that covers its places."""
+    starts = sorted(set(df.loc[df["optype"] == "replan-layout", "step"].astype(int)))
+    if not starts:
+        return [(df, meta)]
+    steps = df["step"].to_numpy()
+    edges = [int(steps.min()), *starts, int(steps.max()) + 1]
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        part = df[(steps >= lo) & (steps < hi)]
+        if part.empty:
+            continue
+        tp = int(part["tp_rank"].max()) + 1 if "tp_rank" in part and part["tp_rank"].notna().any() else 1
+        out.append((part, covering_meta(meta, int(part["dp_rank"].max()) + 1, int(part["stage"].max()) + 1, tp)))
+    return out
 
 
 def infer_meta(df: pd.DataFrame) -> JobMeta:

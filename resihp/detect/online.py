@@ -32,6 +32,7 @@ from resihp.detect.observe import (
     Observations,
     RankPlacement,
     infer_meta,
+    layout_parts,
     observe_ops,
     rank_layout,
     shape_from_meta,
@@ -655,18 +656,24 @@ def trace_cost(df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None
 
 def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, meta_dict: dict | None = None) -> dict:
-    """The DESIGN event JSON for a whole (validated) ops trace."""
+    """The DESIGN event JSON for a whole (validated) ops trace; one whose ranks took new places in
+    a live re-plan part by part (``layout_parts``), each with a fresh detector (``noise``: the
+    last part's)."""
     df = validate_ops_trace(df)
     meta = meta or infer_meta(df)
-    layout = rank_layout(df, meta)
     cfg = config or DetectorConfig()
-    expected = trace_cost(df, meta, expected, cfg, meta_dict)
-    det = OnlineDetector(meta, expected, cfg, meta_dict=meta_dict, layout=layout)
-    obs = observe_ops(df, meta, expected=expected, shape=det.shape, own_quantile=det.cfg.own_quantile,
-                      phases=cfg.phases)
-    moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
-    det.observe_matrices(obs, phase_matrices(df, obs, cfg),
-                         rebase_at=moved)
-    events = det.finish()
-    return events_json(events, steps=len(obs.steps), ranks=int((layout.dp_rank >= 0).sum()),
+    events: list[Event] = []
+    observed = []
+    for part, part_meta in layout_parts(df, meta):
+        layout = rank_layout(part, part_meta)
+        part_expected = trace_cost(part, part_meta, expected, cfg, meta_dict)
+        det = OnlineDetector(part_meta, part_expected, cfg, meta_dict=meta_dict, layout=layout)
+        obs = observe_ops(part, part_meta, expected=part_expected, shape=det.shape,
+                          own_quantile=det.cfg.own_quantile, phases=cfg.phases)
+        moved = set(part.loc[part["optype"] == "replan-layers", "step"].astype(int))
+        det.observe_matrices(obs, phase_matrices(part, obs, cfg), rebase_at=moved)
+        events += det.finish()
+        observed.append(obs)
+    obs = Observations.joined(observed)
+    return events_json(events, steps=len(obs.steps), ranks=int(df["rank"].nunique()),
                        cost_model=obs.cost_model, noise=det.noise())

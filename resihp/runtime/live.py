@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 
 from resihp.ckpt.integrity import step_of
 from resihp.detect.config import DetectorConfig
+from resihp.detect.observe import covering_meta
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.parallel import apportion
@@ -532,16 +532,10 @@ class LiveLoop:
             self.detector = self._make_detector()  # new stage costs or places: a fresh baseline
 
     def _cover(self, groups: list[list[tuple[int, ...]]]) -> None:
-        """A job meta whose coordinates take in ``groups`` where the launch layout's do not (a
-        relaunch re-formed by the planner: two pipelines over three ranks launched as one): replicas
-        x the deepest pipeline x the widest group, padded with stages to hold every rank number;
-        ranks the layout leaves out only have no records."""
-        dp, tp = len(groups), max(len(s) for p in groups for s in p)
-        depth = max(len(p) for p in groups)
-        if dp <= self.meta.dp_size and depth <= self.meta.pp_size and tp <= self.meta.tp_size:
-            return
-        pp = max(depth, math.ceil(self.world / (dp * tp)))
-        self.meta = JobMeta(dp, pp, tp, dp * pp * tp)
+        """A job meta whose coordinates take in ``groups`` (``observe.covering_meta``: a relaunch
+        re-formed by the planner, two pipelines over three ranks launched as one)."""
+        self.meta = covering_meta(self.meta, len(groups), max(len(p) for p in groups),
+                                  max(len(s) for p in groups for s in p))
         self.meta_dict = {**self.meta_dict, **self.meta.to_dict()}
 
     def _unchanged(self, change: dict) -> bool:
