@@ -27,6 +27,7 @@ from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.model.config import GPTConfig
 from resihp.parallel import ParallelDims
 from resihp.runtime.gradsync import Pieces
+from resihp.runtime.live import RECOVERED
 from resihp.runtime.replica import heal_source
 from tests.faults import announced
 from tests.gloo_ranks import spawn_ranks
@@ -707,7 +708,8 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     The detector calibrates on the 8 steps before the fault (a baseline the fault falls into
     measures it low, see ``tests/test_reshard_live.py``). The slowdown ends at step 17: a rank left
     out re-checks itself with backoff as a hot spare of its replica and a later plan takes it back
-    (32 steps: probes 1, 2, 4 and 8 steps apart leave a loaded machine two chances after 17)."""
+    once a probe measures it healthy (32 steps: probes 1, 2, 4 and 8 steps apart leave two chances
+    after 17; three ranks training on two cores can hold a healthy spare's probes above that)."""
     out, steps = tmp_path / "run", 32
     flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
@@ -733,13 +735,22 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     assert {r["rank"] for r in rows if r["optype"] == "replan-layout" and r["step"] == at} == {0, 1}
     compute = {(r["rank"], r["step"]) for r in rows if r["optype"] == "forward-compute"}
     if 1 in change["spares"]:  # left out: it trains nothing until a plan takes it back
+        assert any(r["optype"] == "probe" and r["rank"] == 1 and r["step"] > at for r in rows)
         back = next((c for c in summary["plan_changes"]
                      if c["reason"]["kind"] == "recovered" and c["reason"]["rank"] == 1), None)
-        assert back is not None and back["applied"] is True, summary["plan_changes"]
-        assert 1 in {r for p in back["layout"]["pipelines"] for s in p for r in s} and back["spares"] == [], back
-        assert back["reason"]["detected_step"] >= 17 and at < back["applied_step"] < steps, back
-        assert {step for rank, step in compute if rank == 1 and step >= at} == set(range(back["applied_step"], steps))
-        assert any(r["optype"] == "probe" and r["rank"] == 1 and r["step"] > at for r in rows)
+        # taken back once a probe after the slowdown measures it healthy; three ranks training on
+        # two cores can keep a healthy spare's probes above that (a CI run: 1.54x and 1.49x)
+        probes = json.loads((out / "live.json").read_text())["spare_probes"]
+        healthy = [p["step"] for p in probes if p["rank"] == 1 and p["step"] > 17 and p["slowdown"] < RECOVERED]
+        if any(step <= steps - 5 for step in healthy):  # seen healthy with steps left to take it back
+            assert back is not None, (probes, summary["plan_changes"])
+        if back is not None:
+            assert healthy, (probes, back)
+            assert back["applied"] is True, summary["plan_changes"]
+            assert 1 in {r for p in back["layout"]["pipelines"] for s in p for r in s} and back["spares"] == [], back
+            assert back["reason"]["detected_step"] >= 17 and at < back["applied_step"] < steps, back
+        trained = set(range(back["applied_step"], steps)) if back is not None else set()
+        assert {step for rank, step in compute if rank == 1 and step >= at} == trained
     for rank in (0, 2, 3):
         assert {step for r, step in compute if r == rank} == set(range(steps)), rank
     want = replay_membership({**flags, "steps": steps}, [[0, 1]] * steps, tmp_path / "replay")

@@ -51,9 +51,14 @@ class OnlineDetector:
 
     def __init__(self, meta: JobMeta, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, *, meta_dict: dict | None = None,
-                 layout: RankPlacement | None = None, banks: Banks | None = None) -> None:
-        """``banks``: the CUSUM banks to go on with (``carried``); new ones where None."""
+                 layout: RankPlacement | None = None, banks: Banks | None = None,
+                 peers: np.ndarray | None = None) -> None:
+        """``banks``: the CUSUM banks to go on with (``carried``); new ones where None. ``peers``:
+        per rank a label, equal for ranks doing the same work (a re-formed layout's pipelines differ
+        in depth and group size: a rank alone in its group is no peer of a pair's ranks at the same
+        stage); where None, the ranks of one stage are peers."""
         self.meta = meta
+        self.peers = None if peers is None else np.asarray(peers)
         self.expected = expected
         self.cfg = config or DetectorConfig()
         self.shape = shape_from_meta(meta_dict)
@@ -357,9 +362,14 @@ class OnlineDetector:
             if first_pass and ratio > 1 + cfg.stage_imbalance and np.unique(stages[known]).size > 1:
                 out.append(Event("stage-imbalance", None, None, int(s), None,
                                  int(bank.first_step[cal[sel]].min()), step, ratio, 1.0))
+        if self.peers is not None:  # the peers' level by work, not by stage
+            labels = self.peers[cal]
+            for label in np.unique(labels):
+                peers_mu[labels == label] = float(np.median(mu[labels == label]))
+        else:
+            labels = stages
         for j in np.flatnonzero(known & fresh[cal]):
-            s = stages[j]
-            sel = stages == s
+            sel = labels == labels[j]
             if sel.sum() < 3:
                 continue  # two peers cannot say which of them is the odd one
             ratio = float(np.exp(mu[j] - peers_mu[j]))

@@ -222,8 +222,7 @@ class LiveLoop:
         self.meta, self.meta_dict = job_meta(cfg)
         detector_config = detector_config or DetectorConfig(calibration_steps=cfg.live.calibration_steps)
         self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
-                                                     meta_dict=self.meta_dict)
-        self.detector = self._make_detector()
+                                                     meta_dict=self.meta_dict, peers=self._peers())
         # each replica of replica-level fault tolerance is a job of its own: the planner re-forms
         # a replica's groups from its own ranks only
         self.replica_mode = cfg.faults.recovery.startswith("replica")
@@ -234,6 +233,7 @@ class LiveLoop:
         self.ranges = [cfg.stage_ranges() for _ in range(cfg.parallel.dp)]  # per replica
         dims = cfg.dims()
         self.groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
+        self.detector = self._make_detector()
         self.lags: list[float] = []  # seconds from a step's last record sent to its being observed
         self._post = None
         self.events: list[dict] = []
@@ -530,6 +530,21 @@ class LiveLoop:
             self._cover(self.groups)
         if moved or resplit:
             self.detector = self._make_detector()  # new stage costs or places: a fresh baseline
+
+    def _peers(self) -> list[int] | None:
+        """Per rank a label of its work for the detector's peer comparison (``OnlineDetector``):
+        its stage's layers and group size (ranks of other work at the same stage are no peers: a
+        rank left alone in a re-formed group does twice a pair's work); None while the layer
+        ranges of new groups are not yet known."""
+        if len(self.ranges) != len(self.groups):
+            return None
+        kinds: dict[tuple, int] = {}
+        labels = [-1] * self.world
+        for ranges, pipe in zip(self.ranges, self.groups):
+            for layers, group in zip(ranges, pipe):
+                for r in group:
+                    labels[r] = kinds.setdefault((tuple(layers), len(group)), len(kinds))
+        return labels
 
     def _cover(self, groups: list[list[tuple[int, ...]]]) -> None:
         """A job meta whose coordinates take in ``groups`` (``observe.covering_meta``: a relaunch
