@@ -63,6 +63,30 @@ def test_1f1b_matches_closed_form_for_uniform_stages(stages, microbatches, f, b)
     assert pipeline_step_time(fwd, bwd, "1f1b") == pytest.approx(expected)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 16), st.floats(0, 0.3), st.integers(0, 2**31 - 1))
+def test_1f1b_step_is_at_least_each_stages_own_bound(stages, microbatches, p2p, seed):
+    """Stage ``s`` of 1F1B runs ``S - s`` forwards before its first backward, which waits for the
+    first micro-batch's whole forward and the later stages' backwards; after its last backward the
+    gradient crosses the earlier stages. So the step is at least ``sum (f + b) + 2 (S - 1) q +
+    (x - 1) b_s + max(0, x - (S - s)) f_s`` for every stage. With the heaviest stage first that is
+    below the closed form ``sum (f + b) + (x - 1) max (f + b)``, and so can the step be (next
+    test): the closed form is no lower bound there."""
+    rng = np.random.default_rng(seed)
+    f, b = rng.uniform(0.05, 1.0, stages), rng.uniform(0.05, 2.0, stages)
+    step = float(pipeline_step_time(np.repeat(f[:, None], microbatches, 1), np.repeat(b[:, None], microbatches, 1),
+                                    "1f1b", p2p_s=p2p))
+    fixed = float((f + b).sum()) + 2 * (stages - 1) * p2p
+    own = [fixed + (microbatches - 1) * b[s] + max(0, microbatches - (stages - s)) * f[s] for s in range(stages)]
+    assert step >= max(own) - 1e-9
+
+
+def test_with_the_heavier_stage_first_1f1b_is_shorter_than_its_closed_form():
+    heavy_first = pipeline_step_time(np.array([[1 / 3] * 4, [1 / 6] * 4]), np.array([[2 / 3] * 4, [1 / 3] * 4]))
+    assert float(heavy_first) == pytest.approx(25 / 6)  # stage 0 idle only 1/6 s: 4 x 1 + 1/6
+    assert float(one_f_one_b_uniform(np.array([1 / 3, 1 / 6]), np.array([2 / 3, 1 / 3]), 4)) == pytest.approx(4.5)
+
+
 def test_every_op_runs_once_and_1f1b_bounds_in_flight_microbatches():
     sched = compile_schedule("1f1b", 4, 8)
     pairs = set(zip(sched.phase.tolist(), sched.chunk.tolist(), sched.mb.tolist()))

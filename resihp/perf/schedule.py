@@ -194,8 +194,11 @@ def one_f_one_b_uniform(stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatch
     """Closed form of 1F1B with equal micro-batches and free transfers:
     sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s). Arrays are [..., stages].
 
-    Exact when the stages' forward/backward ratio is the same everywhere (the test checks this);
-    otherwise the critical path can be a few percent longer: use ``pipeline_step_time`` for the
+    Exact when the stage times do not fall along the pipeline and the forward/backward ratio is
+    the same everywhere (the test checks this); otherwise the critical path can be a few percent
+    longer, or shorter where heavier stages come first (stage ``s`` overlaps ``S - 1 - s`` of its
+    forwards with the fill: the step is only at least ``sum (f + b) + (x - 1) b_s + max(0, x - (S -
+    s)) f_s`` for each stage, ``tests/test_schedule.py``): use ``pipeline_step_time`` for the
     exact value and this inside optimisers that need a closed form."""
     per = np.asarray(stage_fwd, np.float64) + np.asarray(stage_bwd, np.float64)
     return per.sum(axis=-1) + (microbatches - 1) * per.max(axis=-1)

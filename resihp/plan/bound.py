@@ -15,7 +15,14 @@ against the planner on random faults):
    and ``x`` micro-batches' worth of tokens (``m`` micro-batches scaled by ``sigma >= 1``) takes at
    least ``(x - 1) * mu + S + comm`` through the schedule, ``mu = max_s t_s``, ``S = sum_s t_s``,
    ``comm`` the activation transfers (1F1B closed form; GPipe is longer). So in a step of ``T``
-   it carries at most ``x <= (T - S - comm - sync) / mu + 1`` micro-batches.
+   it carries at most ``x <= (T - S - comm - sync) / mu + 1`` micro-batches. Not proved for a
+   pipeline whose heavier stages come first: stage ``s`` of 1F1B overlaps ``S - 1 - s`` of its
+   forwards with the fill, so the step is only at least ``S + comm + (x - 1) t_s - min(x - 1, S - 1
+   - s) f_s`` per stage (``tests/test_schedule.py``), up to ``(S - 1) f_mu`` under the closed form
+   with the heaviest first. No plan has been found above the bound for it (the exhaustive tests;
+   one pipeline of 3-6 devices, every layer split with the heavier stages first, 2-6 micro-batches:
+   at most 0.879 of the bound), and at the benchmark's 64 micro-batches moving a layer forward
+   gains nothing; pricing it would loosen the bound by up to ``(S - 1) / 3`` micro-batches a pipeline.
 2. ``mu`` is one of the finitely many stage times ``n * c`` or ``n * c + h``; a pipeline whose
    stages all take at most ``mu`` needs enough groups that their layer capacities at ``mu``
    (``floor(mu / c)``, within memory) cover the ``L`` layers with one of them also holding the
