@@ -22,11 +22,8 @@ from resihp.detect.observe import (
     ExpectedCompute,
     Observations,
     layout_parts,
-    observe_ops,
-    rank_layout,
-    shape_from_meta,
 )
-from resihp.detect.online import OnlineDetector, phase_matrices, trace_cost
+from resihp.detect.online import OnlineDetector, TracePart
 from resihp.detect.synth import Injection
 from resihp.opstrace import JobMeta
 from resihp.parallel import ParallelDims
@@ -127,40 +124,22 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
     receives each method's detector by name: the last part's). A trace whose ranks took new places
     in a live re-plan (``layout_parts``) is observed part by part, each with fresh detectors, as
     the live loop does: a rank's work in its new place says nothing of its old baseline."""
+    cfg = config or DetectorConfig()
     found: dict[str, list[Event]] = {}
     parts = []
-    for part, part_meta in layout_parts(df, meta):
-        events, obs = _run_part(part, part_meta, methods, expected, meta_dict, config, on_obs, detectors)
-        for name, evs in events.items():
-            found.setdefault(name, []).extend(evs)
-        parts.append(obs)
+    for part_df, part_meta in layout_parts(df, meta):
+        part = TracePart.observed(part_df, part_meta, expected, cfg, meta_dict)
+        if on_obs:
+            on_obs(part.obs)
+        for name in methods or METHODS:
+            det = make_detector(name, part.meta, part.layout, part.expected, meta_dict, cfg)
+            if name == "resihp":
+                found.setdefault(name, []).extend(part.detect(det))
+            else:
+                for i, step in enumerate(part.obs.steps):
+                    det.observe_arrays(int(step), part.obs.own[i], part.obs.raw[i])
+                found.setdefault(name, []).extend(det.finish())
+            if detectors is not None:
+                detectors[name] = det
+        parts.append(part.obs)
     return found, Observations.joined(parts)
-
-
-def _run_part(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None,
-              expected: ExpectedCompute | None, meta_dict: dict | None, config: DetectorConfig | None,
-              on_obs: Callable[[Observations], None] | None,
-              detectors: dict | None) -> tuple[dict[str, list[Event]], Observations]:
-    layout = rank_layout(df, meta)
-    cfg = config or DetectorConfig()
-    shape = shape_from_meta(meta_dict)
-    expected = trace_cost(df, meta, expected, cfg, meta_dict)
-    obs = observe_ops(df, meta, expected=expected, shape=shape, own_quantile=cfg.own_quantile,
-                      phases=cfg.phases)
-    if on_obs:
-        on_obs(obs)
-    out = {}
-    for name in methods or METHODS:
-        det = make_detector(name, meta, layout, expected, meta_dict, cfg)
-        if name == "resihp":
-            # a re-plan that moved layers changes the ranks' work from its step on
-            moved = set(df.loc[df["optype"] == "replan-layers", "step"].astype(int))
-            det.observe_matrices(obs, phase_matrices(df, obs, cfg),
-                                 rebase_at=moved)
-        else:
-            for i, step in enumerate(obs.steps):
-                det.observe_arrays(int(step), obs.own[i], obs.raw[i])
-        out[name] = det.finish()
-        if detectors is not None:
-            detectors[name] = det
-    return out, obs

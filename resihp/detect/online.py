@@ -664,26 +664,48 @@ def trace_cost(df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None
     return fit_trace(df, cfg.calibration_steps, shape_from_meta(meta_dict)) or expected
 
 
+@dataclass
+class TracePart:
+    """One layout's part of a trace (``layout_parts``), observed: where each rank sits, the cost
+    model, and the per-step observations every method reads."""
+
+    df: pd.DataFrame
+    meta: JobMeta
+    layout: RankPlacement
+    expected: ExpectedCompute | None
+    obs: Observations
+
+    @classmethod
+    def observed(cls, df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
+                 cfg: DetectorConfig, meta_dict: dict | None) -> TracePart:
+        layout = rank_layout(df, meta)
+        expected = trace_cost(df, meta, expected, cfg, meta_dict)
+        obs = observe_ops(df, meta, expected=expected, shape=shape_from_meta(meta_dict),
+                          own_quantile=cfg.own_quantile, phases=cfg.phases)
+        return cls(df, meta, layout, expected, obs)
+
+    def detect(self, det: OnlineDetector) -> list[Event]:
+        """``det`` over this part (a re-plan that moved layers changes the ranks' work from its
+        step on: baselines learned afresh there)."""
+        moved = set(self.df.loc[self.df["optype"] == "replan-layers", "step"].astype(int))
+        det.observe_matrices(self.obs, phase_matrices(self.df, self.obs, det.cfg), rebase_at=moved)
+        return det.finish()
+
+
 def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, meta_dict: dict | None = None) -> dict:
     """The DESIGN event JSON for a whole (validated) ops trace; one whose ranks took new places in
     a live re-plan part by part (``layout_parts``), each with a fresh detector (``noise``: the
     last part's)."""
     df = validate_ops_trace(df)
-    meta = meta or infer_meta(df)
     cfg = config or DetectorConfig()
     events: list[Event] = []
-    observed = []
-    for part, part_meta in layout_parts(df, meta):
-        layout = rank_layout(part, part_meta)
-        part_expected = trace_cost(part, part_meta, expected, cfg, meta_dict)
-        det = OnlineDetector(part_meta, part_expected, cfg, meta_dict=meta_dict, layout=layout)
-        obs = observe_ops(part, part_meta, expected=part_expected, shape=det.shape,
-                          own_quantile=det.cfg.own_quantile, phases=cfg.phases)
-        moved = set(part.loc[part["optype"] == "replan-layers", "step"].astype(int))
-        det.observe_matrices(obs, phase_matrices(part, obs, cfg), rebase_at=moved)
-        events += det.finish()
-        observed.append(obs)
-    obs = Observations.joined(observed)
+    parts = []
+    for part_df, part_meta in layout_parts(df, meta or infer_meta(df)):
+        part = TracePart.observed(part_df, part_meta, expected, cfg, meta_dict)
+        det = OnlineDetector(part_meta, part.expected, cfg, meta_dict=meta_dict, layout=part.layout)
+        events += part.detect(det)
+        parts.append(part.obs)
+    obs = Observations.joined(parts)
     return events_json(events, steps=len(obs.steps), ranks=int(df["rank"].nunique()),
                        cost_model=obs.cost_model, noise=det.noise())
