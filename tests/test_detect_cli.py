@@ -18,6 +18,7 @@ from resihp.detect.online import detect_trace
 from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.opstrace import JobMeta, write_meta, write_ops_trace
+from resihp.runtime.follow import LiveDetection
 
 
 def resihp(*args: str) -> subprocess.CompletedProcess:
@@ -198,11 +199,10 @@ def test_detect_eval_quick_json():
     assert proc.returncode == 2 and "--drop" in proc.stderr
 
 
-def test_a_trace_whose_ranks_took_new_places_live_is_judged_layout_by_layout(tmp_path):
-    """A run folder after a live re-plan that re-formed the layout (``replan-layout``): ranks in new
-    places with other work. Each layout is observed with baselines learned in it; the old layout's
-    fault is found, and the new layout's doubled work per stage is no fault (the trace was refused:
-    a rank in two places; and a re-formed run's deeper pipeline was outside its job meta)."""
+def _relaid_trace() -> tuple[pd.DataFrame, SimJob, int]:
+    """A run's trace across a live re-plan that re-formed its layout at step 60 (``replan-layout``):
+    DP 2 x PP 4 with a rank 2x slow from step 35, then DP 4 x PP 2 (every rank in a new place,
+    twice the layers per stage)."""
     slow = SimJob(dp=2, pp=4).rank(1, 1)
     first = SimJob(dp=2, pp=4, steps=60, source="code", seed=5,
                    injections=[Injection("fail-slow", slow, 35, 59, 2.0)])
@@ -211,7 +211,20 @@ def test_a_trace_whose_ranks_took_new_places_live_is_judged_layout_by_layout(tmp
     before, after = simulate(first, pool, noise), simulate(second, pool, noise)
     after["step"] += 60
     mark = after[(after["rank"] == 0) & (after["step"] == 60)].iloc[[0]].assign(optype="replan-layout", duration=0.01)
-    df = pd.concat([before, mark, after], ignore_index=True)
+    return pd.concat([before, mark, after], ignore_index=True), first, slow
+
+
+def _device_faults(doc: dict) -> list[tuple]:
+    return [(e["kind"], e["rank"], e["stage"], e["onset_step"], e["detected_step"]) for e in doc["events"]
+            if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
+
+
+def test_a_trace_whose_ranks_took_new_places_live_is_judged_layout_by_layout(tmp_path):
+    """A run folder after a live re-plan that re-formed the layout: ranks in new places with other
+    work. Each layout is observed with baselines learned in it; the old layout's fault is found, and
+    the new layout's doubled work per stage is no fault (the trace was refused: a rank in two
+    places; and a re-formed run's deeper pipeline was outside its job meta)."""
+    df, first, slow = _relaid_trace()
     write_ops_trace(df, tmp_path / "ops.parquet")
     write_meta(first.meta(), tmp_path / "job.yaml")
     done = resihp("detect", tmp_path, "--json")
@@ -219,6 +232,28 @@ def test_a_trace_whose_ranks_took_new_places_live_is_judged_layout_by_layout(tmp
     cli = json.loads(done.stdout)
     assert "ranks took new places at step(s) 60" in cli["warnings"][-1]
     for doc in (detect_trace(df, first.meta()), cli):
-        faults = [e for e in doc["events"] if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
-        assert [(e["kind"], e["rank"], e["stage"]) for e in faults] == [("fail-slow", slow, 1)]
-        assert 33 <= faults[0]["onset_step"] <= 37 and faults[0]["detected_step"] < 60
+        [(kind, rank, stage, onset, found)] = _device_faults(doc)
+        assert (kind, rank, stage) == ("fail-slow", slow, 1) and 33 <= onset <= 37 and found < 60
+
+
+def test_following_a_job_across_a_live_re_form_judges_each_layout_on_its_own():
+    """``resihp follow`` (``LiveDetection``) over the same records as they arrive: the same finding,
+    none after the re-form (it kept one detector, whose old places refused the new ones)."""
+    df, first, slow = _relaid_trace()
+
+    class Steps:  # the job's records as its store hands them out, ten steps a poll
+        meta, meta_dict, at = first.meta(), None, 0
+
+        def complete_steps(self):
+            steps = sorted(df["step"].unique())[self.at:self.at + 10]
+            self.at += 10
+            return [(s, df[df["step"] == s].to_dict("records")) for s in steps]
+
+        def finished(self):
+            return self.at >= df["step"].nunique()
+
+    follow = LiveDetection(None, source=Steps())
+    while not follow.steps.finished():
+        follow.poll()
+    [(kind, rank, stage, onset, found)] = _device_faults({"events": follow.events})
+    assert (kind, rank, stage) == ("fail-slow", slow, 1) and 33 <= onset <= 37 and found < 60

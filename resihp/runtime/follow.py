@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import DEVICE_FAULTS
+from resihp.detect.observe import layout_parts
 from resihp.detect.online import OnlineDetector, noise_warnings
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, read_meta
@@ -147,6 +148,7 @@ class LiveDetection:
         else:
             meta, meta_dict = read_meta(self.out / "job.yaml")
             self.steps = StepAssembler(self.out, meta.world_size)
+        self.meta, self.meta_dict = meta, meta_dict
         self.detector = OnlineDetector(meta, config=config, meta_dict=meta_dict)
         self.world = meta.world_size
         self.events: list[dict] = []
@@ -165,15 +167,21 @@ class LiveDetection:
             # random, and a 2-core job measured 4 false alarms in 10 healthy runs of 80 steps
             self.seen += len(steps)
             df = rows_frame([row for _, rows in steps for row in rows])
-            df = df[~df.optype.str.startswith("replan")]
-            for event in self.detector.observe(df):
-                record = {**event.to_dict(), "seen_at": time.time()}
-                with self._lock:
-                    self.events.append(record)
-                new.append(record)
-                _log_event(record)
-                if self.on_event:
-                    self.on_event(record)
+            for part, meta in layout_parts(df, self.meta):
+                if part.optype.eq("replan-layout").any():
+                    # a live re-plan gave ranks new places from this step: learned afresh, as the
+                    # job's own live loop does (their old baselines say nothing of the new work)
+                    self.detector = OnlineDetector(meta, config=self.detector.cfg,
+                                                   meta_dict={**(self.meta_dict or {}), **meta.to_dict()})
+                part = part[~part.optype.str.startswith("replan")]
+                for event in self.detector.observe(part) if len(part) else []:
+                    record = {**event.to_dict(), "seen_at": time.time()}
+                    with self._lock:
+                        self.events.append(record)
+                    new.append(record)
+                    _log_event(record)
+                    if self.on_event:
+                        self.on_event(record)
         noise = self.detector.noise()
         if not self.warned and len(noise) == self.world:
             self.warned = True
