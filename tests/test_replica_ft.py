@@ -739,9 +739,10 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
         back = next((c for c in summary["plan_changes"]
                      if c["reason"]["kind"] == "recovered" and c["reason"]["rank"] == 1), None)
         # taken back once a probe after the slowdown measures it healthy; three ranks training on
-        # two cores can keep a healthy spare's probes above that (a CI run: 1.54x and 1.49x)
+        # two cores can keep a healthy spare's probes above that (a CI dry run: 1.54x and 1.49x,
+        # timed in the process's CPU time, other threads included; the probe's own thread's since)
         probes = json.loads((out / "live.json").read_text())["spare_probes"]
-        healthy = [p["step"] for p in probes if p["rank"] == 1 and p["step"] > 17 and p["slowdown"] < RECOVERED]
+        healthy = [p["step"] for p in probes if p["rank"] == 1 and p["step"] >= 17 and p["slowdown"] < RECOVERED]
         if any(step <= steps - 5 for step in healthy):  # seen healthy with steps left to take it back
             assert back is not None, (probes, summary["plan_changes"])
         if back is not None:

@@ -136,16 +136,19 @@ class Engine:
             # loading) took 4x as long here, and a reference that slow makes a spare still
             # running at a third of its speed look recovered
             compute()
+        # the CPU time of the probe's own thread where torch computes on it alone: the process's
+        # other threads (heartbeats, the store's clients, gloo's) are not the device's speed
+        cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         with self.rec.op("probe") as row:
             walls, busy = 0.0, float("inf")
             for _ in range(PROBE_REPEATS):  # the fastest of a few: a moment's contention is not speed
-                start, cpu = time.perf_counter(), time.process_time()
+                start, cpu = time.perf_counter(), cpu_clock()
                 compute()
                 wall = time.perf_counter() - start
                 # on a CPU shared by more ranks than cores, the time the probe waited for a core is
                 # not the device's speed (a healthy spare probing beside busy ranks measured 2x its
                 # reference): kept apart as the op's wait, as inside tensor-parallel collectives
-                busy = min(busy, min(wall, time.process_time() - cpu) if self.device.type == "cpu" else wall)
+                busy = min(busy, min(wall, cpu_clock() - cpu) if self.device.type == "cpu" else wall)
                 walls += wall
             self.injector.stretch(busy)
             row["wait_s"] = walls - busy  # the op's duration less this is the fastest run, stretched
