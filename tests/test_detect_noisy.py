@@ -148,7 +148,7 @@ def test_a_rise_inside_the_calibration_window_is_an_alarm_from_its_step():
     onsets, ratios = [], []
     for seed in range(20):
         rng = np.random.default_rng(seed)
-        bank = CusumBank(8, DetectorConfig())  # calibration_steps=20: steps 0..19
+        bank = CusumBank(8, DetectorConfig(), rises=True)  # calibration_steps=20: steps 0..19
         alarms, recoveries = [], []
         for step in range(60):
             x = rng.normal(0.0, 0.05, 8)
@@ -172,7 +172,7 @@ def test_noise_alone_in_the_calibration_windows_raises_no_alarm(noise):
     heavy-tailed noise calibrate without an alarm."""
     rng = np.random.default_rng(1)
     for window in (8, 20):
-        bank = CusumBank(4000, DetectorConfig(calibration_steps=window))
+        bank = CusumBank(4000, DetectorConfig(calibration_steps=window), rises=True)
         for step in range(window):
             x = rng.normal(0, noise, 4000) + (rng.random(4000) < 0.05) * rng.exponential(3 * noise, 4000)
             assert bank.update(step, x)[0] == []

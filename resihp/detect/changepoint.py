@@ -8,7 +8,7 @@ leaves zero a few healthy steps before the change, and those steps would also di
 While a series is healthy its centre follows slow drift.
 
 A series whose level rises inside its calibration window (a fault that began before the detector
-had a baseline) would otherwise take a mix of its healthy and slow steps as its centre and spread:
+had a baseline; banks made with ``rises``, the ranks' own work) would otherwise take a mix of its healthy and slow steps as its centre and spread:
 its slowdown understated, its noise inflated and every later change hidden. Each calibration window
 is therefore also fitted with two levels (the split that leaves the least absolute residual); where
 the later level is a rise the CUSUM would have found had the earlier one been the baseline, the
@@ -51,9 +51,13 @@ class Recovery:
 class CusumBank:
     """CUSUM state for ``n`` series; ``update`` takes one step's log values (NaN: not observed)."""
 
-    def __init__(self, n: int, config: DetectorConfig) -> None:
+    def __init__(self, n: int, config: DetectorConfig, rises: bool = False) -> None:
+        """``rises``: fit each calibration window for a rise inside it (module doc); for series of
+        a rank's own work, whose noise it was checked on (a link's transfer times on shared cores,
+        1-13 ms over a window, raised a false alarm with it)."""
         self.n = n
         self.cfg = config
+        self.rises = rises
         w = config.calibration_steps
         self._cal = np.full((w, n), np.nan)
         self._cal_step = np.full((w, n), -1, dtype=np.int64)
@@ -341,7 +345,7 @@ class CusumBank:
         self.mu[done] = med
         self.sigma[done] = np.maximum(mad, cfg.sigma_floor)
         self.calibrated[done] = True
-        risen = self._risen(done)
+        risen = self._risen(done) if self.rises else np.empty((0, 2), dtype=np.int64)
         # a rank's own few steps can understate its noise: never below the typical rank's
         pooled = float(np.median(self.sigma[self.calibrated]))
         self.sigma[self.calibrated] = np.maximum(self.sigma[self.calibrated],

@@ -91,7 +91,7 @@ class OnlineDetector:
         phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
                                                        self.cfg.phase_min_slowdown),
                             false_alarm_steps=100 * self.cfg.false_alarm_steps)
-        return (CusumBank(w, self.cfg), CusumBank(w, self.cfg), CusumBank(w, self.cfg),
+        return (CusumBank(w, self.cfg, rises=True), CusumBank(w, self.cfg), CusumBank(w, self.cfg),
                 {p: CusumBank(w, phase_cfg) for p in PHASES})
 
     def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
