@@ -450,7 +450,7 @@ class LiveLoop:
         paced, self.calibration = paced_to(cluster, self.model, current, measured, self.planner, compute)
         # the pace is the cluster's; the slowdowns stay the loop's own (speeds)
         self.cluster = paced.with_speeds(self.cluster.speeds)
-        if self.calibration is not None and (steps != sorted(self._healthy)):
+        if self.calibration is not None and onset is not None:
             self.calibration["onset_step"] = onset
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
