@@ -5,6 +5,7 @@ median step measured while it was in force (``measured_step_s``), for real ``res
 
     OMP_NUM_THREADS=1 python benchmarks/step_estimates.py [--out benchmarks/results/step-estimates.json]
         [--jobs N]  # N cases at once: only where the cores outnumber all their ranks
+        [--repeats R]  # R interleaved rounds of every case; per-case medians over them
 
 Cases: a slow rank (x3 from step 24, the detector calibrating on the 20 steps before it) in DP 2
 (micro-batch shares), PP 2 (layers moved, the slow rank a spare) and DP 2 x PP 2, with
@@ -73,10 +74,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cases", default=",".join(n for n, _ in CASES))
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once (each runs its own job)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every case, interleaved (this CPU drifts: one run per case is noise)")
     args = ap.parse_args()
     wanted = args.cases.split(",")
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        runs = list(pool.map(lambda case: run_case(*case, Path(tmp)), [c for c in CASES if c[0] in wanted]))
+    runs = []
+    for round_ in range(max(1, args.repeats)):
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            done = list(pool.map(lambda case: run_case(*case, Path(tmp)), [c for c in CASES if c[0] in wanted]))
+        runs += [{**r, "round": round_} for r in done]
     def errors(over: bool, key: str) -> list[float]:
         return [abs(c[key]) for r in runs if r.get("oversubscribed") == over for c in r.get("changes", [])
                 if c.get(key) is not None]
@@ -89,7 +95,12 @@ def main() -> None:
                   "max_abs_step_error": round(max(fit), 4) if fit else None,
                   "median_abs_unpaced_error": round(statistics.median(unpaced), 4) if unpaced else None,
                   "oversubscribed_median_abs_step_error": round(statistics.median(over), 4) if over else None,
-                  "changes_measured": len(fit) + len(over)},
+                  "changes_measured": len(fit) + len(over),
+                  # per case, the median over its rounds of each run's median |step_error|
+                  "per_case_median_abs_step_error": {
+                      name: round(statistics.median(per), 4) for name in wanted
+                      if (per := [statistics.median(abs(c["step_error"]) for c in r["changes"])
+                                  for r in runs if r["case"] == name and r.get("changes")])}},
               "target": {"abs_step_error": "<= 0.05"}}
     text = json.dumps(result, indent=1)
     if args.out:
