@@ -394,7 +394,8 @@ class CusumBank:
         z = np.clip((cal - head) / sigma, -cfg.z_clip, cfg.z_clip)
         drift = np.where(after, z - k, 0.0).sum(axis=0)
         raised = (after & (z > k)).sum(axis=0)
-        rise = np.where(after, cal - head, 0.0).sum(axis=0) / (w - split)
+        rise_sum = np.where(after, cal - head, 0.0).sum(axis=0)
+        rise = rise_sum / (w - split)
         hit = np.flatnonzero((drift >= h) & (raised >= cfg.min_persist)
                              & (tail - head >= self._log_min * self.share) & (rise > 0))
         out = []
@@ -403,7 +404,7 @@ class CusumBank:
             self.mu[i] = head[j]
             self.sigma[i] = sigma[j]
             self.alarmed[i] = True
-            self.alarm_sum[i] = float((cal[t:, j] - head[j]).sum())
+            self.alarm_sum[i] = float(rise_sum[j])
             self.alarm_n[i] = w - t
             self.quiet[i] = 0
             self.down[i] = 0.0
