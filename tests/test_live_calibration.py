@@ -119,3 +119,58 @@ def test_each_applied_change_is_measured_over_the_steps_it_was_in_force():
     assert first == {"measured_step_s": 2.0, "measured_steps": 9, "step_error": -0.1}
     assert second == {}  # one step under it: too few to measure
     assert never == {}
+
+
+def test_a_slow_ranks_peers_that_moved_since_the_pace_re_pace_the_decision():
+    """The detector measures a slow rank against its peers; where the fault moved the peers too
+    (shared cores: a rank slowed by sleeps frees one), the decision is paced on the peers' level
+    since the onset against their level in the pace's steps, so the slow rank is priced at its own
+    cost and not at its ratio to peers that run faster now."""
+    def rows(step: int, peers: float, slow: float) -> list[dict]:
+        """One step of a DP 4 job, rank 1's compute ``slow`` times, the others' ``peers`` times."""
+        out = []
+        for rank in range(4):
+            base = {"step": step, "rank": rank, "dp_rank": rank, "stage": 0, "tp_rank": 0,
+                    "start_ts": float(step)}
+            f = slow if rank == 1 else peers
+            out.append({**base, "optype": "step", "duration": 2.0 * max(peers, slow)})
+            for mb in range(2):
+                lens = [200, 56] if (mb + step) % 2 else [128, 64, 64]
+                for op, dur in (("forward-compute", 0.1), ("backward-compute", 0.2)):
+                    out.append({**base, "optype": op, "duration": dur * f, "mb_id": mb, "seq_id": mb,
+                                "seq_lens": lens, "tokens": sum(lens)})
+        return out
+
+    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1),
+                    detector_config=DetectorConfig(calibration_steps=6))
+    posted: list[dict] = []
+    loop._post = posted.append
+    for step in range(8):
+        loop._observe(step, rows_frame(rows(step, 1.0, 1.0)))
+    assert loop.calibration is not None and not loop.changes
+    event = {"kind": "fail-slow", "rank": 1, "onset_step": 8}
+    for step in range(8, 12):
+        loop._observe(step, rows_frame(rows(step, 0.8, 2.4)))
+        if step == 9 and not loop.changes:
+            level, record = loop._present_pace(step, event)
+            assert level == pytest.approx(0.8, rel=1e-6)
+            assert record == {"level": 0.8, "steps": 2, "ranks": [0, 2, 3]}
+    # the loop's own decision: rank 1 found slow against its peers (3x), priced on their pace now
+    change = loop.changes[0]
+    assert change["reason"]["rank"] == 1 and change["reason"]["slowdown"] == pytest.approx(3.0, rel=0.01)
+    assert change["present_pace"]["level"] == pytest.approx(0.8, rel=1e-6) and posted
+    # only on the pace's own plan and detector: after a change, none
+    assert loop._present_pace(12, event) is None
+    loop.changes = []
+    assert loop._present_pace(11, {"kind": "fail-slow", "rank": 1}) is None  # no onset
+
+
+def test_a_pipelines_levels_against_its_peers_give_no_present_pace():
+    """With pipeline stages the detector scales an op's cost by the same micro-batch on the other
+    stages: its levels are against peers, so the decision keeps the pace of the calibration."""
+    loop = _loop(calibration_steps=6)
+    loop._post = lambda change: None
+    for step in range(8):
+        loop._observe(step, rows_frame(_rows(step, 2.0)))
+    assert "peers" in loop.detector.cost_model
+    assert loop._present_pace(8, {"kind": "fail-slow", "rank": 1, "onset_step": 6}) is None

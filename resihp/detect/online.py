@@ -52,11 +52,12 @@ class OnlineDetector:
     def __init__(self, meta: JobMeta, expected: ExpectedCompute | None = None,
                  config: DetectorConfig | None = None, *, meta_dict: dict | None = None,
                  layout: RankPlacement | None = None, banks: Banks | None = None,
-                 peers: np.ndarray | None = None) -> None:
+                 peers: np.ndarray | None = None, keep_levels: bool = False) -> None:
         """``banks``: the CUSUM banks to go on with (``carried``); new ones where None. ``peers``:
         per rank a label, equal for ranks doing the same work (a re-formed layout's pipelines differ
         in depth and group size: a rank alone in its group is no peer of a pair's ranks at the same
-        stage); where None, the ranks of one stage are peers."""
+        stage); where None, the ranks of one stage are peers. ``keep_levels``: keep each step's
+        own-work vector (``levels``), which the banks see only against the ranks' median."""
         self.meta = meta
         self.peers = None if peers is None else np.asarray(peers)
         self.expected = expected
@@ -85,6 +86,8 @@ class OnlineDetector:
         self._fit_window: list[pd.DataFrame] | None = [] if fits_cost(meta, expected, self.cfg) else None
         # per phase, each rank's share of its compute seconds (a running mean of its calm steps)
         self._phase_share = {p: np.full(w, np.nan) for p in PHASES}
+        # per step, each rank's own work against its expected cost (NaN: no record), as observed
+        self.levels: dict[int, np.ndarray] | None = {} if keep_levels else None
 
     def _new_banks(self, w: int) -> Banks:
         # the phase tests: three more per rank, each held to a hundredfold false-alarm run length
@@ -173,6 +176,10 @@ class OnlineDetector:
                              "expected increasing step numbers")
         self._last_step = step
         self._steps_seen += 1
+        if self.levels is not None:
+            self.levels[step] = np.array(own, dtype=np.float64)
+            for old in [k for k in self.levels if k <= step - LEVEL_STEPS]:
+                del self.levels[old]
         new: list[Event] = []
         x = _common_mode_log(own)
         alarms, recoveries, calibrated = self.compute.update(step, x)
@@ -601,6 +608,7 @@ def _common_mode_log(values: np.ndarray) -> np.ndarray:
     return out
 
 
+LEVEL_STEPS = 256  # steps of own-work vectors kept where asked (``keep_levels``)
 CURRENT_STEPS = 3  # steps an open finding's current cost is the median over (``current_cost``)
 RECENT_STEPS = 32  # steps of transfers kept to measure a slow link's slowdown
 

@@ -19,10 +19,12 @@ import functools
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -123,6 +125,7 @@ RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference
 REVISED = 1.25  # a slow rank's slowdown moved by this factor since it was priced: re-planned
 FASTER_STEPS = 5  # steps a rank's level below its baseline is the median over (``LiveLoop._faster``)
 MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
+PRESENT_STEPS = 8  # the most steps since a finding's onset its peers' present pace is taken over
 
 
 def trace_step_seconds(trace: pd.DataFrame) -> dict[int, float]:
@@ -204,6 +207,11 @@ def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[
     return cluster.paced(factor), {**record, "factor": round(factor, 4)}
 
 
+def _absolute(cost_model: str) -> bool:
+    """Whether the detector's own-work levels are against a cost of the op's own (not its peers')."""
+    return cost_model not in ("none", "phase") and "peers" not in cost_model
+
+
 @dataclass
 class Priced:
     """A rank planned around as slow: the detector that follows it, the slowdown priced, and the
@@ -222,7 +230,8 @@ class LiveLoop:
         self.meta, self.meta_dict = job_meta(cfg)
         detector_config = detector_config or DetectorConfig(calibration_steps=cfg.live.calibration_steps)
         self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
-                                                     meta_dict=self.meta_dict, peers=self._peers())
+                                                     meta_dict=self.meta_dict, peers=self._peers(),
+                                                     keep_levels=True)
         # each replica of replica-level fault tolerance is a job of its own: the planner re-forms
         # a replica's groups from its own ranks only
         self.replica_mode = cfg.faults.recovery.startswith("replica")
@@ -255,6 +264,9 @@ class LiveLoop:
         self._healthy_compute: dict[int, float] = {}  # the same steps' compute (trace_compute_seconds)
         self._calibration_steps = self.detector.cfg.calibration_steps
         self.calibration: dict | None = None
+        # each rank's own-work level (log, the median of the steps the pace was taken on) and the
+        # detector that measured it (``_present_pace``)
+        self._level_ref: tuple[OnlineDetector, np.ndarray] | None = None
 
     def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
         """Observe complete steps; ``post`` hands a plan change to the job. Never raises: a failure
@@ -452,6 +464,44 @@ class LiveLoop:
         self.cluster = paced.with_speeds(self.cluster.speeds)
         if self.calibration is not None and onset is not None:
             self.calibration["onset_step"] = onset
+        levels = self.detector.levels or {}
+        rows = [levels[s] for s in steps if s in levels]
+        if self.calibration is not None and len(rows) >= MIN_MEASURED_STEPS:
+            with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no record: NaN
+                self._level_ref = (self.detector, np.nanmedian(np.log(np.stack(rows)), axis=0))
+
+    def _present_pace(self, step: int, event: dict) -> tuple[float, dict] | None:
+        """The healthy ranks' pace now against the steps the planner was paced on, for a
+        finding at ``step`` with an onset: the median over the ranks at speed of each one's own
+        work since the onset (its median) against its level in the pace's steps. The detector
+        measures a slow rank against its peers; where the fault moved its peers too (on shared
+        cores, a rank slowed by sleeps frees a core and the others run faster), that slowdown
+        priced on the old pace misprices the step by the peers' move. Only while the plan and
+        detector of the pace's steps are in force (an own-work level is per plan), and where the
+        detector's cost of an op is its own (lengths, a predictor or the fitted cost), not scaled by
+        the same micro-batch on the other stages (pipelines: a level against peers says nothing)."""
+        onset = event.get("onset_step")
+        if (self._level_ref is None or onset is None or self.changes
+                or self._level_ref[0] is not self.detector or not _absolute(self.detector.cost_model)):
+            return None
+        ref = self._level_ref[1]
+        levels = self.detector.levels or {}
+        recent = [levels[s] for s in sorted(levels) if int(onset) <= s <= step][-PRESENT_STEPS:]
+        healthy = [r for r in range(self.world) if self.speeds.get(r, 1.0) >= 1.0
+                   and r != event.get("rank") and np.isfinite(ref[r])]
+        if len(recent) < 2 or not healthy:
+            return None
+        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            now = np.nanmedian(np.log(np.stack(recent))[:, healthy], axis=0)
+        moved = now - ref[healthy]
+        moved = moved[np.isfinite(moved)]
+        if not moved.size:
+            return None
+        level = float(np.exp(np.median(moved)))
+        return level, {"level": round(level, 4), "steps": len(recent),
+                       "ranks": [int(r) for r, m in zip(healthy, now - ref[healthy]) if np.isfinite(m)]}
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """Each rank's first probe is its reference; a hot spare probes again with backoff
@@ -474,8 +524,10 @@ class LiveLoop:
         if self.calibration is None:  # an event before the calibration window filled
             self._calibrate(event.get("onset_step"))
         t0 = time.perf_counter()
-        cluster = self.cluster.with_speeds(self.speeds)
-        current = current_plan(self.cfg, self.cluster, self.model, self.weights, self.ranges, self.groups)
+        present = self._present_pace(step, event) if event.get("kind") == "fail-slow" else None
+        base = self.cluster if present is None else self.cluster.paced(present[0], links=1.0)
+        cluster = base.with_speeds(self.speeds)
+        current = current_plan(self.cfg, base, self.model, self.weights, self.ranges, self.groups)
         plan = self.planner.plan(cluster, self.model, current, time_limit_s=self.time_limit_s)
         solve_s = time.perf_counter() - t0
         pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
@@ -489,6 +541,8 @@ class LiveLoop:
                                                           if k in event},
                   "decided_step": step, "solve_s": round(solve_s, 3),
                   "predicted_step_s": plan.step_time_s, "plan": plan.to_dict()}
+        if present is not None:
+            change["present_pace"] = present[1]
         change["dp_weights"] = [float(p.microbatches) for p in pipes]
         change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
         change["applied"] = True
