@@ -496,12 +496,12 @@ class LiveLoop:
             warnings.simplefilter("ignore", RuntimeWarning)
             now = np.nanmedian(np.log(np.stack(recent))[:, healthy], axis=0)
         moved = now - ref[healthy]
-        moved = moved[np.isfinite(moved)]
-        if not moved.size:
+        seen = np.isfinite(moved)
+        if not seen.any():
             return None
-        level = float(np.exp(np.median(moved)))
+        level = float(np.exp(np.median(moved[seen])))
         return level, {"level": round(level, 4), "steps": len(recent),
-                       "ranks": [int(r) for r, m in zip(healthy, now - ref[healthy]) if np.isfinite(m)]}
+                       "ranks": [r for r, ok in zip(healthy, seen.tolist()) if ok]}
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """Each rank's first probe is its reference; a hot spare probes again with backoff
