@@ -161,23 +161,26 @@ class CusumBank:
         # np.minimum/np.maximum, not np.clip: the same values, several times faster with array bounds
         s_new = np.where(live, np.maximum(0.0, self.s + np.minimum(np.maximum(z, -self.clip), self.clip) - k),
                          self.s)
-        raised = z > k
         in_run = live & (s_new > 0)
-        start_idx = np.flatnonzero(in_run & (self.s == 0))
+        alarmed = self.alarmed.copy()  # as before this step's alarms
+        # the run and alarm bookkeeping, on the series in a run, leaving one or in alarm only (a
+        # few, most steps): a series out of a run has no run to count (its run_n is 0 already)
+        a = np.flatnonzero(live & (in_run | (self.s > 0) | alarmed))
+        ar, da = in_run[a], dev[a]
+        start_idx = a[ar & (self.s[a] == 0)]
         self.run_start[start_idx] = step
         self.run_n[start_idx] = 0
         self.run_sum[start_idx] = 0.0
         self.raised_sum[start_idx] = 0.0
         self.raised_n[start_idx] = 0
-        self.run_n += in_run
-        self.run_sum += np.where(in_run, dev, 0.0)
-        up = in_run & raised
-        self.raised_sum += np.where(up, dev, 0.0)
-        self.raised_n += up
-        self.run_n[live & ~in_run] = 0
+        self.run_n[a] += ar
+        self.run_sum[a] += np.where(ar, da, 0.0)
+        up = ar & (z[a] > k[a])
+        self.raised_sum[a] += np.where(up, da, 0.0)
+        self.raised_n[a] += up
+        self.run_n[a[~ar]] = 0
         self.s = s_new
 
-        alarmed = self.alarmed.copy()  # as before this step's alarms
         # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
         calm = live & ~alarmed & ~in_run
         if cfg.baseline_rate > 0 and calm.any():
@@ -190,17 +193,18 @@ class CusumBank:
             self.sigma = np.where(calm, np.maximum(np.sqrt(var), self._sigma0), self.sigma)
 
         alarms: list[Alarm] = risen
-        rn = self.raised_n
-        mean_raised = np.where(rn > 0, self.raised_sum / np.maximum(rn, 1), 0.0)
+        rn = self.raised_n[a]
+        mean_raised = np.where(rn > 0, self.raised_sum[a] / np.maximum(rn, 1), 0.0)
         # a noisy series: the run's mean, every step of it (the raised steps alone overstate it)
-        rmean = self.run_sum / np.maximum(self.run_n, 1)
-        level = np.where(self.adapted, rmean, mean_raised)
-        fire = (live & ~alarmed & (s_new >= h) & (rn >= cfg.min_persist)
+        rmean = self.run_sum[a] / np.maximum(self.run_n[a], 1)
+        level = np.where(self.adapted[a], rmean, mean_raised)
+        fire = (~alarmed[a] & (s_new[a] >= h[a]) & (rn >= cfg.min_persist)
                 & (level >= self._log_min * self.share))
-        for i in np.flatnonzero(fire).tolist():
-            n_up = int(rn[i])
+        for j in np.flatnonzero(fire).tolist():
+            i = int(a[j])
+            n_up = int(rn[j])
             # how far the raised steps sit above the noise, beyond what the threshold itself demands
-            t = mean_raised[i] / self.sigma[i] * np.sqrt(n_up) - k[i]
+            t = mean_raised[j] / self.sigma[i] * np.sqrt(n_up) - k[i]
             conf = float(0.5 * (1 + _erf(t / np.sqrt(2))))
             onset, shift_sum, shift_n = self._onset(i, step)
             if self.adapted[i]:  # a noisy series: the mean of every step since the onset
@@ -208,16 +212,16 @@ class CusumBank:
                 est = shift_sum / shift_n
             else:
                 self.alarm_sum[i], self.alarm_n[i] = self.raised_sum[i], n_up
-                est = level[i]
+                est = level[j]
             alarms.append(Alarm(i, onset, float(np.exp(est / self.share)), conf))
             self.alarmed[i] = True
             self.down[i] = 0.0
             self.quiet[i] = 0
 
         recoveries: list[Recovery] = []
-        was = live & alarmed & ~fire
+        was = alarmed[a] & ~fire
         if was.any():
-            a = np.flatnonzero(was)
+            a = a[was]
             d = dev[a]
             still = d > self._log_min / 2 * self.share
             # a noisy series recovers when a CUSUM of its fall from the alarmed level crosses h
