@@ -59,6 +59,8 @@ def run_case(name: str, args: list[str], tmp: Path) -> dict:
         factor = cal["factor"] if cal and "p2p_overhead_s" not in cal else None
         changes.append({
             "reason": (c.get("reason") or {"kind": c.get("kind")}).get("kind"),
+            "slowdown": (c.get("reason") or {}).get("slowdown"),
+            "present_pace": c.get("present_pace"),
             "applied": c.get("applied"), "predicted_step_s": round(c["predicted_step_s"], 4),
             "measured_step_s": c["measured_step_s"], "measured_steps": c["measured_steps"],
             "step_error": c["step_error"],
