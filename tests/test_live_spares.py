@@ -43,3 +43,24 @@ def test_a_healthy_probe_brings_back_a_spare_left_out_for_its_slowness_only():
     loop._probe(12, 1, 0.010, placed)
     loop._probe(13, 1, 0.010, placed)
     assert len(loop.changes) == 1 and loop.probes == [{"step": 13, "rank": 1, "slowdown": 1.0}]
+
+
+def test_a_ranks_reference_is_its_fastest_probe_while_it_trains():
+    """A rank probes in its first steps while it trains: the fastest is its reference (a CI run's
+    rank timed its first probe at 2.8x its peers', and as a spare at a third of its speed it then
+    read 1.06x: taken back while still slow). A spare's probe is compared with it."""
+    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1),
+                    detector_config=DetectorConfig(calibration_steps=8))
+    loop._post = lambda change: None
+    for step, seconds in enumerate((0.0116, 0.0042, 0.0045)):
+        loop._probe(step, 1, seconds, {0, 1, 2, 3})
+    assert loop.probe_ref[1] == 0.0042 and loop.probes == []
+    loop.speeds[1] = 0.02  # 50x slower: the planner leaves it out
+    loop._replan(22, {"kind": "fail-slow", "rank": 1, "slowdown": 50.0, "detected_step": 22})
+    placed = {r for pipe in loop.groups for stage in pipe for r in stage}
+    assert 1 not in placed
+    loop._probe(24, 1, 0.0123, placed)  # at a third of its speed: still slow
+    assert loop.probes == [{"step": 24, "rank": 1, "slowdown": round(0.0123 / 0.0042, 4)}]
+    assert len(loop.changes) == 1 and loop.speeds[1] == 0.02
+    loop._probe(25, 1, 0.0045, placed)  # healthy again: taken back
+    assert loop.changes[-1]["reason"]["kind"] == "recovered" and loop.speeds[1] == 1.0

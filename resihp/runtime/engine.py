@@ -33,6 +33,7 @@ from resihp.runtime.schedule import schedule_for
 
 PROBE_MAX_GAP = 16  # steps between a hot spare's probes, at most
 PROBE_REPEATS = 3  # runs of the probe's compute per probe; the fastest is its time
+REFERENCE_PROBES = 3  # steps a rank probes first, placed: the fastest is its reference (``LiveLoop``)
 
 
 @dataclass
@@ -65,7 +66,11 @@ class Engine:
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.tp.rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
         self._pending: list[dist.Work] = []
-        self._probed = False  # the first step records the probe once: the device's own reference
+        # the first steps record the probe, the device's own reference (the fastest of them: a rank's
+        # first timed compute ran 2.8x its peers' once, and a spare probing at a third of its speed
+        # then looked recovered)
+        self._probed = 0  # steps taken (up to REFERENCE_PROBES)
+        self._warmed = False  # the probe's compute ran once, untimed
 
     def form_groups(self, pipelines: Sequence[Sequence[Sequence[int]]]) -> None:
         """Collective over the world: this rank's place in a layout given as pipelines of world
@@ -119,8 +124,9 @@ class Engine:
 
     def _probe(self) -> None:
         """A small fixed compute, timed as op ``probe`` and stretched as any compute op is by an
-        injected slowdown. Every rank records one in its first step (its own reference); a hot
-        spare records more, with backoff, so the live loop can tell when it is healthy again."""
+        injected slowdown. Every rank records one in each of its first ``REFERENCE_PROBES`` steps
+        where it trains (the fastest is its own reference); a hot spare records more, with backoff,
+        so the live loop can tell when it is healthy again."""
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(256, 256, generator=gen).to(self.device)  # ~0.27 GFLOP whatever the model
         w = torch.randn(256, 256, generator=gen).to(self.device) / 16
@@ -131,7 +137,8 @@ class Engine:
                 y = torch.tanh(y @ w)
             self.rec.sync()
 
-        if not self._probed:
+        if not self._warmed:
+            self._warmed = True
             # untimed once: the first matmuls of a process (thread pools, allocator, kernels
             # loading) took 4x as long here, and a reference that slow makes a spare still
             # running at a third of its speed look recovered
@@ -266,9 +273,10 @@ class Engine:
         self.rec.begin_step(step)
         data = self.data.step(step)
         global_tokens = self.loss_tokens(data)
-        if not self._probed:
-            self._probe()
-            self._probed = True
+        if self._probed < REFERENCE_PROBES:
+            if self.coords is not None:  # while it trains
+                self._probe()
+            self._probed += 1
         if self.coords is None:  # a hot spare: no part in this layout; it keeps step with the job
             with self.rec.op("step", tokens=global_tokens) as step_row:
                 step_row["spare"] = True

@@ -253,7 +253,7 @@ class LiveLoop:
         # force set its baseline (``_faster``)
         self._baseline_at: dict[int, tuple[OnlineDetector, float]] = {}
         self.speeds = {r: 1.0 for r in range(self.world)}
-        self.probe_ref: dict[int, float] = {}  # each rank's first probe (seconds): its reference
+        self.probe_ref: dict[int, float] = {}  # each rank's fastest probe while placed (seconds)
         self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
         self.error: str | None = None
         # the run's scheduled changes (live.replan), which the job applies before their step
@@ -504,11 +504,11 @@ class LiveLoop:
                        "ranks": [r for r, ok in zip(healthy, seen.tolist()) if ok]}
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
-        """Each rank's first probe is its reference; a hot spare probes again with backoff
-        (``Engine._probe``): once it runs within ``RECOVERED`` of its reference, the planner may
-        take it back."""
-        if rank not in self.probe_ref:
-            self.probe_ref[rank] = seconds
+        """A rank's probes while it trains (its first steps, ``Engine._probe``) give its reference,
+        the fastest of them; a hot spare probes again with backoff: once it runs within
+        ``RECOVERED`` of its reference, the planner may take it back."""
+        if rank in placed or rank not in self.probe_ref:
+            self.probe_ref[rank] = min(self.probe_ref.get(rank, seconds), seconds)
             return
         slowdown = seconds / self.probe_ref[rank]
         self.probes.append({"step": step, "rank": rank, "slowdown": round(slowdown, 4)})
