@@ -61,7 +61,14 @@ against the planner on random faults):
 
 Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
 into nodes, memory holds one micro-batch in flight and no embedding, micro-batch counts need
-not be whole, the all-reduce shard is counted per pipeline, p2p transfers at the fewest stages.
+not be whole, the all-reduce shard is counted per pipeline, p2p transfers at the fewest stages
+and in the fill only. 1F1B pays them in the steady state too: for adjacent stages ``s, s + 1``
+the end of ``B_j`` on ``s + 1`` comes at least ``t_s + t_{s+1} + 2 p`` after that of ``B_{j-2}``, so a
+pipeline's period is at least ``(t_s + t_{s+1}) / 2 + p`` for every adjacent pair and its step at
+least ``S + comm + (x - 1) P - (P - t_{s+1})`` (the last term for an even count only;
+``pipeline_step_time`` meets it exactly on two equal stages). Not priced: it needs the stages'
+order, which the design DPs below do not keep; deep designs (1-2 layers a stage, ``p`` 7-15% of a
+stage at 1,024 devices) are where it is loosest.
 The older ``planner.capacity_bound`` (the best healthy layout with fractional layers, scaled by the
 compute that remains) is kept as ``loose`` beside it: it is no upper bound (integrality aside, a
 plan that shortens pipelines can pass it by its bubble), which is why this one exists.
