@@ -66,10 +66,10 @@ class Engine:
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.tp.rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
         self._pending: list[dist.Work] = []
-        # the first steps record the probe, the device's own reference (the fastest of them: a rank's
-        # first timed compute ran 2.8x its peers' once, and a spare probing at a third of its speed
-        # then looked recovered)
-        self._probed = 0  # steps taken (up to REFERENCE_PROBES)
+        # the first REFERENCE_PROBES steps probe the device where it trains: its own reference, the
+        # fastest of them (one rank's first timed probe ran 2.8x its peers', and as a spare at a
+        # third of its speed it then looked recovered)
+        self._reference_steps = 0
         self._warmed = False  # the probe's compute ran once, untimed
 
     def form_groups(self, pipelines: Sequence[Sequence[Sequence[int]]]) -> None:
@@ -273,10 +273,10 @@ class Engine:
         self.rec.begin_step(step)
         data = self.data.step(step)
         global_tokens = self.loss_tokens(data)
-        if self._probed < REFERENCE_PROBES:
+        if self._reference_steps < REFERENCE_PROBES:
             if self.coords is not None:  # while it trains
                 self._probe()
-            self._probed += 1
+            self._reference_steps += 1
         if self.coords is None:  # a hot spare: no part in this layout; it keeps step with the job
             with self.rec.op("step", tokens=global_tokens) as step_row:
                 step_row["spare"] = True

@@ -207,6 +207,14 @@ def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[
     return cluster.paced(factor), {**record, "factor": round(factor, 4)}
 
 
+def _median_log(rows: list[np.ndarray]) -> np.ndarray:
+    """Per rank, the median over ``rows`` (steps' own-work vectors) of the log level; NaN for a
+    rank with no record in any of them."""
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN rank
+        return np.nanmedian(np.log(np.stack(rows)), axis=0)
+
+
 def _absolute(cost_model: str) -> bool:
     """Whether the detector's own-work levels are against a cost of the op's own (not its peers')."""
     return cost_model not in ("none", "phase") and "peers" not in cost_model
@@ -467,9 +475,7 @@ class LiveLoop:
         levels = self.detector.levels or {}
         rows = [levels[s] for s in steps if s in levels]
         if self.calibration is not None and len(rows) >= MIN_MEASURED_STEPS:
-            with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no record: NaN
-                self._level_ref = (self.detector, np.nanmedian(np.log(np.stack(rows)), axis=0))
+            self._level_ref = (self.detector, _median_log(rows))
 
     def _present_pace(self, step: int, event: dict) -> tuple[float, dict] | None:
         """The healthy ranks' pace now against the steps the planner was paced on, for a
@@ -492,9 +498,7 @@ class LiveLoop:
                    and r != event.get("rank") and np.isfinite(ref[r])]
         if len(recent) < 2 or not healthy:
             return None
-        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            now = np.nanmedian(np.log(np.stack(recent))[:, healthy], axis=0)
+        now = _median_log(recent)[healthy]
         moved = now - ref[healthy]
         seen = np.isfinite(moved)
         if not seen.any():
