@@ -16,6 +16,8 @@ from itertools import accumulate
 import numpy as np
 from ortools.sat.python import cp_model
 
+from resihp.plan.sat import deterministic_solver
+
 TICKS_PER_S = 1e7
 
 
@@ -118,12 +120,7 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
         shares.append((k, members))
     mdl.add(sum(k for k, _ in shares) == total)
     mdl.minimize(span)
-    solver = cp_model.CpSolver()
-    # the limit is on CP-SAT's deterministic time (the same search whatever the machine's load, so
-    # a replay with the same seed gives the same plans); wall time only as a backstop
-    solver.parameters.max_deterministic_time = max(0.01, time_limit_s)
-    solver.parameters.max_time_in_seconds = max(30.0, 20 * time_limit_s)
-    solver.parameters.num_workers = 1
+    solver = deterministic_solver(time_limit_s)
     status = solver.solve(mdl)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint, "timeout-greedy", float("nan")

@@ -19,6 +19,7 @@ from ortools.sat.python import cp_model
 
 from resihp.plan.layout import group_options
 from resihp.plan.plan import Stage, Stages
+from resihp.plan.sat import deterministic_solver
 from resihp.plan.specs import stage_memory_gb
 from resihp.plan.timing import StageCoster
 
@@ -188,12 +189,7 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     weight = max(1, replicas)
     mdl.minimize(horizon * (step_ticks + weight * job_ticks) + weight * (worst if current else 0))
 
-    solver = cp_model.CpSolver()
-    # the limit is on CP-SAT's deterministic time (the same search whatever the machine's load, so
-    # a replay with the same seed gives the same plans); wall time only as a backstop
-    solver.parameters.max_deterministic_time = max(0.01, time_limit_s)
-    solver.parameters.max_time_in_seconds = max(30.0, 20 * time_limit_s)
-    solver.parameters.num_workers = 1
+    solver = deterministic_solver(time_limit_s)
     status = solver.solve(mdl)
     if status == cp_model.MODEL_INVALID:  # a bug here, not a pipeline that does not fit
         raise RuntimeError(f"pipeline model invalid: {mdl.validate()}")
