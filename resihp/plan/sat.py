@@ -5,14 +5,15 @@ replay with the same seed gives the same plans; wall time only as a backstop. On
 planner runs its solves in its own thread pool.
 
 One presolve iteration (``max_presolve_iterations = 1``, the default 3): on the planner's models (a
-pipeline's re-formation and layer split, 80-110 variables; the micro-batch allocation) the search
-itself takes a few milliseconds, and the repeated presolve passes were most of each solve's wall
-time. The 283 pipeline solves of the 16,384-GPU replay (``benchmarks/replay.py --speed-only``) took
-12.4 s in all with the default (282 proven optimal, one stopped at the time limit after 1.35 s) and
-8.2 s with one iteration (283 optimal), the replay's outcomes the same; on a sample of 58 of those
-models and 108 allocation models every objective and status was the same. Without presolve
-iterations (0) they took 7.2 s, but one of ``benchmarks/planner.py``'s scenarios
-(1024/slow4+dead2, where a solve stops at its deterministic limit) planned 0.05% worse.
+pipeline's re-formation and layer split, 80-110 variables; the micro-batch allocation) the presolve
+passes were most of each solve's wall time (``log_search_progress``: 3-10 ms per fix-point pass,
+repeated, for a search of about 0.001 deterministic seconds). The 283 pipeline solves of the
+16,384-GPU replay (``benchmarks/replay.py --speed-only``) took 12.4 s in all with the default (median
+37 ms; 282 proven optimal, one stopped at the time limit after 1.35 s) and 8.2 s with one iteration
+(median 27 ms; 283 optimal), the replay's outcomes and all 30 plans of ``benchmarks/planner.py`` the
+same; on a sample of 58 of those models and 108 allocation models every objective and status was the
+same. With none (0) they took 7.2 s, but planner.py's 1024/slow4+dead2 plan reached 0.9591 of its
+bound instead of 0.9596.
 """
 
 from __future__ import annotations
