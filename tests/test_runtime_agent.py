@@ -1,17 +1,28 @@
 """resihp's torchrun agent: CPU runs fork their workers from it, runs that may use CUDA keep
-torchrun, and its command line is torchrun's; a spare agent runs the launch it is handed."""
+torchrun, and its command line is torchrun's; the warm-agent server forks it for each launch it
+serves, and dies with its launcher."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import torch
 
 from resihp.runtime.config import RunConfig
 from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
+from resihp.runtime.lifecycle import ProcessTracker, start_time
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.spares import RUNTIME_ENV, Spares, agent_options, compatible, spare_env
+from resihp.runtime.spares import (
+    RUNTIME_ENV,
+    ForkedAgent,
+    Spares,
+    agent_options,
+    compatible,
+    spare_env,
+)
 
 
 def test_cpu_runs_fork_their_workers_and_runs_that_may_use_cuda_keep_torchrun():
@@ -39,7 +50,7 @@ def test_an_agent_for_another_script_is_one_line():
         "resihp.runtime.agent: expected '-m resihp.runtime.worker' after the options, got 'train.py'")
 
 
-def test_a_spare_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
+def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
     forked = torchrun_command(tmp_path / "config.json", 2, endpoint="127.0.0.1:29999", forked=True)
     assert agent_options(forked)[-2:] == ["--config", str(tmp_path / "config.json")]
     assert agent_options(torchrun_command(tmp_path / "config.json", 2)) is None  # torchrun's own
@@ -52,22 +63,54 @@ def test_a_spare_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
     assert not compatible(base, {k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"})
 
 
-def test_a_spare_runs_the_launch_it_is_handed_and_an_idle_one_is_ended():
+def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_their_own():
     spares = Spares()
-    spares.start(spare_env(), 2)
-    ends = [proc for proc, _ in spares._idle]
-    # a launch for another script: the spare's agent says so in one line, as the agent does
+    spares.start(spare_env(), 1)
+    # a launch for another script: the forked agent says so in one line, as the agent does
     proc = spares.popen([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1", "train.py"],
                         spare_env())
-    assert proc in ends
+    assert isinstance(proc, ForkedAgent) and os.getpgid(proc.pid) == proc.pid  # a session of its own
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and stderr.strip().splitlines()[-1] == (
         "resihp.runtime.agent: expected '-m resihp.runtime.worker' after the options, got 'train.py'")
-    idle = next(p for p in ends if p is not proc)
-    assert idle.poll() is None
-    spares.close()
-    assert idle.poll() is not None and spares._idle == []
     # a launch under another thread count starts its own process
     other = spares.popen([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
                          spare_env() | {"OMP_NUM_THREADS": "3"})
-    assert other not in ends and other.wait(timeout=60) == 0
+    assert not isinstance(other, ForkedAgent) and other.wait(timeout=60) == 0
+    other.stderr.close()
+    spares.close()
+
+
+LAUNCHER = """
+import sys, time
+from resihp.runtime.spares import SPARES, spare_env
+from resihp.runtime.launch import torchrun_command
+SPARES.start(spare_env(), 1)
+# an agent of a two-node job whose other node never comes: it waits in its rendezvous
+agent = SPARES.popen(torchrun_command(sys.argv[1], 1, nnodes=2, forked=True), spare_env())
+print(agent.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+            for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+
+
+def test_a_killed_launcher_takes_the_server_and_its_forked_agents(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json")],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        agent = int(launcher.stdout.readline())
+        server = next(c for c in _children(launcher.pid) if agent in _children(c))
+        assert ProcessTracker(agent).alive() == [agent]
+        launcher.kill()
+        launcher.wait(timeout=30)
+        end = time.monotonic() + 30
+        while time.monotonic() < end and any(start_time(p) is not None for p in (server, agent)):
+            time.sleep(0.05)
+        assert start_time(server) is None and start_time(agent) is None
+    finally:
+        launcher.kill()
+        launcher.wait()

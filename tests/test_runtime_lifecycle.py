@@ -44,13 +44,13 @@ def start(out, *extra, steps=100000, args=None):
 
 def job_pids(proc, out, world=2) -> set[int]:
     """Every process of the job started by ``proc``: the CLI, the torchrun agent and its workers
-    (forked from the agent on CPU: each worker's parent runs ``resihp.runtime.agent``)."""
+    (forked from the agent on CPU: each worker's parent is the agent, forked in turn by the
+    warm-agent server, whose command line preloads ``resihp.runtime.agent``)."""
     workers = worker_pids(out, world)
     pids = {proc.pid} | descendants(proc.pid)
     assert set(workers.values()) <= pids, (workers, pids)
     for pid in workers.values() if not torch.cuda.is_available() else ():
-        agent = Path(f"/proc/{parent_of(pid)}/cmdline").read_bytes().split(b"\0")
-        assert b"resihp.runtime.agent" in agent
+        assert b"resihp.runtime.agent" in Path(f"/proc/{parent_of(pid)}/cmdline").read_bytes()
     return pids
 
 

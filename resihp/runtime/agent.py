@@ -15,15 +15,13 @@ one (it names the run's config), their environment torchrun's variables set by t
 worker's ``os.environ`` (not its initial environment block: ``/proc/PID/environ`` shows this
 process's). Each worker says who it is in ``OUT/logs/processes.jsonl`` (``worker.announce``).
 
-``python -m resihp.runtime.agent --spare`` imports all that and then waits on its stdin for the
-launch it will run (``resihp.runtime.spares``): ``resihp run`` starts it before its own imports,
-so the two overlap. Its workers' command line is then the
-spare's, which names no config; ``processes.jsonl`` still says which process is which rank.
+``resihp run`` forks this agent, imported once, for each launch of a CPU run
+(``resihp.runtime.spares``): its workers' command line is then its server's (multiprocessing's
+forkserver), which names no config; ``processes.jsonl`` still says which process is which rank.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch._dynamo  # noqa: F401 - here, before the workers fork: AdamW's add_param_group imports it
@@ -33,7 +31,6 @@ from torch.distributed.run import config_from_args, parse_args
 
 from resihp.procexit import run_then_exit
 from resihp.runtime import worker
-from resihp.runtime.spares import SPARE_FLAG, Launch
 
 WORKER_MODULE = "resihp.runtime.worker"
 
@@ -53,20 +50,6 @@ def main(argv: list[str] | None = None) -> None:
     elastic_launch(config=config, entrypoint=_work)(*args.training_script_args)
 
 
-def serve_spare() -> None:
-    """Wait for one launch on stdin and run it; an empty stdin (closed unused) ends the spare."""
-    line = sys.stdin.readline()
-    if not line.strip():
-        return
-    launch = Launch.from_line(line)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # the workers inherit stdin; the launcher's pipe is closed
-    os.close(devnull)
-    os.environ.clear()
-    os.environ.update(launch.env)
-    main(launch.argv)
-
-
 if __name__ == "__main__":
     # without torch's and torch._dynamo's teardown: 0.8 s of each launch
-    run_then_exit(serve_spare if sys.argv[1:] == [SPARE_FLAG] else main)
+    run_then_exit(main)

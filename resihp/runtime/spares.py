@@ -1,62 +1,53 @@
-"""Agents started ahead of need: ``resihp run`` starts the agents of its first launch before its
-own imports, so that the two overlap.
+"""Warm agents: ``resihp run`` forks each agent of a CPU run from a server that has already
+imported it, instead of starting an interpreter that imports it again.
 
-The warm agent (``resihp.runtime.agent``) spends about 2 s of CPU on its imports before it can
-fork a worker (``torch._dynamo``, which the optimizer's step imports, is most of it), and the
-first launch waited for all of it after ``resihp run`` had done its own (about 1.7 s). A spare is
-that agent started early (``python -m resihp.runtime.agent --spare``): it imports, then waits on
-its stdin for one line, the options and environment of a launch, and runs it as the agent would
-have. One that launched nothing is killed (it holds nothing but its imports). Measured on this
-project's 2-core VM, a 6-step run from command to exit: 4.1-4.8 s before, 3.1-3.3 s with its
-spare. Relaunches after a fault start a new agent as before: a spare started at the fault
-competed with the stopping job for the two cores and shortened no stall (3 interleaved pairs:
-4.1-4.2 s with one, 3.8-4.1 s without).
+The warm agent (``resihp.runtime.agent``) spends about 3 s of CPU on its imports before it can
+fork a worker (``torch._dynamo``, which the optimizer's step imports, is half of it). ``resihp
+run`` starts the server before its own imports, so that the two overlap: multiprocessing's
+forkserver, preloaded with ``resihp.runtime.warm`` (the server dies with the launcher) and the
+agent. Each launch, the first ones and every relaunch after a fault, is then a fork of it: a replica
+relaunched after a SIGKILL had its workers forked 3.4 s after the failure with a cold agent, the
+import being most of it; a fork takes milliseconds.
 
-A spare serves a launch only where it is the same process that launch would start: a forked-worker
-agent (``launch.forks_workers``), and an environment that differs from the spare's only in the
-variables read after start-up (``RUNTIME_ENV``: the store, node and replica of the launch). The
-OpenMP runtime reads its thread count when torch loads it, and Python its buffering at start, so a
-spare started under other values of those is not used. A spare is started from the thread that
-runs the job (``guarded``'s PR_SET_PDEATHSIG follows the thread that started the process), and dies
-with the launcher as every launched process does.
+The launcher sees a forked agent as it sees a process it started (``ForkedAgent``: its PID, a
+session of its own, its stderr a pipe, ``poll``, ``wait``, ``returncode``); it is the server's
+child, asks for SIGKILL when the server dies (``lifecycle.die_with_parent``), and its exit status
+comes back over multiprocessing's sentinel.
+
+The server serves a launch only where a forked agent is the same process that launch would start:
+a forked-worker agent (``launch.forks_workers``), and an environment that differs from the
+server's only in the variables read after start-up (``RUNTIME_ENV``: the store, node and replica of
+the launch). The OpenMP runtime reads its thread count when torch loads it, and Python its
+buffering at start, so a launch under other values of those starts its own interpreter. The server
+is started from the thread that runs the job (``die_with_parent`` follows the thread that started
+the process); its environment is the launch's less the runtime part (``spare_env``), set in this
+process's ``os.environ`` only while it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import multiprocessing
 import os
+import signal
 import subprocess
-import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing import forkserver
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TextIO
 
-from resihp.runtime.lifecycle import guarded
+from resihp.runtime import warm
 
 AGENT = "resihp.runtime.agent"
-SPARE_FLAG = "--spare"
 # read by the agent, torchrun or the workers after they start, never at import
 RUNTIME_ENV = frozenset({
     "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
     "RESIHP_GPU_OFFSET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
 })
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a spare receives: the agent's options (torchrun's, then ``-m resihp.runtime.worker
-    --config PATH``) and the launch's environment."""
-
-    argv: list[str]
-    env: dict[str, str]
-
-    def to_line(self) -> str:
-        return json.dumps({"argv": self.argv, "env": self.env}) + "\n"
-
-    @classmethod
-    def from_line(cls, line: str) -> Launch:
-        data = json.loads(line)
-        return cls([str(a) for a in data["argv"]], {str(k): str(v) for k, v in data["env"].items()})
+PRELOAD = ["resihp.runtime.warm_server", AGENT]  # first: the server dies with this process from then on
 
 
 def agent_options(cmd: Sequence[str]) -> list[str] | None:
@@ -69,65 +60,143 @@ def agent_options(cmd: Sequence[str]) -> list[str] | None:
     return None
 
 
-def compatible(spare_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
-    """Whether a spare started under ``spare_env`` is the process a launch under ``env`` starts."""
-    differ = {k for k in spare_env.keys() | env.keys() if spare_env.get(k) != env.get(k)}
+def compatible(server_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
+    """Whether an agent forked from a server started under ``server_env`` is the process a launch
+    under ``env`` starts."""
+    differ = {k for k in server_env.keys() | env.keys() if server_env.get(k) != env.get(k)}
     return differ <= RUNTIME_ENV
 
 
+class ForkedAgent:
+    """An agent forked by the server, as the launcher uses a ``subprocess.Popen``: ``pid`` (it
+    leads a session of its own), ``stderr`` (text), ``poll``, ``wait``, ``returncode``,
+    ``communicate``, ``send_signal``, ``kill``."""
+
+    stdin = None
+    stdout = None
+
+    def __init__(self, process: BaseProcess, stderr: TextIO) -> None:
+        self._process = process
+        self._lock = threading.Lock()  # one reader of the exit status at a time
+        self.pid: int = process.pid
+        self.args = [AGENT]
+        self.stderr = stderr
+
+    @property
+    def returncode(self) -> int | None:
+        with self._lock:
+            return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._lock:
+            self._process.join(timeout)
+            code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        """Its whole stderr and then its exit (``timeout`` bounds the wait for the exit only)."""
+        err = self.stderr.read()
+        self.stderr.close()
+        self.wait(timeout)
+        return None, err
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
 class Spares:
-    """Spare agents of one launcher process."""
+    """This launcher's warm-agent server."""
 
     def __init__(self) -> None:
-        self._idle: list[tuple[subprocess.Popen, dict[str, str]]] = []
+        self._context = multiprocessing.get_context("forkserver")
+        self._env: dict[str, str] | None = None
+        self._forked: list[ForkedAgent] = []
 
     def start(self, env: Mapping[str, str], count: int = 1) -> None:
-        """Start ``count`` spares under ``env`` (a launch's environment, less its runtime part)."""
-        for _ in range(count):
-            proc = subprocess.Popen(guarded([sys.executable, "-m", AGENT, SPARE_FLAG]), env=dict(env),
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, start_new_session=True)
-            self._idle.append((proc, dict(env)))
+        """Start the server under ``env`` (a launch's environment, less its runtime part) where
+        ``count`` agents will be launched; nothing for none."""
+        if count < 1 or self._env is not None:
+            return
+        self._context.set_forkserver_preload(PRELOAD)
+        with _environ(env):
+            forkserver.ensure_running()
+        self._env = dict(env)
 
-    def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
-        """The process of the launch ``cmd`` under ``env``: a spare handed the launch when one fits,
-        else a new process (stdout discarded, stderr a text pipe, a session of its own, as a spare)."""
+    def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen | ForkedAgent:
+        """The process of the launch ``cmd`` under ``env``: an agent forked by the server where it
+        serves that launch, else a new process (stdout discarded, stderr a text pipe, a session
+        of its own, as a forked one)."""
         argv = agent_options(cmd)
-        while argv is not None and self._idle:
-            proc, spare_env = self._idle.pop(0)
-            if proc.poll() is not None or not compatible(spare_env, env):
-                self._end(proc)
-                continue
-            try:
-                proc.stdin.write(Launch(argv, dict(env)).to_line())
-                proc.stdin.close()
-                proc.stdin = None  # as a process started without a stdin pipe (communicate, wait)
-            except OSError:  # it died between the look and the write
-                self._end(proc)
-                continue
-            return proc
+        if argv is not None and self._env is not None and compatible(self._env, env):
+            return self._fork(warm.Launch(argv, dict(env)))
         return subprocess.Popen(list(cmd), env=dict(env), text=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True)
 
-    def close(self) -> None:
-        """End every idle spare."""
-        idle, self._idle = self._idle, []
-        for proc, _ in idle:
-            self._end(proc)
+    def _fork(self, launch: warm.Launch) -> ForkedAgent:
+        read, write = os.pipe()
+        pipe = Connection(write, readable=False)
+        try:
+            process = self._context.Process(target=warm.serve, args=(launch, pipe),
+                                            name=f"resihp-agent-{len(self._forked)}")
+            process.start()
+        finally:
+            pipe.close()  # the agent holds its own copy
+        _await_session(process)
+        agent = ForkedAgent(process, open(read))  # noqa: SIM115 - the agent's stderr, read to its end
+        self._forked.append(agent)
+        return agent
 
-    @staticmethod
-    def _end(proc: subprocess.Popen) -> None:
-        """An idle spare has launched nothing: ended at once, not after its imports."""
-        with contextlib.suppress(OSError):
-            proc.kill()
-        proc.wait()
-        for stream in (proc.stdin, proc.stderr):
-            with contextlib.suppress(OSError, AttributeError):
-                stream.close()
+    def close(self) -> None:
+        """End every forked agent still running (a job's end has ended them; this is for an
+        error's way out), so that no exit waits for one."""
+        for agent in self._forked:
+            if agent.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        self._forked = []
+
+
+def _await_session(process: BaseProcess, timeout_s: float = 30.0) -> None:
+    """Until the forked agent leads its own session (its first act), as a ``Popen`` started with
+    ``start_new_session`` does on return: a signal to its process group must reach it."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and process.exitcode is None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(process.pid) == process.pid:
+                return
+        time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (the server's start reads it); only while this process
+    runs one thread."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def spare_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a spare starts under: the launcher's with what every launch sets at
+    """The environment the server starts under: the launcher's with what every launch sets at
     start-up (``launch.worker_env`` adds the rest, all in ``RUNTIME_ENV``)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
