@@ -15,13 +15,13 @@ from resihp.runtime.config import RunConfig
 from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker, start_time
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.spares import (
+from resihp.runtime.warm import (
     RUNTIME_ENV,
     ForkedAgent,
-    Spares,
+    WarmAgents,
+    agent_env,
     agent_options,
     compatible,
-    spare_env,
 )
 
 
@@ -54,40 +54,40 @@ def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
     forked = torchrun_command(tmp_path / "config.json", 2, endpoint="127.0.0.1:29999", forked=True)
     assert agent_options(forked)[-2:] == ["--config", str(tmp_path / "config.json")]
     assert agent_options(torchrun_command(tmp_path / "config.json", 2)) is None  # torchrun's own
-    base = spare_env({"PATH": "/usr/bin"})
+    base = agent_env({"PATH": "/usr/bin"})
     launch = worker_env({REPLICA_ENV: "1", ATTEMPT_ENV: "0", GPU_OFFSET_ENV: "2"}, endpoint="127.0.0.1:29999",
                         node=1, managed=True)
     assert compatible(base, base | {k: v for k, v in launch.items() if k in RUNTIME_ENV})
-    assert set(launch) - set(spare_env()) <= RUNTIME_ENV  # what a launch adds is read after start-up
+    assert set(launch) - set(agent_env()) <= RUNTIME_ENV  # what a launch adds is read after start-up
     assert not compatible(base, base | {"OMP_NUM_THREADS": "4"})  # read when torch loads OpenMP
     assert not compatible(base, {k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"})
 
 
 def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_their_own():
-    spares = Spares()
-    spares.start(spare_env(), 1)
+    agents = WarmAgents()
+    agents.start(agent_env())
     # a launch for another script: the forked agent says so in one line, as the agent does
-    proc = spares.popen([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1", "train.py"],
-                        spare_env())
+    proc = agents.popen([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1", "train.py"],
+                        agent_env())
     assert isinstance(proc, ForkedAgent) and os.getpgid(proc.pid) == proc.pid  # a session of its own
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and stderr.strip().splitlines()[-1] == (
         "resihp.runtime.agent: expected '-m resihp.runtime.worker' after the options, got 'train.py'")
     # a launch under another thread count starts its own process
-    other = spares.popen([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
-                         spare_env() | {"OMP_NUM_THREADS": "3"})
+    other = agents.popen([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
+                         agent_env() | {"OMP_NUM_THREADS": "3"})
     assert not isinstance(other, ForkedAgent) and other.wait(timeout=60) == 0
     other.stderr.close()
-    spares.close()
+    agents.close()
 
 
 LAUNCHER = """
 import sys, time
-from resihp.runtime.spares import SPARES, spare_env
+from resihp.runtime.warm import WARM_AGENTS, agent_env
 from resihp.runtime.launch import torchrun_command
-SPARES.start(spare_env(), 1)
+WARM_AGENTS.start(agent_env())
 # an agent of a two-node job whose other node never comes: it waits in its rendezvous
-agent = SPARES.popen(torchrun_command(sys.argv[1], 1, nnodes=2, forked=True), spare_env())
+agent = WARM_AGENTS.popen(torchrun_command(sys.argv[1], 1, nnodes=2, forked=True), agent_env())
 print(agent.pid, flush=True)
 time.sleep(600)
 """

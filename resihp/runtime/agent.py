@@ -16,7 +16,7 @@ worker's ``os.environ`` (not its initial environment block: ``/proc/PID/environ`
 process's). Each worker says who it is in ``OUT/logs/processes.jsonl`` (``worker.announce``).
 
 ``resihp run`` forks this agent, imported once, for each launch of a CPU run
-(``resihp.runtime.spares``): its workers' command line is then its server's (multiprocessing's
+(``resihp.runtime.warm``): its workers' command line is then its server's (multiprocessing's
 forkserver), which names no config; ``processes.jsonl`` still says which process is which rank.
 """
 

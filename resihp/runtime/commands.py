@@ -19,7 +19,7 @@ from resihp.errors import InputError
 from resihp.progress import progress_bar
 from resihp.runtime.config import RunConfig, check_memory
 from resihp.runtime.nodes import Nodes
-from resihp.runtime.spares import SPARES, spare_env
+from resihp.runtime.warm import WARM_AGENTS, agent_env
 
 RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
 RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch the job
@@ -64,12 +64,13 @@ def run_cmd(
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
     check_memory(cfg, nodes.nproc_per_node)
-    # the first launch's agents start now, so that their imports and this process's overlap
-    SPARES.start(spare_env(), _spare_agents(cfg, nnodes))
+    # the warm-agent server starts now, so that its imports and this process's overlap
+    if _forks_agents(cfg):
+        WARM_AGENTS.start(agent_env())
     try:
         _run(cfg, nodes, if_busy, tensorboard, json_out)
     finally:
-        SPARES.close()
+        WARM_AGENTS.close()
 
 
 def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
@@ -165,13 +166,10 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         raise typer.Exit(128 + int(signum) if signum else 1)
 
 
-def _spare_agents(cfg: RunConfig, nnodes: int) -> int:
-    """The agents the first launch starts, where their workers will be forked from them (a CPU run
-    on a machine with no GPU, ``launch.forks_workers``, told here without importing torch), else 0."""
-    if cfg.device == "cuda" or Path("/dev/nvidiactl").exists():
-        return 0
-    # replica mode: this node's replicas (each node holds whole replicas)
-    return cfg.parallel.dp // nnodes if cfg.resolved_recovery(nnodes, gpus=False).startswith("replica") else 1
+def _forks_agents(cfg: RunConfig) -> bool:
+    """Whether the run's agents fork their workers (a CPU run on a machine with no GPU,
+    ``launch.forks_workers``), told here without importing torch."""
+    return cfg.device != "cuda" and not Path("/dev/nvidiactl").exists()
 
 
 def _cuda_available() -> bool:

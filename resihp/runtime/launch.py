@@ -22,7 +22,7 @@ from resihp.errors import InputError
 from resihp.runtime.config import RunConfig
 from resihp.runtime.lifecycle import guarded
 from resihp.runtime.nodes import LOOPBACK, free_port, host_port
-from resihp.runtime.spares import spare_env
+from resihp.runtime.warm import agent_env
 
 
 def _wait_listening(addr: str, port: int, timeout_s: float) -> float:
@@ -121,7 +121,7 @@ def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None,
     the workers form their process group and control plane on that store, and torchrun hosts no
     store of its own for them (its shared store would listen on every interface). ``managed``: this
     node's launcher aggregates heartbeats and reads the trace (``resihp run``)."""
-    env = spare_env()
+    env = agent_env()
     if endpoint is None or host_port(endpoint)[0] == LOOPBACK:
         env["MASTER_ADDR"] = LOOPBACK
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listening sockets on loopback, not the host's address

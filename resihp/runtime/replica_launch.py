@@ -31,8 +31,8 @@ from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.spares import SPARES
 from resihp.runtime.supervisor import Outcome, _Signals, _stop, drain_stderr
+from resihp.runtime.warm import WARM_AGENTS
 
 
 @dataclass
@@ -85,7 +85,7 @@ class ReplicaLauncher:
             store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
         env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per)},
                          endpoint=self.endpoint, node=d, managed=True)
-        proc = SPARES.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
+        proc = WARM_AGENTS.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
                                              run_id=f"{cfg.job_id}-r{d}-a{attempt}",
                                              forked=forks_workers(cfg)), env)
         agg = NodeAggregator(store, d, ranks, interval_s=self.interval_s, timeout_s=self.heartbeat_timeout_s,

@@ -60,7 +60,7 @@ from resihp.runtime.controlplane import (
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
-from resihp.runtime.spares import SPARES
+from resihp.runtime.warm import WARM_AGENTS
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
 FIRST_FAILURE_WAIT_S = 5.0  # node 0's wait for another node's first observed failure
@@ -396,7 +396,7 @@ def drain_stderr(proc: subprocess.Popen, lines: list[str], out: Path, tag: str =
 def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step, on_steps,
                on_poll, poll_s, grace_s) -> Outcome:
     local = len(nodes.ranks)
-    proc = SPARES.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
+    proc = WARM_AGENTS.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
                                          run_id=cfg.job_id or None, forked=forks_workers(cfg)),
                         worker_env({FIRST_RANK_ENV: str(nodes.ranks[0])}, endpoint=js.endpoint,
                                    node=nodes.node_rank, managed=True))

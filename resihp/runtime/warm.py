@@ -1,14 +1,55 @@
-"""What a warm agent (``resihp.runtime.spares``) runs once the server has forked it: ``serve``, with
-the ``Launch`` the launcher hands it."""
+"""Warm agents: ``resihp run`` forks each agent of a CPU run from a server that has already
+imported it, instead of starting an interpreter that imports it again.
+
+The warm agent (``resihp.runtime.agent``) spends about 3 s of CPU on its imports before it can
+fork a worker (``torch._dynamo``, which the optimizer's step imports, is half of it). ``resihp
+run`` starts the server before its own imports, so that the two overlap: multiprocessing's
+forkserver, preloaded with ``resihp.runtime.warm`` (the server dies with the launcher) and the
+agent. Each launch, the first ones and every relaunch after a fault, is then a fork of it: a replica
+relaunched after a SIGKILL had its workers forked 3.4 s after the failure with a cold agent, the
+import being most of it; a fork takes milliseconds.
+
+The launcher sees a forked agent as it sees a process it started (``ForkedAgent``: its PID, a
+session of its own, its stderr a pipe, ``poll``, ``wait``, ``returncode``); it is the server's
+child, asks for SIGKILL when the server dies (``lifecycle.die_with_parent``), and its exit status
+comes back over multiprocessing's sentinel.
+
+The server serves a launch only where a forked agent is the same process that launch would start:
+a forked-worker agent (``launch.forks_workers``), and an environment that differs from the
+server's only in the variables read after start-up (``RUNTIME_ENV``: the store, node and replica of
+the launch). The OpenMP runtime reads its thread count when torch loads it, and Python its
+buffering at start, so a launch under other values of those starts its own interpreter. The server
+is started from the thread that runs the job (``die_with_parent`` follows the thread that started
+the process); its environment is the launch's less the runtime part (``agent_env``), set in this
+process's ``os.environ`` only while it starts.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TextIO
 
 from resihp.procexit import run_then_exit
 from resihp.runtime.lifecycle import die_with_parent
+
+AGENT = "resihp.runtime.agent"
+# read by the agent, torchrun or the workers after they start, never at import
+RUNTIME_ENV = frozenset({
+    "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
+    "RESIHP_GPU_OFFSET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
+})
+PRELOAD = ["resihp.runtime.warm_server", AGENT]  # first: the server dies with this process from then on
 
 
 @dataclass(frozen=True)
@@ -23,7 +64,7 @@ class Launch:
 def serve(launch: Launch, stderr: Connection) -> None:
     """A forked agent: a session of its own, SIGKILL when the server dies, stderr the launcher's
     pipe, stdout discarded, the launch's environment; then the agent, ended as a cold one ends."""
-    # imported by the server before it forks (``spares.PRELOAD``): here it costs nothing, and the
+    # imported by the server before it forks (``PRELOAD``): here it costs nothing, and the
     # launcher, which only names this function, never imports torch for it
     from resihp.runtime import agent
 
@@ -37,3 +78,159 @@ def serve(launch: Launch, stderr: Connection) -> None:
     os.environ.clear()
     os.environ.update(launch.env)
     run_then_exit(lambda: agent.main(launch.argv))
+
+
+def agent_options(cmd: Sequence[str]) -> list[str] | None:
+    """The options after ``-m resihp.runtime.agent`` in a launch command (``guarded`` or not), or
+    None when it does not run the warm agent."""
+    cmd = list(cmd)
+    for i in range(len(cmd) - 1):
+        if cmd[i] == "-m" and cmd[i + 1] == AGENT:
+            return cmd[i + 2:]
+    return None
+
+
+def compatible(server_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
+    """Whether an agent forked from a server started under ``server_env`` is the process a launch
+    under ``env`` starts."""
+    differ = {k for k in server_env.keys() | env.keys() if server_env.get(k) != env.get(k)}
+    return differ <= RUNTIME_ENV
+
+
+class ForkedAgent:
+    """An agent forked by the server, as the launcher uses a ``subprocess.Popen``: ``pid`` (it
+    leads a session of its own), ``stderr`` (text), ``poll``, ``wait``, ``returncode``,
+    ``communicate``, ``send_signal``, ``kill``."""
+
+    stdin = None
+    stdout = None
+
+    def __init__(self, process: BaseProcess, stderr: TextIO) -> None:
+        self._process = process
+        self._lock = threading.Lock()  # one reader of the exit status at a time
+        self.pid: int = process.pid
+        self.args = [AGENT]
+        self.stderr = stderr
+
+    @property
+    def returncode(self) -> int | None:
+        with self._lock:
+            return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._lock:
+            self._process.join(timeout)
+            code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        """Its whole stderr and then its exit (``timeout`` bounds the wait for the exit only)."""
+        err = self.stderr.read()
+        self.stderr.close()
+        self.wait(timeout)
+        return None, err
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class WarmAgents:
+    """This launcher's warm-agent server."""
+
+    def __init__(self) -> None:
+        self._context = multiprocessing.get_context("forkserver")
+        self._env: dict[str, str] | None = None
+        self._forked: list[ForkedAgent] = []
+
+    def start(self, env: Mapping[str, str]) -> None:
+        """Start the server under ``env`` (a launch's environment, less its runtime part), once."""
+        if self._env is not None:
+            return
+        self._context.set_forkserver_preload(PRELOAD)
+        with _environ(env):
+            forkserver.ensure_running()
+        self._env = dict(env)
+
+    def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen | ForkedAgent:
+        """The process of the launch ``cmd`` under ``env``: an agent forked by the server where it
+        serves that launch, else a new process (stdout discarded, stderr a text pipe, a session
+        of its own, as a forked one)."""
+        argv = agent_options(cmd)
+        if argv is not None and self._env is not None and compatible(self._env, env):
+            return self._fork(Launch(argv, dict(env)))
+        return subprocess.Popen(list(cmd), env=dict(env), text=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+
+    def _fork(self, launch: Launch) -> ForkedAgent:
+        read, write = os.pipe()
+        pipe = Connection(write, readable=False)
+        try:
+            process = self._context.Process(target=serve, args=(launch, pipe),
+                                            name=f"resihp-agent-{len(self._forked)}")
+            process.start()
+        finally:
+            pipe.close()  # the agent holds its own copy
+        _await_session(process)
+        agent = ForkedAgent(process, open(read))  # noqa: SIM115 - the agent's stderr, read to its end
+        self._forked.append(agent)
+        return agent
+
+    def close(self) -> None:
+        """End every forked agent still running (a job's end has ended them; this is for an
+        error's way out), so that no exit waits for one."""
+        for agent in self._forked:
+            if agent.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        self._forked = []
+
+
+def _await_session(process: BaseProcess, timeout_s: float = 30.0) -> None:
+    """Until the forked agent leads its own session (its first act), as a ``Popen`` started with
+    ``start_new_session`` does on return: a signal to its process group must reach it."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and process.exitcode is None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(process.pid) == process.pid:
+                return
+        time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (the server's start reads it); only while this process
+    runs one thread."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def agent_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the server starts under: the launcher's with what every launch sets at
+    start-up (``launch.worker_env`` adds the rest, all in ``RUNTIME_ENV``)."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+WARM_AGENTS = WarmAgents()  # this process's
