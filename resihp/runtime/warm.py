@@ -4,7 +4,7 @@ imported it, instead of starting an interpreter that imports it again.
 The warm agent (``resihp.runtime.agent``) spends about 3 s of CPU on its imports before it can
 fork a worker (``torch._dynamo``, which the optimizer's step imports, is half of it). ``resihp
 run`` starts the server before its own imports, so that the two overlap: multiprocessing's
-forkserver, preloaded with ``resihp.runtime.warm`` (the server dies with the launcher) and the
+forkserver, preloaded with ``resihp.runtime.warm_server`` (the server dies with the launcher) and the
 agent. Each launch, the first ones and every relaunch after a fault, is then a fork of it. Measured
 on this project's 2-core VM (``benchmarks/relaunch.py``, DP 2 x PP 2, rank 3 killed at step 10,
 arms interleaved with the spare interpreters this replaced, medians of 4 rounds): a lost replica's
