@@ -67,8 +67,8 @@ class Launch:
 def serve(launch: Launch, stderr: Connection) -> None:
     """A forked agent: a session of its own, SIGKILL when the server dies, stderr the launcher's
     pipe, stdout discarded, the launch's environment; then the agent, ended as a cold one ends."""
-    # imported by the server before it forks (``PRELOAD``): here it costs nothing, and the
-    # launcher, which only names this function, never imports torch for it
+    # deferred: the launcher names this function but must not import torch for it; the server
+    # imported it before it forked (``PRELOAD``), so here it costs nothing
     from resihp.runtime import agent
 
     os.setsid()
