@@ -335,7 +335,13 @@ class _Watch:
         return beat["pid"] if beat is not None else None
 
     def close(self) -> None:
+        """This node's processes are stopped. On another node one last aggregate says so: node 0
+        keeps its store until every other node's ranks are done or gone (``_linger``), and a node
+        whose workers ended between two beats would otherwise hold it there for a whole grace."""
         self.aggregator.stop()
+        if self.monitor is None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self.aggregator.tick()
 
 
 def control_plane_costs(r: StepReader, beats: list[int]) -> dict | None:
