@@ -127,6 +127,10 @@ class LiveConfig(Section):
                                  panel="Live re-planning", help=(
         "Steps of each rank the live detector learns its healthy baseline on before it can find a "
         "fail-slow there (and again after a plan change moves work)"))
+    min_slowdown: float = opt(DetectorConfig.min_slowdown, minimum=1.0, maximum=1000.0, finite=True,
+                              panel="Live re-planning", help=(
+        "The least slowdown of a rank the live detector reports and the planner re-plans around "
+        "(raise it where the machine's own noise reaches the default)"))
     # scheduled plan changes, {"step", "dp_weights"?, "layer_split"?} (set through a config file)
     replan: list[dict] = opt(factory=list, cli=False)
 
