@@ -180,7 +180,7 @@ def replica_reference(tmp_path_factory):
     return json.loads(ref.stdout)["losses"]
 
 
-REPLICA_STEPS = 24
+REPLICA_STEPS = 16  # a lost replica is back 2-3 steps after its failure (at step 4) with warm agents
 
 
 @pytest.mark.slow
