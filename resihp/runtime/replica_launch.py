@@ -7,7 +7,6 @@ every replica, is ``replicas.supervise_replicas``."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import threading
 import time
 from collections.abc import Iterable
@@ -32,7 +31,7 @@ from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
 from resihp.runtime.supervisor import Outcome, _Signals, _stop, drain_stderr
-from resihp.runtime.warm import WARM_AGENTS
+from resihp.runtime.warm import WARM_AGENTS, AgentProcess
 
 
 @dataclass
@@ -41,7 +40,7 @@ class ReplicaProcess:
 
     replica: int
     attempt: int
-    proc: subprocess.Popen
+    proc: AgentProcess
     tracker: ProcessTracker
     aggregator: NodeAggregator
     lines: list[str] = field(default_factory=list)
@@ -86,8 +85,8 @@ class ReplicaLauncher:
         env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per)},
                          endpoint=self.endpoint, node=d, managed=True)
         proc = WARM_AGENTS.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
-                                             run_id=f"{cfg.job_id}-r{d}-a{attempt}",
-                                             forked=forks_workers(cfg)), env)
+                                                  run_id=f"{cfg.job_id}-r{d}-a{attempt}",
+                                                  forked=forks_workers(cfg)), env)
         agg = NodeAggregator(store, d, ranks, interval_s=self.interval_s, timeout_s=self.heartbeat_timeout_s,
                              prefix=hb, startup_s=self.join_timeout_s).start()
         rep = ReplicaProcess(d, attempt, proc, ProcessTracker(proc.pid), agg)

@@ -60,7 +60,7 @@ from resihp.runtime.controlplane import (
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
-from resihp.runtime.warm import WARM_AGENTS
+from resihp.runtime.warm import WARM_AGENTS, AgentProcess
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
 FIRST_FAILURE_WAIT_S = 5.0  # node 0's wait for another node's first observed failure
@@ -160,7 +160,7 @@ class _Signals:
             signal.signal(sig, old)
 
 
-def _stop(proc: subprocess.Popen, tracker: ProcessTracker, grace_s: float = GRACE_S) -> list[int]:
+def _stop(proc: AgentProcess, tracker: ProcessTracker, grace_s: float = GRACE_S) -> list[int]:
     """End every process of the job: SIGTERM to all (torchrun and each worker: they are in
     different sessions), up to ``grace_s`` to exit, then SIGKILL to every process tree left."""
     with contextlib.suppress(ProcessLookupError):
@@ -375,7 +375,7 @@ def hand_on_steps(reader: StepReader, out: Path, on_step: Callable[[int], None] 
             on_steps(steps, post)
 
 
-def drain_stderr(proc: subprocess.Popen, lines: list[str], out: Path, tag: str = "", keep_last: int = 0) -> None:
+def drain_stderr(proc: AgentProcess, lines: list[str], out: Path, tag: str = "", keep_last: int = 0) -> None:
     """The workers' lines (per-step progress, warnings, errors) into OUT/logs/workers.log (each
     prefixed with ``tag``) and ``lines`` (only the last ``keep_last``, if given); if the log cannot
     be written (a full disk) the pipe is still drained, or the workers would block."""
@@ -403,9 +403,9 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                on_poll, poll_s, grace_s) -> Outcome:
     local = len(nodes.ranks)
     proc = WARM_AGENTS.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
-                                         run_id=cfg.job_id or None, forked=forks_workers(cfg)),
-                        worker_env({FIRST_RANK_ENV: str(nodes.ranks[0])}, endpoint=js.endpoint,
-                                   node=nodes.node_rank, managed=True))
+                                              run_id=cfg.job_id or None, forked=forks_workers(cfg)),
+                             worker_env({FIRST_RANK_ENV: str(nodes.ranks[0])}, endpoint=js.endpoint,
+                                        node=nodes.node_rank, managed=True))
     tracker = ProcessTracker(proc.pid)
     lines: list[str] = []
 

@@ -150,6 +150,9 @@ class ForkedAgent:
         self.send_signal(signal.SIGTERM)
 
 
+AgentProcess = subprocess.Popen | ForkedAgent  # what a launch starts, either way
+
+
 class WarmAgents:
     """This launcher's warm-agent server."""
 
@@ -167,7 +170,7 @@ class WarmAgents:
             forkserver.ensure_running()
         self._env = dict(env)
 
-    def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen | ForkedAgent:
+    def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> AgentProcess:
         """The process of the launch ``cmd`` under ``env``: an agent forked by the server where it
         serves that launch, else a new process (stdout discarded, stderr a text pipe, a session
         of its own, as a forked one)."""
