@@ -44,7 +44,7 @@ from multiprocessing.process import BaseProcess
 from typing import TextIO
 
 from resihp.procexit import run_then_exit
-from resihp.runtime.lifecycle import die_with_parent
+from resihp.runtime.lifecycle import die_with_parent, start_time
 
 AGENT = "resihp.runtime.agent"
 # read by the agent, torchrun or the workers after they start, never at import
@@ -159,6 +159,7 @@ class WarmAgents:
     def __init__(self) -> None:
         self._context = multiprocessing.get_context("forkserver")
         self._env: dict[str, str] | None = None
+        self._server: int | None = None
         self._forked: list[ForkedAgent] = []
 
     def start(self, env: Mapping[str, str]) -> None:
@@ -168,6 +169,9 @@ class WarmAgents:
         self._context.set_forkserver_preload(PRELOAD)
         with _environ(env):
             forkserver.ensure_running()
+        # multiprocessing would start a dead server again under this process's environment at
+        # the next fork, not ``env``: a launch then starts cold instead (``popen``)
+        self._server = getattr(forkserver._forkserver, "_forkserver_pid", None)
         self._env = dict(env)
 
     def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> AgentProcess:
@@ -175,8 +179,12 @@ class WarmAgents:
         serves that launch, else a new process (stdout discarded, stderr a text pipe, a session
         of its own, as a forked one)."""
         argv = agent_options(cmd)
-        if argv is not None and self._env is not None and compatible(self._env, env):
-            return self._fork(Launch(argv, dict(env)))
+        serving = self._server is not None and start_time(self._server) is not None
+        if argv is not None and self._env is not None and serving and compatible(self._env, env):
+            try:
+                return self._fork(Launch(argv, dict(env)))
+            except (OSError, EOFError):  # the server is gone (killed): this launch starts cold
+                self._env = None
         return subprocess.Popen(list(cmd), env=dict(env), text=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True)
 
@@ -187,6 +195,9 @@ class WarmAgents:
             process = self._context.Process(target=serve, args=(launch, pipe),
                                             name=f"resihp-agent-{len(self._forked)}")
             process.start()
+        except BaseException:
+            os.close(read)
+            raise
         finally:
             pipe.close()  # the agent holds its own copy
         _await_session(process)
