@@ -15,7 +15,9 @@ same (0.12 s).
 The launcher sees a forked agent as it sees a process it started (``ForkedAgent``: its PID, a
 session of its own, its stderr a pipe, ``poll``, ``wait``, ``returncode``); it is the server's
 child, asks for SIGKILL when the server dies (``lifecycle.die_with_parent``), and its exit status
-comes back over multiprocessing's sentinel.
+comes back over multiprocessing's sentinel. As every child of multiprocessing's forkserver, it first
+runs the launcher's main module again as ``__mp_main__``: a script that starts runs through
+``resihp.runtime`` itself keeps its work under ``if __name__ == "__main__":``.
 
 The server serves a launch only where a forked agent is the same process that launch would start:
 a forked-worker agent (``launch.forks_workers``), and an environment that differs from the
@@ -52,7 +54,10 @@ RUNTIME_ENV = frozenset({
     "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
     "RESIHP_GPU_OFFSET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
 })
-PRELOAD = ["resihp.runtime.warm_server", AGENT]  # first: the server dies with this process from then on
+# warm_server first: the server dies with this process from then on. resihp.cli: each forked child
+# runs the launcher's main module again as ``__mp_main__`` (multiprocessing's rule for its spawn and
+# forkserver children), which with its imports loaded is a few milliseconds
+PRELOAD = ["resihp.runtime.warm_server", AGENT, "resihp.cli"]
 
 
 @dataclass(frozen=True)
