@@ -5,6 +5,7 @@ serves, and dies with its launcher."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,6 +79,16 @@ def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_th
                          agent_env() | {"OMP_NUM_THREADS": "3"})
     assert not isinstance(other, ForkedAgent) and other.wait(timeout=60) == 0
     other.stderr.close()
+    # the server gone (killed), a launch starts cold rather than under a server started again with
+    # this process's environment
+    os.kill(agents._server, signal.SIGKILL)
+    end = time.monotonic() + 30
+    while start_time(agents._server) is not None and time.monotonic() < end:
+        time.sleep(0.05)
+    cold = agents.popen([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1", "train.py"],
+                        agent_env())
+    assert not isinstance(cold, ForkedAgent) and cold.wait(timeout=120) == 1
+    cold.stderr.close()
     agents.close()
 
 
