@@ -20,7 +20,7 @@ from resihp.ckpt.integrity import problem
 from resihp.runtime.config import RunConfig
 from resihp.runtime.nodes import Nodes, free_port
 from resihp.runtime.replica_launch import node_replicas, replica_ranks
-from tests.faults import descendants
+from tests.faults import announced, descendants
 
 DEMO = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "256", "--vocab", "512",
         "--global-tokens", "8192", "--budget", "512", "--max-len", "512", "--dp", "2", "--pp", "2"]
@@ -57,8 +57,17 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[dict, str]:
     return (json.loads(out) if out.strip() else {}), err
 
 
-def _no_workers_left(tmp: Path) -> None:
-    left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout.split()
+def _no_workers_left(tmp: Path, wait_s: float = 5.0) -> None:
+    """No process of the job is left: none whose command line names its folder, and no worker that
+    announced itself in a node's ``processes.jsonl`` (a forked worker's command line is its warm
+    agent server's, which names no folder)."""
+    end = time.monotonic() + wait_s
+    while True:
+        left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout.split()
+        left += [str(e["pid"]) for node in ("node0", "node1") for e in announced(tmp / node)]
+        if not left or time.monotonic() > end:
+            break
+        time.sleep(0.1)
     assert left == [], f"processes of the job still alive: {left}"
 
 
