@@ -713,9 +713,9 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     once a probe measures it healthy (32 steps: probes 1, 2, 4 and 8 steps apart leave two chances
     after 17; three ranks training on two cores can hold a healthy spare's probes above that)."""
     out, steps = tmp_path / "run", 32
-    flags = dict(dp=2, pp=1, tp=2, global_tokens=2048)
+    flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
-                           "--tp", "2", "--global-tokens", "2048", "--steps", str(steps), "--timeout", "120",
+                           "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
                            "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10,until=17", "--json",
                            # a 6x rank on a loaded machine can pass the default hang timeout (5 steps)
                            "--hang-timeout", "120"],
