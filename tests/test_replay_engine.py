@@ -125,3 +125,33 @@ def test_a_windows_records_made_a_few_steps_at_a_time_are_its_records(tmp_path):
     sliced = Window(w.steps, w.start_s, w.step_time, w.tokens, w.layout, w.ops, w.meta,
                     w.rank_device, w.rank_work, w.columns)
     pd.testing.assert_frame_equal(frame(sliced.step_columns(3, 6)), frame(parts[1]))
+
+
+def test_records_of_a_padded_layout_name_each_ranks_device_and_place(tmp_path):
+    # a replica with a narrower stage (padded ranks) next to a full one, two shape groups: the
+    # records of every window of the layout (their per-step part cached on the layout) sit on the
+    # real ranks only, each with its device and (replica, stage, tp rank)
+    from resihp.replay.layout import Replica, ReplicaLayout
+
+    sc = load_scenario(write(tmp_path))
+    replay = Replay(sc, CheckpointRestart())
+    layout = ReplicaLayout((Replica(((0, 1), (2, 3)), (16, 16), 8),
+                            Replica(((4, 5), (6,)), (20, 12), 4),
+                            Replica(((8, 9),), (32,), 2)))
+    compiled = compile_layout(layout)
+    k = sc.settings.ops_microbatches
+    for n, first in ((5, 0), (3, 5), (5, 8)):  # two windows of 5 steps share the cache
+        w = replay.sim.window(compiled, np.ones(len(sc.cluster)), n, first, 0.0)
+        for cols in (w.columns(), w.step_columns(1, n)):
+            rank, step = np.asarray(cols["rank"]), np.asarray(cols["step"])
+            assert (w.rank_device[rank] == np.asarray(cols["device"])).all()
+            assert (w.rank_place[rank] == np.stack([np.asarray(cols[c]) for c in
+                                                    ("dp_rank", "stage", "tp_rank")], 1)).all()
+            real = np.flatnonzero(w.rank_device >= 0)
+            assert len(real) == 9
+            pairs, counts = np.unique(np.stack([step, rank]), axis=1, return_counts=True)
+            per = {(int(s), int(r)): int(c) for (s, r), c in zip(pairs.T, counts)}
+            steps = sorted(set(step.tolist()))
+            assert set(per) == {(s, r) for s in steps for r in real}
+            mbs = [min(k, m) for m in (8, 4, 2)]  # by replica
+            assert all(c == 2 * mbs[w.rank_place[r, 0]] for (s, r), c in per.items())

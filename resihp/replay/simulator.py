@@ -113,11 +113,13 @@ class Simulator:
         meta, rank_device, rank_work, rank_place = compiled.derived["ranks"]
         dims = ParallelDims(meta.dp_size, meta.pp_size, meta.tp_size)
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
-        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims))
+        static = compiled.derived.setdefault("records", {})
+        columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims, static))
         transfers = self._transfers(comm_rows, n_steps, dims)
         return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
                       rank_device, rank_work, columns, rank_place, transfers,
-                      lambda i, j: self._columns(per_group, steps, step_start, speeds, dims, i, j))
+                      lambda i, j: self._columns(per_group, steps, step_start, speeds, dims, static, i,
+                                                 j))
 
     def _transfers(self, rows: list, n_steps: int, dims: ParallelDims) -> np.ndarray:
         """(step x logical rank) seconds per token of each rank's transfers to the next stage (the
@@ -185,15 +187,19 @@ class Simulator:
         return frame  # row order is free in the contract
 
     def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
-                 dims: ParallelDims, first: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+                 dims: ParallelDims, static: dict, first: int = 0, stop: int | None = None
+                 ) -> dict[str, np.ndarray]:
         """The ops records of the window's steps ``first`` to ``stop`` (indices; all by default) as
         columns (``resihp.detect.observe.trace_columns`` form), in (step, replica, stage, tp rank,
-        phase, micro-batch) order within each shape group (row order is free in the contract)."""
+        phase, micro-batch) order within each shape group (row order is free in the contract).
+        ``static``: the layout's cache of the columns that are the same every step (by number of
+        steps), read-only and shared by every window of the layout."""
         parts: list[dict[str, np.ndarray]] = []
         k = self.scenario.settings.ops_microbatches
         padded = np.concatenate([speeds, [1.0]])
         at = slice(first, stop)
         steps, step_start = steps[at], step_start[at]
+        n = len(steps)
         for g, mb, fwd, comm, sp, sched, end in per_group:
             mb, fwd, comm, end = mb[at], fwd[at], comm[at], end[at]
             # when each op began in the simulated schedule: its end minus its (stage) duration
@@ -222,20 +228,47 @@ class Simulator:
                 at = [slice(None) if i in axes else None for i in range(len(shape))]
                 return np.broadcast_to(values[tuple(at)], shape).ravel()[real]
 
-            dp_rank = grid(g.replica_ids, (1,))
-            stage = grid(np.arange(pp), (2,))
-            tp_rank = grid(np.arange(tp), (3,))
             mbi = grid(mb, (0, 1, 5))
             parts.append({
-                "step": grid(steps, (0,)), "rank": dims.rank_of(dp_rank, stage, tp_rank),
-                "dp_rank": dp_rank, "stage": stage, "tp_rank": tp_rank, "mb_id": grid(np.arange(m), (5,)),
-                "tokens": pool.tokens[mbi].astype(np.int64, copy=False), "device": grid(g.devices, (1, 2, 3)),
-                "optype": grid(np.array([0, 1], dtype=np.int8), (4,)), "duration": dur.ravel()[real],
-                "start_ts": grid(start, (0, 1, 2, 4, 5)), "seq_lens": pool.seq_objects[mbi]})
+                "step": grid(steps, (0,)), "tokens": pool.tokens[mbi].astype(np.int64, copy=False),
+                "duration": dur.ravel()[real], "start_ts": grid(start, (0, 1, 2, 4, 5)),
+                "seq_lens": pool.seq_objects[mbi]})
         if not parts:
             return {}
         cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
                                                   for c in parts[0]}
+        if n not in static:
+            static[n] = self._static_columns(per_group, dims, n, k)
+        cols.update(static[n])
+        return cols
+
+    @staticmethod
+    def _static_columns(per_group: list, dims: ParallelDims, n: int, k: int) -> dict:
+        """The columns of ``n`` steps' records that do not change from step to step (rank, place,
+        micro-batch index, device, phase), in ``_columns``' row order, read-only."""
+        parts = []
+        for g, mb, *_ in per_group:
+            r, pp, tp = g.devices.shape
+            shape = (r, pp, tp, 2, min(k, mb.shape[-1]))
+            real = (g.devices >= 0)[:, :, :, None, None]
+
+            def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
+                     ) -> np.ndarray:
+                at = [slice(None) if i in axes else None for i in range(len(shape))]
+                one = np.broadcast_to(values[tuple(at)], shape)[np.broadcast_to(real, shape)]
+                return np.tile(one, n)  # the steps are the outermost axis of the record grid
+
+            dp_rank, stage, tp_rank = (grid(g.replica_ids, (0,)), grid(np.arange(pp), (1,)),
+                                       grid(np.arange(tp), (2,)))
+            parts.append({"rank": dims.rank_of(dp_rank, stage, tp_rank), "dp_rank": dp_rank,
+                          "stage": stage, "tp_rank": tp_rank,
+                          "mb_id": grid(np.arange(shape[-1]), (4,)),
+                          "device": grid(g.devices, (0, 1, 2)),
+                          "optype": grid(np.array([0, 1], dtype=np.int8), (3,))})
+        cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
+                                                  for c in parts[0]}
+        for v in cols.values():
+            v.flags.writeable = False
         # codes 0 and 1 by construction: pandas' check of every row is not needed
         cols["optype"] = pd.Categorical.from_codes(cols["optype"], dtype=_OPTYPE, validate=False)
         return cols
