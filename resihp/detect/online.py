@@ -113,7 +113,8 @@ class OnlineDetector:
         for p, share in self._phase_share.items():
             new._phase_share[p] = np.where(source >= 0, share[np.maximum(source, 0)], np.nan)
         new.events = self.events
-        moved = {int(old): j for j, old in enumerate(source) if old >= 0}
+        # each old rank's new rank, looked up for the few ranks with an open event
+        moved = dict(_moved(source, {i for _, i in self._open} | {i for _, i in self._bank_of}))
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
         banks = {id(b): b2 for b, b2 in [(self.compute, new.compute), (self.link, new.link),
                                           (self.sync, new.sync)]
@@ -589,6 +590,16 @@ def phase_matrices(df: pd.DataFrame, obs: Observations, cfg: DetectorConfig) -> 
     with np.errstate(invalid="ignore", divide="ignore"):
         share = {name: np.where(total > 0, m / total, np.nan) for name, m in seconds.items()}
     return PhaseMatrices(own, share)
+
+
+def _moved(source: np.ndarray, old: set[int]) -> list[tuple[int, int]]:
+    """(old rank, new rank) for the old ranks in ``old`` that ``source`` (per new rank, the old
+    rank it continues, -1: none) carries; the last new rank where one is carried twice."""
+    if not old:
+        return []
+    wanted = np.fromiter(old, dtype=np.int64, count=len(old))
+    hit = np.flatnonzero(np.isin(source, wanted))
+    return [(int(source[j]), int(j)) for j in hit]
 
 
 def _common_mode_log(values: np.ndarray) -> np.ndarray:

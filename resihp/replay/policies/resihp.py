@@ -27,7 +27,7 @@ def layout_of(plan: Plan, model: ModelSpec) -> ReplicaLayout:
     """The planner's Plan as the replay's layout (one replica per pipeline, in plan order); a
     pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up)."""
     replicas = tuple(
-        Replica(tuple(tuple(int(r) for r in s.ranks) for s in p.stages),
+        Replica(tuple(tuple(map(int, s.ranks)) for s in p.stages),
                 tuple(int(s.n_layers) for s in p.stages), int(p.microbatches),
                 budget=None if p.tokens is None or not p.microbatches
                 else min(model.microbatch_tokens, -(-int(p.tokens) // int(p.microbatches))))
