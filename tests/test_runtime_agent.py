@@ -16,6 +16,7 @@ from resihp.runtime.config import RunConfig
 from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker, start_time
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
+from resihp.runtime.snapshots import KEEPER_OWNER
 from resihp.runtime.warm import (
     RUNTIME_ENV,
     ForkedAgent,
@@ -60,6 +61,8 @@ def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
                         node=1, managed=True)
     assert compatible(base, base | {k: v for k, v in launch.items() if k in RUNTIME_ENV})
     assert set(launch) - set(agent_env()) <= RUNTIME_ENV  # what a launch adds is read after start-up
+    # a run with a memory tier names its keepers' owner once it starts (every launch of it warm)
+    assert compatible(base, base | {KEEPER_OWNER: "4242"})
     assert not compatible(base, base | {"OMP_NUM_THREADS": "4"})  # read when torch loads OpenMP
     assert not compatible(base, {k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"})
 
