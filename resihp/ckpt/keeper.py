@@ -39,6 +39,7 @@ from resihp.ckpt.memory import (
     write_json_atomic,
 )
 from resihp.errors import SetupError
+from resihp.procexit import run_then_exit
 
 POLL_S = 0.005
 LOCK_WAIT_S = 1.0  # a keeper finding the tier's lock held retries this long: it may be a probe
@@ -346,7 +347,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # without the teardown of torch's modules (``resihp.procexit``): the job's end waits for this
+    # process to exit (``stop_keeper``), 0.6 s of it that teardown
+    run_then_exit(main)
 
 
 def request_verify(directory: Path) -> None:
