@@ -4,6 +4,7 @@ serves, and dies with its launcher."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from resihp.runtime.lifecycle import ProcessTracker, start_time
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
 from resihp.runtime.snapshots import KEEPER_OWNER
 from resihp.runtime.warm import (
+    CHECKPOINTING,
     RUNTIME_ENV,
     ForkedAgent,
     WarmAgents,
@@ -65,6 +67,16 @@ def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
     assert compatible(base, base | {KEEPER_OWNER: "4242"})
     assert not compatible(base, base | {"OMP_NUM_THREADS": "4"})  # read when torch loads OpenMP
     assert not compatible(base, {k: v for k, v in base.items() if k != "PYTHONUNBUFFERED"})
+
+
+def test_a_run_that_checkpoints_has_its_agents_forked_with_what_its_workers_resume_with():
+    # multiprocessing's forkserver skips a preload module that does not import: each must
+    for name in CHECKPOINTING:
+        importlib.import_module(name)
+    assert not RunConfig.from_flags(dp=2).checkpoints()
+    assert RunConfig.from_flags(dp=2, ckpt_every=3).checkpoints()
+    assert RunConfig.from_flags(dp=2, recovery="restart").checkpoints()  # a memory tier
+    assert RunConfig.from_flags(dp=2, resume="somewhere").checkpoints()
 
 
 def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_their_own():

@@ -19,7 +19,7 @@ from resihp.errors import InputError
 from resihp.progress import progress_bar
 from resihp.runtime.config import RunConfig, check_memory
 from resihp.runtime.nodes import Nodes
-from resihp.runtime.warm import WARM_AGENTS, agent_env
+from resihp.runtime.warm import CHECKPOINTING, WARM_AGENTS, agent_env
 
 RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
 RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch the job
@@ -66,7 +66,7 @@ def run_cmd(
     check_memory(cfg, nodes.nproc_per_node)
     # the warm-agent server starts now, so that its imports and this process's overlap
     if _forks_agents(cfg):
-        WARM_AGENTS.start(agent_env())
+        WARM_AGENTS.start(agent_env(), CHECKPOINTING if cfg.checkpoints() else ())
     try:
         _run(cfg, nodes, if_busy, tensorboard, json_out)
     finally:

@@ -220,6 +220,11 @@ class RunConfig:
         every = self.checkpoint.snapshot_every
         return every if every is not None else int(self.faults.recovery == "restart")
 
+    def checkpoints(self) -> bool:
+        """Whether the run's workers write or read checkpoints (on disk or in memory) or resume."""
+        ckpt = self.checkpoint
+        return bool(ckpt.ckpt_every or self.snapshot_interval() or ckpt.resume)
+
     def model_hash(self) -> str:
         """A hash of what a checkpoint's tensors depend on (the model's shape), not the layout."""
         text = json.dumps(self.model.to_dict(), sort_keys=True)
