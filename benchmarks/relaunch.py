@@ -12,6 +12,11 @@ the failure to the relaunched replica's workers, the summary's), ``survivor_stal
 rejoined) and the run's wall time. ``--tree`` names a source
 tree to run (``PYTHONPATH``), for example a ``git worktree`` of an older commit; arms alternate in
 each round, medians over rounds.
+
+``--scenario memory``: instead, the run re-formed around a dead rank from the memory tier (DP 2 x
+TP 2, the small model of ``tests/test_runtime_cli.py``, 8 steps, a checkpoint every 3 and a
+snapshot every step, rank 1 stopped at step 5, as that file's test): ``restart_s`` (from the
+relaunch's start to its first step, the plan change's), ``first_worker_s`` and the wall time.
 """
 
 from __future__ import annotations
@@ -33,19 +38,30 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128
          "--inject", "stop:rank=3,step=10", "--inject", "slow:rank=0,factor=3,step=10"]
 
 
-def one(tree: Path, out: Path) -> dict:
+MEMORY = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
+          "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--timeout", "30", "--json",
+          "--dp", "2", "--pp", "1", "--tp", "2", "--steps", "8", "--ckpt-every", "3",
+          "--snapshot-every", "1", "--inject", "stop:rank=1,step=5"]
+SCENARIOS = {"replica": SMALL, "memory": MEMORY}
+
+
+def one(tree: Path, out: Path, scenario: str = "replica") -> dict:
     shutil.rmtree(out, ignore_errors=True)
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL],
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SCENARIOS[scenario]],
                           capture_output=True, text=True, cwd=tree, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)})
     wall = time.time() - start
     if proc.returncode:
         raise SystemExit(f"{tree}: resihp run failed: {proc.stderr[-2000:]}")
-    rec = json.loads((out / "summary.json").read_text())["recovery"]
+    summary = json.loads((out / "summary.json").read_text())
     started = [json.loads(line)["started"] for line in (out / "logs" / "processes.jsonl").read_text().splitlines()]
-    return {"wall_s": round(wall, 2), "first_worker_s": round(min(started) - start, 2),
-            "restart_s": rec["restart_s"], "survivor_stall_s": rec["survivor_stall_s"],
+    common = {"wall_s": round(wall, 2), "first_worker_s": round(min(started) - start, 2)}
+    if scenario == "memory":
+        change = summary["plan_changes"][0]
+        return {**common, "restart_s": change["restart_s"], "resumed_step": change["resumed_step"]}
+    rec = summary["recovery"]
+    return {**common, "restart_s": rec["restart_s"], "survivor_stall_s": rec["survivor_stall_s"],
             "catchup_s": rec["catchup_s"], "rejoin_steps": rec["rejoined_step"] - rec["failed_step"]}
 
 
@@ -62,14 +78,16 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, action="append", default=None,
                         help="a source tree to run (repeat for interleaved arms); this one by default")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="replica")
     args = parser.parse_args()
     trees = [t.resolve() for t in (args.tree or [Path(__file__).resolve().parents[1]])]
     runs: dict[str, list[dict]] = {str(t): [] for t in trees}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
             for i, tree in enumerate(trees):
-                runs[str(tree)].append(one(tree, Path(tmp) / f"arm{i}"))
-    result = {"harness": {"run": SMALL, "rounds": args.rounds, "machine_cores": os.cpu_count()},
+                runs[str(tree)].append(one(tree, Path(tmp) / f"arm{i}", args.scenario))
+    result = {"harness": {"scenario": args.scenario, "run": SCENARIOS[args.scenario], "rounds": args.rounds,
+                          "machine_cores": os.cpu_count()},
               "arms": {tree: {"commit": _commit(Path(tree)),
                               "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
                               "runs": rows} for tree, rows in runs.items()}}
