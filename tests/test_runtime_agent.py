@@ -73,10 +73,10 @@ def test_a_run_that_checkpoints_has_its_agents_forked_with_what_its_workers_resu
     # multiprocessing's forkserver skips a preload module that does not import: each must
     for name in CHECKPOINTING:
         importlib.import_module(name)
-    assert not RunConfig.from_flags(dp=2).checkpoints()
-    assert RunConfig.from_flags(dp=2, ckpt_every=3).checkpoints()
-    assert RunConfig.from_flags(dp=2, recovery="restart").checkpoints()  # a memory tier
-    assert RunConfig.from_flags(dp=2, resume="somewhere").checkpoints()
+    assert not RunConfig.from_flags(dp=2).checkpointing()
+    assert RunConfig.from_flags(dp=2, ckpt_every=3).checkpointing()
+    assert RunConfig.from_flags(dp=2, recovery="restart").checkpointing()  # a memory tier
+    assert RunConfig.from_flags(dp=2, resume="somewhere").checkpointing()
 
 
 def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_their_own():

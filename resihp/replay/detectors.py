@@ -87,7 +87,7 @@ class DetectorFeed:
         out: list[Finding] = []
 
         def records(i: int) -> dict[str, np.ndarray]:
-            return window.step_columns(i, min(i + FEED_STEPS, n)) if i < n else {}
+            return window.step_columns(i, min(i + FEED_STEPS, n))
 
         def observe(cols: dict[str, np.ndarray]) -> Observations | None:
             return observe_columns(cols, window.meta, shape=self.shape,

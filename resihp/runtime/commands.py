@@ -66,7 +66,7 @@ def run_cmd(
     check_memory(cfg, nodes.nproc_per_node)
     # the warm-agent server starts now, so that its imports and this process's overlap
     if _forks_agents(cfg):
-        WARM_AGENTS.start(agent_env(), CHECKPOINTING if cfg.checkpoints() else ())
+        WARM_AGENTS.start(agent_env(), CHECKPOINTING if cfg.checkpointing() else ())
     try:
         _run(cfg, nodes, if_busy, tensorboard, json_out)
     finally:

@@ -220,7 +220,7 @@ class RunConfig:
         every = self.checkpoint.snapshot_every
         return every if every is not None else int(self.faults.recovery == "restart")
 
-    def checkpoints(self) -> bool:
+    def checkpointing(self) -> bool:
         """Whether the run's workers write or read checkpoints (on disk or in memory) or resume."""
         ckpt = self.checkpoint
         return bool(ckpt.ckpt_every or self.snapshot_interval() or ckpt.resume)
