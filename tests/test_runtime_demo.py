@@ -42,3 +42,18 @@ def test_demo_rejects_a_fault_it_cannot_show():
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2 and "inject after step" in proc.stderr
+
+
+def test_the_demo_forks_its_agents_from_a_warm_server_as_run_does(monkeypatch, tmp_path):
+    # ``resihp demo`` started its agent cold (3 s of imports) where ``resihp run`` forks it warm
+    from resihp.errors import InputError
+    from resihp.runtime import commands
+
+    calls = []
+    monkeypatch.setattr(commands, "_forks_agents", lambda cfg: True)
+    monkeypatch.setattr(commands.WARM_AGENTS, "start", lambda env, more=(): calls.append("start"))
+    monkeypatch.setattr(commands.WARM_AGENTS, "close", lambda: calls.append("close"))
+    with pytest.raises(InputError, match="inject after step"):
+        commands.demo_cmd(out=tmp_path / "demo", steps=None, inject="slow:rank=1,factor=2,step=5",
+                          plot=None, json_out=True)
+    assert calls == ["start", "close"]  # started before the demo's imports, closed on the way out

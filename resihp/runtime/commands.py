@@ -250,6 +250,16 @@ def demo_cmd(
 ) -> None:
     """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
     the planner re-plans and the job applies the new plan while it keeps training."""
+    # the warm-agent server starts now, as for ``resihp run`` (the demo trains on the default device)
+    if _forks_agents(RunConfig()):
+        WARM_AGENTS.start(agent_env())
+    try:
+        _demo(out, steps, inject, plot, json_out)
+    finally:
+        WARM_AGENTS.close()
+
+
+def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, json_out: bool) -> None:
     from resihp.detect.config import DetectorConfig
     from resihp.runtime.demo import RunFailed, run_demo
     from resihp.runtime.inject import parse_fault
