@@ -1,4 +1,4 @@
-"""Ranks spawned on gloo over a FileStore, inside the test process's reach (no torchrun): each runs
+"""Ranks started on gloo over a FileStore, inside the test process's reach (no torchrun): each runs
 ``body(rank, world, tmp) -> dict`` in a process group of ``world``; the results come back in rank
 order, and a rank's exception fails the test with its traceback.
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -64,13 +66,8 @@ def run_cmd(
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
     check_memory(cfg, nodes.nproc_per_node)
-    # the warm-agent server starts now, so that its imports and this process's overlap
-    if _forks_agents(cfg):
-        WARM_AGENTS.start(agent_env(), CHECKPOINTING if cfg.checkpointing() else ())
-    try:
+    with _warm_agents(cfg):
         _run(cfg, nodes, if_busy, tensorboard, json_out)
-    finally:
-        WARM_AGENTS.close()
 
 
 def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
@@ -166,6 +163,18 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         raise typer.Exit(128 + int(signum) if signum else 1)
 
 
+@contextlib.contextmanager
+def _warm_agents(cfg: RunConfig) -> Iterator[None]:
+    """The warm-agent server for the run's launches where its agents fork their workers, started
+    now so that its imports and this process's overlap; its agents ended on the way out."""
+    if _forks_agents(cfg):
+        WARM_AGENTS.start(agent_env(), CHECKPOINTING if cfg.checkpointing() else ())
+    try:
+        yield
+    finally:
+        WARM_AGENTS.close()
+
+
 def _forks_agents(cfg: RunConfig) -> bool:
     """Whether the run's agents fork their workers (a CPU run on a machine with no GPU,
     ``launch.forks_workers``), told here without importing torch."""
@@ -250,13 +259,8 @@ def demo_cmd(
 ) -> None:
     """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
     the planner re-plans and the job applies the new plan while it keeps training."""
-    # the warm-agent server starts now, as for ``resihp run`` (the demo trains on the default device)
-    if _forks_agents(RunConfig()):
-        WARM_AGENTS.start(agent_env())
-    try:
+    with _warm_agents(RunConfig()):  # the demo trains on the default device
         _demo(out, steps, inject, plot, json_out)
-    finally:
-        WARM_AGENTS.close()
 
 
 def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, json_out: bool) -> None:
