@@ -358,8 +358,9 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     def items(rows: list[tuple[float, int, int]], phi: dict[float, np.ndarray], lams: np.ndarray,
               exact: dict[float, np.ndarray], family: float, top: float) -> tuple[np.ndarray, ...]:
         """Per design and device count ``D`` in a geometric grid from its fewest devices: cost
-        ``D``, mu, the fixed part of the step and the all-reduce shard ``L / D_next`` of every
-        pipeline of this design with ``D <= devices < D_next``."""
+        ``D``, mu, the fixed part of the step and the all-reduce shard ``L / (D_next - 1)`` of
+        every pipeline of this design with ``D <= devices < D_next`` (whole devices: at most
+        ``D_next - 1`` of them share its ``L`` layers)."""
         cost_, mu_, fixed_, shard_ = [], [], [], []
         for mu, dev_n, _stages in rows:
             grid = [dev_n]
@@ -375,7 +376,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             small = np.isfinite(nxt) & (nxt - 1 <= D_EXACT)
             idx = np.where(small, nxt - 1, 0).astype(np.int64)
             fixed_.append(np.where(small, np.maximum(fixed, exact[mu][idx]), fixed))
-            shard_.append(np.where(np.isfinite(nxt), L / nxt, 1.0 / t_max))
+            shard_.append(np.where(np.isfinite(nxt), L / (nxt - 1), 1.0 / t_max))
         if not cost_:
             return tuple(np.zeros(0) for _ in range(6))
         cost_, mu_, fixed_, shard_ = (np.concatenate(x) for x in (cost_, mu_, fixed_, shard_))
