@@ -198,3 +198,19 @@ def test_pack_needs_no_design_when_kept_pipelines_carry_the_batch(h100_64):
               - coster.pipeline_step(p.stages, 1)) for p in uniform.pipelines]
     packing = pack(designer, 0, m.microbatches, rates, 0.0, replicas_hint=len(rates))
     assert packing is not None and sum(packing.counts) == 0
+
+
+def test_a_nodes_leftover_devices_join_designed_pipelines_as_stages():
+    """256 devices, three dead in nodes 0-2: the designs placed leave each of those nodes a few
+    devices no design's groups took (the knapsack counts devices, not nodes); they join designed
+    pipelines as short stages of their own, so no full-speed device is left idle (4 were)."""
+    c, m = load("h100-256", "gpt-13b")
+    coster = StageCoster(c, m, AnalyticCost())
+    dead = c.with_speeds({2: 0.0, 13: 0.0, 22: 0.0})
+    at = coster.at_speeds(dead)
+    plan = evaluate(design_plan(at, healthy_plan(c, m).layout, Designer(coster)), at)
+    assert plan_problems(plan, dead, m) == []
+    used = [r for p in plan.pipelines for r in p.ranks]
+    assert len(used) == len(set(used)) == len(c) - 3
+    for p in plan.pipelines:
+        assert all(len({c.devices[r].node for r in s.ranks}) == 1 for s in p.stages)

@@ -20,13 +20,16 @@ stages, and after a fault the devices left over rarely make whole replicas of th
 3. **Placement**: every tensor-parallel group inside one node, widest first, into the node with
    the fewest free devices that holds it. The knapsack counts devices, not nodes: a pipeline whose
    group finds no room is dropped, and the next round designs for the devices left (groups no
-   wider than the most any node has free). The micro-batches are then allocated by CP-SAT
-   (``allocate_microbatches``) across the pipelines placed, as in every other plan.
+   wider than the most any node has free). Devices a node still has left (beside a fault, the
+   groups placed leave it 1-3 devices no design of the rounds could use) join designed pipelines
+   as short stages of their own ahead of them (``_joined_stages``, as slow devices do below). The
+   micro-batches are then allocated by CP-SAT (``allocate_microbatches``) across the pipelines
+   placed, as in every other plan.
 
 ``design_plans`` may keep pipelines of the plan in force (a re-plan: only the pipelines a fault
 touched are designed anew, from their full-speed devices and the ones no pipeline used). Slow
 devices come last, in one of two ways (a variant each, sharing the packing above): each may join
-a designed pipeline as a short stage of its own ahead of it (``_slow_stages``: the layers its
+a designed pipeline as a short stage of its own ahead of it (``_joined_stages``: the layers its
 speed carries in that pipeline's slowest stage's time), and the rest get pipelines of their own:
 the ``k`` fastest of them, each design stretched to the slowest of those ``k`` speeds, for the
 ``k`` that carries the batch in the least step; where those leave slow devices out (designs
@@ -488,7 +491,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     (``resihp.plan.tokens``); the plan returned has whole micro-batches, which the caller
     balances. ``variants``: per plan returned (they share the packing of the full-speed
     devices), whether slow devices may join designed pipelines as stages of their own
-    (``_slow_stages``; which is better depends on the micro-batches each pipeline carries), else
+    (``_joined_stages``; which is better depends on the micro-batches each pipeline carries), else
     they get pipelines of their own only; a variant that carries nothing is left out. A variant
     whose own pipelines leave slow devices out gives a second plan, those devices chained into
     one pipeline split by speed (``_slow_chain``), where it could carry a micro-batch."""
@@ -526,9 +529,15 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # each pipeline's micro-batches about what it will carry: the stages' times weigh against
     # the fill and drain a slow stage adds at that count, not at the home layout's
     carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
+    # full-speed devices that no design took (a node's leftovers beside the groups placed)
+    # join designed pipelines as short stages of their own
+    spare = _fragments(free, node_of, designer.tps)
+    if spare and new:
+        new = _joined_stages(coster, designer, new, spare, carried)
     plans = []
     for joined in variants:
-        more = _slow_stages(coster, designer, new, slow, carried) if joined and slow else list(new)
+        more = (_joined_stages(coster, designer, new, [(r,) for r in slow], carried)
+                if joined and slow else list(new))
         taken = used | {r for st in more for g in st for r in g.ranks}
         own = _slow_pipelines(coster, designer, layout, kept_stages + more, taken, node_of, m_ref,
                               token_budgets)
@@ -611,36 +620,36 @@ def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: i
     return out
 
 
-def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
-                 slow: Sequence[int], m: int) -> list[tuple[Stage, ...]]:
-    """Slow devices as one more stage at the head of a designed pipeline, each with the layers
-    its speed carries within the pipeline's slowest stage's time, taken off the others (the
+def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
+                   groups: Sequence[tuple[int, ...]], m: int) -> list[tuple[Stage, ...]]:
+    """Groups no designed pipeline holds (slow devices, or the full-speed devices a node has left
+    beside the groups placed) as one more stage at the head of a designed pipeline, each with the
+    layers it carries within the pipeline's slowest stage's time, taken off the others (the
     bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). The
-    fastest slow devices first, each into the pipeline whose step (at ``m`` micro-batches, about
-    what each pipeline carries) it shortens most, one per pipeline; a device that shortens none,
-    or would hold more layers than the largest per-device shard (the gradient all-reduce waits
-    for that one), is left out of here."""
-    cluster = coster.cluster
+    fastest groups first, the widest of one speed first, each into the pipeline whose step (at
+    ``m`` micro-batches, about what each pipeline carries) it shortens most, one per pipeline; a
+    group that shortens none, or whose devices would hold more layers than the largest
+    per-device shard (the gradient all-reduce waits for that one), is left out of here."""
     out = list(designed)
     by_shape: dict[tuple, list[int]] = {}  # full-speed pipelines of one shape step alike
     for j, stages in enumerate(out):
         by_shape.setdefault(tuple((s.tp, s.n_layers) for s in stages), []).append(j)
     before: dict[tuple, float] = {}
-    # the gradient all-reduce waits for the largest per-device shard: a slow stage holds no more
+    # the gradient all-reduce waits for the largest per-device shard: a joined stage holds no more
     shard = max((coster.largest_shard(stages) for stages in out), default=0.0)
-    for r in sorted(slow, key=lambda r: (-cluster.devices[r].speed, r)):
-        speed = cluster.devices[r].speed
+    for g in sorted(groups, key=lambda g: (-coster.group_speed(g)[0], -len(g), g)):
+        speed, t = coster.group_speed(g)[0], len(g)
         best: tuple[float, tuple, tuple[Stage, ...]] | None = None
         for shape, free in by_shape.items():
             if not free:
                 continue
             stages = out[free[0]]
             tps = tuple(t for t, _ in shape)
-            d = designer.fit_slowed((1,) + tps, (1.0 / speed,) + (1.0,) * len(tps), m)
-            if d is None or d.counts[0] > shard:
+            d = designer.fit_slowed((t,) + tps, (1.0 / speed,) + (1.0,) * len(tps), m)
+            if d is None or d.counts[0] / t > shard:
                 continue
             ranges = layer_ranges(d.counts)
-            new = (Stage((r,), ranges[0]),) + tuple(Stage(s.ranks, ranges[i + 1]) for i, s in enumerate(stages))
+            new = (Stage(g, ranges[0]),) + tuple(Stage(s.ranks, ranges[i + 1]) for i, s in enumerate(stages))
             if shape not in before:
                 before[shape] = coster.pipeline_step(stages, m)
             gain = before[shape] / coster.pipeline_step(new, m)
@@ -649,6 +658,22 @@ def _slow_stages(coster: StageCoster, designer: Designer, designed: list[tuple[S
         if best is not None:
             _, shape, new = best
             out[by_shape[shape].pop(0)] = new
+    return out
+
+
+def _fragments(free: Iterable[int], node_of: dict[int, int], sizes: Sequence[int],
+               ) -> list[tuple[int, ...]]:
+    """The devices left free, as groups inside their nodes: each node's widest group of a size in
+    ``sizes`` first, then the widest of what is left."""
+    out = []
+    for ranks in _per_node(free, node_of).values():
+        ranks = sorted(ranks)
+        while ranks:
+            t = max((t for t in sizes if t <= len(ranks)), default=0)
+            if not t:
+                break
+            out.append(tuple(ranks[:t]))
+            del ranks[:t]
     return out
 
 
