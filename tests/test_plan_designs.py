@@ -22,12 +22,14 @@ from resihp.plan.designs import (
     free_devices,
     pack,
     place,
+    slow_packing,
 )
 from resihp.plan.knapsack import choose, unbounded_knapsack
 from resihp.plan.layout import layer_ranges
 from resihp.plan.plan import Stage, Stages, plan_problems
 from resihp.plan.planner import Planner, healthy_plan
 from resihp.plan.timing import StageCoster, evaluate
+from resihp.plan.tokens import balanced
 from tests.test_plan_planner import load
 
 
@@ -124,7 +126,7 @@ def test_slow_devices_too_slow_for_stretched_designs_chain_into_a_pipeline_split
     at = coster.at_speeds(slow)
     plans = [evaluate(p, at) for p in design_plans(at, healthy_plan(c, m).layout, designer,
                                                    variants=(False,))]
-    packed, chained = plans
+    packed, chained, _joined = plans
     assert not set(speeds) & {r for p in packed.pipelines for r in p.ranks}
     assert plan_problems(chained, slow, m) == []
     assert chained.tokens_per_s > 1.01 * packed.tokens_per_s
@@ -134,6 +136,39 @@ def test_slow_devices_too_slow_for_stretched_designs_chain_into_a_pipeline_split
     # split of 40 layers over these 8 would be 2x it)
     ideal = sum(s.n_layers for s in chain.stages) / sum(speeds[s.ranks[0]] for s in chain.stages)
     assert max(s.n_layers / speeds[s.ranks[0]] for s in chain.stages) <= 1.25 * ideal
+
+
+def test_slow_devices_join_pipelines_packed_for_them(h100_64):
+    """The same eight slow devices: packed with the designs (``slow_packing``), each heads a
+    pipeline sized for it with the few layers its speed carries there; the plan is faster than
+    the one that leaves them out and than the chain of them, and the packing's step is what
+    the plan's pipelines take at the micro-batches it gave them."""
+    c, m, coster, designer = h100_64
+    speeds = {r: 1 / f for r, f in zip((2, 14, 27, 29, 32, 47, 50, 53), np.linspace(5.0, 1.2, 8))}
+    slow = c.with_speeds(speeds)
+    at = coster.at_speeds(slow)
+    packed, chained, joined = [evaluate(p, at) for p in design_plans(
+        at, healthy_plan(c, m).layout, designer, variants=(False,), token_budgets=True)]
+    assert plan_problems(joined, slow, m) == []
+    heads = {p.stages[0].ranks[0]: p for p in joined.pipelines if p.stages[0].ranks[0] in speeds}
+    assert set(heads) == set(speeds)
+    for r, p in heads.items():
+        assert p.stages[0].ranks == (r,) and not set(speeds) & set(p.ranks[1:])
+        # the slower the device, the fewer layers it holds, within the pipeline's slowest stage
+        assert p.stages[0].n_layers / speeds[r] <= max(s.n_layers for s in p.stages[1:]) * 2
+    # with token shares by speed (``tokens.balanced``), as the planner runs them
+    def best(p):
+        return min(evaluate(x, at).step_time_s for x in [p, *balanced(p, at)])
+
+    assert best(joined) < min(best(packed), best(chained))
+    layers = sorted((speeds[r], p.stages[0].n_layers) for r, p in heads.items())
+    assert [n for _, n in layers] == sorted(n for _, n in layers)
+    full = len(c) - len(speeds)
+    packing, joins = slow_packing(designer, full, speeds, m.microbatches, replicas_hint=8)
+    assert set(joins) == set(speeds)
+    assert all(j.tps[0] == 1 for j in joins.values())
+    assert sum(d.devices * k for d, k in zip(packing.designs, packing.counts)) + sum(
+        j.devices - 1 for j in joins.values()) <= full
 
 
 def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):

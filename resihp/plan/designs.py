@@ -36,7 +36,10 @@ the ``k`` fastest of them, each design stretched to the slowest of those ``k`` s
 stretched to the slowest of ``k`` carry little when the speeds spread), a variant chains them
 instead into one pipeline, a stage each, the layers split by speed (``_slow_chain``, CP-SAT). The
 planner scores the results with the same evaluator as its other candidates and keeps one only if
-it is better.
+it is better. A third way packs the slow devices with the designs (``slow_packing``): each may
+head a pipeline sized for it (a 0/1 knapsack over the slow devices beside the unbounded one over
+the full-speed designs, per step of the bisection), where joining one to a pipeline packed
+without it adds only what the layers it takes off that pipeline's slowest stage shorten.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ MAX_SECOND_KIND = 4  # stages of the narrower body TP size per design
 FIRST_ROUNDS = ("all", "chunks", "whole")  # what the first round of packing designs for
 ROUNDS = 4  # of packing and placement, while groups find no node
 PRICED = 16  # designs priced on the schedule's graph besides the ones the first pass chose
+JOIN_PER_COUNT = 2  # designs per device count a slow device may join (``slow_packing``)
+JOIN_PRICED = 8  # of those per slow device, priced on the schedule's graph
 
 
 @dataclass(frozen=True)
@@ -142,20 +147,23 @@ class Designer:
                 hi = mid - 1
         return lo
 
-    def priced(self, d: Design, m: int) -> Design:
+    def priced(self, d: Design, m: int, stretch: tuple[float, ...] | None = None) -> Design:
         """``d`` with its step through the schedule's dependency graph at ``m`` micro-batches and
-        the slope to ``m + 1`` (the closed form misses a few percent on uneven stages)."""
-        key = (d.tps, d.counts, d.inflight, m)
+        the slope to ``m + 1`` (the closed form misses a few percent on uneven stages);
+        ``stretch`` as in ``fit_slowed`` for a design whose times are at those speeds."""
+        key = (d.tps, d.counts, d.inflight, m, stretch)
         if key not in self._priced:
-            self._priced[key] = self._price(d, m)
+            self._priced[key] = self._price(d, m, stretch)
         return self._priced[key]
 
-    def _price(self, d: Design, m: int) -> Design:
+    def _price(self, d: Design, m: int, stretch: tuple[float, ...] | None) -> Design:
         p = len(d.tps)
+        k = np.ones(p) if stretch is None else np.array(stretch, dtype=np.float64)
         f = np.array([self.fb[t][0] * n for t, n in zip(d.tps, d.counts)])
         b = np.array([self.fb[t][1] * n for t, n in zip(d.tps, d.counts)])
         f[-1] += self.head_fb[d.tps[-1]][0]
         b[-1] += self.head_fb[d.tps[-1]][1]
+        f, b = f * k, b * k
         m = max(1, m)
         steps = [float(pipeline_step_time(np.broadcast_to(f[:, None], (p, k)),
                                           np.broadcast_to(b[:, None], (p, k)), self.model.schedule,
@@ -372,6 +380,129 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
     return result
 
 
+def slow_packing(designer: Designer, devices: int, slow: dict[int, float], microbatches: int,
+                 kept: Sequence[tuple[float, float]] = (), kept_shard: float = 0.0,
+                 replicas_hint: int = 2, max_tp: int | None = None, token_budgets: bool = False,
+                 ) -> tuple[Packing, dict[int, Design]] | None:
+    """``pack`` on ``devices`` full-speed devices with the ``slow`` devices (rank -> speed) each
+    joining at most one pipeline as a stage of its own ahead of it, chosen with the designs (the
+    bound's answer for a slow device: a few layers of a pipeline sized for it, not a stage added
+    to a pipeline sized without it). Per step ``T``: every design of the packing with a slow
+    stage ahead (``fit_slowed``, priced at its speed), a 0/1 knapsack over the slow devices (what
+    each adds with the full-speed devices its pipeline takes) beside the unbounded one over the
+    full-speed designs; a bisection finds the least ``T`` that carries the micro-batches. Returns
+    the packing of the full-speed designs and, per slow device joined, its design (the slow
+    stage first); None where ``pack`` finds none."""
+    coster = designer.coster
+    plain = pack(designer, devices, microbatches, kept, kept_shard, replicas_hint, max_tp,
+                 token_budgets=token_budgets)
+    if plain is None or not plain.designs:
+        return None if plain is None else (plain, {})
+    designs = list(plain.designs)
+    replicas = max(2, len(kept) + sum(plain.counts))
+    m = max(1, -(-microbatches // replicas))
+    # the pipelines a slow device may join: the packing's designs, and of the pool's designs up
+    # to twice their size the ``JOIN_PER_COUNT`` per device count that carry the most at that step
+    # (a pipeline sized for the slow stage is often not one the full-speed packing wants)
+    unit = coster.sync_s_per_shard_layer(replicas)
+    widest = 2 * max(d.devices for d in designs)
+    pool = [d for d in designer.pool(max(1, -(-microbatches // max(1, replicas_hint))), devices,
+                                     max_tp) if d.devices <= widest]
+    carried = _carried(plain.step_s - unit * np.array([d.shard for d in pool]),
+                       np.array([d.first for d in pool]), np.array([d.each for d in pool]),
+                       np.array([d.limit for d in pool]), False)
+    by_count: dict[int, list[tuple[float, int]]] = {}
+    for i, d in enumerate(pool):
+        by_count.setdefault(d.devices, []).append((-float(carried[i]), i))
+    hosts = {(d.tps, d.counts): d for d in designs}
+    for ranked in by_count.values():
+        for _, i in sorted(ranked)[:JOIN_PER_COUNT]:
+            hosts.setdefault((pool[i].tps, pool[i].counts), pool[i])
+    # what a full-speed device carries at that step at best: a join is worth what it adds
+    per_device = max(float(_carried(plain.step_s - unit * d.shard, np.array([d.first]),
+                                    np.array([d.each]), np.array([d.limit]), False)[0]) / d.devices
+                     for d in designs)
+    options: dict[int, list[tuple[int, Design]]] = {}
+    for r, speed in sorted(slow.items(), key=lambda kv: (-kv[1], kv[0])):
+        cands = []
+        for d in hosts.values():
+            stretch = (1.0 / speed,) + (1.0,) * len(d.tps)
+            j = designer.fit_slowed((1,) + d.tps, stretch, m)
+            if j is not None:
+                gain = float(_carried(plain.step_s - unit * j.shard, np.array([j.first]),
+                                      np.array([j.each]), np.array([j.limit]), False)[0])
+                cands.append((gain - d.devices * per_device, d.devices, j, stretch))
+        # priced on the schedule's graph: the ones that add most in the closed form
+        cands.sort(key=lambda x: -x[0])
+        if cands:
+            options[r] = [(c, designer.priced(j, m, stretch))
+                          for _, c, j, stretch in cands[:JOIN_PRICED]]
+    if not options:
+        return plain, {}
+    k_first = np.array([f for f, _ in kept])
+    k_each = np.array([e for _, e in kept])
+
+    def arrays(ds: Sequence[Design]) -> tuple[np.ndarray, ...]:
+        return (np.array([d.first for d in ds]), np.array([d.each for d in ds]),
+                np.array([d.limit for d in ds]), np.maximum(np.array([d.shard for d in ds]), kept_shard))
+
+    full = arrays(designs)
+    cost = np.array([d.devices for d in designs], dtype=np.int64)
+    joined = {r: (np.array([c for c, _ in opts], dtype=np.int64), arrays([j for _, j in opts]))
+              for r, opts in options.items()}
+
+    def solve(T: float) -> tuple[float, int, list[np.ndarray], np.ndarray, np.ndarray]:
+        """The most micro-batches carried in ``T``, the full-speed devices the joined pipelines
+        take, each slow device's pick per device count, the full-speed designs' values and
+        front."""
+        base = float(_carried(T - unit * kept_shard, k_first, k_each, np.inf, token_budgets).sum())
+        first, each, limit, shard = full
+        vals = _carried(T - unit * shard, first, each, limit, token_budgets)
+        front = _front(cost, vals)
+        best_full = unbounded_knapsack(cost[front], vals[front], devices)
+        extra = np.full(devices + 1, -np.inf)
+        extra[0] = 0.0
+        picks = []
+        for c_j, (f_j, e_j, l_j, s_j) in joined.values():
+            v_j = _carried(T - unit * s_j, f_j, e_j, l_j, token_budgets)
+            new = extra.copy()
+            pick = np.full(devices + 1, -1)
+            for i, (c, v) in enumerate(zip(c_j.tolist(), v_j.tolist())):
+                if v <= 0 or c > devices:
+                    continue
+                cand = np.full(devices + 1, -np.inf)
+                cand[c:] = extra[: devices + 1 - c] + v
+                better = cand > new
+                new[better] = cand[better]
+                pick[better] = i
+            extra = new
+            picks.append(pick)
+        total = extra + best_full[::-1]
+        used = int(np.argmax(total))
+        return base + float(total[used]), used, picks, vals, front
+
+    lo, hi = 0.0, plain.step_s
+    if solve(hi)[0] < microbatches - _EPS:
+        return plain, {}
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if solve(mid)[0] >= microbatches - _EPS else (mid, hi)
+        if hi - lo <= 1e-5 * hi:
+            break
+    _, used, picks, vals, front = solve(hi)
+    joins: dict[int, Design] = {}
+    for (r, (c_j, _)), pick in reversed(list(zip(joined.items(), picks))):
+        i = int(pick[used])
+        if i >= 0:
+            joins[r] = options[r][i][1]
+            used -= int(c_j[i])
+    counts = [0] * len(designs)
+    left = devices - sum(d.devices - 1 for d in joins.values())  # beside the joined pipelines
+    for i, k in zip(front, choose(cost[front], vals[front], left)[1]):
+        counts[i] = k
+    return Packing(tuple(designs), tuple(counts), hi), joins
+
+
 def _slowed(d: Design, speed: float) -> Design:
     """``d`` on devices of ``speed`` (a fraction of full speed): every time stretched, transfers
     included (so never faster than it is)."""
@@ -556,7 +687,53 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
             plan = _allocated(coster, layout, keep, kept_stages + more + extra, policy, time_limit_s)
             if plan is not None:
                 plans.append(plan)
+    if slow and first_round == "all":
+        # the pipelines packed with the slow devices joining them, not around them
+        plan = _slow_joined_plan(coster, designer, layout, keep, slow, m_ref, token_budgets,
+                                 policy, time_limit_s)
+        if plan is not None:
+            plans.append(plan)
     return plans
+
+
+def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelDims,
+                      keep: Sequence[Pipeline], slow: Sequence[int], m_ref: int,
+                      token_budgets: bool, policy: str, time_limit_s: float) -> Plan | None:
+    """A plan of pipelines packed with the ``slow`` devices joining them (``slow_packing``) on
+    the full-speed devices ``keep`` does not use: each joined pipeline's groups placed first,
+    then the others; a node's leftovers join as short stages; slow devices no pipeline took are
+    left out. None where no slow device joins one."""
+    cluster, model = coster.cluster, coster.model
+    free = free_devices(cluster, keep)
+    node_of = {d.rank: d.node for d in cluster.devices}
+    widest = max((len(rs) for rs in _per_node(free, node_of).values()), default=0)
+    if not free:
+        return None
+    kept_stages = [p.stages for p in keep]
+    got = slow_packing(designer, len(free), {r: cluster.devices[r].speed for r in slow},
+                       model.microbatches, _rates(coster, kept_stages, m_ref),
+                       max((coster.largest_shard(s) for s in kept_stages), default=0.0),
+                       max(2, layout.dp), 1 << (widest.bit_length() - 1), token_budgets)
+    if got is None or not got[1]:
+        return None
+    packing, joins = got
+    new: list[tuple[Stage, ...]] = []
+    for r, j in joins.items():
+        body = place([(replace(j, tps=j.tps[1:], counts=j.counts[1:]), 1)], free, node_of)
+        if not body:
+            continue
+        ranges = layer_ranges(j.counts)
+        new.append(Stages((Stage((r,), ranges[0]),)
+                          + tuple(Stage(g.ranks, ranges[i + 1]) for i, g in enumerate(body[0]))))
+        free -= set(body[0][0].ranks).union(*(g.ranks for g in body[0]))
+    more = place(zip(packing.designs, packing.counts), free, node_of)
+    new += more
+    free -= {r for st in more for g in st for r in g.ranks}
+    spare = _fragments(free, node_of, designer.tps)
+    if spare and new:
+        carried = max(1, -(-model.microbatches // (len(kept_stages) + len(new))))
+        new = _joined_stages(coster, designer, new, spare, carried)
+    return _allocated(coster, layout, keep, kept_stages + new, policy, time_limit_s)
 
 
 def free_devices(cluster: ClusterSpec, keep: Sequence[Pipeline] = ()) -> set[int]:
