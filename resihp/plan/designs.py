@@ -664,7 +664,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # join designed pipelines as short stages of their own
     spare = _fragments(free, node_of, designer.tps)
     if spare and new:
-        new = _joined_stages(coster, designer, new, spare, carried)
+        new = _joined_stages(coster, designer, new, spare, carried, again=True)
     plans = []
     for joined in variants:
         more = (_joined_stages(coster, designer, new, [(r,) for r in slow], carried)
@@ -732,7 +732,7 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
     spare = _fragments(free, node_of, designer.tps)
     if spare and new:
         carried = max(1, -(-model.microbatches // (len(kept_stages) + len(new))))
-        new = _joined_stages(coster, designer, new, spare, carried)
+        new = _joined_stages(coster, designer, new, spare, carried, again=True)
     return _allocated(coster, layout, keep, kept_stages + new, policy, time_limit_s)
 
 
@@ -798,19 +798,26 @@ def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: i
 
 
 def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
-                   groups: Sequence[tuple[int, ...]], m: int) -> list[tuple[Stage, ...]]:
+                   groups: Sequence[tuple[int, ...]], m: int,
+                   again: bool = False) -> list[tuple[Stage, ...]]:
     """Groups no designed pipeline holds (slow devices, or the full-speed devices a node has left
     beside the groups placed) as one more stage at the head of a designed pipeline, each with the
     layers it carries within the pipeline's slowest stage's time, taken off the others (the
     bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). The
     fastest groups first, the widest of one speed first, each into the pipeline whose step (at
-    ``m`` micro-batches, about what each pipeline carries) it shortens most, one per pipeline; a
-    group that shortens none, or whose devices would hold more layers than the largest
-    per-device shard (the gradient all-reduce waits for that one), is left out of here."""
+    ``m`` micro-batches, about what each pipeline carries) it shortens most; one per pipeline,
+    or (``again``) more, each re-splitting the pipeline's layers (one group alone often takes a
+    layer without lowering the slowest stage's time, two together do); a group that shortens
+    none, or whose devices would hold more layers than the largest per-device shard (the
+    gradient all-reduce waits for that one), is left out of here."""
     out = list(designed)
-    by_shape: dict[tuple, list[int]] = {}  # full-speed pipelines of one shape step alike
+
+    def shape_of(stages: tuple[Stage, ...]) -> tuple:
+        return tuple((s.tp, s.n_layers, coster.group_speed(s.ranks)[0]) for s in stages)
+
+    by_shape: dict[tuple, list[int]] = {}  # pipelines of one shape and speeds step alike
     for j, stages in enumerate(out):
-        by_shape.setdefault(tuple((s.tp, s.n_layers) for s in stages), []).append(j)
+        by_shape.setdefault(shape_of(stages), []).append(j)
     before: dict[tuple, float] = {}
     # the gradient all-reduce waits for the largest per-device shard: a joined stage holds no more
     shard = max((coster.largest_shard(stages) for stages in out), default=0.0)
@@ -821,8 +828,9 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
             if not free:
                 continue
             stages = out[free[0]]
-            tps = tuple(t for t, _ in shape)
-            d = designer.fit_slowed((t,) + tps, (1.0 / speed,) + (1.0,) * len(tps), m)
+            tps = tuple(x[0] for x in shape)
+            stretch = (1.0 / speed,) + tuple(1.0 / x[2] for x in shape)
+            d = designer.fit_slowed((t,) + tps, stretch, m)
             if d is None or d.counts[0] / t > shard:
                 continue
             ranges = layer_ranges(d.counts)
@@ -834,7 +842,10 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
                 best = (gain, shape, new)
         if best is not None:
             _, shape, new = best
-            out[by_shape[shape].pop(0)] = new
+            j = by_shape[shape].pop(0)
+            out[j] = new
+            if again:
+                by_shape.setdefault(shape_of(new), []).append(j)
     return out
 
 
