@@ -158,12 +158,12 @@ class Designer:
 
     def _price(self, d: Design, m: int, stretch: tuple[float, ...] | None) -> Design:
         p = len(d.tps)
-        k = np.ones(p) if stretch is None else np.array(stretch, dtype=np.float64)
+        slower = np.ones(p) if stretch is None else np.array(stretch, dtype=np.float64)
         f = np.array([self.fb[t][0] * n for t, n in zip(d.tps, d.counts)])
         b = np.array([self.fb[t][1] * n for t, n in zip(d.tps, d.counts)])
         f[-1] += self.head_fb[d.tps[-1]][0]
         b[-1] += self.head_fb[d.tps[-1]][1]
-        f, b = f * k, b * k
+        f, b = f * slower, b * slower
         m = max(1, m)
         steps = [float(pipeline_step_time(np.broadcast_to(f[:, None], (p, k)),
                                           np.broadcast_to(b[:, None], (p, k)), self.model.schedule,
@@ -429,9 +429,9 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
             stretch = (1.0 / speed,) + (1.0,) * len(d.tps)
             j = designer.fit_slowed((1,) + d.tps, stretch, m)
             if j is not None:
-                gain = float(_carried(plain.step_s - unit * j.shard, np.array([j.first]),
-                                      np.array([j.each]), np.array([j.limit]), False)[0])
-                cands.append((gain - d.devices * per_device, d.devices, j, stretch))
+                carries = float(_carried(plain.step_s - unit * j.shard, np.array([j.first]),
+                                         np.array([j.each]), np.array([j.limit]), False)[0])
+                cands.append((carries - d.devices * per_device, d.devices, j, stretch))
         # priced on the schedule's graph: the ones that add most in the closed form
         cands.sort(key=lambda x: -x[0])
         if cands:
@@ -705,10 +705,10 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
     left out. None where no slow device joins one."""
     cluster, model = coster.cluster, coster.model
     free = free_devices(cluster, keep)
-    node_of = {d.rank: d.node for d in cluster.devices}
-    widest = max((len(rs) for rs in _per_node(free, node_of).values()), default=0)
     if not free:
         return None
+    node_of = {d.rank: d.node for d in cluster.devices}
+    widest = max(len(rs) for rs in _per_node(free, node_of).values())
     kept_stages = [p.stages for p in keep]
     got = slow_packing(designer, len(free), {r: cluster.devices[r].speed for r in slow},
                        model.microbatches, _rates(coster, kept_stages, m_ref),
@@ -725,7 +725,7 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
         ranges = layer_ranges(j.counts)
         new.append(Stages((Stage((r,), ranges[0]),)
                           + tuple(Stage(g.ranks, ranges[i + 1]) for i, g in enumerate(body[0]))))
-        free -= set(body[0][0].ranks).union(*(g.ranks for g in body[0]))
+        free -= {x for g in body[0] for x in g.ranks}
     more = place(zip(packing.designs, packing.counts), free, node_of)
     new += more
     free -= {r for st in more for g in st for r in g.ranks}
