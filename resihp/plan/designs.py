@@ -383,7 +383,7 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
 def slow_packing(designer: Designer, devices: int, slow: dict[int, float], microbatches: int,
                  kept: Sequence[tuple[float, float]] = (), kept_shard: float = 0.0,
                  replicas_hint: int = 2, max_tp: int | None = None, token_budgets: bool = False,
-                 ) -> tuple[Packing, dict[int, Design]] | None:
+                 plain: Packing | None = None) -> tuple[Packing, dict[int, Design]] | None:
     """``pack`` on ``devices`` full-speed devices with the ``slow`` devices (rank -> speed) each
     joining at most one pipeline as a stage of its own ahead of it, chosen with the designs (the
     bound's answer for a slow device: a few layers of a pipeline sized for it, not a stage added
@@ -392,10 +392,11 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
     each adds with the full-speed devices its pipeline takes) beside the unbounded one over the
     full-speed designs; a bisection finds the least ``T`` that carries the micro-batches. Returns
     the packing of the full-speed designs and, per slow device joined, its design (the slow
-    stage first); None where ``pack`` finds none."""
+    stage first); None where ``pack`` finds none. ``plain``: ``pack``'s answer for these
+    arguments, where the caller has it."""
     coster = designer.coster
-    plain = pack(designer, devices, microbatches, kept, kept_shard, replicas_hint, max_tp,
-                 token_budgets=token_budgets)
+    plain = plain or pack(designer, devices, microbatches, kept, kept_shard, replicas_hint, max_tp,
+                          token_budgets=token_budgets)
     if plain is None or not plain.designs:
         return None if plain is None else (plain, {})
     designs = list(plain.designs)
@@ -633,6 +634,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     kept_stages = [p.stages for p in keep]
     new: list[tuple[Stage, ...]] = []
     m_ref = max(2, -(-model.microbatches // max(1, layout.dp)))
+    first_packing: Packing | None = None
     # rounds, while pipelines find room: the knapsack counts devices, not which node they sit
     # in (power-of-two groups, widest first, always fill whole nodes); a later round designs
     # for the devices left, with groups no wider than the most any node has free
@@ -651,6 +653,8 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
             return []
         if packing is None:
             break
+        if rnd == 0:
+            first_packing = packing
         more = place(zip(packing.designs, packing.counts), pool, node_of)
         new += more
         free -= {r for st in more for g in st for r in g.ranks}
@@ -690,7 +694,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     if slow and first_round == "all":
         # the pipelines packed with the slow devices joining them, not around them
         plan = _slow_joined_plan(coster, designer, layout, keep, slow, m_ref, token_budgets,
-                                 policy, time_limit_s)
+                                 policy, time_limit_s, first_packing)
         if plan is not None:
             plans.append(plan)
     return plans
@@ -698,11 +702,13 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
 
 def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelDims,
                       keep: Sequence[Pipeline], slow: Sequence[int], m_ref: int,
-                      token_budgets: bool, policy: str, time_limit_s: float) -> Plan | None:
+                      token_budgets: bool, policy: str, time_limit_s: float,
+                      plain: Packing | None = None) -> Plan | None:
     """A plan of pipelines packed with the ``slow`` devices joining them (``slow_packing``) on
     the full-speed devices ``keep`` does not use: each joined pipeline's groups placed first,
     then the others; a node's leftovers join as short stages; slow devices no pipeline took are
-    left out. None where no slow device joins one."""
+    left out. None where no slow device joins one. ``plain``: the packing of those full-speed
+    devices without the slow ones, where the caller has it."""
     cluster, model = coster.cluster, coster.model
     free = free_devices(cluster, keep)
     if not free:
@@ -713,7 +719,7 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
     got = slow_packing(designer, len(free), {r: cluster.devices[r].speed for r in slow},
                        model.microbatches, _rates(coster, kept_stages, m_ref),
                        max((coster.largest_shard(s) for s in kept_stages), default=0.0),
-                       max(2, layout.dp), 1 << (widest.bit_length() - 1), token_budgets)
+                       max(2, layout.dp), 1 << (widest.bit_length() - 1), token_budgets, plain)
     if got is None or not got[1]:
         return None
     packing, joins = got
