@@ -512,7 +512,8 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             costs, starts = np.unique(cost_, return_index=True)
             by_k = []
             for k in range(1, cap + 1):
-                speed_sum = cost_ - k + held[s][k]
+                # (items of fewer than k devices cannot hold k slow ones: dropped below)
+                speed_sum = np.maximum(cost_ - k, 0) + held[s][k]
                 vk = np.minimum(val, np.minimum(T, rest + work / speed_sum) * speed_sum / work)
                 vk = np.minimum(vk, 1.0 + speed_sum * per_speed)
                 best = np.maximum.reduceat(vk, starts)  # the best item of each device count
