@@ -626,7 +626,9 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     (``_joined_stages``; which is better depends on the micro-batches each pipeline carries), else
     they get pipelines of their own only; a variant that carries nothing is left out. A variant
     whose own pipelines leave slow devices out gives a second plan, those devices chained into
-    one pipeline split by speed (``_slow_chain``), where it could carry a micro-batch."""
+    one pipeline split by speed (``_slow_chain``), where it could carry a micro-batch. With slow
+    devices and the first round ``all``, one more plan: them packed with the designs, each
+    heading a pipeline sized for it (``_slow_joined_plan``)."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = free_devices(cluster, keep)
