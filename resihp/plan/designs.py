@@ -402,16 +402,25 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
     designs = list(plain.designs)
     replicas = max(2, len(kept) + sum(plain.counts))
     m = max(1, -(-microbatches // replicas))
+    unit = coster.sync_s_per_shard_layer(replicas)
+
+    def arrays(ds: Sequence[Design]) -> tuple[np.ndarray, ...]:
+        return (np.array([d.first for d in ds]), np.array([d.each for d in ds]),
+                np.array([d.limit for d in ds]), np.array([d.shard for d in ds]))
+
+    def carries(a: tuple[np.ndarray, ...], T: float, budgets: bool = False,
+                floor: float = 0.0) -> np.ndarray:
+        """What designs (``arrays``) carry in a step of ``T``, their shards at least ``floor``."""
+        first, each, limit, shard = a
+        return _carried(T - unit * np.maximum(shard, floor), first, each, limit, budgets)
+
     # the pipelines a slow device may join: the packing's designs, and of the pool's designs up
     # to twice their size the ``JOIN_PER_COUNT`` per device count that carry the most at that step
     # (a pipeline sized for the slow stage is often not one the full-speed packing wants)
-    unit = coster.sync_s_per_shard_layer(replicas)
     widest = 2 * max(d.devices for d in designs)
     pool = [d for d in designer.pool(max(1, -(-microbatches // max(1, replicas_hint))), devices,
                                      max_tp) if d.devices <= widest]
-    carried = _carried(plain.step_s - unit * np.array([d.shard for d in pool]),
-                       np.array([d.first for d in pool]), np.array([d.each for d in pool]),
-                       np.array([d.limit for d in pool]), False)
+    carried = carries(arrays(pool), plain.step_s)
     by_count: dict[int, list[tuple[float, int]]] = {}
     for i, d in enumerate(pool):
         by_count.setdefault(d.devices, []).append((-float(carried[i]), i))
@@ -419,10 +428,10 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
     for ranked in by_count.values():
         for _, i in sorted(ranked)[:JOIN_PER_COUNT]:
             hosts.setdefault((pool[i].tps, pool[i].counts), pool[i])
+    full = arrays(designs)
+    cost = np.array([d.devices for d in designs], dtype=np.int64)
     # what a full-speed device carries at that step at best: a join is worth what it adds
-    per_device = max(float(_carried(plain.step_s - unit * d.shard, np.array([d.first]),
-                                    np.array([d.each]), np.array([d.limit]), False)[0]) / d.devices
-                     for d in designs)
+    per_device = float(np.max(carries(full, plain.step_s) / cost))
     options: dict[int, list[tuple[int, Design]]] = {}
     for r, speed in sorted(slow.items(), key=lambda kv: (-kv[1], kv[0])):
         cands = []
@@ -430,9 +439,8 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
             stretch = (1.0 / speed,) + (1.0,) * len(d.tps)
             j = designer.fit_slowed((1,) + d.tps, stretch, m)
             if j is not None:
-                carries = float(_carried(plain.step_s - unit * j.shard, np.array([j.first]),
-                                         np.array([j.each]), np.array([j.limit]), False)[0])
-                cands.append((carries - d.devices * per_device, d.devices, j, stretch))
+                adds = float(carries(arrays([j]), plain.step_s)[0]) - d.devices * per_device
+                cands.append((adds, d.devices, j, stretch))
         # priced on the schedule's graph: the ones that add most in the closed form
         cands.sort(key=lambda x: -x[0])
         if cands:
@@ -442,13 +450,6 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
         return plain, {}
     k_first = np.array([f for f, _ in kept])
     k_each = np.array([e for _, e in kept])
-
-    def arrays(ds: Sequence[Design]) -> tuple[np.ndarray, ...]:
-        return (np.array([d.first for d in ds]), np.array([d.each for d in ds]),
-                np.array([d.limit for d in ds]), np.maximum(np.array([d.shard for d in ds]), kept_shard))
-
-    full = arrays(designs)
-    cost = np.array([d.devices for d in designs], dtype=np.int64)
     joined = {r: (np.array([c for c, _ in opts], dtype=np.int64), arrays([j for _, j in opts]))
               for r, opts in options.items()}
 
@@ -457,15 +458,14 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
         take, each slow device's pick per device count, the full-speed designs' values and
         front."""
         base = float(_carried(T - unit * kept_shard, k_first, k_each, np.inf, token_budgets).sum())
-        first, each, limit, shard = full
-        vals = _carried(T - unit * shard, first, each, limit, token_budgets)
+        vals = carries(full, T, token_budgets, kept_shard)
         front = _front(cost, vals)
         best_full = unbounded_knapsack(cost[front], vals[front], devices)
         extra = np.full(devices + 1, -np.inf)
         extra[0] = 0.0
         picks = []
-        for c_j, (f_j, e_j, l_j, s_j) in joined.values():
-            v_j = _carried(T - unit * s_j, f_j, e_j, l_j, token_budgets)
+        for c_j, a_j in joined.values():
+            v_j = carries(a_j, T, token_budgets, kept_shard)
             new = extra.copy()
             pick = np.full(devices + 1, -1)
             for i, (c, v) in enumerate(zip(c_j.tolist(), v_j.tolist())):
@@ -666,11 +666,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # each pipeline's micro-batches about what it will carry: the stages' times weigh against
     # the fill and drain a slow stage adds at that count, not at the home layout's
     carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
-    # full-speed devices that no design took (a node's leftovers beside the groups placed)
-    # join designed pipelines as short stages of their own
-    spare = _fragments(free, node_of, designer.tps)
-    if spare and new:
-        new = _joined_stages(coster, designer, new, spare, carried, again=True)
+    new = _with_leftovers(coster, designer, new, free, node_of, carried)
     plans = []
     for joined in variants:
         more = (_joined_stages(coster, designer, new, [(r,) for r in slow], carried)
@@ -737,10 +733,8 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
     more = place(zip(packing.designs, packing.counts), free, node_of)
     new += more
     free -= {r for st in more for g in st for r in g.ranks}
-    spare = _fragments(free, node_of, designer.tps)
-    if spare and new:
-        carried = max(1, -(-model.microbatches // (len(kept_stages) + len(new))))
-        new = _joined_stages(coster, designer, new, spare, carried, again=True)
+    carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
+    new = _with_leftovers(coster, designer, new, free, node_of, carried)
     return _allocated(coster, layout, keep, kept_stages + new, policy, time_limit_s)
 
 
@@ -855,6 +849,14 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
             if again:
                 by_shape.setdefault(shape_of(new), []).append(j)
     return out
+
+
+def _with_leftovers(coster: StageCoster, designer: Designer, new: list[tuple[Stage, ...]],
+                    free: Iterable[int], node_of: dict[int, int], m: int) -> list[tuple[Stage, ...]]:
+    """``new`` with the full-speed devices no design took (a node's leftovers beside the groups
+    placed) joining its pipelines as short stages of their own (several to one pipeline)."""
+    spare = _fragments(free, node_of, designer.tps)
+    return _joined_stages(coster, designer, new, spare, m, again=True) if spare and new else new
 
 
 def _fragments(free: Iterable[int], node_of: dict[int, int], sizes: Sequence[int],
