@@ -1,5 +1,7 @@
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ from resihp.errors import InputError
 from resihp.opstrace import read_meta, read_run_folder
 from resihp.runtime.attach import DeviceFault
 from resihp.runtime.follow import follow
+from resihp.runtime.nodes import free_port
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -161,15 +164,27 @@ def test_follow_waits_for_the_job_and_detect_reads_the_run_folder(tmp_path):
         follow(tmp_path / "never", timeout_s=0.3, poll_s=0.1)
 
 
+@pytest.mark.parametrize("store,says", [("127.0.0.1:notaport", "expected HOST:PORT"),
+                                         (None, "cannot reach the job's store")])
+def test_follow_names_its_own_store_option_in_errors(store, says):
+    """A bad or unreachable ``resihp follow --store`` is one line naming ``--store`` (it named
+    ``resihp run``'s ``--rdzv-endpoint``, an option follow does not have)."""
+    store = store or f"127.0.0.1:{free_port()}"  # nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "follow", "--store", store,
+                           "--start-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"resihp: error: --store {store!r}"
+                                                   if "HOST" in says else
+                                                   f"resihp: error: --store {store}"), lines
+    assert says in lines[0], lines
+
+
 @pytest.mark.slow
 def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_the_store(tmp_path):
     """A user's own 2-rank torchrun job with resihp attached: heartbeats and step records go over
     torchrun's agent store (no per-rank stream files); rank 0 writes the run folder; a follower
     with only the store's address sees every step."""
-    import subprocess
-    import sys
-
-    from resihp.runtime.nodes import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

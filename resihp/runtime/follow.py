@@ -99,7 +99,7 @@ class StoreSteps:
 
     def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
         self.endpoint = endpoint
-        self.js = JobStore(endpoint, host=False, timeout_s=timeout_s)
+        self.js = JobStore(endpoint, host=False, timeout_s=timeout_s, option="--store")
         job = read_job(self.js.store, timeout_s)
         if job is None:
             raise InputError(f"--store {endpoint}: no resihp job announced there within {timeout_s:g} s")

@@ -45,10 +45,12 @@ class JobStore:
     """The job's store (a TCPStore): the rendezvous of torchrun's agents, the workers' process
     group and the control plane. ``host=True``: listen on ``endpoint``'s address only (the socket is
     bound here and handed to the store, which would otherwise listen on every interface); else join
-    the store node 0 hosts there."""
+    the store node 0 hosts there. ``option``: the command-line option ``endpoint`` came from, which
+    an error names."""
 
-    def __init__(self, endpoint: str | None = None, host: bool = True, timeout_s: float = 300.0) -> None:
-        addr, port = host_port(endpoint) if endpoint else (LOOPBACK, 0)
+    def __init__(self, endpoint: str | None = None, host: bool = True, timeout_s: float = 300.0,
+                 option: str = "--rdzv-endpoint") -> None:
+        addr, port = host_port(endpoint, option) if endpoint else (LOOPBACK, 0)
         timeout = datetime.timedelta(seconds=timeout_s)
         if host:
             self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -57,7 +59,7 @@ class JobStore:
                 self._sock.bind((addr, port))
             except OSError as exc:
                 self._sock.close()
-                raise InputError(f"--rdzv-endpoint {addr}:{port}: cannot listen there ({exc.strerror}; "
+                raise InputError(f"{option} {addr}:{port}: cannot listen there ({exc.strerror}; "
                                  "another job on this endpoint?)") from None
             self._sock.listen(512)
             self.addr, self.port = addr, self._sock.getsockname()[1]
@@ -71,7 +73,7 @@ class JobStore:
                 self.store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=left))
             except (OSError, RuntimeError, dist.DistError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise InputError(f"--rdzv-endpoint {addr}:{port}: cannot reach the job's store within "
+                raise InputError(f"{option} {addr}:{port}: cannot reach the job's store within "
                                  f"{timeout_s:g} s ({first[:120]})") from None
 
     @property

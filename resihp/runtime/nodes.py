@@ -74,8 +74,9 @@ class Nodes:
         return self.layout()[self.node_rank]
 
 
-def host_port(endpoint: str) -> tuple[str, int]:
+def host_port(endpoint: str, option: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``endpoint``'s host and port; ``option``: the option it came from, for the error."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InputError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+        raise InputError(f"{option} {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
     return host, int(port)
