@@ -47,9 +47,25 @@ for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
 
 
+# the usage errors of the click that typer runs on (its own copy from typer 0.2x on)
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def main() -> None:
     try:
-        app()
+        # standalone, click would print usage errors in a box of several lines
+        code = app(standalone_mode=False, prog_name="resihp")
+    except _CLICK_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare ``resihp``: its help
+            exc.show()
+            sys.exit(2)
+        where = getattr(exc, "ctx", None)
+        where = where.command_path if where is not None else "resihp"
+        print(f"resihp: error: {where}: {exc.format_message()} (see {where} -h)", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("resihp: aborted", file=sys.stderr)
+        sys.exit(1)
     except InputError as exc:
         print(f"resihp: error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -69,6 +85,8 @@ def main() -> None:
         print(f"resihp: disk full{where} ({getattr(full, 'strerror', None) or 'No space left on device'}); "
               f"free space and run again", file=sys.stderr)
         sys.exit(1)
+    if isinstance(code, int) and code:  # a verb's typer.Exit(code)
+        sys.exit(code)
 
 
 def entry() -> None:

@@ -11,6 +11,20 @@ def _resihp(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.parametrize("args,says", [
+    (["replay", "failslow-13b-256", "--seed", "abc"], "resihp replay: Invalid value for '--seed'"),
+    (["detect-eval", "--bogus"], "resihp detect-eval: No such option: --bogus"),
+    (["nosuchverb"], "No such command 'nosuchverb'"),
+])
+def test_a_usage_error_is_one_line_too(args, says):
+    """Options typer itself rejects (a bad value, an unknown option or verb) exit 2 with one line,
+    as resihp's own checks do (click printed a usage box of 4-6 lines)."""
+    proc = _resihp(*args)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("resihp: error: ") and says in lines[0], lines
+
+
 def test_bad_input_exits_2_with_one_line(tmp_path):
     proc = _resihp("predictor", "train", str(tmp_path / "missing.parquet"), "-o", str(tmp_path / "m"))
     assert proc.returncode == 2

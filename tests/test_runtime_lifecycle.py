@@ -249,7 +249,7 @@ def test_disk_full_writing_a_trace_keeps_the_previous_one_and_is_one_line(tmp_pa
             write_ops_trace(pd.concat([trace, trace]), path)
         assert len(read_ops_trace(path)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ops.parquet"]
     # the CLI turns it into one line and exit 1, whichever verb was writing
-    monkeypatch.setattr("resihp.cli.app", lambda: (_ for _ in ()).throw(enospc(str(path))))
+    monkeypatch.setattr("resihp.cli.app", lambda **_: (_ for _ in ()).throw(enospc(str(path))))
     with pytest.raises(SystemExit) as info:
         main()
     err = capsys.readouterr().err
