@@ -831,17 +831,26 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
                 continue
             stages = out[free[0]]
             tps = tuple(x[0] for x in shape)
-            stretch = (1.0 / speed,) + tuple(1.0 / x[2] for x in shape)
-            d = designer.fit_slowed((t,) + tps, stretch, m)
-            if d is None or d.counts[0] / t > shard:
-                continue
-            ranges = layer_ranges(d.counts)
-            new = (Stage(g, ranges[0]),) + tuple(Stage(s.ranks, ranges[i + 1]) for i, s in enumerate(stages))
-            if shape not in before:
-                before[shape] = coster.pipeline_step(stages, m)
-            gain = before[shape] / coster.pipeline_step(new, m)
-            if gain > 1.0 + _EPS and (best is None or gain > best[0]):
-                best = (gain, shape, new)
+            stretch = tuple(1.0 / x[2] for x in shape)
+            # at the head (where a slow device's few layers belong), or just before the LM head's
+            # stage, where fewer micro-batches in flight leave a narrow group room for more layers
+            for at in sorted({0, max(0, len(stages) - 1)}):
+                d = designer.fit_slowed(tps[:at] + (t,) + tps[at:],
+                                        stretch[:at] + (1.0 / speed,) + stretch[at:], m)
+                if d is None or d.counts[at] / t > shard:
+                    continue
+                ranks = [s.ranks for s in stages]
+                ranks.insert(at, g)
+                new = tuple(Stage(r, lr) for r, lr in zip(ranks, layer_ranges(d.counts)))
+                # the stages ahead of it now hold one more micro-batch in flight: it must fit at
+                # the most the schedule puts there, whatever the pipeline comes to carry
+                if at and not coster.stages_fit(new, max(m, len(new))):
+                    continue
+                if shape not in before:
+                    before[shape] = coster.pipeline_step(stages, m)
+                gain = before[shape] / coster.pipeline_step(new, m)
+                if gain > 1.0 + _EPS and (best is None or gain > best[0]):
+                    best = (gain, shape, new)
         if best is not None:
             _, shape, new = best
             j = by_shape[shape].pop(0)
