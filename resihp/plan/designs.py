@@ -22,14 +22,15 @@ stages, and after a fault the devices left over rarely make whole replicas of th
    group finds no room is dropped, and the next round designs for the devices left (groups no
    wider than the most any node has free). Devices a node still has left (beside a fault, the
    groups placed leave it 1-3 devices no design of the rounds could use) join designed pipelines
-   as short stages of their own ahead of them (``_joined_stages``, as slow devices do below). The
+   as short stages of their own, at the head or just before the LM head's stage (``_joined_stages``,
+   as slow devices do below; both ways of joining them are candidates). The
    micro-batches are then allocated by CP-SAT (``allocate_microbatches``) across the pipelines
    placed, as in every other plan.
 
 ``design_plans`` may keep pipelines of the plan in force (a re-plan: only the pipelines a fault
 touched are designed anew, from their full-speed devices and the ones no pipeline used). Slow
 devices come last, in one of two ways (a variant each, sharing the packing above): each may join
-a designed pipeline as a short stage of its own ahead of it (``_joined_stages``: the layers its
+a designed pipeline as a short stage of its own (``_joined_stages``: the layers its
 speed carries in that pipeline's slowest stage's time), and the rest get pipelines of their own:
 the ``k`` fastest of them, each design stretched to the slowest of those ``k`` speeds, for the
 ``k`` that carries the batch in the least step; where those leave slow devices out (designs
@@ -810,9 +811,12 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
                    groups: Sequence[tuple[int, ...]], m: int,
                    again: bool = False, before_head: bool = True) -> list[tuple[Stage, ...]]:
     """Groups no designed pipeline holds (slow devices, or the full-speed devices a node has left
-    beside the groups placed) as one more stage at the head of a designed pipeline, each with the
+    beside the groups placed) as one more stage of a designed pipeline, at its head or (with
+    ``before_head``) just before its LM head's stage where that shortens it more, each with the
     layers it carries within the pipeline's slowest stage's time, taken off the others (the
-    bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). The
+    bound's answer for a slow device: it keeps a few layers of a full-speed pipeline). Just
+    before the LM head's stage a stage holds two micro-batches in flight, at the head as many as
+    the pipeline has stages: a narrow group's memory holds more layers there. The
     fastest groups first, the widest of one speed first, each into the pipeline whose step (at
     ``m`` micro-batches, about what each pipeline carries) it shortens most; one per pipeline,
     or (``again``) more, each re-splitting the pipeline's layers (one group alone often takes a
