@@ -13,6 +13,7 @@ Memory: each stage's model state and in-flight activations fit its smallest devi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -117,7 +118,11 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         fj, lj = mdl.new_bool_var(f"first{j}"), mdl.new_bool_var(f"last{j}")
         mdl.add_implication(fj, x)
         mdl.add_implication(lj, x)
-        mdl.add(int(per_layer * MB) * nj + int(emb * MB) * (fj + lj) <= int(free * MB))
+        # whole MB, the stage's memory rounded up and the free memory down: truncating both let
+        # a split 2.5 MB over a device's memory through (16 layers of 1.3424 GB and the embedding
+        # on 22 GB), which StageCoster.stages_fit then refused, and the re-plan found no plan
+        mdl.add(math.ceil(per_layer * MB) * nj + math.ceil(emb * MB) * (fj + lj)
+                <= math.floor(free * MB))
         f, b = coster.per_layer_s(c.ranks)
         hf, hb = coster.head_s(c.ranks)
         # the bound of the very expression below: ticks rounded per term can sum past the rounded
