@@ -170,7 +170,7 @@ def test_slow_devices_join_pipelines_packed_for_them(h100_64):
 
 
 def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):
-    """A node at half speed: its devices work (a stage of their own ahead of a full-speed
+    """A node at half speed: its devices work (a stage of their own in a full-speed
     pipeline, or pipelines of slow devices), each less than a full-speed device, and the plan is
     faster than one without them."""
     c, m, coster, designer = h100_64
