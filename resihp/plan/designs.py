@@ -668,17 +668,17 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # each pipeline's micro-batches about what it will carry: the stages' times weigh against
     # the fill and drain a slow stage adds at that count, not at the home layout's
     carried = max(1, -(-model.microbatches // max(1, len(kept_stages) + len(new))))
-    # a node's leftovers joined where each shortens its pipeline most, or at the heads only: each
-    # joins the greedy's best, but the allocated plans differ either way (1,024 devices, four
-    # dead: 0.975 of the bound against 0.970; 16,384, four slow and two dead: 0.987 against
-    # 0.991), so both are candidates and the evaluator picks
-    options = [_with_leftovers(coster, designer, new, free, node_of, carried, before_head=at_end)
-               for at_end in (True, False)]
+    # a node's leftovers joined where each shortens its pipeline most, or at the heads only: the
+    # greedy's best joins do not always allocate best (1,024 devices, four dead: 0.975 of the
+    # bound against 0.970; 16,384, four slow and two dead: 0.987 against 0.991), so both are
+    # candidates and the evaluator picks
+    options = [_with_leftovers(coster, designer, new, free, node_of, carried, before_head=b)
+               for b in (True, False)]
     plans = []
-    for new, joined in itertools.product(options[:1] if options[0] == options[1] else options,
-                                         variants):
-        more = (_joined_stages(coster, designer, new, [(r,) for r in slow], carried)
-                if joined and slow else list(new))
+    for pipes, joined in itertools.product(options[:1] if options[0] == options[1] else options,
+                                           variants):
+        more = (_joined_stages(coster, designer, pipes, [(r,) for r in slow], carried)
+                if joined and slow else list(pipes))
         taken = used | {r for st in more for g in st for r in g.ranks}
         own = _slow_pipelines(coster, designer, layout, kept_stages + more, taken, node_of, m_ref,
                               token_budgets)
@@ -691,7 +691,7 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
             # micro-batch running every layer on the fastest of them takes longer
             fastest = max(left, key=lambda r: (cluster.devices[r].speed, -r))
             alone = coster.pipeline_step((Stage((fastest,), (0, model.layers)),), 1)
-            if any(coster.pipeline_step(st, carried) > alone for st in new or kept_stages):
+            if any(coster.pipeline_step(st, carried) > alone for st in pipes or kept_stages):
                 chain = _slow_chain(coster, left, carried)
         for extra in [own] + ([chain] if chain else []):
             plan = _allocated(coster, layout, keep, kept_stages + more + extra, policy, time_limit_s)
