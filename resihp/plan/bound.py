@@ -68,10 +68,11 @@ pipeline's period is at least ``(t_s + t_{s+1}) / 2 + p`` for every adjacent pai
 least ``S + comm + (x - 1) P - (P - t_{s+1})`` (the last term for an even count only;
 ``pipeline_step_time`` meets it exactly on two equal stages). Not priced, as it buys almost nothing:
 an order-free valid form (the stages paired from the end, each pair's times below ``2 (mu' - p)``
-for the next candidate ``mu'``, candidates ``p / 4`` apart, the step ``2 p`` shorter for the odd
-term) passed the exhaustive tests but moved the 1,024-device bound by 0.13% (18.326 -> 18.350 s) and
-the 64-device one by 0.1%, in four times the time: the best designs mix TP sizes whose stages sit
-``p`` or more below ``mu`` already (at 1,024 devices 54 devices in 9 stages at ``mu`` 0.150 s).
+for the next candidate ``mu'``, candidates ``p / 4`` apart, the step ``2 p`` shorter for an even
+count's last period) passed the exhaustive tests but moved the healthy 1,024-device bound by 0.13%
+(18.326 -> 18.350 s) and the healthy 64-device one by 0.35% (13.136 -> 13.182 s; 64/slow8's not at
+all), in 2.5-14 times the time: the best designs mix TP sizes whose stages sit ``p`` or more below
+``mu`` already (at 1,024 devices 54 devices in 9 stages at ``mu`` 0.150 s).
 The older ``planner.capacity_bound`` (the best healthy layout with fractional layers, scaled by the
 compute that remains) is kept as ``loose`` beside it: it is no upper bound (integrality aside, a
 plan that shortens pipelines can pass it by its bubble), which is why this one exists.
