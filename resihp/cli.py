@@ -59,8 +59,8 @@ def main() -> None:
         if type(exc).__name__ == "NoArgsIsHelpError":  # a bare ``resihp``: its help
             exc.show()
             sys.exit(2)
-        where = getattr(exc, "ctx", None)
-        where = where.command_path if where is not None else "resihp"
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "resihp"
         print(f"resihp: error: {where}: {exc.format_message()} (see {where} -h)", file=sys.stderr)
         sys.exit(exc.exit_code)
     except typer.Abort:

@@ -120,6 +120,7 @@ def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas, l
     elif not regroup:
         assert [s.layers for s in sol.stages] == [(0, layers)]
 
+
 def test_a_split_the_solver_returns_fits_in_memory_exactly():
     """The CP-SAT split's memory in whole MB, rounded up, against the device's rounded down: the
     falsifying example of the property below (GPipe, 8 micro-batches in flight on a 300 and a 150

@@ -845,7 +845,7 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
             stretch = tuple(1.0 / x[2] for x in shape)
             # at the head (where a slow device's few layers belong), or just before the LM head's
             # stage, where fewer micro-batches in flight leave a narrow group room for more layers
-            for at in sorted({0, max(0, len(stages) - 1) if before_head else 0}):
+            for at in (0, len(stages) - 1) if before_head and len(stages) > 1 else (0,):
                 d = designer.fit_slowed(tps[:at] + (t,) + tps[at:],
                                         stretch[:at] + (1.0 / speed,) + stretch[at:], m)
                 if d is None or d.counts[at] / t > shard:
