@@ -154,6 +154,31 @@ def test_ranks_waiting_on_a_slow_rank_that_still_makes_progress_are_not_hung():
         agg.stop()
 
 
+def test_ranks_held_up_by_their_keeper_are_not_hung_until_one_stops_waiting_for_it():
+    """Rank 0 waits for its node's keeper to release a memory slot (a checkpoint it writes), rank 1
+    waits in the gradient all-reduce for rank 0, both for longer than the hang timeout: nobody is
+    hung (the keeper wait has its own deadline). Once rank 0 is stuck outside that wait, it is."""
+    from resihp.detect.heartbeat import KEEPER_WAIT, HeartbeatSender, NodeAggregator, Progress
+
+    store, _ = start_local_store()
+    state = {"wait": KEEPER_WAIT}
+    senders = [HeartbeatSender(store, 0, 0, 0.05, progress=lambda: Progress(3, "train", 17, state["wait"])),
+               HeartbeatSender(store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "grads-all-reduce"))]
+    for snd in senders:
+        snd.start()
+    agg = NodeAggregator(store, 0, [0, 1], interval_s=0.05, timeout_s=5.0).start()
+    monitor = HeartbeatMonitor(store, {0: [0, 1]}, timeout_s=5.0, hang_timeout_s=0.4)
+    try:
+        assert _first_events(monitor, 3, within_s=1.5) == []  # both stalled ~4x the hang timeout
+        state["wait"] = ""
+        found = _first_events(monitor, 3)
+        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+    finally:
+        for snd in senders:
+            snd.stop()
+        agg.stop()
+
+
 _WAITING_RANK = """
 import sys, time
 from resihp.detect.heartbeat import HeartbeatSender, Progress, connect_store

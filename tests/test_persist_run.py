@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -67,3 +70,36 @@ def test_a_dead_rank_leaves_the_newest_snapshot_on_disk_for_the_restart(tmp_path
     assert change["kind"] == "exclude" and change["restart_from"].endswith(f"step{newest}")
     assert change["resumed_step"] == newest + 1
     assert summary["after_restart"]["first_step"] == newest + 1
+
+
+def test_a_keeper_held_up_longer_than_the_hang_timeout_holds_training_up_without_a_failure(tmp_path):
+    """The keeper is stopped (SIGSTOP) for 5 s once it has written its first checkpoint: the
+    trainers wait for it to publish their slots for longer than the hang timeout (3 s), a wait on
+    the keeper, not a hang (a CI run once stopped a job whose keeper was that slow). The run ends
+    with every step and every checkpoint."""
+    out, shm = tmp_path / "run", tmp_path / "shm"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
+    proc = subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, "--dp", "2",
+                             "--pp", "1", "--steps", "10", "--snapshot-every", "1", "--ckpt-every", "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ckpt" / "persist.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pids = [int(p.read_text()) for p in shm.glob("*/keeper.pid")]
+        assert pids, "no keeper found"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(5)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["failure"] is None and len(summary["losses"]) == 10
+    assert [e["step"] for e in _log(out)] == [1, 3, 5, 7, 9]
+    ops = pd.read_parquet(out / "ops.parquet")
+    assert ops.loc[ops.optype == "snapshot", "duration"].max() > 3.0  # the trainers were held that long

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,12 +63,15 @@ def comparable(layout: dict) -> dict:
 
 class Snapshotter:
     """One rank's snapshots every ``every`` steps into ``tier``; ``copy_to``: the rank that keeps
-    an explicit copy of each (a rank with no data-parallel peer), or None."""
+    an explicit copy of each (a rank with no data-parallel peer), or None. ``held``: a context
+    around the wait for the keeper to release a slot (the trainer's heartbeat says it waits on its
+    keeper, a wait bounded by ``timeout_s``, not a hang)."""
 
     def __init__(self, tier: MemoryTier, every: int, copy_to: int | None = None,
-                 keeper_alive: Callable[[], None] | None = None, timeout_s: float = 60.0) -> None:
+                 keeper_alive: Callable[[], None] | None = None, timeout_s: float = 60.0,
+                 held: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.tier, self.every, self.copy_to = tier, every, copy_to
-        self.keeper_alive, self.timeout_s = keeper_alive, timeout_s
+        self.keeper_alive, self.timeout_s, self.held = keeper_alive, timeout_s, held
         self._next = tier.free_slot()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -102,7 +106,8 @@ class Snapshotter:
         self.fence()
         self.attach(optimizer)
         slot = self._next
-        self.held_s.append(self.tier.begin_write(slot, self.timeout_s, self.keeper_alive))
+        with self.held():
+            self.held_s.append(self.tier.begin_write(slot, self.timeout_s, self.keeper_alive))
         tensors = state_tensors(model, optimizer)
         shards, nbytes = plan_shards(tensors)
         buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))

@@ -44,6 +44,10 @@ from resihp.detect.events import Event
 
 PREFIX = "resihp/hb"
 FINISHED = ("done", "stopped")  # phases of a rank that ended on purpose: never judged again
+# a rank waiting on its node's keeper (for a memory slot the keeper still writes to disk) is not
+# stalled: that wait ends by its own deadline (an error the rank reports), and a slow keeper on a
+# loaded machine is no hang of the rank's
+KEEPER_WAIT = "keeper-wait"
 
 
 def rank_key(prefix: str, node: int, rank: int) -> str:
@@ -354,14 +358,17 @@ class HeartbeatMonitor:
         if not found:
             limit = self.hang_limit()
             live = [v for v in live if self._excused_until.get(v.rank, 0.0) < now]
-            if any(v.phase == "train" and v.stalled_s > limit for v in live):
+            # a rank waiting on its keeper is busy, not stalled (unless its process is stopped)
+            keeper = {v.rank for v in live if v.wait == KEEPER_WAIT and not v.stopped}
+            if any(v.phase == "train" and v.stalled_s > limit and v.rank not in keeper for v in live):
                 # the candidates: every rank stalled for a while, not only those past the limit (each
                 # node's view is up to an aggregator beat old, so the culprit may read a little less)
-                stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit / 2]
+                stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit / 2 and v.rank not in keeper]
                 # the ranks waiting in a communication op wait for the one that is not
                 idle = [v for v in stalled if not v.wait]
-                # a training rank still finishing ops: what the waiting ranks wait for is slow, not hung
-                moving = any(v.phase == "train" and v.stalled_s <= limit / 2 for v in live)
+                # a training rank still finishing ops (or waiting on its keeper): what the waiting
+                # ranks wait for is slow, not hung
+                moving = any(v.phase == "train" and (v.stalled_s <= limit / 2 or v.rank in keeper) for v in live)
                 # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit whatever
                 # its last beat said: it may have stopped inside the very op its peers wait in, a tie
                 # that its step and ops cannot break

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from resihp.detect.heartbeat import Progress
+from resihp.detect.heartbeat import KEEPER_WAIT, Progress
 from resihp.opstrace import validate_ops_trace, write_ops_trace
 
 if TYPE_CHECKING:
@@ -21,9 +21,10 @@ COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", 
 
 
 def is_wait(optype: str) -> bool:
-    """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers)."""
+    """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers) or
+    on its node's keeper."""
     return (optype.endswith(("-recv", "-send")) or "all-reduce" in optype
-            or optype in ("plan-sync", "barrier", "send-wait", "ft-commit"))
+            or optype in ("plan-sync", "barrier", "send-wait", "ft-commit", KEEPER_WAIT))
 
 
 class OpRecorder:
@@ -70,12 +71,12 @@ class OpRecorder:
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
         """Marks a wait on peers that is not an op of the trace (a plan broadcast, a barrier), so
-        that a heartbeat shows the rank waiting, not stuck."""
-        self.active = what
+        that a heartbeat shows the rank waiting, not stuck (inside an op: the op is active again after)."""
+        outer, self.active = self.active, what
         try:
             yield
         finally:
-            self.active = None
+            self.active = outer
             self.finished += 1
 
     def progress(self, phase: str) -> Progress:

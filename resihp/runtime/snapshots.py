@@ -16,6 +16,7 @@ from resihp.ckpt.keeper import ensure_keeper, request_flush, request_verify, sto
 from resihp.ckpt.memory import MemoryTier, plan_shards, shm_root, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
+from resihp.detect.heartbeat import KEEPER_WAIT
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
 
@@ -71,7 +72,8 @@ class MemorySnapshots:
         warm = persist_root is not None
         ensure_keeper(self.dir, owner, warm=warm)
         keep = lambda: ensure_keeper(self.dir, owner, warm=warm)  # noqa: E731
-        self.snapshotter = Snapshotter(self.tier, cfg.snapshot_interval(), holder, keep, cfg.faults.timeout_s)
+        self.snapshotter = Snapshotter(self.tier, cfg.snapshot_interval(), holder, keep, cfg.faults.timeout_s,
+                                       lambda: engine.rec.waiting(KEEPER_WAIT))
 
     def restore(self) -> Restored | None:
         """Collective: the newest step complete in memory for every rank, loaded; or None."""
@@ -90,7 +92,7 @@ class MemorySnapshots:
             if h.rank == self.engine.rank and h.step > step:
                 self.tier.header_path(h.slot).unlink(missing_ok=True)
         s = self.snapshotter
-        self.snapshotter = Snapshotter(self.tier, s.every, s.copy_to, s.keeper_alive, s.timeout_s)
+        self.snapshotter = Snapshotter(self.tier, s.every, s.copy_to, s.keeper_alive, s.timeout_s, s.held)
 
     def after_step(self, step: int) -> None:
         """Start this step's snapshot if one is due, or a checkpoint the keeper writes from it (the
