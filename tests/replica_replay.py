@@ -11,6 +11,11 @@ import torch
 
 from tests.gloo_ranks import spawn_ranks
 
+# the issue's run (DP 2 x TP 2 of the default model, 4,096 tokens a step), as flags, and the steps
+# of its one-process reference (``issue_run_losses`` in ``tests/conftest.py``)
+ISSUE_RUN = dict(dp=2, pp=1, tp=2, global_tokens=4096)
+ISSUE_STEPS = 32
+
 
 def _replay(rank: int, world: int, tmp: str) -> dict:
     from resihp.runtime.config import RunConfig

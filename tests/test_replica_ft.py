@@ -31,7 +31,7 @@ from resihp.runtime.live import RECOVERED
 from resihp.runtime.replica import heal_source
 from tests.faults import announced
 from tests.gloo_ranks import spawn_ranks
-from tests.replica_replay import replay_membership
+from tests.replica_replay import ISSUE_STEPS, replay_membership
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
          "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60",
@@ -700,7 +700,7 @@ def test_a_returning_replica_is_served_by_the_lowest_member_in_its_launch_layout
 
 
 @pytest.mark.slow
-def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tmp_path):
+def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tmp_path, issue_run_losses):
     """The issue's run (DP 2 x TP 2, rank 1 slow from step 10) in replica mode, where each replica is
     a job of its own: the planner re-forms replica 0's tensor-parallel group from its own ranks (rank
     1 left out as a hot spare, or given a stage of its own with fewer layers), which replica 0's ranks
@@ -712,8 +712,7 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     out re-checks itself with backoff as a hot spare of its replica and a later plan takes it back
     once a probe measures it healthy (32 steps: probes 1, 2, 4 and 8 steps apart leave two chances
     after 17; three ranks training on two cores can hold a healthy spare's probes above that)."""
-    out, steps = tmp_path / "run", 32
-    flags = dict(dp=2, pp=1, tp=2, global_tokens=4096)
+    out, steps = tmp_path / "run", ISSUE_STEPS  # 32
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
                            "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
                            "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10,until=17", "--json",
@@ -756,7 +755,7 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
         assert {step for rank, step in compute if rank == 1 and step >= at} == trained
     for rank in (0, 2, 3):
         assert {step for r, step in compute if r == rank} == set(range(steps)), rank
-    want = replay_membership({**flags, "steps": steps}, [[0, 1]] * steps, tmp_path / "replay")
-    assert len(summary["losses"]) == steps
+    want = issue_run_losses  # one process training the same batches (``tests/conftest.py``)
+    assert len(summary["losses"]) == len(want) == steps
     for step, (a, b) in enumerate(zip(summary["losses"], want)):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: loss {a} != {b}"
