@@ -34,17 +34,23 @@ def test_resume_a_run_folder_in_another_layout(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--resume", "nowhere"], "nowhere: not a resihp checkpoint (no meta.json)"),
-    (["--resume", "CKPT", "--steps", "2"], "--steps 2: the checkpoint"),
+@pytest.mark.parametrize("args, meta, message", [
+    (["--resume", "nowhere"], None, "nowhere: not a resihp checkpoint (no meta.json)"),
+    (["--resume", "CKPT", "--steps", "2"], None, "--steps 2: the checkpoint"),
+    (["--resume", "CKPT"], "{}", "meta.json: field step: expected the last step the checkpoint trained"),
+    (["--resume", "CKPT"], '{"step": "2"}', "meta.json: field step: expected"),
+    (["--resume", "CKPT"], "[2]", "meta.json: expected a JSON object, got list"),
 ])
-def test_bad_resume_is_one_line_and_exit_2(tmp_path, args, message):
+def test_bad_resume_is_one_line_and_exit_2(tmp_path, args, meta, message):
+    """Before any worker starts (a meta.json without its step once crashed rank 0 with a KeyError)."""
     import torch
 
     from resihp.ckpt.universal import save
 
     model = torch.nn.Linear(2, 2)
     save(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()), 1, {"tp": 1})
+    if meta is not None:
+        (tmp_path / "ckpt" / "meta.json").write_text(meta)
     args = [str(tmp_path / "ckpt") if a == "CKPT" else a for a in args]
     proc = resihp(*args, "-o", str(tmp_path / "out"), timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -161,13 +161,21 @@ def _param_name(key: str) -> str:
 
 
 def read_meta(directory: str | Path) -> dict:
+    """A checkpoint's ``meta.json``: a JSON object whose ``step`` is the last step it trained."""
     path = Path(directory) / "meta.json"
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise InputError(f"{directory}: not a resihp checkpoint (no meta.json)") from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: not valid JSON ({exc.msg})") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InputError(f"{path}: field step: expected the last step the checkpoint trained (a whole "
+                         f"number >= 0), got {step!r}")
+    return meta
 
 
 def resolve(path: str | Path) -> Path:

@@ -206,7 +206,7 @@ def _resume_source(path: Path, steps: int) -> Path:
     from resihp.ckpt.universal import read_meta, resolve  # deferred: torch.distributed.checkpoint
 
     source = resolve(path).resolve()
-    step = int(read_meta(source).get("step", -1))
+    step = read_meta(source)["step"]
     if step + 1 >= steps:
         raise InputError(f"--steps {steps}: the checkpoint {source} is at step {step}; --steps is the run's "
                          f"total step count, so give more than {step + 1}")
