@@ -12,9 +12,12 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from resihp.errors import InputError
-from resihp.options import Flag, build, field_types, leaves, scalar_type
+from resihp.options import SEED_MAX, Flag, build, field_types, leaves, scalar_type
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# a verb's --seed (resihp run's is RunConfig's train.seed, with the same range)
+Seed = Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Random seed (0 to 2**32 - 1)")]
 
 
 def _list_item(tp: Any) -> type | None:

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 from resihp.errors import InputError
 
+SEED_MAX = 2**32 - 1  # the largest seed everything resihp seeds (NumPy, torch) accepts
+
 
 def opt(default: Any = dataclasses.MISSING, *, help: str = "", flag: str | None = None,
         choices: tuple[str, ...] | None = None, minimum: float | None = None,

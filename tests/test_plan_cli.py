@@ -54,6 +54,8 @@ def test_readable_table_by_default():
     (["--cluster", CLUSTER, "--model", MODEL, "--time-limit", "0"], "--time-limit: must be positive"),
     (["--cluster", str(TRACES / "clusters" / "h100-8.yaml"), "--model",
       str(TRACES / "models" / "gpt-70b.yaml")], "no TP x PP layout fits model gpt-70b"),
+    (["--cluster", CLUSTER, "--model", MODEL, "-o", "/nonexistent-dir/plan.json"],
+     "/nonexistent-dir/plan.json: cannot write the plan (No such file or directory)"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message, monkeypatch, capsys):
     from resihp.cli import main
@@ -93,3 +95,18 @@ def test_out_is_the_spelling_and_output_a_hidden_alias(tmp_path):
                str(tmp_path / "b.json")).returncode == 0
     assert (tmp_path / "a.json").exists() and (tmp_path / "b.json").exists()
     assert "--output" not in cli("--help").stdout
+
+
+def test_a_cluster_wider_than_the_batch_says_so(tmp_path, monkeypatch, capsys):
+    """Every layout of 800 devices has more replicas than cpu-small's 32 micro-batches: the error
+    says that (it said the model did not fit in 1,600 GB of free memory)."""
+    from resihp.cli import main
+
+    wide = tmp_path / "wide.yaml"
+    wide.write_text("name: wide\ndevice: {memory_gb: 4, tflops: 1}\nnodes: {count: 100, devices: 8}\n")
+    monkeypatch.setattr(sys, "argv", ["resihp", "plan", "--cluster", str(wide), "--model", "cpu-small"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "more replicas than model cpu-small's 32 micro-batches a step" in lines[0], lines

@@ -102,6 +102,15 @@ def test_with_speeds_from_an_array_keeps_the_hardware():
     ({"speeds": {"n9/0": 0.5}}, "unknown device 'n9/0'"),
     ({"speeds": {3: "slow"}}, "must be a number in"),
     ({"bandwidth": {"intra_node_gbs": 0}}, "intra_node_gbs' must be a positive"),
+    # NaN passed every range check (a NaN speed planned that device as dead, an infinite memory
+    # crashed the solver)
+    ({"device": {"memory_gb": float("inf"), "tflops": 1}}, "'memory_gb' must be a finite number, got inf"),
+    ({"nodes": [{"devices": [{"speed": float("nan")}]}]}, "'speed' must be a finite number, got nan"),
+    ({"bandwidth": {"inter_node_gbs": float("nan")}}, "'inter_node_gbs' must be a finite number"),
+    ({"memory_reserve_gb": 80}, "'memory_reserve_gb' must be below every device's memory_gb"),
+    # a spec too large to plan is refused before anything is built (10**8 devices hung the planner)
+    ({"nodes": [{"devices": 10**8}]}, "more than 1,048,576 devices"),
+    ({"nodes": {"count": 2**21, "devices": 1}}, "'count' must be <= 1048576"),
 ])
 def test_bad_cluster_is_one_line_error(over, match):
     with pytest.raises(InputError, match=match) as err:
@@ -136,6 +145,7 @@ MODEL = {"layers": 4, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 40
     ({"pp": 9}, "exceeds the number of layers"),
     ({"vocab": "big"}, "'vocab' must be an integer"),
     ({"mlp": "relu"}, "field 'mlp' must be one of gelu, swiglu"),
+    ({"global_batch_tokens": 2048 * 2**17}, "131,072 micro-batches a step, more than the 65,536"),
 ])
 def test_bad_model_is_one_line_error(over, match):
     with pytest.raises(InputError, match=match) as err:

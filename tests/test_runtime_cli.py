@@ -32,7 +32,8 @@ def resihp(*args, timeout=180):
     (["--layer-split", "3,3"], "expected 2 positive layer counts summing to 4"),
     (["--dp-weights", "1,x"], "--dp-weights '1,x'"),
     (["--hidden", "8192", "--ffn-hidden", "32768", "--heads", "64", "--layers", "64"], "model too large"),
-    (["--source", "nowhere.txt"], "length source 'nowhere.txt'"),
+    (["--source", "nowhere.txt"], "--source 'nowhere.txt': not a file and not one of"),
+    (["--seed", "-1"], "train.seed (--seed): expected an integer >= 0, got -1"),
     (["--schedule", "zigzag"], "parallel.schedule (--schedule): expected one of 1f1b, gpipe, got 'zigzag'"),
     (["--lr", "inf"], "train.lr (--lr): expected a finite number, got inf"),
     (["--lr", "nan"], "train.lr (--lr): expected a finite number, got nan"),
@@ -55,6 +56,27 @@ def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
     assert exit_info.value.code == 2, err
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", [["--source", "nowhere.txt"], ["--seed", "-1"]])
+def test_bad_input_leaves_the_run_folder_it_names_as_it_was(bad, tmp_path, monkeypatch, capsys):
+    """A finished run's folder named again with a bad option: nothing in it changes (the run folder
+    was taken, its run.json marked failed and its trace stream removed, before the options were
+    checked)."""
+    from resihp.cli import main
+
+    out = tmp_path / "done"
+    (out / "logs").mkdir(parents=True)
+    files = {"run.json": '{"state": "done"}', "summary.json": '{"losses": [1.0]}', "ops.jsonl": "{}\n",
+             "config.json": "{}", "logs/workers.log": "step 0\n"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    monkeypatch.setattr(sys, "argv", ["resihp", "run", "-o", str(out), *bad])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2, capsys.readouterr().err
+    assert {name: (out / name).read_text() for name in files} == files
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == sorted([*files, "logs"])
 
 
 def test_slow_fault_stretches_compute_from_its_step_until_recovery():

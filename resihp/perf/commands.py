@@ -10,7 +10,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
-from resihp.cli_options import renamed
+from resihp.cli_options import Seed, renamed
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
@@ -50,17 +50,17 @@ def profile_cmd(
     lengths: Annotated[Path, typer.Option(help="Explicit sequence lengths, one integer per line, "
                                           "packed in file order")] = None,
     layers: int = 2, hidden: int = 256, heads: int = 4, ffn_hidden: int = 1024,
-    budget: Annotated[int, typer.Option(help="Micro-batch token budget")] = 1024,
-    max_len: Annotated[int, typer.Option(help="Longest sequence; longer documents are chunked")] = 1024,
+    budget: Annotated[int, typer.Option(min=1, help="Micro-batch token budget")] = 1024,
+    max_len: Annotated[int, typer.Option(min=1, help="Longest sequence; longer documents are chunked")] = 1024,
     microbatches: Annotated[int, typer.Option(help="Micro-batches per source")] = 100,
     repeats: Annotated[int, typer.Option(help="Timed passes of each micro-batch, spread over the "
                                          "whole profile in shuffled order")] = 3,
     warmup: Annotated[int, typer.Option(help="Untimed passes right before each timed one")] = 0,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "float32",
-    threads: Annotated[int, typer.Option(help="CPU threads for torch (0: torch's default)")] = 1,
+    threads: Annotated[int, typer.Option(min=0, help="CPU threads for torch (0: torch's default)")] = 1,
     model_name: Annotated[str, typer.Option("--model-name")] = "gpt",
-    seed: int = 0,
+    seed: Seed = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
     """Measure real forward/backward time of the decoder stack on packed micro-batches, with a
@@ -129,7 +129,7 @@ def calibrate_cmd(
     repeats: Annotated[int, typer.Option(help="Timed passes of each micro-batch")] = 3,
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
     threads: Annotated[int, typer.Option(help="CPU threads for torch (resihp's jobs use 1)")] = 1,
-    seed: int = 0,
+    seed: Seed = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
     """Make a predictor for this device: profile the shipped length sources (code, text,
@@ -169,7 +169,7 @@ def train_cmd(
     output: Annotated[Path, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     holdout: Annotated[float, typer.Option(help="Fraction of micro-batches held out for the card's "
                                            "metrics (the model never sees them)")] = 0.25,
-    seed: int = 0,
+    seed: Seed = 0,
     target: Annotated[str, typer.Option(help="Measured column to learn: auto (the normalised cost "
                                         "when the log has it: cpu_cost on a CPU, else cost; else "
                                         "time_s), cost, cpu_cost, time_s (median wall), "

@@ -94,6 +94,7 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
     healthy = StageCoster(cluster.healthy(), model, coster.cost)
     smallest_node = min(len(r) for r in cluster.node_ranks)
     best: tuple[float, ParallelDims] | None = None
+    too_wide = tried = 0  # layouts, and those with more replicas than micro-batches
     tps = [model.tp] if model.tp else [t for t in powers_of_two_upto(smallest_node)
                                         if model.heads % t == 0]
     for tp in tps:
@@ -102,12 +103,20 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
         pps = [model.pp] if model.pp else range(1, min(model.layers, n_groups) + 1)
         for pp in pps:
             dp = n_groups // pp
+            tried += dp >= 1
             if dp < 1 or dp > model.microbatches:
+                too_wide += dp > model.microbatches
                 continue
             layout = ParallelDims(dp=dp, pp=pp, tp=tp)
             step = layout_step_time(healthy.cluster, model, healthy, layout, groups, token_budgets)
             if step is not None and (best is None or step < best[0] - 1e-12):
                 best = (step, layout)
+    if best is None and tried and too_wide == tried:
+        raise InputError(
+            f"cluster {cluster.name}: every TP x PP layout of its {len(cluster.devices):,} devices has "
+            f"more replicas than model {model.name}'s {model.microbatches:,} micro-batches a step "
+            "(global_batch_tokens / microbatch_tokens; each replica needs one): raise "
+            "global_batch_tokens or plan for fewer devices")
     if best is None:
         need = stage_memory_gb(model, model.layers, 1, 1, True, True)
         have = sum(d.memory_gb - cluster.memory_reserve_gb for d in cluster.devices)

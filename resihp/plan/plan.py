@@ -170,7 +170,10 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=True)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        try:
+            Path(path).write_text(self.to_json())
+        except OSError as exc:
+            raise InputError(f"{path}: cannot write the plan ({exc.strerror})") from None
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> Plan:

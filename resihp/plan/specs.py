@@ -4,6 +4,7 @@ stage needs: one definition each, for the planner and the replay (whose scenario
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -23,6 +24,12 @@ def _read_spec(path: str | Path, what: str) -> dict[str, Any]:
     return read_yaml_mapping(path, what, f"expected a YAML mapping describing the {what}")
 
 
+# the largest problems the planner takes (a bad spec must not hang it): 64x the 16,384 GPUs of
+# the benchmarks, and 32x the micro-batches of a 16M-token step of 8,192-token micro-batches
+MAX_DEVICES = 1 << 20
+MAX_MICROBATCHES = 1 << 16
+
+
 def _number(data: Mapping, key: str, where: str, default: Any = None, *, positive: bool = True,
             integer: bool = False, minimum: float | None = None, maximum: float | None = None):
     value = data.get(key, default)
@@ -32,6 +39,8 @@ def _number(data: Mapping, key: str, where: str, default: Any = None, *, positiv
     if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
         raise InputError(f"{where}: field {key!r} must be {'an' if integer else 'a'} {kind}, "
                          f"got {value!r}")
+    if not math.isfinite(value):  # NaN passes every comparison below
+        raise InputError(f"{where}: field {key!r} must be a finite {kind}, got {value!r}")
     if positive and value <= 0:
         raise InputError(f"{where}: field {key!r} must be a positive {kind}, got {value!r}")
     if minimum is not None and value < minimum:
@@ -108,7 +117,7 @@ class ClusterSpec:
         nodes = data.get("nodes")
         if isinstance(nodes, Mapping):
             check_keys(nodes, ("count", "devices"), f"{where}: nodes")
-            count = _number(nodes, "count", f"{where}: nodes", integer=True)
+            count = _number(nodes, "count", f"{where}: nodes", integer=True, maximum=MAX_DEVICES)
             nodes = [{"name": f"n{i}", "devices": nodes.get("devices")} for i in range(count)]
         if not isinstance(nodes, list) or not nodes:
             raise InputError(f"{where}: field 'nodes' must be a non-empty list of nodes or "
@@ -128,6 +137,9 @@ class ClusterSpec:
             if isinstance(entries, int) and not isinstance(entries, bool):
                 if entries < 1:
                     raise InputError(f"{nwhere}: field 'devices' must be positive, got {entries}")
+                if len(devices) + entries > MAX_DEVICES:
+                    raise InputError(f"{nwhere}: field 'devices': the cluster would have more than "
+                                     f"{MAX_DEVICES:,} devices, the most resihp plans for")
                 entries = [{}] * entries
             if not isinstance(entries, list) or not entries:
                 raise InputError(f"{nwhere}: field 'devices' must be a device count or a list of "
@@ -146,12 +158,19 @@ class ClusterSpec:
                                         minimum=0.0, maximum=1.0)),
                     hbm_gbs=float(_number(merged, "hbm_gbs", dwhere, DeviceSpec.hbm_gbs)),
                 ))
+        if len(devices) > MAX_DEVICES:
+            raise InputError(f"{where}: {len(devices):,} devices, more than the {MAX_DEVICES:,} "
+                             "resihp plans for")
+        reserve = _number(data, "memory_reserve_gb", where, 2.0, positive=False, minimum=0.0)
+        smallest = min(d.memory_gb for d in devices)
+        if reserve >= smallest:
+            raise InputError(f"{where}: field 'memory_reserve_gb' must be below every device's "
+                             f"memory_gb (the smallest: {smallest:g}), got {reserve:g}")
         cluster = cls(
             devices=tuple(devices),
             intra_node_gbs=float(_number(bandwidth, "intra_node_gbs", f"{where}: bandwidth", 300.0)),
             inter_node_gbs=float(_number(bandwidth, "inter_node_gbs", f"{where}: bandwidth", 25.0)),
-            memory_reserve_gb=float(_number(data, "memory_reserve_gb", where, 2.0, positive=False,
-                                            minimum=0.0)),
+            memory_reserve_gb=float(reserve),
             name=str(data.get("name", where)),
         )
         overrides = data.get("speeds") or {}
@@ -444,6 +463,10 @@ class ModelSpec:
         if self.global_batch_tokens % self.microbatch_tokens:
             raise InputError(f"model {self.name}: global_batch_tokens ({self.global_batch_tokens}) must "
                              f"be a multiple of microbatch_tokens ({self.microbatch_tokens})")
+        if self.global_batch_tokens // self.microbatch_tokens > MAX_MICROBATCHES:
+            raise InputError(f"model {self.name}: global_batch_tokens / microbatch_tokens = "
+                             f"{self.global_batch_tokens // self.microbatch_tokens:,} micro-batches a "
+                             f"step, more than the {MAX_MICROBATCHES:,} resihp plans for")
         if self.microbatch_tokens < self.max_seq_len:
             raise InputError(f"model {self.name}: microbatch_tokens ({self.microbatch_tokens}) must be "
                              f">= max_seq_len ({self.max_seq_len}) so any sequence fits")

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from resihp.errors import InputError
+from resihp.options import SEED_MAX
 from resihp.paths import resolve
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
@@ -25,7 +26,7 @@ def replay_cmd(
         metavar="NAME,...", help=f"Comma-separated policies, of {REPLAY_POLICIES} (default: all)")] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     plot: Annotated[Path, typer.Option(help="Write throughput timelines to this PNG")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for failure generators, workload and noise "
+    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Seed for failure generators, workload and noise "
                                       "(default: the scenario's)")] = None,
 ) -> None:
     """Replay a failure scenario under each policy through the one engine and compare throughput."""

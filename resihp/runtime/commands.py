@@ -22,6 +22,7 @@ from resihp.progress import progress_bar
 from resihp.runtime.config import RunConfig, check_memory
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.warm import CHECKPOINTING, WARM_AGENTS, agent_env
+from resihp.workload.lengths import resolve_source
 
 RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
 RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch the job
@@ -66,6 +67,7 @@ def run_cmd(
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
     check_memory(cfg, nodes.nproc_per_node)
+    resolve_source(cfg.data.source, "--source")  # before the run folder is taken: bad input changes nothing
     with _warm_agents(cfg):
         _run(cfg, nodes, if_busy, tensorboard, json_out)
 

@@ -12,7 +12,16 @@ from typing import Any, ClassVar
 from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
-from resihp.options import Section, build, check_section, flat_values, from_nested, opt, updated
+from resihp.options import (
+    SEED_MAX,
+    Section,
+    build,
+    check_section,
+    flat_values,
+    from_nested,
+    opt,
+    updated,
+)
 from resihp.parallel import SCHEDULES, ParallelDims
 from resihp.runtime.inject import Fault, check_faults, parse_fault
 from resihp.runtime.layout import balanced_layers, ranges_from_counts
@@ -63,7 +72,8 @@ class TrainConfig(Section):
     steps: int = opt(20, minimum=1, maximum=10**8, panel="Training",
                      help="Training steps in all (a resumed run goes on to this step count)")
     lr: float = opt(1e-3, above=0, finite=True, panel="Training", help="AdamW learning rate")
-    seed: int = opt(0, panel="Training", help="Seed of the model's initialisation and the data order")
+    seed: int = opt(0, minimum=0, maximum=SEED_MAX, panel="Training",
+                    help="Seed of the model's initialisation and the data order")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ def load_lengths(path: str | Path) -> np.ndarray:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise InputError(f"{path}: cannot read lengths file ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a text file (expected one integer sequence length per line)") from None
     values = []
     for number, line in enumerate(lines, start=1):
         text = line.split("#", 1)[0].strip()
@@ -42,14 +44,15 @@ def load_lengths(path: str | Path) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
-def resolve_source(source: str) -> np.ndarray:
-    """A source by name (``code``, ``text``) or a path to a lengths file."""
+def resolve_source(source: str, name: str = "length source") -> np.ndarray:
+    """A source by name (``code``, ``text``) or a path to a lengths file; ``name``: what the user
+    gave it as (an option, a file's field), for the error."""
     if source in source_names():
         return load_lengths(LENGTHS_DIR / f"{source}.txt")
     if Path(source).exists():
         return load_lengths(source)
     raise InputError(
-        f"length source {source!r}: not a file and not one of {', '.join(source_names())}"
+        f"{name} {source!r}: not a file and not one of {', '.join(source_names())}"
     )
 
 
