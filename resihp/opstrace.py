@@ -20,6 +20,8 @@ from resihp.errors import InputError
 from resihp.paths import write_text_atomic
 from resihp.yamlio import check_keys, read_yaml_mapping
 
+TRACE_STREAM = "ops.jsonl"  # a run folder's stream of complete steps' rows (JSON lines; node 0 writes it)
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -113,6 +115,25 @@ def read_ops_trace(path: str | Path) -> pd.DataFrame:
     return validate_ops_trace(df, source=str(path))
 
 
+def json_lines(data: bytes, path: str | Path, first_line: int = 1) -> list[dict]:
+    """The op records of complete JSON lines (``data`` ends at a newline; blank lines skipped);
+    a line that is not a JSON object is one error naming the file and line (``first_line``: the
+    number of ``data``'s first line in the file)."""
+    rows = []
+    for number, line in enumerate(data.splitlines(), start=first_line):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
+            row = None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{number}: expected one op record (a JSON object) per line, got "
+                             f"{line[:40].decode(errors='replace')!r}")
+        rows.append(row)
+    return rows
+
+
 def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
     """The ops trace of a run folder and its job meta's path (None when it has none): its merged
     ``ops.parquet``, else its per-rank ``ops.rank<R>.parquet`` files merged, else the per-rank
@@ -128,14 +149,15 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
     if parts:
         df = pd.concat([read_ops_trace(p) for p in parts], ignore_index=True)
         return validate_ops_trace(df, source=str(folder)), meta_path
-    streams = sorted((folder / "ranks").glob("rank*.jsonl"))
+    streams = sorted((folder / "ranks").glob("rank*.jsonl")) or [
+        p for p in [folder / TRACE_STREAM] if p.exists()]  # a job stopped before its ops.parquet
     rows = []
     for path in streams:
         data = path.read_bytes()
-        rows += [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
+        rows += json_lines(data[:data.rfind(b"\n") + 1], path)
     if not rows:
         raise InputError(f"{folder}: no ops trace in this folder (expected ops.parquet, "
-                         "ops.rank<R>.parquet files or ranks/rank<R>.jsonl streams)")
+                         f"ops.rank<R>.parquet files, ranks/rank<R>.jsonl streams or {TRACE_STREAM})")
     return validate_ops_trace(pd.DataFrame(rows), source=str(folder)), meta_path
 
 

@@ -257,3 +257,34 @@ def test_following_a_job_across_a_live_re_form_judges_each_layout_on_its_own():
         follow.poll()
     [(kind, rank, stage, onset, found)] = _device_faults({"events": follow.events})
     assert (kind, rank, stage) == ("fail-slow", slow, 1) and 33 <= onset <= 37 and found < 60
+
+
+@pytest.mark.parametrize("where", ["ops.jsonl", "ranks/rank0.jsonl"])
+def test_a_run_folders_streams_are_read_and_a_damaged_line_is_one_line(trace, where, tmp_path):
+    """A run folder with only its JSON-lines stream (a job stopped before its ops.parquet; the node
+    0 stream or a rank's) is judged from it; a damaged complete line in it is one line naming the
+    file and line (it was a JSONDecodeError traceback from detect and follow)."""
+    import json
+
+    tmp, df = trace
+    folder = tmp_path / "run"
+    (folder / "ranks").mkdir(parents=True)
+    (folder / "job.yaml").write_text((tmp / "meta.yaml").read_text())
+    rows = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items() if v == v}
+            for r in df.to_dict("records")]
+    for r in rows:
+        if isinstance(r.get("seq_lens"), (list, tuple)) or hasattr(r.get("seq_lens"), "tolist"):
+            r["seq_lens"] = list(map(int, r["seq_lens"]))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (folder / where).write_text(text)
+    good = resihp("detect", folder, "--json")
+    assert good.returncode == 0, good.stderr
+    assert [e["rank"] for e in json.loads(good.stdout)["events"]] == [SimJob().rank(1, 3)]
+    lines = text.splitlines(keepends=True)
+    (folder / where).write_text("".join(lines[:5]) + '{"step": 3, "rank": 0, trunc\n' + "".join(lines[5:]))
+    for verb in (["detect", folder], ["follow", folder, "--start-timeout", "3"]):
+        bad = resihp(*verb)
+        assert bad.returncode == 2, bad
+        assert bad.stderr.strip().splitlines() == [
+            f"resihp: error: {folder / where}:6: expected one op record (a JSON object) per line, got "
+            "'{\"step\": 3, \"rank\": 0, trunc'"], bad.stderr

@@ -43,10 +43,9 @@ from resihp.detect.config import DetectorConfig
 from resihp.detect.events import DEVICE_FAULTS
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError
-from resihp.opstrace import JobMeta, validate_ops_trace, write_meta, write_ops_trace
+from resihp.opstrace import TRACE_STREAM, JobMeta, validate_ops_trace, write_meta, write_ops_trace
 from resihp.runtime import logs
 from resihp.runtime.controlplane import (
-    TRACE_STREAM,
     StepPublisher,
     StepReader,
     announce_job,

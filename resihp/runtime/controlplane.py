@@ -51,7 +51,6 @@ def node_ranks(nnodes: int, nproc_per_node: int, sizes: list[int] | tuple[int, .
     return Nodes(nnodes, 0, nproc_per_node, None, tuple(sizes) if sizes else None).layout()
 
 
-TRACE_STREAM = "ops.jsonl"  # node 0's stream of complete steps' rows in the run folder (JSON lines)
 
 
 def append_steps(path: str | Path, steps: Sequence[StepRecords]) -> None:

@@ -8,7 +8,6 @@ thread of the job itself (``resihp.attach(..., detect=True)`` on rank 0).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,9 +22,9 @@ from resihp.detect.events import DEVICE_FAULTS
 from resihp.detect.observe import layout_parts
 from resihp.detect.online import OnlineDetector, noise_warnings
 from resihp.errors import InputError
-from resihp.opstrace import JobMeta, read_meta
+from resihp.opstrace import TRACE_STREAM, JobMeta, json_lines, read_meta
 from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import TRACE_STREAM, StepReader, ended, node_ranks, read_job
+from resihp.runtime.controlplane import StepReader, ended, node_ranks, read_job
 from resihp.runtime.launch import JobStore
 from resihp.runtime.recorder import rows_frame
 
@@ -40,6 +39,7 @@ class StreamTail:
     def __init__(self, out: Path, world: int) -> None:
         self.paths = [out / TRACE_STREAM, *(out / "ranks" / f"rank{r}.jsonl" for r in range(world))]
         self.offsets = [0] * len(self.paths)
+        self.lines = [0] * len(self.paths)  # complete lines read so far (for an error's line number)
 
     def read(self) -> list[dict]:
         rows = []
@@ -52,7 +52,8 @@ class StreamTail:
                 continue
             end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
             self.offsets[i] += end
-            rows += [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+            rows += json_lines(data[:end], path, self.lines[i] + 1)
+            self.lines[i] += data.count(b"\n", 0, end)
         return rows
 
 

@@ -25,9 +25,9 @@ from resihp.ckpt.integrity import remove_partial
 from resihp.detect.heartbeat import HeartbeatMonitor
 from resihp.errors import InputError
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
+from resihp.opstrace import TRACE_STREAM
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
-    TRACE_STREAM,
     StepReader,
     StepRecords,
     announce_job,

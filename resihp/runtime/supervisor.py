@@ -34,10 +34,10 @@ from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import FINISHED, HeartbeatMonitor, NodeAggregator
 from resihp.errors import InputError
+from resihp.opstrace import TRACE_STREAM
 from resihp.parallel import ParallelDims
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
-    TRACE_STREAM,
     StepReader,
     StepRecords,
     announce_job,

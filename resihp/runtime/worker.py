@@ -33,11 +33,10 @@ from resihp.cli_options import add_arguments, from_command_line
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError, disk_full
 from resihp.ft.quorum import Member
-from resihp.opstrace import JobMeta, write_meta
+from resihp.opstrace import TRACE_STREAM, JobMeta, write_meta
 from resihp.perf.device import this_device
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
-    TRACE_STREAM,
     PlanInbox,
     StepPublisher,
     StepReader,
