@@ -153,6 +153,10 @@ def test_ckpt_cli_bad_input(tmp_path):
                           capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "not a resihp checkpoint (no meta.json)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    (tmp_path / "afile").write_text("x")  # a file, not a folder: was NotADirectoryError
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(tmp_path / "afile")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"resihp: error: {tmp_path / 'afile'}: not a resihp checkpoint (no meta.json)"
 
 
 # --- integrity (issue 20) -------------------------------------------------------------------------

@@ -326,6 +326,38 @@ def test_a_damaged_model_file_is_one_line_not_an_abort(tiny_profile, tmp_path):
                                                                       TransformerShape(1, 64, 2, 128))[0] > 0
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda card: [card], "expected a JSON object"),
+    (lambda card: {k: v for k, v in card.items() if k != "base_coef"}, "field base_coef: expected per phase"),
+    (lambda card: {**card, "base_coef": {**card["base_coef"], "fwd": "x"}}, "field base_coef: expected"),
+    (lambda card: {**card, "device": 3}, "field device: expected the device's name"),
+])
+def test_a_damaged_card_is_one_line(tiny_profile, tmp_path, damage, message):
+    """Each was a KeyError, AttributeError or NumPy error from load."""
+    train_predictor([tiny_profile], tmp_path / "m")
+    card = json.loads((tmp_path / "m" / "card.json").read_text())
+    (tmp_path / "m" / "card.json").write_text(json.dumps(damage(card)))
+    with pytest.raises(InputError, match=message):
+        MicroBatchPredictor.load(tmp_path / "m")
+
+
+def test_a_file_where_a_model_directory_goes_is_one_line(tiny_profile, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InputError, match="not a predictor directory"):
+        MicroBatchPredictor.load(tmp_path / "afile")
+    with pytest.raises(InputError, match="afile: cannot make the model directory"):
+        train_predictor([tiny_profile], tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_log_too_small_to_hold_out_from_is_one_line(tiny_profile, tmp_path):
+    log = pd.read_parquet(tiny_profile)
+    one = log[log["mb_id"] == log["mb_id"].iloc[0]] if "mb_id" in log.columns else log.iloc[:2]
+    one.to_parquet(tmp_path / "one.parquet")
+    with pytest.raises(InputError, match="too few to hold out"):
+        train_predictor([tmp_path / "one.parquet"], tmp_path / "m")
+
+
 def test_out_is_the_option_and_output_still_works(tiny_profile, tmp_path):
     for flag in ("-o", "--out", "--output"):
         result = runner.invoke(app, ["predictor", "train", str(tiny_profile), flag,

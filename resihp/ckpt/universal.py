@@ -165,10 +165,12 @@ def read_meta(directory: str | Path) -> dict:
     path = Path(directory) / "meta.json"
     try:
         meta = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise InputError(f"{directory}: not a resihp checkpoint (no meta.json)") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg})") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise InputError(f"{path}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
     if not isinstance(meta, dict):
         raise InputError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     step = meta.get("step")

@@ -211,7 +211,10 @@ class MicroBatchPredictor:
     # --- persistence -------------------------------------------------------------------------
     def save(self, directory: str | Path, card: dict | None = None) -> Path:
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file by that name, or a folder it cannot make
+            raise InputError(f"{directory}: cannot make the model directory ({exc.strerror})") from None
         for phase, booster in self.boosters_.items():
             booster.save_model(directory / f"{phase}.lgb.txt")
         files = {f"{phase}.lgb.txt": sha256_of(directory / f"{phase}.lgb.txt")
@@ -238,13 +241,16 @@ class MicroBatchPredictor:
         card_path = directory / "card.json"
         try:
             card = json.loads(card_path.read_text())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise InputError(f"{directory}: not a predictor directory (no card.json)") from None
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             raise InputError(f"{card_path}: not valid JSON") from None
+        if not isinstance(card, dict):
+            raise InputError(f"{card_path}: expected a JSON object (a predictor's card)")
         if card.get("format") != FORMAT:
             raise InputError(f"{card_path}: field format is {card.get('format')!r}; this resihp "
                              f"reads {FORMAT!r} (retrain with `resihp predictor train`)")
+        _check_card(card, card_path)
         self = cls()
         self.card_ = card
         self.device_ = card["device"]
@@ -264,6 +270,23 @@ class MicroBatchPredictor:
 
 def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _coefficients(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in value)
+
+
+def _check_card(card: dict, path: Path) -> None:
+    """The fields ``load`` reads: a device name and per phase the base model's coefficients."""
+    if not isinstance(card.get("device"), str):
+        raise InputError(f"{path}: field device: expected the device's name, got {card.get('device')!r}")
+    for name, phases in (("base_coef", PHASES), ("base_coef_by_width", ())):
+        coef = card.get(name, {})
+        if not isinstance(coef, dict) or any(p not in coef for p in phases) or not all(
+                _coefficients(c) for c in coef.values()):
+            raise InputError(f"{path}: field {name}: expected per phase ({', '.join(PHASES)}) a list "
+                             "of finite numbers")
 
 
 def _check_model_file(path: Path, sha256: str | None) -> None:
@@ -288,6 +311,10 @@ def holdout_split(log: pd.DataFrame, fraction: float, seed: int) -> tuple[np.nda
     mb = log["mb_id"].astype(str) if "mb_id" in log.columns else pd.Series(
         [str(s) for s in log["seq_lens"]], index=log.index)
     groups = log.get("log", pd.Series("", index=log.index)).astype(str) + ":" + mb
+    n = groups.nunique()
+    if n < 2 or round(fraction * n) < 1 or n - int(np.ceil(fraction * n)) < 1:
+        raise InputError(f"profiling logs: {n} measured micro-batch(es), too few to hold out "
+                         f"{fraction:g} of them and train on the rest (profile more: --microbatches)")
     split = GroupShuffleSplit(n_splits=1, test_size=fraction, random_state=seed)
     return next(split.split(log, groups=groups))
 
