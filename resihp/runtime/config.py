@@ -179,7 +179,7 @@ class RunConfig:
                                                 or sum(parallel.dp_weights) <= 0):
             raise InputError(f"parallel.dp_weights (--dp-weights): expected {parallel.dp} non-negative "
                              f"weights with a positive sum, got {parallel.dp_weights}")
-        check_faults(self.fault_list(), self.dims().world_size)
+        check_faults(self.fault_list(), self.dims().world_size, self.train.steps)
         for change in self.live.replan:
             if not isinstance(change, dict) or not isinstance(change.get("step"), int):
                 raise InputError(f"live.replan: each change needs an integer step, got {change!r}")

@@ -9,6 +9,7 @@ progress; ``error`` raises a Python exception in it (a crash: the process ends b
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -108,6 +109,8 @@ def parse_fault(text: str) -> Fault:
         key, eq, value = item.partition("=")
         if not eq or key.strip() not in ("rank", "ranks", "factor", "step", "time", "until", "how", "during"):
             raise InputError(f"--inject {text!r}: unknown field {item!r}; expected {FORMS}")
+        if key.strip() in fields:
+            raise InputError(f"--inject {text!r}: field {key.strip()}= given twice")
         fields[key.strip()] = value.strip()
     peer = None
     if kind == "link":
@@ -145,8 +148,10 @@ def parse_fault(text: str) -> Fault:
     if (step is None) + (time_s is None) + (during in (None, "publish")) != 2:
         raise InputError(f"--inject {text!r}: give exactly one of step= or time=" +
                          (" or during=" if kind == "stop" else ""))
-    if kind in ("slow", "link") and not factor >= 1.0:
-        raise InputError(f"--inject {text!r}: factor must be >= 1, got {factor}")
+    if kind in ("slow", "link") and not 1.0 <= factor < math.inf:
+        raise InputError(f"--inject {text!r}: factor must be >= 1 (a finite number), got {factor}")
+    if time_s is not None and not 0.0 <= time_s < math.inf:
+        raise InputError(f"--inject {text!r}: time must be a finite number of seconds >= 0, got {time_s}")
     if kind in ("stop", "error") and ("factor" in fields or until is not None or "how" in fields):
         raise InputError(f"--inject {text!r}: {kind} takes only rank= and step= or time="
                          + (" (and during=publish) or during=restore" if kind == "stop" else ""))
@@ -162,13 +167,17 @@ def parse_fault(text: str) -> Fault:
     return Fault(kind, rank, step, time_s, factor, until, how, peer, during)
 
 
-def check_faults(faults: Sequence[Fault], world_size: int) -> None:
+def check_faults(faults: Sequence[Fault], world_size: int, steps: int | None = None) -> None:
+    """Every fault names ranks of the world and (given the run's ``steps``) a step it reaches."""
     for f in faults:
+        what = f"ranks={f.rank}+{f.peer}" if f.kind == "link" else f"rank={f.rank}"
         for r in f.ranks:
             if r >= world_size:
-                what = f"ranks={f.rank}+{f.peer}" if f.kind == "link" else f"rank={f.rank}"
                 raise InputError(f"--inject {f.kind}:{what}: no such rank {r} (the world has ranks "
                                  f"0..{world_size - 1})")
+        if steps is not None and f.step is not None and f.step >= steps:
+            raise InputError(f"--inject {f.kind}:{what},step={f.step}: the run's steps are 0..{steps - 1} "
+                             f"(--steps {steps}): it would never be injected")
 
 
 class FaultInjector:
