@@ -71,6 +71,18 @@ def test_other_bad_fields(tmp_path):
         load_scenario(bad)
 
 
+@pytest.mark.parametrize("generator, match", [
+    ({"kind": "greyhound", "per_day": 1e9}, "generators.greyhound.per_day: about .* failures over the "
+                                            "scenario's .* days, more than the 1,000,000 a replay takes"),
+    ({"kind": "llama3", "scale": 1e12}, "generators.llama3.scale: about"),
+    ({"kind": "greyhound", "per_day": float("inf")}, "per_day: expected a finite number >= 0, got inf"),
+])
+def test_a_generator_rate_no_replay_could_finish_is_refused(tmp_path, generator, match):
+    """1e9 failures a day hung the replay (1e5 took seconds)."""
+    with pytest.raises(InputError, match=match):
+        scenario_events(load_scenario(write(tmp_path, generators=[generator])))
+
+
 def test_cli_bad_input_one_line_exit_2(tmp_path):
     path = write(tmp_path, events=[{"at": "1h", "device": 999, "kind": "stop"}])
     proc = subprocess.run([sys.executable, "-m", "resihp.cli", "replay", str(path), "--json"],

@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -72,9 +74,22 @@ def _param(gen: Generator, scenario: Scenario, key: str, default=None, minimum: 
             raise InputError(f"{where}: missing")
         return default
     value = gen.params[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
-        raise InputError(f"{where}: expected a number >= {minimum:g}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value < math.inf:
+        raise InputError(f"{where}: expected a finite number >= {minimum:g}, got {value!r}")
     return float(value)
+
+
+# the most failures a generator may draw over a scenario (a rate typed with a few zeros too many
+# must not stall the replay: 10**6 events take minutes to replay, 10**9 would never end)
+MAX_EVENTS = 10**6
+
+
+def _check_expected(gen: Generator, scenario: Scenario, key: str, per_s: float) -> None:
+    expected = per_s * scenario.duration_s
+    if expected > MAX_EVENTS:
+        raise InputError(f"{scenario.path}:{gen.line}: generators.{gen.kind}.{key}: about {expected:,.0f} "
+                         f"failures over the scenario's {scenario.duration_s / 86400:g} days, more than the "
+                         f"{MAX_EVENTS:,} a replay takes")
 
 
 def _check_keys(gen: Generator, scenario: Scenario, allowed: set[str]) -> None:
@@ -101,6 +116,7 @@ def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
     scale = _param(gen, scenario, "scale", 1.0)
     n = len(scenario.cluster)
     rate_per_s = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 86400.0 * LLAMA3_GPUS) * n * scale
+    _check_expected(gen, scenario, "scale", rate_per_s)
     causes = llama3_causes()
     p = causes["count"].to_numpy(np.float64)
     p /= p.sum()
@@ -124,6 +140,7 @@ def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generato
                      occ: _Occupancy) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"per_day", "size_class", "max_factor", "communication"})
     per_day = _param(gen, scenario, "per_day")
+    _check_expected(gen, scenario, "per_day", per_day / 86400.0)
     size_class = gen.params.get("size_class", "512gpus")
     if size_class not in GREYHOUND_CLASSES:
         raise InputError(f"{scenario.path}:{gen.line}: generators.greyhound.size_class: expected one of "
