@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
             "duration": "float"}
 OPTIONAL_INT = ["tp_rank", "seq_id", "mc", "gmc", "mb_id", "tokens"]
+OPTIONAL_FLOAT = ["start_ts", "wait_s", "bytes", "loss"]
+MAX_STEP = 10**8  # resihp run's most steps; a larger step number is a damaged trace
 OPTYPES = (
     "forward-compute", "backward-compute", "forward-send", "forward-recv", "backward-send",
     "backward-recv", "grads-reduce-scatter", "params-all-gather", "embedding-grads-all-reduce",
@@ -161,6 +163,11 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
     return validate_ops_trace(pd.DataFrame(rows), source=str(folder)), meta_path
 
 
+def _plain(value: object) -> object:
+    """A NumPy scalar as the Python value it holds (for an error message)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
     missing = [c for c in REQUIRED if c not in df.columns]
@@ -172,9 +179,13 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
     df = df.copy()
     for col in ["step", "rank", "dp_rank", "stage", *[c for c in OPTIONAL_INT if c in df.columns]]:
         values = pd.to_numeric(df[col], errors="coerce")
-        if col in REQUIRED and values.isna().any():
-            row = int(np.flatnonzero(values.isna().to_numpy())[0])
-            raise InputError(f"{source}: column {col} row {row}: expected an integer, got {df[col].iloc[row]!r}")
+        # a missing value is allowed in an optional column only; a value that is not a whole number
+        # nowhere (ranks of 0.5 were truncated to 0 before)
+        given = df[col].notna() if col not in REQUIRED else pd.Series(True, index=df.index)
+        bad = (values.isna() & given) | (values.notna() & (values != np.floor(values.fillna(0))))
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            raise InputError(f"{source}: column {col} row {row}: expected an integer, got {_plain(df[col].iloc[row])!r}")
         if col in REQUIRED:
             df[col] = values.astype(np.int64)
         else:
@@ -186,8 +197,18 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
         raise InputError(f"{source}: column duration row {row}: expected a finite non-negative number "
                          f"of seconds, got {df['duration'].iloc[row]!r}")
     df["duration"] = duration.astype(np.float64)
+    for col in [c for c in OPTIONAL_FLOAT if c in df.columns]:
+        values = pd.to_numeric(df[col], errors="coerce")
+        bad = values.isna() & df[col].notna()
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            raise InputError(f"{source}: column {col} row {row}: expected a number, got {_plain(df[col].iloc[row])!r}")
+        df[col] = values.astype(np.float64)
     if (df[["step", "rank", "dp_rank", "stage"]] < 0).any().any():
         raise InputError(f"{source}: step, rank, dp_rank and stage must be non-negative")
+    if int(df["step"].max()) > MAX_STEP:
+        raise InputError(f"{source}: column step: at most {MAX_STEP:,} (a step number of a training run), "
+                         f"got {int(df['step'].max())}")
     df["optype"] = df["optype"].astype(str)
     if "seq_lens" in df.columns:
         try:

@@ -1,7 +1,8 @@
 """Reading a YAML file that must hold a mapping, with the one-line errors the CLI prints.
 
 Aliases (``*name``) are refused: a few hundred bytes of nested aliases expand to gigabytes (the
-"billion laughs"), and none of resihp's files needs them. Files are bounded in size. ``check_keys``
+"billion laughs"), and none of resihp's files needs them. A key given twice in one mapping is
+refused too (which of two values a user meant is not for resihp to guess). Files are bounded in size. ``check_keys``
 refuses keys a schema does not know, naming the key (and the known key it probably meant)."""
 
 from __future__ import annotations
@@ -24,13 +25,29 @@ class _AliasRefused(yaml.YAMLError):
         self.problem, self.problem_mark = "YAML aliases (*name) are not allowed", mark
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, mark: yaml.Mark) -> None:
+        super().__init__(f"key {key!r} given twice")
+        self.problem, self.problem_mark = f"key {key!r} given twice in one mapping", mark
+
+
 class _NoAliases:
-    """Mixed into a SafeLoader: an alias event is an error before anything is expanded."""
+    """Mixed into a SafeLoader: an alias event is an error before anything is expanded, and so is
+    a key given twice in one mapping (PyYAML keeps the last one without a word)."""
 
     def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
         if self.check_event(yaml.AliasEvent):
             raise _AliasRefused(self.peek_event().start_mark)
         return super().compose_node(parent, index)
+
+    def flatten_mapping(self, node):  # noqa: ANN001 - PyYAML's; every mapping constructor calls it
+        super().flatten_mapping(node)
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in seen:
+                    raise _DuplicateKey(key_node.value, key_node.start_mark)
+                seen.add(key_node.value)
 
 
 _LOADERS: dict[type, type] = {}

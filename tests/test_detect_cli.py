@@ -119,6 +119,12 @@ def _bad(tmp, df: pd.DataFrame, name: str = "bad.csv"):
     ("rank", "world_size"),
     ("dp", "dp_size"),
     ("moved", "more than one"),
+    # each was accepted (a rank of 0.5 judged as rank 0, text in optional columns ignored) or a
+    # traceback (text in start_ts; a step of 4e13 asked for a petabyte)
+    ("half-rank", "column rank row 5: expected an integer, got 0.5"),
+    ("text-tp-rank", "column tp_rank row 5: expected an integer, got 'a'"),
+    ("text-start", "column start_ts row 5: expected a number, got 'abc'"),
+    ("huge-step", "column step: at most 100,000,000"),
 ])
 def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     tmp, df = trace
@@ -137,6 +143,15 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
         meta = tmp / "small.yaml"
     elif case == "moved":
         df.loc[df.index[5], "stage"] = (df.loc[df.index[5], "stage"] + 1) % 4
+    elif case == "half-rank":
+        df["rank"] = df["rank"].astype(float)
+        df.loc[df.index[5], "rank"] = 0.5
+    elif case in ("text-tp-rank", "text-start"):
+        col = {"text-tp-rank": "tp_rank", "text-start": "start_ts"}[case]
+        df[col] = df.get(col, pd.Series(0, index=df.index)).astype(object)
+        df.loc[df.index[5], col] = "a" if case == "text-tp-rank" else "abc"
+    elif case == "huge-step":
+        df.loc[df.index[5], "step"] = 39 * 10**12
     proc = resihp("detect", _bad(tmp, df, f"{case}.csv"), "--meta", meta)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -150,6 +165,7 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     (["{t}", "--input-format", "xml"], "--input-format"),
     (["{t}", "--meta", "nope.yaml"], "cannot read job meta"),
     (["{t}", "--predictor", "models/none", "--meta", "{m}"], "not a predictor directory"),
+    (["{t}", "--sensitivity", "inf"], "sensitivity must be a positive finite number, got inf"),
 ])
 def test_bad_options_exit_2(trace, args, fragment):
     tmp, _ = trace
@@ -288,3 +304,11 @@ def test_a_run_folders_streams_are_read_and_a_damaged_line_is_one_line(trace, wh
         assert bad.stderr.strip().splitlines() == [
             f"resihp: error: {folder / where}:6: expected one op record (a JSON object) per line, got "
             "'{\"step\": 3, \"rank\": 0, trunc'"], bad.stderr
+
+
+def test_following_a_file_is_one_line_at_once(tmp_path):
+    """A file where the run folder goes: one line at once (it waited --start-timeout, 600 s by
+    default, for a job.yaml that could never appear)."""
+    (tmp_path / "afile").write_text("x")
+    proc = resihp("follow", tmp_path / "afile")
+    assert proc.returncode == 2 and "a file, not a run folder" in proc.stderr, proc.stderr

@@ -41,7 +41,7 @@ def scenario(draw):
     return cluster, model
 
 
-INFEASIBLE = ("no TP x PP layout fits", "no replica", "does not fit in memory")
+INFEASIBLE = ("no TP x PP layout fits", "more replicas than", "no replica", "does not fit in memory")
 PLANNER = Planner(threads=2, token_budgets=True)
 POLICIES = {"resihp": Planner(threads=2), "resihp+tokens": PLANNER,
             "resihp-heuristic": make_policy("resihp-heuristic"),

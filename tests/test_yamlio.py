@@ -106,3 +106,19 @@ def test_job_meta_refuses_a_typo_and_keeps_foreign_fields(tmp_path):
         read_meta(path)
     path.write_text("dp_size: 2\npp_size: 1\ntp_size: 1\nworld_size: 2\ncluster_name: pai-17\n")
     assert read_meta(path)[1]["cluster_name"] == "pai-17"  # a public trace's own field loads unchanged
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    """PyYAML keeps the last of two values for one key without a word (a model of ``layers: 4``
+    then ``layers: 8`` planned 8 layers); every loader of resihp refuses it, the replay's too."""
+    from resihp.replay.yamlsrc import load_yaml
+
+    path = tmp_path / "twice.yaml"
+    path.write_text("name: m\nlayers: 4\nnested: {a: 1, b: 2}\nlayers: 8\n")
+    with pytest.raises(InputError, match=r"twice\.yaml:4: not valid YAML \(key 'layers' given twice"):
+        read_yaml_mapping(path, "model", "must be a mapping")
+    with pytest.raises(InputError, match="key 'layers' given twice"):
+        load_yaml(path)
+    path.write_text("a: {x: 1, x: 2}\n")  # in a nested mapping too
+    with pytest.raises(InputError, match=r"twice\.yaml:1: .*key 'x' given twice"):
+        read_yaml_mapping(path, "model", "must be a mapping")

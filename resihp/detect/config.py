@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from resihp.errors import InputError
@@ -70,8 +71,9 @@ class DetectorConfig:
                     "recover_steps", "sensitivity", "false_alarm_steps", "detect_within",
                     "noisy_z_clip"]
         for name in positive:
-            if not getattr(self, name) > 0:
-                raise InputError(f"detector config: {name} must be positive, got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise InputError(f"detector config: {name} must be a positive finite number, got "
+                                 f"{getattr(self, name)!r}")
         if self.calibration_steps < 3:
             raise InputError("detector config: calibration_steps must be at least 3")
         if not 0 <= self.own_quantile <= 1:

@@ -85,6 +85,9 @@ def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float 
     """The job meta of a run folder, once the job's rank 0 has written it (a side process started
     before the job waits here); ``InputError`` after ``timeout_s``."""
     meta = Path(out) / "job.yaml"
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"{out}: a file, not a run folder (the folder a job writes with "
+                         "resihp.attach(out=...) or resihp run -o ...)")
     t0 = time.time()
     while not meta.exists():
         if timeout_s is not None and time.time() - t0 > timeout_s:

@@ -22,10 +22,10 @@ def follow_cmd(
     store: Annotated[str, typer.Option(help="HOST:PORT of a resihp run job's store (node 0's "
                                        "--rdzv-endpoint): follow its control plane from any machine "
                                        "that reaches it, no shared files")] = None,
-    start_timeout: Annotated[float, typer.Option(help="Seconds to wait for the job to write its "
-                                                 "job.yaml")] = 600.0,
-    timeout: Annotated[float, typer.Option(help="Stop following after this many seconds "
-                                           "(default: until every rank is done)")] = None,
+    start_timeout: Annotated[float, typer.Option(min=0, max=86400 * 7, help="Seconds to wait for the "
+                                                 "job to write its job.yaml")] = 600.0,
+    timeout: Annotated[float, typer.Option(min=0, max=86400 * 365, help="Stop following after this many "
+                                           "seconds (default: until every rank is done)")] = None,
     sensitivity: Annotated[float, typer.Option(help="Divides every CUSUM allowance and threshold "
                                                "(see resihp detect)")] = 1.0,
     calibration_steps: Annotated[int, typer.Option(
