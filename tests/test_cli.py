@@ -17,6 +17,7 @@ def _resihp(*args: str) -> subprocess.CompletedProcess:
     (["nosuchverb"], "No such command 'nosuchverb'"),
     (["replay", "failslow-13b-256", "--seed", "-1"], "resihp replay: Invalid value for '--seed'"),
     (["profile", "-o", "x.parquet", "--max-len", "0"], "resihp profile: Invalid value for '--max-len'"),
+    (["replay", "failslow-13b-256", "--policies", ","], "--policies ',': expected one or more of resihp,"),
 ])
 def test_a_usage_error_is_one_line_too(args, says):
     """Options typer itself rejects (a bad value, an unknown option or verb) exit 2 with one line,

@@ -41,6 +41,8 @@ def replay_cmd(
 
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: expected a .png file name")
+    if policies and not policies.replace(",", "").strip():
+        raise InputError(f"--policies {policies!r}: expected one or more of {REPLAY_POLICIES}, comma-separated")
     n = len(make_policies(policies or None))
     sc = load_scenario(resolve(scenario, "scenario"))
     total = int(sc.duration_s * n)
