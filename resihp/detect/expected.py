@@ -44,9 +44,9 @@ def load_expected(model: str | Path, shape: TransformerShape | None,
     try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
     except ImportError:
-        raise InputError(f"--model {model}: this installation has no micro-batch predictor") from None
+        raise InputError(f"--predictor {model}: this installation has no micro-batch predictor") from None
     if shape is None:
-        raise InputError(f"--model {model}: the job meta needs the model fields layers, hidden, heads "
+        raise InputError(f"--predictor {model}: the job meta needs the model fields layers, hidden, heads "
                          "and ffn_hidden to ask the predictor")
     predictor = MicroBatchPredictor.load(model)
     check_device(model, predictor.device_, device)

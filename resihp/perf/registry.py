@@ -85,7 +85,7 @@ def resolve_model(spec: str | Path, device: str) -> Path:
         path = Path(text)
     if not (path / "card.json").exists():
         names = sorted({m.path.name for m in installed_models()})
-        raise InputError(f"--model {text}: not a predictor directory and not an installed model "
+        raise InputError(f"--predictor {text}: not a predictor directory and not an installed model "
                          f"(installed: {', '.join(names) or 'none'}; or auto)")
     return path
 
