@@ -53,3 +53,13 @@ def issue_run_losses(tmp_path_factory) -> list[float]:
 
     return replay_membership({**ISSUE_RUN, "steps": ISSUE_STEPS}, [[0, 1]] * ISSUE_STEPS,
                              tmp_path_factory.mktemp("issue-run-replay"))
+
+
+@pytest.fixture(autouse=True)
+def _priority_kept():
+    """A test that runs ``resihp follow`` in this process without ``--nice 0`` lowers pytest's CPU
+    priority for every later test (and the followers they start read nice 19, not 10): the test
+    that did it fails, not a later one."""
+    before = os.nice(0)
+    yield
+    assert os.nice(0) == before, f"this test changed pytest's nice value from {before} to {os.nice(0)}"

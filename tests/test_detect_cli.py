@@ -298,7 +298,8 @@ def test_a_run_folders_streams_are_read_and_a_damaged_line_is_one_line(trace, wh
     assert [e["rank"] for e in json.loads(good.stdout)["events"]] == [SimJob().rank(1, 3)]
     lines = text.splitlines(keepends=True)
     (folder / where).write_text("".join(lines[:5]) + '{"step": 3, "rank": 0, trunc\n' + "".join(lines[5:]))
-    for verb in (["detect", folder], ["follow", folder, "--start-timeout", "3"]):
+    # follow in this process: --nice 0, or it would lower the priority of pytest and every later test
+    for verb in (["detect", folder], ["follow", folder, "--start-timeout", "3", "--nice", "0"]):
         bad = resihp(*verb)
         assert bad.returncode == 2, bad
         assert bad.stderr.strip().splitlines() == [
@@ -310,5 +311,5 @@ def test_following_a_file_is_one_line_at_once(tmp_path):
     """A file where the run folder goes: one line at once (it waited --start-timeout, 600 s by
     default, for a job.yaml that could never appear)."""
     (tmp_path / "afile").write_text("x")
-    proc = resihp("follow", tmp_path / "afile")
+    proc = resihp("follow", tmp_path / "afile", "--nice", "0")  # in this process: keep pytest's priority
     assert proc.returncode == 2 and "a file, not a run folder" in proc.stderr, proc.stderr
