@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Restart-mode recovery with the model on an NVIDIA GPU: one rank, a snapshot in host memory every
+# step and a universal checkpoint every 2 (the node's keeper writes it from the memory slot), killed
+# at step 6 and hung at step 12, each relaunched from the newest snapshot. Each run's summary and the
+# largest relative loss difference against a failure-free run go to $OUT/gpu-restart.json.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_restart.sh      (lightgbm and ortools from .whl/ when missing)
+#   DEVICE=cpu MODEL="--layers 2 --hidden 64 --heads 4" STEPS=16 bash benchmarks/gpu_restart.sh   (the same on CPU)
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+R=$OUT/restart
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
+if ! python3 -c "import lightgbm, ortools" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import resihp.cli, resihp.runtime.worker" || exit 1
+MODEL=${MODEL:-"--layers 8 --hidden 1024 --heads 16 --lr 2e-4"}
+for arm in ff stop hang; do
+    case $arm in
+        ff) inject="" ;;
+        stop) inject="--inject stop:rank=0,step=6" ;;
+        hang) inject="--inject hang:rank=0,step=12" ;;
+    esac
+    rm -rf "${R:?}/$arm"
+    timeout 150 python3 -m resihp.cli run --device ${DEVICE:-cuda} --dp 1 --pp 1 --steps ${STEPS:-30} $MODEL \
+        --snapshot-every 1 --ckpt-every 2 --recovery restart --hang-timeout 5 $inject --json \
+        -o "$R/$arm" > "$R/$arm.json" 2> "$R/$arm.err"
+    echo "$arm: rc $?"; tail -3 "$R/$arm.err"
+done
+python3 - "$R" > "$OUT/gpu-restart.json" <<'EOF'
+import json, sys
+from pathlib import Path
+r = Path(sys.argv[1])
+def load(arm):
+    try:
+        return json.loads((r / f"{arm}.json").read_text())
+    except Exception as exc:  # a run that failed: its error is in its .err
+        return {"error": f"{type(exc).__name__}: {exc}"}
+runs = {arm: load(arm) for arm in ("ff", "stop", "hang")}
+out = {"benchmark": "gpu-restart"}
+base = runs["ff"].get("losses")
+for arm, s in runs.items():
+    keep = {k: s.get(k) for k in ("steps", "tokens_per_s", "recovery", "error", "first_step")}
+    if base and s.get("losses") and arm != "ff":
+        rel = [abs(a - b) / abs(a) for a, b in zip(base, s["losses"])]
+        keep["loss_max_rel_diff"] = max(rel)
+        keep["losses_compared"] = len(rel)
+    out[arm] = keep
+print(json.dumps(out, indent=1))
+EOF
+cat "$OUT/gpu-restart.json"
