@@ -38,6 +38,27 @@ def test_resihp_uses_the_real_detector_and_planner(tmp_path, monkeypatch):
     assert out.false_alarms == 0
 
 
+def test_a_re_plan_that_changes_the_mix_of_tensor_parallel_widths_raises_no_link_alarm(tmp_path):
+    # two replicas of TP 2 stages on two nodes; device 3 slowed splits its replica into TP 1
+    # stages, its recovery puts the TP 2 stages back. The other replica, unchanged throughout,
+    # kept its transfer baselines from when half the senders were TP 1 (twice the bytes a rank):
+    # against the others its transfers then read 1.8x slow, two false link alarms
+    sc = load_scenario(write(
+        tmp_path, duration="1h", seed=1,
+        cluster={"nodes": 2, "gpus_per_node": 4, "inter_node_gbps": 25, "intra_node_gbps": 300,
+                 "device": {"name": "A100-80GB", "memory_gb": 80, "peak_tflops": 312, "mfu": 0.5}},
+        model={"name": "m", "layers": 8, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
+               "vocab": 32000, "max_seq_len": 2048, "global_batch_tokens": 65536,
+               "microbatch_tokens": 2048},
+        parallel={"dp": 2, "pp": 2, "tp": 2}, replay={},
+        events=[{"at": "10m", "device": 3, "kind": "slow", "factor": 2.0},
+                {"at": "40m", "device": 3, "kind": "recover"}]))
+    out = Replay(sc, Resihp()).run()
+    assert any("slowdown over" in label for _, label in out.actions)
+    assert [d["device"] for d in out.detections if d["true"]][:1] == [3]
+    assert out.false_alarms == 0, out.detections
+
+
 def test_resihp_beats_doing_nothing_on_a_fail_slow(tmp_path):
     sc = load_scenario(write(tmp_path, events=SLOW))
     resihp = Replay(sc, Resihp()).run()

@@ -58,6 +58,7 @@ class DetectorFeed:
         self._layout = None
         self._rank_device: np.ndarray | None = None
         self._rank_work: np.ndarray | None = None
+        self._rank_width: np.ndarray | None = None
         self._reported: dict[int | tuple[int, int], object] = {}  # by device, or link (ends)
 
     def reset(self) -> None:
@@ -81,6 +82,7 @@ class DetectorFeed:
                 kept = set(window.rank_device[source >= 0].tolist())
                 self._reported = {d: ev for d, ev in self._reported.items()
                                   if set(d if isinstance(d, tuple) else (d,)) <= kept}
+            self._rank_width = _rank_width(window)
         self._layout = signature
         self._rank_device, self._rank_work = window.rank_device, window.rank_work
         first, n = int(window.steps[0]), len(window.steps)
@@ -130,6 +132,11 @@ class DetectorFeed:
         comm = obs.comm
         if comm is None and window.transfers is not None:  # the simulator's transfer timings
             comm = window.transfers[np.searchsorted(window.steps, obs.steps)]
+        if comm is not None and self.plan_aware and self._rank_width is not None:
+            # a rank sends its shard of the activations, 1 / its stage's width of them: the
+            # detector weighs each rank's transfers against the others', so without this a
+            # re-plan that changes the mix of widths reads as a slow link on ranks it kept
+            comm = comm * self._rank_width[None, :]
         for i, step in enumerate(obs.steps):
             with warnings.catch_warnings():  # ranks with no record this step are NaN by design
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -181,6 +188,21 @@ def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndar
     source = old_rank[np.where(new_device >= 0, new_device, top)]
     same = (source >= 0) & np.isclose(old_work[np.maximum(source, 0)], new_work, rtol=1e-9)
     return np.where(same, source, -1)
+
+
+def _rank_width(window: Window) -> np.ndarray | None:
+    """Each rank's tensor-parallel width (NaN where no device works), from the layout."""
+    if window.rank_place is None:
+        return None
+    replicas = window.layout.replicas
+    table = np.full((len(replicas), max(len(r.groups) for r in replicas)), np.nan)
+    for i, r in enumerate(replicas):
+        table[i, : len(r.groups)] = [len(g) for g in r.groups]
+    dp, stage = window.rank_place[:, 0], window.rank_place[:, 1]
+    real = (dp >= 0) & (stage >= 0)
+    out = np.full(len(dp), np.nan)
+    out[real] = table[dp[real], stage[real]]
+    return out
 
 
 def _signature(window: Window) -> tuple:
