@@ -110,3 +110,20 @@ def test_a_cluster_wider_than_the_batch_says_so(tmp_path, monkeypatch, capsys):
     assert exit_.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "more replicas than model cpu-small's 32 micro-batches a step" in lines[0], lines
+
+
+def test_a_fixed_tp_wider_than_every_node_says_so(tmp_path, monkeypatch, capsys):
+    """tp 8 on nodes of 4 devices: the error names tp and the node size (it said the model did
+    not fit in memory: "needs about 0 GB, the cluster has 14 GB free")."""
+    from resihp.cli import main
+
+    model = tmp_path / "m.yaml"
+    model.write_text("name: m\nlayers: 4\nhidden: 256\nheads: 4\nffn_hidden: 1024\nvocab: 4096\n"
+                     "max_seq_len: 2048\nglobal_batch_tokens: 65536\nmicrobatch_tokens: 2048\ntp: 8\n")
+    monkeypatch.setattr(sys, "argv", ["resihp", "plan", "--cluster", "cpu-4", "--model", str(model)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "tp 8 needs tensor-parallel groups of 8 devices" in lines[0], lines
+    assert "largest node has 4" in lines[0]

@@ -97,6 +97,12 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
     too_wide = tried = 0  # layouts, and those with more replicas than micro-batches
     tps = [model.tp] if model.tp else [t for t in powers_of_two_upto(smallest_node)
                                         if model.heads % t == 0]
+    largest_node = max(len(r) for r in cluster.node_ranks)
+    if model.tp and model.tp > largest_node:
+        raise InputError(
+            f"model {model.name}: tp {model.tp} needs tensor-parallel groups of {model.tp} devices "
+            f"inside one node, and cluster {cluster.name}'s largest node has {largest_node}: "
+            f"give tp at most {largest_node}, or leave it out for the planner to choose")
     for tp in tps:
         groups = home_groups(cluster, tp)
         n_groups = len(groups)
