@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -58,7 +59,9 @@ def test_format1_tp_shards_load_into_their_tp_or_join_into_a_checkpoint_any_layo
     for (name, a), b in zip(shards[1][0].named_parameters(), same.parameters()):
         assert torch.equal(a, b), name
 
-    result = convert(tmp_path / "tp2", tmp_path / "universal")
+    with warnings.catch_warnings():  # DCP's single-process warning is not passed on to the user
+        warnings.simplefilter("error")
+        result = convert(tmp_path / "tp2", tmp_path / "universal")
     assert result["joined"] > 0
     info = inspect(tmp_path / "universal")
     assert info["meta"]["tp"] == 1 and info["layers"] == [0, 1]

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from resihp.ckpt.integrity import prune, publish
 from resihp.ckpt.memory import MemoryTier, SlotHeader
 from resihp.ckpt.reshard import placed_state
+from resihp.ckpt.single import single_process
 from resihp.ckpt.universal import FORMAT, identity
 from resihp.model.config import GPTConfig
 from resihp.model.tensor_parallel import TPContext
@@ -205,7 +206,8 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
             path.unlink(missing_ok=True)
     hold_s = time.monotonic() - t0
     writer = dcp.FileSystemWriter(str(tmp), sync_files=False, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=_BlockPlanner(blocks), no_dist=True)
+    with single_process():
+        dcp.save({}, storage_writer=writer, planner=_BlockPlanner(blocks), no_dist=True)
     del blocks
     for path in [*tmp.iterdir(), tmp]:
         fd = os.open(path, os.O_RDONLY)

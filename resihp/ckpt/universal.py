@@ -35,6 +35,7 @@ from resihp.ckpt.integrity import (
     verify,
 )
 from resihp.ckpt.reshard import placed_state
+from resihp.ckpt.single import single_process
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
@@ -117,8 +118,9 @@ def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
     verify(directory)
     read_dcp_metadata(directory)
     flat: dict = {}
-    _load_state_dict(flat, storage_reader=safe_reader(directory), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    with single_process():
+        _load_state_dict(flat, storage_reader=safe_reader(directory),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return flat
 
 
@@ -261,7 +263,8 @@ def convert(src: str | Path, dst: str | Path) -> dict:
             save_file(model, str(dst), metadata={"resihp": json.dumps(meta)})
         return {**result, "tensors": len(model), "file": str(dst)}
     tmp = dst.with_name(f".{dst.name}.partial")
-    dcp.save(out, checkpoint_id=str(tmp), no_dist=True)
+    with single_process():
+        dcp.save(out, checkpoint_id=str(tmp), no_dist=True)
     new_meta = {**{k: v for k, v in meta.items() if k != "format"}, "tp": 1, "format": 1,
                 "converted_from": str(src)}
     (tmp / "meta.json").write_text(json.dumps(new_meta))
