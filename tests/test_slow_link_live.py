@@ -2,13 +2,14 @@
 link-slow (both ends, the traffic), never a fail-slow of either end; the planner prices the link
 and the job applies the new plan live (around a slow pipeline link fewer micro-batches for its
 replica, or none; around a slow data-parallel link a new placement that takes the link out of use), and
-throughput recovers."""
+the time the link's ends spend in its transfers falls back."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from resihp.detect.config import DetectorConfig
@@ -21,9 +22,12 @@ from resihp.runtime.worker import step_table, write_job_files
 JOB = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
            budget=512, max_len=512, source="text")
 ONSET, FACTOR = 10, 100
+# the ops that move each traffic's bytes over the link (the injected delay is in these)
+TRANSFERS = {"pipeline": ("forward-send", "forward-recv", "backward-send", "backward-recv"),
+             "gradient-sync": ("grads-all-reduce",)}
 
 
-def _run(tmp_path, inject: str, steps: int) -> tuple[LiveLoop, dict, object]:
+def _run(tmp_path, inject: str, steps: int) -> tuple[LiveLoop, dict, pd.DataFrame]:
     cfg = RunConfig.from_flags(**JOB, steps=steps, inject=[inject], out=str(tmp_path))
     loop = LiveLoop(cfg, detector_config=DetectorConfig(calibration_steps=8))
     outcome = supervise(cfg, on_steps=loop.on_steps)
@@ -31,20 +35,22 @@ def _run(tmp_path, inject: str, steps: int) -> tuple[LiveLoop, dict, object]:
     loop.save()
     write_job_files(cfg, tmp_path)
     applied = {c["id"]: c["step"] for c in json.loads((tmp_path / "plan_changes.json").read_text())}
-    table = step_table(read_ops_trace(tmp_path / "ops.parquet"))
-    return loop, applied, table
+    return loop, applied, read_ops_trace(tmp_path / "ops.parquet")
 
 
-def _tokens_per_s(table, first: int, last: int) -> float:
-    rows = table[(table.index >= first) & (table.index < last)]
-    return float(np.median(rows.tokens / rows.wall_s))
+def _link_s(trace: pd.DataFrame, ends: tuple[int, int], traffic: str, first: int, last: int) -> float:
+    """Median over steps ``first..last - 1`` of the seconds the link's two ends spent in its
+    traffic's transfers (0 in a step where neither end has any: the link out of use)."""
+    ops = trace[trace["rank"].isin(ends) & trace["optype"].isin(TRANSFERS[traffic])]
+    per_step = ops.groupby("step")["duration"].sum().reindex(range(first, last), fill_value=0.0)
+    return float(np.median(per_step))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ends, traffic, steps", [((0, 2), "pipeline", 24), ((0, 1), "gradient-sync", 24)])
 def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, steps):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    loop, applied, table = _run(tmp_path, f"link:ranks={ends[0]}+{ends[1]},factor={FACTOR},step={ONSET}",
+    loop, applied, trace = _run(tmp_path, f"link:ranks={ends[0]}+{ends[1]},factor={FACTOR},step={ONSET}",
                                 steps)
     assert loop.error is None, loop.error
     links = [e for e in loop.events if e["kind"] == "link-slow"]
@@ -77,7 +83,11 @@ def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, 
         pipes = change["layout"]["pipelines"]
         groups = [{p[s][0] for p in pipes} for s in range(2)]
         assert set(ends) not in groups and set(ends) not in [{p[0][0], p[1][0]} for p in pipes], pipes
-    # and throughput recovers
-    during = _tokens_per_s(table, ONSET + 1, step)
-    after = _tokens_per_s(table, step + 1, steps)
-    assert after > during, (during, after)
+    # and the link costs less: its ends spend less time in its transfers once the plan is in force.
+    # Not the job's throughput: in the gradient-sync case the slowed collective is a small part of
+    # a step whose compute swings +-50% on 2 shared cores, and a run here under load measured the
+    # few slowed steps faster than the ones after (20,305 against 19,215 tokens/s)
+    during = _link_s(trace, ends, traffic, ONSET, step)
+    after = _link_s(trace, ends, traffic, step + 1, steps)
+    assert after < 0.5 * during, (during, after)
+    assert step_table(trace).index.max() == steps - 1  # every step trained
