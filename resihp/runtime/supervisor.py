@@ -442,6 +442,7 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                         pid = watch.pid_of(rank)
                         if pid is not None:
                             dump_stacks(pid, out / "logs" / "workers.log", why)
+                            _kill(pid)  # hung: the job's SIGTERM would cost a grace (``end_hung``)
                         answered.add(rank)
                         stacks_written(js.store, cfg.job_id, nodes.node_rank)
                     reason = stopping(js.store, cfg.job_id)
@@ -582,8 +583,12 @@ def end_hung(monitor: HeartbeatMonitor, rank: int, node: int) -> None:
     restart from memory on CPU took 12.4 s from the hang, 5.1 s of it that grace)."""
     view = monitor.views.get(rank)
     if view is not None and view.pid and view.node == node:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(view.pid, signal.SIGKILL)
+        _kill(view.pid)
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _settle(failure: Event, watch: _Watch, read_steps: Callable[[], None], cfg: RunConfig,
