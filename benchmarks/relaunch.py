@@ -17,6 +17,10 @@ each round, medians over rounds.
 TP 2, the small model of ``tests/test_runtime_cli.py``, 8 steps, a checkpoint every 3 and a
 snapshot every step, rank 1 stopped at step 5, as that file's test): ``restart_s`` (from the
 relaunch's start to its first step, the plan change's), ``first_worker_s`` and the wall time.
+
+``--scenario hang``: a restart from the memory tier after a hang (DP 2, a snapshot every step,
+rank 1 hung at step 10, hang timeout 5 s): ``stall_s`` (the hung step's start to the relaunched
+job's first step, the summary's), ``detected_s`` (of it, the hang timeout's share).
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ MEMORY = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "12
           "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--timeout", "30", "--json",
           "--dp", "2", "--pp", "1", "--tp", "2", "--steps", "8", "--ckpt-every", "3",
           "--snapshot-every", "1", "--inject", "stop:rank=1,step=5"]
-SCENARIOS = {"replica": SMALL, "memory": MEMORY}
+HANG = ["--layers", "2", "--hidden", "64", "--heads", "4", "--json", "--dp", "2", "--pp", "1",
+        "--steps", "16", "--snapshot-every", "1", "--ckpt-every", "2", "--recovery", "restart",
+        "--hang-timeout", "5", "--inject", "hang:rank=1,step=10"]
+SCENARIOS = {"replica": SMALL, "memory": MEMORY, "hang": HANG}
 
 
 def one(tree: Path, out: Path, scenario: str = "replica") -> dict:
@@ -57,6 +64,10 @@ def one(tree: Path, out: Path, scenario: str = "replica") -> dict:
     summary = json.loads((out / "summary.json").read_text())
     started = [json.loads(line)["started"] for line in (out / "logs" / "processes.jsonl").read_text().splitlines()]
     common = {"wall_s": round(wall, 2), "first_worker_s": round(min(started) - start, 2)}
+    if scenario == "hang":
+        rec = summary["recovery"]
+        return {**common, "stall_s": rec["stall_s"], "detected_s": rec["detected_s"],
+                "resumed_step": rec["resumed_step"]}
     if scenario == "memory":
         change = summary["plan_changes"][0]
         return {**common, "restart_s": change["restart_s"], "resumed_step": change["resumed_step"]}
