@@ -465,7 +465,10 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                 on_poll()
             failure = _judge(watch, cfg, t0, outcome)
             if failure is not None:
-                failure = _settle(failure, watch, read_steps, cfg)
+                # a hung rank held its step up for the hang timeout: what of it has not arrived
+                # will not
+                failure = _settle(failure, watch, read_steps, cfg,
+                                  0.0 if failure.extra.get("cause") == "hang" else SETTLE_S)
             if failure is not None or outcome.error:
                 outcome.failure = failure
                 if nodes.nnodes > 1:
