@@ -48,27 +48,5 @@ done
 # two ranks on one GPU without replicas: NCCL would refuse them; resihp says so before launching
 python3 -m resihp.cli run --device cuda --dp 2 --steps 2 -o "$R/shared" > /dev/null 2> "$R/shared.err"
 echo "shared GPU without replicas: rc $? $(cat "$R/shared.err")"
-python3 - "$R" > "$OUT/gpu-replica.json" <<'EOF'
-import json, sys
-from pathlib import Path
-r = Path(sys.argv[1])
-def load(arm):
-    try:
-        return json.loads((r / f"{arm}.json").read_text())
-    except Exception as exc:  # a run that failed: its error is in its .err
-        return {"error": f"{type(exc).__name__}: {exc}"}
-runs = {arm: load(arm) for arm in ("ff", "stop", "hang", "stop-2nodes") if (r / f"{arm}.err").exists()}
-out = {"benchmark": "gpu-replica", "machine": (r / "machine.txt").read_text().splitlines()}
-base = runs["ff"].get("losses")
-for arm, s in runs.items():
-    keep = {k: s.get(k) for k in ("steps", "tokens_per_s", "recovery", "error", "first_step")}
-    if base and s.get("losses") and arm != "ff":
-        pairs = list(zip(base, s["losses"]))
-        rel = [abs(a - b) / abs(a) for a, b in pairs]
-        keep["loss_max_rel_diff"] = max(rel)
-        keep["loss_max_rel_diff_before_fault"] = max(rel[:10])  # GPU kernels' own run-to-run noise
-        keep["losses_compared"] = len(pairs)
-    out[arm] = keep
-print(json.dumps(out, indent=1))
-EOF
+python3 benchmarks/gpu_compare.py "$R" gpu-replica ff stop hang stop-2nodes --before 10 > "$OUT/gpu-replica.json"
 cat "$OUT/gpu-replica.json"

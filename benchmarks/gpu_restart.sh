@@ -29,25 +29,5 @@ for arm in ff stop hang; do
         -o "$R/$arm" > "$R/$arm.json" 2> "$R/$arm.err"
     echo "$arm: rc $?"; tail -3 "$R/$arm.err"
 done
-python3 - "$R" > "$OUT/gpu-restart.json" <<'EOF'
-import json, sys
-from pathlib import Path
-r = Path(sys.argv[1])
-def load(arm):
-    try:
-        return json.loads((r / f"{arm}.json").read_text())
-    except Exception as exc:  # a run that failed: its error is in its .err
-        return {"error": f"{type(exc).__name__}: {exc}"}
-runs = {arm: load(arm) for arm in ("ff", "stop", "hang")}
-out = {"benchmark": "gpu-restart"}
-base = runs["ff"].get("losses")
-for arm, s in runs.items():
-    keep = {k: s.get(k) for k in ("steps", "tokens_per_s", "recovery", "error", "first_step")}
-    if base and s.get("losses") and arm != "ff":
-        rel = [abs(a - b) / abs(a) for a, b in zip(base, s["losses"])]
-        keep["loss_max_rel_diff"] = max(rel)
-        keep["losses_compared"] = len(rel)
-    out[arm] = keep
-print(json.dumps(out, indent=1))
-EOF
+python3 benchmarks/gpu_compare.py "$R" gpu-restart ff stop hang > "$OUT/gpu-restart.json"
 cat "$OUT/gpu-restart.json"
