@@ -12,11 +12,7 @@ set -u
 OUT=${OUT:-/tmp/gpu-out}
 R=$OUT/replica
 mkdir -p "$R"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-if ! python3 -c "import lightgbm, ortools" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/machine.txt" 2>&1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" >> "$R/machine.txt" 2>&1
 python3 -c "import resihp.cli, resihp.runtime.worker" || exit 1

@@ -10,11 +10,7 @@ set -u
 OUT=${OUT:-/tmp/gpu-out}
 R=$OUT/restart
 mkdir -p "$R"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-if ! python3 -c "import lightgbm, ortools" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source benchmarks/gpu_env.sh
 python3 -c "import resihp.cli, resihp.runtime.worker" || exit 1
 MODEL=${MODEL:-"--layers 8 --hidden 1024 --heads 16 --lr 2e-4"}
 for arm in ff stop hang; do
