@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -38,9 +39,15 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
 
 def run_then_exit(fn: Callable[[], object]) -> NoReturn:
     """A process's main: ``fn()``, then ``exit_now`` with the status it ended with (0, or its
-    ``SystemExit``'s). Any other exception propagates as usual (its traceback, status 1)."""
+    ``SystemExit``'s). Any other exception ends it as an uncaught one ends a Python program (its
+    traceback on stderr, status 1), also in a multiprocessing child, which would print it under a
+    "Process NAME:" line with its bootstrap's frames (a warm agent's failure in ``workers.log``).
+    A ``KeyboardInterrupt`` propagates."""
     try:
         fn()
     except SystemExit as exc:
         exit_now(exc.code)
+    except Exception:
+        traceback.print_exc()
+        exit_now(1)
     exit_now(0)

@@ -41,3 +41,18 @@ def test_a_running_non_daemon_thread_finishes_its_work_first():
 def test_any_other_exception_is_a_traceback_and_status_1():
     proc = _run("run_then_exit(lambda: 1 / 0)")
     assert proc.returncode == 1 and "ZeroDivisionError" in proc.stderr
+
+
+def test_an_exception_in_a_multiprocessing_child_is_its_traceback_alone():
+    """A warm agent is a multiprocessing child: its failure reads in the log as a cold agent's,
+    not under "Process NAME:" with the bootstrap's frames."""
+    body = ("import multiprocessing as mp\n"
+            "def child():\n"
+            "    run_then_exit(lambda: 1 / 0)\n"
+            "p = mp.get_context('fork').Process(target=child, name='resihp-agent-0')\n"
+            "p.start(); p.join(); print('child status', p.exitcode)\n")
+    proc = _run(body)
+    assert "child status 1" in proc.stdout, proc.stdout
+    assert proc.stderr.startswith("Traceback (most recent call last):"), proc.stderr
+    assert "ZeroDivisionError" in proc.stderr and "resihp-agent-0" not in proc.stderr
+    assert "_bootstrap" not in proc.stderr
