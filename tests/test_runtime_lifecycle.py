@@ -359,24 +359,25 @@ def test_a_worker_asked_for_its_stacks_writes_every_thread_even_one_blocked_in_a
 def test_a_rank_judged_hung_on_this_node_is_killed_outright_one_elsewhere_is_left_to_its_node():
     """``end_hung``: a process that ignores SIGTERM (a hung rank: the job's SIGTERM would only
     cost the whole grace before the SIGKILL) is ended by SIGKILL at once where it runs on this
-    launcher's node; a rank of another node is its own launcher's to stop."""
+    launcher's node; a rank of another node is its own launcher's to stop, and a stopped process
+    (SIGSTOP) is left to the SIGCONT and SIGTERM that stop the job."""
     from types import SimpleNamespace
 
     from resihp.runtime.supervisor import end_hung
 
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
     try:
         for proc in procs:
             assert proc.stdout.readline().strip() == "ready"
-        monitor = SimpleNamespace(views={1: SimpleNamespace(pid=procs[0].pid, node=0),
-                                         3: SimpleNamespace(pid=procs[1].pid, node=1)})
-        end_hung(monitor, 1, node=0)
-        end_hung(monitor, 3, node=0)
-        end_hung(monitor, 7, node=0)  # a rank the monitor has no view of: nothing to do
+        monitor = SimpleNamespace(views={1: SimpleNamespace(pid=procs[0].pid, node=0, stopped=False),
+                                         3: SimpleNamespace(pid=procs[1].pid, node=1, stopped=False),
+                                         2: SimpleNamespace(pid=procs[2].pid, node=0, stopped=True)})
+        for rank in (1, 3, 2, 7):  # 7: a rank the monitor has no view of, nothing to do
+            end_hung(monitor, rank, node=0)
         assert procs[0].wait(timeout=10) == -signal.SIGKILL
         time.sleep(0.2)
-        assert procs[1].poll() is None
+        assert procs[1].poll() is None and procs[2].poll() is None
     finally:
         for proc in procs:
             proc.kill()

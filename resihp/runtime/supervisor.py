@@ -583,9 +583,10 @@ def end_hung(monitor: HeartbeatMonitor, rank: int, node: int) -> None:
     """SIGKILL to a rank judged hung whose process runs on this launcher's ``node``, once its
     stacks are written: it made no progress for the hang timeout, so the SIGTERM that stops the
     job would only cost the whole grace (``GRACE_S``) before the SIGKILL after it (a 1-rank
-    restart from memory on CPU took 12.4 s from the hang, 5.1 s of it that grace)."""
+    restart from memory on CPU took 12.4 s from the hang, 5.1 s of it that grace). Not a stopped
+    process: the SIGCONT beside that SIGTERM lets it end as a signalled rank does."""
     view = monitor.views.get(rank)
-    if view is not None and view.pid and view.node == node:
+    if view is not None and view.pid and view.node == node and not view.stopped:
         _kill(view.pid)
 
 
