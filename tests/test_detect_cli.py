@@ -125,6 +125,8 @@ def _bad(tmp, df: pd.DataFrame, name: str = "bad.csv"):
     ("text-tp-rank", "column tp_rank row 5: expected an integer, got 'a'"),
     ("text-start", "column start_ts row 5: expected a number, got 'abc'"),
     ("huge-step", "column step: at most 100,000,000"),
+    # named by its file, not as "ops trace:"
+    ("no-compute", "no-compute.csv: no forward-compute or backward-compute rows to analyse"),
 ])
 def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     tmp, df = trace
@@ -138,6 +140,9 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
         df.loc[df.index[5], "duration"] = -1.0
     elif case == "rank":
         df.loc[df.index[5], "rank"] = 99
+        fragment = f"99 is outside the job meta ({fragment}"
+    elif case == "no-compute":
+        df = df[~df["optype"].isin(["forward-compute", "backward-compute"])]
     elif case == "dp":
         write_meta(JobMeta(dp_size=2, pp_size=4, tp_size=2, world_size=16), tmp / "small.yaml")
         meta = tmp / "small.yaml"
@@ -157,6 +162,8 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("resihp: error:") and fragment in lines[0], lines
     assert "Traceback" not in proc.stderr
+    if case == "rank":  # named by its file, not as "ops trace:"
+        assert "rank.csv: column rank row " in lines[0], lines
 
 
 @pytest.mark.parametrize("args,fragment", [

@@ -96,7 +96,8 @@ def detect_cmd(
     detectors: dict = {}
     with warnings.catch_warnings():  # ranks absent from a step are NaN by design
         warnings.simplefilter("ignore", RuntimeWarning)
-        found, obs = run_methods(df, job, [method], expected, meta_dict, cfg, detectors=detectors)
+        found, obs = run_methods(df, job, [method], expected, meta_dict, cfg, detectors=detectors,
+                                 source=str(trace))
     ranks = int(df["rank"].nunique())
     doc = events_json(found[method], steps=len(obs.steps), ranks=ranks, method=method,
                       cost_model=obs.cost_model if method == "resihp" else "raw")

@@ -119,16 +119,18 @@ def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = Non
                 expected: ExpectedCompute | None = None, meta_dict: dict | None = None,
                 config: DetectorConfig | None = None,
                 on_obs: Callable[[Observations], None] | None = None,
-                detectors: dict | None = None) -> tuple[dict[str, list[Event]], Observations]:
+                detectors: dict | None = None,
+                source: str = "ops trace") -> tuple[dict[str, list[Event]], Observations]:
     """Every method over the same per-step observations of one trace (``detectors``, if given,
     receives each method's detector by name: the last part's). A trace whose ranks took new places
     in a live re-plan (``layout_parts``) is observed part by part, each with fresh detectors, as
-    the live loop does: a rank's work in its new place says nothing of its old baseline."""
+    the live loop does: a rank's work in its new place says nothing of its old baseline.
+    ``source`` names the trace in errors (its file)."""
     cfg = config or DetectorConfig()
     found: dict[str, list[Event]] = {}
     parts = []
     for part_df, part_meta in layout_parts(df, meta):
-        part = TracePart.observed(part_df, part_meta, expected, cfg, meta_dict)
+        part = TracePart.observed(part_df, part_meta, expected, cfg, meta_dict, source)
         if on_obs:
             on_obs(part.obs)
         for name in methods or METHODS:

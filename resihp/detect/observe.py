@@ -503,15 +503,17 @@ def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarra
 
 def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | None = None,
                 shape: TransformerShape | None = None, own_quantile: float = 0.1,
-                phases: bool = False) -> Observations:
-    """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps)."""
+                phases: bool = False, source: str = "ops trace") -> Observations:
+    """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps);
+    ``source`` names it in errors."""
     return observe_columns(trace_columns(df), meta, expected=expected, shape=shape,
-                           own_quantile=own_quantile, phases=phases)
+                           own_quantile=own_quantile, phases=phases, source=source)
 
 
 def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
                     expected: ExpectedCompute | None = None, shape: TransformerShape | None = None,
-                    own_quantile: float = 0.1, phases: bool = False) -> Observations:
+                    own_quantile: float = 0.1, phases: bool = False,
+                    source: str = "ops trace") -> Observations:
     """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
     its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``.
     ``phases``: also each phase's own work alone (``Observations.phase_own``)."""
@@ -520,7 +522,7 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     op = _optype_codes(cols["optype"])
     comp = _Ops(cols, np.flatnonzero(op <= _OP_BWD), op)
     if not len(comp):
-        raise InputError("ops trace: no forward-compute or backward-compute rows to analyse")
+        raise InputError(f"{source}: no forward-compute or backward-compute rows to analyse")
     unblocked = _unblocked_durations(comp) if meta.pp_size > 1 else None
     cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked)
     duration = comp.duration if unblocked is None else unblocked

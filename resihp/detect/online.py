@@ -696,11 +696,11 @@ class TracePart:
 
     @classmethod
     def observed(cls, df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
-                 cfg: DetectorConfig, meta_dict: dict | None) -> TracePart:
-        layout = rank_layout(df, meta)
+                 cfg: DetectorConfig, meta_dict: dict | None, source: str = "ops trace") -> TracePart:
+        layout = rank_layout(df, meta, source=source)
         expected = trace_cost(df, meta, expected, cfg, meta_dict)
         obs = observe_ops(df, meta, expected=expected, shape=shape_from_meta(meta_dict),
-                          own_quantile=cfg.own_quantile, phases=cfg.phases)
+                          own_quantile=cfg.own_quantile, phases=cfg.phases, source=source)
         return cls(df, meta, layout, expected, obs)
 
     def detect(self, det: OnlineDetector) -> list[Event]:
