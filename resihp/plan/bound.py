@@ -58,6 +58,19 @@ against the planner on random faults):
    Each slow pipeline's caps count the fastest other slow devices as its own; summed over the
    slow pipelines, the ``a`` slow devices they hold are distinct, of speeds at most the ``a``
    fastest, which caps their total (with ``x - 1`` summed, at most ``a`` pipelines).
+6. 5.'s caps count two more costs of a pipeline holding slow devices. Its slowest group (``t``
+   devices limited by speed ``s``, full-speed stage time ``a_g``) adds ``a_g (1/s - 1)`` to ``S``
+   beyond ``A``: with ``u = (x - 1) a_g / (s z)`` in ``[0, 1]`` (``z = T - S``; ``u = 1`` when that
+   stage is the bottleneck), ``z <= (T - A) K / (K + u (1 - s))`` and ``K B <= z (P' + t s u)``
+   (``K = x - 1``, ``P'`` the other groups' speeds), so ``K <= r (P' + t s u) - u (1 - s)`` with
+   ``r = (T - A) / B`` at its best vertex: ``x <= 1 + r P - min(1 - s, r s)``, ``P`` the sum of
+   its speeds. It costs about a micro-batch: a slow stage lengthens the fill as much as a
+   bottleneck stage does. And the all-reduce: the step is also ``sync`` longer, at least
+   ``2 (1 - 1/d) w L / D`` for a pipeline of ``D`` devices (``w`` the two-replica all-reduce
+   seconds per layer of shard; its largest shard is at least the mean), ``d`` the fewest pipelines the step needs, so ``r`` is taken at ``T - sync``. Summed over
+   the slow pipelines the caps are ``r(T)`` times the sum of their speeds (as 5.) plus each
+   pipeline's ``1 - min(1 - s, r' s) - P_lo (r(T) - r')`` (``r'`` at ``T - sync``, ``P_lo = (D - k) +
+   k s`` the least its ``k`` slow devices and the rest make), a second table beside the first.
 
 Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
 into nodes, memory holds one micro-batch in flight and no embedding, micro-batch counts need
@@ -222,6 +235,32 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
             break
     # every mu stays: a design with a larger mu can have a smaller S (fewer, wider stages)
     return [(float(mu), int(d), int(p)) for mu, d, p in zip(mus, best_dev, stages) if d < big]
+
+
+def _front_by_cost(v: np.ndarray, costs: np.ndarray, starts: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Of items sorted by cost (``costs``/``starts`` as ``np.unique`` gives them), the best value
+    of each device count of at least ``k``, and of those only the ones beating every cheaper."""
+    best = np.maximum.reduceat(v, starts)
+    keep = (costs >= k) & (best > np.concatenate(
+        [[-np.inf], np.maximum.accumulate(np.where(costs >= k, best, -np.inf))[:-1]]))
+    return costs[keep], best[keep]
+
+
+def _add_item(table: np.ndarray, by_k: list[tuple[int, np.ndarray, np.ndarray]], rows: int,
+              cap: int) -> np.ndarray:
+    """``table[D, a]`` (best value of selections of ``D`` devices, ``a`` slow) with one more
+    pipeline, optional, of any of ``by_k``'s (slow devices, costs, values)."""
+    new = np.full((rows, table.shape[1]), -np.inf)
+    new[: len(table)] = table
+    for k, ws, vs in by_k:
+        for w, v in zip(ws.tolist(), vs.tolist()):
+            n = min(len(table), rows - w)
+            if n <= 0:
+                continue
+            dst = new[w: w + n, k: cap + 1]
+            np.maximum(dst, table[:n, : cap + 1 - k] + v, out=dst)
+    return new
 
 
 SLOW_FAMILIES = (1, 1.5, 2, 3, 4, 8, 16)
@@ -446,6 +485,12 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         (float(v) for v in speeds if 0 < v < 1.0), reverse=True))])
     all_items = [full] + list(per_slow.values())
 
+    def rate(T: float | np.ndarray) -> float | np.ndarray:
+        """5.'s ``(T - A) / B`` at its best vertex: micro-batches a unit of speed adds."""
+        out = np.max((np.asarray(T, dtype=np.float64)[..., None] - a_b[:, 0]) / a_b[:, 1],
+                     axis=-1)
+        return float(out) if np.ndim(out) == 0 else out
+
     def x_max(T: float, sync: float) -> float:
         """The most micro-batches one pipeline of at most ``live`` devices carries."""
         best = 0.0
@@ -468,9 +513,10 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             ok = it[0] <= live
             if ok.any():
                 extra = max(extra, float(np.max(sync * it[3][ok] / it[1][ok])))
-        ok = carried(T, sync, extra) + extra >= M - _EPS
         most = x_max(T, 0.0)
-        return ok, (max(1, math.ceil(M / most - _EPS)) if most > 0 else 0)
+        fewest = max(1, math.ceil(M / most - _EPS)) if most > 0 else 0
+        ring = 2.0 * (1.0 - 1.0 / max(1, fewest))
+        return carried(T, sync, extra, ring) + extra >= M - _EPS, fewest
 
     def front(cost_: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The items worth having: of items with the same or more devices only those carrying
@@ -480,9 +526,10 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         keep = x > np.concatenate([[-np.inf], np.maximum.accumulate(x)[:-1]])
         return cost_[keep], x[keep]
 
-    def carried(T: float, sync: float, slack: float) -> float:
+    def carried(T: float, sync: float, slack: float, ring: float) -> float:
         """The most micro-batches the live devices carry in a step of ``T`` when the gradient
-        all-reduce costs ``sync`` per unit of shard (layers per device)."""
+        all-reduce costs ``sync`` per unit of shard (layers per device); ``ring``: the ring
+        factor ``2 (1 - 1/d)`` of the fewest pipelines ``d`` a plan needs (6.)."""
 
         def value(it: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             """Costs, values and the step left beside each item's fixed part (``T - fixed``) of
@@ -492,7 +539,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             x = (T - fixed_ - sync * shard_) / mu_ + 1.0
             keep = (x + slack >= fam_) & (x > 0)
             x = np.minimum(x, top_)
-            return cost_[keep].astype(np.int64), x[keep], (T - fixed_)[keep]
+            return cost_[keep].astype(np.int64), x[keep], (T - fixed_)[keep], shard_[keep]
 
         best_full = unbounded_knapsack(*front(*value(full)[:2]), n_full)
         # slow pipelines, by speed from the fastest: each is an item with one group limited by
@@ -503,45 +550,46 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         # as that allows is best, as only the count of full-speed devices left matters
         extra = np.full((1, n_slow + 1), -np.inf)
         extra[0, 0] = 0.0
-        per_speed = float(np.max((T - a_b[:, 0]) / a_b[:, 1]))
+        fill = extra.copy()  # 6.: the same selections valued by what the global cap leaves out
+        per_speed = rate(T)
         for s, it in per_slow.items():
-            cost_, val, rest = value(it)
+            cost_, val, rest, shard = value(it)
             if not len(cost_):
                 continue
             cap = at_least[s]
             # it holds k >= 1 slow devices, its slowest of speed s among them; each one more
             # caps what it carries (5.); dominated items are dropped once capped
             order = np.argsort(cost_, kind="stable")
-            cost_, val, rest = cost_[order], val[order], rest[order]
+            cost_, val, rest, shard = cost_[order], val[order], rest[order], shard[order]
             costs, starts = np.unique(cost_, return_index=True)
-            by_k = []
+            # 6.: the speed rate left beside the all-reduce of its smallest shard, and what its
+            # slowest group's own stage time costs
+            synced = rate(T - ring * sync_unit * shard)
+            pen = np.minimum(1.0 - s, synced * s)
+            by_k, by_k_fill = [], []
             for k in range(1, cap + 1):
                 # (items of fewer than k devices cannot hold k slow ones: dropped below)
                 speed_sum = np.maximum(cost_ - k, 0) + held[s][k]
                 vk = np.minimum(val, np.minimum(T, rest + work / speed_sum) * speed_sum / work)
-                vk = np.minimum(vk, 1.0 + speed_sum * per_speed)
-                best = np.maximum.reduceat(vk, starts)  # the best item of each device count
-                keep = (costs >= k) & (best > np.concatenate(
-                    [[-np.inf], np.maximum.accumulate(np.where(costs >= k, best, -np.inf))[:-1]]))
-                by_k.append((k, costs[keep], best[keep]))
+                vk = np.minimum(vk, 1.0 + speed_sum * synced - pen)
+                by_k.append((k, *_front_by_cost(vk, costs, starts, k)))
+                # its speeds are at least (D - k) + k s
+                wk = 1.0 - pen - (np.maximum(cost_ - k, 0) + k * s) * (per_speed - synced)
+                by_k_fill.append((k, *_front_by_cost(wk, costs, starts, k)))
             for _ in range(slow_counts[s]):
                 rows = min(live + 1, len(extra) + int(cost_.max()))
-                new = np.full((rows, n_slow + 1), -np.inf)
-                new[: len(extra)] = extra
-                for k, ws, vs in by_k:
-                    for w, vk in zip(ws.tolist(), vs.tolist()):
-                        n = min(len(extra), rows - w)
-                        if n <= 0:
-                            continue
-                        dst = new[w: w + n, k: cap + 1]
-                        np.maximum(dst, extra[:n, : cap + 1 - k] + vk, out=dst)
-                extra = new
+                extra = _add_item(extra, by_k, rows, cap)
+                fill = _add_item(fill, by_k_fill, rows, cap)
+        # a table's cells hold selections of exactly D devices; one of fewer leaves devices
+        # idle, which the tables' dominance filters assume (at least as good with more devices)
+        extra = np.maximum.accumulate(extra, axis=0)
+        fill = np.maximum.accumulate(fill, axis=0)
         # the caps above, summed over the slow pipelines, count a slow device in every pipeline
         # that absorbs it: the a absorbed are a distinct a, of speeds at most the a fastest
         used = np.arange(len(extra))[:, None]
         absorbed = np.arange(n_slow + 1)[None, :]
         speed_sum = np.maximum(used - absorbed, 0) + fastest[None, :]
-        extra = np.minimum(extra, np.minimum(absorbed + speed_sum * per_speed,
+        extra = np.minimum(extra, np.minimum(fill + speed_sum * per_speed,
                                              T * speed_sum / work))
         # full-speed devices left for pipelines of full-speed groups
         full_used = used - np.arange(n_slow + 1)[None, :]
