@@ -543,10 +543,20 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
 
 
 def _first_gone(events: list[Event], watch: _Watch) -> Event:
-    """The event to act on: the first (the lowest rank) unless several ranks of one other node were
-    found exited in one look. torchrun there stops a dead rank's peers within its monitor interval,
-    so the lowest need not be the one that died; that node's launcher publishes torchrun's first
-    observed failure once its torchrun has ended (waited for, at most ``FIRST_FAILURE_WAIT_S``)."""
+    """The event to act on: the first (the lowest rank) of those that did not report losing a peer
+    (``lost-peer`` on the control plane: a rank whose send or receive failed because another died
+    exits within milliseconds of it, so one look can find both gone, and torchrun's first observed
+    failure, stamped in whole seconds, then names the lower of the two), unless several ranks of
+    one other node were found exited in one look. torchrun there stops a dead rank's peers within
+    its monitor interval, so the lowest need not be the one that died; that node's launcher
+    publishes torchrun's first observed failure once its torchrun has ended (waited for, at most
+    ``FIRST_FAILURE_WAIT_S``)."""
+    lost_peer: set[int] = set()
+    if len(events) > 1 and watch.store is not None:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            lost_peer = {int(e["rank"]) for e in read_errors(watch.store, watch.cfg.job_id)
+                         if e["kind"] == "lost-peer" and str(e["rank"]).isdigit()}
+    events = [e for e in events if not (e.extra["cause"] == "exited" and e.rank in lost_peer)] or events
     nodes = {e.extra.get("node") for e in events}
     if len(events) < 2 or len(nodes) != 1 or any(e.extra["cause"] != "exited" for e in events):
         return events[0]
