@@ -181,6 +181,18 @@ def test_a_slow_stage_lengthens_the_fill_and_the_all_reduce_the_step():
     assert bound <= 1.17 * best
 
 
+def test_the_slow_devices_a_pipeline_absorbs_hold_the_layers_their_speed_allows():
+    """Devices at 0.3 and 0.5, each beside one at full speed, 6 layers, 6 micro-batches: a
+    pipeline holding both slow devices counted the faster one as a full-speed member of its
+    covering (the bound 1.444x the best plan); held to the layers its own group's speed fits
+    under the stage time (module doc, 7.), 1.397x."""
+    cluster = cluster_of([[0.3, 1.0], [0.5, 1.0]], 80)
+    model = model_of(6, 6)
+    best, bound = best_plan(cluster, model), tight_bound(cluster, model).tokens_per_s
+    assert best <= bound * (1 + 1e-9)
+    assert bound <= 1.42 * best
+
+
 def test_heterogeneous_flop_rates_exhaustive():
     cluster = cluster_of([[1.0, 0.7], [1.0, 1.0]], 80, tflops=[[300, 150], [150, 300]])
     model = model_of(4, 4)

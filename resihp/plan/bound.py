@@ -67,15 +67,29 @@ against the planner on random faults):
    its speeds. It costs about a micro-batch: a slow stage lengthens the fill as much as a
    bottleneck stage does. And the all-reduce: the step is also ``sync`` longer, at least
    ``2 (1 - 1/d) w L / D`` for a pipeline of ``D`` devices (``w`` the two-replica all-reduce
-   seconds per layer of shard; its largest shard is at least the mean), ``d`` the fewest pipelines the step needs, so ``r`` is taken at ``T - sync``. Summed over
-   the slow pipelines the caps are ``r(T)`` times the sum of their speeds (as 5.) plus each
-   pipeline's ``1 - min(1 - s, r' s) - P_lo (r(T) - r')`` (``r'`` at ``T - sync``, ``P_lo = (D - k) +
-   k s`` the least its ``k`` slow devices and the rest make), a second table beside the first.
+   seconds per layer of shard; its largest shard is at least the mean), ``d`` the fewest
+   pipelines the step needs, so ``r`` is taken at ``T - sync``. Summed over the slow pipelines
+   the caps are ``r(T)`` times the sum of their speeds (as 5.) plus each pipeline's ``1 - min(1
+   - s, r' s) - P_lo (r(T) - r')`` (``r'`` at ``T - sync``, ``P_lo = (D - k) + k s`` the least
+   its ``k`` slow devices and the rest make), a second table beside the first.
+7. The other slow devices a pipeline holds (4.: beside its slowest, at least as fast) sit in
+   groups limited by their own speeds. A group lies inside one node, so it holds at most as many
+   slow devices as a node has (``per_node``); a pipeline holding ``k`` holds the ``k - 1``
+   besides its slowest in at least ``ceil((k - per_node) / per_node)`` groups, and the ``j``-th
+   fastest of those groups, of ``t`` devices, is no faster than the ``j``-th fastest slow device
+   besides, so it holds at most ``floor(mu / c_t(v_j))`` layers. The rest of its stages hold the
+   other layers: at least the covering DP's fewest devices for that many (2.; the DP gives them
+   the places nearest the head's stage, where memory holds the most, which no arrangement
+   beats). So an item holding ``k`` slow devices costs at least that many plus those groups'
+   devices (``_fewest_with_absorbed``). Before, the slow devices it absorbed counted as members
+   of full-speed groups, held only by 5.'s speed sums: at 1,024 devices 15 full-speed devices
+   and 7 slow ones passed as a 22-device design, where no full-speed design of fewer than 16
+   devices holds the model.
 
 Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
-into nodes, memory holds one micro-batch in flight and no embedding, micro-batch counts need
-not be whole, the all-reduce shard is counted per pipeline, p2p transfers at the fewest stages
-and in the fill only. 1F1B pays them in the steady state too: for adjacent stages ``s, s + 1``
+into nodes (beyond 7.'s count of slow devices per group), memory holds one micro-batch in
+flight and no embedding, micro-batch counts need not be whole, the all-reduce shard is counted
+per pipeline, p2p transfers at the fewest stages and in the fill only. 1F1B pays them in the steady state too: for adjacent stages ``s, s + 1``
 the end of ``B_j`` on ``s + 1`` comes at least ``t_s + t_{s+1} + 2 p`` after that of ``B_{j-2}``, so a
 pipeline's period is at least ``(t_s + t_{s+1}) / 2 + p`` for every adjacent pair and its step at
 least ``S + comm + (x - 1) P - (P - t_{s+1})`` (the last term for an even count only;
@@ -173,12 +187,15 @@ FAMILIES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 16, 24, 32, 48, 
 
 
 def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
-             family: float) -> list[tuple[float, int, int]]:
+             family: float, cover: dict[float, np.ndarray] | None = None,
+             ) -> list[tuple[float, int, int]]:
     """(mu, fewest devices, fewest stages) of a pipeline whose stages all take at most ``mu``,
     per candidate ``mu``, for pipelines that carry at least ``family`` micro-batches (1F1B: the
     ``k``-th stage from the end holds at least ``min(family, k)`` micro-batches' activations).
     ``special``: the kinds of the one slow group the pipeline holds; None: full-speed groups
-    only. Built from the last stage (the LM head) backwards, vectorised over ``mu``."""
+    only. Built from the last stage (the LM head) backwards, vectorised over ``mu``. ``cover``,
+    if given, receives per ``mu`` the fewest devices of such a pipeline holding each layer count
+    ``0..L`` (7.)."""
     L = layers
     kinds = healthy + (special or [])
     mus = np.array(sorted({v for ty in kinds for n in range(1, ty.caps[1] + 1)
@@ -215,6 +232,7 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
         with_special = np.minimum(with_special, first(ty))
     target = with_special if special else plain
     best_dev = target[:, L].copy()
+    best_all = target.copy()
     stages = np.where(best_dev < big, 1, big)
     for k in range(2, L + 1):
         new_plain = np.full_like(plain, big)
@@ -230,9 +248,16 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
         plain = new_plain
         target = with_special if special else plain
         best_dev = np.minimum(best_dev, target[:, L])
+        np.minimum(best_all, target, out=best_all)
         stages = np.where((stages >= big) & (target[:, L] < big), k, stages)
         if (target[:, L] >= big).all() and (plain[:, 1:] >= big).all():
             break
+    if cover is not None:
+        # holding l layers, a pipeline holds any fewer too
+        fewest = np.minimum.accumulate(best_all[:, ::-1], axis=1)[:, ::-1]
+        for mu, row, d in zip(mus, fewest, best_dev):
+            if d < big:
+                cover[float(mu)] = np.where(row < big, row, np.inf).astype(np.float64)
     # every mu stays: a design with a larger mu can have a smaller S (fewer, wider stages)
     return [(float(mu), int(d), int(p)) for mu, d, p in zip(mus, best_dev, stages) if d < big]
 
@@ -263,6 +288,39 @@ def _add_item(table: np.ndarray, by_k: list[tuple[int, np.ndarray, np.ndarray]],
     return new
 
 
+def _fewest_with_absorbed(items: tuple[np.ndarray, ...], s: float, cap: int, per_node: int,
+                          speeds: np.ndarray, kinds_at: dict[float, list[_Type]],
+                          layers: int) -> np.ndarray:
+    """7.: per slow item (``family_items``' last three arrays: its design's row, and per row its
+    ``mu`` and the fewest devices it needs to hold each layer count) and ``k <= cap`` slow devices,
+    its slowest of speed ``s``: the fewest devices a
+    pipeline of that design holding ``k`` of them needs. The groups holding the other slow
+    devices (at least ``ceil((k - per_node) / per_node)`` of them, a group inside one node) each
+    hold at most ``floor(mu / c_t(v))`` layers at speed ``v``, the ``j``-th at most the
+    ``j``-th fastest other slow speed; the rest of the design holds what they leave (in the
+    places nearest the head's, where memory holds the most, so no more devices than the table
+    says). Column 0 unused; infinite: no such pipeline."""
+    row, mu, cover = items[6], items[7], items[8]
+    n = len(mu)
+    out = np.full((n, cap + 1), np.inf)
+    if not n:
+        return out[row]
+    others = sorted((float(v) for v in speeds if s <= v < 1.0), reverse=True)[:-1]
+    idx = np.arange(layers + 1)[None, :]
+    fewest = [cover]  # fewest[j][:, l]: with j groups of other slow devices, l layers
+    for j in range(1, cap):
+        prev, nxt = fewest[-1], np.full((n, layers + 1), np.inf)
+        for ty in kinds_at.get(others[j - 1], []):
+            held = np.minimum(ty.caps[1], np.floor(mu / ty.c + _EPS)).astype(np.int64)
+            rest = np.maximum(idx - held[:, None], 0)
+            np.minimum(nxt, np.take_along_axis(prev, rest, axis=1) + ty.t, out=nxt)
+        fewest.append(nxt)
+    for k in range(1, cap + 1):
+        lo = max(0, -(-(k - per_node) // per_node))
+        out[:, k] = np.min([fewest[j][:, layers] for j in range(lo, k)], axis=0)
+    return out[row]
+
+
 SLOW_FAMILIES = (1, 1.5, 2, 3, 4, 8, 16)
 # pipelines of up to this many devices: S + comm by exact DP; above, a Lagrangian bound. The 70B
 # class's best designs at 1,024-4,096 devices are 20-stage TP4 pipelines of 80-82 devices: at 64
@@ -277,7 +335,7 @@ _ITEMS: dict[tuple, dict[object, tuple[np.ndarray, ...]]] = {}
 
 
 def _cat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-    return tuple(np.concatenate([p[i] for p in parts]) for i in range(6))
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(len(parts[0])))
 
 
 def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
@@ -427,12 +485,17 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                 np.full(len(cost_), top))
 
     def family_items(special: list[_Type] | None, families: tuple[float, ...]):
+        """The items of ``_designs``' rows; with ``special`` also (7.) per item its design's
+        row, and per row its ``mu`` and the fewest devices it needs to hold each layer count."""
         tops = list(families[1:]) + [np.inf]
         kinds = healthy + (special or [])
-        rows = {f: _designs(healthy, special, L, f) for f in families}
+        covers: dict[float, dict[float, np.ndarray]] = {f: {} for f in families}
+        rows = {f: _designs(healthy, special, L, f, covers[f] if special else None)
+                for f in families}
         mus = np.array(sorted({r[0] for rs in rows.values() for r in rs}))
         if not len(mus):
-            return tuple(np.zeros(0) for _ in range(6))
+            return tuple(np.zeros(0) for _ in range(6)) + (
+                (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, L + 1))) if special else ())
         table, lams = fixed_parts(mus, kinds)
         phi = dict(zip(mus.tolist(), table))
         exact = dict(zip(mus.tolist(), exact_parts(mus, special)))
@@ -446,9 +509,18 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                     ranges[-1] = (dev_n, ranges[-1][1], top)
                 else:
                     ranges.append((dev_n, f, top))
-        parts = [items([(mu, dev_n, 0)], phi, lams, exact, f, top)
-                 for mu, ranges in merged.items() for dev_n, f, top in ranges]
-        return _cat(parts)
+        parts, row_mu, row_cover = [], [], []
+        for mu, ranges in merged.items():
+            for dev_n, f, top in ranges:
+                part = items([(mu, dev_n, 0)], phi, lams, exact, f, top)
+                if special:
+                    part = part + (np.full(len(part[0]), len(row_mu), dtype=np.int64),)
+                    row_mu.append(mu)
+                    row_cover.append(covers[f][mu])
+                parts.append(part)
+        if not special:
+            return _cat(parts)
+        return _cat(parts) + (np.array(row_mu), np.array(row_cover))
 
     key = (cluster.hardware_key, model, cost_key(coster.cost))
     if key not in _ITEMS:
@@ -484,6 +556,11 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     fastest = np.concatenate([[0.0], np.cumsum(sorted(
         (float(v) for v in speeds if 0 < v < 1.0), reverse=True))])
     all_items = [full] + list(per_slow.values())
+    # 7.: a TP group sits inside one node, so it holds at most this many slow devices
+    per_node = max([1] + [sum(1 for r in ranks if 0 < speeds[r] < 1.0) for ranks in cluster.node_ranks])
+    kinds_at = {s: _group_types(cluster, model, coster, s) for s in slow}
+    need = {s: _fewest_with_absorbed(it, s, at_least[s], per_node, speeds, kinds_at, L)
+            for s, it in per_slow.items()}
 
     def rate(T: float | np.ndarray) -> float | np.ndarray:
         """5.'s ``(T - A) / B`` at its best vertex: micro-batches a unit of speed adds."""
@@ -535,11 +612,11 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             """Costs, values and the step left beside each item's fixed part (``T - fixed``) of
             the items a pipeline could be at this ``T``: one that cannot finish a micro-batch
             carries nothing."""
-            cost_, mu_, fixed_, shard_, fam_, top_ = it
+            cost_, mu_, fixed_, shard_, fam_, top_ = it[:6]
             x = (T - fixed_ - sync * shard_) / mu_ + 1.0
             keep = (x + slack >= fam_) & (x > 0)
             x = np.minimum(x, top_)
-            return cost_[keep].astype(np.int64), x[keep], (T - fixed_)[keep], shard_[keep]
+            return cost_[keep].astype(np.int64), x[keep], (T - fixed_)[keep], shard_[keep], keep
 
         best_full = unbounded_knapsack(*front(*value(full)[:2]), n_full)
         # slow pipelines, by speed from the fastest: each is an item with one group limited by
@@ -553,31 +630,42 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         fill = extra.copy()  # 6.: the same selections valued by what the global cap leaves out
         per_speed = rate(T)
         for s, it in per_slow.items():
-            cost_, val, rest, shard = value(it)
-            if not len(cost_):
+            cost0, val, rest, shard, keep = value(it)
+            if not len(cost0):
                 continue
             cap = at_least[s]
-            # it holds k >= 1 slow devices, its slowest of speed s among them; each one more
-            # caps what it carries (5.); dominated items are dropped once capped
-            order = np.argsort(cost_, kind="stable")
-            cost_, val, rest, shard = cost_[order], val[order], rest[order], shard[order]
-            costs, starts = np.unique(cost_, return_index=True)
+            needs = need[s][keep]
             # 6.: the speed rate left beside the all-reduce of its smallest shard, and what its
             # slowest group's own stage time costs
             synced = rate(T - ring * sync_unit * shard)
             pen = np.minimum(1.0 - s, synced * s)
             by_k, by_k_fill = [], []
+            most = 0
             for k in range(1, cap + 1):
-                # (items of fewer than k devices cannot hold k slow ones: dropped below)
+                # it holds k >= 1 slow devices, its slowest of speed s among them; each one more
+                # caps what it carries (5.), and the groups holding them hold fewer layers (7.):
+                # its design needs at least needs[:, k] devices. Dominated items are dropped
+                # once capped (and those of fewer than k devices, which cannot hold k slow ones)
+                ok = np.isfinite(needs[:, k])
+                cost_ = np.maximum(cost0[ok], needs[ok, k]).astype(np.int64)
+                order = np.argsort(cost_, kind="stable")
+                cost_ = cost_[order]
+                v, r, syn, pn = val[ok][order], rest[ok][order], synced[ok][order], pen[ok][order]
+                if not len(cost_):
+                    continue
+                most = max(most, int(cost_.max()))
+                costs, starts = np.unique(cost_, return_index=True)
                 speed_sum = np.maximum(cost_ - k, 0) + held[s][k]
-                vk = np.minimum(val, np.minimum(T, rest + work / speed_sum) * speed_sum / work)
-                vk = np.minimum(vk, 1.0 + speed_sum * synced - pen)
+                vk = np.minimum(v, np.minimum(T, r + work / speed_sum) * speed_sum / work)
+                vk = np.minimum(vk, 1.0 + speed_sum * syn - pn)
                 by_k.append((k, *_front_by_cost(vk, costs, starts, k)))
                 # its speeds are at least (D - k) + k s
-                wk = 1.0 - pen - (np.maximum(cost_ - k, 0) + k * s) * (per_speed - synced)
+                wk = 1.0 - pn - (np.maximum(cost_ - k, 0) + k * s) * (per_speed - syn)
                 by_k_fill.append((k, *_front_by_cost(wk, costs, starts, k)))
+            if not by_k:
+                continue
             for _ in range(slow_counts[s]):
-                rows = min(live + 1, len(extra) + int(cost_.max()))
+                rows = min(live + 1, len(extra) + most)
                 extra = _add_item(extra, by_k, rows, cap)
                 fill = _add_item(fill, by_k_fill, rows, cap)
         # a table's cells hold selections of exactly D devices; one of fewer leaves devices
