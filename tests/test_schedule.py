@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from resihp.errors import InputError
@@ -79,6 +79,37 @@ def test_1f1b_step_is_at_least_each_stages_own_bound(stages, microbatches, p2p, 
     fixed = float((f + b).sum()) + 2 * (stages - 1) * p2p
     own = [fixed + (microbatches - 1) * b[s] + max(0, microbatches - (stages - s)) * f[s] for s in range(stages)]
     assert step >= max(own) - 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 60), st.floats(0.001, 0.2), st.integers(0, 2**31 - 1))
+def test_1f1b_pays_the_transfers_in_every_cycle(stages, microbatches, p2p, seed):
+    """Stage ``s`` runs ``F_{n+w}`` before ``B_n`` (``w = S - s - 1``), so ``B_n`` waits for that
+    forward to cross the later stages and its backward to come back: chained over the pipeline,
+    the step is at least ``sum (f + b) + (x - 1) nu`` with ``nu = (sum (f + b) + 2 (S - 1) q) /
+    S``, whenever ``nu`` is at least the slowest stage's time (the tight bound's 8.)."""
+    rng = np.random.default_rng(seed)
+    f = rng.uniform(0.1, 1.0) * rng.uniform(0.9, 1.1, stages) / 3
+    b = 2 * f * rng.uniform(0.8, 1.2, stages)
+    f[-1] *= rng.uniform(0.5, 1.5)
+    work = float((f + b).sum())
+    nu = (work + 2 * (stages - 1) * p2p) / stages
+    assume(nu >= float((f + b).max()))
+    step = float(pipeline_step_time(np.repeat(f[:, None], microbatches, 1),
+                                    np.repeat(b[:, None], microbatches, 1), "1f1b", p2p_s=p2p))
+    assert step >= work + (microbatches - 1) * nu - 1e-9
+
+
+def test_equal_stages_pay_the_transfers_beyond_the_closed_form():
+    """Four equal stages, 20 micro-batches, transfers a tenth of a stage: the graph's step is
+    above the closed form's ``S + comm + (x - 1) mu`` by at least what 8. charges."""
+    f, b, p, m = np.full(4, 1 / 3), np.full(4, 2 / 3), 0.1, 20
+    step = float(pipeline_step_time(np.repeat(f[:, None], m, 1), np.repeat(b[:, None], m, 1), "1f1b",
+                                    p2p_s=p))
+    closed = 4.0 + 2 * 3 * p + (m - 1) * 1.0
+    cycles = 4.0 + (m - 1) * (4.0 + 2 * 3 * p) / 4
+    assert cycles > closed + 1.0
+    assert step >= cycles - 1e-9
 
 
 def test_with_the_heavier_stage_first_1f1b_is_shorter_than_its_closed_form():

@@ -86,20 +86,39 @@ against the planner on random faults):
    and 7 slow ones passed as a 22-device design, where no full-speed design of fewer than 16
    devices holds the model.
 
+8. 1F1B pays the activation transfers in its steady state too, not only in the fill: stage ``s``
+   runs ``F_{n+w}`` before ``B_n`` (``w = P - s - 1`` for ``P`` stages), so ``B_n`` on stage ``s``
+   waits for ``F_{n+w}`` to cross stages ``s..P-1`` and its backward to come back: ``P - s``
+   micro-batches' way through the suffix, at the suffix's stage times plus ``2 (P - 1 - s) p``.
+   Chaining such windows (whole pipelines on stage 0, one suffix for the rest) gives, with
+   ``nu = (S + comm) / P``:
+
+       step >= S + (x - 1) nu          whenever nu >= mu
+
+   (``tests/test_schedule.py`` checks it against the schedule's graph; where ``nu < mu`` it can
+   fail, but 1.'s closed form is then the larger). So a pipeline of ``P`` stages carries at most
+   ``x <= 1 + (T' - S) P / (S + comm)`` (``T'``: the step left beside the all-reduce), which
+   falls as ``S + comm`` grows at a fixed ``P`` (``comm = (P - 1) q``), so the least ``S + comm``
+   of ``P`` stages under ``mu`` on at most ``D`` devices (an exact DP, ``stage_table``) prices
+   every pipeline of the item. An item carries the least of 1.'s value and the most of this over
+   ``P`` (floored at 1): where ``nu < mu`` the closed form lies below this one (and a pipeline
+   left less than ``S + comm`` by the all-reduce's ring share carries at most 1 and that share,
+   which ``feasible``'s slack holds, as for 1.).
+   Micro-batches of ``sigma`` budgets scale ``S`` and ``comm`` alike, and ``x = sigma m`` then
+   falls with ``sigma`` (``S >= q``). Priced lazily, full-speed items only: after a coarse
+   bisection, the ``mu`` of the full-speed items within ``CYCLE_WINDOW`` of the most
+   micro-batches per device get tables and the bisection runs again from the step found
+   infeasible (capping only lengthens the step), at most ``CYCLE_ROUNDS`` times; the other items
+   keep 1.'s value, which is no lower. Tables are kept with the items (re-plans of one job share
+   them), so a later call may price more designs than a first one: both bounds are valid. At
+   1,024 devices the best designs are 54-device TP4 chains of 14 stages whose ``mu`` is 0.150 s
+   but whose graph slope is 0.155 s: this took the healthy bound from 915,468 to 910,458 tok/s.
+
 Relaxations (the bound may be above what any plan reaches, never below): groups are not packed
 into nodes (beyond 7.'s count of slow devices per group), memory holds one micro-batch in
 flight and no embedding, micro-batch counts need not be whole, the all-reduce shard is counted
-per pipeline, p2p transfers at the fewest stages and in the fill only. 1F1B pays them in the steady state too: for adjacent stages ``s, s + 1``
-the end of ``B_j`` on ``s + 1`` comes at least ``t_s + t_{s+1} + 2 p`` after that of ``B_{j-2}``, so a
-pipeline's period is at least ``(t_s + t_{s+1}) / 2 + p`` for every adjacent pair and its step at
-least ``S + comm + (x - 1) P - (P - t_{s+1})`` (the last term for an even count only;
-``pipeline_step_time`` meets it exactly on two equal stages). Not priced, as it buys almost nothing:
-an order-free valid form (the stages paired from the end, each pair's times below ``2 (mu' - p)``
-for the next candidate ``mu'``, candidates ``p / 4`` apart, the step ``2 p`` shorter for an even
-count's last period) passed the exhaustive tests but moved the healthy 1,024-device bound by 0.13%
-(18.326 -> 18.350 s) and the healthy 64-device one by 0.35% (13.136 -> 13.182 s; 64/slow8's not at
-all), in 2.5-14 times the time: the best designs mix TP sizes whose stages sit ``p`` or more below
-``mu`` already (at 1,024 devices 54 devices in 9 stages at ``mu`` 0.150 s).
+per pipeline, p2p transfers at the fewest stages, and in the steady state (8.) only for the
+full-speed designs nearest the best.
 The older ``planner.capacity_bound`` (the best healthy layout with fractional layers, scaled by the
 compute that remains) is kept as ``loose`` beside it: it is no upper bound (integrality aside, a
 plan that shortens pipelines can pass it by its bubble), which is why this one exists.
@@ -119,6 +138,7 @@ from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import StageCoster
 
 _EPS = 1e-9
+BIG = 1e30
 
 
 @dataclass(frozen=True)
@@ -300,7 +320,7 @@ def _fewest_with_absorbed(items: tuple[np.ndarray, ...], s: float, cap: int, per
     ``j``-th fastest other slow speed; the rest of the design holds what they leave (in the
     places nearest the head's, where memory holds the most, so no more devices than the table
     says). Column 0 unused; infinite: no such pipeline."""
-    row, mu, cover = items[6], items[7], items[8]
+    row, mu, cover = items[7], items[8], items[9]
     n = len(mu)
     out = np.full((n, cap + 1), np.inf)
     if not n:
@@ -326,6 +346,9 @@ SLOW_FAMILIES = (1, 1.5, 2, 3, 4, 8, 16)
 # class's best designs at 1,024-4,096 devices are 20-stage TP4 pipelines of 80-82 devices: at 64
 # the Lagrangian priced their S + comm at 1.37 s where 1.98 s is least, a step 3.7% too short
 D_EXACT = 192
+# 8. is priced lazily: after each bisection, on the ``mu`` of the full-speed designs within this
+# share of the most micro-batches per device, at most ``CYCLE_BATCH`` new ones a round
+CYCLE_ROUNDS, CYCLE_WINDOW, CYCLE_BATCH, CYCLE_TOLERANCE = 8, 0.01, 4, 1e-4
 LAMBDAS = np.concatenate([[0.0], 0.05 * 1.5 ** np.arange(16)])  # device prices, in units of c_min
 
 
@@ -456,13 +479,43 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             out[:, ty.t:] = np.minimum(out[:, ty.t:], cand)
         return np.minimum.accumulate(out - q, axis=1)
 
+    def stage_table(mu: float) -> np.ndarray:
+        """8.: ``[D, P]``: the least ``S + comm`` of full-speed pipelines of at most ``D <=
+        D_EXACT`` devices in exactly ``P`` stages, each taking at most ``mu`` (whole layers, one
+        stage with the head, memory with one micro-batch in flight); ``BIG``: none. A DP over
+        layers, devices and stages, vectorised over the last two and a stage's layer count."""
+        Dc = D_EXACT
+        plain = np.full((L + 1, Dc + 1, L + 1), BIG)
+        plain[0, 0, 0] = 0.0
+        head = np.full_like(plain, BIG)
+        for n_l in range(1, L + 1):
+            for ty in healthy:
+                k = min(ty.caps[1], n_l, int(math.floor(mu / ty.c + _EPS)))
+                kh = min(ty.caps[1], n_l, int(math.floor((mu - ty.h) / ty.c + _EPS)))
+                if ty.t > Dc or max(k, kh) < 1:
+                    continue
+                ns = np.arange(1, max(k, kh) + 1)
+                stage = (ns * ty.c + q)[:, None, None]
+                width = Dc + 1 - ty.t
+                src = plain[n_l - ns, :width, :L] + stage  # [n, D, P]
+                if k >= 1:
+                    dst = plain[n_l, ty.t:, 1:]
+                    np.minimum(dst, src[:k].min(axis=0), out=dst)
+                cand = (head[n_l - ns[:k], :width, :L] + stage[:k]).min(axis=0) if k >= 1 \
+                    else np.full((width, L), BIG)
+                if kh >= 1:
+                    cand = np.minimum(cand, src[:kh].min(axis=0) + ty.h)
+                dst = head[n_l, ty.t:, 1:]
+                np.minimum(dst, cand, out=dst)
+        return np.minimum.accumulate(np.minimum(head[L] - q, BIG), axis=0)
+
     def items(rows: list[tuple[float, int, int]], phi: dict[float, np.ndarray], lams: np.ndarray,
               exact: dict[float, np.ndarray], family: float, top: float) -> tuple[np.ndarray, ...]:
         """Per design and device count ``D`` in a geometric grid from its fewest devices: cost
         ``D``, mu, the fixed part of the step and the all-reduce shard ``L / (D_next - 1)`` of
         every pipeline of this design with ``D <= devices < D_next`` (whole devices: at most
-        ``D_next - 1`` of them share its ``L`` layers)."""
-        cost_, mu_, fixed_, shard_ = [], [], [], []
+        ``D_next - 1`` of them share its ``L`` layers), and that most, ``D_next - 1``."""
+        cost_, mu_, fixed_, shard_, most_ = [], [], [], [], []
         for mu, dev_n, _stages in rows:
             grid = [dev_n]
             while grid[-1] < L * t_max:
@@ -478,11 +531,13 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             idx = np.where(small, nxt - 1, 0).astype(np.int64)
             fixed_.append(np.where(small, np.maximum(fixed, exact[mu][idx]), fixed))
             shard_.append(np.where(np.isfinite(nxt), L / (nxt - 1), 1.0 / t_max))
+            most_.append(nxt - 1)
         if not cost_:
-            return tuple(np.zeros(0) for _ in range(6))
-        cost_, mu_, fixed_, shard_ = (np.concatenate(x) for x in (cost_, mu_, fixed_, shard_))
+            return tuple(np.zeros(0) for _ in range(7))
+        cost_, mu_, fixed_, shard_, most_ = (np.concatenate(x)
+                                             for x in (cost_, mu_, fixed_, shard_, most_))
         return (cost_, mu_, fixed_, shard_, np.full(len(cost_), float(family)),
-                np.full(len(cost_), top))
+                np.full(len(cost_), top), most_)
 
     def family_items(special: list[_Type] | None, families: tuple[float, ...]):
         """The items of ``_designs``' rows; with ``special`` also (7.) per item its design's
@@ -494,7 +549,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                 for f in families}
         mus = np.array(sorted({r[0] for rs in rows.values() for r in rs}))
         if not len(mus):
-            return tuple(np.zeros(0) for _ in range(6)) + (
+            return tuple(np.zeros(0) for _ in range(7)) + (
                 (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, L + 1))) if special else ())
         table, lams = fixed_parts(mus, kinds)
         phi = dict(zip(mus.tolist(), table))
@@ -562,6 +617,38 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     need = {s: _fewest_with_absorbed(it, s, at_least[s], per_node, speeds, kinds_at, L)
             for s, it in per_slow.items()}
 
+    # 8.: per ``mu`` whose items are held to their cycles, the least ``S + comm`` by devices and
+    # stages (``stage_table``); kept with the items, as re-plans of one job share them
+    tables: dict[float, np.ndarray] = cache.setdefault("stages", {})
+    one_f_one_b = model.schedule == "1f1b"
+    stage_counts = np.arange(1, L + 1, dtype=np.float64)
+    capped: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # per item set: its rows held to 8.
+
+    def carries(it: tuple[np.ndarray, ...], T: float, sync: float) -> np.ndarray:
+        """The most micro-batches each item's pipelines carry in a step of ``T`` when the
+        all-reduce costs ``sync`` per unit of shard: the closed form (1.), and for the items of
+        the ``mu`` in ``tables`` their cycles (8.), over their stage counts ``P``:
+        ``1 + (T' - S) P / (S + comm)``, ``S + comm`` at least the table's for ``P``."""
+        cost_, mu_, fixed_, shard_ = it[:4]
+        x = (T - fixed_ - sync * shard_) / mu_ + 1.0
+        if not (one_f_one_b and tables and len(cost_)):
+            return x
+        got = capped.get(id(it))
+        if got is None or got[0] != len(tables):
+            rows = np.flatnonzero(np.isin(mu_, list(tables)) & (it[6] <= D_EXACT))
+            by_p = np.array([tables[float(m)][int(d), 1:] for m, d in zip(mu_[rows], it[6][rows])]
+                            ).reshape(len(rows), L)
+            by_p = np.maximum(by_p, fixed_[rows, None])
+            by_p = np.maximum(by_p, s_min + (stage_counts[None, :] - 1) * q)
+            capped[id(it)] = got = (len(tables), rows, by_p)
+        _, rows, by_p = got
+        if len(rows):
+            room = T - sync * shard_[rows]
+            s = by_p - (stage_counts[None, :] - 1) * q
+            cyc = 1.0 + ((room[:, None] - s) * stage_counts[None, :] / by_p).max(axis=1)
+            x[rows] = np.minimum(x[rows], np.maximum(cyc, 1.0))
+        return x
+
     def rate(T: float | np.ndarray) -> float | np.ndarray:
         """5.'s ``(T - A) / B`` at its best vertex: micro-batches a unit of speed adds."""
         out = np.max((np.asarray(T, dtype=np.float64)[..., None] - a_b[:, 0]) / a_b[:, 1],
@@ -613,7 +700,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             the items a pipeline could be at this ``T``: one that cannot finish a micro-batch
             carries nothing."""
             cost_, mu_, fixed_, shard_, fam_, top_ = it[:6]
-            x = (T - fixed_ - sync * shard_) / mu_ + 1.0
+            x = carries(it, T, sync)
             keep = (x + slack >= fam_) & (x > 0)
             x = np.minimum(x, top_)
             return cost_[keep].astype(np.int64), x[keep], (T - fixed_)[keep], shard_[keep], keep
@@ -689,20 +776,48 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     # bisection on T for the least step that carries M micro-batches. No step is shorter than
     # one micro-batch's way through the cheapest pipeline (s_min); the bound is taken at the
     # longest step found infeasible, so the bisection's tolerance can only raise it
+    def least(test, lo: float, tolerance: float) -> tuple[float, float] | None:
+        """The longest step found infeasible and the shortest found feasible (bisection up
+        from ``lo``, infeasible); None if none is."""
+        hi = lo * (1.0 + 1e-3)
+        while not test(hi):
+            lo, hi = hi, hi + 2.0 * (hi - lo)
+            if hi > 1e12:
+                return None
+        for _ in range(80):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if test(mid) else (mid, hi)
+            if hi - lo <= tolerance * hi:
+                break
+        return lo, hi
+
+    def hold_to_cycles(T: float) -> bool:
+        """8. on the full-speed designs carrying the most per device at ``T`` (the rest stay
+        at 1.'s value, which is no lower): whether any was not yet."""
+        x = carries(full, T, 2.0 * sync_unit)
+        ok = (full[6] <= D_EXACT) & (x > 0)
+        if not one_f_one_b or not ok.any():
+            return False
+        per = np.where(ok, x / full[0], -np.inf)
+        near = np.flatnonzero(per >= (1.0 - CYCLE_WINDOW) * per.max())
+        new = [float(m) for m in full[1][near[np.argsort(-per[near])]] if float(m) not in tables]
+        for m in list(dict.fromkeys(new))[:CYCLE_BATCH]:
+            tables[m] = stage_table(m)
+        return bool(new)
+
     lo = max(s_min, 1e-9)
     if feasible(lo)[0]:
         return TightBound(model.global_batch_tokens / lo, lo, feasible(lo)[1], live)
-    hi = 2.0 * lo
-    while not feasible(hi)[0]:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e12:
+    # the least step, coarsely while 8. prices the designs best at it (capping only lengthens
+    # the step, so a step found infeasible stays so), then to the full tolerance
+    hi, tolerance = lo, CYCLE_TOLERANCE if one_f_one_b else 1e-9
+    for round_ in range(CYCLE_ROUNDS + 1):
+        got = least(lambda T: feasible(T)[0], lo, tolerance)
+        if got is None:
             return TightBound(0.0, np.inf, 0, live)
-    for _ in range(80):
-        mid = 0.5 * (lo + hi)
-        if feasible(mid)[0]:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * hi:
+        lo, hi = got
+        if tolerance == 1e-9:
             break
+        if round_ == CYCLE_ROUNDS or not hold_to_cycles(lo):
+            tolerance = 1e-9
     return TightBound(model.global_batch_tokens / lo, lo, feasible(hi)[1], live)
