@@ -520,7 +520,13 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
     import pandas as pd
 
     from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
-    from resihp.runtime.live import LiveLoop, step_check, trace_compute_seconds, trace_step_seconds
+    from resihp.runtime.live import (
+        LiveLoop,
+        predicted_step_s,
+        step_check,
+        trace_compute_seconds,
+        trace_step_seconds,
+    )
     from resihp.runtime.snapshots import flush_checkpoints, start_keeper, stop_keepers
     from resihp.runtime.supervisor import announce_no_relaunch, supervise
 
@@ -597,10 +603,10 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
     if reformed is not None:  # the planner's layout: pipelines of the relaunch's ranks
         change.update(applied=True, layout=reformed.change["layout"], ranks=reformed.ranks,
                       layer_splits=reformed.change["layer_splits"], dp_weights=reformed.change["dp_weights"],
-                      predicted_step_s=reformed.plan.step_time_s, plan=reformed.plan.to_dict(),
+                      predicted_step_s=predicted_step_s(reformed.plan), plan=reformed.plan.to_dict(),
                       planner_calibration=reformed.calibration)
         # the estimate against the relaunch's steps after the one that re-formed the groups
-        change.update(step_check(reformed.plan.step_time_s,
+        change.update(step_check(predicted_step_s(reformed.plan),
                                  [v for s, v in relaunched.items() if s > change["resumed_step"]]))
     first_step = summary.get("first_step") or 0
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
