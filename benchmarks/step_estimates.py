@@ -1,7 +1,8 @@
 """Live step estimates against measured steps: each applied plan change's ``predicted_step_s``
-(the planner's analytic costs paced on the job's first healthy steps, ``live.paced_to``, and a
-fail-slow decision without pipeline stages on the healthy ranks' present level, ``present_pace``) beside the
-median step measured while it was in force (``measured_step_s``), for real ``resihp run`` jobs
+(the planner's expected step, ``live.predicted_step_s``, on analytic costs paced on the job's
+first healthy steps, ``live.paced_to``, and a fail-slow decision without pipeline stages on the
+healthy ranks' present level, ``present_pace``) beside the median step measured while it was in
+force (``measured_step_s``), for real ``resihp run`` jobs
 (torchrun workers on gloo, CPU) with a slow or a dead rank. Prints JSON.
 
     OMP_NUM_THREADS=1 python benchmarks/step_estimates.py [--out benchmarks/results/step-estimates.json]
