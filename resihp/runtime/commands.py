@@ -606,7 +606,7 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
                       predicted_step_s=predicted_step_s(reformed.plan), plan=reformed.plan.to_dict(),
                       planner_calibration=reformed.calibration)
         # the estimate against the relaunch's steps after the one that re-formed the groups
-        change.update(step_check(predicted_step_s(reformed.plan),
+        change.update(step_check(change["predicted_step_s"],
                                  [v for s, v in relaunched.items() if s > change["resumed_step"]]))
     first_step = summary.get("first_step") or 0
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
