@@ -7,6 +7,8 @@ import pytest
 
 from resihp.detect.alibaba import alibaba_path
 from resihp.detect.observe import (
+    StructureMemo,
+    _dense_layout,
     _distinct_steps,
     _first_of_each,
     _group_quantile,
@@ -86,10 +88,10 @@ def test_pivot_lower_median_matches_the_sorted_groups():
     values = rng.lognormal(size=code.size)
     values[rng.random(code.size) < 0.05] = np.nan
     _, ref, inverse = _group_quantile(code, values, 0.5, lower=True)
-    np.testing.assert_array_equal(_pivot_lower_median(code, member, values), ref[inverse])
-    assert _pivot_lower_median(np.r_[code, code[:1]], np.r_[member, member[:1]],
-                               np.r_[values, 1.0]) is None  # two rows of one member
-    assert _pivot_lower_median(code * 100, member, values) is None  # sparse codes
+    layout = _dense_layout(code, member - member.min())
+    np.testing.assert_array_equal(_pivot_lower_median(code, values, layout), ref[inverse])
+    assert _dense_layout(np.r_[code, code[:1]], np.r_[member, member[:1]]) is None  # two rows of one member
+    assert _dense_layout(code * 100, member) is None  # sparse codes
 
 
 @pytest.mark.parametrize("full", [True, False])
@@ -142,6 +144,48 @@ def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
     # the slow device's rank is the slowest in its own compute, in every step
     rank = int(np.flatnonzero(win.rank_device == 3)[0])
     assert (np.nanargmax(from_cols.own / win.rank_work[None, :], axis=1) == rank).all()
+
+
+
+def _same_observations(a, b) -> None:
+    assert a.cost_model == b.cost_model
+    np.testing.assert_array_equal(a.steps, b.steps)
+    for name in ("own", "raw", "expected", "comm", "sync"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_structure_memo_gives_what_each_call_derives_afresh(tmp_path):
+    """Chunks of a window share their structure columns (the replay's records of a layout): with
+    one ``StructureMemo`` over them every chunk's observations equal a memo-less call's, the
+    structure derived once; rows of another structure (new arrays, other relative steps) are
+    derived afresh, never taken for the remembered one."""
+    sc = load_scenario(write(tmp_path))
+    rp = Replay(sc, make_policies("resihp")[0], events=[])
+    speeds = np.ones(len(sc.cluster))
+    speeds[3] = 0.6
+    win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), speeds, 12, 0, 0.0)
+    memo = StructureMemo()
+    shape = TransformerShape(2, 256, 4, 1024)
+    for i in (0, 4, 8, 8, 0):
+        cols = win.step_columns(i, i + 4)
+        _same_observations(observe_columns(cols, win.meta, shape=shape, structure=memo),
+                           observe_columns(cols, win.meta, shape=shape))
+    assert len(memo._entries) == 1  # one structure: every chunk's rows in the same places
+    # the same rows in another order, as new arrays: another structure
+    cols = dict(win.step_columns(0, 4))
+    order = np.random.default_rng(0).permutation(len(cols["step"]))
+    shuffled = {c: (v.take(order) if isinstance(v, pd.Categorical) else v[order]) for c, v in cols.items()}
+    _same_observations(observe_columns(shuffled, win.meta, shape=shape, structure=memo),
+                       observe_columns(shuffled, win.meta, shape=shape))
+    # the same arrays with other relative steps (two steps swapped between chunks): afresh too
+    swapped = dict(cols)
+    swapped["step"] = np.where(cols["step"] == 0, 1, np.where(cols["step"] == 1, 0, cols["step"]))
+    _same_observations(observe_columns(swapped, win.meta, shape=shape, structure=memo),
+                       observe_columns(swapped, win.meta, shape=shape))
+    assert len(memo._entries) == 3
 
 
 def test_optype_as_strings_or_categorical(tmp_path):

@@ -17,8 +17,9 @@ the other stages); the op's phase alone.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -229,6 +230,63 @@ class _Ops:
         return column[self.rows if at is None else self.rows[at]]
 
 
+_STRUCTURE = ("rank", "dp_rank", "stage", "tp_rank", "mb_id", "optype")
+
+
+@dataclass
+class _Structure:
+    arrays: tuple  # the structure columns themselves (held, so their ids stay theirs)
+    steps: np.ndarray  # the step column less its first value
+    derived: dict = field(default_factory=dict)
+
+
+class StructureMemo:
+    """What ``observe_columns`` derives from the structure of a trace's rows alone (the rows'
+    places, micro-batches and phases, steps relative to the first: the codes, sort orders and table
+    slots of its groupings), kept for the next call on rows of the same structure: a producer
+    whose every few steps of records have the same rows, timings apart, reuses its structure
+    columns and passes one memo (the replay does, per layout). Rows are of the same structure when
+    their structure columns are the very same arrays and their steps the same relative to the first;
+    any other call derives afresh, and the last ``keep`` structures are remembered. Safe to share
+    between threads (a structure derived twice at once is derived the same twice)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._entries: list[_Structure] = []
+        self._lock = threading.Lock()
+
+    def bind(self, cols: Mapping[str, np.ndarray]) -> _Memo:
+        arrays = tuple(cols.get(c) for c in _STRUCTURE)
+        step = np.asarray(cols["step"])
+        rel = step - step[0] if len(step) else step
+        with self._lock:
+            for entry in self._entries:
+                if (all(a is b for a, b in zip(entry.arrays, arrays))
+                        and np.array_equal(entry.steps, rel)):
+                    return _Memo(entry.derived)
+            entry = _Structure(arrays, rel)
+            self._entries = [entry, *self._entries][: self.keep]
+        return _Memo(entry.derived)
+
+
+class _Memo:
+    """One structure's derived values by name (``StructureMemo``); without a store, each is
+    derived at every call."""
+
+    def __init__(self, store: dict | None = None) -> None:
+        self.store = store
+
+    def get(self, name: str, make: Callable[[], object]):
+        if self.store is None:
+            return make()
+        if name not in self.store:
+            self.store[name] = make()
+        return self.store[name]
+
+
+_NO_MEMO = _Memo()
+
+
 # the columns observe reads, with the dtype it works in (NaN marks a missing integer)
 _COLUMN_DTYPES = {"step": np.int64, "rank": np.int64, "dp_rank": np.int64, "stage": np.int64,
                   "duration": np.float64, "tp_rank": np.float64, "mb_id": np.float64,
@@ -277,31 +335,57 @@ def _first_of_each(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first, inverse
 
 
-def _sorted_groups(code: np.ndarray, values: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(values sorted by code, then value with NaN last; group code; group start; non-NaN count;
-    group of each row)."""
-    # a stable sort by code is nearly free on the mostly ordered codes of real traces
-    by_code = np.argsort(code, kind="stable")
-    sc = code[by_code]
+@dataclass(frozen=True)
+class _Groups:
+    """The groups of equal codes of some rows, from the codes alone (``_group_layout``)."""
+
+    by_code: np.ndarray | None  # the rows in code order (stable); None: in code order already
+    change: np.ndarray  # in code order, whether a row starts a group
+    gcode: np.ndarray
+    bounds: np.ndarray  # each group's first position in code order
+    size: int  # the rows of every group, where all have as many; else 0
+    group_of: np.ndarray | None  # where all have as many: each row's group
+
+
+def _group_layout(code: np.ndarray) -> _Groups:
+    # rows in code order already (a producer that writes them so): no sort and no gathers; else a
+    # stable sort by code, nearly free on the mostly ordered codes of real traces
+    ordered = len(code) < 2 or bool((code[1:] >= code[:-1]).all())
+    by_code = None if ordered else np.argsort(code, kind="stable")
+    sc = code if ordered else code[by_code]
     change = np.r_[True, sc[1:] != sc[:-1]]
     bounds = np.flatnonzero(change)
     groups = len(bounds)
     size = len(code) // max(groups, 1)
-    inverse = np.empty(len(code), dtype=np.int64)
-    if groups and np.all(np.diff(bounds, append=len(code)) == size):
+    if not (groups and np.all(np.diff(bounds, append=len(code)) == size)):
+        return _Groups(by_code, change, sc[bounds], bounds, 0, None)
+    group_of = np.repeat(np.arange(groups), size)
+    if not ordered:
+        inverse = np.empty(len(code), dtype=np.int64)
+        inverse[by_code] = group_of
+        group_of = inverse
+    return _Groups(by_code, change, sc[bounds], bounds, size, group_of)
+
+
+def _sorted_groups(code: np.ndarray, values: np.ndarray, layout: _Groups | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(values sorted by code, then value with NaN last; group code; group start; non-NaN count;
+    group of each row). ``layout``: ``_group_layout(code)``, where the caller has it."""
+    g = _group_layout(code) if layout is None else layout
+    groups = len(g.bounds)
+    if g.size:
         # groups of one size (a full trace): each group's values sorted as a row of a table
-        table = _sort_rows(values[by_code].reshape(groups, size))
-        valid = sum((~np.isnan(table[:, j])).astype(np.int64) for j in range(size))
-        inverse[by_code] = np.repeat(np.arange(groups), size)
-        return table.ravel(), sc[bounds], bounds, valid, inverse
+        table = _sort_rows((values if g.by_code is None else values[g.by_code]).reshape(groups, g.size))
+        valid = sum((~np.isnan(table[:, j])).astype(np.int64) for j in range(g.size))
+        return table.ravel(), g.gcode, g.bounds, valid, g.group_of
+    inverse = np.empty(len(code), dtype=np.int64)
     by_value = np.argsort(values)  # NaN last
     order = by_value[np.argsort(code[by_value], kind="stable")]
-    group_of_sorted = np.cumsum(change) - 1
+    group_of_sorted = np.cumsum(g.change) - 1
     v = values[order]
     valid = np.bincount(group_of_sorted, weights=~np.isnan(v), minlength=groups)
     inverse[order] = group_of_sorted
-    return v, sc[bounds], bounds, valid.astype(np.int64), inverse
+    return v, g.gcode, g.bounds, valid.astype(np.int64), inverse
 
 
 def _sort_rows(table: np.ndarray) -> np.ndarray:
@@ -318,11 +402,11 @@ def _sort_rows(table: np.ndarray) -> np.ndarray:
     return np.stack(cols, axis=1) if k else table
 
 
-def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool = False
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool = False,
+                    layout: _Groups | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per group of equal codes: (group codes, quantile, group of each row), as pandas' groupby
     ``quantile(q)`` computes it (linear interpolation, or ``lower``; NaN ignored)."""
-    v, gcode, start, n, inverse = _sorted_groups(code, values)
+    v, gcode, start, n, inverse = _sorted_groups(code, values, layout)
     pos = q * np.maximum(n - 1, 0)
     lo = np.floor(pos).astype(np.int64)
     out = v[np.minimum(start + lo, len(v) - 1)]
@@ -334,35 +418,35 @@ def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool 
 
 
 def _op_costs(comp: _Ops, meta: JobMeta, expected: ExpectedCompute | None,
-              shape: TransformerShape | None, unblocked: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray | None, str]:
+              shape: TransformerShape | None, unblocked: np.ndarray | None = None,
+              memo: _Memo = _NO_MEMO) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(relative cost of each compute op, expected seconds or None, name of the cost model).
 
     With the waits taken out, the same micro-batch on the other stages of the pipeline is the best
     reference (the same data, whatever a cost model gets wrong about it), so the model's cost is
     scaled by the peers' measured/modelled ratio. Without lengths, peers are the only reference.
     """
-    cost, exp_s, model = _model_costs(comp, expected, shape)
+    cost, exp_s, model = _model_costs(comp, expected, shape, memo)
     has_mb = comp.mb_id is not None
     blocked = unblocked is not None
     if has_mb and ((blocked and meta.pp_size > 1) or (model == "phase" and meta.world_size > 1
                                                         and (meta.dp_size > 1 or meta.pp_size > 1))):
         duration = unblocked if blocked else comp.duration
-        cost = cost * _peer_reference(comp, duration / cost, meta, blocked)
+        cost = cost * _peer_reference(comp, duration / cost, meta, blocked, memo)
         model = "peers" if model == "phase" else f"{model}+peers"
     return cost, exp_s, model
 
 
-def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
-                 shape: TransformerShape | None) -> tuple[np.ndarray, np.ndarray | None, str]:
+def _model_costs(comp: _Ops, expected: ExpectedCompute | None, shape: TransformerShape | None,
+                 memo: _Memo = _NO_MEMO) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Each op's cost from its sequence lengths (predictor, else analytic FLOPs), else its phase."""
     bwd = comp.op == _OP_BWD
     if not (len(comp) and "seq_lens" in comp.cols):
         return np.where(bwd, 2.0, 1.0), None, "phase"
     if comp.mb_id is not None:
         # one cost per micro-batch and phase, from its first record
-        (code,) = _key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))
-        first, codes = _first_of_each(code)
+        first, codes = memo.get("micro_batches", lambda: _first_of_each(
+            _key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))[0]))
     else:
         first = codes = np.arange(len(comp))
     if not comp.has("seq_lens", first):
@@ -393,7 +477,8 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None,
     return cost_u[codes], None, "flops" if shape is not None else "tokens"
 
 
-def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool) -> np.ndarray:
+def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool,
+                    memo: _Memo = _NO_MEMO) -> np.ndarray:
     """Per op, the lower median of the same op of its peers (with few peers, one slow member must not
     lift everybody's reference, so the lower, not the mean of the middle two).
 
@@ -404,7 +489,7 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
     tp = [] if ops.tp_rank is None else [ops.tp_rank]
     replicas = [ops.step, ops.stage, ops.mb_id, ops.op, *tp]
     if (unblocked or meta.dp_size == 1) and meta.pp_size > 1:
-        ref, alone = _lower_median_by(ops.micro_batch_code, ops.stage, values)
+        ref, alone = _lower_median_by(ops.micro_batch_code, ops.stage, values, memo, "pipeline")
         if alone.any():
             # a pipeline of one stage among deeper ones (replicas of different depths): no other
             # stage ran its micro-batch, so its reference is the step's same phase on every rank
@@ -412,24 +497,44 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
             other, lonely = _lower_median_by(_key_codes([ops.step, ops.op, *tp])[0], ops.rank, values)
             ref = np.where(alone & ~lonely, other, ref)
     else:
-        ref, _ = _lower_median_by(_key_codes(replicas)[0], ops.dp_rank, values)
+        code = memo.get("replicas", lambda: _key_codes(replicas)[0])
+        ref, _ = _lower_median_by(code, ops.dp_rank, values, memo, "replicas")
     return np.maximum(ref, 1e-12)
 
 
-def _lower_median_by(code: np.ndarray, member: np.ndarray, values: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def _lower_median_by(code: np.ndarray, member: np.ndarray, values: np.ndarray,
+                     memo: _Memo = _NO_MEMO, name: str = "") -> tuple[np.ndarray, np.ndarray]:
     """Per row, the lower median of ``values`` over the rows with the same key ``code``
-    (``_key_codes``); and whether the row is alone in its group."""
-    ref = _pivot_lower_median(code, member, values)
-    if ref is None:
-        _, ref_g, inverse = _group_quantile(code, values, 0.5, lower=True)
+    (``_key_codes``); and whether the row is alone in its group. ``name``: the grouping's in
+    ``memo``."""
+    table = memo.get(f"{name}:table", lambda: _dense_layout(code, member - member.min()))
+    if table is not None:
+        ref = _pivot_lower_median(code, values, table)
+    else:
+        layout = memo.get(f"{name}:groups", lambda: _group_layout(code))
+        _, ref_g, inverse = _group_quantile(code, values, 0.5, lower=True, layout=layout)
         ref = ref_g[inverse]
-    return ref, np.bincount(code)[code] == 1
+    return ref, memo.get(f"{name}:alone", lambda: np.bincount(code)[code] == 1)
 
 
-def _dense_table(code: np.ndarray, member: np.ndarray, values: np.ndarray) -> np.ndarray | None:
-    """``values`` as a (group code x member) table, NaN where a member has no row, when the codes
-    are dense and each group has at most one row per member (a full trace); else None."""
+@dataclass(frozen=True)
+class _DenseTable:
+    """Where each row goes in a (group code x member) table (``_dense_layout``)."""
+
+    slot: np.ndarray
+    groups: int
+    width: int
+
+    def fill(self, values: np.ndarray) -> np.ndarray:
+        """``values`` in the table, NaN where a member has no row."""
+        table = np.full(self.groups * self.width, np.nan)
+        table[self.slot] = values
+        return table.reshape(self.groups, self.width)
+
+
+def _dense_layout(code: np.ndarray, member: np.ndarray) -> _DenseTable | None:
+    """The rows as a (group code x member) table when the codes are dense and each group has at
+    most one row per member (a full trace); else None."""
     if not len(code):
         return None
     groups, width = int(code.max()) + 1, int(member.max()) + 1
@@ -438,18 +543,13 @@ def _dense_table(code: np.ndarray, member: np.ndarray, values: np.ndarray) -> np
     slot = code * width + member
     if np.bincount(slot, minlength=groups * width).max() > 1:
         return None
-    table = np.full(groups * width, np.nan)
-    table[slot] = values
-    return table.reshape(groups, width)
+    return _DenseTable(slot, groups, width)
 
 
-def _pivot_lower_median(code: np.ndarray, member: np.ndarray, values: np.ndarray
-                        ) -> np.ndarray | None:
-    """``_group_quantile(code, values, 0.5, lower=True)`` per row, without sorting the rows, where
-    the groups fit a ``_dense_table``; else None."""
-    table = _dense_table(code, member - member.min(), values) if len(code) else None
-    if table is None:
-        return None
+def _pivot_lower_median(code: np.ndarray, values: np.ndarray, layout: _DenseTable) -> np.ndarray:
+    """``_group_quantile(code, values, 0.5, lower=True)`` per row, without sorting the rows, for
+    groups that fit a dense table (``layout``)."""
+    table = layout.fill(values)
     table.sort(axis=1)  # NaN last
     n = (~np.isnan(table)).sum(axis=1)
     ref = table[np.arange(len(table)), np.maximum(n - 1, 0) // 2]
@@ -482,7 +582,8 @@ def _cells(steps: np.ndarray, step: np.ndarray, rank: np.ndarray, w: int) -> np.
     return np.searchsorted(steps, step) * w + rank
 
 
-def _cell_quantile(cell: np.ndarray, values: np.ndarray, q: float, t: int, w: int) -> np.ndarray:
+def _cell_quantile(cell: np.ndarray, values: np.ndarray, q: float, t: int, w: int,
+                   layout: _Groups | None = None) -> np.ndarray:
     out = np.full(t * w, np.nan)
     if q <= 0:
         mins = np.full(t * w, np.inf)
@@ -490,14 +591,15 @@ def _cell_quantile(cell: np.ndarray, values: np.ndarray, q: float, t: int, w: in
         seen = np.bincount(cell, weights=~np.isnan(values), minlength=t * w) > 0
         out[seen] = mins[seen]
     else:
-        gcode, qv, _ = _group_quantile(cell, values, q)
+        gcode, qv, _ = _group_quantile(cell, values, q, layout=layout)
         out[gcode] = qv
     return out.reshape(t, w)
 
 
-def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarray:
+def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int,
+              seen: np.ndarray | None = None) -> np.ndarray:
     total = np.bincount(cell, weights=values, minlength=t * w)
-    seen = np.bincount(cell, minlength=t * w) > 0
+    seen = np.bincount(cell, minlength=t * w) > 0 if seen is None else seen
     return np.where(seen, total, np.nan).reshape(t, w)
 
 
@@ -513,25 +615,29 @@ def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | 
 def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
                     expected: ExpectedCompute | None = None, shape: TransformerShape | None = None,
                     own_quantile: float = 0.1, phases: bool = False,
-                    source: str = "ops trace") -> Observations:
+                    source: str = "ops trace", structure: StructureMemo | None = None) -> Observations:
     """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
     its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``.
-    ``phases``: also each phase's own work alone (``Observations.phase_own``)."""
+    ``phases``: also each phase's own work alone (``Observations.phase_own``). ``structure``: what
+    earlier calls on rows of the same structure derived (``StructureMemo``)."""
+    memo = _NO_MEMO if structure is None else structure.bind(cols)
     steps = _distinct_steps(np.asarray(cols["step"]))
     t, w = len(steps), meta.world_size
-    op = _optype_codes(cols["optype"])
-    comp = _Ops(cols, np.flatnonzero(op <= _OP_BWD), op)
+    op, rows = memo.get("op", lambda: _compute_rows(cols["optype"]))
+    comp = _Ops(cols, rows, op)
     if not len(comp):
         raise InputError(f"{source}: no forward-compute or backward-compute rows to analyse")
-    unblocked = _unblocked_durations(comp) if meta.pp_size > 1 else None
-    cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked)
+    if comp.mb_id is not None:
+        comp.__dict__["micro_batch_code"] = memo.get("micro_batch_code", lambda: comp.micro_batch_code)
+    unblocked = _unblocked_durations(comp, memo) if meta.pp_size > 1 else None
+    cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked, memo)
     duration = comp.duration if unblocked is None else unblocked
-    cell = _cells(steps, comp.step, comp.rank, w)
+    cell = memo.get(f"cell:{w}", lambda: _cells(steps, comp.step, comp.rank, w))
     # with the waits taken out (or none to take: one stage), the median op speaks for the rank;
     # otherwise a low quantile, the ops that did not wait
     waits_left = meta.pp_size > 1 and unblocked is None
     ratio, q = duration / cost, own_quantile if waits_left else 0.5
-    own = _cell_quantile(cell, ratio, q, t, w)
+    own = _cell_quantile(cell, ratio, q, t, w, memo.get(f"cell_groups:{w}", lambda: _group_layout(cell)))
     phase_own = None
     # one phase's waits come out only with timestamps (without, issue times are rebuilt from both
     # phases' durations in record order)
@@ -541,8 +647,9 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
             sel = np.flatnonzero(comp.op == code)
             if sel.size:
                 phase_own[name] = _cell_quantile(cell[sel], ratio[sel], q, t, w)
-    raw = _cell_sum(cell, duration, t, w)
-    expected_m = None if exp_s is None else _cell_sum(cell, exp_s, t, w)
+    seen = memo.get(f"cell_seen:{w}", lambda: np.bincount(cell, minlength=t * w) > 0)
+    raw = _cell_sum(cell, duration, t, w, seen)
+    expected_m = None if exp_s is None else _cell_sum(cell, exp_s, t, w, seen)
     # transfers with the waits taken out where the trace has the clock for it (``links``)
     comm_m = pipeline_transfers(cols, steps, w) if meta.pp_size > 1 else None
     link = np.flatnonzero(op == _OP_LINK)
@@ -558,6 +665,12 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
 
 
 _OP_FWD, _OP_BWD, _OP_LINK, _OP_OTHER = 0, 1, 2, 3
+
+
+def _compute_rows(optype: pd.Series | pd.Categorical | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's ``_optype_codes``, the forward- and backward-compute rows)."""
+    op = _optype_codes(optype)
+    return op, np.flatnonzero(op <= _OP_BWD)
 
 
 def _optype_codes(optype: pd.Series | pd.Categorical | np.ndarray) -> np.ndarray:
@@ -599,7 +712,7 @@ def _lookup(known: np.ndarray, values: np.ndarray, codes: np.ndarray) -> np.ndar
     return np.where(known[pos] == codes, values[pos], np.nan)
 
 
-def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
+def _unblocked_durations(comp: _Ops, memo: _Memo = _NO_MEMO) -> np.ndarray | None:
     """Compute durations without the time spent blocked on the pipeline neighbour, from timestamps.
 
     A forward op of stage ``s`` cannot run before the same micro-batch's forward on ``s - 1`` ended
@@ -620,21 +733,33 @@ def _unblocked_durations(comp: _Ops) -> np.ndarray | None:
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)
         start = pd.Series(dur).groupby([comp.step, comp.rank], sort=False).cumsum().to_numpy() - dur
-    dep_end = _neighbour_ends(keys, comp.stage, comp.op == _OP_BWD, start + dur, comp.micro_batch_code)
+    dep_end = _neighbour_ends(keys, comp.stage, comp.op == _OP_BWD, start + dur, comp.micro_batch_code,
+                              memo)
     return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
                     start + dur - dep_end, dur)
 
 
+def _neighbour_slots(group: np.ndarray, stage: np.ndarray, bwd: np.ndarray
+                     ) -> tuple[_DenseTable, np.ndarray, np.ndarray] | None:
+    """For ``_neighbour_ends`` on a full trace: the (group x stage) table, whether each op has a
+    neighbour stage in it, and the neighbour's slot; None where the rows do not fit a table."""
+    lo = int(stage.min())
+    layout = _dense_layout(group, stage - lo)
+    if layout is None:
+        return None
+    nb = stage - lo + np.where(bwd, 1, -1)
+    ok = (nb >= 0) & (nb < layout.width)
+    return layout, ok, group * layout.width + np.clip(nb, 0, layout.width - 1)
+
+
 def _neighbour_ends(keys: list[np.ndarray], stage: np.ndarray, bwd: np.ndarray, end: np.ndarray,
-                    group: np.ndarray) -> np.ndarray:
+                    group: np.ndarray, memo: _Memo = _NO_MEMO) -> np.ndarray:
     """Per op, the end of the first record of the same ``keys`` (whose code is ``group``) on the
     stage before it (forward) or after it (backward); NaN where there is none."""
-    lo = int(stage.min())
-    table = _dense_table(group, stage - lo, end)
-    if table is not None:  # a full trace: look the neighbour up in the (group x stage) table
-        nb = stage - lo + np.where(bwd, 1, -1)
-        ok = (nb >= 0) & (nb < table.shape[1])
-        return np.where(ok, table[group, np.clip(nb, 0, table.shape[1] - 1)], np.nan)
+    lookup = memo.get("neighbours", lambda: _neighbour_slots(group, stage, bwd))
+    if lookup is not None:  # a full trace: look the neighbour up in the (group x stage) table
+        layout, ok, at = lookup
+        return np.where(ok, layout.fill(end).ravel()[at], np.nan)
     # with the stage as the last digit of the key code, a micro-batch's ops on the pipeline sort
     # next to each other in stage order: the neighbour of an op is the run of codes one below
     # (forward: stage - 1) or one above (backward: stage + 1); its first record counts

@@ -22,7 +22,7 @@ import numpy as np
 
 from resihp.detect.baselines import IterationChangePointDetector
 from resihp.detect.config import DetectorConfig
-from resihp.detect.observe import Observations, RankPlacement, observe_columns
+from resihp.detect.observe import Observations, RankPlacement, StructureMemo, observe_columns
 from resihp.detect.online import OnlineDetector
 from resihp.opstrace import JobMeta
 from resihp.replay.interface import Window
@@ -60,6 +60,9 @@ class DetectorFeed:
         self._rank_work: np.ndarray | None = None
         self._rank_width: np.ndarray | None = None
         self._reported: dict[int | tuple[int, int], object] = {}  # by device, or link (ends)
+        # every window of a layout writes its records in the same rows (``Simulator._columns``):
+        # what the detector derives from their structure is derived once per layout
+        self._structure = StructureMemo()
 
     def reset(self) -> None:
         self.detector = None
@@ -83,6 +86,7 @@ class DetectorFeed:
                 self._reported = {d: ev for d, ev in self._reported.items()
                                   if set(d if isinstance(d, tuple) else (d,)) <= kept}
             self._rank_width = _rank_width(window)
+            self._structure = StructureMemo()
         self._layout = signature
         self._rank_device, self._rank_work = window.rank_device, window.rank_work
         first, n = int(window.steps[0]), len(window.steps)
@@ -91,13 +95,13 @@ class DetectorFeed:
         def records(i: int) -> dict[str, np.ndarray]:
             return window.step_columns(i, min(i + FEED_STEPS, n))
 
-        def observe(cols: dict[str, np.ndarray]) -> Observations | None:
-            return observe_columns(cols, window.meta, shape=self.shape,
-                                   own_quantile=self.own_quantile) if cols else None
+        def observe(i: int) -> Observations | None:
+            cols = records(i)
+            return observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile,
+                                   structure=self._structure) if cols else None
 
-        # a pipeline over the window, a few steps at a time: while other threads observe the
-        # next steps' records (numpy, mostly without the GIL), this one takes in these steps and
-        # makes the records of the steps after
+        # a pipeline over the window, a few steps at a time: while other threads make and observe
+        # the next steps' records (numpy, mostly without the GIL), this one takes in these steps
         pool = ThreadPoolExecutor(OBSERVERS, thread_name_prefix="resihp-observe")
         starts = iter(range(0, n, FEED_STEPS))
         pending: deque[Future] = deque()
@@ -105,7 +109,7 @@ class DetectorFeed:
         def read_ahead() -> None:
             i = next(starts, None)
             if i is not None:
-                pending.append(pool.submit(observe, records(i)))
+                pending.append(pool.submit(observe, i))
 
         try:
             for _ in range(OBSERVERS):

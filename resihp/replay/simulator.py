@@ -190,8 +190,10 @@ class Simulator:
                  dims: ParallelDims, static: dict, first: int = 0, stop: int | None = None
                  ) -> dict[str, np.ndarray]:
         """The ops records of the window's steps ``first`` to ``stop`` (indices; all by default) as
-        columns (``resihp.detect.observe.trace_columns`` form), in (step, replica, stage, tp rank,
-        phase, micro-batch) order within each shape group (row order is free in the contract).
+        columns (``resihp.detect.observe.trace_columns`` form), in (step, stage, replica, tp rank,
+        phase, micro-batch) order within each shape group (row order is free in the contract):
+        the rank order of ``ParallelDims.rank_of``, so the detector's per-(step, rank) groups come
+        in order and need no sort (``observe._sorted_groups``)
         ``static``: the layout's cache of the columns that are the same every step (by number of
         steps), read-only and shared by every window of the layout."""
         parts: list[dict[str, np.ndarray]] = []
@@ -209,18 +211,20 @@ class Simulator:
             fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]  # the recorded micro-batches
             took = np.stack([fwd + comm, 2.0 * fwd + comm], axis=3)  # [W, R, pp, 2, k]
             start = (np.stack([end[:, :, node[0]], end[:, :, node[1]]], axis=3) - took
-                     + step_start[:, None, None, None, None])
+                     + step_start[:, None, None, None, None]).transpose(0, 2, 1, 3, 4)
             pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
             tp = g.devices.shape[-1]
-            # [R, pp, tp]: each rank's own pace relative to its stage's (slowest) device
-            rel = sp[:, :, None] / np.where(g.devices >= 0, padded[g.devices], 1.0)
-            own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, R, pp, tp, M]
-            shape = (w, r, pp, tp, 2, m)
+            # stage before replica from here: [W, pp, R, ...]
+            fwd, comm, devices = fwd.transpose(0, 2, 1, 3), comm.transpose(0, 2, 1, 3), g.devices.transpose(1, 0, 2)
+            # [pp, R, tp]: each rank's own pace relative to its stage's (slowest) device
+            rel = sp.T[:, :, None] / np.where(devices >= 0, padded[devices], 1.0)
+            own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, pp, R, tp, M]
+            shape = (w, pp, r, tp, 2, m)
             dur = np.stack([own, 2.0 * own], axis=4) + comm[:, :, :, None, None, :]
             # no padded ranks: no mask (and none of the copies a mask makes)
-            real = slice(None) if (g.devices >= 0).all() else np.broadcast_to(
-                (g.devices >= 0)[None, :, :, :, None, None], shape).ravel()
+            real = slice(None) if (devices >= 0).all() else np.broadcast_to(
+                (devices >= 0)[None, :, :, :, None, None], shape).ravel()
 
             def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
                      ) -> np.ndarray:
@@ -228,7 +232,7 @@ class Simulator:
                 at = [slice(None) if i in axes else None for i in range(len(shape))]
                 return np.broadcast_to(values[tuple(at)], shape).ravel()[real]
 
-            mbi = grid(mb, (0, 1, 5))
+            mbi = grid(mb, (0, 2, 5))
             parts.append({
                 "step": grid(steps, (0,)), "tokens": pool.tokens[mbi].astype(np.int64, copy=False),
                 "duration": dur.ravel()[real], "start_ts": grid(start, (0, 1, 2, 4, 5)),
@@ -249,8 +253,9 @@ class Simulator:
         parts = []
         for g, mb, *_ in per_group:
             r, pp, tp = g.devices.shape
-            shape = (r, pp, tp, 2, min(k, mb.shape[-1]))
-            real = (g.devices >= 0)[:, :, :, None, None]
+            devices = g.devices.transpose(1, 0, 2)  # stage before replica, as ``_columns``
+            shape = (pp, r, tp, 2, min(k, mb.shape[-1]))
+            real = (devices >= 0)[:, :, :, None, None]
 
             def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
                      ) -> np.ndarray:
@@ -258,12 +263,12 @@ class Simulator:
                 one = np.broadcast_to(values[tuple(at)], shape)[np.broadcast_to(real, shape)]
                 return np.tile(one, n)  # the steps are the outermost axis of the record grid
 
-            dp_rank, stage, tp_rank = (grid(g.replica_ids, (0,)), grid(np.arange(pp), (1,)),
+            dp_rank, stage, tp_rank = (grid(g.replica_ids, (1,)), grid(np.arange(pp), (0,)),
                                        grid(np.arange(tp), (2,)))
             parts.append({"rank": dims.rank_of(dp_rank, stage, tp_rank), "dp_rank": dp_rank,
                           "stage": stage, "tp_rank": tp_rank,
                           "mb_id": grid(np.arange(shape[-1]), (4,)),
-                          "device": grid(g.devices, (0, 1, 2)),
+                          "device": grid(devices, (0, 1, 2)),
                           "optype": grid(np.array([0, 1], dtype=np.int8), (3,))})
         cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
                                                   for c in parts[0]}
