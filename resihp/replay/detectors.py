@@ -177,9 +177,10 @@ class DetectorFeed:
 # re-plans come a few steps after the change that prompted them) leaves the rest unmade, and the
 # arrays of a few steps stay in cache; every step's observations depend on that step's records alone
 FEED_STEPS = 4
-# threads observing records ahead of the detector: with one, the detector waited on it for about a
-# sixth of the 16,384-GPU week's replay (its records take longer to observe than to feed)
-OBSERVERS = 2
+# threads making and observing records ahead of the detector: one. On two cores a second one only
+# competed with the detector for the interpreter: the 16,384-GPU week (``benchmarks/replay.py
+# --speed-only``) replayed 4-8% faster with one, in each of three interleaved rounds
+OBSERVERS = 1
 
 
 def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,
