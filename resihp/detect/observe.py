@@ -29,7 +29,7 @@ from resihp.detect.fitted import FittedCost
 from resihp.detect.links import optype_factors, pipeline_transfers, sync_transfers
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
-from resihp.workload.features import length_features
+from resihp.workload.features import length_feature_arrays
 from resihp.workload.flops import TransformerShape, stage_flops
 
 # expected_compute(seq_lens of each micro-batch, phase 'fwd'|'bwd') -> seconds per micro-batch
@@ -467,8 +467,8 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None, shape: Transforme
         if fitted:  # relative costs: the job's own, not a device's seconds
             return cost, None, "fitted"
         return cost, cost, "predictor"
-    feats = length_features(list(lens))
-    tokens, sum_sq = feats["tokens"].to_numpy(), feats["sum_sq"].to_numpy()
+    feats = length_feature_arrays(list(lens))
+    tokens, sum_sq = feats["tokens"], feats["sum_sq"]
     use = shape or TransformerShape(1, 4096, 32, 16384)
     for p, sel in (("fwd", np.flatnonzero(~ph_bwd)), ("bwd", np.flatnonzero(ph_bwd))):
         if sel.size:

@@ -16,20 +16,29 @@ LENGTH_FEATURES = ["tokens", "sum_sq", "n_seqs", "max_len", "mean_len", "sum_cub
 
 def length_features(seq_lens: Sequence[Sequence[int]]) -> pd.DataFrame:
     """tokens, sum of squared lengths, number of sequences, longest, mean, sum of cubes."""
+    return pd.DataFrame(length_feature_arrays(seq_lens))
+
+
+def length_feature_arrays(seq_lens: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+    """``length_features`` as arrays by name, without the frame (for a caller on a hot path)."""
     counts = np.fromiter(map(len, seq_lens), dtype=np.int64, count=len(seq_lens))
     if len(seq_lens) and isinstance(seq_lens[0], np.ndarray):
         flat = np.concatenate(seq_lens)
     else:
         flat = np.fromiter(chain.from_iterable(seq_lens), dtype=np.int64, count=int(counts.sum()))
-    return length_features_flat(flat, counts)
+    return _feature_arrays(flat, counts)
 
 
 def length_features_flat(flat: np.ndarray, counts: np.ndarray) -> pd.DataFrame:
     """As ``length_features`` for micro-batches given as all lengths in one array plus the
     number of sequences of each micro-batch (no Python per micro-batch)."""
+    return pd.DataFrame(_feature_arrays(flat, counts))
+
+
+def _feature_arrays(flat: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
     counts = np.asarray(counts, dtype=np.int64)
     if len(counts) == 0:
-        return pd.DataFrame({name: np.zeros(0) for name in LENGTH_FEATURES})
+        return {name: np.zeros(0) for name in LENGTH_FEATURES}
     if counts.min() <= 0:
         raise InputError(f"micro-batch {int(np.argmin(counts))} has no sequences")
     flat = np.asarray(flat, dtype=np.float64)
@@ -38,16 +47,14 @@ def length_features_flat(flat: np.ndarray, counts: np.ndarray) -> pd.DataFrame:
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     tokens = np.add.reduceat(flat, starts)
     squares = flat * flat
-    return pd.DataFrame(
-        {
-            "tokens": tokens,
-            "sum_sq": np.add.reduceat(squares, starts),
-            "n_seqs": counts.astype(np.float64),
-            "max_len": np.maximum.reduceat(flat, starts),
-            "mean_len": tokens / counts,
-            "sum_cube": np.add.reduceat(squares * flat, starts),
-        }
-    )
+    return {
+        "tokens": tokens,
+        "sum_sq": np.add.reduceat(squares, starts),
+        "n_seqs": counts.astype(np.float64),
+        "max_len": np.maximum.reduceat(flat, starts),
+        "mean_len": tokens / counts,
+        "sum_cube": np.add.reduceat(squares * flat, starts),
+    }
 
 
 def flops_features(lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series | str) -> pd.DataFrame:
