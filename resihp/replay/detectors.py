@@ -12,10 +12,9 @@ rebuilt. A change of micro-batch counts keeps everything.
 
 from __future__ import annotations
 
+import threading
 import warnings
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,30 +99,19 @@ class DetectorFeed:
             return observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile,
                                    structure=self._structure) if cols else None
 
-        # a pipeline over the window, a few steps at a time: while other threads make and observe
-        # the next steps' records (numpy, mostly without the GIL), this one takes in these steps
-        pool = ThreadPoolExecutor(OBSERVERS, thread_name_prefix="resihp-observe")
-        starts = iter(range(0, n, FEED_STEPS))
-        pending: deque[Future] = deque()
-
-        def read_ahead() -> None:
-            i = next(starts, None)
-            if i is not None:
-                pending.append(pool.submit(observe, i))
-
+        # a pipeline over the window, a few steps at a time: an observer thread makes and observes
+        # the next steps' records (numpy, mostly without the GIL) while this one takes in the steps
+        # before, and makes and observes some itself rather than wait (``_Chunks``)
+        chunks = _Chunks(observe, list(range(0, n, FEED_STEPS)))
         try:
-            for _ in range(OBSERVERS):
-                read_ahead()
-            while pending:
-                obs = pending.popleft().result()
-                read_ahead()
+            for obs in chunks:
                 if obs is not None:
                     self._feed_steps(window, obs, first, out)
                 if out:  # the policy acts here; later steps of the window are simulated again
                     break
             return out
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # steps read ahead and not needed
+            chunks.stop()  # steps made ahead and not needed
 
     def _feed_steps(self, window: Window, obs: Observations, first: int,
                     out: list[Finding]) -> None:
@@ -173,14 +161,85 @@ class DetectorFeed:
                 return
 
 
+class _Chunks:
+    """``make(key)`` of every key, in order, shared between the thread that iterates and one
+    observer thread: each takes the next key not yet taken, at most ``AHEAD`` keys beyond the
+    one the iterator waits for; where that one is still being made by the observer, the
+    iterator makes the next one itself instead of waiting. On two cores the detector's own work
+    and the making of the records are about even, so neither waits for the other long (one
+    observer alone made the detector wait for about half of each window's feed)."""
+
+    def __init__(self, make: Callable[[int], object], keys: list[int]) -> None:
+        self.make, self.keys = make, keys
+        self.done: dict[int, tuple[bool, object]] = {}  # key index -> (ok, result or exception)
+        self.fed = 0  # index of the key the iterator waits for
+        self.taken = 0  # keys taken by either thread
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.observer = threading.Thread(target=self._observe, name="resihp-observe", daemon=True)
+        self.observer.start()
+
+    def _take(self) -> int | None:
+        """The next key's index if one may be taken now (under the lock)."""
+        if self.stopped or self.taken >= len(self.keys) or self.taken >= self.fed + AHEAD:
+            return None
+        self.taken += 1
+        return self.taken - 1
+
+    def _run(self, j: int) -> None:
+        try:
+            result = (True, self.make(self.keys[j]))
+        except BaseException as exc:  # noqa: BLE001 - raised where the iterator reaches it
+            result = (False, exc)
+        with self.cond:
+            self.done[j] = result
+            self.cond.notify_all()
+
+    def _observe(self) -> None:
+        while True:
+            with self.cond:
+                j = self._take()
+                while j is None:
+                    if self.stopped or self.taken >= len(self.keys):
+                        return
+                    self.cond.wait()
+                    j = self._take()
+            self._run(j)
+
+    def __iter__(self):
+        while self.fed < len(self.keys):
+            with self.cond:
+                j = None
+                while self.fed not in self.done:
+                    j = self._take()
+                    if j is not None:
+                        break
+                    self.cond.wait()
+            if j is not None:  # the one waited for is being made: make the next one meanwhile
+                self._run(j)
+                continue
+            with self.cond:
+                ok, result = self.done.pop(self.fed)
+                self.fed += 1
+                self.cond.notify_all()
+            if not ok:
+                raise result
+            yield result
+
+    def stop(self) -> None:
+        """No more keys taken; what the observer is making it finishes alone."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+
 # steps of a window made and observed at once: a detector that fires early in a window (most
 # re-plans come a few steps after the change that prompted them) leaves the rest unmade, and the
 # arrays of a few steps stay in cache; every step's observations depend on that step's records alone
 FEED_STEPS = 4
-# threads making and observing records ahead of the detector: one. On two cores a second one only
-# competed with the detector for the interpreter: the 16,384-GPU week (``benchmarks/replay.py
-# --speed-only``) replayed 4-8% faster with one, in each of three interleaved rounds
-OBSERVERS = 1
+# chunks made ahead of the one the detector takes in next (``_Chunks``): one each for the
+# detector's thread and the observer thread
+AHEAD = 2
 
 
 def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,
