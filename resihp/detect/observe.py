@@ -524,6 +524,7 @@ class _DenseTable:
     slot: np.ndarray
     groups: int
     width: int
+    members: np.ndarray  # the rows of each group
 
     def fill(self, values: np.ndarray) -> np.ndarray:
         """``values`` in the table, NaN where a member has no row."""
@@ -543,16 +544,16 @@ def _dense_layout(code: np.ndarray, member: np.ndarray) -> _DenseTable | None:
     slot = code * width + member
     if np.bincount(slot, minlength=groups * width).max() > 1:
         return None
-    return _DenseTable(slot, groups, width)
+    return _DenseTable(slot, groups, width, np.bincount(code, minlength=groups))
 
 
 def _pivot_lower_median(code: np.ndarray, values: np.ndarray, layout: _DenseTable) -> np.ndarray:
     """``_group_quantile(code, values, 0.5, lower=True)`` per row, without sorting the rows, for
     groups that fit a dense table (``layout``)."""
     table = layout.fill(values)
-    table.sort(axis=1)  # NaN last
-    n = (~np.isnan(table)).sum(axis=1)
-    ref = table[np.arange(len(table)), np.maximum(n - 1, 0) // 2]
+    table.sort(axis=1)  # NaN last (faster than ``_sort_rows`` on these tables' thousands of rows)
+    n = layout.members - np.bincount(code[np.isnan(values)], minlength=layout.groups)
+    ref = table.ravel()[np.arange(layout.groups) * layout.width + np.maximum(n - 1, 0) // 2]
     return ref[code]
 
 
