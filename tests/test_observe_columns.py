@@ -43,15 +43,17 @@ def test_group_quantile_matches_pandas(q, lower):
     np.testing.assert_array_equal(codes[inverse], code)
 
 
+@pytest.mark.parametrize("nan", [True, False])  # without: every group whole (one position for all)
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 8, 12])
-def test_group_quantile_on_groups_of_one_size_matches_pandas(size):
+def test_group_quantile_on_groups_of_one_size_matches_pandas(size, nan):
     # a full trace: every (step, rank) cell has the same number of ops, codes mostly in order
     rng = np.random.default_rng(size)
     code = np.repeat(np.arange(500) * 3, size)
     code[: 40 * size] = np.repeat(rng.permutation(40) * 3, size)
     values = rng.lognormal(size=code.size)
-    values[rng.random(code.size) < 0.05] = np.nan
-    for q, lower in ((0.5, True), (0.1, False)):
+    if nan:
+        values[rng.random(code.size) < 0.05] = np.nan
+    for q, lower in ((0.5, True), (0.1, False), (0.5, False), (0.9, False)):
         codes, got, inverse = _group_quantile(code, values, q, lower=lower)
         want = pd.Series(values).groupby(code).quantile(q, interpolation="lower" if lower else "linear")
         np.testing.assert_array_equal(codes, want.index.to_numpy())
