@@ -11,13 +11,14 @@ sets the pace. The ops records of a window follow the DESIGN.md contract.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pandas as pd
 
 from resihp.opstrace import COMPUTE_OPTYPES, JobMeta
 from resihp.parallel import ParallelDims
-from resihp.perf.schedule import compile_schedule, op_end_times
+from resihp.perf.schedule import CompiledSchedule, compile_schedule, op_end_times
 from resihp.plan.cost import flops_per_s, grad_sync_s, optimizer_s, p2p_s, tp_allreduce_s
 from resihp.replay.costmodel import MicroBatchPool, build_pool
 from resihp.replay.interface import Window
@@ -27,6 +28,8 @@ from resihp.replay.scenario import Scenario
 from resihp.workload.lengths import resolve_source
 
 POOL_MICROBATCHES = 4096
+# the fewest (step, replica, stage, micro-batch) durations whose critical paths run in a thread
+PATHS_THREAD_MIN = 65536
 TRANSFER_JITTER = 0.05  # log-sd of a rank's per-token transfer time from step to step
 
 
@@ -38,6 +41,9 @@ class Simulator:
         self.pool = pool
         self.rng = rng
         self.noise = noise_pool(scenario.noise_job)
+        # a window's critical paths run here beside its transfer draws (numpy, mostly without the
+        # GIL): made on first use
+        self._paths: ThreadPoolExecutor | None = None
         self.rate = flops_per_s(float(scenario.cluster.tflops.min()))  # identical devices
         self._pools = {None: pool}
 
@@ -100,26 +106,41 @@ class Simulator:
             dev_link = link_of[g.devices]  # [R, pp, tp]
             boundary = np.minimum(dev_link[:, :-1], dev_link[:, 1:])  # [R, pp - 1, tp]
             p2p = p2p / boundary.min(axis=(1, 2), initial=1.0)
-            end = op_end_times(sched, fwd + comm, 2.0 * fwd + comm, p2p)  # [W, R, nodes]
+            end = self._critical_paths(sched, fwd + comm, 2.0 * fwd + comm, p2p)  # [W, R, nodes]
             comm_rows.append((g, boundary))
-            replica_time.append(end[..., sched.last_on_rank].max(axis=-1).max(axis=-1))
             tokens += pool.tokens[mb].sum(axis=(1, 2))
             per_group.append((g, mb, fwd, comm, sp, sched, end))
-        step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
-        steps = np.arange(first_step, first_step + n_steps)
-        layout = compiled.layout
         if "ranks" not in compiled.derived:
             compiled.derived["ranks"] = self._rank_table(compiled)
         meta, rank_device, rank_work, rank_place = compiled.derived["ranks"]
         dims = ParallelDims(meta.dp_size, meta.pp_size, meta.tp_size)
+        # the transfers' draws (after every group's, as the random stream has them) while the
+        # critical paths run
+        transfers = self._transfers(comm_rows, n_steps, dims)
+        per_group = [(*rest, end.result()) for *rest, end in per_group]
+        for *_, sched, end in per_group:
+            replica_time.append(end[..., sched.last_on_rank].max(axis=-1).max(axis=-1))
+        step_time = np.max(np.stack(replica_time), axis=0) + sync + optim
+        steps = np.arange(first_step, first_step + n_steps)
+        layout = compiled.layout
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
         static = compiled.derived.setdefault("records", {})
         columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims, static))
-        transfers = self._transfers(comm_rows, n_steps, dims)
         return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
                       rank_device, rank_work, columns, rank_place, transfers,
                       lambda i, j: self._columns(per_group, steps, step_start, speeds, dims, static, i,
                                                  j))
+
+    def _critical_paths(self, sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray) -> Future:
+        """``op_end_times`` to come: in the simulator's thread for a window of many replicas
+        (where it takes milliseconds), else now."""
+        if fwd.size < PATHS_THREAD_MIN:
+            done: Future = Future()
+            done.set_result(op_end_times(sched, fwd, bwd, p2p))
+            return done
+        if self._paths is None:
+            self._paths = ThreadPoolExecutor(1, thread_name_prefix="resihp-paths")
+        return self._paths.submit(op_end_times, sched, fwd, bwd, p2p)
 
     def _transfers(self, rows: list, n_steps: int, dims: ParallelDims) -> np.ndarray:
         """(step x logical rank) seconds per token of each rank's transfers to the next stage (the
