@@ -179,8 +179,10 @@ def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:
 class _Ops:
     """The key and value columns of a subset of trace rows as numpy arrays."""
 
-    def __init__(self, cols: Mapping[str, np.ndarray], rows: np.ndarray, op: np.ndarray) -> None:
+    def __init__(self, cols: Mapping[str, np.ndarray], rows: np.ndarray, op: np.ndarray,
+                 memo: _Memo | None = None) -> None:
         self.cols = cols
+        self._memo = memo  # the structure's derived values (``StructureMemo``), where kept
         self.rows = rows
         self._all = len(rows) == len(op)  # every row: the columns themselves, not copies
         self.op = self.values_of(op)  # small integer code of the optype
@@ -197,8 +199,11 @@ class _Ops:
         op and tp_rank): what a micro-batch's ops on the pipeline's stages share (``mb_id`` on
         every row)."""
         tp = [] if self.tp_rank is None else [self.tp_rank]
-        (code,) = _key_codes([self.step, self.dp_rank, self.mb_id, self.op, *tp])
-        return code
+
+        def make() -> np.ndarray:
+            return _key_codes([self.step, self.dp_rank, self.mb_id, self.op, *tp])[0]
+
+        return make() if self._memo is None else self._memo.get("micro_batch_code", make)
 
     def _full_int(self, name: str) -> np.ndarray | None:
         """The column as int64 when present with a value on every row of the subset, else None."""
@@ -635,11 +640,9 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     steps = _distinct_steps(np.asarray(cols["step"]))
     t, w = len(steps), meta.world_size
     op, rows = memo.get("op", lambda: _compute_rows(cols["optype"]))
-    comp = _Ops(cols, rows, op)
+    comp = _Ops(cols, rows, op, memo)
     if not len(comp):
         raise InputError(f"{source}: no forward-compute or backward-compute rows to analyse")
-    if comp.mb_id is not None:
-        comp.__dict__["micro_batch_code"] = memo.get("micro_batch_code", lambda: comp.micro_batch_code)
     unblocked = _unblocked_durations(comp, memo) if meta.pp_size > 1 else None
     cost, exp_s, model = _op_costs(comp, meta, expected, shape, unblocked, memo)
     duration = comp.duration if unblocked is None else unblocked

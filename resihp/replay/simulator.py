@@ -214,7 +214,7 @@ class Simulator:
         columns (``resihp.detect.observe.trace_columns`` form), in (step, stage, replica, tp rank,
         phase, micro-batch) order within each shape group (row order is free in the contract):
         the rank order of ``ParallelDims.rank_of``, so the detector's per-(step, rank) groups come
-        in order and need no sort (``observe._sorted_groups``)
+        in order and need no sort (``observe._group_layout``).
         ``static``: the layout's cache of the columns that are the same every step (by number of
         steps), read-only and shared by every window of the layout."""
         parts: list[dict[str, np.ndarray]] = []
