@@ -266,3 +266,24 @@ def test_a_carried_bank_that_keeps_its_ranks_resets_only_the_fresh_ones_in_place
         expect[..., [4, 6]] = getattr(fresh, name)[..., [4, 6]]
         assert np.array_equal(now, expect, equal_nan=True), name
     assert moved.alarmed[2] and not moved.calibrated[[4, 6]].any() and moved.calibrated[[0, 7]].all()
+
+
+def test_fresh_series_of_a_carried_bank_calibrate_and_alarm_after_every_other_one_had():
+    # the bank skips calibration work once every series is calibrated: a carry that brings in
+    # fresh series (or a recalibration) must start it again
+    cfg = DetectorConfig(calibration_steps=5)
+    rng = np.random.default_rng(4)
+    bank = CusumBank(6, cfg)
+    for t in range(8):
+        bank.update(t, rng.normal(0, 0.01, 6))
+    assert bank.calibrated.all()
+    bank = bank.carried(np.array([0, 1, 2, -1, 4, 5]))
+    alarms = []
+    for t in range(8, 30):
+        alarms += bank.update(t, rng.normal(0, 0.01, 6) + np.where(np.arange(6) == 3, 0.5 * (t >= 20), 0.0))[0]
+    assert bank.calibrated.all()
+    assert [a.index for a in alarms] == [3] and alarms[0].onset_step == 20
+    bank.recalibrate()
+    for t in range(30, 40):
+        bank.update(t, rng.normal(0, 0.01, 6))
+    assert bank.calibrated.all()

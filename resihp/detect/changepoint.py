@@ -89,6 +89,15 @@ class CusumBank:
         # the last steps' deviations (a ring: row ``step % _HISTORY``), to place an alarm's onset
         self._hist = np.full((_HISTORY, n), np.nan)
         self._hist_step = np.full(_HISTORY, -1, dtype=np.int64)
+        self._unstarted = True  # some series has no first step yet
+        self._all_calibrated = False
+        self._buffers: tuple[np.ndarray, np.ndarray] | None = None  # ``_scratch``
+
+    def _scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two arrays of ``n`` floats for ``update``'s temporaries (their values are not kept)."""
+        if self._buffers is None or self._buffers[0].shape != (self.n,):
+            self._buffers = (np.empty(self.n), np.empty(self.n))
+        return self._buffers
 
     def carried(self, source: np.ndarray) -> CusumBank:
         """A bank over a new set of series: series ``j`` continues this bank's series ``source[j]``
@@ -112,6 +121,9 @@ class CusumBank:
                     moved[..., fresh] = getattr(start, name)
                 setattr(out, name, moved)
         out._hist_step = self._hist_step.copy()
+        out._buffers = None
+        out._unstarted = bool((out.first_step < 0).any())
+        out._all_calibrated = bool(out.calibrated.all())
         return out
 
     def recalibrate(self) -> None:
@@ -123,6 +135,7 @@ class CusumBank:
         self._cal_step[:] = -1
         self.cal_count[:] = 0
         self.calibrated[:] = False
+        self._all_calibrated = False
         self.alarmed[:] = False
         self.s[:] = 0.0
         self.run_n[:] = 0
@@ -145,22 +158,37 @@ class CusumBank:
         """Feed one step; returns new alarms, recoveries and the indices calibrated at this step."""
         cfg = self.cfg
         seen = ~np.isnan(x)
-        self.first_step[seen & (self.first_step < 0)] = step
+        if self._unstarted:
+            self.first_step[seen & (self.first_step < 0)] = step
+            self._unstarted = bool((self.first_step < 0).any())
         newly, risen = self._calibrate(step, x, seen)
-        live = seen & self.calibrated
-        live[newly] = False
-        if not live.any():
+        if self._all_calibrated and not newly.size:
+            live = seen
+        else:
+            live = seen & self.calibrated
+            live[newly] = False
+        all_live = bool(live.all())
+        if not all_live and not live.any():
             return risen, [], newly
-        # on whole arrays, masked to the live series (most are, most steps: cheaper than gathers)
-        dev = np.where(live, x - self.mu, np.nan)
+        # whole arrays masked to the live series (most are, most steps: cheaper than gathers),
+        # computed in place: at 16,384 series each temporary costs about as much as its arithmetic
         slot = step % _HISTORY
-        self._hist[slot] = dev
+        dev = self._hist[slot]
+        np.subtract(x, self.mu, out=dev)
+        if not all_live:
+            dev[~live] = np.nan
         self._hist_step[slot] = step
-        z = dev / self.sigma
+        tmp = self._scratch()
+        z = np.divide(dev, self.sigma, out=tmp[0])
         k, h = self.k, self.h
         # np.minimum/np.maximum, not np.clip: the same values, several times faster with array bounds
-        s_new = np.where(live, np.maximum(0.0, self.s + np.minimum(np.maximum(z, -self.clip), self.clip) - k),
-                         self.s)
+        clipped = np.maximum(z, np.negative(self.clip, out=tmp[1]), out=tmp[1])
+        np.minimum(clipped, self.clip, out=clipped)
+        s_new = np.add(self.s, clipped)
+        np.subtract(s_new, k, out=s_new)
+        np.maximum(0.0, s_new, out=s_new)
+        if not all_live:
+            np.copyto(s_new, self.s, where=~live)
         in_run = live & (s_new > 0)
         alarmed = self.alarmed.copy()  # as before this step's alarms
         # the run and alarm bookkeeping, on the series in a run, leaving one or in alarm only (a
@@ -184,13 +212,23 @@ class CusumBank:
         # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
         calm = live & ~alarmed & ~in_run
         if cfg.baseline_rate > 0 and calm.any():
-            bound = 3 * self.sigma
-            step_dev = np.minimum(np.maximum(dev, -bound), bound)
-            self.mu = np.where(calm, self.mu + cfg.baseline_rate * step_dev, self.mu)
+            rate = cfg.baseline_rate
+            bound = np.multiply(3, self.sigma, out=tmp[0])
+            step_dev = np.maximum(dev, np.negative(bound, out=tmp[1]), out=tmp[1])
+            np.minimum(step_dev, bound, out=step_dev)
+            moved = np.multiply(rate, step_dev, out=tmp[0])
+            np.add(self.mu, moved, out=moved)
+            np.copyto(self.mu, moved, where=calm)
             # the spread is learned on as well (a few calibration steps can understate it), but
             # never below what calibration measured
-            var = (1 - cfg.baseline_rate) * self.sigma ** 2 + cfg.baseline_rate * step_dev ** 2
-            self.sigma = np.where(calm, np.maximum(np.sqrt(var), self._sigma0), self.sigma)
+            var = np.square(self.sigma, out=tmp[0])
+            np.multiply(1 - rate, var, out=var)
+            dev2 = np.square(step_dev, out=tmp[1])
+            np.multiply(rate, dev2, out=dev2)
+            np.add(var, dev2, out=var)
+            np.sqrt(var, out=var)
+            np.maximum(var, self._sigma0, out=var)
+            np.copyto(self.sigma, var, where=calm)
 
         alarms: list[Alarm] = risen
         rn = self.raised_n[a]
@@ -334,6 +372,8 @@ class CusumBank:
         """Fill the calibration windows; the series whose window filled at this step calibrated,
         and the alarms of those whose level rose inside it (``_risen``)."""
         cfg = self.cfg
+        if self._all_calibrated:
+            return np.empty(0, dtype=np.int64), []
         filling = np.flatnonzero(seen & ~self.calibrated)
         if filling.size == 0:
             return filling, []
@@ -349,6 +389,7 @@ class CusumBank:
         self.mu[done] = med
         self.sigma[done] = np.maximum(mad, cfg.sigma_floor)
         self.calibrated[done] = True
+        self._all_calibrated = bool(self.calibrated.all())
         risen = self._risen(done) if self.rises else np.empty((0, 2), dtype=np.int64)
         # a rank's own few steps can understate its noise: never below the typical rank's
         pooled = float(np.median(self.sigma[self.calibrated]))

@@ -800,11 +800,8 @@ def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: i
            ) -> list[tuple[float, float]]:
     """Each pipeline's step as ``T(1) + (m - 1) * slope`` on the schedule's graph, the slope
     taken up to ``m_ref`` micro-batches (about what each carries)."""
-    out = []
-    for s in pipelines:
-        first = coster.pipeline_step(s, 1)
-        out.append((first, max(0.0, (coster.pipeline_step(s, m_ref) - first) / (m_ref - 1))))
-    return out
+    return [(first, max(0.0, each)) for first, each in
+            (coster.pipeline_slope(s, m_ref) for s in pipelines)]
 
 
 def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],

@@ -38,9 +38,11 @@ class Stage:
 
     def __hash__(self) -> int:
         # stages (and tuples of them) key the planner's caches: hash once, not at every lookup
-        if "_hash" not in self.__dict__:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
             object.__setattr__(self, "_hash", hash((self.ranks, self.layers)))
-        return self.__dict__["_hash"]
+            return self.__dict__["_hash"]
 
 
 class HashedTuple(tuple):
@@ -48,9 +50,11 @@ class HashedTuple(tuple):
     thousands of times per plan (a pipeline's stages, its stage times)."""
 
     def __hash__(self) -> int:
-        if "_hash" not in self.__dict__:
-            self.__dict__["_hash"] = tuple.__hash__(self)
-        return self.__dict__["_hash"]
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = self.__dict__["_hash"] = tuple.__hash__(self)
+            return value
 
 
 class Stages(HashedTuple):
@@ -251,10 +255,22 @@ class Plan:
                                      f"{p.dp_rank} (cluster has ranks 0..{n - 1})")
 
 
+def _stage_ranks(stages: tuple[Stage, ...]) -> np.ndarray:
+    """The ranks of a pipeline's stages as one array (kept on a ``HashedTuple`` of them: a
+    re-plan assembles plans of the same pipelines many times)."""
+    held = getattr(stages, "__dict__", None)
+    if held is not None and "_ranks" in held:
+        return held["_ranks"]
+    out = np.fromiter(chain.from_iterable(s.ranks for s in stages), dtype=np.int64)
+    if held is not None:
+        held["_ranks"] = out
+    return out
+
+
 def unplaced(world_size: int, pipelines: list[Pipeline]) -> list[int]:
     """The ranks of ``range(world_size)`` that no pipeline places, in order."""
-    ranks = np.fromiter(chain.from_iterable(s.ranks for p in pipelines for s in p.stages),
-                        dtype=np.int64)
+    arrays = [_stage_ranks(p.stages) for p in pipelines]
+    ranks = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
     placed = np.zeros(world_size, dtype=bool)
     placed[ranks[(ranks >= 0) & (ranks < world_size)]] = True
     return np.flatnonzero(~placed).tolist()

@@ -371,12 +371,8 @@ class Planner:
                                  "devices")
             # T_r(m) ~ T_r(1) + (m - 1) * slope_r through the schedule's dependency graph,
             # the slope taken up to the replica's present share (p2p latencies included)
-            first, each = [], []
-            for r in live:
-                m_ref = max(2, share.get(r, 0))
-                t1 = coster.pipeline_step(sols[r].stages, 1)
-                first.append(t1)
-                each.append((coster.pipeline_step(sols[r].stages, m_ref) - t1) / (m_ref - 1))
+            first, each = zip(*(coster.pipeline_slope(sols[r].stages, max(2, share.get(r, 0)))
+                                for r in live))
             caps = [coster.max_microbatches(sols[r].stages) for r in live]
             try:
                 alloc, status, gap = allocate_microbatches(first, each, model.microbatches,

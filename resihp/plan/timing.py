@@ -51,6 +51,7 @@ class StageCoster:
         self._groups: dict[tuple[int, ...], tuple[float, float]] = {}
         self._pipelines: dict[tuple, tuple[tuple[float, float], ...]] = {}
         self._alive: dict[tuple[Stage, ...], bool] = {}
+        self._slopes: dict[tuple[tuple[Stage, ...], int], tuple[float, float]] = {}
 
     def at_speeds(self, cluster: ClusterSpec) -> StageCoster:
         """A coster for the same hardware and model at the device speeds of ``cluster``, sharing
@@ -242,6 +243,16 @@ class StageCoster:
                 self.model.schedule, p2p_s=self.p2p_s * scale))
         return self._steps[key]
 
+    def pipeline_slope(self, stages: tuple[Stage, ...], m_ref: int) -> tuple[float, float]:
+        """The pipeline's step as ``T(1) + (m - 1) * slope`` on the schedule's graph: ``T(1)`` and
+        the slope taken up to ``m_ref`` (at least 2) micro-batches."""
+        key = (stages, m_ref)
+        out = self._slopes.get(key)
+        if out is None:
+            first = self.pipeline_step(stages, 1)
+            out = self._slopes[key] = (first, (self.pipeline_step(stages, m_ref) - first) / (m_ref - 1))
+        return out
+
     def largest_shard(self, stages: tuple[Stage, ...]) -> float:
         """The pipeline's largest per-device gradient shard, in layers (layers / TP size)."""
         if stages not in self._shards:
@@ -336,22 +347,30 @@ def evaluate(plan: Plan, coster: StageCoster, bound: CapacityBound | None = None
 def critical_path_step(plan: Plan, coster: StageCoster) -> float:
     """The plan's step time through the schedule's dependency graph
     (``resihp.perf.schedule.pipeline_step_time``), slowest replica, plus the gradient all-reduce.
-    Replicas with the same stage times are evaluated once."""
+    Replicas with the same stage times are evaluated once, and kept (``StageCoster.pipeline_step``'s
+    cache, shared by the costers of one planner: a re-plan changes a few of its pipelines)."""
     model = coster.model
-    by_shape: dict[tuple[int, int], set[tuple]] = {}
+    known = coster._steps
+    worst = 0.0
+    missing: dict[tuple[int, int], set[tuple]] = {}
     for p in plan.pipelines:
         scale = p.budget(model) / model.microbatch_tokens
-        by_shape.setdefault((len(p.stages), p.microbatches), set()).add(
-            (coster.pipeline_fb(p.stages, scale), scale))
-    worst = 0.0
-    for (stages, m), rows in by_shape.items():
+        fb = coster.pipeline_fb(p.stages, scale)
+        step = known.get((fb, p.microbatches, scale))
+        if step is None:
+            missing.setdefault((len(p.stages), p.microbatches), set()).add((fb, scale))
+        elif step > worst:
+            worst = step
+    for (stages, m), rows in missing.items():
         rows = sorted(rows)
         arr = np.array([fb for fb, _ in rows])  # [replicas, stages, 2]
         fwd = np.broadcast_to(arr[:, :, :1], (len(arr), stages, m))
         bwd = np.broadcast_to(arr[:, :, 1:], (len(arr), stages, m))
         p2p = coster.p2p_s * np.array([scale for _, scale in rows])
-        step = pipeline_step_time(fwd, bwd, model.schedule, p2p_s=p2p)
-        worst = max(worst, float(np.max(step)))
+        steps = pipeline_step_time(fwd, bwd, model.schedule, p2p_s=p2p)
+        for (fb, scale), step in zip(rows, steps.tolist()):
+            known[(fb, m, scale)] = step
+        worst = max(worst, float(np.max(steps)))
     return worst + coster.dp_sync_s(plan)
 
 
