@@ -315,6 +315,23 @@ def test_allocation_keeps_the_batch_and_matches_greedy_optimum():
         assert span(alloc) == pytest.approx(span(greedy_allocation(first, each, 100)), rel=1e-5)
 
 
+def test_a_cached_allocation_follows_each_replica_to_its_class():
+    """Allocations are cached by their classes: a second call whose replicas come in another
+    order (the same classes, so the same model) gives every replica its own class's share."""
+    fast, slow = (1.0, 0.25), (1.7, 0.6)
+    order_a = [fast, slow, fast, slow, slow]
+    order_b = [fast, fast, slow, slow, slow]
+    got = []
+    for order in (order_a, order_b):
+        first, each = zip(*order)
+        alloc, status, _ = allocate_microbatches(list(first), list(each), 23, 2.0)
+        assert status == "optimal" and sum(alloc) == 23
+        got.append({kind: sorted(m for (f, e), m in zip(order, alloc) if (f, e) == kind)
+                    for kind in (fast, slow)})
+    assert got[0] == got[1]
+    assert max(got[0][fast]) > max(got[0][slow])  # the fast replicas take more
+
+
 def test_greedy_allocation_is_the_one_at_a_time_greedy():
     def one_at_a_time(first, each, total, caps):
         m = [0] * len(first)

@@ -23,17 +23,27 @@ def model_spec(scenario: Scenario) -> ModelSpec:
     return replace(scenario.model, workload=scenario.workload, tp=p.tp, pp=p.pp)
 
 
-def layout_of(plan: Plan, model: ModelSpec) -> ReplicaLayout:
+def layout_of(plan: Plan, model: ModelSpec,
+              known: dict[tuple, Replica] | None = None) -> ReplicaLayout:
     """The planner's Plan as the replay's layout (one replica per pipeline, in plan order); a
-    pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up)."""
-    replicas = tuple(
-        Replica(tuple(tuple(map(int, s.ranks)) for s in p.stages),
+    pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up).
+    ``known``: replicas already built, by (stages, micro-batches, tokens), filled as it goes: a
+    re-plan at 16,384 devices keeps most of its hundreds of pipelines."""
+    known = {} if known is None else known
+    replicas = []
+    for p in plan.pipelines:
+        key = (p.stages, p.microbatches, p.tokens)
+        replica = known.get(key)
+        if replica is None:
+            replica = known[key] = Replica(
+                tuple(tuple(map(int, s.ranks)) for s in p.stages),
                 tuple(int(s.n_layers) for s in p.stages), int(p.microbatches),
                 budget=None if p.tokens is None or not p.microbatches
                 else min(model.microbatch_tokens, -(-int(p.tokens) // int(p.microbatches))))
-        for p in plan.pipelines)
-    return ReplicaLayout(replicas, note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} s/step, "
-                                 f"{len(plan.excluded)} excluded")
+        replicas.append(replica)
+    return ReplicaLayout(tuple(replicas),
+                         note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} "
+                              f"s/step, {len(plan.excluded)} excluded")
 
 
 def suspect_cards(cluster: ClusterSpec, links: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
@@ -98,6 +108,7 @@ class Resihp(Policy):
         self.backoff: dict[int, int] = {}  # rechecks in a row that found the device still slow
         self.feed: DetectorFeed | None = None
         self.solve_s: list[float] = []
+        self.replicas: dict[tuple, Replica] = {}  # ``layout_of``'s, kept across re-plans
 
     def start(self, ctx: Context) -> ReplicaLayout:
         sc = ctx.scenario
@@ -107,7 +118,7 @@ class Resihp(Policy):
         self.planner = Planner(AnalyticCost(), expected_steps=False)
         self.plan = self.planner.plan(self.cluster, self.model, None, self.time_limit_s)
         self.feed = resihp_detector(sc)
-        return layout_of(self.plan, self.model)
+        return layout_of(self.plan, self.model, self.replicas)
 
     def replan(self, ctx: Context, label: str, pause_s: float = 0.0) -> Reaction:
         speeds = np.clip(believed_speeds(ctx, self.slow), 0.0, 1.0)
@@ -117,7 +128,7 @@ class Resihp(Policy):
         plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
         self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
         self.plan = plan
-        return Reaction(layout_of(plan, self.model), pause_s, migration_s=float(plan.migration_s), label=label)
+        return Reaction(layout_of(plan, self.model, self.replicas), pause_s, migration_s=float(plan.migration_s), label=label)
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
         for d in devices:
