@@ -57,15 +57,22 @@ CALIBRATION = range(4, 24)  # the steps a change at step 24 is paced on
 AFTER = range(29, 50)  # the steps such a change's step is measured on (21, as in the cases)
 
 
-def run_control(name: str, args: list[str], tmp: Path) -> dict:
-    """A job with nothing injected: its later steps against its calibration steps."""
+def run_job(name: str, args: list[str], tmp: Path) -> tuple[dict | None, str | None]:
+    """``resihp run --json`` of one case: (its summary, None), or (None, the error's last line)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "resihp.cli", "run", "--device", "cpu", "--steps", str(STEPS), *args,
            "-o", str(tmp / name), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
-        return {"case": name, "control": True, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    summary = json.loads(proc.stdout)
+        return None, (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(proc.stdout), None
+
+
+def run_control(name: str, args: list[str], tmp: Path) -> dict:
+    """A job with nothing injected: its later steps against its calibration steps."""
+    summary, error = run_job(name, args, tmp)
+    if summary is None:
+        return {"case": name, "control": True, "error": error}
     wall = step_table(pd.read_parquet(summary["trace"])).wall_s
     before = float(wall[wall.index.isin(CALIBRATION)].median())
     after = float(wall[wall.index.isin(AFTER)].median())
@@ -75,13 +82,9 @@ def run_control(name: str, args: list[str], tmp: Path) -> dict:
 
 
 def run_case(name: str, args: list[str], tmp: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "resihp.cli", "run", "--device", "cpu", "--steps", str(STEPS), *args,
-           "-o", str(tmp / name), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        return {"case": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    summary = json.loads(proc.stdout)
+    summary, error = run_job(name, args, tmp)
+    if summary is None:
+        return {"case": name, "error": error}
     changes = []
     for c in summary.get("plan_changes") or []:
         cal = c.get("planner_calibration") or summary.get("planner_calibration")
