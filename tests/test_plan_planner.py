@@ -12,7 +12,14 @@ from resihp.plan.allocation import allocate_microbatches, greedy_allocation
 from resihp.plan.baselines import POLICIES, make_policy
 from resihp.plan.bound import tight_bound
 from resihp.plan.cost import AnalyticCost
-from resihp.plan.layout import binary_chunks, group_options, layer_ranges, uniform_layer_counts
+from resihp.plan.layout import (
+    binary_chunks,
+    group_options,
+    home_pipelines,
+    layer_ranges,
+    touched_replicas,
+    uniform_layer_counts,
+)
 from resihp.plan.plan import Pipeline, Plan, Stage, plan_problems, unplaced
 from resihp.plan.planner import WITHIN_REPLICAS, Planner, capacity_bound, healthy_plan
 from resihp.plan.specs import ClusterSpec, ModelSpec
@@ -510,3 +517,20 @@ def test_a_pipeline_re_formed_in_force_is_solved_again(regroup):
     plan = Planner(threads=1, regroup=regroup).plan(cluster, model, current, time_limit_s=1.0)
     assert plan_problems(plan, cluster, model) == []
     assert plan.tokens_per_s >= evaluate(current, Planner().coster(cluster, model)).tokens_per_s * (1 - 1e-9)
+
+
+def test_touched_replicas_are_the_home_replicas_holding_a_degraded_device():
+    # 4 nodes of 4: 8 home groups of 2; a 2-stage, 3-replica layout leaves groups 6 and 7 unused
+    cluster = ClusterSpec.uniform(4, 4, 80.0, 400.0)
+    layout = ParallelDims(tp=2, pp=2, dp=3)
+    homes = home_pipelines(cluster, layout)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        slow = rng.choice(16, size=rng.integers(0, 4), replace=False).tolist()
+        degraded = cluster.with_speeds({r: 0.5 for r in slow})
+        expected = {r for r, groups in enumerate(homes) if set(slow) & {x for g in groups for x in g}}
+        assert touched_replicas(degraded, layout) == expected, slow
+    # device 5 sits in replica 2's first stage, device 7 in replica 0's second, 13 in no replica
+    assert touched_replicas(cluster.with_speeds({5: 0.5, 7: 0.0, 13: 0.5}), layout) == {0, 2}
+    # the ends of a slow link count as degraded
+    assert touched_replicas(cluster.with_link_speeds({(2, 3): 0.5}), layout) == {1}

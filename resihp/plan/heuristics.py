@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from resihp.parallel import ParallelDims, apportion
-from resihp.plan.layout import home_pipelines, layer_ranges, powers_of_two_upto
+from resihp.plan.layout import home_pipelines, layer_ranges, powers_of_two_upto, touched_replicas
 from resihp.plan.plan import Pipeline, Plan, Stage, Stages, unplaced
 from resihp.plan.specs import ClusterSpec, ModelSpec, in_flight_microbatches, stage_memory_gb
 from resihp.plan.timing import StageCoster
@@ -22,7 +22,8 @@ def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray
 def drop_replica_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
                       layout: ParallelDims) -> Plan:
     """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly."""
-    alive = [p for p in base.pipelines if coster.alive(p.stages)]
+    alive = ([p for p in base.pipelines if coster.alive(p.stages)] if coster.cluster.dead
+             else base.pipelines)
     caps = replica_caps(coster, [p.stages for p in alive], model.microbatches)
     shares = apportion(model.microbatches, np.ones(len(alive)), caps=caps) if alive else []
     pipelines = [Pipeline(i, p.stages, m, home=p.home)
@@ -36,15 +37,16 @@ def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, 
     pipes = home_pipelines(cluster, layout)
     shares0 = apportion(model.microbatches, np.ones(layout.dp))
     built: list[tuple[int, tuple[Stage, ...]]] = []
+    touched = touched_replicas(cluster, layout)
     for r, groups in enumerate(pipes):
-        if not any(not cluster.degraded.isdisjoint(g) for g in groups):
+        if r not in touched:
             built.append((r, base.pipelines[r].stages))
             continue
         new_groups = [g for g in (exclude_slow(g, cluster, model) for g in groups) if g]
         stages = split_layers_by_speed(new_groups, coster, model, shares0[r])
         if stages is not None:
             built.append((r, stages))
-    rates = np.array([1.0 / max(sum(fb) for fb in coster.pipeline_fb(st)) for _, st in built])
+    rates = np.array([1.0 / max(map(sum, coster.pipeline_fb(st))) for _, st in built])
     caps = replica_caps(coster, [st for _, st in built], model.microbatches)
     shares = apportion(model.microbatches, rates, caps=caps) if built else []
     pipelines, dp = [], 0

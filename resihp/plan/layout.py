@@ -31,6 +31,19 @@ def _home_groups(node_ranks: tuple[tuple[int, ...], ...], tp: int) -> tuple[tupl
                  for i in range(0, len(ranks) - tp + 1, tp))
 
 
+def touched_replicas(cluster: ClusterSpec, layout: ParallelDims) -> set[int]:
+    """The home replicas (``home_pipelines``) with a degraded device in one of their groups."""
+    group_of = _home_group_of(cluster.node_ranks, layout.tp)
+    used = layout.pp * layout.dp  # home group ``s * dp + r`` is replica r's stage s
+    return {g % layout.dp for d in cluster.degraded if (g := group_of.get(d, used)) < used}
+
+
+@lru_cache(maxsize=16)
+def _home_group_of(node_ranks: tuple[tuple[int, ...], ...], tp: int) -> dict[int, int]:
+    """Rank -> index of its home group (``home_groups``); not to be changed by callers."""
+    return {r: i for i, g in enumerate(_home_groups(node_ranks, tp)) for r in g}
+
+
 def home_pipelines(cluster: ClusterSpec, layout: ParallelDims) -> list[list[tuple[int, ...]]]:
     """Replica r, stage s uses home group ``s * dp + r`` (Megatron order: TP fastest, then DP, then
     PP), so consecutive stages of a pipeline sit on different nodes."""

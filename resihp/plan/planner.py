@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,7 @@ from resihp.plan.layout import (
     home_pipelines,
     layer_ranges,
     replica_load,
+    touched_replicas,
     uniform_layer_counts,
 )
 from resihp.plan.links import boundary_moves, rank_swaps, replica_drops
@@ -194,6 +195,15 @@ class Planner:
         self.threads = threads or max(1, os.cpu_count() or 1)
         self._memos: dict[tuple, HardwareMemo] = {}
         self._last: HardwareMemo | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The pool the pipeline solves run in, kept across re-plans: starting its threads anew at
+        every re-plan cost the 16,384-GPU replay's main thread about 0.8 s (each start waits for
+        the new thread to take the interpreter lock from the busy ones)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="resihp-solve")
+        return self._pool
 
     def _memo(self, cluster: ClusterSpec, model: ModelSpec) -> HardwareMemo:
         last = self._last
@@ -262,8 +272,9 @@ class Planner:
             share = {r: p.microbatches for r, p in enumerate(ordered)}
             affected = list(range(len(pipes)))
         whole = memo.whole_at_full_speed(layout)
+        touched = touched_replicas(cluster, layout)
         for r, stages in enumerate(memo.home_stages(layout, counts) if not fixed else []):
-            if whole[r] and not any(not cluster.degraded.isdisjoint(s.ranks) for s in stages):
+            if whole[r] and r not in touched:
                 kept[r] = PipelineSolution(stages, 0.0, "kept", 0.0)
             else:
                 affected.append(r)
@@ -277,7 +288,7 @@ class Planner:
         floor = max((st.n_layers / st.tp for sol in kept.values() for st in sol.stages),
                     default=0.0)
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
-        pool = ThreadPoolExecutor(self.threads)
+        pool = self._executor()
         context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
                            per_solve, log, memo.solves, memo.leftover(layout), pool,
                            floor=1 if fixed else 0)
@@ -337,7 +348,12 @@ class Planner:
                 candidates += usable([m for c in list(candidates)
                                       for m in replica_drops(c, cluster)])
         finally:
-            pool.shutdown(cancel_futures=True)  # the solves of a weighting not needed
+            # the solves of a weighting not needed: those not started are dropped, those running
+            # end before the plan is returned (they fill the planner's cache, as the next call
+            # would find it)
+            for future in context.futures.values():
+                future.cancel()
+            wait(list(context.futures.values()))
         if not candidates:
             raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
                              "memory on the remaining devices"
