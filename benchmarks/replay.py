@@ -6,7 +6,14 @@ per family; then the wall time to replay a 7-day, 16,384-GPU scenario at Llama 3
 policy (DESIGN.md: under 60 s on this machine; issue 16 asks at most 30 s of the resihp policy).
 
     python benchmarks/replay.py [--families-only | --speed-only] [--seeds N]
-                                [--speed-policies a,b] [--speed-days D]
+                                [--speed-policies a,b] [--speed-days D] [--speed-repeats R]
+
+``--speed-repeats R`` replays the week R times per policy, each run between two timings of a fixed
+reference workload (``reference_s``: the detector's CUSUM updates at 16,384 series and a pure-Python
+loop, single-threaded, as the replay's main thread mixes them). On a VM whose CPU drifts (the same
+replay took 26-37 s within an hour on the 2-core development VM) a wall time alone does not say
+which side of a target the code is; ``wall_per_reference`` (each run's wall over the mean of the
+reference timings around it) says how the code compares across machine regimes.
 
 ``--seeds N`` replays every family scenario with N seeds (its own and the next N - 1: other
 workload draws, noise and, for generated failures, other events); the family summary then takes the
@@ -22,8 +29,12 @@ import os
 import statistics
 import time
 
+import numpy as np
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from resihp.detect.changepoint import CusumBank  # noqa: E402
+from resihp.detect.config import DetectorConfig  # noqa: E402
 from resihp.paths import TRACES  # noqa: E402
 from resihp.replay.engine import Replay, shared_pool  # noqa: E402
 from resihp.replay.failures import scenario_events  # noqa: E402
@@ -74,7 +85,23 @@ def _comparison_row(name: str, sc, seed: int) -> dict:
     }
 
 
-def speed(policies: str, days: float | None = None) -> dict:
+def reference_s(series: int = 16_384, steps: int = 3_000, loop: int = 10_000_000) -> float:
+    """Seconds of a fixed single-threaded workload: ``steps`` CUSUM updates of ``series`` series
+    (numpy on arrays the size of the replay's ranks, as its detector runs them) and a Python loop of
+    ``loop`` iterations (as its planner's bookkeeping), on the same data every call."""
+    rng = np.random.default_rng(0)
+    values = rng.normal(0.0, 0.05, size=(64, series))
+    t0 = time.perf_counter()
+    bank = CusumBank(series, DetectorConfig())
+    for step in range(steps):
+        bank.update(step, values[step % len(values)])
+    total = 0
+    for i in range(loop):
+        total += i & 7
+    return time.perf_counter() - t0
+
+
+def speed(policies: str, days: float | None = None, repeats: int = 1) -> dict:
     sc = load_scenario(TRACES / "scenarios" / f"{SPEED_SCENARIO}.yaml")
     t0 = time.perf_counter()
     events = scenario_events(sc)
@@ -85,16 +112,30 @@ def speed(policies: str, days: float | None = None) -> dict:
     setup = time.perf_counter() - t0
     out = {"scenario": SPEED_SCENARIO, "devices": len(sc.cluster), "days": sc.duration_s / 86400,
            "events": len(events), "setup_s": round(setup, 2), "policies": []}
-    for policy in make_policies(policies):
-        t0 = time.perf_counter()
-        res = Replay(sc, policy, events=events, pool=pool).run()
-        wall = time.perf_counter() - t0
-        out["policies"].append({
+    for first in make_policies(policies):
+        walls, per_reference, refs = [], [], []
+        before = reference_s() if repeats > 1 else None
+        for k in range(repeats):
+            policy = first if k == 0 else type(first)()  # a policy keeps state over its run
+            t0 = time.perf_counter()
+            res = Replay(sc, policy, events=events, pool=pool).run()
+            walls.append(time.perf_counter() - t0)
+            if before is not None:
+                after = reference_s()
+                refs.append(round(before, 3))
+                per_reference.append(round(walls[-1] / ((before + after) / 2), 2))
+                before = after
+        wall = statistics.median(walls)
+        row = {
             "name": policy.name, "wall_s": round(wall, 2), "under_60s": wall < 60.0,
             "replayed_steps": round(res.replayed_steps), "simulated_steps": res.simulated_steps,
             "us_per_replayed_step": round(wall / max(res.replayed_steps, 1) * 1e6, 1),
             "bound_fraction": round(res.bound_fraction, 4), "tokens_per_s": round(res.tokens_per_s),
-            "false_alarms": res.false_alarms})
+            "false_alarms": res.false_alarms}
+        if repeats > 1:  # every run replays the same events and draws: the same outcome
+            row.update(wall_s_runs=[round(w, 2) for w in walls], reference_s=refs + [round(before, 3)],
+                       wall_per_reference=per_reference)
+        out["policies"].append(row)
     return out
 
 
@@ -106,12 +147,14 @@ def main() -> None:
     ap.add_argument("--speed-policies", default="checkpoint-restart,oobleck,recycle,greyhound,resihp")
     ap.add_argument("--speed-days", type=float, default=None,
                     help="replay only the first DAYS of the week (same events)")
+    ap.add_argument("--speed-repeats", type=int, default=1,
+                    help="replays per policy, each between two timings of a reference workload")
     args = ap.parse_args()
     result = {}
     if not args.speed_only:
         result["comparison"] = families(args.seeds)
     if not args.families_only:
-        result["speed"] = speed(args.speed_policies, args.speed_days)
+        result["speed"] = speed(args.speed_policies, args.speed_days, args.speed_repeats)
     print(json.dumps(result))
 
 
