@@ -8,8 +8,8 @@ policy (DESIGN.md: under 60 s on this machine; issue 16 asks at most 30 s of the
     python benchmarks/replay.py [--families-only | --speed-only] [--seeds N]
                                 [--speed-policies a,b] [--speed-days D] [--speed-repeats R]
 
-``--speed-repeats R`` replays the week R times per policy, each run between two timings of a fixed
-reference workload (``reference_s``: the detector's CUSUM updates at 16,384 series and a pure-Python
+``--speed-repeats R`` replays the week R times per policy, each in a fresh process, between timings
+of a fixed reference workload (``reference_s``: the detector's CUSUM updates at 16,384 series and a pure-Python
 loop, single-threaded, as the replay's main thread mixes them). On a VM whose CPU drifts (the same
 replay took 26-37 s within an hour on the 2-core development VM) a wall time alone does not say
 which side of a target the code is; ``wall_per_reference`` (each run's wall over the mean of the
@@ -27,6 +27,8 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -102,6 +104,8 @@ def reference_s(series: int = 16_384, steps: int = 3_000, loop: int = 10_000_000
 
 
 def speed(policies: str, days: float | None = None, repeats: int = 1) -> dict:
+    if repeats > 1:
+        return _repeated_speed(policies, days, repeats)
     sc = load_scenario(TRACES / "scenarios" / f"{SPEED_SCENARIO}.yaml")
     t0 = time.perf_counter()
     events = scenario_events(sc)
@@ -112,29 +116,44 @@ def speed(policies: str, days: float | None = None, repeats: int = 1) -> dict:
     setup = time.perf_counter() - t0
     out = {"scenario": SPEED_SCENARIO, "devices": len(sc.cluster), "days": sc.duration_s / 86400,
            "events": len(events), "setup_s": round(setup, 2), "policies": []}
-    for first in make_policies(policies):
-        walls, per_reference, refs = [], [], []
-        before = reference_s() if repeats > 1 else None
-        for k in range(repeats):
-            policy = first if k == 0 else type(first)()  # a policy keeps state over its run
-            t0 = time.perf_counter()
-            res = Replay(sc, policy, events=events, pool=pool).run()
-            walls.append(time.perf_counter() - t0)
-            if before is not None:
-                after = reference_s()
-                refs.append(round(before, 3))
-                per_reference.append(round(walls[-1] / ((before + after) / 2), 2))
-                before = after
-        wall = statistics.median(walls)
-        row = {
+    for policy in make_policies(policies):
+        t0 = time.perf_counter()
+        res = Replay(sc, policy, events=events, pool=pool).run()
+        wall = time.perf_counter() - t0
+        out["policies"].append({
             "name": policy.name, "wall_s": round(wall, 2), "under_60s": wall < 60.0,
             "replayed_steps": round(res.replayed_steps), "simulated_steps": res.simulated_steps,
             "us_per_replayed_step": round(wall / max(res.replayed_steps, 1) * 1e6, 1),
             "bound_fraction": round(res.bound_fraction, 4), "tokens_per_s": round(res.tokens_per_s),
-            "false_alarms": res.false_alarms}
-        if repeats > 1:  # every run replays the same events and draws: the same outcome
-            row.update(wall_s_runs=[round(w, 2) for w in walls], reference_s=refs + [round(before, 3)],
-                       wall_per_reference=per_reference)
+            "false_alarms": res.false_alarms})
+    return out
+
+
+OUTCOME = ("replayed_steps", "simulated_steps", "bound_fraction", "tokens_per_s", "false_alarms")
+
+
+def _repeated_speed(policies: str, days: float | None, repeats: int) -> dict:
+    """``speed`` of each policy ``repeats`` times, each replay in a fresh process (its planner's
+    caches start empty, as a user's replay's do), with the reference workload timed in this one
+    before the first and after each; the policy's row is its median run's, with every run's wall,
+    the reference timings and each run's wall over the mean of the two timings around it."""
+    out: dict = {}
+    for name in (p.name for p in make_policies(policies)):
+        cmd = [sys.executable, __file__, "--speed-only", "--speed-policies", name]
+        if days is not None:
+            cmd += ["--speed-days", str(days)]
+        refs, runs = [reference_s()], []
+        for _ in range(repeats):
+            doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            refs.append(reference_s())
+            runs.append(doc["speed"]["policies"][0])
+            out = out or {k: v for k, v in doc["speed"].items() if k != "policies"} | {"policies": []}
+        walls = [r["wall_s"] for r in runs]
+        row = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
+        row.update(
+            wall_s_runs=walls, reference_s=[round(r, 3) for r in refs],
+            wall_per_reference=[round(w / ((a + b) / 2), 2) for w, a, b in zip(walls, refs, refs[1:])],
+            same_outcome=all(all(r[k] == runs[0][k] for k in OUTCOME) for r in runs))
         out["policies"].append(row)
     return out
 
