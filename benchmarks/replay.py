@@ -8,12 +8,11 @@ policy (DESIGN.md: under 60 s on this machine; issue 16 asks at most 30 s of the
     python benchmarks/replay.py [--families-only | --speed-only] [--seeds N]
                                 [--speed-policies a,b] [--speed-days D] [--speed-repeats R]
 
-``--speed-repeats R`` replays the week R times per policy, each in a fresh process, between timings
-of a fixed reference workload (``reference_s``: the detector's CUSUM updates at 16,384 series and a pure-Python
-loop, single-threaded, as the replay's main thread mixes them). On a VM whose CPU drifts (the same
-replay took 26-37 s within an hour on the 2-core development VM) a wall time alone does not say
-which side of a target the code is; ``wall_per_reference`` (each run's wall over the mean of the
-reference timings around it) says how the code compares across machine regimes.
+``--speed-repeats R`` replays the week R times per policy, each in a fresh process, and reports the
+median run with every run's wall: on a VM whose CPU drifts (the same replay took 26-36 s within an
+hour on the 2-core development VM) one wall time does not say which side of a target the code is.
+A single-threaded reference workload timed between the runs did not track that drift (wall over
+reference spread 24-31 where the walls spread 26-31), so none is reported.
 
 ``--seeds N`` replays every family scenario with N seeds (its own and the next N - 1: other
 workload draws, noise and, for generated failures, other events); the family summary then takes the
@@ -31,12 +30,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from resihp.detect.changepoint import CusumBank  # noqa: E402
-from resihp.detect.config import DetectorConfig  # noqa: E402
 from resihp.paths import TRACES  # noqa: E402
 from resihp.replay.engine import Replay, shared_pool  # noqa: E402
 from resihp.replay.failures import scenario_events  # noqa: E402
@@ -87,22 +82,6 @@ def _comparison_row(name: str, sc, seed: int) -> dict:
     }
 
 
-def reference_s(series: int = 16_384, steps: int = 3_000, loop: int = 10_000_000) -> float:
-    """Seconds of a fixed single-threaded workload: ``steps`` CUSUM updates of ``series`` series
-    (numpy on arrays the size of the replay's ranks, as its detector runs them) and a Python loop of
-    ``loop`` iterations (as its planner's bookkeeping), on the same data every call."""
-    rng = np.random.default_rng(0)
-    values = rng.normal(0.0, 0.05, size=(64, series))
-    t0 = time.perf_counter()
-    bank = CusumBank(series, DetectorConfig())
-    for step in range(steps):
-        bank.update(step, values[step % len(values)])
-    total = 0
-    for i in range(loop):
-        total += i & 7
-    return time.perf_counter() - t0
-
-
 def speed(policies: str, days: float | None = None, repeats: int = 1) -> dict:
     if repeats > 1:
         return _repeated_speed(policies, days, repeats)
@@ -134,26 +113,22 @@ OUTCOME = ("replayed_steps", "simulated_steps", "bound_fraction", "tokens_per_s"
 
 def _repeated_speed(policies: str, days: float | None, repeats: int) -> dict:
     """``speed`` of each policy ``repeats`` times, each replay in a fresh process (its planner's
-    caches start empty, as a user's replay's do), with the reference workload timed in this one
-    before the first and after each; the policy's row is its median run's, with every run's wall,
-    the reference timings and each run's wall over the mean of the two timings around it."""
+    caches start empty, as a user's replay's do); the policy's row is its median run's (the lower
+    one of an even count), with every run's wall and whether every run had the same outcome."""
     out: dict = {}
     for name in (p.name for p in make_policies(policies)):
         cmd = [sys.executable, __file__, "--speed-only", "--speed-policies", name]
         if days is not None:
             cmd += ["--speed-days", str(days)]
-        refs, runs = [reference_s()], []
+        runs = []
         for _ in range(repeats):
             doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            refs.append(reference_s())
             runs.append(doc["speed"]["policies"][0])
             out = out or {k: v for k, v in doc["speed"].items() if k != "policies"} | {"policies": []}
         walls = [r["wall_s"] for r in runs]
         row = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
         row.update(
-            wall_s_runs=walls, reference_s=[round(r, 3) for r in refs],
-            wall_per_reference=[round(w / ((a + b) / 2), 2) for w, a, b in zip(walls, refs, refs[1:])],
-            same_outcome=all(all(r[k] == runs[0][k] for k in OUTCOME) for r in runs))
+            wall_s_runs=walls, same_outcome=all(all(r[k] == runs[0][k] for k in OUTCOME) for r in runs))
         out["policies"].append(row)
     return out
 
@@ -167,8 +142,10 @@ def main() -> None:
     ap.add_argument("--speed-days", type=float, default=None,
                     help="replay only the first DAYS of the week (same events)")
     ap.add_argument("--speed-repeats", type=int, default=1,
-                    help="replays per policy, each between two timings of a reference workload")
+                    help="replays per policy, each in a fresh process; the median is reported")
     args = ap.parse_args()
+    if args.speed_repeats < 1:
+        ap.error(f"--speed-repeats: expected a positive number of runs, got {args.speed_repeats}")
     result = {}
     if not args.speed_only:
         result["comparison"] = families(args.seeds)
