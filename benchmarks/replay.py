@@ -120,11 +120,10 @@ def _repeated_speed(policies: str, days: float | None, repeats: int) -> dict:
         cmd = [sys.executable, __file__, "--speed-only", "--speed-policies", name]
         if days is not None:
             cmd += ["--speed-days", str(days)]
-        runs = []
-        for _ in range(repeats):
-            doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            runs.append(doc["speed"]["policies"][0])
-            out = out or {k: v for k, v in doc["speed"].items() if k != "policies"} | {"policies": []}
+        docs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["speed"]
+                for _ in range(repeats)]
+        runs = [doc["policies"][0] for doc in docs]
+        out = out or {k: v for k, v in docs[0].items() if k != "policies"} | {"policies": []}
         walls = [r["wall_s"] for r in runs]
         row = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
         row.update(
