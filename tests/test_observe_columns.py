@@ -26,6 +26,7 @@ from resihp.replay.engine import Replay
 from resihp.replay.layout import compile_layout
 from resihp.replay.policies import make_policies
 from resihp.replay.scenario import load_scenario
+from resihp.workload.features import PooledLengths
 from resihp.workload.flops import TransformerShape
 from tests.replay_fixtures import write
 
@@ -138,11 +139,14 @@ def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
     df = win.ops()
     cols = win.columns()
     assert len(cols["step"]) == len(df)
-    from_frame = observe_ops(df, win.meta)
-    from_cols = observe_columns(cols, win.meta)
-    assert from_cols.cost_model == from_frame.cost_model
-    for name in ("own", "raw"):
-        np.testing.assert_array_equal(getattr(from_cols, name), getattr(from_frame, name))
+    # the lengths as codes into the workload's pool (each micro-batch's stored once), the frame's
+    # as the sequences themselves
+    assert isinstance(cols["seq_lens"], PooledLengths)
+    assert [list(s) for s in cols["seq_lens"].objects()] == [list(s) for s in df["seq_lens"]]
+    for shape in (None, TransformerShape(2, 256, 4, 1024)):
+        from_frame = observe_ops(df, win.meta, shape=shape)
+        from_cols = observe_columns(cols, win.meta, shape=shape)
+        _same_observations(from_cols, from_frame)
     # the slow device's rank is the slowest in its own compute, in every step
     rank = int(np.flatnonzero(win.rank_device == 3)[0])
     assert (np.nanargmax(from_cols.own / win.rank_work[None, :], axis=1) == rank).all()

@@ -4,7 +4,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from resihp.errors import InputError
-from resihp.workload.features import length_features
+from resihp.workload.features import (
+    LengthTable,
+    PooledLengths,
+    length_feature_arrays,
+    length_features,
+)
 from resihp.workload.flops import TransformerShape, stage_flops
 from resihp.workload.lengths import chunk_documents, load_lengths, resolve_source, sample_sequences
 from resihp.workload.packing import pack_greedy
@@ -38,6 +43,33 @@ def test_features_match_definition():
     assert feats["sum_sq"].tolist() == [25, 25]
     assert feats["n_seqs"].tolist() == [2, 1]
     assert feats["max_len"].tolist() == [4, 5]
+
+
+lists_of_lengths = st.lists(st.lists(st.integers(1, 4096), min_size=1, max_size=6), min_size=1,
+                            max_size=12)
+
+
+@given(lists_of_lengths, lists_of_lengths, st.data())
+def test_pooled_lengths_are_the_rows_they_code(pool_a, pool_b, data):
+    """A column of codes into tables: its rows, slices, features and concatenation (of one table
+    or two) are those of the object column it stands for, bit for bit."""
+    tables = LengthTable([np.array(s) for s in pool_a]), LengthTable([np.array(s) for s in pool_b])
+    parts = []
+    for table, pool in zip(tables, (pool_a, pool_b)):
+        codes = np.array(data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=30)))
+        parts.append((PooledLengths(table, codes), [pool[c] for c in codes]))
+    for col, rows in [*parts, (PooledLengths.concatenate([parts[0][0], parts[0][0]]), parts[0][1] * 2),
+                      (PooledLengths.concatenate([p for p, _ in parts]), parts[0][1] + parts[1][1])]:
+        assert len(col) == len(rows)
+        assert [list(col[i]) for i in range(len(col))] == rows
+        assert [list(s) for s in np.asarray(col)] == rows
+        want = length_feature_arrays(rows)
+        for name, got in length_feature_arrays(col).items():
+            np.testing.assert_array_equal(got, want[name])
+        picked = np.arange(len(col))[::2]
+        assert [list(s) for s in col[picked].objects()] == rows[::2]
+    one = PooledLengths.concatenate([parts[0][0], parts[0][0]])
+    assert one.table is tables[0]  # rows of one table stay codes into it
 
 
 def test_attention_flops_grow_with_sum_of_squares():

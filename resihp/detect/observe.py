@@ -29,7 +29,7 @@ from resihp.detect.fitted import FittedCost
 from resihp.detect.links import optype_factors, pipeline_transfers, sync_transfers
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta
-from resihp.workload.features import length_feature_arrays
+from resihp.workload.features import PooledLengths, length_feature_arrays
 from resihp.workload.flops import TransformerShape, stage_flops
 
 # expected_compute(seq_lens of each micro-batch, phase 'fwd'|'bwd') -> seconds per micro-batch
@@ -223,6 +223,8 @@ class _Ops:
         if name not in self.cols:
             return False
         col = self.values(name, at)
+        if isinstance(col, PooledLengths):
+            return True  # a code on every row
         return not (pd.isna(col).any() if col.dtype == object else np.isnan(col).any())
 
     def values(self, name: str, at: np.ndarray | None = None) -> np.ndarray:
@@ -482,7 +484,7 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None, shape: Transforme
         if fitted:  # relative costs: the job's own, not a device's seconds
             return cost, None, "fitted"
         return cost, cost, "predictor"
-    feats = length_feature_arrays(list(lens))
+    feats = length_feature_arrays(lens if isinstance(lens, PooledLengths) else list(lens))
     tokens, sum_sq = feats["tokens"], feats["sum_sq"]
     use = shape or TransformerShape(1, 4096, 32, 16384)
     for p, sel in (("fwd", np.flatnonzero(~ph_bwd)), ("bwd", np.flatnonzero(ph_bwd))):
@@ -633,7 +635,8 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
                     own_quantile: float = 0.1, phases: bool = False,
                     source: str = "ops trace", structure: StructureMemo | None = None) -> Observations:
     """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
-    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``.
+    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``,
+    ``seq_lens`` an object array of sequences or a ``PooledLengths`` (codes into a table).
     ``phases``: also each phase's own work alone (``Observations.phase_own``). ``structure``: what
     earlier calls on rows of the same structure derived (``StructureMemo``)."""
     memo = _NO_MEMO if structure is None else structure.bind(cols)
@@ -711,7 +714,8 @@ def _per_token(p2p: _Ops, comp: _Ops, meta: JobMeta) -> tuple[np.ndarray, np.nda
                                  (p2p.step, p2p.dp_rank, p2p.mb_id))
     known, first = np.unique(comp_code, return_index=True)
     lens = comp.values("seq_lens", first)
-    tokens = np.fromiter((sum(s) for s in lens), dtype=np.float64, count=len(lens))
+    tokens = (lens.features()["tokens"] if isinstance(lens, PooledLengths)
+              else np.fromiter((sum(s) for s in lens), dtype=np.float64, count=len(lens)))
     t = _lookup(known, tokens, look)
     per = np.where(np.isfinite(t) & (t > 0), p2p.duration / t, np.nan)
     keep = np.flatnonzero(~np.isnan(per))

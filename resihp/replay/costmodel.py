@@ -19,6 +19,7 @@ from functools import cached_property
 import numpy as np
 
 from resihp.plan.cost import head_flops
+from resihp.workload.features import LengthTable
 from resihp.workload.flops import stage_flops
 from resihp.workload.packing import packed_microbatches
 
@@ -36,11 +37,10 @@ class MicroBatchPool:
         return len(self.tokens)
 
     @cached_property
-    def seq_objects(self) -> np.ndarray:
-        """``seq_lens`` as an object array, so records for many micro-batches index it at once."""
-        out = np.empty(len(self.seq_lens), dtype=object)
-        out[:] = self.seq_lens
-        return out
+    def lengths(self) -> LengthTable:
+        """``seq_lens`` as the table the records' ``seq_lens`` column codes into
+        (``PooledLengths``): records for many micro-batches index it at once."""
+        return LengthTable(self.seq_lens)
 
 
 def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.Generator,

@@ -25,6 +25,7 @@ from resihp.replay.interface import Window
 from resihp.replay.layout import CompiledLayout, ReplicaLayout
 from resihp.replay.noise import noise_pool
 from resihp.replay.scenario import Scenario
+from resihp.workload.features import PooledLengths
 from resihp.workload.lengths import resolve_source
 
 POOL_MICROBATCHES = 4096
@@ -204,7 +205,7 @@ class Simulator:
             return pd.DataFrame()
         frame = pd.DataFrame({k: v for k, v in cols.items() if k not in ("optype", "seq_lens")})
         frame.insert(8, "optype", pd.Series(cols["optype"]).astype(str))
-        frame["seq_lens"] = cols["seq_lens"]
+        frame["seq_lens"] = cols["seq_lens"].objects()
         return frame  # row order is free in the contract
 
     def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
@@ -257,11 +258,12 @@ class Simulator:
             parts.append({
                 "step": grid(steps, (0,)), "tokens": pool.tokens[mbi].astype(np.int64, copy=False),
                 "duration": dur.ravel()[real], "start_ts": grid(start, (0, 1, 2, 4, 5)),
-                "seq_lens": pool.seq_objects[mbi]})
+                "seq_lens": PooledLengths(pool.lengths, mbi)})
         if not parts:
             return {}
-        cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
-                                                  for c in parts[0]}
+        cols = parts[0] if len(parts) == 1 else {
+            c: PooledLengths.concatenate([p[c] for p in parts]) if c == "seq_lens"
+            else np.concatenate([p[c] for p in parts]) for c in parts[0]}
         if n not in static:
             static[n] = self._static_columns(per_group, dims, n, k)
         cols.update(static[n])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
@@ -19,8 +20,10 @@ def length_features(seq_lens: Sequence[Sequence[int]]) -> pd.DataFrame:
     return pd.DataFrame(length_feature_arrays(seq_lens))
 
 
-def length_feature_arrays(seq_lens: Sequence[Sequence[int]]) -> dict[str, np.ndarray]:
+def length_feature_arrays(seq_lens: Sequence[Sequence[int]] | PooledLengths) -> dict[str, np.ndarray]:
     """``length_features`` as arrays by name, without the frame (for a caller on a hot path)."""
+    if isinstance(seq_lens, PooledLengths):
+        return seq_lens.features()
     counts = np.fromiter(map(len, seq_lens), dtype=np.int64, count=len(seq_lens))
     if len(seq_lens) and isinstance(seq_lens[0], np.ndarray):
         flat = np.concatenate(seq_lens)
@@ -55,6 +58,65 @@ def _feature_arrays(flat: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarra
         "mean_len": tokens / counts,
         "sum_cube": np.add.reduceat(squares * flat, starts),
     }
+
+
+class LengthTable:
+    """Distinct micro-batches' packed sequence lengths, each stored once, with their
+    ``length_feature_arrays`` computed once (on first use)."""
+
+    def __init__(self, seq_lens: Sequence[np.ndarray]) -> None:
+        self.objects = np.empty(len(seq_lens), dtype=object)
+        self.objects[:] = list(seq_lens)
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+    @cached_property
+    def features(self) -> dict[str, np.ndarray]:
+        return length_feature_arrays(list(self.objects))
+
+
+class PooledLengths:
+    """A ``seq_lens`` column as codes into a ``LengthTable``: what a producer that draws its
+    micro-batches from a pool writes (the replay's simulator). Rows index it like an array
+    (an integer gives that row's lengths, an index array or slice the rows' column), and its
+    features are the table's, gathered: no Python object per row, and none walked by the
+    detector (``resihp.detect.observe_columns`` takes it where it takes an object column)."""
+
+    __slots__ = ("table", "codes")
+
+    def __init__(self, table: LengthTable, codes: np.ndarray) -> None:
+        self.table, self.codes = table, codes
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)):
+            return self.table.objects[self.codes[key]]
+        return PooledLengths(self.table, self.codes[key])
+
+    def features(self) -> dict[str, np.ndarray]:
+        """``length_feature_arrays`` of the rows."""
+        return {name: values[self.codes] for name, values in self.table.features.items()}
+
+    def objects(self) -> np.ndarray:
+        """The rows as an object array of length arrays (for a frame)."""
+        return self.table.objects[self.codes]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.objects() if dtype is None else self.objects().astype(dtype)
+
+    @staticmethod
+    def concatenate(parts: Sequence[PooledLengths]) -> PooledLengths:
+        """The rows of ``parts`` in order; one table where they share one, else their tables
+        joined (a new table, its features computed afresh)."""
+        tables = list({id(p.table): p.table for p in parts}.values())
+        if len(tables) == 1:
+            return PooledLengths(tables[0], np.concatenate([p.codes for p in parts]))
+        offset = {id(t): o for t, o in zip(tables, np.cumsum([0] + [len(t) for t in tables]))}
+        joined = LengthTable(np.concatenate([t.objects for t in tables]))
+        return PooledLengths(joined, np.concatenate([p.codes + offset[id(p.table)] for p in parts]))
 
 
 def flops_features(lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series | str) -> pd.DataFrame:
