@@ -484,7 +484,7 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None, shape: Transforme
         if fitted:  # relative costs: the job's own, not a device's seconds
             return cost, None, "fitted"
         return cost, cost, "predictor"
-    feats = length_feature_arrays(lens if isinstance(lens, PooledLengths) else list(lens))
+    feats = length_feature_arrays(lens)
     tokens, sum_sq = feats["tokens"], feats["sum_sq"]
     use = shape or TransformerShape(1, 4096, 32, 16384)
     for p, sel in (("fwd", np.flatnonzero(~ph_bwd)), ("bwd", np.flatnonzero(ph_bwd))):

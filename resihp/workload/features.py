@@ -114,7 +114,8 @@ class PooledLengths:
         tables = list({id(p.table): p.table for p in parts}.values())
         if len(tables) == 1:
             return PooledLengths(tables[0], np.concatenate([p.codes for p in parts]))
-        offset = {id(t): o for t, o in zip(tables, np.cumsum([0] + [len(t) for t in tables]))}
+        offset = {id(t): o for t, o in zip(tables, np.cumsum([0] + [len(t) for t in tables])[:-1],
+                                              strict=True)}
         joined = LengthTable(np.concatenate([t.objects for t in tables]))
         return PooledLengths(joined, np.concatenate([p.codes + offset[id(p.table)] for p in parts]))
 
