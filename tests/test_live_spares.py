@@ -59,8 +59,11 @@ def test_a_ranks_reference_is_its_fastest_probe_while_it_trains():
     loop._replan(22, {"kind": "fail-slow", "rank": 1, "slowdown": 50.0, "detected_step": 22})
     placed = {r for pipe in loop.groups for stage in pipe for r in stage}
     assert 1 not in placed
-    loop._probe(24, 1, 0.0123, placed)  # at a third of its speed: still slow
+    loop._probe(24, 1, 0.0123, placed)  # at a third of its speed: still slow, re-priced
     assert loop.probes == [{"step": 24, "rank": 1, "slowdown": round(0.0123 / 0.0042, 4)}]
-    assert len(loop.changes) == 1 and loop.speeds[1] == 0.02
+    assert len(loop.changes) == 2 and loop.changes[-1]["reason"]["kind"] == "fail-slow"
+    assert loop.speeds[1] == 0.0042 / 0.0123
+    loop._probe(24, 1, 0.0121, placed)  # within the revise factor of that price: nothing
+    assert len(loop.changes) == 2
     loop._probe(25, 1, 0.0045, placed)  # healthy again: taken back
     assert loop.changes[-1]["reason"]["kind"] == "recovered" and loop.speeds[1] == 1.0

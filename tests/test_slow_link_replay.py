@@ -94,6 +94,6 @@ def test_a_replica_out_for_a_slow_card_comes_back_when_its_link_probes_healthy(t
     around = [t for t, a in actions if "re-plan around slow" in a]
     back = [t for t, a in actions if "slowdown over" in a]
     assert around and 3600 <= around[0] < 3600 + 120
-    assert back and 3 * 3600 <= back[0] <= 3 * 3600 + policy.link_recheck_s + 600, (around, back)
+    assert back and 3 * 3600 <= back[0] <= 3 * 3600 + policy.control.config.link_recheck_s + 600, (around, back)
     restart = Replay(sc, CheckpointRestart()).run()
     assert out.tokens > 1.05 * restart.tokens  # the replica's compute is cheaper than the ring

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 from resihp.ckpt.integrity import step_of
+from resihp.control import ControlConfig, Controller
 from resihp.detect.config import DetectorConfig
 from resihp.detect.observe import covering_meta
 from resihp.detect.online import OnlineDetector
@@ -122,8 +123,6 @@ def with_change(change: dict, cfg: RunConfig, groups: list[list[tuple[int, ...]]
     return groups, weights, new_ranges or ranges, planned.layout is not None, new_ranges is not None
 
 
-RECOVERED = 1.25  # a spare whose probe runs within this factor of its reference is healthy again
-REVISED = 1.25  # a slow rank's slowdown moved by this factor since it was priced: re-planned
 FASTER_STEPS = 5  # steps a rank's level below its baseline is the median over (``LiveLoop._faster``)
 MIN_MEASURED_STEPS = 3  # the fewest steps under one plan that give its measured step time
 PRESENT_STEPS = 8  # the most steps since a finding's onset its peers' present pace is taken over
@@ -246,7 +245,17 @@ class Priced:
 
 
 class LiveLoop:
-    def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None) -> None:
+    """The detector and the decision layer beside a running job; re-plans it live.
+
+    Args:
+        cfg: the run's configuration.
+        time_limit_s: the planner's time limit per re-plan.
+        detector_config: the online detector's settings (default: from ``cfg.live``).
+        control: the decision thresholds (``resihp.control``), the replay policy's by default.
+    """
+
+    def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None,
+                 control: ControlConfig | None = None) -> None:
         self.cfg, self.out = cfg, Path(cfg.out)
         self.world = cfg.dims().world_size
         self.meta, self.meta_dict = job_meta(cfg)
@@ -275,7 +284,10 @@ class LiveLoop:
         # each rank planned around as slow: the slowdown it was priced at when the detector in
         # force set its baseline (``_faster``)
         self._baseline_at: dict[int, tuple[OnlineDetector, float]] = {}
-        self.speeds = {r: 1.0 for r in range(self.world)}
+        # what is believed of each rank and when to re-plan: the replay policy's controller
+        self.control = Controller(control or ControlConfig())
+        self.control.speeds.update({r: 1.0 for r in range(self.world)})
+        self.speeds = self.control.speeds  # the same dict: the planner's speeds are the controller's
         self.probe_ref: dict[int, float] = {}  # each rank's fastest probe while placed (seconds)
         self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
         self.error: str | None = None
@@ -322,7 +334,8 @@ class LiveLoop:
         self._measure(step, df, fresh_plan=scheduled is not None)
         for event in self.detector.observe(df):
             self.events.append({**event.to_dict(), "seen_at": time.time()})
-            if event.kind == "link-slow" and event.ranks and tuple(event.ranks) not in self.handled:
+            if (event.kind == "link-slow" and event.ranks and tuple(event.ranks) not in self.handled
+                    and self.control.found_link(event.ranks, event.slowdown, step).replan):
                 # the link at its measured slowdown, priced at the transfers measured before it
                 self.handled.add(tuple(event.ranks))
                 self.cluster = with_link_event(self.cluster, self.model, tuple(event.ranks), event.slowdown,
@@ -357,16 +370,17 @@ class LiveLoop:
                 base = 1.0 if event.extra.get("from_start") else priced
                 self._priced[event.rank] = Priced(self.detector, priced, base)
                 continue
+            decision = self.control.found_slow(event.rank, event.rank_slowdown, step)
             self.handled.add(event.rank)
             self._priced[event.rank] = Priced(self.detector, event.rank_slowdown)
-            self.speeds[event.rank] = 1.0 / max(event.rank_slowdown, 1.0)
-            self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
+            if decision.replan:
+                self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
         self._revise(step, open_now)
         self._faster(step, placed)
 
     def _revise(self, step: int, open_now: dict) -> None:
         """Re-plan around a rank planned around as slow whose slowdown has since moved by
-        ``REVISED`` either way (found one phase or two steps in, it is often priced low), or whose
+        ``ControlConfig.revise`` either way (found one phase or two steps in, it is often priced low), or whose
         finding has closed (its device at speed again while it still trains). Only while the
         detector that follows it keeps its baseline: a fresh one (a re-plan moved work) calibrates
         on the slow rank and takes it over when it finds it slow, against its peers or against
@@ -381,27 +395,26 @@ class LiveLoop:
             if event is None and base > 1.0:  # back to the slowdown its baseline had
                 del self._priced[rank]
                 self._baseline_at[rank] = (self.detector, base)
-                if max(base, priced) >= REVISED * min(base, priced):
-                    self.speeds[rank] = 1.0 / base
+                if self.control.found_slow(rank, base, step).replan:
                     self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(base, 4),
                                         "detected_step": step, "priced_at": round(priced, 4)})
                 continue
             if event is None:  # the episode ended: the device is at speed again
                 del self._priced[rank]
                 self.handled.discard(rank)
-                self.speeds[rank] = 1.0
-                self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step})
+                if self.control.found_recovered(rank).replan:
+                    self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0,
+                                        "detected_step": step})
                 continue
             now = self.detector.current_cost(event)
             if now is None:
                 continue
             now *= base
-            if max(now, priced) < REVISED * min(now, priced):
-                continue
             if now < self.detector.cfg.min_slowdown:
                 continue  # at speed again, or nearly: the episode's close (a step or two on) says so
+            if not self.control.found_slow(rank, now, step).replan:
+                continue  # within the revise factor of its price, or re-priced too recently
             self._priced[rank] = Priced(self.detector, now, base)
-            self.speeds[rank] = 1.0 / max(now, 1.0)
             self._replan(step, {**event.to_dict(), "slowdown": round(now, 4), "detected_step": step,
                                 "priced_at": round(priced, 4)})
 
@@ -411,7 +424,7 @@ class LiveLoop:
         detector, its baselines set at the slowdowns priced) a rank that recovered in part or in
         full was never found: it stayed priced slow and kept too little work. Its slowdown is the
         one it had at its baseline times the level it runs at now (the median of the last
-        ``FASTER_STEPS`` steps); moved ``REVISED`` from its price, and by more than the rank's
+        ``FASTER_STEPS`` steps); moved ``ControlConfig.revise`` from its price, and by more than the rank's
         noise, it is re-planned, at full speed once under the detector's least slowdown. A rank
         the detector has found slow is ``_revise``'s. Not with two ranks in all: each is taken
         against their median, so one's fall is the other's rise, which the detector reports as
@@ -431,19 +444,21 @@ class LiveLoop:
                     self._baseline_at[rank] = (self.detector, priced)
                 continue
             level = bank.recent_level(rank, FASTER_STEPS)
-            if level is None or level > 1.0 / max(REVISED, float(noise[rank])):
+            revise = self.control.config.revise
+            if level is None or level > 1.0 / max(revise, float(noise[rank])):
                 continue
             now = base * level
-            if priced < REVISED * now:
+            if priced < revise * now:
                 continue
             if now < self.detector.cfg.min_slowdown:
                 del self._baseline_at[rank]
                 self.handled.discard(rank)
-                self.speeds[rank] = 1.0
+                self.control.found_recovered(rank)
                 self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step,
                                     "priced_at": round(priced, 4)})
                 continue
-            self.speeds[rank] = 1.0 / now
+            if not self.control.found_slow(rank, now, step).replan:
+                continue  # re-priced too recently
             self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(now, 4), "detected_step": step,
                                 "priced_at": round(priced, 4)})
 
@@ -525,7 +540,8 @@ class LiveLoop:
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """A rank's probes while it trains (its first steps, ``Engine._probe``) give its reference,
         the fastest of them; a hot spare probes again with backoff: once it runs within
-        ``RECOVERED`` of its reference, the planner may take it back."""
+        ``ControlConfig.healthy`` of its reference speed, the planner may take it back; still
+        slow by another ``ControlConfig.revise``, it is re-priced."""
         if rank in placed or rank not in self.probe_ref:
             self.probe_ref[rank] = min(self.probe_ref.get(rank, seconds), seconds)
             return
@@ -533,11 +549,15 @@ class LiveLoop:
         self.probes.append({"step": step, "rank": rank, "slowdown": round(slowdown, 4)})
         # a probe times the device's compute: it can clear a device planned around as slow, not
         # one left out for a slow link (its probe was healthy all along; the link is not re-timed)
-        if rank not in placed and self.speeds[rank] < 1.0 and slowdown < RECOVERED:
-            self.speeds[rank] = 1.0
+        if rank in placed or self.speeds[rank] >= 1.0:
+            return
+        decision = self.control.probed(rank, 1.0 / max(slowdown, 1e-9), step)
+        if not decision.replan:
+            return
+        if self.speeds[rank] >= 1.0:
             self.handled.discard(rank)
-            self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": round(slowdown, 4),
-                                "detected_step": step})
+        self._replan(step, {"kind": "recovered" if self.speeds[rank] >= 1.0 else "fail-slow",
+                            "rank": rank, "slowdown": round(slowdown, 4), "detected_step": step})
 
     def _replan(self, step: int, event: dict) -> None:
         if self.calibration is None:  # an event before the calibration window filled

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from resihp.control import ControlConfig, Controller
 from resihp.plan.cost import AnalyticCost
 from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
@@ -85,27 +86,18 @@ class Resihp(Policy):
     longer uses a slow link cannot see it recover, so its two ends, idle, are probed
     (``Context.benchmark_link``) every ``link_recheck_s``. Fail-stops
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
-    (``costs.reconfig``, no rollback). The solver's own time runs beside training and is reported,
-    not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
+    (``costs.reconfig``, no rollback). Every decision and its threshold is the
+    ``resihp.control.Controller``'s (``ControlConfig``), the one the live loop runs. The solver's
+    own time runs beside training and is reported, not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
     a predictor trained on the replayed device.
     """
 
     name = "resihp"
     observes = True
 
-    def __init__(self, time_limit_s: float = 5.0, recheck_s: float = 1800.0,
-                 max_backoff: int = 2, healthy: float = 0.95, link_recheck_s: float = 600.0) -> None:
+    def __init__(self, time_limit_s: float = 5.0, control: ControlConfig | None = None) -> None:
         self.time_limit_s = time_limit_s
-        self.recheck_s = recheck_s
-        self.link_recheck_s = link_recheck_s
-        self.max_backoff = max_backoff
-        self.healthy = healthy
-        self.slow: dict[int, float] = {}
-        self.links: dict[tuple[int, int], float] = {}  # slow links (their ends): slowdown
-        self.link_since: dict[tuple[int, int], float] = {}  # when each was found or last probed
-        self.since: dict[int, float] = {}
-        self.returned: dict[int, float] = {}  # when an excluded device was last taken back
-        self.backoff: dict[int, int] = {}  # rechecks in a row that found the device still slow
+        self.control = Controller(control or ControlConfig())
         self.feed: DetectorFeed | None = None
         self.solve_s: list[float] = []
         self.replicas: dict[tuple, Replica] = {}  # ``layout_of``'s, kept across re-plans
@@ -121,111 +113,60 @@ class Resihp(Policy):
         return layout_of(self.plan, self.model, self.replicas)
 
     def replan(self, ctx: Context, label: str, pause_s: float = 0.0) -> Reaction:
-        speeds = np.clip(believed_speeds(ctx, self.slow), 0.0, 1.0)
+        speeds = np.clip(believed_speeds(ctx, self.control.slow()), 0.0, 1.0)
         cluster = self.cluster.with_speeds(speeds)
-        if self.links:
-            cluster = cluster.with_link_speeds(suspect_cards(cluster, self.links))
+        if self.control.links:
+            cluster = cluster.with_link_speeds(suspect_cards(cluster, self.control.links))
         plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
         self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
         self.plan = plan
-        return Reaction(layout_of(plan, self.model, self.replicas), pause_s, migration_s=float(plan.migration_s), label=label)
+        return Reaction(layout_of(plan, self.model, self.replicas), pause_s,
+                        migration_s=float(plan.migration_s), label=label)
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
-        for d in devices:
-            self.slow.pop(d, None)
+        self.control.stopped(devices)
         return self.replan(ctx, "re-plan without dead devices", ctx.scenario.costs.reconfig_s)
 
     def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
         return self.replan(ctx, "re-plan with repaired devices")
 
-    def excluded_slow(self, ctx: Context) -> list[int]:
-        """Devices believed slow that the plan in force leaves out (so nobody observes them)."""
-        if not self.slow:
-            return []
-        used = set(ctx.layout.devices.tolist())
-        return [d for d in self.slow if d not in used and d not in ctx.known_dead]
-
-    def recheck_after(self, device: int) -> float:
-        return self.recheck_s * 2 ** min(self.backoff.get(device, 0), self.max_backoff)
-
-    def unused_links(self, ctx: Context) -> list[tuple[int, int]]:
-        """Links believed slow that the plan in force does not use (an end left out)."""
-        if not self.links:
-            return []
-        used = set(ctx.layout.devices.tolist())
-        return [e for e in self.links if not (e[0] in used and e[1] in used)]
-
-    def link_recheck_at(self, ends: tuple[int, int]) -> float:
-        return self.link_since[ends] + self.link_recheck_s
-
     def wake_at(self, ctx: Context) -> float | None:
-        times = [self.since[d] + self.recheck_after(d) for d in self.excluded_slow(ctx)]
-        times += [self.link_recheck_at(e) for e in self.unused_links(ctx)]
-        return min(times) if times else None
+        return self.control.wake_at(set(ctx.layout.devices.tolist()), ctx.known_dead)
 
     def observe(self, ctx: Context, window: Window) -> Reaction | None:
         findings = self.feed.feed(window)
-        stale = [d for d in self.excluded_slow(ctx) if ctx.now - self.since[d] >= self.recheck_after(d)]
-        stale_links = [e for e in self.unused_links(ctx) if ctx.now >= self.link_recheck_at(e)]
+        used = set(ctx.layout.devices.tolist())
+        stale = self.control.due_probes(ctx.now, used, ctx.known_dead)
+        stale_links = self.control.due_link_probes(ctx.now, used)
         if not findings and not stale and not stale_links:
             return None
         index = findings[0].index if findings else 0
         time_s = window.start_s + float(window.step_time[: index + 1].sum())
-        detections, changed = [], False
-        for d in stale:  # an excluded device cannot be observed in training: benchmark it
-            measured = ctx.benchmark(d)
-            if measured >= self.healthy:  # healthy again: take it back and watch it again
-                self.slow.pop(d)
-                self.returned[d] = ctx.now
-                changed = True
-                continue
-            slowdown = 1.0 / max(measured, 1e-6)  # still slow: out, benchmarked again later
-            self.backoff[d] = self.backoff.get(d, 0) + 1
-            self.since[d] = ctx.now
-            if abs(slowdown / self.slow[d] - 1.0) > 0.1:
-                self.slow[d] = slowdown
-                changed = True
-        for ends in stale_links:  # a link out of use cannot be observed in training: probe it
-            measured = ctx.benchmark_link(*ends)
-            self.link_since[ends] = ctx.now
-            if measured >= self.healthy:
-                self.links.pop(ends)
-                changed = True
-                continue
-            if abs(1.0 / max(measured, 1e-6) / self.links[ends] - 1.0) > 0.1:
-                self.links[ends] = 1.0 / max(measured, 1e-6)
-                changed = True
+        # an excluded device (or a link out of use) cannot be observed in training: probe it
+        decisions = [self.control.probed(d, ctx.benchmark(d), ctx.now) for d in stale]
+        decisions += [self.control.probed_link(e, ctx.benchmark_link(*e), ctx.now)
+                      for e in stale_links]
+        detections = []
         for f in findings:
             if f.kind == "link-slow":
                 ends = (f.device, f.peer)
                 if f.ended:
-                    changed |= self.links.pop(ends, None) is not None
+                    decisions.append(self.control.link_recovered(ends))
                     continue
-                detections.append(Detection(time_s, f.step, "link-slow", f.device, f.slowdown, f.peer))
-                old = self.links.get(ends)
-                if old is None or abs(f.slowdown / old - 1.0) > 0.1:
-                    self.links[ends] = max(f.slowdown, 1.0)
-                    self.link_since[ends] = time_s
-                    changed = True
-                continue
-            if f.ended:
-                changed |= self.slow.pop(f.device, None) is not None
-                continue
-            detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
-            old = self.slow.get(f.device)
-            if old is None or abs(f.slowdown / old - 1.0) > 0.1:
-                if old is None:  # still slow after a recheck: wait twice as long next time
-                    # (found again within the longest recheck interval of being taken back)
-                    again = (time_s - self.returned.get(f.device, -np.inf)
-                             <= self.recheck_s * 2 ** self.max_backoff)
-                    self.backoff[f.device] = self.backoff.get(f.device, 0) + 1 if again else 0
-                self.slow[f.device] = max(f.slowdown, 1.0)
-                self.since[f.device] = time_s
-                changed = True
-        if not changed:  # the detector re-reported what the plan already accounts for
+                detections.append(Detection(time_s, f.step, "link-slow", f.device, f.slowdown,
+                                            f.peer))
+                decisions.append(self.control.found_link(ends, f.slowdown, f.step, time_s))
+            elif f.ended:
+                decisions.append(self.control.found_recovered(f.device))
+            else:
+                detections.append(Detection(time_s, f.step, "fail-slow", f.device, f.slowdown))
+                decisions.append(self.control.found_slow(f.device, f.slowdown, f.step, time_s))
+        if not any(d.replan for d in decisions):
+            # the detector re-reported what the plan already accounts for
             return Reaction(at=index, detections=detections, label="known")
-        what = sorted(self.slow) + [f"{a}-{b}" for a, b in sorted(self.links)]
-        reaction = self.replan(ctx, f"re-plan around slow {what}" if what else "re-plan: slowdown over")
+        what = sorted(self.control.slow()) + [f"{a}-{b}" for a, b in sorted(self.control.links)]
+        reaction = self.replan(ctx, f"re-plan around slow {what}" if what
+                               else "re-plan: slowdown over")
         reaction.at = index
         reaction.detections = detections
         return reaction
