@@ -122,3 +122,17 @@ def test_the_price_follows_the_reports_within_the_revise_factor(reports, revise,
             last_replan = step
         elif before > 1.0 and not held:
             assert max(after, slowdown) < revise * min(after, slowdown) * (1 + 1e-12)
+
+
+def test_a_change_is_applied_only_with_the_step_the_job_applied_it_at():
+    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1),
+                    detector_config=DetectorConfig(calibration_steps=8))
+    loop._post = lambda change: None
+    loop.speeds[1] = 0.5
+    loop._replan(10, {"kind": "fail-slow", "rank": 1, "slowdown": 2.0, "detected_step": 10})
+    loop.speeds[1] = 0.25
+    loop._replan(14, {"kind": "fail-slow", "rank": 1, "slowdown": 4.0, "detected_step": 14})
+    assert [c["applied"] for c in loop.changes] == [True, True]  # handed to the job
+    first, second = loop.as_applied([{"id": 1, "step": 12, "relayout_s": 0.1}], ("relayout_s",))
+    assert first["applied"] is True and first["applied_step"] == 12 and first["relayout_s"] == 0.1
+    assert second["applied"] is False and second["applied_step"] is None  # the job ended first

@@ -308,14 +308,11 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
     loop.save()
     out = Path(cfg.out)
     applied_path = out / "plan_changes.json"
-    applied = ({c.get("id"): c for c in json.loads(applied_path.read_text())}
-               if applied_path.exists() else {})
+    records = json.loads(applied_path.read_text()) if applied_path.exists() else []
     # each change with its plan (the Plan JSON), the step it was applied at and, for a new layout,
     # what moved (bytes, the least the two layouts need, seconds) and the spares it left
     moved = ("moved_bytes", "minimum_bytes", "written_bytes", "read_bytes", "relayout_s", "generation", "spares")
-    changes = [{**c, "applied_step": applied.get(c["id"], {}).get("step"),
-                **{k: applied[c["id"]][k] for k in moved if k in applied.get(c["id"], {})}}
-               for c in loop.changes]
+    changes = loop.as_applied(records, moved)
     trace = read_ops_trace(out / "ops.parquet") if (out / "ops.parquet").exists() else None
     if trace is not None:
         # layers moved in place, or (replica mode) replicas' groups re-formed: the slowest rank's

@@ -50,9 +50,7 @@ def run_demo(out: str | Path, steps: int, inject: str,
     loop.save()
     write_job_files(cfg, out)
     trace = read_ops_trace(out / "ops.parquet")
-    applied = {c.get("id"): c["step"] for c in json.loads((out / "plan_changes.json").read_text())}
-    changes = [{**{k: v for k, v in c.items() if k != "plan"}, "applied_step": applied.get(c["id"]),
-                "plan": c["plan"]} for c in loop.changes]
+    changes = loop.as_applied(json.loads((out / "plan_changes.json").read_text()))
     summary = fault_summary(trace, fault.to_dict(), loop.events, changes, cfg.dims().world_size)
     plot = Path(plot) if plot else out / "demo.png"
     plot_run(trace, summary, plot)

@@ -656,6 +656,22 @@ class LiveLoop:
         return (shares(change["dp_weights"]) == shares(self.weights)
                 and change["layer_splits"] == splits)
 
+    def as_applied(self, records: list[dict], moved: tuple[str, ...] = ()) -> list[dict]:
+        """Each change with the step the job applied it at (``records``: the job's
+        ``plan_changes.json``) and the record's ``moved`` fields. ``applied`` stays true only
+        with an applied step: a change handed to the job that it never reached a step boundary
+        for is ``applied: false``."""
+        by_id = {r.get("id"): r for r in records}
+        out = []
+        for change in self.changes:
+            record = by_id.get(change["id"], {})
+            merged = {**change, "applied_step": record.get("step"),
+                      **{k: record[k] for k in moved if k in record}}
+            if merged.get("applied") is True and merged["applied_step"] is None:
+                merged["applied"] = False
+            out.append(merged)
+        return out
+
     def measured_steps(self, applied_steps: list[int | None]) -> list[dict]:
         """For each change (the step the job applied it at, None: never applied), the median
         measured step while it was in force (from the step after it until the next change) and
