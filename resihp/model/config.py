@@ -10,6 +10,9 @@ from resihp.model.placement import Placement, placement
 from resihp.options import Section, check_section, opt
 from resihp.workload.flops import TransformerShape
 
+# how attention over a packed row is computed (the same function; ``resihp.model.attention``)
+ATTENTION_KINDS = ("per_document", "sdpa_masked", "flex")
+
 
 @dataclass(frozen=True)
 class GPTConfig(Section):
@@ -32,6 +35,11 @@ class GPTConfig(Section):
                                "(across the first and last pipeline stage)")
     vocab_parallel: bool = opt(False, panel="Model", help="Split the embedding and LM head by "
                                "vocabulary rows over --tp (the vocabulary padded to a multiple of it)")
+    # how, not what: left out of ``to_dict``, so a checkpoint resumes under any of them
+    attention: str = opt("per_document", choices=ATTENTION_KINDS, panel="Model",
+                         help="per_document (one SDPA call per document), sdpa_masked (one call "
+                         "with a document-causal mask) or flex (one flex_attention call with a "
+                         "document block mask; CUDA for training)")
 
     def __post_init__(self) -> None:
         check_section(self)
@@ -58,7 +66,10 @@ class GPTConfig(Section):
         return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp)
 
     def to_dict(self) -> dict[str, int | str | bool]:
-        return {k: v for k, v in asdict(self).items() if k not in OPTIONS or v != OPTIONS[k]}
+        """What the parameters depend on (options only where set): the model's hash and meta."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in COMPUTE_ONLY and (k not in OPTIONS or v != OPTIONS[k])}
 
 
 OPTIONS = {"mlp": "gelu", "tie_embeddings": False, "vocab_parallel": False}  # option: its default
+COMPUTE_ONLY = ("attention",)  # fields that change how it runs, not its tensors

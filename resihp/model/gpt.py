@@ -1,8 +1,8 @@
 """GPT-style decoder over packed variable-length sequences.
 
 A micro-batch is one packed row of ``T`` tokens holding several documents; ``seq_lens`` gives their
-lengths. Attention is causal *within* each document only (document masking), computed per sequence,
-so its cost follows sum(l_i^2) rather than T^2.
+lengths. Attention is causal *within* each document only (document masking), computed the way
+``GPTConfig.attention`` says (``resihp.model.attention``).
 
 Parameter names use the global layer index (``layers.7.qkv.weight``) whatever the pipeline layout,
 so state can move between layouts by name.
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from resihp.errors import InputError
+from resihp.model.attention import PackedDocs, packed_attention
 from resihp.model.config import GPTConfig
 from resihp.model.placement import chunk_rows
 from resihp.model.tensor_parallel import TPContext, copy_to_tp, gather_from_tp, reduce_from_tp
@@ -34,21 +35,6 @@ def ensure_adam_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Non
                 state[k] = torch.zeros((), device=p.device) if k == "step" else torch.zeros_like(p)
 
 
-def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int]
-) -> torch.Tensor:
-    """Causal attention inside each packed sequence. q, k, v: [T, heads, head_dim]."""
-    outputs = []
-    for qs, ks, vs in zip(
-        q.split(list(seq_lens)), k.split(list(seq_lens)), v.split(list(seq_lens)), strict=True
-    ):
-        out = F.scaled_dot_product_attention(
-            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), is_causal=True
-        )
-        outputs.append(out.transpose(0, 1))
-    return torch.cat(outputs)
-
-
 class DecoderBlock(nn.Module):
     """Pre-norm decoder layer: LayerNorm, packed causal self-attention (a fused QKV projection),
     LayerNorm, GELU MLP or SwiGLU MLP (a fused gate/up projection)."""
@@ -63,6 +49,7 @@ class DecoderBlock(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * local)  # column parallel (whole heads)
         self.proj = nn.Linear(local, cfg.hidden)  # row parallel
         self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.attention = cfg.attention
         self.swiglu = cfg.mlp == "swiglu"
         if self.swiglu:  # column parallel per half: [gate shard; up shard]
             self.gate_up = nn.Linear(cfg.hidden, 2 * (cfg.ffn_hidden // size))
@@ -76,11 +63,14 @@ class DecoderBlock(nn.Module):
         # the bias is added once, after the partial products are summed
         return reduce_from_tp(F.linear(x, layer.weight), self.tp) + layer.bias
 
-    def forward(self, x: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_lens: Sequence[int] | PackedDocs) -> torch.Tensor:
+        """Hidden states [T, hidden] of one packed row (``PackedDocs`` to share its masks)."""
         tokens = x.shape[0]
+        docs = PackedDocs.of(seq_lens, x.device)
         h = copy_to_tp(self.ln1(x), self.tp)
         q, k, v = self.qkv(h).view(tokens, 3, self.heads, self.head_dim).unbind(1)
-        attn = packed_causal_attention(q, k, v, seq_lens).reshape(tokens, self.heads * self.head_dim)
+        attn = packed_attention(q, k, v, docs, self.attention)
+        attn = attn.reshape(tokens, self.heads * self.head_dim)
         x = x + self._row(self.proj, attn)
         h = copy_to_tp(self.ln2(x), self.tp)
         if self.swiglu:
@@ -139,8 +129,9 @@ class GPTStage(nn.Module):
         """Token ids [T] on the first stage, hidden states [T, hidden] elsewhere."""
         if self.is_first:
             x = self._embed(x) + self.pos(positions(seq_lens, x.device))
+        docs = PackedDocs.of(seq_lens, x.device)  # its masks built once, for every layer
         for layer in self.layers.values():
-            x = layer(x, seq_lens)
+            x = layer(x, docs)
         if self.is_last:
             if self.vocab_rows == self.cfg.vocab:
                 x = self.head(self.ln_f(x))

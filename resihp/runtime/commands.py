@@ -73,6 +73,7 @@ def run_cmd(
 
 
 def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
+    from resihp.model.attention import check_attention
     from resihp.runtime.lifecycle import RunFolder
     from resihp.runtime.live import LiveLoop
     from resihp.runtime.snapshots import flush_checkpoints, restartable, start_keeper
@@ -91,6 +92,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
                          "writes to (a shared filesystem); each node's own OUT/ckpt holds only its ranks' shards")
     if gpus:
         _check_gpus(cfg, nodes.nproc_per_node)
+    check_attention(cfg.model.attention, "cuda" if gpus else "cpu")
     with RunFolder(out).acquire(if_busy) as folder:
         out = folder.out
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
