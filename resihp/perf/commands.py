@@ -40,7 +40,11 @@ def _device(name: str):
     return torch.device(name)
 
 
+profile_app = typer.Typer(help="Measure micro-batch times, or import them from other tools' logs.")
+
+
 def profile_cmd(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("-o", "--out", help="Profiling log to write (.parquet); its "
                                       "speed trace goes beside it as NAME.speed.csv")] = None,
     output: Annotated[Path, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
@@ -64,7 +68,10 @@ def profile_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
     """Measure real forward/backward time of the decoder stack on packed micro-batches, with a
-    reference micro-batch timed between measurements to normalise the device's drift."""
+    reference micro-batch timed between measurements to normalise the device's drift; or, as
+    `resihp profile import`, read a torch.profiler trace, a Megatron log or a run folder."""
+    if ctx.invoked_subcommand is not None:
+        return
     import torch
 
     from resihp.model.config import GPTConfig
@@ -134,7 +141,7 @@ def calibrate_cmd(
 ) -> None:
     """Make a predictor for this device: profile the shipped length sources (code, text,
     changelog) on two decoder shapes, train on the normalised cost, write a model directory named
-    after the device; detect and plan find it with `--model auto`."""
+    after the device; detect and plan find it with `--predictor auto`."""
     import torch
 
     from resihp.perf.calibrate import CalibrationPlan, calibrate
@@ -158,13 +165,68 @@ def calibrate_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("profile")(profile_cmd)
+    profile_app.callback(invoke_without_command=True)(profile_cmd)
+    app.add_typer(profile_app, name="profile")
     app.add_typer(predictor_app, name="predictor")
+
+
+@profile_app.command("import")
+def import_cmd(
+    inputs: Annotated[list[Path], typer.Argument(help="torch.profiler traces (.json, .json.gz), "
+                                                 "Megatron-LM logs or resihp run folders")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Profiling log to write (.parquet)")] = None,
+    lengths: Annotated[Path, typer.Option(help="torch.profiler traces: JSON mapping micro-batch "
+                                          "ids to their sequence lengths, for spans whose names "
+                                          "do not carry seq_lens=")] = None,
+    layers: Annotated[int, typer.Option(min=1, help="Layers each span ran (default: from the "
+                                        "log)")] = None,
+    hidden: Annotated[int, typer.Option(min=1)] = None,
+    heads: Annotated[int, typer.Option(min=1)] = None,
+    ffn_hidden: Annotated[int, typer.Option(min=1)] = None,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel size")] = None,
+    seq_length: Annotated[int, typer.Option(min=1, help="Megatron logs: sequence length")] = None,
+    micro_batch_size: Annotated[int, typer.Option(min=1, help="Megatron logs: sequences per "
+                                                  "micro-batch")] = None,
+    microbatches: Annotated[int, typer.Option(min=1, help="Megatron logs: micro-batches per "
+                                              "iteration on a stage")] = None,
+    device: Annotated[str, typer.Option(help="The device the log was measured on, as a "
+                                        "predictor card names it (default: from the log, else "
+                                        "this machine)")] = None,
+    model_name: Annotated[str, typer.Option("--model-name")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="auto, kineto, megatron or run")] = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
+) -> None:
+    """Turn a torch.profiler trace, a Megatron-LM log or a resihp run folder into a profiling
+    log that `resihp predictor train` reads: one row per forward or backward span."""
+    from resihp.perf.megatron_log import MegatronBatch
+    from resihp.perf.profile_import import ImportOptions, import_profiles, write_log
+    from resihp.perf.spans import Shape
+
+    output = _out(out, None)
+    options = ImportOptions(
+        shape=Shape(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, tp=tp),
+        device=device, model=model_name, lengths=lengths, format=fmt,
+        batch=MegatronBatch(seq_length, micro_batch_size, microbatches))
+    result = import_profiles(inputs, options)
+    write_log(result.log, output)
+    log = result.log
+    counts = log.groupby("phase").size().to_dict()
+    if json_out:
+        print(json.dumps({"output": str(output), "rows": len(log), "by_phase": counts,
+                          "devices": sorted(log["device"].unique().tolist()),
+                          "formats": sorted(log["format"].unique().tolist()),
+                          "notes": list(result.notes)}))
+        return
+    for note in result.notes:
+        typer.echo(note, err=True)
+    typer.echo(f"wrote {len(log)} rows ({counts.get('fwd', 0)} fwd, {counts.get('bwd', 0)} bwd; "
+               f"{', '.join(sorted(log['format'].unique()))}) to {output}")
 
 
 @predictor_app.command("train")
 def train_cmd(
-    logs: Annotated[list[Path], typer.Argument(help="Profiling logs (.parquet)")],
+    logs: Annotated[list[Path], typer.Argument(help="Profiling logs (.parquet; `resihp profile "
+                                               "import` makes one from other tools' logs)")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Model directory to write")] = None,
     output: Annotated[Path, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     holdout: Annotated[float, typer.Option(help="Fraction of micro-batches held out for the card's "

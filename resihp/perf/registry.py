@@ -94,4 +94,4 @@ def check_device(path: Path, card_device: str, device: str) -> None:
     """Refuse to use a predictor on a device it was not measured on."""
     if card_device != device:
         raise InputError(f"{path}: measured on {card_device!r}, but this job runs on {device!r}; "
-                         f"use `--model auto` or {CALIBRATE_HINT}")
+                         f"use `--predictor auto` or {CALIBRATE_HINT}")
