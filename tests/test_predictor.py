@@ -1,4 +1,5 @@
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -381,3 +382,75 @@ def test_a_gap_in_the_cost_column_is_an_error_not_another_target(tiny_profile, t
     empty.to_parquet(tmp_path / "empty.parquet")
     card = train_predictor([tmp_path / "empty.parquet"], tmp_path / "m2")
     assert card["target"] != "cpu_cost", card["target"]
+
+
+# --- a predictor measured on another device than the cluster's ----------------------------------
+from resihp.perf.registry import device_matches  # noqa: E402
+
+
+def _plan(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``resihp plan ...`` through the command's own entry point: (exit code, stdout, stderr)."""
+    from resihp.cli import main
+
+    saved = sys.argv
+    sys.argv = ["resihp", "plan", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        sys.argv = saved
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_device_names_match_by_kind_and_model():
+    assert device_matches("cuda:NVIDIA H100 80GB HBM3", "cuda:NVIDIA H100")
+    assert device_matches("cuda:NVIDIA H100 80GB HBM3", "cuda")
+    assert device_matches("cpu:AMD EPYC x1thr", "cpu")
+    assert not device_matches("cpu:AMD EPYC x1thr", "cuda:NVIDIA H100")
+    assert not device_matches("cuda:NVIDIA H200", "cuda:NVIDIA H100")
+
+
+def test_plan_refuses_a_cpu_predictor_for_a_gpu_cluster(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RESIHP_MODELS", str(tmp_path / "models"))
+    _fake_model(tmp_path / "models", "mine", "cpu:Some CPU x1thr")
+    code, _, err = _plan(["--cluster", "h100-8", "--model", "gpt-7b", "--predictor", "auto"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "h100-8.yaml: no predictor measured on its devices ('cuda:NVIDIA H100'" in err
+    code, _, err = _plan(["--cluster", "h100-8", "--model", "gpt-7b", "--predictor",
+                          str(tmp_path / "models" / "mine")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "measured on 'cpu:Some CPU x1thr', but" in err and "runs 'cuda:NVIDIA H100'" in err
+
+
+def test_plan_flags_a_cluster_that_does_not_name_its_device(tmp_path, monkeypatch, capsys):
+    from resihp.paths import resolve
+
+    monkeypatch.setenv("RESIHP_MODELS", str(tmp_path / "none"))
+    text = resolve("cpu-4", "cluster").read_text()
+    assert "type: cpu, " in text
+    untyped = tmp_path / "cpu4.yaml"
+    untyped.write_text(text.replace("type: cpu, ", ""))
+    args = ["--model", "cpu-small", "--predictor", "cpu-amd-epyc-x1thr", "--time-limit", "1",
+            "--json"]
+    code, out, err = _plan(["--cluster", str(untyped), *args], capsys)
+    assert code == 0 and json.loads(out)["pipelines"]
+    assert err.count("\n") == 1 and "cpu4.yaml does not name its devices (device.type)" in err
+    assert "measured on 'cpu:AMD EPYC x1thr'" in err
+    code, out, err = _plan(["--cluster", "cpu-4", *args], capsys)  # a cpu cluster, a cpu model
+    assert code == 0 and err == ""
+
+
+def test_a_cluster_device_type_is_a_name():
+    from resihp.plan.specs import ClusterSpec
+
+    spec = {"nodes": {"count": 1, "devices": 2}, "device": {"memory_gb": 8, "tflops": 1}}
+    assert ClusterSpec.from_dict(spec).device_type == ""
+    typed = ClusterSpec.from_dict({**spec, "device": {**spec["device"], "type": "cuda:NVIDIA A100"}})
+    assert typed.device_type == "cuda:NVIDIA A100"
+    assert ClusterSpec.from_dict(typed.to_dict()).device_type == "cuda:NVIDIA A100"
+    with pytest.raises(InputError, match=r"cluster: device: field 'type' must name the kind of "
+                                         r"device as a predictor card does"):
+        ClusterSpec.from_dict({**spec, "device": {**spec["device"], "type": 3}})

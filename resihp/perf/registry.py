@@ -59,7 +59,10 @@ def installed_models() -> list[ModelEntry]:
 
 def find_for_device(device: str) -> Path | None:
     """The newest predictor measured on ``device``, user models before shipped ones."""
-    matches = [m for m in installed_models() if m.device == device]
+    return _newest([m for m in installed_models() if m.device == device])
+
+
+def _newest(matches: list[ModelEntry]) -> Path | None:
     if not matches:
         return None
     return max(matches, key=lambda m: (m.path.parent != MODELS, m.created)).path
@@ -95,3 +98,31 @@ def check_device(path: Path, card_device: str, device: str) -> None:
     if card_device != device:
         raise InputError(f"{path}: measured on {card_device!r}, but this job runs on {device!r}; "
                          f"use `--predictor auto` or {CALIBRATE_HINT}")
+
+
+def device_matches(measured: str, wanted: str) -> bool:
+    """Whether a predictor measured on ``measured`` (``cuda:NVIDIA H100 80GB HBM3``) fits a
+    cluster whose devices are ``wanted``: the same kind (``cuda``, ``cpu``) and, where ``wanted``
+    names a model (``cuda:NVIDIA H100``), that name within the measured one (case aside)."""
+    kind, _, model = measured.partition(":")
+    want_kind, _, want_model = wanted.partition(":")
+    return (kind.strip().lower() == want_kind.strip().lower()
+            and want_model.strip().lower() in model.lower())
+
+
+def find_matching(wanted: str) -> Path | None:
+    """The newest predictor whose device :func:`device_matches` ``wanted``, user models first."""
+    return _newest([m for m in installed_models() if device_matches(m.device, wanted)])
+
+
+def card_device(path: Path) -> str:
+    """The device a predictor directory's card says it was measured on."""
+    try:
+        card = json.loads((Path(path) / "card.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise InputError(f"{path}: no readable card.json (not a predictor directory)") from None
+    device = card.get("device") if isinstance(card, dict) else None
+    if not isinstance(device, str):
+        raise InputError(f"{path / 'card.json'}: field device: expected the device it was measured "
+                         "on, e.g. 'cpu:AMD EPYC x1thr'")
+    return device

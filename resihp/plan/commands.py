@@ -34,6 +34,45 @@ def parse_speeds(items: list[str] | None) -> dict[str, float]:
     return out
 
 
+def plan_predictor(which: str, cluster, where: str) -> tuple[Path, str | None]:
+    """The predictor ``--predictor`` names for ``cluster`` (a ``ClusterSpec``), and a warning when
+    the cluster does not say what its devices are. One measured on another kind of device than
+    the cluster's ``device.type`` is refused: its times are not that device's."""
+    from resihp.perf.device import this_device
+    from resihp.perf.registry import (
+        CALIBRATE_HINT,
+        card_device,
+        device_matches,
+        find_matching,
+        installed_models,
+        resolve_model,
+    )
+
+    wanted = cluster.device_type
+    if not wanted:
+        path = resolve_model(which, this_device())
+        return path, (f"warning: {where} does not name its devices (device.type), so the "
+                      f"predictor {path.name}, measured on {card_device(path)!r}, prices them as "
+                      "that device")
+    if which == "auto":
+        path = find_matching(wanted)
+        if path is None:
+            have = sorted({m.device for m in installed_models()})
+            raise InputError(f"{where}: no predictor measured on its devices ({wanted!r}, "
+                             f"device.type; installed: {'; '.join(have) or 'none'}); train one "
+                             "from a profile of that device (`resihp profile import`, `resihp "
+                             "predictor train`)")
+    else:
+        path = resolve_model(which, wanted)
+    measured = card_device(path)
+    if not device_matches(measured, wanted):
+        raise InputError(f"--predictor {which}: measured on {measured!r}, but {where} runs "
+                         f"{wanted!r} (its device.type); a predictor holds only on the device it "
+                         f"was measured on ({CALIBRATE_HINT}, or train one from that device's "
+                         "profile)")
+    return path, None
+
+
 def plan_table(plan, console: Console) -> None:
     table = Table(title=f"{plan.policy} plan: layout tp={plan.layout.tp} pp={plan.layout.pp} "
                         f"dp={plan.layout.dp}")
@@ -74,14 +113,13 @@ def plan_cmd(
         "(per-replica micro-batch budgets), not only whole micro-batches")] = False,
     predictor: Annotated[str | None, typer.Option(
         help="Learned micro-batch predictor as the cost model: a folder, an installed model's "
-        "name, or auto (the one measured on this machine)")] = None,
+        "name, or auto (the newest one measured on the cluster's device.type, else on this "
+        "machine); one measured on another device than the cluster's is refused")] = None,
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Write the plan JSON")] = None,
     output: Annotated[Path | None, typer.Option("--output", hidden=True)] = None,  # old spelling of --out
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
     """Plan TP groups, layer split and micro-batches around slow and dead devices."""
-    from resihp.perf.device import this_device
-    from resihp.perf.registry import resolve_model
     from resihp.plan.baselines import make_policy
     from resihp.plan.cost import AnalyticCost, PredictorCost
     from resihp.plan.plan import Plan
@@ -93,8 +131,11 @@ def plan_cmd(
         raise InputError(f"--horizon: must be at least 1 step, got {horizon}")
     cluster = resolve(cluster, "cluster")
     model = resolve(model, "model")
-    predictor = resolve_model(predictor, this_device()) if predictor else None
     spec = ClusterSpec.from_yaml(cluster).with_speeds(parse_speeds(speed), where="--speed")
+    if predictor:
+        predictor, warning = plan_predictor(predictor, spec, str(cluster))
+        if warning:
+            print(f"resihp: {warning}", file=sys.stderr)
     mspec = ModelSpec.from_yaml(model)
     cost = PredictorCost.load(str(predictor)) if predictor else AnalyticCost()
     planner = make_policy(policy, cost, horizon_steps=horizon, token_budgets=token_budgets)

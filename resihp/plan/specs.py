@@ -86,6 +86,8 @@ class ClusterSpec:
     # send/recv (gloo on CPUs: Python and the library, not the wire), measured by a live job's
     # pacing (``resihp.runtime.live.paced_to``); 0 in cluster specs
     p2p_overhead_s: float = 0.0
+    # the kind of device, as a predictor card names it (``cuda:NVIDIA H100``, ``cpu``); "" unsaid
+    device_type: str = ""
 
     DEVICE_KEYS = ("memory_gb", "tflops", "speed", "hbm_gbs")
 
@@ -97,7 +99,8 @@ class ClusterSpec:
     def from_dict(cls, data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
         """Fields: ``nodes`` (a list of ``{name, devices: N | [ {memory_gb, speed, tflops}, ... ]}``
         or the shorthand ``{count, devices}``), ``device`` (defaults: memory_gb, tflops, speed,
-        optional hbm_gbs),
+        optional hbm_gbs, and ``type``: the kind of device as a predictor card names it, e.g.
+        ``cuda:NVIDIA H100`` or ``cpu``, which ``plan --predictor`` checks a predictor against),
         ``bandwidth`` (``intra_node_gbs``, ``inter_node_gbs``), optional ``speeds`` overrides
         ``{rank or "node/index": speed}``, ``links`` (slow links: a list of ``{ranks: [a, b],
         speed: s}``, s a fraction of the healthy bandwidth) and ``memory_reserve_gb``."""
@@ -108,7 +111,12 @@ class ClusterSpec:
         defaults = data.get("device", {}) or {}
         if not isinstance(defaults, Mapping):
             raise InputError(f"{where}: field 'device' must be a mapping of device defaults")
-        check_keys(defaults, cls.DEVICE_KEYS, f"{where}: device")
+        check_keys(defaults, (*cls.DEVICE_KEYS, "type"), f"{where}: device")
+        device_type = defaults.get("type", "")
+        if not isinstance(device_type, str) or ("type" in defaults and not device_type.strip()):
+            raise InputError(f"{where}: device: field 'type' must name the kind of device as a "
+                             f"predictor card does (e.g. 'cuda:NVIDIA H100' or 'cpu'), got "
+                             f"{device_type!r}")
         bandwidth = data.get("bandwidth", {}) or {}
         if not isinstance(bandwidth, Mapping):
             raise InputError(f"{where}: field 'bandwidth' must be a mapping with intra_node_gbs, "
@@ -172,6 +180,7 @@ class ClusterSpec:
             inter_node_gbs=float(_number(bandwidth, "inter_node_gbs", f"{where}: bandwidth", 25.0)),
             memory_reserve_gb=float(reserve),
             name=str(data.get("name", where)),
+            device_type=device_type.strip(),
         )
         overrides = data.get("speeds") or {}
         if not isinstance(overrides, Mapping):
@@ -194,14 +203,14 @@ class ClusterSpec:
     def uniform(cls, nodes: int, gpus_per_node: int, memory_gb: float, tflops: float, *,
                 hbm_gbs: float = DeviceSpec.hbm_gbs, intra_node_gbs: float = 300.0,
                 inter_node_gbs: float = 25.0, memory_reserve_gb: float = 2.0,
-                name: str = "cluster") -> ClusterSpec:
+                name: str = "cluster", device_type: str = "") -> ClusterSpec:
         """``nodes`` nodes of ``gpus_per_node`` identical healthy devices (``n<node>/<index>``)."""
         devices = tuple(DeviceSpec(rank=i, node=i // gpus_per_node,
                                    name=f"n{i // gpus_per_node}/{i % gpus_per_node}",
                                    memory_gb=memory_gb, tflops=tflops, hbm_gbs=hbm_gbs)
                         for i in range(nodes * gpus_per_node))
         return cls(devices, intra_node_gbs=intra_node_gbs, inter_node_gbs=inter_node_gbs,
-                   memory_reserve_gb=memory_reserve_gb, name=name)
+                   memory_reserve_gb=memory_reserve_gb, name=name, device_type=device_type)
 
     def to_dict(self) -> dict[str, Any]:
         nodes: dict[int, list] = {}
@@ -215,6 +224,7 @@ class ClusterSpec:
                               "inter_node_gbs": self.inter_node_gbs},
                 "memory_reserve_gb": self.memory_reserve_gb,
                 "nodes": [{"name": names[n], "devices": devs} for n, devs in nodes.items()],
+                **({"device": {"type": self.device_type}} if self.device_type else {}),
                 **({"links": [{"ranks": [a, b], "speed": v} for a, b, v in self.links]}
                    if self.links else {})}
 
