@@ -1,4 +1,4 @@
-"""The ops-trace contract of DESIGN.md: reading, validating and writing per-op timing records.
+"""The ops-trace contract of docs/DESIGN.md: reading, validating and writing per-op timing records.
 
 One row per operation: ``step, rank, dp_rank, stage, optype, duration`` (required) and optional
 ``start_ts, tp_rank, seq_id, mc, gmc, mb_id, seq_lens, tokens``. A job meta YAML beside it gives the

@@ -1,4 +1,4 @@
-"""Detector events and the event JSON of DESIGN.md."""
+"""Detector events and the event JSON of docs/DESIGN.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reading and validating profiling logs (the DESIGN.md profiling-log contract)."""
+"""Reading and validating profiling logs (the docs/DESIGN.md profiling-log contract)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A parallel plan: which ranks form each pipeline stage, its layers, and each replica's micro-batches.
 
-JSON form (DESIGN.md): per rank its (dp_rank, stage, tp_rank) or ``excluded``; per pipeline its
+JSON form (docs/DESIGN.md): per rank its (dp_rank, stage, tp_rank) or ``excluded``; per pipeline its
 stages with layer ranges ``[start, end)``; per data-parallel replica its micro-batch count; the
 predicted step time, the capacity bound it was measured against and the migration cost from the
 plan it replaces.

@@ -2,7 +2,7 @@
 
 The detector objects are the ones live runs use (``OnlineDetector`` and the baselines of
 ``resihp.detect.baselines``); this module only turns a replay window into their input (the ops trace
-of DESIGN.md, through ``resihp.detect.observe.observe_columns``) and maps the logical ranks they name
+of docs/DESIGN.md, through ``resihp.detect.observe.observe_columns``) and maps the logical ranks they name
 back to devices. The window's records reach ``observe_columns`` as the arrays the simulator made
 (the same records ``Window.ops()`` gives as a frame, without building it). When a re-plan moves
 ranks, ranks whose device does the same work as before keep their baselines

@@ -11,7 +11,7 @@ constant, and the only variation is the i.i.d. draw of micro-batches and noise. 
 also see long healthy stretches, where false alarms happen); between those windows it extrapolates
 the rest of the segment at the mean throughput of the last simulated window of the same state. What
 is extrapolated is therefore exactly the stretches in which nothing changes; policies see a trace
-with gaps between step numbers there, as DESIGN.md allows for sampled traces.
+with gaps between step numbers there, as docs/DESIGN.md allows for sampled traces.
 """
 
 from __future__ import annotations

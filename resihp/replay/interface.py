@@ -67,7 +67,7 @@ class Window:
     _step_columns: Callable[[int, int], dict[str, np.ndarray]] | None = None
 
     def ops(self) -> pd.DataFrame:
-        """The DESIGN.md ops trace of these steps: forward/backward compute of the first
+        """The docs/DESIGN.md ops trace of these steps: forward/backward compute of the first
         ``ops_microbatches`` micro-batches of every replica, on every tensor-parallel rank, with
         ``seq_lens`` and ``tokens``; ``rank`` is the logical rank of ``meta``, ``device`` the device.
 

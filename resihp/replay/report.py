@@ -1,4 +1,4 @@
-"""Replay results: the JSON summary of DESIGN.md, a rich table, and throughput timelines."""
+"""Replay results: the JSON summary of docs/DESIGN.md, a rich table, and throughput timelines."""
 
 from __future__ import annotations
 

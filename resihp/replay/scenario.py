@@ -1,4 +1,4 @@
-"""Replay scenario files (DESIGN.md "Replay scenario YAML"): parsing and validation.
+"""Replay scenario files (docs/DESIGN.md "Replay scenario YAML"): parsing and validation.
 
 A scenario names the cluster, the model and its initial parallel layout, the workload (a sequence-length
 source), the duration, failure events and/or failure generators with their rates, and the costs of

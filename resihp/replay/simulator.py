@@ -5,7 +5,7 @@ model's compute for that micro-batch (drawn from the real workload's packed micr
 the stage's speed (its slowest device) times a noise multiplier measured on real jobs, plus the
 tensor-parallel all-reduces; the step is the 1F1B critical path of every replica (the schedule of
 ``resihp.perf.schedule``), the data-parallel gradient sync and the optimizer, and the slowest replica
-sets the pace. The ops records of a window follow the DESIGN.md contract.
+sets the pace. The ops records of a window follow the docs/DESIGN.md contract.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-op timing records in the ops-trace contract of DESIGN.md (``resihp.opstrace``)."""
+"""Per-op timing records in the ops-trace contract of docs/DESIGN.md (``resihp.opstrace``)."""
 
 from __future__ import annotations
 
