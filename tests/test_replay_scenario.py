@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,3 +149,86 @@ def test_a_thousand_year_replay_is_refused_with_the_limit(tmp_path):
     with pytest.raises(InputError, match=r"duration 365,000 days is past the limit of 366 days"):
         load_scenario(write(tmp_path, duration="365000d"))
     assert load_scenario(write(tmp_path, duration="366d")).duration_s == 366 * 86400
+
+
+# --- the scenario's keys, documented and checked from one list ---------------------------------
+def _resihp(argv: list[str], capsys) -> tuple[int, str, str]:
+    from resihp.cli import main
+
+    saved = sys.argv
+    sys.argv = ["resihp", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:
+        sys.argv = saved
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_key_reference_is_up_to_date(capsys):
+    from resihp.replay.scenario_schema import schema_markdown
+
+    code, out, _ = _resihp(["replay", "--schema"], capsys)
+    assert code == 0 and out == schema_markdown()
+    assert (Path(__file__).parents[1] / "docs" / "scenario.md").read_text() == out, (
+        "docs/scenario.md is stale: regenerate it with `resihp replay --schema > docs/scenario.md`")
+
+
+def test_every_accepted_key_is_documented(tmp_path):
+    """An unknown key's error lists the allowed ones: exactly the documented keys."""
+    from resihp.replay.scenario_schema import BY_NAME, TOP_LEVEL
+
+    cases = {"": TOP_LEVEL, "model": BY_NAME["model"].names(),
+             "parallel": BY_NAME["parallel"].names(), "costs": BY_NAME["costs"].names(),
+             "replay": BY_NAME["replay"].names(), "cluster": BY_NAME["cluster"].names()}
+    for section, documented in cases.items():
+        data = {**BASE}
+        if section:
+            data[section] = {**BASE.get(section, {}), "bogus": 1}
+        else:
+            data["bogus"] = 1
+        path = tmp_path / f"{section or 'root'}.yaml"
+        path.write_text(__import__("yaml").safe_dump(data, sort_keys=False))
+        with pytest.raises(InputError, match="unknown field") as err:
+            load_scenario(path)
+        listed = str(err.value).split("(expected some of ")[1].rstrip(")").split(", ")
+        assert set(listed) == documented, section
+
+
+def test_the_example_replays(tmp_path, capsys):
+    code, out, _ = _resihp(["replay", "--example"], capsys)
+    assert code == 0 and out.startswith("# A replay scenario")
+    path = tmp_path / "example.yaml"
+    path.write_text(out)
+    sc = load_scenario(path)
+    assert sc.cluster.device_type == "cuda:NVIDIA H100" and len(sc.events) == 1 + 8 + 1
+    code, out, err = _resihp(["replay", str(path), "--policies", "resihp,checkpoint-restart",
+                              "--json"], capsys)
+    assert code == 0, err
+    doc = __import__("json").loads(out)
+    assert [p["name"] for p in doc["policies"]] == ["resihp", "checkpoint-restart"]
+    assert all(p["tokens_per_s"] > 0 for p in doc["policies"])
+
+
+def test_the_plans_cluster_keys_are_accepted(tmp_path):
+    """The cluster written as `resihp plan` reads it is the same cluster as the scenario form."""
+    plan_form = {"device": {"memory_gb": 80, "tflops": 156, "hbm_gbs": 2039},
+                 "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+                 "nodes": {"count": 8, "devices": 8}}
+    old, new = load_scenario(write(tmp_path, "old.yaml")), load_scenario(
+        write(tmp_path, "new.yaml", cluster=plan_form))
+    assert new.cluster.devices == old.cluster.devices
+    assert (new.cluster.intra_node_gbs, new.cluster.inter_node_gbs) == (300, 25)
+    with pytest.raises(InputError, match=r"cluster.speeds: a replay starts healthy"):
+        load_scenario(write(tmp_path, "s.yaml", cluster={**plan_form, "speeds": {"3": 0.5}}))
+
+
+def test_a_field_error_names_the_fields_line(tmp_path):
+    path = write(tmp_path, model={**BASE["model"], "heads": "many"})
+    lines = path.read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if t.strip().startswith("heads:"))
+    with pytest.raises(InputError, match=rf"s.yaml:{line}: model.heads: expected an integer"):
+        load_scenario(path)

@@ -20,6 +20,7 @@ import numpy as np
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims, apportion
 from resihp.plan.specs import MLP_MATRICES, ClusterSpec, ModelSpec, pipeline_memory_gb
+from resihp.replay.scenario_schema import PLAN_CLUSTER_KEYS, TOP_LEVEL, keys_of
 from resihp.replay.yamlsrc import LineDict, load_yaml
 
 KINDS = ("slow", "link", "stop", "recover")  # link: the device's network link slowed by factor
@@ -115,6 +116,12 @@ class _Reader:
             raise InputError(f"{self.where}: expected a mapping, got {type(data).__name__}")
         self.data = data
 
+    def at(self, key: str) -> str:
+        """``file:line: section.key``, the line the key is on."""
+        line = getattr(self.data, "key_lines", {}).get(key)
+        name = f"{self.section}.{key}" if self.section else key
+        return f"{self.path}:{line}: {name}" if line else f"{self.where}.{key}"
+
     def check_keys(self, allowed: set[str]) -> None:
         unknown = sorted(set(self.data) - allowed)
         if unknown:
@@ -131,10 +138,10 @@ class _Reader:
         kind = "an integer" if integer else "a number"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                 integer and not isinstance(value, int)):
-            raise InputError(f"{self.where}.{key}: expected {kind}, got {value!r}")
+            raise InputError(f"{self.at(key)}: expected {kind}, got {value!r}")
         if value < minimum or (strict and value == minimum) or value != value:
             op = ">" if strict else ">="
-            raise InputError(f"{self.where}.{key}: expected {kind} {op} {minimum:g}, got {value!r}")
+            raise InputError(f"{self.at(key)}: expected {kind} {op} {minimum:g}, got {value!r}")
         return int(value) if integer else float(value)
 
     def text(self, key: str, default: str | None = None) -> str:
@@ -144,7 +151,7 @@ class _Reader:
             return default
         value = self.data[key]
         if not isinstance(value, str) or not value:
-            raise InputError(f"{self.where}.{key}: expected a non-empty string, got {value!r}")
+            raise InputError(f"{self.at(key)}: expected a non-empty string, got {value!r}")
         return value
 
     def duration(self, key: str, default: float | None = None) -> float:
@@ -152,7 +159,7 @@ class _Reader:
             if default is None:
                 raise InputError(f"{self.where}: missing field {key}")
             return default
-        return parse_duration(self.data[key], f"{self.where}.{key}")
+        return parse_duration(self.data[key], self.at(key))
 
     def sub(self, key: str, required: bool = True) -> _Reader:
         if key not in self.data:
@@ -160,45 +167,72 @@ class _Reader:
                 raise InputError(f"{self.where}: missing section {key}")
             return _Reader(self.path, LineDict(), f"{self.section}.{key}" if self.section else key)
         name = f"{self.section}.{key}" if self.section else key
-        return _Reader(self.path, self.data[key], name, getattr(self.data, "line", 0))
+        line = getattr(self.data, "key_lines", {}).get(key) or getattr(self.data, "line", 0)
+        return _Reader(self.path, self.data[key], name, line)
 
 
 def _cluster(r: _Reader, name: str) -> ClusterSpec:
-    """``cluster``: nodes, gpus_per_node, device {name, memory_gb, peak_tflops, mfu, hbm_gbps}
-    (an A100-80GB at 50% MFU by default), intra_node_gbps, inter_node_gbps."""
-    r.check_keys({"nodes", "gpus_per_node", "device", "intra_node_gbps", "inter_node_gbps"})
+    """``cluster``: nodes, gpus_per_node, device {name, type, memory_gb, peak_tflops, mfu,
+    hbm_gbps} (an A100-80GB at 50% MFU by default), intra_node_gbps, inter_node_gbps,
+    memory_reserve_gb; or a cluster in the form ``resihp plan`` reads, of identical nodes."""
+    if _plan_form(r.data):
+        return _plan_cluster(r, name)
+    r.check_keys(keys_of("cluster"))
     d = r.sub("device", required=False)
-    d.check_keys({"name", "memory_gb", "peak_tflops", "mfu", "hbm_gbps"})
+    d.check_keys(keys_of("cluster.device"))
     d.text("name", "A100-80GB")  # named for the reader; the figures below are what counts
     mfu = d.number("mfu", 0.5, strict=True)
     if mfu > 1:
-        raise InputError(f"{d.where}.mfu: a fraction of peak, expected at most 1, got {mfu}")
+        raise InputError(f"{d.at('mfu')}: a fraction of peak, expected at most 1, got {mfu}")
     return ClusterSpec.uniform(
         r.number("nodes", minimum=1, integer=True), r.number("gpus_per_node", minimum=1, integer=True),
         memory_gb=d.number("memory_gb", 80.0, strict=True),
         tflops=d.number("peak_tflops", 312.0, strict=True) * mfu,
         hbm_gbs=d.number("hbm_gbps", 2039.0, strict=True),
         intra_node_gbs=r.number("intra_node_gbps", 300.0, strict=True),
-        inter_node_gbs=r.number("inter_node_gbps", 25.0, strict=True), name=name)
+        inter_node_gbs=r.number("inter_node_gbps", 25.0, strict=True),
+        memory_reserve_gb=r.number("memory_reserve_gb", 2.0), name=name,
+        device_type=d.text("type", ""))
+
+
+def _plan_form(data: dict) -> bool:
+    """Whether a scenario's cluster is written as the planner's cluster files are."""
+    device = data.get("device")
+    return ("bandwidth" in data or not isinstance(data.get("nodes", 0), int)
+            or (isinstance(device, dict) and "tflops" in device))
+
+
+def _plan_cluster(r: _Reader, name: str) -> ClusterSpec:
+    """A cluster in the planner's form (``ClusterSpec.from_dict``), healthy and of identical
+    nodes: the replay's failures come from its events and generators."""
+    r.check_keys(PLAN_CLUSTER_KEYS)
+    for key in ("speeds", "links"):
+        if r.data.get(key):
+            raise InputError(f"{r.at(key)}: a replay starts healthy; give slow devices and links "
+                             "as events")
+    spec = ClusterSpec.from_dict({**r.data, "name": name}, where=r.where)
+    sizes = {len(ranks) for ranks in spec.node_ranks}
+    if len(sizes) != 1 or len({(d.memory_gb, d.tflops, d.hbm_gbs) for d in spec.devices}) != 1:
+        raise InputError(f"{r.where}: a replay's cluster has identical nodes of identical devices")
+    return spec
 
 
 def _model(r: _Reader) -> ModelSpec:
-    r.check_keys({"name", "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len",
-                  "global_batch_tokens", "microbatch_tokens", "schedule", "mlp"})
+    r.check_keys(keys_of("model"))
     ints = {k: r.number(k, minimum=1, integer=True) for k in (
         "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len", "global_batch_tokens",
         "microbatch_tokens")}
     schedule = r.text("schedule", "1f1b")
     if schedule != "1f1b":
-        raise InputError(f"{r.where}.schedule: only 1f1b is replayed, got {schedule!r}")
+        raise InputError(f"{r.at('schedule')}: only 1f1b is replayed, got {schedule!r}")
     if ints["hidden"] % ints["heads"]:
         raise InputError(f"{r.where}: hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})")
     if ints["microbatch_tokens"] < ints["max_seq_len"]:
-        raise InputError(f"{r.where}.microbatch_tokens: must hold one longest sequence "
+        raise InputError(f"{r.at('microbatch_tokens')}: must hold one longest sequence "
                          f"(max_seq_len {ints['max_seq_len']}), got {ints['microbatch_tokens']}")
     mlp = r.text("mlp", "gelu")
     if mlp not in MLP_MATRICES:
-        raise InputError(f"{r.where}.mlp: expected one of {', '.join(MLP_MATRICES)}, got {mlp!r}")
+        raise InputError(f"{r.at('mlp')}: expected one of {', '.join(MLP_MATRICES)}, got {mlp!r}")
     try:
         return ModelSpec(name=r.text("name", "model"), schedule=schedule, mlp=mlp, **ints)
     except InputError as exc:
@@ -215,7 +249,7 @@ def _events(path: Path, items: object, cluster: ClusterSpec, duration_s: float,
     state: dict[int, str] = {}
     for i, item in enumerate(items):
         r = _Reader(path, item, f"events[{i}]", line)
-        r.check_keys({"at", "device", "node", "kind", "factor", "cause"})
+        r.check_keys(keys_of("events"))
         at = r.duration("at")
         if at > duration_s:
             raise InputError(f"{r.where}.at: {at:g} s is after the end of the scenario ({duration_s:g} s)")
@@ -280,13 +314,12 @@ def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
     root = _Reader(path, load_yaml(path), "")
     root.where = str(path)
-    root.check_keys({"name", "family", "cluster", "model", "parallel", "workload", "duration",
-                     "costs", "events", "generators", "noise", "seed", "replay"})
+    root.check_keys(TOP_LEVEL)
     name = root.text("name", path.stem)
     cluster = _cluster(root.sub("cluster"), name)
     model = _model(root.sub("model"))
     p = root.sub("parallel")
-    p.check_keys({"dp", "pp", "tp"})
+    p.check_keys(keys_of("parallel"))
     parallel = ParallelDims(*(p.number(k, minimum=1, integer=True) for k in ("dp", "pp", "tp")))
     world = parallel.dp * parallel.pp * parallel.tp
     if world > len(cluster):
@@ -301,7 +334,7 @@ def load_scenario(path: str | Path) -> Scenario:
         raise InputError(f"{root.where}: model.global_batch_tokens gives {mbs} micro-batches, fewer "
                          f"than dp {parallel.dp}")
     w = root.sub("workload")
-    w.check_keys({"source"})
+    w.check_keys(keys_of("workload"))
     workload = w.text("source")
     duration = root.duration("duration")
     if duration <= 0:
@@ -310,7 +343,7 @@ def load_scenario(path: str | Path) -> Scenario:
         raise InputError(f"{root.where}: duration {duration / 86400:,.0f} days is past the limit of "
                          f"{MAX_DURATION_S / 86400:.0f} days (a replay of a training job, not a century)")
     c = root.sub("costs", required=False)
-    c.check_keys({"restart", "checkpoint_interval", "reconfig", "heartbeat_timeout", "repair"})
+    c.check_keys(keys_of("costs"))
     costs = Costs(restart_s=c.duration("restart", Costs.restart_s),
                   checkpoint_interval_s=c.duration("checkpoint_interval", Costs.checkpoint_interval_s),
                   reconfig_s=c.duration("reconfig", Costs.reconfig_s),
@@ -319,10 +352,10 @@ def load_scenario(path: str | Path) -> Scenario:
     if costs.checkpoint_interval_s <= 0:
         raise InputError(f"{c.where}.checkpoint_interval: must be positive")
     n = root.sub("noise", required=False)
-    n.check_keys({"alibaba_job"})
+    n.check_keys(keys_of("noise"))
     noise_job = n.number("alibaba_job", 2, minimum=1, integer=True)
     s = root.sub("replay", required=False)
-    s.check_keys({"window_steps", "observe_steps", "probe_interval", "ops_microbatches"})
+    s.check_keys(keys_of("replay"))
     settings = ReplaySettings(window_steps=s.number("window_steps", 32, minimum=4, integer=True),
                               observe_steps=s.number("observe_steps", 96, minimum=4, integer=True),
                               probe_interval_s=s.duration("probe_interval", 6 * 3600.0),
@@ -331,12 +364,16 @@ def load_scenario(path: str | Path) -> Scenario:
     scenario = Scenario(
         name=name, path=str(path), cluster=cluster, model=model,
         parallel=parallel, workload=workload, duration_s=duration, costs=costs,
-        events=_events(path, root.data.get("events"), cluster, duration, root.data.line),
-        generators=_generators(path, root.data.get("generators"), root.data.line),
+        events=_events(path, root.data.get("events"), cluster, duration, _line(root.data, "events")),
+        generators=_generators(path, root.data.get("generators"), _line(root.data, "generators")),
         noise_job=noise_job, seed=root.number("seed", 0, integer=True), settings=settings,
         family=root.text("family", ""))
     check_fits(scenario, where=f"{path}: parallel")
     return scenario
+
+
+def _line(data: LineDict, key: str) -> int:
+    return data.key_lines.get(key) or data.line
 
 
 def check_fits(scenario: Scenario, where: str) -> None:

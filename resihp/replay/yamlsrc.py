@@ -13,6 +13,7 @@ class LineDict(dict):
     """A mapping from YAML that knows the 1-based line it started on."""
 
     line: int = 0
+    key_lines: dict = {}  # noqa: RUF012  (replaced per instance: key -> the 1-based line it is on)
 
 
 class _Loader(yaml.SafeLoader):
@@ -23,6 +24,8 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> LineDict:
     loader.flatten_mapping(node)
     out = LineDict(loader.construct_pairs(node, deep=True))
     out.line = node.start_mark.line + 1
+    out.key_lines = {loader.construct_object(k, deep=True): k.start_mark.line + 1
+                     for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
     return out
 
 
