@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from torch.distributed import Store, TCPStore
 
 from resihp.detect.events import Event
+from resihp.detect.records import RECORDS, RecordError, fields
 
 PREFIX = "resihp/hb"
 FINISHED = ("done", "stopped")  # phases of a rank that ended on purpose: never judged again
@@ -56,6 +57,31 @@ def rank_key(prefix: str, node: int, rank: int) -> str:
 
 def node_key(prefix: str, node: int) -> str:
     return f"{prefix}/agg/n{node}"
+
+
+_NUM = (int, float)
+_BEAT = {"c": int, "pid": int, "step": int, "phase": str, "ops": int, "wait": str}
+_ENTRY = {"seen": bool, "silent_s": _NUM}
+_ENTRY_OPTIONAL = {"step": int, "phase": str, "ops": int, "wait": str, "pid": int, "stalled_s": _NUM,
+                   "step_s": _NUM, "exited": bool, "stopped": bool, "alive": bool}
+
+
+def parse_beat(doc: object) -> dict:
+    """A rank's heartbeat record, checked (``HeartbeatSender.tick``'s fields and types)."""
+    beat = fields(doc, "heartbeat", _BEAT)
+    if beat["pid"] <= 0:
+        raise RecordError(f"heartbeat: field 'pid' expected a positive integer, got {beat['pid']}")
+    return beat
+
+
+def parse_aggregate(doc: object) -> dict:
+    """A node aggregator's record, checked: ``{"beat", "ranks": {rank: entry}}``."""
+    agg = fields(doc, "node aggregate", {"beat": int, "ranks": dict})
+    for r, entry in agg["ranks"].items():
+        if not r.isdigit():
+            raise RecordError(f"node aggregate: rank {r!r} is not a rank number")
+        fields(entry, f"node aggregate rank {r}", _ENTRY, _ENTRY_OPTIONAL)
+    return agg
 
 
 def start_local_store(timeout_s: float = 30.0) -> tuple[TCPStore, int]:
@@ -181,6 +207,9 @@ class NodeAggregator(_Loop):
         self._step_at: dict[int, float] = {}
         self._step_s: dict[int, deque] = {r: deque(maxlen=16) for r in self.ranks}
         self._all_present = False
+        # whether a PID is one of the processes this node started (None: not checked); a beat
+        # naming another is dropped, so that its PID is never looked at or signalled
+        self.owns: Callable[[int], bool] | None = None
 
     def read(self) -> dict[int, bytes | None]:
         if not self._all_present:
@@ -196,7 +225,12 @@ class NodeAggregator(_Loop):
         now = time.monotonic()
         ranks = {}
         for rank, raw in self.read().items():
-            msg = json.loads(raw) if raw is not None else None
+            key = self.keys[self.ranks.index(rank)]
+            msg = RECORDS.decode(key, raw, parse_beat)
+            if msg is not None and self.owns is not None and (
+                    self._last[rank] is None or msg["pid"] != self._last[rank]["pid"]) and not self.owns(msg["pid"]):
+                RECORDS.reject(key, f"it names process {msg['pid']}, which this node did not start")
+                msg = None
             last = self._last[rank]
             if msg is not None and (last is None or msg["c"] != last["c"]):
                 self._beat_at[rank] = now
@@ -233,7 +267,8 @@ class NodeAggregator(_Loop):
                 gone.append((rank, msg["step"], round(now - self._beat_at[rank], 3)))
         if gone:  # a rank that finished says so in its last beat, which may be newer than ours
             fresh = self.read()
-            gone = [g for g in gone if fresh.get(g[0]) is None or json.loads(fresh[g[0]])["phase"] not in FINISHED]
+            gone = [g for g in gone if (beat := RECORDS.decode(self.keys[self.ranks.index(g[0])], fresh.get(g[0]),
+                                                                 parse_beat)) is None or beat["phase"] not in FINISHED]
         return gone
 
     def excuse(self) -> None:
@@ -316,9 +351,8 @@ class HeartbeatMonitor:
         values = dict(zip(present, self.store.multi_get(list(present.values())))) if present else {}
         lost = []
         for node in self.nodes:
-            raw = values.get(node)
-            if raw is not None:
-                msg = json.loads(raw)
+            msg = RECORDS.decode(self.keys[node], values.get(node), parse_aggregate)
+            if msg is not None:
                 if msg["beat"] != self._beat[node]:
                     self._beat[node] = msg["beat"]
                     self._moved[node] = now

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 from torch.distributed import Store
 
 from resihp.detect.heartbeat import PREFIX as HB
+from resihp.detect.records import RECORDS, RecordError, checked_int, fields
+from resihp.errors import InputError
 from resihp.ft.quorum import changes_key
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.recorder import columns_frame
@@ -121,8 +123,28 @@ class Part:
         return [dict(zip(names, values)) for values in zip(*cols.values())]
 
 
-def decode_rows(blob: bytes) -> Part:
-    return Part(json.loads(blob), len(blob))
+_NUM = (int, float)
+
+
+def parse_part(doc: object) -> dict:
+    """One rank's op record of one step, checked (``encode_rows``'s form)."""
+    doc = fields(doc, "op record", {"ids": list, "t0": _NUM, "ts": list, "dur": list, "mb_id": list,
+                                    "lens": dict, "sent": _NUM}, {"cost_s": _NUM})
+    n = len(doc["ts"])
+    if len(doc["ids"]) != len(_IDS) or not all(isinstance(i, int) and not isinstance(i, bool) for i in doc["ids"]):
+        raise RecordError(f"op record: field 'ids' expected {len(_IDS)} integers ({', '.join(_IDS)})")
+    for name in ("dur", "mb_id", *(c for c in _COLS if c in doc)):
+        if not isinstance(doc[name], list) or len(doc[name]) != n:
+            raise RecordError(f"op record: field {name!r} expected a list of {n} values (one per op)")
+    if not all(isinstance(x, _NUM) for x in doc["ts"] + doc["dur"]):
+        raise RecordError("op record: fields 'ts' and 'dur' expected numbers")
+    return doc
+
+
+def decode_rows(blob: bytes, key: str = "ops") -> Part | None:
+    """One rank's part of a step as read from ``key``; None (warned once) where malformed."""
+    doc = RECORDS.decode(key, blob, parse_part)
+    return None if doc is None else Part(doc, len(blob))
 
 
 class StepPublisher:
@@ -225,8 +247,9 @@ class StepReader:
         for n in nodes:
             key = self._lost_key(n)
             self.messages += 1
-            if self.store.check([key]) and int(self.store.get(key)) > self.lost_before.get(n, -1):
-                self.lost_before[n] = int(self.store.get(key))
+            said = checked_int(self.store.get(key), key) if self.store.check([key]) else None
+            if said is not None and said > self.lost_before.get(n, -1):
+                self.lost_before[n] = said
                 learned = learned or self.next_step < self.lost_before[n]
         return learned
 
@@ -236,7 +259,9 @@ class StepReader:
             first = f"{self.prefix}/ops/first"
             if not self.store.check([first]):
                 return done
-            self.next_step = int(self.store.get(first))
+            self.next_step = checked_int(self.store.get(first), first)
+            if self.next_step is None:
+                return done
         while len(done) < limit:
             nodes = None
             if self.members is not None:
@@ -258,7 +283,7 @@ class StepReader:
             keys += [k for k in self._keys(self.next_step, waived) if self.store.check([k])]
             blobs = self.store.multi_get(keys)
             self.messages += 1
-            decoded = [decode_rows(line) for blob in blobs for line in blob.splitlines() if line.strip()]
+            decoded = self._parts(keys, blobs)
             if not {r for n in awaited for r in self.nodes[n]} <= {p.rank for p in decoded}:
                 if not self.owner and self._learn_lost(awaited):
                     continue
@@ -279,6 +304,23 @@ class StepReader:
             self.next_step += 1
         return done
 
+    def _parts(self, keys: Sequence[str], blobs: Sequence[bytes]) -> list[Part]:
+        """The well-formed parts of this step from ranks of the key's node (one each: a rank's
+        first); a malformed or foreign line is dropped (warned once per key)."""
+        parts: dict[int, Part] = {}
+        for key, blob in zip(keys, blobs):
+            node = int(key.rsplit("/", 2)[-2][1:])
+            for line in blob.splitlines():
+                part = decode_rows(line, key) if line.strip() else None
+                if part is None:
+                    continue
+                if part.doc["ids"][0] != self.next_step or part.rank not in self.nodes.get(node, ()):
+                    RECORDS.reject(key, f"a part for step {part.doc['ids'][0]} of rank {part.rank}, "
+                                        f"not one of this step's ranks of node {node}")
+                elif part.rank not in parts:
+                    parts[part.rank] = part
+        return list(parts.values())
+
     def wait_for_followers(self, timeout_s: float = 10.0) -> None:
         """The owner, at the job's end: give the followers reading the store (``resihp follow
         --store``) up to ``timeout_s`` to read the last step before the store goes."""
@@ -286,14 +328,15 @@ class StepReader:
         end = time.monotonic() + timeout_s
         for i in range(1, int(self.store.add(f"{self.prefix}/followers", 0)) + 1):
             key = f"{self.prefix}/followed/{i}"
-            while time.monotonic() < end and not (self.store.check([key]) and int(self.store.get(key)) >= last):
+            while time.monotonic() < end and not (
+                    self.store.check([key]) and (checked_int(self.store.get(key), key) or -1) >= last):
                 time.sleep(0.1)
 
     def _owner_last(self) -> int | None:
         """The last step the owner has read (None: none yet)."""
         key = f"{self.prefix}/ops/last"
         self.messages += 1
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        return checked_int(self.store.get(key), key) if self.store.check([key]) else None
 
     def _catch_up(self) -> None:
         """A reader that fell out of the window the owner keeps skips to its oldest step."""
@@ -332,8 +375,8 @@ class PlanInbox:
             return {**self.scheduled[step], "source": "scheduled"}
         if not self.store.check([self.key]):
             return None
-        change = json.loads(self.store.get(self.key))
-        if change.get("id") == self._seen_id:
+        change = RECORDS.decode(self.key, self.store.get(self.key), lambda doc: fields(doc, "plan change", {}))
+        if change is None or change.get("id") == self._seen_id:
             return None
         self._seen_id = change.get("id")
         return change
@@ -345,11 +388,24 @@ def report_error(store: Store, job_id: str, rank: int | str, kind: str, message:
     store.append(f"{prefix_of(job_id)}/errors", line.encode())
 
 
+def parse_error(doc: object) -> dict:
+    """A worker's error line, checked (``report_error``'s form)."""
+    err = fields(doc, "worker error", {"rank": (int, str), "kind": str, "message": str})
+    if err["kind"] not in ERROR_KINDS:
+        raise RecordError(f"worker error: field 'kind' expected one of {', '.join(ERROR_KINDS)}")
+    return err
+
+
+ERROR_KINDS = ("input", "stop", "lost-peer", "crash")
+
+
 def read_errors(store: Store, job_id: str) -> list[dict]:
+    """The workers' error lines (``report_error``), each checked; a malformed line is dropped."""
     key = f"{prefix_of(job_id)}/errors"
     if not store.check([key]):
         return []
-    return [json.loads(line) for line in store.get(key).splitlines() if line.strip()]
+    found = (RECORDS.decode(key, line, parse_error) for line in store.get(key).splitlines() if line.strip())
+    return [e for e in found if e is not None]
 
 
 def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, nproc_per_node: int,
@@ -364,16 +420,32 @@ def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, np
                                    "attempt": attempt, "sizes": sizes, "no_relaunch": no_relaunch}))
 
 
+def parse_job(doc: object) -> dict:
+    """The job's announcement, checked (``announce_job``'s form)."""
+    job = fields(doc, "job announcement", {"job_id": str, "nnodes": int, "nproc_per_node": int},
+                 {"config": dict, "meta": dict, "started": _NUM, "attempt": int, "sizes": list,
+                  "no_relaunch": str})
+    if job["nnodes"] < 1 or job["nproc_per_node"] < 1:
+        raise RecordError("job announcement: fields 'nnodes' and 'nproc_per_node' expected positive integers")
+    return job
+
+
 def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0) -> dict | None:
     """The job announced on ``store`` (its launch ``attempt`` or a later one), or None after
-    ``timeout_s``."""
+    ``timeout_s``; InputError where what stays there is not a job announcement (the job cannot
+    go on without it)."""
     end = time.monotonic() + timeout_s
+    malformed = False
     while True:
         if store.check([JOB_KEY]):
-            job = json.loads(store.get(JOB_KEY))
-            if int(job.get("attempt", 0)) >= attempt:
+            job = RECORDS.decode(JOB_KEY, store.get(JOB_KEY), parse_job)
+            malformed = job is None
+            if job is not None and int(job.get("attempt") or 0) >= attempt:
                 return job
         if time.monotonic() > end:
+            if malformed:
+                raise InputError(f"store key {JOB_KEY}: expected the job's announcement (a JSON object "
+                                 f"with job_id, nnodes, nproc_per_node), got a malformed record")
             return None
         time.sleep(poll_s)
 
@@ -384,8 +456,7 @@ def mark_ended(store: Store, job_id: str, reason: str) -> None:
 
 
 def ended(store: Store, job_id: str) -> str | None:
-    key = f"{prefix_of(job_id)}/ended"
-    return store.get(key).decode() if store.check([key]) else None
+    return _text(store, f"{prefix_of(job_id)}/ended")
 
 
 # --recovery replica on several nodes: node 0 judges every replica; the node a replica runs on
@@ -398,14 +469,24 @@ def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunc
     store.set(f"{prefix_of(job_id)}/replica/{replica}/order", json.dumps({"attempt": attempt, "relaunch": relaunch}))
 
 
-def _read_json(store: Store, key: str) -> dict | None:
-    """The JSON object at ``key``, or None where nothing was set there."""
-    return json.loads(store.get(key)) if store.check([key]) else None
+def _read_record(store: Store, key: str, what: str, spec: dict) -> dict | None:
+    """The record at ``key`` with ``spec``'s fields, or None where nothing (well-formed) is there."""
+    if not store.check([key]):
+        return None
+    return RECORDS.decode(key, store.get(key), lambda doc: fields(doc, what, spec))
+
+
+def _text(store: Store, key: str) -> str | None:
+    """A one-line text record (a reason), or None where nothing was set there."""
+    if not store.check([key]):
+        return None
+    return " ".join(store.get(key)[:1000].decode(errors="replace").split())
 
 
 def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] | None:
     """The newest order for ``replica`` (attempt, relaunch), or None."""
-    order = _read_json(store, f"{prefix_of(job_id)}/replica/{replica}/order")
+    order = _read_record(store, f"{prefix_of(job_id)}/replica/{replica}/order", "replica order",
+                         {"attempt": int, "relaunch": bool})
     return None if order is None else (int(order["attempt"]), bool(order["relaunch"]))
 
 
@@ -417,7 +498,7 @@ def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: 
 def replica_attempt(store: Store, job_id: str, replica: int, state: str) -> int | None:
     """The newest attempt of ``replica`` its node said is in ``state`` (``replica_state``)."""
     key = f"{prefix_of(job_id)}/replica/{replica}/{state}"
-    return int(store.get(key)) if store.check([key]) else None
+    return checked_int(store.get(key), key) if store.check([key]) else None
 
 
 def node_left(store: Store, job_id: str, node: int) -> None:
@@ -445,7 +526,7 @@ def ask_for_stacks(store: Store, job_id: str, node: int, rank: int, why: str) ->
 
 def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None:
     """The rank of ``node`` whose stacks node 0 asked for, and why (None: none)."""
-    asked = _read_json(store, f"{prefix_of(job_id)}/stacks/{node}")
+    asked = _read_record(store, f"{prefix_of(job_id)}/stacks/{node}", "stacks request", {"rank": int, "why": str})
     return None if asked is None else (int(asked["rank"]), str(asked["why"]))
 
 
@@ -458,7 +539,8 @@ def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitc
 
 def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
     """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published it."""
-    said = _read_json(store, f"{prefix_of(job_id)}/first-failure/{node}")
+    said = _read_record(store, f"{prefix_of(job_id)}/first-failure/{node}", "first failure",
+                        {"rank": int, "exitcode": int})
     return None if said is None else (int(said["rank"]), int(said["exitcode"]))
 
 
@@ -484,5 +566,4 @@ def await_stacks(store: Store, job_id: str, node: int, timeout_s: float, poll_s:
 
 def stopping(store: Store, job_id: str) -> str | None:
     """Why the job ended or is being stopped (``mark_ended``, ``mark_stopping``), or None."""
-    key = f"{prefix_of(job_id)}/stopping"
-    return ended(store, job_id) or (store.get(key).decode() if store.check([key]) else None)
+    return ended(store, job_id) or _text(store, f"{prefix_of(job_id)}/stopping")

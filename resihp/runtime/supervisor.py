@@ -33,6 +33,7 @@ from torch.distributed import Store
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import FINISHED, HeartbeatMonitor, NodeAggregator
+from resihp.detect.records import RECORDS
 from resihp.errors import InputError
 from resihp.opstrace import TRACE_STREAM
 from resihp.parallel import ParallelDims
@@ -58,7 +59,7 @@ from resihp.runtime.controlplane import (
     stopping,
 )
 from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
+from resihp.runtime.lifecycle import ProcessTracker, dump_stacks, start_time
 from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
 from resihp.runtime.warm import WARM_AGENTS, AgentProcess
 
@@ -127,6 +128,31 @@ def _ancestors(pid: int) -> set[int]:
             break
         pid = int(stat[stat.rindex(")") + 2:].split()[1])
     return found
+
+
+def descends_from(root: int) -> Callable[[int], bool]:
+    """Whether a PID is ``root`` or one of its descendants now (what a heartbeat's PID must be
+    before a node trusts it: anyone who reaches the job's store can write one)."""
+    return lambda pid: root in _ancestors(pid)
+
+
+def owned(tracker: ProcessTracker, root: int, pid: int | None) -> bool:
+    """Whether ``pid`` is a process this launcher started (``root``, the torchrun it launched, or
+    a descendant), checked by PID and start time, so that no signal reaches another process: one
+    a forged record names, or one that took a dead worker's PID."""
+    if pid is None or pid <= 0:
+        return False
+    if pid not in tracker.known and root in _ancestors(pid):
+        tracker.add(pid)
+    started = tracker.known.get(pid)
+    return started is not None and start_time(pid) == started
+
+
+def refuse_signal(key: str, pid: int | None, why: str) -> None:
+    """A record asked for a signal to a process this launcher did not start: refused, reported
+    once for the record's key."""
+    RECORDS.reject(key, f"it names process {pid}, which this launcher did not start: no signal "
+                        f"sent ({why})")
 
 
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
@@ -312,6 +338,7 @@ class _Watch:
                                          timeout_s=heartbeat_timeout_s, prefix=hb,
                                          startup_s=join_timeout_s).start()
         self.monitor = self.reader = None
+        self.owns: Callable[[int], bool] | None = None  # whether a PID is this launcher's (``owned``)
         if nodes.node_rank == 0:
             places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size)
                       for c in [dims.coords(r)]}
@@ -407,6 +434,8 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                              worker_env({FIRST_RANK_ENV: str(nodes.ranks[0])}, endpoint=js.endpoint,
                                         node=nodes.node_rank, managed=True))
     tracker = ProcessTracker(proc.pid)
+    watch.aggregator.owns = descends_from(proc.pid)
+    watch.owns = lambda pid: owned(tracker, proc.pid, pid)
     lines: list[str] = []
 
     def post(change: dict) -> None:
@@ -440,9 +469,11 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                     if asked is not None and asked[0] not in answered:  # a rank of this node hung
                         rank, why = asked
                         pid = watch.pid_of(rank)
-                        if pid is not None:
+                        if pid is not None and owned(tracker, proc.pid, pid):
                             dump_stacks(pid, out / "logs" / "workers.log", why)
                             _kill(pid)  # hung: the job's SIGTERM would cost a grace (``end_hung``)
+                        elif pid is not None:
+                            refuse_signal(f"heartbeat of rank {rank}", pid, why)
                         answered.add(rank)
                         stacks_written(js.store, cfg.job_id, nodes.node_rank)
                     reason = stopping(js.store, cfg.job_id)
@@ -531,8 +562,8 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
         steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
         if ev.extra["cause"] == "hang":
-            stacks_of_hung(watch.monitor, ev.rank, 0, Path(cfg.out), watch.store, cfg.job_id)
-            end_hung(watch.monitor, ev.rank, 0)
+            stacks_of_hung(watch.monitor, ev.rank, 0, Path(cfg.out), watch.store, cfg.job_id, watch.owns)
+            end_hung(watch.monitor, ev.rank, 0, watch.owns)
         return fail_stop(cfg.dims(), ev.rank, max(steps) if steps else None, ev.extra["cause"],
                          ev.extra.get("silent_s"), node=ev.extra.get("node"))
     missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
@@ -572,16 +603,21 @@ def _first_gone(events: list[Event], watch: _Watch) -> Event:
 
 
 def stacks_of_hung(monitor: HeartbeatMonitor, rank: int, node: int, out: Path,
-                   store: Store | None = None, job_id: str = "") -> None:
+                   store: Store | None = None, job_id: str = "",
+                   owns: Callable[[int], bool] | None = None) -> None:
     """A rank judged hung, its process still running (a stopped one runs no handler): its stacks
     into ``OUT/logs/workers.log`` of its node before it is stopped (``lifecycle.dump_stacks``),
     signalled here where it runs on this launcher's ``node``, else asked of its node's launcher on
-    the job's ``store`` (``controlplane.ask_for_stacks``) and waited for, at most ``STACKS_WAIT_S``."""
+    the job's ``store`` (``controlplane.ask_for_stacks``) and waited for, at most ``STACKS_WAIT_S``.
+    ``owns``: whether a PID is one this launcher started (``owned``); no signal goes to any other."""
     view = monitor.views.get(rank)
     if view is None or not view.pid or view.stopped:
         return
     why = f"rank {rank} judged hung (no progress for {view.stalled_s:.1f} s)"
     if view.node == node:
+        if owns is None or not owns(view.pid):
+            refuse_signal(f"heartbeats of node {node}", view.pid, why)
+            return
         dump_stacks(view.pid, out / "logs" / "workers.log", why)
     elif store is not None:
         with contextlib.suppress(RuntimeError, dist.DistError):
@@ -589,14 +625,15 @@ def stacks_of_hung(monitor: HeartbeatMonitor, rank: int, node: int, out: Path,
             await_stacks(store, job_id, view.node, STACKS_WAIT_S)
 
 
-def end_hung(monitor: HeartbeatMonitor, rank: int, node: int) -> None:
+def end_hung(monitor: HeartbeatMonitor, rank: int, node: int,
+             owns: Callable[[int], bool] | None = None) -> None:
     """SIGKILL to a rank judged hung whose process runs on this launcher's ``node``, once its
     stacks are written: it made no progress for the hang timeout, so the SIGTERM that stops the
     job would only cost the whole grace (``GRACE_S``) before the SIGKILL after it (a 1-rank
     restart from memory on CPU took 12.4 s from the hang, 5.1 s of it that grace). Not a stopped
     process: the SIGCONT beside that SIGTERM lets it end as a signalled rank does."""
     view = monitor.views.get(rank)
-    if view is not None and view.pid and view.node == node and not view.stopped:
+    if view is not None and view.pid and view.node == node and not view.stopped and owns and owns(view.pid):
         _kill(view.pid)
 
 

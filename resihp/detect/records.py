@@ -1,0 +1,112 @@
+"""Checked decoding of what a job reads from its torch.distributed store.
+
+The store has no authentication: whoever reaches its port can write any key. Every record read
+from it is parsed here into its checked form; a malformed, truncated, oversized or foreign record
+is warned about once per key, in one line, and dropped (the reader acts as if it were absent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+log = logging.getLogger("resihp.store")
+
+T = TypeVar("T")
+MAX_RECORD_BYTES = 16 << 20  # no control-plane record comes near this (an op record: ~100 kB)
+
+
+class RecordError(ValueError):
+    """A record read from the store is not of its expected form (one line)."""
+
+
+def fields(doc: Any, what: str, spec: Mapping[str, type | tuple[type, ...]],
+           optional: Mapping[str, type | tuple[type, ...]] | None = None) -> dict:
+    """``doc`` as a JSON object with each field of ``spec`` present and of its type.
+
+    Args:
+        doc: the decoded JSON value.
+        what: the record's kind, for the message.
+        spec: required field name -> accepted type(s).
+        optional: fields that may be absent or null, else of their type(s).
+    """
+    if not isinstance(doc, dict):
+        raise RecordError(f"{what}: expected a JSON object, got {type(doc).__name__}")
+    for name, kind in spec.items():
+        if name not in doc:
+            raise RecordError(f"{what}: field {name!r} missing")
+        _check(doc[name], kind, what, name)
+    for name, kind in (optional or {}).items():
+        if doc.get(name) is not None:
+            _check(doc[name], kind, what, name)
+    return doc
+
+
+def _check(value: Any, kind: type | tuple[type, ...], what: str, name: str) -> None:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # JSON has no int/bool distinction worth trusting: a bool is not a count or a PID
+    if isinstance(value, bool) and bool not in kinds:
+        raise RecordError(f"{what}: field {name!r} expected {_names(kinds)}, got a boolean")
+    if not isinstance(value, kinds):
+        raise RecordError(f"{what}: field {name!r} expected {_names(kinds)}, got {type(value).__name__}")
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def load_json(raw: bytes | str) -> Any:
+    """The JSON value in ``raw``, or RecordError (too large, not UTF-8, not JSON)."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise RecordError(f"{len(raw)} bytes, more than the {MAX_RECORD_BYTES} a record may hold")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise RecordError(f"not JSON ({' '.join(str(exc).split())[:120]})") from None
+
+
+class StoreRecords:
+    """A reader's decoder: ``decode(key, raw, parse)`` returns the parsed record or None, warning
+    once per key (``dropped`` counts every record dropped)."""
+
+    def __init__(self, logger: logging.Logger = log) -> None:
+        self.log = logger
+        self.warned: set[str] = set()
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def decode(self, key: str, raw: bytes | str | None, parse: Callable[[Any], T]) -> T | None:
+        """``parse(json value of raw)``, or None where ``raw`` is None or not of its form."""
+        if raw is None:
+            return None
+        try:
+            return parse(load_json(raw))
+        except (RecordError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            self.reject(key, exc)
+            return None
+
+    def reject(self, key: str, why: object) -> None:
+        """Drop the record at ``key``: a one-line warning, the first time for this key."""
+        with self._lock:
+            self.dropped += 1
+            if key in self.warned:
+                return
+            self.warned.add(key)
+        self.log.warning("store key %s: record dropped: %s", key, " ".join(str(why).split())[:300])
+
+
+RECORDS = StoreRecords()  # the process's decoder: each key warned about once per process
+
+
+def checked_int(raw: bytes | str | None, key: str, records: StoreRecords = RECORDS) -> int | None:
+    """An integer record (a step, an attempt, a count), or None where absent or malformed."""
+    return records.decode(key, raw, _int)
+
+
+def _int(doc: Any) -> int:
+    if isinstance(doc, bool) or not isinstance(doc, int):
+        raise RecordError(f"expected an integer, got {type(doc).__name__}")
+    return doc
