@@ -30,7 +30,15 @@ from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
 from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.supervisor import Outcome, _Signals, _stop, drain_stderr
+from resihp.runtime.supervisor import (
+    Outcome,
+    _Signals,
+    _stop,
+    descends_from,
+    drain_stderr,
+    owned,
+    refuse_signal,
+)
 from resihp.runtime.warm import WARM_AGENTS, AgentProcess
 
 
@@ -88,7 +96,9 @@ class ReplicaLauncher:
                                                   run_id=f"{cfg.job_id}-r{d}-a{attempt}",
                                                   forked=forks_workers(cfg)), env)
         agg = NodeAggregator(store, d, ranks, interval_s=self.interval_s, timeout_s=self.heartbeat_timeout_s,
-                             prefix=hb, startup_s=self.join_timeout_s).start()
+                             prefix=hb, startup_s=self.join_timeout_s)
+        agg.owns = descends_from(proc.pid)
+        agg.start()
         rep = ReplicaProcess(d, attempt, proc, ProcessTracker(proc.pid), agg)
         threading.Thread(target=drain_stderr, args=(proc, rep.lines, Path(cfg.out), f"[replica {d} attempt {attempt}] ", 200),
                          daemon=True).start()
@@ -136,8 +146,10 @@ def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals
                     asked = stacks_asked(store, cfg.job_id, d)  # node 0 judged a rank of it hung
                     if asked is not None and (d, rep.attempt, asked[0]) not in answered:
                         beat = rep.aggregator._last.get(asked[0])  # its last beat names its process
-                        if beat is not None:
+                        if beat is not None and owned(rep.tracker, rep.proc.pid, beat["pid"]):
                             dump_stacks(beat["pid"], Path(cfg.out) / "logs" / "workers.log", asked[1])
+                        elif beat is not None:
+                            refuse_signal(f"heartbeat of rank {asked[0]}", beat["pid"], asked[1])
                         answered.add((d, rep.attempt, asked[0]))
                         stacks_written(store, cfg.job_id, d)
                     if rep.proc.poll() == 0 and (d, rep.attempt) not in said_done:

@@ -62,6 +62,7 @@ from resihp.runtime.supervisor import (
     fault_timeouts,
     hand_on_steps,
     job_config,
+    owned,
     stacks_of_hung,
 )
 
@@ -172,7 +173,8 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             if cause == "hang" and rank is not None:
                 # each replica is a node of the monitor; another node's replica's stacks are asked
                 # of that node's launcher
-                stacks_of_hung(monitor, rank, d if d in live else -1, out, store, cfg.job_id)
+                stacks_of_hung(monitor, rank, d if d in live else -1, out, store, cfg.job_id,
+                               (lambda pid, r=live[d]: owned(r.tracker, r.proc.pid, pid)) if d in live else None)
             at = time.time()
             if d in live:
                 stop_replicas([live[d]], grace_s, failed=True)
