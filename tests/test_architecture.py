@@ -1,13 +1,17 @@
 """The house rules CI keeps beside lint-imports (ARCHITECTURE.md): one class per public name, every
-folder of the package a package, and function-local imports of resihp only to defer start-up work."""
+folder of the package a package, function-local imports of resihp only to defer start-up work, and
+docs that match the code's floors and link to what exists."""
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
 import resihp
 
 ROOT = Path(resihp.__file__).parent
+REPO = ROOT.parent
+DOCS = [REPO / "ARCHITECTURE.md", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def _modules():
@@ -51,3 +55,59 @@ def test_function_local_imports_of_resihp_are_commented_start_up_deferrals():
             if "deferred" not in context and "lazy" not in context:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == []
+
+
+def _pyproject_layers() -> list[str]:
+    text = (REPO / "pyproject.toml").read_text()
+    block = re.search(r"^layers = \[(.*?)^\]", text, re.S | re.M).group(1)
+    return [" ".join(name.split()) for name in re.findall(r'"([^"]+)"', block)]
+
+
+def _documented_floors() -> list[str]:
+    """The first column of ARCHITECTURE.md's floor diagram (the code block under its heading)."""
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    section = text.split("## Package floors", 1)[1]
+    block = section.split("```", 2)[1]
+    # a floor's line starts one space in; its description follows two or more spaces later, and
+    # a description's further lines start deeper
+    return [" ".join(re.split(r"\s{2,}", line.strip())[0].split())
+            for line in block.splitlines() if re.match(r" \S", line)]
+
+
+def test_the_documented_floors_are_import_linters():
+    assert _documented_floors() == _pyproject_layers()
+
+
+def test_architecture_stays_short_and_its_lines_and_the_readmes_within_100():
+    assert len((REPO / "ARCHITECTURE.md").read_text()) <= 15_000
+    long = [f"{doc.name}:{n}" for doc in DOCS[:2]
+            for n, line in enumerate(doc.read_text().splitlines(), 1) if len(line) > 100]
+    assert long == []
+
+
+def _anchor(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_local_link_in_the_docs_reaches_a_file_and_heading():
+    bad = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                bad.append(f"{doc.name}: {target}")
+            elif anchor and dest.is_file():
+                headings = re.findall(r"^#+ (.+)$", dest.read_text(), re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    bad.append(f"{doc.name}: {target}")
+    assert bad == []
+
+
+def test_the_readme_keeps_the_set_up_commands_ci_and_users_run():
+    readme = (REPO / "README.md").read_text()
+    assert "pip install torch==2.13.0 && pip install -e . && resihp demo" in readme
+    assert "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q" in readme
