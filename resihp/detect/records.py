@@ -3,10 +3,14 @@
 The store has no authentication: whoever reaches its port can write any key. Every record read
 from it is parsed here into its checked form; a malformed, truncated, oversized or foreign record
 is warned about once per key, in one line, and dropped (the reader acts as if it were absent).
+Records that steer the job (plan changes) carry an HMAC-SHA256 under the job's secret
+(``JOB_SECRET_ENV``): an unsigned or wrongly signed one is refused the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -110,3 +114,28 @@ def _int(doc: Any) -> int:
     if isinstance(doc, bool) or not isinstance(doc, int):
         raise RecordError(f"expected an integer, got {type(doc).__name__}")
     return doc
+
+
+# --- authority: records that steer the job are signed with the job's secret -------------------
+JOB_SECRET_ENV = "RESIHP_JOB_SECRET"  # the job's secret (hex), handed to its processes
+SIGNATURE = "sig"
+
+
+def _digest(doc: Mapping[str, Any], secret: str) -> str:
+    body = json.dumps({k: v for k, v in doc.items() if k != SIGNATURE}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret.encode(), body.encode(), hashlib.sha256).hexdigest()
+
+
+def sign(doc: Mapping[str, Any], secret: str) -> dict:
+    """``doc`` with its HMAC-SHA256 under ``secret`` (``SIGNATURE``)."""
+    return {**doc, SIGNATURE: _digest(doc, secret)}
+
+
+def verified(doc: Any, secret: str | None, what: str) -> dict:
+    """``doc`` without its signature, or RecordError where it is unsigned or wrongly signed."""
+    doc = fields(doc, what, {})
+    if not isinstance(doc.get(SIGNATURE), str):
+        raise RecordError(f"{what}: refused: not signed with the job's secret")
+    if secret is None or not hmac.compare_digest(doc[SIGNATURE], _digest(doc, secret)):
+        raise RecordError(f"{what}: refused: its signature is not the job's")
+    return {k: v for k, v in doc.items() if k != SIGNATURE}

@@ -15,6 +15,8 @@ network. One namespace per job (``resihp/<job id>/cp``) carries
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +26,15 @@ from typing import TYPE_CHECKING
 from torch.distributed import Store
 
 from resihp.detect.heartbeat import PREFIX as HB
-from resihp.detect.records import RECORDS, RecordError, checked_int, fields
+from resihp.detect.records import (
+    JOB_SECRET_ENV,
+    RECORDS,
+    RecordError,
+    checked_int,
+    fields,
+    sign,
+    verified,
+)
 from resihp.errors import InputError
 from resihp.ft.quorum import changes_key
 from resihp.runtime.nodes import Nodes
@@ -354,19 +364,32 @@ def plan_key(job_id: str) -> str:
     return f"{prefix_of(job_id)}/plan"
 
 
+def job_secret() -> str:
+    """This job's secret, which signs the records that steer it: the launcher's
+    ``RESIHP_JOB_SECRET`` where set (every node of a job is launched with the same), else one made
+    now, at random, and kept in this process's environment for the processes it starts."""
+    if not os.environ.get(JOB_SECRET_ENV):
+        os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
+    return os.environ[JOB_SECRET_ENV]
+
+
 def post_change(store: Store, job_id: str, change: dict) -> None:
-    """Hand a plan change to the running job (its rank 0 takes it at the next step boundary; with
-    replica-level fault tolerance, the next commit carries it to every rank)."""
-    store.set(plan_key(job_id), json.dumps(change))
+    """Hand a plan change to the running job, signed with the job's secret (its rank 0 takes it
+    at the next step boundary; with replica-level fault tolerance, the next commit carries it to
+    every rank)."""
+    store.set(plan_key(job_id), json.dumps(sign(change, job_secret())))
     store.add(changes_key(job_id), 1)  # after it: replica mode's next commit looks for it
 
 
 class PlanInbox:
     """Rank 0's view of the plan channel: scheduled changes from the run config first, then the
-    newest change posted (each ``id`` once)."""
+    newest change posted (each ``id`` once) that carries the job's signature (``secret``: by
+    default this process's ``RESIHP_JOB_SECRET``; without one, no posted change is taken)."""
 
-    def __init__(self, store: Store, job_id: str, scheduled: Sequence[dict]) -> None:
+    def __init__(self, store: Store, job_id: str, scheduled: Sequence[dict],
+                 secret: str | None = None) -> None:
         self.store, self.key = store, plan_key(job_id)
+        self.secret = secret or os.environ.get(JOB_SECRET_ENV) or None
         self.scheduled = {int(c["step"]): c for c in scheduled}
         self._seen_id: object = None
 
@@ -375,7 +398,8 @@ class PlanInbox:
             return {**self.scheduled[step], "source": "scheduled"}
         if not self.store.check([self.key]):
             return None
-        change = RECORDS.decode(self.key, self.store.get(self.key), lambda doc: fields(doc, "plan change", {}))
+        change = RECORDS.decode(self.key, self.store.get(self.key),
+                                lambda doc: verified(doc, self.secret, "plan change"))
         if change is None or change.get("id") == self._seen_id:
             return None
         self._seen_id = change.get("id")

@@ -16,10 +16,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from resihp.detect.heartbeat import NodeAggregator, node_key, rank_key
+from resihp.detect.records import JOB_SECRET_ENV
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
     ended,
     heartbeat_prefix,
+    job_secret,
     node_left,
     replica_order,
     replica_state,
@@ -90,7 +92,8 @@ class ReplicaLauncher:
         per = len(ranks)
         for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks)]:
             store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
-        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per)},
+        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per),
+                          JOB_SECRET_ENV: job_secret()},
                          endpoint=self.endpoint, node=d, managed=True)
         proc = WARM_AGENTS.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
                                                   run_id=f"{cfg.job_id}-r{d}-a{attempt}",

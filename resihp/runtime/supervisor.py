@@ -33,7 +33,7 @@ from torch.distributed import Store
 from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import FINISHED, HeartbeatMonitor, NodeAggregator
-from resihp.detect.records import RECORDS
+from resihp.detect.records import JOB_SECRET_ENV, RECORDS
 from resihp.errors import InputError
 from resihp.opstrace import TRACE_STREAM
 from resihp.parallel import ParallelDims
@@ -48,6 +48,7 @@ from resihp.runtime.controlplane import (
     ended,
     first_failure,
     heartbeat_prefix,
+    job_secret,
     mark_ended,
     mark_stopping,
     post_change,
@@ -431,7 +432,8 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
     local = len(nodes.ranks)
     proc = WARM_AGENTS.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
                                               run_id=cfg.job_id or None, forked=forks_workers(cfg)),
-                             worker_env({FIRST_RANK_ENV: str(nodes.ranks[0])}, endpoint=js.endpoint,
+                             worker_env({FIRST_RANK_ENV: str(nodes.ranks[0]), JOB_SECRET_ENV: job_secret()},
+                                        endpoint=js.endpoint,
                                         node=nodes.node_rank, managed=True))
     tracker = ProcessTracker(proc.pid)
     watch.aggregator.owns = descends_from(proc.pid)

@@ -54,6 +54,7 @@ RUNTIME_ENV = frozenset({
     "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
     "RESIHP_GPU_OFFSET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
     "RESIHP_KEEPER_OWNER",  # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
+    "RESIHP_JOB_SECRET",  # records.JOB_SECRET_ENV: the job's secret, made at launch
 })
 # warm_server first: the server dies with this process from then on. resihp.cli: each forked child
 # runs the launcher's main module again as ``__mp_main__`` (multiprocessing's rule for its spawn and

@@ -1,0 +1,230 @@
+"""What a job reads from its store is input: garbage, truncated, oversized and hostile values in
+every key family are dropped with one warning per key, never a traceback or a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resihp.detect.heartbeat import (
+    HeartbeatMonitor,
+    NodeAggregator,
+    node_key,
+    rank_key,
+    start_local_store,
+)
+from resihp.detect.records import JOB_SECRET_ENV, MAX_RECORD_BYTES, RECORDS, sign
+from resihp.errors import InputError
+from resihp.runtime import controlplane as cp
+
+BAD = {
+    "garbage": b"{not json",
+    "truncated": b'{"c": 3, "pid": 12, "step": 1, "pha',
+    "oversized": b'"' + b"x" * (MAX_RECORD_BYTES + 8) + b'"',
+    "hostile": json.dumps({"c": True, "pid": -1, "step": "0; rm -rf /", "phase": ["train"],
+                           "ops": 1e308, "wait": None, "beat": {}, "ranks": [1],
+                           "attempt": "9", "relaunch": 1, "rank": [0], "why": 3,
+                           "exitcode": "x", "ids": "x", "kind": "crash"}).encode(),
+    "binary": bytes(range(256)),
+}
+JOB = "trust"
+
+
+@pytest.fixture
+def store():
+    s, _ = start_local_store()
+    yield s
+
+
+@pytest.fixture(autouse=True)
+def fresh_records():
+    RECORDS.warned.clear()
+    yield
+
+
+def _put(store, key: str, raw: bytes, append: bool = False) -> None:
+    """``raw`` at ``key``, in appends the store takes (it refuses a message over 8 MiB)."""
+    if not append:
+        store.delete_key(key)
+    for i in range(0, max(1, len(raw)), 6 << 20):
+        store.append(key, raw[i:i + (6 << 20)])
+
+
+def _dropped(caplog, key: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"store key {key}:")]
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_every_reader_drops_a_bad_record_with_one_warning_per_key(store, caplog, kind):
+    raw = BAD[kind]
+    pre = cp.prefix_of(JOB)
+    hb = cp.heartbeat_prefix(JOB)
+    caplog.set_level(logging.WARNING, "resihp.store")
+    # heartbeats: a rank's beat, read by its node's aggregator
+    _put(store, rank_key(hb, 0, 0), raw)
+    agg = NodeAggregator(store, 0, [0], prefix=hb, check_pids=False)
+    for _ in range(3):
+        assert agg.snapshot()["0"]["seen"] is False
+    # node aggregates, read by the monitor
+    _put(store, node_key(hb, 0), raw)
+    monitor = HeartbeatMonitor(store, {0: [0]}, prefix=hb)
+    for _ in range(3):
+        assert monitor.poll() == [] and monitor.views[0].seen is False
+    # op records: a bad line beside a good one, and a bad first step
+    reader = cp.StepReader(store, JOB, {0: [0]}, owner=True)
+    _put(store, f"{pre}/ops/first", raw)
+    assert reader.complete_steps() == [] and reader.next_step is None
+    store.set(f"{pre}/ops/first", "0")
+    good = cp.encode_rows([{"step": 0, "rank": 0, "dp_rank": 0, "stage": 0, "tp_rank": 0, "start_ts": 1.0,
+                            "duration": 0.5, "optype": "forward", "mb_id": 0, "seq_lens": [4]}])
+    _put(store, f"{pre}/ops/n0/s0", raw.replace(b"\n", b" ") + b"\n" + good + b"\n")
+    steps = reader.complete_steps()
+    assert [s.step for s in steps] == [0] and steps[0].rows[0]["optype"] == "forward"
+    # plan changes, read by rank 0
+    _put(store, cp.plan_key(JOB), raw)
+    inbox = cp.PlanInbox(store, JOB, [])
+    assert inbox.poll(0) is None and inbox.poll(1) is None
+    # workers' errors: the good line kept
+    _put(store, f"{pre}/errors", raw.replace(b"\n", b" ") + b"\n")
+    cp.report_error(store, JOB, 1, "stop", "a real one")
+    assert cp.read_errors(store, JOB) == [{"rank": 1, "kind": "stop", "message": "a real one"}]
+    # replica orders, stacks requests, first failures, attempts, reasons
+    for key in ("replica/0/order", "stacks/0", "first-failure/0", "replica/0/launched", "ended", "stopping"):
+        _put(store, f"{pre}/{key}", raw)
+    assert cp.replica_order(store, JOB, 0) is None
+    assert cp.stacks_asked(store, JOB, 0) is None
+    assert cp.first_failure(store, JOB, 0) is None
+    assert cp.replica_attempt(store, JOB, 0, "launched") is None
+    assert "\n" not in cp.stopping(store, JOB) and len(cp.stopping(store, JOB)) <= 1000
+    # the job's announcement: the job cannot go on without it, so one line (InputError, exit 2)
+    _put(store, cp.JOB_KEY, raw)
+    with pytest.raises(InputError, match=f"store key {cp.JOB_KEY}: expected the job's announcement"):
+        cp.read_job(store, timeout_s=0.3, poll_s=0.1)
+    keys = [rank_key(hb, 0, 0), node_key(hb, 0), f"{pre}/ops/first", f"{pre}/ops/n0/s0", cp.plan_key(JOB),
+            f"{pre}/errors", f"{pre}/replica/0/order", f"{pre}/stacks/0", f"{pre}/first-failure/0",
+            f"{pre}/replica/0/launched", cp.JOB_KEY]
+    for key in keys:
+        lines = _dropped(caplog, key)
+        assert len(lines) == 1, (key, lines)
+        assert "\n" not in lines[0] and len(lines[0]) < 400
+
+
+def test_a_foreign_op_record_is_dropped_and_the_step_still_completes(store, caplog):
+    caplog.set_level(logging.WARNING, "resihp.store")
+    pre = cp.prefix_of(JOB)
+    store.set(f"{pre}/ops/first", "0")
+    row = {"step": 0, "rank": 0, "dp_rank": 0, "stage": 0, "tp_rank": 0, "start_ts": 1.0, "duration": 0.5,
+           "optype": "forward", "mb_id": 0, "seq_lens": [4], "loss": 2.5}
+    forged = cp.encode_rows([{**row, "loss": 99.0, "rank": 7}])  # a rank this node does not have
+    early = cp.encode_rows([{**row, "loss": 99.0, "step": 3}])  # another step's, under this one
+    store.append(f"{pre}/ops/n0/s0", forged + b"\n" + early + b"\n" + cp.encode_rows([row]) + b"\n")
+    steps = cp.StepReader(store, JOB, {0: [0]}, owner=True).complete_steps()
+    assert [r["loss"] for r in steps[0].rows] == [2.5]
+    assert len(_dropped(caplog, f"{pre}/ops/n0/s0")) == 1
+
+
+def test_a_job_announcement_that_is_well_formed_after_a_bad_one_is_read(store):
+    store.set(cp.JOB_KEY, b"{bad")
+    cp.announce_job(store, JOB, {}, 1, 2)
+    assert cp.read_job(store, timeout_s=1.0)["job_id"] == JOB
+
+
+# --- a running job ------------------------------------------------------------------------------
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64", "--vocab", "128",
+         "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",
+         "--no-live", "--timeout", "30", "--heartbeat-timeout", "10", "--recovery", "none"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+STEPS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(out, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", str(STEPS),
+                             "--seed", "3", "--out", str(out), "--json", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _poison(port: int, until_s: float) -> list[str]:
+    """Write bad values into every key family of the job on ``port`` while it runs."""
+    store = cp.connect_store("127.0.0.1", port, timeout_s=30)
+    end = time.monotonic() + 60
+    while not store.check([cp.JOB_KEY]):
+        assert time.monotonic() < end, "the job never announced itself"
+        time.sleep(0.1)
+    job = json.loads(store.get(cp.JOB_KEY))["job_id"]
+    pre, hb = cp.prefix_of(job), cp.heartbeat_prefix(job)
+    keys = [rank_key(hb, 0, 1), node_key(hb, 0), cp.plan_key(job), f"{pre}/stacks/0",
+            f"{pre}/first-failure/0"]
+    _put(store, f"{pre}/errors", BAD["oversized"] + b"\n", append=True)
+    values = [v for k, v in BAD.items() if k != "oversized"]
+    stop = time.monotonic() + until_s
+    i = 0
+    while time.monotonic() < stop:
+        raw = values[i % len(values)]
+        for key in keys:
+            store.set(key, raw)
+        line = raw.replace(b"\n", b" ") + b"\n"
+        store.append(f"{pre}/errors", line)
+        for step in range(STEPS):
+            store.append(f"{pre}/ops/n0/s{step}", line)
+        i += 1
+        time.sleep(0.05)
+    return keys
+
+
+@pytest.mark.slow
+def test_a_running_job_poisoned_in_every_key_trains_the_same_losses(tmp_path):
+    clean = tmp_path / "clean"
+    proc = _run(clean, _free_port())
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    clean_losses = json.loads(out)["losses"]
+    assert len(clean_losses) == STEPS
+    port = _free_port()
+    proc = _run(tmp_path / "poisoned", port)
+    try:
+        keys = _poison(port, until_s=8.0)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    assert json.loads(out)["losses"] == clean_losses
+    dropped = [line for line in err.splitlines() if "record dropped" in line]
+    for key in keys[:2]:  # the heartbeat keys this launcher reads: each warned about once
+        assert sum(f"store key {key}:" in line for line in dropped) == 1, (key, dropped)
+
+
+def test_a_plan_change_is_taken_only_with_the_jobs_signature(store, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, "resihp.store")
+    monkeypatch.setenv(JOB_SECRET_ENV, "a" * 64)
+    inbox = cp.PlanInbox(store, JOB, [])
+    forged = {"id": "x", "version": 9, "dp_weights": [1.0, 0.0]}
+    store.set(cp.plan_key(JOB), json.dumps(forged))  # unsigned
+    assert inbox.poll(0) is None
+    store.set(cp.plan_key(JOB), json.dumps(sign(forged, "b" * 64)))  # another secret's
+    assert inbox.poll(1) is None
+    signed = sign(forged, "a" * 64)
+    store.set(cp.plan_key(JOB), json.dumps({**signed, "dp_weights": [0.0, 1.0]}))  # altered after signing
+    assert inbox.poll(2) is None
+    lines = _dropped(caplog, cp.plan_key(JOB))
+    assert len(lines) == 1 and "refused: not signed with the job's secret" in lines[0]
+    cp.post_change(store, JOB, forged)  # the job's own launcher signs with the job's secret
+    assert inbox.poll(3) == forged
+    # a process without the secret takes no posted change at all
+    monkeypatch.delenv(JOB_SECRET_ENV)
+    assert cp.PlanInbox(store, JOB, []).poll(4) is None
