@@ -16,6 +16,7 @@ import pytest
 from resihp.detect.heartbeat import (
     HeartbeatMonitor,
     NodeAggregator,
+    connect_store,
     node_key,
     rank_key,
     start_local_store,
@@ -141,7 +142,7 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64"
          "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",
          "--no-live", "--timeout", "30", "--heartbeat-timeout", "10", "--recovery", "none"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-STEPS = 8
+STEPS = 30
 
 
 def _free_port() -> int:
@@ -156,9 +157,9 @@ def _run(out, port: int) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
-def _poison(port: int, until_s: float) -> list[str]:
+def _poison(port: int, until_s: float, job_proc: subprocess.Popen) -> list[str]:
     """Write bad values into every key family of the job on ``port`` while it runs."""
-    store = cp.connect_store("127.0.0.1", port, timeout_s=30)
+    store = connect_store("127.0.0.1", port, timeout_s=30)
     end = time.monotonic() + 60
     while not store.check([cp.JOB_KEY]):
         assert time.monotonic() < end, "the job never announced itself"
@@ -171,16 +172,20 @@ def _poison(port: int, until_s: float) -> list[str]:
     values = [v for k, v in BAD.items() if k != "oversized"]
     stop = time.monotonic() + until_s
     i = 0
-    while time.monotonic() < stop:
+    while time.monotonic() < stop and job_proc.poll() is None:
         raw = values[i % len(values)]
-        for key in keys:
-            store.set(key, raw)
-        line = raw.replace(b"\n", b" ") + b"\n"
-        store.append(f"{pre}/errors", line)
-        for step in range(STEPS):
-            store.append(f"{pre}/ops/n0/s{step}", line)
+        try:
+            for key in keys:
+                store.set(key, raw)
+            line = raw.replace(b"\n", b" ") + b"\n"
+            store.append(f"{pre}/errors", line)
+            for step in range(STEPS):
+                store.append(f"{pre}/ops/n0/s{step}", line)
+        except RuntimeError:  # DistNetworkError: the job ended and its store with it
+            break
         i += 1
         time.sleep(0.05)
+    assert i > 10, "the job ended before it was poisoned"
     return keys
 
 
@@ -195,7 +200,7 @@ def test_a_running_job_poisoned_in_every_key_trains_the_same_losses(tmp_path):
     port = _free_port()
     proc = _run(tmp_path / "poisoned", port)
     try:
-        keys = _poison(port, until_s=8.0)
+        keys = _poison(port, until_s=8.0, job_proc=proc)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
