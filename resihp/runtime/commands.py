@@ -95,6 +95,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
     check_attention(cfg.model.attention, "cuda" if gpus else "cpu")
     with RunFolder(out).acquire(if_busy) as folder:
         out = folder.out
+        folder.retire_previous()
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
         folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
         loop = LiveLoop(cfg) if live and node_rank == 0 else None
@@ -427,7 +428,7 @@ def _summary(cfg, outcome) -> dict:
 
     out = Path(cfg.out)
     summary_path = out / "summary.json"
-    if outcome.returncode != 0 or not summary_path.exists():
+    if outcome.returncode != 0 or _summary_job(summary_path) != cfg.job_id:
         try:
             summary = write_job_files(cfg, out)
         except InputError:  # no rank recorded a single op
@@ -438,6 +439,15 @@ def _summary(cfg, outcome) -> dict:
         _write_summary(out, summary)
         return summary
     return json.loads(summary_path.read_text())
+
+
+def _summary_job(path: Path) -> str | None:
+    """The job id a summary file names (None: none there, or not a summary)."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary.get("job_id") if isinstance(summary, dict) else None
 
 
 def _follow_relaunches(cfg, outcome, nodes, reformed: bool, attempts: int = RESTARTS):

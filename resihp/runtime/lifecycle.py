@@ -34,6 +34,12 @@ from resihp.paths import write_text_atomic
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".resihp.lock"
 RUN_FILE = "run.json"
+PREVIOUS = "previous"
+# what one job writes into its run folder (checkpoints aside): a later job in the folder moves them
+JOB_OUTPUTS = ("summary.json", "ops.jsonl", "ops.parquet", "job.yaml", "config.json",
+               "plan_changes.json", "resume.json", "restore.json", "controlplane.json", "live.json",
+               "timeline.png", "card.json", "logs", "ranks", "tensorboard", "profiles", "restart",
+               "restart-*")
 
 
 # --- a run folder belongs to one job ---------------------------------------------------------------
@@ -74,6 +80,27 @@ class RunFolder:
         os.pwrite(fd, f"job {self.job_id} (pid {os.getpid()})".encode(), 0)
         self._fd = fd
         return self
+
+    def retire_previous(self) -> Path | None:
+        """Move the outputs of the job that used this folder before (its summary, trace, logs,
+        restarts) into ``OUT/previous/<its job id>/``, so that none is read back as this job's;
+        its checkpoints stay (each names its job; ``--resume OUT`` takes them). Where they went,
+        or None when there were none."""
+        outputs = [p for name in JOB_OUTPUTS for p in sorted(self.out.glob(name))]
+        if not outputs:
+            return None
+        try:
+            old = json.loads((self.out / RUN_FILE).read_text()).get("job_id")
+        except (OSError, ValueError, AttributeError):
+            old = None
+        name = str(old) if old and str(old).replace("-", "").isalnum() else f"unknown-{self.job_id}"
+        dest = self.out / PREVIOUS / name
+        if dest.exists():
+            dest = dest.with_name(f"{name}-{self.job_id}")
+        dest.mkdir(parents=True)
+        for path in outputs:
+            os.replace(path, dest / path.name)
+        return dest
 
     def record(self, **fields: object) -> None:
         self.info.update({"job_id": self.job_id, "pid": os.getpid(), **fields})

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from resihp.ckpt.integrity import safe_reader
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import ADAM_KEYS, DecoderBlock, GPTStage
 from resihp.model.tensor_parallel import TPContext
@@ -166,7 +167,7 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
         if dist.get_rank() == 0:
             written = sum(p.stat().st_size for p in Path(directory).iterdir())
         dcp.load({k: new[k] for k in wanted},
-                 storage_reader=counting_reader(dcp.FileSystemReader(directory), read))
+                 storage_reader=counting_reader(safe_reader(directory), read))
     del old
     totals = torch.tensor([written, read[0], minimum], dtype=torch.float64)
     dist.all_reduce(totals, group=control_group)  # also: every rank has read before the folder goes

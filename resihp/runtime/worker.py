@@ -117,7 +117,7 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
                device=this_device("cuda" if cfg.device == "cuda" or (
                    cfg.device == "auto" and torch.cuda.is_available()) else "cpu", cfg.threads))
     per_step = step_table(trace, complete_only=not cfg.faults.recovery.startswith("replica"))
-    summary = {"steps": int(per_step.shape[0]), "world_size": dims.world_size,
+    summary = {"job_id": cfg.job_id, "steps": int(per_step.shape[0]), "world_size": dims.world_size,
                "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.parallel.schedule,
                "injected": [f.to_dict() for f in cfg.fault_list()],
                "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()) if len(per_step) else None,
