@@ -43,6 +43,7 @@ def plan_predictor(which: str, cluster, where: str) -> tuple[Path, str | None]:
         CALIBRATE_HINT,
         card_device,
         device_matches,
+        find_for_device,
         find_matching,
         installed_models,
         resolve_model,
@@ -55,7 +56,9 @@ def plan_predictor(which: str, cluster, where: str) -> tuple[Path, str | None]:
                       f"predictor {path.name}, measured on {card_device(path)!r}, prices them as "
                       "that device")
     if which == "auto":
-        path = find_matching(wanted)
+        here = this_device()  # this machine's own predictor first, where it is of that kind
+        path = (find_for_device(here) if device_matches(here, wanted) else None) or find_matching(
+            wanted)
         if path is None:
             have = sorted({m.device for m in installed_models()})
             raise InputError(f"{where}: no predictor measured on its devices ({wanted!r}, "
