@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resihp.control import Action, ControlConfig, Controller
+from resihp.control import ControlAction, ControlConfig, Controller
 from resihp.detect.config import DetectorConfig
 from resihp.replay.policies import Resihp
 from resihp.runtime.config import RunConfig
@@ -25,8 +25,8 @@ def test_live_and_replay_decide_by_the_same_controller_and_thresholds():
 def test_a_new_finding_re_plans_and_a_re_report_within_the_revise_factor_does_not():
     c = Controller()
     first = c.found_slow(3, 2.0, step=10)
-    assert first.action is Action.REPLAN and c.slowdown(3) == 2.0
-    assert c.found_slow(3, 2.3, step=20).action is Action.KEEP and c.slowdown(3) == 2.0
+    assert first.action is ControlAction.REPLAN and c.slowdown(3) == 2.0
+    assert c.found_slow(3, 2.3, step=20).action is ControlAction.KEEP and c.slowdown(3) == 2.0
     moved = c.found_slow(3, 2.6, step=30)
     assert moved.replan and moved.reason == "re-priced" and c.slowdown(3) == 2.6
     assert c.found_recovered(3).replan and c.slowdown(3) == 1.0
@@ -37,7 +37,7 @@ def test_a_re_pricing_waits_out_the_hold_so_shares_do_not_flip():
     c = Controller(ControlConfig(hold_steps=3))
     c.found_slow(1, 2.0, step=10)
     assert c.found_slow(1, 3.0, step=11).reason == "re-priced too recently"
-    assert c.found_slow(1, 3.0, step=12).action is Action.KEEP
+    assert c.found_slow(1, 3.0, step=12).action is ControlAction.KEEP
     assert c.found_slow(1, 3.0, step=13).replan  # the hold is over
     assert c.found_recovered(1).replan  # a recovery is never held
 
@@ -52,7 +52,7 @@ def test_a_benched_device_is_probed_with_backoff_and_taken_back_when_healthy():
     assert c.due_probes(100.0, used | {5}, set()) == []  # in the plan: the detector watches it
     assert c.due_probes(100.0, used, {5}) == []  # dead: nothing to probe
     still = c.probed(5, 1 / 45.0, time_s=100.0)
-    assert still.action is Action.KEEP and c.recheck_after(5) == 200.0
+    assert still.action is ControlAction.KEEP and c.recheck_after(5) == 200.0
     c.probed(5, 1 / 45.0, time_s=300.0)
     c.probed(5, 1 / 45.0, time_s=700.0)
     assert c.recheck_after(5) == 400.0  # capped at 2 ** max_backoff
@@ -76,10 +76,10 @@ def test_a_device_found_slow_again_soon_after_its_return_waits_longer():
 def test_a_slow_link_is_priced_probed_when_out_of_use_and_dropped_when_healthy():
     c = Controller(ControlConfig(link_recheck_s=60.0))
     assert c.found_link((4, 2), 5.0, step=3, time_s=10.0).link == (2, 4)
-    assert c.found_link([2, 4], 5.5, step=9).action is Action.KEEP
+    assert c.found_link([2, 4], 5.5, step=9).action is ControlAction.KEEP
     assert c.due_link_probes(69.0, {0, 1, 2, 3, 4}) == []  # both ends in use: watched in training
     assert c.due_link_probes(69.0, {0, 1, 2}) == [] and c.due_link_probes(70.0, {0, 1, 2}) == [(2, 4)]
-    assert c.probed_link((2, 4), 0.21, time_s=70.0).action is Action.KEEP
+    assert c.probed_link((2, 4), 0.21, time_s=70.0).action is ControlAction.KEEP
     assert c.probed_link((2, 4), 0.95, time_s=130.0).replan and c.links == {}
     c.found_link((2, 4), 5.0, step=20)
     assert c.link_recovered((4, 2)).replan and not c.link_recovered((4, 2)).replan

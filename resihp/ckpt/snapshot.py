@@ -97,18 +97,29 @@ class Snapshotter:
         self._hook = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.fence())
         self._hooked = optimizer
 
-    def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 layout: dict, persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None) -> None:
-        """Start copying this rank's state after step ``step`` into the free slot. ``persist``:
-        given the tensors copied, the request for the keeper to write them to disk
-        (``resihp.ckpt.persist.PersistRequest`` as a dict), or None."""
+    def snapshot(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
+                 layout: dict, persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None,
+                 tensors: list[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Start copying this rank's state after step ``step`` into the free slot.
+
+        Args:
+            step: the step just finished.
+            model: the model whose parameters and AdamW state are copied (with ``optimizer``),
+                unless ``tensors`` names what to copy.
+            optimizer: the optimizer whose next step waits for the copy.
+            layout: what the slot's state is laid out as (restored only into the same).
+            persist: given the tensors copied, the request for the keeper to write them to disk
+                (``resihp.ckpt.persist.PersistRequest`` as a dict), or None.
+            tensors: the (key, tensor) pairs to copy in place of the model's and optimizer's.
+        """
         t0 = time.perf_counter()
         self.fence()
         self.attach(optimizer)
         slot = self._next
         with self.held():
             self.held_s.append(self.tier.begin_write(slot, self.timeout_s, self.keeper_alive))
-        tensors = state_tensors(model, optimizer)
+        if tensors is None:
+            tensors = state_tensors(model, optimizer)
         shards, nbytes = plan_shards(tensors)
         buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
         header = SlotHeader(self.tier.rank, slot, step, layout, shards, nbytes, holder=self.tier.rank,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 Link = tuple[int, int]
 
 
-class Action(enum.Enum):
+class ControlAction(enum.Enum):
     """What the caller does about a decision."""
 
     REPLAN = "replan"  # plan again with the controller's believed speeds and links
@@ -57,10 +57,10 @@ class ControlConfig:
 
 
 @dataclass(frozen=True)
-class Decision:
+class ControlDecision:
     """One decision: its action, why, and the device or link it is about."""
 
-    action: Action
+    action: ControlAction
     reason: str
     device: int | None = None
     link: Link | None = None
@@ -68,7 +68,7 @@ class Decision:
 
     @property
     def replan(self) -> bool:
-        return self.action is Action.REPLAN
+        return self.action is ControlAction.REPLAN
 
 
 @dataclass
@@ -99,18 +99,18 @@ class Controller:
         return {d: 1.0 / max(s, 1e-9) for d, s in self.speeds.items() if s < 1.0}
 
     # -- findings --------------------------------------------------------------------------
-    def found_slow(self, device: int, slowdown: float, step: int, time_s: float = 0.0) -> Decision:
+    def found_slow(self, device: int, slowdown: float, step: int, time_s: float = 0.0) -> ControlDecision:
         """A detector (or the caller's own measure) puts ``device`` at ``slowdown``."""
         slowdown = max(float(slowdown), 1.0)
         old = self.slowdown(device)
         if old > 1.0:
             if not self.config.moved(old, slowdown):
-                return Decision(Action.KEEP, "priced within the revise factor", device,
+                return ControlDecision(ControlAction.KEEP, "priced within the revise factor", device,
                                 slowdown=old)
             if self._held(device, step):
-                return Decision(Action.KEEP, "re-priced too recently", device, slowdown=old)
+                return ControlDecision(ControlAction.KEEP, "re-priced too recently", device, slowdown=old)
         elif slowdown <= 1.0:
-            return Decision(Action.KEEP, "at speed", device)
+            return ControlDecision(ControlAction.KEEP, "at speed", device)
         elif time_s - self._returned_at.get(device, -math.inf) <= self._longest_recheck():
             # found slow again soon after it was taken back: wait longer before the next probe
             self._backoff[device] = self._backoff.get(device, 0) + 1
@@ -121,82 +121,82 @@ class Controller:
         self.speeds[device] = 1.0 / slowdown
         self._benched_at[device] = time_s
         self._priced_step[device] = step
-        return Decision(Action.REPLAN, "slow" if old <= 1.0 else "re-priced", device,
+        return ControlDecision(ControlAction.REPLAN, "slow" if old <= 1.0 else "re-priced", device,
                         slowdown=slowdown)
 
-    def found_recovered(self, device: int) -> Decision:
+    def found_recovered(self, device: int) -> ControlDecision:
         """The device's slowdown is over: at speed again."""
         if self.slowdown(device) <= 1.0:
-            return Decision(Action.KEEP, "not believed slow", device)
+            return ControlDecision(ControlAction.KEEP, "not believed slow", device)
         self.speeds[device] = 1.0
         self._priced_step.pop(device, None)
-        return Decision(Action.REPLAN, "recovered", device)
+        return ControlDecision(ControlAction.REPLAN, "recovered", device)
 
     def found_link(self, ends: Iterable[int], slowdown: float, step: int,
-                   time_s: float = 0.0) -> Decision:
+                   time_s: float = 0.0) -> ControlDecision:
         """A detector puts the link between ``ends`` at ``slowdown`` of its bandwidth."""
         link = _link(ends)
         slowdown = max(float(slowdown), 1.0)
         old = self.links.get(link)
         if old is not None:
             if not self.config.moved(old, slowdown):
-                return Decision(Action.KEEP, "priced within the revise factor", link=link,
+                return ControlDecision(ControlAction.KEEP, "priced within the revise factor", link=link,
                                 slowdown=old)
             if self._held(link, step):
-                return Decision(Action.KEEP, "re-priced too recently", link=link, slowdown=old)
+                return ControlDecision(ControlAction.KEEP, "re-priced too recently", link=link, slowdown=old)
         self.links[link] = slowdown
         self._link_at[link] = time_s
         self._priced_step[link] = step
-        return Decision(Action.REPLAN, "slow link" if old is None else "re-priced", link=link,
+        return ControlDecision(ControlAction.REPLAN, "slow link" if old is None else "re-priced", link=link,
                         slowdown=slowdown)
 
-    def link_recovered(self, ends: Iterable[int]) -> Decision:
+    def link_recovered(self, ends: Iterable[int]) -> ControlDecision:
         """The link's slowdown is over."""
         link = _link(ends)
         if self.links.pop(link, None) is None:
-            return Decision(Action.KEEP, "not believed slow", link=link)
+            return ControlDecision(ControlAction.KEEP, "not believed slow", link=link)
         self._priced_step.pop(link, None)
-        return Decision(Action.REPLAN, "link recovered", link=link)
+        return ControlDecision(ControlAction.REPLAN, "link recovered", link=link)
 
-    def stopped(self, devices: Iterable[int]) -> Decision:
+    def stopped(self, devices: Iterable[int]) -> ControlDecision:
         """Devices are dead: no longer believed slow; the plan goes around them."""
         for d in devices:
             self.speeds.pop(d, None)
             self._priced_step.pop(d, None)
-        return Decision(Action.REPLAN, "fail-stop")
+        return ControlDecision(ControlAction.REPLAN, "fail-stop")
 
     # -- probes of what the plan leaves out -----------------------------------------------
-    def probed(self, device: int, speed: float, time_s: float = 0.0) -> Decision:
+    def probed(self, device: int, speed: float, time_s: float = 0.0) -> ControlDecision:
         """A benched device's probe ran at ``speed`` of its reference (1.0: healthy)."""
         if self.slowdown(device) <= 1.0:
-            return Decision(Action.KEEP, "not believed slow", device)
+            return ControlDecision(ControlAction.KEEP, "not believed slow", device)
         self._benched_at[device] = time_s
         if speed >= self.config.healthy:
             self.speeds[device] = 1.0
             self._returned_at[device] = time_s
             self._priced_step.pop(device, None)
-            return Decision(Action.REPLAN, "healthy at its probe", device)
+            return ControlDecision(ControlAction.REPLAN, "healthy at its probe", device)
         self._backoff[device] = self._backoff.get(device, 0) + 1
         slowdown, old = 1.0 / max(speed, 1e-6), self.slowdown(device)
         if not self.config.moved(old, slowdown):
-            return Decision(Action.KEEP, "still slow", device, slowdown=old)
+            return ControlDecision(ControlAction.KEEP, "still slow", device, slowdown=old)
         self.speeds[device] = 1.0 / slowdown
-        return Decision(Action.REPLAN, "still slow, re-priced", device, slowdown=slowdown)
+        return ControlDecision(ControlAction.REPLAN, "still slow, re-priced", device, slowdown=slowdown)
 
-    def probed_link(self, ends: Iterable[int], speed: float, time_s: float = 0.0) -> Decision:
+    def probed_link(self, ends: Iterable[int], speed: float, time_s: float = 0.0) -> ControlDecision:
         """A slow link out of use measured ``speed`` of its bandwidth."""
         link = _link(ends)
         if link not in self.links:
-            return Decision(Action.KEEP, "not believed slow", link=link)
+            return ControlDecision(ControlAction.KEEP, "not believed slow", link=link)
         self._link_at[link] = time_s
         if speed >= self.config.healthy:
             del self.links[link]
-            return Decision(Action.REPLAN, "link healthy at its probe", link=link)
+            return ControlDecision(ControlAction.REPLAN, "link healthy at its probe", link=link)
         slowdown = 1.0 / max(speed, 1e-6)
         if not self.config.moved(self.links[link], slowdown):
-            return Decision(Action.KEEP, "link still slow", link=link, slowdown=self.links[link])
+            return ControlDecision(ControlAction.KEEP, "link still slow", link=link, slowdown=self.links[link])
         self.links[link] = slowdown
-        return Decision(Action.REPLAN, "link still slow, re-priced", link=link, slowdown=slowdown)
+        return ControlDecision(ControlAction.REPLAN, "link still slow, re-priced", link=link, slowdown=slowdown)
 
     def recheck_after(self, device: int) -> float:
         """Seconds a benched device waits from its last probe (or finding) to its next."""

@@ -1,0 +1,204 @@
+"""In-memory snapshots of a user's own training state, and the restore after a restart.
+
+``Snapshots`` wraps what the user hands it (a model, an optimizer, an LR scheduler, a data
+loader's state, anything with ``state_dict``/``load_state_dict``) and, every ``every`` steps,
+copies its tensors into the node's memory tier (``/dev/shm``, the same tier and keeper as
+``resihp run``) off the training path: the copy runs in a thread while the next forward and
+backward run, and the next optimizer step waits for it. The keeper checksums and publishes each
+slot and outlives the trainer, so a rank killed and restarted by torchrun finds its state in
+memory. ``restore`` (collective) loads the newest step every rank holds, verified, or falls back
+to the user's disk checkpoint (``dcp_dir``, written by ``torch.distributed.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from resihp.ckpt.keeper import ensure_keeper
+from resihp.ckpt.memory import MemoryTier, SlotHeader, plan_shards, tier_dir
+from resihp.ckpt.snapshot import Snapshotter
+from resihp.errors import InputError
+from resihp.train.state import RNG, flatten, like, state_dict_of, unflatten
+
+KEEPER_OWNER = "RESIHP_KEEPER_OWNER"  # the process that owns a node's keeper (default: the parent)
+FORMAT = "resihp-user-state/1"
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    """Where a restore found the state: the step it holds and its source."""
+
+    step: int  # the snapshot's step: training goes on at step + 1
+    source: str  # "memory" or "disk"
+    seconds: float
+
+
+class Snapshots:
+    """Snapshots of the user's training state every ``every`` steps, and their restore.
+
+    Args:
+        state: name -> Stateful (module, optimizer, scheduler, data loader) or plain state dict;
+            the random generators are added as ``rng`` unless ``rng=False``.
+        every: take a snapshot after every ``every``-th step (1: each step).
+        job_id: the job's id (default: torchrun's ``TORCHELASTIC_RUN_ID``).
+        node: this node's index (default: torchrun's ``GROUP_RANK``).
+        group: the process group restore agrees over (default: the world; a gloo group for NCCL jobs).
+        dcp_dir: a folder of DCP checkpoints (``stepN``) to fall back on and to write with ``save``.
+        timeout_s: how long a snapshot waits for the keeper.
+    """
+
+    def __init__(self, state: Mapping[str, Any], every: int = 1, *, job_id: str | None = None,
+                 node: int | None = None, group: dist.ProcessGroup | None = None,
+                 dcp_dir: str | os.PathLike | None = None, rng: bool = True,
+                 timeout_s: float = 60.0) -> None:
+        if every < 1:
+            raise InputError(f"Snapshots: every must be >= 1 (steps between snapshots), got {every}")
+        self.state = dict(state)
+        if rng:
+            self.state.setdefault("rng", RNG())
+        self.every, self.group, self.timeout_s = every, group, timeout_s
+        self.dcp_dir = Path(dcp_dir) if dcp_dir is not None else None
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        job = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+        node = int(os.environ.get("GROUP_RANK", "0")) if node is None else node
+        self.dir = tier_dir(_safe(job), node)
+        self.tier = MemoryTier(self.dir, self.rank)
+        owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
+        ensure_keeper(self.dir, owner)
+        self._keep = lambda: ensure_keeper(self.dir, owner)  # noqa: E731 - restarted if it died
+        self._snapshotter = self._new_snapshotter()
+        for extra in self._optimizers()[1:]:  # every optimizer's step waits for the copy
+            extra.register_step_pre_hook(lambda *_: self._snapshotter.fence())
+        self._capacity_checked = False
+        self.blocked_s: list[float] = []
+
+    def _new_snapshotter(self) -> Snapshotter:
+        return Snapshotter(self.tier, self.every, None, self._keep, self.timeout_s)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [v for v in self.state.values() if isinstance(v, torch.optim.Optimizer)]
+
+    def after_step(self, step: int) -> None:
+        """Call after the optimizer step of ``step``: starts the snapshot when one is due."""
+        if (step + 1) % self.every:
+            return
+        t0 = time.perf_counter()
+        tensors, tree = flatten(self.state)
+        if not self._capacity_checked:
+            self.tier.check_capacity(2 * plan_shards(tensors)[1])  # two slots
+            self._capacity_checked = True
+        optimizers = self._optimizers()
+        layout = {"format": FORMAT, "keys": [k for k, _ in tensors], "run": {"tree": tree}}
+        self._snapshotter.snapshot(step, None, optimizers[0] if optimizers else _NoOptimizer(),
+                                   layout, tensors=tensors)
+        self.blocked_s.append(time.perf_counter() - t0)
+
+    def restore(self) -> RestoredState | None:
+        """Collective: load the newest step every rank holds in memory (verified), else the
+        newest DCP checkpoint in ``dcp_dir``; None (every rank alike) when there is neither."""
+        t0 = time.perf_counter()
+        self._snapshotter.fence()
+        mine = {h.step: h for h in self.tier.held()
+                if h.rank == self.rank and h.layout.get("format") == FORMAT and self.tier.verify(h)}
+        steps = self._gather(sorted(mine))
+        common = set(steps[0]).intersection(*steps[1:]) if steps else set()
+        if common:
+            step = max(common)
+            self._load(mine[step])
+            self._discard_after(step)
+            return RestoredState(step, "memory", time.perf_counter() - t0)
+        on_disk = self._newest_on_disk()
+        if on_disk is None:
+            return None
+        step, path = on_disk
+        self.load(path)
+        self._discard_after(step)
+        return RestoredState(step, "disk", time.perf_counter() - t0)
+
+    def save(self, step: int) -> Path:
+        """Collective: a DCP checkpoint of the state after ``step`` in ``dcp_dir``/stepN."""
+        if self.dcp_dir is None:
+            raise InputError("Snapshots.save: no dcp_dir was given")
+        path = self.dcp_dir / f"step{step}"
+        dcp.save(self._dcp_state(), checkpoint_id=str(path))
+        return path
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Collective: load a DCP checkpoint of this state (any DP size or FSDP2 sharding DCP
+        can reshard into) into the objects handed in."""
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path))
+        for name, value in self.state.items():
+            if name in state and hasattr(value, "load_state_dict"):
+                value.load_state_dict(state[name])
+
+    def close(self) -> None:
+        """Finish the snapshot in flight."""
+        self._snapshotter.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _dcp_state(self) -> dict:
+        # the generators are per rank: they are not in the checkpoint, which another layout reads
+        return {k: state_dict_of(v) for k, v in self.state.items() if not isinstance(v, RNG)}
+
+    def _gather(self, steps: list[int]) -> list[list[int]]:
+        if not dist.is_initialized():
+            return [steps]
+        out: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, steps, group=self.group)
+        return out
+
+    def _newest_on_disk(self) -> tuple[int, Path] | None:
+        if self.dcp_dir is None or not self.dcp_dir.is_dir():
+            return None
+        found = [(int(p.name[4:]), p) for p in self.dcp_dir.glob("step*")
+                 if p.name[4:].isdigit() and (p / ".metadata").exists()]
+        return max(found) if found else None
+
+    def _load(self, header: SlotHeader) -> None:
+        data = self.tier.read(header)
+        if data is None:
+            raise RuntimeError(f"memory tier {self.dir}: slot {header.slot} vanished while read")
+        raw = torch.from_numpy(np.array(data))  # a private copy: the slot is reused later
+        saved = {}
+        for shard in header.shards:
+            dtype = getattr(torch, shard.dtype)
+            piece = raw[shard.offset:shard.offset + shard.nbytes]
+            saved[shard.key] = piece.view(dtype).reshape(shard.shape)
+        tree = header.layout["run"]["tree"]
+        current, _ = flatten(self.state)
+        now = dict(current)
+        templates = {k: now.get(k) for k in saved}
+        tensors = {k: like(templates[k], t) if templates[k] is not None else t
+                   for k, t in saved.items()}
+        for name, value in self.state.items():
+            if name in tree and hasattr(value, "load_state_dict"):
+                value.load_state_dict(unflatten(tree[name], tensors))
+
+    def _discard_after(self, step: int) -> None:
+        """Training goes on after ``step``: this rank's snapshots of later steps are unpublished."""
+        for h in self.tier.headers():
+            if h.rank == self.rank and h.step > step:
+                self.tier.header_path(h.slot).unlink(missing_ok=True)
+        self._snapshotter = self._new_snapshotter()
+
+
+class _NoOptimizer(torch.optim.Optimizer):
+    """Stands in where the state has no optimizer: nothing to fence."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(1, requires_grad=True)], {})
+
+
+def _safe(job: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in job)[:64]

@@ -1,0 +1,100 @@
+"""resihp's snapshots in a user's own DDP loop (examples/ddp_resilient.py) under torchrun: a rank
+killed with SIGKILL is restarted by torchrun, restores
+from the memory tier, and the run's per-step losses equal an uninterrupted run's bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resihp.errors import InputError
+from resihp.train import RNG, flatten, unflatten
+from tests.faults import descendants, wait_for
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_resilient.py"
+STEPS = 10
+
+
+def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "2", "--monitor-interval", "0.2", str(EXAMPLE), "--out", str(out),
+         "--steps", str(STEPS), *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _records(out: Path, rank: int) -> list[dict]:
+    path = out / f"losses.rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(out: Path, rank: int) -> dict[int, float]:
+    """Each step's loss, the last one written (a restarted rank writes the steps after its restore)."""
+    return {r["step"]: r["loss"] for r in _records(out, rank) if "step" in r}
+
+
+def _rank_pid(out: Path, rank: int) -> int:
+    starts = [r for r in _records(out, rank) if "pid" in r]
+    return starts[-1]["pid"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, dict[int, float]]:
+    base = tmp_path_factory.mktemp("reference")
+    proc = _torchrun(base / "out", base / "shm")
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    return {r: _losses(base / "out", r) for r in (0, 1)}
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restores_from_memory_with_the_same_losses(tmp_path, reference):
+    out, shm = tmp_path / "out", tmp_path / "shm"
+    proc = _torchrun(out, shm)
+    try:
+        wait_for(lambda: len(_losses(out, 1)) >= 5, 240, "rank 1 to train 5 steps")
+        victim = _rank_pid(out, 1)
+        os.kill(victim, signal.SIGKILL)
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            for pid in descendants(proc.pid) | {proc.pid}:
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, log
+    for rank in (0, 1):
+        starts = [r for r in _records(out, rank) if "start" in r]
+        assert len(starts) == 2 and starts[1]["source"] == "memory" and starts[1]["start"] >= 4
+        assert _losses(out, rank) == reference[rank]  # bit for bit
+    wait_for(lambda: not any(shm.glob("resihp-*")), 30, "the keeper to remove the tier")
+
+
+def test_state_round_trips_through_the_flat_form_with_its_types():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.9))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt, "extra": {"epoch": 3, "ratio": float("inf")},
+             "rng": RNG()}
+    tensors, tree = flatten(state)
+    json.dumps(tree)  # the tree is plain JSON
+    back = unflatten(tree, {k: t.clone() for k, t in tensors})
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)  # a tuple again
+    assert set(back["optimizer"]["state"]) == {0, 1}  # int keys again
+    assert back["extra"] == {"epoch": 3, "ratio": float("inf")}
+    assert torch.equal(back["model"]["weight"], model.weight)
+    opt.load_state_dict(back["optimizer"])
+
+
+def test_state_that_cannot_be_snapshot_is_one_line_naming_its_path():
+    with pytest.raises(InputError, match=r"'extra.when'.*a object cannot be snapshot"):
+        flatten({"extra": {"when": object()}})
+    with pytest.raises(InputError, match=r"'extra'.*key \(1, 2\) is a tuple"):
+        flatten({"extra": {(1, 2): 0}})
