@@ -190,39 +190,14 @@ def read_dcp_metadata(directory: str | Path):
 
     if not isinstance(metadata, Metadata):
         raise InputError(f"{path}: not DCP checkpoint metadata (a {type(metadata).__name__})")
-    _check_items(path, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
 
 
-def _check_items(path: Path, metadata) -> None:
-    """Every item DCP would read is a tensor of a file inside the checkpoint, stored untransformed.
-
-    resihp writes only tensors with DCP (non-tensor state goes to ``meta.json``); DCP loads a
-    non-tensor (bytes) item with an unrestricted ``torch.load``, so a checkpoint naming one is
-    refused before any of its bytes are read."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    for key, entry in (metadata.state_dict_metadata or {}).items():
-        if not isinstance(entry, TensorStorageMetadata):
-            raise InputError(f"{path}: item {key!r}: expected a tensor, got a pickled "
-                             f"{type(entry).__name__} (resihp checkpoints hold tensors only)")
-    for index, info in (metadata.storage_data or {}).items():
-        name = Path(str(getattr(info, "relative_path", "")))
-        if not name.parts or name.is_absolute() or ".." in name.parts:
-            raise InputError(f"{path}: item {getattr(index, 'fqn', index)!r}: storage file "
-                             f"{str(name)!r}: expected a file name inside the checkpoint")
-        if getattr(info, "transform_descriptors", None):
-            raise InputError(f"{path}: item {getattr(index, 'fqn', index)!r}: expected untransformed "
-                             f"storage, got transforms {list(info.transform_descriptors)}")
-
-
 def safe_reader(directory: str | Path):
-    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler and that reads
-    tensors only (each through DCP's ``torch.load(weights_only=True)``)."""
+    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadItemType
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -230,30 +205,7 @@ def safe_reader(directory: str | Path):
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-        def read_data(self, plan, planner):
-            # DCP unpickles a bytes item with torch.load(weights_only=False): never let one through
-            for item in plan.items:
-                if item.type == LoadItemType.BYTE_IO:
-                    raise InputError(f"{directory}: item {item.dest_index.fqn!r}: expected a tensor, "
-                                     "got a pickled object (resihp checkpoints hold tensors only)")
-            return super().read_data(plan, planner)
-
     return SafeReader(str(directory))
-
-
-@contextlib.contextmanager
-def refusals():
-    """A refusal (InputError) raised inside a DCP load, on any rank, as itself rather than DCP's
-    multi-rank traceback."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        yield
-    except CheckpointException as exc:
-        for error, _ in exc.failures.values():
-            if isinstance(error, InputError):
-                raise InputError(str(error)) from None
-        raise
 
 
 # --- choosing a checkpoint ------------------------------------------------------------------------
