@@ -275,7 +275,9 @@ def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full
     assert d2.next.replicas == [0, 1]
     post_change(host, "job", {"id": 7, "dp_weights": [2.0, 1.0]})
     d3 = commit(3, d2)
-    assert d3.plan == {"id": 7, "dp_weights": [2.0, 1.0]} and d3.seen == d2.seen + 1
+    plan = dict(d3.plan)
+    assert plan.pop("sig")  # signed with the job's secret where it was posted
+    assert plan == {"id": 7, "dp_weights": [2.0, 1.0]} and d3.seen == d2.seen + 1
     assert d3.next.replicas == [0]  # the full path saw the hand-written eviction with the post
     d4 = commit(4, d3)
     assert d4.plan == d3.plan and d4.seen == d3.seen  # a fast commit carries the plan in force
