@@ -373,8 +373,9 @@ def test_a_rank_judged_hung_on_this_node_is_killed_outright_one_elsewhere_is_lef
         monitor = SimpleNamespace(views={1: SimpleNamespace(pid=procs[0].pid, node=0, stopped=False),
                                          3: SimpleNamespace(pid=procs[1].pid, node=1, stopped=False),
                                          2: SimpleNamespace(pid=procs[2].pid, node=0, stopped=True)})
+        ours = {proc.pid for proc in procs}  # the processes this "launcher" started
         for rank in (1, 3, 2, 7):  # 7: a rank the monitor has no view of, nothing to do
-            end_hung(monitor, rank, node=0)
+            end_hung(monitor, rank, node=0, owns=ours.__contains__)
         assert procs[0].wait(timeout=10) == -signal.SIGKILL
         time.sleep(0.2)
         assert procs[1].poll() is None and procs[2].poll() is None
