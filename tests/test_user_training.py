@@ -24,6 +24,7 @@ STEPS = 10
 
 def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
+    env.pop("RESIHP_KEEPER_OWNER", None)  # the keeper is torchrun's agent's, as a user's would be
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "--max-restarts", "2", "--monitor-interval", "0.2", str(EXAMPLE), "--out", str(out),
