@@ -1,5 +1,4 @@
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from resihp.perf.logs import read_profile_logs
 from resihp.perf.predictor import LinearBaseline, MicroBatchPredictor
 from resihp.perf.training import evaluate_model, train_predictor
 from resihp.workload.flops import TransformerShape
+from tests.cli_helpers import run_resihp
 
 
 def test_profile_log_has_the_contract_columns(tiny_profile):
@@ -389,20 +389,8 @@ from resihp.perf.registry import device_matches  # noqa: E402
 
 
 def _plan(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``resihp plan ...`` through the command's own entry point: (exit code, stdout, stderr)."""
-    from resihp.cli import main
-
-    saved = sys.argv
-    sys.argv = ["resihp", "plan", *argv]
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = saved
-    out, err = capsys.readouterr()
-    return code, out, err
+    """``resihp plan ...``: (exit code, stdout, stderr)."""
+    return run_resihp(["plan", *argv], capsys)
 
 
 def test_device_names_match_by_kind_and_model():

@@ -9,6 +9,7 @@ from resihp.errors import InputError
 from resihp.paths import TRACES
 from resihp.replay.failures import LLAMA3_DAYS, LLAMA3_GPUS, LLAMA3_INTERRUPTIONS, scenario_events
 from resihp.replay.scenario import load_scenario, parse_duration
+from tests.cli_helpers import run_resihp
 from tests.replay_fixtures import BASE, write
 
 
@@ -153,19 +154,7 @@ def test_a_thousand_year_replay_is_refused_with_the_limit(tmp_path):
 
 # --- the scenario's keys, documented and checked from one list ---------------------------------
 def _resihp(argv: list[str], capsys) -> tuple[int, str, str]:
-    from resihp.cli import main
-
-    saved = sys.argv
-    sys.argv = ["resihp", *argv]
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:
-        sys.argv = saved
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_resihp(argv, capsys)
 
 
 def test_the_key_reference_is_up_to_date(capsys):
