@@ -3,13 +3,14 @@ torchrun, it goes on from memory and trains the same losses as a run that was ne
 
     torchrun --nproc-per-node 2 --max-restarts 2 examples/ddp_resilient.py --out runs/ddp-res
 
-The lines marked ``# resihp`` are all a loop needs (seven of them). Every rank appends its loss per
+The lines marked ``# resihp`` are all a loop needs (eight of them). Every rank appends its loss per
 step to ``OUT/losses.rankR.jsonl``; a restarted rank appends again from the step it restored.
 """
 
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -44,10 +45,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=1, help="steps between snapshots")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds to wait after each step")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    resihp.train.init_process_group("gloo")  # resihp: a restart rejoins on fresh store keys
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     vocab = 256
@@ -78,6 +80,7 @@ def main() -> None:
         snaps.after_step(step)  # resihp
         with log.open("a") as f:
             f.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+        time.sleep(args.pace)  # time to kill a rank by hand and watch it come back
     snaps.close()  # resihp
     dist.destroy_process_group()
 

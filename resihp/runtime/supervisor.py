@@ -670,7 +670,8 @@ def _reason(outcome: Outcome) -> str | None:
                 f"at step {f.extra['step']} (node)")
     if f.extra.get("cause") == "exception":
         return f"rank {f.rank} crashed ({f.extra.get('message')})"
-    return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']})"
+    signal_ = f" by signal {f.extra['signal']}" if "signal" in f.extra else ""
+    return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']}{signal_})"
 
 
 def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, nodes: Nodes) -> None:
@@ -707,7 +708,8 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, node
         outcome.error = stops[0]
     if signalled and outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
             stops or inputs or outcome.ended_by_node0):
-        outcome.failure = fail_stop(cfg.dims(), root[0], None, f"exited (killed by signal {-root[1]})")
+        outcome.failure = fail_stop(cfg.dims(), root[0], None, "exited")
+        outcome.failure.extra["signal"] = -root[1]
     if outcome.error is None and inputs:
         outcome.error = inputs[0]
         outcome.input_error = True

@@ -53,6 +53,7 @@ from resihp.runtime.nodes import FIRST_RANK_ENV
 from resihp.runtime.recorder import merge_streams
 from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
 from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
+from resihp.train.rendezvous import attempt_prefix
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -265,9 +266,8 @@ def run(cfg: RunConfig) -> None:
     if not launched and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         aggregator = NodeAggregator(store, node, nodes[node], prefix=heartbeat_prefix(job_id),
                                     timeout_s=max(3.0, 4 * heart.interval_s)).start()
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        dist.init_process_group(backend, store=dist.PrefixStore(f"resihp/{job_id}/{attempt}", store),
+        dist.init_process_group(backend, store=dist.PrefixStore(attempt_prefix(job_id), store),
                                 rank=rank, world_size=world, timeout=timeout)
     except (RuntimeError, dist.DistError) as exc:
         heart.finish("stopped")
