@@ -77,13 +77,13 @@ def test_a_first_failure_of_a_rank_not_among_those_found_is_not_taken(store):
 def test_a_rank_that_reported_losing_its_peer_is_not_the_one_that_died(store, tmp_path):
     """Node 0's own ranks 2 and 3 found gone in one look (CI saw it: rank 3 killed, rank 2's receive
     from it failed within milliseconds): torchrun stamps failures in whole seconds, so its first
-    observed failure names the lower local rank, exit 1, and cannot settle it. Rank 2 said on the
-    control plane that it lost a peer: rank 3 is the one that died."""
+    observed failure names the lower local rank, exit 1. Its table also lists rank 3, killed by a
+    signal, which is taken; and rank 2 said on the control plane that it lost a peer."""
     killed = ProcessFailure(local_rank=3, pid=4243, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))
     lost = ProcessFailure(local_rank=2, pid=4242, exitcode=1, error_file=str(tmp_path / "none"))
     lost.timestamp = killed.timestamp  # the same second
     lines = ChildFailedError("resihp.runtime.worker", {2: lost, 3: killed}).format_msg().splitlines()
-    assert torchrun_first_failure(lines, first_rank=0) == (2, 1)  # not signalled: no help
+    assert torchrun_first_failure(lines, first_rank=0) == (3, -signal.SIGKILL)  # not rank 2's exit 1
     both = [fail_stop(DIMS, 2, 4, "exited", 0.1, node=0), fail_stop(DIMS, 3, 4, "exited", 0.2, node=0)]
     assert _first_gone(both, _watch(store)).rank == 2  # nothing said yet: the lowest
     report_error(store, "job", 2, "lost-peer", "Connection closed by peer [127.0.0.1]:29500")

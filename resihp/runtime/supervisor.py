@@ -65,15 +65,26 @@ from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
 from resihp.runtime.warm import WARM_AGENTS, AgentProcess
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
+FAILURE = re.compile(r"local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 FIRST_FAILURE_WAIT_S = 5.0  # node 0's wait for another node's first observed failure
 
 
 def torchrun_first_failure(lines: list[str], first_rank: int) -> tuple[int, int] | None:
     """torchrun's first observed failure in its output (``lines``): the job's rank (this node's
     ``first_rank`` plus torchrun's local rank; torchrun's own global rank follows its rendezvous
-    order, not the job's) and its exit code (negative: killed by that signal)."""
-    root = ROOT_CAUSE.search("\n".join(lines))
-    return None if root is None else (first_rank + int(root.group(1)), int(root.group(2)))
+    order, not the job's) and its exit code (negative: killed by that signal). Where torchrun saw
+    several fail in one look, a rank killed by a signal (not torchrun's own SIGTERM) is the root:
+    the others exited because they lost it."""
+    text = "\n".join(lines)
+    root = ROOT_CAUSE.search(text)
+    if root is None:
+        return None
+    local, code = int(root.group(1)), int(root.group(2))
+    if code >= 0 or code == -signal.SIGTERM:
+        killed = [(int(m.group(1)), int(m.group(2))) for m in FAILURE.finditer(text)
+                  if int(m.group(2)) < 0 and int(m.group(2)) != -signal.SIGTERM]
+        local, code = killed[0] if killed else (local, code)
+    return first_rank + local, code
 
 
 @dataclass
