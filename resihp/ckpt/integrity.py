@@ -173,7 +173,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused global {module}.{name}")
 
 
-def read_dcp_metadata(directory: str | Path):
+def read_dcp_metadata(directory: str | Path, tensors_only: bool = True):
     """DCP's ``Metadata`` of a checkpoint, read through :class:`MetadataUnpickler`."""
     path = Path(directory) / ".metadata"
     try:
@@ -190,22 +190,100 @@ def read_dcp_metadata(directory: str | Path):
 
     if not isinstance(metadata, Metadata):
         raise InputError(f"{path}: not DCP checkpoint metadata (a {type(metadata).__name__})")
+    _check_items(path, metadata, tensors_only)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
 
 
-def safe_reader(directory: str | Path):
-    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler."""
+def _check_items(path: Path, metadata, tensors_only: bool = True) -> None:
+    """Every item DCP would read is a file inside the checkpoint, stored untransformed, and (with
+    ``tensors_only``) a tensor.
+
+    resihp writes only tensors with DCP (non-tensor state goes to ``meta.json``); DCP loads a
+    non-tensor (bytes) item with an unrestricted ``torch.load``, so a checkpoint naming one is
+    refused before any of its bytes are read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, entry in (metadata.state_dict_metadata or {}).items():
+        if tensors_only and not isinstance(entry, TensorStorageMetadata):
+            raise InputError(f"{path}: item {key!r}: expected a tensor, got a pickled "
+                             f"{type(entry).__name__} (resihp checkpoints hold tensors only)")
+    for index, info in (metadata.storage_data or {}).items():
+        name = Path(str(getattr(info, "relative_path", "")))
+        if not name.parts or name.is_absolute() or ".." in name.parts:
+            raise InputError(f"{path}: item {getattr(index, 'fqn', index)!r}: storage file "
+                             f"{str(name)!r}: expected a file name inside the checkpoint")
+        if getattr(info, "transform_descriptors", None):
+            raise InputError(f"{path}: item {getattr(index, 'fqn', index)!r}: expected untransformed "
+                             f"storage, got transforms {list(info.transform_descriptors)}")
+
+
+def safe_reader(directory: str | Path, tensors_only: bool = True):
+    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler and that reads
+    tensors only (each through DCP's ``torch.load(weights_only=True)``); with ``tensors_only``
+    False, bytes items too, which ``safe_planner``'s planner must then unpickle."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            metadata = read_dcp_metadata(directory)
+            metadata = read_dcp_metadata(directory, tensors_only)
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def read_data(self, plan, planner):
+            # DCP unpickles a bytes item with torch.load(weights_only=False): never let one through
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO and (tensors_only or not getattr(
+                        planner, "weights_only", False)):
+                    raise InputError(f"{directory}: item {item.dest_index.fqn!r}: expected a tensor, "
+                                     "got a pickled object (resihp checkpoints hold tensors only)")
+            return super().read_data(plan, planner)
+
     return SafeReader(str(directory))
+
+
+def safe_planner(directory: str | Path):
+    """A DCP load planner that unpickles a bytes item (an int, a list, a dict of plain values:
+    a data loader's position, say) with ``torch.load(weights_only=True)``, never arbitrary code."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        weights_only = True
+
+        def load_bytes(self, read_item, value) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else "refused"
+                raise InputError(f"{directory}: item {fqn!r}: expected plain values (numbers, "
+                                 f"strings, lists, dicts, tensors), got a pickled object the "
+                                 f"weights-only loader refuses ({first})") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafePlanner()
+
+
+@contextlib.contextmanager
+def refusals():
+    """A refusal (InputError) raised inside a DCP load, on any rank, as itself rather than DCP's
+    multi-rank traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for error, _ in exc.failures.values():
+            if isinstance(error, InputError):
+                raise InputError(str(error)) from None
+        raise
 
 
 # --- choosing a checkpoint ------------------------------------------------------------------------

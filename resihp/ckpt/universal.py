@@ -30,6 +30,7 @@ from resihp.ckpt.integrity import (
     newest_good,
     publish,
     read_dcp_metadata,
+    refusals,
     safe_reader,
     step_of,
     verify,
@@ -92,7 +93,8 @@ def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.O
     state = placed_state(model, optimizer, tp, cfg)
     _check_shapes(directory, state, metadata)
     state.update(extra or {})
-    dcp.load(state, storage_reader=reader or safe_reader(directory))
+    with refusals():
+        dcp.load(state, storage_reader=reader or safe_reader(directory))
     return meta
 
 
@@ -118,7 +120,7 @@ def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
     verify(directory)
     read_dcp_metadata(directory)
     flat: dict = {}
-    with single_process():
+    with single_process(), refusals():
         _load_state_dict(flat, storage_reader=safe_reader(directory),
                          planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return flat
@@ -145,11 +147,13 @@ def _load_v1(directory: str | Path, meta: dict, model: torch.nn.Module, optimize
         for k in ADAM_KEYS:
             live[f"optim.{key}.{k}"] = optimizer.state[p][k]
     if saved_tp == tp.size:
-        dcp.load(live, storage_reader=safe_reader(directory))
+        with refusals():
+            dcp.load(live, storage_reader=safe_reader(directory))
         return meta
     wanted = {k: torch.empty(full_shape(_param_name(k), v.shape, tp.size) if v.dim() else ())
               for k, v in live.items()}
-    dcp.load(wanted, storage_reader=safe_reader(directory))
+    with refusals():
+        dcp.load(wanted, storage_reader=safe_reader(directory))
     with torch.no_grad():
         for k, v in wanted.items():
             live[k].copy_(v if live[k].shape == v.shape else shard(_param_name(k), v, tp.size, tp.rank))

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from resihp.ckpt.integrity import write_json_atomic
+from resihp.ckpt.integrity import verify, write_json_atomic
 from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
 from resihp.progress import progress_bar
@@ -212,6 +212,7 @@ def _resume_source(path: Path, steps: int) -> Path:
 
     source = resolve(path).resolve()
     step = read_meta(source)["step"]
+    verify(source)  # before any worker reads a byte of it
     if step + 1 >= steps:
         raise InputError(f"--steps {steps}: the checkpoint {source} is at step {step}; --steps is the run's "
                          f"total step count, so give more than {step + 1}")

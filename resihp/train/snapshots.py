@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from resihp.ckpt.integrity import refusals, safe_planner, safe_reader
 from resihp.ckpt.keeper import ensure_keeper
 from resihp.ckpt.memory import MemoryTier, SlotHeader, plan_shards, tier_dir
 from resihp.ckpt.snapshot import Snapshotter
@@ -137,7 +138,9 @@ class Snapshots:
         """Collective: load a DCP checkpoint of this state (any DP size or FSDP2 sharding DCP
         can reshard into) into the objects handed in."""
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(path))
+        with refusals():  # no pickled object of the checkpoint is ever run: plain values only
+            dcp.load(state, storage_reader=safe_reader(path, tensors_only=False),
+                     planner=safe_planner(path))
         for name, value in self.state.items():
             if name in state and hasattr(value, "load_state_dict"):
                 value.load_state_dict(state[name])
