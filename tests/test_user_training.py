@@ -104,3 +104,34 @@ def test_state_that_cannot_be_snapshot_is_one_line_naming_its_path():
         flatten({"extra": {"when": object()}})
     with pytest.raises(InputError, match=r"'extra'.*key \(1, 2\) is a tuple"):
         flatten({"extra": {(1, 2): 0}})
+
+
+def test_a_new_process_state_restores_the_newest_snapshot_and_each_stall_is_counted(tmp_path, monkeypatch):
+    """Without a process group (one process): snapshots after three steps, then fresh objects (as
+    a restarted trainer builds them) restore the newest from memory, bitwise."""
+    from resihp.ckpt.keeper import stop_keeper
+    from resihp.train import KEEPER_OWNER, Snapshots
+
+    monkeypatch.setenv("RESIHP_SHM", str(tmp_path / "shm"))
+    monkeypatch.setenv(KEEPER_OWNER, str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    snaps = Snapshots({"model": model, "optimizer": opt}, job_id="one-process")
+    try:
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            snaps.after_step(step)
+        snaps.close()
+        assert len(snaps.stall_s) == 3 and all(s >= 0 for s in snaps.stall_s)
+        wait_for(lambda: 2 in [h.step for h in snaps.tier.held()], 30, "the keeper to publish step 2")
+        again = torch.nn.Linear(4, 3)
+        again_opt = torch.optim.AdamW(again.parameters())
+        restored = Snapshots({"model": again, "optimizer": again_opt}, job_id="one-process").restore()
+        assert restored is not None and (restored.step, restored.source) == (2, "memory")
+        assert torch.equal(again.weight, model.weight) and torch.equal(again.bias, model.bias)
+        assert torch.equal(again_opt.state_dict()["state"][0]["exp_avg"],
+                           opt.state_dict()["state"][0]["exp_avg"])
+    finally:
+        stop_keeper(snaps.dir)

@@ -81,7 +81,8 @@ class Snapshots:
         for extra in self._optimizers()[1:]:  # every optimizer's step waits for the copy
             extra.register_step_pre_hook(lambda *_: self._snapshotter.fence())
         self._capacity_checked = False
-        self.blocked_s: list[float] = []
+        self._prepare_s: list[float] = []  # per snapshot: flattening the state, before the copy
+        self._earlier_s: list[float] = []  # stalls of the snapshotters a restore replaced
 
     def _new_snapshotter(self) -> Snapshotter:
         return Snapshotter(self.tier, self.every, None, self._keep, self.timeout_s)
@@ -100,9 +101,16 @@ class Snapshots:
             self._capacity_checked = True
         optimizers = self._optimizers()
         layout = {"format": FORMAT, "keys": [k for k, _ in tensors], "run": {"tree": tree}}
+        self._prepare_s.append(time.perf_counter() - t0)
         self._snapshotter.snapshot(step, None, optimizers[0] if optimizers else _NoOptimizer(),
                                    layout, tensors=tensors)
-        self.blocked_s.append(time.perf_counter() - t0)
+
+    @property
+    def stall_s(self) -> list[float]:
+        """Per snapshot, how long the training loop waited for it: in ``after_step`` and, at the
+        next optimizer step, for the copy to finish (the snapshot in flight not yet counted)."""
+        done = self._earlier_s + list(self._snapshotter.blocked_s)
+        return [a + b for a, b in zip(self._prepare_s, done)]
 
     def restore(self) -> RestoredState | None:
         """Collective: load the newest step every rank holds in memory (verified), else the
@@ -193,6 +201,7 @@ class Snapshots:
         for h in self.tier.headers():
             if h.rank == self.rank and h.step > step:
                 self.tier.header_path(h.slot).unlink(missing_ok=True)
+        self._earlier_s += self._snapshotter.blocked_s
         self._snapshotter = self._new_snapshotter()
 
 
