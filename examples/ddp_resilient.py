@@ -77,9 +77,9 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         scheduler.step()
-        snaps.after_step(step)  # resihp
-        with log.open("a") as f:
+        with log.open("a") as f:  # before the snapshot: a step restored is a step logged
             f.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+        snaps.after_step(step)  # resihp
         time.sleep(args.pace)  # time to kill a rank by hand and watch it come back
     snaps.close()  # resihp
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """resihp's snapshots in a user's own DDP loop (examples/ddp_resilient.py) under torchrun: a rank
-killed with SIGKILL is restarted by torchrun, restores
+killed with SIGKILL (or hung, then killed; or after its keeper was killed) is restarted by torchrun, restores
 from the memory tier, and the run's per-step losses equal an uninterrupted run's bit for bit."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from resihp.ckpt.keeper import keeper_pid, stop_keeper
 from resihp.errors import InputError
-from resihp.train import RNG, flatten, unflatten
+from resihp.train import KEEPER_OWNER, RNG, Snapshots, flatten, unflatten
 from tests.faults import descendants, wait_for  # noqa: F401
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_resilient.py"
@@ -57,15 +58,25 @@ def reference(tmp_path_factory) -> dict[int, dict[int, float]]:
     return {r: _losses(base / "out", r) for r in (0, 1)}
 
 
+def _keeper_pid(shm: Path) -> int | None:
+    (tier,) = {p.parent for p in shm.glob("*/keeper.pid")}
+    return keeper_pid(tier)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("hung", [False, True], ids=["killed", "hung-then-killed"])
-def test_a_killed_rank_restores_from_memory_with_the_same_losses(tmp_path, reference, hung):
+@pytest.mark.parametrize("fault", ["killed", "hung-then-killed", "keeper-killed-first"])
+def test_a_killed_rank_restores_from_memory_with_the_same_losses(tmp_path, reference, fault):
     out, shm = tmp_path / "out", tmp_path / "shm"
     proc = _torchrun(out, shm, "--pace", "0.3")  # the kill lands mid-run
     try:
+        if fault == "keeper-killed-first":  # the trainers start a new keeper and go on
+            wait_for(lambda: len(_losses(out, 1)) >= 2, 240, "rank 1 to train 2 steps")
+            keeper = _keeper_pid(shm)
+            os.kill(keeper, signal.SIGKILL)
+            wait_for(lambda: _keeper_pid(shm) not in (None, -1, keeper), 60, "a new keeper")
         wait_for(lambda: len(_losses(out, 1)) >= 4, 240, "rank 1 to train 4 steps")
         victim = _rank_pid(out, 1)
-        if hung:  # a hung rank, found and ended by whoever watches the job
+        if fault == "hung-then-killed":  # a hung rank, found and ended by whoever watches the job
             os.kill(victim, signal.SIGSTOP)
             time.sleep(1.0)
         os.kill(victim, signal.SIGKILL)
@@ -109,9 +120,6 @@ def test_state_that_cannot_be_snapshot_is_one_line_naming_its_path():
 def test_a_new_process_state_restores_the_newest_snapshot_and_each_stall_is_counted(tmp_path, monkeypatch):
     """Without a process group (one process): snapshots after three steps, then fresh objects (as
     a restarted trainer builds them) restore the newest from memory, bitwise."""
-    from resihp.ckpt.keeper import stop_keeper
-    from resihp.train import KEEPER_OWNER, Snapshots
-
     monkeypatch.setenv("RESIHP_SHM", str(tmp_path / "shm"))
     monkeypatch.setenv(KEEPER_OWNER, str(os.getpid()))
     torch.manual_seed(0)
