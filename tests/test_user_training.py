@@ -1,6 +1,6 @@
 """resihp's snapshots in a user's own DDP loop (examples/ddp_resilient.py) under torchrun: a rank
-killed with SIGKILL (or hung, then killed; or after its keeper was killed) is restarted by torchrun, restores
-from the memory tier, and the run's per-step losses equal an uninterrupted run's bit for bit."""
+killed with SIGKILL (or hung, then killed; or after its keeper was killed) is restarted by
+torchrun, restores from the memory tier, and the per-step losses equal an uninterrupted run's."""
 
 from __future__ import annotations
 
