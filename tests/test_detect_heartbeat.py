@@ -205,3 +205,39 @@ def test_a_stopped_rank_inside_the_op_its_peer_waits_in_is_the_hang():
         for p in procs:
             p.kill()
             p.wait(timeout=10)
+
+
+def test_a_rank_in_its_warm_up_is_not_hung_until_the_start_up_bound_and_a_hang_is_confirmed():
+    """Default (adaptive) limits: rank 0's first step stalls far past the hang floor while rank 1
+    waits for it in the all-reduce: a warm-up, nobody is hung. Once rank 0 has finished steps, the
+    same stall is a hang, acted on only after a second look ``confirm_s`` later; a stall that moves
+    on before that second look is forgotten."""
+    store, _ = start_local_store()
+    state = {"step": 0, "ops": 5}
+    senders = [HeartbeatSender(store, 0, 0, 0.05,
+                               progress=lambda: Progress(state["step"], "train", state["ops"], "")),
+               HeartbeatSender(store, 1, 0, 0.05,
+                               progress=lambda: Progress(state["step"], "train", 3, "grads-all-reduce"))]
+    for snd in senders:
+        snd.start()
+    agg = NodeAggregator(store, 0, [0, 1], interval_s=0.05, timeout_s=5.0).start()
+    monitor = HeartbeatMonitor(store, {0: [0, 1]}, timeout_s=5.0, startup_s=30.0, hang_floor_s=0.3,
+                               confirm_s=1.0)
+    try:
+        assert _first_events(monitor, 0, within_s=1.5) == []  # 5x the floor, in the warm-up
+        for _ in range(4):  # steps finish: a step time is measured
+            state["step"] += 1
+            time.sleep(0.1)
+        time.sleep(0.6)  # stalled past the limit: a suspect, not yet a verdict
+        assert monitor.poll(5) == []
+        state["ops"] += 1  # it moved on before the second look
+        time.sleep(0.6)
+        assert monitor.poll(5) == []  # a suspect afresh
+        t0 = time.monotonic()
+        found = _first_events(monitor, 5)
+        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+        assert time.monotonic() - t0 >= 0.9  # the second look came confirm_s after the first
+    finally:
+        for snd in senders:
+            snd.stop()
+        agg.stop()

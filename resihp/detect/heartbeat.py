@@ -308,15 +308,20 @@ class HeartbeatMonitor:
     rank, ``extra``: node, cause ``exited`` | ``hang`` | ``node``, step, silent_s).
 
     ``hang_timeout_s``: how long a training rank may make no progress before it counts as hung;
-    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default: ``timeout_s``).
+    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default: ``timeout_s``),
+    and a rank that has not finished a step since it was (re)started (its warm-up: compilation,
+    first allocations, a loaded machine) may stall for ``startup_s``. A hang found by a stall is
+    acted on only when the next look, ``confirm_s`` later, finds it still stalled.
     """
 
     def __init__(self, store: Store, nodes: Mapping[int, Sequence[int]], timeout_s: float = 3.0,
                  prefix: str = PREFIX, places: Mapping[int, tuple[int, int, int]] | None = None,
                  startup_s: float = 60.0, hang_timeout_s: float | None = None,
                  hang_factor: float = 5.0, hang_floor_s: float | None = None,
-                 stopped_s: float | None = None) -> None:
+                 stopped_s: float | None = None, confirm_s: float = 0.5) -> None:
         self.store = store
+        self.confirm_s = confirm_s
+        self._suspects: dict[int, tuple[float, int, int]] = {}  # rank -> (first seen, step, ops)
         self.startup_s = startup_s
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
         self.timeout_s = timeout_s
@@ -390,19 +395,27 @@ class HeartbeatMonitor:
             elif not v.seen and v.silent_s > self.startup_s:
                 found[v.rank] = ("exited", v.silent_s)
         if not found:
-            limit = self.hang_limit()
+            steady = self.hang_limit()
+
+            def limit(v: RankView) -> float:
+                # in its warm-up a rank is judged by the start-up bound, as a rank not yet seen is
+                warm = self.hang_timeout_s is None and not v.step_s
+                return max(steady, self.startup_s) if warm else steady
+
             live = [v for v in live if self._excused_until.get(v.rank, 0.0) < now]
             # a rank waiting on its keeper is busy, not stalled (unless its process is stopped)
             keeper = {v.rank for v in live if v.wait == KEEPER_WAIT and not v.stopped}
-            if any(v.phase == "train" and v.stalled_s > limit and v.rank not in keeper for v in live):
+            if any(v.phase == "train" and v.stalled_s > limit(v) and v.rank not in keeper for v in live):
                 # the candidates: every rank stalled for a while, not only those past the limit (each
                 # node's view is up to an aggregator beat old, so the culprit may read a little less)
-                stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit / 2 and v.rank not in keeper]
+                stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit(v) / 2
+                           and v.rank not in keeper]
                 # the ranks waiting in a communication op wait for the one that is not
                 idle = [v for v in stalled if not v.wait]
                 # a training rank still finishing ops (or waiting on its keeper): what the waiting
                 # ranks wait for is slow, not hung
-                moving = any(v.phase == "train" and (v.stalled_s <= limit / 2 or v.rank in keeper) for v in live)
+                moving = any(v.phase == "train" and (v.stalled_s <= limit(v) / 2 or v.rank in keeper)
+                             for v in live)
                 # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit whatever
                 # its last beat said: it may have stopped inside the very op its peers wait in, a tie
                 # that its step and ops cannot break
@@ -414,6 +427,7 @@ class HeartbeatMonitor:
                     # the one stuck longest among those not waiting; if all wait, the one furthest behind
                     v = max(idle, key=lambda v: v.stalled_s) if idle else min(stalled, key=lambda v: (v.step, v.ops))
                     found[v.rank] = ("hang", v.stalled_s)
+        found = self._confirmed(found, now)
         new: list[Event] = []
         for r, (cause, silent_s) in sorted(found.items()):
             if r in self.dead:
@@ -428,6 +442,24 @@ class HeartbeatMonitor:
             new.append(ev)
         return new
 
+    def _confirmed(self, found: dict[int, tuple[str, float]], now: float) -> dict[int, tuple[str, float]]:
+        """The verdicts to act on: an exit or a lost node at once; a hang once a second look,
+        ``confirm_s`` after the first, finds the rank at the same step and op count (a false hang
+        evicts a replica)."""
+        out = {r: f for r, f in found.items() if f[0] != "hang"}
+        for r, verdict in found.items():
+            if verdict[0] != "hang" or r in self.dead:
+                continue
+            view = self.views[r]
+            first = self._suspects.get(r)
+            if first is None or (first[1], first[2]) != (view.step, view.ops):
+                self._suspects[r] = (now, view.step, view.ops)
+            elif now - first[0] >= self.confirm_s:
+                out[r] = verdict
+        for r in [r for r in self._suspects if r not in found]:
+            del self._suspects[r]  # moved on, or no longer a suspect: a later hang starts afresh
+        return out
+
     def min_step(self) -> int:
         return min((v.step for v in self.views.values()), default=-1)
 
@@ -437,6 +469,7 @@ class HeartbeatMonitor:
         for r in self.nodes[node]:
             self.views[r] = RankView(r, node)
             self.dead.pop(r, None)
+            self._suspects.pop(r, None)
 
 
 def _serve(argv: Sequence[str] | None = None) -> None:
