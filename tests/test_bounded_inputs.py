@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from resihp.ckpt.keeper import ensure_keeper, keeper_pid, left_tiers
+from resihp.errors import InputError
 from resihp.runtime import launch
 from resihp.runtime.launch import JobStore
+from resihp.workload.lengths import load_lengths
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -91,3 +97,86 @@ def _write_lengths(path: Path, n: int) -> Path:
         for _ in range(n // 1_000_000):
             f.write(chunk)
     return path
+
+
+@pytest.mark.slow
+def test_profile_refuses_a_huge_lengths_file(tmp_path: Path) -> None:
+    """``resihp profile --lengths`` with 10 million lines stops at the limit, streamed, with one
+    line naming the file, the limit and the flag that raises it (it ran 10 min at 5 GB)."""
+    big = _write_lengths(tmp_path / "big.txt", 10_000_000)
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "profile", "--lengths", str(big),
+                           "--budget", "1024", "-o", str(tmp_path / "p.parquet")],
+                          capture_output=True, text=True, timeout=90, env=ENV)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err[-2000:]
+    assert len(err.splitlines()) == 1, err[-2000:]
+    assert str(big) in err and "1000000" in err and "--max-lengths" in err
+
+
+def test_lengths_limit_counts_lengths_not_lines(tmp_path: Path) -> None:
+    """The limit counts lengths (comments and blank lines are free); at the limit it reads."""
+    path = tmp_path / "l.txt"
+    path.write_text("# header\n\n3\n4 # four\n5\n")
+    assert load_lengths(path, limit=3).tolist() == [3, 4, 5]
+    with pytest.raises(InputError, match=r"l.txt: more than 2 sequence lengths .*--max-lengths"):
+        load_lengths(path, limit=2)
+    path.write_text("3\n" + "9" * 30 + "\n")
+    with pytest.raises(InputError, match=r"l.txt:2: sequence length must be a positive 64-bit"):
+        load_lengths(path)
+
+
+SMALL_RUN = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab",
+             "256", "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--steps", "3",
+             "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60", "--dp", "1",
+             "--pp", "1", "--snapshot-every", "1"]
+
+
+def _left_job(shm: Path, name: str) -> tuple[Path, subprocess.Popen, int]:
+    """A job's memory tier as its real keeper keeps it, its owner a stand-in launcher process;
+    returns the tier, the owner and the keeper's PID (the owner recorded once the keeper runs)."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    tier = shm / f"resihp-{name}-n0"
+    pid = ensure_keeper(tier, owner.pid)
+    (tier / "rank0.A.bin").write_bytes(b"\0" * (1 << 20))  # a slot's bytes, left in memory
+    deadline = time.monotonic() + 20
+    while not (tier / "owner.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return tier, owner, pid
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    root = root / f"resihp-left-{os.getpid()}-{time.monotonic_ns()}"
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(shm: Path, tmp_path: Path) -> None:
+    """Launcher and keeper SIGKILLed together leave their tier in /dev/shm: the next job removes
+    it (its owner's PID is gone) and says so in one line; a tier whose owner still runs (its
+    keeper killed alone) stays, and is what a refusal for space names."""
+    dead, dead_owner, dead_keeper = _left_job(shm, "20260101-000000-dead00")
+    live, live_owner, live_keeper = _left_job(shm, "20260101-000000-live00")
+    try:
+        for pid in (dead_owner.pid, dead_keeper, live_keeper):  # together, no time to clean up
+            os.kill(pid, signal.SIGKILL)
+        dead_owner.wait()
+        while keeper_pid(dead) is not None or keeper_pid(live) is not None:
+            time.sleep(0.02)
+        assert dead.exists() and live.exists()
+        proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"),
+                               *SMALL_RUN], capture_output=True, text=True, timeout=240,
+                              env={**ENV, "RESIHP_SHM": str(shm)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not dead.exists(), f"the dead job's tier {dead} was left in place"
+        assert f"removed the memory tier {dead}" in proc.stderr
+        assert live.exists(), "a tier whose owner still runs must not be removed"
+        (tier,) = left_tiers(root=shm)
+        assert tier.path == live and tier.owner_pid == live_owner.pid and not tier.reclaimable
+        assert str(live) in tier.describe() and f"rm -rf {live}" in tier.describe()
+    finally:
+        live_owner.kill()
+        live_owner.wait()

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from resihp.ckpt.integrity import candidates, step_of
@@ -35,6 +36,7 @@ from resihp.ckpt.memory import (
     publish,
     read_json,
     shm_root,
+    start_time,
     verify_all,
     write_json_atomic,
 )
@@ -49,6 +51,7 @@ PERSIST_JOIN_S = 8.0  # a stopping keeper waits this long for the checkpoint it 
 END = "END"  # written by stop_keeper: the job is over, SIGTERM means remove the tier
 FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe write the newest
 FLUSHED = "flushed.json"  # the keeper's answer to it
+OWNER = "owner.json"  # the job's owner as the keeper saw it at start: PID and start time
 
 
 def keeper_pid(directory: Path) -> int | None:
@@ -198,6 +201,8 @@ class Keeper:
                     sys.exit(0)
                 time.sleep(0.01)
         (self.dir / PID).write_text(str(os.getpid()))
+        if self.owner:  # what tells a later job whether this tier's job is over (left_tiers)
+            write_json_atomic(self.dir / OWNER, {"pid": self.owner, "start": start_time(self.owner)})
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         checked = 0.0
@@ -382,3 +387,62 @@ def inspect_tier(directory: Path, verify: bool = True) -> dict:
                       "verified": tier.verify(h) if verify else None, "published_s": h.published_s})
     pending = sorted(p.name.removesuffix(".pending.json") for p in directory.glob("rank*.pending.json"))
     return {"dir": str(directory), "keeper_pid": keeper_pid(directory), "slots": slots, "pending": pending}
+
+
+@dataclass(frozen=True)
+class LeftTier:
+    """A memory tier of another job in the tier root: its folder, its owner (the launcher or
+    torchrun's agent) as its keeper recorded it, and whether that owner is provably gone."""
+
+    path: Path
+    owner_pid: int | None  # None: no owner recorded (a keeper of an older resihp, or starting)
+    owner_dead: bool  # the owner's PID is gone or names another process (its start time differs)
+    keeper_running: bool
+    nbytes: int
+
+    @property
+    def reclaimable(self) -> bool:
+        """Its job is over for sure: no keeper holds it and its owner is provably dead."""
+        return self.owner_dead and not self.keeper_running
+
+    def describe(self) -> str:
+        owner = (f"owner PID {self.owner_pid} {'gone' if self.owner_dead else 'running'}"
+                 if self.owner_pid is not None else "no owner recorded")
+        return (f"{self.path} ({self.nbytes / 2**20:.0f} MiB, {owner}; remove it with "
+                f"rm -rf {self.path} once its job is over)")
+
+
+def _size(directory: Path) -> int:
+    total = 0
+    for entry in directory.glob("*"):
+        with contextlib.suppress(OSError):
+            total += entry.stat().st_size
+    return total
+
+
+def left_tiers(exclude: Path | None = None, root: Path | None = None) -> list[LeftTier]:
+    """The memory tiers in ``root`` (default: the tier root) other than ``exclude``, each with its
+    owner's state, judged by the PID and start time its keeper recorded."""
+    found = []
+    for path in sorted((root or shm_root()).glob("resihp-*-n*")):
+        if not path.is_dir() or (exclude is not None and path == Path(exclude)):
+            continue
+        record = read_json(path / OWNER) or {}
+        pid, started = record.get("pid"), record.get("start")
+        pid = pid if isinstance(pid, int) and pid > 0 else None
+        dead = pid is not None and (start_time(pid) is None or start_time(pid) != started)
+        found.append(LeftTier(path, pid, dead, keeper_pid(path) is not None, _size(path)))
+    return found
+
+
+def reclaim_dead_tiers(exclude: Path | None = None) -> list[LeftTier]:
+    """Remove the tiers of jobs provably over (no keeper, owner gone: a launcher and keeper
+    SIGKILLed together leave theirs); returns those removed, each said in one line on stderr."""
+    gone = []
+    for tier in left_tiers(exclude):
+        if tier.reclaimable:
+            shutil.rmtree(tier.path, ignore_errors=True)
+            gone.append(tier)
+            print(f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
+                  f"MiB; its owner PID {tier.owner_pid} is gone)", file=sys.stderr, flush=True)
+    return gone
