@@ -180,3 +180,43 @@ def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(shm: Path, tmp
     finally:
         live_owner.kill()
         live_owner.wait()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs of its own (root only: mount -t tmpfs), so that a tier left there fills it."""
+    root = tmp_path / "tmpfs"
+    root.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("needs a tmpfs of its own (mount -t tmpfs: root)")
+    yield root
+    for _ in range(100):  # a refused job's keeper may take a moment to leave it
+        if subprocess.run(["umount", str(root)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_refusal_for_space_names_the_tier_left_there(small_tmpfs: Path, tmp_path: Path) -> None:
+    """A tier whose owner runs (not provably over, so kept) fills the tier root: the next job is
+    refused in one line that names it, its owner PID and how to remove it (exit 2)."""
+    live, owner, keeper = _left_job(small_tmpfs, "20260101-000000-live00")
+    try:
+        (live / "rank0.A.bin").write_bytes(b"\0" * (3 << 20))
+        os.kill(keeper, signal.SIGKILL)
+        proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"),
+                               *SMALL_RUN], capture_output=True, text=True, timeout=240,
+                              env={**ENV, "RESIHP_SHM": str(small_tmpfs)})
+        err = proc.stderr.strip()
+        assert proc.returncode == 2, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        # the error is one line (a record warning of the dying rank may precede it: not this issue)
+        (err,) = [line for line in err.splitlines() if line.startswith("resihp: error:")]
+        assert str(live) in err and f"owner PID {owner.pid} running" in err
+        assert f"rm -rf {live}" in err
+        assert live.exists()
+    finally:
+        owner.kill()
+        owner.wait()
