@@ -4,6 +4,7 @@ file, a memory tier left behind by a dead job; each ends in one line, never a ha
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -220,3 +221,40 @@ def test_refusal_for_space_names_the_tier_left_there(small_tmpfs: Path, tmp_path
     finally:
         owner.kill()
         owner.wait()
+
+
+@pytest.fixture
+def small_ckpt_root(tmp_path: Path) -> Iterator[Path]:
+    """A run folder whose ``ckpt`` is a 1.6 MiB tmpfs (root only): room for one checkpoint."""
+    out = tmp_path / "run"
+    root = out / "ckpt"
+    root.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(root)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("needs a tmpfs of its own for a full disk (mount -t tmpfs: root)")
+    yield out
+    for _ in range(100):
+        if subprocess.run(["umount", str(root)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_disk_full_while_the_keeper_persists_is_a_loud_stop(small_ckpt_root: Path, shm: Path) -> None:
+    """The keeper writes the checkpoints from memory; the disk fills after the first: the job
+    does not say done, it ends in one line naming the step not written and the newest good
+    checkpoint (it said done with 3 of 4 checkpoints missing)."""
+    out = small_ckpt_root
+    args = list(SMALL_RUN)
+    args[args.index("--steps") + 1] = "8"  # checkpoints due at steps 1, 3, 5 and 7
+    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *args,
+                           "--ckpt-every", "2"], capture_output=True, text=True, timeout=240,
+                          env={**ENV, "RESIHP_SHM": str(shm)})
+    err = proc.stderr.strip()
+    assert proc.returncode != 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if "not written" in x]
+    assert "checkpoint of step 3 not written (disk full" in line, line
+    assert f"newest good checkpoint: {out / 'ckpt' / 'step1'}" in line, line
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"

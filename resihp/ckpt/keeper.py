@@ -40,7 +40,7 @@ from resihp.ckpt.memory import (
     verify_all,
     write_json_atomic,
 )
-from resihp.errors import SetupError
+from resihp.errors import SetupError, disk_full
 from resihp.procexit import run_then_exit
 
 POLL_S = 0.005
@@ -51,6 +51,7 @@ PERSIST_JOIN_S = 8.0  # a stopping keeper waits this long for the checkpoint it 
 END = "END"  # written by stop_keeper: the job is over, SIGTERM means remove the tier
 FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe write the newest
 FLUSHED = "flushed.json"  # the keeper's answer to it
+PERSIST_FAILED = "persist_failed.json"  # the first checkpoint the keeper could not write, and why
 OWNER = "owner.json"  # the job's owner as the keeper saw it at start: PID and start time
 
 
@@ -310,8 +311,19 @@ class Keeper:
             from resihp.ckpt import persist
 
             done = persist.write_checkpoint(self.dir, headers, reason)
-        except Exception as exc:  # a failed checkpoint must not take the memory tier down with it
+        except BaseException as exc:  # a failed checkpoint must not take the memory tier down with it
+            # (DCP's CheckpointException, what a full disk raises in its writer, is a BaseException)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             print(f"resihp keeper: checkpoint of step {headers[0].step} failed: {exc!r}", file=sys.stderr, flush=True)
+            if not (self.dir / PERSIST_FAILED).exists():  # the launcher reads it (persist_failure)
+                # the cause, not DCP's wrapper of it (its per-rank failures)
+                cause = disk_full(exc) or next(iter((getattr(exc, "failures", None) or {}).values()), exc)
+                first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+                with contextlib.suppress(OSError):
+                    write_json_atomic(self.dir / PERSIST_FAILED, {
+                        "step": headers[0].step, "error": f"{type(cause).__name__}: {first}",
+                        "disk_full": disk_full(exc) is not None or _full(headers)})
             return None
         finally:
             self._dirty = True  # newer steps may have become complete meanwhile
@@ -446,3 +458,19 @@ def reclaim_dead_tiers(exclude: Path | None = None) -> list[LeftTier]:
             print(f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
                   f"MiB; its owner PID {tier.owner_pid} is gone)", file=sys.stderr, flush=True)
     return gone
+
+
+def _full(headers: list) -> bool:
+    """Whether the checkpoint root of ``headers`` has no space left (DCP's writer may lose the
+    errno: a zip writer's "unexpected pos")."""
+    try:
+        st = os.statvfs(Path(headers[0].persist["root"]))
+    except (OSError, KeyError, TypeError, IndexError):
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
+def persist_failure(directory: Path) -> dict | None:
+    """The first checkpoint the keeper of ``directory`` could not write (``step``, ``error``,
+    ``disk_full``), or None."""
+    return read_json(Path(directory) / PERSIST_FAILED)

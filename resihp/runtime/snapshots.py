@@ -15,6 +15,7 @@ from pathlib import Path
 from resihp.ckpt.keeper import (
     ensure_keeper,
     left_tiers,
+    persist_failure,
     reclaim_dead_tiers,
     request_flush,
     request_verify,
@@ -204,16 +205,19 @@ def flush_checkpoints(cfg: RunConfig, breakpoint: bool) -> dict | None:
     return request_flush(directory, newest=breakpoint)
 
 
-def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> None:
+def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> dict | None:
     """The job is over: its checkpoints owed are written (:func:`flush_checkpoints`), and its
     memory tiers on this machine go (node 0's, started here; another node's, named by the job id
-    it joined under, from ``OUT/config.json``)."""
+    it joined under, from ``OUT/config.json``). Returns the first checkpoint node 0's keeper
+    could not write (``resihp.ckpt.keeper.persist_failure``), or None."""
     flush_checkpoints(cfg, breakpoint)
-    _KEEPERS.pop(cfg.job_id, None)
+    directory = _KEEPERS.pop(cfg.job_id, None)
+    failed = persist_failure(directory) if directory is not None else None
     joined = (_read(Path(cfg.out) / "config.json") or {}).get("job_id")
     for job in {cfg.job_id, joined} - {None, ""}:
-        for directory in shm_root().glob(f"resihp-{job}-n*"):
-            stop_keeper(directory)
+        for tier in shm_root().glob(f"resihp-{job}-n*"):
+            stop_keeper(tier)
+    return failed
 
 
 def restartable(outcome) -> bool:
