@@ -122,7 +122,7 @@ def test_lengths_limit_counts_lengths_not_lines(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"l.txt: more than 2 sequence lengths .*--max-lengths"):
         load_lengths(path, limit=2)
     path.write_text("3\n" + "9" * 30 + "\n")
-    with pytest.raises(InputError, match=r"l.txt:2: sequence length must be a positive 64-bit"):
+    with pytest.raises(InputError, match=r"l.txt:2: sequence length must fit in 64 bits"):
         load_lengths(path)
 
 

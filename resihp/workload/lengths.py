@@ -39,9 +39,11 @@ def load_lengths(path: str | Path, limit: int | None = None, flag: str = "--max-
                     raise InputError(
                         f"{path}:{number}: expected one integer sequence length per line, got {text[:40]!r}"
                     ) from None
-                if value <= 0 or value >= 2**63:
-                    raise InputError(f"{path}:{number}: sequence length must be a positive 64-bit "
-                                     f"integer, got {value if value <= 0 else text[:40]}")
+                if value <= 0:
+                    raise InputError(f"{path}:{number}: sequence length must be positive, got {value}")
+                if value >= 2**63:
+                    raise InputError(f"{path}:{number}: sequence length must fit in 64 bits, got "
+                                     f"{text[:40]}...")
                 if limit is not None and len(values) >= limit:
                     raise InputError(f"{path}: more than {limit} sequence lengths (line {number}); "
                                      f"raise {flag} to read more, or cut the file")
@@ -49,8 +51,8 @@ def load_lengths(path: str | Path, limit: int | None = None, flag: str = "--max-
     except OSError as exc:
         raise InputError(f"{path}: cannot read lengths file ({exc.strerror})") from None
     except UnicodeDecodeError:
-        raise InputError(f"{path}:{number + 1}: not a text file (expected one integer sequence "
-                         "length per line)") from None
+        raise InputError(f"{path}: not a text file (expected one integer sequence length per "
+                         f"line; undecodable bytes after line {number})") from None
     if not values:
         raise InputError(f"{path}: no sequence lengths found (expected one integer per line)")
     return np.frombuffer(values, dtype=np.int64).copy()
