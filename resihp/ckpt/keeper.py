@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from resihp.ckpt.integrity import candidates, step_of
@@ -35,10 +36,11 @@ from resihp.ckpt.memory import (
     publish,
     read_json,
     shm_root,
+    start_time,
     verify_all,
     write_json_atomic,
 )
-from resihp.errors import SetupError
+from resihp.errors import SetupError, disk_full
 from resihp.procexit import run_then_exit
 
 POLL_S = 0.005
@@ -49,6 +51,8 @@ PERSIST_JOIN_S = 8.0  # a stopping keeper waits this long for the checkpoint it 
 END = "END"  # written by stop_keeper: the job is over, SIGTERM means remove the tier
 FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe write the newest
 FLUSHED = "flushed.json"  # the keeper's answer to it
+PERSIST_FAILED = "persist_failed.json"  # the first checkpoint the keeper could not write, and why
+OWNER = "owner.json"  # the job's owner as the keeper saw it at start: PID and start time
 
 
 def keeper_pid(directory: Path) -> int | None:
@@ -198,6 +202,8 @@ class Keeper:
                     sys.exit(0)
                 time.sleep(0.01)
         (self.dir / PID).write_text(str(os.getpid()))
+        if self.owner:  # what tells a later job whether this tier's job is over (left_tiers)
+            write_json_atomic(self.dir / OWNER, {"pid": self.owner, "start": start_time(self.owner)})
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         checked = 0.0
@@ -305,8 +311,19 @@ class Keeper:
             from resihp.ckpt import persist
 
             done = persist.write_checkpoint(self.dir, headers, reason)
-        except Exception as exc:  # a failed checkpoint must not take the memory tier down with it
+        except BaseException as exc:  # a failed checkpoint must not take the memory tier down with it
+            # (DCP's CheckpointException, what a full disk raises in its writer, is a BaseException)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             print(f"resihp keeper: checkpoint of step {headers[0].step} failed: {exc!r}", file=sys.stderr, flush=True)
+            if not (self.dir / PERSIST_FAILED).exists():  # the launcher reads it (persist_failure)
+                # the cause, not DCP's wrapper of it (its per-rank failures)
+                cause = disk_full(exc) or next(iter((getattr(exc, "failures", None) or {}).values()), exc)
+                first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+                with contextlib.suppress(OSError):
+                    write_json_atomic(self.dir / PERSIST_FAILED, {
+                        "step": headers[0].step, "error": f"{type(cause).__name__}: {first}",
+                        "disk_full": disk_full(exc) is not None or _full(headers)})
             return None
         finally:
             self._dirty = True  # newer steps may have become complete meanwhile
@@ -382,3 +399,78 @@ def inspect_tier(directory: Path, verify: bool = True) -> dict:
                       "verified": tier.verify(h) if verify else None, "published_s": h.published_s})
     pending = sorted(p.name.removesuffix(".pending.json") for p in directory.glob("rank*.pending.json"))
     return {"dir": str(directory), "keeper_pid": keeper_pid(directory), "slots": slots, "pending": pending}
+
+
+@dataclass(frozen=True)
+class LeftTier:
+    """A memory tier of another job in the tier root: its folder, its owner (the launcher or
+    torchrun's agent) as its keeper recorded it, and whether that owner is provably gone."""
+
+    path: Path
+    owner_pid: int | None  # None: no owner recorded (a keeper of an older resihp, or starting)
+    owner_dead: bool  # the owner's PID is gone or names another process (its start time differs)
+    keeper_running: bool
+    nbytes: int
+
+    @property
+    def reclaimable(self) -> bool:
+        """Its job is over for sure: no keeper holds it and its owner is provably dead."""
+        return self.owner_dead and not self.keeper_running
+
+    def describe(self) -> str:
+        owner = (f"owner PID {self.owner_pid} {'gone' if self.owner_dead else 'running'}"
+                 if self.owner_pid is not None else "no owner recorded")
+        return (f"{self.path} ({self.nbytes / 2**20:.0f} MiB, {owner}; remove it with "
+                f"rm -rf {self.path} once its job is over)")
+
+
+def _size(directory: Path) -> int:
+    total = 0
+    for entry in directory.glob("*"):
+        with contextlib.suppress(OSError):
+            total += entry.stat().st_size
+    return total
+
+
+def left_tiers(exclude: Path | None = None, root: Path | None = None) -> list[LeftTier]:
+    """The memory tiers in ``root`` (default: the tier root) other than ``exclude``, each with its
+    owner's state, judged by the PID and start time its keeper recorded."""
+    found = []
+    for path in sorted((root or shm_root()).glob("resihp-*-n*")):
+        if not path.is_dir() or (exclude is not None and path == Path(exclude)):
+            continue
+        record = read_json(path / OWNER) or {}
+        pid, started = record.get("pid"), record.get("start")
+        pid = pid if isinstance(pid, int) and pid > 0 else None
+        dead = pid is not None and (start_time(pid) is None or start_time(pid) != started)
+        found.append(LeftTier(path, pid, dead, keeper_pid(path) is not None, _size(path)))
+    return found
+
+
+def reclaim_dead_tiers(exclude: Path | None = None) -> list[LeftTier]:
+    """Remove the tiers of jobs provably over (no keeper, owner gone: a launcher and keeper
+    SIGKILLed together leave theirs); returns those removed, each said in one line on stderr."""
+    gone = []
+    for tier in left_tiers(exclude):
+        if tier.reclaimable:
+            shutil.rmtree(tier.path, ignore_errors=True)
+            gone.append(tier)
+            print(f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
+                  f"MiB; its owner PID {tier.owner_pid} is gone)", file=sys.stderr, flush=True)
+    return gone
+
+
+def _full(headers: list) -> bool:
+    """Whether the checkpoint root of ``headers`` has no space left (DCP's writer may lose the
+    errno: a zip writer's "unexpected pos")."""
+    try:
+        st = os.statvfs(Path(headers[0].persist["root"]))
+    except (OSError, KeyError, TypeError, IndexError):
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
+def persist_failure(directory: Path) -> dict | None:
+    """The first checkpoint the keeper of ``directory`` could not write (``step``, ``error``,
+    ``disk_full``), or None."""
+    return read_json(Path(directory) / PERSIST_FAILED)

@@ -135,6 +135,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (None when it is gone or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
 def _holder(path: Path) -> int | None:
     """The PID in a hold file; None if there is none (a hold being written counts as held)."""
     try:

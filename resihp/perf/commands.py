@@ -13,6 +13,7 @@ import typer
 from resihp.cli_options import Seed, renamed
 from resihp.errors import InputError
 from resihp.progress import progress_bar
+from resihp.workload.lengths import MAX_LENGTHS, load_lengths
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
@@ -53,6 +54,8 @@ def profile_cmd(
                                               "chunked")] = None,
     lengths: Annotated[Path, typer.Option(help="Explicit sequence lengths, one integer per line, "
                                           "packed in file order")] = None,
+    max_lengths: Annotated[int, typer.Option(min=1, help="Most lengths read from --lengths; a longer "
+                                             "file is refused (one line)")] = MAX_LENGTHS,
     layers: int = 2, hidden: int = 256, heads: int = 4, ffn_hidden: int = 1024,
     budget: Annotated[int, typer.Option(min=1, help="Micro-batch token budget")] = 1024,
     max_len: Annotated[int, typer.Option(min=1, help="Longest sequence; longer documents are chunked")] = 1024,
@@ -76,7 +79,6 @@ def profile_cmd(
 
     from resihp.model.config import GPTConfig
     from resihp.perf.calibrate import draw_microbatches, profile_summary, run_profile, write_profile
-    from resihp.workload.lengths import load_lengths
     from resihp.workload.packing import pack_greedy
 
     output = _out(out, output)
@@ -97,7 +99,7 @@ def profile_cmd(
         torch.set_num_threads(threads)
     batches: list[tuple[str, np.ndarray]] = []
     if lengths is not None:
-        seqs = load_lengths(lengths)
+        seqs = load_lengths(lengths, limit=max_lengths)
         if seqs.max() > budget:
             raise InputError(f"{lengths}: sequence length {int(seqs.max())} exceeds --budget {budget}")
         batches += [(str(lengths), b) for b in pack_greedy(seqs, budget)]

@@ -226,7 +226,15 @@ def _finish(folder, cfg, outcome, summary: dict, job_id: str | None = None) -> N
     from resihp.runtime.snapshots import stop_keepers
 
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
-    stop_keepers(cfg, breakpoint=state != "done")  # the job is over: checkpoints owed written, memory tiers gone
+    # the job is over: checkpoints owed written, memory tiers gone
+    lost = stop_keepers(cfg, breakpoint=state != "done")
+    if lost is not None:  # a checkpoint the keeper could not write (a full disk): never a silent "done"
+        good, _ = newest_good(cfg.ckpt_root(), job_id or cfg.job_id, cfg.model_hash())
+        why = "disk full" if lost.get("disk_full") else "failed"
+        said = (f"checkpoint of step {lost.get('step')} not written ({why}: {lost.get('error')}); "
+                f"newest good checkpoint: {good if good else 'none'}")
+        outcome.error = f"{outcome.error}; {said}" if outcome.error else said
+        state = "interrupted" if outcome.interrupted else "failed"
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
     if state != "done":  # the newest good checkpoint of this job is where it can go on from
         ckpt, _ = newest_good(cfg.ckpt_root(), job_id or cfg.job_id, cfg.model_hash())

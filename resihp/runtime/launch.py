@@ -8,8 +8,11 @@ node gloo's sockets are bound to the loopback interface too.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -41,6 +44,46 @@ def _wait_listening(addr: str, port: int, timeout_s: float) -> float:
             time.sleep(min(0.1, max(0.0, left)))
 
 
+# TCPStore's handshake as its client opens it (torch's c10d wire protocol, read off a real
+# client): VALIDATE (query 0) with the magic number, then PING (query 13) with a nonce the server
+# echoes. A listener that is not a TCPStore leaves the client waiting past its timeout (silence)
+# or retrying with C++ stack traces (garbage), so the join is probed here first.
+_VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+_PING = 13
+PROBE_REPLY_S = 10.0  # a store answers its ping at once; a longer silence is not a store
+
+
+def probe_store(addr: str, port: int, timeout_s: float, option: str = "--rdzv-endpoint") -> None:
+    """InputError (one line) unless a TCPStore answers at ``addr:port`` within ``timeout_s``
+    (its handshake's reply at most :data:`PROBE_REPLY_S`): names the endpoint, what it sent
+    (or that it said nothing) and what was expected."""
+    nonce = os.getpid() & 0xFFFFFFFF
+    wait = max(0.05, min(timeout_s, PROBE_REPLY_S))
+    where = f"{option} {addr}:{port}"
+    expected = "expected a resihp job store (torch's TCPStore, node 0's --rdzv-endpoint)"
+    try:
+        sock = socket.create_connection((addr, port), timeout=wait)
+    except OSError as exc:
+        raise InputError(f"{where}: cannot connect ({exc.strerror or exc}); {expected}") from None
+    got = b""
+    with sock, contextlib.suppress(OSError):  # a timeout, a reset: judged by what came
+        sock.sendall(_VALIDATE + bytes([_PING]) + struct.pack("<I", nonce))
+        end = time.monotonic() + wait
+        while len(got) < 4 and time.monotonic() < end:
+            sock.settimeout(max(0.01, end - time.monotonic()))
+            chunk = sock.recv(4 - len(got))
+            if not chunk:
+                break
+            got += chunk
+    if got == struct.pack("<I", nonce):
+        return
+    if not got:
+        raise InputError(f"{where}: something listens there but did not answer the store's "
+                         f"handshake within {wait:g} s; {expected}")
+    raise InputError(f"{where}: answered the store's handshake with {got!r}, not a TCPStore's "
+                     f"reply; {expected}")
+
+
 class JobStore:
     """The job's store (a TCPStore): the rendezvous of torchrun's agents, the workers' process
     group and the control plane. ``host=True``: listen on ``endpoint``'s address only (the socket is
@@ -70,6 +113,9 @@ class JobStore:
             self.addr, self.port = addr, port
             try:
                 left = _wait_listening(addr, port, timeout_s)
+                t0 = time.monotonic()
+                probe_store(addr, port, left, option)
+                left = max(1.0, left - (time.monotonic() - t0))
                 self.store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=left))
             except (OSError, RuntimeError, dist.DistError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

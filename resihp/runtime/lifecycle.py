@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from resihp.ckpt.memory import start_time
 from resihp.errors import InputError
 from resihp.paths import write_text_atomic
 
@@ -168,16 +169,6 @@ def dump_stacks(pid: int, log: Path, why: str) -> bool:
 def guarded(cmd: list[str]) -> list[str]:
     """``cmd`` run so that it dies with this process (see the module docstring)."""
     return [sys.executable, "-m", "resihp.runtime.lifecycle", "--parent", str(os.getpid()), "--", *cmd]
-
-
-def start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (None when it is gone or a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return None if fields[0] in "ZX" else int(fields[19])
 
 
 def _parents() -> dict[int, int]:

@@ -12,11 +12,20 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from resihp.ckpt.keeper import ensure_keeper, request_flush, request_verify, stop_keeper
+from resihp.ckpt.keeper import (
+    ensure_keeper,
+    left_tiers,
+    persist_failure,
+    reclaim_dead_tiers,
+    request_flush,
+    request_verify,
+    stop_keeper,
+)
 from resihp.ckpt.memory import MemoryTier, plan_shards, shm_root, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import KEEPER_WAIT
+from resihp.errors import InputError
 from resihp.runtime.config import RunConfig
 from resihp.runtime.engine import Engine
 
@@ -47,6 +56,20 @@ def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
             "run": {"weights": list(engine.weights), "plan_version": engine.plan_version}}
 
 
+def check_capacity(tier: MemoryTier, need_bytes: int, ranks_here: int) -> None:
+    """:meth:`MemoryTier.check_capacity` after the tiers of dead jobs are reclaimed; a refusal
+    names the other jobs' tiers still there (path, owner PID, how to remove it)."""
+    reclaim_dead_tiers(exclude=tier.dir)
+    try:
+        tier.check_capacity(need_bytes, ranks_here)
+    except InputError as exc:
+        others = left_tiers(exclude=tier.dir)
+        if not others:
+            raise
+        raise InputError(f"{exc}; other jobs' memory tiers there: "
+                         + "; ".join(t.describe() for t in others)) from None
+
+
 class MemorySnapshots:
     """One rank's memory tier for the job: restore at start, a snapshot after each K-th step.
     ``persist_root`` (``OUT/ckpt``): the keeper writes the universal checkpoints there from the
@@ -64,7 +87,7 @@ class MemorySnapshots:
         holds = sum(1 for r in local_ranks if r != engine.rank and copy_holder(engine, r, local_ranks) == engine.rank)
         _, nbytes = plan_shards(state_tensors(engine.model, engine.optimizer))
         # two slots per rank, plus the copies this rank keeps (about its own size: same model)
-        self.tier.check_capacity((2 + holds) * nbytes, len(local_ranks))
+        check_capacity(self.tier, (2 + holds) * nbytes, len(local_ranks))
         # the keeper is owned by the launcher (resihp run: it started node 0's and restarts it if it
         # dies) or by torchrun's agent (plain torchrun); a rank starts it where none runs (another
         # node of a resihp run, or the first rank under torchrun) and restarts it while waiting on it
@@ -158,6 +181,7 @@ def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
     if node != 0:  # the job's id comes from node 0 (at joining): the ranks start this node's keeper
         return None
     directory = tier_dir(cfg.job_id, node)
+    reclaim_dead_tiers(exclude=directory)  # a dead job's tier (its launcher and keeper killed) goes
     warm = bool(cfg.checkpoint.ckpt_every)  # it may write the checkpoints: torch loads while the job starts
     ensure_keeper(directory, os.getpid(), warm=warm)
     _KEEPERS[cfg.job_id] = directory
@@ -181,16 +205,19 @@ def flush_checkpoints(cfg: RunConfig, breakpoint: bool) -> dict | None:
     return request_flush(directory, newest=breakpoint)
 
 
-def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> None:
+def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> dict | None:
     """The job is over: its checkpoints owed are written (:func:`flush_checkpoints`), and its
     memory tiers on this machine go (node 0's, started here; another node's, named by the job id
-    it joined under, from ``OUT/config.json``)."""
+    it joined under, from ``OUT/config.json``). Returns the first checkpoint node 0's keeper
+    could not write (``resihp.ckpt.keeper.persist_failure``), or None."""
     flush_checkpoints(cfg, breakpoint)
-    _KEEPERS.pop(cfg.job_id, None)
+    directory = _KEEPERS.pop(cfg.job_id, None)
+    failed = persist_failure(directory) if directory is not None else None
     joined = (_read(Path(cfg.out) / "config.json") or {}).get("job_id")
     for job in {cfg.job_id, joined} - {None, ""}:
-        for directory in shm_root().glob(f"resihp-{job}-n*"):
-            stop_keeper(directory)
+        for tier in shm_root().glob(f"resihp-{job}-n*"):
+            stop_keeper(tier)
+    return failed
 
 
 def restartable(outcome) -> bool:

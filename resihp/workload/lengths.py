@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -16,32 +17,45 @@ def source_names() -> list[str]:
     return sorted(p.stem for p in LENGTHS_DIR.glob("*.txt"))
 
 
-def load_lengths(path: str | Path) -> np.ndarray:
-    """Read one positive integer per line (blank lines and ``#`` comments are skipped)."""
+MAX_LENGTHS = 1_000_000  # ``resihp profile --max-lengths``'s default: far more than a profile times
+
+
+def load_lengths(path: str | Path, limit: int | None = None, flag: str = "--max-lengths") -> np.ndarray:
+    """Read one positive integer per line (blank lines and ``#`` comments are skipped), streamed
+    (8 bytes a length held); ``limit``: at most this many lengths, InputError naming the file, the
+    limit and ``flag`` (the option that raises it) past that."""
     path = Path(path)
+    values = array("q")
+    number = 0
     try:
-        lines = path.read_text().splitlines()
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                text = line.split("#", 1)[0].strip()
+                if not text:
+                    continue
+                try:
+                    value = int(text)
+                except ValueError:
+                    raise InputError(
+                        f"{path}:{number}: expected one integer sequence length per line, got {text[:40]!r}"
+                    ) from None
+                if value <= 0:
+                    raise InputError(f"{path}:{number}: sequence length must be positive, got {value}")
+                if value >= 2**63:
+                    raise InputError(f"{path}:{number}: sequence length must fit in 64 bits, got "
+                                     f"{text[:40]}...")
+                if limit is not None and len(values) >= limit:
+                    raise InputError(f"{path}: more than {limit} sequence lengths (line {number}); "
+                                     f"raise {flag} to read more, or cut the file")
+                values.append(value)
     except OSError as exc:
         raise InputError(f"{path}: cannot read lengths file ({exc.strerror})") from None
     except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file (expected one integer sequence length per line)") from None
-    values = []
-    for number, line in enumerate(lines, start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        try:
-            value = int(text)
-        except ValueError:
-            raise InputError(
-                f"{path}:{number}: expected one integer sequence length per line, got {text!r}"
-            ) from None
-        if value <= 0:
-            raise InputError(f"{path}:{number}: sequence length must be positive, got {value}")
-        values.append(value)
+        raise InputError(f"{path}: not a text file (expected one integer sequence length per "
+                         f"line; undecodable bytes after line {number})") from None
     if not values:
         raise InputError(f"{path}: no sequence lengths found (expected one integer per line)")
-    return np.asarray(values, dtype=np.int64)
+    return np.frombuffer(values, dtype=np.int64).copy()
 
 
 def resolve_source(source: str, name: str = "length source") -> np.ndarray:
