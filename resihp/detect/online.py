@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from resihp.detect.budget import bank_budget, job_arl0
 from resihp.detect.changepoint import CusumBank
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event, events_json
@@ -408,6 +409,21 @@ class OnlineDetector:
                          "adapted": bool(bank.adapted[i])}
                 for i in np.flatnonzero(bank.calibrated)}
 
+    def budget(self) -> dict:
+        """The error budget of every calibrated series (``budget``): per series name (``compute``:
+        each rank's own work; ``pipeline``, ``gradient-sync``: its links; each phase) and index,
+        its noise, thresholds, expected steps between false alarms, delays at x1.5 and x2 and
+        Lorden's bound; ``job_arl0_steps``: steps between false alarms over them all."""
+        floor = self.cfg.alarm_floor
+        series = {"compute": bank_budget(self.compute, floor),
+                  "pipeline": bank_budget(self.link, floor),
+                  "gradient-sync": bank_budget(self.sync, floor),
+                  **{p: bank_budget(b, floor) for p, b in self.phase_banks.items()}}
+        every = [b for per in series.values() for b in per.values()]
+        return {"alarm_floor": floor, "job_arl0_steps": job_arl0(every),
+                "series": {name: {str(i): b for i, b in per.items()}
+                           for name, per in series.items() if per}}
+
     def _close_event(self, kind: str, i: int, end_step: int, slowdown: float) -> None:
         self._bank_of.pop((kind, i), None)
         ev = self._open.pop((kind, i), None)
@@ -705,6 +721,23 @@ def noise_warnings(noise: dict, cfg: DetectorConfig) -> list[str]:
             "--sensitivity trades sooner detection for false alarms)"]
 
 
+def budget_line(budget: dict) -> str:
+    """One line of an error budget (``OnlineDetector.budget``): the job's steps between false
+    alarms and, over the own-work series, the median delays at x2 and x1.5 against Lorden's."""
+    comp = list(budget.get("series", {}).get("compute", {}).values())
+
+    def med(field: str) -> str:
+        v = [b[field] for b in comp if b.get(field) is not None]
+        return f"{float(np.median(v)):.3g}" if v else "-"
+
+    arl = budget.get("job_arl0_steps")
+    return (f"error budget: a false alarm every {arl:.3g} steps (job), "
+            if arl else "error budget: no false alarm expected (job), ") + (
+        f"delay x2 {med('delay_x2_steps')} steps (Lorden {med('lorden_x2_steps')}), x1.5 "
+        f"{med('delay_x1_5_steps')} (Lorden {med('lorden_x1_5_steps')}), floor "
+        f"x{budget['alarm_floor']:g}")
+
+
 PHASES = ("forward", "backward", "optimizer")
 SHARE_RATE = 0.1  # weight of a step in a phase's running share of the rank's compute
 _PHASE_OPTYPES = {"forward": ("forward-compute",), "backward": ("backward-compute",),
@@ -891,4 +924,4 @@ def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: Expect
         parts.append(part.obs)
     obs = Observations.joined(parts)
     return events_json(events, steps=len(obs.steps), ranks=int(df["rank"].nunique()),
-                       cost_model=obs.cost_model, noise=det.noise())
+                       cost_model=obs.cost_model, noise=det.noise(), budget=det.budget())

@@ -214,7 +214,8 @@ class LiveDetection:
                        **({"phase": ev.extra["phase"]} if "phase" in ev.extra else {})}
                       for ev in sorted(open_.values(), key=lambda e: e.rank)]
         return {"stragglers": stragglers, "events": events, "steps": self.seen,
-                "noise": {str(r): v for r, v in self.detector.noise().items()}}
+                "noise": {str(r): v for r, v in self.detector.noise().items()},
+                "budget": self.detector.budget()}
 
 
 def _log_event(e: dict) -> None:
