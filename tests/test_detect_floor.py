@@ -182,3 +182,25 @@ def test_the_detector_budget_is_its_fitted_noise_and_thresholds():
         assert comp[str(r)]["h"] == pytest.approx(bank.h[r], rel=1e-3)
     assert comp["3"]["sigma"] > comp["0"]["sigma"] and comp["3"]["k"] != comp["0"]["k"]
     assert det.budget()["job_arl0_steps"] <= min(b["arl0_steps"] for b in comp.values())
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0.5", "live.alarm_floor (--alarm-floor): expected a number >= 1, got 0.5"),
+    ("inf", "live.alarm_floor (--alarm-floor): expected a finite number, got inf")])
+def test_resihp_run_rejects_a_bad_floor_in_one_line(value, message, monkeypatch, capsys):
+    import sys
+
+    from resihp.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["resihp", "run", "--alarm-floor", value])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_live_config_carries_the_floor_to_the_detector():
+    from resihp.runtime.config import LiveConfig
+
+    assert LiveConfig().alarm_floor == DetectorConfig().alarm_floor == 1.25
