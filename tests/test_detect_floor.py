@@ -204,3 +204,33 @@ def test_the_live_config_carries_the_floor_to_the_detector():
     from resihp.runtime.config import LiveConfig
 
     assert LiveConfig().alarm_floor == DetectorConfig().alarm_floor == 1.25
+
+
+def test_follow_reports_the_same_budget_as_detect():
+    """``resihp follow`` (``LiveDetection.report``) over a trace's records as they arrive gives the
+    budget ``detect_trace`` gives on the whole trace."""
+    from resihp.detect.online import detect_trace
+    from resihp.runtime.follow import LiveDetection
+
+    job = SimJob(dp=2, pp=2, steps=40, source="code", seed=5)
+    df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), _noise())
+
+    class Steps:  # the job's records as its store hands them out, ten steps a poll
+        meta, meta_dict, at = job.meta(), None, 0
+
+        def complete_steps(self):
+            steps = sorted(df["step"].unique())[self.at:self.at + 10]
+            self.at += 10
+            return [(s, df[df["step"] == s].to_dict("records")) for s in steps]
+
+        def finished(self):
+            return self.at >= df["step"].nunique()
+
+    follow = LiveDetection(None, source=Steps())
+    while not follow.steps.finished():
+        follow.poll()
+    live = follow.report()["budget"]
+    whole = detect_trace(df, job.meta())["budget"]
+    assert set(live["series"]["compute"]) == {str(r) for r in range(job.world_size)}
+    assert live["series"]["compute"] == whole["series"]["compute"]
+    assert live["job_arl0_steps"] is not None

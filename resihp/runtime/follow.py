@@ -279,6 +279,6 @@ class Follower(threading.Thread):
 
     def report(self) -> dict:
         if self.detection is None:
-            return {"stragglers": [], "events": [], "steps": 0, "noise": {},
+            return {"stragglers": [], "events": [], "steps": 0, "noise": {}, "budget": {},
                     **({"error": self.error} if self.error else {})}
         return {**self.detection.report(), **({"error": self.error} if self.error else {})}
