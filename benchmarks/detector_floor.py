@@ -44,7 +44,8 @@ def main() -> None:
     ap.add_argument("--floors", type=float, nargs="+", default=[1.25])
     ap.add_argument("--before", nargs="*", default=[], help="SEED=FILE of a detect-eval JSON")
     args = ap.parse_args()
-    before = {int(s): cases(json.loads(Path(f).read_text())) for s, f in (b.split("=", 1) for b in args.before)}
+    pairs = (b.split("=", 1) for b in args.before)
+    before = {int(s): cases(json.loads(Path(f).read_text())) for s, f in pairs}
     out: dict = {"seeds": args.seeds, "floors": args.floors, "runs": {}}
     for seed in args.seeds:
         for floor in args.floors:

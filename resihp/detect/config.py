@@ -86,7 +86,8 @@ class DetectorConfig:
         if self.min_slowdown < 1:
             raise InputError(f"detector config: min_slowdown must be >= 1, got {self.min_slowdown}")
         floor = self.alarm_floor
-        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 1 <= floor < math.inf:
+        number = isinstance(floor, (int, float)) and not isinstance(floor, bool)
+        if not number or not 1 <= floor < math.inf:
             raise InputError("detector config: alarm_floor must be a finite factor >= 1 (x slower "
                              f"than expected, e.g. 1.25), got {floor!r}")
         for name in ("target_slowdown", "phase_min_slowdown"):

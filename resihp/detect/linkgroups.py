@@ -34,7 +34,8 @@ class LinkAlarm:
     ready: bool
 
 
-def onset_groups(alarms: list[LinkAlarm], tolerance: int = ONSET_TOLERANCE) -> list[list[LinkAlarm]]:
+def onset_groups(alarms: list[LinkAlarm],
+                 tolerance: int = ONSET_TOLERANCE) -> list[list[LinkAlarm]]:
     """``alarms`` of one traffic cut into groups of onsets chained within ``tolerance`` steps."""
     out: list[list[LinkAlarm]] = []
     for a in sorted(alarms, key=lambda x: (x.onset, x.key)):

@@ -229,7 +229,7 @@ class OnlineDetector:
 
     def _rank_alarm(self, step: int, i: int, onset: int, slowdown: float,
                     confidence: float) -> list[Event]:
-        """Rank ``i``'s whole own work alarmed (at or above the floor): a fail-slow, or the take-over
+        """Rank ``i``'s whole own work alarmed at or above the floor: a fail-slow, or the take-over
         of the one a phase opened (the whole rank is slow: its bank takes the event over)."""
         ev = self._open.get(("fail-slow", i))
         if ev is None:
@@ -245,7 +245,7 @@ class OnlineDetector:
     def _floored(self, key: tuple[str, int], onset: int, confidence: float, factor: float,
                  ends: list[int] | None = None) -> bool:
         """Whether an alarm of measured ``factor`` is raised now: at or above ``alarm_floor``;
-        below it, it is held (``_due`` raises it once its level since ``onset`` reaches the floor)."""
+        below it, it is held (``_due`` raises it once its level since ``onset`` reaches it)."""
         if factor >= self.cfg.alarm_floor:
             self._held.pop(key, None)
             return True
@@ -333,7 +333,8 @@ class OnlineDetector:
         for a in alarms:
             if (("fail-slow", a.index) in self._open
                     or self._floored((name, a.index), a.onset_step, a.confidence, a.slowdown)):
-                out += self._phase_alarm(step, name, a.index, a.onset_step, a.slowdown, a.confidence)
+                out += self._phase_alarm(step, name, a.index, a.onset_step, a.slowdown,
+                                         a.confidence)
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index)) is bank:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
@@ -490,7 +491,8 @@ class OnlineDetector:
             if self._pipeline_has_fail_slow(i):
                 self._drop_link_alarm(i)
                 continue
-            found.append(LinkAlarm(("pipeline", i), ends or [i], "pipeline", onset, factor, conf, True))
+            found.append(LinkAlarm(("pipeline", i), ends or [i], "pipeline", onset, factor, conf,
+                                   True))
         for a in alarms:
             # a transfer that waited on a slow compute neighbour is not a slow link
             if self._pipeline_has_fail_slow(a.index):
@@ -547,8 +549,8 @@ class OnlineDetector:
             members = [a for a in group if a.ranks]
             for a in members:  # held below the floor: measured now
                 if not a.ready and a.key not in reported:
-                    a.factor = self._link_slowdown(traffic, a.ranks if name == "sync" else a.ranks[:1],
-                                                   a.onset, 1.0)
+                    ends = a.ranks if name == "sync" else a.ranks[:1]
+                    a.factor = self._link_slowdown(traffic, ends, a.onset, 1.0)
             if shared is None and len(members) == 1:
                 out.append(self._open_link(step, new[0]))
                 continue
