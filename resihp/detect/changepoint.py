@@ -307,6 +307,14 @@ class CusumBank:
         best = int(np.argmax(score))
         return int(steps[best]), float(tail_sum[best]), int(tail_n[best])
 
+    def level_since(self, i: int, onset: int) -> float | None:
+        """Series ``i``'s mean deviation over its observed steps from ``onset`` on (those still in
+        the history), as a ratio: the level a shift begun at ``onset`` has had; None without any."""
+        order = np.argsort(self._hist_step)
+        steps, v = self._hist_step[order], self._hist[order, i]
+        v = v[(steps >= onset) & ~np.isnan(v)]
+        return float(np.exp(np.mean(v) / self.share)) if v.size else None
+
     def episode_slowdown(self, i: int) -> float:
         """Mean slowdown over the raised steps of the current alarm of series ``i``."""
         return float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1) / self.share))

@@ -55,6 +55,10 @@ def detect_cmd(
     calibration_steps: Annotated[int, typer.Option(
         min=3, help="Steps of each rank its healthy baseline (centre and noise) is learned "
         "on")] = DetectorConfig.calibration_steps,
+    alarm_floor: Annotated[float, typer.Option(help="Effect-size floor: no fail-slow or link-slow "
+                                               "is raised below this factor (x slower than "
+                                               "expected; DetectorConfig.alarm_floor)")
+                           ] = DetectorConfig.alarm_floor,
     json_out: Annotated[bool, typer.Option("--json", help="Print the event JSON")] = False,
 ) -> None:
     """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file).
@@ -66,7 +70,7 @@ def detect_cmd(
     from resihp.detect.events import events_json
     from resihp.detect.expected import load_expected, stage_shape
     from resihp.detect.observe import infer_meta, layout_parts
-    from resihp.detect.online import noise_warnings
+    from resihp.detect.online import budget_line, noise_warnings
     from resihp.opstrace import read_meta, read_ops_trace, read_run_folder
 
     predictor = renamed(predictor, model, "--model", "--predictor")
@@ -92,7 +96,8 @@ def detect_cmd(
     device = (meta_dict or {}).get("device")
     expected = (load_expected(predictor, stage_shape(job, meta_dict), str(device) if device else None)
                 if predictor is not None else None)
-    cfg = DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps)
+    cfg = DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps,
+                         alarm_floor=alarm_floor)
     detectors: dict = {}
     with warnings.catch_warnings():  # ranks absent from a step are NaN by design
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -107,6 +112,7 @@ def detect_cmd(
     if method == "resihp":
         doc["noise"] = {str(r): v for r, v in detectors[method].noise().items()}
         doc["warnings"] = noise_warnings(doc["noise"], cfg)
+        doc["budget"] = detectors[method].budget()
     needed = cfg.calibration_steps + cfg.min_persist  # learn each rank's noise, then see a fault persist
     doc["judged"] = doc["steps"] >= needed
     parts = [part for part, _ in layout_parts(df, job)] if input_format == "ops" else [df]
@@ -132,6 +138,8 @@ def detect_cmd(
                f"(cost model: {doc['cost_model']}); {len(doc['events'])} event(s)")
     if not doc["judged"]:
         typer.echo(f"  {doc['note']}")
+    if doc.get("budget"):
+        typer.echo(f"  {budget_line(doc['budget'])}")
     for w in doc.get("warnings", []):
         typer.echo(f"  warning: {w}")
     for e in doc["events"]:

@@ -39,6 +39,9 @@ class DetectorConfig:
     min_persist: int = 3
     # an alarm needs an estimated slowdown at least this large (tiny persistent drifts are not faults)
     min_slowdown: float = 1.08
+    # the effect-size floor: no fail-slow or link-slow is raised whose measured factor (x slower
+    # than expected) is below it; a test that alarms below it is held until the factor reaches it
+    alarm_floor: float = 1.25
     sigma_floor: float = 0.01
     # no rank's noise is taken as less than this fraction of the typical rank's
     pooled_sigma: float = 1.0
@@ -82,6 +85,11 @@ class DetectorConfig:
             raise InputError(f"detector config: baseline_rate must be in [0, 1), got {self.baseline_rate}")
         if self.min_slowdown < 1:
             raise InputError(f"detector config: min_slowdown must be >= 1, got {self.min_slowdown}")
+        floor = self.alarm_floor
+        number = isinstance(floor, (int, float)) and not isinstance(floor, bool)
+        if not number or not 1 <= floor < math.inf:
+            raise InputError("detector config: alarm_floor must be a finite factor >= 1 (x slower "
+                             f"than expected, e.g. 1.25), got {floor!r}")
         for name in ("target_slowdown", "phase_min_slowdown"):
             if not getattr(self, name) > 1:
                 raise InputError(f"detector config: {name} must be above 1, got {getattr(self, name)!r}")

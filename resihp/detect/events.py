@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEVICE_FAULTS = ("fail-slow", "fail-stop", "link-slow")
-NOT_DEVICE_FAULTS = ("workload-imbalance", "stage-imbalance")
+NOT_DEVICE_FAULTS = ("workload-imbalance", "stage-imbalance", "shared-link-slow")
 
 
 @dataclass

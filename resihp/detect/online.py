@@ -23,10 +23,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from resihp.detect.budget import bank_budget, job_arl0
 from resihp.detect.changepoint import CusumBank
 from resihp.detect.config import DetectorConfig
 from resihp.detect.events import Event, events_json
 from resihp.detect.fitted import fit_trace
+from resihp.detect.linkgroups import LinkAlarm, join, onset_groups, shared_event
 from resihp.detect.observe import (
     ExpectedCompute,
     Observations,
@@ -71,6 +73,11 @@ class OnlineDetector:
         self._bank_of: dict[tuple[str, int], CusumBank] = {}
         self.events: list[Event] = []
         self._open: dict[tuple[str, int], Event] = {}
+        # alarms whose measured factor is below ``alarm_floor``: per (series, index) its onset,
+        # confidence and (links) ends, until the factor reaches the floor or the series recovers
+        self._held: dict[tuple[str, int], tuple[int, float, list[int] | None]] = {}
+        # the links of open shared-link findings (``linkgroups``), by held key
+        self._shared: dict[tuple[str, int], Event] = {}
         self._last_step: int | None = None
         self._steps_seen = 0
         self._wl_open: dict[int, Event] = {}
@@ -114,7 +121,11 @@ class OnlineDetector:
             new._phase_share[p] = np.where(source >= 0, share[np.maximum(source, 0)], np.nan)
         new.events = self.events
         # each old rank's new rank, looked up for the few ranks with an open event
-        moved = dict(_moved(source, {i for _, i in self._open} | {i for _, i in self._bank_of}))
+        moved = dict(_moved(source, {i for _, i in self._open} | {i for _, i in self._bank_of}
+                            | {i for _, i in self._held}))
+        new._held = {(name, moved[i]): (onset, conf, None if ends is None else
+                                        [moved.get(r, r) for r in ends])
+                     for (name, i), (onset, conf, ends) in self._held.items() if i in moved}
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
         banks = {id(b): b2 for b, b2 in [(self.compute, new.compute), (self.link, new.link),
                                           (self.sync, new.sync)]
@@ -186,16 +197,12 @@ class OnlineDetector:
         alarms, recoveries, calibrated = self.compute.update(step, x)
         if calibrated.size:
             new += self._calibration_findings(step, calibrated)
+        for i, onset, conf, _, factor in self._due("compute"):
+            new += self._rank_alarm(step, i, onset, factor, conf)
         for a in alarms:
-            ev = self._open.get(("fail-slow", a.index))
-            if ev is None:
-                new.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown,
-                                            a.confidence))
-            else:  # a phase found it first: the whole rank is slow, its bank takes the event over
-                ev.extra.pop("phase", None)
-                ev.extra.pop("rank_slowdown", None)
-                ev.slowdown = a.slowdown
-                self._bank_of.pop(("fail-slow", a.index), None)
+            if (("fail-slow", a.index) in self._open
+                    or self._floored(("compute", a.index), a.onset_step, a.confidence, a.slowdown)):
+                new += self._rank_alarm(step, a.index, a.onset_step, a.slowdown, a.confidence)
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index), self.compute) is self.compute:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
@@ -219,6 +226,63 @@ class OnlineDetector:
             new += self._workload_step(step, raw, expected)
         self.events += new
         return new
+
+    def _rank_alarm(self, step: int, i: int, onset: int, slowdown: float,
+                    confidence: float) -> list[Event]:
+        """Rank ``i``'s whole own work alarmed at or above the floor: a fail-slow, or the take-over
+        of the one a phase opened (the whole rank is slow: its bank takes the event over)."""
+        ev = self._open.get(("fail-slow", i))
+        if ev is None:
+            ev = self._open_event("fail-slow", i, onset, step, slowdown, confidence)
+            self._floor_evidence(ev, slowdown)
+            return [ev]
+        ev.extra.pop("phase", None)
+        ev.extra.pop("rank_slowdown", None)
+        ev.slowdown = slowdown
+        self._bank_of.pop(("fail-slow", i), None)
+        return []
+
+    def _floored(self, key: tuple[str, int], onset: int, confidence: float, factor: float,
+                 ends: list[int] | None = None) -> bool:
+        """Whether an alarm of measured ``factor`` is raised now: at or above ``alarm_floor``;
+        below it, it is held (``_due`` raises it once its level since ``onset`` reaches it)."""
+        if factor >= self.cfg.alarm_floor:
+            self._held.pop(key, None)
+            return True
+        self._held[key] = (onset, confidence, ends)
+        return False
+
+    def _bank_named(self, name: str) -> CusumBank:
+        banks = {"compute": self.compute, "pipeline": self.link, "sync": self.sync}
+        return banks[name] if name in banks else self.phase_banks[name]
+
+    def _due(self, name: str) -> list[tuple[int, int, float, list[int] | None, float]]:
+        """The held alarms of series ``name`` whose factor has reached the floor, taken off the held
+        ones: (index, onset, confidence, ends, factor). A held alarm whose series left its alarm
+        (recovered, or was learned afresh) is dropped: it never reached the floor. A series' factor
+        is its mean level since the onset; a link's, its transfers against its healthy ones."""
+        bank = self._bank_named(name)
+        out = []
+        for key in [k for k in self._held if k[0] == name]:
+            i = key[1]
+            onset, conf, ends = self._held[key]
+            members = ends if name == "sync" and ends else [i]
+            if not bank.alarmed[members].all():
+                del self._held[key]
+                continue
+            level = bank.level_since(i, onset)
+            if name in ("pipeline", "sync"):
+                traffic = "pipeline" if name == "pipeline" else "gradient-sync"
+                level = self._link_slowdown(traffic, members, onset, level or 1.0)
+            if level is not None and level >= self.cfg.alarm_floor:
+                del self._held[key]
+                out.append((i, onset, conf, ends, level))
+        return out
+
+    def _floor_evidence(self, ev: Event, factor: float) -> None:
+        """The measured factor that raised ``ev`` beside the floor it cleared."""
+        ev.extra["alarm_factor"] = round(float(factor), 4)
+        ev.extra["alarm_floor"] = self.cfg.alarm_floor
 
     def finish(self) -> list[Event]:
         """Close what is still open (its slowdown becomes the mean over the whole episode)."""
@@ -264,21 +328,35 @@ class OnlineDetector:
             running[first] = share[first]
             running[calm & ~first] += SHARE_RATE * (share[calm & ~first] - running[calm & ~first])
         out = []
+        for i, onset, conf, _, factor in self._due(name):
+            out += self._phase_alarm(step, name, i, onset, factor, conf)
         for a in alarms:
-            ev = self._open.get(("fail-slow", a.index))
-            cost = self._phase_cost(name, a.index, a.slowdown)
-            if ev is None:
-                out.append(self._open_event("fail-slow", a.index, a.onset_step, step, a.slowdown,
-                                            a.confidence, bank))
-                out[-1].extra["phase"] = name
-                out[-1].extra["rank_slowdown"] = round(1.0 + cost, 4)
-            elif "phase" in ev.extra and name not in ev.extra["phase"].split("+"):
-                ev.extra["phase"] += f"+{name}"
-                ev.extra["rank_slowdown"] = round(ev.extra.get("rank_slowdown", 1.0) + cost, 4)
+            if (("fail-slow", a.index) in self._open
+                    or self._floored((name, a.index), a.onset_step, a.confidence, a.slowdown)):
+                out += self._phase_alarm(step, name, a.index, a.onset_step, a.slowdown,
+                                         a.confidence)
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index)) is bank:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
         return out
+
+    def _phase_alarm(self, step: int, name: str, i: int, onset: int, slowdown: float,
+                     confidence: float) -> list[Event]:
+        """Phase ``name`` of rank ``i`` alarmed: a fail-slow naming the phase, or the phase added
+        to the name of the rank's open one."""
+        ev = self._open.get(("fail-slow", i))
+        cost = self._phase_cost(name, i, slowdown)
+        if ev is None:
+            ev = self._open_event("fail-slow", i, onset, step, slowdown, confidence,
+                                  self.phase_banks[name])
+            ev.extra["phase"] = name
+            ev.extra["rank_slowdown"] = round(1.0 + cost, 4)
+            self._floor_evidence(ev, slowdown)
+            return [ev]
+        if "phase" in ev.extra and name not in ev.extra["phase"].split("+"):
+            ev.extra["phase"] += f"+{name}"
+            ev.extra["rank_slowdown"] = round(ev.extra.get("rank_slowdown", 1.0) + cost, 4)
+        return []
 
     def _phase_cost(self, name: str, i: int, slowdown: float) -> float:
         """The rank's extra time, as a fraction of its step, from ``slowdown`` of phase ``name``
@@ -332,6 +410,21 @@ class OnlineDetector:
                          "adapted": bool(bank.adapted[i])}
                 for i in np.flatnonzero(bank.calibrated)}
 
+    def budget(self) -> dict:
+        """The error budget of every calibrated series (``budget``): per series name (``compute``:
+        each rank's own work; ``pipeline``, ``gradient-sync``: its links; each phase) and index,
+        its noise, thresholds, expected steps between false alarms, delays at x1.5 and x2 and
+        Lorden's bound; ``job_arl0_steps``: steps between false alarms over them all."""
+        floor = self.cfg.alarm_floor
+        series = {"compute": bank_budget(self.compute, floor),
+                  "pipeline": bank_budget(self.link, floor),
+                  "gradient-sync": bank_budget(self.sync, floor),
+                  **{p: bank_budget(b, floor) for p, b in self.phase_banks.items()}}
+        every = [b for per in series.values() for b in per.values()]
+        return {"alarm_floor": floor, "job_arl0_steps": job_arl0(every),
+                "series": {name: {str(i): b for i, b in per.items()}
+                           for name, per in series.items() if per}}
+
     def _close_event(self, kind: str, i: int, end_step: int, slowdown: float) -> None:
         self._bank_of.pop((kind, i), None)
         ev = self._open.pop((kind, i), None)
@@ -381,34 +474,114 @@ class OnlineDetector:
             if sel.sum() < 3:
                 continue  # two peers cannot say which of them is the odd one
             ratio = float(np.exp(mu[j] - peers_mu[j]))
-            if ratio > 1 + cfg.rank_imbalance:
+            if ratio > 1 + cfg.rank_imbalance and ratio >= cfg.alarm_floor:
                 i = int(cal[j])
                 noise = float(bank.sigma[i])
                 conf = float(min(1.0, (np.log(ratio) / noise) / 10))
                 out.append(self._open_event("fail-slow", i, int(bank.first_step[i]), step, ratio, conf))
                 out[-1].extra["from_start"] = True
+                self._floor_evidence(out[-1], ratio)
                 bank.rebase_alarmed(i, float(peers_mu[j]))
         return out
 
     def _link_step(self, step: int, comm: np.ndarray) -> list[Event]:
         alarms, recoveries, _ = self.link.update(step, _others_log(comm))
-        out = []
+        found = []
+        for i, onset, conf, ends, factor in self._due("pipeline"):
+            if self._pipeline_has_fail_slow(i):
+                self._drop_link_alarm(i)
+                continue
+            found.append(LinkAlarm(("pipeline", i), ends or [i], "pipeline", onset, factor, conf,
+                                   True))
         for a in alarms:
             # a transfer that waited on a slow compute neighbour is not a slow link
             if self._pipeline_has_fail_slow(a.index):
-                self.link.alarmed[a.index] = False
-                self.link.s[a.index] = 0.0
+                self._drop_link_alarm(a.index)
                 continue
-            ev = self._open_event("link-slow", a.index, a.onset_step, step,
-                                  self._link_slowdown("pipeline", [a.index], a.onset_step, a.slowdown),
-                                  a.confidence)
+            factor = self._link_slowdown("pipeline", [a.index], a.onset_step, a.slowdown)
             peer = self._neighbour(a.index)
-            ev.ranks = [a.index] + ([peer] if peer is not None else [])
-            ev.extra["traffic"] = "pipeline"
-            out.append(ev)
+            ends = [a.index] + ([peer] if peer is not None else [])
+            ready = self._floored(("pipeline", a.index), a.onset_step, a.confidence, factor, ends)
+            found.append(LinkAlarm(("pipeline", a.index), ends, "pipeline", a.onset_step, factor,
+                                   a.confidence, ready))
+        out = self._link_findings(step, "pipeline", found)
         for r in recoveries:
             self._close_event("link-slow", r.index, r.end_step, r.slowdown)
+            self._leave_shared(("pipeline", r.index), r.end_step)
         return out
+
+    def _drop_link_alarm(self, i: int) -> None:
+        """Pipeline link ``i``'s alarm explained away: out of alarm, its CUSUM from zero."""
+        self.link.alarmed[i] = False
+        self.link.s[i] = 0.0
+        self._held.pop(("pipeline", i), None)
+
+    def _link_findings(self, step: int, traffic: str, found: list[LinkAlarm]) -> list[Event]:
+        """Links of one traffic in alarm this step (``found``; ``ready``: at or above the floor)
+        judged with the other links of that traffic that began with them (``linkgroups``): the
+        links held below the floor, and those of open findings. A ready link alone is a
+        ``link-slow``; one that began with others makes (or joins) one ``shared-link-slow``."""
+        if not any(a.ready for a in found):
+            return []
+        name = "pipeline" if traffic == "pipeline" else "sync"
+        keys = {a.key for a in found}
+        pool = list(found)
+        for key, (onset, conf, ends) in self._held.items():
+            if key[0] == name and key not in keys and ends:
+                pool.append(LinkAlarm(key, ends, traffic, onset, 1.0, conf, False))
+        reported = {}
+        for (kind, i), ev in self._open.items():
+            if (kind == ("link-slow" if name == "pipeline" else "sync")
+                    and ev.extra.get("traffic") == traffic and (name, i) not in keys):
+                reported[(name, i)] = ev
+                pool.append(LinkAlarm((name, i), list(ev.ranks or [i]), traffic, ev.onset_step,
+                                      float(ev.extra.get("alarm_factor", ev.slowdown)),
+                                      ev.confidence, False))
+        for key, ev in self._shared.items():
+            if key[0] == name and key not in keys:
+                pool.append(LinkAlarm(key, [], traffic, ev.onset_step, 1.0, ev.confidence, False))
+        out = []
+        for group in onset_groups(pool):
+            new = [a for a in group if a.ready]
+            if not new:
+                continue
+            shared = next((self._shared[a.key] for a in group if a.key in self._shared), None)
+            members = [a for a in group if a.ranks]
+            for a in members:  # held below the floor: measured now
+                if not a.ready and a.key not in reported:
+                    ends = a.ranks if name == "sync" else a.ranks[:1]
+                    a.factor = self._link_slowdown(traffic, ends, a.onset, 1.0)
+            if shared is None and len(members) == 1:
+                out.append(self._open_link(step, new[0]))
+                continue
+            if shared is None:
+                shared = shared_event(members, step, self.cfg.alarm_floor, self.layout.stage,
+                                      self.layout.dp_rank)
+                out.append(shared)
+            for a in members:
+                join(shared, a)
+                if a.key not in reported:
+                    self._shared[a.key] = shared
+                    self._held.pop(a.key, None)
+        return out
+
+    def _open_link(self, step: int, a: LinkAlarm) -> Event:
+        """A ``link-slow`` of one link (``a``: at or above the floor)."""
+        if a.key[0] == "pipeline":
+            ev = self._open_event("link-slow", a.key[1], a.onset, step, a.factor, a.confidence)
+        else:
+            ev = self._open_event("link-slow", a.key[1], a.onset, step, a.factor, a.confidence,
+                                  self.sync, key=a.key)
+        ev.ranks = list(a.ranks)
+        ev.extra["traffic"] = a.traffic
+        self._floor_evidence(ev, a.factor)
+        return ev
+
+    def _leave_shared(self, key: tuple[str, int], end_step: int) -> None:
+        """A link of a shared-link finding recovered; the finding ends with its last link."""
+        ev = self._shared.pop(key, None)
+        if ev is not None and not any(e is ev for e in self._shared.values()):
+            ev.end_step = end_step
 
     def _link_slowdown(self, traffic: str, ranks: list[int], onset: int, fallback: float) -> float:
         """How many times its own healthy transfers the link's transfers took since ``onset``
@@ -438,9 +611,10 @@ class OnlineDetector:
         two members alarmed, and no fail-slow open in the job (a slow device can hold every
         collective up), is one event naming both, keyed by the lower rank."""
         alarms, recoveries, _ = self.sync.update(step, _others_log(sync))
-        out = []
         lay = self.layout
         quiet = not any(kind == "fail-slow" for kind, _ in self._open) and not self.compute.alarmed.any()
+        found = [LinkAlarm(("sync", i), ends or [i], "gradient-sync", onset, factor, conf, True)
+                 for i, onset, conf, ends, factor in self._due("sync") if quiet]
         for a in alarms:
             i = a.index
             group = np.flatnonzero((lay.stage == lay.stage[i]) & (lay.tp_rank == lay.tp_rank[i]))
@@ -448,20 +622,28 @@ class OnlineDetector:
             if not quiet or len(hot) != 2 or not self.sync.calibrated[group].all():
                 continue
             lo, hi = hot
-            if ("sync", lo) in self._open:
+            key = ("sync", lo)
+            if (key in self._open or key in self._held or key in self._shared
+                    or any(f.key == key for f in found)):
                 continue
-            ev = self._open_event("link-slow", lo, a.onset_step, step,
-                                  self._link_slowdown("gradient-sync", [lo, hi], a.onset_step,
-                                                      a.slowdown), a.confidence,
-                                  self.sync, key=("sync", lo))
-            ev.ranks = [lo, hi]
-            ev.extra["traffic"] = "gradient-sync"
-            out.append(ev)
+            factor = self._link_slowdown("gradient-sync", [lo, hi], a.onset_step, a.slowdown)
+            ready = self._floored(key, a.onset_step, a.confidence, factor, [lo, hi])
+            found.append(LinkAlarm(key, [lo, hi], "gradient-sync", a.onset_step, factor,
+                                   a.confidence, ready))
+        out = self._link_findings(step, "gradient-sync", found)
         for r in recoveries:
             for (kind, lo), ev in list(self._open.items()):
                 if kind == "sync" and r.index in (ev.ranks or ()):
                     self._close_event("sync", lo, r.end_step, r.slowdown)
+            for key, ev in list(self._shared.items()):
+                if key[0] == "sync" and r.index in (self._held_ends(key, ev)):
+                    self._leave_shared(key, r.end_step)
         return out
+
+    def _held_ends(self, key: tuple[str, int], ev: Event) -> list[int]:
+        """The ends of the gradient-sync link ``key`` of shared finding ``ev``."""
+        return next((pair for pair in ev.extra.get("links", []) if pair and pair[0] == key[1]),
+                    [key[1]])
 
     def _pipeline_has_fail_slow(self, i: int) -> bool:
         dp = self.layout.dp_rank
@@ -539,6 +721,23 @@ def noise_warnings(noise: dict, cfg: DetectorConfig) -> list[str]:
             f"{max(v['noise'] for v in loud.values()):.0%} hides slowdowns below about "
             f"x{worst:.2f} for {cfg.detect_within} steps (larger ones are still found; "
             "--sensitivity trades sooner detection for false alarms)"]
+
+
+def budget_line(budget: dict) -> str:
+    """One line of an error budget (``OnlineDetector.budget``): the job's steps between false
+    alarms and, over the own-work series, the median delays at x2 and x1.5 against Lorden's."""
+    comp = list(budget.get("series", {}).get("compute", {}).values())
+
+    def med(field: str) -> str:
+        v = [b[field] for b in comp if b.get(field) is not None]
+        return f"{float(np.median(v)):.3g}" if v else "-"
+
+    arl = budget.get("job_arl0_steps")
+    return (f"error budget: a false alarm every {arl:.3g} steps (job), "
+            if arl else "error budget: no false alarm expected (job), ") + (
+        f"delay x2 {med('delay_x2_steps')} steps (Lorden {med('lorden_x2_steps')}), x1.5 "
+        f"{med('delay_x1_5_steps')} (Lorden {med('lorden_x1_5_steps')}), floor "
+        f"x{budget['alarm_floor']:g}")
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -727,4 +926,4 @@ def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: Expect
         parts.append(part.obs)
     obs = Observations.joined(parts)
     return events_json(events, steps=len(obs.steps), ranks=int(df["rank"].nunique()),
-                       cost_model=obs.cost_model, noise=det.noise())
+                       cost_model=obs.cost_model, noise=det.noise(), budget=det.budget())

@@ -141,6 +141,10 @@ class LiveConfig(Section):
                               panel="Live re-planning", help=(
         "The least slowdown of a rank the live detector reports and the planner re-plans around "
         "(raise it where the machine's own noise reaches the default)"))
+    alarm_floor: float = opt(DetectorConfig.alarm_floor, minimum=1.0, maximum=1000.0, finite=True,
+                             panel="Live re-planning", help=(
+        "Effect-size floor: the live detector raises no fail-slow or link-slow whose measured "
+        "factor (x slower than expected) is below it"))
     # scheduled plan changes, {"step", "dp_weights"?, "layer_split"?} (set through a config file)
     replan: list[dict] = opt(factory=list, cli=False)
 

@@ -214,7 +214,8 @@ class LiveDetection:
                        **({"phase": ev.extra["phase"]} if "phase" in ev.extra else {})}
                       for ev in sorted(open_.values(), key=lambda e: e.rank)]
         return {"stragglers": stragglers, "events": events, "steps": self.seen,
-                "noise": {str(r): v for r, v in self.detector.noise().items()}}
+                "noise": {str(r): v for r, v in self.detector.noise().items()},
+                "budget": self.detector.budget()}
 
 
 def _log_event(e: dict) -> None:
@@ -278,6 +279,6 @@ class Follower(threading.Thread):
 
     def report(self) -> dict:
         if self.detection is None:
-            return {"stragglers": [], "events": [], "steps": 0, "noise": {},
+            return {"stragglers": [], "events": [], "steps": 0, "noise": {}, "budget": {},
                     **({"error": self.error} if self.error else {})}
         return {**self.detection.report(), **({"error": self.error} if self.error else {})}

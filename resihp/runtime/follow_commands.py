@@ -31,6 +31,9 @@ def follow_cmd(
     calibration_steps: Annotated[int, typer.Option(
         min=3, help="Steps of each rank its healthy baseline is learned on (a resihp run's "
         "--calibration-steps)")] = DetectorConfig.calibration_steps,
+    alarm_floor: Annotated[float, typer.Option(help="Effect-size floor: no fail-slow or link-slow "
+                                               "is raised below this factor (see resihp detect)")
+                           ] = DetectorConfig.alarm_floor,
     nice: Annotated[int, typer.Option(min=0, max=19, help="Lower the follower's CPU priority by this "
                                       "much (Linux nice; 0 keeps it): beside the job on its machine it "
                                       "must not take a core from the ranks it times")] = 10,
@@ -43,16 +46,21 @@ def follow_cmd(
     if nice:
         os.nice(nice)  # first: the imports below (torch) are most of what the follower ever runs
 
+    from resihp.detect.online import budget_line
     from resihp.runtime import logs
     from resihp.runtime.follow import follow
 
     logs.setup(None, 0)
-    report = follow(run, DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps),
+    config = DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps,
+                            alarm_floor=alarm_floor)
+    report = follow(run, config,
                     timeout_s=timeout, start_timeout_s=start_timeout, store=store)
     if json_out:
         print(json.dumps(report, default=str))
         return
     typer.echo(f"{run or store}: {report['steps']} step(s) judged, {len(report['events'])} event(s)")
+    if report.get("budget", {}).get("series"):
+        typer.echo(f"  {budget_line(report['budget'])}")
     for s in report["stragglers"]:
         phase = f" ({s['phase']} only)" if s.get("phase") else ""
         typer.echo(f"  straggler: rank {s['rank']} x{s['slowdown']:.2f} from step {s['onset_step']} "

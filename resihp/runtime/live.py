@@ -260,7 +260,8 @@ class LiveLoop:
         self.world = cfg.dims().world_size
         self.meta, self.meta_dict = job_meta(cfg)
         detector_config = detector_config or DetectorConfig(calibration_steps=cfg.live.calibration_steps,
-                                                            min_slowdown=cfg.live.min_slowdown)
+                                                            min_slowdown=cfg.live.min_slowdown,
+                                                            alarm_floor=cfg.live.alarm_floor)
         self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
                                                      meta_dict=self.meta_dict, peers=self._peers(),
                                                      keep_levels=True)
