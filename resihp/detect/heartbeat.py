@@ -227,8 +227,12 @@ class NodeAggregator(_Loop):
         for rank, raw in self.read().items():
             key = self.keys[self.ranks.index(rank)]
             msg = RECORDS.decode(key, raw, parse_beat)
+            # a process already gone is let through: nothing is ever signalled to it, and its
+            # rank is judged exited (a rank killed right after its first beat is gone before the
+            # launcher could see it was its own)
             if msg is not None and self.owns is not None and (
-                    self._last[rank] is None or msg["pid"] != self._last[rank]["pid"]) and not self.owns(msg["pid"]):
+                    self._last[rank] is None or msg["pid"] != self._last[rank]["pid"]) and (
+                    _process_state(msg["pid"]) not in (None, "Z")) and not self.owns(msg["pid"]):
                 RECORDS.reject(key, f"it names process {msg['pid']}, which this node did not start")
                 msg = None
             last = self._last[rank]
