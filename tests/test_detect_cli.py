@@ -19,6 +19,7 @@ from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.opstrace import JobMeta, write_meta, write_ops_trace
 from resihp.runtime.follow import LiveDetection
+from tests.frame_steps import FrameSteps
 
 
 def resihp(*args: str) -> subprocess.CompletedProcess:
@@ -264,18 +265,7 @@ def test_following_a_job_across_a_live_re_form_judges_each_layout_on_its_own():
     none after the re-form (it kept one detector, whose old places refused the new ones)."""
     df, first, slow = _relaid_trace()
 
-    class Steps:  # the job's records as its store hands them out, ten steps a poll
-        meta, meta_dict, at = first.meta(), None, 0
-
-        def complete_steps(self):
-            steps = sorted(df["step"].unique())[self.at:self.at + 10]
-            self.at += 10
-            return [(s, df[df["step"] == s].to_dict("records")) for s in steps]
-
-        def finished(self):
-            return self.at >= df["step"].nunique()
-
-    follow = LiveDetection(None, source=Steps())
+    follow = LiveDetection(None, source=FrameSteps(df, first.meta()))
     while not follow.steps.finished():
         follow.poll()
     [(kind, rank, stage, onset, found)] = _device_faults({"events": follow.events})

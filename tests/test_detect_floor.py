@@ -19,6 +19,7 @@ from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.errors import InputError
 from resihp.opstrace import JobMeta, write_ops_trace
+from tests.frame_steps import FrameSteps
 
 from .test_detect_cli import resihp
 
@@ -215,18 +216,7 @@ def test_follow_reports_the_same_budget_as_detect():
     job = SimJob(dp=2, pp=2, steps=40, source="code", seed=5)
     df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), _noise())
 
-    class Steps:  # the job's records as its store hands them out, ten steps a poll
-        meta, meta_dict, at = job.meta(), None, 0
-
-        def complete_steps(self):
-            steps = sorted(df["step"].unique())[self.at:self.at + 10]
-            self.at += 10
-            return [(s, df[df["step"] == s].to_dict("records")) for s in steps]
-
-        def finished(self):
-            return self.at >= df["step"].nunique()
-
-    follow = LiveDetection(None, source=Steps())
+    follow = LiveDetection(None, source=FrameSteps(df, job.meta()))
     while not follow.steps.finished():
         follow.poll()
     live = follow.report()["budget"]

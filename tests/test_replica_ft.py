@@ -522,6 +522,21 @@ def test_a_second_failure_of_the_returning_replica_is_relaunched_again(reference
 
 
 @pytest.mark.slow
+def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(reference, tmp_path):
+    """Replica 1 is lost and comes back; later replica 0 is lost and comes back from replica 1:
+    every step trained, the failure-free run's losses, and the job ends with status 0 (each
+    replica was relaunched on the way, so neither first launch finished it)."""
+    out = tmp_path / "run"
+    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery",
+                            "replica", "--inject", "stop:rank=1,step=6", "--inject", "stop:rank=0,step=45",
+                            *_survivor_slow(ParallelDims(2, 2), 1, 6))
+    assert rc == 0, err[-2000:]
+    fails = summary["recovery"]["failures"]
+    assert [(f["lost_replica"], f["attempt"]) for f in fails] == [(1, 0), (0, 0)], fails
+    _same_losses(summary["losses"], reference, "both replicas in turn")
+
+
+@pytest.mark.slow
 def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(STEPS), "--recovery", "replica",

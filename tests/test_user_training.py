@@ -4,6 +4,7 @@ torchrun, restores from the memory tier, and the per-step losses equal an uninte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from resihp.ckpt.keeper import keeper_pid, stop_keeper
+from resihp.ckpt.memory import pid_alive
 from resihp.errors import InputError
 from resihp.train import KEEPER_OWNER, RNG, Snapshots, flatten, unflatten
 from tests.faults import descendants, wait_for  # noqa: F401
@@ -142,4 +144,34 @@ def test_a_new_process_state_restores_the_newest_snapshot_and_each_stall_is_coun
         assert torch.equal(again_opt.state_dict()["state"][0]["exp_avg"],
                            opt.state_dict()["state"][0]["exp_avg"])
     finally:
+        stop_keeper(snaps.dir)
+
+
+def test_a_stopped_keeper_is_replaced_and_the_snapshots_go_on(tmp_path, monkeypatch):
+    """The node's keeper is SIGSTOPped: the trainer, waiting for a slot, kills it after
+    ``STOPPED_KEEPER_S`` and starts a new keeper, which publishes the newest step; before, every
+    snapshot stalled until its timeout."""
+    monkeypatch.setenv("RESIHP_SHM", str(tmp_path / "shm"))
+    monkeypatch.setenv(KEEPER_OWNER, str(os.getpid()))
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    snaps = Snapshots({"model": model, "optimizer": opt}, job_id="stopped-keeper", timeout_s=30.0)
+    stopped = None
+    try:
+        for step in range(6):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            snaps.after_step(step)
+            if step == 1:
+                wait_for(lambda: 1 in [h.step for h in snaps.tier.held()], 30, "step 1 published")
+                stopped = keeper_pid(snaps.dir)
+                os.kill(stopped, signal.SIGSTOP)
+        snaps.close()
+        wait_for(lambda: 5 in [h.step for h in snaps.tier.held()], 30, "the new keeper to publish")
+        assert keeper_pid(snaps.dir) not in (None, -1, stopped)
+        wait_for(lambda: not pid_alive(stopped), 10, "the stopped keeper gone")
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
         stop_keeper(snaps.dir)

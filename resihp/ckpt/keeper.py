@@ -53,6 +53,8 @@ FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe
 FLUSHED = "flushed.json"  # the keeper's answer to it
 PERSIST_FAILED = "persist_failed.json"  # the first checkpoint the keeper could not write, and why
 OWNER = "owner.json"  # the job's owner as the keeper saw it at start: PID and start time
+STOPPED_KEEPER_S = 2.0  # a keeper process stopped (SIGSTOP, a debugger) this long is replaced
+_stopped_since: dict[tuple[int, int | None], float] = {}  # (keeper PID, start time) -> first seen
 
 
 def keeper_pid(directory: Path) -> int | None:
@@ -85,6 +87,8 @@ def ensure_keeper(directory: Path, owner: int, timeout_s: float = 60.0, warm: bo
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         pid = keeper_pid(directory)
+        if pid not in (None, -1) and _replace_if_stopped(directory, pid):
+            pid = None
         if pid is None:
             proc = subprocess.Popen([sys.executable, "-m", "resihp.ckpt.keeper", "--dir", str(directory),
                                      "--owner", str(owner), *(["--warm"] if warm else [])], start_new_session=True,
@@ -103,6 +107,46 @@ def ensure_keeper(directory: Path, owner: int, timeout_s: float = 60.0, warm: bo
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def _is_keeper_of(pid: int, directory: Path) -> bool:
+    """Whether ``pid`` is a keeper process of ``directory`` (its command line says so): no other
+    process is ever signalled, whatever a PID file in the tier names."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"resihp.ckpt.keeper" in args and str(directory).encode() in args
+
+
+def _replace_if_stopped(directory: Path, pid: int) -> bool:
+    """A keeper stopped for ``STOPPED_KEEPER_S`` publishes nothing and would stall every snapshot
+    until its timeout: it is killed (it holds nothing a new keeper cannot redo: a checkpoint it
+    was writing is never published half-written), so that a new one is started. True if so."""
+    key = (pid, start_time(pid))
+    if _process_state(pid) not in ("T", "t"):
+        _stopped_since.pop(key, None)
+        return False
+    first = _stopped_since.setdefault(key, time.monotonic())
+    if time.monotonic() - first < STOPPED_KEEPER_S or not _is_keeper_of(pid, directory):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while keeper_pid(directory) not in (None,) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the lock is released once the process is gone
+    _stopped_since.pop(key, None)
+    print(f"resihp: memory tier {directory}: its keeper (PID {pid}) was stopped for "
+          f"{STOPPED_KEEPER_S:g} s; a new keeper takes over", file=sys.stderr, flush=True)
+    return keeper_pid(directory) is None
 
 
 def stop_keeper(directory: Path, timeout_s: float = 10.0) -> None:

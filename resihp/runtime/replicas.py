@@ -271,6 +271,7 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     end = time.monotonic() + min(grace_s, 1.0)  # it gets an end of stream, or is stopped
                     while time.monotonic() < end and any(r.proc.poll() is None for r in live.values()):
                         time.sleep(0.1)
+                    done.update(d for d, r in live.items() if r.proc.poll() == 0)
                     break
         finally:
             stop_replicas(live.values(), grace_s, failed=outcome.error is not None)
@@ -289,7 +290,8 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 waited = [n for n in range(1, nodes.nnodes) if n not in lost_nodes]
                 while not nodes_left(store, cfg.job_id, waited) and time.monotonic() < end:
                     time.sleep(0.1)
-    if outcome.error is None and not done:
+    if outcome.error is None and not done and not quorum.finished():
+        # every step committed is the job done, even where each replica was relaunched on the way
         outcome.error = "no replica finished the job"
     outcome.returncode = 0 if outcome.error is None else 1
     outcome.wall_s = time.time() - t0
