@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from resihp.ckpt.keeper import keeper_pid, stop_keeper
-from resihp.ckpt.memory import pid_alive
 from resihp.errors import InputError
+from resihp.procinfo import pid_alive
 from resihp.train import KEEPER_OWNER, RNG, Snapshots, flatten, unflatten
 from tests.faults import descendants, wait_for  # noqa: F401
 

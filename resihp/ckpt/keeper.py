@@ -32,16 +32,15 @@ from resihp.ckpt.memory import (
     VERIFY,
     MemoryTier,
     SlotHeader,
-    pid_alive,
     publish,
     read_json,
     shm_root,
-    start_time,
     verify_all,
     write_json_atomic,
 )
 from resihp.errors import SetupError, disk_full
 from resihp.procexit import run_then_exit
+from resihp.procinfo import pid_alive, process_state, start_time
 
 POLL_S = 0.005
 LOCK_WAIT_S = 1.0  # a keeper finding the tier's lock held retries this long: it may be a probe
@@ -109,14 +108,6 @@ def ensure_keeper(directory: Path, owner: int, timeout_s: float = 60.0, warm: bo
         os.close(fd)
 
 
-def _process_state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()[0]
-
-
 def _is_keeper_of(pid: int, directory: Path) -> bool:
     """Whether ``pid`` is a keeper process of ``directory`` (its command line says so): no other
     process is ever signalled, whatever a PID file in the tier names."""
@@ -132,7 +123,7 @@ def _replace_if_stopped(directory: Path, pid: int) -> bool:
     until its timeout: it is killed (it holds nothing a new keeper cannot redo: a checkpoint it
     was writing is never published half-written), so that a new one is started. True if so."""
     key = (pid, start_time(pid))
-    if _process_state(pid) not in ("T", "t"):
+    if process_state(pid) not in ("T", "t"):
         _stopped_since.pop(key, None)
         return False
     first = _stopped_since.setdefault(key, time.monotonic())

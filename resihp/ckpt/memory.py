@@ -32,6 +32,7 @@ import numpy as np
 
 from resihp.errors import InputError
 from resihp.paths import write_text_atomic
+from resihp.procinfo import pid_alive
 
 SLOTS = ("A", "B")
 COPY = "copy"
@@ -119,30 +120,6 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-
-
-def start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (None when it is gone or a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return None if fields[0] in "ZX" else int(fields[19])
 
 
 def _holder(path: Path) -> int | None:

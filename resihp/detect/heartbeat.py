@@ -42,6 +42,7 @@ from torch.distributed import Store, TCPStore
 
 from resihp.detect.events import Event
 from resihp.detect.records import RECORDS, RecordError, fields
+from resihp.procinfo import process_state
 
 PREFIX = "resihp/hb"
 FINISHED = ("done", "stopped")  # phases of a rank that ended on purpose: never judged again
@@ -178,15 +179,6 @@ class HeartbeatSender(_Loop):
         self.tick()
 
 
-def _process_state(pid: int) -> str | None:
-    """The process's state letter from /proc (``T``: stopped), or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
 class NodeAggregator(_Loop):
     """Run once per node (in the node's launcher, or in local rank 0). With ``check_pids`` (it
     runs on the ranks' host) a rank whose process is gone or stopped is known at once."""
@@ -232,7 +224,7 @@ class NodeAggregator(_Loop):
             # launcher could see it was its own)
             if msg is not None and self.owns is not None and (
                     self._last[rank] is None or msg["pid"] != self._last[rank]["pid"]) and (
-                    _process_state(msg["pid"]) not in (None, "Z")) and not self.owns(msg["pid"]):
+                    process_state(msg["pid"]) not in (None, "Z")) and not self.owns(msg["pid"]):
                 RECORDS.reject(key, f"it names process {msg['pid']}, which this node did not start")
                 msg = None
             last = self._last[rank]
@@ -255,7 +247,7 @@ class NodeAggregator(_Loop):
                 if self._step_s[rank]:
                     entry["step_s"] = round(statistics.median(self._step_s[rank]), 4)
                 if self.check_pids and msg["phase"] not in FINISHED:
-                    state = _process_state(msg["pid"])
+                    state = process_state(msg["pid"])
                     entry["exited"] = state is None or state == "Z"
                     entry["stopped"] = state in ("T", "t")
                     entry["alive"] = not entry["exited"]
@@ -267,7 +259,7 @@ class NodeAggregator(_Loop):
         ``/proc`` reads): (rank, its last step, seconds since its last beat)."""
         now, gone = time.monotonic(), []
         for rank, msg in self._last.items():
-            if msg is not None and msg["phase"] not in FINISHED and _process_state(msg["pid"]) in (None, "Z"):
+            if msg is not None and msg["phase"] not in FINISHED and process_state(msg["pid"]) in (None, "Z"):
                 gone.append((rank, msg["step"], round(now - self._beat_at[rank], 3)))
         if gone:  # a rank that finished says so in its last beat, which may be newer than ours
             fresh = self.read()

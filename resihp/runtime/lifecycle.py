@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from resihp.ckpt.memory import start_time
 from resihp.errors import InputError
 from resihp.paths import write_text_atomic
+from resihp.procinfo import start_time
 
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".resihp.lock"

@@ -37,6 +37,7 @@ from resihp.detect.records import JOB_SECRET_ENV, RECORDS
 from resihp.errors import InputError
 from resihp.opstrace import TRACE_STREAM
 from resihp.parallel import ParallelDims
+from resihp.procinfo import parent_pid
 from resihp.runtime.config import RunConfig
 from resihp.runtime.controlplane import (
     StepReader,
@@ -134,11 +135,10 @@ def _ancestors(pid: int) -> set[int]:
     found = set()
     while pid > 1 and pid not in found:
         found.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
+        parent = parent_pid(pid)
+        if parent is None:
             break
-        pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        pid = parent
     return found
 
 
