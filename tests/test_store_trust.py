@@ -159,6 +159,14 @@ def _run(out, port: int) -> subprocess.Popen:
 
 def _poison(port: int, until_s: float, job_proc: subprocess.Popen) -> list[str]:
     """Write bad values into every key family of the job on ``port`` while it runs."""
+    end = time.monotonic() + 60  # the launcher listens once it has started (torch imported)
+    while True:  # a client refused at first backs off for up to 30 s: connect once it listens
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < end and job_proc.poll() is None, "the job's store never listened"
+            time.sleep(0.1)
     store = connect_store("127.0.0.1", port, timeout_s=30)
     end = time.monotonic() + 60
     while not store.check([cp.JOB_KEY]):
