@@ -183,20 +183,28 @@ def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(shm: Path, tmp
         live_owner.wait()
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs of its own (root only: mount -t tmpfs), so that a tier left there fills it."""
-    root = tmp_path / "tmpfs"
-    root.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)],
+@contextlib.contextmanager
+def _tmpfs(root: Path, size: str, why: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted on ``root`` (root only: mount -t tmpfs; else the test skips)."""
+    root.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
                              capture_output=True)
     if mounted.returncode != 0:
-        pytest.skip("needs a tmpfs of its own (mount -t tmpfs: root)")
-    yield root
-    for _ in range(100):  # a refused job's keeper may take a moment to leave it
-        if subprocess.run(["umount", str(root)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
+        pytest.skip(f"needs a tmpfs of its own{why} (mount -t tmpfs: root)")
+    try:
+        yield root
+    finally:
+        for _ in range(100):  # a job's keeper may take a moment to leave it
+            if subprocess.run(["umount", str(root)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs of its own, so that a tier left there fills it."""
+    with _tmpfs(tmp_path / "tmpfs", "4m", "") as root:
+        yield root
 
 
 @pytest.mark.slow
@@ -227,17 +235,8 @@ def test_refusal_for_space_names_the_tier_left_there(small_tmpfs: Path, tmp_path
 def small_ckpt_root(tmp_path: Path) -> Iterator[Path]:
     """A run folder whose ``ckpt`` is a 1.6 MiB tmpfs (root only): room for one checkpoint."""
     out = tmp_path / "run"
-    root = out / "ckpt"
-    root.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(root)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("needs a tmpfs of its own for a full disk (mount -t tmpfs: root)")
-    yield out
-    for _ in range(100):
-        if subprocess.run(["umount", str(root)], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
+    with _tmpfs(out / "ckpt", "1600k", " for a full disk"):
+        yield out
 
 
 @pytest.mark.slow
