@@ -770,8 +770,9 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
             assert back["reason"]["detected_step"] >= 17 and at < back["applied_step"] < steps, back
         # rank 1 trains from the first applied plan whose layout has it again (the recovery's, or
         # one a later finding made on a loaded machine, which plans every healthy rank)
-        again = next((c for c in summary["plan_changes"] if c.get("applied") and c.get("layout")
-                      and c.get("applied_step", -1) > at
+        # (``applied`` is True, or a string saying why nothing changed)
+        again = next((c for c in summary["plan_changes"] if c.get("applied") is True and c.get("layout")
+                      and c["applied_step"] > at
                       and 1 in {r for p in c["layout"]["pipelines"] for s in p for r in s}), None)
         trained = set(range(again["applied_step"], steps)) if again is not None else set()
         assert {step for rank, step in compute if rank == 1 and step >= at} == trained
