@@ -129,6 +129,10 @@ def _replace_if_stopped(directory: Path, pid: int) -> bool:
     first = _stopped_since.setdefault(key, time.monotonic())
     if time.monotonic() - first < STOPPED_KEEPER_S or not _is_keeper_of(pid, directory):
         return False
+    for hold in directory.glob("rank*.persisting"):  # held on for the keeper that takes over
+        with contextlib.suppress(OSError):
+            if hold.read_text().strip() == str(pid):
+                hold.write_text(str(os.getpid()))
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10.0
@@ -214,9 +218,22 @@ class Keeper:
         self._writing: set[Path] = set()  # the holds of the checkpoint being written
         self._persisted: set[int] = set()  # steps written (or found moot) by this keeper
         self._persists = False  # a slot asked for a checkpoint: torch and DCP are (being) loaded
+        self._owed: set[int] | None = None  # due steps complete at the first look, to write in turn
         self._dirty = False  # a slot was published or a checkpoint finished since the last look
         if warm:
             self._warm()
+
+    def _adopt_holds(self) -> None:
+        """A predecessor's holds (a keeper replaced while it was stopped) become this keeper's:
+        their checkpoints are still owed, and the trainers keep those slots until they are written."""
+        holds = list(self.dir.glob("rank*.persisting"))
+        for hold in holds:
+            with contextlib.suppress(OSError):
+                hold.write_text(str(os.getpid()))
+        if holds:
+            self._dirty = True
+            if not self._persists:
+                self._warm()
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -237,6 +254,7 @@ class Keeper:
                     sys.exit(0)
                 time.sleep(0.01)
         (self.dir / PID).write_text(str(os.getpid()))
+        self._adopt_holds()
         if self.owner:  # what tells a later job whether this tier's job is over (left_tiers)
             write_json_atomic(self.dir / OWNER, {"pid": self.owner, "start": start_time(self.owner)})
         signal.signal(signal.SIGTERM, self._stop)
@@ -317,8 +335,9 @@ class Keeper:
                 path.unlink(missing_ok=True)
 
     def _persist_due(self) -> None:
-        """Start writing the newest checkpoint step complete in memory; release the holds it makes
-        moot (older steps, steps written already, slots whose trainer went on without them)."""
+        """Start writing the newest checkpoint step complete in memory (first those owed at the
+        first look, oldest first); release the holds it makes moot (older steps, steps written
+        already, slots whose trainer went on without them)."""
         if self._persisting is not None and self._persisting.is_alive():
             return
         self._dirty = False
@@ -327,12 +346,19 @@ class Keeper:
         headers = tier.headers()
         published = {tier.hold_path(h.slot, h.rank): h.step for h in headers if h.slot in SLOTS}
         due = complete_steps(headers, due_only=True)
-        newest = due[0][0] if due else None
+        if due and self._owed is None:
+            # what was due before this keeper's first look (a keeper taking over from one that was
+            # stopped or killed) is written oldest first: the newest alone would make it moot
+            on_disk = newest_on_disk(Path(due[0][1][0].persist["root"]))
+            self._owed = {step for step, _ in due if step > on_disk}
+        owed = [d for d in due if d[0] in (self._owed or set()) and d[0] not in self._persisted]
+        chosen = owed[-1] if owed else (due[0] if due else None)
+        newest = chosen[0] if chosen else None
         moot = {p for p, step in published.items() if newest is not None and step <= newest}
         keep = {p for p in self.dir.glob("rank*.persisting") if p in published and p not in moot}
         if newest is not None and newest not in self._persisted:
             self._persisted.add(newest)
-            slots = due[0][1]
+            slots = chosen[1]
             self._writing = {tier.hold_path(h.slot, h.rank) for h in slots}
             self._persisting = threading.Thread(target=self._write, args=(slots, "due"),
                                                 name="resihp-persist", daemon=True)
