@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 
 from resihp.cli_options import renamed
-from resihp.detect.config import DetectorConfig
+from resihp.detect.config import DEFAULT_STEP_TIME_S, DetectorConfig
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 
@@ -164,6 +165,8 @@ def detect_eval_cmd(
     model: Annotated[str, typer.Option(hidden=True, help="Old name of --predictor")] = None,
     drop: Annotated[list[DropColumn], typer.Option(help="Optional trace column to drop before "
                                                    "detection; repeatable")] = None,
+    step_time: Annotated[float, typer.Option(help="Seconds a training step takes, at which false "
+                                             "alarms per day are stated")] = DEFAULT_STEP_TIME_S,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
 ) -> None:
     """Score resihp and the baselines on labelled traces with injected fail-slows and link-slows."""
@@ -180,6 +183,8 @@ def detect_eval_cmd(
             raise InputError(f"--drop: expected seq_lens or start_ts, got {col!r}")
     if not Path(profile).exists():
         raise InputError(f"--profile {profile}: no such profiling log (write one with resihp profile)")
+    if not 0 < step_time < math.inf:
+        raise InputError(f"--step-time: expected a positive number of seconds, got {step_time!r}")
     expected = None
     if predictor is not None:
         pool = CostPool.from_profile(profile)
@@ -188,19 +193,25 @@ def detect_eval_cmd(
     n = len(make_suite(quick, seed))
     with progress_bar("evaluating", n, enabled=not json_out) as advance, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        result = evaluate_suite(quick, seed, expected, profile, drop=tuple(drop), on_progress=advance)
+        result = evaluate_suite(quick, seed, expected, profile, drop=tuple(drop), on_progress=advance,
+                                step_time_s=step_time)
     if json_out:
         print(json.dumps(result))
         return
     typer.echo(f"{result['traces']} traces, {result['steps']} steps x {result['ranks_per_trace']} ranks; "
                f"resihp cost model: {result['cost_model']}")
+    typer.echo(f"false alarms per day of one job at {result['step_time_s']:g} s a step; delay "
+               "against Lorden's bound at each trace's calibrated noise")
     typer.echo(f"{'method':<24}{'precision':>10}{'recall':>8}{'F1':>7}{'FA/10k':>8}{'delay':>7}"
-               f"{'slow err':>9}")
+               f"{'slow err':>9}{'FA/10k rank-steps':>19}{'FA/day':>9}{'delay/Lorden':>13}")
     for name, s in result["methods"].items():
         delay = "-" if s["delay_steps_median"] is None else f"{s['delay_steps_median']:.0f}"
         err = "-" if s["slowdown_error_median"] is None else f"{s['slowdown_error_median']:.1%}"
+        ratio = s["delay_over_lorden_median"]
         typer.echo(f"{name:<24}{s['precision']:>10.3f}{s['recall']:>8.3f}{s['f1']:>7.3f}"
-                   f"{s['false_alarms_per_10k_healthy_steps']:>8.1f}{delay:>7}{err:>9}")
+                   f"{s['false_alarms_per_10k_healthy_steps']:>8.1f}{delay:>7}{err:>9}"
+                   f"{s['false_alarms_per_10k_rank_steps']:>19.3f}{s['false_alarms_per_day']:>9.1f}"
+                   f"{'-' if ratio is None else f'{ratio:.2f}':>13}")
 
 
 def register(app: typer.Typer) -> None:

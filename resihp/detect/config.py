@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 
 from resihp.errors import InputError
 
+DEFAULT_STEP_TIME_S = 1.0  # the step time ``detect-eval`` states false alarms per day at
+
 
 @dataclass(frozen=True)
 class DetectorConfig:

@@ -2,10 +2,15 @@
 collective records (the detector's view of a slow link).
 
 A receive's record spans its wait for the sender and the transfer. With ``start_ts`` the wait is
-taken out: a message's transfer is from the later of the receive's start and the matching send's
-start to the receive's end; a trace that times the transfer on the sending side (its send's
-duration) counts that too (the larger of the two). Per pipeline link (indexed by the rank at its
-lower stage) and step: the median of its messages' transfer seconds per token.
+taken out: a message's transfer is from when it could start to the receive's end. It could start at
+the latest of the receive's start, the matching send's start and the end of the sending stage's
+own compute of that micro-batch: a receive that waited because its upstream stage computed longer
+on that micro-batch (longer sequences) waited for the sender, not the link, whether or not the
+trace records the send, or records it posted before its data was ready. A trace that times the
+transfer on the sending side (its send's duration, less any part before the data was computed)
+counts that too (the larger of the two). Per pipeline link (indexed by the rank at its lower stage)
+and step: the fastest of its messages' transfer seconds per token (tokens from the message's
+record, else its micro-batch's sequence lengths).
 
 A gradient collective waits for its last member: a member's transfer is from the latest start
 over its group (the ranks of its stage and tensor-parallel rank across replicas) to its own end.
@@ -85,9 +90,15 @@ def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world:
     pairs = recv.merge(send, on=key, how="outer", suffixes=("_r", "_s"))
     if not len(pairs):
         return None
-    recv_end = pairs["start_ts_r"] + pairs["duration_r"]
-    from_ready = recv_end - np.fmax(pairs["start_ts_r"], pairs["start_ts_s"])
-    transfer = np.fmax(from_ready.to_numpy(np.float64), pairs["duration_s"].to_numpy(np.float64))
+    recv_end = (pairs["start_ts_r"] + pairs["duration_r"]).to_numpy(np.float64)
+    send_start = pairs["start_ts_s"].to_numpy(np.float64)
+    computed = _sender_ready(pairs, recv_end, cols)
+    ready = np.fmax(send_start, computed)
+    from_ready = recv_end - np.fmax(pairs["start_ts_r"].to_numpy(np.float64), ready)
+    # a send posted before its data was computed: the part of it before then is not the link's
+    early = np.nan_to_num(np.fmax(computed - send_start, 0.0), nan=0.0)
+    sent = pairs["duration_s"].to_numpy(np.float64) - early
+    transfer = np.fmax(from_ready, sent)
     # the lower end's rank: the sender of a forward message, the receiver of a backward one
     lower = np.where(pairs["direction"] == 0, pairs["rank_s"], pairs["rank_r"]).astype(np.float64)
     tokens = _message_tokens(pairs, cols)
@@ -99,6 +110,38 @@ def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world:
                           "v": per_token[ok]})
     low = frame.groupby(["step", "rank"], sort=False)["v"].quantile(LINK_QUANTILE)
     return _matrix(low, steps, world)
+
+
+def _sender_ready(pairs: pd.DataFrame, recv_end: np.ndarray, cols: Mapping[str, np.ndarray]
+                  ) -> np.ndarray:
+    """When each message's data was ready: the end of its sending stage's own compute of that
+    micro-batch (forward for a forward message, backward for a backward one; the latest that ended
+    by the receive's end, for a stage holding several model chunks); NaN where the trace has none.
+    A receive posted before then waited for the sender's compute, not for the link."""
+    out = np.full(len(pairs), np.nan)
+    comp = _rows_of(cols, ("forward-compute", "backward-compute"))
+    if comp is None:
+        return out
+    cdf = _frame(cols, comp, ("step", "dp_rank", "stage", "tp_rank", "optype", "start_ts",
+                              "duration", "mb_id"))
+    cdf = cdf[cdf["mb_id"].notna() & cdf["start_ts"].notna() & cdf["duration"].notna()]
+    if not len(cdf):
+        return out
+    cdf["tp_rank"] = cdf["tp_rank"].fillna(0).astype(np.int64) if "tp_rank" in cdf else 0
+    cdf["mb_id"] = cdf["mb_id"].astype(np.int64)
+    cdf["direction"] = (cdf["optype"].astype(str) == "backward-compute").astype(np.int64)
+    # a forward message leaves the link's lower stage, a backward one its upper stage
+    cdf["link_stage"] = cdf["stage"] - cdf["direction"]
+    cdf["end"] = cdf["start_ts"] + cdf["duration"]
+    key = ["step", "dp_rank", "tp_rank", "mb_id", "link_stage", "direction"]
+    look = pairs[key].assign(_i=np.arange(len(pairs)), _by=recv_end)
+    look = look.merge(cdf[key + ["end"]], on=key, how="inner")
+    look = look[~(look["end"] > look["_by"])]  # a receive's own end unknown: any of them
+    if not len(look):
+        return out
+    latest = look.groupby("_i")["end"].max()
+    out[latest.index.to_numpy(np.int64)] = latest.to_numpy(np.float64)
+    return out
 
 
 def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.ndarray:

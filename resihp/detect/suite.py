@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from resihp.detect.alibaba import alibaba_path
-from resihp.detect.config import DetectorConfig
-from resihp.detect.evaluate import METHODS, Score, run_methods, score_events
+from resihp.detect.config import DEFAULT_STEP_TIME_S, DetectorConfig
+from resihp.detect.evaluate import METHODS, Score, fault_sigma, run_methods, score_events
 from resihp.detect.observe import ExpectedCompute
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.parallel import ParallelDims
@@ -83,11 +83,13 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
                    profile: str | Path = DEFAULT_PROFILE, methods: list[str] | None = None,
                    config: DetectorConfig | None = None, drop: tuple[str, ...] = (),
                    on_progress: Callable[[int], None] | None = None, dp: int = 4,
-                   pp: int = 4) -> dict:
+                   pp: int = 4, step_time_s: float = DEFAULT_STEP_TIME_S) -> dict:
     """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance check.
 
     ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on the
-    less informative traces many real jobs record.
+    less informative traces many real jobs record. False alarms per day are of one job at
+    ``step_time_s`` seconds a step; delays are against Lorden's bound at the noise resihp
+    calibrated on each trace (``evaluate`` module doc).
     """
     pool = CostPool.from_profile(profile)
     noise = alibaba_residuals(alibaba_path(2))
@@ -104,17 +106,24 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
     for k, (_name, job) in enumerate(suite):
         df = simulate(job, pool, noise)
         df = df.drop(columns=list(drop))
-        found, obs = run_methods(df, job.meta(), methods, expected, meta_dict, cfg)
+        detectors: dict = {}
+        found, obs = run_methods(df, job.meta(), methods, expected, meta_dict, cfg,
+                                 detectors=detectors)
         cost_model = obs.cost_model
+        budget = detectors["resihp"].budget() if "resihp" in detectors else {}
+
+        def sigma_of(inj: Injection, budget: dict = budget) -> float | None:
+            return fault_sigma(budget, inj)
+
         for m in methods:
             sc = score_events(found[m], job.injections, obs.steps, job.dims,
-                              skip_first=cfg.calibration_steps)
+                              skip_first=cfg.calibration_steps, sigma_of=sigma_of)
             totals[m].add(sc)
             for kind in KINDS:  # each kind scored on its own: its events against its faults
                 by_kind[m][kind].add(score_events(
                     [e for e in found[m] if e.kind == kind],
                     [i for i in job.injections if i.kind == kind], obs.steps, job.dims,
-                    skip_first=cfg.calibration_steps))
+                    skip_first=cfg.calibration_steps, sigma_of=sigma_of))
             if job.injections and all(i.kind == "fail-slow" for i in job.injections):
                 f = job.injections[0].factor
                 if f in by_factor[m]:
@@ -134,9 +143,11 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
         "ranks_per_trace": suite[0][1].world_size, "cost_model": cost_model,
         "noise": {"op_sigma_from_profile_spread": round(pool.op_sigma, 4),
                   "host_residual_mad_alibaba_job2": round(float(np.median(np.abs(noise))), 4)},
-        "methods": {m: totals[m].summary() for m in methods},
-        "by_kind": {m: {k: sc.summary() for k, sc in by_kind[m].items()} for m in methods},
-        "fail_slow_ge_1_2x_and_healthy": {m: strong[m].summary() for m in methods},
+        "step_time_s": step_time_s,
+        "methods": {m: totals[m].summary(step_time_s) for m in methods},
+        "by_kind": {m: {k: sc.summary(step_time_s) for k, sc in by_kind[m].items()}
+                    for m in methods},
+        "fail_slow_ge_1_2x_and_healthy": {m: strong[m].summary(step_time_s) for m in methods},
         "by_factor": {m: {str(f): _factor_summary(s) for f, s in by_factor[m].items()} for m in methods},
         "stage_imbalance_trace": imbalance,
     }
