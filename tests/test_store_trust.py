@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
 from resihp.detect.heartbeat import (
     HeartbeatMonitor,
@@ -23,7 +24,10 @@ from resihp.detect.heartbeat import (
 )
 from resihp.detect.records import JOB_SECRET_ENV, MAX_RECORD_BYTES, RECORDS, sign
 from resihp.errors import InputError
+from resihp.ft.quorum import Member, Quorum
 from resihp.runtime import controlplane as cp
+from resihp.runtime.nodes import Nodes
+from resihp.runtime.supervisor import await_relaunch
 
 BAD = {
     "garbage": b"{not json",
@@ -243,3 +247,138 @@ def test_a_plan_change_is_taken_only_with_the_jobs_signature(store, caplog, monk
     # a process without the secret takes no posted change at all
     monkeypatch.delenv(JOB_SECRET_ENV)
     assert cp.PlanInbox(store, JOB, []).poll(4) is None
+
+
+# --- authority: what steers the job is taken only with the job's signature ----------------------
+OTHER = "b" * 64  # a secret that is not the job's
+
+
+def _forgeries(doc: dict) -> list[bytes]:
+    """``doc`` unsigned, signed with another secret, and signed then altered."""
+    good = sign(doc, os.environ[JOB_SECRET_ENV])
+    altered = {**good, next(iter(doc)): "x"}
+    return [json.dumps(doc).encode(), json.dumps(sign(doc, OTHER)).encode(), json.dumps(altered).encode()]
+
+
+def test_every_record_that_carries_authority_is_taken_only_with_the_jobs_signature(store, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, "resihp.store")
+    monkeypatch.setenv(JOB_SECRET_ENV, "a" * 64)
+    pre = cp.prefix_of(JOB)
+    q = Quorum(store, JOB, ranks_per_replica=1, timeout_s=1.0, plan_key=cp.plan_key(JOB))
+    m = Member(1, 0)
+    # (key, a forged record, the reader, what it reads with nothing there, the writer of the job)
+    cases = [
+        (f"{pre}/ended", {"job_id": JOB, "reason": "finished"}, lambda: cp.ended(store, JOB), None,
+         lambda: cp.mark_ended(store, JOB, "finished"), "finished"),
+        (f"{pre}/stopping", {"job_id": JOB, "reason": "rank 1 hung"}, lambda: cp.stopping(store, JOB), None,
+         lambda: cp.mark_stopping(store, JOB, "rank 1 hung"), "rank 1 hung"),
+        (f"{pre}/replica/1/order", {"replica": 1, "attempt": 5, "relaunch": True},
+         lambda: cp.replica_order(store, JOB, 1), None, lambda: cp.order_replica(store, JOB, 1, 5, True), (5, True)),
+        (f"{pre}/replica/1/done", {"replica": 1, "state": "done", "attempt": 0},
+         lambda: cp.replica_attempt(store, JOB, 1, "done"), None,
+         lambda: cp.replica_state(store, JOB, 1, 0, "done"), 0),
+        (f"{pre}/stacks/1", {"node": 1, "rank": 3, "why": "hung"}, lambda: cp.stacks_asked(store, JOB, 1), None,
+         lambda: cp.ask_for_stacks(store, JOB, 1, 3, "hung"), (3, "hung")),
+        (f"{pre}/first-failure/1", {"node": 1, "rank": 3, "exitcode": 9}, lambda: cp.first_failure(store, JOB, 1),
+         None, lambda: cp.publish_first_failure(store, JOB, 1, 3, 9), (3, 9)),
+        ("resihp/trust/ft/evicted/1/0", {"replica": 1, "attempt": 0, "reason": "forged"},
+         lambda: q.is_evicted(m), False, lambda: q.evict(m, "exited"), True),
+        ("resihp/trust/ft/join/1", {"replica": 1, "attempt": 0}, lambda: q.join_request(1), None,
+         lambda: q.request_join(m), m),
+        ("resihp/trust/ft/held/1/0/0", {"replica": 1, "attempt": 0, "rank": 0, "step": 7}, lambda: q.held(m), None,
+         lambda: q.report_held(m, 0, 7), 7),
+    ]
+    for key, doc, read, absent, write, taken in cases:
+        for raw in _forgeries(doc):
+            _put(store, key, raw)
+            assert read() == absent, (key, raw)
+        lines = _dropped(caplog, key)
+        assert len(lines) == 1 and "refused" in lines[0], (key, lines)
+        write()
+        assert read() == taken, key
+        if key.endswith("/ended"):
+            store.delete_key(key)  # stopping() says first why the job ended
+    # a record of the job's copied to another key (another replica's, another node's) is refused
+    store.set(f"{pre}/replica/0/order", store.get(f"{pre}/replica/1/order"))
+    assert cp.replica_order(store, JOB, 0) is None
+    store.set(f"{pre}/stacks/0", store.get(f"{pre}/stacks/1"))
+    assert cp.stacks_asked(store, JOB, 0) is None
+    # the job's announcement: a node joining or waiting for a relaunch ends with one line
+    for raw in _forgeries({"job_id": JOB, "nnodes": 2, "nproc_per_node": 1, "attempt": 1}):
+        _put(store, cp.JOB_KEY, raw)
+        with pytest.raises(InputError, match=f"store key {cp.JOB_KEY}: .*refused.*{JOB_SECRET_ENV} the same"):
+            cp.read_job(store, timeout_s=0.2, poll_s=0.1)
+    cp.announce_job(store, JOB, {}, 2, 1, attempt=1)
+    assert cp.read_job(store, timeout_s=0.2, attempt=1)["job_id"] == JOB
+    # a follower, which steers nothing, reads what is there without the secret
+    cp.mark_ended(store, JOB, "finished")
+    monkeypatch.delenv(JOB_SECRET_ENV)
+    assert cp.read_job(store, timeout_s=0.2, verify=False)["job_id"] == JOB
+    assert cp.ended(store, JOB) is None and cp.ended(store, JOB, verify=False) == "finished"
+
+
+def test_forged_quorum_decisions_plans_and_heartbeats_are_refused(store, caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, "resihp.store")
+    monkeypatch.setenv(JOB_SECRET_ENV, "a" * 64)
+    q = Quorum(store, JOB, ranks_per_replica=1, timeout_s=1.0, plan_key=cp.plan_key(JOB))
+    gen = q.start([Member(0), Member(1)], 0)
+    # a decision written ahead of the job's, evicting replica 1: the job's decider replaces it
+    for step, raw in enumerate(_forgeries({"gen": 0, "step": 0, "commit": True, "joined": [], "seen": 0,
+                                           "next": {"gen": 1, "members": [[0, 0]], "from_step": 1}})):
+        store.set(f"resihp/{JOB}/ft/decision/0/{step}", raw)
+        assert q.decision(0, step) is None
+        assert q.vote(gen, step, True) is None
+        d = q.vote(gen, step, True)
+        assert d.commit and d.next.replicas == [0, 1] and q.wait(gen, step) == d
+    # a forged plan change is not carried by a commit: the plan in force stays
+    cp.post_change(store, JOB, {"id": 1, "dp_weights": [2.0, 1.0]})
+    q.vote(gen, 3, True)
+    d3 = q.vote(gen, 3, True)
+    assert d3.plan["id"] == 1
+    for i, raw in enumerate(_forgeries({"id": 2, "dp_weights": [0.0, 1.0]})):
+        store.set(cp.plan_key(JOB), raw)
+        q.vote(gen, 4 + i, True)
+        d = q.vote(gen, 4 + i, True, previous=d3)
+        assert d.commit and d.plan == d3.plan
+    # a node aggregate saying a rank is gone, and a rank's beat, not signed by the job: not read
+    hb = cp.heartbeat_prefix(JOB)
+    monitor = HeartbeatMonitor(store, {0: [0]}, prefix=hb, timeout_s=30)
+    agg = NodeAggregator(store, 0, [0], prefix=hb, check_pids=False)
+    gone = {"beat": 1, "ranks": {"0": {"seen": True, "silent_s": 0.0, "phase": "train", "step": 1,
+                                       "pid": os.getpid(), "exited": True}}}
+    for raw in _forgeries(gone):
+        store.set(node_key(hb, 0), raw)
+        assert monitor.poll() == [] and monitor.views[0].seen is False
+    for raw in _forgeries({"c": 1, "pid": os.getpid(), "step": 1, "phase": "train", "ops": 1, "wait": ""}):
+        store.set(rank_key(hb, 0, 0), raw)
+        assert agg.snapshot()["0"]["seen"] is False
+    store.set(node_key(hb, 0), json.dumps(sign(gone, "a" * 64)))
+    assert [e.extra["cause"] for e in monitor.poll()] == ["exited"]  # the job's own is read
+    for key in (f"resihp/{JOB}/ft/decision/0/0", cp.plan_key(JOB), node_key(hb, 0), rank_key(hb, 0, 0)):
+        lines = _dropped(caplog, key)
+        assert len(lines) == 1 and "refused" in lines[0], (key, lines)
+
+
+def test_a_node_waiting_for_a_relaunch_takes_no_forged_announcement(monkeypatch):
+    monkeypatch.setenv(JOB_SECRET_ENV, "a" * 64)
+    port = _free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    nodes = Nodes(2, 1, 1, f"127.0.0.1:{port}")
+    host.set(cp.JOB_KEY, json.dumps(sign({"job_id": JOB, "config": {}, "nnodes": 2, "nproc_per_node": 1,
+                                          "attempt": 1}, OTHER)))
+    assert await_relaunch(nodes, 1, timeout_s=2.0) is None
+    cp.announce_job(host, JOB, {}, 2, 1, attempt=1)
+    assert await_relaunch(nodes, 1, timeout_s=5.0)["job_id"] == JOB
+
+
+def test_a_job_on_several_nodes_needs_the_same_secret_on_each(tmp_path):
+    env = {k: v for k, v in ENV.items() if k != JOB_SECRET_ENV}
+    for secret in (None, "short"):
+        proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", "2", "--nnodes", "2",
+                               "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", "--out", str(tmp_path / "o")],
+                              capture_output=True, text=True, timeout=120,
+                              env={**env, **({JOB_SECRET_ENV: secret} if secret else {})})
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [x for x in proc.stderr.splitlines() if x.strip()]
+        assert len(lines) == 1 and f"--nnodes 2: expected the job's secret in {JOB_SECRET_ENV}" in lines[0], lines
+        assert not (tmp_path / "o").exists()
