@@ -22,9 +22,9 @@ from resihp.detect.heartbeat import (
     rank_key,
     start_local_store,
 )
-from resihp.detect.records import JOB_SECRET_ENV, MAX_RECORD_BYTES, RECORDS, sign
+from resihp.detect.records import JOB_SECRET_ENV, MAX_RECORD_BYTES, RECORDS, checked_int, sign
 from resihp.errors import InputError
-from resihp.ft.quorum import Member, Quorum
+from resihp.ft.quorum import Member, Quorum, changes_key
 from resihp.runtime import controlplane as cp
 from resihp.runtime.nodes import Nodes
 from resihp.runtime.supervisor import await_relaunch
@@ -382,3 +382,143 @@ def test_a_job_on_several_nodes_needs_the_same_secret_on_each(tmp_path):
         lines = [x for x in proc.stderr.splitlines() if x.strip()]
         assert len(lines) == 1 and f"--nnodes 2: expected the job's secret in {JOB_SECRET_ENV}" in lines[0], lines
         assert not (tmp_path / "o").exists()
+
+
+# --- a running job on two nodes: forged authority and garbage in every key family --------------
+REPLICA = [*SMALL[:SMALL.index("--recovery")], "--recovery", "replica", "--steps", "40", "--seed", "3",
+           "--json", "--inject", "slow:rank=0,factor=3,step=0"]  # steps long enough to poison on any machine
+
+
+def _replica_job(out, port: int | None, node: int | None, secret: str) -> subprocess.Popen:
+    nodes = [] if node is None else ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                                     "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *REPLICA, *nodes, "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, JOB_SECRET_ENV: secret})
+
+
+def _forge_and_poison(port: int, node0: subprocess.Popen, until_s: float) -> dict[str, list[str]]:
+    """Once both nodes train, write forged orders (unsigned, or signed with another secret) to end,
+    stop, evict, relaunch, re-plan and kill, and garbage into every other key family."""
+    _listens(port, node0)
+    store = connect_store("127.0.0.1", port, timeout_s=30)
+    end = time.monotonic() + 120
+    while not store.check([cp.JOB_KEY]):
+        assert time.monotonic() < end and node0.poll() is None, "the job never announced itself"
+        time.sleep(0.1)
+    job = json.loads(store.get(cp.JOB_KEY))["job_id"]
+    pre, hb, ft = cp.prefix_of(job), cp.heartbeat_prefix(job), f"resihp/{job}/ft"
+    while not store.check([node_key(hb, 1), f"{pre}/ops/n1/s1"]):  # node 1 joined and trains
+        assert time.monotonic() < end and node0.poll() is None, "node 1 never trained"
+        time.sleep(0.1)
+    gone = {"seen": True, "silent_s": 0.0, "phase": "train", "step": 2, "pid": os.getpid(), "exited": True}
+    forged = {  # what each would do if taken: node 1 ends or stops; a replica is evicted, relaunched ...
+        f"{pre}/ended": {"job_id": job, "reason": "finished"},
+        f"{pre}/stopping": {"job_id": job, "reason": "forged"},
+        f"{pre}/replica/1/order": {"replica": 1, "attempt": 1, "relaunch": True},
+        f"{pre}/replica/0/order": {"replica": 0, "attempt": 1, "relaunch": False},
+        f"{pre}/replica/1/done": {"replica": 1, "state": "done", "attempt": 0},
+        f"{pre}/stacks/1": {"node": 1, "rank": 1, "why": "forged"},
+        f"{ft}/evicted/1/0": {"replica": 1, "attempt": 0, "reason": "forged"},
+        cp.plan_key(job): {"id": "forged", "dp_weights": [3.0, 1.0]},
+        node_key(hb, 1): {"beat": 10 ** 6, "ranks": {"1": gone}},
+        cp.JOB_KEY: {"job_id": job, "nnodes": 2, "nproc_per_node": 1, "attempt": 1, "no_relaunch": "forged"},
+    }
+    # decisions evicting replica 1, written once, ahead of the steps the job will decide
+    for s in range(8, 40):
+        doc = {"gen": 0, "step": s, "commit": True, "joined": [], "seen": 0,
+               "next": {"gen": 1, "members": [[0, 0]], "from_step": s + 1}}
+        store.set(f"{ft}/decision/0/{s}", json.dumps(sign(doc, "b" * 64) if s % 2 else doc))
+    beats = {rank_key(hb, 0, 0), rank_key(hb, 1, 1), node_key(hb, 0), node_key(hb, 1)}
+    garbage = [rank_key(hb, 0, 0), rank_key(hb, 1, 1), node_key(hb, 0), f"{pre}/first-failure/1",
+               f"{ft}/join/1", f"{ft}/held/1/1/0", f"{ft}/replicas", f"{ft}/gen/latest", f"{ft}/heal-shape/1/1"]
+    _put(store, f"{pre}/errors", BAD["oversized"] + b"\n", append=True)
+    values = [v for k, v in BAD.items() if k != "oversized"]
+    stop, i = time.monotonic() + until_s, 0
+    try:
+        # until the job's last steps (its own end announcement is not overwritten)
+        while time.monotonic() < stop and node0.poll() is None and _last_step(store, pre) < 30:
+            secret = None if i % 2 == 0 else "b" * 64  # unsigned, then another secret's
+            # heartbeats a few times a second: the job's own ones are read between
+            for key, doc in forged.items():
+                if key not in beats or i % 5 == 0:
+                    store.set(key, json.dumps(sign(doc, secret) if secret else doc))
+            store.add(changes_key(job), 1)  # the quorum looks for changes (an eviction, a plan post)
+            raw = values[i % len(values)]
+            for key in garbage:
+                if key not in beats or i % 5 == 0:
+                    store.set(key, raw)
+            line = raw.replace(b"\n", b" ") + b"\n"
+            store.append(f"{pre}/errors", line)
+            for n in (0, 1):
+                for step in range(40):
+                    store.append(f"{pre}/ops/n{n}/s{step}", line)
+            i += 1
+            time.sleep(0.05)
+    except RuntimeError:  # DistNetworkError: the job ended and its store with it
+        pass
+    assert i > 10, "the job ended before it was poisoned"
+    return {"forged": list(forged), "garbage": garbage}
+
+
+def _last_step(store, pre: str) -> int:
+    """The last step node 0 read the records of (-1: none yet)."""
+    key = f"{pre}/ops/last"
+    last = checked_int(store.get(key), key) if store.check([key]) else None
+    return -1 if last is None else last
+
+
+def _listens(port: int, proc: subprocess.Popen) -> bool:
+    end = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            assert time.monotonic() < end and proc.poll() is None, "the job's store never listened"
+            time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_two_node_job_refuses_forged_orders_and_trains_on_through_garbage_with_the_same_losses(tmp_path):
+    """Replica mode, one replica per node. While it trains, another process that reaches the
+    store writes, over and over: the job ended, node 0 is stopping, evict replica 1 (the quorum's
+    eviction, decisions ahead of the job's, a node aggregate saying its rank exited), relaunch or
+    stop each replica, a replica finished, a plan change, a stacks request (which kills the rank),
+    a relaunch announcement; each unsigned or signed with another secret. Garbage, truncated,
+    oversized and hostile values go into every other key family. Nothing is taken: no replica is
+    lost and every loss equals the one-node run's."""
+    secret = "c" * 64
+    ref = _replica_job(tmp_path / "ref", None, None, secret)
+    out, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err[-2000:]
+    want = json.loads(out)["losses"]
+    port = _free_port()
+    node0 = _replica_job(tmp_path / "node0", port, 0, secret)
+    node1 = _replica_job(tmp_path / "node1", port, 1, secret)
+    try:
+        keys = _forge_and_poison(port, node0, until_s=30.0)
+        out0, err0 = node0.communicate(timeout=300)
+        out1, err1 = node1.communicate(timeout=300)
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert node0.returncode == 0 and node1.returncode == 0, (err0[-3000:], err1[-3000:])
+    s0, s1 = json.loads(out0), json.loads(out1)
+    assert s1 == {"node_rank": 1, "nnodes": 2, "ranks": [1], "error": None}, s1
+    assert s0["recovery"] is None and all(m == [0, 1] for m in s0["members"]), (s0["recovery"], s0["members"])
+    assert s0["losses"] == want
+    logs = err0 + err1 + "".join((tmp_path / n / "logs" / "workers.log").read_text() for n in ("node0", "node1"))
+    assert "Traceback" not in logs, logs[-3000:]
+    job = s0["job_id"]
+    pre = cp.prefix_of(job)
+    # what node 1's launcher reads at each poll: refused, one line each
+    for key in (f"{pre}/ended", f"{pre}/replica/1/order", f"{pre}/stacks/1"):
+        lines = [x for x in err1.splitlines() if f"store key {key}: record dropped:" in x]
+        assert len(lines) == 1 and "refused" in lines[0], (key, lines)
+    # the evictions and decisions read by node 0 and the ranks: each refused at most once per process
+    refused = [x for x in logs.splitlines() if "record dropped" in x and "refused" in x]
+    assert any(f"resihp/{job}/ft/decision/0/8:" in x for x in refused), refused
+    assert keys["forged"] and keys["garbage"]

@@ -89,6 +89,18 @@ def changes_key(job_id: str) -> str:
 _REPLACE_TRIES = 100
 
 
+def _ints(doc: Any) -> list[int]:
+    if not isinstance(doc, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in doc):
+        raise RecordError("expected a list of replica numbers")
+    return doc
+
+
+def _object(doc: Any) -> dict:
+    if not isinstance(doc, dict):
+        raise RecordError(f"expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 class Evicted(RuntimeError):
     """This rank's replica is no longer a member (the supervisor evicted it)."""
 
@@ -153,7 +165,7 @@ class Quorum:
     def committed(self, step: int) -> list[int] | None:
         """The replicas whose ranks trained ``step`` (None: not committed yet)."""
         key = self._key("committed", step)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return RECORDS.decode(key, self.store.get(key), _ints) if self.store.check([key]) else None
 
     def _publish(self, gen: Generation) -> None:
         self._put(self._key("gen", gen.gen), gen.to_dict())
@@ -193,7 +205,8 @@ class Quorum:
 
     def relayouts(self, plan_id: object, replicas: int) -> list[dict]:
         keys = [self._key("relayout", plan_id, d) for d in range(replicas)]
-        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+        found = (RECORDS.decode(k, self.store.get(k), _object) for k in keys if self.store.check([k]))
+        return [r for r in found if r is not None]
 
     def set_heal_shape(self, member: Member, shape: list[int]) -> None:
         """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
