@@ -31,6 +31,8 @@ for arm in ${ARMS:-ff stop hang}; do
     run="python3 -m resihp.cli run --device cuda --dp 2 --pp 1 --steps ${STEPS:-120} --recovery replica $MODEL $inject --json"
     if [ "$arm" = stop-2nodes ]; then
         nodes="--nnodes 2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:29561"
+        # every node of a job is launched with the same secret
+        export RESIHP_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
         timeout 150 $run $nodes --node-rank 1 -o "$R/$arm-node1" > "$R/$arm-node1.json" 2> "$R/$arm-node1.err" &
         timeout 150 $run $nodes --node-rank 0 -o "$R/$arm" > "$R/$arm.json" 2> "$R/$arm.err"
         echo "$arm: rc $?"; wait; echo "$arm node 1: $(cat "$R/$arm-node1.json") $(tail -2 "$R/$arm-node1.err")"

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -51,6 +52,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from resihp.detect.records import JOB_SECRET_ENV
+
 MODEL = ["--layers", "4", "--hidden", "128", "--heads", "4", "--ffn-hidden", "512", "--vocab", "1024",
          "--global-tokens", "4096", "--budget", "512", "--max-len", "512", "--dp", "2", "--pp", "2",
          "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60"]
@@ -58,7 +61,8 @@ MODEL = ["--layers", "4", "--hidden", "128", "--heads", "4", "--ffn-hidden", "51
 
 def run(out: Path, *args: str, nodes: int = 1) -> dict:
     """One ``resihp run``; with ``nodes`` 2, two launchers on this machine (node 0's summary)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # every node of a job is launched with the same secret (what steers the job is signed with it)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", JOB_SECRET_ENV: secrets.token_hex(32)}
     cmd = [sys.executable, "-m", "resihp.cli", "run", *MODEL, *args]
     others = []
     if nodes > 1:

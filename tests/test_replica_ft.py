@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from resihp.ckpt.integrity import problem
 from resihp.control import ControlConfig
+from resihp.detect.records import SIGNATURE, signed_json
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.model.config import GPTConfig
 from resihp.parallel import ParallelDims
@@ -32,6 +33,12 @@ from resihp.runtime.replica import heal_source
 from tests.faults import announced
 from tests.gloo_ranks import spawn_ranks
 from tests.replica_replay import ISSUE_STEPS, replay_membership
+
+
+def unsigned(doc: dict) -> dict:
+    """A signed record's fields (its signature left out)."""
+    return {k: v for k, v in doc.items() if k != SIGNATURE}
+
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
          "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60",
@@ -226,15 +233,15 @@ def test_commits_carry_the_newest_plan_change_and_a_joiner_gets_its_admitting_on
     gen = q[0].start([Member(0), Member(1)], 0)
     q[0].vote(gen, 0, True)
     assert q[1].vote(gen, 0, True).plan is None  # nothing posted yet
-    host.set("plan", json.dumps({"id": 1, "dp_weights": [2.0, 1.0]}))
+    host.set("plan", signed_json({"id": 1, "dp_weights": [2.0, 1.0]}))
     q[0].vote(gen, 1, True)
     d1 = q[1].vote(gen, 1, True)
-    assert d1.plan == {"id": 1, "dp_weights": [2.0, 1.0]} and q[0].wait(gen, 1) == d1
+    assert unsigned(d1.plan) == {"id": 1, "dp_weights": [2.0, 1.0]} and q[0].wait(gen, 1) == d1
     q[0].evict(Member(1, 0), "exited")
     q[0].vote(gen, 2, True)
     aborted = DecisionChain(q[0], gen).abort_for(Member(1, 0))
     assert not aborted.commit and aborted.plan is None  # an abort carries no plan
-    host.set("plan", json.dumps({"id": 2, "dp_weights": [1.0, 1.0]}))
+    host.set("plan", signed_json({"id": 2, "dp_weights": [1.0, 1.0]}))
     q[0].set_replicas(2)
     q[1].request_join(Member(1, 1))
     q[1].report_held(Member(1, 1), 0, 1)
@@ -270,7 +277,7 @@ def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full
     d1 = commit(1, d0)
     assert (d1.next, d1.seen, d1.plan) == (replace(gen, from_step=2), d0.seen, None)
     # a key written without the count's bump is not looked for: the fast path was taken
-    host.set("resihp/job/ft/evicted/1/0", "by hand")
+    host.set("resihp/job/ft/evicted/1/0", signed_json({"replica": 1, "attempt": 0, "reason": "by hand"}))
     d2 = commit(2, d1)
     assert d2.next.replicas == [0, 1]
     post_change(host, "job", {"id": 7, "dp_weights": [2.0, 1.0]})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from resihp.ckpt.integrity import problem
+from resihp.detect.records import JOB_SECRET_ENV
 from resihp.runtime.config import RunConfig
 from resihp.runtime.nodes import Nodes, free_port
 from resihp.runtime.replica_launch import node_replicas, replica_ranks
@@ -25,10 +27,12 @@ from tests.faults import announced, descendants
 DEMO = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "256", "--vocab", "512",
         "--global-tokens", "8192", "--budget", "512", "--max-len", "512", "--dp", "2", "--pp", "2"]
 FAST = ["--heartbeat-timeout", "3", "--timeout", "30"]
+# every node of a job is launched with the same secret (what steers the job is signed with it)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", JOB_SECRET_ENV: secrets.token_hex(32)}
 
 
 def _node(tmp: Path, port: int, rank: int, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = ENV
     return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *DEMO, *FAST, "--json",
                              "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(tmp / f"node{rank}"),
@@ -98,7 +102,7 @@ def test_slow_rank_on_node_1_is_detected_and_replanned_by_node_0(tmp_path):
     # a third machine follows the job through its store alone (no run folder)
     follower = subprocess.Popen([sys.executable, "-m", "resihp.cli", "follow", "--store", f"127.0.0.1:{port}",
                                  "--json", "--start-timeout", "120"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                stderr=subprocess.PIPE, text=True, env=ENV)
     s0, err0 = _finish(node0)
     s1, err1 = _finish(node1)
     report, ferr = _finish(follower, timeout=60)
@@ -257,7 +261,7 @@ def test_a_node_left_with_no_rank_is_not_relaunched_and_its_launcher_is_told_at_
                                "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(tmp_path / f"node{rank}"),
                                "--steps", "10", "--ckpt-every", "2", "--ckpt-dir", str(shared), "--no-live",
                                "--inject", "stop:rank=1,step=4"],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                              env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in (0, 1)]
     s0, err0 = _finish(procs[0])
     s1, err1 = _finish(procs[1])
@@ -284,7 +288,7 @@ def test_node_1_launcher_killed_node_0_ends_cleanly_with_one_line(tmp_path):
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "resihp.cli", "run", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=timeout, env=ENV)
 
 
 @pytest.mark.parametrize("args,expect", [

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from resihp.detect.records import JOB_SECRET_ENV
 from tests.faults import flip_bit
 
 pytestmark = pytest.mark.slow
@@ -47,10 +49,11 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128
 # every step slowed (a rank's compute stretched 30x), so that a signal sent from the test lands
 # before the run ends, also on a fast machine
 SLOW = ["--inject", "slow:rank=0,factor=30,step=0"]
+SECRET = secrets.token_hex(32)  # a job's nodes share one
 
 
 def _env(shm: Path) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm), JOB_SECRET_ENV: SECRET}
 
 
 def _start(out: Path, shm: Path, *args: str) -> subprocess.Popen:

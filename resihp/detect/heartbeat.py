@@ -14,6 +14,10 @@ Layout (all keys under ``prefix``):
   ``exited`` (the process is gone), ``hang`` (alive but silent, or beating without progress for
   longer than the hang timeout) or ``node`` (the node's aggregator itself went silent).
 
+Where the process has the job's secret (``RESIHP_JOB_SECRET``: a launcher and its workers), beats
+and node aggregates are signed with it and a reader takes only signed ones (``records``): another
+process that reaches the store cannot fake a rank's death or stall.
+
 Counters and durations measured by one clock, not wall-clock times, travel through the store, so
 clocks of different hosts never meet.
 
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from torch.distributed import Store, TCPStore
 
 from resihp.detect.events import Event
-from resihp.detect.records import RECORDS, RecordError, fields
+from resihp.detect.records import JOB_SECRET_ENV, RECORDS, RecordError, fields, sign, verified
 from resihp.procinfo import process_state
 
 PREFIX = "resihp/hb"
@@ -83,6 +87,23 @@ def parse_aggregate(doc: object) -> dict:
             raise RecordError(f"node aggregate: rank {r!r} is not a rank number")
         fields(entry, f"node aggregate rank {r}", _ENTRY, _ENTRY_OPTIONAL)
     return agg
+
+
+def _secret(secret: str | None) -> str | None:
+    """The secret beats are signed with: ``secret``, else this process's ``RESIHP_JOB_SECRET``
+    (a launcher and the workers it starts share it); None: unsigned (a job started without one)."""
+    return secret or os.environ.get(JOB_SECRET_ENV) or None
+
+
+def _signed(doc: dict, secret: str | None) -> str:
+    return json.dumps(sign(doc, secret) if secret else doc)
+
+
+def _checked(parse: Callable[[object], dict], secret: str | None, what: str) -> Callable[[object], dict]:
+    """``parse`` after the record's signature is checked under ``secret`` (None: not checked)."""
+    if secret is None:
+        return parse
+    return lambda doc: parse(verified(doc, secret, what))
 
 
 def start_local_store(timeout_s: float = 30.0) -> tuple[TCPStore, int]:
@@ -154,9 +175,11 @@ class HeartbeatSender(_Loop):
     at exit. ``progress`` is read at each beat (the engine's op recorder supplies it)."""
 
     def __init__(self, store: Store, rank: int, node: int, interval_s: float = 0.5,
-                 prefix: str = PREFIX, progress: Callable[[], Progress] | None = None) -> None:
+                 prefix: str = PREFIX, progress: Callable[[], Progress] | None = None,
+                 secret: str | None = None) -> None:
         super().__init__(interval_s)
         self.store, self.key = store, rank_key(prefix, node, rank)
+        self.secret = _secret(secret)
         self.count = 0
         self.state = Progress()
         self._progress = progress or (lambda: self.state)
@@ -168,8 +191,8 @@ class HeartbeatSender(_Loop):
     def tick(self) -> None:
         self.count += 1
         p = self._progress()
-        self.store.set(self.key, json.dumps({"c": self.count, "pid": os.getpid(), "step": p.step,
-                                             "phase": p.phase, "ops": p.ops, "wait": p.wait}))
+        self.store.set(self.key, _signed({"c": self.count, "pid": os.getpid(), "step": p.step,
+                                          "phase": p.phase, "ops": p.ops, "wait": p.wait}, self.secret))
 
     def finish(self, phase: str = "done") -> None:
         """The last beat: the rank is done (a monitor never judges it again)."""
@@ -185,9 +208,11 @@ class NodeAggregator(_Loop):
 
     def __init__(self, store: Store, node: int, ranks: Sequence[int], interval_s: float = 0.5,
                  timeout_s: float = 3.0, prefix: str = PREFIX, startup_s: float = 60.0,
-                 check_pids: bool = True) -> None:
+                 check_pids: bool = True, secret: str | None = None) -> None:
         super().__init__(interval_s)
         self.store, self.node, self.ranks = store, node, list(ranks)
+        self.secret = _secret(secret)
+        self.parse_beat = _checked(parse_beat, self.secret, "heartbeat")
         self.timeout_s, self.startup_s, self.check_pids = timeout_s, startup_s, check_pids
         self.keys = [rank_key(prefix, node, r) for r in self.ranks]
         self.out_key = node_key(prefix, node)
@@ -218,7 +243,7 @@ class NodeAggregator(_Loop):
         ranks = {}
         for rank, raw in self.read().items():
             key = self.keys[self.ranks.index(rank)]
-            msg = RECORDS.decode(key, raw, parse_beat)
+            msg = RECORDS.decode(key, raw, self.parse_beat)
             # a process already gone is let through: nothing is ever signalled to it, and its
             # rank is judged exited (a rank killed right after its first beat is gone before the
             # launcher could see it was its own)
@@ -264,7 +289,7 @@ class NodeAggregator(_Loop):
         if gone:  # a rank that finished says so in its last beat, which may be newer than ours
             fresh = self.read()
             gone = [g for g in gone if (beat := RECORDS.decode(self.keys[self.ranks.index(g[0])], fresh.get(g[0]),
-                                                                 parse_beat)) is None or beat["phase"] not in FINISHED]
+                                                                 self.parse_beat)) is None or beat["phase"] not in FINISHED]
         return gone
 
     def excuse(self) -> None:
@@ -276,7 +301,7 @@ class NodeAggregator(_Loop):
     def tick(self) -> None:
         ranks = self.snapshot()
         self.count += 1
-        self.store.set(self.out_key, json.dumps({"beat": self.count, "ranks": ranks}))
+        self.store.set(self.out_key, _signed({"beat": self.count, "ranks": ranks}, self.secret))
 
 
 @dataclass
@@ -314,8 +339,9 @@ class HeartbeatMonitor:
                  prefix: str = PREFIX, places: Mapping[int, tuple[int, int, int]] | None = None,
                  startup_s: float = 60.0, hang_timeout_s: float | None = None,
                  hang_factor: float = 5.0, hang_floor_s: float | None = None,
-                 stopped_s: float | None = None, confirm_s: float = 0.5) -> None:
+                 stopped_s: float | None = None, confirm_s: float = 0.5, secret: str | None = None) -> None:
         self.store = store
+        self.parse = _checked(parse_aggregate, _secret(secret), "node heartbeat")
         self.confirm_s = confirm_s
         self._suspects: dict[int, tuple[float, int, int]] = {}  # rank -> (first seen, step, ops)
         self.startup_s = startup_s
@@ -352,7 +378,7 @@ class HeartbeatMonitor:
         values = dict(zip(present, self.store.multi_get(list(present.values())))) if present else {}
         lost = []
         for node in self.nodes:
-            msg = RECORDS.decode(self.keys[node], values.get(node), parse_aggregate)
+            msg = RECORDS.decode(self.keys[node], values.get(node), self.parse)
             if msg is not None:
                 if msg["beat"] != self._beat[node]:
                     self._beat[node] = msg["beat"]

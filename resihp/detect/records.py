@@ -3,7 +3,8 @@
 The store has no authentication: whoever reaches its port can write any key. Every record read
 from it is parsed here into its checked form; a malformed, truncated, oversized or foreign record
 is warned about once per key, in one line, and dropped (the reader acts as if it were absent).
-Records that steer the job (plan changes) carry an HMAC-SHA256 under the job's secret
+Records that carry authority (plan changes, the job's launch and end announcements, orders to
+stop, relaunch or evict, the replicas' membership) carry an HMAC-SHA256 under the job's secret
 (``JOB_SECRET_ENV``): an unsigned or wrongly signed one is refused the same way.
 """
 
@@ -13,6 +14,8 @@ import hashlib
 import hmac
 import json
 import logging
+import os
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -139,3 +142,40 @@ def verified(doc: Any, secret: str | None, what: str) -> dict:
     if secret is None or not hmac.compare_digest(doc[SIGNATURE], _digest(doc, secret)):
         raise RecordError(f"{what}: refused: its signature is not the job's")
     return {k: v for k, v in doc.items() if k != SIGNATURE}
+
+
+def job_secret() -> str:
+    """This job's secret, which signs the records that steer it: ``RESIHP_JOB_SECRET`` where set
+    (every node of a job is launched with the same), else one made now, at random, and kept in
+    this process's environment for the processes it starts."""
+    if not os.environ.get(JOB_SECRET_ENV):
+        os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
+    return os.environ[JOB_SECRET_ENV]
+
+
+def signed_json(doc: Mapping[str, Any], secret: str | None = None) -> str:
+    """``doc`` signed with ``secret`` (by default the job's, ``job_secret``), as stored."""
+    return json.dumps(sign(doc, secret or job_secret()), separators=(",", ":"))
+
+
+def authority(what: str, spec: Mapping[str, type | tuple[type, ...]],
+              optional: Mapping[str, type | tuple[type, ...]] | None = None,
+              secret: str | None = None, verify: bool = True,
+              same: Mapping[str, Any] | None = None) -> Callable[[Any], dict]:
+    """A parser for ``StoreRecords.decode`` of a signed record: its signature checked under
+    ``secret`` (by default this process's ``RESIHP_JOB_SECRET``; without one nothing signed is
+    taken), then its fields; ``same``: fields that must hold these values (the key's replica or
+    node, so a signed record copied to another key is refused). ``verify=False``: a reader that
+    acts on nothing (a follower) takes the record without checking its signature."""
+    def parse(doc: Any) -> dict:
+        if verify:
+            doc = verified(doc, secret or os.environ.get(JOB_SECRET_ENV) or None, what)
+        else:
+            doc = {k: v for k, v in fields(doc, what, {}).items() if k != SIGNATURE}
+        doc = fields(doc, what, spec, optional)
+        for name, value in (same or {}).items():
+            if doc.get(name) != value:
+                raise RecordError(f"{what}: refused: field {name!r} is {doc.get(name)!r}, not {value!r} "
+                                  "(a record of another key)")
+        return doc
+    return parse

@@ -9,17 +9,34 @@ step is redone by the next generation of members. Each decision is written once 
 minus the evicted, plus a returning replica that has caught up), so membership only changes at a
 step boundary that every rank agrees on. A commit also carries the newest plan change posted on the
 store (``plan_key``), so every rank of every replica applies it at the same step boundary.
+
+Every record of this protocol that says who is a member (evictions, join requests, held reports,
+generations, admissions, decisions) is signed with the job's secret, and a plan change is taken
+only with its signature (``resihp.detect.records``): a record without it is refused (one warning
+per key) and acts as if absent; a refused decision ends the wait for it (``QuorumLost``).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed import DistStoreError, Store
+
+from resihp.detect.records import (
+    RECORDS,
+    RecordError,
+    authority,
+    checked_int,
+    job_secret,
+    load_json,
+    signed_json,
+    verified,
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -69,6 +86,21 @@ def changes_key(job_id: str) -> str:
     return f"resihp/{job_id}/ft/changes"
 
 
+_REPLACE_TRIES = 100
+
+
+def _ints(doc: Any) -> list[int]:
+    if not isinstance(doc, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in doc):
+        raise RecordError("expected a list of replica numbers")
+    return doc
+
+
+def _object(doc: Any) -> dict:
+    if not isinstance(doc, dict):
+        raise RecordError(f"expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 class Evicted(RuntimeError):
     """This rank's replica is no longer a member (the supervisor evicted it)."""
 
@@ -82,13 +114,27 @@ class Quorum:
     ``plan_key``: where the live planner posts plan changes (None: the job takes none)."""
 
     def __init__(self, store: Store, job_id: str, ranks_per_replica: int, timeout_s: float = 60.0,
-                 plan_key: str | None = None) -> None:
+                 plan_key: str | None = None, secret: str | None = None) -> None:
         self.store, self.prefix, self.changes = store, f"resihp/{job_id}/ft", changes_key(job_id)
         self.ranks_per_replica, self.timeout_s = ranks_per_replica, timeout_s
         self.plan_key = plan_key
+        self._secret = secret  # None: this process's RESIHP_JOB_SECRET (``job_secret``)
+
+    @property
+    def secret(self) -> str:
+        return self._secret or job_secret()
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
+
+    def _put(self, key: str, doc: dict) -> None:
+        self.store.set(key, signed_json(doc, self.secret))
+
+    def _get(self, key: str, what: str, spec: dict, same: dict) -> dict | None:
+        """The signed record at ``key``, or None where nothing with the job's signature is there."""
+        if not self.store.check([key]):
+            return None
+        return RECORDS.decode(key, self.store.get(key), authority(what, spec, secret=self.secret, same=same))
 
     # --- the supervisor ---------------------------------------------------------------------------
     def start(self, members: list[Member], from_step: int) -> Generation:
@@ -97,49 +143,58 @@ class Quorum:
         return first
 
     def evict(self, member: Member, reason: str) -> None:
-        self.store.set(self._key("evicted", member.replica, member.attempt), reason)
+        self._put(self._key("evicted", member.replica, member.attempt),
+                  {"replica": member.replica, "attempt": member.attempt, "reason": reason})
         self.store.add(self.changes, 1)  # after the key: a decider that reads the count sees it
 
     def is_evicted(self, member: Member) -> bool:
-        return self.store.check([self._key("evicted", member.replica, member.attempt)])
+        return self._get(self._key("evicted", member.replica, member.attempt), "eviction", {"reason": str},
+                         {"replica": member.replica, "attempt": member.attempt}) is not None
 
     def generation(self, gen: int) -> Generation:
-        return Generation.from_dict(json.loads(self.store.get(self._key("gen", gen))))
+        """Generation ``gen``; QuorumLost where the job's signed record of it is not there."""
+        key = self._key("gen", gen)
+        found = self._get(key, "generation", {"members": list, "from_step": int}, {"gen": gen})
+        if found is None:
+            raise QuorumLost(f"store key {key}: no generation {gen} signed with the job's secret")
+        try:
+            return Generation.from_dict(found)
+        except (TypeError, ValueError) as exc:
+            raise QuorumLost(f"store key {key}: field 'members' expected [replica, attempt] pairs ({exc})") from None
 
     def committed(self, step: int) -> list[int] | None:
         """The replicas whose ranks trained ``step`` (None: not committed yet)."""
         key = self._key("committed", step)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return RECORDS.decode(key, self.store.get(key), _ints) if self.store.check([key]) else None
 
     def _publish(self, gen: Generation) -> None:
-        self.store.set(self._key("gen", gen.gen), json.dumps(gen.to_dict()))
+        self._put(self._key("gen", gen.gen), gen.to_dict())
         self.store.set(self._key("gen", "latest"), str(gen.gen))
 
     # --- returning replicas ---------------------------------------------------------------------
     def request_join(self, member: Member) -> None:
-        self.store.set(self._key("join", member.replica), json.dumps([member.replica, member.attempt]))
+        self._put(self._key("join", member.replica), {"replica": member.replica, "attempt": member.attempt})
         self.store.add(self.changes, 1)
 
     def join_request(self, replica: int) -> Member | None:
-        key = self._key("join", replica)
-        if not self.store.check([key]):
-            return None
-        r, a = json.loads(self.store.get(key))
-        return Member(r, a)
+        said = self._get(self._key("join", replica), "join request", {"attempt": int}, {"replica": replica})
+        return None if said is None else Member(replica, int(said["attempt"]))
 
     def report_held(self, member: Member, local_rank: int, step: int) -> None:
         """A returning rank holds the survivors' state after ``step``."""
-        self.store.set(self._key("held", member.replica, member.attempt, local_rank), str(step))
+        self._put(self._key("held", member.replica, member.attempt, local_rank),
+                  {"replica": member.replica, "attempt": member.attempt, "rank": local_rank, "step": step})
         self.store.add(self.changes, 1)
 
     def held(self, member: Member, ranks: list[int] | None = None) -> int | None:
         """The step every rank of a returning replica (or its ``ranks``) holds the state after
         (None: not all do)."""
         ranks = range(self.ranks_per_replica) if ranks is None else ranks
-        keys = [self._key("held", member.replica, member.attempt, r) for r in ranks]
-        if not self.store.check(keys):
+        steps = [self._get(self._key("held", member.replica, member.attempt, r), "held report", {"step": int},
+                           {"replica": member.replica, "attempt": member.attempt, "rank": r}) for r in ranks]
+        if any(s is None for s in steps):
             return None
-        return min(int(v) for v in self.store.multi_get(keys))
+        return min(int(s["step"]) for s in steps)
 
     def report_relayout(self, plan_id: object, replica: int, record: dict) -> None:
         """What re-forming ``replica``'s groups for plan change ``plan_id`` moved (its first
@@ -150,21 +205,25 @@ class Quorum:
 
     def relayouts(self, plan_id: object, replicas: int) -> list[dict]:
         keys = [self._key("relayout", plan_id, d) for d in range(replicas)]
-        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+        found = (RECORDS.decode(k, self.store.get(k), _object) for k in keys if self.store.check([k]))
+        return [r for r in found if r is not None]
 
     def set_heal_shape(self, member: Member, shape: list[int]) -> None:
         """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
-        self.store.set(self._key("heal-shape", member.replica, member.attempt), json.dumps(shape))
+        self._put(self._key("heal-shape", member.replica, member.attempt),
+                  {"replica": member.replica, "attempt": member.attempt, "shape": shape})
 
     def heal_shape(self, member: Member) -> list[int] | None:
-        key = self._key("heal-shape", member.replica, member.attempt)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        said = self._get(self._key("heal-shape", member.replica, member.attempt), "heal shape", {"shape": list},
+                         {"replica": member.replica, "attempt": member.attempt})
+        return None if said is None else [int(n) for n in said["shape"]]
 
     def admitted(self, member: Member) -> Generation | None:
         """The generation that admitted a returning replica (its ``from_step``: the step it trains
         first), once a decision did."""
-        key = self._key("admitted", member.replica, member.attempt)
-        return self.generation(int(self.store.get(key))) if self.store.check([key]) else None
+        said = self._get(self._key("admitted", member.replica, member.attempt), "admission", {"gen": int},
+                         {"replica": member.replica, "attempt": member.attempt})
+        return None if said is None else self.generation(int(said["gen"]))
 
     # --- the ranks ------------------------------------------------------------------------------
     def vote(self, gen: Generation, step: int, ok: bool, previous: Decision | None = None) -> Decision | None:
@@ -184,12 +243,20 @@ class Quorum:
         """The decision of ``step`` under ``gen``, blocking on the store until it is written: by
         the last ok voter (a commit) or by the supervisor (an abort, when it evicts a member)."""
         key = self._key("decision", gen.gen, step)
-        try:
-            self.store.wait([key], timedelta(seconds=self.timeout_s))
-        except DistStoreError:
-            raise QuorumLost(f"step {step}: not decided within {self.timeout_s:g} s (a rank's gradient "
-                             "all-reduce failed and no replica was evicted)") from None
-        return self._read(key, step)
+        end = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=max(0.001, end - time.monotonic())))
+            except DistStoreError:
+                raise QuorumLost(f"step {step}: not decided within {self.timeout_s:g} s (a rank's gradient "
+                                 "all-reduce failed and no replica was evicted)") from None
+            decision = self._read(key, step, gen.gen)
+            if decision is not None:
+                return decision
+            if time.monotonic() > end:  # what is there is not the job's, and no decider replaced it
+                raise QuorumLost(f"store key {key}: step {step} not decided with the job's signature "
+                                 f"within {self.timeout_s:g} s")
+            time.sleep(0.01)
 
     def _decide(self, gen: Generation, step: int, commit: bool, previous: Decision | None = None) -> Decision:
         seen = int(self.store.add(self.changes, 0))  # first: a change after it is seen next time
@@ -218,18 +285,36 @@ class Quorum:
             if evicted else "")
         nxt = Generation(gen.gen + 1 if changed else gen.gen, tuple(members),
                          step + 1 if commit else step, reason if changed else gen.reason)
-        plan = (json.loads(self.store.get(self.plan_key))
-                if commit and self.plan_key and self.store.check([self.plan_key]) else None)
+        plan = self._plan(previous) if commit else None
         return self._write(gen, step, Decision(step, commit, nxt, tuple(joined), plan, seen))
+
+    def _plan(self, previous: Decision | None) -> dict | None:
+        """The newest plan change posted (as posted, its signature kept), where the job signed it;
+        else the plan in force (a forged post leaves it as it was)."""
+        if not self.plan_key or not self.store.check([self.plan_key]):
+            return None
+        key = self.plan_key
+        found = RECORDS.decode(key, self.store.get(key),
+                               lambda doc: (verified(doc, self.secret, "plan change"), doc)[1])
+        return found if found is not None else (previous.plan if previous is not None else None)
 
     def _write(self, gen: Generation, step: int, proposed: Decision) -> Decision:
         """Propose ``proposed`` for ``step`` under ``gen``; the decision written first stands."""
-        proposal = json.dumps({"commit": proposed.commit, "next": proposed.next.to_dict(),
-                               "joined": [[m.replica, m.attempt] for m in proposed.joined],
-                               "plan": proposed.plan, "seen": proposed.seen})
+        proposal = signed_json({"gen": gen.gen, "step": step, "commit": proposed.commit,
+                                "next": proposed.next.to_dict(),
+                                "joined": [[m.replica, m.attempt] for m in proposed.joined],
+                                "plan": proposed.plan, "seen": proposed.seen}, self.secret)
         key = self._key("decision", gen.gen, step)
         value = self.store.compare_set(key, "", proposal)
-        decision = self._parse(value, step)
+        for _ in range(_REPLACE_TRIES):
+            if (decision := self._parse(key, value, step, gen.gen)) is not None:
+                break
+            # a value the job did not sign (another process wrote it) is replaced, atomically: the
+            # decision of a decider of the job that replaced it first stands
+            value = self.store.compare_set(key, value, proposal)
+        else:
+            raise QuorumLost(f"store key {key}: the decision of step {step} could not be written "
+                             "(another process keeps writing there)")
         if value.decode() == proposal:  # this rank's proposal stands: say what follows from it
             self.complete(gen, decision, only_missing=False)
         return decision
@@ -249,12 +334,14 @@ class Quorum:
             return True
 
         nxt = decision.next
-        if nxt.gen != gen.gen and put(self._key("gen", nxt.gen), json.dumps(nxt.to_dict())):
+        if nxt.gen != gen.gen and put(self._key("gen", nxt.gen), signed_json(nxt.to_dict(), self.secret)):
             latest = self._key("gen", "latest")
-            if not only_missing or not self.store.check([latest]) or int(self.store.get(latest)) < nxt.gen:
+            if (not only_missing or not self.store.check([latest])
+                    or (checked_int(self.store.get(latest), latest) or -1) < nxt.gen):
                 self.store.set(latest, str(nxt.gen))
         for m in decision.joined:
-            put(self._key("admitted", m.replica, m.attempt), str(nxt.gen))
+            put(self._key("admitted", m.replica, m.attempt),
+                signed_json({"replica": m.replica, "attempt": m.attempt, "gen": nxt.gen}, self.secret))
         if decision.commit:
             put(self._key("committed", decision.step), json.dumps(gen.replicas))
 
@@ -263,20 +350,26 @@ class Quorum:
 
     def _replicas(self) -> int:
         key = self._key("replicas")
-        return int(self.store.get(key)) if self.store.check([key]) else 0
+        return (checked_int(self.store.get(key), key) or 0) if self.store.check([key]) else 0
 
     def set_replicas(self, dp: int) -> None:
         self.store.set(self._key("replicas"), str(dp))
 
-    def _read(self, key: str, step: int) -> Decision:
-        return self._parse(self.store.get(key), step)
+    def _read(self, key: str, step: int, gen: int) -> Decision | None:
+        return self._parse(key, self.store.get(key), step, gen)
 
-    @staticmethod
-    def _parse(value: bytes, step: int) -> Decision:
-        data = json.loads(value)
-        return Decision(step, bool(data["commit"]), Generation.from_dict(data["next"]),
-                        tuple(Member(r, a) for r, a in data["joined"]), data.get("plan"),
-                        int(data.get("seen", -1)))
+    def _parse(self, key: str, value: bytes, step: int, gen: int) -> Decision | None:
+        """The decision at ``key``; None (warned once) where it is not the job's."""
+        try:
+            data = authority("quorum decision", {"commit": bool, "next": dict, "joined": list},
+                             {"plan": dict, "seen": int}, secret=self.secret,
+                             same={"gen": gen, "step": step})(load_json(value))
+            return Decision(step, data["commit"], Generation.from_dict(data["next"]),
+                            tuple(Member(int(r), int(a)) for r, a in data["joined"]), data.get("plan"),
+                            int(data.get("seen", -1)))
+        except (RecordError, TypeError, ValueError, KeyError) as exc:
+            RECORDS.reject(key, exc)
+            return None
 
     def decided(self, gen: Generation, step: int) -> bool:
         """Whether ``step`` under ``gen`` is decided already (before this rank voted: an abort)."""
@@ -284,7 +377,7 @@ class Quorum:
 
     def decision(self, gen: int, step: int) -> Decision | None:
         key = self._key("decision", gen, step)
-        return self._read(key, step) if self.store.check([key]) else None
+        return self._read(key, step, gen) if self.store.check([key]) else None
 
     def decisions(self, start: Generation) -> Iterator[Decision]:
         """The decisions written so far, in order, from generation ``start``'s first step."""

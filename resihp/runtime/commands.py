@@ -20,7 +20,7 @@ from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
 from resihp.progress import progress_bar
 from resihp.runtime.config import RunConfig, check_memory
-from resihp.runtime.nodes import Nodes
+from resihp.runtime.nodes import Nodes, check_secret
 from resihp.runtime.warm import CHECKPOINTING, WARM_AGENTS, agent_env
 from resihp.workload.lengths import resolve_source
 
@@ -40,7 +40,8 @@ def run_cmd(
                                               "changes as TensorBoard scalars under OUT/tensorboard "
                                               "(needs the tensorboard extra)")] = False,
     nnodes: Annotated[int, typer.Option(help="Nodes in the job (torchrun's option): run this command "
-                                        "once per node", rich_help_panel="Multi-node")] = 1,
+                                        "once per node, each with the same RESIHP_JOB_SECRET",
+                                        rich_help_panel="Multi-node")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1; node 0 hosts the "
                                            "job's store, runs the live loop and writes the summary",
                                            rich_help_panel="Multi-node")] = 0,
@@ -66,6 +67,7 @@ def run_cmd(
                          "(or give --nproc-per-node)")
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
+    check_secret(nodes)
     check_memory(cfg, nodes.nproc_per_node)
     resolve_source(cfg.data.source, "--source")  # before the run folder is taken: bad input changes nothing
     with _warm_agents(cfg):

@@ -10,13 +10,16 @@ network. One namespace per job (``resihp/<job id>/cp``) carries
 - plan changes from the live loop to the job's rank 0 (``plan``), which broadcasts them;
 - workers' errors (``errors``, one line each) and the job's identity and configuration (``job``),
   which a joining node checks against its own.
+
+What carries authority (the job's launch and end announcements, stop, relaunch, evict and stacks
+orders, a replica's launch and end) is signed with the job's secret (``resihp.detect.records``):
+a record without the job's signature is refused (one warning per key) and acts as if absent.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,9 +33,13 @@ from resihp.detect.records import (
     JOB_SECRET_ENV,
     RECORDS,
     RecordError,
+    authority,
     checked_int,
     fields,
+    job_secret,
+    load_json,
     sign,
+    signed_json,
     verified,
 )
 from resihp.errors import InputError
@@ -364,15 +371,6 @@ def plan_key(job_id: str) -> str:
     return f"{prefix_of(job_id)}/plan"
 
 
-def job_secret() -> str:
-    """This job's secret, which signs the records that steer it: the launcher's
-    ``RESIHP_JOB_SECRET`` where set (every node of a job is launched with the same), else one made
-    now, at random, and kept in this process's environment for the processes it starts."""
-    if not os.environ.get(JOB_SECRET_ENV):
-        os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
-    return os.environ[JOB_SECRET_ENV]
-
-
 def post_change(store: Store, job_id: str, change: dict) -> None:
     """Hand a plan change to the running job, signed with the job's secret (its rank 0 takes it
     at the next step boundary; with replica-level fault tolerance, the next commit carries it to
@@ -439,48 +437,73 @@ def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, np
     checks) and its job meta (what a detector following it needs); ``attempt``: the relaunch this
     launch is (0: the first launch); ``sizes``: the ranks of each node where they differ;
     ``no_relaunch``: why there is no launch ``attempt`` (the nodes waiting for it end)."""
-    store.set(JOB_KEY, json.dumps({"job_id": job_id, "config": config, "nnodes": nnodes,
-                                   "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time(),
-                                   "attempt": attempt, "sizes": sizes, "no_relaunch": no_relaunch}))
+    store.set(JOB_KEY, signed_json({"job_id": job_id, "config": config, "nnodes": nnodes,
+                                    "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time(),
+                                    "attempt": attempt, "sizes": sizes, "no_relaunch": no_relaunch}))
 
 
-def parse_job(doc: object) -> dict:
-    """The job's announcement, checked (``announce_job``'s form)."""
-    job = fields(doc, "job announcement", {"job_id": str, "nnodes": int, "nproc_per_node": int},
-                 {"config": dict, "meta": dict, "started": _NUM, "attempt": int, "sizes": list,
-                  "no_relaunch": str})
+_JOB_FIELDS = {"job_id": str, "nnodes": int, "nproc_per_node": int}
+_JOB_OPTIONAL = {"config": dict, "meta": dict, "started": _NUM, "attempt": int, "sizes": list, "no_relaunch": str}
+
+
+def parse_job(doc: object, verify: bool = True) -> dict:
+    """The job's announcement, checked (``announce_job``'s form) and, unless ``verify`` is False
+    (a follower, which acts on nothing), signed with the job's secret."""
+    job = authority("job announcement", _JOB_FIELDS, _JOB_OPTIONAL, verify=verify)(doc)
     if job["nnodes"] < 1 or job["nproc_per_node"] < 1:
         raise RecordError("job announcement: fields 'nnodes' and 'nproc_per_node' expected positive integers")
     return job
 
 
-def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0) -> dict | None:
+def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0,
+             verify: bool = True) -> dict | None:
     """The job announced on ``store`` (its launch ``attempt`` or a later one), or None after
-    ``timeout_s``; InputError where what stays there is not a job announcement (the job cannot
-    go on without it)."""
+    ``timeout_s``; InputError where what stays there is not the job's announcement (malformed,
+    or not signed with this node's ``RESIHP_JOB_SECRET``: the job cannot go on without it)."""
     end = time.monotonic() + timeout_s
-    malformed = False
+    why: RecordError | None = None
     while True:
         if store.check([JOB_KEY]):
-            job = RECORDS.decode(JOB_KEY, store.get(JOB_KEY), parse_job)
-            malformed = job is None
+            try:
+                job = parse_job(load_json(store.get(JOB_KEY)), verify)
+                why = None
+            except RecordError as exc:
+                job, why = None, exc
+                RECORDS.reject(JOB_KEY, exc)
             if job is not None and int(job.get("attempt") or 0) >= attempt:
                 return job
         if time.monotonic() > end:
-            if malformed:
+            if why is not None:
+                hint = (f" (is {JOB_SECRET_ENV} the same on every node of the job?)"
+                        if "refused" in str(why) else "")
                 raise InputError(f"store key {JOB_KEY}: expected the job's announcement (a JSON object "
-                                 f"with job_id, nnodes, nproc_per_node), got a malformed record")
+                                 f"with job_id, nnodes, nproc_per_node, signed), got {why}{hint}")
             return None
         time.sleep(poll_s)
 
 
 def mark_ended(store: Store, job_id: str, reason: str) -> None:
     """Node 0: the job is over (the other nodes' launchers stop their workers)."""
-    store.set(f"{prefix_of(job_id)}/ended", reason)
+    store.set(f"{prefix_of(job_id)}/ended", signed_json({"job_id": job_id, "reason": reason}))
 
 
-def ended(store: Store, job_id: str) -> str | None:
-    return _text(store, f"{prefix_of(job_id)}/ended")
+def ended(store: Store, job_id: str, verify: bool = True) -> str | None:
+    """Why the job ended (``mark_ended``), or None; ``verify=False``: a follower's look, which
+    takes the record without checking its signature."""
+    return _reason(store, job_id, f"{prefix_of(job_id)}/ended", "end announcement", verify)
+
+
+def _reason(store: Store, job_id: str, key: str, what: str, verify: bool = True) -> str | None:
+    said = _signed(store, key, what, {"reason": str}, {"job_id": job_id}, verify)
+    return None if said is None else " ".join(said["reason"][:1000].split())
+
+
+def _signed(store: Store, key: str, what: str, spec: dict, same: dict, verify: bool = True) -> dict | None:
+    """The signed record at ``key`` (``spec``'s fields, ``same``'s values), or None where nothing
+    with the job's signature is there."""
+    if not store.check([key]):
+        return None
+    return RECORDS.decode(key, store.get(key), authority(what, spec, same=same, verify=verify))
 
 
 # --recovery replica on several nodes: node 0 judges every replica; the node a replica runs on
@@ -490,39 +513,28 @@ def ended(store: Store, job_id: str) -> str | None:
 def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunch: bool) -> None:
     """Node 0 evicted ``replica``: its node stops its processes and, if ``relaunch``, launches
     attempt ``attempt`` of it."""
-    store.set(f"{prefix_of(job_id)}/replica/{replica}/order", json.dumps({"attempt": attempt, "relaunch": relaunch}))
-
-
-def _read_record(store: Store, key: str, what: str, spec: dict) -> dict | None:
-    """The record at ``key`` with ``spec``'s fields, or None where nothing (well-formed) is there."""
-    if not store.check([key]):
-        return None
-    return RECORDS.decode(key, store.get(key), lambda doc: fields(doc, what, spec))
-
-
-def _text(store: Store, key: str) -> str | None:
-    """A one-line text record (a reason), or None where nothing was set there."""
-    if not store.check([key]):
-        return None
-    return " ".join(store.get(key)[:1000].decode(errors="replace").split())
+    store.set(f"{prefix_of(job_id)}/replica/{replica}/order",
+              signed_json({"replica": replica, "attempt": attempt, "relaunch": relaunch}))
 
 
 def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] | None:
     """The newest order for ``replica`` (attempt, relaunch), or None."""
-    order = _read_record(store, f"{prefix_of(job_id)}/replica/{replica}/order", "replica order",
-                         {"attempt": int, "relaunch": bool})
+    order = _signed(store, f"{prefix_of(job_id)}/replica/{replica}/order", "replica order",
+                    {"attempt": int, "relaunch": bool}, {"replica": replica})
     return None if order is None else (int(order["attempt"]), bool(order["relaunch"]))
 
 
 def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: str) -> None:
     """The node of ``replica`` says that its ``attempt`` is ``launched`` or ``done`` (exited 0)."""
-    store.set(f"{prefix_of(job_id)}/replica/{replica}/{state}", str(attempt))
+    store.set(f"{prefix_of(job_id)}/replica/{replica}/{state}",
+              signed_json({"replica": replica, "state": state, "attempt": attempt}))
 
 
 def replica_attempt(store: Store, job_id: str, replica: int, state: str) -> int | None:
     """The newest attempt of ``replica`` its node said is in ``state`` (``replica_state``)."""
-    key = f"{prefix_of(job_id)}/replica/{replica}/{state}"
-    return checked_int(store.get(key), key) if store.check([key]) else None
+    said = _signed(store, f"{prefix_of(job_id)}/replica/{replica}/{state}", f"replica {state}",
+                   {"attempt": int}, {"replica": replica, "state": state})
+    return None if said is None else int(said["attempt"])
 
 
 def node_left(store: Store, job_id: str, node: int) -> None:
@@ -538,19 +550,20 @@ def mark_stopping(store: Store, job_id: str, reason: str) -> None:
     """Node 0 found a failure and is stopping its workers: the other nodes stop theirs at once
     (a rank blocked on a peer of another node ends only when that peer does), before node 0 has
     gathered the job's last records and marked it ended."""
-    store.set(f"{prefix_of(job_id)}/stopping", reason)
+    store.set(f"{prefix_of(job_id)}/stopping", signed_json({"job_id": job_id, "reason": reason}))
 
 
 def ask_for_stacks(store: Store, job_id: str, node: int, rank: int, why: str) -> None:
     """Node 0 judged ``rank``, on ``node``, hung: that node's launcher, which can signal the rank's
     process, writes its stacks to its run folder's log (``stacks_asked``, then ``stacks_written``)
     before the job is stopped."""
-    store.set(f"{prefix_of(job_id)}/stacks/{node}", json.dumps({"rank": rank, "why": why}))
+    store.set(f"{prefix_of(job_id)}/stacks/{node}", signed_json({"node": node, "rank": rank, "why": why}))
 
 
 def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None:
     """The rank of ``node`` whose stacks node 0 asked for, and why (None: none)."""
-    asked = _read_record(store, f"{prefix_of(job_id)}/stacks/{node}", "stacks request", {"rank": int, "why": str})
+    asked = _signed(store, f"{prefix_of(job_id)}/stacks/{node}", "stacks request", {"rank": int, "why": str},
+                    {"node": node})
     return None if asked is None else (int(asked["rank"]), str(asked["why"]))
 
 
@@ -558,13 +571,14 @@ def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitc
     """This node's torchrun ended on a failure: its first observed one (``rank``, the job's rank
     number, and its ``exitcode``) for node 0, which may have found several of this node's ranks
     gone at once (torchrun stops a dead rank's peers) and cannot tell from them which died first."""
-    store.set(f"{prefix_of(job_id)}/first-failure/{node}", json.dumps({"rank": rank, "exitcode": exitcode}))
+    store.set(f"{prefix_of(job_id)}/first-failure/{node}",
+              signed_json({"node": node, "rank": rank, "exitcode": exitcode}))
 
 
 def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
     """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published it."""
-    said = _read_record(store, f"{prefix_of(job_id)}/first-failure/{node}", "first failure",
-                        {"rank": int, "exitcode": int})
+    said = _signed(store, f"{prefix_of(job_id)}/first-failure/{node}", "first failure",
+                   {"rank": int, "exitcode": int}, {"node": node})
     return None if said is None else (int(said["rank"]), int(said["exitcode"]))
 
 
@@ -590,4 +604,4 @@ def await_stacks(store: Store, job_id: str, node: int, timeout_s: float, poll_s:
 
 def stopping(store: Store, job_id: str) -> str | None:
     """Why the job ended or is being stopped (``mark_ended``, ``mark_stopping``), or None."""
-    return ended(store, job_id) or _text(store, f"{prefix_of(job_id)}/stopping")
+    return ended(store, job_id) or _reason(store, job_id, f"{prefix_of(job_id)}/stopping", "stop announcement")

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from resihp.detect.records import JOB_SECRET_ENV
 from resihp.errors import InputError
 
 LOOPBACK = "127.0.0.1"
@@ -72,6 +75,23 @@ class Nodes:
     def ranks(self) -> list[int]:
         """This node's ranks."""
         return self.layout()[self.node_rank]
+
+
+MIN_SECRET = 32  # characters of the job's secret (``secrets.token_hex(32)`` makes 64)
+
+
+def check_secret(nodes: Nodes, env: Mapping[str, str] = os.environ) -> None:
+    """A job on several nodes: each node is launched with the job's secret in ``RESIHP_JOB_SECRET``,
+    the same on every node (what steers the job is signed with it: a node, or any other process,
+    without it cannot stop, relaunch, evict or re-plan the others). One node makes its own."""
+    if nodes.nnodes == 1:
+        return
+    secret = env.get(JOB_SECRET_ENV, "")
+    if len(secret) < MIN_SECRET:
+        got = f"{len(secret)} characters" if secret else "none"
+        raise InputError(f"--nnodes {nodes.nnodes}: expected the job's secret in {JOB_SECRET_ENV}, the same on "
+                         f"every node, at least {MIN_SECRET} characters (e.g. python -c 'import secrets; "
+                         f"print(secrets.token_hex(32))'), got {got}")
 
 
 def host_port(endpoint: str, option: str = "--rdzv-endpoint") -> tuple[str, int]:
