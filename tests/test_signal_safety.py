@@ -64,9 +64,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
-    """A forged beat and a forged node aggregate name a bystander's PID as a hung rank 1: node 0
-    judges rank 1 hung from the aggregate, and asks for no stacks of (sends no signal to) a
-    process it did not start; the forgery is reported once per key."""
+    """A forged beat and a forged node aggregate name a bystander's PID as a hung rank 1: neither
+    carries the job's signature, so both are refused (one line per key), the job trains on, and no
+    signal reaches the bystander."""
     bystander = _bystander()
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", "100000",
@@ -80,8 +80,8 @@ def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
             time.sleep(0.1)
         job = json.loads(store.get(cp.JOB_KEY))["job_id"]
         hb = cp.heartbeat_prefix(job)
-        while not store.check([node_key(hb, 0)]) or not json.loads(store.get(node_key(hb, 0)))["ranks"]["1"]["seen"]:
-            assert time.monotonic() < end, "rank 1 never beat"
+        while not store.check([node_key(hb, 0)]):
+            assert time.monotonic() < end, "node 0 never beat"
             time.sleep(0.1)
         beat = {"c": 10 ** 6, "pid": bystander.pid, "step": 1, "phase": "train", "ops": 1, "wait": ""}
         entry = {"seen": True, "silent_s": 0.0, "stalled_s": 1000.0, "step": 1, "phase": "train", "ops": 1,
@@ -89,17 +89,15 @@ def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
         moving = {"seen": True, "silent_s": 0.0, "stalled_s": 0.0, "step": 5, "phase": "train", "ops": 50,
                   "wait": "allreduce"}
         forged = {"beat": 10 ** 6, "ranks": {"0": moving, "1": entry}}
-        n = 0
-        while proc.poll() is None and time.monotonic() < end:
-            try:
-                store.set(rank_key(hb, 0, 1), json.dumps(beat))
-                forged["beat"] += 1
-                if n > 100:  # the beat first, for its node's aggregator to read (2 s)
-                    store.set(node_key(hb, 0), json.dumps(forged))
-            except RuntimeError:  # the job ended, and its store with it
-                break
+        n, until = 0, time.monotonic() + 8  # past the hang timeout the forged aggregate claims
+        while proc.poll() is None and time.monotonic() < until:
+            store.set(rank_key(hb, 0, 1), json.dumps(beat))
+            forged["beat"] += 1
+            store.set(node_key(hb, 0), json.dumps(forged))
             n += 1
             time.sleep(0.02)
+        assert proc.poll() is None, "the job ended on a forged heartbeat"
+        proc.send_signal(signal.SIGINT)  # the operator's Ctrl-C ends the run
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -111,7 +109,8 @@ def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
         bystander.kill()
         bystander.wait()
     assert "Traceback" not in err, err[-3000:]
-    refused = [line for line in err.splitlines() if f"names process {bystander.pid}" in line]
-    assert len([line for line in refused if "which this launcher did not start" in line]) == 1, refused
-    assert len([line for line in refused if "which this node did not start" in line]) == 1, refused
+    refused = [line for line in err.splitlines() if "refused" in line]
+    assert any(rank_key(hb, 0, 1) in line for line in refused), err[-3000:]
+    assert any(node_key(hb, 0) in line for line in refused), err[-3000:]
+    assert not [line for line in err.splitlines() if f"process {bystander.pid}" in line], err[-3000:]
     assert n > 0
