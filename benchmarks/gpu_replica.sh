@@ -15,7 +15,7 @@ mkdir -p "$R"
 source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/machine.txt" 2>&1
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" >> "$R/machine.txt" 2>&1
-python3 -c "import resihp.cli, resihp.runtime.worker" || exit 1
+python3 -c "import resihp.cli, resihp.train.worker" || exit 1
 cat "$R/machine.txt"
 # a learning rate at which this model trains stably: at 1e-3 its loss climbs again after step 25, and
 # any difference in reduction order grows from there

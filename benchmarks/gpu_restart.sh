@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/gpu-out}
 R=$OUT/restart
 mkdir -p "$R"
 source benchmarks/gpu_env.sh
-python3 -c "import resihp.cli, resihp.runtime.worker" || exit 1
+python3 -c "import resihp.cli, resihp.train.worker" || exit 1
 MODEL=${MODEL:-"--layers 8 --hidden 1024 --heads 16 --lr 2e-4"}
 for arm in ff stop hang; do
     case $arm in

@@ -76,7 +76,7 @@ def floors(logs: list[Path]) -> dict:
 def step_accuracy(dp: int, pp: int, schedule: str, steps: int, workdir: Path) -> dict:
     out = workdir / f"run-dp{dp}-pp{pp}-{schedule}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={dp * pp}", "-m", "resihp.runtime.worker", "--dp", str(dp), "--pp",
+           f"--nproc-per-node={dp * pp}", "-m", "resihp.train.worker", "--dp", str(dp), "--pp",
            str(pp), "--schedule", schedule, "--steps", str(steps), "--source", "text",
            "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -101,9 +101,9 @@ def _from_memory(engine, rounds: int, time_steps: bool) -> dict:
 def _rank(rank: int, tmp: str, rounds: int, models: list[str]) -> None:
     from resihp.ckpt.integrity import verify
     from resihp.ckpt.universal import load, save
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.elastic import checkpoint_meta
-    from resihp.runtime.engine import Engine
+    from resihp.train.config import RunConfig
+    from resihp.train.elastic import checkpoint_meta
+    from resihp.train.engine import Engine
 
     result: dict = {"models": {}}
     try:

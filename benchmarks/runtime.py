@@ -23,7 +23,7 @@ import torch
 import resihp
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
-from resihp.runtime.data import DataSource
+from resihp.train.data import DataSource
 
 
 def overhead(pairs: int, seed: int = 0) -> dict:
@@ -76,7 +76,7 @@ def overhead(pairs: int, seed: int = 0) -> dict:
 def fail_slow(out: Path) -> dict:
     """The demo job: steps from injection to detection, time to apply the re-plan, throughput."""
     from resihp.detect.config import DetectorConfig
-    from resihp.runtime.demo import run_demo
+    from resihp.launch.demo import run_demo
 
     onset = DetectorConfig().calibration_steps + 4
     s = run_demo(out, steps=onset + 20, inject=f"slow:rank=1,factor=3,step={onset}")
@@ -91,10 +91,10 @@ def fail_slow(out: Path) -> dict:
 
 def layer_repartition(out: Path) -> dict:
     """Time to move layers (parameters + AdamW state) between stages while training goes on."""
+    from resihp.launch.demo import DEMO
+    from resihp.launch.launch import launch
     from resihp.opstrace import read_ops_trace
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.demo import DEMO
-    from resihp.runtime.launch import launch
+    from resihp.train.config import RunConfig
 
     cfg = RunConfig.from_flags(**DEMO, steps=6, out=str(out), replan=[
         {"step": 2, "layer_split": [3, 1]}, {"step": 4, "layer_split": [1, 3]}])
@@ -164,8 +164,8 @@ def _simulated_nodes(endpoint: str, job: str, nodes: list[int], per_node: int, s
     import threading
 
     from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
-    from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix
-    from resihp.runtime.launch import JobStore
+    from resihp.train.controlplane import StepPublisher, heartbeat_prefix
+    from resihp.train.store import JobStore
 
     stop = threading.Event()
     hb = heartbeat_prefix(job)
@@ -206,8 +206,8 @@ def control_plane(world: int = 1024, per_node: int = 8, processes: int = 8, step
     import multiprocessing as mp
 
     from resihp.detect.heartbeat import HeartbeatMonitor
-    from resihp.runtime.controlplane import StepReader, heartbeat_prefix, node_ranks
-    from resihp.runtime.launch import JobStore
+    from resihp.train.controlplane import StepReader, heartbeat_prefix, node_ranks
+    from resihp.train.store import JobStore
 
     nnodes = world // per_node
     job = "bench"

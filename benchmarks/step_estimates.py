@@ -1,6 +1,6 @@
 """Live step estimates against measured steps: each applied plan change's ``predicted_step_s``
-(the planner's expected step, ``live.predicted_step_s``, on analytic costs paced on the job's
-first healthy steps, ``live.paced_to``, and a fail-slow decision without pipeline stages on the
+(the planner's expected step, ``planning.predicted_step_s``, on analytic costs paced on the job's
+first healthy steps, ``planning.paced_to``, and a fail-slow decision without pipeline stages on the
 healthy ranks' present level, ``present_pace``) beside the median step measured while it was in
 force (``measured_step_s``), for real ``resihp run`` jobs
 (torchrun workers on gloo, CPU) with a slow or a dead rank. Prints JSON.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from resihp.runtime.worker import step_table
+from resihp.train.worker import step_table
 
 CASES = [
     ("slow-dp2", ["--dp", "2", "--pp", "1", "--recovery", "none", "--inject", "slow:rank=1,factor=3,step=24"]),

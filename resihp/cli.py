@@ -37,8 +37,8 @@ def _main(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 COMMAND_MODULES = [
     "resihp.perf.commands",
     "resihp.detect.commands",
-    "resihp.runtime.commands",
-    "resihp.runtime.follow_commands",
+    "resihp.launch.commands",
+    "resihp.launch.follow_commands",
     "resihp.plan.commands",
     "resihp.replay.commands",
 ]

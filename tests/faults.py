@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from resihp.runtime.lifecycle import start_time
-from resihp.runtime.worker import processes_file
+from resihp.train.lifecycle import start_time
+from resihp.train.worker import processes_file
 
 
 # --- processes -------------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def descendants(pid: int) -> set[int]:
 
 def announced(out: Path) -> list[dict]:
     """The worker processes of the run in ``out`` that said who they are
-    (``OUT/logs/processes.jsonl``, ``resihp.runtime.worker.announce``) and are still running it:
+    (``OUT/logs/processes.jsonl``, ``resihp.train.worker.announce``) and are still running it:
     alive, and started when the line says (a PID reused by another process was not)."""
     path = processes_file(out)
     if not path.exists():

@@ -18,9 +18,9 @@ ISSUE_STEPS = 32
 
 
 def _replay(rank: int, world: int, tmp: str) -> dict:
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.data import replica_microbatches
-    from resihp.runtime.engine import Engine
+    from resihp.train.config import RunConfig
+    from resihp.train.data import replica_microbatches
+    from resihp.train.engine import Engine
 
     spec = json.loads((Path(tmp) / "replay.json").read_text())
     full = RunConfig.from_flags(**spec["flags"])

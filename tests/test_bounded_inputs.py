@@ -20,8 +20,8 @@ import pytest
 
 from resihp.ckpt.keeper import ensure_keeper, keeper_pid, left_tiers
 from resihp.errors import InputError
-from resihp.runtime import launch
-from resihp.runtime.launch import JobStore
+from resihp.train import store
+from resihp.train.store import JobStore
 from resihp.workload.lengths import load_lengths
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -84,7 +84,7 @@ def test_probe_accepts_a_real_store() -> None:
     """The handshake the probe speaks is TCPStore's own: a real store passes, and a client joins."""
     host = JobStore(timeout_s=10)
     try:
-        launch.probe_store("127.0.0.1", host.port, 5.0)
+        store.probe_store("127.0.0.1", host.port, 5.0)
         client = JobStore(host.endpoint, host=False, timeout_s=10)
         host.store.set("k", "v")
         assert client.store.get("k") == b"v"

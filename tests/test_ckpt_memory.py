@@ -251,7 +251,7 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
     ({"snapshot_every": -1}, "checkpoint.snapshot_every (--snapshot-every): expected an integer >= 0, got -1"),
 ])
 def test_bad_snapshot_options_are_one_line(fields, message):
-    from resihp.runtime.config import RunConfig
+    from resihp.train.config import RunConfig
 
     with pytest.raises(InputError) as info:  # the CLI prints it as one line, exit 2
         RunConfig.from_flags(**fields)
@@ -259,7 +259,7 @@ def test_bad_snapshot_options_are_one_line(fields, message):
 
 
 def test_restart_snapshots_every_step_unless_told():
-    from resihp.runtime.config import RunConfig
+    from resihp.train.config import RunConfig
 
     assert RunConfig.from_flags(recovery="restart").snapshot_interval() == 1
     assert RunConfig.from_flags(recovery="restart", snapshot_every=3).snapshot_interval() == 3

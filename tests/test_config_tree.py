@@ -8,10 +8,10 @@ import pytest
 import typer.main
 
 from resihp.errors import InputError
+from resihp.launch.commands import run_cmd
 from resihp.options import leaves
-from resihp.runtime.commands import run_cmd
-from resihp.runtime.config import RunConfig
-from resihp.runtime.worker import parse_args
+from resihp.train.config import RunConfig
+from resihp.train.worker import parse_args
 
 
 def _run_params() -> dict:

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from resihp.control import ControlAction, ControlConfig, Controller
 from resihp.detect.config import DetectorConfig
+from resihp.launch.live import LiveLoop
 from resihp.replay.policies import Resihp
-from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop
+from resihp.train.config import RunConfig
 
 
 def test_live_and_replay_decide_by_the_same_controller_and_thresholds():

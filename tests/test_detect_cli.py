@@ -18,7 +18,7 @@ from resihp.detect.online import detect_trace
 from resihp.detect.suite import DEFAULT_PROFILE
 from resihp.detect.synth import CostPool, Injection, SimJob, alibaba_residuals, simulate
 from resihp.opstrace import JobMeta, write_meta, write_ops_trace
-from resihp.runtime.follow import LiveDetection
+from resihp.train.follow import LiveDetection
 from tests.frame_steps import FrameSteps
 
 

@@ -202,7 +202,7 @@ def test_resihp_run_rejects_a_bad_floor_in_one_line(value, message, monkeypatch,
 
 
 def test_the_live_config_carries_the_floor_to_the_detector():
-    from resihp.runtime.config import LiveConfig
+    from resihp.train.config import LiveConfig
 
     assert LiveConfig().alarm_floor == DetectorConfig().alarm_floor == 1.25
 
@@ -211,7 +211,7 @@ def test_follow_reports_the_same_budget_as_detect():
     """``resihp follow`` (``LiveDetection.report``) over a trace's records as they arrive gives the
     budget ``detect_trace`` gives on the whole trace."""
     from resihp.detect.online import detect_trace
-    from resihp.runtime.follow import LiveDetection
+    from resihp.train.follow import LiveDetection
 
     job = SimJob(dp=2, pp=2, steps=40, source="code", seed=5)
     df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), _noise())

@@ -25,8 +25,8 @@ def _layer_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int, world: int, tmp: str) -> dict:
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.engine import Engine
+    from resihp.train.config import RunConfig
+    from resihp.train.engine import Engine
 
     result: dict = {}
     engine = Engine(RunConfig.from_flags(**CFG, out=tmp), torch.device("cpu"))
@@ -77,8 +77,8 @@ def test_a_bad_plan_change_stops_every_rank_alike(ranks):
 
 
 def _replicas(rank: int, world: int, tmp: str) -> dict:
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.engine import Engine
+    from resihp.train.config import RunConfig
+    from resihp.train.engine import Engine
 
     result: dict = {}
     engine = Engine(RunConfig.from_flags(**{**CFG, "dp": 2}, out=tmp), torch.device("cpu"))

@@ -12,10 +12,10 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from resihp.launch import supervisor
+from resihp.launch.supervisor import _first_gone, fail_stop, torchrun_first_failure
 from resihp.parallel import ParallelDims
-from resihp.runtime import supervisor
-from resihp.runtime.controlplane import publish_first_failure, report_error
-from resihp.runtime.supervisor import _first_gone, fail_stop, torchrun_first_failure
+from resihp.train.controlplane import publish_first_failure, report_error
 
 DIMS = ParallelDims(dp=2, pp=2)
 
@@ -27,7 +27,7 @@ def _torchrun_output(tmp_path) -> list[str]:
     killed = ProcessFailure(local_rank=1, pid=4242, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))
     stopped = ProcessFailure(local_rank=0, pid=4241, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "none"))
     stopped.timestamp = killed.timestamp + 1  # stopped after the kill was observed
-    error = ChildFailedError("resihp.runtime.worker", {0: stopped, 1: killed})
+    error = ChildFailedError("resihp.train.worker", {0: stopped, 1: killed})
     return ["some worker output", *error.format_msg().splitlines(), "more output"]
 
 
@@ -82,7 +82,7 @@ def test_a_rank_that_reported_losing_its_peer_is_not_the_one_that_died(store, tm
     killed = ProcessFailure(local_rank=3, pid=4243, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))
     lost = ProcessFailure(local_rank=2, pid=4242, exitcode=1, error_file=str(tmp_path / "none"))
     lost.timestamp = killed.timestamp  # the same second
-    lines = ChildFailedError("resihp.runtime.worker", {2: lost, 3: killed}).format_msg().splitlines()
+    lines = ChildFailedError("resihp.train.worker", {2: lost, 3: killed}).format_msg().splitlines()
     assert torchrun_first_failure(lines, first_rank=0) == (3, -signal.SIGKILL)  # not rank 2's exit 1
     both = [fail_stop(DIMS, 2, 4, "exited", 0.1, node=0), fail_stop(DIMS, 3, 4, "exited", 0.2, node=0)]
     assert _first_gone(both, _watch(store)).rank == 2  # nothing said yet: the lowest

@@ -24,7 +24,7 @@ def _padded_batches(n=8, vocab=64, seed=0):
 def test_hf_trainer_callback_records_steps_with_lengths_from_the_attention_mask(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from resihp.runtime.hf_callback import ResihpTrainerCallback
+    from resihp.train.hf_callback import ResihpTrainerCallback
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
@@ -50,7 +50,7 @@ def test_hf_trainer_callback_records_steps_with_lengths_from_the_attention_mask(
 
 def test_lightning_callback_records_steps_with_lengths_from_the_batch(tmp_path):
     L = pytest.importorskip("lightning")
-    from resihp.runtime.lightning_callback import ResihpLightningCallback
+    from resihp.train.lightning_callback import ResihpLightningCallback
 
     class TinyLM(L.LightningModule):
         def __init__(self):

@@ -7,10 +7,11 @@ import pytest
 
 from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
+from resihp.launch.live import LiveLoop
 from resihp.plan.timing import StageCoster, evaluate, expected_step
-from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop, current_plan, paced_to, plan_compute_s, predicted_step_s
-from resihp.runtime.recorder import rows_frame
+from resihp.train.config import RunConfig
+from resihp.train.planning import current_plan, paced_to, plan_compute_s, predicted_step_s
+from resihp.train.recorder import rows_frame
 
 
 def _loop(calibration_steps: int = 5) -> LiveLoop:

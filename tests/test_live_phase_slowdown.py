@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from resihp.detect.config import DetectorConfig
-from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop
-from resihp.runtime.recorder import rows_frame
+from resihp.launch.live import LiveLoop
+from resihp.train.config import RunConfig
+from resihp.train.recorder import rows_frame
 
 ONSET = 15
 

@@ -4,8 +4,8 @@ re-forms nothing, and a spare's probe brings back only a device left out for its
 from __future__ import annotations
 
 from resihp.detect.config import DetectorConfig
-from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop
+from resihp.launch.live import LiveLoop
+from resihp.train.config import RunConfig
 
 
 def _loop_with_rank_1_left_out(dp: int, pp: int) -> LiveLoop:

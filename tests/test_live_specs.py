@@ -1,8 +1,8 @@
 """The live loop plans for the machine it runs on: measured memory and device speed."""
 
 from resihp.perf.device import available_memory_gb, measured_tflops
-from resihp.runtime.config import RunConfig
-from resihp.runtime.live import planner_specs
+from resihp.train.config import RunConfig
+from resihp.train.planning import planner_specs
 
 
 def test_live_cluster_is_measured_not_invented():

@@ -1,10 +1,10 @@
-"""A plan change is checked once against the job (resihp.runtime.planchange)."""
+"""A plan change is checked once against the job (resihp.train.planchange)."""
 
 import pytest
 
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
-from resihp.runtime.planchange import PlanChange
+from resihp.train.planchange import PlanChange
 
 DIMS = ParallelDims(dp=2, pp=2)
 

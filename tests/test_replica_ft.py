@@ -28,8 +28,8 @@ from resihp.detect.records import SIGNATURE, signed_json
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
 from resihp.model.config import GPTConfig
 from resihp.parallel import ParallelDims
-from resihp.runtime.gradsync import Pieces
-from resihp.runtime.replica import heal_source
+from resihp.train.gradsync import Pieces
+from resihp.train.replica import heal_source
 from tests.faults import announced
 from tests.gloo_ranks import spawn_ranks
 from tests.replica_replay import ISSUE_STEPS, replay_membership
@@ -44,7 +44,7 @@ SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128
          "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60",
          "--no-live"]  # recovery alone; live re-planning in this mode has its own test below
 # a lost replica rejoins about 5 steps after its failure (at step 5-19) here, its agent forked warm
-# (``runtime/warm.py``); 20-25 steps where the agent starts cold (a machine with a GPU)
+# (``launch/warm.py``); 20-25 steps where the agent starts cold (a machine with a GPU)
 STEPS = 50
 TWICE_STEPS = 80  # two relaunches in a row
 RTOL = 1e-5
@@ -258,7 +258,7 @@ def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full
     the count, so the next commit looks again."""
     import torch.distributed as dist
 
-    from resihp.runtime.controlplane import plan_key, post_change
+    from resihp.train.controlplane import plan_key, post_change
 
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = lambda: dist.TCPStore("127.0.0.1", host.port, is_master=False)  # noqa: E731
@@ -330,7 +330,7 @@ def _heal_stream(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
     from resihp.ft.heal import GRAD, STATE, HealSource, HealTarget
-    from resihp.runtime.nodes import free_port
+    from resihp.train.nodes import free_port
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))

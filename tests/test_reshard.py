@@ -33,9 +33,9 @@ def _losses(engine, steps) -> list[float | None]:
 
 def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.ckpt.universal import save
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.elastic import checkpoint_meta, rank_tensors, resume
-    from resihp.runtime.engine import Engine
+    from resihp.train.config import RunConfig
+    from resihp.train.elastic import checkpoint_meta, rank_tensors, resume
+    from resihp.train.engine import Engine
 
     result: dict = {}
     cfg = RunConfig.from_flags(**BASE, **SAVED_AT, out=tmp)

@@ -32,8 +32,8 @@ CHANGES = {  # what the planner gives for a slow rank 1: its replica re-formed a
 
 def _rank(rank: int, world: int, tmp: str) -> dict:
     from resihp.ckpt.universal import save
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.engine import Engine
+    from resihp.train.config import RunConfig
+    from resihp.train.engine import Engine
 
     result: dict = {}
     cfg = RunConfig.from_flags(**{**BASE, "steps": STEPS}, dp=2, pp=1, tp=2, out=tmp)
@@ -113,9 +113,9 @@ def test_a_layout_of_mixed_replicas_saves_the_model_the_uninterrupted_run_has(li
 
 
 def test_a_spare_that_runs_at_its_reference_speed_again_is_taken_back():
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.recorder import rows_frame
+    from resihp.launch.live import LiveLoop
+    from resihp.train.config import RunConfig
+    from resihp.train.recorder import rows_frame
 
     loop = LiveLoop(RunConfig.from_flags(layers=4, dp=2, pp=1, tp=2))
     posted = []
@@ -137,9 +137,9 @@ def test_a_spare_that_runs_at_its_reference_speed_again_is_taken_back():
 def test_the_live_loop_takes_a_scheduled_layout_change_as_the_plan_in_force():
     """A change scheduled in the run config (``live.replan``; the re-formed restart's) is applied by
     the job before its step; the live loop plans from it afterwards, not from the launch layout."""
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.recorder import rows_frame
+    from resihp.launch.live import LiveLoop
+    from resihp.train.config import RunConfig
+    from resihp.train.recorder import rows_frame
 
     change = {"step": 2, "layout": {"pipelines": [[[0], [1]], [[2]]]}, "layer_splits": [[1, 3], [4]],
               "dp_weights": [3, 1]}
@@ -163,11 +163,11 @@ def _tp_job(out: Path, inject: list[str]):
     import json
 
     from resihp.detect.config import DetectorConfig
+    from resihp.launch.live import LiveLoop
+    from resihp.launch.supervisor import supervise
     from resihp.opstrace import read_ops_trace
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.supervisor import supervise
-    from resihp.runtime.worker import write_job_files
+    from resihp.train.config import RunConfig
+    from resihp.train.worker import write_job_files
 
     cfg = RunConfig.from_flags(**ISSUE_RUN, steps=LIVE_STEPS, inject=inject, out=str(out))
     # the detector calibrates on 8 steps (as in the demo test), so the fault comes after its baseline

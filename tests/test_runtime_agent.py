@@ -13,12 +13,8 @@ import time
 
 import torch
 
-from resihp.runtime.config import RunConfig
-from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker, start_time
-from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.snapshots import KEEPER_OWNER
-from resihp.runtime.warm import (
+from resihp.launch.launch import forks_workers, torchrun_command, worker_env
+from resihp.launch.warm import (
     CHECKPOINTING,
     RUNTIME_ENV,
     ForkedAgent,
@@ -27,6 +23,10 @@ from resihp.runtime.warm import (
     agent_options,
     compatible,
 )
+from resihp.train.config import RunConfig
+from resihp.train.engine_snapshots import KEEPER_OWNER
+from resihp.train.lifecycle import ProcessTracker, start_time
+from resihp.train.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
 
 
 def test_cpu_runs_fork_their_workers_and_runs_that_may_use_cuda_keep_torchrun():
@@ -39,19 +39,19 @@ def test_the_launch_command_is_torchruns_options_for_either_agent(tmp_path):
     plain = torchrun_command(tmp_path / "config.json", 4, max_restarts=2, endpoint="127.0.0.1:29999")
     cmd = torchrun_command(tmp_path / "config.json", 4, max_restarts=2, endpoint="127.0.0.1:29999",
                            forked=True)
-    assert plain[plain.index("torch.distributed.run") + 1:] == cmd[cmd.index("resihp.runtime.agent") + 1:]
-    agent = cmd[cmd.index("resihp.runtime.agent") + 1:]
+    assert plain[plain.index("torch.distributed.run") + 1:] == cmd[cmd.index("resihp.launch.agent") + 1:]
+    agent = cmd[cmd.index("resihp.launch.agent") + 1:]
     assert agent[agent.index("--nproc-per-node") + 1] == "4"
     assert agent[agent.index("--max-restarts") + 1] == "2"
-    assert agent[-4:] == ["-m", "resihp.runtime.worker", "--config", str(tmp_path / "config.json")]
+    assert agent[-4:] == ["-m", "resihp.train.worker", "--config", str(tmp_path / "config.json")]
 
 
 def test_an_agent_for_another_script_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1",
+    proc = subprocess.run([sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1",
                            "train.py"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
-        "resihp.runtime.agent: expected '-m resihp.runtime.worker' after the options, got 'train.py'")
+        "resihp.launch.agent: expected '-m resihp.train.worker' after the options, got 'train.py'")
 
 
 def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
@@ -83,12 +83,12 @@ def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_th
     agents = WarmAgents()
     agents.start(agent_env())
     # a launch for another script: the forked agent says so in one line, as the agent does
-    proc = agents.popen([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1", "train.py"],
+    proc = agents.popen([sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
                         agent_env())
     assert isinstance(proc, ForkedAgent) and os.getpgid(proc.pid) == proc.pid  # a session of its own
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and stderr.strip().splitlines()[-1] == (
-        "resihp.runtime.agent: expected '-m resihp.runtime.worker' after the options, got 'train.py'")
+        "resihp.launch.agent: expected '-m resihp.train.worker' after the options, got 'train.py'")
     # a launch under another thread count starts its own process
     other = agents.popen([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
                          agent_env() | {"OMP_NUM_THREADS": "3"})
@@ -100,7 +100,7 @@ def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_th
     end = time.monotonic() + 30
     while start_time(agents._server) is not None and time.monotonic() < end:
         time.sleep(0.05)
-    cold = agents.popen([sys.executable, "-m", "resihp.runtime.agent", "--nproc-per-node", "1", "train.py"],
+    cold = agents.popen([sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
                         agent_env())
     assert not isinstance(cold, ForkedAgent) and cold.wait(timeout=120) == 1
     cold.stderr.close()
@@ -109,8 +109,8 @@ def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_th
 
 LAUNCHER = """
 import sys, time
-from resihp.runtime.warm import WARM_AGENTS, agent_env
-from resihp.runtime.launch import torchrun_command
+from resihp.launch.warm import WARM_AGENTS, agent_env
+from resihp.launch.launch import torchrun_command
 WARM_AGENTS.start(agent_env())
 # an agent of a two-node job whose other node never comes: it waits in its rendezvous
 agent = WARM_AGENTS.popen(torchrun_command(sys.argv[1], 1, nnodes=2, forked=True), agent_env())

@@ -15,9 +15,9 @@ import resihp
 from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
 from resihp.opstrace import read_meta, read_run_folder
-from resihp.runtime.attach import DeviceFault
-from resihp.runtime.follow import follow
-from resihp.runtime.nodes import free_port
+from resihp.train.attach import DeviceFault
+from resihp.train.follow import follow
+from resihp.train.nodes import free_port
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

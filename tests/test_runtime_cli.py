@@ -9,7 +9,7 @@ import pytest
 
 from resihp.errors import InputError
 from resihp.opstrace import read_ops_trace
-from resihp.runtime.inject import FaultInjector, carried_faults, parse_fault
+from resihp.train.inject import FaultInjector, carried_faults, parse_fault
 from tests.replica_replay import replay_membership
 
 SMALL = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
@@ -146,7 +146,7 @@ def older_job_checkpoint(directory):
     import torch
 
     from resihp.ckpt.universal import save
-    from resihp.runtime.config import RunConfig
+    from resihp.train.config import RunConfig
 
     cfg = RunConfig.from_flags(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, max_len=512)
     model = torch.nn.Linear(2, 2)
@@ -161,7 +161,7 @@ def clean_losses(tmp_path_factory):
     clean = resihp("run", *SMALL, "--steps", "8", "--recovery", "none", "--out", str(out), "--json")
     assert clean.returncode == 0, clean.stderr
     # nothing to alarm the user: each warm agent ran ``resihp.cli`` again as ``__mp_main__``, and
-    # runpy warned on the terminal that it was loaded already (``runtime/warm_server.py``)
+    # runpy warned on the terminal that it was loaded already (``launch/warm_server.py``)
     assert "Warning" not in clean.stderr and "Traceback" not in clean.stderr, clean.stderr
     return json.loads(clean.stdout)["losses"]
 
@@ -331,7 +331,7 @@ def test_stop_without_checkpoints_ends_the_job_with_one_line(tmp_path):
 def test_worker_that_never_joins_is_a_clear_error(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
-    proc = subprocess.run([sys.executable, "-m", "resihp.runtime.worker", "--dp", "1", "--pp", "2",
+    proc = subprocess.run([sys.executable, "-m", "resihp.train.worker", "--dp", "1", "--pp", "2",
                            "--timeout", "3", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 3

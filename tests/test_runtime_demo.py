@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from resihp.detect.config import DetectorConfig
-from resihp.runtime.demo import run_demo
+from resihp.launch.demo import run_demo
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_demo_rejects_a_fault_it_cannot_show():
 def test_the_demo_forks_its_agents_from_a_warm_server_as_run_does(monkeypatch, tmp_path):
     # ``resihp demo`` started its agent cold (3 s of imports) where ``resihp run`` forks it warm
     from resihp.errors import InputError
-    from resihp.runtime import commands
+    from resihp.launch import commands
 
     calls = []
     monkeypatch.setattr(commands, "_forks_agents", lambda cfg: True)

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
+from resihp.launch.launch import launch
 from resihp.opstrace import COMPUTE_OPTYPES, read_meta, read_ops_trace
-from resihp.runtime.config import RunConfig
-from resihp.runtime.follow import follow
-from resihp.runtime.launch import launch
+from resihp.train.config import RunConfig
+from resihp.train.follow import follow
 
 SMALL = dict(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048,
              budget=512, max_len=512, source="text", steps=3, timeout=30)

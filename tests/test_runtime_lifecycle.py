@@ -45,12 +45,12 @@ def start(out, *extra, steps=100000, args=None):
 def job_pids(proc, out, world=2) -> set[int]:
     """Every process of the job started by ``proc``: the CLI, the torchrun agent and its workers
     (forked from the agent on CPU: each worker's parent is the agent, forked in turn by the
-    warm-agent server, whose command line preloads ``resihp.runtime.agent``)."""
+    warm-agent server, whose command line preloads ``resihp.launch.agent``)."""
     workers = worker_pids(out, world)
     pids = {proc.pid} | descendants(proc.pid)
     assert set(workers.values()) <= pids, (workers, pids)
     for pid in workers.values() if not torch.cuda.is_available() else ():
-        assert b"resihp.runtime.agent" in Path(f"/proc/{parent_of(pid)}/cmdline").read_bytes()
+        assert b"resihp.launch.agent" in Path(f"/proc/{parent_of(pid)}/cmdline").read_bytes()
     return pids
 
 
@@ -129,13 +129,13 @@ def test_sigkill_of_the_supervisor_takes_the_workers_with_it(tmp_path, recovery)
 
 
 # --- a run folder belongs to one job --------------------------------------------------------------
-HOLD = ("import sys, time; from resihp.runtime.lifecycle import RunFolder; "
+HOLD = ("import sys, time; from resihp.train.lifecycle import RunFolder; "
         "f = RunFolder(sys.argv[1], 'holder-job').acquire(); print('held', flush=True); time.sleep(60)")
 
 
 def test_second_job_into_a_busy_run_folder_exits_2_or_takes_a_fresh_subfolder(tmp_path, monkeypatch, capsys):
     from resihp.cli import main
-    from resihp.runtime.lifecycle import RunFolder
+    from resihp.train.lifecycle import RunFolder
 
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
@@ -161,7 +161,7 @@ def test_second_job_into_a_busy_run_folder_exits_2_or_takes_a_fresh_subfolder(tm
 
 def test_tracker_ends_a_whole_process_tree_even_when_stopped_and_regrouped(tmp_path):
     """A hung (SIGSTOPped) child in a session of its own, with a grandchild: all are ended."""
-    from resihp.runtime.lifecycle import ProcessTracker
+    from resihp.train.lifecycle import ProcessTracker
 
     script = ("import os, subprocess, sys, time; "
               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
@@ -258,8 +258,8 @@ def test_disk_full_writing_a_trace_keeps_the_previous_one_and_is_one_line(tmp_pa
 
 
 def test_resume_crosses_layouts_never_models():
-    from resihp.runtime.config import RunConfig
-    from resihp.runtime.worker import resume_step
+    from resihp.train.config import RunConfig
+    from resihp.train.worker import resume_step
 
     cfg = RunConfig.from_flags(dp=1, pp=2, resume="runs/x/ckpt/step9")
     other = RunConfig.from_flags(hidden=64, dp=2, pp=2)
@@ -269,7 +269,7 @@ def test_resume_crosses_layouts_never_models():
 
 
 def test_human_summary_of_a_run_stopped_by_a_non_finite_loss(capsys):
-    from resihp.runtime.commands import _json_safe, _print_human
+    from resihp.launch.commands import _json_safe, _print_human
 
     summary = _json_safe({"steps": 2, "loss_first": 4.2, "loss_last": float("nan"), "losses": [4.2, float("inf")]})
     assert summary["loss_last"] is None and summary["losses"] == [4.2, None]
@@ -307,7 +307,7 @@ def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(t
     assert (broken / "keeper.log").read_text().strip()  # its traceback is kept for the user
 
     real = keeper.ensure_keeper
-    monkeypatch.setattr("resihp.runtime.snapshots.ensure_keeper",
+    monkeypatch.setattr("resihp.train.engine_snapshots.ensure_keeper",
                         lambda directory, owner, warm=False: real(broken, owner, timeout_s=30, warm=warm))
     out = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", ["resihp", "run", *SMALL, "--steps", "3", "--snapshot-every", "1",
@@ -323,10 +323,10 @@ def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(t
 def test_a_worker_asked_for_its_stacks_writes_every_thread_even_one_blocked_in_a_call(tmp_path):
     """``dump_stacks``: a line in the log, then the worker's threads' stacks through its stderr,
     a thread blocked inside a C call (a lock wait here, as a collective or a store wait) included."""
-    from resihp.runtime.lifecycle import dump_stacks
+    from resihp.train.lifecycle import dump_stacks
 
     code = ("import threading, time\n"
-            "from resihp.runtime.lifecycle import enable_stack_dumps\n"
+            "from resihp.train.lifecycle import enable_stack_dumps\n"
             "enable_stack_dumps()\n"
             "def blocked_in_a_call():\n"
             "    lock = threading.Lock()\n"
@@ -363,7 +363,7 @@ def test_a_rank_judged_hung_on_this_node_is_killed_outright_one_elsewhere_is_lef
     (SIGSTOP) is left to the SIGCONT and SIGTERM that stop the job."""
     from types import SimpleNamespace
 
-    from resihp.runtime.supervisor import end_hung
+    from resihp.launch.supervisor import end_hung
 
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
@@ -395,4 +395,4 @@ def test_a_rank_judged_hung_leaves_its_stacks_in_the_log_before_it_is_stopped(tm
     assert (summary["failure"]["rank"], summary["failure"]["cause"]) == (1, "hang"), summary["failure"]
     log = (out / "logs" / "workers.log").read_text()
     assert "resihp: rank 1 judged hung" in log and "most recent call first" in log
-    assert "in begin_step" in log  # where the injected hang holds it (runtime/inject.py)
+    assert "in begin_step" in log  # where the injected hang holds it (train/inject.py)

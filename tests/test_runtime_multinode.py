@@ -19,9 +19,9 @@ import pytest
 
 from resihp.ckpt.integrity import problem
 from resihp.detect.records import JOB_SECRET_ENV
-from resihp.runtime.config import RunConfig
-from resihp.runtime.nodes import Nodes, free_port
-from resihp.runtime.replica_launch import node_replicas, replica_ranks
+from resihp.launch.replica_launch import node_replicas, replica_ranks
+from resihp.train.config import RunConfig
+from resihp.train.nodes import Nodes, free_port
 from tests.faults import announced, descendants
 
 DEMO = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "256", "--vocab", "512",

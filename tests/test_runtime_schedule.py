@@ -4,9 +4,9 @@ from hypothesis import strategies as st
 
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
-from resihp.runtime.data import DataSource, replica_microbatches
-from resihp.runtime.layout import balanced_layers, parse_layer_split
-from resihp.runtime.schedule import gpipe, one_f_one_b, schedule_for
+from resihp.train.data import DataSource, replica_microbatches
+from resihp.train.layout import balanced_layers, parse_layer_split
+from resihp.train.schedule import gpipe, one_f_one_b, schedule_for
 
 
 def simulate(schedule, pp: int, n_mb: int) -> int:

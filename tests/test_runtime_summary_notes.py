@@ -1,6 +1,6 @@
 """The run summary says when the run was oversubscribed (more processes than cores)."""
 
-from resihp.runtime.report import cores_available, oversubscription
+from resihp.launch.report import cores_available, oversubscription
 
 
 def test_more_processes_than_cores_is_said_with_what_it_does_to_the_figures():

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from resihp.detect.heartbeat import connect_store, node_key, rank_key
-from resihp.runtime import controlplane as cp
-from resihp.runtime.lifecycle import ProcessTracker, start_time
-from resihp.runtime.supervisor import owned
+from resihp.launch.supervisor import owned
+from resihp.train import controlplane as cp
+from resihp.train.lifecycle import ProcessTracker, start_time
 
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64", "--vocab", "128",
          "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",

@@ -3,7 +3,7 @@
 import pytest
 
 from resihp.errors import InputError
-from resihp.runtime.inject import FaultInjector, check_faults, parse_fault
+from resihp.train.inject import FaultInjector, check_faults, parse_fault
 
 
 def test_parse_link_fault():

@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 
 from resihp.detect.config import DetectorConfig
+from resihp.launch.live import LiveLoop
+from resihp.launch.supervisor import supervise
 from resihp.opstrace import read_ops_trace
-from resihp.runtime.config import RunConfig
-from resihp.runtime.live import LiveLoop
-from resihp.runtime.supervisor import supervise
-from resihp.runtime.worker import step_table, write_job_files
+from resihp.train.config import RunConfig
+from resihp.train.worker import step_table, write_job_files
 
 JOB = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
            budget=512, max_len=512, source="text")

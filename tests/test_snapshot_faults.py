@@ -130,7 +130,7 @@ def _worker_pid(tier: Path, rank: int) -> int:
             maps = (proc / "maps").read_text().splitlines()
             cmd = (proc / "cmdline").read_bytes()  # a worker, forked from an agent or not; not the keeper
             if any(ln.rstrip().endswith(target) for ln in maps) and (
-                    b"resihp.runtime.worker" in cmd or b"resihp.runtime.agent" in cmd):
+                    b"resihp.train.worker" in cmd or b"resihp.launch.agent" in cmd):
                 return int(proc.name)
         except OSError:
             continue
@@ -270,7 +270,7 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
     # and node 1's memory tier is lost with it (its keeper killed, its files gone); node 0 relaunches
     # the job in place, node 1's launcher joins the relaunch, and rank 1 receives rank 0's slot over
     # gloo from the other node
-    from resihp.runtime.nodes import free_port
+    from resihp.train.nodes import free_port
 
     port = free_port()
     multi = ["--dp", "2", "--pp", "1", "--recovery", "restart", "--nnodes", "2", "--nproc-per-node", "1",

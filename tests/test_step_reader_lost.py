@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from resihp.runtime.controlplane import StepPublisher, StepReader
+from resihp.train.controlplane import StepPublisher, StepReader
 
 JOB = "reader-lost"
 NODES = {0: [0, 2], 1: [1, 3]}  # replica -> its ranks (DP 2 x PP 2, node = replica)

@@ -15,7 +15,7 @@ def test_replay_of_a_real_two_stage_run(tmp_path):
     """A real 2-process pipeline (torchrun, gloo): the replayed critical path tracks measured steps."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "resihp.runtime.worker", "--dp", "1", "--pp", "2", "--steps", "4", "--layers", "2",
+           "-m", "resihp.train.worker", "--dp", "1", "--pp", "2", "--steps", "4", "--layers", "2",
            "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
            "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300,

@@ -25,9 +25,9 @@ from resihp.detect.heartbeat import (
 from resihp.detect.records import JOB_SECRET_ENV, MAX_RECORD_BYTES, RECORDS, checked_int, sign
 from resihp.errors import InputError
 from resihp.ft.quorum import Member, Quorum, changes_key
-from resihp.runtime import controlplane as cp
-from resihp.runtime.nodes import Nodes
-from resihp.runtime.supervisor import await_relaunch
+from resihp.launch.supervisor import await_relaunch
+from resihp.train import controlplane as cp
+from resihp.train.nodes import Nodes
 
 BAD = {
     "garbage": b"{not json",

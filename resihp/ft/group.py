@@ -1,7 +1,7 @@
 """This rank's cross-replica groups: for each set of ranks that hold the same block of parameters
 in every member replica, a gloo process group built straight on the job's store (not through the
 default world, which a lost replica leaves), one set per membership (generation). A ``key`` is
-such a set: one job rank of each member replica (``resihp.runtime.gradsync.Pieces``). When every
+such a set: one job rank of each member replica (``resihp.train.gradsync.Pieces``). When every
 replica has the same layout there is one key per (stage, tensor-parallel rank) position; when
 replicas split their layers differently, or differ in depth or tensor-parallel size, a block's
 holders sit at other positions, and each distinct key has a group of its own, formed the first

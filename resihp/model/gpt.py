@@ -92,7 +92,7 @@ class GPTStage(nn.Module):
     ``cfg.vocab_parallel`` are split by vocabulary rows (each rank ``ceil(vocab / tp)`` rows, the
     last ones padded; padded logits are dropped). With ``cfg.tie_embeddings`` the head is the token
     embedding: one parameter when one stage holds both, else a copy on the last stage whose
-    gradient is summed with the first stage's (``resihp.runtime.gradsync``).
+    gradient is summed with the first stage's (``resihp.train.gradsync``).
     """
 
     def __init__(self, cfg: GPTConfig, first: int = 0, last: int | None = None,

@@ -84,7 +84,7 @@ class ClusterSpec:
     links: tuple[tuple[int, int, float], ...] = ()
     # seconds each stage-boundary transfer costs beyond its bytes: a runtime's own overhead per
     # send/recv (gloo on CPUs: Python and the library, not the wire), measured by a live job's
-    # pacing (``resihp.runtime.live.paced_to``); 0 in cluster specs
+    # pacing (``resihp.train.planning.paced_to``); 0 in cluster specs
     p2p_overhead_s: float = 0.0
     # the kind of device, as a predictor card names it (``cuda:NVIDIA H100``, ``cpu``); "" unsaid
     device_type: str = ""
@@ -395,7 +395,7 @@ class ClusterSpec:
         """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
         bandwidth) divided by it, so every analytic time is ``factor`` times as long; ``links``:
         link bandwidths divided by this instead. A job's measured steps give the factors
-        (``resihp.runtime.live``): an analytic model priced on a matmul benchmark misses a
+        (``resihp.launch.live``): an analytic model priced on a matmul benchmark misses a
         training loop's overheads by a roughly constant multiple."""
         for value in (factor, 1.0 if links is None else links):
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):

@@ -17,8 +17,19 @@ import torch.distributed as dist
 
 from resihp.detect.heartbeat import NodeAggregator, node_key, rank_key
 from resihp.detect.records import JOB_SECRET_ENV
-from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import (
+from resihp.launch.launch import forks_workers, torchrun_command, worker_env
+from resihp.launch.supervisor import (
+    Outcome,
+    _Signals,
+    _stop,
+    descends_from,
+    drain_stderr,
+    owned,
+    refuse_signal,
+)
+from resihp.launch.warm import WARM_AGENTS, AgentProcess
+from resihp.train.config import RunConfig
+from resihp.train.controlplane import (
     ended,
     heartbeat_prefix,
     job_secret,
@@ -28,20 +39,9 @@ from resihp.runtime.controlplane import (
     stacks_asked,
     stacks_written,
 )
-from resihp.runtime.launch import forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker, dump_stacks
-from resihp.runtime.nodes import Nodes
-from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
-from resihp.runtime.supervisor import (
-    Outcome,
-    _Signals,
-    _stop,
-    descends_from,
-    drain_stderr,
-    owned,
-    refuse_signal,
-)
-from resihp.runtime.warm import WARM_AGENTS, AgentProcess
+from resihp.train.lifecycle import ProcessTracker, dump_stacks
+from resihp.train.nodes import Nodes
+from resihp.train.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV
 
 
 @dataclass

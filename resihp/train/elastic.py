@@ -18,10 +18,10 @@ from resihp.ckpt.reshard_rules import decide, derived_seed, same_layout, state_o
 from resihp.ckpt.universal import load, read_meta
 from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
-from resihp.runtime.config import RunConfig
-from resihp.runtime.engine import Engine
-from resihp.runtime.inject import carried_faults
-from resihp.runtime.live import paced_to, plan_at_start, planner_specs
+from resihp.train.config import RunConfig
+from resihp.train.engine import Engine
+from resihp.train.inject import carried_faults
+from resihp.train.planning import paced_to, plan_at_start, planner_specs
 
 
 def latest_checkpoint(cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -64,7 +64,7 @@ class Reformed:
     """The relaunch around a lost rank: its run config (the survivors renumbered in order, a
     uniform launch layout over them and, scheduled at the first step, the planner's layout), the
     plan, each new rank's old world rank, and the planner's calibration to the steps measured
-    before the loss (``live.paced_to``; None without enough of them)."""
+    before the loss (``planning.paced_to``; None without enough of them)."""
 
     cfg: RunConfig
     plan: Plan
@@ -80,7 +80,7 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     launch layout and, before its first step, re-forms into the plan's process groups by a layout
     change (the live path: ``Engine.apply``), which reshards from memory. ``measured``: the step
     times of the launch layout before the loss, which pace the planner's costs (with ``compute``,
-    the same steps' ``live.trace_compute_seconds``: compute and transfers apart). None where no
+    the same steps' ``planning.trace_compute_seconds``: compute and transfers apart). None where no
     survivor is left or the plan places none."""
     dims = cfg.dims()
     survivors = [r for r in range(dims.world_size) if r != rank]

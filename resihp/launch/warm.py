@@ -1,10 +1,10 @@
 """Warm agents: ``resihp run`` forks each agent of a CPU run from a server that has already
 imported it, instead of starting an interpreter that imports it again.
 
-The warm agent (``resihp.runtime.agent``) spends about 3 s of CPU on its imports before it can
+The warm agent (``resihp.launch.agent``) spends about 3 s of CPU on its imports before it can
 fork a worker (``torch._dynamo``, which the optimizer's step imports, is half of it). ``resihp
 run`` starts the server before its own imports, so that the two overlap: multiprocessing's
-forkserver, preloaded with ``resihp.runtime.warm_server`` (the server dies with the launcher) and the
+forkserver, preloaded with ``resihp.launch.warm_server`` (the server dies with the launcher) and the
 agent. Each launch, the first ones and every relaunch after a fault, is then a fork of it. Measured
 on this project's 2-core VM (``benchmarks/relaunch.py``, DP 2 x PP 2, rank 3 killed at step 10,
 arms interleaved with the spare interpreters this replaced, medians of 4 rounds): a lost replica's
@@ -17,7 +17,7 @@ session of its own, its stderr a pipe, ``poll``, ``wait``, ``returncode``); it i
 child, asks for SIGKILL when the server dies (``lifecycle.die_with_parent``), and its exit status
 comes back over multiprocessing's sentinel. As every child of multiprocessing's forkserver, it first
 runs the launcher's main module again as ``__mp_main__``: a script that starts runs through
-``resihp.runtime`` itself keeps its work under ``if __name__ == "__main__":``.
+``resihp.launch`` itself keeps its work under ``if __name__ == "__main__":``.
 
 The server serves a launch only where a forked agent is the same process that launch would start:
 a forked-worker agent (``launch.forks_workers``), and an environment that differs from the
@@ -46,9 +46,9 @@ from multiprocessing.process import BaseProcess
 from typing import TextIO
 
 from resihp.procexit import run_then_exit
-from resihp.runtime.lifecycle import die_with_parent, start_time
+from resihp.train.lifecycle import die_with_parent, start_time
 
-AGENT = "resihp.runtime.agent"
+AGENT = "resihp.launch.agent"
 # read by the agent, torchrun or the workers after they start, never at import
 RUNTIME_ENV = frozenset({
     "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
@@ -59,17 +59,17 @@ RUNTIME_ENV = frozenset({
 # warm_server first: the server dies with this process from then on. resihp.cli: each forked child
 # runs the launcher's main module again as ``__mp_main__`` (multiprocessing's rule for its spawn and
 # forkserver children), which with its imports loaded is a few milliseconds
-PRELOAD = ["resihp.runtime.warm_server", AGENT, "resihp.cli"]
+PRELOAD = ["resihp.launch.warm_server", AGENT, "resihp.cli"]
 # what a worker imports where its run checkpoints (a checkpoint written, a resume, a memory tier's
 # restore, a layout resharded), deferred in the worker for torchrun's cold workers: preloaded for
 # such a run, each forked worker has it (a relaunch's three workers each spent 1.6 s of CPU on it
 # before resuming); another run's first launch would wait 0.6 s more for the server
-CHECKPOINTING = ["resihp.ckpt.reshard", "resihp.ckpt.universal", "resihp.runtime.elastic"]
+CHECKPOINTING = ["resihp.ckpt.reshard", "resihp.ckpt.universal", "resihp.train.elastic"]
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of the agent: its options (torchrun's, then ``-m resihp.runtime.worker --config
+    """One launch of the agent: its options (torchrun's, then ``-m resihp.train.worker --config
     PATH``) and its environment."""
 
     argv: list[str]
@@ -81,7 +81,7 @@ def serve(launch: Launch, stderr: Connection) -> None:
     pipe, stdout discarded, the launch's environment; then the agent, ended as a cold one ends."""
     # deferred: the launcher names this function but must not import torch for it; the server
     # imported it before it forked (``PRELOAD``), so here it costs nothing
-    from resihp.runtime import agent
+    from resihp.launch import agent
 
     os.setsid()
     die_with_parent()
@@ -96,7 +96,7 @@ def serve(launch: Launch, stderr: Connection) -> None:
 
 
 def agent_options(cmd: Sequence[str]) -> list[str] | None:
-    """The options after ``-m resihp.runtime.agent`` in a launch command (``guarded`` or not), or
+    """The options after ``-m resihp.launch.agent`` in a launch command (``guarded`` or not), or
     None when it does not run the warm agent."""
     cmd = list(cmd)
     for i in range(len(cmd) - 1):

@@ -1,10 +1,4 @@
-"""Launching a training run as torchrun worker processes, on one node or as one node of many.
-
-The launcher of node 0 hosts the job's store itself, on a socket it binds to the endpoint's address
-(127.0.0.1 on one node: nothing of the job listens beyond loopback); torchrun joins it as a client
-(``is_host=false``) and the workers share it for their process group and the control plane. On one
-node gloo's sockets are bound to the loopback interface too.
-"""
+"""A client of the job store, and the probe that tells a store from anything else on a port."""
 
 from __future__ import annotations
 
@@ -13,19 +7,12 @@ import datetime
 import os
 import socket
 import struct
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from resihp.errors import InputError
-from resihp.runtime.config import RunConfig
-from resihp.runtime.lifecycle import guarded
-from resihp.runtime.nodes import LOOPBACK, free_port, host_port
-from resihp.runtime.warm import agent_env
+from resihp.train.nodes import LOOPBACK, host_port
 
 
 def _wait_listening(addr: str, port: int, timeout_s: float) -> float:
@@ -134,63 +121,3 @@ class JobStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def forks_workers(cfg: RunConfig) -> bool:
-    """Whether the run's workers are forked from a warm agent (``resihp.runtime.agent``): a CPU
-    run on a machine with no usable GPU. Where a GPU is visible, the workers start as torchrun
-    starts them, in a fresh interpreter, whatever the device: the agent's imports can initialise
-    CUDA's driver, and a process forked after that fails at its first CUDA call, even a CPU
-    run's: on an H200 machine every forked worker of a ``--device cpu`` run stopped with "CUDA
-    error: initialization error"."""
-    return cfg.device in ("cpu", "auto") and not torch.cuda.is_available()
-
-
-def torchrun_command(config_path: str | Path, nproc: int, max_restarts: int = 0,
-                     endpoint: str | None = None, nnodes: int = 1, run_id: str | None = None,
-                     forked: bool = False) -> list[str]:
-    """torchrun for ``nproc`` workers on this node, or (``forked``) resihp's agent with the same
-    options (torchrun's elastic agent, the workers forked from it); with ``endpoint`` (a
-    :class:`JobStore`'s) it joins that store instead of hosting one. Wrapped so that it dies with
-    this process."""
-    rdzv = ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"] if endpoint else [
-        "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}"]
-    if run_id:
-        rdzv += ["--rdzv-id", run_id]
-    agent = "resihp.runtime.agent" if forked else "torch.distributed.run"
-    return guarded([sys.executable, "-m", agent, "--nnodes", str(nnodes), "--nproc-per-node",
-                    str(nproc), "--rdzv-backend", "c10d", *rdzv, "--max-restarts", str(max_restarts),
-                    "--monitor-interval", "0.2", "-m", "resihp.runtime.worker", "--config", str(config_path)])
-
-
-def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None, node: int = 0,
-               managed: bool = False) -> dict[str, str]:
-    """The environment of torchrun and its workers. With ``endpoint`` (a :class:`JobStore`'s)
-    the workers form their process group and control plane on that store, and torchrun hosts no
-    store of its own for them (its shared store would listen on every interface). ``managed``: this
-    node's launcher aggregates heartbeats and reads the trace (``resihp run``)."""
-    env = agent_env()
-    if endpoint is None or host_port(endpoint)[0] == LOOPBACK:
-        env["MASTER_ADDR"] = LOOPBACK
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listening sockets on loopback, not the host's address
-    env["RESIHP_NODE"] = str(node)
-    if managed:
-        env["RESIHP_MANAGED"] = "1"
-    if endpoint:
-        env["RESIHP_STORE"] = endpoint
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.update(extra or {})
-    return env
-
-
-def launch(cfg: RunConfig, timeout_s: float | None = None, capture: bool = True,
-           max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """Run ``cfg`` to completion under torchrun; the config is written to ``OUT/config.json``."""
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.json"
-    config_path.write_text(cfg.to_json())
-    with JobStore() as store:
-        cmd = torchrun_command(config_path, cfg.dims().world_size, max_restarts, store.endpoint,
-                               forked=forks_workers(cfg))
-        return subprocess.run(cmd, env=worker_env(endpoint=store.endpoint), timeout=timeout_s, text=True, capture_output=capture)

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers.Trainer`` integration (the optional ``hf`` extra):
 
-    from resihp.runtime.hf_callback import ResihpTrainerCallback
+    from resihp.train.hf_callback import ResihpTrainerCallback
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[ResihpTrainerCallback(out="runs/hf")])
 
 Attaches resihp to the Trainer's model and optimizer when training starts; every optimizer step is a
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from resihp.runtime.attach import Monitor, attach
+from resihp.train.attach import Monitor, attach
 
 
 def lengths_from_inputs(kwargs: dict, args: tuple = ()) -> list[int] | None:

@@ -9,13 +9,13 @@
 Forward and module-output hooks time each forward (one micro-batch per forward call); the backward
 runs from the first gradient reaching the module's output to the last parameter gradient
 accumulated; optimizer hooks time ``optimizer.step``. Under torchrun, rows and heartbeats go over
-the job's control plane, as the built-in engine's (``resihp.runtime.controlplane``, on torchrun's
+the job's control plane, as the built-in engine's (``resihp.train.controlplane``, on torchrun's
 agent store: nothing shared between nodes but the network; rank 0 writes the run folder, local
 rank 0 of each node aggregates its node's heartbeats, ``resihp follow --store`` follows it from
 any machine); in a process started otherwise, rows go to a per-rank JSON-lines stream in ``out``.
 
 Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards) or,
-with ``detect=True``, in a thread of rank 0 (``resihp.runtime.follow.Follower``): then
+with ``detect=True``, in a thread of rank 0 (``resihp.train.follow.Follower``): then
 ``monitor.report()`` gives the current stragglers, ``on_event`` is called with each finding, and
 ``on_fault`` acts on a device fault at the next step boundary on every rank alike ("stop" raises
 ``DeviceFault`` out of ``monitor.step``; a callable, e.g. one saving a checkpoint, is called with
@@ -44,8 +44,8 @@ from resihp.detect.events import DEVICE_FAULTS
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError
 from resihp.opstrace import TRACE_STREAM, JobMeta, validate_ops_trace, write_meta, write_ops_trace
-from resihp.runtime import logs
-from resihp.runtime.controlplane import (
+from resihp.train import logs
+from resihp.train.controlplane import (
     StepPublisher,
     StepReader,
     announce_job,
@@ -54,10 +54,10 @@ from resihp.runtime.controlplane import (
     mark_ended,
     node_ranks,
 )
-from resihp.runtime.follow import Follower
-from resihp.runtime.gpu_timing import EventTimer
-from resihp.runtime.metrics import Metrics
-from resihp.runtime.recorder import OpRecorder
+from resihp.train.follow import Follower
+from resihp.train.gpu_timing import EventTimer
+from resihp.train.metrics import Metrics
+from resihp.train.recorder import OpRecorder
 
 log = logging.getLogger("resihp.attach")
 

@@ -47,8 +47,8 @@ def follow_cmd(
         os.nice(nice)  # first: the imports below (torch) are most of what the follower ever runs
 
     from resihp.detect.online import budget_line
-    from resihp.runtime import logs
-    from resihp.runtime.follow import follow
+    from resihp.train import logs
+    from resihp.train.follow import follow
 
     logs.setup(None, 0)
     config = DetectorConfig(sensitivity=sensitivity, calibration_steps=calibration_steps,

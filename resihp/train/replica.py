@@ -1,7 +1,7 @@
 """A rank of a job run with replica-level fault tolerance (``--recovery replica``): each
 data-parallel replica is a torchrun job of its own (its pipeline and tensor-parallel ranks, with a
 default process group of just them), launched, watched and relaunched alone by the supervisor
-(``resihp.runtime.replicas``). Across replicas a rank sums gradients over its position's group of
+(``resihp.launch.replicas``). Across replicas a rank sums gradients over its position's group of
 the current generation (``resihp.ft.group``), votes, and commits only what every member summed
 (``resihp.ft.quorum``); an aborted step is redone by the survivors. In zero-drift mode the
 survivors also train the absent replicas' micro-batches, so the global batch never changes. A
@@ -44,15 +44,15 @@ from resihp.ft.heal import (
     unflatten,
 )
 from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
-from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import StepPublisher, heartbeat_prefix, plan_key, report_error
-from resihp.runtime.data import MicroBatch, StepData, replica_microbatches
-from resihp.runtime.engine import Engine, StepResult
-from resihp.runtime.gradsync import Pieces, pipelines_of
-from resihp.runtime.inject import FaultInjector
-from resihp.runtime.layout import balanced_layers, ranges_from_counts
-from resihp.runtime.planchange import PlanChange, Relayout
-from resihp.runtime.replan import retire_groups
+from resihp.train.config import RunConfig
+from resihp.train.controlplane import StepPublisher, heartbeat_prefix, plan_key, report_error
+from resihp.train.data import MicroBatch, StepData, replica_microbatches
+from resihp.train.engine import Engine, StepResult
+from resihp.train.gradsync import Pieces, pipelines_of
+from resihp.train.inject import FaultInjector
+from resihp.train.layout import balanced_layers, ranges_from_counts
+from resihp.train.planchange import PlanChange, Relayout
+from resihp.train.replan import retire_groups
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
 GPU_OFFSET_ENV = "RESIHP_GPU_OFFSET"  # the first GPU of a replica's local rank 0 on its host
@@ -267,7 +267,7 @@ class ReplicaEngine(Engine):
         so a resume re-derives the torch generators (none is written)."""
         # deferred for start-up time, as in worker.save_checkpoint: torch.distributed.checkpoint
         from resihp.ckpt.universal import save
-        from resihp.runtime.elastic import checkpoint_meta, run_state
+        from resihp.train.elastic import checkpoint_meta, run_state
 
         full = self.full
         splits = [[b - a for a, b in ranges] for ranges in self.full_ranges]
@@ -283,7 +283,7 @@ class ReplicaEngine(Engine):
         """Collective over this replica's ranks: its model and AdamW state from checkpoint
         ``source`` (any layout wrote it; non-tensor state by its rule), before ``first_step``.
         Replica 0's first rank records the decisions in ``OUT/resume.json``."""
-        from resihp.runtime.elastic import resume  # deferred, as save_checkpoint's imports
+        from resihp.train.elastic import resume  # deferred, as save_checkpoint's imports
 
         self.rec.begin_step(first_step)
         with self.rec.op("checkpoint-load"):

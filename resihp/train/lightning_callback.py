@@ -1,6 +1,6 @@
 """PyTorch Lightning integration (the optional ``lightning`` extra):
 
-    from resihp.runtime.lightning_callback import ResihpLightningCallback
+    from resihp.train.lightning_callback import ResihpLightningCallback
     trainer = L.Trainer(callbacks=[ResihpLightningCallback(out="runs/pl")])
 
 Attaches resihp to the LightningModule when training starts; every training batch is a resihp
@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from resihp.runtime.attach import Monitor, attach
+from resihp.train.attach import Monitor, attach
 
 
 def lengths_from_batch(batch: object) -> list[int] | None:

@@ -6,7 +6,7 @@ Why not ``torch.distributed.pipelining``: its stages allocate receive buffers fr
 once, while packed micro-batches change their token count ``T`` (and ``seq_lens``) every time; and
 re-planning needs per-op timings and layer ranges that change between steps. Here every rank
 derives each micro-batch's ``seq_lens`` from the shared seed, so the receiver knows the shape of
-every message without a header, and the schedule is plain data (``resihp.runtime.schedule``).
+every message without a header, and the schedule is plain data (``resihp.train.schedule``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch.distributed as dist
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.model.tensor_parallel import TPContext, WaitClock
 from resihp.parallel import Coords, ParallelDims
-from resihp.runtime.config import RunConfig
-from resihp.runtime.data import DataSource, MicroBatch, StepData, replica_microbatches
-from resihp.runtime.gradsync import GradSync, pipelines_of
-from resihp.runtime.inject import FaultInjector
-from resihp.runtime.layout import balanced_layers
-from resihp.runtime.planchange import PlanChange
-from resihp.runtime.recorder import OpRecorder
-from resihp.runtime.replan import relayout, repartition, retire_groups
-from resihp.runtime.schedule import schedule_for
+from resihp.train.config import RunConfig
+from resihp.train.data import DataSource, MicroBatch, StepData, replica_microbatches
+from resihp.train.gradsync import GradSync, pipelines_of
+from resihp.train.inject import FaultInjector
+from resihp.train.layout import balanced_layers
+from resihp.train.planchange import PlanChange
+from resihp.train.recorder import OpRecorder
+from resihp.train.replan import relayout, repartition, retire_groups
+from resihp.train.schedule import schedule_for
 
 PROBE_MAX_GAP = 16  # steps between a hot spare's probes, at most
 PROBE_REPEATS = 3  # runs of the probe's compute per probe; the fastest is its time

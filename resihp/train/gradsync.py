@@ -28,7 +28,7 @@ from resihp.model.gpt import GPTStage
 from resihp.model.placement import chunk_rows
 from resihp.model.tensor_parallel import TPContext
 from resihp.parallel import ParallelDims
-from resihp.runtime.replan import owner
+from resihp.train.replan import owner
 
 Ranges = Sequence[tuple[int, int]]
 Pipelines = Sequence[Sequence[Sequence[int]]]  # replica -> stage -> world ranks in tp order

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from resihp.runtime.worker import step_table
+from resihp.train.worker import step_table
 
 WARMUP_STEPS = 2
 

@@ -1,6 +1,6 @@
 """torchrun's elastic agent with the workers forked from it, warm.
 
-``python -m resihp.runtime.agent [torchrun's options] -m resihp.runtime.worker --config PATH`` takes
+``python -m resihp.launch.agent [torchrun's options] -m resihp.train.worker --config PATH`` takes
 torchrun's own options (parsed by torchrun's parser into its ``LaunchConfig``) and runs the same
 elastic agent (rendezvous, restarts, monitoring, SIGTERM then SIGKILL to the workers) with one
 difference: each worker is forked from this process, which has imported torch, the worker and
@@ -16,7 +16,7 @@ worker's ``os.environ`` (not its initial environment block: ``/proc/PID/environ`
 process's). Each worker says who it is in ``OUT/logs/processes.jsonl`` (``worker.announce``).
 
 ``resihp run`` forks this agent, imported once, for each launch of a CPU run
-(``resihp.runtime.warm``): its workers' command line is then its server's (multiprocessing's
+(``resihp.launch.warm``): its workers' command line is then its server's (multiprocessing's
 forkserver), which names no config; ``processes.jsonl`` still says which process is which rank.
 """
 
@@ -30,9 +30,9 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args
 
 from resihp.procexit import run_then_exit
-from resihp.runtime import worker
+from resihp.train import worker
 
-WORKER_MODULE = "resihp.runtime.worker"
+WORKER_MODULE = "resihp.train.worker"
 
 
 def _work(*argv: str) -> None:
@@ -43,7 +43,7 @@ def _work(*argv: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.module or args.training_script != WORKER_MODULE:
-        sys.exit(f"resihp.runtime.agent: expected '-m {WORKER_MODULE}' after the options, got "
+        sys.exit(f"resihp.launch.agent: expected '-m {WORKER_MODULE}' after the options, got "
                  f"{args.training_script!r}")
     args.start_method = "fork"
     config, _cmd, _args = config_from_args(args)

@@ -44,8 +44,8 @@ from resihp.detect.records import (
 )
 from resihp.errors import InputError
 from resihp.ft.quorum import changes_key
-from resihp.runtime.nodes import Nodes
-from resihp.runtime.recorder import columns_frame
+from resihp.train.nodes import Nodes
+from resihp.train.recorder import columns_frame
 
 if TYPE_CHECKING:
     import pandas as pd

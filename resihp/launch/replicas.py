@@ -25,33 +25,14 @@ from resihp.ckpt.integrity import remove_partial
 from resihp.detect.heartbeat import HeartbeatMonitor
 from resihp.errors import InputError
 from resihp.ft.quorum import DecisionChain, Generation, Member, Quorum
-from resihp.opstrace import TRACE_STREAM
-from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import (
-    StepReader,
-    StepRecords,
-    announce_job,
-    heartbeat_prefix,
-    mark_ended,
-    nodes_left,
-    order_replica,
-    plan_key,
-    post_change,
-    prefix_of,
-    read_errors,
-    replica_attempt,
-)
-from resihp.runtime.launch import JobStore
-from resihp.runtime.nodes import Nodes
-from resihp.runtime.replica import BEAT_S
-from resihp.runtime.replica_launch import (
+from resihp.launch.replica_launch import (
     ReplicaLauncher,
     node_replicas,
     replica_ranks,
     serve_replicas,
     stop_replicas,
 )
-from resihp.runtime.supervisor import (
+from resihp.launch.supervisor import (
     GRACE_S,
     STOPPED_S,
     Outcome,
@@ -65,6 +46,25 @@ from resihp.runtime.supervisor import (
     owned,
     stacks_of_hung,
 )
+from resihp.opstrace import TRACE_STREAM
+from resihp.train.config import RunConfig
+from resihp.train.controlplane import (
+    StepReader,
+    StepRecords,
+    announce_job,
+    heartbeat_prefix,
+    mark_ended,
+    nodes_left,
+    order_replica,
+    plan_key,
+    post_change,
+    prefix_of,
+    read_errors,
+    replica_attempt,
+)
+from resihp.train.nodes import Nodes
+from resihp.train.replica import BEAT_S
+from resihp.train.store import JobStore
 
 MAX_RELAUNCHES = 3  # per replica: a replica that keeps failing is left out, the others go on
 HANG_FACTOR, HANG_FLOOR_S = 2.0, 3.0

@@ -5,7 +5,7 @@
   state (running, done, failed, interrupted) and, when interrupted, the checkpoint it can resume from.
 - ``die_with_parent``: a process asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG),
   so the death of ``resihp run`` (even by SIGKILL) takes torchrun, and torchrun's takes each worker.
-  ``python -m resihp.runtime.lifecycle --parent PID -- CMD...`` sets it and then execs CMD.
+  ``python -m resihp.train.lifecycle --parent PID -- CMD...`` sets it and then execs CMD.
 - ``ProcessTracker``: the PIDs of every process of the job (with their start times, so a reused PID
   is never signalled), found as descendants of the launched process however they re-parent or
   re-group; it can end them all, SIGTERM first and SIGKILL to the whole process group after a grace.
@@ -168,7 +168,7 @@ def dump_stacks(pid: int, log: Path, why: str) -> bool:
 
 def guarded(cmd: list[str]) -> list[str]:
     """``cmd`` run so that it dies with this process (see the module docstring)."""
-    return [sys.executable, "-m", "resihp.runtime.lifecycle", "--parent", str(os.getpid()), "--", *cmd]
+    return [sys.executable, "-m", "resihp.train.lifecycle", "--parent", str(os.getpid()), "--", *cmd]
 
 
 def _parents() -> dict[int, int]:
@@ -255,7 +255,7 @@ class ProcessTracker:
 
 def _main(argv: list[str]) -> None:
     if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--":
-        sys.exit("usage: python -m resihp.runtime.lifecycle --parent PID -- CMD...")
+        sys.exit("usage: python -m resihp.train.lifecycle --parent PID -- CMD...")
     die_with_parent(int(argv[1]))
     os.execvp(argv[3], argv[3:])
 

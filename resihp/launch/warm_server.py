@@ -1,4 +1,4 @@
-"""Imported first by the warm-agent server (``resihp.runtime.warm.PRELOAD``), for its effects on
+"""Imported first by the warm-agent server (``resihp.launch.warm.PRELOAD``), for its effects on
 the server and the agents it forks:
 
 - the server asks for SIGKILL when the launcher that started it dies. multiprocessing's forkserver
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 
-from resihp.runtime.lifecycle import die_with_parent
+from resihp.train.lifecycle import die_with_parent
 
 die_with_parent()
 warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy",

@@ -26,8 +26,8 @@ from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import KEEPER_WAIT
 from resihp.errors import InputError
-from resihp.runtime.config import RunConfig
-from resihp.runtime.engine import Engine
+from resihp.train.config import RunConfig
+from resihp.train.engine import Engine
 
 KEEPER_OWNER = "RESIHP_KEEPER_OWNER"  # the launcher that owns the job's keepers (resihp run)
 
@@ -131,7 +131,7 @@ class MemorySnapshots:
         """What the keeper needs to write these tensors into a universal checkpoint."""
         # deferred for start-up time, as in worker.save_checkpoint: DCP only for runs that checkpoint
         from resihp.ckpt.persist import PersistRequest, blocks_of
-        from resihp.runtime.elastic import checkpoint_meta
+        from resihp.train.elastic import checkpoint_meta
 
         e = self.engine
         key = (id(e.model), id(e.optimizer), e.plan_version)

@@ -23,9 +23,9 @@ from resihp.options import (
     updated,
 )
 from resihp.parallel import SCHEDULES, ParallelDims
-from resihp.runtime.inject import Fault, check_faults, parse_fault
-from resihp.runtime.layout import balanced_layers, ranges_from_counts
-from resihp.runtime.planchange import PlanChange
+from resihp.train.inject import Fault, check_faults, parse_fault
+from resihp.train.layout import balanced_layers, ranges_from_counts
+from resihp.train.planchange import PlanChange
 
 RECOVERY_MODES = ("auto", "none", "restart", "replica", "replica-drop")
 # what the launcher does on a fail-stop: restart the same layout, or relaunch the lost replica alone

@@ -22,7 +22,7 @@ from typing import Any
 
 from resihp.errors import InputError
 from resihp.parallel import ParallelDims
-from resihp.runtime.layout import ranges_from_counts
+from resihp.train.layout import ranges_from_counts
 
 
 @dataclass(frozen=True)

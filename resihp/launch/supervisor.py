@@ -4,11 +4,11 @@ process of the job is gone when ``supervise`` returns, and the trace written so 
 
 Nothing outlives the run: torchrun starts in its own session, wrapped so that the kernel kills it
 when this process dies (and each worker asks the same of torchrun); every process of the job is
-tracked by PID (:class:`~resihp.runtime.lifecycle.ProcessTracker`: workers start in sessions of
+tracked by PID (:class:`~resihp.train.lifecycle.ProcessTracker`: workers start in sessions of
 their own, out of reach of torchrun's process group); SIGTERM, SIGINT and SIGHUP sent to this
 process are forwarded to the job, which gets a bounded grace to write its trace before the whole
 tree is killed, and ``Outcome.interrupted`` names the signal. The rendezvous store is hosted here,
-on loopback (:class:`~resihp.runtime.launch.LoopbackStore`)."""
+on loopback (:class:`~resihp.launch.launch.LoopbackStore`)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,13 @@ from resihp.detect.events import Event
 from resihp.detect.heartbeat import FINISHED, HeartbeatMonitor, NodeAggregator
 from resihp.detect.records import JOB_SECRET_ENV, RECORDS
 from resihp.errors import InputError
+from resihp.launch.launch import forks_workers, torchrun_command, worker_env
+from resihp.launch.warm import WARM_AGENTS, AgentProcess
 from resihp.opstrace import TRACE_STREAM
 from resihp.parallel import ParallelDims
 from resihp.procinfo import parent_pid
-from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import (
+from resihp.train.config import RunConfig
+from resihp.train.controlplane import (
     StepReader,
     StepRecords,
     announce_job,
@@ -60,10 +62,9 @@ from resihp.runtime.controlplane import (
     stacks_written,
     stopping,
 )
-from resihp.runtime.launch import JobStore, forks_workers, torchrun_command, worker_env
-from resihp.runtime.lifecycle import ProcessTracker, dump_stacks, start_time
-from resihp.runtime.nodes import FIRST_RANK_ENV, Nodes
-from resihp.runtime.warm import WARM_AGENTS, AgentProcess
+from resihp.train.lifecycle import ProcessTracker, dump_stacks, start_time
+from resihp.train.nodes import FIRST_RANK_ENV, Nodes
+from resihp.train.store import JobStore
 
 ROOT_CAUSE = re.compile(r"Root Cause.*?local_rank:\s*(\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
 FAILURE = re.compile(r"local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")

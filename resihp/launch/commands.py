@@ -18,10 +18,10 @@ import typer
 from resihp.ckpt.integrity import verify, write_json_atomic
 from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
+from resihp.launch.warm import CHECKPOINTING, WARM_AGENTS, agent_env
 from resihp.progress import progress_bar
-from resihp.runtime.config import RunConfig, check_memory
-from resihp.runtime.nodes import Nodes, check_secret
-from resihp.runtime.warm import CHECKPOINTING, WARM_AGENTS, agent_env
+from resihp.train.config import RunConfig, check_memory
+from resihp.train.nodes import Nodes, check_secret
 from resihp.workload.lengths import resolve_source
 
 RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
@@ -54,7 +54,7 @@ def run_cmd(
 ) -> None:
     """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
 
-    The options are the run configuration's fields (resihp.runtime.config.RunConfig), grouped by
+    The options are the run configuration's fields (resihp.train.config.RunConfig), grouped by
     section. The run folder belongs to this job while it runs (a second job into it exits 2);
     SIGTERM or SIGINT stops the workers within a grace period, keeps the trace and summary written
     so far and marks the run resumable in OUT/run.json (exit 143 / 130)."""
@@ -75,11 +75,11 @@ def run_cmd(
 
 
 def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
+    from resihp.launch.live import LiveLoop
+    from resihp.launch.supervisor import supervise
     from resihp.model.attention import check_attention
-    from resihp.runtime.lifecycle import RunFolder
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.snapshots import flush_checkpoints, restartable, start_keeper
-    from resihp.runtime.supervisor import supervise
+    from resihp.train.engine_snapshots import flush_checkpoints, restartable, start_keeper
+    from resihp.train.lifecycle import RunFolder
 
     nnodes, node_rank = nodes.nnodes, nodes.node_rank
     if cfg.checkpoint.resume is not None:
@@ -104,7 +104,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         keeper = start_keeper(cfg, node_rank)  # the memory tier's keeper (--snapshot-every), restarted if it dies
         with progress_bar("training", steps, enabled=not json_out) as advance:
             if replicas:
-                from resihp.runtime.replicas import supervise_replicas
+                from resihp.launch.replicas import supervise_replicas
 
                 outcome = supervise_replicas(cfg, on_step=lambda s: advance(s + 1),
                                              on_steps=loop.on_steps if loop else None, nodes=nodes)
@@ -120,7 +120,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=True)  # node 0 may re-form it
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             if replicas:
-                from resihp.runtime.replica_launch import node_replicas, replica_ranks
+                from resihp.launch.replica_launch import node_replicas, replica_ranks
 
                 ranks = sorted(r for d in node_replicas(cfg, nodes) for r in replica_ranks(cfg)[d])
             else:
@@ -142,7 +142,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         if outcome.control_plane is not None:
             summary["control_plane"] = {**outcome.control_plane,
                                         "lag_s": loop.lag_summary() if loop is not None else None}
-        from resihp.runtime.report import oversubscription  # deferred: torch (start-up time)
+        from resihp.launch.report import oversubscription  # deferred: torch (start-up time)
 
         summary.update(oversubscription(cfg.dims().world_size, "cuda" if cfg.device == "cuda" else "cpu"))
         if loop is not None and not outcome.interrupted:
@@ -157,7 +157,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             summary, outcome = _recover(cfg, outcome, summary, json_out, nodes)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
-            from resihp.runtime.metrics import write_run  # deferred: tensorboard, an optional extra
+            from resihp.train.metrics import write_run  # deferred: tensorboard, an optional extra
 
             write_run(out, summary)
     if json_out:
@@ -225,7 +225,7 @@ def _finish(folder, cfg, outcome, summary: dict, job_id: str | None = None) -> N
     """Record how the job ended in OUT/run.json (and the summary): done, failed, or interrupted
     with the checkpoint of this job (``job_id``, else ``cfg``'s) it can resume from."""
     from resihp.ckpt.integrity import newest_good
-    from resihp.runtime.snapshots import stop_keepers
+    from resihp.train.engine_snapshots import stop_keepers
 
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
     # the job is over: checkpoints owed written, memory tiers gone
@@ -281,12 +281,12 @@ def demo_cmd(
 
 def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, json_out: bool) -> None:
     from resihp.detect.config import DetectorConfig
-    from resihp.runtime.demo import RunFailed, run_demo
-    from resihp.runtime.inject import parse_fault
+    from resihp.launch.demo import RunFailed, run_demo
+    from resihp.train.inject import parse_fault
 
     inject = inject or f"slow:rank=1,factor=3,step={DetectorConfig().calibration_steps + 4}"
     steps = steps or (parse_fault(inject).step or 0) + 20
-    from resihp.runtime.lifecycle import RunFolder
+    from resihp.train.lifecycle import RunFolder
 
     with RunFolder(out).acquire() as folder, progress_bar("demo", steps, enabled=not json_out) as advance:
         folder.record(state="running", started=time.time())
@@ -316,8 +316,8 @@ def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, j
 
 def _live_fields(cfg, loop, summary: dict) -> dict:
     """The DESIGN summary fields: detection delay, plan changes, throughput around a slow fault."""
+    from resihp.launch.report import fault_summary
     from resihp.opstrace import read_ops_trace
-    from resihp.runtime.report import fault_summary
 
     loop.save()
     out = Path(cfg.out)
@@ -366,15 +366,15 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
 def _replica_fields(out: Path, outcome, summary: dict) -> None:
     """Replica mode's summary fields from the launcher's records and the ops trace: ``recovery``,
     ``members`` (per step from first_step, the replicas that trained it) and the timeline plot."""
+    from resihp.launch.replicas import recovery_summary
     from resihp.opstrace import read_ops_trace
-    from resihp.runtime.replicas import recovery_summary
 
     if (out / "ops.parquet").exists():
         trace = read_ops_trace(out / "ops.parquet")
         summary["recovery"] = recovery_summary(outcome, trace)
         summary["members"] = outcome.replica_members
         if summary["recovery"] is not None:
-            from resihp.runtime.report import plot_replicas  # deferred: matplotlib
+            from resihp.launch.report import plot_replicas  # deferred: matplotlib
 
             plot_replicas(trace, summary["recovery"], out / "timeline.png")
             summary["timeline"] = str(out / "timeline.png")
@@ -389,10 +389,10 @@ def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
     import pandas as pd
 
     from resihp.ckpt.integrity import step_of
-    from resihp.runtime.elastic import latest_checkpoint, relaunch_config
-    from resihp.runtime.inject import carried_faults
-    from resihp.runtime.live import LiveLoop
-    from resihp.runtime.replicas import supervise_replicas
+    from resihp.launch.live import LiveLoop
+    from resihp.launch.replicas import supervise_replicas
+    from resihp.train.elastic import latest_checkpoint, relaunch_config
+    from resihp.train.inject import carried_faults
 
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(cfg)
@@ -434,7 +434,7 @@ def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
 
 
 def _summary(cfg, outcome) -> dict:
-    from resihp.runtime.worker import write_job_files
+    from resihp.train.worker import write_job_files
 
     out = Path(cfg.out)
     summary_path = out / "summary.json"
@@ -467,7 +467,7 @@ def _follow_relaunches(cfg, outcome, nodes, reformed: bool, attempts: int = REST
     (into OUT/restart, OUT/restart/restart, ..., on the ranks node 0 gives this node), else a
     restart in place (--recovery restart: into OUT/restart, restart-2, ...). The last outcome, and
     this node's part of the last launch."""
-    from resihp.runtime.supervisor import await_relaunch, supervise
+    from resihp.launch.supervisor import await_relaunch, supervise
 
     out = Path(cfg.out)
     for attempt in range(1, attempts + 1):
@@ -493,9 +493,9 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
     """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
     its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
     join the run's before the failure to those after it, from the step it went on at."""
-    from resihp.runtime.elastic import latest_checkpoint
-    from resihp.runtime.snapshots import recovery_record, restartable, verify_ahead
-    from resihp.runtime.supervisor import supervise
+    from resihp.launch.supervisor import supervise
+    from resihp.train.elastic import latest_checkpoint
+    from resihp.train.engine_snapshots import recovery_record, restartable, verify_ahead
 
     out, before, first = Path(cfg.out), Path(cfg.out), summary.get("first_step") or 0
     losses, records = list(summary.get("losses") or []), []
@@ -539,16 +539,16 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
     names the checkpoint the survivors resume from."""
     import pandas as pd
 
-    from resihp.runtime.elastic import latest_checkpoint, layout_without, reform_around
-    from resihp.runtime.live import (
-        LiveLoop,
+    from resihp.launch.live import LiveLoop
+    from resihp.launch.supervisor import announce_no_relaunch, supervise
+    from resihp.train.elastic import latest_checkpoint, layout_without, reform_around
+    from resihp.train.engine_snapshots import flush_checkpoints, start_keeper, stop_keepers
+    from resihp.train.planning import (
         predicted_step_s,
         step_check,
         trace_compute_seconds,
         trace_step_seconds,
     )
-    from resihp.runtime.snapshots import flush_checkpoints, start_keeper, stop_keepers
-    from resihp.runtime.supervisor import announce_no_relaunch, supervise
 
     out = Path(cfg.out)
     ckpt, skipped = latest_checkpoint(cfg)

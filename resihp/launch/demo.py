@@ -9,13 +9,13 @@ from pathlib import Path
 
 from resihp.detect.config import DetectorConfig
 from resihp.errors import InputError
+from resihp.launch.live import LiveLoop
+from resihp.launch.report import fault_summary, plot_run
+from resihp.launch.supervisor import supervise
 from resihp.opstrace import read_ops_trace
-from resihp.runtime.config import RunConfig
-from resihp.runtime.inject import parse_fault
-from resihp.runtime.live import LiveLoop
-from resihp.runtime.report import fault_summary, plot_run
-from resihp.runtime.supervisor import supervise
-from resihp.runtime.worker import write_job_files
+from resihp.train.config import RunConfig
+from resihp.train.inject import parse_fault
+from resihp.train.worker import write_job_files
 
 DEMO = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
             budget=512, max_len=512, source="text")

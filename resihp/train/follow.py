@@ -23,10 +23,10 @@ from resihp.detect.observe import layout_parts
 from resihp.detect.online import OnlineDetector, noise_warnings
 from resihp.errors import InputError
 from resihp.opstrace import TRACE_STREAM, JobMeta, json_lines, read_meta
-from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import StepReader, ended, node_ranks, read_job
-from resihp.runtime.launch import JobStore
-from resihp.runtime.recorder import rows_frame
+from resihp.train.config import RunConfig
+from resihp.train.controlplane import StepReader, ended, node_ranks, read_job
+from resihp.train.recorder import rows_frame
+from resihp.train.store import JobStore
 
 log = logging.getLogger("resihp.follow")
 

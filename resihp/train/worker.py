@@ -1,9 +1,9 @@
 """The per-rank entry point that torchrun launches:
 
-    torchrun --standalone --nproc-per-node 4 -m resihp.runtime.worker --dp 2 --pp 2 --steps 20 --out runs/x
+    torchrun --standalone --nproc-per-node 4 -m resihp.train.worker --dp 2 --pp 2 --steps 20 --out runs/x
 
 Each rank trains its stage and sends its heartbeats and op records over the job's control plane
-(``resihp.runtime.controlplane``, on the job's store). Under ``resihp run`` the launcher of node 0
+(``resihp.train.controlplane``, on the job's store). Under ``resihp run`` the launcher of node 0
 reads them (live loop, run folder); under plain torchrun rank 0 reads them in a thread and writes
 ``OUT/ops.parquet``, the job meta ``OUT/job.yaml`` and ``OUT/summary.json`` itself, and local rank
 0 of each node runs the node's heartbeat aggregator.
@@ -35,8 +35,8 @@ from resihp.errors import InputError, disk_full
 from resihp.ft.quorum import Member
 from resihp.opstrace import TRACE_STREAM, JobMeta, write_meta
 from resihp.perf.device import this_device
-from resihp.runtime.config import RunConfig
-from resihp.runtime.controlplane import (
+from resihp.train.config import RunConfig
+from resihp.train.controlplane import (
     PlanInbox,
     StepPublisher,
     StepReader,
@@ -46,21 +46,21 @@ from resihp.runtime.controlplane import (
     node_ranks,
     report_error,
 )
-from resihp.runtime.engine import Engine
-from resihp.runtime.inject import FaultInjector
-from resihp.runtime.lifecycle import die_with_parent, enable_stack_dumps, start_time
-from resihp.runtime.nodes import FIRST_RANK_ENV
-from resihp.runtime.recorder import merge_streams
-from resihp.runtime.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
-from resihp.runtime.snapshots import BoundaryStop, MemorySnapshots
+from resihp.train.engine import Engine
+from resihp.train.engine_snapshots import BoundaryStop, MemorySnapshots
+from resihp.train.inject import FaultInjector
+from resihp.train.lifecycle import die_with_parent, enable_stack_dumps, start_time
+from resihp.train.nodes import FIRST_RANK_ENV
+from resihp.train.recorder import merge_streams
 from resihp.train.rendezvous import attempt_prefix
+from resihp.train.replica import ATTEMPT_ENV, GPU_OFFSET_ENV, REPLICA_ENV, run_replica
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    parser = argparse.ArgumentParser(prog="resihp.runtime.worker")
+    parser = argparse.ArgumentParser(prog="resihp.train.worker")
     parser.add_argument("--config", help="a RunConfig JSON; flags given here override it")
     add_arguments(parser, RunConfig)
     args = vars(parser.parse_args(argv))
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
     # deferred for start-up time: torch.distributed.checkpoint (~0.6 s) only for runs that checkpoint
     from resihp.ckpt.universal import save
-    from resihp.runtime.elastic import checkpoint_meta, rank_tensors
+    from resihp.train.elastic import checkpoint_meta, rank_tensors
 
     with engine.rec.op("checkpoint-save"):
         save(directory, engine.model, engine.optimizer, step, checkpoint_meta(engine, cfg), engine.tp,
@@ -190,7 +190,7 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
     local, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = int(os.environ["WORLD_SIZE"])
     endpoint = os.environ.get("RESIHP_STORE")
-    if endpoint:  # the launcher's store (resihp.runtime.launch.JobStore)
+    if endpoint:  # the launcher's store (resihp.train.store.JobStore)
         host, _, port = endpoint.rpartition(":")
         # the rank follows the node's place in the job (node i: ranks i*P .. i*P+P-1), not the
         # order in which torchrun's agents happened to join, so a layout means the same machines
@@ -222,7 +222,7 @@ def processes_file(out: str | Path) -> Path:
 def announce(out: Path) -> None:
     """One line in ``OUT/logs/processes.jsonl`` saying which process this worker is: its PID,
     node, local rank, torchrun's restart count and, with ``--recovery replica``, its replica and
-    launch attempt. Forked workers (``resihp.runtime.agent``) share the agent's command line and
+    launch attempt. Forked workers (``resihp.launch.agent``) share the agent's command line and
     initial environment (a spare agent's names no config), so this is where an operator (py-spy on a slow rank) or a fault test finds
     a rank's process. Best effort: a folder that cannot take the line does not stop the worker."""
     env = os.environ
@@ -293,7 +293,7 @@ def run(cfg: RunConfig) -> None:
     if cfg.checkpoint.resume and restored is None:
         # deferred for start-up time (see save_checkpoint)
         from resihp.ckpt.universal import read_meta, resolve
-        from resihp.runtime.elastic import resume
+        from resihp.train.elastic import resume
 
         source = resolve(cfg.checkpoint.resume)  # a run folder means its newest checkpoint that verifies
         first_step = resume_step(cfg, read_meta(source))
