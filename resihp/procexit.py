@@ -20,13 +20,15 @@ from collections.abc import Callable
 from typing import NoReturn
 
 
-def exit_now(code: int | str | None = 0) -> NoReturn:
+def exit_now(code: int | str | None = 0, said: Callable[[int], None] | None = None) -> NoReturn:
     """End the process with ``code`` as ``sys.exit(code)`` would (None: 0; a string: printed to
-    stderr, status 1), without finalising its modules."""
+    stderr, status 1), without finalising its modules; ``said`` is handed the status first."""
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
     code = 0 if code is None else int(code)
+    if said is not None:
+        said(code)
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if any(t.is_alive() and not t.daemon for t in others):
         sys.exit(code)
@@ -37,17 +39,17 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
     os._exit(code)
 
 
-def run_then_exit(fn: Callable[[], object]) -> NoReturn:
+def run_then_exit(fn: Callable[[], object], said: Callable[[int], None] | None = None) -> NoReturn:
     """A process's main: ``fn()``, then ``exit_now`` with the status it ended with (0, or its
     ``SystemExit``'s). Any other exception ends it as an uncaught one ends a Python program (its
     traceback on stderr, status 1), also in a multiprocessing child, which would print it under a
     "Process NAME:" line with its bootstrap's frames (a warm agent's failure in ``workers.log``).
-    A ``KeyboardInterrupt`` propagates."""
+    A ``KeyboardInterrupt`` propagates. ``said``: as ``exit_now``'s."""
     try:
         fn()
     except SystemExit as exc:
-        exit_now(exc.code)
+        exit_now(exc.code, said)
     except Exception:
         traceback.print_exc()
-        exit_now(1)
-    exit_now(0)
+        exit_now(1, said)
+    exit_now(0, said)

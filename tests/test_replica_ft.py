@@ -30,7 +30,7 @@ from resihp.model.config import GPTConfig
 from resihp.parallel import ParallelDims
 from resihp.train.gradsync import Pieces
 from resihp.train.replica import heal_source
-from tests.faults import announced
+from tests.faults import announced, children_map
 from tests.gloo_ranks import spawn_ranks
 from tests.replica_replay import ISSUE_STEPS, replay_membership
 
@@ -541,6 +541,43 @@ def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(referen
     fails = summary["recovery"]["failures"]
     assert [(f["lost_replica"], f["attempt"]) for f in fails] == [(1, 0), (0, 0)], fails
     _same_losses(summary["losses"], reference, "both replicas in turn")
+
+
+def _warm_server(launcher: int) -> int:
+    """The warm-agent server of the launcher ``launcher`` (multiprocessing's forkserver, its child)."""
+    servers = [p for p in children_map().get(launcher, [])
+               if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(servers) == 1, f"launcher {launcher}: warm-agent servers {servers}"
+    return servers[0]
+
+
+@pytest.mark.slow
+def test_a_killed_warm_agent_server_leaves_every_replica_training_and_a_relaunch_starts_cold(
+        reference, tmp_path):
+    """The warm-agent server only starts processes: killed (SIGKILL) mid-run, the replicas train on
+    (each forked agent died with it: every replica lost, exit 1). Replica 1 lost later is relaunched
+    cold, the launcher says so in one line, and every step's loss is the failure-free run's."""
+    out = tmp_path / "run"
+    # a cold agent imports torch first (6 s on a loaded 2-core machine): the survivors' steps are
+    # stretched 6x from the failure on, for it to be back before the end
+    proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery", "replica",
+                  "--inject", "stop:rank=3,step=12", "--inject", "slow:rank=0,factor=6,step=12")
+    try:
+        _wait_pids(out, 1, 0)
+        server = _warm_server(proc.pid)
+        os.kill(server, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    said = [ln for ln in stderr.splitlines() if "warm-agent server" in ln]
+    assert said == [f"resihp: the warm-agent server (process {server}) is gone; launches start their "
+                    "agents cold from now on"], stderr[-2000:]
+    rec = json.loads((out / "summary.json").read_text())["recovery"]
+    assert "failures" not in rec and rec["lost_replica"] == 1 and rec["cause"] == "exited", rec
+    assert rec["rejoined_step"] is not None, rec
+    _trained_every_step(out, [0, 2], TWICE_STEPS)
+    _same_losses(json.loads((out / "summary.json").read_text())["losses"], reference, "cold relaunch")
 
 
 @pytest.mark.slow

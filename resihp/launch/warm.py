@@ -14,8 +14,11 @@ same (0.12 s).
 
 The launcher sees a forked agent as it sees a process it started (``ForkedAgent``: its PID, a
 session of its own, its stderr a pipe, ``poll``, ``wait``, ``returncode``); it is the server's
-child, asks for SIGKILL when the server dies (``lifecycle.die_with_parent``), and its exit status
-comes back over multiprocessing's sentinel. As every child of multiprocessing's forkserver, it first
+child but dies with the launcher (``lifecycle.die_with``), not with the server: the server only
+starts processes, and a server killed mid-run leaves every replica training. The launcher sees the
+agent's end on its pidfd, and its exit status on a pipe the agent writes it to before it exits (or,
+killed by a signal, over multiprocessing's sentinel while the server is there to say it). With the
+server gone, the next launch says so in one line and starts its agent cold, as a new interpreter. As every child of multiprocessing's forkserver, it first
 runs the launcher's main module again as ``__mp_main__``: a script that starts runs through
 ``resihp.launch`` itself keeps its work under ``if __name__ == "__main__":``.
 
@@ -34,8 +37,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,7 +51,7 @@ from multiprocessing.process import BaseProcess
 from typing import TextIO
 
 from resihp.procexit import run_then_exit
-from resihp.train.lifecycle import die_with_parent, start_time
+from resihp.train.lifecycle import die_with, start_time
 
 AGENT = "resihp.launch.agent"
 # read by the agent, torchrun or the workers after they start, never at import
@@ -65,6 +70,7 @@ PRELOAD = ["resihp.launch.warm_server", AGENT, "resihp.cli"]
 # such a run, each forked worker has it (a relaunch's three workers each spent 1.6 s of CPU on it
 # before resuming); another run's first launch would wait 0.6 s more for the server
 CHECKPOINTING = ["resihp.ckpt.reshard", "resihp.ckpt.universal", "resihp.train.elastic"]
+SIGNALLED_S = 5.0  # for the server to say how an agent killed by a signal ended
 
 
 @dataclass(frozen=True)
@@ -74,17 +80,20 @@ class Launch:
 
     argv: list[str]
     env: dict[str, str]
+    launcher: int  # the launcher's PID and start time: the agent dies with it
+    launcher_started: int | None
 
 
-def serve(launch: Launch, stderr: Connection) -> None:
-    """A forked agent: a session of its own, SIGKILL when the server dies, stderr the launcher's
-    pipe, stdout discarded, the launch's environment; then the agent, ended as a cold one ends."""
+def serve(launch: Launch, stderr: Connection, status: Connection) -> None:
+    """A forked agent: a session of its own, SIGKILL when the launcher dies, stderr the launcher's
+    pipe, stdout discarded, the launch's environment; then the agent, ended as a cold one ends,
+    its exit status written to ``status`` first."""
     # deferred: the launcher names this function but must not import torch for it; the server
     # imported it before it forked (``PRELOAD``), so here it costs nothing
     from resihp.launch import agent
 
     os.setsid()
-    die_with_parent()
+    die_with(launch.launcher, launch.launcher_started)
     os.dup2(stderr.fileno(), 2)
     stderr.close()
     null = os.open(os.devnull, os.O_WRONLY)
@@ -92,7 +101,7 @@ def serve(launch: Launch, stderr: Connection) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(launch.env)
-    run_then_exit(lambda: agent.main(launch.argv))
+    run_then_exit(lambda: agent.main(launch.argv), said=lambda code: os.write(status.fileno(), b"%d" % code))
 
 
 def agent_options(cmd: Sequence[str]) -> list[str] | None:
@@ -115,33 +124,67 @@ def compatible(server_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
 class ForkedAgent:
     """An agent forked by the server, as the launcher uses a ``subprocess.Popen``: ``pid`` (it
     leads a session of its own), ``stderr`` (text), ``poll``, ``wait``, ``returncode``,
-    ``communicate``, ``send_signal``, ``kill``."""
+    ``communicate``, ``send_signal``, ``kill``. Its end and status are known with the server gone."""
 
     stdin = None
     stdout = None
 
-    def __init__(self, process: BaseProcess, stderr: TextIO) -> None:
+    def __init__(self, process: BaseProcess, stderr: TextIO, status: int) -> None:
         self._process = process
         self._lock = threading.Lock()  # one reader of the exit status at a time
         self.pid: int = process.pid
         self.args = [AGENT]
         self.stderr = stderr
+        self._status = status  # the read end of the pipe it writes its exit status to
+        os.set_blocking(status, False)
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # ended and reaped already: the server has its status
+            self._pidfd = None
+        self._code: int | None = None
 
     @property
     def returncode(self) -> int | None:
-        with self._lock:
-            return self._process.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self.returncode
+        return self._await(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
-        with self._lock:
-            self._process.join(timeout)
-            code = self._process.exitcode
+        code = self._await(timeout)
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return code
+
+    def _await(self, timeout: float | None) -> int | None:
+        """Its exit status once it has ended, waiting up to ``timeout`` (None: for ever)."""
+        with self._lock:
+            if self._code is not None:
+                return self._code
+            if self._pidfd is None:
+                self._process.join(timeout)
+                ended = self._process.exitcode is not None
+            else:
+                ended = bool(select.select([self._pidfd], [], [], timeout)[0])
+            if ended:
+                self._code = self._exit_status()
+            return self._code
+
+    def _exit_status(self) -> int:
+        """What it wrote before it exited; killed by a signal, what the server says (255: the
+        server is gone too, the signal unknown)."""
+        try:
+            said = os.read(self._status, 32)
+        except BlockingIOError:  # nothing written; its workers, also gone, hold the pipe still
+            said = b""
+        for fd in (self._status, self._pidfd):
+            if fd is not None:
+                os.close(fd)
+        self._pidfd = None
+        if said.strip().lstrip(b"-").isdigit():
+            return int(said)
+        self._process.join(SIGNALLED_S)
+        return self._process.exitcode if self._process.exitcode is not None else 255
 
     def communicate(self, timeout: float | None = None) -> tuple[None, str]:
         """Its whole stderr and then its exit (``timeout`` bounds the wait for the exit only)."""
@@ -173,6 +216,7 @@ class WarmAgents:
         self._env: dict[str, str] | None = None
         self._server: int | None = None
         self._forked: list[ForkedAgent] = []
+        self._cold_said = False
 
     def start(self, env: Mapping[str, str], more: Sequence[str] = ()) -> None:
         """Start the server under ``env`` (a launch's environment, less its runtime part), once,
@@ -193,28 +237,41 @@ class WarmAgents:
         of its own, as a forked one)."""
         argv = agent_options(cmd)
         serving = self._server is not None and start_time(self._server) is not None
+        if argv is not None and self._env is not None and not serving:
+            self._gone()
         if argv is not None and self._env is not None and serving and compatible(self._env, env):
             try:
-                return self._fork(Launch(argv, dict(env)))
+                return self._fork(Launch(argv, dict(env), os.getpid(), start_time(os.getpid())))
             except (OSError, EOFError):  # the server is gone (killed): this launch starts cold
-                self._env = None
+                self._gone()
         return subprocess.Popen(list(cmd), env=dict(env), text=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True)
 
+    def _gone(self) -> None:
+        """The server is gone (killed): this launch and every later one start cold; said once."""
+        if not self._cold_said:
+            print(f"resihp: the warm-agent server (process {self._server}) is gone; launches start "
+                  "their agents cold from now on", file=sys.stderr, flush=True)
+            self._cold_said = True
+        self._env = None
+
     def _fork(self, launch: Launch) -> ForkedAgent:
         read, write = os.pipe()
-        pipe = Connection(write, readable=False)
+        said, say = os.pipe()
+        pipes = [Connection(write, readable=False), Connection(say, readable=False)]
         try:
-            process = self._context.Process(target=serve, args=(launch, pipe),
+            process = self._context.Process(target=serve, args=(launch, *pipes),
                                             name=f"resihp-agent-{len(self._forked)}")
             process.start()
         except BaseException:
             os.close(read)
+            os.close(said)
             raise
         finally:
-            pipe.close()  # the agent holds its own copy
-        _await_session(process)
-        agent = ForkedAgent(process, open(read))  # noqa: SIM115 - the agent's stderr, read to its end
+            for pipe in pipes:
+                pipe.close()  # the agent holds its own copies
+        agent = ForkedAgent(process, open(read), said)  # noqa: SIM115 - the agent's stderr, read to its end
+        _await_session(agent)
         self._forked.append(agent)
         return agent
 
@@ -229,11 +286,11 @@ class WarmAgents:
         self._forked = []
 
 
-def _await_session(process: BaseProcess, timeout_s: float = 30.0) -> None:
+def _await_session(process: ForkedAgent, timeout_s: float = 30.0) -> None:
     """Until the forked agent leads its own session (its first act), as a ``Popen`` started with
     ``start_new_session`` does on return: a signal to its process group must reach it."""
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end and process.exitcode is None:
+    while time.monotonic() < end and process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             if os.getpgid(process.pid) == process.pid:
                 return

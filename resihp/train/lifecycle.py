@@ -6,6 +6,8 @@
 - ``die_with_parent``: a process asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG),
   so the death of ``resihp run`` (even by SIGKILL) takes torchrun, and torchrun's takes each worker.
   ``python -m resihp.train.lifecycle --parent PID -- CMD...`` sets it and then execs CMD.
+  ``die_with`` is the same for a process that must die with another than its parent (a warm agent:
+  with its launcher, not with the server that forked it).
 - ``ProcessTracker``: the PIDs of every process of the job (with their start times, so a reused PID
   is never signalled), found as descendants of the launched process however they re-parent or
   re-group; it can end them all, SIGTERM first and SIGKILL to the whole process group after a grace.
@@ -23,8 +25,10 @@ import json
 import math
 import os
 import secrets
+import select
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +144,25 @@ def die_with_parent(expected_parent: int | None = None) -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(137)  # the parent died before the request took effect
+
+
+def die_with(pid: int, started: int | None) -> None:
+    """SIGKILL to this process when process ``pid`` (started at ``started``, clock ticks) ends,
+    from a thread waiting on its pidfd (Linux); exit now if it is gone already."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(137)
+    if start_time(pid) != started:  # gone (a zombie), or its PID reused by another process
+        os._exit(137)
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="resihp-die-with", daemon=True).start()
 
 
 STACKS_SIGNAL = signal.SIGUSR1
