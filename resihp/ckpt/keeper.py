@@ -120,8 +120,9 @@ def _is_keeper_of(pid: int, directory: Path) -> bool:
 
 def _replace_if_stopped(directory: Path, pid: int) -> bool:
     """A keeper stopped for ``STOPPED_KEEPER_S`` publishes nothing and would stall every snapshot
-    until its timeout: it is killed (it holds nothing a new keeper cannot redo: a checkpoint it
-    was writing is never published half-written), so that a new one is started. True if so."""
+    until its timeout: it is killed, so that a new one is started (a checkpoint it was writing is
+    never published half-written; its holds pass to the new keeper, which writes what they keep).
+    True if so."""
     key = (pid, start_time(pid))
     if process_state(pid) not in ("T", "t"):
         _stopped_since.pop(key, None)
