@@ -44,20 +44,40 @@ def _free_port() -> int:
 
 
 def _job(out: Path, port: int, seed: int, steps: int, slow: bool, detect: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), str(EXAMPLE), "--out", str(out),
-           "--seed", str(seed), "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(EXAMPLE),
+        "--out",
+        str(out),
+        "--seed",
+        str(seed),
+        "--steps",
+        str(steps),
+    ]
     if slow:
         cmd += ["--slow-rank", "1", "--factor", str(FACTOR), "--slow-from", str(ONSET)]
     if detect:
         cmd.append("--detect")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
 
 
 def _faults(events: list[dict]) -> list[dict]:
-    return [{k: e.get(k) for k in ("rank", "phase", "onset_step", "detected_step", "slowdown")}
-            for e in events if e["kind"] == "fail-slow"]
+    return [
+        {k: e.get(k) for k in ("rank", "phase", "onset_step", "detected_step", "slowdown")}
+        for e in events
+        if e["kind"] == "fail-slow"
+    ]
 
 
 def run_one(root: Path, way: str, seed: int, steps: int, slow: bool, nice: int = 10) -> dict:
@@ -65,13 +85,27 @@ def run_one(root: Path, way: str, seed: int, steps: int, slow: bool, nice: int =
     job = _job(out, port, seed, steps, slow, detect=way == "in-process")
     if way == "in-process":
         stdout, _ = job.communicate(timeout=900)
-        report = json.loads([ln for ln in stdout.splitlines() if ln.startswith('{"report"')][-1])["report"]
+        report = json.loads([ln for ln in stdout.splitlines() if ln.startswith('{"report"')][-1])[
+            "report"
+        ]
     else:
         time.sleep(1.0)  # the follower waits for the store; a head start only saves retries
-        follower = subprocess.run([shutil.which("resihp") or "resihp", "follow", "--store",
-                                   f"127.0.0.1:{port}", "--json", "--start-timeout", "120",
-                                   "--nice", str(nice)],
-                                  capture_output=True, text=True, timeout=900)
+        follower = subprocess.run(
+            [
+                shutil.which("resihp") or "resihp",
+                "follow",
+                "--store",
+                f"127.0.0.1:{port}",
+                "--json",
+                "--start-timeout",
+                "120",
+                "--nice",
+                str(nice),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         job.communicate(timeout=900)
         report = json.loads(follower.stdout)
     df, meta_path = read_run_folder(out)
@@ -81,10 +115,18 @@ def run_one(root: Path, way: str, seed: int, steps: int, slow: bool, nice: int =
         warnings.simplefilter("ignore", RuntimeWarning)
         for name, cfg in (("fitted", DetectorConfig()), ("flops", DetectorConfig(fit_cost=False))):
             doc = detect_trace(df, meta, config=cfg, meta_dict=meta_dict)
-            offline[name] = {"cost_model": doc["cost_model"], "noise": doc["noise"][0]["noise"],
-                             "faults": _faults(doc["events"])}
-    return {"way": way, "seed": seed, "slow": slow, "live": {"faults": _faults(report["events"]),
-            "noise": report["noise"]["0"]["noise"]}, "offline": offline}
+            offline[name] = {
+                "cost_model": doc["cost_model"],
+                "noise": doc["noise"][0]["noise"],
+                "faults": _faults(doc["events"]),
+            }
+    return {
+        "way": way,
+        "seed": seed,
+        "slow": slow,
+        "live": {"faults": _faults(report["events"]), "noise": report["noise"]["0"]["noise"]},
+        "offline": offline,
+    }
 
 
 def _summary(runs: list[dict], pick) -> dict:
@@ -103,18 +145,24 @@ def _summary(runs: list[dict], pick) -> dict:
         delays.append(hits[0]["detected_step"] - ONSET)
         errors.append(abs(hits[0]["slowdown"] - FACTOR) / FACTOR)
     noise = [pick(r)["noise"] for r in runs]
-    return {"delay_steps_max": max(delays) if delays else None,
-            "delay_steps_median": float(np.median(delays)) if delays else None, "missed": missed,
-            "false_alarms": false_alarms, "slowdown_error_median": round(float(np.median(errors)), 3)
-            if errors else None, "noise_median": round(float(np.median(noise)), 3),
-            "noise_range": [min(noise), max(noise)]}
+    return {
+        "delay_steps_max": max(delays) if delays else None,
+        "delay_steps_median": float(np.median(delays)) if delays else None,
+        "missed": missed,
+        "false_alarms": false_alarms,
+        "slowdown_error_median": round(float(np.median(errors)), 3) if errors else None,
+        "noise_median": round(float(np.median(noise)), 3),
+        "noise_range": [min(noise), max(noise)],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--ways", default="in-process,follow", help="comma-separated: in-process, follow")
+    ap.add_argument(
+        "--ways", default="in-process,follow", help="comma-separated: in-process, follow"
+    )
     ap.add_argument("--nice", type=int, default=10, help="resihp follow --nice")
     args = ap.parse_args()
     ways = args.ways.split(",")
@@ -124,13 +172,23 @@ def main() -> None:
             for slow in (True, False):  # interleaved: the machine's drift falls on both alike
                 for way in ways:
                     runs.append(run_one(Path(tmp), way, seed, args.steps, slow, args.nice))
-    out = {"onset_step": ONSET, "factor": FACTOR, "seeds": args.seeds, "steps": args.steps,
-           "follow_nice": args.nice, "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "summary": {}}
+    out = {
+        "onset_step": ONSET,
+        "factor": FACTOR,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "follow_nice": args.nice,
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "summary": {},
+    }
     for way in ways:
         mine = [r for r in runs if r["way"] == way]
         out["summary"][f"{way} live"] = _summary(mine, lambda r: r["live"])
         for name in ("fitted", "flops"):
-            out["summary"][f"{way} offline {name}"] = _summary(mine, lambda r, n=name: r["offline"][n])
+            out["summary"][f"{way} offline {name}"] = _summary(
+                mine, lambda r, n=name: r["offline"][n]
+            )
     out["runs"] = runs
     print(json.dumps(out))
 

@@ -53,9 +53,11 @@ def _trainable(kind: str, device: torch.device) -> bool:
 
 def _timer(device: torch.device) -> Callable[[], float]:
     if device.type == "cuda":
+
         def now() -> float:
             torch.cuda.synchronize(device)
             return time.perf_counter()
+
         return now
     return time.perf_counter
 
@@ -69,8 +71,12 @@ def bench_source(source: str, args: argparse.Namespace, device: torch.device) ->
     # weights and activations in ``dtype``, as the profiler measures (resihp.perf.profiler)
     stack = torch.nn.ModuleList([DecoderBlock(base) for _ in range(layers)]).to(device, dtype)
     rng = np.random.default_rng([args.seed, SOURCES.index(source)])
-    batches = [[int(n) for n in mb] for mb in packed_microbatches(
-        resolve_source(source), args.microbatches, budget, budget, rng)]
+    batches = [
+        [int(n) for n in mb]
+        for mb in packed_microbatches(
+            resolve_source(source), args.microbatches, budget, budget, rng
+        )
+    ]
     inputs = [torch.randn(sum(b), hidden, device=device, dtype=dtype) for b in batches]
     trainable = [k for k in ATTENTION_KINDS if _trainable(k, device)]
     arms = [(k, "fwd_bwd") for k in trainable] + [(k, "fwd") for k in ATTENTION_KINDS]
@@ -110,16 +116,22 @@ def bench_source(source: str, args: argparse.Namespace, device: torch.device) ->
     return _summary(source, batches, base, arms, times)
 
 
-def _summary(source: str, batches: list[list[int]], cfg: GPTConfig,
-             arms: list[tuple[str, str]], times: dict) -> dict:
+def _summary(
+    source: str, batches: list[list[int]], cfg: GPTConfig, arms: list[tuple[str, str]], times: dict
+) -> dict:
     tokens = np.array([sum(b) for b in batches], dtype=np.float64)
     sum_sq = np.array([sum(n * n for n in b) for b in batches], dtype=np.float64)
     fwd = np.add(*stage_flops(cfg.shape(), tokens, sum_sq, "fwd"))
     bwd = np.add(*stage_flops(cfg.shape(), tokens, sum_sq, "bwd"))
-    out = {"source": source, "microbatches": len(batches), "tokens": tokens.astype(int).tolist(),
-           "documents": [len(b) for b in batches], "longest": [max(b) for b in batches],
-           "sum_sq_over_t_sq": [round(float(s / t**2), 4) for s, t in zip(sum_sq, tokens)],
-           "arms": {}}
+    out = {
+        "source": source,
+        "microbatches": len(batches),
+        "tokens": tokens.astype(int).tolist(),
+        "documents": [len(b) for b in batches],
+        "longest": [max(b) for b in batches],
+        "sum_sq_over_t_sq": [round(float(s / t**2), 4) for s, t in zip(sum_sq, tokens)],
+        "arms": {},
+    }
     for kind, phase in arms:
         t = np.array(times[(kind, phase)])  # [repeats, micro-batches]
         flops = fwd + bwd if phase == "fwd_bwd" else fwd
@@ -149,13 +161,16 @@ def main() -> None:
     if any(s not in SOURCES for s in sources):
         parser.error(f"--sources {args.sources!r}: expected names among {', '.join(SOURCES)}")
     try:
-        args.shape = (tuple(int(v) for v in args.shape.split(",")) if args.shape
-                      else SHAPES[args.device])
+        args.shape = (
+            tuple(int(v) for v in args.shape.split(",")) if args.shape else SHAPES[args.device]
+        )
         if len(args.shape) != 5 or min(args.shape) < 1:
             raise ValueError
     except ValueError:
-        parser.error(f"--shape {args.shape!r}: expected five positive integers "
-                     "layers,hidden,heads,ffn_hidden,budget")
+        parser.error(
+            f"--shape {args.shape!r}: expected five positive integers "
+            "layers,hidden,heads,ffn_hidden,budget"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
     device = torch.device(args.device)
@@ -165,15 +180,30 @@ def main() -> None:
     results = [bench_source(s, args, device) for s in sources]
     layers, hidden, heads, ffn, budget = args.shape
     report = {
-        "benchmark": "attention", "env": measurement_env(device), "dtype": args.dtype,
+        "benchmark": "attention",
+        "env": measurement_env(device),
+        "dtype": args.dtype,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "shape": {"layers": layers, "hidden": hidden, "heads": heads, "ffn_hidden": ffn,
-                  "budget_tokens": budget},
-        "repeats": args.repeats, "wall_s": round(time.time() - started, 1),
+        "shape": {
+            "layers": layers,
+            "hidden": hidden,
+            "heads": heads,
+            "ffn_hidden": ffn,
+            "budget_tokens": budget,
+        },
+        "repeats": args.repeats,
+        "wall_s": round(time.time() - started, 1),
         "median_time_ratio_to_per_document": {
-            arm: round(statistics.median(r["arms"][arm]["time_ratio_to_per_document"]
-                                         for r in results if arm in r["arms"]), 4)
-            for arm in results[0]["arms"]},
+            arm: round(
+                statistics.median(
+                    r["arms"][arm]["time_ratio_to_per_document"]
+                    for r in results
+                    if arm in r["arms"]
+                ),
+                4,
+            )
+            for arm in results[0]["arms"]
+        },
         "sources": results,
     }
     text = json.dumps(report, indent=1)

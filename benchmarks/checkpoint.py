@@ -131,8 +131,9 @@ def resident_bytes(directory: Path) -> int | None:
     drop_cache(directory)
     files = [str(p) for p in directory.rglob("*") if p.is_file()]
     try:
-        out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *files], capture_output=True,
-                             text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["fincore", "-b", "-n", "-o", "RES", *files], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return sum(int(x) for x in out.split() if x.isdigit())
@@ -208,13 +209,21 @@ def _kill_child(layers: int, root: str, steps: int) -> None:
 def lost_steps_sigkill(layers: int, kills: int, rng: random.Random) -> list[int]:
     lost = []
     for _ in range(kills):
-        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as root:
+        with tempfile.TemporaryDirectory(
+            dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        ) as root:
             directory = Path(root) / "resihp-kill-n0"
             ensure_keeper(directory, os.getpid())
-            code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import checkpoint; "
-                    f"checkpoint._kill_child({layers}, {root!r}, 1000)")
-            child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+            code = (
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import checkpoint; "
+                f"checkpoint._kill_child({layers}, {root!r}, 1000)"
+            )
+            child = subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             target = rng.randint(2, 5)
             done = -1
             while done < target:
@@ -237,11 +246,39 @@ def e2e_sigkill(seed: int) -> dict:
     rng = random.Random(seed)
     step = rng.randint(2, 6)
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "resihp.cli", "run", "-o", out, "--dp", "2", "--pp", "2", "--steps", "9",
-               "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--no-live", "--json",
-               "--recovery", "restart", "--inject", f"stop:rank={rng.randint(0, 3)},step={step}"]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              timeout=600)
+        cmd = [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            "-o",
+            out,
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--steps",
+            "9",
+            "--global-tokens",
+            "2048",
+            "--budget",
+            "512",
+            "--max-len",
+            "512",
+            "--no-live",
+            "--json",
+            "--recovery",
+            "restart",
+            "--inject",
+            f"stop:rank={rng.randint(0, 3)},step={step}",
+        ]
+        done = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=600,
+        )
         if done.returncode != 0:
             return {"error": done.stderr.strip().splitlines()[-1:]}
         summary = json.loads(done.stdout.strip().splitlines()[-1])
@@ -251,7 +288,9 @@ def e2e_sigkill(seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a few minutes)")
-    parser.add_argument("--layers", type=int, default=6, help="Linear(2048, 2048) layers (6: 288 MiB of state)")
+    parser.add_argument(
+        "--layers", type=int, default=6, help="Linear(2048, 2048) layers (6: 288 MiB of state)"
+    )
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=3, help="steps per arm per round")
     parser.add_argument("--batch", type=int, default=16)
@@ -261,7 +300,11 @@ def main() -> None:
     rounds = args.rounds or (6 if args.quick else 12)
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    shm = Path(tempfile.mkdtemp(prefix="resihp-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    shm = Path(
+        tempfile.mkdtemp(
+            prefix="resihp-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
+        )
+    )
     os.environ["RESIHP_SHM"] = str(shm)
     disk = Path(tempfile.mkdtemp(prefix="resihp-bench-dcp-", dir=os.environ.get("BENCH_DISK")))
     model, opt = build(args.layers)
@@ -275,9 +318,15 @@ def main() -> None:
     persist_root = disk / "persist" / "ckpt"
 
     def request(due: bool):
-        return lambda tensors: PersistRequest(str(persist_root), 1, 1, True,
-                                              blocks_of(model, opt, tensors, None, None, 0),
-                                              {"job_id": "bench", "model_hash": "bench"}, due).to_dict()
+        return lambda tensors: PersistRequest(
+            str(persist_root),
+            1,
+            1,
+            True,
+            blocks_of(model, opt, tensors, None, None, 0),
+            {"job_id": "bench", "model_hash": "bench"},
+            due,
+        ).to_dict()
 
     snap.attach(opt)
     for i in range(3):  # memory overhead: both slots in use, nothing else of the benchmark yet
@@ -293,15 +342,22 @@ def main() -> None:
     arms = ["none", "snapshot", "dcp", "persist"]
     written = 0
     for r in range(rounds + 1):  # round 0 warms up (first touches of the slots' pages, imports)
-        order = arms[r % len(arms):] + arms[:r % len(arms)]
+        order = arms[r % len(arms) :] + arms[: r % len(arms)]
         for arm in order:
             n0 = len(snap.blocked_s)
             for i in range(args.steps):
                 t0 = time.perf_counter()
-                train_step(model, opt, args.batch)  # its optimizer step waits for the copy in flight
+                train_step(
+                    model, opt, args.batch
+                )  # its optimizer step waits for the copy in flight
                 if arm in ("snapshot", "persist"):
-                    snap.snapshot(step, model, opt, {"job": "bench"},
-                                  request(i == 0) if arm == "persist" else None)
+                    snap.snapshot(
+                        step,
+                        model,
+                        opt,
+                        {"job": "bench"},
+                        request(i == 0) if arm == "persist" else None,
+                    )
                     last = step
                     if i == args.steps - 1:
                         snap.fence()  # the block's last copy is charged to this arm
@@ -337,7 +393,7 @@ def main() -> None:
     restore_mem, restore_self, cold = [], [], []
     arms = ["memory", "self", "disk"]
     for i in range(rounds):
-        for arm in arms[i % 3:] + arms[:i % 3]:
+        for arm in arms[i % 3 :] + arms[: i % 3]:
             if arm == "disk":
                 cold.append(dcp_cold_load(model, opt, disk / "ckpt"))
                 continue
@@ -356,7 +412,12 @@ def main() -> None:
     # restore from a peer: two processes over gloo
     peer_file = disk / "peer.json"
     port = 29500 + rng.randint(1000, 20000)
-    mp.spawn(_peer_restore, args=(args.layers, str(shm), port, rounds, str(peer_file)), nprocs=2, join=True)
+    mp.spawn(
+        _peer_restore,
+        args=(args.layers, str(shm), port, rounds, str(peer_file)),
+        nprocs=2,
+        join=True,
+    )
     peer = json.loads(peer_file.read_text())
     restore_peer = peer["times"]
     peer_phases = {k: statistics.median(p[k] for p in peer["phases"]) for k in peer["phases"][0]}
@@ -370,35 +431,50 @@ def main() -> None:
     extra_snap = med(step_s["snapshot"]) - med(step_s["none"])
     extra_dcp = med(step_s["dcp"]) - med(step_s["none"])
     result = {
-        "state_bytes_per_rank": nbytes, "state_mib_per_rank": round(nbytes / 2**20, 1),
-        "rounds": rounds, "steps_per_arm_per_round": args.steps,
+        "state_bytes_per_rank": nbytes,
+        "state_mib_per_rank": round(nbytes / 2**20, 1),
+        "rounds": rounds,
+        "steps_per_arm_per_round": args.steps,
         "stall_ratio": round(med(blocked["snapshot"]) / med(blocked["dcp"]), 4),
         "overhead_ratio": round(extra_snap / extra_dcp, 4),
         "persist_stall_ratio": round(med(blocked["persist"]) / med(blocked["dcp"]), 4),
-        "persist_overhead_ratio": round((med(step_s["persist"]) - med(step_s["none"])) * args.steps / extra_dcp, 4),
+        "persist_overhead_ratio": round(
+            (med(step_s["persist"]) - med(step_s["none"])) * args.steps / extra_dcp, 4
+        ),
         "persist_checkpoints_verify": persist_ok,
         "restore_memory_ratio": round(med(restore_mem) / med(cold), 4),
         "restore_peer_ratio": round(med(restore_peer) / med(cold), 4),
         "restore_memory_selfcheck_ratio": round(med(restore_self) / med(cold), 4),
         "cold_resident_bytes": resident,
-        "lost_steps_sigkill": max(lost), "lost_steps_sigkill_each": lost,
+        "lost_steps_sigkill": max(lost),
+        "lost_steps_sigkill_each": lost,
         "memory_overhead": round(memory_overhead, 3),
-        "seconds": {"snapshot_blocked": med(blocked["snapshot"]), "dcp_save_blocked": med(blocked["dcp"]),
-                    "snapshot_copy": med(snap.copy_s[1:] or snap.copy_s),
-                    "step_none": med(step_s["none"]), "step_snapshot": med(step_s["snapshot"]),
-                    "step_dcp": med(step_s["dcp"]), "step_persist": med(step_s["persist"]),
-                    "persist_blocked_per_checkpoint": med(blocked["persist"]),
-                    "persist_held_per_checkpoint": med(held),
-                    "persist_keeper_hold": med(p["hold_s"] for p in persisted),
-                    "persist_keeper_total": med(p["total_s"] for p in persisted),
-                    "restore_memory": med(restore_mem),
-                    "restore_memory_selfcheck": med(restore_self), "restore_peer": med(restore_peer),
-                    "restore_peer_phases": peer_phases,
-                    "dcp_load_cold": med(cold)},
+        "seconds": {
+            "snapshot_blocked": med(blocked["snapshot"]),
+            "dcp_save_blocked": med(blocked["dcp"]),
+            "snapshot_copy": med(snap.copy_s[1:] or snap.copy_s),
+            "step_none": med(step_s["none"]),
+            "step_snapshot": med(step_s["snapshot"]),
+            "step_dcp": med(step_s["dcp"]),
+            "step_persist": med(step_s["persist"]),
+            "persist_blocked_per_checkpoint": med(blocked["persist"]),
+            "persist_held_per_checkpoint": med(held),
+            "persist_keeper_hold": med(p["hold_s"] for p in persisted),
+            "persist_keeper_total": med(p["total_s"] for p in persisted),
+            "restore_memory": med(restore_mem),
+            "restore_memory_selfcheck": med(restore_self),
+            "restore_peer": med(restore_peer),
+            "restore_peer_phases": peer_phases,
+            "dcp_load_cold": med(cold),
+        },
         "fence_waits": snap.fence_waits,
         "e2e": e2e,
-        "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "torch": torch.__version__,
-                    "disk": str(disk.parent)},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(),
+            "torch": torch.__version__,
+            "disk": str(disk.parent),
+        },
     }
     text = json.dumps(result, indent=1)
     if args.out:

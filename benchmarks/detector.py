@@ -63,8 +63,12 @@ def speed_observe_arrays(world: int = 16384, steps: int = 200, repeats: int = 3)
         for t in range(20, steps + 20):
             det.observe_arrays(t, noise[t], raw[t])
         rates.append(world * steps / (time.perf_counter() - t0))
-    return {"ranks": world, "steps": steps, "rank_steps_per_s": float(np.median(rates)),
-            "repeats": [round(x) for x in rates]}
+    return {
+        "ranks": world,
+        "steps": steps,
+        "rank_steps_per_s": float(np.median(rates)),
+        "repeats": [round(x) for x in rates],
+    }
 
 
 def speed_observe_ops(repeats: int = 3) -> dict:
@@ -87,9 +91,15 @@ def speed_observe_ops(repeats: int = 3) -> dict:
         analyse.append(time.perf_counter() - t1)
     rank_steps = job.world_size * job.steps
     tc, ta = float(np.median(convert)), float(np.median(analyse))
-    return {"ops_rows": len(df), "rank_steps": rank_steps, "ops_per_rank_step": len(df) / rank_steps,
-            "observe_ops_s": tc, "ops_rows_per_s": len(df) / tc, "rank_steps_per_s": rank_steps / tc,
-            "whole_path_rank_steps_per_s": rank_steps / (tc + ta)}
+    return {
+        "ops_rows": len(df),
+        "rank_steps": rank_steps,
+        "ops_per_rank_step": len(df) / rank_steps,
+        "observe_ops_s": tc,
+        "ops_rows_per_s": len(df) / tc,
+        "rank_steps_per_s": rank_steps / tc,
+        "whole_path_rank_steps_per_s": rank_steps / (tc + ta),
+    }
 
 
 def speed_link_extraction(repeats: int = 5) -> dict:
@@ -100,7 +110,11 @@ def speed_link_extraction(repeats: int = 5) -> dict:
     df = simulate(job, pool, alibaba_residuals(alibaba_path(2)))
     meta, cols = job.meta(), trace_columns(df)
     steps = np.unique(np.asarray(cols["step"]))
-    times: dict[str, list[float]] = {"observe_ops_s": [], "pipeline_transfers_s": [], "sync_transfers_s": []}
+    times: dict[str, list[float]] = {
+        "observe_ops_s": [],
+        "pipeline_transfers_s": [],
+        "sync_transfers_s": [],
+    }
     for _ in range(repeats):
         t0 = time.perf_counter()
         observe_ops(df, meta)
@@ -114,7 +128,9 @@ def speed_link_extraction(repeats: int = 5) -> dict:
     out = {k: round(float(np.median(v)), 4) for k, v in times.items()}
     links = out["pipeline_transfers_s"] + out["sync_transfers_s"]
     out["links_share"] = round(links / out["observe_ops_s"], 3)
-    out["rank_steps_per_s_without_links"] = round(job.world_size * job.steps / (out["observe_ops_s"] - links))
+    out["rank_steps_per_s_without_links"] = round(
+        job.world_size * job.steps / (out["observe_ops_s"] - links)
+    )
     return out
 
 
@@ -127,9 +143,17 @@ def speed_trace_16k(steps: int = 40, calibration: int = 20, repeats: int = 3) ->
     ``trace_rank_steps_per_s``: rank-steps over both; ``core_rank_steps_per_s``: over the core."""
     sc = load_scenario(TRACES / "scenarios" / "llama3-week-16k.yaml")
     p = sc.parallel
-    layout = compile_layout(uniform_layout(np.arange(len(sc.cluster)), sc.cluster.gpus_per_node,
-                                           p.dp, p.pp, p.tp, sc.model.layers,
-                                           sc.model.microbatches))
+    layout = compile_layout(
+        uniform_layout(
+            np.arange(len(sc.cluster)),
+            sc.cluster.gpus_per_node,
+            p.dp,
+            p.pp,
+            p.tp,
+            sc.model.layers,
+            sc.model.microbatches,
+        )
+    )
     sim = Simulator(sc, shared_pool(sc), np.random.default_rng(0))
     speeds = np.ones(len(sc.cluster))
     cal = sim.window(layout, speeds, calibration, 0, 0.0)
@@ -154,11 +178,17 @@ def speed_trace_16k(steps: int = 40, calibration: int = 20, repeats: int = 3) ->
         events.append(len(found))
     rank_steps = win.meta.world_size * steps
     tc, ta = float(np.median(convert)), float(np.median(core))
-    return {"ranks": win.meta.world_size, "steps": steps, "records": len(cols["step"]),
-            "records_per_rank_step": len(cols["step"]) / rank_steps,
-            "convert_s": tc, "core_s": ta, "events": events,
-            "trace_rank_steps_per_s": rank_steps / (tc + ta),
-            "core_rank_steps_per_s": rank_steps / ta}
+    return {
+        "ranks": win.meta.world_size,
+        "steps": steps,
+        "records": len(cols["step"]),
+        "records_per_rank_step": len(cols["step"]) / rank_steps,
+        "convert_s": tc,
+        "core_s": ta,
+        "events": events,
+        "trace_rank_steps_per_s": rank_steps / (tc + ta),
+        "core_rank_steps_per_s": rank_steps / ta,
+    }
 
 
 def predictor_expected():
@@ -199,8 +229,9 @@ def main() -> None:
         expected, name = predictor_expected()
         # pipeline jobs (dp 4 x pp 4): the same micro-batch on the other stages is the reference
         out["pipeline_lengths_timestamps"] = evaluate_suite(quick=q, seed=seed)
-        out["pipeline_no_lengths_no_timestamps"] = evaluate_suite(quick=q, seed=seed,
-                                                                  drop=("seq_lens", "start_ts"))
+        out["pipeline_no_lengths_no_timestamps"] = evaluate_suite(
+            quick=q, seed=seed, drop=("seq_lens", "start_ts")
+        )
         # slow links (pipeline and gradient-sync traffic) beside fail-slows, each kind scored alone
         out["link_slow_vs_fail_slow"] = out["pipeline_lengths_timestamps"]["by_kind"]
         # data-parallel jobs (dp 8 x pp 1): replicas run different data, so the cost model matters
@@ -210,7 +241,9 @@ def main() -> None:
             out["data_parallel_predictor"]["model"] = name
         # the default without a predictor: each phase's cost fitted on the calibration window
         out["data_parallel_fitted"] = evaluate_suite(**dp_only)
-        out["data_parallel_flops"] = evaluate_suite(config=DetectorConfig(fit_cost=False), **dp_only)
+        out["data_parallel_flops"] = evaluate_suite(
+            config=DetectorConfig(fit_cost=False), **dp_only
+        )
         out["data_parallel_no_lengths"] = evaluate_suite(drop=("seq_lens",), **dp_only)
     out["speed_observe_arrays"] = speed_observe_arrays(steps=50 if args.quick else 200)
     out["speed_observe_ops"] = speed_observe_ops()

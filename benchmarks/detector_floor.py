@@ -20,17 +20,26 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from resihp.detect.config import DetectorConfig  # noqa: E402
 from resihp.detect.suite import evaluate_suite  # noqa: E402
 
-FIELDS = ("tp", "fp", "fn", "f1", "false_alarms_per_10k_healthy_steps", "delay_steps_median",
-          "delay_steps_max")
+FIELDS = (
+    "tp",
+    "fp",
+    "fn",
+    "f1",
+    "false_alarms_per_10k_healthy_steps",
+    "delay_steps_median",
+    "delay_steps_max",
+)
 
 
 def cases(result: dict, method: str = "resihp") -> dict:
     """A suite result's figures for ``method``: the totals, each kind and each slowdown factor."""
     pick = lambda s: {k: s[k] for k in FIELDS if k in s}  # noqa: E731
-    return {"total": pick(result["methods"][method]),
-            **{f"kind {k}": pick(s) for k, s in result["by_kind"][method].items()},
-            **{f"fail-slow x{f}": pick(s) for f, s in result["by_factor"][method].items()},
-            "stage_imbalance_trace": result["stage_imbalance_trace"].get(method)}
+    return {
+        "total": pick(result["methods"][method]),
+        **{f"kind {k}": pick(s) for k, s in result["by_kind"][method].items()},
+        **{f"fail-slow x{f}": pick(s) for f, s in result["by_factor"][method].items()},
+        "stage_imbalance_trace": result["stage_imbalance_trace"].get(method),
+    }
 
 
 def changed(before: dict, after: dict) -> list[str]:
@@ -51,8 +60,9 @@ def main() -> None:
         for floor in args.floors:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                res = evaluate_suite(seed=seed, config=DetectorConfig(alarm_floor=floor),
-                                     methods=["resihp"])
+                res = evaluate_suite(
+                    seed=seed, config=DetectorConfig(alarm_floor=floor), methods=["resihp"]
+                )
             now = cases(res)
             run = {"traces": res["traces"], "cases": now}
             if seed in before:

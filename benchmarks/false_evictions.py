@@ -21,9 +21,36 @@ import tempfile
 import time
 from pathlib import Path
 
-JOB = ["--layers", "4", "--hidden", "128", "--heads", "4", "--ffn-hidden", "512", "--vocab", "1024",
-       "--global-tokens", "4096", "--budget", "512", "--max-len", "512", "--dp", "2", "--pp", "2",
-       "--recovery", "replica", "--heartbeat-timeout", "3", "--no-live", "--json", "--timeout", "120"]
+JOB = [
+    "--layers",
+    "4",
+    "--hidden",
+    "128",
+    "--heads",
+    "4",
+    "--ffn-hidden",
+    "512",
+    "--vocab",
+    "1024",
+    "--global-tokens",
+    "4096",
+    "--budget",
+    "512",
+    "--max-len",
+    "512",
+    "--dp",
+    "2",
+    "--pp",
+    "2",
+    "--recovery",
+    "replica",
+    "--heartbeat-timeout",
+    "3",
+    "--no-live",
+    "--json",
+    "--timeout",
+    "120",
+]
 SPIN = "import time\nwhile True:\n    sum(range(10000))\n"
 
 
@@ -33,14 +60,26 @@ def one_run(out: Path, steps: int, code: str | None) -> dict:
     if code is not None:
         env["PYTHONPATH"] = code
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *JOB, "--steps", str(steps),
-                           "-o", str(out)], capture_output=True, text=True, env=env, timeout=900)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "run", *JOB, "--steps", str(steps), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    summary = (
+        json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    )
     recovery = summary.get("recovery") or {}
-    return {"rc": proc.returncode, "wall_s": round(time.time() - t0, 2),
-            "evicted": bool(recovery), "cause": recovery.get("cause"), "rank": recovery.get("rank"),
-            "failed_step": recovery.get("failed_step"),
-            "error": None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1:]}
+    return {
+        "rc": proc.returncode,
+        "wall_s": round(time.time() - t0, 2),
+        "evicted": bool(recovery),
+        "cause": recovery.get("cause"),
+        "rank": recovery.get("rank"),
+        "failed_step": recovery.get("failed_step"),
+        "error": None if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1:],
+    }
 
 
 def main() -> None:
@@ -66,14 +105,20 @@ def main() -> None:
             p.wait()
     result = {
         "benchmark": "false_evictions",
-        "command": "python benchmarks/false_evictions.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+        "command": "python benchmarks/false_evictions.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "job": JOB,
         "load_processes": args.load,
         "cores": os.cpu_count(),
-        "arms": {arm: {"runs": len(r), "evicted_runs": sum(x["evicted"] for x in r),
-                       "failed_runs": sum(x["rc"] != 0 for x in r), "runs_detail": r}
-                 for arm, r in runs.items()},
+        "arms": {
+            arm: {
+                "runs": len(r),
+                "evicted_runs": sum(x["evicted"] for x in r),
+                "failed_runs": sum(x["rc"] != 0 for x in r),
+                "runs_detail": r,
+            }
+            for arm, r in runs.items()
+        },
     }
     text = json.dumps(result, indent=2)
     print(text)

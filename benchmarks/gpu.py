@@ -105,8 +105,11 @@ def snapshot(args: argparse.Namespace) -> dict:
                 elif arm == "dcp":
                     shutil.rmtree(disk / "ckpt", ignore_errors=True)
                     b0 = time.perf_counter()
-                    dcp.save(dict(state_tensors(model, opt)), checkpoint_id=str(disk / "ckpt"),
-                             no_dist=True)
+                    dcp.save(
+                        dict(state_tensors(model, opt)),
+                        checkpoint_id=str(disk / "ckpt"),
+                        no_dist=True,
+                    )
                     blocked = time.perf_counter() - b0
         if arm == "snapshot":
             snap.fence()
@@ -114,7 +117,12 @@ def snapshot(args: argparse.Namespace) -> dict:
         _sync()
         return time.perf_counter() - t0, blocked
 
-    for arm in ("none", "snapshot", "snapshot", "dcp"):  # warm-up: kernels, pinning, both slots, disk
+    for arm in (
+        "none",
+        "snapshot",
+        "snapshot",
+        "dcp",
+    ):  # warm-up: kernels, pinning, both slots, disk
         window(arm)
     runs = interleaved(window, ("none", "snapshot", "dcp"), args.rounds)
     times = {a: [t for t, _ in r] for a, r in runs.items()}
@@ -134,21 +142,33 @@ def snapshot(args: argparse.Namespace) -> dict:
     stop_keeper(tier.dir)
     shutil.rmtree(tier.dir, ignore_errors=True)
     shutil.rmtree(disk, ignore_errors=True)
-    overhead = {a: [t - n for t, n in zip(times[a], times["none"], strict=True)] for a in ("snapshot", "dcp")}
+    overhead = {
+        a: [t - n for t, n in zip(times[a], times["none"], strict=True)]
+        for a in ("snapshot", "dcp")
+    }
     step_s = _median(times["none"]) / args.window
     return {
-        "state_bytes": nbytes, "state_gib": round(nbytes / 2**30, 3), "params": sum(p.numel() for p in model.parameters()),
-        "tokens_per_step": 4096 * args.microbatches, "window_steps": args.window, "rounds": args.rounds,
-        "step_s": step_s, "pinned": pinned,
-        "snapshot_blocked_s": _median(blocked["snapshot"]), "dcp_blocked_s": _median(blocked["dcp"]),
+        "state_bytes": nbytes,
+        "state_gib": round(nbytes / 2**30, 3),
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_step": 4096 * args.microbatches,
+        "window_steps": args.window,
+        "rounds": args.rounds,
+        "step_s": step_s,
+        "pinned": pinned,
+        "snapshot_blocked_s": _median(blocked["snapshot"]),
+        "dcp_blocked_s": _median(blocked["dcp"]),
         "stall_ratio": _median(blocked["snapshot"]) / _median(blocked["dcp"]),
         "snapshot_copy_s": _median(copy_s) if copy_s else None,
         "copy_gb_per_s": nbytes / 1e9 / _median(copy_s) if copy_s else None,
-        "snapshot_overhead_s": _median(overhead["snapshot"]), "dcp_overhead_s": _median(overhead["dcp"]),
+        "snapshot_overhead_s": _median(overhead["snapshot"]),
+        "dcp_overhead_s": _median(overhead["dcp"]),
         "snapshot_overhead_steps": _median(overhead["snapshot"]) / step_s,
         "overhead_ratio": _median(overhead["snapshot"]) / _median(overhead["dcp"]),
-        "fence_waits": snap.fence_waits, "last_snapshot_verified_by_keeper": verified,
-        "windows_s": times, "blocked_s": blocked,
+        "fence_waits": snap.fence_waits,
+        "last_snapshot_verified_by_keeper": verified,
+        "windows_s": times,
+        "blocked_s": blocked,
     }
 
 
@@ -160,8 +180,10 @@ def attach(args: argparse.Namespace) -> dict:
     model = GPTStage(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = np.random.default_rng(0)
-    batches = [[int(n) for n in b] for b in
-               packed_microbatches(resolve_source("code"), 64, 8192, cfg.max_seq_len, rng)]
+    batches = [
+        [int(n) for n in b]
+        for b in packed_microbatches(resolve_source("code"), 64, 8192, cfg.max_seq_len, rng)
+    ]
     ids = [torch.randint(0, cfg.vocab, (sum(b) + 1,), device=dev) for b in batches]
     counter = [0]
 
@@ -182,9 +204,17 @@ def attach(args: argparse.Namespace) -> dict:
     def window(arm: str) -> tuple[float, float]:
         mon = None
         if arm != "plain":
-            mon = resihp.attach(model, optimizer=opt, out=root / f"{arm}-{counter[0]}",
-                                gpu_timing=arm, log_level="WARNING", layers=cfg.layers,
-                                hidden=cfg.hidden, heads=cfg.heads, ffn_hidden=cfg.ffn_hidden)
+            mon = resihp.attach(
+                model,
+                optimizer=opt,
+                out=root / f"{arm}-{counter[0]}",
+                gpu_timing=arm,
+                log_level="WARNING",
+                layers=cfg.layers,
+                hidden=cfg.hidden,
+                heads=cfg.heads,
+                ffn_hidden=cfg.ffn_hidden,
+            )
         _sync()
         t0 = time.perf_counter()
         for i in range(args.window):
@@ -222,13 +252,25 @@ def attach(args: argparse.Namespace) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     plain = _median(step_s["plain"])
     return {
-        "model": cfg.to_dict(), "tokens_per_step": 8192, "window_steps": args.window, "rounds": args.rounds,
-        "plain_step_s": plain, "events_step_s": _median(step_s["events"]), "sync_step_s": _median(step_s["sync"]),
-        "events_ratio": _median(step_s["events"]) / plain, "sync_ratio": _median(step_s["sync"]) / plain,
-        "paired_events_ratio": _median([e / p for e, p in zip(step_s["events"], step_s["plain"], strict=True)]),
-        "paired_sync_ratio": _median([s / p for s, p in zip(step_s["sync"], step_s["plain"], strict=True)]),
+        "model": cfg.to_dict(),
+        "tokens_per_step": 8192,
+        "window_steps": args.window,
+        "rounds": args.rounds,
+        "plain_step_s": plain,
+        "events_step_s": _median(step_s["events"]),
+        "sync_step_s": _median(step_s["sync"]),
+        "events_ratio": _median(step_s["events"]) / plain,
+        "sync_ratio": _median(step_s["sync"]) / plain,
+        "paired_events_ratio": _median(
+            [e / p for e, p in zip(step_s["events"], step_s["plain"], strict=True)]
+        ),
+        "paired_sync_ratio": _median(
+            [s / p for s, p in zip(step_s["sync"], step_s["plain"], strict=True)]
+        ),
         "resihp_python_s_per_step": {a: _median(own_s[a]) for a in ("events", "sync")},
-        "events_trace": {k: {"count": int(v["count"]), "median_s": float(v["median"])} for k, v in per_op.items()},
+        "events_trace": {
+            k: {"count": int(v["count"]), "median_s": float(v["median"])} for k, v in per_op.items()
+        },
         "step_s": step_s,
     }
 
@@ -250,8 +292,12 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")
     t0 = time.perf_counter()
     result = snapshot(args) if args.what == "snapshot" else attach(args)
-    result = {"benchmark": f"gpu-{args.what}", "env": measurement_env(torch.device("cuda")),
-              "seconds": round(time.perf_counter() - t0, 1), **result}
+    result = {
+        "benchmark": f"gpu-{args.what}",
+        "env": measurement_env(torch.device("cuda")),
+        "seconds": round(time.perf_counter() - t0, 1),
+        **result,
+    }
     print(json.dumps(result, indent=1))
 
 

@@ -30,7 +30,11 @@ def main() -> None:
     ap.add_argument("arms", nargs="+")
     ap.add_argument("--before", type=int, default=None)
     args = ap.parse_args()
-    runs = {arm: load(args.dir / f"{arm}.json") for arm in args.arms if (args.dir / f"{arm}.err").exists()}
+    runs = {
+        arm: load(args.dir / f"{arm}.json")
+        for arm in args.arms
+        if (args.dir / f"{arm}.err").exists()
+    }
     out: dict = {"benchmark": args.name}
     if (args.dir / "machine.txt").exists():
         out["machine"] = (args.dir / "machine.txt").read_text().splitlines()

@@ -64,8 +64,10 @@ def faults(n: int, seed: int) -> dict[str, dict[int, float]]:
         "slow8-1.2x..5x": {d[i]: float(1 / slow8[i]) for i in range(8)},
         "dead1": {d[0]: 0.0},
         "dead4": {d[i]: 0.0 for i in range(4)},
-        "slow4+dead2": {**{d[i]: float(1 / (1.5 + 0.5 * i)) for i in range(4)},
-                        **{d[i]: 0.0 for i in range(4, 6)}},
+        "slow4+dead2": {
+            **{d[i]: float(1 / (1.5 + 0.5 * i)) for i in range(4)},
+            **{d[i]: 0.0 for i in range(4, 6)},
+        },
     }
 
 
@@ -105,39 +107,48 @@ def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
 
             frac = ours.capacity_tokens_per_s and (
                 sum(d.speed * d.tflops for d in degraded.devices)
-                / sum(d.tflops for d in degraded.devices))
-            scenarios.append({
-                "name": f"{n}/{name}",
-                "devices": n,
-                "model": model.name,
-                "layout": ours.layout.to_dict(),
-                "solve_s": times["resihp"],
-                "solve_cpu_s": statistics.median(cpu),
-                "bound_ratio": ratio(ours),
-                "loose_bound_ratio": ours.bound_ratio,
-                "bound_tokens_per_s": bound.tokens_per_s,
-                "loose_bound_tokens_per_s": ours.capacity_tokens_per_s,
-                "bound_s": bound_s,
-                "healthy_ratio": ours.tokens_per_s / (healthy.tokens_per_s * frac),
-                "baselines": {k: ratio(v) for k, v in results.items() if k != "resihp"},
-                "loose_baselines": {k: v.bound_ratio for k, v in results.items()
-                                    if k != "resihp"},
-                "whole_microbatches": {
-                    "bound_ratio": ratio(whole_plan), "loose_bound_ratio": whole_plan.bound_ratio,
-                    "solve_s": whole_s,
-                    "valid": not plan_problems(whole_plan, degraded, model),
+                / sum(d.tflops for d in degraded.devices)
+            )
+            scenarios.append(
+                {
+                    "name": f"{n}/{name}",
+                    "devices": n,
+                    "model": model.name,
+                    "layout": ours.layout.to_dict(),
+                    "solve_s": times["resihp"],
+                    "solve_cpu_s": statistics.median(cpu),
+                    "bound_ratio": ratio(ours),
+                    "loose_bound_ratio": ours.bound_ratio,
+                    "bound_tokens_per_s": bound.tokens_per_s,
+                    "loose_bound_tokens_per_s": ours.capacity_tokens_per_s,
+                    "bound_s": bound_s,
+                    "healthy_ratio": ours.tokens_per_s / (healthy.tokens_per_s * frac),
+                    "baselines": {k: ratio(v) for k, v in results.items() if k != "resihp"},
+                    "loose_baselines": {
+                        k: v.bound_ratio for k, v in results.items() if k != "resihp"
+                    },
+                    "whole_microbatches": {
+                        "bound_ratio": ratio(whole_plan),
+                        "loose_bound_ratio": whole_plan.bound_ratio,
+                        "solve_s": whole_s,
+                        "valid": not plan_problems(whole_plan, degraded, model),
+                        "ahead_of_baselines": all(
+                            whole_plan.tokens_per_s >= v.tokens_per_s * (1 - 1e-9)
+                            for k, v in results.items()
+                            if k != "resihp"
+                        ),
+                    },
+                    "baseline_solve_s": {k: v for k, v in times.items() if k != "resihp"},
                     "ahead_of_baselines": all(
-                        whole_plan.tokens_per_s >= v.tokens_per_s * (1 - 1e-9)
-                        for k, v in results.items() if k != "resihp")},
-                "baseline_solve_s": {k: v for k, v in times.items() if k != "resihp"},
-                "ahead_of_baselines": all(ours.tokens_per_s >= v.tokens_per_s * (1 - 1e-9)
-                                          for v in results.values()),
-                "migration_s": ours.migration_s,
-                "solver": {k: ours.solver[k] for k in ("status", "gap", "pipelines_solved")},
-                "valid": not problems,
-                "healthy_bound_ratio": healthy.tokens_per_s / healthy_bound,
-                "healthy_loose_bound_ratio": healthy.bound_ratio,
-            })
+                        ours.tokens_per_s >= v.tokens_per_s * (1 - 1e-9) for v in results.values()
+                    ),
+                    "migration_s": ours.migration_s,
+                    "solver": {k: ours.solver[k] for k in ("status", "gap", "pipelines_solved")},
+                    "valid": not problems,
+                    "healthy_bound_ratio": healthy.tokens_per_s / healthy_bound,
+                    "healthy_loose_bound_ratio": healthy.bound_ratio,
+                }
+            )
     ratios = [s["bound_ratio"] for s in scenarios]
     return {
         "scenarios": scenarios,
@@ -145,7 +156,9 @@ def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
             "min_bound_ratio": min(ratios),
             "median_bound_ratio": statistics.median(ratios),
             "min_loose_bound_ratio": min(s["loose_bound_ratio"] for s in scenarios),
-            "median_loose_bound_ratio": statistics.median(s["loose_bound_ratio"] for s in scenarios),
+            "median_loose_bound_ratio": statistics.median(
+                s["loose_bound_ratio"] for s in scenarios
+            ),
             "loose_scenarios_at_0.97": sum(s["loose_bound_ratio"] >= 0.97 for s in scenarios),
             "min_healthy_ratio": min(s["healthy_ratio"] for s in scenarios),
             "scenarios_at_0.97": sum(r >= 0.97 for r in ratios),
@@ -153,12 +166,14 @@ def run(sizes: list[int], repeats: int, time_limit_s: float) -> dict:
             "ahead_of_every_baseline": sum(s["ahead_of_baselines"] for s in scenarios),
             "all_valid": all(s["valid"] for s in scenarios),
             "max_solve_s_by_devices": {
-                str(n): max(s["solve_s"] for s in scenarios if s["devices"] == n) for n in sizes},
+                str(n): max(s["solve_s"] for s in scenarios if s["devices"] == n) for n in sizes
+            },
             "max_solve_cpu_s_by_devices": {
-                str(n): max(s["solve_cpu_s"] for s in scenarios if s["devices"] == n)
-                for n in sizes},
+                str(n): max(s["solve_cpu_s"] for s in scenarios if s["devices"] == n) for n in sizes
+            },
             "max_bound_s_by_devices": {
-                str(n): max(s["bound_s"] for s in scenarios if s["devices"] == n) for n in sizes},
+                str(n): max(s["bound_s"] for s in scenarios if s["devices"] == n) for n in sizes
+            },
         },
     }
 
@@ -183,14 +198,23 @@ def step_estimates(steps: int = 100) -> dict:
                 at[device] = speed
             window = sim.window(compile_layout(layout_of(plan, model)), at, steps, 0, 0.0)
             replayed = float(np.mean(window.step_time))
-            cases.append({"scenario": name, "faults": label, "replayed_step_s": replayed,
-                          "expected_step_s": plan.expected_step_time_s,
-                          "mean_cost_step_s": plan.step_time_s,
-                          "error": plan.expected_step_time_s / replayed - 1,
-                          "mean_cost_error": plan.step_time_s / replayed - 1})
-    return {"cases": cases, "steps": steps,
-            "predicted_vs_replayed_step_error": max(abs(c["error"]) for c in cases),
-            "mean_cost_step_error": max(abs(c["mean_cost_error"]) for c in cases)}
+            cases.append(
+                {
+                    "scenario": name,
+                    "faults": label,
+                    "replayed_step_s": replayed,
+                    "expected_step_s": plan.expected_step_time_s,
+                    "mean_cost_step_s": plan.step_time_s,
+                    "error": plan.expected_step_time_s / replayed - 1,
+                    "mean_cost_error": plan.step_time_s / replayed - 1,
+                }
+            )
+    return {
+        "cases": cases,
+        "steps": steps,
+        "predicted_vs_replayed_step_error": max(abs(c["error"]) for c in cases),
+        "mean_cost_step_error": max(abs(c["mean_cost_error"]) for c in cases),
+    }
 
 
 def main() -> None:
@@ -198,14 +222,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 and 256 devices, one repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=5.0)
-    parser.add_argument("--steps-only", action="store_true",
-                        help="only the step estimates against the replay")
+    parser.add_argument(
+        "--steps-only", action="store_true", help="only the step estimates against the replay"
+    )
     args = parser.parse_args()
     sizes = [64, 256] if args.quick else list(SIZES)
     out = {} if args.steps_only else run(sizes, 1 if args.quick else args.repeats, args.time_limit)
     out["step_estimates"] = step_estimates(20 if args.quick else 100)
     out["predicted_vs_replayed_step_error"] = out["step_estimates"][
-        "predicted_vs_replayed_step_error"]
+        "predicted_vs_replayed_step_error"
+    ]
     out["load_average"] = os.getloadavg()  # other work on the machine disturbs the times
     print(json.dumps(out, indent=1))
 

@@ -43,17 +43,30 @@ from resihp.workload.lengths import resolve_source, sample_sequences
 from resihp.workload.packing import pack_greedy
 
 # target -> (clock, normalised?)
-ARMS = {"time_s": ("wall", False), "cost": ("wall", True), "cpu_time_s": ("cpu", False),
-        "cpu_cost": ("cpu", True)}
+ARMS = {
+    "time_s": ("wall", False),
+    "cost": ("wall", True),
+    "cpu_time_s": ("cpu", False),
+    "cpu_cost": ("cpu", True),
+}
 
 
 def _phase_pair(metrics: dict) -> dict:
-    return {phase: {"learned_mape": metrics[phase]["mape"],
-                    "linear_mape": metrics[phase]["linear_baseline"]["mape"],
-                    **({"learned_worst_mape": metrics[phase]["worst_mape"],
-                        "linear_worst_mape": metrics[phase]["linear_baseline"]["worst_mape"]}
-                       if "worst_mape" in metrics[phase] else {})}
-            for phase in ("fwd", "bwd")}
+    return {
+        phase: {
+            "learned_mape": metrics[phase]["mape"],
+            "linear_mape": metrics[phase]["linear_baseline"]["mape"],
+            **(
+                {
+                    "learned_worst_mape": metrics[phase]["worst_mape"],
+                    "linear_worst_mape": metrics[phase]["linear_baseline"]["worst_mape"],
+                }
+                if "worst_mape" in metrics[phase]
+                else {}
+            ),
+        }
+        for phase in ("fwd", "bwd")
+    }
 
 
 def accuracy(logs: list[Path], target: str, seed: int = 0) -> dict:
@@ -65,8 +78,11 @@ def accuracy(logs: list[Path], target: str, seed: int = 0) -> dict:
     linear = LinearBaseline().fit(log.iloc[train_idx])
     random_split = evaluate(predictor, linear, log.iloc[test_idx])
     cross = cross_source(log, seed)
-    return {"random": _phase_pair(random_split), "cross_source": _phase_pair(cross),
-            "cross_source_by_source": {s: _phase_pair(m) for s, m in cross["by_source"].items()}}
+    return {
+        "random": _phase_pair(random_split),
+        "cross_source": _phase_pair(cross),
+        "cross_source_by_source": {s: _phase_pair(m) for s, m in cross["by_source"].items()},
+    }
 
 
 def floors(logs: list[Path]) -> dict:
@@ -75,18 +91,41 @@ def floors(logs: list[Path]) -> dict:
 
 def step_accuracy(dp: int, pp: int, schedule: str, steps: int, workdir: Path) -> dict:
     out = workdir / f"run-dp{dp}-pp{pp}-{schedule}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={dp * pp}", "-m", "resihp.train.worker", "--dp", str(dp), "--pp",
-           str(pp), "--schedule", schedule, "--steps", str(steps), "--source", "text",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={dp * pp}",
+        "-m",
+        "resihp.train.worker",
+        "--dp",
+        str(dp),
+        "--pp",
+        str(pp),
+        "--schedule",
+        schedule,
+        "--steps",
+        str(steps),
+        "--source",
+        "text",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=900)
     ops = read_ops_trace(out / "ops.parquet")
     meta, _ = read_meta(out / "job.yaml")
     table = replay_steps(ops, meta, schedule)
-    return {"dp": dp, "pp": pp, "schedule": schedule, "steps": len(table),
-            "step_mape": float(table["ape"].mean()), "step_p95": float(np.percentile(table["ape"], 95)),
-            "median_step_s": float(table["measured_s"].median())}
+    return {
+        "dp": dp,
+        "pp": pp,
+        "schedule": schedule,
+        "steps": len(table),
+        "step_mape": float(table["ape"].mean()),
+        "step_p95": float(np.percentile(table["ape"], 95)),
+        "median_step_s": float(table["measured_s"].median()),
+    }
 
 
 def throughput(model: Path, shape: TransformerShape, n: int = 100_000, repeats: int = 5) -> dict:
@@ -107,12 +146,16 @@ def measured_elsewhere(logs: list[Path]) -> dict:
     host thread time says nothing about its kernels)."""
     log = read_profile_logs(logs)
     targets = [t for t in ARMS if t in log.columns and log[t].notna().all()]
-    return {"device": sorted(log["device"].unique().tolist()),
-            "measured_on": measured_on(log), "logs": [str(p) for p in logs],
-            "microbatches": {p.stem: int(read_profile_logs([p])["mb_id"].nunique()) for p in logs},
-            "noise_floor": floors(logs),
-            "micro_batch": {t: {"clock": ARMS[t][0], "normalised": ARMS[t][1], **accuracy(logs, t)}
-                            for t in targets}}
+    return {
+        "device": sorted(log["device"].unique().tolist()),
+        "measured_on": measured_on(log),
+        "logs": [str(p) for p in logs],
+        "microbatches": {p.stem: int(read_profile_logs([p])["mb_id"].nunique()) for p in logs},
+        "noise_floor": floors(logs),
+        "micro_batch": {
+            t: {"clock": ARMS[t][0], "normalised": ARMS[t][1], **accuracy(logs, t)} for t in targets
+        },
+    }
 
 
 def main() -> None:
@@ -122,8 +165,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="one short multi-process run")
     parser.add_argument("--keep", type=Path, help="copy the calibrated model directory here")
-    parser.add_argument("--profiles", type=Path, nargs="+",
-                        help="evaluate these profiling logs instead (measured elsewhere)")
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        nargs="+",
+        help="evaluate these profiling logs instead (measured elsewhere)",
+    )
     args = parser.parse_args()
     if args.profiles:
         print(json.dumps(measured_elsewhere(args.profiles), indent=2))
@@ -135,18 +182,28 @@ def main() -> None:
         model, card = calibrate(plan, workdir / "model")
         calibration_s = card["calibration"]["seconds"]
         logs = sorted((model / "profiles").glob("*.parquet"))
-        result = {"device": card["device"], "versions": versions(), "calibration_s": calibration_s,
-                  "calibration": {"shapes": [shape_name(s) for s in plan.shapes],
-                                  "sources": list(plan.sources),
-                                  "microbatches_per_source_and_shape": plan.microbatches,
-                                  "repeats": plan.repeats, "measurements": plan.measurements},
-                  "speed": {k: v["speed"] for k, v in card["calibration"]["profiles"].items()},
-                  "noise_floor": floors(logs),
-                  "micro_batch": {t: {"clock": ARMS[t][0], "normalised": ARMS[t][1],
-                                      **accuracy(logs, t)} for t in ARMS}}
+        result = {
+            "device": card["device"],
+            "versions": versions(),
+            "calibration_s": calibration_s,
+            "calibration": {
+                "shapes": [shape_name(s) for s in plan.shapes],
+                "sources": list(plan.sources),
+                "microbatches_per_source_and_shape": plan.microbatches,
+                "repeats": plan.repeats,
+                "measurements": plan.measurements,
+            },
+            "speed": {k: v["speed"] for k, v in card["calibration"]["profiles"].items()},
+            "noise_floor": floors(logs),
+            "micro_batch": {
+                t: {"clock": ARMS[t][0], "normalised": ARMS[t][1], **accuracy(logs, t)}
+                for t in ARMS
+            },
+        }
         runs = [(1, 2, "1f1b")] if args.quick else [(1, 2, "1f1b"), (1, 2, "gpipe"), (2, 2, "1f1b")]
-        result["step"] = [step_accuracy(dp, pp, s, 4 if args.quick else args.steps, workdir)
-                          for dp, pp, s in runs]
+        result["step"] = [
+            step_accuracy(dp, pp, s, 4 if args.quick else args.steps, workdir) for dp, pp, s in runs
+        ]
         result["step_mape"] = float(np.mean([r["step_mape"] for r in result["step"]]))
         result["throughput"] = throughput(model, plan.shapes[0].shape())
         if args.keep:

@@ -38,8 +38,7 @@ from resihp.perf.spans import Shape
 from resihp.perf.training import train_predictor
 
 
-def record(cfg: GPTConfig, batches: list[np.ndarray], rounds: int, trace: Path,
-           seed: int) -> float:
+def record(cfg: GPTConfig, batches: list[np.ndarray], rounds: int, trace: Path, seed: int) -> float:
     """Train ``cfg``'s layer stack over ``batches`` ``rounds`` times under torch.profiler; the
     Chrome trace goes to ``trace``. Returns the seconds the run took."""
     torch.manual_seed(seed)
@@ -79,8 +78,10 @@ def floors(log: pd.DataFrame) -> dict[str, dict[str, float]]:
             spans.append(np.abs(t / med - 1))
             if len(t) >= 2:
                 halves.append(abs(np.median(t[::2]) / med - 1))
-        out[phase] = {"span_pct": float(np.mean(np.concatenate(spans)) * 100),
-                      "half_median_pct": float(np.mean(halves) * 100) if halves else None}
+        out[phase] = {
+            "span_pct": float(np.mean(np.concatenate(spans)) * 100),
+            "half_median_pct": float(np.mean(halves) * 100) if halves else None,
+        }
     return out
 
 
@@ -93,9 +94,16 @@ def medians(log: pd.DataFrame) -> pd.DataFrame:
 
 
 def held_out(card: dict) -> dict:
-    return {phase: {"n": r["n"], "mape": r["mape"], "p95": r["p95"],
-                    "linear_mape": r["linear_baseline"]["mape"]}
-            for phase, r in card["held_out"].items() if phase in ("fwd", "bwd")}
+    return {
+        phase: {
+            "n": r["n"],
+            "mape": r["mape"],
+            "p95": r["p95"],
+            "linear_mape": r["linear_baseline"]["mape"],
+        }
+        for phase, r in card["held_out"].items()
+        if phase in ("fwd", "bwd")
+    }
 
 
 def main() -> None:
@@ -109,10 +117,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = GPTConfig(layers=args.layers, hidden=args.hidden, heads=max(1, args.hidden // 64),
-                    ffn_hidden=4 * args.hidden, max_seq_len=args.budget)
-    drawn = draw_microbatches(["code", "text"], args.microbatches, args.budget, args.budget,
-                              np.random.default_rng(args.seed))
+    cfg = GPTConfig(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=max(1, args.hidden // 64),
+        ffn_hidden=4 * args.hidden,
+        max_seq_len=args.budget,
+    )
+    drawn = draw_microbatches(
+        ["code", "text"],
+        args.microbatches,
+        args.budget,
+        args.budget,
+        np.random.default_rng(args.seed),
+    )
     batches = [b for _, b in drawn]
     shape = Shape(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, ffn_hidden=cfg.ffn_hidden)
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,20 +141,35 @@ def main() -> None:
         import_s = time.perf_counter() - started
         write_log(log, tmp / "spans.parquet")
         write_log(medians(log), tmp / "medians.parquet")
-        cards = {name: train_predictor([tmp / f"{name}.parquet"], tmp / name, seed=args.seed)
-                 for name in ("spans", "medians")}
+        cards = {
+            name: train_predictor([tmp / f"{name}.parquet"], tmp / name, seed=args.seed)
+            for name in ("spans", "medians")
+        }
         trace_mb = (tmp / "trace.json").stat().st_size / 2**20
     result = {
         "benchmark": "profile-import",
-        "command": "python benchmarks/profile_import.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if v is not None and k != "out"),
-        "device": this_device("cpu"), "versions": versions(),
+        "command": "python benchmarks/profile_import.py "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if v is not None and k != "out"
+        ),
+        "device": this_device("cpu"),
+        "versions": versions(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "shape": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads,
-                  "ffn_hidden": cfg.ffn_hidden, "budget": args.budget},
-        "microbatches": len(batches), "rounds": args.rounds, "spans": len(log),
-        "run_s": run_s, "trace_mb": trace_mb, "import_s": import_s,
+        "shape": {
+            "layers": cfg.layers,
+            "hidden": cfg.hidden,
+            "heads": cfg.heads,
+            "ffn_hidden": cfg.ffn_hidden,
+            "budget": args.budget,
+        },
+        "microbatches": len(batches),
+        "rounds": args.rounds,
+        "spans": len(log),
+        "run_s": run_s,
+        "trace_mb": trace_mb,
+        "import_s": import_s,
         "noise_floor_pct": floors(log),
         "held_out": {name: held_out(card) for name, card in cards.items()},
     }

@@ -36,58 +36,168 @@ import tempfile
 import time
 from pathlib import Path
 
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
-         "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60",
-         "--no-live", "--dp", "2", "--pp", "2", "--steps", "80", "--recovery", "replica",
-         "--inject", "stop:rank=3,step=10", "--inject", "slow:rank=0,factor=3,step=10"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "128",
+    "--vocab",
+    "256",
+    "--global-tokens",
+    "2048",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--json",
+    "--timeout",
+    "60",
+    "--no-live",
+    "--dp",
+    "2",
+    "--pp",
+    "2",
+    "--steps",
+    "80",
+    "--recovery",
+    "replica",
+    "--inject",
+    "stop:rank=3,step=10",
+    "--inject",
+    "slow:rank=0,factor=3,step=10",
+]
 
 
-MEMORY = ["--layers", "4", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
-          "--global-tokens", "2048", "--budget", "512", "--max-len", "512", "--timeout", "30", "--json",
-          "--dp", "2", "--pp", "1", "--tp", "2", "--steps", "8", "--ckpt-every", "3",
-          "--snapshot-every", "1", "--inject", "stop:rank=1,step=5"]
-HANG = ["--layers", "2", "--hidden", "64", "--heads", "4", "--json", "--dp", "2", "--pp", "1",
-        "--steps", "16", "--snapshot-every", "1", "--ckpt-every", "2", "--recovery", "restart",
-        "--hang-timeout", "5", "--inject", "hang:rank=1,step=10"]
+MEMORY = [
+    "--layers",
+    "4",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "128",
+    "--vocab",
+    "256",
+    "--global-tokens",
+    "2048",
+    "--budget",
+    "512",
+    "--max-len",
+    "512",
+    "--timeout",
+    "30",
+    "--json",
+    "--dp",
+    "2",
+    "--pp",
+    "1",
+    "--tp",
+    "2",
+    "--steps",
+    "8",
+    "--ckpt-every",
+    "3",
+    "--snapshot-every",
+    "1",
+    "--inject",
+    "stop:rank=1,step=5",
+]
+HANG = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--json",
+    "--dp",
+    "2",
+    "--pp",
+    "1",
+    "--steps",
+    "16",
+    "--snapshot-every",
+    "1",
+    "--ckpt-every",
+    "2",
+    "--recovery",
+    "restart",
+    "--hang-timeout",
+    "5",
+    "--inject",
+    "hang:rank=1,step=10",
+]
 SCENARIOS = {"replica": SMALL, "memory": MEMORY, "hang": HANG}
 
 
 def one(tree: Path, out: Path, scenario: str = "replica") -> dict:
     shutil.rmtree(out, ignore_errors=True)
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SCENARIOS[scenario]],
-                          capture_output=True, text=True, cwd=tree, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SCENARIOS[scenario]],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)},
+    )
     wall = time.time() - start
     if proc.returncode:
         raise SystemExit(f"{tree}: resihp run failed: {proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    started = [json.loads(line)["started"] for line in (out / "logs" / "processes.jsonl").read_text().splitlines()]
+    started = [
+        json.loads(line)["started"]
+        for line in (out / "logs" / "processes.jsonl").read_text().splitlines()
+    ]
     common = {"wall_s": round(wall, 2), "first_worker_s": round(min(started) - start, 2)}
     if scenario == "hang":
         rec = summary["recovery"]
-        return {**common, "stall_s": rec["stall_s"], "detected_s": rec["detected_s"],
-                "resumed_step": rec["resumed_step"]}
+        return {
+            **common,
+            "stall_s": rec["stall_s"],
+            "detected_s": rec["detected_s"],
+            "resumed_step": rec["resumed_step"],
+        }
     if scenario == "memory":
         change = summary["plan_changes"][0]
         return {**common, "restart_s": change["restart_s"], "resumed_step": change["resumed_step"]}
     rec = summary["recovery"]
-    return {**common, "restart_s": rec["restart_s"], "survivor_stall_s": rec["survivor_stall_s"],
-            "catchup_s": rec["catchup_s"], "rejoin_steps": rec["rejoined_step"] - rec["failed_step"]}
+    return {
+        **common,
+        "restart_s": rec["restart_s"],
+        "survivor_stall_s": rec["survivor_stall_s"],
+        "catchup_s": rec["catchup_s"],
+        "rejoin_steps": rec["rejoined_step"] - rec["failed_step"],
+    }
 
 
 def _commit(tree: Path) -> str | None:
-    proc = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    proc = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return (proc.stdout.strip() + ("+changes" if dirty else "")) if proc.returncode == 0 else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tree", type=Path, action="append", default=None,
-                        help="a source tree to run (repeat for interleaved arms); this one by default")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        action="append",
+        default=None,
+        help="a source tree to run (repeat for interleaved arms); this one by default",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="replica")
     args = parser.parse_args()
@@ -97,11 +207,22 @@ def main() -> None:
         for _ in range(args.rounds):
             for i, tree in enumerate(trees):
                 runs[str(tree)].append(one(tree, Path(tmp) / f"arm{i}", args.scenario))
-    result = {"harness": {"scenario": args.scenario, "run": SCENARIOS[args.scenario], "rounds": args.rounds,
-                          "machine_cores": os.cpu_count()},
-              "arms": {tree: {"commit": _commit(Path(tree)),
-                              "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
-                              "runs": rows} for tree, rows in runs.items()}}
+    result = {
+        "harness": {
+            "scenario": args.scenario,
+            "run": SCENARIOS[args.scenario],
+            "rounds": args.rounds,
+            "machine_cores": os.cpu_count(),
+        },
+        "arms": {
+            tree: {
+                "commit": _commit(Path(tree)),
+                "median": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
+                "runs": rows,
+            }
+            for tree, rows in runs.items()
+        },
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

@@ -39,7 +39,13 @@ from resihp.replay.policies import make_policies  # noqa: E402
 from resihp.replay.run import compare  # noqa: E402
 from resihp.replay.scenario import load_scenario  # noqa: E402
 
-FAMILY_SCENARIOS = ["failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "alibaba-7b-256", "commslow-7b-64"]
+FAMILY_SCENARIOS = [
+    "failstop-7b-256",
+    "failslow-13b-256",
+    "mixed-70b-256",
+    "alibaba-7b-256",
+    "commslow-7b-64",
+]
 SPEED_SCENARIO = "llama3-week-16k"
 
 
@@ -58,12 +64,16 @@ def families(seeds: int = 1) -> dict:
         summary[fam] = {
             "scenarios": sorted({r["name"] for r in rs}),
             "runs": len(rs),
-            "mean_bound_fraction": {n: round(statistics.mean(r["bound_fraction"][n] for r in rs), 4)
-                                    for n in names},
-            "min_resihp_speedup": {n: round(min(r["resihp_speedup"][n] for r in rs), 4)
-                                   for n in rs[0]["resihp_speedup"]},
-            "resihp_ahead_of_every_baseline": all(v > 1.0 for r in rs
-                                                  for v in r["resihp_speedup"].values()),
+            "mean_bound_fraction": {
+                n: round(statistics.mean(r["bound_fraction"][n] for r in rs), 4) for n in names
+            },
+            "min_resihp_speedup": {
+                n: round(min(r["resihp_speedup"][n] for r in rs), 4)
+                for n in rs[0]["resihp_speedup"]
+            },
+            "resihp_ahead_of_every_baseline": all(
+                v > 1.0 for r in rs for v in r["resihp_speedup"].values()
+            ),
         }
     return {"scenarios": rows, "families": summary}
 
@@ -71,7 +81,10 @@ def families(seeds: int = 1) -> dict:
 def _comparison_row(name: str, sc, seed: int) -> dict:
     doc = compare(sc, seed=seed).summary(timeline_points=24)
     return {
-        "name": name, "seed": seed, "family": sc.family, "devices": len(sc.cluster),
+        "name": name,
+        "seed": seed,
+        "family": sc.family,
+        "devices": len(sc.cluster),
         "model": sc.model.name,
         "capacity_tokens_per_s": doc["capacity_tokens_per_s"],
         "bound_fraction": {p["name"]: p["bound_fraction"] for p in doc["policies"]},
@@ -93,18 +106,31 @@ def speed(policies: str, days: float | None = None, repeats: int = 1) -> dict:
         events = [e for e in events if e.at_s < sc.duration_s]
     pool = shared_pool(sc)
     setup = time.perf_counter() - t0
-    out = {"scenario": SPEED_SCENARIO, "devices": len(sc.cluster), "days": sc.duration_s / 86400,
-           "events": len(events), "setup_s": round(setup, 2), "policies": []}
+    out = {
+        "scenario": SPEED_SCENARIO,
+        "devices": len(sc.cluster),
+        "days": sc.duration_s / 86400,
+        "events": len(events),
+        "setup_s": round(setup, 2),
+        "policies": [],
+    }
     for policy in make_policies(policies):
         t0 = time.perf_counter()
         res = Replay(sc, policy, events=events, pool=pool).run()
         wall = time.perf_counter() - t0
-        out["policies"].append({
-            "name": policy.name, "wall_s": round(wall, 2), "under_60s": wall < 60.0,
-            "replayed_steps": round(res.replayed_steps), "simulated_steps": res.simulated_steps,
-            "us_per_replayed_step": round(wall / max(res.replayed_steps, 1) * 1e6, 1),
-            "bound_fraction": round(res.bound_fraction, 4), "tokens_per_s": round(res.tokens_per_s),
-            "false_alarms": res.false_alarms})
+        out["policies"].append(
+            {
+                "name": policy.name,
+                "wall_s": round(wall, 2),
+                "under_60s": wall < 60.0,
+                "replayed_steps": round(res.replayed_steps),
+                "simulated_steps": res.simulated_steps,
+                "us_per_replayed_step": round(wall / max(res.replayed_steps, 1) * 1e6, 1),
+                "bound_fraction": round(res.bound_fraction, 4),
+                "tokens_per_s": round(res.tokens_per_s),
+                "false_alarms": res.false_alarms,
+            }
+        )
     return out
 
 
@@ -120,14 +146,20 @@ def _repeated_speed(policies: str, days: float | None, repeats: int) -> dict:
         cmd = [sys.executable, __file__, "--speed-only", "--speed-policies", name]
         if days is not None:
             cmd += ["--speed-days", str(days)]
-        docs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["speed"]
-                for _ in range(repeats)]
+        docs = [
+            json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)[
+                "speed"
+            ]
+            for _ in range(repeats)
+        ]
         runs = [doc["policies"][0] for doc in docs]
         out = out or {k: v for k, v in docs[0].items() if k != "policies"} | {"policies": []}
         walls = [r["wall_s"] for r in runs]
         row = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
         row.update(
-            wall_s_runs=walls, same_outcome=all(all(r[k] == runs[0][k] for k in OUTCOME) for r in runs))
+            wall_s_runs=walls,
+            same_outcome=all(all(r[k] == runs[0][k] for k in OUTCOME) for r in runs),
+        )
         out["policies"].append(row)
     return out
 
@@ -137,11 +169,21 @@ def main() -> None:
     ap.add_argument("--families-only", action="store_true")
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--seeds", type=int, default=1, help="seeds per family scenario")
-    ap.add_argument("--speed-policies", default="checkpoint-restart,oobleck,recycle,greyhound,resihp")
-    ap.add_argument("--speed-days", type=float, default=None,
-                    help="replay only the first DAYS of the week (same events)")
-    ap.add_argument("--speed-repeats", type=int, default=1,
-                    help="replays per policy, each in a fresh process; the median is reported")
+    ap.add_argument(
+        "--speed-policies", default="checkpoint-restart,oobleck,recycle,greyhound,resihp"
+    )
+    ap.add_argument(
+        "--speed-days",
+        type=float,
+        default=None,
+        help="replay only the first DAYS of the week (same events)",
+    )
+    ap.add_argument(
+        "--speed-repeats",
+        type=int,
+        default=1,
+        help="replays per policy, each in a fresh process; the median is reported",
+    )
     args = ap.parse_args()
     if args.speed_repeats < 1:
         ap.error(f"--speed-repeats: expected a positive number of runs, got {args.speed_repeats}")

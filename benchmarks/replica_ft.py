@@ -54,9 +54,34 @@ import pandas as pd
 
 from resihp.detect.records import JOB_SECRET_ENV
 
-MODEL = ["--layers", "4", "--hidden", "128", "--heads", "4", "--ffn-hidden", "512", "--vocab", "1024",
-         "--global-tokens", "4096", "--budget", "512", "--max-len", "512", "--dp", "2", "--pp", "2",
-         "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60"]
+MODEL = [
+    "--layers",
+    "4",
+    "--hidden",
+    "128",
+    "--heads",
+    "4",
+    "--ffn-hidden",
+    "512",
+    "--vocab",
+    "1024",
+    "--global-tokens",
+    "4096",
+    "--budget",
+    "512",
+    "--max-len",
+    "512",
+    "--dp",
+    "2",
+    "--pp",
+    "2",
+    "--no-live",
+    "--json",
+    "--heartbeat-timeout",
+    "3",
+    "--timeout",
+    "60",
+]
 
 
 def run(out: Path, *args: str, nodes: int = 1) -> dict:
@@ -69,16 +94,38 @@ def run(out: Path, *args: str, nodes: int = 1) -> dict:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd += ["--nnodes", str(nodes), "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-        others = [subprocess.Popen([*cmd, "--node-rank", str(n), "-o", str(out) + f"-node{n}"], env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n in range(1, nodes)]
+        cmd += [
+            "--nnodes",
+            str(nodes),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+        ]
+        others = [
+            subprocess.Popen(
+                [*cmd, "--node-rank", str(n), "-o", str(out) + f"-node{n}"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for n in range(1, nodes)
+        ]
         cmd += ["--node-rank", "0"]
     t0 = time.time()
-    proc = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [*cmd, "-o", str(out)], capture_output=True, text=True, env=env, timeout=900
+    )
     for other in others:
         other.wait(timeout=120)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    summary["_rc"], summary["_wall_s"], summary["_stderr"] = proc.returncode, time.time() - t0, proc.stderr[-400:]
+    summary = (
+        json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    )
+    summary["_rc"], summary["_wall_s"], summary["_stderr"] = (
+        proc.returncode,
+        time.time() - t0,
+        proc.stderr[-400:],
+    )
     return summary
 
 
@@ -89,11 +136,18 @@ def step_walls(out: Path) -> pd.Series:
 
 def failure_free_arm(out: Path, steps: int, recovery: str) -> dict:
     s = run(out, "--steps", str(steps), "--recovery", recovery)
-    row = {"rc": s["_rc"], "tokens_per_s": s.get("tokens_per_s"), "step_period_s": None, "first_step_s": None}
+    row = {
+        "rc": s["_rc"],
+        "tokens_per_s": s.get("tokens_per_s"),
+        "step_period_s": None,
+        "first_step_s": None,
+    }
     if (out / "ops.parquet").exists():
         trace = pd.read_parquet(out / "ops.parquet")
         starts = trace[trace.optype == "step"].sort_values("step")
-        periods = [float(g[g.step >= 3].start_ts.diff().median()) for _, g in starts.groupby("rank")]
+        periods = [
+            float(g[g.step >= 3].start_ts.diff().median()) for _, g in starts.groupby("rank")
+        ]
         walls = starts.groupby("step").duration.max()
         row["step_period_s"] = round(statistics.median(periods), 5)
         row["first_step_s"] = round(float(walls.iloc[0] - walls.iloc[3:].median()), 4)
@@ -101,30 +155,67 @@ def failure_free_arm(out: Path, steps: int, recovery: str) -> dict:
 
 
 def replica_arm(out: Path, steps: int, fail: int, nodes: int = 1) -> dict:
-    s = run(out, "--steps", str(steps), "--recovery", "replica", "--inject", f"stop:rank=1,step={fail}", nodes=nodes)
+    s = run(
+        out,
+        "--steps",
+        str(steps),
+        "--recovery",
+        "replica",
+        "--inject",
+        f"stop:rank=1,step={fail}",
+        nodes=nodes,
+    )
     rec = s.get("recovery") or {}
     walls = step_walls(out)
     median = float(walls[walls.index < fail].median())
     rejoin = rec.get("rejoined_step")
-    around = walls[(walls.index >= rejoin - 1) & (walls.index <= rejoin + 1)] if rejoin else walls.iloc[:0]
-    return {"rc": s["_rc"], "stall_s": rec.get("survivor_stall_s"), "stall_steps": rec.get("survivor_stall_steps"),
-            "median_step_s": round(median, 4), "detected_s": rec.get("detected_s"),
-            "rejoined_step": rejoin, "restart_s": rec.get("restart_s"), "catchup_s": rec.get("catchup_s"),
-            "catchup_over_step": round(rec["catchup_s"] / median, 3) if rec.get("catchup_s") else None,
-            "rejoin_slowest_over_median": round(float(around.max()) / median, 3) if len(around) else None,
-            "transfer_bytes": rec.get("transfer_bytes"), "error": s.get("error")}
+    around = (
+        walls[(walls.index >= rejoin - 1) & (walls.index <= rejoin + 1)]
+        if rejoin
+        else walls.iloc[:0]
+    )
+    return {
+        "rc": s["_rc"],
+        "stall_s": rec.get("survivor_stall_s"),
+        "stall_steps": rec.get("survivor_stall_steps"),
+        "median_step_s": round(median, 4),
+        "detected_s": rec.get("detected_s"),
+        "rejoined_step": rejoin,
+        "restart_s": rec.get("restart_s"),
+        "catchup_s": rec.get("catchup_s"),
+        "catchup_over_step": round(rec["catchup_s"] / median, 3) if rec.get("catchup_s") else None,
+        "rejoin_slowest_over_median": round(float(around.max()) / median, 3)
+        if len(around)
+        else None,
+        "transfer_bytes": rec.get("transfer_bytes"),
+        "error": s.get("error"),
+    }
 
 
 def restart_arm(out: Path, steps: int, fail: int, how: str) -> dict:
     if how == "memory":
-        s = run(out, "--steps", str(steps), "--recovery", "restart", "--inject", f"stop:rank=1,step={fail}")
+        s = run(
+            out,
+            "--steps",
+            str(steps),
+            "--recovery",
+            "restart",
+            "--inject",
+            f"stop:rank=1,step={fail}",
+        )
         rec = s.get("recovery") or {}
         walls = step_walls(out)
         median = float(walls[walls.index < fail].median())
         stall = (rec.get("stall_s") or 0.0) + (rec.get("lost_steps") or 0) * median
-        extra = {"source": rec.get("source"), "restart_stall_s": rec.get("stall_s"), "lost_steps": rec.get("lost_steps")}
+        extra = {
+            "source": rec.get("source"),
+            "restart_stall_s": rec.get("stall_s"),
+            "lost_steps": rec.get("lost_steps"),
+        }
     else:
-        s = run(out, "--steps", str(steps), "--ckpt-every", "5", "--inject", f"stop:rank=1,step={fail}")
+        s = run(
+            out, "--steps", str(steps), "--ckpt-every", "5", "--inject", f"stop:rank=1,step={fail}"
+        )
         change = (s.get("plan_changes") or [{}])[0]
         walls = step_walls(out)
         median = float(walls[walls.index < fail].median())
@@ -136,8 +227,14 @@ def restart_arm(out: Path, steps: int, fail: int, how: str) -> dict:
         first_start = float(after[after.optype == "step"].start_ts.min())
         stall = first_start - last_end + lost * median
         extra = {"restart_stall_s": round(first_start - last_end, 3), "lost_steps": lost}
-    return {"rc": s["_rc"], "stall_s": round(stall, 3), "stall_steps": round(stall / median, 3),
-            "median_step_s": round(median, 4), **extra, "error": s.get("error")}
+    return {
+        "rc": s["_rc"],
+        "stall_s": round(stall, 3),
+        "stall_steps": round(stall / median, 3),
+        "median_step_s": round(median, 4),
+        **extra,
+        "error": s.get("error"),
+    }
 
 
 def main() -> None:
@@ -147,29 +244,55 @@ def main() -> None:
     parser.add_argument("--fail-step", type=int, default=12)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ff-only", action="store_true", help="only the failure-free arms")
-    parser.add_argument("--ff-rounds", type=int, default=None, help="rounds of the failure-free arms")
-    parser.add_argument("--nodes", action="store_true", help="also the replica arm on two launchers")
-    parser.add_argument("--nodes-only", action="store_true", help="only the replica arms, one and two launchers")
+    parser.add_argument(
+        "--ff-rounds", type=int, default=None, help="rounds of the failure-free arms"
+    )
+    parser.add_argument(
+        "--nodes", action="store_true", help="also the replica arm on two launchers"
+    )
+    parser.add_argument(
+        "--nodes-only", action="store_true", help="only the replica arms, one and two launchers"
+    )
     args = parser.parse_args()
-    arms = ([] if args.ff_only else ["replica", "memory", "disk"]) + ["ff-replica", "ff-none", "ff-none-again"]
+    arms = ([] if args.ff_only else ["replica", "memory", "disk"]) + [
+        "ff-replica",
+        "ff-none",
+        "ff-none-again",
+    ]
     if args.nodes or args.nodes_only:
         arms.insert(1, "replica-2nodes")
     if args.nodes_only:
         arms = ["replica", "replica-2nodes"]
     args.rounds = args.ff_rounds or args.rounds if args.ff_only else args.rounds
-    every = ["replica", "replica-2nodes", "memory", "disk", "ff-replica", "ff-none", "ff-none-again"]
+    every = [
+        "replica",
+        "replica-2nodes",
+        "memory",
+        "disk",
+        "ff-replica",
+        "ff-none",
+        "ff-none-again",
+    ]
     results: dict[str, list[dict]] = {a: [] for a in every}
     with tempfile.TemporaryDirectory(prefix="replica-ft-") as tmp:
         for r in range(args.rounds):
-            order = arms[r % len(arms):] + arms[:r % len(arms)]
+            order = arms[r % len(arms) :] + arms[: r % len(arms)]
             for arm in order:
                 out = Path(tmp) / f"{arm}-{r}"
                 if arm in ("replica", "replica-2nodes"):
-                    results[arm].append(replica_arm(out, args.steps, args.fail_step, 2 if arm == "replica-2nodes" else 1))
+                    results[arm].append(
+                        replica_arm(
+                            out, args.steps, args.fail_step, 2 if arm == "replica-2nodes" else 1
+                        )
+                    )
                 elif arm in ("memory", "disk"):
                     results[arm].append(restart_arm(out, args.steps, args.fail_step, arm))
                 else:
-                    results[arm].append(failure_free_arm(out, args.steps, "replica" if arm == "ff-replica" else "none"))
+                    results[arm].append(
+                        failure_free_arm(
+                            out, args.steps, "replica" if arm == "ff-replica" else "none"
+                        )
+                    )
                 print(arm, r, json.dumps(results[arm][-1]), file=sys.stderr, flush=True)
 
     def med(arm: str, key: str) -> float | None:
@@ -182,16 +305,35 @@ def main() -> None:
         torchft_note = "installed, not yet wired into this harness"
     except ImportError:
         torchft_note = "not installed (optional extra): not run"
-    replica_stall, memory_stall, disk_stall = med("replica", "stall_s"), med("memory", "stall_s"), med("disk", "stall_s")
+    replica_stall, memory_stall, disk_stall = (
+        med("replica", "stall_s"),
+        med("memory", "stall_s"),
+        med("disk", "stall_s"),
+    )
     ff_replica, ff_none = med("ff-replica", "tokens_per_s"), med("ff-none", "tokens_per_s")
-    pairs = list(zip(results["ff-replica"], results["ff-none"], results["ff-none-again"], strict=True))
-    replica_keys = ("stall_s", "stall_steps", "median_step_s", "detected_s", "restart_s", "catchup_s",
-                    "catchup_over_step", "rejoin_slowest_over_median", "rejoined_step")
+    pairs = list(
+        zip(results["ff-replica"], results["ff-none"], results["ff-none-again"], strict=True)
+    )
+    replica_keys = (
+        "stall_s",
+        "stall_steps",
+        "median_step_s",
+        "detected_s",
+        "restart_s",
+        "catchup_s",
+        "catchup_over_step",
+        "rejoin_slowest_over_median",
+        "rejoined_step",
+    )
 
     def paired(key: str, slower: bool) -> tuple[list[float], list[float]]:
         """Per round, replica's cost over none's (``slower``: a larger ``key`` is worse), and the
         noise floor |none / none again - 1|."""
-        over = [(r[key] / n[key] if slower else n[key] / r[key]) - 1 for r, n, _ in pairs if r.get(key) and n.get(key)]
+        over = [
+            (r[key] / n[key] if slower else n[key] / r[key]) - 1
+            for r, n, _ in pairs
+            if r.get(key) and n.get(key)
+        ]
         noise = [abs(n[key] / a[key] - 1) for _, n, a in pairs if n.get(key) and a.get(key)]
         return over, noise
 
@@ -200,30 +342,58 @@ def main() -> None:
 
     over, noise = paired("step_period_s", slower=True)
     over_tps, noise_tps = paired("tokens_per_s", slower=False)
-    startup = [r["first_step_s"] - n["first_step_s"] for r, n, _ in pairs
-               if r.get("first_step_s") is not None and n.get("first_step_s") is not None]
+    startup = [
+        r["first_step_s"] - n["first_step_s"]
+        for r, n, _ in pairs
+        if r.get("first_step_s") is not None and n.get("first_step_s") is not None
+    ]
     summary = {
-        "harness": {"model": MODEL, "steps": args.steps, "fault": f"stop:rank=1,step={args.fail_step}",
-                    "rounds": args.rounds, "machine": os.cpu_count()},
+        "harness": {
+            "model": MODEL,
+            "steps": args.steps,
+            "fault": f"stop:rank=1,step={args.fail_step}",
+            "rounds": args.rounds,
+            "machine": os.cpu_count(),
+        },
         "replica": {k: med("replica", k) for k in replica_keys},
-        "replica_2nodes": {k: med("replica-2nodes", k) for k in replica_keys} if results["replica-2nodes"] else None,
-        "memory_restart": {k: med("memory", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")},
-        "disk_restart": {k: med("disk", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")},
-        "stall_vs_disk_restart": round(replica_stall / disk_stall, 4) if replica_stall and disk_stall else None,
-        "stall_vs_memory_restart": round(replica_stall / memory_stall, 4) if replica_stall and memory_stall else None,
+        "replica_2nodes": {k: med("replica-2nodes", k) for k in replica_keys}
+        if results["replica-2nodes"]
+        else None,
+        "memory_restart": {
+            k: med("memory", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")
+        },
+        "disk_restart": {
+            k: med("disk", k) for k in ("stall_s", "stall_steps", "restart_stall_s", "lost_steps")
+        },
+        "stall_vs_disk_restart": round(replica_stall / disk_stall, 4)
+        if replica_stall and disk_stall
+        else None,
+        "stall_vs_memory_restart": round(replica_stall / memory_stall, 4)
+        if replica_stall and memory_stall
+        else None,
         "failure_free_overhead": median(over),
         "failure_free_overhead_each": [round(x, 4) for x in over],
         "failure_free_noise": median(noise),
-        "failure_free_step_period_s": {"replica": med("ff-replica", "step_period_s"), "none": med("ff-none", "step_period_s")},
+        "failure_free_step_period_s": {
+            "replica": med("ff-replica", "step_period_s"),
+            "none": med("ff-none", "step_period_s"),
+        },
         "failure_free_startup_s": median(startup),
         "failure_free_overhead_tokens_per_s": median(over_tps),
         "failure_free_overhead_tokens_per_s_each": [round(x, 4) for x in over_tps],
         "failure_free_noise_tokens_per_s": median(noise_tps),
-        "failure_free_overhead_tokens_per_s_of_medians": round(ff_none / ff_replica - 1, 4) if ff_replica and ff_none else None,
+        "failure_free_overhead_tokens_per_s_of_medians": round(ff_none / ff_replica - 1, 4)
+        if ff_replica and ff_none
+        else None,
         "failure_free_tokens_per_s": {"replica": ff_replica, "none": ff_none},
         "torchft": torchft_note,
-        "targets": {"stall_vs_disk_restart": "<= 0.05", "stall_steps": "<= 3", "catchup_over_step": "<= 1",
-                    "rejoin_slowest_over_median": "<= 2", "failure_free_overhead": "<= 0.03"},
+        "targets": {
+            "stall_vs_disk_restart": "<= 0.05",
+            "stall_steps": "<= 3",
+            "catchup_over_step": "<= 1",
+            "rejoin_slowest_over_median": "<= 2",
+            "failure_free_overhead": "<= 0.03",
+        },
         "runs": results,
     }
     text = json.dumps(summary, indent=2)

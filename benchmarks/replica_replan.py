@@ -43,49 +43,112 @@ from pathlib import Path
 
 import pandas as pd
 
-MODEL = ["--layers", "4", "--hidden", "128", "--heads", "4", "--ffn-hidden", "512", "--vocab", "1024",
-         "--global-tokens", "4096", "--budget", "512", "--max-len", "512", "--dp", "2",
-         "--recovery", "replica", "--json", "--timeout", "60"]
+MODEL = [
+    "--layers",
+    "4",
+    "--hidden",
+    "128",
+    "--heads",
+    "4",
+    "--ffn-hidden",
+    "512",
+    "--vocab",
+    "1024",
+    "--global-tokens",
+    "4096",
+    "--budget",
+    "512",
+    "--max-len",
+    "512",
+    "--dp",
+    "2",
+    "--recovery",
+    "replica",
+    "--json",
+    "--timeout",
+    "60",
+]
 LAYOUTS = {"pp": ["--pp", "2", "--tp", "1"], "tp": ["--pp", "1", "--tp", "2"]}
 WORLD = 4
 
 
-def run(out: Path, layout: str, steps: int, slow: str, *args: str) -> tuple[dict, pd.DataFrame | None]:
+def run(
+    out: Path, layout: str, steps: int, slow: str, *args: str
+) -> tuple[dict, pd.DataFrame | None]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *MODEL, *LAYOUTS[layout],
-                           "--steps", str(steps),
-                           "--inject", slow, *args], capture_output=True, text=True, env=env, timeout=900)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            "-o",
+            str(out),
+            *MODEL,
+            *LAYOUTS[layout],
+            "--steps",
+            str(steps),
+            "--inject",
+            slow,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    summary = (
+        json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    )
     summary["_rc"], summary["_stderr"] = proc.returncode, proc.stderr[-400:]
     trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
     return summary, trace
 
 
-def arm(out: Path, layout: str, steps: int, slow_step: int, factor: float, tail: int, live: bool) -> dict:
-    summary, trace = run(out, layout, steps, f"slow:rank=1,factor={factor},step={slow_step}",
-                         *([] if live else ["--no-live"]))
-    row: dict = {"rc": summary["_rc"], "error": summary.get("error") or (summary["_stderr"] if summary["_rc"] else None)}
+def arm(
+    out: Path, layout: str, steps: int, slow_step: int, factor: float, tail: int, live: bool
+) -> dict:
+    summary, trace = run(
+        out,
+        layout,
+        steps,
+        f"slow:rank=1,factor={factor},step={slow_step}",
+        *([] if live else ["--no-live"]),
+    )
+    row: dict = {
+        "rc": summary["_rc"],
+        "error": summary.get("error") or (summary["_stderr"] if summary["_rc"] else None),
+    }
     if trace is None:
         return row
     walls = trace[trace.optype == "step"].groupby("step").duration.max()
     healthy = float(walls[(walls.index >= 3) & (walls.index < slow_step)].median())
     after = float(walls[walls.index >= steps - tail].median())
-    row.update(healthy_step_s=round(healthy, 4), after_step_s=round(after, 4),
-               capacity_ratio=round((healthy / after) / ((WORLD - 1 + 1 / factor) / WORLD), 4))
+    row.update(
+        healthy_step_s=round(healthy, 4),
+        after_step_s=round(after, 4),
+        capacity_ratio=round((healthy / after) / ((WORLD - 1 + 1 / factor) / WORLD), 4),
+    )
     changes = summary.get("plan_changes") or []
     if live and changes:
         first = changes[0]
         at = first.get("applied_step")
         moves = trace[trace.optype.isin(["replan-layers", "replan-layout"]) & (trace.step == at)]
         move_s = float(moves.duration.max()) if len(moves) else None
-        row["change"] = {"applied": first.get("applied"), "applied_step": at, "decided_step": first.get("decided_step"),
-                         "groups": (first.get("layout") or {}).get("pipelines"), "spares": first.get("spares", []),
-                         "layer_splits": first.get("layer_splits"), "dp_weights": first.get("dp_weights"),
-                         "predicted_step_s": round(first["predicted_step_s"], 4),
-                         "moved_bytes": int(moves["bytes"].sum()) if "bytes" in moves else None,
-                         "move_s": round(move_s, 4) if move_s is not None else None,
-                         "stall_steps": round(move_s / healthy, 3) if move_s is not None else None,
-                         "changes": len(changes)}
+        row["change"] = {
+            "applied": first.get("applied"),
+            "applied_step": at,
+            "decided_step": first.get("decided_step"),
+            "groups": (first.get("layout") or {}).get("pipelines"),
+            "spares": first.get("spares", []),
+            "layer_splits": first.get("layer_splits"),
+            "dp_weights": first.get("dp_weights"),
+            "predicted_step_s": round(first["predicted_step_s"], 4),
+            "moved_bytes": int(moves["bytes"].sum()) if "bytes" in moves else None,
+            "move_s": round(move_s, 4) if move_s is not None else None,
+            "stall_steps": round(move_s / healthy, 3) if move_s is not None else None,
+            "changes": len(changes),
+        }
     return row
 
 
@@ -96,7 +159,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--slow-step", type=int, default=15)
     parser.add_argument("--factor", type=float, default=3.0)
-    parser.add_argument("--tail", type=int, default=30, help="steps at the end the after-step is the median of")
+    parser.add_argument(
+        "--tail", type=int, default=30, help="steps at the end the after-step is the median of"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     t0 = time.time()
@@ -105,20 +170,42 @@ def main() -> None:
         for r in range(args.rounds):
             order = ["live", "no-live"] if r % 2 == 0 else ["no-live", "live"]
             for name in order:
-                results[name].append(arm(Path(tmp) / f"{name}-{r}", args.layout, args.steps, args.slow_step,
-                                         args.factor, args.tail, name == "live"))
+                results[name].append(
+                    arm(
+                        Path(tmp) / f"{name}-{r}",
+                        args.layout,
+                        args.steps,
+                        args.slow_step,
+                        args.factor,
+                        args.tail,
+                        name == "live",
+                    )
+                )
     ok = all(row["rc"] == 0 and "after_step_s" in row for rows in results.values() for row in rows)
-    out: dict = {"benchmark": "replica-replan", "machine": f"{platform.machine()} {os.cpu_count()} cores",
-                 "model": " ".join(MODEL + LAYOUTS[args.layout]), "steps": args.steps, "slow": f"rank 1 x{args.factor} from step {args.slow_step}",
-                 "rounds": args.rounds, "wall_s": round(time.time() - t0, 1), "ok": ok, "runs": results}
+    out: dict = {
+        "benchmark": "replica-replan",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "model": " ".join(MODEL + LAYOUTS[args.layout]),
+        "steps": args.steps,
+        "slow": f"rank 1 x{args.factor} from step {args.slow_step}",
+        "rounds": args.rounds,
+        "wall_s": round(time.time() - t0, 1),
+        "ok": ok,
+        "runs": results,
+    }
     if ok:
         med = lambda name, key: statistics.median(row[key] for row in results[name])  # noqa: E731
         healthy = [row["healthy_step_s"] for rows in results.values() for row in rows]
         out["summary"] = {
             "live_capacity_ratio": round(med("live", "capacity_ratio"), 4),
             "no_live_capacity_ratio": round(med("no-live", "capacity_ratio"), 4),
-            "live_over_no_live": round(statistics.median(
-                a["after_step_s"] / b["after_step_s"] for a, b in zip(results["live"], results["no-live"])), 4),
+            "live_over_no_live": round(
+                statistics.median(
+                    a["after_step_s"] / b["after_step_s"]
+                    for a, b in zip(results["live"], results["no-live"])
+                ),
+                4,
+            ),
             "healthy_spread": round(max(healthy) / min(healthy), 4),
             "applied": [row.get("change", {}).get("applied") for row in results["live"]],
             "groups": [row.get("change", {}).get("groups") for row in results["live"]],

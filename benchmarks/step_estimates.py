@@ -40,13 +40,73 @@ import pandas as pd
 from resihp.train.worker import step_table
 
 CASES = [
-    ("slow-dp2", ["--dp", "2", "--pp", "1", "--recovery", "none", "--inject", "slow:rank=1,factor=3,step=24"]),
-    ("slow-pp2", ["--dp", "1", "--pp", "2", "--recovery", "none", "--inject", "slow:rank=1,factor=3,step=24"]),
-    ("slow-dp2-replica", ["--dp", "2", "--pp", "1", "--recovery", "replica",
-                          "--inject", "slow:rank=1,factor=3,step=24"]),
-    ("slow-dp2xpp2", ["--dp", "2", "--pp", "2", "--recovery", "none", "--inject", "slow:rank=1,factor=3,step=24"]),
-    ("dead-dp2xpp2", ["--dp", "2", "--pp", "2", "--recovery", "none", "--ckpt-every", "4",
-                      "--inject", "stop:rank=3,step=22"]),
+    (
+        "slow-dp2",
+        [
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--recovery",
+            "none",
+            "--inject",
+            "slow:rank=1,factor=3,step=24",
+        ],
+    ),
+    (
+        "slow-pp2",
+        [
+            "--dp",
+            "1",
+            "--pp",
+            "2",
+            "--recovery",
+            "none",
+            "--inject",
+            "slow:rank=1,factor=3,step=24",
+        ],
+    ),
+    (
+        "slow-dp2-replica",
+        [
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--recovery",
+            "replica",
+            "--inject",
+            "slow:rank=1,factor=3,step=24",
+        ],
+    ),
+    (
+        "slow-dp2xpp2",
+        [
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--recovery",
+            "none",
+            "--inject",
+            "slow:rank=1,factor=3,step=24",
+        ],
+    ),
+    (
+        "dead-dp2xpp2",
+        [
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--recovery",
+            "none",
+            "--ckpt-every",
+            "4",
+            "--inject",
+            "stop:rank=3,step=22",
+        ],
+    ),
 ]
 CONTROLS = [
     ("healthy-dp2", ["--dp", "2", "--pp", "1", "--recovery", "none"]),
@@ -60,8 +120,20 @@ AFTER = range(29, 50)  # the steps such a change's step is measured on (21, as i
 def run_job(name: str, args: list[str], tmp: Path) -> tuple[dict | None, str | None]:
     """``resihp run --json`` of one case: (its summary, None), or (None, the error's last line)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "resihp.cli", "run", "--device", "cpu", "--steps", str(STEPS), *args,
-           "-o", str(tmp / name), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "resihp.cli",
+        "run",
+        "--device",
+        "cpu",
+        "--steps",
+        str(STEPS),
+        *args,
+        "-o",
+        str(tmp / name),
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         return None, (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -76,9 +148,14 @@ def run_control(name: str, args: list[str], tmp: Path) -> dict:
     wall = step_table(pd.read_parquet(summary["trace"])).wall_s
     before = float(wall[wall.index.isin(CALIBRATION)].median())
     after = float(wall[wall.index.isin(AFTER)].median())
-    return {"case": name, "control": True, "oversubscribed": bool(summary.get("oversubscribed")),
-            "calibration_step_s": round(before, 6), "measured_step_s": round(after, 6),
-            "step_error": round(before / after - 1, 4)}
+    return {
+        "case": name,
+        "control": True,
+        "oversubscribed": bool(summary.get("oversubscribed")),
+        "calibration_step_s": round(before, 6),
+        "measured_step_s": round(after, 6),
+        "step_error": round(before / after - 1, 4),
+    }
 
 
 def run_case(name: str, args: list[str], tmp: Path) -> dict:
@@ -93,18 +170,28 @@ def run_case(name: str, args: list[str], tmp: Path) -> dict:
         # the one-factor pacing's factor divides out to the analytic estimate; a two-part pacing's
         # (devices on compute, an overhead per transfer) does not
         factor = cal["factor"] if cal and "p2p_overhead_s" not in cal else None
-        changes.append({
-            "reason": (c.get("reason") or {"kind": c.get("kind")}).get("kind"),
-            "slowdown": (c.get("reason") or {}).get("slowdown"),
-            "present_pace": c.get("present_pace"),
-            "applied": c.get("applied"), "predicted_step_s": round(c["predicted_step_s"], 4),
-            "measured_step_s": c["measured_step_s"], "measured_steps": c["measured_steps"],
-            "step_error": c["step_error"],
-            "unpaced_error": round(c["predicted_step_s"] / factor / c["measured_step_s"] - 1, 4) if factor else None})
-    return {"case": name, "oversubscribed": bool(summary.get("oversubscribed")),
-            "calibration": summary.get("planner_calibration") or next(
-                (c.get("planner_calibration") for c in summary.get("plan_changes") or []), None),
-            "changes": changes}
+        changes.append(
+            {
+                "reason": (c.get("reason") or {"kind": c.get("kind")}).get("kind"),
+                "slowdown": (c.get("reason") or {}).get("slowdown"),
+                "present_pace": c.get("present_pace"),
+                "applied": c.get("applied"),
+                "predicted_step_s": round(c["predicted_step_s"], 4),
+                "measured_step_s": c["measured_step_s"],
+                "measured_steps": c["measured_steps"],
+                "step_error": c["step_error"],
+                "unpaced_error": round(c["predicted_step_s"] / factor / c["measured_step_s"] - 1, 4)
+                if factor
+                else None,
+            }
+        )
+    return {
+        "case": name,
+        "oversubscribed": bool(summary.get("oversubscribed")),
+        "calibration": summary.get("planner_calibration")
+        or next((c.get("planner_calibration") for c in summary.get("plan_changes") or []), None),
+        "changes": changes,
+    }
 
 
 def main() -> None:
@@ -112,8 +199,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cases", default=",".join(n for n, _ in CASES + CONTROLS))
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once (each runs its own job)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of every case, interleaved (this CPU drifts: one run per case is noise)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every case, interleaved (this CPU drifts: one run per case is noise)",
+    )
     args = ap.parse_args()
     wanted = args.cases.split(",")
     runs = []
@@ -127,29 +218,52 @@ def main() -> None:
     runs = [r for r in runs if not r.get("control")]
 
     def errors(over: bool, key: str) -> list[float]:
-        return [abs(c[key]) for r in runs if r.get("oversubscribed") == over for c in r.get("changes", [])
-                if c.get(key) is not None]
+        return [
+            abs(c[key])
+            for r in runs
+            if r.get("oversubscribed") == over
+            for c in r.get("changes", [])
+            if c.get(key) is not None
+        ]
+
     fit, over = errors(False, "step_error"), errors(True, "step_error")
     unpaced = errors(False, "unpaced_error")
-    result = {"benchmark": "step-estimates", "steps": STEPS, "cores": os.cpu_count(), "jobs": args.jobs,
-              "runs": runs,
-              "summary": {
-                  "median_abs_step_error": round(statistics.median(fit), 4) if fit else None,
-                  "max_abs_step_error": round(max(fit), 4) if fit else None,
-                  "median_abs_unpaced_error": round(statistics.median(unpaced), 4) if unpaced else None,
-                  "oversubscribed_median_abs_step_error": round(statistics.median(over), 4) if over else None,
-                  "changes_measured": len(fit) + len(over),
-                  # per case, the median over its rounds of each run's median |step_error|
-                  "per_case_median_abs_step_error": {
-                      name: round(statistics.median(per), 4) for name in wanted
-                      if (per := [statistics.median(abs(c["step_error"]) for c in r["changes"])
-                                  for r in runs if r["case"] == name and r.get("changes")])},
-                  # nothing injected: the calibration steps' median against the later steps'
-                  "control_abs_step_error": {
-                      name: sorted(abs(r["step_error"]) for r in controls if r["case"] == name)
-                      for name in wanted if any(r["case"] == name for r in controls)}},
-              "controls": controls,
-              "target": {"abs_step_error": "<= 0.05"}}
+    result = {
+        "benchmark": "step-estimates",
+        "steps": STEPS,
+        "cores": os.cpu_count(),
+        "jobs": args.jobs,
+        "runs": runs,
+        "summary": {
+            "median_abs_step_error": round(statistics.median(fit), 4) if fit else None,
+            "max_abs_step_error": round(max(fit), 4) if fit else None,
+            "median_abs_unpaced_error": round(statistics.median(unpaced), 4) if unpaced else None,
+            "oversubscribed_median_abs_step_error": round(statistics.median(over), 4)
+            if over
+            else None,
+            "changes_measured": len(fit) + len(over),
+            # per case, the median over its rounds of each run's median |step_error|
+            "per_case_median_abs_step_error": {
+                name: round(statistics.median(per), 4)
+                for name in wanted
+                if (
+                    per := [
+                        statistics.median(abs(c["step_error"]) for c in r["changes"])
+                        for r in runs
+                        if r["case"] == name and r.get("changes")
+                    ]
+                )
+            },
+            # nothing injected: the calibration steps' median against the later steps'
+            "control_abs_step_error": {
+                name: sorted(abs(r["step_error"]) for r in controls if r["case"] == name)
+                for name in wanted
+                if any(r["case"] == name for r in controls)
+            },
+        },
+        "controls": controls,
+        "target": {"abs_step_error": "<= 0.05"},
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

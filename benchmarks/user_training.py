@@ -59,8 +59,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=20.0, help="model size, millions of parameters")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--warmup", type=int, default=1, help="rounds first, not counted (first-use "
-                    "costs: the memory tier's slots, DCP's stager buffers)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="rounds first, not counted (first-use "
+        "costs: the memory tier's slots, DCP's stager buffers)",
+    )
     ap.add_argument("--tokens", type=int, default=256, help="tokens per step")
     ap.add_argument("--disk", default=None, help="folder for the DCP arms (default: a temp folder)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
@@ -73,8 +78,14 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     snaps = Snapshots({"model": model, "optimizer": optimizer}, job_id=f"bench-{os.getpid()}")
     disk = Path(args.disk or tempfile.mkdtemp(prefix="resihp-bench-"))
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                          use_async_staging=True, use_non_blocking_copy=False))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=True,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+    )
     step = 0
 
     def train_step() -> float:
@@ -101,7 +112,7 @@ def main() -> None:
         if r == args.warmup:
             stalls = {arm: [] for arm in ARMS}
             compute_s = []
-        for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
+        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
             compute_s.append(train_step())
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
             t0 = time.perf_counter()
@@ -123,8 +134,9 @@ def main() -> None:
                 stalls[arm].append(time.perf_counter() - t0)
             else:
                 with single_process():
-                    pending = dcp.async_save(state, checkpoint_id=str(target),
-                                             async_stager=stager, no_dist=True)
+                    pending = dcp.async_save(
+                        state, checkpoint_id=str(target), async_stager=stager, no_dist=True
+                    )
                 called = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 pending.staging_completion.result()  # the next optimizer step must wait for it
@@ -139,16 +151,17 @@ def main() -> None:
     med = {arm: statistics.median(v) for arm, v in stalls.items()}
     result = {
         "benchmark": "user_training.snapshot_stall",
-        "command": "python benchmarks/user_training.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+        "command": "python benchmarks/user_training.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "torch": torch.__version__,
         "params": sum(p.numel() for p in model.parameters()),
         "checkpoint_bytes": nbytes,
         "rounds": args.rounds,
         "step_compute_s_median": statistics.median(compute_s),
         "stall_s_median": med,
-        "stall_s_p25_p75": {arm: [_percentile(v, 0.25), _percentile(v, 0.75)]
-                            for arm, v in stalls.items()},
+        "stall_s_p25_p75": {
+            arm: [_percentile(v, 0.25), _percentile(v, 0.75)] for arm, v in stalls.items()
+        },
         "stall_s_all": stalls,
         "ratios": {
             "resihp_over_memcpy": med["resihp"] / med["memcpy"],

@@ -28,7 +28,9 @@ class Batches:
         self.seed, self.rank, self.vocab, self.tokens, self.position = seed, rank, vocab, tokens, 0
 
     def next(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 10_007 + self.position)
+        g = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.rank * 10_007 + self.position
+        )
         self.position += 1
         return torch.randint(0, self.vocab, (4, self.tokens), generator=g)
 
@@ -53,22 +55,43 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     vocab = 256
-    model = DistributedDataParallel(nn.Sequential(
-        nn.Embedding(vocab, 64), nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.1),
-        nn.Linear(128, vocab)))
+    model = DistributedDataParallel(
+        nn.Sequential(
+            nn.Embedding(vocab, 64),
+            nn.Linear(64, 128),
+            nn.GELU(),
+            nn.Dropout(0.1),
+            nn.Linear(128, vocab),
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
     data = Batches(args.seed, rank, vocab, tokens=32)
-    snaps = resihp.train.Snapshots({"model": model, "optimizer": optimizer,  # resihp
-                                    "scheduler": scheduler, "data": data}, every=args.every)
+    snaps = resihp.train.Snapshots(
+        {
+            "model": model,
+            "optimizer": optimizer,  # resihp
+            "scheduler": scheduler,
+            "data": data,
+        },
+        every=args.every,
+    )
     restored = snaps.restore()  # resihp
     start = restored.step + 1 if restored else 0  # resihp
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"losses.rank{rank}.jsonl"
     with log.open("a") as f:
-        f.write(json.dumps({"start": start, "source": restored.source if restored else None,
-                            "pid": os.getpid()}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "start": start,
+                    "source": restored.source if restored else None,
+                    "pid": os.getpid(),
+                }
+            )
+            + "\n"
+        )
     for step in range(start, args.steps):
         ids = data.next()
         logits = model(ids[:, :-1])

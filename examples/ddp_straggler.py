@@ -38,8 +38,9 @@ class TinyTransformer(nn.Module):
         dim, heads, layers = self.shape["hidden"], self.shape["heads"], self.shape["layers"]
         self.emb = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
-        block = nn.TransformerEncoderLayer(dim, heads, self.shape["ffn_hidden"], dropout=0.0,
-                                           batch_first=True)
+        block = nn.TransformerEncoderLayer(
+            dim, heads, self.shape["ffn_hidden"], dropout=0.0, batch_first=True
+        )
         self.body = nn.TransformerEncoder(block, layers)
         self.head = nn.Linear(dim, vocab)
 
@@ -88,8 +89,12 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=None)
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--slow-from", type=int, default=30)
-    parser.add_argument("--phase", choices=["both", "forward", "backward", "optimizer"], default="both")
-    parser.add_argument("--detect", action="store_true", help="detect inside the job (rank 0 thread)")
+    parser.add_argument(
+        "--phase", choices=["both", "forward", "backward", "optimizer"], default="both"
+    )
+    parser.add_argument(
+        "--detect", action="store_true", help="detect inside the job (rank 0 thread)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -103,10 +108,17 @@ def main():
     clock = {}
     # the slow optimizer: hooks registered before resihp's, so its timing includes the sleep
     opt.register_step_pre_hook(lambda *_: clock.update(t0=time.perf_counter()))
-    opt.register_step_post_hook(lambda *_: "optimizer" in _Slow.phases and _Slow.factor > 1 and time.sleep(
-        (_Slow.factor - 1) * (time.perf_counter() - clock["t0"])))
+    opt.register_step_post_hook(
+        lambda *_: (
+            "optimizer" in _Slow.phases
+            and _Slow.factor > 1
+            and time.sleep((_Slow.factor - 1) * (time.perf_counter() - clock["t0"]))
+        )
+    )
     extra = {"detect": True} if args.detect else {}
-    monitor = resihp.attach(model, optimizer=opt, out=args.out, **TinyTransformer.shape, **extra)  # <- resihp
+    monitor = resihp.attach(
+        model, optimizer=opt, out=args.out, **TinyTransformer.shape, **extra
+    )  # <- resihp
     rng = random.Random(args.seed * 1000 + rank)
     for step in range(args.steps):
         if rank == args.slow_rank and step >= args.slow_from:

@@ -26,12 +26,20 @@ class ResihpTrainer(Trainer):
         dims = self.parallel_dims
         stage = dims.get_mesh("pp").get_local_rank() if dims.pp_enabled else 0
         self.monitor = resihp.attach(
-            self.model_parts[0], optimizer=self.optimizers, out="runs/torchtitan",
-            dp_size=dims.dp_shard * dims.dp_replicate, pp_size=dims.pp, tp_size=dims.tp,
-            stage=stage, detect=True, on_event=self._on_event)
+            self.model_parts[0],
+            optimizer=self.optimizers,
+            out="runs/torchtitan",
+            dp_size=dims.dp_shard * dims.dp_replicate,
+            pp_size=dims.pp,
+            tp_size=dims.tp,
+            stage=stage,
+            detect=True,
+            on_event=self._on_event,
+        )
         self._lengths = []
-        self.model_parts[0].register_forward_pre_hook(self._note_lengths, with_kwargs=True,
-                                                      prepend=True)
+        self.model_parts[0].register_forward_pre_hook(
+            self._note_lengths, with_kwargs=True, prepend=True
+        )
 
     def _note_lengths(self, module, args, kwargs):
         if self._lengths:  # one entry per micro-batch, in the order the forwards run
@@ -39,15 +47,20 @@ class ResihpTrainer(Trainer):
 
     def _on_event(self, event):
         if event["kind"] == "fail-slow":
-            print(f"resihp: rank {event['rank']} is x{event['slowdown']:.2f} slower "
-                  f"since step {event['onset_step']}")
+            print(
+                f"resihp: rank {event['rank']} is x{event['slowdown']:.2f} slower "
+                f"since step {event['onset_step']}"
+            )
 
     def train_step(self, data_iterator):
         # peek the step's micro-batches to read their lengths, then hand them on unchanged
-        batches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps
-                                                      * self.num_pp_microbatches)]
-        self._lengths = [[int(n) for n in (labels != IGNORE_INDEX).sum(-1).tolist()]
-                         for _, labels in batches]
+        batches = [
+            next(data_iterator)
+            for _ in range(self.gradient_accumulation_steps * self.num_pp_microbatches)
+        ]
+        self._lengths = [
+            [int(n) for n in (labels != IGNORE_INDEX).sum(-1).tolist()] for _, labels in batches
+        ]
         with self.monitor.step(step=self.step):
             super().train_step(iter(batches))
 

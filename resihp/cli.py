@@ -29,9 +29,18 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
-                                       help="Print the version and exit")) -> None:
+def _main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        callback=_version,
+        is_eager=True,
+        help="Print the version and exit",
+    ),
+) -> None:
     """Resilience layer for hybrid-parallel LLM training."""
+
 
 # Each module defines ``register(app)``; the order is the order of ``resihp --help``.
 COMMAND_MODULES = [
@@ -82,8 +91,11 @@ def main() -> None:
         # what was written before stays valid: outputs are replaced whole (temp file, rename)
         name = getattr(full, "filename", None)
         where = f" writing {name}" if name else ""
-        print(f"resihp: disk full{where} ({getattr(full, 'strerror', None) or 'No space left on device'}); "
-              f"free space and run again", file=sys.stderr)
+        print(
+            f"resihp: disk full{where} ({getattr(full, 'strerror', None) or 'No space left on device'}); "
+            f"free space and run again",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if isinstance(code, int) and code:  # a verb's typer.Exit(code)
         sys.exit(code)

@@ -51,8 +51,12 @@ def _option(leaf: Flag, default: Any, tp: Any) -> inspect.Parameter:
         raise TypeError(f"{leaf.dotted}: no command-line form for {tp!r}")
     if leaf.name == "out":
         annotation, default = Path, Path(default)
-    return inspect.Parameter(leaf.param, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[annotation, typer.Option(*decls, **kwargs)])
+    return inspect.Parameter(
+        leaf.param,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=default,
+        annotation=Annotated[annotation, typer.Option(*decls, **kwargs)],
+    )
 
 
 def tree_options(tree: type, defaults: Any | None = None) -> Callable[[F], F]:
@@ -116,21 +120,26 @@ def add_arguments(parser: argparse.ArgumentParser, tree: type) -> None:
         tp = field_types(leaf.owner)[leaf.name]
         scalar, item, decl = scalar_type(tp), _list_item(tp), f"--{leaf.flag}"
         if scalar is bool:
-            parser.add_argument(decl, dest=leaf.param, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                decl, dest=leaf.param, action=argparse.BooleanOptionalAction, default=None
+            )
         elif item is str:
             parser.add_argument(decl, dest=leaf.param, action="append", default=None)
         elif item is not None:
             parser.add_argument(decl, dest=leaf.param, default=None, help="comma-separated")
         else:
-            parser.add_argument(decl, dest=leaf.param, type=scalar, default=None,
-                                choices=leaf.meta("choices"))
+            parser.add_argument(
+                decl, dest=leaf.param, type=scalar, default=None, choices=leaf.meta("choices")
+            )
 
 
 def parse_numbers(text: str, flag: str, kind: type) -> list:
     try:
         return [kind(x) for x in text.split(",")]
     except ValueError:
-        raise InputError(f"{flag} {text!r}: expected comma-separated {kind.__name__}s, e.g. 2,2") from None
+        raise InputError(
+            f"{flag} {text!r}: expected comma-separated {kind.__name__}s, e.g. 2,2"
+        ) from None
 
 
 def renamed(value: Any, old_value: Any, old: str, new: str) -> Any:

@@ -40,7 +40,9 @@ def disk_full(exc: BaseException | None) -> BaseException | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and (e.errno in DISK_FULL_ERRNOS or "No space left on device" in str(e)):
+        if isinstance(e, OSError) and (
+            e.errno in DISK_FULL_ERRNOS or "No space left on device" in str(e)
+        ):
             return e
         stack += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None)

@@ -20,20 +20,38 @@ from resihp.errors import InputError
 from resihp.paths import write_text_atomic
 from resihp.yamlio import check_keys, read_yaml_mapping
 
-TRACE_STREAM = "ops.jsonl"  # a run folder's stream of complete steps' rows (JSON lines; node 0 writes it)
+TRACE_STREAM = (
+    "ops.jsonl"  # a run folder's stream of complete steps' rows (JSON lines; node 0 writes it)
+)
 
 if TYPE_CHECKING:
     import pandas as pd
 
-REQUIRED = {"step": "int", "rank": "int", "dp_rank": "int", "stage": "int", "optype": "str",
-            "duration": "float"}
+REQUIRED = {
+    "step": "int",
+    "rank": "int",
+    "dp_rank": "int",
+    "stage": "int",
+    "optype": "str",
+    "duration": "float",
+}
 OPTIONAL_INT = ["tp_rank", "seq_id", "mc", "gmc", "mb_id", "tokens"]
 OPTIONAL_FLOAT = ["start_ts", "wait_s", "bytes", "loss"]
 MAX_STEP = 10**8  # resihp run's most steps; a larger step number is a damaged trace
 OPTYPES = (
-    "forward-compute", "backward-compute", "forward-send", "forward-recv", "backward-send",
-    "backward-recv", "grads-reduce-scatter", "params-all-gather", "embedding-grads-all-reduce",
-    "layernorm-grads-all-reduce", "optimizer", "optimizer-clip-main-grad", "gc",
+    "forward-compute",
+    "backward-compute",
+    "forward-send",
+    "forward-recv",
+    "backward-send",
+    "backward-recv",
+    "grads-reduce-scatter",
+    "params-all-gather",
+    "embedding-grads-all-reduce",
+    "layernorm-grads-all-reduce",
+    "optimizer",
+    "optimizer-clip-main-grad",
+    "gc",
 )
 COMPUTE_OPTYPES = ("forward-compute", "backward-compute")
 
@@ -63,22 +81,46 @@ class JobMeta:
 
 
 # the job meta's own fields and the optional model fields resihp writes and reads beside them
-META_KEYS = ("dp_size", "pp_size", "tp_size", "world_size", "dsp_size", "vpp_size", "layers", "hidden",
-             "heads", "ffn_hidden", "vocab", "max_seq_len", "mlp", "schedule", "source", "global_tokens",
-             "budget", "layer_split", "seed", "name", "model")
+META_KEYS = (
+    "dp_size",
+    "pp_size",
+    "tp_size",
+    "world_size",
+    "dsp_size",
+    "vpp_size",
+    "layers",
+    "hidden",
+    "heads",
+    "ffn_hidden",
+    "vocab",
+    "max_seq_len",
+    "mlp",
+    "schedule",
+    "source",
+    "global_tokens",
+    "budget",
+    "layer_split",
+    "seed",
+    "name",
+    "model",
+)
 
 
 def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
     """The job meta YAML: (parallel sizes, the whole mapping including optional model fields)."""
-    data = read_yaml_mapping(path, "job meta",
-                             "job meta must be a mapping with dp_size, pp_size, tp_size, world_size")
+    data = read_yaml_mapping(
+        path, "job meta", "job meta must be a mapping with dp_size, pp_size, tp_size, world_size"
+    )
     # a public trace's meta may carry fields of its own: only a near miss of a known key is refused
     check_keys(data, META_KEYS, str(path), typos_only=True)
     missing = [k for k in ("dp_size", "pp_size", "tp_size", "world_size") if k not in data]
     if missing:
         raise InputError(f"{path}: job meta lacks {', '.join(missing)}")
-    fields = {k: data[k] for k in ("dp_size", "pp_size", "tp_size", "world_size", "dsp_size", "vpp_size")
-              if k in data}
+    fields = {
+        k: data[k]
+        for k in ("dp_size", "pp_size", "tp_size", "world_size", "dsp_size", "vpp_size")
+        if k in data
+    }
     try:
         return JobMeta(**fields), data
     except InputError as exc:
@@ -87,7 +129,9 @@ def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
 
 def write_meta(meta: JobMeta, path: str | Path, **extra: object) -> None:
     # whole or not at all: a follower polls for it from another process
-    write_text_atomic(path, yaml.safe_dump({**meta.to_dict(), **extra}, sort_keys=False), durable=False)
+    write_text_atomic(
+        path, yaml.safe_dump({**meta.to_dict(), **extra}, sort_keys=False), durable=False
+    )
 
 
 def _parse_seq_lens(value: object) -> list[int] | None:
@@ -103,6 +147,7 @@ def _parse_seq_lens(value: object) -> list[int] | None:
 def read_ops_trace(path: str | Path) -> pd.DataFrame:
     """Read and validate an ops trace (Parquet or CSV). Rows come back sorted by step, rank, time."""
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+
     path = Path(path)
     try:
         if path.suffix.lower() in (".parquet", ".pq"):
@@ -112,8 +157,10 @@ def read_ops_trace(path: str | Path) -> pd.DataFrame:
     except FileNotFoundError:
         raise InputError(f"{path}: no such ops trace") from None
     except Exception as exc:  # pyarrow and pandas raise many types for malformed files
-        raise InputError(f"{path}: cannot read ops trace ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else 'malformed'})") from None
+        raise InputError(
+            f"{path}: cannot read ops trace ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'malformed'})"
+        ) from None
     return validate_ops_trace(df, source=str(path))
 
 
@@ -130,8 +177,10 @@ def json_lines(data: bytes, path: str | Path, first_line: int = 1) -> list[dict]
         except ValueError:  # not JSON, or not UTF-8
             row = None
         if not isinstance(row, dict):
-            raise InputError(f"{path}:{number}: expected one op record (a JSON object) per line, got "
-                             f"{line[:40].decode(errors='replace')!r}")
+            raise InputError(
+                f"{path}:{number}: expected one op record (a JSON object) per line, got "
+                f"{line[:40].decode(errors='replace')!r}"
+            )
         rows.append(row)
     return rows
 
@@ -142,6 +191,7 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
     JSON-lines streams a running job appends to (``ranks/rank<R>.jsonl``; a line still being
     written is left out)."""
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+
     folder = Path(folder)
     meta = folder / "job.yaml"
     meta_path = meta if meta.exists() else None
@@ -152,14 +202,17 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
         df = pd.concat([read_ops_trace(p) for p in parts], ignore_index=True)
         return validate_ops_trace(df, source=str(folder)), meta_path
     streams = sorted((folder / "ranks").glob("rank*.jsonl")) or [
-        p for p in [folder / TRACE_STREAM] if p.exists()]  # a job stopped before its ops.parquet
+        p for p in [folder / TRACE_STREAM] if p.exists()
+    ]  # a job stopped before its ops.parquet
     rows = []
     for path in streams:
         data = path.read_bytes()
-        rows += json_lines(data[:data.rfind(b"\n") + 1], path)
+        rows += json_lines(data[: data.rfind(b"\n") + 1], path)
     if not rows:
-        raise InputError(f"{folder}: no ops trace in this folder (expected ops.parquet, "
-                         f"ops.rank<R>.parquet files, ranks/rank<R>.jsonl streams or {TRACE_STREAM})")
+        raise InputError(
+            f"{folder}: no ops trace in this folder (expected ops.parquet, "
+            f"ops.rank<R>.parquet files, ranks/rank<R>.jsonl streams or {TRACE_STREAM})"
+        )
     return validate_ops_trace(pd.DataFrame(rows), source=str(folder)), meta_path
 
 
@@ -170,10 +223,13 @@ def _plain(value: object) -> object:
 
 def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
-        raise InputError(f"{source}: missing required column(s) {', '.join(missing)} "
-                         f"(required: {', '.join(REQUIRED)})")
+        raise InputError(
+            f"{source}: missing required column(s) {', '.join(missing)} "
+            f"(required: {', '.join(REQUIRED)})"
+        )
     if df.empty:
         raise InputError(f"{source}: ops trace has no rows")
     df = df.copy()
@@ -185,7 +241,9 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
         bad = (values.isna() & given) | (values.notna() & (values != np.floor(values.fillna(0))))
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
-            raise InputError(f"{source}: column {col} row {row}: expected an integer, got {_plain(df[col].iloc[row])!r}")
+            raise InputError(
+                f"{source}: column {col} row {row}: expected an integer, got {_plain(df[col].iloc[row])!r}"
+            )
         if col in REQUIRED:
             df[col] = values.astype(np.int64)
         else:
@@ -194,27 +252,35 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
     bad = duration.isna() | ~np.isfinite(duration) | (duration < 0)
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(f"{source}: column duration row {row}: expected a finite non-negative number "
-                         f"of seconds, got {df['duration'].iloc[row]!r}")
+        raise InputError(
+            f"{source}: column duration row {row}: expected a finite non-negative number "
+            f"of seconds, got {df['duration'].iloc[row]!r}"
+        )
     df["duration"] = duration.astype(np.float64)
     for col in [c for c in OPTIONAL_FLOAT if c in df.columns]:
         values = pd.to_numeric(df[col], errors="coerce")
         bad = values.isna() & df[col].notna()
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
-            raise InputError(f"{source}: column {col} row {row}: expected a number, got {_plain(df[col].iloc[row])!r}")
+            raise InputError(
+                f"{source}: column {col} row {row}: expected a number, got {_plain(df[col].iloc[row])!r}"
+            )
         df[col] = values.astype(np.float64)
     if (df[["step", "rank", "dp_rank", "stage"]] < 0).any().any():
         raise InputError(f"{source}: step, rank, dp_rank and stage must be non-negative")
     if int(df["step"].max()) > MAX_STEP:
-        raise InputError(f"{source}: column step: at most {MAX_STEP:,} (a step number of a training run), "
-                         f"got {int(df['step'].max())}")
+        raise InputError(
+            f"{source}: column step: at most {MAX_STEP:,} (a step number of a training run), "
+            f"got {int(df['step'].max())}"
+        )
     df["optype"] = df["optype"].astype(str)
     if "seq_lens" in df.columns:
         try:
             df["seq_lens"] = [_parse_seq_lens(v) for v in df["seq_lens"]]
         except (ValueError, TypeError):
-            raise InputError(f"{source}: column seq_lens: expected a list of integers per row") from None
+            raise InputError(
+                f"{source}: column seq_lens: expected a list of integers per row"
+            ) from None
     order = ["step", "rank"] + (["start_ts"] if "start_ts" in df.columns else [])
     return df.sort_values(order, kind="stable").reset_index(drop=True)
 
@@ -230,7 +296,9 @@ def write_ops_trace(df: pd.DataFrame, path: str | Path) -> None:
         else:
             out = df.copy()
             if "seq_lens" in out.columns:
-                out["seq_lens"] = [json.dumps(list(map(int, v))) if v is not None else "" for v in out["seq_lens"]]
+                out["seq_lens"] = [
+                    json.dumps(list(map(int, v))) if v is not None else "" for v in out["seq_lens"]
+                ]
             out.to_csv(tmp, index=False)
         os.replace(tmp, path)
     finally:

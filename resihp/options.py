@@ -20,19 +20,38 @@ from resihp.errors import InputError
 SEED_MAX = 2**32 - 1  # the largest seed everything resihp seeds (NumPy, torch) accepts
 
 
-def opt(default: Any = dataclasses.MISSING, *, help: str = "", flag: str | None = None,
-        choices: tuple[str, ...] | None = None, minimum: float | None = None,
-        maximum: float | None = None, above: float | None = None, finite: bool = False, decls: tuple[str, ...] = (),
-        panel: str | None = None, factory: Callable[[], Any] | None = None,
-        cli: bool = True) -> Any:
+def opt(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str = "",
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    finite: bool = False,
+    decls: tuple[str, ...] = (),
+    panel: str | None = None,
+    factory: Callable[[], Any] | None = None,
+    cli: bool = True,
+) -> Any:
     """A config field: its default, and what the CLI and the checks need to know about it.
 
     ``flag`` defaults to the field name with dashes; ``cli=False`` keeps it out of the command line
     (set only through a config file); ``minimum``/``maximum`` bound numbers, ``above`` from below
     and exclusive (None allowed when the default is None); ``decls`` are extra spellings (``-o``)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum, "maximum": maximum,
-            "above": above,
-            "finite": finite, "decls": decls, "panel": panel, "cli": cli}
+    meta = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "minimum": minimum,
+        "maximum": maximum,
+        "above": above,
+        "finite": finite,
+        "decls": decls,
+        "panel": panel,
+        "cli": cli,
+    }
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

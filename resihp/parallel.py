@@ -58,8 +58,11 @@ class ParallelDims:
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise InputError(f"rank {rank} is not in [0, {self.world_size})")
-        return Coords(dp_rank=(rank // self.tp) % self.dp, stage=rank // (self.tp * self.dp),
-                      tp_rank=rank % self.tp)
+        return Coords(
+            dp_rank=(rank // self.tp) % self.dp,
+            stage=rank // (self.tp * self.dp),
+            tp_rank=rank % self.tp,
+        )
 
     def rank_of(self, dp_rank, stage, tp_rank=0):
         """The rank at (dp_rank, stage, tp_rank); also elementwise on numpy arrays."""
@@ -76,8 +79,14 @@ class ParallelDims:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
 
 
-def apportion(total: int, weights: Sequence[float] | np.ndarray, *, minimum: int = 0,
-              caps: Sequence[int] | np.ndarray | None = None, what: str = "weights") -> list[int]:
+def apportion(
+    total: int,
+    weights: Sequence[float] | np.ndarray,
+    *,
+    minimum: int = 0,
+    caps: Sequence[int] | np.ndarray | None = None,
+    what: str = "weights",
+) -> list[int]:
     """``total`` split into integers in proportion to ``weights`` (largest remainder).
 
     Each count starts at the floor of its exact share, held to at least ``minimum`` and at most its
@@ -91,7 +100,11 @@ def apportion(total: int, weights: Sequence[float] | np.ndarray, *, minimum: int
     if w.ndim != 1 or w.size == 0 or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
         raise InputError(f"{what} must be non-negative with a positive sum, got {list(weights)}")
     share = total * w / w.sum()
-    hi = np.full(w.size, np.iinfo(np.int64).max) if caps is None else np.asarray(caps, dtype=np.int64)
+    hi = (
+        np.full(w.size, np.iinfo(np.int64).max)
+        if caps is None
+        else np.asarray(caps, dtype=np.int64)
+    )
     counts = np.minimum(np.maximum(np.floor(share).astype(np.int64), minimum), hi)
     while (short := total - int(counts.sum())) > 0:
         room = counts < hi

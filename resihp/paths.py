@@ -34,8 +34,11 @@ def shipped_names(kind: str) -> list[str]:
     root = DATA / folder
     if not root.is_dir():
         return []
-    return sorted(p.name.removesuffix(suffix) for p in root.iterdir()
-                  if (p.is_dir() if not suffix else p.name.endswith(suffix)))
+    return sorted(
+        p.name.removesuffix(suffix)
+        for p in root.iterdir()
+        if (p.is_dir() if not suffix else p.name.endswith(suffix))
+    )
 
 
 def resolve(value: str | Path, kind: str) -> Path:
@@ -49,14 +52,18 @@ def resolve(value: str | Path, kind: str) -> Path:
     folder, suffix, what = SHIPPED[kind]
     bare = len(path.parts) == 1
     if bare or path.parent.as_posix().endswith(folder):
-        candidate = DATA / folder / (path.name if path.name.endswith(suffix) else path.name + suffix)
+        candidate = (
+            DATA / folder / (path.name if path.name.endswith(suffix) else path.name + suffix)
+        )
         if candidate.exists():
             return candidate
     if not bare:
         return path
     names = ", ".join(shipped_names(kind)) or "none"
-    raise InputError(f"{value}: cannot read {what} (no such file, and no shipped {what} of that "
-                     f"name; shipped: {names})")
+    raise InputError(
+        f"{value}: cannot read {what} (no such file, and no shipped {what} of that "
+        f"name; shipped: {names})"
+    )
 
 
 def write_text_atomic(path: str | Path, text: str, durable: bool = True) -> None:

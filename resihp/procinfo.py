@@ -12,7 +12,7 @@ def _stat(pid: int) -> list[str] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return fields or None
 
 

@@ -16,16 +16,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else (
-        f"{seconds // 60}m{seconds % 60:02d}s")
+    return (
+        f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+        if seconds >= 3600
+        else (f"{seconds // 60}m{seconds % 60:02d}s")
+    )
 
 
 class PlainProgress:
     """``advance_to(n)`` that writes a line when ``n`` crosses another ``every_pct`` percent of
     ``total`` or ``every_s`` seconds passed since the last line, and at the end."""
 
-    def __init__(self, description: str, total: int, file: TextIO, every_pct: float = 5.0,
-                 every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        description: str,
+        total: int,
+        file: TextIO,
+        every_pct: float = 5.0,
+        every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.description, self.total, self.file = description, max(int(total), 1), file
         self.every_pct, self.every_s, self.clock = every_pct, every_s, clock
         self.start = self.last_t = clock()
@@ -33,18 +43,26 @@ class PlainProgress:
 
     def __call__(self, n: int) -> None:
         now, pct = self.clock(), 100.0 * min(n, self.total) / self.total
-        if not (n >= self.total or pct - self.last_pct >= self.every_pct
-                or now - self.last_t >= self.every_s):
+        if not (
+            n >= self.total
+            or pct - self.last_pct >= self.every_pct
+            or now - self.last_t >= self.every_s
+        ):
             return
         elapsed = now - self.start
         eta = f", ETA {_clock(elapsed * (self.total - n) / n)}" if 0 < n < self.total else ""
-        print(f"{self.description}: {n}/{self.total} ({pct:.0f}%), {_clock(elapsed)} elapsed{eta}",
-              file=self.file, flush=True)
+        print(
+            f"{self.description}: {n}/{self.total} ({pct:.0f}%), {_clock(elapsed)} elapsed{eta}",
+            file=self.file,
+            flush=True,
+        )
         self.last_t, self.last_pct = now, pct
 
 
 @contextmanager
-def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+def progress_bar(
+    description: str, total: int, enabled: bool = True
+) -> Iterator[Callable[[int], None]]:
     """Yields ``advance_to(n)``."""
     console = Console(file=sys.stderr)
     if not enabled:
@@ -53,7 +71,13 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
     if not console.is_terminal:
         yield PlainProgress(description, total, sys.stderr)
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.update(task, completed=n)

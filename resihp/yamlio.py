@@ -59,8 +59,9 @@ def _no_alias_loader(loader: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
     return _LOADERS[loader]
 
 
-def read_yaml_mapping(path: str | Path, what: str, expected: str,
-                      loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> dict[str, Any]:
+def read_yaml_mapping(
+    path: str | Path, what: str, expected: str, loader: type[yaml.SafeLoader] = yaml.SafeLoader
+) -> dict[str, Any]:
     """The mapping in YAML file ``path``. ``what`` names the file in read errors ("cannot read job
     meta"); ``expected`` is the message when the top level is not a mapping; ``loader`` may be a
     ``yaml.SafeLoader`` subclass (the replay's keeps line numbers). Syntax errors and aliases name
@@ -69,7 +70,9 @@ def read_yaml_mapping(path: str | Path, what: str, expected: str,
     try:
         size = path.stat().st_size
         if size > MAX_BYTES:
-            raise InputError(f"{path}: {size} bytes; a {what} file is at most {MAX_BYTES // 2**20} MiB")
+            raise InputError(
+                f"{path}: {size} bytes; a {what} file is at most {MAX_BYTES // 2**20} MiB"
+            )
         text = path.read_text()
     except OSError as exc:
         raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
@@ -80,13 +83,17 @@ def read_yaml_mapping(path: str | Path, what: str, expected: str,
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
-        raise InputError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        raise InputError(
+            f"{path}{line}: not valid YAML ({getattr(exc, 'problem', None) or exc})"
+        ) from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: {expected}")
     return data
 
 
-def check_keys(data: Mapping, known: Iterable[str], where: str, *, typos_only: bool = False) -> None:
+def check_keys(
+    data: Mapping, known: Iterable[str], where: str, *, typos_only: bool = False
+) -> None:
     """Refuse a key of ``data`` that is not in ``known``: InputError naming it and the known keys
     (and the one it probably meant). With ``typos_only``, keys that are not close to a known one
     are let through (a format that admits foreign fields, such as a public trace's job meta)."""

@@ -27,8 +27,9 @@ def measured_profile():
     torch.set_num_threads(1)
     batches = draw_microbatches(["code", "changelog"], 3, 256, 256, np.random.default_rng(0))
     cfg = GPTConfig(layers=1, hidden=64, heads=2, ffn_hidden=128, max_seq_len=256)
-    return batches, run_profile(cfg, batches, budget=256, device=torch.device("cpu"), repeats=3,
-                                model_name="tiny")
+    return batches, run_profile(
+        cfg, batches, budget=256, device=torch.device("cpu"), repeats=3, model_name="tiny"
+    )
 
 
 @pytest.fixture
@@ -51,8 +52,11 @@ def issue_run_losses(tmp_path_factory) -> list[float]:
     are its first ones."""
     from tests.replica_replay import ISSUE_RUN, ISSUE_STEPS, replay_membership
 
-    return replay_membership({**ISSUE_RUN, "steps": ISSUE_STEPS}, [[0, 1]] * ISSUE_STEPS,
-                             tmp_path_factory.mktemp("issue-run-replay"))
+    return replay_membership(
+        {**ISSUE_RUN, "steps": ISSUE_STEPS},
+        [[0, 1]] * ISSUE_STEPS,
+        tmp_path_factory.mktemp("issue-run-replay"),
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -62,4 +66,6 @@ def _priority_kept():
     that did it fails, not a later one."""
     before = os.nice(0)
     yield
-    assert os.nice(0) == before, f"this test changed pytest's nice value from {before} to {os.nice(0)}"
+    assert os.nice(0) == before, (
+        f"this test changed pytest's nice value from {before} to {os.nice(0)}"
+    )

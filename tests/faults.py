@@ -38,7 +38,7 @@ def parent_of(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def children_map() -> dict[int, list[int]]:
@@ -72,7 +72,11 @@ def announced(out: Path) -> list[dict]:
             entry = json.loads(line)
         except json.JSONDecodeError:  # a line being written
             continue
-        if entry.get("ticks") is not None and start_time(entry["pid"]) == entry["ticks"] and alive(entry["pid"]):
+        if (
+            entry.get("ticks") is not None
+            and start_time(entry["pid"]) == entry["ticks"]
+            and alive(entry["pid"])
+        ):
             found.append(entry)
     return found
 
@@ -82,7 +86,9 @@ def worker_pids(out: Path, world: int, timeout_s: float = 60.0) -> dict[int, int
     finished a step (node 0's trace)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        pids = {e["node"] * e["local_world_size"] + e["local_rank"]: e["pid"] for e in announced(out)}
+        pids = {
+            e["node"] * e["local_world_size"] + e["local_rank"]: e["pid"] for e in announced(out)
+        }
         stream = out / "ops.jsonl"
         if len(pids) == world and stream.exists() and stream.stat().st_size > 0:
             return pids
@@ -134,7 +140,7 @@ def _address(hexaddr: str) -> str:
     raw = bytes.fromhex(hexaddr)
     if len(raw) == 4:
         return str(ipaddress.IPv4Address(raw[::-1]))
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
     return str(ipaddress.IPv6Address(words))
 
 
@@ -181,8 +187,12 @@ def can_mount_tmpfs() -> bool:
 def _try_mount() -> bool:
     probe = Path(tempfile.mkdtemp(prefix="resihp-tmpfs-probe-"))
     try:
-        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
-                            capture_output=True).returncode == 0
+        ok = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)], capture_output=True
+            ).returncode
+            == 0
+        )
         if ok:
             subprocess.run(["umount", str(probe)], capture_output=True)
         return ok

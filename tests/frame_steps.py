@@ -14,7 +14,7 @@ class FrameSteps:
         self.df, self.meta, self.per_poll, self.at = df, meta, per_poll, 0
 
     def complete_steps(self) -> list[tuple[int, list[dict]]]:
-        steps = sorted(self.df["step"].unique())[self.at:self.at + self.per_poll]
+        steps = sorted(self.df["step"].unique())[self.at : self.at + self.per_poll]
         self.at += self.per_poll
         return [(s, self.df[self.df["step"] == s].to_dict("records")) for s in steps]
 

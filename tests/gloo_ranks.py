@@ -23,8 +23,12 @@ def _run(rank: int, body: Callable[[int, int, str], dict], world: int, tmp: str)
     result: dict = {}
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world),
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(os.path.join(tmp, "store"), world),
+            rank=rank,
+            world_size=world,
+        )
         result = body(rank, world, tmp)
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the test process
@@ -34,7 +38,9 @@ def _run(rank: int, body: Callable[[int, int, str], dict], world: int, tmp: str)
 
 def spawn_ranks(body: Callable[[int, int, str], dict], world: int, tmp: str | Path) -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_run, args=(body, world, str(tmp)), nprocs=world, join=True, start_method="fork")
+    mp.start_processes(
+        _run, args=(body, world, str(tmp)), nprocs=world, join=True, start_method="fork"
+    )
     out = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r}:\n{res['error']}"

@@ -11,8 +11,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_notebook(path: str | Path, timeout_s: float = 600, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+def run_notebook(
+    path: str | Path,
+    timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
     """Run every code cell of ``path``; raise AssertionError with the output if any cell fails.
 
     ``env`` entries are added to the environment (a notebook reads e.g. ``RESIHP_QUICK=1`` to use a
@@ -20,14 +24,22 @@ def run_notebook(path: str | Path, timeout_s: float = 600, env: dict[str, str] |
     matplotlib backend.
     """
     cells = json.loads(Path(path).read_text())["cells"]
-    source = "\n\n".join(
-        "".join(c["source"]) for c in cells if c["cell_type"] == "code"
-    )
+    source = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     # IPython magics and shell escapes have no meaning outside Jupyter
-    script = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    script = "\n".join(
+        line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))
+    )
     full_env = {**os.environ, "MPLBACKEND": "Agg", **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd or REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd or REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"notebook {path} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"notebook {path} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc

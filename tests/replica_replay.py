@@ -25,12 +25,23 @@ def _replay(rank: int, world: int, tmp: str) -> dict:
     spec = json.loads((Path(tmp) / "replay.json").read_text())
     full = RunConfig.from_flags(**spec["flags"])
     members, weights = spec["members"], full.weights()
-    one = full.updated(dp=1, pp=1, tp=1, dp_weights=None, layer_split=None, recovery="none", inject=[],
-                       live=False, out=tmp)
+    one = full.updated(
+        dp=1,
+        pp=1,
+        tp=1,
+        dp_weights=None,
+        layer_split=None,
+        recovery="none",
+        inject=[],
+        live=False,
+        out=tmp,
+    )
 
     class MembersOnly(Engine):
         def microbatches(self, data):
-            return [mb for r in members[self.rec.step] for mb in replica_microbatches(data, r, weights)]
+            return [
+                mb for r in members[self.rec.step] for mb in replica_microbatches(data, r, weights)
+            ]
 
         def loss_tokens(self, data):
             return sum(mb.tokens for mb in self.microbatches(data))

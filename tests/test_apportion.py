@@ -32,8 +32,12 @@ def test_bad_weights_name_what(weights):
         apportion(4, weights, what="micro-batch weights")
 
 
-@given(st.integers(0, 300), st.lists(st.floats(0, 10), min_size=1, max_size=12),
-       st.integers(0, 2), st.booleans())
+@given(
+    st.integers(0, 300),
+    st.lists(st.floats(0, 10), min_size=1, max_size=12),
+    st.integers(0, 2),
+    st.booleans(),
+)
 def test_sums_to_total_within_one_of_the_share(total, weights, minimum, capped):
     if sum(weights) <= 0:
         return

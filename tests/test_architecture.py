@@ -51,7 +51,7 @@ def test_function_local_imports_of_resihp_are_commented_start_up_deferrals():
                 continue
             if not (node.module or "").startswith("resihp") or _verbs(path):
                 continue
-            context = " ".join(lines[max(0, node.lineno - 4): node.lineno]).lower()
+            context = " ".join(lines[max(0, node.lineno - 4) : node.lineno]).lower()
             if "deferred" not in context and "lazy" not in context:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert bad == []
@@ -70,8 +70,11 @@ def _documented_floors() -> list[str]:
     block = section.split("```", 2)[1]
     # a floor's line starts one space in; its description follows two or more spaces later, and
     # a description's further lines start deeper
-    return [" ".join(re.split(r"\s{2,}", line.strip())[0].split())
-            for line in block.splitlines() if re.match(r" \S", line)]
+    return [
+        " ".join(re.split(r"\s{2,}", line.strip())[0].split())
+        for line in block.splitlines()
+        if re.match(r" \S", line)
+    ]
 
 
 def test_the_documented_floors_are_import_linters():
@@ -80,8 +83,12 @@ def test_the_documented_floors_are_import_linters():
 
 def test_architecture_stays_short_and_its_lines_and_the_readmes_within_100():
     assert len((REPO / "ARCHITECTURE.md").read_text()) <= 15_000
-    long = [f"{doc.name}:{n}" for doc in DOCS[:2]
-            for n, line in enumerate(doc.read_text().splitlines(), 1) if len(line) > 100]
+    long = [
+        f"{doc.name}:{n}"
+        for doc in DOCS[:2]
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if len(line) > 100
+    ]
     assert long == []
 
 

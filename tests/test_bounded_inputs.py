@@ -70,9 +70,24 @@ def test_follow_store_on_a_port_that_is_not_a_store(not_a_store: Listener) -> No
     """``resihp follow --store`` at a listener that is not a store ends within its start timeout
     with one line naming the endpoint and what it expected (exit 2), silent or garbage."""
     endpoint = f"127.0.0.1:{not_a_store.port}"
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "follow", "--store", endpoint,
-                           "--start-timeout", "3", "--nice", "0"], capture_output=True, text=True,
-                          timeout=40, env=ENV)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "follow",
+            "--store",
+            endpoint,
+            "--start-timeout",
+            "3",
+            "--nice",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env=ENV,
+    )
     err = proc.stderr.strip()
     assert proc.returncode == 2, err[-2000:]
     assert len(err.splitlines()) == 1, err[-2000:]  # no traceback, no C++ stack from TCPStore
@@ -105,9 +120,24 @@ def test_profile_refuses_a_huge_lengths_file(tmp_path: Path) -> None:
     """``resihp profile --lengths`` with 10 million lines stops at the limit, streamed, with one
     line naming the file, the limit and the flag that raises it (it ran 10 min at 5 GB)."""
     big = _write_lengths(tmp_path / "big.txt", 10_000_000)
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "profile", "--lengths", str(big),
-                           "--budget", "1024", "-o", str(tmp_path / "p.parquet")],
-                          capture_output=True, text=True, timeout=90, env=ENV)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "profile",
+            "--lengths",
+            str(big),
+            "--budget",
+            "1024",
+            "-o",
+            str(tmp_path / "p.parquet"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=ENV,
+    )
     err = proc.stderr.strip()
     assert proc.returncode == 2, err[-2000:]
     assert len(err.splitlines()) == 1, err[-2000:]
@@ -126,10 +156,38 @@ def test_lengths_limit_counts_lengths_not_lines(tmp_path: Path) -> None:
         load_lengths(path)
 
 
-SMALL_RUN = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab",
-             "256", "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--steps", "3",
-             "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60", "--dp", "1",
-             "--pp", "1", "--snapshot-every", "1"]
+SMALL_RUN = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "128",
+    "--vocab",
+    "256",
+    "--global-tokens",
+    "1024",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--steps",
+    "3",
+    "--no-live",
+    "--json",
+    "--heartbeat-timeout",
+    "3",
+    "--timeout",
+    "60",
+    "--dp",
+    "1",
+    "--pp",
+    "1",
+    "--snapshot-every",
+    "1",
+]
 
 
 def _left_job(shm: Path, name: str) -> tuple[Path, subprocess.Popen, int]:
@@ -155,7 +213,9 @@ def shm(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(shm: Path, tmp_path: Path) -> None:
+def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(
+    shm: Path, tmp_path: Path
+) -> None:
     """Launcher and keeper SIGKILLed together leave their tier in /dev/shm: the next job removes
     it (its owner's PID is gone) and says so in one line; a tier whose owner still runs (its
     keeper killed alone) stays, and is what a refusal for space names."""
@@ -168,9 +228,13 @@ def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(shm: Path, tmp
         while keeper_pid(dead) is not None or keeper_pid(live) is not None:
             time.sleep(0.02)
         assert dead.exists() and live.exists()
-        proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"),
-                               *SMALL_RUN], capture_output=True, text=True, timeout=240,
-                              env={**ENV, "RESIHP_SHM": str(shm)})
+        proc = subprocess.run(
+            [sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"), *SMALL_RUN],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**ENV, "RESIHP_SHM": str(shm)},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert not dead.exists(), f"the dead job's tier {dead} was left in place"
         assert f"removed the memory tier {dead}" in proc.stderr
@@ -187,8 +251,9 @@ def test_next_job_reclaims_a_dead_jobs_tier_and_keeps_a_live_ones(shm: Path, tmp
 def _tmpfs(root: Path, size: str, why: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted on ``root`` (root only: mount -t tmpfs; else the test skips)."""
     root.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
-                             capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"needs a tmpfs of its own{why} (mount -t tmpfs: root)")
     try:
@@ -215,9 +280,13 @@ def test_refusal_for_space_names_the_tier_left_there(small_tmpfs: Path, tmp_path
     try:
         (live / "rank0.A.bin").write_bytes(b"\0" * (3 << 20))
         os.kill(keeper, signal.SIGKILL)
-        proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"),
-                               *SMALL_RUN], capture_output=True, text=True, timeout=240,
-                              env={**ENV, "RESIHP_SHM": str(small_tmpfs)})
+        proc = subprocess.run(
+            [sys.executable, "-m", "resihp.cli", "run", "-o", str(tmp_path / "run"), *SMALL_RUN],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**ENV, "RESIHP_SHM": str(small_tmpfs)},
+        )
         err = proc.stderr.strip()
         assert proc.returncode == 2, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
@@ -240,16 +309,22 @@ def small_ckpt_root(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-def test_disk_full_while_the_keeper_persists_is_a_loud_stop(small_ckpt_root: Path, shm: Path) -> None:
+def test_disk_full_while_the_keeper_persists_is_a_loud_stop(
+    small_ckpt_root: Path, shm: Path
+) -> None:
     """The keeper writes the checkpoints from memory; the disk fills after the first: the job
     does not say done, it ends in one line naming the step not written and the newest good
     checkpoint (it said done with 3 of 4 checkpoints missing)."""
     out = small_ckpt_root
     args = list(SMALL_RUN)
     args[args.index("--steps") + 1] = "8"  # checkpoints due at steps 1, 3, 5 and 7
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *args,
-                           "--ckpt-every", "2"], capture_output=True, text=True, timeout=240,
-                          env={**ENV, "RESIHP_SHM": str(shm)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *args, "--ckpt-every", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**ENV, "RESIHP_SHM": str(shm)},
+    )
     err = proc.stderr.strip()
     assert proc.returncode != 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]

@@ -88,7 +88,9 @@ def test_format1_tp_shards_load_into_their_tp_or_join_into_a_checkpoint_any_layo
 def test_checkpoint_round_trips_and_exports_one_consolidated_file(tmp_path):
     from resihp.ckpt.universal import read_full, save
 
-    cfg = GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64, mlp="swiglu")
+    cfg = GPTConfig(
+        layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64, mlp="swiglu"
+    )
     model = GPTStage(cfg)
     init_by_name(model, 5)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -97,12 +99,18 @@ def test_checkpoint_round_trips_and_exports_one_consolidated_file(tmp_path):
     opt.step()
     save(tmp_path / "c", model, opt, 7, {"tp": 1, "model": cfg.to_dict()})
     assert read_full(tmp_path / "c")["model.layers.0.qkv.weight"].shape == (3, 32, 32)  # per head
-    assert read_full(tmp_path / "c")["model.layers.0.gate_up.weight"].shape == (2, 64, 32)  # per half
+    assert read_full(tmp_path / "c")["model.layers.0.gate_up.weight"].shape == (
+        2,
+        64,
+        32,
+    )  # per half
     fresh = GPTStage(cfg)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
     assert load(tmp_path / "c", fresh, fresh_opt)["format"] == 2
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
-        assert torch.equal(a, b) and torch.equal(opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"]), name
+        assert torch.equal(a, b) and torch.equal(
+            opt.state[a]["exp_avg"], fresh_opt.state[b]["exp_avg"]
+        ), name
     convert(tmp_path / "c", tmp_path / "model.pt")
     pt = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
     for name, p in model.named_parameters():  # the model's own shapes, usable outside resihp
@@ -117,49 +125,93 @@ def test_checkpoint_round_trips_and_exports_one_consolidated_file(tmp_path):
         exported = load_file(tmp_path / "model.safetensors")
         for name, p in model.named_parameters():
             assert torch.equal(exported[name], p.detach()), name
-    other = GPTStage(GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64))
+    other = GPTStage(
+        GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64)
+    )
     with pytest.raises(InputError, match="has no model.layers.0.fc1.weight"):
         load(tmp_path / "c", other, torch.optim.AdamW(other.parameters()))
 
 
 def test_fused_and_padded_parameters_are_placed_per_head_half_and_real_row():
     # a shard's block of the global tensor, for each parameter that splits unlike a plain row cut
-    cfg = GPTConfig(layers=1, hidden=32, heads=4, ffn_hidden=64, vocab=61, max_seq_len=64, mlp="swiglu",
-                    vocab_parallel=True, tie_embeddings=True)
+    cfg = GPTConfig(
+        layers=1,
+        hidden=32,
+        heads=4,
+        ffn_hidden=64,
+        vocab=61,
+        max_seq_len=64,
+        mlp="swiglu",
+        vocab_parallel=True,
+        tie_embeddings=True,
+    )
     full = GPTStage(cfg)
     init_by_name(full, 11)
     whole = dict(full.named_parameters())
-    assert full.head.weight is full.embed.weight and "head.weight" not in whole  # one tied parameter
+    assert (
+        full.head.weight is full.embed.weight and "head.weight" not in whole
+    )  # one tied parameter
     for tp in (2, 4):
         for r in range(tp):
             part = GPTStage(cfg, tp=TPContext(tp, r))
             init_by_name(part, 11, TPContext(tp, r))
             mine = dict(part.named_parameters())
-            gate_up = mine["layers.0.gate_up.weight"].view(2, 64 // tp, 32)  # [gate shard; up shard]
-            assert torch.equal(gate_up[0], whole["layers.0.gate_up.weight"][r * 64 // tp:(r + 1) * 64 // tp])
-            assert torch.equal(gate_up[1], whole["layers.0.gate_up.weight"][64 + r * 64 // tp:64 + (r + 1) * 64 // tp])
+            gate_up = mine["layers.0.gate_up.weight"].view(
+                2, 64 // tp, 32
+            )  # [gate shard; up shard]
+            assert torch.equal(
+                gate_up[0], whole["layers.0.gate_up.weight"][r * 64 // tp : (r + 1) * 64 // tp]
+            )
+            assert torch.equal(
+                gate_up[1],
+                whole["layers.0.gate_up.weight"][64 + r * 64 // tp : 64 + (r + 1) * 64 // tp],
+            )
             qkv = mine["layers.0.qkv.weight"].view(3, 32 // tp, 32)  # whole heads of Q, K and V
             for g in range(3):
-                assert torch.equal(qkv[g], whole["layers.0.qkv.weight"][g * 32 + r * 32 // tp:g * 32 + (r + 1) * 32 // tp])
+                assert torch.equal(
+                    qkv[g],
+                    whole["layers.0.qkv.weight"][
+                        g * 32 + r * 32 // tp : g * 32 + (r + 1) * 32 // tp
+                    ],
+                )
             rows = -(-61 // tp)  # the vocabulary padded to a multiple of tp; padding rows stay zero
             real = max(0, min(rows, 61 - r * rows))
             assert mine["embed.weight"].shape == (rows, 32)
-            assert torch.equal(mine["embed.weight"][:real], whole["embed.weight"][r * rows:r * rows + real])
+            assert torch.equal(
+                mine["embed.weight"][:real], whole["embed.weight"][r * rows : r * rows + real]
+            )
             assert not mine["embed.weight"][real:].any()
             where = cfg.placement("embed.weight", (rows, 32), tp)
-            assert where.global_shape == (61, 32) and where.local_view(mine["embed.weight"], tp, r).shape[0] == real
+            assert (
+                where.global_shape == (61, 32)
+                and where.local_view(mine["embed.weight"], tp, r).shape[0] == real
+            )
 
 
 def test_ckpt_cli_bad_input(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "not a resihp checkpoint (no meta.json)" in proc.stderr
     assert "Traceback" not in proc.stderr
     (tmp_path / "afile").write_text("x")  # a file, not a folder: was NotADirectoryError
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(tmp_path / "afile")],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"resihp: error: {tmp_path / 'afile'}: not a resihp checkpoint (no meta.json)"
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(tmp_path / "afile")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip()
+        == f"resihp: error: {tmp_path / 'afile'}: not a resihp checkpoint (no meta.json)"
+    )
 
 
 # --- integrity (issue 20) -------------------------------------------------------------------------
@@ -170,8 +222,20 @@ def saved_run(tmp_path, steps=(1, 3), job="jobA", model_hash="m1"):
     out = tmp_path / "run"
     model, opt = trained()
     for step in steps:
-        save(out / "ckpt" / f"step{step}", model, opt, step,
-             {"dp": 1, "pp": 1, "tp": 1, "model": {"heads": 4}, "job_id": job, "model_hash": model_hash})
+        save(
+            out / "ckpt" / f"step{step}",
+            model,
+            opt,
+            step,
+            {
+                "dp": 1,
+                "pp": 1,
+                "tp": 1,
+                "model": {"heads": 4},
+                "job_id": job,
+                "model_hash": model_hash,
+            },
+        )
     return out, model
 
 
@@ -191,14 +255,17 @@ def test_checkpoint_has_a_manifest_written_last_and_no_partial_folder_is_left(tm
     assert inspect(out / "ckpt" / "step3")["verified"] is True
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("flip", "does not match its sha256"),
-    ("delete", "is missing"),
-    ("truncate", "bytes, the manifest says"),
-    ("no-manifest", "no manifest.json"),
-    # a shard written elsewhere (another node's own folder), the manifest of what is here intact
-    ("torn", "the DCP metadata names it"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip", "does not match its sha256"),
+        ("delete", "is missing"),
+        ("truncate", "bytes, the manifest says"),
+        ("no-manifest", "no manifest.json"),
+        # a shard written elsewhere (another node's own folder), the manifest of what is here intact
+        ("torn", "the DCP metadata names it"),
+    ],
+)
 def test_damaged_checkpoint_is_refused_and_the_previous_good_one_is_used(tmp_path, damage, message):
     from resihp.ckpt.integrity import newest_good
     from tests.faults import corrupt_bytes, truncate
@@ -264,9 +331,14 @@ def test_crafted_metadata_cannot_run_code(tmp_path):
             return (os.system, (f"touch {marker}",))
 
     (ckpt / ".metadata").write_bytes(pickle.dumps(Payload()))
-    write_manifest(ckpt)  # a manifest is no signature: the files verify, the pickle must still be refused
-    for use in (lambda: inspect(ckpt), lambda: load(ckpt, *trained()),
-                lambda: convert(ckpt, tmp_path / "c")):
+    write_manifest(
+        ckpt
+    )  # a manifest is no signature: the files verify, the pickle must still be refused
+    for use in (
+        lambda: inspect(ckpt),
+        lambda: load(ckpt, *trained()),
+        lambda: convert(ckpt, tmp_path / "c"),
+    ):
         with pytest.raises(InputError, match="refused global"):
             use()
     assert not marker.exists()
@@ -278,8 +350,15 @@ def test_ckpt_inspect_cli_names_what_is_wrong(tmp_path):
     out, _ = saved_run(tmp_path)
     corrupt_bytes(shard_of(out / "ckpt" / "step3"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(out / "ckpt" / "step3")],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "ckpt", "inspect", str(out / "ckpt" / "step3")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    assert "damaged checkpoint" in proc.stderr and "sha256" in proc.stderr and "step1" in proc.stderr
+    assert (
+        "damaged checkpoint" in proc.stderr and "sha256" in proc.stderr and "step1" in proc.stderr
+    )

@@ -28,11 +28,17 @@ def keeper(shm):
 
 
 # state on a GPU takes the side-stream copy into pinned slots (run where a GPU is: issue 18)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
 
 
-def _model(width: int = 1024, layers: int = 8, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model(
+    width: int = 1024, layers: int = 8, device: str = "cpu"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -46,7 +52,9 @@ def _train(model, opt) -> None:
     opt.step()
 
 
-def _wait_published(tier: MemoryTier, step: int, rank: int | None = None, timeout_s: float = 30.0) -> SlotHeader:
+def _wait_published(
+    tier: MemoryTier, step: int, rank: int | None = None, timeout_s: float = 30.0
+) -> SlotHeader:
     rank = tier.rank if rank is None else rank
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -64,7 +72,9 @@ def _flat(tensors) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_snapshot_is_not_torn_by_the_next_optimizer_step(keeper, device):
     directory, _ = keeper
-    model, opt = _model(device=device)  # 8 x 1M parameters: 32 MiB of weights, 96 MiB with AdamW state
+    model, opt = _model(
+        device=device
+    )  # 8 x 1M parameters: 32 MiB of weights, 96 MiB with AdamW state
     tier = MemoryTier(directory, 0)
     snap = Snapshotter(tier, every=1)
     before = _flat(state_tensors(model, opt))
@@ -79,8 +89,10 @@ def test_snapshot_is_not_torn_by_the_next_optimizer_step(keeper, device):
     data = torch.from_numpy(tier.read(header, writable=True))
     changed = 0
     for s in header.shards:
-        saved = data[s.offset:s.offset + s.nbytes]
-        assert torch.equal(saved, before[s.key].cpu().reshape(-1).view(torch.uint8)), f"{s.key} torn"
+        saved = data[s.offset : s.offset + s.nbytes]
+        assert torch.equal(saved, before[s.key].cpu().reshape(-1).view(torch.uint8)), (
+            f"{s.key} torn"
+        )
         changed += not torch.equal(saved, after[s.key].cpu().reshape(-1).view(torch.uint8))
     assert changed > 0  # the step really changed the state the snapshot kept
     if device == "cuda":
@@ -129,8 +141,10 @@ def test_a_slot_cut_short_is_never_published(shm):
 def test_keeper_outlives_the_process_that_started_it(shm):
     directory = tier_dir("job2", 0)
     # a parent starts the keeper, then is SIGKILLed (as torchrun kills a worker)
-    code = ("import os, sys, time; from resihp.ckpt.keeper import ensure_keeper; "
-            f"print(ensure_keeper({str(directory)!r}, {os.getpid()}), flush=True); time.sleep(60)")
+    code = (
+        "import os, sys, time; from resihp.ckpt.keeper import ensure_keeper; "
+        f"print(ensure_keeper({str(directory)!r}, {os.getpid()}), flush=True); time.sleep(60)"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pid = int(parent.stdout.readline())
     parent.kill()
@@ -170,7 +184,9 @@ def test_keeper_removes_the_tier_when_its_owner_is_gone(shm):
 
 def test_capacity_is_checked_in_one_line(shm):
     tier = MemoryTier(tier_dir("job4", 0), 0)
-    with pytest.raises(InputError, match=r"--snapshot-every: the memory tier needs .* MiB .* but .* MiB is free"):
+    with pytest.raises(
+        InputError, match=r"--snapshot-every: the memory tier needs .* MiB .* but .* MiB is free"
+    ):
         tier.check_capacity(1 << 50, 4)
 
 
@@ -181,8 +197,12 @@ def _h(rank, holder, step, slot="A"):
 def test_find_latest_counts_peers_and_copies():
     dp_peers = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}.get  # dp 2 x pp 2
     # rank 1 lost its newest slot (step 5): its DP peer rank 0 holds the same state
-    inv = [[_h(0, 0, 5), _h(0, 0, 4, "B")], [_h(1, 1, 4, "B")], [_h(2, 2, 5), _h(2, 2, 4, "B")],
-           [_h(3, 3, 5), _h(3, 3, 4, "B")]]
+    inv = [
+        [_h(0, 0, 5), _h(0, 0, 4, "B")],
+        [_h(1, 1, 4, "B")],
+        [_h(2, 2, 5), _h(2, 2, 4, "B")],
+        [_h(3, 3, 5), _h(3, 3, 4, "B")],
+    ]
     step, choice = find_latest(inv, dp_peers, 4)
     assert step == 5 and choice[1]["holder"] == 0 and choice[0]["holder"] == 0
     # dp 1 x pp 2 (no peers): rank 0's own slots are bad, rank 1 holds its copy
@@ -217,9 +237,18 @@ def test_ckpt_inspect_shows_the_memory_tier(keeper):
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)["memory"][0]
     assert info["keeper_pid"] == pid and info["pending"] == []
-    assert info["slots"] == [{"rank": 0, "slot": header.slot, "step": 7, "holder": 0, "bytes": header.nbytes,
-                              "tensors": len(header.shards), "verified": True,
-                              "published_s": header.published_s}]
+    assert info["slots"] == [
+        {
+            "rank": 0,
+            "slot": header.slot,
+            "step": 7,
+            "holder": 0,
+            "bytes": header.nbytes,
+            "tensors": len(header.shards),
+            "verified": True,
+            "published_s": header.published_s,
+        }
+    ]
     text = CliRunner().invoke(app, ["ckpt", "inspect", str(directory)]).output
     assert "rank 0 slot A: step 7" in text and "checksums match" in text
 
@@ -245,11 +274,20 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
     assert tier.checked(again) is None and tier.verify(again)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"recovery": "sometimes"}, "faults.recovery (--recovery): expected one of auto, none, restart, replica, replica-drop, "
-                             "got 'sometimes'"),
-    ({"snapshot_every": -1}, "checkpoint.snapshot_every (--snapshot-every): expected an integer >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"recovery": "sometimes"},
+            "faults.recovery (--recovery): expected one of auto, none, restart, replica, replica-drop, "
+            "got 'sometimes'",
+        ),
+        (
+            {"snapshot_every": -1},
+            "checkpoint.snapshot_every (--snapshot-every): expected an integer >= 0, got -1",
+        ),
+    ],
+)
 def test_bad_snapshot_options_are_one_line(fields, message):
     from resihp.train.config import RunConfig
 

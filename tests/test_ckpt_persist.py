@@ -35,8 +35,9 @@ def _train(model, opt) -> None:
 
 def _request(model, opt, root: Path, due: bool, keep: int = 0):
     meta = {"job_id": "job", "model_hash": "hash"}
-    return lambda tensors: PersistRequest(str(root), keep, 1, True, blocks_of(model, opt, tensors, None, None, 0),
-                                          meta, due).to_dict()
+    return lambda tensors: PersistRequest(
+        str(root), keep, 1, True, blocks_of(model, opt, tensors, None, None, 0), meta, due
+    ).to_dict()
 
 
 def _wait_for(predicate, timeout_s: float = 60.0, what: str = "") -> None:
@@ -99,10 +100,15 @@ def test_keep_prunes_older_checkpoints(shm, tmp_path):
     try:
         for step in range(6):
             _train(model, opt)
-            snap.snapshot(step, model, opt, {"job": "job"}, _request(model, opt, root, step % 2 == 1, keep=1))
+            snap.snapshot(
+                step, model, opt, {"job": "job"}, _request(model, opt, root, step % 2 == 1, keep=1)
+            )
             snap.fence()
             if step % 2 == 1:  # each due checkpoint written before the next one is due
-                _wait_for(lambda s=step: (root / f"step{s}" / "manifest.json").exists(), what=f"step{step}")
+                _wait_for(
+                    lambda s=step: (root / f"step{s}" / "manifest.json").exists(),
+                    what=f"step{step}",
+                )
         snap.close()
     finally:
         stop_keeper(directory)
@@ -140,7 +146,9 @@ def test_a_keeper_killed_while_writing_leaves_no_torn_checkpoint(shm, tmp_path):
     directory = tier_dir("job", 0)
     ensure_keeper(directory, os.getpid(), warm=True)
     tier = MemoryTier(directory, 0)
-    snap = Snapshotter(tier, every=1, keeper_alive=lambda: ensure_keeper(directory, os.getpid(), warm=True))
+    snap = Snapshotter(
+        tier, every=1, keeper_alive=lambda: ensure_keeper(directory, os.getpid(), warm=True)
+    )
     root = tmp_path / "run" / "ckpt"
     try:
         _train(model, opt)
@@ -150,17 +158,23 @@ def test_a_keeper_killed_while_writing_leaves_no_torn_checkpoint(shm, tmp_path):
         _train(model, opt)
         snap.snapshot(1, model, opt, {"job": "job"}, _request(model, opt, root, due=True))
         snap.fence()
-        _wait_for(lambda: (root / ".keeper-step1.partial").exists(), what="the second checkpoint to start")
+        _wait_for(
+            lambda: (root / ".keeper-step1.partial").exists(), what="the second checkpoint to start"
+        )
         os.kill(keeper_pid(directory), signal.SIGKILL)
         time.sleep(0.2)
-        assert not (root / "step1").exists(), "the keeper finished before the kill: make the state larger"
+        assert not (root / "step1").exists(), (
+            "the keeper finished before the kill: make the state larger"
+        )
         assert problem(root / "step0") is None  # the older checkpoint is whole
         # the launcher restarts a dead keeper (its supervisor's poll); the slot the dead one held
         # is free again, the trainer goes on, and the new keeper writes the next due step
         ensure_keeper(directory, os.getpid(), warm=True)
         for step in (2, 3):
             _train(model, opt)
-            snap.snapshot(step, model, opt, {"job": "job"}, _request(model, opt, root, due=step == 3))
+            snap.snapshot(
+                step, model, opt, {"job": "job"}, _request(model, opt, root, due=step == 3)
+            )
         snap.close()
         answer = request_flush(directory, newest=False)
         assert answer is not None and answer["error"] is None
@@ -232,13 +246,25 @@ def test_a_keeper_starting_while_its_lock_is_probed_still_starts(shm):
     directory.mkdir()
     fd = os.open(directory / "keeper.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    proc = subprocess.Popen([sys.executable, "-m", "resihp.ckpt.keeper", "--dir", str(directory),
-                             "--owner", str(os.getpid())], start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.ckpt.keeper",
+            "--dir",
+            str(directory),
+            "--owner",
+            str(os.getpid()),
+        ],
+        start_new_session=True,
+    )
     try:
         time.sleep(0.6)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        _wait_for(lambda: keeper_pid(directory) == proc.pid or proc.poll() is not None, 30, "the keeper")
+        _wait_for(
+            lambda: keeper_pid(directory) == proc.pid or proc.poll() is not None, 30, "the keeper"
+        )
         assert proc.poll() is None and keeper_pid(directory) == proc.pid
     finally:
         stop_keeper(directory)

@@ -18,15 +18,45 @@ from resihp.ckpt.single import single_process
 from resihp.ckpt.universal import convert, inspect, load, read_full
 from resihp.errors import InputError
 
-TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--ffn-hidden", "64", "--vocab", "61",
-        "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--timeout", "60",
-        "--no-live", "--json", "--dp", "1", "--pp", "1", "--tp", "1"]
+TINY = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--ffn-hidden",
+    "64",
+    "--vocab",
+    "61",
+    "--global-tokens",
+    "1024",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--timeout",
+    "60",
+    "--no-live",
+    "--json",
+    "--dp",
+    "1",
+    "--pp",
+    "1",
+    "--tp",
+    "1",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resihp.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "resihp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
 
 
 class Payload:
@@ -84,7 +114,9 @@ def test_resume_from_a_crafted_checkpoint_is_refused_and_runs_no_code(run_folder
 
 
 @pytest.mark.slow
-def test_convert_and_inspect_of_a_crafted_checkpoint_refuse_it_and_run_no_code(run_folder, tmp_path):
+def test_convert_and_inspect_of_a_crafted_checkpoint_refuse_it_and_run_no_code(
+    run_folder, tmp_path
+):
     marker = tmp_path / "pwned"
     out, ckpt = craft(run_folder, tmp_path, marker)
     for dst in ("folder", "model.pt"):
@@ -100,8 +132,9 @@ def test_convert_and_inspect_of_a_crafted_checkpoint_refuse_it_and_run_no_code(r
 
 
 @pytest.mark.slow
-def test_the_reader_refuses_a_bytes_item_even_past_the_metadata_check(run_folder, tmp_path,
-                                                                      monkeypatch):
+def test_the_reader_refuses_a_bytes_item_even_past_the_metadata_check(
+    run_folder, tmp_path, monkeypatch
+):
     """Two layers: were the metadata check gone, DCP's reader still never unpickles an item."""
     import resihp.ckpt.integrity as integrity
     from resihp.model.config import GPTConfig
@@ -111,11 +144,15 @@ def test_the_reader_refuses_a_bytes_item_even_past_the_metadata_check(run_folder
     _, ckpt = craft(run_folder, tmp_path, marker)
     monkeypatch.setattr(integrity, "_check_items", lambda path, metadata, tensors_only=True: None)
     meta = json.loads((ckpt / "meta.json").read_text())
-    cfg = GPTConfig(**{k: v for k, v in meta["model"].items() if k in GPTConfig.__dataclass_fields__})
+    cfg = GPTConfig(
+        **{k: v for k, v in meta["model"].items() if k in GPTConfig.__dataclass_fields__}
+    )
     model = GPTStage(cfg)
-    for use in (lambda: read_full(ckpt),
-                lambda: load(ckpt, model, torch.optim.AdamW(model.parameters()), cfg=cfg),
-                lambda: convert(ckpt, tmp_path / "c")):
+    for use in (
+        lambda: read_full(ckpt),
+        lambda: load(ckpt, model, torch.optim.AdamW(model.parameters()), cfg=cfg),
+        lambda: convert(ckpt, tmp_path / "c"),
+    ):
         with pytest.raises(InputError, match="expected a tensor, got a pickled object"):
             use()
     assert not marker.exists()
@@ -153,8 +190,11 @@ def test_a_user_checkpoint_loads_plain_values_and_refuses_a_pickled_object(tmp_p
             snaps.load(path)
             assert data.position == 7
             crafted = tmp_path / "dcp" / "step1"
-            dcp.save({"model": model.state_dict(), "data": {"position": Payload(marker)}},
-                     checkpoint_id=str(crafted), no_dist=True)
+            dcp.save(
+                {"model": model.state_dict(), "data": {"position": Payload(marker)}},
+                checkpoint_id=str(crafted),
+                no_dist=True,
+            )
             with pytest.raises(InputError, match="'data.position'.*weights-only loader refuses"):
                 snaps.load(crafted)
         assert not marker.exists() and data.position == 7

@@ -14,8 +14,10 @@ from resihp.train.config import RunConfig
 
 
 def test_live_and_replay_decide_by_the_same_controller_and_thresholds():
-    live = LiveLoop(RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1),
-                    detector_config=DetectorConfig(calibration_steps=8))
+    live = LiveLoop(
+        RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1),
+        detector_config=DetectorConfig(calibration_steps=8),
+    )
     replay = Resihp()
     assert type(live.control) is type(replay.control) is Controller
     assert live.control.config == replay.control.config == ControlConfig()
@@ -78,7 +80,9 @@ def test_a_slow_link_is_priced_probed_when_out_of_use_and_dropped_when_healthy()
     assert c.found_link((4, 2), 5.0, step=3, time_s=10.0).link == (2, 4)
     assert c.found_link([2, 4], 5.5, step=9).action is ControlAction.KEEP
     assert c.due_link_probes(69.0, {0, 1, 2, 3, 4}) == []  # both ends in use: watched in training
-    assert c.due_link_probes(69.0, {0, 1, 2}) == [] and c.due_link_probes(70.0, {0, 1, 2}) == [(2, 4)]
+    assert c.due_link_probes(69.0, {0, 1, 2}) == [] and c.due_link_probes(70.0, {0, 1, 2}) == [
+        (2, 4)
+    ]
     assert c.probed_link((2, 4), 0.21, time_s=70.0).action is ControlAction.KEEP
     assert c.probed_link((2, 4), 0.95, time_s=130.0).replan and c.links == {}
     c.found_link((2, 4), 5.0, step=20)
@@ -91,8 +95,10 @@ def test_dead_devices_are_no_longer_believed_slow():
     assert c.stopped([7]).replan and c.slow() == {}
 
 
-@pytest.mark.parametrize("kwargs", [{"revise": 1.0}, {"healthy": 0.0}, {"healthy": 1.5},
-                                    {"hold_steps": -1}, {"max_backoff": -1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"revise": 1.0}, {"healthy": 0.0}, {"healthy": 1.5}, {"hold_steps": -1}, {"max_backoff": -1}],
+)
 def test_a_bad_threshold_is_refused(kwargs):
     with pytest.raises(ValueError, match="ControlConfig"):
         ControlConfig(**kwargs)
@@ -125,8 +131,10 @@ def test_the_price_follows_the_reports_within_the_revise_factor(reports, revise,
 
 
 def test_a_change_is_applied_only_with_the_step_the_job_applied_it_at():
-    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1),
-                    detector_config=DetectorConfig(calibration_steps=8))
+    loop = LiveLoop(
+        RunConfig.from_flags(layers=4, dp=2, pp=1, tp=1),
+        detector_config=DetectorConfig(calibration_steps=8),
+    )
     loop._post = lambda change: None
     loop.speeds[1] = 0.5
     loop._replan(10, {"kind": "fail-slow", "rank": 1, "slowdown": 2.0, "detected_step": 10})

@@ -40,12 +40,19 @@ def _device_faults(doc: dict) -> list[dict]:
     return [e for e in doc["events"] if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
 
 
-@pytest.mark.parametrize("dp_rank,stage,factor,seed", [(1, 1, 2.0, 5), (0, 2, 1.3, 2), (3, 0, 1.5, 12)])
-def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(pool, noise, dp_rank, stage,
-                                                                         factor, seed):
+@pytest.mark.parametrize(
+    "dp_rank,stage,factor,seed", [(1, 1, 2.0, 5), (0, 2, 1.3, 2), (3, 0, 1.5, 12)]
+)
+def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(
+    pool, noise, dp_rank, stage, factor, seed
+):
     rank = SimJob().rank(dp_rank, stage)
-    job = SimJob(steps=120, source="code", seed=seed,
-                 injections=[Injection("fail-slow", rank, 60, 119, factor)])
+    job = SimJob(
+        steps=120,
+        source="code",
+        seed=seed,
+        injections=[Injection("fail-slow", rank, 60, 119, factor)],
+    )
     doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
     faults = _device_faults(doc)
     assert [(e["kind"], e["rank"]) for e in faults] == [("fail-slow", rank)]
@@ -58,7 +65,11 @@ def test_fail_slow_is_found_on_the_slow_rank_not_its_waiting_neighbours(pool, no
 
 def test_waiting_inflates_neighbours_host_compute_times(pool, noise):
     """The traces really carry the confounder: neighbours' raw compute rises with the slow rank."""
-    job = SimJob(steps=60, source="text", injections=[Injection("fail-slow", SimJob().rank(1, 1), 30, 59, 2.0)])
+    job = SimJob(
+        steps=60,
+        source="text",
+        injections=[Injection("fail-slow", SimJob().rank(1, 1), 30, 59, 2.0)],
+    )
     df = simulate(job, pool, noise)
     comp = df[df["optype"].isin(["forward-compute", "backward-compute"])]
     per = comp.groupby(["step", "rank"])["duration"].sum().unstack()
@@ -91,7 +102,9 @@ def test_heavier_stage_is_stage_imbalance_not_a_device_fault(pool, noise):
 
 def test_slow_link_is_link_slow_on_that_link(pool, noise):
     ends = (SimJob().rank(2, 1), SimJob().rank(2, 2))
-    job = SimJob(steps=100, source="code", injections=[Injection("link-slow", ends[0], 50, 99, 4.0)])
+    job = SimJob(
+        steps=100, source="code", injections=[Injection("link-slow", ends[0], 50, 99, 4.0)]
+    )
     doc = detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META)
     faults = _device_faults(doc)
     assert faults and all(e["kind"] == "link-slow" and e["rank"] in ends for e in faults)
@@ -123,8 +136,9 @@ def test_predictor_expectation_and_workload_imbalance(pool, noise):
     # replica 2 ran twice the data from step 40 on: every op of its four ranks takes twice as long
     heavy = (df["dp_rank"] == 2) & (df["step"] >= 40) & df["optype"].str.endswith("compute")
     df.loc[heavy, "duration"] *= 2
-    df.loc[heavy, "seq_lens"] = pd.Series([s + s for s in df.loc[heavy, "seq_lens"]],
-                                          index=df.index[heavy])
+    df.loc[heavy, "seq_lens"] = pd.Series(
+        [s + s for s in df.loc[heavy, "seq_lens"]], index=df.index[heavy]
+    )
     doc = detect_trace(df, job.meta(), expected=expected)
     assert doc["cost_model"].startswith("predictor")
     assert [(e["kind"], e["rank"]) for e in _device_faults(doc)] == [("fail-slow", slow)]
@@ -147,7 +161,8 @@ def test_online_step_by_step_equals_offline_and_tolerates_gaps(pool, noise):
         online += det.observe(part)
     det.finish()
     assert [(e.kind, e.rank, e.onset_step, e.detected_step) for e in online] == [
-        (e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in offline["events"]]
+        (e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in offline["events"]
+    ]
     assert [(e["kind"], e["rank"]) for e in offline["events"]] == [("fail-slow", 10)]
     with pytest.raises(InputError, match="arrives after"):
         det.observe(df[df["step"] == 10])
@@ -155,7 +170,9 @@ def test_online_step_by_step_equals_offline_and_tolerates_gaps(pool, noise):
 
 def test_rank_slow_from_the_start_is_found_at_calibration():
     meta = JobMeta(dp_size=4, pp_size=1, tp_size=1, world_size=4)
-    det = OnlineDetector(meta, layout=RankPlacement(np.arange(4), np.zeros(4, int), np.zeros(4, int)))
+    det = OnlineDetector(
+        meta, layout=RankPlacement(np.arange(4), np.zeros(4, int), np.zeros(4, int))
+    )
     rng = np.random.default_rng(0)
     events = []
     for t in range(20):
@@ -175,8 +192,9 @@ def test_alibaba_job1_worker6_straggler_found_by_resihp():
 
 
 def test_baselines_see_a_large_slowdown(pool, noise):
-    job = SimJob(steps=100, dp=4, pp=1, source="text",
-                 injections=[Injection("fail-slow", 1, 50, 99, 5.0)])
+    job = SimJob(
+        steps=100, dp=4, pp=1, source="text", injections=[Injection("fail-slow", 1, 50, 99, 5.0)]
+    )
     df = simulate(job, pool, noise)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -229,8 +247,13 @@ def test_carried_detector_keeps_moved_ranks_and_recalibrates_new_ones():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.just(0.0), st.sampled_from([0.5, 1.0, 2.0]),
-                          st.floats(0.01, 100.0)), min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.one_of(st.just(0.0), st.sampled_from([0.5, 1.0, 2.0]), st.floats(0.01, 100.0)),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_each_ranks_reference_is_the_median_of_the_others(values):
     # _others_log reads each leave-one-out median off a partition (O(n)); by definition it is the
     # median of the other ranks' logs (ties and ranks without a value included)
@@ -265,7 +288,9 @@ def test_a_carried_bank_that_keeps_its_ranks_resets_only_the_fresh_ones_in_place
         expect = old.copy()
         expect[..., [4, 6]] = getattr(fresh, name)[..., [4, 6]]
         assert np.array_equal(now, expect, equal_nan=True), name
-    assert moved.alarmed[2] and not moved.calibrated[[4, 6]].any() and moved.calibrated[[0, 7]].all()
+    assert (
+        moved.alarmed[2] and not moved.calibrated[[4, 6]].any() and moved.calibrated[[0, 7]].all()
+    )
 
 
 def test_fresh_series_of_a_carried_bank_calibrate_and_alarm_after_every_other_one_had():
@@ -280,7 +305,9 @@ def test_fresh_series_of_a_carried_bank_calibrate_and_alarm_after_every_other_on
     bank = bank.carried(np.array([0, 1, 2, -1, 4, 5]))
     alarms = []
     for t in range(8, 30):
-        alarms += bank.update(t, rng.normal(0, 0.01, 6) + np.where(np.arange(6) == 3, 0.5 * (t >= 20), 0.0))[0]
+        alarms += bank.update(
+            t, rng.normal(0, 0.01, 6) + np.where(np.arange(6) == 3, 0.5 * (t >= 20), 0.0)
+        )[0]
     assert bank.calibrated.all()
     assert [a.index for a in alarms] == [3] and alarms[0].onset_step == 20
     bank.recalibrate()

@@ -29,7 +29,11 @@ def resihp(*args: str) -> subprocess.CompletedProcess:
 
     argv, out, err = ["resihp", *map(str, args)], io.StringIO(), io.StringIO()
     code = 0
-    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (
+        mock.patch.object(sys, "argv", argv),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
         try:
             main()
         except SystemExit as exc:
@@ -39,14 +43,22 @@ def resihp(*args: str) -> subprocess.CompletedProcess:
 
 def resihp_process(*args: str) -> subprocess.CompletedProcess:
     """``resihp ARGS`` as its own process."""
-    return subprocess.run([sys.executable, "-m", "resihp.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "resihp.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("detect")
-    job = SimJob(steps=80, source="code", injections=[Injection("fail-slow", SimJob().rank(1, 3), 40, 79, 2.0)])
+    job = SimJob(
+        steps=80,
+        source="code",
+        injections=[Injection("fail-slow", SimJob().rank(1, 3), 40, 79, 2.0)],
+    )
     df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2)))
     write_ops_trace(df, tmp / "t.parquet")
     write_ops_trace(df, tmp / "t.csv")
@@ -62,9 +74,20 @@ def test_detect_json_names_the_slow_rank(trace, name):
     doc = json.loads(proc.stdout)
     assert doc["steps"] == 80 and doc["ranks"] == 16
     faults = [e for e in doc["events"] if e["kind"] == "fail-slow"]
-    assert [(e["rank"], e["dp_rank"], e["stage"]) for e in faults] == [(13, 1, 3)]  # Megatron order: rank = stage * dp + dp_rank
-    assert set(faults[0]) >= {"kind", "rank", "dp_rank", "stage", "tp_rank", "onset_step",
-                              "detected_step", "slowdown", "confidence"}
+    assert [(e["rank"], e["dp_rank"], e["stage"]) for e in faults] == [
+        (13, 1, 3)
+    ]  # Megatron order: rank = stage * dp + dp_rank
+    assert set(faults[0]) >= {
+        "kind",
+        "rank",
+        "dp_rank",
+        "stage",
+        "tp_rank",
+        "onset_step",
+        "detected_step",
+        "slowdown",
+        "confidence",
+    }
 
 
 def test_detect_reads_the_meta_beside_a_trace(trace, tmp_path):
@@ -75,7 +98,9 @@ def test_detect_reads_the_meta_beside_a_trace(trace, tmp_path):
     bare = json.loads(resihp("detect", tmp_path / "ops.parquet", "--json").stdout)
     (tmp_path / "job.yaml").write_bytes((tmp / "meta.yaml").read_bytes())
     beside = json.loads(resihp("detect", tmp_path / "ops.parquet", "--json").stdout)
-    named = json.loads(resihp("detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml", "--json").stdout)
+    named = json.loads(
+        resihp("detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml", "--json").stdout
+    )
     assert beside == named and beside["cost_model"] != bare["cost_model"]
 
 
@@ -93,16 +118,23 @@ def test_detect_text_output_and_baseline_and_alibaba(trace):
 def test_detect_says_when_a_trace_has_too_few_steps_to_judge(trace):
     """Issue 20: 15 steps (or 12 sparsely sampled ones) gave "events": [] and no word."""
     tmp, df = trace
-    full = json.loads(resihp("detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml", "--json").stdout)
+    full = json.loads(
+        resihp("detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml", "--json").stdout
+    )
     assert full["judged"] is True and "note" not in full
-    for name, part in [("short.parquet", df[df.step < 15]),
-                       ("sampled.parquet", df[(df.step % 7 == 0) & (df.step < 80)])]:
+    for name, part in [
+        ("short.parquet", df[df.step < 15]),
+        ("sampled.parquet", df[(df.step % 7 == 0) & (df.step < 80)]),
+    ]:
         write_ops_trace(part, tmp / name)
         proc = resihp("detect", tmp / name, "--meta", tmp / "meta.yaml", "--json")
         assert proc.returncode == 0, proc.stderr
         doc = json.loads(proc.stdout)
         assert doc["judged"] is False and doc["events"] == []
-        assert f"the trace has {doc['steps']} distinct step(s), the detector needs at least 23" in doc["note"]
+        assert (
+            f"the trace has {doc['steps']} distinct step(s), the detector needs at least 23"
+            in doc["note"]
+        )
     text = resihp("detect", tmp / "short.parquet", "--meta", tmp / "meta.yaml").stdout
     assert "too few steps to judge: the trace has 15 distinct step(s)" in text
 
@@ -113,22 +145,25 @@ def _bad(tmp, df: pd.DataFrame, name: str = "bad.csv"):
     return path
 
 
-@pytest.mark.parametrize("case,fragment", [
-    ("missing", "missing required column"),
-    ("nan", "duration"),
-    ("negative", "duration"),
-    ("rank", "world_size"),
-    ("dp", "dp_size"),
-    ("moved", "more than one"),
-    # each was accepted (a rank of 0.5 judged as rank 0, text in optional columns ignored) or a
-    # traceback (text in start_ts; a step of 4e13 asked for a petabyte)
-    ("half-rank", "column rank row 5: expected an integer, got 0.5"),
-    ("text-tp-rank", "column tp_rank row 5: expected an integer, got 'a'"),
-    ("text-start", "column start_ts row 5: expected a number, got 'abc'"),
-    ("huge-step", "column step: at most 100,000,000"),
-    # named by its file, not as "ops trace:"
-    ("no-compute", "no-compute.csv: no forward-compute or backward-compute rows to analyse"),
-])
+@pytest.mark.parametrize(
+    "case,fragment",
+    [
+        ("missing", "missing required column"),
+        ("nan", "duration"),
+        ("negative", "duration"),
+        ("rank", "world_size"),
+        ("dp", "dp_size"),
+        ("moved", "more than one"),
+        # each was accepted (a rank of 0.5 judged as rank 0, text in optional columns ignored) or a
+        # traceback (text in start_ts; a step of 4e13 asked for a petabyte)
+        ("half-rank", "column rank row 5: expected an integer, got 0.5"),
+        ("text-tp-rank", "column tp_rank row 5: expected an integer, got 'a'"),
+        ("text-start", "column start_ts row 5: expected a number, got 'abc'"),
+        ("huge-step", "column step: at most 100,000,000"),
+        # named by its file, not as "ops trace:"
+        ("no-compute", "no-compute.csv: no forward-compute or backward-compute rows to analyse"),
+    ],
+)
 def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
     tmp, df = trace
     df = df[df["step"] < 20].drop(columns=["seq_lens"]).copy()
@@ -167,14 +202,17 @@ def test_bad_traces_exit_2_with_one_line(trace, case, fragment):
         assert "rank.csv: column rank row " in lines[0], lines
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["nope.parquet"], "no such ops trace"),
-    (["{t}", "--method", "magic"], "--method"),
-    (["{t}", "--input-format", "xml"], "--input-format"),
-    (["{t}", "--meta", "nope.yaml"], "cannot read job meta"),
-    (["{t}", "--predictor", "models/none", "--meta", "{m}"], "not a predictor directory"),
-    (["{t}", "--sensitivity", "inf"], "sensitivity must be a positive finite number, got inf"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["nope.parquet"], "no such ops trace"),
+        (["{t}", "--method", "magic"], "--method"),
+        (["{t}", "--input-format", "xml"], "--input-format"),
+        (["{t}", "--meta", "nope.yaml"], "cannot read job meta"),
+        (["{t}", "--predictor", "models/none", "--meta", "{m}"], "not a predictor directory"),
+        (["{t}", "--sensitivity", "inf"], "sensitivity must be a positive finite number, got inf"),
+    ],
+)
 def test_bad_options_exit_2(trace, args, fragment):
     tmp, _ = trace
     args = [a.format(t=tmp / "t.parquet", m=tmp / "meta.yaml") for a in args]
@@ -183,13 +221,22 @@ def test_bad_options_exit_2(trace, args, fragment):
     assert fragment in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("text,fragment", [
-    ("title\nline one\nsee, the\n", "not a CSV Alibaba mini-batch file"),
-    ("", "not a CSV Alibaba mini-batch file"),
-    ("worker,time\n1,2\n", "expected columns worker, time, batch_time_norm"),
-    ("worker,time,batch_time_norm\n1,2,3\nx,3,4\n", "column worker row 1: 'x' is not an integer"),
-    ("worker,time,batch_time_norm\n1,2,fast\n", "column batch_time_norm row 0: 'fast' is not a number"),
-])
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("title\nline one\nsee, the\n", "not a CSV Alibaba mini-batch file"),
+        ("", "not a CSV Alibaba mini-batch file"),
+        ("worker,time\n1,2\n", "expected columns worker, time, batch_time_norm"),
+        (
+            "worker,time,batch_time_norm\n1,2,3\nx,3,4\n",
+            "column worker row 1: 'x' is not an integer",
+        ),
+        (
+            "worker,time,batch_time_norm\n1,2,fast\n",
+            "column batch_time_norm row 0: 'fast' is not a number",
+        ),
+    ],
+)
 def test_a_bad_alibaba_file_is_one_line(tmp_path, text, fragment):
     bad = tmp_path / "bad.csv"
     bad.write_text(text)
@@ -202,7 +249,10 @@ def test_a_bad_alibaba_file_is_one_line(tmp_path, text, fragment):
 def test_the_predictor_option_has_one_name_across_verbs_and_the_old_one_still_works(trace):
     # ``--model`` is a model YAML in ``resihp plan``; a predictor is ``--predictor`` everywhere
     tmp, _ = trace
-    for verb in (["detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml"], ["detect-eval", "--quick"]):
+    for verb in (
+        ["detect", tmp / "t.parquet", "--meta", tmp / "meta.yaml"],
+        ["detect-eval", "--quick"],
+    ):
         assert "--predictor" in resihp(*verb[:1], "--help").stdout
         old = resihp(*verb, "--model", "models/none")
         assert old.returncode == 2 and "--model is now --predictor" in old.stderr, old.stderr
@@ -215,7 +265,12 @@ def test_detect_eval_quick_json():
     proc = resihp("detect-eval", "--quick", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert set(doc["methods"]) == {"resihp", "raw-threshold", "relative-score", "iteration-changepoint"}
+    assert set(doc["methods"]) == {
+        "resihp",
+        "raw-threshold",
+        "relative-score",
+        "iteration-changepoint",
+    }
     ours = doc["methods"]["resihp"]
     assert ours["recall"] >= 0.8 and ours["fp"] <= 1
     assert ours["slowdown_error_median"] < 0.1
@@ -228,19 +283,32 @@ def _relaid_trace() -> tuple[pd.DataFrame, SimJob, int]:
     DP 2 x PP 4 with a rank 2x slow from step 35, then DP 4 x PP 2 (every rank in a new place,
     twice the layers per stage)."""
     slow = SimJob(dp=2, pp=4).rank(1, 1)
-    first = SimJob(dp=2, pp=4, steps=60, source="code", seed=5,
-                   injections=[Injection("fail-slow", slow, 35, 59, 2.0)])
+    first = SimJob(
+        dp=2,
+        pp=4,
+        steps=60,
+        source="code",
+        seed=5,
+        injections=[Injection("fail-slow", slow, 35, 59, 2.0)],
+    )
     second = SimJob(dp=4, pp=2, steps=60, source="code", seed=6)
     pool, noise = CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2))
     before, after = simulate(first, pool, noise), simulate(second, pool, noise)
     after["step"] += 60
-    mark = after[(after["rank"] == 0) & (after["step"] == 60)].iloc[[0]].assign(optype="replan-layout", duration=0.01)
+    mark = (
+        after[(after["rank"] == 0) & (after["step"] == 60)]
+        .iloc[[0]]
+        .assign(optype="replan-layout", duration=0.01)
+    )
     return pd.concat([before, mark, after], ignore_index=True), first, slow
 
 
 def _device_faults(doc: dict) -> list[tuple]:
-    return [(e["kind"], e["rank"], e["stage"], e["onset_step"], e["detected_step"]) for e in doc["events"]
-            if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
+    return [
+        (e["kind"], e["rank"], e["stage"], e["onset_step"], e["detected_step"])
+        for e in doc["events"]
+        if e["kind"] in ("fail-slow", "fail-stop", "link-slow")
+    ]
 
 
 def test_a_trace_whose_ranks_took_new_places_live_is_judged_layout_by_layout(tmp_path):
@@ -283,8 +351,10 @@ def test_a_run_folders_streams_are_read_and_a_damaged_line_is_one_line(trace, wh
     folder = tmp_path / "run"
     (folder / "ranks").mkdir(parents=True)
     (folder / "job.yaml").write_text((tmp / "meta.yaml").read_text())
-    rows = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items() if v == v}
-            for r in df.to_dict("records")]
+    rows = [
+        {k: (v.item() if hasattr(v, "item") else v) for k, v in r.items() if v == v}
+        for r in df.to_dict("records")
+    ]
     for r in rows:
         if isinstance(r.get("seq_lens"), (list, tuple)) or hasattr(r.get("seq_lens"), "tolist"):
             r["seq_lens"] = list(map(int, r["seq_lens"]))
@@ -294,19 +364,24 @@ def test_a_run_folders_streams_are_read_and_a_damaged_line_is_one_line(trace, wh
     assert good.returncode == 0, good.stderr
     assert [e["rank"] for e in json.loads(good.stdout)["events"]] == [SimJob().rank(1, 3)]
     lines = text.splitlines(keepends=True)
-    (folder / where).write_text("".join(lines[:5]) + '{"step": 3, "rank": 0, trunc\n' + "".join(lines[5:]))
+    (folder / where).write_text(
+        "".join(lines[:5]) + '{"step": 3, "rank": 0, trunc\n' + "".join(lines[5:])
+    )
     # follow in this process: --nice 0, or it would lower the priority of pytest and every later test
     for verb in (["detect", folder], ["follow", folder, "--start-timeout", "3", "--nice", "0"]):
         bad = resihp(*verb)
         assert bad.returncode == 2, bad
         assert bad.stderr.strip().splitlines() == [
             f"resihp: error: {folder / where}:6: expected one op record (a JSON object) per line, got "
-            "'{\"step\": 3, \"rank\": 0, trunc'"], bad.stderr
+            '\'{"step": 3, "rank": 0, trunc\''
+        ], bad.stderr
 
 
 def test_following_a_file_is_one_line_at_once(tmp_path):
     """A file where the run folder goes: one line at once (it waited --start-timeout, 600 s by
     default, for a job.yaml that could never appear)."""
     (tmp_path / "afile").write_text("x")
-    proc = resihp("follow", tmp_path / "afile", "--nice", "0")  # in this process: keep pytest's priority
+    proc = resihp(
+        "follow", tmp_path / "afile", "--nice", "0"
+    )  # in this process: keep pytest's priority
     assert proc.returncode == 2 and "a file, not a run folder" in proc.stderr, proc.stderr

@@ -64,8 +64,9 @@ def test_fit_refuses_too_few_ops_or_missing_lengths():
     assert fit_trace(df, 20) is not None
 
 
-def _trace(slow_rank: int | None, seed: int, steps: int = 80, factor: float = 2.0,
-           noise: float = 0.15) -> pd.DataFrame:
+def _trace(
+    slow_rank: int | None, seed: int, steps: int = 80, factor: float = 2.0, noise: float = 0.15
+) -> pd.DataFrame:
     """A 2-rank data-parallel job's ops: variable lengths, lognormal noise per op, and from step 30
     ``slow_rank`` doing its forward and backward ``factor`` times slower (the other rank's backward
     then waits for it in the gradient all-reduce)."""
@@ -82,9 +83,13 @@ def _trace(slow_rank: int | None, seed: int, steps: int = 80, factor: float = 2.
         finish = max(f + b for _, f, b in done.values())
         for rank, (lens, fwd, _) in done.items():
             base = dict(step=step, rank=rank, dp_rank=rank, stage=0, tp_rank=0)
-            rows += [dict(base, optype="forward-compute", duration=fwd, seq_lens=lens, mb_id=0),
-                     dict(base, optype="backward-compute", duration=finish - fwd, seq_lens=lens, mb_id=0),
-                     dict(base, optype="optimizer", duration=0.004 * rng.lognormal(0, noise))]
+            rows += [
+                dict(base, optype="forward-compute", duration=fwd, seq_lens=lens, mb_id=0),
+                dict(
+                    base, optype="backward-compute", duration=finish - fwd, seq_lens=lens, mb_id=0
+                ),
+                dict(base, optype="optimizer", duration=0.004 * rng.lognormal(0, noise)),
+            ]
     return pd.DataFrame(rows)
 
 
@@ -92,8 +97,11 @@ META = JobMeta(dp_size=2, pp_size=1, tp_size=1, world_size=2)
 
 
 def _faults(doc: dict) -> list[tuple]:
-    return [(e["rank"], e["onset_step"], e["detected_step"]) for e in doc["events"]
-            if e["kind"] == "fail-slow"]
+    return [
+        (e["rank"], e["onset_step"], e["detected_step"])
+        for e in doc["events"]
+        if e["kind"] == "fail-slow"
+    ]
 
 
 def test_a_jobs_own_cost_finds_a_x2_rank_sooner_than_flops_and_nothing_on_the_healthy_job():
@@ -110,7 +118,9 @@ def test_a_jobs_own_cost_finds_a_x2_rank_sooner_than_flops_and_nothing_on_the_he
             assert [r for r, _, _ in found] == [1], seed
             delays.append(found[0][2] - 30)
             errors.append(abs(slow["events"][-1]["slowdown"] - 2.0) / 2.0)
-            assert _faults(detect_trace(_trace(None, seed), META, config=cfg, meta_dict=SHAPE)) == []
+            assert (
+                _faults(detect_trace(_trace(None, seed), META, config=cfg, meta_dict=SHAPE)) == []
+            )
     assert np.median(delays) <= 10 and max(delays) <= 15, delays
     # a phase's own alarm or the whole rank's (whose estimate the other rank's wait for it in the
     # all-reduce dilutes): the typical one within 10%
@@ -133,14 +143,20 @@ def test_live_feeding_holds_the_calibration_window_and_finds_the_same_events():
     # events from batches of uneven size (across the calibration window's end too)
     det = OnlineDetector(META, meta_dict=SHAPE)
     cuts = [0, 1, 4, 11, 19, 23, 30, 31, 45, 52, 60, 77, 80]
-    batched = [ev.to_dict() for a, b in zip(cuts, cuts[1:])
-               for ev in det.observe(df[(df.step >= a) & (df.step < b)])]
-    assert [(e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in batched] == \
-        [(e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in events]
+    batched = [
+        ev.to_dict()
+        for a, b in zip(cuts, cuts[1:])
+        for ev in det.observe(df[(df.step >= a) & (df.step < b)])
+    ]
+    assert [(e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in batched] == [
+        (e["kind"], e["rank"], e["onset_step"], e["detected_step"]) for e in events
+    ]
 
 
 def test_a_pipeline_or_a_predictor_or_the_switch_keeps_the_other_cost_models():
-    assert not fits_cost(JobMeta(dp_size=1, pp_size=2, tp_size=1, world_size=2), None, DetectorConfig())
+    assert not fits_cost(
+        JobMeta(dp_size=1, pp_size=2, tp_size=1, world_size=2), None, DetectorConfig()
+    )
     df = _trace(1, 0)
     off = detect_trace(df, META, config=DetectorConfig(fit_cost=False), meta_dict=SHAPE)
     assert off["cost_model"] == "flops"

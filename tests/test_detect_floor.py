@@ -24,12 +24,21 @@ from tests.frame_steps import FrameSteps
 from .test_detect_cli import resihp
 
 
-def _run(factor: float, floor: float = 1.25, world: int = 8, onset: int = 40, steps: int = 90,
-         sigma: float = 0.01, seed: int = 0) -> list:
+def _run(
+    factor: float,
+    floor: float = 1.25,
+    world: int = 8,
+    onset: int = 40,
+    steps: int = 90,
+    sigma: float = 0.01,
+    seed: int = 0,
+) -> list:
     """A job of ``world`` quiet ranks, rank 3 ``factor`` times slower from ``onset`` on."""
     rng = np.random.default_rng(seed)
-    det = OnlineDetector(JobMeta(dp_size=world, pp_size=1, tp_size=1, world_size=world),
-                         config=DetectorConfig(alarm_floor=floor, phases=False))
+    det = OnlineDetector(
+        JobMeta(dp_size=world, pp_size=1, tp_size=1, world_size=world),
+        config=DetectorConfig(alarm_floor=floor, phases=False),
+    )
     for t in range(steps):
         own = np.exp(rng.normal(0, sigma, world))
         if t >= onset:
@@ -54,8 +63,9 @@ def test_a_slowdown_above_the_floor_is_raised_with_its_factor_beside_the_floor(f
 
 def test_a_held_alarm_is_raised_once_its_slowdown_grows_past_the_floor():
     rng = np.random.default_rng(1)
-    det = OnlineDetector(JobMeta(dp_size=8, pp_size=1, tp_size=1, world_size=8),
-                         config=DetectorConfig(phases=False))
+    det = OnlineDetector(
+        JobMeta(dp_size=8, pp_size=1, tp_size=1, world_size=8), config=DetectorConfig(phases=False)
+    )
     for t in range(100):
         own = np.exp(rng.normal(0, 0.01, 8))
         own[3] *= 1.15 if 40 <= t < 70 else 2.0 if t >= 70 else 1.0
@@ -105,8 +115,11 @@ def test_links_that_began_together_are_one_shared_finding_not_n_link_faults():
     job = SimJob(steps=100, source="code", seed=7, injections=injections)
     from resihp.detect.online import detect_trace
 
-    doc = detect_trace(simulate(job, pool, _noise()), job.meta(),
-                       meta_dict={"layers": 2, "hidden": 256, "heads": 4, "ffn_hidden": 1024})
+    doc = detect_trace(
+        simulate(job, pool, _noise()),
+        job.meta(),
+        meta_dict={"layers": 2, "hidden": 256, "heads": 4, "ffn_hidden": 1024},
+    )
     kinds = [e["kind"] for e in doc["events"]]
     assert "link-slow" not in kinds, doc["events"]
     (shared,) = [e for e in doc["events"] if e["kind"] == "shared-link-slow"]
@@ -124,13 +137,17 @@ def test_a_lone_slow_link_stays_a_link_slow():
     job = SimJob(steps=100, source="code", seed=7, injections=[inj])
     from resihp.detect.online import detect_trace
 
-    doc = detect_trace(simulate(job, pool, _noise()), job.meta(),
-                       meta_dict={"layers": 2, "hidden": 256, "heads": 4, "ffn_hidden": 1024})
+    doc = detect_trace(
+        simulate(job, pool, _noise()),
+        job.meta(),
+        meta_dict={"layers": 2, "hidden": 256, "heads": 4, "ffn_hidden": 1024},
+    )
     (ev,) = [e for e in doc["events"] if e["kind"] in ("link-slow", "shared-link-slow")]
     assert ev["kind"] == "link-slow" and ev["alarm_factor"] >= 1.25
 
 
 # -- the error budget ------------------------------------------------------------------------
+
 
 def test_arl0_matches_the_threshold_the_detector_solved_for():
     """Unclipped, the budget's ARL0 at ``_cusum_h_for(k, L)`` is ``L`` (the same Siegmund)."""
@@ -140,8 +157,12 @@ def test_arl0_matches_the_threshold_the_detector_solved_for():
 
 
 @settings(max_examples=60, deadline=None)
-@given(k=st.floats(0.3, 3.0), h=st.floats(2.0, 20.0), dh=st.floats(0.5, 10.0),
-       sigma=st.floats(0.005, 0.3))
+@given(
+    k=st.floats(0.3, 3.0),
+    h=st.floats(2.0, 20.0),
+    dh=st.floats(0.5, 10.0),
+    sigma=st.floats(0.005, 0.3),
+)
 def test_arl0_grows_with_h_and_delays_shrink_with_the_shift(k, h, dh, sigma):
     a = series_budget(sigma, k, h, max(8.0, k + 1))
     b = series_budget(sigma, k, h + dh, max(8.0, k + 1))
@@ -159,7 +180,8 @@ def test_the_default_thresholds_are_no_faster_than_lordens_bound(sigma):
     for tag in ("x1_5", "x2"):
         assert b[f"delay_{tag}_steps"] >= b[f"lorden_{tag}_steps"]
         assert b[f"delay_over_lorden_{tag}"] == pytest.approx(
-            b[f"delay_{tag}_steps"] / b[f"lorden_{tag}_steps"], rel=1e-2)
+            b[f"delay_{tag}_steps"] / b[f"lorden_{tag}_steps"], rel=1e-2
+        )
         assert b[f"delay_{tag}_steps"] >= cfg.min_persist
 
 
@@ -170,8 +192,9 @@ def test_a_factor_below_the_floor_has_no_delay():
 
 def test_the_detector_budget_is_its_fitted_noise_and_thresholds():
     rng = np.random.default_rng(0)
-    det = OnlineDetector(JobMeta(dp_size=4, pp_size=1, tp_size=1, world_size=4),
-                         config=DetectorConfig(phases=False))
+    det = OnlineDetector(
+        JobMeta(dp_size=4, pp_size=1, tp_size=1, world_size=4), config=DetectorConfig(phases=False)
+    )
     scale = np.array([0.01, 0.01, 0.01, 0.2])  # rank 3: noisy, thresholds of its own
     for t in range(30):
         own = np.exp(rng.normal(0, scale))
@@ -185,9 +208,13 @@ def test_the_detector_budget_is_its_fitted_noise_and_thresholds():
     assert det.budget()["job_arl0_steps"] <= min(b["arl0_steps"] for b in comp.values())
 
 
-@pytest.mark.parametrize("value, message", [
-    ("0.5", "live.alarm_floor (--alarm-floor): expected a number >= 1, got 0.5"),
-    ("inf", "live.alarm_floor (--alarm-floor): expected a finite number, got inf")])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0.5", "live.alarm_floor (--alarm-floor): expected a number >= 1, got 0.5"),
+        ("inf", "live.alarm_floor (--alarm-floor): expected a finite number, got inf"),
+    ],
+)
 def test_resihp_run_rejects_a_bad_floor_in_one_line(value, message, monkeypatch, capsys):
     import sys
 

@@ -27,8 +27,21 @@ TIMEOUT = 1.5
 
 def _spawn(port: int, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "resihp.detect.heartbeat", *args, "--port", str(port),
-                             "--interval", str(INTERVAL), "--timeout", str(TIMEOUT)], env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.detect.heartbeat",
+            *args,
+            "--port",
+            str(port),
+            "--interval",
+            str(INTERVAL),
+            "--timeout",
+            str(TIMEOUT),
+        ],
+        env=env,
+    )
 
 
 def _poll_until(monitor: HeartbeatMonitor, want: set[int], deadline_s: float, step: int) -> list:
@@ -49,8 +62,9 @@ def test_killed_rank_and_lost_node_become_fail_stop_events():
     procs = {}
     try:
         for node, ranks in nodes.items():
-            procs[f"agg{node}"] = _spawn(port, "aggregator", "--node", str(node),
-                                         "--ranks", ",".join(map(str, ranks)))
+            procs[f"agg{node}"] = _spawn(
+                port, "aggregator", "--node", str(node), "--ranks", ",".join(map(str, ranks))
+            )
             for r in ranks:
                 procs[r] = _spawn(port, "sender", "--node", str(node), "--rank", str(r))
         monitor = HeartbeatMonitor(store, nodes, timeout_s=TIMEOUT)
@@ -110,9 +124,13 @@ def test_a_rank_beating_without_progress_is_hung_and_its_waiting_peers_are_not()
         ops["n"] += 1
         return Progress(3, "train", ops["n"], "")
 
-    senders = [HeartbeatSender(store, 0, 0, 0.05, progress=moving),
-               HeartbeatSender(store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "backward-recv")),
-               HeartbeatSender(store, 2, 0, 0.05, progress=lambda: Progress(3, "train", 17, ""))]
+    senders = [
+        HeartbeatSender(store, 0, 0, 0.05, progress=moving),
+        HeartbeatSender(
+            store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "backward-recv")
+        ),
+        HeartbeatSender(store, 2, 0, 0.05, progress=lambda: Progress(3, "train", 17, "")),
+    ]
     for snd in senders:
         snd.start()
     agg = NodeAggregator(store, 0, [0, 1, 2], interval_s=0.05, timeout_s=1.0).start()
@@ -152,8 +170,12 @@ def test_ranks_waiting_on_a_rank_that_is_busy_are_not_hung(rank0):
     hung. Once rank 0 is stuck, it is the hang."""
     store, _ = start_local_store()
     state = {"n": 0, "stuck": False}
-    senders = [HeartbeatSender(store, 0, 0, 0.05, progress=lambda: rank0(state)),
-               HeartbeatSender(store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "grads-all-reduce"))]
+    senders = [
+        HeartbeatSender(store, 0, 0, 0.05, progress=lambda: rank0(state)),
+        HeartbeatSender(
+            store, 1, 0, 0.05, progress=lambda: Progress(3, "train", 40, "grads-all-reduce")
+        ),
+    ]
     for snd in senders:
         snd.start()
     agg = NodeAggregator(store, 0, [0, 1], interval_s=0.05, timeout_s=5.0).start()
@@ -186,7 +208,10 @@ def test_a_stopped_rank_inside_the_op_its_peer_waits_in_is_the_hang():
 
     store, port = start_local_store()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _WAITING_RANK, str(port), str(r)], env=env) for r in (0, 1)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WAITING_RANK, str(port), str(r)], env=env)
+        for r in (0, 1)
+    ]
     agg = None
     try:
         keys = [rank_key("resihp/hb", 0, r) for r in (0, 1)]
@@ -214,15 +239,24 @@ def test_a_rank_in_its_warm_up_is_not_hung_until_the_start_up_bound_and_a_hang_i
     on before that second look is forgotten."""
     store, _ = start_local_store()
     state = {"step": 0, "ops": 5}
-    senders = [HeartbeatSender(store, 0, 0, 0.05,
-                               progress=lambda: Progress(state["step"], "train", state["ops"], "")),
-               HeartbeatSender(store, 1, 0, 0.05,
-                               progress=lambda: Progress(state["step"], "train", 3, "grads-all-reduce"))]
+    senders = [
+        HeartbeatSender(
+            store, 0, 0, 0.05, progress=lambda: Progress(state["step"], "train", state["ops"], "")
+        ),
+        HeartbeatSender(
+            store,
+            1,
+            0,
+            0.05,
+            progress=lambda: Progress(state["step"], "train", 3, "grads-all-reduce"),
+        ),
+    ]
     for snd in senders:
         snd.start()
     agg = NodeAggregator(store, 0, [0, 1], interval_s=0.05, timeout_s=5.0).start()
-    monitor = HeartbeatMonitor(store, {0: [0, 1]}, timeout_s=5.0, startup_s=30.0, hang_floor_s=0.3,
-                               confirm_s=1.0)
+    monitor = HeartbeatMonitor(
+        store, {0: [0, 1]}, timeout_s=5.0, startup_s=30.0, hang_floor_s=0.3, confirm_s=1.0
+    )
     try:
         assert _first_events(monitor, 0, within_s=1.5) == []  # 5x the floor, in the warm-up
         for _ in range(4):  # steps finish: a step time is measured

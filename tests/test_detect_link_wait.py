@@ -21,13 +21,16 @@ TRANSFER_S = 0.002  # a message's healthy transfer (1,024 tokens)
 
 def _cost(lens: list[int], rng: np.random.Generator) -> float:
     tokens = float(sum(lens))
-    flops = SHAPE.layers * (linear_flops_per_token(SHAPE) * tokens
-                            + attention_flops(SHAPE, float(sum(n * n for n in lens)), tokens))
+    flops = SHAPE.layers * (
+        linear_flops_per_token(SHAPE) * tokens
+        + attention_flops(SHAPE, float(sum(n * n for n in lens)), tokens)
+    )
     return float(flops) * SECONDS_PER_FLOP * float(np.exp(rng.normal(0.0, 0.01)))
 
 
-def _trace(long_from_onset: float, slow_link: tuple[int, float] | None,
-           seed: int = 3) -> pd.DataFrame:
+def _trace(
+    long_from_onset: float, slow_link: tuple[int, float] | None, seed: int = 3
+) -> pd.DataFrame:
     """Per replica and step: stage 0 runs every forward, then each backward as its gradient comes;
     stage 1 runs forward and backward of each micro-batch as it comes. Every receive is posted as
     soon as the one before it arrived (the first at the step's start); its data moves once it is
@@ -47,11 +50,30 @@ def _trace(long_from_onset: float, slow_link: tuple[int, float] | None,
             x_each = [x * float(np.exp(rng.normal(0.0, 0.02))) for _ in range(2 * MB)]
             lens = [LONG if rng.random() < p_long else SHORT for _ in range(MB)]
 
-            def op(rank: int, stage: int, optype: str, mb: int, start: float, end: float,
-                   step: int = step, d: int = d, lens: list = lens) -> None:
-                rows.append({"step": step, "rank": rank, "dp_rank": d, "stage": stage,
-                             "optype": optype, "start_ts": start, "duration": end - start,
-                             "mb_id": mb, "seq_lens": lens[mb]})
+            def op(
+                rank: int,
+                stage: int,
+                optype: str,
+                mb: int,
+                start: float,
+                end: float,
+                step: int = step,
+                d: int = d,
+                lens: list = lens,
+            ) -> None:
+                rows.append(
+                    {
+                        "step": step,
+                        "rank": rank,
+                        "dp_rank": d,
+                        "stage": stage,
+                        "optype": optype,
+                        "start_ts": start,
+                        "duration": end - start,
+                        "mb_id": mb,
+                        "seq_lens": lens[mb],
+                    }
+                )
 
             free0 = t
             ready1 = []

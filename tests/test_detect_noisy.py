@@ -22,8 +22,15 @@ SHAPE = {"layers": 2, "hidden": 128, "heads": 4, "ffn_hidden": 512}
 _PH = {"forward": "fwd", "backward": "bwd"}
 
 
-def noisy_job(steps=80, noise=0.25, slow_rank=None, factor=2.0, onset=30, phases=("forward", "backward"),
-              seed=0) -> pd.DataFrame:
+def noisy_job(
+    steps=80,
+    noise=0.25,
+    slow_rank=None,
+    factor=2.0,
+    onset=30,
+    phases=("forward", "backward"),
+    seed=0,
+) -> pd.DataFrame:
     """Rows of a 2-rank job whose ops take their FLOPs' time times lognormal noise (sigma
     ``noise`` per op) and, on ``slow_rank`` from ``onset``, ``factor`` in the given phases."""
     rng = np.random.default_rng(seed)
@@ -33,18 +40,30 @@ def noisy_job(steps=80, noise=0.25, slow_rank=None, factor=2.0, onset=30, phases
             lens = [int(x) for x in rng.integers(16, 160, size=rng.integers(1, 5))]
             tokens, sq = sum(lens), sum(x * x for x in lens)
             shape = TransformerShape(**SHAPE)
-            for optype, phase in (("forward-compute", "forward"), ("backward-compute", "backward"),
-                                  ("optimizer", "optimizer")):
+            for optype, phase in (
+                ("forward-compute", "forward"),
+                ("backward-compute", "backward"),
+                ("optimizer", "optimizer"),
+            ):
                 if phase == "optimizer":
                     work = 0.002
                 else:  # the job's FLOPs at 10 GFLOP/s
                     d, a = stage_flops(shape, np.array([tokens]), np.array([sq]), _PH[phase])
                     work = float(d[0] + a[0]) / 1e10
                 slow = factor if (rank == slow_rank and step >= onset and phase in phases) else 1.0
-                rows.append({"step": step, "rank": rank, "dp_rank": rank, "stage": 0, "tp_rank": 0,
-                             "optype": optype, "mb_id": 0 if phase != "optimizer" else None,
-                             "seq_lens": lens if phase != "optimizer" else None,
-                             "duration": work * slow * float(np.exp(rng.normal(0, noise)))})
+                rows.append(
+                    {
+                        "step": step,
+                        "rank": rank,
+                        "dp_rank": rank,
+                        "stage": 0,
+                        "tp_rank": 0,
+                        "optype": optype,
+                        "mb_id": 0 if phase != "optimizer" else None,
+                        "seq_lens": lens if phase != "optimizer" else None,
+                        "duration": work * slow * float(np.exp(rng.normal(0, noise))),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -86,8 +105,15 @@ def test_a_slowdown_of_one_phase_alone_is_found_and_named(phase):
     assert abs(faults[0]["slowdown"] - 2.0) / 2.0 < 0.15
     # what it costs the rank: the phase's share of the rank's healthy seconds, times the slowdown
     healthy = df[(df["rank"] == 0) & (df["step"] < 30)]
-    share = healthy.loc[healthy["optype"] == f"{phase}-compute" if phase != "optimizer"
-                        else healthy["optype"] == "optimizer", "duration"].sum() / healthy["duration"].sum()
+    share = (
+        healthy.loc[
+            healthy["optype"] == f"{phase}-compute"
+            if phase != "optimizer"
+            else healthy["optype"] == "optimizer",
+            "duration",
+        ].sum()
+        / healthy["duration"].sum()
+    )
     assert faults[0]["rank_slowdown"] - 1.0 == pytest.approx(share * 1.0, rel=0.2)
 
 
@@ -174,7 +200,9 @@ def test_noise_alone_in_the_calibration_windows_raises_no_alarm(noise):
     for window in (8, 20):
         bank = CusumBank(4000, DetectorConfig(calibration_steps=window), rises=True)
         for step in range(window):
-            x = rng.normal(0, noise, 4000) + (rng.random(4000) < 0.05) * rng.exponential(3 * noise, 4000)
+            x = rng.normal(0, noise, 4000) + (rng.random(4000) < 0.05) * rng.exponential(
+                3 * noise, 4000
+            )
             assert bank.update(step, x)[0] == []
         assert bank.calibrated.all()
 
@@ -188,7 +216,9 @@ def test_peers_are_the_ranks_doing_the_same_work_not_every_rank_of_a_stage():
     layout = RankPlacement(np.zeros(4, np.int64), np.zeros(4, np.int64), np.arange(4))
 
     def findings(peers, own_ratio):
-        det = OnlineDetector(meta, config=DetectorConfig(calibration_steps=8), layout=layout, peers=peers)
+        det = OnlineDetector(
+            meta, config=DetectorConfig(calibration_steps=8), layout=layout, peers=peers
+        )
         rng = np.random.default_rng(0)
         for step in range(12):
             det.observe_arrays(step, np.asarray(own_ratio) * np.exp(rng.normal(0, 0.02, 4)))

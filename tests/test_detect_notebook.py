@@ -13,8 +13,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout (notebooks, e
 
 @pytest.mark.slow
 def test_detector_notebook_runs():
-    proc = run_notebook(REPO_ROOT / "notebooks" / "detector.ipynb", timeout_s=600,
-                        env={"RESIHP_QUICK": "1", "OMP_NUM_THREADS": "1"})
+    proc = run_notebook(
+        REPO_ROOT / "notebooks" / "detector.ipynb",
+        timeout_s=600,
+        env={"RESIHP_QUICK": "1", "OMP_NUM_THREADS": "1"},
+    )
     out = proc.stdout
     assert "worker 6 found" in out
     assert "pipeline, lengths+timestamps" in out and "false_alarms_per_10k_healthy_steps" in out

@@ -3,15 +3,25 @@
 between pipeline stages with their parameters and AdamW state; gradients are summed over whichever
 stages hold a layer when replicas split their layers differently."""
 
-
 import pytest
 import torch
 
 from resihp.errors import InputError
 from tests.gloo_ranks import spawn_ranks
 
-CFG = {"dp": 1, "pp": 2, "layers": 4, "hidden": 32, "heads": 2, "ffn_hidden": 64, "vocab": 64,
-       "global_tokens": 1024, "budget": 256, "max_len": 256, "steps": 2}
+CFG = {
+    "dp": 1,
+    "pp": 2,
+    "layers": 4,
+    "hidden": 32,
+    "heads": 2,
+    "ffn_hidden": 64,
+    "vocab": 64,
+    "global_tokens": 1024,
+    "budget": 256,
+    "max_len": 256,
+    "steps": 2,
+}
 
 
 def _layer_state(engine) -> dict[str, torch.Tensor]:
@@ -33,8 +43,9 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     engine.train_step(0)
     result["before"] = _layer_state(engine)
     result["ranges_before"] = list(engine.ranges)
-    change = engine.sync_plan(1, {"version": 1, "layer_split": [1, 3], "reason": "test"}
-                              if rank == 0 else None)
+    change = engine.sync_plan(
+        1, {"version": 1, "layer_split": [1, 3], "reason": "test"} if rank == 0 else None
+    )
     result["change"] = change
     result["after"] = _layer_state(engine)
     result["ranges_after"] = list(engine.ranges)

@@ -17,7 +17,9 @@ def _padded_batches(n=8, vocab=64, seed=0):
         ids = torch.randint(0, vocab, (16,), generator=g)
         mask = torch.zeros(16, dtype=torch.long)
         mask[:length] = 1
-        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        rows.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        )
     return rows
 
 
@@ -27,13 +29,27 @@ def test_hf_trainer_callback_records_steps_with_lengths_from_the_attention_mask(
     from resihp.train.hf_callback import ResihpTrainerCallback
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32,
-                                        bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        vocab_size=64,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.GPT2LMHeadModel(config)
     data = _padded_batches()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=2,
-                                          max_steps=4, report_to=[], use_cpu=True, save_strategy="no",
-                                          logging_strategy="no", disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf-out"),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     cb = ResihpTrainerCallback(out=tmp_path / "run", detect=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
     trainer.train()
@@ -42,7 +58,9 @@ def test_hf_trainer_callback_records_steps_with_lengths_from_the_attention_mask(
     fwd = df[df.optype == "forward-compute"]
     # the Trainer shuffles: every row's mask length once, two rows per step
     assert fwd.seq_lens.map(len).tolist() == [2] * 4
-    assert sorted(x for s in fwd.seq_lens for x in s) == sorted(int(r["attention_mask"].sum()) for r in data)
+    assert sorted(x for s in fwd.seq_lens for x in s) == sorted(
+        int(r["attention_mask"].sum()) for r in data
+    )
     assert {"backward-compute", "optimizer", "step"} <= set(df.optype)
     assert read_meta(meta_path)[0].world_size == 1
     assert cb.monitor.report()["steps"] == 4
@@ -62,8 +80,9 @@ def test_lightning_callback_records_steps_with_lengths_from_the_batch(tmp_path):
 
         def training_step(self, batch, batch_idx):
             logits = self(batch["input_ids"])
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), batch["labels"].reshape(-1),
-                                                     ignore_index=-100)
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, 64), batch["labels"].reshape(-1), ignore_index=-100
+            )
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -72,14 +91,22 @@ def test_lightning_callback_records_steps_with_lengths_from_the_batch(tmp_path):
     data = _padded_batches()
     loader = torch.utils.data.DataLoader(data, batch_size=2)
     cb = ResihpLightningCallback(out=tmp_path / "run")
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, callbacks=[cb], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(TinyLM(), loader)
     df, _ = read_run_folder(tmp_path / "run")
     assert set(df.step) == {0, 1, 2, 3}
     fwd = df[df.optype == "forward-compute"].sort_values("step")
-    expected = [[int(r["attention_mask"].sum()) for r in data[i:i + 2]] for i in range(0, 8, 2)]
+    expected = [[int(r["attention_mask"].sum()) for r in data[i : i + 2]] for i in range(0, 8, 2)]
     assert fwd.seq_lens.map(list).tolist() == expected
     assert (df.optype == "backward-compute").sum() == 4
     # the optimizer's update is timed after Lightning's closure ran the forward and backward
@@ -101,7 +128,9 @@ def test_tensorboard_scalars_of_an_attached_loop(tmp_path):
     for _ in range(3):
         ids = torch.randint(0, 64, (1, 12))
         with mon.step(seq_lens=[12]):
-            torch.nn.functional.cross_entropy(model(ids).reshape(-1, 64), ids.reshape(-1)).backward()
+            torch.nn.functional.cross_entropy(
+                model(ids).reshape(-1, 64), ids.reshape(-1)
+            ).backward()
             opt.step()
     mon.close()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))

@@ -9,8 +9,10 @@ from resihp.train.config import RunConfig
 
 
 def _loop_with_rank_1_left_out(dp: int, pp: int) -> LiveLoop:
-    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=dp, pp=pp, tp=1),
-                    detector_config=DetectorConfig(calibration_steps=8))
+    loop = LiveLoop(
+        RunConfig.from_flags(layers=4, dp=dp, pp=pp, tp=1),
+        detector_config=DetectorConfig(calibration_steps=8),
+    )
     loop._post = lambda change: None  # the job's side of a change is not under test here
     loop.speeds[1] = 0.02  # 50x slower: the planner leaves it out
     loop._replan(10, {"kind": "fail-slow", "rank": 1, "slowdown": 50.0, "detected_step": 10})
@@ -25,7 +27,10 @@ def test_a_re_plan_that_keeps_the_pipelines_and_spares_in_force_re_forms_nothing
         loop._replan(11, {"kind": "fail-slow", "rank": 1, "slowdown": 50.0, "detected_step": 11})
         first, second = loop.changes
         assert first["applied"] is True and "layout" in first
-        assert second["applied"] == "none: the planner keeps the plan in force" and "layout" not in second
+        assert (
+            second["applied"] == "none: the planner keeps the plan in force"
+            and "layout" not in second
+        )
         assert loop.groups == groups
 
 
@@ -49,8 +54,10 @@ def test_a_ranks_reference_is_its_fastest_probe_while_it_trains():
     """A rank probes in its first steps while it trains: the fastest is its reference (a CI run's
     rank timed its first probe at 2.8x its peers', and as a spare at a third of its speed it then
     read 1.06x: taken back while still slow). A spare's probe is compared with it."""
-    loop = LiveLoop(RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1),
-                    detector_config=DetectorConfig(calibration_steps=8))
+    loop = LiveLoop(
+        RunConfig.from_flags(layers=4, dp=4, pp=1, tp=1),
+        detector_config=DetectorConfig(calibration_steps=8),
+    )
     loop._post = lambda change: None
     for step, seconds in enumerate((0.0116, 0.0042, 0.0045)):
         loop._probe(step, 1, seconds, {0, 1, 2, 3})

@@ -26,14 +26,25 @@ from resihp.model.tensor_parallel import TPContext
 from tests.gloo_ranks import spawn_ranks
 
 CFG = GPTConfig(layers=2, hidden=64, heads=4, ffn_hidden=128, vocab=97, max_seq_len=128)
-LENS = [5, 1, 17, 40, 1, 64, 1, 2]  # length-1 documents among longer ones, T = 131 (not a block size)
+LENS = [
+    5,
+    1,
+    17,
+    40,
+    1,
+    64,
+    1,
+    2,
+]  # length-1 documents among longer ones, T = 131 (not a block size)
 
 
 def _batch(lens: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = sum(lens)
-    return (torch.randint(0, CFG.vocab, (tokens,), generator=gen),
-            torch.randint(0, CFG.vocab, (tokens,), generator=gen))
+    return (
+        torch.randint(0, CFG.vocab, (tokens,), generator=gen),
+        torch.randint(0, CFG.vocab, (tokens,), generator=gen),
+    )
 
 
 def _model(kind: str, tp: TPContext | None = None) -> GPTStage:
@@ -101,12 +112,17 @@ def test_random_packings_match_per_document(lens, seed):
 
 def test_mask_is_document_causal():
     mask = PackedDocs.of([2, 1, 3], "cpu").causal_mask
-    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0, 0],
-                             [0, 0, 1, 0, 0, 0],
-                             [0, 0, 0, 1, 0, 0],
-                             [0, 0, 0, 1, 1, 0],
-                             [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask, expected)
 
 
@@ -142,15 +158,20 @@ def test_the_choice_leaves_the_model_hash_alone():
 def test_bad_attention_value_is_one_line_input_error():
     with pytest.raises(InputError) as info:
         GPTConfig(attention="fused")
-    assert str(info.value) == ("model.attention (--attention): expected one of per_document, "
-                               "sdpa_masked, flex, got 'fused'")
+    assert str(info.value) == (
+        "model.attention (--attention): expected one of per_document, "
+        "sdpa_masked, flex, got 'fused'"
+    )
 
 
 def test_flex_training_on_cpu_is_refused_up_front():
     check_attention("per_document", "cpu")
     check_attention("sdpa_masked", "cpu")
-    with pytest.raises(InputError, match=r"model.attention \(--attention\) flex: .*expected "
-                       "per_document or sdpa_masked") as info:
+    with pytest.raises(
+        InputError,
+        match=r"model.attention \(--attention\) flex: .*expected "
+        "per_document or sdpa_masked",
+    ) as info:
         check_attention("flex", "cpu")
     assert "\n" not in str(info.value)
 
@@ -158,8 +179,11 @@ def test_flex_training_on_cpu_is_refused_up_front():
 def test_run_with_flex_on_cpu_exits_2_with_one_line(monkeypatch, capsys, tmp_path):
     from resihp.cli import main
 
-    monkeypatch.setattr(sys, "argv", ["resihp", "run", "--attention", "flex", "--device", "cpu",
-                                      "--out", str(tmp_path / "run")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["resihp", "run", "--attention", "flex", "--device", "cpu", "--out", str(tmp_path / "run")],
+    )
     with pytest.raises(SystemExit) as exit_info:
         main()
     err = capsys.readouterr().err.strip()

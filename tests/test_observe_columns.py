@@ -56,7 +56,11 @@ def test_group_quantile_on_groups_of_one_size_matches_pandas(size, nan):
         values[rng.random(code.size) < 0.05] = np.nan
     for q, lower in ((0.5, True), (0.1, False), (0.5, False), (0.9, False)):
         codes, got, inverse = _group_quantile(code, values, q, lower=lower)
-        want = pd.Series(values).groupby(code).quantile(q, interpolation="lower" if lower else "linear")
+        want = (
+            pd.Series(values)
+            .groupby(code)
+            .quantile(q, interpolation="lower" if lower else "linear")
+        )
         np.testing.assert_array_equal(codes, want.index.to_numpy())
         np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, equal_nan=True)
         np.testing.assert_array_equal(codes[inverse], code)
@@ -93,7 +97,9 @@ def test_pivot_lower_median_matches_the_sorted_groups():
     _, ref, inverse = _group_quantile(code, values, 0.5, lower=True)
     layout = _dense_layout(code, member - member.min())
     np.testing.assert_array_equal(_pivot_lower_median(code, values, layout), ref[inverse])
-    assert _dense_layout(np.r_[code, code[:1]], np.r_[member, member[:1]]) is None  # two rows of one member
+    assert (
+        _dense_layout(np.r_[code, code[:1]], np.r_[member, member[:1]]) is None
+    )  # two rows of one member
     assert _dense_layout(code * 100, member) is None  # sparse codes
 
 
@@ -109,10 +115,18 @@ def test_unblocked_durations_match_a_row_by_row_lookup(full):
     else:
         grid = rng.integers(0, [3, 2, 4, 4, 2, 2], size=(3000, 6)).T
     n = grid.shape[1]
-    df = pd.DataFrame({"step": grid[0], "dp_rank": grid[1], "mb_id": grid[2].astype(float),
-                       "stage": grid[3], "tp_rank": grid[4].astype(float),
-                       "optype": np.array(["forward-compute", "backward-compute"])[grid[5]],
-                       "start_ts": rng.random(n) * 10, "duration": rng.random(n) * 3})
+    df = pd.DataFrame(
+        {
+            "step": grid[0],
+            "dp_rank": grid[1],
+            "mb_id": grid[2].astype(float),
+            "stage": grid[3],
+            "tp_rank": grid[4].astype(float),
+            "optype": np.array(["forward-compute", "backward-compute"])[grid[5]],
+            "start_ts": rng.random(n) * 10,
+            "duration": rng.random(n) * 3,
+        }
+    )
     df["rank"] = df["dp_rank"] * 8 + df["stage"] * 2 + df["tp_rank"].astype(int)
     cols = {c: df[c].to_numpy() for c in df.columns}
     op = _optype_codes(cols["optype"])
@@ -152,7 +166,6 @@ def test_replay_columns_give_the_ops_frame_analysis(tmp_path):
     assert (np.nanargmax(from_cols.own / win.rank_work[None, :], axis=1) == rank).all()
 
 
-
 def _same_observations(a, b) -> None:
     assert a.cost_model == b.cost_model
     np.testing.assert_array_equal(a.steps, b.steps)
@@ -177,28 +190,37 @@ def test_a_structure_memo_gives_what_each_call_derives_afresh(tmp_path):
     shape = TransformerShape(2, 256, 4, 1024)
     for i in (0, 4, 8, 8, 0):
         cols = win.step_columns(i, i + 4)
-        _same_observations(observe_columns(cols, win.meta, shape=shape, structure=memo),
-                           observe_columns(cols, win.meta, shape=shape))
+        _same_observations(
+            observe_columns(cols, win.meta, shape=shape, structure=memo),
+            observe_columns(cols, win.meta, shape=shape),
+        )
     assert len(memo._entries) == 1  # one structure: every chunk's rows in the same places
     # the same rows in another order, as new arrays: another structure
     cols = dict(win.step_columns(0, 4))
     order = np.random.default_rng(0).permutation(len(cols["step"]))
-    shuffled = {c: (v.take(order) if isinstance(v, pd.Categorical) else v[order]) for c, v in cols.items()}
-    _same_observations(observe_columns(shuffled, win.meta, shape=shape, structure=memo),
-                       observe_columns(shuffled, win.meta, shape=shape))
+    shuffled = {
+        c: (v.take(order) if isinstance(v, pd.Categorical) else v[order]) for c, v in cols.items()
+    }
+    _same_observations(
+        observe_columns(shuffled, win.meta, shape=shape, structure=memo),
+        observe_columns(shuffled, win.meta, shape=shape),
+    )
     # the same arrays with other relative steps (two steps swapped between chunks): afresh too
     swapped = dict(cols)
     swapped["step"] = np.where(cols["step"] == 0, 1, np.where(cols["step"] == 1, 0, cols["step"]))
-    _same_observations(observe_columns(swapped, win.meta, shape=shape, structure=memo),
-                       observe_columns(swapped, win.meta, shape=shape))
+    _same_observations(
+        observe_columns(swapped, win.meta, shape=shape, structure=memo),
+        observe_columns(swapped, win.meta, shape=shape),
+    )
     assert len(memo._entries) == 3
 
 
 def test_optype_as_strings_or_categorical(tmp_path):
     sc = load_scenario(write(tmp_path))
     rp = Replay(sc, make_policies("resihp")[0], events=[])
-    win = rp.sim.window(compile_layout(rp.ctx.uniform_layout(set())), np.ones(len(sc.cluster)), 4, 0,
-                        0.0)
+    win = rp.sim.window(
+        compile_layout(rp.ctx.uniform_layout(set())), np.ones(len(sc.cluster)), 4, 0, 0.0
+    )
     cols = dict(win.columns())
     assert isinstance(cols["optype"], pd.Categorical)
     a = observe_columns(cols, win.meta)
@@ -224,18 +246,30 @@ def _phase_alone(df: pd.DataFrame, meta, phase_optype: str, **kw) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("dp,pp,drop", [(4, 4, ()), (8, 1, ()), (8, 1, ("seq_lens",)), (2, 2, ("seq_lens",))])
+@pytest.mark.parametrize(
+    "dp,pp,drop", [(4, 4, ()), (8, 1, ()), (8, 1, ("seq_lens",)), (2, 2, ("seq_lens",))]
+)
 def test_each_phase_from_one_pass_equals_the_analysis_of_its_rows_alone(dp, pp, drop):
-    job = SimJob(dp=dp, pp=pp, steps=40, source="code", seed=3,
-                 injections=[Injection("fail-slow", SimJob(dp=dp, pp=pp).rank(1, pp - 1), 20, 39, 2.0)])
+    job = SimJob(
+        dp=dp,
+        pp=pp,
+        steps=40,
+        source="code",
+        seed=3,
+        injections=[Injection("fail-slow", SimJob(dp=dp, pp=pp).rank(1, pp - 1), 20, 39, 2.0)],
+    )
     df = simulate(job, CostPool.from_profile(DEFAULT_PROFILE), alibaba_residuals(alibaba_path(2)))
     df = df.drop(columns=list(drop))
     shape = TransformerShape(2, 256, 4, 1024)
     obs = observe_ops(df, job.meta(), shape=shape, phases=True)
     assert set(obs.phase_own) == {"forward", "backward"}
     for name, optype in (("forward", "forward-compute"), ("backward", "backward-compute")):
-        np.testing.assert_allclose(obs.phase_own[name], _phase_alone(df, job.meta(), optype, shape=shape),
-                                   rtol=1e-12, equal_nan=True)
+        np.testing.assert_allclose(
+            obs.phase_own[name],
+            _phase_alone(df, job.meta(), optype, shape=shape),
+            rtol=1e-12,
+            equal_nan=True,
+        )
 
 
 def test_a_pipeline_without_clocks_gives_no_phase_alone():

@@ -16,14 +16,23 @@ def test_shipped_files_are_package_data():
     assert "gpt-7b" in shipped_names("model") and "cpu-gpt-small" in shipped_names("predictor")
 
 
-@pytest.mark.parametrize("value,kind,expect", [
-    ("h100-8-degraded", "cluster", "traces/clusters/h100-8-degraded.yaml"),
-    ("gpt-7b.yaml", "model", "traces/models/gpt-7b.yaml"),
-    ("traces/scenarios/failslow-13b-256.yaml", "scenario", "traces/scenarios/failslow-13b-256.yaml"),
-    ("cpu-gpt-small", "predictor", "models/cpu-gpt-small"),
-    ("models/cpu-gpt-small", "predictor", "models/cpu-gpt-small"),
-])
-def test_names_and_repository_paths_resolve_from_any_directory(tmp_path, monkeypatch, value, kind, expect):
+@pytest.mark.parametrize(
+    "value,kind,expect",
+    [
+        ("h100-8-degraded", "cluster", "traces/clusters/h100-8-degraded.yaml"),
+        ("gpt-7b.yaml", "model", "traces/models/gpt-7b.yaml"),
+        (
+            "traces/scenarios/failslow-13b-256.yaml",
+            "scenario",
+            "traces/scenarios/failslow-13b-256.yaml",
+        ),
+        ("cpu-gpt-small", "predictor", "models/cpu-gpt-small"),
+        ("models/cpu-gpt-small", "predictor", "models/cpu-gpt-small"),
+    ],
+)
+def test_names_and_repository_paths_resolve_from_any_directory(
+    tmp_path, monkeypatch, value, kind, expect
+):
     monkeypatch.chdir(tmp_path)
     assert resolve(value, kind) == DATA / expect
 
@@ -32,7 +41,9 @@ def test_an_existing_path_wins_and_an_unknown_name_lists_the_choices(tmp_path, m
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gpt-7b.yaml").write_text("layers: 1\n")
     assert resolve("gpt-7b.yaml", "model").resolve() == tmp_path / "gpt-7b.yaml"
-    with pytest.raises(InputError, match=r"nope: cannot read cluster \(no such file.*shipped: .*h100-8-degraded"):
+    with pytest.raises(
+        InputError, match=r"nope: cannot read cluster \(no such file.*shipped: .*h100-8-degraded"
+    ):
         resolve("nope", "cluster")
     # a path elsewhere is left to its reader, which names it
     assert resolve("elsewhere/h100-8.yaml", "cluster") == Path("elsewhere/h100-8.yaml")
@@ -43,9 +54,24 @@ def test_plan_names_shipped_specs_from_another_directory(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "plan", "--cluster", "h100-8-degraded",
-                           "--model", "gpt-7b", "--time-limit", "2", "--json"],
-                          capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "plan",
+            "--cluster",
+            "h100-8-degraded",
+            "--model",
+            "gpt-7b",
+            "--time-limit",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["world_size"] == 8
 

@@ -25,14 +25,42 @@ from resihp.ckpt.universal import read_full
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
-         "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--no-live", "--json",
-         "--heartbeat-timeout", "3", "--timeout", "60", "--recovery", "none"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "128",
+    "--vocab",
+    "256",
+    "--global-tokens",
+    "1024",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--no-live",
+    "--json",
+    "--heartbeat-timeout",
+    "3",
+    "--timeout",
+    "60",
+    "--recovery",
+    "none",
+]
 
 
 def _run(out: Path, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -44,12 +72,19 @@ def _log(out: Path) -> list[dict]:
 def test_keeper_checkpoints_hold_what_the_trainers_would_save(tmp_path):
     layout = ["--dp", "2", "--pp", "2", "--steps", "8"]
     saved = _run(tmp_path / "saved", *layout, "--ckpt-every", "3")
-    kept = _run(tmp_path / "kept", *layout, "--ckpt-every", "3", "--snapshot-every", "1", "--ckpt-keep", "1")
+    kept = _run(
+        tmp_path / "kept", *layout, "--ckpt-every", "3", "--snapshot-every", "1", "--ckpt-keep", "1"
+    )
     assert kept["losses"] == saved["losses"]
     assert [e["step"] for e in _log(tmp_path / "kept")] == [2, 5]
     assert [p.name for p in candidates(tmp_path / "kept" / "ckpt")] == ["step5"]  # --ckpt-keep 1
-    assert not (tmp_path / "saved" / "ckpt" / "persist.jsonl").exists()  # no snapshots: the trainers saved
-    ours, theirs = read_full(tmp_path / "kept" / "ckpt" / "step5"), read_full(tmp_path / "saved" / "ckpt" / "step5")
+    assert not (
+        tmp_path / "saved" / "ckpt" / "persist.jsonl"
+    ).exists()  # no snapshots: the trainers saved
+    ours, theirs = (
+        read_full(tmp_path / "kept" / "ckpt" / "step5"),
+        read_full(tmp_path / "saved" / "ckpt" / "step5"),
+    )
     assert set(ours) == set(theirs)
     # every model and AdamW tensor bitwise; the process-wide RNG state differs between the two
     # kinds of run (library calls draw from it; the training itself never does)
@@ -59,13 +94,28 @@ def test_keeper_checkpoints_hold_what_the_trainers_would_save(tmp_path):
 
 
 def test_a_dead_rank_leaves_the_newest_snapshot_on_disk_for_the_restart(tmp_path):
-    summary = _run(tmp_path / "run", "--dp", "2", "--pp", "1", "--steps", "10", "--snapshot-every", "1",
-                   "--ckpt-every", "4", "--inject", "stop:rank=1,step=6")
+    summary = _run(
+        tmp_path / "run",
+        "--dp",
+        "2",
+        "--pp",
+        "1",
+        "--steps",
+        "10",
+        "--snapshot-every",
+        "1",
+        "--ckpt-every",
+        "4",
+        "--inject",
+        "stop:rank=1,step=6",
+    )
     assert summary["failure"]["rank"] == 1
     log = _log(tmp_path / "run")
     assert log[0]["step"] == 3 and log[0]["reason"] == "due"
     breakpoint_ = [e for e in log if e["reason"] == "breakpoint"]
-    assert len(breakpoint_) == 1 and breakpoint_[0]["step"] > 3  # newer than the periodic checkpoint
+    assert (
+        len(breakpoint_) == 1 and breakpoint_[0]["step"] > 3
+    )  # newer than the periodic checkpoint
     newest = breakpoint_[0]["step"]
     assert problem(tmp_path / "run" / "ckpt" / f"step{newest}") is None
     change = summary["plan_changes"][-1]
@@ -81,19 +131,49 @@ def test_a_keeper_stopped_longer_than_the_hang_timeout_is_replaced_without_a_fai
     step and every checkpoint."""
     out, shm = tmp_path / "run", tmp_path / "shm"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
-    proc = subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, "--dp", "2",
-                             "--pp", "1", "--steps", "10", "--snapshot-every", "1", "--ckpt-every", "2"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            "-o",
+            str(out),
+            *SMALL,
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--steps",
+            "10",
+            "--snapshot-every",
+            "1",
+            "--ckpt-every",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
-        while not (out / "ckpt" / "persist.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            not (out / "ckpt" / "persist.jsonl").exists()
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         pids = [int(p.read_text()) for p in shm.glob("*/keeper.pid")]
         assert pids, "no keeper found"
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         now: set[int] = set()
-        while not (now and not now & set(pids)) and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            not (now and not now & set(pids))
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)  # a trainer waiting on it replaces it once it was stopped 2 s
             with contextlib.suppress(OSError, ValueError):
                 now = {int(p.read_text()) for p in shm.glob("*/keeper.pid")}

@@ -29,21 +29,43 @@ from resihp.plan.timing import StageCoster, evaluate
 
 
 def cluster_of(nodes: list[list[float]], memory: float = 80, tflops=None) -> ClusterSpec:
-    devices = [[{"speed": s, **({"tflops": tflops[i][j]} if tflops else {})}
-                for j, s in enumerate(node)] for i, node in enumerate(nodes)]
-    return ClusterSpec.from_dict({
-        "name": "small", "device": {"memory_gb": memory, "tflops": 300},
-        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}, "memory_reserve_gb": 2,
-        "nodes": [{"devices": d} for d in devices]})
+    devices = [
+        [{"speed": s, **({"tflops": tflops[i][j]} if tflops else {})} for j, s in enumerate(node)]
+        for i, node in enumerate(nodes)
+    ]
+    return ClusterSpec.from_dict(
+        {
+            "name": "small",
+            "device": {"memory_gb": memory, "tflops": 300},
+            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+            "memory_reserve_gb": 2,
+            "nodes": [{"devices": d} for d in devices],
+        }
+    )
 
 
-def model_of(layers: int = 4, microbatches: int = 4, hidden: int = 4096,
-             schedule: str = "1f1b", heads: int = 16, vocab: int = 32000) -> ModelSpec:
-    return ModelSpec.from_dict({
-        "name": "m", "layers": layers, "hidden": hidden, "heads": heads,
-        "ffn_hidden": 4 * hidden, "vocab": vocab, "max_seq_len": 4096,
-        "microbatch_tokens": 8192, "global_batch_tokens": 8192 * microbatches,
-        "schedule": schedule})
+def model_of(
+    layers: int = 4,
+    microbatches: int = 4,
+    hidden: int = 4096,
+    schedule: str = "1f1b",
+    heads: int = 16,
+    vocab: int = 32000,
+) -> ModelSpec:
+    return ModelSpec.from_dict(
+        {
+            "name": "m",
+            "layers": layers,
+            "hidden": hidden,
+            "heads": heads,
+            "ffn_hidden": 4 * hidden,
+            "vocab": vocab,
+            "max_seq_len": 4096,
+            "microbatch_tokens": 8192,
+            "global_batch_tokens": 8192 * microbatches,
+            "schedule": schedule,
+        }
+    )
 
 
 def compositions(total: int, parts: int):
@@ -95,19 +117,27 @@ def best_plan(cluster: ClusterSpec, model: ModelSpec) -> float:
     groups = candidate_groups(cluster, model.heads)
     best = 0.0
     for pipes in pipeline_sets(groups, model.microbatches):
-        splits = [list(compositions(model.layers, len(p))) if len(p) <= model.layers else []
-                  for p in pipes]
+        splits = [
+            list(compositions(model.layers, len(p))) if len(p) <= model.layers else []
+            for p in pipes
+        ]
         if any(not s for s in splits):
             continue
         for choice in itertools.product(*splits):
-            stages = [Stages(Stage(g, r) for g, r in zip(p, layer_ranges(c)))
-                      for p, c in zip(pipes, choice)]
+            stages = [
+                Stages(Stage(g, r) for g, r in zip(p, layer_ranges(c)))
+                for p, c in zip(pipes, choice)
+            ]
             for alloc in compositions(model.microbatches, len(pipes)):
                 if not all(coster.stages_fit(s, m) for s, m in zip(stages, alloc)):
                     continue
                 pipelines = [Pipeline(i, s, m) for i, (s, m) in enumerate(zip(stages, alloc))]
-                plan = Plan(len(cluster), ParallelDims(1, 1, 1), pipelines,
-                            unplaced(len(cluster), pipelines))
+                plan = Plan(
+                    len(cluster),
+                    ParallelDims(1, 1, 1),
+                    pipelines,
+                    unplaced(len(cluster), pipelines),
+                )
                 best = max(best, evaluate(plan, coster).tokens_per_s)
     return best
 
@@ -239,13 +269,20 @@ def medium(draw):
     nodes = [[draw(SPEEDS) for _ in range(size)] for size in sizes]
     cluster = cluster_of(nodes, memory)
     hidden = draw(st.sampled_from([1024, 2048, 4096]))
-    model = model_of(draw(st.integers(2, 24)), draw(st.integers(1, 48)), hidden,
-                     draw(st.sampled_from(["1f1b", "1f1b", "gpipe"])))
+    model = model_of(
+        draw(st.integers(2, 24)),
+        draw(st.integers(1, 48)),
+        hidden,
+        draw(st.sampled_from(["1f1b", "1f1b", "gpipe"])),
+    )
     return cluster, model
 
 
-PLANNERS = {"resihp+tokens": Planner(threads=2, token_budgets=True), "resihp": Planner(threads=2),
-            "resihp-heuristic": make_policy("resihp-heuristic")}
+PLANNERS = {
+    "resihp+tokens": Planner(threads=2, token_budgets=True),
+    "resihp": Planner(threads=2),
+    "resihp-heuristic": make_policy("resihp-heuristic"),
+}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -35,14 +35,18 @@ from tests.test_plan_planner import load
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 9), st.floats(0.0, 5.0)), min_size=1, max_size=4),
-       st.integers(0, 30))
+@given(
+    st.lists(st.tuples(st.integers(1, 9), st.floats(0.0, 5.0)), min_size=1, max_size=4),
+    st.integers(0, 30),
+)
 def test_knapsack_packing_is_the_best_by_exhaustive_search(items, capacity):
     cost = np.array([c for c, _ in items])
     value = np.array([v for _, v in items])
-    best = max(sum(k * v for k, v in zip(ks, value))
-               for ks in itertools.product(*[range(capacity // c + 1) for c in cost])
-               if sum(k * c for k, c in zip(ks, cost)) <= capacity)
+    best = max(
+        sum(k * v for k, v in zip(ks, value))
+        for ks in itertools.product(*[range(capacity // c + 1) for c in cost])
+        if sum(k * c for k, c in zip(ks, cost)) <= capacity
+    )
     total, counts = choose(cost, value, capacity)
     assert total == pytest.approx(best, abs=1e-9)
     assert sum(k * v for k, v in zip(counts, value)) == pytest.approx(best, abs=1e-9)
@@ -62,11 +66,16 @@ def test_priced_designs_step_as_the_evaluator_does(h100_64):
     plan = design_plan(coster, healthy_plan(c, m).layout, designer)
     assert len({tuple(s.tp for s in p.stages) for p in plan.pipelines}) >= 1
     for p in plan.pipelines:
-        d = next(x for x in designer.designs(10**6, len(c))
-                 if x.tps == tuple(s.tp for s in p.stages)
-                 and x.counts == tuple(s.n_layers for s in p.stages))
+        d = next(
+            x
+            for x in designer.designs(10**6, len(c))
+            if x.tps == tuple(s.tp for s in p.stages)
+            and x.counts == tuple(s.n_layers for s in p.stages)
+        )
         priced = designer.priced(d, p.microbatches)
-        assert priced.step(p.microbatches) == pytest.approx(coster.pipeline_step(p.stages, p.microbatches))
+        assert priced.step(p.microbatches) == pytest.approx(
+            coster.pipeline_step(p.stages, p.microbatches)
+        )
 
 
 def test_designed_plan_beats_the_uniform_layout_within_the_tight_bound(h100_64):
@@ -84,7 +93,9 @@ def test_designed_plan_beats_the_uniform_layout_within_the_tight_bound(h100_64):
 def test_placement_keeps_groups_in_nodes_and_away_from_faults(h100_64):
     c, m, coster, designer = h100_64
     faulty = c.with_speeds({3: 0.0, 9: 0.0, 10: 0.5, 33: 0.0})
-    plan = design_plan(coster.at_speeds(faulty), uniform_layout := healthy_plan(c, m).layout, designer)
+    plan = design_plan(
+        coster.at_speeds(faulty), uniform_layout := healthy_plan(c, m).layout, designer
+    )
     assert plan.layout == uniform_layout
     assert plan_problems(plan, faulty, m) == []
     used = [r for p in plan.pipelines for r in p.ranks]
@@ -92,7 +103,9 @@ def test_placement_keeps_groups_in_nodes_and_away_from_faults(h100_64):
     for p in plan.pipelines:
         for s in p.stages:
             assert len({c.devices[r].node for r in s.ranks}) == 1
-            assert 10 not in s.ranks or s.ranks == (10,)  # the slow device slows no full-speed group
+            assert 10 not in s.ranks or s.ranks == (
+                10,
+            )  # the slow device slows no full-speed group
     # a pipeline whose group finds no node is left out, never split across nodes
     d = next(x for x in designer.designs(10**6, 8) if 8 in x.tps)
     assert place([(d, 1)], range(7), {r: 0 for r in range(8)}) == []
@@ -112,9 +125,13 @@ def test_first_rounds_that_design_for_the_same_devices_build_the_same_plans(h100
     # no node whole: "whole" designs for every free device, as "all" does
     broken = c.with_speeds({8 * n: 0.0 for n in range(8)})
     assert first_pool(broken, free_devices(broken), "whole") == free_devices(broken)
-    plans = {f: design_plans(coster.at_speeds(broken), layout, designer, first_round=f)
-             for f in ("all", "whole")}
-    assert plans["all"] and [p.pipelines for p in plans["all"]] == [p.pipelines for p in plans["whole"]]
+    plans = {
+        f: design_plans(coster.at_speeds(broken), layout, designer, first_round=f)
+        for f in ("all", "whole")
+    }
+    assert plans["all"] and [p.pipelines for p in plans["all"]] == [
+        p.pipelines for p in plans["whole"]
+    ]
 
 
 def test_slow_devices_too_slow_for_stretched_designs_chain_into_a_pipeline_split_by_speed(h100_64):
@@ -125,8 +142,10 @@ def test_slow_devices_too_slow_for_stretched_designs_chain_into_a_pipeline_split
     speeds = {r: 1 / f for r, f in zip((2, 14, 27, 29, 32, 47, 50, 53), np.linspace(5.0, 1.2, 8))}
     slow = c.with_speeds(speeds)
     at = coster.at_speeds(slow)
-    plans = [evaluate(p, at) for p in design_plans(at, healthy_plan(c, m).layout, designer,
-                                                   variants=(False,))]
+    plans = [
+        evaluate(p, at)
+        for p in design_plans(at, healthy_plan(c, m).layout, designer, variants=(False,))
+    ]
     packed, chained, _joined = plans
     assert not set(speeds) & {r for p in packed.pipelines for r in p.ranks}
     assert plan_problems(chained, slow, m) == []
@@ -147,13 +166,18 @@ def test_slow_devices_join_pipelines_packed_for_them(h100_64):
     speeds = {r: 1 / f for r, f in zip((2, 14, 27, 29, 32, 47, 50, 53), np.linspace(5.0, 1.2, 8))}
     slow = c.with_speeds(speeds)
     at = coster.at_speeds(slow)
-    packed, chained, joined = [evaluate(p, at) for p in design_plans(
-        at, healthy_plan(c, m).layout, designer, variants=(False,), token_budgets=True)]
+    packed, chained, joined = [
+        evaluate(p, at)
+        for p in design_plans(
+            at, healthy_plan(c, m).layout, designer, variants=(False,), token_budgets=True
+        )
+    ]
     assert plan_problems(joined, slow, m) == []
     heads = {p.stages[0].ranks[0]: p for p in joined.pipelines if p.stages[0].ranks[0] in speeds}
     assert set(heads) == set(speeds)
     for r, p in heads.items():
         assert p.stages[0].ranks == (r,) and not set(speeds) & set(p.ranks[1:])
+
     # with token shares by speed (``tokens.balanced``), as the planner runs them
     def best(p):
         return min(evaluate(x, at).step_time_s for x in [p, *balanced(p, at)])
@@ -165,8 +189,11 @@ def test_slow_devices_join_pipelines_packed_for_them(h100_64):
     packing, joins = slow_packing(designer, full, speeds, m.microbatches, replicas_hint=8)
     assert set(joins) == set(speeds)
     assert all(j.tps[0] == 1 for j in joins.values())
-    assert sum(d.devices * k for d, k in zip(packing.designs, packing.counts)) + sum(
-        j.devices - 1 for j in joins.values()) <= full
+    assert (
+        sum(d.devices * k for d, k in zip(packing.designs, packing.counts))
+        + sum(j.devices - 1 for j in joins.values())
+        <= full
+    )
 
 
 def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):
@@ -178,13 +205,21 @@ def test_slow_devices_carry_less_work_and_slow_no_full_speed_group(h100_64):
     node0 = set(c.node_ranks[0])
     slow = c.with_speeds({r: 0.5 for r in node0})
     dead = c.with_speeds({r: 0.0 for r in node0})
-    with_slow = evaluate(design_plan(coster.at_speeds(slow), layout, designer), coster.at_speeds(slow))
-    without = evaluate(design_plan(coster.at_speeds(dead), layout, designer), coster.at_speeds(dead))
+    with_slow = evaluate(
+        design_plan(coster.at_speeds(slow), layout, designer), coster.at_speeds(slow)
+    )
+    without = evaluate(
+        design_plan(coster.at_speeds(dead), layout, designer), coster.at_speeds(dead)
+    )
     assert plan_problems(with_slow, slow, m) == []
     groups = [set(g.ranks) for p in with_slow.pipelines for g in p.stages]
     assert all(g <= node0 or not g & node0 for g in groups)  # never a group of both speeds
-    work = {r: g.n_layers * p.microbatches / g.tp for p in with_slow.pipelines for g in p.stages
-            for r in g.ranks}
+    work = {
+        r: g.n_layers * p.microbatches / g.tp
+        for p in with_slow.pipelines
+        for g in p.stages
+        for r in g.ranks
+    }
     on_slow = [w for r, w in work.items() if r in node0]
     assert on_slow and max(on_slow) < min(w for r, w in work.items() if r not in node0)
     assert with_slow.step_time_s < without.step_time_s
@@ -201,8 +236,15 @@ def test_a_slow_device_joins_a_full_speed_pipeline_as_a_short_stage(h100_64):
     assert pipe.stages[0].ranks == (5,) and all(5 not in g.ranks for g in pipe.stages[1:])
     assert pipe.stages[0].n_layers < min(g.n_layers for g in pipe.stages[1:])
     rest = pipe.stages[1:]
-    alone = Stages(Stage(g.ranks, r) for g, r in zip(rest, layer_ranges(
-        designer.fit_slowed(tuple(g.tp for g in rest), (1.0,) * len(rest), 8).counts)))
+    alone = Stages(
+        Stage(g.ranks, r)
+        for g, r in zip(
+            rest,
+            layer_ranges(
+                designer.fit_slowed(tuple(g.tp for g in rest), (1.0,) * len(rest), 8).counts
+            ),
+        )
+    )
     assert at.pipeline_step(pipe.stages, 8) < at.pipeline_step(alone, 8)
 
 
@@ -221,14 +263,22 @@ def test_a_repair_keeps_the_untouched_pipelines_and_the_planner_does_no_worse(h1
     planner = Planner()
     chosen = planner.plan(dead, m, first)
     h = planner.horizon_steps
-    assert chosen.step_time_s + chosen.migration_s / h <= repair.step_time_s + repair.migration_s / h + 1e-9
+    assert (
+        chosen.step_time_s + chosen.migration_s / h
+        <= repair.step_time_s + repair.migration_s / h + 1e-9
+    )
 
 
 def test_pack_needs_no_design_when_kept_pipelines_carry_the_batch(h100_64):
     c, m, coster, designer = h100_64
     uniform = healthy_plan(c, m)
-    rates = [(coster.pipeline_step(p.stages, 1), coster.pipeline_step(p.stages, 2)
-              - coster.pipeline_step(p.stages, 1)) for p in uniform.pipelines]
+    rates = [
+        (
+            coster.pipeline_step(p.stages, 1),
+            coster.pipeline_step(p.stages, 2) - coster.pipeline_step(p.stages, 1),
+        )
+        for p in uniform.pipelines
+    ]
     packing = pack(designer, 0, m.microbatches, rates, 0.0, replicas_hint=len(rates))
     assert packing is not None and sum(packing.counts) == 0
 

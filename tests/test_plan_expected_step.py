@@ -60,8 +60,9 @@ def test_matches_brute_force_sampling(setting):
     """Per step: every replica draws its own micro-batches; the slowest one sets the step."""
     cluster, model = setting
     coster = StageCoster(cluster, model, AnalyticCost())
-    plan = Planner(token_budgets=True).plan(cluster.with_speeds({3: 0.5, 17: 0.0}), model,
-                                            healthy_plan(cluster, model))
+    plan = Planner(token_budgets=True).plan(
+        cluster.with_speeds({3: 0.5, 17: 0.0}), model, healthy_plan(cluster, model)
+    )
     degraded = coster.at_speeds(cluster.with_speeds({3: 0.5, 17: 0.0}))
     rng = np.random.default_rng(7)
     steps = np.zeros(4000)
@@ -70,8 +71,12 @@ def test_matches_brute_force_sampling(setting):
         fb = np.array(degraded.pipeline_fb(p.stages, scale))
         table = degraded.microbatch_factors_for(max(s.tp for s in p.stages), 400.0)
         f = table[rng.integers(len(table), size=(len(steps), p.microbatches))]
-        step = pipeline_step_time(fb[None, :, :1] * f[:, None, :], fb[None, :, 1:] * f[:, None, :],
-                                  model.schedule, p2p_s=degraded.p2p_s * scale)
+        step = pipeline_step_time(
+            fb[None, :, :1] * f[:, None, :],
+            fb[None, :, 1:] * f[:, None, :],
+            model.schedule,
+            p2p_s=degraded.p2p_s * scale,
+        )
         steps = np.maximum(steps, step)
     brute = steps.mean() + degraded.dp_sync_s(plan)
     assert expected_step(plan, degraded) == pytest.approx(brute, rel=0.01)
@@ -93,8 +98,9 @@ def test_within_five_percent_of_the_replayed_step():
     planner = Planner(AnalyticCost())
     plan = planner.plan(cluster, model, None, 5.0)
     sim = Simulator(scenario, shared_pool(scenario), np.random.default_rng(1))
-    window = sim.window(compile_layout(layout_of(plan, model)), np.ones(len(scenario.cluster)),
-                        100, 0, 0.0)
+    window = sim.window(
+        compile_layout(layout_of(plan, model)), np.ones(len(scenario.cluster)), 100, 0, 0.0
+    )
     replayed = float(np.mean(window.step_time))
     assert abs(plan.expected_step_time_s / replayed - 1) <= 0.05
     assert plan.step_time_s < 0.95 * replayed

@@ -31,7 +31,9 @@ MODELS = TRACES / "models"
 
 
 def load(cluster: str, model: str) -> tuple[ClusterSpec, ModelSpec]:
-    return ClusterSpec.from_yaml(CLUSTERS / f"{cluster}.yaml"), ModelSpec.from_yaml(MODELS / f"{model}.yaml")
+    return ClusterSpec.from_yaml(CLUSTERS / f"{cluster}.yaml"), ModelSpec.from_yaml(
+        MODELS / f"{model}.yaml"
+    )
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["microbatches", "token-budgets"])
@@ -49,9 +51,16 @@ def test_default_planner_moves_whole_microbatches_only():
     assert budgets.step_time_s < plan.step_time_s
 
 
-@pytest.mark.parametrize("cluster,model", [("h100-8", "gpt-7b"), ("h100-64", "gpt-13b"),
-                                           ("h100-8-degraded", "gpt-7b"), ("cpu-4", "cpu-small"),
-                                           ("h100-256", "gpt-13b")])
+@pytest.mark.parametrize(
+    "cluster,model",
+    [
+        ("h100-8", "gpt-7b"),
+        ("h100-64", "gpt-13b"),
+        ("h100-8-degraded", "gpt-7b"),
+        ("cpu-4", "cpu-small"),
+        ("h100-256", "gpt-13b"),
+    ],
+)
 def test_example_plans_are_valid(planner, cluster, model):
     c, m = load(cluster, model)
     plan = planner.plan(c, m)
@@ -82,7 +91,12 @@ def test_slow_replica_gets_less_work_and_the_plan_beats_no_adaptation(planner):
     assert plan.layout.dp == 8 and plan.layout.tp == 2  # the home layout stays
     # the slow device is left out, or does less work than every full-speed device (its
     # pipeline may do more: a slow stage with few layers ahead of full-speed ones)
-    work = {r: st.n_layers * p.share(m) / st.tp for p in plan.pipelines for st in p.stages for r in st.ranks}
+    work = {
+        r: st.n_layers * p.share(m) / st.tp
+        for p in plan.pipelines
+        for st in p.stages
+        for r in st.ranks
+    }
     if 5 in work:
         assert work[5] < min(w for r, w in work.items() if r != 5)
 
@@ -124,11 +138,16 @@ def test_plan_step_time_is_the_schedule_critical_path(planner):
     worst = 0.0
     for p in plan.pipelines:
         scale = p.budget(m) / m.microbatch_tokens
-        fb = np.array([coster.stage_fb(s, i == len(p.stages) - 1, scale)
-                       for i, s in enumerate(p.stages)])
+        fb = np.array(
+            [coster.stage_fb(s, i == len(p.stages) - 1, scale) for i, s in enumerate(p.stages)]
+        )
         k = p.microbatches
-        t = pipeline_step_time(np.repeat(fb[:, :1], k, 1), np.repeat(fb[:, 1:], k, 1), "1f1b",
-                               p2p_s=coster.p2p_s * scale)
+        t = pipeline_step_time(
+            np.repeat(fb[:, :1], k, 1),
+            np.repeat(fb[:, 1:], k, 1),
+            "1f1b",
+            p2p_s=coster.p2p_s * scale,
+        )
         worst = max(worst, float(t))
     assert plan.step_time_s == pytest.approx(worst + coster.dp_sync_s(plan))
 
@@ -148,7 +167,8 @@ def test_small_imbalance_moves_work_not_layers():
     old = next(p for p in current.pipelines if 18 in p.ranks)
     pipe = next((p for p in severe.pipelines if 18 in p.ranks), None)  # None: 18 left out
     assert pipe is None or [(s.ranks, s.layers) for s in pipe.stages] != [
-        (s.ranks, s.layers) for s in old.stages]
+        (s.ranks, s.layers) for s in old.stages
+    ]
     assert severe.migration_s > 0
 
 
@@ -167,8 +187,10 @@ def test_without_regroup_a_slow_device_keeps_its_group_and_its_stage_sheds_layer
     new = next(p for p in plan.pipelines if 18 in p.ranks)
     before, after = (next(s.n_layers for s in q.stages if 18 in s.ranks) for q in (old, new))
     assert after < before
-    kept = evaluate(Plan(current.world_size, current.layout, current.pipelines, current.excluded),
-                    planner.coster(slow, m))
+    kept = evaluate(
+        Plan(current.world_size, current.layout, current.pipelines, current.excluded),
+        planner.coster(slow, m),
+    )
     assert plan.step_time_s < kept.step_time_s
     # the same fault, regrouping allowed, may leave the slow device out
     assert groups(Planner().plan(slow, m, current)) != groups(current)
@@ -212,8 +234,15 @@ def test_warm_planner_plans_as_a_fresh_one(planner):
     1.6% from its bound even in 20 s); every other step is."""
     c, m = load("h100-64", "gpt-13b")
     warm = Planner(token_budgets=planner.token_budgets)
-    steps = [{9: 0.5}, {9: 0.5, 30: 0.0}, {9: 0.5, 30: 0.0, 41: 0.3}, {9: 0.5, 41: 0.3},
-             {9: 0.5}, {}, {9: 0.5, 30: 0.0}]
+    steps = [
+        {9: 0.5},
+        {9: 0.5, 30: 0.0},
+        {9: 0.5, 30: 0.0, 41: 0.3},
+        {9: 0.5, 41: 0.3},
+        {9: 0.5},
+        {},
+        {9: 0.5, 30: 0.0},
+    ]
     current = warm.plan(c, m)
     compared = 0
     for speeds in steps:
@@ -234,8 +263,16 @@ def test_planner_is_ahead_of_every_baseline():
     c, m = load("h100-64", "gpt-13b")
     rng = np.random.default_rng(3)
     devices = rng.choice(64, 6, replace=False).tolist()
-    degraded = c.with_speeds({devices[0]: 0.25, devices[1]: 0.5, devices[2]: 0.8,
-                              devices[3]: 0.0, devices[4]: 0.0, devices[5]: 0.7})
+    degraded = c.with_speeds(
+        {
+            devices[0]: 0.25,
+            devices[1]: 0.5,
+            devices[2]: 0.8,
+            devices[3]: 0.0,
+            devices[4]: 0.0,
+            devices[5]: 0.7,
+        }
+    )
     results = {name: make_policy(name).plan(degraded, m) for name in POLICIES}
     for name, plan in results.items():
         if np.isfinite(plan.step_time_s):
@@ -260,8 +297,15 @@ def test_plan_json_round_trip(planner, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert {"ranks", "pipelines", "microbatches", "step_time_s", "capacity_tokens_per_s",
-            "bound_ratio", "migration_s"} <= set(data)
+    assert {
+        "ranks",
+        "pipelines",
+        "microbatches",
+        "step_time_s",
+        "capacity_tokens_per_s",
+        "bound_ratio",
+        "migration_s",
+    } <= set(data)
     assert data["ranks"][6] == {"rank": 6, "excluded": True}
     again = Plan.load(path)
     assert again.placement() == plan.placement()
@@ -278,7 +322,9 @@ def test_current_plan_naming_unknown_devices_is_an_input_error(planner, tmp_path
         planner.plan(small, m, plan)
     data = plan.to_dict()
     data["world_size"] = 8
-    with pytest.raises(InputError, match=r"unknown device rank \d+ in pipeline 0 \(cluster has ranks 0..7\)"):
+    with pytest.raises(
+        InputError, match=r"unknown device rank \d+ in pipeline 0 \(cluster has ranks 0..7\)"
+    ):
         planner.plan(small, m, Plan.from_dict(data))
     with pytest.raises(InputError, match="field 'layout' is missing"):
         Plan.from_dict({"world_size": 8, "pipelines": []})
@@ -316,6 +362,7 @@ def test_allocation_keeps_the_batch_and_matches_greedy_optimum():
         each = rng.uniform(0.1, 1, 12).tolist()
         alloc, status, _ = allocate_microbatches(first, each, 100, 2.0)
         assert sum(alloc) == 100 and status == "optimal"
+
         def span(a, first=first, each=each):
             return max(f + (k - 1) * e for f, e, k in zip(first, each, a) if k)
 
@@ -333,8 +380,12 @@ def test_a_cached_allocation_follows_each_replica_to_its_class():
         first, each = zip(*order)
         alloc, status, _ = allocate_microbatches(list(first), list(each), 23, 2.0)
         assert status == "optimal" and sum(alloc) == 23
-        got.append({kind: sorted(m for (f, e), m in zip(order, alloc) if (f, e) == kind)
-                    for kind in (fast, slow)})
+        got.append(
+            {
+                kind: sorted(m for (f, e), m in zip(order, alloc) if (f, e) == kind)
+                for kind in (fast, slow)
+            }
+        )
     assert got[0] == got[1]
     assert max(got[0][fast]) > max(got[0][slow])  # the fast replicas take more
 
@@ -356,7 +407,9 @@ def test_greedy_allocation_is_the_one_at_a_time_greedy():
         n = int(rng.integers(1, 40))
         kinds = rng.integers(1, 4)  # few distinct replicas, as in a large healthy cluster
         first = rng.choice(np.round(rng.uniform(1, 3, kinds), 1), n).tolist()
-        each = rng.choice([0.0, 0.25, 0.5, 1e-17, *np.round(rng.uniform(0, 1, kinds), 1)], n).tolist()
+        each = rng.choice(
+            [0.0, 0.25, 0.5, 1e-17, *np.round(rng.uniform(0, 1, kinds), 1)], n
+        ).tolist()
         caps = rng.choice([None, 0, 1, 3, 8, 1000], n).tolist()
         total = int(rng.integers(0, 200))
         if sum(total if c is None else c for c in caps) < total:
@@ -364,7 +417,8 @@ def test_greedy_allocation_is_the_one_at_a_time_greedy():
                 greedy_allocation(first, each, total, caps)
         else:
             assert greedy_allocation(first, each, total, caps) == one_at_a_time(
-                first, each, total, caps)
+                first, each, total, caps
+            )
 
 
 def test_token_budgets_balance_and_keep_the_global_batch():
@@ -390,10 +444,20 @@ def test_predictor_cost_plans_with_a_trained_predictor(tiny_profile, tmp_path):
     train_predictor([tiny_profile], tmp_path / "pred", holdout=0.25)
     cost = PredictorCost.load(str(tmp_path / "pred"))
     cluster = ClusterSpec.from_yaml(CLUSTERS / "cpu-4.yaml").with_speeds({1: 0.5})
-    model = ModelSpec.from_dict({"name": "tiny", "layers": 4, "hidden": 64, "heads": 2,
-                                 "ffn_hidden": 128, "vocab": 512, "max_seq_len": 256,
-                                 "global_batch_tokens": 256 * 32, "microbatch_tokens": 256,
-                                 "workload": "code"})
+    model = ModelSpec.from_dict(
+        {
+            "name": "tiny",
+            "layers": 4,
+            "hidden": 64,
+            "heads": 2,
+            "ffn_hidden": 128,
+            "vocab": 512,
+            "max_seq_len": 256,
+            "global_batch_tokens": 256 * 32,
+            "microbatch_tokens": 256,
+            "workload": "code",
+        }
+    )
     f, b = cost.layer_seconds(model, cluster, 1, 1.0)
     assert 0 < f < b  # backward costs more than forward on the measured device
     plan = Planner(cost).plan(cluster, model)
@@ -413,7 +477,9 @@ def test_with_token_budgets_the_healthy_plan_shares_the_tokens_evenly():
     whole = Planner().healthy(c, m)
     even = Planner(token_budgets=True).healthy(c, m)
     dp = even.layout.dp
-    assert len(even.pipelines) == dp and {p.microbatches for p in even.pipelines} == {m.microbatches // dp}
+    assert len(even.pipelines) == dp and {p.microbatches for p in even.pipelines} == {
+        m.microbatches // dp
+    }
     assert sum(p.share(m) for p in even.pipelines) == m.global_batch_tokens
     assert plan_problems(even, c, m) == []
     assert even.step_time_s < whole.step_time_s
@@ -428,11 +494,20 @@ def test_within_replicas_a_slow_device_is_left_out_of_its_own_replica_only():
     c, m = load("h100-64", "gpt-13b")
     current = Planner().plan(c, m)
     layout = current.layout
-    homes = [[tuple(layout.tp_group_ranks(d, s)) for s in range(layout.pp)] for d in range(layout.dp)]
+    homes = [
+        [tuple(layout.tp_group_ranks(d, s)) for s in range(layout.pp)] for d in range(layout.dp)
+    ]
     counts = uniform_layer_counts(m.layers, layout.pp)
-    ordered = sorted(current.pipelines, key=lambda p: p.dp_rank)[:layout.dp]
-    pipes = [Pipeline(d, tuple(Stage(g, r) for g, r in zip(homes[d], layer_ranges(counts))), p.microbatches, home=d)
-             for d, p in enumerate(ordered)]  # the runtime's plan in force: each replica on its home groups
+    ordered = sorted(current.pipelines, key=lambda p: p.dp_rank)[: layout.dp]
+    pipes = [
+        Pipeline(
+            d,
+            tuple(Stage(g, r) for g, r in zip(homes[d], layer_ranges(counts))),
+            p.microbatches,
+            home=d,
+        )
+        for d, p in enumerate(ordered)
+    ]  # the runtime's plan in force: each replica on its home groups
     current = Plan(current.world_size, layout, pipes, unplaced(current.world_size, pipes))
     victim = homes[1][0][1]
     slow = c.with_speeds({victim: 0.25})
@@ -444,7 +519,9 @@ def test_within_replicas_a_slow_device_is_left_out_of_its_own_replica_only():
     for d, p in enumerate(pipes):
         assert set(p.ranks) <= {r for g in homes[d] for r in g}
     assert victim not in pipes[1].ranks or any(len(s.ranks) != layout.tp for s in pipes[1].stages)
-    assert [q.groups for q in pipes[:1] + pipes[2:]] == [tuple(homes[d]) for d in [0, *range(2, layout.dp)]]
+    assert [q.groups for q in pipes[:1] + pipes[2:]] == [
+        tuple(homes[d]) for d in [0, *range(2, layout.dp)]
+    ]
     assert plan.step_time_s < fixed.step_time_s
     with pytest.raises(ValueError, match="regroup"):
         Planner(regroup="sometimes")
@@ -466,8 +543,11 @@ def test_allocation_with_a_floor_gives_every_replica_its_floor_at_the_least_span
             with pytest.raises(ValueError, match="cannot give each"):
                 greedy_allocation(first, each, total, floor=floor)
             continue
-        best = min(span(a, first, each) for a in np.ndindex(*[total + 1] * n)
-                   if sum(a) == total and min(a) >= floor)
+        best = min(
+            span(a, first, each)
+            for a in np.ndindex(*[total + 1] * n)
+            if sum(a) == total and min(a) >= floor
+        )
         greedy = greedy_allocation(first, each, total, floor=floor)
         alloc, _, _ = allocate_microbatches(first, each, total, 2.0, floor=floor)
         for a in (greedy, alloc):
@@ -481,13 +561,32 @@ def test_within_replicas_keeps_a_replica_the_allocation_would_leave_idle():
     global batch gives the slow replica nothing, which in replica mode is no plan (every replica
     trains on), and the re-plan once failed with "no plan ... fits in memory". Every replica now
     keeps at least one micro-batch."""
-    cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": 4}],
-                                     "device": {"memory_gb": 5.735, "tflops": 0.0861},
-                                     "memory_reserve_gb": 0.0}).paced(0.1313)
-    model = ModelSpec(layers=4, hidden=128, heads=4, ffn_hidden=512, vocab=1024, max_seq_len=1024,
-                      global_batch_tokens=4096, microbatch_tokens=1024, name="resihp-run", tp=2, pp=1)
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "local",
+            "nodes": [{"name": "local", "devices": 4}],
+            "device": {"memory_gb": 5.735, "tflops": 0.0861},
+            "memory_reserve_gb": 0.0,
+        }
+    ).paced(0.1313)
+    model = ModelSpec(
+        layers=4,
+        hidden=128,
+        heads=4,
+        ffn_hidden=512,
+        vocab=1024,
+        max_seq_len=1024,
+        global_batch_tokens=4096,
+        microbatch_tokens=1024,
+        name="resihp-run",
+        tp=2,
+        pp=1,
+    )
     layout = Planner().plan(cluster, model).layout
-    pipes = [Pipeline(d, (Stage(tuple(layout.tp_group_ranks(d, 0)), (0, 4)),), 2, home=d) for d in range(2)]
+    pipes = [
+        Pipeline(d, (Stage(tuple(layout.tp_group_ranks(d, 0)), (0, 4)),), 2, home=d)
+        for d in range(2)
+    ]
     current = Plan(4, layout, pipes, [])
     slow = cluster.with_speeds({1: 0.1459})
     plan = Planner(regroup=WITHIN_REPLICAS).plan(slow, model, current)
@@ -503,20 +602,39 @@ def test_a_pipeline_re_formed_in_force_is_solved_again(regroup):
     last device the slower kind) is re-planned: its CP-SAT model once hinted one option twice (a
     model CP-SAT refuses, read as "does not fit") and bounded the overlap of an inactive option
     below zero. Fails on the old model: "no plan ... fits in memory"."""
-    cluster = ClusterSpec.from_dict({
-        "name": "h", "device": {"memory_gb": 24, "tflops": 300},
-        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}, "memory_reserve_gb": 2,
-        "nodes": [{"devices": [{} for _ in range(7)] + [{"tflops": 150.0}]}]})
-    model = ModelSpec.from_dict({
-        "name": "m", "layers": 4, "hidden": 2048, "heads": 16, "ffn_hidden": 8192, "vocab": 32000,
-        "max_seq_len": 4096, "microbatch_tokens": 4096, "global_batch_tokens": 40960})
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "h",
+            "device": {"memory_gb": 24, "tflops": 300},
+            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+            "memory_reserve_gb": 2,
+            "nodes": [{"devices": [{} for _ in range(7)] + [{"tflops": 150.0}]}],
+        }
+    )
+    model = ModelSpec.from_dict(
+        {
+            "name": "m",
+            "layers": 4,
+            "hidden": 2048,
+            "heads": 16,
+            "ffn_hidden": 8192,
+            "vocab": 32000,
+            "max_seq_len": 4096,
+            "microbatch_tokens": 4096,
+            "global_batch_tokens": 40960,
+        }
+    )
     layout = ParallelDims(dp=2, pp=1, tp=4)
-    pipes = [Pipeline(0, (Stage((0, 1, 2, 3), (0, 4)),), 6, home=0),
-             Pipeline(1, (Stage((4, 5), (0, 3)), Stage((6,), (3, 4))), 4, home=1)]
+    pipes = [
+        Pipeline(0, (Stage((0, 1, 2, 3), (0, 4)),), 6, home=0),
+        Pipeline(1, (Stage((4, 5), (0, 3)), Stage((6,), (3, 4))), 4, home=1),
+    ]
     current = Plan(8, layout, pipes, unplaced(8, pipes))
     plan = Planner(threads=1, regroup=regroup).plan(cluster, model, current, time_limit_s=1.0)
     assert plan_problems(plan, cluster, model) == []
-    assert plan.tokens_per_s >= evaluate(current, Planner().coster(cluster, model)).tokens_per_s * (1 - 1e-9)
+    assert plan.tokens_per_s >= evaluate(current, Planner().coster(cluster, model)).tokens_per_s * (
+        1 - 1e-9
+    )
 
 
 def test_touched_replicas_are_the_home_replicas_holding_a_degraded_device():
@@ -528,7 +646,9 @@ def test_touched_replicas_are_the_home_replicas_holding_a_degraded_device():
     for _ in range(50):
         slow = rng.choice(16, size=rng.integers(0, 4), replace=False).tolist()
         degraded = cluster.with_speeds({r: 0.5 for r in slow})
-        expected = {r for r, groups in enumerate(homes) if set(slow) & {x for g in groups for x in g}}
+        expected = {
+            r for r, groups in enumerate(homes) if set(slow) & {x for g in groups for x in g}
+        }
         assert touched_replicas(degraded, layout) == expected, slow
     # device 5 sits in replica 2's first stage, device 7 in replica 0's second, 13 in no replica
     assert touched_replicas(cluster.with_speeds({5: 0.5, 7: 0.0, 13: 0.5}), layout) == {0, 2}

@@ -24,28 +24,52 @@ def scenario(draw):
     for size in sizes:
         devices = []
         for _ in range(size):
-            devices.append({"speed": draw(SPEEDS), "tflops": draw(st.sampled_from([300, 300, 150]))})
+            devices.append(
+                {"speed": draw(SPEEDS), "tflops": draw(st.sampled_from([300, 300, 150]))}
+            )
         nodes.append({"devices": devices})
-    cluster = ClusterSpec.from_dict({
-        "name": "h", "device": {"memory_gb": memory},
-        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
-        "memory_reserve_gb": 2, "nodes": nodes})
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "h",
+            "device": {"memory_gb": memory},
+            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+            "memory_reserve_gb": 2,
+            "nodes": nodes,
+        }
+    )
     layers = draw(st.integers(2, 24))
     hidden = draw(st.sampled_from([1024, 2048, 4096]))
     mb = draw(st.sampled_from([4096, 8192]))
-    model = ModelSpec.from_dict({
-        "name": "m", "layers": layers, "hidden": hidden, "heads": 16, "ffn_hidden": 4 * hidden,
-        "vocab": 32000, "max_seq_len": 4096, "microbatch_tokens": mb,
-        "schedule": draw(st.sampled_from(["1f1b", "1f1b", "gpipe"])),
-        "global_batch_tokens": mb * draw(st.integers(1, 64))})
+    model = ModelSpec.from_dict(
+        {
+            "name": "m",
+            "layers": layers,
+            "hidden": hidden,
+            "heads": 16,
+            "ffn_hidden": 4 * hidden,
+            "vocab": 32000,
+            "max_seq_len": 4096,
+            "microbatch_tokens": mb,
+            "schedule": draw(st.sampled_from(["1f1b", "1f1b", "gpipe"])),
+            "global_batch_tokens": mb * draw(st.integers(1, 64)),
+        }
+    )
     return cluster, model
 
 
-INFEASIBLE = ("no TP x PP layout fits", "more replicas than", "no replica", "does not fit in memory")
+INFEASIBLE = (
+    "no TP x PP layout fits",
+    "more replicas than",
+    "no replica",
+    "does not fit in memory",
+)
 PLANNER = Planner(threads=2, token_budgets=True)
-POLICIES = {"resihp": Planner(threads=2), "resihp+tokens": PLANNER,
-            "resihp-heuristic": make_policy("resihp-heuristic"),
-            "drop-replica": make_policy("drop-replica")}
+POLICIES = {
+    "resihp": Planner(threads=2),
+    "resihp+tokens": PLANNER,
+    "resihp-heuristic": make_policy("resihp-heuristic"),
+    "drop-replica": make_policy("drop-replica"),
+}
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,9 +115,14 @@ def test_replanning_from_a_plan_stays_valid(case, new_speeds, rnd):
 
 
 @settings(max_examples=80, deadline=None)
-@given(tflops=st.floats(0.05, 400.0), speed=st.one_of(st.just(0.0), st.floats(0.1, 1.0)),
-       layers=st.integers(2, 12), replicas=st.integers(1, 4), link_gbs=st.floats(0.5, 400.0),
-       regroup=st.booleans())
+@given(
+    tflops=st.floats(0.05, 400.0),
+    speed=st.one_of(st.just(0.0), st.floats(0.1, 1.0)),
+    layers=st.integers(2, 12),
+    replicas=st.integers(1, 4),
+    link_gbs=st.floats(0.5, 400.0),
+    regroup=st.booleans(),
+)
 @example(tflops=1.0, speed=0.0, layers=7, replicas=1, link_gbs=3.0, regroup=True)  # once infeasible
 def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas, link_gbs, regroup):
     """A group that fits the whole model is always solved, whatever its speed and links, and so
@@ -101,13 +130,28 @@ def test_a_stage_that_fits_always_has_a_split(tflops, speed, layers, replicas, l
     it): each bound of the CP-SAT model is the exact bound of its expression in ticks (rounded
     per term, a stage's ticks once summed past a bound rounded as a whole, and a healthy group of
     the runtime's small model came out infeasible; so did a migration's)."""
-    cluster = ClusterSpec.from_dict({
-        "name": "h", "device": {"memory_gb": 80, "tflops": tflops},
-        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": link_gbs}, "memory_reserve_gb": 2,
-        "nodes": [{"devices": [{"speed": speed}, {}]}]})
-    model = ModelSpec.from_dict({
-        "name": "m", "layers": layers, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 512,
-        "max_seq_len": 256, "microbatch_tokens": 1024, "global_batch_tokens": 8192})
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "h",
+            "device": {"memory_gb": 80, "tflops": tflops},
+            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": link_gbs},
+            "memory_reserve_gb": 2,
+            "nodes": [{"devices": [{"speed": speed}, {}]}],
+        }
+    )
+    model = ModelSpec.from_dict(
+        {
+            "name": "m",
+            "layers": layers,
+            "hidden": 256,
+            "heads": 4,
+            "ffn_hidden": 1024,
+            "vocab": 512,
+            "max_seq_len": 256,
+            "microbatch_tokens": 1024,
+            "global_batch_tokens": 8192,
+        }
+    )
     coster = Planner(regroup=False).coster(cluster, model)
     held = {(0, 1): (0, layers)}
     sol = solve_pipeline(coster, [(0, 1)], 4, held, 100.0, 0.05, (0.0, 1e-5), replicas, regroup)
@@ -126,15 +170,33 @@ def test_a_split_the_solver_returns_fits_in_memory_exactly():
     falsifying example of the property below (GPipe, 8 micro-batches in flight on a 300 and a 150
     TFLOP/s device of 24 GB) had a 16-layer stage 2.5 MB over the device through truncated MB,
     which ``stages_fit`` refused, and the within-replicas re-plan then found no plan at all."""
-    nodes = [{"devices": [{"tflops": 300}]},
-             {"devices": [{"tflops": t} for t in (300, 300, 300, 300, 300, 150, 150, 300)]}]
-    cluster = ClusterSpec.from_dict({
-        "name": "h", "device": {"memory_gb": 24}, "memory_reserve_gb": 2, "nodes": nodes,
-        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25}})
-    model = ModelSpec.from_dict({
-        "name": "m", "layers": 23, "hidden": 1024, "heads": 16, "ffn_hidden": 4096, "vocab": 32000,
-        "max_seq_len": 4096, "microbatch_tokens": 4096, "global_batch_tokens": 151552,
-        "schedule": "gpipe"})
+    nodes = [
+        {"devices": [{"tflops": 300}]},
+        {"devices": [{"tflops": t} for t in (300, 300, 300, 300, 300, 150, 150, 300)]},
+    ]
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "h",
+            "device": {"memory_gb": 24},
+            "memory_reserve_gb": 2,
+            "nodes": nodes,
+            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+        }
+    )
+    model = ModelSpec.from_dict(
+        {
+            "name": "m",
+            "layers": 23,
+            "hidden": 1024,
+            "heads": 16,
+            "ffn_hidden": 4096,
+            "vocab": 32000,
+            "max_seq_len": 4096,
+            "microbatch_tokens": 4096,
+            "global_batch_tokens": 151552,
+            "schedule": "gpipe",
+        }
+    )
     coster = Planner().coster(cluster, model)
     sol = solve_pipeline(coster, [(2,), (6,)], 8, {(2,): (0, 12), (6,): (12, 23)})
     assert sol is not None and coster.stages_fit(sol.stages, 8), sol
@@ -156,9 +218,13 @@ def test_within_replicas_every_replica_stays_on_its_own_ranks(case, new_speeds, 
     ranks = rnd.sample(range(len(cluster)), min(len(new_speeds), len(cluster)))
     degraded = cluster.with_speeds(dict(zip(ranks, new_speeds)))
     try:
-        plan = Planner(threads=2, regroup=WITHIN_REPLICAS).plan(degraded, model, first, time_limit_s=1.0)
+        plan = Planner(threads=2, regroup=WITHIN_REPLICAS).plan(
+            degraded, model, first, time_limit_s=1.0
+        )
     except InputError as exc:  # a replica that cannot run on its live ranks: only with a dead one
-        assert any(why in str(exc) for why in (*INFEASIBLE, "fits in memory on the remaining devices"))
+        assert any(
+            why in str(exc) for why in (*INFEASIBLE, "fits in memory on the remaining devices")
+        )
         assert degraded.dead, exc  # slow devices alone: keeping every group is always a plan
         event("no plan keeps every replica")
         return

@@ -11,16 +11,27 @@ MODELS = TRACES / "models"
 
 
 def small_cluster(**over):
-    data = {"name": "t", "device": {"memory_gb": 80, "tflops": 400},
-            "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 40},
-            "nodes": {"count": 2, "devices": 4}}
+    data = {
+        "name": "t",
+        "device": {"memory_gb": 80, "tflops": 400},
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 40},
+        "nodes": {"count": 2, "devices": 4},
+    }
     data.update(over)
     return data
 
 
-@pytest.mark.parametrize("name,devices", [("h100-8", 8), ("h100-64", 64), ("h100-256", 256),
-                                          ("h100-1024", 1024), ("cpu-4", 4),
-                                          ("h100-8-degraded", 8)])
+@pytest.mark.parametrize(
+    "name,devices",
+    [
+        ("h100-8", 8),
+        ("h100-64", 64),
+        ("h100-256", 256),
+        ("h100-1024", 1024),
+        ("cpu-4", 4),
+        ("h100-8-degraded", 8),
+    ],
+)
 def test_example_clusters_load(name, devices):
     cluster = ClusterSpec.from_yaml(CLUSTERS / f"{name}.yaml")
     assert len(cluster) == devices
@@ -41,7 +52,9 @@ def test_example_models_load(name):
 
 
 def test_model_sizes_are_their_class():
-    params = {n: ModelSpec.from_yaml(MODELS / f"{n}.yaml") for n in ("gpt-7b", "gpt-13b", "gpt-70b")}
+    params = {
+        n: ModelSpec.from_yaml(MODELS / f"{n}.yaml") for n in ("gpt-7b", "gpt-13b", "gpt-70b")
+    }
     total = {n: m.layers * m.params_per_layer + 2 * m.embedding_params for n, m in params.items()}
     assert 6e9 < total["gpt-7b"] < 8e9
     assert 12e9 < total["gpt-13b"] < 14e9
@@ -53,8 +66,13 @@ def test_small_model_matches_runtime_config():
 
     model = ModelSpec.from_yaml(MODELS / "cpu-small.yaml")
     cfg = GPTConfig()
-    assert (model.layers, model.hidden, model.heads, model.ffn_hidden, model.vocab) == \
-        (cfg.layers, cfg.hidden, cfg.heads, cfg.ffn_hidden, cfg.vocab)
+    assert (model.layers, model.hidden, model.heads, model.ffn_hidden, model.vocab) == (
+        cfg.layers,
+        cfg.hidden,
+        cfg.heads,
+        cfg.ffn_hidden,
+        cfg.vocab,
+    )
 
 
 def test_topology_graph_carries_bandwidths():
@@ -92,26 +110,38 @@ def test_with_speeds_from_an_array_keeps_the_hardware():
         base.with_speeds(np.ones(3))
 
 
-@pytest.mark.parametrize("over,match", [
-    ({"nodes": []}, "field 'nodes' must be a non-empty list"),
-    ({"nodes": [{"devices": 0}]}, r"nodes\[0\]: field 'devices' must be positive"),
-    ({"device": {"memory_gb": 80}}, "field 'tflops' is missing"),
-    ({"device": {"memory_gb": -1, "tflops": 1}}, "'memory_gb' must be a positive number"),
-    ({"nodes": [{"devices": [{"speed": 1.5}]}]}, "'speed' must be <= 1.0"),
-    ({"nodes": [{"name": "a", "devices": 1}, {"name": "a", "devices": 1}]}, "used twice"),
-    ({"speeds": {"n9/0": 0.5}}, "unknown device 'n9/0'"),
-    ({"speeds": {3: "slow"}}, "must be a number in"),
-    ({"bandwidth": {"intra_node_gbs": 0}}, "intra_node_gbs' must be a positive"),
-    # NaN passed every range check (a NaN speed planned that device as dead, an infinite memory
-    # crashed the solver)
-    ({"device": {"memory_gb": float("inf"), "tflops": 1}}, "'memory_gb' must be a finite number, got inf"),
-    ({"nodes": [{"devices": [{"speed": float("nan")}]}]}, "'speed' must be a finite number, got nan"),
-    ({"bandwidth": {"inter_node_gbs": float("nan")}}, "'inter_node_gbs' must be a finite number"),
-    ({"memory_reserve_gb": 80}, "'memory_reserve_gb' must be below every device's memory_gb"),
-    # a spec too large to plan is refused before anything is built (10**8 devices hung the planner)
-    ({"nodes": [{"devices": 10**8}]}, "more than 1,048,576 devices"),
-    ({"nodes": {"count": 2**21, "devices": 1}}, "'count' must be <= 1048576"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        ({"nodes": []}, "field 'nodes' must be a non-empty list"),
+        ({"nodes": [{"devices": 0}]}, r"nodes\[0\]: field 'devices' must be positive"),
+        ({"device": {"memory_gb": 80}}, "field 'tflops' is missing"),
+        ({"device": {"memory_gb": -1, "tflops": 1}}, "'memory_gb' must be a positive number"),
+        ({"nodes": [{"devices": [{"speed": 1.5}]}]}, "'speed' must be <= 1.0"),
+        ({"nodes": [{"name": "a", "devices": 1}, {"name": "a", "devices": 1}]}, "used twice"),
+        ({"speeds": {"n9/0": 0.5}}, "unknown device 'n9/0'"),
+        ({"speeds": {3: "slow"}}, "must be a number in"),
+        ({"bandwidth": {"intra_node_gbs": 0}}, "intra_node_gbs' must be a positive"),
+        # NaN passed every range check (a NaN speed planned that device as dead, an infinite memory
+        # crashed the solver)
+        (
+            {"device": {"memory_gb": float("inf"), "tflops": 1}},
+            "'memory_gb' must be a finite number, got inf",
+        ),
+        (
+            {"nodes": [{"devices": [{"speed": float("nan")}]}]},
+            "'speed' must be a finite number, got nan",
+        ),
+        (
+            {"bandwidth": {"inter_node_gbs": float("nan")}},
+            "'inter_node_gbs' must be a finite number",
+        ),
+        ({"memory_reserve_gb": 80}, "'memory_reserve_gb' must be below every device's memory_gb"),
+        # a spec too large to plan is refused before anything is built (10**8 devices hung the planner)
+        ({"nodes": [{"devices": 10**8}]}, "more than 1,048,576 devices"),
+        ({"nodes": {"count": 2**21, "devices": 1}}, "'count' must be <= 1048576"),
+    ],
+)
 def test_bad_cluster_is_one_line_error(over, match):
     with pytest.raises(InputError, match=match) as err:
         ClusterSpec.from_dict(small_cluster(**over), where="c.yaml")
@@ -131,22 +161,36 @@ def test_unreadable_and_non_mapping_yaml(tmp_path):
         ModelSpec.from_yaml(broken)
 
 
-MODEL = {"layers": 4, "hidden": 256, "heads": 4, "ffn_hidden": 1024, "vocab": 4096,
-         "max_seq_len": 2048, "global_batch_tokens": 65536, "microbatch_tokens": 2048}
+MODEL = {
+    "layers": 4,
+    "hidden": 256,
+    "heads": 4,
+    "ffn_hidden": 1024,
+    "vocab": 4096,
+    "max_seq_len": 2048,
+    "global_batch_tokens": 65536,
+    "microbatch_tokens": 2048,
+}
 
 
-@pytest.mark.parametrize("over,match", [
-    ({"layers": 0}, "'layers' must be a positive integer"),
-    ({"hidden": 250}, "divisible by heads"),
-    ({"global_batch_tokens": 1000}, "multiple of microbatch_tokens"),
-    ({"microbatch_tokens": 1024, "global_batch_tokens": 65536}, ">= max_seq_len"),
-    ({"schedule": "zigzag"}, "schedule' must be one of"),
-    ({"tp": 3}, "tp must be a power of two"),
-    ({"pp": 9}, "exceeds the number of layers"),
-    ({"vocab": "big"}, "'vocab' must be an integer"),
-    ({"mlp": "relu"}, "field 'mlp' must be one of gelu, swiglu"),
-    ({"global_batch_tokens": 2048 * 2**17}, "131,072 micro-batches a step, more than the 65,536"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        ({"layers": 0}, "'layers' must be a positive integer"),
+        ({"hidden": 250}, "divisible by heads"),
+        ({"global_batch_tokens": 1000}, "multiple of microbatch_tokens"),
+        ({"microbatch_tokens": 1024, "global_batch_tokens": 65536}, ">= max_seq_len"),
+        ({"schedule": "zigzag"}, "schedule' must be one of"),
+        ({"tp": 3}, "tp must be a power of two"),
+        ({"pp": 9}, "exceeds the number of layers"),
+        ({"vocab": "big"}, "'vocab' must be an integer"),
+        ({"mlp": "relu"}, "field 'mlp' must be one of gelu, swiglu"),
+        (
+            {"global_batch_tokens": 2048 * 2**17},
+            "131,072 micro-batches a step, more than the 65,536",
+        ),
+    ],
+)
 def test_bad_model_is_one_line_error(over, match):
     with pytest.raises(InputError, match=match) as err:
         ModelSpec.from_dict({**MODEL, **over}, where="m.yaml")
@@ -190,8 +234,10 @@ def test_state_bytes_from_their_parts_and_layer_memory():
     lean = ModelSpec.from_dict({**MODEL, "optimizer_bytes_per_param": 8}, where="m.yaml")
     assert lean.state_bytes_per_param == 12.0
     with pytest.raises(InputError, match="either state_bytes_per_param or its parts"):
-        ModelSpec.from_dict({**MODEL, "grad_bytes_per_param": 4, "state_bytes_per_param": 18},
-                            where="m.yaml")
+        ModelSpec.from_dict(
+            {**MODEL, "grad_bytes_per_param": 4, "state_bytes_per_param": 18}, where="m.yaml"
+        )
     per = layer_memory_gb(model, tp=8)
     assert stage_memory_gb(model, 3, 8, 2, False, False) == pytest.approx(
-        3 * per["state"] + 2 * 3 * per["activations_per_microbatch"])
+        3 * per["state"] + 2 * 3 * per["activations_per_microbatch"]
+    )

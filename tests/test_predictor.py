@@ -18,8 +18,18 @@ from tests.cli_helpers import run_resihp
 
 def test_profile_log_has_the_contract_columns(tiny_profile):
     log = read_profile_logs([tiny_profile])
-    for col in ("device", "model", "layers", "hidden", "heads", "ffn_hidden", "tp", "phase",
-                "seq_lens", "time_s"):
+    for col in (
+        "device",
+        "model",
+        "layers",
+        "hidden",
+        "heads",
+        "ffn_hidden",
+        "tp",
+        "phase",
+        "seq_lens",
+        "time_s",
+    ):
         assert col in log.columns
     assert set(log["phase"]) == {"fwd", "bwd"}
     assert (log["time_s"] > 0).all()
@@ -62,8 +72,18 @@ def test_linear_baseline_recovers_exact_coefficients():
     seqs = [rng.integers(1, 200, size=rng.integers(1, 6)).tolist() for _ in range(50)]
     tokens = np.array([sum(s) for s in seqs])
     sum_sq = np.array([sum(x * x for x in s) for s in seqs])
-    log = pd.DataFrame({"seq_lens": seqs, "layers": 1, "hidden": 8, "heads": 2, "ffn_hidden": 8,
-                        "tp": 1, "phase": "fwd", "time_s": 2e-4 * tokens + 3e-7 * sum_sq})
+    log = pd.DataFrame(
+        {
+            "seq_lens": seqs,
+            "layers": 1,
+            "hidden": 8,
+            "heads": 2,
+            "ffn_hidden": 8,
+            "tp": 1,
+            "phase": "fwd",
+            "time_s": 2e-4 * tokens + 3e-7 * sum_sq,
+        }
+    )
     coef = LinearBaseline().fit(log).coef_[(1, 8, 2, 8, 1, "fwd")]
     assert coef == pytest.approx([2e-4, 3e-7], rel=1e-6)
 
@@ -72,21 +92,35 @@ runner = CliRunner()
 
 
 def _bad_log(tmp_path, **changes):
-    row = {"device": "cpu:x", "model": "m", "layers": 1, "hidden": 8, "heads": 2, "ffn_hidden": 8,
-           "tp": 1, "phase": "fwd", "seq_lens": [4, 4], "time_s": 0.01, "budget": 16}
+    row = {
+        "device": "cpu:x",
+        "model": "m",
+        "layers": 1,
+        "hidden": 8,
+        "heads": 2,
+        "ffn_hidden": 8,
+        "tp": 1,
+        "phase": "fwd",
+        "seq_lens": [4, 4],
+        "time_s": 0.01,
+        "budget": 16,
+    }
     row.update(changes)
     path = tmp_path / "bad.parquet"
     pd.DataFrame([row] * 3).to_parquet(path)
     return path
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"time_s": float("nan")}, "column time_s row 0: expected a positive finite"),
-    ({"seq_lens": [4, -1]}, "sequence lengths must be positive"),
-    ({"seq_lens": [10, 10]}, "exceed the micro-batch budget 16"),
-    ({"seq_lens": []}, "empty list"),
-    ({"phase": "sideways"}, "column phase row 0"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"time_s": float("nan")}, "column time_s row 0: expected a positive finite"),
+        ({"seq_lens": [4, -1]}, "sequence lengths must be positive"),
+        ({"seq_lens": [10, 10]}, "exceed the micro-batch budget 16"),
+        ({"seq_lens": []}, "empty list"),
+        ({"phase": "sideways"}, "column phase row 0"),
+    ],
+)
 def test_bad_logs_give_one_line_errors(tmp_path, changes, message):
     with pytest.raises(InputError, match=message):
         read_profile_logs([_bad_log(tmp_path, **changes)])
@@ -102,11 +136,19 @@ def test_cli_errors_are_one_line(tmp_path, tiny_profile):
     (model / "card.json").write_text(json.dumps({"format": "resihp-microbatch-predictor/0"}))
     cases = [
         (["predictor", "train", str(empty), "-o", str(tmp_path / "m")], "missing column"),
-        (["predictor", "train", str(notparquet), "-o", str(tmp_path / "m")], "not a readable Parquet"),
-        (["predictor", "train", str(tmp_path / "nope.parquet"), "-o", str(tmp_path / "m")], "no such"),
+        (
+            ["predictor", "train", str(notparquet), "-o", str(tmp_path / "m")],
+            "not a readable Parquet",
+        ),
+        (
+            ["predictor", "train", str(tmp_path / "nope.parquet"), "-o", str(tmp_path / "m")],
+            "no such",
+        ),
         (["predictor", "eval", "-p", str(model), str(tiny_profile)], "field format"),
-        (["profile", "-o", str(tmp_path / "p.parquet"), "--lengths", str(tmp_path / "none.txt")],
-         "cannot read lengths"),
+        (
+            ["profile", "-o", str(tmp_path / "p.parquet"), "--lengths", str(tmp_path / "none.txt")],
+            "cannot read lengths",
+        ),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)
@@ -128,7 +170,7 @@ def test_measurement_order_spreads_every_repeat(n, repeats, seed):
     order = measurement_order(n, repeats, np.random.default_rng(seed))
     assert sorted(order.tolist()) == sorted(list(range(n)) * repeats)
     if n >= 2:  # a repeat never follows itself, and each round holds every micro-batch once
-        assert all(sorted(order[r * n:(r + 1) * n]) == list(range(n)) for r in range(repeats))
+        assert all(sorted(order[r * n : (r + 1) * n]) == list(range(n)) for r in range(repeats))
         assert not np.any(order[1:] == order[:-1])
     again = measurement_order(n, repeats, np.random.default_rng(seed))
     assert np.array_equal(order, again)
@@ -173,9 +215,13 @@ def test_a_card_names_the_machine_its_profiles_were_measured_on(tmp_path):
 
 
 def test_noise_floor_before_and_after_normalisation():
-    log = pd.DataFrame({"phase": ["fwd", "fwd"],
-                        "times_s": [[1.0, 1.1, 0.9], [2.0, 2.0, 2.0]],
-                        "costs": [[1.0, 1.0, 1.0], [2.0, 2.2, 2.0]]})
+    log = pd.DataFrame(
+        {
+            "phase": ["fwd", "fwd"],
+            "times_s": [[1.0, 1.1, 0.9], [2.0, 2.0, 2.0]],
+            "costs": [[1.0, 1.0, 1.0], [2.0, 2.2, 2.0]],
+        }
+    )
     floor = noise_floor(log)["fwd"]
     assert floor["raw_pct"] == pytest.approx((0.1 + 0.1) / 6 * 100)
     assert floor["normalised_pct"] == pytest.approx(0.1 / 6 * 100)
@@ -204,8 +250,9 @@ def predictor_features(seq_lens, shape):
 
     lengths = length_features(seq_lens)
     shapes = pd.DataFrame({k: np.full(len(lengths), v) for k, v in shape.to_dict().items()})
-    return pd.concat([lengths, flops_features(lengths, shapes, "fwd"), shapes],
-                     axis=1).assign(phase="fwd")
+    return pd.concat([lengths, flops_features(lengths, shapes, "fwd"), shapes], axis=1).assign(
+        phase="fwd"
+    )
 
 
 def test_cross_source_split_holds_out_each_source(tiny_profile, tmp_path):
@@ -235,8 +282,11 @@ def test_registry_finds_the_model_of_this_device(tmp_path, monkeypatch):
     assert find_for_device("cpu:Test Chip x1thr") == new
     assert resolve_model("auto", "cpu:Test Chip x1thr") == new
     assert resolve_model("other", "cpu:Test Chip x1thr") == tmp_path / "other"  # by name
-    with pytest.raises(InputError, match=r"no micro-batch predictor for device 'cpu:Nope'.*"
-                                         r"resihp predictor calibrate"):
+    with pytest.raises(
+        InputError,
+        match=r"no micro-batch predictor for device 'cpu:Nope'.*"
+        r"resihp predictor calibrate",
+    ):
         resolve_model("auto", "cpu:Nope")
     with pytest.raises(InputError, match="not a predictor directory and not an installed model"):
         resolve_model("missing", "cpu:Test Chip x1thr")
@@ -249,8 +299,9 @@ def test_calibrate_makes_a_model_for_this_device(tmp_path, monkeypatch):
     from resihp.perf.device import device_name
 
     monkeypatch.setenv("RESIHP_MODELS", str(tmp_path / "models"))
-    result = runner.invoke(app, ["predictor", "calibrate", "--microbatches", "6", "--repeats", "2",
-                                 "--json"])
+    result = runner.invoke(
+        app, ["predictor", "calibrate", "--microbatches", "6", "--repeats", "2", "--json"]
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     torch_device = device_name(__import__("torch").device("cpu"))
@@ -258,7 +309,9 @@ def test_calibrate_makes_a_model_for_this_device(tmp_path, monkeypatch):
     out = tmp_path / "models" / device_slug(torch_device)
     assert summary["model"] == str(out)
     assert sorted(p.name for p in (out / "profiles").glob("*.parquet")) == [
-        "h128-l2.parquet", "h256-l2.parquet"]
+        "h128-l2.parquet",
+        "h256-l2.parquet",
+    ]
     assert (out / "profiles" / "h256-l2.speed.csv").exists()
     card = json.loads((out / "card.json").read_text())
     assert card["calibration"]["seconds"] > 0 and card["reference"]["seconds"] > 0
@@ -295,7 +348,8 @@ def test_speed_remeasures_the_reference_of_a_normalised_model(tiny_profile, tmp_
     doc = json.loads(result.output)
     assert doc["model"] == str(tmp_path / "mine") and doc["clock"] == "cpu"
     assert doc["reference_s"] > 0 and doc["slowdown"] == pytest.approx(
-        doc["reference_s"] / card["reference"]["seconds"])
+        doc["reference_s"] / card["reference"]["seconds"]
+    )
     train_predictor([tiny_profile], tmp_path / "raw", target="time_s")
     result = runner.invoke(app, ["predictor", "speed", "-p", str(tmp_path / "raw")])
     assert isinstance(result.exception, InputError)
@@ -323,16 +377,29 @@ def test_a_damaged_model_file_is_one_line_not_an_abort(tiny_profile, tmp_path):
     with pytest.raises(InputError, match="not a complete LightGBM model"):
         MicroBatchPredictor.load(tmp_path / "m")
     fwd.write_bytes(text)
-    assert MicroBatchPredictor.load(tmp_path / "m").predict_seq_lens([[64]], "fwd",
-                                                                      TransformerShape(1, 64, 2, 128))[0] > 0
+    assert (
+        MicroBatchPredictor.load(tmp_path / "m").predict_seq_lens(
+            [[64]], "fwd", TransformerShape(1, 64, 2, 128)
+        )[0]
+        > 0
+    )
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda card: [card], "expected a JSON object"),
-    (lambda card: {k: v for k, v in card.items() if k != "base_coef"}, "field base_coef: expected per phase"),
-    (lambda card: {**card, "base_coef": {**card["base_coef"], "fwd": "x"}}, "field base_coef: expected"),
-    (lambda card: {**card, "device": 3}, "field device: expected the device's name"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda card: [card], "expected a JSON object"),
+        (
+            lambda card: {k: v for k, v in card.items() if k != "base_coef"},
+            "field base_coef: expected per phase",
+        ),
+        (
+            lambda card: {**card, "base_coef": {**card["base_coef"], "fwd": "x"}},
+            "field base_coef: expected",
+        ),
+        (lambda card: {**card, "device": 3}, "field device: expected the device's name"),
+    ],
+)
 def test_a_damaged_card_is_one_line(tiny_profile, tmp_path, damage, message):
     """Each was a KeyError, AttributeError or NumPy error from load."""
     train_predictor([tiny_profile], tmp_path / "m")
@@ -361,8 +428,17 @@ def test_a_log_too_small_to_hold_out_from_is_one_line(tiny_profile, tmp_path):
 
 def test_out_is_the_option_and_output_still_works(tiny_profile, tmp_path):
     for flag in ("-o", "--out", "--output"):
-        result = runner.invoke(app, ["predictor", "train", str(tiny_profile), flag,
-                                     str(tmp_path / flag.strip("-")), "--json"])
+        result = runner.invoke(
+            app,
+            [
+                "predictor",
+                "train",
+                str(tiny_profile),
+                flag,
+                str(tmp_path / flag.strip("-")),
+                "--json",
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert (tmp_path / flag.strip("-") / "card.json").exists()
     result = runner.invoke(app, ["predictor", "train", str(tiny_profile)])
@@ -376,7 +452,9 @@ def test_a_gap_in_the_cost_column_is_an_error_not_another_target(tiny_profile, t
     gap = log.copy()
     gap.loc[gap.index[3], "cpu_cost"] = np.nan
     gap.to_parquet(tmp_path / "gap.parquet")
-    with pytest.raises(InputError, match="gap.parquet: column cpu_cost row 3: expected a positive finite"):
+    with pytest.raises(
+        InputError, match="gap.parquet: column cpu_cost row 3: expected a positive finite"
+    ):
         train_predictor([tmp_path / "gap.parquet"], tmp_path / "m")
     empty = log.assign(cpu_cost=np.nan)
     empty.to_parquet(tmp_path / "empty.parquet")
@@ -404,11 +482,22 @@ def test_device_names_match_by_kind_and_model():
 def test_plan_refuses_a_cpu_predictor_for_a_gpu_cluster(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RESIHP_MODELS", str(tmp_path / "models"))
     _fake_model(tmp_path / "models", "mine", "cpu:Some CPU x1thr")
-    code, _, err = _plan(["--cluster", "h100-8", "--model", "gpt-7b", "--predictor", "auto"], capsys)
+    code, _, err = _plan(
+        ["--cluster", "h100-8", "--model", "gpt-7b", "--predictor", "auto"], capsys
+    )
     assert code == 2 and err.count("\n") == 1, err
     assert "h100-8.yaml: no predictor measured on its devices ('cuda:NVIDIA H100'" in err
-    code, _, err = _plan(["--cluster", "h100-8", "--model", "gpt-7b", "--predictor",
-                          str(tmp_path / "models" / "mine")], capsys)
+    code, _, err = _plan(
+        [
+            "--cluster",
+            "h100-8",
+            "--model",
+            "gpt-7b",
+            "--predictor",
+            str(tmp_path / "models" / "mine"),
+        ],
+        capsys,
+    )
     assert code == 2 and err.count("\n") == 1, err
     assert "measured on 'cpu:Some CPU x1thr', but" in err and "runs 'cuda:NVIDIA H100'" in err
 
@@ -421,8 +510,15 @@ def test_plan_flags_a_cluster_that_does_not_name_its_device(tmp_path, monkeypatc
     assert "type: cpu, " in text
     untyped = tmp_path / "cpu4.yaml"
     untyped.write_text(text.replace("type: cpu, ", ""))
-    args = ["--model", "cpu-small", "--predictor", "cpu-amd-epyc-x1thr", "--time-limit", "1",
-            "--json"]
+    args = [
+        "--model",
+        "cpu-small",
+        "--predictor",
+        "cpu-amd-epyc-x1thr",
+        "--time-limit",
+        "1",
+        "--json",
+    ]
     code, out, err = _plan(["--cluster", str(untyped), *args], capsys)
     assert code == 0 and json.loads(out)["pipelines"]
     assert err.count("\n") == 1 and "cpu4.yaml does not name its devices (device.type)" in err
@@ -436,9 +532,14 @@ def test_a_cluster_device_type_is_a_name():
 
     spec = {"nodes": {"count": 1, "devices": 2}, "device": {"memory_gb": 8, "tflops": 1}}
     assert ClusterSpec.from_dict(spec).device_type == ""
-    typed = ClusterSpec.from_dict({**spec, "device": {**spec["device"], "type": "cuda:NVIDIA A100"}})
+    typed = ClusterSpec.from_dict(
+        {**spec, "device": {**spec["device"], "type": "cuda:NVIDIA A100"}}
+    )
     assert typed.device_type == "cuda:NVIDIA A100"
     assert ClusterSpec.from_dict(typed.to_dict()).device_type == "cuda:NVIDIA A100"
-    with pytest.raises(InputError, match=r"cluster: device: field 'type' must name the kind of "
-                                         r"device as a predictor card does"):
+    with pytest.raises(
+        InputError,
+        match=r"cluster: device: field 'type' must name the kind of "
+        r"device as a predictor card does",
+    ):
         ClusterSpec.from_dict({**spec, "device": {**spec["device"], "type": 3}})

@@ -17,7 +17,9 @@ sys.stdout.write("buffered, no newline")
 
 
 def _run(body: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PROLOGUE + body], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", PROLOGUE + body], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("code, status", [(0, 0), (3, 3), (None, 0)])
@@ -33,8 +35,10 @@ def test_a_message_goes_to_stderr_with_status_1_as_with_sys_exit():
 
 
 def test_a_running_non_daemon_thread_finishes_its_work_first():
-    proc = _run("threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
-                "run_then_exit(lambda: None)")
+    proc = _run(
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+        "run_then_exit(lambda: None)"
+    )
     assert proc.returncode == 0 and "thread done" in proc.stdout and "atexit ran" in proc.stdout
 
 
@@ -46,11 +50,13 @@ def test_any_other_exception_is_a_traceback_and_status_1():
 def test_an_exception_in_a_multiprocessing_child_is_its_traceback_alone():
     """A warm agent is a multiprocessing child: its failure reads in the log as a cold agent's,
     not under "Process NAME:" with the bootstrap's frames."""
-    body = ("import multiprocessing as mp\n"
-            "def child():\n"
-            "    run_then_exit(lambda: 1 / 0)\n"
-            "p = mp.get_context('fork').Process(target=child, name='resihp-agent-0')\n"
-            "p.start(); p.join(); print('child status', p.exitcode)\n")
+    body = (
+        "import multiprocessing as mp\n"
+        "def child():\n"
+        "    run_then_exit(lambda: 1 / 0)\n"
+        "p = mp.get_context('fork').Process(target=child, name='resihp-agent-0')\n"
+        "p.start(); p.join(); print('child status', p.exitcode)\n"
+    )
     proc = _run(body)
     assert "child status 1" in proc.stdout, proc.stdout
     assert proc.stderr.startswith("Traceback (most recent call last):"), proc.stderr

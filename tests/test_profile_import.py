@@ -72,8 +72,10 @@ def test_kineto_import_rows_are_the_recorded_spans(kineto_run, tmp_path):
     result = import_profiles([path], ImportOptions(shape=Shape(**SHAPE), device="cpu:test x1thr"))
     log = result.log
     assert len(log) == len(names) == 2 * 2 * len(batches)
-    assert [f"{p} mb={m} seq_lens={','.join(map(str, s))}" for p, m, s in
-            zip(log["phase"], log["mb_id"], log["seq_lens"])] == names
+    assert [
+        f"{p} mb={m} seq_lens={','.join(map(str, s))}"
+        for p, m, s in zip(log["phase"], log["mb_id"], log["seq_lens"])
+    ] == names
     # each row's time is the profiler's own span of that name, in order
     assert log["time_s"].tolist() == pytest.approx([us / 1e6 for _, us in spans], abs=2e-6)
     assert (log[["layers", "hidden", "heads", "ffn_hidden"]] == pd.Series(SHAPE)).all().all()
@@ -84,8 +86,28 @@ def test_kineto_import_rows_are_the_recorded_spans(kineto_run, tmp_path):
 def test_kineto_import_trains_a_predictor_better_than_a_constant(kineto_run, tmp_path, capsys):
     path = kineto_run[0]
     out = tmp_path / "imported.parquet"
-    assert main_rc(["profile", "import", str(path), "-o", str(out), "--layers", "1", "--hidden",
-                    "64", "--heads", "4", "--ffn-hidden", "256", "--device", "cpu:test x1thr"]) == 0
+    assert (
+        main_rc(
+            [
+                "profile",
+                "import",
+                str(path),
+                "-o",
+                str(out),
+                "--layers",
+                "1",
+                "--hidden",
+                "64",
+                "--heads",
+                "4",
+                "--ffn-hidden",
+                "256",
+                "--device",
+                "cpu:test x1thr",
+            ]
+        )
+        == 0
+    )
     assert "wrote 96 rows (48 fwd, 48 bwd" in capsys.readouterr().out
     log = read_profile_logs([out])  # the profiling-log contract, validated
     assert main_rc(["predictor", "train", str(out), "-o", str(tmp_path / "m"), "--json"]) == 0
@@ -173,19 +195,32 @@ def test_megatron_timers_per_microbatch(tmp_path):
     assert bwd["time_s"].tolist() == pytest.approx([1.9717 / 8, 2.0 / 8, 1.92 / 8])
     assert fwd["step"].tolist() == [10, 20, 30]
     assert (log["seq_lens"].map(tuple) == (2048, 2048)).all()
-    assert (log[["layers", "hidden", "heads", "ffn_hidden", "tp"]].iloc[0].tolist()
-            == [12, 1024, 16, 4096, 2])
+    assert log[["layers", "hidden", "heads", "ffn_hidden", "tp"]].iloc[0].tolist() == [
+        12,
+        1024,
+        16,
+        4096,
+        2,
+    ]
     # the options win over the arguments block
-    log = import_profiles([path], ImportOptions(device="cuda:x", batch=MegatronBatch(
-        seq_length=1024, micro_batch_size=1, microbatches=4))).log
+    log = import_profiles(
+        [path],
+        ImportOptions(
+            device="cuda:x",
+            batch=MegatronBatch(seq_length=1024, micro_batch_size=1, microbatches=4),
+        ),
+    ).log
     assert log["seq_lens"].iloc[0] == [1024] and log["time_s"].iloc[0] == pytest.approx(1.06712 / 4)
 
 
 def test_megatron_log_without_its_arguments_says_which_options(tmp_path):
     path = tmp_path / "train.log"
     path.write_text(MEGATRON_LOG.split("-------------------- end of arguments")[1])
-    with pytest.raises(InputError, match=r"train.log: .*give --seq-length, --micro-batch-size, "
-                                         r"--microbatches"):
+    with pytest.raises(
+        InputError,
+        match=r"train.log: .*give --seq-length, --micro-batch-size, "
+        r"--microbatches",
+    ):
         import_profiles([path], ImportOptions(device="cuda:x"))
 
 
@@ -212,14 +247,22 @@ def test_run_folder_import_is_its_compute_rows(tmp_path):
     with_features(log)  # the predictor's features can be computed on it
 
 
-@pytest.mark.parametrize("content,expected", [
-    (b"hello\n", r"x.txt: not a torch.profiler trace \(.json\), a Megatron-LM log"),
-    (b"{not json", r"x.txt: not a torch.profiler trace \(expected Chrome-trace JSON"),
-    (b'{"traceEvents": 3}', r"x.txt: not a torch.profiler trace \(expected a JSON object with a "
-                            r"traceEvents list\)"),
-    (b'{"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "step", "dur": 5}]}',
-     r"x.txt: no micro-batch spans in this torch.profiler trace \(expected record_function"),
-])
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        (b"hello\n", r"x.txt: not a torch.profiler trace \(.json\), a Megatron-LM log"),
+        (b"{not json", r"x.txt: not a torch.profiler trace \(expected Chrome-trace JSON"),
+        (
+            b'{"traceEvents": 3}',
+            r"x.txt: not a torch.profiler trace \(expected a JSON object with a "
+            r"traceEvents list\)",
+        ),
+        (
+            b'{"traceEvents": [{"ph": "X", "cat": "user_annotation", "name": "step", "dur": 5}]}',
+            r"x.txt: no micro-batch spans in this torch.profiler trace \(expected record_function",
+        ),
+    ],
+)
 def test_bad_inputs_are_one_line(tmp_path, capsys, content, expected):
     path = tmp_path / "x.txt"
     path.write_bytes(content)
@@ -232,9 +275,12 @@ def test_bad_inputs_are_one_line(tmp_path, capsys, content, expected):
 
 def test_missing_shape_and_bad_side_file(kineto_run, tmp_path):
     path = kineto_run[0]
-    with pytest.raises(InputError, match=r"trace.json: the model's layers, hidden, heads, "
-                                         r"ffn_hidden are not in this torch.profiler trace; give "
-                                         r"them with --layers"):
+    with pytest.raises(
+        InputError,
+        match=r"trace.json: the model's layers, hidden, heads, "
+        r"ffn_hidden are not in this torch.profiler trace; give "
+        r"them with --layers",
+    ):
         import_profiles([path])
     side = tmp_path / "l.json"
     side.write_text('{"0": [3, -1]}')

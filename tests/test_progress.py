@@ -12,8 +12,12 @@ def test_plain_progress_writes_every_few_percent_and_at_the_end():
         advance(n)
     lines = out.getvalue().splitlines()
     assert lines[0] == "profiling: 25/100 (25%), 0m02s elapsed, ETA 0m08s"
-    assert [line.split(":")[1].split()[0] for line in lines] == ["25/100", "50/100", "75/100",
-                                                                  "100/100"]
+    assert [line.split(":")[1].split()[0] for line in lines] == [
+        "25/100",
+        "50/100",
+        "75/100",
+        "100/100",
+    ]
     assert "ETA" not in lines[-1]
 
 

@@ -23,15 +23,23 @@ def test_healthy_run_reaches_the_capacity_bound(tmp_path):
 
 
 def test_cost_per_step_does_not_grow_with_steps(tmp_path):
-    short = Replay(load_scenario(write(tmp_path, "a.yaml", duration="4h")), CheckpointRestart()).run()
-    long = Replay(load_scenario(write(tmp_path, "b.yaml", duration="40h")), CheckpointRestart()).run()
+    short = Replay(
+        load_scenario(write(tmp_path, "a.yaml", duration="4h")), CheckpointRestart()
+    ).run()
+    long = Replay(
+        load_scenario(write(tmp_path, "b.yaml", duration="40h")), CheckpointRestart()
+    ).run()
     assert long.replayed_steps > 9 * short.replayed_steps
-    assert long.simulated_steps / long.replayed_steps <= short.simulated_steps / short.replayed_steps
+    assert (
+        long.simulated_steps / long.replayed_steps <= short.simulated_steps / short.replayed_steps
+    )
 
 
 def test_unhandled_slow_device_drags_the_job(tmp_path):
-    events = [{"at": "1h", "device": 5, "kind": "slow", "factor": 2.0},
-              {"at": "3h", "device": 5, "kind": "recover"}]
+    events = [
+        {"at": "1h", "device": 5, "kind": "slow", "factor": 2.0},
+        {"at": "3h", "device": 5, "kind": "recover"},
+    ]
     sc = load_scenario(write(tmp_path, events=events))
     out = Replay(sc, CheckpointRestart()).run()
     rate = {round(a): r for a, b, r in out.timeline}
@@ -42,11 +50,16 @@ def test_unhandled_slow_device_drags_the_job(tmp_path):
 
 
 def test_fail_stop_costs_by_policy(tmp_path):
-    events = [{"at": "1h30m", "node": 2, "kind": "stop"}, {"at": "3h30m", "node": 2, "kind": "recover"}]
+    events = [
+        {"at": "1h30m", "node": 2, "kind": "stop"},
+        {"at": "3h30m", "node": 2, "kind": "recover"},
+    ]
     sc = load_scenario(write(tmp_path, events=events))
     cr = Replay(sc, CheckpointRestart()).run()
     assert cr.lost_s == pytest.approx(1800.0)  # back to the 1 h checkpoint
-    assert cr.downtime_s == pytest.approx(600 + 30 + 600)  # restart + heartbeat, then planned restart
+    assert cr.downtime_s == pytest.approx(
+        600 + 30 + 600
+    )  # restart + heartbeat, then planned restart
     for policy in (Oobleck(), ReCycle()):
         out = Replay(sc, policy).run()
         assert out.lost_s == 0.0
@@ -58,6 +71,7 @@ def test_dead_device_in_layout_stalls(tmp_path):
     class Ignore(CheckpointRestart):
         def on_stop(self, ctx, devices):
             from resihp.replay.engine import Reaction
+
             return Reaction()
 
     sc = load_scenario(write(tmp_path, events=[{"at": "2h", "device": 9, "kind": "stop"}]))
@@ -85,16 +99,20 @@ def test_ops_records_follow_the_contract(tmp_path):
 
 
 def test_every_policy_runs_through_the_one_engine(tmp_path):
-    events = [{"at": "1h", "device": 5, "kind": "slow", "factor": 2.5},
-              {"at": "2h", "node": 6, "kind": "stop"},
-              {"at": "3h", "device": 5, "kind": "recover"}]
+    events = [
+        {"at": "1h", "device": 5, "kind": "slow", "factor": 2.5},
+        {"at": "2h", "node": 6, "kind": "stop"},
+        {"at": "3h", "device": 5, "kind": "recover"},
+    ]
     sc = load_scenario(write(tmp_path, events=events))
     result = compare(sc)
     names = [o.policy for o in result.outcomes]
     assert names == [p.name for p in make_policies(None)]
     doc = result.summary()
     for p in doc["policies"]:
-        assert {"name", "tokens_per_s", "effective_time", "false_alarms", "bound_fraction"} <= set(p)
+        assert {"name", "tokens_per_s", "effective_time", "false_alarms", "bound_fraction"} <= set(
+            p
+        )
         assert 0 < p["bound_fraction"] <= 1.05
     assert doc["capacity_tokens_per_s"] > 0 and set(doc["speedups"]) == set(names) - {"resihp"}
 
@@ -120,10 +138,21 @@ def test_a_windows_records_made_a_few_steps_at_a_time_are_its_records(tmp_path):
     whole = frame(w.columns())
     parts = [w.step_columns(i, min(i + 3, 7)) for i in range(0, 7, 3)]
     assert [sorted(set(p["step"])) for p in parts] == [[40, 41, 42], [43, 44, 45], [46]]
-    pd.testing.assert_frame_equal(frame({k: np.concatenate([np.asarray(p[k]) for p in parts])
-                                         for k in parts[0]}), whole)
-    sliced = Window(w.steps, w.start_s, w.step_time, w.tokens, w.layout, w.ops, w.meta,
-                    w.rank_device, w.rank_work, w.columns)
+    pd.testing.assert_frame_equal(
+        frame({k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in parts[0]}), whole
+    )
+    sliced = Window(
+        w.steps,
+        w.start_s,
+        w.step_time,
+        w.tokens,
+        w.layout,
+        w.ops,
+        w.meta,
+        w.rank_device,
+        w.rank_work,
+        w.columns,
+    )
     pd.testing.assert_frame_equal(frame(sliced.step_columns(3, 6)), frame(parts[1]))
 
 
@@ -135,9 +164,13 @@ def test_records_of_a_padded_layout_name_each_ranks_device_and_place(tmp_path):
 
     sc = load_scenario(write(tmp_path))
     replay = Replay(sc, CheckpointRestart())
-    layout = ReplicaLayout((Replica(((0, 1), (2, 3)), (16, 16), 8),
-                            Replica(((4, 5), (6,)), (20, 12), 4),
-                            Replica(((8, 9),), (32,), 2)))
+    layout = ReplicaLayout(
+        (
+            Replica(((0, 1), (2, 3)), (16, 16), 8),
+            Replica(((4, 5), (6,)), (20, 12), 4),
+            Replica(((8, 9),), (32,), 2),
+        )
+    )
     compiled = compile_layout(layout)
     k = sc.settings.ops_microbatches
     for n, first in ((5, 0), (3, 5), (5, 8)):  # two windows of 5 steps share the cache
@@ -145,8 +178,10 @@ def test_records_of_a_padded_layout_name_each_ranks_device_and_place(tmp_path):
         for cols in (w.columns(), w.step_columns(1, n)):
             rank, step = np.asarray(cols["rank"]), np.asarray(cols["step"])
             assert (w.rank_device[rank] == np.asarray(cols["device"])).all()
-            assert (w.rank_place[rank] == np.stack([np.asarray(cols[c]) for c in
-                                                    ("dp_rank", "stage", "tp_rank")], 1)).all()
+            assert (
+                w.rank_place[rank]
+                == np.stack([np.asarray(cols[c]) for c in ("dp_rank", "stage", "tp_rank")], 1)
+            ).all()
             real = np.flatnonzero(w.rank_device >= 0)
             assert len(real) == 9
             pairs, counts = np.unique(np.stack([step, rank]), axis=1, return_counts=True)

@@ -7,8 +7,10 @@ from resihp.replay.policies.restart import CheckpointRestart
 from resihp.replay.scenario import load_scenario
 from tests.replay_fixtures import write
 
-SLOW = [{"at": "1h", "device": 13, "kind": "slow", "factor": 2.0},
-        {"at": "3h", "device": 13, "kind": "recover"}]
+SLOW = [
+    {"at": "1h", "device": 13, "kind": "slow", "factor": 2.0},
+    {"at": "3h", "device": 13, "kind": "recover"},
+]
 
 
 def test_resihp_uses_the_real_detector_and_planner(tmp_path, monkeypatch):
@@ -43,16 +45,37 @@ def test_a_re_plan_that_changes_the_mix_of_tensor_parallel_widths_raises_no_link
     # stages, its recovery puts the TP 2 stages back. The other replica, unchanged throughout,
     # kept its transfer baselines from when half the senders were TP 1 (twice the bytes a rank):
     # against the others its transfers then read 1.8x slow, two false link alarms
-    sc = load_scenario(write(
-        tmp_path, duration="1h", seed=1,
-        cluster={"nodes": 2, "gpus_per_node": 4, "inter_node_gbps": 25, "intra_node_gbps": 300,
-                 "device": {"name": "A100-80GB", "memory_gb": 80, "peak_tflops": 312, "mfu": 0.5}},
-        model={"name": "m", "layers": 8, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
-               "vocab": 32000, "max_seq_len": 2048, "global_batch_tokens": 65536,
-               "microbatch_tokens": 2048},
-        parallel={"dp": 2, "pp": 2, "tp": 2}, replay={},
-        events=[{"at": "10m", "device": 3, "kind": "slow", "factor": 2.0},
-                {"at": "40m", "device": 3, "kind": "recover"}]))
+    sc = load_scenario(
+        write(
+            tmp_path,
+            duration="1h",
+            seed=1,
+            cluster={
+                "nodes": 2,
+                "gpus_per_node": 4,
+                "inter_node_gbps": 25,
+                "intra_node_gbps": 300,
+                "device": {"name": "A100-80GB", "memory_gb": 80, "peak_tflops": 312, "mfu": 0.5},
+            },
+            model={
+                "name": "m",
+                "layers": 8,
+                "hidden": 1024,
+                "heads": 8,
+                "ffn_hidden": 4096,
+                "vocab": 32000,
+                "max_seq_len": 2048,
+                "global_batch_tokens": 65536,
+                "microbatch_tokens": 2048,
+            },
+            parallel={"dp": 2, "pp": 2, "tp": 2},
+            replay={},
+            events=[
+                {"at": "10m", "device": 3, "kind": "slow", "factor": 2.0},
+                {"at": "40m", "device": 3, "kind": "recover"},
+            ],
+        )
+    )
     out = Replay(sc, Resihp()).run()
     assert any("slowdown over" in label for _, label in out.actions)
     assert [d["device"] for d in out.detections if d["true"]][:1] == [3]
@@ -68,8 +91,13 @@ def test_resihp_beats_doing_nothing_on_a_fail_slow(tmp_path):
 
 
 def test_resihp_is_silent_on_healthy_variable_length_steps(tmp_path):
-    sc = load_scenario(write(tmp_path, duration="8h", replay={"window_steps": 32, "observe_steps": 32,
-                                                             "probe_interval": "30m"}))
+    sc = load_scenario(
+        write(
+            tmp_path,
+            duration="8h",
+            replay={"window_steps": 32, "observe_steps": 32, "probe_interval": "30m"},
+        )
+    )
     out = Replay(sc, Resihp()).run()
     assert out.false_alarms == 0 and len(out.actions) == 1
 
@@ -93,15 +121,21 @@ def test_plan_to_layout_keeps_every_layer_and_microbatch(tmp_path):
     assert 20 not in set(new.devices.tolist())
     assert all(sum(r.layers) == sc.model.layers for r in new.replicas)
     tokens = sum(r.microbatches * (r.budget or sc.model.microbatch_tokens) for r in new.replicas)
-    assert abs(tokens - sc.model.global_batch_tokens) <= sc.model.microbatch_tokens * len(new.replicas)
+    assert abs(tokens - sc.model.global_batch_tokens) <= sc.model.microbatch_tokens * len(
+        new.replicas
+    )
     assert len(set(new.devices.tolist())) == len(new.devices)  # every device placed once
     assert layout_of(policy.plan, policy.model).microbatches == new.microbatches
     assert np.isfinite(replay.ctx.predicted_step_time(new, np.ones(len(sc.cluster))))
 
 
-def test_resihp_benchmarks_an_excluded_slow_device_less_often_and_takes_it_back_when_healthy(tmp_path):
-    events = [{"at": "1h", "device": 13, "kind": "slow", "factor": 5.0},
-              {"at": "4h", "device": 13, "kind": "recover"}]
+def test_resihp_benchmarks_an_excluded_slow_device_less_often_and_takes_it_back_when_healthy(
+    tmp_path,
+):
+    events = [
+        {"at": "1h", "device": 13, "kind": "slow", "factor": 5.0},
+        {"at": "4h", "device": 13, "kind": "recover"},
+    ]
     sc = load_scenario(write(tmp_path, events=events, duration="8h"))
     policy = Resihp()
     out = Replay(sc, policy).run()
@@ -121,7 +155,9 @@ def test_resihp_keeps_an_extremely_slow_device_out(tmp_path):
     sc = load_scenario(write(tmp_path, events=events, duration="12h"))
     policy = Resihp()
     out = Replay(sc, policy).run()
-    assert [d["device"] for d in out.detections] == [13]  # found once, never re-admitted to be found again
+    assert [d["device"] for d in out.detections] == [
+        13
+    ]  # found once, never re-admitted to be found again
     assert not any("slowdown over" in label for _, label in out.actions)
     assert 13 not in {r for p in policy.plan.pipelines for r in p.ranks}
     # priced at the detector's estimate or the benchmark's measure, within the revise factor

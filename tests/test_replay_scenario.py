@@ -15,13 +15,21 @@ from tests.replay_fixtures import BASE, write
 
 def test_shipped_scenarios_load():
     names = sorted(p.stem for p in (TRACES / "scenarios").glob("*.yaml"))
-    assert {"failstop-7b-256", "failslow-13b-256", "mixed-70b-256", "llama3-week-16k",
-            "alibaba-7b-256"} <= set(names)
+    assert {
+        "failstop-7b-256",
+        "failslow-13b-256",
+        "mixed-70b-256",
+        "llama3-week-16k",
+        "alibaba-7b-256",
+    } <= set(names)
     families = set()
     for p in (TRACES / "scenarios").glob("*.yaml"):
         sc = load_scenario(p)
         families.add(sc.family)
-        assert sc.duration_s > 0 and len(sc.cluster) >= sc.parallel.dp * sc.parallel.pp * sc.parallel.tp
+        assert (
+            sc.duration_s > 0
+            and len(sc.cluster) >= sc.parallel.dp * sc.parallel.pp * sc.parallel.tp
+        )
     assert {"fail-stop", "fail-slow", "mixed"} <= families
 
 
@@ -33,17 +41,42 @@ def test_durations():
         parse_duration("soon", "x")
 
 
-@pytest.mark.parametrize("events, match", [
-    ([{"at": "1h", "device": 64, "kind": "stop"}], r":\d+: events\[0\].device: unknown device 64"),
-    ([{"at": "2h", "device": 1, "kind": "slow", "factor": 2},
-      {"at": "1h", "device": 2, "kind": "stop"}], r"events\[1\].at: events must be in time order"),
-    ([{"at": "1h", "device": 1, "kind": "slow", "factor": 2},
-      {"at": "2h", "device": 1, "kind": "stop"}], r"events\[1\]: device 1 is already slow"),
-    ([{"at": "1h", "device": 1, "kind": "slow", "factor": 0.5}], r"factor: a slowdown factor is at least 1"),
-    ([{"at": "1h", "device": 1, "kind": "recover"}], r"device 1 recovers but is not slow or stopped"),
-    ([{"at": "1h", "device": 1, "kind": "melt"}], r"kind: expected one of slow, link, stop, recover"),
-    ([{"at": "9h", "device": 1, "kind": "stop"}], r"after the end of the scenario"),
-])
+@pytest.mark.parametrize(
+    "events, match",
+    [
+        (
+            [{"at": "1h", "device": 64, "kind": "stop"}],
+            r":\d+: events\[0\].device: unknown device 64",
+        ),
+        (
+            [
+                {"at": "2h", "device": 1, "kind": "slow", "factor": 2},
+                {"at": "1h", "device": 2, "kind": "stop"},
+            ],
+            r"events\[1\].at: events must be in time order",
+        ),
+        (
+            [
+                {"at": "1h", "device": 1, "kind": "slow", "factor": 2},
+                {"at": "2h", "device": 1, "kind": "stop"},
+            ],
+            r"events\[1\]: device 1 is already slow",
+        ),
+        (
+            [{"at": "1h", "device": 1, "kind": "slow", "factor": 0.5}],
+            r"factor: a slowdown factor is at least 1",
+        ),
+        (
+            [{"at": "1h", "device": 1, "kind": "recover"}],
+            r"device 1 recovers but is not slow or stopped",
+        ),
+        (
+            [{"at": "1h", "device": 1, "kind": "melt"}],
+            r"kind: expected one of slow, link, stop, recover",
+        ),
+        ([{"at": "9h", "device": 1, "kind": "stop"}], r"after the end of the scenario"),
+    ],
+)
 def test_bad_events_name_the_line(tmp_path, events, match):
     path = write(tmp_path, events=events)
     with pytest.raises(InputError, match=match) as err:
@@ -73,12 +106,21 @@ def test_other_bad_fields(tmp_path):
         load_scenario(bad)
 
 
-@pytest.mark.parametrize("generator, match", [
-    ({"kind": "greyhound", "per_day": 1e9}, "generators.greyhound.per_day: about .* failures over the "
-                                            "scenario's .* days, more than the 1,000,000 a replay takes"),
-    ({"kind": "llama3", "scale": 1e12}, "generators.llama3.scale: about"),
-    ({"kind": "greyhound", "per_day": float("inf")}, "per_day: expected a finite number >= 0, got inf"),
-])
+@pytest.mark.parametrize(
+    "generator, match",
+    [
+        (
+            {"kind": "greyhound", "per_day": 1e9},
+            "generators.greyhound.per_day: about .* failures over the "
+            "scenario's .* days, more than the 1,000,000 a replay takes",
+        ),
+        ({"kind": "llama3", "scale": 1e12}, "generators.llama3.scale: about"),
+        (
+            {"kind": "greyhound", "per_day": float("inf")},
+            "per_day: expected a finite number >= 0, got inf",
+        ),
+    ],
+)
 def test_a_generator_rate_no_replay_could_finish_is_refused(tmp_path, generator, match):
     """1e9 failures a day hung the replay (1e5 took seconds)."""
     with pytest.raises(InputError, match=match):
@@ -87,33 +129,50 @@ def test_a_generator_rate_no_replay_could_finish_is_refused(tmp_path, generator,
 
 def test_cli_bad_input_one_line_exit_2(tmp_path):
     path = write(tmp_path, events=[{"at": "1h", "device": 999, "kind": "stop"}])
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "replay", str(path), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "replay", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown device 999" in lines[0] and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "replay", str(write(tmp_path)),
-                           "--policies", "magic"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "replay", str(write(tmp_path)), "--policies", "magic"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "unknown policy magic" in proc.stderr
 
 
 def test_llama3_generator_rate(tmp_path):
     # 16,384 devices for 54 days must see about 419 interruptions (Poisson: within 4 sigma)
-    path = write(tmp_path, cluster={"nodes": 2048, "gpus_per_node": 8}, duration="54d",
-                 parallel={"dp": 256, "pp": 8, "tp": 8}, generators=[{"kind": "llama3"}],
-                 model={**BASE["model"], "global_batch_tokens": 4194304})
+    path = write(
+        tmp_path,
+        cluster={"nodes": 2048, "gpus_per_node": 8},
+        duration="54d",
+        parallel={"dp": 256, "pp": 8, "tp": 8},
+        generators=[{"kind": "llama3"}],
+        model={**BASE["model"], "global_batch_tokens": 4194304},
+    )
     sc = load_scenario(path)
     stops = [e for e in scenario_events(sc) if e.kind == "stop"]
-    expect = LLAMA3_INTERRUPTIONS * len(sc.cluster) / LLAMA3_GPUS * sc.duration_s / (LLAMA3_DAYS * 86400)
+    expect = (
+        LLAMA3_INTERRUPTIONS * len(sc.cluster) / LLAMA3_GPUS * sc.duration_s / (LLAMA3_DAYS * 86400)
+    )
     assert abs(len(stops) - expect) < 4 * np.sqrt(expect)
     causes = {e.cause for e in stops}
     assert any("Faulty GPU" in c for c in causes)
 
 
 def test_generated_events_never_overlap(tmp_path):
-    path = write(tmp_path, generators=[{"kind": "greyhound", "per_day": 200},
-                                       {"kind": "llama3", "scale": 300}],
-                 events=[{"at": "1h", "device": 3, "kind": "slow", "factor": 2}])
+    path = write(
+        tmp_path,
+        generators=[{"kind": "greyhound", "per_day": 200}, {"kind": "llama3", "scale": 300}],
+        events=[{"at": "1h", "device": 3, "kind": "slow", "factor": 2}],
+    )
     sc = load_scenario(path)
     state = {}
     for e in scenario_events(sc):
@@ -127,8 +186,13 @@ def test_generated_events_never_overlap(tmp_path):
 
 def test_alibaba_generator_finds_the_job1_straggler(tmp_path):
     devices = list(range(0, 60, 6))
-    path = write(tmp_path, duration="1d", generators=[
-        {"kind": "alibaba", "job": 1, "devices": devices, "seconds_per_iteration": 288}])
+    path = write(
+        tmp_path,
+        duration="1d",
+        generators=[
+            {"kind": "alibaba", "job": 1, "devices": devices, "seconds_per_iteration": 288}
+        ],
+    )
     events = scenario_events(load_scenario(path))
     worst = max((e for e in events if e.kind == "slow"), key=lambda e: e.factor)
     assert worst.device == devices[6] and worst.factor > 1.2  # the publisher's worker 6
@@ -136,7 +200,9 @@ def test_alibaba_generator_finds_the_job1_straggler(tmp_path):
 
 def test_swiglu_costs_a_third_matrix_in_flops_and_parameters(tmp_path):
     gelu = load_scenario(write(tmp_path, "g.yaml")).model
-    swiglu = load_scenario(write(tmp_path, "s.yaml", model={**BASE["model"], "mlp": "swiglu"})).model
+    swiglu = load_scenario(
+        write(tmp_path, "s.yaml", model={**BASE["model"], "mlp": "swiglu"})
+    ).model
     h, f = gelu.hidden, gelu.ffn_hidden
     assert swiglu.params_per_layer - gelu.params_per_layer == h * f + f
     from resihp.workload.flops import linear_flops_per_token
@@ -163,16 +229,22 @@ def test_the_key_reference_is_up_to_date(capsys):
     code, out, _ = _resihp(["replay", "--schema"], capsys)
     assert code == 0 and out == schema_markdown()
     assert (Path(__file__).parents[1] / "docs" / "scenario.md").read_text() == out, (
-        "docs/scenario.md is stale: regenerate it with `resihp replay --schema > docs/scenario.md`")
+        "docs/scenario.md is stale: regenerate it with `resihp replay --schema > docs/scenario.md`"
+    )
 
 
 def test_every_accepted_key_is_documented(tmp_path):
     """An unknown key's error lists the allowed ones: exactly the documented keys."""
     from resihp.replay.scenario_schema import BY_NAME, TOP_LEVEL
 
-    cases = {"": TOP_LEVEL, "model": BY_NAME["model"].names(),
-             "parallel": BY_NAME["parallel"].names(), "costs": BY_NAME["costs"].names(),
-             "replay": BY_NAME["replay"].names(), "cluster": BY_NAME["cluster"].names()}
+    cases = {
+        "": TOP_LEVEL,
+        "model": BY_NAME["model"].names(),
+        "parallel": BY_NAME["parallel"].names(),
+        "costs": BY_NAME["costs"].names(),
+        "replay": BY_NAME["replay"].names(),
+        "cluster": BY_NAME["cluster"].names(),
+    }
     for section, documented in cases.items():
         data = {**BASE}
         if section:
@@ -194,8 +266,9 @@ def test_the_example_replays(tmp_path, capsys):
     path.write_text(out)
     sc = load_scenario(path)
     assert sc.cluster.device_type == "cuda:NVIDIA H100" and len(sc.events) == 1 + 8 + 1
-    code, out, err = _resihp(["replay", str(path), "--policies", "resihp,checkpoint-restart",
-                              "--json"], capsys)
+    code, out, err = _resihp(
+        ["replay", str(path), "--policies", "resihp,checkpoint-restart", "--json"], capsys
+    )
     assert code == 0, err
     doc = __import__("json").loads(out)
     assert [p["name"] for p in doc["policies"]] == ["resihp", "checkpoint-restart"]
@@ -204,11 +277,15 @@ def test_the_example_replays(tmp_path, capsys):
 
 def test_the_plans_cluster_keys_are_accepted(tmp_path):
     """The cluster written as `resihp plan` reads it is the same cluster as the scenario form."""
-    plan_form = {"device": {"memory_gb": 80, "tflops": 156, "hbm_gbs": 2039},
-                 "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
-                 "nodes": {"count": 8, "devices": 8}}
-    old, new = load_scenario(write(tmp_path, "old.yaml")), load_scenario(
-        write(tmp_path, "new.yaml", cluster=plan_form))
+    plan_form = {
+        "device": {"memory_gb": 80, "tflops": 156, "hbm_gbs": 2039},
+        "bandwidth": {"intra_node_gbs": 300, "inter_node_gbs": 25},
+        "nodes": {"count": 8, "devices": 8},
+    }
+    old, new = (
+        load_scenario(write(tmp_path, "old.yaml")),
+        load_scenario(write(tmp_path, "new.yaml", cluster=plan_form)),
+    )
     assert new.cluster.devices == old.cluster.devices
     assert (new.cluster.intra_node_gbs, new.cluster.inter_node_gbs) == (300, 25)
     with pytest.raises(InputError, match=r"cluster.speeds: a replay starts healthy"):

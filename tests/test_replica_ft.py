@@ -40,9 +40,28 @@ def unsigned(doc: dict) -> dict:
     return {k: v for k, v in doc.items() if k != SIGNATURE}
 
 
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
-         "--global-tokens", "2048", "--budget", "256", "--max-len", "256", "--json", "--timeout", "60",
-         "--no-live"]  # recovery alone; live re-planning in this mode has its own test below
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "128",
+    "--vocab",
+    "256",
+    "--global-tokens",
+    "2048",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--json",
+    "--timeout",
+    "60",
+    "--no-live",
+]  # recovery alone; live re-planning in this mode has its own test below
 # a lost replica rejoins about 5 steps after its failure (at step 5-19) here, its agent forked warm
 # (``launch/warm.py``); 20-25 steps where the agent starts cold (a machine with a GPU)
 STEPS = 50
@@ -51,15 +70,25 @@ RTOL = 1e-5
 
 
 def _run(out: Path, *args: str, timeout: float = 300) -> tuple[int, dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
-                          capture_output=True, text=True, timeout=timeout)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    summary = (
+        json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    )
     return proc.returncode, summary, proc.stderr
 
 
 def _start(out: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _pids(out: Path, replica: int, attempt: int) -> list[int]:
@@ -112,8 +141,12 @@ def test_the_supervisor_writes_the_commit_record_of_a_decider_that_died_after_it
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def quorum():
-        return Quorum(dist.TCPStore("127.0.0.1", host.port, is_master=False), "job", ranks_per_replica=1,
-                      timeout_s=5)
+        return Quorum(
+            dist.TCPStore("127.0.0.1", host.port, is_master=False),
+            "job",
+            ranks_per_replica=1,
+            timeout_s=5,
+        )
 
     q, sup = [quorum(), quorum()], quorum()  # two ranks (one per replica) and the supervisor
     gen = q[0].start([Member(0), Member(1)], 0)
@@ -156,8 +189,12 @@ def test_a_replica_admitted_after_its_eviction_is_aborted_by_the_supervisor():
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def quorum():
-        return Quorum(dist.TCPStore("127.0.0.1", host.port, is_master=False), "job", ranks_per_replica=1,
-                      timeout_s=5)
+        return Quorum(
+            dist.TCPStore("127.0.0.1", host.port, is_master=False),
+            "job",
+            ranks_per_replica=1,
+            timeout_s=5,
+        )
 
     survivor, sup = quorum(), quorum()
     gen = survivor.start([Member(0)], 0)
@@ -211,11 +248,15 @@ def test_quorum_commits_only_a_full_vote_and_aborts_on_eviction():
     nxt = aborted.next
     for i in range(2):
         d = q[i].vote(nxt, 1, True)
-    assert d.commit and d.joined == () and d.next.members == nxt.members  # a joiner rank is not there yet
+    assert (
+        d.commit and d.joined == () and d.next.members == nxt.members
+    )  # a joiner rank is not there yet
     q[3].report_held(joiner, 1, 1)
     for i in range(2):
         d = q[i].vote(nxt, 2, True)
-    assert d.commit and d.joined == (joiner,) and d.next.replicas == [0, 1] and d.next.from_step == 3
+    assert (
+        d.commit and d.joined == (joiner,) and d.next.replicas == [0, 1] and d.next.from_step == 3
+    )
     assert q[2].admitted(joiner) == d.next
     # an eviction after the step in flight committed aborts the next one instead
     q[0].evict(Member(1, 1), "hang")
@@ -229,7 +270,9 @@ def test_commits_carry_the_newest_plan_change_and_a_joiner_gets_its_admitting_on
 
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = lambda: dist.TCPStore("127.0.0.1", host.port, is_master=False)  # noqa: E731
-    q = [Quorum(client(), "job", ranks_per_replica=1, timeout_s=5, plan_key="plan") for _ in range(2)]
+    q = [
+        Quorum(client(), "job", ranks_per_replica=1, timeout_s=5, plan_key="plan") for _ in range(2)
+    ]
     gen = q[0].start([Member(0), Member(1)], 0)
     q[0].vote(gen, 0, True)
     assert q[1].vote(gen, 0, True).plan is None  # nothing posted yet
@@ -249,7 +292,11 @@ def test_commits_carry_the_newest_plan_change_and_a_joiner_gets_its_admitting_on
     assert d2.commit and d2.joined == (Member(1, 1),) and d2.plan["id"] == 2
     assert q[1].admitting(q[1].admitted(Member(1, 1))) == d2
     assert [(d.step, d.commit, (d.plan or {}).get("id")) for d in q[0].decisions(gen)] == [
-        (0, True, None), (1, True, 1), (2, False, None), (2, True, 2)]
+        (0, True, None),
+        (1, True, 1),
+        (2, False, None),
+        (2, True, 2),
+    ]
 
 
 def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full_one():
@@ -262,7 +309,10 @@ def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full
 
     host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = lambda: dist.TCPStore("127.0.0.1", host.port, is_master=False)  # noqa: E731
-    q = [Quorum(client(), "job", ranks_per_replica=1, timeout_s=5, plan_key=plan_key("job")) for _ in range(2)]
+    q = [
+        Quorum(client(), "job", ranks_per_replica=1, timeout_s=5, plan_key=plan_key("job"))
+        for _ in range(2)
+    ]
     q[0].set_replicas(2)
     gen = q[0].start([Member(0), Member(1)], 0)
 
@@ -277,7 +327,9 @@ def test_an_unchanged_job_commits_on_the_fast_path_and_any_change_takes_the_full
     d1 = commit(1, d0)
     assert (d1.next, d1.seen, d1.plan) == (replace(gen, from_step=2), d0.seen, None)
     # a key written without the count's bump is not looked for: the fast path was taken
-    host.set("resihp/job/ft/evicted/1/0", signed_json({"replica": 1, "attempt": 0, "reason": "by hand"}))
+    host.set(
+        "resihp/job/ft/evicted/1/0", signed_json({"replica": 1, "attempt": 0, "reason": "by hand"})
+    )
     d2 = commit(2, d1)
     assert d2.next.replicas == [0, 1]
     post_change(host, "job", {"id": 7, "dp_weights": [2.0, 1.0]})
@@ -313,13 +365,19 @@ def test_cross_replica_sums_follow_each_layer_to_its_holder_in_every_replica():
     assert key("layers.1.ln1.weight") == {(0, 3, 4)}
     assert key("layers.2.ln1.weight") == {(1, 3, 4)} and key("ln_f.weight") == {(1, 3, 5)}
     # replica 1 away: the members' holders only
-    assert {m for m, _, _ in Pieces([pipes[0], pipes[2]], [ranges[0], ranges[2]], cfg).of("layers.3.ln1.weight")} \
-        == {(1, 5)}
+    assert {
+        m
+        for m, _, _ in Pieces([pipes[0], pipes[2]], [ranges[0], ranges[2]], cfg).of(
+            "layers.3.ln1.weight"
+        )
+    } == {(1, 5)}
     # a tp-2 replica beside one left at tp 1 (its other rank a hot spare): a sharded weight is
     # summed in halves, each with the tp-1 rank's matching rows; a replicated one in two lanes
     mixed = Pieces([[(0, 1)], [(2,)]], [[(0, 4)], [(0, 4)]], cfg)
     rows = [(m, start, n) for m, start, n in mixed.of("layers.0.fc1.weight")]
-    assert [m for m, _, _ in rows] == [(0, 2), (1, 2)] and rows[0][1] == 0 and rows[1][1] == rows[0][2]
+    assert (
+        [m for m, _, _ in rows] == [(0, 2), (1, 2)] and rows[0][1] == 0 and rows[1][1] == rows[0][2]
+    )
     assert [m for m, _, _ in mixed.of("ln_f.weight")] == [(0, 2), (1, 2)]
 
 
@@ -334,8 +392,13 @@ def _heal_stream(rank: int, world: int, tmp: str) -> dict:
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
-    source = HealSource(lambda: dist.TCPStore("127.0.0.1", port, is_master=False,
-                                              timeout=datetime.timedelta(seconds=30)), "t/heal", 30)
+    source = HealSource(
+        lambda: dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)
+        ),
+        "t/heal",
+        30,
+    )
     source.push(STATE, 4, torch.arange(6.0), [2, 2])
     source.push(GRAD, 5, torch.ones(6))
     source.push(STATE, 5, torch.arange(4.0), [1, 3])  # a plan moved the source's layers
@@ -345,16 +408,26 @@ def _heal_stream(rank: int, world: int, tmp: str) -> dict:
     source.close(5)
     got.append(target.next())
     source.join(10)
-    return {"got": [(kind, step, None if flat is None else flat.tolist(), split) for kind, step, flat, split in got],
-            "sent": source.sent_bytes, "received": target.received_bytes}
+    return {
+        "got": [
+            (kind, step, None if flat is None else flat.tolist(), split)
+            for kind, step, flat, split in got
+        ],
+        "sent": source.sent_bytes,
+        "received": target.received_bytes,
+    }
 
 
 def test_the_catch_up_stream_carries_each_states_layer_split(tmp_path):
     from resihp.ft.heal import END, GRAD, STATE
 
     (result,) = spawn_ranks(_heal_stream, 1, tmp_path)
-    assert result["got"] == [(STATE, 4, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 2]), (GRAD, 5, [1.0] * 6, []),
-                             (STATE, 5, [0.0, 1.0, 2.0, 3.0], [1, 3]), (END, 5, None, [])]
+    assert result["got"] == [
+        (STATE, 4, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 2]),
+        (GRAD, 5, [1.0] * 6, []),
+        (STATE, 5, [0.0, 1.0, 2.0, 3.0], [1, 3]),
+        (END, 5, None, []),
+    ]
     assert result["sent"] == result["received"] == 4 * (6 + 6 + 4)
 
 
@@ -370,7 +443,9 @@ def _form_without_a_dead_peer(rank: int, world: int, tmp: str) -> dict:
     port = int((Path(tmp) / "store-port").read_text())
 
     def connect() -> dist.Store:
-        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        return dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120)
+        )
 
     store = connect()  # this rank's client, as a replica's rank reads the quorum through
     group = ReplicaGroup(connect, "job", rank, timeout_s=120)
@@ -396,7 +471,9 @@ def _form_without_a_dead_peer(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-def test_forming_a_group_with_a_peer_lost_before_the_rendezvous_is_left_when_the_step_is_decided(tmp_path):
+def test_forming_a_group_with_a_peer_lost_before_the_rendezvous_is_left_when_the_step_is_decided(
+    tmp_path,
+):
     # a returning replica admitted and killed before it formed the new generation's groups: the
     # survivor must leave the rendezvous when the supervisor aborts the step (read through its own
     # store client, which the rendezvous must not hold), not wait out the group's timeout (120 s
@@ -414,10 +491,13 @@ def test_forming_a_group_with_a_peer_lost_before_the_rendezvous_is_left_when_the
 
 # --- real runs -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ft") / "reference"
-    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery", "replica")
+    rc, summary, err = _run(
+        out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery", "replica"
+    )
     assert rc == 0, err[-2000:]
     assert summary["recovery"] is None
     return summary["losses"]
@@ -427,8 +507,19 @@ def _lose_rank_3(out: Path, steps: int, fault: str, cause: str, reference: list)
     """A DP 2 x PP 2 run in replica mode whose rank 3 ``fault`` takes out (``cause``): it ends well,
     replica 1 is lost, replica 0's ranks trained every step and the losses are the failure-free
     run's. Its summary."""
-    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", str(steps), "--recovery", "replica",
-                            "--inject", fault)
+    rc, summary, err = _run(
+        out,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        str(steps),
+        "--recovery",
+        "replica",
+        "--inject",
+        fault,
+    )
     assert rc == 0, f"{fault}: {err[-2000:]}"
     rec = summary["recovery"]
     assert rec["lost_replica"] == 1 and rec["cause"] == cause and rec["rank"] == 3, rec
@@ -445,15 +536,27 @@ def _survivor_slow(dims: ParallelDims, lost: int, step: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["stop", "hang"])
-def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault, reference, tmp_path):
+def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(
+    fault, reference, tmp_path
+):
     dims = ParallelDims(2, 2)
     rng = random.Random()
     rank, step = rng.randrange(dims.world_size), rng.randrange(5, 20)
     lost = dims.coords(rank).dp_rank
     what = f"{fault}:rank={rank},step={step}"
     # no --recovery: with --dp 2 on one node replica-level recovery is the default
-    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", str(STEPS),
-                            "--inject", what, *_survivor_slow(dims, lost, step))
+    rc, summary, err = _run(
+        tmp_path / "run",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--inject",
+        what,
+        *_survivor_slow(dims, lost, step),
+    )
     assert rc == 0, f"{what}: {err[-2000:]}"
     rec = summary["recovery"]
     assert rec["mode"] == "replica" and rec["lost_replica"] == lost, what
@@ -467,23 +570,31 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(fault,
     if fault == "hang":  # the rank judged hung left its stacks in the log before it was stopped
         log = (tmp_path / "run" / "logs" / "workers.log").read_text()
         assert f"resihp: rank {rec['rank']} judged hung" in log, what
-        assert "most recent call first" in log and ("in begin_step" in log or rec["rank"] != rank), what
+        assert "most recent call first" in log and (
+            "in begin_step" in log or rec["rank"] != rank
+        ), what
 
 
 @pytest.mark.slow
 def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_path):
     # the crashed rank says so over the control plane: its replica is evicted at once (the
     # survivors were found hung, and then every replica lost, when only its exit told)
-    rec = _lose_rank_3(tmp_path / "run", 30, "error:rank=3,step=10", "exception", reference)["recovery"]
+    rec = _lose_rank_3(tmp_path / "run", 30, "error:rank=3,step=10", "exception", reference)[
+        "recovery"
+    ]
     assert "failures" not in rec and not rec["survivors_restarted"], rec
 
 
 @pytest.mark.slow
-def test_a_replica_killed_after_a_commit_before_publishing_loses_no_step_of_the_trace(reference, tmp_path):
+def test_a_replica_killed_after_a_commit_before_publishing_loses_no_step_of_the_trace(
+    reference, tmp_path
+):
     # rank 3 is killed after step 10's update, which the quorum committed with its replica, and
     # before it published step 10's records: the launcher's reader used to wait for them forever,
     # and the trace, the losses and the live loop stopped at step 9
-    summary = _lose_rank_3(tmp_path / "run", 30, "stop:rank=3,step=10,during=publish", "exited", reference)
+    summary = _lose_rank_3(
+        tmp_path / "run", 30, "stop:rank=3,step=10,during=publish", "exited", reference
+    )
     assert summary["members"][10] == [0, 1], summary["members"][:12]  # it died after the commit
     rows = [json.loads(line) for line in (tmp_path / "run" / "ops.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["rank"] == 3 and r["step"] == 10]  # and before publishing
@@ -497,8 +608,21 @@ def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(refere
     steps = 40  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
     # three replicas: a survivor in a cross-replica sum may wait on another survivor, not on the lost
     # rank, and leaves it once the step is aborted (it used to wait out the group's timeout: hung)
-    rc, summary, err = _run(tmp_path / "run", "--dp", "3", "--pp", "1", "--tp", "2", "--steps", str(steps),
-                            "--recovery", "replica", "--inject", "stop:rank=3,step=8")
+    rc, summary, err = _run(
+        tmp_path / "run",
+        "--dp",
+        "3",
+        "--pp",
+        "1",
+        "--tp",
+        "2",
+        "--steps",
+        str(steps),
+        "--recovery",
+        "replica",
+        "--inject",
+        "stop:rank=3,step=8",
+    )
     assert rc == 0, err[-2000:]
     rec = summary["recovery"]
     assert rec["lost_replica"] == dims.coords(rank).dp_rank == 1 and not rec["survivors_restarted"]
@@ -510,8 +634,20 @@ def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(refere
 @pytest.mark.slow
 def test_a_second_failure_of_the_returning_replica_is_relaunched_again(reference, tmp_path):
     out = tmp_path / "run"
-    proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery", "replica",
-                  "--inject", "stop:rank=1,step=6", *_survivor_slow(ParallelDims(2, 2), 1, 6))
+    proc = _start(
+        out,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        str(TWICE_STEPS),
+        "--recovery",
+        "replica",
+        "--inject",
+        "stop:rank=1,step=6",
+        *_survivor_slow(ParallelDims(2, 2), 1, 6),
+    )
     try:
         pids = _wait_pids(out, 1, 1)  # the relaunch, starting or catching up
         time.sleep(random.uniform(0.0, 2.0))
@@ -534,9 +670,22 @@ def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(referen
     every step trained, the failure-free run's losses, and the job ends with status 0 (each
     replica was relaunched on the way, so neither first launch finished it)."""
     out = tmp_path / "run"
-    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery",
-                            "replica", "--inject", "stop:rank=1,step=6", "--inject", "stop:rank=0,step=45",
-                            *_survivor_slow(ParallelDims(2, 2), 1, 6))
+    rc, summary, err = _run(
+        out,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        str(TWICE_STEPS),
+        "--recovery",
+        "replica",
+        "--inject",
+        "stop:rank=1,step=6",
+        "--inject",
+        "stop:rank=0,step=45",
+        *_survivor_slow(ParallelDims(2, 2), 1, 6),
+    )
     assert rc == 0, err[-2000:]
     fails = summary["recovery"]["failures"]
     assert [(f["lost_replica"], f["attempt"]) for f in fails] == [(1, 0), (0, 0)], fails
@@ -545,23 +694,40 @@ def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(referen
 
 def _warm_server(launcher: int) -> int:
     """The warm-agent server of the launcher ``launcher`` (multiprocessing's forkserver, its child)."""
-    servers = [p for p in children_map().get(launcher, [])
-               if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    servers = [
+        p
+        for p in children_map().get(launcher, [])
+        if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
     assert len(servers) == 1, f"launcher {launcher}: warm-agent servers {servers}"
     return servers[0]
 
 
 @pytest.mark.slow
 def test_a_killed_warm_agent_server_leaves_every_replica_training_and_a_relaunch_starts_cold(
-        reference, tmp_path):
+    reference, tmp_path
+):
     """The warm-agent server only starts processes: killed (SIGKILL) mid-run, the replicas train on
     (each forked agent died with it: every replica lost, exit 1). Replica 1 lost later is relaunched
     cold, the launcher says so in one line, and every step's loss is the failure-free run's."""
     out = tmp_path / "run"
     # a cold agent imports torch first (6 s on a loaded 2-core machine): the survivors' steps are
     # stretched 6x from the failure on, for it to be back before the end
-    proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(TWICE_STEPS), "--recovery", "replica",
-                  "--inject", "stop:rank=3,step=12", "--inject", "slow:rank=0,factor=6,step=12")
+    proc = _start(
+        out,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        str(TWICE_STEPS),
+        "--recovery",
+        "replica",
+        "--inject",
+        "stop:rank=3,step=12",
+        "--inject",
+        "slow:rank=0,factor=6,step=12",
+    )
     try:
         _wait_pids(out, 1, 0)
         server = _warm_server(proc.pid)
@@ -571,20 +737,36 @@ def test_a_killed_warm_agent_server_leaves_every_replica_training_and_a_relaunch
         proc.kill()
     assert proc.returncode == 0, stderr[-2000:]
     said = [ln for ln in stderr.splitlines() if "warm-agent server" in ln]
-    assert said == [f"resihp: the warm-agent server (process {server}) is gone; launches start their "
-                    "agents cold from now on"], stderr[-2000:]
+    assert said == [
+        f"resihp: the warm-agent server (process {server}) is gone; launches start their "
+        "agents cold from now on"
+    ], stderr[-2000:]
     rec = json.loads((out / "summary.json").read_text())["recovery"]
     assert "failures" not in rec and rec["lost_replica"] == 1 and rec["cause"] == "exited", rec
     assert rec["rejoined_step"] is not None, rec
     _trained_every_step(out, [0, 2], TWICE_STEPS)
-    _same_losses(json.loads((out / "summary.json").read_text())["losses"], reference, "cold relaunch")
+    _same_losses(
+        json.loads((out / "summary.json").read_text())["losses"], reference, "cold relaunch"
+    )
 
 
 @pytest.mark.slow
 def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_path):
     out = tmp_path / "run"
-    proc = _start(out, "--dp", "2", "--pp", "2", "--steps", str(STEPS), "--recovery", "replica",
-                  "--inject", "stop:rank=1,step=6", *_survivor_slow(ParallelDims(2, 2), 1, 6))
+    proc = _start(
+        out,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--recovery",
+        "replica",
+        "--inject",
+        "stop:rank=1,step=6",
+        *_survivor_slow(ParallelDims(2, 2), 1, 6),
+    )
     try:
         _wait_pids(out, 1, 1)
         os.kill(_pids(out, 0, 0)[0], signal.SIGKILL)  # the only live peer
@@ -599,8 +781,19 @@ def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_pat
 
 @pytest.mark.slow
 def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
-    rc, summary, err = _run(tmp_path / "run", "--dp", "2", "--pp", "2", "--steps", "24",
-                            "--recovery", "replica-drop", "--inject", "stop:rank=3,step=8")
+    rc, summary, err = _run(
+        tmp_path / "run",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "24",
+        "--recovery",
+        "replica-drop",
+        "--inject",
+        "stop:rank=3,step=8",
+    )
     assert rc == 0, err[-2000:]
     rec = summary["recovery"]
     losses = summary["losses"]
@@ -611,9 +804,22 @@ def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
     # ... and exactly those of one process replaying the recorded membership
     members = summary["members"]
     assert len(members) == 24 and [1] not in members and [0] in members[first:], members
-    flags = dict(layers=2, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048, budget=256,
-                 max_len=256, dp=2, pp=2, steps=24)
-    _same_losses(losses, replay_membership(flags, members, tmp_path / "replay"), "drop mode vs its replay")
+    flags = dict(
+        layers=2,
+        hidden=64,
+        heads=2,
+        ffn_hidden=128,
+        vocab=256,
+        global_tokens=2048,
+        budget=256,
+        max_len=256,
+        dp=2,
+        pp=2,
+        steps=24,
+    )
+    _same_losses(
+        losses, replay_membership(flags, members, tmp_path / "replay"), "drop mode vs its replay"
+    )
 
 
 @pytest.mark.slow
@@ -624,25 +830,65 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     the job's layout, and ``--resume`` continues it in other layouts (no replicas; tensor parallel;
     replicas of one stage, one of them lost again) with the replica run's losses."""
     run = tmp_path / "run"
-    rc, summary, err = _run(run, "--dp", "2", "--pp", "2", "--steps", "12", "--recovery", "replica",
-                            "--ckpt-every", "4", "--inject", "stop:rank=0,step=6")
+    rc, summary, err = _run(
+        run,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "12",
+        "--recovery",
+        "replica",
+        "--ckpt-every",
+        "4",
+        "--inject",
+        "stop:rank=0,step=6",
+    )
     assert rc == 0, err[-2000:]
-    assert summary["members"][7] == [1] and summary["recovery"]["lost_replica"] == 0, summary["members"]
+    assert summary["members"][7] == [1] and summary["recovery"]["lost_replica"] == 0, summary[
+        "members"
+    ]
     ckpt = run / "ckpt" / "step7"
     assert problem(ckpt) is None and (run / "ckpt" / "step11").exists()
     meta = json.loads((ckpt / "meta.json").read_text())
     assert (meta["dp"], meta["pp"], meta["layer_splits"]) == (2, 2, [[1, 1], [1, 1]]), meta
     for layout in (["--dp", "1", "--pp", "2"], ["--dp", "1", "--pp", "1", "--tp", "2"]):
-        rc, resumed, err = _run(tmp_path / "-".join(layout), *layout, "--steps", "12", "--recovery", "none",
-                                "--resume", str(ckpt))
+        rc, resumed, err = _run(
+            tmp_path / "-".join(layout),
+            *layout,
+            "--steps",
+            "12",
+            "--recovery",
+            "none",
+            "--resume",
+            str(ckpt),
+        )
         assert rc == 0, err[-2000:]
         assert resumed["first_step"] == 8, resumed.get("first_step")
         _same_losses(resumed["losses"], summary["losses"][8:], f"resumed in {layout}")
-    rc, resumed, err = _run(tmp_path / "replicas", "--dp", "2", "--pp", "1", "--steps", "12", "--recovery", "replica",
-                            "--resume", str(ckpt), "--inject", "stop:rank=1,step=9")
+    rc, resumed, err = _run(
+        tmp_path / "replicas",
+        "--dp",
+        "2",
+        "--pp",
+        "1",
+        "--steps",
+        "12",
+        "--recovery",
+        "replica",
+        "--resume",
+        str(ckpt),
+        "--inject",
+        "stop:rank=1,step=9",
+    )
     assert rc == 0, err[-2000:]
-    assert resumed["first_step"] == 8 and resumed["resume"]["first_step"] == 8, resumed.get("resume")
-    assert resumed["members"][0] == [0, 1] and resumed["recovery"]["lost_replica"] == 1, resumed["members"]
+    assert resumed["first_step"] == 8 and resumed["resume"]["first_step"] == 8, resumed.get(
+        "resume"
+    )
+    assert resumed["members"][0] == [0, 1] and resumed["recovery"]["lost_replica"] == 1, resumed[
+        "members"
+    ]
     _same_losses(resumed["losses"], summary["losses"][8:], "resumed in replica mode")
 
 
@@ -652,26 +898,61 @@ def test_every_replica_lost_restarts_the_job_from_its_newest_checkpoint(referenc
     the job is relaunched whole from ``step7``, the faults that took it down not repeated, and
     every step's loss equals the failure-free run's."""
     out = tmp_path / "run"
-    rc, summary, err = _run(out, "--dp", "2", "--pp", "2", "--steps", "16", "--recovery", "replica",
-                            "--ckpt-every", "4", "--inject", "stop:rank=0,step=9", "--inject", "stop:rank=1,step=9")
+    rc, summary, err = _run(
+        out,
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--steps",
+        "16",
+        "--recovery",
+        "replica",
+        "--ckpt-every",
+        "4",
+        "--inject",
+        "stop:rank=0,step=9",
+        "--inject",
+        "stop:rank=1,step=9",
+    )
     assert rc == 0, err[-2000:]
     restart = summary["restart"]
-    assert restart["restarted"] and restart["resumed_step"] == 8 and restart["restart_from"].endswith("step7"), restart
+    assert (
+        restart["restarted"]
+        and restart["resumed_step"] == 8
+        and restart["restart_from"].endswith("step7")
+    ), restart
     assert summary["steps"] == 16 and summary["after_restart"]["first_step"] == 8
     _same_losses(summary["losses"], reference[:16], "restarted after every replica was lost")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--dp", "1", "--pp", "2"], "faults.recovery (--recovery replica): needs --dp 2 or more"),
-    (["--dp", "2", "--pp", "1", "--snapshot-every", "2"], "--snapshot-every is not combined with it"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dp", "1", "--pp", "2"], "faults.recovery (--recovery replica): needs --dp 2 or more"),
+        (
+            ["--dp", "2", "--pp", "1", "--snapshot-every", "2"],
+            "--snapshot-every is not combined with it",
+        ),
+    ],
+)
 def test_bad_replica_recovery_input_is_one_line(args, message, tmp_path):
     rc, _, err = _run(tmp_path / "bad", "--steps", "2", "--recovery", "replica", *args, timeout=60)
     assert rc == 2 and message in err and "Traceback" not in err, err
 
 
-LIVE = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, global_tokens=4096, budget=512,
-            max_len=512, dp=2, pp=2)
+LIVE = dict(
+    layers=4,
+    hidden=64,
+    heads=2,
+    ffn_hidden=256,
+    vocab=512,
+    global_tokens=4096,
+    budget=512,
+    max_len=512,
+    dp=2,
+    pp=2,
+)
 
 
 @pytest.mark.slow
@@ -691,19 +972,44 @@ def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_spl
     # the detector's default 20-step baseline: on 8 steps a CI dry run found the 3x slowdown one
     # step after its onset, in the backward pass alone (1.5x of the rank's step), and the planner
     # kept the plan in force for that
-    proc = subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *flags, "--steps",
-                             str(steps), "--recovery", "replica", "--json", "--timeout", "60",
-                             "--inject", "slow:rank=1,factor=3,step=20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            "-o",
+            str(out),
+            *flags,
+            "--steps",
+            str(steps),
+            "--recovery",
+            "replica",
+            "--json",
+            "--timeout",
+            "60",
+            "--inject",
+            "slow:rank=1,factor=3,step=20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     trace = out / "ops.jsonl"
     try:
         end = time.monotonic() + 300
         while time.monotonic() < end and proc.poll() is None:
-            if trace.exists() and ('"replan-layers"' in (text := trace.read_text()) or '"replan-layout"' in text):
+            if trace.exists() and (
+                '"replan-layers"' in (text := trace.read_text()) or '"replan-layout"' in text
+            ):
                 break
             time.sleep(0.1)
         # rank 2: replica 0, stage 1 (rank 1, the slow one, is replica 1's stage 0)
-        killed = next(e["pid"] for e in announced(out) if (e["replica"], e["attempt"], e["local_rank"]) == (0, 0, 1))
+        killed = next(
+            e["pid"]
+            for e in announced(out)
+            if (e["replica"], e["attempt"], e["local_rank"]) == (0, 0, 1)
+        )
         os.kill(killed, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
@@ -714,21 +1020,32 @@ def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_spl
     change = summary["plan_changes"][0]
     at = change["applied_step"]
     assert change["applied"] is True and at is not None, change
-    assert change["moved_bytes"] > 0 and change["move_s"] > 0, change  # replica 1's layer, sent once
+    assert change["moved_bytes"] > 0 and change["move_s"] > 0, (
+        change
+    )  # replica 1's layer, sent once
     weights = change["dp_weights"]
-    assert weights[1] <= weights[0], change  # the slow replica never gets more (8 micro-batches: 5:3 or 4:4)
+    assert weights[1] <= weights[0], (
+        change
+    )  # the slow replica never gets more (8 micro-batches: 5:3 or 4:4)
     pipes = change["layout"]["pipelines"]
-    assert pipes[0] == [[0], [2]] and change["layer_splits"][0] == [2, 2], change  # replica 0 untouched
+    assert pipes[0] == [[0], [2]] and change["layer_splits"][0] == [2, 2], (
+        change
+    )  # replica 0 untouched
     assert {r for stage in pipes[1] for r in stage} <= {1, 3}, change  # replica 1 on its own ranks
     reformed = pipes[1] != [[1], [3]]
     assert reformed or change["layer_splits"][1][0] < 2, change  # the slow stage sheds layers
-    assert not reformed or (change["spares"] == [1] and 0 < change["minimum_bytes"] <= change["moved_bytes"]), change
+    assert not reformed or (
+        change["spares"] == [1] and 0 < change["minimum_bytes"] <= change["moved_bytes"]
+    ), change
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     # at one step boundary on every rank: the shares on all four, replica 1's groups or layers on its two
     moving = "replan-layout" if reformed else "replan-layers"
-    assert sorted((r["step"], r["rank"]) for r in rows if r["optype"] == moving
-                  and r["step"] == at) == [(at, 1), (at, 3)]
-    assert {r["rank"] for r in rows if r["optype"] == "replan-microbatches" and r["step"] == at} == {0, 1, 2, 3}
+    assert sorted(
+        (r["step"], r["rank"]) for r in rows if r["optype"] == moving and r["step"] == at
+    ) == [(at, 1), (at, 3)]
+    assert {
+        r["rank"] for r in rows if r["optype"] == "replan-microbatches" and r["step"] == at
+    } == {0, 1, 2, 3}
     rec = summary["recovery"]
     assert rec["lost_replica"] == 0 and rec["rank"] == 2 and rec["rejoined_step"] is not None, rec
     back = rec["rejoined_step"]
@@ -736,14 +1053,20 @@ def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_spl
     # the returning replica caught up in replica 1's split (or groups) and moved back as it rejoined
     assert {r["rank"] for r in rows if r["optype"] == moving and r["step"] == back} == {0, 2}
     if reformed:  # the spare trains nothing from the change on
-        assert not any(r["rank"] == 1 and r["step"] >= at for r in rows if r["optype"] == "forward-compute")
+        assert not any(
+            r["rank"] == 1 and r["step"] >= at for r in rows if r["optype"] == "forward-compute"
+        )
     firsts = [r for r in rows if r["optype"] == "forward-compute" and r["stage"] == 0]
     for step in range(steps):
         ids = sorted(r["mb_id"] for r in firsts if r["step"] == step)
         assert ids == list(range(len(ids))), f"step {step}: micro-batches {ids}"
+
     # each step packs its own number of micro-batches: the slow replica's fraction of them drops
-    share = lambda step, d: (sum(1 for r in firsts if r["step"] == step and r["dp_rank"] == d)  # noqa: E731
-                             / sum(1 for r in firsts if r["step"] == step))
+    def share(step, d):
+        return sum(1 for r in firsts if r["step"] == step and r["dp_rank"] == d) / sum(
+            1 for r in firsts if r["step"] == step
+        )
+
     if weights[1] < weights[0]:
         assert share(at, 1) < share(at - 1, 1)
     want = replay_membership({**LIVE, "steps": steps}, [[0, 1]] * steps, tmp_path / "replay")
@@ -761,7 +1084,9 @@ def test_a_returning_replica_is_served_by_the_lowest_member_in_its_launch_layout
 
 
 @pytest.mark.slow
-def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tmp_path, issue_run_losses):
+def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(
+    tmp_path, issue_run_losses
+):
     """The issue's run (DP 2 x TP 2, rank 1 slow from step 10) in replica mode, where each replica is
     a job of its own: the planner re-forms replica 0's tensor-parallel group from its own ranks (rank
     1 left out as a hot spare, or given a stage of its own with fewer layers), which replica 0's ranks
@@ -774,18 +1099,55 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     once a probe measures it healthy (32 steps: probes 1, 2, 4 and 8 steps apart leave two chances
     after 17; three ranks training on two cores can hold a healthy spare's probes above that)."""
     out, steps = tmp_path / "run", ISSUE_STEPS  # 32
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), "--dp", "2", "--pp", "1",
-                           "--tp", "2", "--global-tokens", "4096", "--steps", str(steps), "--timeout", "120",
-                           "--calibration-steps", "8", "--inject", "slow:rank=1,factor=6,step=10,until=17", "--json",
-                           # a 6x rank on a loaded machine can pass the default hang timeout (5 steps)
-                           "--hang-timeout", "120"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            "-o",
+            str(out),
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--tp",
+            "2",
+            "--global-tokens",
+            "4096",
+            "--steps",
+            str(steps),
+            "--timeout",
+            "120",
+            "--calibration-steps",
+            "8",
+            "--inject",
+            "slow:rank=1,factor=6,step=10,until=17",
+            "--json",
+            # a 6x rank on a loaded machine can pass the default hang timeout (5 steps)
+            "--hang-timeout",
+            "120",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["live_error"] is None and summary["recovery"] is None, summary  # nothing was lost
+    assert summary["live_error"] is None and summary["recovery"] is None, (
+        summary
+    )  # nothing was lost
     # (a loaded machine can add findings of a few percent on other ranks: each is planned too)
-    change = next((c for c in summary["plan_changes"] if c["reason"].get("rank") == 1 and (
-        c.get("spares") or [len(s) for p in c["layout"]["pipelines"] for s in p] != [2, 2])), None)
+    change = next(
+        (
+            c
+            for c in summary["plan_changes"]
+            if c["reason"].get("rank") == 1
+            and (c.get("spares") or [len(s) for p in c["layout"]["pipelines"] for s in p] != [2, 2])
+        ),
+        None,
+    )
     assert change is not None and change["applied"] is True, summary["plan_changes"]
     assert 10 <= change["applied_step"] < steps, change
     pipes = change["layout"]["pipelines"]
@@ -798,26 +1160,49 @@ def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(tm
     compute = {(r["rank"], r["step"]) for r in rows if r["optype"] == "forward-compute"}
     if 1 in change["spares"]:  # left out: it trains nothing until a plan takes it back
         assert any(r["optype"] == "probe" and r["rank"] == 1 and r["step"] > at for r in rows)
-        back = next((c for c in summary["plan_changes"]
-                     if c["reason"]["kind"] == "recovered" and c["reason"]["rank"] == 1), None)
+        back = next(
+            (
+                c
+                for c in summary["plan_changes"]
+                if c["reason"]["kind"] == "recovered" and c["reason"]["rank"] == 1
+            ),
+            None,
+        )
         # taken back once a probe after the slowdown measures it healthy; three ranks training on
         # two cores can keep a healthy spare's probes above that (a CI dry run: 1.54x and 1.49x,
         # timed in the process's CPU time, other threads included; the probe's own thread's since)
         probes = json.loads((out / "live.json").read_text())["spare_probes"]
-        healthy = [p["step"] for p in probes if p["rank"] == 1 and p["step"] >= 17 and p["slowdown"] < 1 / ControlConfig().healthy]
-        if any(step <= steps - 5 for step in healthy):  # seen healthy with steps left to take it back
+        healthy = [
+            p["step"]
+            for p in probes
+            if p["rank"] == 1 and p["step"] >= 17 and p["slowdown"] < 1 / ControlConfig().healthy
+        ]
+        if any(
+            step <= steps - 5 for step in healthy
+        ):  # seen healthy with steps left to take it back
             assert back is not None, (probes, summary["plan_changes"])
         if back is not None:
             assert healthy, (probes, back)
             assert back["applied"] is True, summary["plan_changes"]
-            assert 1 in {r for p in back["layout"]["pipelines"] for s in p for r in s} and back["spares"] == [], back
+            assert (
+                1 in {r for p in back["layout"]["pipelines"] for s in p for r in s}
+                and back["spares"] == []
+            ), back
             assert back["reason"]["detected_step"] >= 17 and at < back["applied_step"] < steps, back
         # rank 1 trains from the first applied plan whose layout has it again (the recovery's, or
         # one a later finding made on a loaded machine, which plans every healthy rank)
         # (``applied`` is True, or a string saying why nothing changed)
-        again = next((c for c in summary["plan_changes"] if c.get("applied") is True and c.get("layout")
-                      and c["applied_step"] > at
-                      and 1 in {r for p in c["layout"]["pipelines"] for s in p for r in s}), None)
+        again = next(
+            (
+                c
+                for c in summary["plan_changes"]
+                if c.get("applied") is True
+                and c.get("layout")
+                and c["applied_step"] > at
+                and 1 in {r for p in c["layout"]["pipelines"] for s in p for r in s}
+            ),
+            None,
+        )
         trained = set(range(again["applied_step"], steps)) if again is not None else set()
         assert {step for rank, step in compute if rank == 1 and step >= at} == trained
     for rank in (0, 2, 3):

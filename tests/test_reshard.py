@@ -13,9 +13,21 @@ import torch
 from resihp.errors import InputError
 from tests.gloo_ranks import spawn_ranks
 
-BASE = {"layers": 4, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 61, "global_tokens": 1024,
-        "budget": 256, "max_len": 256, "steps": 6, "lr": 1e-2, "mlp": "swiglu", "tie_embeddings": True,
-        "vocab_parallel": True}
+BASE = {
+    "layers": 4,
+    "hidden": 32,
+    "heads": 4,
+    "ffn_hidden": 64,
+    "vocab": 61,
+    "global_tokens": 1024,
+    "budget": 256,
+    "max_len": 256,
+    "steps": 6,
+    "lr": 1e-2,
+    "mlp": "swiglu",
+    "tie_embeddings": True,
+    "vocab_parallel": True,
+}
 SAVED_AT = {"dp": 2, "pp": 1, "tp": 2}
 SAVE_STEP = 2  # the checkpoint holds the state after step 2; steps 3, 4, 5 are compared
 LAYOUTS = {
@@ -41,16 +53,31 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
     cfg = RunConfig.from_flags(**BASE, **SAVED_AT, out=tmp)
     engine = Engine(cfg, torch.device("cpu"))
     _losses(engine, range(SAVE_STEP + 1))
-    save(Path(tmp) / "saved", engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, cfg),
-         engine.tp, engine.model_cfg, rank_tensors(engine))
+    save(
+        Path(tmp) / "saved",
+        engine.model,
+        engine.optimizer,
+        SAVE_STEP,
+        checkpoint_meta(engine, cfg),
+        engine.tp,
+        engine.model_cfg,
+        rank_tensors(engine),
+    )
     result["reference"] = _losses(engine, range(SAVE_STEP + 1, cfg.train.steps))
     for name, layout in LAYOUTS.items():
         new = RunConfig.from_flags(**BASE, **layout, out=tmp, resume=str(Path(tmp) / "saved"))
         engine = Engine(new, torch.device("cpu"))
         resumed = resume(engine, new, Path(tmp) / "saved", SAVE_STEP + 1)
         # what this layout holds now, written back: must be what was saved
-        save(Path(tmp) / name, engine.model, engine.optimizer, SAVE_STEP, checkpoint_meta(engine, new),
-             engine.tp, engine.model_cfg)
+        save(
+            Path(tmp) / name,
+            engine.model,
+            engine.optimizer,
+            SAVE_STEP,
+            checkpoint_meta(engine, new),
+            engine.tp,
+            engine.model_cfg,
+        )
         result[name] = _losses(engine, range(SAVE_STEP + 1, new.train.steps))
         result[name + ":decisions"] = resumed.decisions
     return result
@@ -101,20 +128,29 @@ def test_non_tensor_state_follows_its_rule(resharded):
     rules = {d["key"]: d["rule"] for d in ranks[0]["1x1x4:decisions"]}
     assert rules["data.cursor"] == "kept" and rules["data.seed"] == "kept"
     assert rules["data.dp_weights"] == "re-derived" and rules["layer_splits"] == "re-derived"
-    assert rules["rng.torch"] == "re-derived"  # another layout: no rank's stream maps onto a new rank
+    assert (
+        rules["rng.torch"] == "re-derived"
+    )  # another layout: no rank's stream maps onto a new rank
 
 
 def test_a_changed_data_stream_is_refused_with_the_flag_to_resume_with():
     from resihp.ckpt.reshard_rules import decide, state_of_run
 
-    saved = state_of_run(0, "text", 1024, 256, 256, [1.0, 1.0], [[4], [4]], 1e-2, {"dp": 2, "pp": 1, "tp": 2})
+    saved = state_of_run(
+        0, "text", 1024, 256, 256, [1.0, 1.0], [[4], [4]], 1e-2, {"dp": 2, "pp": 1, "tp": 2}
+    )
     same = state_of_run(0, "text", 1024, 256, 128, [1.0], [[4]], 1e-3, {"dp": 1, "pp": 1, "tp": 4})
     rules = {d["key"]: d["rule"] for d in decide(saved, same)}
     assert rules["data.budget"] == "re-derived" and rules["optim.lr"] == "re-derived"
     assert rules["rng.torch"] == "re-derived"
     assert {d["key"]: d["rule"] for d in decide(saved, saved)}["rng.torch"] == "kept"
     other = state_of_run(0, "text", 2048, 256, 256, [1.0], [[4]], 1e-2, {"dp": 1, "pp": 1, "tp": 4})
-    with pytest.raises(InputError, match="written with --global-tokens 1024, this run has 2048.*resume with --global-tokens 1024"):
+    with pytest.raises(
+        InputError,
+        match="written with --global-tokens 1024, this run has 2048.*resume with --global-tokens 1024",
+    ):
         decide(saved, other, "ckpt/step9")
     older = {k: v for k, v in saved.items() if not k.startswith("data.")}
-    assert {d["key"]: d["rule"] for d in decide(older, other)}["data.global_tokens"].startswith("unchecked")
+    assert {d["key"]: d["rule"] for d in decide(older, other)}["data.global_tokens"].startswith(
+        "unchecked"
+    )

@@ -9,15 +9,45 @@ import sys
 import pandas as pd
 import pytest
 
-TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--ffn-hidden", "64", "--vocab", "61",
-        "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--timeout", "60",
-        "--no-live", "--json", "--dp", "1", "--pp", "1", "--tp", "1"]
+TINY = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--ffn-hidden",
+    "64",
+    "--vocab",
+    "61",
+    "--global-tokens",
+    "1024",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--timeout",
+    "60",
+    "--no-live",
+    "--json",
+    "--dp",
+    "1",
+    "--pp",
+    "1",
+    "--tp",
+    "1",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
 
 
 def run(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *TINY, *args],
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "run", *TINY, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -33,8 +63,11 @@ def test_a_second_job_in_a_used_folder_reports_its_own_outputs(tmp_path, resume)
     first = run("--steps", "4", "--ckpt-every", "2", "-o", str(out))
     first_job = job_of(out)
     assert first["job_id"] == first_job and len(first["losses"]) == 4
-    second = run("--steps", "6", "--resume", str(out), "-o", str(out)) if resume else \
-        run("--steps", "2", "-o", str(out))
+    second = (
+        run("--steps", "6", "--resume", str(out), "-o", str(out))
+        if resume
+        else run("--steps", "2", "-o", str(out))
+    )
     job = job_of(out)
     assert job != first_job and second["job_id"] == job
     on_disk = json.loads((out / "summary.json").read_text())

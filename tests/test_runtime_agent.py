@@ -36,22 +36,33 @@ def test_cpu_runs_fork_their_workers_and_runs_that_may_use_cuda_keep_torchrun():
 
 
 def test_the_launch_command_is_torchruns_options_for_either_agent(tmp_path):
-    plain = torchrun_command(tmp_path / "config.json", 4, max_restarts=2, endpoint="127.0.0.1:29999")
-    cmd = torchrun_command(tmp_path / "config.json", 4, max_restarts=2, endpoint="127.0.0.1:29999",
-                           forked=True)
-    assert plain[plain.index("torch.distributed.run") + 1:] == cmd[cmd.index("resihp.launch.agent") + 1:]
-    agent = cmd[cmd.index("resihp.launch.agent") + 1:]
+    plain = torchrun_command(
+        tmp_path / "config.json", 4, max_restarts=2, endpoint="127.0.0.1:29999"
+    )
+    cmd = torchrun_command(
+        tmp_path / "config.json", 4, max_restarts=2, endpoint="127.0.0.1:29999", forked=True
+    )
+    assert (
+        plain[plain.index("torch.distributed.run") + 1 :]
+        == cmd[cmd.index("resihp.launch.agent") + 1 :]
+    )
+    agent = cmd[cmd.index("resihp.launch.agent") + 1 :]
     assert agent[agent.index("--nproc-per-node") + 1] == "4"
     assert agent[agent.index("--max-restarts") + 1] == "2"
     assert agent[-4:] == ["-m", "resihp.train.worker", "--config", str(tmp_path / "config.json")]
 
 
 def test_an_agent_for_another_script_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1",
-                           "train.py"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
-        "resihp.launch.agent: expected '-m resihp.train.worker' after the options, got 'train.py'")
+        "resihp.launch.agent: expected '-m resihp.train.worker' after the options, got 'train.py'"
+    )
 
 
 def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
@@ -59,10 +70,16 @@ def test_the_server_serves_only_a_launch_it_is_the_same_process_for(tmp_path):
     assert agent_options(forked)[-2:] == ["--config", str(tmp_path / "config.json")]
     assert agent_options(torchrun_command(tmp_path / "config.json", 2)) is None  # torchrun's own
     base = agent_env({"PATH": "/usr/bin"})
-    launch = worker_env({REPLICA_ENV: "1", ATTEMPT_ENV: "0", GPU_OFFSET_ENV: "2"}, endpoint="127.0.0.1:29999",
-                        node=1, managed=True)
+    launch = worker_env(
+        {REPLICA_ENV: "1", ATTEMPT_ENV: "0", GPU_OFFSET_ENV: "2"},
+        endpoint="127.0.0.1:29999",
+        node=1,
+        managed=True,
+    )
     assert compatible(base, base | {k: v for k, v in launch.items() if k in RUNTIME_ENV})
-    assert set(launch) - set(agent_env()) <= RUNTIME_ENV  # what a launch adds is read after start-up
+    assert (
+        set(launch) - set(agent_env()) <= RUNTIME_ENV
+    )  # what a launch adds is read after start-up
     # a run with a memory tier names its keepers' owner once it starts (every launch of it warm)
     assert compatible(base, base | {KEEPER_OWNER: "4242"})
     assert not compatible(base, base | {"OMP_NUM_THREADS": "4"})  # read when torch loads OpenMP
@@ -83,15 +100,22 @@ def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_th
     agents = WarmAgents()
     agents.start(agent_env())
     # a launch for another script: the forked agent says so in one line, as the agent does
-    proc = agents.popen([sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
-                        agent_env())
-    assert isinstance(proc, ForkedAgent) and os.getpgid(proc.pid) == proc.pid  # a session of its own
+    proc = agents.popen(
+        [sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
+        agent_env(),
+    )
+    assert (
+        isinstance(proc, ForkedAgent) and os.getpgid(proc.pid) == proc.pid
+    )  # a session of its own
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1 and stderr.strip().splitlines()[-1] == (
-        "resihp.launch.agent: expected '-m resihp.train.worker' after the options, got 'train.py'")
+        "resihp.launch.agent: expected '-m resihp.train.worker' after the options, got 'train.py'"
+    )
     # a launch under another thread count starts its own process
-    other = agents.popen([sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
-                         agent_env() | {"OMP_NUM_THREADS": "3"})
+    other = agents.popen(
+        [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
+        agent_env() | {"OMP_NUM_THREADS": "3"},
+    )
     assert not isinstance(other, ForkedAgent) and other.wait(timeout=60) == 0
     other.stderr.close()
     # the server gone (killed), a launch starts cold rather than under a server started again with
@@ -100,8 +124,10 @@ def test_a_forked_agent_runs_the_launch_it_is_handed_and_other_launches_start_th
     end = time.monotonic() + 30
     while start_time(agents._server) is not None and time.monotonic() < end:
         time.sleep(0.05)
-    cold = agents.popen([sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
-                        agent_env())
+    cold = agents.popen(
+        [sys.executable, "-m", "resihp.launch.agent", "--nproc-per-node", "1", "train.py"],
+        agent_env(),
+    )
     assert not isinstance(cold, ForkedAgent) and cold.wait(timeout=120) == 1
     cold.stderr.close()
     agents.close()
@@ -120,13 +146,19 @@ time.sleep(600)
 
 
 def _children(pid: int) -> list[int]:
-    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-            for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    return [
+        int(c)
+        for t in os.listdir(f"/proc/{pid}/task")
+        for c in open(f"/proc/{pid}/task/{t}/children").read().split()
+    ]
 
 
 def test_a_killed_launcher_takes_the_server_and_its_forked_agents(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json")],
-                                stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "config.json")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         agent = int(launcher.stdout.readline())
         server = next(c for c in _children(launcher.pid) if agent in _children(c))

@@ -22,8 +22,14 @@ from resihp.train.nodes import free_port
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-@pytest.mark.parametrize("device,gpu_timing", [("cpu", "events"), pytest.param("cuda", "events", marks=CUDA),
-                                               pytest.param("cuda", "sync", marks=CUDA)])
+@pytest.mark.parametrize(
+    "device,gpu_timing",
+    [
+        ("cpu", "events"),
+        pytest.param("cuda", "events", marks=CUDA),
+        pytest.param("cuda", "sync", marks=CUDA),
+    ],
+)
 def test_attach_records_ops_without_changing_training(tmp_path, device, gpu_timing):
     """On a GPU, durations come from CUDA events (rows of a step recorded at the next step or at
     close) or from synchronising around each op; both record the same rows."""
@@ -32,7 +38,9 @@ def test_attach_records_ops_without_changing_training(tmp_path, device, gpu_timi
     plain, watched = make(), make()
     watched.load_state_dict(plain.state_dict())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, watched)]
-    mon = resihp.attach(watched, optimizer=opts[1], out=tmp_path, model_name="toy", gpu_timing=gpu_timing)
+    mon = resihp.attach(
+        watched, optimizer=opts[1], out=tmp_path, model_name="toy", gpu_timing=gpu_timing
+    )
     losses = {0: [], 1: []}
     for step in range(3):
         ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(step)).to(device)
@@ -47,7 +55,12 @@ def test_attach_records_ops_without_changing_training(tmp_path, device, gpu_timi
     mon.close()
     assert losses[0] == losses[1]
     trace = mon.trace()
-    assert sorted(trace.optype.unique()) == ["backward-compute", "forward-compute", "optimizer", "step"]
+    assert sorted(trace.optype.unique()) == [
+        "backward-compute",
+        "forward-compute",
+        "optimizer",
+        "step",
+    ]
     assert (trace.groupby("step").size() == 4).all() and trace.step.nunique() == 3
     assert (trace.duration > 0).all() and np.isfinite(trace.duration).all()
     fwd = trace[trace.optype == "forward-compute"]
@@ -55,8 +68,14 @@ def test_attach_records_ops_without_changing_training(tmp_path, device, gpu_timi
     # the backward ends before the optimizer starts, the forward before the backward
     for _, rows in trace.groupby("step"):
         t = rows.set_index("optype")
-        assert t.start_ts["forward-compute"] <= t.start_ts["backward-compute"] <= t.start_ts["optimizer"]
-    assert (tmp_path / "ranks" / "rank0.jsonl").exists() and (tmp_path / "ops.rank0.parquet").exists()
+        assert (
+            t.start_ts["forward-compute"]
+            <= t.start_ts["backward-compute"]
+            <= t.start_ts["optimizer"]
+        )
+    assert (tmp_path / "ranks" / "rank0.jsonl").exists() and (
+        tmp_path / "ops.rank0.parquet"
+    ).exists()
     meta, extra = read_meta(tmp_path / "job.yaml")
     assert meta.world_size == 1 and extra["model_name"] == "toy"
     # hooks are gone after close
@@ -112,8 +131,9 @@ def test_in_process_detection_reports_the_straggler_and_calls_back(tmp_path):
     model = _SlowAfter()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
-    mon = resihp.attach(model, optimizer=opt, out=tmp_path, detect=True, on_event=seen.append,
-                        detector_config=QUIET)
+    mon = resihp.attach(
+        model, optimizer=opt, out=tmp_path, detect=True, on_event=seen.append, detector_config=QUIET
+    )
     _loop(mon, model, opt, steps=60, slow_from=30)  # room for the noise of a loaded machine
     mon.close()
     report = mon.report()
@@ -164,19 +184,25 @@ def test_follow_waits_for_the_job_and_detect_reads_the_run_folder(tmp_path):
         follow(tmp_path / "never", timeout_s=0.3, poll_s=0.1)
 
 
-@pytest.mark.parametrize("store,says", [("127.0.0.1:notaport", "expected HOST:PORT"),
-                                         (None, "cannot reach the job's store")])
+@pytest.mark.parametrize(
+    "store,says",
+    [("127.0.0.1:notaport", "expected HOST:PORT"), (None, "cannot reach the job's store")],
+)
 def test_follow_names_its_own_store_option_in_errors(store, says):
     """A bad or unreachable ``resihp follow --store`` is one line naming ``--store`` (it named
     ``resihp run``'s ``--rdzv-endpoint``, an option follow does not have)."""
     store = store or f"127.0.0.1:{free_port()}"  # nothing listens there
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "follow", "--store", store,
-                           "--start-timeout", "1"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "follow", "--store", store, "--start-timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"resihp: error: --store {store!r}"
-                                                   if "HOST" in says else
-                                                   f"resihp: error: --store {store}"), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        f"resihp: error: --store {store!r}" if "HOST" in says else f"resihp: error: --store {store}"
+    ), lines
     assert says in lines[0], lines
 
 
@@ -191,29 +217,71 @@ def test_attach_under_torchrun_uses_the_control_plane_and_follow_reads_it_from_t
     example = Path(__file__).resolve().parent.parent / "examples" / "ddp_straggler.py"
     # torchrun's static rendezvous: its agent hosts the workers' store at the master port, so the
     # follower can be started first and wait for the job (it registers, and the job waits for it)
-    follower = subprocess.Popen([sys.executable, "-m", "resihp.cli", "follow", "--store", f"127.0.0.1:{port}",
-                                 "--json", "--start-timeout", "120"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "follow",
+            "--store",
+            f"127.0.0.1:{port}",
+            "--json",
+            "--start-timeout",
+            "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     # beside the job, the follower yields the CPU to it (nice 10 by default): it must not slow the
     # ranks it times
     deadline = time.monotonic() + 30
     while _nice(follower.pid) != 10 and follower.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _nice(follower.pid) == 10
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
-                            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                            str(example), "--out", str(tmp_path / "run"), "--steps", "30"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--node-rank",
+            "0",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(example),
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "30",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     report, ferr = follower.communicate(timeout=240)
     out, err = job.communicate(timeout=240)
     assert job.returncode == 0, err[-2000:]
     assert follower.returncode == 0, ferr[-2000:]
     assert json.loads(report)["steps"] == 30
-    assert json.loads((tmp_path / "run" / "controlplane.json").read_text())["store"].endswith(f":{port}")
+    assert json.loads((tmp_path / "run" / "controlplane.json").read_text())["store"].endswith(
+        f":{port}"
+    )
     run = tmp_path / "run"
-    assert not list((run / "ranks").glob("*.jsonl"))  # nothing per rank on disk: the store carried it
+    assert not list(
+        (run / "ranks").glob("*.jsonl")
+    )  # nothing per rank on disk: the store carried it
     rows = [json.loads(line) for line in (run / "ops.jsonl").read_text().splitlines()]
-    assert {(r["step"], r["rank"]) for r in rows if r["optype"] == "step"} == {(s, r) for s in range(30) for r in (0, 1)}
+    assert {(r["step"], r["rank"]) for r in rows if r["optype"] == "step"} == {
+        (s, r) for s in range(30) for r in (0, 1)
+    }
 
 
 def _nice(pid: int) -> int | None:

@@ -15,10 +15,21 @@ from resihp.launch.demo import run_demo
 def test_demo_detects_replans_and_recovers(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # a shorter calibration than the CLI's default keeps the test short
-    summary = run_demo(tmp_path, steps=20, inject="slow:rank=1,factor=3,step=11",
-                       detector_config=DetectorConfig(calibration_steps=8))
-    for key in ("steps", "injected", "detection_delay_steps", "plan_changes", "tokens_per_s_before",
-                "tokens_per_s_after", "recovered_fraction"):
+    summary = run_demo(
+        tmp_path,
+        steps=20,
+        inject="slow:rank=1,factor=3,step=11",
+        detector_config=DetectorConfig(calibration_steps=8),
+    )
+    for key in (
+        "steps",
+        "injected",
+        "detection_delay_steps",
+        "plan_changes",
+        "tokens_per_s_before",
+        "tokens_per_s_after",
+        "recovered_fraction",
+    ):
         assert key in summary, key
     assert summary["steps"] == 20 and summary["injected"]["rank"] == 1
     assert 0 <= summary["detection_delay_steps"] <= 5
@@ -32,15 +43,24 @@ def test_demo_detects_replans_and_recovers(tmp_path, monkeypatch):
     # not a test's on a shared machine
     # (another rank's false alarm on a loaded machine, which the planner weighs and keeps the plan
     # for, is not this test's subject: a CI dry run saw rank 3 flagged before rank 1)
-    event = next((e for e in summary["events"] if e["kind"] == "fail-slow" and e["rank"] == 1), None)
+    event = next(
+        (e for e in summary["events"] if e["kind"] == "fail-slow" and e["rank"] == 1), None
+    )
     assert event is not None and event["slowdown"] > 1.0, summary["events"]
-    assert json.loads((tmp_path / "demo.json").read_text())["plan_applied_step"] == change["applied_step"]
+    assert (
+        json.loads((tmp_path / "demo.json").read_text())["plan_applied_step"]
+        == change["applied_step"]
+    )
 
 
 def test_demo_rejects_a_fault_it_cannot_show():
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "demo", "--inject", "slow:rank=1,factor=2,step=5"],
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "resihp.cli", "demo", "--inject", "slow:rank=1,factor=2,step=5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2 and "inject after step" in proc.stderr
 
 
@@ -54,6 +74,11 @@ def test_the_demo_forks_its_agents_from_a_warm_server_as_run_does(monkeypatch, t
     monkeypatch.setattr(commands.WARM_AGENTS, "start", lambda env, more=(): calls.append("start"))
     monkeypatch.setattr(commands.WARM_AGENTS, "close", lambda: calls.append("close"))
     with pytest.raises(InputError, match="inject after step"):
-        commands.demo_cmd(out=tmp_path / "demo", steps=None, inject="slow:rank=1,factor=2,step=5",
-                          plot=None, json_out=True)
+        commands.demo_cmd(
+            out=tmp_path / "demo",
+            steps=None,
+            inject="slow:rank=1,factor=2,step=5",
+            plot=None,
+            json_out=True,
+        )
     assert calls == ["start", "close"]  # started before the demo's imports, closed on the way out

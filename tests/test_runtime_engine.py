@@ -10,8 +10,19 @@ from resihp.opstrace import COMPUTE_OPTYPES, read_meta, read_ops_trace
 from resihp.train.config import RunConfig
 from resihp.train.follow import follow
 
-SMALL = dict(layers=4, hidden=64, heads=2, ffn_hidden=128, vocab=256, global_tokens=2048,
-             budget=512, max_len=512, source="text", steps=3, timeout=30)
+SMALL = dict(
+    layers=4,
+    hidden=64,
+    heads=2,
+    ffn_hidden=128,
+    vocab=256,
+    global_tokens=2048,
+    budget=512,
+    max_len=512,
+    source="text",
+    steps=3,
+    timeout=30,
+)
 
 
 def run(tmp_path, name, **kw) -> tuple[dict, "object"]:
@@ -33,9 +44,17 @@ def test_layouts_train_the_same_model(tmp_path):
     split or micro-batch allocation: the loss is summed over tokens and divided by the global token count."""
     _, single = run(tmp_path, "single", dp=1, pp=1)
     # with live re-plans mid-run: micro-batches re-allocated, layers (with AdamW state) moved
-    summary, hybrid = run(tmp_path, "hybrid", dp=2, pp=2, schedule="1f1b", replan=[
-        {"step": 1, "dp_weights": [3, 1], "layer_split": [3, 1]},
-        {"step": 2, "layer_splits": [[1, 3], [2, 2]]}])  # pipelines may split differently
+    summary, hybrid = run(
+        tmp_path,
+        "hybrid",
+        dp=2,
+        pp=2,
+        schedule="1f1b",
+        replan=[
+            {"step": 1, "dp_weights": [3, 1], "layer_split": [3, 1]},
+            {"step": 2, "layer_splits": [[1, 3], [2, 2]]},
+        ],
+    )  # pipelines may split differently
     _, tensor = run(tmp_path, "tensor", dp=1, pp=2, tp=2, schedule="gpipe", layer_split=[3, 1])
     reference = step_losses(single)
     assert reference[-1] < reference[0]  # it learns
@@ -57,8 +76,15 @@ def test_layouts_train_the_same_model(tmp_path):
     compute = hybrid[hybrid.optype.isin(COMPUTE_OPTYPES)]
     assert (compute.tokens == compute.seq_lens.map(sum)).all()
     assert (compute.duration > 0).all() and compute.start_ts.notna().all()
-    for optype in ("forward-send", "forward-recv", "backward-send", "backward-recv",
-                   "grads-all-reduce", "optimizer", "step"):
+    for optype in (
+        "forward-send",
+        "forward-recv",
+        "backward-send",
+        "backward-recv",
+        "grads-all-reduce",
+        "optimizer",
+        "step",
+    ):
         assert (hybrid.optype == optype).any(), optype
     # every micro-batch of a step ran forward and backward once on each stage of its replica
     counts = compute.groupby(["step", "stage", "mb_id", "optype"]).size()

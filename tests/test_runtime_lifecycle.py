@@ -29,17 +29,58 @@ from tests.faults import (
     worker_pids,
 )
 
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64", "--vocab", "128",
-         "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",
-         "--no-live", "--timeout", "20", "--heartbeat-timeout", "3",
-         "--recovery", "none"]  # a lost worker ends the job (replica-level recovery: test_replica_ft)
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "64",
+    "--vocab",
+    "128",
+    "--global-tokens",
+    "512",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--dp",
+    "2",
+    "--pp",
+    "1",
+    "--no-live",
+    "--timeout",
+    "20",
+    "--heartbeat-timeout",
+    "3",
+    "--recovery",
+    "none",
+]  # a lost worker ends the job (replica-level recovery: test_replica_ft)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def start(out, *extra, steps=100000, args=None):
-    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *(args or SMALL), "--steps", str(steps),
-                             "--out", str(out), "--json", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            *(args or SMALL),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            "--json",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
 
 
 def job_pids(proc, out, world=2) -> set[int]:
@@ -60,7 +101,9 @@ def finish(proc, timeout=60):
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"resihp run did not end within {timeout} s: {stderr[-2000:]}") from None
+        raise AssertionError(
+            f"resihp run did not end within {timeout} s: {stderr[-2000:]}"
+        ) from None
     return stdout, stderr
 
 
@@ -129,16 +172,22 @@ def test_sigkill_of_the_supervisor_takes_the_workers_with_it(tmp_path, recovery)
 
 
 # --- a run folder belongs to one job --------------------------------------------------------------
-HOLD = ("import sys, time; from resihp.train.lifecycle import RunFolder; "
-        "f = RunFolder(sys.argv[1], 'holder-job').acquire(); print('held', flush=True); time.sleep(60)")
+HOLD = (
+    "import sys, time; from resihp.train.lifecycle import RunFolder; "
+    "f = RunFolder(sys.argv[1], 'holder-job').acquire(); print('held', flush=True); time.sleep(60)"
+)
 
 
-def test_second_job_into_a_busy_run_folder_exits_2_or_takes_a_fresh_subfolder(tmp_path, monkeypatch, capsys):
+def test_second_job_into_a_busy_run_folder_exits_2_or_takes_a_fresh_subfolder(
+    tmp_path, monkeypatch, capsys
+):
     from resihp.cli import main
     from resihp.train.lifecycle import RunFolder
 
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         monkeypatch.setattr(sys, "argv", ["resihp", "run", *SMALL, "--out", str(out)])
@@ -163,9 +212,11 @@ def test_tracker_ends_a_whole_process_tree_even_when_stopped_and_regrouped(tmp_p
     """A hung (SIGSTOPped) child in a session of its own, with a grandchild: all are ended."""
     from resihp.train.lifecycle import ProcessTracker
 
-    script = ("import os, subprocess, sys, time; "
-              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
-              "print(c.pid, flush=True); time.sleep(600)")
+    script = (
+        "import os, subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+        "print(c.pid, flush=True); time.sleep(600)"
+    )
     root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     child = int(root.stdout.readline())
     tracker = ProcessTracker(root.pid)
@@ -179,7 +230,7 @@ def test_tracker_ends_a_whole_process_tree_even_when_stopped_and_regrouped(tmp_p
 
 
 # --- fail loudly ----------------------------------------------------------------------------------
-ONE_RANK = [*SMALL[:SMALL.index("--dp")], "--dp", "1", "--pp", "1", "--no-live", "--timeout", "20"]
+ONE_RANK = [*SMALL[: SMALL.index("--dp")], "--dp", "1", "--pp", "1", "--no-live", "--timeout", "20"]
 
 
 @pytest.mark.slow
@@ -187,12 +238,33 @@ def test_non_finite_loss_stops_with_exit_1_one_line_and_keeps_the_last_good_chec
     from resihp.ckpt.integrity import problem
 
     out = tmp_path / "nan"
-    proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *ONE_RANK, "--steps", "20",
-                           "--ckpt-every", "1", "--lr", "1e30", "--out", str(out), "--json"],
-                          capture_output=True, text=True, env=ENV, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            *ONE_RANK,
+            "--steps",
+            "20",
+            "--ckpt-every",
+            "1",
+            "--lr",
+            "1e30",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("resihp: non-finite loss (nan) at step ") and "Traceback" not in proc.stderr
+    assert (
+        last.startswith("resihp: non-finite loss (nan) at step ") and "Traceback" not in proc.stderr
+    )
     summary = json.loads(proc.stdout)  # strict JSON: no bare NaN
     bad_step = int(last.split("at step ")[1].split(";")[0])
     assert summary["loss_last"] is None and summary["steps"] == bad_step + 1
@@ -217,14 +289,18 @@ def _outputs_are_valid(out):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs root to mount a small tmpfs (the ENOSPC "
-                    "variant below runs everywhere)")
+@pytest.mark.skipif(
+    not can_mount_tmpfs(),
+    reason="needs root to mount a small tmpfs (the ENOSPC variant below runs everywhere)",
+)
 def test_disk_full_during_a_run_is_one_line_and_leaves_valid_outputs():
     with small_disk("16m") as disk:
         out = disk / "run"
         proc = start(out, "--ckpt-every", "2", args=ONE_RANK)
         job_pids(proc, out, world=1)
-        wait_for(lambda: (out / "ckpt" / "step1" / "manifest.json").exists(), 60, "a first checkpoint")
+        wait_for(
+            lambda: (out / "ckpt" / "step1" / "manifest.json").exists(), 60, "a first checkpoint"
+        )
         fill(disk)
         stdout, stderr = finish(proc)
         assert proc.returncode == 1, stderr[-2000:]
@@ -233,28 +309,41 @@ def test_disk_full_during_a_run_is_one_line_and_leaves_valid_outputs():
         _outputs_are_valid(out)
 
 
-def test_disk_full_writing_a_trace_keeps_the_previous_one_and_is_one_line(tmp_path, monkeypatch, capsys):
+def test_disk_full_writing_a_trace_keeps_the_previous_one_and_is_one_line(
+    tmp_path, monkeypatch, capsys
+):
     """ENOSPC simulated by an injected OSError (the tmpfs test above does it for real, as root)."""
     import pandas as pd
 
     from resihp.cli import main
     from resihp.opstrace import read_ops_trace, write_ops_trace
 
-    trace = pd.DataFrame({"step": [0], "rank": [0], "dp_rank": [0], "stage": [0],
-                          "optype": ["forward-compute"], "duration": [0.1]})
+    trace = pd.DataFrame(
+        {
+            "step": [0],
+            "rank": [0],
+            "dp_rank": [0],
+            "stage": [0],
+            "optype": ["forward-compute"],
+            "duration": [0.1],
+        }
+    )
     path = tmp_path / "ops.parquet"
     write_ops_trace(trace, path)
     with raise_at(monkeypatch, "pandas.DataFrame.to_parquet", enospc(str(path))):
         with pytest.raises(OSError):
             write_ops_trace(pd.concat([trace, trace]), path)
-        assert len(read_ops_trace(path)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ops.parquet"]
+        assert len(read_ops_trace(path)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [
+            "ops.parquet"
+        ]
     # the CLI turns it into one line and exit 1, whichever verb was writing
     monkeypatch.setattr("resihp.cli.app", lambda **_: (_ for _ in ()).throw(enospc(str(path))))
     with pytest.raises(SystemExit) as info:
         main()
     err = capsys.readouterr().err
     assert info.value.code == 1 and err.strip() == (
-        f"resihp: disk full writing {path} (No space left on device); free space and run again")
+        f"resihp: disk full writing {path} (No space left on device); free space and run again"
+    )
 
 
 def test_resume_crosses_layouts_never_models():
@@ -263,7 +352,13 @@ def test_resume_crosses_layouts_never_models():
 
     cfg = RunConfig.from_flags(dp=1, pp=2, resume="runs/x/ckpt/step9")
     other = RunConfig.from_flags(hidden=64, dp=2, pp=2)
-    assert resume_step(cfg, {"step": 9, "dp": 2, "pp": 2, "model_hash": RunConfig.from_flags(dp=2).model_hash()}) == 10
+    assert (
+        resume_step(
+            cfg,
+            {"step": 9, "dp": 2, "pp": 2, "model_hash": RunConfig.from_flags(dp=2).model_hash()},
+        )
+        == 10
+    )
     with pytest.raises(InputError, match=r"step9: written for another model"):
         resume_step(cfg, {"step": 9, "model_hash": other.model_hash(), "model": {"hidden": 64}})
 
@@ -271,7 +366,9 @@ def test_resume_crosses_layouts_never_models():
 def test_human_summary_of_a_run_stopped_by_a_non_finite_loss(capsys):
     from resihp.launch.commands import _json_safe, _print_human
 
-    summary = _json_safe({"steps": 2, "loss_first": 4.2, "loss_last": float("nan"), "losses": [4.2, float("inf")]})
+    summary = _json_safe(
+        {"steps": 2, "loss_first": 4.2, "loss_last": float("nan"), "losses": [4.2, float("inf")]}
+    )
     assert summary["loss_last"] is None and summary["losses"] == [4.2, None]
     _print_human(summary)
     assert "loss 4.2000 -> not finite" in capsys.readouterr().out
@@ -291,10 +388,14 @@ def test_disk_full_is_found_inside_a_checkpoint_exception_and_arrow_text():
             raise RuntimeError("merge failed") from inner
     except RuntimeError as exc:
         assert disk_full(exc) is not None
-    assert disk_full(RuntimeError("peer closed")) is None and disk_full(OSError(13, "denied")) is None
+    assert (
+        disk_full(RuntimeError("peer closed")) is None and disk_full(OSError(13, "denied")) is None
+    )
 
 
-def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(tmp_path, monkeypatch, capsys):
+def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(
+    tmp_path, monkeypatch, capsys
+):
     # the memory tier's lock path is taken by a folder: the keeper process exits at its start
     from resihp.ckpt import keeper
     from resihp.cli import main
@@ -307,15 +408,22 @@ def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(t
     assert (broken / "keeper.log").read_text().strip()  # its traceback is kept for the user
 
     real = keeper.ensure_keeper
-    monkeypatch.setattr("resihp.train.engine_snapshots.ensure_keeper",
-                        lambda directory, owner, warm=False: real(broken, owner, timeout_s=30, warm=warm))
+    monkeypatch.setattr(
+        "resihp.train.engine_snapshots.ensure_keeper",
+        lambda directory, owner, warm=False: real(broken, owner, timeout_s=30, warm=warm),
+    )
     out = tmp_path / "run"
-    monkeypatch.setattr(sys, "argv", ["resihp", "run", *SMALL, "--steps", "3", "--snapshot-every", "1",
-                                      "--out", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["resihp", "run", *SMALL, "--steps", "3", "--snapshot-every", "1", "--out", str(out)],
+    )
     with pytest.raises(SystemExit) as info:
         main()
     err = capsys.readouterr().err.strip()
-    assert info.value.code == 1 and len(err.splitlines()) == 1 and "keeper exited with status 1" in err, err
+    assert (
+        info.value.code == 1 and len(err.splitlines()) == 1 and "keeper exited with status 1" in err
+    ), err
     run = json.loads((out / "run.json").read_text())
     assert run["state"] == "failed" and "keeper exited" in run["error"], run
 
@@ -325,29 +433,35 @@ def test_a_worker_asked_for_its_stacks_writes_every_thread_even_one_blocked_in_a
     a thread blocked inside a C call (a lock wait here, as a collective or a store wait) included."""
     from resihp.train.lifecycle import dump_stacks
 
-    code = ("import threading, time\n"
-            "from resihp.train.lifecycle import enable_stack_dumps\n"
-            "enable_stack_dumps()\n"
-            "def blocked_in_a_call():\n"
-            "    lock = threading.Lock()\n"
-            "    lock.acquire()\n"
-            "    print('ready', flush=True)\n"  # from inside: its frame is on the stack from here on
-            "    lock.acquire()\n"
-            "running = threading.Event()\n"
-            "def beside():\n"
-            "    running.set()\n"
-            "    time.sleep(60)\n"
-            "threading.Thread(target=beside, daemon=True).start()\n"
-            "running.wait()\n"
-            "blocked_in_a_call()\n")
+    code = (
+        "import threading, time\n"
+        "from resihp.train.lifecycle import enable_stack_dumps\n"
+        "enable_stack_dumps()\n"
+        "def blocked_in_a_call():\n"
+        "    lock = threading.Lock()\n"
+        "    lock.acquire()\n"
+        "    print('ready', flush=True)\n"  # from inside: its frame is on the stack from here on
+        "    lock.acquire()\n"
+        "running = threading.Event()\n"
+        "def beside():\n"
+        "    running.set()\n"
+        "    time.sleep(60)\n"
+        "threading.Thread(target=beside, daemon=True).start()\n"
+        "running.wait()\n"
+        "blocked_in_a_call()\n"
+    )
     log = tmp_path / "workers.log"
     with open(log, "a") as err:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True
+        )
         try:
             assert proc.stdout.readline().strip() == "ready"
             assert dump_stacks(proc.pid, log, "rank 1 judged hung")
             text = log.read_text()
-            assert text.startswith(f"resihp: rank 1 judged hung; its stacks (process {proc.pid}) follow\n")
+            assert text.startswith(
+                f"resihp: rank 1 judged hung; its stacks (process {proc.pid}) follow\n"
+            )
             assert "in blocked_in_a_call" in text and "in beside" in text, text
             assert proc.poll() is None  # asking stopped nothing
         finally:
@@ -366,13 +480,20 @@ def test_a_rank_judged_hung_on_this_node_is_killed_outright_one_elsewhere_is_lef
     from resihp.launch.supervisor import end_hung
 
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     try:
         for proc in procs:
             assert proc.stdout.readline().strip() == "ready"
-        monitor = SimpleNamespace(views={1: SimpleNamespace(pid=procs[0].pid, node=0, stopped=False),
-                                         3: SimpleNamespace(pid=procs[1].pid, node=1, stopped=False),
-                                         2: SimpleNamespace(pid=procs[2].pid, node=0, stopped=True)})
+        monitor = SimpleNamespace(
+            views={
+                1: SimpleNamespace(pid=procs[0].pid, node=0, stopped=False),
+                3: SimpleNamespace(pid=procs[1].pid, node=1, stopped=False),
+                2: SimpleNamespace(pid=procs[2].pid, node=0, stopped=True),
+            }
+        )
         ours = {proc.pid for proc in procs}  # the processes this "launcher" started
         for rank in (1, 3, 2, 7):  # 7: a rank the monitor has no view of, nothing to do
             end_hung(monitor, rank, node=0, owns=ours.__contains__)
@@ -390,9 +511,13 @@ def test_a_rank_judged_hung_leaves_its_stacks_in_the_log_before_it_is_stopped(tm
     out = tmp_path / "run"
     proc = start(out, "--inject", "hang:rank=1,step=3", steps=8)
     _, stderr = finish(proc)
-    assert proc.returncode == 1 and stderr.strip().splitlines()[-1].startswith("resihp: rank 1"), stderr[-2000:]
+    assert proc.returncode == 1 and stderr.strip().splitlines()[-1].startswith("resihp: rank 1"), (
+        stderr[-2000:]
+    )
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["failure"]["rank"], summary["failure"]["cause"]) == (1, "hang"), summary["failure"]
+    assert (summary["failure"]["rank"], summary["failure"]["cause"]) == (1, "hang"), summary[
+        "failure"
+    ]
     log = (out / "logs" / "workers.log").read_text()
     assert "resihp: rank 1 judged hung" in log and "most recent call first" in log
     assert "in begin_step" in log  # where the injected hang holds it (train/inject.py)

@@ -22,8 +22,11 @@ def simulate(schedule, pp: int, n_mb: int) -> int:
             if pos[s] == len(plans[s]):
                 continue
             a = plans[s][pos[s]]
-            ready = ((s == 0 or (s - 1, a.mb) in fwd_done) if a.kind == "F"
-                     else (s, a.mb) in fwd_done and (s == pp - 1 or (s + 1, a.mb) in bwd_done))
+            ready = (
+                (s == 0 or (s - 1, a.mb) in fwd_done)
+                if a.kind == "F"
+                else (s, a.mb) in fwd_done and (s == pp - 1 or (s + 1, a.mb) in bwd_done)
+            )
             if ready:
                 (fwd_done if a.kind == "F" else bwd_done).add((s, a.mb))
                 pos[s] += 1
@@ -42,7 +45,8 @@ def test_one_f_one_b_bounds_activations_in_flight(pp, n_mb):
     for stage in range(pp):
         actions = one_f_one_b(pp, stage, n_mb)
         assert sorted((a.kind, a.mb) for a in actions) == sorted(
-            [("F", m) for m in range(n_mb)] + [("B", m) for m in range(n_mb)])
+            [("F", m) for m in range(n_mb)] + [("B", m) for m in range(n_mb)]
+        )
         in_flight = peak = 0
         for a in actions:
             in_flight += 1 if a.kind == "F" else -1

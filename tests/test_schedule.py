@@ -17,7 +17,10 @@ from resihp.perf.schedule import (
 @settings(max_examples=40, deadline=None)
 @given(
     st.sampled_from(["gpipe", "1f1b", "interleaved"]),
-    st.integers(1, 4), st.integers(1, 3), st.integers(1, 6), st.integers(0, 2**31 - 1),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 6),
+    st.integers(0, 2**31 - 1),
     st.floats(0, 0.5),
 )
 def test_vectorised_critical_path_equals_networkx(name, stages, group, chunks, seed, p2p):
@@ -34,8 +37,13 @@ def test_vectorised_critical_path_equals_networkx(name, stages, group, chunks, s
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 4), st.integers(1, 6),
-       st.integers(0, 2**31 - 1), st.floats(0, 0.5))
+@given(
+    st.sampled_from(["gpipe", "1f1b"]),
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.integers(0, 2**31 - 1),
+    st.floats(0, 0.5),
+)
 def test_op_end_times_follow_the_dependency_graph(name, stages, microbatches, seed, p2p):
     sched = compile_schedule(name, stages, microbatches)
     rng = np.random.default_rng(seed)
@@ -48,10 +56,15 @@ def test_op_end_times_follow_the_dependency_graph(name, stages, microbatches, se
         names = list(graph.nodes)  # schedule_graph adds nodes in the schedule's node order
         got = dict(zip(names, end[b]))
         for node in names:
-            ready = max((got[u] + graph.edges[u, node]["transfer"] for u in graph.predecessors(node)),
-                        default=0.0)
+            ready = max(
+                (got[u] + graph.edges[u, node]["transfer"] for u in graph.predecessors(node)),
+                default=0.0,
+            )
             assert got[node] == pytest.approx(ready + graph.nodes[node]["duration"], rel=1e-12)
-        assert rank_finish_times(sched, fwd[b], bwd[b], p2p).tolist() == end[b, sched.last_on_rank].tolist()
+        assert (
+            rank_finish_times(sched, fwd[b], bwd[b], p2p).tolist()
+            == end[b, sched.last_on_rank].tolist()
+        )
 
 
 @given(st.integers(1, 8), st.integers(1, 16), st.floats(0.1, 3), st.floats(0.1, 3))
@@ -74,10 +87,19 @@ def test_1f1b_step_is_at_least_each_stages_own_bound(stages, microbatches, p2p, 
     test): the closed form is no lower bound there."""
     rng = np.random.default_rng(seed)
     f, b = rng.uniform(0.05, 1.0, stages), rng.uniform(0.05, 2.0, stages)
-    step = float(pipeline_step_time(np.repeat(f[:, None], microbatches, 1), np.repeat(b[:, None], microbatches, 1),
-                                    "1f1b", p2p_s=p2p))
+    step = float(
+        pipeline_step_time(
+            np.repeat(f[:, None], microbatches, 1),
+            np.repeat(b[:, None], microbatches, 1),
+            "1f1b",
+            p2p_s=p2p,
+        )
+    )
     fixed = float((f + b).sum()) + 2 * (stages - 1) * p2p
-    own = [fixed + (microbatches - 1) * b[s] + max(0, microbatches - (stages - s)) * f[s] for s in range(stages)]
+    own = [
+        fixed + (microbatches - 1) * b[s] + max(0, microbatches - (stages - s)) * f[s]
+        for s in range(stages)
+    ]
     assert step >= max(own) - 1e-9
 
 
@@ -95,8 +117,14 @@ def test_1f1b_pays_the_transfers_in_every_cycle(stages, microbatches, p2p, seed)
     work = float((f + b).sum())
     nu = (work + 2 * (stages - 1) * p2p) / stages
     assume(nu >= float((f + b).max()))
-    step = float(pipeline_step_time(np.repeat(f[:, None], microbatches, 1),
-                                    np.repeat(b[:, None], microbatches, 1), "1f1b", p2p_s=p2p))
+    step = float(
+        pipeline_step_time(
+            np.repeat(f[:, None], microbatches, 1),
+            np.repeat(b[:, None], microbatches, 1),
+            "1f1b",
+            p2p_s=p2p,
+        )
+    )
     assert step >= work + (microbatches - 1) * nu - 1e-9
 
 
@@ -104,8 +132,11 @@ def test_equal_stages_pay_the_transfers_beyond_the_closed_form():
     """Four equal stages, 20 micro-batches, transfers a tenth of a stage: the graph's step is
     above the closed form's ``S + comm + (x - 1) mu`` by at least what 8. charges."""
     f, b, p, m = np.full(4, 1 / 3), np.full(4, 2 / 3), 0.1, 20
-    step = float(pipeline_step_time(np.repeat(f[:, None], m, 1), np.repeat(b[:, None], m, 1), "1f1b",
-                                    p2p_s=p))
+    step = float(
+        pipeline_step_time(
+            np.repeat(f[:, None], m, 1), np.repeat(b[:, None], m, 1), "1f1b", p2p_s=p
+        )
+    )
     closed = 4.0 + 2 * 3 * p + (m - 1) * 1.0
     cycles = 4.0 + (m - 1) * (4.0 + 2 * 3 * p) / 4
     assert cycles > closed + 1.0
@@ -113,9 +144,13 @@ def test_equal_stages_pay_the_transfers_beyond_the_closed_form():
 
 
 def test_with_the_heavier_stage_first_1f1b_is_shorter_than_its_closed_form():
-    heavy_first = pipeline_step_time(np.array([[1 / 3] * 4, [1 / 6] * 4]), np.array([[2 / 3] * 4, [1 / 3] * 4]))
+    heavy_first = pipeline_step_time(
+        np.array([[1 / 3] * 4, [1 / 6] * 4]), np.array([[2 / 3] * 4, [1 / 3] * 4])
+    )
     assert float(heavy_first) == pytest.approx(25 / 6)  # stage 0 idle only 1/6 s: 4 x 1 + 1/6
-    assert float(one_f_one_b_uniform(np.array([1 / 3, 1 / 6]), np.array([2 / 3, 1 / 3]), 4)) == pytest.approx(4.5)
+    assert float(
+        one_f_one_b_uniform(np.array([1 / 3, 1 / 6]), np.array([2 / 3, 1 / 3]), 4)
+    ) == pytest.approx(4.5)
 
 
 def test_every_op_runs_once_and_1f1b_bounds_in_flight_microbatches():

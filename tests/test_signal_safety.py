@@ -18,9 +18,35 @@ from resihp.launch.supervisor import owned
 from resihp.train import controlplane as cp
 from resihp.train.lifecycle import ProcessTracker, start_time
 
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64", "--vocab", "128",
-         "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",
-         "--no-live", "--timeout", "30", "--heartbeat-timeout", "3", "--recovery", "none"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "64",
+    "--vocab",
+    "128",
+    "--global-tokens",
+    "512",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--dp",
+    "2",
+    "--pp",
+    "1",
+    "--no-live",
+    "--timeout",
+    "30",
+    "--heartbeat-timeout",
+    "3",
+    "--recovery",
+    "none",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -30,9 +56,15 @@ def _bystander() -> subprocess.Popen:
 
 
 def test_owned_needs_descent_and_the_same_start_time():
-    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-                             "time.sleep(60)"])
+    root = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "time.sleep(60)",
+        ]
+    )
     other = _bystander()
     try:
         tracker = ProcessTracker(root.pid)
@@ -69,9 +101,26 @@ def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
     bystander, whether the job trains on or ends judging the hidden rank lost."""
     bystander = _bystander()
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", "100000",
-                             "--out", str(tmp_path / "run"), "--json", "--rdzv-endpoint", f"127.0.0.1:{port}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            *SMALL,
+            "--steps",
+            "100000",
+            "--out",
+            str(tmp_path / "run"),
+            "--json",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         store = connect_store("127.0.0.1", port, timeout_s=60)
         end = time.monotonic() + 60
@@ -83,12 +132,30 @@ def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
         while not store.check([node_key(hb, 0)]):
             assert time.monotonic() < end, "node 0 never beat"
             time.sleep(0.1)
-        beat = {"c": 10 ** 6, "pid": bystander.pid, "step": 1, "phase": "train", "ops": 1, "wait": ""}
-        entry = {"seen": True, "silent_s": 0.0, "stalled_s": 1000.0, "step": 1, "phase": "train", "ops": 1,
-                 "wait": "", "pid": bystander.pid, "exited": False, "stopped": False, "alive": True}
-        moving = {"seen": True, "silent_s": 0.0, "stalled_s": 0.0, "step": 5, "phase": "train", "ops": 50,
-                  "wait": "allreduce"}
-        forged = {"beat": 10 ** 6, "ranks": {"0": moving, "1": entry}}
+        beat = {"c": 10**6, "pid": bystander.pid, "step": 1, "phase": "train", "ops": 1, "wait": ""}
+        entry = {
+            "seen": True,
+            "silent_s": 0.0,
+            "stalled_s": 1000.0,
+            "step": 1,
+            "phase": "train",
+            "ops": 1,
+            "wait": "",
+            "pid": bystander.pid,
+            "exited": False,
+            "stopped": False,
+            "alive": True,
+        }
+        moving = {
+            "seen": True,
+            "silent_s": 0.0,
+            "stalled_s": 0.0,
+            "step": 5,
+            "phase": "train",
+            "ops": 50,
+            "wait": "allreduce",
+        }
+        forged = {"beat": 10**6, "ranks": {"0": moving, "1": entry}}
         n, until = 0, time.monotonic() + 8  # past the hang timeout the forged aggregate claims
         while proc.poll() is None and time.monotonic() < until:
             try:
@@ -117,5 +184,7 @@ def test_a_forged_heartbeat_naming_another_process_gets_it_no_signal(tmp_path):
     refused = [line for line in err.splitlines() if "refused" in line]
     assert any(rank_key(hb, 0, 1) in line for line in refused), err[-3000:]
     assert any(node_key(hb, 0) in line for line in refused), err[-3000:]
-    assert not [line for line in err.splitlines() if f"process {bystander.pid}" in line], err[-3000:]
+    assert not [line for line in err.splitlines() if f"process {bystander.pid}" in line], err[
+        -3000:
+    ]
     assert n > 0

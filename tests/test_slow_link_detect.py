@@ -27,9 +27,15 @@ def _faults(doc: dict) -> list[dict]:
     return [e for e in doc["events"] if e["kind"] in ("fail-slow", "fail-stop", "link-slow")]
 
 
-@pytest.mark.parametrize("traffic, dp_rank, stage, factor", [
-    ("pipeline", 1, 2, 2.0), ("pipeline", 3, 0, 1.5), ("gradient-sync", 0, 1, 2.0),
-    ("gradient-sync", 2, 3, 3.0)])
+@pytest.mark.parametrize(
+    "traffic, dp_rank, stage, factor",
+    [
+        ("pipeline", 1, 2, 2.0),
+        ("pipeline", 3, 0, 1.5),
+        ("gradient-sync", 0, 1, 2.0),
+        ("gradient-sync", 2, 3, 3.0),
+    ],
+)
 def test_slow_link_named_by_both_ends(pool, noise, traffic, dp_rank, stage, factor):
     job = SimJob(steps=100, source="code", seed=7)
     inj = Injection("link-slow", job.rank(dp_rank, stage), 50, 99, factor, traffic)
@@ -47,6 +53,8 @@ def test_slow_link_named_by_both_ends(pool, noise, traffic, dp_rank, stage, fact
 def test_slow_device_is_not_a_slow_link(pool, noise):
     job = SimJob(steps=100, source="text", seed=3)
     slow = job.rank(2, 1)
-    job = SimJob(steps=100, source="text", seed=3, injections=[Injection("fail-slow", slow, 50, 99, 2.0)])
+    job = SimJob(
+        steps=100, source="text", seed=3, injections=[Injection("fail-slow", slow, 50, 99, 2.0)]
+    )
     faults = _faults(detect_trace(simulate(job, pool, noise), job.meta(), meta_dict=META))
     assert [(e["kind"], e["rank"]) for e in faults] == [("fail-slow", slow)]

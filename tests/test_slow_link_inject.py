@@ -12,16 +12,19 @@ def test_parse_link_fault():
     assert f.to_dict() == {"kind": "link", "step": 3, "factor": 5.0, "until": 9, "ranks": [0, 2]}
 
 
-@pytest.mark.parametrize("text, words", [
-    ("link:rank=0,factor=2,step=1", r"ranks=A\+B \(its two ends\)"),
-    ("link:ranks=1+1,factor=2,step=1", "two different ranks"),
-    ("link:ranks=1,factor=2,step=1", "two different ranks"),
-    ("link:ranks=a+b,factor=2,step=1", "two different ranks"),
-    ("link:ranks=0+1,factor=0.5,step=1", "factor must be >= 1"),
-    ("link:ranks=0+1,factor=2", "exactly one of step= or time="),
-    ("link:ranks=0+1,factor=2,step=1,how=stop", "how= is for hang only"),
-    ("slow:ranks=0+1,factor=2,step=1", "is for link only"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("link:rank=0,factor=2,step=1", r"ranks=A\+B \(its two ends\)"),
+        ("link:ranks=1+1,factor=2,step=1", "two different ranks"),
+        ("link:ranks=1,factor=2,step=1", "two different ranks"),
+        ("link:ranks=a+b,factor=2,step=1", "two different ranks"),
+        ("link:ranks=0+1,factor=0.5,step=1", "factor must be >= 1"),
+        ("link:ranks=0+1,factor=2", "exactly one of step= or time="),
+        ("link:ranks=0+1,factor=2,step=1,how=stop", "how= is for hang only"),
+        ("slow:ranks=0+1,factor=2,step=1", "is for link only"),
+    ],
+)
 def test_bad_link_faults_name_the_form(text, words):
     with pytest.raises(InputError, match=words):
         parse_fault(text)

@@ -19,12 +19,25 @@ from resihp.opstrace import read_ops_trace
 from resihp.train.config import RunConfig
 from resihp.train.worker import step_table, write_job_files
 
-JOB = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
-           budget=512, max_len=512, source="text")
+JOB = dict(
+    layers=4,
+    hidden=64,
+    heads=2,
+    ffn_hidden=256,
+    vocab=512,
+    dp=2,
+    pp=2,
+    global_tokens=8192,
+    budget=512,
+    max_len=512,
+    source="text",
+)
 ONSET, FACTOR = 10, 100
 # the ops that move each traffic's bytes over the link (the injected delay is in these)
-TRANSFERS = {"pipeline": ("forward-send", "forward-recv", "backward-send", "backward-recv"),
-             "gradient-sync": ("grads-all-reduce",)}
+TRANSFERS = {
+    "pipeline": ("forward-send", "forward-recv", "backward-send", "backward-recv"),
+    "gradient-sync": ("grads-all-reduce",),
+}
 
 
 def _run(tmp_path, inject: str, steps: int) -> tuple[LiveLoop, dict, pd.DataFrame]:
@@ -38,7 +51,9 @@ def _run(tmp_path, inject: str, steps: int) -> tuple[LiveLoop, dict, pd.DataFram
     return loop, applied, read_ops_trace(tmp_path / "ops.parquet")
 
 
-def _link_s(trace: pd.DataFrame, ends: tuple[int, int], traffic: str, first: int, last: int) -> float:
+def _link_s(
+    trace: pd.DataFrame, ends: tuple[int, int], traffic: str, first: int, last: int
+) -> float:
     """Median over steps ``first..last - 1`` of the seconds the link's two ends spent in its
     traffic's transfers (0 in a step where neither end has any: the link out of use)."""
     ops = trace[trace["rank"].isin(ends) & trace["optype"].isin(TRANSFERS[traffic])]
@@ -47,11 +62,14 @@ def _link_s(trace: pd.DataFrame, ends: tuple[int, int], traffic: str, first: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ends, traffic, steps", [((0, 2), "pipeline", 24), ((0, 1), "gradient-sync", 24)])
+@pytest.mark.parametrize(
+    "ends, traffic, steps", [((0, 2), "pipeline", 24), ((0, 1), "gradient-sync", 24)]
+)
 def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, steps):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    loop, applied, trace = _run(tmp_path, f"link:ranks={ends[0]}+{ends[1]},factor={FACTOR},step={ONSET}",
-                                steps)
+    loop, applied, trace = _run(
+        tmp_path, f"link:ranks={ends[0]}+{ends[1]},factor={FACTOR},step={ONSET}", steps
+    )
     assert loop.error is None, loop.error
     links = [e for e in loop.events if e["kind"] == "link-slow"]
     assert len(links) == 1, loop.events
@@ -77,12 +95,16 @@ def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, 
         # hot spares) where the planner prices that cheaper: a transfer also costs the runtime's
         # measured overhead per send/recv (``ClusterSpec.p2p_overhead_s``)
         pipes = (change.get("layout") or {}).get("pipelines") or [[[0], [2]], [[1], [3]]]
-        behind = sum(w for p, w in zip(pipes, change["dp_weights"]) if {p[0][0], p[-1][0]} == set(ends))
+        behind = sum(
+            w for p, w in zip(pipes, change["dp_weights"]) if {p[0][0], p[-1][0]} == set(ends)
+        )
         assert behind < 0.5 * sum(change["dp_weights"]), change
     else:  # the link's ends share no gradient reduction and no pipeline boundary any more
         pipes = change["layout"]["pipelines"]
         groups = [{p[s][0] for p in pipes} for s in range(2)]
-        assert set(ends) not in groups and set(ends) not in [{p[0][0], p[1][0]} for p in pipes], pipes
+        assert set(ends) not in groups and set(ends) not in [{p[0][0], p[1][0]} for p in pipes], (
+            pipes
+        )
     # and the link costs less: its ends spend less time in its transfers once the plan is in force.
     # Not the job's throughput: in the gradient-sync case the slowed collective is a small part of
     # a step whose compute swings +-50% on 2 shared cores, and a run here under load measured the

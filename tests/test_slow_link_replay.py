@@ -19,8 +19,10 @@ from resihp.replay.run import compare
 from resihp.replay.scenario import load_scenario
 from tests.replay_fixtures import BASE, write
 
-SLOW_LINK = [{"at": "1h", "device": 13, "kind": "link", "factor": 8.0},
-             {"at": "3h", "device": 13, "kind": "recover"}]
+SLOW_LINK = [
+    {"at": "1h", "device": 13, "kind": "link", "factor": 8.0},
+    {"at": "3h", "device": 13, "kind": "recover"},
+]
 SLOW_FABRIC = {**BASE["cluster"], "inter_node_gbps": 1.0}
 
 
@@ -32,8 +34,9 @@ def test_greyhound_generator_draws_the_published_mix(tmp_path):
     assert len(events) > 300
     assert abs(len(link) / len(events) - GREYHOUND_COMMUNICATION) < 0.05
     with pytest.raises(InputError, match="communication"):
-        scenario_events(load_scenario(write(tmp_path, "bad.yaml",
-                                            generators=[{**gen, "communication": 2}])))
+        scenario_events(
+            load_scenario(write(tmp_path, "bad.yaml", generators=[{**gen, "communication": 2}]))
+        )
 
 
 def test_a_slow_link_slows_transfers_not_compute(tmp_path):
@@ -94,6 +97,9 @@ def test_a_replica_out_for_a_slow_card_comes_back_when_its_link_probes_healthy(t
     around = [t for t, a in actions if "re-plan around slow" in a]
     back = [t for t, a in actions if "slowdown over" in a]
     assert around and 3600 <= around[0] < 3600 + 120
-    assert back and 3 * 3600 <= back[0] <= 3 * 3600 + policy.control.config.link_recheck_s + 600, (around, back)
+    assert back and 3 * 3600 <= back[0] <= 3 * 3600 + policy.control.config.link_recheck_s + 600, (
+        around,
+        back,
+    )
     restart = Replay(sc, CheckpointRestart()).run()
     assert out.tokens > 1.05 * restart.tokens  # the replica's compute is cheaper than the ring

@@ -41,9 +41,32 @@ from tests.faults import flip_bit
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn-hidden", "128", "--vocab", "256",
-         "--global-tokens", "1024", "--budget", "256", "--max-len", "256", "--steps", "6",
-         "--no-live", "--json", "--heartbeat-timeout", "3", "--timeout", "60"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "128",
+    "--vocab",
+    "256",
+    "--global-tokens",
+    "1024",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--steps",
+    "6",
+    "--no-live",
+    "--json",
+    "--heartbeat-timeout",
+    "3",
+    "--timeout",
+    "60",
+]
 
 
 # every step slowed (a rank's compute stretched 30x), so that a signal sent from the test lands
@@ -57,8 +80,13 @@ def _env(shm: Path) -> dict:
 
 
 def _start(out: Path, shm: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
-                            env=_env(shm), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "run", "-o", str(out), *SMALL, *args],
+        env=_env(shm),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> dict:
@@ -82,9 +110,14 @@ def shm(tmp_path):
 def reference(tmp_path_factory):
     """Uninterrupted runs (no snapshots) of the two layouts."""
     base = tmp_path_factory.mktemp("reference")
-    procs = {name: _start(base / name, base, "--recovery", "none", *layout) for name, layout in
-             (("dp2", ["--dp", "2", "--pp", "1"]), ("pp2", ["--dp", "1", "--pp", "2"]),
-              ("one", ["--dp", "1", "--pp", "1"]))}
+    procs = {
+        name: _start(base / name, base, "--recovery", "none", *layout)
+        for name, layout in (
+            ("dp2", ["--dp", "2", "--pp", "1"]),
+            ("pp2", ["--dp", "1", "--pp", "2"]),
+            ("one", ["--dp", "1", "--pp", "1"]),
+        )
+    }
     return {name: _finish(p)["losses"] for name, p in procs.items()}
 
 
@@ -106,7 +139,9 @@ def _running(proc: subprocess.Popen) -> None:
         raise AssertionError(f"the run ended early (exit {proc.returncode}): {stderr[-3000:]}")
 
 
-def _published(tier: Path, rank: int, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+def _published(
+    tier: Path, rank: int, step: int, proc: subprocess.Popen, timeout_s: float = 120
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _running(proc)
@@ -128,27 +163,50 @@ def _worker_pid(tier: Path, rank: int) -> int:
             continue
         try:
             maps = (proc / "maps").read_text().splitlines()
-            cmd = (proc / "cmdline").read_bytes()  # a worker, forked from an agent or not; not the keeper
+            cmd = (
+                proc / "cmdline"
+            ).read_bytes()  # a worker, forked from an agent or not; not the keeper
             if any(ln.rstrip().endswith(target) for ln in maps) and (
-                    b"resihp.train.worker" in cmd or b"resihp.launch.agent" in cmd):
+                b"resihp.train.worker" in cmd or b"resihp.launch.agent" in cmd
+            ):
                 return int(proc.name)
         except OSError:
             continue
     raise AssertionError(f"no worker maps {target}")
 
 
-def _check(summary: dict, reference: list, source: str | tuple[str, ...], max_lost: int = 0) -> None:
+def _check(
+    summary: dict, reference: list, source: str | tuple[str, ...], max_lost: int = 0
+) -> None:
     rec = summary["recovery"]
-    assert rec["mode"] == "restart" and rec["source"] in ((source,) if isinstance(source, str) else source), rec
+    assert rec["mode"] == "restart" and rec["source"] in (
+        (source,) if isinstance(source, str) else source
+    ), rec
     assert rec["lost_steps"] <= max_lost, rec
-    assert summary["first_step"] == 0 and summary["losses"] == reference, (summary["losses"], reference)
+    assert summary["first_step"] == 0 and summary["losses"] == reference, (
+        summary["losses"],
+        reference,
+    )
     for key in ("detected_s", "restore_s", "stall_s"):
         assert rec[key] is None or rec[key] >= 0
 
 
-def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(reference, shm, tmp_path):
-    proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
-                  "--inject", "stop:rank=1,step=4", *SLOW)
+def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(
+    reference, shm, tmp_path
+):
+    proc = _start(
+        tmp_path / "run",
+        shm,
+        "--dp",
+        "2",
+        "--pp",
+        "1",
+        "--recovery",
+        "restart",
+        "--inject",
+        "stop:rank=1,step=4",
+        *SLOW,
+    )
     tier = _tier(shm, proc)
     _published(tier, 0, 0, proc)
     keeper = int((tier / "keeper.pid").read_text())
@@ -161,8 +219,7 @@ def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(refe
 
 
 def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
-    proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
-                  *SLOW)
+    proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart", *SLOW)
     tier = _tier(shm, proc)
     _published(tier, 1, 1, proc)
     os.kill(_worker_pid(tier, 1), signal.SIGTERM)
@@ -171,8 +228,18 @@ def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
 
 
 def test_sigstop_with_corrupted_own_slots_restores_from_the_peer_copy(reference, shm, tmp_path):
-    proc = _start(tmp_path / "run", shm, "--dp", "1", "--pp", "2", "--recovery", "restart",
-                  "--inject", "hang:rank=0,step=3,how=stop")
+    proc = _start(
+        tmp_path / "run",
+        shm,
+        "--dp",
+        "1",
+        "--pp",
+        "2",
+        "--recovery",
+        "restart",
+        "--inject",
+        "hang:rank=0,step=3,how=stop",
+    )
     tier = _tier(shm, proc)
     _published(tier, 0, 2, proc)
     _published(tier, 1, 2, proc)
@@ -193,8 +260,20 @@ def _flip(tier: Path, rank: int, slot: str) -> None:
 
 
 def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm, tmp_path):
-    proc = _start(tmp_path / "run", shm, "--dp", "1", "--pp", "1", "--recovery", "restart",
-                  "--ckpt-every", "2", "--inject", "hang:rank=0,step=4,how=stop")
+    proc = _start(
+        tmp_path / "run",
+        shm,
+        "--dp",
+        "1",
+        "--pp",
+        "1",
+        "--recovery",
+        "restart",
+        "--ckpt-every",
+        "2",
+        "--inject",
+        "hang:rank=0,step=4,how=stop",
+    )
     tier = _tier(shm, proc)
     _published(tier, 0, 3, proc)
     # the keeper writes step 3's checkpoint from its slot; corrupting the slot under that write
@@ -243,8 +322,20 @@ os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the copy of step 1
 
 
 def test_python_exception_in_a_rank_restarts_from_memory(reference, shm, tmp_path):
-    summary = _finish(_start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
-                             "--inject", "error:rank=1,step=3"))
+    summary = _finish(
+        _start(
+            tmp_path / "run",
+            shm,
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--recovery",
+            "restart",
+            "--inject",
+            "error:rank=1,step=3",
+        )
+    )
     rec = summary["recovery"]
     assert rec["cause"] == "exception" and rec["rank"] == 1 and rec["resumed_step"] == 3, rec
     _check(summary, reference["dp2"], "memory")
@@ -253,8 +344,22 @@ def test_python_exception_in_a_rank_restarts_from_memory(reference, shm, tmp_pat
 def test_sigkill_during_the_restore_restarts_again_from_memory(reference, shm, tmp_path):
     # rank 1 dies at step 3; in the relaunch, rank 0 is SIGKILLed inside the restore, after every
     # rank agreed what to load: that relaunch fails too, and the next one restores from memory
-    summary = _finish(_start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart",
-                             "--inject", "stop:rank=1,step=3", "--inject", "stop:rank=0,during=restore"))
+    summary = _finish(
+        _start(
+            tmp_path / "run",
+            shm,
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--recovery",
+            "restart",
+            "--inject",
+            "stop:rank=1,step=3",
+            "--inject",
+            "stop:rank=0,during=restore",
+        )
+    )
     rec = summary["recovery"]
     assert len(rec["restarts"]) == 2, rec
     first, second = rec["restarts"]
@@ -273,8 +378,21 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
     from resihp.train.nodes import free_port
 
     port = free_port()
-    multi = ["--dp", "2", "--pp", "1", "--recovery", "restart", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", *SLOW]
+    multi = [
+        "--dp",
+        "2",
+        "--pp",
+        "1",
+        "--recovery",
+        "restart",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *SLOW,
+    ]
     node0 = _start(tmp_path / "node0", shm, *multi, "--node-rank", "0")
     node1 = _start(tmp_path / "node1", shm, *multi, "--node-rank", "1")
     deadline = time.monotonic() + 120
@@ -301,12 +419,27 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
     _check(summary, reference["dp2"], "peer", max_lost=1)
 
 
-def test_sigterm_of_the_job_leaves_its_newest_snapshot_on_disk_to_resume_from(reference, shm, tmp_path):
+def test_sigterm_of_the_job_leaves_its_newest_snapshot_on_disk_to_resume_from(
+    reference, shm, tmp_path
+):
     # the keeper writes the checkpoints (--ckpt-every with snapshots); none is due before the
     # SIGTERM, so the one the job can resume from is the newest step in memory, written at the end
     out = tmp_path / "run"
-    proc = _start(out, shm, "--dp", "2", "--pp", "1", "--snapshot-every", "1", "--ckpt-every", "100",
-                  "--recovery", "none", *SLOW)
+    proc = _start(
+        out,
+        shm,
+        "--dp",
+        "2",
+        "--pp",
+        "1",
+        "--snapshot-every",
+        "1",
+        "--ckpt-every",
+        "100",
+        "--recovery",
+        "none",
+        *SLOW,
+    )
     _published(_tier(shm, proc), 0, 1, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=240)
@@ -318,7 +451,19 @@ def test_sigterm_of_the_job_leaves_its_newest_snapshot_on_disk_to_resume_from(re
     log = [json.loads(line) for line in (out / "ckpt" / "persist.jsonl").read_text().splitlines()]
     assert [e["reason"] for e in log] == ["breakpoint"]
     assert resumable["next_step"] < 6, "the run ended before the signal: slow it further"
-    resumed = _finish(_start(tmp_path / "resumed", shm, "--dp", "2", "--pp", "1", "--recovery", "none",
-                             "--resume", str(out)))
+    resumed = _finish(
+        _start(
+            tmp_path / "resumed",
+            shm,
+            "--dp",
+            "2",
+            "--pp",
+            "1",
+            "--recovery",
+            "none",
+            "--resume",
+            str(out),
+        )
+    )
     assert resumed["first_step"] == resumable["next_step"]
-    assert resumed["losses"] == reference["dp2"][resumable["next_step"]:]
+    assert resumed["losses"] == reference["dp2"][resumable["next_step"] :]

@@ -13,25 +13,47 @@ NODES = {0: [0, 2], 1: [1, 3]}  # replica -> its ranks (DP 2 x PP 2, node = repl
 
 
 def _publish(store, node: int, rank: int, step: int) -> None:
-    row = {"step": step, "rank": rank, "dp_rank": node, "stage": rank // 2, "tp_rank": 0, "optype": "step",
-           "start_ts": float(step), "duration": 0.5, "tokens": 100, "loss": 3.0 - 0.1 * step}
+    row = {
+        "step": step,
+        "rank": rank,
+        "dp_rank": node,
+        "stage": rank // 2,
+        "tp_rank": 0,
+        "optype": "step",
+        "start_ts": float(step),
+        "duration": 0.5,
+        "tokens": 100,
+        "loss": 3.0 - 0.1 * step,
+    }
     StepPublisher(store, JOB, node).publish([row])
 
 
 def test_a_replica_lost_after_a_commit_does_not_stop_the_reader():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set(f"resihp/{JOB}/cp/ops/first", "0")
-    committed = {0: [0, 1], 1: [0, 1], 2: [0, 1], 3: [0], 4: [0, 1]}  # replica 1 relaunched at step 4
+    committed = {
+        0: [0, 1],
+        1: [0, 1],
+        2: [0, 1],
+        3: [0],
+        4: [0, 1],
+    }  # replica 1 relaunched at step 4
     reader = StepReader(store, JOB, NODES, owner=True, members=committed.get)
     for step in range(5):
         for node in committed[step]:
             for rank in NODES[node]:
-                if (step, rank) != (2, 3):  # rank 3 was killed after step 2's commit, before publishing
+                if (step, rank) != (
+                    2,
+                    3,
+                ):  # rank 3 was killed after step 2's commit, before publishing
                     _publish(store, node, rank, step)
     # a follower (``resihp follow --store``) reads the same steps
     follower = StepReader(store, JOB, NODES, members=committed.get)
     for r in (reader, follower):
-        assert [s.step for s in r.complete_steps()] == [0, 1]  # step 2 lacks rank 3: not complete yet
+        assert [s.step for s in r.complete_steps()] == [
+            0,
+            1,
+        ]  # step 2 lacks rank 3: not complete yet
         assert r.complete_steps() == []
     reader.lost(1, before_step=3)  # the supervisor: replica 1's attempt trained no step from 3 on
     for r in (reader, follower):  # the follower learns it from the owner, on the store
@@ -52,7 +74,9 @@ def test_the_relaunched_replicas_steps_are_still_waited_for():
     for step, nodes in committed.items():
         for node in nodes:
             for rank in NODES[node]:
-                if not (step == 2 and rank == 3):  # the relaunch's rank 3 has not published step 2 yet
+                if not (
+                    step == 2 and rank == 3
+                ):  # the relaunch's rank 3 has not published step 2 yet
                     _publish(store, node, rank, step)
     assert [s.step for s in reader.complete_steps()] == [0, 1]
     _publish(store, 1, 3, 2)

@@ -33,10 +33,25 @@ BAD = {
     "garbage": b"{not json",
     "truncated": b'{"c": 3, "pid": 12, "step": 1, "pha',
     "oversized": b'"' + b"x" * (MAX_RECORD_BYTES + 8) + b'"',
-    "hostile": json.dumps({"c": True, "pid": -1, "step": "0; rm -rf /", "phase": ["train"],
-                           "ops": 1e308, "wait": None, "beat": {}, "ranks": [1],
-                           "attempt": "9", "relaunch": 1, "rank": [0], "why": 3,
-                           "exitcode": "x", "ids": "x", "kind": "crash"}).encode(),
+    "hostile": json.dumps(
+        {
+            "c": True,
+            "pid": -1,
+            "step": "0; rm -rf /",
+            "phase": ["train"],
+            "ops": 1e308,
+            "wait": None,
+            "beat": {},
+            "ranks": [1],
+            "attempt": "9",
+            "relaunch": 1,
+            "rank": [0],
+            "why": 3,
+            "exitcode": "x",
+            "ids": "x",
+            "kind": "crash",
+        }
+    ).encode(),
     "binary": bytes(range(256)),
 }
 JOB = "trust"
@@ -59,11 +74,13 @@ def _put(store, key: str, raw: bytes, append: bool = False) -> None:
     if not append:
         store.delete_key(key)
     for i in range(0, max(1, len(raw)), 6 << 20):
-        store.append(key, raw[i:i + (6 << 20)])
+        store.append(key, raw[i : i + (6 << 20)])
 
 
 def _dropped(caplog, key: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"store key {key}:")]
+    return [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith(f"store key {key}:")
+    ]
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
@@ -87,8 +104,22 @@ def test_every_reader_drops_a_bad_record_with_one_warning_per_key(store, caplog,
     _put(store, f"{pre}/ops/first", raw)
     assert reader.complete_steps() == [] and reader.next_step is None
     store.set(f"{pre}/ops/first", "0")
-    good = cp.encode_rows([{"step": 0, "rank": 0, "dp_rank": 0, "stage": 0, "tp_rank": 0, "start_ts": 1.0,
-                            "duration": 0.5, "optype": "forward", "mb_id": 0, "seq_lens": [4]}])
+    good = cp.encode_rows(
+        [
+            {
+                "step": 0,
+                "rank": 0,
+                "dp_rank": 0,
+                "stage": 0,
+                "tp_rank": 0,
+                "start_ts": 1.0,
+                "duration": 0.5,
+                "optype": "forward",
+                "mb_id": 0,
+                "seq_lens": [4],
+            }
+        ]
+    )
     _put(store, f"{pre}/ops/n0/s0", raw.replace(b"\n", b" ") + b"\n" + good + b"\n")
     steps = reader.complete_steps()
     assert [s.step for s in steps] == [0] and steps[0].rows[0]["optype"] == "forward"
@@ -101,7 +132,14 @@ def test_every_reader_drops_a_bad_record_with_one_warning_per_key(store, caplog,
     cp.report_error(store, JOB, 1, "stop", "a real one")
     assert cp.read_errors(store, JOB) == [{"rank": 1, "kind": "stop", "message": "a real one"}]
     # replica orders, stacks requests, first failures, attempts, reasons
-    for key in ("replica/0/order", "stacks/0", "first-failure/0", "replica/0/launched", "ended", "stopping"):
+    for key in (
+        "replica/0/order",
+        "stacks/0",
+        "first-failure/0",
+        "replica/0/launched",
+        "ended",
+        "stopping",
+    ):
         _put(store, f"{pre}/{key}", raw)
     assert cp.replica_order(store, JOB, 0) is None
     assert cp.stacks_asked(store, JOB, 0) is None
@@ -110,11 +148,25 @@ def test_every_reader_drops_a_bad_record_with_one_warning_per_key(store, caplog,
     assert cp.stopping(store, JOB) is None
     # the job's announcement: the job cannot go on without it, so one line (InputError, exit 2)
     _put(store, cp.JOB_KEY, raw)
-    with pytest.raises(InputError, match=f"store key {cp.JOB_KEY}: expected the job's announcement"):
+    with pytest.raises(
+        InputError, match=f"store key {cp.JOB_KEY}: expected the job's announcement"
+    ):
         cp.read_job(store, timeout_s=0.3, poll_s=0.1)
-    keys = [rank_key(hb, 0, 0), node_key(hb, 0), f"{pre}/ops/first", f"{pre}/ops/n0/s0", cp.plan_key(JOB),
-            f"{pre}/errors", f"{pre}/replica/0/order", f"{pre}/stacks/0", f"{pre}/first-failure/0",
-            f"{pre}/replica/0/launched", f"{pre}/ended", f"{pre}/stopping", cp.JOB_KEY]
+    keys = [
+        rank_key(hb, 0, 0),
+        node_key(hb, 0),
+        f"{pre}/ops/first",
+        f"{pre}/ops/n0/s0",
+        cp.plan_key(JOB),
+        f"{pre}/errors",
+        f"{pre}/replica/0/order",
+        f"{pre}/stacks/0",
+        f"{pre}/first-failure/0",
+        f"{pre}/replica/0/launched",
+        f"{pre}/ended",
+        f"{pre}/stopping",
+        cp.JOB_KEY,
+    ]
     for key in keys:
         lines = _dropped(caplog, key)
         assert len(lines) == 1, (key, lines)
@@ -125,8 +177,19 @@ def test_a_foreign_op_record_is_dropped_and_the_step_still_completes(store, capl
     caplog.set_level(logging.WARNING, "resihp.store")
     pre = cp.prefix_of(JOB)
     store.set(f"{pre}/ops/first", "0")
-    row = {"step": 0, "rank": 0, "dp_rank": 0, "stage": 0, "tp_rank": 0, "start_ts": 1.0, "duration": 0.5,
-           "optype": "forward", "mb_id": 0, "seq_lens": [4], "loss": 2.5}
+    row = {
+        "step": 0,
+        "rank": 0,
+        "dp_rank": 0,
+        "stage": 0,
+        "tp_rank": 0,
+        "start_ts": 1.0,
+        "duration": 0.5,
+        "optype": "forward",
+        "mb_id": 0,
+        "seq_lens": [4],
+        "loss": 2.5,
+    }
     forged = cp.encode_rows([{**row, "loss": 99.0, "rank": 7}])  # a rank this node does not have
     early = cp.encode_rows([{**row, "loss": 99.0, "step": 3}])  # another step's, under this one
     store.append(f"{pre}/ops/n0/s0", forged + b"\n" + early + b"\n" + cp.encode_rows([row]) + b"\n")
@@ -142,9 +205,35 @@ def test_a_job_announcement_that_is_well_formed_after_a_bad_one_is_read(store):
 
 
 # --- a running job ------------------------------------------------------------------------------
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn-hidden", "64", "--vocab", "128",
-         "--global-tokens", "512", "--budget", "256", "--max-len", "256", "--dp", "2", "--pp", "1",
-         "--no-live", "--timeout", "30", "--heartbeat-timeout", "10", "--recovery", "none"]
+SMALL = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--ffn-hidden",
+    "64",
+    "--vocab",
+    "128",
+    "--global-tokens",
+    "512",
+    "--budget",
+    "256",
+    "--max-len",
+    "256",
+    "--dp",
+    "2",
+    "--pp",
+    "1",
+    "--no-live",
+    "--timeout",
+    "30",
+    "--heartbeat-timeout",
+    "10",
+    "--recovery",
+    "none",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 STEPS = 30
 
@@ -156,9 +245,28 @@ def _free_port() -> int:
 
 
 def _run(out, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", str(STEPS),
-                             "--seed", "3", "--out", str(out), "--json", "--rdzv-endpoint", f"127.0.0.1:{port}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "resihp.cli",
+            "run",
+            *SMALL,
+            "--steps",
+            str(STEPS),
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--json",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
 
 
 def _poison(port: int, until_s: float, job_proc: subprocess.Popen) -> list[str]:
@@ -169,7 +277,9 @@ def _poison(port: int, until_s: float, job_proc: subprocess.Popen) -> list[str]:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             break
         except OSError:
-            assert time.monotonic() < end and job_proc.poll() is None, "the job's store never listened"
+            assert time.monotonic() < end and job_proc.poll() is None, (
+                "the job's store never listened"
+            )
             time.sleep(0.1)
     store = connect_store("127.0.0.1", port, timeout_s=30)
     end = time.monotonic() + 60
@@ -178,8 +288,13 @@ def _poison(port: int, until_s: float, job_proc: subprocess.Popen) -> list[str]:
         time.sleep(0.1)
     job = json.loads(store.get(cp.JOB_KEY))["job_id"]
     pre, hb = cp.prefix_of(job), cp.heartbeat_prefix(job)
-    keys = [rank_key(hb, 0, 1), node_key(hb, 0), cp.plan_key(job), f"{pre}/stacks/0",
-            f"{pre}/first-failure/0"]
+    keys = [
+        rank_key(hb, 0, 1),
+        node_key(hb, 0),
+        cp.plan_key(job),
+        f"{pre}/stacks/0",
+        f"{pre}/first-failure/0",
+    ]
     _put(store, f"{pre}/errors", BAD["oversized"] + b"\n", append=True)
     values = [v for k, v in BAD.items() if k != "oversized"]
     stop = time.monotonic() + until_s
@@ -238,7 +353,9 @@ def test_a_plan_change_is_taken_only_with_the_jobs_signature(store, caplog, monk
     store.set(cp.plan_key(JOB), json.dumps(sign(forged, "b" * 64)))  # another secret's
     assert inbox.poll(1) is None
     signed = sign(forged, "a" * 64)
-    store.set(cp.plan_key(JOB), json.dumps({**signed, "dp_weights": [0.0, 1.0]}))  # altered after signing
+    store.set(
+        cp.plan_key(JOB), json.dumps({**signed, "dp_weights": [0.0, 1.0]})
+    )  # altered after signing
     assert inbox.poll(2) is None
     lines = _dropped(caplog, cp.plan_key(JOB))
     assert len(lines) == 1 and "refused: not signed with the job's secret" in lines[0]
@@ -257,10 +374,16 @@ def _forgeries(doc: dict) -> list[bytes]:
     """``doc`` unsigned, signed with another secret, and signed then altered."""
     good = sign(doc, os.environ[JOB_SECRET_ENV])
     altered = {**good, next(iter(doc)): "x"}
-    return [json.dumps(doc).encode(), json.dumps(sign(doc, OTHER)).encode(), json.dumps(altered).encode()]
+    return [
+        json.dumps(doc).encode(),
+        json.dumps(sign(doc, OTHER)).encode(),
+        json.dumps(altered).encode(),
+    ]
 
 
-def test_every_record_that_carries_authority_is_taken_only_with_the_jobs_signature(store, caplog, monkeypatch):
+def test_every_record_that_carries_authority_is_taken_only_with_the_jobs_signature(
+    store, caplog, monkeypatch
+):
     caplog.set_level(logging.WARNING, "resihp.store")
     monkeypatch.setenv(JOB_SECRET_ENV, "a" * 64)
     pre = cp.prefix_of(JOB)
@@ -268,25 +391,78 @@ def test_every_record_that_carries_authority_is_taken_only_with_the_jobs_signatu
     m = Member(1, 0)
     # (key, a forged record, the reader, what it reads with nothing there, the writer of the job)
     cases = [
-        (f"{pre}/ended", {"job_id": JOB, "reason": "finished"}, lambda: cp.ended(store, JOB), None,
-         lambda: cp.mark_ended(store, JOB, "finished"), "finished"),
-        (f"{pre}/stopping", {"job_id": JOB, "reason": "rank 1 hung"}, lambda: cp.stopping(store, JOB), None,
-         lambda: cp.mark_stopping(store, JOB, "rank 1 hung"), "rank 1 hung"),
-        (f"{pre}/replica/1/order", {"replica": 1, "attempt": 5, "relaunch": True},
-         lambda: cp.replica_order(store, JOB, 1), None, lambda: cp.order_replica(store, JOB, 1, 5, True), (5, True)),
-        (f"{pre}/replica/1/done", {"replica": 1, "state": "done", "attempt": 0},
-         lambda: cp.replica_attempt(store, JOB, 1, "done"), None,
-         lambda: cp.replica_state(store, JOB, 1, 0, "done"), 0),
-        (f"{pre}/stacks/1", {"node": 1, "rank": 3, "why": "hung"}, lambda: cp.stacks_asked(store, JOB, 1), None,
-         lambda: cp.ask_for_stacks(store, JOB, 1, 3, "hung"), (3, "hung")),
-        (f"{pre}/first-failure/1", {"node": 1, "rank": 3, "exitcode": 9}, lambda: cp.first_failure(store, JOB, 1),
-         None, lambda: cp.publish_first_failure(store, JOB, 1, 3, 9), (3, 9)),
-        ("resihp/trust/ft/evicted/1/0", {"replica": 1, "attempt": 0, "reason": "forged"},
-         lambda: q.is_evicted(m), False, lambda: q.evict(m, "exited"), True),
-        ("resihp/trust/ft/join/1", {"replica": 1, "attempt": 0}, lambda: q.join_request(1), None,
-         lambda: q.request_join(m), m),
-        ("resihp/trust/ft/held/1/0/0", {"replica": 1, "attempt": 0, "rank": 0, "step": 7}, lambda: q.held(m), None,
-         lambda: q.report_held(m, 0, 7), 7),
+        (
+            f"{pre}/ended",
+            {"job_id": JOB, "reason": "finished"},
+            lambda: cp.ended(store, JOB),
+            None,
+            lambda: cp.mark_ended(store, JOB, "finished"),
+            "finished",
+        ),
+        (
+            f"{pre}/stopping",
+            {"job_id": JOB, "reason": "rank 1 hung"},
+            lambda: cp.stopping(store, JOB),
+            None,
+            lambda: cp.mark_stopping(store, JOB, "rank 1 hung"),
+            "rank 1 hung",
+        ),
+        (
+            f"{pre}/replica/1/order",
+            {"replica": 1, "attempt": 5, "relaunch": True},
+            lambda: cp.replica_order(store, JOB, 1),
+            None,
+            lambda: cp.order_replica(store, JOB, 1, 5, True),
+            (5, True),
+        ),
+        (
+            f"{pre}/replica/1/done",
+            {"replica": 1, "state": "done", "attempt": 0},
+            lambda: cp.replica_attempt(store, JOB, 1, "done"),
+            None,
+            lambda: cp.replica_state(store, JOB, 1, 0, "done"),
+            0,
+        ),
+        (
+            f"{pre}/stacks/1",
+            {"node": 1, "rank": 3, "why": "hung"},
+            lambda: cp.stacks_asked(store, JOB, 1),
+            None,
+            lambda: cp.ask_for_stacks(store, JOB, 1, 3, "hung"),
+            (3, "hung"),
+        ),
+        (
+            f"{pre}/first-failure/1",
+            {"node": 1, "rank": 3, "exitcode": 9},
+            lambda: cp.first_failure(store, JOB, 1),
+            None,
+            lambda: cp.publish_first_failure(store, JOB, 1, 3, 9),
+            (3, 9),
+        ),
+        (
+            "resihp/trust/ft/evicted/1/0",
+            {"replica": 1, "attempt": 0, "reason": "forged"},
+            lambda: q.is_evicted(m),
+            False,
+            lambda: q.evict(m, "exited"),
+            True,
+        ),
+        (
+            "resihp/trust/ft/join/1",
+            {"replica": 1, "attempt": 0},
+            lambda: q.join_request(1),
+            None,
+            lambda: q.request_join(m),
+            m,
+        ),
+        (
+            "resihp/trust/ft/held/1/0/0",
+            {"replica": 1, "attempt": 0, "rank": 0, "step": 7},
+            lambda: q.held(m),
+            None,
+            lambda: q.report_held(m, 0, 7),
+            7,
+        ),
     ]
     for key, doc, read, absent, write, taken in cases:
         for raw in _forgeries(doc):
@@ -306,7 +482,9 @@ def test_every_record_that_carries_authority_is_taken_only_with_the_jobs_signatu
     # the job's announcement: a node joining or waiting for a relaunch ends with one line
     for raw in _forgeries({"job_id": JOB, "nnodes": 2, "nproc_per_node": 1, "attempt": 1}):
         _put(store, cp.JOB_KEY, raw)
-        with pytest.raises(InputError, match=f"store key {cp.JOB_KEY}: .*refused.*{JOB_SECRET_ENV} the same"):
+        with pytest.raises(
+            InputError, match=f"store key {cp.JOB_KEY}: .*refused.*{JOB_SECRET_ENV} the same"
+        ):
             cp.read_job(store, timeout_s=0.2, poll_s=0.1)
     cp.announce_job(store, JOB, {}, 2, 1, attempt=1)
     assert cp.read_job(store, timeout_s=0.2, attempt=1)["job_id"] == JOB
@@ -323,8 +501,18 @@ def test_forged_quorum_decisions_plans_and_heartbeats_are_refused(store, caplog,
     q = Quorum(store, JOB, ranks_per_replica=1, timeout_s=1.0, plan_key=cp.plan_key(JOB))
     gen = q.start([Member(0), Member(1)], 0)
     # a decision written ahead of the job's, evicting replica 1: the job's decider replaces it
-    for step, raw in enumerate(_forgeries({"gen": 0, "step": 0, "commit": True, "joined": [], "seen": 0,
-                                           "next": {"gen": 1, "members": [[0, 0]], "from_step": 1}})):
+    for step, raw in enumerate(
+        _forgeries(
+            {
+                "gen": 0,
+                "step": 0,
+                "commit": True,
+                "joined": [],
+                "seen": 0,
+                "next": {"gen": 1, "members": [[0, 0]], "from_step": 1},
+            }
+        )
+    ):
         store.set(f"resihp/{JOB}/ft/decision/0/{step}", raw)
         assert q.decision(0, step) is None
         assert q.vote(gen, step, True) is None
@@ -344,17 +532,35 @@ def test_forged_quorum_decisions_plans_and_heartbeats_are_refused(store, caplog,
     hb = cp.heartbeat_prefix(JOB)
     monitor = HeartbeatMonitor(store, {0: [0]}, prefix=hb, timeout_s=30)
     agg = NodeAggregator(store, 0, [0], prefix=hb, check_pids=False)
-    gone = {"beat": 1, "ranks": {"0": {"seen": True, "silent_s": 0.0, "phase": "train", "step": 1,
-                                       "pid": os.getpid(), "exited": True}}}
+    gone = {
+        "beat": 1,
+        "ranks": {
+            "0": {
+                "seen": True,
+                "silent_s": 0.0,
+                "phase": "train",
+                "step": 1,
+                "pid": os.getpid(),
+                "exited": True,
+            }
+        },
+    }
     for raw in _forgeries(gone):
         store.set(node_key(hb, 0), raw)
         assert monitor.poll() == [] and monitor.views[0].seen is False
-    for raw in _forgeries({"c": 1, "pid": os.getpid(), "step": 1, "phase": "train", "ops": 1, "wait": ""}):
+    for raw in _forgeries(
+        {"c": 1, "pid": os.getpid(), "step": 1, "phase": "train", "ops": 1, "wait": ""}
+    ):
         store.set(rank_key(hb, 0, 0), raw)
         assert agg.snapshot()["0"]["seen"] is False
     store.set(node_key(hb, 0), json.dumps(sign(gone, "a" * 64)))
     assert [e.extra["cause"] for e in monitor.poll()] == ["exited"]  # the job's own is read
-    for key in (f"resihp/{JOB}/ft/decision/0/0", cp.plan_key(JOB), node_key(hb, 0), rank_key(hb, 0, 0)):
+    for key in (
+        f"resihp/{JOB}/ft/decision/0/0",
+        cp.plan_key(JOB),
+        node_key(hb, 0),
+        rank_key(hb, 0, 0),
+    ):
         lines = _dropped(caplog, key)
         assert len(lines) == 1 and "refused" in lines[0], (key, lines)
 
@@ -364,8 +570,14 @@ def test_a_node_waiting_for_a_relaunch_takes_no_forged_announcement(monkeypatch)
     port = _free_port()
     host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     nodes = Nodes(2, 1, 1, f"127.0.0.1:{port}")
-    host.set(cp.JOB_KEY, json.dumps(sign({"job_id": JOB, "config": {}, "nnodes": 2, "nproc_per_node": 1,
-                                          "attempt": 1}, OTHER)))
+    host.set(
+        cp.JOB_KEY,
+        json.dumps(
+            sign(
+                {"job_id": JOB, "config": {}, "nnodes": 2, "nproc_per_node": 1, "attempt": 1}, OTHER
+            )
+        ),
+    )
     assert await_relaunch(nodes, 1, timeout_s=2.0) is None
     cp.announce_job(host, JOB, {}, 2, 1, attempt=1)
     assert await_relaunch(nodes, 1, timeout_s=5.0)["job_id"] == JOB
@@ -374,27 +586,75 @@ def test_a_node_waiting_for_a_relaunch_takes_no_forged_announcement(monkeypatch)
 def test_a_job_on_several_nodes_needs_the_same_secret_on_each(tmp_path):
     env = {k: v for k, v in ENV.items() if k != JOB_SECRET_ENV}
     for secret in (None, "short"):
-        proc = subprocess.run([sys.executable, "-m", "resihp.cli", "run", *SMALL, "--steps", "2", "--nnodes", "2",
-                               "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", "--out", str(tmp_path / "o")],
-                              capture_output=True, text=True, timeout=120,
-                              env={**env, **({JOB_SECRET_ENV: secret} if secret else {})})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "resihp.cli",
+                "run",
+                *SMALL,
+                "--steps",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--rdzv-endpoint",
+                "127.0.0.1:1",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, **({JOB_SECRET_ENV: secret} if secret else {})},
+        )
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = [x for x in proc.stderr.splitlines() if x.strip()]
-        assert len(lines) == 1 and f"--nnodes 2: expected the job's secret in {JOB_SECRET_ENV}" in lines[0], lines
+        assert (
+            len(lines) == 1
+            and f"--nnodes 2: expected the job's secret in {JOB_SECRET_ENV}" in lines[0]
+        ), lines
         assert not (tmp_path / "o").exists()
 
 
 # --- a running job on two nodes: forged authority and garbage in every key family --------------
-REPLICA = [*SMALL[:SMALL.index("--recovery")], "--recovery", "replica", "--steps", "40", "--seed", "3",
-           "--json", "--inject", "slow:rank=0,factor=3,step=0"]  # steps long enough to poison on any machine
+REPLICA = [
+    *SMALL[: SMALL.index("--recovery")],
+    "--recovery",
+    "replica",
+    "--steps",
+    "40",
+    "--seed",
+    "3",
+    "--json",
+    "--inject",
+    "slow:rank=0,factor=3,step=0",
+]  # steps long enough to poison on any machine
 
 
 def _replica_job(out, port: int | None, node: int | None, secret: str) -> subprocess.Popen:
-    nodes = [] if node is None else ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                                     "--rdzv-endpoint", f"127.0.0.1:{port}"]
-    return subprocess.Popen([sys.executable, "-m", "resihp.cli", "run", *REPLICA, *nodes, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**ENV, JOB_SECRET_ENV: secret})
+    nodes = (
+        []
+        if node is None
+        else [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+        ]
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "resihp.cli", "run", *REPLICA, *nodes, "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**ENV, JOB_SECRET_ENV: secret},
+    )
 
 
 def _forge_and_poison(port: int, node0: subprocess.Popen, until_s: float) -> dict[str, list[str]]:
@@ -411,7 +671,14 @@ def _forge_and_poison(port: int, node0: subprocess.Popen, until_s: float) -> dic
     while not store.check([node_key(hb, 1), f"{pre}/ops/n1/s1"]):  # node 1 joined and trains
         assert time.monotonic() < end and node0.poll() is None, "node 1 never trained"
         time.sleep(0.1)
-    gone = {"seen": True, "silent_s": 0.0, "phase": "train", "step": 2, "pid": os.getpid(), "exited": True}
+    gone = {
+        "seen": True,
+        "silent_s": 0.0,
+        "phase": "train",
+        "step": 2,
+        "pid": os.getpid(),
+        "exited": True,
+    }
     forged = {  # what each would do if taken: node 1 ends or stops; a replica is evicted, relaunched ...
         f"{pre}/ended": {"job_id": job, "reason": "finished"},
         f"{pre}/stopping": {"job_id": job, "reason": "forged"},
@@ -421,17 +688,38 @@ def _forge_and_poison(port: int, node0: subprocess.Popen, until_s: float) -> dic
         f"{pre}/stacks/1": {"node": 1, "rank": 1, "why": "forged"},
         f"{ft}/evicted/1/0": {"replica": 1, "attempt": 0, "reason": "forged"},
         cp.plan_key(job): {"id": "forged", "dp_weights": [3.0, 1.0]},
-        node_key(hb, 1): {"beat": 10 ** 6, "ranks": {"1": gone}},
-        cp.JOB_KEY: {"job_id": job, "nnodes": 2, "nproc_per_node": 1, "attempt": 1, "no_relaunch": "forged"},
+        node_key(hb, 1): {"beat": 10**6, "ranks": {"1": gone}},
+        cp.JOB_KEY: {
+            "job_id": job,
+            "nnodes": 2,
+            "nproc_per_node": 1,
+            "attempt": 1,
+            "no_relaunch": "forged",
+        },
     }
     # decisions evicting replica 1, written once, ahead of the steps the job will decide
     for s in range(8, 40):
-        doc = {"gen": 0, "step": s, "commit": True, "joined": [], "seen": 0,
-               "next": {"gen": 1, "members": [[0, 0]], "from_step": s + 1}}
+        doc = {
+            "gen": 0,
+            "step": s,
+            "commit": True,
+            "joined": [],
+            "seen": 0,
+            "next": {"gen": 1, "members": [[0, 0]], "from_step": s + 1},
+        }
         store.set(f"{ft}/decision/0/{s}", json.dumps(sign(doc, "b" * 64) if s % 2 else doc))
     beats = {rank_key(hb, 0, 0), rank_key(hb, 1, 1), node_key(hb, 0), node_key(hb, 1)}
-    garbage = [rank_key(hb, 0, 0), rank_key(hb, 1, 1), node_key(hb, 0), f"{pre}/first-failure/1",
-               f"{ft}/join/1", f"{ft}/held/1/1/0", f"{ft}/replicas", f"{ft}/gen/latest", f"{ft}/heal-shape/1/1"]
+    garbage = [
+        rank_key(hb, 0, 0),
+        rank_key(hb, 1, 1),
+        node_key(hb, 0),
+        f"{pre}/first-failure/1",
+        f"{ft}/join/1",
+        f"{ft}/held/1/1/0",
+        f"{ft}/replicas",
+        f"{ft}/gen/latest",
+        f"{ft}/heal-shape/1/1",
+    ]
     _put(store, f"{pre}/errors", BAD["oversized"] + b"\n", append=True)
     values = [v for k, v in BAD.items() if k != "oversized"]
     stop, i = time.monotonic() + until_s, 0
@@ -443,7 +731,9 @@ def _forge_and_poison(port: int, node0: subprocess.Popen, until_s: float) -> dic
             for key, doc in forged.items():
                 if key not in beats or i % 5 == 0:
                     store.set(key, json.dumps(sign(doc, secret) if secret else doc))
-            store.add(changes_key(job), 1)  # the quorum looks for changes (an eviction, a plan post)
+            store.add(
+                changes_key(job), 1
+            )  # the quorum looks for changes (an eviction, a plan post)
             raw = values[i % len(values)]
             for key in garbage:
                 if key not in beats or i % 5 == 0:
@@ -480,7 +770,9 @@ def _listens(port: int, proc: subprocess.Popen) -> bool:
 
 
 @pytest.mark.slow
-def test_a_two_node_job_refuses_forged_orders_and_trains_on_through_garbage_with_the_same_losses(tmp_path):
+def test_a_two_node_job_refuses_forged_orders_and_trains_on_through_garbage_with_the_same_losses(
+    tmp_path,
+):
     """Replica mode, one replica per node. While it trains, another process that reaches the
     store writes, over and over: the job ended, node 0 is stopping, evict replica 1 (the quorum's
     eviction, decisions ahead of the job's, a node aggregate saying its rank exited), relaunch or
@@ -508,9 +800,16 @@ def test_a_two_node_job_refuses_forged_orders_and_trains_on_through_garbage_with
     assert node0.returncode == 0 and node1.returncode == 0, (err0[-3000:], err1[-3000:])
     s0, s1 = json.loads(out0), json.loads(out1)
     assert s1 == {"node_rank": 1, "nnodes": 2, "ranks": [1], "error": None}, s1
-    assert s0["recovery"] is None and all(m == [0, 1] for m in s0["members"]), (s0["recovery"], s0["members"])
+    assert s0["recovery"] is None and all(m == [0, 1] for m in s0["members"]), (
+        s0["recovery"],
+        s0["members"],
+    )
     assert s0["losses"] == want
-    logs = err0 + err1 + "".join((tmp_path / n / "logs" / "workers.log").read_text() for n in ("node0", "node1"))
+    logs = (
+        err0
+        + err1
+        + "".join((tmp_path / n / "logs" / "workers.log").read_text() for n in ("node0", "node1"))
+    )
     assert "Traceback" not in logs, logs[-3000:]
     job = s0["job_id"]
     pre = cp.prefix_of(job)

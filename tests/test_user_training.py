@@ -30,10 +30,29 @@ def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
     env.pop("RESIHP_KEEPER_OWNER", None)  # the keeper is torchrun's agent's, as a user's would be
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "2", "--monitor-interval", "0.2", str(EXAMPLE), "--out", str(out),
-         "--steps", str(STEPS), *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "--monitor-interval",
+            "0.2",
+            str(EXAMPLE),
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _records(out: Path, rank: int) -> list[dict]:
@@ -100,8 +119,12 @@ def test_state_round_trips_through_the_flat_form_with_its_types():
     opt = torch.optim.AdamW(model.parameters(), betas=(0.8, 0.9))
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    state = {"model": model, "optimizer": opt, "extra": {"epoch": 3, "ratio": float("inf")},
-             "rng": RNG()}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "extra": {"epoch": 3, "ratio": float("inf")},
+        "rng": RNG(),
+    }
     tensors, tree = flatten(state)
     json.dumps(tree)  # the tree is plain JSON
     back = unflatten(tree, {k: t.clone() for k, t in tensors})
@@ -119,7 +142,9 @@ def test_state_that_cannot_be_snapshot_is_one_line_naming_its_path():
         flatten({"extra": {(1, 2): 0}})
 
 
-def test_a_new_process_state_restores_the_newest_snapshot_and_each_stall_is_counted(tmp_path, monkeypatch):
+def test_a_new_process_state_restores_the_newest_snapshot_and_each_stall_is_counted(
+    tmp_path, monkeypatch
+):
     """Without a process group (one process): snapshots after three steps, then fresh objects (as
     a restarted trainer builds them) restore the newest from memory, bitwise."""
     monkeypatch.setenv("RESIHP_SHM", str(tmp_path / "shm"))
@@ -135,14 +160,19 @@ def test_a_new_process_state_restores_the_newest_snapshot_and_each_stall_is_coun
             snaps.after_step(step)
         snaps.close()
         assert len(snaps.stall_s) == 3 and all(s >= 0 for s in snaps.stall_s)
-        wait_for(lambda: 2 in [h.step for h in snaps.tier.held()], 30, "the keeper to publish step 2")
+        wait_for(
+            lambda: 2 in [h.step for h in snaps.tier.held()], 30, "the keeper to publish step 2"
+        )
         again = torch.nn.Linear(4, 3)
         again_opt = torch.optim.AdamW(again.parameters())
-        restored = Snapshots({"model": again, "optimizer": again_opt}, job_id="one-process").restore()
+        restored = Snapshots(
+            {"model": again, "optimizer": again_opt}, job_id="one-process"
+        ).restore()
         assert restored is not None and (restored.step, restored.source) == (2, "memory")
         assert torch.equal(again.weight, model.weight) and torch.equal(again.bias, model.bias)
-        assert torch.equal(again_opt.state_dict()["state"][0]["exp_avg"],
-                           opt.state_dict()["state"][0]["exp_avg"])
+        assert torch.equal(
+            again_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+        )
     finally:
         stop_keeper(snaps.dir)
 

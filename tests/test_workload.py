@@ -45,8 +45,9 @@ def test_features_match_definition():
     assert feats["max_len"].tolist() == [4, 5]
 
 
-lists_of_lengths = st.lists(st.lists(st.integers(1, 4096), min_size=1, max_size=6), min_size=1,
-                            max_size=12)
+lists_of_lengths = st.lists(
+    st.lists(st.integers(1, 4096), min_size=1, max_size=6), min_size=1, max_size=12
+)
 
 
 @given(lists_of_lengths, lists_of_lengths, st.data())
@@ -56,10 +57,15 @@ def test_pooled_lengths_are_the_rows_they_code(pool_a, pool_b, data):
     tables = LengthTable([np.array(s) for s in pool_a]), LengthTable([np.array(s) for s in pool_b])
     parts = []
     for table, pool in zip(tables, (pool_a, pool_b)):
-        codes = np.array(data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=30)))
+        codes = np.array(
+            data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=30))
+        )
         parts.append((PooledLengths(table, codes), [pool[c] for c in codes]))
-    for col, rows in [*parts, (PooledLengths.concatenate([parts[0][0], parts[0][0]]), parts[0][1] * 2),
-                      (PooledLengths.concatenate([p for p, _ in parts]), parts[0][1] + parts[1][1])]:
+    for col, rows in [
+        *parts,
+        (PooledLengths.concatenate([parts[0][0], parts[0][0]]), parts[0][1] * 2),
+        (PooledLengths.concatenate([p for p, _ in parts]), parts[0][1] + parts[1][1]),
+    ]:
         assert len(col) == len(rows)
         assert [list(col[i]) for i in range(len(col))] == rows
         assert [list(s) for s in np.asarray(col)] == rows
@@ -88,11 +94,14 @@ def test_real_sources_are_shipped():
     assert seqs.max() <= 512 and seqs.sum() >= 10_000
 
 
-@pytest.mark.parametrize("content, message", [
-    ("12\nabc\n", "line per line|expected one integer"),
-    ("12\n-3\n", "must be positive"),
-    ("# nothing\n", "no sequence lengths"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("12\nabc\n", "line per line|expected one integer"),
+        ("12\n-3\n", "must be positive"),
+        ("# nothing\n", "no sequence lengths"),
+    ],
+)
 def test_bad_lengths_files(tmp_path, content, message):
     path = tmp_path / "lengths.txt"
     path.write_text(content)

@@ -26,14 +26,17 @@ def test_syntax_error_names_the_line(tmp_path):
 def test_non_mapping_gives_the_expected_message(tmp_path, text):
     path = tmp_path / "list.yaml"
     path.write_text(text)
-    with pytest.raises(InputError, match=r"list\.yaml: expected a YAML mapping describing the model$"):
+    with pytest.raises(
+        InputError, match=r"list\.yaml: expected a YAML mapping describing the model$"
+    ):
         read_yaml_mapping(path, "model", "expected a YAML mapping describing the model")
 
 
 # --- issue 20: aliases, unknown keys, size -------------------------------------------------------
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
-    for p, c in zip("abcdefgh", "bcdefghi"))
+    for p, c in zip("abcdefgh", "bcdefghi")
+)
 
 
 def test_alias_bomb_is_refused_before_it_expands(tmp_path):
@@ -42,7 +45,10 @@ def test_alias_bomb_is_refused_before_it_expands(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(BOMB)  # ~600 bytes; 9^9 strings if expanded
     t0 = time.perf_counter()
-    with pytest.raises(InputError, match=r"bomb\.yaml:2: not valid YAML \(YAML aliases \(\*name\) are not allowed\)"):
+    with pytest.raises(
+        InputError,
+        match=r"bomb\.yaml:2: not valid YAML \(YAML aliases \(\*name\) are not allowed\)",
+    ):
         read_yaml_mapping(path, "cluster", "must be a mapping")
     assert time.perf_counter() - t0 < 1.0
 
@@ -68,15 +74,28 @@ def test_oversized_file_is_refused(tmp_path, monkeypatch):
         read_yaml_mapping(path, "model", "must be a mapping")
 
 
-@pytest.mark.parametrize("text, message", [
-    ("name: c\nnodes: [{devices: 2}]\ndevise: {memory_gb: 80}\n",
-     r"c\.yaml: unknown key 'devise' \(did you mean device\?\); known keys: bandwidth, device"),
-    ("nodes: [{devices: 2, gpus: 8}]\n", r"c\.yaml: nodes\[0\]: unknown key 'gpus'"),
-    ("nodes: [{devices: [{memory_gb: 80, tflops: 1, sped: 0.5}]}]\n",
-     r"nodes\[0\]\.devices\[0\]: unknown key 'sped' \(did you mean speed\?\)"),
-    ("nodes: {count: 2, devices: 4, gpu: 1}\ndevice: {memory_gb: 1, tflops: 1}\n", r"nodes: unknown key 'gpu'"),
-    ("nodes: [{devices: 1}]\nbandwidth: {intra_gbs: 1}\n", r"bandwidth: unknown key 'intra_gbs'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "name: c\nnodes: [{devices: 2}]\ndevise: {memory_gb: 80}\n",
+            r"c\.yaml: unknown key 'devise' \(did you mean device\?\); known keys: bandwidth, device",
+        ),
+        ("nodes: [{devices: 2, gpus: 8}]\n", r"c\.yaml: nodes\[0\]: unknown key 'gpus'"),
+        (
+            "nodes: [{devices: [{memory_gb: 80, tflops: 1, sped: 0.5}]}]\n",
+            r"nodes\[0\]\.devices\[0\]: unknown key 'sped' \(did you mean speed\?\)",
+        ),
+        (
+            "nodes: {count: 2, devices: 4, gpu: 1}\ndevice: {memory_gb: 1, tflops: 1}\n",
+            r"nodes: unknown key 'gpu'",
+        ),
+        (
+            "nodes: [{devices: 1}]\nbandwidth: {intra_gbs: 1}\n",
+            r"bandwidth: unknown key 'intra_gbs'",
+        ),
+    ],
+)
 def test_cluster_spec_names_an_unknown_key(tmp_path, text, message):
     from resihp.plan.specs import ClusterSpec
 
@@ -90,10 +109,15 @@ def test_model_spec_names_an_unknown_key(tmp_path):
     from resihp.plan.specs import ModelSpec
 
     path = tmp_path / "m.yaml"
-    path.write_text("layers: 2\nhidden: 64\nheads: 2\nffn_hidden: 256\nvocab: 100\nmax_seq_len: 64\n"
-                    "global_batch_tokens: 128\nmicrobatch_tokens: 64\nmicro_batch_tokens: 32\n")
-    with pytest.raises(InputError, match=r"m\.yaml: unknown key 'micro_batch_tokens' \(did you mean "
-                       r"microbatch_tokens\?\)"):
+    path.write_text(
+        "layers: 2\nhidden: 64\nheads: 2\nffn_hidden: 256\nvocab: 100\nmax_seq_len: 64\n"
+        "global_batch_tokens: 128\nmicrobatch_tokens: 64\nmicro_batch_tokens: 32\n"
+    )
+    with pytest.raises(
+        InputError,
+        match=r"m\.yaml: unknown key 'micro_batch_tokens' \(did you mean "
+        r"microbatch_tokens\?\)",
+    ):
         ModelSpec.from_yaml(path)
 
 
@@ -102,10 +126,14 @@ def test_job_meta_refuses_a_typo_and_keeps_foreign_fields(tmp_path):
 
     path = tmp_path / "job.yaml"
     path.write_text("dp_size: 2\npp_size: 1\ntp_size: 1\nworld_size: 2\nvpp_szie: 2\n")
-    with pytest.raises(InputError, match=r"job\.yaml: unknown key 'vpp_szie' \(did you mean vpp_size\?\)"):
+    with pytest.raises(
+        InputError, match=r"job\.yaml: unknown key 'vpp_szie' \(did you mean vpp_size\?\)"
+    ):
         read_meta(path)
     path.write_text("dp_size: 2\npp_size: 1\ntp_size: 1\nworld_size: 2\ncluster_name: pai-17\n")
-    assert read_meta(path)[1]["cluster_name"] == "pai-17"  # a public trace's own field loads unchanged
+    assert (
+        read_meta(path)[1]["cluster_name"] == "pai-17"
+    )  # a public trace's own field loads unchanged
 
 
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
@@ -115,7 +143,9 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
 
     path = tmp_path / "twice.yaml"
     path.write_text("name: m\nlayers: 4\nnested: {a: 1, b: 2}\nlayers: 8\n")
-    with pytest.raises(InputError, match=r"twice\.yaml:4: not valid YAML \(key 'layers' given twice"):
+    with pytest.raises(
+        InputError, match=r"twice\.yaml:4: not valid YAML \(key 'layers' given twice"
+    ):
         read_yaml_mapping(path, "model", "must be a mapping")
     with pytest.raises(InputError, match="key 'layers' given twice"):
         load_yaml(path)

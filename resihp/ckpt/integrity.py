@@ -58,8 +58,10 @@ def write_manifest(directory: str | Path, identity: dict | None = None) -> dict:
     files = {}
     for path in _files(directory):
         _fsync_path(path)
-        files[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size,
-                                                        "sha256": _sha256(path)}
+        files[path.relative_to(directory).as_posix()] = {
+            "size": path.stat().st_size,
+            "sha256": _sha256(path),
+        }
     manifest = {"format": FORMAT, **(identity or {}), "files": files}
     write_json_atomic(directory / MANIFEST, manifest)
     _fsync_path(directory)
@@ -103,8 +105,11 @@ def problem(directory: str | Path) -> str | None:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
         if _sha256(path) != digest:
             return f"{name} does not match its sha256 in the manifest (corrupted)"
-    unlisted = [p.relative_to(directory).as_posix() for p in _files(directory)
-                if p.relative_to(directory).as_posix() not in files]
+    unlisted = [
+        p.relative_to(directory).as_posix()
+        for p in _files(directory)
+        if p.relative_to(directory).as_posix() not in files
+    ]
     if any(name.endswith((".distcp", ".metadata")) for name in unlisted):
         return f"{unlisted[0]} is not in the manifest"
     try:
@@ -113,11 +118,15 @@ def problem(directory: str | Path) -> str | None:
         return str(exc).split(": ", 1)[-1]
     # the manifest lists what was in this folder when it was written; the DCP metadata names every
     # rank's shard file: one written elsewhere (another node's own folder) leaves the state torn
-    named = {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
+    named = {
+        str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()
+    }
     missing = sorted(name for name in named if name and name not in files)
     if missing:
-        return (f"{missing[0]} is missing: the DCP metadata names it (its rank wrote it elsewhere; "
-                "a job on several nodes needs one --ckpt-dir every node writes to)")
+        return (
+            f"{missing[0]} is missing: the DCP metadata names it (its rank wrote it elsewhere; "
+            "a job on several nodes needs one --ckpt-dir every node writes to)"
+        )
     return None
 
 
@@ -146,11 +155,18 @@ def publish(tmp: Path, final: Path, identity: dict | None = None) -> None:
 # --- DCP metadata through a restricted unpickler --------------------------------------------------
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-            ("torch.serialization", "_get_layout"), ("torch", "Size"),
-            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
-            ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-            ("builtins", "slice")}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -207,16 +223,22 @@ def _check_items(path: Path, metadata, tensors_only: bool = True) -> None:
 
     for key, entry in (metadata.state_dict_metadata or {}).items():
         if tensors_only and not isinstance(entry, TensorStorageMetadata):
-            raise InputError(f"{path}: item {key!r}: expected a tensor, got a pickled "
-                             f"{type(entry).__name__} (resihp checkpoints hold tensors only)")
+            raise InputError(
+                f"{path}: item {key!r}: expected a tensor, got a pickled "
+                f"{type(entry).__name__} (resihp checkpoints hold tensors only)"
+            )
     for index, info in (metadata.storage_data or {}).items():
         name = Path(str(getattr(info, "relative_path", "")))
         if not name.parts or name.is_absolute() or ".." in name.parts:
-            raise InputError(f"{path}: item {getattr(index, 'fqn', index)!r}: storage file "
-                             f"{str(name)!r}: expected a file name inside the checkpoint")
+            raise InputError(
+                f"{path}: item {getattr(index, 'fqn', index)!r}: storage file "
+                f"{str(name)!r}: expected a file name inside the checkpoint"
+            )
         if getattr(info, "transform_descriptors", None):
-            raise InputError(f"{path}: item {getattr(index, 'fqn', index)!r}: expected untransformed "
-                             f"storage, got transforms {list(info.transform_descriptors)}")
+            raise InputError(
+                f"{path}: item {getattr(index, 'fqn', index)!r}: expected untransformed "
+                f"storage, got transforms {list(info.transform_descriptors)}"
+            )
 
 
 def safe_reader(directory: str | Path, tensors_only: bool = True):
@@ -235,10 +257,13 @@ def safe_reader(directory: str | Path, tensors_only: bool = True):
         def read_data(self, plan, planner):
             # DCP unpickles a bytes item with torch.load(weights_only=False): never let one through
             for item in plan.items:
-                if item.type == LoadItemType.BYTE_IO and (tensors_only or not getattr(
-                        planner, "weights_only", False)):
-                    raise InputError(f"{directory}: item {item.dest_index.fqn!r}: expected a tensor, "
-                                     "got a pickled object (resihp checkpoints hold tensors only)")
+                if item.type == LoadItemType.BYTE_IO and (
+                    tensors_only or not getattr(planner, "weights_only", False)
+                ):
+                    raise InputError(
+                        f"{directory}: item {item.dest_index.fqn!r}: expected a tensor, "
+                        "got a pickled object (resihp checkpoints hold tensors only)"
+                    )
             return super().read_data(plan, planner)
 
     return SafeReader(str(directory))
@@ -260,9 +285,11 @@ def safe_planner(directory: str | Path):
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else "refused"
-                raise InputError(f"{directory}: item {fqn!r}: expected plain values (numbers, "
-                                 f"strings, lists, dicts, tensors), got a pickled object the "
-                                 f"weights-only loader refuses ({first})") from None
+                raise InputError(
+                    f"{directory}: item {fqn!r}: expected plain values (numbers, "
+                    f"strings, lists, dicts, tensors), got a pickled object the "
+                    f"weights-only loader refuses ({first})"
+                ) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:
@@ -299,12 +326,17 @@ def step_of(path: Path) -> int:
 def candidates(root: str | Path) -> list[Path]:
     """The ``stepN`` folders under the checkpoint folder ``root`` (``OUT/ckpt``), newest first."""
     folder = Path(root)
-    found = [p for p in folder.glob("step*") if STEP_DIR.match(p.name) and p.is_dir()] if folder.is_dir() else []
+    found = (
+        [p for p in folder.glob("step*") if STEP_DIR.match(p.name) and p.is_dir()]
+        if folder.is_dir()
+        else []
+    )
     return sorted(found, key=step_of, reverse=True)
 
 
-def newest_good(root: str | Path, job_id: str | None = None,
-                model_hash: str | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+def newest_good(
+    root: str | Path, job_id: str | None = None, model_hash: str | None = None
+) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint under the checkpoint folder ``root`` that verifies and, when given,
     was written by job ``job_id`` for the model with hash ``model_hash``; and each newer one
     skipped with its reason."""

@@ -46,7 +46,9 @@ POLL_S = 0.005
 LOCK_WAIT_S = 1.0  # a keeper finding the tier's lock held retries this long: it may be a probe
 LOCK = "keeper.lock"
 PID = "keeper.pid"
-PERSIST_JOIN_S = 8.0  # a stopping keeper waits this long for the checkpoint it writes (stop_keeper: 10 s)
+PERSIST_JOIN_S = (
+    8.0  # a stopping keeper waits this long for the checkpoint it writes (stop_keeper: 10 s)
+)
 END = "END"  # written by stop_keeper: the job is over, SIGTERM means remove the tier
 FLUSH = "FLUSH"  # a request (request_flush): finish the checkpoints owed, maybe write the newest
 FLUSHED = "flushed.json"  # the keeper's answer to it
@@ -89,18 +91,34 @@ def ensure_keeper(directory: Path, owner: int, timeout_s: float = 60.0, warm: bo
         if pid not in (None, -1) and _replace_if_stopped(directory, pid):
             pid = None
         if pid is None:
-            proc = subprocess.Popen([sys.executable, "-m", "resihp.ckpt.keeper", "--dir", str(directory),
-                                     "--owner", str(owner), *(["--warm"] if warm else [])], start_new_session=True,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=open(directory / "keeper.log", "a"))  # noqa: SIM115
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "resihp.ckpt.keeper",
+                    "--dir",
+                    str(directory),
+                    "--owner",
+                    str(owner),
+                    *(["--warm"] if warm else []),
+                ],
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=open(directory / "keeper.log", "a"),  # noqa: SIM115
+            )
             deadline = time.monotonic() + timeout_s
             while (pid := keeper_pid(directory)) in (None, -1):
                 if proc.poll() is not None:
-                    raise SetupError(f"memory tier keeper exited with status {proc.returncode} "
-                                     f"(see {directory / 'keeper.log'})")
+                    raise SetupError(
+                        f"memory tier keeper exited with status {proc.returncode} "
+                        f"(see {directory / 'keeper.log'})"
+                    )
                 if time.monotonic() > deadline:
-                    raise SetupError(f"memory tier keeper did not start within {timeout_s:g} s "
-                                     f"(see {directory / 'keeper.log'})")
+                    raise SetupError(
+                        f"memory tier keeper did not start within {timeout_s:g} s "
+                        f"(see {directory / 'keeper.log'})"
+                    )
                 time.sleep(0.01)
         return pid
     finally:
@@ -140,8 +158,12 @@ def _replace_if_stopped(directory: Path, pid: int) -> bool:
     while keeper_pid(directory) not in (None,) and time.monotonic() < deadline:
         time.sleep(0.01)  # the lock is released once the process is gone
     _stopped_since.pop(key, None)
-    print(f"resihp: memory tier {directory}: its keeper (PID {pid}) was stopped for "
-          f"{STOPPED_KEEPER_S:g} s; a new keeper takes over", file=sys.stderr, flush=True)
+    print(
+        f"resihp: memory tier {directory}: its keeper (PID {pid}) was stopped for "
+        f"{STOPPED_KEEPER_S:g} s; a new keeper takes over",
+        file=sys.stderr,
+        flush=True,
+    )
     return keeper_pid(directory) is None
 
 
@@ -200,8 +222,13 @@ def complete_steps(headers: list[SlotHeader], due_only: bool) -> list[tuple[int,
             continue
         world = int(h.persist["world"])
         by_step.setdefault(h.step, {})[h.rank] = h
-    return [(step, [ranks[r] for r in sorted(ranks)]) for step, ranks in sorted(by_step.items(), reverse=True)
-            if world is not None and len(ranks) == world and any(ranks[r].persist.get("meta") for r in ranks)]
+    return [
+        (step, [ranks[r] for r in sorted(ranks)])
+        for step, ranks in sorted(by_step.items(), reverse=True)
+        if world is not None
+        and len(ranks) == world
+        and any(ranks[r].persist.get("meta") for r in ranks)
+    ]
 
 
 def newest_on_disk(root: Path) -> int:
@@ -257,7 +284,9 @@ class Keeper:
         (self.dir / PID).write_text(str(os.getpid()))
         self._adopt_holds()
         if self.owner:  # what tells a later job whether this tier's job is over (left_tiers)
-            write_json_atomic(self.dir / OWNER, {"pid": self.owner, "start": start_time(self.owner)})
+            write_json_atomic(
+                self.dir / OWNER, {"pid": self.owner, "start": start_time(self.owner)}
+            )
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         checked = 0.0
@@ -314,7 +343,9 @@ class Keeper:
     def _warm(self) -> None:
         """Load torch and DCP in the background, so that the first checkpoint does not wait for them."""
         self._persists = True
-        self._persisting = threading.Thread(target=_load_persist, name="resihp-persist-import", daemon=True)
+        self._persisting = threading.Thread(
+            target=_load_persist, name="resihp-persist-import", daemon=True
+        )
         self._persisting.start()
 
     def _hold_if_due(self, pending: Path) -> None:
@@ -327,7 +358,9 @@ class Keeper:
         if not self._persists:
             self._warm()
         if request.get("due") and int(data["step"]) not in self._persisted:
-            MemoryTier(self.dir, int(data["rank"])).hold_path(data["slot"]).write_text(str(os.getpid()))
+            MemoryTier(self.dir, int(data["rank"])).hold_path(data["slot"]).write_text(
+                str(os.getpid())
+            )
 
     def _release(self, keep: set[Path] = frozenset()) -> None:
         """Drop every hold except ``keep`` and those of the checkpoint being written."""
@@ -361,8 +394,9 @@ class Keeper:
             self._persisted.add(newest)
             slots = chosen[1]
             self._writing = {tier.hold_path(h.slot, h.rank) for h in slots}
-            self._persisting = threading.Thread(target=self._write, args=(slots, "due"),
-                                                name="resihp-persist", daemon=True)
+            self._persisting = threading.Thread(
+                target=self._write, args=(slots, "due"), name="resihp-persist", daemon=True
+            )
             self._persisting.start()
         self._release(keep)
 
@@ -373,19 +407,32 @@ class Keeper:
             from resihp.ckpt import persist
 
             done = persist.write_checkpoint(self.dir, headers, reason)
-        except BaseException as exc:  # a failed checkpoint must not take the memory tier down with it
+        except (
+            BaseException
+        ) as exc:  # a failed checkpoint must not take the memory tier down with it
             # (DCP's CheckpointException, what a full disk raises in its writer, is a BaseException)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            print(f"resihp keeper: checkpoint of step {headers[0].step} failed: {exc!r}", file=sys.stderr, flush=True)
+            print(
+                f"resihp keeper: checkpoint of step {headers[0].step} failed: {exc!r}",
+                file=sys.stderr,
+                flush=True,
+            )
             if not (self.dir / PERSIST_FAILED).exists():  # the launcher reads it (persist_failure)
                 # the cause, not DCP's wrapper of it (its per-rank failures)
-                cause = disk_full(exc) or next(iter((getattr(exc, "failures", None) or {}).values()), exc)
+                cause = disk_full(exc) or next(
+                    iter((getattr(exc, "failures", None) or {}).values()), exc
+                )
                 first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
                 with contextlib.suppress(OSError):
-                    write_json_atomic(self.dir / PERSIST_FAILED, {
-                        "step": headers[0].step, "error": f"{type(cause).__name__}: {first}",
-                        "disk_full": disk_full(exc) is not None or _full(headers)})
+                    write_json_atomic(
+                        self.dir / PERSIST_FAILED,
+                        {
+                            "step": headers[0].step,
+                            "error": f"{type(cause).__name__}: {first}",
+                            "disk_full": disk_full(exc) is not None or _full(headers),
+                        },
+                    )
             return None
         finally:
             self._dirty = True  # newer steps may have become complete meanwhile
@@ -412,7 +459,9 @@ class Keeper:
                 self._release()
         except Exception as exc:
             error = repr(exc)
-        write_json_atomic(self.dir / FLUSHED, {"id": request.get("id"), "step": step, "error": error})
+        write_json_atomic(
+            self.dir / FLUSHED, {"id": request.get("id"), "step": step, "error": error}
+        )
         (self.dir / FLUSH).unlink(missing_ok=True)
 
 
@@ -420,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="resihp.ckpt.keeper")
     parser.add_argument("--dir", required=True)
     parser.add_argument("--owner", type=int, default=None, help="end with this process")
-    parser.add_argument("--warm", action="store_true", help="load torch at start (the job checkpoints from memory)")
+    parser.add_argument(
+        "--warm", action="store_true", help="load torch at start (the job checkpoints from memory)"
+    )
     args = parser.parse_args(argv)
     Keeper(Path(args.dir), args.owner, args.warm).run()
 
@@ -456,11 +507,27 @@ def inspect_tier(directory: Path, verify: bool = True) -> dict:
     slots = []
     for h in MemoryTier(directory, -1).headers():
         tier = MemoryTier(directory, h.rank)
-        slots.append({"rank": h.rank, "slot": h.slot, "step": h.step, "holder": h.holder,
-                      "bytes": h.nbytes, "tensors": len(h.shards),
-                      "verified": tier.verify(h) if verify else None, "published_s": h.published_s})
-    pending = sorted(p.name.removesuffix(".pending.json") for p in directory.glob("rank*.pending.json"))
-    return {"dir": str(directory), "keeper_pid": keeper_pid(directory), "slots": slots, "pending": pending}
+        slots.append(
+            {
+                "rank": h.rank,
+                "slot": h.slot,
+                "step": h.step,
+                "holder": h.holder,
+                "bytes": h.nbytes,
+                "tensors": len(h.shards),
+                "verified": tier.verify(h) if verify else None,
+                "published_s": h.published_s,
+            }
+        )
+    pending = sorted(
+        p.name.removesuffix(".pending.json") for p in directory.glob("rank*.pending.json")
+    )
+    return {
+        "dir": str(directory),
+        "keeper_pid": keeper_pid(directory),
+        "slots": slots,
+        "pending": pending,
+    }
 
 
 @dataclass(frozen=True)
@@ -480,10 +547,15 @@ class LeftTier:
         return self.owner_dead and not self.keeper_running
 
     def describe(self) -> str:
-        owner = (f"owner PID {self.owner_pid} {'gone' if self.owner_dead else 'running'}"
-                 if self.owner_pid is not None else "no owner recorded")
-        return (f"{self.path} ({self.nbytes / 2**20:.0f} MiB, {owner}; remove it with "
-                f"rm -rf {self.path} once its job is over)")
+        owner = (
+            f"owner PID {self.owner_pid} {'gone' if self.owner_dead else 'running'}"
+            if self.owner_pid is not None
+            else "no owner recorded"
+        )
+        return (
+            f"{self.path} ({self.nbytes / 2**20:.0f} MiB, {owner}; remove it with "
+            f"rm -rf {self.path} once its job is over)"
+        )
 
 
 def _size(directory: Path) -> int:
@@ -517,8 +589,12 @@ def reclaim_dead_tiers(exclude: Path | None = None) -> list[LeftTier]:
         if tier.reclaimable:
             shutil.rmtree(tier.path, ignore_errors=True)
             gone.append(tier)
-            print(f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
-                  f"MiB; its owner PID {tier.owner_pid} is gone)", file=sys.stderr, flush=True)
+            print(
+                f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
+                f"MiB; its owner PID {tier.owner_pid} is gone)",
+                file=sys.stderr,
+                flush=True,
+            )
     return gone
 
 

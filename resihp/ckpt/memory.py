@@ -85,8 +85,10 @@ class SlotHeader:
 
     @classmethod
     def from_dict(cls, data: dict) -> SlotHeader:
-        shards = [Shard(s["key"], s["dtype"], tuple(s["shape"]), int(s["offset"]), int(s["nbytes"]))
-                  for s in data["shards"]]
+        shards = [
+            Shard(s["key"], s["dtype"], tuple(s["shape"]), int(s["offset"]), int(s["nbytes"]))
+            for s in data["shards"]
+        ]
         return cls(**{**data, "shards": shards})
 
 
@@ -103,10 +105,10 @@ def plan_shards(tensors: list) -> tuple[list[Shard], int]:
 
 
 def crc_of(buffer: memoryview | np.ndarray, shard: Shard) -> int:
-    view = memoryview(buffer)[shard.offset:shard.offset + shard.nbytes]
+    view = memoryview(buffer)[shard.offset : shard.offset + shard.nbytes]
     crc = 0
     for start in range(0, shard.nbytes, CRC_CHUNK):
-        crc = zlib.crc32(view[start:start + CRC_CHUNK], crc)
+        crc = zlib.crc32(view[start : start + CRC_CHUNK], crc)
     return crc
 
 
@@ -166,7 +168,8 @@ class MemoryTier:
                 f"({ranks_here} rank(s) x {need_bytes / 2**20:.0f} MiB: two slots, and the copies a rank "
                 f"keeps) but "
                 f"{free / 2**20:.0f} MiB is free; enlarge it (mount -o remount,size=... /dev/shm), "
-                f"set RESIHP_SHM to a larger tmpfs, or snapshot less state")
+                f"set RESIHP_SHM to a larger tmpfs, or snapshot less state"
+            )
 
     # --- writing (the trainer) ----------------------------------------------------------------------
     def open_slot(self, slot: str, nbytes: int) -> np.memmap:
@@ -184,8 +187,10 @@ class MemoryTier:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
-                raise InputError(f"--snapshot-every: cannot reserve {nbytes / 2**20:.0f} MiB for a "
-                                 f"snapshot slot in {self.dir} ({exc.strerror}); enlarge /dev/shm") from None
+                raise InputError(
+                    f"--snapshot-every: cannot reserve {nbytes / 2**20:.0f} MiB for a "
+                    f"snapshot slot in {self.dir} ({exc.strerror}); enlarge /dev/shm"
+                ) from None
         finally:
             os.close(fd)
         mm = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
@@ -208,8 +213,10 @@ class MemoryTier:
             if keeper_alive is not None:
                 keeper_alive()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"memory tier {self.dir}: the keeper did not publish slot {slot} of "
-                                   f"rank {self.rank} within {timeout_s:g} s")
+                raise RuntimeError(
+                    f"memory tier {self.dir}: the keeper did not publish slot {slot} of "
+                    f"rank {self.rank} within {timeout_s:g} s"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
         t0, delay = time.monotonic(), 0.0005
@@ -218,8 +225,10 @@ class MemoryTier:
                 self.hold_path(slot).unlink(missing_ok=True)
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"memory tier {self.dir}: the keeper held slot {slot} of rank "
-                                   f"{self.rank} for a checkpoint longer than {timeout_s:g} s")
+                raise RuntimeError(
+                    f"memory tier {self.dir}: the keeper held slot {slot} of rank "
+                    f"{self.rank} for a checkpoint longer than {timeout_s:g} s"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
         self.header_path(slot).unlink(missing_ok=True)
@@ -256,7 +265,9 @@ class MemoryTier:
         try:
             if path.stat().st_size < header.nbytes:
                 return None
-            return np.memmap(path, dtype=np.uint8, mode="r+" if writable else "r", shape=(header.nbytes,))
+            return np.memmap(
+                path, dtype=np.uint8, mode="r+" if writable else "r", shape=(header.nbytes,)
+            )
         except (OSError, ValueError):
             return None
 
@@ -270,8 +281,14 @@ class MemoryTier:
     def checked(self, header: SlotHeader) -> bool | None:
         """The keeper's verdict on a slot, if it checked this very slot (same step, same
         publication) after the trainers stopped (:func:`verify_all`); else None."""
-        entry = (read_json(self.dir / VERIFIED) or {}).get(self.header_path(header.slot, header.rank).name)
-        if entry is None or entry.get("step") != header.step or entry.get("published_s") != header.published_s:
+        entry = (read_json(self.dir / VERIFIED) or {}).get(
+            self.header_path(header.slot, header.rank).name
+        )
+        if (
+            entry is None
+            or entry.get("step") != header.step
+            or entry.get("published_s") != header.published_s
+        ):
             return None
         return bool(entry.get("ok"))
 
@@ -293,8 +310,14 @@ def verify_all(directory: Path) -> dict:
     """Check every published slot of a tier against its checksums (the keeper does it while a
     job relaunches, so that the restoring ranks need not); written to ``verified.json``."""
     tier = MemoryTier(directory, -1)
-    verdicts = {tier.header_path(h.slot, h.rank).name: {"step": h.step, "published_s": h.published_s,
-                                                         "ok": tier.verify(h)} for h in tier.headers()}
+    verdicts = {
+        tier.header_path(h.slot, h.rank).name: {
+            "step": h.step,
+            "published_s": h.published_s,
+            "ok": tier.verify(h),
+        }
+        for h in tier.headers()
+    }
     write_json_atomic(Path(directory) / VERIFIED, verdicts)
     return verdicts
 
@@ -334,6 +357,13 @@ def _keep_copy(tier: MemoryTier, header: SlotHeader, buf: np.ndarray) -> None:
     dst[:] = buf
     dst.flush()
     del dst
-    copy = SlotHeader(**{**header.to_dict(), "shards": header.shards, "slot": COPY,
-                         "holder": header.copy_to, "copy_to": None})
+    copy = SlotHeader(
+        **{
+            **header.to_dict(),
+            "shards": header.shards,
+            "slot": COPY,
+            "holder": header.copy_to,
+            "copy_to": None,
+        }
+    )
     write_json_atomic(tier.header_path(COPY), copy.to_dict())

@@ -88,13 +88,30 @@ class PersistRequest:
 
     @classmethod
     def from_dict(cls, data: dict) -> PersistRequest:
-        blocks = [Block(b["shard"], b["key"], tuple(b["size"]), tuple(b["offsets"]), tuple(b["sizes"]),
-                        tuple(b["strides"]), int(b["storage_offset"])) for b in data["blocks"]]
+        blocks = [
+            Block(
+                b["shard"],
+                b["key"],
+                tuple(b["size"]),
+                tuple(b["offsets"]),
+                tuple(b["sizes"]),
+                tuple(b["strides"]),
+                int(b["storage_offset"]),
+            )
+            for b in data["blocks"]
+        ]
         return cls(**{**data, "blocks": blocks})
 
 
-def blocks_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, local: list[tuple[str, torch.Tensor]],
-              tp: TPContext | None, cfg: GPTConfig | None, rank: int, write: bool = True) -> list[Block]:
+def blocks_of(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    local: list[tuple[str, torch.Tensor]],
+    tp: TPContext | None,
+    cfg: GPTConfig | None,
+    rank: int,
+    write: bool = True,
+) -> list[Block]:
     """Where each of this rank's snapshot tensors (``local``: ``resihp.ckpt.snapshot.state_tensors``)
     goes in a universal checkpoint: its placed state's blocks (model and AdamW state, when
     ``write``) and its RNG state as ``rng.torch.rank<R>``."""
@@ -103,19 +120,43 @@ def blocks_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, local: l
     for key, value in (placed_state(model, optimizer, tp, cfg) if write else {}).items():
         block = value.to_local() if isinstance(value, DTensor) else value
         shard, base = by_storage[block.untyped_storage().data_ptr()]
-        offsets = value.__create_chunk_list__()[0].offsets if isinstance(value, DTensor) else (0,) * block.dim()
-        out.append(Block(shard, key, tuple(value.shape), tuple(offsets), tuple(block.shape), tuple(block.stride()),
-                         block.storage_offset() - base.storage_offset()))
+        offsets = (
+            value.__create_chunk_list__()[0].offsets
+            if isinstance(value, DTensor)
+            else (0,) * block.dim()
+        )
+        out.append(
+            Block(
+                shard,
+                key,
+                tuple(value.shape),
+                tuple(offsets),
+                tuple(block.shape),
+                tuple(block.stride()),
+                block.storage_offset() - base.storage_offset(),
+            )
+        )
     rng = next(t for key, t in local if key == "rng.torch")
-    out.append(Block("rng.torch", f"rng.torch.rank{rank}", tuple(rng.shape), (0,) * rng.dim(), tuple(rng.shape),
-                     tuple(rng.stride()), 0))
+    out.append(
+        Block(
+            "rng.torch",
+            f"rng.torch.rank{rank}",
+            tuple(rng.shape),
+            (0,) * rng.dim(),
+            tuple(rng.shape),
+            tuple(rng.stride()),
+            0,
+        )
+    )
     return out
 
 
 class _BlockPlanner(DefaultSavePlanner):
     """DCP's default save planner, fed blocks at given global offsets instead of a state dict."""
 
-    def __init__(self, blocks: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+    def __init__(
+        self, blocks: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple[int, ...]]]
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.blocks = blocks
 
@@ -124,11 +165,17 @@ class _BlockPlanner(DefaultSavePlanner):
         for (key, offsets), (tensor, size) in self.blocks.items():
             index = MetadataIndex(key, torch.Size(offsets))
             whole = tuple(tensor.shape) == tuple(size)
-            items.append(WriteItem(index=index, type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(
-                                       chunk=ChunkStorageMetadata(torch.Size(offsets), tensor.shape),
-                                       properties=TensorProperties.create_from_tensor(tensor),
-                                       size=torch.Size(size))))
+            items.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(torch.Size(offsets), tensor.shape),
+                        properties=TensorProperties.create_from_tensor(tensor),
+                        size=torch.Size(size),
+                    ),
+                )
+            )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -149,7 +196,9 @@ class Persisted:
     reason: str = "due"  # or "breakpoint": the newest step in memory when the job stopped
 
 
-def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "due") -> Persisted | None:
+def write_checkpoint(
+    directory: Path, headers: list[SlotHeader], reason: str = "due"
+) -> Persisted | None:
     """Write the checkpoint of ``headers`` (one published slot per rank of the job, all of one
     step, each with a persist request) from tier ``directory``; None if a slot changed under it
     (a trainer began to overwrite it before the keeper held it: the next due step is persisted)
@@ -164,8 +213,10 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
         # hold before it unlinks the header; a slot taken at a breakpoint has no trainer left. So a
         # header still there as published means the bytes stay as they are until the hold goes
         now = {(h.rank, h.slot): h for h in tier.headers()}
-        if any(now.get((h.rank, h.slot)) is None or now[(h.rank, h.slot)].published_s != h.published_s
-               for h in headers):
+        if any(
+            now.get((h.rank, h.slot)) is None or now[(h.rank, h.slot)].published_s != h.published_s
+            for h in headers
+        ):
             return None
         requests = [PersistRequest.from_dict(h.persist) for h in headers]
         meta = next(r.meta for r in requests if r.meta is not None)
@@ -189,17 +240,23 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
                 if (b.key, b.offsets) in blocks:  # a replica's copy of a block already taken
                     continue
                 s = shards[b.shard]
-                flat = src[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype))
+                flat = src[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype))
                 # copied out (DCP would copy a view of a larger storage anyway), so that the slot
                 # is released after one pass over memory, not after the write to disk
-                tensor = flat.as_strided(b.sizes, b.strides, flat.storage_offset() + b.storage_offset).clone()
+                tensor = flat.as_strided(
+                    b.sizes, b.strides, flat.storage_offset() + b.storage_offset
+                ).clone()
                 blocks[(b.key, b.offsets)] = (tensor, b.size)
                 nbytes += tensor.numel() * tensor.element_size()
             # the slot still matches the checksums taken at its publication, so the copies are of
             # the published bytes: memory that went bad since is never written as a checkpoint
             if not tier.verify(header, data):
-                print(f"resihp keeper: rank {header.rank}'s slot {header.slot} no longer matches its "
-                      f"checksums: step {header.step} is not written to disk", file=sys.stderr, flush=True)
+                print(
+                    f"resihp keeper: rank {header.rank}'s slot {header.slot} no longer matches its "
+                    f"checksums: step {header.step} is not written to disk",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return None
     finally:
         for path in holds:
@@ -219,7 +276,9 @@ def write_checkpoint(directory: Path, headers: list[SlotHeader], reason: str = "
     (tmp / "meta.json").write_text(json.dumps(meta))
     publish(tmp, final, identity(meta))
     prune(root, requests[0].keep)
-    done = Persisted(step, str(final), nbytes, round(hold_s, 4), round(time.monotonic() - t0, 4), reason)
+    done = Persisted(
+        step, str(final), nbytes, round(hold_s, 4), round(time.monotonic() - t0, 4), reason
+    )
     with open(root / LOG, "a") as log:
         log.write(json.dumps(asdict(done)) + "\n")
     return done

@@ -26,7 +26,9 @@ from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
 from resihp.model.placement import Placement
 from resihp.model.tensor_parallel import TPContext
 
-_MESHES: dict[int, tuple[object, DeviceMesh]] = {}  # id(group) -> (the group, held so its id stays its own; mesh)
+_MESHES: dict[
+    int, tuple[object, DeviceMesh]
+] = {}  # id(group) -> (the group, held so its id stays its own; mesh)
 
 
 def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
@@ -41,34 +43,50 @@ def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
     return _MESHES[key][1]
 
 
-def placements(model: torch.nn.Module, tp: TPContext, cfg: GPTConfig | None = None
-               ) -> dict[str, tuple[str, torch.nn.Parameter, Placement | None]]:
+def placements(
+    model: torch.nn.Module, tp: TPContext, cfg: GPTConfig | None = None
+) -> dict[str, tuple[str, torch.nn.Parameter, Placement | None]]:
     """Per parameter name: its saved (global) name, the parameter, and its placement (None:
     replicated, for a module that is not the GPT model)."""
     cfg = cfg if cfg is not None else getattr(model, "cfg", None)
     out = {}
     for name, p in model.named_parameters():
         if isinstance(cfg, GPTConfig):
-            out[name] = (cfg.saved_name(name), p, cfg.placement(cfg.saved_name(name), tuple(p.shape), tp.size))
+            out[name] = (
+                cfg.saved_name(name),
+                p,
+                cfg.placement(cfg.saved_name(name), tuple(p.shape), tp.size),
+            )
         else:
             out[name] = (name, p, None)
     return out
 
 
-def _placed(local: torch.Tensor, where: Placement | None, tp: TPContext, mesh: DeviceMesh | None
-            ) -> torch.Tensor:
+def _placed(
+    local: torch.Tensor, where: Placement | None, tp: TPContext, mesh: DeviceMesh | None
+) -> torch.Tensor:
     if where is None or where.dim is None:
         return local
     block = where.local_view(local, tp.size, tp.rank)
     if mesh is None:  # one rank holds the whole global tensor
         return block
     stride = torch.empty(where.global_shape, device="meta").stride()
-    return DTensor.from_local(block, mesh, [Shard(where.dim)], run_check=False,
-                              shape=torch.Size(where.global_shape), stride=stride)
+    return DTensor.from_local(
+        block,
+        mesh,
+        [Shard(where.dim)],
+        run_check=False,
+        shape=torch.Size(where.global_shape),
+        stride=stride,
+    )
 
 
-def placed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, tp: TPContext | None = None,
-                 cfg: GPTConfig | None = None) -> dict[str, torch.Tensor]:
+def placed_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    tp: TPContext | None = None,
+    cfg: GPTConfig | None = None,
+) -> dict[str, torch.Tensor]:
     """This rank's parameters and AdamW state under their global keys, each a view of the live
     tensor, tensor-parallel shards as DTensors placed in their global tensor."""
     tp = tp or TPContext(1, 0)
@@ -83,7 +101,9 @@ def placed_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
             continue
         state = optimizer.state[p]
         for k in ADAM_KEYS:
-            out[f"optim.{saved}.{k}"] = state[k] if k == "step" else _placed(state[k], where, tp, mesh)
+            out[f"optim.{saved}.{k}"] = (
+                state[k] if k == "step" else _placed(state[k], where, tp, mesh)
+            )
     return out
 
 
@@ -92,7 +112,9 @@ def local_blocks(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-Extent = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes in the global tensor; bytes per element
+Extent = tuple[
+    tuple[int, ...], tuple[int, ...], int
+]  # offsets, sizes in the global tensor; bytes per element
 
 
 def extents(state: dict[str, torch.Tensor]) -> dict[str, Extent]:
@@ -122,8 +144,12 @@ def bytes_to_receive(held: dict[str, Extent], needed: dict[str, Extent]) -> int:
         have = 0
         if key in held:
             o2, s2, _ = held[key]
-            have = _volume(tuple(max(0, min(a + n, b + m) - max(a, b))
-                                 for a, n, b, m in zip(offsets, sizes, o2, s2, strict=True)))
+            have = _volume(
+                tuple(
+                    max(0, min(a + n, b + m) - max(a, b))
+                    for a, n, b, m in zip(offsets, sizes, o2, s2, strict=True)
+                )
+            )
         total += (_volume(sizes) - have) * width
     return total
 
@@ -160,7 +186,9 @@ def copy_held(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> set
             if key not in held:
                 continue
             o2, s2, _ = held[key]
-            if not all(b <= a and a + n <= b + m for a, n, b, m in zip(offsets, sizes, o2, s2, strict=True)):
+            if not all(
+                b <= a and a + n <= b + m for a, n, b, m in zip(offsets, sizes, o2, s2, strict=True)
+            ):
                 continue
             source = old[key].to_local() if isinstance(old[key], DTensor) else old[key]
             for dim, (a, n, b) in enumerate(zip(offsets, sizes, o2, strict=True)):

@@ -26,36 +26,90 @@ class Rule:
 
 RULES = (
     Rule("step", KEPT, "the run goes on at the checkpoint's step + 1; --steps stays the total"),
-    Rule("data.cursor", KEPT, "each step's documents are drawn from (seed, step) alone, so the next "
-         "step's global batch is the same in any layout"),
-    Rule("data.seed", REFUSED, "another seed draws other documents and another initialisation", "--seed"),
+    Rule(
+        "data.cursor",
+        KEPT,
+        "each step's documents are drawn from (seed, step) alone, so the next "
+        "step's global batch is the same in any layout",
+    ),
+    Rule(
+        "data.seed",
+        REFUSED,
+        "another seed draws other documents and another initialisation",
+        "--seed",
+    ),
     Rule("data.source", REFUSED, "another length source draws other documents", "--source"),
-    Rule("data.global_tokens", REFUSED, "another global batch changes the optimizer's mathematics",
-         "--global-tokens"),
-    Rule("data.max_len", REFUSED, "another longest sequence chunks documents differently", "--max-len"),
-    Rule("data.budget", REDERIVED, "the same documents are packed into micro-batches under the new "
-         "budget (the loss is a sum over the global batch's tokens)", "--budget"),
-    Rule("data.dp_weights", REDERIVED, "each replica's share of the micro-batches follows the new "
-         "layout", "--dp-weights"),
+    Rule(
+        "data.global_tokens",
+        REFUSED,
+        "another global batch changes the optimizer's mathematics",
+        "--global-tokens",
+    ),
+    Rule(
+        "data.max_len",
+        REFUSED,
+        "another longest sequence chunks documents differently",
+        "--max-len",
+    ),
+    Rule(
+        "data.budget",
+        REDERIVED,
+        "the same documents are packed into micro-batches under the new "
+        "budget (the loss is a sum over the global batch's tokens)",
+        "--budget",
+    ),
+    Rule(
+        "data.dp_weights",
+        REDERIVED,
+        "each replica's share of the micro-batches follows the new layout",
+        "--dp-weights",
+    ),
     Rule("layer_splits", REDERIVED, "layers per stage follow the new layout", "--layer-split"),
-    Rule("optim.lr", REDERIVED, "the learning rate is the resuming run's (AdamW keeps no rate)", "--lr"),
-    Rule("rng.torch", KEPT, "each rank's torch generator state is restored in the same layout; in "
-         "another one it is re-derived from (seed, step, the rank's data/pipeline/tensor coordinates), "
-         "as no rank's stream maps onto a rank of the new layout"),
+    Rule(
+        "optim.lr",
+        REDERIVED,
+        "the learning rate is the resuming run's (AdamW keeps no rate)",
+        "--lr",
+    ),
+    Rule(
+        "rng.torch",
+        KEPT,
+        "each rank's torch generator state is restored in the same layout; in "
+        "another one it is re-derived from (seed, step, the rank's data/pipeline/tensor coordinates), "
+        "as no rank's stream maps onto a rank of the new layout",
+    ),
 )
 
 
-def state_of_run(seed: int, source: str, global_tokens: int, max_len: int, budget: int,
-                 dp_weights: list[float], layer_splits: list[list[int]], lr: float,
-                 layout: dict[str, int]) -> dict:
+def state_of_run(
+    seed: int,
+    source: str,
+    global_tokens: int,
+    max_len: int,
+    budget: int,
+    dp_weights: list[float],
+    layer_splits: list[list[int]],
+    lr: float,
+    layout: dict[str, int],
+) -> dict:
     """The non-tensor state of a run as a checkpoint's ``meta.json`` records it."""
-    return {"data.seed": seed, "data.source": source, "data.global_tokens": global_tokens,
-            "data.max_len": max_len, "data.budget": budget, "data.dp_weights": list(dp_weights),
-            "layer_splits": [list(s) for s in layer_splits], "optim.lr": lr, "layout": dict(layout)}
+    return {
+        "data.seed": seed,
+        "data.source": source,
+        "data.global_tokens": global_tokens,
+        "data.max_len": max_len,
+        "data.budget": budget,
+        "data.dp_weights": list(dp_weights),
+        "layer_splits": [list(s) for s in layer_splits],
+        "optim.lr": lr,
+        "layout": dict(layout),
+    }
 
 
 def same_layout(saved: dict, now: dict) -> bool:
-    return saved.get("layout") == now.get("layout") and saved.get("layer_splits") == now.get("layer_splits")
+    return saved.get("layout") == now.get("layout") and saved.get("layer_splits") == now.get(
+        "layer_splits"
+    )
 
 
 def decide(saved: dict, now: dict, source: str = "checkpoint") -> list[dict]:
@@ -71,8 +125,10 @@ def decide(saved: dict, now: dict, source: str = "checkpoint") -> list[dict]:
             if before is None:
                 applied = "unchecked (older checkpoint)"
             elif before != after:
-                raise InputError(f"{source}: written with {rule.flag} {before}, this run has {after}: "
-                                 f"{rule.why}; resume with {rule.flag} {before}")
+                raise InputError(
+                    f"{source}: written with {rule.flag} {before}, this run has {after}: "
+                    f"{rule.why}; resume with {rule.flag} {before}"
+                )
             else:
                 applied = KEPT
         decisions.append({"key": rule.key, "rule": applied, "saved": before, "now": after})

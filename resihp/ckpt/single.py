@@ -13,6 +13,9 @@ from collections.abc import Iterator
 def single_process() -> Iterator[None]:
     """Inside it, DCP's "torch.distributed is ... uninitialized" warning is not shown."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning,
-                                message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore",
+            category=UserWarning,
+            message=r"torch\.distributed is (disabled, )?unavailable or uninitialized",
+        )
         yield

@@ -40,7 +40,9 @@ from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
 RNG_KEY = "rng.torch"
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor]]:
     """What a snapshot holds, by this rank's local names: parameters, AdamW state, the RNG."""
     ensure_adam_state(model, optimizer)
     out = []
@@ -67,9 +69,15 @@ class Snapshotter:
     around the wait for the keeper to release a slot (the trainer's heartbeat says it waits on its
     keeper, a wait bounded by ``timeout_s``, not a hang)."""
 
-    def __init__(self, tier: MemoryTier, every: int, copy_to: int | None = None,
-                 keeper_alive: Callable[[], None] | None = None, timeout_s: float = 60.0,
-                 held: Callable[[], AbstractContextManager] = nullcontext) -> None:
+    def __init__(
+        self,
+        tier: MemoryTier,
+        every: int,
+        copy_to: int | None = None,
+        keeper_alive: Callable[[], None] | None = None,
+        timeout_s: float = 60.0,
+        held: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
         self.tier, self.every, self.copy_to = tier, every, copy_to
         self.keeper_alive, self.timeout_s, self.held = keeper_alive, timeout_s, held
         self._next = tier.free_slot()
@@ -97,9 +105,15 @@ class Snapshotter:
         self._hook = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.fence())
         self._hooked = optimizer
 
-    def snapshot(self, step: int, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
-                 layout: dict, persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None,
-                 tensors: list[tuple[str, torch.Tensor]] | None = None) -> None:
+    def snapshot(
+        self,
+        step: int,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        layout: dict,
+        persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None,
+        tensors: list[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
         """Start copying this rank's state after step ``step`` into the free slot.
 
         Args:
@@ -122,8 +136,17 @@ class Snapshotter:
             tensors = state_tensors(model, optimizer)
         shards, nbytes = plan_shards(tensors)
         buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
-        header = SlotHeader(self.tier.rank, slot, step, layout, shards, nbytes, holder=self.tier.rank,
-                            copy_to=self.copy_to, persist=persist(tensors) if persist is not None else None)
+        header = SlotHeader(
+            self.tier.rank,
+            slot,
+            step,
+            layout,
+            shards,
+            nbytes,
+            holder=self.tier.rank,
+            copy_to=self.copy_to,
+            persist=persist(tensors) if persist is not None else None,
+        )
         gpu = next((t.device for _, t in tensors if t.is_cuda), None)
         ready = None
         if gpu is not None:
@@ -131,8 +154,12 @@ class Snapshotter:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(gpu))  # after the optimizer step's kernels
         self._error = None
-        self._thread = threading.Thread(target=self._copy, args=(buf, tensors, header, gpu, ready),
-                                        name="resihp-snapshot", daemon=True)
+        self._thread = threading.Thread(
+            target=self._copy,
+            args=(buf, tensors, header, gpu, ready),
+            name="resihp-snapshot",
+            daemon=True,
+        )
         self._thread.start()
         self._next = SLOTS[1 - SLOTS.index(slot)]
         self.blocked_s.append(time.perf_counter() - t0)
@@ -154,20 +181,28 @@ class Snapshotter:
         rc = torch.cuda.cudart().cudaHostRegister(key[0], key[1], 0)
         self._pinned[slot] = (*key, int(rc) == 0)
 
-    def _copy(self, buf: torch.Tensor, tensors: list[tuple[str, torch.Tensor]], header: SlotHeader,
-              gpu: torch.device | None = None, ready: torch.cuda.Event | None = None) -> None:
+    def _copy(
+        self,
+        buf: torch.Tensor,
+        tensors: list[tuple[str, torch.Tensor]],
+        header: SlotHeader,
+        gpu: torch.device | None = None,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 if gpu is None:
                     for (_, t), s in zip(tensors, header.shards, strict=True):
-                        buf[s.offset:s.offset + s.nbytes].copy_(_bytes(t))
+                        buf[s.offset : s.offset + s.nbytes].copy_(_bytes(t))
                 else:
                     stream = self._streams.setdefault(gpu, torch.cuda.Stream(gpu))
                     with torch.cuda.device(gpu), torch.cuda.stream(stream):
                         stream.wait_event(ready)
                         for (_, t), s in zip(tensors, header.shards, strict=True):
-                            buf[s.offset:s.offset + s.nbytes].copy_(_bytes(t), non_blocking=t.is_cuda)
+                            buf[s.offset : s.offset + s.nbytes].copy_(
+                                _bytes(t), non_blocking=t.is_cuda
+                            )
                     stream.synchronize()
             self.tier.mark_written(header)
         except BaseException as exc:  # handed to the trainer at the fence
@@ -219,13 +254,19 @@ class Restored:
     phases_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "source": self.source, "sources": self.sources,
-                "restore_s": round(self.restore_s, 4), "run": self.run,
-                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()}}
+        return {
+            "step": self.step,
+            "source": self.source,
+            "sources": self.sources,
+            "restore_s": round(self.restore_s, 4),
+            "run": self.run,
+            "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()},
+        }
 
 
-def find_latest(inventory: list[list[dict]], peers: Callable[[int], list[int]], world: int
-                ) -> tuple[int, dict[int, dict]] | None:
+def find_latest(
+    inventory: list[list[dict]], peers: Callable[[int], list[int]], world: int
+) -> tuple[int, dict[int, dict]] | None:
     """The newest step whose state is held, verified, for every rank (its own slot, a
     data-parallel peer's, or an explicit copy), and for each rank the slot to load: its own memory
     first, then a peer's slot, then a copy. ``inventory[h]``: the verified headers rank ``h``
@@ -239,16 +280,30 @@ def find_latest(inventory: list[list[dict]], peers: Callable[[int], list[int]], 
             options = [h for h in at if h["rank"] in same]
             if not options:
                 break
-            choice[r] = min(options, key=lambda h: (h["holder"] != r, h["rank"] != h["holder"],
-                                                    h["slot"] not in SLOTS, h["holder"], h["slot"]))
+            choice[r] = min(
+                options,
+                key=lambda h: (
+                    h["holder"] != r,
+                    h["rank"] != h["holder"],
+                    h["slot"] not in SLOTS,
+                    h["holder"],
+                    h["slot"],
+                ),
+            )
         else:
             return step, choice
     return None
 
 
-def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: dict,
-            peers: Callable[[int], list[int]], group: dist.ProcessGroup | None = None,
-            before_transfer: Callable[[], None] | None = None) -> Restored | None:
+def restore(
+    tier: MemoryTier,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: dict,
+    peers: Callable[[int], list[int]],
+    group: dist.ProcessGroup | None = None,
+    before_transfer: Callable[[], None] | None = None,
+) -> Restored | None:
     """Collective over ``group`` (gloo; every rank calls it): load the newest step complete for
     every rank from the memory tier, or None (every rank alike) if there is none.
     ``before_transfer``: called once every rank has agreed what to load (fault injection)."""
@@ -274,8 +329,11 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     mapped = {dst: tier.read(h, writable=True) for dst, h in sending.items()}
     data = tier.read(header, writable=True) if local[rank] else None
     tensors = dict(state_tensors(model, optimizer))
-    ready = all(m is not None for m in mapped.values()) and _fits(header, tensors) and (
-        not local[rank] or data is not None)
+    ready = (
+        all(m is not None for m in mapped.values())
+        and _fits(header, tensors)
+        and (not local[rank] or data is not None)
+    )
     flag = torch.tensor([1 if ready else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if flag.item() < 1:
@@ -292,14 +350,27 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
         h = SlotHeader.from_dict(choice[dst])
         if src == rank:
             payload = torch.from_numpy(mapped[dst])
-            sends += [dist.isend(payload[sh.offset:sh.offset + sh.nbytes], dst, group=group, tag=tag + i)
-                      for i, sh in enumerate(h.shards)]
+            sends += [
+                dist.isend(
+                    payload[sh.offset : sh.offset + sh.nbytes], dst, group=group, tag=tag + i
+                )
+                for i, sh in enumerate(h.shards)
+            ]
         elif dst == rank:
-            receives += [dist.irecv(_bytes(rng) if sh.key == RNG_KEY else _bytes(tensors[sh.key]), src,
-                                    group=group, tag=tag + i) for i, sh in enumerate(h.shards)]
+            receives += [
+                dist.irecv(
+                    _bytes(rng) if sh.key == RNG_KEY else _bytes(tensors[sh.key]),
+                    src,
+                    group=group,
+                    tag=tag + i,
+                )
+                for i, sh in enumerate(h.shards)
+            ]
         tag += len(h.shards)
     t_posted = time.perf_counter()
-    ok = _load(header, data, tensors) if data is not None else True  # beside the transfers in flight
+    ok = (
+        _load(header, data, tensors) if data is not None else True
+    )  # beside the transfers in flight
     t_load = time.perf_counter()
     for w in receives:
         w.wait()
@@ -314,10 +385,20 @@ def restore(tier: MemoryTier, model: torch.nn.Module, optimizer: torch.optim.Opt
     if both[0] < 1:
         return None
     sources = ["peer" if choice[r]["holder"] != r else "memory" for r in range(world)]
-    phases = {"inventory": t_inventory - t0, "load": t_load - t_posted,
-              "transfer": t_transfer - t_inventory - (t_load - t_posted), "agree": time.perf_counter() - t_transfer}
-    return Restored(step, "peer" if "peer" in sources else "memory", sources, float(-both[1]),
-                    dict(header.layout.get("run", {})), phases)
+    phases = {
+        "inventory": t_inventory - t0,
+        "load": t_load - t_posted,
+        "transfer": t_transfer - t_inventory - (t_load - t_posted),
+        "agree": time.perf_counter() - t_transfer,
+    }
+    return Restored(
+        step,
+        "peer" if "peer" in sources else "memory",
+        sources,
+        float(-both[1]),
+        dict(header.layout.get("run", {})),
+        phases,
+    )
 
 
 def _good(tier: MemoryTier, header: SlotHeader) -> bool:
@@ -332,8 +413,11 @@ def _fits(header: SlotHeader, tensors: dict[str, torch.Tensor]) -> bool:
     by_key = {s.key: s for s in header.shards}
     if set(by_key) != set(tensors):
         return False
-    return all(tuple(by_key[k].shape) == tuple(t.shape) and by_key[k].dtype == str(t.dtype).removeprefix("torch.")
-               for k, t in tensors.items())
+    return all(
+        tuple(by_key[k].shape) == tuple(t.shape)
+        and by_key[k].dtype == str(t.dtype).removeprefix("torch.")
+        for k, t in tensors.items()
+    )
 
 
 def _load(header: SlotHeader, data: np.ndarray, tensors: dict[str, torch.Tensor]) -> bool:
@@ -346,7 +430,7 @@ def _load(header: SlotHeader, data: np.ndarray, tensors: dict[str, torch.Tensor]
     with torch.no_grad():
         for key, t in tensors.items():
             s = by_key[key]
-            piece = src[s.offset:s.offset + s.nbytes]
+            piece = src[s.offset : s.offset + s.nbytes]
             if key == RNG_KEY:
                 torch.set_rng_state(piece.clone())
             else:

@@ -52,9 +52,17 @@ def _tp(tp: TPContext | int | None, tp_rank: int = 0) -> TPContext:
     return TPContext(int(tp or 1), tp_rank)
 
 
-def save(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         step: int, meta: dict, tp: TPContext | None = None, cfg: GPTConfig | None = None,
-         extra: dict[str, torch.Tensor] | None = None, write: bool = True) -> None:
+def save(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    meta: dict,
+    tp: TPContext | None = None,
+    cfg: GPTConfig | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+    write: bool = True,
+) -> None:
     """Collective: every rank of the job calls it. The tensors go to a hidden temporary folder;
     rank 0 (whose DCP call returns only after every rank's files are written) adds ``meta.json``
     and the manifest, and renames the folder to ``directory``. ``extra``: this rank's own tensors
@@ -77,9 +85,16 @@ def identity(meta: dict) -> dict:
     return {k: meta.get(k) for k in ("job_id", "model_hash", "step")}
 
 
-def load(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         tp: TPContext | int | None = None, cfg: GPTConfig | None = None,
-         extra: dict[str, torch.Tensor] | None = None, tp_rank: int = 0, reader=None) -> dict:
+def load(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tp: TPContext | int | None = None,
+    cfg: GPTConfig | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+    tp_rank: int = 0,
+    reader=None,
+) -> dict:
     """Fill this rank's parameters and AdamW state (and the tensors of ``extra``, in place) from
     ``directory``, which must verify against its manifest, whatever layout wrote it; returns its
     meta. Collective when a process group is up (every rank calls it). ``reader``: a DCP storage
@@ -104,12 +119,20 @@ def _check_shapes(directory: str | Path, state: dict[str, torch.Tensor], metadat
     saved = metadata.state_dict_metadata
     for key, value in state.items():
         if key not in saved:
-            raise InputError(f"{directory}: has no {key} (written for another model or model options)")
+            raise InputError(
+                f"{directory}: has no {key} (written for another model or model options)"
+            )
         have = tuple(getattr(saved[key], "size", ()))
         if tuple(value.shape) != have:
-            layout = " (a format-1 checkpoint: `resihp ckpt convert` it)" if key.endswith("qkv.weight") else ""
-            raise InputError(f"{directory}: {key} has global shape {list(have)}, this model needs "
-                             f"{list(value.shape)}{layout}")
+            layout = (
+                " (a format-1 checkpoint: `resihp ckpt convert` it)"
+                if key.endswith("qkv.weight")
+                else ""
+            )
+            raise InputError(
+                f"{directory}: {key} has global shape {list(have)}, this model needs "
+                f"{list(value.shape)}{layout}"
+            )
 
 
 def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -121,8 +144,12 @@ def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
     read_dcp_metadata(directory)
     flat: dict = {}
     with single_process(), refusals():
-        _load_state_dict(flat, storage_reader=safe_reader(directory),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            flat,
+            storage_reader=safe_reader(directory),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
     return flat
 
 
@@ -131,14 +158,21 @@ def _v1_key(name: str, tp: TPContext) -> str:
     return f"{name}@tp{tp.rank}of{tp.size}" if tp.size > 1 and split_of(name) else name
 
 
-def _load_v1(directory: str | Path, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             tp: TPContext) -> dict:
+def _load_v1(
+    directory: str | Path,
+    meta: dict,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tp: TPContext,
+) -> dict:
     """Format 1: shards in the unsharded model's shape; into the tensor-parallel size that wrote
     them, or slices of whole tensors (a tp=1 or converted checkpoint) into any size."""
     saved_tp = int(meta.get("tp", 1))
     if saved_tp not in (1, tp.size):
-        raise InputError(f"{directory}: an older resihp checkpoint (format 1) written with tp={saved_tp}; "
-                         f"run `resihp ckpt convert` on it before loading it with tp={tp.size}")
+        raise InputError(
+            f"{directory}: an older resihp checkpoint (format 1) written with tp={saved_tp}; "
+            f"run `resihp ckpt convert` on it before loading it with tp={tp.size}"
+        )
     ensure_adam_state(model, optimizer)
     live = {}
     for name, p in model.named_parameters():
@@ -150,13 +184,17 @@ def _load_v1(directory: str | Path, meta: dict, model: torch.nn.Module, optimize
         with refusals():
             dcp.load(live, storage_reader=safe_reader(directory))
         return meta
-    wanted = {k: torch.empty(full_shape(_param_name(k), v.shape, tp.size) if v.dim() else ())
-              for k, v in live.items()}
+    wanted = {
+        k: torch.empty(full_shape(_param_name(k), v.shape, tp.size) if v.dim() else ())
+        for k, v in live.items()
+    }
     with refusals():
         dcp.load(wanted, storage_reader=safe_reader(directory))
     with torch.no_grad():
         for k, v in wanted.items():
-            live[k].copy_(v if live[k].shape == v.shape else shard(_param_name(k), v, tp.size, tp.rank))
+            live[k].copy_(
+                v if live[k].shape == v.shape else shard(_param_name(k), v, tp.size, tp.rank)
+            )
     return meta
 
 
@@ -181,8 +219,10 @@ def read_meta(directory: str | Path) -> dict:
         raise InputError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InputError(f"{path}: field step: expected the last step the checkpoint trained (a whole "
-                         f"number >= 0), got {step!r}")
+        raise InputError(
+            f"{path}: field step: expected the last step the checkpoint trained (a whole "
+            f"number >= 0), got {step!r}"
+        )
     return meta
 
 
@@ -210,9 +250,16 @@ def inspect(directory: str | Path) -> dict:
     _verified(directory)
     meta = read_meta(directory)
     md = read_dcp_metadata(directory)
-    keys = {k: {"shape": list(getattr(v, "size", [])), "dtype": str(getattr(getattr(v, "properties", None), "dtype", ""))}
-            for k, v in md.state_dict_metadata.items()}
-    layers = sorted({int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))})
+    keys = {
+        k: {
+            "shape": list(getattr(v, "size", [])),
+            "dtype": str(getattr(getattr(v, "properties", None), "dtype", "")),
+        }
+        for k, v in md.state_dict_metadata.items()
+    }
+    layers = sorted(
+        {int(m.group(1)) for k in keys if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    )
     return {"meta": meta, "tensors": len(keys), "layers": layers, "keys": keys, "verified": True}
 
 
@@ -244,9 +291,16 @@ def convert(src: str | Path, dst: str | Path) -> dict:
         m = re.match(r"^(.*)@tp(\d+)of(\d+)(\..*)?$", key)
         if m:  # format 1: join the shards
             groups.setdefault(m.group(1) + (m.group(4) or ""), {})[int(m.group(2))] = value
-        elif key.startswith(("model.", "optim.")) and split_of(_param_name(key)) and value.dim() > 1 \
-                and split_of(_param_name(key))[1] > 1 and int(meta.get("format", 1)) >= 2:
-            out[key] = value.reshape(-1, *value.shape[2:])  # fused (groups, rows, ...) -> the model's shape
+        elif (
+            key.startswith(("model.", "optim."))
+            and split_of(_param_name(key))
+            and value.dim() > 1
+            and split_of(_param_name(key))[1] > 1
+            and int(meta.get("format", 1)) >= 2
+        ):
+            out[key] = value.reshape(
+                -1, *value.shape[2:]
+            )  # fused (groups, rows, ...) -> the model's shape
         else:
             out[key] = value
     for key, pieces in groups.items():
@@ -255,22 +309,32 @@ def convert(src: str | Path, dst: str | Path) -> dict:
     dst.parent.mkdir(parents=True, exist_ok=True)
     result = {"tensors": len(out), "joined": len(groups), "source": str(src)}
     if dst.suffix in (".pt", ".safetensors"):
-        model = {k.removeprefix("model."): v.contiguous() for k, v in out.items() if k.startswith("model.")}
+        model = {
+            k.removeprefix("model."): v.contiguous()
+            for k, v in out.items()
+            if k.startswith("model.")
+        }
         if dst.suffix == ".pt":
             torch.save({"model": model, "meta": meta}, dst)
         else:
             try:  # deferred: only this export needs safetensors
                 from safetensors.torch import save_file
             except ImportError:
-                raise InputError(f"{dst}: writing .safetensors needs the safetensors package "
-                                 f"(pip install safetensors), or name a .pt file") from None
+                raise InputError(
+                    f"{dst}: writing .safetensors needs the safetensors package "
+                    f"(pip install safetensors), or name a .pt file"
+                ) from None
             save_file(model, str(dst), metadata={"resihp": json.dumps(meta)})
         return {**result, "tensors": len(model), "file": str(dst)}
     tmp = dst.with_name(f".{dst.name}.partial")
     with single_process():
         dcp.save(out, checkpoint_id=str(tmp), no_dist=True)
-    new_meta = {**{k: v for k, v in meta.items() if k != "format"}, "tp": 1, "format": 1,
-                "converted_from": str(src)}
+    new_meta = {
+        **{k: v for k, v in meta.items() if k != "format"},
+        "tp": 1,
+        "format": 1,
+        "converted_from": str(src),
+    }
     (tmp / "meta.json").write_text(json.dumps(new_meta))
     if dst.exists():
         dst.rmdir()  # empty (the CLI refuses a non-empty destination)

@@ -99,16 +99,21 @@ class Controller:
         return {d: 1.0 / max(s, 1e-9) for d, s in self.speeds.items() if s < 1.0}
 
     # -- findings --------------------------------------------------------------------------
-    def found_slow(self, device: int, slowdown: float, step: int, time_s: float = 0.0) -> ControlDecision:
+    def found_slow(
+        self, device: int, slowdown: float, step: int, time_s: float = 0.0
+    ) -> ControlDecision:
         """A detector (or the caller's own measure) puts ``device`` at ``slowdown``."""
         slowdown = max(float(slowdown), 1.0)
         old = self.slowdown(device)
         if old > 1.0:
             if not self.config.moved(old, slowdown):
-                return ControlDecision(ControlAction.KEEP, "priced within the revise factor", device,
-                                slowdown=old)
+                return ControlDecision(
+                    ControlAction.KEEP, "priced within the revise factor", device, slowdown=old
+                )
             if self._held(device, step):
-                return ControlDecision(ControlAction.KEEP, "re-priced too recently", device, slowdown=old)
+                return ControlDecision(
+                    ControlAction.KEEP, "re-priced too recently", device, slowdown=old
+                )
         elif slowdown <= 1.0:
             return ControlDecision(ControlAction.KEEP, "at speed", device)
         elif time_s - self._returned_at.get(device, -math.inf) <= self._longest_recheck():
@@ -121,8 +126,9 @@ class Controller:
         self.speeds[device] = 1.0 / slowdown
         self._benched_at[device] = time_s
         self._priced_step[device] = step
-        return ControlDecision(ControlAction.REPLAN, "slow" if old <= 1.0 else "re-priced", device,
-                        slowdown=slowdown)
+        return ControlDecision(
+            ControlAction.REPLAN, "slow" if old <= 1.0 else "re-priced", device, slowdown=slowdown
+        )
 
     def found_recovered(self, device: int) -> ControlDecision:
         """The device's slowdown is over: at speed again."""
@@ -132,23 +138,31 @@ class Controller:
         self._priced_step.pop(device, None)
         return ControlDecision(ControlAction.REPLAN, "recovered", device)
 
-    def found_link(self, ends: Iterable[int], slowdown: float, step: int,
-                   time_s: float = 0.0) -> ControlDecision:
+    def found_link(
+        self, ends: Iterable[int], slowdown: float, step: int, time_s: float = 0.0
+    ) -> ControlDecision:
         """A detector puts the link between ``ends`` at ``slowdown`` of its bandwidth."""
         link = _link(ends)
         slowdown = max(float(slowdown), 1.0)
         old = self.links.get(link)
         if old is not None:
             if not self.config.moved(old, slowdown):
-                return ControlDecision(ControlAction.KEEP, "priced within the revise factor", link=link,
-                                slowdown=old)
+                return ControlDecision(
+                    ControlAction.KEEP, "priced within the revise factor", link=link, slowdown=old
+                )
             if self._held(link, step):
-                return ControlDecision(ControlAction.KEEP, "re-priced too recently", link=link, slowdown=old)
+                return ControlDecision(
+                    ControlAction.KEEP, "re-priced too recently", link=link, slowdown=old
+                )
         self.links[link] = slowdown
         self._link_at[link] = time_s
         self._priced_step[link] = step
-        return ControlDecision(ControlAction.REPLAN, "slow link" if old is None else "re-priced", link=link,
-                        slowdown=slowdown)
+        return ControlDecision(
+            ControlAction.REPLAN,
+            "slow link" if old is None else "re-priced",
+            link=link,
+            slowdown=slowdown,
+        )
 
     def link_recovered(self, ends: Iterable[int]) -> ControlDecision:
         """The link's slowdown is over."""
@@ -181,9 +195,13 @@ class Controller:
         if not self.config.moved(old, slowdown):
             return ControlDecision(ControlAction.KEEP, "still slow", device, slowdown=old)
         self.speeds[device] = 1.0 / slowdown
-        return ControlDecision(ControlAction.REPLAN, "still slow, re-priced", device, slowdown=slowdown)
+        return ControlDecision(
+            ControlAction.REPLAN, "still slow, re-priced", device, slowdown=slowdown
+        )
 
-    def probed_link(self, ends: Iterable[int], speed: float, time_s: float = 0.0) -> ControlDecision:
+    def probed_link(
+        self, ends: Iterable[int], speed: float, time_s: float = 0.0
+    ) -> ControlDecision:
         """A slow link out of use measured ``speed`` of its bandwidth."""
         link = _link(ends)
         if link not in self.links:
@@ -194,20 +212,28 @@ class Controller:
             return ControlDecision(ControlAction.REPLAN, "link healthy at its probe", link=link)
         slowdown = 1.0 / max(speed, 1e-6)
         if not self.config.moved(self.links[link], slowdown):
-            return ControlDecision(ControlAction.KEEP, "link still slow", link=link, slowdown=self.links[link])
+            return ControlDecision(
+                ControlAction.KEEP, "link still slow", link=link, slowdown=self.links[link]
+            )
         self.links[link] = slowdown
-        return ControlDecision(ControlAction.REPLAN, "link still slow, re-priced", link=link, slowdown=slowdown)
+        return ControlDecision(
+            ControlAction.REPLAN, "link still slow, re-priced", link=link, slowdown=slowdown
+        )
 
     def recheck_after(self, device: int) -> float:
         """Seconds a benched device waits from its last probe (or finding) to its next."""
-        return self.config.recheck_s * 2 ** min(self._backoff.get(device, 0),
-                                                self.config.max_backoff)
+        return self.config.recheck_s * 2 ** min(
+            self._backoff.get(device, 0), self.config.max_backoff
+        )
 
     def due_probes(self, now: float, used: set[int], dead: set[int]) -> list[int]:
         """Devices believed slow that the plan leaves out (``used``: its devices) and whose
         probe is due at ``now``."""
-        return [d for d in self._benched(used, dead)
-                if now - self._benched_at.get(d, 0.0) >= self.recheck_after(d)]
+        return [
+            d
+            for d in self._benched(used, dead)
+            if now - self._benched_at.get(d, 0.0) >= self.recheck_after(d)
+        ]
 
     def due_link_probes(self, now: float, used: set[int]) -> list[Link]:
         """Slow links the plan no longer uses (an end left out) whose probe is due at ``now``."""
@@ -215,8 +241,9 @@ class Controller:
 
     def wake_at(self, used: set[int], dead: set[int]) -> float | None:
         """The earliest time a probe falls due, None when none is pending."""
-        times = [self._benched_at.get(d, 0.0) + self.recheck_after(d)
-                 for d in self._benched(used, dead)]
+        times = [
+            self._benched_at.get(d, 0.0) + self.recheck_after(d) for d in self._benched(used, dead)
+        ]
         times += [self._link_due(e) for e in self._unused(used)]
         return min(times) if times else None
 
@@ -226,7 +253,7 @@ class Controller:
         return last is not None and 0 <= step - last < self.config.hold_steps
 
     def _longest_recheck(self) -> float:
-        return self.config.recheck_s * 2 ** self.config.max_backoff
+        return self.config.recheck_s * 2**self.config.max_backoff
 
     def _benched(self, used: set[int], dead: set[int]) -> list[int]:
         return [d for d, s in self.speeds.items() if s < 1.0 and d not in used and d not in dead]

@@ -29,26 +29,40 @@ def read_alibaba_job(path: str | Path) -> tuple[pd.DataFrame, JobMeta]:
         raise InputError(f"{path}: cannot read Alibaba mini-batch file ({exc.strerror})") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"{path}: not a CSV Alibaba mini-batch file ({first}); expected columns "
-                         "worker, time, batch_time_norm") from None
+        raise InputError(
+            f"{path}: not a CSV Alibaba mini-batch file ({first}); expected columns "
+            "worker, time, batch_time_norm"
+        ) from None
     need = {"worker", "time", "batch_time_norm"}
     if not need <= set(raw.columns):
         raise InputError(f"{path}: expected columns worker, time, batch_time_norm")
-    for col, kind in (("worker", "an integer"), ("time", "an integer"), ("batch_time_norm", "a number")):
+    for col, kind in (
+        ("worker", "an integer"),
+        ("time", "an integer"),
+        ("batch_time_norm", "a number"),
+    ):
         values = pd.to_numeric(raw[col], errors="coerce")
         bad = values.isna() & raw[col].notna()
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
-            raise InputError(f"{path}: column {col} row {row}: {raw[col].iloc[row]!r} is not {kind}")
+            raise InputError(
+                f"{path}: column {col} row {row}: {raw[col].iloc[row]!r} is not {kind}"
+            )
         raw[col] = values
     raw = raw.dropna(subset=["worker", "time", "batch_time_norm"])
     workers = sorted(raw["worker"].astype(int).unique())
     rank = {w: i for i, w in enumerate(workers)}
-    df = pd.DataFrame({
-        "step": raw["time"].astype(int), "rank": raw["worker"].astype(int).map(rank),
-        "dp_rank": raw["worker"].astype(int).map(rank), "stage": 0, "tp_rank": 0,
-        "optype": "forward-compute", "duration": raw["batch_time_norm"].astype(float),
-        "worker": raw["worker"].astype(int),
-    })
+    df = pd.DataFrame(
+        {
+            "step": raw["time"].astype(int),
+            "rank": raw["worker"].astype(int).map(rank),
+            "dp_rank": raw["worker"].astype(int).map(rank),
+            "stage": 0,
+            "tp_rank": 0,
+            "optype": "forward-compute",
+            "duration": raw["batch_time_norm"].astype(float),
+            "worker": raw["worker"].astype(int),
+        }
+    )
     meta = JobMeta(dp_size=len(workers), pp_size=1, tp_size=1, world_size=len(workers))
     return validate_ops_trace(df, source=str(path)), meta

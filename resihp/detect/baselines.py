@@ -41,8 +41,17 @@ class _Base:
         def val(a: np.ndarray) -> int | None:
             return None if a[i] < 0 else int(a[i])
 
-        ev = Event("fail-slow", int(i), val(lay.dp_rank), val(lay.stage), val(lay.tp_rank), onset, step,
-                   float(slowdown), float(confidence))
+        ev = Event(
+            "fail-slow",
+            int(i),
+            val(lay.dp_rank),
+            val(lay.stage),
+            val(lay.tp_rank),
+            onset,
+            step,
+            float(slowdown),
+            float(confidence),
+        )
         self.events.append(ev)
         self._open[int(i)] = ev
         return ev
@@ -59,15 +68,26 @@ class _Base:
 class RawThresholdDetector(_Base):
     name = "raw-threshold"
 
-    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None, threshold: float = 1.2,
-                 window: int = 20) -> None:
+    def __init__(
+        self,
+        meta: JobMeta,
+        layout: RankPlacement | None = None,
+        threshold: float = 1.2,
+        window: int = 20,
+    ) -> None:
         super().__init__(meta, layout)
         self.threshold = threshold
         self.history: deque[np.ndarray] = deque(maxlen=window)
         self.window = window
 
-    def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
-                       expected: np.ndarray | None = None, comm: np.ndarray | None = None) -> list[Event]:
+    def observe_arrays(
+        self,
+        step: int,
+        own: np.ndarray,
+        raw: np.ndarray | None = None,
+        expected: np.ndarray | None = None,
+        comm: np.ndarray | None = None,
+    ) -> list[Event]:
         raw = np.asarray(raw, dtype=float)
         new = []
         if len(self.history) >= min(self.window, 5):
@@ -90,16 +110,27 @@ class RawThresholdDetector(_Base):
 class RelativeScoreDetector(_Base):
     name = "relative-score"
 
-    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None, threshold: float = 0.75,
-                 report_every: int = 10) -> None:
+    def __init__(
+        self,
+        meta: JobMeta,
+        layout: RankPlacement | None = None,
+        threshold: float = 0.75,
+        report_every: int = 10,
+    ) -> None:
         super().__init__(meta, layout)
         self.threshold = threshold
         self.report_every = report_every
         self._window: list[np.ndarray] = []
         self._window_steps: list[int] = []
 
-    def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
-                       expected: np.ndarray | None = None, comm: np.ndarray | None = None) -> list[Event]:
+    def observe_arrays(
+        self,
+        step: int,
+        own: np.ndarray,
+        raw: np.ndarray | None = None,
+        expected: np.ndarray | None = None,
+        comm: np.ndarray | None = None,
+    ) -> list[Event]:
         self._window.append(np.asarray(raw, dtype=float))
         self._window_steps.append(step)
         if len(self._window) < self.report_every:
@@ -123,8 +154,12 @@ class RelativeScoreDetector(_Base):
 class IterationChangePointDetector(_Base):
     name = "iteration-changepoint"
 
-    def __init__(self, meta: JobMeta, layout: RankPlacement | None = None,
-                 config: DetectorConfig | None = None) -> None:
+    def __init__(
+        self,
+        meta: JobMeta,
+        layout: RankPlacement | None = None,
+        config: DetectorConfig | None = None,
+    ) -> None:
         super().__init__(meta, layout)
         self.cfg = config or DetectorConfig(baseline_rate=0.0)
         self.bank = CusumBank(1, self.cfg)
@@ -132,8 +167,14 @@ class IterationChangePointDetector(_Base):
         self._ref: np.ndarray | None = None
         self._current: int | None = None
 
-    def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
-                       expected: np.ndarray | None = None, comm: np.ndarray | None = None) -> list[Event]:
+    def observe_arrays(
+        self,
+        step: int,
+        own: np.ndarray,
+        raw: np.ndarray | None = None,
+        expected: np.ndarray | None = None,
+        comm: np.ndarray | None = None,
+    ) -> list[Event]:
         raw = np.asarray(raw, dtype=float)
         if self._ref is None:
             self._cal.append(raw)
@@ -154,5 +195,7 @@ class IterationChangePointDetector(_Base):
         return new
 
 
-BASELINES = {cls.name: cls for cls in (RawThresholdDetector, RelativeScoreDetector,
-                                       IterationChangePointDetector)}
+BASELINES = {
+    cls.name: cls
+    for cls in (RawThresholdDetector, RelativeScoreDetector, IterationChangePointDetector)
+}

@@ -37,7 +37,7 @@ def clipped_moments(shift: float, clip: float) -> tuple[float, float]:
     m1 = pdf(a) - pdf(b)  # E[Z; a < Z < b]
     m2 = inside + a * pdf(a) - b * pdf(b)  # E[Z^2; a < Z < b]
     mean = shift * inside + m1 - clip * cdf(a) + clip * (1 - cdf(b))
-    second = (shift * shift * inside + 2 * shift * m1 + m2 + clip * clip * (cdf(a) + 1 - cdf(b)))
+    second = shift * shift * inside + 2 * shift * m1 + m2 + clip * clip * (cdf(a) + 1 - cdf(b))
     return mean, max(second - mean * mean, 1e-12)
 
 
@@ -54,13 +54,25 @@ def run_length(shift: float, k: float, h: float, clip: float) -> float:
     return (math.exp(x) - x - 1) / (2 * drift * drift)
 
 
-def series_budget(sigma: float, k: float, h: float, clip: float, share: float = 1.0,
-                  min_persist: int = 1, floor: float = 1.0) -> dict:
+def series_budget(
+    sigma: float,
+    k: float,
+    h: float,
+    clip: float,
+    share: float = 1.0,
+    min_persist: int = 1,
+    floor: float = 1.0,
+) -> dict:
     """The budget of one series of log-noise ``sigma`` (the module doc); a factor below ``floor``
     (never raised) has no delay."""
     arl0 = run_length(0.0, k, h, clip)
-    out: dict = {"sigma": round(float(sigma), 6), "k": round(float(k), 4), "h": round(float(h), 4),
-                 "clip": round(float(clip), 4), "arl0_steps": _num(arl0)}
+    out: dict = {
+        "sigma": round(float(sigma), 6),
+        "k": round(float(k), 4),
+        "h": round(float(h), 4),
+        "clip": round(float(clip), 4),
+        "arl0_steps": _num(arl0),
+    }
     least = max(float(min_persist), h / max(clip - k, 1e-9))
     for f in FACTORS:
         shift = math.log(f) * share / sigma
@@ -76,10 +88,18 @@ def series_budget(sigma: float, k: float, h: float, clip: float, share: float = 
 def bank_budget(bank: CusumBank, floor: float = 1.0) -> dict[int, dict]:
     """Per calibrated series of ``bank``, its budget at its thresholds and calibrated noise."""
     cfg = bank.cfg
-    return {int(i): series_budget(float(bank.calibrated_sigma[i]), float(bank.k[i]),
-                                  float(bank.h[i]), float(bank.clip[i]), bank.share,
-                                  cfg.min_persist, floor)
-            for i in np.flatnonzero(bank.calibrated & (bank.calibrated_sigma > 0))}
+    return {
+        int(i): series_budget(
+            float(bank.calibrated_sigma[i]),
+            float(bank.k[i]),
+            float(bank.h[i]),
+            float(bank.clip[i]),
+            bank.share,
+            cfg.min_persist,
+            floor,
+        )
+        for i in np.flatnonzero(bank.calibrated & (bank.calibrated_sigma > 0))
+    }
 
 
 def job_arl0(budgets: list[dict]) -> float | None:

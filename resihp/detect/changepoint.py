@@ -108,12 +108,18 @@ class CusumBank:
         src = np.where(source >= 0, source, 0)
         # a re-plan that keeps every rank's work mostly recalibrates a few series in place: no
         # gather of the 2-D histories (16 MB each at 16,384 series)
-        in_place = len(source) == self.n and bool(((source == np.arange(self.n)) | (source < 0)).all())
+        in_place = len(source) == self.n and bool(
+            ((source == np.arange(self.n)) | (source < 0)).all()
+        )
         start = CusumBank(1, self.cfg)  # a fresh series' values, broadcast over the fresh ones
         out = copy.copy(self)
         out.n, out.share = len(source), _share(len(source))
         for name, value in vars(self).items():
-            if name != "_hist_step" and isinstance(value, np.ndarray) and value.shape[-1:] == (self.n,):
+            if (
+                name != "_hist_step"
+                and isinstance(value, np.ndarray)
+                and value.shape[-1:] == (self.n,)
+            ):
                 # a gather along the series axis (np.take: several times faster than fancy
                 # indexing of the 2-D histories), then the fresh series reset
                 moved = value if in_place else np.take(value, src, axis=-1)
@@ -141,7 +147,11 @@ class CusumBank:
         self.run_n[:] = 0
         self.quiet[:] = 0
         self.down[:] = 0.0
-        self.k[:], self.h[:], self.clip[:] = cfg.cusum_k / cfg.sensitivity, cfg.cusum_h / cfg.sensitivity, cfg.z_clip
+        self.k[:], self.h[:], self.clip[:] = (
+            cfg.cusum_k / cfg.sensitivity,
+            cfg.cusum_h / cfg.sensitivity,
+            cfg.z_clip,
+        )
         self.adapted[:] = False
         self._hist[:] = np.nan  # deviations from the old baselines say nothing of the new ones
 
@@ -236,8 +246,12 @@ class CusumBank:
         # a noisy series: the run's mean, every step of it (the raised steps alone overstate it)
         rmean = self.run_sum[a] / np.maximum(self.run_n[a], 1)
         level = np.where(self.adapted[a], rmean, mean_raised)
-        fire = (~alarmed[a] & (s_new[a] >= h[a]) & (rn >= cfg.min_persist)
-                & (level >= self._log_min * self.share))
+        fire = (
+            ~alarmed[a]
+            & (s_new[a] >= h[a])
+            & (rn >= cfg.min_persist)
+            & (level >= self._log_min * self.share)
+        )
         for j in np.flatnonzero(fire).tolist():
             i = int(a[j])
             n_up = int(rn[j])
@@ -280,8 +294,9 @@ class CusumBank:
             self.quiet[a[still]] = 0
             for i in quiet[self.quiet[quiet] >= cfg.recover_steps]:
                 i = int(i)
-                recoveries.append(Recovery(i, int(self.last_quiet_start[i]) - 1,
-                                           self.episode_slowdown(i)))
+                recoveries.append(
+                    Recovery(i, int(self.last_quiet_start[i]) - 1, self.episode_slowdown(i))
+                )
                 self.alarmed[i] = False
                 self.down[i] = 0.0
                 self.s[i] = 0.0
@@ -303,7 +318,7 @@ class CusumBank:
         steps, v = steps[seen], v[seen]
         tail_sum = np.cumsum(v[::-1])[::-1]
         tail_n = np.arange(len(v), 0, -1)
-        score = np.where(tail_sum > 0, tail_sum ** 2 / tail_n, -np.inf)
+        score = np.where(tail_sum > 0, tail_sum**2 / tail_n, -np.inf)
         best = int(np.argmax(score))
         return int(steps[best]), float(tail_sum[best]), int(tail_n[best])
 
@@ -372,11 +387,14 @@ class CusumBank:
         self.k[done] = k / sens
         self.h[done] = h / sens
         # a noisy series' steps are clipped closer (heavy tails), but never to within a sigma of k
-        self.clip[done] = np.where(noisy, np.maximum(min(cfg.noisy_z_clip, cfg.z_clip), k / sens + 1),
-                                   cfg.z_clip)
+        self.clip[done] = np.where(
+            noisy, np.maximum(min(cfg.noisy_z_clip, cfg.z_clip), k / sens + 1), cfg.z_clip
+        )
         self.adapted[done] = noisy
 
-    def _calibrate(self, step: int, x: np.ndarray, seen: np.ndarray) -> tuple[np.ndarray, list[Alarm]]:
+    def _calibrate(
+        self, step: int, x: np.ndarray, seen: np.ndarray
+    ) -> tuple[np.ndarray, list[Alarm]]:
         """Fill the calibration windows; the series whose window filled at this step calibrated,
         and the alarms of those whose level rose inside it (``_risen``)."""
         cfg = self.cfg
@@ -401,8 +419,9 @@ class CusumBank:
         risen = self._risen(done) if self.rises else np.empty((0, 2), dtype=np.int64)
         # a rank's own few steps can understate its noise: never below the typical rank's
         pooled = float(np.median(self.sigma[self.calibrated]))
-        self.sigma[self.calibrated] = np.maximum(self.sigma[self.calibrated],
-                                                 cfg.pooled_sigma * pooled)
+        self.sigma[self.calibrated] = np.maximum(
+            self.sigma[self.calibrated], cfg.pooled_sigma * pooled
+        )
         self._sigma0[self.calibrated] = self.sigma[self.calibrated]
         self._set_thresholds(np.flatnonzero(self.calibrated))
         return done, self._risen_alarms(risen)
@@ -449,8 +468,12 @@ class CusumBank:
         raised = (after & (z > k)).sum(axis=0)
         rise_sum = np.where(after, cal - head, 0.0).sum(axis=0)
         rise = rise_sum / (w - split)
-        hit = np.flatnonzero((drift >= h) & (raised >= cfg.min_persist)
-                             & (tail - head >= self._log_min * self.share) & (rise > 0))
+        hit = np.flatnonzero(
+            (drift >= h)
+            & (raised >= cfg.min_persist)
+            & (tail - head >= self._log_min * self.share)
+            & (rise > 0)
+        )
         out = []
         for j in hit.tolist():
             i, t = int(done[j]), int(split[j])
@@ -471,7 +494,9 @@ class CusumBank:
         for i, t in risen.tolist():
             n_up = int(self.alarm_n[i])
             mean = self.alarm_sum[i] / n_up
-            conf = float(0.5 * (1 + _erf((mean / self.sigma[i] * np.sqrt(n_up) - self.k[i]) / np.sqrt(2))))
+            conf = float(
+                0.5 * (1 + _erf((mean / self.sigma[i] * np.sqrt(n_up) - self.k[i]) / np.sqrt(2)))
+            )
             out.append(Alarm(i, int(self._cal_step[t, i]), float(np.exp(mean / self.share)), conf))
         return out
 

@@ -72,29 +72,49 @@ class DetectorConfig:
     fit_cost: bool = True
 
     def __post_init__(self) -> None:
-        positive = ["calibration_steps", "cusum_k", "cusum_h", "z_clip", "min_persist", "sigma_floor",
-                    "recover_steps", "sensitivity", "false_alarm_steps", "detect_within",
-                    "noisy_z_clip"]
+        positive = [
+            "calibration_steps",
+            "cusum_k",
+            "cusum_h",
+            "z_clip",
+            "min_persist",
+            "sigma_floor",
+            "recover_steps",
+            "sensitivity",
+            "false_alarm_steps",
+            "detect_within",
+            "noisy_z_clip",
+        ]
         for name in positive:
             if not 0 < getattr(self, name) < math.inf:
-                raise InputError(f"detector config: {name} must be a positive finite number, got "
-                                 f"{getattr(self, name)!r}")
+                raise InputError(
+                    f"detector config: {name} must be a positive finite number, got "
+                    f"{getattr(self, name)!r}"
+                )
         if self.calibration_steps < 3:
             raise InputError("detector config: calibration_steps must be at least 3")
         if not 0 <= self.own_quantile <= 1:
-            raise InputError(f"detector config: own_quantile must be in [0, 1], got {self.own_quantile}")
+            raise InputError(
+                f"detector config: own_quantile must be in [0, 1], got {self.own_quantile}"
+            )
         if not 0 <= self.baseline_rate < 1:
-            raise InputError(f"detector config: baseline_rate must be in [0, 1), got {self.baseline_rate}")
+            raise InputError(
+                f"detector config: baseline_rate must be in [0, 1), got {self.baseline_rate}"
+            )
         if self.min_slowdown < 1:
             raise InputError(f"detector config: min_slowdown must be >= 1, got {self.min_slowdown}")
         floor = self.alarm_floor
         number = isinstance(floor, (int, float)) and not isinstance(floor, bool)
         if not number or not 1 <= floor < math.inf:
-            raise InputError("detector config: alarm_floor must be a finite factor >= 1 (x slower "
-                             f"than expected, e.g. 1.25), got {floor!r}")
+            raise InputError(
+                "detector config: alarm_floor must be a finite factor >= 1 (x slower "
+                f"than expected, e.g. 1.25), got {floor!r}"
+            )
         for name in ("target_slowdown", "phase_min_slowdown"):
             if not getattr(self, name) > 1:
-                raise InputError(f"detector config: {name} must be above 1, got {getattr(self, name)!r}")
+                raise InputError(
+                    f"detector config: {name} must be above 1, got {getattr(self, name)!r}"
+                )
         if self.z_clip <= self.cusum_k:
             raise InputError("detector config: z_clip must exceed cusum_k")
 

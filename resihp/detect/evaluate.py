@@ -59,8 +59,15 @@ class Score:
     lorden: list[tuple[float, float]] = field(default_factory=list)
 
     def add(self, other: Score) -> None:
-        for name in ("tp", "fp", "fn", "duplicates", "healthy_steps", "healthy_rank_steps",
-                     "false_alarms_healthy"):
+        for name in (
+            "tp",
+            "fp",
+            "fn",
+            "duplicates",
+            "healthy_steps",
+            "healthy_rank_steps",
+            "false_alarms_healthy",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("delays", "slowdown_errors", "factors", "detected_factors", "lorden"):
             getattr(self, name).extend(getattr(other, name))
@@ -68,7 +75,11 @@ class Score:
     def summary(self, step_time_s: float = DEFAULT_STEP_TIME_S) -> dict:
         """The figures (module doc); false alarms per day of one job at ``step_time_s``."""
         out = self._quality()
-        fa, steps, rank_steps = self.false_alarms_healthy, self.healthy_steps, self.healthy_rank_steps
+        fa, steps, rank_steps = (
+            self.false_alarms_healthy,
+            self.healthy_steps,
+            self.healthy_rank_steps,
+        )
         out["healthy_rank_steps"] = rank_steps
         out["false_alarms_per_10k_rank_steps"] = round(1e4 * fa / max(rank_steps, 1), 4)
         out["false_alarms_per_day"] = round(fa / max(steps, 1) * DAY_S / step_time_s, 3)
@@ -94,10 +105,15 @@ class Score:
         d = np.asarray(self.delays, dtype=float)
         e = np.asarray(self.slowdown_errors, dtype=float)
         return {
-            "tp": self.tp, "fp": self.fp, "fn": self.fn, "precision": round(precision, 4),
-            "recall": round(recall, 4), "f1": round(f1, 4),
-            "false_alarms_per_10k_healthy_steps": round(1e4 * self.false_alarms_healthy
-                                                        / max(self.healthy_steps, 1), 3),
+            "tp": self.tp,
+            "fp": self.fp,
+            "fn": self.fn,
+            "precision": round(precision, 4),
+            "recall": round(recall, 4),
+            "f1": round(f1, 4),
+            "false_alarms_per_10k_healthy_steps": round(
+                1e4 * self.false_alarms_healthy / max(self.healthy_steps, 1), 3
+            ),
             "healthy_steps": self.healthy_steps,
             "delay_steps_median": float(np.median(d)) if d.size else None,
             "delay_steps_max": float(d.max()) if d.size else None,
@@ -115,9 +131,16 @@ def fault_sigma(budget: dict, inj: Injection) -> float | None:
     return float(entry["sigma"]) if entry and entry.get("sigma") else None
 
 
-def score_events(events: list[Event], injections: list[Injection], steps: np.ndarray,
-                 dims: ParallelDims, *, grace: int = 5, skip_first: int = 0,
-                 sigma_of: Callable[[Injection], float | None] | None = None) -> Score:
+def score_events(
+    events: list[Event],
+    injections: list[Injection],
+    steps: np.ndarray,
+    dims: ParallelDims,
+    *,
+    grace: int = 5,
+    skip_first: int = 0,
+    sigma_of: Callable[[Injection], float | None] | None = None,
+) -> Score:
     """Match ``events`` of one trace (a job of ``dims``) against its injected faults; a link-slow
     may be reported at either end of its link. ``sigma_of``: a fault's series noise, for its delay
     against Lorden's bound."""
@@ -134,9 +157,12 @@ def score_events(events: list[Event], injections: list[Injection], steps: np.nda
         hit = None
         for j, inj in enumerate(injections):
             ranks = set(inj.link_ends(dims))
-            if (ev.kind == inj.kind and ev.rank in ranks
-                    and ev.extra.get("traffic", inj.traffic) == inj.traffic
-                    and inj.onset_step <= ev.detected_step <= inj.end_step + grace):
+            if (
+                ev.kind == inj.kind
+                and ev.rank in ranks
+                and ev.extra.get("traffic", inj.traffic) == inj.traffic
+                and inj.onset_step <= ev.detected_step <= inj.end_step + grace
+            ):
                 hit = j
                 break
         if hit is None:
@@ -153,14 +179,22 @@ def score_events(events: list[Event], injections: list[Injection], steps: np.nda
             sc.detected_factors.append(inj.factor)
             sigma = sigma_of(inj) if sigma_of and inj.factor > 1 else None
             if sigma:
-                sc.lorden.append((float(sc.delays[-1]), 2 * sigma * sigma / math.log(inj.factor) ** 2))
+                sc.lorden.append(
+                    (float(sc.delays[-1]), 2 * sigma * sigma / math.log(inj.factor) ** 2)
+                )
     sc.fn = matched.count(False)
     sc.factors = [inj.factor for inj in injections]
     return sc
 
 
-def make_detector(name: str, meta: JobMeta, layout, expected: ExpectedCompute | None = None,
-                  meta_dict: dict | None = None, config: DetectorConfig | None = None):
+def make_detector(
+    name: str,
+    meta: JobMeta,
+    layout,
+    expected: ExpectedCompute | None = None,
+    meta_dict: dict | None = None,
+    config: DetectorConfig | None = None,
+):
     if name == "resihp":
         return OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
     return BASELINES[name](meta, layout)
@@ -169,12 +203,17 @@ def make_detector(name: str, meta: JobMeta, layout, expected: ExpectedCompute | 
 METHODS = ["resihp", *BASELINES]
 
 
-def run_methods(df: pd.DataFrame, meta: JobMeta, methods: list[str] | None = None,
-                expected: ExpectedCompute | None = None, meta_dict: dict | None = None,
-                config: DetectorConfig | None = None,
-                on_obs: Callable[[Observations], None] | None = None,
-                detectors: dict | None = None,
-                source: str = "ops trace") -> tuple[dict[str, list[Event]], Observations]:
+def run_methods(
+    df: pd.DataFrame,
+    meta: JobMeta,
+    methods: list[str] | None = None,
+    expected: ExpectedCompute | None = None,
+    meta_dict: dict | None = None,
+    config: DetectorConfig | None = None,
+    on_obs: Callable[[Observations], None] | None = None,
+    detectors: dict | None = None,
+    source: str = "ops trace",
+) -> tuple[dict[str, list[Event]], Observations]:
     """Every method over the same per-step observations of one trace (``detectors``, if given,
     receives each method's detector by name: the last part's). A trace whose ranks took new places
     in a live re-plan (``layout_parts``) is observed part by part, each with fresh detectors, as

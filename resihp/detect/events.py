@@ -38,11 +38,18 @@ class Event:
         return float(self.extra.get("rank_slowdown", self.slowdown))
 
     def to_dict(self) -> dict:
-        out = {"kind": self.kind, "rank": _int(self.rank), "dp_rank": _int(self.dp_rank),
-               "stage": _int(self.stage), "tp_rank": _int(self.tp_rank),
-               "onset_step": int(self.onset_step), "detected_step": int(self.detected_step),
-               "slowdown": round(float(self.slowdown), 4), "confidence": round(float(self.confidence), 4),
-               "end_step": _int(self.end_step)}
+        out = {
+            "kind": self.kind,
+            "rank": _int(self.rank),
+            "dp_rank": _int(self.dp_rank),
+            "stage": _int(self.stage),
+            "tp_rank": _int(self.tp_rank),
+            "onset_step": int(self.onset_step),
+            "detected_step": int(self.detected_step),
+            "slowdown": round(float(self.slowdown), 4),
+            "confidence": round(float(self.confidence), 4),
+            "end_step": _int(self.end_step),
+        }
         if self.ranks is not None:
             out["ranks"] = [int(r) for r in self.ranks]
         out.update(self.extra)
@@ -55,5 +62,12 @@ def _int(value: object) -> int | None:
 
 def events_json(events: list[Event], steps: int, ranks: int, **extra: object) -> dict:
     """The ``resihp detect --json`` document: events in detection order, then step and rank counts."""
-    ordered = sorted(events, key=lambda e: (e.detected_step, e.kind, -1 if e.rank is None else e.rank))
-    return {"events": [e.to_dict() for e in ordered], "steps": int(steps), "ranks": int(ranks), **extra}
+    ordered = sorted(
+        events, key=lambda e: (e.detected_step, e.kind, -1 if e.rank is None else e.rank)
+    )
+    return {
+        "events": [e.to_dict() for e in ordered],
+        "steps": int(steps),
+        "ranks": int(ranks),
+        **extra,
+    }

@@ -19,8 +19,9 @@ def predictor_expected(predictor: object, shape: TransformerShape) -> ExpectedCo
     """Wrap anything with ``predict_seq_lens(seq_lens, phase, shape) -> seconds``."""
 
     def expected(seq_lens: Sequence[Sequence[int]], phase: str) -> np.ndarray:
-        return np.asarray(predictor.predict_seq_lens([list(s) for s in seq_lens], phase, shape),
-                          dtype=np.float64)
+        return np.asarray(
+            predictor.predict_seq_lens([list(s) for s in seq_lens], phase, shape), dtype=np.float64
+        )
 
     return expected
 
@@ -30,12 +31,14 @@ def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | Non
     full = shape_from_meta(meta_dict)
     if full is None:
         return None
-    return TransformerShape(max(1, full.layers // meta.pp_size), full.hidden, full.heads,
-                            full.ffn_hidden, full.tp)
+    return TransformerShape(
+        max(1, full.layers // meta.pp_size), full.hidden, full.heads, full.ffn_hidden, full.tp
+    )
 
 
-def load_expected(model: str | Path, shape: TransformerShape | None,
-                  device: str | None = None) -> ExpectedCompute:
+def load_expected(
+    model: str | Path, shape: TransformerShape | None, device: str | None = None
+) -> ExpectedCompute:
     """The predictor ``model`` (a folder, an installed predictor by name, or ``auto``: the one
     measured on ``device``) bound to ``shape``. ``device`` is the job's (its meta's ``device``
     field), by default this machine's CPU; a predictor of another device is refused."""
@@ -44,10 +47,14 @@ def load_expected(model: str | Path, shape: TransformerShape | None,
     try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn
         from resihp.perf.predictor import MicroBatchPredictor
     except ImportError:
-        raise InputError(f"--predictor {model}: this installation has no micro-batch predictor") from None
+        raise InputError(
+            f"--predictor {model}: this installation has no micro-batch predictor"
+        ) from None
     if shape is None:
-        raise InputError(f"--predictor {model}: the job meta needs the model fields layers, hidden, heads "
-                         "and ffn_hidden to ask the predictor")
+        raise InputError(
+            f"--predictor {model}: the job meta needs the model fields layers, hidden, heads "
+            "and ffn_hidden to ask the predictor"
+        )
     predictor = MicroBatchPredictor.load(model)
     check_device(model, predictor.device_, device)
     return predictor_expected(predictor, shape)

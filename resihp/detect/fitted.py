@@ -95,8 +95,9 @@ def _fit_phase(x: np.ndarray, seconds: np.ndarray) -> np.ndarray | None:
     return coef
 
 
-def _fit_phases(x: np.ndarray, phase: np.ndarray, seconds: np.ndarray
-                ) -> dict[str, np.ndarray] | None:
+def _fit_phases(
+    x: np.ndarray, phase: np.ndarray, seconds: np.ndarray
+) -> dict[str, np.ndarray] | None:
     coef = {}
     for p in _PHASES:
         sel = np.flatnonzero(phase == p)
@@ -123,9 +124,14 @@ class FittedCost:
     fold_of_step: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, seq_lens: Sequence[Sequence[int]], phase: Sequence[str], seconds: np.ndarray,
-            steps: Sequence[int] | None = None, shape: TransformerShape | None = None
-            ) -> FittedCost | None:
+    def fit(
+        cls,
+        seq_lens: Sequence[Sequence[int]],
+        phase: Sequence[str],
+        seconds: np.ndarray,
+        steps: Sequence[int] | None = None,
+        shape: TransformerShape | None = None,
+    ) -> FittedCost | None:
         """From compute ops of healthy steps: their lengths, phase (``fwd``/``bwd``), own seconds
         and (for the out-of-fold costs of those steps) step numbers; ``shape``: the model's
         (stage's) shape, for its FLOPs; None when a phase has too few ops or no positive fit."""
@@ -165,8 +171,9 @@ class FittedCost:
 _OPTYPE_PHASE = {"forward-compute": "fwd", "backward-compute": "bwd"}
 
 
-def fit_trace(df: pd.DataFrame, calibration_steps: int, shape: TransformerShape | None = None
-              ) -> FittedCost | None:
+def fit_trace(
+    df: pd.DataFrame, calibration_steps: int, shape: TransformerShape | None = None
+) -> FittedCost | None:
     """The fit over the compute ops of a trace's first ``calibration_steps`` steps (their own
     seconds: tensor-parallel waits taken out); None without lengths on every one of them, or
     where it does not explain them better than the analytic cost."""
@@ -187,8 +194,9 @@ def fit_trace(df: pd.DataFrame, calibration_steps: int, shape: TransformerShape 
     return fit
 
 
-def _explains_better(fit: FittedCost, lens: list, phase: np.ndarray, seconds: np.ndarray,
-                     steps: np.ndarray) -> bool:
+def _explains_better(
+    fit: FittedCost, lens: list, phase: np.ndarray, seconds: np.ndarray, steps: np.ndarray
+) -> bool:
     """Whether the fit, out of fold, leaves less spread in the window than the analytic cost (FLOPs,
     or tokens without the shape) scaled per phase: a job whose cost is its FLOPs keeps them,
     without the noise a fit's extra freedom would add."""
@@ -197,8 +205,10 @@ def _explains_better(fit: FittedCost, lens: list, phase: np.ndarray, seconds: np
     for p in _PHASES:
         sel = np.flatnonzero((phase == p) & ok)
         sub = [lens[i] for i in sel]
-        for out, cost in ((fitted, fit.costs(sub, p, steps[sel])),
-                          (analytic, _features(sub, fit.shape)[:, 2])):  # FLOPs, or tokens
+        for out, cost in (
+            (fitted, fit.costs(sub, p, steps[sel])),
+            (analytic, _features(sub, fit.shape)[:, 2]),
+        ):  # FLOPs, or tokens
             r = np.log(seconds[sel] / cost)
             out.append(r - np.median(r))
     return _spread(np.concatenate(fitted)) < _spread(np.concatenate(analytic))

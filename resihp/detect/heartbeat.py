@@ -67,8 +67,18 @@ def node_key(prefix: str, node: int) -> str:
 _NUM = (int, float)
 _BEAT = {"c": int, "pid": int, "step": int, "phase": str, "ops": int, "wait": str}
 _ENTRY = {"seen": bool, "silent_s": _NUM}
-_ENTRY_OPTIONAL = {"step": int, "phase": str, "ops": int, "wait": str, "pid": int, "stalled_s": _NUM,
-                   "step_s": _NUM, "exited": bool, "stopped": bool, "alive": bool}
+_ENTRY_OPTIONAL = {
+    "step": int,
+    "phase": str,
+    "ops": int,
+    "wait": str,
+    "pid": int,
+    "stalled_s": _NUM,
+    "step_s": _NUM,
+    "exited": bool,
+    "stopped": bool,
+    "alive": bool,
+}
 
 
 def parse_beat(doc: object) -> dict:
@@ -99,7 +109,9 @@ def _signed(doc: dict, secret: str | None) -> str:
     return json.dumps(sign(doc, secret) if secret else doc)
 
 
-def _checked(parse: Callable[[object], dict], secret: str | None, what: str) -> Callable[[object], dict]:
+def _checked(
+    parse: Callable[[object], dict], secret: str | None, what: str
+) -> Callable[[object], dict]:
     """``parse`` after the record's signature is checked under ``secret`` (None: not checked)."""
     if secret is None:
         return parse
@@ -113,8 +125,15 @@ def start_local_store(timeout_s: float = 30.0) -> tuple[TCPStore, int]:
     sock.listen(128)
     port = sock.getsockname()[1]
     # the store takes the listening descriptor over; the Python socket object must not close it
-    store = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_s),
-                     wait_for_workers=False, master_listen_fd=sock.detach())
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     return store, port
 
 
@@ -174,9 +193,16 @@ class HeartbeatSender(_Loop):
     """Run in every rank: ``HeartbeatSender(store, rank, node, progress=...).start()``; ``stop()``
     at exit. ``progress`` is read at each beat (the engine's op recorder supplies it)."""
 
-    def __init__(self, store: Store, rank: int, node: int, interval_s: float = 0.5,
-                 prefix: str = PREFIX, progress: Callable[[], Progress] | None = None,
-                 secret: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        node: int,
+        interval_s: float = 0.5,
+        prefix: str = PREFIX,
+        progress: Callable[[], Progress] | None = None,
+        secret: str | None = None,
+    ) -> None:
         super().__init__(interval_s)
         self.store, self.key = store, rank_key(prefix, node, rank)
         self.secret = _secret(secret)
@@ -191,8 +217,20 @@ class HeartbeatSender(_Loop):
     def tick(self) -> None:
         self.count += 1
         p = self._progress()
-        self.store.set(self.key, _signed({"c": self.count, "pid": os.getpid(), "step": p.step,
-                                          "phase": p.phase, "ops": p.ops, "wait": p.wait}, self.secret))
+        self.store.set(
+            self.key,
+            _signed(
+                {
+                    "c": self.count,
+                    "pid": os.getpid(),
+                    "step": p.step,
+                    "phase": p.phase,
+                    "ops": p.ops,
+                    "wait": p.wait,
+                },
+                self.secret,
+            ),
+        )
 
     def finish(self, phase: str = "done") -> None:
         """The last beat: the rank is done (a monitor never judges it again)."""
@@ -206,9 +244,18 @@ class NodeAggregator(_Loop):
     """Run once per node (in the node's launcher, or in local rank 0). With ``check_pids`` (it
     runs on the ranks' host) a rank whose process is gone or stopped is known at once."""
 
-    def __init__(self, store: Store, node: int, ranks: Sequence[int], interval_s: float = 0.5,
-                 timeout_s: float = 3.0, prefix: str = PREFIX, startup_s: float = 60.0,
-                 check_pids: bool = True, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        node: int,
+        ranks: Sequence[int],
+        interval_s: float = 0.5,
+        timeout_s: float = 3.0,
+        prefix: str = PREFIX,
+        startup_s: float = 60.0,
+        check_pids: bool = True,
+        secret: str | None = None,
+    ) -> None:
         super().__init__(interval_s)
         self.store, self.node, self.ranks = store, node, list(ranks)
         self.secret = _secret(secret)
@@ -247,28 +294,46 @@ class NodeAggregator(_Loop):
             # a process already gone is let through: nothing is ever signalled to it, and its
             # rank is judged exited (a rank killed right after its first beat is gone before the
             # launcher could see it was its own)
-            if msg is not None and self.owns is not None and (
-                    self._last[rank] is None or msg["pid"] != self._last[rank]["pid"]) and (
-                    process_state(msg["pid"]) not in (None, "Z")) and not self.owns(msg["pid"]):
+            if (
+                msg is not None
+                and self.owns is not None
+                and (self._last[rank] is None or msg["pid"] != self._last[rank]["pid"])
+                and (process_state(msg["pid"]) not in (None, "Z"))
+                and not self.owns(msg["pid"])
+            ):
                 RECORDS.reject(key, f"it names process {msg['pid']}, which this node did not start")
                 msg = None
             last = self._last[rank]
             if msg is not None and (last is None or msg["c"] != last["c"]):
                 self._beat_at[rank] = now
                 if last is None or (msg["step"], msg["phase"], msg["ops"], msg["wait"]) != (
-                        last["step"], last["phase"], last["ops"], last["wait"]):
+                    last["step"],
+                    last["phase"],
+                    last["ops"],
+                    last["wait"],
+                ):
                     self._moved_at[rank] = now
                 if last is not None and msg["step"] != last["step"] and rank in self._step_at:
-                    self._step_s[rank].append((now - self._step_at[rank]) / max(1, msg["step"] - last["step"]))
+                    self._step_s[rank].append(
+                        (now - self._step_at[rank]) / max(1, msg["step"] - last["step"])
+                    )
                 if last is None or msg["step"] != last["step"]:
                     self._step_at[rank] = now
                 self._last[rank] = msg
             msg = self._last[rank]
-            entry = {"seen": msg is not None, "silent_s": round(now - self._beat_at[rank], 3),
-                     "stalled_s": round(now - self._moved_at[rank], 3)}
+            entry = {
+                "seen": msg is not None,
+                "silent_s": round(now - self._beat_at[rank], 3),
+                "stalled_s": round(now - self._moved_at[rank], 3),
+            }
             if msg is not None:
-                entry.update(step=msg["step"], phase=msg["phase"], ops=msg["ops"], wait=msg["wait"],
-                             pid=msg["pid"])
+                entry.update(
+                    step=msg["step"],
+                    phase=msg["phase"],
+                    ops=msg["ops"],
+                    wait=msg["wait"],
+                    pid=msg["pid"],
+                )
                 if self._step_s[rank]:
                     entry["step_s"] = round(statistics.median(self._step_s[rank]), 4)
                 if self.check_pids and msg["phase"] not in FINISHED:
@@ -284,12 +349,25 @@ class NodeAggregator(_Loop):
         ``/proc`` reads): (rank, its last step, seconds since its last beat)."""
         now, gone = time.monotonic(), []
         for rank, msg in self._last.items():
-            if msg is not None and msg["phase"] not in FINISHED and process_state(msg["pid"]) in (None, "Z"):
+            if (
+                msg is not None
+                and msg["phase"] not in FINISHED
+                and process_state(msg["pid"]) in (None, "Z")
+            ):
                 gone.append((rank, msg["step"], round(now - self._beat_at[rank], 3)))
         if gone:  # a rank that finished says so in its last beat, which may be newer than ours
             fresh = self.read()
-            gone = [g for g in gone if (beat := RECORDS.decode(self.keys[self.ranks.index(g[0])], fresh.get(g[0]),
-                                                                 self.parse_beat)) is None or beat["phase"] not in FINISHED]
+            gone = [
+                g
+                for g in gone
+                if (
+                    beat := RECORDS.decode(
+                        self.keys[self.ranks.index(g[0])], fresh.get(g[0]), self.parse_beat
+                    )
+                )
+                is None
+                or beat["phase"] not in FINISHED
+            ]
         return gone
 
     def excuse(self) -> None:
@@ -335,11 +413,21 @@ class HeartbeatMonitor:
     acted on only when the next look, ``confirm_s`` later, finds it still stalled.
     """
 
-    def __init__(self, store: Store, nodes: Mapping[int, Sequence[int]], timeout_s: float = 3.0,
-                 prefix: str = PREFIX, places: Mapping[int, tuple[int, int, int]] | None = None,
-                 startup_s: float = 60.0, hang_timeout_s: float | None = None,
-                 hang_factor: float = 5.0, hang_floor_s: float | None = None,
-                 stopped_s: float | None = None, confirm_s: float = 0.5, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        nodes: Mapping[int, Sequence[int]],
+        timeout_s: float = 3.0,
+        prefix: str = PREFIX,
+        places: Mapping[int, tuple[int, int, int]] | None = None,
+        startup_s: float = 60.0,
+        hang_timeout_s: float | None = None,
+        hang_factor: float = 5.0,
+        hang_floor_s: float | None = None,
+        stopped_s: float | None = None,
+        confirm_s: float = 0.5,
+        secret: str | None = None,
+    ) -> None:
         self.store = store
         self.parse = _checked(parse_aggregate, _secret(secret), "node heartbeat")
         self.confirm_s = confirm_s
@@ -349,7 +437,9 @@ class HeartbeatMonitor:
         self.timeout_s = timeout_s
         self.hang_timeout_s, self.hang_factor = hang_timeout_s, hang_factor
         self.hang_floor_s = timeout_s if hang_floor_s is None else hang_floor_s
-        self.stopped_s = stopped_s  # a process stopped (SIGSTOP) this long is hung; None: once silent
+        self.stopped_s = (
+            stopped_s  # a process stopped (SIGSTOP) this long is hung; None: once silent
+        )
         self.keys = {n: node_key(prefix, n) for n in self.nodes}
         self.places = dict(places or {})
         start = time.monotonic()
@@ -370,7 +460,11 @@ class HeartbeatMonitor:
         if self.hang_timeout_s is not None:
             return self.hang_timeout_s
         steps = [v.step_s for v in self.views.values() if v.step_s]
-        return max(self.hang_floor_s, self.hang_factor * statistics.median(steps)) if steps else self.hang_floor_s
+        return (
+            max(self.hang_floor_s, self.hang_factor * statistics.median(steps))
+            if steps
+            else self.hang_floor_s
+        )
 
     def _read(self, now: float) -> list[int]:
         """Update the rank views; returns the nodes whose aggregator went silent."""
@@ -386,8 +480,19 @@ class HeartbeatMonitor:
                 for r, entry in msg["ranks"].items():
                     view = self.views.get(int(r))
                     if view is not None and entry["seen"]:
-                        for name in ("step", "phase", "ops", "wait", "pid", "silent_s", "stalled_s",
-                                     "step_s", "exited", "stopped", "alive"):
+                        for name in (
+                            "step",
+                            "phase",
+                            "ops",
+                            "wait",
+                            "pid",
+                            "silent_s",
+                            "stalled_s",
+                            "step_s",
+                            "exited",
+                            "stopped",
+                            "alive",
+                        ):
                             if name in entry:
                                 setattr(view, name, entry[name])
                         view.seen = True
@@ -427,17 +532,24 @@ class HeartbeatMonitor:
             live = [v for v in live if self._excused_until.get(v.rank, 0.0) < now]
             # a rank waiting on its keeper is busy, not stalled (unless its process is stopped)
             keeper = {v.rank for v in live if v.wait == KEEPER_WAIT and not v.stopped}
-            if any(v.phase == "train" and v.stalled_s > limit(v) and v.rank not in keeper for v in live):
+            if any(
+                v.phase == "train" and v.stalled_s > limit(v) and v.rank not in keeper for v in live
+            ):
                 # the candidates: every rank stalled for a while, not only those past the limit (each
                 # node's view is up to an aggregator beat old, so the culprit may read a little less)
-                stalled = [v for v in live if v.phase == "train" and v.stalled_s > limit(v) / 2
-                           and v.rank not in keeper]
+                stalled = [
+                    v
+                    for v in live
+                    if v.phase == "train" and v.stalled_s > limit(v) / 2 and v.rank not in keeper
+                ]
                 # the ranks waiting in a communication op wait for the one that is not
                 idle = [v for v in stalled if not v.wait]
                 # a training rank still finishing ops (or waiting on its keeper): what the waiting
                 # ranks wait for is slow, not hung
-                moving = any(v.phase == "train" and (v.stalled_s <= limit(v) / 2 or v.rank in keeper)
-                             for v in live)
+                moving = any(
+                    v.phase == "train" and (v.stalled_s <= limit(v) / 2 or v.rank in keeper)
+                    for v in live
+                )
                 # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit whatever
                 # its last beat said: it may have stopped inside the very op its peers wait in, a tie
                 # that its step and ops cannot break
@@ -447,7 +559,11 @@ class HeartbeatMonitor:
                     found[v.rank] = ("hang", v.stalled_s)
                 elif idle or not moving:
                     # the one stuck longest among those not waiting; if all wait, the one furthest behind
-                    v = max(idle, key=lambda v: v.stalled_s) if idle else min(stalled, key=lambda v: (v.step, v.ops))
+                    v = (
+                        max(idle, key=lambda v: v.stalled_s)
+                        if idle
+                        else min(stalled, key=lambda v: (v.step, v.ops))
+                    )
                     found[v.rank] = ("hang", v.stalled_s)
         found = self._confirmed(found, now)
         new: list[Event] = []
@@ -457,14 +573,30 @@ class HeartbeatMonitor:
             view = self.views[r]
             dp, st, tp = self.places.get(r, (None, None, None))
             at = view.step if view.step >= 0 else step
-            ev = Event("fail-stop", r, dp, st, tp, at, step if step >= 0 else at, 0.0, 1.0,
-                       extra={"node": view.node, "cause": cause, "step": view.step if view.step >= 0 else None,
-                              "silent_s": silent_s})
+            ev = Event(
+                "fail-stop",
+                r,
+                dp,
+                st,
+                tp,
+                at,
+                step if step >= 0 else at,
+                0.0,
+                1.0,
+                extra={
+                    "node": view.node,
+                    "cause": cause,
+                    "step": view.step if view.step >= 0 else None,
+                    "silent_s": silent_s,
+                },
+            )
             self.dead[r] = ev
             new.append(ev)
         return new
 
-    def _confirmed(self, found: dict[int, tuple[str, float]], now: float) -> dict[int, tuple[str, float]]:
+    def _confirmed(
+        self, found: dict[int, tuple[str, float]], now: float
+    ) -> dict[int, tuple[str, float]]:
         """The verdicts to act on: an exit or a lost node at once; a hang once a second look,
         ``confirm_s`` after the first, finds the rank at the same step and op count (a false hang
         evicts a replica)."""
@@ -514,8 +646,9 @@ def _serve(argv: Sequence[str] | None = None) -> None:
         loop: _Loop = HeartbeatSender(store, args.rank, args.node, args.interval)
     else:
         ranks = [int(r) for r in args.ranks.split(",")]
-        loop = NodeAggregator(store, args.node, ranks, args.interval, args.timeout,
-                              startup_s=args.startup)
+        loop = NodeAggregator(
+            store, args.node, ranks, args.interval, args.timeout, startup_s=args.startup
+        )
     loop.start()
     try:
         while loop.alive():

@@ -34,8 +34,9 @@ class LinkAlarm:
     ready: bool
 
 
-def onset_groups(alarms: list[LinkAlarm],
-                 tolerance: int = ONSET_TOLERANCE) -> list[list[LinkAlarm]]:
+def onset_groups(
+    alarms: list[LinkAlarm], tolerance: int = ONSET_TOLERANCE
+) -> list[list[LinkAlarm]]:
     """``alarms`` of one traffic cut into groups of onsets chained within ``tolerance`` steps."""
     out: list[list[LinkAlarm]] = []
     for a in sorted(alarms, key=lambda x: (x.onset, x.key)):
@@ -46,8 +47,9 @@ def onset_groups(alarms: list[LinkAlarm],
     return out
 
 
-def shared_event(group: list[LinkAlarm], step: int, floor: float, stage_of: np.ndarray,
-                 dp_of: np.ndarray) -> Event:
+def shared_event(
+    group: list[LinkAlarm], step: int, floor: float, stage_of: np.ndarray, dp_of: np.ndarray
+) -> Event:
     """The one finding of a group of links that began together (module doc): every link's ends in
     ``ranks``, the links and their factors in ``links`` and ``link_factors``, the median factor as
     its ``slowdown``; ``stage`` where every link crosses the same stage boundary."""
@@ -55,12 +57,27 @@ def shared_event(group: list[LinkAlarm], step: int, floor: float, stage_of: np.n
     stages = {int(stage_of[a.ranks[0]]) for a in group}
     replicas = sorted({int(dp_of[r]) for r in ranks if dp_of[r] >= 0})
     factor = float(np.median([a.factor for a in group]))
-    ev = Event(SHARED_KIND, None, None, stages.pop() if len(stages) == 1 else None, None,
-               min(a.onset for a in group), step, factor, float(max(a.confidence for a in group)))
+    ev = Event(
+        SHARED_KIND,
+        None,
+        None,
+        stages.pop() if len(stages) == 1 else None,
+        None,
+        min(a.onset for a in group),
+        step,
+        factor,
+        float(max(a.confidence for a in group)),
+    )
     ev.ranks = ranks
-    ev.extra.update(traffic=group[0].traffic, cause="shared", links=[list(a.ranks) for a in group],
-                    link_factors=[round(a.factor, 4) for a in group], replicas=replicas,
-                    alarm_factor=round(factor, 4), alarm_floor=floor)
+    ev.extra.update(
+        traffic=group[0].traffic,
+        cause="shared",
+        links=[list(a.ranks) for a in group],
+        link_factors=[round(a.factor, 4) for a in group],
+        replicas=replicas,
+        alarm_factor=round(factor, 4),
+        alarm_floor=floor,
+    )
     return ev
 
 

@@ -33,7 +33,9 @@ LINK_QUANTILE = 0.0
 _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 
 
-def optype_factors(optype: pd.Series | pd.Categorical | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def optype_factors(
+    optype: pd.Series | pd.Categorical | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """``pd.factorize(optype)``: each row's code (-1: missing) and the names coded; a categorical
     column's own codes and categories as they are (no hashing of the rows)."""
     if isinstance(optype, pd.Series) and isinstance(optype.dtype, pd.CategoricalDtype):
@@ -55,12 +57,15 @@ def _rows_of(cols: Mapping[str, np.ndarray], wanted: tuple[str, ...]) -> np.ndar
     return rows if rows.size else None
 
 
-def _frame(cols: Mapping[str, np.ndarray], keep: np.ndarray, names: tuple[str, ...]) -> pd.DataFrame:
+def _frame(
+    cols: Mapping[str, np.ndarray], keep: np.ndarray, names: tuple[str, ...]
+) -> pd.DataFrame:
     return pd.DataFrame({n: np.asarray(cols[n])[keep] for n in names if n in cols})
 
 
-def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
-                       ) -> np.ndarray | None:
+def pipeline_transfers(
+    cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
+) -> np.ndarray | None:
     """(step x rank) low-quantile transfer seconds per token of the link from each rank's stage to the
     next one (NaN where none); None when the trace cannot separate transfers from waits (no
     ``start_ts`` or ``mb_id``)."""
@@ -69,8 +74,19 @@ def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world:
     sel = _rows_of(cols, _SEND_RECV)
     if sel is None:
         return None
-    names = ("step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "mb_id",
-             "tokens", "seq_lens")
+    names = (
+        "step",
+        "rank",
+        "dp_rank",
+        "stage",
+        "tp_rank",
+        "optype",
+        "start_ts",
+        "duration",
+        "mb_id",
+        "tokens",
+        "seq_lens",
+    )
     df = _frame(cols, sel, names)
     df = df[df["mb_id"].notna()]
     if "tp_rank" not in df:
@@ -106,14 +122,20 @@ def pipeline_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world:
     ok = np.isfinite(per_token) & np.isfinite(lower) & (per_token >= 0)
     if not ok.any():
         return None
-    frame = pd.DataFrame({"step": pairs["step"].to_numpy()[ok], "rank": lower[ok].astype(np.int64),
-                          "v": per_token[ok]})
+    frame = pd.DataFrame(
+        {
+            "step": pairs["step"].to_numpy()[ok],
+            "rank": lower[ok].astype(np.int64),
+            "v": per_token[ok],
+        }
+    )
     low = frame.groupby(["step", "rank"], sort=False)["v"].quantile(LINK_QUANTILE)
     return _matrix(low, steps, world)
 
 
-def _sender_ready(pairs: pd.DataFrame, recv_end: np.ndarray, cols: Mapping[str, np.ndarray]
-                  ) -> np.ndarray:
+def _sender_ready(
+    pairs: pd.DataFrame, recv_end: np.ndarray, cols: Mapping[str, np.ndarray]
+) -> np.ndarray:
     """When each message's data was ready: the end of its sending stage's own compute of that
     micro-batch (forward for a forward message, backward for a backward one; the latest that ended
     by the receive's end, for a stage holding several model chunks); NaN where the trace has none.
@@ -122,8 +144,11 @@ def _sender_ready(pairs: pd.DataFrame, recv_end: np.ndarray, cols: Mapping[str, 
     comp = _rows_of(cols, ("forward-compute", "backward-compute"))
     if comp is None:
         return out
-    cdf = _frame(cols, comp, ("step", "dp_rank", "stage", "tp_rank", "optype", "start_ts",
-                              "duration", "mb_id"))
+    cdf = _frame(
+        cols,
+        comp,
+        ("step", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "mb_id"),
+    )
     cdf = cdf[cdf["mb_id"].notna() & cdf["start_ts"].notna() & cdf["duration"].notna()]
     if not len(cdf):
         return out
@@ -150,8 +175,11 @@ def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.n
     out = np.full(len(pairs), np.nan)
     for side in ("_r", "_s"):
         if "tokens" + side in pairs:
-            out = np.where(np.isnan(out), pd.to_numeric(pairs["tokens" + side], errors="coerce")
-                           .to_numpy(np.float64), out)
+            out = np.where(
+                np.isnan(out),
+                pd.to_numeric(pairs["tokens" + side], errors="coerce").to_numpy(np.float64),
+                out,
+            )
     comp = _rows_of(cols, ("forward-compute", "backward-compute")) if "seq_lens" in cols else None
     if np.isnan(out).any() and comp is not None:
         cdf = _frame(cols, comp, ("step", "dp_rank", "mb_id", "seq_lens"))
@@ -161,13 +189,15 @@ def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.n
             cdf["n"] = [float(sum(s)) for s in cdf["seq_lens"]]
             cdf["mb_id"] = cdf["mb_id"].astype(np.int64)
             look = pairs[["step", "dp_rank", "mb_id"]].merge(
-                cdf[["step", "dp_rank", "mb_id", "n"]], on=["step", "dp_rank", "mb_id"], how="left")
+                cdf[["step", "dp_rank", "mb_id", "n"]], on=["step", "dp_rank", "mb_id"], how="left"
+            )
             out = np.where(np.isnan(out), look["n"].to_numpy(np.float64), out)
     return np.where(np.isfinite(out) & (out > 0), out, 1.0)
 
 
-def sync_transfers(cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
-                   ) -> np.ndarray | None:
+def sync_transfers(
+    cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
+) -> np.ndarray | None:
     """(step x rank) seconds each rank spent in gradient collectives after their last member
     arrived (NaN where none); None without ``start_ts`` or such records."""
     if "start_ts" not in cols:

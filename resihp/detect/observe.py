@@ -81,16 +81,22 @@ class Observations:
             for o, m in zip(parts, mats):
                 full = np.full((len(o.steps), width), np.nan)
                 if m is not None:
-                    full[:, :m.shape[1]] = m
+                    full[:, : m.shape[1]] = m
                 out.append(full)
             return np.concatenate(out)
 
         names = sorted({n for o in parts for n in (o.phase_own or {})})
         models = list(dict.fromkeys(o.cost_model for o in parts))
-        return cls(np.concatenate([o.steps for o in parts]), cat([o.own for o in parts]),
-                   cat([o.raw for o in parts]), cat([o.expected for o in parts]),
-                   cat([o.comm for o in parts]), " then ".join(models), cat([o.sync for o in parts]),
-                   {n: cat([(o.phase_own or {}).get(n) for o in parts]) for n in names} or None)
+        return cls(
+            np.concatenate([o.steps for o in parts]),
+            cat([o.own for o in parts]),
+            cat([o.raw for o in parts]),
+            cat([o.expected for o in parts]),
+            cat([o.comm for o in parts]),
+            " then ".join(models),
+            cat([o.sync for o in parts]),
+            {n: cat([(o.phase_own or {}).get(n) for o in parts]) for n in names} or None,
+        )
 
 
 def covering_meta(meta: JobMeta, dp: int, pp: int, tp: int) -> JobMeta:
@@ -117,8 +123,19 @@ def layout_parts(df: pd.DataFrame, meta: JobMeta) -> list[tuple[pd.DataFrame, Jo
         part = df[(steps >= lo) & (steps < hi)]
         if part.empty:
             continue
-        tp = int(part["tp_rank"].max()) + 1 if "tp_rank" in part and part["tp_rank"].notna().any() else 1
-        out.append((part, covering_meta(meta, int(part["dp_rank"].max()) + 1, int(part["stage"].max()) + 1, tp)))
+        tp = (
+            int(part["tp_rank"].max()) + 1
+            if "tp_rank" in part and part["tp_rank"].notna().any()
+            else 1
+        )
+        out.append(
+            (
+                part,
+                covering_meta(
+                    meta, int(part["dp_rank"].max()) + 1, int(part["stage"].max()) + 1, tp
+                ),
+            )
+        )
     return out
 
 
@@ -126,7 +143,11 @@ def infer_meta(df: pd.DataFrame) -> JobMeta:
     """Parallel sizes implied by a trace when no job meta is given."""
     dp = int(df["dp_rank"].max()) + 1
     pp = int(df["stage"].max()) + 1
-    tp = int(df["tp_rank"].max()) + 1 if "tp_rank" in df.columns and df["tp_rank"].notna().any() else 1
+    tp = (
+        int(df["tp_rank"].max()) + 1
+        if "tp_rank" in df.columns and df["tp_rank"].notna().any()
+        else 1
+    )
     world = max(dp * pp * tp, int(df["rank"].max()) + 1)
     if world != dp * pp * tp:
         tp = -(-world // (dp * pp))
@@ -137,21 +158,28 @@ def infer_meta(df: pd.DataFrame) -> JobMeta:
 def rank_layout(df: pd.DataFrame, meta: JobMeta, source: str = "ops trace") -> RankPlacement:
     """Each rank's (dp_rank, stage, tp_rank), checked against the job meta."""
     world = meta.world_size
-    for col, limit, name in (("rank", world, "world_size"), ("dp_rank", meta.dp_size, "dp_size"),
-                             ("stage", meta.pp_size, "pp_size")):
+    for col, limit, name in (
+        ("rank", world, "world_size"),
+        ("dp_rank", meta.dp_size, "dp_size"),
+        ("stage", meta.pp_size, "pp_size"),
+    ):
         top = int(df[col].max())
         if top >= limit:
             row = int(np.flatnonzero(df[col].to_numpy() >= limit)[0])
-            raise InputError(f"{source}: column {col} row {row}: {top} is outside the job meta "
-                             f"({name} = {limit}); expected 0..{limit - 1}")
+            raise InputError(
+                f"{source}: column {col} row {row}: {top} is outside the job meta "
+                f"({name} = {limit}); expected 0..{limit - 1}"
+            )
     has_tp = "tp_rank" in df.columns and df["tp_rank"].notna().any()
     cols = ["rank", "dp_rank", "stage"] + (["tp_rank"] if has_tp else [])
     pairs = df[cols].drop_duplicates()
     dup = pairs["rank"].duplicated(keep=False)
     if dup.any():
         r = int(pairs.loc[dup, "rank"].iloc[0])
-        raise InputError(f"{source}: rank {r} appears with more than one (dp_rank, stage"
-                         f"{', tp_rank' if has_tp else ''}); expected one place per rank")
+        raise InputError(
+            f"{source}: rank {r} appears with more than one (dp_rank, stage"
+            f"{', tp_rank' if has_tp else ''}); expected one place per rank"
+        )
     dp = np.full(world, -1, dtype=np.int64)
     st = np.full(world, -1, dtype=np.int64)
     tp = np.full(world, -1, dtype=np.int64)
@@ -171,24 +199,36 @@ def shape_from_meta(meta_dict: dict | None) -> TransformerShape | None:
     if not all(k in meta_dict for k in keys):
         return None
     try:
-        return TransformerShape(*(int(meta_dict[k]) for k in keys), tp=int(meta_dict.get("tp_size", 1)))
+        return TransformerShape(
+            *(int(meta_dict[k]) for k in keys), tp=int(meta_dict.get("tp_size", 1))
+        )
     except (TypeError, ValueError) as exc:
-        raise InputError(f"job meta: model fields {', '.join(keys)} must be integers ({exc})") from None
+        raise InputError(
+            f"job meta: model fields {', '.join(keys)} must be integers ({exc})"
+        ) from None
 
 
 class _Ops:
     """The key and value columns of a subset of trace rows as numpy arrays."""
 
-    def __init__(self, cols: Mapping[str, np.ndarray], rows: np.ndarray, op: np.ndarray,
-                 memo: _Memo | None = None) -> None:
+    def __init__(
+        self,
+        cols: Mapping[str, np.ndarray],
+        rows: np.ndarray,
+        op: np.ndarray,
+        memo: _Memo | None = None,
+    ) -> None:
         self.cols = cols
         self._memo = memo  # the structure's derived values (``StructureMemo``), where kept
         self.rows = rows
         self._all = len(rows) == len(op)  # every row: the columns themselves, not copies
         self.op = self.values_of(op)  # small integer code of the optype
         self.step, self.rank, self.dp_rank, self.stage, self.duration = (
-            self.values(c) for c in ("step", "rank", "dp_rank", "stage", "duration"))
-        if "wait_s" in cols:  # time a compute op spent in tensor-parallel collectives, waiting for peers
+            self.values(c) for c in ("step", "rank", "dp_rank", "stage", "duration")
+        )
+        if (
+            "wait_s" in cols
+        ):  # time a compute op spent in tensor-parallel collectives, waiting for peers
             self.duration = self.duration - np.nan_to_num(self.values("wait_s"))
         self.tp_rank = self._full_int("tp_rank")
         self.mb_id = self._full_int("mb_id")
@@ -268,8 +308,9 @@ class StructureMemo:
         rel = step - step[0] if len(step) else step
         with self._lock:
             for entry in self._entries:
-                if (all(a is b for a, b in zip(entry.arrays, arrays))
-                        and np.array_equal(entry.steps, rel)):
+                if all(a is b for a, b in zip(entry.arrays, arrays)) and np.array_equal(
+                    entry.steps, rel
+                ):
                     return _Memo(entry.derived)
             entry = _Structure(arrays, rel)
             self._entries = [entry, *self._entries][: self.keep]
@@ -295,15 +336,26 @@ _NO_MEMO = _Memo()
 
 
 # the columns observe reads, with the dtype it works in (NaN marks a missing integer)
-_COLUMN_DTYPES = {"step": np.int64, "rank": np.int64, "dp_rank": np.int64, "stage": np.int64,
-                  "duration": np.float64, "tp_rank": np.float64, "mb_id": np.float64,
-                  "start_ts": np.float64, "wait_s": np.float64}
+_COLUMN_DTYPES = {
+    "step": np.int64,
+    "rank": np.int64,
+    "dp_rank": np.int64,
+    "stage": np.int64,
+    "duration": np.float64,
+    "tp_rank": np.float64,
+    "mb_id": np.float64,
+    "start_ts": np.float64,
+    "wait_s": np.float64,
+}
 
 
 def trace_columns(df: pd.DataFrame) -> dict[str, np.ndarray]:
     """The columns of an ops trace that ``observe_columns`` reads, as numpy arrays."""
-    cols = {c: df[c].to_numpy(dt, na_value=np.nan) if dt is np.float64 else df[c].to_numpy(dt)
-            for c, dt in _COLUMN_DTYPES.items() if c in df.columns}
+    cols = {
+        c: df[c].to_numpy(dt, na_value=np.nan) if dt is np.float64 else df[c].to_numpy(dt)
+        for c, dt in _COLUMN_DTYPES.items()
+        if c in df.columns
+    }
     cols["optype"] = df["optype"]
     if "seq_lens" in df.columns:
         cols["seq_lens"] = df["seq_lens"].to_numpy()
@@ -374,15 +426,18 @@ def _group_layout(code: np.ndarray) -> _Groups:
     return _Groups(by_code, change, sc[bounds], bounds, size, group_of)
 
 
-def _sorted_groups(code: np.ndarray, values: np.ndarray, layout: _Groups | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _sorted_groups(
+    code: np.ndarray, values: np.ndarray, layout: _Groups | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(values sorted by code, then value with NaN last; group code; group start; non-NaN count;
     group of each row). ``layout``: ``_group_layout(code)``, where the caller has it."""
     g = _group_layout(code) if layout is None else layout
     groups = len(g.bounds)
     if g.size:
         # groups of one size (a full trace): each group's values sorted as a row of a table
-        table = _sort_rows((values if g.by_code is None else values[g.by_code]).reshape(groups, g.size))
+        table = _sort_rows(
+            (values if g.by_code is None else values[g.by_code]).reshape(groups, g.size)
+        )
         valid = sum((~np.isnan(table[:, j])).astype(np.int64) for j in range(g.size))
         return table.ravel(), g.gcode, g.bounds, valid, g.group_of
     inverse = np.empty(len(code), dtype=np.int64)
@@ -409,8 +464,13 @@ def _sort_rows(table: np.ndarray) -> np.ndarray:
     return np.stack(cols, axis=1) if k else table
 
 
-def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool = False,
-                    layout: _Groups | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _group_quantile(
+    code: np.ndarray,
+    values: np.ndarray,
+    q: float,
+    lower: bool = False,
+    layout: _Groups | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per group of equal codes: (group codes, quantile, group of each row), as pandas' groupby
     ``quantile(q)`` computes it (linear interpolation, or ``lower``; NaN ignored)."""
     v, gcode, start, n, inverse = _sorted_groups(code, values, layout)
@@ -434,9 +494,14 @@ def _group_quantile(code: np.ndarray, values: np.ndarray, q: float, lower: bool 
     return gcode, np.where(n > 0, out, np.nan), inverse
 
 
-def _op_costs(comp: _Ops, meta: JobMeta, expected: ExpectedCompute | None,
-              shape: TransformerShape | None, unblocked: np.ndarray | None = None,
-              memo: _Memo = _NO_MEMO) -> tuple[np.ndarray, np.ndarray | None, str]:
+def _op_costs(
+    comp: _Ops,
+    meta: JobMeta,
+    expected: ExpectedCompute | None,
+    shape: TransformerShape | None,
+    unblocked: np.ndarray | None = None,
+    memo: _Memo = _NO_MEMO,
+) -> tuple[np.ndarray, np.ndarray | None, str]:
     """(relative cost of each compute op, expected seconds or None, name of the cost model).
 
     With the waits taken out, the same micro-batch on the other stages of the pipeline is the best
@@ -446,24 +511,32 @@ def _op_costs(comp: _Ops, meta: JobMeta, expected: ExpectedCompute | None,
     cost, exp_s, model = _model_costs(comp, expected, shape, memo)
     has_mb = comp.mb_id is not None
     blocked = unblocked is not None
-    if has_mb and ((blocked and meta.pp_size > 1) or (model == "phase" and meta.world_size > 1
-                                                        and (meta.dp_size > 1 or meta.pp_size > 1))):
+    if has_mb and (
+        (blocked and meta.pp_size > 1)
+        or (model == "phase" and meta.world_size > 1 and (meta.dp_size > 1 or meta.pp_size > 1))
+    ):
         duration = unblocked if blocked else comp.duration
         cost = cost * _peer_reference(comp, duration / cost, meta, blocked, memo)
         model = "peers" if model == "phase" else f"{model}+peers"
     return cost, exp_s, model
 
 
-def _model_costs(comp: _Ops, expected: ExpectedCompute | None, shape: TransformerShape | None,
-                 memo: _Memo = _NO_MEMO) -> tuple[np.ndarray, np.ndarray | None, str]:
+def _model_costs(
+    comp: _Ops,
+    expected: ExpectedCompute | None,
+    shape: TransformerShape | None,
+    memo: _Memo = _NO_MEMO,
+) -> tuple[np.ndarray, np.ndarray | None, str]:
     """Each op's cost from its sequence lengths (predictor, else analytic FLOPs), else its phase."""
     bwd = comp.op == _OP_BWD
     if not (len(comp) and "seq_lens" in comp.cols):
         return np.where(bwd, 2.0, 1.0), None, "phase"
     if comp.mb_id is not None:
         # one cost per micro-batch and phase, from its first record
-        first, codes = memo.get("micro_batches", lambda: _first_of_each(
-            _key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))[0]))
+        first, codes = memo.get(
+            "micro_batches",
+            lambda: _first_of_each(_key_codes((comp.step, comp.dp_rank, comp.op, comp.mb_id))[0]),
+        )
     else:
         first = codes = np.arange(len(comp))
     if not comp.has("seq_lens", first):
@@ -494,8 +567,9 @@ def _model_costs(comp: _Ops, expected: ExpectedCompute | None, shape: Transforme
     return cost_u[codes], None, "flops" if shape is not None else "tokens"
 
 
-def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool,
-                    memo: _Memo = _NO_MEMO) -> np.ndarray:
+def _peer_reference(
+    ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool, memo: _Memo = _NO_MEMO
+) -> np.ndarray:
     """Per op, the lower median of the same op of its peers (with few peers, one slow member must not
     lift everybody's reference, so the lower, not the mean of the middle two).
 
@@ -511,7 +585,9 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
             # a pipeline of one stage among deeper ones (replicas of different depths): no other
             # stage ran its micro-batch, so its reference is the step's same phase on every rank
             # (a constant ratio of layers, which the detector's baseline takes in), not itself
-            other, lonely = _lower_median_by(_key_codes([ops.step, ops.op, *tp])[0], ops.rank, values)
+            other, lonely = _lower_median_by(
+                _key_codes([ops.step, ops.op, *tp])[0], ops.rank, values
+            )
             ref = np.where(alone & ~lonely, other, ref)
     else:
         code = memo.get("replicas", lambda: _key_codes(replicas)[0])
@@ -519,8 +595,9 @@ def _peer_reference(ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: boo
     return np.maximum(ref, 1e-12)
 
 
-def _lower_median_by(code: np.ndarray, member: np.ndarray, values: np.ndarray,
-                     memo: _Memo = _NO_MEMO, name: str = "") -> tuple[np.ndarray, np.ndarray]:
+def _lower_median_by(
+    code: np.ndarray, member: np.ndarray, values: np.ndarray, memo: _Memo = _NO_MEMO, name: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the lower median of ``values`` over the rows with the same key ``code``
     (``_key_codes``); and whether the row is alone in its group. ``name``: the grouping's in
     ``memo``."""
@@ -574,7 +651,9 @@ def _pivot_lower_median(code: np.ndarray, values: np.ndarray, layout: _DenseTabl
     return ref[code]
 
 
-def _to_matrix(step_idx: np.ndarray, rank: np.ndarray, values: np.ndarray, t: int, w: int) -> np.ndarray:
+def _to_matrix(
+    step_idx: np.ndarray, rank: np.ndarray, values: np.ndarray, t: int, w: int
+) -> np.ndarray:
     out = np.full((t, w), np.nan)
     out[step_idx, rank] = values
     return out
@@ -600,8 +679,9 @@ def _cells(steps: np.ndarray, step: np.ndarray, rank: np.ndarray, w: int) -> np.
     return np.searchsorted(steps, step) * w + rank
 
 
-def _cell_quantile(cell: np.ndarray, values: np.ndarray, q: float, t: int, w: int,
-                   layout: _Groups | None = None) -> np.ndarray:
+def _cell_quantile(
+    cell: np.ndarray, values: np.ndarray, q: float, t: int, w: int, layout: _Groups | None = None
+) -> np.ndarray:
     out = np.full(t * w, np.nan)
     if q <= 0:
         mins = np.full(t * w, np.inf)
@@ -614,26 +694,48 @@ def _cell_quantile(cell: np.ndarray, values: np.ndarray, q: float, t: int, w: in
     return out.reshape(t, w)
 
 
-def _cell_sum(cell: np.ndarray, values: np.ndarray, t: int, w: int,
-              seen: np.ndarray | None = None) -> np.ndarray:
+def _cell_sum(
+    cell: np.ndarray, values: np.ndarray, t: int, w: int, seen: np.ndarray | None = None
+) -> np.ndarray:
     total = np.bincount(cell, weights=values, minlength=t * w)
     seen = np.bincount(cell, minlength=t * w) > 0 if seen is None else seen
     return np.where(seen, total, np.nan).reshape(t, w)
 
 
-def observe_ops(df: pd.DataFrame, meta: JobMeta, *, expected: ExpectedCompute | None = None,
-                shape: TransformerShape | None = None, own_quantile: float = 0.1,
-                phases: bool = False, source: str = "ops trace") -> Observations:
+def observe_ops(
+    df: pd.DataFrame,
+    meta: JobMeta,
+    *,
+    expected: ExpectedCompute | None = None,
+    shape: TransformerShape | None = None,
+    own_quantile: float = 0.1,
+    phases: bool = False,
+    source: str = "ops trace",
+) -> Observations:
     """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps);
     ``source`` names it in errors."""
-    return observe_columns(trace_columns(df), meta, expected=expected, shape=shape,
-                           own_quantile=own_quantile, phases=phases, source=source)
+    return observe_columns(
+        trace_columns(df),
+        meta,
+        expected=expected,
+        shape=shape,
+        own_quantile=own_quantile,
+        phases=phases,
+        source=source,
+    )
 
 
-def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
-                    expected: ExpectedCompute | None = None, shape: TransformerShape | None = None,
-                    own_quantile: float = 0.1, phases: bool = False,
-                    source: str = "ops trace", structure: StructureMemo | None = None) -> Observations:
+def observe_columns(
+    cols: Mapping[str, np.ndarray],
+    meta: JobMeta,
+    *,
+    expected: ExpectedCompute | None = None,
+    shape: TransformerShape | None = None,
+    own_quantile: float = 0.1,
+    phases: bool = False,
+    source: str = "ops trace",
+    structure: StructureMemo | None = None,
+) -> Observations:
     """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
     its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``,
     ``seq_lens`` an object array of sequences or a ``PooledLengths`` (codes into a table).
@@ -654,7 +756,9 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     # otherwise a low quantile, the ops that did not wait
     waits_left = meta.pp_size > 1 and unblocked is None
     ratio, q = duration / cost, own_quantile if waits_left else 0.5
-    own = _cell_quantile(cell, ratio, q, t, w, memo.get(f"cell_groups:{w}", lambda: _group_layout(cell)))
+    own = _cell_quantile(
+        cell, ratio, q, t, w, memo.get(f"cell_groups:{w}", lambda: _group_layout(cell))
+    )
     phase_own = None
     # one phase's waits come out only with timestamps (without, issue times are rebuilt from both
     # phases' durations in record order)
@@ -673,8 +777,9 @@ def observe_columns(cols: Mapping[str, np.ndarray], meta: JobMeta, *,
     if link.size and comm_m is None:
         p2p = _Ops(cols, link, op)
         rows, per_token = _per_token(p2p, comp, meta)
-        comm_m = _cell_quantile(_cells(steps, p2p.step[rows], p2p.rank[rows], w), per_token,
-                                own_quantile, t, w)
+        comm_m = _cell_quantile(
+            _cells(steps, p2p.step[rows], p2p.rank[rows], w), per_token, own_quantile, t, w
+        )
     if unblocked is not None:
         model += "+timestamps" if "start_ts" in cols else "+cumulative-times"
     sync = sync_transfers(cols, steps, w) if meta.dp_size > 1 else None
@@ -693,8 +798,19 @@ def _compute_rows(optype: pd.Series | pd.Categorical | np.ndarray) -> tuple[np.n
 def _optype_codes(optype: pd.Series | pd.Categorical | np.ndarray) -> np.ndarray:
     """0 forward compute, 1 backward compute, 2 a transfer over the next link, 3 anything else."""
     codes, names = optype_factors(optype)
-    table = np.array([_OP_FWD if n == "forward-compute" else _OP_BWD if n == "backward-compute"
-                      else _OP_LINK if n in NEXT_LINK_OPTYPES else _OP_OTHER for n in names] + [_OP_OTHER])
+    table = np.array(
+        [
+            _OP_FWD
+            if n == "forward-compute"
+            else _OP_BWD
+            if n == "backward-compute"
+            else _OP_LINK
+            if n in NEXT_LINK_OPTYPES
+            else _OP_OTHER
+            for n in names
+        ]
+        + [_OP_OTHER]
+    )
     return table[codes]
 
 
@@ -710,12 +826,16 @@ def _per_token(p2p: _Ops, comp: _Ops, meta: JobMeta) -> tuple[np.ndarray, np.nda
             ref = _peer_reference(p2p, p2p.duration, meta, unblocked=meta.pp_size > 2)
             return every, p2p.duration / ref
         return every, p2p.duration
-    comp_code, look = _key_codes((comp.step, comp.dp_rank, comp.mb_id),
-                                 (p2p.step, p2p.dp_rank, p2p.mb_id))
+    comp_code, look = _key_codes(
+        (comp.step, comp.dp_rank, comp.mb_id), (p2p.step, p2p.dp_rank, p2p.mb_id)
+    )
     known, first = np.unique(comp_code, return_index=True)
     lens = comp.values("seq_lens", first)
-    tokens = (lens.features()["tokens"] if isinstance(lens, PooledLengths)
-              else np.fromiter((sum(s) for s in lens), dtype=np.float64, count=len(lens)))
+    tokens = (
+        lens.features()["tokens"]
+        if isinstance(lens, PooledLengths)
+        else np.fromiter((sum(s) for s in lens), dtype=np.float64, count=len(lens))
+    )
     t = _lookup(known, tokens, look)
     per = np.where(np.isfinite(t) & (t > 0), p2p.duration / t, np.nan)
     keep = np.flatnonzero(~np.isnan(per))
@@ -751,14 +871,19 @@ def _unblocked_durations(comp: _Ops, memo: _Memo = _NO_MEMO) -> np.ndarray | Non
         # no clock: a rank's compute ops run back to back from the step's start, in record order
         # (every rank starts a step together, after the previous step's gradient synchronisation)
         start = pd.Series(dur).groupby([comp.step, comp.rank], sort=False).cumsum().to_numpy() - dur
-    dep_end = _neighbour_ends(keys, comp.stage, comp.op == _OP_BWD, start + dur, comp.micro_batch_code,
-                              memo)
-    return np.where(np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
-                    start + dur - dep_end, dur)
+    dep_end = _neighbour_ends(
+        keys, comp.stage, comp.op == _OP_BWD, start + dur, comp.micro_batch_code, memo
+    )
+    return np.where(
+        np.isfinite(dep_end) & (dep_end > start) & (dep_end < start + dur),
+        start + dur - dep_end,
+        dur,
+    )
 
 
-def _neighbour_slots(group: np.ndarray, stage: np.ndarray, bwd: np.ndarray
-                     ) -> tuple[_DenseTable, np.ndarray, np.ndarray] | None:
+def _neighbour_slots(
+    group: np.ndarray, stage: np.ndarray, bwd: np.ndarray
+) -> tuple[_DenseTable, np.ndarray, np.ndarray] | None:
     """For ``_neighbour_ends`` on a full trace: the (group x stage) table, whether each op has a
     neighbour stage in it, and the neighbour's slot; None where the rows do not fit a table."""
     lo = int(stage.min())
@@ -770,8 +895,14 @@ def _neighbour_slots(group: np.ndarray, stage: np.ndarray, bwd: np.ndarray
     return layout, ok, group * layout.width + np.clip(nb, 0, layout.width - 1)
 
 
-def _neighbour_ends(keys: list[np.ndarray], stage: np.ndarray, bwd: np.ndarray, end: np.ndarray,
-                    group: np.ndarray, memo: _Memo = _NO_MEMO) -> np.ndarray:
+def _neighbour_ends(
+    keys: list[np.ndarray],
+    stage: np.ndarray,
+    bwd: np.ndarray,
+    end: np.ndarray,
+    group: np.ndarray,
+    memo: _Memo = _NO_MEMO,
+) -> np.ndarray:
     """Per op, the end of the first record of the same ``keys`` (whose code is ``group``) on the
     stage before it (forward) or after it (backward); NaN where there is none."""
     lookup = memo.get("neighbours", lambda: _neighbour_slots(group, stage, bwd))
@@ -793,8 +924,11 @@ def _neighbour_ends(keys: list[np.ndarray], stage: np.ndarray, bwd: np.ndarray, 
     after = np.minimum(run_next, n - 1)
     bwd_s = bwd[order]
     st = stage[order]  # one code apart across a group boundary is not a neighbour
-    found = np.where(bwd_s, (run_next < n) & (sc[after] == sc + 1) & (st[after] == st + 1),
-                     (run_start > 0) & (sc[before] == sc - 1) & (st[before] == st - 1))
+    found = np.where(
+        bwd_s,
+        (run_next < n) & (sc[after] == sc + 1) & (st[after] == st + 1),
+        (run_start > 0) & (sc[before] == sc - 1) & (st[before] == st - 1),
+    )
     out = np.empty(n)
     out[order] = np.where(found, end_first[np.where(bwd_s, after, before)], np.nan)
     return out

@@ -51,10 +51,18 @@ class OnlineDetector:
 
     name = "resihp"
 
-    def __init__(self, meta: JobMeta, expected: ExpectedCompute | None = None,
-                 config: DetectorConfig | None = None, *, meta_dict: dict | None = None,
-                 layout: RankPlacement | None = None, banks: Banks | None = None,
-                 peers: np.ndarray | None = None, keep_levels: bool = False) -> None:
+    def __init__(
+        self,
+        meta: JobMeta,
+        expected: ExpectedCompute | None = None,
+        config: DetectorConfig | None = None,
+        *,
+        meta_dict: dict | None = None,
+        layout: RankPlacement | None = None,
+        banks: Banks | None = None,
+        peers: np.ndarray | None = None,
+        keep_levels: bool = False,
+    ) -> None:
         """``banks``: the CUSUM banks to go on with (``carried``); new ones where None. ``peers``:
         per rank a label, equal for ranks doing the same work (a re-formed layout's pipelines differ
         in depth and group size: a rank alone in its group is no peer of a pair's ranks at the same
@@ -85,12 +93,17 @@ class OnlineDetector:
         self._wl_steps: dict[int, int] = {}
         self._checked = np.zeros(w, dtype=bool)  # ranks compared with their stage's peers
         self.cost_model = "none"
-        self._healthy_transfers: dict[str, list[float]] = {"pipeline": [], "gradient-sync": [],
-                                                           "compute": []}
+        self._healthy_transfers: dict[str, list[float]] = {
+            "pipeline": [],
+            "gradient-sync": [],
+            "compute": [],
+        }
         # per traffic: each rank's transfers of the calibration steps, and of the last few steps
         self._healthy_rows: dict[str, list[np.ndarray]] = {"pipeline": [], "gradient-sync": []}
         self._recent: dict[str, dict[int, np.ndarray]] = {"pipeline": {}, "gradient-sync": {}}
-        self._fit_window: list[pd.DataFrame] | None = [] if fits_cost(meta, expected, self.cfg) else None
+        self._fit_window: list[pd.DataFrame] | None = (
+            [] if fits_cost(meta, expected, self.cfg) else None
+        )
         # per phase, each rank's share of its compute seconds (a running mean of its calm steps)
         self._phase_share = {p: np.full(w, np.nan) for p in PHASES}
         # per step, each rank's own work against its expected cost (NaN: no record), as observed
@@ -98,11 +111,17 @@ class OnlineDetector:
 
     def _new_banks(self, w: int) -> Banks:
         # the phase tests: three more per rank, each held to a hundredfold false-alarm run length
-        phase_cfg = replace(self.cfg, min_slowdown=max(self.cfg.min_slowdown,
-                                                       self.cfg.phase_min_slowdown),
-                            false_alarm_steps=100 * self.cfg.false_alarm_steps)
-        return (CusumBank(w, self.cfg, rises=True), CusumBank(w, self.cfg), CusumBank(w, self.cfg),
-                {p: CusumBank(w, phase_cfg) for p in PHASES})
+        phase_cfg = replace(
+            self.cfg,
+            min_slowdown=max(self.cfg.min_slowdown, self.cfg.phase_min_slowdown),
+            false_alarm_steps=100 * self.cfg.false_alarm_steps,
+        )
+        return (
+            CusumBank(w, self.cfg, rises=True),
+            CusumBank(w, self.cfg),
+            CusumBank(w, self.cfg),
+            {p: CusumBank(w, phase_cfg) for p in PHASES},
+        )
 
     def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
         """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
@@ -111,8 +130,12 @@ class OnlineDetector:
         their ranks; those of ranks not carried are dropped. The new detector takes this one's
         state over: this one is not to be used after."""
         source = np.asarray(source, dtype=np.int64)
-        banks = (self.compute.carried(source), self.link.carried(source), self.sync.carried(source),
-                 {p: b.carried(source) for p, b in self.phase_banks.items()})
+        banks = (
+            self.compute.carried(source),
+            self.link.carried(source),
+            self.sync.carried(source),
+            {p: b.carried(source) for p, b in self.phase_banks.items()},
+        )
         new = OnlineDetector(meta, self.expected, self.cfg, layout=layout, banks=banks)
         new.shape, new.cost_model = self.shape, self.cost_model
         new._last_step, new._steps_seen = self._last_step, self._steps_seen
@@ -121,17 +144,32 @@ class OnlineDetector:
             new._phase_share[p] = np.where(source >= 0, share[np.maximum(source, 0)], np.nan)
         new.events = self.events
         # each old rank's new rank, looked up for the few ranks with an open event
-        moved = dict(_moved(source, {i for _, i in self._open} | {i for _, i in self._bank_of}
-                            | {i for _, i in self._held}))
-        new._held = {(name, moved[i]): (onset, conf, None if ends is None else
-                                        [moved.get(r, r) for r in ends])
-                     for (name, i), (onset, conf, ends) in self._held.items() if i in moved}
+        moved = dict(
+            _moved(
+                source,
+                {i for _, i in self._open}
+                | {i for _, i in self._bank_of}
+                | {i for _, i in self._held},
+            )
+        )
+        new._held = {
+            (name, moved[i]): (
+                onset,
+                conf,
+                None if ends is None else [moved.get(r, r) for r in ends],
+            )
+            for (name, i), (onset, conf, ends) in self._held.items()
+            if i in moved
+        }
         new._open = {(kind, moved[i]): ev for (kind, i), ev in self._open.items() if i in moved}
-        banks = {id(b): b2 for b, b2 in [(self.compute, new.compute), (self.link, new.link),
-                                          (self.sync, new.sync)]
-                 + [(self.phase_banks[p], new.phase_banks[p]) for p in PHASES]}
-        new._bank_of = {(kind, moved[i]): banks[id(b)] for (kind, i), b in self._bank_of.items()
-                        if i in moved}
+        banks = {
+            id(b): b2
+            for b, b2 in [(self.compute, new.compute), (self.link, new.link), (self.sync, new.sync)]
+            + [(self.phase_banks[p], new.phase_banks[p]) for p in PHASES]
+        }
+        new._bank_of = {
+            (kind, moved[i]): banks[id(b)] for (kind, i), b in self._bank_of.items() if i in moved
+        }
         return new
 
     # -- feeding -------------------------------------------------------------------------------
@@ -149,15 +187,25 @@ class OnlineDetector:
             self._fit_window = None
             self.expected = fit_trace(df, self.cfg.calibration_steps, self.shape) or self.expected
         self._merge_layout(rank_layout(df, self.meta, source="step records"))
-        obs = observe_ops(df, self.meta, expected=self.expected, shape=self.shape,
-                          own_quantile=self.cfg.own_quantile, phases=self.cfg.phases)
+        obs = observe_ops(
+            df,
+            self.meta,
+            expected=self.expected,
+            shape=self.shape,
+            own_quantile=self.cfg.own_quantile,
+            phases=self.cfg.phases,
+        )
         phases = phase_matrices(df, obs, self.cfg)
         if self._steps_seen < self.cfg.calibration_steps:
             self._healthy_transfers["compute"] += _compute_per_token(df)
         return self.observe_matrices(obs, phases)
 
-    def observe_matrices(self, obs: Observations, phases: PhaseMatrices | None = None,
-                         rebase_at: set[int] | frozenset[int] = frozenset()) -> list[Event]:
+    def observe_matrices(
+        self,
+        obs: Observations,
+        phases: PhaseMatrices | None = None,
+        rebase_at: set[int] | frozenset[int] = frozenset(),
+    ) -> list[Event]:
         """``phases``: the phases' matrices (``phase_matrices``), or None to test only the rank's
         whole own work; ``rebase_at``: steps before which every rank's baseline is learned afresh
         (``rebaseline``)."""
@@ -168,24 +216,37 @@ class OnlineDetector:
                 self.rebaseline()
             own, share = phases.at(i) if phases is not None else (None, None)
             new += self.observe_arrays(
-                int(step), obs.own[i], obs.raw[i],
+                int(step),
+                obs.own[i],
+                obs.raw[i],
                 None if obs.expected is None else obs.expected[i],
                 None if obs.comm is None else obs.comm[i],
-                phases=own, sync=None if obs.sync is None else obs.sync[i], phase_shares=share)
+                phases=own,
+                sync=None if obs.sync is None else obs.sync[i],
+                phase_shares=share,
+            )
         return new
 
-    def observe_arrays(self, step: int, own: np.ndarray, raw: np.ndarray | None = None,
-                       expected: np.ndarray | None = None, comm: np.ndarray | None = None,
-                       phases: dict[str, np.ndarray] | None = None,
-                       sync: np.ndarray | None = None,
-                       phase_shares: dict[str, np.ndarray] | None = None) -> list[Event]:
+    def observe_arrays(
+        self,
+        step: int,
+        own: np.ndarray,
+        raw: np.ndarray | None = None,
+        expected: np.ndarray | None = None,
+        comm: np.ndarray | None = None,
+        phases: dict[str, np.ndarray] | None = None,
+        sync: np.ndarray | None = None,
+        phase_shares: dict[str, np.ndarray] | None = None,
+    ) -> list[Event]:
         """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record);
         ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector, and
         ``phase_shares`` its share of each rank's compute seconds; ``comm`` and ``sync``: per rank
         its pipeline link's and its gradient collectives' transfers."""
         if self._last_step is not None and step <= self._last_step:
-            raise InputError(f"step records: step {step} arrives after step {self._last_step}; "
-                             "expected increasing step numbers")
+            raise InputError(
+                f"step records: step {step} arrives after step {self._last_step}; "
+                "expected increasing step numbers"
+            )
         self._last_step = step
         self._steps_seen += 1
         if self.levels is not None:
@@ -200,8 +261,9 @@ class OnlineDetector:
         for i, onset, conf, _, factor in self._due("compute"):
             new += self._rank_alarm(step, i, onset, factor, conf)
         for a in alarms:
-            if (("fail-slow", a.index) in self._open
-                    or self._floored(("compute", a.index), a.onset_step, a.confidence, a.slowdown)):
+            if ("fail-slow", a.index) in self._open or self._floored(
+                ("compute", a.index), a.onset_step, a.confidence, a.slowdown
+            ):
                 new += self._rank_alarm(step, a.index, a.onset_step, a.slowdown, a.confidence)
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index), self.compute) is self.compute:
@@ -227,8 +289,9 @@ class OnlineDetector:
         self.events += new
         return new
 
-    def _rank_alarm(self, step: int, i: int, onset: int, slowdown: float,
-                    confidence: float) -> list[Event]:
+    def _rank_alarm(
+        self, step: int, i: int, onset: int, slowdown: float, confidence: float
+    ) -> list[Event]:
         """Rank ``i``'s whole own work alarmed at or above the floor: a fail-slow, or the take-over
         of the one a phase opened (the whole rank is slow: its bank takes the event over)."""
         ev = self._open.get(("fail-slow", i))
@@ -242,8 +305,14 @@ class OnlineDetector:
         self._bank_of.pop(("fail-slow", i), None)
         return []
 
-    def _floored(self, key: tuple[str, int], onset: int, confidence: float, factor: float,
-                 ends: list[int] | None = None) -> bool:
+    def _floored(
+        self,
+        key: tuple[str, int],
+        onset: int,
+        confidence: float,
+        factor: float,
+        ends: list[int] | None = None,
+    ) -> bool:
         """Whether an alarm of measured ``factor`` is raised now: at or above ``alarm_floor``;
         below it, it is held (``_due`` raises it once its level since ``onset`` reaches it)."""
         if factor >= self.cfg.alarm_floor:
@@ -301,9 +370,17 @@ class OnlineDetector:
 
         return val(lay.dp_rank), val(lay.stage), val(lay.tp_rank)
 
-    def _open_event(self, kind: str, i: int, onset: int, step: int, slowdown: float,
-                    confidence: float, bank: CusumBank | None = None,
-                    key: tuple[str, int] | None = None) -> Event:
+    def _open_event(
+        self,
+        kind: str,
+        i: int,
+        onset: int,
+        step: int,
+        slowdown: float,
+        confidence: float,
+        bank: CusumBank | None = None,
+        key: tuple[str, int] | None = None,
+    ) -> Event:
         dp, st, tp = self._where(i)
         ev = Event(kind, i, dp, st, tp, onset, step, slowdown, confidence)
         key = key or (kind, i)
@@ -312,8 +389,9 @@ class OnlineDetector:
             self._bank_of[key] = bank
         return ev
 
-    def _phase_step(self, step: int, name: str, values: np.ndarray,
-                    share: np.ndarray | None) -> list[Event]:
+    def _phase_step(
+        self, step: int, name: str, values: np.ndarray, share: np.ndarray | None
+    ) -> list[Event]:
         """One phase of every rank tested on its own; an alarm of a rank with no open fail-slow
         opens one naming the phase (a second phase of the same rank is added to its name). Its
         ``rank_slowdown`` is what the phase's slowdown costs the rank: ``1 + share x (slowdown -
@@ -331,24 +409,28 @@ class OnlineDetector:
         for i, onset, conf, _, factor in self._due(name):
             out += self._phase_alarm(step, name, i, onset, factor, conf)
         for a in alarms:
-            if (("fail-slow", a.index) in self._open
-                    or self._floored((name, a.index), a.onset_step, a.confidence, a.slowdown)):
-                out += self._phase_alarm(step, name, a.index, a.onset_step, a.slowdown,
-                                         a.confidence)
+            if ("fail-slow", a.index) in self._open or self._floored(
+                (name, a.index), a.onset_step, a.confidence, a.slowdown
+            ):
+                out += self._phase_alarm(
+                    step, name, a.index, a.onset_step, a.slowdown, a.confidence
+                )
         for r in recoveries:
             if self._bank_of.get(("fail-slow", r.index)) is bank:
                 self._close_event("fail-slow", r.index, r.end_step, r.slowdown)
         return out
 
-    def _phase_alarm(self, step: int, name: str, i: int, onset: int, slowdown: float,
-                     confidence: float) -> list[Event]:
+    def _phase_alarm(
+        self, step: int, name: str, i: int, onset: int, slowdown: float, confidence: float
+    ) -> list[Event]:
         """Phase ``name`` of rank ``i`` alarmed: a fail-slow naming the phase, or the phase added
         to the name of the rank's open one."""
         ev = self._open.get(("fail-slow", i))
         cost = self._phase_cost(name, i, slowdown)
         if ev is None:
-            ev = self._open_event("fail-slow", i, onset, step, slowdown, confidence,
-                                  self.phase_banks[name])
+            ev = self._open_event(
+                "fail-slow", i, onset, step, slowdown, confidence, self.phase_banks[name]
+            )
             ev.extra["phase"] = name
             ev.extra["rank_slowdown"] = round(1.0 + cost, 4)
             self._floor_evidence(ev, slowdown)
@@ -392,8 +474,10 @@ class OnlineDetector:
         i = int(event.rank)
         if "phase" not in event.extra:
             return self.compute.recent_slowdown(i, CURRENT_STEPS)
-        now = [(name, self.phase_banks[name].recent_slowdown(i, CURRENT_STEPS))
-               for name in event.extra["phase"].split("+")]
+        now = [
+            (name, self.phase_banks[name].recent_slowdown(i, CURRENT_STEPS))
+            for name in event.extra["phase"].split("+")
+        ]
         if all(s is None for _, s in now):
             return None
         return 1.0 + sum(self._phase_cost(name, i, s) for name, s in now if s is not None)
@@ -405,10 +489,14 @@ class OnlineDetector:
         bank = self.compute
         low = bank.min_detectable()
         sigma = bank.calibrated_sigma
-        return {int(i): {"noise": round(float(np.expm1(sigma[i] / bank.share)), 4),
-                         "min_detectable_slowdown": round(float(low[i]), 3),
-                         "adapted": bool(bank.adapted[i])}
-                for i in np.flatnonzero(bank.calibrated)}
+        return {
+            int(i): {
+                "noise": round(float(np.expm1(sigma[i] / bank.share)), 4),
+                "min_detectable_slowdown": round(float(low[i]), 3),
+                "adapted": bool(bank.adapted[i]),
+            }
+            for i in np.flatnonzero(bank.calibrated)
+        }
 
     def budget(self) -> dict:
         """The error budget of every calibrated series (``budget``): per series name (``compute``:
@@ -416,14 +504,20 @@ class OnlineDetector:
         its noise, thresholds, expected steps between false alarms, delays at x1.5 and x2 and
         Lorden's bound; ``job_arl0_steps``: steps between false alarms over them all."""
         floor = self.cfg.alarm_floor
-        series = {"compute": bank_budget(self.compute, floor),
-                  "pipeline": bank_budget(self.link, floor),
-                  "gradient-sync": bank_budget(self.sync, floor),
-                  **{p: bank_budget(b, floor) for p, b in self.phase_banks.items()}}
+        series = {
+            "compute": bank_budget(self.compute, floor),
+            "pipeline": bank_budget(self.link, floor),
+            "gradient-sync": bank_budget(self.sync, floor),
+            **{p: bank_budget(b, floor) for p, b in self.phase_banks.items()},
+        }
         every = [b for per in series.values() for b in per.values()]
-        return {"alarm_floor": floor, "job_arl0_steps": job_arl0(every),
-                "series": {name: {str(i): b for i, b in per.items()}
-                           for name, per in series.items() if per}}
+        return {
+            "alarm_floor": floor,
+            "job_arl0_steps": job_arl0(every),
+            "series": {
+                name: {str(i): b for i, b in per.items()} for name, per in series.items() if per
+            },
+        }
 
     def _close_event(self, kind: str, i: int, end_step: int, slowdown: float) -> None:
         self._bank_of.pop((kind, i), None)
@@ -461,8 +555,19 @@ class OnlineDetector:
             peers_mu[sel] = m
             ratio = float(np.exp(m - overall))
             if first_pass and ratio > 1 + cfg.stage_imbalance and np.unique(stages[known]).size > 1:
-                out.append(Event("stage-imbalance", None, None, int(s), None,
-                                 int(bank.first_step[cal[sel]].min()), step, ratio, 1.0))
+                out.append(
+                    Event(
+                        "stage-imbalance",
+                        None,
+                        None,
+                        int(s),
+                        None,
+                        int(bank.first_step[cal[sel]].min()),
+                        step,
+                        ratio,
+                        1.0,
+                    )
+                )
         if self.peers is not None:  # the peers' level by work, not by stage
             labels = self.peers[cal]
             for label in np.unique(labels):
@@ -478,7 +583,9 @@ class OnlineDetector:
                 i = int(cal[j])
                 noise = float(bank.sigma[i])
                 conf = float(min(1.0, (np.log(ratio) / noise) / 10))
-                out.append(self._open_event("fail-slow", i, int(bank.first_step[i]), step, ratio, conf))
+                out.append(
+                    self._open_event("fail-slow", i, int(bank.first_step[i]), step, ratio, conf)
+                )
                 out[-1].extra["from_start"] = True
                 self._floor_evidence(out[-1], ratio)
                 bank.rebase_alarmed(i, float(peers_mu[j]))
@@ -491,8 +598,9 @@ class OnlineDetector:
             if self._pipeline_has_fail_slow(i):
                 self._drop_link_alarm(i)
                 continue
-            found.append(LinkAlarm(("pipeline", i), ends or [i], "pipeline", onset, factor, conf,
-                                   True))
+            found.append(
+                LinkAlarm(("pipeline", i), ends or [i], "pipeline", onset, factor, conf, True)
+            )
         for a in alarms:
             # a transfer that waited on a slow compute neighbour is not a slow link
             if self._pipeline_has_fail_slow(a.index):
@@ -502,8 +610,17 @@ class OnlineDetector:
             peer = self._neighbour(a.index)
             ends = [a.index] + ([peer] if peer is not None else [])
             ready = self._floored(("pipeline", a.index), a.onset_step, a.confidence, factor, ends)
-            found.append(LinkAlarm(("pipeline", a.index), ends, "pipeline", a.onset_step, factor,
-                                   a.confidence, ready))
+            found.append(
+                LinkAlarm(
+                    ("pipeline", a.index),
+                    ends,
+                    "pipeline",
+                    a.onset_step,
+                    factor,
+                    a.confidence,
+                    ready,
+                )
+            )
         out = self._link_findings(step, "pipeline", found)
         for r in recoveries:
             self._close_event("link-slow", r.index, r.end_step, r.slowdown)
@@ -531,12 +648,23 @@ class OnlineDetector:
                 pool.append(LinkAlarm(key, ends, traffic, onset, 1.0, conf, False))
         reported = {}
         for (kind, i), ev in self._open.items():
-            if (kind == ("link-slow" if name == "pipeline" else "sync")
-                    and ev.extra.get("traffic") == traffic and (name, i) not in keys):
+            if (
+                kind == ("link-slow" if name == "pipeline" else "sync")
+                and ev.extra.get("traffic") == traffic
+                and (name, i) not in keys
+            ):
                 reported[(name, i)] = ev
-                pool.append(LinkAlarm((name, i), list(ev.ranks or [i]), traffic, ev.onset_step,
-                                      float(ev.extra.get("alarm_factor", ev.slowdown)),
-                                      ev.confidence, False))
+                pool.append(
+                    LinkAlarm(
+                        (name, i),
+                        list(ev.ranks or [i]),
+                        traffic,
+                        ev.onset_step,
+                        float(ev.extra.get("alarm_factor", ev.slowdown)),
+                        ev.confidence,
+                        False,
+                    )
+                )
         for key, ev in self._shared.items():
             if key[0] == name and key not in keys:
                 pool.append(LinkAlarm(key, [], traffic, ev.onset_step, 1.0, ev.confidence, False))
@@ -555,8 +683,9 @@ class OnlineDetector:
                 out.append(self._open_link(step, new[0]))
                 continue
             if shared is None:
-                shared = shared_event(members, step, self.cfg.alarm_floor, self.layout.stage,
-                                      self.layout.dp_rank)
+                shared = shared_event(
+                    members, step, self.cfg.alarm_floor, self.layout.stage, self.layout.dp_rank
+                )
                 out.append(shared)
             for a in members:
                 join(shared, a)
@@ -570,8 +699,9 @@ class OnlineDetector:
         if a.key[0] == "pipeline":
             ev = self._open_event("link-slow", a.key[1], a.onset, step, a.factor, a.confidence)
         else:
-            ev = self._open_event("link-slow", a.key[1], a.onset, step, a.factor, a.confidence,
-                                  self.sync, key=a.key)
+            ev = self._open_event(
+                "link-slow", a.key[1], a.onset, step, a.factor, a.confidence, self.sync, key=a.key
+            )
         ev.ranks = list(a.ranks)
         ev.extra["traffic"] = a.traffic
         self._floor_evidence(ev, a.factor)
@@ -601,8 +731,11 @@ class OnlineDetector:
     def _neighbour(self, i: int) -> int | None:
         """The rank at the next stage of rank ``i``'s pipeline (its link's other end)."""
         lay = self.layout
-        hit = np.flatnonzero((lay.dp_rank == lay.dp_rank[i]) & (lay.stage == lay.stage[i] + 1)
-                             & (lay.tp_rank == lay.tp_rank[i]))
+        hit = np.flatnonzero(
+            (lay.dp_rank == lay.dp_rank[i])
+            & (lay.stage == lay.stage[i] + 1)
+            & (lay.tp_rank == lay.tp_rank[i])
+        )
         return int(hit[0]) if hit.size and lay.stage[i] >= 0 else None
 
     def _sync_step(self, step: int, sync: np.ndarray) -> list[Event]:
@@ -612,9 +745,15 @@ class OnlineDetector:
         collective up), is one event naming both, keyed by the lower rank."""
         alarms, recoveries, _ = self.sync.update(step, _others_log(sync))
         lay = self.layout
-        quiet = not any(kind == "fail-slow" for kind, _ in self._open) and not self.compute.alarmed.any()
-        found = [LinkAlarm(("sync", i), ends or [i], "gradient-sync", onset, factor, conf, True)
-                 for i, onset, conf, ends, factor in self._due("sync") if quiet]
+        quiet = (
+            not any(kind == "fail-slow" for kind, _ in self._open)
+            and not self.compute.alarmed.any()
+        )
+        found = [
+            LinkAlarm(("sync", i), ends or [i], "gradient-sync", onset, factor, conf, True)
+            for i, onset, conf, ends, factor in self._due("sync")
+            if quiet
+        ]
         for a in alarms:
             i = a.index
             group = np.flatnonzero((lay.stage == lay.stage[i]) & (lay.tp_rank == lay.tp_rank[i]))
@@ -623,13 +762,18 @@ class OnlineDetector:
                 continue
             lo, hi = hot
             key = ("sync", lo)
-            if (key in self._open or key in self._held or key in self._shared
-                    or any(f.key == key for f in found)):
+            if (
+                key in self._open
+                or key in self._held
+                or key in self._shared
+                or any(f.key == key for f in found)
+            ):
                 continue
             factor = self._link_slowdown("gradient-sync", [lo, hi], a.onset_step, a.slowdown)
             ready = self._floored(key, a.onset_step, a.confidence, factor, [lo, hi])
-            found.append(LinkAlarm(key, [lo, hi], "gradient-sync", a.onset_step, factor,
-                                   a.confidence, ready))
+            found.append(
+                LinkAlarm(key, [lo, hi], "gradient-sync", a.onset_step, factor, a.confidence, ready)
+            )
         out = self._link_findings(step, "gradient-sync", found)
         for r in recoveries:
             for (kind, lo), ev in list(self._open.items()):
@@ -642,8 +786,9 @@ class OnlineDetector:
 
     def _held_ends(self, key: tuple[str, int], ev: Event) -> list[int]:
         """The ends of the gradient-sync link ``key`` of shared finding ``ev``."""
-        return next((pair for pair in ev.extra.get("links", []) if pair and pair[0] == key[1]),
-                    [key[1]])
+        return next(
+            (pair for pair in ev.extra.get("links", []) if pair and pair[0] == key[1]), [key[1]]
+        )
 
     def _pipeline_has_fail_slow(self, i: int) -> bool:
         dp = self.layout.dp_rank
@@ -677,8 +822,18 @@ class OnlineDetector:
             ev = self._wl_open.get(d)
             if heavy[d]:
                 if ev is None:
-                    ev = Event("workload-imbalance", None, d, None, None, step, step, float(raw_rel[d]),
-                               1.0, end_step=step)
+                    ev = Event(
+                        "workload-imbalance",
+                        None,
+                        d,
+                        None,
+                        None,
+                        step,
+                        step,
+                        float(raw_rel[d]),
+                        1.0,
+                        end_step=step,
+                    )
                     self._wl_open[d] = ev
                     self._wl_steps[d] = 0
                 ev.end_step = step
@@ -696,14 +851,19 @@ class OnlineDetector:
         return out
 
     def _merge_layout(self, lay: RankPlacement) -> None:
-        for mine, theirs in ((self.layout.dp_rank, lay.dp_rank), (self.layout.stage, lay.stage),
-                             (self.layout.tp_rank, lay.tp_rank)):
+        for mine, theirs in (
+            (self.layout.dp_rank, lay.dp_rank),
+            (self.layout.stage, lay.stage),
+            (self.layout.tp_rank, lay.tp_rank),
+        ):
             seen = theirs >= 0
             clash = seen & (mine >= 0) & (mine != theirs)
             if clash.any():
                 r = int(np.flatnonzero(clash)[0])
-                raise InputError(f"step records: rank {r} moved from its earlier place in the job "
-                                 "(dp_rank/stage/tp_rank changed)")
+                raise InputError(
+                    f"step records: rank {r} moved from its earlier place in the job "
+                    "(dp_rank/stage/tp_rank changed)"
+                )
             mine[seen] = theirs[seen]
 
     @property
@@ -717,10 +877,12 @@ def noise_warnings(noise: dict, cfg: DetectorConfig) -> list[str]:
     if not loud:
         return []
     worst = max(v["min_detectable_slowdown"] for v in loud.values())
-    return [f"rank(s) {', '.join(sorted(loud, key=int))}: step-to-step noise up to "
-            f"{max(v['noise'] for v in loud.values()):.0%} hides slowdowns below about "
-            f"x{worst:.2f} for {cfg.detect_within} steps (larger ones are still found; "
-            "--sensitivity trades sooner detection for false alarms)"]
+    return [
+        f"rank(s) {', '.join(sorted(loud, key=int))}: step-to-step noise up to "
+        f"{max(v['noise'] for v in loud.values()):.0%} hides slowdowns below about "
+        f"x{worst:.2f} for {cfg.detect_within} steps (larger ones are still found; "
+        "--sensitivity trades sooner detection for false alarms)"
+    ]
 
 
 def budget_line(budget: dict) -> str:
@@ -733,17 +895,24 @@ def budget_line(budget: dict) -> str:
         return f"{float(np.median(v)):.3g}" if v else "-"
 
     arl = budget.get("job_arl0_steps")
-    return (f"error budget: a false alarm every {arl:.3g} steps (job), "
-            if arl else "error budget: no false alarm expected (job), ") + (
+    return (
+        f"error budget: a false alarm every {arl:.3g} steps (job), "
+        if arl
+        else "error budget: no false alarm expected (job), "
+    ) + (
         f"delay x2 {med('delay_x2_steps')} steps (Lorden {med('lorden_x2_steps')}), x1.5 "
         f"{med('delay_x1_5_steps')} (Lorden {med('lorden_x1_5_steps')}), floor "
-        f"x{budget['alarm_floor']:g}")
+        f"x{budget['alarm_floor']:g}"
+    )
 
 
 PHASES = ("forward", "backward", "optimizer")
 SHARE_RATE = 0.1  # weight of a step in a phase's running share of the rank's compute
-_PHASE_OPTYPES = {"forward": ("forward-compute",), "backward": ("backward-compute",),
-                  "optimizer": ("optimizer", "optimizer-clip-main-grad")}
+_PHASE_OPTYPES = {
+    "forward": ("forward-compute",),
+    "backward": ("backward-compute",),
+    "optimizer": ("optimizer", "optimizer-clip-main-grad"),
+}
 
 
 @dataclass(frozen=True)
@@ -762,7 +931,9 @@ class PhaseMatrices:
         return {p: m[i] for p, m in self.own.items()}, {p: m[i] for p, m in self.share.items()}
 
 
-def phase_matrices(df: pd.DataFrame, obs: Observations, cfg: DetectorConfig) -> PhaseMatrices | None:
+def phase_matrices(
+    df: pd.DataFrame, obs: Observations, cfg: DetectorConfig
+) -> PhaseMatrices | None:
     """The phases' matrices of ``df`` over ``obs.steps`` (forward and backward own work from
     ``observe_ops(..., phases=True)``), or None where the config tests no phases."""
     if not cfg.phases or not len(obs.steps):
@@ -831,7 +1002,9 @@ def _compute_per_token(df: pd.DataFrame) -> list[float]:
         return []
     comp = comp[comp["tokens"].notna()]
     g = comp.groupby(["step", "rank"])
-    per = g["duration"].sum() / (g["tokens"].sum().astype(float) / 2)  # each token: one fwd, one bwd
+    per = g["duration"].sum() / (
+        g["tokens"].sum().astype(float) / 2
+    )  # each token: one fwd, one bwd
     return [float(v) for v in per.to_numpy() if np.isfinite(v) and v > 0]
 
 
@@ -873,8 +1046,13 @@ def fits_cost(meta: JobMeta, expected: ExpectedCompute | None, cfg: DetectorConf
     return cfg.fit_cost and expected is None and meta.pp_size == 1
 
 
-def trace_cost(df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
-               cfg: DetectorConfig, meta_dict: dict | None = None) -> ExpectedCompute | None:
+def trace_cost(
+    df: pd.DataFrame,
+    meta: JobMeta,
+    expected: ExpectedCompute | None,
+    cfg: DetectorConfig,
+    meta_dict: dict | None = None,
+) -> ExpectedCompute | None:
     """The cost model for a whole trace: ``expected`` if given; where ``fits_cost``, the job's own
     cost fitted on its first ``calibration_steps`` steps; else None (FLOPs, peers or phases)."""
     if not fits_cost(meta, expected, cfg):
@@ -894,12 +1072,26 @@ class TracePart:
     obs: Observations
 
     @classmethod
-    def observed(cls, df: pd.DataFrame, meta: JobMeta, expected: ExpectedCompute | None,
-                 cfg: DetectorConfig, meta_dict: dict | None, source: str = "ops trace") -> TracePart:
+    def observed(
+        cls,
+        df: pd.DataFrame,
+        meta: JobMeta,
+        expected: ExpectedCompute | None,
+        cfg: DetectorConfig,
+        meta_dict: dict | None,
+        source: str = "ops trace",
+    ) -> TracePart:
         layout = rank_layout(df, meta, source=source)
         expected = trace_cost(df, meta, expected, cfg, meta_dict)
-        obs = observe_ops(df, meta, expected=expected, shape=shape_from_meta(meta_dict),
-                          own_quantile=cfg.own_quantile, phases=cfg.phases, source=source)
+        obs = observe_ops(
+            df,
+            meta,
+            expected=expected,
+            shape=shape_from_meta(meta_dict),
+            own_quantile=cfg.own_quantile,
+            phases=cfg.phases,
+            source=source,
+        )
         return cls(df, meta, layout, expected, obs)
 
     def detect(self, det: OnlineDetector) -> list[Event]:
@@ -910,8 +1102,13 @@ class TracePart:
         return det.finish()
 
 
-def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: ExpectedCompute | None = None,
-                 config: DetectorConfig | None = None, meta_dict: dict | None = None) -> dict:
+def detect_trace(
+    df: pd.DataFrame,
+    meta: JobMeta | None = None,
+    expected: ExpectedCompute | None = None,
+    config: DetectorConfig | None = None,
+    meta_dict: dict | None = None,
+) -> dict:
     """The DESIGN event JSON for a whole (validated) ops trace; one whose ranks took new places in
     a live re-plan part by part (``layout_parts``), each with a fresh detector (``noise``: the
     last part's)."""
@@ -925,5 +1122,11 @@ def detect_trace(df: pd.DataFrame, meta: JobMeta | None = None, expected: Expect
         events += part.detect(det)
         parts.append(part.obs)
     obs = Observations.joined(parts)
-    return events_json(events, steps=len(obs.steps), ranks=int(df["rank"].nunique()),
-                       cost_model=obs.cost_model, noise=det.noise(), budget=det.budget())
+    return events_json(
+        events,
+        steps=len(obs.steps),
+        ranks=int(df["rank"].nunique()),
+        cost_model=obs.cost_model,
+        noise=det.noise(),
+        budget=det.budget(),
+    )

@@ -30,8 +30,12 @@ class RecordError(ValueError):
     """A record read from the store is not of its expected form (one line)."""
 
 
-def fields(doc: Any, what: str, spec: Mapping[str, type | tuple[type, ...]],
-           optional: Mapping[str, type | tuple[type, ...]] | None = None) -> dict:
+def fields(
+    doc: Any,
+    what: str,
+    spec: Mapping[str, type | tuple[type, ...]],
+    optional: Mapping[str, type | tuple[type, ...]] | None = None,
+) -> dict:
     """``doc`` as a JSON object with each field of ``spec`` present and of its type.
 
     Args:
@@ -58,7 +62,9 @@ def _check(value: Any, kind: type | tuple[type, ...], what: str, name: str) -> N
     if isinstance(value, bool) and bool not in kinds:
         raise RecordError(f"{what}: field {name!r} expected {_names(kinds)}, got a boolean")
     if not isinstance(value, kinds):
-        raise RecordError(f"{what}: field {name!r} expected {_names(kinds)}, got {type(value).__name__}")
+        raise RecordError(
+            f"{what}: field {name!r} expected {_names(kinds)}, got {type(value).__name__}"
+        )
 
 
 def _names(kinds: tuple[type, ...]) -> str:
@@ -125,7 +131,9 @@ SIGNATURE = "sig"
 
 
 def _digest(doc: Mapping[str, Any], secret: str) -> str:
-    body = json.dumps({k: v for k, v in doc.items() if k != SIGNATURE}, sort_keys=True, separators=(",", ":"))
+    body = json.dumps(
+        {k: v for k, v in doc.items() if k != SIGNATURE}, sort_keys=True, separators=(",", ":")
+    )
     return hmac.new(secret.encode(), body.encode(), hashlib.sha256).hexdigest()
 
 
@@ -158,15 +166,20 @@ def signed_json(doc: Mapping[str, Any], secret: str | None = None) -> str:
     return json.dumps(sign(doc, secret or job_secret()), separators=(",", ":"))
 
 
-def authority(what: str, spec: Mapping[str, type | tuple[type, ...]],
-              optional: Mapping[str, type | tuple[type, ...]] | None = None,
-              secret: str | None = None, verify: bool = True,
-              same: Mapping[str, Any] | None = None) -> Callable[[Any], dict]:
+def authority(
+    what: str,
+    spec: Mapping[str, type | tuple[type, ...]],
+    optional: Mapping[str, type | tuple[type, ...]] | None = None,
+    secret: str | None = None,
+    verify: bool = True,
+    same: Mapping[str, Any] | None = None,
+) -> Callable[[Any], dict]:
     """A parser for ``StoreRecords.decode`` of a signed record: its signature checked under
     ``secret`` (by default this process's ``RESIHP_JOB_SECRET``; without one nothing signed is
     taken), then its fields; ``same``: fields that must hold these values (the key's replica or
     node, so a signed record copied to another key is refused). ``verify=False``: a reader that
     acts on nothing (a follower) takes the record without checking its signature."""
+
     def parse(doc: Any) -> dict:
         if verify:
             doc = verified(doc, secret or os.environ.get(JOB_SECRET_ENV) or None, what)
@@ -175,7 +188,10 @@ def authority(what: str, spec: Mapping[str, type | tuple[type, ...]],
         doc = fields(doc, what, spec, optional)
         for name, value in (same or {}).items():
             if doc.get(name) != value:
-                raise RecordError(f"{what}: refused: field {name!r} is {doc.get(name)!r}, not {value!r} "
-                                  "(a record of another key)")
+                raise RecordError(
+                    f"{what}: refused: field {name!r} is {doc.get(name)!r}, not {value!r} "
+                    "(a record of another key)"
+                )
         return doc
+
     return parse

@@ -22,8 +22,9 @@ LINK_TRAFFIC = ("pipeline", "gradient-sync")
 KINDS = ("fail-slow", "link-slow")
 
 
-def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4,
-               pp: int = 4) -> list[tuple[str, SimJob]]:
+def make_suite(
+    quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4, pp: int = 4
+) -> list[tuple[str, SimJob]]:
     """Healthy jobs, fail-slows of each factor at a random rank/onset/duration, and with a pipeline
     link-slows and a job with a heavier last stage (stage imbalance that must not be blamed on a
     device)."""
@@ -51,9 +52,12 @@ def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4
         for _ in range(reps):
             onset = int(rng.integers(30, steps - 40))
             length = int(rng.choice([10, 25, 60, steps]))
-            inj = Injection("fail-slow", at(rng.integers(world)), onset, min(onset + length, steps) - 1,
-                            factor)
-            jobs.append((f"fail-slow-{factor}x-{n}", job(100 + n, source=sources[n % 2], injections=[inj])))
+            inj = Injection(
+                "fail-slow", at(rng.integers(world)), onset, min(onset + length, steps) - 1, factor
+            )
+            jobs.append(
+                (f"fail-slow-{factor}x-{n}", job(100 + n, source=sources[n % 2], injections=[inj]))
+            )
             n += 1
     if pp > 1:
         for k, factor in enumerate((2.0, 4.0)):
@@ -68,22 +72,44 @@ def make_suite(quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4
             d, s = int(rng.integers(dp)), int(rng.integers(pp - 1 if traffic == "pipeline" else pp))
             onset = int(rng.integers(30, steps - 40))
             length = int(rng.choice([25, 60, steps]))
-            inj = Injection("link-slow", dims.rank_of(d, s), onset, min(onset + length, steps) - 1,
-                            factor, traffic)
-            jobs.append((f"link-slow-{traffic}-{factor}x-{r}",
-                         job(500 + 10 * k + r, source=sources[(k + r) % 2], injections=[inj])))
+            inj = Injection(
+                "link-slow",
+                dims.rank_of(d, s),
+                onset,
+                min(onset + length, steps) - 1,
+                factor,
+                traffic,
+            )
+            jobs.append(
+                (
+                    f"link-slow-{traffic}-{factor}x-{r}",
+                    job(500 + 10 * k + r, source=sources[(k + r) % 2], injections=[inj]),
+                )
+            )
         inj = Injection("fail-slow", at(rng.integers(world)), steps // 2, steps - 1, 1.5)
         heavy = (2,) * (pp - 1) + (3,)
-        jobs.append(("stage-imbalance+fail-slow", job(400, source="text", stage_layers=heavy,
-                                                       injections=[inj])))
+        jobs.append(
+            (
+                "stage-imbalance+fail-slow",
+                job(400, source="text", stage_layers=heavy, injections=[inj]),
+            )
+        )
     return jobs
 
 
-def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute | None = None,
-                   profile: str | Path = DEFAULT_PROFILE, methods: list[str] | None = None,
-                   config: DetectorConfig | None = None, drop: tuple[str, ...] = (),
-                   on_progress: Callable[[int], None] | None = None, dp: int = 4,
-                   pp: int = 4, step_time_s: float = DEFAULT_STEP_TIME_S) -> dict:
+def evaluate_suite(
+    quick: bool = False,
+    seed: int = 0,
+    expected: ExpectedCompute | None = None,
+    profile: str | Path = DEFAULT_PROFILE,
+    methods: list[str] | None = None,
+    config: DetectorConfig | None = None,
+    drop: tuple[str, ...] = (),
+    on_progress: Callable[[int], None] | None = None,
+    dp: int = 4,
+    pp: int = 4,
+    step_time_s: float = DEFAULT_STEP_TIME_S,
+) -> dict:
     """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance check.
 
     ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on the
@@ -95,7 +121,12 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
     noise = alibaba_residuals(alibaba_path(2))
     cfg = config or DetectorConfig()
     methods = methods or METHODS
-    meta_dict = {"layers": pool.layers, "hidden": pool.hidden, "heads": 4, "ffn_hidden": 4 * pool.hidden}
+    meta_dict = {
+        "layers": pool.layers,
+        "hidden": pool.hidden,
+        "heads": 4,
+        "ffn_hidden": 4 * pool.hidden,
+    }
     totals = {m: Score() for m in methods}
     by_kind = {m: {k: Score() for k in KINDS} for m in methods}
     by_factor = {m: {f: Score() for f in FACTORS} for m in methods}
@@ -107,8 +138,9 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
         df = simulate(job, pool, noise)
         df = df.drop(columns=list(drop))
         detectors: dict = {}
-        found, obs = run_methods(df, job.meta(), methods, expected, meta_dict, cfg,
-                                 detectors=detectors)
+        found, obs = run_methods(
+            df, job.meta(), methods, expected, meta_dict, cfg, detectors=detectors
+        )
         cost_model = obs.cost_model
         budget = detectors["resihp"].budget() if "resihp" in detectors else {}
 
@@ -116,14 +148,26 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
             return fault_sigma(budget, inj)
 
         for m in methods:
-            sc = score_events(found[m], job.injections, obs.steps, job.dims,
-                              skip_first=cfg.calibration_steps, sigma_of=sigma_of)
+            sc = score_events(
+                found[m],
+                job.injections,
+                obs.steps,
+                job.dims,
+                skip_first=cfg.calibration_steps,
+                sigma_of=sigma_of,
+            )
             totals[m].add(sc)
             for kind in KINDS:  # each kind scored on its own: its events against its faults
-                by_kind[m][kind].add(score_events(
-                    [e for e in found[m] if e.kind == kind],
-                    [i for i in job.injections if i.kind == kind], obs.steps, job.dims,
-                    skip_first=cfg.calibration_steps, sigma_of=sigma_of))
+                by_kind[m][kind].add(
+                    score_events(
+                        [e for e in found[m] if e.kind == kind],
+                        [i for i in job.injections if i.kind == kind],
+                        obs.steps,
+                        job.dims,
+                        skip_first=cfg.calibration_steps,
+                        sigma_of=sigma_of,
+                    )
+                )
             if job.injections and all(i.kind == "fail-slow" for i in job.injections):
                 f = job.injections[0].factor
                 if f in by_factor[m]:
@@ -135,25 +179,47 @@ def evaluate_suite(quick: bool = False, seed: int = 0, expected: ExpectedCompute
         if job.stage_layers:
             imbalance = {m: sorted({e.kind for e in found[m]}) for m in methods}
             imbalance["resihp_stage_imbalance_stages"] = sorted(
-                e.stage for e in found.get("resihp", []) if e.kind == "stage-imbalance")
+                e.stage for e in found.get("resihp", []) if e.kind == "stage-imbalance"
+            )
         if on_progress:
             on_progress(k + 1)
     return {
-        "traces": len(suite), "dp": dp, "pp": pp, "seed": seed, "dropped_columns": list(drop), "steps": int(sum(j.steps for _, j in suite)),
-        "ranks_per_trace": suite[0][1].world_size, "cost_model": cost_model,
-        "noise": {"op_sigma_from_profile_spread": round(pool.op_sigma, 4),
-                  "host_residual_mad_alibaba_job2": round(float(np.median(np.abs(noise))), 4)},
+        "traces": len(suite),
+        "dp": dp,
+        "pp": pp,
+        "seed": seed,
+        "dropped_columns": list(drop),
+        "steps": int(sum(j.steps for _, j in suite)),
+        "ranks_per_trace": suite[0][1].world_size,
+        "cost_model": cost_model,
+        "noise": {
+            "op_sigma_from_profile_spread": round(pool.op_sigma, 4),
+            "host_residual_mad_alibaba_job2": round(float(np.median(np.abs(noise))), 4),
+        },
         "step_time_s": step_time_s,
         "methods": {m: totals[m].summary(step_time_s) for m in methods},
-        "by_kind": {m: {k: sc.summary(step_time_s) for k, sc in by_kind[m].items()}
-                    for m in methods},
+        "by_kind": {
+            m: {k: sc.summary(step_time_s) for k, sc in by_kind[m].items()} for m in methods
+        },
         "fail_slow_ge_1_2x_and_healthy": {m: strong[m].summary(step_time_s) for m in methods},
-        "by_factor": {m: {str(f): _factor_summary(s) for f, s in by_factor[m].items()} for m in methods},
+        "by_factor": {
+            m: {str(f): _factor_summary(s) for f, s in by_factor[m].items()} for m in methods
+        },
         "stage_imbalance_trace": imbalance,
     }
 
 
 def _factor_summary(sc: Score) -> dict:
     s = sc.summary()
-    return {k: s[k] for k in ("tp", "fn", "fp", "recall", "delay_steps_median", "delay_steps_max",
-                              "slowdown_error_median")}
+    return {
+        k: s[k]
+        for k in (
+            "tp",
+            "fn",
+            "fp",
+            "recall",
+            "delay_steps_median",
+            "delay_steps_max",
+            "slowdown_error_median",
+        )
+    }

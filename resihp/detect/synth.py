@@ -28,14 +28,35 @@ from resihp.perf.schedule import FWD, rank_order
 
 # expected range of 5 normal draws in units of sigma (for turning a measured spread into a sigma)
 # expected minus-minimum of n standard normal draws
-_EXPECTED_NEG_MIN = {2: 0.564, 3: 0.846, 4: 1.029, 5: 1.163, 6: 1.267, 7: 1.352, 8: 1.424, 9: 1.485,
-                     10: 1.539}
-_RANGE_OF_N = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
+_EXPECTED_NEG_MIN = {
+    2: 0.564,
+    3: 0.846,
+    4: 1.029,
+    5: 1.163,
+    6: 1.267,
+    7: 1.352,
+    8: 1.424,
+    9: 1.485,
+    10: 1.539,
+}
+_RANGE_OF_N = {
+    2: 1.128,
+    3: 1.693,
+    4: 2.059,
+    5: 2.326,
+    6: 2.534,
+    7: 2.704,
+    8: 2.847,
+    9: 2.970,
+    10: 3.078,
+}
 
 
 @dataclass(frozen=True)
 class Injection:
-    kind: str  # "fail-slow" (rank's compute) or "link-slow" (the link from rank's stage to the next)
+    kind: (
+        str  # "fail-slow" (rank's compute) or "link-slow" (the link from rank's stage to the next)
+    )
     rank: int  # in the one rank order (``resihp.parallel``)
     onset_step: int
     end_step: int  # last affected step, inclusive
@@ -78,7 +99,9 @@ class CostPool:
             raise InputError(f"{path}: cannot read profiling log ({type(exc).__name__})") from None
         need = {"phase", "seq_lens", "time_s", "mb_id", "layers", "hidden"}
         if not need <= set(log.columns):
-            raise InputError(f"{path}: profiling log lacks {', '.join(sorted(need - set(log.columns)))}")
+            raise InputError(
+                f"{path}: profiling log lacks {', '.join(sorted(need - set(log.columns)))}"
+            )
         key = ["source", "mb_id"] if "source" in log.columns else ["mb_id"]
         # on a shared machine the thread's CPU time is the micro-batch's own cost; wall time also
         # holds other processes' time slices
@@ -95,12 +118,24 @@ class CostPool:
         elif "time_spread" in log.columns:
             sigma = float(log["time_spread"].median()) / _RANGE_OF_N.get(n, 2.326)
         else:
-            raise InputError(f"{path}: profiling log has no repeat spread to take the op noise from")
-        src = wide.index.get_level_values(0).to_numpy() if "source" in key else np.full(len(wide), "any")
-        return cls([list(map(int, s)) for s in wide["seq_lens"]], wide["fwd"].to_numpy(float),
-                   wide["bwd"].to_numpy(float), np.asarray(src, dtype=object), sigma,
-                   int(log["layers"].iloc[0]), int(log["hidden"].iloc[0]),
-                   str(log["device"].iloc[0]) if "device" in log.columns else None)
+            raise InputError(
+                f"{path}: profiling log has no repeat spread to take the op noise from"
+            )
+        src = (
+            wide.index.get_level_values(0).to_numpy()
+            if "source" in key
+            else np.full(len(wide), "any")
+        )
+        return cls(
+            [list(map(int, s)) for s in wide["seq_lens"]],
+            wide["fwd"].to_numpy(float),
+            wide["bwd"].to_numpy(float),
+            np.asarray(src, dtype=object),
+            sigma,
+            int(log["layers"].iloc[0]),
+            int(log["hidden"].iloc[0]),
+            str(log["device"].iloc[0]) if "device" in log.columns else None,
+        )
 
     def subset(self, source: str | None) -> np.ndarray:
         if source is None:
@@ -128,8 +163,12 @@ class SimJob:
     microbatches: int = 8
     steps: int = 300
     source: str | None = None
-    stage_layers: tuple[int, ...] | None = None  # layers per stage; default: the profiled stack each
-    link_gbps: float = 10.0  # point-to-point bandwidth for activations (bytes = tokens * hidden * 4)
+    stage_layers: tuple[int, ...] | None = (
+        None  # layers per stage; default: the profiled stack each
+    )
+    link_gbps: float = (
+        10.0  # point-to-point bandwidth for activations (bytes = tokens * hidden * 4)
+    )
     injections: list[Injection] = field(default_factory=list)
     seed: int = 0
 
@@ -151,8 +190,10 @@ class SimJob:
 def _schedule(pp: int, m: int) -> list[tuple[int, str, int]]:
     """A dependency-respecting global order of the 1F1B ops (stage, 'F'|'B', micro-batch): each
     stage's order is ``resihp.perf.schedule.rank_order``, taken round-robin as far as it can go."""
-    orders = [[("F" if op.phase == FWD else "B", op.mb) for op in rank_order("1f1b", pp, m, 1, s)]
-              for s in range(pp)]
+    orders = [
+        [("F" if op.phase == FWD else "B", op.mb) for op in rank_order("1f1b", pp, m, 1, s)]
+        for s in range(pp)
+    ]
     done: set[tuple[int, str, int]] = set()
     ptr = [0] * pp
     out = []
@@ -161,7 +202,11 @@ def _schedule(pp: int, m: int) -> list[tuple[int, str, int]]:
         for s in range(pp):
             while ptr[s] < len(orders[s]):
                 kind, i = orders[s][ptr[s]]
-                dep = (s - 1, "F", i) if kind == "F" else ((s + 1, "B", i) if s < pp - 1 else (s, "F", i))
+                dep = (
+                    (s - 1, "F", i)
+                    if kind == "F"
+                    else ((s + 1, "B", i) if s < pp - 1 else (s, "F", i))
+                )
                 if kind == "F" and s == 0:
                     dep = None
                 if dep is not None and dep not in done:
@@ -193,16 +238,20 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
     sync_link = np.ones((t_, d_, p_))
     for inj in job.injections:
         if not 0 <= inj.rank < job.world_size:
-            raise InputError(f"injection rank {inj.rank} is outside the job (world {job.world_size})")
+            raise InputError(
+                f"injection rank {inj.rank} is outside the job (world {job.world_size})"
+            )
         if inj.kind == "link-slow" and inj.traffic == "gradient-sync":
             for r in inj.link_ends(job.dims):
                 place = job.dims.coords(r)
-                sync_link[inj.onset_step: inj.end_step + 1, place.dp_rank, place.stage] = inj.factor
+                sync_link[inj.onset_step : inj.end_step + 1, place.dp_rank, place.stage] = (
+                    inj.factor
+                )
             continue
         place = job.dims.coords(inj.rank)
         d, s = place.dp_rank, place.stage
         target = slow if inj.kind == "fail-slow" else link
-        target[inj.onset_step: inj.end_step + 1, d, s] *= inj.factor
+        target[inj.onset_step : inj.end_step + 1, d, s] *= inj.factor
 
     def own(kind: str, s: int, i: int) -> np.ndarray:
         base = (pool.fwd if kind == "F" else pool.bwd)[idx[:, :, i]] * scale[s]
@@ -211,7 +260,9 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
 
     free = np.zeros((p_, t_, d_))
     end: dict[tuple[int, str, int], np.ndarray] = {}
-    rows: dict[str, list[np.ndarray]] = {k: [] for k in ("stage", "optype", "mb", "dur", "start", "seq")}
+    rows: dict[str, list[np.ndarray]] = {
+        k: [] for k in ("stage", "optype", "mb", "dur", "start", "seq")
+    }
 
     def emit(s: int, optype: str, i: int, dur: np.ndarray, start: np.ndarray) -> None:
         rows["stage"].append(np.full((t_, d_), s))
@@ -231,7 +282,9 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
         finish = start + own(kind, s, i)
         end[(s, kind, i)] = finish
         free[s] = finish
-        emit(s, "forward-compute" if kind == "F" else "backward-compute", i, finish - issued, issued)
+        emit(
+            s, "forward-compute" if kind == "F" else "backward-compute", i, finish - issued, issued
+        )
         if kind == "F" and s < p_ - 1:
             emit(s, "forward-send", i, p2p_s[:, :, i] * link[:, :, s], finish)
         if kind == "F" and s > 0:
@@ -263,12 +316,19 @@ def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFram
     lens = np.empty(seq_idx.size, dtype=object)
     flat_c = compute.ravel()
     lens[flat_c] = [pool.seq_lens[j] for j in seq_idx.ravel()[flat_c]]
-    df = pd.DataFrame({
-        "step": step.ravel(), "rank": job.dims.rank_of(dp, stage).ravel(), "dp_rank": dp.ravel(),
-        "stage": stage.ravel(), "tp_rank": 0, "optype": optype.ravel(),
-        "duration": np.stack(rows["dur"]).ravel(),
-        "start_ts": (np.stack(rows["start"]) + step_start[None, :, None]).ravel(),
-        "mb_id": pd.array(np.where(mb >= 0, mb, 0).ravel(), dtype="Int64"), "seq_lens": lens,
-    })
+    df = pd.DataFrame(
+        {
+            "step": step.ravel(),
+            "rank": job.dims.rank_of(dp, stage).ravel(),
+            "dp_rank": dp.ravel(),
+            "stage": stage.ravel(),
+            "tp_rank": 0,
+            "optype": optype.ravel(),
+            "duration": np.stack(rows["dur"]).ravel(),
+            "start_ts": (np.stack(rows["start"]) + step_start[None, :, None]).ravel(),
+            "mb_id": pd.array(np.where(mb >= 0, mb, 0).ravel(), dtype="Int64"),
+            "seq_lens": lens,
+        }
+    )
     df.loc[mb.ravel() < 0, "mb_id"] = pd.NA
     return df.sort_values(["step", "rank", "start_ts"], kind="stable").reset_index(drop=True)

@@ -38,13 +38,18 @@ from torch.distributed import Store
 from resihp.ft.quorum import Generation
 
 
-def gloo_group(store: Store, prefix: str, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+def gloo_group(
+    store: Store, prefix: str, rank: int, size: int, timeout_s: float
+) -> dist.ProcessGroup:
     """A gloo group of ``size`` ranks on ``store`` under ``prefix`` (loopback when the job is)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
-                     else dist.ProcessGroupGloo.create_default_device()]
+    opts._devices = [
+        dist.ProcessGroupGloo.create_device(interface=iface)
+        if iface
+        else dist.ProcessGroupGloo.create_default_device()
+    ]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
 
 
@@ -60,21 +65,30 @@ class ReplicaGroup:
     socket behind one lock: a rendezvous blocked on a dead peer would hold up every other call
     through the client it uses, the quorum's ``decided`` that lets this rank leave it too."""
 
-    def __init__(self, connect: Callable[[], Store], job_id: str, replica: int, timeout_s: float) -> None:
+    def __init__(
+        self, connect: Callable[[], Store], job_id: str, replica: int, timeout_s: float
+    ) -> None:
         self.connect, self.job_id = connect, job_id
         self.replica, self.timeout_s = replica, timeout_s
         self.gen: int | None = None
         self.replicas: list[int] = []
         self.groups: dict[Key, dist.ProcessGroup] = {}
-        self._retired: list[dist.ProcessGroup] = []  # kept: a group with a dead peer is never waited on
+        self._retired: list[
+            dist.ProcessGroup
+        ] = []  # kept: a group with a dead peer is never waited on
 
     @property
     def size(self) -> int:
         """The member replicas of the generation formed last."""
         return len(self.replicas)
 
-    def form(self, gen: Generation, keys: list[Key], abandon: Callable[[], bool] | None = None,
-             check_s: float = 0.05) -> None:
+    def form(
+        self,
+        gen: Generation,
+        keys: list[Key],
+        abandon: Callable[[], bool] | None = None,
+        check_s: float = 0.05,
+    ) -> None:
         """Collective over the generation's members: start generation ``gen`` (nothing if it is
         the one in force) with the groups of ``keys``; a later plan's new keys form as they are
         first summed. ``abandon`` as in ``all_reduce``: a member that died before it reached the
@@ -86,15 +100,22 @@ class ReplicaGroup:
             for key in sorted(keys):
                 self._group(key, abandon, check_s)
 
-    def _group(self, key: Key, abandon: Callable[[], bool] | None, check_s: float) -> dist.ProcessGroup:
+    def _group(
+        self, key: Key, abandon: Callable[[], bool] | None, check_s: float
+    ) -> dist.ProcessGroup:
         """Collective over the ranks of ``key``: this generation's group of them. The rendezvous
         runs on a thread of its own (gloo's constructor blocks in C++, without the GIL), left to
         time out where ``abandon`` says the step was decided without this rank."""
         if key in self.groups:
             return self.groups[key]
         name = "-".join(map(str, key))
-        args = (self.connect(), f"resihp/{self.job_id}/ft/pg/{self.gen}/{name}",
-                self.replicas.index(self.replica), self.size, self.timeout_s)
+        args = (
+            self.connect(),
+            f"resihp/{self.job_id}/ft/pg/{self.gen}/{name}",
+            self.replicas.index(self.replica),
+            self.size,
+            self.timeout_s,
+        )
         made: dict[str, object] = {}
 
         def rendezvous() -> None:
@@ -108,14 +129,20 @@ class ReplicaGroup:
         while thread.is_alive():
             thread.join(check_s)
             if thread.is_alive() and abandon is not None and abandon():
-                raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
+                raise GroupAbandoned(
+                    f"generation {self.gen}: the step was decided without this rank"
+                )
         if "error" in made:
             raise made["error"]
         self.groups[key] = made["group"]
         return self.groups[key]
 
-    def all_reduce(self, buckets: dict[Key, torch.Tensor], abandon: Callable[[], bool] | None = None,
-                   check_s: float = 0.05) -> None:
+    def all_reduce(
+        self,
+        buckets: dict[Key, torch.Tensor],
+        abandon: Callable[[], bool] | None = None,
+        check_s: float = 0.05,
+    ) -> None:
         """Sum each bucket over the ranks of its key (in place), keys in ascending order.
         ``abandon`` (asked every ``check_s`` while a sum is in flight): True leaves it with
         ``GroupAbandoned``; the group is not used again."""
@@ -128,5 +155,7 @@ class ReplicaGroup:
                 work.get_future().add_done_callback(lambda _, done=done: done.set())
                 while not done.wait(check_s):
                     if abandon():
-                        raise GroupAbandoned(f"generation {self.gen}: the step was decided without this rank")
+                        raise GroupAbandoned(
+                            f"generation {self.gen}: the step was decided without this rank"
+                        )
             work.wait()  # the sum's own error, if it failed

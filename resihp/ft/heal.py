@@ -39,14 +39,16 @@ def flatten(tensors: list[torch.Tensor], device: torch.device | str | None = Non
     """One float32 vector of ``tensors`` on ``device`` (default: the first tensor's). On a GPU
     AdamW keeps its ``step`` counts on the CPU, so a state mixes devices."""
     device = tensors[0].device if device is None else device
-    return torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
+    return torch.cat(
+        [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors]
+    )
 
 
 def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t).to(t.dtype))
+        t.copy_(flat[offset : offset + n].view_as(t).to(t.dtype))
         offset += n
 
 
@@ -68,7 +70,9 @@ class HealSource(threading.Thread):
         self.sent_bytes = 0
         self.last: int | None = None  # the last step whose gradients the returning rank needs
 
-    def push(self, kind: int, step: int, flat: torch.Tensor, split: list[int] | None = None) -> None:
+    def push(
+        self, kind: int, step: int, flat: torch.Tensor, split: list[int] | None = None
+    ) -> None:
         self.items.put((kind, step, flat.cpu(), list(split or [])))  # gloo sends from host memory
 
     def close(self, last: int) -> None:
@@ -95,13 +99,20 @@ class HealSource(threading.Thread):
                     pg.send([torch.tensor([END, self.last, 0, 0], dtype=torch.int64)], 1, 0).wait()
                     return
                 kind, step, flat, split = item
-                pg.send([torch.tensor([kind, step, flat.numel(), len(split)], dtype=torch.int64)], 1, 0).wait()
+                pg.send(
+                    [torch.tensor([kind, step, flat.numel(), len(split)], dtype=torch.int64)], 1, 0
+                ).wait()
                 if split:
                     pg.send([torch.tensor(split, dtype=torch.int64)], 1, 2).wait()
                 pg.send([flat], 1, 1).wait()
                 self.sent_bytes += flat.numel() * 4
-        except (RuntimeError, dist.DistError) as exc:  # the returning rank was lost: stop serving it
-            self.error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except (
+            RuntimeError,
+            dist.DistError,
+        ) as exc:  # the returning rank was lost: stop serving it
+            self.error = (
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            )
 
 
 class HealTarget:
@@ -127,4 +138,3 @@ class HealTarget:
         self.pg.recv([flat], 0, 1).wait()
         self.received_bytes += n * 4
         return kind, step, flat, split.tolist()
-

@@ -61,20 +61,30 @@ class Generation:
         return [m.replica for m in self.members]
 
     def to_dict(self) -> dict:
-        return {"gen": self.gen, "members": [[m.replica, m.attempt] for m in self.members],
-                "from_step": self.from_step, "reason": self.reason}
+        return {
+            "gen": self.gen,
+            "members": [[m.replica, m.attempt] for m in self.members],
+            "from_step": self.from_step,
+            "reason": self.reason,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> Generation:
-        return cls(int(data["gen"]), tuple(Member(int(r), int(a)) for r, a in data["members"]),
-                   int(data["from_step"]), str(data.get("reason", "")))
+        return cls(
+            int(data["gen"]),
+            tuple(Member(int(r), int(a)) for r, a in data["members"]),
+            int(data["from_step"]),
+            str(data.get("reason", "")),
+        )
 
 
 @dataclass(frozen=True)
 class Decision:
     step: int
     commit: bool
-    next: Generation  # the generation of the next attempt (step + 1 on commit, else this step again)
+    next: (
+        Generation  # the generation of the next attempt (step + 1 on commit, else this step again)
+    )
     joined: tuple[Member, ...] = field(default=())  # returning replicas admitted by this decision
     plan: dict[str, Any] | None = None  # a commit: the newest plan change posted (its JSON form)
     seen: int = -1  # the store's change count the decider read first (see ``changes_key``)
@@ -90,7 +100,9 @@ _REPLACE_TRIES = 100
 
 
 def _ints(doc: Any) -> list[int]:
-    if not isinstance(doc, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in doc):
+    if not isinstance(doc, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in doc
+    ):
         raise RecordError("expected a list of replica numbers")
     return doc
 
@@ -113,8 +125,15 @@ class Quorum:
     """The store protocol (``resihp/<job>/ft/...``). ``ranks_per_replica``: pipeline x tensor;
     ``plan_key``: where the live planner posts plan changes (None: the job takes none)."""
 
-    def __init__(self, store: Store, job_id: str, ranks_per_replica: int, timeout_s: float = 60.0,
-                 plan_key: str | None = None, secret: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        job_id: str,
+        ranks_per_replica: int,
+        timeout_s: float = 60.0,
+        plan_key: str | None = None,
+        secret: str | None = None,
+    ) -> None:
         self.store, self.prefix, self.changes = store, f"resihp/{job_id}/ft", changes_key(job_id)
         self.ranks_per_replica, self.timeout_s = ranks_per_replica, timeout_s
         self.plan_key = plan_key
@@ -134,7 +153,9 @@ class Quorum:
         """The signed record at ``key``, or None where nothing with the job's signature is there."""
         if not self.store.check([key]):
             return None
-        return RECORDS.decode(key, self.store.get(key), authority(what, spec, secret=self.secret, same=same))
+        return RECORDS.decode(
+            key, self.store.get(key), authority(what, spec, secret=self.secret, same=same)
+        )
 
     # --- the supervisor ---------------------------------------------------------------------------
     def start(self, members: list[Member], from_step: int) -> Generation:
@@ -143,13 +164,22 @@ class Quorum:
         return first
 
     def evict(self, member: Member, reason: str) -> None:
-        self._put(self._key("evicted", member.replica, member.attempt),
-                  {"replica": member.replica, "attempt": member.attempt, "reason": reason})
+        self._put(
+            self._key("evicted", member.replica, member.attempt),
+            {"replica": member.replica, "attempt": member.attempt, "reason": reason},
+        )
         self.store.add(self.changes, 1)  # after the key: a decider that reads the count sees it
 
     def is_evicted(self, member: Member) -> bool:
-        return self._get(self._key("evicted", member.replica, member.attempt), "eviction", {"reason": str},
-                         {"replica": member.replica, "attempt": member.attempt}) is not None
+        return (
+            self._get(
+                self._key("evicted", member.replica, member.attempt),
+                "eviction",
+                {"reason": str},
+                {"replica": member.replica, "attempt": member.attempt},
+            )
+            is not None
+        )
 
     def generation(self, gen: int) -> Generation:
         """Generation ``gen``; QuorumLost where the job's signed record of it is not there."""
@@ -160,7 +190,9 @@ class Quorum:
         try:
             return Generation.from_dict(found)
         except (TypeError, ValueError) as exc:
-            raise QuorumLost(f"store key {key}: field 'members' expected [replica, attempt] pairs ({exc})") from None
+            raise QuorumLost(
+                f"store key {key}: field 'members' expected [replica, attempt] pairs ({exc})"
+            ) from None
 
     def committed(self, step: int) -> list[int] | None:
         """The replicas whose ranks trained ``step`` (None: not committed yet)."""
@@ -173,25 +205,44 @@ class Quorum:
 
     # --- returning replicas ---------------------------------------------------------------------
     def request_join(self, member: Member) -> None:
-        self._put(self._key("join", member.replica), {"replica": member.replica, "attempt": member.attempt})
+        self._put(
+            self._key("join", member.replica),
+            {"replica": member.replica, "attempt": member.attempt},
+        )
         self.store.add(self.changes, 1)
 
     def join_request(self, replica: int) -> Member | None:
-        said = self._get(self._key("join", replica), "join request", {"attempt": int}, {"replica": replica})
+        said = self._get(
+            self._key("join", replica), "join request", {"attempt": int}, {"replica": replica}
+        )
         return None if said is None else Member(replica, int(said["attempt"]))
 
     def report_held(self, member: Member, local_rank: int, step: int) -> None:
         """A returning rank holds the survivors' state after ``step``."""
-        self._put(self._key("held", member.replica, member.attempt, local_rank),
-                  {"replica": member.replica, "attempt": member.attempt, "rank": local_rank, "step": step})
+        self._put(
+            self._key("held", member.replica, member.attempt, local_rank),
+            {
+                "replica": member.replica,
+                "attempt": member.attempt,
+                "rank": local_rank,
+                "step": step,
+            },
+        )
         self.store.add(self.changes, 1)
 
     def held(self, member: Member, ranks: list[int] | None = None) -> int | None:
         """The step every rank of a returning replica (or its ``ranks``) holds the state after
         (None: not all do)."""
         ranks = range(self.ranks_per_replica) if ranks is None else ranks
-        steps = [self._get(self._key("held", member.replica, member.attempt, r), "held report", {"step": int},
-                           {"replica": member.replica, "attempt": member.attempt, "rank": r}) for r in ranks]
+        steps = [
+            self._get(
+                self._key("held", member.replica, member.attempt, r),
+                "held report",
+                {"step": int},
+                {"replica": member.replica, "attempt": member.attempt, "rank": r},
+            )
+            for r in ranks
+        ]
         if any(s is None for s in steps):
             return None
         return min(int(s["step"]) for s in steps)
@@ -205,28 +256,42 @@ class Quorum:
 
     def relayouts(self, plan_id: object, replicas: int) -> list[dict]:
         keys = [self._key("relayout", plan_id, d) for d in range(replicas)]
-        found = (RECORDS.decode(k, self.store.get(k), _object) for k in keys if self.store.check([k]))
+        found = (
+            RECORDS.decode(k, self.store.get(k), _object) for k in keys if self.store.check([k])
+        )
         return [r for r in found if r is not None]
 
     def set_heal_shape(self, member: Member, shape: list[int]) -> None:
         """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
-        self._put(self._key("heal-shape", member.replica, member.attempt),
-                  {"replica": member.replica, "attempt": member.attempt, "shape": shape})
+        self._put(
+            self._key("heal-shape", member.replica, member.attempt),
+            {"replica": member.replica, "attempt": member.attempt, "shape": shape},
+        )
 
     def heal_shape(self, member: Member) -> list[int] | None:
-        said = self._get(self._key("heal-shape", member.replica, member.attempt), "heal shape", {"shape": list},
-                         {"replica": member.replica, "attempt": member.attempt})
+        said = self._get(
+            self._key("heal-shape", member.replica, member.attempt),
+            "heal shape",
+            {"shape": list},
+            {"replica": member.replica, "attempt": member.attempt},
+        )
         return None if said is None else [int(n) for n in said["shape"]]
 
     def admitted(self, member: Member) -> Generation | None:
         """The generation that admitted a returning replica (its ``from_step``: the step it trains
         first), once a decision did."""
-        said = self._get(self._key("admitted", member.replica, member.attempt), "admission", {"gen": int},
-                         {"replica": member.replica, "attempt": member.attempt})
+        said = self._get(
+            self._key("admitted", member.replica, member.attempt),
+            "admission",
+            {"gen": int},
+            {"replica": member.replica, "attempt": member.attempt},
+        )
         return None if said is None else self.generation(int(said["gen"]))
 
     # --- the ranks ------------------------------------------------------------------------------
-    def vote(self, gen: Generation, step: int, ok: bool, previous: Decision | None = None) -> Decision | None:
+    def vote(
+        self, gen: Generation, step: int, ok: bool, previous: Decision | None = None
+    ) -> Decision | None:
         """This rank's vote; the last ok voter decides the commit (returned), others get None.
         ``previous``: the decision this rank last followed (the commit of ``step - 1``, normally),
         which lets the decider of an unchanged job commit in four store round trips (its vote,
@@ -248,23 +313,38 @@ class Quorum:
             try:
                 self.store.wait([key], timedelta(seconds=max(0.001, end - time.monotonic())))
             except DistStoreError:
-                raise QuorumLost(f"step {step}: not decided within {self.timeout_s:g} s (a rank's gradient "
-                                 "all-reduce failed and no replica was evicted)") from None
+                raise QuorumLost(
+                    f"step {step}: not decided within {self.timeout_s:g} s (a rank's gradient "
+                    "all-reduce failed and no replica was evicted)"
+                ) from None
             decision = self._read(key, step, gen.gen)
             if decision is not None:
                 return decision
             if time.monotonic() > end:  # what is there is not the job's, and no decider replaced it
-                raise QuorumLost(f"store key {key}: step {step} not decided with the job's signature "
-                                 f"within {self.timeout_s:g} s")
+                raise QuorumLost(
+                    f"store key {key}: step {step} not decided with the job's signature "
+                    f"within {self.timeout_s:g} s"
+                )
             time.sleep(0.01)
 
-    def _decide(self, gen: Generation, step: int, commit: bool, previous: Decision | None = None) -> Decision:
+    def _decide(
+        self, gen: Generation, step: int, commit: bool, previous: Decision | None = None
+    ) -> Decision:
         seen = int(self.store.add(self.changes, 0))  # first: a change after it is seen next time
-        if (commit and previous is not None and previous.commit and previous.seen == seen
-                and previous.step == step - 1 and previous.next == gen):
+        if (
+            commit
+            and previous is not None
+            and previous.commit
+            and previous.seen == seen
+            and previous.step == step - 1
+            and previous.next == gen
+        ):
             # nothing evicted, requested, held or posted since the last commit: it stands as it was
-            return self._write(gen, step, Decision(step, True, replace(gen, from_step=step + 1),
-                                                   (), previous.plan, seen))
+            return self._write(
+                gen,
+                step,
+                Decision(step, True, replace(gen, from_step=step + 1), (), previous.plan, seen),
+            )
         evicted = [m for m in gen.members if self.is_evicted(m)]
         members = [m for m in gen.members if m not in evicted]
         joined: list[Member] = []
@@ -272,7 +352,9 @@ class Quorum:
             # a returning replica joins when every rank of it holds the state after step - 1: it
             # applies this step's gradients (sent after this decision) and trains step + 1
             present = {m.replica for m in members}
-            for replica in sorted({m.replica for m in gen.members} | set(self._requests()) - present):
+            for replica in sorted(
+                {m.replica for m in gen.members} | set(self._requests()) - present
+            ):
                 m = self.join_request(replica)
                 if m is not None and m.replica not in present and not self.is_evicted(m):
                     held = self.held(m)
@@ -281,10 +363,18 @@ class Quorum:
         members = sorted(members + joined)
         changed = tuple(members) != gen.members
         reason = ("rejoined " + ",".join(str(m.replica) for m in joined) if joined else "") + (
-            ("; " if joined and evicted else "") + "evicted " + ",".join(str(m.replica) for m in evicted)
-            if evicted else "")
-        nxt = Generation(gen.gen + 1 if changed else gen.gen, tuple(members),
-                         step + 1 if commit else step, reason if changed else gen.reason)
+            ("; " if joined and evicted else "")
+            + "evicted "
+            + ",".join(str(m.replica) for m in evicted)
+            if evicted
+            else ""
+        )
+        nxt = Generation(
+            gen.gen + 1 if changed else gen.gen,
+            tuple(members),
+            step + 1 if commit else step,
+            reason if changed else gen.reason,
+        )
         plan = self._plan(previous) if commit else None
         return self._write(gen, step, Decision(step, commit, nxt, tuple(joined), plan, seen))
 
@@ -294,16 +384,27 @@ class Quorum:
         if not self.plan_key or not self.store.check([self.plan_key]):
             return None
         key = self.plan_key
-        found = RECORDS.decode(key, self.store.get(key),
-                               lambda doc: (verified(doc, self.secret, "plan change"), doc)[1])
+        found = RECORDS.decode(
+            key,
+            self.store.get(key),
+            lambda doc: (verified(doc, self.secret, "plan change"), doc)[1],
+        )
         return found if found is not None else (previous.plan if previous is not None else None)
 
     def _write(self, gen: Generation, step: int, proposed: Decision) -> Decision:
         """Propose ``proposed`` for ``step`` under ``gen``; the decision written first stands."""
-        proposal = signed_json({"gen": gen.gen, "step": step, "commit": proposed.commit,
-                                "next": proposed.next.to_dict(),
-                                "joined": [[m.replica, m.attempt] for m in proposed.joined],
-                                "plan": proposed.plan, "seen": proposed.seen}, self.secret)
+        proposal = signed_json(
+            {
+                "gen": gen.gen,
+                "step": step,
+                "commit": proposed.commit,
+                "next": proposed.next.to_dict(),
+                "joined": [[m.replica, m.attempt] for m in proposed.joined],
+                "plan": proposed.plan,
+                "seen": proposed.seen,
+            },
+            self.secret,
+        )
         key = self._key("decision", gen.gen, step)
         value = self.store.compare_set(key, "", proposal)
         for _ in range(_REPLACE_TRIES):
@@ -313,8 +414,10 @@ class Quorum:
             # decision of a decider of the job that replaced it first stands
             value = self.store.compare_set(key, value, proposal)
         else:
-            raise QuorumLost(f"store key {key}: the decision of step {step} could not be written "
-                             "(another process keeps writing there)")
+            raise QuorumLost(
+                f"store key {key}: the decision of step {step} could not be written "
+                "(another process keeps writing there)"
+            )
         if value.decode() == proposal:  # this rank's proposal stands: say what follows from it
             self.complete(gen, decision, only_missing=False)
         return decision
@@ -327,6 +430,7 @@ class Quorum:
         record every reader of the membership would wait for that step forever, without the
         admission a returning replica would. The same values either way; the latest generation
         never goes back."""
+
         def put(key: str, value: str) -> bool:
             if only_missing and self.store.check([key]):
                 return False
@@ -334,14 +438,23 @@ class Quorum:
             return True
 
         nxt = decision.next
-        if nxt.gen != gen.gen and put(self._key("gen", nxt.gen), signed_json(nxt.to_dict(), self.secret)):
+        if nxt.gen != gen.gen and put(
+            self._key("gen", nxt.gen), signed_json(nxt.to_dict(), self.secret)
+        ):
             latest = self._key("gen", "latest")
-            if (not only_missing or not self.store.check([latest])
-                    or (checked_int(self.store.get(latest), latest) or -1) < nxt.gen):
+            if (
+                not only_missing
+                or not self.store.check([latest])
+                or (checked_int(self.store.get(latest), latest) or -1) < nxt.gen
+            ):
                 self.store.set(latest, str(nxt.gen))
         for m in decision.joined:
-            put(self._key("admitted", m.replica, m.attempt),
-                signed_json({"replica": m.replica, "attempt": m.attempt, "gen": nxt.gen}, self.secret))
+            put(
+                self._key("admitted", m.replica, m.attempt),
+                signed_json(
+                    {"replica": m.replica, "attempt": m.attempt, "gen": nxt.gen}, self.secret
+                ),
+            )
         if decision.commit:
             put(self._key("committed", decision.step), json.dumps(gen.replicas))
 
@@ -361,12 +474,21 @@ class Quorum:
     def _parse(self, key: str, value: bytes, step: int, gen: int) -> Decision | None:
         """The decision at ``key``; None (warned once) where it is not the job's."""
         try:
-            data = authority("quorum decision", {"commit": bool, "next": dict, "joined": list},
-                             {"plan": dict, "seen": int}, secret=self.secret,
-                             same={"gen": gen, "step": step})(load_json(value))
-            return Decision(step, data["commit"], Generation.from_dict(data["next"]),
-                            tuple(Member(int(r), int(a)) for r, a in data["joined"]), data.get("plan"),
-                            int(data.get("seen", -1)))
+            data = authority(
+                "quorum decision",
+                {"commit": bool, "next": dict, "joined": list},
+                {"plan": dict, "seen": int},
+                secret=self.secret,
+                same={"gen": gen, "step": step},
+            )(load_json(value))
+            return Decision(
+                step,
+                data["commit"],
+                Generation.from_dict(data["next"]),
+                tuple(Member(int(r), int(a)) for r, a in data["joined"]),
+                data.get("plan"),
+                int(data.get("seen", -1)),
+            )
         except (RecordError, TypeError, ValueError, KeyError) as exc:
             RECORDS.reject(key, exc)
             return None
@@ -397,7 +519,6 @@ class Quorum:
 
     def finished(self) -> bool:
         return self.store.check([self._key("finished")])
-
 
 
 class DecisionChain:

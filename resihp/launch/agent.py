@@ -43,8 +43,10 @@ def _work(*argv: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.module or args.training_script != WORKER_MODULE:
-        sys.exit(f"resihp.launch.agent: expected '-m {WORKER_MODULE}' after the options, got "
-                 f"{args.training_script!r}")
+        sys.exit(
+            f"resihp.launch.agent: expected '-m {WORKER_MODULE}' after the options, got "
+            f"{args.training_script!r}"
+        )
     args.start_method = "fork"
     config, _cmd, _args = config_from_args(args)
     elastic_launch(config=config, entrypoint=_work)(*args.training_script_args)

@@ -33,22 +33,52 @@ RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch th
 
 @tree_options(RunConfig)
 def run_cmd(
-    if_busy: Annotated[str, typer.Option(
-        metavar="fail|subfolder", help="When another job holds --out: fail (exit 2) or subfolder "
-        "(write into a fresh OUT/<job id>)")] = "fail",
-    tensorboard: Annotated[bool, typer.Option(help="Write step time, tokens/s, events and plan "
-                                              "changes as TensorBoard scalars under OUT/tensorboard "
-                                              "(needs the tensorboard extra)")] = False,
-    nnodes: Annotated[int, typer.Option(help="Nodes in the job (torchrun's option): run this command "
-                                        "once per node, each with the same RESIHP_JOB_SECRET",
-                                        rich_help_panel="Multi-node")] = 1,
-    node_rank: Annotated[int, typer.Option(help="This node's rank, 0..nnodes-1; node 0 hosts the "
-                                           "job's store, runs the live loop and writes the summary",
-                                           rich_help_panel="Multi-node")] = 0,
-    nproc_per_node: Annotated[int, typer.Option(help="Workers on this node (default: dp x pp x tp / "
-                                                "nnodes)", rich_help_panel="Multi-node")] = None,
-    rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, where it hosts the job's "
-                                               "store (bound to HOST)", rich_help_panel="Multi-node")] = None,
+    if_busy: Annotated[
+        str,
+        typer.Option(
+            metavar="fail|subfolder",
+            help="When another job holds --out: fail (exit 2) or subfolder "
+            "(write into a fresh OUT/<job id>)",
+        ),
+    ] = "fail",
+    tensorboard: Annotated[
+        bool,
+        typer.Option(
+            help="Write step time, tokens/s, events and plan "
+            "changes as TensorBoard scalars under OUT/tensorboard "
+            "(needs the tensorboard extra)"
+        ),
+    ] = False,
+    nnodes: Annotated[
+        int,
+        typer.Option(
+            help="Nodes in the job (torchrun's option): run this command "
+            "once per node, each with the same RESIHP_JOB_SECRET",
+            rich_help_panel="Multi-node",
+        ),
+    ] = 1,
+    node_rank: Annotated[
+        int,
+        typer.Option(
+            help="This node's rank, 0..nnodes-1; node 0 hosts the "
+            "job's store, runs the live loop and writes the summary",
+            rich_help_panel="Multi-node",
+        ),
+    ] = 0,
+    nproc_per_node: Annotated[
+        int,
+        typer.Option(
+            help="Workers on this node (default: dp x pp x tp / nnodes)",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str,
+        typer.Option(
+            help="HOST:PORT of node 0, where it hosts the job's store (bound to HOST)",
+            rich_help_panel="Multi-node",
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     **options: Any,
 ) -> None:
@@ -63,13 +93,17 @@ def run_cmd(
     cfg = tree_from_options(RunConfig, options)
     world = cfg.dims().world_size
     if nnodes < 1 or (nproc_per_node is None and world % nnodes):
-        raise InputError(f"--nnodes {nnodes}: expected a positive divisor of the world size {world} "
-                         "(or give --nproc-per-node)")
+        raise InputError(
+            f"--nnodes {nnodes}: expected a positive divisor of the world size {world} "
+            "(or give --nproc-per-node)"
+        )
     nodes = Nodes(nnodes, node_rank, nproc_per_node or world // nnodes, rdzv_endpoint)
     nodes.check(world)
     check_secret(nodes)
     check_memory(cfg, nodes.nproc_per_node)
-    resolve_source(cfg.data.source, "--source")  # before the run folder is taken: bad input changes nothing
+    resolve_source(
+        cfg.data.source, "--source"
+    )  # before the run folder is taken: bad input changes nothing
     with _warm_agents(cfg):
         _run(cfg, nodes, if_busy, tensorboard, json_out)
 
@@ -90,8 +124,10 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
     live = cfg.live.live
     replicas = cfg.faults.recovery.startswith("replica")
     if nnodes > 1 and cfg.checkpoint.ckpt_every and not cfg.checkpoint.ckpt_dir:
-        raise InputError(f"--ckpt-every on {nnodes} nodes: expected --ckpt-dir DIR, one folder every node "
-                         "writes to (a shared filesystem); each node's own OUT/ckpt holds only its ranks' shards")
+        raise InputError(
+            f"--ckpt-every on {nnodes} nodes: expected --ckpt-dir DIR, one folder every node "
+            "writes to (a shared filesystem); each node's own OUT/ckpt holds only its ranks' shards"
+        )
     if gpus:
         _check_gpus(cfg, nodes.nproc_per_node)
     check_attention(cfg.model.attention, "cuda" if gpus else "cpu")
@@ -101,23 +137,43 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
         folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
         loop = LiveLoop(cfg) if live and node_rank == 0 else None
-        keeper = start_keeper(cfg, node_rank)  # the memory tier's keeper (--snapshot-every), restarted if it dies
+        keeper = start_keeper(
+            cfg, node_rank
+        )  # the memory tier's keeper (--snapshot-every), restarted if it dies
         with progress_bar("training", steps, enabled=not json_out) as advance:
             if replicas:
                 from resihp.launch.replicas import supervise_replicas
 
-                outcome = supervise_replicas(cfg, on_step=lambda s: advance(s + 1),
-                                             on_steps=loop.on_steps if loop else None, nodes=nodes)
+                outcome = supervise_replicas(
+                    cfg,
+                    on_step=lambda s: advance(s + 1),
+                    on_steps=loop.on_steps if loop else None,
+                    nodes=nodes,
+                )
             else:
-                outcome = supervise(cfg, on_step=lambda s: advance(s + 1),
-                                    on_steps=loop.on_steps if loop else None, nodes=nodes, on_poll=keeper)
+                outcome = supervise(
+                    cfg,
+                    on_step=lambda s: advance(s + 1),
+                    on_steps=loop.on_steps if loop else None,
+                    nodes=nodes,
+                    on_poll=keeper,
+                )
         if outcome.input_error:
             folder.record(state="failed", error=outcome.error)
             raise InputError(outcome.error)
-        if node_rank != 0 and cfg.faults.recovery == "restart":  # node 0 may relaunch the job in place
+        if (
+            node_rank != 0 and cfg.faults.recovery == "restart"
+        ):  # node 0 may relaunch the job in place
             outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=False)
-        elif node_rank != 0 and cfg.checkpoint.ckpt_every and not cfg.snapshot_interval() and not replicas:
-            outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=True)  # node 0 may re-form it
+        elif (
+            node_rank != 0
+            and cfg.checkpoint.ckpt_every
+            and not cfg.snapshot_interval()
+            and not replicas
+        ):
+            outcome, nodes = _follow_relaunches(
+                cfg, outcome, nodes, reformed=True
+            )  # node 0 may re-form it
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
             if replicas:
                 from resihp.launch.replica_launch import node_replicas, replica_ranks
@@ -125,8 +181,14 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
                 ranks = sorted(r for d in node_replicas(cfg, nodes) for r in replica_ranks(cfg)[d])
             else:
                 ranks = nodes.ranks
-            summary = {"node_rank": node_rank, "nnodes": nnodes, "ranks": ranks,
-                       "error": None if outcome.error == "the job ended on node 0: finished" else outcome.error}
+            summary = {
+                "node_rank": node_rank,
+                "nnodes": nnodes,
+                "ranks": ranks,
+                "error": None
+                if outcome.error == "the job ended on node 0: finished"
+                else outcome.error,
+            }
             outcome.error = summary["error"]
             # the job's checkpoints carry node 0's job id (this node's run folder has its own)
             _finish(folder, cfg, outcome, summary, job_id=outcome.job_id)
@@ -140,20 +202,37 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         if replicas:
             _replica_fields(out, outcome, summary)
         if outcome.control_plane is not None:
-            summary["control_plane"] = {**outcome.control_plane,
-                                        "lag_s": loop.lag_summary() if loop is not None else None}
+            summary["control_plane"] = {
+                **outcome.control_plane,
+                "lag_s": loop.lag_summary() if loop is not None else None,
+            }
         from resihp.launch.report import oversubscription  # deferred: torch (start-up time)
 
-        summary.update(oversubscription(cfg.dims().world_size, "cuda" if cfg.device == "cuda" else "cpu"))
+        summary.update(
+            oversubscription(cfg.dims().world_size, "cuda" if cfg.device == "cuda" else "cpu")
+        )
         if loop is not None and not outcome.interrupted:
             summary.update(_live_fields(cfg, loop, summary))
             _write_summary(out, summary)
         if cfg.faults.recovery == "restart" and restartable(outcome):
             summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
-        elif replicas and outcome.all_replicas_lost and cfg.checkpoint.ckpt_every and nnodes == 1 and not outcome.interrupted:
+        elif (
+            replicas
+            and outcome.all_replicas_lost
+            and cfg.checkpoint.ckpt_every
+            and nnodes == 1
+            and not outcome.interrupted
+        ):
             summary, outcome = _restart_replicas(cfg, outcome, summary, json_out)
-        elif outcome.failure and cfg.checkpoint.ckpt_every and not outcome.interrupted and not replicas:
-            flush_checkpoints(cfg, breakpoint=True)  # the newest snapshot on disk first (keeper-written checkpoints)
+        elif (
+            outcome.failure
+            and cfg.checkpoint.ckpt_every
+            and not outcome.interrupted
+            and not replicas
+        ):
+            flush_checkpoints(
+                cfg, breakpoint=True
+            )  # the newest snapshot on disk first (keeper-written checkpoints)
             summary, outcome = _recover(cfg, outcome, summary, json_out, nodes)
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
@@ -203,9 +282,15 @@ def _check_gpus(cfg: RunConfig, nproc_per_node: int) -> None:
     need = cfg.parallel.pp * cfg.parallel.tp if replicas else nproc_per_node
     have = torch.cuda.device_count()
     if need > have:
-        raise InputError(f"--device cuda: {need} ranks {'per replica' if replicas else 'on this node'} "
-                         f"need a GPU each (NCCL), this node has {have}"
-                         + ("" if replicas or cfg.parallel.dp < 2 else "; --recovery replica lets replicas share GPUs"))
+        raise InputError(
+            f"--device cuda: {need} ranks {'per replica' if replicas else 'on this node'} "
+            f"need a GPU each (NCCL), this node has {have}"
+            + (
+                ""
+                if replicas or cfg.parallel.dp < 2
+                else "; --recovery replica lets replicas share GPUs"
+            )
+        )
 
 
 def _resume_source(path: Path, steps: int) -> Path:
@@ -216,8 +301,10 @@ def _resume_source(path: Path, steps: int) -> Path:
     step = read_meta(source)["step"]
     verify(source)  # before any worker reads a byte of it
     if step + 1 >= steps:
-        raise InputError(f"--steps {steps}: the checkpoint {source} is at step {step}; --steps is the run's "
-                         f"total step count, so give more than {step + 1}")
+        raise InputError(
+            f"--steps {steps}: the checkpoint {source} is at step {step}; --steps is the run's "
+            f"total step count, so give more than {step + 1}"
+        )
     return source
 
 
@@ -230,11 +317,15 @@ def _finish(folder, cfg, outcome, summary: dict, job_id: str | None = None) -> N
     state = "interrupted" if outcome.interrupted else "failed" if outcome.error else "done"
     # the job is over: checkpoints owed written, memory tiers gone
     lost = stop_keepers(cfg, breakpoint=state != "done")
-    if lost is not None:  # a checkpoint the keeper could not write (a full disk): never a silent "done"
+    if (
+        lost is not None
+    ):  # a checkpoint the keeper could not write (a full disk): never a silent "done"
         good, _ = newest_good(cfg.ckpt_root(), job_id or cfg.job_id, cfg.model_hash())
         why = "disk full" if lost.get("disk_full") else "failed"
-        said = (f"checkpoint of step {lost.get('step')} not written ({why}: {lost.get('error')}); "
-                f"newest good checkpoint: {good if good else 'none'}")
+        said = (
+            f"checkpoint of step {lost.get('step')} not written ({why}: {lost.get('error')}); "
+            f"newest good checkpoint: {good if good else 'none'}"
+        )
         outcome.error = f"{outcome.error}; {said}" if outcome.error else said
         state = "interrupted" if outcome.interrupted else "failed"
     fields: dict = {"state": state, "ended": time.time(), "error": outcome.error}
@@ -242,7 +333,8 @@ def _finish(folder, cfg, outcome, summary: dict, job_id: str | None = None) -> N
         ckpt, _ = newest_good(cfg.ckpt_root(), job_id or cfg.job_id, cfg.model_hash())
         fields["resumable"] = summary["resumable"] = {
             "checkpoint": str(ckpt) if ckpt else None,
-            "next_step": int(ckpt.name.removeprefix("step")) + 1 if ckpt else 0}
+            "next_step": int(ckpt.name.removeprefix("step")) + 1 if ckpt else 0,
+        }
         if outcome.interrupted:
             summary["interrupted"] = outcome.interrupted
         _write_summary(folder.out, summary)
@@ -266,11 +358,20 @@ def _json_safe(value):
 
 def demo_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(help="Training steps (default: the fault's step + 20)")] = None,
-    inject: Annotated[str, typer.Option(help="The fault to inject, slow:rank=R,factor=F,step=S "
-                                        "(default: rank 1, x3, 4 steps after the detector's "
-                                        "calibration)")] = None,
-    plot: Annotated[Path, typer.Option(help="Plot of throughput per step (default OUT/demo.png)")] = None,
+    steps: Annotated[
+        int, typer.Option(help="Training steps (default: the fault's step + 20)")
+    ] = None,
+    inject: Annotated[
+        str,
+        typer.Option(
+            help="The fault to inject, slow:rank=R,factor=F,step=S "
+            "(default: rank 1, x3, 4 steps after the detector's "
+            "calibration)"
+        ),
+    ] = None,
+    plot: Annotated[
+        Path, typer.Option(help="Plot of throughput per step (default OUT/demo.png)")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
     """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
@@ -279,7 +380,9 @@ def demo_cmd(
         _demo(out, steps, inject, plot, json_out)
 
 
-def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, json_out: bool) -> None:
+def _demo(
+    out: Path, steps: int | None, inject: str | None, plot: Path | None, json_out: bool
+) -> None:
     from resihp.detect.config import DetectorConfig
     from resihp.launch.demo import RunFailed, run_demo
     from resihp.train.inject import parse_fault
@@ -288,11 +391,15 @@ def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, j
     steps = steps or (parse_fault(inject).step or 0) + 20
     from resihp.train.lifecycle import RunFolder
 
-    with RunFolder(out).acquire() as folder, progress_bar("demo", steps, enabled=not json_out) as advance:
+    with (
+        RunFolder(out).acquire() as folder,
+        progress_bar("demo", steps, enabled=not json_out) as advance,
+    ):
         folder.record(state="running", started=time.time())
         try:
-            summary = run_demo(out, steps, inject, plot, on_step=lambda s: advance(s + 1),
-                               job_id=folder.job_id)
+            summary = run_demo(
+                out, steps, inject, plot, on_step=lambda s: advance(s + 1), job_id=folder.job_id
+            )
         except RunFailed as exc:
             folder.record(state="failed", error=str(exc), ended=time.time())
             print(f"resihp: {exc}", file=sys.stderr)
@@ -303,14 +410,20 @@ def _demo(out: Path, steps: int | None, inject: str | None, plot: Path | None, j
         return
     b, d, a = (summary[f"tokens_per_s_{k}"] for k in ("before", "during", "after"))
     print(f"fault: {inject}")
-    print(f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)")
+    print(
+        f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)"
+    )
     for c in summary["plan_changes"]:
-        print(f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
-              f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in {c['solve_s']} s)")
+        print(
+            f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
+            f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in {c['solve_s']} s)"
+        )
     fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
     rf = summary["recovered_fraction"]
-    print(f"tokens/s before {fmt(b)}  during {fmt(d)}  after {fmt(a)}; recovered fraction "
-          + (f"{rf:.2f}" if rf else "-"))
+    print(
+        f"tokens/s before {fmt(b)}  during {fmt(d)}  after {fmt(a)}; recovered fraction "
+        + (f"{rf:.2f}" if rf else "-")
+    )
     print(f"plot {summary['plot']}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
 
 
@@ -325,7 +438,15 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
     records = json.loads(applied_path.read_text()) if applied_path.exists() else []
     # each change with its plan (the Plan JSON), the step it was applied at and, for a new layout,
     # what moved (bytes, the least the two layouts need, seconds) and the spares it left
-    moved = ("moved_bytes", "minimum_bytes", "written_bytes", "read_bytes", "relayout_s", "generation", "spares")
+    moved = (
+        "moved_bytes",
+        "minimum_bytes",
+        "written_bytes",
+        "read_bytes",
+        "relayout_s",
+        "generation",
+        "spares",
+    )
     changes = loop.as_applied(records, moved)
     trace = read_ops_trace(out / "ops.parquet") if (out / "ops.parquet").exists() else None
     if trace is not None:
@@ -343,22 +464,31 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
             if "moved_bytes" not in change:
                 change["moved_bytes"] = int(at["bytes"].fillna(0).sum())
             elif layers and "minimum_bytes" in change:
-                change.update(moved_bytes=change["moved_bytes"] + layers,
-                              minimum_bytes=change["minimum_bytes"] + layers)
+                change.update(
+                    moved_bytes=change["moved_bytes"] + layers,
+                    minimum_bytes=change["minimum_bytes"] + layers,
+                )
             if "layout" in change and "spares" not in change:  # the ranks its groups leave out
                 placed = {r for p in change["layout"]["pipelines"] for s in p for r in s}
                 change["spares"] = [r for r in range(cfg.dims().world_size) if r not in placed]
     # each change's estimate beside the step measured while it was in force
     for change, check in zip(changes, loop.measured_steps([c["applied_step"] for c in changes])):
         change.update(check)
-    fields = {"detection_delay_steps": None, "plan_changes": changes, "events": loop.events,
-              "planner_calibration": loop.calibration,
-              "tokens_per_s_before": summary.get("tokens_per_s"),
-              "tokens_per_s_after": summary.get("tokens_per_s"), "recovered_fraction": None,
-              "live_error": loop.error}
+    fields = {
+        "detection_delay_steps": None,
+        "plan_changes": changes,
+        "events": loop.events,
+        "planner_calibration": loop.calibration,
+        "tokens_per_s_before": summary.get("tokens_per_s"),
+        "tokens_per_s_after": summary.get("tokens_per_s"),
+        "recovered_fraction": None,
+        "live_error": loop.error,
+    }
     slow = [f for f in cfg.fault_list() if f.kind == "slow" and f.step is not None]
     if slow and trace is not None:
-        report = fault_summary(trace, slow[0].to_dict(), loop.events, changes, cfg.dims().world_size)
+        report = fault_summary(
+            trace, slow[0].to_dict(), loop.events, changes, cfg.dims().world_size
+        )
         fields.update({k: v for k, v in report.items() if k not in ("steps", "injected")})
     return fields
 
@@ -398,35 +528,65 @@ def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
     ckpt, skipped = latest_checkpoint(cfg)
     skipped = [f"{p.name}: {why}" for p, why in skipped]
     if ckpt is None:
-        summary["restart"] = {"restarted": False, "reason": "no checkpoint of this job that verifies",
-                              "skipped": skipped}
+        summary["restart"] = {
+            "restarted": False,
+            "reason": "no checkpoint of this job that verifies",
+            "skipped": skipped,
+        }
         _write_summary(out, summary)
         return summary, outcome
     resumed = step_of(ckpt) + 1
     world = cfg.dims().world_size
-    ahead = [f.spec() for f in carried_faults(cfg.fault_list(), list(range(world)), resumed) if f.kind in ("slow", "link")]
+    ahead = [
+        f.spec()
+        for f in carried_faults(cfg.fault_list(), list(range(world)), resumed)
+        if f.kind in ("slow", "link")
+    ]
     new = relaunch_config(cfg, ckpt, out / "restart", inject=ahead)
     loop = LiveLoop(new) if new.live.live else None
     t0 = time.time()
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-        again = supervise_replicas(new, on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None)
+        again = supervise_replicas(
+            new, on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None
+        )
     after = _summary(new, again)
     _replica_fields(Path(new.out), again, after)
     if loop is not None and not again.interrupted:
         after.update(_live_fields(new, loop, after))
         _write_summary(Path(new.out), after)
     first_step = summary.get("first_step") or 0
-    losses = list(summary.get("losses") or [])[:max(0, resumed - first_step)] + list(after.get("losses") or [])
+    losses = list(summary.get("losses") or [])[: max(0, resumed - first_step)] + list(
+        after.get("losses") or []
+    )
     ops = Path(new.out) / "ops.parquet"
     steps = pd.read_parquet(ops, columns=["optype", "start_ts"]) if ops.exists() else None
-    first = float(steps[steps.optype == "step"].start_ts.min()) if steps is not None and len(steps) else None
-    summary.update({"restart": {"restarted": True, "reason": "every replica was lost", "restart_from": str(ckpt),
-                                "resumed_step": resumed, "skipped": skipped,
-                                "restart_s": round(first - t0, 3) if first is not None else None},
-                    "plan_changes": [*(summary.get("plan_changes") or []), *(after.get("plan_changes") or [])],
-                    "after_restart": after, "losses": losses, "loss_last": losses[-1] if losses else None,
-                    "steps": resumed + len(after.get("losses") or []), "tokens_per_s_after": after.get("tokens_per_s"),
-                    "error": again.error})
+    first = (
+        float(steps[steps.optype == "step"].start_ts.min())
+        if steps is not None and len(steps)
+        else None
+    )
+    summary.update(
+        {
+            "restart": {
+                "restarted": True,
+                "reason": "every replica was lost",
+                "restart_from": str(ckpt),
+                "resumed_step": resumed,
+                "skipped": skipped,
+                "restart_s": round(first - t0, 3) if first is not None else None,
+            },
+            "plan_changes": [
+                *(summary.get("plan_changes") or []),
+                *(after.get("plan_changes") or []),
+            ],
+            "after_restart": after,
+            "losses": losses,
+            "loss_last": losses[-1] if losses else None,
+            "steps": resumed + len(after.get("losses") or []),
+            "tokens_per_s_after": after.get("tokens_per_s"),
+            "error": again.error,
+        }
+    )
     if again.interrupted:
         summary["interrupted"] = again.interrupted
     _write_summary(out, summary)
@@ -443,8 +603,12 @@ def _summary(cfg, outcome) -> dict:
             summary = write_job_files(cfg, out)
         except InputError:  # no rank recorded a single op
             summary = {}
-        summary.update({"failure": outcome.failure.to_dict() if outcome.failure else None,
-                        "error": outcome.error})
+        summary.update(
+            {
+                "failure": outcome.failure.to_dict() if outcome.failure else None,
+                "error": outcome.error,
+            }
+        )
         summary = _json_safe(summary)
         _write_summary(out, summary)
         return summary
@@ -471,25 +635,36 @@ def _follow_relaunches(cfg, outcome, nodes, reformed: bool, attempts: int = REST
 
     out = Path(cfg.out)
     for attempt in range(1, attempts + 1):
-        failed = (outcome.error not in (None, "the job ended on node 0: finished")) or outcome.returncode != 0
+        failed = (
+            outcome.error not in (None, "the job ended on node 0: finished")
+        ) or outcome.returncode != 0
         if not failed or outcome.interrupted or outcome.input_error:
             break
         # node 0 relaunches once it has stopped every node's workers and written its summary
         job = await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s))
         if not job or job.get("no_relaunch"):  # none came, or node 0 said there is none
             if job:
-                outcome.error = f"{outcome.error}; node 0 does not relaunch it: {job['no_relaunch']}"
+                outcome.error = (
+                    f"{outcome.error}; node 0 does not relaunch it: {job['no_relaunch']}"
+                )
             break
         if job.get("sizes"):
             nodes = replace(nodes, sizes=tuple(job["sizes"]))
-        out = out / "restart" if reformed else Path(cfg.out) / ("restart" if attempt == 1 else f"restart-{attempt}")
+        out = (
+            out / "restart"
+            if reformed
+            else Path(cfg.out) / ("restart" if attempt == 1 else f"restart-{attempt}")
+        )
         # node 0's configuration of the relaunch (its layout, checkpoint, faults still ahead)
-        outcome = supervise(cfg.updated(**job["config"], out=str(out)), nodes=nodes, attempt=attempt)
+        outcome = supervise(
+            cfg.updated(**job["config"], out=str(out)), nodes=nodes, attempt=attempt
+        )
     return outcome, nodes
 
 
-def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
-             attempts: int = RESTARTS):
+def _restart(
+    cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None, attempts: int = RESTARTS
+):
     """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
     its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
     join the run's before the failure to those after it, from the step it went on at."""
@@ -503,34 +678,57 @@ def _restart(cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None,
     for attempt in range(1, attempts + 1):
         ckpt, _ = latest_checkpoint(cfg)
         # the faults injected are the failed run's; one during=restore strikes the first restore
-        during = [text for text, f in zip(cfg.faults.inject, cfg.fault_list(), strict=True)
-                  if f.during == "restore"] if attempt == 1 else []
-        new = cfg.relaunched_into(out / ("restart" if attempt == 1 else f"restart-{attempt}"), inject=during,
-                                  resume=str(ckpt) if ckpt else cfg.checkpoint.resume)
+        during = (
+            [
+                text
+                for text, f in zip(cfg.faults.inject, cfg.fault_list(), strict=True)
+                if f.during == "restore"
+            ]
+            if attempt == 1
+            else []
+        )
+        new = cfg.relaunched_into(
+            out / ("restart" if attempt == 1 else f"restart-{attempt}"),
+            inject=during,
+            resume=str(ckpt) if ckpt else cfg.checkpoint.resume,
+        )
         failure, why = again.failure, again.error
         verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
         with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-            again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper, nodes=nodes,
-                              attempt=attempt)
+            again = supervise(
+                new, on_step=lambda s: advance(s + 1), on_poll=keeper, nodes=nodes, attempt=attempt
+            )
         after = _summary(new, again)
         record = recovery_record(before, Path(new.out), failure, before_summary, after, cause=why)
         records.append(record)
-        resumed = record["resumed_step"] if record["resumed_step"] is not None else len(losses) + first
-        losses = losses[:max(0, resumed - first)] + list(after.get("losses") or [])
+        resumed = (
+            record["resumed_step"] if record["resumed_step"] is not None else len(losses) + first
+        )
+        losses = losses[: max(0, resumed - first)] + list(after.get("losses") or [])
         before, before_summary = Path(new.out), after
         if not restartable(again):
             break
-    summary.update({"recovery": records[0] if len(records) == 1 else {**records[-1], "restarts": records},
-                    "losses": losses, "first_step": first, "steps": first + len(losses),
-                    "loss_last": losses[-1] if losses else None, "after_restart": after,
-                    "tokens_per_s_after": after.get("tokens_per_s"), "error": again.error})
+    summary.update(
+        {
+            "recovery": records[0] if len(records) == 1 else {**records[-1], "restarts": records},
+            "losses": losses,
+            "first_step": first,
+            "steps": first + len(losses),
+            "loss_last": losses[-1] if losses else None,
+            "after_restart": after,
+            "tokens_per_s_after": after.get("tokens_per_s"),
+            "error": again.error,
+        }
+    )
     if again.interrupted:
         summary["interrupted"] = again.interrupted
     _write_summary(out, summary)
     return summary, again
 
 
-def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = None, attempt: int = 1):
+def _recover(
+    cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = None, attempt: int = 1
+):
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
     it as the planner says (else the surviving uniform layout). On several nodes every survivor
     stays on its node (``Nodes.sizes``: the nodes' ranks in order) and the other nodes' launchers
@@ -561,42 +759,81 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
         trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
         before = trace_step_seconds(trace) if trace is not None else {}
         computed = trace_compute_seconds(trace) if trace is not None else {}
-        ends = [outcome.failure.extra.get("step")] + [c.get("applied_step") for c in summary.get("plan_changes") or []]
+        ends = [outcome.failure.extra.get("step")] + [
+            c.get("applied_step") for c in summary.get("plan_changes") or []
+        ]
         stop = min((s for s in ends if s is not None), default=None)
         healthy = [s for s in before if s > 0 and (stop is None or s < stop)]
         compute = [computed[s] for s in healthy if s in computed]
-        reformed = reform_around(cfg, rank, ckpt, out / "restart", measured=[before[s] for s in healthy],
-                                 compute=compute if len(compute) == len(healthy) else None)
+        reformed = reform_around(
+            cfg,
+            rank,
+            ckpt,
+            out / "restart",
+            measured=[before[s] for s in healthy],
+            compute=compute if len(compute) == len(healthy) else None,
+        )
     new_nodes = nodes
     if multi:  # each survivor on its node: the nodes' new rank counts
         node_of = {r: n for n, rs in nodes.layout().items() for r in rs}
-        sizes = tuple(sum(node_of[old] == n for old in reformed.ranks) for n in range(nodes.nnodes)) if reformed else ()
+        sizes = (
+            tuple(sum(node_of[old] == n for old in reformed.ranks) for n in range(nodes.nnodes))
+            if reformed
+            else ()
+        )
         if not sizes or min(sizes) == 0:
-            why = ("no checkpoint of this job that verifies" if not ckpt else
-                   "a memory tier on several nodes is not relaunched re-formed" if cfg.snapshot_interval() else
-                   "a node has no device left" if sizes else "no re-formed plan for the survivors")
+            why = (
+                "no checkpoint of this job that verifies"
+                if not ckpt
+                else "a memory tier on several nodes is not relaunched re-formed"
+                if cfg.snapshot_interval()
+                else "a node has no device left"
+                if sizes
+                else "no re-formed plan for the survivors"
+            )
             announce_no_relaunch(nodes, attempt, why)
-            summary["recovery"] = {"restarted": False, "reason": why, "checkpoint": str(ckpt) if ckpt else None,
-                                   "skipped": [f"{p.name}: {w}" for p, w in skipped]}
+            summary["recovery"] = {
+                "restarted": False,
+                "reason": why,
+                "checkpoint": str(ckpt) if ckpt else None,
+                "skipped": [f"{p.name}: {w}" for p, w in skipped],
+            }
             _write_summary(out, summary)
             return summary, outcome
         new_nodes = replace(nodes, sizes=sizes)
-    new = reformed.cfg if reformed else layout_without(cfg, rank, ckpt, out / "restart") if ckpt else None
+    new = (
+        reformed.cfg
+        if reformed
+        else layout_without(cfg, rank, ckpt, out / "restart")
+        if ckpt
+        else None
+    )
     if new is None:
-        summary["recovery"] = {"restarted": False, "reason": "no checkpoint of this job that verifies"
-                               if not ckpt else "no device left to continue on",
-                               "skipped": [f"{p.name}: {why}" for p, why in skipped]}
+        summary["recovery"] = {
+            "restarted": False,
+            "reason": "no checkpoint of this job that verifies"
+            if not ckpt
+            else "no device left to continue on",
+            "skipped": [f"{p.name}: {why}" for p, why in skipped],
+        }
         _write_summary(out, summary)
         return summary, outcome
     t0 = time.time()
-    keeper = start_keeper(new, 0)  # the relaunch's own memory tier (elastic.relaunch_config), if it snapshots
+    keeper = start_keeper(
+        new, 0
+    )  # the relaunch's own memory tier (elastic.relaunch_config), if it snapshots
     # the relaunch is watched as the launch was: its live loop takes the re-formed layout as the
     # plan in force and re-plans around a slowdown found after it
     loop = LiveLoop(new) if new.live.live else None
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-        again = supervise(new, on_step=lambda s: advance(s + 1), on_poll=keeper,
-                          on_steps=loop.on_steps if loop else None, nodes=new_nodes if multi else None,
-                          attempt=attempt if multi else 0)
+        again = supervise(
+            new,
+            on_step=lambda s: advance(s + 1),
+            on_poll=keeper,
+            on_steps=loop.on_steps if loop else None,
+            nodes=new_nodes if multi else None,
+            attempt=attempt if multi else 0,
+        )
     after = _summary(new, again)
     if loop is not None and not again.interrupted:
         after.update(_live_fields(new, loop, after))
@@ -615,30 +852,51 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
         steps = trace[trace.optype == "step"]
         first = float(steps.start_ts.min()) if len(steps) else None
         relaunched = trace_step_seconds(trace)
-    change = {"kind": "exclude", "rank": rank, "restart_from": str(ckpt),
-              "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
-              "layout": {"dp": new.parallel.dp, "pp": new.parallel.pp, "tp": new.parallel.tp},
-              "restart_s": round(first - t0, 3) if first else None,
-              "skipped": [f"{p.name}: {why}" for p, why in skipped]}
+    change = {
+        "kind": "exclude",
+        "rank": rank,
+        "restart_from": str(ckpt),
+        "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
+        "layout": {"dp": new.parallel.dp, "pp": new.parallel.pp, "tp": new.parallel.tp},
+        "restart_s": round(first - t0, 3) if first else None,
+        "skipped": [f"{p.name}: {why}" for p, why in skipped],
+    }
     if reformed is not None:  # the planner's layout: pipelines of the relaunch's ranks
-        change.update(applied=True, layout=reformed.change["layout"], ranks=reformed.ranks,
-                      layer_splits=reformed.change["layer_splits"], dp_weights=reformed.change["dp_weights"],
-                      predicted_step_s=predicted_step_s(reformed.plan), plan=reformed.plan.to_dict(),
-                      planner_calibration=reformed.calibration)
+        change.update(
+            applied=True,
+            layout=reformed.change["layout"],
+            ranks=reformed.ranks,
+            layer_splits=reformed.change["layer_splits"],
+            dp_weights=reformed.change["dp_weights"],
+            predicted_step_s=predicted_step_s(reformed.plan),
+            plan=reformed.plan.to_dict(),
+            planner_calibration=reformed.calibration,
+        )
         # the estimate against the relaunch's steps after the one that re-formed the groups
-        change.update(step_check(change["predicted_step_s"],
-                                 [v for s, v in relaunched.items() if s > change["resumed_step"]]))
+        change.update(
+            step_check(
+                change["predicted_step_s"],
+                [v for s, v in relaunched.items() if s > change["resumed_step"]],
+            )
+        )
     first_step = summary.get("first_step") or 0
     # the losses of the steps before the checkpoint it resumed from, then the relaunch's
-    losses = list(summary.get("losses") or [])[:max(0, change["resumed_step"] - first_step)] + list(
-        after.get("losses") or [])
+    losses = list(summary.get("losses") or [])[
+        : max(0, change["resumed_step"] - first_step)
+    ] + list(after.get("losses") or [])
     # the launch's own live changes, this exclusion, then the relaunch's (and any later exclusion)
     before_changes = [c for c in summary.get("plan_changes") or [] if c.get("kind") != "exclude"]
-    summary.update({"plan_changes": [*before_changes, change, *(after.get("plan_changes") or [])], "after_restart": after,
-                    "losses": losses, "loss_last": losses[-1] if losses else None,
-                    "steps": change["resumed_step"] + len(after.get("losses") or []),
-                    "tokens_per_s_after": after.get("tokens_per_s"),
-                    "error": again.error})
+    summary.update(
+        {
+            "plan_changes": [*before_changes, change, *(after.get("plan_changes") or [])],
+            "after_restart": after,
+            "losses": losses,
+            "loss_last": losses[-1] if losses else None,
+            "steps": change["resumed_step"] + len(after.get("losses") or []),
+            "tokens_per_s_after": after.get("tokens_per_s"),
+            "error": again.error,
+        }
+    )
     if again.interrupted:
         summary["interrupted"] = again.interrupted
     _write_summary(out, summary)
@@ -647,11 +905,18 @@ def _recover(cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = 
 
 def _print_human(summary: dict) -> None:
     tps = summary.get("tokens_per_s")
-    print(f"steps {summary.get('steps')}  dp {summary.get('dp')} pp {summary.get('pp')} "
-          f"tp {summary.get('tp')}  tokens/s {tps:.0f}" if tps else f"steps {summary.get('steps')}")
+    print(
+        f"steps {summary.get('steps')}  dp {summary.get('dp')} pp {summary.get('pp')} "
+        f"tp {summary.get('tp')}  tokens/s {tps:.0f}"
+        if tps
+        else f"steps {summary.get('steps')}"
+    )
     if summary.get("loss_first") is not None:
         last = summary.get("loss_last")
-        print(f"loss {summary['loss_first']:.4f} -> " + (f"{last:.4f}" if last is not None else "not finite"))
+        print(
+            f"loss {summary['loss_first']:.4f} -> "
+            + (f"{last:.4f}" if last is not None else "not finite")
+        )
     print(f"trace {summary.get('trace')}  meta {summary.get('meta')}")
     if summary.get("oversubscribed"):
         print(f"note: {summary['oversubscribed_note']}")
@@ -662,10 +927,15 @@ ckpt_app = typer.Typer(help="Universal (reshardable) checkpoints.", no_args_is_h
 
 @ckpt_app.command("inspect")
 def ckpt_inspect_cmd(
-    directory: Annotated[Path, typer.Argument(help="A checkpoint folder (OUT/ckpt/stepN), a run "
-                                              "folder (its newest checkpoint that verifies, and its "
-                                              "job's memory tier while it has one), or a memory tier "
-                                              "(/dev/shm/resihp-<job>-n<node>)")],
+    directory: Annotated[
+        Path,
+        typer.Argument(
+            help="A checkpoint folder (OUT/ckpt/stepN), a run "
+            "folder (its newest checkpoint that verifies, and its "
+            "job's memory tier while it has one), or a memory tier "
+            "(/dev/shm/resihp-<job>-n<node>)"
+        ),
+    ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """Verify a checkpoint against its manifest (one line saying what is wrong if it does not) and
@@ -687,25 +957,36 @@ def ckpt_inspect_cmd(
         print(json.dumps(info))
         return
     for tier in memory:
-        print(f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending {tier['pending'] or '-'}")
+        print(
+            f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending {tier['pending'] or '-'}"
+        )
         for s in tier["slots"]:
-            print(f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank {s['holder']}, "
-                  f"{s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
-                  + ("checksums match" if s["verified"] else "CHECKSUM MISMATCH"))
+            print(
+                f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank {s['holder']}, "
+                f"{s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
+                + ("checksums match" if s["verified"] else "CHECKSUM MISMATCH")
+            )
     if "meta" not in info:
         return
     meta = info["meta"]
-    print(f"{directory}: step {meta.get('step')}, written by dp {meta.get('dp')} pp {meta.get('pp')} "
-          f"tp {meta.get('tp')} (job {meta.get('job_id') or '-'}); {info['tensors']} tensors; layers "
-          f"{info['layers']}; every file matches its manifest")
+    print(
+        f"{directory}: step {meta.get('step')}, written by dp {meta.get('dp')} pp {meta.get('pp')} "
+        f"tp {meta.get('tp')} (job {meta.get('job_id') or '-'}); {info['tensors']} tensors; layers "
+        f"{info['layers']}; every file matches its manifest"
+    )
 
 
 @ckpt_app.command("convert")
 def ckpt_convert_cmd(
     src: Annotated[Path, typer.Argument(help="A checkpoint folder")],
-    dst: Annotated[Path, typer.Argument(help="Where to write: a folder (a tp-1 checkpoint any resihp "
-                                        "layout loads), or one consolidated file NAME.pt / "
-                                        "NAME.safetensors for use outside resihp")],
+    dst: Annotated[
+        Path,
+        typer.Argument(
+            help="Where to write: a folder (a tp-1 checkpoint any resihp "
+            "layout loads), or one consolidated file NAME.pt / "
+            "NAME.safetensors for use outside resihp"
+        ),
+    ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """Every tensor as one whole tensor in the model's own shape: a tp-1 checkpoint folder, or one
@@ -713,10 +994,15 @@ def ckpt_convert_cmd(
     from resihp.ckpt.universal import convert
 
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise InputError(f"{dst}: destination exists" + (" and is not empty" if dst.is_dir() else ""))
+        raise InputError(
+            f"{dst}: destination exists" + (" and is not empty" if dst.is_dir() else "")
+        )
     result = convert(src, dst)
-    print(json.dumps(result) if json_out else
-          f"{dst}: {result['tensors']} tensors ({result['joined']} joined from tensor-parallel shards)")
+    print(
+        json.dumps(result)
+        if json_out
+        else f"{dst}: {result['tensors']} tensors ({result['joined']} joined from tensor-parallel shards)"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -17,29 +17,52 @@ from resihp.train.config import RunConfig
 from resihp.train.inject import parse_fault
 from resihp.train.worker import write_job_files
 
-DEMO = dict(layers=4, hidden=64, heads=2, ffn_hidden=256, vocab=512, dp=2, pp=2, global_tokens=8192,
-            budget=512, max_len=512, source="text")
+DEMO = dict(
+    layers=4,
+    hidden=64,
+    heads=2,
+    ffn_hidden=256,
+    vocab=512,
+    dp=2,
+    pp=2,
+    global_tokens=8192,
+    budget=512,
+    max_len=512,
+    source="text",
+)
 
 
 class RunFailed(RuntimeError):
     pass
 
 
-def run_demo(out: str | Path, steps: int, inject: str,
-             plot: str | Path | None = None, on_step: Callable[[int], None] | None = None,
-             detector_config: DetectorConfig | None = None, **overrides: object) -> dict:
+def run_demo(
+    out: str | Path,
+    steps: int,
+    inject: str,
+    plot: str | Path | None = None,
+    on_step: Callable[[int], None] | None = None,
+    detector_config: DetectorConfig | None = None,
+    **overrides: object,
+) -> dict:
     """Run the demo job into ``out``; returns the summary (also written to ``OUT/demo.json``)."""
     out = Path(out)
     fault = parse_fault(inject)
     if fault.kind != "slow" or fault.step is None:
-        raise InputError(f"--inject {inject!r}: the demo takes a slow fault at a step "
-                         f"(slow:rank=R,factor=F,step=S)")
+        raise InputError(
+            f"--inject {inject!r}: the demo takes a slow fault at a step "
+            f"(slow:rank=R,factor=F,step=S)"
+        )
     calibration = (detector_config or DetectorConfig()).calibration_steps
     if fault.step <= calibration:
-        raise InputError(f"--inject {inject!r}: inject after step {calibration} (the detector "
-                         f"calibrates on the first {calibration} steps)")
+        raise InputError(
+            f"--inject {inject!r}: inject after step {calibration} (the detector "
+            f"calibrates on the first {calibration} steps)"
+        )
     if fault.step + 8 > steps:
-        raise InputError(f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}")
+        raise InputError(
+            f"--steps {steps}: leave at least 8 steps after the fault's step {fault.step}"
+        )
     cfg = RunConfig.from_flags(**{**DEMO, **overrides}, steps=steps, inject=[inject], out=str(out))
     loop = LiveLoop(cfg, detector_config=detector_config)
     outcome = supervise(cfg, on_step=on_step, on_steps=loop.on_steps)

@@ -33,25 +33,57 @@ def forks_workers(cfg: RunConfig) -> bool:
     return cfg.device in ("cpu", "auto") and not torch.cuda.is_available()
 
 
-def torchrun_command(config_path: str | Path, nproc: int, max_restarts: int = 0,
-                     endpoint: str | None = None, nnodes: int = 1, run_id: str | None = None,
-                     forked: bool = False) -> list[str]:
+def torchrun_command(
+    config_path: str | Path,
+    nproc: int,
+    max_restarts: int = 0,
+    endpoint: str | None = None,
+    nnodes: int = 1,
+    run_id: str | None = None,
+    forked: bool = False,
+) -> list[str]:
     """torchrun for ``nproc`` workers on this node, or (``forked``) resihp's agent with the same
     options (torchrun's elastic agent, the workers forked from it); with ``endpoint`` (a
     :class:`JobStore`'s) it joins that store instead of hosting one. Wrapped so that it dies with
     this process."""
-    rdzv = ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"] if endpoint else [
-        "--rdzv-endpoint", f"{LOOPBACK}:{free_port()}"]
+    rdzv = (
+        ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"]
+        if endpoint
+        else ["--rdzv-endpoint", f"{LOOPBACK}:{free_port()}"]
+    )
     if run_id:
         rdzv += ["--rdzv-id", run_id]
     agent = "resihp.launch.agent" if forked else "torch.distributed.run"
-    return guarded([sys.executable, "-m", agent, "--nnodes", str(nnodes), "--nproc-per-node",
-                    str(nproc), "--rdzv-backend", "c10d", *rdzv, "--max-restarts", str(max_restarts),
-                    "--monitor-interval", "0.2", "-m", "resihp.train.worker", "--config", str(config_path)])
+    return guarded(
+        [
+            sys.executable,
+            "-m",
+            agent,
+            "--nnodes",
+            str(nnodes),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            *rdzv,
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.2",
+            "-m",
+            "resihp.train.worker",
+            "--config",
+            str(config_path),
+        ]
+    )
 
 
-def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None, node: int = 0,
-               managed: bool = False) -> dict[str, str]:
+def worker_env(
+    extra: dict[str, str] | None = None,
+    endpoint: str | None = None,
+    node: int = 0,
+    managed: bool = False,
+) -> dict[str, str]:
     """The environment of torchrun and its workers. With ``endpoint`` (a :class:`JobStore`'s)
     the workers form their process group and control plane on that store, and torchrun hosts no
     store of its own for them (its shared store would listen on every interface). ``managed``: this
@@ -59,7 +91,9 @@ def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None,
     env = agent_env()
     if endpoint is None or host_port(endpoint)[0] == LOOPBACK:
         env["MASTER_ADDR"] = LOOPBACK
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's listening sockets on loopback, not the host's address
+        env.setdefault(
+            "GLOO_SOCKET_IFNAME", "lo"
+        )  # gloo's listening sockets on loopback, not the host's address
     env["RESIHP_NODE"] = str(node)
     if managed:
         env["RESIHP_MANAGED"] = "1"
@@ -70,14 +104,26 @@ def worker_env(extra: dict[str, str] | None = None, endpoint: str | None = None,
     return env
 
 
-def launch(cfg: RunConfig, timeout_s: float | None = None, capture: bool = True,
-           max_restarts: int = 0) -> subprocess.CompletedProcess:
+def launch(
+    cfg: RunConfig, timeout_s: float | None = None, capture: bool = True, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
     """Run ``cfg`` to completion under torchrun; the config is written to ``OUT/config.json``."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.json"
     config_path.write_text(cfg.to_json())
     with JobStore() as store:
-        cmd = torchrun_command(config_path, cfg.dims().world_size, max_restarts, store.endpoint,
-                               forked=forks_workers(cfg))
-        return subprocess.run(cmd, env=worker_env(endpoint=store.endpoint), timeout=timeout_s, text=True, capture_output=capture)
+        cmd = torchrun_command(
+            config_path,
+            cfg.dims().world_size,
+            max_restarts,
+            store.endpoint,
+            forked=forks_workers(cfg),
+        )
+        return subprocess.run(
+            cmd,
+            env=worker_env(endpoint=store.endpoint),
+            timeout=timeout_s,
+            text=True,
+            capture_output=capture,
+        )

@@ -47,7 +47,9 @@ from resihp.train.planning import (
     with_change,
 )
 
-FASTER_STEPS = 5  # steps a rank's level below its baseline is the median over (``LiveLoop._faster``)
+FASTER_STEPS = (
+    5  # steps a rank's level below its baseline is the median over (``LiveLoop._faster``)
+)
 PRESENT_STEPS = 8  # the most steps since a finding's onset its peers' present pace is taken over
 
 
@@ -85,17 +87,28 @@ class LiveLoop:
         control: the decision thresholds (``resihp.control``), the replay policy's by default.
     """
 
-    def __init__(self, cfg: RunConfig, time_limit_s: float = 2.0, detector_config=None,
-                 control: ControlConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        time_limit_s: float = 2.0,
+        detector_config=None,
+        control: ControlConfig | None = None,
+    ) -> None:
         self.cfg, self.out = cfg, Path(cfg.out)
         self.world = cfg.dims().world_size
         self.meta, self.meta_dict = job_meta(cfg)
-        detector_config = detector_config or DetectorConfig(calibration_steps=cfg.live.calibration_steps,
-                                                            min_slowdown=cfg.live.min_slowdown,
-                                                            alarm_floor=cfg.live.alarm_floor)
-        self._make_detector = lambda: OnlineDetector(self.meta, config=detector_config,
-                                                     meta_dict=self.meta_dict, peers=self._peers(),
-                                                     keep_levels=True)
+        detector_config = detector_config or DetectorConfig(
+            calibration_steps=cfg.live.calibration_steps,
+            min_slowdown=cfg.live.min_slowdown,
+            alarm_floor=cfg.live.alarm_floor,
+        )
+        self._make_detector = lambda: OnlineDetector(
+            self.meta,
+            config=detector_config,
+            meta_dict=self.meta_dict,
+            peers=self._peers(),
+            keep_levels=True,
+        )
         # each replica of replica-level fault tolerance is a job of its own: the planner re-forms
         # a replica's groups from its own ranks only
         self.replica_mode = cfg.faults.recovery.startswith("replica")
@@ -105,7 +118,9 @@ class LiveLoop:
         self.weights = cfg.weights()
         self.ranges = [cfg.stage_ranges() for _ in range(cfg.parallel.dp)]  # per replica
         dims = cfg.dims()
-        self.groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
+        self.groups = [
+            [tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)
+        ]
         self.detector = self._make_detector()
         self.lags: list[float] = []  # seconds from a step's last record sent to its being observed
         self._post = None
@@ -119,16 +134,22 @@ class LiveLoop:
         # what is believed of each rank and when to re-plan: the replay policy's controller
         self.control = Controller(control or ControlConfig())
         self.control.speeds.update({r: 1.0 for r in range(self.world)})
-        self.speeds = self.control.speeds  # the same dict: the planner's speeds are the controller's
+        self.speeds = (
+            self.control.speeds
+        )  # the same dict: the planner's speeds are the controller's
         self.probe_ref: dict[int, float] = {}  # each rank's fastest probe while placed (seconds)
-        self.probes: list[dict] = []  # hot spares' probes: step, rank, slowdown against the reference
+        self.probes: list[
+            dict
+        ] = []  # hot spares' probes: step, rank, slowdown against the reference
         self.error: str | None = None
         # the run's scheduled changes (live.replan), which the job applies before their step
         self._scheduled = {int(c["step"]): c for c in cfg.live.replan}
         # each step's measured time; the first healthy ones pace the planner's analytic costs
         self.step_s: dict[int, float] = {}
         self._healthy: dict[int, float] = {}  # step -> seconds, under the launch plan
-        self._healthy_compute: dict[int, float] = {}  # the same steps' compute (trace_compute_seconds)
+        self._healthy_compute: dict[
+            int, float
+        ] = {}  # the same steps' compute (trace_compute_seconds)
         self._calibration_steps = self.detector.cfg.calibration_steps
         self.calibration: dict | None = None
         # each rank's own-work level (log, the median of the steps the pace was taken on) and the
@@ -158,7 +179,9 @@ class LiveLoop:
         df = df[~df.optype.str.startswith("replan")]
         placed = {r for p in self.groups for s in p for r in s}
         for probe in df[df.optype == "probe"].itertuples():
-            waited = 0.0 if pd.isna(probe.wait_s) else float(probe.wait_s)  # for a core (``Engine._probe``)
+            waited = (
+                0.0 if pd.isna(probe.wait_s) else float(probe.wait_s)
+            )  # for a core (``Engine._probe``)
             self._probe(step, int(probe.rank), float(probe.duration) - waited, placed)
         df = df[df["rank"].isin(placed) & (df.optype != "probe")]  # a hot spare only keeps step
         if df.empty:
@@ -166,14 +189,23 @@ class LiveLoop:
         self._measure(step, df, fresh_plan=scheduled is not None)
         for event in self.detector.observe(df):
             self.events.append({**event.to_dict(), "seen_at": time.time()})
-            if (event.kind == "link-slow" and event.ranks and tuple(event.ranks) not in self.handled
-                    and self.control.found_link(event.ranks, event.slowdown, step).replan):
+            if (
+                event.kind == "link-slow"
+                and event.ranks
+                and tuple(event.ranks) not in self.handled
+                and self.control.found_link(event.ranks, event.slowdown, step).replan
+            ):
                 # the link at its measured slowdown, priced at the transfers measured before it
                 self.handled.add(tuple(event.ranks))
-                self.cluster = with_link_event(self.cluster, self.model, tuple(event.ranks), event.slowdown,
-                                               event.extra.get("traffic", "pipeline"),
-                                               self.detector.healthy_transfers(),
-                                               self.planner.coster(self.cluster, self.model))
+                self.cluster = with_link_event(
+                    self.cluster,
+                    self.model,
+                    tuple(event.ranks),
+                    event.slowdown,
+                    event.extra.get("traffic", "pipeline"),
+                    self.detector.healthy_transfers(),
+                    self.planner.coster(self.cluster, self.model),
+                )
                 self._replan(step, self.events[-1])
                 self.detector.rebaseline()  # the ranks' work moved off the link: fresh baselines
                 self._baseline_at.clear()
@@ -228,15 +260,25 @@ class LiveLoop:
                 del self._priced[rank]
                 self._baseline_at[rank] = (self.detector, base)
                 if self.control.found_slow(rank, base, step).replan:
-                    self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(base, 4),
-                                        "detected_step": step, "priced_at": round(priced, 4)})
+                    self._replan(
+                        step,
+                        {
+                            "kind": "fail-slow",
+                            "rank": rank,
+                            "slowdown": round(base, 4),
+                            "detected_step": step,
+                            "priced_at": round(priced, 4),
+                        },
+                    )
                 continue
             if event is None:  # the episode ended: the device is at speed again
                 del self._priced[rank]
                 self.handled.discard(rank)
                 if self.control.found_recovered(rank).replan:
-                    self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0,
-                                        "detected_step": step})
+                    self._replan(
+                        step,
+                        {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step},
+                    )
                 continue
             now = self.detector.current_cost(event)
             if now is None:
@@ -247,8 +289,15 @@ class LiveLoop:
             if not self.control.found_slow(rank, now, step).replan:
                 continue  # within the revise factor of its price, or re-priced too recently
             self._priced[rank] = Priced(self.detector, now, base)
-            self._replan(step, {**event.to_dict(), "slowdown": round(now, 4), "detected_step": step,
-                                "priced_at": round(priced, 4)})
+            self._replan(
+                step,
+                {
+                    **event.to_dict(),
+                    "slowdown": round(now, 4),
+                    "detected_step": step,
+                    "priced_at": round(priced, 4),
+                },
+            )
 
     def _faster(self, step: int, placed: set[int]) -> None:
         """A rank planned around as slow that runs faster than the baseline the detector in force
@@ -286,13 +335,29 @@ class LiveLoop:
                 del self._baseline_at[rank]
                 self.handled.discard(rank)
                 self.control.found_recovered(rank)
-                self._replan(step, {"kind": "recovered", "rank": rank, "slowdown": 1.0, "detected_step": step,
-                                    "priced_at": round(priced, 4)})
+                self._replan(
+                    step,
+                    {
+                        "kind": "recovered",
+                        "rank": rank,
+                        "slowdown": 1.0,
+                        "detected_step": step,
+                        "priced_at": round(priced, 4),
+                    },
+                )
                 continue
             if not self.control.found_slow(rank, now, step).replan:
                 continue  # re-priced too recently
-            self._replan(step, {"kind": "fail-slow", "rank": rank, "slowdown": round(now, 4), "detected_step": step,
-                                "priced_at": round(priced, 4)})
+            self._replan(
+                step,
+                {
+                    "kind": "fail-slow",
+                    "rank": rank,
+                    "slowdown": round(now, 4),
+                    "detected_step": step,
+                    "priced_at": round(priced, 4),
+                },
+            )
 
     def _measure(self, step: int, df: pd.DataFrame, fresh_plan: bool) -> None:
         """Keep the step's time; the healthy steps under the launch plan (step 0, the warm-up,
@@ -326,10 +391,18 @@ class LiveLoop:
             else:
                 steps = [s for s in steps if s >= onset]
                 cluster = self.cluster.with_speeds(self.speeds)
-        current = current_plan(self.cfg, cluster, self.model, self.weights, self.ranges, self.groups)
+        current = current_plan(
+            self.cfg, cluster, self.model, self.weights, self.ranges, self.groups
+        )
         measured = [self._healthy[s] for s in steps]
-        compute = [self._healthy_compute[s] for s in steps] if all(s in self._healthy_compute for s in steps) else None
-        paced, self.calibration = paced_to(cluster, self.model, current, measured, self.planner, compute)
+        compute = (
+            [self._healthy_compute[s] for s in steps]
+            if all(s in self._healthy_compute for s in steps)
+            else None
+        )
+        paced, self.calibration = paced_to(
+            cluster, self.model, current, measured, self.planner, compute
+        )
         # the pace is the cluster's; the slowdowns stay the loop's own (speeds)
         self.cluster = paced.with_speeds(self.cluster.speeds)
         if self.calibration is not None and onset is not None:
@@ -350,14 +423,22 @@ class LiveLoop:
         detector's cost of an op is its own (lengths, a predictor or the fitted cost), not scaled by
         the same micro-batch on the other stages (pipelines: a level against peers says nothing)."""
         onset = event.get("onset_step")
-        if (self._level_ref is None or onset is None or self.changes
-                or self._level_ref[0] is not self.detector or not _absolute(self.detector.cost_model)):
+        if (
+            self._level_ref is None
+            or onset is None
+            or self.changes
+            or self._level_ref[0] is not self.detector
+            or not _absolute(self.detector.cost_model)
+        ):
             return None
         ref = self._level_ref[1]
         levels = self.detector.levels or {}
         recent = [levels[s] for s in sorted(levels) if int(onset) <= s <= step][-PRESENT_STEPS:]
-        healthy = [r for r in range(self.world) if self.speeds.get(r, 1.0) >= 1.0
-                   and r != event.get("rank") and np.isfinite(ref[r])]
+        healthy = [
+            r
+            for r in range(self.world)
+            if self.speeds.get(r, 1.0) >= 1.0 and r != event.get("rank") and np.isfinite(ref[r])
+        ]
         if len(recent) < 2 or not healthy:
             return None
         now = _median_log(recent)[healthy]
@@ -366,8 +447,11 @@ class LiveLoop:
         if not seen.any():
             return None
         level = float(np.exp(np.median(moved[seen])))
-        return level, {"level": round(level, 4), "steps": len(recent),
-                       "ranks": [r for r, ok in zip(healthy, seen.tolist()) if ok]}
+        return level, {
+            "level": round(level, 4),
+            "steps": len(recent),
+            "ranks": [r for r, ok in zip(healthy, seen.tolist()) if ok],
+        }
 
     def _probe(self, step: int, rank: int, seconds: float, placed: set[int]) -> None:
         """A rank's probes while it trains (its first steps, ``Engine._probe``) give its reference,
@@ -388,8 +472,15 @@ class LiveLoop:
             return
         if self.speeds[rank] >= 1.0:
             self.handled.discard(rank)
-        self._replan(step, {"kind": "recovered" if self.speeds[rank] >= 1.0 else "fail-slow",
-                            "rank": rank, "slowdown": round(slowdown, 4), "detected_step": step})
+        self._replan(
+            step,
+            {
+                "kind": "recovered" if self.speeds[rank] >= 1.0 else "fail-slow",
+                "rank": rank,
+                "slowdown": round(slowdown, 4),
+                "detected_step": step,
+            },
+        )
 
     def _replan(self, step: int, event: dict) -> None:
         if self.calibration is None:  # an event before the calibration window filled
@@ -406,12 +497,28 @@ class LiveLoop:
         # re-forms nothing (the spares follow from the pipelines)
         same_places = len(pipes) == len(current.pipelines) and all(
             [s.ranks for s in p.stages] == [s.ranks for s in q.stages]
-            for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank)))
-        change = {"id": len(self.changes) + 1, "reason": {k: event[k] for k in ("kind", "rank", "ranks", "traffic",
-                                                                            "slowdown", "detected_step", "priced_at")
-                                                          if k in event},
-                  "decided_step": step, "solve_s": round(solve_s, 3),
-                  "predicted_step_s": predicted_step_s(plan), "plan": plan.to_dict()}
+            for p, q in zip(pipes, sorted(current.pipelines, key=lambda p: p.dp_rank))
+        )
+        change = {
+            "id": len(self.changes) + 1,
+            "reason": {
+                k: event[k]
+                for k in (
+                    "kind",
+                    "rank",
+                    "ranks",
+                    "traffic",
+                    "slowdown",
+                    "detected_step",
+                    "priced_at",
+                )
+                if k in event
+            },
+            "decided_step": step,
+            "solve_s": round(solve_s, 3),
+            "predicted_step_s": predicted_step_s(plan),
+            "plan": plan.to_dict(),
+        }
         if present is not None:
             change["present_pace"] = present[1]
         change["dp_weights"] = [float(p.microbatches) for p in pipes]
@@ -439,8 +546,10 @@ class LiveLoop:
         if change.get("dp_weights") is not None:
             self.weights = change["dp_weights"]
         if change.get("layer_splits") is not None:
-            new = [ranges_from_counts(split, self.cfg.model.layers, len(split))
-                   for split in change["layer_splits"]]
+            new = [
+                ranges_from_counts(split, self.cfg.model.layers, len(split))
+                for split in change["layer_splits"]
+            ]
             if new != self.ranges:
                 self.ranges = new
                 self.detector = self._make_detector()  # stage costs changed: a fresh baseline
@@ -450,7 +559,8 @@ class LiveLoop:
     def _adopt(self, change: dict) -> None:
         """Take a change the job applies without this loop (a scheduled one) as the plan in force."""
         self.groups, self.weights, self.ranges, moved, resplit = with_change(
-            change, self.cfg, self.groups, self.weights, self.ranges, self.world)
+            change, self.cfg, self.groups, self.weights, self.ranges, self.world
+        )
         if moved:
             self._cover(self.groups)
         if moved or resplit:
@@ -474,19 +584,26 @@ class LiveLoop:
     def _cover(self, groups: list[list[tuple[int, ...]]]) -> None:
         """A job meta whose coordinates take in ``groups`` (``observe.covering_meta``: a relaunch
         re-formed by the planner, two pipelines over three ranks launched as one)."""
-        self.meta = covering_meta(self.meta, len(groups), max(len(p) for p in groups),
-                                  max(len(s) for p in groups for s in p))
+        self.meta = covering_meta(
+            self.meta,
+            len(groups),
+            max(len(p) for p in groups),
+            max(len(s) for p in groups for s in p),
+        )
         self.meta_dict = {**self.meta_dict, **self.meta.to_dict()}
 
     def _unchanged(self, change: dict) -> bool:
         """Whether a change in place gives every replica the share and layer split it has now."""
+
         def shares(w: list[float]) -> list[float]:
             total = sum(w)
             return [round(x / total, 9) for x in w] if total else list(w)
 
         splits = [[b - a for a, b in ranges] for ranges in self.ranges]
-        return (shares(change["dp_weights"]) == shares(self.weights)
-                and change["layer_splits"] == splits)
+        return (
+            shares(change["dp_weights"]) == shares(self.weights)
+            and change["layer_splits"] == splits
+        )
 
     def as_applied(self, records: list[dict], moved: tuple[str, ...] = ()) -> list[dict]:
         """Each change with the step the job applied it at (``records``: the job's
@@ -497,8 +614,11 @@ class LiveLoop:
         out = []
         for change in self.changes:
             record = by_id.get(change["id"], {})
-            merged = {**change, "applied_step": record.get("step"),
-                      **{k: record[k] for k in moved if k in record}}
+            merged = {
+                **change,
+                "applied_step": record.get("step"),
+                **{k: record[k] for k in moved if k in record},
+            }
             if merged.get("applied") is True and merged["applied_step"] is None:
                 merged["applied"] = False
             out.append(merged)
@@ -520,16 +640,27 @@ class LiveLoop:
         return out
 
     def save(self) -> None:
-        (self.out / "live.json").write_text(json.dumps(
-            {"events": self.events, "changes": self.changes, "lag_s": self.lag_summary(),
-             "spare_probes": self.probes, "planner_calibration": self.calibration}, indent=1,
-            default=str))
+        (self.out / "live.json").write_text(
+            json.dumps(
+                {
+                    "events": self.events,
+                    "changes": self.changes,
+                    "lag_s": self.lag_summary(),
+                    "spare_probes": self.probes,
+                    "planner_calibration": self.calibration,
+                },
+                indent=1,
+                default=str,
+            )
+        )
 
     def lag_summary(self) -> dict | None:
         """How long after a step's records were sent the detector saw them (median, max)."""
         if not self.lags:
             return None
         ordered = sorted(self.lags)
-        return {"median": round(ordered[len(ordered) // 2], 4), "max": round(ordered[-1], 4),
-                "steps": len(ordered)}
-
+        return {
+            "median": round(ordered[len(ordered) // 2], 4),
+            "max": round(ordered[-1], 4),
+            "steps": len(ordered),
+        }

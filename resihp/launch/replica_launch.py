@@ -60,7 +60,10 @@ class ReplicaProcess:
 def replica_ranks(cfg: RunConfig) -> dict[int, list[int]]:
     """Each data-parallel replica's ranks (its pipeline and tensor-parallel ranks)."""
     dims, par = cfg.dims(), cfg.parallel
-    return {d: sorted(dims.rank_of(d, s, t) for s in range(par.pp) for t in range(par.tp)) for d in range(par.dp)}
+    return {
+        d: sorted(dims.rank_of(d, s, t) for s in range(par.pp) for t in range(par.tp))
+        for d in range(par.dp)
+    }
 
 
 def node_replicas(cfg: RunConfig, nodes: Nodes) -> list[int]:
@@ -92,19 +95,44 @@ class ReplicaLauncher:
         per = len(ranks)
         for key in [node_key(hb, d), *(rank_key(hb, d, r) for r in ranks)]:
             store.delete_key(key)  # the last attempt's beats (its dead PIDs) are not this one's
-        env = worker_env({REPLICA_ENV: str(d), ATTEMPT_ENV: str(attempt), GPU_OFFSET_ENV: str((d - self.first) * per),
-                          JOB_SECRET_ENV: job_secret()},
-                         endpoint=self.endpoint, node=d, managed=True)
-        proc = WARM_AGENTS.popen(torchrun_command(self.config_path, per, endpoint=self.endpoint,
-                                                  run_id=f"{cfg.job_id}-r{d}-a{attempt}",
-                                                  forked=forks_workers(cfg)), env)
-        agg = NodeAggregator(store, d, ranks, interval_s=self.interval_s, timeout_s=self.heartbeat_timeout_s,
-                             prefix=hb, startup_s=self.join_timeout_s)
+        env = worker_env(
+            {
+                REPLICA_ENV: str(d),
+                ATTEMPT_ENV: str(attempt),
+                GPU_OFFSET_ENV: str((d - self.first) * per),
+                JOB_SECRET_ENV: job_secret(),
+            },
+            endpoint=self.endpoint,
+            node=d,
+            managed=True,
+        )
+        proc = WARM_AGENTS.popen(
+            torchrun_command(
+                self.config_path,
+                per,
+                endpoint=self.endpoint,
+                run_id=f"{cfg.job_id}-r{d}-a{attempt}",
+                forked=forks_workers(cfg),
+            ),
+            env,
+        )
+        agg = NodeAggregator(
+            store,
+            d,
+            ranks,
+            interval_s=self.interval_s,
+            timeout_s=self.heartbeat_timeout_s,
+            prefix=hb,
+            startup_s=self.join_timeout_s,
+        )
         agg.owns = descends_from(proc.pid)
         agg.start()
         rep = ReplicaProcess(d, attempt, proc, ProcessTracker(proc.pid), agg)
-        threading.Thread(target=drain_stderr, args=(proc, rep.lines, Path(cfg.out), f"[replica {d} attempt {attempt}] ", 200),
-                         daemon=True).start()
+        threading.Thread(
+            target=drain_stderr,
+            args=(proc, rep.lines, Path(cfg.out), f"[replica {d} attempt {attempt}] ", 200),
+            daemon=True,
+        ).start()
         return rep
 
 
@@ -117,8 +145,15 @@ def stop_replicas(replicas: Iterable[ReplicaProcess], grace_s: float, failed: bo
         rep.aggregator.stop()
 
 
-def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals, node: int,
-                   poll_s: float, grace_s: float, t0: float) -> Outcome:
+def serve_replicas(
+    launcher: ReplicaLauncher,
+    mine: list[int],
+    signals: _Signals,
+    node: int,
+    poll_s: float,
+    grace_s: float,
+    t0: float,
+) -> Outcome:
     """A node other than 0 in replica mode: run this node's replicas until node 0 ends the job (or
     cannot be reached); stop a replica node 0 evicted, and relaunch it when told to."""
     cfg, store = launcher.cfg, launcher.store
@@ -128,7 +163,9 @@ def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals
         live[d] = launcher.launch(d, 0)
         replica_state(store, cfg.job_id, d, 0, "launched")
     said_done: set[tuple[int, int]] = set()
-    answered: set[tuple[int, int, int]] = set()  # (replica, attempt, rank) whose stacks were written
+    answered: set[tuple[int, int, int]] = (
+        set()
+    )  # (replica, attempt, rank) whose stacks were written
     try:
         while True:
             time.sleep(poll_s)
@@ -150,7 +187,9 @@ def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals
                     if asked is not None and (d, rep.attempt, asked[0]) not in answered:
                         beat = rep.aggregator._last.get(asked[0])  # its last beat names its process
                         if beat is not None and owned(rep.tracker, rep.proc.pid, beat["pid"]):
-                            dump_stacks(beat["pid"], Path(cfg.out) / "logs" / "workers.log", asked[1])
+                            dump_stacks(
+                                beat["pid"], Path(cfg.out) / "logs" / "workers.log", asked[1]
+                            )
                         elif beat is not None:
                             refuse_signal(f"heartbeat of rank {asked[0]}", beat["pid"], asked[1])
                         answered.add((d, rep.attempt, asked[0]))
@@ -164,7 +203,9 @@ def serve_replicas(launcher: ReplicaLauncher, mine: list[int], signals: _Signals
             if reason is not None:
                 outcome.ended_by_node0 = True
                 if reason != "finished":
-                    outcome.error = reason if "node 0" in reason else f"the job ended on node 0: {reason}"
+                    outcome.error = (
+                        reason if "node 0" in reason else f"the job ended on node 0: {reason}"
+                    )
                 break
     finally:
         stop_replicas(live.values(), grace_s, failed=outcome.error is not None)

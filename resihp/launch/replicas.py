@@ -87,29 +87,40 @@ class ReplicaFailure:
         return dict(self.__dict__)
 
 
-def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None,
-                       join_timeout_s: float | None = None,
-                       on_step: Callable[[int], None] | None = None,
-                       on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
-                       hang_timeout_s: float | None = None, poll_s: float = 0.1,
-                       grace_s: float = GRACE_S, nodes: Nodes | None = None) -> Outcome:
+def supervise_replicas(
+    cfg: RunConfig,
+    *,
+    heartbeat_timeout_s: float | None = None,
+    join_timeout_s: float | None = None,
+    on_step: Callable[[int], None] | None = None,
+    on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
+    hang_timeout_s: float | None = None,
+    poll_s: float = 0.1,
+    grace_s: float = GRACE_S,
+    nodes: Nodes | None = None,
+) -> Outcome:
     """Launch this node's replicas, watch them on the job's store, relaunch a lost one alone.
     Complete steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next
     commit carries the newest one to every rank. On several nodes (``nodes``, each holding whole
     replicas) node 0 hosts the store and the quorum and judges every replica; another node runs
     its replicas and stops or relaunches one when node 0 says so (``replica_launch.serve_replicas``)."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
-        cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
+        cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s
+    )
     if cfg.parallel.dp < 2:
-        raise InputError(f"--recovery replica: needs --dp 2 or more (the replica is the unit of "
-                         f"failure), got --dp {cfg.parallel.dp}")
+        raise InputError(
+            f"--recovery replica: needs --dp 2 or more (the replica is the unit of "
+            f"failure), got --dp {cfg.parallel.dp}"
+        )
     dims = cfg.dims()
     per = cfg.parallel.pp * cfg.parallel.tp
     nodes = nodes or Nodes(1, 0, dims.world_size, None)
     nodes.check(dims.world_size)
     if nodes.sizes is not None or nodes.nproc_per_node % per:
-        raise InputError(f"--recovery replica on {nodes.nnodes} nodes: each node holds whole replicas, so "
-                         f"--nproc-per-node must be a multiple of pp x tp = {per} (got {nodes.nproc_per_node})")
+        raise InputError(
+            f"--recovery replica on {nodes.nnodes} nodes: each node holds whole replicas, so "
+            f"--nproc-per-node must be a multiple of pp x tp = {per} (got {nodes.nproc_per_node})"
+        )
     host = nodes.node_rank == 0
     if host and not cfg.job_id:
         cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
@@ -121,8 +132,14 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
     mine = node_replicas(cfg, nodes)
     t0 = time.time()
     outcome = Outcome(returncode=0)
-    with _Signals() as signals, JobStore(nodes.endpoint, host=host, timeout_s=max(join_timeout_s, 60.0) if host
-                                         else join_timeout_s) as js:
+    with (
+        _Signals() as signals,
+        JobStore(
+            nodes.endpoint,
+            host=host,
+            timeout_s=max(join_timeout_s, 60.0) if host else join_timeout_s,
+        ) as js,
+    ):
         store = js.store
         if host:
             announce_job(store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node)
@@ -131,8 +148,16 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         config_path = out / "config.json"
         config_path.write_text(cfg.to_json())
         interval = min(BEAT_S, heartbeat_timeout_s / 4)
-        launcher = ReplicaLauncher(cfg, store, js.endpoint, config_path, interval, heartbeat_timeout_s,
-                                   join_timeout_s, first=min(mine))
+        launcher = ReplicaLauncher(
+            cfg,
+            store,
+            js.endpoint,
+            config_path,
+            interval,
+            heartbeat_timeout_s,
+            join_timeout_s,
+            first=min(mine),
+        )
         if not host:
             return serve_replicas(launcher, mine, signals, nodes.node_rank, poll_s, grace_s, t0)
         quorum = Quorum(store, cfg.job_id, per, cfg.faults.timeout_s, plan_key=plan_key(cfg.job_id))
@@ -142,15 +167,29 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         chain = DecisionChain(quorum, first)
         store.set(f"{prefix_of(cfg.job_id)}/ops/first", str(first_step))
         hb = heartbeat_prefix(cfg.job_id)
-        places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size) for c in [dims.coords(r)]}
+        places = {
+            r: (c.dp_rank, c.stage, c.tp_rank)
+            for r in range(dims.world_size)
+            for c in [dims.coords(r)]
+        }
         # a false hang costs one replica's relaunch here, not the job: judge hangs sooner (a process
         # stopped for a second; no progress for 2 x the median step, at least 3 s: a relaunched
         # replica's start-up can hold a loaded machine's survivors back for a second or two)
-        monitor = HeartbeatMonitor(store, ranks, timeout_s=heartbeat_timeout_s + interval, prefix=hb,
-                                   places=places, startup_s=join_timeout_s, hang_timeout_s=hang_timeout_s,
-                                   hang_factor=HANG_FACTOR, hang_floor_s=min(heartbeat_timeout_s, HANG_FLOOR_S),
-                                   stopped_s=STOPPED_S)
-        reader = StepReader(store, cfg.job_id, ranks, first_step, owner=True, members=quorum.committed)
+        monitor = HeartbeatMonitor(
+            store,
+            ranks,
+            timeout_s=heartbeat_timeout_s + interval,
+            prefix=hb,
+            places=places,
+            startup_s=join_timeout_s,
+            hang_timeout_s=hang_timeout_s,
+            hang_factor=HANG_FACTOR,
+            hang_floor_s=min(heartbeat_timeout_s, HANG_FLOOR_S),
+            stopped_s=STOPPED_S,
+        )
+        reader = StepReader(
+            store, cfg.job_id, ranks, first_step, owner=True, members=quorum.committed
+        )
         live = {d: launcher.launch(d, 0) for d in mine}  # this node's replicas
         away = {d for d in ranks if d not in mine}  # other nodes' replicas still in the job
         lost_nodes: set[int] = set()  # nodes whose launcher went silent
@@ -159,10 +198,17 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
         done: set[int] = set()
 
         def read_steps() -> None:
-            hand_on_steps(reader, out, on_step, on_steps,
-                          post=lambda change: post_change(store, cfg.job_id, change))
+            hand_on_steps(
+                reader,
+                out,
+                on_step,
+                on_steps,
+                post=lambda change: post_change(store, cfg.job_id, change),
+            )
 
-        def lose(d: int, rank: int | None, cause: str, step: int | None, detected_s: float | None) -> None:
+        def lose(
+            d: int, rank: int | None, cause: str, step: int | None, detected_s: float | None
+        ) -> None:
             bad = [e for e in read_errors(store, cfg.job_id) if e["kind"] == "input"]
             if bad:  # it stopped on bad input (said just before it exited): the job stops, exit 2
                 outcome.error, outcome.input_error = bad[0]["message"], True
@@ -173,8 +219,17 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
             if cause == "hang" and rank is not None:
                 # each replica is a node of the monitor; another node's replica's stacks are asked
                 # of that node's launcher
-                stacks_of_hung(monitor, rank, d if d in live else -1, out, store, cfg.job_id,
-                               (lambda pid, r=live[d]: owned(r.tracker, r.proc.pid, pid)) if d in live else None)
+                stacks_of_hung(
+                    monitor,
+                    rank,
+                    d if d in live else -1,
+                    out,
+                    store,
+                    cfg.job_id,
+                    (lambda pid, r=live[d]: owned(r.tracker, r.proc.pid, pid))
+                    if d in live
+                    else None,
+                )
             at = time.time()
             if d in live:
                 stop_replicas([live[d]], grace_s, failed=True)
@@ -184,15 +239,25 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                         live[other].aggregator.excuse()
                     monitor.excuse(ranks[other], 2 * interval + HANG_FLOOR_S)
             chain.advance()
-            reader.lost(d, chain.step)  # it trained no step from there on; it may not have published its last
+            reader.lost(
+                d, chain.step
+            )  # it trained no step from there on; it may not have published its last
             members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
             # a replica whose node's launcher went silent (a lost node) has nobody to relaunch it
-            again = (attempt < MAX_RELAUNCHES and bool(members) and not quorum.finished()
-                     and not (d in away and cause == "node"))
-            outcome.replica_failures.append(ReplicaFailure(d, attempt, rank, cause, step, detected_s, at, again))
+            again = (
+                attempt < MAX_RELAUNCHES
+                and bool(members)
+                and not quorum.finished()
+                and not (d in away and cause == "node")
+            )
+            outcome.replica_failures.append(
+                ReplicaFailure(d, attempt, rank, cause, step, detected_s, at, again)
+            )
             if not members:
-                outcome.error = (f"every replica was lost (replica {d}: {cause}); no live peer holds the "
-                                 "state to go on from")
+                outcome.error = (
+                    f"every replica was lost (replica {d}: {cause}); no live peer holds the "
+                    "state to go on from"
+                )
                 outcome.all_replicas_lost = True
             if d in away:  # its node stops it, and relaunches it if told to
                 order_replica(store, cfg.job_id, d, attempt + 1, again)
@@ -231,7 +296,9 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 chain.advance()
                 chain.abort_evicted()
                 reports = read_errors(store, cfg.job_id)
-                for e in reports[seen_reports:]:  # a rank that crashed said so: its replica is lost now
+                for e in reports[
+                    seen_reports:
+                ]:  # a rank that crashed said so: its replica is lost now
                     if e["kind"] == "input":  # bad input fails every replica alike: the job stops
                         outcome.error, outcome.input_error = e["message"], True
                         break
@@ -241,7 +308,9 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 seen_reports = len(reports)
                 if outcome.input_error:
                     break
-                for d, rep in list(live.items()):  # a worker gone: known at this poll, not at the next beat
+                for d, rep in list(
+                    live.items()
+                ):  # a worker gone: known at this poll, not at the next beat
                     gone = rep.aggregator.exited_now() if d not in done else []
                     if gone and d in live:
                         rank, step, silent_s = gone[0]
@@ -249,7 +318,13 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                 for ev in monitor.poll(monitor.min_step()):
                     d = dims.coords(ev.rank).dp_rank
                     if d in (set(live) | away) and d not in done and d not in pending:
-                        lose(d, ev.rank, ev.extra["cause"], ev.extra.get("step"), ev.extra.get("silent_s"))
+                        lose(
+                            d,
+                            ev.rank,
+                            ev.extra["cause"],
+                            ev.extra.get("step"),
+                            ev.extra.get("silent_s"),
+                        )
                 for d, rep in list(live.items()):
                     rc = rep.proc.poll()
                     if rc is None or d in done:
@@ -268,21 +343,32 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
                     break
                 if quorum.finished() and all(d in done or attempts[d] > 0 for d in in_job):
                     # the survivors are through; a replica still catching up has nothing to join
-                    end = time.monotonic() + min(grace_s, 1.0)  # it gets an end of stream, or is stopped
-                    while time.monotonic() < end and any(r.proc.poll() is None for r in live.values()):
+                    end = time.monotonic() + min(
+                        grace_s, 1.0
+                    )  # it gets an end of stream, or is stopped
+                    while time.monotonic() < end and any(
+                        r.proc.poll() is None for r in live.values()
+                    ):
                         time.sleep(0.1)
                     done.update(d for d, r in live.items() if r.proc.poll() == 0)
                     break
         finally:
             stop_replicas(live.values(), grace_s, failed=outcome.error is not None)
-            beats = [m["c"] for rep in live.values() for m in rep.aggregator._last.values() if m is not None]
+            beats = [
+                m["c"]
+                for rep in live.values()
+                for m in rep.aggregator._last.values()
+                if m is not None
+            ]
             with contextlib.suppress(RuntimeError, dist.DistError):
                 read_steps()
                 outcome.errors = read_errors(store, cfg.job_id)
                 outcome.replica_catchups = _catchups(store, quorum, outcome.replica_failures)
                 outcome.replica_members = _members(quorum, first_step, cfg.train.steps)
                 outcome.control_plane = control_plane_costs(reader, beats)
-                (out / "plan_changes.json").write_text(json.dumps(_applied_plans(quorum, first, cfg.parallel.dp)))
+                (out / "plan_changes.json").write_text(
+                    json.dumps(_applied_plans(quorum, first, cfg.parallel.dp))
+                )
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
                 # the store goes with this process: the other nodes see the end and stop their replicas
@@ -297,8 +383,13 @@ def supervise_replicas(cfg: RunConfig, *, heartbeat_timeout_s: float | None = No
     outcome.wall_s = time.time() - t0
     if outcome.error and not outcome.interrupted and outcome.replica_failures:
         last = outcome.replica_failures[-1]
-        outcome.failure = fail_stop(dims, last.rank if last.rank is not None else ranks[last.replica][0],
-                                    last.step, last.cause, last.detected_s)
+        outcome.failure = fail_stop(
+            dims,
+            last.rank if last.rank is not None else ranks[last.replica][0],
+            last.step,
+            last.cause,
+            last.detected_s,
+        )
     return outcome
 
 
@@ -335,8 +426,12 @@ def _applied_plans(quorum: Quorum, first: Generation, replicas: int) -> list[dic
             entry = {"step": d.step + 1, **d.plan}
             records = quorum.relayouts(d.plan.get("id"), replicas)
             if records:
-                entry.update({k: sum(r[k] for r in records)
-                              for k in ("moved_bytes", "written_bytes", "read_bytes", "minimum_bytes")})
+                entry.update(
+                    {
+                        k: sum(r[k] for r in records)
+                        for k in ("moved_bytes", "written_bytes", "read_bytes", "minimum_bytes")
+                    }
+                )
                 entry["relayout_s"] = max(r["relayout_s"] for r in records)
             applied.append(entry)
     return applied
@@ -350,7 +445,9 @@ def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dic
             continue
         key = f"{quorum.prefix}/catchup/{f.replica}/{f.attempt + 1}"
         if store.check([key]):
-            found.append({"replica": f.replica, "attempt": f.attempt + 1, **json.loads(store.get(key))})
+            found.append(
+                {"replica": f.replica, "attempt": f.attempt + 1, **json.loads(store.get(key))}
+            )
     return found
 
 
@@ -369,29 +466,56 @@ def recovery_summary(outcome: Outcome, trace) -> dict | None:
     for f in outcome.replica_failures:
         came = catchups.get((f.replica, f.attempt + 1))
         # the step the survivors redid (the heartbeat's step of the lost rank may lag behind it)
-        aborts = lost_ops[(lost_ops.optype == "ft-abort") & (lost_ops.dp_rank != f.replica)
-                          & (lost_ops.step >= (f.step or 0))]
+        aborts = lost_ops[
+            (lost_ops.optype == "ft-abort")
+            & (lost_ops.dp_rank != f.replica)
+            & (lost_ops.step >= (f.step or 0))
+        ]
         first = int(aborts.step.min()) if len(aborts) else f.step if f.step is not None else 0
-        until = came["from_step"] if came else int(per_step.index.max()) + 1 if len(per_step) else first
+        until = (
+            came["from_step"] if came else int(per_step.index.max()) + 1 if len(per_step) else first
+        )
         before = per_step[per_step.index < first]
-        median = float(before.median()) if len(before) else float(per_step.median()) if len(per_step) else None
-        window = lost_ops[(lost_ops.step >= first) & (lost_ops.step <= until) & (lost_ops.dp_rank != f.replica)]
+        median = (
+            float(before.median())
+            if len(before)
+            else float(per_step.median())
+            if len(per_step)
+            else None
+        )
+        window = lost_ops[
+            (lost_ops.step >= first) & (lost_ops.step <= until) & (lost_ops.dp_rank != f.replica)
+        ]
         # per survivor rank: aborted attempts (their time, in wait_s) and group re-formation
         lost = window.assign(lost=window.wait_s.where(window.optype == "ft-abort", window.duration))
         stall_s = float(lost.groupby("rank").lost.sum().max()) if len(lost) else 0.0
-        records.append({
-            "mode": "replica", "lost_replica": f.replica, "attempt": f.attempt, "rank": f.rank,
-            "cause": f.cause, "failed_step": first, "detected_s": f.detected_s,
-            "survivor_stall_s": round(stall_s, 4),
-            "survivor_stall_steps": round(stall_s / median, 3) if median else None,
-            "aborted_attempts": int((window.optype == "ft-abort").groupby(window["rank"]).sum().max())
-            if len(window) else 0,
-            "survivors_restarted": False, "relaunched": f.relaunched,
-            "rejoined_step": came["from_step"] if came else None,
-            "catchup_s": round(came["admitted_ts"] - came["state_ts"], 4) if came and came.get("state_ts") else None,
-            "restart_s": round(came["requested_ts"] - f.at, 4) if came else None,
-            "replayed_steps": came["replayed_steps"] if came else None,
-            "transfer_bytes": came["bytes"] if came else None,
-            "source": "peer" if came else None})
+        records.append(
+            {
+                "mode": "replica",
+                "lost_replica": f.replica,
+                "attempt": f.attempt,
+                "rank": f.rank,
+                "cause": f.cause,
+                "failed_step": first,
+                "detected_s": f.detected_s,
+                "survivor_stall_s": round(stall_s, 4),
+                "survivor_stall_steps": round(stall_s / median, 3) if median else None,
+                "aborted_attempts": int(
+                    (window.optype == "ft-abort").groupby(window["rank"]).sum().max()
+                )
+                if len(window)
+                else 0,
+                "survivors_restarted": False,
+                "relaunched": f.relaunched,
+                "rejoined_step": came["from_step"] if came else None,
+                "catchup_s": round(came["admitted_ts"] - came["state_ts"], 4)
+                if came and came.get("state_ts")
+                else None,
+                "restart_s": round(came["requested_ts"] - f.at, 4) if came else None,
+                "replayed_steps": came["replayed_steps"] if came else None,
+                "transfer_bytes": came["bytes"] if came else None,
+                "source": "peer" if came else None,
+            }
+        )
     first = records[0]
     return {**first, "failures": records} if len(records) > 1 else first

@@ -30,18 +30,23 @@ def cores_available() -> int:
 def oversubscription(processes: int, device: str = "cpu") -> dict:
     """Whether a CPU run had more processes than cores, and what that does to its figures."""
     cores = cores_available()
-    out = {"processes": processes, "cpu_cores": cores,
-           "oversubscribed": device == "cpu" and processes > cores}
+    out = {
+        "processes": processes,
+        "cpu_cores": cores,
+        "oversubscribed": device == "cpu" and processes > cores,
+    }
     if out["oversubscribed"]:
         out["oversubscribed_note"] = (
             f"{processes} processes on {cores} cores: ranks take turns on the cores, so tokens/s is "
             "below what the model runs at on dedicated cores, and a slowed rank that sleeps lends "
-            "its core to the others (measured slowdowns come out smaller than injected)")
+            "its core to the others (measured slowdowns come out smaller than injected)"
+        )
     return out
 
 
-def fault_summary(trace: pd.DataFrame, injected: dict, events: list[dict], changes: list[dict],
-                  world_size: int) -> dict:
+def fault_summary(
+    trace: pd.DataFrame, injected: dict, events: list[dict], changes: list[dict], world_size: int
+) -> dict:
     table = step_table(trace)
     onset = int(injected["step"])
     slow = [e for e in events if e["kind"] == "fail-slow" and e.get("rank") == injected["rank"]]
@@ -80,9 +85,11 @@ def plot_run(trace: pd.DataFrame, summary: dict, path: str | Path) -> None:
     table = step_table(trace)
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(table.index, table.tokens / table.wall_s, marker="o", ms=3, label="tokens/s per step")
-    marks = [("fault injected", summary["injected"]["step"], "tab:red"),
-             ("detected", summary.get("detected_step"), "tab:orange"),
-             ("new plan applied", summary.get("plan_applied_step"), "tab:green")]
+    marks = [
+        ("fault injected", summary["injected"]["step"], "tab:red"),
+        ("detected", summary.get("detected_step"), "tab:orange"),
+        ("new plan applied", summary.get("plan_applied_step"), "tab:green"),
+    ]
     for label, step, color in marks:
         if step is not None:
             ax.axvline(step, color=color, ls="--", label=f"{label} (step {step})")
@@ -92,8 +99,11 @@ def plot_run(trace: pd.DataFrame, summary: dict, path: str | Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("tokens / s")
     rf = summary.get("recovered_fraction")
-    ax.set_title(f"{summary['injected']['kind']} x{summary['injected'].get('factor', '')} on rank "
-                 f"{summary['injected']['rank']}" + (f"; recovered {rf:.2f} of remaining capacity" if rf else ""))
+    ax.set_title(
+        f"{summary['injected']['kind']} x{summary['injected'].get('factor', '')} on rank "
+        f"{summary['injected']['rank']}"
+        + (f"; recovered {rf:.2f} of remaining capacity" if rf else "")
+    )
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -115,11 +125,19 @@ def plot_replicas(trace: pd.DataFrame, recovery: dict, path: str | Path) -> None
     top.plot(table.index, table.tokens / table.wall_s, marker="o", ms=2, label="tokens/s per step")
     for f in recovery.get("failures", [recovery]):
         if f.get("failed_step") is not None:
-            top.axvline(f["failed_step"], color="tab:red", ls="--",
-                        label=f"replica {f['lost_replica']} lost ({f['cause']}, step {f['failed_step']})")
+            top.axvline(
+                f["failed_step"],
+                color="tab:red",
+                ls="--",
+                label=f"replica {f['lost_replica']} lost ({f['cause']}, step {f['failed_step']})",
+            )
         if f.get("rejoined_step") is not None:
-            top.axvline(f["rejoined_step"], color="tab:green", ls="--",
-                        label=f"replica {f['lost_replica']} rejoined (step {f['rejoined_step']})")
+            top.axvline(
+                f["rejoined_step"],
+                color="tab:green",
+                ls="--",
+                label=f"replica {f['lost_replica']} rejoined (step {f['rejoined_step']})",
+            )
     top.set_ylabel("tokens / s")
     top.legend(fontsize=7, loc="lower left")
     for d, trained in present.items():

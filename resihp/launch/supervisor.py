@@ -83,8 +83,11 @@ def torchrun_first_failure(lines: list[str], first_rank: int) -> tuple[int, int]
         return None
     local, code = int(root.group(1)), int(root.group(2))
     if code >= 0 or code == -signal.SIGTERM:
-        killed = [(int(m.group(1)), int(m.group(2))) for m in FAILURE.finditer(text)
-                  if int(m.group(2)) < 0 and int(m.group(2)) != -signal.SIGTERM]
+        killed = [
+            (int(m.group(1)), int(m.group(2)))
+            for m in FAILURE.finditer(text)
+            if int(m.group(2)) < 0 and int(m.group(2)) != -signal.SIGTERM
+        ]
         local, code = killed[0] if killed else (local, code)
     return first_rank + local, code
 
@@ -98,20 +101,34 @@ class Outcome:
     stderr_tail: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     interrupted: str | None = None  # the signal that stopped the supervisor ("SIGTERM", ...)
-    left_alive: list[int] = field(default_factory=list)  # PIDs that could not be ended (none, normally)
+    left_alive: list[int] = field(
+        default_factory=list
+    )  # PIDs that could not be ended (none, normally)
     errors: list[dict] = field(default_factory=list)  # workers' reasons to stop (the control plane)
     ended_by_node0: bool = False  # another node: node 0 ended the job (or was lost)
-    job_id: str | None = None  # the job's id on its store (node 0's, which every node's checkpoints carry)
+    job_id: str | None = (
+        None  # the job's id on its store (node 0's, which every node's checkpoints carry)
+    )
     control_plane: dict | None = None  # node 0: what the control plane cost (bytes, messages, time)
-    replica_failures: list = field(default_factory=list)  # --recovery replica: replicas lost and relaunched
-    replica_catchups: list[dict] = field(default_factory=list)  # --recovery replica: how each came back
+    replica_failures: list = field(
+        default_factory=list
+    )  # --recovery replica: replicas lost and relaunched
+    replica_catchups: list[dict] = field(
+        default_factory=list
+    )  # --recovery replica: how each came back
     # --recovery replica: per committed step, in order, the replicas whose ranks trained it
     replica_members: list[list[int]] = field(default_factory=list)
     all_replicas_lost: bool = False  # --recovery replica: no live peer was left to catch up from
 
 
-def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
-              detected_s: float | None = None, node: int | None = None) -> Event:
+def fail_stop(
+    dims: ParallelDims,
+    rank: int,
+    step: int | None,
+    cause: str,
+    detected_s: float | None = None,
+    node: int | None = None,
+) -> Event:
     """The supervisor's fail-stop as the detector's one event type (its JSON keeps the
     supervisor's ``step``, ``cause`` and ``detected_s``)."""
     where = dims.coords(rank)
@@ -121,8 +138,9 @@ def fail_stop(dims: ParallelDims, rank: int, step: int | None, cause: str,
         extra["detected_s"] = detected_s
     if node is not None:
         extra["node"] = node
-    return Event("fail-stop", rank, where.dp_rank, where.stage, where.tp_rank, at, at, 0.0, 1.0,
-                 extra=extra)
+    return Event(
+        "fail-stop", rank, where.dp_rank, where.stage, where.tp_rank, at, at, 0.0, 1.0, extra=extra
+    )
 
 
 def _disk_full(path: Path, floor_bytes: int = 1 << 20) -> bool:
@@ -164,8 +182,9 @@ def owned(tracker: ProcessTracker, root: int, pid: int | None) -> bool:
 def refuse_signal(key: str, pid: int | None, why: str) -> None:
     """A record asked for a signal to a process this launcher did not start: refused, reported
     once for the record's key."""
-    RECORDS.reject(key, f"it names process {pid}, which this launcher did not start: no signal "
-                        f"sent ({why})")
+    RECORDS.reject(
+        key, f"it names process {pid}, which this launcher did not start: no signal sent ({why})"
+    )
 
 
 GRACE_S = 5.0  # how long the job may take to stop after SIGTERM before its tree is killed
@@ -211,21 +230,32 @@ def _stop(proc: AgentProcess, tracker: ProcessTracker, grace_s: float = GRACE_S)
     return left
 
 
-def fault_timeouts(cfg: RunConfig, heartbeat_s: float | None, join_s: float | None,
-                   hang_s: float | None) -> tuple[float, float, float | None]:
+def fault_timeouts(
+    cfg: RunConfig, heartbeat_s: float | None, join_s: float | None, hang_s: float | None
+) -> tuple[float, float, float | None]:
     """The heartbeat, join and hang timeouts: those given, else the run configuration's."""
     faults = cfg.faults
-    return (faults.heartbeat_timeout_s if heartbeat_s is None else heartbeat_s,
-            faults.timeout_s if join_s is None else join_s,
-            faults.hang_timeout_s if hang_s is None else hang_s)
+    return (
+        faults.heartbeat_timeout_s if heartbeat_s is None else heartbeat_s,
+        faults.timeout_s if join_s is None else join_s,
+        faults.hang_timeout_s if hang_s is None else hang_s,
+    )
 
 
-def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_timeout_s: float | None = None,
-              on_step: Callable[[int], None] | None = None,
-              on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
-              on_poll: Callable[[], None] | None = None, poll_s: float = 0.2,
-              grace_s: float = GRACE_S, nodes: Nodes | None = None,
-              hang_timeout_s: float | None = None, attempt: int = 0) -> Outcome:
+def supervise(
+    cfg: RunConfig,
+    *,
+    heartbeat_timeout_s: float | None = None,
+    join_timeout_s: float | None = None,
+    on_step: Callable[[int], None] | None = None,
+    on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None = None,
+    on_poll: Callable[[], None] | None = None,
+    poll_s: float = 0.2,
+    grace_s: float = GRACE_S,
+    nodes: Nodes | None = None,
+    hang_timeout_s: float | None = None,
+    attempt: int = 0,
+) -> Outcome:
     """Run this node's part of the job and watch it. On node 0 (the only node, by default):
     host the job's store, judge every rank's heartbeats (a dead or hung rank, or a lost node, is a
     fail-stop), read the op records into ``OUT/ops.jsonl`` and hand complete steps to ``on_steps``
@@ -236,7 +266,8 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
     the faults and the checkpoint node 0 relaunched with). The timeouts not given are the run
     configuration's (``cfg.faults``)."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
-        cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
+        cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s
+    )
     world = cfg.dims().world_size
     if not cfg.job_id:  # the control plane's namespace on the store
         cfg = replace(cfg, job_id=uuid.uuid4().hex[:12])
@@ -248,19 +279,46 @@ def supervise(cfg: RunConfig, *, heartbeat_timeout_s: float | None = None, join_
     remove_partial(cfg.ckpt_root())  # a checkpoint folder a killed job left half-written
     t0 = time.time()
     host = nodes.node_rank == 0
-    with _Signals() as signals, JobStore(nodes.endpoint, host=host,
-                                         timeout_s=max(join_timeout_s, 60.0) if host else join_timeout_s) as js:
+    with (
+        _Signals() as signals,
+        JobStore(
+            nodes.endpoint,
+            host=host,
+            timeout_s=max(join_timeout_s, 60.0) if host else join_timeout_s,
+        ) as js,
+    ):
         if host:
-            announce_job(js.store, cfg.job_id, job_config(cfg), nodes.nnodes, nodes.nproc_per_node,
-                         attempt=attempt, sizes=list(nodes.sizes) if nodes.sizes else None)
+            announce_job(
+                js.store,
+                cfg.job_id,
+                job_config(cfg),
+                nodes.nnodes,
+                nodes.nproc_per_node,
+                attempt=attempt,
+                sizes=list(nodes.sizes) if nodes.sizes else None,
+            )
         else:
             cfg = _join(js.store, cfg, nodes, join_timeout_s, attempt)
         config_path = out / "config.json"
         config_path.write_text(cfg.to_json())
         watch = _Watch(cfg, nodes, js.store, heartbeat_timeout_s, join_timeout_s, hang_timeout_s)
         try:
-            outcome = _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step,
-                                 on_steps, on_poll, poll_s, grace_s)
+            outcome = _supervise(
+                cfg,
+                out,
+                config_path,
+                world,
+                t0,
+                signals,
+                js,
+                watch,
+                nodes,
+                on_step,
+                on_steps,
+                on_poll,
+                poll_s,
+                grace_s,
+            )
             outcome.job_id = cfg.job_id
             return outcome
         finally:
@@ -275,8 +333,12 @@ def await_relaunch(nodes: Nodes, attempt: int, timeout_s: float) -> dict | None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
-            with JobStore(nodes.endpoint, host=False, timeout_s=max(1.0, min(10.0, end - time.monotonic()))) as js:
-                job = read_job(js.store, timeout_s=min(2.0, max(0.0, end - time.monotonic())), attempt=attempt)
+            with JobStore(
+                nodes.endpoint, host=False, timeout_s=max(1.0, min(10.0, end - time.monotonic()))
+            ) as js:
+                job = read_job(
+                    js.store, timeout_s=min(2.0, max(0.0, end - time.monotonic())), attempt=attempt
+                )
                 if job:
                     js.store.set(_seen_key(attempt, nodes.node_rank), "1")
                     return job
@@ -297,7 +359,15 @@ def announce_no_relaunch(nodes: Nodes, attempt: int, reason: str, wait_s: float 
     try:
         with JobStore(nodes.endpoint, host=True, timeout_s=wait_s) as js:
             store = js.store
-            announce_job(store, "", None, nodes.nnodes, nodes.nproc_per_node, attempt=attempt, no_relaunch=reason)
+            announce_job(
+                store,
+                "",
+                None,
+                nodes.nnodes,
+                nodes.nproc_per_node,
+                attempt=attempt,
+                no_relaunch=reason,
+            )
             end = time.monotonic() + wait_s
             keys = [_seen_key(attempt, n) for n in range(1, nodes.nnodes)]
             while time.monotonic() < end and not store.check(keys):
@@ -317,22 +387,37 @@ def _join(store, cfg: RunConfig, nodes: Nodes, timeout_s: float, attempt: int = 
     """A node other than 0: the job's identity from node 0, after checking that both agree."""
     job = read_job(store, timeout_s, attempt=attempt)
     if job is None:
-        raise InputError(f"--rdzv-endpoint {nodes.endpoint}: no job announced there within {timeout_s:g} s "
-                         "(start node 0 first, or check the endpoint)")
+        raise InputError(
+            f"--rdzv-endpoint {nodes.endpoint}: no job announced there within {timeout_s:g} s "
+            "(start node 0 first, or check the endpoint)"
+        )
     theirs = job["config"]
-    if attempt:  # a relaunch: node 0 chose what it relaunches with (a restart in place, a re-formed layout)
+    if (
+        attempt
+    ):  # a relaunch: node 0 chose what it relaunches with (a restart in place, a re-formed layout)
         cfg = cfg.updated(**theirs)
     mine = job_config(cfg)
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
     sizes = tuple(job["sizes"]) if job.get("sizes") else None
-    if differ or (job["nnodes"], job["nproc_per_node"], sizes) != (nodes.nnodes, nodes.nproc_per_node, nodes.sizes):
-        what = ", ".join(f"{k} (node 0: {theirs.get(k)!r}, here: {mine.get(k)!r})" for k in differ[:3]) or (
+    if differ or (job["nnodes"], job["nproc_per_node"], sizes) != (
+        nodes.nnodes,
+        nodes.nproc_per_node,
+        nodes.sizes,
+    ):
+        what = ", ".join(
+            f"{k} (node 0: {theirs.get(k)!r}, here: {mine.get(k)!r})" for k in differ[:3]
+        ) or (
             f"--nnodes/--nproc-per-node (node 0: {job['nnodes']}x{job['nproc_per_node']}, here: "
-            f"{nodes.nnodes}x{nodes.nproc_per_node})")
-        raise InputError(f"--rdzv-endpoint {nodes.endpoint}: this node's configuration differs from the "
-                         f"job's there (job {job['job_id']}): {what}")
+            f"{nodes.nnodes}x{nodes.nproc_per_node})"
+        )
+        raise InputError(
+            f"--rdzv-endpoint {nodes.endpoint}: this node's configuration differs from the "
+            f"job's there (job {job['job_id']}): {what}"
+        )
     if ended(store, job["job_id"]):
-        raise InputError(f"--rdzv-endpoint {nodes.endpoint}: job {job['job_id']} there has already ended")
+        raise InputError(
+            f"--rdzv-endpoint {nodes.endpoint}: job {job['job_id']} there has already ended"
+        )
     return replace(cfg, job_id=job["job_id"])
 
 
@@ -340,32 +425,59 @@ class _Watch:
     """This node's heartbeat aggregator; on node 0 also the job's heartbeat monitor and the reader
     of its op records."""
 
-    def __init__(self, cfg: RunConfig, nodes: Nodes, store, heartbeat_timeout_s: float,
-                 join_timeout_s: float, hang_timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        nodes: Nodes,
+        store,
+        heartbeat_timeout_s: float,
+        join_timeout_s: float,
+        hang_timeout_s: float | None,
+    ) -> None:
         self.cfg, self.store = cfg, store
         dims = cfg.dims()
         layout = nodes.layout()
         hb = heartbeat_prefix(cfg.job_id)
         interval = min(0.5, heartbeat_timeout_s / 4)
-        self.aggregator = NodeAggregator(store, nodes.node_rank, nodes.ranks, interval_s=interval,
-                                         timeout_s=heartbeat_timeout_s, prefix=hb,
-                                         startup_s=join_timeout_s).start()
+        self.aggregator = NodeAggregator(
+            store,
+            nodes.node_rank,
+            nodes.ranks,
+            interval_s=interval,
+            timeout_s=heartbeat_timeout_s,
+            prefix=hb,
+            startup_s=join_timeout_s,
+        ).start()
         self.monitor = self.reader = None
-        self.owns: Callable[[int], bool] | None = None  # whether a PID is this launcher's (``owned``)
+        self.owns: Callable[[int], bool] | None = (
+            None  # whether a PID is this launcher's (``owned``)
+        )
         if nodes.node_rank == 0:
-            places = {r: (c.dp_rank, c.stage, c.tp_rank) for r in range(dims.world_size)
-                      for c in [dims.coords(r)]}
+            places = {
+                r: (c.dp_rank, c.stage, c.tp_rank)
+                for r in range(dims.world_size)
+                for c in [dims.coords(r)]
+            }
             # a silent aggregator means a lost node: give it the aggregator's beat interval slack
-            self.monitor = HeartbeatMonitor(store, layout, timeout_s=heartbeat_timeout_s + interval,
-                                            prefix=hb, places=places, startup_s=join_timeout_s,
-                                            hang_timeout_s=hang_timeout_s,
-                                            hang_floor_s=heartbeat_timeout_s, stopped_s=STOPPED_S)
+            self.monitor = HeartbeatMonitor(
+                store,
+                layout,
+                timeout_s=heartbeat_timeout_s + interval,
+                prefix=hb,
+                places=places,
+                startup_s=join_timeout_s,
+                hang_timeout_s=hang_timeout_s,
+                hang_floor_s=heartbeat_timeout_s,
+                stopped_s=STOPPED_S,
+            )
             self.reader = StepReader(store, cfg.job_id, layout, owner=True)
 
     def costs(self) -> dict | None:
         if self.reader is None:
             return None
-        return control_plane_costs(self.reader, [m["c"] for m in self.aggregator._last.values() if m is not None])
+        return control_plane_costs(
+            self.reader, [m["c"] for m in self.aggregator._last.values() if m is not None]
+        )
 
     def pids(self) -> list[int]:
         return [m["pid"] for m in self.aggregator._last.values() if m is not None]
@@ -392,17 +504,28 @@ def control_plane_costs(r: StepReader, beats: list[int]) -> dict | None:
         return None
     ranks = sum(len(v) for v in r.nodes.values())
     cost = sorted(r.cost_s.values())
-    return {"ranks": ranks, "steps": r.steps,
-            "record_bytes_per_rank_step": round(r.bytes / r.parts, 1),
-            "record_messages_per_rank_step": round(r.parts / (r.steps * ranks), 3),
-            "heartbeat_messages_per_rank_step": round(statistics.mean(beats) / r.steps, 3) if beats else None,
-            "publish_s_per_rank_step": round(cost[len(cost) // 2] / max(1, r.steps - 1), 6) if cost else None,
-            "reader_requests_per_step": round(r.messages / r.steps, 2)}
+    return {
+        "ranks": ranks,
+        "steps": r.steps,
+        "record_bytes_per_rank_step": round(r.bytes / r.parts, 1),
+        "record_messages_per_rank_step": round(r.parts / (r.steps * ranks), 3),
+        "heartbeat_messages_per_rank_step": round(statistics.mean(beats) / r.steps, 3)
+        if beats
+        else None,
+        "publish_s_per_rank_step": round(cost[len(cost) // 2] / max(1, r.steps - 1), 6)
+        if cost
+        else None,
+        "reader_requests_per_step": round(r.messages / r.steps, 2),
+    }
 
 
-def hand_on_steps(reader: StepReader, out: Path, on_step: Callable[[int], None] | None,
-                  on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None,
-                  post: Callable[[dict], None]) -> None:
+def hand_on_steps(
+    reader: StepReader,
+    out: Path,
+    on_step: Callable[[int], None] | None,
+    on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None,
+    post: Callable[[dict], None],
+) -> None:
     """The complete steps read so far: into the run folder's trace stream, then to the callers."""
     steps = reader.complete_steps()
     if steps:
@@ -415,7 +538,9 @@ def hand_on_steps(reader: StepReader, out: Path, on_step: Callable[[int], None] 
             on_steps(steps, post)
 
 
-def drain_stderr(proc: AgentProcess, lines: list[str], out: Path, tag: str = "", keep_last: int = 0) -> None:
+def drain_stderr(
+    proc: AgentProcess, lines: list[str], out: Path, tag: str = "", keep_last: int = 0
+) -> None:
     """The workers' lines (per-step progress, warnings, errors) into OUT/logs/workers.log (each
     prefixed with ``tag``) and ``lines`` (only the last ``keep_last``, if given); if the log cannot
     be written (a full disk) the pipe is still drained, or the workers would block."""
@@ -439,14 +564,39 @@ def drain_stderr(proc: AgentProcess, lines: list[str], out: Path, tag: str = "",
             keep.close()
 
 
-def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_step, on_steps,
-               on_poll, poll_s, grace_s) -> Outcome:
+def _supervise(
+    cfg,
+    out,
+    config_path,
+    world,
+    t0,
+    signals,
+    js,
+    watch,
+    nodes,
+    on_step,
+    on_steps,
+    on_poll,
+    poll_s,
+    grace_s,
+) -> Outcome:
     local = len(nodes.ranks)
-    proc = WARM_AGENTS.popen(torchrun_command(config_path, local, endpoint=js.endpoint, nnodes=nodes.nnodes,
-                                              run_id=cfg.job_id or None, forked=forks_workers(cfg)),
-                             worker_env({FIRST_RANK_ENV: str(nodes.ranks[0]), JOB_SECRET_ENV: job_secret()},
-                                        endpoint=js.endpoint,
-                                        node=nodes.node_rank, managed=True))
+    proc = WARM_AGENTS.popen(
+        torchrun_command(
+            config_path,
+            local,
+            endpoint=js.endpoint,
+            nnodes=nodes.nnodes,
+            run_id=cfg.job_id or None,
+            forked=forks_workers(cfg),
+        ),
+        worker_env(
+            {FIRST_RANK_ENV: str(nodes.ranks[0]), JOB_SECRET_ENV: job_secret()},
+            endpoint=js.endpoint,
+            node=nodes.node_rank,
+            managed=True,
+        ),
+    )
     tracker = ProcessTracker(proc.pid)
     watch.aggregator.owns = descends_from(proc.pid)
     watch.owns = lambda pid: owned(tracker, proc.pid, pid)
@@ -501,7 +651,9 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
                     # blocked on a hung peer (and holding node 0's ranks blocked on them)
                     if proc.poll() == 0 or reason == "finished":
                         break
-                    outcome.error = f"the job ended on node 0: {reason}" if "node 0" not in reason else reason
+                    outcome.error = (
+                        f"the job ended on node 0: {reason}" if "node 0" not in reason else reason
+                    )
                     outcome.ended_by_node0 = True
                     break
                 continue
@@ -512,8 +664,13 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
             if failure is not None:
                 # a hung rank held its step up for the hang timeout: what of it has not arrived
                 # will not
-                failure = _settle(failure, watch, read_steps, cfg,
-                                  0.0 if failure.extra.get("cause") == "hang" else SETTLE_S)
+                failure = _settle(
+                    failure,
+                    watch,
+                    read_steps,
+                    cfg,
+                    0.0 if failure.extra.get("cause") == "hang" else SETTLE_S,
+                )
             if failure is not None or outcome.error:
                 outcome.failure = failure
                 if nodes.nnodes > 1:
@@ -528,16 +685,26 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
             with contextlib.suppress(RuntimeError, dist.DistError):
                 publish_first_failure(js.store, cfg.job_id, nodes.node_rank, *first)
         if not outcome.left_alive:
-            remove_partial(cfg.ckpt_root())  # a checkpoint the job did not finish writing is not a checkpoint
+            remove_partial(
+                cfg.ckpt_root()
+            )  # a checkpoint the job did not finish writing is not a checkpoint
     outcome.returncode = proc.returncode
     if watch.monitor is not None:
         with contextlib.suppress(RuntimeError, dist.DistError):
             read_steps()
             outcome.errors = read_errors(js.store, cfg.job_id)
             # a rank that ended on purpose or crashed said so (``_explain`` names it)
-            said = any(e["kind"] in ("stop", "input") or (e["kind"] == "crash" and str(e["rank"]).isdigit())
-                       for e in outcome.errors)
-            if outcome.failure is None and proc.returncode != 0 and not outcome.interrupted and not said:
+            said = any(
+                e["kind"] in ("stop", "input")
+                or (e["kind"] == "crash" and str(e["rank"]).isdigit())
+                for e in outcome.errors
+            )
+            if (
+                outcome.failure is None
+                and proc.returncode != 0
+                and not outcome.interrupted
+                and not said
+            ):
                 # torchrun may end the job (its ranks lost a peer) before the monitor can tell why:
                 # look until a heartbeat timeout has passed (a lost node is silent that long)
                 end = time.monotonic() + watch.monitor.timeout_s + 1.0
@@ -548,7 +715,9 @@ def _supervise(cfg, out, config_path, world, t0, signals, js, watch, nodes, on_s
             outcome.control_plane = watch.costs()
             mark_ended(js.store, cfg.job_id, outcome.error or _reason(outcome) or "finished")
             watch.reader.wait_for_followers(grace_s)
-            if nodes.nnodes > 1:  # the store goes with this process: let the other nodes see the end
+            if (
+                nodes.nnodes > 1
+            ):  # the store goes with this process: let the other nodes see the end
                 _linger(watch, grace_s)
     outcome.wall_s = time.time() - t0
     outcome.stderr_tail = lines[-40:]
@@ -561,8 +730,10 @@ def _linger(watch: _Watch, limit_s: float) -> None:
     end = time.monotonic() + limit_s
     while time.monotonic() < end:
         watch.monitor.poll()
-        if all(v.phase in FINISHED or v.rank in watch.monitor.dead or v.exited
-               for v in watch.monitor.views.values()):
+        if all(
+            v.phase in FINISHED or v.rank in watch.monitor.dead or v.exited
+            for v in watch.monitor.views.values()
+        ):
             return
         time.sleep(0.2)
 
@@ -576,14 +747,24 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
         # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
         steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
         if ev.extra["cause"] == "hang":
-            stacks_of_hung(watch.monitor, ev.rank, 0, Path(cfg.out), watch.store, cfg.job_id, watch.owns)
+            stacks_of_hung(
+                watch.monitor, ev.rank, 0, Path(cfg.out), watch.store, cfg.job_id, watch.owns
+            )
             end_hung(watch.monitor, ev.rank, 0, watch.owns)
-        return fail_stop(cfg.dims(), ev.rank, max(steps) if steps else None, ev.extra["cause"],
-                         ev.extra.get("silent_s"), node=ev.extra.get("node"))
+        return fail_stop(
+            cfg.dims(),
+            ev.rank,
+            max(steps) if steps else None,
+            ev.extra["cause"],
+            ev.extra.get("silent_s"),
+            node=ev.extra.get("node"),
+        )
     missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
     if missing and time.time() - t0 > watch.monitor.startup_s:
-        outcome.error = (f"rank(s) {missing} never joined within {watch.monitor.startup_s:g} s; all workers "
-                         "were stopped")
+        outcome.error = (
+            f"rank(s) {missing} never joined within {watch.monitor.startup_s:g} s; all workers "
+            "were stopped"
+        )
     return None
 
 
@@ -599,9 +780,14 @@ def _first_gone(events: list[Event], watch: _Watch) -> Event:
     lost_peer: set[int] = set()
     if len(events) > 1 and watch.store is not None:
         with contextlib.suppress(RuntimeError, dist.DistError):
-            lost_peer = {int(e["rank"]) for e in read_errors(watch.store, watch.cfg.job_id)
-                         if e["kind"] == "lost-peer" and str(e["rank"]).isdigit()}
-    events = [e for e in events if not (e.extra["cause"] == "exited" and e.rank in lost_peer)] or events
+            lost_peer = {
+                int(e["rank"])
+                for e in read_errors(watch.store, watch.cfg.job_id)
+                if e["kind"] == "lost-peer" and str(e["rank"]).isdigit()
+            }
+    events = [
+        e for e in events if not (e.extra["cause"] == "exited" and e.rank in lost_peer)
+    ] or events
     nodes = {e.extra.get("node") for e in events}
     if len(events) < 2 or len(nodes) != 1 or any(e.extra["cause"] != "exited" for e in events):
         return events[0]
@@ -611,14 +797,22 @@ def _first_gone(events: list[Event], watch: _Watch) -> Event:
     end = time.monotonic() + FIRST_FAILURE_WAIT_S
     first = None
     with contextlib.suppress(RuntimeError, dist.DistError):
-        while (first := first_failure(watch.store, watch.cfg.job_id, node)) is None and time.monotonic() < end:
+        while (
+            first := first_failure(watch.store, watch.cfg.job_id, node)
+        ) is None and time.monotonic() < end:
             time.sleep(0.05)
     return next((e for e in events if first is not None and e.rank == first[0]), events[0])
 
 
-def stacks_of_hung(monitor: HeartbeatMonitor, rank: int, node: int, out: Path,
-                   store: Store | None = None, job_id: str = "",
-                   owns: Callable[[int], bool] | None = None) -> None:
+def stacks_of_hung(
+    monitor: HeartbeatMonitor,
+    rank: int,
+    node: int,
+    out: Path,
+    store: Store | None = None,
+    job_id: str = "",
+    owns: Callable[[int], bool] | None = None,
+) -> None:
     """A rank judged hung, its process still running (a stopped one runs no handler): its stacks
     into ``OUT/logs/workers.log`` of its node before it is stopped (``lifecycle.dump_stacks``),
     signalled here where it runs on this launcher's ``node``, else asked of its node's launcher on
@@ -639,15 +833,23 @@ def stacks_of_hung(monitor: HeartbeatMonitor, rank: int, node: int, out: Path,
             await_stacks(store, job_id, view.node, STACKS_WAIT_S)
 
 
-def end_hung(monitor: HeartbeatMonitor, rank: int, node: int,
-             owns: Callable[[int], bool] | None = None) -> None:
+def end_hung(
+    monitor: HeartbeatMonitor, rank: int, node: int, owns: Callable[[int], bool] | None = None
+) -> None:
     """SIGKILL to a rank judged hung whose process runs on this launcher's ``node``, once its
     stacks are written: it made no progress for the hang timeout, so the SIGTERM that stops the
     job would only cost the whole grace (``GRACE_S``) before the SIGKILL after it (a 1-rank
     restart from memory on CPU took 12.4 s from the hang, 5.1 s of it that grace). Not a stopped
     process: the SIGCONT beside that SIGTERM lets it end as a signalled rank does."""
     view = monitor.views.get(rank)
-    if view is not None and view.pid and view.node == node and not view.stopped and owns and owns(view.pid):
+    if (
+        view is not None
+        and view.pid
+        and view.node == node
+        and not view.stopped
+        and owns
+        and owns(view.pid)
+    ):
         _kill(view.pid)
 
 
@@ -656,8 +858,13 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _settle(failure: Event, watch: _Watch, read_steps: Callable[[], None], cfg: RunConfig,
-            limit_s: float = SETTLE_S) -> Event:
+def _settle(
+    failure: Event,
+    watch: _Watch,
+    read_steps: Callable[[], None],
+    cfg: RunConfig,
+    limit_s: float = SETTLE_S,
+) -> Event:
     """A rank found dead right after it finished a step: the other ranks' records of that step may
     still be on their way (a loaded machine). Wait for them (bounded): if the step completes, the
     rank failed in a later one."""
@@ -670,7 +877,14 @@ def _settle(failure: Event, watch: _Watch, read_steps: Callable[[], None], cfg: 
     if step is None or later is None or later <= step:
         return failure
     extra = failure.extra
-    return fail_stop(cfg.dims(), failure.rank, later, extra["cause"], extra.get("detected_s"), node=extra.get("node"))
+    return fail_stop(
+        cfg.dims(),
+        failure.rank,
+        later,
+        extra["cause"],
+        extra.get("detected_s"),
+        node=extra.get("node"),
+    )
 
 
 def _reason(outcome: Outcome) -> str | None:
@@ -678,8 +892,10 @@ def _reason(outcome: Outcome) -> str | None:
     if f is None:
         return None
     if f.extra.get("cause") == "node":
-        return (f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped answering "
-                f"at step {f.extra['step']} (node)")
+        return (
+            f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped answering "
+            f"at step {f.extra['step']} (node)"
+        )
     if f.extra.get("cause") == "exception":
         return f"rank {f.rank} crashed ({f.extra.get('message')})"
     signal_ = f" by signal {f.extra['signal']}" if "signal" in f.extra else ""
@@ -691,35 +907,64 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, node
     fail-stop found, or what torchrun said (``lines``: this node's torchrun's output)."""
     errors = outcome.errors
     if not errors:  # before the control plane was joined: the workers' stderr says it
-        errors = [{"kind": "input", "message": ln.removeprefix("resihp: error: ")}
-                  for ln in lines if ln.startswith("resihp: error:")]
-        errors += [{"kind": "stop", "message": ln.removeprefix("resihp: stop: ")}
-                   for ln in lines if ln.startswith("resihp: stop:")]
+        errors = [
+            {"kind": "input", "message": ln.removeprefix("resihp: error: ")}
+            for ln in lines
+            if ln.startswith("resihp: error:")
+        ]
+        errors += [
+            {"kind": "stop", "message": ln.removeprefix("resihp: stop: ")}
+            for ln in lines
+            if ln.startswith("resihp: stop:")
+        ]
     stops = [e["message"] for e in errors if e["kind"] == "stop"]
     inputs = [e["message"] for e in errors if e["kind"] == "input"]
-    if (stops or inputs) and outcome.failure is not None and outcome.failure.extra.get("cause") == "exited":
+    if (
+        (stops or inputs)
+        and outcome.failure is not None
+        and outcome.failure.extra.get("cause") == "exited"
+    ):
         outcome.failure = None  # the rank ended on purpose, and said why
     crashes = [e for e in errors if e["kind"] == "crash" and str(e["rank"]).isdigit()]
-    if crashes and not (stops or inputs) and (outcome.failure is None
-                                              or outcome.failure.extra.get("cause") == "exited"):
+    if (
+        crashes
+        and not (stops or inputs)
+        and (outcome.failure is None or outcome.failure.extra.get("cause") == "exited")
+    ):
         # a rank died of an exception (its peers then lost it): that rank is the fail-stop
         crash = crashes[0]
         outcome.failure = fail_stop(cfg.dims(), int(crash["rank"]), None, "exception")
         outcome.failure.extra["message"] = crash["message"]
     root = torchrun_first_failure(lines, nodes.ranks[0])
     signalled = root is not None and root[1] < 0
-    if (signalled and outcome.failure is not None and not outcome.interrupted
-            and outcome.failure.extra.get("cause") == "exited" and root[0] != outcome.failure.rank
-            and outcome.failure.extra.get("node", nodes.node_rank) == nodes.node_rank):
+    if (
+        signalled
+        and outcome.failure is not None
+        and not outcome.interrupted
+        and outcome.failure.extra.get("cause") == "exited"
+        and root[0] != outcome.failure.rank
+        and outcome.failure.extra.get("node", nodes.node_rank) == nodes.node_rank
+    ):
         # several ranks were gone when the monitor looked (torchrun stops a dead rank's peers
         # within its monitor interval) and it named the lowest; torchrun's first observed failure,
         # killed by a signal, is the rank that died first
-        outcome.failure = fail_stop(cfg.dims(), root[0], outcome.failure.extra.get("step"), "exited",
-                                    outcome.failure.extra.get("detected_s"), node=outcome.failure.extra.get("node"))
+        outcome.failure = fail_stop(
+            cfg.dims(),
+            root[0],
+            outcome.failure.extra.get("step"),
+            "exited",
+            outcome.failure.extra.get("detected_s"),
+            node=outcome.failure.extra.get("node"),
+        )
     if outcome.error is None and stops:
         outcome.error = stops[0]
-    if signalled and outcome.failure is None and outcome.returncode != 0 and not outcome.interrupted and not (
-            stops or inputs or outcome.ended_by_node0):
+    if (
+        signalled
+        and outcome.failure is None
+        and outcome.returncode != 0
+        and not outcome.interrupted
+        and not (stops or inputs or outcome.ended_by_node0)
+    ):
         outcome.failure = fail_stop(cfg.dims(), root[0], None, "exited")
         outcome.failure.extra["signal"] = -root[1]
     if outcome.error is None and inputs:
@@ -728,12 +973,16 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, node
     if outcome.error is None and outcome.failure is not None:
         outcome.error = f"{_reason(outcome)}; all workers were stopped"
     if outcome.left_alive:
-        outcome.error = (f"{outcome.error or 'job ended'}; process(es) {outcome.left_alive} could not "
-                         f"be ended")
+        outcome.error = (
+            f"{outcome.error or 'job ended'}; process(es) {outcome.left_alive} could not be ended"
+        )
     if outcome.error is None and outcome.returncode != 0 and _disk_full(out):
         # the workers may die of it where no line could say so (a heartbeat, torchrun's own files)
-        outcome.error = (f"disk full writing {out} (No space left on device); free space and run "
-                         "again")
+        outcome.error = (
+            f"disk full writing {out} (No space left on device); free space and run again"
+        )
     if outcome.error is None and outcome.returncode != 0:
         last = next((ln for ln in reversed(lines) if ln.startswith("resihp:")), None)
-        outcome.error = (last or f"workers exited with status {outcome.returncode}").removeprefix("resihp: ")
+        outcome.error = (last or f"workers exited with status {outcome.returncode}").removeprefix(
+            "resihp: "
+        )

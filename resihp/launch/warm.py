@@ -55,12 +55,22 @@ from resihp.train.lifecycle import die_with, start_time
 
 AGENT = "resihp.launch.agent"
 # read by the agent, torchrun or the workers after they start, never at import
-RUNTIME_ENV = frozenset({
-    "RESIHP_STORE", "RESIHP_NODE", "RESIHP_FIRST_RANK", "RESIHP_MANAGED", "RESIHP_REPLICA", "RESIHP_ATTEMPT",
-    "RESIHP_GPU_OFFSET", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
-    "RESIHP_KEEPER_OWNER",  # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
-    "RESIHP_JOB_SECRET",  # records.JOB_SECRET_ENV: the job's secret, made at launch
-})
+RUNTIME_ENV = frozenset(
+    {
+        "RESIHP_STORE",
+        "RESIHP_NODE",
+        "RESIHP_FIRST_RANK",
+        "RESIHP_MANAGED",
+        "RESIHP_REPLICA",
+        "RESIHP_ATTEMPT",
+        "RESIHP_GPU_OFFSET",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "MASTER_ADDR",
+        "GLOO_SOCKET_IFNAME",
+        "RESIHP_KEEPER_OWNER",  # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
+        "RESIHP_JOB_SECRET",  # records.JOB_SECRET_ENV: the job's secret, made at launch
+    }
+)
 # warm_server first: the server dies with this process from then on. resihp.cli: each forked child
 # runs the launcher's main module again as ``__mp_main__`` (multiprocessing's rule for its spawn and
 # forkserver children), which with its imports loaded is a few milliseconds
@@ -101,7 +111,9 @@ def serve(launch: Launch, stderr: Connection, status: Connection) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(launch.env)
-    run_then_exit(lambda: agent.main(launch.argv), said=lambda code: os.write(status.fileno(), b"%d" % code))
+    run_then_exit(
+        lambda: agent.main(launch.argv), said=lambda code: os.write(status.fileno(), b"%d" % code)
+    )
 
 
 def agent_options(cmd: Sequence[str]) -> list[str] | None:
@@ -110,7 +122,7 @@ def agent_options(cmd: Sequence[str]) -> list[str] | None:
     cmd = list(cmd)
     for i in range(len(cmd) - 1):
         if cmd[i] == "-m" and cmd[i + 1] == AGENT:
-            return cmd[i + 2:]
+            return cmd[i + 2 :]
     return None
 
 
@@ -244,14 +256,24 @@ class WarmAgents:
                 return self._fork(Launch(argv, dict(env), os.getpid(), start_time(os.getpid())))
             except (OSError, EOFError):  # the server is gone (killed): this launch starts cold
                 self._gone()
-        return subprocess.Popen(list(cmd), env=dict(env), text=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+        return subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
 
     def _gone(self) -> None:
         """The server is gone (killed): this launch and every later one start cold; said once."""
         if not self._cold_said:
-            print(f"resihp: the warm-agent server (process {self._server}) is gone; launches start "
-                  "their agents cold from now on", file=sys.stderr, flush=True)
+            print(
+                f"resihp: the warm-agent server (process {self._server}) is gone; launches start "
+                "their agents cold from now on",
+                file=sys.stderr,
+                flush=True,
+            )
             self._cold_said = True
         self._env = None
 
@@ -260,8 +282,9 @@ class WarmAgents:
         said, say = os.pipe()
         pipes = [Connection(write, readable=False), Connection(say, readable=False)]
         try:
-            process = self._context.Process(target=serve, args=(launch, *pipes),
-                                            name=f"resihp-agent-{len(self._forked)}")
+            process = self._context.Process(
+                target=serve, args=(launch, *pipes), name=f"resihp-agent-{len(self._forked)}"
+            )
             process.start()
         except BaseException:
             os.close(read)

@@ -18,5 +18,9 @@ import warnings
 from resihp.train.lifecycle import die_with_parent
 
 die_with_parent()
-warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy",
-                        message=r".* found in sys\.modules after import of package .*")
+warnings.filterwarnings(
+    "ignore",
+    category=RuntimeWarning,
+    module="runpy",
+    message=r".* found in sys\.modules after import of package .*",
+)

@@ -65,12 +65,14 @@ class PackedDocs:
         """The document-causal mask in flex_attention's block form (empty blocks skipped)."""
         ids = self.doc_ids
 
-        def document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
-                            kv: torch.Tensor) -> torch.Tensor:
+        def document_causal(
+            b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
             return (ids[q] == ids[kv]) & (q >= kv)
 
-        return create_block_mask(document_causal, None, None, self.tokens, self.tokens,
-                                 device=self.device)
+        return create_block_mask(
+            document_causal, None, None, self.tokens, self.tokens, device=self.device
+        )
 
 
 def per_document_attention(
@@ -103,9 +105,11 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) ->
             return attend(q, k, v, block_mask=mask)
     except NotImplementedError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError(f"model.attention (--attention) flex: not available for training on "
-                         f"{q.device.type} with torch {torch.__version__} ({first}); expected "
-                         "per_document or sdpa_masked there") from None
+        raise InputError(
+            f"model.attention (--attention) flex: not available for training on "
+            f"{q.device.type} with torch {torch.__version__} ({first}); expected "
+            "per_document or sdpa_masked there"
+        ) from None
 
 
 def check_attention(kind: str, device: torch.device | str) -> None:
@@ -119,8 +123,9 @@ def check_attention(kind: str, device: torch.device | str) -> None:
     _flex(q, q, q, docs.block_mask).sum().backward()
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocs,
-                     kind: str = "per_document") -> torch.Tensor:
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocs, kind: str = "per_document"
+) -> torch.Tensor:
     """Document-causal attention over a packed row, computed the way ``kind`` says.
 
     Args:
@@ -136,8 +141,10 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Pa
     if kind == "per_document":
         return per_document_attention(q, k, v, docs.seq_lens)
     if kind not in ATTENTION_KINDS:
-        raise InputError(f"model.attention (--attention): expected one of "
-                         f"{', '.join(ATTENTION_KINDS)}, got {kind!r}")
+        raise InputError(
+            f"model.attention (--attention): expected one of "
+            f"{', '.join(ATTENTION_KINDS)}, got {kind!r}"
+        )
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, head_dim]
     if kind == "sdpa_masked":
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=docs.causal_mask)

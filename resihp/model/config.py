@@ -22,36 +22,62 @@ class GPTConfig(Section):
 
     layers: int = opt(4, help="Transformer layers", minimum=1, panel="Model")
     hidden: int = opt(256, help="Hidden size", minimum=1, panel="Model")
-    heads: int = opt(4, help="Attention heads (divide --hidden; --tp divides them)", minimum=1,
-                     panel="Model")
+    heads: int = opt(
+        4, help="Attention heads (divide --hidden; --tp divides them)", minimum=1, panel="Model"
+    )
     ffn_hidden: int = opt(1024, help="Feed-forward hidden size", minimum=1, panel="Model")
     vocab: int = opt(4096, help="Vocabulary size", minimum=1, panel="Model")
-    max_seq_len: int = opt(2048, flag="max-len", help="Longest sequence; longer documents are chunked",
-                           minimum=1, maximum=2**31, panel="Model")
+    max_seq_len: int = opt(
+        2048,
+        flag="max-len",
+        help="Longest sequence; longer documents are chunked",
+        minimum=1,
+        maximum=2**31,
+        panel="Model",
+    )
     # options (in ``to_dict`` only when set, so that a model without them keeps its hash)
-    mlp: str = opt("gelu", choices=("gelu", "swiglu"), panel="Model",
-                   help="gelu, or swiglu (a fused gate/up projection, split per half)")
-    tie_embeddings: bool = opt(False, panel="Model", help="Tie the LM head to the token embedding "
-                               "(across the first and last pipeline stage)")
-    vocab_parallel: bool = opt(False, panel="Model", help="Split the embedding and LM head by "
-                               "vocabulary rows over --tp (the vocabulary padded to a multiple of it)")
+    mlp: str = opt(
+        "gelu",
+        choices=("gelu", "swiglu"),
+        panel="Model",
+        help="gelu, or swiglu (a fused gate/up projection, split per half)",
+    )
+    tie_embeddings: bool = opt(
+        False,
+        panel="Model",
+        help="Tie the LM head to the token embedding (across the first and last pipeline stage)",
+    )
+    vocab_parallel: bool = opt(
+        False,
+        panel="Model",
+        help="Split the embedding and LM head by "
+        "vocabulary rows over --tp (the vocabulary padded to a multiple of it)",
+    )
     # how, not what: left out of ``to_dict``, so a checkpoint resumes under any of them
-    attention: str = opt("per_document", choices=ATTENTION_KINDS, panel="Model",
-                         help="per_document (one SDPA call per document), sdpa_masked (one call "
-                         "with a document-causal mask) or flex (one flex_attention call with a "
-                         "document block mask; CUDA for training)")
+    attention: str = opt(
+        "per_document",
+        choices=ATTENTION_KINDS,
+        panel="Model",
+        help="per_document (one SDPA call per document), sdpa_masked (one call "
+        "with a document-causal mask) or flex (one flex_attention call with a "
+        "document block mask; CUDA for training)",
+    )
 
     def __post_init__(self) -> None:
         check_section(self)
         if self.hidden % self.heads:
-            raise InputError(f"model.hidden (--hidden): {self.hidden} must be divisible by "
-                             f"model.heads (--heads) {self.heads}")
+            raise InputError(
+                f"model.hidden (--hidden): {self.hidden} must be divisible by "
+                f"model.heads (--heads) {self.heads}"
+            )
 
     def check_tp(self, tp: int) -> None:
         """Tensor parallelism of size ``tp`` splits whole heads and the FFN evenly."""
         if self.heads % tp or self.ffn_hidden % tp:
-            raise InputError(f"parallel.tp (--tp {tp}): must divide model.heads (--heads {self.heads}) "
-                             f"and model.ffn_hidden (--ffn-hidden {self.ffn_hidden})")
+            raise InputError(
+                f"parallel.tp (--tp {tp}): must divide model.heads (--heads {self.heads}) "
+                f"and model.ffn_hidden (--ffn-hidden {self.ffn_hidden})"
+            )
 
     def saved_name(self, name: str) -> str:
         """The global name a parameter is saved and initialised under: a tied LM head is the
@@ -67,8 +93,11 @@ class GPTConfig(Section):
 
     def to_dict(self) -> dict[str, int | str | bool]:
         """What the parameters depend on (options only where set): the model's hash and meta."""
-        return {k: v for k, v in asdict(self).items()
-                if k not in COMPUTE_ONLY and (k not in OPTIONS or v != OPTIONS[k])}
+        return {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in COMPUTE_ONLY and (k not in OPTIONS or v != OPTIONS[k])
+        }
 
 
 OPTIONS = {"mlp": "gelu", "tie_embeddings": False, "vocab_parallel": False}  # option: its default

@@ -95,8 +95,9 @@ class GPTStage(nn.Module):
     gradient is summed with the first stage's (``resihp.train.gradsync``).
     """
 
-    def __init__(self, cfg: GPTConfig, first: int = 0, last: int | None = None,
-                 tp: TPContext | None = None) -> None:
+    def __init__(
+        self, cfg: GPTConfig, first: int = 0, last: int | None = None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
         last = cfg.layers if last is None else last
         if not 0 <= first < last <= cfg.layers:
@@ -110,7 +111,9 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.embed = nn.Embedding(self.vocab_rows, cfg.hidden)
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.hidden)
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, self.tp) for i in range(first, last)})
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderBlock(cfg, self.tp) for i in range(first, last)}
+        )
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.hidden)
             self.head = nn.Linear(cfg.hidden, self.vocab_rows, bias=False)
@@ -147,8 +150,13 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
-def init_by_name(module: nn.Module, seed: int, tp: TPContext | None = None, heads: int = 1,
-                 cfg: GPTConfig | None = None) -> None:
+def init_by_name(
+    module: nn.Module,
+    seed: int,
+    tp: TPContext | None = None,
+    heads: int = 1,
+    cfg: GPTConfig | None = None,
+) -> None:
     """Initialise every parameter from a generator seeded by (seed, its global name), so that a
     layer starts from the same values whichever stage, replica, tensor-parallel rank or layout
     holds it (a tensor-parallel rank takes its block of the global tensor; padding rows are zero).

@@ -26,8 +26,16 @@ def chunk_len(n: int, tp: int, rank: int) -> int:
 # how each split parameter is cut: (dimension, fused groups). A fused parameter (QKV: 3 groups,
 # SwiGLU gate/up: 2) is split inside each group (whole heads of Q, K and V; halves of gate and up),
 # never per row of the fused tensor, so its shards are the same whichever tp wrote them.
-SPLITS = {"qkv.weight": (0, 3), "qkv.bias": (0, 3), "gate_up.weight": (0, 2), "gate_up.bias": (0, 2),
-          "proj.weight": (1, 1), "fc1.weight": (0, 1), "fc1.bias": (0, 1), "fc2.weight": (1, 1)}
+SPLITS = {
+    "qkv.weight": (0, 3),
+    "qkv.bias": (0, 3),
+    "gate_up.weight": (0, 2),
+    "gate_up.bias": (0, 2),
+    "proj.weight": (1, 1),
+    "fc1.weight": (0, 1),
+    "fc1.bias": (0, 1),
+    "fc2.weight": (1, 1),
+}
 VOCAB_PARALLEL = ("embed.weight", "head.weight")
 
 
@@ -71,7 +79,9 @@ def split_of(name: str) -> tuple[int, int] | None:
     return None
 
 
-def placement(name: str, local_shape: tuple[int, ...], tp: int, vocab: int | None = None) -> Placement:
+def placement(
+    name: str, local_shape: tuple[int, ...], tp: int, vocab: int | None = None
+) -> Placement:
     """The placement of parameter ``name`` whose local shape on a rank of ``tp`` is ``local_shape``;
     ``vocab``: the model's (unpadded) vocabulary when the embedding and LM head are
     vocabulary parallel."""

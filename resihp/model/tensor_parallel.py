@@ -94,7 +94,12 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[..., ctx.rank * ctx.width:(ctx.rank + 1) * ctx.width].contiguous(), None, None, None
+        return (
+            grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(),
+            None,
+            None,
+            None,
+        )
 
 
 def gather_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
@@ -117,7 +122,11 @@ def shard(name: str, full: torch.Tensor, tp: int, tp_rank: int, heads: int = 1) 
         return full
     dim, groups = split
     if groups > 1:
-        return full.reshape(groups, -1, *full.shape[1:]).chunk(tp, dim=1)[tp_rank].reshape(-1, *full.shape[1:])
+        return (
+            full.reshape(groups, -1, *full.shape[1:])
+            .chunk(tp, dim=1)[tp_rank]
+            .reshape(-1, *full.shape[1:])
+        )
     return full.chunk(tp, dim=dim)[tp_rank]
 
 

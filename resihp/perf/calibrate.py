@@ -33,26 +33,49 @@ def shape_name(cfg: GPTConfig) -> str:
 
 
 # the profile verb's default shape and the runtime's default width (resihp run)
-CALIBRATION_SHAPES = (GPTConfig(layers=2, hidden=256, heads=4, ffn_hidden=1024),
-                      GPTConfig(layers=2, hidden=128, heads=4, ffn_hidden=512))
+CALIBRATION_SHAPES = (
+    GPTConfig(layers=2, hidden=256, heads=4, ffn_hidden=1024),
+    GPTConfig(layers=2, hidden=128, heads=4, ffn_hidden=512),
+)
 
 
-def draw_microbatches(sources: Sequence[str], n: int, budget: int, max_len: int,
-                      rng: np.random.Generator) -> list[tuple[str, np.ndarray]]:
+def draw_microbatches(
+    sources: Sequence[str], n: int, budget: int, max_len: int, rng: np.random.Generator
+) -> list[tuple[str, np.ndarray]]:
     """``n`` packed micro-batches from each length source, labelled with the source's name."""
     out: list[tuple[str, np.ndarray]] = []
     for name in sources:
-        out += [(name, b) for b in packed_microbatches(resolve_source(name), n, budget, max_len, rng)]
+        out += [
+            (name, b) for b in packed_microbatches(resolve_source(name), n, budget, max_len, rng)
+        ]
     return out
 
 
-def run_profile(shape: GPTConfig, batches: Sequence[tuple[str, np.ndarray]], *, budget: int,
-                device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 3,
-                warmup: int = 0, model_name: str = "gpt", seed: int = 0,
-                on_progress: Callable[[int], None] | None = None) -> Profile:
+def run_profile(
+    shape: GPTConfig,
+    batches: Sequence[tuple[str, np.ndarray]],
+    *,
+    budget: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 3,
+    warmup: int = 0,
+    model_name: str = "gpt",
+    seed: int = 0,
+    on_progress: Callable[[int], None] | None = None,
+) -> Profile:
     """``profile`` over labelled micro-batches; the log gains its ``source`` and ``budget``."""
-    result = profile(shape, [b for _, b in batches], device=device, dtype=dtype, repeats=repeats,
-                     warmup=warmup, model_name=model_name, seed=seed, on_progress=on_progress)
+    result = profile(
+        shape,
+        [b for _, b in batches],
+        device=device,
+        dtype=dtype,
+        repeats=repeats,
+        warmup=warmup,
+        model_name=model_name,
+        seed=seed,
+        on_progress=on_progress,
+    )
     result.log["source"] = [batches[i][0] for i in result.log["mb_id"]]
     result.log["budget"] = budget
     return result
@@ -74,11 +97,17 @@ def write_profile(result: Profile, output: Path) -> None:
 
 def profile_summary(result: Profile, output: Path) -> dict:
     log = result.log
-    return {"output": str(output), "speed_trace": str(speed_path(output)), "rows": len(log),
-            "microbatches": int(log["mb_id"].nunique()), "device": log["device"].iloc[0],
-            "median_spread": float(log["time_spread"].median()),
-            "noise_floor": noise_floor(log), "speed": speed_summary(result.speed),
-            "time_s": {ph: float(g["time_s"].median()) for ph, g in log.groupby("phase")}}
+    return {
+        "output": str(output),
+        "speed_trace": str(speed_path(output)),
+        "rows": len(log),
+        "microbatches": int(log["mb_id"].nunique()),
+        "device": log["device"].iloc[0],
+        "median_spread": float(log["time_spread"].median()),
+        "noise_floor": noise_floor(log),
+        "speed": speed_summary(result.speed),
+        "time_s": {ph: float(g["time_s"].median()) for ph, g in log.groupby("phase")},
+    }
 
 
 @dataclass
@@ -96,8 +125,10 @@ class CalibrationPlan:
     def __post_init__(self) -> None:
         for name in ("microbatches", "repeats", "budget", "max_len"):
             if getattr(self, name) < 1:
-                raise InputError(f"--{name.replace('_', '-')}: expected a positive integer, "
-                                 f"got {getattr(self, name)}")
+                raise InputError(
+                    f"--{name.replace('_', '-')}: expected a positive integer, "
+                    f"got {getattr(self, name)}"
+                )
         if not self.shapes:
             raise InputError("calibrate: no shapes to profile")
 
@@ -106,8 +137,12 @@ class CalibrationPlan:
         return len(self.shapes) * len(self.sources) * self.microbatches * self.repeats
 
 
-def calibrate(plan: CalibrationPlan, output: Path | None = None, device: str = "cpu",
-              on_progress: Callable[[int], None] | None = None) -> tuple[Path, dict]:
+def calibrate(
+    plan: CalibrationPlan,
+    output: Path | None = None,
+    device: str = "cpu",
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[Path, dict]:
     """Profile ``plan`` on ``device``, train on the normalised cost, write the model directory
     (default: the user's model directory, named after the device). Returns (directory, card)."""
     start = time.perf_counter()
@@ -120,19 +155,29 @@ def calibrate(plan: CalibrationPlan, output: Path | None = None, device: str = "
         batches = draw_microbatches(plan.sources, plan.microbatches, plan.budget, plan.max_len, rng)
         offset = done
         result = run_profile(
-            replace(shape, max_seq_len=max(plan.max_len, plan.budget)), batches, budget=plan.budget,
-            device=dev, repeats=plan.repeats, model_name=f"gpt-{shape_name(shape)}", seed=plan.seed,
-            on_progress=(lambda n, o=offset: on_progress(o + n)) if on_progress else None)
+            replace(shape, max_seq_len=max(plan.max_len, plan.budget)),
+            batches,
+            budget=plan.budget,
+            device=dev,
+            repeats=plan.repeats,
+            model_name=f"gpt-{shape_name(shape)}",
+            seed=plan.seed,
+            on_progress=(lambda n, o=offset: on_progress(o + n)) if on_progress else None,
+        )
         done += len(batches) * plan.repeats
         path = out / "profiles" / f"{shape_name(shape)}.parquet"
         write_profile(result, path)
         logs.append(path)
         summaries[shape_name(shape)] = profile_summary(result, path)
     card = train_predictor(logs, out, holdout=0.25, seed=plan.seed, target="auto")
-    card["calibration"] = {"shapes": [s.to_dict() for s in plan.shapes], "sources": list(plan.sources),
-                           "microbatches_per_source": plan.microbatches, "repeats": plan.repeats,
-                           "budget": plan.budget, "profiles": summaries,
-                           "seconds": time.perf_counter() - start}
+    card["calibration"] = {
+        "shapes": [s.to_dict() for s in plan.shapes],
+        "sources": list(plan.sources),
+        "microbatches_per_source": plan.microbatches,
+        "repeats": plan.repeats,
+        "budget": plan.budget,
+        "profiles": summaries,
+        "seconds": time.perf_counter() - start,
+    }
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     return out, card
-

@@ -10,22 +10,26 @@ import numpy as np
 from resihp.perf.schedule import FWD, CompiledSchedule, node_durations
 
 
-def schedule_graph(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray,
-                   p2p_s: float = 0.0) -> nx.DiGraph:
+def schedule_graph(
+    sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float = 0.0
+) -> nx.DiGraph:
     """The schedule as a networkx DAG (for explaining and checking, not for the hot path): node
     weights are durations, edge weights transfer times; node names are (phase, chunk, mb)."""
     dur = node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
     graph = nx.DiGraph()
-    names = [("F" if ph == FWD else "B", int(c), int(j))
-             for ph, c, j in zip(sched.phase, sched.chunk, sched.mb)]
+    names = [
+        ("F" if ph == FWD else "B", int(c), int(j))
+        for ph, c, j in zip(sched.phase, sched.chunk, sched.mb)
+    ]
     for i, name in enumerate(names):
         graph.add_node(name, duration=float(dur[i]), rank=int(sched.rank[i]))
     for i in range(sched.nodes):
         if sched.prev_same[i] < sched.nodes:
             graph.add_edge(names[sched.prev_same[i]], names[i], transfer=0.0)
         if sched.prev_dep[i] < sched.nodes:
-            graph.add_edge(names[sched.prev_dep[i]], names[i],
-                           transfer=p2p_s if sched.dep_is_p2p[i] else 0.0)
+            graph.add_edge(
+                names[sched.prev_dep[i]], names[i], transfer=p2p_s if sched.dep_is_p2p[i] else 0.0
+            )
     return graph
 
 

@@ -55,8 +55,9 @@ def available_memory_gb(kind: str = "cpu") -> float:
     raise OSError("/proc/meminfo has no MemAvailable")
 
 
-def measured_tflops(kind: str = "cpu", threads: int = 1, size: int = 512,
-                    seconds: float = 0.2) -> float:
+def measured_tflops(
+    kind: str = "cpu", threads: int = 1, size: int = 512, seconds: float = 0.2
+) -> float:
     """Dense matmul rate of one device (``threads`` torch threads on a CPU) measured now, in
     TFLOP/s: the median of repeated ``size``-square float32 matmuls over about ``seconds``."""
     import torch
@@ -94,9 +95,13 @@ def versions() -> dict[str, str]:
     import sklearn
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "numpy": numpy.__version__, "lightgbm": lightgbm.__version__,
-           "scikit-learn": sklearn.__version__}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "lightgbm": lightgbm.__version__,
+        "scikit-learn": sklearn.__version__,
+    }
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
     return out
@@ -107,13 +112,21 @@ def measurement_env(device: torch.device) -> dict[str, str]:
     model trained elsewhere still names the machine and versions its data came from)."""
     import torch
 
-    out = {"device": device_name(device), "python": platform.python_version(),
-           "torch": torch.__version__, "machine": platform.machine()}
+    out = {
+        "device": device_name(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        out.update(cuda=str(torch.version.cuda), cudnn=str(torch.backends.cudnn.version()),
-                   gpu_memory_gib=f"{props.total_memory / 2**30:.1f}",
-                   multiprocessors=str(props.multi_processor_count), driver=_nvidia_driver())
+        out.update(
+            cuda=str(torch.version.cuda),
+            cudnn=str(torch.backends.cudnn.version()),
+            gpu_memory_gib=f"{props.total_memory / 2**30:.1f}",
+            multiprocessors=str(props.multi_processor_count),
+            driver=_nvidia_driver(),
+        )
     else:
         out["cpu"] = cpu_name()
     return out
@@ -125,8 +138,16 @@ def _nvidia_driver() -> str:
     if smi is None:
         return "unknown"
     try:
-        done = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
+        done = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else "unknown"
+    return (
+        done.stdout.strip().splitlines()[0]
+        if done.returncode == 0 and done.stdout.strip()
+        else "unknown"
+    )

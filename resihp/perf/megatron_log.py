@@ -29,8 +29,10 @@ ITERATION = re.compile(r"\biteration\s+(\d+)\s*/")
 NUMBER = r"([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
 # Megatron-Core: "name ....: (min, max)" under "(min, max) time across ranks (ms):", or
 # "name ....: max" under "max time across ranks (ms):"
-NEW_TIMER = re.compile(rf"^\s*(forward-compute|backward-compute) \.*:\s*(?:\(\s*{NUMBER}\s*,\s*)?"
-                       rf"{NUMBER}\s*\)?\s*$")
+NEW_TIMER = re.compile(
+    rf"^\s*(forward-compute|backward-compute) \.*:\s*(?:\(\s*{NUMBER}\s*,\s*)?"
+    rf"{NUMBER}\s*\)?\s*$"
+)
 OLD_TIMER = re.compile(rf"(forward-compute|backward-compute):\s*{NUMBER}")
 
 
@@ -60,11 +62,20 @@ def _batch(path: Path, args: dict[str, str], given: MegatronBatch) -> tuple[int,
         gbs, dp = _int_arg(args, "global_batch_size"), _int_arg(args, "data_parallel_size")
         if gbs and mbs and dp:
             count = max(1, gbs // (mbs * dp))
-    missing = [flag for flag, value in (("--seq-length", seq), ("--micro-batch-size", mbs),
-                                        ("--microbatches", count)) if not value]
+    missing = [
+        flag
+        for flag, value in (
+            ("--seq-length", seq),
+            ("--micro-batch-size", mbs),
+            ("--microbatches", count),
+        )
+        if not value
+    ]
     if missing:
-        raise InputError(f"{path}: the log's arguments block does not give the micro-batches' "
-                         f"{', '.join(m.lstrip('-') for m in missing)}; give {', '.join(missing)}")
+        raise InputError(
+            f"{path}: the log's arguments block does not give the micro-batches' "
+            f"{', '.join(m.lstrip('-') for m in missing)}; give {', '.join(missing)}"
+        )
     return seq, mbs, count
 
 
@@ -87,25 +98,34 @@ def read_megatron(path: Path, given: MegatronBatch = MegatronBatch()) -> Importe
         if m := NEW_TIMER.match(line):
             timers.append((iteration, PHASE_NAMES[m[1]], float(m[3])))
         elif "time (ms)" in line:
-            timers += [(iteration, PHASE_NAMES[name], float(ms))
-                       for name, ms in OLD_TIMER.findall(line)]
+            timers += [
+                (iteration, PHASE_NAMES[name], float(ms)) for name, ms in OLD_TIMER.findall(line)
+            ]
     if not timers:
-        raise InputError(f"{path}: no forward-compute/backward-compute timer lines (expected a "
-                         "Megatron-LM log with timing log level 1 or more)")
+        raise InputError(
+            f"{path}: no forward-compute/backward-compute timer lines (expected a "
+            "Megatron-LM log with timing log level 1 or more)"
+        )
     seq, mbs, count = _batch(path, args, given)
     pp = _int_arg(args, "pipeline_model_parallel_size") or 1
     layers = _int_arg(args, "num_layers")
-    shape = Shape(layers=layers // pp if layers else None, hidden=_int_arg(args, "hidden_size"),
-                  heads=_int_arg(args, "num_attention_heads"),
-                  ffn_hidden=_int_arg(args, "ffn_hidden_size"),
-                  tp=_int_arg(args, "tensor_model_parallel_size"))
-    spans = tuple(Span(phase, (seq,) * mbs, ms / 1e3 / count, mb_id=n, step=it)
-                  for n, (it, phase, ms) in _numbered(timers))
+    shape = Shape(
+        layers=layers // pp if layers else None,
+        hidden=_int_arg(args, "hidden_size"),
+        heads=_int_arg(args, "num_attention_heads"),
+        ffn_hidden=_int_arg(args, "ffn_hidden_size"),
+        tp=_int_arg(args, "tensor_model_parallel_size"),
+    )
+    spans = tuple(
+        Span(phase, (seq,) * mbs, ms / 1e3 / count, mb_id=n, step=it)
+        for n, (it, phase, ms) in _numbered(timers)
+    )
     return ImportedTrace(str(path), FORMAT, spans, shape=shape)
 
 
-def _numbered(timers: list[tuple[int | None, str, float]]
-              ) -> Iterator[tuple[int, tuple[int | None, str, float]]]:
+def _numbered(
+    timers: list[tuple[int | None, str, float]],
+) -> Iterator[tuple[int, tuple[int | None, str, float]]]:
     """Each timer with the number of its logging interval (forward and backward share one)."""
     seen: dict[str, int] = {}
     for it, phase, ms in timers:

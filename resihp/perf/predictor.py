@@ -35,11 +35,31 @@ from resihp.workload.flops import TransformerShape
 
 FORMAT = "resihp-microbatch-predictor/1"
 PHASES = ("fwd", "bwd")
-GBM_FEATURES = ["tokens", "sum_sq", "n_seqs", "max_len", "mean_len", "attn_share", "layers",
-                "hidden", "heads", "ffn_hidden", "tp"]
-GBM_PARAMS = {"objective": "regression", "learning_rate": 0.08, "num_leaves": 15,
-              "min_child_samples": 8, "subsample": 0.8, "subsample_freq": 1,
-              "colsample_bytree": 0.9, "reg_lambda": 1.0, "verbose": -1, "num_threads": 1}
+GBM_FEATURES = [
+    "tokens",
+    "sum_sq",
+    "n_seqs",
+    "max_len",
+    "mean_len",
+    "attn_share",
+    "layers",
+    "hidden",
+    "heads",
+    "ffn_hidden",
+    "tp",
+]
+GBM_PARAMS = {
+    "objective": "regression",
+    "learning_rate": 0.08,
+    "num_leaves": 15,
+    "min_child_samples": 8,
+    "subsample": 0.8,
+    "subsample_freq": 1,
+    "colsample_bytree": 0.9,
+    "reg_lambda": 1.0,
+    "verbose": -1,
+    "num_threads": 1,
+}
 
 
 WIDTH_COLUMNS = ["hidden", "heads", "ffn_hidden", "tp"]
@@ -55,13 +75,15 @@ def base_terms(feats: pd.DataFrame) -> np.ndarray:
     layers = feats["layers"].to_numpy(np.float64)
     tp = feats["tp"].to_numpy(np.float64)
     width = (feats["hidden"].to_numpy(np.float64) + feats["ffn_hidden"].to_numpy(np.float64)) / tp
-    return np.column_stack([
-        feats["flops_dense"].to_numpy(np.float64),
-        feats["flops_attn"].to_numpy(np.float64),
-        layers * feats["tokens"].to_numpy(np.float64) * width,
-        layers * feats["n_seqs"].to_numpy(np.float64),
-        layers,
-    ])
+    return np.column_stack(
+        [
+            feats["flops_dense"].to_numpy(np.float64),
+            feats["flops_attn"].to_numpy(np.float64),
+            layers * feats["tokens"].to_numpy(np.float64) * width,
+            layers * feats["n_seqs"].to_numpy(np.float64),
+            layers,
+        ]
+    )
 
 
 def gbm_inputs(feats: pd.DataFrame) -> np.ndarray:
@@ -72,7 +94,9 @@ def gbm_inputs(feats: pd.DataFrame) -> np.ndarray:
 def _relative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error (rows weighted by 1/y^2), columns rescaled."""
     scale = np.maximum(np.abs(x).mean(axis=0), 1e-300)
-    reg = LinearRegression(positive=True, fit_intercept=False).fit(x / scale, y, sample_weight=1 / y**2)
+    reg = LinearRegression(positive=True, fit_intercept=False).fit(
+        x / scale, y, sample_weight=1 / y**2
+    )
     return reg.coef_ / scale
 
 
@@ -82,7 +106,11 @@ def ape(pred: np.ndarray, actual: np.ndarray) -> np.ndarray:
 
 def metrics(pred: np.ndarray, actual: np.ndarray) -> dict[str, float]:
     errors = ape(np.asarray(pred), np.asarray(actual))
-    return {"mape": float(errors.mean()), "p95": float(np.percentile(errors, 95)), "n": int(len(errors))}
+    return {
+        "mape": float(errors.mean()),
+        "p95": float(np.percentile(errors, 95)),
+        "n": int(len(errors)),
+    }
 
 
 class LinearBaseline:
@@ -94,7 +122,8 @@ class LinearBaseline:
         for key, rows in feats.groupby([*SHAPE_COLUMNS, "phase"]):
             x = rows[["tokens", "sum_sq"]].to_numpy(np.float64)
             self.coef_[tuple(int(k) if not isinstance(k, str) else k for k in key)] = _relative_fit(
-                x, rows["time_s"].to_numpy())
+                x, rows["time_s"].to_numpy()
+            )
         return self
 
     def predict(self, log: pd.DataFrame) -> np.ndarray:
@@ -122,8 +151,9 @@ class MicroBatchPredictor:
     reference_: dict | None = None  # {"spec", "clock", "seconds"} of a model of normalised cost
     reference_s_: float = 1.0
 
-    def __init__(self, n_estimators: int = 400, early_stopping_rounds: int = 40,
-                 random_state: int = 0) -> None:
+    def __init__(
+        self, n_estimators: int = 400, early_stopping_rounds: int = 40, random_state: int = 0
+    ) -> None:
         if n_estimators < 1:
             raise InputError(f"n_estimators must be positive, got {n_estimators}")
         self.n_estimators = n_estimators
@@ -134,8 +164,10 @@ class MicroBatchPredictor:
         feats = with_features(log)
         devices = sorted(feats["device"].unique())
         if len(devices) > 1:
-            raise InputError(f"profiling logs come from {len(devices)} devices ({', '.join(devices)}); "
-                             "train one predictor per device")
+            raise InputError(
+                f"profiling logs come from {len(devices)} devices ({', '.join(devices)}); "
+                "train one predictor per device"
+            )
         self.device_ = devices[0]
         self.base_coef_: dict[str, np.ndarray] = {}
         self.width_coef_: dict[str, np.ndarray] = {}
@@ -143,13 +175,16 @@ class MicroBatchPredictor:
         for phase in PHASES:
             rows = feats[feats["phase"] == phase]
             if len(rows) < 20:
-                raise InputError(f"profiling logs: {len(rows)} '{phase}' rows; need at least 20 to train")
+                raise InputError(
+                    f"profiling logs: {len(rows)} '{phase}' rows; need at least 20 to train"
+                )
             y = rows["time_s"].to_numpy()
             self.base_coef_[phase] = _relative_fit(base_terms(rows), y)
             for key, idx in rows.groupby(WIDTH_COLUMNS).indices.items():
                 if len(idx) >= MIN_WIDTH_ROWS:
                     self.width_coef_[_width_key(phase, key)] = _relative_fit(
-                        base_terms(rows.iloc[idx]), y[idx])
+                        base_terms(rows.iloc[idx]), y[idx]
+                    )
             target = np.log(y / self._base(rows, phase))
             x = gbm_inputs(rows)
             rng = np.random.default_rng(self.random_state)
@@ -158,8 +193,12 @@ class MicroBatchPredictor:
             train_set = lgb.Dataset(x[~valid], target[~valid], feature_name=GBM_FEATURES)
             valid_set = lgb.Dataset(x[valid], target[valid], reference=train_set)
             self.boosters_[phase] = lgb.train(
-                params, train_set, num_boost_round=self.n_estimators, valid_sets=[valid_set],
-                callbacks=[lgb.early_stopping(self.early_stopping_rounds, verbose=False)])
+                params,
+                train_set,
+                num_boost_round=self.n_estimators,
+                valid_sets=[valid_set],
+                callbacks=[lgb.early_stopping(self.early_stopping_rounds, verbose=False)],
+            )
         return self
 
     def _base(self, rows: pd.DataFrame, phase: str) -> np.ndarray:
@@ -191,16 +230,21 @@ class MicroBatchPredictor:
         """This model for a device whose reference time is ``reference_s`` now (a model of
         normalised cost only: a model of raw seconds knows no reference)."""
         if not self.reference_:
-            raise InputError("this predictor learned raw seconds; re-measuring the reference needs a "
-                             "model trained on normalised cost (`resihp predictor calibrate`)")
+            raise InputError(
+                "this predictor learned raw seconds; re-measuring the reference needs a "
+                "model trained on normalised cost (`resihp predictor calibrate`)"
+            )
         if not (np.isfinite(reference_s) and reference_s > 0):
-            raise InputError(f"reference time: expected a positive number of seconds, got {reference_s}")
+            raise InputError(
+                f"reference time: expected a positive number of seconds, got {reference_s}"
+            )
         other = copy.copy(self)
         other.reference_s_ = float(reference_s)
         return other
 
-    def predict_seq_lens(self, seq_lens: Sequence[Sequence[int]], phase: str,
-                         shape: TransformerShape) -> np.ndarray:
+    def predict_seq_lens(
+        self, seq_lens: Sequence[Sequence[int]], phase: str, shape: TransformerShape
+    ) -> np.ndarray:
         """Seconds for each micro-batch (a list of packed sequence lengths) on ``shape``'s layers."""
         lengths = length_features(seq_lens)
         shapes = pd.DataFrame({k: np.full(len(lengths), v) for k, v in shape.to_dict().items()})
@@ -214,21 +258,35 @@ class MicroBatchPredictor:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a file by that name, or a folder it cannot make
-            raise InputError(f"{directory}: cannot make the model directory ({exc.strerror})") from None
+            raise InputError(
+                f"{directory}: cannot make the model directory ({exc.strerror})"
+            ) from None
         for phase, booster in self.boosters_.items():
             booster.save_model(directory / f"{phase}.lgb.txt")
-        files = {f"{phase}.lgb.txt": sha256_of(directory / f"{phase}.lgb.txt")
-                 for phase in self.boosters_}
+        files = {
+            f"{phase}.lgb.txt": sha256_of(directory / f"{phase}.lgb.txt")
+            for phase in self.boosters_
+        }
         full_card = {
-            "format": FORMAT, "kind": "micro-batch time predictor", "device": self.device_,
-            "base_terms": ["flops_dense", "flops_attn", "layers*tokens*(hidden+ffn)/tp",
-                           "layers*n_seqs", "layers"],
+            "format": FORMAT,
+            "kind": "micro-batch time predictor",
+            "device": self.device_,
+            "base_terms": [
+                "flops_dense",
+                "flops_attn",
+                "layers*tokens*(hidden+ffn)/tp",
+                "layers*n_seqs",
+                "layers",
+            ],
             "base_coef": {p: c.tolist() for p, c in self.base_coef_.items()},
             "base_coef_by_width": {k: c.tolist() for k, c in self.width_coef_.items()},
-            "gbm_features": GBM_FEATURES, "gbm_params": GBM_PARAMS,
+            "gbm_features": GBM_FEATURES,
+            "gbm_params": GBM_PARAMS,
             "gbm_trees": {p: b.num_trees() for p, b in self.boosters_.items()},
-            "target": "log(time_s / analytic base)", "versions": versions(),
-            "reference": self.reference_, "files": files,
+            "target": "log(time_s / analytic base)",
+            "versions": versions(),
+            "reference": self.reference_,
+            "files": files,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **(card or {}),
         }
@@ -248,8 +306,10 @@ class MicroBatchPredictor:
         if not isinstance(card, dict):
             raise InputError(f"{card_path}: expected a JSON object (a predictor's card)")
         if card.get("format") != FORMAT:
-            raise InputError(f"{card_path}: field format is {card.get('format')!r}; this resihp "
-                             f"reads {FORMAT!r} (retrain with `resihp predictor train`)")
+            raise InputError(
+                f"{card_path}: field format is {card.get('format')!r}; this resihp "
+                f"reads {FORMAT!r} (retrain with `resihp predictor train`)"
+            )
         _check_card(card, card_path)
         self = cls()
         self.card_ = card
@@ -274,19 +334,27 @@ def sha256_of(path: Path) -> str:
 
 def _coefficients(value: object) -> bool:
     return isinstance(value, list) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in value)
+        isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in value
+    )
 
 
 def _check_card(card: dict, path: Path) -> None:
     """The fields ``load`` reads: a device name and per phase the base model's coefficients."""
     if not isinstance(card.get("device"), str):
-        raise InputError(f"{path}: field device: expected the device's name, got {card.get('device')!r}")
+        raise InputError(
+            f"{path}: field device: expected the device's name, got {card.get('device')!r}"
+        )
     for name, phases in (("base_coef", PHASES), ("base_coef_by_width", ())):
         coef = card.get(name, {})
-        if not isinstance(coef, dict) or any(p not in coef for p in phases) or not all(
-                _coefficients(c) for c in coef.values()):
-            raise InputError(f"{path}: field {name}: expected per phase ({', '.join(PHASES)}) a list "
-                             "of finite numbers")
+        if (
+            not isinstance(coef, dict)
+            or any(p not in coef for p in phases)
+            or not all(_coefficients(c) for c in coef.values())
+        ):
+            raise InputError(
+                f"{path}: field {name}: expected per phase ({', '.join(PHASES)}) a list "
+                "of finite numbers"
+            )
 
 
 def _check_model_file(path: Path, sha256: str | None) -> None:
@@ -295,26 +363,35 @@ def _check_model_file(path: Path, sha256: str | None) -> None:
     markers a complete text model ends with."""
     if sha256 is not None:
         if sha256_of(path) != sha256:
-            raise InputError(f"{path}: does not match the sha256 in card.json (damaged or replaced); "
-                             "retrain or re-copy the predictor directory")
+            raise InputError(
+                f"{path}: does not match the sha256 in card.json (damaged or replaced); "
+                "retrain or re-copy the predictor directory"
+            )
         return
     text = path.read_bytes()
     if b"end of trees" not in text or b"end of parameters" not in text[-4096:]:
-        raise InputError(f"{path}: not a complete LightGBM model (truncated?); retrain or re-copy "
-                         "the predictor directory")
+        raise InputError(
+            f"{path}: not a complete LightGBM model (truncated?); retrain or re-copy "
+            "the predictor directory"
+        )
 
 
 def holdout_split(log: pd.DataFrame, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Row indices (train, test); both phases of one measured micro-batch stay on the same side."""
     if not 0 < fraction < 1:
         raise InputError(f"held-out fraction must be between 0 and 1, got {fraction}")
-    mb = log["mb_id"].astype(str) if "mb_id" in log.columns else pd.Series(
-        [str(s) for s in log["seq_lens"]], index=log.index)
+    mb = (
+        log["mb_id"].astype(str)
+        if "mb_id" in log.columns
+        else pd.Series([str(s) for s in log["seq_lens"]], index=log.index)
+    )
     groups = log.get("log", pd.Series("", index=log.index)).astype(str) + ":" + mb
     n = groups.nunique()
     if n < 2 or round(fraction * n) < 1 or n - int(np.ceil(fraction * n)) < 1:
-        raise InputError(f"profiling logs: {n} measured micro-batch(es), too few to hold out "
-                         f"{fraction:g} of them and train on the rest (profile more: --microbatches)")
+        raise InputError(
+            f"profiling logs: {n} measured micro-batch(es), too few to hold out "
+            f"{fraction:g} of them and train on the rest (profile more: --microbatches)"
+        )
     split = GroupShuffleSplit(n_splits=1, test_size=fraction, random_state=seed)
     return next(split.split(log, groups=groups))
 

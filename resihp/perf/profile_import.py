@@ -51,15 +51,17 @@ def _format_of(path: Path) -> str:
     if looks_like_kineto(path):
         return "kineto"
     try:
-        head = path.read_bytes()[:1 << 20].decode(errors="replace")
+        head = path.read_bytes()[: 1 << 20].decode(errors="replace")
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
     if head.lstrip().startswith("{"):
         return "kineto"
     if looks_like_megatron(head) or looks_like_megatron(path.read_text(errors="replace")):
         return "megatron"
-    raise InputError(f"{path}: not a torch.profiler trace (.json), a Megatron-LM log (with "
-                     "forward-compute timer lines) or a resihp run folder")
+    raise InputError(
+        f"{path}: not a torch.profiler trace (.json), a Megatron-LM log (with "
+        "forward-compute timer lines) or a resihp run folder"
+    )
 
 
 def read_trace(path: Path, options: ImportOptions) -> ImportedTrace:
@@ -71,13 +73,16 @@ def read_trace(path: Path, options: ImportOptions) -> ImportedTrace:
         side = read_side_lengths(options.lengths) if options.lengths else None
         return read_kineto(path, side)
     if options.lengths is not None:
-        raise InputError(f"--lengths {options.lengths}: a lengths file goes with a torch.profiler "
-                         f"trace; {path} is a {kind} input")
+        raise InputError(
+            f"--lengths {options.lengths}: a lengths file goes with a torch.profiler "
+            f"trace; {path} is a {kind} input"
+        )
     return read_megatron(path, options.batch) if kind == "megatron" else read_run(path)
 
 
-def import_profiles(paths: Sequence[Path], options: ImportOptions = ImportOptions()
-                    ) -> ImportResult:
+def import_profiles(
+    paths: Sequence[Path], options: ImportOptions = ImportOptions()
+) -> ImportResult:
     """Every input read and turned into profiling-log rows, concatenated."""
     if not paths:
         raise InputError("resihp profile import: give one or more traces, logs or run folders")
@@ -89,8 +94,10 @@ def import_profiles(paths: Sequence[Path], options: ImportOptions = ImportOption
         device = options.device or trace.device
         if device is None:
             device = this_device("cpu")
-            notes.append(f"{path}: the trace does not name its device; taken as this machine's "
-                         f"{device!r} (give --device if it was measured elsewhere)")
+            notes.append(
+                f"{path}: the trace does not name its device; taken as this machine's "
+                f"{device!r} (give --device if it was measured elsewhere)"
+            )
         shape = trace.shape.overridden(options.shape)
         model = options.model or trace.model or "gpt"
         frames.append(to_profile_log(trace, shape, device, model))

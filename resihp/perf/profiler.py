@@ -37,8 +37,18 @@ from resihp.model.config import GPTConfig
 from resihp.model.gpt import DecoderBlock
 from resihp.perf.device import device_name, measurement_env
 
-PROFILE_COLUMNS = ["device", "model", "layers", "hidden", "heads", "ffn_hidden", "tp", "phase",
-                   "seq_lens", "time_s"]
+PROFILE_COLUMNS = [
+    "device",
+    "model",
+    "layers",
+    "hidden",
+    "heads",
+    "ffn_hidden",
+    "tp",
+    "phase",
+    "seq_lens",
+    "time_s",
+]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -66,8 +76,9 @@ class ReferenceSpec:
     @classmethod
     def for_device(cls, device: torch.device) -> ReferenceSpec:
         if device.type == "cuda":  # large enough to keep the GPU's kernels busy, not launch-bound
-            return cls(layers=1, hidden=2048, heads=16, ffn_hidden=8192, seq_lens=(4096,),
-                       dtype="bfloat16")
+            return cls(
+                layers=1, hidden=2048, heads=16, ffn_hidden=8192, seq_lens=(4096,), dtype="bfloat16"
+            )
         return cls()
 
     def to_dict(self) -> dict:
@@ -78,8 +89,10 @@ class ReferenceSpec:
         try:
             return cls(**{**data, "seq_lens": tuple(int(n) for n in data["seq_lens"])})
         except (TypeError, KeyError, ValueError) as exc:
-            raise InputError(f"{source}: expected fields layers, hidden, heads, ffn_hidden, "
-                             f"seq_lens, dtype ({exc})") from None
+            raise InputError(
+                f"{source}: expected fields layers, hidden, heads, ffn_hidden, "
+                f"seq_lens, dtype ({exc})"
+            ) from None
 
 
 class _Timed:
@@ -87,8 +100,14 @@ class _Timed:
     pass, outside the timed part: holding every micro-batch's inputs for the whole profile would
     take gigabytes of device memory at GPU widths."""
 
-    def __init__(self, layers: torch.nn.ModuleList, seq_lens: Sequence[int], hidden: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layers: torch.nn.ModuleList,
+        seq_lens: Sequence[int],
+        hidden: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.layers, self.seq_lens, self.device = layers, [int(n) for n in seq_lens], device
         self.shape, self.dtype = (int(sum(seq_lens)), hidden), dtype
 
@@ -110,7 +129,9 @@ class _Timed:
         return t1 - t0, t2 - t1, c1 - c0, c2 - c1
 
 
-def _stack(cfg: GPTConfig, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.ModuleList:
+def _stack(
+    cfg: GPTConfig, device: torch.device, dtype: torch.dtype, seed: int
+) -> torch.nn.ModuleList:
     torch.manual_seed(seed)
     return torch.nn.ModuleList([DecoderBlock(cfg) for _ in range(cfg.layers)]).to(device, dtype)
 
@@ -120,9 +141,16 @@ class Reference:
 
     def __init__(self, spec: ReferenceSpec, device: torch.device) -> None:
         if spec.dtype not in DTYPES:
-            raise InputError(f"reference dtype: expected one of {', '.join(DTYPES)}, got {spec.dtype!r}")
-        cfg = GPTConfig(layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
-                        ffn_hidden=spec.ffn_hidden, max_seq_len=max(spec.seq_lens))
+            raise InputError(
+                f"reference dtype: expected one of {', '.join(DTYPES)}, got {spec.dtype!r}"
+            )
+        cfg = GPTConfig(
+            layers=spec.layers,
+            hidden=spec.hidden,
+            heads=spec.heads,
+            ffn_hidden=spec.ffn_hidden,
+            max_seq_len=max(spec.seq_lens),
+        )
         layers = _stack(cfg, device, DTYPES[spec.dtype], seed=12345)
         self.spec = spec
         self._timed = _Timed(layers, spec.seq_lens, spec.hidden, device, DTYPES[spec.dtype])
@@ -133,8 +161,9 @@ class Reference:
         return wf + wb, cf + cb
 
 
-def measure_reference(spec: ReferenceSpec, device: str | torch.device = "cpu", repeats: int = 7,
-                      warmup: int = 2) -> dict[str, float]:
+def measure_reference(
+    spec: ReferenceSpec, device: str | torch.device = "cpu", repeats: int = 7, warmup: int = 2
+) -> dict[str, float]:
     """The device's reference time now (median of ``repeats`` passes): what a predictor trained on
     normalised cost multiplies by to predict seconds on this device at this moment."""
     ref = Reference(spec, torch.device(device))
@@ -227,27 +256,44 @@ def profile(
             wall, cpu = raw[ks, p], raw[ks, 2 + p]
             cost, cpu_cost = wall / around[ks, 0], cpu / around[ks, 1]
             median = float(np.median(wall))
-            rows.append({
-                "device": name, "model": model_name, "layers": cfg.layers, "hidden": cfg.hidden,
-                "heads": cfg.heads, "ffn_hidden": cfg.ffn_hidden, "tp": 1, "phase": phase,
-                "seq_lens": mb.seq_lens, "time_s": median, "mb_id": mb_id,
-                "tokens": sum(mb.seq_lens), "repeats": repeats, "time_min_s": float(wall.min()),
-                "time_spread": float((wall.max() - wall.min()) / median),
-                "cpu_time_s": float(np.median(cpu)) if on_cpu else float("nan"),
-                "cpu_time_min_s": float(cpu.min()) if on_cpu else float("nan"),
-                "ref_time_s": float(np.median(around[ks, 0])),
-                "ref_cpu_time_s": float(np.median(around[ks, 1])) if on_cpu else float("nan"),
-                "cost": faster_half_mean(cost),
-                "cpu_cost": faster_half_mean(cpu_cost) if on_cpu else float("nan"),
-                "cost_spread": float((cost.max() - cost.min()) / np.median(cost)),
-                "times_s": wall.tolist(), "cpu_times_s": cpu.tolist() if on_cpu else [],
-                "ref_times_s": around[ks, 0].tolist(), "costs": cost.tolist(),
-                "cpu_costs": cpu_cost.tolist() if on_cpu else [],
-                "dtype": str(dtype).removeprefix("torch."), "reference": reference_json,
-                "measured_at": wall_start + float(stamps[ks[0] + 1]), "env": env_json,
-            })
-    speed = pd.DataFrame({"t_s": stamps, "ref_wall_s": refs[:, 0],
-                          "ref_cpu_s": refs[:, 1] if on_cpu else np.nan})
+            rows.append(
+                {
+                    "device": name,
+                    "model": model_name,
+                    "layers": cfg.layers,
+                    "hidden": cfg.hidden,
+                    "heads": cfg.heads,
+                    "ffn_hidden": cfg.ffn_hidden,
+                    "tp": 1,
+                    "phase": phase,
+                    "seq_lens": mb.seq_lens,
+                    "time_s": median,
+                    "mb_id": mb_id,
+                    "tokens": sum(mb.seq_lens),
+                    "repeats": repeats,
+                    "time_min_s": float(wall.min()),
+                    "time_spread": float((wall.max() - wall.min()) / median),
+                    "cpu_time_s": float(np.median(cpu)) if on_cpu else float("nan"),
+                    "cpu_time_min_s": float(cpu.min()) if on_cpu else float("nan"),
+                    "ref_time_s": float(np.median(around[ks, 0])),
+                    "ref_cpu_time_s": float(np.median(around[ks, 1])) if on_cpu else float("nan"),
+                    "cost": faster_half_mean(cost),
+                    "cpu_cost": faster_half_mean(cpu_cost) if on_cpu else float("nan"),
+                    "cost_spread": float((cost.max() - cost.min()) / np.median(cost)),
+                    "times_s": wall.tolist(),
+                    "cpu_times_s": cpu.tolist() if on_cpu else [],
+                    "ref_times_s": around[ks, 0].tolist(),
+                    "costs": cost.tolist(),
+                    "cpu_costs": cpu_cost.tolist() if on_cpu else [],
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "reference": reference_json,
+                    "measured_at": wall_start + float(stamps[ks[0] + 1]),
+                    "env": env_json,
+                }
+            )
+    speed = pd.DataFrame(
+        {"t_s": stamps, "ref_wall_s": refs[:, 0], "ref_cpu_s": refs[:, 1] if on_cpu else np.nan}
+    )
     speed["speed"] = float(np.median(refs[:, 0])) / speed["ref_wall_s"]
     return Profile(log=pd.DataFrame(rows), speed=speed, reference=reference)
 
@@ -269,8 +315,12 @@ def noise_floor(log: pd.DataFrame) -> dict[str, dict[str, float]]:
     (``normalised_pct``) dividing by the reference; the CPU-time pair beside them on CPU devices.
     No predictor can beat the floor of the column it learns."""
     out: dict[str, dict[str, float]] = {}
-    columns = {"raw_pct": "times_s", "normalised_pct": "costs", "cpu_raw_pct": "cpu_times_s",
-               "cpu_normalised_pct": "cpu_costs"}
+    columns = {
+        "raw_pct": "times_s",
+        "normalised_pct": "costs",
+        "cpu_raw_pct": "cpu_times_s",
+        "cpu_normalised_pct": "cpu_costs",
+    }
     for phase, rows in log.groupby("phase"):
         out[phase] = {"n": int(len(rows))}
         for key, col in columns.items():
@@ -285,7 +335,11 @@ def noise_floor(log: pd.DataFrame) -> dict[str, dict[str, float]]:
 def speed_summary(speed: pd.DataFrame) -> dict[str, float]:
     """The device's speed over the profile relative to its median (1.0): spread and range."""
     s = speed["speed"].to_numpy()
-    return {"min": float(s.min()), "p05": float(np.percentile(s, 5)),
-            "p95": float(np.percentile(s, 95)), "max": float(s.max()),
-            "median_ref_s": float(speed["ref_wall_s"].median()),
-            "duration_s": float(speed["t_s"].iloc[-1])}
+    return {
+        "min": float(s.min()),
+        "p05": float(np.percentile(s, 5)),
+        "p95": float(np.percentile(s, 95)),
+        "max": float(s.max()),
+        "median_ref_s": float(speed["ref_wall_s"].median()),
+        "duration_s": float(speed["t_s"].iloc[-1]),
+    }

@@ -53,7 +53,9 @@ def installed_models() -> list[ModelEntry]:
             except (OSError, json.JSONDecodeError):
                 continue
             if isinstance(card, dict) and isinstance(card.get("device"), str):
-                out.append(ModelEntry(card_path.parent, card["device"], str(card.get("created", ""))))
+                out.append(
+                    ModelEntry(card_path.parent, card["device"], str(card.get("created", "")))
+                )
     return out
 
 
@@ -76,8 +78,10 @@ def resolve_model(spec: str | Path, device: str) -> Path:
         found = find_for_device(device)
         if found is None:
             have = sorted({f"{m.device} ({m.path})" for m in installed_models()})
-            raise InputError(f"no micro-batch predictor for device {device!r} (installed: "
-                             f"{'; '.join(have) or 'none'}); {CALIBRATE_HINT}")
+            raise InputError(
+                f"no micro-batch predictor for device {device!r} (installed: "
+                f"{'; '.join(have) or 'none'}); {CALIBRATE_HINT}"
+            )
         return found
     user = user_models_dir() / text
     if not Path(text).exists() and os.sep not in text and (user / "card.json").exists():
@@ -88,16 +92,20 @@ def resolve_model(spec: str | Path, device: str) -> Path:
         path = Path(text)
     if not (path / "card.json").exists():
         names = sorted({m.path.name for m in installed_models()})
-        raise InputError(f"--predictor {text}: not a predictor directory and not an installed model "
-                         f"(installed: {', '.join(names) or 'none'}; or auto)")
+        raise InputError(
+            f"--predictor {text}: not a predictor directory and not an installed model "
+            f"(installed: {', '.join(names) or 'none'}; or auto)"
+        )
     return path
 
 
 def check_device(path: Path, card_device: str, device: str) -> None:
     """Refuse to use a predictor on a device it was not measured on."""
     if card_device != device:
-        raise InputError(f"{path}: measured on {card_device!r}, but this job runs on {device!r}; "
-                         f"use `--predictor auto` or {CALIBRATE_HINT}")
+        raise InputError(
+            f"{path}: measured on {card_device!r}, but this job runs on {device!r}; "
+            f"use `--predictor auto` or {CALIBRATE_HINT}"
+        )
 
 
 def device_matches(measured: str, wanted: str) -> bool:
@@ -106,8 +114,10 @@ def device_matches(measured: str, wanted: str) -> bool:
     names a model (``cuda:NVIDIA H100``), that name within the measured one (case aside)."""
     kind, _, model = measured.partition(":")
     want_kind, _, want_model = wanted.partition(":")
-    return (kind.strip().lower() == want_kind.strip().lower()
-            and want_model.strip().lower() in model.lower())
+    return (
+        kind.strip().lower() == want_kind.strip().lower()
+        and want_model.strip().lower() in model.lower()
+    )
 
 
 def find_matching(wanted: str) -> Path | None:
@@ -123,6 +133,8 @@ def card_device(path: Path) -> str:
         raise InputError(f"{path}: no readable card.json (not a predictor directory)") from None
     device = card.get("device") if isinstance(card, dict) else None
     if not isinstance(device, str):
-        raise InputError(f"{path / 'card.json'}: field device: expected the device it was measured "
-                         "on, e.g. 'cpu:AMD EPYC x1thr'")
+        raise InputError(
+            f"{path / 'card.json'}: field device: expected the device it was measured "
+            "on, e.g. 'cpu:AMD EPYC x1thr'"
+        )
     return device

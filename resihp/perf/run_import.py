@@ -23,10 +23,15 @@ FORMAT = "resihp run folder"
 def _stage_layers(meta: dict, pp: int, where: Path) -> list[int] | None:
     split = meta.get("layer_split")
     if split is not None:
-        if not isinstance(split, list) or len(split) != pp or not all(
-                isinstance(n, int) and n > 0 for n in split):
-            raise InputError(f"{where}: field layer_split: expected {pp} positive integers (one "
-                             f"per stage), got {split!r}")
+        if (
+            not isinstance(split, list)
+            or len(split) != pp
+            or not all(isinstance(n, int) and n > 0 for n in split)
+        ):
+            raise InputError(
+                f"{where}: field layer_split: expected {pp} positive integers (one "
+                f"per stage), got {split!r}"
+            )
         return split
     layers = meta.get("layers")
     return [layers // pp] * pp if isinstance(layers, int) and layers >= pp else None
@@ -49,12 +54,17 @@ def read_run(folder: Path) -> ImportedTrace:
         pp = job.pp_size
     compute = trace[trace["optype"].isin(COMPUTE_OPTYPES)]
     if "seq_lens" not in compute.columns:
-        raise InputError(f"{folder}: the ops trace's compute rows have no seq_lens column (a "
-                         "micro-batch's lengths; resihp run and attach record them)")
+        raise InputError(
+            f"{folder}: the ops trace's compute rows have no seq_lens column (a "
+            "micro-batch's lengths; resihp run and attach record them)"
+        )
     compute = compute[compute["seq_lens"].notna()]
     stage_layers = _stage_layers(meta, pp, meta_path or folder)
-    wait = (compute["wait_s"].fillna(0.0) if "wait_s" in compute.columns
-            else pd.Series(0.0, index=compute.index))
+    wait = (
+        compute["wait_s"].fillna(0.0)
+        if "wait_s" in compute.columns
+        else pd.Series(0.0, index=compute.index)
+    )
     # one micro-batch of one step and replica is one id: its stages and TP ranks ran the same lengths
     keys = ["step", "dp_rank", *(["mb_id"] if "mb_id" in compute.columns else [])]
     mb = compute.groupby(keys, sort=True, dropna=False).ngroup()
@@ -64,11 +74,23 @@ def read_run(folder: Path) -> ImportedTrace:
         if seconds <= 0:
             continue
         layers = stage_layers[row.stage] if stage_layers and row.stage < len(stage_layers) else None
-        spans.append(Span(PHASE_NAMES[row.optype], tuple(int(v) for v in row.seq_lens), seconds,
-                          mb_id=int(mb_id), step=int(row.step),
-                          rank=int(row.rank), layers=layers))
-    shape = Shape(hidden=_int(meta, "hidden"), heads=_int(meta, "heads"),
-                  ffn_hidden=_int(meta, "ffn_hidden"), tp=_int(meta, "tp_size"))
+        spans.append(
+            Span(
+                PHASE_NAMES[row.optype],
+                tuple(int(v) for v in row.seq_lens),
+                seconds,
+                mb_id=int(mb_id),
+                step=int(row.step),
+                rank=int(row.rank),
+                layers=layers,
+            )
+        )
+    shape = Shape(
+        hidden=_int(meta, "hidden"),
+        heads=_int(meta, "heads"),
+        ffn_hidden=_int(meta, "ffn_hidden"),
+        tp=_int(meta, "tp_size"),
+    )
     device = meta.get("device") if isinstance(meta.get("device"), str) else None
     model = meta.get("name") if isinstance(meta.get("name"), str) else None
     return ImportedTrace(str(folder), FORMAT, tuple(spans), shape=shape, device=device, model=model)

@@ -43,6 +43,7 @@ def rank_order(name: str, stages: int, microbatches: int, chunks: int, s: int) -
         for j in range(m - warm):
             ops += [Op(FWD, s, warm + j), Op(BWD, s, j)]
         return ops + [Op(BWD, s, j) for j in range(m - warm, m)]
+
     # Megatron's interleaved 1F1B: micro-batches in groups of p, each group through every chunk
     def fwd_op(k: int) -> Op:
         c = (k // p) % v
@@ -82,16 +83,24 @@ class CompiledSchedule:
 
 
 @lru_cache(maxsize=256)
-def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> CompiledSchedule:
+def compile_schedule(
+    name: str, stages: int, microbatches: int, chunks: int = 1
+) -> CompiledSchedule:
     if name not in MODELLED_SCHEDULES:
-        raise InputError(f"pipeline schedule must be one of {', '.join(MODELLED_SCHEDULES)}, got {name!r}")
+        raise InputError(
+            f"pipeline schedule must be one of {', '.join(MODELLED_SCHEDULES)}, got {name!r}"
+        )
     if stages < 1 or microbatches < 1 or chunks < 1:
-        raise InputError(f"stages, micro-batches and chunks must be positive, got {stages}, "
-                         f"{microbatches}, {chunks}")
+        raise InputError(
+            f"stages, micro-batches and chunks must be positive, got {stages}, "
+            f"{microbatches}, {chunks}"
+        )
     if name == "interleaved":
         if microbatches % stages:
-            raise InputError(f"interleaved schedule needs micro-batches ({microbatches}) divisible "
-                             f"by pipeline stages ({stages})")
+            raise InputError(
+                f"interleaved schedule needs micro-batches ({microbatches}) divisible "
+                f"by pipeline stages ({stages})"
+            )
     elif chunks != 1:
         raise InputError(f"schedule {name!r} has one model chunk per rank, got chunks={chunks}")
     p, v = stages, chunks
@@ -109,8 +118,9 @@ def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1)
         if op.phase == FWD and op.chunk > 0:
             prev_dep[i] = index[Op(FWD, op.chunk - 1, op.mb)]
         elif op.phase == BWD:
-            prev_dep[i] = index[Op(FWD, op.chunk, op.mb) if op.chunk == last_chunk
-                                else Op(BWD, op.chunk + 1, op.mb)]
+            prev_dep[i] = index[
+                Op(FWD, op.chunk, op.mb) if op.chunk == last_chunk else Op(BWD, op.chunk + 1, op.mb)
+            ]
     dep_is_p2p = (prev_dep < n) & (rank[np.minimum(prev_dep, n - 1)] != rank)
     # level = longest chain of predecessors; ops are listed rank by rank, so iterate to a fixpoint
     level = np.zeros(n + 1, dtype=np.int64)
@@ -126,18 +136,29 @@ def compile_schedule(name: str, stages: int, microbatches: int, chunks: int = 1)
     bounds = np.flatnonzero(np.diff(level[:n][order])) + 1
     last_on_rank = np.array([max(i for i in range(n) if rank[i] == s) for s in range(p)])
     return CompiledSchedule(
-        name, p, microbatches, v,
-        np.array([op.phase for op in ops]), np.array([op.chunk for op in ops]),
-        np.array([op.mb for op in ops]), rank, prev_same, prev_dep, dep_is_p2p,
-        tuple(np.split(order, bounds)), last_on_rank,
+        name,
+        p,
+        microbatches,
+        v,
+        np.array([op.phase for op in ops]),
+        np.array([op.chunk for op in ops]),
+        np.array([op.mb for op in ops]),
+        rank,
+        prev_same,
+        prev_dep,
+        dep_is_p2p,
+        tuple(np.split(order, bounds)),
+        last_on_rank,
     )
 
 
 def node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     shape = (sched.stages * sched.chunks, sched.microbatches)
     if fwd.shape[-2:] != shape or bwd.shape[-2:] != shape:
-        raise InputError(f"durations must have trailing shape (model chunks, micro-batches) = "
-                         f"{shape}, got {fwd.shape[-2:]} and {bwd.shape[-2:]}")
+        raise InputError(
+            f"durations must have trailing shape (model chunks, micro-batches) = "
+            f"{shape}, got {fwd.shape[-2:]} and {bwd.shape[-2:]}"
+        )
     stacked = np.stack(np.broadcast_arrays(fwd, bwd), axis=-3)  # [..., 2, G, M]
     # one flat index into each row's (phase, chunk, micro-batch) table: np.take on a 2-D view is
     # about three times faster than three index arrays over the last three axes (a replay
@@ -158,8 +179,9 @@ def op_end_times(
     comm = np.where(sched.dep_is_p2p, 1.0, 0.0) * np.asarray(p2p_s, np.float64)[..., None]
     comm = np.broadcast_to(comm, batch + (sched.nodes,))
     for nodes in sched.levels:
-        start = np.maximum(end[..., sched.prev_same[nodes]],
-                           end[..., sched.prev_dep[nodes]] + comm[..., nodes])
+        start = np.maximum(
+            end[..., sched.prev_same[nodes]], end[..., sched.prev_dep[nodes]] + comm[..., nodes]
+        )
         end[..., nodes] = start + dur[..., nodes]
     return end[..., :-1]
 
@@ -195,7 +217,9 @@ def pipeline_step_time(
     return finish.max(axis=-1) + np.asarray(optimizer_s, np.float64)
 
 
-def one_f_one_b_uniform(stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatches: int) -> np.ndarray:
+def one_f_one_b_uniform(
+    stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatches: int
+) -> np.ndarray:
     """Closed form of 1F1B with equal micro-batches and free transfers:
     sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s). Arrays are [..., stages].
 

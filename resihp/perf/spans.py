@@ -14,8 +14,14 @@ import pandas as pd
 from resihp.errors import InputError
 from resihp.perf.logs import validate_profile_log
 
-PHASE_NAMES = {"fwd": "fwd", "forward": "fwd", "forward-compute": "fwd",
-               "bwd": "bwd", "backward": "bwd", "backward-compute": "bwd"}
+PHASE_NAMES = {
+    "fwd": "fwd",
+    "forward": "fwd",
+    "forward-compute": "fwd",
+    "bwd": "bwd",
+    "backward": "bwd",
+    "backward-compute": "bwd",
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,11 @@ class Shape:
 
     def overridden(self, other: Shape) -> Shape:
         """This shape with every field ``other`` gives replaced by it."""
-        given = {f.name: getattr(other, f.name) for f in fields(other)
-                 if getattr(other, f.name) is not None}
+        given = {
+            f.name: getattr(other, f.name)
+            for f in fields(other)
+            if getattr(other, f.name) is not None
+        }
         return replace(self, **given)
 
     def missing(self) -> list[str]:
@@ -74,20 +83,34 @@ def to_profile_log(trace: ImportedTrace, shape: Shape, device: str, model: str) 
         model: the model's name for the log's ``model`` column.
     """
     if not trace.spans:
-        raise InputError(f"{trace.source}: no forward/backward spans found in this "
-                         f"{trace.format}")
+        raise InputError(f"{trace.source}: no forward/backward spans found in this {trace.format}")
     if all(s.layers is not None for s in trace.spans):
         shape = replace(shape, layers=shape.layers or 1)
     missing = shape.missing()
     if missing:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in missing)
-        raise InputError(f"{trace.source}: the model's {', '.join(missing)} are not in this "
-                         f"{trace.format}; give them with {flags}")
-    rows = [{"device": device, "model": model, "layers": s.layers or shape.layers,
-             "hidden": shape.hidden,
-             "heads": shape.heads, "ffn_hidden": shape.ffn_hidden, "tp": shape.tp or 1,
-             "phase": s.phase, "seq_lens": list(s.seq_lens), "time_s": s.time_s,
-             "mb_id": s.mb_id, "step": s.step, "rank": s.rank} for s in trace.spans]
+        raise InputError(
+            f"{trace.source}: the model's {', '.join(missing)} are not in this "
+            f"{trace.format}; give them with {flags}"
+        )
+    rows = [
+        {
+            "device": device,
+            "model": model,
+            "layers": s.layers or shape.layers,
+            "hidden": shape.hidden,
+            "heads": shape.heads,
+            "ffn_hidden": shape.ffn_hidden,
+            "tp": shape.tp or 1,
+            "phase": s.phase,
+            "seq_lens": list(s.seq_lens),
+            "time_s": s.time_s,
+            "mb_id": s.mb_id,
+            "step": s.step,
+            "rank": s.rank,
+        }
+        for s in trace.spans
+    ]
     log = pd.DataFrame(rows)
     for col in ("mb_id", "step", "rank"):
         log[col] = log[col].astype("Int64")

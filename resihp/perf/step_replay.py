@@ -16,16 +16,22 @@ from resihp.opstrace import JobMeta
 from resihp.perf.schedule import pipeline_step_time
 
 SEND_OPTYPES = ("forward-send", "backward-send")
-SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter", "params-all-gather",
-                "embedding-grads-all-reduce", "layernorm-grads-all-reduce")
+SYNC_OPTYPES = (
+    "grads-all-reduce",
+    "grads-reduce-scatter",
+    "params-all-gather",
+    "embedding-grads-all-reduce",
+    "layernorm-grads-all-reduce",
+)
 
 
 def _grid(rows: pd.DataFrame, meta: JobMeta, source: str) -> np.ndarray:
     """[model chunks, micro-batches] of one replica's slowest tensor-parallel rank's duration;
     model chunk ``mc * pp_size + stage`` (``mc`` is 0 without interleaving)."""
     if meta.vpp_size > 1 and ("mc" not in rows.columns or rows["mc"].isna().any()):
-        raise InputError(f"{source}: vpp_size is {meta.vpp_size} but compute ops lack the model "
-                         "chunk column mc")
+        raise InputError(
+            f"{source}: vpp_size is {meta.vpp_size} but compute ops lack the model chunk column mc"
+        )
     chunk = rows["mc"].fillna(0).astype(np.int64) * meta.pp_size if "mc" in rows.columns else 0
     rows = rows.assign(chunk=rows["stage"] + chunk)
     grid = np.full((meta.pp_size * meta.vpp_size, int(rows["mb_id"].max()) + 1), np.nan)
@@ -34,14 +40,17 @@ def _grid(rows: pd.DataFrame, meta: JobMeta, source: str) -> np.ndarray:
     grid[idx[:, 0], idx[:, 1]] = worst.to_numpy()
     if np.isnan(grid).any():
         g, j = (int(v[0]) for v in np.nonzero(np.isnan(grid)))
-        raise InputError(f"{source}: step {int(rows['step'].iloc[0])} replica "
-                         f"{int(rows['dp_rank'].iloc[0])}: no duration for model chunk {g}, "
-                         f"micro-batch {j}")
+        raise InputError(
+            f"{source}: step {int(rows['step'].iloc[0])} replica "
+            f"{int(rows['dp_rank'].iloc[0])}: no duration for model chunk {g}, "
+            f"micro-batch {j}"
+        )
     return grid
 
 
-def replay_step(ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "ops trace"
-                ) -> float:
+def replay_step(
+    ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "ops trace"
+) -> float:
     """Predicted time of one step from its measured op durations: each data-parallel replica's
     critical path (replicas may run different numbers of micro-batches), its gradient sync, then
     the optimizer; the slowest replica sets the step."""
@@ -63,14 +72,22 @@ def replay_step(ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "
             dp_sync[per_stage.index.to_numpy(np.int64)] = per_stage.to_numpy()
         fwd = _grid(rows[rows["optype"] == "forward-compute"], meta, source)
         bwd = _grid(rows[rows["optype"] == "backward-compute"], meta, source)
-        step = pipeline_step_time(fwd, bwd, schedule, p2p_s=p2p, dp_sync_s=dp_sync,
-                                  optimizer_s=optimizer_s, chunks=meta.vpp_size)
+        step = pipeline_step_time(
+            fwd,
+            bwd,
+            schedule,
+            p2p_s=p2p,
+            dp_sync_s=dp_sync,
+            optimizer_s=optimizer_s,
+            chunks=meta.vpp_size,
+        )
         worst = max(worst, float(step))
     return worst
 
 
-def replay_steps(ops: pd.DataFrame, meta: JobMeta, schedule: str, skip: int = 1,
-                 source: str = "ops trace") -> pd.DataFrame:
+def replay_steps(
+    ops: pd.DataFrame, meta: JobMeta, schedule: str, skip: int = 1, source: str = "ops trace"
+) -> pd.DataFrame:
     """One row per step: measured step time (slowest rank's ``step`` record) and prediction.
     The first ``skip`` steps are warm-up and left out."""
     measured = ops[ops["optype"] == "step"].groupby("step")["duration"].max()
@@ -80,8 +97,13 @@ def replay_steps(ops: pd.DataFrame, meta: JobMeta, schedule: str, skip: int = 1,
     for step, step_ops in ops.groupby("step"):
         if step < measured.index.min() + skip or step not in measured.index:
             continue
-        rows.append({"step": int(step), "measured_s": float(measured[step]),
-                     "predicted_s": replay_step(step_ops, meta, schedule, source)})
+        rows.append(
+            {
+                "step": int(step),
+                "measured_s": float(measured[step]),
+                "predicted_s": replay_step(step_ops, meta, schedule, source),
+            }
+        )
     out = pd.DataFrame(rows)
     out["ape"] = (out["predicted_s"] - out["measured_s"]).abs() / out["measured_s"] * 100
     return out

@@ -21,7 +21,9 @@ from resihp.perf.predictor import (
 
 
 def _baseline_to_json(baseline: LinearBaseline) -> list[dict]:
-    return [{"shape_phase": list(key), "coef": coef.tolist()} for key, coef in baseline.coef_.items()]
+    return [
+        {"shape_phase": list(key), "coef": coef.tolist()} for key, coef in baseline.coef_.items()
+    ]
 
 
 def _baseline_from_json(items: list[dict]) -> LinearBaseline:
@@ -57,15 +59,20 @@ def with_target(log: pd.DataFrame, target: str, source: str) -> pd.DataFrame:
     if target == "time_s":
         return log
     if target not in log.columns:
-        how = ("profiles from `resihp profile` have it" if target in REFERENCE_COLUMNS
-               else "profiles from `resihp profile` on a CPU device have it")
+        how = (
+            "profiles from `resihp profile` have it"
+            if target in REFERENCE_COLUMNS
+            else "profiles from `resihp profile` on a CPU device have it"
+        )
         raise InputError(f"{source}: no column {target} ({how})")
     values = pd.to_numeric(log[target], errors="coerce")
     bad = values.isna() | ~np.isfinite(values) | (values <= 0)
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise InputError(f"{source}: column {target} row {row}: expected a positive finite number, "
-                         f"got {log[target].iloc[row]!r}")
+        raise InputError(
+            f"{source}: column {target} row {row}: expected a positive finite number, "
+            f"got {log[target].iloc[row]!r}"
+        )
     return log.assign(time_s=values.astype(np.float64))
 
 
@@ -79,8 +86,9 @@ def reference_of(log: pd.DataFrame, target: str) -> dict | None:
     return {"spec": spec, "clock": clock, "seconds": float(pd.to_numeric(log[column]).median())}
 
 
-def _fit(train: pd.DataFrame, seed: int, reference: dict | None
-         ) -> tuple[MicroBatchPredictor, LinearBaseline]:
+def _fit(
+    train: pd.DataFrame, seed: int, reference: dict | None
+) -> tuple[MicroBatchPredictor, LinearBaseline]:
     predictor = MicroBatchPredictor(random_state=seed).fit(train)
     if reference:
         predictor.reference_ = reference
@@ -90,9 +98,12 @@ def _fit(train: pd.DataFrame, seed: int, reference: dict | None
 
 def _mean_metrics(runs: list[dict]) -> dict:
     """Metrics of several held-out sets: mean MAPE and p95 over the sets, the worst set's MAPE."""
-    return {"mape": float(np.mean([r["mape"] for r in runs])),
-            "p95": float(np.mean([r["p95"] for r in runs])), "n": int(sum(r["n"] for r in runs)),
-            "worst_mape": float(max(r["mape"] for r in runs))}
+    return {
+        "mape": float(np.mean([r["mape"] for r in runs])),
+        "p95": float(np.mean([r["p95"] for r in runs])),
+        "n": int(sum(r["n"] for r in runs)),
+        "worst_mape": float(max(r["mape"] for r in runs)),
+    }
 
 
 def cross_source(log: pd.DataFrame, seed: int = 0) -> dict | None:
@@ -122,8 +133,13 @@ def measured_on(log: pd.DataFrame) -> list[dict]:
     return [json.loads(e) for e in sorted(log["env"].dropna().unique())]
 
 
-def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: float = 0.25,
-                    seed: int = 0, target: str = "auto") -> dict:
+def train_predictor(
+    logs: Sequence[str | Path],
+    output: str | Path,
+    holdout: float = 0.25,
+    seed: int = 0,
+    target: str = "auto",
+) -> dict:
     """Fit on all but a held-out share of micro-batches; the card reports the held-out metrics of
     the saved model and of the linear baseline fitted on the same training rows, and the
     leave-one-source-out metrics when the logs hold several length sources."""
@@ -138,9 +154,12 @@ def train_predictor(logs: Sequence[str | Path], output: str | Path, holdout: flo
     card = {
         "training_data": {
             "logs": [{"file": Path(p).name, "sha256": sha256_of(Path(p))} for p in logs],
-            "rows": int(len(train)), "held_out_rows": int(len(test)), "held_out_fraction": holdout,
+            "rows": int(len(train)),
+            "held_out_rows": int(len(test)),
+            "held_out_fraction": holdout,
             "split": "random by micro-batch (both phases of a micro-batch on one side)",
-            "models": sorted(log["model"].unique().tolist()), "seed": seed,
+            "models": sorted(log["model"].unique().tolist()),
+            "seed": seed,
             "target": target,
             "sources": sorted(log["source"].unique().tolist()) if "source" in log.columns else [],
         },
@@ -159,7 +178,9 @@ def evaluate_model(model_dir: str | Path, logs: Sequence[str | Path]) -> dict:
     log = with_target(read_profile_logs(logs), target, str(logs[0]))
     other = sorted(set(log["device"]) - {predictor.device_})
     if other:
-        raise InputError(f"{logs[0]}: measured on {', '.join(other)} but {model_dir} predicts "
-                         f"{predictor.device_}")
+        raise InputError(
+            f"{logs[0]}: measured on {', '.join(other)} but {model_dir} predicts "
+            f"{predictor.device_}"
+        )
     baseline = _baseline_from_json(predictor.card_.get("linear_baseline", []))
     return evaluate(predictor, baseline, log)

@@ -22,8 +22,13 @@ from resihp.plan.sat import deterministic_solver
 TICKS_PER_S = 1e7
 
 
-def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
-                      caps: Sequence[int | None] | None = None, floor: int = 0) -> list[int]:
+def greedy_allocation(
+    first: Sequence[float],
+    each: Sequence[float],
+    total: int,
+    caps: Sequence[int | None] | None = None,
+    floor: int = 0,
+) -> list[int]:
     """Each micro-batch to the replica that would finish it first, ties to the lower index
     (optimal for min-max of increasing per-replica times; ``each`` must not be negative);
     replicas at their cap take no more; every replica takes at least ``floor`` (a replica that
@@ -43,10 +48,16 @@ def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
     if floor > 0:
         # the floors placed first; the rest continue each replica's finish times from there
         if floor * len(first) > total or min(limits) < floor:
-            raise ValueError(f"{total} micro-batches cannot give each of {len(first)} replicas "
-                             f"{floor} within memory")
-        rest = greedy_allocation([a + floor * b for a, b in zip(first, each)], each,
-                                 total - floor * len(first), [c - floor for c in limits])
+            raise ValueError(
+                f"{total} micro-batches cannot give each of {len(first)} replicas "
+                f"{floor} within memory"
+            )
+        rest = greedy_allocation(
+            [a + floor * b for a, b in zip(first, each)],
+            each,
+            total - floor * len(first),
+            [c - floor for c in limits],
+        )
         return [floor + m for m in rest]
     if total < 1:
         return [0] * len(first)
@@ -59,8 +70,10 @@ def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
 
     def pairs(v: float, side: str) -> int:
         """(finish time, replica) pairs below ``v`` (side "left") or at or below it ("right")."""
-        return sum(len(members) * int(np.searchsorted(finish[c], v, side))
-                   for c, members in classes.items())
+        return sum(
+            len(members) * int(np.searchsorted(finish[c], v, side))
+            for c, members in classes.items()
+        )
 
     values = np.unique(np.concatenate(list(finish.values())))
     v = values[bisect_left(values, total, key=lambda x: pairs(x, "right"))]
@@ -80,9 +93,14 @@ def greedy_allocation(first: Sequence[float], each: Sequence[float], total: int,
     return out
 
 
-def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: int,
-                          time_limit_s: float = 1.0, caps: Sequence[int | None] | None = None,
-                          floor: int = 0) -> tuple[list[int], str, float]:
+def allocate_microbatches(
+    first: Sequence[float],
+    each: Sequence[float],
+    total: int,
+    time_limit_s: float = 1.0,
+    caps: Sequence[int | None] | None = None,
+    floor: int = 0,
+) -> tuple[list[int], str, float]:
     """(micro-batches per replica, solver status, relative gap). ``first[r]`` is T_r(1),
     ``each[r]`` the time each further micro-batch adds, ``caps[r]`` the most it can hold in
     memory (None: no limit), ``floor`` the least every replica takes (none dropped).
@@ -100,8 +118,10 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
     for r in range(n):
         cap = total if caps[r] is None else min(total, caps[r])
         classes.setdefault((tick(first[r]), tick(each[r]), cap), []).append(r)
-    key = tuple((c, len(members), sum(hint[r] for r in members), max(hint[r] for r in members))
-                for c, members in classes.items())
+    key = tuple(
+        (c, len(members), sum(hint[r] for r in members), max(hint[r] for r in members))
+        for c, members in classes.items()
+    )
     per_class, status, gap = _solve_classes(key, total, floor, time_limit_s)
     if per_class is None:
         return hint, status, gap
@@ -113,8 +133,12 @@ def allocate_microbatches(first: Sequence[float], each: Sequence[float], total: 
 
 
 @lru_cache(maxsize=4096)
-def _solve_classes(classes: tuple[tuple[tuple[int, int, int], int, int, int], ...], total: int,
-                   floor: int, time_limit_s: float) -> tuple[tuple[int, ...] | None, str, float]:
+def _solve_classes(
+    classes: tuple[tuple[tuple[int, int, int], int, int, int], ...],
+    total: int,
+    floor: int,
+    time_limit_s: float,
+) -> tuple[tuple[int, ...] | None, str, float]:
     """Micro-batches per class of ``classes`` ((first ticks, each ticks, cap), members, hinted
     sum, hinted max), status and gap; None where the solver found nothing (the hint stands).
     Cached: the model is a function of these arguments alone and its search deterministic
@@ -146,8 +170,11 @@ def _solve_classes(classes: tuple[tuple[tuple[int, int, int], int, int, int], ..
         return None, "timeout-greedy", float("nan")
     obj, bound = solver.objective_value, solver.best_objective_bound
     gap = 0.0 if status == cp_model.OPTIMAL or obj <= 0 else (obj - bound) / obj
-    return (tuple(int(solver.value(k)) for k in shares),
-            "optimal" if status == cp_model.OPTIMAL else "feasible", gap)
+    return (
+        tuple(int(solver.value(k)) for k in shares),
+        "optimal" if status == cp_model.OPTIMAL else "feasible",
+        gap,
+    )
 
 
 def even_shares(total: int, parts: int) -> list[int]:

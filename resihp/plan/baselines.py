@@ -25,21 +25,30 @@ from resihp.plan.timing import evaluate
 class _Policy(Planner):
     """Shares the planner's layout, healthy plan and bound; subclasses build the plan."""
 
-    def plan(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None = None,
-             time_limit_s: float = 5.0) -> Plan:
+    def plan(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        current: Plan | None = None,
+        time_limit_s: float = 5.0,
+    ) -> Plan:
         t0 = time.perf_counter()
         coster = self.coster(cluster, model)
         layout = self.layout(cluster, model, current)
         healthy = self.healthy(cluster, model)
-        plan = self.build(cluster, model, coster, healthy if healthy.layout == layout else None,
-                          layout)
+        plan = self.build(
+            cluster, model, coster, healthy if healthy.layout == layout else None, layout
+        )
         plan.policy = self.name
         if sum(p.share(model) for p in plan.pipelines) != model.global_batch_tokens:
             # the policy cannot place the global batch (memory): the job stops
             plan = Plan(len(cluster), layout, [], list(range(len(cluster))), policy=self.name)
         evaluate(plan, coster, self.bound(cluster, model), current)
-        plan.solver = {"status": "heuristic", "gap": float("nan"),
-                       "solve_s": time.perf_counter() - t0}
+        plan.solver = {
+            "status": "heuristic",
+            "gap": float("nan"),
+            "solve_s": time.perf_counter() - t0,
+        }
         return plan
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:  # pragma: no cover
@@ -62,16 +71,18 @@ class DropReplicaPolicy(_Policy):
     name = "drop-replica"
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:
-        return drop_replica_plan(cluster, model, coster, self.base(cluster, model, healthy, layout),
-                                 layout)
+        return drop_replica_plan(
+            cluster, model, coster, self.base(cluster, model, healthy, layout), layout
+        )
 
 
 class HeuristicPolicy(_Policy):
     name = "resihp-heuristic"
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:
-        return heuristic_plan(cluster, model, coster, self.base(cluster, model, healthy, layout),
-                              layout)
+        return heuristic_plan(
+            cluster, model, coster, self.base(cluster, model, healthy, layout), layout
+        )
 
 
 POLICIES: dict[str, type[Planner]] = {
@@ -85,6 +96,7 @@ POLICIES: dict[str, type[Planner]] = {
 def make_policy(name: str, cost_model: CostModel | None = None, **kwargs) -> Planner:
     """A policy by name, all with the same ``plan(cluster, model, current, time_limit_s)``."""
     if name not in POLICIES:
-        raise InputError(f"--policy: unknown policy {name!r} (expected one of "
-                         f"{', '.join(POLICIES)})")
+        raise InputError(
+            f"--policy: unknown policy {name!r} (expected one of {', '.join(POLICIES)})"
+        )
     return POLICIES[name](cost_model or AnalyticCost(), **kwargs)

@@ -170,8 +170,9 @@ class _Type:
         return min(len(self.caps) - 1, int(math.floor(free / (state + in_flight * act) + _EPS)))
 
 
-def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
-                 speed: float) -> list[_Type]:
+def _group_types(
+    cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, speed: float
+) -> list[_Type]:
     tflops = float(max(d.tflops for d in cluster.devices))
     uniform = len({d.tflops for d in cluster.devices if d.speed > 0}) <= 1
     node = max(len(r) for r in cluster.node_ranks)
@@ -193,8 +194,9 @@ def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
             c = compute / speed + (f + b - compute)
         state = stage_memory_gb(model, 1, t, 0, False, False)
         act = stage_memory_gb(model, 1, t, 1, False, False) - state
-        caps = [0] + [min(L, int(math.floor(free / (state + k * act) + _EPS)))
-                      for k in range(1, L + 1)]
+        caps = [0] + [
+            min(L, int(math.floor(free / (state + k * act) + _EPS))) for k in range(1, L + 1)
+        ]
         if caps[1]:
             out.append(_Type(t, c, h, tuple(caps), (free, state, act)))
     return out
@@ -206,9 +208,13 @@ def _group_types(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
 FAMILIES = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
-             family: float, cover: dict[float, np.ndarray] | None = None,
-             ) -> list[tuple[float, int, int]]:
+def _designs(
+    healthy: list[_Type],
+    special: list[_Type] | None,
+    layers: int,
+    family: float,
+    cover: dict[float, np.ndarray] | None = None,
+) -> list[tuple[float, int, int]]:
     """(mu, fewest devices, fewest stages) of a pipeline whose stages all take at most ``mu``,
     per candidate ``mu``, for pipelines that carry at least ``family`` micro-batches (1F1B: the
     ``k``-th stage from the end holds at least ``min(family, k)`` micro-batches' activations).
@@ -218,8 +224,16 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
     ``0..L`` (7.)."""
     L = layers
     kinds = healthy + (special or [])
-    mus = np.array(sorted({v for ty in kinds for n in range(1, ty.caps[1] + 1)
-                           for v in (n * ty.c, n * ty.c + ty.h)}))
+    mus = np.array(
+        sorted(
+            {
+                v
+                for ty in kinds
+                for n in range(1, ty.caps[1] + 1)
+                for v in (n * ty.c, n * ty.c + ty.h)
+            }
+        )
+    )
     if not len(mus):
         return []
     big = np.iinfo(np.int64).max // 4
@@ -227,8 +241,7 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
 
     def k_of(ty: _Type, k: int, last: bool) -> np.ndarray:
         room = (mus - ty.h) if last else mus
-        return np.minimum(ty.cap(min(family, k)), np.floor(room / ty.c + _EPS)).astype(
-            np.int64)
+        return np.minimum(ty.cap(min(family, k)), np.floor(room / ty.c + _EPS)).astype(np.int64)
 
     def step(prev: np.ndarray, ty: _Type, k: int) -> np.ndarray:
         kk = k_of(ty, k, False)
@@ -282,18 +295,24 @@ def _designs(healthy: list[_Type], special: list[_Type] | None, layers: int,
     return [(float(mu), int(d), int(p)) for mu, d, p in zip(mus, best_dev, stages) if d < big]
 
 
-def _front_by_cost(v: np.ndarray, costs: np.ndarray, starts: np.ndarray,
-                   k: int) -> tuple[np.ndarray, np.ndarray]:
+def _front_by_cost(
+    v: np.ndarray, costs: np.ndarray, starts: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Of items sorted by cost (``costs``/``starts`` as ``np.unique`` gives them), the best value
     of each device count of at least ``k``, and of those only the ones beating every cheaper."""
     best = np.maximum.reduceat(v, starts)
-    keep = (costs >= k) & (best > np.concatenate(
-        [[-np.inf], np.maximum.accumulate(np.where(costs >= k, best, -np.inf))[:-1]]))
+    keep = (costs >= k) & (
+        best
+        > np.concatenate(
+            [[-np.inf], np.maximum.accumulate(np.where(costs >= k, best, -np.inf))[:-1]]
+        )
+    )
     return costs[keep], best[keep]
 
 
-def _add_item(table: np.ndarray, by_k: list[tuple[int, np.ndarray, np.ndarray]], rows: int,
-              cap: int) -> np.ndarray:
+def _add_item(
+    table: np.ndarray, by_k: list[tuple[int, np.ndarray, np.ndarray]], rows: int, cap: int
+) -> np.ndarray:
     """``table[D, a]`` (best value of selections of ``D`` devices, ``a`` slow) with one more
     pipeline, optional, of any of ``by_k``'s (slow devices, costs, values)."""
     new = np.full((rows, table.shape[1]), -np.inf)
@@ -303,14 +322,20 @@ def _add_item(table: np.ndarray, by_k: list[tuple[int, np.ndarray, np.ndarray]],
             n = min(len(table), rows - w)
             if n <= 0:
                 continue
-            dst = new[w: w + n, k: cap + 1]
+            dst = new[w : w + n, k : cap + 1]
             np.maximum(dst, table[:n, : cap + 1 - k] + v, out=dst)
     return new
 
 
-def _fewest_with_absorbed(items: tuple[np.ndarray, ...], s: float, cap: int, per_node: int,
-                          speeds: np.ndarray, kinds_at: dict[float, list[_Type]],
-                          layers: int) -> np.ndarray:
+def _fewest_with_absorbed(
+    items: tuple[np.ndarray, ...],
+    s: float,
+    cap: int,
+    per_node: int,
+    speeds: np.ndarray,
+    kinds_at: dict[float, list[_Type]],
+    layers: int,
+) -> np.ndarray:
     """7.: per slow item (``family_items``' last three arrays: its design's row, and per row its
     ``mu`` and the fewest devices it needs to hold each layer count) and ``k <= cap`` slow devices,
     its slowest of speed ``s``: the fewest devices a
@@ -361,8 +386,12 @@ def _cat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(len(parts[0])))
 
 
-def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
-                coster: StageCoster | None = None) -> TightBound:
+def tight_bound(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel | None = None,
+    coster: StageCoster | None = None,
+) -> TightBound:
     """The tight capacity bound of ``cluster`` (devices at their current speeds) for ``model``."""
     coster = coster or StageCoster(cluster.healthy(), model, cost or AnalyticCost())
     speeds = np.array([d.speed for d in cluster.devices])
@@ -394,8 +423,13 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         plain = np.full((len(mus), len(lams), L + 1), big)
         plain[:, :, 0] = 0.0
         head = np.full_like(plain, big)  # the head's stage among them
-        ks = [(np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
-               np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))) for ty in kinds]
+        ks = [
+            (
+                np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
+                np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS)),
+            )
+            for ty in kinds
+        ]
         for n_l in range(1, L + 1):
             for ty, (k, kh) in zip(kinds, ks):
                 ns = np.arange(1, min(n_l, ty.caps[1]) + 1)
@@ -404,9 +438,10 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                 ok_h = (ns[None, :] <= kh[:, None])[:, None, :]
                 cand = np.where(ok, plain[:, :, n_l - ns] + stage, big).min(axis=2)
                 plain[:, :, n_l] = np.minimum(plain[:, :, n_l], cand)
-                cand = np.minimum(np.where(ok, head[:, :, n_l - ns] + stage, big).min(axis=2),
-                                  np.where(ok_h, plain[:, :, n_l - ns] + stage + ty.h,
-                                           big).min(axis=2))
+                cand = np.minimum(
+                    np.where(ok, head[:, :, n_l - ns] + stage, big).min(axis=2),
+                    np.where(ok_h, plain[:, :, n_l - ns] + stage + ty.h, big).min(axis=2),
+                )
                 head[:, :, n_l] = np.minimum(head[:, :, n_l], cand)
         return head[:, :, L] - q, lams
 
@@ -421,8 +456,13 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         plain = np.full((len(mus), L + 1, Dc + 1), big)
         plain[:, 0, 0] = 0.0
         head = np.full_like(plain, big)
-        ks = [(np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
-               np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS))) for ty in healthy]
+        ks = [
+            (
+                np.minimum(ty.caps[1], np.floor(mus / ty.c + _EPS)),
+                np.minimum(ty.caps[1], np.floor((mus - ty.h) / ty.c + _EPS)),
+            )
+            for ty in healthy
+        ]
         for n_l in range(1, L + 1):
             for ty, (k, kh) in zip(healthy, ks):
                 if ty.t > Dc:
@@ -434,11 +474,13 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                 width = Dc + 1 - ty.t
                 src = plain[:, n_l - ns, :width] + stage  # [mu, n, D]
                 cand = np.where(ok, src, big).min(axis=1)
-                dst = plain[:, n_l, ty.t:]
+                dst = plain[:, n_l, ty.t :]
                 np.minimum(dst, cand, out=dst)
-                cand = np.minimum(np.where(ok, head[:, n_l - ns, :width] + stage, big).min(axis=1),
-                                  np.where(ok_h, src + ty.h, big).min(axis=1))
-                dst = head[:, n_l, ty.t:]
+                cand = np.minimum(
+                    np.where(ok, head[:, n_l - ns, :width] + stage, big).min(axis=1),
+                    np.where(ok_h, src + ty.h, big).min(axis=1),
+                )
+                dst = head[:, n_l, ty.t :]
                 np.minimum(dst, cand, out=dst)
         return plain, head
 
@@ -448,8 +490,16 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         those kinds: that stage, and the full-speed rest from ``exact_tables`` at the largest
         full-speed stage time not above ``mu`` (the same stages fit under both)."""
         if "exact" not in cache:
-            hmus = np.array(sorted({v for ty in healthy for n in range(1, ty.caps[1] + 1)
-                                    for v in (n * ty.c, n * ty.c + ty.h)}))
+            hmus = np.array(
+                sorted(
+                    {
+                        v
+                        for ty in healthy
+                        for n in range(1, ty.caps[1] + 1)
+                        for v in (n * ty.c, n * ty.c + ty.h)
+                    }
+                )
+            )
             cache["exact"] = (hmus, *exact_tables(hmus))
         hmus, plain, head = cache["exact"]
         row = np.searchsorted(hmus, mus + _EPS * np.maximum(mus, 1.0), side="right") - 1
@@ -475,8 +525,9 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             rest_p = plain_x[:, L - ns, :width] + stage + ty.h  # the slow stage runs it
             cand = np.minimum(
                 np.where((ns[None, :] <= k[:, None])[:, :, None], rest_h, big).min(axis=1),
-                np.where((ns[None, :] <= kh[:, None])[:, :, None], rest_p, big).min(axis=1))
-            out[:, ty.t:] = np.minimum(out[:, ty.t:], cand)
+                np.where((ns[None, :] <= kh[:, None])[:, :, None], rest_p, big).min(axis=1),
+            )
+            out[:, ty.t :] = np.minimum(out[:, ty.t :], cand)
         return np.minimum.accumulate(out - q, axis=1)
 
     def stage_table(mu: float) -> np.ndarray:
@@ -499,18 +550,27 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
                 width = Dc + 1 - ty.t
                 src = plain[n_l - ns, :width, :L] + stage  # [n, D, P]
                 if k >= 1:
-                    dst = plain[n_l, ty.t:, 1:]
+                    dst = plain[n_l, ty.t :, 1:]
                     np.minimum(dst, src[:k].min(axis=0), out=dst)
-                cand = (head[n_l - ns[:k], :width, :L] + stage[:k]).min(axis=0) if k >= 1 \
+                cand = (
+                    (head[n_l - ns[:k], :width, :L] + stage[:k]).min(axis=0)
+                    if k >= 1
                     else np.full((width, L), BIG)
+                )
                 if kh >= 1:
                     cand = np.minimum(cand, src[:kh].min(axis=0) + ty.h)
-                dst = head[n_l, ty.t:, 1:]
+                dst = head[n_l, ty.t :, 1:]
                 np.minimum(dst, cand, out=dst)
         return np.minimum.accumulate(np.minimum(head[L] - q, BIG), axis=0)
 
-    def items(rows: list[tuple[float, int, int]], phi: dict[float, np.ndarray], lams: np.ndarray,
-              exact: dict[float, np.ndarray], family: float, top: float) -> tuple[np.ndarray, ...]:
+    def items(
+        rows: list[tuple[float, int, int]],
+        phi: dict[float, np.ndarray],
+        lams: np.ndarray,
+        exact: dict[float, np.ndarray],
+        family: float,
+        top: float,
+    ) -> tuple[np.ndarray, ...]:
         """Per design and device count ``D`` in a geometric grid from its fewest devices: cost
         ``D``, mu, the fixed part of the step and the all-reduce shard ``L / (D_next - 1)`` of
         every pipeline of this design with ``D <= devices < D_next`` (whole devices: at most
@@ -534,10 +594,18 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
             most_.append(nxt - 1)
         if not cost_:
             return tuple(np.zeros(0) for _ in range(7))
-        cost_, mu_, fixed_, shard_, most_ = (np.concatenate(x)
-                                             for x in (cost_, mu_, fixed_, shard_, most_))
-        return (cost_, mu_, fixed_, shard_, np.full(len(cost_), float(family)),
-                np.full(len(cost_), top), most_)
+        cost_, mu_, fixed_, shard_, most_ = (
+            np.concatenate(x) for x in (cost_, mu_, fixed_, shard_, most_)
+        )
+        return (
+            cost_,
+            mu_,
+            fixed_,
+            shard_,
+            np.full(len(cost_), float(family)),
+            np.full(len(cost_), top),
+            most_,
+        )
 
     def family_items(special: list[_Type] | None, families: tuple[float, ...]):
         """The items of ``_designs``' rows; with ``special`` also (7.) per item its design's
@@ -545,12 +613,14 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         tops = list(families[1:]) + [np.inf]
         kinds = healthy + (special or [])
         covers: dict[float, dict[float, np.ndarray]] = {f: {} for f in families}
-        rows = {f: _designs(healthy, special, L, f, covers[f] if special else None)
-                for f in families}
+        rows = {
+            f: _designs(healthy, special, L, f, covers[f] if special else None) for f in families
+        }
         mus = np.array(sorted({r[0] for rs in rows.values() for r in rs}))
         if not len(mus):
             return tuple(np.zeros(0) for _ in range(7)) + (
-                (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, L + 1))) if special else ())
+                (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, L + 1))) if special else ()
+            )
         table, lams = fixed_parts(mus, kinds)
         phi = dict(zip(mus.tolist(), table))
         exact = dict(zip(mus.tolist(), exact_parts(mus, special)))
@@ -602,20 +672,26 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
     work = L * min(ty.t * ty.c for ty in healthy) + min(ty.t * ty.h for ty in healthy)
     # every layer at one group size and the head at one (the vertices of 5.'s fractional
     # program): full-speed stage seconds ``A`` and device-seconds ``B`` of a micro-batch
-    a_b = np.array([(L * ty.c + th.h, L * ty.t * ty.c + th.t * th.h)
-                    for ty in healthy for th in healthy])
+    a_b = np.array(
+        [(L * ty.c + th.h, L * ty.t * ty.c + th.t * th.h) for ty in healthy for th in healthy]
+    )
     held = {}
     for s in slow:
         faster = sorted((float(v) for v in speeds if s <= v < 1.0), reverse=True)[:-1]
         held[s] = np.concatenate([[0.0], s + np.concatenate([[0.0], np.cumsum(faster)])])
-    fastest = np.concatenate([[0.0], np.cumsum(sorted(
-        (float(v) for v in speeds if 0 < v < 1.0), reverse=True))])
+    fastest = np.concatenate(
+        [[0.0], np.cumsum(sorted((float(v) for v in speeds if 0 < v < 1.0), reverse=True))]
+    )
     all_items = [full] + list(per_slow.values())
     # 7.: a TP group sits inside one node, so it holds at most this many slow devices
-    per_node = max([1] + [sum(1 for r in ranks if 0 < speeds[r] < 1.0) for ranks in cluster.node_ranks])
+    per_node = max(
+        [1] + [sum(1 for r in ranks if 0 < speeds[r] < 1.0) for ranks in cluster.node_ranks]
+    )
     kinds_at = {s: _group_types(cluster, model, coster, s) for s in slow}
-    need = {s: _fewest_with_absorbed(it, s, at_least[s], per_node, speeds, kinds_at, L)
-            for s, it in per_slow.items()}
+    need = {
+        s: _fewest_with_absorbed(it, s, at_least[s], per_node, speeds, kinds_at, L)
+        for s, it in per_slow.items()
+    }
 
     # 8.: per ``mu`` whose items are held to their cycles, the least ``S + comm`` by devices and
     # stages (``stage_table``); kept with the items, as re-plans of one job share them
@@ -636,8 +712,9 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         got = capped.get(id(it))
         if got is None or got[0] != len(tables):
             rows = np.flatnonzero(np.isin(mu_, list(tables)) & (it[6] <= D_EXACT))
-            by_p = np.array([tables[float(m)][int(d), 1:] for m, d in zip(mu_[rows], it[6][rows])]
-                            ).reshape(len(rows), L)
+            by_p = np.array(
+                [tables[float(m)][int(d), 1:] for m, d in zip(mu_[rows], it[6][rows])]
+            ).reshape(len(rows), L)
             by_p = np.maximum(by_p, fixed_[rows, None])
             by_p = np.maximum(by_p, s_min + (stage_counts[None, :] - 1) * q)
             capped[id(it)] = got = (len(tables), rows, by_p)
@@ -651,8 +728,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
 
     def rate(T: float | np.ndarray) -> float | np.ndarray:
         """5.'s ``(T - A) / B`` at its best vertex: micro-batches a unit of speed adds."""
-        out = np.max((np.asarray(T, dtype=np.float64)[..., None] - a_b[:, 0]) / a_b[:, 1],
-                     axis=-1)
+        out = np.max((np.asarray(T, dtype=np.float64)[..., None] - a_b[:, 0]) / a_b[:, 1], axis=-1)
         return float(out) if np.ndim(out) == 0 else out
 
     def x_max(T: float, sync: float) -> float:
@@ -661,8 +737,9 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         for it in all_items:
             ok = it[0] <= live
             if ok.any():
-                best = max(best, float(np.max((T - it[2][ok] - sync * it[3][ok]) / it[1][ok])
-                                       + 1.0))
+                best = max(
+                    best, float(np.max((T - it[2][ok] - sync * it[3][ok]) / it[1][ok]) + 1.0)
+                )
         return best
 
     def feasible(T: float) -> tuple[bool, int]:
@@ -764,8 +841,7 @@ def tight_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None =
         used = np.arange(len(extra))[:, None]
         absorbed = np.arange(n_slow + 1)[None, :]
         speed_sum = np.maximum(used - absorbed, 0) + fastest[None, :]
-        extra = np.minimum(extra, np.minimum(fill + speed_sum * per_speed,
-                                             T * speed_sum / work))
+        extra = np.minimum(extra, np.minimum(fill + speed_sum * per_speed, T * speed_sum / work))
         # full-speed devices left for pipelines of full-speed groups
         full_used = used - np.arange(n_slow + 1)[None, :]
         ok = (full_used <= n_full) & np.isfinite(extra)

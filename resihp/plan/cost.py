@@ -42,8 +42,9 @@ def head_flops(model: ModelSpec, tokens: float | np.ndarray) -> float | np.ndarr
     return 2.0 * tokens * model.hidden * model.vocab
 
 
-def tp_allreduce_s(model: ModelSpec, cluster: ClusterSpec, tokens: float | np.ndarray,
-                   width: float | np.ndarray) -> float | np.ndarray:
+def tp_allreduce_s(
+    model: ModelSpec, cluster: ClusterSpec, tokens: float | np.ndarray, width: float | np.ndarray
+) -> float | np.ndarray:
     """One tensor-parallel all-reduce of ``tokens`` tokens' activations (bf16) over the
     intra-node links, ring algorithm, on a group of ``width`` devices (0 for one device);
     Megatron runs two per layer forward and two backward."""
@@ -52,19 +53,31 @@ def tp_allreduce_s(model: ModelSpec, cluster: ClusterSpec, tokens: float | np.nd
     return 2.0 * (width - 1.0) / width * size / (cluster.intra_node_gbs * 1e9)
 
 
-def p2p_s(model: ModelSpec, cluster: ClusterSpec, width: float | np.ndarray = 1.0,
-          tokens: float | None = None) -> float | np.ndarray:
+def p2p_s(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    width: float | np.ndarray = 1.0,
+    tokens: float | None = None,
+) -> float | np.ndarray:
     """One micro-batch's activations (bf16; ``tokens``, the model's budget by default) across a
     stage boundary over the inter-node link, split over ``width`` tensor-parallel senders (each
     sends its sequence-parallel shard). The replay gives a replica's narrowest group; the planner
     prices every boundary unsplit (width 1), whatever its groups. Plus the cluster's
     ``p2p_overhead_s`` per transfer (a live job's measured software overhead; 0 in specs)."""
     tokens = model.microbatch_tokens if tokens is None else tokens
-    return tokens * model.hidden * ACTIVATION_BYTES / np.asarray(width, dtype=np.float64) / (
-        cluster.inter_node_gbs * 1e9) + cluster.p2p_overhead_s
+    return (
+        tokens
+        * model.hidden
+        * ACTIVATION_BYTES
+        / np.asarray(width, dtype=np.float64)
+        / (cluster.inter_node_gbs * 1e9)
+        + cluster.p2p_overhead_s
+    )
 
 
-def grad_sync_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float, replicas: int) -> float:
+def grad_sync_s(
+    model: ModelSpec, cluster: ClusterSpec, shard_layers: float, replicas: int
+) -> float:
     """Ring all-reduce across ``replicas`` of one device's bf16 gradients for ``shard_layers``
     layers (a stage's layers / its tensor-parallel width) over the inter-node link."""
     if replicas < 2:
@@ -76,17 +89,24 @@ def grad_sync_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float, rep
 def optimizer_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float) -> float:
     """The optimizer step of a device holding ``shard_layers`` layers: one read and one write of
     their state in HBM (the slowest device's bandwidth)."""
-    return shard_layers * model.params_per_layer * model.state_bytes_per_param * 2 / (
-        cluster.min_hbm_gbs * 1e9)
+    return (
+        shard_layers
+        * model.params_per_layer
+        * model.state_bytes_per_param
+        * 2
+        / (cluster.min_hbm_gbs * 1e9)
+    )
 
 
 class CostModel(Protocol):
-    def layer_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                      tflops: float) -> tuple[float, float]:
+    def layer_seconds(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch through one layer at full speed."""
 
-    def head_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                     tflops: float) -> tuple[float, float]:
+    def head_seconds(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch through the LM head and loss."""
 
 
@@ -102,15 +122,25 @@ def cost_key(cost: CostModel) -> tuple:
         return (type(cost).__qualname__, cost)  # by identity, and kept alive with its items
 
 
-def expected_microbatches(workload: str | None, microbatch_tokens: int, max_seq_len: int,
-                          samples: int = 256, seed: int = 0) -> tuple[tuple[int, ...], ...]:
+def expected_microbatches(
+    workload: str | None,
+    microbatch_tokens: int,
+    max_seq_len: int,
+    samples: int = 256,
+    seed: int = 0,
+) -> tuple[tuple[int, ...], ...]:
     """Micro-batches as a data loader would pack them from the workload's real document lengths;
     without a workload, every micro-batch is full-length sequences."""
     if workload is None:
         per = microbatch_tokens // max_seq_len
         return ((max_seq_len,) * per,)
-    batches = packed_microbatches(resolve_source(workload), samples, microbatch_tokens, max_seq_len,
-                                  np.random.default_rng(seed))
+    batches = packed_microbatches(
+        resolve_source(workload),
+        samples,
+        microbatch_tokens,
+        max_seq_len,
+        np.random.default_rng(seed),
+    )
     return tuple(tuple(int(x) for x in b) for b in batches)
 
 
@@ -133,31 +163,34 @@ class AnalyticCost:
     def __init__(self, efficiency: float = 1.0) -> None:
         self.efficiency = efficiency
 
-    def layer_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                      tflops: float) -> tuple[float, float]:
+    def layer_seconds(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> tuple[float, float]:
         tokens, sum_sq = mean_mix(model)
         rate = flops_per_s(tflops, self.efficiency)
         comm = 2.0 * float(tp_allreduce_s(model, cluster, tokens, tp))
         out = []
         for phase in ("fwd", "bwd"):
-            dense, attn = stage_flops(model.shape(1, tp), np.array([tokens]), np.array([sum_sq]),
-                                      phase)
+            dense, attn = stage_flops(
+                model.shape(1, tp), np.array([tokens]), np.array([sum_sq]), phase
+            )
             out.append(float(dense[0] + attn[0]) / rate + comm)
         return out[0], out[1]
 
-    def head_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                     tflops: float) -> tuple[float, float]:
+    def head_seconds(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> tuple[float, float]:
         tokens, _ = mean_mix(model)
         fwd = head_flops(model, tokens) / tp / flops_per_s(tflops, self.efficiency)
         return fwd, 2.0 * fwd
 
-    def microbatch_factors(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                           tflops: float) -> np.ndarray:
+    def microbatch_factors(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> np.ndarray:
         """Each of the workload's packed micro-batches' layer time (forward + backward) over the
         mean micro-batch's: what makes one micro-batch slower than another on the critical path.
         Mean 1 (the analytic cost is linear in tokens and in the sum of squared lengths)."""
-        batches = expected_microbatches(model.workload, model.microbatch_tokens,
-                                        model.max_seq_len)
+        batches = expected_microbatches(model.workload, model.microbatch_tokens, model.max_seq_len)
         tokens = np.array([sum(b) for b in batches], dtype=np.float64)
         sum_sq = np.array([sum(x * x for x in b) for b in batches], dtype=np.float64)
         rate = flops_per_s(tflops, self.efficiency)
@@ -187,28 +220,44 @@ class PredictorCost:
 
         return cls(MicroBatchPredictor.load(path))
 
-    def layer_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                      tflops: float) -> tuple[float, float]:
+    def layer_seconds(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> tuple[float, float]:
         key = (model, tp)
         if key not in self._cache:
-            batches = [list(b) for b in expected_microbatches(
-                model.workload, model.microbatch_tokens, model.max_seq_len)]
+            batches = [
+                list(b)
+                for b in expected_microbatches(
+                    model.workload, model.microbatch_tokens, model.max_seq_len
+                )
+            ]
             shape = model.shape(model.layers, tp)
-            times = [float(np.mean(self.predictor.predict_seq_lens(batches, phase, shape)))
-                     / model.layers for phase in ("fwd", "bwd")]
+            times = [
+                float(np.mean(self.predictor.predict_seq_lens(batches, phase, shape)))
+                / model.layers
+                for phase in ("fwd", "bwd")
+            ]
             self._cache[key] = (times[0], times[1])
         return self._cache[key]
 
-    def head_seconds(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                     tflops: float) -> tuple[float, float]:
+    def head_seconds(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> tuple[float, float]:
         return 0.0, 0.0
 
-    def microbatch_factors(self, model: ModelSpec, cluster: ClusterSpec, tp: int,
-                           tflops: float) -> np.ndarray:
+    def microbatch_factors(
+        self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
+    ) -> np.ndarray:
         """Each packed micro-batch's predicted time (forward + backward) over their mean."""
-        batches = [list(b) for b in expected_microbatches(
-            model.workload, model.microbatch_tokens, model.max_seq_len)]
+        batches = [
+            list(b)
+            for b in expected_microbatches(
+                model.workload, model.microbatch_tokens, model.max_seq_len
+            )
+        ]
         shape = model.shape(model.layers, tp)
-        total = sum(np.asarray(self.predictor.predict_seq_lens(batches, phase, shape),
-                               dtype=np.float64) for phase in ("fwd", "bwd"))
+        total = sum(
+            np.asarray(self.predictor.predict_seq_lens(batches, phase, shape), dtype=np.float64)
+            for phase in ("fwd", "bwd")
+        )
         return total / total.mean()

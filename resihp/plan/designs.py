@@ -103,7 +103,9 @@ class Design:
             object.__setattr__(self, "each", self.mu)
         object.__setattr__(self, "devices", sum(self.tps))
         object.__setattr__(self, "shard", max(n / t for n, t in zip(self.counts, self.tps)))
-        object.__setattr__(self, "limit", math.inf if len(self.tps) <= self.inflight else self.inflight)
+        object.__setattr__(
+            self, "limit", math.inf if len(self.tps) <= self.inflight else self.inflight
+        )
 
     def step(self, m: int) -> float:
         """Its step over ``m`` micro-batches, no gradient sync."""
@@ -167,9 +169,17 @@ class Designer:
         b[-1] += self.head_fb[d.tps[-1]][1]
         f, b = f * slower, b * slower
         m = max(1, m)
-        steps = [float(pipeline_step_time(np.broadcast_to(f[:, None], (p, k)),
-                                          np.broadcast_to(b[:, None], (p, k)), self.model.schedule,
-                                          p2p_s=self.coster.p2p_s)) for k in (m, m + 1)]
+        steps = [
+            float(
+                pipeline_step_time(
+                    np.broadcast_to(f[:, None], (p, k)),
+                    np.broadcast_to(b[:, None], (p, k)),
+                    self.model.schedule,
+                    p2p_s=self.coster.p2p_s,
+                )
+            )
+            for k in (m, m + 1)
+        ]
         each = max(steps[1] - steps[0], _EPS)
         return replace(d, first=steps[0] - (m - 1) * each, each=each)
 
@@ -201,7 +211,7 @@ class Designer:
         out: dict[tuple, Design] = {}
         for t1 in self.tps:
             for t2 in [None] + [t for t in self.tps if t < t1]:
-                for b in ([0] if t2 is None else range(1, MAX_SECOND_KIND + 1)):
+                for b in [0] if t2 is None else range(1, MAX_SECOND_KIND + 1):
                     for th in self.tps:
                         for a in range(L):
                             tps = (t1,) * a + (t2,) * b + (th,)
@@ -220,14 +230,17 @@ class Designer:
             self._slowed[key] = self._fit(tps, m, self.model.schedule, stretch)
         return self._slowed[key]
 
-    def _fit(self, tps: tuple[int, ...], m: int, schedule: str,
-             stretch: tuple[float, ...] | None = None) -> Design | None:
+    def _fit(
+        self, tps: tuple[int, ...], m: int, schedule: str, stretch: tuple[float, ...] | None = None
+    ) -> Design | None:
         """Layer counts for stages of these TP sizes: the least cap on a stage's time under which
         they hold every layer, then the layers over the model's taken from the slowest per layer.
         ``stretch``: per stage, how much slower it runs than full speed (default: none)."""
         L, p = self.model.layers, len(tps)
-        caps = [self._mem_cap(t, in_flight_microbatches(schedule, p, s, m), s == 0, s == p - 1)
-                for s, t in enumerate(tps)]
+        caps = [
+            self._mem_cap(t, in_flight_microbatches(schedule, p, s, m), s == 0, s == p - 1)
+            for s, t in enumerate(tps)
+        ]
         if min(caps) < 1 or sum(caps) < L:
             return None
         k = np.ones(p) if stretch is None else np.array(stretch, dtype=np.float64)
@@ -251,8 +264,13 @@ class Designer:
             extra -= cut
         times = n * c + h
         inflight = m if schedule == "1f1b" and m < p else (10**9 if schedule == "1f1b" else m)
-        return Design(tps, tuple(int(x) for x in n), float(times.max()),
-                      float(times.sum()) + self.q * (p - 1), inflight)
+        return Design(
+            tps,
+            tuple(int(x) for x in n),
+            float(times.max()),
+            float(times.sum()) + self.q * (p - 1),
+            inflight,
+        )
 
 
 # designers per (hardware, model, cost model): they depend on nothing else, so the planners of
@@ -279,10 +297,18 @@ class Packing:
     step_s: float
 
 
-def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tuple[float, float]] = (),
-         kept_shard: float = 0.0, replicas_hint: int = 2, max_tp: int | None = None,
-         target_s: float | None = None, token_budgets: bool = False,
-         speed: float = 1.0) -> Packing | None:
+def pack(
+    designer: Designer,
+    devices: int,
+    microbatches: int,
+    kept: Sequence[tuple[float, float]] = (),
+    kept_shard: float = 0.0,
+    replicas_hint: int = 2,
+    max_tp: int | None = None,
+    target_s: float | None = None,
+    token_budgets: bool = False,
+    speed: float = 1.0,
+) -> Packing | None:
     """The designs (groups of at most ``max_tp`` devices), and how many of each, that carry
     ``microbatches`` in the least step on ``devices`` devices of ``speed``, beside pipelines
     already placed (``kept``: each one's (first micro-batch's step, each further one's),
@@ -297,31 +323,74 @@ def pack(designer: Designer, devices: int, microbatches: int, kept: Sequence[tup
         return None
     replicas = max(2, replicas_hint)
     # a coarse first answer: it only prices the designs for the second pass
-    packing = _bisect(coster, designs, devices, microbatches, kept, kept_shard, replicas, target_s,
-                      token_budgets, tolerance=1e-3)
+    packing = _bisect(
+        coster,
+        designs,
+        devices,
+        microbatches,
+        kept,
+        kept_shard,
+        replicas,
+        target_s,
+        token_budgets,
+        tolerance=1e-3,
+    )
     if packing is None or not designs:
         return packing
     # the second pass on the schedule's graph: the designs worth having at that step, each
     # priced at the micro-batches it would carry there
     replicas = max(2, len(kept) + sum(packing.counts))
     room = packing.step_s - coster.sync_s_per_shard_layer(replicas) * np.array(
-        [max(d.shard, kept_shard) for d in designs])
-    vals = _carried(room, np.array([d.first for d in designs]), np.array([d.each for d in designs]),
-                    np.array([d.limit for d in designs]), False).astype(int).tolist()
-    front = _front(np.array([d.devices for d in designs]), np.array(vals, dtype=np.float64)).tolist()
+        [max(d.shard, kept_shard) for d in designs]
+    )
+    vals = (
+        _carried(
+            room,
+            np.array([d.first for d in designs]),
+            np.array([d.each for d in designs]),
+            np.array([d.limit for d in designs]),
+            False,
+        )
+        .astype(int)
+        .tolist()
+    )
+    front = _front(
+        np.array([d.devices for d in designs]), np.array(vals, dtype=np.float64)
+    ).tolist()
     # the designs chosen and the most micro-batches per device among the rest
     chosen = {i for i, k in enumerate(packing.counts) if k}
-    front = sorted(set(front) - chosen, key=lambda i: (-vals[i] / designs[i].devices, i))[:PRICED] + \
-        sorted(chosen)
+    front = sorted(set(front) - chosen, key=lambda i: (-vals[i] / designs[i].devices, i))[
+        :PRICED
+    ] + sorted(chosen)
     priced = [_slowed(designer.priced(base[i], vals[i]), speed) for i in front]
-    return _bisect(coster, priced, devices, microbatches, kept, kept_shard, replicas, target_s,
-                   token_budgets) or packing
+    return (
+        _bisect(
+            coster,
+            priced,
+            devices,
+            microbatches,
+            kept,
+            kept_shard,
+            replicas,
+            target_s,
+            token_budgets,
+        )
+        or packing
+    )
 
 
-def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatches: int,
-            kept: Sequence[tuple[float, float]], kept_shard: float, replicas: int,
-            target_s: float | None = None, token_budgets: bool = False,
-            tolerance: float = 1e-5) -> Packing | None:
+def _bisect(
+    coster: StageCoster,
+    designs: list[Design],
+    devices: int,
+    microbatches: int,
+    kept: Sequence[tuple[float, float]],
+    kept_shard: float,
+    replicas: int,
+    target_s: float | None = None,
+    token_budgets: bool = False,
+    tolerance: float = 1e-5,
+) -> Packing | None:
     """The least step at which the designs (and the kept pipelines) carry the micro-batches
     (within ``tolerance``, relative), and the packing there; the all-reduce's ring length taken
     from the answer, once more. None if it is longer than ``target_s``."""
@@ -341,17 +410,24 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
 
         def carried(T: float, unit: float = unit) -> tuple[float, np.ndarray]:
             vals = _carried(T - unit * shard, first, each, limit, token_budgets)
-            base = float(_carried(T - unit * kept_shard, k_first, k_each, np.inf, token_budgets).sum())
+            base = float(
+                _carried(T - unit * kept_shard, k_first, k_each, np.inf, token_budgets).sum()
+            )
             return base, vals
 
         def feasible(T: float) -> bool:
             base, vals = carried(T)
             if not len(vals):
                 return base >= microbatches - _EPS
-            best = np.maximum.reduceat(vals[by_cost], starts)  # the most any design of a count carries
+            best = np.maximum.reduceat(
+                vals[by_cost], starts
+            )  # the most any design of a count carries
             keep = best > np.concatenate([[0.0], np.maximum.accumulate(best)[:-1]])
-            return base + (unbounded_knapsack(costs[keep], best[keep], devices)[-1]
-                           if keep.any() else 0.0) >= microbatches - _EPS
+            return (
+                base
+                + (unbounded_knapsack(costs[keep], best[keep], devices)[-1] if keep.any() else 0.0)
+                >= microbatches - _EPS
+            )
 
         lo = float(min(first.min(initial=np.inf), k_first.min(initial=np.inf)))
         if target_s is not None:
@@ -382,10 +458,18 @@ def _bisect(coster: StageCoster, designs: list[Design], devices: int, microbatch
     return result
 
 
-def slow_packing(designer: Designer, devices: int, slow: dict[int, float], microbatches: int,
-                 kept: Sequence[tuple[float, float]] = (), kept_shard: float = 0.0,
-                 replicas_hint: int = 2, max_tp: int | None = None, token_budgets: bool = False,
-                 plain: Packing | None = None) -> tuple[Packing, dict[int, Design]] | None:
+def slow_packing(
+    designer: Designer,
+    devices: int,
+    slow: dict[int, float],
+    microbatches: int,
+    kept: Sequence[tuple[float, float]] = (),
+    kept_shard: float = 0.0,
+    replicas_hint: int = 2,
+    max_tp: int | None = None,
+    token_budgets: bool = False,
+    plain: Packing | None = None,
+) -> tuple[Packing, dict[int, Design]] | None:
     """``pack`` on ``devices`` full-speed devices with the ``slow`` devices (rank -> speed) each
     joining at most one pipeline as a stage of its own ahead of it, chosen with the designs (the
     bound's answer for a slow device: a few layers of a pipeline sized for it, not a stage added
@@ -397,8 +481,16 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
     stage first); None where ``pack`` finds none. ``plain``: ``pack``'s answer for these
     arguments, where the caller has it."""
     coster = designer.coster
-    plain = plain or pack(designer, devices, microbatches, kept, kept_shard, replicas_hint, max_tp,
-                          token_budgets=token_budgets)
+    plain = plain or pack(
+        designer,
+        devices,
+        microbatches,
+        kept,
+        kept_shard,
+        replicas_hint,
+        max_tp,
+        token_budgets=token_budgets,
+    )
     if plain is None or not plain.designs:
         return None if plain is None else (plain, {})
     designs = list(plain.designs)
@@ -407,11 +499,16 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
     unit = coster.sync_s_per_shard_layer(replicas)
 
     def arrays(ds: Sequence[Design]) -> tuple[np.ndarray, ...]:
-        return (np.array([d.first for d in ds]), np.array([d.each for d in ds]),
-                np.array([d.limit for d in ds]), np.array([d.shard for d in ds]))
+        return (
+            np.array([d.first for d in ds]),
+            np.array([d.each for d in ds]),
+            np.array([d.limit for d in ds]),
+            np.array([d.shard for d in ds]),
+        )
 
-    def carries(a: tuple[np.ndarray, ...], T: float, budgets: bool = False,
-                floor: float = 0.0) -> np.ndarray:
+    def carries(
+        a: tuple[np.ndarray, ...], T: float, budgets: bool = False, floor: float = 0.0
+    ) -> np.ndarray:
         """What designs (``arrays``) carry in a step of ``T``, their shards at least ``floor``."""
         first, each, limit, shard = a
         return _carried(T - unit * np.maximum(shard, floor), first, each, limit, budgets)
@@ -420,8 +517,11 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
     # to twice their size the ``JOIN_PER_COUNT`` per device count that carry the most at that step
     # (a pipeline sized for the slow stage is often not one the full-speed packing wants)
     widest = 2 * max(d.devices for d in designs)
-    pool = [d for d in designer.pool(max(1, -(-microbatches // max(1, replicas_hint))), devices,
-                                     max_tp) if d.devices <= widest]
+    pool = [
+        d
+        for d in designer.pool(max(1, -(-microbatches // max(1, replicas_hint))), devices, max_tp)
+        if d.devices <= widest
+    ]
     carried = carries(arrays(pool), plain.step_s)
     by_count: dict[int, list[tuple[float, int]]] = {}
     for i, d in enumerate(pool):
@@ -446,14 +546,17 @@ def slow_packing(designer: Designer, devices: int, slow: dict[int, float], micro
         # priced on the schedule's graph: the ones that add most in the closed form
         cands.sort(key=lambda x: -x[0])
         if cands:
-            options[r] = [(c, designer.priced(j, m, stretch))
-                          for _, c, j, stretch in cands[:JOIN_PRICED]]
+            options[r] = [
+                (c, designer.priced(j, m, stretch)) for _, c, j, stretch in cands[:JOIN_PRICED]
+            ]
     if not options:
         return plain, {}
     k_first = np.array([f for f, _ in kept])
     k_each = np.array([e for _, e in kept])
-    joined = {r: (np.array([c for c, _ in opts], dtype=np.int64), arrays([j for _, j in opts]))
-              for r, opts in options.items()}
+    joined = {
+        r: (np.array([c for c, _ in opts], dtype=np.int64), arrays([j for _, j in opts]))
+        for r, opts in options.items()
+    }
 
     def solve(T: float) -> tuple[float, int, list[np.ndarray], np.ndarray, np.ndarray]:
         """The most micro-batches carried in ``T``, the full-speed devices the joined pipelines
@@ -511,18 +614,27 @@ def _slowed(d: Design, speed: float) -> Design:
     included (so never faster than it is)."""
     if speed >= 1.0:
         return d
-    return replace(d, mu=d.mu / speed, fixed=d.fixed / speed, first=d.first / speed,
-                   each=d.each / speed)
+    return replace(
+        d, mu=d.mu / speed, fixed=d.fixed / speed, first=d.first / speed, each=d.each / speed
+    )
 
 
-def _carried(room: np.ndarray | float, first: np.ndarray, each: np.ndarray,
-             limit: np.ndarray | float, token_budgets: bool) -> np.ndarray:
+def _carried(
+    room: np.ndarray | float,
+    first: np.ndarray,
+    each: np.ndarray,
+    limit: np.ndarray | float,
+    token_budgets: bool,
+) -> np.ndarray:
     """Micro-batches (model budgets' worth) pipelines of step ``first + (m - 1) * each`` carry in
     ``room`` seconds: the most whole ones that fit; with token budgets, that many stretched
     to fill the room (each at least the budget)."""
     room = np.broadcast_to(np.asarray(room, dtype=np.float64), first.shape)
-    m = np.where(room >= first - _EPS,
-                 np.minimum(np.floor(np.maximum(room - first, 0.0) / each + _EPS) + 1, limit), 0.0)
+    m = np.where(
+        room >= first - _EPS,
+        np.minimum(np.floor(np.maximum(room - first, 0.0) / each + _EPS) + 1, limit),
+        0.0,
+    )
     if not token_budgets:
         return m
     step = first + np.maximum(m - 1, 0) * each
@@ -537,8 +649,11 @@ def _front(cost: np.ndarray, vals: np.ndarray) -> np.ndarray:
     return order[front]
 
 
-def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: dict[int, int],
-          ) -> list[tuple[Stage, ...]]:
+def place(
+    counts: Iterable[tuple[Design, int]],
+    free: Iterable[int],
+    node_of: dict[int, int],
+) -> list[tuple[Stage, ...]]:
     """Ranks for the pipelines: each TP group inside one node, the widest groups first, each into
     the node with the fewest free devices that holds it (so whole nodes stay whole for wide
     groups). A pipeline some group of which finds no node is left out."""
@@ -546,8 +661,10 @@ def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: di
     for r in sorted(free):
         nodes.setdefault(node_of[r], []).append(r)
     wanted = [(d, i) for d, k in counts for i in range(k)]
-    groups = sorted(((t, j, s) for j, (d, _) in enumerate(wanted) for s, t in enumerate(d.tps)),
-                    key=lambda g: (-g[0], g[1], g[2]))
+    groups = sorted(
+        ((t, j, s) for j, (d, _) in enumerate(wanted) for s, t in enumerate(d.tps)),
+        key=lambda g: (-g[0], g[1], g[2]),
+    )
     # nodes by how many devices they have free (heaps of node ids; an entry whose node's count
     # has since changed is skipped): the fullest node that fits found in a few steps
     by_free: dict[int, list[int]] = {}
@@ -596,23 +713,47 @@ def place(counts: Iterable[tuple[Design, int]], free: Iterable[int], node_of: di
     return out
 
 
-def design_plan(coster: StageCoster, layout: ParallelDims, designer: Designer,
-                keep: Sequence[Pipeline] = (), policy: str = "resihp",
-                time_limit_s: float = 0.5, first_round: str = "all",
-                target_s: float | None = None, token_budgets: bool = False,
-                slow_stages: bool = True) -> Plan | None:
+def design_plan(
+    coster: StageCoster,
+    layout: ParallelDims,
+    designer: Designer,
+    keep: Sequence[Pipeline] = (),
+    policy: str = "resihp",
+    time_limit_s: float = 0.5,
+    first_round: str = "all",
+    target_s: float | None = None,
+    token_budgets: bool = False,
+    slow_stages: bool = True,
+) -> Plan | None:
     """``design_plans`` with one variant: slow devices joining designed pipelines as short
     stages (``slow_stages``) or in pipelines of their own only."""
-    plans = design_plans(coster, layout, designer, keep, policy, time_limit_s, first_round,
-                         target_s, token_budgets, (slow_stages,))
+    plans = design_plans(
+        coster,
+        layout,
+        designer,
+        keep,
+        policy,
+        time_limit_s,
+        first_round,
+        target_s,
+        token_budgets,
+        (slow_stages,),
+    )
     return plans[0] if plans else None
 
 
-def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
-                 keep: Sequence[Pipeline] = (), policy: str = "resihp",
-                 time_limit_s: float = 0.5, first_round: str = "all",
-                 target_s: float | None = None, token_budgets: bool = False,
-                 variants: Sequence[bool] = (True,)) -> list[Plan]:
+def design_plans(
+    coster: StageCoster,
+    layout: ParallelDims,
+    designer: Designer,
+    keep: Sequence[Pipeline] = (),
+    policy: str = "resihp",
+    time_limit_s: float = 0.5,
+    first_round: str = "all",
+    target_s: float | None = None,
+    token_budgets: bool = False,
+    variants: Sequence[bool] = (True,),
+) -> list[Plan]:
     """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
     pipelines of the plan in force, kept as they are) does not use, per variant.
     ``layout`` stays the plan's home layout (what later re-plans start from).
@@ -650,9 +791,17 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
         placed = kept_stages + new
         rates = _rates(coster, placed, m_ref)
         shard = max((coster.largest_shard(s) for s in placed), default=0.0)
-        packing = pack(designer, len(pool), model.microbatches, rates, shard,
-                       replicas_hint=max(2, layout.dp), max_tp=1 << (widest.bit_length() - 1),
-                       target_s=target_s if rnd == 0 else None, token_budgets=token_budgets)
+        packing = pack(
+            designer,
+            len(pool),
+            model.microbatches,
+            rates,
+            shard,
+            replicas_hint=max(2, layout.dp),
+            max_tp=1 << (widest.bit_length() - 1),
+            target_s=target_s if rnd == 0 else None,
+            token_budgets=token_budgets,
+        )
         if packing is None and rnd == 0 and target_s is not None:
             return []
         if packing is None:
@@ -672,16 +821,23 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
     # greedy's best joins do not always allocate best (1,024 devices, four dead: 0.975 of the
     # bound against 0.970; 16,384, four slow and two dead: 0.987 against 0.991), so both are
     # candidates and the evaluator picks
-    options = [_with_leftovers(coster, designer, new, free, node_of, carried, before_head=b)
-               for b in (True, False)]
+    options = [
+        _with_leftovers(coster, designer, new, free, node_of, carried, before_head=b)
+        for b in (True, False)
+    ]
     plans = []
-    for pipes, joined in itertools.product(options[:1] if options[0] == options[1] else options,
-                                           variants):
-        more = (_joined_stages(coster, designer, pipes, [(r,) for r in slow], carried)
-                if joined and slow else list(pipes))
+    for pipes, joined in itertools.product(
+        options[:1] if options[0] == options[1] else options, variants
+    ):
+        more = (
+            _joined_stages(coster, designer, pipes, [(r,) for r in slow], carried)
+            if joined and slow
+            else list(pipes)
+        )
         taken = used | {r for st in more for g in st for r in g.ranks}
-        own = _slow_pipelines(coster, designer, layout, kept_stages + more, taken, node_of, m_ref,
-                              token_budgets)
+        own = _slow_pipelines(
+            coster, designer, layout, kept_stages + more, taken, node_of, m_ref, token_budgets
+        )
         left = [r for r in slow if r not in taken]
         # where designs stretched to their slowest device leave slow devices out, one pipeline
         # of all of them with the layers split by speed may carry more: both are candidates
@@ -694,22 +850,42 @@ def design_plans(coster: StageCoster, layout: ParallelDims, designer: Designer,
             if any(coster.pipeline_step(st, carried) > alone for st in pipes or kept_stages):
                 chain = _slow_chain(coster, left, carried)
         for extra in [own] + ([chain] if chain else []):
-            plan = _allocated(coster, layout, keep, kept_stages + more + extra, policy, time_limit_s)
+            plan = _allocated(
+                coster, layout, keep, kept_stages + more + extra, policy, time_limit_s
+            )
             if plan is not None:
                 plans.append(plan)
     if slow and first_round == "all":
         # the pipelines packed with the slow devices joining them, not around them
-        plan = _slow_joined_plan(coster, designer, layout, keep, slow, m_ref, token_budgets,
-                                 policy, time_limit_s, first_packing)
+        plan = _slow_joined_plan(
+            coster,
+            designer,
+            layout,
+            keep,
+            slow,
+            m_ref,
+            token_budgets,
+            policy,
+            time_limit_s,
+            first_packing,
+        )
         if plan is not None:
             plans.append(plan)
     return plans
 
 
-def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelDims,
-                      keep: Sequence[Pipeline], slow: Sequence[int], m_ref: int,
-                      token_budgets: bool, policy: str, time_limit_s: float,
-                      plain: Packing | None = None) -> Plan | None:
+def _slow_joined_plan(
+    coster: StageCoster,
+    designer: Designer,
+    layout: ParallelDims,
+    keep: Sequence[Pipeline],
+    slow: Sequence[int],
+    m_ref: int,
+    token_budgets: bool,
+    policy: str,
+    time_limit_s: float,
+    plain: Packing | None = None,
+) -> Plan | None:
     """A plan of pipelines packed with the ``slow`` devices joining them (``slow_packing``) on
     the full-speed devices ``keep`` does not use: each joined pipeline's groups placed first,
     then the others; a node's leftovers join as short stages; slow devices no pipeline took are
@@ -722,10 +898,18 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
     node_of = {d.rank: d.node for d in cluster.devices}
     widest = max(len(rs) for rs in _per_node(free, node_of).values())
     kept_stages = [p.stages for p in keep]
-    got = slow_packing(designer, len(free), {r: cluster.devices[r].speed for r in slow},
-                       model.microbatches, _rates(coster, kept_stages, m_ref),
-                       max((coster.largest_shard(s) for s in kept_stages), default=0.0),
-                       max(2, layout.dp), 1 << (widest.bit_length() - 1), token_budgets, plain)
+    got = slow_packing(
+        designer,
+        len(free),
+        {r: cluster.devices[r].speed for r in slow},
+        model.microbatches,
+        _rates(coster, kept_stages, m_ref),
+        max((coster.largest_shard(s) for s in kept_stages), default=0.0),
+        max(2, layout.dp),
+        1 << (widest.bit_length() - 1),
+        token_budgets,
+        plain,
+    )
     if got is None or not got[1]:
         return None
     packing, joins = got
@@ -735,8 +919,12 @@ def _slow_joined_plan(coster: StageCoster, designer: Designer, layout: ParallelD
         if not body:
             continue
         ranges = layer_ranges(j.counts)
-        new.append(Stages((Stage((r,), ranges[0]),)
-                          + tuple(Stage(g.ranks, ranges[i + 1]) for i, g in enumerate(body[0]))))
+        new.append(
+            Stages(
+                (Stage((r,), ranges[0]),)
+                + tuple(Stage(g.ranks, ranges[i + 1]) for i, g in enumerate(body[0]))
+            )
+        )
         free -= {x for g in body[0] for x in g.ranks}
     more = place(zip(packing.designs, packing.counts), free, node_of)
     new += more
@@ -764,7 +952,9 @@ def first_pool(cluster: ClusterSpec, free: set[int], first_round: str) -> set[in
     if first_round == "chunks":
         # a node that faults broke up counts with its largest power-of-two chunk only: the
         # devices beside it hold only narrow groups, which the next round designs for
-        return {r for rs in per_node.values() for r in sorted(rs)[: 1 << (len(rs).bit_length() - 1)]}
+        return {
+            r for rs in per_node.values() for r in sorted(rs)[: 1 << (len(rs).bit_length() - 1)]
+        }
     return free
 
 
@@ -775,8 +965,14 @@ def _per_node(ranks: Iterable[int], node_of: dict[int, int]) -> dict[int, list[i
     return out
 
 
-def _allocated(coster: StageCoster, layout: ParallelDims, keep: Sequence[Pipeline],
-               stages: list[tuple[Stage, ...]], policy: str, time_limit_s: float) -> Plan | None:
+def _allocated(
+    coster: StageCoster,
+    layout: ParallelDims,
+    keep: Sequence[Pipeline],
+    stages: list[tuple[Stage, ...]],
+    policy: str,
+    time_limit_s: float,
+) -> Plan | None:
     """The plan of these pipelines (``keep``'s first, with their homes), the micro-batches
     allocated by CP-SAT; None if there are none or they cannot carry the batch."""
     cluster, model = coster.cluster, coster.model
@@ -796,17 +992,28 @@ def _allocated(coster: StageCoster, layout: ParallelDims, keep: Sequence[Pipelin
     return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy=policy)
 
 
-def _rates(coster: StageCoster, pipelines: Sequence[tuple[Stage, ...]], m_ref: int,
-           ) -> list[tuple[float, float]]:
+def _rates(
+    coster: StageCoster,
+    pipelines: Sequence[tuple[Stage, ...]],
+    m_ref: int,
+) -> list[tuple[float, float]]:
     """Each pipeline's step as ``T(1) + (m - 1) * slope`` on the schedule's graph, the slope
     taken up to ``m_ref`` micro-batches (about what each carries)."""
-    return [(first, max(0.0, each)) for first, each in
-            (coster.pipeline_slope(s, m_ref) for s in pipelines)]
+    return [
+        (first, max(0.0, each))
+        for first, each in (coster.pipeline_slope(s, m_ref) for s in pipelines)
+    ]
 
 
-def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple[Stage, ...]],
-                   groups: Sequence[tuple[int, ...]], m: int,
-                   again: bool = False, before_head: bool = True) -> list[tuple[Stage, ...]]:
+def _joined_stages(
+    coster: StageCoster,
+    designer: Designer,
+    designed: list[tuple[Stage, ...]],
+    groups: Sequence[tuple[int, ...]],
+    m: int,
+    again: bool = False,
+    before_head: bool = True,
+) -> list[tuple[Stage, ...]]:
     """Groups no designed pipeline holds (slow devices, or the full-speed devices a node has left
     beside the groups placed) as one more stage of a designed pipeline, at its head or (with
     ``before_head``) just before its LM head's stage where that shortens it more, each with the
@@ -843,8 +1050,9 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
             # at the head (where a slow device's few layers belong), or just before the LM head's
             # stage, where fewer micro-batches in flight leave a narrow group room for more layers
             for at in (0, len(stages) - 1) if before_head and len(stages) > 1 else (0,):
-                d = designer.fit_slowed(tps[:at] + (t,) + tps[at:],
-                                        stretch[:at] + (1.0 / speed,) + stretch[at:], m)
+                d = designer.fit_slowed(
+                    tps[:at] + (t,) + tps[at:], stretch[:at] + (1.0 / speed,) + stretch[at:], m
+                )
                 if d is None or d.counts[at] / t > shard:
                     continue
                 ranks = [s.ranks for s in stages]
@@ -868,18 +1076,30 @@ def _joined_stages(coster: StageCoster, designer: Designer, designed: list[tuple
     return out
 
 
-def _with_leftovers(coster: StageCoster, designer: Designer, new: list[tuple[Stage, ...]],
-                    free: Iterable[int], node_of: dict[int, int], m: int,
-                    before_head: bool = True) -> list[tuple[Stage, ...]]:
+def _with_leftovers(
+    coster: StageCoster,
+    designer: Designer,
+    new: list[tuple[Stage, ...]],
+    free: Iterable[int],
+    node_of: dict[int, int],
+    m: int,
+    before_head: bool = True,
+) -> list[tuple[Stage, ...]]:
     """``new`` with the full-speed devices no design took (a node's leftovers beside the groups
     placed) joining its pipelines as short stages of their own (several to one pipeline)."""
     spare = _fragments(free, node_of, designer.tps)
-    return (_joined_stages(coster, designer, new, spare, m, again=True, before_head=before_head)
-            if spare and new else new)
+    return (
+        _joined_stages(coster, designer, new, spare, m, again=True, before_head=before_head)
+        if spare and new
+        else new
+    )
 
 
-def _fragments(free: Iterable[int], node_of: dict[int, int], sizes: Sequence[int],
-               ) -> list[tuple[int, ...]]:
+def _fragments(
+    free: Iterable[int],
+    node_of: dict[int, int],
+    sizes: Sequence[int],
+) -> list[tuple[int, ...]]:
     """The devices left free, as groups inside their nodes: each node's widest group of a size in
     ``sizes`` first, then the widest of what is left."""
     out = []
@@ -909,15 +1129,24 @@ def _slow_chain(coster: StageCoster, slow: Sequence[int], m: int) -> list[tuple[
     return []
 
 
-def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDims,
-                    placed: list[tuple[Stage, ...]], used: set[int], node_of: dict[int, int],
-                    m_ref: int, token_budgets: bool) -> list[tuple[Stage, ...]]:
+def _slow_pipelines(
+    coster: StageCoster,
+    designer: Designer,
+    layout: ParallelDims,
+    placed: list[tuple[Stage, ...]],
+    used: set[int],
+    node_of: dict[int, int],
+    m_ref: int,
+    token_budgets: bool,
+) -> list[tuple[Stage, ...]]:
     """Pipelines of slow live devices beside the ones placed: the ``k`` fastest of them, each
     design priced at the slowest of those ``k`` speeds; the ``k`` whose packing carries the
     batch in the least step, if any of its pipelines carries something."""
     cluster, model = coster.cluster, coster.model
-    slow = sorted((d.rank for d in cluster.devices if 0 < d.speed < 1.0 and d.rank not in used),
-                  key=lambda r: (-cluster.devices[r].speed, r))
+    slow = sorted(
+        (d.rank for d in cluster.devices if 0 < d.speed < 1.0 and d.rank not in used),
+        key=lambda r: (-cluster.devices[r].speed, r),
+    )
     if not slow:
         return []
     rates = _rates(coster, placed, m_ref)
@@ -933,11 +1162,22 @@ def _slow_pipelines(coster: StageCoster, designer: Designer, layout: ParallelDim
         for r in pool:
             per_node[node_of[r]] = per_node.get(node_of[r], 0) + 1
         widest = max(per_node.values())
-        packing = pack(designer, k, model.microbatches, rates, shard, max(2, layout.dp),
-                       max_tp=1 << (widest.bit_length() - 1), token_budgets=token_budgets,
-                       speed=cluster.devices[pool[-1]].speed)
-        if packing is not None and sum(packing.counts) and (
-                best is None or packing.step_s < best[0] - _EPS):
+        packing = pack(
+            designer,
+            k,
+            model.microbatches,
+            rates,
+            shard,
+            max(2, layout.dp),
+            max_tp=1 << (widest.bit_length() - 1),
+            token_budgets=token_budgets,
+            speed=cluster.devices[pool[-1]].speed,
+        )
+        if (
+            packing is not None
+            and sum(packing.counts)
+            and (best is None or packing.step_s < best[0] - _EPS)
+        ):
             best = (packing.step_s, packing, pool)
     if best is None:
         return []

@@ -15,24 +15,37 @@ from resihp.plan.timing import StageCoster
 
 def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray:
     """The most micro-batches each replica holds in memory (GPipe keeps all of them in flight)."""
-    return np.array([min(total, c) if (c := coster.max_microbatches(st)) is not None else total
-                     for st in pipelines], dtype=int)
+    return np.array(
+        [
+            min(total, c) if (c := coster.max_microbatches(st)) is not None else total
+            for st in pipelines
+        ],
+        dtype=int,
+    )
 
 
-def drop_replica_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
-                      layout: ParallelDims) -> Plan:
+def drop_replica_plan(
+    cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan, layout: ParallelDims
+) -> Plan:
     """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly."""
-    alive = ([p for p in base.pipelines if coster.alive(p.stages)] if coster.cluster.dead
-             else base.pipelines)
+    alive = (
+        [p for p in base.pipelines if coster.alive(p.stages)]
+        if coster.cluster.dead
+        else base.pipelines
+    )
     caps = replica_caps(coster, [p.stages for p in alive], model.microbatches)
     shares = apportion(model.microbatches, np.ones(len(alive)), caps=caps) if alive else []
-    pipelines = [Pipeline(i, p.stages, m, home=p.home)
-                 for i, (p, m) in enumerate(zip(alive, shares)) if m > 0]
+    pipelines = [
+        Pipeline(i, p.stages, m, home=p.home)
+        for i, (p, m) in enumerate(zip(alive, shares))
+        if m > 0
+    ]
     return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines))
 
 
-def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan,
-                   layout: ParallelDims) -> Plan:
+def heuristic_plan(
+    cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan, layout: ParallelDims
+) -> Plan:
     """The published ResiHP adaptation, one heuristic per dimension (see ``baselines``)."""
     pipes = home_pipelines(cluster, layout)
     shares0 = apportion(model.microbatches, np.ones(layout.dp))
@@ -59,8 +72,9 @@ def heuristic_plan(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, 
 
 def exclude_slow(group: tuple[int, ...], cluster: ClusterSpec, model: ModelSpec) -> tuple[int, ...]:
     """The fastest power-of-two subset maximising k x (its slowest member's speed)."""
-    alive = sorted((r for r in group if cluster.devices[r].alive),
-                   key=lambda r: (-cluster.devices[r].speed, r))
+    alive = sorted(
+        (r for r in group if cluster.devices[r].alive), key=lambda r: (-cluster.devices[r].speed, r)
+    )
     best, best_value = (), 0.0
     for k in powers_of_two_upto(len(alive)):
         if model.heads % k:
@@ -71,8 +85,9 @@ def exclude_slow(group: tuple[int, ...], cluster: ClusterSpec, model: ModelSpec)
     return best
 
 
-def split_layers_by_speed(groups: list[tuple[int, ...]], coster: StageCoster, model: ModelSpec,
-                          m: int) -> tuple[Stage, ...] | None:
+def split_layers_by_speed(
+    groups: list[tuple[int, ...]], coster: StageCoster, model: ModelSpec, m: int
+) -> tuple[Stage, ...] | None:
     """Layers in proportion to each stage's speed (1 / per-layer time), capped by memory."""
     if not groups or len(groups) > model.layers:
         return None
@@ -83,8 +98,10 @@ def split_layers_by_speed(groups: list[tuple[int, ...]], coster: StageCoster, mo
         in_flight = in_flight_microbatches(model.schedule, p, s, m)
         free = coster.cluster.free_memory_gb(g)
         cap = 0
-        while cap < model.layers and stage_memory_gb(
-                model, cap + 1, len(g), in_flight, s == 0, s == p - 1) <= free:
+        while (
+            cap < model.layers
+            and stage_memory_gb(model, cap + 1, len(g), in_flight, s == 0, s == p - 1) <= free
+        ):
             cap += 1
         caps.append(cap)
     if min(caps) < 1 or sum(caps) < model.layers:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def unbounded_knapsack(cost: np.ndarray, value: np.ndarray, capacity: int,
-                       tables: list[np.ndarray] | None = None) -> np.ndarray:
+def unbounded_knapsack(
+    cost: np.ndarray, value: np.ndarray, capacity: int, tables: list[np.ndarray] | None = None
+) -> np.ndarray:
     """best[c] = the largest total value of items (any number of each) of total cost <= c.
     ``tables``: if given, receives the table after each item (``choose`` reads them)."""
     best = np.zeros(capacity + 1)

@@ -27,8 +27,9 @@ def home_groups(cluster: ClusterSpec, tp: int) -> list[tuple[int, ...]]:
 
 @lru_cache(maxsize=16)  # re-plans ask again for the same nodes (``with_speeds`` keeps them)
 def _home_groups(node_ranks: tuple[tuple[int, ...], ...], tp: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(ranks[i:i + tp]) for ranks in node_ranks
-                 for i in range(0, len(ranks) - tp + 1, tp))
+    return tuple(
+        tuple(ranks[i : i + tp]) for ranks in node_ranks for i in range(0, len(ranks) - tp + 1, tp)
+    )
 
 
 def touched_replicas(cluster: ClusterSpec, layout: ParallelDims) -> set[int]:
@@ -65,10 +66,17 @@ def uniform_layer_counts(layers: int, pp: int) -> list[int]:
     return counts
 
 
-def memory_ok(model: ModelSpec, coster: StageCoster, groups: Sequence[tuple[int, ...]],
-              counts: Sequence[int], m: int, budget: float | None = None) -> bool:
-    return coster.stages_fit(tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts))), m,
-                             budget)
+def memory_ok(
+    model: ModelSpec,
+    coster: StageCoster,
+    groups: Sequence[tuple[int, ...]],
+    counts: Sequence[int],
+    m: int,
+    budget: float | None = None,
+) -> bool:
+    return coster.stages_fit(
+        tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts))), m, budget
+    )
 
 
 def replica_load(model: ModelSpec, dp: int, token_budgets: bool = False) -> tuple[int, float]:
@@ -81,9 +89,14 @@ def replica_load(model: ModelSpec, dp: int, token_budgets: bool = False) -> tupl
     return m, model.global_batch_tokens / (dp * m * model.microbatch_tokens)
 
 
-def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
-                     layout: ParallelDims, groups: Sequence[tuple[int, ...]] | None = None,
-                     token_budgets: bool = False) -> float | None:
+def layout_step_time(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    coster: StageCoster,
+    layout: ParallelDims,
+    groups: Sequence[tuple[int, ...]] | None = None,
+    token_budgets: bool = False,
+) -> float | None:
     """Step time of the uniform plan of a layout on healthy devices, or None if it does not fit.
     ``groups``: the home groups of ``layout.tp`` when already at hand; ``token_budgets``: replicas
     share the tokens evenly (``replica_load``)."""
@@ -91,7 +104,9 @@ def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster
     groups = [groups[s * layout.dp] for s in range(layout.pp)]
     m, scale = replica_load(model, layout.dp, token_budgets)
     counts = uniform_layer_counts(model.layers, layout.pp)
-    if not memory_ok(model, coster, groups, counts, m, None if scale == 1.0 else scale * model.microbatch_tokens):
+    if not memory_ok(
+        model, coster, groups, counts, m, None if scale == 1.0 else scale * model.microbatch_tokens
+    ):
         return None
     stages = tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts)))
     fb = np.array([coster.stage_fb(s, i == len(stages) - 1, scale) for i, s in enumerate(stages)])
@@ -99,8 +114,9 @@ def layout_step_time(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster
     return step + grad_sync_s(model, cluster, max(counts) / layout.tp, layout.dp)
 
 
-def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
-                  token_budgets: bool = False) -> ParallelDims:
+def choose_layout(
+    cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, token_budgets: bool = False
+) -> ParallelDims:
     """The TP x PP x DP layout with the shortest predicted step on the healthy cluster (the
     model's ``tp``/``pp`` fields, when given, fix those degrees); ``token_budgets``: replicas may
     share the tokens evenly (``replica_load``)."""
@@ -108,14 +124,18 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
     smallest_node = min(len(r) for r in cluster.node_ranks)
     best: tuple[float, ParallelDims] | None = None
     too_wide = tried = 0  # layouts, and those with more replicas than micro-batches
-    tps = [model.tp] if model.tp else [t for t in powers_of_two_upto(smallest_node)
-                                        if model.heads % t == 0]
+    tps = (
+        [model.tp]
+        if model.tp
+        else [t for t in powers_of_two_upto(smallest_node) if model.heads % t == 0]
+    )
     largest_node = max(len(r) for r in cluster.node_ranks)
     if model.tp and model.tp > largest_node:
         raise InputError(
             f"model {model.name}: tp {model.tp} needs tensor-parallel groups of {model.tp} devices "
             f"inside one node, and cluster {cluster.name}'s largest node has {largest_node}: "
-            f"give tp at most {largest_node}, or leave it out for the planner to choose")
+            f"give tp at most {largest_node}, or leave it out for the planner to choose"
+        )
     for tp in tps:
         groups = home_groups(cluster, tp)
         n_groups = len(groups)
@@ -135,7 +155,8 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
             f"cluster {cluster.name}: every TP x PP layout of its {len(cluster.devices):,} devices has "
             f"more replicas than model {model.name}'s {model.microbatches:,} micro-batches a step "
             "(global_batch_tokens / microbatch_tokens; each replica needs one): raise "
-            "global_batch_tokens or plan for fewer devices")
+            "global_batch_tokens or plan for fewer devices"
+        )
     if best is None:
         need = stage_memory_gb(model, model.layers, 1, 1, True, True)
         have = sum(d.memory_gb - cluster.memory_reserve_gb for d in cluster.devices)
@@ -143,7 +164,8 @@ def choose_layout(cluster: ClusterSpec, model: ModelSpec, coster: StageCoster,
             f"cluster {cluster.name}: no TP x PP layout fits model {model.name} "
             f"(model state alone needs about {need:.0f} GB, the cluster has {have:.0f} GB free; "
             + (f"fixed tp={model.tp} pp={model.pp}; " if model.tp or model.pp else "")
-            + "add devices or memory, or shrink the micro-batch)")
+            + "add devices or memory, or shrink the micro-batch)"
+        )
     return best[1]
 
 
@@ -152,21 +174,25 @@ def binary_chunks(ranks: Sequence[int]) -> list[tuple[int, ...]]:
     out, i = [], 0
     for size in sorted(powers_of_two_upto(len(ranks)), reverse=True):
         if len(ranks) - i >= size:
-            out.append(tuple(ranks[i:i + size]))
+            out.append(tuple(ranks[i : i + size]))
             i += size
     return out
 
 
-def group_options(group: tuple[int, ...], cluster: ClusterSpec,
-                  heads: int) -> list[list[tuple[int, ...]]]:
+def group_options(
+    group: tuple[int, ...], cluster: ClusterSpec, heads: int
+) -> list[list[tuple[int, ...]]]:
     """Ways to re-form a home TP group around its degraded members, each a list of sub-groups that
     become consecutive pipeline stages: keep it whole, keep only the fastest power-of-two subset
     (ResiHP's selective exclusion), split the live members into power-of-two groups, split only the
     full-speed members (the slower ones excluded, or in groups of their own), or drop it. A healthy group has one option: itself."""
     speeds = {r: cluster.devices[r].speed * cluster.devices[r].tflops for r in group}
     top = max(speeds.values())
-    if all(v == top for v in speeds.values()) and top > 0 and \
-            all(cluster.devices[r].speed == 1.0 for r in group):
+    if (
+        all(v == top for v in speeds.values())
+        and top > 0
+        and all(cluster.devices[r].speed == 1.0 for r in group)
+    ):
         return [[group]]
     alive = sorted((r for r in group if speeds[r] > 0), key=lambda r: (-speeds[r], r))
     options: list[list[tuple[int, ...]]] = []

@@ -25,7 +25,11 @@ from resihp.plan.timing import StageCoster
 
 def slow_sync_stages(plan: Plan, cluster: ClusterSpec) -> list[int]:
     """Stage indices whose replicas' gradient reduction crosses a slow link."""
-    if not cluster.links or len(plan.pipelines) < 2 or len({len(p.stages) for p in plan.pipelines}) != 1:
+    if (
+        not cluster.links
+        or len(plan.pipelines) < 2
+        or len({len(p.stages) for p in plan.pipelines}) != 1
+    ):
         return []
     out = []
     for s in range(len(plan.pipelines[0].stages)):
@@ -61,8 +65,10 @@ def boundary_moves(plan: Plan, cluster: ClusterSpec, max_shift: int = 4) -> list
                 moved = [_shift(p.stages, s, to, k) for p in plan.pipelines]
                 if any(m is None for m in moved):
                     break
-                pipes = [Pipeline(p.dp_rank, m, p.microbatches, p.home, p.tokens)
-                         for p, m in zip(plan.pipelines, moved)]
+                pipes = [
+                    Pipeline(p.dp_rank, m, p.microbatches, p.home, p.tokens)
+                    for p, m in zip(plan.pipelines, moved)
+                ]
                 out.append(replace(plan, pipelines=pipes, solver={}, step_time_s=float("nan")))
     return out
 
@@ -84,8 +90,10 @@ def rank_swaps(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
                     if t == s or other.tp != p.stages[s].tp:
                         continue
                     stages = list(p.stages)
-                    stages[s], stages[t] = Stage(other.ranks, p.stages[s].layers), Stage(p.stages[s].ranks,
-                                                                                        other.layers)
+                    stages[s], stages[t] = (
+                        Stage(other.ranks, p.stages[s].layers),
+                        Stage(p.stages[s].ranks, other.layers),
+                    )
                     pipes = list(plan.pipelines)
                     pipes[i] = Pipeline(p.dp_rank, tuple(stages), p.microbatches, p.home, p.tokens)
                     out.append(replace(plan, pipelines=pipes, solver={}, step_time_s=float("nan")))
@@ -106,8 +114,11 @@ def replica_drops(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
             if i is None or i in seen:
                 continue
             seen.add(i)
-            out.append(replace(plan, pipelines=_spread(plan.pipelines, i), solver={},
-                               step_time_s=float("nan")))
+            out.append(
+                replace(
+                    plan, pipelines=_spread(plan.pipelines, i), solver={}, step_time_s=float("nan")
+                )
+            )
     return out
 
 
@@ -123,13 +134,21 @@ def _spread(pipelines: list[Pipeline], drop: int) -> list[Pipeline]:
         tokens = [t + e for t, e in zip(tokens, extra)]
     elif gone.tokens is not None or any(t is not None for t in tokens):
         tokens = [None] * n  # mixed shares: every pipeline at the model's budget
-    return [Pipeline(p.dp_rank, p.stages, p.microbatches + e, p.home, t)
-            for p, e, t in zip(rest, extra_mb, tokens)]
+    return [
+        Pipeline(p.dp_rank, p.stages, p.microbatches + e, p.home, t)
+        for p, e, t in zip(rest, extra_mb, tokens)
+    ]
 
 
-def with_link_event(cluster: ClusterSpec, model: ModelSpec, ranks: tuple[int, int], slowdown: float,
-                    traffic: str, measured: dict[str, float] | None = None,
-                    coster: StageCoster | None = None) -> ClusterSpec:
+def with_link_event(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    ranks: tuple[int, int],
+    slowdown: float,
+    traffic: str,
+    measured: dict[str, float] | None = None,
+    coster: StageCoster | None = None,
+) -> ClusterSpec:
     """The cluster as a ``link-slow`` finding describes it: the link between ``ranks`` at
     1/slowdown of its bandwidth. ``measured`` (``OnlineDetector.healthy_transfers``): the healthy
     transfers and compute the job measured; with ``coster`` (the planner's, for ``cluster``) the
@@ -142,8 +161,9 @@ def with_link_event(cluster: ClusterSpec, model: ModelSpec, ranks: tuple[int, in
     return cluster.with_link_speeds({tuple(ranks): 1.0 / max(float(slowdown), 1.0)})
 
 
-def _bandwidth_gbs(model: ModelSpec, traffic: str, measured: dict[str, float],
-                   coster: StageCoster | None) -> float | None:
+def _bandwidth_gbs(
+    model: ModelSpec, traffic: str, measured: dict[str, float], coster: StageCoster | None
+) -> float | None:
     measured_compute = measured.get("compute", 0.0)
     if coster is None or not measured_compute > 0:
         return None

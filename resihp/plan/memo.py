@@ -24,8 +24,14 @@ class HardwareMemo:
     """Built from the first cluster a planner sees with this hardware (its healthy plan is
     evaluated against that cluster's bound, as ``healthy_plan`` does)."""
 
-    def __init__(self, cluster: ClusterSpec, model: ModelSpec, healthy: Plan,
-                 bound: CapacityBound, coster: StageCoster) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        healthy: Plan,
+        bound: CapacityBound,
+        coster: StageCoster,
+    ) -> None:
         self.hardware_key = cluster.hardware_key
         self.cluster = cluster.healthy()
         self.model = model
@@ -64,7 +70,8 @@ class HardwareMemo:
         if layout not in self._whole:
             self._whole[layout] = [
                 all(group_options(g, self.cluster, self.model.heads) == [[g]] for g in groups)
-                for groups in self.home_pipelines(layout)]
+                for groups in self.home_pipelines(layout)
+            ]
         return self._whole[layout]
 
     def home_stages(self, layout: ParallelDims, counts: list[int]) -> list[tuple[Stage, ...]]:
@@ -73,8 +80,10 @@ class HardwareMemo:
         key = (layout, tuple(counts))
         if key not in self._stages:
             ranges = layer_ranges(counts)
-            self._stages[key] = [Stages(Stage(g, rng) for g, rng in zip(groups, ranges))
-                                 for groups in self.home_pipelines(layout)]
+            self._stages[key] = [
+                Stages(Stage(g, rng) for g, rng in zip(groups, ranges))
+                for groups in self.home_pipelines(layout)
+            ]
         return self._stages[key]
 
     def trim(self) -> None:

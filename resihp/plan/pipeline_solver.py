@@ -43,10 +43,16 @@ class _Candidate:
     ranks: tuple[int, ...]
 
 
-def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
-              current: dict[tuple[int, ...], tuple[int, int]] | None = None,
-              horizon_steps: float = 100.0, sync: tuple[float, float] | None = None,
-              replicas: int = 1, regroup: bool = True) -> tuple:
+def solve_key(
+    coster: StageCoster,
+    groups: list[tuple[int, ...]],
+    m: int,
+    current: dict[tuple[int, ...], tuple[int, int]] | None = None,
+    horizon_steps: float = 100.0,
+    sync: tuple[float, float] | None = None,
+    replicas: int = 1,
+    regroup: bool = True,
+) -> tuple:
     """What ``solve_pipeline`` with these arguments answers, beyond the hardware, the model and
     the cost model behind ``coster``: the groups, their devices' speeds, the layer ranges that
     the plan in force gives to the candidate stages, and the other arguments. Not the time
@@ -56,18 +62,37 @@ def solve_key(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     speeds = tuple(cluster.devices[r].speed for g in groups for r in g)
     held: tuple = ()
     if current:
-        subs = {sub for g in groups for opt in group_options(g, cluster, coster.model.heads)
-                for sub in opt}
+        subs = {
+            sub
+            for g in groups
+            for opt in group_options(g, cluster, coster.model.heads)
+            for sub in opt
+        }
         held = tuple(sorted((sub, current[sub]) for sub in subs if sub in current))
-    return (tuple(groups), speeds, max(1, m), held, bool(current), horizon_steps, sync, replicas,
-            regroup)
+    return (
+        tuple(groups),
+        speeds,
+        max(1, m),
+        held,
+        bool(current),
+        horizon_steps,
+        sync,
+        replicas,
+        regroup,
+    )
 
 
-def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
-                   current: dict[tuple[int, ...], tuple[int, int]] | None = None,
-                   horizon_steps: float = 100.0, time_limit_s: float = 1.0,
-                   sync: tuple[float, float] | None = None, replicas: int = 1,
-                   regroup: bool = True) -> PipelineSolution | None:
+def solve_pipeline(
+    coster: StageCoster,
+    groups: list[tuple[int, ...]],
+    m: int,
+    current: dict[tuple[int, ...], tuple[int, int]] | None = None,
+    horizon_steps: float = 100.0,
+    time_limit_s: float = 1.0,
+    sync: tuple[float, float] | None = None,
+    replicas: int = 1,
+    regroup: bool = True,
+) -> PipelineSolution | None:
     """Best re-formation and layer split of the pipeline over home ``groups`` for ``m`` micro-batches.
 
     ``current`` maps a TP group (ranks tuple) of the plan in force to its layer range; it seeds the
@@ -85,16 +110,21 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         return None  # a group kept whole with a dead device in it cannot run
     options = [group_options(g, cluster, model.heads) if regroup else [[g]] for g in groups]
     cands: list[_Candidate] = [
-        _Candidate(gi, oi, sub) for gi, opts in enumerate(options)
-        for oi, opt in enumerate(opts) for sub in opt]
+        _Candidate(gi, oi, sub)
+        for gi, opts in enumerate(options)
+        for oi, opt in enumerate(opts)
+        for sub in opt
+    ]
     # Upper bound on the number of active stages at or after each candidate (for in-flight memory).
     max_after_group = [0] * (len(groups) + 1)
     for gi in range(len(groups) - 1, -1, -1):
         max_after_group[gi] = max_after_group[gi + 1] + max(len(o) for o in options[gi])
 
     mdl = cp_model.CpModel()
-    choose = [[mdl.new_bool_var(f"g{gi}o{oi}") for oi in range(len(opts))]
-              for gi, opts in enumerate(options)]
+    choose = [
+        [mdl.new_bool_var(f"g{gi}o{oi}") for oi in range(len(opts))]
+        for gi, opts in enumerate(options)
+    ]
     for row in choose:
         mdl.add_exactly_one(row)
     L = model.layers
@@ -121,8 +151,10 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
         # whole MB, the stage's memory rounded up and the free memory down: truncating both let
         # a split 2.5 MB over a device's memory through (16 layers of 1.3424 GB and the embedding
         # on 22 GB), which StageCoster.stages_fit then refused, and the re-plan found no plan
-        mdl.add(math.ceil(per_layer * MB) * nj + math.ceil(emb * MB) * (fj + lj)
-                <= math.floor(free * MB))
+        mdl.add(
+            math.ceil(per_layer * MB) * nj + math.ceil(emb * MB) * (fj + lj)
+            <= math.floor(free * MB)
+        )
         f, b = coster.per_layer_s(c.ranks)
         hf, hb = coster.head_s(c.ranks)
         # the bound of the very expression below: ticks rounded per term can sum past the rounded
@@ -211,4 +243,6 @@ def solve_pipeline(coster: StageCoster, groups: list[tuple[int, ...]], m: int,
     return PipelineSolution(
         stages=Stages(stages),
         migration_s=solver.value(worst) / TICKS_PER_S if current else 0.0,
-        status="optimal" if status == cp_model.OPTIMAL else "feasible", gap=gap)
+        status="optimal" if status == cp_model.OPTIMAL else "feasible",
+        gap=gap,
+    )

@@ -70,7 +70,9 @@ class Pipeline:
     tokens: int | None = None  # its share of the global batch; None: microbatches x model budget
 
     def share(self, model: ModelSpec) -> int:
-        return self.tokens if self.tokens is not None else self.microbatches * model.microbatch_tokens
+        return (
+            self.tokens if self.tokens is not None else self.microbatches * model.microbatch_tokens
+        )
 
     def budget(self, model: ModelSpec) -> float:
         """Mean tokens per micro-batch (the packing budget is its ceiling)."""
@@ -100,8 +102,9 @@ class Holdings:
         stages = [s for p in plan.pipelines for s in p.stages]
         ranks = chain.from_iterable(s.ranks for s in stages)
         owners = chain.from_iterable(repeat(s, len(s.ranks)) for s in stages)
-        return cls(dict(zip(ranks, owners)), frozenset(stages),
-                   frozenset(p.stages for p in plan.pipelines))
+        return cls(
+            dict(zip(ranks, owners)), frozenset(stages), frozenset(p.stages for p in plan.pipelines)
+        )
 
 
 @dataclass
@@ -154,11 +157,23 @@ class Plan:
             "layout": self.layout.to_dict(),
             "ranks": ranks,
             "pipelines": [
-                {"dp_rank": p.dp_rank, "home": p.home, "microbatches": p.microbatches,
-                 **({"tokens": p.tokens} if p.tokens is not None else {}),
-                 "stages": [{"stage": s, "tp": st.tp, "ranks": list(st.ranks),
-                             "layers": list(st.layers)} for s, st in enumerate(p.stages)]}
-                for p in self.pipelines],
+                {
+                    "dp_rank": p.dp_rank,
+                    "home": p.home,
+                    "microbatches": p.microbatches,
+                    **({"tokens": p.tokens} if p.tokens is not None else {}),
+                    "stages": [
+                        {
+                            "stage": s,
+                            "tp": st.tp,
+                            "ranks": list(st.ranks),
+                            "layers": list(st.layers),
+                        }
+                        for s, st in enumerate(p.stages)
+                    ],
+                }
+                for p in self.pipelines
+            ],
             "microbatches": {str(p.dp_rank): p.microbatches for p in self.pipelines},
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
@@ -166,8 +181,11 @@ class Plan:
             "bound_ratio": self.bound_ratio,
             "migration_s": self.migration_s,
             "solver": self.solver,
-            **({"expected_step_time_s": self.expected_step_time_s}
-               if np.isfinite(self.expected_step_time_s) else {}),
+            **(
+                {"expected_step_time_s": self.expected_step_time_s}
+                if np.isfinite(self.expected_step_time_s)
+                else {}
+            ),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -219,40 +237,69 @@ class Plan:
                 sctx = f"{ctx}stages[{j}]: "
                 ranks = need(s, "ranks", list, sctx)
                 layers = need(s, "layers", list, sctx)
-                if not ranks or not all(isinstance(r, int) and not isinstance(r, bool)
-                                        for r in ranks):
-                    raise InputError(f"{where}: {sctx}field 'ranks' must be a non-empty list of "
-                                     "integer ranks")
+                if not ranks or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in ranks
+                ):
+                    raise InputError(
+                        f"{where}: {sctx}field 'ranks' must be a non-empty list of integer ranks"
+                    )
                 if len(layers) != 2 or not all(isinstance(x, int) for x in layers):
                     raise InputError(f"{where}: {sctx}field 'layers' must be [start, end)")
                 stages.append(Stage(tuple(ranks), (layers[0], layers[1])))
             home = p.get("home")
             tokens = need(p, "tokens", int, ctx) if "tokens" in p else None
-            pipelines.append(Pipeline(need(p, "dp_rank", int, ctx), Stages(stages),
-                                      need(p, "microbatches", int, ctx),
-                                      home if isinstance(home, int) else None, tokens))
-        excluded = [r["rank"] for r in data.get("ranks", []) or []
-                    if isinstance(r, Mapping) and r.get("excluded")]
-        num = {k: float(data[k]) for k in ("step_time_s", "tokens_per_s", "capacity_tokens_per_s",
-                                           "bound_ratio", "migration_s",
-                                           "expected_step_time_s")
-               if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)}
-        return cls(world_size=world, layout=layout, pipelines=pipelines, excluded=sorted(excluded),
-                   policy=str(data.get("policy", "resihp")), solver=dict(data.get("solver") or {}),
-                   **num)
+            pipelines.append(
+                Pipeline(
+                    need(p, "dp_rank", int, ctx),
+                    Stages(stages),
+                    need(p, "microbatches", int, ctx),
+                    home if isinstance(home, int) else None,
+                    tokens,
+                )
+            )
+        excluded = [
+            r["rank"]
+            for r in data.get("ranks", []) or []
+            if isinstance(r, Mapping) and r.get("excluded")
+        ]
+        num = {
+            k: float(data[k])
+            for k in (
+                "step_time_s",
+                "tokens_per_s",
+                "capacity_tokens_per_s",
+                "bound_ratio",
+                "migration_s",
+                "expected_step_time_s",
+            )
+            if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)
+        }
+        return cls(
+            world_size=world,
+            layout=layout,
+            pipelines=pipelines,
+            excluded=sorted(excluded),
+            policy=str(data.get("policy", "resihp")),
+            solver=dict(data.get("solver") or {}),
+            **num,
+        )
 
     def check_against(self, cluster: ClusterSpec, where: str = "current plan") -> None:
         """Raise InputError if the plan names devices the cluster does not have."""
         if self.world_size != len(cluster):
-            raise InputError(f"{where}: world_size {self.world_size} does not match the cluster's "
-                             f"{len(cluster)} devices")
+            raise InputError(
+                f"{where}: world_size {self.world_size} does not match the cluster's "
+                f"{len(cluster)} devices"
+            )
         n = len(cluster)
         for p in self.pipelines:
             for s in p.stages:
                 if s.ranks and (min(s.ranks) < 0 or max(s.ranks) >= n):
                     r = next(r for r in s.ranks if not 0 <= r < n)
-                    raise InputError(f"{where}: unknown device rank {r} in pipeline "
-                                     f"{p.dp_rank} (cluster has ranks 0..{n - 1})")
+                    raise InputError(
+                        f"{where}: unknown device rank {r} in pipeline "
+                        f"{p.dp_rank} (cluster has ranks 0..{n - 1})"
+                    )
 
 
 def _stage_ranks(stages: tuple[Stage, ...]) -> np.ndarray:
@@ -291,8 +338,10 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
                 problems.append(f"{name}: layers {stage.layers} do not continue at {where}")
             where = stage.layers[1]
             if stage.tp & (stage.tp - 1) or model.heads % stage.tp:
-                problems.append(f"{name}: tensor-parallel size {stage.tp} is not a power of two "
-                                f"dividing heads {model.heads}")
+                problems.append(
+                    f"{name}: tensor-parallel size {stage.tp} is not a power of two "
+                    f"dividing heads {model.heads}"
+                )
             nodes = {cluster.devices[r].node for r in stage.ranks if 0 <= r < len(cluster)}
             if len(nodes) > 1:
                 problems.append(f"{name}: tensor-parallel group spans nodes {sorted(nodes)}")
@@ -306,22 +355,33 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
                 if not cluster.devices[r].alive:
                     problems.append(f"{name}: rank {r} is dead")
             in_flight = len(p.stages) - s if model.schedule == "1f1b" else p.microbatches
-            need = stage_memory_gb(model, stage.n_layers, stage.tp,
-                                   min(in_flight, max(1, p.microbatches)), s == 0,
-                                   s == len(p.stages) - 1, p.budget(model) or None)
-            have = min(cluster.devices[r].memory_gb for r in stage.ranks
-                       if 0 <= r < len(cluster)) - cluster.memory_reserve_gb
+            need = stage_memory_gb(
+                model,
+                stage.n_layers,
+                stage.tp,
+                min(in_flight, max(1, p.microbatches)),
+                s == 0,
+                s == len(p.stages) - 1,
+                p.budget(model) or None,
+            )
+            have = (
+                min(cluster.devices[r].memory_gb for r in stage.ranks if 0 <= r < len(cluster))
+                - cluster.memory_reserve_gb
+            )
             if need > have + 1e-9:
                 problems.append(f"{name}: needs {need:.1f} GB per device, has {have:.1f} GB")
         if where != model.layers:
-            problems.append(f"pipeline {p.dp_rank}: layers end at {where}, model has "
-                            f"{model.layers}")
+            problems.append(
+                f"pipeline {p.dp_rank}: layers end at {where}, model has {model.layers}"
+            )
         if p.microbatches < 1:
             problems.append(f"pipeline {p.dp_rank}: {p.microbatches} micro-batches")
         elif p.tokens is not None and -(-p.tokens // p.microbatches) < model.max_seq_len:
-            problems.append(f"pipeline {p.dp_rank}: micro-batch budget "
-                            f"{-(-p.tokens // p.microbatches)} tokens is below max_seq_len "
-                            f"{model.max_seq_len}")
+            problems.append(
+                f"pipeline {p.dp_rank}: micro-batch budget "
+                f"{-(-p.tokens // p.microbatches)} tokens is below max_seq_len "
+                f"{model.max_seq_len}"
+            )
     dps = sorted(p.dp_rank for p in plan.pipelines)
     if dps != list(range(len(dps))):
         problems.append(f"data-parallel ranks {dps} are not 0..{len(dps) - 1}")
@@ -333,6 +393,7 @@ def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[st
             problems.append(f"rank {r} is neither placed nor excluded")
     total = sum(p.share(model) for p in plan.pipelines)
     if total != model.global_batch_tokens:
-        problems.append(f"replica shares sum to {total} tokens, the global batch is "
-                        f"{model.global_batch_tokens}")
+        problems.append(
+            f"replica shares sum to {total} tokens, the global batch is {model.global_batch_tokens}"
+        )
     return problems

@@ -56,7 +56,9 @@ from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 from resihp.plan.timing import CapacityBound, StageCoster, evaluate, expected_step
 from resihp.plan.tokens import balance_tokens, balanced, proportional_counts
 
-WITHIN_REPLICAS = "within-replicas"  # ``Planner(regroup=...)``: groups re-formed inside each replica
+WITHIN_REPLICAS = (
+    "within-replicas"  # ``Planner(regroup=...)``: groups re-formed inside each replica
+)
 
 
 def within_homes(plan: Plan, homes: list[list[tuple[int, ...]]]) -> bool:
@@ -64,11 +66,13 @@ def within_homes(plan: Plan, homes: list[list[tuple[int, ...]]]) -> bool:
     its own ``homes`` groups."""
     pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
     return len(pipes) == len(homes) and all(
-        p.stages and set(p.ranks) <= {r for g in homes[d] for r in g}
-        for d, p in enumerate(pipes))
+        p.stages and set(p.ranks) <= {r for g in homes[d] for r in g} for d, p in enumerate(pipes)
+    )
 
 
-def own_groups(pipe: Pipeline, homes: list[list[tuple[int, ...]]], current: Plan) -> list[tuple[int, ...]]:
+def own_groups(
+    pipe: Pipeline, homes: list[list[tuple[int, ...]]], current: Plan
+) -> list[tuple[int, ...]]:
     """The groups a replica of ``current`` was launched with: its home groups where it runs on
     ranks of them and no other pipeline holds one (its left-out ranks are its hot spares), else
     the groups it has now."""
@@ -81,9 +85,14 @@ def own_groups(pipe: Pipeline, homes: list[list[tuple[int, ...]]], current: Plan
     return list(pipe.groups)
 
 
-def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
-                 layout: ParallelDims | None = None, time_limit_s: float = 2.0,
-                 token_budgets: bool = False) -> Plan:
+def healthy_plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel | None = None,
+    layout: ParallelDims | None = None,
+    time_limit_s: float = 2.0,
+    token_budgets: bool = False,
+) -> Plan:
     """The plan for the cluster with every device healthy: the best layout, every replica with the
     same layer split (optimised by CP-SAT for the LM head and the memory of early stages) and an
     even share of the micro-batches; with ``token_budgets``, of the tokens where that is faster
@@ -95,25 +104,44 @@ def healthy_plan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None 
     shares = apportion(model.microbatches, np.ones(layout.dp))
     m = replica_load(model, layout.dp, True)[0] if token_budgets else shares[0]
     sol = solve_pipeline(healthy, pipes[0], m, None, time_limit_s=time_limit_s)
-    counts = ([s.n_layers for s in sol.stages] if sol is not None and len(sol.stages) == layout.pp
-              else uniform_layer_counts(model.layers, layout.pp))
-    pipelines = [Pipeline(r, Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
-                          shares[r], home=r) for r, groups in enumerate(pipes)]
-    plan = Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy="healthy")
+    counts = (
+        [s.n_layers for s in sol.stages]
+        if sol is not None and len(sol.stages) == layout.pp
+        else uniform_layer_counts(model.layers, layout.pp)
+    )
+    pipelines = [
+        Pipeline(
+            r,
+            Stages(Stage(g, rng) for g, rng in zip(groups, layer_ranges(counts))),
+            shares[r],
+            home=r,
+        )
+        for r, groups in enumerate(pipes)
+    ]
+    plan = Plan(
+        len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy="healthy"
+    )
     bound = capacity_bound(cluster, model, healthy.cost, layout)
     plan = evaluate(plan, healthy, bound)
     if token_budgets and layout.dp > 1:
         even = evaluate(balance_tokens(proportional_counts(plan, healthy), healthy), healthy, bound)
         # every home replica kept (the re-plans and baselines index the healthy plan by it)
-        if (even.step_time_s < plan.step_time_s and len(even.pipelines) == len(plan.pipelines)
-                and not plan_problems(even, cluster, model)):
+        if (
+            even.step_time_s < plan.step_time_s
+            and len(even.pipelines) == len(plan.pipelines)
+            and not plan_problems(even, cluster, model)
+        ):
             plan = even
     plan.expected_step_time_s = expected_step(plan, healthy)
     return plan
 
 
-def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | None = None,
-                   layout: ParallelDims | None = None) -> CapacityBound:
+def capacity_bound(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel | None = None,
+    layout: ParallelDims | None = None,
+) -> CapacityBound:
     """Throughput of an ideal plan that uses every device at its current speed with no imbalance.
 
     Start from the best healthy layout with its integer constraints relaxed: every stage holds
@@ -130,8 +158,9 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     tflops = max(d.tflops for d in cluster.devices)
     f, b = coster.layer_fb(layout.tp, tflops)
     hf, hb = coster.head_fb(layout.tp, tflops)
-    per_stage = np.array([[(model.layers * f + hf) / layout.pp, (model.layers * b + hb) / layout.pp]]
-                         * layout.pp)
+    per_stage = np.array(
+        [[(model.layers * f + hf) / layout.pp, (model.layers * b + hb) / layout.pp]] * layout.pp
+    )
     m = model.microbatches / layout.dp
     lo = max(1, int(np.floor(m)))
     t_lo = _equal_stages_step(per_stage, lo, model.schedule, coster.p2p_s)
@@ -139,26 +168,38 @@ def capacity_bound(cluster: ClusterSpec, model: ModelSpec, cost: CostModel | Non
     step = t_lo + (m - lo) * (t_hi - t_lo)  # linear in m for equal stages
     step += grad_sync_s(model, cluster, model.layers / layout.pp / layout.tp, layout.dp)
     tokens = model.global_batch_tokens / step
-    used = sum(cluster.devices[r].tflops for g in home_groups(cluster, layout.tp)[
-        : layout.pp * layout.dp] for r in g)
+    used = sum(
+        cluster.devices[r].tflops
+        for g in home_groups(cluster, layout.tp)[: layout.pp * layout.dp]
+        for r in g
+    )
     total = sum(d.tflops for d in cluster.devices)
     return CapacityBound(tokens * total / used, tokens, 1.0, layout).at_speeds(cluster)
 
 
 def _equal_stages_step(per_stage: np.ndarray, m: int, schedule: str, p2p_s: float) -> float:
     p = len(per_stage)
-    return float(pipeline_step_time(np.broadcast_to(per_stage[:, :1], (p, m)),
-                                    np.broadcast_to(per_stage[:, 1:], (p, m)), schedule,
-                                    p2p_s=p2p_s))
+    return float(
+        pipeline_step_time(
+            np.broadcast_to(per_stage[:, :1], (p, m)),
+            np.broadcast_to(per_stage[:, 1:], (p, m)),
+            schedule,
+            p2p_s=p2p_s,
+        )
+    )
 
 
 def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: ParallelDims, where: str) -> None:
     groups = len(home_groups(cluster, layout.tp))
     if layout.tp * layout.pp * layout.dp > len(cluster) or layout.pp * layout.dp > groups:
-        raise InputError(f"{where}: layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs more "
-                         f"devices than the cluster's {len(cluster)}")
+        raise InputError(
+            f"{where}: layout tp={layout.tp} pp={layout.pp} dp={layout.dp} needs more "
+            f"devices than the cluster's {len(cluster)}"
+        )
     if layout.pp > model.layers:
-        raise InputError(f"{where}: layout pp={layout.pp} exceeds the model's {model.layers} layers")
+        raise InputError(
+            f"{where}: layout pp={layout.pp} exceeds the model's {model.layers} layers"
+        )
 
 
 class Planner:
@@ -182,11 +223,19 @@ class Planner:
 
     name = "resihp"
 
-    def __init__(self, cost_model: CostModel | None = None, horizon_steps: float = 100.0,
-                 threads: int | None = None, token_budgets: bool = False,
-                 expected_steps: bool = True, regroup: bool | str = True) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        horizon_steps: float = 100.0,
+        threads: int | None = None,
+        token_budgets: bool = False,
+        expected_steps: bool = True,
+        regroup: bool | str = True,
+    ) -> None:
         if regroup not in (True, False, WITHIN_REPLICAS):
-            raise ValueError(f"regroup: expected True, False or {WITHIN_REPLICAS!r}, got {regroup!r}")
+            raise ValueError(
+                f"regroup: expected True, False or {WITHIN_REPLICAS!r}, got {regroup!r}"
+            )
         self.cost = cost_model or AnalyticCost()
         self.regroup = regroup
         self.expected_steps = expected_steps
@@ -237,8 +286,13 @@ class Planner:
             return current.layout
         return self.bound(cluster, model).layout
 
-    def plan(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None = None,
-             time_limit_s: float = 5.0) -> Plan:
+    def plan(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        current: Plan | None = None,
+        time_limit_s: float = 5.0,
+    ) -> Plan:
         t0 = time.perf_counter()
         memo = self._memo(cluster, model)
         memo.trim()
@@ -251,11 +305,19 @@ class Planner:
         held: dict[tuple[int, ...], tuple[int, int]] | None = None
         if current is not None:
             held = {s.ranks: s.layers for p in current.pipelines for s in p.stages}
-            share.update({p.home: p.microbatches for p in current.pipelines
-                          if p.home is not None and p.home in share})
+            share.update(
+                {
+                    p.home: p.microbatches
+                    for p in current.pipelines
+                    if p.home is not None and p.home in share
+                }
+            )
         healthy = memo.healthy
-        counts = ([s.n_layers for s in healthy.pipelines[0].stages] if healthy.layout == layout
-                  else uniform_layer_counts(model.layers, layout.pp))
+        counts = (
+            [s.n_layers for s in healthy.pipelines[0].stages]
+            if healthy.layout == layout
+            else uniform_layer_counts(model.layers, layout.pp)
+        )
         # replica id -> solution; ids 0..dp-1 are the home replicas, later ids spare pipelines.
         # A replica is kept when ``group_options`` keeps each of its groups whole.
         kept: dict[int, PipelineSolution] = {}
@@ -285,13 +347,28 @@ class Planner:
         waves = -(-len(affected) // self.threads) if affected else 1
         per_solve = max(0.05, 0.7 * time_limit_s / (len(weights) * (2 * waves + 1) + 1))
         log = _SolveLog()
-        floor = max((st.n_layers / st.tp for sol in kept.values() for st in sol.stages),
-                    default=0.0)
+        floor = max(
+            (st.n_layers / st.tp for sol in kept.values() for st in sol.stages), default=0.0
+        )
         sync = (floor, coster.sync_s_per_shard_layer(layout.dp)) if layout.dp > 1 else None
         pool = self._executor()
-        context = _Context(cluster, model, layout, coster, pipes, held, even, affected, sync,
-                           per_solve, log, memo.solves, memo.leftover(layout), pool,
-                           floor=1 if fixed else 0)
+        context = _Context(
+            cluster,
+            model,
+            layout,
+            coster,
+            pipes,
+            held,
+            even,
+            affected,
+            sync,
+            per_solve,
+            log,
+            memo.solves,
+            memo.leftover(layout),
+            pool,
+            floor=1 if fixed else 0,
+        )
 
         seen: set[tuple] = set()
 
@@ -305,14 +382,23 @@ class Planner:
             every replica, on its own ranks)."""
             out = []
             for c in plans:
-                key = tuple((p.dp_rank, p.stages, p.microbatches, p.tokens, p.home)
-                            for p in c.pipelines)
-                if fixed and not (within_homes(c, pipes) if within else places(c) == places(current)):
+                key = tuple(
+                    (p.dp_rank, p.stages, p.microbatches, p.tokens, p.home) for p in c.pipelines
+                )
+                if fixed and not (
+                    within_homes(c, pipes) if within else places(c) == places(current)
+                ):
                     continue
-                if key not in seen and c.pipelines and sum(
-                        p.share(model) for p in c.pipelines) == model.global_batch_tokens and all(
+                if (
+                    key not in seen
+                    and c.pipelines
+                    and sum(p.share(model) for p in c.pipelines) == model.global_batch_tokens
+                    and all(
                         coster.stages_fit(p.stages, p.microbatches, p.budget(model))
-                        and coster.alive(p.stages) for p in c.pipelines):
+                        and coster.alive(p.stages)
+                        for p in c.pipelines
+                    )
+                ):
                     out.append(evaluate(c, coster, bound, current))
                 seen.add(key)
             return out
@@ -327,8 +413,7 @@ class Planner:
             candidates = usable(self._baseline_plans(context, healthy)) if not fixed else []
             for weight in weights:
                 try:
-                    candidates += usable(self._candidates(context, dict(kept), dict(share),
-                                                          weight))
+                    candidates += usable(self._candidates(context, dict(kept), dict(share), weight))
                 except InputError:
                     if not candidates:
                         raise
@@ -345,8 +430,9 @@ class Planner:
                 # ... or its end trades places with another stage of its pipeline
                 candidates += usable([m for c in list(candidates) for m in rank_swaps(c, cluster)])
                 # ... or the replica holding an end leaves, the others take its micro-batches
-                candidates += usable([m for c in list(candidates)
-                                      for m in replica_drops(c, cluster)])
+                candidates += usable(
+                    [m for c in list(candidates) for m in replica_drops(c, cluster)]
+                )
         finally:
             # the solves of a weighting not needed: those not started are dropped, those running
             # end before the plan is returned (they fill the planner's cache, as the next call
@@ -355,21 +441,32 @@ class Planner:
                 future.cancel()
             wait(list(context.futures.values()))
         if not candidates:
-            raise InputError(f"cluster {cluster.name}: no plan of model {model.name} fits in "
-                             "memory on the remaining devices"
-                             + (" in the groups in force" if fixed else ""))
+            raise InputError(
+                f"cluster {cluster.name}: no plan of model {model.name} fits in "
+                "memory on the remaining devices" + (" in the groups in force" if fixed else "")
+            )
         # the same trade as inside the solver: step time plus migration amortised over the horizon
-        plan = min(candidates, key=lambda p: (p.step_time_s + p.migration_s / self.horizon_steps,
-                                              p.migration_s))
-        plan.solver = {**log.summary(), "solve_s": time.perf_counter() - t0,
-                       "pipelines_solved": log.pipelines}
+        plan = min(
+            candidates,
+            key=lambda p: (p.step_time_s + p.migration_s / self.horizon_steps, p.migration_s),
+        )
+        plan.solver = {
+            **log.summary(),
+            "solve_s": time.perf_counter() - t0,
+            "pipelines_solved": log.pipelines,
+        }
         if self.expected_steps:
             # the step to expect with variable micro-batches (``step_time_s`` prices the mean one)
             plan.expected_step_time_s = expected_step(plan, coster)
         return plan
 
-    def _candidates(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
-                    share: dict[int, int], weight: int) -> list[Plan]:
+    def _candidates(
+        self,
+        ctx: _Context,
+        solutions: dict[int, PipelineSolution | None],
+        share: dict[int, int],
+        weight: int,
+    ) -> list[Plan]:
         """Solve the affected replicas (two rounds: solve, allocate, re-solve those whose
         micro-batch count moved), add spare-device pipelines, and assemble whole plans: the
         allocation; without the re-formed replicas; with the spare pipelines; and, with token
@@ -377,53 +474,72 @@ class Planner:
         which unlike the allocation sees the gradient all-reduce."""
         cluster, model, layout, coster = ctx.cluster, ctx.model, ctx.layout, ctx.coster
 
-        def allocate(dropped: frozenset[int] = frozenset(),
-                     sols: dict[int, PipelineSolution | None] | None = None) -> dict[int, int]:
+        def allocate(
+            dropped: frozenset[int] = frozenset(),
+            sols: dict[int, PipelineSolution | None] | None = None,
+        ) -> dict[int, int]:
             sols = solutions if sols is None else sols
             live = [r for r, sol in sols.items() if sol is not None and r not in dropped]
             if not live:
-                raise InputError(f"cluster {cluster.name}: no replica of layout tp={layout.tp} "
-                                 f"pp={layout.pp} can run model {model.name} on the remaining "
-                                 "devices")
+                raise InputError(
+                    f"cluster {cluster.name}: no replica of layout tp={layout.tp} "
+                    f"pp={layout.pp} can run model {model.name} on the remaining "
+                    "devices"
+                )
             # T_r(m) ~ T_r(1) + (m - 1) * slope_r through the schedule's dependency graph,
             # the slope taken up to the replica's present share (p2p latencies included)
-            first, each = zip(*(coster.pipeline_slope(sols[r].stages, max(2, share.get(r, 0)))
-                                for r in live))
+            first, each = zip(
+                *(coster.pipeline_slope(sols[r].stages, max(2, share.get(r, 0))) for r in live)
+            )
             caps = [coster.max_microbatches(sols[r].stages) for r in live]
             try:
-                alloc, status, gap = allocate_microbatches(first, each, model.microbatches,
-                                                           ctx.per_solve, caps, ctx.floor)
+                alloc, status, gap = allocate_microbatches(
+                    first, each, model.microbatches, ctx.per_solve, caps, ctx.floor
+                )
             except ValueError as exc:
-                raise InputError(f"cluster {cluster.name}: the global batch of model "
-                                 f"{model.name} does not fit in memory on the remaining "
-                                 f"devices ({exc})") from None
+                raise InputError(
+                    f"cluster {cluster.name}: the global batch of model "
+                    f"{model.name} does not fit in memory on the remaining "
+                    f"devices ({exc})"
+                ) from None
             ctx.log.add(f"allocation:{status}", gap)
             return dict(zip(live, alloc))
 
         todo = {r: max(1, share[r]) for r in ctx.affected}
         solved_for: dict[int, int] = {}
         for _ in range(2):
-            solves = {r: self._submit(ctx, ctx.pipes[r], m, ctx.sync, weight)
-                      for r, m in todo.items()}
+            solves = {
+                r: self._submit(ctx, ctx.pipes[r], m, ctx.sync, weight) for r, m in todo.items()
+            }
             for r, solve in solves.items():
                 solutions[r] = solve.result()
                 ctx.log.pipelines += 1
             solved_for.update(todo)
             share = allocate()
             # re-solve the replicas whose micro-batch count moved: the bubble weighs with it
-            todo = {r: share.get(r, 0) for r in ctx.affected
-                    if solutions[r] is not None and 0 < share.get(r, 0) != solved_for[r]}
+            todo = {
+                r: share.get(r, 0)
+                for r in ctx.affected
+                if solutions[r] is not None and 0 < share.get(r, 0) != solved_for[r]
+            }
             if not todo:
                 break
         for r in ctx.affected:
             if solutions[r] is not None:
                 ctx.log.add(solutions[r].status, solutions[r].gap)
         # ways to use the live devices no replica holds (each a set of spare pipelines)
-        alternatives = (self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
-                        if self.regroup is True else [])
+        alternatives = (
+            self._spare_pipelines(ctx, solutions, min(ctx.even.values()) or 1)
+            if self.regroup is True
+            else []
+        )
         ctx.log.pipelines += sum(len(spares) for spares in alternatives)
-        reformed = frozenset(r for r in ctx.affected if solutions[r] is not None
-                             and any(len(s.ranks) != layout.tp for s in solutions[r].stages))
+        reformed = frozenset(
+            r
+            for r in ctx.affected
+            if solutions[r] is not None
+            and any(len(s.ranks) != layout.tp for s in solutions[r].stages)
+        )
         shares = [(solutions, share)]
         if reformed and len(reformed) < sum(s is not None for s in solutions.values()):
             shares.append((solutions, allocate(reformed)))
@@ -432,8 +548,11 @@ class Planner:
             if spares:
                 shares.append((sols, allocate(sols=sols)))
             if self.token_budgets:
-                keep = {r: ctx.even.get(r, min(ctx.even.values())) for r, sol in sols.items()
-                        if sol is not None}
+                keep = {
+                    r: ctx.even.get(r, min(ctx.even.values()))
+                    for r, sol in sols.items()
+                    if sol is not None
+                }
                 shares.append((sols, keep))
                 shares.append((sols, {r: m for r, m in keep.items() if r not in reformed}))
                 if spares:
@@ -441,11 +560,12 @@ class Planner:
         plans = [self._assemble(cluster, layout, sols, sh) for sols, sh in shares]
         if self.token_budgets:
             plans += [balance_tokens(c, coster) for c in plans]
-            plans += [b for c in plans[-len(shares):] for b in balanced(c, coster)]
+            plans += [b for c in plans[-len(shares) :] for b in balanced(c, coster)]
         return plans
 
-    def _designed_plans(self, ctx: _Context, memo: HardwareMemo, current: Plan | None,
-                        best: Plan | None) -> list[Plan]:
+    def _designed_plans(
+        self, ctx: _Context, memo: HardwareMemo, current: Plan | None, best: Plan | None
+    ) -> list[Plan]:
         """Plans of designed pipelines (``resihp.plan.designs``) on the full-speed live devices:
         all of them designed anew; and, re-planning, only those of the pipelines a fault touched
         designed anew beside the untouched ones, or every pipeline that still runs kept as it is
@@ -466,10 +586,14 @@ class Planner:
             # the best plan so far's pipelines that run slow devices (re-formed around them by
             # CP-SAT), the full-speed devices around them designed anew
             keeps.append([p for p in best.pipelines if not slow.isdisjoint(p.ranks)])
-        broken = any(d.speed < 1.0 for d in cluster.devices)  # a node with a device not at full speed
+        broken = any(
+            d.speed < 1.0 for d in cluster.devices
+        )  # a node with a device not at full speed
         # designs that cannot beat the best plan so far are not built; with token budgets a
         # balanced plan can be some percent faster than its whole micro-batches
-        target = best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
+        target = (
+            best.step_time_s * (1.05 if self.token_budgets else 1.0) if best is not None else None
+        )
         firsts = FIRST_ROUNDS if broken else ("all",)
         # slow devices in pipelines of their own, and also joining designed pipelines as short
         # stages (which is better depends on the micro-batches each pipeline carries); the two
@@ -479,74 +603,125 @@ class Planner:
             free = free_devices(cluster, keep)
             for first in firsts:
                 # a first round designing for the devices another did builds the same plans
-                key = (tuple((p.stages, p.home) for p in keep), frozenset(first_pool(cluster, free, first)))
+                key = (
+                    tuple((p.stages, p.home) for p in keep),
+                    frozenset(first_pool(cluster, free, first)),
+                )
                 if key in done:
                     continue
                 done.add(key)
-                plans += design_plans(ctx.coster, ctx.layout, memo.designer, keep, self.name,
-                                      ctx.per_solve, first_round=first, target_s=target,
-                                      token_budgets=self.token_budgets,
-                                      variants=(False, True) if slow else (False,))
+                plans += design_plans(
+                    ctx.coster,
+                    ctx.layout,
+                    memo.designer,
+                    keep,
+                    self.name,
+                    ctx.per_solve,
+                    first_round=first,
+                    target_s=target,
+                    token_budgets=self.token_budgets,
+                    variants=(False, True) if slow else (False,),
+                )
         if self.token_budgets:
             plans += [b for c in plans for b in balanced(c, ctx.coster)]
         return plans
 
     def _baseline_plans(self, ctx: _Context, healthy: Plan) -> list[Plan]:
         """The ResiHP-style heuristic and drop-replica plans (with token budgets when enabled)."""
-        base = (healthy if healthy.layout == ctx.layout
-                else healthy_plan(ctx.cluster, ctx.model, self.cost, ctx.layout))
-        plans = [build(ctx.cluster, ctx.model, ctx.coster, base, ctx.layout)
-                 for build in (heuristic_plan, drop_replica_plan)]
+        base = (
+            healthy
+            if healthy.layout == ctx.layout
+            else healthy_plan(ctx.cluster, ctx.model, self.cost, ctx.layout)
+        )
+        plans = [
+            build(ctx.cluster, ctx.model, ctx.coster, base, ctx.layout)
+            for build in (heuristic_plan, drop_replica_plan)
+        ]
         for plan in plans:
             plan.policy = self.name
         if self.token_budgets:
             plans += [b for c in plans if c.pipelines for b in balanced(c, ctx.coster)]
         return plans
 
-    def _submit(self, ctx: _Context, groups: list[tuple[int, ...]], m: int,
-                sync: tuple[float, float] | None, replicas: int) -> Future:
+    def _submit(
+        self,
+        ctx: _Context,
+        groups: list[tuple[int, ...]],
+        m: int,
+        sync: tuple[float, float] | None,
+        replicas: int,
+    ) -> Future:
         """``solve_pipeline``'s answer to come: from the planner's cache (an answer proven
         optimal in no more than this call's time limit), from the same solve already started in
         this call, or from a new solve in the pool."""
-        key = solve_key(ctx.coster, groups, m, ctx.held, self.horizon_steps, sync, replicas,
-                        self.regroup)
+        key = solve_key(
+            ctx.coster, groups, m, ctx.held, self.horizon_steps, sync, replicas, self.regroup
+        )
         if key not in ctx.futures:
             sol, seconds = ctx.solves.get(key, (None, np.inf))
             if seconds <= ctx.per_solve:
                 ctx.futures[key] = Future()
                 ctx.futures[key].set_result(sol)
             else:
-                ctx.futures[key] = ctx.pool.submit(self._solve, ctx, key, list(groups), m, sync,
-                                                   replicas)
+                ctx.futures[key] = ctx.pool.submit(
+                    self._solve, ctx, key, list(groups), m, sync, replicas
+                )
         return ctx.futures[key]
 
-    def _solve(self, ctx: _Context, key: tuple, groups: list[tuple[int, ...]], m: int,
-               sync: tuple[float, float] | None, replicas: int) -> PipelineSolution | None:
+    def _solve(
+        self,
+        ctx: _Context,
+        key: tuple,
+        groups: list[tuple[int, ...]],
+        m: int,
+        sync: tuple[float, float] | None,
+        replicas: int,
+    ) -> PipelineSolution | None:
         t0 = time.perf_counter()
-        sol = solve_pipeline(ctx.coster, groups, m, ctx.held, self.horizon_steps, ctx.per_solve,
-                             sync, replicas, self.regroup)
+        sol = solve_pipeline(
+            ctx.coster,
+            groups,
+            m,
+            ctx.held,
+            self.horizon_steps,
+            ctx.per_solve,
+            sync,
+            replicas,
+            self.regroup,
+        )
         if sol is not None and sol.status == "optimal":
             ctx.solves[key] = (sol, time.perf_counter() - t0)
         return sol
 
-    def _spare_pipelines(self, ctx: _Context, solutions: dict[int, PipelineSolution | None],
-                         m: int) -> list[dict[int, PipelineSolution]]:
+    def _spare_pipelines(
+        self, ctx: _Context, solutions: dict[int, PipelineSolution | None], m: int
+    ) -> list[dict[int, PipelineSolution]]:
         """Extra pipelines from live devices no replica uses (the rest of a broken TP group, or
         devices the layout leaves over), power-of-two TP groups inside each node, two ways: chained
         into pipelines across nodes while the CP-SAT model finds no split that fits in memory (the
         groups left over lengthen the last one); and all in one pipeline. Which carries more
         depends on the micro-batches each gets: both are candidates."""
         # kept replicas use all of their home groups: the others' and the layout's leftovers remain
-        used = {x for r in ctx.affected if solutions[r] is not None
-                for s in solutions[r].stages for x in s.ranks}
+        used = {
+            x
+            for r in ctx.affected
+            if solutions[r] is not None
+            for s in solutions[r].stages
+            for x in s.ranks
+        }
         maybe = ctx.leftover.union(*(g for r in ctx.affected for g in ctx.pipes[r]))
         free = frozenset(x for x in maybe if x not in used and x not in ctx.cluster.dead)
         if free not in ctx.spares_seen:  # the two weightings often leave the same devices over
             ctx.spares_seen[free] = self._build_spares(ctx, free, m, max(solutions) + 1)
         return ctx.spares_seen[free]
 
-    def _build_spares(self, ctx: _Context, free: frozenset[int], m: int, first_id: int,
-                      ) -> list[dict[int, PipelineSolution]]:
+    def _build_spares(
+        self,
+        ctx: _Context,
+        free: frozenset[int],
+        m: int,
+        first_id: int,
+    ) -> list[dict[int, PipelineSolution]]:
         cluster, model, coster = ctx.cluster, ctx.model, ctx.coster
         by_node: dict[int, list[int]] = {}
         for r in free:
@@ -554,8 +729,7 @@ class Planner:
         groups = []
         for ranks in by_node.values():
             ranks.sort(key=lambda r: (-cluster.devices[r].speed, r))
-            groups += [tuple(sorted(g)) for g in binary_chunks(ranks)
-                       if model.heads % len(g) == 0]
+            groups += [tuple(sorted(g)) for g in binary_chunks(ranks) if model.heads % len(g) == 0]
         if not groups or sum(len(g) for g in groups) < 2:
             return []
         groups.sort(key=lambda g: (-len(g), g))
@@ -597,15 +771,27 @@ class Planner:
                 alternatives.append({first_id: one})
         return alternatives
 
-    def _assemble(self, cluster: ClusterSpec, layout: ParallelDims,
-                  solutions: dict[int, PipelineSolution | None], share: dict[int, int]) -> Plan:
+    def _assemble(
+        self,
+        cluster: ClusterSpec,
+        layout: ParallelDims,
+        solutions: dict[int, PipelineSolution | None],
+        share: dict[int, int],
+    ) -> Plan:
         pipelines = []
         for r in sorted(solutions):
             if solutions[r] is not None and share.get(r, 0) > 0:
-                pipelines.append(Pipeline(len(pipelines), solutions[r].stages, share[r],
-                                          home=r if r < layout.dp else None))
-        return Plan(len(cluster), layout, pipelines, unplaced(len(cluster), pipelines),
-                    policy=self.name)
+                pipelines.append(
+                    Pipeline(
+                        len(pipelines),
+                        solutions[r].stages,
+                        share[r],
+                        home=r if r < layout.dp else None,
+                    )
+                )
+        return Plan(
+            len(cluster), layout, pipelines, unplaced(len(cluster), pipelines), policy=self.name
+        )
 
 
 @dataclass
@@ -628,7 +814,9 @@ class _Context:
     pool: ThreadPoolExecutor
     floor: int  # the least micro-batches a replica takes: 1 where every replica must stay
     futures: dict[tuple, Future] = field(default_factory=dict)  # this call's, by ``solve_key``
-    spares_seen: dict[frozenset[int], list[dict[int, PipelineSolution]]] = field(default_factory=dict)
+    spares_seen: dict[frozenset[int], list[dict[int, PipelineSolution]]] = field(
+        default_factory=dict
+    )
 
 
 class _SolveLog:
@@ -646,5 +834,7 @@ class _SolveLog:
 
     def summary(self) -> dict:
         done = all(s.endswith("optimal") or s == "kept" for s in self.statuses)
-        return {"status": "optimal" if done else "time-limit",
-                "gap": max(self.gaps) if self.gaps else 0.0}
+        return {
+            "status": "optimal" if done else "time-limit",
+            "gap": max(self.gaps) if self.gaps else 0.0,
+        }

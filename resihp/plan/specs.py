@@ -30,15 +30,25 @@ MAX_DEVICES = 1 << 20
 MAX_MICROBATCHES = 1 << 16
 
 
-def _number(data: Mapping, key: str, where: str, default: Any = None, *, positive: bool = True,
-            integer: bool = False, minimum: float | None = None, maximum: float | None = None):
+def _number(
+    data: Mapping,
+    key: str,
+    where: str,
+    default: Any = None,
+    *,
+    positive: bool = True,
+    integer: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+):
     value = data.get(key, default)
     if value is None:
         raise InputError(f"{where}: field {key!r} is missing (expected a number)")
     kind = "integer" if integer else "number"
     if isinstance(value, bool) or not isinstance(value, (int, float) if not integer else int):
-        raise InputError(f"{where}: field {key!r} must be {'an' if integer else 'a'} {kind}, "
-                         f"got {value!r}")
+        raise InputError(
+            f"{where}: field {key!r} must be {'an' if integer else 'a'} {kind}, got {value!r}"
+        )
     if not math.isfinite(value):  # NaN passes every comparison below
         raise InputError(f"{where}: field {key!r} must be a finite {kind}, got {value!r}")
     if positive and value <= 0:
@@ -106,21 +116,27 @@ class ClusterSpec:
         speed: s}``, s a fraction of the healthy bandwidth) and ``memory_reserve_gb``."""
         if not isinstance(data, Mapping):
             raise InputError(f"{where}: expected a mapping describing the cluster")
-        check_keys(data, ("name", "device", "bandwidth", "memory_reserve_gb", "nodes", "speeds", "links"),
-                   where)
+        check_keys(
+            data,
+            ("name", "device", "bandwidth", "memory_reserve_gb", "nodes", "speeds", "links"),
+            where,
+        )
         defaults = data.get("device", {}) or {}
         if not isinstance(defaults, Mapping):
             raise InputError(f"{where}: field 'device' must be a mapping of device defaults")
         check_keys(defaults, (*cls.DEVICE_KEYS, "type"), f"{where}: device")
         device_type = defaults.get("type", "")
         if not isinstance(device_type, str) or ("type" in defaults and not device_type.strip()):
-            raise InputError(f"{where}: device: field 'type' must name the kind of device as a "
-                             f"predictor card does (e.g. 'cuda:NVIDIA H100' or 'cpu'), got "
-                             f"{device_type!r}")
+            raise InputError(
+                f"{where}: device: field 'type' must name the kind of device as a "
+                f"predictor card does (e.g. 'cuda:NVIDIA H100' or 'cpu'), got "
+                f"{device_type!r}"
+            )
         bandwidth = data.get("bandwidth", {}) or {}
         if not isinstance(bandwidth, Mapping):
-            raise InputError(f"{where}: field 'bandwidth' must be a mapping with intra_node_gbs, "
-                             "inter_node_gbs")
+            raise InputError(
+                f"{where}: field 'bandwidth' must be a mapping with intra_node_gbs, inter_node_gbs"
+            )
         check_keys(bandwidth, ("intra_node_gbs", "inter_node_gbs"), f"{where}: bandwidth")
         nodes = data.get("nodes")
         if isinstance(nodes, Mapping):
@@ -128,8 +144,10 @@ class ClusterSpec:
             count = _number(nodes, "count", f"{where}: nodes", integer=True, maximum=MAX_DEVICES)
             nodes = [{"name": f"n{i}", "devices": nodes.get("devices")} for i in range(count)]
         if not isinstance(nodes, list) or not nodes:
-            raise InputError(f"{where}: field 'nodes' must be a non-empty list of nodes or "
-                             "{count: N, devices: M}")
+            raise InputError(
+                f"{where}: field 'nodes' must be a non-empty list of nodes or "
+                "{count: N, devices: M}"
+            )
         devices: list[DeviceSpec] = []
         seen_names: set[str] = set()
         for n, node in enumerate(nodes):
@@ -146,37 +164,58 @@ class ClusterSpec:
                 if entries < 1:
                     raise InputError(f"{nwhere}: field 'devices' must be positive, got {entries}")
                 if len(devices) + entries > MAX_DEVICES:
-                    raise InputError(f"{nwhere}: field 'devices': the cluster would have more than "
-                                     f"{MAX_DEVICES:,} devices, the most resihp plans for")
+                    raise InputError(
+                        f"{nwhere}: field 'devices': the cluster would have more than "
+                        f"{MAX_DEVICES:,} devices, the most resihp plans for"
+                    )
                 entries = [{}] * entries
             if not isinstance(entries, list) or not entries:
-                raise InputError(f"{nwhere}: field 'devices' must be a device count or a list of "
-                                 "devices")
+                raise InputError(
+                    f"{nwhere}: field 'devices' must be a device count or a list of devices"
+                )
             for i, entry in enumerate(entries):
                 dwhere = f"{nwhere}.devices[{i}]"
                 if not isinstance(entry, Mapping):
                     raise InputError(f"{dwhere}: expected a mapping (memory_gb, speed, tflops)")
                 check_keys(entry, cls.DEVICE_KEYS, dwhere)
                 merged = {**defaults, **entry}
-                devices.append(DeviceSpec(
-                    rank=len(devices), node=n, name=f"{name}/{i}",
-                    memory_gb=float(_number(merged, "memory_gb", dwhere)),
-                    tflops=float(_number(merged, "tflops", dwhere)),
-                    speed=float(_number(merged, "speed", dwhere, 1.0, positive=False,
-                                        minimum=0.0, maximum=1.0)),
-                    hbm_gbs=float(_number(merged, "hbm_gbs", dwhere, DeviceSpec.hbm_gbs)),
-                ))
+                devices.append(
+                    DeviceSpec(
+                        rank=len(devices),
+                        node=n,
+                        name=f"{name}/{i}",
+                        memory_gb=float(_number(merged, "memory_gb", dwhere)),
+                        tflops=float(_number(merged, "tflops", dwhere)),
+                        speed=float(
+                            _number(
+                                merged,
+                                "speed",
+                                dwhere,
+                                1.0,
+                                positive=False,
+                                minimum=0.0,
+                                maximum=1.0,
+                            )
+                        ),
+                        hbm_gbs=float(_number(merged, "hbm_gbs", dwhere, DeviceSpec.hbm_gbs)),
+                    )
+                )
         if len(devices) > MAX_DEVICES:
-            raise InputError(f"{where}: {len(devices):,} devices, more than the {MAX_DEVICES:,} "
-                             "resihp plans for")
+            raise InputError(
+                f"{where}: {len(devices):,} devices, more than the {MAX_DEVICES:,} resihp plans for"
+            )
         reserve = _number(data, "memory_reserve_gb", where, 2.0, positive=False, minimum=0.0)
         smallest = min(d.memory_gb for d in devices)
         if reserve >= smallest:
-            raise InputError(f"{where}: field 'memory_reserve_gb' must be below every device's "
-                             f"memory_gb (the smallest: {smallest:g}), got {reserve:g}")
+            raise InputError(
+                f"{where}: field 'memory_reserve_gb' must be below every device's "
+                f"memory_gb (the smallest: {smallest:g}), got {reserve:g}"
+            )
         cluster = cls(
             devices=tuple(devices),
-            intra_node_gbs=float(_number(bandwidth, "intra_node_gbs", f"{where}: bandwidth", 300.0)),
+            intra_node_gbs=float(
+                _number(bandwidth, "intra_node_gbs", f"{where}: bandwidth", 300.0)
+            ),
             inter_node_gbs=float(_number(bandwidth, "inter_node_gbs", f"{where}: bandwidth", 25.0)),
             memory_reserve_gb=float(reserve),
             name=str(data.get("name", where)),
@@ -188,45 +227,85 @@ class ClusterSpec:
         cluster = cluster.with_speeds(overrides, where=f"{where}: speeds")
         links = data.get("links") or []
         if not isinstance(links, list):
-            raise InputError(f"{where}: field 'links' must be a list of {{ranks: [a, b], speed: s}}")
+            raise InputError(
+                f"{where}: field 'links' must be a list of {{ranks: [a, b], speed: s}}"
+            )
         found: dict[tuple[int | str, int | str], float] = {}
         for k, link in enumerate(links):
             lwhere = f"{where}: links[{k}]"
-            if not isinstance(link, Mapping) or not isinstance(link.get("ranks"), list) \
-                    or len(link["ranks"]) != 2:
+            if (
+                not isinstance(link, Mapping)
+                or not isinstance(link.get("ranks"), list)
+                or len(link["ranks"]) != 2
+            ):
                 raise InputError(f"{lwhere}: expected {{ranks: [a, b], speed: s}}")
             check_keys(link, ("ranks", "speed"), lwhere)
             found[tuple(link["ranks"])] = float(_number(link, "speed", lwhere, maximum=1.0))
         return cluster.with_link_speeds(found, where=f"{where}: links") if found else cluster
 
     @classmethod
-    def uniform(cls, nodes: int, gpus_per_node: int, memory_gb: float, tflops: float, *,
-                hbm_gbs: float = DeviceSpec.hbm_gbs, intra_node_gbs: float = 300.0,
-                inter_node_gbs: float = 25.0, memory_reserve_gb: float = 2.0,
-                name: str = "cluster", device_type: str = "") -> ClusterSpec:
+    def uniform(
+        cls,
+        nodes: int,
+        gpus_per_node: int,
+        memory_gb: float,
+        tflops: float,
+        *,
+        hbm_gbs: float = DeviceSpec.hbm_gbs,
+        intra_node_gbs: float = 300.0,
+        inter_node_gbs: float = 25.0,
+        memory_reserve_gb: float = 2.0,
+        name: str = "cluster",
+        device_type: str = "",
+    ) -> ClusterSpec:
         """``nodes`` nodes of ``gpus_per_node`` identical healthy devices (``n<node>/<index>``)."""
-        devices = tuple(DeviceSpec(rank=i, node=i // gpus_per_node,
-                                   name=f"n{i // gpus_per_node}/{i % gpus_per_node}",
-                                   memory_gb=memory_gb, tflops=tflops, hbm_gbs=hbm_gbs)
-                        for i in range(nodes * gpus_per_node))
-        return cls(devices, intra_node_gbs=intra_node_gbs, inter_node_gbs=inter_node_gbs,
-                   memory_reserve_gb=memory_reserve_gb, name=name, device_type=device_type)
+        devices = tuple(
+            DeviceSpec(
+                rank=i,
+                node=i // gpus_per_node,
+                name=f"n{i // gpus_per_node}/{i % gpus_per_node}",
+                memory_gb=memory_gb,
+                tflops=tflops,
+                hbm_gbs=hbm_gbs,
+            )
+            for i in range(nodes * gpus_per_node)
+        )
+        return cls(
+            devices,
+            intra_node_gbs=intra_node_gbs,
+            inter_node_gbs=inter_node_gbs,
+            memory_reserve_gb=memory_reserve_gb,
+            name=name,
+            device_type=device_type,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         nodes: dict[int, list] = {}
         for d in self.devices:
             nodes.setdefault(d.node, []).append(
-                {"memory_gb": d.memory_gb, "tflops": d.tflops, "speed": d.speed,
-                 "hbm_gbs": d.hbm_gbs})
+                {
+                    "memory_gb": d.memory_gb,
+                    "tflops": d.tflops,
+                    "speed": d.speed,
+                    "hbm_gbs": d.hbm_gbs,
+                }
+            )
         names = {d.node: d.name.split("/")[0] for d in self.devices}
-        return {"name": self.name,
-                "bandwidth": {"intra_node_gbs": self.intra_node_gbs,
-                              "inter_node_gbs": self.inter_node_gbs},
-                "memory_reserve_gb": self.memory_reserve_gb,
-                "nodes": [{"name": names[n], "devices": devs} for n, devs in nodes.items()],
-                **({"device": {"type": self.device_type}} if self.device_type else {}),
-                **({"links": [{"ranks": [a, b], "speed": v} for a, b, v in self.links]}
-                   if self.links else {})}
+        return {
+            "name": self.name,
+            "bandwidth": {
+                "intra_node_gbs": self.intra_node_gbs,
+                "inter_node_gbs": self.inter_node_gbs,
+            },
+            "memory_reserve_gb": self.memory_reserve_gb,
+            "nodes": [{"name": names[n], "devices": devs} for n, devs in nodes.items()],
+            **({"device": {"type": self.device_type}} if self.device_type else {}),
+            **(
+                {"links": [{"ranks": [a, b], "speed": v} for a, b, v in self.links]}
+                if self.links
+                else {}
+            ),
+        }
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -248,8 +327,9 @@ class ClusterSpec:
         """Devices per node, for layouts that need nodes of one size (the replay's)."""
         sizes = sorted({len(r) for r in self.node_ranks})
         if len(sizes) != 1:
-            raise InputError(f"cluster {self.name}: nodes of different sizes ({sizes}) where one "
-                             "size is needed")
+            raise InputError(
+                f"cluster {self.name}: nodes of different sizes ({sizes}) where one size is needed"
+            )
         return sizes[0]
 
     @cached_property
@@ -272,7 +352,9 @@ class ClusterSpec:
     def free_memory_gb(self, ranks: Iterable[int] | None = None) -> float:
         """What a stage may hold on each device of ``ranks`` (every device when None): the smallest
         one's memory less the reserve."""
-        least = self.min_memory_gb if ranks is None else min(self.devices[r].memory_gb for r in ranks)
+        least = (
+            self.min_memory_gb if ranks is None else min(self.devices[r].memory_gb for r in ranks)
+        )
         return least - self.memory_reserve_gb
 
     @cached_property
@@ -311,8 +393,10 @@ class ClusterSpec:
             if ra == rb:
                 raise InputError(f"{where}: a link joins two different devices, got {a!r} twice")
             if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
-                raise InputError(f"{where}: speed of link {a!r}-{b!r} must be a number in (0, 1] "
-                                 f"(1 healthy), got {value!r}")
+                raise InputError(
+                    f"{where}: speed of link {a!r}-{b!r} must be a number in (0, 1] "
+                    f"(1 healthy), got {value!r}"
+                )
             merged[(min(ra, rb), max(ra, rb))] = float(value)
         links = tuple((a, b, v) for (a, b), v in sorted(merged.items()) if v < 1.0)
         new = replace(self, links=links)
@@ -331,20 +415,29 @@ class ClusterSpec:
 
     def rank_of(self, key: int | str, where: str = "device") -> int:
         """A device by rank (int or digits) or by ``node/index`` name."""
-        if isinstance(key, (int, np.integer)) and not isinstance(key, bool) or isinstance(key, str) and key.strip().isdigit():
+        if (
+            isinstance(key, (int, np.integer))
+            and not isinstance(key, bool)
+            or isinstance(key, str)
+            and key.strip().isdigit()
+        ):
             rank = int(key)
         elif isinstance(key, str) and key in self._by_name:
             return self._by_name[key]
         else:
-            raise InputError(f"{where}: unknown device {key!r} (expected a rank 0..{len(self) - 1} "
-                             "or a 'node/index' name)")
+            raise InputError(
+                f"{where}: unknown device {key!r} (expected a rank 0..{len(self) - 1} "
+                "or a 'node/index' name)"
+            )
         if not 0 <= rank < len(self):
-            raise InputError(f"{where}: unknown device rank {rank} (cluster has ranks "
-                             f"0..{len(self) - 1})")
+            raise InputError(
+                f"{where}: unknown device rank {rank} (cluster has ranks 0..{len(self) - 1})"
+            )
         return rank
 
-    def with_speeds(self, speeds: Mapping[int | str, float] | np.ndarray,
-                    where: str = "speeds") -> ClusterSpec:
+    def with_speeds(
+        self, speeds: Mapping[int | str, float] | np.ndarray, where: str = "speeds"
+    ) -> ClusterSpec:
         """A copy with some device speeds replaced (1/slowdown from the detector; 0 = dead)."""
         if isinstance(speeds, np.ndarray):
             if speeds.shape != (len(self),):
@@ -357,10 +450,15 @@ class ClusterSpec:
         new = self.speeds.copy()
         for key, value in speeds.items():
             rank = self.rank_of(key, where)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-                    or not 0.0 <= float(value) <= 1.0:
-                raise InputError(f"{where}: speed of device {key!r} must be a number in [0, 1] "
-                                 f"(1 healthy, 0 dead), got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, np.floating))
+                or not 0.0 <= float(value) <= 1.0
+            ):
+                raise InputError(
+                    f"{where}: speed of device {key!r} must be a number in [0, 1] "
+                    f"(1 healthy, 0 dead), got {value!r}"
+                )
             new[rank] = float(value)
         return self._with_speed_array(new, where)
 
@@ -368,8 +466,10 @@ class ClusterSpec:
         bad = np.flatnonzero(~((speeds >= 0.0) & (speeds <= 1.0)))
         if len(bad):
             rank = int(bad[0])
-            raise InputError(f"{where}: speed of device {rank!r} must be a number in [0, 1] "
-                             f"(1 healthy, 0 dead), got {speeds[rank].item()!r}")
+            raise InputError(
+                f"{where}: speed of device {rank!r} must be a number in [0, 1] "
+                f"(1 healthy, 0 dead), got {speeds[rank].item()!r}"
+            )
         speeds = speeds.astype(np.float64)  # a copy: the caller's array may change later
         devices = list(self.devices)
         for rank in np.flatnonzero(speeds != self.speeds).tolist():
@@ -388,8 +488,14 @@ class ClusterSpec:
         """The same cluster with every device at full speed and every link healthy."""
         if not self.degraded:
             return self
-        cluster = self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
-        return cluster._with_speed_array(np.ones(len(self)), "healthy") if cluster.degraded else cluster
+        cluster = (
+            self.with_link_speeds({(a, b): 1.0 for a, b, _ in self.links}) if self.links else self
+        )
+        return (
+            cluster._with_speed_array(np.ones(len(self)), "healthy")
+            if cluster.degraded
+            else cluster
+        )
 
     def paced(self, factor: float, links: float | None = None) -> ClusterSpec:
         """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
@@ -401,15 +507,26 @@ class ClusterSpec:
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise InputError(f"cluster pace: expected a positive finite factor, got {value!r}")
         links = factor if links is None else links
-        devices = tuple(replace(d, tflops=d.tflops / factor, hbm_gbs=d.hbm_gbs / factor) for d in self.devices)
-        return replace(self, devices=devices, intra_node_gbs=self.intra_node_gbs / links,
-                       inter_node_gbs=self.inter_node_gbs / links)
+        devices = tuple(
+            replace(d, tflops=d.tflops / factor, hbm_gbs=d.hbm_gbs / factor) for d in self.devices
+        )
+        return replace(
+            self,
+            devices=devices,
+            intra_node_gbs=self.intra_node_gbs / links,
+            inter_node_gbs=self.inter_node_gbs / links,
+        )
 
     @cached_property
     def hardware_key(self) -> tuple:
         """What the healthy layout depends on: nodes, device memory and FLOP rates, links."""
-        return (tuple((d.node, d.memory_gb, d.tflops) for d in self.devices),
-                self.intra_node_gbs, self.inter_node_gbs, self.memory_reserve_gb, self.p2p_overhead_s)
+        return (
+            tuple((d.node, d.memory_gb, d.tflops) for d in self.devices),
+            self.intra_node_gbs,
+            self.inter_node_gbs,
+            self.memory_reserve_gb,
+            self.p2p_overhead_s,
+        )
 
     def bandwidth_gbs(self, a: int, b: int) -> float:
         same = self.devices[a].node == self.devices[b].node
@@ -426,8 +543,14 @@ class ClusterSpec:
             graph.add_edge(switch, "fabric", bandwidth_gbs=self.inter_node_gbs)
             for r in ranks:
                 d = self.devices[r]
-                graph.add_node(r, kind="device", name=d.name, memory_gb=d.memory_gb,
-                               tflops=d.tflops, speed=d.speed)
+                graph.add_node(
+                    r,
+                    kind="device",
+                    name=d.name,
+                    memory_gb=d.memory_gb,
+                    tflops=d.tflops,
+                    speed=d.speed,
+                )
                 graph.add_edge(r, switch, bandwidth_gbs=self.intra_node_gbs)
         return graph
 
@@ -460,38 +583,61 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.mlp not in self.MLP_MATRICES:
-            raise InputError(f"model {self.name}: mlp must be one of {', '.join(self.MLP_MATRICES)}, "
-                             f"got {self.mlp!r}")
+            raise InputError(
+                f"model {self.name}: mlp must be one of {', '.join(self.MLP_MATRICES)}, "
+                f"got {self.mlp!r}"
+            )
         self.shape()
         for name in ("vocab", "max_seq_len", "global_batch_tokens", "microbatch_tokens"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise InputError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
+                raise InputError(
+                    f"model {self.name}: {name} must be a positive integer, got {value!r}"
+                )
         if self.schedule not in SCHEDULES:
-            raise InputError(f"model {self.name}: schedule must be one of {', '.join(SCHEDULES)}, "
-                             f"got {self.schedule!r}")
+            raise InputError(
+                f"model {self.name}: schedule must be one of {', '.join(SCHEDULES)}, "
+                f"got {self.schedule!r}"
+            )
         if self.global_batch_tokens % self.microbatch_tokens:
-            raise InputError(f"model {self.name}: global_batch_tokens ({self.global_batch_tokens}) must "
-                             f"be a multiple of microbatch_tokens ({self.microbatch_tokens})")
+            raise InputError(
+                f"model {self.name}: global_batch_tokens ({self.global_batch_tokens}) must "
+                f"be a multiple of microbatch_tokens ({self.microbatch_tokens})"
+            )
         if self.global_batch_tokens // self.microbatch_tokens > MAX_MICROBATCHES:
-            raise InputError(f"model {self.name}: global_batch_tokens / microbatch_tokens = "
-                             f"{self.global_batch_tokens // self.microbatch_tokens:,} micro-batches a "
-                             f"step, more than the {MAX_MICROBATCHES:,} resihp plans for")
+            raise InputError(
+                f"model {self.name}: global_batch_tokens / microbatch_tokens = "
+                f"{self.global_batch_tokens // self.microbatch_tokens:,} micro-batches a "
+                f"step, more than the {MAX_MICROBATCHES:,} resihp plans for"
+            )
         if self.microbatch_tokens < self.max_seq_len:
-            raise InputError(f"model {self.name}: microbatch_tokens ({self.microbatch_tokens}) must be "
-                             f">= max_seq_len ({self.max_seq_len}) so any sequence fits")
+            raise InputError(
+                f"model {self.name}: microbatch_tokens ({self.microbatch_tokens}) must be "
+                f">= max_seq_len ({self.max_seq_len}) so any sequence fits"
+            )
         for name in ("tp", "pp"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise InputError(f"model {self.name}: {name} must be a positive integer, got {value!r}")
+                raise InputError(
+                    f"model {self.name}: {name} must be a positive integer, got {value!r}"
+                )
         if self.tp is not None and self.tp & (self.tp - 1):
             raise InputError(f"model {self.name}: tp must be a power of two, got {self.tp}")
         if self.pp is not None and self.pp > self.layers:
-            raise InputError(f"model {self.name}: pp ({self.pp}) exceeds the number of layers "
-                             f"({self.layers})")
+            raise InputError(
+                f"model {self.name}: pp ({self.pp}) exceeds the number of layers ({self.layers})"
+            )
 
-    FIELDS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len",
-              "global_batch_tokens", "microbatch_tokens")
+    FIELDS = (
+        "layers",
+        "hidden",
+        "heads",
+        "ffn_hidden",
+        "vocab",
+        "max_seq_len",
+        "global_batch_tokens",
+        "microbatch_tokens",
+    )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ModelSpec:
@@ -507,43 +653,71 @@ class ModelSpec:
                 kwargs[key] = _number(data, key, where, integer=True)
         parts = [k for k in STATE_PARTS if k in data]
         if parts and "state_bytes_per_param" in data:
-            raise InputError(f"{where}: give either state_bytes_per_param or its parts "
-                             f"({', '.join(STATE_PARTS)}), not both")
+            raise InputError(
+                f"{where}: give either state_bytes_per_param or its parts "
+                f"({', '.join(STATE_PARTS)}), not both"
+            )
         if parts:
-            kwargs["state_bytes_per_param"] = float(sum(
-                _number(data, k, where, STATE_PARTS[k], positive=False, minimum=0.0)
-                for k in STATE_PARTS))
+            kwargs["state_bytes_per_param"] = float(
+                sum(
+                    _number(data, k, where, STATE_PARTS[k], positive=False, minimum=0.0)
+                    for k in STATE_PARTS
+                )
+            )
         elif "state_bytes_per_param" in data:
             kwargs["state_bytes_per_param"] = float(_number(data, "state_bytes_per_param", where))
         if data.get("activation_bytes_per_token_layer") is not None:
             kwargs["activation_bytes_per_token_layer"] = float(
-                _number(data, "activation_bytes_per_token_layer", where))
+                _number(data, "activation_bytes_per_token_layer", where)
+            )
         schedule = data.get("schedule", "1f1b")
         if schedule not in SCHEDULES:
-            raise InputError(f"{where}: field 'schedule' must be one of {', '.join(SCHEDULES)}, "
-                             f"got {schedule!r}")
+            raise InputError(
+                f"{where}: field 'schedule' must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
+            )
         mlp = data.get("mlp", "gelu")
         if mlp not in cls.MLP_MATRICES:
-            raise InputError(f"{where}: field 'mlp' must be one of {', '.join(cls.MLP_MATRICES)}, "
-                             f"got {mlp!r}")
+            raise InputError(
+                f"{where}: field 'mlp' must be one of {', '.join(cls.MLP_MATRICES)}, got {mlp!r}"
+            )
         workload = data.get("workload")
         if workload is not None and not isinstance(workload, str):
             raise InputError(f"{where}: field 'workload' must be a length source name or path")
-        known = set(cls.FIELDS) | set(STATE_PARTS) | {
-            "tp", "pp", "state_bytes_per_param", "schedule", "workload", "name", "mlp",
-            "activation_bytes_per_token_layer"}
+        known = (
+            set(cls.FIELDS)
+            | set(STATE_PARTS)
+            | {
+                "tp",
+                "pp",
+                "state_bytes_per_param",
+                "schedule",
+                "workload",
+                "name",
+                "mlp",
+                "activation_bytes_per_token_layer",
+            }
+        )
         check_keys(data, known, where)
         try:
-            return cls(**kwargs, schedule=schedule, workload=workload, mlp=mlp,
-                       name=str(data.get("name", Path(where).stem)),
-                       extra={k: v for k, v in data.items() if k not in known})
+            return cls(
+                **kwargs,
+                schedule=schedule,
+                workload=workload,
+                mlp=mlp,
+                name=str(data.get("name", Path(where).stem)),
+                extra={k: v for k, v in data.items() if k not in known},
+            )
         except InputError as exc:
             raise InputError(f"{where}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.FIELDS}
-        out.update(name=self.name, schedule=self.schedule, mlp=self.mlp,
-                   state_bytes_per_param=self.state_bytes_per_param)
+        out.update(
+            name=self.name,
+            schedule=self.schedule,
+            mlp=self.mlp,
+            state_bytes_per_param=self.state_bytes_per_param,
+        )
         for key in ("tp", "pp", "workload", "activation_bytes_per_token_layer"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -555,8 +729,14 @@ class ModelSpec:
         return self.global_batch_tokens // self.microbatch_tokens
 
     def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:
-        return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp,
-                                self.MLP_MATRICES[self.mlp])
+        return TransformerShape(
+            layers or self.layers,
+            self.hidden,
+            self.heads,
+            self.ffn_hidden,
+            tp,
+            self.MLP_MATRICES[self.mlp],
+        )
 
     @property
     def params_per_layer(self) -> int:
@@ -582,16 +762,21 @@ def layer_params(hidden: int, ffn_hidden: int, mlp: str = "gelu") -> int:
     return 4 * h * h + m * h * f + 9 * h + (m - 1) * f
 
 
-STATE_PARTS = {"weight_bytes_per_param": 2.0, "grad_bytes_per_param": 2.0,
-               "optimizer_bytes_per_param": 12.0}
+STATE_PARTS = {
+    "weight_bytes_per_param": 2.0,
+    "grad_bytes_per_param": 2.0,
+    "optimizer_bytes_per_param": 12.0,
+}
 
 
 def layer_memory_gb(model: ModelSpec, tp: int = 1) -> dict[str, float]:
     """Per device of a TP group of ``tp``: one layer's model state, and its activations per
     micro-batch in flight."""
     act = activation_bytes_per_token_layer(model)
-    return {"state": model.params_per_layer * model.state_bytes_per_param / tp / 1e9,
-            "activations_per_microbatch": model.microbatch_tokens * act / tp / 1e9}
+    return {
+        "state": model.params_per_layer * model.state_bytes_per_param / tp / 1e9,
+        "activations_per_microbatch": model.microbatch_tokens * act / tp / 1e9,
+    }
 
 
 def activation_bytes_per_token_layer(model: ModelSpec) -> float:
@@ -607,8 +792,15 @@ def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches:
     return min(microbatches, stages - stage) if schedule == "1f1b" else microbatches
 
 
-def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
-                    first: bool, last: bool, microbatch_tokens: float | None = None) -> float:
+def stage_memory_gb(
+    model: ModelSpec,
+    layers: int,
+    tp: int,
+    in_flight: int,
+    first: bool,
+    last: bool,
+    microbatch_tokens: float | None = None,
+) -> float:
     """Memory of one device of a stage, in GB: the model state of its layer shard (the first stage
     also the embedding, the last the untied LM head; ``model.state_bytes_per_param``, mixed-
     precision Adam by default) plus the activations of ``in_flight`` micro-batches
@@ -624,11 +816,25 @@ def stage_memory_gb(model: ModelSpec, layers: int, tp: int, in_flight: int,
     return (state * model.state_bytes_per_param + activations) / tp / 1e9
 
 
-def pipeline_memory_gb(model: ModelSpec, layer_counts: Sequence[int], tp: int, microbatches: int,
-                       microbatch_tokens: float | None = None) -> list[float]:
+def pipeline_memory_gb(
+    model: ModelSpec,
+    layer_counts: Sequence[int],
+    tp: int,
+    microbatches: int,
+    microbatch_tokens: float | None = None,
+) -> list[float]:
     """``stage_memory_gb`` of every stage of a pipeline of ``tp``-wide groups running
     ``microbatches`` micro-batches per step."""
     p = len(layer_counts)
-    return [stage_memory_gb(model, n, tp, in_flight_microbatches(model.schedule, p, s, microbatches),
-                            s == 0, s == p - 1, microbatch_tokens)
-            for s, n in enumerate(layer_counts)]
+    return [
+        stage_memory_gb(
+            model,
+            n,
+            tp,
+            in_flight_microbatches(model.schedule, p, s, microbatches),
+            s == 0,
+            s == p - 1,
+            microbatch_tokens,
+        )
+        for s, n in enumerate(layer_counts)
+    ]

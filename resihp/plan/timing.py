@@ -18,8 +18,9 @@ from resihp.plan.plan import HashedTuple, Plan, Stage
 from resihp.plan.specs import ClusterSpec, ModelSpec, in_flight_microbatches, stage_memory_gb
 
 
-def closed_form_step(fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b",
-                     p2p_s: float = 0.0) -> float:
+def closed_form_step(
+    fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b", p2p_s: float = 0.0
+) -> float:
     """Critical path of one pipeline over ``m`` equal micro-batches; fwd/bwd are per-stage seconds."""
     fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     if m < 1 or fwd.size == 0:
@@ -57,16 +58,27 @@ class StageCoster:
         """A coster for the same hardware and model at the device speeds of ``cluster``, sharing
         this one's caches of what speeds do not change (memory, full-speed layer times, critical
         paths by stage times)."""
-        if cluster.hardware_key is not self.cluster.hardware_key \
-                and cluster.hardware_key != self.cluster.hardware_key:
+        if (
+            cluster.hardware_key is not self.cluster.hardware_key
+            and cluster.hardware_key != self.cluster.hardware_key
+        ):
             raise ValueError(f"cluster {cluster.name} is not the hardware of this coster")
         new = StageCoster(cluster, self.model, self.cost)
         for name in self._SHARED:
             setattr(new, name, getattr(self, name))
         return new
 
-    _SHARED = ("_layer", "_head", "_steps", "_fits", "_caps", "_budgets", "_shards", "_full_speed",
-               "_factors")
+    _SHARED = (
+        "_layer",
+        "_head",
+        "_steps",
+        "_fits",
+        "_caps",
+        "_budgets",
+        "_shards",
+        "_full_speed",
+        "_factors",
+    )
 
     @property
     def cache_entries(self) -> int:
@@ -92,8 +104,11 @@ class StageCoster:
         key = (tp, tflops)
         if key not in self._factors:
             of = getattr(self.cost, "microbatch_factors", None)
-            self._factors[key] = (np.asarray(of(self.model, self.cluster, tp, tflops),
-                                             dtype=np.float64) if of else np.ones(1))
+            self._factors[key] = (
+                np.asarray(of(self.model, self.cluster, tp, tflops), dtype=np.float64)
+                if of
+                else np.ones(1)
+            )
         return self._factors[key]
 
     def group_speed(self, ranks: tuple[int, ...]) -> tuple[float, float]:
@@ -140,13 +155,23 @@ class StageCoster:
             p = len(stages)
             schedule = self.model.schedule
             self._fits[key] = all(
-                stage_memory_gb(self.model, st.n_layers, st.tp,
-                                in_flight_microbatches(schedule, p, s, m), s == 0, s == p - 1,
-                                budget) <= self.cluster.free_memory_gb(st.ranks)
-                for s, st in enumerate(stages))
+                stage_memory_gb(
+                    self.model,
+                    st.n_layers,
+                    st.tp,
+                    in_flight_microbatches(schedule, p, s, m),
+                    s == 0,
+                    s == p - 1,
+                    budget,
+                )
+                <= self.cluster.free_memory_gb(st.ranks)
+                for s, st in enumerate(stages)
+            )
         return self._fits[key]
 
-    def max_microbatches(self, stages: tuple[Stage, ...], budget: float | None = None) -> int | None:
+    def max_microbatches(
+        self, stages: tuple[Stage, ...], budget: float | None = None
+    ) -> int | None:
         """The most micro-batches the replica can hold in memory; None when memory does not grow
         with their number (1F1B once every stage is full)."""
         key = (stages, budget)
@@ -160,8 +185,10 @@ class StageCoster:
         p, best = len(stages), None
         for s, st in enumerate(stages):
             state = stage_memory_gb(self.model, st.n_layers, st.tp, 0, s == 0, s == p - 1, budget)
-            act = stage_memory_gb(self.model, st.n_layers, st.tp, 1, s == 0, s == p - 1,
-                                  budget) - state
+            act = (
+                stage_memory_gb(self.model, st.n_layers, st.tp, 1, s == 0, s == p - 1, budget)
+                - state
+            )
             cap = int((self.cluster.free_memory_gb(st.ranks) - state) // act) if act > 0 else None
             best = cap if best is None else (best if cap is None else min(best, cap))
         return best
@@ -177,8 +204,12 @@ class StageCoster:
                 in_flight = in_flight_microbatches(self.model.schedule, p, s, m)
                 first, last = s == 0, s == p - 1
                 state = stage_memory_gb(self.model, stage.n_layers, stage.tp, 0, first, last)
-                per_token = stage_memory_gb(self.model, stage.n_layers, stage.tp, in_flight, first,
-                                            last, 1.0) - state
+                per_token = (
+                    stage_memory_gb(
+                        self.model, stage.n_layers, stage.tp, in_flight, first, last, 1.0
+                    )
+                    - state
+                )
                 limit = min(limit, (self.cluster.free_memory_gb(stage.ranks) - state) / per_token)
             self._budgets[key] = float(limit)
         return self._budgets[key]
@@ -192,8 +223,11 @@ class StageCoster:
         """Model state of one layer on one device of a TP group of size ``tp``."""
         return stage_memory_gb(self.model, 1, tp, 0, False, False)
 
-    def pipeline_fb(self, stages: tuple[Stage, ...], scale: float = 1.0,
-                    ) -> tuple[tuple[float, float], ...]:
+    def pipeline_fb(
+        self,
+        stages: tuple[Stage, ...],
+        scale: float = 1.0,
+    ) -> tuple[tuple[float, float], ...]:
         """``stage_fb`` of every stage of a pipeline (the last one runs the LM head)."""
         key = (stages, scale)
         fb = self._pipelines.get(key)
@@ -203,8 +237,7 @@ class StageCoster:
             fb = self._full_speed.get(key) if full else None
             if fb is None:
                 last = len(stages) - 1
-                fb = HashedTuple(self.stage_fb(s, i == last, scale)
-                                 for i, s in enumerate(stages))
+                fb = HashedTuple(self.stage_fb(s, i == last, scale) for i, s in enumerate(stages))
                 if self.cluster.links:
                     fb = HashedTuple(self._slow_link_fb(stages, fb, scale))
                 if full:
@@ -215,7 +248,9 @@ class StageCoster:
     def boundary_speed(self, a: Stage, b: Stage) -> float:
         """The speed of the slowest link between two neighbouring stages (each TP rank sends to
         its counterpart; groups of different sizes: any pair)."""
-        pairs = zip(a.ranks, b.ranks) if a.tp == b.tp else ((x, y) for x in a.ranks for y in b.ranks)
+        pairs = (
+            zip(a.ranks, b.ranks) if a.tp == b.tp else ((x, y) for x in a.ranks for y in b.ranks)
+        )
         return min(self.cluster.link_speed(x, y) for x, y in pairs)
 
     def _slow_link_fb(self, stages: tuple[Stage, ...], fb: tuple, scale: float) -> list:
@@ -238,9 +273,14 @@ class StageCoster:
         key = (fb, m, scale)
         if key not in self._steps:
             arr = np.array(fb)
-            self._steps[key] = float(pipeline_step_time(
-                np.broadcast_to(arr[:, :1], (len(fb), m)), np.broadcast_to(arr[:, 1:], (len(fb), m)),
-                self.model.schedule, p2p_s=self.p2p_s * scale))
+            self._steps[key] = float(
+                pipeline_step_time(
+                    np.broadcast_to(arr[:, :1], (len(fb), m)),
+                    np.broadcast_to(arr[:, 1:], (len(fb), m)),
+                    self.model.schedule,
+                    p2p_s=self.p2p_s * scale,
+                )
+            )
         return self._steps[key]
 
     def pipeline_slope(self, stages: tuple[Stage, ...], m_ref: int) -> tuple[float, float]:
@@ -250,7 +290,10 @@ class StageCoster:
         out = self._slopes.get(key)
         if out is None:
             first = self.pipeline_step(stages, 1)
-            out = self._slopes[key] = (first, (self.pipeline_step(stages, m_ref) - first) / (m_ref - 1))
+            out = self._slopes[key] = (
+                first,
+                (self.pipeline_step(stages, m_ref) - first) / (m_ref - 1),
+            )
         return out
 
     def largest_shard(self, stages: tuple[Stage, ...]) -> float:
@@ -266,8 +309,9 @@ class StageCoster:
             return 0.0
         if self.cluster.links and len({len(p.stages) for p in plan.pipelines}) == 1:
             return self._slow_link_sync_s(plan)
-        return max(self.largest_shard(p.stages) for p in plan.pipelines) \
-            * self.sync_s_per_shard_layer(d)
+        return max(
+            self.largest_shard(p.stages) for p in plan.pipelines
+        ) * self.sync_s_per_shard_layer(d)
 
     def _slow_link_sync_s(self, plan: Plan) -> float:
         """With slow links: each stage's replicas reduce their shards over a ring as slow as its
@@ -329,8 +373,9 @@ class CapacityBound:
         return replace(self, tokens_per_s=self.tokens_per_s * frac, capacity_fraction=frac)
 
 
-def evaluate(plan: Plan, coster: StageCoster, bound: CapacityBound | None = None,
-             current: Plan | None = None) -> Plan:
+def evaluate(
+    plan: Plan, coster: StageCoster, bound: CapacityBound | None = None, current: Plan | None = None
+) -> Plan:
     """Fill the plan's predicted step time, throughput, bound ratio and migration cost."""
     placed_dead = not all(coster.alive(p.stages) for p in plan.pipelines)
     # a job that still waits on a dead rank makes no progress
@@ -377,8 +422,9 @@ def critical_path_step(plan: Plan, coster: StageCoster) -> float:
 EXPECTED_SAMPLES = 256  # drawn steps per kind of replica
 
 
-def expected_step(plan: Plan, coster: StageCoster, samples: int = EXPECTED_SAMPLES,
-                  seed: int = 0) -> float:
+def expected_step(
+    plan: Plan, coster: StageCoster, samples: int = EXPECTED_SAMPLES, seed: int = 0
+) -> float:
     """The plan's expected step when micro-batches differ in cost (as the workload's packed
     micro-batches do), plus the gradient all-reduce.
 
@@ -398,8 +444,13 @@ def expected_step(plan: Plan, coster: StageCoster, samples: int = EXPECTED_SAMPL
     for p in plan.pipelines:
         scale = p.budget(model) / model.microbatch_tokens
         widest = max(p.stages, key=lambda st: st.tp).ranks
-        key = (coster.pipeline_fb(p.stages, scale), scale, p.microbatches,
-               len(widest), coster.group_speed(widest)[1])
+        key = (
+            coster.pipeline_fb(p.stages, scale),
+            scale,
+            p.microbatches,
+            len(widest),
+            coster.group_speed(widest)[1],
+        )
         kinds[key] = kinds.get(key, 0) + 1
     draws, counts = [], []
     for (fb, scale, m, width, tflops), count in kinds.items():
@@ -408,8 +459,11 @@ def expected_step(plan: Plan, coster: StageCoster, samples: int = EXPECTED_SAMPL
         factor = table[rng.integers(len(table), size=(samples, m))]  # [K, m]
         fwd = arr[None, :, :1] * factor[:, None, :]
         bwd = arr[None, :, 1:] * factor[:, None, :]
-        draws.append(np.sort(np.asarray(pipeline_step_time(fwd, bwd, model.schedule,
-                                                           p2p_s=coster.p2p_s * scale))))
+        draws.append(
+            np.sort(
+                np.asarray(pipeline_step_time(fwd, bwd, model.schedule, p2p_s=coster.p2p_s * scale))
+            )
+        )
         counts.append(count)
     points = np.unique(np.concatenate(draws))
     cdf = np.ones(len(points))

@@ -52,8 +52,10 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
         tau = solver.NumVar(lo, max(lo, limit - 1.0), f"tau{k}")
         solver.Add(span >= rate * tau)
         taus.append(tau)
-    solver.Add(sum(m * len(members) * tau for (_, m, _), members, tau
-                   in zip(rows, rows.values(), taus)) == float(model.global_batch_tokens))
+    solver.Add(
+        sum(m * len(members) * tau for (_, m, _), members, tau in zip(rows, rows.values(), taus))
+        == float(model.global_batch_tokens)
+    )
     solver.Minimize(span)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return plan
@@ -62,12 +64,14 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
         shares[members] = m * tau.solution_value()
     tokens = np.floor(shares).astype(np.int64)
     short = model.global_batch_tokens - int(tokens.sum())
-    for i in np.argsort(-(shares - tokens))[:max(0, short)]:
+    for i in np.argsort(-(shares - tokens))[: max(0, short)]:
         tokens[i] += 1
     if tokens.sum() != model.global_batch_tokens:
         return plan
-    new = [replace(p, tokens=None if t == p.microbatches * tau0 else int(t))
-           for p, t in zip(pipes, tokens.tolist())]
+    new = [
+        replace(p, tokens=None if t == p.microbatches * tau0 else int(t))
+        for p, t in zip(pipes, tokens.tolist())
+    ]
     return replace(plan, pipelines=new)
 
 
@@ -83,8 +87,15 @@ def proportional_counts(plan: Plan, coster: StageCoster, fewer: bool = False) ->
     pipes = plan.pipelines
     if len(pipes) < 2:
         return plan
-    speed = np.array([p.share(model) / coster.pipeline_step(
-        p.stages, p.microbatches, p.budget(model) / model.microbatch_tokens) for p in pipes])
+    speed = np.array(
+        [
+            p.share(model)
+            / coster.pipeline_step(
+                p.stages, p.microbatches, p.budget(model) / model.microbatch_tokens
+            )
+            for p in pipes
+        ]
+    )
     ideal = speed / speed.sum() * model.global_batch_tokens
     counts = []
     for p, x in zip(pipes, ideal):
@@ -93,8 +104,10 @@ def proportional_counts(plan: Plan, coster: StageCoster, fewer: bool = False) ->
         if m and x / m > limit - 1 and not fewer:
             m = int(np.ceil(x / (limit - 1)))
         counts.append(m)
-    new = [replace(p, dp_rank=i, microbatches=m, tokens=m * model.microbatch_tokens)
-           for i, (p, m) in enumerate((p, m) for p, m in zip(pipes, counts) if m > 0)]
+    new = [
+        replace(p, dp_rank=i, microbatches=m, tokens=m * model.microbatch_tokens)
+        for i, (p, m) in enumerate((p, m) for p, m in zip(pipes, counts) if m > 0)
+    ]
     return replace(plan, pipelines=new, excluded=unplaced(plan.world_size, new))
 
 

@@ -17,21 +17,45 @@ from resihp.paths import resolve
 
 
 # the names in replay.policies.POLICIES (a test keeps them equal), here for --help without the planner
-REPLAY_POLICIES = "resihp, checkpoint-restart, oobleck, recycle, greyhound, oobleck+greyhound, recycle+greyhound"
+REPLAY_POLICIES = (
+    "resihp, checkpoint-restart, oobleck, recycle, greyhound, oobleck+greyhound, recycle+greyhound"
+)
 
 
 def replay_cmd(
-    scenario: Annotated[Path | None, typer.Argument(help="Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see traces/scenarios/)")] = None,
-    policies: Annotated[str, typer.Option(
-        metavar="NAME,...", help=f"Comma-separated policies, of {REPLAY_POLICIES} (default: all)")] = "",
+    scenario: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see traces/scenarios/)"
+        ),
+    ] = None,
+    policies: Annotated[
+        str,
+        typer.Option(
+            metavar="NAME,...",
+            help=f"Comma-separated policies, of {REPLAY_POLICIES} (default: all)",
+        ),
+    ] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     plot: Annotated[Path, typer.Option(help="Write throughput timelines to this PNG")] = None,
-    seed: Annotated[int, typer.Option(min=0, max=SEED_MAX, help="Seed for failure generators, workload and noise "
-                                      "(default: the scenario's)")] = None,
-    example: Annotated[bool, typer.Option("--example", help="Print a complete commented "
-                                          "scenario and exit")] = False,
-    schema: Annotated[bool, typer.Option("--schema", help="Print every scenario key, its form, "
-                                         "default and meaning (Markdown) and exit")] = False,
+    seed: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=SEED_MAX,
+            help="Seed for failure generators, workload and noise (default: the scenario's)",
+        ),
+    ] = None,
+    example: Annotated[
+        bool, typer.Option("--example", help="Print a complete commented scenario and exit")
+    ] = False,
+    schema: Annotated[
+        bool,
+        typer.Option(
+            "--schema",
+            help="Print every scenario key, its form, default and meaning (Markdown) and exit",
+        ),
+    ] = False,
 ) -> None:
     """Replay a failure scenario under each policy through the one engine and compare throughput."""
     from rich.console import Console
@@ -48,12 +72,16 @@ def replay_cmd(
         typer.echo(example_yaml() if example else schema_markdown(), nl=False)
         return
     if scenario is None:
-        raise InputError("resihp replay: give a scenario YAML (`resihp replay --example` prints "
-                         "one; `--schema` lists its keys)")
+        raise InputError(
+            "resihp replay: give a scenario YAML (`resihp replay --example` prints "
+            "one; `--schema` lists its keys)"
+        )
     if plot is not None and plot.suffix.lower() != ".png":
         raise InputError(f"--plot {plot}: expected a .png file name")
     if policies and not policies.replace(",", "").strip():
-        raise InputError(f"--policies {policies!r}: expected one or more of {REPLAY_POLICIES}, comma-separated")
+        raise InputError(
+            f"--policies {policies!r}: expected one or more of {REPLAY_POLICIES}, comma-separated"
+        )
     n = len(make_policies(policies or None))
     sc = load_scenario(resolve(scenario, "scenario"))
     total = int(sc.duration_s * n)

@@ -43,8 +43,13 @@ class MicroBatchPool:
         return LengthTable(self.seq_lens)
 
 
-def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.Generator,
-               budget: int | None = None) -> MicroBatchPool:
+def build_pool(
+    model,
+    lengths: np.ndarray,
+    n_microbatches: int,
+    rng: np.random.Generator,
+    budget: int | None = None,
+) -> MicroBatchPool:
     """Draw documents from a real length source, chunk to max_seq_len and pack to the token budget."""
     budget = budget or model.microbatch_tokens
     batches = packed_microbatches(lengths, n_microbatches, budget, model.max_seq_len, rng)
@@ -52,5 +57,9 @@ def build_pool(model, lengths: np.ndarray, n_microbatches: int, rng: np.random.G
     sum_sq = np.array([(b.astype(np.float64) ** 2).sum() for b in batches])
     shape = model.shape(1)  # per layer
     dense, attn = stage_flops(shape, tokens, sum_sq, "fwd")
-    return MicroBatchPool(tokens=tokens, fwd_flops_per_layer=dense + attn,
-                          head_flops=head_flops(model, tokens), seq_lens=batches)
+    return MicroBatchPool(
+        tokens=tokens,
+        fwd_flops_per_layer=dense + attn,
+        head_flops=head_flops(model, tokens),
+        seq_lens=batches,
+    )

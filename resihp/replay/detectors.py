@@ -47,8 +47,13 @@ class Finding:
 class DetectorFeed:
     """Owns one detector for the current layout and feeds it window after window."""
 
-    def __init__(self, make: Callable[[JobMeta, object], object], shape: TransformerShape | None,
-                 own_quantile: float = 0.1, plan_aware: bool = False) -> None:
+    def __init__(
+        self,
+        make: Callable[[JobMeta, object], object],
+        shape: TransformerShape | None,
+        own_quantile: float = 0.1,
+        plan_aware: bool = False,
+    ) -> None:
         self.make = make
         self.plan_aware = plan_aware
         self.shape = shape
@@ -78,12 +83,16 @@ class DetectorFeed:
                 self.detector = self.make(window.meta, places)
                 self._reported = {}
             else:  # ranks whose device does the same work as before keep their baselines
-                source = _same_work(self._rank_device, self._rank_work, window.rank_device,
-                                    window.rank_work)
+                source = _same_work(
+                    self._rank_device, self._rank_work, window.rank_device, window.rank_work
+                )
                 self.detector = self.detector.carried(window.meta, places, source)
                 kept = set(window.rank_device[source >= 0].tolist())
-                self._reported = {d: ev for d, ev in self._reported.items()
-                                  if set(d if isinstance(d, tuple) else (d,)) <= kept}
+                self._reported = {
+                    d: ev
+                    for d, ev in self._reported.items()
+                    if set(d if isinstance(d, tuple) else (d,)) <= kept
+                }
             self._rank_width = _rank_width(window)
             self._structure = StructureMemo()
         self._layout = signature
@@ -96,8 +105,17 @@ class DetectorFeed:
 
         def observe(i: int) -> Observations | None:
             cols = records(i)
-            return observe_columns(cols, window.meta, shape=self.shape, own_quantile=self.own_quantile,
-                                   structure=self._structure) if cols else None
+            return (
+                observe_columns(
+                    cols,
+                    window.meta,
+                    shape=self.shape,
+                    own_quantile=self.own_quantile,
+                    structure=self._structure,
+                )
+                if cols
+                else None
+            )
 
         # a pipeline over the window, a few steps at a time: an observer thread makes and observes
         # the next steps' records (numpy, mostly without the GIL) while this one takes in the steps
@@ -113,8 +131,9 @@ class DetectorFeed:
         finally:
             chunks.stop()  # steps made ahead and not needed
 
-    def _feed_steps(self, window: Window, obs: Observations, first: int,
-                    out: list[Finding]) -> None:
+    def _feed_steps(
+        self, window: Window, obs: Observations, first: int, out: list[Finding]
+    ) -> None:
         """Feed the observed steps one by one, adding the findings to ``out``; stop at the
         first step with any."""
         if self.plan_aware and window.rank_work is not None:
@@ -133,16 +152,27 @@ class DetectorFeed:
             with warnings.catch_warnings():  # ranks with no record this step are NaN by design
                 warnings.simplefilter("ignore", RuntimeWarning)
                 events = self.detector.observe_arrays(
-                    int(step), obs.own[i], obs.raw[i],
+                    int(step),
+                    obs.own[i],
+                    obs.raw[i],
                     None if obs.expected is None else obs.expected[i],
-                    None if comm is None else comm[i])
+                    None if comm is None else comm[i],
+                )
             for ev in events:
                 if ev.kind == LINK_FAULT and ev.ranks and len(ev.ranks) == 2:
                     ends = tuple(int(self._rank_device[r]) for r in ev.ranks)
                     if min(ends) >= 0:
                         self._reported[ends] = ev
-                        out.append(Finding(int(step) - first, int(step), ends[0], ev.kind,
-                                           float(ev.slowdown), peer=ends[1]))
+                        out.append(
+                            Finding(
+                                int(step) - first,
+                                int(step),
+                                ends[0],
+                                ev.kind,
+                                float(ev.slowdown),
+                                peer=ends[1],
+                            )
+                        )
                     continue
                 if ev.kind != DEVICE_FAULT or ev.rank is None:
                     continue
@@ -150,13 +180,24 @@ class DetectorFeed:
                 if device < 0:
                     continue
                 self._reported[device] = ev
-                out.append(Finding(int(step) - first, int(step), device, ev.kind, float(ev.slowdown)))
+                out.append(
+                    Finding(int(step) - first, int(step), device, ev.kind, float(ev.slowdown))
+                )
             for key, ev in list(self._reported.items()):
                 if ev.end_step is not None:
                     del self._reported[key]
                     device, peer = key if isinstance(key, tuple) else (key, None)
-                    out.append(Finding(int(step) - first, int(step), device, ev.kind,
-                                       float(ev.slowdown), ended=True, peer=peer))
+                    out.append(
+                        Finding(
+                            int(step) - first,
+                            int(step),
+                            device,
+                            ev.kind,
+                            float(ev.slowdown),
+                            ended=True,
+                            peer=peer,
+                        )
+                    )
             if out:
                 return
 
@@ -242,8 +283,9 @@ FEED_STEPS = 4
 AHEAD = 2
 
 
-def _same_work(old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray,
-               new_work: np.ndarray) -> np.ndarray:
+def _same_work(
+    old_device: np.ndarray, old_work: np.ndarray, new_device: np.ndarray, new_work: np.ndarray
+) -> np.ndarray:
     """For each rank of the new layout, the old rank whose device did the same work (-1: none)."""
     top = int(max(old_device.max(initial=-1), new_device.max(initial=-1))) + 1
     old_rank = np.full(top + 1, -1, dtype=np.int64)  # by device id; the last slot is "no device"
@@ -281,11 +323,16 @@ def model_shape(scenario) -> TransformerShape:
 def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorFeed:
     """The workload-aware detector of ``resihp.detect`` (the one ``resihp detect`` runs)."""
     cfg = config or DetectorConfig()
-    return DetectorFeed(lambda meta, layout: OnlineDetector(meta, None, cfg, layout=layout),
-                        model_shape(scenario), cfg.own_quantile, plan_aware=True)
+    return DetectorFeed(
+        lambda meta, layout: OnlineDetector(meta, None, cfg, layout=layout),
+        model_shape(scenario),
+        cfg.own_quantile,
+        plan_aware=True,
+    )
 
 
 def greyhound_detector(scenario) -> DetectorFeed:
     """Greyhound-style change-point detection on raw iteration time (``resihp.detect.baselines``)."""
-    return DetectorFeed(lambda meta, layout: IterationChangePointDetector(meta, layout),
-                        model_shape(scenario))
+    return DetectorFeed(
+        lambda meta, layout: IterationChangePointDetector(meta, layout), model_shape(scenario)
+    )

@@ -28,8 +28,17 @@ from resihp.replay.layout import compile_layout
 from resihp.replay.scenario import FailureEvent, Scenario
 from resihp.replay.simulator import Simulator, op_end_times, shared_pool
 
-__all__ = ["Context", "Detection", "ReplayOutcome", "Policy", "Reaction", "Replay", "Window",
-           "op_end_times", "shared_pool"]
+__all__ = [
+    "Context",
+    "Detection",
+    "ReplayOutcome",
+    "Policy",
+    "Reaction",
+    "Replay",
+    "Window",
+    "op_end_times",
+    "shared_pool",
+]
 
 
 @dataclass
@@ -69,8 +78,14 @@ class ReplayOutcome:
 class Replay:
     """Replays one scenario under one policy; ``run()`` returns the ReplayOutcome."""
 
-    def __init__(self, scenario: Scenario, policy: Policy, seed: int | None = None,
-                 events: list[FailureEvent] | None = None, pool: MicroBatchPool | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: Policy,
+        seed: int | None = None,
+        events: list[FailureEvent] | None = None,
+        pool: MicroBatchPool | None = None,
+    ) -> None:
         self.scenario = scenario
         self.policy = policy
         seed = scenario.seed if seed is None else seed
@@ -82,8 +97,13 @@ class Replay:
 
     def healthy_tokens_per_s(self) -> float:
         layout = self.ctx.uniform_layout(set())
-        w = self.sim.window(compile_layout(layout), np.ones(len(self.scenario.cluster)),
-                            4 * self.scenario.settings.window_steps, 0, 0.0)
+        w = self.sim.window(
+            compile_layout(layout),
+            np.ones(len(self.scenario.cluster)),
+            4 * self.scenario.settings.window_steps,
+            0,
+            0.0,
+        )
         return float(w.tokens.sum() / w.step_time.sum())
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> ReplayOutcome:
@@ -150,12 +170,22 @@ class Replay:
                 if at in slow_since and episode not in detected:
                     delay = d.time_s - slow_since[at]
                     detected.add(episode)
-                detections.append({"time_s": d.time_s, "step": d.step, "kind": d.kind,
-                                   "device": d.device, "slowdown": d.slowdown, "true": bool(truth),
-                                   "delay_s": delay})
+                detections.append(
+                    {
+                        "time_s": d.time_s,
+                        "step": d.step,
+                        "kind": d.kind,
+                        "device": d.device,
+                        "slowdown": d.slowdown,
+                        "true": bool(truth),
+                        "delay_s": delay,
+                    }
+                )
             if reaction.rollback:
-                ckpt = max(restart_s, np.floor(t / sc.costs.checkpoint_interval_s)
-                           * sc.costs.checkpoint_interval_s)
+                ckpt = max(
+                    restart_s,
+                    np.floor(t / sc.costs.checkpoint_interval_s) * sc.costs.checkpoint_interval_s,
+                )
                 lost_tokens = tokens - tokens_at(ckpt)
                 lost_time = t - ckpt
                 tokens -= lost_tokens
@@ -175,7 +205,9 @@ class Replay:
                 layout = reaction.layout
                 ctx.layout = layout
                 compiled = compile_layout(layout)
-            actions.append((t, f"{label}: {reaction.label or (layout.note if reaction.layout else '')}"))
+            actions.append(
+                (t, f"{label}: {reaction.label or (layout.note if reaction.layout else '')}")
+            )
             observe_left = st.observe_steps
             cached = None
 
@@ -229,8 +261,11 @@ class Replay:
                     cut = min(cut, reaction.at + 1)
                 cut = min(cut, int(np.searchsorted(ends, seg_end)) + 1)
                 end = min(float(ends[cut - 1]), seg_end) if np.isfinite(ends[cut - 1]) else seg_end
-                tps = float(win.tokens[:cut].sum() / win.step_time[:cut].sum()) if np.isfinite(
-                    win.step_time[:cut].sum()) else 0.0
+                tps = (
+                    float(win.tokens[:cut].sum() / win.step_time[:cut].sum())
+                    if np.isfinite(win.step_time[:cut].sum())
+                    else 0.0
+                )
                 advance(t, end, tps)
                 replayed += cut
                 t = end
@@ -241,8 +276,12 @@ class Replay:
                     ctx.now = t
                     apply(reaction, "detect")
                 else:
-                    cached = (float(win.tokens.sum() / win.step_time.sum()) if np.isfinite(
-                        win.step_time.sum()) else 0.0, float(win.step_time.mean()))
+                    cached = (
+                        float(win.tokens.sum() / win.step_time.sum())
+                        if np.isfinite(win.step_time.sum())
+                        else 0.0,
+                        float(win.step_time.mean()),
+                    )
             else:
                 end = min(seg_end, next_probe, wake if wake is not None else np.inf)
                 tps, mean_step = cached
@@ -253,8 +292,20 @@ class Replay:
             if on_progress:
                 on_progress(t)
         cap_tokens = sum((b - a) * c for a, b, c in capacity)
-        return ReplayOutcome(self.policy.name, sc.duration_s, tokens, cap_tokens, downtime, lost, timeline,
-                       capacity, actions, detections, simulated, replayed)
+        return ReplayOutcome(
+            self.policy.name,
+            sc.duration_s,
+            tokens,
+            cap_tokens,
+            downtime,
+            lost,
+            timeline,
+            capacity,
+            actions,
+            detections,
+            simulated,
+            replayed,
+        )
 
 
 def _names(devices: list[int]) -> str:

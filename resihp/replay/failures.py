@@ -74,7 +74,11 @@ def _param(gen: Generator, scenario: Scenario, key: str, default=None, minimum: 
             raise InputError(f"{where}: missing")
         return default
     value = gen.params[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value < math.inf:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not minimum <= value < math.inf
+    ):
         raise InputError(f"{where}: expected a finite number >= {minimum:g}, got {value!r}")
     return float(value)
 
@@ -87,20 +91,33 @@ MAX_EVENTS = 10**6
 def _check_expected(gen: Generator, scenario: Scenario, key: str, per_s: float) -> None:
     expected = per_s * scenario.duration_s
     if expected > MAX_EVENTS:
-        raise InputError(f"{scenario.path}:{gen.line}: generators.{gen.kind}.{key}: about {expected:,.0f} "
-                         f"failures over the scenario's {scenario.duration_s / 86400:g} days, more than the "
-                         f"{MAX_EVENTS:,} a replay takes")
+        raise InputError(
+            f"{scenario.path}:{gen.line}: generators.{gen.kind}.{key}: about {expected:,.0f} "
+            f"failures over the scenario's {scenario.duration_s / 86400:g} days, more than the "
+            f"{MAX_EVENTS:,} a replay takes"
+        )
 
 
 def _check_keys(gen: Generator, scenario: Scenario, allowed: set[str]) -> None:
     unknown = sorted(set(gen.params) - allowed)
     if unknown:
-        raise InputError(f"{scenario.path}:{gen.line}: generators.{gen.kind}: unknown field(s) "
-                         f"{', '.join(unknown)} (expected some of {', '.join(sorted(allowed))})")
+        raise InputError(
+            f"{scenario.path}:{gen.line}: generators.{gen.kind}: unknown field(s) "
+            f"{', '.join(unknown)} (expected some of {', '.join(sorted(allowed))})"
+        )
 
 
-def _pair(events: list[FailureEvent], occ: _Occupancy, device: int, start: float, end: float,
-          stop_kind: str, factor: float, cause: str, duration_s: float) -> bool:
+def _pair(
+    events: list[FailureEvent],
+    occ: _Occupancy,
+    device: int,
+    start: float,
+    end: float,
+    stop_kind: str,
+    factor: float,
+    cause: str,
+    duration_s: float,
+) -> bool:
     if not occ.free(device, start, end):
         return False
     occ.take(device, start, end)
@@ -110,8 +127,9 @@ def _pair(events: list[FailureEvent], occ: _Occupancy, device: int, start: float
     return True
 
 
-def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
-                  occ: _Occupancy) -> list[FailureEvent]:
+def llama3_events(
+    gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
+) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"scale"})
     scale = _param(gen, scenario, "scale", 1.0)
     n = len(scenario.cluster)
@@ -130,29 +148,43 @@ def llama3_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
         software = row["category"] in SOFTWARE_CATEGORIES
         down = scenario.costs.restart_s if software else scenario.costs.repair_s
         for _ in range(32):  # a device already down cannot fail again; draw another
-            if _pair(events, occ, int(rng.integers(n)), t, t + down, "stop", 1.0,
-                     f"llama3: {row['cause']}", scenario.duration_s):
+            if _pair(
+                events,
+                occ,
+                int(rng.integers(n)),
+                t,
+                t + down,
+                "stop",
+                1.0,
+                f"llama3: {row['cause']}",
+                scenario.duration_s,
+            ):
                 break
     return events
 
 
-def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
-                     occ: _Occupancy) -> list[FailureEvent]:
+def greyhound_events(
+    gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
+) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"per_day", "size_class", "max_factor", "communication"})
     per_day = _param(gen, scenario, "per_day")
     _check_expected(gen, scenario, "per_day", per_day / 86400.0)
     size_class = gen.params.get("size_class", "512gpus")
     if size_class not in GREYHOUND_CLASSES:
-        raise InputError(f"{scenario.path}:{gen.line}: generators.greyhound.size_class: expected one of "
-                         f"{', '.join(GREYHOUND_CLASSES)}, got {size_class!r}")
+        raise InputError(
+            f"{scenario.path}:{gen.line}: generators.greyhound.size_class: expected one of "
+            f"{', '.join(GREYHOUND_CLASSES)}, got {size_class!r}"
+        )
     cap = _param(gen, scenario, "max_factor", 10.0, minimum=1.0)
     if gen.params.get("communication") == "greyhound":
         comm = GREYHOUND_COMMUNICATION
     else:
         comm = _param(gen, scenario, "communication", 0.0)
         if comm > 1.0:
-            raise InputError(f"{scenario.path}:{gen.line}: generators.greyhound.communication: expected "
-                             f"a share in [0, 1] or greyhound, got {comm:g}")
+            raise InputError(
+                f"{scenario.path}:{gen.line}: generators.greyhound.communication: expected "
+                f"a share in [0, 1] or greyhound, got {comm:g}"
+            )
     mean_min, mean_slow = GREYHOUND_CLASSES[size_class]
     events: list[FailureEvent] = []
     t = 0.0
@@ -164,28 +196,42 @@ def greyhound_events(gen: Generator, scenario: Scenario, rng: np.random.Generato
         length = rng.exponential((GREYHOUND_COMMUNICATION_MIN if link else mean_min) * 60.0)
         factor = float(min(cap, 1.0 + rng.exponential(mean_slow)))
         for _ in range(32):
-            if _pair(events, occ, int(rng.integers(len(scenario.cluster))), t, t + length,
-                     "link" if link else "slow", round(factor, 3),
-                     f"greyhound {size_class}{' network' if link else ''}", scenario.duration_s):
+            if _pair(
+                events,
+                occ,
+                int(rng.integers(len(scenario.cluster))),
+                t,
+                t + length,
+                "link" if link else "slow",
+                round(factor, 3),
+                f"greyhound {size_class}{' network' if link else ''}",
+                scenario.duration_s,
+            ):
                 break
     return events
 
 
-def alibaba_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
-                   occ: _Occupancy) -> list[FailureEvent]:
+def alibaba_events(
+    gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
+) -> list[FailureEvent]:
     _check_keys(gen, scenario, {"job", "devices", "seconds_per_iteration", "start", "threshold"})
     where = f"{scenario.path}:{gen.line}: generators.alibaba"
     job = int(_param(gen, scenario, "job", minimum=1))
     devices = gen.params.get("devices")
-    if not isinstance(devices, list) or not all(isinstance(d, int) and 0 <= d < len(scenario.cluster)
-                                                for d in devices):
-        raise InputError(f"{where}.devices: expected a list of device ids in 0..{len(scenario.cluster) - 1}")
+    if not isinstance(devices, list) or not all(
+        isinstance(d, int) and 0 <= d < len(scenario.cluster) for d in devices
+    ):
+        raise InputError(
+            f"{where}.devices: expected a list of device ids in 0..{len(scenario.cluster) - 1}"
+        )
     per_iter = _param(gen, scenario, "seconds_per_iteration", minimum=1e-9)
     start = parse_duration(gen.params.get("start", 0), f"{where}.start")
     threshold = _param(gen, scenario, "threshold", 1.1, minimum=1.0)
     times = worker_times(job)
     if len(devices) < times.shape[1]:
-        raise InputError(f"{where}.devices: job {job} has {times.shape[1]} workers; give that many devices")
+        raise InputError(
+            f"{where}.devices: job {job} has {times.shape[1]} workers; give that many devices"
+        )
     ratio = times.div(times.median(axis=1), axis=0).rolling(10, min_periods=1).median()
     events: list[FailureEvent] = []
     for col, dev in zip(ratio.columns, devices):
@@ -196,12 +242,25 @@ def alibaba_events(gen: Generator, scenario: Scenario, rng: np.random.Generator,
             t0, t1 = start + a * per_iter, start + b * per_iter
             if t0 >= scenario.duration_s:
                 continue
-            _pair(events, occ, int(dev), t0, t1, "slow", round(float(np.median(series[a:b])), 3),
-                  f"alibaba job {job} worker {col}", scenario.duration_s)
+            _pair(
+                events,
+                occ,
+                int(dev),
+                t0,
+                t1,
+                "slow",
+                round(float(np.median(series[a:b])), 3),
+                f"alibaba job {job} worker {col}",
+                scenario.duration_s,
+            )
     return events
 
 
-GENERATOR_FUNCS = {"llama3": llama3_events, "greyhound": greyhound_events, "alibaba": alibaba_events}
+GENERATOR_FUNCS = {
+    "llama3": llama3_events,
+    "greyhound": greyhound_events,
+    "alibaba": alibaba_events,
+}
 
 
 def scenario_events(scenario: Scenario, seed: int | None = None) -> list[FailureEvent]:

@@ -161,18 +161,30 @@ class Context:
         """Megatron-style placement over the whole nodes that hold no excluded device."""
         c, p = self.scenario.cluster, self.scenario.parallel
         g = c.gpus_per_node
-        nodes = [n for n in range(len(self.job_devices) // g)
-                 if not any(d in exclude for d in range(n * g, (n + 1) * g))]
+        nodes = [
+            n
+            for n in range(len(self.job_devices) // g)
+            if not any(d in exclude for d in range(n * g, (n + 1) * g))
+        ]
         devices = np.array([d for n in nodes for d in range(n * g, (n + 1) * g)], dtype=np.int64)
-        return uniform_layout(devices, g, dp or p.dp, p.pp, p.tp, self.scenario.model.layers,
-                              self.total_microbatches)
+        return uniform_layout(
+            devices, g, dp or p.dp, p.pp, p.tp, self.scenario.model.layers, self.total_microbatches
+        )
 
-    def stage_seconds(self, layers: np.ndarray, width: np.ndarray, speed: np.ndarray,
-                      last: np.ndarray | bool = False) -> np.ndarray:
+    def stage_seconds(
+        self,
+        layers: np.ndarray,
+        width: np.ndarray,
+        speed: np.ndarray,
+        last: np.ndarray | bool = False,
+    ) -> np.ndarray:
         """Expected forward+backward seconds of one mean micro-batch on a stage (no noise)."""
         flops = np.asarray(layers) * self.mean_fwd_flops + np.where(last, self.mean_head_flops, 0.0)
-        comm = 4.0 * np.asarray(layers) * tp_allreduce_s(self.scenario.model, self.scenario.cluster,
-                                                         self.mean_tokens, width)
+        comm = (
+            4.0
+            * np.asarray(layers)
+            * tp_allreduce_s(self.scenario.model, self.scenario.cluster, self.mean_tokens, width)
+        )
         return 3.0 * flops / (np.asarray(width) * self.rate * np.asarray(speed)) + comm
 
     def predicted_step_time(self, layout: ReplicaLayout, speeds: np.ndarray) -> float:
@@ -186,7 +198,8 @@ class Context:
             if (sp <= 0).any():
                 return float("inf")
             last = np.arange(len(r.groups)) == len(r.groups) - 1
-            per = self.stage_seconds(np.array(r.layers), np.array([len(g) for g in r.groups]), sp,
-                                     last) * np.array(r.load)
+            per = self.stage_seconds(
+                np.array(r.layers), np.array([len(g) for g in r.groups]), sp, last
+            ) * np.array(r.load)
             worst = max(worst, per.sum() + (r.microbatches - 1) * per.max())
         return worst

@@ -102,17 +102,29 @@ def compile_layout(layout: ReplicaLayout) -> CompiledLayout:
             for s, g in enumerate(layout.replicas[i].groups):
                 devices[k, s, : len(g)] = g
         reps = [layout.replicas[i] for i in ids]
-        out.groups.append(ShapeGroup(
-            replica_ids=np.array(ids), devices=devices,
-            layers=np.array([r.layers for r in reps], dtype=np.float64),
-            load=np.array([r.load for r in reps], dtype=np.float64),
-            width=(devices >= 0).sum(axis=-1).astype(np.float64), microbatches=m,
-            budget=budget or None))
+        out.groups.append(
+            ShapeGroup(
+                replica_ids=np.array(ids),
+                devices=devices,
+                layers=np.array([r.layers for r in reps], dtype=np.float64),
+                load=np.array([r.load for r in reps], dtype=np.float64),
+                width=(devices >= 0).sum(axis=-1).astype(np.float64),
+                microbatches=m,
+                budget=budget or None,
+            )
+        )
     return out
 
 
-def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp: int,
-                   layers: int, microbatches: int) -> ReplicaLayout:
+def uniform_layout(
+    devices: np.ndarray,
+    gpus_per_node: int,
+    dp: int,
+    pp: int,
+    tp: int,
+    layers: int,
+    microbatches: int,
+) -> ReplicaLayout:
     """Megatron's default placement: tp inside a node, then pp, then dp, over ``devices`` in order.
 
     ``devices`` lists whole nodes' worth of usable device ids; replicas beyond what they hold are
@@ -125,6 +137,6 @@ def uniform_layout(devices: np.ndarray, gpus_per_node: int, dp: int, pp: int, tp
     mbs = apportion(microbatches, np.ones(n_rep)) if n_rep else []
     replicas = []
     for r in range(n_rep):
-        block = devices[r * per_replica: (r + 1) * per_replica].reshape(pp, tp)
+        block = devices[r * per_replica : (r + 1) * per_replica].reshape(pp, tp)
         replicas.append(Replica(tuple(tuple(int(d) for d in g) for g in block), per_stage, mbs[r]))
     return ReplicaLayout(tuple(replicas), note=f"uniform dp={n_rep} pp={pp} tp={tp}")

@@ -20,8 +20,13 @@ def _timeline(outcome: ReplayOutcome, points: int = 96) -> list[list[float]]:
     return out
 
 
-def summary(scenario: Scenario, outcomes: list[ReplayOutcome], events: list[FailureEvent],
-            wall_s: dict[str, float] | None = None, timeline_points: int = 96) -> dict:
+def summary(
+    scenario: Scenario,
+    outcomes: list[ReplayOutcome],
+    events: list[FailureEvent],
+    wall_s: dict[str, float] | None = None,
+    timeline_points: int = 96,
+) -> dict:
     """The ``resihp replay --json`` document."""
     wall_s = wall_s or {}
     by_name = {o.policy: o for o in outcomes}
@@ -40,7 +45,9 @@ def summary(scenario: Scenario, outcomes: list[ReplayOutcome], events: list[Fail
             "lost_work_s": round(o.lost_s, 1),
             "detections": sum(1 for d in o.detections if d["true"]),
             "detection_delay_s": round(float(np.mean(delays)), 1) if delays else None,
-            "detection_delay_steps": round(float(np.mean(delays)) / mean_step, 1) if delays else None,
+            "detection_delay_steps": round(float(np.mean(delays)) / mean_step, 1)
+            if delays
+            else None,
             "actions": len(o.actions) - 1,
             "simulated_steps": o.simulated_steps,
             "replayed_steps": round(o.replayed_steps),
@@ -50,13 +57,24 @@ def summary(scenario: Scenario, outcomes: list[ReplayOutcome], events: list[Fail
             entry["replay_wall_s"] = round(wall_s[o.policy], 2)
         policies.append(entry)
     cap = outcomes[0].capacity_tokens / outcomes[0].duration_s if outcomes else float("nan")
-    out = {"scenario": scenario.name, "family": scenario.family, "devices": len(scenario.cluster),
-           "model": scenario.model.name, "duration_s": scenario.duration_s,
-           "events": {k: sum(1 for e in events if e.kind == k) for k in ("stop", "slow", "link", "recover")},
-           "policies": policies, "capacity_tokens_per_s": round(cap, 1)}
+    out = {
+        "scenario": scenario.name,
+        "family": scenario.family,
+        "devices": len(scenario.cluster),
+        "model": scenario.model.name,
+        "duration_s": scenario.duration_s,
+        "events": {
+            k: sum(1 for e in events if e.kind == k) for k in ("stop", "slow", "link", "recover")
+        },
+        "policies": policies,
+        "capacity_tokens_per_s": round(cap, 1),
+    }
     if BASE in by_name:
-        out["speedups"] = {o.policy: round(by_name[BASE].tokens / o.tokens, 4) if o.tokens > 0
-                           else None for o in outcomes if o.policy != BASE}
+        out["speedups"] = {
+            o.policy: round(by_name[BASE].tokens / o.tokens, 4) if o.tokens > 0 else None
+            for o in outcomes
+            if o.policy != BASE
+        }
     return out
 
 
@@ -64,19 +82,38 @@ def table(doc: dict):
     """A rich table of the summary."""
     from rich.table import Table
 
-    t = Table(title=f"{doc['scenario']} ({doc['devices']} devices, {doc['model']}, "
-                    f"{doc['duration_s'] / 3600:g} h; capacity {doc['capacity_tokens_per_s']:,.0f} tok/s)")
-    for col in ("policy", "tokens/s", "of bound", "effective", "downtime s", "lost s",
-                "detections", "false alarms", "delay (steps)", "resihp speedup"):
+    t = Table(
+        title=f"{doc['scenario']} ({doc['devices']} devices, {doc['model']}, "
+        f"{doc['duration_s'] / 3600:g} h; capacity {doc['capacity_tokens_per_s']:,.0f} tok/s)"
+    )
+    for col in (
+        "policy",
+        "tokens/s",
+        "of bound",
+        "effective",
+        "downtime s",
+        "lost s",
+        "detections",
+        "false alarms",
+        "delay (steps)",
+        "resihp speedup",
+    ):
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "policy")
     speed = doc.get("speedups", {})
     for p in doc["policies"]:
         sp = speed.get(p["name"])
-        t.add_row(p["name"], f"{p['tokens_per_s']:,.0f}", f"{p['bound_fraction']:.3f}",
-                  f"{p['effective_time']:.3f}", f"{p['downtime_s']:,.0f}", f"{p['lost_work_s']:,.0f}",
-                  str(p["detections"]), str(p["false_alarms"]),
-                  "-" if p["detection_delay_steps"] is None else f"{p['detection_delay_steps']:.1f}",
-                  "-" if sp is None else f"{sp:.3f}x")
+        t.add_row(
+            p["name"],
+            f"{p['tokens_per_s']:,.0f}",
+            f"{p['bound_fraction']:.3f}",
+            f"{p['effective_time']:.3f}",
+            f"{p['downtime_s']:,.0f}",
+            f"{p['lost_work_s']:,.0f}",
+            str(p["detections"]),
+            str(p["false_alarms"]),
+            "-" if p["detection_delay_steps"] is None else f"{p['detection_delay_steps']:.1f}",
+            "-" if sp is None else f"{sp:.3f}x",
+        )
     return t
 
 
@@ -91,8 +128,9 @@ def plot(doc: dict, outcomes: list[ReplayOutcome], events: list[FailureEvent], p
     n = len(outcomes)
     cols = 1 if n <= 3 else 2
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(11, 1.9 * rows + 0.8), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(11, 1.9 * rows + 0.8), sharex=True, sharey=True, squeeze=False
+    )
     hours = 3600.0
     cap = outcomes[0].capacity_timeline
     cap_x = [x for a, b, _ in cap for x in (a / hours, b / hours)]
@@ -107,11 +145,19 @@ def plot(doc: dict, outcomes: list[ReplayOutcome], events: list[FailureEvent], p
         for kind, color in colors.items():
             times = sorted({e.at_s for e in events if e.kind == kind})
             for j, t in enumerate(times):
-                ax.axvline(t / hours, color=color, alpha=0.25, lw=0.8,
-                           label=kind if (j == 0 and i == 0) else None)
+                ax.axvline(
+                    t / hours,
+                    color=color,
+                    alpha=0.25,
+                    lw=0.8,
+                    label=kind if (j == 0 and i == 0) else None,
+                )
         frac = by_name.get(o.policy, {}).get("bound_fraction")
-        ax.set_title(o.policy + (f"  ({frac:.1%} of bound)" if frac is not None else ""),
-                     fontsize=9, loc="left")
+        ax.set_title(
+            o.policy + (f"  ({frac:.1%} of bound)" if frac is not None else ""),
+            fontsize=9,
+            loc="left",
+        )
         if i % cols == 0:
             ax.set_ylabel("tokens / s", fontsize=8)
     for j in range(n, rows * cols):

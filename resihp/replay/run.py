@@ -24,8 +24,12 @@ class Comparison:
         return summary(self.scenario, self.outcomes, self.events, self.wall_s, timeline_points)
 
 
-def compare(scenario: Scenario, policies: str | list[str] | None = None, seed: int | None = None,
-            on_progress: Callable[[float], None] | None = None) -> Comparison:
+def compare(
+    scenario: Scenario,
+    policies: str | list[str] | None = None,
+    seed: int | None = None,
+    on_progress: Callable[[float], None] | None = None,
+) -> Comparison:
     """Replay every policy on the same events, workload draws and noise (same seed)."""
     events = scenario_events(scenario, seed)
     pool = shared_pool(scenario)
@@ -34,8 +38,9 @@ def compare(scenario: Scenario, policies: str | list[str] | None = None, seed: i
     for policy in make_policies(policies):
         t0 = time.perf_counter()
         replay = Replay(scenario, policy, seed=seed, events=events, pool=pool)
-        outcomes.append(replay.run(None if on_progress is None
-                                   else (lambda t, d=done: on_progress(d + t))))
+        outcomes.append(
+            replay.run(None if on_progress is None else (lambda t, d=done: on_progress(d + t)))
+        )
         wall[policy.name] = time.perf_counter() - t0
         done += scenario.duration_s
     return Comparison(scenario, events, outcomes, wall)

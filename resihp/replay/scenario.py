@@ -97,8 +97,9 @@ def parse_duration(value: object, where: str) -> float:
         text = str(value).replace(" ", "")
         parts = re.findall(r"([0-9]*\.?[0-9]+)(min|s|m|h|d)", text)
         if not parts or "".join(a + b for a, b in parts) != text:
-            raise InputError(f"{where}: expected a duration like 3600, 90m, 12h, 9h30m or 7d, "
-                             f"got {value!r}")
+            raise InputError(
+                f"{where}: expected a duration like 3600, 90m, 12h, 9h30m or 7d, got {value!r}"
+            )
         seconds = sum(float(a) * _UNITS[b] for a, b in parts)
     if not seconds >= 0 or seconds == float("inf"):
         raise InputError(f"{where}: expected a finite non-negative duration, got {value!r}")
@@ -125,19 +126,30 @@ class _Reader:
     def check_keys(self, allowed: set[str]) -> None:
         unknown = sorted(set(self.data) - allowed)
         if unknown:
-            raise InputError(f"{self.where}: unknown field(s) {', '.join(map(str, unknown))} "
-                             f"(expected some of {', '.join(sorted(allowed))})")
+            raise InputError(
+                f"{self.where}: unknown field(s) {', '.join(map(str, unknown))} "
+                f"(expected some of {', '.join(sorted(allowed))})"
+            )
 
-    def number(self, key: str, default: float | None = None, minimum: float = 0.0,
-               integer: bool = False, strict: bool = False) -> float:
+    def number(
+        self,
+        key: str,
+        default: float | None = None,
+        minimum: float = 0.0,
+        integer: bool = False,
+        strict: bool = False,
+    ) -> float:
         if key not in self.data:
             if default is None:
                 raise InputError(f"{self.where}: missing field {key}")
             return default
         value = self.data[key]
         kind = "an integer" if integer else "a number"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                integer and not isinstance(value, int)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (integer and not isinstance(value, int))
+        ):
             raise InputError(f"{self.at(key)}: expected {kind}, got {value!r}")
         if value < minimum or (strict and value == minimum) or value != value:
             op = ">" if strict else ">="
@@ -185,21 +197,27 @@ def _cluster(r: _Reader, name: str) -> ClusterSpec:
     if mfu > 1:
         raise InputError(f"{d.at('mfu')}: a fraction of peak, expected at most 1, got {mfu}")
     return ClusterSpec.uniform(
-        r.number("nodes", minimum=1, integer=True), r.number("gpus_per_node", minimum=1, integer=True),
+        r.number("nodes", minimum=1, integer=True),
+        r.number("gpus_per_node", minimum=1, integer=True),
         memory_gb=d.number("memory_gb", 80.0, strict=True),
         tflops=d.number("peak_tflops", 312.0, strict=True) * mfu,
         hbm_gbs=d.number("hbm_gbps", 2039.0, strict=True),
         intra_node_gbs=r.number("intra_node_gbps", 300.0, strict=True),
         inter_node_gbs=r.number("inter_node_gbps", 25.0, strict=True),
-        memory_reserve_gb=r.number("memory_reserve_gb", 2.0), name=name,
-        device_type=d.text("type", ""))
+        memory_reserve_gb=r.number("memory_reserve_gb", 2.0),
+        name=name,
+        device_type=d.text("type", ""),
+    )
 
 
 def _plan_form(data: dict) -> bool:
     """Whether a scenario's cluster is written as the planner's cluster files are."""
     device = data.get("device")
-    return ("bandwidth" in data or not isinstance(data.get("nodes", 0), int)
-            or (isinstance(device, dict) and "tflops" in device))
+    return (
+        "bandwidth" in data
+        or not isinstance(data.get("nodes", 0), int)
+        or (isinstance(device, dict) and "tflops" in device)
+    )
 
 
 def _plan_cluster(r: _Reader, name: str) -> ClusterSpec:
@@ -208,8 +226,9 @@ def _plan_cluster(r: _Reader, name: str) -> ClusterSpec:
     r.check_keys(PLAN_CLUSTER_KEYS)
     for key in ("speeds", "links"):
         if r.data.get(key):
-            raise InputError(f"{r.at(key)}: a replay starts healthy; give slow devices and links "
-                             "as events")
+            raise InputError(
+                f"{r.at(key)}: a replay starts healthy; give slow devices and links as events"
+            )
     spec = ClusterSpec.from_dict({**r.data, "name": name}, where=r.where)
     sizes = {len(ranks) for ranks in spec.node_ranks}
     if len(sizes) != 1 or len({(d.memory_gb, d.tflops, d.hbm_gbs) for d in spec.devices}) != 1:
@@ -219,17 +238,31 @@ def _plan_cluster(r: _Reader, name: str) -> ClusterSpec:
 
 def _model(r: _Reader) -> ModelSpec:
     r.check_keys(keys_of("model"))
-    ints = {k: r.number(k, minimum=1, integer=True) for k in (
-        "layers", "hidden", "heads", "ffn_hidden", "vocab", "max_seq_len", "global_batch_tokens",
-        "microbatch_tokens")}
+    ints = {
+        k: r.number(k, minimum=1, integer=True)
+        for k in (
+            "layers",
+            "hidden",
+            "heads",
+            "ffn_hidden",
+            "vocab",
+            "max_seq_len",
+            "global_batch_tokens",
+            "microbatch_tokens",
+        )
+    }
     schedule = r.text("schedule", "1f1b")
     if schedule != "1f1b":
         raise InputError(f"{r.at('schedule')}: only 1f1b is replayed, got {schedule!r}")
     if ints["hidden"] % ints["heads"]:
-        raise InputError(f"{r.where}: hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})")
+        raise InputError(
+            f"{r.where}: hidden ({ints['hidden']}) must be divisible by heads ({ints['heads']})"
+        )
     if ints["microbatch_tokens"] < ints["max_seq_len"]:
-        raise InputError(f"{r.at('microbatch_tokens')}: must hold one longest sequence "
-                         f"(max_seq_len {ints['max_seq_len']}), got {ints['microbatch_tokens']}")
+        raise InputError(
+            f"{r.at('microbatch_tokens')}: must hold one longest sequence "
+            f"(max_seq_len {ints['max_seq_len']}), got {ints['microbatch_tokens']}"
+        )
     mlp = r.text("mlp", "gelu")
     if mlp not in MLP_MATRICES:
         raise InputError(f"{r.at('mlp')}: expected one of {', '.join(MLP_MATRICES)}, got {mlp!r}")
@@ -239,8 +272,9 @@ def _model(r: _Reader) -> ModelSpec:
         raise InputError(f"{r.where}: {exc}") from None
 
 
-def _events(path: Path, items: object, cluster: ClusterSpec, duration_s: float,
-            line: int) -> tuple[FailureEvent, ...]:
+def _events(
+    path: Path, items: object, cluster: ClusterSpec, duration_s: float, line: int
+) -> tuple[FailureEvent, ...]:
     if items is None:
         return ()
     if not isinstance(items, list):
@@ -252,44 +286,66 @@ def _events(path: Path, items: object, cluster: ClusterSpec, duration_s: float,
         r.check_keys(keys_of("events"))
         at = r.duration("at")
         if at > duration_s:
-            raise InputError(f"{r.where}.at: {at:g} s is after the end of the scenario ({duration_s:g} s)")
+            raise InputError(
+                f"{r.where}.at: {at:g} s is after the end of the scenario ({duration_s:g} s)"
+            )
         if events and at < events[-1].at_s:
-            raise InputError(f"{r.where}.at: events must be in time order; {at:g} s comes after "
-                             f"{events[-1].at_s:g} s")
+            raise InputError(
+                f"{r.where}.at: events must be in time order; {at:g} s comes after "
+                f"{events[-1].at_s:g} s"
+            )
         kind = r.text("kind")
         if kind not in KINDS:
             raise InputError(f"{r.where}.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
         if ("device" in r.data) == ("node" in r.data):
-            raise InputError(f"{r.where}: give exactly one of device (0..{len(cluster) - 1}) or node "
-                             f"(0..{cluster.node_count - 1})")
+            raise InputError(
+                f"{r.where}: give exactly one of device (0..{len(cluster) - 1}) or node "
+                f"(0..{cluster.node_count - 1})"
+            )
         if "device" in r.data:
             dev = r.number("device", minimum=0, integer=True)
             if dev >= len(cluster):
-                raise InputError(f"{r.where}.device: unknown device {dev}; the cluster has devices "
-                                 f"0..{len(cluster) - 1}")
+                raise InputError(
+                    f"{r.where}.device: unknown device {dev}; the cluster has devices "
+                    f"0..{len(cluster) - 1}"
+                )
             devices = [dev]
         else:
             node = r.number("node", minimum=0, integer=True)
             if node >= cluster.node_count:
-                raise InputError(f"{r.where}.node: unknown node {node}; the cluster has nodes "
-                                 f"0..{cluster.node_count - 1}")
+                raise InputError(
+                    f"{r.where}.node: unknown node {node}; the cluster has nodes "
+                    f"0..{cluster.node_count - 1}"
+                )
             devices = list(cluster.node_ranks[node])
         factor = 1.0
         if kind in ("slow", "link"):
             factor = r.number("factor")
             if factor < 1.0:
-                raise InputError(f"{r.where}.factor: a slowdown factor is at least 1 (2.0 = twice as "
-                                 f"slow), got {factor:g}")
+                raise InputError(
+                    f"{r.where}.factor: a slowdown factor is at least 1 (2.0 = twice as "
+                    f"slow), got {factor:g}"
+                )
         for dev in devices:
             current = state.get(dev, "healthy")
             if kind == "recover" and current == "healthy":
                 raise InputError(f"{r.where}: device {dev} recovers but is not slow or stopped")
             if kind in ("slow", "link", "stop") and current != "healthy":
-                raise InputError(f"{r.where}: device {dev} is already {current}; events overlap "
-                                 "(add a recover event first)")
+                raise InputError(
+                    f"{r.where}: device {dev} is already {current}; events overlap "
+                    "(add a recover event first)"
+                )
             state[dev] = "healthy" if kind == "recover" else ("stopped" if kind == "stop" else kind)
-            events.append(FailureEvent(at, dev, kind, factor, r.data.line if isinstance(r.data, LineDict) else 0,
-                                r.text("cause", "")))
+            events.append(
+                FailureEvent(
+                    at,
+                    dev,
+                    kind,
+                    factor,
+                    r.data.line if isinstance(r.data, LineDict) else 0,
+                    r.text("cause", ""),
+                )
+            )
     return tuple(events)
 
 
@@ -303,7 +359,9 @@ def _generators(path: Path, items: object, line: int) -> tuple[Generator, ...]:
         r = _Reader(path, item, f"generators[{i}]", line)
         kind = r.text("kind")
         if kind not in GENERATORS:
-            raise InputError(f"{r.where}.kind: expected one of {', '.join(GENERATORS)}, got {kind!r}")
+            raise InputError(
+                f"{r.where}.kind: expected one of {', '.join(GENERATORS)}, got {kind!r}"
+            )
         params = {k: v for k, v in r.data.items() if k != "kind"}
         out.append(Generator(kind, params, getattr(r.data, "line", 0)))
     return tuple(out)
@@ -323,16 +381,22 @@ def load_scenario(path: str | Path) -> Scenario:
     parallel = ParallelDims(*(p.number(k, minimum=1, integer=True) for k in ("dp", "pp", "tp")))
     world = parallel.dp * parallel.pp * parallel.tp
     if world > len(cluster):
-        raise InputError(f"{p.where}: dp*pp*tp = {world} devices but the cluster has {len(cluster)}")
+        raise InputError(
+            f"{p.where}: dp*pp*tp = {world} devices but the cluster has {len(cluster)}"
+        )
     if cluster.gpus_per_node % parallel.tp:
-        raise InputError(f"{p.where}.tp: tensor-parallel groups stay inside a node; tp {parallel.tp} "
-                         f"does not divide gpus_per_node {cluster.gpus_per_node}")
+        raise InputError(
+            f"{p.where}.tp: tensor-parallel groups stay inside a node; tp {parallel.tp} "
+            f"does not divide gpus_per_node {cluster.gpus_per_node}"
+        )
     if parallel.pp > model.layers:
         raise InputError(f"{p.where}.pp: {parallel.pp} stages for {model.layers} layers")
     mbs = model.global_batch_tokens // model.microbatch_tokens
     if mbs < parallel.dp:
-        raise InputError(f"{root.where}: model.global_batch_tokens gives {mbs} micro-batches, fewer "
-                         f"than dp {parallel.dp}")
+        raise InputError(
+            f"{root.where}: model.global_batch_tokens gives {mbs} micro-batches, fewer "
+            f"than dp {parallel.dp}"
+        )
     w = root.sub("workload")
     w.check_keys(keys_of("workload"))
     workload = w.text("source")
@@ -340,15 +404,19 @@ def load_scenario(path: str | Path) -> Scenario:
     if duration <= 0:
         raise InputError(f"{root.where}: duration must be positive")
     if duration > MAX_DURATION_S:
-        raise InputError(f"{root.where}: duration {duration / 86400:,.0f} days is past the limit of "
-                         f"{MAX_DURATION_S / 86400:.0f} days (a replay of a training job, not a century)")
+        raise InputError(
+            f"{root.where}: duration {duration / 86400:,.0f} days is past the limit of "
+            f"{MAX_DURATION_S / 86400:.0f} days (a replay of a training job, not a century)"
+        )
     c = root.sub("costs", required=False)
     c.check_keys(keys_of("costs"))
-    costs = Costs(restart_s=c.duration("restart", Costs.restart_s),
-                  checkpoint_interval_s=c.duration("checkpoint_interval", Costs.checkpoint_interval_s),
-                  reconfig_s=c.duration("reconfig", Costs.reconfig_s),
-                  heartbeat_timeout_s=c.duration("heartbeat_timeout", Costs.heartbeat_timeout_s),
-                  repair_s=c.duration("repair", Costs.repair_s))
+    costs = Costs(
+        restart_s=c.duration("restart", Costs.restart_s),
+        checkpoint_interval_s=c.duration("checkpoint_interval", Costs.checkpoint_interval_s),
+        reconfig_s=c.duration("reconfig", Costs.reconfig_s),
+        heartbeat_timeout_s=c.duration("heartbeat_timeout", Costs.heartbeat_timeout_s),
+        repair_s=c.duration("repair", Costs.repair_s),
+    )
     if costs.checkpoint_interval_s <= 0:
         raise InputError(f"{c.where}.checkpoint_interval: must be positive")
     n = root.sub("noise", required=False)
@@ -356,18 +424,30 @@ def load_scenario(path: str | Path) -> Scenario:
     noise_job = n.number("alibaba_job", 2, minimum=1, integer=True)
     s = root.sub("replay", required=False)
     s.check_keys(keys_of("replay"))
-    settings = ReplaySettings(window_steps=s.number("window_steps", 32, minimum=4, integer=True),
-                              observe_steps=s.number("observe_steps", 96, minimum=4, integer=True),
-                              probe_interval_s=s.duration("probe_interval", 6 * 3600.0),
-                              ops_microbatches=s.number("ops_microbatches", 8, minimum=1,
-                                                        integer=True))
+    settings = ReplaySettings(
+        window_steps=s.number("window_steps", 32, minimum=4, integer=True),
+        observe_steps=s.number("observe_steps", 96, minimum=4, integer=True),
+        probe_interval_s=s.duration("probe_interval", 6 * 3600.0),
+        ops_microbatches=s.number("ops_microbatches", 8, minimum=1, integer=True),
+    )
     scenario = Scenario(
-        name=name, path=str(path), cluster=cluster, model=model,
-        parallel=parallel, workload=workload, duration_s=duration, costs=costs,
-        events=_events(path, root.data.get("events"), cluster, duration, _line(root.data, "events")),
+        name=name,
+        path=str(path),
+        cluster=cluster,
+        model=model,
+        parallel=parallel,
+        workload=workload,
+        duration_s=duration,
+        costs=costs,
+        events=_events(
+            path, root.data.get("events"), cluster, duration, _line(root.data, "events")
+        ),
         generators=_generators(path, root.data.get("generators"), _line(root.data, "generators")),
-        noise_job=noise_job, seed=root.number("seed", 0, integer=True), settings=settings,
-        family=root.text("family", ""))
+        noise_job=noise_job,
+        seed=root.number("seed", 0, integer=True),
+        settings=settings,
+        family=root.text("family", ""),
+    )
     check_fits(scenario, where=f"{path}: parallel")
     return scenario
 
@@ -385,6 +465,8 @@ def check_fits(scenario: Scenario, where: str) -> None:
     s = int(np.argmax(need))
     have = scenario.cluster.free_memory_gb()
     if need[s] > have:
-        raise InputError(f"{where}: the model does not fit the cluster: stage {s} of {counts[s]} "
-                         f"layers on tp={p.tp} needs {need[s]:.1f} GB per device, a device has "
-                         f"{have:g} GB free (raise pp or tp)")
+        raise InputError(
+            f"{where}: the model does not fit the cluster: stage {s} of {counts[s]} "
+            f"layers on tp={p.tp} needs {need[s]:.1f} GB per device, a device has "
+            f"{have:g} GB free (raise pp or tp)"
+        )

@@ -54,8 +54,15 @@ class Simulator:
             self._pools[budget] = shared_pool(self.scenario, budget)
         return self._pools[budget]
 
-    def window(self, compiled: CompiledLayout, speeds: np.ndarray, n_steps: int, first_step: int,
-               start_s: float, links: np.ndarray | None = None) -> Window:
+    def window(
+        self,
+        compiled: CompiledLayout,
+        speeds: np.ndarray,
+        n_steps: int,
+        first_step: int,
+        start_s: float,
+        links: np.ndarray | None = None,
+    ) -> Window:
         """``links``: each device's network link as a fraction of its bandwidth (None: all
         healthy); a slow one stretches the transfers it takes part in, not compute: its pipeline
         boundaries and its gradient ring (a ring all-reduce runs at its slowest link, and the step
@@ -67,10 +74,13 @@ class Simulator:
             return self._stalled(compiled.layout, n_steps, first_step, start_s)
         live = [r for r in compiled.layout.replicas if r.microbatches > 0]
         # the gradient all-reduce waits for the largest per-device shard (layers / group width)
-        if "ring" not in compiled.derived:  # each live device and its gradient shard (layers / width)
+        if (
+            "ring" not in compiled.derived
+        ):  # each live device and its gradient shard (layers / width)
             compiled.derived["ring"] = (
                 np.array([d for r in live for g in r.groups for d in g], dtype=np.int64),
-                np.array([n / len(g) for r in live for n, g in zip(r.layers, r.groups) for _ in g]))
+                np.array([n / len(g) for r in live for n, g in zip(r.layers, r.groups) for _ in g]),
+            )
         ring_devices, ring_shards = compiled.derived["ring"]
         shard = float(ring_shards.max())
         # grad_sync_s is linear in the shard: the slowest ring's time, at its slowest link
@@ -96,9 +106,12 @@ class Simulator:
             fwd = flops * (scale[None, :, :, None] * noise[..., None])
             # tensor-parallel all-reduces run at link speed, whatever the devices' compute speed;
             # two per layer forward and two backward, while backward compute is twice forward
-            comm = (tp_allreduce_s(model, cluster, pool.tokens[mb][:, :, None, :],
-                                   g.width[None, :, :, None])
-                    * (2.0 * g.layers * g.load)[None, :, :, None])
+            comm = (
+                tp_allreduce_s(
+                    model, cluster, pool.tokens[mb][:, :, None, :], g.width[None, :, :, None]
+                )
+                * (2.0 * g.layers * g.load)[None, :, :, None]
+            )
             sched = compile_schedule("1f1b", pp, m)
             # each replica's activations cross its pipeline at its narrowest group's shard size
             p2p = p2p_s(model, cluster, g.width.min(axis=1))  # [R]
@@ -127,12 +140,25 @@ class Simulator:
         step_start = start_s + np.concatenate(([0.0], np.cumsum(step_time)[:-1]))
         static = compiled.derived.setdefault("records", {})
         columns = _once(lambda: self._columns(per_group, steps, step_start, speeds, dims, static))
-        return Window(steps, start_s, step_time, tokens, layout, lambda: self._ops(columns), meta,
-                      rank_device, rank_work, columns, rank_place, transfers,
-                      lambda i, j: self._columns(per_group, steps, step_start, speeds, dims, static, i,
-                                                 j))
+        return Window(
+            steps,
+            start_s,
+            step_time,
+            tokens,
+            layout,
+            lambda: self._ops(columns),
+            meta,
+            rank_device,
+            rank_work,
+            columns,
+            rank_place,
+            transfers,
+            lambda i, j: self._columns(per_group, steps, step_start, speeds, dims, static, i, j),
+        )
 
-    def _critical_paths(self, sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray) -> Future:
+    def _critical_paths(
+        self, sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray
+    ) -> Future:
         """``op_end_times`` to come: in the simulator's thread for a window of many replicas
         (where it takes milliseconds), else now."""
         if fwd.size < PATHS_THREAD_MIN:
@@ -161,8 +187,9 @@ class Simulator:
                 out[:, ranks[real]] = vals[:, real]
         return out
 
-    def _rank_table(self, compiled: CompiledLayout) -> tuple[JobMeta, np.ndarray, np.ndarray,
-                                                             np.ndarray]:
+    def _rank_table(
+        self, compiled: CompiledLayout
+    ) -> tuple[JobMeta, np.ndarray, np.ndarray, np.ndarray]:
         """(job meta, device, expected work, (dp_rank, stage, tp_rank)) of every logical rank:
         ranks in the one order of ``resihp.parallel.ParallelDims(replicas, pp_max, tp_max)``;
         -1 / NaN where no device works."""
@@ -170,7 +197,9 @@ class Simulator:
         pp_max = max(len(r.groups) for r in layout.replicas)
         tp_max = max(len(gr) for r in layout.replicas for gr in r.groups)
         dims = ParallelDims(len(layout.replicas), pp_max, tp_max)
-        meta = JobMeta(dp_size=dims.dp, pp_size=dims.pp, tp_size=dims.tp, world_size=dims.world_size)
+        meta = JobMeta(
+            dp_size=dims.dp, pp_size=dims.pp, tp_size=dims.tp, world_size=dims.world_size
+        )
         rank_device = np.full(meta.world_size, -1, dtype=np.int64)
         rank_work = np.full(meta.world_size, np.nan)
         rank_place = np.full((meta.world_size, 3), -1, dtype=np.int64)
@@ -179,25 +208,41 @@ class Simulator:
         mean_tokens = float(self.pool.tokens.mean())
         for g in compiled.groups:
             r, pp, tp = g.devices.shape
-            place = np.stack(np.broadcast_arrays(g.replica_ids[:, None, None],
-                                                 np.arange(pp)[None, :, None],
-                                                 np.arange(tp)[None, None, :]), axis=-1)
+            place = np.stack(
+                np.broadcast_arrays(
+                    g.replica_ids[:, None, None],
+                    np.arange(pp)[None, :, None],
+                    np.arange(tp)[None, None, :],
+                ),
+                axis=-1,
+            )
             rank = dims.rank_of(place[..., 0], place[..., 1], place[..., 2])
             last = np.where(np.arange(pp) == pp - 1, head, 0.0)
             # expected seconds of the rank's share of a mean micro-batch at full speed
-            work = g.load * ((g.layers * layer + last) / (g.width * self.rate)
-                             + 2.0 * g.layers * tp_allreduce_s(self.scenario.model, self.scenario.cluster,
-                                                               mean_tokens, g.width))
+            work = g.load * (
+                (g.layers * layer + last) / (g.width * self.rate)
+                + 2.0
+                * g.layers
+                * tp_allreduce_s(self.scenario.model, self.scenario.cluster, mean_tokens, g.width)
+            )
             real = g.devices >= 0
             rank_device[rank[real]] = g.devices[real]
             rank_work[rank[real]] = np.broadcast_to(work[..., None], real.shape)[real]
             rank_place[rank[real]] = place[real]
         return meta, rank_device, rank_work, rank_place
 
-    def _stalled(self, layout: ReplicaLayout, n_steps: int, first_step: int, start_s: float) -> Window:
-        return Window(np.arange(first_step, first_step + n_steps), start_s,
-                      np.full(n_steps, np.inf), np.zeros(n_steps), layout, lambda: pd.DataFrame(),
-                      _columns=dict)
+    def _stalled(
+        self, layout: ReplicaLayout, n_steps: int, first_step: int, start_s: float
+    ) -> Window:
+        return Window(
+            np.arange(first_step, first_step + n_steps),
+            start_s,
+            np.full(n_steps, np.inf),
+            np.zeros(n_steps),
+            layout,
+            lambda: pd.DataFrame(),
+            _columns=dict,
+        )
 
     def _ops(self, columns: Callable[[], dict[str, np.ndarray]]) -> pd.DataFrame:
         cols = columns()
@@ -208,9 +253,17 @@ class Simulator:
         frame["seq_lens"] = cols["seq_lens"].objects()
         return frame  # row order is free in the contract
 
-    def _columns(self, per_group: list, steps: np.ndarray, step_start: np.ndarray, speeds: np.ndarray,
-                 dims: ParallelDims, static: dict, first: int = 0, stop: int | None = None
-                 ) -> dict[str, np.ndarray]:
+    def _columns(
+        self,
+        per_group: list,
+        steps: np.ndarray,
+        step_start: np.ndarray,
+        speeds: np.ndarray,
+        dims: ParallelDims,
+        static: dict,
+        first: int = 0,
+        stop: int | None = None,
+    ) -> dict[str, np.ndarray]:
         """The ops records of the window's steps ``first`` to ``stop`` (indices; all by default) as
         columns (``resihp.detect.observe.trace_columns`` form), in (step, stage, replica, tp rank,
         phase, micro-batch) order within each shape group (row order is free in the contract):
@@ -232,38 +285,61 @@ class Simulator:
             node = node[:, :, :k]
             fwd, comm, mb = fwd[..., :k], comm[..., :k], mb[..., :k]  # the recorded micro-batches
             took = np.stack([fwd + comm, 2.0 * fwd + comm], axis=3)  # [W, R, pp, 2, k]
-            start = (np.stack([end[:, :, node[0]], end[:, :, node[1]]], axis=3) - took
-                     + step_start[:, None, None, None, None]).transpose(0, 2, 1, 3, 4)
+            start = (
+                np.stack([end[:, :, node[0]], end[:, :, node[1]]], axis=3)
+                - took
+                + step_start[:, None, None, None, None]
+            ).transpose(0, 2, 1, 3, 4)
             pool = self.pool_for(g.budget)
             w, r, pp, m = fwd.shape
             tp = g.devices.shape[-1]
             # stage before replica from here: [W, pp, R, ...]
-            fwd, comm, devices = fwd.transpose(0, 2, 1, 3), comm.transpose(0, 2, 1, 3), g.devices.transpose(1, 0, 2)
+            fwd, comm, devices = (
+                fwd.transpose(0, 2, 1, 3),
+                comm.transpose(0, 2, 1, 3),
+                g.devices.transpose(1, 0, 2),
+            )
             # [pp, R, tp]: each rank's own pace relative to its stage's (slowest) device
             rel = sp.T[:, :, None] / np.where(devices >= 0, padded[devices], 1.0)
             own = fwd[:, :, :, None, :] * rel[None, :, :, :, None]  # [W, pp, R, tp, M]
             shape = (w, pp, r, tp, 2, m)
             dur = np.stack([own, 2.0 * own], axis=4) + comm[:, :, :, None, None, :]
             # no padded ranks: no mask (and none of the copies a mask makes)
-            real = slice(None) if (devices >= 0).all() else np.broadcast_to(
-                (devices >= 0)[None, :, :, :, None, None], shape).ravel()
+            real = (
+                slice(None)
+                if (devices >= 0).all()
+                else np.broadcast_to((devices >= 0)[None, :, :, :, None, None], shape).ravel()
+            )
 
-            def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
-                     ) -> np.ndarray:
+            def grid(
+                values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
+            ) -> np.ndarray:
                 """``values`` (laid along ``axes`` of the record grid) on every real record."""
                 at = [slice(None) if i in axes else None for i in range(len(shape))]
                 return np.broadcast_to(values[tuple(at)], shape).ravel()[real]
 
             mbi = grid(mb, (0, 2, 5))
-            parts.append({
-                "step": grid(steps, (0,)), "tokens": pool.tokens[mbi].astype(np.int64, copy=False),
-                "duration": dur.ravel()[real], "start_ts": grid(start, (0, 1, 2, 4, 5)),
-                "seq_lens": PooledLengths(pool.lengths, mbi)})
+            parts.append(
+                {
+                    "step": grid(steps, (0,)),
+                    "tokens": pool.tokens[mbi].astype(np.int64, copy=False),
+                    "duration": dur.ravel()[real],
+                    "start_ts": grid(start, (0, 1, 2, 4, 5)),
+                    "seq_lens": PooledLengths(pool.lengths, mbi),
+                }
+            )
         if not parts:
             return {}
-        cols = parts[0] if len(parts) == 1 else {
-            c: PooledLengths.concatenate([p[c] for p in parts]) if c == "seq_lens"
-            else np.concatenate([p[c] for p in parts]) for c in parts[0]}
+        cols = (
+            parts[0]
+            if len(parts) == 1
+            else {
+                c: PooledLengths.concatenate([p[c] for p in parts])
+                if c == "seq_lens"
+                else np.concatenate([p[c] for p in parts])
+                for c in parts[0]
+            }
+        )
         if n not in static:
             static[n] = self._static_columns(per_group, dims, n, k)
         cols.update(static[n])
@@ -280,21 +356,34 @@ class Simulator:
             shape = (pp, r, tp, 2, min(k, mb.shape[-1]))
             real = (devices >= 0)[:, :, :, None, None]
 
-            def grid(values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
-                     ) -> np.ndarray:
+            def grid(
+                values: np.ndarray, axes: tuple[int, ...], shape=shape, real=real
+            ) -> np.ndarray:
                 at = [slice(None) if i in axes else None for i in range(len(shape))]
                 one = np.broadcast_to(values[tuple(at)], shape)[np.broadcast_to(real, shape)]
                 return np.tile(one, n)  # the steps are the outermost axis of the record grid
 
-            dp_rank, stage, tp_rank = (grid(g.replica_ids, (1,)), grid(np.arange(pp), (0,)),
-                                       grid(np.arange(tp), (2,)))
-            parts.append({"rank": dims.rank_of(dp_rank, stage, tp_rank), "dp_rank": dp_rank,
-                          "stage": stage, "tp_rank": tp_rank,
-                          "mb_id": grid(np.arange(shape[-1]), (4,)),
-                          "device": grid(devices, (0, 1, 2)),
-                          "optype": grid(np.array([0, 1], dtype=np.int8), (3,))})
-        cols = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts])
-                                                  for c in parts[0]}
+            dp_rank, stage, tp_rank = (
+                grid(g.replica_ids, (1,)),
+                grid(np.arange(pp), (0,)),
+                grid(np.arange(tp), (2,)),
+            )
+            parts.append(
+                {
+                    "rank": dims.rank_of(dp_rank, stage, tp_rank),
+                    "dp_rank": dp_rank,
+                    "stage": stage,
+                    "tp_rank": tp_rank,
+                    "mb_id": grid(np.arange(shape[-1]), (4,)),
+                    "device": grid(devices, (0, 1, 2)),
+                    "optype": grid(np.array([0, 1], dtype=np.int8), (3,)),
+                }
+            )
+        cols = (
+            parts[0]
+            if len(parts) == 1
+            else {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+        )
         for v in cols.values():
             v.flags.writeable = False
         # codes 0 and 1 by construction: pandas' check of every row is not needed
@@ -310,11 +399,25 @@ def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool
     """The workload's packed micro-batches, built once per (source, model, budget, seed) and shared."""
     m = scenario.model
     budget = budget or m.microbatch_tokens
-    key = (scenario.workload, m.hidden, m.heads, m.ffn_hidden, m.mlp, m.vocab, m.max_seq_len, budget,
-           scenario.seed)
+    key = (
+        scenario.workload,
+        m.hidden,
+        m.heads,
+        m.ffn_hidden,
+        m.mlp,
+        m.vocab,
+        m.max_seq_len,
+        budget,
+        scenario.seed,
+    )
     if key not in _POOLS:
-        _POOLS[key] = build_pool(m, resolve_source(scenario.workload), POOL_MICROBATCHES,
-                                 np.random.default_rng(scenario.seed), budget)
+        _POOLS[key] = build_pool(
+            m,
+            resolve_source(scenario.workload),
+            POOL_MICROBATCHES,
+            np.random.default_rng(scenario.seed),
+            budget,
+        )
     return _POOLS[key]
 
 
@@ -326,4 +429,5 @@ def _once(make: Callable[[], dict]) -> Callable[[], dict]:
         if not cache:
             cache.append(make())
         return cache[0]
+
     return get

@@ -24,8 +24,11 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> LineDict:
     loader.flatten_mapping(node)
     out = LineDict(loader.construct_pairs(node, deep=True))
     out.line = node.start_mark.line + 1
-    out.key_lines = {loader.construct_object(k, deep=True): k.start_mark.line + 1
-                     for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+    out.key_lines = {
+        loader.construct_object(k, deep=True): k.start_mark.line + 1
+        for k, _ in node.value
+        if isinstance(k, yaml.ScalarNode)
+    }
     return out
 
 
@@ -33,6 +36,9 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 
 def load_yaml(path: str | Path) -> LineDict:
-    return read_yaml_mapping(path, "scenario",
-                             "a scenario must be a mapping (cluster, model, parallel, duration, ...)",
-                             loader=_Loader)
+    return read_yaml_mapping(
+        path,
+        "scenario",
+        "a scenario must be a mapping (cluster, model, parallel, duration, ...)",
+        loader=_Loader,
+    )

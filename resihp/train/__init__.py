@@ -15,12 +15,27 @@
 
 import importlib
 
-__all__ = ["KEEPER_OWNER", "RNG", "RestoredState", "Snapshots", "attempt_prefix", "flatten",
-           "init_process_group", "unflatten"]
+__all__ = [
+    "KEEPER_OWNER",
+    "RNG",
+    "RestoredState",
+    "Snapshots",
+    "attempt_prefix",
+    "flatten",
+    "init_process_group",
+    "unflatten",
+]
 
-_HOMES = {"KEEPER_OWNER": "snapshots", "RestoredState": "snapshots", "Snapshots": "snapshots",
-          "RNG": "state", "flatten": "state", "unflatten": "state",
-          "attempt_prefix": "rendezvous", "init_process_group": "rendezvous"}
+_HOMES = {
+    "KEEPER_OWNER": "snapshots",
+    "RestoredState": "snapshots",
+    "Snapshots": "snapshots",
+    "RNG": "state",
+    "flatten": "state",
+    "unflatten": "state",
+    "attempt_prefix": "rendezvous",
+    "init_process_group": "rendezvous",
+}
 
 
 def __getattr__(name: str):

@@ -67,8 +67,10 @@ class DeviceFault(RuntimeError):
     found; ``event`` is the finding (the DESIGN event JSON)."""
 
     def __init__(self, event: dict) -> None:
-        super().__init__(f"resihp: {event['kind']} on rank {event.get('rank')} (x{event['slowdown']:.2f}"
-                         f" from step {event['onset_step']}); stopping as asked (on_fault='stop')")
+        super().__init__(
+            f"resihp: {event['kind']} on rank {event.get('rank')} (x{event['slowdown']:.2f}"
+            f" from step {event['onset_step']}); stopping as asked (on_fault='stop')"
+        )
         self.event = event
 
 
@@ -91,9 +93,18 @@ GPU_TIMINGS = ("events", "sync")
 
 
 class Monitor:
-    def __init__(self, model: nn.Module, out: Path, optimizer: torch.optim.Optimizer | None,
-                 rank: int, dp_rank: int, stage: int, tp_rank: int, heartbeat_s: float,
-                 gpu_timing: str = "events") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        out: Path,
+        optimizer: torch.optim.Optimizer | None,
+        rank: int,
+        dp_rank: int,
+        stage: int,
+        tp_rank: int,
+        heartbeat_s: float,
+        gpu_timing: str = "events",
+    ) -> None:
         on_gpu = next(model.parameters()).is_cuda
         # on a GPU, CUDA events (durations read a step later) unless synchronising is asked for
         self.events = EventTimer() if on_gpu and gpu_timing == "events" else None
@@ -127,8 +138,10 @@ class Monitor:
             *[p.register_post_accumulate_grad_hook(self._grad_done) for p in self._params],
         ]
         if optimizer is not None:
-            self._handles += [optimizer.register_step_pre_hook(self._opt_start),
-                              optimizer.register_step_post_hook(self._opt_end)]
+            self._handles += [
+                optimizer.register_step_pre_hook(self._opt_start),
+                optimizer.register_step_post_hook(self._opt_end),
+            ]
 
     # --- hooks ----------------------------------------------------------------------------------
     def _begin(self, optype: str, mb: int = -1) -> None:
@@ -142,10 +155,18 @@ class Monitor:
         self._sync()
         start_ts, clock, mb = self._open.pop(optype)
         seq_lens = self._seq_lens[mb] if 0 <= mb < len(self._seq_lens) else None
-        row = {"step": self._step, **self.rec.ids, "optype": optype, "start_ts": start_ts,
-               "duration": None, "seq_id": self.rec._seq[optype],
-               "mb_id": mb if mb >= 0 else None, "seq_lens": list(seq_lens) if seq_lens else None,
-               "tokens": int(sum(seq_lens)) if seq_lens else None, "loss": None}
+        row = {
+            "step": self._step,
+            **self.rec.ids,
+            "optype": optype,
+            "start_ts": start_ts,
+            "duration": None,
+            "seq_id": self.rec._seq[optype],
+            "mb_id": mb if mb >= 0 else None,
+            "seq_lens": list(seq_lens) if seq_lens else None,
+            "tokens": int(sum(seq_lens)) if seq_lens else None,
+            "loss": None,
+        }
         self.rec._seq[optype] += 1
         if self.events is not None:
             self.events.stop(self._step, row, clock)
@@ -196,8 +217,11 @@ class Monitor:
 
     # --- public ---------------------------------------------------------------------------------
     @contextmanager
-    def step(self, seq_lens: Sequence[int] | Sequence[Sequence[int]] | None = None,
-             step: int | None = None) -> Iterator[None]:
+    def step(
+        self,
+        seq_lens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        step: int | None = None,
+    ) -> Iterator[None]:
         """One training step. ``seq_lens``: the packed sequence lengths of the step's micro-batch,
         or a list of them, one per forward call (gradient accumulation)."""
         if self.on_fault is not None:
@@ -229,7 +253,9 @@ class Monitor:
             log.debug("step %d: %.4f s, %s tokens", self._step, row.get("duration", 0.0), tokens)
         if self.plane is not None:
             self.plane.publisher.publish(self.rec.take_new())
-            self.plane.collect(self.out)  # rank 0: the steps every rank finished, into the run folder
+            self.plane.collect(
+                self.out
+            )  # rank 0: the steps every rank finished, into the run folder
         else:
             self.rec.flush(self.stream)
         self.self_s += time.perf_counter() - t0
@@ -257,9 +283,12 @@ class Monitor:
         ``event``, ``steps`` judged and each rank's ``noise`` with its smallest detectable
         slowdown. Elsewhere: an empty report saying why."""
         if self.follower is None:
-            why = ("detection runs on rank 0" if self.rec.ids["rank"] != 0 else
-                   "attach(..., detect=True) runs the detector in the job; or run resihp follow "
-                   f"{self.out} beside it")
+            why = (
+                "detection runs on rank 0"
+                if self.rec.ids["rank"] != 0
+                else "attach(..., detect=True) runs the detector in the job; or run resihp follow "
+                f"{self.out} beside it"
+            )
             return {"stragglers": [], "events": [], "steps": 0, "noise": {}, "note": why}
         return self.follower.report()
 
@@ -277,8 +306,12 @@ class Monitor:
         if new is None:
             return
         self._handled += 1
-        log.warning("acting on %s of rank %s (on_fault=%s)", new["kind"], new.get("rank"),
-                    "stop" if self.on_fault == "stop" else getattr(self.on_fault, "__name__", "callable"))
+        log.warning(
+            "acting on %s of rank %s (on_fault=%s)",
+            new["kind"],
+            new.get("rank"),
+            "stop" if self.on_fault == "stop" else getattr(self.on_fault, "__name__", "callable"),
+        )
         if self.on_fault == "stop":
             raise DeviceFault(new)
         self.on_fault(new)
@@ -304,10 +337,16 @@ class Monitor:
             report = self.follower.report()
             (self.out / "live.json").write_text(json.dumps(report, indent=1, default=str))
             stragglers = report["stragglers"]
-            log.info("detector: %d step(s) judged, %d event(s), %d straggler(s) now%s",
-                     report["steps"], len(report["events"]), len(stragglers),
-                     "".join(f"; rank {s['rank']} x{s['slowdown']:.2f} from step {s['onset_step']}"
-                             for s in stragglers))
+            log.info(
+                "detector: %d step(s) judged, %d event(s), %d straggler(s) now%s",
+                report["steps"],
+                len(report["events"]),
+                len(stragglers),
+                "".join(
+                    f"; rank {s['rank']} x{s['slowdown']:.2f} from step {s['onset_step']}"
+                    for s in stragglers
+                ),
+            )
         if self.metrics is not None:
             self.metrics.close()
         logs.close()
@@ -318,33 +357,53 @@ class _ControlPlane:
     heartbeat and step records; local rank 0's node aggregator; rank 0's trace collector."""
 
     def __init__(self, store, job_id: str, rec: OpRecorder, rank: int, heartbeat_s: float) -> None:
-        node, per_node = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        node, per_node = (
+            int(os.environ.get("GROUP_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        )
         world = int(os.environ.get("WORLD_SIZE", 1))
         self.store, self.job_id, self.rank = store, job_id, rank
         self.nodes = node_ranks(max(1, world // per_node), per_node)
         hb = heartbeat_prefix(job_id)
-        self.heart = HeartbeatSender(store, rank, node, heartbeat_s, prefix=hb,
-                                     progress=lambda: rec.progress("train")).start()
-        self.aggregator = (NodeAggregator(store, node, self.nodes.get(node, [rank]), heartbeat_s, prefix=hb).start()
-                           if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None)
+        self.heart = HeartbeatSender(
+            store, rank, node, heartbeat_s, prefix=hb, progress=lambda: rec.progress("train")
+        ).start()
+        self.aggregator = (
+            NodeAggregator(
+                store, node, self.nodes.get(node, [rank]), heartbeat_s, prefix=hb
+            ).start()
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0
+            else None
+        )
         self.publisher = StepPublisher(store, job_id, node, 0 if rank == 0 else None)
         self.collector: StepReader | None = None
 
     @classmethod
     def join(cls, rec: OpRecorder, rank: int, heartbeat_s: float) -> _ControlPlane | None:
         """Under torchrun (its agent store is the job's), else None (no store to join)."""
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
+        if (
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or "MASTER_PORT" not in os.environ
+        ):
             return None
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=60))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
         return cls(store, os.environ.get("TORCHELASTIC_RUN_ID", "job"), rec, rank, heartbeat_s)
 
     def lead(self, out: Path, meta: dict) -> None:
         """Rank 0: announce the job (``resihp follow --store``) and collect the trace into ``out``."""
         announce_job(self.store, self.job_id, None, len(self.nodes), len(self.nodes[0]), meta=meta)
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        (out / "controlplane.json").write_text(json.dumps({"store": endpoint, "job_id": self.job_id}))
-        log.info("control plane on torchrun's store %s: resihp follow --store %s", endpoint, endpoint)
+        (out / "controlplane.json").write_text(
+            json.dumps({"store": endpoint, "job_id": self.job_id})
+        )
+        log.info(
+            "control plane on torchrun's store %s: resihp follow --store %s", endpoint, endpoint
+        )
         (out / TRACE_STREAM).unlink(missing_ok=True)
         self.collector = StepReader(self.store, self.job_id, self.nodes, 0, owner=True)
 
@@ -372,7 +431,9 @@ class _ControlPlane:
             self.aggregator.stop()
 
     def _all_done(self) -> bool:
-        keys = [f"{heartbeat_prefix(self.job_id)}/n{n}/r{r}" for n, rs in self.nodes.items() for r in rs]
+        keys = [
+            f"{heartbeat_prefix(self.job_id)}/n{n}/r{r}" for n, rs in self.nodes.items() for r in rs
+        ]
         if not self.store.check(keys):
             return False
         return all(json.loads(v)["phase"] == "done" for v in self.store.multi_get(keys))
@@ -384,21 +445,38 @@ def _first_grad_tensor(output: object) -> torch.Tensor | None:
     values = output.values() if isinstance(output, dict) else output
     if isinstance(values, (list, tuple)) or hasattr(values, "__iter__"):
         for value in values:
-            found = _first_grad_tensor(value) if isinstance(value, (torch.Tensor, list, tuple, dict)) else None
+            found = (
+                _first_grad_tensor(value)
+                if isinstance(value, (torch.Tensor, list, tuple, dict))
+                else None
+            )
             if found is not None:
                 return found
     return None
 
 
-def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-           out: str | Path = "runs/attached", rank: int | None = None, dp_rank: int | None = None,
-           stage: int = 0, tp_rank: int = 0, dp_size: int | None = None, pp_size: int = 1,
-           tp_size: int = 1, heartbeat_s: float = 0.5, detect: bool = False,
-           on_event: Callable[[dict], None] | None = None,
-           on_fault: str | Callable[[dict], None] | None = None,
-           detector_config: DetectorConfig | None = None, tensorboard: bool = False,
-           log_level: int | str = logging.INFO, gpu_timing: str = "events",
-           **meta: object) -> Monitor:
+def attach(
+    model: nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    out: str | Path = "runs/attached",
+    rank: int | None = None,
+    dp_rank: int | None = None,
+    stage: int = 0,
+    tp_rank: int = 0,
+    dp_size: int | None = None,
+    pp_size: int = 1,
+    tp_size: int = 1,
+    heartbeat_s: float = 0.5,
+    detect: bool = False,
+    on_event: Callable[[dict], None] | None = None,
+    on_fault: str | Callable[[dict], None] | None = None,
+    detector_config: DetectorConfig | None = None,
+    tensorboard: bool = False,
+    log_level: int | str = logging.INFO,
+    gpu_timing: str = "events",
+    **meta: object,
+) -> Monitor:
     """Start recording ``model``'s per-op timings into ``out`` (ops-trace rows per rank, job meta
     from rank 0, heartbeats). Ranks default to torch.distributed's (or ``RANK``/``WORLD_SIZE``);
     with no other hint every rank is its own data-parallel replica.
@@ -416,14 +494,25 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
     if on_fault is not None and on_fault != "stop" and not callable(on_fault):
         raise InputError(f"attach: on_fault must be 'stop' or a callable, got {on_fault!r}")
     if gpu_timing not in GPU_TIMINGS:
-        raise InputError(f"attach: gpu_timing must be one of {', '.join(GPU_TIMINGS)}, got {gpu_timing!r}")
+        raise InputError(
+            f"attach: gpu_timing must be one of {', '.join(GPU_TIMINGS)}, got {gpu_timing!r}"
+        )
     out = Path(out)
     dist_rank, world = _dist_rank_world()
     rank = dist_rank if rank is None else rank
     logs.setup(out, rank, log_level)
     dp_size = dp_size or max(1, world // (pp_size * tp_size))
-    monitor = Monitor(model, out, optimizer, rank, rank if dp_rank is None else dp_rank, stage,
-                      tp_rank, heartbeat_s, gpu_timing)
+    monitor = Monitor(
+        model,
+        out,
+        optimizer,
+        rank,
+        rank if dp_rank is None else dp_rank,
+        stage,
+        tp_rank,
+        heartbeat_s,
+        gpu_timing,
+    )
     if rank == 0:
         (out / "job.yaml").unlink(missing_ok=True)
         (out / "live.json").unlink(missing_ok=True)
@@ -436,17 +525,24 @@ def attach(model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
         if detect or on_fault is not None:
             callback = on_event
             if monitor.metrics is not None:
+
                 def callback(event: dict, user=on_event, metrics=monitor.metrics) -> None:
                     metrics.event(event)
                     if user is not None:
                         user(event)
+
             monitor.follower = Follower(out, detector_config, callback)
             monitor.follower.start()
     if on_fault is not None:
         monitor.on_fault = on_fault
         monitor._group = _fault_group(world)
-    log.info("attached: rank %d of %d, recording into %s%s", rank, world, out,
-             " (detecting in-process)" if monitor.follower is not None else "")
+    log.info(
+        "attached: rank %d of %d, recording into %s%s",
+        rank,
+        world,
+        out,
+        " (detecting in-process)" if monitor.follower is not None else "",
+    )
     return monitor
 
 
@@ -456,6 +552,8 @@ def _fault_group(world: int):
     if world <= 1:
         return None
     if not (dist.is_available() and dist.is_initialized()):
-        raise InputError("attach: on_fault in a multi-process job needs torch.distributed "
-                         "initialised first (every rank must agree to stop)")
+        raise InputError(
+            "attach: on_fault in a multi-process job needs torch.distributed "
+            "initialised first (every rank must agree to stop)"
+        )
     return dist.new_group(backend="gloo")

@@ -46,10 +46,12 @@ class ParallelConfig(Section):
     pp: int = opt(2, help="Pipeline stages", minimum=1, panel="Parallel")
     tp: int = opt(1, help="Tensor-parallel ranks per stage", minimum=1, panel="Parallel")
     schedule: str = opt("1f1b", choices=SCHEDULES, help="Pipeline schedule", panel="Parallel")
-    layer_split: list[int] | None = opt(None, panel="Parallel",
-                                        help="Layers per stage, e.g. 3,1 (default: balanced)")
-    dp_weights: list[float] | None = opt(None, panel="Parallel",
-                                         help="Micro-batch share per replica, e.g. 2,1 (default: equal)")
+    layer_split: list[int] | None = opt(
+        None, panel="Parallel", help="Layers per stage, e.g. 3,1 (default: balanced)"
+    )
+    dp_weights: list[float] | None = opt(
+        None, panel="Parallel", help="Micro-batch share per replica, e.g. 2,1 (default: equal)"
+    )
 
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp, self.pp, self.tp)
@@ -59,9 +61,12 @@ class ParallelConfig(Section):
 class DataConfig(Section):
     SECTION: ClassVar[str] = "data"
 
-    source: str = opt("text", panel="Data", help="Sequence-length source: text, code or a lengths file")
-    global_tokens: int = opt(8192, minimum=1, maximum=2**40, panel="Data",
-                             help="Tokens per training step (all replicas)")
+    source: str = opt(
+        "text", panel="Data", help="Sequence-length source: text, code or a lengths file"
+    )
+    global_tokens: int = opt(
+        8192, minimum=1, maximum=2**40, panel="Data", help="Tokens per training step (all replicas)"
+    )
     budget: int = opt(1024, minimum=1, maximum=2**31, panel="Data", help="Micro-batch token budget")
 
 
@@ -69,82 +74,172 @@ class DataConfig(Section):
 class TrainConfig(Section):
     SECTION: ClassVar[str] = "train"
 
-    steps: int = opt(20, minimum=1, maximum=10**8, panel="Training",
-                     help="Training steps in all (a resumed run goes on to this step count)")
+    steps: int = opt(
+        20,
+        minimum=1,
+        maximum=10**8,
+        panel="Training",
+        help="Training steps in all (a resumed run goes on to this step count)",
+    )
     lr: float = opt(1e-3, above=0, finite=True, panel="Training", help="AdamW learning rate")
-    seed: int = opt(0, minimum=0, maximum=SEED_MAX, panel="Training",
-                    help="Seed of the model's initialisation and the data order")
+    seed: int = opt(
+        0,
+        minimum=0,
+        maximum=SEED_MAX,
+        panel="Training",
+        help="Seed of the model's initialisation and the data order",
+    )
 
 
 @dataclass(frozen=True)
 class FaultConfig(Section):
     SECTION: ClassVar[str] = "faults"
 
-    inject: list[str] = opt(factory=list, panel="Faults and recovery", help=(
-        "slow:rank=R,factor=F,step=S (compute x F), link:ranks=A+B,factor=F,step=S (every transfer "
-        "between A and B x F: pipeline sends/receives and their share of collectives), "
-        "stop:rank=R,step=S (SIGKILL), error:rank=R,step=S (a Python exception) or "
-        "hang:rank=R,step=S[,how=block|stop] (repeatable)"))
-    recovery: str = opt("auto", choices=RECOVERY_MODES, panel="Faults and recovery", help=(
-        "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
-        "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "
-        "restarts and catches up from a live peer while the others train on, taking over its "
-        "micro-batches; live re-planning then moves micro-batch shares, and layers between the stages "
-        "of each replica, but never ranks between groups); replica-drop (the "
-        "same, its micro-batches skipped while it is away); auto: replica when --dp > 1 on one node "
-        "of CPUs without --ckpt-every, --snapshot-every or --resume, else none"))
-    timeout_s: float = opt(60.0, flag="timeout", above=0, maximum=7 * 86400.0, finite=True,
-                           panel="Faults and recovery",
-                           help="Seconds a rank may wait for a peer, and for all ranks to join")
-    heartbeat_timeout_s: float = opt(10.0, flag="heartbeat-timeout", above=0, maximum=86400.0,
-                                     finite=True, panel="Faults and recovery",
-                                     help="Seconds without a heartbeat before a rank counts as stopped")
-    hang_timeout_s: float | None = opt(None, flag="hang-timeout", above=0, maximum=86400.0,
-                                       finite=True, panel="Faults and recovery", help=(
-        "Seconds a training rank may make no progress while its heartbeat goes on before it counts "
-        "as hung (default: 5 x the median step time, at least --heartbeat-timeout)"))
+    inject: list[str] = opt(
+        factory=list,
+        panel="Faults and recovery",
+        help=(
+            "slow:rank=R,factor=F,step=S (compute x F), link:ranks=A+B,factor=F,step=S (every transfer "
+            "between A and B x F: pipeline sends/receives and their share of collectives), "
+            "stop:rank=R,step=S (SIGKILL), error:rank=R,step=S (a Python exception) or "
+            "hang:rank=R,step=S[,how=block|stop] (repeatable)"
+        ),
+    )
+    recovery: str = opt(
+        "auto",
+        choices=RECOVERY_MODES,
+        panel="Faults and recovery",
+        help=(
+            "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
+            "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "
+            "restarts and catches up from a live peer while the others train on, taking over its "
+            "micro-batches; live re-planning then moves micro-batch shares, and layers between the stages "
+            "of each replica, but never ranks between groups); replica-drop (the "
+            "same, its micro-batches skipped while it is away); auto: replica when --dp > 1 on one node "
+            "of CPUs without --ckpt-every, --snapshot-every or --resume, else none"
+        ),
+    )
+    timeout_s: float = opt(
+        60.0,
+        flag="timeout",
+        above=0,
+        maximum=7 * 86400.0,
+        finite=True,
+        panel="Faults and recovery",
+        help="Seconds a rank may wait for a peer, and for all ranks to join",
+    )
+    heartbeat_timeout_s: float = opt(
+        10.0,
+        flag="heartbeat-timeout",
+        above=0,
+        maximum=86400.0,
+        finite=True,
+        panel="Faults and recovery",
+        help="Seconds without a heartbeat before a rank counts as stopped",
+    )
+    hang_timeout_s: float | None = opt(
+        None,
+        flag="hang-timeout",
+        above=0,
+        maximum=86400.0,
+        finite=True,
+        panel="Faults and recovery",
+        help=(
+            "Seconds a training rank may make no progress while its heartbeat goes on before it counts "
+            "as hung (default: 5 x the median step time, at least --heartbeat-timeout)"
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig(Section):
     SECTION: ClassVar[str] = "checkpoint"
 
-    ckpt_every: int = opt(0, minimum=0, panel="Checkpoints", help=(
-        "Steps between universal checkpoints; with it, a stopped rank is excluded by an elastic "
-        "restart. With --snapshot-every on one node the node's keeper writes them from memory, "
-        "off the training path, and writes the newest snapshot when the job stops early"))
-    ckpt_keep: int = opt(0, minimum=0, panel="Checkpoints", help=(
-        "Keep only the newest N universal checkpoints (0: keep all)"))
-    snapshot_every: int | None = opt(None, minimum=0, panel="Checkpoints", help=(
-        "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 with "
-        "--recovery restart, else none"))
-    ckpt_dir: str | None = opt(None, panel="Checkpoints", help=(
-        "Folder of the universal checkpoints (default OUT/ckpt); required with --ckpt-every on "
-        "several nodes: one folder every node writes to (a shared filesystem), as a checkpoint "
-        "holds every rank's shards"))
-    resume: str | None = opt(None, panel="Checkpoints", help=(
-        "Start from a checkpoint folder, or a run folder's newest checkpoint that verifies, in any "
-        "layout; --steps stays the total step count"))
+    ckpt_every: int = opt(
+        0,
+        minimum=0,
+        panel="Checkpoints",
+        help=(
+            "Steps between universal checkpoints; with it, a stopped rank is excluded by an elastic "
+            "restart. With --snapshot-every on one node the node's keeper writes them from memory, "
+            "off the training path, and writes the newest snapshot when the job stops early"
+        ),
+    )
+    ckpt_keep: int = opt(
+        0,
+        minimum=0,
+        panel="Checkpoints",
+        help=("Keep only the newest N universal checkpoints (0: keep all)"),
+    )
+    snapshot_every: int | None = opt(
+        None,
+        minimum=0,
+        panel="Checkpoints",
+        help=(
+            "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 with "
+            "--recovery restart, else none"
+        ),
+    )
+    ckpt_dir: str | None = opt(
+        None,
+        panel="Checkpoints",
+        help=(
+            "Folder of the universal checkpoints (default OUT/ckpt); required with --ckpt-every on "
+            "several nodes: one folder every node writes to (a shared filesystem), as a checkpoint "
+            "holds every rank's shards"
+        ),
+    )
+    resume: str | None = opt(
+        None,
+        panel="Checkpoints",
+        help=(
+            "Start from a checkpoint folder, or a run folder's newest checkpoint that verifies, in any "
+            "layout; --steps stays the total step count"
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class LiveConfig(Section):
     SECTION: ClassVar[str] = "live"
 
-    live: bool = opt(True, panel="Live re-planning", help=(
-        "Run the live detector and planner beside the job and apply their plan changes"))
-    calibration_steps: int = opt(DetectorConfig.calibration_steps, minimum=3, maximum=100000,
-                                 panel="Live re-planning", help=(
-        "Steps of each rank the live detector learns its healthy baseline on before it can find a "
-        "fail-slow there (and again after a plan change moves work)"))
-    min_slowdown: float = opt(DetectorConfig.min_slowdown, minimum=1.0, maximum=1000.0, finite=True,
-                              panel="Live re-planning", help=(
-        "The least slowdown of a rank the live detector reports and the planner re-plans around "
-        "(raise it where the machine's own noise reaches the default)"))
-    alarm_floor: float = opt(DetectorConfig.alarm_floor, minimum=1.0, maximum=1000.0, finite=True,
-                             panel="Live re-planning", help=(
-        "Effect-size floor: the live detector raises no fail-slow or link-slow whose measured "
-        "factor (x slower than expected) is below it"))
+    live: bool = opt(
+        True,
+        panel="Live re-planning",
+        help=("Run the live detector and planner beside the job and apply their plan changes"),
+    )
+    calibration_steps: int = opt(
+        DetectorConfig.calibration_steps,
+        minimum=3,
+        maximum=100000,
+        panel="Live re-planning",
+        help=(
+            "Steps of each rank the live detector learns its healthy baseline on before it can find a "
+            "fail-slow there (and again after a plan change moves work)"
+        ),
+    )
+    min_slowdown: float = opt(
+        DetectorConfig.min_slowdown,
+        minimum=1.0,
+        maximum=1000.0,
+        finite=True,
+        panel="Live re-planning",
+        help=(
+            "The least slowdown of a rank the live detector reports and the planner re-plans around "
+            "(raise it where the machine's own noise reaches the default)"
+        ),
+    )
+    alarm_floor: float = opt(
+        DetectorConfig.alarm_floor,
+        minimum=1.0,
+        maximum=1000.0,
+        finite=True,
+        panel="Live re-planning",
+        help=(
+            "Effect-size floor: the live detector raises no fail-slow or link-slow whose measured "
+            "factor (x slower than expected) is below it"
+        ),
+    )
     # scheduled plan changes, {"step", "dp_weights"?, "layer_split"?} (set through a config file)
     replan: list[dict] = opt(factory=list, cli=False)
 
@@ -160,7 +255,9 @@ class RunConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     live: LiveConfig = field(default_factory=LiveConfig)
-    out: str = opt("runs/latest", decls=("-o",), help="Run folder: ops.parquet, job.yaml, summary.json")
+    out: str = opt(
+        "runs/latest", decls=("-o",), help="Run folder: ops.parquet, job.yaml, summary.json"
+    )
     device: str = opt("auto", choices=("auto", "cpu", "cuda"), help="Where the ranks train")
     threads: int = opt(1, minimum=1, maximum=4096, help="Intra-op threads per rank")
     job_id: str = opt("", cli=False)  # the job this run belongs to (set by the launcher)
@@ -170,19 +267,27 @@ class RunConfig:
         faults, parallel, ckpt = self.faults, self.parallel, self.checkpoint
         replica = faults.recovery.startswith("replica")
         if replica and parallel.dp < 2:
-            raise InputError(f"faults.recovery (--recovery {faults.recovery}): needs --dp 2 or more (the "
-                             f"replica is the unit of failure), got --dp {parallel.dp}")
+            raise InputError(
+                f"faults.recovery (--recovery {faults.recovery}): needs --dp 2 or more (the "
+                f"replica is the unit of failure), got --dp {parallel.dp}"
+            )
         if replica and ckpt.snapshot_every:
-            raise InputError(f"faults.recovery (--recovery {faults.recovery}): a lost replica recovers "
-                             "from a live peer; --snapshot-every is not combined with it yet "
-                             "(--ckpt-every and --resume are)")
+            raise InputError(
+                f"faults.recovery (--recovery {faults.recovery}): a lost replica recovers "
+                "from a live peer; --snapshot-every is not combined with it yet "
+                "(--ckpt-every and --resume are)"
+            )
         self.model.check_tp(parallel.tp)
         self.stage_ranges()
-        if parallel.dp_weights is not None and (len(parallel.dp_weights) != parallel.dp
-                                                or min(parallel.dp_weights) < 0
-                                                or sum(parallel.dp_weights) <= 0):
-            raise InputError(f"parallel.dp_weights (--dp-weights): expected {parallel.dp} non-negative "
-                             f"weights with a positive sum, got {parallel.dp_weights}")
+        if parallel.dp_weights is not None and (
+            len(parallel.dp_weights) != parallel.dp
+            or min(parallel.dp_weights) < 0
+            or sum(parallel.dp_weights) <= 0
+        ):
+            raise InputError(
+                f"parallel.dp_weights (--dp-weights): expected {parallel.dp} non-negative "
+                f"weights with a positive sum, got {parallel.dp_weights}"
+            )
         check_faults(self.fault_list(), self.dims().world_size, self.train.steps)
         for change in self.live.replan:
             if not isinstance(change, dict) or not isinstance(change.get("step"), int):
@@ -201,7 +306,9 @@ class RunConfig:
 
     def ckpt_root(self) -> Path:
         """Where this run's universal checkpoints go: ``--ckpt-dir``, else ``OUT/ckpt``."""
-        return Path(self.checkpoint.ckpt_dir) if self.checkpoint.ckpt_dir else Path(self.out) / "ckpt"
+        return (
+            Path(self.checkpoint.ckpt_dir) if self.checkpoint.ckpt_dir else Path(self.out) / "ckpt"
+        )
 
     def relaunched_into(self, out: str | Path, **changes: Any) -> RunConfig:
         """A copy for a relaunch into ``out`` (``OUT/restart``, ...): its checkpoints go beside
@@ -224,8 +331,12 @@ class RunConfig:
         if self.faults.recovery != "auto":
             return self.faults.recovery
         ckpt = self.checkpoint
-        replica = (self.parallel.dp > 1 and nnodes == 1 and not gpus
-                   and not (ckpt.ckpt_every or ckpt.snapshot_every or ckpt.resume))
+        replica = (
+            self.parallel.dp > 1
+            and nnodes == 1
+            and not gpus
+            and not (ckpt.ckpt_every or ckpt.snapshot_every or ckpt.resume)
+        )
         return "replica" if replica else "none"
 
     def snapshot_interval(self) -> int:
@@ -247,8 +358,9 @@ class RunConfig:
     def stage_ranges(self) -> list[tuple[int, int]]:
         if self.parallel.layer_split is None:
             return balanced_layers(self.model.layers, self.parallel.pp)
-        return ranges_from_counts(self.parallel.layer_split, self.model.layers, self.parallel.pp,
-                                  source="--layer-split")
+        return ranges_from_counts(
+            self.parallel.layer_split, self.model.layers, self.parallel.pp, source="--layer-split"
+        )
 
     def weights(self) -> list[float]:
         dp_weights = self.parallel.dp_weights
@@ -287,8 +399,14 @@ def stage_memory_bytes(cfg: RunConfig) -> int:
         if last == cfg.model.layers:
             params += v * h + 2 * h
         in_flight = cfg.parallel.pp - stage  # 1F1B bound; GPipe may hold more
-        acts = in_flight * cfg.data.budget * ((last - first) * (16 * h + 4 * f) / cfg.parallel.tp
-                                         + (3 * v if last == cfg.model.layers else 0))
+        acts = (
+            in_flight
+            * cfg.data.budget
+            * (
+                (last - first) * (16 * h + 4 * f) / cfg.parallel.tp
+                + (3 * v if last == cfg.model.layers else 0)
+            )
+        )
         worst = max(worst, int(4 * (4 * params + acts)))
     return worst
 
@@ -311,4 +429,5 @@ def check_memory(cfg: RunConfig, ranks_here: int) -> None:
             f"model too large: about {need / 2**30:.1f} GiB for {ranks_here} ranks (--layers "
             f"{cfg.model.layers} --hidden {cfg.model.hidden} --ffn-hidden {cfg.model.ffn_hidden} --vocab {cfg.model.vocab} "
             f"--budget {cfg.data.budget}) but {have / 2**30:.1f} GiB is available; shrink the model or "
-            f"the micro-batch budget")
+            f"the micro-batch budget"
+        )

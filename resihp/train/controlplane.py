@@ -63,13 +63,14 @@ def heartbeat_prefix(job_id: str) -> str:
     return f"{prefix_of(job_id)}/{HB.rpartition('/')[2]}"
 
 
-def node_ranks(nnodes: int, nproc_per_node: int, sizes: list[int] | tuple[int, ...] | None = None,
-               ) -> dict[int, list[int]]:
+def node_ranks(
+    nnodes: int,
+    nproc_per_node: int,
+    sizes: list[int] | tuple[int, ...] | None = None,
+) -> dict[int, list[int]]:
     """The global ranks of each node: node ``i`` holds ``i * P .. i * P + P - 1``; with ``sizes``
     (ranks per node), node ``i`` the next ``sizes[i]`` after those of the nodes before it."""
     return Nodes(nnodes, 0, nproc_per_node, None, tuple(sizes) if sizes else None).layout()
-
-
 
 
 def append_steps(path: str | Path, steps: Sequence[StepRecords]) -> None:
@@ -95,11 +96,16 @@ def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
     for r in rows:
         if r.get("seq_lens") is not None and r.get("mb_id") is not None:
             lens.setdefault(str(r["mb_id"]), r["seq_lens"])
-    doc = {"ids": [last[k] for k in _IDS], "t0": t0,
-           "ts": [round(r["start_ts"] - t0, _ROUND) for r in rows],
-           "dur": [round(r["duration"], _ROUND) for r in rows],
-           **{c: [r.get(c) for r in rows] for c in _COLS}, "lens": lens,
-           "sent": time.time(), "cost_s": round(cost_s, _ROUND)}
+    doc = {
+        "ids": [last[k] for k in _IDS],
+        "t0": t0,
+        "ts": [round(r["start_ts"] - t0, _ROUND) for r in rows],
+        "dur": [round(r["duration"], _ROUND) for r in rows],
+        **{c: [r.get(c) for r in rows] for c in _COLS},
+        "lens": lens,
+        "sent": time.time(),
+        "cost_s": round(cost_s, _ROUND),
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -145,14 +151,32 @@ _NUM = (int, float)
 
 def parse_part(doc: object) -> dict:
     """One rank's op record of one step, checked (``encode_rows``'s form)."""
-    doc = fields(doc, "op record", {"ids": list, "t0": _NUM, "ts": list, "dur": list, "mb_id": list,
-                                    "lens": dict, "sent": _NUM}, {"cost_s": _NUM})
+    doc = fields(
+        doc,
+        "op record",
+        {
+            "ids": list,
+            "t0": _NUM,
+            "ts": list,
+            "dur": list,
+            "mb_id": list,
+            "lens": dict,
+            "sent": _NUM,
+        },
+        {"cost_s": _NUM},
+    )
     n = len(doc["ts"])
-    if len(doc["ids"]) != len(_IDS) or not all(isinstance(i, int) and not isinstance(i, bool) for i in doc["ids"]):
-        raise RecordError(f"op record: field 'ids' expected {len(_IDS)} integers ({', '.join(_IDS)})")
+    if len(doc["ids"]) != len(_IDS) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in doc["ids"]
+    ):
+        raise RecordError(
+            f"op record: field 'ids' expected {len(_IDS)} integers ({', '.join(_IDS)})"
+        )
     for name in ("dur", "mb_id", *(c for c in _COLS if c in doc)):
         if not isinstance(doc[name], list) or len(doc[name]) != n:
-            raise RecordError(f"op record: field {name!r} expected a list of {n} values (one per op)")
+            raise RecordError(
+                f"op record: field {name!r} expected a list of {n} values (one per op)"
+            )
     if not all(isinstance(x, _NUM) for x in doc["ts"] + doc["dur"]):
         raise RecordError("op record: fields 'ts' and 'dur' expected numbers")
     return doc
@@ -216,9 +240,15 @@ class StepReader:
     """Complete steps (every rank's part) in step order, read from the store; ``owner`` (the run
     folder's writer) deletes what it has read, beyond the last ``KEEP_STEPS`` steps."""
 
-    def __init__(self, store: Store, job_id: str, nodes: Mapping[int, Sequence[int]],
-                 first_step: int | None = None, owner: bool = False,
-                 members: Callable[[int], Sequence[int] | None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        job_id: str,
+        nodes: Mapping[int, Sequence[int]],
+        first_step: int | None = None,
+        owner: bool = False,
+        members: Callable[[int], Sequence[int] | None] | None = None,
+    ) -> None:
         self.store, self.prefix = store, prefix_of(job_id)
         self.nodes = {int(n): list(r) for n, r in nodes.items()}
         # which nodes trained a step (replica-level fault tolerance: those the quorum committed it
@@ -305,7 +335,9 @@ class StepReader:
                 if not self.owner and self._learn_lost(awaited):
                     continue
                 break
-            done.append(StepRecords(self.next_step, decoded, max(p.sent for p in decoded), time.time()))
+            done.append(
+                StepRecords(self.next_step, decoded, max(p.sent for p in decoded), time.time())
+            )
             self.bytes += sum(p.nbytes for p in decoded)
             self.parts += len(decoded)
             self.steps += 1
@@ -331,9 +363,14 @@ class StepReader:
                 part = decode_rows(line, key) if line.strip() else None
                 if part is None:
                     continue
-                if part.doc["ids"][0] != self.next_step or part.rank not in self.nodes.get(node, ()):
-                    RECORDS.reject(key, f"a part for step {part.doc['ids'][0]} of rank {part.rank}, "
-                                        f"not one of this step's ranks of node {node}")
+                if part.doc["ids"][0] != self.next_step or part.rank not in self.nodes.get(
+                    node, ()
+                ):
+                    RECORDS.reject(
+                        key,
+                        f"a part for step {part.doc['ids'][0]} of rank {part.rank}, "
+                        f"not one of this step's ranks of node {node}",
+                    )
                 elif part.rank not in parts:
                     parts[part.rank] = part
         return list(parts.values())
@@ -346,7 +383,8 @@ class StepReader:
         for i in range(1, int(self.store.add(f"{self.prefix}/followers", 0)) + 1):
             key = f"{self.prefix}/followed/{i}"
             while time.monotonic() < end and not (
-                    self.store.check([key]) and (checked_int(self.store.get(key), key) or -1) >= last):
+                self.store.check([key]) and (checked_int(self.store.get(key), key) or -1) >= last
+            ):
                 time.sleep(0.1)
 
     def _owner_last(self) -> int | None:
@@ -384,8 +422,9 @@ class PlanInbox:
     newest change posted (each ``id`` once) that carries the job's signature (``secret``: by
     default this process's ``RESIHP_JOB_SECRET``; without one, no posted change is taken)."""
 
-    def __init__(self, store: Store, job_id: str, scheduled: Sequence[dict],
-                 secret: str | None = None) -> None:
+    def __init__(
+        self, store: Store, job_id: str, scheduled: Sequence[dict], secret: str | None = None
+    ) -> None:
         self.store, self.key = store, plan_key(job_id)
         self.secret = secret or os.environ.get(JOB_SECRET_ENV) or None
         self.scheduled = {int(c["step"]): c for c in scheduled}
@@ -396,8 +435,11 @@ class PlanInbox:
             return {**self.scheduled[step], "source": "scheduled"}
         if not self.store.check([self.key]):
             return None
-        change = RECORDS.decode(self.key, self.store.get(self.key),
-                                lambda doc: verified(doc, self.secret, "plan change"))
+        change = RECORDS.decode(
+            self.key,
+            self.store.get(self.key),
+            lambda doc: verified(doc, self.secret, "plan change"),
+        )
         if change is None or change.get("id") == self._seen_id:
             return None
         self._seen_id = change.get("id")
@@ -426,24 +468,56 @@ def read_errors(store: Store, job_id: str) -> list[dict]:
     key = f"{prefix_of(job_id)}/errors"
     if not store.check([key]):
         return []
-    found = (RECORDS.decode(key, line, parse_error) for line in store.get(key).splitlines() if line.strip())
+    found = (
+        RECORDS.decode(key, line, parse_error)
+        for line in store.get(key).splitlines()
+        if line.strip()
+    )
     return [e for e in found if e is not None]
 
 
-def announce_job(store: Store, job_id: str, config: dict | None, nnodes: int, nproc_per_node: int,
-                 meta: dict | None = None, attempt: int = 0, sizes: list[int] | None = None,
-                 no_relaunch: str | None = None) -> None:
+def announce_job(
+    store: Store,
+    job_id: str,
+    config: dict | None,
+    nnodes: int,
+    nproc_per_node: int,
+    meta: dict | None = None,
+    attempt: int = 0,
+    sizes: list[int] | None = None,
+    no_relaunch: str | None = None,
+) -> None:
     """Node 0: the job's identity and configuration (``resihp run``'s, which every joining node
     checks) and its job meta (what a detector following it needs); ``attempt``: the relaunch this
     launch is (0: the first launch); ``sizes``: the ranks of each node where they differ;
     ``no_relaunch``: why there is no launch ``attempt`` (the nodes waiting for it end)."""
-    store.set(JOB_KEY, signed_json({"job_id": job_id, "config": config, "nnodes": nnodes,
-                                    "nproc_per_node": nproc_per_node, "meta": meta, "started": time.time(),
-                                    "attempt": attempt, "sizes": sizes, "no_relaunch": no_relaunch}))
+    store.set(
+        JOB_KEY,
+        signed_json(
+            {
+                "job_id": job_id,
+                "config": config,
+                "nnodes": nnodes,
+                "nproc_per_node": nproc_per_node,
+                "meta": meta,
+                "started": time.time(),
+                "attempt": attempt,
+                "sizes": sizes,
+                "no_relaunch": no_relaunch,
+            }
+        ),
+    )
 
 
 _JOB_FIELDS = {"job_id": str, "nnodes": int, "nproc_per_node": int}
-_JOB_OPTIONAL = {"config": dict, "meta": dict, "started": _NUM, "attempt": int, "sizes": list, "no_relaunch": str}
+_JOB_OPTIONAL = {
+    "config": dict,
+    "meta": dict,
+    "started": _NUM,
+    "attempt": int,
+    "sizes": list,
+    "no_relaunch": str,
+}
 
 
 def parse_job(doc: object, verify: bool = True) -> dict:
@@ -451,12 +525,15 @@ def parse_job(doc: object, verify: bool = True) -> dict:
     (a follower, which acts on nothing), signed with the job's secret."""
     job = authority("job announcement", _JOB_FIELDS, _JOB_OPTIONAL, verify=verify)(doc)
     if job["nnodes"] < 1 or job["nproc_per_node"] < 1:
-        raise RecordError("job announcement: fields 'nnodes' and 'nproc_per_node' expected positive integers")
+        raise RecordError(
+            "job announcement: fields 'nnodes' and 'nproc_per_node' expected positive integers"
+        )
     return job
 
 
-def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0,
-             verify: bool = True) -> dict | None:
+def read_job(
+    store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0, verify: bool = True
+) -> dict | None:
     """The job announced on ``store`` (its launch ``attempt`` or a later one), or None after
     ``timeout_s``; InputError where what stays there is not the job's announcement (malformed,
     or not signed with this node's ``RESIHP_JOB_SECRET``: the job cannot go on without it)."""
@@ -474,10 +551,15 @@ def read_job(store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int =
                 return job
         if time.monotonic() > end:
             if why is not None:
-                hint = (f" (is {JOB_SECRET_ENV} the same on every node of the job?)"
-                        if "refused" in str(why) else "")
-                raise InputError(f"store key {JOB_KEY}: expected the job's announcement (a JSON object "
-                                 f"with job_id, nnodes, nproc_per_node, signed), got {why}{hint}")
+                hint = (
+                    f" (is {JOB_SECRET_ENV} the same on every node of the job?)"
+                    if "refused" in str(why)
+                    else ""
+                )
+                raise InputError(
+                    f"store key {JOB_KEY}: expected the job's announcement (a JSON object "
+                    f"with job_id, nnodes, nproc_per_node, signed), got {why}{hint}"
+                )
             return None
         time.sleep(poll_s)
 
@@ -498,7 +580,9 @@ def _reason(store: Store, job_id: str, key: str, what: str, verify: bool = True)
     return None if said is None else " ".join(said["reason"][:1000].split())
 
 
-def _signed(store: Store, key: str, what: str, spec: dict, same: dict, verify: bool = True) -> dict | None:
+def _signed(
+    store: Store, key: str, what: str, spec: dict, same: dict, verify: bool = True
+) -> dict | None:
     """The signed record at ``key`` (``spec``'s fields, ``same``'s values), or None where nothing
     with the job's signature is there."""
     if not store.check([key]):
@@ -510,30 +594,45 @@ def _signed(store: Store, key: str, what: str, spec: dict, same: dict, verify: b
 # stops and relaunches it when told, and says when it has (its heartbeat keys then hold the new
 # attempt's beats only) and when one finished
 
+
 def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunch: bool) -> None:
     """Node 0 evicted ``replica``: its node stops its processes and, if ``relaunch``, launches
     attempt ``attempt`` of it."""
-    store.set(f"{prefix_of(job_id)}/replica/{replica}/order",
-              signed_json({"replica": replica, "attempt": attempt, "relaunch": relaunch}))
+    store.set(
+        f"{prefix_of(job_id)}/replica/{replica}/order",
+        signed_json({"replica": replica, "attempt": attempt, "relaunch": relaunch}),
+    )
 
 
 def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] | None:
     """The newest order for ``replica`` (attempt, relaunch), or None."""
-    order = _signed(store, f"{prefix_of(job_id)}/replica/{replica}/order", "replica order",
-                    {"attempt": int, "relaunch": bool}, {"replica": replica})
+    order = _signed(
+        store,
+        f"{prefix_of(job_id)}/replica/{replica}/order",
+        "replica order",
+        {"attempt": int, "relaunch": bool},
+        {"replica": replica},
+    )
     return None if order is None else (int(order["attempt"]), bool(order["relaunch"]))
 
 
 def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: str) -> None:
     """The node of ``replica`` says that its ``attempt`` is ``launched`` or ``done`` (exited 0)."""
-    store.set(f"{prefix_of(job_id)}/replica/{replica}/{state}",
-              signed_json({"replica": replica, "state": state, "attempt": attempt}))
+    store.set(
+        f"{prefix_of(job_id)}/replica/{replica}/{state}",
+        signed_json({"replica": replica, "state": state, "attempt": attempt}),
+    )
 
 
 def replica_attempt(store: Store, job_id: str, replica: int, state: str) -> int | None:
     """The newest attempt of ``replica`` its node said is in ``state`` (``replica_state``)."""
-    said = _signed(store, f"{prefix_of(job_id)}/replica/{replica}/{state}", f"replica {state}",
-                   {"attempt": int}, {"replica": replica, "state": state})
+    said = _signed(
+        store,
+        f"{prefix_of(job_id)}/replica/{replica}/{state}",
+        f"replica {state}",
+        {"attempt": int},
+        {"replica": replica, "state": state},
+    )
     return None if said is None else int(said["attempt"])
 
 
@@ -557,13 +656,20 @@ def ask_for_stacks(store: Store, job_id: str, node: int, rank: int, why: str) ->
     """Node 0 judged ``rank``, on ``node``, hung: that node's launcher, which can signal the rank's
     process, writes its stacks to its run folder's log (``stacks_asked``, then ``stacks_written``)
     before the job is stopped."""
-    store.set(f"{prefix_of(job_id)}/stacks/{node}", signed_json({"node": node, "rank": rank, "why": why}))
+    store.set(
+        f"{prefix_of(job_id)}/stacks/{node}", signed_json({"node": node, "rank": rank, "why": why})
+    )
 
 
 def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None:
     """The rank of ``node`` whose stacks node 0 asked for, and why (None: none)."""
-    asked = _signed(store, f"{prefix_of(job_id)}/stacks/{node}", "stacks request", {"rank": int, "why": str},
-                    {"node": node})
+    asked = _signed(
+        store,
+        f"{prefix_of(job_id)}/stacks/{node}",
+        "stacks request",
+        {"rank": int, "why": str},
+        {"node": node},
+    )
     return None if asked is None else (int(asked["rank"]), str(asked["why"]))
 
 
@@ -571,14 +677,21 @@ def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitc
     """This node's torchrun ended on a failure: its first observed one (``rank``, the job's rank
     number, and its ``exitcode``) for node 0, which may have found several of this node's ranks
     gone at once (torchrun stops a dead rank's peers) and cannot tell from them which died first."""
-    store.set(f"{prefix_of(job_id)}/first-failure/{node}",
-              signed_json({"node": node, "rank": rank, "exitcode": exitcode}))
+    store.set(
+        f"{prefix_of(job_id)}/first-failure/{node}",
+        signed_json({"node": node, "rank": rank, "exitcode": exitcode}),
+    )
 
 
 def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
     """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published it."""
-    said = _signed(store, f"{prefix_of(job_id)}/first-failure/{node}", "first failure",
-                   {"rank": int, "exitcode": int}, {"node": node})
+    said = _signed(
+        store,
+        f"{prefix_of(job_id)}/first-failure/{node}",
+        "first failure",
+        {"rank": int, "exitcode": int},
+        {"node": node},
+    )
     return None if said is None else (int(said["rank"]), int(said["exitcode"]))
 
 
@@ -586,7 +699,9 @@ def stacks_written(store: Store, job_id: str, node: int) -> None:
     store.set(f"{prefix_of(job_id)}/stacks/{node}/written", "1")
 
 
-def await_stacks(store: Store, job_id: str, node: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+def await_stacks(
+    store: Store, job_id: str, node: int, timeout_s: float, poll_s: float = 0.05
+) -> bool:
     """Whether ``node``'s launcher wrote the stacks asked for within ``timeout_s``. The request
     goes either way: a relaunch on the same store must not answer it again."""
     asked = f"{prefix_of(job_id)}/stacks/{node}"
@@ -604,4 +719,6 @@ def await_stacks(store: Store, job_id: str, node: int, timeout_s: float, poll_s:
 
 def stopping(store: Store, job_id: str) -> str | None:
     """Why the job ended or is being stopped (``mark_ended``, ``mark_stopping``), or None."""
-    return ended(store, job_id) or _reason(store, job_id, f"{prefix_of(job_id)}/stopping", "stop announcement")
+    return ended(store, job_id) or _reason(
+        store, job_id, f"{prefix_of(job_id)}/stopping", "stop announcement"
+    )

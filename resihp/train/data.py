@@ -45,22 +45,40 @@ class StepData:
 class DataSource:
     """Per-step packed micro-batches from a length source (``code``, ``text`` or a file)."""
 
-    def __init__(self, source: str, global_tokens: int, budget: int, max_len: int, seed: int) -> None:
+    def __init__(
+        self, source: str, global_tokens: int, budget: int, max_len: int, seed: int
+    ) -> None:
         if global_tokens < budget:
-            raise InputError(f"--global-tokens {global_tokens} is smaller than the micro-batch "
-                             f"token budget --budget {budget}")
+            raise InputError(
+                f"--global-tokens {global_tokens} is smaller than the micro-batch "
+                f"token budget --budget {budget}"
+            )
         if max_len > budget:
-            raise InputError(f"--max-len {max_len} exceeds the micro-batch token budget --budget {budget}")
+            raise InputError(
+                f"--max-len {max_len} exceeds the micro-batch token budget --budget {budget}"
+            )
         self.lengths = resolve_source(source)
-        self.global_tokens, self.budget, self.max_len, self.seed = global_tokens, budget, max_len, seed
+        self.global_tokens, self.budget, self.max_len, self.seed = (
+            global_tokens,
+            budget,
+            max_len,
+            seed,
+        )
 
     def step(self, step: int) -> StepData:
         rng = np.random.default_rng([self.seed, step])
         seqs = sample_sequences(self.lengths, self.global_tokens, self.max_len, rng)
         # sample_sequences overshoots by up to one sequence; keep the global batch within budget
-        seqs = seqs[: max(1, int(np.searchsorted(np.cumsum(seqs), self.global_tokens, side="right")))]
-        return StepData(step, tuple(MicroBatch(i, tuple(int(x) for x in b))
-                                    for i, b in enumerate(pack_greedy(seqs, self.budget))))
+        seqs = seqs[
+            : max(1, int(np.searchsorted(np.cumsum(seqs), self.global_tokens, side="right")))
+        ]
+        return StepData(
+            step,
+            tuple(
+                MicroBatch(i, tuple(int(x) for x in b))
+                for i, b in enumerate(pack_greedy(seqs, self.budget))
+            ),
+        )
 
     def tokens(self, step: int, mb: MicroBatch, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input and target ids of a micro-batch: each document is an arithmetic progression
@@ -74,7 +92,9 @@ class DataSource:
         return (torch.from_numpy(np.concatenate(inputs)), torch.from_numpy(np.concatenate(targets)))
 
 
-def replica_microbatches(data: StepData, dp_rank: int, weights: Sequence[float]) -> list[MicroBatch]:
+def replica_microbatches(
+    data: StepData, dp_rank: int, weights: Sequence[float]
+) -> list[MicroBatch]:
     """The contiguous run of the step's micro-batches that replica ``dp_rank`` trains."""
     counts = apportion(len(data.microbatches), weights, what="micro-batch weights")
     start = sum(counts[:dp_rank])

@@ -73,8 +73,15 @@ class Reformed:
     calibration: dict | None = None
 
 
-def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit_s: float = 2.0,
-                  measured: list[float] = (), compute: list[float] | None = None) -> Reformed | None:
+def reform_around(
+    cfg: RunConfig,
+    rank: int,
+    resume: Path,
+    out: Path,
+    time_limit_s: float = 2.0,
+    measured: list[float] = (),
+    compute: list[float] | None = None,
+) -> Reformed | None:
     """The planner's layout over every rank but ``rank`` (its speed 0), to restart from checkpoint
     ``resume`` into: the job relaunches with the survivors only, loads the checkpoint into a uniform
     launch layout and, before its first step, re-forms into the plan's process groups by a layout
@@ -97,33 +104,62 @@ def reform_around(cfg: RunConfig, rank: int, resume: Path, out: Path, time_limit
     if not pipes or rank in used:
         return None
     first = int(resume.name.removeprefix("step")) + 1
-    change = {"step": first, "reason": {"kind": "fail-stop", "rank": rank},
-              "layout": {"pipelines": [[[new[r] for r in s.ranks] for s in p.stages] for p in pipes]},
-              "layer_splits": [[s.n_layers for s in p.stages] for p in pipes],
-              "dp_weights": [float(p.microbatches) for p in pipes]}
+    change = {
+        "step": first,
+        "reason": {"kind": "fail-stop", "rank": rank},
+        "layout": {"pipelines": [[[new[r] for r in s.ranks] for s in p.stages] for p in pipes]},
+        "layer_splits": [[s.n_layers for s in p.stages] for p in pipes],
+        "dp_weights": [float(p.microbatches) for p in pipes],
+    }
     n = len(survivors)
     pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
     ahead = [f.spec() for f in carried_faults(cfg.fault_list(), survivors, first)]
-    relaunch = relaunch_config(cfg, resume, out, dp=n // pp, pp=pp, tp=1, layer_split=None, dp_weights=None,
-                               inject=ahead, replan=[change])
+    relaunch = relaunch_config(
+        cfg,
+        resume,
+        out,
+        dp=n // pp,
+        pp=pp,
+        tp=1,
+        layer_split=None,
+        dp_weights=None,
+        inject=ahead,
+        replan=[change],
+    )
     return Reformed(relaunch, plan, survivors, change, calibration)
 
 
 # --- resuming from a checkpoint in any layout -----------------------------------------------------
 def run_state(engine: Engine, cfg: RunConfig) -> dict:
     """This run's non-tensor state (``resihp.ckpt.reshard_rules``), as its checkpoints record it."""
-    return state_of_run(cfg.train.seed, cfg.data.source, cfg.data.global_tokens, cfg.model.max_seq_len, cfg.data.budget, engine.weights,
-                        [[b - a for a, b in ranges] for ranges in engine.replica_ranges], cfg.train.lr,
-                        {"pipelines": [[list(s) for s in p] for p in engine.pipelines]})
+    return state_of_run(
+        cfg.train.seed,
+        cfg.data.source,
+        cfg.data.global_tokens,
+        cfg.model.max_seq_len,
+        cfg.data.budget,
+        engine.weights,
+        [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
+        cfg.train.lr,
+        {"pipelines": [[list(s) for s in p] for p in engine.pipelines]},
+    )
 
 
 def checkpoint_meta(engine: Engine, cfg: RunConfig) -> dict:
     """What ``meta.json`` records beside the tensors."""
     dims = engine.dims  # the layout in force (None: replicas of different shapes, see state.layout)
-    return {"dp": len(engine.pipelines), "pp": dims.pp if dims else None, "tp": dims.tp if dims else None,
-            "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
-            "model": cfg.model.to_dict(), "seed": cfg.train.seed, "source": cfg.data.source,
-            "job_id": cfg.job_id, "model_hash": cfg.model_hash(), "state": run_state(engine, cfg)}
+    return {
+        "dp": len(engine.pipelines),
+        "pp": dims.pp if dims else None,
+        "tp": dims.tp if dims else None,
+        "layer_splits": [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
+        "model": cfg.model.to_dict(),
+        "seed": cfg.train.seed,
+        "source": cfg.data.source,
+        "job_id": cfg.job_id,
+        "model_hash": cfg.model_hash(),
+        "state": run_state(engine, cfg),
+    }
 
 
 def rank_tensors(engine: Engine) -> dict[str, torch.Tensor]:
@@ -138,7 +174,11 @@ class Resumed:
     decisions: list[dict]
 
     def to_dict(self) -> dict:
-        return {"checkpoint": str(self.checkpoint), "first_step": self.first_step, "decisions": self.decisions}
+        return {
+            "checkpoint": str(self.checkpoint),
+            "first_step": self.first_step,
+            "decisions": self.decisions,
+        }
 
 
 def resume(engine: Engine, cfg: RunConfig, path: Path, first_step: int) -> Resumed:
@@ -149,7 +189,9 @@ def resume(engine: Engine, cfg: RunConfig, path: Path, first_step: int) -> Resum
     now = run_state(engine, cfg)
     decisions = decide(saved.get("state", {}), now, str(path))
     same = same_layout(saved.get("state", {}), now)
-    extra = {f"rng.torch.rank{engine.rank}": torch.empty_like(torch.get_rng_state())} if same else {}
+    extra = (
+        {f"rng.torch.rank{engine.rank}": torch.empty_like(torch.get_rng_state())} if same else {}
+    )
     load(path, engine.model, engine.optimizer, engine.tp, engine.model_cfg, extra)
     if same:
         torch.set_rng_state(extra[f"rng.torch.rank{engine.rank}"])

@@ -33,7 +33,9 @@ from resihp.train.schedule import schedule_for
 
 PROBE_MAX_GAP = 16  # steps between a hot spare's probes, at most
 PROBE_REPEATS = 3  # runs of the probe's compute per probe; the fastest is its time
-REFERENCE_PROBES = 3  # steps a rank probes first, placed: the fastest is its reference (``LiveLoop``)
+REFERENCE_PROBES = (
+    3  # steps a rank probes first, placed: the fastest is its reference (``LiveLoop``)
+)
 
 
 @dataclass
@@ -47,7 +49,9 @@ class StepResult:
 class Engine:
     """One rank of a DP x PP (x TP) job. Construct after ``dist.init_process_group``."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device, injector: FaultInjector | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, device: torch.device, injector: FaultInjector | None = None
+    ) -> None:
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.dims().check_world(self.world)
@@ -61,7 +65,13 @@ class Engine:
         self.control_group = dist.new_group(list(range(self.world)), backend="gloo")
         self.plan_version = 0
         self.plan_changes: list[dict] = []
-        self.data = DataSource(cfg.data.source, cfg.data.global_tokens, cfg.data.budget, cfg.model.max_seq_len, cfg.train.seed)
+        self.data = DataSource(
+            cfg.data.source,
+            cfg.data.global_tokens,
+            cfg.data.budget,
+            cfg.model.max_seq_len,
+            cfg.train.seed,
+        )
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self.rec = OpRecorder(self.rank, self.dp_rank, self.stage, self.tp.rank, sync=sync)
         self.injector = injector or FaultInjector([], self.rank)
@@ -80,8 +90,12 @@ class Engine:
         (the group's own rank order). Every rank creates every group, in the same order."""
         self.pipelines = [[tuple(sorted(stage)) for stage in p] for p in pipelines]
         self.active = [r for p in self.pipelines for stage in p for r in stage]
-        where = {r: (d, s, t) for d, p in enumerate(self.pipelines) for s, stage in enumerate(p)
-                 for t, r in enumerate(stage)}
+        where = {
+            r: (d, s, t)
+            for d, p in enumerate(self.pipelines)
+            for s, stage in enumerate(p)
+            for t, r in enumerate(stage)
+        }
         d, s, t = where.get(self.rank, (-1, -1, 0))
         spare = self.rank not in where
         mine = [(self.rank,)] if spare else self.pipelines[d]
@@ -97,16 +111,22 @@ class Engine:
         self.tp = TPContext(len(mine[s]), t, tp_group)
         shapes = {(len(p), len(stage)) for p in self.pipelines for stage in p}
         # the layout as one data x pipeline x tensor split, when every replica has the same shape
-        self.dims = (ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None)
+        self.dims = ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None
         # neighbouring stages may differ in tensor-parallel size: a stage's output (and its input's
         # gradient) is whole on each rank of its group, so rank j of a stage of size b takes it from
         # rank j mod a of the neighbour of size a, which sends it to every such j
         here = len(mine[s])
         self.prev = mine[s - 1][t % len(mine[s - 1])] if not spare and s > 0 else None
         self.next = mine[s + 1][t % len(mine[s + 1])] if not spare and s < self.pp - 1 else None
-        self.send_prev = [r for i, r in enumerate(mine[s - 1]) if i % here == t] if self.prev is not None else []
-        self.send_next = [r for j, r in enumerate(mine[s + 1]) if j % here == t] if self.next is not None else []
-        self.grad_sync = GradSync(self.pipelines, tied=self.model_cfg.tie_embeddings, cfg=self.model_cfg)
+        self.send_prev = (
+            [r for i, r in enumerate(mine[s - 1]) if i % here == t] if self.prev is not None else []
+        )
+        self.send_next = (
+            [r for j, r in enumerate(mine[s + 1]) if j % here == t] if self.next is not None else []
+        )
+        self.grad_sync = GradSync(
+            self.pipelines, tied=self.model_cfg.tie_embeddings, cfg=self.model_cfg
+        )
         self.grad_sync.prepare(self.replica_ranges, self.model_cfg.layers)
 
     @property
@@ -120,7 +140,9 @@ class Engine:
         if init:
             init_by_name(self.model, self.cfg.train.seed, self.tp, self.model_cfg.heads)
         self.model.to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.train.lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.train.lr, weight_decay=0.0
+        )
 
     def _probe(self) -> None:
         """A small fixed compute, timed as op ``probe`` and stretched as any compute op is by an
@@ -148,26 +170,36 @@ class Engine:
         cpu_clock = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         with self.rec.op("probe") as row:
             walls, busy = 0.0, float("inf")
-            for _ in range(PROBE_REPEATS):  # the fastest of a few: a moment's contention is not speed
+            for _ in range(
+                PROBE_REPEATS
+            ):  # the fastest of a few: a moment's contention is not speed
                 start, cpu = time.perf_counter(), cpu_clock()
                 compute()
                 wall = time.perf_counter() - start
                 # on a CPU shared by more ranks than cores, the time the probe waited for a core is
                 # not the device's speed (a healthy spare probing beside busy ranks measured 2x its
                 # reference): kept apart as the op's wait, as inside tensor-parallel collectives
-                busy = min(busy, min(wall, cpu_clock() - cpu) if self.device.type == "cpu" else wall)
+                busy = min(
+                    busy, min(wall, cpu_clock() - cpu) if self.device.type == "cpu" else wall
+                )
                 walls += wall
             self.injector.stretch(busy)
-            row["wait_s"] = walls - busy  # the op's duration less this is the fastest run, stretched
+            row["wait_s"] = (
+                walls - busy
+            )  # the op's duration less this is the fastest run, stretched
 
     # --- point-to-point -------------------------------------------------------------------------
-    def _recv(self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch) -> torch.Tensor:
+    def _recv(
+        self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch
+    ) -> torch.Tensor:
         buf = torch.empty(shape, device=self.device)
         with self.rec.op(optype, mb.mb_id, mb.seq_lens):
             start = time.perf_counter()
             dist.recv(buf, src, tag=tag)
             # an injected slow link delivers the data later, in proportion to the transfer
-            self.injector.received(src, time.perf_counter() - start, buf.numel() * buf.element_size())
+            self.injector.received(
+                src, time.perf_counter() - start, buf.numel() * buf.element_size()
+            )
         return buf
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int, optype: str, mb: MicroBatch) -> None:
@@ -190,7 +222,9 @@ class Engine:
         """Called by every rank at the start of a step; ``proposal`` (a plan change dict) counts
         only on rank 0, which broadcasts it; every rank checks it (``PlanChange.parse``: a bad one
         stops every rank alike) and applies it before the step. Returns it."""
-        version = torch.tensor([proposal["version"] if proposal and self.rank == 0 else self.plan_version])
+        version = torch.tensor(
+            [proposal["version"] if proposal and self.rank == 0 else self.plan_version]
+        )
         with self.rec.waiting("plan-sync"):
             dist.broadcast(version, 0, group=self.control_group)
         if int(version) == self.plan_version:
@@ -198,8 +232,13 @@ class Engine:
         box = [proposal if self.rank == 0 else None]
         with self.rec.waiting("plan-sync"):
             dist.broadcast_object_list(box, 0, group=self.control_group)
-        change = PlanChange.parse(box[0], self.dims or ParallelDims(len(self.pipelines), 1), self.model_cfg.layers,
-                                  world=self.world, depths=[len(p) for p in self.pipelines])
+        change = PlanChange.parse(
+            box[0],
+            self.dims or ParallelDims(len(self.pipelines), 1),
+            self.model_cfg.layers,
+            world=self.world,
+            depths=[len(p) for p in self.pipelines],
+        )
         self.apply(step, change)
         self.plan_version = int(version)
         return change.to_dict()
@@ -218,7 +257,9 @@ class Engine:
         new = change.replica_ranges(self.model_cfg.layers)
         if new is not None and new != self.replica_ranges:
             with self.rec.op("replan-layers") as row:
-                row["bytes"] = self._repartition(new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
+                row["bytes"] = (
+                    self._repartition(new[self.dp_rank]) if new[self.dp_rank] != self.ranges else 0
+                )
                 self.replica_ranges = new
                 self.grad_sync.prepare(new, self.model_cfg.layers)
         self.plan_changes.append({"step": step, **change.to_dict()})
@@ -228,8 +269,12 @@ class Engine:
         resharded into it by global name from memory (``replan.relayout``)."""
         new = change.layout
         layers = self.model_cfg.layers
-        ranges = change.replica_ranges(layers) or [balanced_layers(layers, len(p)) for p in new.pipelines]
-        weights = list(change.dp_weights) if change.dp_weights is not None else [1.0] * len(new.pipelines)
+        ranges = change.replica_ranges(layers) or [
+            balanced_layers(layers, len(p)) for p in new.pipelines
+        ]
+        weights = (
+            list(change.dp_weights) if change.dp_weights is not None else [1.0] * len(new.pipelines)
+        )
         for p in new.pipelines:  # checked on every rank alike before anything changes
             self.cfg.model.check_tp(len(p[0]))
 
@@ -237,14 +282,29 @@ class Engine:
             self._retired = self.reform(new.pipelines, ranges, weights)
             return None if self.coords is None else (self.model, self.optimizer, self.tp)
 
-        moved = relayout(self.model, self.optimizer, self.tp, self.model_cfg, rebuild, self.control_group,
-                         self.cfg.out, write=self.dp_rank == 0)
+        moved = relayout(
+            self.model,
+            self.optimizer,
+            self.tp,
+            self.model_cfg,
+            rebuild,
+            self.control_group,
+            self.cfg.out,
+            write=self.dp_rank == 0,
+        )
         retire_groups(self._retired)
-        return {**moved, "generation": self.generation, "spares": [r for r in range(self.world)
-                                                                   if r not in self.active]}
+        return {
+            **moved,
+            "generation": self.generation,
+            "spares": [r for r in range(self.world) if r not in self.active],
+        }
 
-    def reform(self, pipelines: Sequence[Sequence[Sequence[int]]], ranges: list[list[tuple[int, int]]],
-               weights: list[float]) -> list:
+    def reform(
+        self,
+        pipelines: Sequence[Sequence[Sequence[int]]],
+        ranges: list[list[tuple[int, int]]],
+        weights: list[float],
+    ) -> list:
         """Collective over the world: a new generation of process groups for ``pipelines`` and this
         rank's stage built in it, its values not kept (``_relayout`` moves them in). Returns the
         groups it retires (``replan.retire_groups``)."""
@@ -261,9 +321,17 @@ class Engine:
 
     def _repartition(self, new_ranges: list[tuple[int, int]]) -> int:
         self.model, self.optimizer, sent = repartition(
-            self.model, self.optimizer, self.model_cfg, self.tp, self.ranges, new_ranges, self.stage,
-            lambda stage: self.pipelines[self.dp_rank][stage][self.tp.rank], self.cfg.train.lr,
-            self.device)
+            self.model,
+            self.optimizer,
+            self.model_cfg,
+            self.tp,
+            self.ranges,
+            new_ranges,
+            self.stage,
+            lambda stage: self.pipelines[self.dp_rank][stage][self.tp.rank],
+            self.cfg.train.lr,
+            self.device,
+        )
         self.first, self.last = new_ranges[self.stage]
         return sent
 
@@ -315,9 +383,14 @@ class Engine:
                     saved[action.mb] = (x if self.prev is not None else None, out)
                 else:
                     x, out = saved.pop(action.mb)
-                    grad = (None if self.next is None else
-                            self._recv((mb.tokens, hidden), self.next, tag, "backward-recv", mb))
-                    self._compute("backward-compute", mb, lambda out=out, grad=grad: out.backward(grad))
+                    grad = (
+                        None
+                        if self.next is None
+                        else self._recv((mb.tokens, hidden), self.next, tag, "backward-recv", mb)
+                    )
+                    self._compute(
+                        "backward-compute", mb, lambda out=out, grad=grad: out.backward(grad)
+                    )
                     for dst in self.send_prev:
                         self._send(x.grad, dst, tag, "backward-send", mb)
             with self.rec.waiting("send-wait"):
@@ -346,6 +419,7 @@ class Engine:
         # a tied embedding is summed over its first- and last-stage copies even with one replica
         if len(self.pipelines) > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):
             with self.rec.op("grads-all-reduce"):
-                self.grad_sync.all_reduce(self.model, self.coords.tp_rank, loss,
-                                          after=self.injector.collective)
+                self.grad_sync.all_reduce(
+                    self.model, self.coords.tp_rank, loss, after=self.injector.collective
+                )
         return float(loss) if loss is not None else None

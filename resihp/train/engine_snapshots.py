@@ -37,8 +37,11 @@ def same_state(engine: Engine, rank: int) -> list[int]:
     whose pipeline gives its stage the same layers (itself included)."""
     dims, c = engine.dims, engine.dims.coords(rank)
     mine = engine.replica_ranges[c.dp_rank][c.stage]
-    return [dims.rank_of(d, c.stage, c.tp_rank) for d in range(dims.dp)
-            if engine.replica_ranges[d][c.stage] == mine]
+    return [
+        dims.rank_of(d, c.stage, c.tp_rank)
+        for d in range(dims.dp)
+        if engine.replica_ranges[d][c.stage] == mine
+    ]
 
 
 def copy_holder(engine: Engine, rank: int, local_ranks: list[int]) -> int | None:
@@ -51,9 +54,13 @@ def copy_holder(engine: Engine, rank: int, local_ranks: list[int]) -> int | None
 
 def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
     """What a snapshot must match to be restored (and ``run``: the plan state it carries)."""
-    return {"job_id": job_id, "model_hash": cfg.model_hash(), "dims": cfg.dims().to_dict(),
-            "ranges": [[list(r) for r in ranges] for ranges in engine.replica_ranges],
-            "run": {"weights": list(engine.weights), "plan_version": engine.plan_version}}
+    return {
+        "job_id": job_id,
+        "model_hash": cfg.model_hash(),
+        "dims": cfg.dims().to_dict(),
+        "ranges": [[list(r) for r in ranges] for ranges in engine.replica_ranges],
+        "run": {"weights": list(engine.weights), "plan_version": engine.plan_version},
+    }
 
 
 def check_capacity(tier: MemoryTier, need_bytes: int, ranks_here: int) -> None:
@@ -66,8 +73,9 @@ def check_capacity(tier: MemoryTier, need_bytes: int, ranks_here: int) -> None:
         others = left_tiers(exclude=tier.dir)
         if not others:
             raise
-        raise InputError(f"{exc}; other jobs' memory tiers there: "
-                         + "; ".join(t.describe() for t in others)) from None
+        raise InputError(
+            f"{exc}; other jobs' memory tiers there: " + "; ".join(t.describe() for t in others)
+        ) from None
 
 
 class MemorySnapshots:
@@ -76,15 +84,26 @@ class MemorySnapshots:
     snapshots (every ``--ckpt-every`` steps, and the newest when the job stops early), in place
     of the trainers' own saves."""
 
-    def __init__(self, cfg: RunConfig, engine: Engine, job_id: str, node: int, local_ranks: list[int],
-                 persist_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine: Engine,
+        job_id: str,
+        node: int,
+        local_ranks: list[int],
+        persist_root: Path | None = None,
+    ) -> None:
         self.cfg, self.engine, self.job_id = cfg, engine, job_id
         self.persist_root = persist_root
         self._blocks: tuple[tuple, list] | None = None  # (model, optimizer, plan version) -> blocks
         self.dir: Path = tier_dir(job_id, node)
         self.tier = MemoryTier(self.dir, engine.rank)
         holder = copy_holder(engine, engine.rank, local_ranks)
-        holds = sum(1 for r in local_ranks if r != engine.rank and copy_holder(engine, r, local_ranks) == engine.rank)
+        holds = sum(
+            1
+            for r in local_ranks
+            if r != engine.rank and copy_holder(engine, r, local_ranks) == engine.rank
+        )
         _, nbytes = plan_shards(state_tensors(engine.model, engine.optimizer))
         # two slots per rank, plus the copies this rank keeps (about its own size: same model)
         check_capacity(self.tier, (2 + holds) * nbytes, len(local_ranks))
@@ -95,14 +114,27 @@ class MemorySnapshots:
         warm = persist_root is not None
         ensure_keeper(self.dir, owner, warm=warm)
         keep = lambda: ensure_keeper(self.dir, owner, warm=warm)  # noqa: E731
-        self.snapshotter = Snapshotter(self.tier, cfg.snapshot_interval(), holder, keep, cfg.faults.timeout_s,
-                                       lambda: engine.rec.waiting(KEEPER_WAIT))
+        self.snapshotter = Snapshotter(
+            self.tier,
+            cfg.snapshot_interval(),
+            holder,
+            keep,
+            cfg.faults.timeout_s,
+            lambda: engine.rec.waiting(KEEPER_WAIT),
+        )
 
     def restore(self) -> Restored | None:
         """Collective: the newest step complete in memory for every rank, loaded; or None."""
         e = self.engine
-        restored = restore(self.tier, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id),
-                           lambda r: same_state(e, r), e.control_group, e.injector.during_restore)
+        restored = restore(
+            self.tier,
+            e.model,
+            e.optimizer,
+            layout_of(e, self.cfg, self.job_id),
+            lambda r: same_state(e, r),
+            e.control_group,
+            e.injector.during_restore,
+        )
         if restored is not None:
             e.weights = list(restored.run.get("weights", e.weights))
             e.plan_version = int(restored.run.get("plan_version", e.plan_version))
@@ -115,7 +147,9 @@ class MemorySnapshots:
             if h.rank == self.engine.rank and h.step > step:
                 self.tier.header_path(h.slot).unlink(missing_ok=True)
         s = self.snapshotter
-        self.snapshotter = Snapshotter(self.tier, s.every, s.copy_to, s.keeper_alive, s.timeout_s, s.held)
+        self.snapshotter = Snapshotter(
+            self.tier, s.every, s.copy_to, s.keeper_alive, s.timeout_s, s.held
+        )
 
     def after_step(self, step: int) -> None:
         """Start this step's snapshot if one is due, or a checkpoint the keeper writes from it (the
@@ -123,9 +157,17 @@ class MemorySnapshots:
         e = self.engine
         every = self.cfg.checkpoint.ckpt_every
         ckpt = self.persist_root is not None and every > 0 and (step + 1) % every == 0
-        if (self.snapshotter.due(step) or ckpt) and e.model is not None:  # a hot spare holds no state
-            request = (lambda tensors: self._request(tensors, ckpt)) if self.persist_root is not None else None
-            self.snapshotter.snapshot(step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id), request)
+        if (
+            self.snapshotter.due(step) or ckpt
+        ) and e.model is not None:  # a hot spare holds no state
+            request = (
+                (lambda tensors: self._request(tensors, ckpt))
+                if self.persist_root is not None
+                else None
+            )
+            self.snapshotter.snapshot(
+                step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id), request
+            )
 
     def _request(self, tensors: list, due: bool) -> dict:
         """What the keeper needs to write these tensors into a universal checkpoint."""
@@ -137,10 +179,20 @@ class MemorySnapshots:
         key = (id(e.model), id(e.optimizer), e.plan_version)
         write = e.dp_rank == 0  # one replica writes the model state (as resihp.ckpt.universal.save)
         if self._blocks is None or self._blocks[0] != key:
-            self._blocks = (key, blocks_of(e.model, e.optimizer, tensors, e.tp, e.model_cfg, e.rank, write))
+            self._blocks = (
+                key,
+                blocks_of(e.model, e.optimizer, tensors, e.tp, e.model_cfg, e.rank, write),
+            )
         meta = checkpoint_meta(e, self.cfg) if e.rank == 0 else None
-        return PersistRequest(str(self.persist_root), self.cfg.checkpoint.ckpt_keep, len(e.active), write,
-                              self._blocks[1], meta, due).to_dict()
+        return PersistRequest(
+            str(self.persist_root),
+            self.cfg.checkpoint.ckpt_keep,
+            len(e.active),
+            write,
+            self._blocks[1],
+            meta,
+            due,
+        ).to_dict()
 
     def close(self) -> None:
         self.snapshotter.close()
@@ -182,7 +234,9 @@ def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
         return None
     directory = tier_dir(cfg.job_id, node)
     reclaim_dead_tiers(exclude=directory)  # a dead job's tier (its launcher and keeper killed) goes
-    warm = bool(cfg.checkpoint.ckpt_every)  # it may write the checkpoints: torch loads while the job starts
+    warm = bool(
+        cfg.checkpoint.ckpt_every
+    )  # it may write the checkpoints: torch loads while the job starts
     ensure_keeper(directory, os.getpid(), warm=warm)
     _KEEPERS[cfg.job_id] = directory
     return lambda: ensure_keeper(directory, os.getpid(), warm=warm)
@@ -229,7 +283,9 @@ def restartable(outcome) -> bool:
         return False
     if outcome.failure is not None:
         return True
-    said = any(e.get("kind") in ("stop", "input") for e in outcome.errors) or "disk full" in (outcome.error or "")
+    said = any(e.get("kind") in ("stop", "input") for e in outcome.errors) or "disk full" in (
+        outcome.error or ""
+    )
     return outcome.returncode != 0 and not said and not outcome.left_alive
 
 
@@ -243,6 +299,7 @@ def _read(path: Path) -> dict | None:
 def _step_times(out: Path) -> tuple[float | None, float | None]:
     """The first step's start and the last step's end in a run folder's trace (wall clock)."""
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+
     try:
         trace = pd.read_parquet(out / "ops.parquet", columns=["optype", "start_ts", "duration"])
     except (OSError, ValueError, KeyError):
@@ -253,8 +310,14 @@ def _step_times(out: Path) -> tuple[float | None, float | None]:
     return float(steps.start_ts.min()), float((steps.start_ts + steps.duration).max())
 
 
-def recovery_record(before: Path, after: Path, failure: Event | None, before_summary: dict,
-                    after_summary: dict, cause: str | None = None) -> dict:
+def recovery_record(
+    before: Path,
+    after: Path,
+    failure: Event | None,
+    before_summary: dict,
+    after_summary: dict,
+    cause: str | None = None,
+) -> dict:
     """The run summary's ``recovery`` object for a restart in place: where the state came from
     (``memory``, ``peer``, ``disk``, or ``none``: step 0), the step training went on at, the steps
     done twice, and the times: the fail-stop's detection, the restore, and the whole stall (the
@@ -269,12 +332,20 @@ def recovery_record(before: Path, after: Path, failure: Event | None, before_sum
         source, restore_s = "none", None
     resumed = int(resumed) if resumed is not None else None
     first, losses = before_summary.get("first_step"), before_summary.get("losses") or []
-    done = (int(first) + len(losses)) if first is not None else 0  # steps complete before the failure
+    done = (
+        (int(first) + len(losses)) if first is not None else 0
+    )  # steps complete before the failure
     _, last_end = _step_times(before)
     first_start, _ = _step_times(after)
     extra = failure.extra if failure is not None else {"cause": cause}
-    return {"mode": "restart", "source": source, "cause": extra.get("cause"),
-            "rank": failure.rank if failure is not None else None,
-            "resumed_step": resumed, "lost_steps": max(0, done - resumed) if resumed is not None else None,
-            "detected_s": extra.get("detected_s"), "restore_s": restore_s,
-            "stall_s": round(first_start - last_end, 3) if first_start and last_end else None}
+    return {
+        "mode": "restart",
+        "source": source,
+        "cause": extra.get("cause"),
+        "rank": failure.rank if failure is not None else None,
+        "resumed_step": resumed,
+        "lost_steps": max(0, done - resumed) if resumed is not None else None,
+        "detected_s": extra.get("detected_s"),
+        "restore_s": restore_s,
+        "stall_s": round(first_start - last_end, 3) if first_start and last_end else None,
+    }

@@ -39,7 +39,9 @@ class StreamTail:
     def __init__(self, out: Path, world: int) -> None:
         self.paths = [out / TRACE_STREAM, *(out / "ranks" / f"rank{r}.jsonl" for r in range(world))]
         self.offsets = [0] * len(self.paths)
-        self.lines = [0] * len(self.paths)  # complete lines read so far (for an error's line number)
+        self.lines = [0] * len(
+            self.paths
+        )  # complete lines read so far (for an error's line number)
 
     def read(self) -> list[dict]:
         rows = []
@@ -86,13 +88,17 @@ def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float 
     before the job waits here); ``InputError`` after ``timeout_s``."""
     meta = Path(out) / "job.yaml"
     if Path(out).exists() and not Path(out).is_dir():
-        raise InputError(f"{out}: a file, not a run folder (the folder a job writes with "
-                         "resihp.attach(out=...) or resihp run -o ...)")
+        raise InputError(
+            f"{out}: a file, not a run folder (the folder a job writes with "
+            "resihp.attach(out=...) or resihp run -o ...)"
+        )
     t0 = time.time()
     while not meta.exists():
         if timeout_s is not None and time.time() - t0 > timeout_s:
-            raise InputError(f"{out}: no job.yaml after {timeout_s:g} s (has the job started, "
-                             "with resihp.attach(out=...) or resihp run -o ...?)")
+            raise InputError(
+                f"{out}: no job.yaml after {timeout_s:g} s (has the job started, "
+                "with resihp.attach(out=...) or resihp run -o ...?)"
+            )
         time.sleep(poll_s)
     return meta
 
@@ -106,18 +112,28 @@ class StoreSteps:
         self.js = JobStore(endpoint, host=False, timeout_s=timeout_s, option="--store")
         job = read_job(self.js.store, timeout_s, verify=False)  # it reads, it steers nothing
         if job is None:
-            raise InputError(f"--store {endpoint}: no resihp job announced there within {timeout_s:g} s")
+            raise InputError(
+                f"--store {endpoint}: no resihp job announced there within {timeout_s:g} s"
+            )
         self.job_id = job["job_id"]
         if job.get("meta"):  # resihp.attach's job: its meta as rank 0 wrote it
             self.meta_dict = job["meta"]
-            self.meta = JobMeta(*(int(self.meta_dict[k]) for k in ("dp_size", "pp_size", "tp_size", "world_size")))
+            self.meta = JobMeta(
+                *(int(self.meta_dict[k]) for k in ("dp_size", "pp_size", "tp_size", "world_size"))
+            )
         else:
             cfg = RunConfig.from_flags(**job["config"])
             dims, model = cfg.dims(), cfg.model
             self.meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
-            self.meta_dict = {**self.meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
-                              "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
-                              "max_seq_len": model.max_seq_len}
+            self.meta_dict = {
+                **self.meta.to_dict(),
+                "layers": model.layers,
+                "hidden": model.hidden,
+                "heads": model.heads,
+                "ffn_hidden": model.ffn_hidden,
+                "vocab": model.vocab,
+                "max_seq_len": model.max_seq_len,
+            }
         layout = node_ranks(job["nnodes"], job["nproc_per_node"], job.get("sizes"))
         self.reader = StepReader(self.js.store, self.job_id, layout)
         self.gone = False
@@ -142,8 +158,13 @@ class LiveDetection:
     """The detector over one job's records (a run folder's streams, or ``source``: a job's store),
     fed by ``poll``; ``report`` is what it holds now."""
 
-    def __init__(self, out: str | Path | None, config: DetectorConfig | None = None,
-                 on_event: Callable[[dict], None] | None = None, source: StoreSteps | None = None) -> None:
+    def __init__(
+        self,
+        out: str | Path | None,
+        config: DetectorConfig | None = None,
+        on_event: Callable[[dict], None] | None = None,
+        source: StoreSteps | None = None,
+    ) -> None:
         self.out = Path(out) if out is not None else None
         self.source = source
         if source is not None:
@@ -175,8 +196,11 @@ class LiveDetection:
                 if part.optype.eq("replan-layout").any():
                     # a live re-plan gave ranks new places from this step: learned afresh, as the
                     # job's own live loop does (their old baselines say nothing of the new work)
-                    self.detector = OnlineDetector(meta, config=self.detector.cfg,
-                                                   meta_dict={**(self.meta_dict or {}), **meta.to_dict()})
+                    self.detector = OnlineDetector(
+                        meta,
+                        config=self.detector.cfg,
+                        meta_dict={**(self.meta_dict or {}), **meta.to_dict()},
+                    )
                 part = part[~part.optype.str.startswith("replan")]
                 for event in self.detector.observe(part) if len(part) else []:
                     record = {**event.to_dict(), "seen_at": time.time()}
@@ -198,7 +222,9 @@ class LiveDetection:
             return self.source.finished()
         if (self.out / "summary.json").exists():  # resihp run's launcher wrote it: the job is over
             return True
-        return all((self.out / "ranks" / f"rank{r}.done").exists() for r in range(self.world))  # attach's
+        return all(
+            (self.out / "ranks" / f"rank{r}.done").exists() for r in range(self.world)
+        )  # attach's
 
     def report(self) -> dict:
         """Current stragglers (device faults still open: rank, slowdown, onset, phase), every event
@@ -209,26 +235,51 @@ class LiveDetection:
         for ev in self.detector.open_events():
             if ev.kind in DEVICE_FAULTS and ev.rank is not None:
                 open_[(ev.kind, ev.rank)] = ev
-        stragglers = [{"rank": ev.rank, "kind": ev.kind, "slowdown": round(float(ev.slowdown), 3),
-                       "onset_step": ev.onset_step, "detected_step": ev.detected_step,
-                       **({"phase": ev.extra["phase"]} if "phase" in ev.extra else {})}
-                      for ev in sorted(open_.values(), key=lambda e: e.rank)]
-        return {"stragglers": stragglers, "events": events, "steps": self.seen,
-                "noise": {str(r): v for r, v in self.detector.noise().items()},
-                "budget": self.detector.budget()}
+        stragglers = [
+            {
+                "rank": ev.rank,
+                "kind": ev.kind,
+                "slowdown": round(float(ev.slowdown), 3),
+                "onset_step": ev.onset_step,
+                "detected_step": ev.detected_step,
+                **({"phase": ev.extra["phase"]} if "phase" in ev.extra else {}),
+            }
+            for ev in sorted(open_.values(), key=lambda e: e.rank)
+        ]
+        return {
+            "stragglers": stragglers,
+            "events": events,
+            "steps": self.seen,
+            "noise": {str(r): v for r, v in self.detector.noise().items()},
+            "budget": self.detector.budget(),
+        }
 
 
 def _log_event(e: dict) -> None:
     where = f"rank {e['rank']}" if e.get("rank") is not None else f"stage {e.get('stage')}"
     phase = f" ({e['phase']} only)" if e.get("phase") else ""
     level = logging.WARNING if e["kind"] in DEVICE_FAULTS else logging.INFO
-    log.log(level, "%s on %s from step %s (detected at %s): x%.2f%s", e["kind"], where,
-            e["onset_step"], e["detected_step"], e["slowdown"], phase)
+    log.log(
+        level,
+        "%s on %s from step %s (detected at %s): x%.2f%s",
+        e["kind"],
+        where,
+        e["onset_step"],
+        e["detected_step"],
+        e["slowdown"],
+        phase,
+    )
 
 
-def follow(out: str | Path | None, detector_config: DetectorConfig | None = None, poll_s: float = 0.5,
-           timeout_s: float | None = None, on_event: Callable[[dict], None] | None = None,
-           start_timeout_s: float | None = None, store: str | None = None) -> dict:
+def follow(
+    out: str | Path | None,
+    detector_config: DetectorConfig | None = None,
+    poll_s: float = 0.5,
+    timeout_s: float | None = None,
+    on_event: Callable[[dict], None] | None = None,
+    start_timeout_s: float | None = None,
+    store: str | None = None,
+) -> dict:
     """Detect live on a job: its run folder ``out`` (wait for its ``job.yaml`` up to
     ``start_timeout_s``, default ``timeout_s``) or, with ``store`` (``HOST:PORT`` of node 0's
     ``--rdzv-endpoint``), its control plane; feed every complete step to the online detector,
@@ -237,7 +288,9 @@ def follow(out: str | Path | None, detector_config: DetectorConfig | None = None
     t0 = time.time()
     start = start_timeout_s if start_timeout_s is not None else timeout_s
     if store is not None:  # the job's control plane, from any machine that reaches node 0
-        det = LiveDetection(None, detector_config, on_event, source=StoreSteps(store, start or 60.0))
+        det = LiveDetection(
+            None, detector_config, on_event, source=StoreSteps(store, start or 60.0)
+        )
     else:
         wait_for_job(out, start, poll_s)
         det = LiveDetection(out, detector_config, on_event)
@@ -254,8 +307,13 @@ class Follower(threading.Thread):
     ``stop`` drains the steps written so far. A failure of the detector is kept in ``error`` and
     logged; the training goes on."""
 
-    def __init__(self, out: str | Path, config: DetectorConfig | None = None,
-                 on_event: Callable[[dict], None] | None = None, poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        out: str | Path,
+        config: DetectorConfig | None = None,
+        on_event: Callable[[dict], None] | None = None,
+        poll_s: float = 0.5,
+    ) -> None:
         super().__init__(name="resihp-detect", daemon=True)
         self.out, self.config, self.on_event, self.poll_s = Path(out), config, on_event, poll_s
         self.detection: LiveDetection | None = None
@@ -279,6 +337,12 @@ class Follower(threading.Thread):
 
     def report(self) -> dict:
         if self.detection is None:
-            return {"stragglers": [], "events": [], "steps": 0, "noise": {}, "budget": {},
-                    **({"error": self.error} if self.error else {})}
+            return {
+                "stragglers": [],
+                "events": [],
+                "steps": 0,
+                "noise": {},
+                "budget": {},
+                **({"error": self.error} if self.error else {}),
+            }
         return {**self.detection.report(), **({"error": self.error} if self.error else {})}

@@ -55,10 +55,15 @@ def holder_stages(unit: str, ranges: Ranges) -> list[int]:
     return [owner(ranges, int(unit.removeprefix("layer")))]
 
 
-def pipelines_of(dims: ParallelDims, ranks: Sequence[int] | None = None) -> list[list[tuple[int, ...]]]:
+def pipelines_of(
+    dims: ParallelDims, ranks: Sequence[int] | None = None
+) -> list[list[tuple[int, ...]]]:
     """A uniform layout as pipelines of world ranks (``ranks[i]``: the world rank of layout rank i)."""
     ranks = list(ranks) if ranks is not None else list(range(dims.world_size))
-    return [[tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
+    return [
+        [tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp)]
+        for d in range(dims.dp)
+    ]
 
 
 @functools.cache
@@ -79,8 +84,13 @@ class Pieces:
     key (the summing ranks, ascending) holds one rank of each replica (with ``tied``, a tied
     embedding's key holds its first- and last-stage copies). Pure: no process group."""
 
-    def __init__(self, pipelines: Pipelines, replica_ranges: Sequence[Ranges], cfg: GPTConfig,
-                 tied: bool = False) -> None:
+    def __init__(
+        self,
+        pipelines: Pipelines,
+        replica_ranges: Sequence[Ranges],
+        cfg: GPTConfig,
+        tied: bool = False,
+    ) -> None:
         self.pipelines = [[tuple(s) for s in p] for p in pipelines]
         self.replica_ranges = [list(r) for r in replica_ranges]
         self.cfg, self.tied = cfg, tied
@@ -96,13 +106,18 @@ class Pieces:
 
     def _find(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
         unit = unit_of(name, self.tied)
-        holding = [self.pipelines[d][s] for d in range(len(self.pipelines))
-                   for s in holder_stages(unit, self.replica_ranges[d])]
+        holding = [
+            self.pipelines[d][s]
+            for d in range(len(self.pipelines))
+            for s in holder_stages(unit, self.replica_ranges[d])
+        ]
         dim, n = self.params["embed.weight" if unit == "tied" else name]
         if dim is None:
             lanes = max(len(g) for g in holding)
             return [(tuple(sorted({g[j % len(g)] for g in holding})), 0, 0) for j in range(lanes)]
-        bounds = sorted({0, n} | {min(n, i * chunk_rows(n, len(g))) for g in holding for i in range(len(g))})
+        bounds = sorted(
+            {0, n} | {min(n, i * chunk_rows(n, len(g))) for g in holding for i in range(len(g))}
+        )
         out = []
         for a, b in zip(bounds, bounds[1:]):
             if b > a:
@@ -114,8 +129,9 @@ class Pieces:
         """Every key of the layout, ascending."""
         return sorted({members for name in self.params for members, _, _ in self.of(name)})
 
-    def entries(self, model: torch.nn.Module, rank: int, extra: torch.Tensor | None = None
-                ) -> dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]]:
+    def entries(
+        self, model: torch.nn.Module, rank: int, extra: torch.Tensor | None = None
+    ) -> dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]]:
         """Rank ``rank``'s gradient pieces (views into its ``model``'s gradients) by key, each key's
         in (name, start) order; ``extra`` (e.g. the loss) rides with every piece of the final norm
         this rank sums (replicated on every last stage)."""
@@ -127,8 +143,14 @@ class Pieces:
             saved = self.cfg.saved_name(name)
             where = self.cfg.placement(saved, tuple(p.shape), tp.size)
             grad = where.local_view(p.grad, tp.size, tp.rank)
-            mine = min(where.global_shape[where.dim], tp.rank * chunk_rows(where.global_shape[where.dim], tp.size)) \
-                if where.dim is not None else 0
+            mine = (
+                min(
+                    where.global_shape[where.dim],
+                    tp.rank * chunk_rows(where.global_shape[where.dim], tp.size),
+                )
+                if where.dim is not None
+                else 0
+            )
             for members, start, length in self.of(name):
                 if rank not in members:
                     continue
@@ -147,10 +169,13 @@ class GradSync:
     """The gradient all-reduce of a job whose replicas share one world: ``Pieces`` summed over
     process groups of the world (every rank creates every group, in one order)."""
 
-    def __init__(self, pipelines: Pipelines | ParallelDims, tied: bool = False,
-                 cfg: GPTConfig | None = None) -> None:
-        self.pipelines = [[tuple(s) for s in p] for p in
-                          (pipelines_of(pipelines) if isinstance(pipelines, ParallelDims) else pipelines)]
+    def __init__(
+        self, pipelines: Pipelines | ParallelDims, tied: bool = False, cfg: GPTConfig | None = None
+    ) -> None:
+        self.pipelines = [
+            [tuple(s) for s in p]
+            for p in (pipelines_of(pipelines) if isinstance(pipelines, ParallelDims) else pipelines)
+        ]
         self.tied, self.cfg = tied, cfg or GPTConfig(tie_embeddings=tied)
         self.groups: dict[tuple[int, ...], object] = {}
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -163,15 +188,23 @@ class GradSync:
             if len(members) > 1 and members not in self.groups:
                 self.groups[members] = dist.new_group(list(members))
 
-    def all_reduce(self, model: torch.nn.Module, tp_rank: int | None = None, extra: torch.Tensor | None = None,
-                   after: Callable[[tuple[int, ...], float, int], None] | None = None) -> None:
+    def all_reduce(
+        self,
+        model: torch.nn.Module,
+        tp_rank: int | None = None,
+        extra: torch.Tensor | None = None,
+        after: Callable[[tuple[int, ...], float, int], None] | None = None,
+    ) -> None:
         """Sum every parameter's gradient over its holders, piece by piece; ``extra`` (a tensor
         riding with the head's pieces, e.g. the loss) is summed in place too. ``after(members,
         seconds, bytes)`` runs after each bucket's all-reduce (fault injection on a slow link)."""
         entries = self.pieces.entries(model, self.rank, extra)
         # every piece is read before any is written back: a rank in several lanes adds its own value
-        flats = {key: torch.cat([t.reshape(-1) for _, _, t in entries[key]])
-                 for key in sorted(entries) if len(key) > 1}
+        flats = {
+            key: torch.cat([t.reshape(-1) for _, _, t in entries[key]])
+            for key in sorted(entries)
+            if len(key) > 1
+        }
         for key, flat in flats.items():
             start = time.perf_counter()
             dist.all_reduce(flat, group=self.groups[key])
@@ -180,5 +213,5 @@ class GradSync:
         for key, flat in flats.items():
             offset = 0
             for _, _, t in entries[key]:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()

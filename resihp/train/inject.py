@@ -18,13 +18,18 @@ from dataclasses import dataclass, replace
 
 from resihp.errors import InputError
 
-FORMS = ("slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], "
-         "stop:rank=R,step=S[,during=publish] (or during=restore), "
-         "error:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)")
+FORMS = (
+    "slow:rank=R,factor=F,step=S[,until=U], link:ranks=A+B,factor=F,step=S[,until=U], "
+    "stop:rank=R,step=S[,during=publish] (or during=restore), "
+    "error:rank=R,step=S or hang:rank=R,step=S[,how=block|stop] (time=T seconds instead of step=S)"
+)
 RATE_SAMPLES = 256  # healthy transfers kept per channel
 RATE_QUANTILE = 0.1  # the low quantile of their per-byte times taken as the healthy rate
 DURING = ("restore", "publish")  # stop only: where in a rank's work it is killed
-HANG_HOW = ("block", "stop")  # block: the rank's main thread never returns (its heartbeat thread beats on);
+HANG_HOW = (
+    "block",
+    "stop",
+)  # block: the rank's main thread never returns (its heartbeat thread beats on);
 # stop: SIGSTOP on itself (alive, silent)
 
 
@@ -69,14 +74,21 @@ class Fault:
             fields = [f"rank={self.rank}"]
         if self.kind in ("slow", "link"):
             fields.append(f"factor={self.factor!r}")
-        for key, value in (("step", self.step), ("time", self.time_s), ("until", self.until),
-                           ("how", self.how), ("during", self.during)):
+        for key, value in (
+            ("step", self.step),
+            ("time", self.time_s),
+            ("until", self.until),
+            ("how", self.how),
+            ("during", self.during),
+        ):
             if value is not None:
                 fields.append(f"{key}={value}")
         return f"{self.kind}:{','.join(fields)}"
 
 
-def carried_faults(faults: Sequence[Fault], survivors: Sequence[int], first_step: int) -> list[Fault]:
+def carried_faults(
+    faults: Sequence[Fault], survivors: Sequence[int], first_step: int
+) -> list[Fault]:
     """The faults still ahead of a relaunch that goes on at ``first_step`` with ``survivors`` (old
     ranks, in the order of their new numbers), renumbered: each stop, hang or error of a step at or
     after ``first_step``, and each slowdown (of a device or a link) still in force at it, from
@@ -95,7 +107,9 @@ def carried_faults(faults: Sequence[Fault], survivors: Sequence[int], first_step
             step = f.step
         else:
             continue
-        carried.append(replace(f, rank=new[f.rank], peer=None if f.peer is None else new[f.peer], step=step))
+        carried.append(
+            replace(f, rank=new[f.rank], peer=None if f.peer is None else new[f.peer], step=step)
+        )
     return carried
 
 
@@ -107,7 +121,16 @@ def parse_fault(text: str) -> Fault:
     fields: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key.strip() not in ("rank", "ranks", "factor", "step", "time", "until", "how", "during"):
+        if not eq or key.strip() not in (
+            "rank",
+            "ranks",
+            "factor",
+            "step",
+            "time",
+            "until",
+            "how",
+            "during",
+        ):
             raise InputError(f"--inject {text!r}: unknown field {item!r}; expected {FORMS}")
         if key.strip() in fields:
             raise InputError(f"--inject {text!r}: field {key.strip()}= given twice")
@@ -115,14 +138,18 @@ def parse_fault(text: str) -> Fault:
     peer = None
     if kind == "link":
         if "rank" in fields or "ranks" not in fields:
-            raise InputError(f"--inject {text!r}: a link takes ranks=A+B (its two ends); expected {FORMS}")
+            raise InputError(
+                f"--inject {text!r}: a link takes ranks=A+B (its two ends); expected {FORMS}"
+            )
         ends = fields.pop("ranks").split("+")
         try:
             ends_i = [int(e) for e in ends]
         except ValueError:
             ends_i = []
         if len(ends_i) != 2 or ends_i[0] == ends_i[1]:
-            raise InputError(f"--inject {text!r}: ranks= names two different ranks as A+B; expected {FORMS}")
+            raise InputError(
+                f"--inject {text!r}: ranks= names two different ranks as A+B; expected {FORMS}"
+            )
         fields["rank"], peer = str(ends_i[0]), ends_i[1]
         if peer < 0:
             raise InputError(f"--inject {text!r}: rank and step must be non-negative")
@@ -137,29 +164,42 @@ def parse_fault(text: str) -> Fault:
     except KeyError:
         raise InputError(f"--inject {text!r}: rank= is required; expected {FORMS}") from None
     except ValueError:
-        raise InputError(f"--inject {text!r}: rank, step and until are integers, factor and time "
-                         f"numbers; expected {FORMS}") from None
+        raise InputError(
+            f"--inject {text!r}: rank, step and until are integers, factor and time "
+            f"numbers; expected {FORMS}"
+        ) from None
     during = fields.get("during")
     if during is not None and (kind != "stop" or during not in DURING):
-        raise InputError(f"--inject {text!r}: during= is for stop only: during=restore, or "
-                         "step=S,during=publish")
+        raise InputError(
+            f"--inject {text!r}: during= is for stop only: during=restore, or step=S,during=publish"
+        )
     if during == "publish" and step is None:
-        raise InputError(f"--inject {text!r}: during=publish needs step=S (the step whose records it stops)")
+        raise InputError(
+            f"--inject {text!r}: during=publish needs step=S (the step whose records it stops)"
+        )
     if (step is None) + (time_s is None) + (during in (None, "publish")) != 2:
-        raise InputError(f"--inject {text!r}: give exactly one of step= or time=" +
-                         (" or during=" if kind == "stop" else ""))
+        raise InputError(
+            f"--inject {text!r}: give exactly one of step= or time="
+            + (" or during=" if kind == "stop" else "")
+        )
     if kind in ("slow", "link") and not 1.0 <= factor < math.inf:
         raise InputError(f"--inject {text!r}: factor must be >= 1 (a finite number), got {factor}")
     if time_s is not None and not 0.0 <= time_s < math.inf:
-        raise InputError(f"--inject {text!r}: time must be a finite number of seconds >= 0, got {time_s}")
+        raise InputError(
+            f"--inject {text!r}: time must be a finite number of seconds >= 0, got {time_s}"
+        )
     if kind in ("stop", "error") and ("factor" in fields or until is not None or "how" in fields):
-        raise InputError(f"--inject {text!r}: {kind} takes only rank= and step= or time="
-                         + (" (and during=publish) or during=restore" if kind == "stop" else ""))
+        raise InputError(
+            f"--inject {text!r}: {kind} takes only rank= and step= or time="
+            + (" (and during=publish) or during=restore" if kind == "stop" else "")
+        )
     how = fields.get("how")
     if kind == "hang":
         how = how or "block"
         if how not in HANG_HOW or "factor" in fields or until is not None:
-            raise InputError(f"--inject {text!r}: hang takes rank=, step= or time=, and how=block|stop")
+            raise InputError(
+                f"--inject {text!r}: hang takes rank=, step= or time=, and how=block|stop"
+            )
     elif how is not None:
         raise InputError(f"--inject {text!r}: how= is for hang only")
     if rank < 0 or (step is not None and step < 0):
@@ -173,18 +213,23 @@ def check_faults(faults: Sequence[Fault], world_size: int, steps: int | None = N
         what = f"ranks={f.rank}+{f.peer}" if f.kind == "link" else f"rank={f.rank}"
         for r in f.ranks:
             if r >= world_size:
-                raise InputError(f"--inject {f.kind}:{what}: no such rank {r} (the world has ranks "
-                                 f"0..{world_size - 1})")
+                raise InputError(
+                    f"--inject {f.kind}:{what}: no such rank {r} (the world has ranks "
+                    f"0..{world_size - 1})"
+                )
         if steps is not None and f.step is not None and f.step >= steps:
-            raise InputError(f"--inject {f.kind}:{what},step={f.step}: the run's steps are 0..{steps - 1} "
-                             f"(--steps {steps}): it would never be injected")
+            raise InputError(
+                f"--inject {f.kind}:{what},step={f.step}: the run's steps are 0..{steps - 1} "
+                f"(--steps {steps}): it would never be injected"
+            )
 
 
 class FaultInjector:
     """The faults aimed at one rank, applied by the engine at step boundaries and after compute."""
 
-    def __init__(self, faults: Sequence[Fault], rank: int, t0: float | None = None,
-                 sleep=time.sleep) -> None:
+    def __init__(
+        self, faults: Sequence[Fault], rank: int, t0: float | None = None, sleep=time.sleep
+    ) -> None:
         self.rank = rank
         self.faults = [f for f in faults if f.kind != "link" and f.rank == rank]
         self.links = [f for f in faults if f.kind == "link" and rank in f.ranks]
@@ -233,7 +278,11 @@ class FaultInjector:
     def slow_factor(self) -> float:
         factor = 1.0
         for f in self.faults:
-            if f.kind == "slow" and self._started(f, self.step) and (f.until is None or self.step < f.until):
+            if (
+                f.kind == "slow"
+                and self._started(f, self.step)
+                and (f.until is None or self.step < f.until)
+            ):
                 factor *= f.factor
         return factor
 
@@ -248,7 +297,11 @@ class FaultInjector:
         factor = 1.0
         for f in self.links:
             other = f.peer if f.rank == self.rank else f.rank
-            if other in peers and self._started(f, self.step) and (f.until is None or self.step < f.until):
+            if (
+                other in peers
+                and self._started(f, self.step)
+                and (f.until is None or self.step < f.until)
+            ):
                 factor *= f.factor
         return factor
 

@@ -25,15 +25,19 @@ def parse_layer_split(text: str, layers: int, pp: int) -> list[tuple[int, int]]:
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise InputError(f"--layer-split {text!r}: expected comma-separated layer counts, e.g. 2,2") from None
+        raise InputError(
+            f"--layer-split {text!r}: expected comma-separated layer counts, e.g. 2,2"
+        ) from None
     return ranges_from_counts(counts, layers, pp, source=f"--layer-split {text!r}")
 
 
-def ranges_from_counts(counts: Sequence[int], layers: int, pp: int,
-                       source: str = "layer split") -> list[tuple[int, int]]:
+def ranges_from_counts(
+    counts: Sequence[int], layers: int, pp: int, source: str = "layer split"
+) -> list[tuple[int, int]]:
     if len(counts) != pp or any(c < 1 for c in counts) or sum(counts) != layers:
-        raise InputError(f"{source}: expected {pp} positive layer counts summing to {layers}, "
-                         f"got {list(counts)}")
+        raise InputError(
+            f"{source}: expected {pp} positive layer counts summing to {layers}, got {list(counts)}"
+        )
     ranges, first = [], 0
     for c in counts:
         ranges.append((first, first + c))

@@ -41,10 +41,26 @@ LOCK_NAME = ".resihp.lock"
 RUN_FILE = "run.json"
 PREVIOUS = "previous"
 # what one job writes into its run folder (checkpoints aside): a later job in the folder moves them
-JOB_OUTPUTS = ("summary.json", "ops.jsonl", "ops.parquet", "job.yaml", "config.json",
-               "plan_changes.json", "resume.json", "restore.json", "controlplane.json", "live.json",
-               "timeline.png", "card.json", "logs", "ranks", "tensorboard", "profiles", "restart",
-               "restart-*")
+JOB_OUTPUTS = (
+    "summary.json",
+    "ops.jsonl",
+    "ops.parquet",
+    "job.yaml",
+    "config.json",
+    "plan_changes.json",
+    "resume.json",
+    "restore.json",
+    "controlplane.json",
+    "live.json",
+    "timeline.png",
+    "card.json",
+    "logs",
+    "ranks",
+    "tensorboard",
+    "profiles",
+    "restart",
+    "restart-*",
+)
 
 
 # --- a run folder belongs to one job ---------------------------------------------------------------
@@ -69,7 +85,9 @@ class RunFolder:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise InputError(f"--out {self.out}: cannot create the run folder ({exc.strerror})") from None
+            raise InputError(
+                f"--out {self.out}: cannot create the run folder ({exc.strerror})"
+            ) from None
         fd = os.open(self.out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -79,8 +97,10 @@ class RunFolder:
             if if_busy == "subfolder":
                 self.out = self.out / self.job_id
                 return self.acquire("fail")
-            raise InputError(f"--out {self.out}: run folder in use by {holder}; choose another --out "
-                             f"or pass --if-busy subfolder") from None
+            raise InputError(
+                f"--out {self.out}: run folder in use by {holder}; choose another --out "
+                f"or pass --if-busy subfolder"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"job {self.job_id} (pid {os.getpid()})".encode(), 0)
         self._fd = fd
@@ -119,7 +139,9 @@ class RunFolder:
     def __enter__(self) -> RunFolder:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         # an error the run did not record itself (a keeper that never started, a store that could
         # not listen): the folder must not say "running" for a job whose process has ended
         if exc is not None and self.info.get("state") == "running":
@@ -191,7 +213,15 @@ def dump_stacks(pid: int, log: Path, why: str) -> bool:
 
 def guarded(cmd: list[str]) -> list[str]:
     """``cmd`` run so that it dies with this process (see the module docstring)."""
-    return [sys.executable, "-m", "resihp.train.lifecycle", "--parent", str(os.getpid()), "--", *cmd]
+    return [
+        sys.executable,
+        "-m",
+        "resihp.train.lifecycle",
+        "--parent",
+        str(os.getpid()),
+        "--",
+        *cmd,
+    ]
 
 
 def _parents() -> dict[int, int]:
@@ -203,7 +233,7 @@ def _parents() -> dict[int, int]:
                     stat = f.read()
             except OSError:
                 continue
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
     return parents
 
 

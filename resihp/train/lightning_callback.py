@@ -39,9 +39,12 @@ def lengths_from_batch(batch: object) -> list[int] | None:
 
 
 class ResihpLightningCallback(L.Callback):
-    def __init__(self, out: str | Path = "runs/lightning",
-                 module: Callable[[L.LightningModule], torch.nn.Module] | None = None,
-                 **attach_kwargs: object) -> None:
+    def __init__(
+        self,
+        out: str | Path = "runs/lightning",
+        module: Callable[[L.LightningModule], torch.nn.Module] | None = None,
+        **attach_kwargs: object,
+    ) -> None:
         self.out, self.module, self.attach_kwargs = out, module, attach_kwargs
         self.monitor: Monitor | None = None
         self._step = None

@@ -17,8 +17,9 @@ FORMAT = "%(asctime)s [resihp rank {rank}] %(levelname)s %(name)s: %(message)s"
 STDERR_FORMAT = "[resihp rank {rank}] %(levelname)s %(message)s"
 
 
-def setup(out: str | Path | None, rank: int = 0, level: int | str = logging.INFO,
-          stderr: bool = True) -> logging.Logger:
+def setup(
+    out: str | Path | None, rank: int = 0, level: int | str = logging.INFO, stderr: bool = True
+) -> logging.Logger:
     """Route the ``resihp`` logger's records to ``OUT/logs/rank<R>.log`` (all levels from
     ``level``) and, unless the application configured logging itself, to stderr (warnings and
     above, and info on rank 0)."""

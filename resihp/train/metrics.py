@@ -16,8 +16,9 @@ class Metrics:
             # deferred: an optional extra, imported only by runs that ask for TensorBoard
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise InputError("--tensorboard: needs the tensorboard package "
-                             "(pip install 'resihp[tensorboard]')") from None
+            raise InputError(
+                "--tensorboard: needs the tensorboard package (pip install 'resihp[tensorboard]')"
+            ) from None
         self.writer = SummaryWriter(log_dir=str(directory))
         self.events = 0
         self.changes = 0
@@ -33,7 +34,9 @@ class Metrics:
         step = int(event.get("detected_step", 0))
         self.writer.add_scalar("resihp/events", self.events, step)
         if event.get("rank") is not None:
-            self.writer.add_scalar(f"resihp/slowdown/rank{event['rank']}", float(event["slowdown"]), step)
+            self.writer.add_scalar(
+                f"resihp/slowdown/rank{event['rank']}", float(event["slowdown"]), step
+            )
 
     def plan_change(self, step: int, applied: bool) -> None:
         self.changes += 1
@@ -55,18 +58,29 @@ def write_run(out: str | Path, summary: dict) -> None:
     m = Metrics(out / "tensorboard")
     try:
         trace = pd.read_parquet(out / "ops.parquet")
-        steps = trace[trace.optype == "step"].groupby("step").agg(wall=("duration", "max"),
-                                                                  tokens=("tokens", "max"))
+        steps = (
+            trace[trace.optype == "step"]
+            .groupby("step")
+            .agg(wall=("duration", "max"), tokens=("tokens", "max"))
+        )
         for step, row in steps.iterrows():
-            m.step(int(step), float(row.wall), int(row.tokens) if row.tokens == row.tokens else None)
+            m.step(
+                int(step), float(row.wall), int(row.tokens) if row.tokens == row.tokens else None
+            )
     except (OSError, ValueError, KeyError):
         pass  # a run stopped before its trace was merged: events and changes only
     for event in summary.get("events") or []:
         m.event(event)
     for change in summary.get("plan_changes") or []:
-        m.plan_change(int(change.get("applied_step") or change.get("decided_step") or 0),
-                      change.get("applied") is True)
+        m.plan_change(
+            int(change.get("applied_step") or change.get("decided_step") or 0),
+            change.get("applied") is True,
+        )
     rec = summary.get("recovery") or {}
     if rec.get("resumed_step") is not None:
-        m.scalar("resihp/recovery_lost_steps", float(rec.get("lost_steps") or 0), int(rec["resumed_step"]))
+        m.scalar(
+            "resihp/recovery_lost_steps",
+            float(rec.get("lost_steps") or 0),
+            int(rec["resumed_step"]),
+        )
     m.close()

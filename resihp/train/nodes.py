@@ -42,22 +42,32 @@ class Nodes:
     def check(self, world: int) -> None:
         if self.sizes is not None:
             if len(self.sizes) != self.nnodes or min(self.sizes) < 1 or sum(self.sizes) != world:
-                raise InputError(f"ranks per node {list(self.sizes)}: expected {self.nnodes} positive counts "
-                                 f"adding up to the world size {world}")
+                raise InputError(
+                    f"ranks per node {list(self.sizes)}: expected {self.nnodes} positive counts "
+                    f"adding up to the world size {world}"
+                )
             return
         if self.nnodes < 1 or self.nproc_per_node < 1:
-            raise InputError(f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: expected "
-                             "positive integers")
+            raise InputError(
+                f"--nnodes {self.nnodes} --nproc-per-node {self.nproc_per_node}: expected "
+                "positive integers"
+            )
         if not 0 <= self.node_rank < self.nnodes:
-            raise InputError(f"--node-rank {self.node_rank}: out of range for --nnodes {self.nnodes} "
-                             f"(expected 0..{self.nnodes - 1})")
+            raise InputError(
+                f"--node-rank {self.node_rank}: out of range for --nnodes {self.nnodes} "
+                f"(expected 0..{self.nnodes - 1})"
+            )
         if self.nnodes * self.nproc_per_node != world:
-            raise InputError(f"--nnodes {self.nnodes} x --nproc-per-node {self.nproc_per_node} = "
-                             f"{self.nnodes * self.nproc_per_node} ranks, but the layout needs {world} "
-                             "(dp x pp x tp)")
+            raise InputError(
+                f"--nnodes {self.nnodes} x --nproc-per-node {self.nproc_per_node} = "
+                f"{self.nnodes * self.nproc_per_node} ranks, but the layout needs {world} "
+                "(dp x pp x tp)"
+            )
         if self.nnodes > 1 and self.endpoint is None:
-            raise InputError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (node 0's "
-                             "address, reachable from every node)")
+            raise InputError(
+                "--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (node 0's "
+                "address, reachable from every node)"
+            )
         if self.endpoint is not None:
             host_port(self.endpoint)
 
@@ -89,9 +99,11 @@ def check_secret(nodes: Nodes, env: Mapping[str, str] = os.environ) -> None:
     secret = env.get(JOB_SECRET_ENV, "")
     if len(secret) < MIN_SECRET:
         got = f"{len(secret)} characters" if secret else "none"
-        raise InputError(f"--nnodes {nodes.nnodes}: expected the job's secret in {JOB_SECRET_ENV}, the same on "
-                         f"every node, at least {MIN_SECRET} characters (e.g. python -c 'import secrets; "
-                         f"print(secrets.token_hex(32))'), got {got}")
+        raise InputError(
+            f"--nnodes {nodes.nnodes}: expected the job's secret in {JOB_SECRET_ENV}, the same on "
+            f"every node, at least {MIN_SECRET} characters (e.g. python -c 'import secrets; "
+            f"print(secrets.token_hex(32))'), got {got}"
+        )
 
 
 def host_port(endpoint: str, option: str = "--rdzv-endpoint") -> tuple[str, int]:

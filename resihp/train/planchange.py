@@ -35,15 +35,24 @@ class Relayout:
 
     @classmethod
     def parse(cls, data: Any, world: int, where: str = "plan") -> Relayout:
-        form = (f"{where} layout: expected {{\"dp\", \"pp\", \"tp\", \"ranks\"?}} or {{\"pipelines\": "
-                f"[[[world ranks of a stage], ...], ...]}}")
+        form = (
+            f'{where} layout: expected {{"dp", "pp", "tp", "ranks"?}} or {{"pipelines": '
+            f"[[[world ranks of a stage], ...], ...]}}"
+        )
         if not isinstance(data, Mapping):
             raise InputError(f"{form}, got {data!r}")
         if "pipelines" in data:
             pipes = data["pipelines"]
-            ok = isinstance(pipes, (list, tuple)) and pipes and all(
-                isinstance(p, (list, tuple)) and p and all(isinstance(s, (list, tuple)) and s for s in p)
-                for p in pipes)
+            ok = (
+                isinstance(pipes, (list, tuple))
+                and pipes
+                and all(
+                    isinstance(p, (list, tuple))
+                    and p
+                    and all(isinstance(s, (list, tuple)) and s for s in p)
+                    for p in pipes
+                )
+            )
             if not ok:
                 raise InputError(f"{form}, got {dict(data)}")
             pipelines = tuple(tuple(tuple(s) for s in p) for p in pipes)
@@ -54,27 +63,43 @@ class Relayout:
                 raise InputError(f"{form}, got {dict(data)}") from None
             ranks = data.get("ranks", list(range(dims.world_size)))
             if not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size:
-                raise InputError(f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
-                                 f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}")
-            pipelines = tuple(tuple(tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp))
-                              for d in range(dims.dp))
+                raise InputError(
+                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
+                    f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
+                )
+            pipelines = tuple(
+                tuple(tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp))
+                for d in range(dims.dp)
+            )
         ranks = [r for p in pipelines for s in p for r in s]
-        if len(set(ranks)) != len(ranks) or not all(isinstance(r, int) and 0 <= r < world for r in ranks):
-            raise InputError(f"{where} layout: expected distinct world ranks in [0, {world}), got {ranks}")
+        if len(set(ranks)) != len(ranks) or not all(
+            isinstance(r, int) and 0 <= r < world for r in ranks
+        ):
+            raise InputError(
+                f"{where} layout: expected distinct world ranks in [0, {world}), got {ranks}"
+            )
         return cls(pipelines)
 
 
 @dataclass(frozen=True)
 class PlanChange:
     dp_weights: tuple[float, ...] | None = None  # micro-batch share per replica
-    layer_splits: tuple[tuple[int, ...], ...] | None = None  # layers per stage, one split per replica
+    layer_splits: tuple[tuple[int, ...], ...] | None = (
+        None  # layers per stage, one split per replica
+    )
     record: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the dict as received
     layout: Relayout | None = None  # new groups over the world's ranks; None: the same layout
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any], dims: ParallelDims, layers: int,
-              where: str = "plan", world: int | None = None,
-              depths: list[int] | None = None) -> PlanChange:
+    def parse(
+        cls,
+        data: Mapping[str, Any],
+        dims: ParallelDims,
+        layers: int,
+        where: str = "plan",
+        world: int | None = None,
+        depths: list[int] | None = None,
+    ) -> PlanChange:
         """The change in ``data``, or InputError naming the field that does not fit the job
         (``world``: the job's processes, when the current layout uses only some of them;
         ``depths``: each replica's stages, when they differ)."""
@@ -93,8 +118,10 @@ class PlanChange:
             except (TypeError, ValueError):
                 weights = None
             if weights is None or len(weights) != dims.dp or min(weights) < 0 or sum(weights) <= 0:
-                raise InputError(f"{where} dp_weights: expected {dims.dp} non-negative weights with a "
-                                 f"positive sum, got {data.get('dp_weights')!r}")
+                raise InputError(
+                    f"{where} dp_weights: expected {dims.dp} non-negative weights with a "
+                    f"positive sum, got {data.get('dp_weights')!r}"
+                )
         splits = data.get("layer_splits")
         if splits is None and data.get("layer_split") is not None:
             splits = [data["layer_split"]] * dims.dp
@@ -103,11 +130,15 @@ class PlanChange:
                 got = len(splits) if isinstance(splits, (list, tuple)) else repr(splits)
                 raise InputError(f"{where} layer_splits: expected {dims.dp} splits, got {got}")
             for d, split in enumerate(splits):
-                ranges_from_counts(split, layers, depths[d] if depths else dims.pp, source=f"{where} layer split")
+                ranges_from_counts(
+                    split, layers, depths[d] if depths else dims.pp, source=f"{where} layer split"
+                )
             splits = tuple(tuple(int(c) for c in split) for split in splits)
         return cls(weights, splits, dict(data), layout)
 
-    def replica_ranges(self, layers: int, pp: int | None = None) -> list[list[tuple[int, int]]] | None:
+    def replica_ranges(
+        self, layers: int, pp: int | None = None
+    ) -> list[list[tuple[int, int]]] | None:
         """Each replica's contiguous layer ranges ``[first, last)`` per stage; None: unchanged."""
         if self.layer_splits is None:
             return None

@@ -27,9 +27,15 @@ def job_meta(cfg: RunConfig) -> tuple[JobMeta, dict]:
     dims = cfg.dims()
     meta = JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size)
     model = cfg.model
-    return meta, {**meta.to_dict(), "layers": model.layers, "hidden": model.hidden,
-                  "heads": model.heads, "ffn_hidden": model.ffn_hidden, "vocab": model.vocab,
-                  "max_seq_len": model.max_seq_len}
+    return meta, {
+        **meta.to_dict(),
+        "layers": model.layers,
+        "hidden": model.hidden,
+        "heads": model.heads,
+        "ffn_hidden": model.ffn_hidden,
+        "vocab": model.vocab,
+        "max_seq_len": model.max_seq_len,
+    }
 
 
 # one measurement per launcher process: its relaunches run on the same devices, and each
@@ -41,33 +47,70 @@ def planner_specs(cfg: RunConfig):
     """The cluster the job runs on, measured here (memory free now, shared by the ranks of this
     node; one device's matmul rate), and the model it trains."""
     world = cfg.dims().world_size
-    kind = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    kind = (
+        "cuda"
+        if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
     memory = available_memory_gb(kind) / (world if kind == "cpu" else 1)
-    cluster = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "local", "devices": world}],
-                                     "device": {"memory_gb": round(memory, 3),
-                                                "tflops": _device_tflops(kind, cfg.threads)},
-                                     "memory_reserve_gb": 0.0})
+    cluster = ClusterSpec.from_dict(
+        {
+            "name": "local",
+            "nodes": [{"name": "local", "devices": world}],
+            "device": {"memory_gb": round(memory, 3), "tflops": _device_tflops(kind, cfg.threads)},
+            "memory_reserve_gb": 0.0,
+        }
+    )
     budget = cfg.data.budget
-    model = ModelSpec(layers=cfg.model.layers, hidden=cfg.model.hidden, heads=cfg.model.heads, ffn_hidden=cfg.model.ffn_hidden,
-                      vocab=cfg.model.vocab, max_seq_len=cfg.model.max_seq_len,
-                      global_batch_tokens=max(1, cfg.data.global_tokens // budget) * budget,
-                      microbatch_tokens=budget, schedule=cfg.parallel.schedule, name="resihp-run",
-                      workload=cfg.data.source, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    model = ModelSpec(
+        layers=cfg.model.layers,
+        hidden=cfg.model.hidden,
+        heads=cfg.model.heads,
+        ffn_hidden=cfg.model.ffn_hidden,
+        vocab=cfg.model.vocab,
+        max_seq_len=cfg.model.max_seq_len,
+        global_batch_tokens=max(1, cfg.data.global_tokens // budget) * budget,
+        microbatch_tokens=budget,
+        schedule=cfg.parallel.schedule,
+        name="resihp-run",
+        workload=cfg.data.source,
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+    )
     return cluster, model
 
 
-def current_plan(cfg: RunConfig, cluster, model, weights: list[float],
-                 replica_ranges: list[list[tuple[int, int]]], groups: list[list[tuple[int, ...]]] | None = None):
+def current_plan(
+    cfg: RunConfig,
+    cluster,
+    model,
+    weights: list[float],
+    replica_ranges: list[list[tuple[int, int]]],
+    groups: list[list[tuple[int, ...]]] | None = None,
+):
     """The plan in force; ``groups``: per replica, per stage, its ranks (default: the launch layout)."""
     dims = cfg.dims()
-    groups = groups or [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
+    groups = groups or [
+        [tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)
+    ]
     counts = apportion(model.microbatches, weights, what="micro-batch weights")
-    pipelines = [Pipeline(d, tuple(Stage(tuple(groups[d][s]), replica_ranges[d][s])
-                                   for s in range(len(groups[d]))), counts[d], home=d)
-                 for d in range(len(groups))]
+    pipelines = [
+        Pipeline(
+            d,
+            tuple(Stage(tuple(groups[d][s]), replica_ranges[d][s]) for s in range(len(groups[d]))),
+            counts[d],
+            home=d,
+        )
+        for d in range(len(groups))
+    ]
     placed = {r for p in groups for s in p for r in s}
-    return Plan(dims.world_size, dims, pipelines, [r for r in range(dims.world_size) if r not in placed],
-                policy="current")
+    return Plan(
+        dims.world_size,
+        dims,
+        pipelines,
+        [r for r in range(dims.world_size) if r not in placed],
+        policy="current",
+    )
 
 
 def plan_at_start(cfg: RunConfig, cluster, model) -> Plan:
@@ -75,21 +118,37 @@ def plan_at_start(cfg: RunConfig, cluster, model) -> Plan:
     that step (``live.replan``; a relaunch re-formed by ``elastic.reform_around`` applies its
     planner's layout before its first step, from the checkpoint ``--resume`` names)."""
     dims = cfg.dims()
-    first = step_of(Path(cfg.checkpoint.resume)) + 1 if cfg.checkpoint.resume else 0  # -1 + 1: not a stepN
+    first = (
+        step_of(Path(cfg.checkpoint.resume)) + 1 if cfg.checkpoint.resume else 0
+    )  # -1 + 1: not a stepN
     groups = [[tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)]
     weights, ranges = cfg.weights(), [cfg.stage_ranges()] * dims.dp
     for change in cfg.live.replan:
         if int(change["step"]) == first:
-            groups, weights, ranges, _, _ = with_change(change, cfg, groups, weights, ranges, dims.world_size)
+            groups, weights, ranges, _, _ = with_change(
+                change, cfg, groups, weights, ranges, dims.world_size
+            )
     return current_plan(cfg, cluster, model, weights, ranges, groups)
 
 
-def with_change(change: dict, cfg: RunConfig, groups: list[list[tuple[int, ...]]], weights: list[float],
-                ranges: list[list[tuple[int, int]]], world: int) -> tuple[list, list[float], list, bool, bool]:
+def with_change(
+    change: dict,
+    cfg: RunConfig,
+    groups: list[list[tuple[int, ...]]],
+    weights: list[float],
+    ranges: list[list[tuple[int, int]]],
+    world: int,
+) -> tuple[list, list[float], list, bool, bool]:
     """The plan state (each replica's stage groups, micro-batch weights, layer ranges) after a
     scheduled change (``live.replan``), and whether it moved ranks and whether it moved layers."""
-    planned = PlanChange.parse(change, cfg.dims(), cfg.model.layers, "live.replan", world=world,
-                               depths=[len(p) for p in groups])
+    planned = PlanChange.parse(
+        change,
+        cfg.dims(),
+        cfg.model.layers,
+        "live.replan",
+        world=world,
+        depths=[len(p) for p in groups],
+    )
     if planned.layout is not None:
         groups = [[tuple(s) for s in p] for p in planned.layout.pipelines]
     if planned.dp_weights is not None:
@@ -113,8 +172,11 @@ def step_check(predicted: float | None, seconds: list[float]) -> dict:
     if len(seconds) < MIN_MEASURED_STEPS:
         return {}
     measured = statistics.median(seconds)
-    return {"measured_step_s": round(measured, 6), "measured_steps": len(seconds),
-            "step_error": round(predicted / measured - 1, 4) if predicted else None}
+    return {
+        "measured_step_s": round(measured, 6),
+        "measured_steps": len(seconds),
+        "step_error": round(predicted / measured - 1, 4) if predicted else None,
+    }
 
 
 def trace_compute_seconds(trace: pd.DataFrame) -> dict[int, float]:
@@ -132,8 +194,12 @@ def plan_compute_s(plan: Plan, coster: StageCoster) -> float:
     do in a step (each stage's micro-batches' forward and backward, on each of its devices). A
     total, not the busiest stage's: the analytic model misprices stages against each other (the
     head's share of a small model), and a plan that merges stages keeps the total."""
-    return sum(sum(coster.stage_fb(s, i == len(p.stages) - 1)) * p.microbatches * s.tp
-               for p in plan.pipelines if p.microbatches > 0 for i, s in enumerate(p.stages))
+    return sum(
+        sum(coster.stage_fb(s, i == len(p.stages) - 1)) * p.microbatches * s.tp
+        for p in plan.pipelines
+        if p.microbatches > 0
+        for i, s in enumerate(p.stages)
+    )
 
 
 def predicted_step_s(plan: Plan) -> float:
@@ -146,8 +212,14 @@ def predicted_step_s(plan: Plan) -> float:
     return expected if math.isfinite(expected) else plan.step_time_s
 
 
-def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[float],
-             planner: Planner, compute: list[float] | None = None) -> tuple[ClusterSpec, dict | None]:
+def paced_to(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    plan: Plan,
+    measured: list[float],
+    planner: Planner,
+    compute: list[float] | None = None,
+) -> tuple[ClusterSpec, dict | None]:
     """``cluster`` paced (``ClusterSpec.paced``) so that ``plan``, the plan the steps ``measured``
     ran under, predicts their median, and what was measured; the cluster as it is (and None) from
     fewer than ``MIN_MEASURED_STEPS`` steps. The planner's analytic costs (a matmul benchmark's
@@ -169,7 +241,11 @@ def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[
     analytic = expected_step(plan, coster)
     if not (0 < analytic < float("inf") and median > 0):
         return cluster, None
-    record = {"steps": len(measured), "measured_step_s": round(median, 6), "analytic_step_s": analytic}
+    record = {
+        "steps": len(measured),
+        "measured_step_s": round(median, 6),
+        "analytic_step_s": analytic,
+    }
     deep = any(len(p.stages) > 1 for p in plan.pipelines if p.microbatches > 0)
     own = plan_compute_s(plan, coster)
     if deep and compute and len(compute) >= MIN_MEASURED_STEPS and own > 0:
@@ -177,8 +253,9 @@ def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[
         paced = cluster.paced(factor, links=1.0)
 
         def step_at(overhead: float) -> float:
-            return expected_step(plan, StageCoster(replace(paced, p2p_overhead_s=overhead), model,
-                                                   planner.cost))
+            return expected_step(
+                plan, StageCoster(replace(paced, p2p_overhead_s=overhead), model, planner.cost)
+            )
 
         if step_at(0.0) < median:
             lo, hi = 0.0, median
@@ -187,7 +264,10 @@ def paced_to(cluster: ClusterSpec, model: ModelSpec, plan: Plan, measured: list[
                 lo, hi = (mid, hi) if step_at(mid) < median else (lo, mid)
             overhead = 0.5 * (lo + hi)
             return replace(paced, p2p_overhead_s=overhead), {
-                **record, "factor": round(factor, 4), "compute_s": round(statistics.median(compute), 6),
-                "p2p_overhead_s": round(overhead, 6)}
+                **record,
+                "factor": round(factor, 4),
+                "compute_s": round(statistics.median(compute), 6),
+                "p2p_overhead_s": round(overhead, 6),
+            }
     factor = median / analytic
     return cluster.paced(factor), {**record, "factor": round(factor, 4)}

@@ -16,23 +16,47 @@ from resihp.opstrace import validate_ops_trace, write_ops_trace
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = ["step", "rank", "dp_rank", "stage", "tp_rank", "optype", "start_ts", "duration", "seq_id",
-           "mb_id", "seq_lens", "tokens", "loss", "bytes", "wait_s"]
+COLUMNS = [
+    "step",
+    "rank",
+    "dp_rank",
+    "stage",
+    "tp_rank",
+    "optype",
+    "start_ts",
+    "duration",
+    "seq_id",
+    "mb_id",
+    "seq_lens",
+    "tokens",
+    "loss",
+    "bytes",
+    "wait_s",
+]
 
 
 def is_wait(optype: str) -> bool:
     """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers) or
     on its node's keeper."""
-    return (optype.endswith(("-recv", "-send")) or "all-reduce" in optype
-            or optype in ("plan-sync", "barrier", "send-wait", "ft-commit", KEEPER_WAIT))
+    return (
+        optype.endswith(("-recv", "-send"))
+        or "all-reduce" in optype
+        or optype in ("plan-sync", "barrier", "send-wait", "ft-commit", KEEPER_WAIT)
+    )
 
 
 class OpRecorder:
     """Times operations of one rank. ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each
     clock read so that asynchronous device work is attributed to the op that launched it."""
 
-    def __init__(self, rank: int, dp_rank: int, stage: int, tp_rank: int = 0,
-                 sync: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        dp_rank: int,
+        stage: int,
+        tp_rank: int = 0,
+        sync: Callable[[], None] | None = None,
+    ) -> None:
         self.ids = {"rank": rank, "dp_rank": dp_rank, "stage": stage, "tp_rank": tp_rank}
         self.sync = sync or (lambda: None)
         self.rows: list[dict] = []
@@ -48,15 +72,27 @@ class OpRecorder:
         self._seq.clear()
 
     @contextmanager
-    def op(self, optype: str, mb_id: int | None = None, seq_lens: Sequence[int] | None = None,
-           **extra: object) -> Iterator[dict]:
+    def op(
+        self,
+        optype: str,
+        mb_id: int | None = None,
+        seq_lens: Sequence[int] | None = None,
+        **extra: object,
+    ) -> Iterator[dict]:
         """Times the body; the yielded row can be given more fields (e.g. ``loss``) inside it."""
         self.sync()
         start_ts, t0 = time.time(), time.perf_counter()
-        row: dict = {"step": self.step, **self.ids, "optype": optype, "start_ts": start_ts,
-                     "seq_id": self._seq[optype], "mb_id": mb_id,
-                     "seq_lens": list(seq_lens) if seq_lens is not None else None,
-                     "tokens": int(sum(seq_lens)) if seq_lens is not None else None, **extra}
+        row: dict = {
+            "step": self.step,
+            **self.ids,
+            "optype": optype,
+            "start_ts": start_ts,
+            "seq_id": self._seq[optype],
+            "mb_id": mb_id,
+            "seq_lens": list(seq_lens) if seq_lens is not None else None,
+            "tokens": int(sum(seq_lens)) if seq_lens is not None else None,
+            **extra,
+        }
         self._seq[optype] += 1
         self.active = optype
         yield row
@@ -86,7 +122,7 @@ class OpRecorder:
 
     def take_new(self) -> list[dict]:
         """The rows recorded since the last call (what a rank publishes after each step)."""
-        new = self.rows[self._flushed:]
+        new = self.rows[self._flushed :]
         self._flushed = len(self.rows)
         return new
 
@@ -96,7 +132,7 @@ class OpRecorder:
     def flush(self, path: str | Path) -> None:
         """Append the rows recorded since the last flush to a JSON-lines stream (one per rank):
         cheap enough to run every step, and what a side process tails to feed the detector."""
-        new = self.rows[self._flushed:]
+        new = self.rows[self._flushed :]
         if new:
             with open(path, "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in new))
@@ -105,12 +141,14 @@ class OpRecorder:
 
 def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+
     return _typed(pd.DataFrame(list(rows), columns=COLUMNS))
 
 
 def columns_frame(columns: dict[str, list]) -> pd.DataFrame:
     """``rows_frame`` from columns (name -> values) instead of row dicts."""
     import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+
     return _typed(pd.DataFrame({c: columns.get(c, [None] * len(columns["step"])) for c in COLUMNS}))
 
 

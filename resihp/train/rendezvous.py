@@ -20,11 +20,18 @@ def attempt_prefix(job_id: str) -> str:
     return f"resihp/{job_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def init_process_group(backend: str | None = None, *, timeout: timedelta | None = None,
-                       **kwargs: Any) -> None:
+def init_process_group(
+    backend: str | None = None, *, timeout: timedelta | None = None, **kwargs: Any
+) -> None:
     """``torch.distributed.init_process_group`` from torchrun's environment, on store keys of
     this restart attempt (extra keyword arguments are passed through)."""
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout or timedelta(minutes=10)))
     job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
-    dist.init_process_group(backend, store=dist.PrefixStore(attempt_prefix(job), store), rank=rank,
-                            world_size=world, **({"timeout": timeout} if timeout else {}), **kwargs)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(attempt_prefix(job), store),
+        rank=rank,
+        world_size=world,
+        **({"timeout": timeout} if timeout else {}),
+        **kwargs,
+    )

@@ -40,7 +40,9 @@ def owner(ranges: Sequence[tuple[int, int]], layer: int) -> int:
     return next(s for s, (a, b) in enumerate(ranges) if a <= layer < b)
 
 
-def layer_state(model: GPTStage, optimizer: torch.optim.Optimizer, layer: int) -> list[torch.Tensor]:
+def layer_state(
+    model: GPTStage, optimizer: torch.optim.Optimizer, layer: int
+) -> list[torch.Tensor]:
     """A layer's parameters and AdamW state as a flat list in a fixed order."""
     out = []
     for _, p in sorted(model.layers[str(layer)].named_parameters()):
@@ -48,8 +50,11 @@ def layer_state(model: GPTStage, optimizer: torch.optim.Optimizer, layer: int) -
         out.append(p.detach())
         for key in ADAM_KEYS:
             value = state.get(key)
-            out.append(torch.zeros(1 if key == "step" else p.shape, device=p.device) if value is None
-                       else value.detach().reshape(1 if key == "step" else p.shape).float())
+            out.append(
+                torch.zeros(1 if key == "step" else p.shape, device=p.device)
+                if value is None
+                else value.detach().reshape(1 if key == "step" else p.shape).float()
+            )
     return out
 
 
@@ -62,10 +67,18 @@ def layer_templates(cfg: GPTConfig, tp: TPContext) -> list[tuple[int, ...]]:
     return shapes
 
 
-def repartition(model: GPTStage, optimizer: torch.optim.Optimizer, cfg: GPTConfig, tp: TPContext,
-                old_ranges: Sequence[tuple[int, int]], new_ranges: Sequence[tuple[int, int]], stage: int,
-                peer_of: Callable[[int], int], lr: float,
-                device: torch.device) -> tuple[GPTStage, torch.optim.Optimizer, int]:
+def repartition(
+    model: GPTStage,
+    optimizer: torch.optim.Optimizer,
+    cfg: GPTConfig,
+    tp: TPContext,
+    old_ranges: Sequence[tuple[int, int]],
+    new_ranges: Sequence[tuple[int, int]],
+    stage: int,
+    peer_of: Callable[[int], int],
+    lr: float,
+    device: torch.device,
+) -> tuple[GPTStage, torch.optim.Optimizer, int]:
     """Move layers between the stages of this rank's pipeline (``peer_of(stage)``: the rank holding
     that stage beside this one); returns the new stage model, its optimizer and the bytes sent."""
     moved: dict[int, list[torch.Tensor]] = {}
@@ -86,21 +99,30 @@ def repartition(model: GPTStage, optimizer: torch.optim.Optimizer, cfg: GPTConfi
             for b in bufs:
                 dist.recv(b, peer)
             moved[layer] = bufs
-    kept = {layer: layer_state(model, optimizer, layer)
-            for layer in range(*new_ranges[stage]) if layer not in moved}
+    kept = {
+        layer: layer_state(model, optimizer, layer)
+        for layer in range(*new_ranges[stage])
+        if layer not in moved
+    }
     ends = {n: p.detach() for n, p in model.named_parameters() if not n.startswith("layers.")}
-    end_state = {n: optimizer.state.get(p, {}) for n, p in model.named_parameters()
-                 if not n.startswith("layers.")}
+    end_state = {
+        n: optimizer.state.get(p, {})
+        for n, p in model.named_parameters()
+        if not n.startswith("layers.")
+    }
     model = GPTStage(cfg, *new_ranges[stage], tp).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     with torch.no_grad():
         for layer, tensors in {**kept, **moved}.items():
             params = sorted(model.layers[str(layer)].named_parameters())
             for i, (_, p) in enumerate(params):
-                value, step, avg, avg_sq = tensors[4 * i: 4 * i + 4]
+                value, step, avg, avg_sq = tensors[4 * i : 4 * i + 4]
                 p.copy_(value)
-                optimizer.state[p] = {"step": step.reshape(()).clone(), "exp_avg": avg.clone(),
-                                      "exp_avg_sq": avg_sq.clone()}
+                optimizer.state[p] = {
+                    "step": step.reshape(()).clone(),
+                    "exp_avg": avg.clone(),
+                    "exp_avg_sq": avg_sq.clone(),
+                }
         for name, p in model.named_parameters():
             if name in ends:
                 p.copy_(ends[name])
@@ -117,7 +139,9 @@ def _exchange_dir(control_group: object, out: str) -> str:
     under the run folder; rank 0 makes it and tells the others."""
     box = [None]
     if dist.get_rank() == 0:
-        one_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
+        one_node = (
+            int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) == dist.get_world_size()
+        )
         base = Path("/dev/shm") if one_node and Path("/dev/shm").is_dir() else Path(out)
         base.mkdir(parents=True, exist_ok=True)
         box[0] = tempfile.mkdtemp(prefix="resihp-relayout-", dir=base)
@@ -125,9 +149,16 @@ def _exchange_dir(control_group: object, out: str) -> str:
     return box[0]
 
 
-def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, tp: TPContext,
-             cfg: GPTConfig, rebuild: Callable[[], Rebuilt], control_group: object, out: str,
-             write: bool = True) -> dict:
+def relayout(
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    tp: TPContext,
+    cfg: GPTConfig,
+    rebuild: Callable[[], Rebuilt],
+    control_group: object,
+    out: str,
+    write: bool = True,
+) -> dict:
     """Collective over the world: ``rebuild()`` forms the new layout and returns this rank's new
     stage model, optimizer and tensor-parallel context (None: a spare); each new tensor (under its
     global key and placement, as a checkpoint holds it) that lies inside what the rank held is
@@ -163,11 +194,15 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     written, read = 0, [0]
     if needed:
         directory = _exchange_dir(control_group, out)
-        dcp.save({k: v for k, v in old.items() if k in needed} if write else {}, checkpoint_id=directory)
+        dcp.save(
+            {k: v for k, v in old.items() if k in needed} if write else {}, checkpoint_id=directory
+        )
         if dist.get_rank() == 0:
             written = sum(p.stat().st_size for p in Path(directory).iterdir())
-        dcp.load({k: new[k] for k in wanted},
-                 storage_reader=counting_reader(safe_reader(directory), read))
+        dcp.load(
+            {k: new[k] for k in wanted},
+            storage_reader=counting_reader(safe_reader(directory), read),
+        )
     del old
     totals = torch.tensor([written, read[0], minimum], dtype=torch.float64)
     dist.all_reduce(totals, group=control_group)  # also: every rank has read before the folder goes
@@ -175,8 +210,13 @@ def relayout(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
         shutil.rmtree(directory, ignore_errors=True)
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=control_group)
-    return {"moved_bytes": int(totals[0] + totals[1]), "written_bytes": int(totals[0]),
-            "read_bytes": int(totals[1]), "minimum_bytes": int(totals[2]), "relayout_s": round(float(seconds), 4)}
+    return {
+        "moved_bytes": int(totals[0] + totals[1]),
+        "written_bytes": int(totals[0]),
+        "read_bytes": int(totals[1]),
+        "minimum_bytes": int(totals[2]),
+        "relayout_s": round(float(seconds), 4),
+    }
 
 
 def retire_groups(groups: Sequence[object]) -> None:

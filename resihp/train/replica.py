@@ -71,31 +71,52 @@ class ReplicaEngine(Engine):
     """The engine of one rank of one replica: the default process group is the replica's own
     (pipeline x tensor ranks); gradients are summed across replicas by the quorum's group."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device, member: Member, store: Store,
-                 connect: Callable[[], Store], drop: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        device: torch.device,
+        member: Member,
+        store: Store,
+        connect: Callable[[], Store],
+        drop: bool = False,
+    ) -> None:
         local = cfg.updated(dp=1, dp_weights=None, inject=[], replan=[], recovery="none")
         self.full = cfg
-        global_rank = cfg.dims().rank_of(member.replica, dist.get_rank() // cfg.parallel.tp, dist.get_rank() % cfg.parallel.tp)
-        faults = cfg.fault_list() if member.attempt == 0 else []  # an injected fault strikes the first launch only
+        global_rank = cfg.dims().rank_of(
+            member.replica, dist.get_rank() // cfg.parallel.tp, dist.get_rank() % cfg.parallel.tp
+        )
+        faults = (
+            cfg.fault_list() if member.attempt == 0 else []
+        )  # an injected fault strikes the first launch only
         super().__init__(local, device, FaultInjector(faults, global_rank))
         self.member, self.global_rank, self.drop = member, global_rank, drop
         self.rec.ids.update(rank=global_rank, dp_rank=member.replica)
         self.position = f"{self.stage}.{self.tp.rank}"
         self.store, self.connect = store, connect
-        self.quorum = Quorum(store, cfg.job_id, cfg.parallel.pp * cfg.parallel.tp, cfg.faults.timeout_s,
-                             plan_key=plan_key(cfg.job_id))
+        self.quorum = Quorum(
+            store,
+            cfg.job_id,
+            cfg.parallel.pp * cfg.parallel.tp,
+            cfg.faults.timeout_s,
+            plan_key=plan_key(cfg.job_id),
+        )
         self.group = ReplicaGroup(connect, cfg.job_id, member.replica, cfg.faults.timeout_s)
         self.gen: Generation | None = None
         self.decision: Decision | None = None
         self.sources: dict[Member, HealSource] = {}
         self.full_weights = cfg.weights()
-        self.full_ranges = [self.ranges for _ in range(cfg.parallel.dp)]  # every replica's layer ranges
+        self.full_ranges = [
+            self.ranges for _ in range(cfg.parallel.dp)
+        ]  # every replica's layer ranges
         # every replica's groups (job ranks), as launched and as in force: the live planner may
         # re-form a replica's groups from its own ranks (a slow one left out as a hot spare)
         self.launch = [[tuple(s) for s in p] for p in pipelines_of(cfg.dims())]
         self.full_pipelines = [list(p) for p in self.launch]
-        self._local = {g: s * cfg.parallel.tp + t for s, group in enumerate(self.launch[member.replica])
-                       for t, g in enumerate(group)}  # job rank -> rank in this replica's group
+        self._local = {
+            g: s * cfg.parallel.tp + t
+            for s, group in enumerate(self.launch[member.replica])
+            for t, g in enumerate(group)
+        }  # job rank -> rank in this replica's group
         self._pieces: tuple[tuple, Pieces] | None = None
         self.plan_id: object = None  # the plan change in force (its id)
 
@@ -106,11 +127,16 @@ class ReplicaEngine(Engine):
         members = self.gen.replicas
         if self.drop:
             return [self.member.replica]
-        return [r for r in range(self.full.parallel.dp)
-                if (r if r in members else members[r % len(members)]) == self.member.replica]
+        return [
+            r
+            for r in range(self.full.parallel.dp)
+            if (r if r in members else members[r % len(members)]) == self.member.replica
+        ]
 
     def microbatches(self, data: StepData) -> list[MicroBatch]:
-        return [mb for r in self._owned() for mb in replica_microbatches(data, r, self.full_weights)]
+        return [
+            mb for r in self._owned() for mb in replica_microbatches(data, r, self.full_weights)
+        ]
 
     def take_plan(self, step: int) -> None:
         """Before ``step``: the plan change the last commit carried, if it is new, on every rank of
@@ -122,8 +148,14 @@ class ReplicaEngine(Engine):
         if plan is None or plan.get("id") == self.plan_id:
             return
         layers = self.model_cfg.layers
-        change = PlanChange.parse(plan, self.full.dims(), layers, "plan", world=self.full.dims().world_size,
-                                  depths=[len(p) for p in self.full_pipelines])
+        change = PlanChange.parse(
+            plan,
+            self.full.dims(),
+            layers,
+            "plan",
+            world=self.full.dims().world_size,
+            depths=[len(p) for p in self.full_pipelines],
+        )
         if change.dp_weights is not None:
             with self.rec.op("replan-microbatches"):
                 self.full_weights = list(change.dp_weights)
@@ -138,18 +170,37 @@ class ReplicaEngine(Engine):
         relaid = pipes[replica] != self.full_pipelines[replica]
         if relaid:
             ranges = (new or self.full_ranges)[replica]
-            local = Relayout((tuple(tuple(self._local[g] for g in stage) for stage in pipes[replica]),))
+            local = Relayout(
+                (tuple(tuple(self._local[g] for g in stage) for stage in pipes[replica]),)
+            )
             with self.rec.op("replan-layout") as row:
-                done = self._relayout(PlanChange(None, (tuple(b - a for a, b in ranges),), {}, local))
-                row["bytes"] = done["moved_bytes"] if dist.get_rank() == 0 else 0  # the replica's total, once
-            self.rec.ids.update(dp_rank=replica)  # the engine's own layout has one replica: this one
+                done = self._relayout(
+                    PlanChange(None, (tuple(b - a for a, b in ranges),), {}, local)
+                )
+                row["bytes"] = (
+                    done["moved_bytes"] if dist.get_rank() == 0 else 0
+                )  # the replica's total, once
+            self.rec.ids.update(
+                dp_rank=replica
+            )  # the engine's own layout has one replica: this one
             self.position = f"{self.stage}.{self.tp.rank}"
             spares = [g for g, r in self._local.items() if r in done["spares"]]
             self.plan_changes.append({"step": step, **change.to_dict(), **done, "spares": spares})
             if dist.get_rank() == 0:  # the replica's totals (``relayout`` sums them over its ranks)
-                self.quorum.report_relayout(plan.get("id"), replica, {
-                    k: done[k] for k in ("moved_bytes", "written_bytes", "read_bytes", "minimum_bytes",
-                                         "relayout_s")})
+                self.quorum.report_relayout(
+                    plan.get("id"),
+                    replica,
+                    {
+                        k: done[k]
+                        for k in (
+                            "moved_bytes",
+                            "written_bytes",
+                            "read_bytes",
+                            "minimum_bytes",
+                            "relayout_s",
+                        )
+                    },
+                )
             for source in self.sources.values():  # served position by position: those are gone
                 source.close(-1)
             self.sources.clear()
@@ -159,8 +210,12 @@ class ReplicaEngine(Engine):
                 self.replica_ranges = [new[replica]]
                 self.grad_sync.prepare([new[replica]], layers)
             for source in self.sources.values():  # its state in the new split, as of the last step
-                source.push(STATE, step - 1, flatten(heal_tensors(self.model, self.optimizer), "cpu"),
-                            self._split())
+                source.push(
+                    STATE,
+                    step - 1,
+                    flatten(heal_tensors(self.model, self.optimizer), "cpu"),
+                    self._split(),
+                )
         self.full_pipelines = pipes
         if new is not None:
             self.full_ranges = new
@@ -172,10 +227,13 @@ class ReplicaEngine(Engine):
         """A plan's layout keeps every replica on ranks it was launched with (each replica is a job
         of its own: no rank can join another's process groups)."""
         if len(pipes) != len(self.launch) or any(
-                not {g for s in p for g in s} <= {g for s in home for g in s}
-                for p, home in zip(pipes, self.launch)):
-            raise InputError(f"plan layout: expected each of the {len(self.launch)} replicas on its own "
-                             f"ranks {[[list(s) for s in p] for p in self.launch]}, got {pipes}")
+            not {g for s in p for g in s} <= {g for s in home for g in s}
+            for p, home in zip(pipes, self.launch)
+        ):
+            raise InputError(
+                f"plan layout: expected each of the {len(self.launch)} replicas on its own "
+                f"ranks {[[list(s) for s in p] for p in self.launch]}, got {pipes}"
+            )
 
     def _split(self) -> list[int]:
         return [b - a for a, b in self.ranges]
@@ -185,19 +243,31 @@ class ReplicaEngine(Engine):
         member replicas that sum them (``gradsync.Pieces``: any layer split, depth and
         tensor-parallel size per replica)."""
         members = self.gen.replicas
-        layout = (tuple(members), tuple(tuple(self.full_pipelines[d]) for d in members),
-                  tuple(tuple(self.full_ranges[d]) for d in members))
+        layout = (
+            tuple(members),
+            tuple(tuple(self.full_pipelines[d]) for d in members),
+            tuple(tuple(self.full_ranges[d]) for d in members),
+        )
         if self._pieces is None or self._pieces[0] != layout:
-            self._pieces = (layout, Pieces([self.full_pipelines[d] for d in members],
-                                           [self.full_ranges[d] for d in members], self.model_cfg))
+            self._pieces = (
+                layout,
+                Pieces(
+                    [self.full_pipelines[d] for d in members],
+                    [self.full_ranges[d] for d in members],
+                    self.model_cfg,
+                ),
+            )
         entries = self._pieces[1].entries(self.model, self.global_rank, loss)
         return {key: [t for _, _, t in pieces] for key, pieces in entries.items()}
 
     def loss_tokens(self, data: StepData) -> int:
         if not self.drop:
             return data.tokens
-        return sum(mb.tokens for r in self.gen.replicas
-                   for mb in replica_microbatches(data, r, self.full_weights))
+        return sum(
+            mb.tokens
+            for r in self.gen.replicas
+            for mb in replica_microbatches(data, r, self.full_weights)
+        )
 
     # --- the cross-replica sum and the vote -----------------------------------------------------
     def _all_reduce_grads(self, loss_sum: torch.Tensor) -> float | None:
@@ -237,8 +307,9 @@ class ReplicaEngine(Engine):
     def _commit(self, step: int, ok: bool) -> None:
         """This rank's vote on ``step`` and the quorum's decision (raises on an abort or eviction)."""
         with self.rec.waiting("ft-commit"):
-            decision = (self.quorum.vote(self.gen, step, ok, previous=self.decision)
-                        or self.quorum.wait(self.gen, step))
+            decision = self.quorum.vote(
+                self.gen, step, ok, previous=self.decision
+            ) or self.quorum.wait(self.gen, step)
         self.decision = decision
         if self.member not in decision.next.members:
             raise Evicted(f"replica {self.member.replica} was evicted at step {step}")
@@ -256,7 +327,7 @@ class ReplicaEngine(Engine):
         if self.optimizer is not None:  # None: a hot spare, which holds nothing
             self.optimizer.zero_grad(set_to_none=False)
         self._pending.clear()
-        del self.rec.rows[self.rec._flushed:]
+        del self.rec.rows[self.rec._flushed :]
         self.rec.active = None
 
     # --- checkpoints -----------------------------------------------------------------------------
@@ -271,9 +342,22 @@ class ReplicaEngine(Engine):
 
         full = self.full
         splits = [[b - a for a, b in ranges] for ranges in self.full_ranges]
-        state = {**run_state(self, full), "data.dp_weights": list(self.full_weights), "layer_splits": splits,
-                 "layout": {"replicas": full.parallel.dp, "pp": full.parallel.pp, "tp": full.parallel.tp}}
-        meta = {**checkpoint_meta(self, full), "dp": full.parallel.dp, "layer_splits": splits, "state": state}
+        state = {
+            **run_state(self, full),
+            "data.dp_weights": list(self.full_weights),
+            "layer_splits": splits,
+            "layout": {
+                "replicas": full.parallel.dp,
+                "pp": full.parallel.pp,
+                "tp": full.parallel.tp,
+            },
+        }
+        meta = {
+            **checkpoint_meta(self, full),
+            "dp": full.parallel.dp,
+            "layer_splits": splits,
+            "state": state,
+        }
         with self.rec.op("checkpoint-save"):
             save(directory, self.model, self.optimizer, step, meta, self.tp, self.model_cfg)
         if dist.get_rank() == 0:
@@ -301,7 +385,9 @@ class ReplicaEngine(Engine):
                 self.sources.pop(m).close(step)
         for m in [m for m, s in self.sources.items() if s.done]:
             self.sources.pop(m)  # its returning rank was lost
-        if self.coords is None or self.member.replica != heal_source(nxt.replicas, self.full_pipelines, self.launch):
+        if self.coords is None or self.member.replica != heal_source(
+            nxt.replicas, self.full_pipelines, self.launch
+        ):
             return
         for replica in range(self.full.parallel.dp):
             if replica in nxt.replicas:
@@ -313,9 +399,14 @@ class ReplicaEngine(Engine):
                 self.sources.pop(old).close(-1)
             # the returning replica forms its groups in this one's shape before it listens
             self.quorum.set_heal_shape(m, [len(stage) for stage in self.pipelines[0]])
-            source = HealSource(self.connect, heal_prefix(self.full.job_id, m.replica, m.attempt,
-                                                          self.position), self.full.faults.timeout_s)
-            source.push(STATE, step, flatten(heal_tensors(self.model, self.optimizer), "cpu"), self._split())
+            source = HealSource(
+                self.connect,
+                heal_prefix(self.full.job_id, m.replica, m.attempt, self.position),
+                self.full.faults.timeout_s,
+            )
+            source.push(
+                STATE, step, flatten(heal_tensors(self.model, self.optimizer), "cpu"), self._split()
+            )
             source.start()
             self.sources[m] = source
 
@@ -334,12 +425,16 @@ class ReplicaEngine(Engine):
             if self.quorum.finished():
                 raise Evicted(f"replica {self.member.replica}: the job finished before it rejoined")
             if time.monotonic() > end:
-                raise RuntimeError(f"catch-up: no replica served replica {self.member.replica} "
-                                   f"in {self.full.faults.timeout_s:g} s")
+                raise RuntimeError(
+                    f"catch-up: no replica served replica {self.member.replica} "
+                    f"in {self.full.faults.timeout_s:g} s"
+                )
             time.sleep(0.01)
         if sum(shape) > self.world:
-            raise RuntimeError(f"catch-up: the serving replica's groups {shape} need more than this "
-                               f"replica's {self.world} ranks")
+            raise RuntimeError(
+                f"catch-up: the serving replica's groups {shape} need more than this "
+                f"replica's {self.world} ranks"
+            )
         return shape
 
     def _mirror(self, shape: list[int]) -> None:
@@ -354,7 +449,9 @@ class ReplicaEngine(Engine):
         self.rec.ids.update(dp_rank=self.member.replica)
         self.position = f"{self.stage}.{self.tp.rank}"
         job_rank = {r: g for g, r in self._local.items()}
-        self.full_pipelines[self.member.replica] = [tuple(job_rank[r] for r in stage) for stage in local]
+        self.full_pipelines[self.member.replica] = [
+            tuple(job_rank[r] for r in stage) for stage in local
+        ]
         self.full_ranges[self.member.replica] = balanced_layers(layers, len(local))
 
     def _follow_peers(self, local_rank: int, t0: float) -> dict:
@@ -375,8 +472,15 @@ class ReplicaEngine(Engine):
             time.sleep(0.01)
         self.gen = gen
         self.decision = self.quorum.admitting(gen)
-        return {"state_step": None, "requested_ts": t0, "state_ts": None, "admitted_ts": time.time(),
-                "from_step": gen.from_step, "replayed_steps": 0, "bytes": 0}
+        return {
+            "state_step": None,
+            "requested_ts": t0,
+            "state_ts": None,
+            "admitted_ts": time.time(),
+            "from_step": gen.from_step,
+            "replayed_steps": 0,
+            "bytes": 0,
+        }
 
     def catch_up(self, local_rank: int) -> dict:
         """A relaunched replica's rank: the survivors' state from a live peer, then their summed
@@ -388,14 +492,19 @@ class ReplicaEngine(Engine):
             self._mirror(shape)
         if self.coords is None:
             return self._follow_peers(local_rank, t0)
-        target = HealTarget(self.store, heal_prefix(self.full.job_id, self.member.replica, self.member.attempt,
-                                                    self.position), self.full.faults.timeout_s)
+        target = HealTarget(
+            self.store,
+            heal_prefix(self.full.job_id, self.member.replica, self.member.attempt, self.position),
+            self.full.faults.timeout_s,
+        )
         state_at = held = None
         replayed = 0
         while True:
             kind, step, flat, split = target.next()
             if kind == STATE:
-                ranges = ranges_from_counts(split, self.model_cfg.layers, self.pp, source="catch-up split")
+                ranges = ranges_from_counts(
+                    split, self.model_cfg.layers, self.pp, source="catch-up split"
+                )
                 if ranges != self.ranges:  # its source replica's split: rebuilt to take the state
                     self.replica_ranges = [ranges]
                     self.build_stage(*ranges[self.stage], init=False)
@@ -405,7 +514,9 @@ class ReplicaEngine(Engine):
             elif kind == GRAD:
                 params = list(self.model.parameters())
                 if held is None or step != held + 1:
-                    raise RuntimeError(f"catch-up: gradients of step {step} after the state of step {held}")
+                    raise RuntimeError(
+                        f"catch-up: gradients of step {step} after the state of step {held}"
+                    )
                 unflatten(flat, _grads(params))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)
@@ -425,13 +536,20 @@ class ReplicaEngine(Engine):
             raise RuntimeError(f"catch-up: holds step {held}, admitted at step {gen.from_step}")
         self.gen = gen
         self.decision = self.quorum.admitting(gen)  # its plan is the survivors' from here
-        return {"state_step": None if state_at is None else gen.from_step - 1 - replayed,
-                "requested_ts": t0, "state_ts": state_at, "admitted_ts": time.time(),
-                "from_step": gen.from_step, "replayed_steps": replayed, "bytes": target.received_bytes}
+        return {
+            "state_step": None if state_at is None else gen.from_step - 1 - replayed,
+            "requested_ts": t0,
+            "state_ts": state_at,
+            "admitted_ts": time.time(),
+            "from_step": gen.from_step,
+            "replayed_steps": replayed,
+            "bytes": target.received_bytes,
+        }
 
 
-def heal_source(members: list[int], pipelines: list[list[tuple[int, ...]]],
-                launch: list[list[tuple[int, ...]]]) -> int | None:
+def heal_source(
+    members: list[int], pipelines: list[list[tuple[int, ...]]], launch: list[list[tuple[int, ...]]]
+) -> int | None:
     """The replica that serves a returning one: the lowest member whose groups in force
     (``pipelines``) are its ``launch`` groups, as the returning replica's are (it takes the state
     position by position); where every member was re-formed, the lowest member (the returning
@@ -447,8 +565,14 @@ def _grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params]
 
 
-def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Callable[[], Store],
-                member: Member, tell: list) -> None:
+def run_replica(
+    cfg: RunConfig,
+    device: torch.device,
+    store: Store,
+    connect: Callable[[], Store],
+    member: Member,
+    tell: list,
+) -> None:
     """One rank of replica ``member``: train from the quorum's generation (a first launch) or
     catch up and join (a relaunch), commit step by step, serve returning peers."""
     local, per_replica = int(os.environ.get("LOCAL_RANK", "0")), cfg.parallel.pp * cfg.parallel.tp
@@ -457,26 +581,38 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
     global_rank = dims.rank_of(member.replica, local // cfg.parallel.tp, local % cfg.parallel.tp)
     tell.append(lambda kind, message: report_error(store, job_id, global_rank, kind, message))
     # its own store client: the main thread blocks in store waits (the quorum's decision, rendezvous)
-    heart = HeartbeatSender(connect(), global_rank, member.replica, interval_s=BEAT_S,
-                            prefix=heartbeat_prefix(job_id)).start()
+    heart = HeartbeatSender(
+        connect(), global_rank, member.replica, interval_s=BEAT_S, prefix=heartbeat_prefix(job_id)
+    ).start()
     timeout = timedelta(seconds=cfg.faults.timeout_s)
     # on GPUs each rank of a replica has one of its own (resihp run checks before launching)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
-                            rank=local, world_size=per_replica, timeout=timeout)
-    engine = ReplicaEngine(cfg, device, member, store, connect, drop=cfg.faults.recovery == "replica-drop")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore(f"resihp/{job_id}/r{member.replica}/a{member.attempt}", store),
+        rank=local,
+        world_size=per_replica,
+        timeout=timeout,
+    )
+    engine = ReplicaEngine(
+        cfg, device, member, store, connect, drop=cfg.faults.recovery == "replica-drop"
+    )
     phase = "stopped"
     publisher = StepPublisher(store, job_id, member.replica)
     try:
         if member.attempt == 0:
-            engine.gen = engine.quorum.generation(0)  # from the step after the checkpoint it resumes
+            engine.gen = engine.quorum.generation(
+                0
+            )  # from the step after the checkpoint it resumes
             if cfg.checkpoint.resume:
                 engine.resume(Path(cfg.checkpoint.resume), engine.gen.from_step)
         else:
             heart.follow(lambda: engine.rec.progress("join"))
             joined = engine.catch_up(local)
             if local == 0:
-                store.set(f"{engine.quorum.prefix}/catchup/{member.replica}/{member.attempt}", json.dumps(joined))
+                store.set(
+                    f"{engine.quorum.prefix}/catchup/{member.replica}/{member.attempt}",
+                    json.dumps(joined),
+                )
         heart.follow(lambda: engine.rec.progress("train"))
         step = engine.gen.from_step
         while step < cfg.train.steps:
@@ -497,9 +633,16 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
             every = cfg.checkpoint.ckpt_every
             if every and (step + 1) % every == 0 and member.replica == min(trained.replicas):
                 engine.save_checkpoint(cfg.ckpt_root() / f"step{step}", step)  # one member writes
-            if result.loss is not None and member.replica == min(engine.gen.replicas) and engine.tp.rank == 0:
-                print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
-                      file=sys.stderr, flush=True)
+            if (
+                result.loss is not None
+                and member.replica == min(engine.gen.replicas)
+                and engine.tp.rank == 0
+            ):
+                print(
+                    f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if result.loss is not None and not math.isfinite(result.loss):
                 raise RuntimeError(f"non-finite loss ({result.loss}) at step {step}")
             engine.injector.before_publish(step)  # committed: a kill here leaves its records unsent
@@ -522,5 +665,5 @@ def run_replica(cfg: RunConfig, device: torch.device, store: Store, connect: Cal
 
 def _attempt_start(engine: ReplicaEngine) -> float:
     """When the aborted attempt began (its first row this step), for the time it lost."""
-    rows = engine.rec.rows[engine.rec._flushed:]
+    rows = engine.rec.rows[engine.rec._flushed :]
     return min((r["start_ts"] for r in rows), default=time.time())

@@ -26,8 +26,10 @@ class Action:
 
 
 def _actions(name: str, pp: int, stage: int, n_mb: int) -> list[Action]:
-    return [Action("F" if op.phase == FWD else "B", op.mb)
-            for op in rank_order(name, pp, n_mb, 1, stage)]
+    return [
+        Action("F" if op.phase == FWD else "B", op.mb)
+        for op in rank_order(name, pp, n_mb, 1, stage)
+    ]
 
 
 def gpipe(pp: int, stage: int, n_mb: int) -> list[Action]:

@@ -58,12 +58,22 @@ class Snapshots:
         timeout_s: how long a snapshot waits for the keeper.
     """
 
-    def __init__(self, state: Mapping[str, Any], every: int = 1, *, job_id: str | None = None,
-                 node: int | None = None, group: dist.ProcessGroup | None = None,
-                 dcp_dir: str | os.PathLike | None = None, rng: bool = True,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        every: int = 1,
+        *,
+        job_id: str | None = None,
+        node: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        dcp_dir: str | os.PathLike | None = None,
+        rng: bool = True,
+        timeout_s: float = 60.0,
+    ) -> None:
         if every < 1:
-            raise InputError(f"Snapshots: every must be >= 1 (steps between snapshots), got {every}")
+            raise InputError(
+                f"Snapshots: every must be >= 1 (steps between snapshots), got {every}"
+            )
         self.state = dict(state)
         if rng:
             self.state.setdefault("rng", RNG())
@@ -102,8 +112,9 @@ class Snapshots:
         optimizers = self._optimizers()
         layout = {"format": FORMAT, "keys": [k for k, _ in tensors], "run": {"tree": tree}}
         self._prepare_s.append(time.perf_counter() - t0)
-        self._snapshotter.snapshot(step, None, optimizers[0] if optimizers else _NoOptimizer(),
-                                   layout, tensors=tensors)
+        self._snapshotter.snapshot(
+            step, None, optimizers[0] if optimizers else _NoOptimizer(), layout, tensors=tensors
+        )
 
     @property
     def stall_s(self) -> list[float]:
@@ -117,8 +128,11 @@ class Snapshots:
         newest DCP checkpoint in ``dcp_dir``; None (every rank alike) when there is neither."""
         t0 = time.perf_counter()
         self._snapshotter.fence()
-        mine = {h.step: h for h in self.tier.held()
-                if h.rank == self.rank and h.layout.get("format") == FORMAT and self.tier.verify(h)}
+        mine = {
+            h.step: h
+            for h in self.tier.held()
+            if h.rank == self.rank and h.layout.get("format") == FORMAT and self.tier.verify(h)
+        }
         steps = self._gather(sorted(mine))
         common = set(steps[0]).intersection(*steps[1:]) if steps else set()
         if common:
@@ -147,8 +161,11 @@ class Snapshots:
         can reshard into) into the objects handed in."""
         state = self._dcp_state()
         with refusals():  # no pickled object of the checkpoint is ever run: plain values only
-            dcp.load(state, storage_reader=safe_reader(path, tensors_only=False),
-                     planner=safe_planner(path))
+            dcp.load(
+                state,
+                storage_reader=safe_reader(path, tensors_only=False),
+                planner=safe_planner(path),
+            )
         for name, value in self.state.items():
             if name in state and hasattr(value, "load_state_dict"):
                 value.load_state_dict(state[name])
@@ -172,8 +189,11 @@ class Snapshots:
     def _newest_on_disk(self) -> tuple[int, Path] | None:
         if self.dcp_dir is None or not self.dcp_dir.is_dir():
             return None
-        found = [(int(p.name[4:]), p) for p in self.dcp_dir.glob("step*")
-                 if p.name[4:].isdigit() and (p / ".metadata").exists()]
+        found = [
+            (int(p.name[4:]), p)
+            for p in self.dcp_dir.glob("step*")
+            if p.name[4:].isdigit() and (p / ".metadata").exists()
+        ]
         return max(found) if found else None
 
     def _load(self, header: SlotHeader) -> None:
@@ -184,14 +204,15 @@ class Snapshots:
         saved = {}
         for shard in header.shards:
             dtype = getattr(torch, shard.dtype)
-            piece = raw[shard.offset:shard.offset + shard.nbytes]
+            piece = raw[shard.offset : shard.offset + shard.nbytes]
             saved[shard.key] = piece.view(dtype).reshape(shard.shape)
         tree = header.layout["run"]["tree"]
         current, _ = flatten(self.state)
         now = dict(current)
         templates = {k: now.get(k) for k in saved}
-        tensors = {k: like(templates[k], t) if templates[k] is not None else t
-                   for k, t in saved.items()}
+        tensors = {
+            k: like(templates[k], t) if templates[k] is not None else t for k, t in saved.items()
+        }
         for name, value in self.state.items():
             if name in tree and hasattr(value, "load_state_dict"):
                 value.load_state_dict(unflatten(tree[name], tensors))

@@ -49,12 +49,16 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], d
             items = []
             for k, v in value.items():
                 if not isinstance(k, (int, str)) or isinstance(k, bool):
-                    raise InputError(f"training state {path!r}: key {k!r} is a "
-                                     f"{type(k).__name__}; expected str or int keys")
+                    raise InputError(
+                        f"training state {path!r}: key {k!r} is a "
+                        f"{type(k).__name__}; expected str or int keys"
+                    )
                 items.append([k, walk(v, f"{path}.{k}")])
             return {DICT: items}
-        raise InputError(f"training state {path!r}: a {type(value).__name__} cannot be snapshot; "
-                         "expected tensors, numbers, strings, lists, tuples or dicts")
+        raise InputError(
+            f"training state {path!r}: a {type(value).__name__} cannot be snapshot; "
+            "expected tensors, numbers, strings, lists, tuples or dicts"
+        )
 
     tree = {name: walk(state_dict_of(value), name) for name, value in state.items()}
     return tensors, tree
@@ -80,8 +84,12 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 def like(template: Any, saved: torch.Tensor) -> torch.Tensor:
     """``saved`` (a local shard) in the form of ``template``: a DTensor on its mesh, on its device."""
     if isinstance(template, DTensor):
-        return DTensor.from_local(saved.to(template.to_local().device), template.device_mesh,
-                                  template.placements, run_check=False)
+        return DTensor.from_local(
+            saved.to(template.to_local().device),
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+        )
     return saved.to(template.device) if isinstance(template, torch.Tensor) else saved
 
 

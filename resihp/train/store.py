@@ -65,10 +65,13 @@ def probe_store(addr: str, port: int, timeout_s: float, option: str = "--rdzv-en
     if got == struct.pack("<I", nonce):
         return
     if not got:
-        raise InputError(f"{where}: something listens there but did not answer the store's "
-                         f"handshake within {wait:g} s; {expected}")
-    raise InputError(f"{where}: answered the store's handshake with {got!r}, not a TCPStore's "
-                     f"reply; {expected}")
+        raise InputError(
+            f"{where}: something listens there but did not answer the store's "
+            f"handshake within {wait:g} s; {expected}"
+        )
+    raise InputError(
+        f"{where}: answered the store's handshake with {got!r}, not a TCPStore's reply; {expected}"
+    )
 
 
 class JobStore:
@@ -78,8 +81,13 @@ class JobStore:
     the store node 0 hosts there. ``option``: the command-line option ``endpoint`` came from, which
     an error names."""
 
-    def __init__(self, endpoint: str | None = None, host: bool = True, timeout_s: float = 300.0,
-                 option: str = "--rdzv-endpoint") -> None:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        host: bool = True,
+        timeout_s: float = 300.0,
+        option: str = "--rdzv-endpoint",
+    ) -> None:
         addr, port = host_port(endpoint, option) if endpoint else (LOOPBACK, 0)
         timeout = datetime.timedelta(seconds=timeout_s)
         if host:
@@ -89,12 +97,21 @@ class JobStore:
                 self._sock.bind((addr, port))
             except OSError as exc:
                 self._sock.close()
-                raise InputError(f"{option} {addr}:{port}: cannot listen there ({exc.strerror}; "
-                                 "another job on this endpoint?)") from None
+                raise InputError(
+                    f"{option} {addr}:{port}: cannot listen there ({exc.strerror}; "
+                    "another job on this endpoint?)"
+                ) from None
             self._sock.listen(512)
             self.addr, self.port = addr, self._sock.getsockname()[1]
-            self.store = dist.TCPStore(addr, self.port, is_master=True, master_listen_fd=self._sock.fileno(),
-                                       wait_for_workers=False, multi_tenant=True, timeout=timeout)
+            self.store = dist.TCPStore(
+                addr,
+                self.port,
+                is_master=True,
+                master_listen_fd=self._sock.fileno(),
+                wait_for_workers=False,
+                multi_tenant=True,
+                timeout=timeout,
+            )
             self._sock.detach()  # the store owns the listening socket now and closes it
         else:
             self.addr, self.port = addr, port
@@ -103,11 +120,15 @@ class JobStore:
                 t0 = time.monotonic()
                 probe_store(addr, port, left, option)
                 left = max(1.0, left - (time.monotonic() - t0))
-                self.store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=left))
+                self.store = dist.TCPStore(
+                    addr, port, is_master=False, timeout=datetime.timedelta(seconds=left)
+                )
             except (OSError, RuntimeError, dist.DistError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise InputError(f"{option} {addr}:{port}: cannot reach the job's store within "
-                                 f"{timeout_s:g} s ({first[:120]})") from None
+                raise InputError(
+                    f"{option} {addr}:{port}: cannot reach the job's store within "
+                    f"{timeout_s:g} s ({first[:120]})"
+                ) from None
 
     @property
     def endpoint(self) -> str:

@@ -76,8 +76,17 @@ def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) 
     from resihp.train.elastic import checkpoint_meta, rank_tensors
 
     with engine.rec.op("checkpoint-save"):
-        save(directory, engine.model, engine.optimizer, step, checkpoint_meta(engine, cfg), engine.tp,
-             engine.model_cfg, rank_tensors(engine), write=engine.dp_rank == 0)  # one replica writes
+        save(
+            directory,
+            engine.model,
+            engine.optimizer,
+            step,
+            checkpoint_meta(engine, cfg),
+            engine.tp,
+            engine.model_cfg,
+            rank_tensors(engine),
+            write=engine.dp_rank == 0,
+        )  # one replica writes
     if engine.rank == 0:
         prune(directory.parent, cfg.checkpoint.ckpt_keep)
 
@@ -89,8 +98,9 @@ def _device(cfg: RunConfig) -> torch.device:
     if use_cuda:
         # the replicas of one host are torchrun jobs of their own: replica d's ranks take the GPUs
         # after the replicas before it, wrapping round (ranks share a GPU) where the host has fewer
-        index = (int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get(GPU_OFFSET_ENV, "0"))) \
-            % torch.cuda.device_count()
+        index = (
+            int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get(GPU_OFFSET_ENV, "0"))
+        ) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
@@ -101,8 +111,12 @@ def step_table(trace: pd.DataFrame, complete_only: bool = True) -> pd.DataFrame:
     unless ``complete_only`` is False: with replica-level fault tolerance a step may be trained by
     fewer replicas, and every step in the trace was committed)."""
     steps = trace[trace.optype == "step"]
-    table = steps.groupby("step").agg(wall_s=("duration", "max"), tokens=("tokens", "max"),
-                                      loss=("loss", "max"), ranks=("rank", "nunique"))
+    table = steps.groupby("step").agg(
+        wall_s=("duration", "max"),
+        tokens=("tokens", "max"),
+        loss=("loss", "max"),
+        ranks=("rank", "nunique"),
+    )
     return table[table.ranks == table.ranks.max()] if complete_only else table
 
 
@@ -111,24 +125,47 @@ def write_job_files(cfg: RunConfig, out: Path) -> dict:
     summary (the launcher of node 0, or rank 0 under plain torchrun)."""
     trace = merge_streams([out / TRACE_STREAM], out / "ops.parquet")
     dims = cfg.dims()
-    write_meta(JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size), out / "job.yaml",
-               **cfg.model.to_dict(), schedule=cfg.parallel.schedule, source=cfg.data.source,
-               global_tokens=cfg.data.global_tokens, budget=cfg.data.budget, layer_split=[
-                   b - a for a, b in cfg.stage_ranges()], seed=cfg.train.seed,
-               device=this_device("cuda" if cfg.device == "cuda" or (
-                   cfg.device == "auto" and torch.cuda.is_available()) else "cpu", cfg.threads))
+    write_meta(
+        JobMeta(dims.dp, dims.pp, dims.tp, dims.world_size),
+        out / "job.yaml",
+        **cfg.model.to_dict(),
+        schedule=cfg.parallel.schedule,
+        source=cfg.data.source,
+        global_tokens=cfg.data.global_tokens,
+        budget=cfg.data.budget,
+        layer_split=[b - a for a, b in cfg.stage_ranges()],
+        seed=cfg.train.seed,
+        device=this_device(
+            "cuda"
+            if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+            else "cpu",
+            cfg.threads,
+        ),
+    )
     per_step = step_table(trace, complete_only=not cfg.faults.recovery.startswith("replica"))
-    summary = {"job_id": cfg.job_id, "steps": int(per_step.shape[0]), "world_size": dims.world_size,
-               "dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "schedule": cfg.parallel.schedule,
-               "injected": [f.to_dict() for f in cfg.fault_list()],
-               "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum()) if len(per_step) else None,
-               "loss_first": _finite(per_step.loss.iloc[0]) if len(per_step) else None,
-               "loss_last": _finite(per_step.loss.iloc[-1]) if len(per_step) else None,
-               # the global loss of every step this run trained, in step order, from first_step
-               "first_step": int(per_step.index.min()) if len(per_step) else None,
-               "losses": [_finite(v) for v in per_step.loss],
-               "trace": str(out / "ops.parquet"), "meta": str(out / "job.yaml")}
-    if cfg.checkpoint.resume and (out / "resume.json").exists():  # the checkpoint and each non-tensor key's rule
+    summary = {
+        "job_id": cfg.job_id,
+        "steps": int(per_step.shape[0]),
+        "world_size": dims.world_size,
+        "dp": dims.dp,
+        "pp": dims.pp,
+        "tp": dims.tp,
+        "schedule": cfg.parallel.schedule,
+        "injected": [f.to_dict() for f in cfg.fault_list()],
+        "tokens_per_s": float(per_step.tokens.sum() / per_step.wall_s.sum())
+        if len(per_step)
+        else None,
+        "loss_first": _finite(per_step.loss.iloc[0]) if len(per_step) else None,
+        "loss_last": _finite(per_step.loss.iloc[-1]) if len(per_step) else None,
+        # the global loss of every step this run trained, in step order, from first_step
+        "first_step": int(per_step.index.min()) if len(per_step) else None,
+        "losses": [_finite(v) for v in per_step.loss],
+        "trace": str(out / "ops.parquet"),
+        "meta": str(out / "job.yaml"),
+    }
+    if (
+        cfg.checkpoint.resume and (out / "resume.json").exists()
+    ):  # the checkpoint and each non-tensor key's rule
         summary["resume"] = json.loads((out / "resume.json").read_text())
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -156,8 +193,10 @@ def resume_step(cfg: RunConfig, saved: dict) -> int:
     """The first step after checkpoint meta ``saved``, which must be of this run's model (its
     layout may differ: checkpoints are universal)."""
     if saved.get("model_hash") not in (None, cfg.model_hash()):
-        raise InputError(f"{cfg.checkpoint.resume}: written for another model ({saved.get('model')}); this run's "
-                         f"model is {cfg.model.to_dict()}")
+        raise InputError(
+            f"{cfg.checkpoint.resume}: written for another model ({saved.get('model')}); this run's "
+            f"model is {cfg.model.to_dict()}"
+        )
     return int(saved["step"]) + 1
 
 
@@ -187,7 +226,10 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
     """Join the job: the control plane's store (the launcher's, else plain torchrun's agent
     store), this rank, the world size and this node."""
     node = _node()
-    local, per_node = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local, per_node = (
+        int(os.environ.get("LOCAL_RANK", "0")),
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
     world = int(os.environ["WORLD_SIZE"])
     endpoint = os.environ.get("RESIHP_STORE")
     if endpoint:  # the launcher's store (resihp.train.store.JobStore)
@@ -197,15 +239,25 @@ def _job_store(cfg: RunConfig, timeout: timedelta) -> tuple[dist.Store, int, int
         try:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         except (RuntimeError, dist.DistError) as exc:
-            raise JoinTimeout(f"cannot reach the job's store at {endpoint} ({_first_line(exc)})") from None
+            raise JoinTimeout(
+                f"cannot reach the job's store at {endpoint} ({_first_line(exc)})"
+            ) from None
         return store, int(os.environ.get(FIRST_RANK_ENV, node * per_node)) + local, world, node
     # plain torchrun: its agent's store; started by hand (no agent): rank 0 hosts it
-    host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+    host, port, rank = (
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["RANK"]),
+    )
     hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
-        store = dist.TCPStore(host, port, is_master=hosting, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore(
+            host, port, is_master=hosting, wait_for_workers=False, timeout=timeout
+        )
     except (RuntimeError, dist.DistError) as exc:
-        raise JoinTimeout(f"cannot reach the job's store at {host}:{port} ({_first_line(exc)})") from None
+        raise JoinTimeout(
+            f"cannot reach the job's store at {host}:{port} ({_first_line(exc)})"
+        ) from None
     return store, rank, world, node
 
 
@@ -226,14 +278,17 @@ def announce(out: Path) -> None:
     initial environment (a spare agent's names no config), so this is where an operator (py-spy on a slow rank) or a fault test finds
     a rank's process. Best effort: a folder that cannot take the line does not stop the worker."""
     env = os.environ
-    line = {"pid": os.getpid(), "node": _node(),
-            "local_rank": int(env.get("LOCAL_RANK", "0")),
-            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
-            "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "replica": int(env[REPLICA_ENV]) if REPLICA_ENV in env else None,
-            "attempt": int(env.get(ATTEMPT_ENV, "0")) if REPLICA_ENV in env else None,
-            "started": round(time.time(), 3),
-            "ticks": start_time(os.getpid())}  # with the PID, this process and no later one of that PID
+    line = {
+        "pid": os.getpid(),
+        "node": _node(),
+        "local_rank": int(env.get("LOCAL_RANK", "0")),
+        "local_world_size": int(env.get("LOCAL_WORLD_SIZE", "1")),
+        "restart": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "replica": int(env[REPLICA_ENV]) if REPLICA_ENV in env else None,
+        "attempt": int(env.get(ATTEMPT_ENV, "0")) if REPLICA_ENV in env else None,
+        "started": round(time.time(), 3),
+        "ticks": start_time(os.getpid()),
+    }  # with the PID, this process and no later one of that PID
     path = processes_file(out)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,15 +315,27 @@ def run(cfg: RunConfig) -> None:
     job_id = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "job")
     _report.append(lambda kind, message: report_error(store, job_id, rank, kind, message))
     heart = HeartbeatSender(store, rank, node, prefix=heartbeat_prefix(job_id)).start()
-    nodes = node_ranks(world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    nodes = node_ranks(
+        world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
     aggregator = None
     if not launched and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        aggregator = NodeAggregator(store, node, nodes[node], prefix=heartbeat_prefix(job_id),
-                                    timeout_s=max(3.0, 4 * heart.interval_s)).start()
+        aggregator = NodeAggregator(
+            store,
+            node,
+            nodes[node],
+            prefix=heartbeat_prefix(job_id),
+            timeout_s=max(3.0, 4 * heart.interval_s),
+        ).start()
     try:
-        dist.init_process_group(backend, store=dist.PrefixStore(attempt_prefix(job_id), store),
-                                rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(attempt_prefix(job_id), store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
     except (RuntimeError, dist.DistError) as exc:
         heart.finish("stopped")
         raise JoinTimeout(_first_line(exc)) from None
@@ -280,10 +347,17 @@ def run(cfg: RunConfig) -> None:
     first_step = 0
     # with snapshots on one node, the keeper writes the universal checkpoints from them
     keeper_saves = bool(cfg.snapshot_interval() and cfg.checkpoint.ckpt_every and len(nodes) == 1)
-    memory = (MemorySnapshots(cfg, engine, job_id, node, nodes[node], cfg.ckpt_root() if keeper_saves else None)
-              if cfg.snapshot_interval() else None)
+    memory = (
+        MemorySnapshots(
+            cfg, engine, job_id, node, nodes[node], cfg.ckpt_root() if keeper_saves else None
+        )
+        if cfg.snapshot_interval()
+        else None
+    )
     restored = None
-    if memory is not None:  # a restart in place: every rank's state from memory (its own or a peer's)
+    if (
+        memory is not None
+    ):  # a restart in place: every rank's state from memory (its own or a peer's)
         with engine.rec.op("snapshot-restore"):
             restored = memory.restore()
         if restored is not None:
@@ -295,11 +369,15 @@ def run(cfg: RunConfig) -> None:
         from resihp.ckpt.universal import read_meta, resolve
         from resihp.train.elastic import resume
 
-        source = resolve(cfg.checkpoint.resume)  # a run folder means its newest checkpoint that verifies
+        source = resolve(
+            cfg.checkpoint.resume
+        )  # a run folder means its newest checkpoint that verifies
         first_step = resume_step(cfg, read_meta(source))
         engine.rec.begin_step(first_step)
         with engine.rec.op("checkpoint-load"):
-            resumed = resume(engine, cfg, source, first_step)  # any layout; non-tensor state by rule
+            resumed = resume(
+                engine, cfg, source, first_step
+            )  # any layout; non-tensor state by rule
         if rank == 0:
             (out / "resume.json").write_text(json.dumps(resumed.to_dict()))
     if memory is not None:
@@ -308,8 +386,9 @@ def run(cfg: RunConfig) -> None:
     collector = None
     if rank == 0 and not launched:
         (out / TRACE_STREAM).unlink(missing_ok=True)
-        collector = TraceCollector(StepReader(store, job_id, nodes, first_step, owner=True),
-                                   out / TRACE_STREAM)
+        collector = TraceCollector(
+            StepReader(store, job_id, nodes, first_step, owner=True), out / TRACE_STREAM
+        )
         collector.start()
     phase = "stopped"
     boundary = BoundaryStop() if memory is not None else None
@@ -323,16 +402,28 @@ def run(cfg: RunConfig) -> None:
             result = engine.train_step(step)
             results.append(result)
             if result.loss is not None and engine.dp_rank == 0:
-                print(f"step {step} loss {result.loss:.4f} tokens {result.tokens} "
-                      f"wall {result.wall_s:.3f}s", file=sys.stderr, flush=True)
+                print(
+                    f"step {step} loss {result.loss:.4f} tokens {result.tokens} "
+                    f"wall {result.wall_s:.3f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if result.loss is not None and not math.isfinite(result.loss):
                 # before any checkpoint of this step: the last one written stays the last good one
-                raise NonFiniteLoss(f"non-finite loss ({result.loss}) at step {step}; stopped before "
-                                    f"checkpointing it (lower --lr, or resume from the last checkpoint)")
-            if memory is not None:  # the copy runs beside the next step, fenced before its optimizer step
+                raise NonFiniteLoss(
+                    f"non-finite loss ({result.loss}) at step {step}; stopped before "
+                    f"checkpointing it (lower --lr, or resume from the last checkpoint)"
+                )
+            if (
+                memory is not None
+            ):  # the copy runs beside the next step, fenced before its optimizer step
                 with engine.rec.op("snapshot"):
                     memory.after_step(step)
-            if cfg.checkpoint.ckpt_every and (step + 1) % cfg.checkpoint.ckpt_every == 0 and not keeper_saves:
+            if (
+                cfg.checkpoint.ckpt_every
+                and (step + 1) % cfg.checkpoint.ckpt_every == 0
+                and not keeper_saves
+            ):
                 save_checkpoint(engine, cfg, cfg.ckpt_root() / f"step{step}", step)
             engine.injector.before_publish(step)
             publisher.publish(engine.rec.take_new())
@@ -342,7 +433,9 @@ def run(cfg: RunConfig) -> None:
     finally:
         if memory is not None:
             memory.close()  # a stopping rank finishes the copy of its last complete step
-        with contextlib.suppress(Exception):  # what the rank did before it stopped (the store may be gone)
+        with contextlib.suppress(
+            Exception
+        ):  # what the rank did before it stopped (the store may be gone)
             publisher.publish(engine.rec.take_new())
         heart.finish(phase)
     with engine.rec.waiting("barrier"):
@@ -386,25 +479,35 @@ def main(argv: list[str] | None = None) -> None:
         print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     except JoinTimeout as exc:
-        print(f"resihp: rank {rank}: not every worker joined within the timeout ({exc})", file=sys.stderr)
+        print(
+            f"resihp: rank {rank}: not every worker joined within the timeout ({exc})",
+            file=sys.stderr,
+        )
         sys.exit(3)
     except (RuntimeError, dist.DistBackendError) as exc:
         _stop_if_disk_full(exc, rank)
         first = _first_line(exc)
         _tell("lost-peer", first)
         if "waiting for clients" in first:
-            print(f"resihp: rank {rank}: not every worker joined within the timeout ({first})",
-                  file=sys.stderr)
+            print(
+                f"resihp: rank {rank}: not every worker joined within the timeout ({first})",
+                file=sys.stderr,
+            )
             sys.exit(3)
-        print(f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
-              file=sys.stderr)
+        print(
+            f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
+            file=sys.stderr,
+        )
         sys.exit(1)
     except Exception as exc:  # a crash: said over the control plane, the traceback kept in the log
         _stop_if_disk_full(exc, rank)
         _tell("crash", f"{type(exc).__name__}: {_first_line(exc)}")
         traceback.print_exc()
-        print(f"resihp: rank {rank}: crashed: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr,
-              flush=True)
+        print(
+            f"resihp: rank {rank}: crashed: {type(exc).__name__}: {_first_line(exc)}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
     except BaseException as exc:  # DCP wraps a rank's write error in a BaseException
         _stop_if_disk_full(exc, rank)
@@ -422,9 +525,11 @@ def _stop_if_disk_full(exc: BaseException, rank: str) -> None:
     """A full disk (however deep in the exception chain) is one line and exit 1."""
     full = disk_full(exc)
     if full is not None:
-        line = (f"rank {rank}: disk full writing {getattr(full, 'filename', None) or 'its outputs'}"
-                f" ({getattr(full, 'strerror', None) or 'No space left on device'}); what was written "
-                f"before stays valid")
+        line = (
+            f"rank {rank}: disk full writing {getattr(full, 'filename', None) or 'its outputs'}"
+            f" ({getattr(full, 'strerror', None) or 'No space left on device'}); what was written "
+            f"before stays valid"
+        )
         _tell("stop", line)
         print(f"resihp: stop: {line}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -34,8 +34,9 @@ def stdlib_sources() -> Iterator[tuple[str, str]]:
         yield str(rel), path.read_text(encoding="utf-8", errors="replace")
 
 
-def man_pages(roots: Iterable[Path] = (Path("/usr/share/man/man1"), Path("/usr/share/man/man8"))
-              ) -> Iterator[tuple[str, str]]:
+def man_pages(
+    roots: Iterable[Path] = (Path("/usr/share/man/man1"), Path("/usr/share/man/man8")),
+) -> Iterator[tuple[str, str]]:
     """Debian's installed manual pages, roff requests and font escapes removed (prose only)."""
     for root in roots:
         for path in sorted(root.glob("*.gz")):
@@ -66,14 +67,23 @@ def changelog_entries(root: Path = Path("/usr/share/doc")) -> Iterator[tuple[str
 
 
 SOURCES = {
-    "code": (stdlib_sources, "CPython 3.11 standard library modules (.py, tests excluded); "
-             "Python Software Foundation License"),
-    "text": (man_pages, "Debian manual pages in /usr/share/man/man1 and man8, roff markup removed; "
-             "each page under its package's licence (see /usr/share/doc/<package>/copyright)"),
-    "changelog": (changelog_entries, "Debian package changelog entries "
-                  "(/usr/share/doc/*/changelog.Debian.gz, one entry per document): many short and "
-                  "medium documents, a chat-like shape; each under its package's licence (see "
-                  "/usr/share/doc/<package>/copyright)"),
+    "code": (
+        stdlib_sources,
+        "CPython 3.11 standard library modules (.py, tests excluded); "
+        "Python Software Foundation License",
+    ),
+    "text": (
+        man_pages,
+        "Debian manual pages in /usr/share/man/man1 and man8, roff markup removed; "
+        "each page under its package's licence (see /usr/share/doc/<package>/copyright)",
+    ),
+    "changelog": (
+        changelog_entries,
+        "Debian package changelog entries "
+        "(/usr/share/doc/*/changelog.Debian.gz, one entry per document): many short and "
+        "medium documents, a chat-like shape; each under its package's licence (see "
+        "/usr/share/doc/<package>/copyright)",
+    ),
 }
 
 
@@ -85,17 +95,23 @@ def build(out_dir: Path, names: Iterable[str] | None = None) -> None:
         documents, _ = SOURCES[name]
         lengths = [n for _, text in documents() if (n := count_pretokens(text)) > 0]
         (out_dir / f"{name}.txt").write_text("".join(f"{n}\n" for n in lengths))
-    notes = ["# Sequence-length sources", "",
-             "One integer per line: the length in GPT-2 pre-tokenisation pieces of one real document.",
-             "Built by `python -m resihp.workload.corpus traces/lengths [NAME ...]` on the development "
-             "machine (code and text on an AMD EPYC machine of the first round, changelog on the "
-             "second round's machine; only the lengths are kept, no text).", ""]
+    notes = [
+        "# Sequence-length sources",
+        "",
+        "One integer per line: the length in GPT-2 pre-tokenisation pieces of one real document.",
+        "Built by `python -m resihp.workload.corpus traces/lengths [NAME ...]` on the development "
+        "machine (code and text on an AMD EPYC machine of the first round, changelog on the "
+        "second round's machine; only the lengths are kept, no text).",
+        "",
+    ]
     for name, (_, provenance) in SOURCES.items():
         path = out_dir / f"{name}.txt"
         if path.exists():
             lengths = sorted(int(n) for n in path.read_text().split())
-            notes.append(f"- `{name}.txt`: {provenance}. {len(lengths)} documents, median "
-                         f"{lengths[len(lengths) // 2]}, max {lengths[-1]}.")
+            notes.append(
+                f"- `{name}.txt`: {provenance}. {len(lengths)} documents, median "
+                f"{lengths[len(lengths) // 2]}, max {lengths[-1]}."
+            )
     (out_dir / "README.md").write_text("\n".join(notes) + "\n")
 
 

@@ -20,7 +20,9 @@ def length_features(seq_lens: Sequence[Sequence[int]]) -> pd.DataFrame:
     return pd.DataFrame(length_feature_arrays(seq_lens))
 
 
-def length_feature_arrays(seq_lens: Sequence[Sequence[int]] | PooledLengths) -> dict[str, np.ndarray]:
+def length_feature_arrays(
+    seq_lens: Sequence[Sequence[int]] | PooledLengths,
+) -> dict[str, np.ndarray]:
     """``length_features`` as arrays by name, without the frame (for a caller on a hot path)."""
     if isinstance(seq_lens, PooledLengths):
         return seq_lens.features()
@@ -114,13 +116,17 @@ class PooledLengths:
         tables = list({id(p.table): p.table for p in parts}.values())
         if len(tables) == 1:
             return PooledLengths(tables[0], np.concatenate([p.codes for p in parts]))
-        offset = {id(t): o for t, o in zip(tables, np.cumsum([0] + [len(t) for t in tables])[:-1],
-                                              strict=True)}
+        offset = {
+            id(t): o
+            for t, o in zip(tables, np.cumsum([0] + [len(t) for t in tables])[:-1], strict=True)
+        }
         joined = LengthTable(np.concatenate([t.objects for t in tables]))
         return PooledLengths(joined, np.concatenate([p.codes + offset[id(p.table)] for p in parts]))
 
 
-def flops_features(lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series | str) -> pd.DataFrame:
+def flops_features(
+    lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series | str
+) -> pd.DataFrame:
     """Analytic dense and attention FLOPs per row; ``shapes`` has layers/hidden/heads/ffn_hidden/tp."""
     n = len(lengths)
     phases = np.broadcast_to(np.asarray(phase, dtype=object), (n,))
@@ -130,6 +136,8 @@ def flops_features(lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series
     groups = shapes[keys].astype(np.int64).assign(_phase=phases).groupby(keys + ["_phase"]).indices
     for (layers, hidden, heads, ffn, tp, ph), idx in groups.items():
         shape = TransformerShape(int(layers), int(hidden), int(heads), int(ffn), int(tp))
-        d, a = stage_flops(shape, lengths["tokens"].to_numpy()[idx], lengths["sum_sq"].to_numpy()[idx], ph)
+        d, a = stage_flops(
+            shape, lengths["tokens"].to_numpy()[idx], lengths["sum_sq"].to_numpy()[idx], ph
+        )
         dense[idx], attn[idx] = d, a
     return pd.DataFrame({"flops_dense": dense, "flops_attn": attn})

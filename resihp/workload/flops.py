@@ -22,8 +22,10 @@ class TransformerShape:
 
     def __post_init__(self) -> None:
         if self.mlp_matrices not in (2, 3):
-            raise InputError(f"model shape: mlp_matrices must be 2 (GELU) or 3 (SwiGLU), got "
-                             f"{self.mlp_matrices!r}")
+            raise InputError(
+                f"model shape: mlp_matrices must be 2 (GELU) or 3 (SwiGLU), got "
+                f"{self.mlp_matrices!r}"
+            )
         for name in ("layers", "hidden", "heads", "ffn_hidden", "tp"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:

@@ -20,7 +20,9 @@ def source_names() -> list[str]:
 MAX_LENGTHS = 1_000_000  # ``resihp profile --max-lengths``'s default: far more than a profile times
 
 
-def load_lengths(path: str | Path, limit: int | None = None, flag: str = "--max-lengths") -> np.ndarray:
+def load_lengths(
+    path: str | Path, limit: int | None = None, flag: str = "--max-lengths"
+) -> np.ndarray:
     """Read one positive integer per line (blank lines and ``#`` comments are skipped), streamed
     (8 bytes a length held); ``limit``: at most this many lengths, InputError naming the file, the
     limit and ``flag`` (the option that raises it) past that."""
@@ -40,19 +42,26 @@ def load_lengths(path: str | Path, limit: int | None = None, flag: str = "--max-
                         f"{path}:{number}: expected one integer sequence length per line, got {text[:40]!r}"
                     ) from None
                 if value <= 0:
-                    raise InputError(f"{path}:{number}: sequence length must be positive, got {value}")
+                    raise InputError(
+                        f"{path}:{number}: sequence length must be positive, got {value}"
+                    )
                 if value >= 2**63:
-                    raise InputError(f"{path}:{number}: sequence length must fit in 64 bits, got "
-                                     f"{text[:40]}...")
+                    raise InputError(
+                        f"{path}:{number}: sequence length must fit in 64 bits, got {text[:40]}..."
+                    )
                 if limit is not None and len(values) >= limit:
-                    raise InputError(f"{path}: more than {limit} sequence lengths (line {number}); "
-                                     f"raise {flag} to read more, or cut the file")
+                    raise InputError(
+                        f"{path}: more than {limit} sequence lengths (line {number}); "
+                        f"raise {flag} to read more, or cut the file"
+                    )
                 values.append(value)
     except OSError as exc:
         raise InputError(f"{path}: cannot read lengths file ({exc.strerror})") from None
     except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file (expected one integer sequence length per "
-                         f"line; undecodable bytes after line {number})") from None
+        raise InputError(
+            f"{path}: not a text file (expected one integer sequence length per "
+            f"line; undecodable bytes after line {number})"
+        ) from None
     if not values:
         raise InputError(f"{path}: no sequence lengths found (expected one integer per line)")
     return np.frombuffer(values, dtype=np.int64).copy()
@@ -65,9 +74,7 @@ def resolve_source(source: str, name: str = "length source") -> np.ndarray:
         return load_lengths(LENGTHS_DIR / f"{source}.txt")
     if Path(source).exists():
         return load_lengths(source)
-    raise InputError(
-        f"{name} {source!r}: not a file and not one of {', '.join(source_names())}"
-    )
+    raise InputError(f"{name} {source!r}: not a file and not one of {', '.join(source_names())}")
 
 
 def chunk_documents(lengths: np.ndarray, max_len: int) -> np.ndarray:
@@ -92,7 +99,9 @@ def sample_sequences(
     draws = []
     total = 0
     while total < n_tokens:
-        batch = chunk_documents(rng.choice(lengths, size=max(16, int(2 * n_tokens / mean))), max_len)
+        batch = chunk_documents(
+            rng.choice(lengths, size=max(16, int(2 * n_tokens / mean))), max_len
+        )
         draws.append(batch)
         total += int(batch.sum())
     seqs = np.concatenate(draws)

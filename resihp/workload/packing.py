@@ -37,8 +37,9 @@ def pack_greedy(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[np.nd
     return batches
 
 
-def packed_microbatches(documents: np.ndarray, n: int, budget: int, max_len: int,
-                        rng: np.random.Generator) -> list[np.ndarray]:
+def packed_microbatches(
+    documents: np.ndarray, n: int, budget: int, max_len: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """``n`` micro-batches packed from documents drawn at random from a length source, each chunked
     to ``min(max_len, budget)`` (what a packing data loader feeds a job reading that source)."""
     seqs = sample_sequences(documents, n * budget, min(max_len, budget), rng)

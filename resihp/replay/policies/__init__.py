@@ -10,8 +10,18 @@ from resihp.replay.policies.recycle import ReCycle
 from resihp.replay.policies.resihp import Resihp
 from resihp.replay.policies.restart import CheckpointRestart
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
-    Resihp, CheckpointRestart, Oobleck, ReCycle, Greyhound, OobleckGreyhound, ReCycleGreyhound)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        Resihp,
+        CheckpointRestart,
+        Oobleck,
+        ReCycle,
+        Greyhound,
+        OobleckGreyhound,
+        ReCycleGreyhound,
+    )
+}
 
 
 def make_policies(names: str | list[str] | None) -> list[Policy]:
@@ -22,6 +32,8 @@ def make_policies(names: str | list[str] | None) -> list[Policy]:
         names = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        raise InputError(f"--policies: unknown policy {', '.join(unknown)} "
-                         f"(expected some of {', '.join(POLICIES)})")
+        raise InputError(
+            f"--policies: unknown policy {', '.join(unknown)} "
+            f"(expected some of {', '.join(POLICIES)})"
+        )
     return [POLICIES[n]() for n in dict.fromkeys(names)]

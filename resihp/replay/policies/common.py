@@ -17,8 +17,9 @@ def stage_times(ctx: Context, replica: Replica, speeds: np.ndarray) -> np.ndarra
     sp = np.array([padded[list(g)].min() for g in replica.groups])
     last = np.arange(len(replica.groups)) == len(replica.groups) - 1
     with np.errstate(divide="ignore"):
-        return ctx.stage_seconds(np.array(replica.layers), np.array([len(g) for g in replica.groups]),
-                                 sp, last) * np.array(replica.load)
+        return ctx.stage_seconds(
+            np.array(replica.layers), np.array([len(g) for g in replica.groups]), sp, last
+        ) * np.array(replica.load)
 
 
 def balance_microbatches(ctx: Context, layout: ReplicaLayout, speeds: np.ndarray) -> ReplicaLayout:
@@ -31,8 +32,11 @@ def balance_microbatches(ctx: Context, layout: ReplicaLayout, speeds: np.ndarray
     first = np.array([p.sum() - p.max() for p in per])
     each = np.array([p.max() for p in per])
     pace = 1.0 / each  # 0 where a replica cannot run (a dead stage)
-    counts = np.array(apportion(ctx.total_microbatches, pace) if pace.sum() > 0
-                      else np.zeros(len(pace), dtype=int))
+    counts = np.array(
+        apportion(ctx.total_microbatches, pace)
+        if pace.sum() > 0
+        else np.zeros(len(pace), dtype=int)
+    )
     for _ in range(4 * len(counts) + ctx.total_microbatches):
         finish = np.where(counts > 0, first + counts * each, 0.0)
         slow = int(np.argmax(finish))

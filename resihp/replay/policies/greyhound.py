@@ -69,14 +69,27 @@ class GreyhoundModule:
 
         options.append((value(current, 0.0), None))
         rebalanced = balance_microbatches(ctx, current, speeds)
-        options.append((value(rebalanced, 0.0), Reaction(rebalanced.with_note("rebalance micro-batches"),
-                                                         label="S2 rebalance micro-batches")))
+        options.append(
+            (
+                value(rebalanced, 0.0),
+                Reaction(
+                    rebalanced.with_note("rebalance micro-batches"),
+                    label="S2 rebalance micro-batches",
+                ),
+            )
+        )
         without = self.host.layout_without(ctx, set(self.slow))
         if without is not None and without.replicas:
             without = balance_microbatches(ctx, without, speeds)
             cost = self.host.exclude_cost_s(ctx)
-            options.append((value(without, cost), Reaction(
-                without, cost, label=f"{self.host.exclude_label} slow {sorted(self.slow)}")))
+            options.append(
+                (
+                    value(without, cost),
+                    Reaction(
+                        without, cost, label=f"{self.host.exclude_label} slow {sorted(self.slow)}"
+                    ),
+                )
+            )
         best = max(options, key=lambda o: o[0])
         return best[1]
 

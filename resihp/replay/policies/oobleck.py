@@ -41,11 +41,15 @@ class Oobleck(Policy):
         sc = ctx.scenario
         g, tp, pp, dp = sc.cluster.gpus_per_node, sc.parallel.tp, sc.parallel.pp, sc.parallel.dp
         per_node = g // tp
-        nodes = [n for n in range(len(ctx.job_devices) // g)
-                 if not any(d in ctx.known_dead or d in exclude for d in range(n * g, (n + 1) * g))]
+        nodes = [
+            n
+            for n in range(len(ctx.job_devices) // g)
+            if not any(d in ctx.known_dead or d in exclude for d in range(n * g, (n + 1) * g))
+        ]
         max_nodes = max(1, -(-pp // per_node))
-        min_nodes = next((k for k in range(1, max_nodes + 1)
-                          if self.fits(sc, k * per_node, tp)), max_nodes)
+        min_nodes = next(
+            (k for k in range(1, max_nodes + 1) if self.fits(sc, k * per_node, tp)), max_nodes
+        )
         n_pipes = min(dp, len(nodes) // min_nodes)
         sizes = np.minimum(max_nodes, np.full(n_pipes, len(nodes) // max(n_pipes, 1)))
         spare = len(nodes) - sizes.sum()
@@ -56,14 +60,21 @@ class Oobleck(Policy):
         replicas, k = [], 0
         for size in sizes:
             groups = []
-            for n in nodes[k: k + size]:
+            for n in nodes[k : k + size]:
                 for s in range(per_node):
                     groups.append(tuple(range(n * g + s * tp, n * g + (s + 1) * tp)))
-            groups = groups[: pp] if size == max_nodes else groups
+            groups = groups[:pp] if size == max_nodes else groups
             k += size
-            replicas.append(Replica(tuple(groups), tuple(apportion(sc.model.layers, np.ones(len(groups)),
-                                                                   minimum=1)), 1))
-        layout = ReplicaLayout(tuple(replicas), note=f"oobleck templates {sorted(map(int, sizes))} nodes")
+            replicas.append(
+                Replica(
+                    tuple(groups),
+                    tuple(apportion(sc.model.layers, np.ones(len(groups)), minimum=1)),
+                    1,
+                )
+            )
+        layout = ReplicaLayout(
+            tuple(replicas), note=f"oobleck templates {sorted(map(int, sizes))} nodes"
+        )
         return balance_microbatches(ctx, layout, believed_speeds(ctx))
 
     @staticmethod
@@ -75,7 +86,9 @@ class Oobleck(Policy):
         return max(need) <= sc.cluster.free_memory_gb()
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
-        return Reaction(self.instantiate(ctx), ctx.scenario.costs.reconfig_s, label="re-instantiate")
+        return Reaction(
+            self.instantiate(ctx), ctx.scenario.costs.reconfig_s, label="re-instantiate"
+        )
 
     def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
         layout = self.instantiate(ctx)

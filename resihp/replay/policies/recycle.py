@@ -49,7 +49,9 @@ class ReCycle(Policy):
             return None
         k = failed.sum(axis=0)
         m = np.array([r.microbatches for r in home]).mean()
-        extra = k / alive_peers * m  # micro-batches each surviving peer takes on, per stage position
+        extra = (
+            k / alive_peers * m
+        )  # micro-batches each surviving peer takes on, per stage position
         load = 1.0 + np.maximum(0.0, extra - (pp - 1)) / m
         replicas = []
         for i, r in enumerate(home):
@@ -65,8 +67,12 @@ class ReCycle(Policy):
         layout = self.reroute(ctx)
         if layout is None:  # no peer left at some stage: restart on the whole nodes that remain
             self.home = ctx.uniform_layout(ctx.known_dead)
-            return Reaction(self.home, ctx.scenario.costs.restart_s, rollback=True,
-                            label="no peer left: restart from checkpoint")
+            return Reaction(
+                self.home,
+                ctx.scenario.costs.restart_s,
+                rollback=True,
+                label="no peer left: restart from checkpoint",
+            )
         return Reaction(layout, ctx.scenario.costs.reconfig_s, label="reroute micro-batches")
 
     def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
@@ -74,5 +80,3 @@ class ReCycle(Policy):
         if layout is None:
             return None
         return Reaction(layout, ctx.scenario.costs.reconfig_s, label="stage resumes its own work")
-
-

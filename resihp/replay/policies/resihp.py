@@ -24,8 +24,9 @@ def model_spec(scenario: Scenario) -> ModelSpec:
     return replace(scenario.model, workload=scenario.workload, tp=p.tp, pp=p.pp)
 
 
-def layout_of(plan: Plan, model: ModelSpec,
-              known: dict[tuple, Replica] | None = None) -> ReplicaLayout:
+def layout_of(
+    plan: Plan, model: ModelSpec, known: dict[tuple, Replica] | None = None
+) -> ReplicaLayout:
     """The planner's Plan as the replay's layout (one replica per pipeline, in plan order); a
     pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up).
     ``known``: replicas already built, by (stages, micro-batches, tokens), filled as it goes: a
@@ -38,16 +39,23 @@ def layout_of(plan: Plan, model: ModelSpec,
         if replica is None:
             replica = known[key] = Replica(
                 tuple(tuple(map(int, s.ranks)) for s in p.stages),
-                tuple(int(s.n_layers) for s in p.stages), int(p.microbatches),
-                budget=None if p.tokens is None or not p.microbatches
-                else min(model.microbatch_tokens, -(-int(p.tokens) // int(p.microbatches))))
+                tuple(int(s.n_layers) for s in p.stages),
+                int(p.microbatches),
+                budget=None
+                if p.tokens is None or not p.microbatches
+                else min(model.microbatch_tokens, -(-int(p.tokens) // int(p.microbatches))),
+            )
         replicas.append(replica)
-    return ReplicaLayout(tuple(replicas),
-                         note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} "
-                              f"s/step, {len(plan.excluded)} excluded")
+    return ReplicaLayout(
+        tuple(replicas),
+        note=f"plan: {len(replicas)} pipelines, predicted {plan.step_time_s:.2f} "
+        f"s/step, {len(plan.excluded)} excluded",
+    )
 
 
-def suspect_cards(cluster: ClusterSpec, links: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+def suspect_cards(
+    cluster: ClusterSpec, links: dict[tuple[int, int], float]
+) -> dict[tuple[int, int], float]:
     """Link speeds for the planner when ``links`` (ends: slowdown) were found slow: each end's
     network card is suspect, so every link from an end to a device on another node runs at that
     speed (links inside a node do not use the card)."""
@@ -120,8 +128,12 @@ class Resihp(Policy):
         plan = self.planner.plan(cluster, self.model, self.plan, self.time_limit_s)
         self.solve_s.append(float(plan.solver.get("solve_s", 0.0)))
         self.plan = plan
-        return Reaction(layout_of(plan, self.model, self.replicas), pause_s,
-                        migration_s=float(plan.migration_s), label=label)
+        return Reaction(
+            layout_of(plan, self.model, self.replicas),
+            pause_s,
+            migration_s=float(plan.migration_s),
+            label=label,
+        )
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
         self.control.stopped(devices)
@@ -144,8 +156,9 @@ class Resihp(Policy):
         time_s = window.start_s + float(window.step_time[: index + 1].sum())
         # an excluded device (or a link out of use) cannot be observed in training: probe it
         decisions = [self.control.probed(d, ctx.benchmark(d), ctx.now) for d in stale]
-        decisions += [self.control.probed_link(e, ctx.benchmark_link(*e), ctx.now)
-                      for e in stale_links]
+        decisions += [
+            self.control.probed_link(e, ctx.benchmark_link(*e), ctx.now) for e in stale_links
+        ]
         detections = []
         for f in findings:
             if f.kind == "link-slow":
@@ -153,8 +166,9 @@ class Resihp(Policy):
                 if f.ended:
                     decisions.append(self.control.link_recovered(ends))
                     continue
-                detections.append(Detection(time_s, f.step, "link-slow", f.device, f.slowdown,
-                                            f.peer))
+                detections.append(
+                    Detection(time_s, f.step, "link-slow", f.device, f.slowdown, f.peer)
+                )
                 decisions.append(self.control.found_link(ends, f.slowdown, f.step, time_s))
             elif f.ended:
                 decisions.append(self.control.found_recovered(f.device))
@@ -165,8 +179,9 @@ class Resihp(Policy):
             # the detector re-reported what the plan already accounts for
             return Reaction(at=index, detections=detections, label="known")
         what = sorted(self.control.slow()) + [f"{a}-{b}" for a, b in sorted(self.control.links)]
-        reaction = self.replan(ctx, f"re-plan around slow {what}" if what
-                               else "re-plan: slowdown over")
+        reaction = self.replan(
+            ctx, f"re-plan around slow {what}" if what else "re-plan: slowdown over"
+        )
         reaction.at = index
         reaction.detections = detections
         return reaction

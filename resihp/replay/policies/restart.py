@@ -27,11 +27,17 @@ class CheckpointRestart(Policy):
         return ctx.scenario.costs.restart_s
 
     def on_stop(self, ctx: Context, devices: list[int]) -> Reaction:
-        return Reaction(ctx.uniform_layout(ctx.known_dead), ctx.scenario.costs.restart_s,
-                        rollback=True, label="restart from checkpoint")
+        return Reaction(
+            ctx.uniform_layout(ctx.known_dead),
+            ctx.scenario.costs.restart_s,
+            rollback=True,
+            label="restart from checkpoint",
+        )
 
     def on_recover(self, ctx: Context, devices: list[int]) -> Reaction | None:
         layout = ctx.uniform_layout(ctx.known_dead)
         if len(layout.devices) <= len(ctx.layout.devices):
             return None  # the node does not complete a replica: nothing to gain from a restart
-        return Reaction(layout, ctx.scenario.costs.restart_s, label="planned restart with repaired node")
+        return Reaction(
+            layout, ctx.scenario.costs.restart_s, label="planned restart with repaired node"
+        )
