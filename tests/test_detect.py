@@ -179,7 +179,7 @@ def test_rank_slow_from_the_start_is_found_at_calibration():
         own = np.exp(rng.normal(0, 0.01, 4)) * np.array([1, 1, 1.4, 1])
         events += det.observe_arrays(t, own, own)
     assert [(e.kind, e.rank, e.onset_step) for e in events] == [("fail-slow", 2, 0)]
-    assert events[0].extra["from_start"]
+    assert events[0].from_start
 
 
 def test_alibaba_job1_worker6_straggler_found_by_resihp():
@@ -242,7 +242,7 @@ def test_carried_detector_keeps_moved_ranks_and_recalibrates_new_ones():
         slow[5] = 1.4 if t < 70 else 1.0  # the new device was slow from its first step until 70
         later += step(moved, t, slow)
     assert events[0].end_step is not None and 49 <= events[0].end_step <= 53
-    assert [(e.kind, e.rank, e.extra.get("from_start")) for e in later] == [("fail-slow", 5, True)]
+    assert [(e.kind, e.rank, e.from_start) for e in later] == [("fail-slow", 5, True)]
     assert later[0].end_step is not None and 69 <= later[0].end_step <= 73
 
 

@@ -57,8 +57,8 @@ def test_a_slowdown_below_the_floor_raises_nothing(factor):
 def test_a_slowdown_above_the_floor_is_raised_with_its_factor_beside_the_floor(factor):
     (ev,) = _run(factor)
     assert ev.kind == "fail-slow" and ev.rank == 3
-    assert ev.extra["alarm_floor"] == 1.25 and ev.extra["alarm_factor"] >= 1.25
-    assert ev.to_dict()["alarm_factor"] == ev.extra["alarm_factor"]
+    assert ev.alarm_floor == 1.25 and ev.alarm_factor >= 1.25
+    assert ev.to_dict()["alarm_factor"] == ev.alarm_factor
 
 
 def test_a_held_alarm_is_raised_once_its_slowdown_grows_past_the_floor():
@@ -72,7 +72,7 @@ def test_a_held_alarm_is_raised_once_its_slowdown_grows_past_the_floor():
         det.observe_arrays(t, own, own)
     (ev,) = [e for e in det.finish() if e.is_device_fault]
     assert ev.rank == 3 and ev.onset_step <= 41 and 70 <= ev.detected_step <= 76
-    assert ev.extra["alarm_factor"] >= 1.25
+    assert ev.alarm_factor >= 1.25
 
 
 @pytest.mark.parametrize("bad", [0.5, 0.999, math.nan, math.inf, -2, "x", True, None])

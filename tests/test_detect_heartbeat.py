@@ -84,7 +84,7 @@ def test_killed_rank_and_lost_node_become_fail_stop_events():
         t0 = time.monotonic()
         found = _poll_until(monitor, {3}, 4 * TIMEOUT, step=2)
         assert [(e.kind, e.rank) for e in found] == [("fail-stop", 3)]
-        assert found[0].extra["node"] == 1 and found[0].extra["cause"] == "exited"
+        assert found[0].node == 1 and found[0].cause == "exited"
         assert time.monotonic() - t0 < TIMEOUT + 4 * INTERVAL + 1.0
 
         # the whole of node 0 disappears (aggregator and ranks): both its ranks are reported
@@ -92,7 +92,7 @@ def test_killed_rank_and_lost_node_become_fail_stop_events():
             procs[key].send_signal(signal.SIGKILL)
         found = _poll_until(monitor, {0, 1}, 4 * TIMEOUT, step=3)
         assert sorted(e.rank for e in found) == [0, 1]
-        assert {e.extra["cause"] for e in found} <= {"node", "exited"}
+        assert {e.cause for e in found} <= {"node", "exited"}
         assert 2 not in monitor.dead
     finally:
         for p in procs.values():
@@ -137,12 +137,12 @@ def test_a_rank_beating_without_progress_is_hung_and_its_waiting_peers_are_not()
     monitor = HeartbeatMonitor(store, {0: [0, 1, 2]}, timeout_s=1.0, hang_timeout_s=0.6)
     try:
         found = _first_events(monitor, 3)
-        assert [(e.rank, e.extra["cause"]) for e in found] == [(2, "hang")]
-        assert found[0].extra["step"] == 3 and found[0].extra["silent_s"] >= 0.6
+        assert [(e.rank, e.cause) for e in found] == [(2, "hang")]
+        assert found[0].step == 3 and found[0].silent_s >= 0.6
         senders[1].finish("done")  # a rank that finished is never judged
         senders[0].stop()  # silent while its process lives: hung
         found = _first_events(monitor, 4)
-        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+        assert [(e.rank, e.cause) for e in found] == [(0, "hang")]
         time.sleep(0.3)
         assert monitor.poll(5) == []
     finally:
@@ -184,7 +184,7 @@ def test_ranks_waiting_on_a_rank_that_is_busy_are_not_hung(rank0):
         assert _first_events(monitor, 3, within_s=1.5) == []  # rank 1 waited ~4x the hang timeout
         state["stuck"] = True
         found = _first_events(monitor, 3)
-        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+        assert [(e.rank, e.cause) for e in found] == [(0, "hang")]
     finally:
         for snd in senders:
             snd.stop()
@@ -223,7 +223,7 @@ def test_a_stopped_rank_inside_the_op_its_peer_waits_in_is_the_hang():
         procs[1].send_signal(signal.SIGSTOP)
         monitor = HeartbeatMonitor(store, {0: [0, 1]}, timeout_s=30.0, hang_timeout_s=1.0)
         found = _first_events(monitor, 3)
-        assert [(e.rank, e.extra["cause"]) for e in found] == [(1, "hang")]
+        assert [(e.rank, e.cause) for e in found] == [(1, "hang")]
     finally:
         if agg is not None:
             agg.stop()
@@ -269,7 +269,7 @@ def test_a_rank_in_its_warm_up_is_not_hung_until_the_start_up_bound_and_a_hang_i
         assert monitor.poll(5) == []  # a suspect afresh
         t0 = time.monotonic()
         found = _first_events(monitor, 5)
-        assert [(e.rank, e.extra["cause"]) for e in found] == [(0, "hang")]
+        assert [(e.rank, e.cause) for e in found] == [(0, "hang")]
         assert time.monotonic() - t0 >= 0.9  # the second look came confirm_s after the first
     finally:
         for snd in senders:

@@ -554,7 +554,7 @@ def test_forged_quorum_decisions_plans_and_heartbeats_are_refused(store, caplog,
         store.set(rank_key(hb, 0, 0), raw)
         assert agg.snapshot()["0"]["seen"] is False
     store.set(node_key(hb, 0), json.dumps(sign(gone, "a" * 64)))
-    assert [e.extra["cause"] for e in monitor.poll()] == ["exited"]  # the job's own is read
+    assert [e.cause for e in monitor.poll()] == ["exited"]  # the job's own is read
     for key in (
         f"resihp/{JOB}/ft/decision/0/0",
         cp.plan_key(JOB),

@@ -160,7 +160,7 @@ def score_events(
             if (
                 ev.kind == inj.kind
                 and ev.rank in ranks
-                and ev.extra.get("traffic", inj.traffic) == inj.traffic
+                and (ev.traffic or inj.traffic) == inj.traffic
                 and inj.onset_step <= ev.detected_step <= inj.end_step + grace
             ):
                 hit = j

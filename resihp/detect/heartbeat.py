@@ -583,12 +583,10 @@ class HeartbeatMonitor:
                 step if step >= 0 else at,
                 0.0,
                 1.0,
-                extra={
-                    "node": view.node,
-                    "cause": cause,
-                    "step": view.step if view.step >= 0 else None,
-                    "silent_s": silent_s,
-                },
+                node=view.node,
+                cause=cause,
+                step=view.step if view.step >= 0 else None,
+                silent_s=silent_s,
             )
             self.dead[r] = ev
             new.append(ev)

@@ -69,22 +69,20 @@ def shared_event(
         float(max(a.confidence for a in group)),
     )
     ev.ranks = ranks
-    ev.extra.update(
-        traffic=group[0].traffic,
-        cause="shared",
-        links=[list(a.ranks) for a in group],
-        link_factors=[round(a.factor, 4) for a in group],
-        replicas=replicas,
-        alarm_factor=round(factor, 4),
-        alarm_floor=floor,
-    )
+    ev.traffic = group[0].traffic
+    ev.cause = "shared"
+    ev.links = [list(a.ranks) for a in group]
+    ev.link_factors = [round(a.factor, 4) for a in group]
+    ev.replicas = replicas
+    ev.alarm_factor = round(factor, 4)
+    ev.alarm_floor = floor
     return ev
 
 
 def join(ev: Event, alarm: LinkAlarm) -> None:
     """Add a link that began with an open shared finding's links to it."""
-    if list(alarm.ranks) in ev.extra["links"]:
+    links, factors = ev.links or [], ev.link_factors or []
+    if list(alarm.ranks) in links:
         return
-    ev.extra["links"].append(list(alarm.ranks))
-    ev.extra["link_factors"].append(round(alarm.factor, 4))
+    ev.links, ev.link_factors = [*links, list(alarm.ranks)], [*factors, round(alarm.factor, 4)]
     ev.ranks = sorted(set(ev.ranks or []) | set(alarm.ranks))

@@ -299,8 +299,8 @@ class OnlineDetector:
             ev = self._open_event("fail-slow", i, onset, step, slowdown, confidence)
             self._floor_evidence(ev, slowdown)
             return [ev]
-        ev.extra.pop("phase", None)
-        ev.extra.pop("rank_slowdown", None)
+        ev.phase = None
+        ev.rank_slowdown = None
         ev.slowdown = slowdown
         self._bank_of.pop(("fail-slow", i), None)
         return []
@@ -350,8 +350,8 @@ class OnlineDetector:
 
     def _floor_evidence(self, ev: Event, factor: float) -> None:
         """The measured factor that raised ``ev`` beside the floor it cleared."""
-        ev.extra["alarm_factor"] = round(float(factor), 4)
-        ev.extra["alarm_floor"] = self.cfg.alarm_floor
+        ev.alarm_factor = round(float(factor), 4)
+        ev.alarm_floor = self.cfg.alarm_floor
 
     def finish(self) -> list[Event]:
         """Close what is still open (its slowdown becomes the mean over the whole episode)."""
@@ -431,13 +431,13 @@ class OnlineDetector:
             ev = self._open_event(
                 "fail-slow", i, onset, step, slowdown, confidence, self.phase_banks[name]
             )
-            ev.extra["phase"] = name
-            ev.extra["rank_slowdown"] = round(1.0 + cost, 4)
+            ev.phase = name
+            ev.rank_slowdown = round(1.0 + cost, 4)
             self._floor_evidence(ev, slowdown)
             return [ev]
-        if "phase" in ev.extra and name not in ev.extra["phase"].split("+"):
-            ev.extra["phase"] += f"+{name}"
-            ev.extra["rank_slowdown"] = round(ev.extra.get("rank_slowdown", 1.0) + cost, 4)
+        if ev.phase is not None and name not in ev.phase.split("+"):
+            ev.phase += f"+{name}"
+            ev.rank_slowdown = round((ev.rank_slowdown or 1.0) + cost, 4)
         return []
 
     def _phase_cost(self, name: str, i: int, slowdown: float) -> float:
@@ -465,18 +465,18 @@ class OnlineDetector:
 
     def current_cost(self, event: Event) -> float | None:
         """What an open fail-slow of a device costs its rank's step now, over the last
-        ``CURRENT_STEPS`` steps (``Event.rank_slowdown`` is its estimate when found, and a slowdown
+        ``CURRENT_STEPS`` steps (``Event.slowdown_of_rank`` is its estimate when found, and a slowdown
         that grows or fades after that leaves it behind); None when it is no longer open or its
         baseline was learned afresh since (``rebaseline``: its deviations say nothing then)."""
         key = (event.kind, event.rank)
         if event.kind != "fail-slow" or event.rank is None or self._open.get(key) is not event:
             return None
         i = int(event.rank)
-        if "phase" not in event.extra:
+        if event.phase is None:
             return self.compute.recent_slowdown(i, CURRENT_STEPS)
         now = [
             (name, self.phase_banks[name].recent_slowdown(i, CURRENT_STEPS))
-            for name in event.extra["phase"].split("+")
+            for name in event.phase.split("+")
         ]
         if all(s is None for _, s in now):
             return None
@@ -586,7 +586,7 @@ class OnlineDetector:
                 out.append(
                     self._open_event("fail-slow", i, int(bank.first_step[i]), step, ratio, conf)
                 )
-                out[-1].extra["from_start"] = True
+                out[-1].from_start = True
                 self._floor_evidence(out[-1], ratio)
                 bank.rebase_alarmed(i, float(peers_mu[j]))
         return out
@@ -650,7 +650,7 @@ class OnlineDetector:
         for (kind, i), ev in self._open.items():
             if (
                 kind == ("link-slow" if name == "pipeline" else "sync")
-                and ev.extra.get("traffic") == traffic
+                and ev.traffic == traffic
                 and (name, i) not in keys
             ):
                 reported[(name, i)] = ev
@@ -660,7 +660,7 @@ class OnlineDetector:
                         list(ev.ranks or [i]),
                         traffic,
                         ev.onset_step,
-                        float(ev.extra.get("alarm_factor", ev.slowdown)),
+                        float(ev.alarm_factor or ev.slowdown),
                         ev.confidence,
                         False,
                     )
@@ -703,7 +703,7 @@ class OnlineDetector:
                 "link-slow", a.key[1], a.onset, step, a.factor, a.confidence, self.sync, key=a.key
             )
         ev.ranks = list(a.ranks)
-        ev.extra["traffic"] = a.traffic
+        ev.traffic = a.traffic
         self._floor_evidence(ev, a.factor)
         return ev
 
@@ -786,9 +786,7 @@ class OnlineDetector:
 
     def _held_ends(self, key: tuple[str, int], ev: Event) -> list[int]:
         """The ends of the gradient-sync link ``key`` of shared finding ``ev``."""
-        return next(
-            (pair for pair in ev.extra.get("links", []) if pair and pair[0] == key[1]), [key[1]]
-        )
+        return next((pair for pair in ev.links or [] if pair and pair[0] == key[1]), [key[1]])
 
     def _pipeline_has_fail_slow(self, i: int) -> bool:
         dp = self.layout.dp_rank

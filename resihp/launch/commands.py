@@ -759,7 +759,7 @@ def _recover(
         trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
         before = trace_step_seconds(trace) if trace is not None else {}
         computed = trace_compute_seconds(trace) if trace is not None else {}
-        ends = [outcome.failure.extra.get("step")] + [
+        ends = [outcome.failure.step] + [
             c.get("applied_step") for c in summary.get("plan_changes") or []
         ]
         stop = min((s for s in ends if s is not None), default=None)

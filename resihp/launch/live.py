@@ -202,7 +202,7 @@ class LiveLoop:
                     self.model,
                     tuple(event.ranks),
                     event.slowdown,
-                    event.extra.get("traffic", "pipeline"),
+                    event.traffic or "pipeline",
                     self.detector.healthy_transfers(),
                     self.planner.coster(self.cluster, self.model),
                 )
@@ -219,7 +219,7 @@ class LiveLoop:
             if event.kind != "fail-slow" or event.rank is None:
                 continue
             open_now[event.rank] = event
-            if event.rank_slowdown < least or event.rank in self._priced:
+            if event.slowdown_of_rank < least or event.rank in self._priced:
                 continue
             if event.rank in self.handled:
                 # planned around before a re-plan moved work and gave the loop a fresh detector:
@@ -231,14 +231,16 @@ class LiveLoop:
                 if self.speeds[event.rank] >= 1.0:
                     continue
                 priced = 1.0 / self.speeds[event.rank]
-                base = 1.0 if event.extra.get("from_start") else priced
+                base = 1.0 if event.from_start else priced
                 self._priced[event.rank] = Priced(self.detector, priced, base)
                 continue
-            decision = self.control.found_slow(event.rank, event.rank_slowdown, step)
+            decision = self.control.found_slow(event.rank, event.slowdown_of_rank, step)
             self.handled.add(event.rank)
-            self._priced[event.rank] = Priced(self.detector, event.rank_slowdown)
+            self._priced[event.rank] = Priced(self.detector, event.slowdown_of_rank)
             if decision.replan:
-                self._replan(step, {**event.to_dict(), "slowdown": round(event.rank_slowdown, 4)})
+                self._replan(
+                    step, {**event.to_dict(), "slowdown": round(event.slowdown_of_rank, 4)}
+                )
         self._revise(step, open_now)
         self._faster(step, placed)
 

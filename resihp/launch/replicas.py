@@ -321,9 +321,9 @@ def supervise_replicas(
                         lose(
                             d,
                             ev.rank,
-                            ev.extra["cause"],
-                            ev.extra.get("step"),
-                            ev.extra.get("silent_s"),
+                            ev.cause,
+                            ev.step,
+                            ev.silent_s,
                         )
                 for d, rep in list(live.items()):
                     rc = rep.proc.poll()

@@ -97,7 +97,7 @@ class Outcome:
     returncode: int
     error: str | None = None  # one line, when the job did not finish
     input_error: bool = False  # a worker rejected its configuration (exit status 2)
-    failure: Event | None = None  # a fail-stop; extra: step, cause, detected_s
+    failure: Event | None = None  # a fail-stop (its step, cause, detected_s)
     stderr_tail: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     interrupted: str | None = None  # the signal that stopped the supervisor ("SIGTERM", ...)
@@ -133,13 +133,20 @@ def fail_stop(
     supervisor's ``step``, ``cause`` and ``detected_s``)."""
     where = dims.coords(rank)
     at = -1 if step is None else step
-    extra = {"step": step, "cause": cause}
-    if detected_s is not None:
-        extra["detected_s"] = detected_s
-    if node is not None:
-        extra["node"] = node
     return Event(
-        "fail-stop", rank, where.dp_rank, where.stage, where.tp_rank, at, at, 0.0, 1.0, extra=extra
+        "fail-stop",
+        rank,
+        where.dp_rank,
+        where.stage,
+        where.tp_rank,
+        at,
+        at,
+        0.0,
+        1.0,
+        step=step,
+        cause=cause,
+        detected_s=detected_s,
+        node=node,
     )
 
 
@@ -669,7 +676,7 @@ def _supervise(
                     watch,
                     read_steps,
                     cfg,
-                    0.0 if failure.extra.get("cause") == "hang" else SETTLE_S,
+                    0.0 if failure.cause == "hang" else SETTLE_S,
                 )
             if failure is not None or outcome.error:
                 outcome.failure = failure
@@ -745,8 +752,8 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
     if events:
         ev = _first_gone(events, watch)
         # heartbeats lag: every rank finished the steps read so far, so it failed in a later one
-        steps = [s for s in (ev.extra.get("step"), watch.reader.next_step) if s is not None]
-        if ev.extra["cause"] == "hang":
+        steps = [s for s in (ev.step, watch.reader.next_step) if s is not None]
+        if ev.cause == "hang":
             stacks_of_hung(
                 watch.monitor, ev.rank, 0, Path(cfg.out), watch.store, cfg.job_id, watch.owns
             )
@@ -755,9 +762,9 @@ def _judge(watch: _Watch, cfg: RunConfig, t0: float, outcome: Outcome) -> Event 
             cfg.dims(),
             ev.rank,
             max(steps) if steps else None,
-            ev.extra["cause"],
-            ev.extra.get("silent_s"),
-            node=ev.extra.get("node"),
+            ev.cause,
+            ev.silent_s,
+            node=ev.node,
         )
     missing = [v.rank for v in watch.monitor.views.values() if not v.seen]
     if missing and time.time() - t0 > watch.monitor.startup_s:
@@ -785,11 +792,9 @@ def _first_gone(events: list[Event], watch: _Watch) -> Event:
                 for e in read_errors(watch.store, watch.cfg.job_id)
                 if e["kind"] == "lost-peer" and str(e["rank"]).isdigit()
             }
-    events = [
-        e for e in events if not (e.extra["cause"] == "exited" and e.rank in lost_peer)
-    ] or events
-    nodes = {e.extra.get("node") for e in events}
-    if len(events) < 2 or len(nodes) != 1 or any(e.extra["cause"] != "exited" for e in events):
+    events = [e for e in events if not (e.cause == "exited" and e.rank in lost_peer)] or events
+    nodes = {e.node for e in events}
+    if len(events) < 2 or len(nodes) != 1 or any(e.cause != "exited" for e in events):
         return events[0]
     node = nodes.pop()
     if node in (None, 0):  # node 0's own torchrun output settles it (``_explain``)
@@ -868,7 +873,7 @@ def _settle(
     """A rank found dead right after it finished a step: the other ranks' records of that step may
     still be on their way (a loaded machine). Wait for them (bounded): if the step completes, the
     rank failed in a later one."""
-    step = failure.extra.get("step")
+    step = failure.step
     end = time.monotonic() + limit_s
     while step is not None and (watch.reader.next_step or 0) <= step and time.monotonic() < end:
         time.sleep(0.05)
@@ -876,14 +881,8 @@ def _settle(
     later = watch.reader.next_step
     if step is None or later is None or later <= step:
         return failure
-    extra = failure.extra
     return fail_stop(
-        cfg.dims(),
-        failure.rank,
-        later,
-        extra["cause"],
-        extra.get("detected_s"),
-        node=extra.get("node"),
+        cfg.dims(), failure.rank, later, failure.cause, failure.detected_s, node=failure.node
     )
 
 
@@ -891,15 +890,15 @@ def _reason(outcome: Outcome) -> str | None:
     f = outcome.failure
     if f is None:
         return None
-    if f.extra.get("cause") == "node":
+    if f.cause == "node":
         return (
-            f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped answering "
-            f"at step {f.extra['step']} (node)"
+            f"node {f.node} (rank {f.rank} and its node's other ranks) stopped answering "
+            f"at step {f.step} (node)"
         )
-    if f.extra.get("cause") == "exception":
-        return f"rank {f.rank} crashed ({f.extra.get('message')})"
-    signal_ = f" by signal {f.extra['signal']}" if "signal" in f.extra else ""
-    return f"rank {f.rank} stopped at step {f.extra['step']} ({f.extra['cause']}{signal_})"
+    if f.cause == "exception":
+        return f"rank {f.rank} crashed ({f.message})"
+    signal_ = f" by signal {f.signal}" if f.signal is not None else ""
+    return f"rank {f.rank} stopped at step {f.step} ({f.cause}{signal_})"
 
 
 def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, nodes: Nodes) -> None:
@@ -919,31 +918,28 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, node
         ]
     stops = [e["message"] for e in errors if e["kind"] == "stop"]
     inputs = [e["message"] for e in errors if e["kind"] == "input"]
-    if (
-        (stops or inputs)
-        and outcome.failure is not None
-        and outcome.failure.extra.get("cause") == "exited"
-    ):
+    if (stops or inputs) and outcome.failure is not None and outcome.failure.cause == "exited":
         outcome.failure = None  # the rank ended on purpose, and said why
     crashes = [e for e in errors if e["kind"] == "crash" and str(e["rank"]).isdigit()]
     if (
         crashes
         and not (stops or inputs)
-        and (outcome.failure is None or outcome.failure.extra.get("cause") == "exited")
+        and (outcome.failure is None or outcome.failure.cause == "exited")
     ):
         # a rank died of an exception (its peers then lost it): that rank is the fail-stop
         crash = crashes[0]
         outcome.failure = fail_stop(cfg.dims(), int(crash["rank"]), None, "exception")
-        outcome.failure.extra["message"] = crash["message"]
+        outcome.failure.message = crash["message"]
     root = torchrun_first_failure(lines, nodes.ranks[0])
     signalled = root is not None and root[1] < 0
     if (
         signalled
         and outcome.failure is not None
         and not outcome.interrupted
-        and outcome.failure.extra.get("cause") == "exited"
+        and outcome.failure.cause == "exited"
         and root[0] != outcome.failure.rank
-        and outcome.failure.extra.get("node", nodes.node_rank) == nodes.node_rank
+        and (outcome.failure.node if outcome.failure.node is not None else nodes.node_rank)
+        == nodes.node_rank
     ):
         # several ranks were gone when the monitor looked (torchrun stops a dead rank's peers
         # within its monitor interval) and it named the lowest; torchrun's first observed failure,
@@ -951,10 +947,10 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, node
         outcome.failure = fail_stop(
             cfg.dims(),
             root[0],
-            outcome.failure.extra.get("step"),
+            outcome.failure.step,
             "exited",
-            outcome.failure.extra.get("detected_s"),
-            node=outcome.failure.extra.get("node"),
+            outcome.failure.detected_s,
+            node=outcome.failure.node,
         )
     if outcome.error is None and stops:
         outcome.error = stops[0]
@@ -966,7 +962,7 @@ def _explain(outcome: Outcome, lines: list[str], cfg: RunConfig, out: Path, node
         and not (stops or inputs or outcome.ended_by_node0)
     ):
         outcome.failure = fail_stop(cfg.dims(), root[0], None, "exited")
-        outcome.failure.extra["signal"] = -root[1]
+        outcome.failure.signal = -root[1]
     if outcome.error is None and inputs:
         outcome.error = inputs[0]
         outcome.input_error = True

@@ -337,15 +337,14 @@ def recovery_record(
     )  # steps complete before the failure
     _, last_end = _step_times(before)
     first_start, _ = _step_times(after)
-    extra = failure.extra if failure is not None else {"cause": cause}
     return {
         "mode": "restart",
         "source": source,
-        "cause": extra.get("cause"),
+        "cause": failure.cause if failure is not None else cause,
         "rank": failure.rank if failure is not None else None,
         "resumed_step": resumed,
         "lost_steps": max(0, done - resumed) if resumed is not None else None,
-        "detected_s": extra.get("detected_s"),
+        "detected_s": failure.detected_s if failure is not None else None,
         "restore_s": restore_s,
         "stall_s": round(first_start - last_end, 3) if first_start and last_end else None,
     }

@@ -242,7 +242,7 @@ class LiveDetection:
                 "slowdown": round(float(ev.slowdown), 3),
                 "onset_step": ev.onset_step,
                 "detected_step": ev.detected_step,
-                **({"phase": ev.extra["phase"]} if "phase" in ev.extra else {}),
+                **({"phase": ev.phase} if ev.phase is not None else {}),
             }
             for ev in sorted(open_.values(), key=lambda e: e.rank)
         ]
