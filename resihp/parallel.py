@@ -12,7 +12,7 @@ proportion to weights: the one integer split of the planner, the replay and the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +77,120 @@ class ParallelDims:
     def to_dict(self) -> dict[str, int]:
         """The Plan JSON ``layout`` form."""
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which world ranks train: per data-parallel replica, per pipeline stage, its TP group.
+
+    Replicas may differ in depth and stages (of one replica too) in tensor-parallel size, as the
+    planner's plans do; world ranks in no group are hot spares. ``tp_rank`` is a rank's index in
+    its group. JSON form (``to_dict``): ``{"pipelines": [[[ranks of stage 0], ...], ...]}``;
+    ``parse`` also reads the uniform shorthand ``{"dp", "pp", "tp", "ranks"?}``.
+    """
+
+    pipelines: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @classmethod
+    def uniform(cls, dims: ParallelDims, ranks: Sequence[int] | None = None) -> Placement:
+        """The groups of ``dims`` in its rank order, over ``ranks`` (default: 0 .. world - 1)."""
+        order = list(range(dims.world_size)) if ranks is None else list(ranks)
+        return cls(
+            tuple(
+                tuple(tuple(order[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp))
+                for d in range(dims.dp)
+            )
+        )
+
+    @classmethod
+    def of(cls, pipelines: Sequence[Sequence[Sequence[int]]]) -> Placement:
+        """A placement from nested sequences (lists from JSON, an engine's groups)."""
+        return cls(tuple(tuple(tuple(int(r) for r in s) for s in p) for p in pipelines))
+
+    @classmethod
+    def parse(cls, data: object, world: int, where: str = "plan") -> Placement:
+        """The placement in ``data`` (either JSON form), or InputError naming ``where``.
+
+        Args:
+            data: the decoded JSON value.
+            world: the job's processes; every rank must lie in ``[0, world)``, none twice.
+            where: what the value came from, for the error.
+        """
+        form = (
+            f'{where} layout: expected {{"dp", "pp", "tp", "ranks"?}} or {{"pipelines": '
+            f"[[[world ranks of a stage], ...], ...]}}"
+        )
+        if not isinstance(data, Mapping):
+            raise InputError(f"{form}, got {data!r}")
+        if "pipelines" in data:
+            pipes = data["pipelines"]
+            ok = (
+                isinstance(pipes, (list, tuple))
+                and pipes
+                and all(
+                    isinstance(p, (list, tuple))
+                    and p
+                    and all(isinstance(s, (list, tuple)) and s for s in p)
+                    for p in pipes
+                )
+            )
+            if not ok:
+                raise InputError(f"{form}, got {dict(data)}")
+            placed = cls(tuple(tuple(tuple(s) for s in p) for p in pipes))
+        else:
+            try:
+                dims = ParallelDims(*(int(data.get(k, 1)) for k in ("dp", "pp", "tp")))
+            except (TypeError, ValueError):
+                raise InputError(f"{form}, got {dict(data)}") from None
+            ranks = data.get("ranks", list(range(dims.world_size)))
+            if not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size:
+                raise InputError(
+                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
+                    f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
+                )
+            placed = cls.uniform(dims, ranks)
+        ranks = placed.ranks
+        if len(set(ranks)) != len(ranks) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in ranks
+        ):
+            raise InputError(
+                f"{where} layout: expected distinct world ranks in [0, {world}), got {ranks}"
+            )
+        return placed
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every placed rank, replica by replica, stage by stage."""
+        return [r for p in self.pipelines for s in p for r in s]
+
+    @property
+    def depths(self) -> list[int]:
+        """Each replica's number of stages."""
+        return [len(p) for p in self.pipelines]
+
+    @property
+    def dims(self) -> ParallelDims | None:
+        """The placement as one dp x pp x tp split when every replica has the same depth and every
+        stage the same group size (its ranks in any order); None otherwise."""
+        shapes = {(len(p), len(s)) for p in self.pipelines for s in p}
+        return ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None
+
+    def spares(self, world: int) -> list[int]:
+        """The world ranks in no group."""
+        placed = set(self.ranks)
+        return [r for r in range(world) if r not in placed]
+
+    def coords(self) -> dict[int, Coords]:
+        """Each placed rank's (dp_rank, stage, tp_rank)."""
+        return {
+            r: Coords(d, s, t)
+            for d, p in enumerate(self.pipelines)
+            for s, group in enumerate(p)
+            for t, r in enumerate(group)
+        }
+
+    def to_dict(self) -> dict[str, list]:
+        return {"pipelines": [[list(s) for s in p] for p in self.pipelines]}
 
 
 def apportion(

@@ -15,7 +15,7 @@ from resihp.ckpt.universal import convert, inspect, load
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
-from resihp.model.placement import split_of
+from resihp.model.shards import split_of
 from resihp.model.tensor_parallel import TPContext
 
 CFG = GPTConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, max_seq_len=64)
@@ -181,7 +181,7 @@ def test_fused_and_padded_parameters_are_placed_per_head_half_and_real_row():
                 mine["embed.weight"][:real], whole["embed.weight"][r * rows : r * rows + real]
             )
             assert not mine["embed.weight"][real:].any()
-            where = cfg.placement("embed.weight", (rows, 32), tp)
+            where = cfg.shard_placement("embed.weight", (rows, 32), tp)
             assert (
                 where.global_shape == (61, 32)
                 and where.local_view(mine["embed.weight"], tp, r).shape[0] == real

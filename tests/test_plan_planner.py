@@ -74,7 +74,7 @@ def test_example_plans_are_valid(planner, cluster, model):
 def test_degraded_example_routes_around_the_faults(planner):
     c, m = load("h100-8-degraded", "gpt-7b")
     plan = planner.plan(c, m)
-    place = plan.placement()
+    place = plan.coords()
     assert 6 not in place and 6 in plan.excluded
     # the 40%-speed device holds fewer layers than any full-speed stage of its pipeline
     pipe = next(p for p in plan.pipelines if 3 in p.ranks)
@@ -308,7 +308,7 @@ def test_plan_json_round_trip(planner, tmp_path):
     } <= set(data)
     assert data["ranks"][6] == {"rank": 6, "excluded": True}
     again = Plan.load(path)
-    assert again.placement() == plan.placement()
+    assert again.coords() == plan.coords()
     assert again.microbatches == plan.microbatches
     assert [p.tokens for p in again.pipelines] == [p.tokens for p in plan.pipelines]
     assert plan_problems(again, c, m) == []

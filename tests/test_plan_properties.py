@@ -88,7 +88,7 @@ def test_every_plan_is_valid(case, policy):
     if policy in ("resihp-heuristic", "drop-replica") and plan.tokens_per_s == 0:
         return  # a baseline that stops (e.g. every replica lost) is allowed to; it is not valid
     assert plan_problems(plan, cluster, model) == []
-    assert set(plan.placement()) | set(plan.excluded) == set(range(len(cluster)))
+    assert set(plan.coords()) | set(plan.excluded) == set(range(len(cluster)))
     assert sum(p.share(model) for p in plan.pipelines) == model.global_batch_tokens
     assert plan.bound_ratio > 0
 

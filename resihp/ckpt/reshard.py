@@ -4,7 +4,7 @@ overlap of its own block with the blocks that were written).
 
 A tensor-parallel shard is a ``DTensor`` over the tensor-parallel group (a one-dimensional CPU or
 GPU ``DeviceMesh`` made from the group the engine already has) with ``Shard(dim)`` placement in the
-parameter's canonical global shape (``resihp.model.tensor_parallel.Placement``: fused QKV and
+parameter's canonical global shape (``resihp.model.shards.ShardPlacement``: fused QKV and
 gate/up split per head and per half; a padded vocabulary without its padding, so DTensor's uneven
 split is the model's); DCP saves its chunk metadata (offsets and lengths in the global tensor).
 Replicated tensors are plain tensors (the same key from every replica is written once). Keys:
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
-from resihp.model.placement import Placement
+from resihp.model.shards import ShardPlacement
 from resihp.model.tensor_parallel import TPContext
 
 _MESHES: dict[
@@ -45,7 +45,7 @@ def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
 
 def placements(
     model: torch.nn.Module, tp: TPContext, cfg: GPTConfig | None = None
-) -> dict[str, tuple[str, torch.nn.Parameter, Placement | None]]:
+) -> dict[str, tuple[str, torch.nn.Parameter, ShardPlacement | None]]:
     """Per parameter name: its saved (global) name, the parameter, and its placement (None:
     replicated, for a module that is not the GPT model)."""
     cfg = cfg if cfg is not None else getattr(model, "cfg", None)
@@ -55,7 +55,7 @@ def placements(
             out[name] = (
                 cfg.saved_name(name),
                 p,
-                cfg.placement(cfg.saved_name(name), tuple(p.shape), tp.size),
+                cfg.shard_placement(cfg.saved_name(name), tuple(p.shape), tp.size),
             )
         else:
             out[name] = (name, p, None)
@@ -63,7 +63,7 @@ def placements(
 
 
 def _placed(
-    local: torch.Tensor, where: Placement | None, tp: TPContext, mesh: DeviceMesh | None
+    local: torch.Tensor, where: ShardPlacement | None, tp: TPContext, mesh: DeviceMesh | None
 ) -> torch.Tensor:
     if where is None or where.dim is None:
         return local

@@ -40,7 +40,7 @@ from resihp.ckpt.single import single_process
 from resihp.errors import InputError
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
-from resihp.model.placement import split_of
+from resihp.model.shards import split_of
 from resihp.model.tensor_parallel import TPContext, full_shape, shard, unshard
 
 FORMAT = 2

@@ -19,6 +19,7 @@ from resihp.ckpt.integrity import verify, write_json_atomic
 from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
 from resihp.launch.warm import CHECKPOINTING, WARM_AGENTS, agent_env
+from resihp.parallel import Placement
 from resihp.progress import progress_bar
 from resihp.train.config import RunConfig, check_memory
 from resihp.train.nodes import Nodes, check_secret
@@ -469,8 +470,8 @@ def _live_fields(cfg, loop, summary: dict) -> dict:
                     minimum_bytes=change["minimum_bytes"] + layers,
                 )
             if "layout" in change and "spares" not in change:  # the ranks its groups leave out
-                placed = {r for p in change["layout"]["pipelines"] for s in p for r in s}
-                change["spares"] = [r for r in range(cfg.dims().world_size) if r not in placed]
+                world = cfg.dims().world_size
+                change["spares"] = Placement.parse(change["layout"], world).spares(world)
     # each change's estimate beside the step measured while it was in force
     for change, check in zip(changes, loop.measured_steps([c["applied_step"] for c in changes])):
         change.update(check)

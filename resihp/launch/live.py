@@ -34,6 +34,7 @@ from resihp.plan.planner import WITHIN_REPLICAS, Planner
 from resihp.train.config import RunConfig
 from resihp.train.controlplane import StepRecords
 from resihp.train.layout import ranges_from_counts
+from resihp.train.planchange import PlanChange
 from resihp.train.planning import (
     MIN_MEASURED_STEPS,
     current_plan,
@@ -523,13 +524,14 @@ class LiveLoop:
         }
         if present is not None:
             change["present_pace"] = present[1]
-        change["dp_weights"] = [float(p.microbatches) for p in pipes]
-        change["layer_splits"] = [[s.n_layers for s in p.stages] for p in pipes]
-        change["applied"] = True
-        if not same_places or self.replica_mode:
-            # new process groups: the job re-forms them and reshards live. In replica mode every
-            # change names every replica's groups: a returning replica takes only the last one
-            change["layout"] = {"pipelines": [[list(s.ranks) for s in p.stages] for p in pipes]}
+        # new process groups (layout): the job re-forms them and reshards live. In replica mode
+        # every change names every replica's groups: a returning replica takes only the last one
+        planned = PlanChange(
+            dp_weights=tuple(float(p.microbatches) for p in pipes),
+            layer_splits=tuple(tuple(s.n_layers for s in p.stages) for p in pipes),
+            layout=plan.placement if not same_places or self.replica_mode else None,
+        )
+        change.update(planned.to_dict(), applied=True)
         if not same_places:
             self.groups = [[tuple(s.ranks) for s in p.stages] for p in pipes]
             self._cover(self.groups)

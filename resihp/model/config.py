@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from resihp.errors import InputError
-from resihp.model.placement import Placement, placement
+from resihp.model.shards import ShardPlacement, shard_placement
 from resihp.options import Section, check_section, opt
 from resihp.workload.flops import TransformerShape
 
@@ -84,9 +84,9 @@ class GPTConfig(Section):
         token embedding, wherever the stage holding it sits."""
         return "embed.weight" if self.tie_embeddings and name == "head.weight" else name
 
-    def placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> Placement:
+    def shard_placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> ShardPlacement:
         """Where a rank's shard of parameter ``name`` sits in its global tensor."""
-        return placement(name, local_shape, tp, self.vocab if self.vocab_parallel else None)
+        return shard_placement(name, local_shape, tp, self.vocab if self.vocab_parallel else None)
 
     def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:
         return TransformerShape(layers or self.layers, self.hidden, self.heads, self.ffn_hidden, tp)

@@ -19,7 +19,7 @@ from torch import nn
 from resihp.errors import InputError
 from resihp.model.attention import PackedDocs, packed_attention
 from resihp.model.config import GPTConfig
-from resihp.model.placement import chunk_rows
+from resihp.model.shards import chunk_rows
 from resihp.model.tensor_parallel import TPContext, copy_to_tp, gather_from_tp, reduce_from_tp
 
 # the AdamW state that travels with each parameter when layers move or checkpoints reshard
@@ -175,7 +175,7 @@ def init_by_name(
             elif leaf == "bias":
                 param.zero_()
             else:
-                where = cfg.placement(saved, tuple(param.shape), tp.size)
+                where = cfg.shard_placement(saved, tuple(param.shape), tp.size)
                 full = torch.empty(where.global_shape).normal_(0.0, 0.02, generator=gen)
                 param.zero_()
                 where.local_view(param, tp.size, tp.rank).copy_(where.block(full, tp.size, tp.rank))

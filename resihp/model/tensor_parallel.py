@@ -7,7 +7,7 @@ summed with an all-reduce). Optionally the embedding and LM head are split by vo
 Parameters keep their global names; a rank holds a slice of each split one (``shard``), and the
 replicated ones (LayerNorms, row-parallel biases, embeddings, LM head) get identical gradients on
 every tensor-parallel rank, so only the data-parallel all-reduce is needed for them. ``placement``
-(``resihp.model.placement``) says where a rank's shard sits in the global tensor, which is what
+(``resihp.model.shards``) says where a rank's shard sits in the global tensor, which is what
 checkpoints save and reshard.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from resihp.model.placement import split_of
+from resihp.model.shards import split_of
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from resihp.errors import InputError
-from resihp.parallel import ParallelDims
+from resihp.parallel import ParallelDims, Placement
 from resihp.plan.specs import ClusterSpec, ModelSpec, stage_memory_gb
 
 
@@ -123,7 +123,12 @@ class Plan:
     # expected step with variable micro-batch costs on the critical path (``timing.expected_step``)
     expected_step_time_s: float = float("nan")
 
-    def placement(self) -> dict[int, tuple[int, int, int]]:
+    @property
+    def placement(self) -> Placement:
+        """Its pipelines' groups, replica by replica (``dp_rank`` order)."""
+        return Placement.of(p.groups for p in sorted(self.pipelines, key=lambda p: p.dp_rank))
+
+    def coords(self) -> dict[int, tuple[int, int, int]]:
         """rank -> (dp_rank, stage, tp_rank) for every placed rank."""
         out = {}
         for p in self.pipelines:
@@ -142,7 +147,7 @@ class Plan:
         return Holdings.of(self)
 
     def to_dict(self) -> dict[str, Any]:
-        place = self.placement()
+        place = self.coords()
         excluded = set(self.excluded)
         ranks = []
         for r in range(self.world_size):

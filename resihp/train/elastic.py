@@ -16,11 +16,13 @@ import torch
 from resihp.ckpt.integrity import newest_good, step_of
 from resihp.ckpt.reshard_rules import decide, derived_seed, same_layout, state_of_run
 from resihp.ckpt.universal import load, read_meta
+from resihp.parallel import Placement
 from resihp.plan.plan import Plan
 from resihp.plan.planner import Planner
 from resihp.train.config import RunConfig
 from resihp.train.engine import Engine
 from resihp.train.inject import carried_faults
+from resihp.train.planchange import PlanChange
 from resihp.train.planning import paced_to, plan_at_start, planner_specs
 
 
@@ -104,13 +106,12 @@ def reform_around(
     if not pipes or rank in used:
         return None
     first = int(resume.name.removeprefix("step")) + 1
-    change = {
-        "step": first,
-        "reason": {"kind": "fail-stop", "rank": rank},
-        "layout": {"pipelines": [[[new[r] for r in s.ranks] for s in p.stages] for p in pipes]},
-        "layer_splits": [[s.n_layers for s in p.stages] for p in pipes],
-        "dp_weights": [float(p.microbatches) for p in pipes],
-    }
+    planned = PlanChange(
+        dp_weights=tuple(float(p.microbatches) for p in pipes),
+        layer_splits=tuple(tuple(s.n_layers for s in p.stages) for p in pipes),
+        layout=Placement.of([[new[r] for r in s.ranks] for s in p.stages] for p in pipes),
+    )
+    change = {"step": first, "reason": {"kind": "fail-stop", "rank": rank}, **planned.to_dict()}
     n = len(survivors)
     pp = max(d for d in range(1, min(n, cfg.model.layers) + 1) if n % d == 0)
     ahead = [f.spec() for f in carried_faults(cfg.fault_list(), survivors, first)]
@@ -141,7 +142,7 @@ def run_state(engine: Engine, cfg: RunConfig) -> dict:
         engine.weights,
         [[b - a for a, b in ranges] for ranges in engine.replica_ranges],
         cfg.train.lr,
-        {"pipelines": [[list(s) for s in p] for p in engine.pipelines]},
+        engine.placement.to_dict(),
     )
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from resihp.model.gpt import GPTStage, init_by_name, lm_loss
 from resihp.model.tensor_parallel import TPContext, WaitClock
-from resihp.parallel import Coords, ParallelDims
+from resihp.parallel import ParallelDims, Placement
 from resihp.train.config import RunConfig
 from resihp.train.data import DataSource, MicroBatch, StepData, replica_microbatches
 from resihp.train.gradsync import GradSync, pipelines_of
@@ -88,18 +88,14 @@ class Engine:
         and tensor-parallel size; a world rank in none is a hot spare), and the layout's
         tensor-parallel and gradient groups. Inside a group world ranks ascend with the tp rank
         (the group's own rank order). Every rank creates every group, in the same order."""
-        self.pipelines = [[tuple(sorted(stage)) for stage in p] for p in pipelines]
-        self.active = [r for p in self.pipelines for stage in p for r in stage]
-        where = {
-            r: (d, s, t)
-            for d, p in enumerate(self.pipelines)
-            for s, stage in enumerate(p)
-            for t, r in enumerate(stage)
-        }
-        d, s, t = where.get(self.rank, (-1, -1, 0))
-        spare = self.rank not in where
+        self.placement = Placement.of([sorted(stage) for stage in p] for p in pipelines)
+        self.pipelines = [list(p) for p in self.placement.pipelines]
+        self.active = self.placement.ranks
+        place = self.placement.coords().get(self.rank)
+        spare = place is None
+        d, s, t = (-1, -1, 0) if spare else (place.dp_rank, place.stage, place.tp_rank)
         mine = [(self.rank,)] if spare else self.pipelines[d]
-        self.coords = None if spare else Coords(d, s, t)
+        self.coords = place
         self._probe_gap, self._next_probe = 1, 0  # a new spare is probed at once, then with backoff
         self.dp_rank, self.stage, self.pp = d, s, len(mine)
         tp_group = None
@@ -109,9 +105,7 @@ class Engine:
                 if self.rank in stage:
                     tp_group = group
         self.tp = TPContext(len(mine[s]), t, tp_group)
-        shapes = {(len(p), len(stage)) for p in self.pipelines for stage in p}
-        # the layout as one data x pipeline x tensor split, when every replica has the same shape
-        self.dims = ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None
+        self.dims = self.placement.dims
         # neighbouring stages may differ in tensor-parallel size: a stage's output (and its input's
         # gradient) is whole on each rank of its group, so rank j of a stage of size b takes it from
         # rank j mod a of the neighbour of size a, which sends it to every such j

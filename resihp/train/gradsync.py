@@ -4,7 +4,7 @@ depth and tensor-parallel size.
 Every unit of the model (the embeddings, each decoder layer, the final norm and head; a tied
 embedding is one unit on the first and last stage) is summed over the ranks that hold it in each
 data-parallel replica. A tensor-parallel shard is summed block by block in the parameter's global
-tensor (``GPTConfig.placement``): each piece of the global tensor is held by exactly one rank of
+tensor (``GPTConfig.shard_placement``): each piece of the global tensor is held by exactly one rank of
 each replica, whatever that replica's tensor-parallel size, and those ranks sum it. A replicated
 parameter held by a tensor-parallel group is summed in lanes (lane j: the j-th rank of each
 replica's group, cycling through smaller groups), so every replica counts once. With one layout
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from resihp.model.config import GPTConfig
 from resihp.model.gpt import GPTStage
-from resihp.model.placement import chunk_rows
+from resihp.model.shards import chunk_rows
 from resihp.model.tensor_parallel import TPContext
 from resihp.parallel import ParallelDims
 from resihp.train.replan import owner
@@ -73,7 +73,7 @@ def _global_params(cfg: GPTConfig) -> dict[str, tuple[int | None, int]]:
         whole = GPTStage(cfg, 0, cfg.layers, TPContext(1, 0))
     out = {}
     for name, p in whole.named_parameters():
-        where = cfg.placement(name, tuple(p.shape), 1)
+        where = cfg.shard_placement(name, tuple(p.shape), 1)
         out[name] = (where.dim, where.global_shape[where.dim] if where.dim is not None else 0)
     return out
 
@@ -141,7 +141,7 @@ class Pieces:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             saved = self.cfg.saved_name(name)
-            where = self.cfg.placement(saved, tuple(p.shape), tp.size)
+            where = self.cfg.shard_placement(saved, tuple(p.shape), tp.size)
             grad = where.local_view(p.grad, tp.size, tp.rank)
             mine = (
                 min(

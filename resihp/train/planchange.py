@@ -21,64 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resihp.errors import InputError
-from resihp.parallel import ParallelDims
+from resihp.parallel import ParallelDims, Placement
 from resihp.train.layout import ranges_from_counts
-
-
-@dataclass(frozen=True)
-class Relayout:
-    """A new parallel layout over some of the job's world ranks (the rest become hot spares): per
-    data-parallel replica, per pipeline stage, the world ranks of its tensor-parallel group.
-    Replicas may differ in depth, and stages (of one replica too) in tensor-parallel size."""
-
-    pipelines: tuple[tuple[tuple[int, ...], ...], ...]
-
-    @classmethod
-    def parse(cls, data: Any, world: int, where: str = "plan") -> Relayout:
-        form = (
-            f'{where} layout: expected {{"dp", "pp", "tp", "ranks"?}} or {{"pipelines": '
-            f"[[[world ranks of a stage], ...], ...]}}"
-        )
-        if not isinstance(data, Mapping):
-            raise InputError(f"{form}, got {data!r}")
-        if "pipelines" in data:
-            pipes = data["pipelines"]
-            ok = (
-                isinstance(pipes, (list, tuple))
-                and pipes
-                and all(
-                    isinstance(p, (list, tuple))
-                    and p
-                    and all(isinstance(s, (list, tuple)) and s for s in p)
-                    for p in pipes
-                )
-            )
-            if not ok:
-                raise InputError(f"{form}, got {dict(data)}")
-            pipelines = tuple(tuple(tuple(s) for s in p) for p in pipes)
-        else:
-            try:
-                dims = ParallelDims(*(int(data.get(k, 1)) for k in ("dp", "pp", "tp")))
-            except (TypeError, ValueError):
-                raise InputError(f"{form}, got {dict(data)}") from None
-            ranks = data.get("ranks", list(range(dims.world_size)))
-            if not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size:
-                raise InputError(
-                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
-                    f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
-                )
-            pipelines = tuple(
-                tuple(tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp))
-                for d in range(dims.dp)
-            )
-        ranks = [r for p in pipelines for s in p for r in s]
-        if len(set(ranks)) != len(ranks) or not all(
-            isinstance(r, int) and 0 <= r < world for r in ranks
-        ):
-            raise InputError(
-                f"{where} layout: expected distinct world ranks in [0, {world}), got {ranks}"
-            )
-        return cls(pipelines)
 
 
 @dataclass(frozen=True)
@@ -88,7 +32,7 @@ class PlanChange:
         None  # layers per stage, one split per replica
     )
     record: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the dict as received
-    layout: Relayout | None = None  # new groups over the world's ranks; None: the same layout
+    layout: Placement | None = None  # new groups over the world's ranks; None: the same layout
 
     @classmethod
     def parse(
@@ -107,7 +51,7 @@ class PlanChange:
             raise InputError(f"{where}: expected a plan change mapping, got {type(data).__name__}")
         layout = None
         if data.get("layout") is not None:
-            layout = Relayout.parse(data["layout"], world or dims.world_size, where)
+            layout = Placement.parse(data["layout"], world or dims.world_size, where)
             # the rest of the change is read against the new layout
             depths = [len(p) for p in layout.pipelines]
             dims = ParallelDims(len(depths), max(depths))
@@ -145,5 +89,12 @@ class PlanChange:
         return [ranges_from_counts(split, layers, pp or len(split)) for split in self.layer_splits]
 
     def to_dict(self) -> dict[str, Any]:
-        """The change as it was received (the JSON form)."""
-        return dict(self.record)
+        """The JSON form: the fields as received, and those of a change made here from its own."""
+        out = dict(self.record)
+        if self.dp_weights is not None:
+            out.setdefault("dp_weights", list(self.dp_weights))
+        if self.layer_splits is not None and "layer_split" not in out:
+            out.setdefault("layer_splits", [list(split) for split in self.layer_splits])
+        if self.layout is not None:
+            out.setdefault("layout", self.layout.to_dict())
+        return out

@@ -44,6 +44,7 @@ from resihp.ft.heal import (
     unflatten,
 )
 from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
+from resihp.parallel import Placement
 from resihp.train.config import RunConfig
 from resihp.train.controlplane import StepPublisher, heartbeat_prefix, plan_key, report_error
 from resihp.train.data import MicroBatch, StepData, replica_microbatches
@@ -51,7 +52,7 @@ from resihp.train.engine import Engine, StepResult
 from resihp.train.gradsync import Pieces, pipelines_of
 from resihp.train.inject import FaultInjector
 from resihp.train.layout import balanced_layers, ranges_from_counts
-from resihp.train.planchange import PlanChange, Relayout
+from resihp.train.planchange import PlanChange
 from resihp.train.replan import retire_groups
 
 REPLICA_ENV, ATTEMPT_ENV = "RESIHP_REPLICA", "RESIHP_ATTEMPT"
@@ -170,7 +171,7 @@ class ReplicaEngine(Engine):
         relaid = pipes[replica] != self.full_pipelines[replica]
         if relaid:
             ranges = (new or self.full_ranges)[replica]
-            local = Relayout(
+            local = Placement(
                 (tuple(tuple(self._local[g] for g in stage) for stage in pipes[replica]),)
             )
             with self.rec.op("replan-layout") as row:

@@ -40,7 +40,7 @@ VOCAB_PARALLEL = ("embed.weight", "head.weight")
 
 
 @dataclass(frozen=True)
-class Placement:
+class ShardPlacement:
     """Where one rank's local tensor sits in its parameter's global tensor, in the global tensor's
     canonical (saved) shape: a fused parameter is saved as ``(groups, rows, ...)`` and split on
     dimension 1, so that every tensor-parallel shard is one contiguous block of it (what DCP's chunk
@@ -79,21 +79,21 @@ def split_of(name: str) -> tuple[int, int] | None:
     return None
 
 
-def placement(
+def shard_placement(
     name: str, local_shape: tuple[int, ...], tp: int, vocab: int | None = None
-) -> Placement:
+) -> ShardPlacement:
     """The placement of parameter ``name`` whose local shape on a rank of ``tp`` is ``local_shape``;
     ``vocab``: the model's (unpadded) vocabulary when the embedding and LM head are
     vocabulary parallel."""
     shape = tuple(local_shape)
     if vocab is not None and name in VOCAB_PARALLEL:
-        return Placement((vocab, *shape[1:]), 0)
+        return ShardPlacement((vocab, *shape[1:]), 0)
     split = split_of(name)
     if split is None:
-        return Placement(shape, None)
+        return ShardPlacement(shape, None)
     dim, groups = split
     full = list(shape)
     full[dim] *= tp
     if groups > 1:
-        return Placement((groups, full[0] // groups, *full[1:]), 1, groups)
-    return Placement(tuple(full), dim)
+        return ShardPlacement((groups, full[0] // groups, *full[1:]), 1, groups)
+    return ShardPlacement(tuple(full), dim)
