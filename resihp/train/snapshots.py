@@ -23,6 +23,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from resihp.ckpt.integrity import refusals, safe_planner, safe_reader
 from resihp.ckpt.keeper import ensure_keeper
@@ -157,17 +164,32 @@ class Snapshots:
         return path
 
     def load(self, path: str | os.PathLike) -> None:
-        """Collective: load a DCP checkpoint of this state (any DP size or FSDP2 sharding DCP
-        can reshard into) into the objects handed in."""
+        """Collective: load a DCP checkpoint of this state into the objects handed in.
+
+        Models and their optimizers are read by parameter name (``torch.distributed.checkpoint
+        .state_dict``), so a checkpoint of DDP, FSDP2 or a plain module at any world size loads
+        into any of them; state that does not fit (another shape, a missing key) is one line.
+        """
         state = self._dcp_state()
-        with refusals():  # no pickled object of the checkpoint is ever run: plain values only
-            dcp.load(
-                state,
-                storage_reader=safe_reader(path, tensors_only=False),
-                planner=safe_planner(path),
-            )
+        try:
+            with refusals():  # no pickled object of the checkpoint is ever run: plain values only
+                dcp.load(
+                    state,
+                    storage_reader=safe_reader(path, tensors_only=False),
+                    planner=safe_planner(path),
+                )
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+            raise InputError(
+                f"{path}: the checkpoint does not fit this state ({_first(exc)})"
+            ) from None
         for name, value in self.state.items():
-            if name in state and hasattr(value, "load_state_dict"):
+            if name not in state:
+                continue
+            if isinstance(value, torch.nn.Module):
+                set_model_state_dict(value, state[name])
+            elif isinstance(value, torch.optim.Optimizer) and self._owner(value) is not None:
+                set_optimizer_state_dict(self._owner(value), value, state[name])
+            elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(state[name])
 
     def close(self) -> None:
@@ -176,8 +198,29 @@ class Snapshots:
 
     # -- helpers ---------------------------------------------------------------------------
     def _dcp_state(self) -> dict:
-        # the generators are per rank: they are not in the checkpoint, which another layout reads
-        return {k: state_dict_of(v) for k, v in self.state.items() if not isinstance(v, RNG)}
+        # the generators are per rank: they are not in the checkpoint, which another layout reads.
+        # A model's and its optimizer's state by parameter name (DDP's prefix dropped, FSDP2's
+        # shards as DTensors), the optimizer's state made before its first step, so that a fresh
+        # process loads every moment of it
+        out = {}
+        for name, value in self.state.items():
+            if isinstance(value, RNG):
+                continue
+            if isinstance(value, torch.nn.Module):
+                out[name] = get_model_state_dict(value)
+            elif isinstance(value, torch.optim.Optimizer) and self._owner(value) is not None:
+                out[name] = get_optimizer_state_dict(self._owner(value), value)
+            else:
+                out[name] = state_dict_of(value)
+        return out
+
+    def _owner(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+        """The module handed in whose parameters the optimizer steps (None: none holds them all)."""
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for value in self.state.values():
+            if isinstance(value, torch.nn.Module) and mine <= {id(p) for p in value.parameters()}:
+                return value
+        return None
 
     def _gather(self, steps: list[int]) -> list[list[int]]:
         if not dist.is_initialized():
@@ -235,3 +278,13 @@ class _NoOptimizer(torch.optim.Optimizer):
 
 def _safe(job: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in job)[:64]
+
+
+def _first(exc: BaseException) -> str:
+    """The first line of what went wrong (DCP wraps each rank's error with its traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    text = str(exc).strip()
+    return (text.splitlines()[0][:300] if text else "") or type(exc).__name__
