@@ -182,6 +182,14 @@ class Engine:
                 walls - busy
             )  # the op's duration less this is the fastest run, stretched
 
+    def job_rank(self, rank: int) -> int:
+        """The job rank of ``rank`` of this engine's process groups (the fault injector names
+        job ranks); the same rank here, where the default group is the job's."""
+        return rank
+
+    def _after_collective(self, members: tuple[int, ...], seconds: float, nbytes: int) -> None:
+        self.injector.collective(tuple(self.job_rank(m) for m in members), seconds, nbytes)
+
     # --- point-to-point -------------------------------------------------------------------------
     def _recv(
         self, shape: tuple[int, ...], src: int, tag: int, optype: str, mb: MicroBatch
@@ -192,7 +200,7 @@ class Engine:
             dist.recv(buf, src, tag=tag)
             # an injected slow link delivers the data later, in proportion to the transfer
             self.injector.received(
-                src, time.perf_counter() - start, buf.numel() * buf.element_size()
+                self.job_rank(src), time.perf_counter() - start, buf.numel() * buf.element_size()
             )
         return buf
 
@@ -414,6 +422,6 @@ class Engine:
         if len(self.pipelines) > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):
             with self.rec.op("grads-all-reduce"):
                 self.grad_sync.all_reduce(
-                    self.model, self.coords.tp_rank, loss, after=self.injector.collective
+                    self.model, self.coords.tp_rank, loss, after=self._after_collective
                 )
         return float(loss) if loss is not None else None

@@ -121,6 +121,11 @@ class ReplicaEngine(Engine):
         self._pieces: tuple[tuple, Pieces] | None = None
         self.plan_id: object = None  # the plan change in force (its id)
 
+    def job_rank(self, rank: int) -> int:
+        """The job rank of ``rank`` of this replica's own process group."""
+        tp = self.full.parallel.tp
+        return self.full.dims().rank_of(self.member.replica, rank // tp, rank % tp)
+
     # --- which micro-batches --------------------------------------------------------------------
     def _owned(self) -> list[int]:
         """The replicas whose micro-batches this replica trains: its own, and in zero-drift mode
@@ -292,7 +297,11 @@ class ReplicaEngine(Engine):
             if self.group.size > 1:
                 flats = {key: flatten(tensors) for key, tensors in buckets.items()}
                 with self.rec.op("grads-all-reduce"):
-                    self.group.all_reduce(flats, abandon=decided)
+                    for key in sorted(flats):  # one at a time: an injected slow link times each
+                        start = time.perf_counter()
+                        self.group.all_reduce({key: flats[key]}, abandon=decided)
+                        nbytes = flats[key].numel() * flats[key].element_size()
+                        self.injector.collective(key, time.perf_counter() - start, nbytes)
                 for key, tensors in buckets.items():
                     unflatten(flats[key], tensors)
         except (RuntimeError, dist.DistError):
