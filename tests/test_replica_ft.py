@@ -113,10 +113,15 @@ def _same_losses(got: list, want: list, what: str) -> None:
 
 
 def _trained_every_step(out: Path, ranks: list[int], steps: int) -> None:
-    """Each of ``ranks`` committed every step exactly once (it never restarted or skipped one)."""
+    """Each of ``ranks`` committed every step below ``steps`` exactly once (it never restarted or
+    skipped one)."""
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     for r in ranks:
-        done = sorted(row["step"] for row in rows if row["rank"] == r and row["optype"] == "step")
+        done = sorted(
+            row["step"]
+            for row in rows
+            if row["rank"] == r and row["optype"] == "step" and row["step"] < steps
+        )
         assert done == list(range(steps)), f"rank {r} trained steps {done[:5]}..., not each once"
 
 
@@ -535,10 +540,13 @@ def _survivor_slow(dims: ParallelDims, lost: int, step: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["stop", "hang"])
+@pytest.mark.parametrize("fault", ["hang"])
 def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(
     fault, reference, tmp_path
 ):
+    """A hung rank, any rank at any step 5-19, judged by the launcher's hang watch in a real job:
+    its replica is stopped, relaunched and caught up from the survivors, which trained every step,
+    and every loss is the failure-free run's. (A killed rank's rejoin: the both-replicas test.)"""
     dims = ParallelDims(2, 2)
     rng = random.Random()
     rank, step = rng.randrange(dims.world_size), rng.randrange(5, 20)
@@ -689,6 +697,13 @@ def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(referen
     assert rc == 0, err[-2000:]
     fails = summary["recovery"]["failures"]
     assert [(f["lost_replica"], f["attempt"]) for f in fails] == [(1, 0), (0, 0)], fails
+    # a killed rank's exit is found and its replica relaunched; replica 1 is back, caught up from
+    # replica 0, before replica 0 is lost, and replica 0 trained every step until then
+    assert all(f["cause"] == "exited" and f["relaunched"] for f in fails), fails
+    first = fails[0]
+    assert first["mode"] == "replica" and 6 < (first["rejoined_step"] or 0) <= 45, first
+    assert first["source"] == "peer" and first["catchup_s"] is not None, first
+    _trained_every_step(out, [0, 2], 45)
     _same_losses(summary["losses"], reference, "both replicas in turn")
 
 
@@ -827,8 +842,10 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     """--ckpt-every in replica mode: each checkpoint is written by the lowest replica that trained
     its step. Replica 0 is killed during step 6, so replica 1 alone trains step 7 and writes
     ``step7`` (a relaunch takes seconds, steps a fraction of one); the checkpoint verifies, records
-    the job's layout, and ``--resume`` continues it in other layouts (no replicas; tensor parallel;
-    replicas of one stage, one of them lost again) with the replica run's losses."""
+    the job's layout, and ``--resume`` continues it in other layouts (no replicas; replicas of one
+    stage, one of them lost again) with the replica run's losses. What only a job shows: the
+    checkpoint a lone surviving replica writes is whole. (Resuming into tensor parallel:
+    test_reshard_cli.)"""
     run = tmp_path / "run"
     rc, summary, err = _run(
         run,
@@ -853,20 +870,13 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     assert problem(ckpt) is None and (run / "ckpt" / "step11").exists()
     meta = json.loads((ckpt / "meta.json").read_text())
     assert (meta["dp"], meta["pp"], meta["layer_splits"]) == (2, 2, [[1, 1], [1, 1]]), meta
-    for layout in (["--dp", "1", "--pp", "2"], ["--dp", "1", "--pp", "1", "--tp", "2"]):
-        rc, resumed, err = _run(
-            tmp_path / "-".join(layout),
-            *layout,
-            "--steps",
-            "12",
-            "--recovery",
-            "none",
-            "--resume",
-            str(ckpt),
-        )
-        assert rc == 0, err[-2000:]
-        assert resumed["first_step"] == 8, resumed.get("first_step")
-        _same_losses(resumed["losses"], summary["losses"][8:], f"resumed in {layout}")
+    rc, resumed, err = _run(
+        tmp_path / "dp1-pp2",
+        *("--dp", "1", "--pp", "2", "--steps", "12", "--recovery", "none", "--resume", str(ckpt)),
+    )
+    assert rc == 0, err[-2000:]
+    assert resumed["first_step"] == 8, resumed.get("first_step")
+    _same_losses(resumed["losses"], summary["losses"][8:], "resumed without replicas")
     rc, resumed, err = _run(
         tmp_path / "replicas",
         "--dp",
