@@ -585,9 +585,11 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(
 
 @pytest.mark.slow
 def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_path):
+    """A rank's Python exception, said over a real job's control plane, evicts its replica at
+    once; the survivors are not restarted and train every step at the failure-free losses."""
     # the crashed rank says so over the control plane: its replica is evicted at once (the
     # survivors were found hung, and then every replica lost, when only its exit told)
-    rec = _lose_rank_3(tmp_path / "run", 30, "error:rank=3,step=10", "exception", reference)[
+    rec = _lose_rank_3(tmp_path / "run", 20, "error:rank=3,step=10", "exception", reference)[
         "recovery"
     ]
     assert "failures" not in rec and not rec["survivors_restarted"], rec
@@ -597,23 +599,27 @@ def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_
 def test_a_replica_killed_after_a_commit_before_publishing_loses_no_step_of_the_trace(
     reference, tmp_path
 ):
+    """A rank killed between the quorum's commit and its records: the launcher's trace reader, the
+    losses and the summary still have every step (only a real job has that window)."""
     # rank 3 is killed after step 10's update, which the quorum committed with its replica, and
     # before it published step 10's records: the launcher's reader used to wait for them forever,
     # and the trace, the losses and the live loop stopped at step 9
     summary = _lose_rank_3(
-        tmp_path / "run", 30, "stop:rank=3,step=10,during=publish", "exited", reference
+        tmp_path / "run", 20, "stop:rank=3,step=10,during=publish", "exited", reference
     )
     assert summary["members"][10] == [0, 1], summary["members"][:12]  # it died after the commit
     rows = [json.loads(line) for line in (tmp_path / "run" / "ops.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["rank"] == 3 and r["step"] == 10]  # and before publishing
-    assert summary["steps"] == 30 and summary["first_step"] == 0
+    assert summary["steps"] == 20 and summary["first_step"] == 0
 
 
 @pytest.mark.slow
 def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(reference, tmp_path):
+    """Three replicas of tensor-parallel pairs over gloo: a killed rank's peer and its replica
+    leave, the two survivors' cross-replica sums go on without waiting out a group timeout."""
     dims = ParallelDims(3, 1, 2)
     rank = 3  # replica 1, tensor-parallel rank 1
-    steps = 40  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
+    steps = 20  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
     # three replicas: a survivor in a cross-replica sum may wait on another survivor, not on the lost
     # rank, and leaves it once the step is aborted (it used to wait out the group's timeout: hung)
     rc, summary, err = _run(
@@ -641,6 +647,8 @@ def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(refere
 
 @pytest.mark.slow
 def test_a_second_failure_of_the_returning_replica_is_relaunched_again(reference, tmp_path):
+    """The relaunched replica SIGKILLed while it starts or catches up (a moment only a real job
+    has): it is relaunched again and rejoins, the survivors train every step, the losses kept."""
     out = tmp_path / "run"
     proc = _start(
         out,
@@ -767,6 +775,8 @@ def test_a_killed_warm_agent_server_leaves_every_replica_training_and_a_relaunch
 
 @pytest.mark.slow
 def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_path):
+    """The only live peer killed while it serves a returning replica's catch-up: the job ends
+    with one line, no traceback and no hang (the catch-up stream's loss, in real processes)."""
     out = tmp_path / "run"
     proc = _start(
         out,
@@ -796,6 +806,8 @@ def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_pat
 
 @pytest.mark.slow
 def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
+    """``--recovery replica-drop`` in a real job: the steps without the lost replica train on the
+    survivor's half of the batch, exactly as one process replaying the recorded membership."""
     rc, summary, err = _run(
         tmp_path / "run",
         "--dp",
