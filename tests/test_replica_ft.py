@@ -113,10 +113,15 @@ def _same_losses(got: list, want: list, what: str) -> None:
 
 
 def _trained_every_step(out: Path, ranks: list[int], steps: int) -> None:
-    """Each of ``ranks`` committed every step exactly once (it never restarted or skipped one)."""
+    """Each of ``ranks`` committed every step below ``steps`` exactly once (it never restarted or
+    skipped one)."""
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
     for r in ranks:
-        done = sorted(row["step"] for row in rows if row["rank"] == r and row["optype"] == "step")
+        done = sorted(
+            row["step"]
+            for row in rows
+            if row["rank"] == r and row["optype"] == "step" and row["step"] < steps
+        )
         assert done == list(range(steps)), f"rank {r} trained steps {done[:5]}..., not each once"
 
 
@@ -535,10 +540,13 @@ def _survivor_slow(dims: ParallelDims, lost: int, step: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["stop", "hang"])
+@pytest.mark.parametrize("fault", ["hang"])
 def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(
     fault, reference, tmp_path
 ):
+    """A hung rank, any rank at any step 5-19, judged by the launcher's hang watch in a real job:
+    its replica is stopped, relaunched and caught up from the survivors, which trained every step,
+    and every loss is the failure-free run's. (A killed rank's rejoin: the both-replicas test.)"""
     dims = ParallelDims(2, 2)
     rng = random.Random()
     rank, step = rng.randrange(dims.world_size), rng.randrange(5, 20)
@@ -577,9 +585,11 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(
 
 @pytest.mark.slow
 def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_path):
+    """A rank's Python exception, said over a real job's control plane, evicts its replica at
+    once; the survivors are not restarted and train every step at the failure-free losses."""
     # the crashed rank says so over the control plane: its replica is evicted at once (the
     # survivors were found hung, and then every replica lost, when only its exit told)
-    rec = _lose_rank_3(tmp_path / "run", 30, "error:rank=3,step=10", "exception", reference)[
+    rec = _lose_rank_3(tmp_path / "run", 20, "error:rank=3,step=10", "exception", reference)[
         "recovery"
     ]
     assert "failures" not in rec and not rec["survivors_restarted"], rec
@@ -589,23 +599,27 @@ def test_a_python_exception_in_a_rank_takes_out_its_replica_only(reference, tmp_
 def test_a_replica_killed_after_a_commit_before_publishing_loses_no_step_of_the_trace(
     reference, tmp_path
 ):
+    """A rank killed between the quorum's commit and its records: the launcher's trace reader, the
+    losses and the summary still have every step (only a real job has that window)."""
     # rank 3 is killed after step 10's update, which the quorum committed with its replica, and
     # before it published step 10's records: the launcher's reader used to wait for them forever,
     # and the trace, the losses and the live loop stopped at step 9
     summary = _lose_rank_3(
-        tmp_path / "run", 30, "stop:rank=3,step=10,during=publish", "exited", reference
+        tmp_path / "run", 20, "stop:rank=3,step=10,during=publish", "exited", reference
     )
     assert summary["members"][10] == [0, 1], summary["members"][:12]  # it died after the commit
     rows = [json.loads(line) for line in (tmp_path / "run" / "ops.jsonl").read_text().splitlines()]
     assert not [r for r in rows if r["rank"] == 3 and r["step"] == 10]  # and before publishing
-    assert summary["steps"] == 30 and summary["first_step"] == 0
+    assert summary["steps"] == 20 and summary["first_step"] == 0
 
 
 @pytest.mark.slow
 def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(reference, tmp_path):
+    """Three replicas of tensor-parallel pairs over gloo: a killed rank's peer and its replica
+    leave, the two survivors' cross-replica sums go on without waiting out a group timeout."""
     dims = ParallelDims(3, 1, 2)
     rank = 3  # replica 1, tensor-parallel rank 1
-    steps = 40  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
+    steps = 20  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
     # three replicas: a survivor in a cross-replica sum may wait on another survivor, not on the lost
     # rank, and leaves it once the step is aborted (it used to wait out the group's timeout: hung)
     rc, summary, err = _run(
@@ -633,6 +647,8 @@ def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(refere
 
 @pytest.mark.slow
 def test_a_second_failure_of_the_returning_replica_is_relaunched_again(reference, tmp_path):
+    """The relaunched replica SIGKILLed while it starts or catches up (a moment only a real job
+    has): it is relaunched again and rejoins, the survivors train every step, the losses kept."""
     out = tmp_path / "run"
     proc = _start(
         out,
@@ -689,6 +705,13 @@ def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(referen
     assert rc == 0, err[-2000:]
     fails = summary["recovery"]["failures"]
     assert [(f["lost_replica"], f["attempt"]) for f in fails] == [(1, 0), (0, 0)], fails
+    # a killed rank's exit is found and its replica relaunched; replica 1 is back, caught up from
+    # replica 0, before replica 0 is lost, and replica 0 trained every step until then
+    assert all(f["cause"] == "exited" and f["relaunched"] for f in fails), fails
+    first = fails[0]
+    assert first["mode"] == "replica" and 6 < (first["rejoined_step"] or 0) <= 45, first
+    assert first["source"] == "peer" and first["catchup_s"] is not None, first
+    _trained_every_step(out, [0, 2], 45)
     _same_losses(summary["losses"], reference, "both replicas in turn")
 
 
@@ -752,6 +775,8 @@ def test_a_killed_warm_agent_server_leaves_every_replica_training_and_a_relaunch
 
 @pytest.mark.slow
 def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_path):
+    """The only live peer killed while it serves a returning replica's catch-up: the job ends
+    with one line, no traceback and no hang (the catch-up stream's loss, in real processes)."""
     out = tmp_path / "run"
     proc = _start(
         out,
@@ -781,6 +806,8 @@ def test_losing_the_replica_that_serves_the_catch_up_stops_with_one_line(tmp_pat
 
 @pytest.mark.slow
 def test_drop_mode_skips_the_lost_replicas_batches(reference, tmp_path):
+    """``--recovery replica-drop`` in a real job: the steps without the lost replica train on the
+    survivor's half of the batch, exactly as one process replaying the recorded membership."""
     rc, summary, err = _run(
         tmp_path / "run",
         "--dp",
@@ -827,8 +854,10 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     """--ckpt-every in replica mode: each checkpoint is written by the lowest replica that trained
     its step. Replica 0 is killed during step 6, so replica 1 alone trains step 7 and writes
     ``step7`` (a relaunch takes seconds, steps a fraction of one); the checkpoint verifies, records
-    the job's layout, and ``--resume`` continues it in other layouts (no replicas; tensor parallel;
-    replicas of one stage, one of them lost again) with the replica run's losses."""
+    the job's layout, and ``--resume`` continues it in other layouts (no replicas; replicas of one
+    stage, one of them lost again) with the replica run's losses. What only a job shows: the
+    checkpoint a lone surviving replica writes is whole. (Resuming into tensor parallel:
+    test_reshard_cli.)"""
     run = tmp_path / "run"
     rc, summary, err = _run(
         run,
@@ -853,20 +882,13 @@ def test_a_member_replica_writes_each_checkpoint_and_it_resumes_in_other_layouts
     assert problem(ckpt) is None and (run / "ckpt" / "step11").exists()
     meta = json.loads((ckpt / "meta.json").read_text())
     assert (meta["dp"], meta["pp"], meta["layer_splits"]) == (2, 2, [[1, 1], [1, 1]]), meta
-    for layout in (["--dp", "1", "--pp", "2"], ["--dp", "1", "--pp", "1", "--tp", "2"]):
-        rc, resumed, err = _run(
-            tmp_path / "-".join(layout),
-            *layout,
-            "--steps",
-            "12",
-            "--recovery",
-            "none",
-            "--resume",
-            str(ckpt),
-        )
-        assert rc == 0, err[-2000:]
-        assert resumed["first_step"] == 8, resumed.get("first_step")
-        _same_losses(resumed["losses"], summary["losses"][8:], f"resumed in {layout}")
+    rc, resumed, err = _run(
+        tmp_path / "dp1-pp2",
+        *("--dp", "1", "--pp", "2", "--steps", "12", "--recovery", "none", "--resume", str(ckpt)),
+    )
+    assert rc == 0, err[-2000:]
+    assert resumed["first_step"] == 8, resumed.get("first_step")
+    _same_losses(resumed["losses"], summary["losses"][8:], "resumed without replicas")
     rc, resumed, err = _run(
         tmp_path / "replicas",
         "--dp",

@@ -194,6 +194,8 @@ def _check(
 def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(
     reference, shm, tmp_path
 ):
+    """A real SIGKILL of the keeper, then of a rank: the launcher starts another keeper over the
+    same files and the restart in place restores from memory at the failure-free losses."""
     proc = _start(
         tmp_path / "run",
         shm,
@@ -219,6 +221,8 @@ def test_sigkill_of_a_rank_after_the_keeper_was_killed_restores_from_memory(
 
 
 def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
+    """A rank ended by SIGTERM (its handler runs, unlike SIGKILL) leaves its last snapshot
+    published: the restart restores it from memory at the failure-free losses."""
     proc = _start(tmp_path / "run", shm, "--dp", "2", "--pp", "1", "--recovery", "restart", *SLOW)
     tier = _tier(shm, proc)
     _published(tier, 1, 1, proc)
@@ -228,6 +232,8 @@ def test_sigterm_of_a_rank_keeps_its_last_snapshot(reference, shm, tmp_path):
 
 
 def test_sigstop_with_corrupted_own_slots_restores_from_the_peer_copy(reference, shm, tmp_path):
+    """A stopped rank (SIGSTOP, judged hung) whose own slots are corrupted on /dev/shm: the restore
+    verifies them, rejects both and takes the keeper's copy held beside its pipeline peer."""
     proc = _start(
         tmp_path / "run",
         shm,
@@ -260,6 +266,8 @@ def _flip(tier: Path, rank: int, slot: str) -> None:
 
 
 def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm, tmp_path):
+    """No slot verifies and no peer holds a copy: the restart falls back to the checkpoint the
+    keeper wrote to disk, one tier down, at the failure-free losses."""
     proc = _start(
         tmp_path / "run",
         shm,
@@ -291,6 +299,8 @@ def test_no_good_slot_anywhere_falls_back_to_the_disk_checkpoint(reference, shm,
 
 
 def test_sigkill_during_the_snapshot_copy_never_publishes_the_slot(shm):
+    """A process SIGKILLed in the middle of its snapshot copy: the keeper never publishes the
+    half-written slot and the older one still verifies."""
     code = f"""
 import os, signal, torch
 from resihp.ckpt.keeper import ensure_keeper
@@ -322,6 +332,8 @@ os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the copy of step 1
 
 
 def test_python_exception_in_a_rank_restarts_from_memory(reference, shm, tmp_path):
+    """A rank's Python exception in a real job is a crash (cause ``exception``): the job restarts in
+    place from the memory tier at the step it failed in."""
     summary = _finish(
         _start(
             tmp_path / "run",
@@ -342,6 +354,8 @@ def test_python_exception_in_a_rank_restarts_from_memory(reference, shm, tmp_pat
 
 
 def test_sigkill_during_the_restore_restarts_again_from_memory(reference, shm, tmp_path):
+    """A rank SIGKILLed inside the restore, after every rank agreed what to load: that relaunch
+    fails too, and the next one restores from memory (the tier survived the half-done restore)."""
     # rank 1 dies at step 3; in the relaunch, rank 0 is SIGKILLed inside the restore, after every
     # rank agreed what to load: that relaunch fails too, and the next one restores from memory
     summary = _finish(
@@ -371,6 +385,8 @@ def test_sigkill_during_the_restore_restarts_again_from_memory(reference, shm, t
 
 
 def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(reference, shm, tmp_path):
+    """Two launchers, one rank each: node 1's rank, keeper and tier are lost; node 1 rejoins the
+    relaunch and its rank's state comes over gloo from the other node's tier."""
     # two simulated nodes, one rank each (data-parallel peers): every rank of node 1 is SIGKILLed
     # and node 1's memory tier is lost with it (its keeper killed, its files gone); node 0 relaunches
     # the job in place, node 1's launcher joins the relaunch, and rank 1 receives rank 0's slot over
@@ -422,6 +438,8 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
 def test_sigterm_of_the_job_leaves_its_newest_snapshot_on_disk_to_resume_from(
     reference, shm, tmp_path
 ):
+    """SIGTERM of the whole job (exit 143): the newest snapshot in memory is written to disk on the
+    way out, and ``--resume`` continues from it at the failure-free losses."""
     # the keeper writes the checkpoints (--ckpt-every with snapshots); none is due before the
     # SIGTERM, so the one the job can resume from is the newest step in memory, written at the end
     out = tmp_path / "run"

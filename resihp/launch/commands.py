@@ -110,7 +110,6 @@ def run_cmd(
 
 
 def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
-    from resihp.launch.live import LiveLoop
     from resihp.launch.supervisor import supervise
     from resihp.model.attention import check_attention
     from resihp.train.engine_snapshots import flush_checkpoints, restartable, start_keeper
@@ -122,7 +121,6 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
     gpus = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
     cfg = cfg.updated(recovery=cfg.resolved_recovery(nnodes, gpus))
     out, steps = Path(cfg.out), cfg.train.steps
-    live = cfg.live.live
     replicas = cfg.faults.recovery.startswith("replica")
     if nnodes > 1 and cfg.checkpoint.ckpt_every and not cfg.checkpoint.ckpt_dir:
         raise InputError(
@@ -137,7 +135,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         folder.retire_previous()
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
         folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
-        loop = LiveLoop(cfg) if live and node_rank == 0 else None
+        loop = _live_loop(cfg) if node_rank == 0 else None
         keeper = start_keeper(
             cfg, node_rank
         )  # the memory tier's keeper (--snapshot-every), restarted if it dies
@@ -248,6 +246,16 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         print(f"resihp: {outcome.error}", file=sys.stderr)
         signum = getattr(signal, outcome.interrupted or "", None)
         raise typer.Exit(128 + int(signum) if signum else 1)
+
+
+def _live_loop(cfg: RunConfig):
+    """The run's live loop, or None without live re-planning: a run with ``--no-live`` does not
+    import the planner and the detector (OR-Tools, networkx, pandas) on its way to its launch."""
+    if not cfg.live.live:
+        return None
+    from resihp.launch.live import LiveLoop
+
+    return LiveLoop(cfg)
 
 
 @contextlib.contextmanager
@@ -520,7 +528,6 @@ def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
     import pandas as pd
 
     from resihp.ckpt.integrity import step_of
-    from resihp.launch.live import LiveLoop
     from resihp.launch.replicas import supervise_replicas
     from resihp.train.elastic import latest_checkpoint, relaunch_config
     from resihp.train.inject import carried_faults
@@ -544,7 +551,7 @@ def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
         if f.kind in ("slow", "link")
     ]
     new = relaunch_config(cfg, ckpt, out / "restart", inject=ahead)
-    loop = LiveLoop(new) if new.live.live else None
+    loop = _live_loop(new)
     t0 = time.time()
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
         again = supervise_replicas(
@@ -738,7 +745,6 @@ def _recover(
     names the checkpoint the survivors resume from."""
     import pandas as pd
 
-    from resihp.launch.live import LiveLoop
     from resihp.launch.supervisor import announce_no_relaunch, supervise
     from resihp.train.elastic import latest_checkpoint, layout_without, reform_around
     from resihp.train.engine_snapshots import flush_checkpoints, start_keeper, stop_keepers
@@ -825,7 +831,7 @@ def _recover(
     )  # the relaunch's own memory tier (elastic.relaunch_config), if it snapshots
     # the relaunch is watched as the launch was: its live loop takes the re-formed layout as the
     # plan in force and re-plans around a slowdown found after it
-    loop = LiveLoop(new) if new.live.live else None
+    loop = _live_loop(new)
     with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
         again = supervise(
             new,
