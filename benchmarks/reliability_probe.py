@@ -346,10 +346,6 @@ class Probe:
                     break
                 forged_n += 1
                 time.sleep(0.02)
-            # meanwhile: a second job into the same run folder (the used-run-folder case)
-            self._used_folder = cli(
-                "run", *SMALL, "--dp", "1", "--steps", "2", "-o", str(out), timeout=120
-            )
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
             rc, _, err = finish(proc, 120)
@@ -366,9 +362,15 @@ class Probe:
         return True, f"{forged_n} forged records; bystander untouched; job exit {rc}"
 
     def used_run_folder(self) -> tuple[bool, str]:
-        proc = getattr(self, "_used_folder", None)
-        if proc is None:
-            raise Skip("runs inside the forged-heartbeat case, which did not reach it")
+        out = self.dir("used") / "run"
+        holder = start("run", *SMALL, "--dp", "1", "--steps", "100000", "-o", str(out))
+        try:
+            if not wait_until(lambda: newest_step(out) >= 0, 120, holder):
+                return False, "the first job did not train"
+            proc = cli("run", *SMALL, "--dp", "1", "--steps", "2", "-o", str(out), timeout=120)
+        finally:
+            holder.send_signal(signal.SIGINT)
+            finish(holder, 120)
         why = one_line(proc.returncode, proc.stderr)
         return why is None and "in use" in proc.stderr, why or proc.stderr.strip()
 
