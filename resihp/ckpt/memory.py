@@ -183,11 +183,12 @@ class MemoryTier:
     # --- capacity ---------------------------------------------------------------------------------
     def check_capacity(self, need_bytes: int, ranks_here: int = 1) -> None:
         """One line if the tier's file system cannot hold ``need_bytes`` for each of
-        ``ranks_here`` ranks (space this rank's slots already hold counts as available)."""
+        ``ranks_here`` ranks, and each one's ``HEADROOM`` (space this rank's slots already hold
+        counts as available)."""
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
         held = sum(self.data_path(s).stat().st_size for s in SLOTS if self.data_path(s).exists())
-        need = max(0, need_bytes * ranks_here - held * ranks_here)
+        need = max(0, need_bytes * ranks_here - held * ranks_here) + HEADROOM * ranks_here
         if need > free:
             raise InputError(
                 f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in {self.dir.parent} "
