@@ -184,13 +184,14 @@ class MemorySnapshots:
             return
         on_disk = newest_on_disk(self.persist_root)
         newest = self.persist_root / f"step{on_disk}" if on_disk >= 0 else "none"
+        held = self.tier.newest_step()
         raise TierFull(
             s.full.dir,
             s.full.need,
             s.full.free,
             f"; the checkpoint of step {lost} is written from it and cannot be: stopped (newest "
             f"good checkpoint: {newest}; newest snapshot in memory: "
-            f"{self.tier.newest_step()})",
+            f"{'none' if held is None else f'step {held}'})",
         )
 
     def finish(self) -> None:
