@@ -100,7 +100,9 @@ def test_a_tier_filling_before_a_checkpoint_due_from_it_stops_in_one_line(
     assert "Traceback" not in err, err[-3000:]
     (line,) = [x for x in err.splitlines() if "cannot be: stopped" in x]
     assert str(tier_root) in line and "a snapshot needs" in line and "MiB is free" in line, line
-    good = candidates(out / "ckpt")[0]
+    found = candidates(out / "ckpt")
+    assert found, (line, err[-2000:])
+    good = found[0]
     assert f"newest good checkpoint: {good}" in line, line
     record = json.loads((out / "run.json").read_text())
     assert record["state"] == "failed"
