@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class InputError(ValueError):
     """Bad user input: a file, field or value that is not of the expected form.
@@ -20,6 +22,14 @@ class SetupError(RuntimeError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
+
+
+NOTE = "resihp: note: "  # a worker's line for the user: its launcher says it too, once
+
+
+def note(message: str) -> None:
+    """Tell the user ``message`` in one line on stderr (from a worker: its launcher repeats it)."""
+    print(f"{NOTE}{' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
 def where(path: object, field: str | None = None) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -28,10 +29,12 @@ from pathlib import Path
 
 from resihp.ckpt.integrity import candidates, step_of
 from resihp.ckpt.memory import (
+    HEADROOM,
     SLOTS,
     VERIFY,
     MemoryTier,
     SlotHeader,
+    free_bytes,
     publish,
     read_json,
     shm_root,
@@ -200,7 +203,10 @@ def request_flush(directory: Path, newest: bool, timeout_s: float = 120.0) -> di
     if keeper_pid(directory) in (None, -1):
         return None
     ident = f"{os.getpid()}-{time.time()}"
-    write_json_atomic(directory / FLUSH, {"id": ident, "newest": newest})
+    try:
+        write_json_atomic(directory / FLUSH, {"id": ident, "newest": newest})
+    except OSError:  # a full tier: no request can reach the keeper (persist_failure says what)
+        return None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         answer = read_json(directory / FLUSHED)
@@ -248,6 +254,7 @@ class Keeper:
         self._persists = False  # a slot asked for a checkpoint: torch and DCP are (being) loaded
         self._owed: set[int] | None = None  # due steps complete at the first look, to write in turn
         self._dirty = False  # a slot was published or a checkpoint finished since the last look
+        self._full = False  # the tier had no room for the last header it wrote
         if warm:
             self._warm()
 
@@ -322,12 +329,32 @@ class Keeper:
             pending = sorted(self.dir.glob("rank*.pending.json"))
         except OSError:
             return False
+        if self._full and free_bytes(self.dir) < HEADROOM:
+            pending = []  # still no room: no checksum of a slot it cannot publish
         for path in pending:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self._hold_if_due(path)
                 if publish(self.dir, path) is not None:
                     self.published += 1
                     self._dirty = True
+            except FileNotFoundError:
+                pass
+            except (
+                OSError
+            ) as exc:  # a full tier: the slot stays pending, published once there is room
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if not self._full:
+                    print(
+                        f"resihp keeper: memory tier {self.dir} is full: {path.name} waits to be "
+                        f"published",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                self._full = True
+                break
+        else:
+            self._full = self._full and not pending
         request = self.dir / VERIFY
         if request.exists() and not pending:
             self._release()  # the trainers have stopped: nobody finishes an incomplete checkpoint
@@ -459,9 +486,12 @@ class Keeper:
                 self._release()
         except Exception as exc:
             error = repr(exc)
-        write_json_atomic(
-            self.dir / FLUSHED, {"id": request.get("id"), "step": step, "error": error}
-        )
+        with contextlib.suppress(
+            OSError
+        ):  # a full tier: the job's end finds no answer, and says so
+            write_json_atomic(
+                self.dir / FLUSHED, {"id": request.get("id"), "step": step, "error": error}
+            )
         (self.dir / FLUSH).unlink(missing_ok=True)
 
 
@@ -610,5 +640,20 @@ def _full(headers: list) -> bool:
 
 def persist_failure(directory: Path) -> dict | None:
     """The first checkpoint the keeper of ``directory`` could not write (``step``, ``error``,
-    ``disk_full``), or None."""
-    return read_json(Path(directory) / PERSIST_FAILED)
+    ``disk_full``), or None; a due slot still pending at the job's end (a full tier left no room
+    to publish it) is one too."""
+    failed = read_json(Path(directory) / PERSIST_FAILED)
+    if failed is not None:
+        return failed
+    stuck = []
+    for path in Path(directory).glob("rank*.pending.json"):
+        data = read_json(path) or {}
+        if ((data.get("persist") or {}).get("due")) and isinstance(data.get("step"), int):
+            stuck.append(data["step"])
+    if not stuck:
+        return None
+    return {
+        "step": min(stuck),
+        "error": f"the memory tier {directory} had no room to publish its snapshot",
+        "disk_full": True,
+    }

@@ -15,12 +15,15 @@ of another rank's newest slot, kept for ranks without a data-parallel peer):
   (a kill in the middle of it) leaves a slot that nothing uses, never a torn one.
 
 Space is reserved up front (``posix_fallocate``), so a full ``/dev/shm`` is one line at start, not
-a SIGBUS in the middle of a copy.
+a SIGBUS in the middle of a copy. A tier that fills while the job runs (another process, or a slot
+that grows) is found before each snapshot (:meth:`MemoryTier.lack`): that snapshot is not taken
+(:class:`TierFull`), and the slots already published stay as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import time
@@ -40,6 +43,7 @@ VERIFY = "VERIFY"  # a request to the keeper: check every slot now (the trainers
 VERIFIED = "verified.json"  # its verdicts
 ALIGN = 64
 CRC_CHUNK = 1 << 24  # crc32 in 16 MiB pieces (zlib releases the GIL on large buffers)
+HEADROOM = 1 << 20  # what a snapshot needs beside its bytes: its pending file, header and holds
 
 
 def shm_root() -> Path:
@@ -136,6 +140,28 @@ def _holder(path: Path) -> int | None:
         return os.getpid()  # written but not filled yet: held, by someone alive
 
 
+class TierFull(RuntimeError):
+    """The memory tier's file system has no room for a snapshot (one line: the tier, the bytes it
+    needs and those free)."""
+
+    def __init__(self, directory: Path, need: int, free: int, then: str = "") -> None:
+        self.dir, self.need, self.free = Path(directory), need, free
+        super().__init__(
+            f"memory tier {self.dir} is full: a snapshot needs {_mib(need)} and {_mib(free)} "
+            f"is free{then}"
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def free_bytes(directory: Path) -> int:
+    """The bytes free for an unprivileged writer on ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 class MemoryTier:
     """One rank's view of its node's tier: its slots, and the headers of every slot there."""
 
@@ -157,11 +183,12 @@ class MemoryTier:
     # --- capacity ---------------------------------------------------------------------------------
     def check_capacity(self, need_bytes: int, ranks_here: int = 1) -> None:
         """One line if the tier's file system cannot hold ``need_bytes`` for each of
-        ``ranks_here`` ranks (space this rank's slots already hold counts as available)."""
+        ``ranks_here`` ranks, and each one's ``HEADROOM`` (space this rank's slots already hold
+        counts as available)."""
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
         held = sum(self.data_path(s).stat().st_size for s in SLOTS if self.data_path(s).exists())
-        need = max(0, need_bytes * ranks_here - held * ranks_here)
+        need = max(0, need_bytes * ranks_here - held * ranks_here) + HEADROOM * ranks_here
         if need > free:
             raise InputError(
                 f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in {self.dir.parent} "
@@ -170,6 +197,17 @@ class MemoryTier:
                 f"{free / 2**20:.0f} MiB is free; enlarge it (mount -o remount,size=... /dev/shm), "
                 f"set RESIHP_SHM to a larger tmpfs, or snapshot less state"
             )
+
+    def lack(self, slot: str, nbytes: int) -> TierFull | None:
+        """Whether writing ``nbytes`` into ``slot`` would find the file system full: the bytes
+        the slot's file does not hold yet, plus ``HEADROOM``, against those free."""
+        try:
+            held = self.data_path(slot).stat().st_blocks * 512
+        except OSError:
+            held = 0
+        need = max(0, nbytes - held) + HEADROOM
+        free = free_bytes(self.dir)
+        return TierFull(self.dir, need, free) if need > free else None
 
     # --- writing (the trainer) ----------------------------------------------------------------------
     def open_slot(self, slot: str, nbytes: int) -> np.memmap:
@@ -187,6 +225,8 @@ class MemoryTier:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise TierFull(self.dir, nbytes, free_bytes(self.dir)) from None
                 raise InputError(
                     f"--snapshot-every: cannot reserve {nbytes / 2**20:.0f} MiB for a "
                     f"snapshot slot in {self.dir} ({exc.strerror}); enlarge /dev/shm"
@@ -205,11 +245,14 @@ class MemoryTier:
         """Make ``slot`` writable: wait until the keeper has published its previous content (its
         pending file is gone) and no longer holds it for a checkpoint (a slot of a checkpoint step
         is held from before its publication; a hold whose keeper died is void), then unlink its
-        header, so that a slot cut short is never read. Returns the seconds waited for the hold."""
+        header, so that a slot cut short is never read. Returns the seconds waited for the hold.
+        Raises :class:`TierFull` at once where the keeper cannot publish for lack of room."""
         pending = self.pending_path(slot)
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
         while pending.exists():
+            if free_bytes(self.dir) < HEADROOM:  # the keeper cannot write the header
+                raise TierFull(self.dir, HEADROOM, free_bytes(self.dir))
             if keeper_alive is not None:
                 keeper_alive()
             if time.monotonic() > deadline:
@@ -235,8 +278,18 @@ class MemoryTier:
         return time.monotonic() - t0
 
     def mark_written(self, header: SlotHeader) -> None:
-        """The slot's bytes are complete: hand them to the keeper to checksum and publish."""
-        write_json_atomic(self.pending_path(header.slot), header.to_dict())
+        """The slot's bytes are complete: hand them to the keeper to checksum and publish
+        (:class:`TierFull` if there is no room for the request)."""
+        try:
+            write_json_atomic(self.pending_path(header.slot), header.to_dict())
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            with contextlib.suppress(OSError):
+                self.pending_path(header.slot).with_name(
+                    f".{self.pending_path(header.slot).name}.tmp"
+                ).unlink()
+            raise TierFull(self.dir, HEADROOM, free_bytes(self.dir)) from None
 
     def close(self) -> None:
         self._maps.clear()

@@ -21,6 +21,7 @@ No process group: the keeper is one process and writes the node's whole checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -207,6 +208,9 @@ def write_checkpoint(
     tier = MemoryTier(directory, -1)
     holds = [tier.hold_path(h.slot, h.rank) for h in headers]
     for path in holds:
+        with contextlib.suppress(OSError):
+            if path.read_text() == str(os.getpid()):
+                continue  # held already (a full tier may have no room to write it again)
         path.write_text(str(os.getpid()))
     try:
         # a slot of a due step is held from before its publication, and its trainer waits for the

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, plan_shards
+from resihp.ckpt.memory import SLOTS, MemoryTier, SlotHeader, TierFull, plan_shards
+from resihp.errors import note
 from resihp.model.gpt import ADAM_KEYS, ensure_adam_state
 
 RNG_KEY = "rng.torch"
@@ -83,6 +84,7 @@ class Snapshotter:
         self._next = tier.free_slot()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._full_copy: tuple[int, str, TierFull] | None = None  # a copy not handed on: no room
         self._hooked: torch.optim.Optimizer | None = None
         self._hook = None
         self.blocked_s: list[float] = []  # per snapshot: how long the trainer waited for it
@@ -91,6 +93,9 @@ class Snapshotter:
         self.held_s: list[float] = []  # per snapshot: the wait for the keeper to release the slot
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pinned: dict[str, tuple[int, int, bool]] = {}  # slot -> (address, bytes, pinned)
+        self.skipped: list[int] = []  # the steps whose snapshot the full tier had no room for
+        self.full: TierFull | None = None  # why the newest of them was not taken
+        self._last_step: int | None = None  # the step of the snapshot before this one
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0
@@ -113,8 +118,9 @@ class Snapshotter:
         layout: dict,
         persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None,
         tensors: list[tuple[str, torch.Tensor]] | None = None,
-    ) -> None:
-        """Start copying this rank's state after step ``step`` into the free slot.
+    ) -> bool:
+        """Start copying this rank's state after step ``step`` into the free slot; False if the
+        tier has no room for it (:class:`~resihp.ckpt.memory.TierFull`: not taken, said once).
 
         Args:
             step: the step just finished.
@@ -130,12 +136,19 @@ class Snapshotter:
         self.fence()
         self.attach(optimizer)
         slot = self._next
-        with self.held():
-            self.held_s.append(self.tier.begin_write(slot, self.timeout_s, self.keeper_alive))
         if tensors is None:
             tensors = state_tensors(model, optimizer)
         shards, nbytes = plan_shards(tensors)
-        buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
+        try:
+            full = self.tier.lack(slot, nbytes)
+            if full is not None:
+                raise full
+            with self.held():
+                self.held_s.append(self.tier.begin_write(slot, self.timeout_s, self.keeper_alive))
+            buf = torch.from_numpy(self.tier.open_slot(slot, nbytes))
+        except TierFull as exc:
+            self._skip(step, exc)
+            return False
         header = SlotHeader(
             self.tier.rank,
             slot,
@@ -162,7 +175,22 @@ class Snapshotter:
         )
         self._thread.start()
         self._next = SLOTS[1 - SLOTS.index(slot)]
+        self._last_step = step
         self.blocked_s.append(time.perf_counter() - t0)
+        return True
+
+    def _skip(self, step: int, full: TierFull) -> None:
+        """A snapshot the full tier has no room for is not taken; the first of a run of them is
+        said in one line (the slots published before stay, the newest is named)."""
+        if not self.skipped or self.skipped[-1] != self._last_step:
+            newest = self.tier.newest_step()
+            note(
+                f"{full}; snapshots go on without it from step {step} until there is room "
+                f"(newest snapshot in memory: {'none' if newest is None else f'step {newest}'})"
+            )
+        self.skipped.append(step)
+        self.full = full
+        self._last_step = step
 
     @property
     def pinned(self) -> bool | None:
@@ -205,6 +233,8 @@ class Snapshotter:
                             )
                     stream.synchronize()
             self.tier.mark_written(header)
+        except TierFull as exc:  # the slot stays unpublished (its header was removed before)
+            self._full_copy = (header.step, header.slot, exc)
         except BaseException as exc:  # handed to the trainer at the fence
             self._error = exc
         self.copy_s.append(time.perf_counter() - t0)
@@ -221,6 +251,10 @@ class Snapshotter:
         self._thread = None
         if self.blocked_s:
             self.blocked_s[-1] += time.perf_counter() - t0
+        if self._full_copy is not None:
+            (step, slot, full), self._full_copy = self._full_copy, None
+            self._next = slot  # written again next time: the other slot keeps the newest published
+            self._skip(step, full)
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"snapshot copy failed: {error}") from error

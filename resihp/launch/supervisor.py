@@ -20,6 +20,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -34,7 +35,7 @@ from resihp.ckpt.integrity import remove_partial
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import FINISHED, HeartbeatMonitor, NodeAggregator
 from resihp.detect.records import JOB_SECRET_ENV, RECORDS
-from resihp.errors import InputError
+from resihp.errors import NOTE, InputError
 from resihp.launch.launch import forks_workers, torchrun_command, worker_env
 from resihp.launch.warm import WARM_AGENTS, AgentProcess
 from resihp.opstrace import TRACE_STREAM
@@ -550,8 +551,9 @@ def drain_stderr(
 ) -> None:
     """The workers' lines (per-step progress, warnings, errors) into OUT/logs/workers.log (each
     prefixed with ``tag``) and ``lines`` (only the last ``keep_last``, if given); if the log cannot
-    be written (a full disk) the pipe is still drained, or the workers would block."""
-    keep = None
+    be written (a full disk) the pipe is still drained, or the workers would block. A worker's
+    note to the user (``resihp: note: ...``, a memory tier gone full) is said here too, each once."""
+    keep, said = None, set()
     with contextlib.suppress(OSError):
         (out / "logs").mkdir(exist_ok=True)
         keep = open(out / "logs" / "workers.log", "a", buffering=1)  # noqa: SIM115 - closed below
@@ -563,6 +565,9 @@ def drain_stderr(
                 with contextlib.suppress(OSError):
                     keep.close()
                 keep = None
+        if line.startswith(NOTE) and line not in said:
+            said.add(line)
+            print(line.rstrip("\n"), file=sys.stderr, flush=True)
         lines.append(line.rstrip("\n"))
         if keep_last:
             del lines[:-keep_last]

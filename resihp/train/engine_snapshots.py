@@ -15,13 +15,14 @@ from pathlib import Path
 from resihp.ckpt.keeper import (
     ensure_keeper,
     left_tiers,
+    newest_on_disk,
     persist_failure,
     reclaim_dead_tiers,
     request_flush,
     request_verify,
     stop_keeper,
 )
-from resihp.ckpt.memory import MemoryTier, plan_shards, shm_root, tier_dir
+from resihp.ckpt.memory import MemoryTier, TierFull, plan_shards, shm_root, tier_dir
 from resihp.ckpt.snapshot import Restored, Snapshotter, restore, state_tensors
 from resihp.detect.events import Event
 from resihp.detect.heartbeat import KEEPER_WAIT
@@ -96,6 +97,7 @@ class MemorySnapshots:
         self.cfg, self.engine, self.job_id = cfg, engine, job_id
         self.persist_root = persist_root
         self._blocks: tuple[tuple, list] | None = None  # (model, optimizer, plan version) -> blocks
+        self._due: set[int] = set()  # the steps the keeper writes a checkpoint from
         self.dir: Path = tier_dir(job_id, node)
         self.tier = MemoryTier(self.dir, engine.rank)
         holder = copy_holder(engine, engine.rank, local_ranks)
@@ -165,9 +167,37 @@ class MemorySnapshots:
                 if self.persist_root is not None
                 else None
             )
+            if ckpt:
+                self._due.add(step)
             self.snapshotter.snapshot(
                 step, e.model, e.optimizer, layout_of(e, self.cfg, self.job_id), request
             )
+        self.check()
+
+    def check(self) -> None:
+        """Stop (:class:`TierFull`, one line) if the full tier had no room for a snapshot the
+        keeper was to write a checkpoint from: that checkpoint would be lost without a word. A
+        snapshot alone is not taken, and training goes on (the snapshotter says so once)."""
+        s = self.snapshotter
+        lost = next((step for step in s.skipped if step in self._due), None)
+        if lost is None or s.full is None:
+            return
+        on_disk = newest_on_disk(self.persist_root)
+        newest = self.persist_root / f"step{on_disk}" if on_disk >= 0 else "none"
+        held = self.tier.newest_step()
+        raise TierFull(
+            s.full.dir,
+            s.full.need,
+            s.full.free,
+            f"; the checkpoint of step {lost} is written from it and cannot be: stopped (newest "
+            f"good checkpoint: {newest}; newest snapshot in memory: "
+            f"{'none' if held is None else f'step {held}'})",
+        )
+
+    def finish(self) -> None:
+        """The last step's snapshot complete (:meth:`check` once more)."""
+        self.snapshotter.fence()
+        self.check()
 
     def _request(self, tensors: list, due: bool) -> dict:
         """What the keeper needs to write these tensors into a universal checkpoint."""

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from resihp.ckpt.integrity import prune
+from resihp.ckpt.memory import TierFull
 from resihp.cli_options import add_arguments, from_command_line
 from resihp.detect.heartbeat import HeartbeatSender, NodeAggregator
 from resihp.errors import InputError, disk_full
@@ -429,6 +430,8 @@ def run(cfg: RunConfig) -> None:
             publisher.publish(engine.rec.take_new())
             if boundary is not None:
                 boundary.check()  # a SIGTERM during the step ends the rank here, its snapshot kept
+        if memory is not None:
+            memory.finish()
         phase = "done"
     finally:
         if memory is not None:
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         _tell("input", str(exc))
         print(f"resihp: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except NonFiniteLoss as exc:
+    except (NonFiniteLoss, TierFull) as exc:
         _tell("stop", str(exc))
         print(f"resihp: stop: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
