@@ -92,8 +92,9 @@ def main() -> None:
         name = getattr(full, "filename", None)
         where = f" writing {name}" if name else ""
         print(
-            f"resihp: disk full{where} ({getattr(full, 'strerror', None) or 'No space left on device'}); "
-            f"free space and run again",
+            f"resihp: disk full{where} "
+            f"({getattr(full, 'strerror', None) or 'No space left on device'}); "
+            "free space and run again",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -89,7 +89,8 @@ def tree_options(tree: type, defaults: Any | None = None) -> Callable[[F], F]:
 
 
 def tree_from_options(tree: type, options: dict[str, Any]) -> Any:
-    """The tree from a verb's ``**options`` (comma-separated numbers parsed, unset lists dropped)."""
+    """The tree from a verb's ``**options`` (comma-separated numbers parsed, unset lists
+    dropped)."""
     return build(tree, from_command_line(tree, options), "options")
 
 

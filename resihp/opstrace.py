@@ -145,8 +145,10 @@ def _parse_seq_lens(value: object) -> list[int] | None:
 
 
 def read_ops_trace(path: str | Path) -> pd.DataFrame:
-    """Read and validate an ops trace (Parquet or CSV). Rows come back sorted by step, rank, time."""
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    """Read and validate an ops trace (Parquet or CSV). Rows come back sorted by step, rank,
+    time."""
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     path = Path(path)
     try:
@@ -190,7 +192,8 @@ def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
     ``ops.parquet``, else its per-rank ``ops.rank<R>.parquet`` files merged, else the per-rank
     JSON-lines streams a running job appends to (``ranks/rank<R>.jsonl``; a line still being
     written is left out)."""
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     folder = Path(folder)
     meta = folder / "job.yaml"
@@ -222,7 +225,8 @@ def _plain(value: object) -> object:
 
 
 def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
@@ -242,7 +246,8 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
             raise InputError(
-                f"{source}: column {col} row {row}: expected an integer, got {_plain(df[col].iloc[row])!r}"
+                f"{source}: column {col} row {row}: expected an integer, got "
+                f"{_plain(df[col].iloc[row])!r}"
             )
         if col in REQUIRED:
             df[col] = values.astype(np.int64)
@@ -263,7 +268,8 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
             raise InputError(
-                f"{source}: column {col} row {row}: expected a number, got {_plain(df[col].iloc[row])!r}"
+                f"{source}: column {col} row {row}: expected a number, got "
+                f"{_plain(df[col].iloc[row])!r}"
             )
         df[col] = values.astype(np.float64)
     if (df[["step", "rank", "dp_rank", "stage"]] < 0).any().any():

@@ -2,8 +2,8 @@
 and bounds, so that the CLI, the workers and the checks all read one definition.
 
 A field declared with :func:`opt` carries that in its metadata. A *section* is a dataclass of such
-fields with a ``SECTION`` name; a tree is a dataclass of sections (and plain fields). Errors name the
-field by its path and flag: ``parallel.dp (--dp): expected an integer >= 1, got 0``.
+fields with a ``SECTION`` name; a tree is a dataclass of sections (and plain fields). Errors name
+the field by its path and flag: ``parallel.dp (--dp): expected an integer >= 1, got 0``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def opt(
 
     ``flag`` defaults to the field name with dashes; ``cli=False`` keeps it out of the command line
     (set only through a config file); ``minimum``/``maximum`` bound numbers, ``above`` from below
-    and exclusive (None allowed when the default is None); ``decls`` are extra spellings (``-o``)."""
+    and exclusive (None allowed when the default is None); ``decls`` are extra spellings
+    (``-o``)."""
     meta = {
         "help": help,
         "flag": flag,

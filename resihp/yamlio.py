@@ -2,8 +2,9 @@
 
 Aliases (``*name``) are refused: a few hundred bytes of nested aliases expand to gigabytes (the
 "billion laughs"), and none of resihp's files needs them. A key given twice in one mapping is
-refused too (which of two values a user meant is not for resihp to guess). Files are bounded in size. ``check_keys``
-refuses keys a schema does not know, naming the key (and the known key it probably meant)."""
+refused too (which of two values a user meant is not for resihp to guess). Files are bounded in
+size. ``check_keys`` refuses keys a schema does not know, naming the key (and the known key it
+probably meant)."""
 
 from __future__ import annotations
 

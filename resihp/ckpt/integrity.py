@@ -1,6 +1,7 @@
 """Checkpoint integrity: a manifest of every file (size and sha256) written last and atomically, a
-check of it before any byte of a checkpoint is trusted, and a reader of torch.distributed.checkpoint's
-pickled ``.metadata`` that admits only DCP's own metadata types (a crafted pickle cannot run code).
+check of it before any byte of a checkpoint is trusted, and a reader of
+torch.distributed.checkpoint's pickled ``.metadata`` that admits only DCP's own metadata types (a
+crafted pickle cannot run code).
 
 A checkpoint is written into a hidden temporary folder beside its final name; the manifest is
 written last, every file and the folder are fsynced, and one ``rename`` makes it visible. A folder
@@ -47,7 +48,8 @@ def _files(directory: Path) -> list[Path]:
 
 
 def write_json_atomic(path: Path, data: object) -> None:
-    """``path`` holds either its old content or all of ``data``, never a part (temp, fsync, rename)."""
+    """``path`` holds either its old content or all of ``data``, never a part (temp, fsync,
+    rename)."""
     write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False))
 
 
@@ -356,7 +358,8 @@ def newest_good(
 
 
 def remove_partial(root: str | Path) -> None:
-    """Hidden temporary checkpoint folders under ``root`` left by a job that died while writing one."""
+    """Hidden temporary checkpoint folders under ``root`` left by a job that died while writing
+    one."""
     for tmp in Path(root).glob(".step*"):
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)

@@ -253,7 +253,8 @@ class Keeper:
 
     def _adopt_holds(self) -> None:
         """A predecessor's holds (a keeper replaced while it was stopped) become this keeper's:
-        their checkpoints are still owed, and the trainers keep those slots until they are written."""
+        their checkpoints are still owed, and the trainers keep those slots until they are
+        written."""
         holds = list(self.dir.glob("rank*.persisting"))
         for hold in holds:
             with contextlib.suppress(OSError):
@@ -339,9 +340,10 @@ class Keeper:
             self._flush(flush)
         return bool(pending)
 
-    # --- checkpoints to disk (resihp.ckpt.persist) ----------------------------------------------------
+    # --- checkpoints to disk (resihp.ckpt.persist) ------------------------------------------------
     def _warm(self) -> None:
-        """Load torch and DCP in the background, so that the first checkpoint does not wait for them."""
+        """Load torch and DCP in the background, so that the first checkpoint does not wait for
+        them."""
         self._persists = True
         self._persisting = threading.Thread(
             target=_load_persist, name="resihp-persist-import", daemon=True
@@ -590,8 +592,8 @@ def reclaim_dead_tiers(exclude: Path | None = None) -> list[LeftTier]:
             shutil.rmtree(tier.path, ignore_errors=True)
             gone.append(tier)
             print(
-                f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
-                f"MiB; its owner PID {tier.owner_pid} is gone)",
+                f"resihp: removed the memory tier {tier.path} of a dead job "
+                f"({tier.nbytes / 2**20:.0f} MiB; its owner PID {tier.owner_pid} is gone)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -164,14 +164,14 @@ class MemoryTier:
         need = max(0, need_bytes * ranks_here - held * ranks_here)
         if need > free:
             raise InputError(
-                f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in {self.dir.parent} "
-                f"({ranks_here} rank(s) x {need_bytes / 2**20:.0f} MiB: two slots, and the copies a rank "
-                f"keeps) but "
-                f"{free / 2**20:.0f} MiB is free; enlarge it (mount -o remount,size=... /dev/shm), "
-                f"set RESIHP_SHM to a larger tmpfs, or snapshot less state"
+                f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in "
+                f"{self.dir.parent} ({ranks_here} rank(s) x {need_bytes / 2**20:.0f} MiB: two "
+                f"slots, and the copies a rank keeps) but {free / 2**20:.0f} MiB is free; "
+                "enlarge it (mount -o remount,size=... /dev/shm), set RESIHP_SHM to a larger "
+                "tmpfs, or snapshot less state"
             )
 
-    # --- writing (the trainer) ----------------------------------------------------------------------
+    # --- writing (the trainer) --------------------------------------------------------------------
     def open_slot(self, slot: str, nbytes: int) -> np.memmap:
         """This rank's slot ``slot`` as ``nbytes`` bytes mapped from the shared file (space
         reserved; a smaller file grows, a larger one shrinks)."""
@@ -241,7 +241,7 @@ class MemoryTier:
     def close(self) -> None:
         self._maps.clear()
 
-    # --- reading ------------------------------------------------------------------------------------
+    # --- reading ----------------------------------------------------------------------------------
     def headers(self) -> list[SlotHeader]:
         """Every published header in the tier (any rank's)."""
         found = []
@@ -260,7 +260,8 @@ class MemoryTier:
 
     def read(self, header: SlotHeader, writable: bool = False) -> np.ndarray | None:
         """The bytes of a published slot (mapped; read-only unless ``writable``, which torch
-        wants of an array it wraps), or None if the file is missing or shorter than its header says."""
+        wants of an array it wraps), or None if the file is missing or shorter than its header
+        says."""
         path = self.data_path(header.slot, header.rank)
         try:
             if path.stat().st_size < header.nbytes:

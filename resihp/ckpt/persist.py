@@ -12,8 +12,9 @@ A slot of a due step is held (``rankR.S.persisting``, naming the keeper's PID) f
 publication until the keeper has copied its blocks out (one pass over memory; the keeper holds that
 copy, the size of the state it writes, while it writes); a trainer about to overwrite that slot, two
 snapshots later, waits for the hold (``MemoryTier.begin_write``), which is the only way persisting
-can hold training up. Files go to the page cache, then are synced. A checkpoint cut short (the keeper killed while writing) stays a hidden
-``.stepN.partial`` folder that nothing reads; the checkpoints already on disk are not touched.
+can hold training up. Files go to the page cache, then are synced. A checkpoint cut short (the
+keeper killed while writing) stays a hidden ``.stepN.partial`` folder that nothing reads; the
+checkpoints already on disk are not touched.
 
 No process group: the keeper is one process and writes the node's whole checkpoint (DCP's
 ``no_dist``), with a planner that lays out every rank's blocks by their global offsets.
@@ -112,9 +113,9 @@ def blocks_of(
     rank: int,
     write: bool = True,
 ) -> list[Block]:
-    """Where each of this rank's snapshot tensors (``local``: ``resihp.ckpt.snapshot.state_tensors``)
-    goes in a universal checkpoint: its placed state's blocks (model and AdamW state, when
-    ``write``) and its RNG state as ``rng.torch.rank<R>``."""
+    """Where each of this rank's snapshot tensors (``local``:
+    ``resihp.ckpt.snapshot.state_tensors``) goes in a universal checkpoint: its placed state's
+    blocks (model and AdamW state, when ``write``) and its RNG state as ``rng.torch.rank<R>``."""
     by_storage = {t.untyped_storage().data_ptr(): (key, t) for key, t in local}
     out = []
     for key, value in (placed_state(model, optimizer, tp, cfg) if write else {}).items():

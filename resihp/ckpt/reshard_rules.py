@@ -74,9 +74,9 @@ RULES = (
     Rule(
         "rng.torch",
         KEPT,
-        "each rank's torch generator state is restored in the same layout; in "
-        "another one it is re-derived from (seed, step, the rank's data/pipeline/tensor coordinates), "
-        "as no rank's stream maps onto a rank of the new layout",
+        "each rank's torch generator state is restored in the same layout; in another one it is "
+        "re-derived from (seed, step, the rank's data/pipeline/tensor coordinates), as no rank's "
+        "stream maps onto a rank of the new layout",
     ),
 )
 

@@ -239,7 +239,7 @@ class Snapshotter:
             self.tier.close()
 
 
-# --- restore ----------------------------------------------------------------------------------------
+# --- restore --------------------------------------------------------------------------------------
 @dataclass
 class Restored:
     step: int  # the snapshot's step: training goes on at step + 1

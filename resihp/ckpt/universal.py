@@ -153,7 +153,7 @@ def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
     return flat
 
 
-# --- format 1 --------------------------------------------------------------------------------------
+# --- format 1 -------------------------------------------------------------------------------------
 def _v1_key(name: str, tp: TPContext) -> str:
     return f"{name}@tp{tp.rank}of{tp.size}" if tp.size > 1 and split_of(name) else name
 

@@ -4,7 +4,8 @@
   median is slow.
 - ``RelativeScoreDetector``: the relative performance score of NVIDIA's resiliency extension
   (straggler detection): every ``report_every`` steps, score = reference (median over ranks of each
-  rank's median time in the window) / the rank's median time; below ``threshold`` (0.75) is a straggler.
+  rank's median time in the window) / the rank's median time; below ``threshold`` (0.75) is a
+  straggler.
 - ``IterationChangePointDetector``: Greyhound-style, a change-point test on the job's raw iteration
   time (slowest rank's step time); at an alarm the rank whose time rose most is named.
 

@@ -1,18 +1,19 @@
 """A one-sided CUSUM change-point test run side by side over many series (one per rank), in numpy.
 
-Each series is first calibrated on its own healthy steps (robust centre and spread of the log value),
-then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at zero; the
-sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The onset is the most likely start
-of a raised level among the steps since the sum last left zero (on a noisy series the sum often
-leaves zero a few healthy steps before the change, and those steps would also dilute the slowdown).
-While a series is healthy its centre follows slow drift.
+Each series is first calibrated on its own healthy steps (robust centre and spread of the log
+value), then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at
+zero; the sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The onset is the most
+likely start of a raised level among the steps since the sum last left zero (on a noisy series the
+sum often leaves zero a few healthy steps before the change, and those steps would also dilute the
+slowdown). While a series is healthy its centre follows slow drift.
 
 A series whose level rises inside its calibration window (a fault that began before the detector
-had a baseline; banks made with ``rises``, the ranks' own work) would otherwise take a mix of its healthy and slow steps as its centre and spread:
-its slowdown understated, its noise inflated and every later change hidden. Each calibration window
-is therefore also fitted with two levels (the split that leaves the least absolute residual); where
-the later level is a rise the CUSUM would have found had the earlier one been the baseline, the
-series calibrates on the earlier steps and is in alarm from the split.
+had a baseline; banks made with ``rises``, the ranks' own work) would otherwise take a mix of its
+healthy and slow steps as its centre and spread: its slowdown understated, its noise inflated and
+every later change hidden. Each calibration window is therefore also fitted with two levels (the
+split that leaves the least absolute residual); where the later level is a rise the CUSUM would have
+found had the earlier one been the baseline, the series calibrates on the earlier steps and is in
+alarm from the split.
 
 ``k``, ``h`` and the clip are per series: a quiet series keeps the configured ones; a noisy one gets
 thresholds from its own calibration dispersion (``DetectorConfig``: target slowdown, false-alarm run
@@ -191,7 +192,8 @@ class CusumBank:
         tmp = self._scratch()
         z = np.divide(dev, self.sigma, out=tmp[0])
         k, h = self.k, self.h
-        # np.minimum/np.maximum, not np.clip: the same values, several times faster with array bounds
+        # np.minimum/np.maximum, not np.clip: the same values, several times faster with array
+        # bounds
         clipped = np.maximum(z, np.negative(self.clip, out=tmp[1]), out=tmp[1])
         np.minimum(clipped, self.clip, out=clipped)
         s_new = np.add(self.s, clipped)
@@ -219,7 +221,8 @@ class CusumBank:
         self.run_n[a[~ar]] = 0
         self.s = s_new
 
-        # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
+        # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move
+        # it)
         calm = live & ~alarmed & ~in_run
         if cfg.baseline_rate > 0 and calm.any():
             rate = cfg.baseline_rate
@@ -361,8 +364,8 @@ class CusumBank:
 
     def min_detectable(self) -> np.ndarray:
         """Per series, the smallest slowdown found within ``detect_within`` steps at its noise
-        as calibrated (NaN before calibration): the shift whose CUSUM drift ``shift - k`` covers ``h`` (plus
-        Siegmund's overshoot) in that many steps, and at least ``min_slowdown``."""
+        as calibrated (NaN before calibration): the shift whose CUSUM drift ``shift - k`` covers
+        ``h`` (plus Siegmund's overshoot) in that many steps, and at least ``min_slowdown``."""
         cfg = self.cfg
         shift = self.k + (self.h + _OVERSHOOT) / cfg.detect_within  # in sigmas
         out = np.exp(np.maximum(shift * self._sigma0 / self.share, self._log_min))

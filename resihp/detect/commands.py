@@ -168,8 +168,9 @@ def detect_cmd(
             if p["step"].nunique() < needed
         ]
         doc.setdefault("warnings", []).append(
-            f"ranks took new places at step(s) {', '.join(str(int(p.step.min())) for p in parts[1:])} "
-            f"(a live re-plan): each layout is judged against baselines learned in it"
+            "ranks took new places at step(s) "
+            f"{', '.join(str(int(p.step.min())) for p in parts[1:])} (a live re-plan): each "
+            "layout is judged against baselines learned in it"
             + (
                 f"; steps {', '.join(short)} are too few for that ({needed} needed)"
                 if short

@@ -1,4 +1,5 @@
-"""Scoring detectors against labelled traces: precision, recall, F1, false alarms, delay, slowdown error.
+"""Scoring detectors against labelled traces: precision, recall, F1, false alarms, delay, slowdown
+error.
 
 A method's false alarms are also given per 10k rank-steps and per day of the job at a stated step
 time; its delays against Lorden's bound, ``2 sigma^2 ln(gamma) / log(f)^2`` for a fault of factor
@@ -8,11 +9,11 @@ the same for every method) and ``gamma`` the method's measured healthy rank-step
 watched after the onset, its own included (``delay + 1``), against the bound or one step, the
 least an alarm takes: at a quiet series' noise the bound is a fraction of a step.
 
-An event matches an injected fault when it is a device-fault event of the same kind on the faulty rank
-(for ``link-slow``: either end of the link) detected between the onset and ``grace`` steps after the
-end. Each fault matches at most once; further events on it are duplicates, not false alarms. Every
-other device-fault event is a false alarm. ``workload-imbalance`` and ``stage-imbalance`` findings are
-not device faults and are never scored as such.
+An event matches an injected fault when it is a device-fault event of the same kind on the faulty
+rank (for ``link-slow``: either end of the link) detected between the onset and ``grace`` steps
+after the end. Each fault matches at most once; further events on it are duplicates, not false
+alarms. Every other device-fault event is a false alarm. ``workload-imbalance`` and
+``stage-imbalance`` findings are not device faults and are never scored as such.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def _int(value: object) -> int | None:
 
 
 def events_json(events: list[Event], steps: int, ranks: int, **extra: object) -> dict:
-    """The ``resihp detect --json`` document: events in detection order, then step and rank counts."""
+    """The ``resihp detect --json`` document: events in detection order, then step and rank
+    counts."""
     ordered = sorted(
         events, key=lambda e: (e.detected_step, e.kind, -1 if e.rank is None else e.rank)
     )

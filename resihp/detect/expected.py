@@ -1,4 +1,5 @@
-"""Adapters from a trained micro-batch predictor to the ``ExpectedCompute`` callable the detector uses."""
+"""Adapters from a trained micro-batch predictor to the ``ExpectedCompute`` callable the detector
+uses."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ Why a hang needs progress, not only beats: a rank stuck in a collective keeps it
 alive. When one rank hangs its peers soon block too (they wait for it), so the monitor blames the
 stalled rank that is not waiting in a communication op (the peers are), as NCCL's flight recorder
 compares what each rank has entered. Ranks that only wait, while another training rank still
-finishes ops, wait for a slow rank (a fail-slow, the detector's to find), not a hung one: no verdict.
+finishes ops, wait for a slow rank (a fail-slow, the detector's to find), not a hung one: no
+verdict.
 """
 
 from __future__ import annotations
@@ -407,10 +408,10 @@ class HeartbeatMonitor:
     rank, ``extra``: node, cause ``exited`` | ``hang`` | ``node``, step, silent_s).
 
     ``hang_timeout_s``: how long a training rank may make no progress before it counts as hung;
-    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default: ``timeout_s``),
-    and a rank that has not finished a step since it was (re)started (its warm-up: compilation,
-    first allocations, a loaded machine) may stall for ``startup_s``. A hang found by a stall is
-    acted on only when the next look, ``confirm_s`` later, finds it still stalled.
+    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default:
+    ``timeout_s``), and a rank that has not finished a step since it was (re)started (its warm-up:
+    compilation, first allocations, a loaded machine) may stall for ``startup_s``. A hang found by a
+    stall is acted on only when the next look, ``confirm_s`` later, finds it still stalled.
     """
 
     def __init__(
@@ -535,8 +536,9 @@ class HeartbeatMonitor:
             if any(
                 v.phase == "train" and v.stalled_s > limit(v) and v.rank not in keeper for v in live
             ):
-                # the candidates: every rank stalled for a while, not only those past the limit (each
-                # node's view is up to an aggregator beat old, so the culprit may read a little less)
+                # the candidates: every rank stalled for a while, not only those past the limit
+                # (each node's view is up to an aggregator beat old, so the culprit may read a
+                # little less)
                 stalled = [
                     v
                     for v in live
@@ -550,15 +552,16 @@ class HeartbeatMonitor:
                     v.phase == "train" and (v.stalled_s <= limit(v) / 2 or v.rank in keeper)
                     for v in live
                 )
-                # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit whatever
-                # its last beat said: it may have stopped inside the very op its peers wait in, a tie
-                # that its step and ops cannot break
+                # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit
+                # whatever its last beat said: it may have stopped inside the very op its peers wait
+                # in, a tie that its step and ops cannot break
                 frozen = [v for v in stalled if v.stopped]
                 if frozen:
                     v = max(frozen, key=lambda v: v.stalled_s)
                     found[v.rank] = ("hang", v.stalled_s)
                 elif idle or not moving:
-                    # the one stuck longest among those not waiting; if all wait, the one furthest behind
+                    # the one stuck longest among those not waiting; if all wait, the one furthest
+                    # behind
                     v = (
                         max(idle, key=lambda v: v.stalled_s)
                         if idle
@@ -627,7 +630,8 @@ class HeartbeatMonitor:
 
 
 def _serve(argv: Sequence[str] | None = None) -> None:
-    """``python -m resihp.detect.heartbeat sender|aggregator ...``: one heartbeat role as a process."""
+    """``python -m resihp.detect.heartbeat sender|aggregator ...``: one heartbeat role as a
+    process."""
     import argparse  # deferred: only this command line needs it
 
     p = argparse.ArgumentParser(prog="python -m resihp.detect.heartbeat")

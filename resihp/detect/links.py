@@ -27,8 +27,8 @@ import numpy as np
 import pandas as pd
 
 SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter")
-# per link and step, this quantile of its messages' transfers (0: the fastest): a host's scheduling delays only
-# lengthen some messages, a slow link every one
+# per link and step, this quantile of its messages' transfers (0: the fastest): a host's scheduling
+# delays only lengthen some messages, a slow link every one
 LINK_QUANTILE = 0.0
 _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 
@@ -66,8 +66,8 @@ def _frame(
 def pipeline_transfers(
     cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
 ) -> np.ndarray | None:
-    """(step x rank) low-quantile transfer seconds per token of the link from each rank's stage to the
-    next one (NaN where none); None when the trace cannot separate transfers from waits (no
+    """(step x rank) low-quantile transfer seconds per token of the link from each rank's stage to
+    the next one (NaN where none); None when the trace cannot separate transfers from waits (no
     ``start_ts`` or ``mb_id``)."""
     if "start_ts" not in cols or "mb_id" not in cols:
         return None

@@ -1,17 +1,18 @@
 """From an ops trace to per-step, per-rank matrices the detector works on.
 
-For each rank and step: ``raw`` (seconds of compute), ``own`` (a low quantile over the rank's compute
-ops of measured / expected cost, i.e. how slow the rank's own work ran, ignoring the ops that were
-inflated by waiting on a neighbour), ``expected`` (seconds the cost model expects; only with a trained
-predictor), ``comm`` (per-token transfer times over the link to the next stage: with ``start_ts``
-the median of its messages with the waits taken out, ``links``; without, a low quantile of forward
-sends and backward receives) and ``sync`` (gradient-collective transfer seconds, ``links``).
+For each rank and step: ``raw`` (seconds of compute), ``own`` (a low quantile over the rank's
+compute ops of measured / expected cost, i.e. how slow the rank's own work ran, ignoring the ops
+that were inflated by waiting on a neighbour), ``expected`` (seconds the cost model expects; only
+with a trained predictor), ``comm`` (per-token transfer times over the link to the next stage: with
+``start_ts`` the median of its messages with the waits taken out, ``links``; without, a low quantile
+of forward sends and backward receives) and ``sync`` (gradient-collective transfer seconds,
+``links``).
 
 The expected cost of an op comes from, in order of preference: a predictor callable given the op's
-packed sequence lengths (or the job's own cost fitted on its calibration window, ``fitted``); analytic
-FLOPs of those lengths; peers that did the same work (the same stage
-and micro-batch slot on the other data-parallel replicas, or with one replica the same micro-batch on
-the other stages); the op's phase alone.
+packed sequence lengths (or the job's own cost fitted on its calibration window, ``fitted``);
+analytic FLOPs of those lengths; peers that did the same work (the same stage
+and micro-batch slot on the other data-parallel replicas, or with one replica the same micro-batch
+on the other stages); the op's phase alone.
 """
 
 from __future__ import annotations
@@ -570,12 +571,12 @@ def _model_costs(
 def _peer_reference(
     ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool, memo: _Memo = _NO_MEMO
 ) -> np.ndarray:
-    """Per op, the lower median of the same op of its peers (with few peers, one slow member must not
-    lift everybody's reference, so the lower, not the mean of the middle two).
+    """Per op, the lower median of the same op of its peers (with few peers, one slow member must
+    not lift everybody's reference, so the lower, not the mean of the middle two).
 
-    Peers are the other stages of the pipeline running the same micro-batch (the same data; needs the
-    waits taken out, since upstream and downstream stages wait differently), else the same stage on
-    the other data-parallel replicas (the same layers and token budget; their data differ).
+    Peers are the other stages of the pipeline running the same micro-batch (the same data; needs
+    the waits taken out, since upstream and downstream stages wait differently), else the same stage
+    on the other data-parallel replicas (the same layers and token budget; their data differ).
     """
     tp = [] if ops.tp_rank is None else [ops.tp_rank]
     replicas = [ops.step, ops.stage, ops.mb_id, ops.op, *tp]
@@ -660,7 +661,8 @@ def _to_matrix(
 
 
 def _distinct_steps(step: np.ndarray) -> np.ndarray:
-    """The sorted distinct step numbers (a window of consecutive steps: by counting, not sorting)."""
+    """The sorted distinct step numbers (a window of consecutive steps: by counting, not
+    sorting)."""
     if not len(step):
         return step[:0]
     lo, hi = int(step.min()), int(step.max())

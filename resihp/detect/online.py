@@ -1,19 +1,20 @@
 """The workload-aware fail-slow detector, fed step by step (live) or a whole trace (offline).
 
 Per rank and step it takes the rank's own-work ratio (measured / expected cost of the ops the rank
-ran; see ``observe``), divides out what all ranks share that step (a job-wide slowdown is not a device
-fault), and runs a per-rank CUSUM against the rank's own healthy baseline. Constant differences that
-were there from the first steps are sorted out at calibration: a whole stage slower than the others is
-``stage-imbalance``; one rank slower than the peers of its stage is a device that was slow from the
-start. A data-parallel replica that took longer only because its data cost more is
-``workload-imbalance``. Transfer times with the waits taken out (``links``) get their own CUSUMs: per
-pipeline link, and per rank in gradient collectives; an alarm is a ``link-slow`` naming both ends
-(``"ranks": [A, B]``) and the traffic (``pipeline`` or ``gradient-sync``), never a fail-slow.
+ran; see ``observe``), divides out what all ranks share that step (a job-wide slowdown is not a
+device fault), and runs a per-rank CUSUM against the rank's own healthy baseline. Constant
+differences that were there from the first steps are sorted out at calibration: a whole stage slower
+than the others is ``stage-imbalance``; one rank slower than the peers of its stage is a device that
+was slow from the start. A data-parallel replica that took longer only because its data cost more is
+``workload-imbalance``. Transfer times with the waits taken out (``links``) get their own CUSUMs:
+per pipeline link, and per rank in gradient collectives; an alarm is a ``link-slow`` naming both
+ends (``"ranks": [A, B]``) and the traffic (``pipeline`` or ``gradient-sync``), never a fail-slow.
 
-The rank's own-work ratio mixes its forward and backward ops (with waits on neighbours, a low quantile
-of them), so a slowdown of one phase alone moves it little. Each phase is therefore also tested on its
-own (``phase_matrices``: forward, backward and the optimizer step): such an alarm is a ``fail-slow``
-of the rank with ``"phase"`` naming the phase, unless the whole rank has alarmed already.
+The rank's own-work ratio mixes its forward and backward ops (with waits on neighbours, a low
+quantile of them), so a slowdown of one phase alone moves it little. Each phase is therefore also
+tested on its own (``phase_matrices``: forward, backward and the optimizer step): such an alarm is a
+``fail-slow`` of the rank with ``"phase"`` naming the phase, unless the whole rank has alarmed
+already.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ Banks = tuple[CusumBank, CusumBank, CusumBank, dict[str, CusumBank]]
 
 
 class OnlineDetector:
-    """``observe(step_df)`` per step, or ``observe_arrays`` with per-rank vectors (the fast path)."""
+    """``observe(step_df)`` per step, or ``observe_arrays`` with per-rank vectors (the fast
+    path)."""
 
     name = "resihp"
 
@@ -527,7 +529,8 @@ class OnlineDetector:
             ev.slowdown = slowdown
 
     def _calibration_findings(self, step: int, ranks: np.ndarray) -> list[Event]:
-        """Differences present from the first steps: stage imbalance, or one rank slow from the start.
+        """Differences present from the first steps: stage imbalance, or one rank slow from the
+        start.
 
         Runs once every rank seen so far has its baseline, over the ranks not yet compared (all of
         them the first time; after ``carried``, the ranks that calibrated afresh). A rank slow from

@@ -110,10 +110,11 @@ def evaluate_suite(
     pp: int = 4,
     step_time_s: float = DEFAULT_STEP_TIME_S,
 ) -> dict:
-    """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance check.
+    """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance
+    check.
 
-    ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on the
-    less informative traces many real jobs record. False alarms per day are of one job at
+    ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on
+    the less informative traces many real jobs record. False alarms per day are of one job at
     ``step_time_s`` seconds a step; delays are against Lorden's bound at the noise resihp
     calibrated on each trace (``evaluate`` module doc).
     """

@@ -262,7 +262,8 @@ class Quorum:
         return [r for r in found if r is not None]
 
     def set_heal_shape(self, member: Member, shape: list[int]) -> None:
-        """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
+        """The serving replica's groups, as tensor-parallel sizes per stage, for returning
+        ``member``."""
         self._put(
             self._key("heal-shape", member.replica, member.attempt),
             {"replica": member.replica, "attempt": member.attempt, "shape": shape},

@@ -82,7 +82,8 @@ def run_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     **options: Any,
 ) -> None:
-    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
+    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults
+    injected.
 
     The options are the run configuration's fields (resihp.train.config.RunConfig), grouped by
     section. The run folder belongs to this job while it runs (a second job into it exits 2);
@@ -294,7 +295,8 @@ def _check_gpus(cfg: RunConfig, nproc_per_node: int) -> None:
 
 
 def _resume_source(path: Path, steps: int) -> Path:
-    """The checkpoint ``--resume`` names (a run folder: its newest that verifies), checked up front."""
+    """The checkpoint ``--resume`` names (a run folder: its newest that verifies), checked up
+    front."""
     from resihp.ckpt.universal import read_meta, resolve  # deferred: torch.distributed.checkpoint
 
     source = resolve(path).resolve()
@@ -411,12 +413,14 @@ def _demo(
     b, d, a = (summary[f"tokens_per_s_{k}"] for k in ("before", "during", "after"))
     print(f"fault: {inject}")
     print(
-        f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)"
+        f"detected at step {summary['detected_step']} "
+        f"(delay {summary['detection_delay_steps']} steps)"
     )
     for c in summary["plan_changes"]:
         print(
             f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
-            f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in {c['solve_s']} s)"
+            f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in "
+            f"{c['solve_s']} s)"
         )
     fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
     rf = summary["recovered_fraction"]
@@ -732,9 +736,9 @@ def _recover(
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
     it as the planner says (else the surviving uniform layout). On several nodes every survivor
     stays on its node (``Nodes.sizes``: the nodes' ranks in order) and the other nodes' launchers
-    join the relaunch node 0 announces (``_follow_relaunches``); where that cannot be (a memory tier,
-    a node with no survivor, no re-formed plan) node 0 tells them there is none, and the summary
-    names the checkpoint the survivors resume from."""
+    join the relaunch node 0 announces (``_follow_relaunches``); where that cannot be (a memory
+    tier, a node with no survivor, no re-formed plan) node 0 tells them there is none, and the
+    summary names the checkpoint the survivors resume from."""
     import pandas as pd
 
     from resihp.launch.live import LiveLoop
@@ -755,7 +759,8 @@ def _recover(
     nodes = nodes or Nodes()
     multi = nodes.nnodes > 1
     if ckpt and not (multi and cfg.snapshot_interval()):
-        # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
+        # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any
+        # change
         trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
         before = trace_step_seconds(trace) if trace is not None else {}
         computed = trace_compute_seconds(trace) if trace is not None else {}
@@ -958,12 +963,13 @@ def ckpt_inspect_cmd(
         return
     for tier in memory:
         print(
-            f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending {tier['pending'] or '-'}"
+            f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending "
+            f"{tier['pending'] or '-'}"
         )
         for s in tier["slots"]:
             print(
-                f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank {s['holder']}, "
-                f"{s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
+                f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank "
+                f"{s['holder']}, {s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
                 + ("checksums match" if s["verified"] else "CHECKSUM MISMATCH")
             )
     if "meta" not in info:
@@ -1001,7 +1007,10 @@ def ckpt_convert_cmd(
     print(
         json.dumps(result)
         if json_out
-        else f"{dst}: {result['tensors']} tensors ({result['joined']} joined from tensor-parallel shards)"
+        else (
+            f"{dst}: {result['tensors']} tensors "
+            f"({result['joined']} joined from tensor-parallel shards)"
+        )
     )
 
 

@@ -62,7 +62,8 @@ def _median_log(rows: list[np.ndarray]) -> np.ndarray:
 
 
 def _absolute(cost_model: str) -> bool:
-    """Whether the detector's own-work levels are against a cost of the op's own (not its peers')."""
+    """Whether the detector's own-work levels are against a cost of the op's own (not its
+    peers')."""
     return cost_model not in ("none", "phase") and "peers" not in cost_model
 
 
@@ -244,12 +245,12 @@ class LiveLoop:
 
     def _revise(self, step: int, open_now: dict) -> None:
         """Re-plan around a rank planned around as slow whose slowdown has since moved by
-        ``ControlConfig.revise`` either way (found one phase or two steps in, it is often priced low), or whose
-        finding has closed (its device at speed again while it still trains). Only while the
-        detector that follows it keeps its baseline: a fresh one (a re-plan moved work) calibrates
-        on the slow rank and takes it over when it finds it slow, against its peers or against
-        that baseline (then its measure is times the slowdown the baseline had, and the finding's
-        close means back to that slowdown; one faster than its baseline is not found)."""
+        ``ControlConfig.revise`` either way (found one phase or two steps in, it is often priced
+        low), or whose finding has closed (its device at speed again while it still trains). Only
+        while the detector that follows it keeps its baseline: a fresh one (a re-plan moved work)
+        calibrates on the slow rank and takes it over when it finds it slow, against its peers or
+        against that baseline (then its measure is times the slowdown the baseline had, and the
+        finding's close means back to that slowdown; one faster than its baseline is not found)."""
         for rank, entry in list(self._priced.items()):
             if entry.detector is not self.detector:
                 del self._priced[rank]
@@ -285,7 +286,8 @@ class LiveLoop:
                 continue
             now *= base
             if now < self.detector.cfg.min_slowdown:
-                continue  # at speed again, or nearly: the episode's close (a step or two on) says so
+                # at speed again, or nearly: the episode's close (a step or two on) says so
+                continue
             if not self.control.found_slow(rank, now, step).replan:
                 continue  # within the revise factor of its price, or re-priced too recently
             self._priced[rank] = Priced(self.detector, now, base)
@@ -305,9 +307,9 @@ class LiveLoop:
         detector, its baselines set at the slowdowns priced) a rank that recovered in part or in
         full was never found: it stayed priced slow and kept too little work. Its slowdown is the
         one it had at its baseline times the level it runs at now (the median of the last
-        ``FASTER_STEPS`` steps); moved ``ControlConfig.revise`` from its price, and by more than the rank's
-        noise, it is re-planned, at full speed once under the detector's least slowdown. A rank
-        the detector has found slow is ``_revise``'s. Not with two ranks in all: each is taken
+        ``FASTER_STEPS`` steps); moved ``ControlConfig.revise`` from its price, and by more than the
+        rank's noise, it is re-planned, at full speed once under the detector's least slowdown. A
+        rank the detector has found slow is ``_revise``'s. Not with two ranks in all: each is taken
         against their median, so one's fall is the other's rise, which the detector reports as
         such (and priced so, the two are even again)."""
         bank = self.detector.compute
@@ -533,8 +535,8 @@ class LiveLoop:
             self._cover(self.groups)
             self.ranges = []  # set below from the new splits, with a fresh detector baseline
         if same_places and self._unchanged(change):
-            # the planner keeps the plan in force (e.g. no split beats it around a slow data-parallel
-            # link): record the decision, hand the job nothing
+            # the planner keeps the plan in force (e.g. no split beats it around a slow
+            # data-parallel link): record the decision, hand the job nothing
             change = {k: v for k, v in change.items() if k not in ("dp_weights", "layer_splits")}
             change["applied"] = "none: the planner keeps the plan in force"
             self.changes.append(change)
@@ -557,7 +559,8 @@ class LiveLoop:
         self._post({k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
 
     def _adopt(self, change: dict) -> None:
-        """Take a change the job applies without this loop (a scheduled one) as the plan in force."""
+        """Take a change the job applies without this loop (a scheduled one) as the plan in
+        force."""
         self.groups, self.weights, self.ranges, moved, resplit = with_change(
             change, self.cfg, self.groups, self.weights, self.ranges, self.world
         )

@@ -103,7 +103,8 @@ def supervise_replicas(
     Complete steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next
     commit carries the newest one to every rank. On several nodes (``nodes``, each holding whole
     replicas) node 0 hosts the store and the quorum and judges every replica; another node runs
-    its replicas and stops or relaunches one when node 0 says so (``replica_launch.serve_replicas``)."""
+    its replicas and stops or relaunches one when node 0 says so
+    (``replica_launch.serve_replicas``)."""
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s
     )
@@ -371,7 +372,8 @@ def supervise_replicas(
                 )
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
-                # the store goes with this process: the other nodes see the end and stop their replicas
+                # the store goes with this process: the other nodes see the end and stop their
+                # replicas
                 end = time.monotonic() + grace_s + 2.0
                 waited = [n for n in range(1, nodes.nnodes) if n not in lost_nodes]
                 while not nodes_left(store, cfg.job_id, waited) and time.monotonic() < end:
@@ -404,7 +406,8 @@ def resumed_step(cfg: RunConfig) -> int:
 
 
 def _members(quorum: Quorum, first_step: int, steps: int) -> list[list[int]]:
-    """The recorded membership: per committed step from ``first_step``, the replicas that trained it."""
+    """The recorded membership: per committed step from ``first_step``, the replicas that trained
+    it."""
     found = []
     for step in range(first_step, steps):
         members = quorum.committed(step)

@@ -37,9 +37,9 @@ def oversubscription(processes: int, device: str = "cpu") -> dict:
     }
     if out["oversubscribed"]:
         out["oversubscribed_note"] = (
-            f"{processes} processes on {cores} cores: ranks take turns on the cores, so tokens/s is "
-            "below what the model runs at on dedicated cores, and a slowed rank that sleeps lends "
-            "its core to the others (measured slowdowns come out smaller than injected)"
+            f"{processes} processes on {cores} cores: ranks take turns on the cores, so tokens/s "
+            "is below what the model runs at on dedicated cores, and a slowed rank that sleeps "
+            "lends its core to the others (measured slowdowns come out smaller than injected)"
         )
     return out
 

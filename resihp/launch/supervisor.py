@@ -817,7 +817,8 @@ def stacks_of_hung(
     into ``OUT/logs/workers.log`` of its node before it is stopped (``lifecycle.dump_stacks``),
     signalled here where it runs on this launcher's ``node``, else asked of its node's launcher on
     the job's ``store`` (``controlplane.ask_for_stacks``) and waited for, at most ``STACKS_WAIT_S``.
-    ``owns``: whether a PID is one this launcher started (``owned``); no signal goes to any other."""
+    ``owns``: whether a PID is one this launcher started (``owned``); no signal goes to any
+    other."""
     view = monitor.views.get(rank)
     if view is None or not view.pid or view.stopped:
         return
@@ -893,8 +894,8 @@ def _reason(outcome: Outcome) -> str | None:
         return None
     if f.extra.get("cause") == "node":
         return (
-            f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped answering "
-            f"at step {f.extra['step']} (node)"
+            f"node {f.extra.get('node')} (rank {f.rank} and its node's other ranks) stopped "
+            f"answering at step {f.extra['step']} (node)"
         )
     if f.extra.get("cause") == "exception":
         return f"rank {f.rank} crashed ({f.extra.get('message')})"

@@ -18,9 +18,10 @@ child but dies with the launcher (``lifecycle.die_with``), not with the server: 
 starts processes, and a server killed mid-run leaves every replica training. The launcher sees the
 agent's end on its pidfd, and its exit status on a pipe the agent writes it to before it exits (or,
 killed by a signal, over multiprocessing's sentinel while the server is there to say it). With the
-server gone, the next launch says so in one line and starts its agent cold, as a new interpreter. As every child of multiprocessing's forkserver, it first
-runs the launcher's main module again as ``__mp_main__``: a script that starts runs through
-``resihp.launch`` itself keeps its work under ``if __name__ == "__main__":``.
+server gone, the next launch says so in one line and starts its agent cold, as a new interpreter. As
+every child of multiprocessing's forkserver, it first runs the launcher's main module again as
+``__mp_main__``: a script that starts runs through ``resihp.launch`` itself keeps its work under
+``if __name__ == "__main__":``.
 
 The server serves a launch only where a forked agent is the same process that launch would start:
 a forked-worker agent (``launch.forks_workers``), and an environment that differs from the
@@ -67,7 +68,8 @@ RUNTIME_ENV = frozenset(
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
         "MASTER_ADDR",
         "GLOO_SOCKET_IFNAME",
-        "RESIHP_KEEPER_OWNER",  # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
+        # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
+        "RESIHP_KEEPER_OWNER",
         "RESIHP_JOB_SECRET",  # records.JOB_SECRET_ENV: the job's secret, made at launch
     }
 )
@@ -136,7 +138,8 @@ def compatible(server_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
 class ForkedAgent:
     """An agent forked by the server, as the launcher uses a ``subprocess.Popen``: ``pid`` (it
     leads a session of its own), ``stderr`` (text), ``poll``, ``wait``, ``returncode``,
-    ``communicate``, ``send_signal``, ``kill``. Its end and status are known with the server gone."""
+    ``communicate``, ``send_signal``, ``kill``. Its end and status are known with the server
+    gone."""
 
     stdin = None
     stdout = None

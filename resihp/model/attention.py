@@ -31,7 +31,8 @@ from resihp.model.config import ATTENTION_KINDS
 
 @dataclass(frozen=True)
 class PackedDocs:
-    """The documents packed into one micro-batch row, and the masks built from them (lazily, once)."""
+    """The documents packed into one micro-batch row, and the masks built from them (lazily,
+    once)."""
 
     seq_lens: tuple[int, ...]
     device: torch.device
@@ -78,7 +79,8 @@ class PackedDocs:
 def per_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int]
 ) -> torch.Tensor:
-    """Causal attention inside each packed sequence, one SDPA call each. q, k, v: [T, heads, dim]."""
+    """Causal attention inside each packed sequence, one SDPA call each. q, k, v: [T, heads,
+    dim]."""
     outputs = []
     for qs, ks, vs in zip(
         q.split(list(seq_lens)), k.split(list(seq_lens)), v.split(list(seq_lens)), strict=True

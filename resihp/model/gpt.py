@@ -27,7 +27,8 @@ ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def ensure_adam_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load into."""
+    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load
+    into."""
     for p in model.parameters():
         state = optimizer.state.setdefault(p, {})
         for k in ADAM_KEYS:

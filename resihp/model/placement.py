@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 def chunk_rows(n: int, tp: int) -> int:
     """Rows per tensor-parallel rank of a dimension of ``n`` split into ``tp`` (the last ranks'
-    shares are padded when ``tp`` does not divide ``n``: a vocabulary padded to a multiple of tp)."""
+    shares are padded when ``tp`` does not divide ``n``: a vocabulary padded to a multiple of
+    tp)."""
     return -(-n // tp)
 
 

@@ -24,7 +24,8 @@ def cpu_name() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:AMD EPYC x1thr``: the kind, the model, CPU threads."""
+    """``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:AMD EPYC x1thr``: the kind, the model, CPU
+    threads."""
     import torch
 
     if device.type == "cuda":

@@ -245,7 +245,8 @@ class MicroBatchPredictor:
     def predict_seq_lens(
         self, seq_lens: Sequence[Sequence[int]], phase: str, shape: TransformerShape
     ) -> np.ndarray:
-        """Seconds for each micro-batch (a list of packed sequence lengths) on ``shape``'s layers."""
+        """Seconds for each micro-batch (a list of packed sequence lengths) on ``shape``'s
+        layers."""
         lengths = length_features(seq_lens)
         shapes = pd.DataFrame({k: np.full(len(lengths), v) for k, v in shape.to_dict().items()})
         flops = flops_features(lengths, shapes, phase)

@@ -22,7 +22,8 @@ against the planner on random faults):
    with the heaviest first. No plan has been found above the bound for it (the exhaustive tests;
    one pipeline of 3-6 devices, every layer split with the heavier stages first, 2-6 micro-batches:
    at most 0.879 of the bound), and at the benchmark's 64 micro-batches moving a layer forward
-   gains nothing; pricing it would loosen the bound by up to ``(S - 1) / 3`` micro-batches a pipeline.
+   gains nothing; pricing it would loosen the bound by up to ``(S - 1) / 3`` micro-batches a
+   pipeline.
 2. ``mu`` is one of the finitely many stage times ``n * c`` or ``n * c + h``; a pipeline whose
    stages all take at most ``mu`` needs enough groups that their layer capacities at ``mu``
    (``floor(mu / c)``, within memory) cover the ``L`` layers with one of them also holding the

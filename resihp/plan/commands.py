@@ -110,8 +110,8 @@ def plan_table(plan, console: Console) -> None:
     console.print(table)
     console.print(
         f"step {plan.step_time_s:.3f} s   {plan.tokens_per_s:,.0f} tokens/s   "
-        f"{plan.bound_ratio:.3f} of the capacity bound ({plan.capacity_tokens_per_s:,.0f} tokens/s)   "
-        f"migration {plan.migration_s:.2f} s   excluded {len(plan.excluded)} ranks   "
+        f"{plan.bound_ratio:.3f} of the capacity bound ({plan.capacity_tokens_per_s:,.0f} "
+        f"tokens/s)   migration {plan.migration_s:.2f} s   excluded {len(plan.excluded)} ranks   "
         f"solver {plan.solver.get('status')} in {plan.solver.get('solve_s', math.nan):.2f} s"
     )
 
@@ -124,7 +124,10 @@ def plan_cmd(
     cluster: Annotated[
         Path,
         typer.Option(
-            help="Cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name (h100-8-degraded)"
+            help=(
+                "Cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name "
+                "(h100-8-degraded)"
+            )
         ),
     ],
     model: Annotated[
@@ -139,7 +142,9 @@ def plan_cmd(
     speed: Annotated[
         list[str] | None,
         typer.Option(
-            help="Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable"
+            help=(
+                "Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable"
+            )
         ),
     ] = None,
     policy: Annotated[

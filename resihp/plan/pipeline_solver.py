@@ -93,7 +93,8 @@ def solve_pipeline(
     replicas: int = 1,
     regroup: bool = True,
 ) -> PipelineSolution | None:
-    """Best re-formation and layer split of the pipeline over home ``groups`` for ``m`` micro-batches.
+    """Best re-formation and layer split of the pipeline over home ``groups`` for ``m``
+    micro-batches.
 
     ``current`` maps a TP group (ranks tuple) of the plan in force to its layer range; it seeds the
     solver's hint and prices migration. ``sync = (floor, seconds)``: the gradient all-reduce waits
@@ -196,8 +197,9 @@ def solve_pipeline(
         if c.ranks in current:
             cb, ce = current[c.ranks]
             ov = mdl.new_int_var(0, max(0, ce - cb), f"ov{j}")
-            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): a range wholly before or after
-            # the old one (an inactive option's candidate, n = 0, sits anywhere) overlaps nothing
+            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): a range wholly before or
+            # after the old one (an inactive option's candidate, n = 0, sits anywhere) overlaps
+            # nothing
             meets = mdl.new_bool_var(f"meets{j}")  # the bounds hold, or the overlap is 0
             mdl.add(ov <= start + n[j] - cb).only_enforce_if(meets)
             mdl.add(ov <= ce - start).only_enforce_if(meets)

@@ -1,4 +1,5 @@
-"""A parallel plan: which ranks form each pipeline stage, its layers, and each replica's micro-batches.
+"""A parallel plan: which ranks form each pipeline stage, its layers, and each replica's
+micro-batches.
 
 JSON form (docs/DESIGN.md): per rank its (dp_rank, stage, tp_rank) or ``excluded``; per pipeline its
 stages with layer ranges ``[start, end)``; per data-parallel replica its micro-batch count; the

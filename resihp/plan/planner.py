@@ -268,7 +268,8 @@ class Planner:
         return self._last
 
     def healthy(self, cluster: ClusterSpec, model: ModelSpec) -> Plan:
-        """The healthy plan of this cluster and model (cached: it is the same at every detection)."""
+        """The healthy plan of this cluster and model (cached: it is the same at every
+        detection)."""
         return self._memo(cluster, model).healthy
 
     def bound(self, cluster: ClusterSpec, model: ModelSpec) -> CapacityBound:

@@ -16,7 +16,8 @@ from resihp.paths import resolve
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
 
 
-# the names in replay.policies.POLICIES (a test keeps them equal), here for --help without the planner
+# the names in replay.policies.POLICIES (a test keeps them equal), here for --help without the
+# planner
 REPLAY_POLICIES = (
     "resihp, checkpoint-restart, oobleck, recycle, greyhound, oobleck+greyhound, recycle+greyhound"
 )
@@ -26,7 +27,10 @@ def replay_cmd(
     scenario: Annotated[
         Path | None,
         typer.Argument(
-            help="Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see traces/scenarios/)"
+            help=(
+                "Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see "
+                "traces/scenarios/)"
+            )
         ),
     ] = None,
     policies: Annotated[

@@ -1,10 +1,10 @@
 """Failure generators driven by published rates and real traces.
 
-- ``llama3``: unexpected interruptions at the rate of the Llama 3 405B pre-training (419 in 54 days on
-  16,384 GPUs; Dubey et al. 2024, Table 5), scaled to the scenario's device count; the cause of each
-  is drawn from the table's counts. Hardware causes (GPU, host, network, unplanned maintenance) take
-  the device out for ``costs.repair``; software causes (dependency, unknown) only kill the process,
-  which comes back after ``costs.restart``.
+- ``llama3``: unexpected interruptions at the rate of the Llama 3 405B pre-training (419 in 54 days
+  on 16,384 GPUs; Dubey et al. 2024, Table 5), scaled to the scenario's device count; the cause of
+  each is drawn from the table's counts. Hardware causes (GPU, host, network, unplanned maintenance)
+  take the device out for ``costs.repair``; software causes (dependency, unknown) only kill the
+  process, which comes back after ``costs.restart``.
 - ``greyhound``: fail-slows at a given frequency (``per_day``, required: the paper reports how many
   jobs saw one, not a per-device rate), with mean duration and mean slowdown from Greyhound's
   Table 1 for the job's size class (Wu et al., ATC 2025). Durations are exponential around the mean;
@@ -47,7 +47,8 @@ def llama3_causes() -> pd.DataFrame:
 
 
 class _Occupancy:
-    """Which devices are busy (slow or stopped) over which intervals, to keep events from overlapping."""
+    """Which devices are busy (slow or stopped) over which intervals, to keep events from
+    overlapping."""
 
     def __init__(self, events: list[FailureEvent]) -> None:
         self.busy: dict[int, list[tuple[float, float]]] = {}

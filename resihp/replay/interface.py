@@ -36,7 +36,8 @@ class Detection:
 @dataclass
 class Reaction:
     """What a policy does: a new layout after ``downtime_s`` seconds without progress; ``rollback``
-    loses the work since the last checkpoint; ``at`` is the index of the observed step it acted at."""
+    loses the work since the last checkpoint; ``at`` is the index of the observed step it acted
+    at."""
 
     layout: ReplicaLayout | None = None
     downtime_s: float = 0.0
@@ -69,10 +70,11 @@ class Window:
     def ops(self) -> pd.DataFrame:
         """The docs/DESIGN.md ops trace of these steps: forward/backward compute of the first
         ``ops_microbatches`` micro-batches of every replica, on every tensor-parallel rank, with
-        ``seq_lens`` and ``tokens``; ``rank`` is the logical rank of ``meta``, ``device`` the device.
+        ``seq_lens`` and ``tokens``; ``rank`` is the logical rank of ``meta``, ``device`` the
+        device.
 
-        Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel peer
-        inside the collectives is not in it), so a slow device shows on its own rank only."""
+        Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel
+        peer inside the collectives is not in it), so a slow device shows on its own rank only."""
         return self._ops()
 
     def columns(self) -> dict[str, np.ndarray]:
@@ -145,7 +147,8 @@ class Context:
     def benchmark(self, device: int) -> float:
         """The speed a short benchmark measures on ``device`` now, relative to a healthy device (0
         when dead): what a real job can run on a device it has excluded and so cannot observe in
-        training. Only for devices out of the plan in force; the others are judged by the detector."""
+        training. Only for devices out of the plan in force; the others are judged by the
+        detector."""
         if self._bench is None:
             raise RuntimeError("benchmark: no engine attached to this context")
         return self._bench(device)

@@ -1,4 +1,5 @@
-"""How a replayed job is laid out on the cluster: replicas, their stages, groups, layers, micro-batches.
+"""How a replayed job is laid out on the cluster: replicas, their stages, groups, layers,
+micro-batches.
 
 Replicas may differ (an Oobleck template with fewer stages, a re-planned replica with moved layers),
 so a layout is a list of replicas; ``compile`` groups replicas of the same shape into padded arrays

@@ -1,4 +1,5 @@
-"""Replaying one scenario under several policies: the function the CLI, benchmark and notebook call."""
+"""Replaying one scenario under several policies: the function the CLI, benchmark and notebook
+call."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The vectorised hot path of the replay: a window of steps for one layout and device speeds.
 
 Per step, each pipeline stage's forward and backward time for each of its micro-batches is the cost
-model's compute for that micro-batch (drawn from the real workload's packed micro-batches) divided by
-the stage's speed (its slowest device) times a noise multiplier measured on real jobs, plus the
+model's compute for that micro-batch (drawn from the real workload's packed micro-batches) divided
+by the stage's speed (its slowest device) times a noise multiplier measured on real jobs, plus the
 tensor-parallel all-reduces; the step is the 1F1B critical path of every replica (the schedule of
-``resihp.perf.schedule``), the data-parallel gradient sync and the optimizer, and the slowest replica
-sets the pace. The ops records of a window follow the docs/DESIGN.md contract.
+``resihp.perf.schedule``), the data-parallel gradient sync and the optimizer, and the slowest
+replica sets the pace. The ops records of a window follow the docs/DESIGN.md contract.
 """
 
 from __future__ import annotations
@@ -396,7 +396,8 @@ _OPTYPE = pd.CategoricalDtype(list(COMPUTE_OPTYPES))
 
 
 def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool:
-    """The workload's packed micro-batches, built once per (source, model, budget, seed) and shared."""
+    """The workload's packed micro-batches, built once per (source, model, budget, seed) and
+    shared."""
     m = scenario.model
     budget = budget or m.microbatch_tokens
     key = (

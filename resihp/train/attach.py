@@ -1,4 +1,5 @@
-"""``resihp.attach``: instrument a user's own training loop in a few lines, without touching the model.
+"""``resihp.attach``: instrument a user's own training loop in a few lines, without touching the
+model.
 
     mon = resihp.attach(model, optimizer=opt, out="runs/myjob")
     for batch in loader:
@@ -14,8 +15,8 @@ agent store: nothing shared between nodes but the network; rank 0 writes the run
 rank 0 of each node aggregates its node's heartbeats, ``resihp follow --store`` follows it from
 any machine); in a process started otherwise, rows go to a per-rank JSON-lines stream in ``out``.
 
-Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards) or,
-with ``detect=True``, in a thread of rank 0 (``resihp.train.follow.Follower``): then
+Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards)
+or, with ``detect=True``, in a thread of rank 0 (``resihp.train.follow.Follower``): then
 ``monitor.report()`` gives the current stragglers, ``on_event`` is called with each finding, and
 ``on_fault`` acts on a device fault at the next step boundary on every rank alike ("stop" raises
 ``DeviceFault`` out of ``monitor.step``; a callable, e.g. one saving a checkpoint, is called with
@@ -395,7 +396,8 @@ class _ControlPlane:
         return cls(store, os.environ.get("TORCHELASTIC_RUN_ID", "job"), rec, rank, heartbeat_s)
 
     def lead(self, out: Path, meta: dict) -> None:
-        """Rank 0: announce the job (``resihp follow --store``) and collect the trace into ``out``."""
+        """Rank 0: announce the job (``resihp follow --store``) and collect the trace into
+        ``out``."""
         announce_job(self.store, self.job_id, None, len(self.nodes), len(self.nodes[0]), meta=meta)
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         (out / "controlplane.json").write_text(

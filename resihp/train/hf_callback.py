@@ -1,7 +1,9 @@
 """Hugging Face ``transformers.Trainer`` integration (the optional ``hf`` extra):
 
     from resihp.train.hf_callback import ResihpTrainerCallback
-    trainer = Trainer(model, args, train_dataset=ds, callbacks=[ResihpTrainerCallback(out="runs/hf")])
+    trainer = Trainer(
+        model, args, train_dataset=ds, callbacks=[ResihpTrainerCallback(out="runs/hf")]
+    )
 
 Attaches resihp to the Trainer's model and optimizer when training starts; every optimizer step is a
 resihp step, every forward call a micro-batch whose sequence lengths come from its attention mask

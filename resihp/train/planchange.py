@@ -10,8 +10,9 @@ the engine applies only checked changes.
 tensor-parallel split over ``ranks`` (world ranks in the new layout's rank order; default all of
 them in order); or ``"layout": {"pipelines": [[[ranks of stage 0], ...], ...]}``, per replica per
 stage its tensor-parallel group, replicas free to differ in depth and tensor-parallel size (what
-the planner's plans give); world ranks left out become hot spares. ``dp_weights`` and ``layer_split(s)`` of
-the same change are then read against the new layout (default: equal shares, balanced layers).
+the planner's plans give); world ranks left out become hot spares. ``dp_weights`` and
+``layer_split(s)`` of the same change are then read against the new layout (default: equal shares,
+balanced layers).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class Relayout:
             ranks = data.get("ranks", list(range(dims.world_size)))
             if not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size:
                 raise InputError(
-                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
-                    f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
+                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp "
+                    f"{dims.dp} x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
                 )
             pipelines = tuple(
                 tuple(tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp))

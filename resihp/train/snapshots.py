@@ -53,7 +53,8 @@ class Snapshots:
         every: take a snapshot after every ``every``-th step (1: each step).
         job_id: the job's id (default: torchrun's ``TORCHELASTIC_RUN_ID``).
         node: this node's index (default: torchrun's ``GROUP_RANK``).
-        group: the process group restore agrees over (default: the world; a gloo group for NCCL jobs).
+        group: the process group restore agrees over (default: the world; a gloo group for NCCL
+            jobs).
         dcp_dir: a folder of DCP checkpoints (``stepN``) to fall back on and to write with ``save``.
         timeout_s: how long a snapshot waits for the keeper.
     """

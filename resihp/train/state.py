@@ -82,7 +82,8 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def like(template: Any, saved: torch.Tensor) -> torch.Tensor:
-    """``saved`` (a local shard) in the form of ``template``: a DTensor on its mesh, on its device."""
+    """``saved`` (a local shard) in the form of ``template``: a DTensor on its mesh, on its
+    device."""
     if isinstance(template, DTensor):
         return DTensor.from_local(
             saved.to(template.to_local().device),

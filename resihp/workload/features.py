@@ -127,7 +127,8 @@ class PooledLengths:
 def flops_features(
     lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series | str
 ) -> pd.DataFrame:
-    """Analytic dense and attention FLOPs per row; ``shapes`` has layers/hidden/heads/ffn_hidden/tp."""
+    """Analytic dense and attention FLOPs per row; ``shapes`` has
+    layers/hidden/heads/ffn_hidden/tp."""
     n = len(lengths)
     phases = np.broadcast_to(np.asarray(phase, dtype=object), (n,))
     dense = np.empty(n)

@@ -40,7 +40,8 @@ class TransformerShape:
 
 
 def linear_flops_per_token(shape: TransformerShape) -> float:
-    """Forward FLOPs per token of the dense parts of one layer (QKV, projection, MLP), per TP rank."""
+    """Forward FLOPs per token of the dense parts of one layer (QKV, projection, MLP), per TP
+    rank."""
     h, f = shape.hidden, shape.ffn_hidden
     return 2.0 * (4 * h * h + shape.mlp_matrices * h * f) / shape.tp
 

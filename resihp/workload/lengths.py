@@ -39,7 +39,8 @@ def load_lengths(
                     value = int(text)
                 except ValueError:
                     raise InputError(
-                        f"{path}:{number}: expected one integer sequence length per line, got {text[:40]!r}"
+                        f"{path}:{number}: expected one integer sequence length per line, got "
+                        f"{text[:40]!r}"
                     ) from None
                 if value <= 0:
                     raise InputError(

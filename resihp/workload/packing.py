@@ -23,7 +23,8 @@ def pack_greedy(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[np.nd
         raise InputError(f"sequence lengths must be positive, got {int(seq_lens.min())}")
     if seq_lens.size and seq_lens.max() > budget:
         raise InputError(
-            f"sequence of length {int(seq_lens.max())} exceeds the micro-batch token budget {budget}"
+            f"sequence of length {int(seq_lens.max())} exceeds the micro-batch "
+            f"token budget {budget}"
         )
     batches: list[np.ndarray] = []
     start, used = 0, 0

@@ -96,8 +96,8 @@ class Resihp(Policy):
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
     (``costs.reconfig``, no rollback). Every decision and its threshold is the
     ``resihp.control.Controller``'s (``ControlConfig``), the one the live loop runs. The solver's
-    own time runs beside training and is reported, not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
-    a predictor trained on the replayed device.
+    own time runs beside training and is reported, not charged. Simplified: the planner's cost model
+    is its analytic one at the scenario's MFU, not a predictor trained on the replayed device.
     """
 
     name = "resihp"
