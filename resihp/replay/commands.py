@@ -61,7 +61,17 @@ def replay_cmd(
         ),
     ] = False,
 ) -> None:
-    """Replay a failure scenario under each policy through the one engine and compare throughput."""
+    """Replay a failure scenario under each policy through the one engine and compare throughput.
+
+    Args:
+        scenario: a scenario YAML file, or a shipped scenario's name.
+        policies: comma-separated policy names (empty: all).
+        json_out: print the JSON summary instead of the table.
+        plot: a PNG path for the throughput timelines (None: no plot).
+        seed: the seed of failure generators, workload and noise (None: the scenario's).
+        example: print a complete commented scenario and exit.
+        schema: print every scenario key as Markdown and exit.
+    """
     from rich.console import Console
 
     from resihp.progress import progress_bar

@@ -39,8 +39,9 @@ class MicroBatchPool:
 
     @cached_property
     def lengths(self) -> LengthTable:
-        """``seq_lens`` as the table the records' ``seq_lens`` column codes into
-        (``PooledLengths``): records for many micro-batches index it at once."""
+        """``seq_lens`` as the table the records' ``seq_lens`` column codes into.
+
+        A ``PooledLengths`` column: records for many micro-batches index it at once."""
         return LengthTable(self.seq_lens)
 
 
@@ -51,8 +52,15 @@ def build_pool(
     rng: np.random.Generator,
     budget: int | None = None,
 ) -> MicroBatchPool:
-    """Draw documents from a real length source, chunk to max_seq_len and pack to the token
-    budget."""
+    """Draw documents from a real length source, chunk to max_seq_len and pack to the token budget.
+
+    Args:
+        model: the scenario's model (its shape, ``max_seq_len`` and ``microbatch_tokens``).
+        lengths: the length source's document lengths (tokens).
+        n_microbatches: how many packed micro-batches to draw.
+        rng: the random generator documents are drawn with.
+        budget: tokens per micro-batch (default: the model's ``microbatch_tokens``).
+    """
     budget = budget or model.microbatch_tokens
     batches = packed_microbatches(lengths, n_microbatches, budget, model.max_seq_len, rng)
     tokens = np.array([b.sum() for b in batches], dtype=np.float64)

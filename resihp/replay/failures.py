@@ -131,6 +131,14 @@ def _pair(
 def llama3_events(
     gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
 ) -> list[FailureEvent]:
+    """The events the scenario's ``llama3`` generator draws (Llama 3 interruptions).
+
+    Args:
+        gen: the generator's entry in the scenario (its parameters and line).
+        scenario: the scenario (cluster, duration, costs).
+        rng: the random generator events are drawn with.
+        occ: the devices already busy, so that drawn events do not overlap.
+    """
     _check_keys(gen, scenario, {"scale"})
     scale = _param(gen, scenario, "scale", 1.0)
     n = len(scenario.cluster)
@@ -167,6 +175,14 @@ def llama3_events(
 def greyhound_events(
     gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
 ) -> list[FailureEvent]:
+    """The events the scenario's ``greyhound`` generator draws (Greyhound fail-slows).
+
+    Args:
+        gen: the generator's entry in the scenario (its parameters and line).
+        scenario: the scenario (cluster, duration, costs).
+        rng: the random generator events are drawn with.
+        occ: the devices already busy, so that drawn events do not overlap.
+    """
     _check_keys(gen, scenario, {"per_day", "size_class", "max_factor", "communication"})
     per_day = _param(gen, scenario, "per_day")
     _check_expected(gen, scenario, "per_day", per_day / 86400.0)
@@ -215,6 +231,14 @@ def greyhound_events(
 def alibaba_events(
     gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
 ) -> list[FailureEvent]:
+    """The events the scenario's ``alibaba`` generator draws (a real Alibaba PAI job's slowdowns).
+
+    Args:
+        gen: the generator's entry in the scenario (its parameters and line).
+        scenario: the scenario (cluster, duration, costs).
+        rng: the random generator events are drawn with.
+        occ: the devices already busy, so that drawn events do not overlap.
+    """
     _check_keys(gen, scenario, {"job", "devices", "seconds_per_iteration", "start", "threshold"})
     where = f"{scenario.path}:{gen.line}: generators.alibaba"
     job = int(_param(gen, scenario, "job", minimum=1))

@@ -459,8 +459,10 @@ def _line(data: LineDict, key: str) -> int:
 
 
 def check_fits(scenario: Scenario, where: str) -> None:
-    """The initial layout must fit in device memory: the uniform layout's layer split, each stage
-    with the micro-batches 1F1B keeps in flight, within a device's memory less the reserve."""
+    """Check that the initial layout fits in device memory; else a one-line ``InputError``.
+
+    The uniform layout's layer split, each stage with the micro-batches 1F1B keeps in flight,
+    within a device's memory less the reserve; ``where`` names the scenario in the error."""
     m, p = scenario.model, scenario.parallel
     counts = apportion(m.layers, np.ones(p.pp), minimum=1)
     need = pipeline_memory_gb(m, counts, p.tp, -(-m.microbatches // p.dp))

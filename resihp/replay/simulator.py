@@ -63,11 +63,21 @@ class Simulator:
         start_s: float,
         links: np.ndarray | None = None,
     ) -> Window:
-        """``links``: each device's network link as a fraction of its bandwidth (None: all
-        healthy); a slow one stretches the transfers it takes part in, not compute: its pipeline
-        boundaries and its gradient ring (a ring all-reduce runs at its slowest link, and the step
-        waits for the slowest ring). The detector sees the pipeline transfers (``transfers``); the
-        simulator emits no per-rank collective timings."""
+        """Simulate ``n_steps`` steps of ``compiled`` at the given device speeds, as a window.
+
+        A slow link stretches the transfers it takes part in, not compute: its pipeline boundaries
+        and its gradient ring (a ring all-reduce runs at its slowest link, and the step waits for
+        the slowest ring). The detector sees the pipeline transfers (``transfers``); the simulator
+        emits no per-rank collective timings.
+
+        Args:
+            compiled: the layout in force, compiled.
+            speeds: each device's true speed as a fraction of a healthy one (0: dead).
+            n_steps: steps to simulate.
+            first_step: the number of the window's first step.
+            start_s: the window's start time in seconds.
+            links: each device's network link as a fraction of its bandwidth (None: all healthy).
+        """
         per_group = []
         link_of = np.ones(len(speeds) + 1) if links is None else np.concatenate([links, [1.0]])
         if not compiled.groups:  # no replica left to run
