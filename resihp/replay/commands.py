@@ -62,7 +62,7 @@ def replay_cmd(
     ] = False,
 ) -> None:
     """Replay a failure scenario under each policy through the one engine and compare throughput.
-
+    \f
     Args:
         scenario: a scenario YAML file, or a shipped scenario's name.
         policies: comma-separated policy names (empty: all).
