@@ -160,8 +160,9 @@ def _args_section(doc: str) -> set[str]:
 
 
 def _opens_with_one_short_sentence(doc: str) -> bool:
-    """The first paragraph is one sentence of at most 100 characters."""
-    first = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    """The first paragraph (ended by a blank line, or click's ``\\f`` in a CLI verb) is one
+    sentence of at most 100 characters."""
+    first = " ".join(re.split(r"\n\s*\n|\f", doc.strip(), maxsplit=1)[0].split())
     return 0 < len(first) <= 100 and not re.search(r"(?<!e\.g)(?<!i\.e)[.!?] +[A-Z`(]", first)
 
 
