@@ -80,12 +80,19 @@ class GPTConfig(Section):
             )
 
     def saved_name(self, name: str) -> str:
-        """The global name a parameter is saved and initialised under: a tied LM head is the
-        token embedding, wherever the stage holding it sits."""
+        """The global name a parameter is saved and initialised under.
+
+        A tied LM head is the token embedding, wherever the stage holding it sits."""
         return "embed.weight" if self.tie_embeddings and name == "head.weight" else name
 
     def placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> Placement:
-        """Where a rank's shard of parameter ``name`` sits in its global tensor."""
+        """Where a rank's shard of parameter ``name`` sits in its global tensor.
+
+        Args:
+            name: the parameter's global (saved) name.
+            local_shape: the shard's shape on this rank.
+            tp: the tensor-parallel size.
+        """
         return placement(name, local_shape, tp, self.vocab if self.vocab_parallel else None)
 
     def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:

@@ -1,6 +1,7 @@
-"""Where a tensor-parallel shard sits in its parameter's global tensor: the split of each
-parameter and the padded row split, without torch (the run configuration and the checkpoint
-metadata use it before torch is imported)."""
+"""Where a tensor-parallel shard sits in its parameter's global tensor.
+
+The split of each parameter and the padded row split, without torch (the run configuration and the
+checkpoint metadata use it before torch is imported)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ if TYPE_CHECKING:
 
 
 def chunk_rows(n: int, tp: int) -> int:
-    """Rows per tensor-parallel rank of a dimension of ``n`` split into ``tp`` (the last ranks'
-    shares are padded when ``tp`` does not divide ``n``: a vocabulary padded to a multiple of
-    tp)."""
+    """Rows per tensor-parallel rank of a dimension of ``n`` split into ``tp``.
+
+    The last ranks' shares are padded when ``tp`` does not divide ``n``: a vocabulary padded to a
+    multiple of tp."""
     return -(-n // tp)
 
 
 def chunk_len(n: int, tp: int, rank: int) -> int:
-    """The real (unpadded) rows of ``rank``'s share: torch.chunk's and DTensor's ``Shard`` split."""
+    """The real (unpadded) rows of ``rank``'s share: torch.chunk's and DTensor's ``Shard`` split.
+
+    Args:
+        n: the dimension's rows.
+        tp: the tensor-parallel size.
+        rank: the tensor-parallel rank.
+    """
     per = chunk_rows(n, tp)
     return max(0, min(per, n - rank * per))
 
@@ -42,26 +50,40 @@ VOCAB_PARALLEL = ("embed.weight", "head.weight")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one rank's local tensor sits in its parameter's global tensor, in the global tensor's
-    canonical (saved) shape: a fused parameter is saved as ``(groups, rows, ...)`` and split on
-    dimension 1, so that every tensor-parallel shard is one contiguous block of it (what DCP's chunk
-    metadata and DTensor's ``Shard`` describe), whatever the tensor-parallel size (one block when
-    it is 1). ``dim`` None: replicated."""
+    """Where one rank's local tensor sits in its parameter's global tensor.
+
+    In the global tensor's canonical (saved) shape: a fused parameter is saved as ``(groups, rows,
+    ...)`` and split on dimension 1, so that every tensor-parallel shard is one contiguous block of
+    it (what DCP's chunk metadata and DTensor's ``Shard`` describe), whatever the tensor-parallel
+    size (one block when it is 1). ``dim`` None: replicated."""
 
     global_shape: tuple[int, ...]
     dim: int | None
     groups: int = 1
 
     def local_view(self, local: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-        """``local`` as this rank's block of the canonical global tensor (a view: writes go through;
-        padding rows are left out)."""
+        """``local`` as this rank's block of the canonical global tensor.
+
+        A view: writes go through; padding rows are left out.
+
+        Args:
+            local: this rank's shard.
+            tp: the tensor-parallel size.
+            rank: this rank's tensor-parallel rank.
+        """
         if self.dim is None:
             return local
         view = local.view(self.groups, -1, *local.shape[1:]) if self.groups > 1 else local
         return view.narrow(self.dim, 0, chunk_len(self.global_shape[self.dim], tp, rank))
 
     def block(self, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-        """``rank``'s block of the canonical global tensor ``full``."""
+        """``rank``'s block of the canonical global tensor ``full``.
+
+        Args:
+            full: the global tensor in its canonical shape.
+            tp: the tensor-parallel size.
+            rank: the tensor-parallel rank.
+        """
         if self.dim is None:
             return full
         n = self.global_shape[self.dim]
@@ -83,9 +105,15 @@ def split_of(name: str) -> tuple[int, int] | None:
 def placement(
     name: str, local_shape: tuple[int, ...], tp: int, vocab: int | None = None
 ) -> Placement:
-    """The placement of parameter ``name`` whose local shape on a rank of ``tp`` is ``local_shape``;
-    ``vocab``: the model's (unpadded) vocabulary when the embedding and LM head are
-    vocabulary parallel."""
+    """The placement of parameter ``name`` from its shape on one rank.
+
+    Args:
+        name: the parameter's global name.
+        local_shape: its shape on a rank.
+        tp: the tensor-parallel size.
+        vocab: the model's (unpadded) vocabulary when the embedding and LM head are vocabulary
+            parallel (None: they are not).
+    """
     shape = tuple(local_shape)
     if vocab is not None and name in VOCAB_PARALLEL:
         return Placement((vocab, *shape[1:]), 0)
