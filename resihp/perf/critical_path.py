@@ -1,7 +1,8 @@
 """A pipeline schedule as a networkx DAG and its critical path.
 
-For explaining and checking a step's time (``resihp.perf.schedule`` computes the same times vectorised, without networkx, for the
-hot path and for the runtime's workers, which never import this)."""
+For explaining and checking a step's time (``resihp.perf.schedule`` computes the same times
+vectorised, without networkx, for the hot path and for the runtime's workers, which never import
+this)."""
 
 from __future__ import annotations
 
