@@ -1,4 +1,4 @@
-"""The ``resihp`` command. Each area registers its own verbs; bad input exits 2 with one line."""
+"""The ``resihp`` command: each area registers its own verbs; bad input exits 2 with one line."""
 
 from __future__ import annotations
 
@@ -103,9 +103,10 @@ def main() -> None:
 
 
 def entry() -> None:
-    """The installed ``resihp`` command and ``python -m resihp.cli``: ``main``, then the process
-    ends without finalising torch and the other modules it imported (``resihp.procexit``). Tests
-    call ``main`` in their own process instead."""
+    """The installed ``resihp`` command and ``python -m resihp.cli``.
+
+    ``main``, then the process ends without finalising torch and the other modules it imported
+    (``resihp.procexit``). Tests call ``main`` in their own process instead."""
     run_then_exit(main)
 
 
