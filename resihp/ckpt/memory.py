@@ -1,6 +1,7 @@
-"""The memory tier: per rank two snapshot slots (A and B) as named files in ``/dev/shm``, which
-outlive the process that wrote them (plain files, not ``multiprocessing.shared_memory``, whose
-resource tracker unlinks a segment when its creator is SIGKILLed).
+"""The memory tier: per rank two snapshot slots (A and B) as named files in ``/dev/shm``.
+
+The files outlive the process that wrote them (plain files, not ``multiprocessing.shared_memory``,
+whose resource tracker unlinks a segment when its creator is SIGKILLed).
 
 A tier is one folder per job and node, ``/dev/shm/resihp-<job>-n<node>`` (``RESIHP_SHM`` moves
 the root, for tests). Files, per rank R and slot S (``A``, ``B``, or ``copy``: the explicit replica
@@ -64,9 +65,10 @@ class Shard:
 
 @dataclass
 class SlotHeader:
-    """What a slot holds: whose state (``rank``), of which step, in which layout; ``crc32`` per
-    shard once the keeper has published it; ``holder``: the rank whose memory holds the slot (the
-    owner itself, or the holder of an explicit copy)."""
+    """What a slot holds: whose state (``rank``), of which step, in which layout.
+
+    ``crc32`` per shard once the keeper has published it; ``holder``: the rank whose memory holds
+    the slot (the owner itself, or the holder of an explicit copy)."""
 
     rank: int
     slot: str
@@ -93,9 +95,10 @@ class SlotHeader:
 
 
 def plan_shards(tensors: list) -> tuple[list[Shard], int]:
-    """Offsets for ``tensors`` (``(key, torch.Tensor)`` pairs) in a slot, each aligned to 64
-    bytes; returns the shards and the slot's size. (No torch import here: the keeper starts
-    without it.)"""
+    """Offsets for ``tensors`` (``(key, torch.Tensor)`` pairs) in a slot, each aligned to 64 bytes.
+
+    Returns the shards and the slot's size. (No torch import here: the keeper starts without
+    it.)"""
     shards, offset = [], 0
     for key, t in tensors:
         n = t.numel() * t.element_size()
@@ -156,8 +159,10 @@ class MemoryTier:
 
     # --- capacity ---------------------------------------------------------------------------------
     def check_capacity(self, need_bytes: int, ranks_here: int = 1) -> None:
-        """One line if the tier's file system cannot hold ``need_bytes`` for each of
-        ``ranks_here`` ranks (space this rank's slots already hold counts as available)."""
+        """Raise one line if the tier's file system cannot hold ``need_bytes`` for each rank here.
+
+        For each of ``ranks_here`` ranks; space this rank's slots already hold counts as
+        available."""
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
         held = sum(self.data_path(s).stat().st_size for s in SLOTS if self.data_path(s).exists())
@@ -173,8 +178,9 @@ class MemoryTier:
 
     # --- writing (the trainer) --------------------------------------------------------------------
     def open_slot(self, slot: str, nbytes: int) -> np.memmap:
-        """This rank's slot ``slot`` as ``nbytes`` bytes mapped from the shared file (space
-        reserved; a smaller file grows, a larger one shrinks)."""
+        """This rank's slot ``slot`` as ``nbytes`` bytes mapped from the shared file.
+
+        Space is reserved; a smaller file grows, a larger one shrinks."""
         cached = self._maps.get(slot)
         if cached is not None and cached.shape[0] == nbytes:
             return cached
@@ -202,10 +208,19 @@ class MemoryTier:
         return self.dir / f"rank{self.rank if rank is None else rank}.{slot}.persisting"
 
     def begin_write(self, slot: str, timeout_s: float = 60.0, keeper_alive=None) -> float:
-        """Make ``slot`` writable: wait until the keeper has published its previous content (its
-        pending file is gone) and no longer holds it for a checkpoint (a slot of a checkpoint step
-        is held from before its publication; a hold whose keeper died is void), then unlink its
-        header, so that a slot cut short is never read. Returns the seconds waited for the hold."""
+        """Make ``slot`` writable; returns the seconds waited for the keeper's hold.
+
+        Wait until the keeper has published its previous content (its pending file is gone) and no
+        longer holds it for a checkpoint (a slot of a checkpoint step is held from before its
+        publication; a hold whose keeper died is void), then unlink its header, so that a slot cut
+        short is never read.
+
+        Args:
+            slot: the slot (``A``, ``B`` or ``copy``).
+            timeout_s: how long to wait for the keeper to publish the previous content.
+            keeper_alive: called while waiting (the trainer's heartbeat says it waits on its
+                keeper); None: nothing.
+        """
         pending = self.pending_path(slot)
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
@@ -259,9 +274,10 @@ class MemoryTier:
         return [h for h in self.headers() if h.holder == self.rank]
 
     def read(self, header: SlotHeader, writable: bool = False) -> np.ndarray | None:
-        """The bytes of a published slot (mapped; read-only unless ``writable``, which torch
-        wants of an array it wraps), or None if the file is missing or shorter than its header
-        says."""
+        """The bytes of a published slot, mapped; None if the file is missing or too short.
+
+        Read-only unless ``writable``, which torch wants of an array it wraps; too short is shorter
+        than its header says."""
         path = self.data_path(header.slot, header.rank)
         try:
             if path.stat().st_size < header.nbytes:
@@ -280,8 +296,10 @@ class MemoryTier:
         return all(crc_of(data, s) == c for s, c in zip(header.shards, header.crc32, strict=True))
 
     def checked(self, header: SlotHeader) -> bool | None:
-        """The keeper's verdict on a slot, if it checked this very slot (same step, same
-        publication) after the trainers stopped (:func:`verify_all`); else None."""
+        """The keeper's verdict on a slot, if it checked this very slot; else None.
+
+        This very slot: same step, same publication, checked after the trainers stopped
+        (:func:`verify_all`)."""
         entry = (read_json(self.dir / VERIFIED) or {}).get(
             self.header_path(header.slot, header.rank).name
         )
@@ -308,8 +326,9 @@ class MemoryTier:
 
 
 def verify_all(directory: Path) -> dict:
-    """Check every published slot of a tier against its checksums (the keeper does it while a
-    job relaunches, so that the restoring ranks need not); written to ``verified.json``."""
+    """Check every published slot of a tier against its checksums; written to ``verified.json``.
+
+    The keeper does it while a job relaunches, so that the restoring ranks need not."""
     tier = MemoryTier(directory, -1)
     verdicts = {
         tier.header_path(h.slot, h.rank).name: {
@@ -324,8 +343,10 @@ def verify_all(directory: Path) -> dict:
 
 
 def publish(directory: Path, pending: Path) -> SlotHeader | None:
-    """The keeper's part for one pending slot: checksum its bytes, write the header (atomically),
-    keep the explicit copy it asks for, drop the pending file. None if the pending file is gone."""
+    """The keeper's part for one pending slot; None if the pending file is gone.
+
+    Checksum its bytes, write the header (atomically), keep the explicit copy it asks for, drop the
+    pending file."""
     data = read_json(pending)
     if data is None:
         return None
