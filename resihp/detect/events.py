@@ -10,7 +10,9 @@ NOT_DEVICE_FAULTS = ("workload-imbalance", "stage-imbalance", "shared-link-slow"
 
 @dataclass
 class Event:
-    """One finding. ``rank`` is None for findings about a whole stage or replica. A ``link-slow``
+    """One finding of the detector.
+
+    ``rank`` is None for findings about a whole stage or replica. A ``link-slow``
     names both ends of its link in ``ranks`` (``rank`` is one of them) and its traffic
     (``extra["traffic"]``: ``pipeline`` or ``gradient-sync``)."""
 
@@ -33,8 +35,10 @@ class Event:
 
     @property
     def rank_slowdown(self) -> float:
-        """What the finding costs its rank's step: for a fail-slow of one phase alone
-        (``extra["phase"]``), ``extra["rank_slowdown"]``; otherwise the slowdown itself."""
+        """What the finding costs its rank's step (x).
+
+        For a fail-slow of one phase alone (``extra["phase"]``), ``extra["rank_slowdown"]``;
+        otherwise the slowdown itself."""
         return float(self.extra.get("rank_slowdown", self.slowdown))
 
     def to_dict(self) -> dict:
@@ -61,8 +65,14 @@ def _int(value: object) -> int | None:
 
 
 def events_json(events: list[Event], steps: int, ranks: int, **extra: object) -> dict:
-    """The ``resihp detect --json`` document: events in detection order, then step and rank
-    counts."""
+    """The ``resihp detect --json`` document: events in detection order, then step and rank counts.
+
+    Args:
+        events: the events found.
+        steps: the steps observed.
+        ranks: the ranks observed.
+        **extra: further fields of the document (noise, budget).
+    """
     ordered = sorted(
         events, key=lambda e: (e.detected_step, e.kind, -1 if e.rank is None else e.rank)
     )

@@ -69,8 +69,10 @@ class Observations:
 
     @classmethod
     def joined(cls, parts: Sequence[Observations]) -> Observations:
-        """Parts of one trace in step order (``layout_parts``) as one: each per-rank matrix padded
-        to the widest part's ranks (NaN: no record), one missing in some part NaN there."""
+        """Parts of one trace in step order (``layout_parts``) as one.
+
+        Each per-rank matrix is padded to the widest part's ranks (NaN: no record); one missing in
+        some part is NaN there."""
         if len(parts) == 1:
             return parts[0]
         width = max(o.own.shape[1] for o in parts)
@@ -101,10 +103,18 @@ class Observations:
 
 
 def covering_meta(meta: JobMeta, dp: int, pp: int, tp: int) -> JobMeta:
-    """A job meta whose coordinates take in ``dp`` pipelines, ``pp`` stages and groups of ``tp``
-    where ``meta``'s do not (a layout a live re-plan re-formed: pipelines of other depths, a rank
-    moved to another stage): replicas x the deepest pipeline x the widest group, padded with stages
-    to hold every rank number of ``meta``; ranks the layout leaves out only have no records."""
+    """A job meta whose coordinates take in ``dp`` pipelines, ``pp`` stages and groups of ``tp``.
+
+    For a layout a live re-plan re-formed where ``meta``'s do not (pipelines of other depths, a
+    rank moved to another stage): replicas x the deepest pipeline x the widest group, padded with
+    stages to hold every rank number of ``meta``; ranks the layout leaves out only have no records.
+
+    Args:
+        meta: the job's meta at launch.
+        dp: pipelines of the re-formed layout.
+        pp: its deepest pipeline's stages.
+        tp: its widest tensor-parallel group.
+    """
     if dp <= meta.dp_size and pp <= meta.pp_size and tp <= meta.tp_size:
         return meta
     depth = max(pp, math.ceil(meta.world_size / (dp * tp)))
@@ -112,8 +122,9 @@ def covering_meta(meta: JobMeta, dp: int, pp: int, tp: int) -> JobMeta:
 
 
 def layout_parts(df: pd.DataFrame, meta: JobMeta) -> list[tuple[pd.DataFrame, JobMeta]]:
-    """A trace in parts between the live re-forms of its layout (``replan-layout`` ops: ranks took
-    new places from that step), each with a job meta that covers its places."""
+    """A trace in parts between the live re-forms of its layout, each with a covering job meta.
+
+    A re-form is a ``replan-layout`` op: ranks took new places from that step."""
     starts = sorted(set(df.loc[df["optype"] == "replan-layout", "step"].astype(int)))
     if not starts:
         return [(df, meta)]
@@ -157,7 +168,13 @@ def infer_meta(df: pd.DataFrame) -> JobMeta:
 
 
 def rank_layout(df: pd.DataFrame, meta: JobMeta, source: str = "ops trace") -> RankPlacement:
-    """Each rank's (dp_rank, stage, tp_rank), checked against the job meta."""
+    """Each rank's (dp_rank, stage, tp_rank), checked against the job meta.
+
+    Args:
+        df: the ops trace.
+        meta: the job's meta.
+        source: what errors name as the trace.
+    """
     world = meta.world_size
     for col, limit, name in (
         ("rank", world, "world_size"),
@@ -289,9 +306,11 @@ class _Structure:
 
 
 class StructureMemo:
-    """What ``observe_columns`` derives from the structure of a trace's rows alone (the rows'
-    places, micro-batches and phases, steps relative to the first: the codes, sort orders and table
-    slots of its groupings), kept for the next call on rows of the same structure: a producer
+    """What ``observe_columns`` derives from a trace's row structure, kept for the next call.
+
+    The structure is the rows' places, micro-batches and phases and their steps relative to the
+    first (what is derived: the codes, sort orders and table slots of its groupings); it is kept
+    for the next call on rows of the same structure: a producer
     whose every few steps of records have the same rows, timings apart, reuses its structure
     columns and passes one memo (the replay does, per layout). Rows are of the same structure when
     their structure columns are the very same arrays and their steps the same relative to the first;
@@ -714,8 +733,18 @@ def observe_ops(
     phases: bool = False,
     source: str = "ops trace",
 ) -> Observations:
-    """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps);
-    ``source`` names it in errors."""
+    """Per-step, per-rank matrices from a validated ops trace.
+
+    Args:
+        df: the ops trace (rows of any subset of ranks and steps).
+        meta: the job's meta.
+        expected: the cost model (None: FLOPs, peers or phases).
+        shape: the model's (stage's) shape, for FLOPs (None: lengths only).
+        own_quantile: the quantile of a rank's compute ops that is its own-work ratio where waits
+            on neighbours are left in.
+        phases: also each phase's own work alone (``Observations.phase_own``).
+        source: what errors name as the trace.
+    """
     return observe_columns(
         trace_columns(df),
         meta,
@@ -738,11 +767,22 @@ def observe_columns(
     source: str = "ops trace",
     structure: StructureMemo | None = None,
 ) -> Observations:
-    """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
-    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``,
-    ``seq_lens`` an object array of sequences or a ``PooledLengths`` (codes into a table).
-    ``phases``: also each phase's own work alone (``Observations.phase_own``). ``structure``: what
-    earlier calls on rows of the same structure derived (``StructureMemo``)."""
+    """``observe_ops`` on the trace's columns as arrays (``trace_columns``).
+
+    For a producer that has its op records as arrays already.
+
+    Args:
+        cols: the columns; ``optype`` may be strings or a ``pd.Categorical``, ``seq_lens`` an
+            object array of sequences or a ``PooledLengths`` (codes into a table).
+        meta: the job's meta.
+        expected: the cost model (None: FLOPs, peers or phases).
+        shape: the model's (stage's) shape, for FLOPs (None: lengths only).
+        own_quantile: the quantile of a rank's compute ops that is its own-work ratio where waits
+            on neighbours are left in.
+        phases: also each phase's own work alone (``Observations.phase_own``).
+        source: what errors name as the trace.
+        structure: what earlier calls on rows of the same structure derived (``StructureMemo``).
+    """
     memo = _NO_MEMO if structure is None else structure.bind(cols)
     steps = _distinct_steps(np.asarray(cols["step"]))
     t, w = len(steps), meta.world_size

@@ -1,5 +1,4 @@
-"""Labelled ops traces for evaluating detectors: a 1F1B pipeline-parallel job simulated from real
-parts.
+"""Labelled ops traces for evaluating detectors: a 1F1B pipeline-parallel job from real parts.
 
 - Micro-batches are real packed sequence-length mixes with their real measured forward and backward
   times, taken from a profiling log (``resihp profile``; its thread CPU time where recorded, since
@@ -225,8 +224,13 @@ def _schedule(pp: int, m: int) -> list[tuple[int, str, int]]:
 
 
 def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFrame:
-    """The ops trace of ``job``: compute, point-to-point and gradient-reduction rows for every
-    rank."""
+    """The ops trace of ``job``: compute, point-to-point and gradient-reduction rows of every rank.
+
+    Args:
+        job: the simulated job (layout, steps, injected faults, seed).
+        pool: the measured micro-batches and op noise drawn from.
+        host_noise: healthy per-worker host noise residuals, resampled per rank and step.
+    """
     rng = np.random.default_rng(job.seed)
     t_, d_, p_, m_ = job.steps, job.dp, job.pp, job.microbatches
     layers = job.stage_layers or (pool.layers,) * p_
