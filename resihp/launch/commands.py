@@ -82,13 +82,27 @@ def run_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     **options: Any,
 ) -> None:
-    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults
-    injected.
+    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, faults injected.
 
     The options are the run configuration's fields (resihp.train.config.RunConfig), grouped by
     section. The run folder belongs to this job while it runs (a second job into it exits 2);
     SIGTERM or SIGINT stops the workers within a grace period, keeps the trace and summary written
-    so far and marks the run resumable in OUT/run.json (exit 143 / 130)."""
+    so far and marks the run resumable in OUT/run.json (exit 143 / 130).
+    \f
+    Args:
+        if_busy: when another job holds --out: fail (exit 2) or subfolder (write into a fresh
+            OUT/<job id>).
+        tensorboard: write step time, tokens/s, events and plan changes as TensorBoard scalars under
+            OUT/tensorboard (needs the tensorboard extra).
+        nnodes: nodes in the job (torchrun's option): run this command once per node, each with the
+            same RESIHP_JOB_SECRET.
+        node_rank: this node's rank, 0..nnodes-1; node 0 hosts the job's store, runs the live loop
+            and writes the summary.
+        nproc_per_node: workers on this node (default: dp x pp x tp / nnodes).
+        rdzv_endpoint: HOST:PORT of node 0, where it hosts the job's store (bound to HOST).
+        json_out: print the JSON summary.
+        **options: the run configuration's fields (``RunConfig``), by their flags.
+    """
     if if_busy not in ("fail", "subfolder"):
         raise InputError(f"--if-busy: expected fail or subfolder, got {if_busy!r}")
     cfg = tree_from_options(RunConfig, options)
@@ -376,8 +390,19 @@ def demo_cmd(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
-    """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
-    the planner re-plans and the job applies the new plan while it keeps training."""
+    """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected, found and planned around live.
+
+    The live detector finds it, the planner re-plans and the job applies the new plan while it
+    keeps training.
+    \f
+    Args:
+        out: run folder.
+        steps: training steps (default: the fault's step + 20).
+        inject: the fault to inject, slow:rank=R,factor=F,step=S (default: rank 1, x3, 4 steps after
+            the detector's calibration).
+        plot: plot of throughput per step (default OUT/demo.png).
+        json_out: print the JSON summary.
+    """
     with _warm_agents(RunConfig()):  # the demo trains on the default device
         _demo(out, steps, inject, plot, json_out)
 
@@ -943,9 +968,11 @@ def ckpt_inspect_cmd(
     ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Verify a checkpoint against its manifest (one line saying what is wrong if it does not) and
-    show its step, the layout and job that wrote it, its layers and tensors; and the memory tier's
-    snapshot slots (each one's rank, step, holder and whether its bytes match its checksums)."""
+    """Verify a checkpoint against its manifest and show what it holds.
+
+    One line says what is wrong if it does not verify; else its step, the layout and job that wrote
+    it, its layers and tensors; and the memory tier's snapshot slots (each one's rank, step, holder
+    and whether its bytes match its checksums)."""
     from resihp.ckpt.keeper import find_tiers, inspect_tier
     from resihp.ckpt.universal import inspect
 
@@ -995,8 +1022,17 @@ def ckpt_convert_cmd(
     ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Every tensor as one whole tensor in the model's own shape: a tp-1 checkpoint folder, or one
-    consolidated .pt / .safetensors file (checkpoints load into any layout without this)."""
+    """Every tensor as one whole tensor in the model's own shape, in a folder or one file.
+
+    A tp-1 checkpoint folder, or one consolidated .pt / .safetensors file (checkpoints load into
+    any layout without this).
+    \f
+    Args:
+        src: a checkpoint folder.
+        dst: where to write: a folder (a tp-1 checkpoint any resihp layout loads), or one
+            consolidated file NAME.pt / NAME.safetensors for use outside resihp.
+        json_out: print JSON.
+    """
     from resihp.ckpt.universal import convert
 
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
