@@ -1,7 +1,9 @@
-"""The live loop beside a running job (node 0's launcher): take each complete step's op records
-from the job's control plane (``controlplane.StepReader``, through the supervisor), feed it to the
-online detector (``resihp.detect``), and on a device fault ask the planner (``resihp.plan``) for a
-new plan and hand the part the running job can apply in place to its rank 0 (``control``).
+"""The live loop beside a running job (node 0's launcher): detect, re-plan, hand the plan on.
+
+Take each complete step's op records from the job's control plane (``controlplane.StepReader``,
+through the supervisor), feed it to the online detector (``resihp.detect``), and on a device fault
+ask the planner (``resihp.plan``) for a new plan and hand the part the running job can apply in
+place to its rank 0 (``control``).
 
 Applied in place: per-replica micro-batch shares and per-pipeline layer splits; a plan that
 re-forms tensor-parallel groups, excludes a device (a hot spare), moves ranks between pipelines or
@@ -69,9 +71,11 @@ def _absolute(cost_model: str) -> bool:
 
 @dataclass
 class Priced:
-    """A rank planned around as slow: the detector that follows it, the slowdown priced, and the
-    slowdown it already had when that detector set its baseline (``base``; 1.0: a baseline at
-    speed, or one re-based on its peers), so what the detector measures is ``base`` times over."""
+    """A rank planned around as slow: the detector that follows it, and its slowdowns.
+
+    The slowdown priced, and the slowdown it already had when that detector set its baseline
+    (``base``; 1.0: a baseline at speed, or one re-based on its peers), so what the detector
+    measures is ``base`` times over."""
 
     detector: OnlineDetector
     slowdown: float
@@ -158,9 +162,10 @@ class LiveLoop:
         self._level_ref: tuple[OnlineDetector, np.ndarray] | None = None
 
     def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
-        """Observe complete steps; ``post`` hands a plan change to the job. Never raises: a failure
-        of the detector or planner is kept in ``error`` and stops the loop, while the job trains on
-        with the plan in force."""
+        """Observe complete steps; ``post`` hands a plan change to the job.
+
+        Never raises: a failure of the detector or planner is kept in ``error`` and stops the loop,
+        while the job trains on with the plan in force."""
         self._post = post
         if self.error is not None:
             return
@@ -609,9 +614,10 @@ class LiveLoop:
         )
 
     def as_applied(self, records: list[dict], moved: tuple[str, ...] = ()) -> list[dict]:
-        """Each change with the step the job applied it at (``records``: the job's
-        ``plan_changes.json``) and the record's ``moved`` fields. ``applied`` stays true only
-        with an applied step: a change handed to the job that it never reached a step boundary
+        """Each change with the step the job applied it at and the record's ``moved`` fields.
+
+        ``records``: the job's ``plan_changes.json``. ``applied`` stays true only with an applied
+        step: a change handed to the job that it never reached a step boundary
         for is ``applied: false``."""
         by_id = {r.get("id"): r for r in records}
         out = []
@@ -628,9 +634,12 @@ class LiveLoop:
         return out
 
     def measured_steps(self, applied_steps: list[int | None]) -> list[dict]:
-        """For each change (the step the job applied it at, None: never applied), the median
-        measured step while it was in force (from the step after it until the next change) and
-        its estimate's error against that: ``predicted / measured - 1``."""
+        """For each change, the median measured step while it was in force, and its estimate's
+        error.
+
+        ``applied_steps``: per change the step the job applied it at (None: never applied); in
+        force from the step after it until the next change; the error is ``predicted / measured -
+        1``."""
         starts = sorted(s for s in applied_steps if s is not None)
         out = []
         for change, start in zip(self.changes, applied_steps):
