@@ -23,8 +23,9 @@ from ortools.sat.python import cp_model
 
 
 def deterministic_solver(time_limit_s: float) -> cp_model.CpSolver:
-    """A CP-SAT solver limited to ``time_limit_s`` of deterministic time (at least 0.01), one
-    worker, one presolve iteration."""
+    """A CP-SAT solver limited to ``time_limit_s`` of deterministic time (at least 0.01).
+
+    One worker, one presolve iteration."""
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = max(0.01, time_limit_s)
     solver.parameters.max_time_in_seconds = max(30.0, 20 * time_limit_s)
