@@ -1,6 +1,6 @@
 """Issue 19's done-when, measured: a user's own 2-rank DDP job with resihp attached
-(``examples/ddp_straggler.py`` under torchrun, gloo, a tiny transformer over variable lengths), rank 1
-made x2 slower per token from step 30, beside the identical loop without the slowdown.
+(``examples/ddp_straggler.py`` under torchrun, gloo, a tiny transformer over variable lengths), rank
+1 made x2 slower per token from step 30, beside the identical loop without the slowdown.
 
 Each way of detecting runs on its own job (two detectors at once would load the 2-core machine and
 slow the job they watch): in the job (``--detect``: a rank-0 thread), and ``resihp follow --store``
@@ -10,7 +10,8 @@ cost model before), so the two are compared on the same measurements.
 
 Usage: ``python benchmarks/attach_detection.py [--seeds 3] [--steps 80]``; prints one JSON document:
 per run the events and noise, and per way the largest delay after step 30 and the false alarms
-(an alarm on the healthy job, or one raised before step 30 on the slowed job, whichever rank it names).
+(an alarm on the healthy job, or one raised before step 30 on the slowed job, whichever rank it
+names).
 """
 
 from __future__ import annotations

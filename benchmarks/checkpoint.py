@@ -2,7 +2,8 @@
 ``torch.distributed.checkpoint`` saves and cold-cache loads, on one training loop with at least
 256 MiB of state per rank (parameters and AdamW moments). Prints JSON.
 
-    OMP_NUM_THREADS=1 python benchmarks/checkpoint.py [--quick] [--out benchmarks/results/checkpoint.json]
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint.py [--quick]
+        [--out benchmarks/results/checkpoint.json]
 
 Arms, interleaved in rounds (each round runs every arm for ``--steps`` steps, in a rotated order,
 so the shared machine's drifts hit all alike); medians over rounds:
@@ -215,8 +216,8 @@ def lost_steps_sigkill(layers: int, kills: int, rng: random.Random) -> list[int]
             directory = Path(root) / "resihp-kill-n0"
             ensure_keeper(directory, os.getpid())
             code = (
-                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import checkpoint; "
-                f"checkpoint._kill_child({layers}, {root!r}, 1000)"
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import "
+                f"checkpoint; checkpoint._kill_child({layers}, {root!r}, 1000)"
             )
             child = subprocess.Popen(
                 [sys.executable, "-c", code],

@@ -1,11 +1,12 @@
-"""Detector benchmark: detection quality beside the baselines on labelled traces, and analysis speed.
+"""Detector benchmark: detection quality beside the baselines on labelled traces, and analysis
+speed.
 
 Quality: ``resihp.detect.suite`` (real packed sequence lengths with their measured costs, measured
 noise, injected fail-slows 1.1x-5x and link-slows, healthy jobs, a heavier-stage job), scored for
 resihp and each baseline on the same traces. Pipeline jobs (dp 4 x pp 4) with and without sequence
-lengths and timestamps; data-parallel jobs (dp 8 x pp 1), where replicas run different data, with the
-shipped predictor, the job's own fitted cost (the default), analytic FLOPs, and no lengths at all. Thresholds were set on seed 0; the figures
-are for seed 1.
+lengths and timestamps; data-parallel jobs (dp 8 x pp 1), where replicas run different data, with
+the shipped predictor, the job's own fitted cost (the default), analytic FLOPs, and no lengths at
+all. Thresholds were set on seed 0; the figures are for seed 1.
 Speed: ``OnlineDetector.observe_arrays`` over 16,384 ranks on one core (rank-steps per second), and
 the whole path from an ops DataFrame (``observe_ops`` then ``observe_arrays``) on a simulated
 trace (ops rows and rank-steps per second, conversion alone and the whole path). Medians of repeats.
@@ -192,7 +193,8 @@ def speed_trace_16k(steps: int = 40, calibration: int = 20, repeats: int = 3) ->
 
 
 def predictor_expected():
-    """The shipped predictor (models/<name>/card.json) bound to the profiled shape, else (None, None)."""
+    """The shipped predictor (models/<name>/card.json) bound to the profiled shape, else (None,
+    None)."""
     from resihp.detect.expected import load_expected
     from resihp.workload.flops import TransformerShape
 

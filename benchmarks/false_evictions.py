@@ -2,7 +2,8 @@
 runs on a loaded machine, counting the runs in which a replica was relaunched (no fault was
 injected, so every relaunch is a false verdict). Prints JSON.
 
-    python benchmarks/false_evictions.py --runs 20 --load 2 --out benchmarks/results/false-evictions.json
+    python benchmarks/false_evictions.py --runs 20 --load 2
+        --out benchmarks/results/false-evictions.json
     python benchmarks/false_evictions.py --runs 10 --before /tmp/old-checkout   # against other code
 
 ``--load N`` keeps N busy processes spinning beside the job (the machine's cores shared, as a

@@ -7,10 +7,10 @@
 stack of decoder layers at hidden 2048, at least 1 GiB; bf16 autocast training steps) against a
 synchronous ``dcp.save`` of the same state to the local disk. Arms run in interleaved windows of
 ``--window`` steps with one save in the middle of each (rotated order per round; medians over
-rounds): ``none``, ``snapshot`` (side-stream copy into the slot's pinned shared memory, fenced before
-the next optimizer step; a real keeper process checksums and publishes it) and ``dcp``. Blocked time
-= what the trainer waited (the snapshot call and the fence; the whole ``dcp.save``); overhead =
-window time with the save minus the same round's window without.
+rounds): ``none``, ``snapshot`` (side-stream copy into the slot's pinned shared memory, fenced
+before the next optimizer step; a real keeper process checksums and publishes it) and ``dcp``.
+Blocked time = what the trainer waited (the snapshot call and the fence; the whole ``dcp.save``);
+overhead = window time with the save minus the same round's window without.
 
 ``attach``: a small GPT (bf16 autocast) trained on packed micro-batches of real code lengths, its
 step time without resihp, with ``resihp.attach`` timing by CUDA events (the default on a GPU), and
@@ -62,7 +62,7 @@ def interleaved(window, arms: tuple[str, ...], rounds: int) -> dict[str, list]:
     return out
 
 
-# --- snapshot ---------------------------------------------------------------------------------------
+# --- snapshot -------------------------------------------------------------------------------------
 def snapshot(args: argparse.Namespace) -> dict:
     dev = torch.device("cuda")
     cfg = GPTConfig(layers=args.layers, hidden=2048, heads=16, ffn_hidden=8192, max_seq_len=4096)
@@ -172,7 +172,7 @@ def snapshot(args: argparse.Namespace) -> dict:
     }
 
 
-# --- attach -----------------------------------------------------------------------------------------
+# --- attach ---------------------------------------------------------------------------------------
 def attach(args: argparse.Namespace) -> dict:
     dev = torch.device("cuda")
     cfg = GPTConfig(layers=4, hidden=1024, heads=16, ffn_hidden=4096, vocab=32000, max_seq_len=2048)

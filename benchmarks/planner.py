@@ -9,9 +9,9 @@ all-reduce). ``bound_ratio`` (and each baseline's) is measured against the tight
 (``resihp.plan.bound.tight_bound``: integral layers per stage, whole devices per group, proved an
 upper bound by exhaustive search in the tests); ``loose_bound_ratio`` against the older
 ``capacity_bound`` (the best healthy layout with fractional layers, scaled by the compute left),
-which a plan can pass. ``healthy_ratio`` = tokens/s / (healthy plan's tokens/s x remaining compute fraction),
-i.e. how much of the healthy plan's own efficiency survives the faults. ``solve_s``: median wall time
-(``solve_cpu_s``: CPU time of the process, which a loaded machine does not inflate)
+which a plan can pass. ``healthy_ratio`` = tokens/s / (healthy plan's tokens/s x remaining compute
+fraction), i.e. how much of the healthy plan's own efficiency survives the faults. ``solve_s``:
+median wall time (``solve_cpu_s``: CPU time of the process, which a loaded machine does not inflate)
 of ``Planner.plan`` over repeats (the healthy plan of the cluster cached, as in a running job).
 The planner runs with token budgets (``Planner(token_budgets=True)``); ``whole_microbatches``
 gives the default planner's figures (whole micro-batches only), one run.

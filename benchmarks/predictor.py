@@ -1,15 +1,15 @@
-"""Predictor benchmark on this machine, in one run: calibration time, the device's noise floor before
-and after normalisation, held-out micro-batch MAPE (random split and leave-one-length-source-out)
-for the learned and the linear model with and without normalisation, step-time MAPE against real
-multi-process runs, and prediction throughput. Prints JSON.
+"""Predictor benchmark on this machine, in one run: calibration time, the device's noise floor
+before and after normalisation, held-out micro-batch MAPE (random split and
+leave-one-length-source-out) for the learned and the linear model with and without normalisation,
+step-time MAPE against real multi-process runs, and prediction throughput. Prints JSON.
 
     python benchmarks/predictor.py [--microbatches 60] [--repeats 3] [--steps 12] [--quick]
                                    [--keep DIR]
     python benchmarks/predictor.py --profiles LOG.parquet ...
 
 ``--profiles``: no calibration and no runs here; the accuracy arms on profiling logs measured
-elsewhere (the GPU logs of ``benchmarks/gpu.sh``, ``traces/profiles/cuda-nvidia-h200``): their device
-and versions as recorded, noise floors, held-out MAPE of every target the logs have.
+elsewhere (the GPU logs of ``benchmarks/gpu.sh``, ``traces/profiles/cuda-nvidia-h200``): their
+device and versions as recorded, noise floors, held-out MAPE of every target the logs have.
 
 The calibration is the real ``resihp predictor calibrate`` (its profiles interleave every repeat
 with a reference micro-batch); every arm below is trained and tested on those same profiles.

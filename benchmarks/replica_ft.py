@@ -1,8 +1,10 @@
 """Replica-level fault tolerance benchmark: what a replica failure costs the survivors under
 ``resihp run --recovery replica`` against restarting the whole job, on one harness. Prints JSON.
 
-    OMP_NUM_THREADS=1 python benchmarks/replica_ft.py [--rounds 2] [--out benchmarks/results/replica-ft.json]
-    OMP_NUM_THREADS=1 python benchmarks/replica_ft.py --nodes-only --out benchmarks/results/replica-ft-2nodes.json
+    OMP_NUM_THREADS=1 python benchmarks/replica_ft.py [--rounds 2]
+        [--out benchmarks/results/replica-ft.json]
+    OMP_NUM_THREADS=1 python benchmarks/replica_ft.py --nodes-only
+        --out benchmarks/results/replica-ft-2nodes.json
 
 Every arm is a real ``resihp run`` (DP 2 x PP 2, torchrun workers on gloo, CPU) with the same
 model, data and fault: ``stop:rank=1,step=S`` (SIGKILL of a rank of replica 1). Arms run in
@@ -20,8 +22,8 @@ rounds, in a rotated order, so the machine's drifts hit all alike; medians over 
   disk checkpoint, without the lost rank). Stall = the survivors' time from their last step before
   the failure to the first step after the restart, plus the steps done twice.
 - ``replica-2nodes`` (with ``--nodes``): the ``replica`` arm on two launchers (``--nnodes 2``, one
-  replica each, as on two machines): node 0 judges and evicts replica 1, node 1's launcher relaunches
-  it. ``--nodes-only`` runs just the two replica arms.
+  replica each, as on two machines): node 0 judges and evicts replica 1, node 1's launcher
+  relaunches it. ``--nodes-only`` runs just the two replica arms.
 - ``failure_free``: ``--recovery replica`` against ``--recovery none`` without a fault, the
   overhead of the quorum and the cross-replica groups while training: the steady step period (the
   median over ranks of each rank's median interval between the starts of its steps, from step 3 on:

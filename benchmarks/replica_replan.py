@@ -1,8 +1,10 @@
 """Live re-planning under replica-level fault tolerance: what re-planning around a slow rank buys a
 ``--recovery replica`` job. Prints JSON.
 
-    OMP_NUM_THREADS=1 python benchmarks/replica_replan.py [--rounds 3] [--out benchmarks/results/replica-replan.json]
-    OMP_NUM_THREADS=1 python benchmarks/replica_replan.py --layout tp [--factor 4] [--out .../replica-replan-tp.json]
+    OMP_NUM_THREADS=1 python benchmarks/replica_replan.py [--rounds 3]
+        [--out benchmarks/results/replica-replan.json]
+    OMP_NUM_THREADS=1 python benchmarks/replica_replan.py --layout tp [--factor 4]
+        [--out .../replica-replan-tp.json]
 
 One job, DP 2 x PP 2 (``--layout pp``; rank 1 is replica 1's stage 0) or DP 2 x TP 2 (``--layout
 tp``, the issue's run; rank 1 is replica 0's second tensor-parallel rank), 4 processes, each replica

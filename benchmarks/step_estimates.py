@@ -5,18 +5,19 @@ healthy ranks' present level, ``present_pace``) beside the median step measured 
 force (``measured_step_s``), for real ``resihp run`` jobs
 (torchrun workers on gloo, CPU) with a slow or a dead rank. Prints JSON.
 
-    OMP_NUM_THREADS=1 python benchmarks/step_estimates.py [--out benchmarks/results/step-estimates.json]
+    OMP_NUM_THREADS=1 python benchmarks/step_estimates.py
+        [--out benchmarks/results/step-estimates.json]
         [--jobs N]  # N cases at once: only where the cores outnumber all their ranks
         [--repeats R]  # R interleaved rounds of every case; per-case medians over them
 
 Cases: a slow rank (x3 from step 24, the detector calibrating on the 20 steps before it) in DP 2
 (micro-batch shares), PP 2 (layers moved, the slow rank a spare) and DP 2 x PP 2, with
-``--recovery none`` (every plan applied in full) and in replica mode (shares on the layers in force);
-a dead rank in DP 2 x PP 2 (the survivors re-formed by the planner, paced on the steps before the
-loss). Controls (``healthy-dp2``, ``healthy-pp2``): the same jobs with nothing injected, the
-"estimate" the median step of the 20 calibration steps before step 24 and the "measured" the median
-of the steps a change would be measured on (29-49): the error a perfect cost model would show on
-this machine, i.e. the noise floor of ``step_error`` (``summary.control_abs_step_error``).
+``--recovery none`` (every plan applied in full) and in replica mode (shares on the layers in
+force); a dead rank in DP 2 x PP 2 (the survivors re-formed by the planner, paced on the steps
+before the loss). Controls (``healthy-dp2``, ``healthy-pp2``): the same jobs with nothing injected,
+the "estimate" the median step of the 20 calibration steps before step 24 and the "measured" the
+median of the steps a change would be measured on (29-49): the error a perfect cost model would show
+on this machine, i.e. the noise floor of ``step_error`` (``summary.control_abs_step_error``).
 ``unpaced_error`` is what the estimate would have been without the pacing (the analytic
 costs alone). A job with more ranks than cores (``oversubscribed``) measures the harness more than
 the plan: a rank slowed by sleeps frees a core for the others, which no cost model of a device

@@ -3,7 +3,8 @@ a Trainer subclass that attaches resihp once the model and optimizers are built 
 ``train_step`` in ``monitor.step``; per-micro-batch sequence lengths come from the labels (the
 tokens that are not ``IGNORE_INDEX``, per row) in a forward pre-hook on the first model part.
 
-    torchrun --nproc-per-node 8 examples/torchtitan_attach.py --module llama3 --config llama3_debugmodel
+    torchrun --nproc-per-node 8 examples/torchtitan_attach.py --module llama3
+        --config llama3_debugmodel
     resihp follow runs/torchtitan          # beside the job, or detect=True below for in-process
 
 Not run in resihp's CI (torchtitan is not a dependency); it follows torchtitan's Trainer API as of

@@ -1,4 +1,4 @@
-"""The ``resihp`` command. Each area registers its own verbs; bad input exits 2 with one line."""
+"""The ``resihp`` command: each area registers its own verbs; bad input exits 2 with one line."""
 
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ def main() -> None:
         name = getattr(full, "filename", None)
         where = f" writing {name}" if name else ""
         print(
-            f"resihp: disk full{where} ({getattr(full, 'strerror', None) or 'No space left on device'}); "
-            f"free space and run again",
+            f"resihp: disk full{where} "
+            f"({getattr(full, 'strerror', None) or 'No space left on device'}); "
+            "free space and run again",
             file=sys.stderr,
         )
         sys.exit(1)
@@ -102,9 +103,10 @@ def main() -> None:
 
 
 def entry() -> None:
-    """The installed ``resihp`` command and ``python -m resihp.cli``: ``main``, then the process
-    ends without finalising torch and the other modules it imported (``resihp.procexit``). Tests
-    call ``main`` in their own process instead."""
+    """The installed ``resihp`` command and ``python -m resihp.cli``.
+
+    ``main``, then the process ends without finalising torch and the other modules it imported
+    (``resihp.procexit``). Tests call ``main`` in their own process instead."""
     run_then_exit(main)
 
 

@@ -1,5 +1,7 @@
-"""A configuration tree's leaves as typer options: a verb declares its own few options and takes
-the tree's as ``**options``; the flags, help, choices and defaults come from the tree's fields."""
+"""A configuration tree's leaves as typer options.
+
+A verb declares its own few options and takes the tree's as ``**options``; the flags, help, choices
+and defaults come from the tree's fields."""
 
 from __future__ import annotations
 
@@ -60,8 +62,9 @@ def _option(leaf: Flag, default: Any, tp: Any) -> inspect.Parameter:
 
 
 def tree_options(tree: type, defaults: Any | None = None) -> Callable[[F], F]:
-    """Add the command-line leaves of ``tree`` (defaults from ``defaults``, else ``tree()``) to a
-    verb whose signature ends in ``**options``."""
+    """Add the command-line leaves of ``tree`` to a verb whose signature ends in ``**options``.
+
+    Their defaults come from ``defaults``, else ``tree()``."""
     base = defaults if defaults is not None else tree()
 
     def wrap(func: F) -> F:
@@ -89,7 +92,8 @@ def tree_options(tree: type, defaults: Any | None = None) -> Callable[[F], F]:
 
 
 def tree_from_options(tree: type, options: dict[str, Any]) -> Any:
-    """The tree from a verb's ``**options`` (comma-separated numbers parsed, unset lists dropped)."""
+    """The tree from a verb's ``**options`` (comma-separated numbers parsed, unset lists
+    dropped)."""
     return build(tree, from_command_line(tree, options), "options")
 
 
@@ -112,8 +116,9 @@ def from_command_line(tree: type, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, tree: type) -> None:
-    """The same leaves as argparse options (for ``python -m`` entry points without typer's CLI);
-    each defaults to None, meaning "not given"."""
+    """The same leaves as argparse options, for ``python -m`` entry points without typer's CLI.
+
+    Each defaults to None, meaning "not given"."""
     for leaf in leaves(tree):
         if not leaf.on_cli:
             continue
@@ -134,6 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser, tree: type) -> None:
 
 
 def parse_numbers(text: str, flag: str, kind: type) -> list:
+    """The comma-separated numbers of ``text``; else a one-line InputError naming ``flag``.
+
+    Args:
+        text: the option's value, such as ``2,2``.
+        flag: the option, for the error.
+        kind: the numbers' type (``int``, ``float``).
+    """
     try:
         return [kind(x) for x in text.split(",")]
     except ValueError:
@@ -143,9 +155,17 @@ def parse_numbers(text: str, flag: str, kind: type) -> list:
 
 
 def renamed(value: Any, old_value: Any, old: str, new: str) -> Any:
-    """The value of option ``new`` where a verb still accepts its old name ``old`` (hidden, so that
-    one option name means one thing across verbs): the old name works and says once, on stderr,
-    what it is called now; both at once is an error."""
+    """The value of option ``new`` where a verb still accepts its old name ``old``.
+
+    The old name is hidden, so that one option name means one thing across verbs: it works and
+    says once, on stderr, what it is called now; both at once is an error.
+
+    Args:
+        value: the value given as ``new`` (None: not given).
+        old_value: the value given as ``old`` (None: not given).
+        old: the old option name, such as ``--model``.
+        new: the new option name, such as ``--predictor``.
+    """
     if old_value is None:
         return value
     if value is not None:

@@ -1,5 +1,6 @@
-"""The exception types that the CLI turns into a one-line message and a non-zero exit: bad input
-(exit 2) and a part of the job this machine could not start (exit 1)."""
+"""The exception types that the CLI turns into a one-line message and a non-zero exit.
+
+Bad input exits 2; a part of the job this machine could not start exits 1."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ class InputError(ValueError):
 
 
 class SetupError(RuntimeError):
-    """A part of the job that this machine could not start or reach (a memory tier's keeper): not
-    the user's input, not a bug; one line that says what and where to look."""
+    """A part of the job that this machine could not start or reach (a memory tier's keeper).
+
+    Not the user's input, not a bug; one line that says what and where to look."""
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
@@ -41,9 +43,11 @@ DISK_FULL_ERRNOS = (28, 122, 27)  # ENOSPC, EDQUOT, EFBIG
 
 
 def disk_full(exc: BaseException | None) -> BaseException | None:
-    """The error in ``exc``'s chain that says the disk is full (ENOSPC, quota, file too large), or
-    None. Follows causes, contexts and the per-rank failures that torch.distributed.checkpoint wraps
-    (its CheckpointException), and Arrow's messages that carry the errno only in their text."""
+    """The error in ``exc``'s chain that says the disk is full, or None.
+
+    Full means ENOSPC, quota or file too large. Follows causes, contexts and the per-rank failures
+    that torch.distributed.checkpoint wraps (its CheckpointException), and Arrow's messages that
+    carry the errno only in their text."""
     stack, seen = [exc], set()
     while stack:
         e = stack.pop()

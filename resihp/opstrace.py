@@ -128,6 +128,13 @@ def read_meta(path: str | Path) -> tuple[JobMeta, dict]:
 
 
 def write_meta(meta: JobMeta, path: str | Path, **extra: object) -> None:
+    """Write the job meta YAML ``path``: the sizes of ``meta``, then ``extra``'s fields.
+
+    Args:
+        meta: the job's parallel sizes.
+        path: the ``job.yaml`` to write.
+        **extra: further fields (the model's shape, the device).
+    """
     # whole or not at all: a follower polls for it from another process
     write_text_atomic(
         path, yaml.safe_dump({**meta.to_dict(), **extra}, sort_keys=False), durable=False
@@ -145,8 +152,10 @@ def _parse_seq_lens(value: object) -> list[int] | None:
 
 
 def read_ops_trace(path: str | Path) -> pd.DataFrame:
-    """Read and validate an ops trace (Parquet or CSV). Rows come back sorted by step, rank, time."""
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    """Read and validate an ops trace (Parquet or CSV); rows come back sorted by step, rank,
+    time."""
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     path = Path(path)
     try:
@@ -165,9 +174,15 @@ def read_ops_trace(path: str | Path) -> pd.DataFrame:
 
 
 def json_lines(data: bytes, path: str | Path, first_line: int = 1) -> list[dict]:
-    """The op records of complete JSON lines (``data`` ends at a newline; blank lines skipped);
-    a line that is not a JSON object is one error naming the file and line (``first_line``: the
-    number of ``data``'s first line in the file)."""
+    """The op records of complete JSON lines; blank lines are skipped.
+
+    A line that is not a JSON object is one error naming the file and line.
+
+    Args:
+        data: the lines, ending at a newline.
+        path: the file they come from, for errors.
+        first_line: the number of ``data``'s first line in the file.
+    """
     rows = []
     for number, line in enumerate(data.splitlines(), start=first_line):
         if not line.strip():
@@ -186,11 +201,13 @@ def json_lines(data: bytes, path: str | Path, first_line: int = 1) -> list[dict]
 
 
 def read_run_folder(folder: str | Path) -> tuple[pd.DataFrame, Path | None]:
-    """The ops trace of a run folder and its job meta's path (None when it has none): its merged
-    ``ops.parquet``, else its per-rank ``ops.rank<R>.parquet`` files merged, else the per-rank
-    JSON-lines streams a running job appends to (``ranks/rank<R>.jsonl``; a line still being
-    written is left out)."""
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    """The ops trace of a run folder and its job meta's path (None when it has none).
+
+    The trace is its merged ``ops.parquet``, else its per-rank ``ops.rank<R>.parquet`` files merged,
+    else the per-rank JSON-lines streams a running job appends to (``ranks/rank<R>.jsonl``; a line
+    still being written is left out)."""
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     folder = Path(folder)
     meta = folder / "job.yaml"
@@ -222,7 +239,8 @@ def _plain(value: object) -> object:
 
 
 def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFrame:
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
@@ -242,7 +260,8 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
             raise InputError(
-                f"{source}: column {col} row {row}: expected an integer, got {_plain(df[col].iloc[row])!r}"
+                f"{source}: column {col} row {row}: expected an integer, got "
+                f"{_plain(df[col].iloc[row])!r}"
             )
         if col in REQUIRED:
             df[col] = values.astype(np.int64)
@@ -263,7 +282,8 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
         if bad.any():
             row = int(np.flatnonzero(bad.to_numpy())[0])
             raise InputError(
-                f"{source}: column {col} row {row}: expected a number, got {_plain(df[col].iloc[row])!r}"
+                f"{source}: column {col} row {row}: expected a number, got "
+                f"{_plain(df[col].iloc[row])!r}"
             )
         df[col] = values.astype(np.float64)
     if (df[["step", "rank", "dp_rank", "stage"]] < 0).any().any():
@@ -286,8 +306,9 @@ def validate_ops_trace(df: pd.DataFrame, source: str = "ops trace") -> pd.DataFr
 
 
 def write_ops_trace(df: pd.DataFrame, path: str | Path) -> None:
-    """Write the trace whole or not at all: into a temporary file renamed over ``path``, so that a
-    full disk or a kill leaves the previous file (or none), never a truncated one."""
+    """Write the trace whole or not at all: into a temporary file renamed over ``path``.
+
+    A full disk or a kill leaves the previous file (or none), never a truncated one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:

@@ -1,9 +1,10 @@
-"""Configuration trees: nested dataclasses whose fields say their command-line flag, help, choices
-and bounds, so that the CLI, the workers and the checks all read one definition.
+"""Configuration trees: nested dataclasses whose fields say their flag, help, choices and bounds.
+
+So the CLI, the workers and the checks all read one definition.
 
 A field declared with :func:`opt` carries that in its metadata. A *section* is a dataclass of such
-fields with a ``SECTION`` name; a tree is a dataclass of sections (and plain fields). Errors name the
-field by its path and flag: ``parallel.dp (--dp): expected an integer >= 1, got 0``.
+fields with a ``SECTION`` name; a tree is a dataclass of sections (and plain fields). Errors name
+the field by its path and flag: ``parallel.dp (--dp): expected an integer >= 1, got 0``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,20 @@ def opt(
 ) -> Any:
     """A config field: its default, and what the CLI and the checks need to know about it.
 
-    ``flag`` defaults to the field name with dashes; ``cli=False`` keeps it out of the command line
-    (set only through a config file); ``minimum``/``maximum`` bound numbers, ``above`` from below
-    and exclusive (None allowed when the default is None); ``decls`` are extra spellings (``-o``)."""
+    Args:
+        default: the field's default (none: required).
+        help: the option's help text.
+        flag: the command-line flag (default: the field name with dashes).
+        choices: the allowed values of a string field.
+        minimum: the least allowed number (None allowed when the default is None).
+        maximum: the greatest allowed number.
+        above: an exclusive lower bound.
+        finite: refuse infinities and NaN.
+        decls: extra spellings of the flag (``-o``).
+        panel: the ``--help`` panel the option is listed under.
+        factory: makes the default (for mutable defaults) instead of ``default``.
+        cli: False keeps it out of the command line (set only through a config file).
+    """
     meta = {
         "help": help,
         "flag": flag,
@@ -105,8 +117,9 @@ def leaves(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[Flag]:
 
 
 def build(cls: type, flat: dict[str, Any], where: str = "") -> Any:
-    """A tree from flat keywords (each leaf by its ``param`` name); the rest keep the tree's
-    defaults (a section's default is the one its parent declares, not the section class's own)."""
+    """A tree from flat keywords, each leaf by its ``param`` name; the rest keep the defaults.
+
+    A section's default is the one its parent declares, not the section class's own."""
     known = {leaf.param for leaf in leaves(cls)}
     unknown = sorted(set(flat) - known)
     if unknown:
@@ -185,6 +198,13 @@ def check_section(section: Any) -> None:
 
 
 def check_value(leaf: Flag, value: Any, tp: Any) -> None:
+    """Refuse a value its field does not allow: a one-line InputError naming the field and flag.
+
+    Args:
+        leaf: the field.
+        value: the value given.
+        tp: the field's evaluated type.
+    """
     where = f"{leaf.dotted} (--{leaf.flag})" if leaf.on_cli else leaf.dotted
     if value is None and leaf.field.default is None:
         return
@@ -231,8 +251,9 @@ _TYPES: dict[type, dict[str, Any]] = {}
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """The evaluated field types of a dataclass (``from __future__ import annotations`` makes them
-    strings)."""
+    """The evaluated field types of a dataclass.
+
+    ``from __future__ import annotations`` makes them strings."""
     if cls not in _TYPES:
         _TYPES[cls] = typing.get_type_hints(cls)
     return _TYPES[cls]

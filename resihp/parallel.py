@@ -1,5 +1,6 @@
-"""The parallel dimensions of a job: the split of a world of ranks into data x pipeline x tensor
-parallel groups, with the one rank order every part of resihp uses.
+"""The parallel dimensions of a job, and the one rank order every part of resihp uses.
+
+The dimensions split a world of ranks into data x pipeline x tensor parallel groups.
 
 Ranks are ordered with tensor parallel fastest, then data parallel, then pipeline (Megatron order):
 ``rank = (stage * dp + dp_rank) * tp + tp_rank``. The runtime places its processes so, the
@@ -65,7 +66,13 @@ class ParallelDims:
         )
 
     def rank_of(self, dp_rank, stage, tp_rank=0):
-        """The rank at (dp_rank, stage, tp_rank); also elementwise on numpy arrays."""
+        """The rank at (dp_rank, stage, tp_rank); also elementwise on numpy arrays.
+
+        Args:
+            dp_rank: the data-parallel replica.
+            stage: the pipeline stage.
+            tp_rank: the tensor-parallel rank.
+        """
         return (stage * self.dp + dp_rank) * self.tp + tp_rank
 
     def dp_group_ranks(self, stage: int, tp_rank: int) -> list[int]:
@@ -208,8 +215,15 @@ def apportion(
     lower index) until the counts reach ``total``, or those furthest above theirs one less (never
     below ``minimum``). Equal weights give the larger counts to the first parts. Where the caps
     (or ``minimum``) do not allow ``total``, the sum falls short of it (or passes it): callers that
-    need the exact total check. Weights must be finite and non-negative with a positive sum
-    (InputError naming ``what``)."""
+    need the exact total check.
+
+    Args:
+        total: the whole number to split.
+        weights: one per part; finite and non-negative with a positive sum.
+        minimum: the least count of each part.
+        caps: the most each part may get (None: no caps).
+        what: what the weights are, for the InputError.
+    """
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
         raise InputError(f"{what} must be non-negative with a positive sum, got {list(weights)}")

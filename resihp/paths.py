@@ -42,10 +42,12 @@ def shipped_names(kind: str) -> list[str]:
 
 
 def resolve(value: str | Path, kind: str) -> Path:
-    """``value`` itself when it exists; else the shipped file it names, by bare name
-    (``h100-8-degraded``) or by its repository path (``traces/clusters/h100-8-degraded.yaml``)
-    from any directory. A bare name that is neither: InputError naming the shipped choices; any
-    other path comes back as given, for its reader to report."""
+    """``value`` itself when it exists; else the shipped file of ``kind`` it names.
+
+    By bare name (``h100-8-degraded``) or by its repository path
+    (``traces/clusters/h100-8-degraded.yaml``) from any directory. A bare name that is neither:
+    InputError naming the shipped choices; any other path comes back as given, for its reader to
+    report."""
     path = Path(value)
     if path.exists():
         return path
@@ -67,9 +69,15 @@ def resolve(value: str | Path, kind: str) -> Path:
 
 
 def write_text_atomic(path: str | Path, text: str, durable: bool = True) -> None:
-    """``path`` holds either its old content or all of ``text``, never a part, for a reader polling
-    it from another process (a temp file beside it, renamed over it); ``durable`` also survives a
-    power loss (fsync before the rename; not needed on tmpfs)."""
+    """``path`` holds either its old content or all of ``text``, never a part.
+
+    For a reader polling it from another process: a temp file beside it, renamed over it.
+
+    Args:
+        path: the file to write.
+        text: its new content.
+        durable: also survive a power loss (fsync before the rename; not needed on tmpfs).
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:

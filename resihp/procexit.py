@@ -21,8 +21,9 @@ from typing import NoReturn
 
 
 def exit_now(code: int | str | None = 0, said: Callable[[int], None] | None = None) -> NoReturn:
-    """End the process with ``code`` as ``sys.exit(code)`` would (None: 0; a string: printed to
-    stderr, status 1), without finalising its modules; ``said`` is handed the status first."""
+    """End the process with ``code`` as ``sys.exit(code)`` would, without finalising its modules.
+
+    None means 0; a string is printed to stderr, status 1. ``said`` is handed the status first."""
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
@@ -40,11 +41,12 @@ def exit_now(code: int | str | None = 0, said: Callable[[int], None] | None = No
 
 
 def run_then_exit(fn: Callable[[], object], said: Callable[[int], None] | None = None) -> NoReturn:
-    """A process's main: ``fn()``, then ``exit_now`` with the status it ended with (0, or its
-    ``SystemExit``'s). Any other exception ends it as an uncaught one ends a Python program (its
-    traceback on stderr, status 1), also in a multiprocessing child, which would print it under a
-    "Process NAME:" line with its bootstrap's frames (a warm agent's failure in ``workers.log``).
-    A ``KeyboardInterrupt`` propagates. ``said``: as ``exit_now``'s."""
+    """A process's main: ``fn()``, then ``exit_now`` with the status it ended with.
+
+    The status is 0, or its ``SystemExit``'s. Any other exception ends it as an uncaught one ends a
+    Python program (its traceback on stderr, status 1), also in a multiprocessing child, which would
+    print it under a "Process NAME:" line with its bootstrap's frames (a warm agent's failure in
+    ``workers.log``). A ``KeyboardInterrupt`` propagates. ``said``: as ``exit_now``'s."""
     try:
         fn()
     except SystemExit as exc:

@@ -1,6 +1,7 @@
-"""Progress on stderr (stdout stays machine-readable): a rich bar on a terminal; off a terminal
-(SLURM, Kubernetes, nohup, CI) plain lines every few percent or 30 seconds, with the ETA; nothing
-when JSON is asked for."""
+"""Progress on stderr, so that stdout stays machine-readable.
+
+A rich bar on a terminal; off a terminal (SLURM, Kubernetes, nohup, CI) plain lines every few
+percent or 30 seconds, with the ETA; nothing when JSON is asked for."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def _clock(seconds: float) -> str:
 
 
 class PlainProgress:
-    """``advance_to(n)`` that writes a line when ``n`` crosses another ``every_pct`` percent of
-    ``total`` or ``every_s`` seconds passed since the last line, and at the end."""
+    """``advance_to(n)`` that writes a progress line now and then, and at the end.
+
+    A line when ``n`` crosses another ``every_pct`` percent of ``total`` or ``every_s`` seconds
+    passed since the last line."""
 
     def __init__(
         self,
@@ -63,7 +66,13 @@ class PlainProgress:
 def progress_bar(
     description: str, total: int, enabled: bool = True
 ) -> Iterator[Callable[[int], None]]:
-    """Yields ``advance_to(n)``."""
+    """Yields ``advance_to(n)``: a rich bar on a terminal, plain lines elsewhere.
+
+    Args:
+        description: the bar's label.
+        total: the count ``n`` runs to.
+        enabled: False shows nothing (``--json``).
+    """
     console = Console(file=sys.stderr)
     if not enabled:
         yield lambda n: None

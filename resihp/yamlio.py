@@ -2,8 +2,9 @@
 
 Aliases (``*name``) are refused: a few hundred bytes of nested aliases expand to gigabytes (the
 "billion laughs"), and none of resihp's files needs them. A key given twice in one mapping is
-refused too (which of two values a user meant is not for resihp to guess). Files are bounded in size. ``check_keys``
-refuses keys a schema does not know, naming the key (and the known key it probably meant)."""
+refused too (which of two values a user meant is not for resihp to guess). Files are bounded in
+size. ``check_keys`` refuses keys a schema does not know, naming the key (and the known key it
+probably meant)."""
 
 from __future__ import annotations
 
@@ -62,10 +63,14 @@ def _no_alias_loader(loader: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
 def read_yaml_mapping(
     path: str | Path, what: str, expected: str, loader: type[yaml.SafeLoader] = yaml.SafeLoader
 ) -> dict[str, Any]:
-    """The mapping in YAML file ``path``. ``what`` names the file in read errors ("cannot read job
-    meta"); ``expected`` is the message when the top level is not a mapping; ``loader`` may be a
-    ``yaml.SafeLoader`` subclass (the replay's keeps line numbers). Syntax errors and aliases name
-    the line."""
+    """The mapping in YAML file ``path``; syntax errors and aliases name the line.
+
+    Args:
+        path: the YAML file.
+        what: names the file in read errors ("cannot read job meta").
+        expected: the message when the top level is not a mapping.
+        loader: a ``yaml.SafeLoader`` subclass (the replay's keeps line numbers).
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -94,9 +99,17 @@ def read_yaml_mapping(
 def check_keys(
     data: Mapping, known: Iterable[str], where: str, *, typos_only: bool = False
 ) -> None:
-    """Refuse a key of ``data`` that is not in ``known``: InputError naming it and the known keys
-    (and the one it probably meant). With ``typos_only``, keys that are not close to a known one
-    are let through (a format that admits foreign fields, such as a public trace's job meta)."""
+    """Refuse a key of ``data`` that is not in ``known`` with a one-line InputError.
+
+    The error names the key, the known keys and the one it probably meant.
+
+    Args:
+        data: the mapping read.
+        known: its allowed keys.
+        where: what the error names as the mapping (file and section).
+        typos_only: let through keys that are not close to a known one (a format that admits
+            foreign fields, such as a public trace's job meta).
+    """
     known = sorted(known)
     for key in data:
         if key in known:

@@ -47,9 +47,9 @@ def shm(tmp_path, monkeypatch) -> Path:
 def issue_run_losses(tmp_path_factory) -> list[float]:
     """The per-step losses of one process training the issue's run (``ISSUE_RUN``: DP 2 x TP 2 of
     the default model) failure-free for ``ISSUE_STEPS`` steps: the reference of both live tests that
-    re-form its tensor-parallel group (``tests/test_replica_ft.py``, ``tests/test_reshard_live.py``),
-    trained once (about 20 s on 2 cores). The learning rate is constant, so a shorter run's losses
-    are its first ones."""
+    re-form its tensor-parallel group (``tests/test_replica_ft.py``,
+    ``tests/test_reshard_live.py``), trained once (about 20 s on 2 cores). The learning rate is
+    constant, so a shorter run's losses are its first ones."""
     from tests.replica_replay import ISSUE_RUN, ISSUE_STEPS, replay_membership
 
     return replay_membership(

@@ -22,7 +22,7 @@ from resihp.train.lifecycle import start_time
 from resihp.train.worker import processes_file
 
 
-# --- processes -------------------------------------------------------------------------------------
+# --- processes ------------------------------------------------------------------------------------
 def alive(pid: int) -> bool:
     """A process that exists and is not a zombie."""
     try:
@@ -144,7 +144,7 @@ def _address(hexaddr: str) -> str:
     return str(ipaddress.IPv6Address(words))
 
 
-# --- calls -----------------------------------------------------------------------------------------
+# --- calls ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def raise_at(monkeypatch, target: str, exc: BaseException, after: int = 0) -> Iterator[None]:
     """Make ``module.attr`` (or ``module.Class.attr``) raise ``exc`` from its call number ``after``
@@ -179,7 +179,7 @@ def enospc(path: str = "") -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
-# --- disks -----------------------------------------------------------------------------------------
+# --- disks ----------------------------------------------------------------------------------------
 def can_mount_tmpfs() -> bool:
     return os.geteuid() == 0 and shutil.which("mount") is not None and _try_mount()
 
@@ -229,7 +229,7 @@ def fill(directory: Path, leave_bytes: int = 0) -> None:
         f.flush()
 
 
-# --- bytes -----------------------------------------------------------------------------------------
+# --- bytes ----------------------------------------------------------------------------------------
 def corrupt_bytes(path: Path, offset: int | None = None, count: int = 4) -> None:
     """Overwrite ``count`` bytes of ``path`` (in the middle by default) with their complement."""
     data = bytearray(path.read_bytes())

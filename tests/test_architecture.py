@@ -118,3 +118,92 @@ def test_the_readme_keeps_the_set_up_commands_ci_and_users_run():
     readme = (REPO / "README.md").read_text()
     assert "pip install torch==2.13.0 && pip install -e . && resihp demo" in readme
     assert "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q" in readme
+
+
+# packages whose docstrings keep the two rules below ("": the modules at the top of resihp); it
+# grows as packages are brought to them
+DOCSTRING_PACKAGES = (
+    "",
+    "ckpt",
+    "control",
+    "detect",
+    "ft",
+    "launch",
+    "model",
+    "perf",
+    "replay",
+    "workload",
+)
+
+
+def _public_defs(tree: ast.Module):
+    """Public classes and functions, methods included, with their dotted names (none nested in a
+    function, none inside a private class)."""
+    todo = [(tree, "")]
+    while todo:
+        node, prefix = todo.pop()
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if child.name.startswith("_"):
+                continue
+            yield f"{prefix}{child.name}", child
+            if isinstance(child, ast.ClassDef):
+                todo.append((child, f"{prefix}{child.name}."))
+
+
+def _parameters(fn: ast.FunctionDef) -> list[str]:
+    """A function's parameters, ``self``/``cls`` left out."""
+    a = fn.args
+    names = [p.arg for p in a.posonlyargs + a.args]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    names += [p.arg for p in a.kwonlyargs]
+    names += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+    return names
+
+
+def _args_section(doc: str) -> set[str]:
+    """The parameter names an ``Args:`` section lists (``name:`` lines, ``*``/``**`` allowed)."""
+    section = re.search(r"^Args:\n((?:[ \t]+\S.*\n?|[ \t]*\n)*)", doc, re.M)
+    if section is None:
+        return set()
+    return set(re.findall(r"^[ \t]+\**(\w+)(?: \([^)]*\))?:", section.group(1), re.M))
+
+
+def _opens_with_one_short_sentence(doc: str) -> bool:
+    """The first paragraph (ended by a blank line, or click's ``\\f`` in a CLI verb) is one
+    sentence of at most 100 characters."""
+    first = " ".join(re.split(r"\n\s*\n|\f", doc.strip(), maxsplit=1)[0].split())
+    return 0 < len(first) <= 100 and not re.search(r"(?<!e\.g)(?<!i\.e)[.!?] +[A-Z`(]", first)
+
+
+def _docstring_packages():
+    for path, tree in _modules():
+        parts = path.relative_to(ROOT).parts
+        if (parts[0] if len(parts) > 1 else "") in DOCSTRING_PACKAGES:
+            yield path, tree
+
+
+def test_public_functions_of_more_than_two_parameters_list_them_under_args():
+    bad = []
+    for path, tree in _docstring_packages():
+        for name, node in _public_defs(tree):
+            if isinstance(node, ast.ClassDef) or len(_parameters(node)) <= 2:
+                continue
+            missing = set(_parameters(node)) - _args_section(ast.get_docstring(node) or "")
+            if missing:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}: {sorted(missing)}")
+    assert bad == []
+
+
+def test_public_docstrings_open_with_one_short_sentence():
+    bad = []
+    for path, tree in _docstring_packages():
+        public_module = not path.name.startswith("_") or path.name == "__init__.py"
+        docs = [("<module>", tree)] if public_module else []
+        for name, node in [*docs, *_public_defs(tree)]:
+            doc = ast.get_docstring(node)
+            if doc and not _opens_with_one_short_sentence(doc):
+                bad.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)} {name}")
+    assert bad == []

@@ -1,5 +1,6 @@
 """Bounded waits and reads on bad input (issue 70): a port that is not a job store, a huge lengths
-file, a memory tier left behind by a dead job; each ends in one line, never a hang or a traceback."""
+file, a memory tier left behind by a dead job; each ends in one line, never a hang or a
+traceback."""
 
 from __future__ import annotations
 

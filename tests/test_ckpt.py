@@ -216,7 +216,8 @@ def test_ckpt_cli_bad_input(tmp_path):
 
 # --- integrity (issue 20) -------------------------------------------------------------------------
 def saved_run(tmp_path, steps=(1, 3), job="jobA", model_hash="m1"):
-    """A run folder with real checkpoints written by ``save`` (manifest last, renamed into place)."""
+    """A run folder with real checkpoints written by ``save`` (manifest last, renamed into
+    place)."""
     from resihp.ckpt.universal import save
 
     out = tmp_path / "run"

@@ -279,8 +279,8 @@ def test_the_keepers_check_ahead_of_a_restore_is_used_only_for_that_slot(keeper)
     [
         (
             {"recovery": "sometimes"},
-            "faults.recovery (--recovery): expected one of auto, none, restart, replica, replica-drop, "
-            "got 'sometimes'",
+            "faults.recovery (--recovery): expected one of auto, none, restart, replica, "
+            "replica-drop, got 'sometimes'",
         ),
         (
             {"snapshot_every": -1},

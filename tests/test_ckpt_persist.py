@@ -1,8 +1,8 @@
-"""Universal checkpoints written by the node's keeper from the memory tier (``resihp.ckpt.persist``),
-with a real keeper process: the checkpoint of a due step holds exactly that step's state, older
-ones are pruned to ``keep``, a trainer waits for a slot the keeper still reads (and not for a dead
-keeper's hold), and a keeper SIGKILLed while it writes leaves no checkpoint half-written and the
-older ones whole."""
+"""Universal checkpoints written by the node's keeper from the memory tier
+(``resihp.ckpt.persist``), with a real keeper process: the checkpoint of a due step holds exactly
+that step's state, older ones are pruned to ``keep``, a trainer waits for a slot the keeper still
+reads (and not for a dead keeper's hold), and a keeper SIGKILLed while it writes leaves no
+checkpoint half-written and the older ones whole."""
 
 from __future__ import annotations
 

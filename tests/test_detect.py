@@ -1,4 +1,5 @@
-"""The workload-aware detector on labelled traces built from real measurements, and its baselines."""
+"""The workload-aware detector on labelled traces built from real measurements, and its
+baselines."""
 
 from __future__ import annotations
 

@@ -367,12 +367,14 @@ def test_a_run_folders_streams_are_read_and_a_damaged_line_is_one_line(trace, wh
     (folder / where).write_text(
         "".join(lines[:5]) + '{"step": 3, "rank": 0, trunc\n' + "".join(lines[5:])
     )
-    # follow in this process: --nice 0, or it would lower the priority of pytest and every later test
+    # follow in this process: --nice 0, or it would lower the priority of pytest and every later
+    # test
     for verb in (["detect", folder], ["follow", folder, "--start-timeout", "3", "--nice", "0"]):
         bad = resihp(*verb)
         assert bad.returncode == 2, bad
         assert bad.stderr.strip().splitlines() == [
-            f"resihp: error: {folder / where}:6: expected one op record (a JSON object) per line, got "
+            f"resihp: error: {folder / where}:6: expected one op record (a JSON object) "
+            "per line, got "
             '\'{"step": 3, "rank": 0, trunc\''
         ], bad.stderr
 

@@ -1,4 +1,5 @@
-"""Fail-stop detection with real processes: senders and per-node aggregators over a real TCPStore."""
+"""Fail-stop detection with real processes: senders and per-node aggregators over a real
+TCPStore."""
 
 from __future__ import annotations
 

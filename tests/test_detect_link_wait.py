@@ -34,8 +34,10 @@ def _trace(
     """Per replica and step: stage 0 runs every forward, then each backward as its gradient comes;
     stage 1 runs forward and backward of each micro-batch as it comes. Every receive is posted as
     soon as the one before it arrived (the first at the step's start); its data moves once it is
-    posted and the sender has computed it (a rendezvous), then it ends. From ``ONSET`` on, a micro-batch holds one long sequence with probability
-    ``long_from_onset`` (0.2 before); ``slow_link``: (replica, factor) of a link slowed from then."""
+    posted and the sender has computed it (a rendezvous), then it ends. From ``ONSET`` on, a
+    micro-batch holds one long sequence with probability ``long_from_onset`` (0.2 before);
+    ``slow_link``: (replica, factor) of a link slowed from
+    then."""
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     t = 0.0

@@ -127,7 +127,8 @@ def test_a_slowdown_that_grows_after_it_was_planned_around_is_planned_around_aga
         and 25 <= loop.changes[1]["decided_step"] < 32
     )
     assert 1.0 / loop.speeds[1] == pytest.approx(3.0, rel=0.1)
-    # priced at 3x, rank 1 trains less than at 1.5x: a smaller share, or none (left out as a hot spare)
+    # priced at 3x, rank 1 trains less than at 1.5x: a smaller share, or none (left out as a hot
+    # spare)
     first, second = loop.changes
     before = first.get("dp_weights", [4.0] * 4)[1] if "layout" not in first else 0.0
     placed = [
@@ -140,7 +141,8 @@ def test_a_slowdown_that_grows_after_it_was_planned_around_is_planned_around_aga
 
 
 def test_a_slow_rank_that_runs_at_speed_again_gets_its_share_back():
-    """2x from step 15 to 24: planned around, then, once its finding closes, planned at full speed."""
+    """2x from step 15 to 24: planned around, then, once its finding closes, planned at full
+    speed."""
     loop = _run(
         COMPUTE, steps=50, microbatches=16, factor=lambda step: 2.0 if ONSET <= step < 25 else 1.0
     )

@@ -1,5 +1,6 @@
 """Packed-row attention in one call (``sdpa_masked``, ``flex``) computes what one SDPA call per
-document computes: outputs, gradients and the losses of a few AdamW steps, whole and tensor parallel.
+document computes: outputs, gradients and the losses of a few AdamW steps, whole and tensor
+parallel.
 
 Tolerances: float32 everywhere. The one-call paths reduce each softmax row over all T keys (masked
 ones contribute exact zeros) and tile the products differently from the per-document calls, so

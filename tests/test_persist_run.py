@@ -127,8 +127,8 @@ def test_a_dead_rank_leaves_the_newest_snapshot_on_disk_for_the_restart(tmp_path
 def test_a_keeper_stopped_longer_than_the_hang_timeout_is_replaced_without_a_failure(tmp_path):
     """The keeper is stopped (SIGSTOP) once it has written its first checkpoint, and stays stopped:
     the trainers wait on it (a wait on the keeper, not a hang, however long past the hang timeout,
-    3 s) until it has been stopped for ``STOPPED_KEEPER_S``, then a new keeper takes over. The run ends with every
-    step and every checkpoint."""
+    3 s) until it has been stopped for ``STOPPED_KEEPER_S``, then a new keeper takes over. The run
+    ends with every step and every checkpoint."""
     out, shm = tmp_path / "run", tmp_path / "shm"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
     proc = subprocess.Popen(

@@ -137,7 +137,8 @@ def test_with_speeds_from_an_array_keeps_the_hardware():
             "'inter_node_gbs' must be a finite number",
         ),
         ({"memory_reserve_gb": 80}, "'memory_reserve_gb' must be below every device's memory_gb"),
-        # a spec too large to plan is refused before anything is built (10**8 devices hung the planner)
+        # a spec too large to plan is refused before anything is built (10**8 devices hung the
+        # planner)
         ({"nodes": [{"devices": 10**8}]}, "more than 1,048,576 devices"),
         ({"nodes": {"count": 2**21, "devices": 1}}, "'count' must be <= 1048576"),
     ],

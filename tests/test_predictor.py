@@ -54,7 +54,8 @@ def test_train_save_load_predict(tiny_profile, tmp_path):
 
 
 def test_predictions_follow_attention_cost():
-    """On the shipped CPU model: one long sequence costs more than many short ones of equal tokens."""
+    """On the shipped CPU model: one long sequence costs more than many short ones of equal
+    tokens."""
     from resihp.paths import MODELS
 
     directories = sorted(p for p in MODELS.iterdir() if (p / "card.json").exists())

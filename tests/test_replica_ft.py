@@ -125,7 +125,7 @@ def _trained_every_step(out: Path, ranks: list[int], steps: int) -> None:
         assert done == list(range(steps)), f"rank {r} trained steps {done[:5]}..., not each once"
 
 
-# --- the quorum, on a real store (one client per rank, as in the job) ------------------------------
+# --- the quorum, on a real store (one client per rank, as in the job) -----------------------------
 def test_the_supervisor_writes_the_commit_record_of_a_decider_that_died_after_its_decision():
     """The last voter of a step writes the decision, then the record of which replicas trained it;
     killed in between (a replica lost mid-commit), the record was never written and the launcher's
@@ -716,7 +716,8 @@ def test_failures_of_both_replicas_in_turn_recover_and_the_job_ends_well(referen
 
 
 def _warm_server(launcher: int) -> int:
-    """The warm-agent server of the launcher ``launcher`` (multiprocessing's forkserver, its child)."""
+    """The warm-agent server of the launcher ``launcher`` (multiprocessing's forkserver, its
+    child)."""
     servers = [
         p
         for p in children_map().get(launcher, [])
@@ -1060,7 +1061,8 @@ def test_live_replanning_reaches_every_replica_and_a_returning_one_takes_its_spl
         change["spares"] == [1] and 0 < change["minimum_bytes"] <= change["moved_bytes"]
     ), change
     rows = [json.loads(line) for line in (out / "ops.jsonl").read_text().splitlines()]
-    # at one step boundary on every rank: the shares on all four, replica 1's groups or layers on its two
+    # at one step boundary on every rank: the shares on all four, replica 1's groups or layers on
+    # its two
     moving = "replan-layout" if reformed else "replan-layers"
     assert sorted(
         (r["step"], r["rank"]) for r in rows if r["optype"] == moving and r["step"] == at
@@ -1109,17 +1111,18 @@ def test_a_returning_replica_is_served_by_the_lowest_member_in_its_launch_layout
 def test_the_issues_run_re_forms_the_slow_ranks_group_inside_its_replica_live(
     tmp_path, issue_run_losses
 ):
-    """The issue's run (DP 2 x TP 2, rank 1 slow from step 10) in replica mode, where each replica is
-    a job of its own: the planner re-forms replica 0's tensor-parallel group from its own ranks (rank
-    1 left out as a hot spare, or given a stage of its own with fewer layers), which replica 0's ranks
-    apply live (a new generation of its process groups, its state resharded from memory) while
-    replica 1 keeps its group; the cross-replica sums follow each block to its new holder (a tp-1
-    rank beside a tp-2 group), and every step's loss equals one process training the same batches.
-    The detector calibrates on the 8 steps before the fault (a baseline the fault falls into
-    measures it low, see ``tests/test_reshard_live.py``). The slowdown ends at step 17: a rank left
-    out re-checks itself with backoff as a hot spare of its replica and a later plan takes it back
-    once a probe measures it healthy (32 steps: probes 1, 2, 4 and 8 steps apart leave two chances
-    after 17; three ranks training on two cores can hold a healthy spare's probes above that)."""
+    """The issue's run (DP 2 x TP 2, rank 1 slow from step 10) in replica mode, where each replica
+    is a job of its own: the planner re-forms replica 0's tensor-parallel group from its own ranks
+    (rank 1 left out as a hot spare, or given a stage of its own with fewer layers), which replica
+    0's ranks apply live (a new generation of its process groups, its state resharded from memory)
+    while replica 1 keeps its group; the cross-replica sums follow each block to its new holder (a
+    tp-1 rank beside a tp-2 group), and every step's loss equals one process training the same
+    batches. The detector calibrates on the 8 steps before the fault (a baseline the fault falls
+    into measures it low, see ``tests/test_reshard_live.py``). The slowdown ends at step 17: a rank
+    left out re-checks itself with backoff as a hot spare of its replica and a later plan takes it
+    back once a probe measures it healthy (32 steps: probes 1, 2, 4 and 8 steps apart leave two
+    chances after 17; three ranks training on two cores can hold a healthy spare's probes above
+    that)."""
     out, steps = tmp_path / "run", ISSUE_STEPS  # 32
     proc = subprocess.run(
         [

@@ -147,7 +147,9 @@ def test_a_changed_data_stream_is_refused_with_the_flag_to_resume_with():
     other = state_of_run(0, "text", 2048, 256, 256, [1.0], [[4]], 1e-2, {"dp": 1, "pp": 1, "tp": 4})
     with pytest.raises(
         InputError,
-        match="written with --global-tokens 1024, this run has 2048.*resume with --global-tokens 1024",
+        match=(
+            "written with --global-tokens 1024, this run has 2048.*resume with --global-tokens 1024"
+        ),
     ):
         decide(saved, other, "ckpt/step9")
     older = {k: v for k, v in saved.items() if not k.startswith("data.")}

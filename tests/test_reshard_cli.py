@@ -102,7 +102,8 @@ def test_resume_a_run_folder_in_another_layout(tmp_path):
     ],
 )
 def test_bad_resume_is_one_line_and_exit_2(tmp_path, args, meta, message):
-    """Before any worker starts (a meta.json without its step once crashed rank 0 with a KeyError)."""
+    """Before any worker starts (a meta.json without its step once crashed rank 0 with a
+    KeyError)."""
     import torch
 
     from resihp.ckpt.universal import save

@@ -76,8 +76,8 @@ def _rank(rank: int, world: int, tmp: str) -> dict:
         if change is not None:
             seen.append({"active": list(engine.active), "spare": engine.coords is None})
         losses.append(engine.train_step(step).loss)
-    # the last layout mixes depths and tp sizes: one replica writes a whole, non-overlapping checkpoint
-    # (replica 0: layer 0 and the embeddings at tp 2, the rest and the head at tp 1)
+    # the last layout mixes depths and tp sizes: one replica writes a whole, non-overlapping
+    # checkpoint (replica 0: layer 0 and the embeddings at tp 2, the rest and the head at tp 1)
     save(
         Path(tmp) / "after",
         engine.model,
@@ -255,10 +255,12 @@ def _tp_job(out: Path, inject: list[str]):
     from resihp.train.worker import write_job_files
 
     cfg = RunConfig.from_flags(**ISSUE_RUN, steps=LIVE_STEPS, inject=inject, out=str(out))
-    # the detector calibrates on 8 steps (as in the demo test), so the fault comes after its baseline
+    # the detector calibrates on 8 steps (as in the demo test), so the fault comes after its
+    # baseline
     loop = LiveLoop(cfg, detector_config=DetectorConfig(calibration_steps=8))
     # recovery "none": a process that exits ends the job, so a run that finishes restarted nothing;
-    # a slow rank's op can outlast the default hang timeout on a loaded machine: not this test's subject
+    # a slow rank's op can outlast the default hang timeout on a loaded machine: not this test's
+    # subject
     outcome = supervise(cfg, on_steps=loop.on_steps, hang_timeout_s=300.0)
     assert outcome.error is None, outcome.error
     assert loop.error is None, loop.error
@@ -273,8 +275,8 @@ def test_a_slow_tensor_parallel_rank_is_excluded_live_with_the_same_losses(
     tmp_path, monkeypatch, issue_run_losses
 ):
     """The issue's run: DP 2 x TP 2, rank 1 slow from step 10. Its TP peer waits for it inside the
-    tensor-parallel all-reduces, but that wait is recorded apart (``wait_s``) and taken out, so rank 1
-    is found and its peer is not; the planner's plan excludes it (rank 0 alone at tp 1 beside the
+    tensor-parallel all-reduces, but that wait is recorded apart (``wait_s``) and taken out, so rank
+    1 is found and its peer is not; the planner's plan excludes it (rank 0 alone at tp 1 beside the
     tp-2 replica), which the job applies live: the same processes form a new generation of process
     groups, rank 1 becomes a hot spare that trains nothing more, and the losses are the fault-free
     run's.
@@ -285,7 +287,8 @@ def test_a_slow_tensor_parallel_rank_is_excluded_live_with_the_same_losses(
     steps before the fault measures it whole (10x as 11.9x at a load of 12); 6x leaves a margin."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     loop, applied, trace = _tp_job(tmp_path / "slow", [f"slow:rank=1,factor={FACTOR},step={ONSET}"])
-    # the change that re-forms the layout, as the job applied it (a share-only change may come first)
+    # the change that re-forms the layout, as the job applied it (a share-only change may come
+    # first)
     change = next((c for c in applied if "layout" in c), None)
     assert change is not None, (loop.events, loop.changes)
     assert change["reason"]["rank"] == 1 and ONSET <= change["step"] < LIVE_STEPS

@@ -93,7 +93,8 @@ def resihp(*args, timeout=180):
         (["--lr", "0"], "train.lr (--lr): expected a number > 0, got 0.0"),
         (
             ["--recovery", "sometimes"],
-            "faults.recovery (--recovery): expected one of auto, none, restart, replica, replica-drop, got 'sometimes'",
+            "faults.recovery (--recovery): expected one of auto, none, restart, replica, "
+            "replica-drop, got 'sometimes'",
         ),
         (
             ["--heartbeat-timeout", "inf"],
@@ -114,7 +115,8 @@ def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "argv", ["resihp", "run", *args])
     with pytest.raises(SystemExit) as exit_info:
-        main()  # in-process: the same entry point as the installed command, without a torch import each
+        # in-process: the same entry point as the installed command, without a torch import each
+        main()
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
     assert message in err
@@ -435,10 +437,10 @@ def test_a_re_formed_relaunch_has_a_live_loop_that_re_plans_around_a_slowdown(tm
 def test_a_re_formed_relaunch_snapshots_to_a_memory_tier_of_its_own(tmp_path, clean_losses):
     """With the memory tier on, the relaunch keeps one too (its own, under the job id ``<job>-r``):
     when old rank 0 dies at step 6 of it, its keeper writes the newest step complete in memory to
-    disk, newer than any checkpoint due (every 4 steps: step 3), and the second relaunch goes on from
-    there with the failure-free run's losses. A rank killed as a step begins may take its copy of the
-    step before with it, so the newest complete step is that one or the one before (5 or 4; in the
-    launch, 2 or 1)."""
+    disk, newer than any checkpoint due (every 4 steps: step 3), and the second relaunch goes on
+    from there with the failure-free run's losses. A rank killed as a step begins may take its copy
+    of the step before with it, so the newest complete step is that one or the one before (5 or 4;
+    in the launch, 2 or 1)."""
     out = tmp_path / "memory"
     proc = resihp(
         "run",

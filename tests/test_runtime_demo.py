@@ -1,4 +1,5 @@
-"""The demo job end to end: a slow rank is detected live, re-planned around, and throughput recovers."""
+"""The demo job end to end: a slow rank is detected live, re-planned around, and throughput
+recovers."""
 
 import json
 import os

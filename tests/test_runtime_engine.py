@@ -41,7 +41,8 @@ def step_losses(trace) -> np.ndarray:
 @pytest.mark.slow
 def test_layouts_train_the_same_model(tmp_path):
     """The loss curve does not depend on the parallel layout (DP, PP, Megatron TP), schedule, layer
-    split or micro-batch allocation: the loss is summed over tokens and divided by the global token count."""
+    split or micro-batch allocation: the loss is summed over tokens and divided by the global token
+    count."""
     _, single = run(tmp_path, "single", dp=1, pp=1)
     # with live re-plans mid-run: micro-batches re-allocated, layers (with AdamW state) moved
     summary, hybrid = run(

@@ -1,5 +1,6 @@
 """Issue 20: a run cleans up after itself and never trusts the wrong state. Real ``resihp run``
-processes, real signals (by PID, only to processes these tests started), /proc to see what is left."""
+processes, real signals (by PID, only to processes these tests started), /proc to see what is
+left."""
 
 import json
 import os
@@ -213,9 +214,9 @@ def test_tracker_ends_a_whole_process_tree_even_when_stopped_and_regrouped(tmp_p
     from resihp.train.lifecycle import ProcessTracker
 
     script = (
-        "import os, subprocess, sys, time; "
-        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
-        "print(c.pid, flush=True); time.sleep(600)"
+        "import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import "
+        "time; time.sleep(600)'], start_new_session=True); print(c.pid, flush=True); "
+        "time.sleep(600)"
     )
     root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     child = int(root.stdout.readline())
@@ -430,7 +431,8 @@ def test_a_keeper_that_cannot_start_is_one_line_and_the_run_folder_says_failed(
 
 def test_a_worker_asked_for_its_stacks_writes_every_thread_even_one_blocked_in_a_call(tmp_path):
     """``dump_stacks``: a line in the log, then the worker's threads' stacks through its stderr,
-    a thread blocked inside a C call (a lock wait here, as a collective or a store wait) included."""
+    a thread blocked inside a C call (a lock wait here, as a collective or a store wait)
+    included."""
     from resihp.train.lifecycle import dump_stacks
 
     code = (
@@ -479,7 +481,10 @@ def test_a_rank_judged_hung_on_this_node_is_killed_outright_one_elsewhere_is_lef
 
     from resihp.launch.supervisor import end_hung
 
-    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    code = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', "
+        "flush=True)\ntime.sleep(60)\n"
+    )
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         for _ in range(3)

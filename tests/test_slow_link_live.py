@@ -1,8 +1,8 @@
 """A slow link in a real 4-process job (DP 2 x PP 2, gloo, CPU): the live detector names it as a
 link-slow (both ends, the traffic), never a fail-slow of either end; the planner prices the link
 and the job applies the new plan live (around a slow pipeline link fewer micro-batches for its
-replica, or none; around a slow data-parallel link a new placement that takes the link out of use), and
-the time the link's ends spend in its transfers falls back."""
+replica, or none; around a slow data-parallel link a new placement that takes the link out of use),
+and the time the link's ends spend in its transfers falls back."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def test_slow_link_is_named_and_replanned(tmp_path, monkeypatch, ends, traffic, 
     assert sorted(ev["ranks"]) == list(ends) and ev["rank"] in ends and ev["traffic"] == traffic
     # within the detector's own promise (``detect_within``). Not 5: in the gradient-sync case the
     # unslowed end's own collective time spans 1-13 ms over its 8 calibration steps on 2 shared
-    # cores, so its CUSUM, which must alarm too, needed 6 or 7 steps in 4 of 16 runs (at a861868 too)
+    # cores, so its CUSUM, which must alarm too, needed 6 or 7 steps in 4 of 16 runs (at a861868
+    # too)
     assert ONSET <= ev["detected_step"] <= ONSET + DetectorConfig().detect_within
     # the planner re-planned for the link (priced at the transfers measured), and the job applied
     # it live: around a slow data-parallel link, an end trades places with the other stage of its

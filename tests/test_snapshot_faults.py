@@ -388,9 +388,9 @@ def test_a_whole_node_lost_with_its_memory_restores_from_the_other_node(referenc
     """Two launchers, one rank each: node 1's rank, keeper and tier are lost; node 1 rejoins the
     relaunch and its rank's state comes over gloo from the other node's tier."""
     # two simulated nodes, one rank each (data-parallel peers): every rank of node 1 is SIGKILLed
-    # and node 1's memory tier is lost with it (its keeper killed, its files gone); node 0 relaunches
-    # the job in place, node 1's launcher joins the relaunch, and rank 1 receives rank 0's slot over
-    # gloo from the other node
+    # and node 1's memory tier is lost with it (its keeper killed, its files gone); node 0
+    # relaunches the job in place, node 1's launcher joins the relaunch, and rank 1 receives rank
+    # 0's slot over gloo from the other node
     from resihp.train.nodes import free_port
 
     port = free_port()

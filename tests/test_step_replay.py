@@ -12,7 +12,8 @@ from resihp.perf.step_replay import replay_steps
 
 @pytest.mark.slow
 def test_replay_of_a_real_two_stage_run(tmp_path):
-    """A real 2-process pipeline (torchrun, gloo): the replayed critical path tracks measured steps."""
+    """A real 2-process pipeline (torchrun, gloo): the replayed critical path tracks measured
+    steps."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,

@@ -679,7 +679,8 @@ def _forge_and_poison(port: int, node0: subprocess.Popen, until_s: float) -> dic
         "pid": os.getpid(),
         "exited": True,
     }
-    forged = {  # what each would do if taken: node 1 ends or stops; a replica is evicted, relaunched ...
+    # what each would do if taken: node 1 ends or stops; a replica is evicted, relaunched ...
+    forged = {
         f"{pre}/ended": {"job_id": job, "reason": "finished"},
         f"{pre}/stopping": {"job_id": job, "reason": "forged"},
         f"{pre}/replica/1/order": {"replica": 1, "attempt": 1, "relaunch": True},
@@ -817,7 +818,8 @@ def test_a_two_node_job_refuses_forged_orders_and_trains_on_through_garbage_with
     for key in (f"{pre}/ended", f"{pre}/replica/1/order", f"{pre}/stacks/1"):
         lines = [x for x in err1.splitlines() if f"store key {key}: record dropped:" in x]
         assert len(lines) == 1 and "refused" in lines[0], (key, lines)
-    # the evictions and decisions read by node 0 and the ranks: each refused at most once per process
+    # the evictions and decisions read by node 0 and the ranks: each refused at most once per
+    # process
     refused = [x for x in logs.splitlines() if "record dropped" in x and "refused" in x]
     assert any(f"resihp/{job}/ft/decision/0/8:" in x for x in refused), refused
     assert keys["forged"] and keys["garbage"]

@@ -61,7 +61,8 @@ def _records(out: Path, rank: int) -> list[dict]:
 
 
 def _losses(out: Path, rank: int) -> dict[int, float]:
-    """Each step's loss, the last one written (a restarted rank writes the steps after its restore)."""
+    """Each step's loss, the last one written (a restarted rank writes the steps after its
+    restore)."""
     return {r["step"]: r["loss"] for r in _records(out, rank) if "step" in r}
 
 

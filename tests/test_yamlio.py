@@ -79,7 +79,8 @@ def test_oversized_file_is_refused(tmp_path, monkeypatch):
     [
         (
             "name: c\nnodes: [{devices: 2}]\ndevise: {memory_gb: 80}\n",
-            r"c\.yaml: unknown key 'devise' \(did you mean device\?\); known keys: bandwidth, device",
+            r"c\.yaml: unknown key 'devise' \(did you mean device\?\); "
+            r"known keys: bandwidth, device",
         ),
         ("nodes: [{devices: 2, gpus: 8}]\n", r"c\.yaml: nodes\[0\]: unknown key 'gpus'"),
         (

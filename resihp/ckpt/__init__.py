@@ -1,2 +1,4 @@
-"""Universal (reshardable) checkpoints: state keyed by global parameter name, written and read with
-torch.distributed.checkpoint, so a job can restart in a different parallel layout."""
+"""Universal (reshardable) checkpoints: state keyed by global parameter name.
+
+Written and read with torch.distributed.checkpoint, so a job can restart in a different parallel
+layout."""

@@ -1,6 +1,8 @@
-"""Checkpoint integrity: a manifest of every file (size and sha256) written last and atomically, a
-check of it before any byte of a checkpoint is trusted, and a reader of torch.distributed.checkpoint's
-pickled ``.metadata`` that admits only DCP's own metadata types (a crafted pickle cannot run code).
+"""Checkpoint integrity: manifests, their check, and a safe reader of DCP's metadata.
+
+A manifest of every file (size and sha256) written last and atomically, a check of it before any
+byte of a checkpoint is trusted, and a reader of torch.distributed.checkpoint's pickled
+``.metadata`` that admits only DCP's own metadata types (a crafted pickle cannot run code).
 
 A checkpoint is written into a hidden temporary folder beside its final name; the manifest is
 written last, every file and the folder are fsynced, and one ``rename`` makes it visible. A folder
@@ -47,13 +49,16 @@ def _files(directory: Path) -> list[Path]:
 
 
 def write_json_atomic(path: Path, data: object) -> None:
-    """``path`` holds either its old content or all of ``data``, never a part (temp, fsync, rename)."""
+    """``path`` holds either its old content or all of ``data``, never a part (temp, fsync,
+    rename)."""
     write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False))
 
 
 def write_manifest(directory: str | Path, identity: dict | None = None) -> dict:
-    """List every file of ``directory`` with its size and sha256 in ``manifest.json`` (written last,
-    fsynced, renamed into place); ``identity`` (job id, model hash) is recorded beside the files."""
+    """List every file of ``directory`` with its size and sha256 in ``manifest.json``.
+
+    The manifest is written last, fsynced and renamed into place; ``identity`` (job id, model hash)
+    is recorded beside the files."""
     directory = Path(directory)
     files = {}
     for path in _files(directory):
@@ -77,8 +82,10 @@ def read_manifest(directory: str | Path) -> dict | None:
 
 
 def problem(directory: str | Path) -> str | None:
-    """What is wrong with checkpoint ``directory`` (one phrase), or None when every file it lists is
-    there with its size and sha256 and the DCP metadata and resihp meta are among them."""
+    """What is wrong with checkpoint ``directory`` (one phrase), or None when nothing is.
+
+    Nothing is when every file it lists is there with its size and sha256 and the DCP metadata and
+    resihp meta are among them."""
     directory = Path(directory)
     if not directory.is_dir():
         return "not a folder"
@@ -139,8 +146,15 @@ def verify(directory: str | Path) -> dict:
 
 
 def publish(tmp: Path, final: Path, identity: dict | None = None) -> None:
-    """Write the manifest of the complete checkpoint in ``tmp`` and rename it to ``final`` (an older
-    checkpoint of that name, e.g. of an earlier job in the same folder, is replaced whole)."""
+    """Write the manifest of the complete checkpoint in ``tmp`` and rename it to ``final``.
+
+    An older checkpoint of that name (e.g. of an earlier job in the same folder) is replaced whole.
+
+    Args:
+        tmp: the hidden temporary folder holding the complete checkpoint.
+        final: the checkpoint's name.
+        identity: what the manifest records of the job that wrote it (job id, model hash, step).
+    """
     write_manifest(tmp, identity)
     old = None
     if final.exists():
@@ -170,8 +184,10 @@ _ALLOWED = {
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Admits only DCP's metadata classes, torch dtypes and sizes, and paths; anything else (such as
-    ``os.system`` or ``builtins.eval``) is refused before it can be called."""
+    """Admits only DCP's metadata classes, torch dtypes and sizes, and paths.
+
+    Anything else (such as ``os.system`` or ``builtins.eval``) is refused before it can be
+    called."""
 
     def find_class(self, module: str, name: str) -> object:
         import torch
@@ -242,9 +258,10 @@ def _check_items(path: Path, metadata, tensors_only: bool = True) -> None:
 
 
 def safe_reader(directory: str | Path, tensors_only: bool = True):
-    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler and that reads
-    tensors only (each through DCP's ``torch.load(weights_only=True)``); with ``tensors_only``
-    False, bytes items too, which ``safe_planner``'s planner must then unpickle."""
+    """A ``FileSystemReader`` whose metadata comes through the restricted unpickler.
+
+    It reads tensors only (each through DCP's ``torch.load(weights_only=True)``); with
+    ``tensors_only`` False, bytes items too, which ``safe_planner``'s planner must then unpickle."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -270,8 +287,10 @@ def safe_reader(directory: str | Path, tensors_only: bool = True):
 
 
 def safe_planner(directory: str | Path):
-    """A DCP load planner that unpickles a bytes item (an int, a list, a dict of plain values:
-    a data loader's position, say) with ``torch.load(weights_only=True)``, never arbitrary code."""
+    """A DCP load planner that unpickles bytes items with ``torch.load(weights_only=True)``.
+
+    A bytes item is an int, a list, a dict of plain values (a data loader's position, say); never
+    arbitrary code."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
@@ -300,8 +319,9 @@ def safe_planner(directory: str | Path):
 
 @contextlib.contextmanager
 def refusals():
-    """A refusal (InputError) raised inside a DCP load, on any rank, as itself rather than DCP's
-    multi-rank traceback."""
+    """Re-raise a refusal (InputError) from inside a DCP load, on any rank, as itself.
+
+    Rather than DCP's multi-rank traceback."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -337,9 +357,14 @@ def candidates(root: str | Path) -> list[Path]:
 def newest_good(
     root: str | Path, job_id: str | None = None, model_hash: str | None = None
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint under the checkpoint folder ``root`` that verifies and, when given,
-    was written by job ``job_id`` for the model with hash ``model_hash``; and each newer one
-    skipped with its reason."""
+    """The newest checkpoint under ``root`` that verifies, and each newer one skipped with its
+    reason.
+
+    Args:
+        root: the checkpoint folder.
+        job_id: only a checkpoint written by this job counts (None: any job's).
+        model_hash: only a checkpoint of the model with this hash counts (None: any model's).
+    """
     skipped: list[tuple[Path, str]] = []
     for path in candidates(root):
         why = problem(path)
@@ -356,7 +381,8 @@ def newest_good(
 
 
 def remove_partial(root: str | Path) -> None:
-    """Hidden temporary checkpoint folders under ``root`` left by a job that died while writing one."""
+    """Hidden temporary checkpoint folders under ``root`` left by a job that died while writing
+    one."""
     for tmp in Path(root).glob(".step*"):
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)

@@ -82,9 +82,17 @@ def keeper_pid(directory: Path) -> int | None:
 
 
 def ensure_keeper(directory: Path, owner: int, timeout_s: float = 60.0, warm: bool = False) -> int:
-    """Start the keeper of ``directory`` unless one runs; returns its PID. Safe to call from
-    several processes at once (one of them starts it). ``warm``: the job's checkpoints are written
-    from memory, so the keeper loads torch as it starts."""
+    """Start the keeper of ``directory`` unless one runs; returns its PID.
+
+    Safe to call from several processes at once (one of them starts it).
+
+    Args:
+        directory: the memory tier's folder.
+        owner: the PID of the process that owns the tier (the keeper ends with it).
+        timeout_s: how long to wait for the keeper to start.
+        warm: the job's checkpoints are written from memory, so the keeper loads torch as it
+            starts.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory / "spawn.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -171,8 +179,9 @@ def _replace_if_stopped(directory: Path, pid: int) -> bool:
 
 
 def stop_keeper(directory: Path, timeout_s: float = 10.0) -> None:
-    """End the job's memory tier: the keeper removes its files and exits (if no keeper runs, the
-    files are removed here)."""
+    """End the job's memory tier: the keeper removes its files and exits.
+
+    If no keeper runs, the files are removed here."""
     directory = Path(directory)
     pid = keeper_pid(directory)
     if pid not in (None, -1):
@@ -195,10 +204,17 @@ def _load_persist() -> None:
 
 
 def request_flush(directory: Path, newest: bool, timeout_s: float = 120.0) -> dict | None:
-    """Ask the keeper to finish the checkpoints it owes (``newest``: and to write the newest step
-    complete in memory when no checkpoint has it: the job's breakpoint); waits for its answer
-    (``step``: the checkpoint written for the breakpoint, or None; ``error``). None if no keeper
-    runs or none answers within ``timeout_s``."""
+    """Ask the keeper to finish the checkpoints it owes, and wait for its answer.
+
+    The answer has ``step`` (the checkpoint written for the breakpoint, or None) and ``error``; None
+    if no keeper runs or none answers within ``timeout_s``.
+
+    Args:
+        directory: the memory tier's folder.
+        newest: also write the newest step complete in memory when no checkpoint has it (the
+            job's breakpoint).
+        timeout_s: how long to wait for the answer.
+    """
     directory = Path(directory)
     if keeper_pid(directory) in (None, -1):
         return None
@@ -219,8 +235,9 @@ def request_flush(directory: Path, newest: bool, timeout_s: float = 120.0) -> di
 
 
 def complete_steps(headers: list[SlotHeader], due_only: bool) -> list[tuple[int, list[SlotHeader]]]:
-    """The steps, newest first, for which every rank of the job has a published slot (its own)
-    with a persist request (``due_only``: one marked due), and those slots."""
+    """The steps, newest first, for which every rank has its own published slot to persist.
+
+    Each with those slots; a slot counts with a persist request (``due_only``: one marked due)."""
     by_step: dict[int, dict[int, SlotHeader]] = {}
     world = None
     for h in headers:
@@ -260,7 +277,8 @@ class Keeper:
 
     def _adopt_holds(self) -> None:
         """A predecessor's holds (a keeper replaced while it was stopped) become this keeper's:
-        their checkpoints are still owed, and the trainers keep those slots until they are written."""
+        their checkpoints are still owed, and the trainers keep those slots until they are
+        written."""
         holds = list(self.dir.glob("rank*.persisting"))
         for hold in holds:
             with contextlib.suppress(OSError):
@@ -319,8 +337,9 @@ class Keeper:
         # else (a SIGTERM not from the job's end): the files stay for the next keeper
 
     def step(self) -> bool:
-        """Publish every pending slot, start a checkpoint that is due, answer a flush; whether
-        there was any work."""
+        """Publish every pending slot, start a checkpoint that is due, answer a flush.
+
+        Returns whether there was any work."""
         # the flush request is read before the pending slots are listed: a trainer's last slot,
         # pending before its job asked for the flush, is then published and written first (read
         # after the listing, a flush answered at once could leave that slot's checkpoint unwritten)
@@ -366,9 +385,10 @@ class Keeper:
             self._flush(flush)
         return bool(pending)
 
-    # --- checkpoints to disk (resihp.ckpt.persist) ----------------------------------------------------
+    # --- checkpoints to disk (resihp.ckpt.persist) ------------------------------------------------
     def _warm(self) -> None:
-        """Load torch and DCP in the background, so that the first checkpoint does not wait for them."""
+        """Load torch and DCP in the background, so that the first checkpoint does not wait for
+        them."""
         self._persists = True
         self._persisting = threading.Thread(
             target=_load_persist, name="resihp-persist-import", daemon=True
@@ -519,8 +539,9 @@ def request_verify(directory: Path) -> None:
 
 
 def find_tiers(path: Path) -> list[Path]:
-    """The memory tiers ``path`` names: a tier folder itself, or a run folder's job's (its
-    ``run.json`` names the job), on every node of this machine."""
+    """The memory tiers ``path`` names, on every node of this machine.
+
+    A tier folder itself, or a run folder's job's (its ``run.json`` names the job)."""
     path = Path(path)
     if (path / LOCK).exists() or list(path.glob("rank*.bin")):
         return [path]
@@ -531,8 +552,10 @@ def find_tiers(path: Path) -> list[Path]:
 
 
 def inspect_tier(directory: Path, verify: bool = True) -> dict:
-    """What a memory tier holds: each published slot (whose state, which step, who holds it, its
-    size, whether its bytes match its checksums), the slots still pending, and the keeper."""
+    """What a memory tier holds: its published slots, the slots still pending, and the keeper.
+
+    For each published slot: whose state, which step, who holds it, its size, whether its bytes
+    match its checksums."""
     directory = Path(directory)
     slots = []
     for h in MemoryTier(directory, -1).headers():
@@ -562,8 +585,10 @@ def inspect_tier(directory: Path, verify: bool = True) -> dict:
 
 @dataclass(frozen=True)
 class LeftTier:
-    """A memory tier of another job in the tier root: its folder, its owner (the launcher or
-    torchrun's agent) as its keeper recorded it, and whether that owner is provably gone."""
+    """A memory tier of another job in the tier root.
+
+    Its folder, its owner (the launcher or torchrun's agent) as its keeper recorded it, and whether
+    that owner is provably gone."""
 
     path: Path
     owner_pid: int | None  # None: no owner recorded (a keeper of an older resihp, or starting)
@@ -597,8 +622,9 @@ def _size(directory: Path) -> int:
 
 
 def left_tiers(exclude: Path | None = None, root: Path | None = None) -> list[LeftTier]:
-    """The memory tiers in ``root`` (default: the tier root) other than ``exclude``, each with its
-    owner's state, judged by the PID and start time its keeper recorded."""
+    """The memory tiers in ``root`` (default: the tier root) other than ``exclude``.
+
+    Each with its owner's state, judged by the PID and start time its keeper recorded."""
     found = []
     for path in sorted((root or shm_root()).glob("resihp-*-n*")):
         if not path.is_dir() or (exclude is not None and path == Path(exclude)):
@@ -612,16 +638,18 @@ def left_tiers(exclude: Path | None = None, root: Path | None = None) -> list[Le
 
 
 def reclaim_dead_tiers(exclude: Path | None = None) -> list[LeftTier]:
-    """Remove the tiers of jobs provably over (no keeper, owner gone: a launcher and keeper
-    SIGKILLed together leave theirs); returns those removed, each said in one line on stderr."""
+    """Remove the tiers of jobs provably over; returns those removed.
+
+    A job is over when its tier has no keeper and its owner is gone (a launcher and keeper
+    SIGKILLed together leave theirs); each removal is said in one line on stderr."""
     gone = []
     for tier in left_tiers(exclude):
         if tier.reclaimable:
             shutil.rmtree(tier.path, ignore_errors=True)
             gone.append(tier)
             print(
-                f"resihp: removed the memory tier {tier.path} of a dead job ({tier.nbytes / 2**20:.0f} "
-                f"MiB; its owner PID {tier.owner_pid} is gone)",
+                f"resihp: removed the memory tier {tier.path} of a dead job "
+                f"({tier.nbytes / 2**20:.0f} MiB; its owner PID {tier.owner_pid} is gone)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,6 +1,7 @@
-"""The memory tier: per rank two snapshot slots (A and B) as named files in ``/dev/shm``, which
-outlive the process that wrote them (plain files, not ``multiprocessing.shared_memory``, whose
-resource tracker unlinks a segment when its creator is SIGKILLed).
+"""The memory tier: per rank two snapshot slots (A and B) as named files in ``/dev/shm``.
+
+The files outlive the process that wrote them (plain files, not ``multiprocessing.shared_memory``,
+whose resource tracker unlinks a segment when its creator is SIGKILLed).
 
 A tier is one folder per job and node, ``/dev/shm/resihp-<job>-n<node>`` (``RESIHP_SHM`` moves
 the root, for tests). Files, per rank R and slot S (``A``, ``B``, or ``copy``: the explicit replica
@@ -68,9 +69,10 @@ class Shard:
 
 @dataclass
 class SlotHeader:
-    """What a slot holds: whose state (``rank``), of which step, in which layout; ``crc32`` per
-    shard once the keeper has published it; ``holder``: the rank whose memory holds the slot (the
-    owner itself, or the holder of an explicit copy)."""
+    """What a slot holds: whose state (``rank``), of which step, in which layout.
+
+    ``crc32`` per shard once the keeper has published it; ``holder``: the rank whose memory holds
+    the slot (the owner itself, or the holder of an explicit copy)."""
 
     rank: int
     slot: str
@@ -97,9 +99,10 @@ class SlotHeader:
 
 
 def plan_shards(tensors: list) -> tuple[list[Shard], int]:
-    """Offsets for ``tensors`` (``(key, torch.Tensor)`` pairs) in a slot, each aligned to 64
-    bytes; returns the shards and the slot's size. (No torch import here: the keeper starts
-    without it.)"""
+    """Offsets for ``tensors`` (``(key, torch.Tensor)`` pairs) in a slot, each aligned to 64 bytes.
+
+    Returns the shards and the slot's size. (No torch import here: the keeper starts without
+    it.)"""
     shards, offset = [], 0
     for key, t in tensors:
         n = t.numel() * t.element_size()
@@ -191,11 +194,11 @@ class MemoryTier:
         need = max(0, need_bytes * ranks_here - held * ranks_here) + HEADROOM * ranks_here
         if need > free:
             raise InputError(
-                f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in {self.dir.parent} "
-                f"({ranks_here} rank(s) x {need_bytes / 2**20:.0f} MiB: two slots, and the copies a rank "
-                f"keeps) but "
-                f"{free / 2**20:.0f} MiB is free; enlarge it (mount -o remount,size=... /dev/shm), "
-                f"set RESIHP_SHM to a larger tmpfs, or snapshot less state"
+                f"--snapshot-every: the memory tier needs {need / 2**20:.0f} MiB in "
+                f"{self.dir.parent} ({ranks_here} rank(s) x {need_bytes / 2**20:.0f} MiB: two "
+                f"slots, and the copies a rank keeps) but {free / 2**20:.0f} MiB is free; "
+                "enlarge it (mount -o remount,size=... /dev/shm), set RESIHP_SHM to a larger "
+                "tmpfs, or snapshot less state"
             )
 
     def lack(self, slot: str, nbytes: int) -> TierFull | None:
@@ -211,8 +214,9 @@ class MemoryTier:
 
     # --- writing (the trainer) ----------------------------------------------------------------------
     def open_slot(self, slot: str, nbytes: int) -> np.memmap:
-        """This rank's slot ``slot`` as ``nbytes`` bytes mapped from the shared file (space
-        reserved; a smaller file grows, a larger one shrinks)."""
+        """This rank's slot ``slot`` as ``nbytes`` bytes mapped from the shared file.
+
+        Space is reserved; a smaller file grows, a larger one shrinks."""
         cached = self._maps.get(slot)
         if cached is not None and cached.shape[0] == nbytes:
             return cached
@@ -294,7 +298,7 @@ class MemoryTier:
     def close(self) -> None:
         self._maps.clear()
 
-    # --- reading ------------------------------------------------------------------------------------
+    # --- reading ----------------------------------------------------------------------------------
     def headers(self) -> list[SlotHeader]:
         """Every published header in the tier (any rank's)."""
         found = []
@@ -312,8 +316,10 @@ class MemoryTier:
         return [h for h in self.headers() if h.holder == self.rank]
 
     def read(self, header: SlotHeader, writable: bool = False) -> np.ndarray | None:
-        """The bytes of a published slot (mapped; read-only unless ``writable``, which torch
-        wants of an array it wraps), or None if the file is missing or shorter than its header says."""
+        """The bytes of a published slot, mapped; None if the file is missing or too short.
+
+        Read-only unless ``writable``, which torch wants of an array it wraps; too short is shorter
+        than its header says."""
         path = self.data_path(header.slot, header.rank)
         try:
             if path.stat().st_size < header.nbytes:
@@ -332,8 +338,10 @@ class MemoryTier:
         return all(crc_of(data, s) == c for s, c in zip(header.shards, header.crc32, strict=True))
 
     def checked(self, header: SlotHeader) -> bool | None:
-        """The keeper's verdict on a slot, if it checked this very slot (same step, same
-        publication) after the trainers stopped (:func:`verify_all`); else None."""
+        """The keeper's verdict on a slot, if it checked this very slot; else None.
+
+        This very slot: same step, same publication, checked after the trainers stopped
+        (:func:`verify_all`)."""
         entry = (read_json(self.dir / VERIFIED) or {}).get(
             self.header_path(header.slot, header.rank).name
         )
@@ -360,8 +368,9 @@ class MemoryTier:
 
 
 def verify_all(directory: Path) -> dict:
-    """Check every published slot of a tier against its checksums (the keeper does it while a
-    job relaunches, so that the restoring ranks need not); written to ``verified.json``."""
+    """Check every published slot of a tier against its checksums; written to ``verified.json``.
+
+    The keeper does it while a job relaunches, so that the restoring ranks need not."""
     tier = MemoryTier(directory, -1)
     verdicts = {
         tier.header_path(h.slot, h.rank).name: {
@@ -376,8 +385,10 @@ def verify_all(directory: Path) -> dict:
 
 
 def publish(directory: Path, pending: Path) -> SlotHeader | None:
-    """The keeper's part for one pending slot: checksum its bytes, write the header (atomically),
-    keep the explicit copy it asks for, drop the pending file. None if the pending file is gone."""
+    """The keeper's part for one pending slot; None if the pending file is gone.
+
+    Checksum its bytes, write the header (atomically), keep the explicit copy it asks for, drop the
+    pending file."""
     data = read_json(pending)
     if data is None:
         return None

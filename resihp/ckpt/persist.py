@@ -12,8 +12,9 @@ A slot of a due step is held (``rankR.S.persisting``, naming the keeper's PID) f
 publication until the keeper has copied its blocks out (one pass over memory; the keeper holds that
 copy, the size of the state it writes, while it writes); a trainer about to overwrite that slot, two
 snapshots later, waits for the hold (``MemoryTier.begin_write``), which is the only way persisting
-can hold training up. Files go to the page cache, then are synced. A checkpoint cut short (the keeper killed while writing) stays a hidden
-``.stepN.partial`` folder that nothing reads; the checkpoints already on disk are not touched.
+can hold training up. Files go to the page cache, then are synced. A checkpoint cut short (the
+keeper killed while writing) stays a hidden ``.stepN.partial`` folder that nothing reads; the
+checkpoints already on disk are not touched.
 
 No process group: the keeper is one process and writes the node's whole checkpoint (DCP's
 ``no_dist``), with a planner that lays out every rank's blocks by their global offsets.
@@ -55,9 +56,10 @@ LOG = "persist.jsonl"  # under OUT/ckpt: one line per checkpoint the keeper wrot
 
 @dataclass(frozen=True)
 class Block:
-    """One tensor of a slot in a checkpoint: slot shard ``shard`` viewed as ``sizes``/``strides``
-    from ``storage_offset`` (elements) is the block at ``offsets`` of global tensor ``key``, whose
-    shape is ``size``."""
+    """One tensor of a slot in a checkpoint.
+
+    Slot shard ``shard`` viewed as ``sizes``/``strides`` from ``storage_offset`` (elements) is the
+    block at ``offsets`` of global tensor ``key``, whose shape is ``size``."""
 
     shard: str
     key: str
@@ -70,11 +72,12 @@ class Block:
 
 @dataclass
 class PersistRequest:
-    """What a snapshot's header carries for the keeper to persist it: the checkpoint root
-    (``OUT/ckpt``), how many checkpoints to keep (0: all), the ranks of the job, whether this
-    rank's model state is written (one replica writes), ``meta`` (rank 0: what ``meta.json``
-    records) and its blocks; ``due``: this step is a checkpoint step (else the request serves a
-    flush at the job's breakpoint)."""
+    """What a snapshot's header carries for the keeper to persist it.
+
+    The checkpoint root (``OUT/ckpt``), how many checkpoints to keep (0: all), the ranks of the job,
+    whether this rank's model state is written (one replica writes), ``meta`` (rank 0: what
+    ``meta.json`` records) and its blocks; ``due``: this step is a checkpoint step (else the request
+    serves a flush at the job's breakpoint)."""
 
     root: str
     keep: int
@@ -113,9 +116,20 @@ def blocks_of(
     rank: int,
     write: bool = True,
 ) -> list[Block]:
-    """Where each of this rank's snapshot tensors (``local``: ``resihp.ckpt.snapshot.state_tensors``)
-    goes in a universal checkpoint: its placed state's blocks (model and AdamW state, when
-    ``write``) and its RNG state as ``rng.torch.rank<R>``."""
+    """Where each of this rank's snapshot tensors goes in a universal checkpoint.
+
+    Its placed state's blocks (model and AdamW state, when ``write``) and its RNG state as
+    ``rng.torch.rank<R>``.
+
+    Args:
+        model: this rank's model.
+        optimizer: its AdamW optimizer.
+        local: this rank's snapshot tensors (``resihp.ckpt.snapshot.state_tensors``).
+        tp: this rank's tensor-parallel group (None: no tensor parallelism).
+        cfg: the GPT config (None: ``model.cfg``).
+        rank: this rank, naming its RNG state.
+        write: whether this rank's model state is written (one replica writes).
+    """
     by_storage = {t.untyped_storage().data_ptr(): (key, t) for key, t in local}
     out = []
     for key, value in (placed_state(model, optimizer, tp, cfg) if write else {}).items():
@@ -186,8 +200,9 @@ class _BlockPlanner(DefaultSavePlanner):
 
 @dataclass
 class Persisted:
-    """One checkpoint the keeper wrote: its step and folder, bytes, the seconds it held the slots
-    (the most a trainer could have waited) and in all."""
+    """One checkpoint the keeper wrote: its step, folder, bytes and seconds.
+
+    The seconds it held the slots (the most a trainer could have waited) and in all."""
 
     step: int
     directory: str
@@ -200,10 +215,18 @@ class Persisted:
 def write_checkpoint(
     directory: Path, headers: list[SlotHeader], reason: str = "due"
 ) -> Persisted | None:
-    """Write the checkpoint of ``headers`` (one published slot per rank of the job, all of one
-    step, each with a persist request) from tier ``directory``; None if a slot changed under it
-    (a trainer began to overwrite it before the keeper held it: the next due step is persisted)
-    or its bytes no longer match the checksums of its publication."""
+    """Write the checkpoint of ``headers`` from tier ``directory``; None if a slot changed under it.
+
+    A slot changed when a trainer began to overwrite it before the keeper held it (the next due
+    step is persisted then), or when its bytes no longer match the checksums of its publication.
+
+    Args:
+        directory: the memory tier's folder.
+        headers: one published slot per rank of the job, all of one step, each with a persist
+            request.
+        reason: ``due``, or ``breakpoint`` (the newest step in memory when the job stopped),
+            recorded in the ``Persisted``.
+    """
     t0 = time.monotonic()
     tier = MemoryTier(directory, -1)
     holds = [tier.hold_path(h.slot, h.rank) for h in headers]

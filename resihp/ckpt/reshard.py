@@ -1,6 +1,7 @@
-"""Every rank's tensors under their global names, each placed in its global tensor, so that state
-written by one layout is read by any other: the resharding is DCP's (each reader asks for the
-overlap of its own block with the blocks that were written).
+"""Every rank's tensors under their global names, each placed in its global tensor.
+
+So state written by one layout is read by any other: the resharding is DCP's (each reader asks for
+the overlap of its own block with the blocks that were written).
 
 A tensor-parallel shard is a ``DTensor`` over the tensor-parallel group (a one-dimensional CPU or
 GPU ``DeviceMesh`` made from the group the engine already has) with ``Shard(dim)`` placement in the
@@ -32,8 +33,9 @@ _MESHES: dict[
 
 
 def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
-    """The one-dimensional mesh of this rank's tensor-parallel group (None without one); its
-    coordinates are the group's ranks, so ``tp.rank`` must be this rank's place in the group
+    """The one-dimensional mesh of this rank's tensor-parallel group (None without one).
+
+    Its coordinates are the group's ranks, so ``tp.rank`` must be this rank's place in the group
     (world ranks ascending with tensor-parallel rank, as ``torch.distributed.new_group`` orders)."""
     if tp.size == 1 or tp.group is None:
         return None
@@ -87,8 +89,16 @@ def placed_state(
     tp: TPContext | None = None,
     cfg: GPTConfig | None = None,
 ) -> dict[str, torch.Tensor]:
-    """This rank's parameters and AdamW state under their global keys, each a view of the live
-    tensor, tensor-parallel shards as DTensors placed in their global tensor."""
+    """This rank's parameters and AdamW state under their global keys, views of the live tensors.
+
+    Tensor-parallel shards are DTensors placed in their global tensor.
+
+    Args:
+        model: this rank's model.
+        optimizer: its AdamW optimizer (None: parameters only).
+        tp: this rank's tensor-parallel group (None: no tensor parallelism).
+        cfg: the GPT config (default: ``model.cfg``).
+    """
     tp = tp or TPContext(1, 0)
     first = next(model.parameters(), None)
     mesh = tp_mesh(tp, first.device.type if first is not None else "cpu")
@@ -137,8 +147,9 @@ def _volume(sizes: tuple[int, ...]) -> int:
 
 
 def bytes_to_receive(held: dict[str, Extent], needed: dict[str, Extent]) -> int:
-    """The bytes of ``needed`` that ``held`` (what the same rank had before) does not cover: the
-    least a layout change must bring to this rank."""
+    """The bytes of ``needed`` that ``held`` (what the same rank had before) does not cover.
+
+    The least a layout change must bring to this rank."""
     total = 0
     for key, (offsets, sizes, width) in needed.items():
         have = 0
@@ -160,8 +171,10 @@ def forget_mesh(group: object) -> None:
 
 
 def counting_reader(reader, counter: list[int]):
-    """``reader`` (a DCP FileSystemReader) adding to ``counter[0]`` the bytes of every stored item a
-    load reads (DCP reads an item whole, then narrows it to the overlap the reader asked for)."""
+    """``reader`` (a DCP FileSystemReader) adding to ``counter[0]`` the bytes a load reads.
+
+    Every stored item counts whole: DCP reads an item whole, then narrows it to the overlap the
+    reader asked for."""
     read_data = reader.read_data
 
     def counted(plan, planner):
@@ -177,8 +190,9 @@ def counting_reader(reader, counter: list[int]):
 
 
 def copy_held(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> set[str]:
-    """Fill every tensor of placed state ``new`` whose block lies inside the block this rank held
-    of the same key in ``old`` by a local copy; returns the keys filled (the rest must be read)."""
+    """Fill by local copy every tensor of ``new`` whose block lies inside this rank's in ``old``.
+
+    Both are placed states; returns the keys filled (the rest must be read)."""
     held, needed = extents(old), extents(new)
     done = set()
     with torch.no_grad():

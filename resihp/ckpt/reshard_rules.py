@@ -1,5 +1,7 @@
-"""How each piece of non-tensor state crosses a layout change: kept exactly, re-derived for the new
-layout, or refused with a message that names it (never silently wrong).
+"""How each piece of non-tensor state crosses a layout change.
+
+Kept exactly, re-derived for the new layout, or refused with a message that names it (never
+silently wrong).
 
 A checkpoint's ``meta.json`` records the values under ``state``; a resuming run gives its own, and
 ``decide`` returns one decision per key (what ``resihp run --resume`` records in the run folder's
@@ -74,9 +76,9 @@ RULES = (
     Rule(
         "rng.torch",
         KEPT,
-        "each rank's torch generator state is restored in the same layout; in "
-        "another one it is re-derived from (seed, step, the rank's data/pipeline/tensor coordinates), "
-        "as no rank's stream maps onto a rank of the new layout",
+        "each rank's torch generator state is restored in the same layout; in another one it is "
+        "re-derived from (seed, step, the rank's data/pipeline/tensor coordinates), as no rank's "
+        "stream maps onto a rank of the new layout",
     ),
 )
 
@@ -92,7 +94,19 @@ def state_of_run(
     lr: float,
     layout: dict[str, int],
 ) -> dict:
-    """The non-tensor state of a run as a checkpoint's ``meta.json`` records it."""
+    """The non-tensor state of a run as a checkpoint's ``meta.json`` records it.
+
+    Args:
+        seed: the run's seed.
+        source: the sequence-length source.
+        global_tokens: tokens a step.
+        max_len: the model's longest sequence.
+        budget: tokens per micro-batch.
+        dp_weights: each replica's share of the global batch.
+        layer_splits: each replica's layers per stage.
+        lr: the learning rate.
+        layout: the layout in force (``pipelines``: the ranks of each pipeline's stages).
+    """
     return {
         "data.seed": seed,
         "data.source": source,
@@ -113,8 +127,15 @@ def same_layout(saved: dict, now: dict) -> bool:
 
 
 def decide(saved: dict, now: dict, source: str = "checkpoint") -> list[dict]:
-    """Per key of ``RULES``: the rule applied, the saved value and the resuming run's. Raises
-    InputError naming the flag for a refused key whose value differs."""
+    """Per key of ``RULES``: the rule applied, the saved value and the resuming run's.
+
+    Raises InputError naming the flag for a refused key whose value differs.
+
+    Args:
+        saved: the checkpoint's state (``state_of_run``).
+        now: the resuming run's state.
+        source: what the error names as the checkpoint.
+    """
     decisions = []
     for rule in RULES:
         before, after = saved.get(rule.key), now.get(rule.key)
@@ -136,5 +157,11 @@ def decide(saved: dict, now: dict, source: str = "checkpoint") -> list[dict]:
 
 
 def derived_seed(seed: int, step: int, coords: tuple[int, ...]) -> int:
-    """A torch generator seed for a rank of a new layout at ``step``."""
+    """A torch generator seed for a rank of a new layout at ``step``.
+
+    Args:
+        seed: the run's seed.
+        step: the step the new layout starts at.
+        coords: the rank's coordinates (data, pipeline, tensor) in the new layout.
+    """
     return zlib.crc32(repr((seed, step, tuple(coords))).encode())

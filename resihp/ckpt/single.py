@@ -1,4 +1,6 @@
-"""DCP in one process (``no_dist``): reads and writes without a process group. DCP warns on every
+"""DCP in one process (``no_dist``): reads and writes without a process group.
+
+DCP warns on every
 such call, even one that asks for it, in words a user of ``resihp ckpt convert`` or a keeper's log
 cannot act on; this keeps that one warning out."""
 

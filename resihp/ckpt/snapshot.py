@@ -1,5 +1,6 @@
-"""Snapshots of a rank's model and AdamW state into the memory tier, off the training path, and
-the restore from it.
+"""Snapshots of a rank's model and AdamW state into the memory tier, and the restore from it.
+
+Snapshots are taken off the training path.
 
 Taking one (:class:`Snapshotter`): after the optimizer step of step ``s`` the trainer calls
 ``snapshot``; a thread copies every parameter, AdamW tensor and the RNG state into the free slot
@@ -65,10 +66,11 @@ def comparable(layout: dict) -> dict:
 
 
 class Snapshotter:
-    """One rank's snapshots every ``every`` steps into ``tier``; ``copy_to``: the rank that keeps
-    an explicit copy of each (a rank with no data-parallel peer), or None. ``held``: a context
-    around the wait for the keeper to release a slot (the trainer's heartbeat says it waits on its
-    keeper, a wait bounded by ``timeout_s``, not a hang)."""
+    """One rank's snapshots every ``every`` steps into ``tier``.
+
+    ``copy_to``: the rank that keeps an explicit copy of each (a rank with no data-parallel peer),
+    or None. ``held``: a context around the wait for the keeper to release a slot (the trainer's
+    heartbeat says it waits on its keeper, a wait bounded by ``timeout_s``, not a hang)."""
 
     def __init__(
         self,
@@ -101,8 +103,9 @@ class Snapshotter:
         return self.every > 0 and (step + 1) % self.every == 0
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Fence ``optimizer``'s steps: each waits for the copy in flight (re-attach after a
-        re-plan replaced the optimizer)."""
+        """Fence ``optimizer``'s steps: each waits for the copy in flight.
+
+        Attach again after a re-plan replaced the optimizer."""
         if optimizer is self._hooked:
             return
         if self._hook is not None:
@@ -273,7 +276,7 @@ class Snapshotter:
             self.tier.close()
 
 
-# --- restore ----------------------------------------------------------------------------------------
+# --- restore --------------------------------------------------------------------------------------
 @dataclass
 class Restored:
     step: int  # the snapshot's step: training goes on at step + 1
@@ -301,10 +304,17 @@ class Restored:
 def find_latest(
     inventory: list[list[dict]], peers: Callable[[int], list[int]], world: int
 ) -> tuple[int, dict[int, dict]] | None:
-    """The newest step whose state is held, verified, for every rank (its own slot, a
-    data-parallel peer's, or an explicit copy), and for each rank the slot to load: its own memory
-    first, then a peer's slot, then a copy. ``inventory[h]``: the verified headers rank ``h``
-    holds (dicts with ``rank``, ``holder``, ``slot``, ``step``)."""
+    """The newest step whose state is held, verified, for every rank, and each rank's slot to load.
+
+    A rank's state is held in its own slot, a data-parallel peer's, or an explicit copy; the slot
+    to load is its own memory first, then a peer's slot, then a copy. None: no such step.
+
+    Args:
+        inventory: per rank ``h``, the verified headers it holds (dicts with ``rank``, ``holder``,
+            ``slot``, ``step``).
+        peers: per rank, the ranks that hold the same state (itself and its data-parallel peers).
+        world: the number of ranks.
+    """
     held = [h for per_rank in inventory for h in per_rank]
     for step in sorted({h["step"] for h in held}, reverse=True):
         at = [h for h in held if h["step"] == step]
@@ -338,9 +348,19 @@ def restore(
     group: dist.ProcessGroup | None = None,
     before_transfer: Callable[[], None] | None = None,
 ) -> Restored | None:
-    """Collective over ``group`` (gloo; every rank calls it): load the newest step complete for
-    every rank from the memory tier, or None (every rank alike) if there is none.
-    ``before_transfer``: called once every rank has agreed what to load (fault injection)."""
+    """Collective: load the newest step complete for every rank from the memory tier, or None.
+
+    Every rank of ``group`` calls it, and every rank returns alike.
+
+    Args:
+        tier: this node's memory tier.
+        model: this rank's model, filled in place.
+        optimizer: its AdamW optimizer, filled in place.
+        layout: this rank's layout fields; only snapshots taken in the same layout are loaded.
+        peers: per rank, the ranks that hold the same state (itself and its data-parallel peers).
+        group: the gloo process group (None: the default group).
+        before_transfer: called once every rank has agreed what to load (fault injection).
+    """
     t0 = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     want = comparable(layout)

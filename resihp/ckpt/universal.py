@@ -63,12 +63,24 @@ def save(
     extra: dict[str, torch.Tensor] | None = None,
     write: bool = True,
 ) -> None:
-    """Collective: every rank of the job calls it. The tensors go to a hidden temporary folder;
-    rank 0 (whose DCP call returns only after every rank's files are written) adds ``meta.json``
-    and the manifest, and renames the folder to ``directory``. ``extra``: this rank's own tensors
-    (keys unique to the rank, such as its RNG state). ``write``: whether this rank's model state is
-    written (False on a hot spare, and on all but one replica when replicas differ in
-    tensor-parallel size: their blocks would overlap)."""
+    """Collective: write a universal checkpoint of the job's state to ``directory``.
+
+    Every rank of the job calls it. The tensors go to a hidden temporary folder; rank 0 (whose DCP
+    call returns only after every rank's files are written) adds ``meta.json`` and the manifest,
+    and renames the folder to ``directory``.
+
+    Args:
+        directory: the checkpoint folder to create.
+        model: this rank's model (its stage and tensor-parallel shard).
+        optimizer: its AdamW optimizer.
+        step: the training step the state is after.
+        meta: the job's fields written to ``meta.json`` beside ``step`` and ``format``.
+        tp: this rank's tensor-parallel group (None: no tensor parallelism).
+        cfg: the model's config (default: ``model.cfg``), which places each tensor globally.
+        extra: this rank's own tensors (keys unique to the rank, such as its RNG state).
+        write: whether this rank's model state is written (False on a hot spare, and on all but
+            one replica when replicas differ in tensor-parallel size: their blocks would overlap).
+    """
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.partial")
     state = placed_state(model, optimizer, tp, cfg) if write and model is not None else {}
@@ -95,10 +107,22 @@ def load(
     tp_rank: int = 0,
     reader=None,
 ) -> dict:
-    """Fill this rank's parameters and AdamW state (and the tensors of ``extra``, in place) from
-    ``directory``, which must verify against its manifest, whatever layout wrote it; returns its
-    meta. Collective when a process group is up (every rank calls it). ``reader``: a DCP storage
-    reader of ``directory`` in place of ``safe_reader``'s (one that counts bytes, say)."""
+    """Fill this rank's parameters and AdamW state from ``directory``, whatever layout wrote it.
+
+    ``directory`` must verify against its manifest; returns its meta. Collective when a process
+    group is up (every rank calls it).
+
+    Args:
+        directory: the checkpoint folder.
+        model: this rank's model, filled in place.
+        optimizer: its AdamW optimizer, filled in place.
+        tp: this rank's tensor-parallel group, or its size (None: 1).
+        cfg: the model's config (default: ``model.cfg``).
+        extra: this rank's own tensors, filled in place.
+        tp_rank: this rank's tensor-parallel rank when ``tp`` is a size.
+        reader: a DCP storage reader of ``directory`` in place of ``safe_reader``'s (one that
+            counts bytes, say).
+    """
     verify(directory)
     metadata = read_dcp_metadata(directory)  # refused here, with its reason, rather than inside DCP
     meta = read_meta(directory)
@@ -153,7 +177,7 @@ def read_full(directory: str | Path) -> dict[str, torch.Tensor]:
     return flat
 
 
-# --- format 1 --------------------------------------------------------------------------------------
+# --- format 1 -------------------------------------------------------------------------------------
 def _v1_key(name: str, tp: TPContext) -> str:
     return f"{name}@tp{tp.rank}of{tp.size}" if tp.size > 1 and split_of(name) else name
 
@@ -227,8 +251,10 @@ def read_meta(directory: str | Path) -> dict:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint folder; a run folder or a folder of checkpoints (``--ckpt-dir``), meaning the
-    newest checkpoint in it that verifies."""
+    """The checkpoint folder ``path`` names.
+
+    A checkpoint folder is itself; a run folder or a folder of checkpoints (``--ckpt-dir``) means
+    the newest checkpoint in it that verifies."""
     path = Path(path)
     if (path / "meta.json").exists():
         return path
@@ -243,8 +269,10 @@ def resolve(path: str | Path) -> Path:
 
 
 def inspect(directory: str | Path) -> dict:
-    """What a checkpoint holds: its meta, and each key's shape and dtype. The checkpoint must verify
-    against its manifest; else InputError says what is wrong (and names the previous good one)."""
+    """What a checkpoint holds: its meta, and each key's shape and dtype.
+
+    The checkpoint must verify against its manifest; else InputError says what is wrong (and names
+    the previous good one)."""
     directory = resolve(directory)
     read_meta(directory)
     _verified(directory)
@@ -273,11 +301,13 @@ def _verified(directory: Path) -> None:
 
 
 def convert(src: str | Path, dst: str | Path) -> dict:
-    """Every tensor of a checkpoint as one whole tensor in the unsharded model's shape (single
-    process). ``dst`` ending in ``.pt`` or ``.safetensors``: one consolidated file for use outside
-    resihp (torch.save / safetensors); else a checkpoint folder (format 1, tp 1: what any layout of
-    any resihp version loads), written to a temporary folder with its own manifest and renamed.
-    ``src`` must verify against its manifest (a run folder means its newest one that does)."""
+    """Every tensor of a checkpoint as one whole tensor in the unsharded model's shape.
+
+    Single process. ``dst`` ending in ``.pt`` or ``.safetensors``: one consolidated file for use
+    outside resihp (torch.save / safetensors); else a checkpoint folder (format 1, tp 1: what any
+    layout of any resihp version loads), written to a temporary folder with its own manifest and
+    renamed. ``src`` must verify against its manifest (a run folder means its newest one that
+    does)."""
     src = resolve(src)
     read_meta(src)
     _verified(src)

@@ -102,7 +102,14 @@ class Controller:
     def found_slow(
         self, device: int, slowdown: float, step: int, time_s: float = 0.0
     ) -> ControlDecision:
-        """A detector (or the caller's own measure) puts ``device`` at ``slowdown``."""
+        """A detector (or the caller's own measure) puts ``device`` at ``slowdown``.
+
+        Args:
+            device: the device (rank) found slow.
+            slowdown: its estimated slowdown (x; at most 1.0 means at speed).
+            step: the training step of the finding (re-pricing waits ``hold_steps`` after one).
+            time_s: the time of the finding in seconds (the clock its probes are timed on).
+        """
         slowdown = max(float(slowdown), 1.0)
         old = self.slowdown(device)
         if old > 1.0:
@@ -141,7 +148,14 @@ class Controller:
     def found_link(
         self, ends: Iterable[int], slowdown: float, step: int, time_s: float = 0.0
     ) -> ControlDecision:
-        """A detector puts the link between ``ends`` at ``slowdown`` of its bandwidth."""
+        """A detector puts the link between ``ends`` at ``slowdown`` of its bandwidth.
+
+        Args:
+            ends: the two devices (ranks) the link joins, in either order.
+            slowdown: how many times slower than its bandwidth the link runs (x).
+            step: the training step of the finding (re-pricing waits ``hold_steps`` after one).
+            time_s: the time of the finding in seconds (the clock its probes are timed on).
+        """
         link = _link(ends)
         slowdown = max(float(slowdown), 1.0)
         old = self.links.get(link)
@@ -181,7 +195,13 @@ class Controller:
 
     # -- probes of what the plan leaves out -----------------------------------------------
     def probed(self, device: int, speed: float, time_s: float = 0.0) -> ControlDecision:
-        """A benched device's probe ran at ``speed`` of its reference (1.0: healthy)."""
+        """A benched device's probe ran at ``speed`` of its reference (1.0: healthy).
+
+        Args:
+            device: the probed device (rank).
+            speed: the measured speed as a fraction of its reference (1.0: healthy).
+            time_s: the time of the probe in seconds.
+        """
         if self.slowdown(device) <= 1.0:
             return ControlDecision(ControlAction.KEEP, "not believed slow", device)
         self._benched_at[device] = time_s
@@ -202,7 +222,13 @@ class Controller:
     def probed_link(
         self, ends: Iterable[int], speed: float, time_s: float = 0.0
     ) -> ControlDecision:
-        """A slow link out of use measured ``speed`` of its bandwidth."""
+        """A slow link out of use measured ``speed`` of its bandwidth.
+
+        Args:
+            ends: the two devices (ranks) the link joins, in either order.
+            speed: the measured bandwidth as a fraction of the healthy link's (1.0: healthy).
+            time_s: the time of the probe in seconds.
+        """
         link = _link(ends)
         if link not in self.links:
             return ControlDecision(ControlAction.KEEP, "not believed slow", link=link)
@@ -227,8 +253,13 @@ class Controller:
         )
 
     def due_probes(self, now: float, used: set[int], dead: set[int]) -> list[int]:
-        """Devices believed slow that the plan leaves out (``used``: its devices) and whose
-        probe is due at ``now``."""
+        """Devices believed slow, out of the plan and not dead, whose probe is due at ``now``.
+
+        Args:
+            now: the time in seconds, on the clock of the findings' ``time_s``.
+            used: the devices of the plan in force.
+            dead: the devices known dead (never probed).
+        """
         return [
             d
             for d in self._benched(used, dead)

@@ -17,5 +17,6 @@ Public API (other areas import from the submodules named here):
 - ``baselines.RawThresholdDetector``, ``RelativeScoreDetector``, ``IterationChangePointDetector``:
   the same ``observe_arrays`` / ``finish`` interface.
 - ``events.Event``, ``events.events_json``; ``config.DetectorConfig``.
-- ``synth.simulate`` / ``suite.evaluate_suite``: labelled traces and scoring (``resihp detect-eval``).
+- ``synth.simulate`` / ``suite.evaluate_suite``: labelled traces and scoring (``resihp
+  detect-eval``).
 """

@@ -18,7 +18,8 @@ def alibaba_path(job: int) -> Path:
 
 
 def read_alibaba_job(path: str | Path) -> tuple[pd.DataFrame, JobMeta]:
-    """One ``forward-compute`` row per worker and iteration; durations in the publisher's 0-1000 units.
+    """One ``forward-compute`` row per worker and iteration; durations in the publisher's 0-1000
+    units.
 
     Rows with no time (the files have a few gaps) are skipped, as the ops-trace contract allows.
     """

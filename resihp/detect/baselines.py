@@ -4,7 +4,8 @@
   median is slow.
 - ``RelativeScoreDetector``: the relative performance score of NVIDIA's resiliency extension
   (straggler detection): every ``report_every`` steps, score = reference (median over ranks of each
-  rank's median time in the window) / the rank's median time; below ``threshold`` (0.75) is a straggler.
+  rank's median time in the window) / the rank's median time; below ``threshold`` (0.75) is a
+  straggler.
 - ``IterationChangePointDetector``: Greyhound-style, a change-point test on the job's raw iteration
   time (slowest rank's step time); at an alarm the rank whose time rose most is named.
 
@@ -88,6 +89,15 @@ class RawThresholdDetector(_Base):
         expected: np.ndarray | None = None,
         comm: np.ndarray | None = None,
     ) -> list[Event]:
+        """One step's per-rank vectors; the new events (this baseline reads ``raw`` only).
+
+        Args:
+            step: the step's number.
+            own: per rank its own-work ratio (unused).
+            raw: per rank its compute seconds.
+            expected: per rank the expected seconds (unused).
+            comm: per rank its link's transfer time (unused).
+        """
         raw = np.asarray(raw, dtype=float)
         new = []
         if len(self.history) >= min(self.window, 5):
@@ -131,6 +141,15 @@ class RelativeScoreDetector(_Base):
         expected: np.ndarray | None = None,
         comm: np.ndarray | None = None,
     ) -> list[Event]:
+        """One step's per-rank vectors; the new events (this baseline reads ``raw`` only).
+
+        Args:
+            step: the step's number.
+            own: per rank its own-work ratio (unused).
+            raw: per rank its compute seconds.
+            expected: per rank the expected seconds (unused).
+            comm: per rank its link's transfer time (unused).
+        """
         self._window.append(np.asarray(raw, dtype=float))
         self._window_steps.append(step)
         if len(self._window) < self.report_every:
@@ -175,6 +194,15 @@ class IterationChangePointDetector(_Base):
         expected: np.ndarray | None = None,
         comm: np.ndarray | None = None,
     ) -> list[Event]:
+        """One step's per-rank vectors; the new events (this baseline reads ``raw`` only).
+
+        Args:
+            step: the step's number.
+            own: per rank its own-work ratio (unused).
+            raw: per rank its compute seconds.
+            expected: per rank the expected seconds (unused).
+            comm: per rank its link's transfer time (unused).
+        """
         raw = np.asarray(raw, dtype=float)
         if self._ref is None:
             self._cal.append(raw)

@@ -42,7 +42,14 @@ def clipped_moments(shift: float, clip: float) -> tuple[float, float]:
 
 
 def run_length(shift: float, k: float, h: float, clip: float) -> float:
-    """Siegmund's expected steps to an alarm of the clipped CUSUM at a standardised ``shift``."""
+    """Siegmund's expected steps to an alarm of the clipped CUSUM at a standardised ``shift``.
+
+    Args:
+        shift: the series' shift in sigmas (0: healthy).
+        k: the CUSUM allowance, in sigmas.
+        h: the decision threshold, in sigmas.
+        clip: the per-step clip of standardised values.
+    """
     mean, var = clipped_moments(shift, clip)
     sd = math.sqrt(var)
     drift, b = (mean - k) / sd, h / sd + _OVERSHOOT
@@ -63,8 +70,17 @@ def series_budget(
     min_persist: int = 1,
     floor: float = 1.0,
 ) -> dict:
-    """The budget of one series of log-noise ``sigma`` (the module doc); a factor below ``floor``
-    (never raised) has no delay."""
+    """The budget of one series of log-noise ``sigma`` (the module doc).
+
+    Args:
+        sigma: the series' calibrated log-noise.
+        k: the CUSUM allowance, in sigmas.
+        h: the decision threshold, in sigmas.
+        clip: the per-step clip of standardised values.
+        share: the part of the series' value the slowed work is (a phase's share of its rank's).
+        min_persist: raised steps an alarm needs.
+        floor: the least factor an alarm is raised for; below it no delay.
+    """
     arl0 = run_length(0.0, k, h, clip)
     out: dict = {
         "sigma": round(float(sigma), 6),
@@ -103,8 +119,9 @@ def bank_budget(bank: CusumBank, floor: float = 1.0) -> dict[int, dict]:
 
 
 def job_arl0(budgets: list[dict]) -> float | None:
-    """Expected steps between false alarms of the whole job: its series' alarm rates added (each
-    series taken as independent)."""
+    """Expected steps between false alarms of the whole job: its series' alarm rates added.
+
+    Each series is taken as independent."""
     rates = [1 / b["arl0_steps"] for b in budgets if b["arl0_steps"]]
     return _num(1 / sum(rates)) if rates and sum(rates) > 0 else None
 

@@ -1,18 +1,19 @@
 """A one-sided CUSUM change-point test run side by side over many series (one per rank), in numpy.
 
-Each series is first calibrated on its own healthy steps (robust centre and spread of the log value),
-then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at zero; the
-sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The onset is the most likely start
-of a raised level among the steps since the sum last left zero (on a noisy series the sum often
-leaves zero a few healthy steps before the change, and those steps would also dilute the slowdown).
-While a series is healthy its centre follows slow drift.
+Each series is first calibrated on its own healthy steps (robust centre and spread of the log
+value), then every step adds ``clip(z, -z_clip, z_clip) - k`` to a running sum that is floored at
+zero; the sum reaching ``h`` after ``min_persist`` raised steps is an alarm. The onset is the most
+likely start of a raised level among the steps since the sum last left zero (on a noisy series the
+sum often leaves zero a few healthy steps before the change, and those steps would also dilute the
+slowdown). While a series is healthy its centre follows slow drift.
 
 A series whose level rises inside its calibration window (a fault that began before the detector
-had a baseline; banks made with ``rises``, the ranks' own work) would otherwise take a mix of its healthy and slow steps as its centre and spread:
-its slowdown understated, its noise inflated and every later change hidden. Each calibration window
-is therefore also fitted with two levels (the split that leaves the least absolute residual); where
-the later level is a rise the CUSUM would have found had the earlier one been the baseline, the
-series calibrates on the earlier steps and is in alarm from the split.
+had a baseline; banks made with ``rises``, the ranks' own work) would otherwise take a mix of its
+healthy and slow steps as its centre and spread: its slowdown understated, its noise inflated and
+every later change hidden. Each calibration window is therefore also fitted with two levels (the
+split that leaves the least absolute residual); where the later level is a rise the CUSUM would have
+found had the earlier one been the baseline, the series calibrates on the earlier steps and is in
+alarm from the split.
 
 ``k``, ``h`` and the clip are per series: a quiet series keeps the configured ones; a noisy one gets
 thresholds from its own calibration dispersion (``DetectorConfig``: target slowdown, false-alarm run
@@ -100,9 +101,11 @@ class CusumBank:
         return self._buffers
 
     def carried(self, source: np.ndarray) -> CusumBank:
-        """A bank over a new set of series: series ``j`` continues this bank's series ``source[j]``
-        (its calibration, baseline, run and alarm), or starts afresh where ``source[j] < 0``.
-        The new bank may take this one's arrays over: this bank is not to be used after."""
+        """A bank over a new set of series, each continuing one of this bank's or starting afresh.
+
+        Series ``j`` continues this bank's series ``source[j]`` (its calibration, baseline, run and
+        alarm), or starts afresh where ``source[j] < 0``. The new bank may take this one's arrays
+        over: this bank is not to be used after."""
         source = np.asarray(source, dtype=np.int64)
         fresh = np.flatnonzero(source < 0)
         src = np.where(source >= 0, source, 0)
@@ -133,8 +136,9 @@ class CusumBank:
         return out
 
     def recalibrate(self) -> None:
-        """Every series learns its baseline afresh (the work behind it changed: a re-plan moved
-        layers). A series in alarm leaves it without a recovery: its episode is not known to have
+        """Every series learns its baseline afresh, as after a re-plan that moved layers.
+
+        A series in alarm leaves it without a recovery: its episode is not known to have
         ended, and its new baseline is the slow level."""
         cfg = self.cfg
         self._cal[:] = np.nan
@@ -156,8 +160,10 @@ class CusumBank:
         self._hist[:] = np.nan  # deviations from the old baselines say nothing of the new ones
 
     def rebase_alarmed(self, i: int, baseline: float) -> None:
-        """Series ``i`` ran above ``baseline`` since calibration: take ``baseline`` as its healthy
-        centre and hold it alarmed at its calibrated level, so that its recovery is found."""
+        """Take ``baseline`` as series ``i``'s healthy centre, the series in alarm above it.
+
+        Series ``i`` ran above ``baseline`` since calibration: it is held alarmed at its calibrated
+        level, so that its recovery is found."""
         self.alarmed[i] = True
         self.alarm_sum[i] = self.mu[i] - baseline
         self.alarm_n[i] = 1
@@ -191,7 +197,8 @@ class CusumBank:
         tmp = self._scratch()
         z = np.divide(dev, self.sigma, out=tmp[0])
         k, h = self.k, self.h
-        # np.minimum/np.maximum, not np.clip: the same values, several times faster with array bounds
+        # np.minimum/np.maximum, not np.clip: the same values, several times faster with array
+        # bounds
         clipped = np.maximum(z, np.negative(self.clip, out=tmp[1]), out=tmp[1])
         np.minimum(clipped, self.clip, out=clipped)
         s_new = np.add(self.s, clipped)
@@ -219,7 +226,8 @@ class CusumBank:
         self.run_n[a[~ar]] = 0
         self.s = s_new
 
-        # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move it)
+        # healthy and not in a run: the baseline follows slow drift (clipped so outliers barely move
+        # it)
         calm = live & ~alarmed & ~in_run
         if cfg.baseline_rate > 0 and calm.any():
             rate = cfg.baseline_rate
@@ -323,8 +331,10 @@ class CusumBank:
         return int(steps[best]), float(tail_sum[best]), int(tail_n[best])
 
     def level_since(self, i: int, onset: int) -> float | None:
-        """Series ``i``'s mean deviation over its observed steps from ``onset`` on (those still in
-        the history), as a ratio: the level a shift begun at ``onset`` has had; None without any."""
+        """Series ``i``'s mean deviation from step ``onset`` on, as a ratio; None without any steps.
+
+        Over its observed steps still in the history: the level a shift begun at ``onset`` has
+        had."""
         order = np.argsort(self._hist_step)
         steps, v = self._hist_step[order], self._hist[order, i]
         v = v[(steps >= onset) & ~np.isnan(v)]
@@ -335,14 +345,17 @@ class CusumBank:
         return float(np.exp(self.alarm_sum[i] / max(self.alarm_n[i], 1) / self.share))
 
     def recent_slowdown(self, i: int, steps: int) -> float | None:
-        """Series ``i``'s slowdown over its last ``steps`` observed steps (the median deviation
-        from its baseline, so one noisy step does not move it); None unless it is in alarm, as
-        after a recalibration its baseline is the slow level and its deviations say nothing."""
+        """Series ``i``'s slowdown over its last ``steps`` observed steps; None unless in alarm.
+
+        The median deviation from its baseline, so one noisy step does not move it; out of alarm,
+        as after a recalibration, its baseline is the slow level and its deviations say
+        nothing."""
         return self._recent(i, steps, 1) if self.alarmed[i] else None
 
     def recent_level(self, i: int, steps: int) -> float | None:
-        """Series ``i``'s level over its last ``steps`` observed steps against its baseline (the
-        median deviation; below 1: faster than the baseline), in alarm or not; None until that
+        """Series ``i``'s level over its last ``steps`` observed steps against its baseline.
+
+        The median deviation (below 1: faster than the baseline), in alarm or not; None until that
         many steps were observed since it was calibrated. The one-sided test finds rises only:
         this is how a fall below the baseline is seen."""
         return self._recent(i, steps, steps) if self.calibrated[i] else None
@@ -360,9 +373,11 @@ class CusumBank:
         return self._sigma0
 
     def min_detectable(self) -> np.ndarray:
-        """Per series, the smallest slowdown found within ``detect_within`` steps at its noise
-        as calibrated (NaN before calibration): the shift whose CUSUM drift ``shift - k`` covers ``h`` (plus
-        Siegmund's overshoot) in that many steps, and at least ``min_slowdown``."""
+        """Per series, the smallest slowdown found within ``detect_within`` steps at its noise.
+
+        At its noise as calibrated (NaN before calibration): the shift whose CUSUM drift ``shift -
+        k`` covers ``h`` (plus Siegmund's overshoot) in that many steps, and at least
+        ``min_slowdown``."""
         cfg = self.cfg
         shift = self.k + (self.h + _OVERSHOOT) / cfg.detect_within  # in sigmas
         out = np.exp(np.maximum(shift * self._sigma0 / self.share, self._log_min))

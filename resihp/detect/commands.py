@@ -94,7 +94,20 @@ def detect_cmd(
     """Find fail-slow ranks, slow links and imbalance in an ops trace (or a mini-batch time file).
 
     Thresholds follow each rank's noise, measured over its first calibration steps; the output
-    gives each rank's noise and the smallest slowdown found within 10 steps at that noise."""
+    gives each rank's noise and the smallest slowdown found within 10 steps at that noise.
+    \f
+    Args:
+        trace: an ops trace, a run folder, or an Alibaba PAI mini-batch file.
+        meta: the job meta YAML (None: the job.yaml beside the trace, else inferred).
+        predictor: a trained predictor's folder or name, or ``auto`` (None: no predictor).
+        model: the old name of ``predictor``.
+        method: ``resihp`` or a baseline's name.
+        input_format: ``ops`` or ``alibaba``.
+        sensitivity: divides every CUSUM allowance and threshold (above 1: more sensitive).
+        calibration_steps: steps of each rank its healthy baseline is learned on.
+        alarm_floor: the least slowdown an alarm needs (x).
+        json_out: print the event JSON instead of the summary.
+    """
     from resihp.detect.alibaba import read_alibaba_job
     from resihp.detect.evaluate import METHODS, run_methods
     from resihp.detect.events import events_json
@@ -168,8 +181,9 @@ def detect_cmd(
             if p["step"].nunique() < needed
         ]
         doc.setdefault("warnings", []).append(
-            f"ranks took new places at step(s) {', '.join(str(int(p.step.min())) for p in parts[1:])} "
-            f"(a live re-plan): each layout is judged against baselines learned in it"
+            "ranks took new places at step(s) "
+            f"{', '.join(str(int(p.step.min())) for p in parts[1:])} (a live re-plan): each "
+            "layout is judged against baselines learned in it"
             + (
                 f"; steps {', '.join(short)} are too few for that ({needed} needed)"
                 if short
@@ -250,7 +264,18 @@ def detect_eval_cmd(
     ] = DEFAULT_STEP_TIME_S,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
 ) -> None:
-    """Score resihp and the baselines on labelled traces with injected fail-slows and link-slows."""
+    """Score resihp and the baselines on labelled traces with injected slow ranks and links.
+    \f
+    Args:
+        quick: a small suite (a few traces) for a fast check.
+        seed: the suite's seed.
+        profile: the profiling log of measured micro-batch costs (None: ``DEFAULT_PROFILE``).
+        predictor: a trained predictor for resihp's expected compute (None: none).
+        model: the old name of ``predictor``.
+        drop: optional trace columns (``seq_lens``, ``start_ts``) dropped before detection.
+        step_time: seconds a training step takes, at which false alarms per day are stated.
+        json_out: print the results as JSON.
+    """
     from resihp.detect.expected import load_expected
     from resihp.detect.suite import DEFAULT_PROFILE, evaluate_suite, make_suite
     from resihp.detect.synth import CostPool

@@ -14,19 +14,19 @@ DEFAULT_STEP_TIME_S = 1.0  # the step time ``detect-eval`` states false alarms p
 class DetectorConfig:
     """Thresholds of the workload-aware detector.
 
-    Per-step deviations are measured in units of each rank's own healthy noise (``sigma``, learned over
-    the first ``calibration_steps`` steps a rank is seen), so the same numbers serve a noisy CPU job
-    and a quiet GPU job.
+    Per-step deviations are measured in units of each rank's own healthy noise (``sigma``, learned
+    over the first ``calibration_steps`` steps a rank is seen), so the same numbers serve a noisy
+    CPU job and a quiet GPU job.
 
-    A quiet rank is tested with ``cusum_k``/``cusum_h``. A noisy rank (one where a ``target_slowdown``
-    moves its value by less than ``cusum_k`` of its sigmas, so that the configured allowance would
-    swallow it and the CUSUM never grow) gets thresholds of its own, from its calibration
-    window's dispersion: the allowance is half the target's shift (``k = log(target) / sigma / 2``),
-    and the decision threshold is set so that a healthy rank would raise a false alarm about once in
-    ``false_alarm_steps`` steps under Gaussian noise (Siegmund's approximation of the CUSUM's run
-    length; the calibrated centre's own error and the baseline's drift-following make real rates
-    higher, hence the large default). The allowance also covers the error of a centre calibrated
-    on ``calibration_steps`` steps. Each rank's
+    A quiet rank is tested with ``cusum_k``/``cusum_h``. A noisy rank (one where a
+    ``target_slowdown`` moves its value by less than ``cusum_k`` of its sigmas, so that the
+    configured allowance would swallow it and the CUSUM never grow) gets thresholds of its own, from
+    its calibration window's dispersion: the allowance is half the target's shift (``k = log(target)
+    / sigma / 2``), and the decision threshold is set so that a healthy rank would raise a false
+    alarm about once in ``false_alarm_steps`` steps under Gaussian noise (Siegmund's approximation
+    of the CUSUM's run length; the calibrated centre's own error and the baseline's drift-following
+    make real rates higher, hence the large default). The allowance also covers the error of a
+    centre calibrated on ``calibration_steps`` steps. Each rank's
     smallest slowdown found within ``detect_within`` steps at its noise is reported
     (``min_detectable_slowdown``). ``sensitivity`` divides every allowance and threshold: above 1
     finds smaller slowdowns sooner at more risk of false alarms; below 1, the reverse.
@@ -39,7 +39,8 @@ class DetectorConfig:
     # a single step can add at most this much to the CUSUM, so one wild step never alarms alone
     z_clip: float = 8.0
     min_persist: int = 3
-    # an alarm needs an estimated slowdown at least this large (tiny persistent drifts are not faults)
+    # an alarm needs an estimated slowdown at least this large (tiny persistent drifts are not
+    # faults)
     min_slowdown: float = 1.08
     # the effect-size floor: no fail-slow or link-slow is raised whose measured factor (x slower
     # than expected) is below it; a test that alarms below it is held until the factor reaches it
@@ -50,8 +51,8 @@ class DetectorConfig:
     # the baseline follows slow healthy drift at this rate (per step, in healthy stretches only)
     baseline_rate: float = 0.02
     recover_steps: int = 3
-    # among a rank's compute ops in one step, this quantile of measured/expected is its own-work ratio;
-    # a low quantile ignores the ops that were inflated by waiting on a slow neighbour
+    # among a rank's compute ops in one step, this quantile of measured/expected is its own-work
+    # ratio; a low quantile ignores the ops that were inflated by waiting on a slow neighbour
     own_quantile: float = 0.1
     stage_imbalance: float = 0.10
     rank_imbalance: float = 0.15

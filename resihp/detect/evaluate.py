@@ -1,4 +1,6 @@
-"""Scoring detectors against labelled traces: precision, recall, F1, false alarms, delay, slowdown error.
+"""Scoring detectors against labelled traces.
+
+The scores are precision, recall, F1, false alarms, delay and slowdown error.
 
 A method's false alarms are also given per 10k rank-steps and per day of the job at a stated step
 time; its delays against Lorden's bound, ``2 sigma^2 ln(gamma) / log(f)^2`` for a fault of factor
@@ -8,11 +10,11 @@ the same for every method) and ``gamma`` the method's measured healthy rank-step
 watched after the onset, its own included (``delay + 1``), against the bound or one step, the
 least an alarm takes: at a quiet series' noise the bound is a fraction of a step.
 
-An event matches an injected fault when it is a device-fault event of the same kind on the faulty rank
-(for ``link-slow``: either end of the link) detected between the onset and ``grace`` steps after the
-end. Each fault matches at most once; further events on it are duplicates, not false alarms. Every
-other device-fault event is a false alarm. ``workload-imbalance`` and ``stage-imbalance`` findings are
-not device faults and are never scored as such.
+An event matches an injected fault when it is a device-fault event of the same kind on the faulty
+rank (for ``link-slow``: either end of the link) detected between the onset and ``grace`` steps
+after the end. Each fault matches at most once; further events on it are duplicates, not false
+alarms. Every other device-fault event is a false alarm. ``workload-imbalance`` and
+``stage-imbalance`` findings are not device faults and are never scored as such.
 """
 
 from __future__ import annotations
@@ -123,9 +125,11 @@ class Score:
 
 
 def fault_sigma(budget: dict, inj: Injection) -> float | None:
-    """The calibrated per-step noise of the series a fault moves (its rank's own work; a pipeline
-    link's, indexed by its lower rank; a gradient-sync end's), from resihp's error budget of its
-    trace (``OnlineDetector.budget``); None where that series was not calibrated."""
+    """The calibrated per-step noise of the series a fault moves, or None where it was not.
+
+    The series is its rank's own work, a pipeline link's (indexed by its lower rank) or a
+    gradient-sync end's; the noise comes from resihp's error budget of its trace
+    (``OnlineDetector.budget``)."""
     name = "compute" if inj.kind != "link-slow" else inj.traffic
     entry = budget.get("series", {}).get(name, {}).get(str(inj.rank))
     return float(entry["sigma"]) if entry and entry.get("sigma") else None
@@ -141,9 +145,19 @@ def score_events(
     skip_first: int = 0,
     sigma_of: Callable[[Injection], float | None] | None = None,
 ) -> Score:
-    """Match ``events`` of one trace (a job of ``dims``) against its injected faults; a link-slow
-    may be reported at either end of its link. ``sigma_of``: a fault's series noise, for its delay
-    against Lorden's bound."""
+    """Match ``events`` of one trace against its injected faults.
+
+    A link-slow may be reported at either end of its link.
+
+    Args:
+        events: the events a method found on the trace.
+        injections: the trace's injected faults.
+        steps: the trace's step numbers.
+        dims: the job's parallel sizes.
+        grace: steps after a fault's end within which a detection still matches it.
+        skip_first: steps at the start not counted as healthy (a method's calibration).
+        sigma_of: a fault's series noise, for its delay against Lorden's bound (None: no bound).
+    """
     sc = Score()
     faulty = np.zeros(len(steps), dtype=bool)
     for inj in injections:
@@ -195,6 +209,16 @@ def make_detector(
     meta_dict: dict | None = None,
     config: DetectorConfig | None = None,
 ):
+    """A new detector of method ``name``: resihp's ``OnlineDetector`` or a baseline.
+
+    Args:
+        name: ``resihp`` or a baseline's name (``BASELINES``).
+        meta: the job's meta.
+        layout: where each rank sits.
+        expected: resihp's cost model (None: none).
+        meta_dict: the job meta document (its model shape).
+        config: resihp's detector config (default: ``DetectorConfig()``).
+    """
     if name == "resihp":
         return OnlineDetector(meta, expected, config, meta_dict=meta_dict, layout=layout)
     return BASELINES[name](meta, layout)
@@ -214,11 +238,23 @@ def run_methods(
     detectors: dict | None = None,
     source: str = "ops trace",
 ) -> tuple[dict[str, list[Event]], Observations]:
-    """Every method over the same per-step observations of one trace (``detectors``, if given,
-    receives each method's detector by name: the last part's). A trace whose ranks took new places
-    in a live re-plan (``layout_parts``) is observed part by part, each with fresh detectors, as
-    the live loop does: a rank's work in its new place says nothing of its old baseline.
-    ``source`` names the trace in errors (its file)."""
+    """Every method over the same per-step observations of one trace; its events by method.
+
+    A trace whose ranks took new places in a live re-plan (``layout_parts``) is observed part by
+    part, each with fresh detectors, as the live loop does: a rank's work in its new place says
+    nothing of its old baseline.
+
+    Args:
+        df: the ops trace.
+        meta: the job's meta.
+        methods: the methods' names (None: all of ``METHODS``).
+        expected: resihp's cost model (None: ``trace_cost`` decides).
+        meta_dict: the job meta document (its model shape).
+        config: resihp's detector config (default: ``DetectorConfig()``).
+        on_obs: called with each part's observations.
+        detectors: if given, receives each method's detector by name (the last part's).
+        source: what errors name as the trace (its file).
+    """
     cfg = config or DetectorConfig()
     found: dict[str, list[Event]] = {}
     parts = []

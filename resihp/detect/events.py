@@ -111,7 +111,14 @@ def _int(value: object) -> int | None:
 
 
 def events_json(events: list[Event], steps: int, ranks: int, **extra: object) -> dict:
-    """The ``resihp detect --json`` document: events in detection order, then step and rank counts."""
+    """The ``resihp detect --json`` document: events in detection order, then step and rank counts.
+
+    Args:
+        events: the events found.
+        steps: the steps observed.
+        ranks: the ranks observed.
+        **extra: further fields of the document (noise, budget).
+    """
     ordered = sorted(
         events, key=lambda e: (e.detected_step, e.kind, -1 if e.rank is None else e.rank)
     )

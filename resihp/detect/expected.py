@@ -1,4 +1,5 @@
-"""Adapters from a trained micro-batch predictor to the ``ExpectedCompute`` callable the detector uses."""
+"""Adapters from a trained micro-batch predictor to the ``ExpectedCompute`` callable the detector
+uses."""
 
 from __future__ import annotations
 
@@ -39,9 +40,14 @@ def stage_shape(meta: JobMeta, meta_dict: dict | None) -> TransformerShape | Non
 def load_expected(
     model: str | Path, shape: TransformerShape | None, device: str | None = None
 ) -> ExpectedCompute:
-    """The predictor ``model`` (a folder, an installed predictor by name, or ``auto``: the one
-    measured on ``device``) bound to ``shape``. ``device`` is the job's (its meta's ``device``
-    field), by default this machine's CPU; a predictor of another device is refused."""
+    """The predictor ``model`` bound to ``shape``; a predictor of another device is refused.
+
+    Args:
+        model: a folder, an installed predictor by name, or ``auto`` (the one measured on
+            ``device``).
+        shape: the job's stage shape the predictor costs.
+        device: the job's device (its meta's ``device`` field; default: this machine's CPU).
+    """
     device = device or this_device()
     model = resolve_model(model, device)
     try:  # deferred for start-up time: the predictor imports lightgbm and scikit-learn

@@ -1,5 +1,7 @@
-"""A job's own compute cost, learned from its calibration window: the cost model of a job with no
-trained predictor and no pipeline peers (an attached user job, a data-parallel run).
+"""A job's own compute cost, learned from its calibration window.
+
+The cost model of a job with no trained predictor and no pipeline peers (an attached user job, a
+data-parallel run).
 
 Analytic FLOPs miss what dominates a small model's step on a CPU or a launch-bound GPU: a fixed cost
 per step and per sequence (kernel launches, Python, a per-document attention loop). Per phase
@@ -110,8 +112,10 @@ def _fit_phases(
 
 @dataclass(frozen=True)
 class FittedCost:
-    """Per phase the fitted coefficients (of ``_features``: with the model's ``shape``, intercept,
-    per sequence, per FLOP); called as an ``ExpectedCompute``: seconds of each micro-batch.
+    """Per phase the fitted coefficients; called as an ``ExpectedCompute``.
+
+    Coefficients of ``_features`` (with the model's ``shape``: intercept, per sequence, per FLOP);
+    a call gives the seconds of each micro-batch.
 
     The ops the fit was made on would look quieter through it than any later op (it has bent
     towards their noise), and the detector learns each rank's noise on those very steps. So an op
@@ -132,9 +136,15 @@ class FittedCost:
         steps: Sequence[int] | None = None,
         shape: TransformerShape | None = None,
     ) -> FittedCost | None:
-        """From compute ops of healthy steps: their lengths, phase (``fwd``/``bwd``), own seconds
-        and (for the out-of-fold costs of those steps) step numbers; ``shape``: the model's
-        (stage's) shape, for its FLOPs; None when a phase has too few ops or no positive fit."""
+        """The fit of compute ops of healthy steps; None when a phase has too few ops or no fit.
+
+        Args:
+            seq_lens: each op's packed sequence lengths.
+            phase: each op's phase (``fwd``/``bwd``).
+            seconds: each op's own seconds.
+            steps: each op's step, for the out-of-fold costs of those steps (None: no folds).
+            shape: the model's (stage's) shape, for its FLOPs (None: lengths only).
+        """
         phase = np.asarray(phase)
         seconds = np.asarray(seconds, dtype=np.float64)
         x = _features(seq_lens, shape)
@@ -158,7 +168,13 @@ class FittedCost:
         return np.maximum(_features(seq_lens, self.shape) @ self.coef[phase], 1e-12)
 
     def costs(self, seq_lens: Sequence[Sequence[int]], phase: str, steps: np.ndarray) -> np.ndarray:
-        """Seconds of each micro-batch, run at ``steps``: out of fold for the fitted window."""
+        """Seconds of each micro-batch, run at ``steps``: out of fold for the fitted window.
+
+        Args:
+            seq_lens: each micro-batch's packed sequence lengths.
+            phase: ``fwd`` or ``bwd``.
+            steps: each micro-batch's step.
+        """
         x = _features(seq_lens, self.shape)
         out = x @ self.coef[phase]
         fold = np.array([self.fold_of_step.get(int(s), -1) for s in steps], dtype=np.int64)
@@ -174,9 +190,16 @@ _OPTYPE_PHASE = {"forward-compute": "fwd", "backward-compute": "bwd"}
 def fit_trace(
     df: pd.DataFrame, calibration_steps: int, shape: TransformerShape | None = None
 ) -> FittedCost | None:
-    """The fit over the compute ops of a trace's first ``calibration_steps`` steps (their own
-    seconds: tensor-parallel waits taken out); None without lengths on every one of them, or
-    where it does not explain them better than the analytic cost."""
+    """The fit over the compute ops of a trace's first steps, or None where it does not help.
+
+    Their own seconds, tensor-parallel waits taken out; None without lengths on every one of them,
+    or where it does not explain them better than the analytic cost.
+
+    Args:
+        df: the ops trace.
+        calibration_steps: the first steps fitted on.
+        shape: the model's (stage's) shape (None: lengths only).
+    """
     if "seq_lens" not in df.columns:
         return None
     steps = np.unique(df["step"].to_numpy())[:calibration_steps]

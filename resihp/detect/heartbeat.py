@@ -1,5 +1,6 @@
-"""Fail-stop and hang detection by heartbeats through torch.distributed's store, with one
-aggregator per node: the job's one heartbeat.
+"""Fail-stop and hang detection by heartbeats through torch.distributed's store.
+
+One aggregator per node: the job's one heartbeat.
 
 Layout (all keys under ``prefix``):
 - each rank's ``HeartbeatSender`` (a thread of the rank) rewrites ``{prefix}/n{node}/r{rank}`` every
@@ -25,7 +26,8 @@ Why a hang needs progress, not only beats: a rank stuck in a collective keeps it
 alive. When one rank hangs its peers soon block too (they wait for it), so the monitor blames the
 stalled rank that is not waiting in a communication op (the peers are), as NCCL's flight recorder
 compares what each rank has entered. Ranks that only wait, while another training rank still
-finishes ops, wait for a slow rank (a fail-slow, the detector's to find), not a hung one: no verdict.
+finishes ops, wait for a slow rank (a fail-slow, the detector's to find), not a hung one: no
+verdict.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ KEEPER_WAIT = "keeper-wait"
 
 
 def rank_key(prefix: str, node: int, rank: int) -> str:
+    """The store key of a rank's heartbeat.
+
+    Args:
+        prefix: the heartbeat keys' prefix.
+        node: the rank's node.
+        rank: the rank.
+    """
     return f"{prefix}/n{node}/r{rank}"
 
 
@@ -138,6 +147,13 @@ def start_local_store(timeout_s: float = 30.0) -> tuple[TCPStore, int]:
 
 
 def connect_store(host: str, port: int, timeout_s: float = 30.0) -> TCPStore:
+    """A client of the TCPStore at ``host``:``port``.
+
+    Args:
+        host: the store's host.
+        port: the store's port.
+        timeout_s: the client's timeout in seconds.
+    """
     return TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
 
 
@@ -190,8 +206,10 @@ class _Loop:
 
 
 class HeartbeatSender(_Loop):
-    """Run in every rank: ``HeartbeatSender(store, rank, node, progress=...).start()``; ``stop()``
-    at exit. ``progress`` is read at each beat (the engine's op recorder supplies it)."""
+    """A rank's heartbeat thread: ``HeartbeatSender(store, rank, node, progress=...).start()``.
+
+    Run in every rank; ``stop()`` at exit. ``progress`` is read at each beat (the engine's op
+    recorder supplies it)."""
 
     def __init__(
         self,
@@ -241,8 +259,10 @@ class HeartbeatSender(_Loop):
 
 
 class NodeAggregator(_Loop):
-    """Run once per node (in the node's launcher, or in local rank 0). With ``check_pids`` (it
-    runs on the ranks' host) a rank whose process is gone or stopped is known at once."""
+    """A node's heartbeat aggregator, run once per node (in its launcher, or in local rank 0).
+
+    With ``check_pids`` (it runs on the ranks' host) a rank whose process is gone or stopped is
+    known at once."""
 
     def __init__(
         self,
@@ -345,8 +365,9 @@ class NodeAggregator(_Loop):
         return ranks
 
     def exited_now(self) -> list[tuple[int, int, float]]:
-        """The ranks whose process is gone, checked now rather than at the next beat (a few
-        ``/proc`` reads): (rank, its last step, seconds since its last beat)."""
+        """The ranks whose process is gone: (rank, its last step, seconds since its last beat).
+
+        Checked now rather than at the next beat (a few ``/proc`` reads)."""
         now, gone = time.monotonic(), []
         for rank, msg in self._last.items():
             if (
@@ -371,8 +392,9 @@ class NodeAggregator(_Loop):
         return gone
 
     def excuse(self) -> None:
-        """This node's ranks were held up by a peer that is gone (a replica evicted): their stall
-        clocks start again."""
+        """Start this node's ranks' stall clocks again: a peer that held them up is gone.
+
+        As when a replica is evicted."""
         now = time.monotonic()
         self._moved_at = dict.fromkeys(self.ranks, now)
 
@@ -403,14 +425,16 @@ class RankView:
 
 
 class HeartbeatMonitor:
-    """The coordinator's view: ``poll(step)`` returns new ``fail-stop`` events (one per dead or hung
-    rank, ``extra``: node, cause ``exited`` | ``hang`` | ``node``, step, silent_s).
+    """The coordinator's view: ``poll(step)`` returns new ``fail-stop`` events.
+
+    One per dead or hung rank, ``extra``: node, cause ``exited`` | ``hang`` | ``node``, step,
+    silent_s.
 
     ``hang_timeout_s``: how long a training rank may make no progress before it counts as hung;
-    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default: ``timeout_s``),
-    and a rank that has not finished a step since it was (re)started (its warm-up: compilation,
-    first allocations, a loaded machine) may stall for ``startup_s``. A hang found by a stall is
-    acted on only when the next look, ``confirm_s`` later, finds it still stalled.
+    None: ``hang_factor`` x the median step time, at least ``hang_floor_s`` (default:
+    ``timeout_s``), and a rank that has not finished a step since it was (re)started (its warm-up:
+    compilation, first allocations, a loaded machine) may stall for ``startup_s``. A hang found by a
+    stall is acted on only when the next look, ``confirm_s`` later, finds it still stalled.
     """
 
     def __init__(
@@ -450,8 +474,9 @@ class HeartbeatMonitor:
         self._excused_until: dict[int, float] = {}
 
     def excuse(self, ranks: Sequence[int], seconds: float) -> None:
-        """These ranks were held up by a peer now gone: no stall counts against them for a while
-        (their nodes' views of the stall lag by up to an aggregator beat)."""
+        """These ranks were held up by a peer now gone: no stall counts against them for a while.
+
+        For ``seconds``: their nodes' views of the stall lag by up to an aggregator beat."""
         until = time.monotonic() + seconds
         for r in ranks:
             self._excused_until[r] = until
@@ -535,8 +560,9 @@ class HeartbeatMonitor:
             if any(
                 v.phase == "train" and v.stalled_s > limit(v) and v.rank not in keeper for v in live
             ):
-                # the candidates: every rank stalled for a while, not only those past the limit (each
-                # node's view is up to an aggregator beat old, so the culprit may read a little less)
+                # the candidates: every rank stalled for a while, not only those past the limit
+                # (each node's view is up to an aggregator beat old, so the culprit may read a
+                # little less)
                 stalled = [
                     v
                     for v in live
@@ -550,15 +576,16 @@ class HeartbeatMonitor:
                     v.phase == "train" and (v.stalled_s <= limit(v) / 2 or v.rank in keeper)
                     for v in live
                 )
-                # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit whatever
-                # its last beat said: it may have stopped inside the very op its peers wait in, a tie
-                # that its step and ops cannot break
+                # a stalled rank whose process is stopped (SIGSTOP, a debugger) is the culprit
+                # whatever its last beat said: it may have stopped inside the very op its peers wait
+                # in, a tie that its step and ops cannot break
                 frozen = [v for v in stalled if v.stopped]
                 if frozen:
                     v = max(frozen, key=lambda v: v.stalled_s)
                     found[v.rank] = ("hang", v.stalled_s)
                 elif idle or not moving:
-                    # the one stuck longest among those not waiting; if all wait, the one furthest behind
+                    # the one stuck longest among those not waiting; if all wait, the one furthest
+                    # behind
                     v = (
                         max(idle, key=lambda v: v.stalled_s)
                         if idle
@@ -625,7 +652,8 @@ class HeartbeatMonitor:
 
 
 def _serve(argv: Sequence[str] | None = None) -> None:
-    """``python -m resihp.detect.heartbeat sender|aggregator ...``: one heartbeat role as a process."""
+    """``python -m resihp.detect.heartbeat sender|aggregator ...``: one heartbeat role as a
+    process."""
     import argparse  # deferred: only this command line needs it
 
     p = argparse.ArgumentParser(prog="python -m resihp.detect.heartbeat")

@@ -22,8 +22,10 @@ SHARED_KIND = "shared-link-slow"
 
 @dataclass
 class LinkAlarm:
-    """One link in alarm: the key its finding is held under, its ends, traffic, onset, measured
-    factor against its own healthy transfers, confidence, and whether it clears the floor."""
+    """One link in alarm, with what its finding needs.
+
+    The key its finding is held under, its ends, traffic, onset, measured factor against its own
+    healthy transfers, confidence, and whether it clears the floor."""
 
     key: tuple[str, int]
     ranks: list[int]
@@ -50,9 +52,19 @@ def onset_groups(
 def shared_event(
     group: list[LinkAlarm], step: int, floor: float, stage_of: np.ndarray, dp_of: np.ndarray
 ) -> Event:
-    """The one finding of a group of links that began together (module doc): every link's ends in
-    ``ranks``, the links and their factors in ``links`` and ``link_factors``, the median factor as
-    its ``slowdown``; ``stage`` where every link crosses the same stage boundary."""
+    """The one finding of a group of links that began together (module doc).
+
+    Every link's ends in ``ranks``, the links and their factors in ``links`` and ``link_factors``,
+    the median factor as its ``slowdown``; ``stage`` where every link crosses the same stage
+    boundary.
+
+    Args:
+        group: the links in alarm that began together.
+        step: the step the finding is made at.
+        floor: the alarm floor (the least slowdown reported).
+        stage_of: each rank's pipeline stage.
+        dp_of: each rank's data-parallel replica (below 0: none).
+    """
     ranks = sorted({r for a in group for r in a.ranks})
     stages = {int(stage_of[a.ranks[0]]) for a in group}
     replicas = sorted({int(dp_of[r]) for r in ranks if dp_of[r] >= 0})

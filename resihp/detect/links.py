@@ -1,5 +1,6 @@
-"""Transfer times of each link, with the waiting taken out, from the ops trace's send/receive and
-collective records (the detector's view of a slow link).
+"""Transfer times of each link, with the waiting taken out: the detector's view of a slow link.
+
+They come from the ops trace's send/receive and collective records.
 
 A receive's record spans its wait for the sender and the transfer. With ``start_ts`` the wait is
 taken out: a message's transfer is from when it could start to the receive's end. It could start at
@@ -27,8 +28,8 @@ import numpy as np
 import pandas as pd
 
 SYNC_OPTYPES = ("grads-all-reduce", "grads-reduce-scatter")
-# per link and step, this quantile of its messages' transfers (0: the fastest): a host's scheduling delays only
-# lengthen some messages, a slow link every one
+# per link and step, this quantile of its messages' transfers (0: the fastest): a host's scheduling
+# delays only lengthen some messages, a slow link every one
 LINK_QUANTILE = 0.0
 _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 
@@ -36,8 +37,9 @@ _SEND_RECV = ("forward-send", "forward-recv", "backward-send", "backward-recv")
 def optype_factors(
     optype: pd.Series | pd.Categorical | np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``pd.factorize(optype)``: each row's code (-1: missing) and the names coded; a categorical
-    column's own codes and categories as they are (no hashing of the rows)."""
+    """``pd.factorize(optype)``: each row's code (-1: missing) and the names coded.
+
+    A categorical column's own codes and categories as they are (no hashing of the rows)."""
     if isinstance(optype, pd.Series) and isinstance(optype.dtype, pd.CategoricalDtype):
         optype = optype.array
     if isinstance(optype, pd.Categorical):
@@ -66,9 +68,16 @@ def _frame(
 def pipeline_transfers(
     cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
 ) -> np.ndarray | None:
-    """(step x rank) low-quantile transfer seconds per token of the link from each rank's stage to the
-    next one (NaN where none); None when the trace cannot separate transfers from waits (no
-    ``start_ts`` or ``mb_id``)."""
+    """(step x rank) low-quantile transfer seconds per token of each rank's link to the next stage.
+
+    NaN where none; None when the trace cannot separate transfers from waits (no
+    ``start_ts`` or ``mb_id``).
+
+    Args:
+        cols: the trace's columns (``trace_columns``).
+        steps: the steps observed, in order.
+        world: the job's ranks.
+    """
     if "start_ts" not in cols or "mb_id" not in cols:
         return None
     sel = _rows_of(cols, _SEND_RECV)
@@ -198,8 +207,15 @@ def _message_tokens(pairs: pd.DataFrame, cols: Mapping[str, np.ndarray]) -> np.n
 def sync_transfers(
     cols: Mapping[str, np.ndarray], steps: np.ndarray, world: int
 ) -> np.ndarray | None:
-    """(step x rank) seconds each rank spent in gradient collectives after their last member
-    arrived (NaN where none); None without ``start_ts`` or such records."""
+    """(step x rank) seconds in gradient collectives after their last member arrived.
+
+    NaN where none; None without ``start_ts`` or such records.
+
+    Args:
+        cols: the trace's columns (``trace_columns``).
+        steps: the steps observed, in order.
+        world: the job's ranks.
+    """
     if "start_ts" not in cols:
         return None
     sel = _rows_of(cols, SYNC_OPTYPES)

@@ -1,17 +1,18 @@
 """From an ops trace to per-step, per-rank matrices the detector works on.
 
-For each rank and step: ``raw`` (seconds of compute), ``own`` (a low quantile over the rank's compute
-ops of measured / expected cost, i.e. how slow the rank's own work ran, ignoring the ops that were
-inflated by waiting on a neighbour), ``expected`` (seconds the cost model expects; only with a trained
-predictor), ``comm`` (per-token transfer times over the link to the next stage: with ``start_ts``
-the median of its messages with the waits taken out, ``links``; without, a low quantile of forward
-sends and backward receives) and ``sync`` (gradient-collective transfer seconds, ``links``).
+For each rank and step: ``raw`` (seconds of compute), ``own`` (a low quantile over the rank's
+compute ops of measured / expected cost, i.e. how slow the rank's own work ran, ignoring the ops
+that were inflated by waiting on a neighbour), ``expected`` (seconds the cost model expects; only
+with a trained predictor), ``comm`` (per-token transfer times over the link to the next stage: with
+``start_ts`` the median of its messages with the waits taken out, ``links``; without, a low quantile
+of forward sends and backward receives) and ``sync`` (gradient-collective transfer seconds,
+``links``).
 
 The expected cost of an op comes from, in order of preference: a predictor callable given the op's
-packed sequence lengths (or the job's own cost fitted on its calibration window, ``fitted``); analytic
-FLOPs of those lengths; peers that did the same work (the same stage
-and micro-batch slot on the other data-parallel replicas, or with one replica the same micro-batch on
-the other stages); the op's phase alone.
+packed sequence lengths (or the job's own cost fitted on its calibration window, ``fitted``);
+analytic FLOPs of those lengths; peers that did the same work (the same stage
+and micro-batch slot on the other data-parallel replicas, or with one replica the same micro-batch
+on the other stages); the op's phase alone.
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ class Observations:
 
     @classmethod
     def joined(cls, parts: Sequence[Observations]) -> Observations:
-        """Parts of one trace in step order (``layout_parts``) as one: each per-rank matrix padded
-        to the widest part's ranks (NaN: no record), one missing in some part NaN there."""
+        """Parts of one trace in step order (``layout_parts``) as one.
+
+        Each per-rank matrix is padded to the widest part's ranks (NaN: no record); one missing in
+        some part is NaN there."""
         if len(parts) == 1:
             return parts[0]
         width = max(o.own.shape[1] for o in parts)
@@ -100,10 +103,18 @@ class Observations:
 
 
 def covering_meta(meta: JobMeta, dp: int, pp: int, tp: int) -> JobMeta:
-    """A job meta whose coordinates take in ``dp`` pipelines, ``pp`` stages and groups of ``tp``
-    where ``meta``'s do not (a layout a live re-plan re-formed: pipelines of other depths, a rank
-    moved to another stage): replicas x the deepest pipeline x the widest group, padded with stages
-    to hold every rank number of ``meta``; ranks the layout leaves out only have no records."""
+    """A job meta whose coordinates take in ``dp`` pipelines, ``pp`` stages and groups of ``tp``.
+
+    For a layout a live re-plan re-formed where ``meta``'s do not (pipelines of other depths, a
+    rank moved to another stage): replicas x the deepest pipeline x the widest group, padded with
+    stages to hold every rank number of ``meta``; ranks the layout leaves out only have no records.
+
+    Args:
+        meta: the job's meta at launch.
+        dp: pipelines of the re-formed layout.
+        pp: its deepest pipeline's stages.
+        tp: its widest tensor-parallel group.
+    """
     if dp <= meta.dp_size and pp <= meta.pp_size and tp <= meta.tp_size:
         return meta
     depth = max(pp, math.ceil(meta.world_size / (dp * tp)))
@@ -111,8 +122,9 @@ def covering_meta(meta: JobMeta, dp: int, pp: int, tp: int) -> JobMeta:
 
 
 def layout_parts(df: pd.DataFrame, meta: JobMeta) -> list[tuple[pd.DataFrame, JobMeta]]:
-    """A trace in parts between the live re-forms of its layout (``replan-layout`` ops: ranks took
-    new places from that step), each with a job meta that covers its places."""
+    """A trace in parts between the live re-forms of its layout, each with a covering job meta.
+
+    A re-form is a ``replan-layout`` op: ranks took new places from that step."""
     starts = sorted(set(df.loc[df["optype"] == "replan-layout", "step"].astype(int)))
     if not starts:
         return [(df, meta)]
@@ -156,7 +168,13 @@ def infer_meta(df: pd.DataFrame) -> JobMeta:
 
 
 def rank_layout(df: pd.DataFrame, meta: JobMeta, source: str = "ops trace") -> RankPlacement:
-    """Each rank's (dp_rank, stage, tp_rank), checked against the job meta."""
+    """Each rank's (dp_rank, stage, tp_rank), checked against the job meta.
+
+    Args:
+        df: the ops trace.
+        meta: the job's meta.
+        source: what errors name as the trace.
+    """
     world = meta.world_size
     for col, limit, name in (
         ("rank", world, "world_size"),
@@ -288,9 +306,11 @@ class _Structure:
 
 
 class StructureMemo:
-    """What ``observe_columns`` derives from the structure of a trace's rows alone (the rows'
-    places, micro-batches and phases, steps relative to the first: the codes, sort orders and table
-    slots of its groupings), kept for the next call on rows of the same structure: a producer
+    """What ``observe_columns`` derives from a trace's row structure, kept for the next call.
+
+    The structure is the rows' places, micro-batches and phases and their steps relative to the
+    first (what is derived: the codes, sort orders and table slots of its groupings); it is kept
+    for the next call on rows of the same structure: a producer
     whose every few steps of records have the same rows, timings apart, reuses its structure
     columns and passes one memo (the replay does, per layout). Rows are of the same structure when
     their structure columns are the very same arrays and their steps the same relative to the first;
@@ -570,12 +590,12 @@ def _model_costs(
 def _peer_reference(
     ops: _Ops, values: np.ndarray, meta: JobMeta, unblocked: bool, memo: _Memo = _NO_MEMO
 ) -> np.ndarray:
-    """Per op, the lower median of the same op of its peers (with few peers, one slow member must not
-    lift everybody's reference, so the lower, not the mean of the middle two).
+    """Per op, the lower median of the same op of its peers (with few peers, one slow member must
+    not lift everybody's reference, so the lower, not the mean of the middle two).
 
-    Peers are the other stages of the pipeline running the same micro-batch (the same data; needs the
-    waits taken out, since upstream and downstream stages wait differently), else the same stage on
-    the other data-parallel replicas (the same layers and token budget; their data differ).
+    Peers are the other stages of the pipeline running the same micro-batch (the same data; needs
+    the waits taken out, since upstream and downstream stages wait differently), else the same stage
+    on the other data-parallel replicas (the same layers and token budget; their data differ).
     """
     tp = [] if ops.tp_rank is None else [ops.tp_rank]
     replicas = [ops.step, ops.stage, ops.mb_id, ops.op, *tp]
@@ -660,7 +680,8 @@ def _to_matrix(
 
 
 def _distinct_steps(step: np.ndarray) -> np.ndarray:
-    """The sorted distinct step numbers (a window of consecutive steps: by counting, not sorting)."""
+    """The sorted distinct step numbers (a window of consecutive steps: by counting, not
+    sorting)."""
     if not len(step):
         return step[:0]
     lo, hi = int(step.min()), int(step.max())
@@ -712,8 +733,18 @@ def observe_ops(
     phases: bool = False,
     source: str = "ops trace",
 ) -> Observations:
-    """Per-step, per-rank matrices from a validated ops trace (rows of any subset of ranks/steps);
-    ``source`` names it in errors."""
+    """Per-step, per-rank matrices from a validated ops trace.
+
+    Args:
+        df: the ops trace (rows of any subset of ranks and steps).
+        meta: the job's meta.
+        expected: the cost model (None: FLOPs, peers or phases).
+        shape: the model's (stage's) shape, for FLOPs (None: lengths only).
+        own_quantile: the quantile of a rank's compute ops that is its own-work ratio where waits
+            on neighbours are left in.
+        phases: also each phase's own work alone (``Observations.phase_own``).
+        source: what errors name as the trace.
+    """
     return observe_columns(
         trace_columns(df),
         meta,
@@ -736,11 +767,22 @@ def observe_columns(
     source: str = "ops trace",
     structure: StructureMemo | None = None,
 ) -> Observations:
-    """``observe_ops`` on the trace's columns as arrays (``trace_columns``): for a producer that has
-    its op records as arrays already. ``optype`` may be strings or a ``pd.Categorical``,
-    ``seq_lens`` an object array of sequences or a ``PooledLengths`` (codes into a table).
-    ``phases``: also each phase's own work alone (``Observations.phase_own``). ``structure``: what
-    earlier calls on rows of the same structure derived (``StructureMemo``)."""
+    """``observe_ops`` on the trace's columns as arrays (``trace_columns``).
+
+    For a producer that has its op records as arrays already.
+
+    Args:
+        cols: the columns; ``optype`` may be strings or a ``pd.Categorical``, ``seq_lens`` an
+            object array of sequences or a ``PooledLengths`` (codes into a table).
+        meta: the job's meta.
+        expected: the cost model (None: FLOPs, peers or phases).
+        shape: the model's (stage's) shape, for FLOPs (None: lengths only).
+        own_quantile: the quantile of a rank's compute ops that is its own-work ratio where waits
+            on neighbours are left in.
+        phases: also each phase's own work alone (``Observations.phase_own``).
+        source: what errors name as the trace.
+        structure: what earlier calls on rows of the same structure derived (``StructureMemo``).
+    """
     memo = _NO_MEMO if structure is None else structure.bind(cols)
     steps = _distinct_steps(np.asarray(cols["step"]))
     t, w = len(steps), meta.world_size

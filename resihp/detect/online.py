@@ -1,19 +1,20 @@
 """The workload-aware fail-slow detector, fed step by step (live) or a whole trace (offline).
 
 Per rank and step it takes the rank's own-work ratio (measured / expected cost of the ops the rank
-ran; see ``observe``), divides out what all ranks share that step (a job-wide slowdown is not a device
-fault), and runs a per-rank CUSUM against the rank's own healthy baseline. Constant differences that
-were there from the first steps are sorted out at calibration: a whole stage slower than the others is
-``stage-imbalance``; one rank slower than the peers of its stage is a device that was slow from the
-start. A data-parallel replica that took longer only because its data cost more is
-``workload-imbalance``. Transfer times with the waits taken out (``links``) get their own CUSUMs: per
-pipeline link, and per rank in gradient collectives; an alarm is a ``link-slow`` naming both ends
-(``"ranks": [A, B]``) and the traffic (``pipeline`` or ``gradient-sync``), never a fail-slow.
+ran; see ``observe``), divides out what all ranks share that step (a job-wide slowdown is not a
+device fault), and runs a per-rank CUSUM against the rank's own healthy baseline. Constant
+differences that were there from the first steps are sorted out at calibration: a whole stage slower
+than the others is ``stage-imbalance``; one rank slower than the peers of its stage is a device that
+was slow from the start. A data-parallel replica that took longer only because its data cost more is
+``workload-imbalance``. Transfer times with the waits taken out (``links``) get their own CUSUMs:
+per pipeline link, and per rank in gradient collectives; an alarm is a ``link-slow`` naming both
+ends (``"ranks": [A, B]``) and the traffic (``pipeline`` or ``gradient-sync``), never a fail-slow.
 
-The rank's own-work ratio mixes its forward and backward ops (with waits on neighbours, a low quantile
-of them), so a slowdown of one phase alone moves it little. Each phase is therefore also tested on its
-own (``phase_matrices``: forward, backward and the optimizer step): such an alarm is a ``fail-slow``
-of the rank with ``"phase"`` naming the phase, unless the whole rank has alarmed already.
+The rank's own-work ratio mixes its forward and backward ops (with waits on neighbours, a low
+quantile of them), so a slowdown of one phase alone moves it little. Each phase is therefore also
+tested on its own (``phase_matrices``: forward, backward and the optimizer step): such an alarm is a
+``fail-slow`` of the rank with ``"phase"`` naming the phase, unless the whole rank has alarmed
+already.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ Banks = tuple[CusumBank, CusumBank, CusumBank, dict[str, CusumBank]]
 
 
 class OnlineDetector:
-    """``observe(step_df)`` per step, or ``observe_arrays`` with per-rank vectors (the fast path)."""
+    """``observe(step_df)`` per step, or ``observe_arrays`` with per-rank vectors (the fast
+    path)."""
 
     name = "resihp"
 
@@ -124,11 +126,17 @@ class OnlineDetector:
         )
 
     def carried(self, meta: JobMeta, layout: RankPlacement, source: np.ndarray) -> OnlineDetector:
-        """This detector after a re-plan moved ranks: rank ``j`` of the new job continues this
-        detector's rank ``source[j]`` (the same device doing the same work, so its baseline holds);
-        ranks with ``source[j] < 0`` calibrate afresh. Open fail-slow and link events move with
-        their ranks; those of ranks not carried are dropped. The new detector takes this one's
-        state over: this one is not to be used after."""
+        """This detector after a re-plan moved ranks.
+
+        Open fail-slow and link events move with their ranks; those of ranks not carried are
+        dropped. The new detector takes this one's state over: this one is not to be used after.
+
+        Args:
+            meta: the new job's meta.
+            layout: where each rank of the new job sits.
+            source: per rank ``j`` of the new job, the rank of this detector it continues (the same
+                device doing the same work, so its baseline holds); below 0: calibrates afresh.
+        """
         source = np.asarray(source, dtype=np.int64)
         banks = (
             self.compute.carried(source),
@@ -206,9 +214,15 @@ class OnlineDetector:
         phases: PhaseMatrices | None = None,
         rebase_at: set[int] | frozenset[int] = frozenset(),
     ) -> list[Event]:
-        """``phases``: the phases' matrices (``phase_matrices``), or None to test only the rank's
-        whole own work; ``rebase_at``: steps before which every rank's baseline is learned afresh
-        (``rebaseline``)."""
+        """Every step of ``obs`` through ``observe_arrays``; the events found.
+
+        Args:
+            obs: the per-step observations of a trace (``observe_ops``).
+            phases: the phases' matrices (``phase_matrices``), or None to test only the rank's
+                whole own work.
+            rebase_at: steps before which every rank's baseline is learned afresh
+                (``rebaseline``).
+        """
         self.cost_model = obs.cost_model
         new: list[Event] = []
         for i, step in enumerate(obs.steps):
@@ -238,10 +252,20 @@ class OnlineDetector:
         sync: np.ndarray | None = None,
         phase_shares: dict[str, np.ndarray] | None = None,
     ) -> list[Event]:
-        """One step: vectors over ranks 0..world_size-1 (NaN where a rank has no record);
-        ``phases`` (optional): per phase name (``PHASES``) that phase's own-work vector, and
-        ``phase_shares`` its share of each rank's compute seconds; ``comm`` and ``sync``: per rank
-        its pipeline link's and its gradient collectives' transfers."""
+        """One step's observations; the new events they raise.
+
+        Each vector runs over ranks 0..world_size-1, NaN where a rank has no record.
+
+        Args:
+            step: the step's number (increasing from call to call).
+            own: per rank its own-work ratio (measured / expected cost).
+            raw: per rank its compute seconds.
+            expected: per rank the seconds the cost model expects (None: no cost model).
+            comm: per rank its pipeline link's transfer time per token.
+            phases: per phase name (``PHASES``) that phase's own-work vector.
+            sync: per rank its gradient collectives' transfer seconds.
+            phase_shares: per phase name its share of each rank's compute seconds.
+        """
         if self._last_step is not None and step <= self._last_step:
             raise InputError(
                 f"step records: step {step} arrives after step {self._last_step}; "
@@ -447,16 +471,18 @@ class OnlineDetector:
         return (slowdown - 1.0) * (share if np.isfinite(share) else 1.0)
 
     def rebaseline(self) -> None:
-        """After a re-plan that changed the ranks' work (layers moved): every rank calibrates
-        afresh; open device faults stay open (no end is known) and are not reported again."""
+        """Every rank calibrates afresh, after a re-plan that changed the ranks' work.
+
+        Open device faults stay open (no end is known) and are not reported again."""
         for bank in (self.compute, self.link, self.sync, *self.phase_banks.values()):
             bank.recalibrate()
 
     def healthy_transfers(self) -> dict[str, float]:
-        """The transfers measured over the calibration steps (medians): ``pipeline`` seconds per
-        token of a pipeline message, ``gradient-sync`` seconds of a rank's gradient collectives
-        per step, and beside them ``compute``: a rank's forward and backward seconds per token
-        (each only where the trace had them)."""
+        """The transfers measured over the calibration steps (medians).
+
+        ``pipeline`` seconds per token of a pipeline message, ``gradient-sync`` seconds of a
+        rank's gradient collectives per step, and beside them ``compute``: a rank's forward and
+        backward seconds per token (each only where the trace had them)."""
         return {k: float(np.median(v)) for k, v in self._healthy_transfers.items() if v}
 
     def open_events(self) -> list[Event]:
@@ -483,9 +509,10 @@ class OnlineDetector:
         return 1.0 + sum(self._phase_cost(name, i, s) for name, s in now if s is not None)
 
     def noise(self) -> dict:
-        """Per rank its measured noise (the calibration dispersion of its own-work ratio, as a
-        fraction) and the smallest slowdown found within ``detect_within`` steps at that noise;
-        ranks not yet calibrated are left out."""
+        """Per calibrated rank its measured noise and the smallest slowdown it can detect.
+
+        The noise is the calibration dispersion of its own-work ratio, as a fraction; the slowdown
+        is the smallest found within ``detect_within`` steps at that noise."""
         bank = self.compute
         low = bank.min_detectable()
         sigma = bank.calibrated_sigma
@@ -499,10 +526,12 @@ class OnlineDetector:
         }
 
     def budget(self) -> dict:
-        """The error budget of every calibrated series (``budget``): per series name (``compute``:
-        each rank's own work; ``pipeline``, ``gradient-sync``: its links; each phase) and index,
-        its noise, thresholds, expected steps between false alarms, delays at x1.5 and x2 and
-        Lorden's bound; ``job_arl0_steps``: steps between false alarms over them all."""
+        """The error budget of every calibrated series (``budget``).
+
+        Per series name (``compute``: each rank's own work; ``pipeline``, ``gradient-sync``: its
+        links; each phase) and index, its noise, thresholds, expected steps between false alarms,
+        delays at x1.5 and x2 and Lorden's bound; ``job_arl0_steps``: steps between false alarms
+        over them all."""
         floor = self.cfg.alarm_floor
         series = {
             "compute": bank_budget(self.compute, floor),
@@ -527,7 +556,8 @@ class OnlineDetector:
             ev.slowdown = slowdown
 
     def _calibration_findings(self, step: int, ranks: np.ndarray) -> list[Event]:
-        """Differences present from the first steps: stage imbalance, or one rank slow from the start.
+        """Differences present from the first steps: stage imbalance, or one rank slow from the
+        start.
 
         Runs once every rank seen so far has its baseline, over the ranks not yet compared (all of
         them the first time; after ``carried``, the ranks that calibrated afresh). A rank slow from
@@ -884,8 +914,10 @@ def noise_warnings(noise: dict, cfg: DetectorConfig) -> list[str]:
 
 
 def budget_line(budget: dict) -> str:
-    """One line of an error budget (``OnlineDetector.budget``): the job's steps between false
-    alarms and, over the own-work series, the median delays at x2 and x1.5 against Lorden's."""
+    """One line of an error budget (``OnlineDetector.budget``).
+
+    The job's steps between false alarms and, over the own-work series, the median delays at x2 and
+    x1.5 against Lorden's."""
     comp = list(budget.get("series", {}).get("compute", {}).values())
 
     def med(field: str) -> str:
@@ -916,6 +948,7 @@ _PHASE_OPTYPES = {
 @dataclass(frozen=True)
 class PhaseMatrices:
     """Per phase a (step x rank) matrix over the observed steps (NaN where a rank has none).
+
     ``own``: what the phase's test runs on (forward and backward: the phase's own-work ratio; the
     optimizer: its seconds, the same work every step). ``share``: the phase's fraction of the
     rank's compute seconds that step, which turns a slowdown of the phase alone into what it costs
@@ -932,8 +965,14 @@ class PhaseMatrices:
 def phase_matrices(
     df: pd.DataFrame, obs: Observations, cfg: DetectorConfig
 ) -> PhaseMatrices | None:
-    """The phases' matrices of ``df`` over ``obs.steps`` (forward and backward own work from
-    ``observe_ops(..., phases=True)``), or None where the config tests no phases."""
+    """The phases' matrices of ``df`` over ``obs.steps``, or None where the config tests no phases.
+
+    Args:
+        df: the ops trace (its optimizer rows give the optimizer phase's seconds).
+        obs: its observations (forward and backward own work from
+            ``observe_ops(..., phases=True)``).
+        cfg: the detector's config.
+    """
     if not cfg.phases or not len(obs.steps):
         return None
     steps = obs.steps
@@ -1039,8 +1078,15 @@ def _others_log(values: np.ndarray) -> np.ndarray:
 
 
 def fits_cost(meta: JobMeta, expected: ExpectedCompute | None, cfg: DetectorConfig) -> bool:
-    """Whether the job's own cost is fitted: no predictor given, and one pipeline stage (with
-    several, the same micro-batch on the other stages is the better reference)."""
+    """Whether the job's own cost is fitted: no predictor given, and one pipeline stage.
+
+    With several stages, the same micro-batch on the other stages is the better reference.
+
+    Args:
+        meta: the job's meta.
+        expected: the given cost model (None: no predictor).
+        cfg: the detector's config (``fit_cost`` off: never fitted).
+    """
     return cfg.fit_cost and expected is None and meta.pp_size == 1
 
 
@@ -1051,8 +1097,18 @@ def trace_cost(
     cfg: DetectorConfig,
     meta_dict: dict | None = None,
 ) -> ExpectedCompute | None:
-    """The cost model for a whole trace: ``expected`` if given; where ``fits_cost``, the job's own
-    cost fitted on its first ``calibration_steps`` steps; else None (FLOPs, peers or phases)."""
+    """The cost model for a whole trace.
+
+    ``expected`` if given; where ``fits_cost``, the job's own cost fitted on its first
+    ``calibration_steps`` steps; else None (FLOPs, peers or phases).
+
+    Args:
+        df: the ops trace.
+        meta: the job's meta.
+        expected: the given cost model (None: none).
+        cfg: the detector's config.
+        meta_dict: the job meta document (its model shape, ``shape_from_meta``).
+    """
     if not fits_cost(meta, expected, cfg):
         return expected
     return fit_trace(df, cfg.calibration_steps, shape_from_meta(meta_dict)) or expected
@@ -1060,8 +1116,9 @@ def trace_cost(
 
 @dataclass
 class TracePart:
-    """One layout's part of a trace (``layout_parts``), observed: where each rank sits, the cost
-    model, and the per-step observations every method reads."""
+    """One layout's part of a trace (``layout_parts``), observed.
+
+    Where each rank sits, the cost model, and the per-step observations every method reads."""
 
     df: pd.DataFrame
     meta: JobMeta
@@ -1079,6 +1136,16 @@ class TracePart:
         meta_dict: dict | None,
         source: str = "ops trace",
     ) -> TracePart:
+        """The part of trace ``df`` laid out as ``meta``, observed.
+
+        Args:
+            df: the part's ops rows.
+            meta: the part's job meta.
+            expected: the given cost model (None: ``trace_cost`` decides).
+            cfg: the detector's config.
+            meta_dict: the job meta document (its model shape).
+            source: what errors name as the trace.
+        """
         layout = rank_layout(df, meta, source=source)
         expected = trace_cost(df, meta, expected, cfg, meta_dict)
         obs = observe_ops(
@@ -1093,8 +1160,10 @@ class TracePart:
         return cls(df, meta, layout, expected, obs)
 
     def detect(self, det: OnlineDetector) -> list[Event]:
-        """``det`` over this part (a re-plan that moved layers changes the ranks' work from its
-        step on: baselines learned afresh there)."""
+        """The events ``det`` finds over this part.
+
+        A re-plan that moved layers changes the ranks' work from its step on: baselines are
+        learned afresh there."""
         moved = set(self.df.loc[self.df["optype"] == "replan-layers", "step"].astype(int))
         det.observe_matrices(self.obs, phase_matrices(self.df, self.obs, det.cfg), rebase_at=moved)
         return det.finish()
@@ -1107,9 +1176,18 @@ def detect_trace(
     config: DetectorConfig | None = None,
     meta_dict: dict | None = None,
 ) -> dict:
-    """The DESIGN event JSON for a whole (validated) ops trace; one whose ranks took new places in
-    a live re-plan part by part (``layout_parts``), each with a fresh detector (``noise``: the
-    last part's)."""
+    """The DESIGN event JSON for a whole (validated) ops trace.
+
+    A trace whose ranks took new places in a live re-plan is read part by part
+    (``layout_parts``), each with a fresh detector (``noise``: the last part's).
+
+    Args:
+        df: the ops trace.
+        meta: the job's meta (default: inferred from the trace).
+        expected: the cost model (None: ``trace_cost`` decides).
+        config: the detector's config (default: ``DetectorConfig()``).
+        meta_dict: the job meta document (its model shape).
+    """
     df = validate_ops_trace(df)
     cfg = config or DetectorConfig()
     events: list[Event] = []

@@ -82,8 +82,10 @@ def load_json(raw: bytes | str) -> Any:
 
 
 class StoreRecords:
-    """A reader's decoder: ``decode(key, raw, parse)`` returns the parsed record or None, warning
-    once per key (``dropped`` counts every record dropped)."""
+    """A reader's decoder of store records, warning once per key about a dropped one.
+
+    ``decode(key, raw, parse)`` returns the parsed record or None; ``dropped`` counts every record
+    dropped."""
 
     def __init__(self, logger: logging.Logger = log) -> None:
         self.log = logger
@@ -92,7 +94,13 @@ class StoreRecords:
         self._lock = threading.Lock()
 
     def decode(self, key: str, raw: bytes | str | None, parse: Callable[[Any], T]) -> T | None:
-        """``parse(json value of raw)``, or None where ``raw`` is None or not of its form."""
+        """``parse(json value of raw)``, or None where ``raw`` is None or not of its form.
+
+        Args:
+            key: the store key the record was read from, for the warning.
+            raw: the record as stored (None: absent).
+            parse: turns the JSON value into the record, raising where it is not of its form.
+        """
         if raw is None:
             return None
         try:
@@ -115,7 +123,13 @@ RECORDS = StoreRecords()  # the process's decoder: each key warned about once pe
 
 
 def checked_int(raw: bytes | str | None, key: str, records: StoreRecords = RECORDS) -> int | None:
-    """An integer record (a step, an attempt, a count), or None where absent or malformed."""
+    """An integer record (a step, an attempt, a count), or None where absent or malformed.
+
+    Args:
+        raw: the record as stored (None: absent).
+        key: the store key it was read from, for the warning.
+        records: the decoder (default: the process's).
+    """
     return records.decode(key, raw, _int)
 
 
@@ -143,7 +157,13 @@ def sign(doc: Mapping[str, Any], secret: str) -> dict:
 
 
 def verified(doc: Any, secret: str | None, what: str) -> dict:
-    """``doc`` without its signature, or RecordError where it is unsigned or wrongly signed."""
+    """``doc`` without its signature, or RecordError where it is unsigned or wrongly signed.
+
+    Args:
+        doc: the record read.
+        secret: the job's secret (None: nothing signed is taken).
+        what: what the error names as the record.
+    """
     doc = fields(doc, what, {})
     if not isinstance(doc.get(SIGNATURE), str):
         raise RecordError(f"{what}: refused: not signed with the job's secret")
@@ -153,9 +173,10 @@ def verified(doc: Any, secret: str | None, what: str) -> dict:
 
 
 def job_secret() -> str:
-    """This job's secret, which signs the records that steer it: ``RESIHP_JOB_SECRET`` where set
-    (every node of a job is launched with the same), else one made now, at random, and kept in
-    this process's environment for the processes it starts."""
+    """This job's secret, which signs the records that steer it.
+
+    ``RESIHP_JOB_SECRET`` where set (every node of a job is launched with the same), else one made
+    now, at random, and kept in this process's environment for the processes it starts."""
     if not os.environ.get(JOB_SECRET_ENV):
         os.environ[JOB_SECRET_ENV] = secrets.token_hex(32)
     return os.environ[JOB_SECRET_ENV]
@@ -174,11 +195,19 @@ def authority(
     verify: bool = True,
     same: Mapping[str, Any] | None = None,
 ) -> Callable[[Any], dict]:
-    """A parser for ``StoreRecords.decode`` of a signed record: its signature checked under
-    ``secret`` (by default this process's ``RESIHP_JOB_SECRET``; without one nothing signed is
-    taken), then its fields; ``same``: fields that must hold these values (the key's replica or
-    node, so a signed record copied to another key is refused). ``verify=False``: a reader that
-    acts on nothing (a follower) takes the record without checking its signature."""
+    """A parser for ``StoreRecords.decode`` of a signed record: its signature, then its fields.
+
+    Args:
+        what: what errors name as the record.
+        spec: its required fields and their types.
+        optional: its optional fields and their types.
+        secret: the secret its signature is checked under (default: this process's
+            ``RESIHP_JOB_SECRET``; without one nothing signed is taken).
+        verify: False for a reader that acts on nothing (a follower): the record is taken without
+            checking its signature.
+        same: fields that must hold these values (the key's replica or node, so a signed record
+            copied to another key is refused).
+    """
 
     def parse(doc: Any) -> dict:
         if verify:

@@ -25,9 +25,19 @@ KINDS = ("fail-slow", "link-slow")
 def make_suite(
     quick: bool = False, seed: int = 0, steps: int = 300, dp: int = 4, pp: int = 4
 ) -> list[tuple[str, SimJob]]:
-    """Healthy jobs, fail-slows of each factor at a random rank/onset/duration, and with a pipeline
+    """The suite's labelled jobs, by name: healthy ones, fail-slows and link-slows.
+
+    Healthy jobs, fail-slows of each factor at a random rank/onset/duration, and with a pipeline
     link-slows and a job with a heavier last stage (stage imbalance that must not be blamed on a
-    device)."""
+    device).
+
+    Args:
+        quick: a small suite (a few shorter traces) for a fast check.
+        seed: the suite's seed.
+        steps: steps per trace (a quick suite's are fewer).
+        dp: data-parallel replicas of each job.
+        pp: pipeline stages of each job.
+    """
     rng = np.random.default_rng(seed)
     reps = 1 if quick else 4
     steps = 160 if quick else steps
@@ -110,12 +120,25 @@ def evaluate_suite(
     pp: int = 4,
     step_time_s: float = DEFAULT_STEP_TIME_S,
 ) -> dict:
-    """Every method on every suite trace; totals, totals by slowdown factor, and the imbalance check.
+    """Every method on every suite trace: totals, by slowdown factor, and the imbalance check.
 
-    ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on the
-    less informative traces many real jobs record. False alarms per day are of one job at
+    ``drop`` removes optional trace columns (``seq_lens``, ``start_ts``) to score the detector on
+    the less informative traces many real jobs record. False alarms per day are of one job at
     ``step_time_s`` seconds a step; delays are against Lorden's bound at the noise resihp
     calibrated on each trace (``evaluate`` module doc).
+
+    Args:
+        quick: a small suite for a fast check.
+        seed: the suite's seed.
+        expected: resihp's cost model (None: ``trace_cost`` decides).
+        profile: the profiling log of measured micro-batch costs.
+        methods: the methods scored (None: all of ``METHODS``).
+        config: resihp's detector config (default: ``DetectorConfig()``).
+        drop: trace columns removed before detection.
+        on_progress: called with the traces done.
+        dp: data-parallel replicas of each job.
+        pp: pipeline stages of each job.
+        step_time_s: seconds a step, at which false alarms per day are stated.
     """
     pool = CostPool.from_profile(profile)
     noise = alibaba_residuals(alibaba_path(2))

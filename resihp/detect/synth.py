@@ -1,16 +1,17 @@
-"""Labelled ops traces for evaluating detectors: a 1F1B pipeline-parallel job simulated from real parts.
+"""Labelled ops traces for evaluating detectors: a 1F1B pipeline-parallel job from real parts.
 
 - Micro-batches are real packed sequence-length mixes with their real measured forward and backward
-  times, taken from a profiling log (``resihp profile``; its thread CPU time where recorded, since on
-  a shared machine wall time also holds other processes' slices); a stage of ``L`` layers costs
+  times, taken from a profiling log (``resihp profile``; its thread CPU time where recorded, since
+  on a shared machine wall time also holds other processes' slices); a stage of ``L`` layers costs
   ``L / layers`` of the profiled stack.
-- Op-to-op noise is log-normal with the spread measured between repeats in that same log; rank-to-rank
-  host noise per step is resampled from the healthy per-worker residuals of a real Alibaba PAI job.
-- Injected faults multiply one rank's own compute (``fail-slow``) or one pipeline link's transfer time
-  (``link-slow``) from a known onset to a known end.
-- Times follow the 1F1B dependencies, and a rank's host-side compute duration includes the time it sat
-  blocked on its neighbour, as host timers of asynchronous kernels do; waiting for the slowest replica
-  at the gradient reduction appears in ``grads-reduce-scatter``.
+- Op-to-op noise is log-normal with the spread measured between repeats in that same log;
+  rank-to-rank host noise per step is resampled from the healthy per-worker residuals of a real
+  Alibaba PAI job.
+- Injected faults multiply one rank's own compute (``fail-slow``) or one pipeline link's transfer
+  time (``link-slow``) from a known onset to a known end.
+- Times follow the 1F1B dependencies, and a rank's host-side compute duration includes the time it
+  sat blocked on its neighbour, as host timers of asynchronous kernels do; waiting for the slowest
+  replica at the gradient reduction appears in ``grads-reduce-scatter``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class Injection:
 
 @dataclass
 class CostPool:
-    """Measured micro-batches: packed lengths, forward/backward seconds, and the measured op noise."""
+    """Measured micro-batches: packed lengths, forward/backward seconds, and the measured op
+    noise."""
 
     seq_lens: list[list[int]]
     fwd: np.ndarray
@@ -147,7 +149,8 @@ class CostPool:
 
 
 def alibaba_residuals(path: str | Path) -> np.ndarray:
-    """Healthy host noise: log(worker time / all workers' median that step) minus the worker's median."""
+    """Healthy host noise: log(worker time / all workers' median that step) minus the worker's
+    median."""
     df = pd.read_csv(path)
     wide = df.pivot_table(index="time", columns="worker", values="batch_time_norm").dropna()
     logs = np.log(wide.to_numpy(float))
@@ -221,7 +224,13 @@ def _schedule(pp: int, m: int) -> list[tuple[int, str, int]]:
 
 
 def simulate(job: SimJob, pool: CostPool, host_noise: np.ndarray) -> pd.DataFrame:
-    """The ops trace of ``job``: compute, point-to-point and gradient-reduction rows for every rank."""
+    """The ops trace of ``job``: compute, point-to-point and gradient-reduction rows of every rank.
+
+    Args:
+        job: the simulated job (layout, steps, injected faults, seed).
+        pool: the measured micro-batches and op noise drawn from.
+        host_noise: healthy per-worker host noise residuals, resampled per rank and step.
+    """
     rng = np.random.default_rng(job.seed)
     t_, d_, p_, m_ = job.steps, job.dp, job.pp, job.microbatches
     layers = job.stage_layers or (pool.layers,) * p_

@@ -1,13 +1,14 @@
-"""This rank's cross-replica groups: for each set of ranks that hold the same block of parameters
-in every member replica, a gloo process group built straight on the job's store (not through the
-default world, which a lost replica leaves), one set per membership (generation). A ``key`` is
-such a set: one job rank of each member replica (``resihp.train.gradsync.Pieces``). When every
-replica has the same layout there is one key per (stage, tensor-parallel rank) position; when
-replicas split their layers differently, or differ in depth or tensor-parallel size, a block's
-holders sit at other positions, and each distinct key has a group of its own, formed the first
-time it is summed. A rank's index in a group is its replica's among the members. A group whose
-members changed is dropped without a collective (it may hold a dead peer) and new ones formed
-under a fresh store prefix.
+"""This rank's cross-replica groups, re-formed for each membership.
+
+For each set of ranks that hold the same block of parameters in every member replica, a gloo process
+group built straight on the job's store (not through the default world, which a lost replica
+leaves), one set per membership (generation). A ``key`` is such a set: one job rank of each member
+replica (``resihp.train.gradsync.Pieces``). When every replica has the same layout there is one key
+per (stage, tensor-parallel rank) position; when replicas split their layers differently, or differ
+in depth or tensor-parallel size, a block's holders sit at other positions, and each distinct key
+has a group of its own, formed the first time it is summed. A rank's index in a group is its
+replica's among the members. A group whose members changed is dropped without a collective (it may
+hold a dead peer) and new ones formed under a fresh store prefix.
 
 Every rank sums its keys in ascending order, so two ranks never wait on each other's later group
 (a cycle would need one of them to go back to a smaller key).
@@ -41,7 +42,15 @@ from resihp.ft.quorum import Generation
 def gloo_group(
     store: Store, prefix: str, rank: int, size: int, timeout_s: float
 ) -> dist.ProcessGroup:
-    """A gloo group of ``size`` ranks on ``store`` under ``prefix`` (loopback when the job is)."""
+    """A gloo group of ``size`` ranks on ``store`` under ``prefix`` (loopback when the job is).
+
+    Args:
+        store: the job's store the group rendezvouses on.
+        prefix: the store prefix of this group's keys.
+        rank: this process's index in the group.
+        size: the group's ranks.
+        timeout_s: the group's collective timeout in seconds.
+    """
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -61,7 +70,9 @@ Key = tuple[int, ...]  # the ranks that sum a bucket: one (job rank) of each mem
 
 
 class ReplicaGroup:
-    """``connect``: a new client of the job's store, one per rendezvous. A TCPStore client is one
+    """This rank's cross-replica groups, one set per membership generation.
+
+    ``connect``: a new client of the job's store, one per rendezvous. A TCPStore client is one
     socket behind one lock: a rendezvous blocked on a dead peer would hold up every other call
     through the client it uses, the quorum's ``decided`` that lets this rank leave it too."""
 
@@ -89,10 +100,17 @@ class ReplicaGroup:
         abandon: Callable[[], bool] | None = None,
         check_s: float = 0.05,
     ) -> None:
-        """Collective over the generation's members: start generation ``gen`` (nothing if it is
-        the one in force) with the groups of ``keys``; a later plan's new keys form as they are
-        first summed. ``abandon`` as in ``all_reduce``: a member that died before it reached the
-        rendezvous would hold the others for the group's whole timeout."""
+        """Collective over the generation's members: start generation ``gen``.
+
+        Nothing if it is the one in force; a later plan's new keys form as they are first summed.
+
+        Args:
+            gen: the generation to start.
+            keys: the keys whose groups are formed now.
+            abandon: as in ``all_reduce``: a member that died before it reached the rendezvous
+                would hold the others for the group's whole timeout.
+            check_s: seconds between the ``abandon`` checks.
+        """
         if self.gen != gen.gen:
             self._retired += self.groups.values()
             self.groups, self.gen, self.replicas = {}, gen.gen, list(gen.replicas)
@@ -144,8 +162,13 @@ class ReplicaGroup:
         check_s: float = 0.05,
     ) -> None:
         """Sum each bucket over the ranks of its key (in place), keys in ascending order.
-        ``abandon`` (asked every ``check_s`` while a sum is in flight): True leaves it with
-        ``GroupAbandoned``; the group is not used again."""
+
+        Args:
+            buckets: per key, the flat tensor summed over that key's group.
+            abandon: asked every ``check_s`` while a sum is in flight; True leaves it with
+                ``GroupAbandoned`` and the group is not used again (None: wait to the end).
+            check_s: seconds between the ``abandon`` checks.
+        """
         if self.size < 2:
             return
         for key in sorted(buckets):

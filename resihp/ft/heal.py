@@ -29,15 +29,17 @@ STATE, GRAD, END = 0, 1, 2
 
 
 def heal_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """What a returning rank needs, in one order on both sides: a snapshot's tensors (parameters
-    and AdamW state, ``ckpt.snapshot.state_tensors``; zeros where it never stepped), without the
-    RNG state (each rank keeps its own)."""
+    """What a returning rank needs, in one order on both sides.
+
+    A snapshot's tensors (parameters and AdamW state, ``ckpt.snapshot.state_tensors``; zeros where
+    it never stepped), without the RNG state (each rank keeps its own)."""
     return [t for name, t in state_tensors(model, optimizer) if name != RNG_KEY]
 
 
 def flatten(tensors: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
-    """One float32 vector of ``tensors`` on ``device`` (default: the first tensor's). On a GPU
-    AdamW keeps its ``step`` counts on the CPU, so a state mixes devices."""
+    """One float32 vector of ``tensors`` on ``device`` (default: the first tensor's).
+
+    On a GPU AdamW keeps its ``step`` counts on the CPU, so a state mixes devices."""
     device = tensors[0].device if device is None else device
     return torch.cat(
         [t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors]
@@ -53,14 +55,24 @@ def unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 def heal_prefix(job_id: str, replica: int, attempt: int, position: str) -> str:
+    """The store prefix of the heal channel to one rank of a returning replica.
+
+    Args:
+        job_id: the job's id.
+        replica: the returning replica.
+        attempt: its attempt (each relaunch has a new one).
+        position: the rank's place in its replica, ``"<stage>.<tensor-parallel rank>"``.
+    """
     return f"resihp/{job_id}/ft/heal/{replica}/{attempt}/{position}"
 
 
 class HealSource(threading.Thread):
-    """The sending end for one returning rank: ``push(kind, step, flat, split)`` from the training
-    loop (a copy, so training goes on; ``split``: with a state, the layers per stage it is in),
-    sent in order by this thread; ``close(last)`` once the returning replica is admitted and the
-    gradients of step ``last`` are queued."""
+    """The sending end for one returning rank, a thread.
+
+    ``push(kind, step, flat, split)`` from the training loop (a copy, so training goes on;
+    ``split``: with a state, the layers per stage it is in), sent in order by this thread;
+    ``close(last)`` once the returning replica is admitted and the gradients of step ``last`` are
+    queued."""
 
     def __init__(self, connect: Callable[[], Store], prefix: str, timeout_s: float) -> None:
         super().__init__(name="resihp-heal", daemon=True)
@@ -73,6 +85,14 @@ class HealSource(threading.Thread):
     def push(
         self, kind: int, step: int, flat: torch.Tensor, split: list[int] | None = None
     ) -> None:
+        """Queue one item for sending (a host copy, so training goes on).
+
+        Args:
+            kind: ``STATE`` or ``GRAD``.
+            step: the step the state is after, or whose gradients these are.
+            flat: the flat float32 payload (``flatten``).
+            split: with a state, the layers per stage of this replica (None: none).
+        """
         self.items.put((kind, step, flat.cpu(), list(split or [])))  # gloo sends from host memory
 
     def close(self, last: int) -> None:
@@ -124,8 +144,10 @@ class HealTarget:
         self.received_bytes = 0
 
     def next(self) -> tuple[int, int, torch.Tensor | None, list[int]]:
-        """(kind, step, payload, split): STATE (with the layers per stage of the source's replica)
-        or GRAD with their numbers, or END (no payload)."""
+        """The next item received: (kind, step, payload, split).
+
+        STATE (with the layers per stage of the source's replica) or GRAD with their numbers, or
+        END (no payload)."""
         head = torch.zeros(4, dtype=torch.int64)
         self.pg.recv([head], 0, 0).wait()
         kind, step, n, k = (int(x) for x in head)

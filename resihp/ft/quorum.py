@@ -91,8 +91,10 @@ class Decision:
 
 
 def changes_key(job_id: str) -> str:
-    """A counter bumped after every eviction, join request, held report and plan post: a commit
-    whose decider reads the count the previous commit read follows it without looking further."""
+    """The store key of the job's change counter.
+
+    It is bumped after every eviction, join request, held report and plan post: a commit whose
+    decider reads the count the previous commit read follows it without looking further."""
     return f"resihp/{job_id}/ft/changes"
 
 
@@ -122,8 +124,10 @@ class QuorumLost(RuntimeError):
 
 
 class Quorum:
-    """The store protocol (``resihp/<job>/ft/...``). ``ranks_per_replica``: pipeline x tensor;
-    ``plan_key``: where the live planner posts plan changes (None: the job takes none)."""
+    """The store protocol (``resihp/<job>/ft/...``).
+
+    ``ranks_per_replica``: pipeline x tensor; ``plan_key``: where the live planner posts plan
+    changes (None: the job takes none)."""
 
     def __init__(
         self,
@@ -218,7 +222,13 @@ class Quorum:
         return None if said is None else Member(replica, int(said["attempt"]))
 
     def report_held(self, member: Member, local_rank: int, step: int) -> None:
-        """A returning rank holds the survivors' state after ``step``."""
+        """A returning rank holds the survivors' state after ``step``.
+
+        Args:
+            member: the returning replica's member entry.
+            local_rank: the rank's index in its replica.
+            step: the step whose state it holds.
+        """
         self._put(
             self._key("held", member.replica, member.attempt, local_rank),
             {
@@ -231,8 +241,9 @@ class Quorum:
         self.store.add(self.changes, 1)
 
     def held(self, member: Member, ranks: list[int] | None = None) -> int | None:
-        """The step every rank of a returning replica (or its ``ranks``) holds the state after
-        (None: not all do)."""
+        """The step every rank of a returning replica (or its ``ranks``) holds the state after.
+
+        None: not all do."""
         ranks = range(self.ranks_per_replica) if ranks is None else ranks
         steps = [
             self._get(
@@ -248,8 +259,16 @@ class Quorum:
         return min(int(s["step"]) for s in steps)
 
     def report_relayout(self, plan_id: object, replica: int, record: dict) -> None:
-        """What re-forming ``replica``'s groups for plan change ``plan_id`` moved (its first
-        application: a returning replica that re-forms again as it rejoins does not count)."""
+        """Record what re-forming ``replica``'s groups for plan change ``plan_id`` moved.
+
+        Only its first application counts: a returning replica that re-forms again as it rejoins
+        does not.
+
+        Args:
+            plan_id: the plan change's id.
+            replica: the replica that re-formed.
+            record: its totals (bytes moved, written and read, seconds).
+        """
         key = self._key("relayout", plan_id, replica)
         if not self.store.check([key]):
             self.store.set(key, json.dumps(record))
@@ -262,7 +281,8 @@ class Quorum:
         return [r for r in found if r is not None]
 
     def set_heal_shape(self, member: Member, shape: list[int]) -> None:
-        """The serving replica's groups, as tensor-parallel sizes per stage, for returning ``member``."""
+        """The serving replica's groups, as tensor-parallel sizes per stage, for returning
+        ``member``."""
         self._put(
             self._key("heal-shape", member.replica, member.attempt),
             {"replica": member.replica, "attempt": member.attempt, "shape": shape},
@@ -278,8 +298,9 @@ class Quorum:
         return None if said is None else [int(n) for n in said["shape"]]
 
     def admitted(self, member: Member) -> Generation | None:
-        """The generation that admitted a returning replica (its ``from_step``: the step it trains
-        first), once a decision did."""
+        """The generation that admitted a returning replica, once a decision did.
+
+        Its ``from_step`` is the step the replica trains first."""
         said = self._get(
             self._key("admitted", member.replica, member.attempt),
             "admission",
@@ -293,9 +314,15 @@ class Quorum:
         self, gen: Generation, step: int, ok: bool, previous: Decision | None = None
     ) -> Decision | None:
         """This rank's vote; the last ok voter decides the commit (returned), others get None.
-        ``previous``: the decision this rank last followed (the commit of ``step - 1``, normally),
-        which lets the decider of an unchanged job commit in four store round trips (its vote,
-        the change count, the decision, the commit record) instead of about ten."""
+
+        Args:
+            gen: the generation in force.
+            step: the step voted on.
+            ok: whether this rank's step succeeded (a failed vote decides nothing).
+            previous: the decision this rank last followed (the commit of ``step - 1``, normally),
+                which lets the decider of an unchanged job commit in four store round trips (its
+                vote, the change count, the decision, the commit record) instead of about ten.
+        """
         if not ok:
             self.store.add(self._key("vote", gen.gen, step, "fail"), 1)
             return None
@@ -305,8 +332,10 @@ class Quorum:
         return None
 
     def wait(self, gen: Generation, step: int) -> Decision:
-        """The decision of ``step`` under ``gen``, blocking on the store until it is written: by
-        the last ok voter (a commit) or by the supervisor (an abort, when it evicts a member)."""
+        """The decision of ``step`` under ``gen``, blocking on the store until it is written.
+
+        It is written by the last ok voter (a commit) or by the supervisor (an abort, when it evicts
+        a member)."""
         key = self._key("decision", gen.gen, step)
         end = time.monotonic() + self.timeout_s
         while True:
@@ -423,13 +452,20 @@ class Quorum:
         return decision
 
     def complete(self, gen: Generation, decision: Decision, only_missing: bool = True) -> None:
-        """Write what follows from ``decision`` (under ``gen``): the next generation, the returning
-        replicas it admits, the step's commit record. Its decider writes them right after the
-        decision (``only_missing=False``: no reads on its path) and may die in between (a replica
-        lost mid-commit); the supervisor's chain then writes those missing. Without the commit
-        record every reader of the membership would wait for that step forever, without the
-        admission a returning replica would. The same values either way; the latest generation
-        never goes back."""
+        """Write what follows from ``decision``: next generation, admissions, commit record.
+
+        Its decider writes them right after the decision and may die in between (a replica lost
+        mid-commit); the supervisor's chain then writes those missing. Without the commit record
+        every reader of the membership would wait for that step forever, without the admission a
+        returning replica would. The same values either way; the latest generation never goes
+        back.
+
+        Args:
+            gen: the generation the decision was made under.
+            decision: the step's decision.
+            only_missing: write only the keys not there yet (False: the decider's own write, no
+                reads on its path).
+        """
 
         def put(key: str, value: str) -> bool:
             if only_missing and self.store.check([key]):
@@ -509,8 +545,10 @@ class Quorum:
             gen, step = d.next.gen, d.next.from_step
 
     def admitting(self, gen: Generation) -> Decision | None:
-        """The commit that admitted a returning replica into ``gen`` (a join changes the
-        generation: it was decided under ``gen.gen - 1``, at the step before ``gen.from_step``)."""
+        """The commit that admitted a returning replica into ``gen``.
+
+        A join changes the generation: it was decided under ``gen.gen - 1``, at the step before
+        ``gen.from_step``."""
         return self.decision(gen.gen - 1, gen.from_step - 1)
 
     def finish(self, step: int) -> None:
@@ -522,8 +560,10 @@ class Quorum:
 
 
 class DecisionChain:
-    """The supervisor's walk along the decisions, each naming the generation and step of the next
-    attempt, up to the attempt in flight: where an abort goes when a member is evicted."""
+    """The supervisor's walk along the decisions, up to the attempt in flight.
+
+    Each decision names the generation and step of the next attempt: the attempt in flight is where
+    an abort goes when a member is evicted."""
 
     def __init__(self, quorum: Quorum, start: Generation) -> None:
         self.quorum, self.gen, self.step = quorum, start, start.from_step
@@ -534,9 +574,11 @@ class DecisionChain:
             self.gen, self.step = d.next, d.next.from_step
 
     def abort_evicted(self) -> None:
-        """Abort the attempt in flight where it names an evicted member: one admitted by a decider
-        that read the join before the eviction and wrote after it, while ``abort_for`` found the
-        chain before that decision (the survivors would wait on a dead replica)."""
+        """Abort the attempt in flight where it names an evicted member.
+
+        Such a member was admitted by a decider that read the join before the eviction and wrote
+        after it, while ``abort_for`` found the chain before that decision (the survivors would wait
+        on a dead replica)."""
         self.advance()
         for member in self.gen.members:
             if self.quorum.is_evicted(member):
@@ -545,8 +587,9 @@ class DecisionChain:
                 return
 
     def abort_for(self, member: Member) -> Decision | None:
-        """``member`` was evicted: abort the attempt in flight if it takes part (so no survivor
-        waits on it), unless a decision that leaves it out is there first."""
+        """Abort the attempt in flight if evicted ``member`` takes part in it.
+
+        So no survivor waits on it; unless a decision that leaves it out is there first."""
         while True:
             self.advance()
             if member not in self.gen.members:

@@ -83,12 +83,27 @@ def run_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
     **options: Any,
 ) -> None:
-    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, with faults injected.
+    """Train the GPT model under DP x PP (x TP) on this machine's CPUs or GPUs, faults injected.
 
     The options are the run configuration's fields (resihp.train.config.RunConfig), grouped by
     section. The run folder belongs to this job while it runs (a second job into it exits 2);
     SIGTERM or SIGINT stops the workers within a grace period, keeps the trace and summary written
-    so far and marks the run resumable in OUT/run.json (exit 143 / 130)."""
+    so far and marks the run resumable in OUT/run.json (exit 143 / 130).
+    \f
+    Args:
+        if_busy: when another job holds --out: fail (exit 2) or subfolder (write into a fresh
+            OUT/<job id>).
+        tensorboard: write step time, tokens/s, events and plan changes as TensorBoard scalars under
+            OUT/tensorboard (needs the tensorboard extra).
+        nnodes: nodes in the job (torchrun's option): run this command once per node, each with the
+            same RESIHP_JOB_SECRET.
+        node_rank: this node's rank, 0..nnodes-1; node 0 hosts the job's store, runs the live loop
+            and writes the summary.
+        nproc_per_node: workers on this node (default: dp x pp x tp / nnodes).
+        rdzv_endpoint: HOST:PORT of node 0, where it hosts the job's store (bound to HOST).
+        json_out: print the JSON summary.
+        **options: the run configuration's fields (``RunConfig``), by their flags.
+    """
     if if_busy not in ("fail", "subfolder"):
         raise InputError(f"--if-busy: expected fail or subfolder, got {if_busy!r}")
     cfg = tree_from_options(RunConfig, options)
@@ -303,7 +318,8 @@ def _check_gpus(cfg: RunConfig, nproc_per_node: int) -> None:
 
 
 def _resume_source(path: Path, steps: int) -> Path:
-    """The checkpoint ``--resume`` names (a run folder: its newest that verifies), checked up front."""
+    """The checkpoint ``--resume`` names (a run folder: its newest that verifies), checked up
+    front."""
     from resihp.ckpt.universal import read_meta, resolve  # deferred: torch.distributed.checkpoint
 
     source = resolve(path).resolve()
@@ -383,8 +399,19 @@ def demo_cmd(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the JSON summary")] = False,
 ) -> None:
-    """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected; the live detector finds it,
-    the planner re-plans and the job applies the new plan while it keeps training."""
+    """4 CPU processes (DP 2 x PP 2) train with a fail-slow injected, found and planned around live.
+
+    The live detector finds it, the planner re-plans and the job applies the new plan while it
+    keeps training.
+    \f
+    Args:
+        out: run folder.
+        steps: training steps (default: the fault's step + 20).
+        inject: the fault to inject, slow:rank=R,factor=F,step=S (default: rank 1, x3, 4 steps after
+            the detector's calibration).
+        plot: plot of throughput per step (default OUT/demo.png).
+        json_out: print the JSON summary.
+    """
     with _warm_agents(RunConfig()):  # the demo trains on the default device
         _demo(out, steps, inject, plot, json_out)
 
@@ -420,12 +447,14 @@ def _demo(
     b, d, a = (summary[f"tokens_per_s_{k}"] for k in ("before", "during", "after"))
     print(f"fault: {inject}")
     print(
-        f"detected at step {summary['detected_step']} (delay {summary['detection_delay_steps']} steps)"
+        f"detected at step {summary['detected_step']} "
+        f"(delay {summary['detection_delay_steps']} steps)"
     )
     for c in summary["plan_changes"]:
         print(
             f"plan change at step {c['applied_step']}: dp_weights {c.get('dp_weights')} "
-            f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in {c['solve_s']} s)"
+            f"layer_splits {c.get('layer_splits')} (applied: {c['applied']}, solved in "
+            f"{c['solve_s']} s)"
         )
     fmt = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
     rf = summary["recovered_fraction"]
@@ -740,9 +769,9 @@ def _recover(
     """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
     it as the planner says (else the surviving uniform layout). On several nodes every survivor
     stays on its node (``Nodes.sizes``: the nodes' ranks in order) and the other nodes' launchers
-    join the relaunch node 0 announces (``_follow_relaunches``); where that cannot be (a memory tier,
-    a node with no survivor, no re-formed plan) node 0 tells them there is none, and the summary
-    names the checkpoint the survivors resume from."""
+    join the relaunch node 0 announces (``_follow_relaunches``); where that cannot be (a memory
+    tier, a node with no survivor, no re-formed plan) node 0 tells them there is none, and the
+    summary names the checkpoint the survivors resume from."""
     import pandas as pd
 
     from resihp.launch.supervisor import announce_no_relaunch, supervise
@@ -762,7 +791,8 @@ def _recover(
     nodes = nodes or Nodes()
     multi = nodes.nnodes > 1
     if ckpt and not (multi and cfg.snapshot_interval()):
-        # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any change
+        # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any
+        # change
         trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
         before = trace_step_seconds(trace) if trace is not None else {}
         computed = trace_compute_seconds(trace) if trace is not None else {}
@@ -945,9 +975,11 @@ def ckpt_inspect_cmd(
     ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Verify a checkpoint against its manifest (one line saying what is wrong if it does not) and
-    show its step, the layout and job that wrote it, its layers and tensors; and the memory tier's
-    snapshot slots (each one's rank, step, holder and whether its bytes match its checksums)."""
+    """Verify a checkpoint against its manifest and show what it holds.
+
+    One line says what is wrong if it does not verify; else its step, the layout and job that wrote
+    it, its layers and tensors; and the memory tier's snapshot slots (each one's rank, step, holder
+    and whether its bytes match its checksums)."""
     from resihp.ckpt.keeper import find_tiers, inspect_tier
     from resihp.ckpt.universal import inspect
 
@@ -965,12 +997,13 @@ def ckpt_inspect_cmd(
         return
     for tier in memory:
         print(
-            f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending {tier['pending'] or '-'}"
+            f"{tier['dir']}: keeper {tier['keeper_pid'] or 'not running'}; pending "
+            f"{tier['pending'] or '-'}"
         )
         for s in tier["slots"]:
             print(
-                f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank {s['holder']}, "
-                f"{s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
+                f"  rank {s['rank']} slot {s['slot']}: step {s['step']}, held by rank "
+                f"{s['holder']}, {s['bytes'] / 2**20:.1f} MiB, {s['tensors']} tensors, "
                 + ("checksums match" if s["verified"] else "CHECKSUM MISMATCH")
             )
     if "meta" not in info:
@@ -996,8 +1029,17 @@ def ckpt_convert_cmd(
     ],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """Every tensor as one whole tensor in the model's own shape: a tp-1 checkpoint folder, or one
-    consolidated .pt / .safetensors file (checkpoints load into any layout without this)."""
+    """Every tensor as one whole tensor in the model's own shape, in a folder or one file.
+
+    A tp-1 checkpoint folder, or one consolidated .pt / .safetensors file (checkpoints load into
+    any layout without this).
+    \f
+    Args:
+        src: a checkpoint folder.
+        dst: where to write: a folder (a tp-1 checkpoint any resihp layout loads), or one
+            consolidated file NAME.pt / NAME.safetensors for use outside resihp.
+        json_out: print JSON.
+    """
     from resihp.ckpt.universal import convert
 
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -1008,7 +1050,10 @@ def ckpt_convert_cmd(
     print(
         json.dumps(result)
         if json_out
-        else f"{dst}: {result['tensors']} tensors ({result['joined']} joined from tensor-parallel shards)"
+        else (
+            f"{dst}: {result['tensors']} tensors "
+            f"({result['joined']} joined from tensor-parallel shards)"
+        )
     )
 
 

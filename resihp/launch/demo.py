@@ -1,5 +1,6 @@
-"""The README's main job: 4 CPU processes train (DP 2 x PP 2) while one rank is made slow; the live
-detector finds it, the planner re-plans, the job applies the plan and keeps training."""
+"""The README's main job: 4 CPU processes train (DP 2 x PP 2) while one rank is made slow.
+
+The live detector finds it, the planner re-plans, the job applies the plan and keeps training."""
 
 from __future__ import annotations
 
@@ -45,7 +46,17 @@ def run_demo(
     detector_config: DetectorConfig | None = None,
     **overrides: object,
 ) -> dict:
-    """Run the demo job into ``out``; returns the summary (also written to ``OUT/demo.json``)."""
+    """Run the demo job into ``out``; returns the summary (also written to ``OUT/demo.json``).
+
+    Args:
+        out: the run folder.
+        steps: training steps.
+        inject: the slow fault, ``slow:rank=R,factor=F,step=S``.
+        plot: the throughput plot's path (None: none).
+        on_step: called with each finished step.
+        detector_config: the live detector's config (default: ``DetectorConfig()``).
+        **overrides: run configuration flags over the demo's.
+    """
     out = Path(out)
     fault = parse_fault(inject)
     if fault.kind != "slow" or fault.step is None:

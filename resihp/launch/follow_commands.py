@@ -78,8 +78,26 @@ def follow_cmd(
         bool, typer.Option("--json", help="Print the final report as JSON")
     ] = False,
 ) -> None:
-    """Detect live on a running job: waits for it to start, prints each finding as it comes, and
-    the stragglers still open when the job ends."""
+    """Detect live on a running job, printing each finding as it comes.
+
+    It waits for the job to start, and prints the stragglers still open when the job ends.
+    \f
+    Args:
+        run: run folder of a job writing resihp streams (resihp.attach(out=...) or resihp run -o
+            ...).
+        store: HOST:PORT of a resihp run job's store (node 0's --rdzv-endpoint): follow its control
+            plane from any machine that reaches it, no shared files.
+        start_timeout: seconds to wait for the job to write its job.yaml.
+        timeout: stop following after this many seconds (default: until every rank is done).
+        sensitivity: divides every CUSUM allowance and threshold (see resihp detect).
+        calibration_steps: steps of each rank its healthy baseline is learned on (a resihp run's
+            --calibration-steps).
+        alarm_floor: effect-size floor: no fail-slow or link-slow is raised below this factor (see
+            resihp detect).
+        nice: lower the follower's CPU priority by this much (Linux nice; 0 keeps it): beside the
+            job on its machine it must not take a core from the ranks it times.
+        json_out: print the final report as JSON.
+    """
     if (run is None) == (store is None):
         raise InputError("resihp follow: give a run folder or --store HOST:PORT (one of them)")
     if nice:

@@ -24,11 +24,12 @@ from resihp.train.store import (
 
 
 def forks_workers(cfg: RunConfig) -> bool:
-    """Whether the run's workers are forked from a warm agent (``resihp.launch.agent``): a CPU
-    run on a machine with no usable GPU. Where a GPU is visible, the workers start as torchrun
-    starts them, in a fresh interpreter, whatever the device: the agent's imports can initialise
-    CUDA's driver, and a process forked after that fails at its first CUDA call, even a CPU
-    run's: on an H200 machine every forked worker of a ``--device cpu`` run stopped with "CUDA
+    """Whether the run's workers are forked from a warm agent (``resihp.launch.agent``).
+
+    They are for a CPU run on a machine with no usable GPU. Where a GPU is visible, the workers
+    start as torchrun starts them, in a fresh interpreter, whatever the device: the agent's imports
+    can initialise CUDA's driver, and a process forked after that fails at its first CUDA call, even
+    a CPU run's: on an H200 machine every forked worker of a ``--device cpu`` run stopped with "CUDA
     error: initialization error"."""
     return cfg.device in ("cpu", "auto") and not torch.cuda.is_available()
 
@@ -42,10 +43,21 @@ def torchrun_command(
     run_id: str | None = None,
     forked: bool = False,
 ) -> list[str]:
-    """torchrun for ``nproc`` workers on this node, or (``forked``) resihp's agent with the same
-    options (torchrun's elastic agent, the workers forked from it); with ``endpoint`` (a
-    :class:`JobStore`'s) it joins that store instead of hosting one. Wrapped so that it dies with
-    this process."""
+    """The torchrun command line for ``nproc`` workers on this node, wrapped to die with this
+    process.
+
+    Or (``forked``) resihp's agent with the same options (torchrun's elastic agent, the workers
+    forked from it).
+
+    Args:
+        config_path: the run's ``config.json`` the workers read.
+        nproc: workers on this node.
+        max_restarts: torchrun's restarts of a failed worker group.
+        endpoint: a :class:`JobStore`'s HOST:PORT to join instead of hosting a store.
+        nnodes: nodes in the job.
+        run_id: torchrun's run id (the job id).
+        forked: run resihp's agent, whose workers fork from it, instead of torchrun.
+    """
     rdzv = (
         ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"]
         if endpoint
@@ -84,10 +96,16 @@ def worker_env(
     node: int = 0,
     managed: bool = False,
 ) -> dict[str, str]:
-    """The environment of torchrun and its workers. With ``endpoint`` (a :class:`JobStore`'s)
-    the workers form their process group and control plane on that store, and torchrun hosts no
-    store of its own for them (its shared store would listen on every interface). ``managed``: this
-    node's launcher aggregates heartbeats and reads the trace (``resihp run``)."""
+    """The environment of torchrun and its workers.
+
+    Args:
+        extra: further variables.
+        endpoint: a :class:`JobStore`'s HOST:PORT: the workers form their process group and
+            control plane on that store, and torchrun hosts no store of its own for them (its
+            shared store would listen on every interface).
+        node: this node's rank.
+        managed: this node's launcher aggregates heartbeats and reads the trace (``resihp run``).
+    """
     env = agent_env()
     if endpoint is None or host_port(endpoint)[0] == LOOPBACK:
         env["MASTER_ADDR"] = LOOPBACK
@@ -107,7 +125,14 @@ def worker_env(
 def launch(
     cfg: RunConfig, timeout_s: float | None = None, capture: bool = True, max_restarts: int = 0
 ) -> subprocess.CompletedProcess:
-    """Run ``cfg`` to completion under torchrun; the config is written to ``OUT/config.json``."""
+    """Run ``cfg`` to completion under torchrun; the config is written to ``OUT/config.json``.
+
+    Args:
+        cfg: the run configuration.
+        timeout_s: seconds before torchrun is killed (None: no limit).
+        capture: capture torchrun's output in the result instead of passing it through.
+        max_restarts: torchrun's restarts of a failed worker group.
+    """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "config.json"

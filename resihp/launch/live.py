@@ -1,7 +1,9 @@
-"""The live loop beside a running job (node 0's launcher): take each complete step's op records
-from the job's control plane (``controlplane.StepReader``, through the supervisor), feed it to the
-online detector (``resihp.detect``), and on a device fault ask the planner (``resihp.plan``) for a
-new plan and hand the part the running job can apply in place to its rank 0 (``control``).
+"""The live loop beside a running job (node 0's launcher): detect, re-plan, hand the plan on.
+
+Take each complete step's op records from the job's control plane (``controlplane.StepReader``,
+through the supervisor), feed it to the online detector (``resihp.detect``), and on a device fault
+ask the planner (``resihp.plan``) for a new plan and hand the part the running job can apply in
+place to its rank 0 (``control``).
 
 Applied in place: per-replica micro-batch shares and per-pipeline layer splits; a plan that
 re-forms tensor-parallel groups, excludes a device (a hot spare), moves ranks between pipelines or
@@ -63,15 +65,18 @@ def _median_log(rows: list[np.ndarray]) -> np.ndarray:
 
 
 def _absolute(cost_model: str) -> bool:
-    """Whether the detector's own-work levels are against a cost of the op's own (not its peers')."""
+    """Whether the detector's own-work levels are against a cost of the op's own (not its
+    peers')."""
     return cost_model not in ("none", "phase") and "peers" not in cost_model
 
 
 @dataclass
 class Priced:
-    """A rank planned around as slow: the detector that follows it, the slowdown priced, and the
-    slowdown it already had when that detector set its baseline (``base``; 1.0: a baseline at
-    speed, or one re-based on its peers), so what the detector measures is ``base`` times over."""
+    """A rank planned around as slow: the detector that follows it, and its slowdowns.
+
+    The slowdown priced, and the slowdown it already had when that detector set its baseline
+    (``base``; 1.0: a baseline at speed, or one re-based on its peers), so what the detector
+    measures is ``base`` times over."""
 
     detector: OnlineDetector
     slowdown: float
@@ -158,9 +163,10 @@ class LiveLoop:
         self._level_ref: tuple[OnlineDetector, np.ndarray] | None = None
 
     def on_steps(self, steps: list[StepRecords], post: Callable[[dict], None]) -> None:
-        """Observe complete steps; ``post`` hands a plan change to the job. Never raises: a failure
-        of the detector or planner is kept in ``error`` and stops the loop, while the job trains on
-        with the plan in force."""
+        """Observe complete steps; ``post`` hands a plan change to the job.
+
+        Never raises: a failure of the detector or planner is kept in ``error`` and stops the loop,
+        while the job trains on with the plan in force."""
         self._post = post
         if self.error is not None:
             return
@@ -247,12 +253,12 @@ class LiveLoop:
 
     def _revise(self, step: int, open_now: dict) -> None:
         """Re-plan around a rank planned around as slow whose slowdown has since moved by
-        ``ControlConfig.revise`` either way (found one phase or two steps in, it is often priced low), or whose
-        finding has closed (its device at speed again while it still trains). Only while the
-        detector that follows it keeps its baseline: a fresh one (a re-plan moved work) calibrates
-        on the slow rank and takes it over when it finds it slow, against its peers or against
-        that baseline (then its measure is times the slowdown the baseline had, and the finding's
-        close means back to that slowdown; one faster than its baseline is not found)."""
+        ``ControlConfig.revise`` either way (found one phase or two steps in, it is often priced
+        low), or whose finding has closed (its device at speed again while it still trains). Only
+        while the detector that follows it keeps its baseline: a fresh one (a re-plan moved work)
+        calibrates on the slow rank and takes it over when it finds it slow, against its peers or
+        against that baseline (then its measure is times the slowdown the baseline had, and the
+        finding's close means back to that slowdown; one faster than its baseline is not found)."""
         for rank, entry in list(self._priced.items()):
             if entry.detector is not self.detector:
                 del self._priced[rank]
@@ -288,7 +294,8 @@ class LiveLoop:
                 continue
             now *= base
             if now < self.detector.cfg.min_slowdown:
-                continue  # at speed again, or nearly: the episode's close (a step or two on) says so
+                # at speed again, or nearly: the episode's close (a step or two on) says so
+                continue
             if not self.control.found_slow(rank, now, step).replan:
                 continue  # within the revise factor of its price, or re-priced too recently
             self._priced[rank] = Priced(self.detector, now, base)
@@ -308,9 +315,9 @@ class LiveLoop:
         detector, its baselines set at the slowdowns priced) a rank that recovered in part or in
         full was never found: it stayed priced slow and kept too little work. Its slowdown is the
         one it had at its baseline times the level it runs at now (the median of the last
-        ``FASTER_STEPS`` steps); moved ``ControlConfig.revise`` from its price, and by more than the rank's
-        noise, it is re-planned, at full speed once under the detector's least slowdown. A rank
-        the detector has found slow is ``_revise``'s. Not with two ranks in all: each is taken
+        ``FASTER_STEPS`` steps); moved ``ControlConfig.revise`` from its price, and by more than the
+        rank's noise, it is re-planned, at full speed once under the detector's least slowdown. A
+        rank the detector has found slow is ``_revise``'s. Not with two ranks in all: each is taken
         against their median, so one's fall is the other's rise, which the detector reports as
         such (and priced so, the two are even again)."""
         bank = self.detector.compute
@@ -537,8 +544,8 @@ class LiveLoop:
             self._cover(self.groups)
             self.ranges = []  # set below from the new splits, with a fresh detector baseline
         if same_places and self._unchanged(change):
-            # the planner keeps the plan in force (e.g. no split beats it around a slow data-parallel
-            # link): record the decision, hand the job nothing
+            # the planner keeps the plan in force (e.g. no split beats it around a slow
+            # data-parallel link): record the decision, hand the job nothing
             change = {k: v for k, v in change.items() if k not in ("dp_weights", "layer_splits")}
             change["applied"] = "none: the planner keeps the plan in force"
             self.changes.append(change)
@@ -561,7 +568,8 @@ class LiveLoop:
         self._post({k: v for k, v in change.items() if k != "plan"} | {"id": change["id"]})
 
     def _adopt(self, change: dict) -> None:
-        """Take a change the job applies without this loop (a scheduled one) as the plan in force."""
+        """Take a change the job applies without this loop (a scheduled one) as the plan in
+        force."""
         self.groups, self.weights, self.ranges, moved, resplit = with_change(
             change, self.cfg, self.groups, self.weights, self.ranges, self.world
         )
@@ -610,9 +618,10 @@ class LiveLoop:
         )
 
     def as_applied(self, records: list[dict], moved: tuple[str, ...] = ()) -> list[dict]:
-        """Each change with the step the job applied it at (``records``: the job's
-        ``plan_changes.json``) and the record's ``moved`` fields. ``applied`` stays true only
-        with an applied step: a change handed to the job that it never reached a step boundary
+        """Each change with the step the job applied it at and the record's ``moved`` fields.
+
+        ``records``: the job's ``plan_changes.json``. ``applied`` stays true only with an applied
+        step: a change handed to the job that it never reached a step boundary
         for is ``applied: false``."""
         by_id = {r.get("id"): r for r in records}
         out = []
@@ -629,9 +638,12 @@ class LiveLoop:
         return out
 
     def measured_steps(self, applied_steps: list[int | None]) -> list[dict]:
-        """For each change (the step the job applied it at, None: never applied), the median
-        measured step while it was in force (from the step after it until the next change) and
-        its estimate's error against that: ``predicted / measured - 1``."""
+        """For each change, the median measured step while it was in force, and its estimate's
+        error.
+
+        ``applied_steps``: per change the step the job applied it at (None: never applied); in
+        force from the step after it until the next change; the error is ``predicted / measured -
+        1``."""
         starts = sorted(s for s in applied_steps if s is not None)
         out = []
         for change, start in zip(self.changes, applied_steps):

@@ -1,8 +1,9 @@
-"""One node's replicas in replica mode (``resihp run --recovery replica``): each launched as its own
-torchrun on the job's store with a heartbeat aggregator of its own (``ReplicaLauncher``, used on
-every node), and the part of a node other than 0 (``serve_replicas``): run its replicas until node 0
-ends the job, stop one that node 0 evicted and relaunch it when told. Node 0's part, which judges
-every replica, is ``replicas.supervise_replicas``."""
+"""One node's replicas in replica mode (``resihp run --recovery replica``).
+
+Each is launched as its own torchrun on the job's store with a heartbeat aggregator of its own
+(``ReplicaLauncher``, used on every node), and the part of a node other than 0 (``serve_replicas``):
+run its replicas until node 0 ends the job, stop one that node 0 evicted and relaunch it when told.
+Node 0's part, which judges every replica, is ``replicas.supervise_replicas``."""
 
 from __future__ import annotations
 
@@ -67,17 +68,19 @@ def replica_ranks(cfg: RunConfig) -> dict[int, list[int]]:
 
 
 def node_replicas(cfg: RunConfig, nodes: Nodes) -> list[int]:
-    """The replicas ``nodes``' node runs: node ``n`` runs ``n k .. n k + k - 1``, ``k`` =
-    nproc_per_node / (pp x tp). Their ranks are not contiguous (stage-major:
-    ``ParallelDims.rank_of``)."""
+    """The replicas ``nodes``' node runs.
+
+    Node ``n`` runs ``n k .. n k + k - 1``, ``k`` = nproc_per_node / (pp x tp). Their ranks are not
+    contiguous (stage-major: ``ParallelDims.rank_of``)."""
     per_node = nodes.nproc_per_node // (cfg.parallel.pp * cfg.parallel.tp)
     return [d for d in range(cfg.parallel.dp) if d // per_node == nodes.node_rank]
 
 
 @dataclass
 class ReplicaLauncher:
-    """Launches this node's replicas, each its own torchrun on the job's store with a heartbeat
-    aggregator of its own (each replica is a node of the monitor)."""
+    """Launches this node's replicas, each its own torchrun on the job's store.
+
+    Each has a heartbeat aggregator of its own (each replica is a node of the monitor)."""
 
     cfg: RunConfig
     store: dist.Store
@@ -137,8 +140,13 @@ class ReplicaLauncher:
 
 
 def stop_replicas(replicas: Iterable[ReplicaProcess], grace_s: float, failed: bool) -> None:
-    """The job is over: each replica's processes are ended (a finished one's at once, a running
-    one's after ``grace_s`` unless the job ``failed``) and its aggregator stopped."""
+    """End each replica's processes and stop its aggregator: the job is over.
+
+    Args:
+        replicas: the replicas to stop.
+        grace_s: seconds a running replica gets before it is killed.
+        failed: the job failed: no grace (a finished replica's processes end at once anyway).
+    """
     for rep in replicas:
         with contextlib.suppress(Exception):
             _stop(rep.proc, rep.tracker, grace_s if rep.proc.poll() is None and not failed else 0.5)
@@ -154,8 +162,19 @@ def serve_replicas(
     grace_s: float,
     t0: float,
 ) -> Outcome:
-    """A node other than 0 in replica mode: run this node's replicas until node 0 ends the job (or
-    cannot be reached); stop a replica node 0 evicted, and relaunch it when told to."""
+    """A node other than 0 in replica mode: run this node's replicas until node 0 ends the job.
+
+    Or until node 0 cannot be reached; stop a replica node 0 evicted, and relaunch it when told to.
+
+    Args:
+        launcher: this node's replica launcher.
+        mine: the replicas this node runs.
+        signals: the SIGTERM/SIGINT the launcher received.
+        node: this node's rank.
+        poll_s: seconds between looks at the replicas and the store.
+        grace_s: seconds a stopped replica gets before it is killed.
+        t0: the launch's start (``time.time()``), for the outcome's wall time.
+    """
     cfg, store = launcher.cfg, launcher.store
     outcome = Outcome(returncode=0)
     live = {}

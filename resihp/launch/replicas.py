@@ -1,5 +1,6 @@
-"""The launcher of a job with replica-level fault tolerance (``resihp run --recovery replica``):
-each data-parallel replica runs as its own torchrun (its pipeline and tensor-parallel ranks), all
+"""The launcher of a job with replica-level fault tolerance (``resihp run --recovery replica``).
+
+Each data-parallel replica runs as its own torchrun (its pipeline and tensor-parallel ranks), all
 on the job's store. The launcher hosts the store and the quorum's first generation, aggregates each
 replica's heartbeats, and judges them: a dead or hung rank (or a replica whose workers exit with an
 error) evicts its replica from the quorum, which the survivors see at their next vote; the
@@ -100,10 +101,24 @@ def supervise_replicas(
     nodes: Nodes | None = None,
 ) -> Outcome:
     """Launch this node's replicas, watch them on the job's store, relaunch a lost one alone.
+
     Complete steps go to ``on_steps`` (the live loop) with a ``post`` for plan changes: the next
     commit carries the newest one to every rank. On several nodes (``nodes``, each holding whole
     replicas) node 0 hosts the store and the quorum and judges every replica; another node runs
-    its replicas and stops or relaunches one when node 0 says so (``replica_launch.serve_replicas``)."""
+    its replicas and stops or relaunches one when node 0 says so
+    (``replica_launch.serve_replicas``).
+
+    Args:
+        cfg: the run configuration (``--recovery replica``, ``--dp`` 2 or more).
+        heartbeat_timeout_s: seconds without a beat before a rank is dead (None: ``cfg.faults``).
+        join_timeout_s: seconds for every rank to join (None: ``cfg.faults``).
+        on_step: called with the newest complete step.
+        on_steps: the live loop: called with the complete steps and ``post``.
+        hang_timeout_s: seconds without progress before a rank is hung (None: ``cfg.faults``).
+        poll_s: seconds between looks.
+        grace_s: seconds a stopped replica gets to end before SIGKILL.
+        nodes: this node's place in the job (None: the only node).
+    """
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s
     )
@@ -371,7 +386,8 @@ def supervise_replicas(
                 )
                 mark_ended(store, cfg.job_id, outcome.error or "finished")
                 reader.wait_for_followers(grace_s)
-                # the store goes with this process: the other nodes see the end and stop their replicas
+                # the store goes with this process: the other nodes see the end and stop their
+                # replicas
                 end = time.monotonic() + grace_s + 2.0
                 waited = [n for n in range(1, nodes.nnodes) if n not in lost_nodes]
                 while not nodes_left(store, cfg.job_id, waited) and time.monotonic() < end:
@@ -404,7 +420,8 @@ def resumed_step(cfg: RunConfig) -> int:
 
 
 def _members(quorum: Quorum, first_step: int, steps: int) -> list[list[int]]:
-    """The recorded membership: per committed step from ``first_step``, the replicas that trained it."""
+    """The recorded membership: per committed step from ``first_step``, the replicas that trained
+    it."""
     found = []
     for step in range(first_step, steps):
         members = quorum.committed(step)
@@ -452,10 +469,12 @@ def _catchups(store, quorum: Quorum, failures: list[ReplicaFailure]) -> list[dic
 
 
 def recovery_summary(outcome: Outcome, trace) -> dict | None:
-    """The summary's ``recovery`` object for replica-level fault tolerance, from the launcher's
-    records and the ops trace: per lost replica when it was found, what the survivors lost (the
-    time of aborted attempts and of forming the next group, in seconds and in median failure-free
-    steps), when it rejoined and how long its catch-up took once the state was there."""
+    """The summary's ``recovery`` object for replica-level fault tolerance, or None without a loss.
+
+    From the launcher's records and the ops trace: per lost replica when it was found, what the
+    survivors lost (the time of aborted attempts and of forming the next group, in seconds and in
+    median failure-free steps), when it rejoined and how long its catch-up took once the state was
+    there."""
     if not outcome.replica_failures:
         return None
     steps = trace[trace.optype == "step"]

@@ -1,5 +1,7 @@
-"""The summary of a run with an injected fault: throughput before, during and after re-planning,
-detection delay, adaptation times, and a plot (the DESIGN ``resihp demo --json`` fields)."""
+"""The summary of a run with an injected fault, and its plot.
+
+Throughput before, during and after re-planning, detection delay and adaptation times (the DESIGN
+``resihp demo --json`` fields)."""
 
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ def oversubscription(processes: int, device: str = "cpu") -> dict:
     }
     if out["oversubscribed"]:
         out["oversubscribed_note"] = (
-            f"{processes} processes on {cores} cores: ranks take turns on the cores, so tokens/s is "
-            "below what the model runs at on dedicated cores, and a slowed rank that sleeps lends "
-            "its core to the others (measured slowdowns come out smaller than injected)"
+            f"{processes} processes on {cores} cores: ranks take turns on the cores, so tokens/s "
+            "is below what the model runs at on dedicated cores, and a slowed rank that sleeps "
+            "lends its core to the others (measured slowdowns come out smaller than injected)"
         )
     return out
 
@@ -47,6 +49,15 @@ def oversubscription(processes: int, device: str = "cpu") -> dict:
 def fault_summary(
     trace: pd.DataFrame, injected: dict, events: list[dict], changes: list[dict], world_size: int
 ) -> dict:
+    """The DESIGN summary fields of a run with one injected slow rank.
+
+    Args:
+        trace: the run's ops trace.
+        injected: the fault (``rank``, ``step``, ``factor``).
+        events: the detector's events (DESIGN event JSON).
+        changes: the plan changes of the live loop (``applied_step`` once applied).
+        world_size: the job's ranks.
+    """
     table = step_table(trace)
     onset = int(injected["step"])
     slow = [e for e in events if e["kind"] == "fail-slow" and e.get("rank") == injected["rank"]]
@@ -77,6 +88,13 @@ def fault_summary(
 
 
 def plot_run(trace: pd.DataFrame, summary: dict, path: str | Path) -> None:
+    """Plot tokens/s per step with the fault, its detection and the plan change marked.
+
+    Args:
+        trace: the run's ops trace.
+        summary: its ``fault_summary``.
+        path: the PNG file to write.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,8 +129,16 @@ def plot_run(trace: pd.DataFrame, summary: dict, path: str | Path) -> None:
 
 
 def plot_replicas(trace: pd.DataFrame, recovery: dict, path: str | Path) -> None:
-    """Replica-level fault tolerance on one timeline: tokens/s per step, and below it which
-    replicas trained each step (a lost replica's absence shaded, its failure and return marked)."""
+    """Replica-level fault tolerance on one timeline: tokens/s per step, and who trained each step.
+
+    Below the tokens/s, which replicas trained each step (a lost replica's absence shaded, its
+    failure and return marked).
+
+    Args:
+        trace: the run's ops trace.
+        recovery: the summary's ``recovery`` fields.
+        path: the PNG file to write.
+    """
     import matplotlib  # deferred: start-up time
 
     matplotlib.use("Agg")

@@ -1,5 +1,7 @@
-"""Runs a job's torchrun workers and watches them: heartbeats (a dead or hung rank is a
-fail-stop), ranks that never join, workers that reject their input. Whatever happens, every
+"""Runs a job's torchrun workers and watches them until every process of the job is gone.
+
+It watches heartbeats (a dead or hung rank is a fail-stop), ranks that never join, workers that
+reject their input. Whatever happens, every
 process of the job is gone when ``supervise`` returns, and the trace written so far is merged.
 
 Nothing outlives the run: torchrun starts in its own session, wrapped so that the kernel kills it
@@ -73,11 +75,12 @@ FIRST_FAILURE_WAIT_S = 5.0  # node 0's wait for another node's first observed fa
 
 
 def torchrun_first_failure(lines: list[str], first_rank: int) -> tuple[int, int] | None:
-    """torchrun's first observed failure in its output (``lines``): the job's rank (this node's
-    ``first_rank`` plus torchrun's local rank; torchrun's own global rank follows its rendezvous
-    order, not the job's) and its exit code (negative: killed by that signal). Where torchrun saw
-    several fail in one look, a rank killed by a signal (not torchrun's own SIGTERM) is the root:
-    the others exited because they lost it."""
+    """torchrun's first observed failure in its output ``lines``: (the job's rank, exit code).
+
+    The job's rank is this node's ``first_rank`` plus torchrun's local rank; torchrun's own global
+    rank follows its rendezvous order, not the job's) and its exit code (negative: killed by that
+    signal). Where torchrun saw several fail in one look, a rank killed by a signal (not torchrun's
+    own SIGTERM) is the root: the others exited because they lost it."""
     text = "\n".join(lines)
     root = ROOT_CAUSE.search(text)
     if root is None:
@@ -130,8 +133,18 @@ def fail_stop(
     detected_s: float | None = None,
     node: int | None = None,
 ) -> Event:
-    """The supervisor's fail-stop as the detector's one event type (its JSON keeps the
-    supervisor's ``step``, ``cause`` and ``detected_s``)."""
+    """The supervisor's fail-stop as the detector's one event type.
+
+    Its JSON keeps the supervisor's ``step``, ``cause`` and ``detected_s``.
+
+    Args:
+        dims: the job's parallel sizes (the rank's coordinates).
+        rank: the rank that stopped.
+        step: the step it stopped at (None: unknown).
+        cause: ``exited``, ``hang``, ``node`` or the supervisor's other causes.
+        detected_s: seconds from the stop to its detection (None: unknown).
+        node: the rank's node (None: not recorded).
+    """
     where = dims.coords(rank)
     at = -1 if step is None else step
     return Event(
@@ -170,15 +183,24 @@ def _ancestors(pid: int) -> set[int]:
 
 
 def descends_from(root: int) -> Callable[[int], bool]:
-    """Whether a PID is ``root`` or one of its descendants now (what a heartbeat's PID must be
-    before a node trusts it: anyone who reaches the job's store can write one)."""
+    """Whether a PID is ``root`` or one of its descendants now.
+
+    What a heartbeat's PID must be before a node trusts it: anyone who reaches the job's store can
+    write one."""
     return lambda pid: root in _ancestors(pid)
 
 
 def owned(tracker: ProcessTracker, root: int, pid: int | None) -> bool:
-    """Whether ``pid`` is a process this launcher started (``root``, the torchrun it launched, or
-    a descendant), checked by PID and start time, so that no signal reaches another process: one
-    a forged record names, or one that took a dead worker's PID."""
+    """Whether ``pid`` is a process this launcher started, checked by PID and start time.
+
+    So no signal reaches another process: one a forged record names, or one that took a dead
+    worker's PID.
+
+    Args:
+        tracker: the launcher's tracker of the job's processes.
+        root: the torchrun it launched (its descendants count too).
+        pid: the PID a record names (None: none).
+    """
     if pid is None or pid <= 0:
         return False
     if pid not in tracker.known and root in _ancestors(pid):
@@ -188,8 +210,13 @@ def owned(tracker: ProcessTracker, root: int, pid: int | None) -> bool:
 
 
 def refuse_signal(key: str, pid: int | None, why: str) -> None:
-    """A record asked for a signal to a process this launcher did not start: refused, reported
-    once for the record's key."""
+    """Refuse a record's signal to a process this launcher did not start; reported once per key.
+
+    Args:
+        key: the store key of the record that asked.
+        pid: the PID it named.
+        why: what the signal was for.
+    """
     RECORDS.reject(
         key, f"it names process {pid}, which this launcher did not start: no signal sent ({why})"
     )
@@ -241,7 +268,14 @@ def _stop(proc: AgentProcess, tracker: ProcessTracker, grace_s: float = GRACE_S)
 def fault_timeouts(
     cfg: RunConfig, heartbeat_s: float | None, join_s: float | None, hang_s: float | None
 ) -> tuple[float, float, float | None]:
-    """The heartbeat, join and hang timeouts: those given, else the run configuration's."""
+    """The heartbeat, join and hang timeouts: those given, else the run configuration's.
+
+    Args:
+        cfg: the run configuration (``cfg.faults``).
+        heartbeat_s: the heartbeat timeout in seconds (None: the configuration's).
+        join_s: the join timeout in seconds (None: the configuration's).
+        hang_s: the hang timeout in seconds (None: the configuration's).
+    """
     faults = cfg.faults
     return (
         faults.heartbeat_timeout_s if heartbeat_s is None else heartbeat_s,
@@ -264,15 +298,30 @@ def supervise(
     hang_timeout_s: float | None = None,
     attempt: int = 0,
 ) -> Outcome:
-    """Run this node's part of the job and watch it. On node 0 (the only node, by default):
+    """Run this node's part of the job and watch it.
+
+    On node 0 (the only node, by default):
     host the job's store, judge every rank's heartbeats (a dead or hung rank, or a lost node, is a
     fail-stop), read the op records into ``OUT/ops.jsonl`` and hand complete steps to ``on_steps``
     (the live loop, with a function that posts a plan change to the job). On the other nodes: join
     node 0's store, check that the job's configuration is the same, run the workers and the node's
-    heartbeat aggregator until node 0 says the job is over (or cannot be reached). ``attempt``: the
-    restart in place this launch is (node 0 announces it; another node joins that launch, taking
-    the faults and the checkpoint node 0 relaunched with). The timeouts not given are the run
-    configuration's (``cfg.faults``)."""
+    heartbeat aggregator until node 0 says the job is over (or cannot be reached).
+
+    Args:
+        cfg: the run configuration.
+        heartbeat_timeout_s: seconds without a beat before a rank is dead (None: ``cfg.faults``).
+        join_timeout_s: seconds for every rank to join (None: ``cfg.faults``).
+        on_step: called with the newest complete step.
+        on_steps: the live loop: called with the complete steps and a function that posts a plan
+            change to the job.
+        on_poll: called at each look at the job.
+        poll_s: seconds between looks.
+        grace_s: seconds the job gets to write its trace after SIGTERM before SIGKILL.
+        nodes: this node's place in the job (None: the only node).
+        hang_timeout_s: seconds without progress before a rank is hung (None: ``cfg.faults``).
+        attempt: the restart in place this launch is (node 0 announces it; another node joins that
+            launch, taking the faults and the checkpoint node 0 relaunched with).
+    """
     heartbeat_timeout_s, join_timeout_s, hang_timeout_s = fault_timeouts(
         cfg, heartbeat_timeout_s, join_timeout_s, hang_timeout_s
     )
@@ -334,10 +383,17 @@ def supervise(
 
 
 def await_relaunch(nodes: Nodes, attempt: int, timeout_s: float) -> dict | None:
-    """A node other than 0, its part of the job over: wait until node 0 announces launch
-    ``attempt`` of the job (a restart in place, a re-formed layout) on its endpoint; the job's
-    record (``announce_job``), or None if none came within ``timeout_s``. Node 0's store goes and
-    comes back between launches: each try connects anew."""
+    """On a node other than 0 whose part is over, wait for node 0's launch ``attempt``.
+
+    A launch is a restart in place or a re-formed layout, announced on node 0's endpoint; returns
+    the job's record (``announce_job``), or None if none came within ``timeout_s``. Node 0's store
+    goes and comes back between launches: each try connects anew.
+
+    Args:
+        nodes: this node's place in the job (node 0's endpoint).
+        attempt: the launch waited for.
+        timeout_s: how long to wait.
+    """
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
@@ -361,9 +417,18 @@ def _seen_key(attempt: int, node: int) -> str:
 
 
 def announce_no_relaunch(nodes: Nodes, attempt: int, reason: str, wait_s: float = 10.0) -> None:
-    """Node 0, which will not relaunch the job: host its store once more and say so (a launch
-    ``attempt`` with no ranks), until every other node waiting for a relaunch (``await_relaunch``)
-    has read it or ``wait_s`` is over, so that they end now rather than after their wait."""
+    """On node 0, which will not relaunch the job: say so to the nodes waiting for a relaunch.
+
+    It hosts its store once more with a launch ``attempt`` of no ranks, until every other node
+    waiting (``await_relaunch``) has read it or ``wait_s`` is over, so that they end now rather
+    than after their wait.
+
+    Args:
+        nodes: the job's nodes (this one hosts the store).
+        attempt: the launch number announced without ranks.
+        reason: why there is no relaunch, for the other nodes.
+        wait_s: the most seconds to wait for them to read it.
+    """
     try:
         with JobStore(nodes.endpoint, host=True, timeout_s=wait_s) as js:
             store = js.store
@@ -385,8 +450,9 @@ def announce_no_relaunch(nodes: Nodes, attempt: int, reason: str, wait_s: float 
 
 
 def job_config(cfg: RunConfig) -> dict:
-    """What every node of a job must agree on: the run config (flat, by option name) without this
-    node's own fields."""
+    """What every node of a job must agree on: the run config without this node's own fields.
+
+    Flat, by option name."""
     own = ("out", "job_id", "device", "threads")
     return json.loads(json.dumps({k: v for k, v in cfg.flags().items() if k not in own}))
 
@@ -505,9 +571,10 @@ class _Watch:
 
 
 def control_plane_costs(r: StepReader, beats: list[int]) -> dict | None:
-    """Per rank and step: record bytes and messages, heartbeat messages (``beats``: each node's
-    count), the rank's time spent publishing; and the reader's store requests per step (its load
-    grows with nodes)."""
+    """The control plane's costs per rank and step, and the reader's store requests per step.
+
+    Per rank and step: record bytes and messages, heartbeat messages (``beats``: each node's
+    count), the rank's time spent publishing; the reader's load grows with nodes."""
     if not r.steps:
         return None
     ranks = sum(len(v) for v in r.nodes.values())
@@ -534,7 +601,15 @@ def hand_on_steps(
     on_steps: Callable[[list[StepRecords], Callable[[dict], None]], None] | None,
     post: Callable[[dict], None],
 ) -> None:
-    """The complete steps read so far: into the run folder's trace stream, then to the callers."""
+    """The complete steps read so far: into the run folder's trace stream, then to the callers.
+
+    Args:
+        reader: the op-record reader.
+        out: the run folder.
+        on_step: called with the newest complete step.
+        on_steps: called with the complete steps and ``post``.
+        post: posts a plan change to the job.
+    """
     steps = reader.complete_steps()
     if steps:
         # a full disk: the job goes on (and says so if it cannot); a line cut short is skipped
@@ -823,11 +898,23 @@ def stacks_of_hung(
     job_id: str = "",
     owns: Callable[[int], bool] | None = None,
 ) -> None:
-    """A rank judged hung, its process still running (a stopped one runs no handler): its stacks
-    into ``OUT/logs/workers.log`` of its node before it is stopped (``lifecycle.dump_stacks``),
-    signalled here where it runs on this launcher's ``node``, else asked of its node's launcher on
-    the job's ``store`` (``controlplane.ask_for_stacks``) and waited for, at most ``STACKS_WAIT_S``.
-    ``owns``: whether a PID is one this launcher started (``owned``); no signal goes to any other."""
+    """Have a rank judged hung write its stacks before it is stopped.
+
+    Only while its process still runs (a stopped one runs no handler): its stacks go into
+    ``OUT/logs/workers.log`` of its node (``lifecycle.dump_stacks``), signalled here where it runs
+    on this launcher's ``node``, else asked of its node's launcher on the job's ``store``
+    (``controlplane.ask_for_stacks``) and waited for, at most ``STACKS_WAIT_S``.
+
+    Args:
+        monitor: the heartbeat monitor that judged it (its view of the rank).
+        rank: the hung rank.
+        node: this launcher's node.
+        out: the run folder.
+        store: the job's store (None: no other node is asked).
+        job_id: the job's id on the store.
+        owns: whether a PID is one this launcher started (``owned``); no signal goes to any other
+            (None: none is sent).
+    """
     view = monitor.views.get(rank)
     if view is None or not view.pid or view.stopped:
         return
@@ -846,11 +933,19 @@ def stacks_of_hung(
 def end_hung(
     monitor: HeartbeatMonitor, rank: int, node: int, owns: Callable[[int], bool] | None = None
 ) -> None:
-    """SIGKILL to a rank judged hung whose process runs on this launcher's ``node``, once its
-    stacks are written: it made no progress for the hang timeout, so the SIGTERM that stops the
-    job would only cost the whole grace (``GRACE_S``) before the SIGKILL after it (a 1-rank
+    """SIGKILL a rank judged hung whose process runs on this launcher's ``node``.
+
+    Once its stacks are written: it made no progress for the hang timeout, so the SIGTERM that stops
+    the job would only cost the whole grace (``GRACE_S``) before the SIGKILL after it (a 1-rank
     restart from memory on CPU took 12.4 s from the hang, 5.1 s of it that grace). Not a stopped
-    process: the SIGCONT beside that SIGTERM lets it end as a signalled rank does."""
+    process: the SIGCONT beside that SIGTERM lets it end as a signalled rank does.
+
+    Args:
+        monitor: the heartbeat monitor that judged it (its view of the rank).
+        rank: the hung rank.
+        node: this launcher's node.
+        owns: whether a PID is one this launcher started (``owned``); None: no signal is sent.
+    """
     view = monitor.views.get(rank)
     if (
         view is not None

@@ -1,5 +1,6 @@
-"""Warm agents: ``resihp run`` forks each agent of a CPU run from a server that has already
-imported it, instead of starting an interpreter that imports it again.
+"""Warm agents: ``resihp run`` forks each agent of a CPU run from a server that imported it.
+
+Instead of starting an interpreter that imports it again.
 
 The warm agent (``resihp.launch.agent``) spends about 3 s of CPU on its imports before it can
 fork a worker (``torch._dynamo``, which the optimizer's step imports, is half of it). ``resihp
@@ -18,9 +19,10 @@ child but dies with the launcher (``lifecycle.die_with``), not with the server: 
 starts processes, and a server killed mid-run leaves every replica training. The launcher sees the
 agent's end on its pidfd, and its exit status on a pipe the agent writes it to before it exits (or,
 killed by a signal, over multiprocessing's sentinel while the server is there to say it). With the
-server gone, the next launch says so in one line and starts its agent cold, as a new interpreter. As every child of multiprocessing's forkserver, it first
-runs the launcher's main module again as ``__mp_main__``: a script that starts runs through
-``resihp.launch`` itself keeps its work under ``if __name__ == "__main__":``.
+server gone, the next launch says so in one line and starts its agent cold, as a new interpreter. As
+every child of multiprocessing's forkserver, it first runs the launcher's main module again as
+``__mp_main__``: a script that starts runs through ``resihp.launch`` itself keeps its work under
+``if __name__ == "__main__":``.
 
 The server serves a launch only where a forked agent is the same process that launch would start:
 a forked-worker agent (``launch.forks_workers``), and an environment that differs from the
@@ -67,7 +69,8 @@ RUNTIME_ENV = frozenset(
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
         "MASTER_ADDR",
         "GLOO_SOCKET_IFNAME",
-        "RESIHP_KEEPER_OWNER",  # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
+        # snapshots.KEEPER_OWNER: set by a run with a memory tier once it starts
+        "RESIHP_KEEPER_OWNER",
         "RESIHP_JOB_SECRET",  # records.JOB_SECRET_ENV: the job's secret, made at launch
     }
 )
@@ -85,8 +88,9 @@ SIGNALLED_S = 5.0  # for the server to say how an agent killed by a signal ended
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of the agent: its options (torchrun's, then ``-m resihp.train.worker --config
-    PATH``) and its environment."""
+    """One launch of the agent: its options and its environment.
+
+    The options are torchrun's, then ``-m resihp.train.worker --config PATH``."""
 
     argv: list[str]
     env: dict[str, str]
@@ -95,9 +99,17 @@ class Launch:
 
 
 def serve(launch: Launch, stderr: Connection, status: Connection) -> None:
-    """A forked agent: a session of its own, SIGKILL when the launcher dies, stderr the launcher's
-    pipe, stdout discarded, the launch's environment; then the agent, ended as a cold one ends,
-    its exit status written to ``status`` first."""
+    """Run a forked agent, ended as a cold one ends.
+
+    A session of its own, SIGKILL when the launcher dies, stderr the launcher's pipe, stdout
+    discarded, the launch's environment; then the agent, its exit status written to ``status``
+    first.
+
+    Args:
+        launch: the launch's options and environment.
+        stderr: the pipe the agent's stderr goes to (the launcher reads its other end).
+        status: the pipe the agent's exit status is written to.
+    """
     # deferred: the launcher names this function but must not import torch for it; the server
     # imported it before it forked (``PRELOAD``), so here it costs nothing
     from resihp.launch import agent
@@ -117,8 +129,9 @@ def serve(launch: Launch, stderr: Connection, status: Connection) -> None:
 
 
 def agent_options(cmd: Sequence[str]) -> list[str] | None:
-    """The options after ``-m resihp.launch.agent`` in a launch command (``guarded`` or not), or
-    None when it does not run the warm agent."""
+    """The options after ``-m resihp.launch.agent`` in a launch command, or None without one.
+
+    The command may be ``guarded`` or not; None when it does not run the warm agent."""
     cmd = list(cmd)
     for i in range(len(cmd) - 1):
         if cmd[i] == "-m" and cmd[i + 1] == AGENT:
@@ -127,16 +140,19 @@ def agent_options(cmd: Sequence[str]) -> list[str] | None:
 
 
 def compatible(server_env: Mapping[str, str], env: Mapping[str, str]) -> bool:
-    """Whether an agent forked from a server started under ``server_env`` is the process a launch
-    under ``env`` starts."""
+    """Whether an agent forked from a server is the process a launch under ``env`` starts.
+
+    The server was started under ``server_env``."""
     differ = {k for k in server_env.keys() | env.keys() if server_env.get(k) != env.get(k)}
     return differ <= RUNTIME_ENV
 
 
 class ForkedAgent:
-    """An agent forked by the server, as the launcher uses a ``subprocess.Popen``: ``pid`` (it
-    leads a session of its own), ``stderr`` (text), ``poll``, ``wait``, ``returncode``,
-    ``communicate``, ``send_signal``, ``kill``. Its end and status are known with the server gone."""
+    """An agent forked by the server, used as the launcher uses a ``subprocess.Popen``.
+
+    ``pid`` (it leads a session of its own), ``stderr`` (text), ``poll``, ``wait``, ``returncode``,
+    ``communicate``, ``send_signal``, ``kill``. Its end and status are known with the server
+    gone."""
 
     stdin = None
     stdout = None
@@ -231,8 +247,10 @@ class WarmAgents:
         self._cold_said = False
 
     def start(self, env: Mapping[str, str], more: Sequence[str] = ()) -> None:
-        """Start the server under ``env`` (a launch's environment, less its runtime part), once,
-        with the modules ``more`` preloaded too (``CHECKPOINTING``)."""
+        """Start the server under ``env``, once, with the modules ``more`` preloaded too.
+
+        ``env`` is a launch's environment, less its runtime part; ``more``: ``CHECKPOINTING``,
+        say."""
         if self._env is not None:
             return
         self._context.set_forkserver_preload([*PRELOAD, *more])
@@ -244,9 +262,10 @@ class WarmAgents:
         self._env = dict(env)
 
     def popen(self, cmd: Sequence[str], env: Mapping[str, str]) -> AgentProcess:
-        """The process of the launch ``cmd`` under ``env``: an agent forked by the server where it
-        serves that launch, else a new process (stdout discarded, stderr a text pipe, a session
-        of its own, as a forked one)."""
+        """The process of the launch ``cmd`` under ``env``: forked by the server, else a new one.
+
+        Forked where the server serves that launch; else a new process (stdout discarded, stderr a
+        text pipe, a session of its own, as a forked one)."""
         argv = agent_options(cmd)
         serving = self._server is not None and start_time(self._server) is not None
         if argv is not None and self._env is not None and not serving:
@@ -299,8 +318,9 @@ class WarmAgents:
         return agent
 
     def close(self) -> None:
-        """End every forked agent still running (a job's end has ended them; this is for an
-        error's way out), so that no exit waits for one."""
+        """End every forked agent still running, so that no exit waits for one.
+
+        A job's end has ended them; this is for an error's way out."""
         for agent in self._forked:
             if agent.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -335,8 +355,10 @@ def _environ(env: Mapping[str, str]) -> Iterator[None]:
 
 
 def agent_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment the server starts under: the launcher's with what every launch sets at
-    start-up (``launch.worker_env`` adds the rest, all in ``RUNTIME_ENV``)."""
+    """The environment the server starts under: the launcher's, with what every launch sets.
+
+    What every launch sets at start-up; ``launch.worker_env`` adds the rest, all in
+    ``RUNTIME_ENV``."""
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,5 +1,6 @@
-"""Imported first by the warm-agent server (``resihp.launch.warm.PRELOAD``), for its effects on
-the server and the agents it forks:
+"""Imported first by the warm-agent server (``resihp.launch.warm.PRELOAD``), for its effects.
+
+Its effects on the server and the agents it forks:
 
 - the server asks for SIGKILL when the launcher that started it dies. multiprocessing's forkserver
   ends when every holder of its pipe has closed it, and each forked agent holds one, so without

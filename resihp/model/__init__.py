@@ -1,1 +1,2 @@
-"""The GPT-style model and its tensor-parallel shards, apart from how the runtime parallelises it."""
+"""The GPT-style model and its tensor-parallel shards, apart from how the runtime parallelises
+it."""

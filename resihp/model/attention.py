@@ -31,7 +31,8 @@ from resihp.model.config import ATTENTION_KINDS
 
 @dataclass(frozen=True)
 class PackedDocs:
-    """The documents packed into one micro-batch row, and the masks built from them (lazily, once)."""
+    """The documents packed into one micro-batch row, and the masks built from them (lazily,
+    once)."""
 
     seq_lens: tuple[int, ...]
     device: torch.device
@@ -78,7 +79,14 @@ class PackedDocs:
 def per_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int]
 ) -> torch.Tensor:
-    """Causal attention inside each packed sequence, one SDPA call each. q, k, v: [T, heads, dim]."""
+    """Causal attention inside each packed sequence, one SDPA call each.
+
+    Args:
+        q: queries, [T, heads, dim] over the micro-batch's T tokens.
+        k: keys, [T, heads, dim].
+        v: values, [T, heads, dim].
+        seq_lens: the packed sequences' lengths, summing to T.
+    """
     outputs = []
     for qs, ks, vs in zip(
         q.split(list(seq_lens)), k.split(list(seq_lens)), v.split(list(seq_lens)), strict=True
@@ -113,8 +121,9 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) ->
 
 
 def check_attention(kind: str, device: torch.device | str) -> None:
-    """Raise InputError before a run starts if ``kind`` cannot train on ``device``: it runs one
-    tiny forward and backward there (a CUDA device is not probed: it would compile)."""
+    """Raise InputError before a run starts if attention ``kind`` cannot train on ``device``.
+
+    It runs one tiny forward and backward there (a CUDA device is not probed: it would compile)."""
     device = torch.device(device)
     if kind != "flex" or device.type == "cuda":
         return

@@ -80,8 +80,9 @@ class GPTConfig(Section):
             )
 
     def saved_name(self, name: str) -> str:
-        """The global name a parameter is saved and initialised under: a tied LM head is the
-        token embedding, wherever the stage holding it sits."""
+        """The global name a parameter is saved and initialised under.
+
+        A tied LM head is the token embedding, wherever the stage holding it sits."""
         return "embed.weight" if self.tie_embeddings and name == "head.weight" else name
 
     def shard_placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> ShardPlacement:

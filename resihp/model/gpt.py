@@ -27,7 +27,8 @@ ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def ensure_adam_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load into."""
+    """AdamW state for every parameter (zeros where it has not stepped yet), to save or load
+    into."""
     for p in model.parameters():
         state = optimizer.state.setdefault(p, {})
         for k in ADAM_KEYS:
@@ -36,8 +37,10 @@ def ensure_adam_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Non
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm decoder layer: LayerNorm, packed causal self-attention (a fused QKV projection),
-    LayerNorm, GELU MLP or SwiGLU MLP (a fused gate/up projection)."""
+    """Pre-norm decoder layer: attention and an MLP, each after a LayerNorm.
+
+    Packed causal self-attention (a fused QKV projection), then a GELU MLP or SwiGLU MLP (a fused
+    gate/up projection)."""
 
     def __init__(self, cfg: GPTConfig, tp: TPContext | None = None) -> None:
         super().__init__()
@@ -145,8 +148,10 @@ class GPTStage(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token loss summed over the tokens of a micro-batch (the caller divides by the global
-    token count, so the result does not depend on how tokens are split into micro-batches)."""
+    """Next-token loss summed over the tokens of a micro-batch.
+
+    The caller divides by the global token count, so the result does not depend on how tokens are
+    split into micro-batches."""
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
@@ -157,10 +162,18 @@ def init_by_name(
     heads: int = 1,
     cfg: GPTConfig | None = None,
 ) -> None:
-    """Initialise every parameter from a generator seeded by (seed, its global name), so that a
-    layer starts from the same values whichever stage, replica, tensor-parallel rank or layout
+    """Initialise every parameter from a generator seeded by (seed, its global name).
+
+    A layer starts from the same values whichever stage, replica, tensor-parallel rank or layout
     holds it (a tensor-parallel rank takes its block of the global tensor; padding rows are zero).
-    ``cfg`` (default: ``module.cfg`` where it has one) gives the options that place parameters."""
+
+    Args:
+        module: the module whose parameters are initialised in place.
+        seed: the model's seed.
+        tp: this rank's tensor-parallel group (None: no tensor parallelism).
+        heads: unused; kept for callers that pass the attention heads.
+        cfg: the options that place parameters (default: ``module.cfg`` where it has one).
+    """
     import zlib
 
     tp = tp or TPContext(1, 0)

@@ -1,6 +1,7 @@
-"""Where a tensor-parallel shard sits in its parameter's global tensor: the split of each
-parameter and the padded row split, without torch (the run configuration and the checkpoint
-metadata use it before torch is imported)."""
+"""Where a tensor-parallel shard sits in its parameter's global tensor.
+
+The split of each parameter and the padded row split, without torch (the run configuration and the
+checkpoint metadata use it before torch is imported)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,21 @@ if TYPE_CHECKING:
 
 
 def chunk_rows(n: int, tp: int) -> int:
-    """Rows per tensor-parallel rank of a dimension of ``n`` split into ``tp`` (the last ranks'
-    shares are padded when ``tp`` does not divide ``n``: a vocabulary padded to a multiple of tp)."""
+    """Rows per tensor-parallel rank of a dimension of ``n`` split into ``tp``.
+
+    The last ranks' shares are padded when ``tp`` does not divide ``n``: a vocabulary padded to a
+    multiple of tp."""
     return -(-n // tp)
 
 
 def chunk_len(n: int, tp: int, rank: int) -> int:
-    """The real (unpadded) rows of ``rank``'s share: torch.chunk's and DTensor's ``Shard`` split."""
+    """The real (unpadded) rows of ``rank``'s share: torch.chunk's and DTensor's ``Shard`` split.
+
+    Args:
+        n: the dimension's rows.
+        tp: the tensor-parallel size.
+        rank: the tensor-parallel rank.
+    """
     per = chunk_rows(n, tp)
     return max(0, min(per, n - rank * per))
 
@@ -52,15 +61,28 @@ class ShardPlacement:
     groups: int = 1
 
     def local_view(self, local: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-        """``local`` as this rank's block of the canonical global tensor (a view: writes go through;
-        padding rows are left out)."""
+        """``local`` as this rank's block of the canonical global tensor.
+
+        A view: writes go through; padding rows are left out.
+
+        Args:
+            local: this rank's shard.
+            tp: the tensor-parallel size.
+            rank: this rank's tensor-parallel rank.
+        """
         if self.dim is None:
             return local
         view = local.view(self.groups, -1, *local.shape[1:]) if self.groups > 1 else local
         return view.narrow(self.dim, 0, chunk_len(self.global_shape[self.dim], tp, rank))
 
     def block(self, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-        """``rank``'s block of the canonical global tensor ``full``."""
+        """``rank``'s block of the canonical global tensor ``full``.
+
+        Args:
+            full: the global tensor in its canonical shape.
+            tp: the tensor-parallel size.
+            rank: the tensor-parallel rank.
+        """
         if self.dim is None:
             return full
         n = self.global_shape[self.dim]

@@ -1,8 +1,10 @@
-"""Megatron-style tensor parallelism for ``DecoderBlock``: the QKV and first MLP projections are
-split by output (column parallel: whole attention heads, slices of the FFN; a fused SwiGLU gate/up
-projection per half), the attention output and second MLP projections by input (row parallel,
-summed with an all-reduce). Optionally the embedding and LM head are split by vocabulary rows
-(vocabulary parallel, the vocabulary padded to a multiple of the tensor-parallel size).
+"""Megatron-style tensor parallelism for ``DecoderBlock``.
+
+The QKV and first MLP projections are split by output (column parallel: whole attention heads,
+slices of the FFN; a fused SwiGLU gate/up projection per half), the attention output and second MLP
+projections by input (row parallel, summed with an all-reduce). Optionally the embedding and LM head
+are split by vocabulary rows (vocabulary parallel, the vocabulary padded to a multiple of the
+tensor-parallel size).
 
 Parameters keep their global names; a rank holds a slice of each split one (``shard``), and the
 replicated ones (LayerNorms, row-parallel biases, embeddings, LM head) get identical gradients on
@@ -30,15 +32,24 @@ class TPContext:
 
 
 class WaitClock:
-    """Seconds this process has spent inside tensor-parallel collectives. They run inside a compute
-    op (forward and backward), so a rank waiting there for a slow peer would look slow itself; the
-    engine records each compute op's share (``wait_s``) and the detector takes it out. One per
-    process (a process is one rank), since autograd functions get only the group."""
+    """Seconds this process has spent inside tensor-parallel collectives.
+
+    They run inside a compute op (forward and backward), so a rank waiting there for a slow peer
+    would look slow itself; the engine records each compute op's share (``wait_s``) and the detector
+    takes it out. One per process (a process is one rank), since autograd functions get only the
+    group."""
 
     seconds = 0.0
 
     @classmethod
     def timed(cls, fn, *args, **kwargs) -> None:
+        """Call ``fn`` and add the seconds it took to ``seconds``.
+
+        Args:
+            fn: the collective to time.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
+        """
         t0 = time.perf_counter()
         fn(*args, **kwargs)
         cls.seconds += time.perf_counter() - t0
@@ -107,7 +118,13 @@ def gather_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
 
 
 def full_shape(name: str, local_shape: torch.Size, tp: int) -> tuple[int, ...]:
-    """The unsharded model's shape of a split parameter (even splits)."""
+    """The unsharded model's shape of a split parameter (even splits).
+
+    Args:
+        name: the parameter's global name.
+        local_shape: its shape on one rank.
+        tp: the tensor-parallel size.
+    """
     split = split_of(name)
     shape = list(local_shape)
     if split:
@@ -116,7 +133,15 @@ def full_shape(name: str, local_shape: torch.Size, tp: int) -> tuple[int, ...]:
 
 
 def shard(name: str, full: torch.Tensor, tp: int, tp_rank: int, heads: int = 1) -> torch.Tensor:
-    """This rank's slice of the global tensor ``full`` (the unsharded model's shape) of ``name``."""
+    """This rank's slice of the global tensor ``full`` (the unsharded model's shape) of ``name``.
+
+    Args:
+        name: the parameter's global name.
+        full: the global tensor.
+        tp: the tensor-parallel size.
+        tp_rank: this rank's tensor-parallel rank.
+        heads: unused; kept for callers that pass the attention heads.
+    """
     split = split_of(name)
     if split is None or tp == 1:
         return full
@@ -131,7 +156,13 @@ def shard(name: str, full: torch.Tensor, tp: int, tp_rank: int, heads: int = 1) 
 
 
 def unshard(name: str, pieces: list[torch.Tensor], heads: int = 1) -> torch.Tensor:
-    """The global tensor from the slices of every tensor-parallel rank, in rank order."""
+    """The global tensor from the slices of every tensor-parallel rank, in rank order.
+
+    Args:
+        name: the parameter's global name.
+        pieces: every tensor-parallel rank's slice, in rank order.
+        heads: unused; kept for callers that pass the attention heads.
+    """
     split = split_of(name)
     if split is None or len(pieces) == 1:
         return pieces[0]

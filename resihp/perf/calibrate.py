@@ -42,7 +42,15 @@ CALIBRATION_SHAPES = (
 def draw_microbatches(
     sources: Sequence[str], n: int, budget: int, max_len: int, rng: np.random.Generator
 ) -> list[tuple[str, np.ndarray]]:
-    """``n`` packed micro-batches from each length source, labelled with the source's name."""
+    """``n`` packed micro-batches from each length source, labelled with the source's name.
+
+    Args:
+        sources: length sources, by name or lengths file.
+        n: micro-batches per source.
+        budget: tokens per micro-batch.
+        max_len: the longest sequence.
+        rng: the random generator.
+    """
     out: list[tuple[str, np.ndarray]] = []
     for name in sources:
         out += [
@@ -64,7 +72,20 @@ def run_profile(
     seed: int = 0,
     on_progress: Callable[[int], None] | None = None,
 ) -> Profile:
-    """``profile`` over labelled micro-batches; the log gains its ``source`` and ``budget``."""
+    """``profile`` over labelled micro-batches; the log gains its ``source`` and ``budget``.
+
+    Args:
+        shape: the decoder layers' config.
+        batches: (source name, packed sequence lengths) per micro-batch.
+        budget: the micro-batches' token budget, recorded in the log.
+        device: the device measured.
+        dtype: the parameters' and activations' dtype.
+        repeats: timed passes of each micro-batch.
+        warmup: untimed passes of a micro-batch right before each of its timed passes.
+        model_name: the ``model`` field of the log's rows.
+        seed: the layers' initialisation seed.
+        on_progress: called with the number of measurements done.
+    """
     result = profile(
         shape,
         [b for _, b in batches],
@@ -143,8 +164,17 @@ def calibrate(
     device: str = "cpu",
     on_progress: Callable[[int], None] | None = None,
 ) -> tuple[Path, dict]:
-    """Profile ``plan`` on ``device``, train on the normalised cost, write the model directory
-    (default: the user's model directory, named after the device). Returns (directory, card)."""
+    """Profile ``plan`` on ``device``, train on the normalised cost, write the model directory.
+
+    Returns (directory, card).
+
+    Args:
+        plan: what to measure (shapes, length sources, micro-batches, repeats).
+        output: the model directory (default: the user's model directory, named after the
+            device).
+        device: the torch device to measure (``cpu``, ``cuda``).
+        on_progress: called with the number of measurements done.
+    """
     start = time.perf_counter()
     dev = torch.device(device)
     name = device_name(dev)

@@ -1,5 +1,6 @@
-"""CLI verbs of the performance model: ``resihp profile`` and ``resihp predictor
-train|eval|calibrate``."""
+"""CLI verbs of the performance model.
+
+``resihp profile`` and ``resihp predictor train|eval|calibrate``."""
 
 from __future__ import annotations
 
@@ -100,9 +101,35 @@ def profile_cmd(
     seed: Seed = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
-    """Measure real forward/backward time of the decoder stack on packed micro-batches, with a
-    reference micro-batch timed between measurements to normalise the device's drift; or, as
-    `resihp profile import`, read a torch.profiler trace, a Megatron log or a run folder."""
+    """Measure real forward/backward time of the decoder stack on packed micro-batches.
+
+    A reference micro-batch is timed between measurements to normalise the device's drift; or, as
+    `resihp profile import`, read a torch.profiler trace, a Megatron log or a run folder.
+    \f
+    Args:
+        ctx: typer's context (a subcommand, ``import``, runs instead when invoked).
+        out: profiling log to write (.parquet); its speed trace goes beside it as NAME.speed.csv.
+        output: the old spelling of ``out``.
+        source: length source: code, text, changelog, or a lengths file; documents are drawn at
+            random and chunked.
+        lengths: explicit sequence lengths, one integer per line, packed in file order.
+        max_lengths: most lengths read from --lengths; a longer file is refused (one line).
+        layers: decoder layers of the measured stack.
+        hidden: the model's hidden size.
+        heads: attention heads.
+        ffn_hidden: the model's hidden size.
+        budget: micro-batch token budget.
+        max_len: longest sequence; longer documents are chunked.
+        microbatches: micro-batches per source.
+        repeats: timed passes of each micro-batch, spread over the whole profile in shuffled order.
+        warmup: untimed passes right before each timed one.
+        device: cpu, cuda, cuda:N or auto.
+        dtype: float32 or bfloat16.
+        threads: CPU threads for torch (0: torch's default).
+        model_name: the ``model`` field of the log's rows.
+        seed: random seed (0 to 2**32 - 1).
+        json_out: print a JSON summary.
+    """
     if ctx.invoked_subcommand is not None:
         return
     import torch
@@ -205,9 +232,22 @@ def calibrate_cmd(
     seed: Seed = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
-    """Make a predictor for this device: profile the shipped length sources (code, text,
-    changelog) on two decoder shapes, train on the normalised cost, write a model directory named
-    after the device; detect and plan find it with `--predictor auto`."""
+    """Make a predictor for this device from the shipped length sources.
+
+    Profile the shipped length sources (code, text, changelog) on two decoder shapes, train on the
+    normalised cost, write a model directory named after the device; detect and plan find it with
+    `--predictor auto`.
+    \f
+    Args:
+        out: model directory to write (default: the user's model directory, named after the device).
+        output: the old spelling of ``out``.
+        microbatches: micro-batches per source and shape.
+        repeats: timed passes of each micro-batch.
+        device: cpu, cuda, cuda:N or auto.
+        threads: CPU threads for torch (resihp's jobs use 1).
+        seed: random seed (0 to 2**32 - 1).
+        json_out: print a JSON summary.
+    """
     import torch
 
     from resihp.perf.calibrate import CalibrationPlan, calibrate
@@ -290,8 +330,29 @@ def import_cmd(
     fmt: Annotated[str, typer.Option("--format", help="auto, kineto, megatron or run")] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary")] = False,
 ) -> None:
-    """Turn a torch.profiler trace, a Megatron-LM log or a resihp run folder into a profiling
-    log that `resihp predictor train` reads: one row per forward or backward span."""
+    """Turn a torch.profiler trace, a Megatron-LM log or a resihp run folder into a profiling log.
+
+    The log `resihp predictor train` reads: one row per forward or backward span.
+    \f
+    Args:
+        inputs: torch.profiler traces (.json, .json.gz), Megatron-LM logs or resihp run folders.
+        out: profiling log to write (.parquet).
+        lengths: torch.profiler traces: JSON mapping micro-batch ids to their sequence lengths, for
+            spans whose names do not carry seq_lens=.
+        layers: layers each span ran (default: from the log).
+        hidden: the model's hidden size.
+        heads: attention heads.
+        ffn_hidden: the model's hidden size.
+        tp: tensor-parallel size.
+        seq_length: megatron logs: sequence length.
+        micro_batch_size: megatron logs: sequences per micro-batch.
+        microbatches: megatron logs: micro-batches per iteration on a stage.
+        device: the device the log was measured on, as a predictor card names it (default: from the
+            log, else this machine).
+        model_name: the ``model`` field of the log's rows.
+        fmt: auto, kineto, megatron or run.
+        json_out: print a JSON summary.
+    """
     from resihp.perf.megatron_log import MegatronBatch
     from resihp.perf.profile_import import ImportOptions, import_profiles, write_log
     from resihp.perf.spans import Shape
@@ -361,7 +422,20 @@ def train_cmd(
     ] = "auto",
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Train the learned micro-batch predictor (and the linear baseline beside it)."""
+    """Train the learned micro-batch predictor (and the linear baseline beside it).
+    \f
+    Args:
+        logs: profiling logs (.parquet; `resihp profile import` makes one from other tools' logs).
+        out: model directory to write.
+        output: the old spelling of ``out``.
+        holdout: fraction of micro-batches held out for the card's metrics (the model never sees
+            them).
+        seed: random seed (0 to 2**32 - 1).
+        target: measured column to learn: auto (the normalised cost when the log has it: cpu_cost on
+            a CPU, else cost; else time_s), cost, cpu_cost, time_s (median wall), time_min_s,
+            cpu_time_s or cpu_time_min_s.
+        json_out: print a JSON summary.
+    """
     from resihp.perf.training import train_predictor
 
     output = _out(out, output)
@@ -400,7 +474,14 @@ def eval_cmd(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Evaluate a predictor and its linear baseline on profiling logs: MAPE and p95 per phase."""
+    """Evaluate a predictor and its linear baseline on profiling logs: MAPE and p95 per phase.
+    \f
+    Args:
+        logs: profiling logs (.parquet).
+        predictor: predictor directory.
+        model: old name of --predictor.
+        json_out: print a JSON summary.
+    """
     from resihp.perf.training import evaluate_model
 
     which = renamed(predictor, model, "--model", "--predictor")
@@ -432,8 +513,19 @@ def speed_cmd(
     device: Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")] = "cpu",
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Re-measure the device's reference micro-batch now (about a second) and compare it with the
-    predictor's calibration: the factor its predictions in seconds scale by on this device now."""
+    """Re-measure the device's reference micro-batch; compare it with the predictor's calibration.
+
+    It takes about a second; the result is the factor the predictor's predictions in seconds
+    scale by on this device now.
+    \f
+    Args:
+        predictor: a predictor trained on normalised cost: a folder, an installed model's name, or
+            auto.
+        model: old name of --predictor.
+        repeats: timed passes of the reference.
+        device: cpu, cuda, cuda:N or auto.
+        json_out: print a JSON summary.
+    """
     import torch
 
     from resihp.perf.device import this_device

@@ -1,6 +1,8 @@
-"""A pipeline schedule as a networkx DAG and its critical path: for explaining and checking a
-step's time (``resihp.perf.schedule`` computes the same times vectorised, without networkx, for the
-hot path and for the runtime's workers, which never import this)."""
+"""A pipeline schedule as a networkx DAG and its critical path.
+
+For explaining and checking a step's time (``resihp.perf.schedule`` computes the same times
+vectorised, without networkx, for the hot path and for the runtime's workers, which never import
+this)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,16 @@ from resihp.perf.schedule import FWD, CompiledSchedule, node_durations
 def schedule_graph(
     sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float = 0.0
 ) -> nx.DiGraph:
-    """The schedule as a networkx DAG (for explaining and checking, not for the hot path): node
-    weights are durations, edge weights transfer times; node names are (phase, chunk, mb)."""
+    """The schedule as a networkx DAG, for explaining and checking (not for the hot path).
+
+    Node weights are durations, edge weights transfer times; node names are (phase, chunk, mb).
+
+    Args:
+        sched: the compiled schedule.
+        fwd: forward seconds, [model chunks, micro-batches].
+        bwd: backward seconds, the same shape.
+        p2p_s: seconds of each transfer between pipeline ranks.
+    """
     dur = node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
     graph = nx.DiGraph()
     names = [

@@ -24,7 +24,8 @@ def cpu_name() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:AMD EPYC x1thr``: the kind, the model, CPU threads."""
+    """``cuda:NVIDIA H100 80GB HBM3`` or ``cpu:AMD EPYC x1thr``: the kind, the model, CPU
+    threads."""
     import torch
 
     if device.type == "cuda":
@@ -33,8 +34,10 @@ def device_name(device: torch.device) -> str:
 
 
 def this_device(kind: str = "cpu", threads: int = 1) -> str:
-    """The name :func:`device_name` gives this machine's ``kind`` device when a job runs torch with
-    ``threads`` intra-op threads (resihp's jobs and profiles use 1)."""
+    """The name :func:`device_name` gives this machine's ``kind`` device.
+
+    For a job that runs torch with ``threads`` intra-op threads (resihp's jobs and profiles use
+    1)."""
     if kind == "cpu":
         return f"cpu:{cpu_name()} x{threads}thr"
     import torch
@@ -58,8 +61,16 @@ def available_memory_gb(kind: str = "cpu") -> float:
 def measured_tflops(
     kind: str = "cpu", threads: int = 1, size: int = 512, seconds: float = 0.2
 ) -> float:
-    """Dense matmul rate of one device (``threads`` torch threads on a CPU) measured now, in
-    TFLOP/s: the median of repeated ``size``-square float32 matmuls over about ``seconds``."""
+    """Dense matmul rate of one device measured now, in TFLOP/s.
+
+    The median of repeated ``size``-square float32 matmuls over about ``seconds``.
+
+    Args:
+        kind: the torch device kind (``cpu``, ``cuda``).
+        threads: torch threads on a CPU.
+        size: the square matrices' side.
+        seconds: about how long to measure.
+    """
     import torch
 
     before = torch.get_num_threads()
@@ -108,8 +119,10 @@ def versions() -> dict[str, str]:
 
 
 def measurement_env(device: torch.device) -> dict[str, str]:
-    """The device and software a measurement was taken with (recorded in profiling logs, so a
-    model trained elsewhere still names the machine and versions its data came from)."""
+    """The device and software a measurement was taken with.
+
+    Recorded in profiling logs, so a model trained elsewhere still names the machine and versions
+    its data came from."""
     import torch
 
     out = {

@@ -227,8 +227,9 @@ class MicroBatchPredictor:
         return self._predict_features(with_features(log)) * self.reference_s_
 
     def at_reference(self, reference_s: float) -> MicroBatchPredictor:
-        """This model for a device whose reference time is ``reference_s`` now (a model of
-        normalised cost only: a model of raw seconds knows no reference)."""
+        """This model for a device whose reference micro-batch now takes ``reference_s`` seconds.
+
+        Only for a model of normalised cost: a model of raw seconds knows no reference."""
         if not self.reference_:
             raise InputError(
                 "this predictor learned raw seconds; re-measuring the reference needs a "
@@ -245,7 +246,13 @@ class MicroBatchPredictor:
     def predict_seq_lens(
         self, seq_lens: Sequence[Sequence[int]], phase: str, shape: TransformerShape
     ) -> np.ndarray:
-        """Seconds for each micro-batch (a list of packed sequence lengths) on ``shape``'s layers."""
+        """Seconds for each micro-batch on ``shape``'s layers.
+
+        Args:
+            seq_lens: one list of packed sequence lengths (tokens) per micro-batch.
+            phase: the op phase predicted (one of ``PHASES``: forward or backward).
+            shape: the layers' shape (hidden size, heads, layers, ...).
+        """
         lengths = length_features(seq_lens)
         shapes = pd.DataFrame({k: np.full(len(lengths), v) for k, v in shape.to_dict().items()})
         flops = flops_features(lengths, shapes, phase)
@@ -377,7 +384,13 @@ def _check_model_file(path: Path, sha256: str | None) -> None:
 
 
 def holdout_split(log: pd.DataFrame, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Row indices (train, test); both phases of one measured micro-batch stay on the same side."""
+    """Row indices (train, test); both phases of one measured micro-batch stay on the same side.
+
+    Args:
+        log: the profiling log (rows of measured micro-batch phases).
+        fraction: the share of measured micro-batches held out for the test side, in (0, 1).
+        seed: the shuffle's seed.
+    """
     if not 0 < fraction < 1:
         raise InputError(f"held-out fraction must be between 0 and 1, got {fraction}")
     mb = (
@@ -397,8 +410,15 @@ def holdout_split(log: pd.DataFrame, fraction: float, seed: int) -> tuple[np.nda
 
 
 def evaluate(predictor: MicroBatchPredictor, baseline: LinearBaseline, log: pd.DataFrame) -> dict:
-    """Per-phase MAPE / p95 APE of the learned model and of the linear baseline on ``log``, in the
-    unit both learned (the log's ``time_s`` column)."""
+    """Per-phase MAPE / p95 APE of the learned model and of the linear baseline on ``log``.
+
+    In the unit both learned (the log's ``time_s`` column).
+
+    Args:
+        predictor: the learned model.
+        baseline: the linear baseline.
+        log: the profiling log to score on (held-out rows).
+    """
     feats = with_features(log)
     learned, linear = predictor._predict_features(feats), baseline.predict(feats)
     actual = feats["time_s"].to_numpy()

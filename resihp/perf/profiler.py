@@ -1,5 +1,6 @@
-"""Real torch measurements of a decoder-layer stack, forward and backward, per packed micro-batch,
-taken so that a drifting device does not decide the result.
+"""Real torch measurements of a decoder-layer stack, forward and backward, per micro-batch.
+
+They are taken so that a drifting device does not decide the result.
 
 A device's speed is not constant: a CPU core switches between speed regimes for seconds to minutes
 (the same micro-batch measured 104-186 ms on this project's machines), a GPU moves with clocks,
@@ -164,8 +165,17 @@ class Reference:
 def measure_reference(
     spec: ReferenceSpec, device: str | torch.device = "cpu", repeats: int = 7, warmup: int = 2
 ) -> dict[str, float]:
-    """The device's reference time now (median of ``repeats`` passes): what a predictor trained on
-    normalised cost multiplies by to predict seconds on this device at this moment."""
+    """The device's reference time now: the median of ``repeats`` passes, wall and CPU seconds.
+
+    What a predictor trained on normalised cost multiplies by to predict seconds on this device at
+    this moment.
+
+    Args:
+        spec: the reference micro-batch and layer stack.
+        device: the device measured.
+        repeats: timed passes.
+        warmup: untimed passes first.
+    """
     ref = Reference(spec, torch.device(device))
     for _ in range(warmup):
         ref.time()
@@ -175,8 +185,10 @@ def measure_reference(
 
 @dataclass
 class Profile:
-    """A profile's results: ``log`` (one row per micro-batch and phase, the profiling-log contract)
-    and ``speed`` (the reference time over the profile: the device's speed trace)."""
+    """A profile's results: its log and the device's speed trace.
+
+    ``log``: one row per micro-batch and phase, the profiling-log contract; ``speed``: the
+    reference time over the profile."""
 
     log: pd.DataFrame
     speed: pd.DataFrame
@@ -184,9 +196,16 @@ class Profile:
 
 
 def measurement_order(n_microbatches: int, repeats: int, rng: np.random.Generator) -> np.ndarray:
-    """Micro-batch index of each measurement: ``repeats`` rounds, each a fresh random permutation of
-    all micro-batches, so every micro-batch is measured once in each part of the profile and never
-    twice in a row (with two or more micro-batches)."""
+    """Micro-batch index of each measurement, in ``repeats`` shuffled rounds.
+
+    Each round is a fresh random permutation of all micro-batches, so every micro-batch is measured
+    once in each part of the profile and never twice in a row (with two or more micro-batches).
+
+    Args:
+        n_microbatches: micro-batches measured.
+        repeats: rounds.
+        rng: the random generator.
+    """
     rounds = []
     for _ in range(repeats):
         perm = rng.permutation(n_microbatches)
@@ -209,12 +228,24 @@ def profile(
     reference: ReferenceSpec | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> Profile:
-    """Measure ``cfg.layers`` decoder layers on each micro-batch, ``repeats`` times each in one
-    shuffled order, with the reference timed between consecutive measurements.
+    """Measure ``cfg.layers`` decoder layers on each micro-batch, in one shuffled order.
 
-    ``warmup`` untimed passes of a micro-batch run right before each of its timed passes.
-    ``on_progress(n)`` is called with the number of measurements done (of ``len(microbatches) *
-    repeats``).
+    Each micro-batch is measured ``repeats`` times, with the reference timed between consecutive
+    measurements.
+
+    Args:
+        cfg: the decoder layers' config.
+        microbatches: the packed sequence lengths of each micro-batch.
+        device: the device measured.
+        dtype: the parameters' and activations' dtype.
+        repeats: timed passes of each micro-batch.
+        warmup: untimed passes of a micro-batch right before each of its timed passes.
+        model_name: the ``model`` field of the log's rows.
+        seed: the layers' initialisation seed.
+        reference: the reference micro-batch and stack (default: the device's,
+            ``ReferenceSpec.for_device``).
+        on_progress: called with the number of measurements done (of ``len(microbatches) *
+            repeats``).
     """
     if repeats < 1:
         raise InputError(f"repeats: expected a positive integer, got {repeats}")
@@ -310,8 +341,9 @@ def faster_half_mean(values: np.ndarray) -> float:
 
 
 def noise_floor(log: pd.DataFrame) -> dict[str, dict[str, float]]:
-    """Per phase, the mean absolute deviation (%) of one repeat from its micro-batch's median:
-    identical work measured at different moments, before (``raw_pct``, wall time) and after
+    """Per phase, the mean absolute deviation (%) of one repeat from its micro-batch's median.
+
+    Identical work measured at different moments, before (``raw_pct``, wall time) and after
     (``normalised_pct``) dividing by the reference; the CPU-time pair beside them on CPU devices.
     No predictor can beat the floor of the column it learns."""
     out: dict[str, dict[str, float]] = {}

@@ -71,8 +71,10 @@ def _newest(matches: list[ModelEntry]) -> Path | None:
 
 
 def resolve_model(spec: str | Path, device: str) -> Path:
-    """A predictor directory from ``spec``: ``auto`` (the model for ``device``), a path, or the
-    name of an installed model. A model of another device is refused with what to do instead."""
+    """A predictor directory from ``spec``.
+
+    ``spec`` is ``auto`` (the model for ``device``), a path, or the name of an installed model. A
+    model of another device is refused with what to do instead."""
     text = str(spec)
     if text == "auto":
         found = find_for_device(device)
@@ -100,7 +102,13 @@ def resolve_model(spec: str | Path, device: str) -> Path:
 
 
 def check_device(path: Path, card_device: str, device: str) -> None:
-    """Refuse to use a predictor on a device it was not measured on."""
+    """Refuse to use a predictor on a device it was not measured on.
+
+    Args:
+        path: the predictor's directory, for the error.
+        card_device: the device its card says it was measured on.
+        device: the device the job runs on.
+    """
     if card_device != device:
         raise InputError(
             f"{path}: measured on {card_device!r}, but this job runs on {device!r}; "
@@ -109,9 +117,11 @@ def check_device(path: Path, card_device: str, device: str) -> None:
 
 
 def device_matches(measured: str, wanted: str) -> bool:
-    """Whether a predictor measured on ``measured`` (``cuda:NVIDIA H100 80GB HBM3``) fits a
-    cluster whose devices are ``wanted``: the same kind (``cuda``, ``cpu``) and, where ``wanted``
-    names a model (``cuda:NVIDIA H100``), that name within the measured one (case aside)."""
+    """Whether a predictor measured on ``measured`` fits a cluster whose devices are ``wanted``.
+
+    ``measured`` names a device as ``cuda:NVIDIA H100 80GB HBM3``; it fits with the same kind
+    (``cuda``, ``cpu``) and, where ``wanted`` names a model (``cuda:NVIDIA H100``), that name within
+    the measured one (case aside)."""
     kind, _, model = measured.partition(":")
     want_kind, _, want_model = wanted.partition(":")
     return (

@@ -65,7 +65,8 @@ def read_run(folder: Path) -> ImportedTrace:
         if "wait_s" in compute.columns
         else pd.Series(0.0, index=compute.index)
     )
-    # one micro-batch of one step and replica is one id: its stages and TP ranks ran the same lengths
+    # one micro-batch of one step and replica is one id: its stages and TP ranks ran the same
+    # lengths
     keys = ["step", "dp_rank", *(["mb_id"] if "mb_id" in compute.columns else [])]
     mb = compute.groupby(keys, sort=True, dropna=False).ngroup()
     spans = []

@@ -33,7 +33,15 @@ class Op:
 
 
 def rank_order(name: str, stages: int, microbatches: int, chunks: int, s: int) -> list[Op]:
-    """The ordered operations pipeline rank ``s`` runs in one step of schedule ``name``."""
+    """The ordered operations pipeline rank ``s`` runs in one step of schedule ``name``.
+
+    Args:
+        name: the schedule (``gpipe``, ``1f1b`` or ``interleaved``).
+        stages: pipeline ranks.
+        microbatches: micro-batches a step.
+        chunks: model chunks per rank (interleaved 1F1B; 1 otherwise).
+        s: the pipeline rank.
+    """
     p, m, v = stages, microbatches, chunks
     if name == "gpipe":
         return [Op(FWD, s, j) for j in range(m)] + [Op(BWD, s, j) for j in range(m)]
@@ -86,6 +94,14 @@ class CompiledSchedule:
 def compile_schedule(
     name: str, stages: int, microbatches: int, chunks: int = 1
 ) -> CompiledSchedule:
+    """Schedule ``name`` compiled to the arrays the vectorised step-time functions walk.
+
+    Args:
+        name: the schedule (one of ``MODELLED_SCHEDULES``).
+        stages: pipeline ranks.
+        microbatches: micro-batches a step.
+        chunks: model chunks per rank (interleaved 1F1B).
+    """
     if name not in MODELLED_SCHEDULES:
         raise InputError(
             f"pipeline schedule must be one of {', '.join(MODELLED_SCHEDULES)}, got {name!r}"
@@ -153,6 +169,13 @@ def compile_schedule(
 
 
 def node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """Each op's duration, [..., nodes] in ``sched``'s node order.
+
+    Args:
+        sched: the compiled schedule.
+        fwd: forward seconds, [..., model chunks, micro-batches].
+        bwd: backward seconds, the same shape.
+    """
     shape = (sched.stages * sched.chunks, sched.microbatches)
     if fwd.shape[-2:] != shape or bwd.shape[-2:] != shape:
         raise InputError(
@@ -171,8 +194,15 @@ def node_durations(sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray) ->
 def op_end_times(
     sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float | np.ndarray = 0.0
 ) -> np.ndarray:
-    """End time of every op of the schedule, [..., nodes] in ``sched``'s node order; ``fwd``/``bwd``
-    are [..., model chunks, micro-batches] seconds (model chunk g = chunk * stages + rank)."""
+    """End time of every op of the schedule, [..., nodes] in ``sched``'s node order.
+
+    Args:
+        sched: the compiled schedule.
+        fwd: forward seconds, [..., model chunks, micro-batches] (model chunk g = chunk * stages
+            + rank).
+        bwd: backward seconds, the same shape.
+        p2p_s: seconds of each transfer between pipeline ranks (scalar or [...]).
+    """
     dur = node_durations(sched, np.asarray(fwd, np.float64), np.asarray(bwd, np.float64))
     batch = dur.shape[:-1]
     end = np.zeros(batch + (sched.nodes + 1,))  # the last slot is the sentinel "no predecessor"
@@ -189,7 +219,14 @@ def op_end_times(
 def rank_finish_times(
     sched: CompiledSchedule, fwd: np.ndarray, bwd: np.ndarray, p2p_s: float | np.ndarray = 0.0
 ) -> np.ndarray:
-    """End time of each pipeline rank's last op, [..., stages]; arguments as ``op_end_times``."""
+    """End time of each pipeline rank's last op, [..., stages].
+
+    Args:
+        sched: the compiled schedule.
+        fwd: forward seconds, as in ``op_end_times``.
+        bwd: backward seconds, as in ``op_end_times``.
+        p2p_s: seconds of each transfer between pipeline ranks.
+    """
     return op_end_times(sched, fwd, bwd, p2p_s)[..., sched.last_on_rank]
 
 
@@ -202,11 +239,19 @@ def pipeline_step_time(
     optimizer_s: float | np.ndarray = 0.0,
     chunks: int = 1,
 ) -> np.ndarray:
-    """Predicted step time: critical path through the schedule, then each rank's data-parallel
-    gradient synchronisation (``dp_sync_s``, scalar or [..., stages]), then the optimizer.
+    """Predicted step time: the schedule's critical path, gradient sync, then the optimizer.
 
-    ``fwd``/``bwd``: [..., stages * chunks, micro-batches]. For data parallelism pass replicas as a
-    leading dimension and take the max over it (replicas wait for each other at the gradient sync).
+    For data parallelism pass replicas as a leading dimension and take the max over it (replicas
+    wait for each other at the gradient sync).
+
+    Args:
+        fwd: forward seconds, [..., stages * chunks, micro-batches].
+        bwd: backward seconds, the same shape.
+        schedule: the pipeline schedule (one of ``MODELLED_SCHEDULES``).
+        p2p_s: seconds of each transfer between pipeline ranks.
+        dp_sync_s: each rank's data-parallel gradient synchronisation, scalar or [..., stages].
+        optimizer_s: the optimizer step's seconds.
+        chunks: model chunks per rank (interleaved 1F1B).
     """
     fwd = np.asarray(fwd, np.float64)
     groups, m = fwd.shape[-2:]
@@ -220,14 +265,21 @@ def pipeline_step_time(
 def one_f_one_b_uniform(
     stage_fwd: np.ndarray, stage_bwd: np.ndarray, microbatches: int
 ) -> np.ndarray:
-    """Closed form of 1F1B with equal micro-batches and free transfers:
-    sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s). Arrays are [..., stages].
+    """Closed form of 1F1B with equal micro-batches and free transfers.
+
+    ``sum_s (f_s + b_s) + (m - 1) * max_s (f_s + b_s)``, over arrays of [..., stages].
 
     Exact when the stage times do not fall along the pipeline and the forward/backward ratio is
     the same everywhere (the test checks this); otherwise the critical path can be a few percent
     longer, or shorter where heavier stages come first (stage ``s`` overlaps ``S - 1 - s`` of its
     forwards with the fill: the step is only at least ``sum (f + b) + (x - 1) b_s + max(0, x - (S -
     s)) f_s`` for each stage, ``tests/test_schedule.py``): use ``pipeline_step_time`` for the
-    exact value and this inside optimisers that need a closed form."""
+    exact value and this inside optimisers that need a closed form.
+
+    Args:
+        stage_fwd: each stage's forward seconds of one micro-batch, [..., stages].
+        stage_bwd: each stage's backward seconds, the same shape.
+        microbatches: micro-batches a step (m).
+    """
     per = np.asarray(stage_fwd, np.float64) + np.asarray(stage_bwd, np.float64)
     return per.sum(axis=-1) + (microbatches - 1) * per.max(axis=-1)

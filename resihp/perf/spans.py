@@ -62,8 +62,9 @@ class Shape:
 
 @dataclass(frozen=True)
 class ImportedTrace:
-    """What a reader found in one file or folder: its spans, and the shape, device and model name
-    the file itself states (None where it does not)."""
+    """What a reader found in one file or folder: its spans and what the file states.
+
+    The shape, device and model name the file itself states (None where it does not)."""
 
     source: str
     format: str

@@ -51,9 +51,17 @@ def _grid(rows: pd.DataFrame, meta: JobMeta, source: str) -> np.ndarray:
 def replay_step(
     ops: pd.DataFrame, meta: JobMeta, schedule: str, source: str = "ops trace"
 ) -> float:
-    """Predicted time of one step from its measured op durations: each data-parallel replica's
-    critical path (replicas may run different numbers of micro-batches), its gradient sync, then
-    the optimizer; the slowest replica sets the step."""
+    """Predicted time of one step from its measured op durations.
+
+    Each data-parallel replica's critical path (replicas may run different numbers of
+    micro-batches), its gradient sync, then the optimizer; the slowest replica sets the step.
+
+    Args:
+        ops: the step's ops rows.
+        meta: the job's meta.
+        schedule: the pipeline schedule the job ran.
+        source: what errors name as the trace.
+    """
     compute = ops[ops["optype"].isin(["forward-compute", "backward-compute"])]
     if compute.empty or compute["mb_id"].isna().any():
         raise InputError(f"{source}: step {ops['step'].iloc[0]} has compute ops without mb_id")
@@ -89,7 +97,14 @@ def replay_steps(
     ops: pd.DataFrame, meta: JobMeta, schedule: str, skip: int = 1, source: str = "ops trace"
 ) -> pd.DataFrame:
     """One row per step: measured step time (slowest rank's ``step`` record) and prediction.
-    The first ``skip`` steps are warm-up and left out."""
+
+    Args:
+        ops: the ops trace.
+        meta: the job's meta.
+        schedule: the pipeline schedule the job ran.
+        skip: the first steps, warm-up, left out.
+        source: what errors name as the trace.
+    """
     measured = ops[ops["optype"] == "step"].groupby("step")["duration"].max()
     if measured.empty:
         raise InputError(f"{source}: no 'step' records (the runtime writes one per rank and step)")

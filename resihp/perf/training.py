@@ -38,8 +38,10 @@ REFERENCE_COLUMNS = {"cost": ("ref_time_s", "wall"), "cpu_cost": ("ref_cpu_time_
 
 
 def resolve_target(log: pd.DataFrame, target: str) -> str:
-    """``auto``: the normalised cost when the log has it (thread-CPU cost on a CPU device, which
-    also leaves out time the OS gave to other processes), else the median wall time."""
+    """The log column ``target`` names; ``auto`` picks one.
+
+    ``auto``: the normalised cost when the log has it (thread-CPU cost on a CPU device, which also
+    leaves out time the OS gave to other processes), else the median wall time."""
     if target not in TARGETS:
         raise InputError(f"--target: expected one of {', '.join(TARGETS)}, got {target!r}")
     if target != "auto":
@@ -54,7 +56,13 @@ def resolve_target(log: pd.DataFrame, target: str) -> str:
 
 
 def with_target(log: pd.DataFrame, target: str, source: str) -> pd.DataFrame:
-    """The log with ``time_s`` replaced by the chosen measured column (validated the same way)."""
+    """The log with ``time_s`` replaced by the chosen measured column (validated the same way).
+
+    Args:
+        log: the profiling log.
+        target: the column to learn (one of ``TARGETS``).
+        source: what errors name as the log.
+    """
     target = resolve_target(log, target)
     if target == "time_s":
         return log
@@ -77,8 +85,9 @@ def with_target(log: pd.DataFrame, target: str, source: str) -> pd.DataFrame:
 
 
 def reference_of(log: pd.DataFrame, target: str) -> dict | None:
-    """For a normalised target: the reference it is relative to and its median time over ``log``
-    (seconds per unit of cost on this device at its typical speed)."""
+    """For a normalised target, the reference it is relative to and its median time; else None.
+
+    The median over ``log``: seconds per unit of cost on this device at its typical speed."""
     if target not in REFERENCE_COLUMNS:
         return None
     column, clock = REFERENCE_COLUMNS[target]
@@ -107,8 +116,9 @@ def _mean_metrics(runs: list[dict]) -> dict:
 
 
 def cross_source(log: pd.DataFrame, seed: int = 0) -> dict | None:
-    """Leave one length source out: for each source, train on the others and test on it. The
-    per-phase MAPE of the learned and the linear model, per held-out source and their mean; None
+    """Leave one length source out: for each source, train on the others and test on it.
+
+    The per-phase MAPE of the learned and the linear model, per held-out source and their mean; None
     when the log has fewer than two sources."""
     if "source" not in log.columns or log["source"].nunique() < 2:
         return None
@@ -140,9 +150,19 @@ def train_predictor(
     seed: int = 0,
     target: str = "auto",
 ) -> dict:
-    """Fit on all but a held-out share of micro-batches; the card reports the held-out metrics of
-    the saved model and of the linear baseline fitted on the same training rows, and the
-    leave-one-source-out metrics when the logs hold several length sources."""
+    """Fit on all but a held-out share of micro-batches and save the model with its card.
+
+    The card reports the held-out metrics of the saved model and of the linear baseline fitted on
+    the same training rows, and the leave-one-source-out metrics when the logs hold several length
+    sources.
+
+    Args:
+        logs: the profiling logs to train on.
+        output: the model directory to write.
+        holdout: the share of measured micro-batches held out, in (0, 1).
+        seed: the split's and the model's seed.
+        target: the column to learn (one of ``TARGETS``; ``auto``: ``resolve_target``).
+    """
     raw = read_profile_logs(logs)
     target = resolve_target(raw, target)
     log = with_target(raw, target, str(logs[0]))

@@ -29,18 +29,26 @@ def greedy_allocation(
     caps: Sequence[int | None] | None = None,
     floor: int = 0,
 ) -> list[int]:
-    """Each micro-batch to the replica that would finish it first, ties to the lower index
-    (optimal for min-max of increasing per-replica times; ``each`` must not be negative);
-    replicas at their cap take no more; every replica takes at least ``floor`` (a replica that
-    must keep training). Raises ValueError when the caps hold fewer than ``total``, or the
-    floors more.
+    """Each micro-batch to the replica that would finish it first, ties to the lower index.
+
+    Optimal for min-max of increasing per-replica times (``each`` must not be negative); replicas
+    at their cap take no more; every replica takes at least ``floor`` (a replica that must keep
+    training). Raises ValueError when the caps hold fewer than ``total``, or the floors more.
 
     Handing them out one at a time places the ``total`` smallest (finish time, replica) pairs,
     replica r's finish times being ``first[r]``, ``first[r] + each[r]``, ... up to its cap.
     So they are found at once: the smallest finish time ``v`` with ``total`` pairs at or below
     it; every pair below ``v`` is placed, and the pairs at ``v`` go to the lowest replicas.
     Replicas with the same (first, each, cap) share one sequence: thousands of healthy replicas
-    cost as much as one."""
+    cost as much as one.
+
+    Args:
+        first: per replica, its time with one micro-batch.
+        each: per replica, the time each further micro-batch adds.
+        total: the micro-batches to hand out.
+        caps: per replica the most it can hold (None: no limit).
+        floor: the least every replica takes.
+    """
     caps = caps or [None] * len(first)
     limits = [total if c is None else min(c, total) for c in caps]
     if sum(limits) < total:
@@ -101,12 +109,18 @@ def allocate_microbatches(
     caps: Sequence[int | None] | None = None,
     floor: int = 0,
 ) -> tuple[list[int], str, float]:
-    """(micro-batches per replica, solver status, relative gap). ``first[r]`` is T_r(1),
-    ``each[r]`` the time each further micro-batch adds, ``caps[r]`` the most it can hold in
-    memory (None: no limit), ``floor`` the least every replica takes (none dropped).
+    """CP-SAT's split of ``total`` micro-batches over replicas: (counts, solver status, gap).
 
     Replicas with the same (first, each) form one class whose share is spread evenly, so the model
     has one variable pair per class: thousands of healthy replicas cost the same as one.
+
+    Args:
+        first: per replica ``r``, T_r(1): its time with one micro-batch.
+        each: per replica, the time each further micro-batch adds.
+        total: the micro-batches to hand out.
+        time_limit_s: the solver's time limit.
+        caps: per replica the most it can hold in memory (None: no limit).
+        floor: the least every replica takes (none dropped).
     """
     n = len(first)
     if n == 0:

@@ -63,6 +63,15 @@ class UniformPolicy(_Policy):
     name = "uniform"
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:
+        """The policy's plan for ``cluster`` from the healthy plan of ``layout``.
+
+        Args:
+            cluster: the cluster at its current speeds.
+            model: the model.
+            coster: the stage coster at those speeds.
+            healthy: the healthy plan (None: made here).
+            layout: the layout the plan keeps.
+        """
         base = self.base(cluster, model, healthy, layout)
         return Plan(base.world_size, base.layout, list(base.pipelines), list(base.excluded))
 
@@ -71,6 +80,15 @@ class DropReplicaPolicy(_Policy):
     name = "drop-replica"
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:
+        """The policy's plan for ``cluster`` from the healthy plan of ``layout``.
+
+        Args:
+            cluster: the cluster at its current speeds.
+            model: the model.
+            coster: the stage coster at those speeds.
+            healthy: the healthy plan (None: made here).
+            layout: the layout the plan keeps.
+        """
         return drop_replica_plan(
             cluster, model, coster, self.base(cluster, model, healthy, layout), layout
         )
@@ -80,6 +98,15 @@ class HeuristicPolicy(_Policy):
     name = "resihp-heuristic"
 
     def build(self, cluster, model, coster, healthy, layout) -> Plan:
+        """The policy's plan for ``cluster`` from the healthy plan of ``layout``.
+
+        Args:
+            cluster: the cluster at its current speeds.
+            model: the model.
+            coster: the stage coster at those speeds.
+            healthy: the healthy plan (None: made here).
+            layout: the layout the plan keeps.
+        """
         return heuristic_plan(
             cluster, model, coster, self.base(cluster, model, healthy, layout), layout
         )
@@ -94,7 +121,13 @@ POLICIES: dict[str, type[Planner]] = {
 
 
 def make_policy(name: str, cost_model: CostModel | None = None, **kwargs) -> Planner:
-    """A policy by name, all with the same ``plan(cluster, model, current, time_limit_s)``."""
+    """A policy by name, all with the same ``plan(cluster, model, current, time_limit_s)``.
+
+    Args:
+        name: the policy (one of ``POLICIES``).
+        cost_model: the cost model (None: ``AnalyticCost``).
+        **kwargs: passed on to the policy's constructor.
+    """
     if name not in POLICIES:
         raise InputError(
             f"--policy: unknown policy {name!r} (expected one of {', '.join(POLICIES)})"

@@ -1,5 +1,7 @@
-"""A tight upper bound on the throughput of any plan: integral layers per stage, whole devices per
-tensor-parallel group, every live device at its current speed.
+"""A tight upper bound on the throughput of any plan.
+
+It holds with integral layers per stage, whole devices per tensor-parallel group, every live device
+at its current speed.
 
 The bound holds for every plan the planner's evaluator (``timing.evaluate``) can score, whatever its
 layout: pipelines of any length, each stage a group of ``t`` devices (``t`` a power of two up to
@@ -22,7 +24,8 @@ against the planner on random faults):
    with the heaviest first. No plan has been found above the bound for it (the exhaustive tests;
    one pipeline of 3-6 devices, every layer split with the heavier stages first, 2-6 micro-batches:
    at most 0.879 of the bound), and at the benchmark's 64 micro-batches moving a layer forward
-   gains nothing; pricing it would loosen the bound by up to ``(S - 1) / 3`` micro-batches a pipeline.
+   gains nothing; pricing it would loosen the bound by up to ``(S - 1) / 3`` micro-batches a
+   pipeline.
 2. ``mu`` is one of the finitely many stage times ``n * c`` or ``n * c + h``; a pipeline whose
    stages all take at most ``mu`` needs enough groups that their layer capacities at ``mu``
    (``floor(mu / c)``, within memory) cover the ``L`` layers with one of them also holding the
@@ -143,7 +146,9 @@ BIG = 1e30
 
 @dataclass(frozen=True)
 class TightBound:
-    """``tokens_per_s``: no plan of ``cluster`` and ``model`` predicts more; ``step_s``: no plan's
+    """The tight bound of a cluster and model: the most tokens/s and shortest step of any plan.
+
+    ``tokens_per_s``: no plan of ``cluster`` and ``model`` predicts more; ``step_s``: no plan's
     step is shorter; ``pipelines``: the fewest pipelines a step that short needs; ``devices``:
     live devices."""
 
@@ -392,7 +397,14 @@ def tight_bound(
     cost: CostModel | None = None,
     coster: StageCoster | None = None,
 ) -> TightBound:
-    """The tight capacity bound of ``cluster`` (devices at their current speeds) for ``model``."""
+    """The tight capacity bound of ``cluster`` (devices at their current speeds) for ``model``.
+
+    Args:
+        cluster: the cluster at its current device speeds.
+        model: the model.
+        cost: the cost model (default: ``AnalyticCost``), when no ``coster`` is given.
+        coster: the stage coster of the healthy cluster (default: one made from ``cost``).
+    """
     coster = coster or StageCoster(cluster.healthy(), model, cost or AnalyticCost())
     speeds = np.array([d.speed for d in cluster.devices])
     live = int((speeds > 0).sum())

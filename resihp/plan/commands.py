@@ -37,9 +37,16 @@ def parse_speeds(items: list[str] | None) -> dict[str, float]:
 
 
 def plan_predictor(which: str, cluster, where: str) -> tuple[Path, str | None]:
-    """The predictor ``--predictor`` names for ``cluster`` (a ``ClusterSpec``), and a warning when
-    the cluster does not say what its devices are. One measured on another kind of device than
-    the cluster's ``device.type`` is refused: its times are not that device's."""
+    """The predictor ``--predictor`` names for ``cluster``, and a warning or None.
+
+    The warning says the cluster does not name what its devices are. One measured on another kind
+    of device than the cluster's ``device.type`` is refused: its times are not that device's.
+
+    Args:
+        which: the ``--predictor`` value (a folder, an installed model's name, or ``auto``).
+        cluster: the ``ClusterSpec`` planned for.
+        where: what messages name as the cluster (its file).
+    """
     from resihp.perf.device import this_device
     from resihp.perf.registry import (
         CALIBRATE_HINT,
@@ -110,8 +117,8 @@ def plan_table(plan, console: Console) -> None:
     console.print(table)
     console.print(
         f"step {plan.step_time_s:.3f} s   {plan.tokens_per_s:,.0f} tokens/s   "
-        f"{plan.bound_ratio:.3f} of the capacity bound ({plan.capacity_tokens_per_s:,.0f} tokens/s)   "
-        f"migration {plan.migration_s:.2f} s   excluded {len(plan.excluded)} ranks   "
+        f"{plan.bound_ratio:.3f} of the capacity bound ({plan.capacity_tokens_per_s:,.0f} "
+        f"tokens/s)   migration {plan.migration_s:.2f} s   excluded {len(plan.excluded)} ranks   "
         f"solver {plan.solver.get('status')} in {plan.solver.get('solve_s', math.nan):.2f} s"
     )
 
@@ -124,7 +131,10 @@ def plan_cmd(
     cluster: Annotated[
         Path,
         typer.Option(
-            help="Cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name (h100-8-degraded)"
+            help=(
+                "Cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name "
+                "(h100-8-degraded)"
+            )
         ),
     ],
     model: Annotated[
@@ -139,7 +149,9 @@ def plan_cmd(
     speed: Annotated[
         list[str] | None,
         typer.Option(
-            help="Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable"
+            help=(
+                "Override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable"
+            )
         ),
     ] = None,
     policy: Annotated[
@@ -171,7 +183,26 @@ def plan_cmd(
     ] = None,  # old spelling of --out
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
-    """Plan TP groups, layer split and micro-batches around slow and dead devices."""
+    """Plan TP groups, layer split and micro-batches around slow and dead devices.
+    \f
+    Args:
+        cluster: cluster YAML (nodes, devices, bandwidth), or a shipped cluster by name
+            (h100-8-degraded).
+        model: model YAML (shape, batch, schedule), or a shipped model by name (gpt-7b).
+        current: plan in force (JSON) to re-plan from.
+        speed: override a device's speed: DEVICE=SPEED (rank or node/index; 0 = dead); repeatable.
+        policy: the planner, or a baseline of it.
+        time_limit: solver time limit, seconds.
+        horizon: steps over which a state migration is amortised.
+        token_budgets: also balance replicas by unequal token shares (per-replica micro-batch
+            budgets), not only whole micro-batches.
+        predictor: learned micro-batch predictor as the cost model: a folder, an installed model's
+            name, or auto (the newest one measured on the cluster's device.type, else on this
+            machine); one measured on another device than the cluster's is refused.
+        out: write the plan JSON.
+        output: the old spelling of ``out``.
+        json_out: print the plan as JSON.
+    """
     from resihp.plan.baselines import make_policy
     from resihp.plan.cost import AnalyticCost, PredictorCost
     from resihp.plan.plan import Plan

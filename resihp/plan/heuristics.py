@@ -1,6 +1,8 @@
-"""Heuristic plans, one rule per dimension: the ResiHP heuristic (power-of-two TP subsets, layers in
-proportion to stage speed, micro-batches in proportion to replica throughput) and drop-replica.
-The planner seeds its search with them; ``baselines`` wraps them as policies."""
+"""Heuristic plans, one rule per dimension: the ResiHP heuristic and drop-replica.
+
+The ResiHP heuristic takes power-of-two TP subsets, layers in proportion to stage speed and
+micro-batches in proportion to replica throughput. The planner seeds its search with them;
+``baselines`` wraps them as policies."""
 
 from __future__ import annotations
 
@@ -14,7 +16,13 @@ from resihp.plan.timing import StageCoster
 
 
 def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray:
-    """The most micro-batches each replica holds in memory (GPipe keeps all of them in flight)."""
+    """The most micro-batches each replica holds in memory (GPipe keeps all of them in flight).
+
+    Args:
+        coster: the stage coster (its memory model).
+        pipelines: each replica's stages.
+        total: the global batch's micro-batches (no cap is above it).
+    """
     return np.array(
         [
             min(total, c) if (c := coster.max_microbatches(st)) is not None else total
@@ -27,7 +35,15 @@ def replica_caps(coster: StageCoster, pipelines: list, total: int) -> np.ndarray
 def drop_replica_plan(
     cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan, layout: ParallelDims
 ) -> Plan:
-    """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly."""
+    """Every replica of ``base`` holding a dead device dropped, its micro-batches spread evenly.
+
+    Args:
+        cluster: the cluster at its current speeds.
+        model: the model.
+        coster: the stage coster at those speeds.
+        base: the healthy plan.
+        layout: its layout.
+    """
     alive = (
         [p for p in base.pipelines if coster.alive(p.stages)]
         if coster.cluster.dead
@@ -46,7 +62,15 @@ def drop_replica_plan(
 def heuristic_plan(
     cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, base: Plan, layout: ParallelDims
 ) -> Plan:
-    """The published ResiHP adaptation, one heuristic per dimension (see ``baselines``)."""
+    """The published ResiHP adaptation, one heuristic per dimension (see ``baselines``).
+
+    Args:
+        cluster: the cluster at its current speeds.
+        model: the model.
+        coster: the stage coster at those speeds.
+        base: the healthy plan (replicas no fault touches keep its stages).
+        layout: its layout.
+    """
     pipes = home_pipelines(cluster, layout)
     shares0 = apportion(model.microbatches, np.ones(layout.dp))
     built: list[tuple[int, tuple[Stage, ...]]] = []
@@ -71,7 +95,13 @@ def heuristic_plan(
 
 
 def exclude_slow(group: tuple[int, ...], cluster: ClusterSpec, model: ModelSpec) -> tuple[int, ...]:
-    """The fastest power-of-two subset maximising k x (its slowest member's speed)."""
+    """The fastest power-of-two subset maximising k x (its slowest member's speed).
+
+    Args:
+        group: the TP group's ranks.
+        cluster: the cluster (its devices' speeds and liveness).
+        model: the model (a subset's size must divide its heads).
+    """
     alive = sorted(
         (r for r in group if cluster.devices[r].alive), key=lambda r: (-cluster.devices[r].speed, r)
     )
@@ -88,7 +118,14 @@ def exclude_slow(group: tuple[int, ...], cluster: ClusterSpec, model: ModelSpec)
 def split_layers_by_speed(
     groups: list[tuple[int, ...]], coster: StageCoster, model: ModelSpec, m: int
 ) -> tuple[Stage, ...] | None:
-    """Layers in proportion to each stage's speed (1 / per-layer time), capped by memory."""
+    """Layers in proportion to each stage's speed (1 / per-layer time), capped by memory.
+
+    Args:
+        groups: the stages' TP groups, in pipeline order.
+        coster: the stage coster.
+        model: the model (its layers).
+        m: the replica's micro-batches (what memory must hold in flight).
+    """
     if not groups or len(groups) > model.layers:
         return None
     p = len(groups)

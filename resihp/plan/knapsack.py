@@ -1,5 +1,6 @@
-"""Unbounded knapsack (any number of each item) over small integer costs, vectorised with NumPy:
-the capacity bound prices pipeline designs with it, the designed plans choose theirs with it."""
+"""Unbounded knapsack (any number of each item) over small integer costs, vectorised with NumPy.
+
+The capacity bound prices pipeline designs with it, the designed plans choose theirs with it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ def unbounded_knapsack(
     cost: np.ndarray, value: np.ndarray, capacity: int, tables: list[np.ndarray] | None = None
 ) -> np.ndarray:
     """best[c] = the largest total value of items (any number of each) of total cost <= c.
-    ``tables``: if given, receives the table after each item (``choose`` reads them)."""
+
+    Args:
+        cost: each item's integer cost.
+        value: each item's value.
+        capacity: the largest total cost.
+        tables: if given, receives the table after each item (``choose`` reads them).
+    """
     best = np.zeros(capacity + 1)
     for w, v in zip(np.asarray(cost).tolist(), np.asarray(value).tolist()):
         w = int(w)
@@ -27,7 +34,13 @@ def unbounded_knapsack(
 
 
 def choose(cost: np.ndarray, value: np.ndarray, capacity: int) -> tuple[float, list[int]]:
-    """The best packing itself: (its value, how many of each item)."""
+    """The best packing itself: (its value, how many of each item).
+
+    Args:
+        cost: each item's integer cost.
+        value: each item's value.
+        capacity: the largest total cost.
+    """
     tables: list[np.ndarray] = []
     unbounded_knapsack(cost, value, capacity, tables)
     counts = [0] * len(tables)

@@ -152,10 +152,10 @@ def choose_layout(
                 best = (step, layout)
     if best is None and tried and too_wide == tried:
         raise InputError(
-            f"cluster {cluster.name}: every TP x PP layout of its {len(cluster.devices):,} devices has "
-            f"more replicas than model {model.name}'s {model.microbatches:,} micro-batches a step "
-            "(global_batch_tokens / microbatch_tokens; each replica needs one): raise "
-            "global_batch_tokens or plan for fewer devices"
+            f"cluster {cluster.name}: every TP x PP layout of its {len(cluster.devices):,} "
+            f"devices has more replicas than model {model.name}'s {model.microbatches:,} "
+            "micro-batches a step (global_batch_tokens / microbatch_tokens; each replica needs "
+            "one): raise global_batch_tokens or plan for fewer devices"
         )
     if best is None:
         need = stage_memory_gb(model, model.layers, 1, 1, True, True)
@@ -185,7 +185,8 @@ def group_options(
     """Ways to re-form a home TP group around its degraded members, each a list of sub-groups that
     become consecutive pipeline stages: keep it whole, keep only the fastest power-of-two subset
     (ResiHP's selective exclusion), split the live members into power-of-two groups, split only the
-    full-speed members (the slower ones excluded, or in groups of their own), or drop it. A healthy group has one option: itself."""
+    full-speed members (the slower ones excluded, or in groups of their own), or drop it. A healthy
+    group has one option: itself."""
     speeds = {r: cluster.devices[r].speed * cluster.devices[r].tflops for r in group}
     top = max(speeds.values())
     if (

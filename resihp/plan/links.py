@@ -54,8 +54,15 @@ def _shift(stages: tuple[Stage, ...], s: int, to: int, k: int) -> tuple[Stage, .
 
 
 def boundary_moves(plan: Plan, cluster: ClusterSpec, max_shift: int = 4) -> list[Plan]:
-    """Copies of ``plan`` with up to ``max_shift`` layers moved off each slow-reduction stage to
-    either neighbour, the same move in every replica (unevaluated)."""
+    """Copies of ``plan`` with layers moved off each slow-reduction stage to either neighbour.
+
+    Up to ``max_shift`` layers, the same move in every replica (unevaluated).
+
+    Args:
+        plan: the plan to vary.
+        cluster: the cluster (its slow links).
+        max_shift: the most layers moved.
+    """
     out = []
     for s in slow_sync_stages(plan, cluster):
         for to in (s - 1, s + 1):
@@ -74,9 +81,10 @@ def boundary_moves(plan: Plan, cluster: ClusterSpec, max_shift: int = 4) -> list
 
 
 def rank_swaps(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
-    """Copies of ``plan`` in which the stage holding an end of a slow link trades its ranks with
-    another stage of the same pipeline (same tensor-parallel size; layers stay with their stage
-    position), unevaluated."""
+    """Copies of ``plan`` in which a stage at a slow link trades its ranks with another stage.
+
+    The stage holding an end of a slow link trades with another stage of the same pipeline (same
+    tensor-parallel size; layers stay with their stage position), unevaluated."""
     out = []
     for a, b, speed in cluster.links:
         if speed >= 1.0:
@@ -101,8 +109,10 @@ def rank_swaps(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
 
 
 def replica_drops(plan: Plan, cluster: ClusterSpec) -> list[Plan]:
-    """Copies of ``plan`` without the pipeline holding an end of a slow link, its micro-batches
-    (and token share) spread over the remaining pipelines as evenly as they go, unevaluated."""
+    """Copies of ``plan`` without the pipeline holding an end of a slow link, unevaluated.
+
+    Its micro-batches (and token share) are spread over the remaining pipelines as evenly as they
+    go."""
     out, seen = [], set()
     if len(plan.pipelines) < 2:
         return out
@@ -149,12 +159,21 @@ def with_link_event(
     measured: dict[str, float] | None = None,
     coster: StageCoster | None = None,
 ) -> ClusterSpec:
-    """The cluster as a ``link-slow`` finding describes it: the link between ``ranks`` at
-    1/slowdown of its bandwidth. ``measured`` (``OnlineDetector.healthy_transfers``): the healthy
-    transfers and compute the job measured; with ``coster`` (the planner's, for ``cluster``) the
-    cluster's bandwidth is set so that the planner's healthy transfer of that traffic stands to
-    its compute as the measured ones did (pipeline: seconds per token of activations; gradient
-    sync: seconds of a stage's reduction), so the slow link is priced at its real share."""
+    """The cluster as a ``link-slow`` finding describes it.
+
+    Args:
+        cluster: the cluster planned for.
+        model: the model.
+        ranks: the link's two ends; it runs at 1/slowdown of its bandwidth.
+        slowdown: how many times slower the link runs (x).
+        traffic: ``pipeline`` or ``gradient-sync``.
+        measured: the healthy transfers and compute the job measured
+            (``OnlineDetector.healthy_transfers``; None: not measured).
+        coster: the planner's coster for ``cluster``; with ``measured``, the cluster's bandwidth
+            is set so that the planner's healthy transfer of that traffic stands to its compute as
+            the measured ones did (pipeline: seconds per token of activations; gradient sync:
+            seconds of a stage's reduction), so the slow link is priced at its real share.
+    """
     gbs = _bandwidth_gbs(model, traffic, measured or {}, coster)
     if gbs is not None:
         cluster = replace(cluster, intra_node_gbs=gbs, inter_node_gbs=gbs)

@@ -1,6 +1,8 @@
-"""What a ``Planner`` keeps between re-plans of one cluster and model: the parts of a plan that
-device speeds do not change (the healthy plan, the capacity bound at full speed, home pipelines,
-memory fits, critical paths by stage times, pipeline designs) and the pipeline solves already done.
+"""What a ``Planner`` keeps between re-plans of one cluster and model.
+
+The parts of a plan that device speeds do not change (the healthy plan, the capacity bound at full
+speed, home pipelines, memory fits, critical paths by stage times, pipeline designs) and the
+pipeline solves already done.
 
 A re-plan at 16,384 devices touches a handful of its 256 pipelines; everything about the others
 comes from here."""
@@ -21,8 +23,10 @@ CACHE_LIMIT = 200_000  # entries, before the caches start over (a long run meets
 
 
 class HardwareMemo:
-    """Built from the first cluster a planner sees with this hardware (its healthy plan is
-    evaluated against that cluster's bound, as ``healthy_plan`` does)."""
+    """What speeds do not change of one hardware and model, built from its first cluster.
+
+    The first cluster a planner sees with this hardware; its healthy plan is evaluated against that
+    cluster's bound, as ``healthy_plan`` does."""
 
     def __init__(
         self,
@@ -64,9 +68,11 @@ class HardwareMemo:
         return self._leftover[layout]
 
     def whole_at_full_speed(self, layout: ParallelDims) -> list[bool]:
-        """Per home replica: whether ``group_options`` keeps each of its groups whole (offers only
-        the group itself) when every device runs at full speed. With devices slowed or dead it
-        does so exactly for the groups whose devices are all still at full speed."""
+        """Per home replica: whether ``group_options`` keeps each of its groups whole at full speed.
+
+        Whole: it offers only the group itself, when every device runs at full speed. With devices
+        slowed or dead it does so exactly for the groups whose devices are all still at full
+        speed."""
         if layout not in self._whole:
             self._whole[layout] = [
                 all(group_options(g, self.cluster, self.model.heads) == [[g]] for g in groups)
@@ -75,8 +81,10 @@ class HardwareMemo:
         return self._whole[layout]
 
     def home_stages(self, layout: ParallelDims, counts: list[int]) -> list[tuple[Stage, ...]]:
-        """Each home replica's stages with these layer counts (one tuple per replica, shared by
-        every plan, so caches keyed by stages find them by identity)."""
+        """Each home replica's stages with these layer counts.
+
+        One tuple per replica, shared by every plan, so caches keyed by stages find them by
+        identity."""
         key = (layout, tuple(counts))
         if key not in self._stages:
             ranges = layer_ranges(counts)

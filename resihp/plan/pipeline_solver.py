@@ -1,5 +1,7 @@
-"""CP-SAT model of one pipeline: how each of its degraded TP groups is re-formed, and the
-contiguous layer range of every resulting stage.
+"""CP-SAT model of one pipeline: its degraded TP groups re-formed and its layers split.
+
+How each of its degraded TP groups is re-formed, and the contiguous layer range of every resulting
+stage.
 
 Decisions: one option per home group (keep, exclude, split, drop; see ``group_options``), layers
 per candidate stage, which active stage is first (embedding) and last (LM head).
@@ -53,11 +55,25 @@ def solve_key(
     replicas: int = 1,
     regroup: bool = True,
 ) -> tuple:
-    """What ``solve_pipeline`` with these arguments answers, beyond the hardware, the model and
-    the cost model behind ``coster``: the groups, their devices' speeds, the layer ranges that
-    the plan in force gives to the candidate stages, and the other arguments. Not the time
-    limit: the search of one CP-SAT worker is deterministic and the limit only cuts it short, so
-    an answer proven optimal within some time is the answer to any limit at least that long."""
+    """What ``solve_pipeline`` with these arguments answers, as a cache key.
+
+    Beyond the hardware, the model and the cost model behind ``coster``: the groups, their devices'
+    speeds, the layer ranges that the plan in force gives to the candidate stages, and the other
+    arguments. Not the time limit: the search of one CP-SAT worker is deterministic and the limit
+    only cuts it short, so an answer proven optimal within some time is the answer to any limit at
+    least that long.
+
+    Args:
+        coster: the stage coster at the cluster's speeds.
+        groups: the pipeline's home TP groups, in order.
+        m: the replica's micro-batches.
+        current: per TP group of the plan in force its layer range (seeds the hint and prices
+            migration; None: a new job).
+        horizon_steps: steps over which a migration is amortised.
+        sync: ``(floor, seconds)`` of the gradient all-reduce's largest shard (None: not priced).
+        replicas: how many replicas share the work.
+        regroup: False keeps every group whole.
+    """
     cluster = coster.cluster
     speeds = tuple(cluster.devices[r].speed for g in groups for r in g)
     held: tuple = ()
@@ -93,7 +109,7 @@ def solve_pipeline(
     replicas: int = 1,
     regroup: bool = True,
 ) -> PipelineSolution | None:
-    """Best re-formation and layer split of the pipeline over home ``groups`` for ``m`` micro-batches.
+    """Best re-formation and layer split of the pipeline over home ``groups``, for ``m``.
 
     ``current`` maps a TP group (ranks tuple) of the plan in force to its layer range; it seeds the
     solver's hint and prices migration. ``sync = (floor, seconds)``: the gradient all-reduce waits
@@ -103,6 +119,18 @@ def solve_pipeline(
     own (which the micro-batch allocation spreads over the others). ``regroup``: False keeps
     every group whole (only the layer split is decided). Returns None if no option fits in memory
     (or, kept whole, a group holds a dead device).
+
+    Args:
+        coster: the stage coster at the cluster's speeds.
+        groups: the pipeline's home TP groups, in order.
+        m: the replica's micro-batches.
+        current: per TP group of the plan in force its layer range (seeds the hint and prices
+            migration; None: a new job).
+        horizon_steps: steps over which a migration is amortised.
+        time_limit_s: the CP-SAT time limit.
+        sync: ``(floor, seconds)`` of the gradient all-reduce's largest shard (None: not priced).
+        replicas: how many replicas share the work.
+        regroup: False keeps every group whole.
     """
     model, cluster = coster.model, coster.cluster
     m = max(1, m)
@@ -196,8 +224,9 @@ def solve_pipeline(
         if c.ranks in current:
             cb, ce = current[c.ranks]
             ov = mdl.new_int_var(0, max(0, ce - cb), f"ov{j}")
-            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): a range wholly before or after
-            # the old one (an inactive option's candidate, n = 0, sits anywhere) overlaps nothing
+            # the overlap max(0, min(n, end - cb, ce - start, ce - cb)): a range wholly before or
+            # after the old one (an inactive option's candidate, n = 0, sits anywhere) overlaps
+            # nothing
             meets = mdl.new_bool_var(f"meets{j}")  # the bounds hold, or the overlap is 0
             mdl.add(ov <= start + n[j] - cb).only_enforce_if(meets)
             mdl.add(ov <= ce - start).only_enforce_if(meets)

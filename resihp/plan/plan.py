@@ -1,4 +1,5 @@
-"""A parallel plan: which ranks form each pipeline stage, its layers, and each replica's micro-batches.
+"""A parallel plan: which ranks form each pipeline stage, its layers, and each replica's
+micro-batches.
 
 JSON form (docs/DESIGN.md): per rank its (dp_rank, stage, tp_rank) or ``excluded``; per pipeline its
 stages with layer ranges ``[start, end)``; per data-parallel replica its micro-batch count; the
@@ -46,8 +47,10 @@ class Stage:
 
 
 class HashedTuple(tuple):
-    """A tuple that computes its hash once: for tuples that key caches and are looked up
-    thousands of times per plan (a pipeline's stages, its stage times)."""
+    """A tuple that computes its hash once.
+
+    For tuples that key caches and are looked up thousands of times per plan (a pipeline's stages,
+    its stage times)."""
 
     def __hash__(self) -> int:
         try:
@@ -90,8 +93,10 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Holdings:
-    """The model state a plan puts on its devices: the stage each placed rank belongs to, and the
-    plan's stages and pipelines (as tuples of stages)."""
+    """The model state a plan puts on its devices.
+
+    The stage each placed rank belongs to, and the plan's stages and pipelines (as tuples of
+    stages)."""
 
     stage_of: dict[int, Stage]
     stages: frozenset[Stage]
@@ -329,7 +334,13 @@ def unplaced(world_size: int, pipelines: list[Pipeline]) -> list[int]:
 
 
 def plan_problems(plan: Plan, cluster: ClusterSpec, model: ModelSpec) -> list[str]:
-    """Everything that makes the plan unusable on this cluster; empty when it is valid."""
+    """Everything that makes the plan unusable on this cluster; empty when it is valid.
+
+    Args:
+        plan: the plan to check.
+        cluster: the cluster it is for (its devices, their nodes, memory and liveness).
+        model: the model it places (its layers, heads, schedule and memory needs).
+    """
     problems = []
     seen: dict[int, str] = {}
     for p in plan.pipelines:

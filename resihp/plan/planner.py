@@ -1,5 +1,6 @@
-"""The resihp planner: re-plans TP groups, layer splits and micro-batch allocation around degraded
-devices, by decomposition.
+"""The resihp planner: TP groups, layer splits and micro-batches re-planned around slow devices.
+
+It re-plans by decomposition:
 
 1. The healthy layout (TP x PP x DP) fixes each replica's home TP groups (from the plan in force,
    or chosen for the healthy cluster).
@@ -62,8 +63,9 @@ WITHIN_REPLICAS = (
 
 
 def within_homes(plan: Plan, homes: list[list[tuple[int, ...]]]) -> bool:
-    """Whether ``plan`` keeps every replica (one pipeline each, in order, none empty) on ranks of
-    its own ``homes`` groups."""
+    """Whether ``plan`` keeps every replica on ranks of its own ``homes`` groups.
+
+    One pipeline each, in order, none empty."""
     pipes = sorted(plan.pipelines, key=lambda p: p.dp_rank)
     return len(pipes) == len(homes) and all(
         p.stages and set(p.ranks) <= {r for g in homes[d] for r in g} for d, p in enumerate(pipes)
@@ -73,9 +75,16 @@ def within_homes(plan: Plan, homes: list[list[tuple[int, ...]]]) -> bool:
 def own_groups(
     pipe: Pipeline, homes: list[list[tuple[int, ...]]], current: Plan
 ) -> list[tuple[int, ...]]:
-    """The groups a replica of ``current`` was launched with: its home groups where it runs on
-    ranks of them and no other pipeline holds one (its left-out ranks are its hot spares), else
-    the groups it has now."""
+    """The groups a replica of ``current`` was launched with.
+
+    Its home groups where it runs on ranks of them and no other pipeline holds one (its left-out
+    ranks are its hot spares), else the groups it has now.
+
+    Args:
+        pipe: the replica's pipeline in ``current``.
+        homes: each replica's home groups, by home index.
+        current: the plan in force.
+    """
     if pipe.home is not None:
         home = homes[pipe.home]
         ranks = {r for g in home for r in g}
@@ -93,11 +102,22 @@ def healthy_plan(
     time_limit_s: float = 2.0,
     token_budgets: bool = False,
 ) -> Plan:
-    """The plan for the cluster with every device healthy: the best layout, every replica with the
-    same layer split (optimised by CP-SAT for the LM head and the memory of early stages) and an
-    even share of the micro-batches; with ``token_budgets``, of the tokens where that is faster
-    (``floor(M / dp)`` micro-batches each, a little over the model's budget: at 16,384 devices
-    682 replicas of 3 micro-batches, where whole micro-batches left two replicas a fourth)."""
+    """The plan for the cluster with every device healthy.
+
+    The best layout, every replica with the same layer split (optimised by CP-SAT for the LM head
+    and the memory of early stages) and an even share of the micro-batches; with
+    ``token_budgets``, of the tokens where that is faster (``floor(M / dp)`` micro-batches each, a
+    little over the model's budget: at 16,384 devices 682 replicas of 3 micro-batches, where whole
+    micro-batches left two replicas a fourth).
+
+    Args:
+        cluster: the cluster (its speeds are ignored: every device counts as healthy).
+        model: the model to train.
+        cost: the cost model (default: ``AnalyticCost``).
+        layout: the TP x PP x DP layout (default: the best for the healthy cluster).
+        time_limit_s: the CP-SAT time limit of the layer split, in seconds.
+        token_budgets: share the global batch's tokens, not only whole micro-batches.
+    """
     healthy = StageCoster(cluster.healthy(), model, cost or AnalyticCost())
     layout = layout or choose_layout(healthy.cluster, model, healthy, token_budgets)
     pipes = home_pipelines(healthy.cluster, layout)
@@ -150,6 +170,12 @@ def capacity_bound(
     gives tokens/s per unit of compute used. Scale that by the compute the cluster has now
     (sum of speed x FLOP rate). A re-plan that shortens pipelines shrinks the bubble and can pass
     this bound by at most the bubble fraction.
+
+    Args:
+        cluster: the cluster at its current device speeds.
+        model: the model to train.
+        cost: the cost model (default: ``AnalyticCost``).
+        layout: the layout (default: the best for the healthy cluster).
     """
     coster = StageCoster(cluster, model, cost or AnalyticCost())
     if layout is None:
@@ -190,6 +216,16 @@ def _equal_stages_step(per_stage: np.ndarray, m: int, schedule: str, p2p_s: floa
 
 
 def check_layout(cluster: ClusterSpec, model: ModelSpec, layout: ParallelDims, where: str) -> None:
+    """Check that ``layout`` fits the cluster's devices and the model's layers.
+
+    Else a one-line ``InputError``.
+
+    Args:
+        cluster: the cluster.
+        model: the model.
+        layout: the TP x PP x DP layout to check.
+        where: what the error names as the layout's source (e.g. ``current plan``).
+    """
     groups = len(home_groups(cluster, layout.tp))
     if layout.tp * layout.pp * layout.dp > len(cluster) or layout.pp * layout.dp > groups:
         raise InputError(
@@ -268,18 +304,27 @@ class Planner:
         return self._last
 
     def healthy(self, cluster: ClusterSpec, model: ModelSpec) -> Plan:
-        """The healthy plan of this cluster and model (cached: it is the same at every detection)."""
+        """The healthy plan of this cluster and model (cached: it is the same at every
+        detection)."""
         return self._memo(cluster, model).healthy
 
     def bound(self, cluster: ClusterSpec, model: ModelSpec) -> CapacityBound:
         return self._memo(cluster, model).bound.at_speeds(cluster)
 
     def coster(self, cluster: ClusterSpec, model: ModelSpec) -> StageCoster:
-        """A coster at the cluster's device speeds, sharing what speeds do not change with the
-        planner's earlier calls."""
+        """A coster at the cluster's device speeds.
+
+        It shares what speeds do not change with the planner's earlier calls."""
         return self._memo(cluster, model).coster.at_speeds(cluster)
 
     def layout(self, cluster: ClusterSpec, model: ModelSpec, current: Plan | None) -> ParallelDims:
+        """The layout a plan keeps: the plan in force's (checked), else the healthy plan's.
+
+        Args:
+            cluster: the cluster at its current speeds.
+            model: the model.
+            current: the plan in force (None: a new job).
+        """
         if current is not None:
             current.check_against(cluster)
             check_layout(cluster, model, current.layout, "current plan")
@@ -293,6 +338,15 @@ class Planner:
         current: Plan | None = None,
         time_limit_s: float = 5.0,
     ) -> Plan:
+        """The best plan for the cluster at its current device speeds.
+
+        Args:
+            cluster: the cluster, its devices at their current (believed) speeds; 0 is dead.
+            model: the model to train.
+            current: the plan in force, warm-starting the solves and priced for migration (None:
+                a new job).
+            time_limit_s: the seconds the CP-SAT solves of this re-plan share.
+        """
         t0 = time.perf_counter()
         memo = self._memo(cluster, model)
         memo.trim()

@@ -21,7 +21,8 @@ from resihp.plan.specs import ClusterSpec, ModelSpec, in_flight_microbatches, st
 def closed_form_step(
     fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b", p2p_s: float = 0.0
 ) -> float:
-    """Critical path of one pipeline over ``m`` equal micro-batches; fwd/bwd are per-stage seconds."""
+    """Critical path of one pipeline over ``m`` equal micro-batches; fwd/bwd are per-stage
+    seconds."""
     fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     if m < 1 or fwd.size == 0:
         return 0.0
@@ -216,7 +217,8 @@ class StageCoster:
 
     @property
     def p2p_s(self) -> float:
-        """One micro-batch's activations (bf16) across a stage boundary (``cost.p2p_s``, unsplit)."""
+        """One micro-batch's activations (bf16) across a stage boundary (``cost.p2p_s``,
+        unsplit)."""
         return float(p2p_s(self.model, self.cluster))
 
     def layer_state_gb(self, tp: int) -> float:
@@ -303,7 +305,8 @@ class StageCoster:
         return self._shards[stages]
 
     def dp_sync_s(self, plan: Plan) -> float:
-        """Ring all-reduce of bf16 gradients across replicas; the largest per-device shard dominates."""
+        """Ring all-reduce of bf16 gradients across replicas; the largest per-device shard
+        dominates."""
         d = len(plan.pipelines)
         if d < 2:
             return 0.0
@@ -332,7 +335,8 @@ class StageCoster:
 
 def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> float:
     """Time to move model state into the new layout: each device receives the shards of layers it
-    did not hold in the same TP layout; transfers run in parallel, so the slowest receiver counts."""
+    did not hold in the same TP layout; transfers run in parallel, so the slowest receiver
+    counts."""
     if current is None:
         return 0.0
     held = current.holdings

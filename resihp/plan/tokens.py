@@ -32,8 +32,9 @@ def budget_limit(coster: StageCoster, plan_pipeline) -> float:
 
 
 def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
-    """A copy of the plan whose replicas' token shares equalise their predicted finish times
-    (micro-batch counts and layouts unchanged). Returns the plan itself when nothing can move."""
+    """A copy of the plan whose replicas' token shares equalise their predicted finish times.
+
+    Micro-batch counts and layouts are unchanged. Returns the plan itself when nothing can move."""
     model = coster.model
     pipes = plan.pipelines
     if len(pipes) < 2:
@@ -76,13 +77,21 @@ def balance_tokens(plan: Plan, coster: StageCoster) -> Plan:
 
 
 def proportional_counts(plan: Plan, coster: StageCoster, fewer: bool = False) -> Plan:
-    """A copy with micro-batch counts sized to each replica's speed, so that token budgets can then
-    close the rest of the gap (a slow replica cannot shrink its micro-batches, but it can run one
-    fewer, or none). Shares are proportional to tokens per second at the present counts; each
-    count is the most micro-batches of at least the model's budget that fit the share, and at least
-    as many as the memory limit on micro-batch size requires; ``fewer``: where memory caps the
-    micro-batch below the share, the count stays and the replica takes less than its share (the
-    others absorb the rest), instead of one more micro-batch that may take longer than the share."""
+    """A copy with micro-batch counts sized to each replica's speed.
+
+    So that token budgets can then close the rest of the gap (a slow replica cannot shrink its
+    micro-batches, but it can run one fewer, or none). Shares are proportional to tokens per second
+    at the present counts; each count is the most micro-batches of at least the model's budget that
+    fit the share, and at least as many as the memory limit on micro-batch size requires; ``fewer``:
+    where memory caps the micro-batch below the share, the count stays and the replica takes less
+    than its share (the others absorb the rest), instead of one more micro-batch that may take
+    longer than the share.
+
+    Args:
+        plan: the plan to resize.
+        coster: the stage coster.
+        fewer: where memory caps a replica's micro-batch below its share, keep its count.
+    """
     model = coster.model
     pipes = plan.pipelines
     if len(pipes) < 2:
@@ -112,8 +121,10 @@ def proportional_counts(plan: Plan, coster: StageCoster, fewer: bool = False) ->
 
 
 def balanced(plan: Plan, coster: StageCoster) -> list[Plan]:
-    """``plan`` with counts proportional to speed and token budgets balanced, both ways of
-    meeting a memory cap on a replica's micro-batch (``proportional_counts``), each once."""
+    """``plan`` with counts proportional to speed and token budgets balanced.
+
+    Both ways of meeting a memory cap on a replica's micro-batch (``proportional_counts``), each
+    once."""
     out = [balance_tokens(proportional_counts(plan, coster), coster)]
     fewer = balance_tokens(proportional_counts(plan, coster, fewer=True), coster)
     if fewer.pipelines != out[0].pipelines:

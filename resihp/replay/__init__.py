@@ -1,2 +1,3 @@
-"""Trace replay at cluster scale: the live detector and planner against failure and workload traces,
-beside the policies of other published systems."""
+"""Trace replay at cluster scale: the live detector and planner on failure and workload traces.
+
+They are replayed beside the policies of other published systems."""

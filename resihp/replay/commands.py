@@ -16,7 +16,8 @@ from resihp.paths import resolve
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
 
 
-# the names in replay.policies.POLICIES (a test keeps them equal), here for --help without the planner
+# the names in replay.policies.POLICIES (a test keeps them equal), here for --help without the
+# planner
 REPLAY_POLICIES = (
     "resihp, checkpoint-restart, oobleck, recycle, greyhound, oobleck+greyhound, recycle+greyhound"
 )
@@ -26,7 +27,10 @@ def replay_cmd(
     scenario: Annotated[
         Path | None,
         typer.Argument(
-            help="Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see traces/scenarios/)"
+            help=(
+                "Replay scenario YAML, or a shipped scenario by name (failslow-13b-256; see "
+                "traces/scenarios/)"
+            )
         ),
     ] = None,
     policies: Annotated[
@@ -57,7 +61,17 @@ def replay_cmd(
         ),
     ] = False,
 ) -> None:
-    """Replay a failure scenario under each policy through the one engine and compare throughput."""
+    """Replay a failure scenario under each policy through the one engine and compare throughput.
+    \f
+    Args:
+        scenario: a scenario YAML file, or a shipped scenario's name.
+        policies: comma-separated policy names (empty: all).
+        json_out: print the JSON summary instead of the table.
+        plot: a PNG path for the throughput timelines (None: no plot).
+        seed: the seed of failure generators, workload and noise (None: the scenario's).
+        example: print a complete commented scenario and exit.
+        schema: print every scenario key as Markdown and exit.
+    """
     from rich.console import Console
 
     from resihp.progress import progress_bar

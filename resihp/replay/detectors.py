@@ -2,10 +2,10 @@
 
 The detector objects are the ones live runs use (``OnlineDetector`` and the baselines of
 ``resihp.detect.baselines``); this module only turns a replay window into their input (the ops trace
-of docs/DESIGN.md, through ``resihp.detect.observe.observe_columns``) and maps the logical ranks they name
-back to devices. The window's records reach ``observe_columns`` as the arrays the simulator made
-(the same records ``Window.ops()`` gives as a frame, without building it). When a re-plan moves
-ranks, ranks whose device does the same work as before keep their baselines
+of docs/DESIGN.md, through ``resihp.detect.observe.observe_columns``) and maps the logical ranks
+they name back to devices. The window's records reach ``observe_columns`` as the arrays the
+simulator made (the same records ``Window.ops()`` gives as a frame, without building it). When a
+re-plan moves ranks, ranks whose device does the same work as before keep their baselines
 (``OnlineDetector.carried``) and the others recalibrate; a detector that cannot carry state is
 rebuilt. A change of micro-batch counts keeps everything.
 """
@@ -332,7 +332,8 @@ def resihp_detector(scenario, config: DetectorConfig | None = None) -> DetectorF
 
 
 def greyhound_detector(scenario) -> DetectorFeed:
-    """Greyhound-style change-point detection on raw iteration time (``resihp.detect.baselines``)."""
+    """Greyhound-style change-point detection on raw iteration time
+    (``resihp.detect.baselines``)."""
     return DetectorFeed(
         lambda meta, layout: IterationChangePointDetector(meta, layout), model_shape(scenario)
     )

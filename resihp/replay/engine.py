@@ -76,7 +76,7 @@ class ReplayOutcome:
 
 
 class Replay:
-    """Replays one scenario under one policy; ``run()`` returns the ReplayOutcome."""
+    """Replays one scenario under one policy; ``run()`` returns the ``ReplayOutcome``."""
 
     def __init__(
         self,

@@ -1,10 +1,10 @@
 """Failure generators driven by published rates and real traces.
 
-- ``llama3``: unexpected interruptions at the rate of the Llama 3 405B pre-training (419 in 54 days on
-  16,384 GPUs; Dubey et al. 2024, Table 5), scaled to the scenario's device count; the cause of each
-  is drawn from the table's counts. Hardware causes (GPU, host, network, unplanned maintenance) take
-  the device out for ``costs.repair``; software causes (dependency, unknown) only kill the process,
-  which comes back after ``costs.restart``.
+- ``llama3``: unexpected interruptions at the rate of the Llama 3 405B pre-training (419 in 54 days
+  on 16,384 GPUs; Dubey et al. 2024, Table 5), scaled to the scenario's device count; the cause of
+  each is drawn from the table's counts. Hardware causes (GPU, host, network, unplanned maintenance)
+  take the device out for ``costs.repair``; software causes (dependency, unknown) only kill the
+  process, which comes back after ``costs.restart``.
 - ``greyhound``: fail-slows at a given frequency (``per_day``, required: the paper reports how many
   jobs saw one, not a per-device rate), with mean duration and mean slowdown from Greyhound's
   Table 1 for the job's size class (Wu et al., ATC 2025). Durations are exponential around the mean;
@@ -47,7 +47,8 @@ def llama3_causes() -> pd.DataFrame:
 
 
 class _Occupancy:
-    """Which devices are busy (slow or stopped) over which intervals, to keep events from overlapping."""
+    """Which devices are busy (slow or stopped) over which intervals, to keep events from
+    overlapping."""
 
     def __init__(self, events: list[FailureEvent]) -> None:
         self.busy: dict[int, list[tuple[float, float]]] = {}
@@ -130,6 +131,14 @@ def _pair(
 def llama3_events(
     gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
 ) -> list[FailureEvent]:
+    """The events the scenario's ``llama3`` generator draws (Llama 3 interruptions).
+
+    Args:
+        gen: the generator's entry in the scenario (its parameters and line).
+        scenario: the scenario (cluster, duration, costs).
+        rng: the random generator events are drawn with.
+        occ: the devices already busy, so that drawn events do not overlap.
+    """
     _check_keys(gen, scenario, {"scale"})
     scale = _param(gen, scenario, "scale", 1.0)
     n = len(scenario.cluster)
@@ -166,6 +175,14 @@ def llama3_events(
 def greyhound_events(
     gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
 ) -> list[FailureEvent]:
+    """The events the scenario's ``greyhound`` generator draws (Greyhound fail-slows).
+
+    Args:
+        gen: the generator's entry in the scenario (its parameters and line).
+        scenario: the scenario (cluster, duration, costs).
+        rng: the random generator events are drawn with.
+        occ: the devices already busy, so that drawn events do not overlap.
+    """
     _check_keys(gen, scenario, {"per_day", "size_class", "max_factor", "communication"})
     per_day = _param(gen, scenario, "per_day")
     _check_expected(gen, scenario, "per_day", per_day / 86400.0)
@@ -214,6 +231,14 @@ def greyhound_events(
 def alibaba_events(
     gen: Generator, scenario: Scenario, rng: np.random.Generator, occ: _Occupancy
 ) -> list[FailureEvent]:
+    """The events the scenario's ``alibaba`` generator draws (a real Alibaba PAI job's slowdowns).
+
+    Args:
+        gen: the generator's entry in the scenario (its parameters and line).
+        scenario: the scenario (cluster, duration, costs).
+        rng: the random generator events are drawn with.
+        occ: the devices already busy, so that drawn events do not overlap.
+    """
     _check_keys(gen, scenario, {"job", "devices", "seconds_per_iteration", "start", "threshold"})
     where = f"{scenario.path}:{gen.line}: generators.alibaba"
     job = int(_param(gen, scenario, "job", minimum=1))

@@ -35,8 +35,10 @@ class Detection:
 
 @dataclass
 class Reaction:
-    """What a policy does: a new layout after ``downtime_s`` seconds without progress; ``rollback``
-    loses the work since the last checkpoint; ``at`` is the index of the observed step it acted at."""
+    """What a policy does: a new layout after ``downtime_s`` seconds without progress.
+
+    ``rollback`` loses the work since the last checkpoint; ``at`` is the index of the observed step
+    it acted at."""
 
     layout: ReplicaLayout | None = None
     downtime_s: float = 0.0
@@ -67,25 +69,30 @@ class Window:
     _step_columns: Callable[[int, int], dict[str, np.ndarray]] | None = None
 
     def ops(self) -> pd.DataFrame:
-        """The docs/DESIGN.md ops trace of these steps: forward/backward compute of the first
-        ``ops_microbatches`` micro-batches of every replica, on every tensor-parallel rank, with
-        ``seq_lens`` and ``tokens``; ``rank`` is the logical rank of ``meta``, ``device`` the device.
+        """The docs/DESIGN.md ops trace of these steps.
 
-        Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel peer
-        inside the collectives is not in it), so a slow device shows on its own rank only."""
+        Forward/backward compute of the first ``ops_microbatches`` micro-batches of every replica,
+        on every tensor-parallel rank, with ``seq_lens`` and ``tokens``; ``rank`` is the logical
+        rank of ``meta``, ``device`` the device.
+
+        Durations are each rank's own compute kernel time (the wait for a slower tensor-parallel
+        peer inside the collectives is not in it), so a slow device shows on its own rank only."""
         return self._ops()
 
     def columns(self) -> dict[str, np.ndarray]:
-        """The same records as ``ops()``, as numpy columns (``resihp.detect.observe.trace_columns``
-        form, ``optype`` a ``pd.Categorical``) without building the frame; {} for no records."""
+        """The same records as ``ops()``, as numpy columns without building the frame.
+
+        In ``resihp.detect.observe.trace_columns`` form, ``optype`` a ``pd.Categorical``; {} for no
+        records."""
         if self._columns is None:
             df = self.ops()
             return trace_columns(df) if not df.empty else {}
         return self._columns()
 
     def step_columns(self, first: int, stop: int) -> dict[str, np.ndarray]:
-        """``columns()`` of the steps ``steps[first:stop]`` alone (built for those steps only where
-        the window's maker can)."""
+        """``columns()`` of the steps ``steps[first:stop]`` alone.
+
+        Built for those steps only where the window's maker can."""
         if self._step_columns is not None:
             return self._step_columns(first, stop)
         cols = self.columns()
@@ -115,14 +122,17 @@ class Policy:
         return None
 
     def wake_at(self, ctx: Context) -> float | None:
-        """When the policy wants to look at the job next, besides after changes and probes (the
-        engine simulates a window then and hands it to ``observe``); None: no such time."""
+        """When the policy wants to look at the job next, besides after changes and probes.
+
+        The engine simulates a window then and hands it to ``observe``; None: no such time."""
         return None
 
 
 class Context:
-    """What a policy may know and use: the scenario, the devices known dead, the time, and the
-    cost model for its own predictions (with nominal speeds it believes, never the true ones)."""
+    """What a policy may know and use: the scenario, the dead devices, the time, the cost model.
+
+    The cost model is for its own predictions, with the nominal speeds it believes, never the true
+    ones."""
 
     def __init__(self, scenario: Scenario, pool: MicroBatchPool) -> None:
         self.scenario = scenario
@@ -143,16 +153,19 @@ class Context:
         self.mean_tokens = float(pool.tokens.mean())
 
     def benchmark(self, device: int) -> float:
-        """The speed a short benchmark measures on ``device`` now, relative to a healthy device (0
-        when dead): what a real job can run on a device it has excluded and so cannot observe in
-        training. Only for devices out of the plan in force; the others are judged by the detector."""
+        """The speed a short benchmark measures on ``device`` now, relative to a healthy device.
+
+        0 when dead: what a real job can run on a device it has excluded and so cannot observe in
+        training. Only for devices out of the plan in force; the others are judged by the
+        detector."""
         if self._bench is None:
             raise RuntimeError("benchmark: no engine attached to this context")
         return self._bench(device)
 
     def benchmark_link(self, a: int, b: int) -> float:
-        """The bandwidth a short transfer between ``a`` and ``b`` measures now, relative to a
-        healthy link: what a job can probe on a link its plan no longer uses."""
+        """The bandwidth a short transfer between ``a`` and ``b`` measures now, relative to healthy.
+
+        What a job can probe on a link its plan no longer uses."""
         if self._bench_link is None:
             raise RuntimeError("benchmark_link: no engine attached to this context")
         return self._bench_link(a, b)
@@ -178,7 +191,14 @@ class Context:
         speed: np.ndarray,
         last: np.ndarray | bool = False,
     ) -> np.ndarray:
-        """Expected forward+backward seconds of one mean micro-batch on a stage (no noise)."""
+        """Expected forward+backward seconds of one mean micro-batch on a stage (no noise).
+
+        Args:
+            layers: the stage's layers (one entry per stage, broadcast with the others).
+            width: the stage's tensor-parallel group size.
+            speed: the stage's speed as a fraction of a healthy device's (its slowest device).
+            last: whether the stage is the pipeline's last (it also runs the LM head).
+        """
         flops = np.asarray(layers) * self.mean_fwd_flops + np.where(last, self.mean_head_flops, 0.0)
         comm = (
             4.0

@@ -1,4 +1,6 @@
-"""How a replayed job is laid out on the cluster: replicas, their stages, groups, layers, micro-batches.
+"""How a replayed job is laid out on the cluster.
+
+A layout holds the replicas, their stages, groups, layers and micro-batches.
 
 Replicas may differ (an Oobleck template with fewer stages, a re-planned replica with moved layers),
 so a layout is a list of replicas; ``compile`` groups replicas of the same shape into padded arrays
@@ -127,8 +129,17 @@ def uniform_layout(
 ) -> ReplicaLayout:
     """Megatron's default placement: tp inside a node, then pp, then dp, over ``devices`` in order.
 
-    ``devices`` lists whole nodes' worth of usable device ids; replicas beyond what they hold are
-    dropped, and the global batch is spread over the replicas that remain.
+    Replicas beyond what ``devices`` hold are dropped, and the global batch is spread over the
+    replicas that remain.
+
+    Args:
+        devices: usable device ids, whole nodes' worth, in placement order.
+        gpus_per_node: devices per node (not read: ``devices`` come in node order).
+        dp: data-parallel replicas.
+        pp: pipeline stages per replica.
+        tp: tensor-parallel group size.
+        layers: the model's layers, split as evenly as whole layers allow over the stages.
+        microbatches: the global batch's micro-batches a step.
     """
     devices = np.asarray(devices, dtype=np.int64)
     per_replica = pp * tp

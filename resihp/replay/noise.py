@@ -1,5 +1,6 @@
-"""Per-step compute noise measured on real jobs: the Alibaba PAI per-worker mini-batch times
-(traces/alibaba/, see its README).
+"""Per-step compute noise measured on real jobs.
+
+The source is the Alibaba PAI per-worker mini-batch times (traces/alibaba/, see its README).
 
 Each worker's time is divided by its own rolling median (21 iterations, centred), which leaves the
 step-to-step fluctuation and removes slow drifts; iterations where the worker is a straggler (more

@@ -27,7 +27,15 @@ def summary(
     wall_s: dict[str, float] | None = None,
     timeline_points: int = 96,
 ) -> dict:
-    """The ``resihp replay --json`` document."""
+    """The ``resihp replay --json`` document.
+
+    Args:
+        scenario: the replayed scenario.
+        outcomes: one outcome per policy.
+        events: the failure events replayed.
+        wall_s: replay wall seconds per policy name (absent: not reported).
+        timeline_points: equal slices of the run each policy's tokens/s timeline has.
+    """
     wall_s = wall_s or {}
     by_name = {o.policy: o for o in outcomes}
     policies = []
@@ -118,8 +126,17 @@ def table(doc: dict):
 
 
 def plot(doc: dict, outcomes: list[ReplayOutcome], events: list[FailureEvent], path: str) -> None:
-    """Small multiples: one panel per policy (shared axes), each with the capacity bound and the
-    failure events drawn, so that no policy's line hides another's."""
+    """Small multiples of throughput over time: one panel per policy, with shared axes.
+
+    Each panel draws the capacity bound and the failure events, so that no policy's line hides
+    another's.
+
+    Args:
+        doc: the ``summary`` document (each policy's figures for its panel title).
+        outcomes: one outcome per policy.
+        events: the failure events replayed.
+        path: the PNG file to write.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,4 +1,5 @@
-"""Replaying one scenario under several policies: the function the CLI, benchmark and notebook call."""
+"""Replaying one scenario under several policies: the function the CLI, benchmark and notebook
+call."""
 
 from __future__ import annotations
 
@@ -30,7 +31,14 @@ def compare(
     seed: int | None = None,
     on_progress: Callable[[float], None] | None = None,
 ) -> Comparison:
-    """Replay every policy on the same events, workload draws and noise (same seed)."""
+    """Replay every policy on the same events, workload draws and noise (same seed).
+
+    Args:
+        scenario: the scenario to replay.
+        policies: policy names, a list or comma-separated (None or empty: all).
+        seed: the seed of events, workload and noise (None: the scenario's).
+        on_progress: called with the replayed seconds so far over all policies.
+    """
     events = scenario_events(scenario, seed)
     pool = shared_pool(scenario)
     outcomes, wall = [], {}

@@ -1,8 +1,9 @@
 """Replay scenario files (docs/DESIGN.md "Replay scenario YAML"): parsing and validation.
 
-A scenario names the cluster, the model and its initial parallel layout, the workload (a sequence-length
-source), the duration, failure events and/or failure generators with their rates, and the costs of
-restart, checkpointing and reconfiguration. Every error names the file, the line and the field.
+A scenario names the cluster, the model and its initial parallel layout, the workload (a
+sequence-length source), the duration, failure events and/or failure generators with their rates,
+and the costs of restart, checkpointing and reconfiguration. Every error names the file, the line
+and the field.
 
 The cluster is the planner's ``ClusterSpec`` (``ClusterSpec.uniform``: nodes of identical devices,
 each at the sustained rate ``peak_tflops x mfu``) and the model its ``ModelSpec``; the initial
@@ -88,7 +89,8 @@ MAX_DURATION_S = 366 * 86400.0  # the longest replay: a year of training
 
 
 def parse_duration(value: object, where: str) -> float:
-    """Seconds from a number (seconds) or a string with a unit: ``90s``, ``30m``, ``12h``, ``7d``."""
+    """Seconds from a number (seconds) or a string with a unit: ``90s``, ``30m``, ``12h``,
+    ``7d``."""
     if isinstance(value, bool):
         raise InputError(f"{where}: expected a duration like 3600, 90m, 12h or 7d, got {value!r}")
     if isinstance(value, (int, float)):
@@ -457,8 +459,10 @@ def _line(data: LineDict, key: str) -> int:
 
 
 def check_fits(scenario: Scenario, where: str) -> None:
-    """The initial layout must fit in device memory: the uniform layout's layer split, each stage
-    with the micro-batches 1F1B keeps in flight, within a device's memory less the reserve."""
+    """Check that the initial layout fits in device memory; else a one-line ``InputError``.
+
+    The uniform layout's layer split, each stage with the micro-batches 1F1B keeps in flight,
+    within a device's memory less the reserve; ``where`` names the scenario in the error."""
     m, p = scenario.model, scenario.parallel
     counts = apportion(m.layers, np.ones(p.pp), minimum=1)
     need = pipeline_memory_gb(m, counts, p.tp, -(-m.microbatches // p.dp))

@@ -1,6 +1,8 @@
-"""Every key of a replay scenario file, with its form, default and meaning: the one list the loader
-checks keys against, ``docs/scenario.md`` and ``resihp replay --schema`` are made from, and
-``resihp replay --example`` writes a complete commented scenario from."""
+"""Every key of a replay scenario file, with its form, default and meaning.
+
+It is the one list the loader checks keys against, ``docs/scenario.md`` and ``resihp replay
+--schema`` are made from, and ``resihp replay --example`` writes a complete commented scenario
+from."""
 
 from __future__ import annotations
 

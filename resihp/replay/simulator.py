@@ -1,11 +1,11 @@
 """The vectorised hot path of the replay: a window of steps for one layout and device speeds.
 
 Per step, each pipeline stage's forward and backward time for each of its micro-batches is the cost
-model's compute for that micro-batch (drawn from the real workload's packed micro-batches) divided by
-the stage's speed (its slowest device) times a noise multiplier measured on real jobs, plus the
+model's compute for that micro-batch (drawn from the real workload's packed micro-batches) divided
+by the stage's speed (its slowest device) times a noise multiplier measured on real jobs, plus the
 tensor-parallel all-reduces; the step is the 1F1B critical path of every replica (the schedule of
-``resihp.perf.schedule``), the data-parallel gradient sync and the optimizer, and the slowest replica
-sets the pace. The ops records of a window follow the docs/DESIGN.md contract.
+``resihp.perf.schedule``), the data-parallel gradient sync and the optimizer, and the slowest
+replica sets the pace. The ops records of a window follow the docs/DESIGN.md contract.
 """
 
 from __future__ import annotations
@@ -63,11 +63,21 @@ class Simulator:
         start_s: float,
         links: np.ndarray | None = None,
     ) -> Window:
-        """``links``: each device's network link as a fraction of its bandwidth (None: all
-        healthy); a slow one stretches the transfers it takes part in, not compute: its pipeline
-        boundaries and its gradient ring (a ring all-reduce runs at its slowest link, and the step
-        waits for the slowest ring). The detector sees the pipeline transfers (``transfers``); the
-        simulator emits no per-rank collective timings."""
+        """Simulate ``n_steps`` steps of ``compiled`` at the given device speeds, as a window.
+
+        A slow link stretches the transfers it takes part in, not compute: its pipeline boundaries
+        and its gradient ring (a ring all-reduce runs at its slowest link, and the step waits for
+        the slowest ring). The detector sees the pipeline transfers (``transfers``); the simulator
+        emits no per-rank collective timings.
+
+        Args:
+            compiled: the layout in force, compiled.
+            speeds: each device's true speed as a fraction of a healthy one (0: dead).
+            n_steps: steps to simulate.
+            first_step: the number of the window's first step.
+            start_s: the window's start time in seconds.
+            links: each device's network link as a fraction of its bandwidth (None: all healthy).
+        """
         per_group = []
         link_of = np.ones(len(speeds) + 1) if links is None else np.concatenate([links, [1.0]])
         if not compiled.groups:  # no replica left to run
@@ -396,7 +406,8 @@ _OPTYPE = pd.CategoricalDtype(list(COMPUTE_OPTYPES))
 
 
 def shared_pool(scenario: Scenario, budget: int | None = None) -> MicroBatchPool:
-    """The workload's packed micro-batches, built once per (source, model, budget, seed) and shared."""
+    """The workload's packed micro-batches, built once per (source, model, budget, seed) and
+    shared."""
     m = scenario.model
     budget = budget or m.microbatch_tokens
     key = (

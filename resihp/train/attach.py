@@ -1,4 +1,5 @@
-"""``resihp.attach``: instrument a user's own training loop in a few lines, without touching the model.
+"""``resihp.attach``: instrument a user's own training loop in a few lines, without touching the
+model.
 
     mon = resihp.attach(model, optimizer=opt, out="runs/myjob")
     for batch in loader:
@@ -14,8 +15,8 @@ agent store: nothing shared between nodes but the network; rank 0 writes the run
 rank 0 of each node aggregates its node's heartbeats, ``resihp follow --store`` follows it from
 any machine); in a process started otherwise, rows go to a per-rank JSON-lines stream in ``out``.
 
-Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards) or,
-with ``detect=True``, in a thread of rank 0 (``resihp.train.follow.Follower``): then
+Detection runs either beside the job (``resihp follow OUT``, or ``resihp detect OUT`` afterwards)
+or, with ``detect=True``, in a thread of rank 0 (``resihp.train.follow.Follower``): then
 ``monitor.report()`` gives the current stragglers, ``on_event`` is called with each finding, and
 ``on_fault`` acts on a device fault at the next step boundary on every rank alike ("stop" raises
 ``DeviceFault`` out of ``monitor.step``; a callable, e.g. one saving a checkpoint, is called with
@@ -63,8 +64,9 @@ log = logging.getLogger("resihp.attach")
 
 
 class DeviceFault(RuntimeError):
-    """Raised out of ``monitor.step`` on every rank when ``on_fault="stop"`` and a device fault was
-    found; ``event`` is the finding (the DESIGN event JSON)."""
+    """Raised out of ``monitor.step`` on every rank when a device fault is found.
+
+    Only with ``on_fault="stop"``; ``event`` is the finding (the DESIGN event JSON)."""
 
     def __init__(self, event: dict) -> None:
         super().__init__(
@@ -206,8 +208,10 @@ class Monitor:
 
     @_accounted
     def optimizer_step_begins(self) -> None:
-        """The optimizer's update starts (its hooks call this; frameworks that run the forward and
-        backward inside ``optimizer.step(closure)``, like Lightning, call it after the closure)."""
+        """Mark the start of the optimizer's update.
+
+        The optimizer's hooks call this; frameworks that run the forward and backward inside
+        ``optimizer.step(closure)``, like Lightning, call it after the closure."""
         self._end("backward-compute")  # parameters the backward did not reach
         self._begin("optimizer")
 
@@ -222,8 +226,13 @@ class Monitor:
         seq_lens: Sequence[int] | Sequence[Sequence[int]] | None = None,
         step: int | None = None,
     ) -> Iterator[None]:
-        """One training step. ``seq_lens``: the packed sequence lengths of the step's micro-batch,
-        or a list of them, one per forward call (gradient accumulation)."""
+        """Time one training step (a context manager around its forward, backward and update).
+
+        Args:
+            seq_lens: the packed sequence lengths of the step's micro-batch, or a list of them, one
+                per forward call (gradient accumulation); None: no lengths recorded.
+            step: the step's number (default: the previous step's plus one).
+        """
         if self.on_fault is not None:
             self._act_on_faults()
         t0 = time.perf_counter()
@@ -273,15 +282,18 @@ class Monitor:
             self.rec.rows.append(row)
 
     def note_lengths(self, seq_lens: Sequence[int]) -> None:
-        """The sequence lengths of the next forward call's micro-batch, for loops that do not pass
-        them to ``step`` (integrations read them from the batch in a forward pre-hook)."""
+        """Record the sequence lengths of the next forward call's micro-batch.
+
+        For loops that do not pass them to ``step`` (integrations read them from the batch in a
+        forward pre-hook)."""
         self._seq_lens.append([int(x) for x in seq_lens])
 
     def report(self) -> dict:
-        """What the in-process detector holds now (``detect=True``, rank 0): ``stragglers`` (device
-        faults still open: rank, kind, slowdown, onset_step, detected_step, phase), every
-        ``event``, ``steps`` judged and each rank's ``noise`` with its smallest detectable
-        slowdown. Elsewhere: an empty report saying why."""
+        """What the in-process detector holds now (``detect=True``, rank 0).
+
+        ``stragglers`` (device faults still open: rank, kind, slowdown, onset_step, detected_step,
+        phase), every ``event``, ``steps`` judged and each rank's ``noise`` with its smallest
+        detectable slowdown. Elsewhere: an empty report saying why."""
         if self.follower is None:
             why = (
                 "detection runs on rank 0"
@@ -395,7 +407,8 @@ class _ControlPlane:
         return cls(store, os.environ.get("TORCHELASTIC_RUN_ID", "job"), rec, rank, heartbeat_s)
 
     def lead(self, out: Path, meta: dict) -> None:
-        """Rank 0: announce the job (``resihp follow --store``) and collect the trace into ``out``."""
+        """Rank 0: announce the job (``resihp follow --store``) and collect the trace into
+        ``out``."""
         announce_job(self.store, self.job_id, None, len(self.nodes), len(self.nodes[0]), meta=meta)
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         (out / "controlplane.json").write_text(
@@ -477,20 +490,41 @@ def attach(
     gpu_timing: str = "events",
     **meta: object,
 ) -> Monitor:
-    """Start recording ``model``'s per-op timings into ``out`` (ops-trace rows per rank, job meta
-    from rank 0, heartbeats). Ranks default to torch.distributed's (or ``RANK``/``WORLD_SIZE``);
-    with no other hint every rank is its own data-parallel replica.
+    """Start recording ``model``'s per-op timings into ``out``.
 
-    ``detect``: run the detector in a thread of rank 0 (``monitor.report()``, ``on_event``);
-    ``on_fault``: ``"stop"`` (``DeviceFault`` out of ``monitor.step`` on every rank) or a callable
-    given the event on every rank (e.g. saving a checkpoint), at the step boundary after a device
-    fault is found (implies ``detect``); ``tensorboard``: step time, tokens/s and events as
-    TensorBoard scalars under ``OUT/tensorboard`` (rank 0; needs the ``tensorboard`` extra);
-    ``gpu_timing`` (a model on a GPU): ``"events"`` times ops with CUDA events and records each
-    step's rows once the next step starts, never stalling the GPU; ``"sync"`` synchronises around
-    every op (rows at once, at a measured cost: ``benchmarks/gpu.py``).
-    Keyword ``meta`` goes to ``job.yaml`` (e.g. ``layers``, ``hidden``, ``heads``, ``ffn_hidden``
-    let the detector weigh each step's sequence lengths by the model's FLOPs)."""
+    Each rank writes its ops-trace rows and heartbeats, rank 0 the job meta. Ranks default to
+    torch.distributed's (or ``RANK``/``WORLD_SIZE``); with no other hint every rank is its own
+    data-parallel replica.
+
+    Args:
+        model: the module whose forward and backward are timed.
+        optimizer: the optimizer whose ``step`` is timed as the ``optimizer`` op (None: no hooks;
+            the loop may call ``optimizer_step_begins`` and ``optimizer_step_ends`` itself).
+        out: the run folder the trace, ``job.yaml`` and logs go to.
+        rank: this process's global rank (default: torch.distributed's, else ``RANK``).
+        dp_rank: this rank's data-parallel replica (default: ``rank``).
+        stage: this rank's pipeline stage.
+        tp_rank: this rank's index in its tensor-parallel group.
+        dp_size: data-parallel replicas (default: world size / (``pp_size`` x ``tp_size``)).
+        pp_size: pipeline stages.
+        tp_size: tensor-parallel group size.
+        heartbeat_s: seconds between heartbeats.
+        detect: run the detector in a thread of rank 0 (``monitor.report()``, ``on_event``).
+        on_event: called on rank 0 with each event (the DESIGN event JSON) the detector finds.
+        on_fault: ``"stop"`` (``DeviceFault`` out of ``monitor.step`` on every rank) or a callable
+            given the event on every rank (e.g. saving a checkpoint), at the step boundary after a
+            device fault is found (implies ``detect``).
+        detector_config: the in-process detector's settings (default: ``DetectorConfig()``).
+        tensorboard: step time, tokens/s and events as TensorBoard scalars under
+            ``OUT/tensorboard`` (rank 0; needs the ``tensorboard`` extra).
+        log_level: the ``logging`` level of the ``resihp`` loggers.
+        gpu_timing: for a model on a GPU, ``"events"`` times ops with CUDA events and records each
+            step's rows once the next step starts, never stalling the GPU; ``"sync"``
+            synchronises around every op (rows at once, at a measured cost:
+            ``benchmarks/gpu.py``).
+        **meta: written to ``job.yaml`` (e.g. ``layers``, ``hidden``, ``heads``, ``ffn_hidden``
+            let the detector weigh each step's sequence lengths by the model's FLOPs).
+    """
     if on_fault is not None and on_fault != "stop" and not callable(on_fault):
         raise InputError(f"attach: on_fault must be 'stop' or a callable, got {on_fault!r}")
     if gpu_timing not in GPU_TIMINGS:

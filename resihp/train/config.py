@@ -99,10 +99,10 @@ class FaultConfig(Section):
         factory=list,
         panel="Faults and recovery",
         help=(
-            "slow:rank=R,factor=F,step=S (compute x F), link:ranks=A+B,factor=F,step=S (every transfer "
-            "between A and B x F: pipeline sends/receives and their share of collectives), "
-            "stop:rank=R,step=S (SIGKILL), error:rank=R,step=S (a Python exception) or "
-            "hang:rank=R,step=S[,how=block|stop] (repeatable)"
+            "slow:rank=R,factor=F,step=S (compute x F), link:ranks=A+B,factor=F,step=S (every "
+            "transfer between A and B x F: pipeline sends/receives and their share of "
+            "collectives), stop:rank=R,step=S (SIGKILL), error:rank=R,step=S (a Python "
+            "exception) or hang:rank=R,step=S[,how=block|stop] (repeatable)"
         ),
     )
     recovery: str = opt(
@@ -110,13 +110,14 @@ class FaultConfig(Section):
         choices=RECOVERY_MODES,
         panel="Faults and recovery",
         help=(
-            "On a fail-stop: none; restart (relaunch the same layout; every rank restores from memory, a "
-            "peer's memory, else the newest checkpoint); replica (only the lost data-parallel replica "
-            "restarts and catches up from a live peer while the others train on, taking over its "
-            "micro-batches; live re-planning then moves micro-batch shares, and layers between the stages "
-            "of each replica, but never ranks between groups); replica-drop (the "
-            "same, its micro-batches skipped while it is away); auto: replica when --dp > 1 on one node "
-            "of CPUs without --ckpt-every, --snapshot-every or --resume, else none"
+            "On a fail-stop: none; restart (relaunch the same layout; every rank restores from "
+            "memory, a peer's memory, else the newest checkpoint); replica (only the lost "
+            "data-parallel replica restarts and catches up from a live peer while the others "
+            "train on, taking over its micro-batches; live re-planning then moves micro-batch "
+            "shares, and layers between the stages of each replica, but never ranks between "
+            "groups); replica-drop (the same, its micro-batches skipped while it is away); auto: "
+            "replica when --dp > 1 on one node of CPUs without --ckpt-every, --snapshot-every or "
+            "--resume, else none"
         ),
     )
     timeout_s: float = opt(
@@ -145,8 +146,8 @@ class FaultConfig(Section):
         finite=True,
         panel="Faults and recovery",
         help=(
-            "Seconds a training rank may make no progress while its heartbeat goes on before it counts "
-            "as hung (default: 5 x the median step time, at least --heartbeat-timeout)"
+            "Seconds a training rank may make no progress while its heartbeat goes on before it "
+            "counts as hung (default: 5 x the median step time, at least --heartbeat-timeout)"
         ),
     )
 
@@ -160,9 +161,10 @@ class CheckpointConfig(Section):
         minimum=0,
         panel="Checkpoints",
         help=(
-            "Steps between universal checkpoints; with it, a stopped rank is excluded by an elastic "
-            "restart. With --snapshot-every on one node the node's keeper writes them from memory, "
-            "off the training path, and writes the newest snapshot when the job stops early"
+            "Steps between universal checkpoints; with it, a stopped rank is excluded by an "
+            "elastic restart. With --snapshot-every on one node the node's keeper writes them "
+            "from memory, off the training path, and writes the newest snapshot when the "
+            "job stops early"
         ),
     )
     ckpt_keep: int = opt(
@@ -176,8 +178,8 @@ class CheckpointConfig(Section):
         minimum=0,
         panel="Checkpoints",
         help=(
-            "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 with "
-            "--recovery restart, else none"
+            "Steps between in-memory snapshots (/dev/shm, kept by a per-node keeper); default 1 "
+            "with --recovery restart, else none"
         ),
     )
     ckpt_dir: str | None = opt(
@@ -193,8 +195,8 @@ class CheckpointConfig(Section):
         None,
         panel="Checkpoints",
         help=(
-            "Start from a checkpoint folder, or a run folder's newest checkpoint that verifies, in any "
-            "layout; --steps stays the total step count"
+            "Start from a checkpoint folder, or a run folder's newest checkpoint that verifies, "
+            "in any layout; --steps stays the total step count"
         ),
     )
 
@@ -214,8 +216,8 @@ class LiveConfig(Section):
         maximum=100000,
         panel="Live re-planning",
         help=(
-            "Steps of each rank the live detector learns its healthy baseline on before it can find a "
-            "fail-slow there (and again after a plan change moves work)"
+            "Steps of each rank the live detector learns its healthy baseline on before it can "
+            "find a fail-slow there (and again after a plan change moves work)"
         ),
     )
     min_slowdown: float = opt(
@@ -225,8 +227,8 @@ class LiveConfig(Section):
         finite=True,
         panel="Live re-planning",
         help=(
-            "The least slowdown of a rank the live detector reports and the planner re-plans around "
-            "(raise it where the machine's own noise reaches the default)"
+            "The least slowdown of a rank the live detector reports and the planner re-plans "
+            "around (raise it where the machine's own noise reaches the default)"
         ),
     )
     alarm_floor: float = opt(
@@ -427,7 +429,7 @@ def check_memory(cfg: RunConfig, ranks_here: int) -> None:
     if need > 0.9 * have:
         raise InputError(
             f"model too large: about {need / 2**30:.1f} GiB for {ranks_here} ranks (--layers "
-            f"{cfg.model.layers} --hidden {cfg.model.hidden} --ffn-hidden {cfg.model.ffn_hidden} --vocab {cfg.model.vocab} "
-            f"--budget {cfg.data.budget}) but {have / 2**30:.1f} GiB is available; shrink the model or "
-            f"the micro-batch budget"
+            f"{cfg.model.layers} --hidden {cfg.model.hidden} --ffn-hidden {cfg.model.ffn_hidden} "
+            f"--vocab {cfg.model.vocab} --budget {cfg.data.budget}) but {have / 2**30:.1f} GiB "
+            "is available; shrink the model or the micro-batch budget"
         )

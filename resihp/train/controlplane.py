@@ -87,7 +87,8 @@ _COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes", "wait_s")
 
 def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
     """One rank's rows of one step, column-wise: the ids once, times as offsets in microseconds,
-    each micro-batch's sequence lengths once; ``cost_s``: the rank's time spent publishing so far."""
+    each micro-batch's sequence lengths once; ``cost_s``: the rank's time spent publishing so
+    far."""
     # the ids once: the step's last row's (a live layout change at the step's start records its
     # own op at the old place; the step's training ops, and so the step, are at the new one)
     last = rows[-1]
@@ -403,7 +404,7 @@ class StepReader:
                 self.next_step = oldest
 
 
-# --- plan changes, errors, the job ------------------------------------------------------------------
+# --- plan changes, errors, the job ----------------------------------------------------------------
 def plan_key(job_id: str) -> str:
     """Where the live planner posts the newest plan change of a job."""
     return f"{prefix_of(job_id)}/plan"
@@ -684,7 +685,8 @@ def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitc
 
 
 def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
-    """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published it."""
+    """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published
+    it."""
     said = _signed(
         store,
         f"{prefix_of(job_id)}/first-failure/{node}",

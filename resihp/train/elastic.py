@@ -39,7 +39,8 @@ def latest_checkpoint(cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str
 
 
 def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunConfig | None:
-    """The run config that continues without ``rank``'s replica (or stage); None if nothing is left."""
+    """The run config that continues without ``rank``'s replica (or stage); None if nothing is
+    left."""
     dims = cfg.dims()
     lost = dims.coords(rank)
     if cfg.parallel.dp > 1:
@@ -55,8 +56,9 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
 
 def relaunch_config(cfg: RunConfig, resume: Path, out: Path, **changes) -> RunConfig:
     """``cfg`` for a relaunch into ``out`` from checkpoint ``resume``, with ``changes``. A relaunch
-    that keeps snapshots is a job of its own (job id ``<job>-r``): the first launch's keeper persists
-    the slots of the world it was started for, so the relaunch's memory tier is a fresh one."""
+    that keeps snapshots is a job of its own (job id ``<job>-r``): the first launch's keeper
+    persists the slots of the world it was started for, so the relaunch's memory tier is a fresh
+    one."""
     job = f"{cfg.job_id}-r" if cfg.snapshot_interval() and cfg.job_id else cfg.job_id
     return cfg.relaunched_into(out, **changes, resume=str(resume), job_id=job)
 

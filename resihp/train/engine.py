@@ -416,7 +416,8 @@ class Engine:
 
     def _all_reduce_grads(self, loss_sum: torch.Tensor) -> float | None:
         """Sum gradients over the data-parallel replicas (the loss is already divided by the
-        global token count). The last stage's loss rides in the head's bucket: no extra collective."""
+        global token count). The last stage's loss rides in the head's bucket: no extra
+        collective."""
         loss = loss_sum.reshape(1).clone() if self.next is None else None
         # a tied embedding is summed over its first- and last-stage copies even with one replica
         if len(self.pipelines) > 1 or (self.model_cfg.tie_embeddings and self.pp > 1):

@@ -111,7 +111,8 @@ class MemorySnapshots:
         check_capacity(self.tier, (2 + holds) * nbytes, len(local_ranks))
         # the keeper is owned by the launcher (resihp run: it started node 0's and restarts it if it
         # dies) or by torchrun's agent (plain torchrun); a rank starts it where none runs (another
-        # node of a resihp run, or the first rank under torchrun) and restarts it while waiting on it
+        # node of a resihp run, or the first rank under torchrun) and restarts it while waiting on
+        # it
         owner = int(os.environ.get(KEEPER_OWNER, os.getppid()))
         warm = persist_root is not None
         ensure_keeper(self.dir, owner, warm=warm)
@@ -201,7 +202,8 @@ class MemorySnapshots:
 
     def _request(self, tensors: list, due: bool) -> dict:
         """What the keeper needs to write these tensors into a universal checkpoint."""
-        # deferred for start-up time, as in worker.save_checkpoint: DCP only for runs that checkpoint
+        # deferred for start-up time, as in worker.save_checkpoint: DCP only for runs that
+        # checkpoint
         from resihp.ckpt.persist import PersistRequest, blocks_of
         from resihp.train.elastic import checkpoint_meta
 
@@ -250,7 +252,7 @@ class BoundaryStop:
             raise SystemExit(143)
 
 
-# --- the launcher's side (resihp run) ----------------------------------------------------------------
+# --- the launcher's side (resihp run) -------------------------------------------------------------
 _KEEPERS: dict[str, Path] = {}  # job id -> the tier whose keeper this launcher started
 
 
@@ -328,7 +330,8 @@ def _read(path: Path) -> dict | None:
 
 def _step_times(out: Path) -> tuple[float | None, float | None]:
     """The first step's start and the last step's end in a run folder's trace (wall clock)."""
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     try:
         trace = pd.read_parquet(out / "ops.parquet", columns=["optype", "start_ts", "duration"])

@@ -58,7 +58,8 @@ def holder_stages(unit: str, ranges: Ranges) -> list[int]:
 def pipelines_of(
     dims: ParallelDims, ranks: Sequence[int] | None = None
 ) -> list[list[tuple[int, ...]]]:
-    """A uniform layout as pipelines of world ranks (``ranks[i]``: the world rank of layout rank i)."""
+    """A uniform layout as pipelines of world ranks (``ranks[i]``: the world rank of layout rank
+    i)."""
     ranks = list(ranks) if ranks is not None else list(range(dims.world_size))
     return [
         [tuple(ranks[r] for r in dims.tp_group_ranks(d, s)) for s in range(dims.pp)]

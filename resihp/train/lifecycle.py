@@ -1,19 +1,22 @@
-"""The life of a run's processes and of its folder (no torch import: the launcher wrapper runs this).
+"""The life of a run's processes and of its folder (no torch import: the launcher wrapper runs
+this).
 
 - ``RunFolder``: a run folder belongs to one job at a time (an ``flock`` the kernel drops when the
   job's process dies, however it dies) and records that job in ``OUT/run.json``: its id, model hash,
-  state (running, done, failed, interrupted) and, when interrupted, the checkpoint it can resume from.
-- ``die_with_parent``: a process asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG),
-  so the death of ``resihp run`` (even by SIGKILL) takes torchrun, and torchrun's takes each worker.
-  ``python -m resihp.train.lifecycle --parent PID -- CMD...`` sets it and then execs CMD.
-  ``die_with`` is the same for a process that must die with another than its parent (a warm agent:
-  with its launcher, not with the server that forked it).
+  state (running, done, failed, interrupted) and, when interrupted, the checkpoint it can resume
+  from.
+- ``die_with_parent``: a process asks the kernel for SIGKILL when its parent dies
+  (PR_SET_PDEATHSIG), so the death of ``resihp run`` (even by SIGKILL) takes torchrun, and
+  torchrun's takes each worker. ``python -m resihp.train.lifecycle --parent PID -- CMD...`` sets it
+  and then execs CMD. ``die_with`` is the same for a process that must die with another than its
+  parent (a warm agent: with its launcher, not with the server that forked it).
 - ``ProcessTracker``: the PIDs of every process of the job (with their start times, so a reused PID
   is never signalled), found as descendants of the launched process however they re-parent or
   re-group; it can end them all, SIGTERM first and SIGKILL to the whole process group after a grace.
 - ``enable_stack_dumps`` / ``dump_stacks``: a worker judged hung writes every thread's Python stack
-  to the run's ``logs/workers.log`` before it is stopped (``faulthandler`` on SIGUSR1: it writes from
-  the signal handler, so a thread blocked inside a C call, a collective or a store wait, shows too).
+  to the run's ``logs/workers.log`` before it is stopped (``faulthandler`` on SIGUSR1: it writes
+  from the signal handler, so a thread blocked inside a C call, a collective or a store wait, shows
+  too).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ JOB_OUTPUTS = (
 )
 
 
-# --- a run folder belongs to one job ---------------------------------------------------------------
+# --- a run folder belongs to one job --------------------------------------------------------------
 def new_job_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
@@ -157,7 +160,7 @@ class RunFolder:
             self.record(**fields, ended=time.time())
 
 
-# --- nothing outlives the run ----------------------------------------------------------------------
+# --- nothing outlives the run ---------------------------------------------------------------------
 def die_with_parent(expected_parent: int | None = None) -> None:
     """Ask for SIGKILL when the parent dies (Linux); exit now if it is already gone."""
     if not sys.platform.startswith("linux"):

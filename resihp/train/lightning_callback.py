@@ -54,14 +54,38 @@ class ResihpLightningCallback(L.Callback):
         self.monitor = attach(target, out=self.out, **self.attach_kwargs)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        """Open a monitor step with the batch's sequence lengths (``lengths_from_batch``).
+
+        Args:
+            trainer: the Lightning ``Trainer`` (unused).
+            pl_module: the ``LightningModule`` being trained (unused).
+            batch: the training batch, read for its sequence lengths.
+            batch_idx: the batch's index in the epoch (unused).
+        """
         self._step = self.monitor.step(seq_lens=lengths_from_batch(batch))
         self._step.__enter__()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        """Mark the optimizer's update as started (after Lightning's closure ran the backward).
+
+        Args:
+            trainer: the Lightning ``Trainer`` (unused).
+            pl_module: the ``LightningModule`` being trained (unused).
+            optimizer: the optimizer about to step (unused).
+        """
         if self._step is not None:
             self.monitor.optimizer_step_begins()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        """Mark the optimizer's update as done and close the monitor step.
+
+        Args:
+            trainer: the Lightning ``Trainer`` (unused).
+            pl_module: the ``LightningModule`` being trained (unused).
+            outputs: the training step's outputs (unused).
+            batch: the training batch (unused).
+            batch_idx: the batch's index in the epoch (unused).
+        """
         if self._step is not None:
             self.monitor.optimizer_step_ends()
             self._step.__exit__(None, None, None)

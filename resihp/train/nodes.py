@@ -77,7 +77,8 @@ class Nodes:
         return self.sizes if self.sizes is not None else (self.nproc_per_node,) * self.nnodes
 
     def layout(self) -> dict[int, list[int]]:
-        """Every node's ranks: the nodes' ranks in order, node ``i``'s after those of the nodes before."""
+        """Every node's ranks: the nodes' ranks in order, node ``i``'s after those of the nodes
+        before."""
         starts = [sum(self.counts[:n]) for n in range(self.nnodes)]
         return {n: list(range(starts[n], starts[n] + self.counts[n])) for n in range(self.nnodes)}
 

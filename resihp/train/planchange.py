@@ -10,8 +10,9 @@ the engine applies only checked changes.
 tensor-parallel split over ``ranks`` (world ranks in the new layout's rank order; default all of
 them in order); or ``"layout": {"pipelines": [[[ranks of stage 0], ...], ...]}``, per replica per
 stage its tensor-parallel group, replicas free to differ in depth and tensor-parallel size (what
-the planner's plans give); world ranks left out become hot spares. ``dp_weights`` and ``layer_split(s)`` of
-the same change are then read against the new layout (default: equal shares, balanced layers).
+the planner's plans give); world ranks left out become hot spares. ``dp_weights`` and
+``layer_split(s)`` of the same change are then read against the new layout (default: equal shares,
+balanced layers).
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def current_plan(
     replica_ranges: list[list[tuple[int, int]]],
     groups: list[list[tuple[int, ...]]] | None = None,
 ):
-    """The plan in force; ``groups``: per replica, per stage, its ranks (default: the launch layout)."""
+    """The plan in force; ``groups``: per replica, per stage, its ranks (default: the launch
+    layout)."""
     dims = cfg.dims()
     groups = groups or [
         [tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)

@@ -107,7 +107,8 @@ class OpRecorder:
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
         """Marks a wait on peers that is not an op of the trace (a plan broadcast, a barrier), so
-        that a heartbeat shows the rank waiting, not stuck (inside an op: the op is active again after)."""
+        that a heartbeat shows the rank waiting, not stuck (inside an op: the op is active again
+        after)."""
         outer, self.active = self.active, what
         try:
             yield
@@ -116,7 +117,8 @@ class OpRecorder:
             self.finished += 1
 
     def progress(self, phase: str) -> Progress:
-        """What the heartbeat carries: the step, ops finished, and the communication op it waits in."""
+        """What the heartbeat carries: the step, ops finished, and the communication op it waits
+        in."""
         wait = self.active if self.active is not None and is_wait(self.active) else ""
         return Progress(self.step, phase, self.finished, wait)
 
@@ -140,14 +142,16 @@ class OpRecorder:
 
 
 def rows_frame(rows: Sequence[dict]) -> pd.DataFrame:
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     return _typed(pd.DataFrame(list(rows), columns=COLUMNS))
 
 
 def columns_frame(columns: dict[str, list]) -> pd.DataFrame:
     """``rows_frame`` from columns (name -> values) instead of row dicts."""
-    import pandas as pd  # deferred for start-up time: workers import this module, never build a frame
+    # deferred for start-up time: workers import this module, never build a frame
+    import pandas as pd
 
     return _typed(pd.DataFrame({c: columns.get(c, [None] * len(columns["step"])) for c in COLUMNS}))
 

@@ -23,8 +23,17 @@ def attempt_prefix(job_id: str) -> str:
 def init_process_group(
     backend: str | None = None, *, timeout: timedelta | None = None, **kwargs: Any
 ) -> None:
-    """``torch.distributed.init_process_group`` from torchrun's environment, on store keys of
-    this restart attempt (extra keyword arguments are passed through)."""
+    """``torch.distributed.init_process_group`` from torchrun's environment.
+
+    The store's keys are prefixed with this restart attempt's (``attempt_prefix``), so a restarted
+    job never reads a failed attempt's keys.
+
+    Args:
+        backend: the backend (``"gloo"``, ``"nccl"``; None: torch's default for the device).
+        timeout: the rendezvous and collective timeout (default: 10 minutes for the rendezvous,
+            torch's default for collectives).
+        **kwargs: passed through to ``torch.distributed.init_process_group``.
+    """
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout or timedelta(minutes=10)))
     job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
     dist.init_process_group(

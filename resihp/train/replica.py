@@ -315,7 +315,8 @@ class ReplicaEngine(Engine):
         return float(loss) if loss is not None else None
 
     def _commit(self, step: int, ok: bool) -> None:
-        """This rank's vote on ``step`` and the quorum's decision (raises on an abort or eviction)."""
+        """This rank's vote on ``step`` and the quorum's decision (raises on an abort or
+        eviction)."""
         with self.rec.waiting("ft-commit"):
             decision = self.quorum.vote(
                 self.gen, step, ok, previous=self.decision
@@ -590,7 +591,8 @@ def run_replica(
     dims = cfg.dims()
     global_rank = dims.rank_of(member.replica, local // cfg.parallel.tp, local % cfg.parallel.tp)
     tell.append(lambda kind, message: report_error(store, job_id, global_rank, kind, message))
-    # its own store client: the main thread blocks in store waits (the quorum's decision, rendezvous)
+    # its own store client: the main thread blocks in store waits (the quorum's decision,
+    # rendezvous)
     heart = HeartbeatSender(
         connect(), global_rank, member.replica, interval_s=BEAT_S, prefix=heartbeat_prefix(job_id)
     ).start()
@@ -649,7 +651,8 @@ def run_replica(
                 and engine.tp.rank == 0
             ):
                 print(
-                    f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall {result.wall_s:.3f}s",
+                    f"step {step} loss {result.loss:.4f} tokens {result.tokens} wall "
+                    f"{result.wall_s:.3f}s",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -60,8 +60,10 @@ class Snapshots:
         every: take a snapshot after every ``every``-th step (1: each step).
         job_id: the job's id (default: torchrun's ``TORCHELASTIC_RUN_ID``).
         node: this node's index (default: torchrun's ``GROUP_RANK``).
-        group: the process group restore agrees over (default: the world; a gloo group for NCCL jobs).
+        group: the process group restore agrees over (default: the world; a gloo group for NCCL
+            jobs).
         dcp_dir: a folder of DCP checkpoints (``stepN``) to fall back on and to write with ``save``.
+        rng: add the random generators (``RNG``) to the state as ``rng``.
         timeout_s: how long a snapshot waits for the keeper.
     """
 
@@ -125,14 +127,18 @@ class Snapshots:
 
     @property
     def stall_s(self) -> list[float]:
-        """Per snapshot, how long the training loop waited for it: in ``after_step`` and, at the
-        next optimizer step, for the copy to finish (the snapshot in flight not yet counted)."""
+        """Per snapshot, the seconds the training loop waited for it.
+
+        The wait in ``after_step`` and, at the next optimizer step, for the copy to finish (the
+        snapshot in flight not yet counted)."""
         done = self._earlier_s + list(self._snapshotter.blocked_s)
         return [a + b for a, b in zip(self._prepare_s, done)]
 
     def restore(self) -> RestoredState | None:
-        """Collective: load the newest step every rank holds in memory (verified), else the
-        newest DCP checkpoint in ``dcp_dir``; None (every rank alike) when there is neither."""
+        """Collective: load the newest state in memory or on disk; None when there is none.
+
+        The newest step every rank holds in memory (verified), else the newest DCP checkpoint in
+        ``dcp_dir``; every rank returns alike."""
         t0 = time.perf_counter()
         self._snapshotter.fence()
         mine = {

@@ -28,8 +28,10 @@ def state_dict_of(value: Any) -> Any:
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[list[tuple[str, torch.Tensor]], dict]:
-    """Every tensor of ``state`` (name -> Stateful or plain value), by key, and the JSON tree
-    that places them; a value of another type is one line naming its path."""
+    """Every tensor of ``state`` by key, and the JSON tree that places them.
+
+    ``state`` maps names to Statefuls or plain values; a value of another type is a one-line
+    ``InputError`` naming its path."""
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def walk(value: Any, path: str) -> Any:
@@ -82,7 +84,8 @@ def unflatten(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
 
 def like(template: Any, saved: torch.Tensor) -> torch.Tensor:
-    """``saved`` (a local shard) in the form of ``template``: a DTensor on its mesh, on its device."""
+    """``saved`` (a local shard) in the form of ``template``: a DTensor on its mesh, on its
+    device."""
     if isinstance(template, DTensor):
         return DTensor.from_local(
             saved.to(template.to_local().device),
@@ -94,8 +97,9 @@ def like(template: Any, saved: torch.Tensor) -> torch.Tensor:
 
 
 class RNG:
-    """The random generators a training loop draws from, as a Stateful: torch's (CPU and, where
-    present, every CUDA device's) and Python's ``random``."""
+    """The random generators a training loop draws from, as a Stateful.
+
+    Torch's (CPU and, where present, every CUDA device's) and Python's ``random``."""
 
     def state_dict(self) -> dict:
         state = {"torch": torch.get_rng_state(), "python": random.getstate()}

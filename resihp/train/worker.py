@@ -1,6 +1,7 @@
 """The per-rank entry point that torchrun launches:
 
-    torchrun --standalone --nproc-per-node 4 -m resihp.train.worker --dp 2 --pp 2 --steps 20 --out runs/x
+    torchrun --standalone --nproc-per-node 4 -m resihp.train.worker
+        --dp 2 --pp 2 --steps 20 --out runs/x
 
 Each rank trains its stage and sends its heartbeats and op records over the job's control plane
 (``resihp.train.controlplane``, on the job's store). Under ``resihp run`` the launcher of node 0
@@ -72,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
-    # deferred for start-up time: torch.distributed.checkpoint (~0.6 s) only for runs that checkpoint
+    # deferred for start-up time: torch.distributed.checkpoint (~0.6 s) only for runs that
+    # checkpoint
     from resihp.ckpt.universal import save
     from resihp.train.elastic import checkpoint_meta, rank_tensors
 
@@ -195,8 +197,8 @@ def resume_step(cfg: RunConfig, saved: dict) -> int:
     layout may differ: checkpoints are universal)."""
     if saved.get("model_hash") not in (None, cfg.model_hash()):
         raise InputError(
-            f"{cfg.checkpoint.resume}: written for another model ({saved.get('model')}); this run's "
-            f"model is {cfg.model.to_dict()}"
+            f"{cfg.checkpoint.resume}: written for another model ({saved.get('model')}); this "
+            f"run's model is {cfg.model.to_dict()}"
         )
     return int(saved["step"]) + 1
 
@@ -276,8 +278,9 @@ def announce(out: Path) -> None:
     """One line in ``OUT/logs/processes.jsonl`` saying which process this worker is: its PID,
     node, local rank, torchrun's restart count and, with ``--recovery replica``, its replica and
     launch attempt. Forked workers (``resihp.launch.agent``) share the agent's command line and
-    initial environment (a spare agent's names no config), so this is where an operator (py-spy on a slow rank) or a fault test finds
-    a rank's process. Best effort: a folder that cannot take the line does not stop the worker."""
+    initial environment (a spare agent's names no config), so this is where an operator (py-spy on a
+    slow rank) or a fault test finds a rank's process. Best effort: a folder that cannot take the
+    line does not stop the worker."""
     env = os.environ
     line = {
         "pid": os.getpid(),
@@ -498,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             sys.exit(3)
         print(
-            f"resihp: rank {rank}: lost contact with a peer at {time.strftime('%H:%M:%S')}: {first}",
+            f"resihp: rank {rank}: lost contact with a peer at "
+            f"{time.strftime('%H:%M:%S')}: {first}",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -1,1 +1,2 @@
-"""Sequence-length sources, packing into micro-batches, per-micro-batch features and analytic FLOPs."""
+"""Sequence-length sources, packing into micro-batches, per-micro-batch features and analytic
+FLOPs."""

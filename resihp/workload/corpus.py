@@ -54,8 +54,10 @@ _CHANGELOG_ENTRY = re.compile(r"^\S.*\(.*\).*;.*urgency=", re.MULTILINE)
 
 
 def changelog_entries(root: Path = Path("/usr/share/doc")) -> Iterator[tuple[str, str]]:
-    """Debian package changelog entries, one document each (a version's heading, its change
-    items and the maintainer's sign-off): many short and medium texts, the shape of chat turns."""
+    """Debian package changelog entries, one document each: many short and medium texts.
+
+    An entry is a version's heading, its change items and the maintainer's sign-off: the shape of
+    chat turns."""
     for path in sorted(root.glob("*/changelog.Debian.gz")):
         try:
             text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
@@ -88,8 +90,9 @@ SOURCES = {
 
 
 def build(out_dir: Path, names: Iterable[str] | None = None) -> None:
-    """Write ``<name>.txt`` for the named sources (all by default) and list every source present
-    in ``out_dir`` in its README, with provenance and counts."""
+    """Write ``<name>.txt`` for the named sources (all by default) into ``out_dir``.
+
+    Its README lists every source present in ``out_dir``, with provenance and counts."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in names or SOURCES:
         documents, _ = SOURCES[name]

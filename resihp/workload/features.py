@@ -35,8 +35,10 @@ def length_feature_arrays(
 
 
 def length_features_flat(flat: np.ndarray, counts: np.ndarray) -> pd.DataFrame:
-    """As ``length_features`` for micro-batches given as all lengths in one array plus the
-    number of sequences of each micro-batch (no Python per micro-batch)."""
+    """As ``length_features`` for micro-batches given flat, with no Python per micro-batch.
+
+    ``flat`` holds all lengths in one array, ``counts`` the number of sequences of each
+    micro-batch."""
     return pd.DataFrame(_feature_arrays(flat, counts))
 
 
@@ -63,8 +65,9 @@ def _feature_arrays(flat: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarra
 
 
 class LengthTable:
-    """Distinct micro-batches' packed sequence lengths, each stored once, with their
-    ``length_feature_arrays`` computed once (on first use)."""
+    """Distinct micro-batches' packed sequence lengths, each stored once.
+
+    Their ``length_feature_arrays`` are computed once, on first use."""
 
     def __init__(self, seq_lens: Sequence[np.ndarray]) -> None:
         self.objects = np.empty(len(seq_lens), dtype=object)
@@ -79,11 +82,12 @@ class LengthTable:
 
 
 class PooledLengths:
-    """A ``seq_lens`` column as codes into a ``LengthTable``: what a producer that draws its
-    micro-batches from a pool writes (the replay's simulator). Rows index it like an array
-    (an integer gives that row's lengths, an index array or slice the rows' column), and its
-    features are the table's, gathered: no Python object per row, and none walked by the
-    detector (``resihp.detect.observe_columns`` takes it where it takes an object column)."""
+    """A ``seq_lens`` column as codes into a ``LengthTable``.
+
+    What a producer that draws its micro-batches from a pool writes (the replay's simulator). Rows
+    index it like an array (an integer gives that row's lengths, an index array or slice the rows'
+    column), and its features are the table's, gathered: no Python object per row, and none walked
+    by the detector (``resihp.detect.observe_columns`` takes it where it takes an object column)."""
 
     __slots__ = ("table", "codes")
 
@@ -111,8 +115,10 @@ class PooledLengths:
 
     @staticmethod
     def concatenate(parts: Sequence[PooledLengths]) -> PooledLengths:
-        """The rows of ``parts`` in order; one table where they share one, else their tables
-        joined (a new table, its features computed afresh)."""
+        """The rows of ``parts`` in order, as one column.
+
+        One table where they share one, else their tables joined (a new table, its features
+        computed afresh)."""
         tables = list({id(p.table): p.table for p in parts}.values())
         if len(tables) == 1:
             return PooledLengths(tables[0], np.concatenate([p.codes for p in parts]))
@@ -127,7 +133,14 @@ class PooledLengths:
 def flops_features(
     lengths: pd.DataFrame, shapes: pd.DataFrame, phase: pd.Series | str
 ) -> pd.DataFrame:
-    """Analytic dense and attention FLOPs per row; ``shapes`` has layers/hidden/heads/ffn_hidden/tp."""
+    """Analytic dense and attention FLOPs per row.
+
+    Args:
+        lengths: per row the length features (``tokens``, ``sum_sq``: ``length_features``).
+        shapes: per row the layers' shape (``layers``, ``hidden``, ``heads``, ``ffn_hidden``,
+            ``tp``).
+        phase: ``fwd`` or ``bwd``, for all rows or per row.
+    """
     n = len(lengths)
     phases = np.broadcast_to(np.asarray(phase, dtype=object), (n,))
     dense = np.empty(n)

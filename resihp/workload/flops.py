@@ -40,7 +40,8 @@ class TransformerShape:
 
 
 def linear_flops_per_token(shape: TransformerShape) -> float:
-    """Forward FLOPs per token of the dense parts of one layer (QKV, projection, MLP), per TP rank."""
+    """Forward FLOPs per token of the dense parts of one layer (QKV, projection, MLP), per TP
+    rank."""
     h, f = shape.hidden, shape.ffn_hidden
     return 2.0 * (4 * h * h + shape.mlp_matrices * h * f) / shape.tp
 
@@ -50,6 +51,11 @@ def attention_flops(shape: TransformerShape, sum_sq: np.ndarray, tokens: np.ndar
 
     With document masking each sequence of length l attends within itself: l(l+1)/2 query-key pairs,
     each costing 2*hidden FLOPs for QK^T and 2*hidden for AV.
+
+    Args:
+        shape: the layer's shape (its hidden size and TP degree).
+        sum_sq: per micro-batch the sum of its sequences' squared lengths.
+        tokens: per micro-batch its tokens (the sum of its lengths).
     """
     pairs = (np.asarray(sum_sq, dtype=np.float64) + np.asarray(tokens, dtype=np.float64)) / 2.0
     return 4.0 * shape.hidden * pairs / shape.tp
@@ -61,6 +67,12 @@ def stage_flops(
     """(dense FLOPs, attention FLOPs) of ``shape.layers`` layers for the given micro-batches.
 
     Backward costs twice the forward (gradients with respect to inputs and to weights).
+
+    Args:
+        shape: the stage's shape (``layers`` of it are counted).
+        tokens: per micro-batch its tokens.
+        sum_sq: per micro-batch the sum of its sequences' squared lengths.
+        phase: ``fwd`` or ``bwd``.
     """
     factor = {"fwd": 1.0, "bwd": 2.0}.get(phase)
     if factor is None:

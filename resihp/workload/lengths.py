@@ -23,9 +23,16 @@ MAX_LENGTHS = 1_000_000  # ``resihp profile --max-lengths``'s default: far more 
 def load_lengths(
     path: str | Path, limit: int | None = None, flag: str = "--max-lengths"
 ) -> np.ndarray:
-    """Read one positive integer per line (blank lines and ``#`` comments are skipped), streamed
-    (8 bytes a length held); ``limit``: at most this many lengths, InputError naming the file, the
-    limit and ``flag`` (the option that raises it) past that."""
+    """Read one positive integer per line; blank lines and ``#`` comments are skipped.
+
+    Streamed: 8 bytes a length held.
+
+    Args:
+        path: the lengths file.
+        limit: at most this many lengths; past it, an InputError naming the file, the limit and
+            ``flag`` (None: no limit).
+        flag: the option that raises the limit, for the error.
+    """
     path = Path(path)
     values = array("q")
     number = 0
@@ -39,7 +46,8 @@ def load_lengths(
                     value = int(text)
                 except ValueError:
                     raise InputError(
-                        f"{path}:{number}: expected one integer sequence length per line, got {text[:40]!r}"
+                        f"{path}:{number}: expected one integer sequence length per line, got "
+                        f"{text[:40]!r}"
                     ) from None
                 if value <= 0:
                     raise InputError(
@@ -68,8 +76,9 @@ def load_lengths(
 
 
 def resolve_source(source: str, name: str = "length source") -> np.ndarray:
-    """A source by name (``code``, ``text``) or a path to a lengths file; ``name``: what the user
-    gave it as (an option, a file's field), for the error."""
+    """The lengths of a source by name (``code``, ``text``) or of a lengths file by path.
+
+    ``name``: what the user gave it as (an option, a file's field), for the error."""
     if source in source_names():
         return load_lengths(LENGTHS_DIR / f"{source}.txt")
     if Path(source).exists():
@@ -94,7 +103,14 @@ def chunk_documents(lengths: np.ndarray, max_len: int) -> np.ndarray:
 def sample_sequences(
     lengths: np.ndarray, n_tokens: int, max_len: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """Draw whole documents at random until ``n_tokens`` tokens, chunked to ``max_len``."""
+    """Draw whole documents at random until ``n_tokens`` tokens, chunked to ``max_len``.
+
+    Args:
+        lengths: the source's document lengths.
+        n_tokens: the tokens to draw (the last sequence may pass it).
+        max_len: the longest sequence; longer documents are chunked.
+        rng: the random generator.
+    """
     mean = float(np.minimum(lengths, max_len).mean())
     draws = []
     total = 0

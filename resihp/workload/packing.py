@@ -23,7 +23,8 @@ def pack_greedy(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[np.nd
         raise InputError(f"sequence lengths must be positive, got {int(seq_lens.min())}")
     if seq_lens.size and seq_lens.max() > budget:
         raise InputError(
-            f"sequence of length {int(seq_lens.max())} exceeds the micro-batch token budget {budget}"
+            f"sequence of length {int(seq_lens.max())} exceeds the micro-batch "
+            f"token budget {budget}"
         )
     batches: list[np.ndarray] = []
     start, used = 0, 0
@@ -40,7 +41,17 @@ def pack_greedy(seq_lens: Sequence[int] | np.ndarray, budget: int) -> list[np.nd
 def packed_microbatches(
     documents: np.ndarray, n: int, budget: int, max_len: int, rng: np.random.Generator
 ) -> list[np.ndarray]:
-    """``n`` micro-batches packed from documents drawn at random from a length source, each chunked
-    to ``min(max_len, budget)`` (what a packing data loader feeds a job reading that source)."""
+    """``n`` micro-batches packed from documents drawn at random from a length source.
+
+    Each document is chunked to ``min(max_len, budget)``: what a packing data loader feeds a job
+    reading that source.
+
+    Args:
+        documents: the source's document lengths.
+        n: micro-batches to pack.
+        budget: tokens per micro-batch.
+        max_len: the model's longest sequence.
+        rng: the random generator.
+    """
     seqs = sample_sequences(documents, n * budget, min(max_len, budget), rng)
     return pack_greedy(seqs, budget)[:n]

@@ -1,4 +1,5 @@
-"""Resilience policies replayed side by side: each a small class over ``resihp.replay.engine.Policy``."""
+"""Resilience policies replayed side by side: each a small class over
+``resihp.replay.engine.Policy``."""
 
 from __future__ import annotations
 

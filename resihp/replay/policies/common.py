@@ -12,7 +12,14 @@ from resihp.replay.layout import Replica, ReplicaLayout
 
 
 def stage_times(ctx: Context, replica: Replica, speeds: np.ndarray) -> np.ndarray:
-    """Expected seconds of one mean micro-batch (forward + backward) on each stage of a replica."""
+    """Expected seconds of one mean micro-batch (forward + backward) on each stage of a replica.
+
+    Args:
+        ctx: the policy's context (its cost model).
+        replica: the replica whose stages are timed (each stage's load multiplies its time).
+        speeds: each device's believed speed as a fraction of a healthy one (a stage runs at its
+            slowest device's).
+    """
     padded = np.concatenate([speeds, [np.inf]])
     sp = np.array([padded[list(g)].min() for g in replica.groups])
     last = np.arange(len(replica.groups)) == len(replica.groups) - 1
@@ -27,6 +34,11 @@ def balance_microbatches(ctx: Context, layout: ReplicaLayout, speeds: np.ndarray
 
     Starts from counts proportional to each replica's pace, then moves single micro-batches from the
     replica predicted to finish last to the one predicted to finish first while that helps.
+
+    Args:
+        ctx: the policy's context (its cost model and the step's micro-batches).
+        layout: the layout whose replicas get new micro-batch counts.
+        speeds: each device's believed speed as a fraction of a healthy one.
     """
     per = [stage_times(ctx, r, speeds) for r in layout.replicas]
     first = np.array([p.sum() - p.max() for p in per])

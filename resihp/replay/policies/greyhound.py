@@ -21,13 +21,13 @@ class GreyhoundModule:
 
     Detection is the Greyhound-style change-point detector of ``resihp.detect.baselines`` on the
     job's raw iteration time, which names the rank whose time rose most and the iteration slowdown.
-    Mitigation picks, by expected tokens over the fail-slow's expected remaining life, among: ignore;
-    rebalance micro-batches across data-parallel replicas (no pause); and taking the slow device out
-    with the host system's own mechanism (a restart after an on-demand checkpoint for plain
-    Greyhound, template re-instantiation for Oobleck, rerouting for ReCycle). When the detector sees
-    the device recover, the belief is dropped and the choice made again. Simplified: Greyhound's
-    separate topology-adjustment level (moving slow devices into one pipeline) is not modelled; its
-    decisions use the replay's cost model with the believed slowdowns.
+    Mitigation picks, by expected tokens over the fail-slow's expected remaining life, among:
+    ignore; rebalance micro-batches across data-parallel replicas (no pause); and taking the slow
+    device out with the host system's own mechanism (a restart after an on-demand checkpoint for
+    plain Greyhound, template re-instantiation for Oobleck, rerouting for ReCycle). When the
+    detector sees the device recover, the belief is dropped and the choice made again. Simplified:
+    Greyhound's separate topology-adjustment level (moving slow devices into one pipeline) is not
+    modelled; its decisions use the replay's cost model with the believed slowdowns.
     """
 
     def __init__(self, host: Policy) -> None:
@@ -115,12 +115,14 @@ class Greyhound(_WithGreyhound, CheckpointRestart):
 
 
 class OobleckGreyhound(_WithGreyhound, Oobleck):
-    """Strengthened Oobleck, as the ResiHP paper compares: Oobleck plus Greyhound's fail-slow module."""
+    """Strengthened Oobleck, as the ResiHP paper compares: Oobleck plus Greyhound's fail-slow
+    module."""
 
     name = "oobleck+greyhound"
 
 
 class ReCycleGreyhound(_WithGreyhound, ReCycle):
-    """Strengthened ReCycle, as the ResiHP paper compares: ReCycle plus Greyhound's fail-slow module."""
+    """Strengthened ReCycle, as the ResiHP paper compares: ReCycle plus Greyhound's fail-slow
+    module."""
 
     name = "recycle+greyhound"

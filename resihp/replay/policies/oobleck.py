@@ -79,8 +79,15 @@ class Oobleck(Policy):
 
     @staticmethod
     def fits(sc, stages: int, tp: int) -> bool:
-        """Whether a template of ``stages`` stages of ``tp`` devices, layers split evenly, holds the
-        model (1F1B's in-flight micro-batches on each stage) in a device's free memory."""
+        """Whether a template of ``stages`` stages of ``tp`` devices fits a device's free memory.
+
+        Layers split evenly, each stage holding 1F1B's in-flight micro-batches.
+
+        Args:
+            sc: the scenario (its model and cluster).
+            stages: the template's pipeline stages.
+            tp: devices per stage (tensor-parallel group size).
+        """
         counts = apportion(sc.model.layers, np.ones(stages), minimum=1)
         need = pipeline_memory_gb(sc.model, counts, tp, sc.model.microbatches)
         return max(need) <= sc.cluster.free_memory_gb()

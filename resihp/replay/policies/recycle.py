@@ -18,9 +18,9 @@ class ReCycle(Policy):
     data-parallel replicas (which hold the same layers), and the extra work is scheduled into the
     pipeline bubbles (decoupled backpropagation) so that no restart and no rollback is needed; the
     schedule change costs ``costs.reconfig``. Here the extra work of a stage position with ``k``
-    failed of ``P`` peers is ``k/(P-k)`` of a stage's micro-batches per surviving peer, minus what fits
-    into its ``pp-1`` micro-batch bubble slots; the remainder slows that stage in every replica (the
-    failed replica's stage runs on a borrowed peer at the same pace). A repaired device's stage
+    failed of ``P`` peers is ``k/(P-k)`` of a stage's micro-batches per surviving peer, minus what
+    fits into its ``pp-1`` micro-batch bubble slots; the remainder slows that stage in every replica
+    (the failed replica's stage runs on a borrowed peer at the same pace). A repaired device's stage
     resumes its own work. When every peer of a stage position is dead, it falls back to
     checkpoint-restart. Fail-slows are not handled.
     """

@@ -27,10 +27,16 @@ def model_spec(scenario: Scenario) -> ModelSpec:
 def layout_of(
     plan: Plan, model: ModelSpec, known: dict[tuple, Replica] | None = None
 ) -> ReplicaLayout:
-    """The planner's Plan as the replay's layout (one replica per pipeline, in plan order); a
-    pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up).
-    ``known``: replicas already built, by (stages, micro-batches, tokens), filled as it goes: a
-    re-plan at 16,384 devices keeps most of its hundreds of pipelines."""
+    """The planner's Plan as the replay's layout (one replica per pipeline, in plan order).
+
+    A pipeline's token share becomes its micro-batch budget (share / micro-batches, rounded up).
+
+    Args:
+        plan: the planner's plan.
+        model: the model the plan is for.
+        known: replicas already built, by (stages, micro-batches, tokens), filled as it goes: a
+            re-plan at 16,384 devices keeps most of its hundreds of pipelines.
+    """
     known = {} if known is None else known
     replicas = []
     for p in plan.pipelines:
@@ -56,9 +62,10 @@ def layout_of(
 def suspect_cards(
     cluster: ClusterSpec, links: dict[tuple[int, int], float]
 ) -> dict[tuple[int, int], float]:
-    """Link speeds for the planner when ``links`` (ends: slowdown) were found slow: each end's
-    network card is suspect, so every link from an end to a device on another node runs at that
-    speed (links inside a node do not use the card)."""
+    """Link speeds for the planner when ``links`` (ends: slowdown) were found slow.
+
+    Each end's network card is suspect, so every link from an end to a device on another node runs
+    at that speed (links inside a node do not use the card)."""
     node = {r: n for n, ranks in enumerate(cluster.node_ranks) for r in ranks}
     out: dict[tuple[int, int], float] = {}
     for ends, slowdown in links.items():
@@ -96,8 +103,8 @@ class Resihp(Policy):
     (heartbeat) re-plan without the dead devices and resume from in-memory redundant snapshots
     (``costs.reconfig``, no rollback). Every decision and its threshold is the
     ``resihp.control.Controller``'s (``ControlConfig``), the one the live loop runs. The solver's
-    own time runs beside training and is reported, not charged. Simplified: the planner's cost model is its analytic one at the scenario's MFU, not
-    a predictor trained on the replayed device.
+    own time runs beside training and is reported, not charged. Simplified: the planner's cost model
+    is its analytic one at the scenario's MFU, not a predictor trained on the replayed device.
     """
 
     name = "resihp"
@@ -121,6 +128,13 @@ class Resihp(Policy):
         return layout_of(self.plan, self.model, self.replicas)
 
     def replan(self, ctx: Context, label: str, pause_s: float = 0.0) -> Reaction:
+        """Plan around the believed device and link speeds; the new plan as a reaction.
+
+        Args:
+            ctx: the policy's context.
+            label: the reaction's label in the outcome.
+            pause_s: seconds the job stands still for the change (besides the migration).
+        """
         speeds = np.clip(believed_speeds(ctx, self.control.slow()), 0.0, 1.0)
         cluster = self.cluster.with_speeds(speeds)
         if self.control.links:

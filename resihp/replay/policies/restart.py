@@ -13,8 +13,8 @@ class CheckpointRestart(Policy):
     the work since the last checkpoint is lost, the restart costs ``costs.restart``, and Megatron's
     uniform layout is rebuilt over whole healthy nodes (replicas that no longer fit are dropped and
     the global batch is spread over the rest). A repaired node rejoins at a planned restart taken
-    right after a checkpoint (no lost work, one restart). Fail-slows are not handled: the job runs at
-    the pace of its slowest device. Simplified: no spare-node pool, no checkpoint save cost.
+    right after a checkpoint (no lost work, one restart). Fail-slows are not handled: the job runs
+    at the pace of its slowest device. Simplified: no spare-node pool, no checkpoint save cost.
     """
 
     name = "checkpoint-restart"
