@@ -201,7 +201,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# --- the cases --------------------------------------------------------------------------------------
+# --- the cases ------------------------------------------------------------------------------------
 class Probe:
     def __init__(self, root: Path, quick: bool) -> None:
         self.root, self.quick = root, quick

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/fsdp2_reshard.py --out runs/a --dcp runs/ckpt --save-at 2
     torchrun --nproc-per-node 4 examples/fsdp2_reshard.py --out runs/b --dcp runs/ckpt --resume
 
-The model is sharded with ``fully_shard`` (``--wrap ddp``: replicated by DDP instead); ``Snapshots.save`` writes a DCP checkpoint and
+The model is sharded with ``fully_shard`` (``--wrap ddp``: replicated by DDP instead);
+``Snapshots.save`` writes a DCP checkpoint and
 ``Snapshots.restore`` (no snapshot in memory: a new job) loads the newest one into whatever sharding
 the new world has. Each step trains on the same global batch whatever the world size (rank ``r``
 takes rows ``r::world``), so the losses after the resume continue the first run's. Rank 0 appends

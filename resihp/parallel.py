@@ -152,8 +152,8 @@ class Placement:
             ranks = data.get("ranks", list(range(dims.world_size)))
             if not isinstance(ranks, (list, tuple)) or len(ranks) != dims.world_size:
                 raise InputError(
-                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp {dims.dp} "
-                    f"x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
+                    f"{where} layout ranks: expected {dims.world_size} world ranks for dp "
+                    f"{dims.dp} x pp {dims.pp} x tp {dims.tp}, got {ranks!r}"
                 )
             placed = cls.uniform(dims, ranks)
         ranks = placed.ranks
@@ -177,8 +177,10 @@ class Placement:
 
     @property
     def dims(self) -> ParallelDims | None:
-        """The placement as one dp x pp x tp split when every replica has the same depth and every
-        stage the same group size (its ranks in any order); None otherwise."""
+        """The placement as one dp x pp x tp split, or None.
+
+        None unless every replica has the same depth and every stage the same group size (its ranks
+        in any order)."""
         shapes = {(len(p), len(s)) for p in self.pipelines for s in p}
         return ParallelDims(len(self.pipelines), *shapes.pop()) if len(shapes) == 1 else None
 

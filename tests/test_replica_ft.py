@@ -620,8 +620,9 @@ def test_dp3_tp2_a_killed_tensor_parallel_rank_takes_out_its_replica_only(refere
     dims = ParallelDims(3, 1, 2)
     rank = 3  # replica 1, tensor-parallel rank 1
     steps = 20  # the rejoin is shown in DP2 x PP2 above; here: the survivors and the losses
-    # three replicas: a survivor in a cross-replica sum may wait on another survivor, not on the lost
-    # rank, and leaves it once the step is aborted (it used to wait out the group's timeout: hung)
+    # three replicas: a survivor in a cross-replica sum may wait on another survivor, not on the
+    # lost rank, and leaves it once the step is aborted (it used to wait out the group's timeout:
+    # hung)
     rc, summary, err = _run(
         tmp_path / "run",
         "--dp",

@@ -667,9 +667,10 @@ def _full(headers: list) -> bool:
 
 
 def persist_failure(directory: Path) -> dict | None:
-    """The first checkpoint the keeper of ``directory`` could not write (``step``, ``error``,
-    ``disk_full``), or None; a due slot still pending at the job's end (a full tier left no room
-    to publish it) is one too."""
+    """The first checkpoint the keeper of ``directory`` could not write, or None.
+
+    It carries ``step``, ``error`` and ``disk_full``; a due slot still pending at the job's end (a
+    full tier left no room to publish it) is one too."""
     failed = read_json(Path(directory) / PERSIST_FAILED)
     if failed is not None:
         return failed

@@ -144,8 +144,9 @@ def _holder(path: Path) -> int | None:
 
 
 class TierFull(RuntimeError):
-    """The memory tier's file system has no room for a snapshot (one line: the tier, the bytes it
-    needs and those free)."""
+    """The memory tier's file system has no room for a snapshot.
+
+    Its message is one line: the tier, the bytes it needs and those free."""
 
     def __init__(self, directory: Path, need: int, free: int, then: str = "") -> None:
         self.dir, self.need, self.free = Path(directory), need, free
@@ -185,9 +186,10 @@ class MemoryTier:
 
     # --- capacity ---------------------------------------------------------------------------------
     def check_capacity(self, need_bytes: int, ranks_here: int = 1) -> None:
-        """One line if the tier's file system cannot hold ``need_bytes`` for each of
-        ``ranks_here`` ranks, and each one's ``HEADROOM`` (space this rank's slots already hold
-        counts as available)."""
+        """One line if the tier's file system cannot hold the slots of ``ranks_here`` ranks.
+
+        Each rank needs ``need_bytes`` and ``HEADROOM``; space this rank's slots already hold counts
+        as available."""
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
         held = sum(self.data_path(s).stat().st_size for s in SLOTS if self.data_path(s).exists())
@@ -202,8 +204,10 @@ class MemoryTier:
             )
 
     def lack(self, slot: str, nbytes: int) -> TierFull | None:
-        """Whether writing ``nbytes`` into ``slot`` would find the file system full: the bytes
-        the slot's file does not hold yet, plus ``HEADROOM``, against those free."""
+        """Whether writing ``nbytes`` into ``slot`` would find the file system full.
+
+        Counts the bytes the slot's file does not hold yet, plus ``HEADROOM``, against those
+        free."""
         try:
             held = self.data_path(slot).stat().st_blocks * 512
         except OSError:
@@ -212,7 +216,7 @@ class MemoryTier:
         free = free_bytes(self.dir)
         return TierFull(self.dir, need, free) if need > free else None
 
-    # --- writing (the trainer) ----------------------------------------------------------------------
+    # --- writing (the trainer) --------------------------------------------------------------------
     def open_slot(self, slot: str, nbytes: int) -> np.memmap:
         """This rank's slot ``slot`` as ``nbytes`` bytes mapped from the shared file.
 
@@ -246,11 +250,18 @@ class MemoryTier:
         return self.dir / f"rank{self.rank if rank is None else rank}.{slot}.persisting"
 
     def begin_write(self, slot: str, timeout_s: float = 60.0, keeper_alive=None) -> float:
-        """Make ``slot`` writable: wait until the keeper has published its previous content (its
-        pending file is gone) and no longer holds it for a checkpoint (a slot of a checkpoint step
-        is held from before its publication; a hold whose keeper died is void), then unlink its
-        header, so that a slot cut short is never read. Returns the seconds waited for the hold.
-        Raises :class:`TierFull` at once where the keeper cannot publish for lack of room."""
+        """Make ``slot`` writable and return the seconds waited for its hold.
+
+        Waits until the keeper has published its previous content (its pending file is gone) and no
+        longer holds it for a checkpoint (a slot of a checkpoint step is held from before its
+        publication; a hold whose keeper died is void), then unlinks its header, so that a slot cut
+        short is never read. Raises :class:`TierFull` at once where the keeper cannot publish for
+        lack of room.
+
+        Args:
+            slot: the slot's name.
+            timeout_s: how long to wait for the keeper.
+            keeper_alive: called while waiting; restarts a keeper that died (None: not checked)."""
         pending = self.pending_path(slot)
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
@@ -282,8 +293,9 @@ class MemoryTier:
         return time.monotonic() - t0
 
     def mark_written(self, header: SlotHeader) -> None:
-        """The slot's bytes are complete: hand them to the keeper to checksum and publish
-        (:class:`TierFull` if there is no room for the request)."""
+        """The slot's bytes are complete: hand them to the keeper to checksum and publish.
+
+        Raises :class:`TierFull` if there is no room for the request."""
         try:
             write_json_atomic(self.pending_path(header.slot), header.to_dict())
         except OSError as exc:

@@ -48,8 +48,13 @@ def tp_mesh(tp: TPContext, device_type: str = "cpu") -> DeviceMesh | None:
 def placements(
     model: torch.nn.Module, tp: TPContext, cfg: GPTConfig | None = None
 ) -> dict[str, tuple[str, torch.nn.Parameter, ShardPlacement | None]]:
-    """Per parameter name: its saved (global) name, the parameter, and its placement (None:
-    replicated, for a module that is not the GPT model)."""
+    """Per parameter name: its saved (global) name, the parameter and its shard placement.
+
+    Args:
+        model: the module whose parameters are listed.
+        tp: this rank's tensor-parallel context.
+        cfg: the GPT model's config (None: a module that is not the GPT model, every parameter
+            replicated)."""
     cfg = cfg if cfg is not None else getattr(model, "cfg", None)
     out = {}
     for name, p in model.named_parameters():

@@ -122,8 +122,10 @@ class Snapshotter:
         persist: Callable[[list[tuple[str, torch.Tensor]]], dict] | None = None,
         tensors: list[tuple[str, torch.Tensor]] | None = None,
     ) -> bool:
-        """Start copying this rank's state after step ``step`` into the free slot; False if the
-        tier has no room for it (:class:`~resihp.ckpt.memory.TierFull`: not taken, said once).
+        """Start copying this rank's state after step ``step`` into the free slot.
+
+        False if the tier has no room for it (:class:`~resihp.ckpt.memory.TierFull`: not taken,
+        said once).
 
         Args:
             step: the step just finished.

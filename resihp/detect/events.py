@@ -56,8 +56,9 @@ class Event:
 
     @property
     def slowdown_of_rank(self) -> float:
-        """What the finding costs its rank's step: ``rank_slowdown`` for a fail-slow of some phases
-        alone, otherwise the slowdown itself."""
+        """What the finding costs its rank's step.
+
+        ``rank_slowdown`` for a fail-slow of some phases alone, otherwise the slowdown itself."""
         return float(self.slowdown if self.rank_slowdown is None else self.rank_slowdown)
 
     def to_dict(self) -> dict:

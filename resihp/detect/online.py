@@ -490,10 +490,12 @@ class OnlineDetector:
         return list(self._open.values())
 
     def current_cost(self, event: Event) -> float | None:
-        """What an open fail-slow of a device costs its rank's step now, over the last
-        ``CURRENT_STEPS`` steps (``Event.slowdown_of_rank`` is its estimate when found, and a slowdown
-        that grows or fades after that leaves it behind); None when it is no longer open or its
-        baseline was learned afresh since (``rebaseline``: its deviations say nothing then)."""
+        """What an open fail-slow of a device costs its rank's step now.
+
+        Measured over the last ``CURRENT_STEPS`` steps (``Event.slowdown_of_rank`` is its estimate
+        when found, and a slowdown that grows or fades after that leaves it behind); None when it is
+        no longer open or its baseline was learned afresh since (``rebaseline``: its deviations say
+        nothing then)."""
         key = (event.kind, event.rank)
         if event.kind != "fail-slow" or event.rank is None or self._open.get(key) is not event:
             return None

@@ -624,10 +624,18 @@ def hand_on_steps(
 def drain_stderr(
     proc: AgentProcess, lines: list[str], out: Path, tag: str = "", keep_last: int = 0
 ) -> None:
-    """The workers' lines (per-step progress, warnings, errors) into OUT/logs/workers.log (each
-    prefixed with ``tag``) and ``lines`` (only the last ``keep_last``, if given); if the log cannot
-    be written (a full disk) the pipe is still drained, or the workers would block. A worker's
-    note to the user (``resihp: note: ...``, a memory tier gone full) is said here too, each once."""
+    """The workers' lines into OUT/logs/workers.log and ``lines``.
+
+    If the log cannot be written (a full disk) the pipe is still drained, or the workers would
+    block. A worker's note to the user (``resihp: note: ...``, a memory tier gone full) is said here
+    too, each once.
+
+    Args:
+        proc: the process whose stderr is read.
+        lines: where each line is also kept.
+        out: the run folder.
+        tag: the prefix of each line in the log.
+        keep_last: keep only the last this many in ``lines`` (None: all)."""
     keep, said = None, set()
     with contextlib.suppress(OSError):
         (out / "logs").mkdir(exist_ok=True)

@@ -86,7 +86,12 @@ class GPTConfig(Section):
         return "embed.weight" if self.tie_embeddings and name == "head.weight" else name
 
     def shard_placement(self, name: str, local_shape: tuple[int, ...], tp: int) -> ShardPlacement:
-        """Where a rank's shard of parameter ``name`` sits in its global tensor."""
+        """Where a rank's shard of parameter ``name`` sits in its global tensor.
+
+        Args:
+            name: the parameter's name.
+            local_shape: its shape on this rank.
+            tp: the tensor-parallel size."""
         return shard_placement(name, local_shape, tp, self.vocab if self.vocab_parallel else None)
 
     def shape(self, layers: int | None = None, tp: int = 1) -> TransformerShape:

@@ -50,11 +50,12 @@ VOCAB_PARALLEL = ("embed.weight", "head.weight")
 
 @dataclass(frozen=True)
 class ShardPlacement:
-    """Where one rank's local tensor sits in its parameter's global tensor, in the global tensor's
-    canonical (saved) shape: a fused parameter is saved as ``(groups, rows, ...)`` and split on
-    dimension 1, so that every tensor-parallel shard is one contiguous block of it (what DCP's chunk
-    metadata and DTensor's ``Shard`` describe), whatever the tensor-parallel size (one block when
-    it is 1). ``dim`` None: replicated."""
+    """Where one rank's local tensor sits in its parameter's global tensor.
+
+    In the global tensor's canonical (saved) shape: a fused parameter is saved as ``(groups, rows,
+    ...)`` and split on dimension 1, so that every tensor-parallel shard is one contiguous block of
+    it (what DCP's chunk metadata and DTensor's ``Shard`` describe), whatever the tensor-parallel
+    size (one block when it is 1). ``dim`` None: replicated."""
 
     global_shape: tuple[int, ...]
     dim: int | None
@@ -104,9 +105,14 @@ def split_of(name: str) -> tuple[int, int] | None:
 def shard_placement(
     name: str, local_shape: tuple[int, ...], tp: int, vocab: int | None = None
 ) -> ShardPlacement:
-    """The placement of parameter ``name`` whose local shape on a rank of ``tp`` is ``local_shape``;
-    ``vocab``: the model's (unpadded) vocabulary when the embedding and LM head are
-    vocabulary parallel."""
+    """The shard placement of parameter ``name``.
+
+    Args:
+        name: the parameter's (saved) name.
+        local_shape: its shape on a rank of ``tp``.
+        tp: the tensor-parallel size.
+        vocab: the model's (unpadded) vocabulary when the embedding and LM head are vocabulary
+            parallel, else None."""
     shape = tuple(local_shape)
     if vocab is not None and name in VOCAB_PARALLEL:
         return ShardPlacement((vocab, *shape[1:]), 0)

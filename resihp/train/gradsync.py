@@ -4,10 +4,10 @@ depth and tensor-parallel size.
 Every unit of the model (the embeddings, each decoder layer, the final norm and head; a tied
 embedding is one unit on the first and last stage) is summed over the ranks that hold it in each
 data-parallel replica. A tensor-parallel shard is summed block by block in the parameter's global
-tensor (``GPTConfig.shard_placement``): each piece of the global tensor is held by exactly one rank of
-each replica, whatever that replica's tensor-parallel size, and those ranks sum it. A replicated
-parameter held by a tensor-parallel group is summed in lanes (lane j: the j-th rank of each
-replica's group, cycling through smaller groups), so every replica counts once. With one layout
+tensor (``GPTConfig.shard_placement``): each piece of the global tensor is held by exactly one
+rank of each replica, whatever that replica's tensor-parallel size, and those ranks sum it. A
+replicated parameter held by a tensor-parallel group is summed in lanes (lane j: the j-th rank of
+each replica's group, cycling through smaller groups), so every replica counts once. With one layout
 everywhere this is the usual per-stage data-parallel group. Pieces with the same holders share one
 flat all-reduce; every rank creates every group and runs its all-reduces in one global order, so
 collectives cannot cross.
