@@ -13,28 +13,9 @@ import sys
 import pytest
 
 from resihp.detect.config import DetectorConfig
+from tests.test_runtime_cli import SMALL
 
 ONSET, FACTOR, STEPS = 8, 100, 16
-MODEL = [
-    "--layers",
-    "4",
-    "--hidden",
-    "64",
-    "--heads",
-    "2",
-    "--ffn-hidden",
-    "128",
-    "--vocab",
-    "256",
-    "--global-tokens",
-    "2048",
-    "--budget",
-    "512",
-    "--max-len",
-    "512",
-    "--timeout",
-    "30",
-]
 
 
 @pytest.mark.slow
@@ -56,7 +37,7 @@ def test_slow_link_is_found_in_replica_mode(tmp_path):
             "6",
             "--inject",
             f"link:ranks=0+2,factor={FACTOR},step={ONSET}",
-            *MODEL,
+            *SMALL,
             "--json",
             "--out",
             str(out),

@@ -83,7 +83,7 @@ class Event:
             out["step"] = self.step
         for name in _EVIDENCE:
             value = getattr(self, name)
-            if value is not None and name != "step":
+            if value is not None:
                 out[name] = value
         return out
 
@@ -98,7 +98,6 @@ _EVIDENCE = (
     "link_factors",
     "replicas",
     "cause",
-    "step",
     "silent_s",
     "detected_s",
     "node",

@@ -193,8 +193,8 @@ class Snapshots:
                 continue
             if isinstance(value, torch.nn.Module):
                 set_model_state_dict(value, state[name])
-            elif isinstance(value, torch.optim.Optimizer) and self._owner(value) is not None:
-                set_optimizer_state_dict(self._owner(value), value, state[name])
+            elif (owner := self._owner(value)) is not None:
+                set_optimizer_state_dict(owner, value, state[name])
             elif hasattr(value, "load_state_dict"):
                 value.load_state_dict(state[name])
 
@@ -214,14 +214,21 @@ class Snapshots:
                 continue
             if isinstance(value, torch.nn.Module):
                 out[name] = get_model_state_dict(value)
-            elif isinstance(value, torch.optim.Optimizer) and self._owner(value) is not None:
-                out[name] = get_optimizer_state_dict(self._owner(value), value)
+            elif (owner := self._owner(value)) is not None:
+                out[name] = get_optimizer_state_dict(owner, value)
             else:
                 out[name] = state_dict_of(value)
         return out
 
-    def _owner(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
-        """The module handed in whose parameters the optimizer steps (None: none holds them all)."""
+    def _owner(self, value: object) -> torch.nn.Module | None:
+        """The module handed in whose parameters optimizer ``value`` steps, or None.
+
+        None also for a value that is no optimizer and for one no module holds all the
+        parameters of.
+        """
+        if not isinstance(value, torch.optim.Optimizer):
+            return None
+        optimizer = value
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for value in self.state.values():
             if isinstance(value, torch.nn.Module) and mine <= {id(p) for p in value.parameters()}:
