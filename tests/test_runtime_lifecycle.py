@@ -365,7 +365,8 @@ def test_resume_crosses_layouts_never_models():
 
 
 def test_human_summary_of_a_run_stopped_by_a_non_finite_loss(capsys):
-    from resihp.launch.commands import _json_safe, _print_human
+    from resihp.launch.commands import _print_human
+    from resihp.launch.summary import json_safe as _json_safe
 
     summary = _json_safe(
         {"steps": 2, "loss_first": 4.2, "loss_last": float("nan"), "losses": [4.2, float("inf")]}

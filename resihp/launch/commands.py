@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 import sys
 import time
@@ -15,18 +14,15 @@ from typing import Annotated, Any
 
 import typer
 
-from resihp.ckpt.integrity import verify, write_json_atomic
+from resihp.ckpt.integrity import verify
 from resihp.cli_options import tree_from_options, tree_options
 from resihp.errors import InputError
+from resihp.launch.summary import live_fields, live_loop, replica_fields, run_summary, write_summary
 from resihp.launch.warm import CHECKPOINTING, WARM_AGENTS, agent_env
-from resihp.parallel import Placement
 from resihp.progress import progress_bar
 from resihp.train.config import RunConfig, check_memory
 from resihp.train.nodes import Nodes, check_secret
 from resihp.workload.lengths import resolve_source
-
-RESTARTS = 3  # relaunches in place (--recovery restart) before the job is given up
-RELAUNCH_WAIT_S = 120.0  # how long another node waits for node 0 to relaunch the job
 
 # Imports inside the verbs are deferred for start-up time: ``resihp`` imports every commands module
 # to build its help, and the verbs' work pulls in torch, lightgbm, OR-Tools or matplotlib.
@@ -125,9 +121,10 @@ def run_cmd(
 
 
 def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out: bool) -> None:
+    from resihp.launch.recovery import NODE0_FINISHED, LaunchResult, follow_relaunches, recover
     from resihp.launch.supervisor import supervise
     from resihp.model.attention import check_attention
-    from resihp.train.engine_snapshots import flush_checkpoints, restartable, start_keeper
+    from resihp.train.engine_snapshots import start_keeper
     from resihp.train.lifecycle import RunFolder
 
     nnodes, node_rank = nodes.nnodes, nodes.node_rank
@@ -150,7 +147,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         folder.retire_previous()
         cfg = replace(cfg, out=str(out), job_id=folder.job_id)
         folder.record(state="running", model_hash=cfg.model_hash(), started=time.time())
-        loop = _live_loop(cfg) if node_rank == 0 else None
+        loop = live_loop(cfg) if node_rank == 0 else None
         keeper = start_keeper(
             cfg, node_rank
         )  # the memory tier's keeper (--snapshot-every), restarted if it dies
@@ -178,14 +175,14 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         if (
             node_rank != 0 and cfg.faults.recovery == "restart"
         ):  # node 0 may relaunch the job in place
-            outcome, nodes = _follow_relaunches(cfg, outcome, nodes, reformed=False)
+            outcome, nodes = follow_relaunches(cfg, outcome, nodes, reformed=False)
         elif (
             node_rank != 0
             and cfg.checkpoint.ckpt_every
             and not cfg.snapshot_interval()
             and not replicas
         ):
-            outcome, nodes = _follow_relaunches(
+            outcome, nodes = follow_relaunches(
                 cfg, outcome, nodes, reformed=True
             )  # node 0 may re-form it
         if node_rank != 0:  # node 0 writes the job's summary; this node says how its part ended
@@ -199,9 +196,7 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
                 "node_rank": node_rank,
                 "nnodes": nnodes,
                 "ranks": ranks,
-                "error": None
-                if outcome.error == "the job ended on node 0: finished"
-                else outcome.error,
+                "error": None if outcome.error == NODE0_FINISHED else outcome.error,
             }
             outcome.error = summary["error"]
             # the job's checkpoints carry node 0's job id (this node's run folder has its own)
@@ -212,9 +207,9 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
                 print(f"resihp: {outcome.error}", file=sys.stderr)
                 raise typer.Exit(1)
             return
-        summary = _summary(cfg, outcome)
+        summary = run_summary(cfg, outcome)
         if replicas:
-            _replica_fields(out, outcome, summary)
+            replica_fields(out, outcome, summary)
         if outcome.control_plane is not None:
             summary["control_plane"] = {
                 **outcome.control_plane,
@@ -226,28 +221,10 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
             oversubscription(cfg.dims().world_size, "cuda" if cfg.device == "cuda" else "cpu")
         )
         if loop is not None and not outcome.interrupted:
-            summary.update(_live_fields(cfg, loop, summary))
-            _write_summary(out, summary)
-        if cfg.faults.recovery == "restart" and restartable(outcome):
-            summary, outcome = _restart(cfg, outcome, summary, json_out, keeper, nodes)
-        elif (
-            replicas
-            and outcome.all_replicas_lost
-            and cfg.checkpoint.ckpt_every
-            and nnodes == 1
-            and not outcome.interrupted
-        ):
-            summary, outcome = _restart_replicas(cfg, outcome, summary, json_out)
-        elif (
-            outcome.failure
-            and cfg.checkpoint.ckpt_every
-            and not outcome.interrupted
-            and not replicas
-        ):
-            flush_checkpoints(
-                cfg, breakpoint=True
-            )  # the newest snapshot on disk first (keeper-written checkpoints)
-            summary, outcome = _recover(cfg, outcome, summary, json_out, nodes)
+            summary.update(live_fields(cfg, loop, summary))
+            write_summary(out, summary)
+        ended = recover(LaunchResult(cfg, outcome, summary, nodes, json_out, keeper))
+        summary, outcome = ended.summary, ended.outcome
         _finish(folder, cfg, outcome, summary)
         if tensorboard:
             from resihp.train.metrics import write_run  # deferred: tensorboard, an optional extra
@@ -261,16 +238,6 @@ def _run(cfg: RunConfig, nodes: Nodes, if_busy: str, tensorboard: bool, json_out
         print(f"resihp: {outcome.error}", file=sys.stderr)
         signum = getattr(signal, outcome.interrupted or "", None)
         raise typer.Exit(128 + int(signum) if signum else 1)
-
-
-def _live_loop(cfg: RunConfig):
-    """The run's live loop, or None without live re-planning: a run with ``--no-live`` does not
-    import the planner and the detector (OR-Tools, networkx, pandas) on its way to its launch."""
-    if not cfg.live.live:
-        return None
-    from resihp.launch.live import LiveLoop
-
-    return LiveLoop(cfg)
 
 
 @contextlib.contextmanager
@@ -362,23 +329,8 @@ def _finish(folder, cfg, outcome, summary: dict, job_id: str | None = None) -> N
         }
         if outcome.interrupted:
             summary["interrupted"] = outcome.interrupted
-        _write_summary(folder.out, summary)
+        write_summary(folder.out, summary)
     folder.record(**fields)
-
-
-def _write_summary(out: Path, summary: dict) -> None:
-    write_json_atomic(out / "summary.json", _json_safe(summary))
-
-
-def _json_safe(value):
-    """NaN and infinities are not JSON: null instead (the summary must parse anywhere)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def demo_cmd(
@@ -463,481 +415,6 @@ def _demo(
         + (f"{rf:.2f}" if rf else "-")
     )
     print(f"plot {summary['plot']}  summary {out / 'demo.json'}  trace {out / 'ops.parquet'}")
-
-
-def _live_fields(cfg, loop, summary: dict) -> dict:
-    """The DESIGN summary fields: detection delay, plan changes, throughput around a slow fault."""
-    from resihp.launch.report import fault_summary
-    from resihp.opstrace import read_ops_trace
-
-    loop.save()
-    out = Path(cfg.out)
-    applied_path = out / "plan_changes.json"
-    records = json.loads(applied_path.read_text()) if applied_path.exists() else []
-    # each change with its plan (the Plan JSON), the step it was applied at and, for a new layout,
-    # what moved (bytes, the least the two layouts need, seconds) and the spares it left
-    moved = (
-        "moved_bytes",
-        "minimum_bytes",
-        "written_bytes",
-        "read_bytes",
-        "relayout_s",
-        "generation",
-        "spares",
-    )
-    changes = loop.as_applied(records, moved)
-    trace = read_ops_trace(out / "ops.parquet") if (out / "ops.parquet").exists() else None
-    if trace is not None:
-        # layers moved in place, or (replica mode) replicas' groups re-formed: the slowest rank's
-        # seconds and, where the job recorded no totals, the bytes the ranks sent, from the step's
-        # ``replan-*`` ops; in replica mode the layers other replicas moved beside re-formed ones
-        # (a layer moved is exactly what its new stage needs: its bytes are the minimum too)
-        moves = trace[trace.optype.isin(["replan-layers", "replan-layout"])]
-        for change in changes:
-            at = moves[moves.step == change["applied_step"]]
-            if not len(at):
-                continue
-            change["move_s"] = round(float(at.duration.max()), 4)
-            layers = int(at[at.optype == "replan-layers"]["bytes"].fillna(0).sum())
-            if "moved_bytes" not in change:
-                change["moved_bytes"] = int(at["bytes"].fillna(0).sum())
-            elif layers and "minimum_bytes" in change:
-                change.update(
-                    moved_bytes=change["moved_bytes"] + layers,
-                    minimum_bytes=change["minimum_bytes"] + layers,
-                )
-            if "layout" in change and "spares" not in change:  # the ranks its groups leave out
-                world = cfg.dims().world_size
-                change["spares"] = Placement.parse(change["layout"], world).spares(world)
-    # each change's estimate beside the step measured while it was in force
-    for change, check in zip(changes, loop.measured_steps([c["applied_step"] for c in changes])):
-        change.update(check)
-    fields = {
-        "detection_delay_steps": None,
-        "plan_changes": changes,
-        "events": loop.events,
-        "planner_calibration": loop.calibration,
-        "tokens_per_s_before": summary.get("tokens_per_s"),
-        "tokens_per_s_after": summary.get("tokens_per_s"),
-        "recovered_fraction": None,
-        "live_error": loop.error,
-    }
-    slow = [f for f in cfg.fault_list() if f.kind == "slow" and f.step is not None]
-    if slow and trace is not None:
-        report = fault_summary(
-            trace, slow[0].to_dict(), loop.events, changes, cfg.dims().world_size
-        )
-        fields.update({k: v for k, v in report.items() if k not in ("steps", "injected")})
-    return fields
-
-
-def _replica_fields(out: Path, outcome, summary: dict) -> None:
-    """Replica mode's summary fields from the launcher's records and the ops trace: ``recovery``,
-    ``members`` (per step from first_step, the replicas that trained it) and the timeline plot."""
-    from resihp.launch.replicas import recovery_summary
-    from resihp.opstrace import read_ops_trace
-
-    if (out / "ops.parquet").exists():
-        trace = read_ops_trace(out / "ops.parquet")
-        summary["recovery"] = recovery_summary(outcome, trace)
-        summary["members"] = outcome.replica_members
-        if summary["recovery"] is not None:
-            from resihp.launch.report import plot_replicas  # deferred: matplotlib
-
-            plot_replicas(trace, summary["recovery"], out / "timeline.png")
-            summary["timeline"] = str(out / "timeline.png")
-    _write_summary(out, summary)
-
-
-def _restart_replicas(cfg, outcome, summary: dict, json_out: bool):
-    """Replica mode with checkpoints, every replica lost (no live peer holds the state): the job
-    relaunched whole into OUT/restart from its newest checkpoint, with the slowdowns still in force
-    (a stop, hang or error injected before struck once: it took the job down). The summary's losses
-    go on from the checkpoint (``restart``: where from, and how long the relaunch took)."""
-    import pandas as pd
-
-    from resihp.ckpt.integrity import step_of
-    from resihp.launch.replicas import supervise_replicas
-    from resihp.train.elastic import latest_checkpoint, relaunch_config
-    from resihp.train.inject import carried_faults
-
-    out = Path(cfg.out)
-    ckpt, skipped = latest_checkpoint(cfg)
-    skipped = [f"{p.name}: {why}" for p, why in skipped]
-    if ckpt is None:
-        summary["restart"] = {
-            "restarted": False,
-            "reason": "no checkpoint of this job that verifies",
-            "skipped": skipped,
-        }
-        _write_summary(out, summary)
-        return summary, outcome
-    resumed = step_of(ckpt) + 1
-    world = cfg.dims().world_size
-    ahead = [
-        f.spec()
-        for f in carried_faults(cfg.fault_list(), list(range(world)), resumed)
-        if f.kind in ("slow", "link")
-    ]
-    new = relaunch_config(cfg, ckpt, out / "restart", inject=ahead)
-    loop = _live_loop(new)
-    t0 = time.time()
-    with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-        again = supervise_replicas(
-            new, on_step=lambda s: advance(s + 1), on_steps=loop.on_steps if loop else None
-        )
-    after = _summary(new, again)
-    _replica_fields(Path(new.out), again, after)
-    if loop is not None and not again.interrupted:
-        after.update(_live_fields(new, loop, after))
-        _write_summary(Path(new.out), after)
-    first_step = summary.get("first_step") or 0
-    losses = list(summary.get("losses") or [])[: max(0, resumed - first_step)] + list(
-        after.get("losses") or []
-    )
-    ops = Path(new.out) / "ops.parquet"
-    steps = pd.read_parquet(ops, columns=["optype", "start_ts"]) if ops.exists() else None
-    first = (
-        float(steps[steps.optype == "step"].start_ts.min())
-        if steps is not None and len(steps)
-        else None
-    )
-    summary.update(
-        {
-            "restart": {
-                "restarted": True,
-                "reason": "every replica was lost",
-                "restart_from": str(ckpt),
-                "resumed_step": resumed,
-                "skipped": skipped,
-                "restart_s": round(first - t0, 3) if first is not None else None,
-            },
-            "plan_changes": [
-                *(summary.get("plan_changes") or []),
-                *(after.get("plan_changes") or []),
-            ],
-            "after_restart": after,
-            "losses": losses,
-            "loss_last": losses[-1] if losses else None,
-            "steps": resumed + len(after.get("losses") or []),
-            "tokens_per_s_after": after.get("tokens_per_s"),
-            "error": again.error,
-        }
-    )
-    if again.interrupted:
-        summary["interrupted"] = again.interrupted
-    _write_summary(out, summary)
-    return summary, again
-
-
-def _summary(cfg, outcome) -> dict:
-    from resihp.train.worker import write_job_files
-
-    out = Path(cfg.out)
-    summary_path = out / "summary.json"
-    if outcome.returncode != 0 or _summary_job(summary_path) != cfg.job_id:
-        try:
-            summary = write_job_files(cfg, out)
-        except InputError:  # no rank recorded a single op
-            summary = {}
-        summary.update(
-            {
-                "failure": outcome.failure.to_dict() if outcome.failure else None,
-                "error": outcome.error,
-            }
-        )
-        summary = _json_safe(summary)
-        _write_summary(out, summary)
-        return summary
-    return json.loads(summary_path.read_text())
-
-
-def _summary_job(path: Path) -> str | None:
-    """The job id a summary file names (None: none there, or not a summary)."""
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return summary.get("job_id") if isinstance(summary, dict) else None
-
-
-def _follow_relaunches(cfg, outcome, nodes, reformed: bool, attempts: int = RESTARTS):
-    """A node other than 0: after its part of a failed launch, join each relaunch node 0
-    announces, in node 0's configuration of it, until one ends well, node 0 announces none, none
-    comes within the wait, or this node is stopped. ``reformed``: re-formed around a lost device
-    (into OUT/restart, OUT/restart/restart, ..., on the ranks node 0 gives this node), else a
-    restart in place (--recovery restart: into OUT/restart, restart-2, ...). The last outcome, and
-    this node's part of the last launch."""
-    from resihp.launch.supervisor import await_relaunch, supervise
-
-    out = Path(cfg.out)
-    for attempt in range(1, attempts + 1):
-        failed = (
-            outcome.error not in (None, "the job ended on node 0: finished")
-        ) or outcome.returncode != 0
-        if not failed or outcome.interrupted or outcome.input_error:
-            break
-        # node 0 relaunches once it has stopped every node's workers and written its summary
-        job = await_relaunch(nodes, attempt, max(RELAUNCH_WAIT_S, cfg.faults.timeout_s))
-        if not job or job.get("no_relaunch"):  # none came, or node 0 said there is none
-            if job:
-                outcome.error = (
-                    f"{outcome.error}; node 0 does not relaunch it: {job['no_relaunch']}"
-                )
-            break
-        if job.get("sizes"):
-            nodes = replace(nodes, sizes=tuple(job["sizes"]))
-        out = (
-            out / "restart"
-            if reformed
-            else Path(cfg.out) / ("restart" if attempt == 1 else f"restart-{attempt}")
-        )
-        # node 0's configuration of the relaunch (its layout, checkpoint, faults still ahead)
-        outcome = supervise(
-            cfg.updated(**job["config"], out=str(out)), nodes=nodes, attempt=attempt
-        )
-    return outcome, nodes
-
-
-def _restart(
-    cfg, outcome, summary: dict, json_out: bool, keeper, nodes=None, attempts: int = RESTARTS
-):
-    """Restart in place (--recovery restart): relaunch the same layout; every rank restores from
-    its memory tier or a peer's (else the newest checkpoint of this job, else step 0). The losses
-    join the run's before the failure to those after it, from the step it went on at."""
-    from resihp.launch.supervisor import supervise
-    from resihp.train.elastic import latest_checkpoint
-    from resihp.train.engine_snapshots import recovery_record, restartable, verify_ahead
-
-    out, before, first = Path(cfg.out), Path(cfg.out), summary.get("first_step") or 0
-    losses, records = list(summary.get("losses") or []), []
-    before_summary, after, again = summary, {}, outcome
-    for attempt in range(1, attempts + 1):
-        ckpt, _ = latest_checkpoint(cfg)
-        # the faults injected are the failed run's; one during=restore strikes the first restore
-        during = (
-            [
-                text
-                for text, f in zip(cfg.faults.inject, cfg.fault_list(), strict=True)
-                if f.during == "restore"
-            ]
-            if attempt == 1
-            else []
-        )
-        new = cfg.relaunched_into(
-            out / ("restart" if attempt == 1 else f"restart-{attempt}"),
-            inject=during,
-            resume=str(ckpt) if ckpt else cfg.checkpoint.resume,
-        )
-        failure, why = again.failure, again.error
-        verify_ahead(cfg.job_id)  # the keeper checks the slots while the job relaunches
-        with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-            again = supervise(
-                new, on_step=lambda s: advance(s + 1), on_poll=keeper, nodes=nodes, attempt=attempt
-            )
-        after = _summary(new, again)
-        record = recovery_record(before, Path(new.out), failure, before_summary, after, cause=why)
-        records.append(record)
-        resumed = (
-            record["resumed_step"] if record["resumed_step"] is not None else len(losses) + first
-        )
-        losses = losses[: max(0, resumed - first)] + list(after.get("losses") or [])
-        before, before_summary = Path(new.out), after
-        if not restartable(again):
-            break
-    summary.update(
-        {
-            "recovery": records[0] if len(records) == 1 else {**records[-1], "restarts": records},
-            "losses": losses,
-            "first_step": first,
-            "steps": first + len(losses),
-            "loss_last": losses[-1] if losses else None,
-            "after_restart": after,
-            "tokens_per_s_after": after.get("tokens_per_s"),
-            "error": again.error,
-        }
-    )
-    if again.interrupted:
-        summary["interrupted"] = again.interrupted
-    _write_summary(out, summary)
-    return summary, again
-
-
-def _recover(
-    cfg, outcome, summary: dict, json_out: bool, nodes: Nodes | None = None, attempt: int = 1
-):
-    """Exclude the stopped rank: restart from the latest checkpoint, the survivors re-formed around
-    it as the planner says (else the surviving uniform layout). On several nodes every survivor
-    stays on its node (``Nodes.sizes``: the nodes' ranks in order) and the other nodes' launchers
-    join the relaunch node 0 announces (``_follow_relaunches``); where that cannot be (a memory
-    tier, a node with no survivor, no re-formed plan) node 0 tells them there is none, and the
-    summary names the checkpoint the survivors resume from."""
-    import pandas as pd
-
-    from resihp.launch.supervisor import announce_no_relaunch, supervise
-    from resihp.train.elastic import latest_checkpoint, layout_without, reform_around
-    from resihp.train.engine_snapshots import flush_checkpoints, start_keeper, stop_keepers
-    from resihp.train.planning import (
-        predicted_step_s,
-        step_check,
-        trace_compute_seconds,
-        trace_step_seconds,
-    )
-
-    out = Path(cfg.out)
-    ckpt, skipped = latest_checkpoint(cfg)
-    rank = outcome.failure.rank
-    reformed = None
-    nodes = nodes or Nodes()
-    multi = nodes.nnodes > 1
-    if ckpt and not (multi and cfg.snapshot_interval()):
-        # the launch layout's healthy steps (the warm-up step 0 aside), before the loss and any
-        # change
-        trace = pd.read_parquet(out / "ops.parquet") if (out / "ops.parquet").exists() else None
-        before = trace_step_seconds(trace) if trace is not None else {}
-        computed = trace_compute_seconds(trace) if trace is not None else {}
-        ends = [outcome.failure.step] + [
-            c.get("applied_step") for c in summary.get("plan_changes") or []
-        ]
-        stop = min((s for s in ends if s is not None), default=None)
-        healthy = [s for s in before if s > 0 and (stop is None or s < stop)]
-        compute = [computed[s] for s in healthy if s in computed]
-        reformed = reform_around(
-            cfg,
-            rank,
-            ckpt,
-            out / "restart",
-            measured=[before[s] for s in healthy],
-            compute=compute if len(compute) == len(healthy) else None,
-        )
-    new_nodes = nodes
-    if multi:  # each survivor on its node: the nodes' new rank counts
-        node_of = {r: n for n, rs in nodes.layout().items() for r in rs}
-        sizes = (
-            tuple(sum(node_of[old] == n for old in reformed.ranks) for n in range(nodes.nnodes))
-            if reformed
-            else ()
-        )
-        if not sizes or min(sizes) == 0:
-            why = (
-                "no checkpoint of this job that verifies"
-                if not ckpt
-                else "a memory tier on several nodes is not relaunched re-formed"
-                if cfg.snapshot_interval()
-                else "a node has no device left"
-                if sizes
-                else "no re-formed plan for the survivors"
-            )
-            announce_no_relaunch(nodes, attempt, why)
-            summary["recovery"] = {
-                "restarted": False,
-                "reason": why,
-                "checkpoint": str(ckpt) if ckpt else None,
-                "skipped": [f"{p.name}: {w}" for p, w in skipped],
-            }
-            _write_summary(out, summary)
-            return summary, outcome
-        new_nodes = replace(nodes, sizes=sizes)
-    new = (
-        reformed.cfg
-        if reformed
-        else layout_without(cfg, rank, ckpt, out / "restart")
-        if ckpt
-        else None
-    )
-    if new is None:
-        summary["recovery"] = {
-            "restarted": False,
-            "reason": "no checkpoint of this job that verifies"
-            if not ckpt
-            else "no device left to continue on",
-            "skipped": [f"{p.name}: {why}" for p, why in skipped],
-        }
-        _write_summary(out, summary)
-        return summary, outcome
-    t0 = time.time()
-    keeper = start_keeper(
-        new, 0
-    )  # the relaunch's own memory tier (elastic.relaunch_config), if it snapshots
-    # the relaunch is watched as the launch was: its live loop takes the re-formed layout as the
-    # plan in force and re-plans around a slowdown found after it
-    loop = _live_loop(new)
-    with progress_bar("after restart", new.train.steps, enabled=not json_out) as advance:
-        again = supervise(
-            new,
-            on_step=lambda s: advance(s + 1),
-            on_poll=keeper,
-            on_steps=loop.on_steps if loop else None,
-            nodes=new_nodes if multi else None,
-            attempt=attempt if multi else 0,
-        )
-    after = _summary(new, again)
-    if loop is not None and not again.interrupted:
-        after.update(_live_fields(new, loop, after))
-        _write_summary(Path(new.out), after)
-    if again.failure is not None and not again.interrupted and new.checkpoint.ckpt_every:
-        # another device lost in the relaunch: re-formed around it in turn, from the relaunch's
-        # newest checkpoint (its newest snapshot first written by its keeper), so ``after`` then
-        # holds both relaunches' losses and plan changes
-        flush_checkpoints(new, breakpoint=True)
-        after, again = _recover(new, again, after, json_out, new_nodes, attempt + 1)
-    stop_keepers(new, breakpoint=again.error is not None)
-    ops = Path(new.out) / "ops.parquet"
-    first, relaunched = None, {}
-    if ops.exists():
-        trace = pd.read_parquet(ops)
-        steps = trace[trace.optype == "step"]
-        first = float(steps.start_ts.min()) if len(steps) else None
-        relaunched = trace_step_seconds(trace)
-    change = {
-        "kind": "exclude",
-        "rank": rank,
-        "restart_from": str(ckpt),
-        "resumed_step": int(ckpt.name.removeprefix("step")) + 1,
-        "layout": {"dp": new.parallel.dp, "pp": new.parallel.pp, "tp": new.parallel.tp},
-        "restart_s": round(first - t0, 3) if first else None,
-        "skipped": [f"{p.name}: {why}" for p, why in skipped],
-    }
-    if reformed is not None:  # the planner's layout: pipelines of the relaunch's ranks
-        change.update(
-            applied=True,
-            layout=reformed.change["layout"],
-            ranks=reformed.ranks,
-            layer_splits=reformed.change["layer_splits"],
-            dp_weights=reformed.change["dp_weights"],
-            predicted_step_s=predicted_step_s(reformed.plan),
-            plan=reformed.plan.to_dict(),
-            planner_calibration=reformed.calibration,
-        )
-        # the estimate against the relaunch's steps after the one that re-formed the groups
-        change.update(
-            step_check(
-                change["predicted_step_s"],
-                [v for s, v in relaunched.items() if s > change["resumed_step"]],
-            )
-        )
-    first_step = summary.get("first_step") or 0
-    # the losses of the steps before the checkpoint it resumed from, then the relaunch's
-    losses = list(summary.get("losses") or [])[
-        : max(0, change["resumed_step"] - first_step)
-    ] + list(after.get("losses") or [])
-    # the launch's own live changes, this exclusion, then the relaunch's (and any later exclusion)
-    before_changes = [c for c in summary.get("plan_changes") or [] if c.get("kind") != "exclude"]
-    summary.update(
-        {
-            "plan_changes": [*before_changes, change, *(after.get("plan_changes") or [])],
-            "after_restart": after,
-            "losses": losses,
-            "loss_last": losses[-1] if losses else None,
-            "steps": change["resumed_step"] + len(after.get("losses") or []),
-            "tokens_per_s_after": after.get("tokens_per_s"),
-            "error": again.error,
-        }
-    )
-    if again.interrupted:
-        summary["interrupted"] = again.interrupted
-    _write_summary(out, summary)
-    return summary, again
 
 
 def _print_human(summary: dict) -> None:
