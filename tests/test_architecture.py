@@ -131,6 +131,7 @@ DOCSTRING_PACKAGES = (
     "launch",
     "model",
     "perf",
+    "plan",
     "replay",
     "workload",
 )
