@@ -133,6 +133,7 @@ DOCSTRING_PACKAGES = (
     "perf",
     "plan",
     "replay",
+    "train",
     "workload",
 )
 
