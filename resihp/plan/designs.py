@@ -336,7 +336,7 @@ def pack(
 
     Args:
         designer: the designer whose designs are packed.
-        devices: the devices to pack onto.
+        devices: the number of devices to pack onto.
         microbatches: the micro-batches to carry.
         kept: the pipelines already placed, each one's (first micro-batch's step, each further
             one's), in seconds.
@@ -516,7 +516,7 @@ def slow_packing(
 
     Args:
         designer: the designer whose designs are packed.
-        devices: the full-speed devices to pack onto.
+        devices: the number of full-speed devices to pack onto.
         slow: the slow devices, rank -> speed.
         microbatches: the micro-batches to carry.
         kept: as in ``pack``.
