@@ -131,7 +131,9 @@ DOCSTRING_PACKAGES = (
     "launch",
     "model",
     "perf",
+    "plan",
     "replay",
+    "train",
     "workload",
 )
 

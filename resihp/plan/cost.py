@@ -1,4 +1,6 @@
-"""Cost models: seconds of one micro-batch through one layer (and through the LM head) on a device,
+"""Cost models: a micro-batch's seconds per layer and head, and a step's communication times.
+
+They give the seconds of one micro-batch through one layer (and through the LM head) on a device,
 and the analytic times of a step's communication and optimizer step.
 
 The planner only needs per-layer forward/backward times at full speed for a tensor-parallel degree;
@@ -37,17 +39,24 @@ def flops_per_s(tflops: float | np.ndarray, efficiency: float = 1.0) -> float | 
 
 
 def head_flops(model: ModelSpec, tokens: float | np.ndarray) -> float | np.ndarray:
-    """Forward FLOPs of the LM head (the logits projection) for ``tokens`` tokens, at tp = 1;
-    its backward is twice as many."""
+    """Forward FLOPs of the LM head (the logits projection) for ``tokens`` tokens, at tp = 1.
+
+    Its backward is twice as many."""
     return 2.0 * tokens * model.hidden * model.vocab
 
 
 def tp_allreduce_s(
     model: ModelSpec, cluster: ClusterSpec, tokens: float | np.ndarray, width: float | np.ndarray
 ) -> float | np.ndarray:
-    """One tensor-parallel all-reduce of ``tokens`` tokens' activations (bf16) over the
-    intra-node links, ring algorithm, on a group of ``width`` devices (0 for one device);
-    Megatron runs two per layer forward and two backward."""
+    """Seconds of one tensor-parallel all-reduce of activations (bf16) over the intra-node links.
+
+    Ring algorithm; 0 for one device. Megatron runs two per layer forward and two backward.
+
+    Args:
+        model: the model (its hidden size).
+        cluster: the cluster (its intra-node bandwidth).
+        tokens: the tokens whose activations are reduced (a number or an array).
+        width: the tensor-parallel group's size in devices (a number or an array)."""
     width = np.asarray(width, dtype=np.float64)
     size = np.asarray(tokens, dtype=np.float64) * model.hidden * ACTIVATION_BYTES
     return 2.0 * (width - 1.0) / width * size / (cluster.intra_node_gbs * 1e9)
@@ -59,11 +68,18 @@ def p2p_s(
     width: float | np.ndarray = 1.0,
     tokens: float | None = None,
 ) -> float | np.ndarray:
-    """One micro-batch's activations (bf16; ``tokens``, the model's budget by default) across a
-    stage boundary over the inter-node link, split over ``width`` tensor-parallel senders (each
-    sends its sequence-parallel shard). The replay gives a replica's narrowest group; the planner
-    prices every boundary unsplit (width 1), whatever its groups. Plus the cluster's
-    ``p2p_overhead_s`` per transfer (a live job's measured software overhead; 0 in specs)."""
+    """Seconds of one micro-batch's activations (bf16) across a stage boundary, inter-node.
+
+    The transfer is split over ``width`` tensor-parallel senders (each sends its sequence-parallel
+    shard). The replay gives a replica's narrowest group; the planner prices every boundary unsplit
+    (width 1), whatever its groups. Plus the cluster's ``p2p_overhead_s`` per transfer (a live
+    job's measured software overhead; 0 in specs).
+
+    Args:
+        model: the model (its hidden size and micro-batch token budget).
+        cluster: the cluster (its inter-node bandwidth and ``p2p_overhead_s``).
+        width: the tensor-parallel senders the transfer is split over (a number or an array).
+        tokens: the micro-batch's tokens (None: the model's ``microbatch_tokens``)."""
     tokens = model.microbatch_tokens if tokens is None else tokens
     return (
         tokens
@@ -78,8 +94,13 @@ def p2p_s(
 def grad_sync_s(
     model: ModelSpec, cluster: ClusterSpec, shard_layers: float, replicas: int
 ) -> float:
-    """Ring all-reduce across ``replicas`` of one device's bf16 gradients for ``shard_layers``
-    layers (a stage's layers / its tensor-parallel width) over the inter-node link."""
+    """Seconds of the data-parallel ring all-reduce of one device's bf16 gradients, inter-node.
+
+    Args:
+        model: the model (its parameters per layer).
+        cluster: the cluster (its inter-node bandwidth).
+        shard_layers: the layers the device holds (a stage's layers / its tensor-parallel width).
+        replicas: the data-parallel replicas in the ring (below 2: no sync, 0 seconds)."""
     if replicas < 2:
         return 0.0
     grads = shard_layers * model.params_per_layer * GRADIENT_BYTES
@@ -87,8 +108,14 @@ def grad_sync_s(
 
 
 def optimizer_s(model: ModelSpec, cluster: ClusterSpec, shard_layers: float) -> float:
-    """The optimizer step of a device holding ``shard_layers`` layers: one read and one write of
-    their state in HBM (the slowest device's bandwidth)."""
+    """Seconds of the optimizer step of a device holding ``shard_layers`` layers.
+
+    One read and one write of their state in HBM, at the slowest device's bandwidth.
+
+    Args:
+        model: the model (its parameters per layer and state bytes per parameter).
+        cluster: the cluster (its slowest HBM bandwidth).
+        shard_layers: the layers the device holds (a stage's layers / its tensor-parallel width)."""
     return (
         shard_layers
         * model.params_per_layer
@@ -102,18 +129,31 @@ class CostModel(Protocol):
     def layer_seconds(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> tuple[float, float]:
-        """(forward, backward) seconds of one micro-batch through one layer at full speed."""
+        """(forward, backward) seconds of one micro-batch through one layer at full speed.
+
+        Args:
+            model: the model and its batch.
+            cluster: the cluster (its links).
+            tp: the tensor-parallel degree.
+            tflops: the device's sustained TFLOP/s."""
 
     def head_seconds(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> tuple[float, float]:
-        """(forward, backward) seconds of one micro-batch through the LM head and loss."""
+        """(forward, backward) seconds of one micro-batch through the LM head and loss.
+
+        Args:
+            model: the model and its batch.
+            cluster: the cluster (its links).
+            tp: the tensor-parallel degree.
+            tflops: the device's sustained TFLOP/s."""
 
 
 @lru_cache(maxsize=64)
 def cost_key(cost: CostModel) -> tuple:
-    """What keys the caches of one cost model's derived tables (its type and settings, or the
-    object itself when they do not hash)."""
+    """What keys the caches of one cost model's derived tables.
+
+    Its type and settings, or the object itself when they do not hash."""
     try:
         key = (type(cost).__qualname__, tuple(sorted(vars(cost).items())))
         hash(key)
@@ -129,8 +169,16 @@ def expected_microbatches(
     samples: int = 256,
     seed: int = 0,
 ) -> tuple[tuple[int, ...], ...]:
-    """Micro-batches as a data loader would pack them from the workload's real document lengths;
-    without a workload, every micro-batch is full-length sequences."""
+    """Micro-batches as a data loader would pack them from the workload's real document lengths.
+
+    Without a workload, every micro-batch is full-length sequences.
+
+    Args:
+        workload: the sequence-length source's name (None: full-length sequences only).
+        microbatch_tokens: the token budget of one micro-batch.
+        max_seq_len: the longest sequence, in tokens.
+        samples: how many micro-batches to pack.
+        seed: the packing's random seed."""
     if workload is None:
         per = microbatch_tokens // max_seq_len
         return ((max_seq_len,) * per,)
@@ -153,9 +201,9 @@ def mean_mix(model: ModelSpec) -> tuple[float, float]:
 
 
 class AnalyticCost:
-    """Analytic FLOPs over the device's sustained FLOP rate, plus the tensor-parallel all-reduces
-    (two per layer forward, two backward) on the intra-node links.
+    """Analytic FLOPs over the device's sustained FLOP rate, plus the tensor-parallel all-reduces.
 
+    There are two all-reduces per layer forward and two backward, on the intra-node links.
     ``efficiency`` scales the rate given in the cluster spec (1.0, the default, when ``tflops`` is
     already the sustained rate, as in the shipped clusters and the replay's).
     """
@@ -166,6 +214,13 @@ class AnalyticCost:
     def layer_seconds(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> tuple[float, float]:
+        """(forward, backward) seconds of the mean micro-batch through one layer at full speed.
+
+        Args:
+            model: the model and its batch.
+            cluster: the cluster (its intra-node bandwidth).
+            tp: the tensor-parallel degree.
+            tflops: the device's sustained TFLOP/s."""
         tokens, sum_sq = mean_mix(model)
         rate = flops_per_s(tflops, self.efficiency)
         comm = 2.0 * float(tp_allreduce_s(model, cluster, tokens, tp))
@@ -180,6 +235,13 @@ class AnalyticCost:
     def head_seconds(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> tuple[float, float]:
+        """(forward, backward) seconds of the mean micro-batch through the LM head.
+
+        Args:
+            model: the model and its batch.
+            cluster: the cluster (unused by the analytic head).
+            tp: the tensor-parallel degree.
+            tflops: the device's sustained TFLOP/s."""
         tokens, _ = mean_mix(model)
         fwd = head_flops(model, tokens) / tp / flops_per_s(tflops, self.efficiency)
         return fwd, 2.0 * fwd
@@ -187,9 +249,16 @@ class AnalyticCost:
     def microbatch_factors(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> np.ndarray:
-        """Each of the workload's packed micro-batches' layer time (forward + backward) over the
-        mean micro-batch's: what makes one micro-batch slower than another on the critical path.
-        Mean 1 (the analytic cost is linear in tokens and in the sum of squared lengths)."""
+        """Each packed micro-batch's layer time (forward + backward) over the mean micro-batch's.
+
+        This is what makes one micro-batch slower than another on the critical path. Mean 1 (the
+        analytic cost is linear in tokens and in the sum of squared lengths).
+
+        Args:
+            model: the model and its batch (its workload).
+            cluster: the cluster (its intra-node bandwidth).
+            tp: the tensor-parallel degree.
+            tflops: the device's sustained TFLOP/s."""
         batches = expected_microbatches(model.workload, model.microbatch_tokens, model.max_seq_len)
         tokens = np.array([sum(b) for b in batches], dtype=np.float64)
         sum_sq = np.array([sum(x * x for x in b) for b in batches], dtype=np.float64)
@@ -202,9 +271,11 @@ class AnalyticCost:
 
 
 class PredictorCost:
-    """The learned micro-batch predictor (``MicroBatchPredictor.load(path)``, issue on the
-    predictor): mean predicted time of the workload's micro-batches for the whole layer stack,
-    divided by the number of layers. Device FLOP rates are not used: the predictor knows its device.
+    """The learned micro-batch predictor as a cost model (``MicroBatchPredictor.load(path)``).
+
+    A layer's time is the mean predicted time of the workload's micro-batches for the whole layer
+    stack, divided by the number of layers. Device FLOP rates are not used: the predictor knows its
+    device.
     """
 
     def __init__(self, predictor: object) -> None:
@@ -223,6 +294,13 @@ class PredictorCost:
     def layer_seconds(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> tuple[float, float]:
+        """(forward, backward) seconds through one layer: the micro-batches' mean predicted time.
+
+        Args:
+            model: the model and its batch.
+            cluster: the cluster (unused: the predictor knows its device).
+            tp: the tensor-parallel degree.
+            tflops: the device's TFLOP/s (unused: the predictor knows its device)."""
         key = (model, tp)
         if key not in self._cache:
             batches = [
@@ -243,12 +321,25 @@ class PredictorCost:
     def head_seconds(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> tuple[float, float]:
+        """(0, 0): the predictor prices no separate LM head.
+
+        Args:
+            model: the model and its batch (unused).
+            cluster: the cluster (unused).
+            tp: the tensor-parallel degree (unused).
+            tflops: the device's TFLOP/s (unused)."""
         return 0.0, 0.0
 
     def microbatch_factors(
         self, model: ModelSpec, cluster: ClusterSpec, tp: int, tflops: float
     ) -> np.ndarray:
-        """Each packed micro-batch's predicted time (forward + backward) over their mean."""
+        """Each packed micro-batch's predicted time (forward + backward) over their mean.
+
+        Args:
+            model: the model and its batch (its workload).
+            cluster: the cluster (unused: the predictor knows its device).
+            tp: the tensor-parallel degree.
+            tflops: the device's TFLOP/s (unused)."""
         batches = [
             list(b)
             for b in expected_microbatches(

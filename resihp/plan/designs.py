@@ -1,5 +1,7 @@
-"""Pipelines designed for the devices at hand, not cut from the healthy layout: stages of mixed
-tensor-parallel sizes and depths, as many of each design as the devices allow.
+"""Pipelines designed for the devices at hand, not cut from the healthy layout.
+
+They have stages of mixed tensor-parallel sizes and depths, as many of each design as the devices
+allow.
 
 The healthy layout gives every replica the same TP x PP shape; the capacity bound
 (``resihp.plan.bound``) showed where that leaves throughput behind: at 1,024 devices its best
@@ -76,10 +78,11 @@ JOIN_PRICED = 8  # of those per slow device, priced on the schedule's graph
 
 @dataclass(frozen=True)
 class Design:
-    """A pipeline shape: TP size and layer count per stage, in pipeline order (the last stage
-    runs the LM head); ``mu`` its slowest stage, ``fixed`` the rest of one micro-batch's way
-    through it (stage times' sum and activation transfers, ``S + comm``), at full speed;
-    ``inflight``: the most micro-batches in flight its memory was checked for."""
+    """A pipeline shape: TP size and layer count per stage, in pipeline order.
+
+    The last stage runs the LM head; ``mu`` is its slowest stage, ``fixed`` the rest of one
+    micro-batch's way through it (stage times' sum and activation transfers, ``S + comm``), at full
+    speed; ``inflight``: the most micro-batches in flight its memory was checked for."""
 
     tps: tuple[int, ...]
     counts: tuple[int, ...]
@@ -152,9 +155,16 @@ class Designer:
         return lo
 
     def priced(self, d: Design, m: int, stretch: tuple[float, ...] | None = None) -> Design:
-        """``d`` with its step through the schedule's dependency graph at ``m`` micro-batches and
-        the slope to ``m + 1`` (the closed form misses a few percent on uneven stages);
-        ``stretch`` as in ``fit_slowed`` for a design whose times are at those speeds."""
+        """``d`` with its step priced on the schedule's dependency graph, not the closed form.
+
+        The step at ``m`` micro-batches and the slope to ``m + 1`` (the closed form misses a few
+        percent on uneven stages).
+
+        Args:
+            d: the design to price.
+            m: the micro-batches it carries.
+            stretch: per stage, how many times slower it runs (1 / its speed), as in
+                ``fit_slowed``; None: all at full speed."""
         key = (d.tps, d.counts, d.inflight, m, stretch)
         if key not in self._priced:
             self._priced[key] = self._price(d, m, stretch)
@@ -184,16 +194,23 @@ class Designer:
         return replace(d, first=steps[0] - (m - 1) * each, each=each)
 
     def designs(self, m: int, devices: int) -> list[Design]:
-        """The designs of at most ``devices`` devices whose memory holds ``m`` micro-batches in
-        flight (1F1B: at most the depth)."""
+        """The designs of at most ``devices`` devices whose memory holds ``m`` micro-batches.
+
+        ``m`` counts the micro-batches in flight (1F1B: at most the depth)."""
         if m not in self._designs:
             self._designs[m] = self._build(m, len(self.coster.cluster))
         built = self._designs[m]  # by device count
         return built[: bisect_right(built, devices, key=lambda d: d.devices)]
 
     def pool(self, m_guess: int, devices: int, max_tp: int | None) -> list[Design]:
-        """The designs a packing for about ``m_guess`` micro-batches per pipeline draws from:
-        memory for one, two, ``m_guess`` and any number of micro-batches in flight."""
+        """The designs a packing for about ``m_guess`` micro-batches per pipeline draws from.
+
+        They have memory for one, two, ``m_guess`` and any number of micro-batches in flight.
+
+        Args:
+            m_guess: about how many micro-batches each pipeline carries.
+            devices: the most devices a design may have.
+            max_tp: the widest tensor-parallel group a design may have (None: no limit)."""
         key = (m_guess, devices, max_tp)
         if key not in self._pools:
             pool: dict[tuple, Design] = {}
@@ -223,8 +240,12 @@ class Designer:
         return sorted(out.values(), key=lambda d: (d.devices, d.step(m)))
 
     def fit_slowed(self, tps: tuple[int, ...], stretch: tuple[float, ...], m: int) -> Design | None:
-        """``_fit`` for stages some of which run slower: each stage's times ``stretch`` times
-        (1 / its speed); the design's times are at those speeds."""
+        """``_fit`` for stages some of which run slower; the design's times are at those speeds.
+
+        Args:
+            tps: the tensor-parallel size of each stage, in pipeline order.
+            stretch: per stage, how many times slower it runs (1 / its speed).
+            m: the micro-batches in flight its memory must hold."""
         key = (tps, stretch, m)
         if key not in self._slowed:
             self._slowed[key] = self._fit(tps, m, self.model.schedule, stretch)
@@ -309,12 +330,25 @@ def pack(
     token_budgets: bool = False,
     speed: float = 1.0,
 ) -> Packing | None:
-    """The designs (groups of at most ``max_tp`` devices), and how many of each, that carry
-    ``microbatches`` in the least step on ``devices`` devices of ``speed``, beside pipelines
-    already placed (``kept``: each one's (first micro-batch's step, each further one's),
-    largest shard ``kept_shard``). None if none can carry them in a step of ``target_s``.
-    ``token_budgets``: a pipeline's micro-batches may be larger than the model's budget
-    (``resihp.plan.tokens``), so it carries ``m * room / step(m)`` budgets' worth, not ``m``."""
+    """The designs, and how many of each, that carry the micro-batches in the least step.
+
+    None if none can carry them in a step of ``target_s``.
+
+    Args:
+        designer: the designer whose designs are packed.
+        devices: the number of devices to pack onto.
+        microbatches: the micro-batches to carry.
+        kept: the pipelines already placed, each one's (first micro-batch's step, each further
+            one's), in seconds.
+        kept_shard: the kept pipelines' largest per-device gradient shard, in layers.
+        replicas_hint: about how many pipelines there will be (at least 2 counted), for the
+            micro-batches each carries and the gradient sync's ring.
+        max_tp: the widest tensor-parallel group a design may have (None: no limit).
+        target_s: a step to beat, in seconds (None: none).
+        token_budgets: a pipeline's micro-batches may be larger than the model's budget
+            (``resihp.plan.tokens``), so it carries ``m * room / step(m)`` budgets' worth, not
+            ``m``.
+        speed: the devices' speed (1.0: full speed)."""
     coster = designer.coster
     m_guess = max(1, -(-microbatches // max(1, replicas_hint)))
     base = designer.pool(m_guess, devices, max_tp)
@@ -470,16 +504,27 @@ def slow_packing(
     token_budgets: bool = False,
     plain: Packing | None = None,
 ) -> tuple[Packing, dict[int, Design]] | None:
-    """``pack`` on ``devices`` full-speed devices with the ``slow`` devices (rank -> speed) each
-    joining at most one pipeline as a stage of its own ahead of it, chosen with the designs (the
-    bound's answer for a slow device: a few layers of a pipeline sized for it, not a stage added
-    to a pipeline sized without it). Per step ``T``: every design of the packing with a slow
-    stage ahead (``fit_slowed``, priced at its speed), a 0/1 knapsack over the slow devices (what
-    each adds with the full-speed devices its pipeline takes) beside the unbounded one over the
-    full-speed designs; a bisection finds the least ``T`` that carries the micro-batches. Returns
-    the packing of the full-speed designs and, per slow device joined, its design (the slow
-    stage first); None where ``pack`` finds none. ``plain``: ``pack``'s answer for these
-    arguments, where the caller has it."""
+    """``pack`` with the slow devices each joining at most one pipeline as a stage ahead of it.
+
+    The joins are chosen with the designs (the bound's answer for a slow device: a few layers of a
+    pipeline sized for it, not a stage added to a pipeline sized without it). Per step ``T``: every
+    design of the packing with a slow stage ahead (``fit_slowed``, priced at its speed), a 0/1
+    knapsack over the slow devices (what each adds with the full-speed devices its pipeline takes)
+    beside the unbounded one over the full-speed designs; a bisection finds the least ``T`` that
+    carries the micro-batches. Returns the packing of the full-speed designs and, per slow device
+    joined, its design (the slow stage first); None where ``pack`` finds none.
+
+    Args:
+        designer: the designer whose designs are packed.
+        devices: the number of full-speed devices to pack onto.
+        slow: the slow devices, rank -> speed.
+        microbatches: the micro-batches to carry.
+        kept: as in ``pack``.
+        kept_shard: as in ``pack``.
+        replicas_hint: as in ``pack``.
+        max_tp: as in ``pack``.
+        token_budgets: as in ``pack``.
+        plain: ``pack``'s answer for these arguments, where the caller has it (None: computed)."""
     coster = designer.coster
     plain = plain or pack(
         designer,
@@ -654,9 +699,15 @@ def place(
     free: Iterable[int],
     node_of: dict[int, int],
 ) -> list[tuple[Stage, ...]]:
-    """Ranks for the pipelines: each TP group inside one node, the widest groups first, each into
-    the node with the fewest free devices that holds it (so whole nodes stay whole for wide
-    groups). A pipeline some group of which finds no node is left out."""
+    """Ranks for the pipelines: each TP group inside one node, the widest groups first.
+
+    Each group goes into the node with the fewest free devices that holds it (so whole nodes stay
+    whole for wide groups). A pipeline some group of which finds no node is left out.
+
+    Args:
+        counts: each design and how many pipelines of it to place.
+        free: the ranks free to place them on.
+        node_of: each rank's node."""
     nodes: dict[int, list[int]] = {}
     for r in sorted(free):
         nodes.setdefault(node_of[r], []).append(r)
@@ -725,8 +776,20 @@ def design_plan(
     token_budgets: bool = False,
     slow_stages: bool = True,
 ) -> Plan | None:
-    """``design_plans`` with one variant: slow devices joining designed pipelines as short
-    stages (``slow_stages``) or in pipelines of their own only."""
+    """``design_plans`` with one variant: its first plan, or None.
+
+    Args:
+        coster: prices stages and pipelines on the cluster and model.
+        layout: the plan's home layout.
+        designer: the designer of ``coster``'s hardware and model.
+        keep: whole pipelines of the plan in force, kept as they are.
+        policy: the name the plan carries.
+        time_limit_s: CP-SAT's time limit per solve, in seconds.
+        first_round: as in ``design_plans``.
+        target_s: as in ``design_plans``.
+        token_budgets: as in ``design_plans``.
+        slow_stages: slow devices may join designed pipelines as short stages (else they get
+            pipelines of their own only)."""
     plans = design_plans(
         coster,
         layout,
@@ -754,24 +817,35 @@ def design_plans(
     token_budgets: bool = False,
     variants: Sequence[bool] = (True,),
 ) -> list[Plan]:
-    """A plan of designed pipelines on the cluster's full-speed live devices that ``keep`` (whole
-    pipelines of the plan in force, kept as they are) does not use, per variant.
-    ``layout`` stays the plan's home layout (what later re-plans start from).
-    ``first_round``: what the first round of packing designs for: ``all`` free devices, the
-    ``whole`` nodes (every device free), or every node's largest power-of-two ``chunks`` of
-    free devices (the knapsack counts devices, not nodes: where faults broke nodes up, the
-    devices beside a chunk hold only narrow groups; which is best depends on how they broke).
-    ``target_s``: a step to beat (a plan at hand): no plan when the designs cannot.
-    ``token_budgets``: packed for plans whose replicas share the tokens by speed
-    (``resihp.plan.tokens``); the plan returned has whole micro-batches, which the caller
-    balances. ``variants``: per plan returned (they share the packing of the full-speed
-    devices), whether slow devices may join designed pipelines as stages of their own
-    (``_joined_stages``; which is better depends on the micro-batches each pipeline carries), else
-    they get pipelines of their own only; a variant that carries nothing is left out. A variant
-    whose own pipelines leave slow devices out gives a second plan, those devices chained into
-    one pipeline split by speed (``_slow_chain``), where it could carry a micro-batch. With slow
-    devices and the first round ``all``, one more plan: them packed with the designs, each
-    heading a pipeline sized for it (``_slow_joined_plan``)."""
+    """Plans of designed pipelines on the full-speed live devices ``keep`` does not use.
+
+    One plan per variant; a variant that carries nothing is left out. A variant whose own pipelines
+    leave slow devices out gives a second plan, those devices chained into one pipeline split by
+    speed (``_slow_chain``), where it could carry a micro-batch. With slow devices and the first
+    round ``all``, one more plan: them packed with the designs, each heading a pipeline sized for
+    it (``_slow_joined_plan``).
+
+    Args:
+        coster: prices stages and pipelines on the cluster and model.
+        layout: the plan's home layout (what later re-plans start from); it stays.
+        designer: the designer of ``coster``'s hardware and model.
+        keep: whole pipelines of the plan in force, kept as they are.
+        policy: the name the plans carry.
+        time_limit_s: CP-SAT's time limit per solve, in seconds.
+        first_round: what the first round of packing designs for: ``all`` free devices, the
+            ``whole`` nodes (every device free), or every node's largest power-of-two ``chunks``
+            of free devices (the knapsack counts devices, not nodes: where faults broke nodes
+            up, the devices beside a chunk hold only narrow groups; which is best depends on how
+            they broke).
+        target_s: a step to beat (a plan at hand), in seconds: no plan when the designs cannot
+            (None: none).
+        token_budgets: packed for plans whose replicas share the tokens by speed
+            (``resihp.plan.tokens``); the plans returned have whole micro-batches, which the
+            caller balances.
+        variants: per plan returned (they share the packing of the full-speed devices), whether
+            slow devices may join designed pipelines as stages of their own (``_joined_stages``;
+            which is better depends on the micro-batches each pipeline carries), else they get
+            pipelines of their own only."""
     cluster, model = coster.cluster, coster.model
     used = {r for p in keep for r in p.ranks}
     free = free_devices(cluster, keep)
@@ -942,8 +1016,14 @@ def free_devices(cluster: ClusterSpec, keep: Sequence[Pipeline] = ()) -> set[int
 
 
 def first_pool(cluster: ClusterSpec, free: set[int], first_round: str) -> set[int]:
-    """The devices ``design_plans``' first round designs for (``first_round`` as there); the
-    later rounds, and so the plan, follow from it."""
+    """The devices ``design_plans``' first round designs for.
+
+    The later rounds, and so the plan, follow from it.
+
+    Args:
+        cluster: the cluster (its nodes).
+        free: the ranks free for designed pipelines.
+        first_round: ``all``, ``whole`` or ``chunks``, as in ``design_plans``."""
     per_node = _per_node(free, {d.rank: d.node for d in cluster.devices})
     if first_round == "whole":
         sizes = {n: len(ranks) for n, ranks in enumerate(cluster.node_ranks)}

@@ -1,5 +1,6 @@
-"""The healthy layout (TP x PP x DP degrees), its home groups and pipelines, the uniform plan, and
-the ways a degraded tensor-parallel group can be re-formed."""
+"""The healthy layout (TP x PP x DP degrees), its home groups and pipelines, the uniform plan.
+
+Also the ways a degraded tensor-parallel group can be re-formed."""
 
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ def _home_group_of(node_ranks: tuple[tuple[int, ...], ...], tp: int) -> dict[int
 
 
 def home_pipelines(cluster: ClusterSpec, layout: ParallelDims) -> list[list[tuple[int, ...]]]:
-    """Replica r, stage s uses home group ``s * dp + r`` (Megatron order: TP fastest, then DP, then
-    PP), so consecutive stages of a pipeline sit on different nodes."""
+    """Each replica's home groups, stage by stage: replica r, stage s uses group ``s * dp + r``.
+
+    That is Megatron's order (TP fastest, then DP, then PP), so consecutive stages of a pipeline
+    sit on different nodes."""
     groups = home_groups(cluster, layout.tp)
     return [[groups[s * layout.dp + r] for s in range(layout.pp)] for r in range(layout.dp)]
 
@@ -74,15 +77,30 @@ def memory_ok(
     m: int,
     budget: float | None = None,
 ) -> bool:
+    """Whether stages of these groups and layer counts fit their devices' memory.
+
+    Args:
+        model: the model and its batch.
+        coster: prices and checks stages on the cluster.
+        groups: each stage's ranks, in pipeline order.
+        counts: each stage's layer count.
+        m: the micro-batches the pipeline carries.
+        budget: a micro-batch's tokens (None: the model's budget)."""
     return coster.stages_fit(
         tuple(Stage(g, r) for g, r in zip(groups, layer_ranges(counts))), m, budget
     )
 
 
 def replica_load(model: ModelSpec, dp: int, token_budgets: bool = False) -> tuple[int, float]:
-    """(micro-batches, each one's tokens over the model's budget) of the busiest of ``dp`` equal
-    replicas: ``ceil(M / dp)`` whole micro-batches, or with token budgets ``floor(M / dp)`` of them
-    that share the global batch's tokens evenly (``resihp.plan.tokens``: budgets only grow)."""
+    """(micro-batches, each one's tokens over the model's budget) of the busiest of equal replicas.
+
+    That is ``ceil(M / dp)`` whole micro-batches, or with token budgets ``floor(M / dp)`` of them
+    that share the global batch's tokens evenly (``resihp.plan.tokens``: budgets only grow).
+
+    Args:
+        model: the model and its batch (``M`` micro-batches).
+        dp: the number of replicas.
+        token_budgets: replicas share the tokens evenly, in larger micro-batches."""
     if not token_budgets or model.microbatches < dp:
         return -(-model.microbatches // dp), 1.0
     m = model.microbatches // dp
@@ -98,8 +116,14 @@ def layout_step_time(
     token_budgets: bool = False,
 ) -> float | None:
     """Step time of the uniform plan of a layout on healthy devices, or None if it does not fit.
-    ``groups``: the home groups of ``layout.tp`` when already at hand; ``token_budgets``: replicas
-    share the tokens evenly (``replica_load``)."""
+
+    Args:
+        cluster: the cluster.
+        model: the model and its batch.
+        coster: prices stages and pipelines on the cluster.
+        layout: the TP x PP x DP degrees.
+        groups: the home groups of ``layout.tp`` when already at hand (None: computed).
+        token_budgets: replicas share the tokens evenly (``replica_load``)."""
     groups = groups if groups is not None else home_groups(cluster, layout.tp)
     groups = [groups[s * layout.dp] for s in range(layout.pp)]
     m, scale = replica_load(model, layout.dp, token_budgets)
@@ -117,9 +141,15 @@ def layout_step_time(
 def choose_layout(
     cluster: ClusterSpec, model: ModelSpec, coster: StageCoster, token_budgets: bool = False
 ) -> ParallelDims:
-    """The TP x PP x DP layout with the shortest predicted step on the healthy cluster (the
-    model's ``tp``/``pp`` fields, when given, fix those degrees); ``token_budgets``: replicas may
-    share the tokens evenly (``replica_load``)."""
+    """The TP x PP x DP layout with the shortest predicted step on the healthy cluster.
+
+    The model's ``tp``/``pp`` fields, when given, fix those degrees.
+
+    Args:
+        cluster: the cluster (healthy or not: its healthy copy is priced).
+        model: the model and its batch.
+        coster: its cost model prices the layouts.
+        token_budgets: replicas may share the tokens evenly (``replica_load``)."""
     healthy = StageCoster(cluster.healthy(), model, coster.cost)
     smallest_node = min(len(r) for r in cluster.node_ranks)
     best: tuple[float, ParallelDims] | None = None
@@ -182,11 +212,17 @@ def binary_chunks(ranks: Sequence[int]) -> list[tuple[int, ...]]:
 def group_options(
     group: tuple[int, ...], cluster: ClusterSpec, heads: int
 ) -> list[list[tuple[int, ...]]]:
-    """Ways to re-form a home TP group around its degraded members, each a list of sub-groups that
-    become consecutive pipeline stages: keep it whole, keep only the fastest power-of-two subset
-    (ResiHP's selective exclusion), split the live members into power-of-two groups, split only the
-    full-speed members (the slower ones excluded, or in groups of their own), or drop it. A healthy
-    group has one option: itself."""
+    """Ways to re-form a home TP group around its degraded members.
+
+    Each is a list of sub-groups that become consecutive pipeline stages: keep it whole, keep only
+    the fastest power-of-two subset (ResiHP's selective exclusion), split the live members into
+    power-of-two groups, split only the full-speed members (the slower ones excluded, or in groups
+    of their own), or drop it. A healthy group has one option: itself.
+
+    Args:
+        group: the home group's ranks.
+        cluster: the cluster (its devices' speeds).
+        heads: the model's attention heads: every sub-group's size divides them."""
     speeds = {r: cluster.devices[r].speed * cluster.devices[r].tflops for r in group}
     top = max(speeds.values())
     if (

@@ -1,5 +1,6 @@
-"""Cluster and model specs, read from YAML (or dicts) and validated up front, and the memory a
-stage needs: one definition each, for the planner and the replay (whose scenario's cluster is a
+"""Cluster and model specs, read from YAML (or dicts) and validated up front, and a stage's memory.
+
+One definition each, for the planner and the replay (whose scenario's cluster is a
 ``ClusterSpec.uniform``)."""
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def _number(
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One accelerator. ``rank`` is its global index in node order; ``speed`` 0 means dead.
-    ``tflops``: the sustained rate a training step reaches (a replay scenario's peak x MFU), what
+    """One accelerator.
+
+    ``rank`` is its global index in node order; ``speed`` 0 means dead. ``tflops``: the sustained
+    rate a training step reaches (a replay scenario's peak x MFU), what
     the analytic cost model divides FLOPs by; ``hbm_gbs``: its memory bandwidth (GB/s), the pace of
     the optimizer step."""
 
@@ -82,9 +85,10 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Nodes of devices, with intra- and inter-node bandwidth (GB/s), and the links between two
-    devices that run below that bandwidth (``links``: ``(a, b, speed)``, ``a < b``, speed in (0, 1),
-    a fraction of the link's healthy bandwidth)."""
+    """Nodes of devices, with intra- and inter-node bandwidth (GB/s), and the slow links.
+
+    A slow link joins two devices and runs below that bandwidth (``links``: ``(a, b, speed)``,
+    ``a < b``, speed in (0, 1), a fraction of the link's healthy bandwidth)."""
 
     devices: tuple[DeviceSpec, ...]
     intra_node_gbs: float = 300.0
@@ -107,7 +111,9 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
-        """Fields: ``nodes`` (a list of ``{name, devices: N | [ {memory_gb, speed, tflops}, ... ]}``
+        """The cluster a YAML mapping describes, checked (``where`` names it in errors).
+
+        Fields: ``nodes`` (a list of ``{name, devices: N | [ {memory_gb, speed, tflops}, ... ]}``
         or the shorthand ``{count, devices}``), ``device`` (defaults: memory_gb, tflops, speed,
         optional hbm_gbs, and ``type``: the kind of device as a predictor card names it, e.g.
         ``cuda:NVIDIA H100`` or ``cpu``, which ``plan --predictor`` checks a predictor against),
@@ -258,7 +264,20 @@ class ClusterSpec:
         name: str = "cluster",
         device_type: str = "",
     ) -> ClusterSpec:
-        """``nodes`` nodes of ``gpus_per_node`` identical healthy devices (``n<node>/<index>``)."""
+        """``nodes`` nodes of ``gpus_per_node`` identical healthy devices (``n<node>/<index>``).
+
+        Args:
+            nodes: the number of nodes.
+            gpus_per_node: the devices on each node.
+            memory_gb: each device's memory, in GB.
+            tflops: each device's sustained TFLOP/s.
+            hbm_gbs: each device's memory bandwidth, in GB/s.
+            intra_node_gbs: the bandwidth between two devices of a node, in GB/s.
+            inter_node_gbs: the bandwidth between nodes, in GB/s.
+            memory_reserve_gb: the memory a stage may not use on each device, in GB.
+            name: the cluster's name.
+            device_type: the kind of device as a predictor card names it (e.g. ``cpu``; empty:
+                not given)."""
         devices = tuple(
             DeviceSpec(
                 rank=i,
@@ -350,8 +369,9 @@ class ClusterSpec:
         return min(d.hbm_gbs for d in self.devices)
 
     def free_memory_gb(self, ranks: Iterable[int] | None = None) -> float:
-        """What a stage may hold on each device of ``ranks`` (every device when None): the smallest
-        one's memory less the reserve."""
+        """What a stage may hold on each device of ``ranks`` (every device when None), in GB.
+
+        That is the smallest one's memory less the reserve."""
         least = (
             self.min_memory_gb if ranks is None else min(self.devices[r].memory_gb for r in ranks)
         )
@@ -359,8 +379,9 @@ class ClusterSpec:
 
     @cached_property
     def degraded(self) -> frozenset[int]:
-        """Ranks of the devices not at full speed, dead ones included, and the ends of slow links
-        (what a re-plan works around)."""
+        """Ranks of the devices not at full speed, dead ones included, and the ends of slow links.
+
+        These are what a re-plan works around."""
         return frozenset(np.flatnonzero(self.speeds != 1.0).tolist()) | self.slow_link_ranks
 
     @cached_property
@@ -379,14 +400,18 @@ class ClusterSpec:
         return self.link_speeds.get((a, b) if a < b else (b, a), 1.0)
 
     def slowest_link_within(self, ranks: Iterable[int]) -> float:
-        """The slowest link joining two of ``ranks`` (1.0 if none is slow): one pass over the slow
-        links, not over every pair of ranks (a gradient ring's ranks number in the thousands)."""
+        """The slowest link joining two of ``ranks`` (1.0 if none is slow).
+
+        One pass over the slow links, not over every pair of ranks (a gradient ring's ranks number
+        in the thousands)."""
         inside = set(ranks)
         return min((v for a, b, v in self.links if a in inside and b in inside), default=1.0)
 
     def with_link_speeds(self, speeds: Mapping[tuple, float], where: str = "links") -> ClusterSpec:
-        """A copy with some links' speeds replaced (``{(a, b): speed}``, a and b ranks or
-        ``node/index`` names; 1.0 makes a link healthy again)."""
+        """A copy with some links' speeds replaced.
+
+        ``speeds`` is ``{(a, b): speed}``, a and b ranks or ``node/index`` names; 1.0 makes a link
+        healthy again. ``where`` names the input in errors."""
         merged = dict(self.link_speeds)
         for (a, b), value in speeds.items():
             ra, rb = self.rank_of(a, where), self.rank_of(b, where)
@@ -498,11 +523,12 @@ class ClusterSpec:
         )
 
     def paced(self, factor: float, links: float | None = None) -> ClusterSpec:
-        """The same cluster running ``factor`` times slower: every rate (FLOP rate, memory and link
-        bandwidth) divided by it, so every analytic time is ``factor`` times as long; ``links``:
-        link bandwidths divided by this instead. A job's measured steps give the factors
-        (``resihp.launch.live``): an analytic model priced on a matmul benchmark misses a
-        training loop's overheads by a roughly constant multiple."""
+        """The same cluster running ``factor`` times slower.
+
+        Every rate (FLOP rate, memory and link bandwidth) is divided by it, so every analytic time
+        is ``factor`` times as long; ``links``: link bandwidths divided by this instead. A job's
+        measured steps give the factors (``resihp.launch.live``): an analytic model priced on a
+        matmul benchmark misses a training loop's overheads by a roughly constant multiple."""
         for value in (factor, 1.0 if links is None else links):
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise InputError(f"cluster pace: expected a positive finite factor, got {value!r}")
@@ -533,8 +559,10 @@ class ClusterSpec:
         return self.intra_node_gbs if same else self.inter_node_gbs
 
     def topology(self) -> nx.Graph:
-        """Devices as graph nodes, each node's devices joined to a node switch (intra-node
-        bandwidth) and the switches to one fabric (inter-node bandwidth)."""
+        """Devices as graph nodes, joined through node switches and one fabric.
+
+        Each node's devices are joined to a node switch (intra-node bandwidth) and the switches to
+        one fabric (inter-node bandwidth)."""
         graph = nx.Graph()
         graph.add_node("fabric", kind="fabric")
         for n, ranks in enumerate(self.node_ranks):
@@ -756,8 +784,14 @@ MLP_MATRICES = ModelSpec.MLP_MATRICES
 
 
 def layer_params(hidden: int, ffn_hidden: int, mlp: str = "gelu") -> int:
-    """Parameters of one decoder layer: QKV, projection and the MLP matrices with biases, plus two
-    LayerNorms."""
+    """Parameters of one decoder layer.
+
+    QKV, projection and the MLP matrices with biases, plus two LayerNorms.
+
+    Args:
+        hidden: the hidden size.
+        ffn_hidden: the MLP's inner size.
+        mlp: the MLP's kind: ``gelu`` (two matrices) or ``swiglu`` (three)."""
     h, f, m = hidden, ffn_hidden, MLP_MATRICES[mlp]
     return 4 * h * h + m * h * f + 9 * h + (m - 1) * f
 
@@ -770,8 +804,9 @@ STATE_PARTS = {
 
 
 def layer_memory_gb(model: ModelSpec, tp: int = 1) -> dict[str, float]:
-    """Per device of a TP group of ``tp``: one layer's model state, and its activations per
-    micro-batch in flight."""
+    """One layer's model state and activations per micro-batch in flight, in GB per device.
+
+    Per device of a TP group of ``tp``."""
     act = activation_bytes_per_token_layer(model)
     return {
         "state": model.params_per_layer * model.state_bytes_per_param / tp / 1e9,
@@ -780,15 +815,23 @@ def layer_memory_gb(model: ModelSpec, tp: int = 1) -> dict[str, float]:
 
 
 def activation_bytes_per_token_layer(model: ModelSpec) -> float:
-    """Activation bytes a layer keeps per token for the backward (before the tensor-parallel split):
-    the model's own figure, else 34 x hidden (selective recomputation with sequence parallelism,
+    """Activation bytes a layer keeps per token for the backward (before the tensor-parallel split).
+
+    The model's own figure, else 34 x hidden (selective recomputation with sequence parallelism,
     Korthikanti et al., 2022)."""
     return model.activation_bytes_per_token_layer or 34.0 * model.hidden
 
 
 def in_flight_microbatches(schedule: str, stages: int, stage: int, microbatches: int) -> int:
-    """Micro-batches whose activations stage ``stage`` of ``stages`` holds at once (1F1B: the
-    pipeline depth minus the stage index, at most ``microbatches``; GPipe: all)."""
+    """Micro-batches whose activations one stage of a pipeline holds at once.
+
+    1F1B: the pipeline depth minus the stage index, at most ``microbatches``; GPipe: all.
+
+    Args:
+        schedule: the pipeline schedule, ``1f1b`` or ``gpipe``.
+        stages: the pipeline's depth.
+        stage: the stage's index, 0 first.
+        microbatches: the micro-batches the pipeline carries per step."""
     return min(microbatches, stages - stage) if schedule == "1f1b" else microbatches
 
 
@@ -801,10 +844,21 @@ def stage_memory_gb(
     last: bool,
     microbatch_tokens: float | None = None,
 ) -> float:
-    """Memory of one device of a stage, in GB: the model state of its layer shard (the first stage
-    also the embedding, the last the untied LM head; ``model.state_bytes_per_param``, mixed-
-    precision Adam by default) plus the activations of ``in_flight`` micro-batches
-    (``activation_bytes_per_token_layer``), all divided over the ``tp`` devices."""
+    """Memory of one device of a stage, in GB.
+
+    The model state of its layer shard (the first stage also the embedding, the last the untied LM
+    head; ``model.state_bytes_per_param``, mixed-precision Adam by default) plus the activations of
+    ``in_flight`` micro-batches (``activation_bytes_per_token_layer``), all divided over the
+    ``tp`` devices.
+
+    Args:
+        model: the model and its batch.
+        layers: the stage's layer count.
+        tp: the stage's tensor-parallel width.
+        in_flight: the micro-batches whose activations it holds at once.
+        first: it is the first stage (it holds the embedding).
+        last: it is the last stage (it holds the LM head).
+        microbatch_tokens: a micro-batch's tokens (None: the model's budget)."""
     state = layers * model.params_per_layer
     if first:
         state += model.embedding_params
@@ -823,8 +877,14 @@ def pipeline_memory_gb(
     microbatches: int,
     microbatch_tokens: float | None = None,
 ) -> list[float]:
-    """``stage_memory_gb`` of every stage of a pipeline of ``tp``-wide groups running
-    ``microbatches`` micro-batches per step."""
+    """``stage_memory_gb`` of every stage of a pipeline of ``tp``-wide groups.
+
+    Args:
+        model: the model and its batch (its schedule).
+        layer_counts: each stage's layer count, in pipeline order.
+        tp: every stage's tensor-parallel width.
+        microbatches: the micro-batches the pipeline runs per step.
+        microbatch_tokens: a micro-batch's tokens (None: the model's budget)."""
     p = len(layer_counts)
     return [
         stage_memory_gb(

@@ -1,5 +1,7 @@
-"""Predicted step time of a plan: per-stage times from the cost model, pipeline bubbles by the
-schedule's closed form, gradient synchronisation; the capacity bound; migration cost between plans.
+"""Predicted step time of a plan, the capacity bound and the migration cost between plans.
+
+A step is per-stage times from the cost model, pipeline bubbles by the schedule's closed form and
+gradient synchronisation.
 
 1F1B with ``m`` equal micro-batches on stages with per-micro-batch times ``t_s = f_s + b_s``:
 ``sum_s t_s + (m - 1) * max_s t_s`` plus a forward and a backward activation transfer per stage
@@ -21,8 +23,14 @@ from resihp.plan.specs import ClusterSpec, ModelSpec, in_flight_microbatches, st
 def closed_form_step(
     fwd: np.ndarray, bwd: np.ndarray, m: int, schedule: str = "1f1b", p2p_s: float = 0.0
 ) -> float:
-    """Critical path of one pipeline over ``m`` equal micro-batches; fwd/bwd are per-stage
-    seconds."""
+    """Critical path of one pipeline over ``m`` equal micro-batches, in seconds.
+
+    Args:
+        fwd: each stage's forward seconds per micro-batch.
+        bwd: each stage's backward seconds per micro-batch.
+        m: the micro-batches (below 1: 0 seconds).
+        schedule: ``1f1b`` or ``gpipe``.
+        p2p_s: one activation transfer across a stage boundary, in seconds."""
     fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     if m < 1 or fwd.size == 0:
         return 0.0
@@ -34,8 +42,10 @@ def closed_form_step(
 
 
 class StageCoster:
-    """Per-stage times and memory for one (cluster, model, cost model), cached per TP degree and
-    device FLOP rate, per TP group and per pipeline (a tuple of stages)."""
+    """Per-stage times and memory for one (cluster, model, cost model).
+
+    They are cached per TP degree and device FLOP rate, per TP group and per pipeline (a tuple of
+    stages)."""
 
     def __init__(self, cluster: ClusterSpec, model: ModelSpec, cost: CostModel) -> None:
         self.cluster, self.model, self.cost = cluster, model, cost
@@ -56,9 +66,10 @@ class StageCoster:
         self._slopes: dict[tuple[tuple[Stage, ...], int], tuple[float, float]] = {}
 
     def at_speeds(self, cluster: ClusterSpec) -> StageCoster:
-        """A coster for the same hardware and model at the device speeds of ``cluster``, sharing
-        this one's caches of what speeds do not change (memory, full-speed layer times, critical
-        paths by stage times)."""
+        """A coster for the same hardware and model at the device speeds of ``cluster``.
+
+        It shares this one's caches of what speeds do not change (memory, full-speed layer times,
+        critical paths by stage times)."""
         if (
             cluster.hardware_key is not self.cluster.hardware_key
             and cluster.hardware_key != self.cluster.hardware_key
@@ -99,8 +110,9 @@ class StageCoster:
         return self._head[key]
 
     def microbatch_factors_for(self, tp: int, tflops: float) -> np.ndarray:
-        """The relative cost of each of the workload's packed micro-batches on a group of ``tp``
-        devices of this FLOP rate (mean 1); all ones when the cost model does not tell
+        """The relative cost (mean 1) of each of the workload's packed micro-batches on a group.
+
+        The group has ``tp`` devices of this FLOP rate; all ones when the cost model does not tell
         micro-batches apart."""
         key = (tp, tflops)
         if key not in self._factors:
@@ -131,8 +143,13 @@ class StageCoster:
         return (f / speed, b / speed) if speed > 0 else (np.inf, np.inf)
 
     def stage_fb(self, stage: Stage, last: bool, scale: float = 1.0) -> tuple[float, float]:
-        """(fwd, bwd) seconds of one micro-batch on the stage; ``scale``: its tokens over the
-        model's micro-batch budget (compute, TP and p2p traffic all grow with tokens)."""
+        """(fwd, bwd) seconds of one micro-batch on the stage.
+
+        Args:
+            stage: the stage (its ranks and layers).
+            last: it is the pipeline's last stage (it runs the LM head).
+            scale: the micro-batch's tokens over the model's micro-batch budget (compute, TP and
+                p2p traffic all grow with tokens)."""
         f, b = self.per_layer_s(stage.ranks)
         f, b = f * stage.n_layers, b * stage.n_layers
         if last:
@@ -150,7 +167,12 @@ class StageCoster:
         return self._alive[stages]
 
     def stages_fit(self, stages: tuple[Stage, ...], m: int, budget: float | None = None) -> bool:
-        """Whether every stage's state and in-flight activations fit its smallest device."""
+        """Whether every stage's state and in-flight activations fit its smallest device.
+
+        Args:
+            stages: the pipeline's stages, in order.
+            m: the micro-batches the pipeline carries.
+            budget: a micro-batch's tokens (None: the model's budget)."""
         key = (stages, m, budget)
         if key not in self._fits:
             p = len(stages)
@@ -173,8 +195,9 @@ class StageCoster:
     def max_microbatches(
         self, stages: tuple[Stage, ...], budget: float | None = None
     ) -> int | None:
-        """The most micro-batches the replica can hold in memory; None when memory does not grow
-        with their number (1F1B once every stage is full)."""
+        """The most micro-batches the replica can hold in memory.
+
+        None when memory does not grow with their number (1F1B once every stage is full)."""
         key = (stages, budget)
         if key not in self._caps:
             self._caps[key] = self._max_microbatches(stages, budget)
@@ -248,8 +271,10 @@ class StageCoster:
         return fb
 
     def boundary_speed(self, a: Stage, b: Stage) -> float:
-        """The speed of the slowest link between two neighbouring stages (each TP rank sends to
-        its counterpart; groups of different sizes: any pair)."""
+        """The speed of the slowest link between two neighbouring stages.
+
+        Each TP rank sends to its counterpart; between groups of different sizes, any pair
+        counts."""
         pairs = (
             zip(a.ranks, b.ranks) if a.tp == b.tp else ((x, y) for x in a.ranks for y in b.ranks)
         )
@@ -268,7 +293,12 @@ class StageCoster:
         return [tuple(x) for x in out]
 
     def pipeline_step(self, stages: tuple[Stage, ...], m: int, scale: float = 1.0) -> float:
-        """One replica's step through the schedule's dependency graph (no gradient sync)."""
+        """One replica's step through the schedule's dependency graph (no gradient sync).
+
+        Args:
+            stages: the replica's stages, in order.
+            m: the micro-batches it carries (below 1: 0 seconds).
+            scale: a micro-batch's tokens over the model's micro-batch budget."""
         if m < 1 or not stages:
             return 0.0
         fb = self.pipeline_fb(stages, scale)
@@ -286,8 +316,9 @@ class StageCoster:
         return self._steps[key]
 
     def pipeline_slope(self, stages: tuple[Stage, ...], m_ref: int) -> tuple[float, float]:
-        """The pipeline's step as ``T(1) + (m - 1) * slope`` on the schedule's graph: ``T(1)`` and
-        the slope taken up to ``m_ref`` (at least 2) micro-batches."""
+        """The pipeline's step as ``T(1) + (m - 1) * slope`` on the schedule's graph.
+
+        Returns ``T(1)`` and the slope taken up to ``m_ref`` (at least 2) micro-batches."""
         key = (stages, m_ref)
         out = self._slopes.get(key)
         if out is None:
@@ -334,9 +365,15 @@ class StageCoster:
 
 
 def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> float:
-    """Time to move model state into the new layout: each device receives the shards of layers it
-    did not hold in the same TP layout; transfers run in parallel, so the slowest receiver
-    counts."""
+    """Seconds to move model state into the new layout.
+
+    Each device receives the shards of layers it did not hold in the same TP layout; transfers run
+    in parallel, so the slowest receiver counts.
+
+    Args:
+        current: the plan in force (None: nothing to move, 0 seconds).
+        new: the plan to move to.
+        coster: prices the transfers on the cluster."""
     if current is None:
         return 0.0
     held = current.holdings
@@ -360,9 +397,10 @@ def migration_seconds(current: Plan | None, new: Plan, coster: StageCoster) -> f
 
 @dataclass(frozen=True)
 class CapacityBound:
-    """Throughput of an ideal plan: the best healthy layout's throughput scaled by the fraction of
-    the cluster's compute (sum of speed x FLOP rate over devices) that remains, i.e. every remaining
-    device used at its current speed with no imbalance."""
+    """Throughput of an ideal plan: every remaining device used at its speed, no imbalance.
+
+    It is the best healthy layout's throughput scaled by the fraction of the cluster's compute (sum
+    of speed x FLOP rate over devices) that remains."""
 
     tokens_per_s: float
     healthy_tokens_per_s: float
@@ -380,7 +418,13 @@ class CapacityBound:
 def evaluate(
     plan: Plan, coster: StageCoster, bound: CapacityBound | None = None, current: Plan | None = None
 ) -> Plan:
-    """Fill the plan's predicted step time, throughput, bound ratio and migration cost."""
+    """Fill the plan's predicted step time, throughput, bound ratio and migration cost.
+
+    Args:
+        plan: the plan to fill in; it is returned.
+        coster: prices the plan on the cluster and model.
+        bound: the capacity bound for the bound ratio (None: left unset).
+        current: the plan in force, for the migration cost (None: 0)."""
     placed_dead = not all(coster.alive(p.stages) for p in plan.pipelines)
     # a job that still waits on a dead rank makes no progress
     step = float("inf") if placed_dead or not plan.pipelines else critical_path_step(plan, coster)
@@ -394,10 +438,11 @@ def evaluate(
 
 
 def critical_path_step(plan: Plan, coster: StageCoster) -> float:
-    """The plan's step time through the schedule's dependency graph
-    (``resihp.perf.schedule.pipeline_step_time``), slowest replica, plus the gradient all-reduce.
-    Replicas with the same stage times are evaluated once, and kept (``StageCoster.pipeline_step``'s
-    cache, shared by the costers of one planner: a re-plan changes a few of its pipelines)."""
+    """The plan's step time through the schedule's dependency graph, plus the gradient all-reduce.
+
+    The slowest replica counts (``resihp.perf.schedule.pipeline_step_time``). Replicas with the same
+    stage times are evaluated once, and kept (``StageCoster.pipeline_step``'s cache, shared by the
+    costers of one planner: a re-plan changes a few of its pipelines)."""
     model = coster.model
     known = coster._steps
     worst = 0.0
@@ -429,8 +474,9 @@ EXPECTED_SAMPLES = 256  # drawn steps per kind of replica
 def expected_step(
     plan: Plan, coster: StageCoster, samples: int = EXPECTED_SAMPLES, seed: int = 0
 ) -> float:
-    """The plan's expected step when micro-batches differ in cost (as the workload's packed
-    micro-batches do), plus the gradient all-reduce.
+    """The plan's expected step when micro-batches differ in cost, plus the gradient all-reduce.
+
+    The workload's packed micro-batches differ in cost.
 
     Each replica draws its micro-batches from the cost model's relative costs
     (``StageCoster.microbatch_factors``; a micro-batch has the same relative cost on every stage
@@ -439,7 +485,13 @@ def expected_step(
     (fixed seed); the step's distribution is the product of the kinds' empirical distributions,
     each raised to its number of replicas (replicas draw independently), and its mean is returned.
     ``critical_path_step`` prices the mean micro-batch instead, which is optimistic: a step's
-    critical path is a maximum over paths, and the slowest of many replicas a maximum again."""
+    critical path is a maximum over paths, and the slowest of many replicas a maximum again.
+
+    Args:
+        plan: the plan.
+        coster: prices the plan on the cluster and model.
+        samples: the steps drawn per kind of replica.
+        seed: the draws' random seed."""
     model = coster.model
     if not plan.pipelines or not all(coster.alive(p.stages) for p in plan.pipelines):
         return float("inf")

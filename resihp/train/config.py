@@ -298,8 +298,9 @@ class RunConfig:
 
     @classmethod
     def from_flags(cls, **flat: Any) -> RunConfig:
-        """The tree from flat options (``dp=2, steps=40``: each leaf by its flag's name), the
-        CLI's form; leaves not given keep their defaults."""
+        """The tree from flat options (``dp=2, steps=40``: each leaf by its flag's name).
+
+        That is the CLI's form; leaves not given keep their defaults."""
         return build(cls, flat, "run config")
 
     def updated(self, **flat: Any) -> RunConfig:
@@ -313,8 +314,10 @@ class RunConfig:
         )
 
     def relaunched_into(self, out: str | Path, **changes: Any) -> RunConfig:
-        """A copy for a relaunch into ``out`` (``OUT/restart``, ...): its checkpoints go beside
-        it, under ``OUT/restart/ckpt`` or, with ``--ckpt-dir D``, ``D/restart``."""
+        """A copy for a relaunch into ``out`` (``OUT/restart``, ...), with ``changes``.
+
+        Its checkpoints go beside it, under ``OUT/restart/ckpt`` or, with ``--ckpt-dir D``,
+        ``D/restart``."""
         ckpt_dir = self.checkpoint.ckpt_dir
         moved = str(Path(ckpt_dir) / Path(out).name) if ckpt_dir else None
         return self.updated(**changes, out=str(out), ckpt_dir=moved)
@@ -326,10 +329,11 @@ class RunConfig:
         return self.parallel.dims()
 
     def resolved_recovery(self, nnodes: int = 1, gpus: bool = False) -> str:
-        """The recovery mode ``auto`` stands for in this run: replica-level fault tolerance where
-        the run allows it (data parallel, one node, CPUs: ``gpus`` says whether the ranks train on
-        GPUs, where the mode is not checked yet; no disk or memory checkpoints, no resume), else
-        none; any other mode as given."""
+        """The recovery mode ``auto`` stands for in this run; any other mode as given.
+
+        Replica-level fault tolerance where the run allows it (data parallel, one node, CPUs:
+        ``gpus`` says whether the ranks train on GPUs, where the mode is not checked yet; no disk or
+        memory checkpoints, no resume), else none."""
         if self.faults.recovery != "auto":
             return self.faults.recovery
         ckpt = self.checkpoint
@@ -342,8 +346,10 @@ class RunConfig:
         return "replica" if replica else "none"
 
     def snapshot_interval(self) -> int:
-        """Steps between in-memory snapshots: as given, else 1 with --recovery restart (restart in
-        place restores from memory), else 0 (none)."""
+        """Steps between in-memory snapshots.
+
+        As given, else 1 with --recovery restart (restart in place restores from memory), else 0
+        (none)."""
         every = self.checkpoint.snapshot_every
         return every if every is not None else int(self.faults.recovery == "restart")
 
@@ -389,8 +395,10 @@ class RunConfig:
 
 
 def stage_memory_bytes(cfg: RunConfig) -> int:
-    """A rough upper estimate of one rank's memory: fp32 parameters, gradients and two AdamW
-    moments of the largest stage, plus the activations of the micro-batches in flight."""
+    """A rough upper estimate of one rank's memory, in bytes.
+
+    It counts the fp32 parameters, gradients and two AdamW moments of the largest stage, plus the
+    activations of the micro-batches in flight."""
     h, f, v = cfg.model.hidden, cfg.model.ffn_hidden, cfg.model.vocab
     layer = 4 * h * h + 2 * h * f + 9 * h + f
     worst = 0

@@ -1,5 +1,7 @@
-"""The job's control plane on its torch.distributed store: nothing shared between nodes but the
-network. One namespace per job (``resihp/<job id>/cp``) carries
+"""The job's control plane on its torch.distributed store.
+
+Nothing is shared between nodes but the network. One namespace per job (``resihp/<job id>/cp``)
+carries
 
 - heartbeats with progress, hierarchical (``resihp.detect.heartbeat``: a sender per rank, an
   aggregator per node, a monitor on node 0);
@@ -68,8 +70,15 @@ def node_ranks(
     nproc_per_node: int,
     sizes: list[int] | tuple[int, ...] | None = None,
 ) -> dict[int, list[int]]:
-    """The global ranks of each node: node ``i`` holds ``i * P .. i * P + P - 1``; with ``sizes``
-    (ranks per node), node ``i`` the next ``sizes[i]`` after those of the nodes before it."""
+    """The global ranks of each node.
+
+    Node ``i`` holds ``i * P .. i * P + P - 1``; with ``sizes``, node ``i`` the next ``sizes[i]``
+    after those of the nodes before it.
+
+    Args:
+        nnodes: the number of nodes.
+        nproc_per_node: the ranks of each node (``P``).
+        sizes: the ranks of each node where they differ (None: ``P`` each)."""
     return Nodes(nnodes, 0, nproc_per_node, None, tuple(sizes) if sizes else None).layout()
 
 
@@ -86,9 +95,10 @@ _COLS = ("optype", "seq_id", "mb_id", "tokens", "loss", "bytes", "wait_s")
 
 
 def encode_rows(rows: Sequence[dict], cost_s: float = 0.0) -> bytes:
-    """One rank's rows of one step, column-wise: the ids once, times as offsets in microseconds,
-    each micro-batch's sequence lengths once; ``cost_s``: the rank's time spent publishing so
-    far."""
+    """One rank's rows of one step, column-wise.
+
+    The ids once, times as offsets in microseconds, each micro-batch's sequence lengths once;
+    ``cost_s``: the rank's time spent publishing so far."""
     # the ids once: the step's last row's (a live layout change at the step's start records its
     # own op at the old place; the step's training ops, and so the step, are at the new one)
     last = rows[-1]
@@ -190,8 +200,10 @@ def decode_rows(blob: bytes, key: str = "ops") -> Part | None:
 
 
 class StepPublisher:
-    """A rank's sending end: ``publish(rows)`` after each step (one store message). Rank 0
-    first says which step the job starts at (``first``: 0, or the step after a checkpoint)."""
+    """A rank's sending end: ``publish(rows)`` after each step (one store message).
+
+    Rank 0 first says which step the job starts at (``first``: 0, or the step after a
+    checkpoint)."""
 
     def __init__(self, store: Store, job_id: str, node: int, first: int | None = None) -> None:
         self.store, self.base = store, f"{prefix_of(job_id)}/ops/n{node}"
@@ -228,8 +240,9 @@ class StepRecords:
         return [row for p in self.parts for row in p.rows()]
 
     def frame(self) -> pd.DataFrame:
-        """The step's rows as an ops-trace frame, built column-wise (no row dicts: thousands of
-        ranks' records are read every step)."""
+        """The step's rows as an ops-trace frame, built column-wise.
+
+        No row dicts: thousands of ranks' records are read every step."""
         merged: dict[str, list] = {}
         for p in self.parts:
             for name, values in p.columns().items():
@@ -238,8 +251,10 @@ class StepRecords:
 
 
 class StepReader:
-    """Complete steps (every rank's part) in step order, read from the store; ``owner`` (the run
-    folder's writer) deletes what it has read, beyond the last ``KEEP_STEPS`` steps."""
+    """Complete steps (every rank's part) in step order, read from the store.
+
+    ``owner`` (the run folder's writer) deletes what it has read, beyond the last ``KEEP_STEPS``
+    steps."""
 
     def __init__(
         self,
@@ -272,8 +287,10 @@ class StepReader:
         return [f"{self.prefix}/ops/n{n}/s{step}" for n in (self.nodes if nodes is None else nodes)]
 
     def lost(self, node: int, before_step: int) -> None:
-        """``node``'s attempt in flight is gone: of the steps before ``before_step`` (the first
-        its survivors train without it), take what its ranks published and wait for no more. With
+        """``node``'s attempt in flight is gone: wait for no more of its records.
+
+        Of the steps before ``before_step`` (the first its survivors train without it), take what
+        its ranks published and wait for no more. With
         replica-level fault tolerance a replica can die after the quorum committed a step and
         before its ranks published that step's records; the survivors' records carry the step's
         global loss and tokens, and without this the reader would wait for that step, and so for
@@ -377,8 +394,10 @@ class StepReader:
         return list(parts.values())
 
     def wait_for_followers(self, timeout_s: float = 10.0) -> None:
-        """The owner, at the job's end: give the followers reading the store (``resihp follow
-        --store``) up to ``timeout_s`` to read the last step before the store goes."""
+        """The owner, at the job's end: give the followers time to read the last step.
+
+        The followers read the store (``resihp follow --store``); they get up to ``timeout_s``
+        before the store goes."""
         last = (self.next_step or 0) - 1
         end = time.monotonic() + timeout_s
         for i in range(1, int(self.store.add(f"{self.prefix}/followers", 0)) + 1):
@@ -411,17 +430,25 @@ def plan_key(job_id: str) -> str:
 
 
 def post_change(store: Store, job_id: str, change: dict) -> None:
-    """Hand a plan change to the running job, signed with the job's secret (its rank 0 takes it
-    at the next step boundary; with replica-level fault tolerance, the next commit carries it to
-    every rank)."""
+    """Hand a plan change to the running job, signed with the job's secret.
+
+    Its rank 0 takes it at the next step boundary; with replica-level fault tolerance, the next
+    commit carries it to every rank.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        change: the change's JSON form (``version``, ``dp_weights``, ``layer_split``, ...)."""
     store.set(plan_key(job_id), json.dumps(sign(change, job_secret())))
     store.add(changes_key(job_id), 1)  # after it: replica mode's next commit looks for it
 
 
 class PlanInbox:
-    """Rank 0's view of the plan channel: scheduled changes from the run config first, then the
-    newest change posted (each ``id`` once) that carries the job's signature (``secret``: by
-    default this process's ``RESIHP_JOB_SECRET``; without one, no posted change is taken)."""
+    """Rank 0's view of the plan channel.
+
+    Scheduled changes from the run config come first, then the newest change posted (each ``id``
+    once) that carries the job's signature (``secret``: by default this process's
+    ``RESIHP_JOB_SECRET``; without one, no posted change is taken)."""
 
     def __init__(
         self, store: Store, job_id: str, scheduled: Sequence[dict], secret: str | None = None
@@ -448,7 +475,14 @@ class PlanInbox:
 
 
 def report_error(store: Store, job_id: str, rank: int | str, kind: str, message: str) -> None:
-    """A worker's reason to stop, one line (``kind``: input | stop | lost-peer | crash)."""
+    """Post a worker's reason to stop, one line.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        rank: the worker's rank.
+        kind: ``input``, ``stop``, ``lost-peer`` or ``crash``.
+        message: the reason, one line."""
     line = json.dumps({"rank": rank, "kind": kind, "message": message}) + "\n"
     store.append(f"{prefix_of(job_id)}/errors", line.encode())
 
@@ -488,10 +522,19 @@ def announce_job(
     sizes: list[int] | None = None,
     no_relaunch: str | None = None,
 ) -> None:
-    """Node 0: the job's identity and configuration (``resihp run``'s, which every joining node
-    checks) and its job meta (what a detector following it needs); ``attempt``: the relaunch this
-    launch is (0: the first launch); ``sizes``: the ranks of each node where they differ;
-    ``no_relaunch``: why there is no launch ``attempt`` (the nodes waiting for it end)."""
+    """Node 0: announce the job's identity, configuration and job meta, signed.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        config: ``resihp run``'s configuration, which every joining node checks (None: none).
+        nnodes: the number of nodes.
+        nproc_per_node: the ranks of each node.
+        meta: the job meta, what a detector following it needs (None: none).
+        attempt: the relaunch this launch is (0: the first launch).
+        sizes: the ranks of each node where they differ (None: ``nproc_per_node`` each).
+        no_relaunch: why there is no launch ``attempt`` (the nodes waiting for it end; None: there
+            is)."""
     store.set(
         JOB_KEY,
         signed_json(
@@ -522,8 +565,10 @@ _JOB_OPTIONAL = {
 
 
 def parse_job(doc: object, verify: bool = True) -> dict:
-    """The job's announcement, checked (``announce_job``'s form) and, unless ``verify`` is False
-    (a follower, which acts on nothing), signed with the job's secret."""
+    """The job's announcement, checked against ``announce_job``'s form.
+
+    Unless ``verify`` is False (a follower, which acts on nothing), it must be signed with the job's
+    secret."""
     job = authority("job announcement", _JOB_FIELDS, _JOB_OPTIONAL, verify=verify)(doc)
     if job["nnodes"] < 1 or job["nproc_per_node"] < 1:
         raise RecordError(
@@ -535,9 +580,17 @@ def parse_job(doc: object, verify: bool = True) -> dict:
 def read_job(
     store: Store, timeout_s: float, poll_s: float = 0.2, attempt: int = 0, verify: bool = True
 ) -> dict | None:
-    """The job announced on ``store`` (its launch ``attempt`` or a later one), or None after
-    ``timeout_s``; InputError where what stays there is not the job's announcement (malformed,
-    or not signed with this node's ``RESIHP_JOB_SECRET``: the job cannot go on without it)."""
+    """The job announced on ``store`` (its launch ``attempt`` or a later one), or None on timeout.
+
+    InputError where what stays there is not the job's announcement (malformed, or not signed with
+    this node's ``RESIHP_JOB_SECRET``: the job cannot go on without it).
+
+    Args:
+        store: the job's store.
+        timeout_s: how long to wait for it, in seconds.
+        poll_s: the wait between looks, in seconds.
+        attempt: the least launch attempt taken.
+        verify: check the announcement's signature (False: a follower's look)."""
     end = time.monotonic() + timeout_s
     why: RecordError | None = None
     while True:
@@ -566,13 +619,22 @@ def read_job(
 
 
 def mark_ended(store: Store, job_id: str, reason: str) -> None:
-    """Node 0: the job is over (the other nodes' launchers stop their workers)."""
+    """Node 0: the job is over (the other nodes' launchers stop their workers).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        reason: why it ended."""
     store.set(f"{prefix_of(job_id)}/ended", signed_json({"job_id": job_id, "reason": reason}))
 
 
 def ended(store: Store, job_id: str, verify: bool = True) -> str | None:
-    """Why the job ended (``mark_ended``), or None; ``verify=False``: a follower's look, which
-    takes the record without checking its signature."""
+    """Why the job ended (``mark_ended``), or None.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        verify: check the record's signature (False: a follower's look)."""
     return _reason(store, job_id, f"{prefix_of(job_id)}/ended", "end announcement", verify)
 
 
@@ -597,8 +659,14 @@ def _signed(
 
 
 def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunch: bool) -> None:
-    """Node 0 evicted ``replica``: its node stops its processes and, if ``relaunch``, launches
-    attempt ``attempt`` of it."""
+    """Node 0 evicted ``replica``: its node stops its processes and may launch it again.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        replica: the replica's index.
+        attempt: the attempt to launch.
+        relaunch: launch attempt ``attempt`` of it (False: only stop it)."""
     store.set(
         f"{prefix_of(job_id)}/replica/{replica}/order",
         signed_json({"replica": replica, "attempt": attempt, "relaunch": relaunch}),
@@ -606,7 +674,12 @@ def order_replica(store: Store, job_id: str, replica: int, attempt: int, relaunc
 
 
 def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] | None:
-    """The newest order for ``replica`` (attempt, relaunch), or None."""
+    """The newest order for ``replica`` (attempt, relaunch), or None.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        replica: the replica's index."""
     order = _signed(
         store,
         f"{prefix_of(job_id)}/replica/{replica}/order",
@@ -618,7 +691,14 @@ def replica_order(store: Store, job_id: str, replica: int) -> tuple[int, bool] |
 
 
 def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: str) -> None:
-    """The node of ``replica`` says that its ``attempt`` is ``launched`` or ``done`` (exited 0)."""
+    """The node of ``replica`` says that its ``attempt`` is ``launched`` or ``done`` (exited 0).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        replica: the replica's index.
+        attempt: the replica's attempt.
+        state: ``launched`` or ``done``."""
     store.set(
         f"{prefix_of(job_id)}/replica/{replica}/{state}",
         signed_json({"replica": replica, "state": state, "attempt": attempt}),
@@ -626,7 +706,13 @@ def replica_state(store: Store, job_id: str, replica: int, attempt: int, state: 
 
 
 def replica_attempt(store: Store, job_id: str, replica: int, state: str) -> int | None:
-    """The newest attempt of ``replica`` its node said is in ``state`` (``replica_state``)."""
+    """The newest attempt of ``replica`` its node said is in ``state`` (``replica_state``).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        replica: the replica's index.
+        state: ``launched`` or ``done``."""
     said = _signed(
         store,
         f"{prefix_of(job_id)}/replica/{replica}/{state}",
@@ -638,32 +724,62 @@ def replica_attempt(store: Store, job_id: str, replica: int, state: str) -> int 
 
 
 def node_left(store: Store, job_id: str, node: int) -> None:
-    """A node other than 0 saw the job end and stopped its workers: node 0's store may go."""
+    """A node other than 0 saw the job end and stopped its workers: node 0's store may go.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: the node's index."""
     store.set(f"{prefix_of(job_id)}/left/{node}", "1")
 
 
 def nodes_left(store: Store, job_id: str, nodes: Sequence[int]) -> bool:
+    """Whether every one of ``nodes`` said it left (``node_left``).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        nodes: the nodes' indices (none: True)."""
     return not nodes or store.check([f"{prefix_of(job_id)}/left/{n}" for n in nodes])
 
 
 def mark_stopping(store: Store, job_id: str, reason: str) -> None:
-    """Node 0 found a failure and is stopping its workers: the other nodes stop theirs at once
-    (a rank blocked on a peer of another node ends only when that peer does), before node 0 has
-    gathered the job's last records and marked it ended."""
+    """Node 0 found a failure and is stopping its workers: the other nodes stop theirs at once.
+
+    They stop before node 0 has gathered the job's last records and marked it ended (a rank
+    blocked on a peer of another node ends only when that peer does).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        reason: why the job stops."""
     store.set(f"{prefix_of(job_id)}/stopping", signed_json({"job_id": job_id, "reason": reason}))
 
 
 def ask_for_stacks(store: Store, job_id: str, node: int, rank: int, why: str) -> None:
-    """Node 0 judged ``rank``, on ``node``, hung: that node's launcher, which can signal the rank's
-    process, writes its stacks to its run folder's log (``stacks_asked``, then ``stacks_written``)
-    before the job is stopped."""
+    """Node 0 judged ``rank``, on ``node``, hung: ask that node's launcher for its stacks.
+
+    That launcher, which can signal the rank's process, writes its stacks to its run folder's log
+    (``stacks_asked``, then ``stacks_written``) before the job is stopped.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: the node the rank runs on.
+        rank: the rank judged hung.
+        why: the judgement, one line."""
     store.set(
         f"{prefix_of(job_id)}/stacks/{node}", signed_json({"node": node, "rank": rank, "why": why})
     )
 
 
 def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None:
-    """The rank of ``node`` whose stacks node 0 asked for, and why (None: none)."""
+    """The rank of ``node`` whose stacks node 0 asked for, and why (None: none).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: this node's index."""
     asked = _signed(
         store,
         f"{prefix_of(job_id)}/stacks/{node}",
@@ -675,9 +791,17 @@ def stacks_asked(store: Store, job_id: str, node: int) -> tuple[int, str] | None
 
 
 def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitcode: int) -> None:
-    """This node's torchrun ended on a failure: its first observed one (``rank``, the job's rank
-    number, and its ``exitcode``) for node 0, which may have found several of this node's ranks
-    gone at once (torchrun stops a dead rank's peers) and cannot tell from them which died first."""
+    """This node's torchrun ended on a failure: publish its first observed one for node 0.
+
+    Node 0 may have found several of this node's ranks gone at once (torchrun stops a dead rank's
+    peers) and cannot tell from them which died first.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: this node's index.
+        rank: the failed rank, the job's rank number.
+        exitcode: its exit code."""
     store.set(
         f"{prefix_of(job_id)}/first-failure/{node}",
         signed_json({"node": node, "rank": rank, "exitcode": exitcode}),
@@ -685,8 +809,12 @@ def publish_first_failure(store: Store, job_id: str, node: int, rank: int, exitc
 
 
 def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | None:
-    """``node``'s torchrun's first observed failure (rank, exit code), once its launcher published
-    it."""
+    """``node``'s torchrun's first observed failure (rank, exit code), once its launcher said so.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: the node's index."""
     said = _signed(
         store,
         f"{prefix_of(job_id)}/first-failure/{node}",
@@ -698,14 +826,28 @@ def first_failure(store: Store, job_id: str, node: int) -> tuple[int, int] | Non
 
 
 def stacks_written(store: Store, job_id: str, node: int) -> None:
+    """This node's launcher wrote the stacks node 0 asked for (``ask_for_stacks``).
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: this node's index."""
     store.set(f"{prefix_of(job_id)}/stacks/{node}/written", "1")
 
 
 def await_stacks(
     store: Store, job_id: str, node: int, timeout_s: float, poll_s: float = 0.05
 ) -> bool:
-    """Whether ``node``'s launcher wrote the stacks asked for within ``timeout_s``. The request
-    goes either way: a relaunch on the same store must not answer it again."""
+    """Whether ``node``'s launcher wrote the stacks asked for within ``timeout_s``.
+
+    The request goes either way: a relaunch on the same store must not answer it again.
+
+    Args:
+        store: the job's store.
+        job_id: the job's id.
+        node: the node asked.
+        timeout_s: how long to wait, in seconds.
+        poll_s: the wait between looks, in seconds."""
     asked = f"{prefix_of(job_id)}/stacks/{node}"
     key, end = f"{asked}/written", time.monotonic() + timeout_s
     try:

@@ -1,5 +1,6 @@
-"""The training data of each step: real sequence lengths packed into micro-batches, and
-deterministic token ids, identical on every rank so that no rank needs to be told shapes.
+"""The training data of each step: real sequence lengths packed into micro-batches, and token ids.
+
+The ids are deterministic, identical on every rank, so that no rank needs to be told shapes.
 
 Every step draws documents from a real length source (``resihp.workload``) until the global token
 budget is met, packs them greedily into micro-batches, and hands contiguous runs of micro-batches
@@ -81,8 +82,15 @@ class DataSource:
         )
 
     def tokens(self, step: int, mb: MicroBatch, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input and target ids of a micro-batch: each document is an arithmetic progression
-        modulo ``vocab`` with a random start and stride, so the model has something to learn."""
+        """Input and target ids of a micro-batch.
+
+        Each document is an arithmetic progression modulo ``vocab`` with a random start and stride,
+        so the model has something to learn.
+
+        Args:
+            step: the training step (it seeds the ids with the source's seed).
+            mb: the micro-batch (its id and sequence lengths).
+            vocab: the vocabulary size."""
         rng = np.random.default_rng([self.seed, step, mb.mb_id, 1])
         inputs, targets = [], []
         for n in mb.seq_lens:
@@ -95,7 +103,12 @@ class DataSource:
 def replica_microbatches(
     data: StepData, dp_rank: int, weights: Sequence[float]
 ) -> list[MicroBatch]:
-    """The contiguous run of the step's micro-batches that replica ``dp_rank`` trains."""
+    """The contiguous run of the step's micro-batches that replica ``dp_rank`` trains.
+
+    Args:
+        data: the step's data.
+        dp_rank: the replica's data-parallel rank.
+        weights: every replica's share of the micro-batches (``apportion``'s weights)."""
     counts = apportion(len(data.microbatches), weights, what="micro-batch weights")
     start = sum(counts[:dp_rank])
     return list(data.microbatches[start : start + counts[dp_rank]])

@@ -1,5 +1,7 @@
-"""Excluding a stopped device by an elastic restart from the latest universal checkpoint, with the
-same global batch, so the optimizer's mathematics do not change: the survivors re-formed around the
+"""Excluding a stopped device by an elastic restart from the latest universal checkpoint.
+
+The restart keeps the same global batch, so the optimizer's mathematics do not change: the
+survivors re-formed around the
 lost device as the planner says (``reform_around``: its replica kept where the planner keeps it,
 with fewer stages, a smaller tensor-parallel group or fewer micro-batches), else the surviving
 uniform layout (``layout_without``: one data-parallel replica fewer, or one pipeline stage fewer
@@ -27,10 +29,12 @@ from resihp.train.planning import paced_to, plan_at_start, planner_specs
 
 
 def latest_checkpoint(cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint in the run's checkpoint folder (``RunConfig.ckpt_root``) that
-    verifies against its manifest and was written by this job (``cfg.job_id``) for this model,
-    else the checkpoint the run resumed from (a relaunch that failed before its own first
-    checkpoint goes back to where it started); and each newer one skipped, with why."""
+    """The newest good checkpoint of this job and model, and each newer one skipped, with why.
+
+    The checkpoint is in the run's checkpoint folder (``RunConfig.ckpt_root``), verifies against
+    its manifest and was written by this job (``cfg.job_id``) for this model; else it is the
+    checkpoint the run resumed from (a relaunch that failed before its own first checkpoint goes
+    back to where it started)."""
     found, skipped = newest_good(cfg.ckpt_root(), job_id=cfg.job_id, model_hash=cfg.model_hash())
     started = Path(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
     if found is None and started is not None and step_of(started) >= 0 and started.is_dir():
@@ -39,8 +43,13 @@ def latest_checkpoint(cfg: RunConfig) -> tuple[Path | None, list[tuple[Path, str
 
 
 def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunConfig | None:
-    """The run config that continues without ``rank``'s replica (or stage); None if nothing is
-    left."""
+    """The run config that continues without ``rank``'s replica (or stage); None if nothing is left.
+
+    Args:
+        cfg: the run's configuration.
+        rank: the lost world rank.
+        resume: the checkpoint to restart from.
+        out: the relaunch's run folder."""
     dims = cfg.dims()
     lost = dims.coords(rank)
     if cfg.parallel.dp > 1:
@@ -55,20 +64,29 @@ def layout_without(cfg: RunConfig, rank: int, resume: Path, out: Path) -> RunCon
 
 
 def relaunch_config(cfg: RunConfig, resume: Path, out: Path, **changes) -> RunConfig:
-    """``cfg`` for a relaunch into ``out`` from checkpoint ``resume``, with ``changes``. A relaunch
-    that keeps snapshots is a job of its own (job id ``<job>-r``): the first launch's keeper
-    persists the slots of the world it was started for, so the relaunch's memory tier is a fresh
-    one."""
+    """``cfg`` for a relaunch into ``out`` from checkpoint ``resume``, with ``changes``.
+
+    A relaunch that keeps snapshots is a job of its own (job id ``<job>-r``): the first launch's
+    keeper persists the slots of the world it was started for, so the relaunch's memory tier is a
+    fresh one.
+
+    Args:
+        cfg: the run's configuration.
+        resume: the checkpoint to restart from.
+        out: the relaunch's run folder.
+        **changes: configuration leaves to change, in flat form (``RunConfig.updated``)."""
     job = f"{cfg.job_id}-r" if cfg.snapshot_interval() and cfg.job_id else cfg.job_id
     return cfg.relaunched_into(out, **changes, resume=str(resume), job_id=job)
 
 
 @dataclass
 class Reformed:
-    """The relaunch around a lost rank: its run config (the survivors renumbered in order, a
-    uniform launch layout over them and, scheduled at the first step, the planner's layout), the
-    plan, each new rank's old world rank, and the planner's calibration to the steps measured
-    before the loss (``planning.paced_to``; None without enough of them)."""
+    """The relaunch around a lost rank.
+
+    It holds its run config (the survivors renumbered in order, a uniform launch layout over them
+    and, scheduled at the first step, the planner's layout), the plan, each new rank's old world
+    rank, and the planner's calibration to the steps measured before the loss
+    (``planning.paced_to``; None without enough of them)."""
 
     cfg: RunConfig
     plan: Plan
@@ -86,13 +104,23 @@ def reform_around(
     measured: list[float] = (),
     compute: list[float] | None = None,
 ) -> Reformed | None:
-    """The planner's layout over every rank but ``rank`` (its speed 0), to restart from checkpoint
-    ``resume`` into: the job relaunches with the survivors only, loads the checkpoint into a uniform
-    launch layout and, before its first step, re-forms into the plan's process groups by a layout
-    change (the live path: ``Engine.apply``), which reshards from memory. ``measured``: the step
-    times of the launch layout before the loss, which pace the planner's costs (with ``compute``,
-    the same steps' ``planning.trace_compute_seconds``: compute and transfers apart). None where no
-    survivor is left or the plan places none."""
+    """The planner's layout over every rank but ``rank`` (its speed 0), to restart into.
+
+    The job relaunches with the survivors only, loads checkpoint ``resume`` into a uniform launch
+    layout and, before its first step, re-forms into the plan's process groups by a layout change
+    (the live path: ``Engine.apply``), which reshards from memory. None where no survivor is left or
+    the plan places none.
+
+    Args:
+        cfg: the run's configuration.
+        rank: the lost world rank.
+        resume: the checkpoint to restart from.
+        out: the relaunch's run folder.
+        time_limit_s: the planner's time limit, in seconds.
+        measured: the step times of the launch layout before the loss, in seconds, which pace the
+            planner's costs.
+        compute: the same steps' ``planning.trace_compute_seconds`` (compute and transfers apart;
+            None: not known)."""
     dims = cfg.dims()
     survivors = [r for r in range(dims.world_size) if r != rank]
     if not survivors:
@@ -185,9 +213,16 @@ class Resumed:
 
 
 def resume(engine: Engine, cfg: RunConfig, path: Path, first_step: int) -> Resumed:
-    """Collective: load checkpoint ``path`` (``resihp.ckpt.universal.resolve`` of ``--resume``)
-    into this rank's model and AdamW state, whatever layout wrote it; non-tensor state by its rule
-    (``resihp.ckpt.reshard_rules``: a refused change is an InputError naming the flag)."""
+    """Collective: load a checkpoint into this rank's model and AdamW state, from any layout.
+
+    Non-tensor state follows its rule (``resihp.ckpt.reshard_rules``: a refused change is an
+    InputError naming the flag).
+
+    Args:
+        engine: this rank's engine.
+        cfg: the run's configuration.
+        path: the checkpoint (``resihp.ckpt.universal.resolve`` of ``--resume``).
+        first_step: the step the run goes on from."""
     saved = read_meta(path)
     now = run_state(engine, cfg)
     decisions = decide(saved.get("state", {}), now, str(path))

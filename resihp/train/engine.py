@@ -1,6 +1,7 @@
-"""The hybrid-parallel training engine: one rank's stage model, its pipeline schedule over
-point-to-point sends and receives, the data-parallel gradient all-reduce and the optimizer step,
-every op timed into the ops trace.
+"""The hybrid-parallel training engine of one rank, every op timed into the ops trace.
+
+It holds the rank's stage model, its pipeline schedule over point-to-point sends and receives, the
+data-parallel gradient all-reduce and the optimizer step.
 
 Why not ``torch.distributed.pipelining``: its stages allocate receive buffers from shapes fixed
 once, while packed micro-batches change their token count ``T`` (and ``seq_lens``) every time; and
@@ -47,7 +48,9 @@ class StepResult:
 
 
 class Engine:
-    """One rank of a DP x PP (x TP) job. Construct after ``dist.init_process_group``."""
+    """One rank of a DP x PP (x TP) job.
+
+    Construct after ``dist.init_process_group``."""
 
     def __init__(
         self, cfg: RunConfig, device: torch.device, injector: FaultInjector | None = None
@@ -83,11 +86,13 @@ class Engine:
         self._warmed = False  # the probe's compute ran once, untimed
 
     def form_groups(self, pipelines: Sequence[Sequence[Sequence[int]]]) -> None:
-        """Collective over the world: this rank's place in a layout given as pipelines of world
-        ranks (replica -> stage -> that stage's tensor-parallel group; replicas may differ in depth
-        and tensor-parallel size; a world rank in none is a hot spare), and the layout's
-        tensor-parallel and gradient groups. Inside a group world ranks ascend with the tp rank
-        (the group's own rank order). Every rank creates every group, in the same order."""
+        """Collective over the world: this rank's place in a layout, and the layout's groups.
+
+        The layout is given as pipelines of world ranks (replica -> stage -> that stage's
+        tensor-parallel group; replicas may differ in depth and tensor-parallel size; a world rank
+        in none is a hot spare); its groups are the tensor-parallel and gradient groups. Inside a
+        group world ranks ascend with the tp rank (the group's own rank order). Every rank creates
+        every group, in the same order."""
         self.placement = Placement.of([sorted(stage) for stage in p] for p in pipelines)
         self.pipelines = [list(p) for p in self.placement.pipelines]
         self.active = self.placement.ranks
@@ -129,6 +134,12 @@ class Engine:
         return self.replica_ranges[self.dp_rank]
 
     def build_stage(self, first: int, last: int, init: bool = True) -> None:
+        """Build this rank's stage model of layers ``[first, last)`` and its AdamW optimizer.
+
+        Args:
+            first: the stage's first layer.
+            last: the layer after its last one.
+            init: initialise its parameters from the run's seed (False: left as built)."""
         self.first, self.last = first, last
         self.model = GPTStage(self.model_cfg, first, last, self.tp)
         if init:
@@ -183,8 +194,9 @@ class Engine:
             )  # the op's duration less this is the fastest run, stretched
 
     def job_rank(self, rank: int) -> int:
-        """The job rank of ``rank`` of this engine's process groups (the fault injector names
-        job ranks); the same rank here, where the default group is the job's."""
+        """The job rank of ``rank`` of this engine's process groups (the fault injector names them).
+
+        The same rank here, where the default group is the job's."""
         return rank
 
     def _after_collective(self, members: tuple[int, ...], seconds: float, nbytes: int) -> None:
@@ -221,9 +233,11 @@ class Engine:
 
     # --- plan changes -----------------------------------------------------------------------------
     def sync_plan(self, step: int, proposal: dict | None) -> dict | None:
-        """Called by every rank at the start of a step; ``proposal`` (a plan change dict) counts
-        only on rank 0, which broadcasts it; every rank checks it (``PlanChange.parse``: a bad one
-        stops every rank alike) and applies it before the step. Returns it."""
+        """Agree on the step's plan change, apply it and return it; every rank calls it first.
+
+        ``proposal`` (a plan change dict) counts only on rank 0, which broadcasts it; every rank
+        checks it (``PlanChange.parse``: a bad one stops every rank alike) and applies it before the
+        step."""
         version = torch.tensor(
             [proposal["version"] if proposal and self.rank == 0 else self.plan_version]
         )
@@ -307,9 +321,16 @@ class Engine:
         ranges: list[list[tuple[int, int]]],
         weights: list[float],
     ) -> list:
-        """Collective over the world: a new generation of process groups for ``pipelines`` and this
-        rank's stage built in it, its values not kept (``_relayout`` moves them in). Returns the
-        groups it retires (``replan.retire_groups``)."""
+        """Collective over the world: a new generation of process groups and this rank's stage.
+
+        The stage is built in it, its values not kept (``_relayout`` moves them in). Returns the
+        groups it retires (``replan.retire_groups``).
+
+        Args:
+            pipelines: the new layout as pipelines of world ranks (replica -> stage -> that
+                stage's tensor-parallel group), as in ``form_groups``.
+            ranges: per replica, each stage's layer range ``(first, last)``.
+            weights: each replica's share of the micro-batches."""
         old_groups = [self.tp.group, *self.grad_sync.groups.values()]
         self.replica_ranges, self.weights = ranges, weights
         self.form_groups(pipelines)

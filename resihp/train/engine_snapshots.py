@@ -1,8 +1,10 @@
-"""A training rank's in-memory snapshots (``--snapshot-every``): the memory tier of its node
-(``resihp.ckpt.memory``), the keeper that owns it (``resihp.ckpt.keeper``), the snapshot after
-each K-th step and the restore at start (``resihp.ckpt.snapshot``), with the redundancy the
-layout gives: a rank's data-parallel peers hold the same state; a rank with none (dp = 1) has an
-explicit copy kept for the next rank of its node (a ring; a pair on two ranks)."""
+"""A training rank's in-memory snapshots (``--snapshot-every``).
+
+They involve the memory tier of its node (``resihp.ckpt.memory``), the keeper that owns it
+(``resihp.ckpt.keeper``), the snapshot after each K-th step and the restore at start
+(``resihp.ckpt.snapshot``), with the redundancy the layout gives: a rank's data-parallel peers hold
+the same state; a rank with none (dp = 1) has an explicit copy kept for the next rank of its node (a
+ring; a pair on two ranks)."""
 
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ KEEPER_OWNER = "RESIHP_KEEPER_OWNER"  # the launcher that owns the job's keepers
 
 
 def same_state(engine: Engine, rank: int) -> list[int]:
-    """The ranks holding the same model and AdamW state as ``rank``: its data-parallel peers
-    whose pipeline gives its stage the same layers (itself included)."""
+    """The ranks holding the same model and AdamW state as ``rank``, itself included.
+
+    They are its data-parallel peers whose pipeline gives its stage the same layers."""
     dims, c = engine.dims, engine.dims.coords(rank)
     mine = engine.replica_ranges[c.dp_rank][c.stage]
     return [
@@ -46,15 +49,26 @@ def same_state(engine: Engine, rank: int) -> list[int]:
 
 
 def copy_holder(engine: Engine, rank: int, local_ranks: list[int]) -> int | None:
-    """Who keeps an explicit copy of ``rank``'s snapshots: the next rank of its node, when no
-    data-parallel peer holds its state (else None)."""
+    """Who keeps an explicit copy of ``rank``'s snapshots, or None.
+
+    It is the next rank of its node, when no data-parallel peer holds its state.
+
+    Args:
+        engine: the rank's engine (its layout).
+        rank: the rank whose snapshots are copied.
+        local_ranks: the ranks of its node, in order."""
     if len(same_state(engine, rank)) > 1 or len(local_ranks) < 2:
         return None
     return local_ranks[(local_ranks.index(rank) + 1) % len(local_ranks)]
 
 
 def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
-    """What a snapshot must match to be restored (and ``run``: the plan state it carries)."""
+    """What a snapshot must match to be restored (and ``run``: the plan state it carries).
+
+    Args:
+        engine: the rank's engine (its layer ranges and plan state).
+        cfg: the run's configuration (its model and dimensions).
+        job_id: the job's id."""
     return {
         "job_id": job_id,
         "model_hash": cfg.model_hash(),
@@ -65,8 +79,14 @@ def layout_of(engine: Engine, cfg: RunConfig, job_id: str) -> dict:
 
 
 def check_capacity(tier: MemoryTier, need_bytes: int, ranks_here: int) -> None:
-    """:meth:`MemoryTier.check_capacity` after the tiers of dead jobs are reclaimed; a refusal
-    names the other jobs' tiers still there (path, owner PID, how to remove it)."""
+    """:meth:`MemoryTier.check_capacity` after the tiers of dead jobs are reclaimed.
+
+    A refusal names the other jobs' tiers still there (path, owner PID, how to remove it).
+
+    Args:
+        tier: this rank's memory tier.
+        need_bytes: the bytes one rank's slots need.
+        ranks_here: the ranks of this node sharing the tier."""
     reclaim_dead_tiers(exclude=tier.dir)
     try:
         tier.check_capacity(need_bytes, ranks_here)
@@ -81,6 +101,7 @@ def check_capacity(tier: MemoryTier, need_bytes: int, ranks_here: int) -> None:
 
 class MemorySnapshots:
     """One rank's memory tier for the job: restore at start, a snapshot after each K-th step.
+
     ``persist_root`` (``OUT/ckpt``): the keeper writes the universal checkpoints there from the
     snapshots (every ``--ckpt-every`` steps, and the newest when the job stops early), in place
     of the trainers' own saves."""
@@ -144,8 +165,10 @@ class MemorySnapshots:
         return restored
 
     def discard_after(self, step: int) -> None:
-        """Training goes on after ``step``: this rank's snapshots of later steps (from before the
-        failure) are not this run's future; unpublish them, then pick the slot to write next."""
+        """Training goes on after ``step``: unpublish this rank's snapshots of later steps.
+
+        Those (from before the failure) are not this run's future; then pick the slot to write
+        next."""
         for h in self.tier.headers():
             if h.rank == self.engine.rank and h.step > step:
                 self.tier.header_path(h.slot).unlink(missing_ok=True)
@@ -155,8 +178,9 @@ class MemorySnapshots:
         )
 
     def after_step(self, step: int) -> None:
-        """Start this step's snapshot if one is due, or a checkpoint the keeper writes from it (the
-        next optimizer step waits for the copy)."""
+        """Start this step's snapshot if one is due, or a checkpoint the keeper writes from it.
+
+        The next optimizer step waits for the copy."""
         e = self.engine
         every = self.cfg.checkpoint.ckpt_every
         ckpt = self.persist_root is not None and every > 0 and (step + 1) % every == 0
@@ -176,9 +200,10 @@ class MemorySnapshots:
         self.check()
 
     def check(self) -> None:
-        """Stop (:class:`TierFull`, one line) if the full tier had no room for a snapshot the
-        keeper was to write a checkpoint from: that checkpoint would be lost without a word. A
-        snapshot alone is not taken, and training goes on (the snapshotter says so once)."""
+        """Stop (:class:`TierFull`, one line) if a full tier lost a snapshot a checkpoint needed.
+
+        The keeper was to write a checkpoint from it: that checkpoint would be lost without a word.
+        A snapshot alone is not taken, and training goes on (the snapshotter says so once)."""
         s = self.snapshotter
         lost = next((step for step in s.skipped if step in self._due), None)
         if lost is None or s.full is None:
@@ -236,9 +261,10 @@ class MemorySnapshots:
 
 
 class BoundaryStop:
-    """With snapshots on, SIGTERM ends a rank at the next step boundary, once that step's snapshot
-    has started (closing the tier completes it), so a SIGTERM loses no step. A rank blocked on a
-    dead peer still ends by the collective's error."""
+    """With snapshots on, SIGTERM ends a rank at the next step boundary: it loses no step.
+
+    The rank ends once that step's snapshot has started (closing the tier completes it). A rank
+    blocked on a dead peer still ends by the collective's error."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -257,8 +283,10 @@ _KEEPERS: dict[str, Path] = {}  # job id -> the tier whose keeper this launcher 
 
 
 def start_keeper(cfg: RunConfig, node: int) -> Callable[[], None] | None:
-    """Start this node's keeper for the job (owned by this process: it removes the tier when this
-    process is gone); returns what restarts it if it dies (the supervisor's poll), or None."""
+    """Start this node's keeper for the job; return what restarts it if it dies, or None.
+
+    The keeper is owned by this process: it removes the tier when this process is gone. The
+    supervisor's poll calls what is returned."""
     if not cfg.snapshot_interval():
         return None
     os.environ[KEEPER_OWNER] = str(os.getpid())  # keepers the ranks start are this process's too
@@ -282,9 +310,11 @@ def verify_ahead(job_id: str) -> None:
 
 
 def flush_checkpoints(cfg: RunConfig, breakpoint: bool) -> dict | None:
-    """The job's processes have stopped: node 0's keeper finishes the checkpoints it owes and, at
-    a ``breakpoint`` (a failure, an interrupt), writes the newest step complete in memory unless a
-    checkpoint has it. Its answer (``step``: that checkpoint's step, or None), or None."""
+    """The job's processes have stopped: node 0's keeper finishes the checkpoints it owes.
+
+    At a ``breakpoint`` (a failure, an interrupt) it also writes the newest step complete in memory
+    unless a checkpoint has it. Returns its answer (``step``: that checkpoint's step, or None), or
+    None."""
     directory = _KEEPERS.get(cfg.job_id)
     if directory is None or not cfg.checkpoint.ckpt_every:
         return None
@@ -292,10 +322,12 @@ def flush_checkpoints(cfg: RunConfig, breakpoint: bool) -> dict | None:
 
 
 def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> dict | None:
-    """The job is over: its checkpoints owed are written (:func:`flush_checkpoints`), and its
-    memory tiers on this machine go (node 0's, started here; another node's, named by the job id
-    it joined under, from ``OUT/config.json``). Returns the first checkpoint node 0's keeper
-    could not write (``resihp.ckpt.keeper.persist_failure``), or None."""
+    """The job is over: write its checkpoints owed and remove its memory tiers on this machine.
+
+    The checkpoints owed are written by :func:`flush_checkpoints`; the tiers are node 0's, started
+    here, or another node's, named by the job id it joined under, from ``OUT/config.json``. Returns
+    the first checkpoint node 0's keeper could not write (``resihp.ckpt.keeper.persist_failure``),
+    or None."""
     flush_checkpoints(cfg, breakpoint)
     directory = _KEEPERS.pop(cfg.job_id, None)
     failed = persist_failure(directory) if directory is not None else None
@@ -307,10 +339,12 @@ def stop_keepers(cfg: RunConfig, breakpoint: bool = False) -> dict | None:
 
 
 def restartable(outcome) -> bool:
-    """Whether a job's end calls for a restart in place: a fail-stop, or workers that died
-    without saying why (a rank ended by a signal or an exception brings down its peers, whose
-    heartbeats then end as stopped); not an input error, a worker's own reason to stop (a
-    non-finite loss, a full disk) nor an interrupt of the launcher."""
+    """Whether a job's end calls for a restart in place.
+
+    It does after a fail-stop, or workers that died without saying why (a rank ended by a signal or
+    an exception brings down its peers, whose heartbeats then end as stopped); not an input error, a
+    worker's own reason to stop (a non-finite loss, a full disk) nor an interrupt of the
+    launcher."""
     if outcome.interrupted or outcome.input_error:
         return False
     if outcome.failure is not None:
@@ -351,10 +385,20 @@ def recovery_record(
     after_summary: dict,
     cause: str | None = None,
 ) -> dict:
-    """The run summary's ``recovery`` object for a restart in place: where the state came from
-    (``memory``, ``peer``, ``disk``, or ``none``: step 0), the step training went on at, the steps
-    done twice, and the times: the fail-stop's detection, the restore, and the whole stall (the
-    last step's end before the failure to the first step's start after it)."""
+    """The run summary's ``recovery`` object for a restart in place.
+
+    It says where the state came from (``memory``, ``peer``, ``disk``, or ``none``: step 0), the
+    step training went on at, the steps done twice, and the times: the fail-stop's detection, the
+    restore, and the whole stall (the last step's end before the failure to the first step's start
+    after it).
+
+    Args:
+        before: the run folder of the attempt that failed.
+        after: the run folder of the restart.
+        failure: the fail-stop event (None: none was detected).
+        before_summary: the failed attempt's run summary.
+        after_summary: the restart's run summary.
+        cause: the cause recorded where no ``failure`` event carries one (None: none)."""
     restored = _read(after / "restore.json")
     resumed = after_summary.get("first_step")
     if restored is not None:

@@ -1,6 +1,7 @@
-"""Detection on a job that writes resihp streams (the engine, or ``resihp.attach``), without the
-planner: read its ``job.yaml`` (waiting for the job to start), assemble complete steps from the
-ranks' JSON-lines streams and feed them to the online detector.
+"""Detection on a job that writes resihp streams (the engine, or ``resihp.attach``), no planner.
+
+It reads the job's ``job.yaml`` (waiting for the job to start), assembles complete steps from the
+ranks' JSON-lines streams and feeds them to the online detector.
 
 ``follow(out)`` runs in a side process (``resihp follow RUN``); ``Follower`` is the same loop in a
 thread of the job itself (``resihp.attach(..., detect=True)`` on rank 0).
@@ -32,9 +33,11 @@ log = logging.getLogger("resihp.follow")
 
 
 class StreamTail:
-    """New complete lines of a run folder's JSON-lines streams since the last call: node 0's
-    stream of complete steps (``ops.jsonl``, written by ``resihp run``'s launcher from the control
-    plane) or each rank's own (``ranks/rank<R>.jsonl``, written by ``resihp.attach``)."""
+    """New complete lines of a run folder's JSON-lines streams since the last call.
+
+    The streams are node 0's stream of complete steps (``ops.jsonl``, written by ``resihp run``'s
+    launcher from the control plane) or each rank's own (``ranks/rank<R>.jsonl``, written by
+    ``resihp.attach``)."""
 
     def __init__(self, out: Path, world: int) -> None:
         self.paths = [out / TRACE_STREAM, *(out / "ranks" / f"rank{r}.jsonl" for r in range(world))]
@@ -84,8 +87,14 @@ class StepAssembler:
 
 
 def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float = 0.5) -> Path:
-    """The job meta of a run folder, once the job's rank 0 has written it (a side process started
-    before the job waits here); ``InputError`` after ``timeout_s``."""
+    """The job meta of a run folder, once the job's rank 0 has written it.
+
+    A side process started before the job waits here; ``InputError`` after ``timeout_s``.
+
+    Args:
+        out: the job's run folder.
+        timeout_s: how long to wait, in seconds (None: no limit).
+        poll_s: the wait between looks, in seconds."""
     meta = Path(out) / "job.yaml"
     if Path(out).exists() and not Path(out).is_dir():
         raise InputError(
@@ -104,8 +113,10 @@ def wait_for_job(out: str | Path, timeout_s: float | None = None, poll_s: float 
 
 
 class StoreSteps:
-    """Complete steps read from a job's control plane (``resihp run``'s store, from any machine
-    that reaches it), not its run folder; ``finished`` once node 0 says the job ended."""
+    """Complete steps read from a job's control plane, not its run folder.
+
+    The control plane is ``resihp run``'s store, from any machine that reaches it; ``finished``
+    once node 0 says the job ended."""
 
     def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
         self.endpoint = endpoint
@@ -155,8 +166,9 @@ class StoreSteps:
 
 
 class LiveDetection:
-    """The detector over one job's records (a run folder's streams, or ``source``: a job's store),
-    fed by ``poll``; ``report`` is what it holds now."""
+    """The detector over one job's records, fed by ``poll``; ``report`` is what it holds now.
+
+    The records are a run folder's streams, or ``source``: a job's store."""
 
     def __init__(
         self,
@@ -227,8 +239,10 @@ class LiveDetection:
         )  # attach's
 
     def report(self) -> dict:
-        """Current stragglers (device faults still open: rank, slowdown, onset, phase), every event
-        so far, steps seen and each rank's noise with the smallest slowdown it lets through."""
+        """Current stragglers, every event so far, steps seen and each rank's noise.
+
+        Stragglers are device faults still open (rank, slowdown, onset, phase); each rank's noise
+        comes with the smallest slowdown it lets through."""
         with self._lock:
             events = [dict(e) for e in self.events]
         open_ = {}
@@ -280,11 +294,22 @@ def follow(
     start_timeout_s: float | None = None,
     store: str | None = None,
 ) -> dict:
-    """Detect live on a job: its run folder ``out`` (wait for its ``job.yaml`` up to
-    ``start_timeout_s``, default ``timeout_s``) or, with ``store`` (``HOST:PORT`` of node 0's
-    ``--rdzv-endpoint``), its control plane; feed every complete step to the online detector,
-    until the job is over (or ``timeout_s``). Returns ``report()``'s document
-    (``{"events": [...], "steps": n, "stragglers": [...], "noise": {...}}``)."""
+    """Detect live on a job, feeding every complete step to the online detector until it is over.
+
+    Returns ``report()``'s document (``{"events": [...], "steps": n, "stragglers": [...],
+    "noise": {...}}``).
+
+    Args:
+        out: the job's run folder (None: read the control plane at ``store``).
+        detector_config: the detector's settings (None: the defaults).
+        poll_s: the wait between reads, in seconds.
+        timeout_s: stop after this many seconds (None: when the job is over).
+        on_event: called with each event's record (its JSON form and ``seen_at``) as it is found
+            (None: not called).
+        start_timeout_s: how long to wait for the job's ``job.yaml``, in seconds (None:
+            ``timeout_s``).
+        store: ``HOST:PORT`` of node 0's ``--rdzv-endpoint``: read the job's control plane there
+            (None: read the run folder)."""
     t0 = time.time()
     start = start_timeout_s if start_timeout_s is not None else timeout_s
     if store is not None:  # the job's control plane, from any machine that reaches node 0
@@ -303,7 +328,8 @@ def follow(
 
 
 class Follower(threading.Thread):
-    """``follow`` in a daemon thread of the job (rank 0 of ``resihp.attach(..., detect=True)``);
+    """``follow`` in a daemon thread of the job (rank 0 of ``resihp.attach(..., detect=True)``).
+
     ``stop`` drains the steps written so far. A failure of the detector is kept in ``error`` and
     logged; the training goes on."""
 

@@ -16,8 +16,10 @@ import torch
 
 
 class EventTimer:
-    """Rows whose durations come from CUDA events, handed back in the order they were opened and
-    only once their step has completed on the device."""
+    """Rows whose durations come from CUDA events.
+
+    They are handed back in the order they were opened and only once their step has completed on
+    the device."""
 
     def __init__(self) -> None:
         self._pending: deque[tuple[int, dict, torch.cuda.Event, torch.cuda.Event]] = deque()
@@ -30,12 +32,18 @@ class EventTimer:
         return event
 
     def stop(self, step: int, row: dict, start: torch.cuda.Event) -> None:
-        """``row`` ends now (its ``duration`` is filled in when the device gets there)."""
+        """``row`` ends now (its ``duration`` is filled in when the device gets there).
+
+        Args:
+            step: the step the row belongs to.
+            row: the op's row.
+            start: the event recorded where the op began (``mark``)."""
         self._pending.append((step, row, start, self.mark()))
 
     def completed(self, before_step: int | None = None) -> list[dict]:
-        """The rows of steps before ``before_step`` (all, with None), durations filled in; waits
-        for their last event (by then normally complete)."""
+        """The rows of steps before ``before_step`` (all, with None), durations filled in.
+
+        Waits for their last event (by then normally complete)."""
         out = []
         while self._pending and (before_step is None or self._pending[0][0] < before_step):
             _, row, start, end = self._pending.popleft()

@@ -1,5 +1,6 @@
-"""Gradient all-reduce when pipelines may split their layers differently, and replicas may differ in
-depth and tensor-parallel size.
+"""Gradient all-reduce when pipelines split their layers differently or differ in shape.
+
+Replicas may differ in depth and tensor-parallel size.
 
 Every unit of the model (the embeddings, each decoder layer, the final norm and head; a tied
 embedding is one unit on the first and last stage) is summed over the ranks that hold it in each
@@ -80,10 +81,12 @@ def _global_params(cfg: GPTConfig) -> dict[str, tuple[int | None, int]]:
 
 
 class Pieces:
-    """Which ranks sum each block of each parameter's gradient, for a layout given as pipelines of
-    ranks (replica -> stage -> its tensor-parallel group) and each replica's layer ranges: every
-    key (the summing ranks, ascending) holds one rank of each replica (with ``tied``, a tied
-    embedding's key holds its first- and last-stage copies). Pure: no process group."""
+    """Which ranks sum each block of each parameter's gradient.
+
+    The layout is given as pipelines of ranks (replica -> stage -> its tensor-parallel group) and
+    each replica's layer ranges. Every key (the summing ranks, ascending) holds one rank of each
+    replica (with ``tied``, a tied embedding's key holds its first- and last-stage copies). Pure: no
+    process group."""
 
     def __init__(
         self,
@@ -99,8 +102,9 @@ class Pieces:
         self._cache: dict[str, list[tuple[tuple[int, ...], int, int]]] = {}
 
     def of(self, name: str) -> list[tuple[tuple[int, ...], int, int]]:
-        """The pieces of parameter ``name``: (members, start, length) along its sharded dimension
-        (length 0: the whole tensor)."""
+        """The pieces of parameter ``name``: (members, start, length) along its sharded dimension.
+
+        Length 0 is the whole tensor."""
         if name not in self._cache:
             self._cache[name] = self._find(name)
         return self._cache[name]
@@ -133,9 +137,15 @@ class Pieces:
     def entries(
         self, model: torch.nn.Module, rank: int, extra: torch.Tensor | None = None
     ) -> dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]]:
-        """Rank ``rank``'s gradient pieces (views into its ``model``'s gradients) by key, each key's
-        in (name, start) order; ``extra`` (e.g. the loss) rides with every piece of the final norm
-        this rank sums (replicated on every last stage)."""
+        """Rank ``rank``'s gradient pieces (views into its ``model``'s gradients) by key.
+
+        Each key's pieces are in (name, start) order.
+
+        Args:
+            model: the rank's stage model (gradients it lacks are set to zeros).
+            rank: the rank.
+            extra: a tensor (e.g. the loss) that rides with every piece of the final norm this
+                rank sums (replicated on every last stage); None: none."""
         tp = model.tp if isinstance(model, GPTStage) else TPContext(1, 0)
         entries: dict[tuple[int, ...], list[tuple[str, int, torch.Tensor]]] = defaultdict(list)
         for name, p in model.named_parameters():
@@ -167,8 +177,10 @@ class Pieces:
 
 
 class GradSync:
-    """The gradient all-reduce of a job whose replicas share one world: ``Pieces`` summed over
-    process groups of the world (every rank creates every group, in one order)."""
+    """The gradient all-reduce of a job whose replicas share one world.
+
+    ``Pieces`` are summed over process groups of the world (every rank creates every group, in one
+    order)."""
 
     def __init__(
         self, pipelines: Pipelines | ParallelDims, tied: bool = False, cfg: GPTConfig | None = None
@@ -196,9 +208,15 @@ class GradSync:
         extra: torch.Tensor | None = None,
         after: Callable[[tuple[int, ...], float, int], None] | None = None,
     ) -> None:
-        """Sum every parameter's gradient over its holders, piece by piece; ``extra`` (a tensor
-        riding with the head's pieces, e.g. the loss) is summed in place too. ``after(members,
-        seconds, bytes)`` runs after each bucket's all-reduce (fault injection on a slow link)."""
+        """Sum every parameter's gradient over its holders, piece by piece.
+
+        Args:
+            model: this rank's stage model.
+            tp_rank: not used: the pieces follow the model's own tensor-parallel context.
+            extra: a tensor riding with the head's pieces (e.g. the loss), summed in place too
+                (None: none).
+            after: ``after(members, seconds, bytes)`` runs after each bucket's all-reduce (fault
+                injection on a slow link; None: nothing)."""
         entries = self.pieces.entries(model, self.rank, extra)
         # every piece is read before any is written back: a rank in several lanes adds its own value
         flats = {

@@ -1,5 +1,7 @@
-"""Fault injection: ``slow`` makes a rank's compute really take ``factor`` x longer (a sleep
-proportional to each measured compute op); ``link`` makes every transfer between two ranks take
+"""Fault injection: real slowdowns, stops, hangs and errors in a rank's process.
+
+``slow`` makes a rank's compute really take ``factor`` x longer (a sleep proportional to each
+measured compute op); ``link`` makes every transfer between two ranks take
 ``factor`` x longer (a sleep proportional to each measured transfer, so it scales with the bytes);
 ``stop`` kills the rank's process (SIGKILL, no cleanup; ``during=restore``: in the middle of the
 memory-tier restore of the first restart in place, after every rank has agreed what to load and
@@ -34,8 +36,9 @@ HANG_HOW = (
 
 
 class InjectedError(Exception):
-    """The exception an ``error`` fault raises in its rank (not a RuntimeError: the worker takes
-    those for a lost peer)."""
+    """The exception an ``error`` fault raises in its rank.
+
+    It is not a RuntimeError: the worker takes those for a lost peer."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +92,17 @@ class Fault:
 def carried_faults(
     faults: Sequence[Fault], survivors: Sequence[int], first_step: int
 ) -> list[Fault]:
-    """The faults still ahead of a relaunch that goes on at ``first_step`` with ``survivors`` (old
-    ranks, in the order of their new numbers), renumbered: each stop, hang or error of a step at or
-    after ``first_step``, and each slowdown (of a device or a link) still in force at it, from
-    there on (the device is as slow as it was; the relaunch's live loop finds it again). Faults by
-    wall time, of the first restart's restore, or aimed at a rank that is gone are not carried."""
+    """The faults still ahead of a relaunch, renumbered to the survivors' new ranks.
+
+    They are each stop, hang or error of a step at or after ``first_step``, and each slowdown (of a
+    device or a link) still in force at it, from there on (the device is as slow as it was; the
+    relaunch's live loop finds it again). Faults by wall time, of the first restart's restore, or
+    aimed at a rank that is gone are not carried.
+
+    Args:
+        faults: the run's faults.
+        survivors: the old ranks that go on, in the order of their new numbers.
+        first_step: the step the relaunch goes on at."""
     new = {old: i for i, old in enumerate(survivors)}
     carried = []
     for f in faults:
@@ -208,7 +217,14 @@ def parse_fault(text: str) -> Fault:
 
 
 def check_faults(faults: Sequence[Fault], world_size: int, steps: int | None = None) -> None:
-    """Every fault names ranks of the world and (given the run's ``steps``) a step it reaches."""
+    """Every fault names ranks of the world and (given the run's ``steps``) a step it reaches.
+
+    Raises InputError naming the fault that does not.
+
+    Args:
+        faults: the run's faults.
+        world_size: the job's ranks.
+        steps: the run's steps (None: steps not checked)."""
     for f in faults:
         what = f"ranks={f.rank}+{f.peer}" if f.kind == "link" else f"rank={f.rank}"
         for r in f.ranks:
@@ -263,15 +279,17 @@ class FaultInjector:
                     time.sleep(1.0)
 
     def before_publish(self, step: int) -> None:
-        """Called after ``step``'s update, before the rank publishes its records: a ``stop``
-        fault ``step=S,during=publish`` kills the rank there (with replica-level fault tolerance
-        the step is committed by then)."""
+        """Called after ``step``'s update, before the rank publishes its records.
+
+        A ``stop`` fault ``step=S,during=publish`` kills the rank there (with replica-level fault
+        tolerance the step is committed by then)."""
         if any(f.kind == "stop" and f.during == "publish" and f.step == step for f in self.faults):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def during_restore(self) -> None:
-        """Called in the middle of a memory-tier restore: a ``stop`` fault ``during=restore`` kills
-        the rank there."""
+        """Called in the middle of a memory-tier restore.
+
+        A ``stop`` fault ``during=restore`` kills the rank there."""
         if any(f.kind == "stop" and f.during == "restore" for f in self.faults):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -306,11 +324,18 @@ class FaultInjector:
         return factor
 
     def transfer_s(self, channel: object, elapsed_s: float, nbytes: int, slow: bool) -> float:
-        """The transfer part of an op that took ``elapsed_s`` to move ``nbytes``, without its wait
-        on the sender: the channel's healthy seconds per byte times the bytes. The healthy rate is
-        a low quantile (``RATE_QUANTILE``: the receives whose data was ready) of the per-byte times
-        measured on the channel before its fault started (``slow``), fixed from then on, so that
-        the delay scales with the bytes and not with waits or the machine's load."""
+        """The transfer part of an op, in seconds, without its wait on the sender.
+
+        It is the channel's healthy seconds per byte times the bytes. The healthy rate is a low
+        quantile (``RATE_QUANTILE``: the receives whose data was ready) of the per-byte times
+        measured on the channel before its fault started, fixed from then on, so that the delay
+        scales with the bytes and not with waits or the machine's load.
+
+        Args:
+            channel: what the rates are kept by (a peer's receives, a collective's members).
+            elapsed_s: the seconds the op took.
+            nbytes: the bytes it moved.
+            slow: the channel's fault has started (its per-byte times are no longer sampled)."""
         if nbytes <= 0:
             return 0.0
         per_byte = elapsed_s / nbytes
@@ -325,16 +350,30 @@ class FaultInjector:
         return self._rate[channel] * nbytes
 
     def received(self, src: int, elapsed_s: float, nbytes: int) -> None:
-        """Called after a point-to-point receive from ``src``: on a slow link, wait so that the
-        transfer takes factor x as long (the receiver sees the data that much later)."""
+        """Called after a point-to-point receive: on a slow link, wait out the link's slowdown.
+
+        The wait makes the transfer take factor x as long (the receiver sees the data that much
+        later).
+
+        Args:
+            src: the sending rank.
+            elapsed_s: the seconds the receive took.
+            nbytes: the bytes received."""
         factor = self.link_factor((src,))
         transfer = self.transfer_s(("p2p", src), elapsed_s, nbytes, factor > 1.0)
         if factor > 1.0:
             self._delay((factor - 1.0) * transfer)
 
     def collective(self, members: Sequence[int], elapsed_s: float, nbytes: int) -> None:
-        """Called by each member after a collective: the two ends of a slow link both in it wait
-        factor - 1 times its transfer (a ring is as slow as its slowest link)."""
+        """Called by each member after a collective: the ends of a slow link in it wait.
+
+        The two ends of a slow link both in it wait factor - 1 times its transfer (a ring is as slow
+        as its slowest link).
+
+        Args:
+            members: the collective's ranks.
+            elapsed_s: the seconds the collective took.
+            nbytes: the bytes it moved."""
         members = tuple(members)
         factor = self.link_factor([m for m in members if m != self.rank])
         transfer = self.transfer_s(("coll", members), elapsed_s, nbytes, factor > 1.0)

@@ -21,7 +21,12 @@ def balanced_layers(layers: int, pp: int) -> list[tuple[int, int]]:
 
 
 def parse_layer_split(text: str, layers: int, pp: int) -> list[tuple[int, int]]:
-    """``"3,2,2,1"`` (layers per stage) into contiguous ranges covering ``[0, layers)``."""
+    """``"3,2,2,1"`` (layers per stage) into contiguous ranges covering ``[0, layers)``.
+
+    Args:
+        text: the layer counts, comma-separated (``--layer-split``).
+        layers: the model's layers.
+        pp: the pipeline's stages."""
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
@@ -34,6 +39,13 @@ def parse_layer_split(text: str, layers: int, pp: int) -> list[tuple[int, int]]:
 def ranges_from_counts(
     counts: Sequence[int], layers: int, pp: int, source: str = "layer split"
 ) -> list[tuple[int, int]]:
+    """Layer counts per stage into contiguous ranges covering ``[0, layers)``, checked.
+
+    Args:
+        counts: each stage's layer count (positive).
+        layers: the model's layers (the counts' sum).
+        pp: the pipeline's stages (the counts' number).
+        source: what the counts came from, named in the error."""
     if len(counts) != pp or any(c < 1 for c in counts) or sum(counts) != layers:
         raise InputError(
             f"{source}: expected {pp} positive layer counts summing to {layers}, got {list(counts)}"

@@ -81,8 +81,9 @@ class RunFolder:
         self.info: dict = {}
 
     def acquire(self, if_busy: str = "fail") -> RunFolder:
-        """Take the folder, or (``if_busy="subfolder"``) a fresh ``OUT/<job id>`` when another job
-        holds it; else InputError naming the job that holds it."""
+        """Take the folder; InputError naming the job that holds it, if another one does.
+
+        With ``if_busy="subfolder"``, a fresh ``OUT/<job id>`` is taken instead of the error."""
         import fcntl
 
         try:
@@ -110,9 +111,10 @@ class RunFolder:
         return self
 
     def retire_previous(self) -> Path | None:
-        """Move the outputs of the job that used this folder before (its summary, trace, logs,
-        restarts) into ``OUT/previous/<its job id>/``, so that none is read back as this job's;
-        its checkpoints stay (each names its job; ``--resume OUT`` takes them). Where they went,
+        """Move the outputs of the job that used this folder before into ``OUT/previous/<job id>/``.
+
+        They are its summary, trace, logs and restarts, so that none is read back as this job's; its
+        checkpoints stay (each names its job; ``--resume OUT`` takes them). Returns where they went,
         or None when there were none."""
         outputs = [p for name in JOB_OUTPUTS for p in sorted(self.out.glob(name))]
         if not outputs:
@@ -172,8 +174,9 @@ def die_with_parent(expected_parent: int | None = None) -> None:
 
 
 def die_with(pid: int, started: int | None) -> None:
-    """SIGKILL to this process when process ``pid`` (started at ``started``, clock ticks) ends,
-    from a thread waiting on its pidfd (Linux); exit now if it is gone already."""
+    """SIGKILL to this process when process ``pid`` (started at ``started``, clock ticks) ends.
+
+    A thread waits on its pidfd (Linux); exit now if it is gone already."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -195,15 +198,22 @@ STACKS_SETTLE_S = 0.3  # for the stacks to reach the log before the process is s
 
 
 def enable_stack_dumps() -> None:
-    """This worker writes its threads' stacks to its stderr on ``STACKS_SIGNAL`` (call it first:
-    the signal's default action would end a process that did not)."""
+    """This worker writes its threads' stacks to its stderr on ``STACKS_SIGNAL``.
+
+    Call it first: the signal's default action would end a process that did not."""
     faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
 def dump_stacks(pid: int, log: Path, why: str) -> bool:
-    """Ask worker ``pid`` (one that called ``enable_stack_dumps``, on this host, not stopped: a
-    stopped process runs no handler) for its stacks, after a line in ``log`` saying ``why``; they
-    land in the same log through the worker's stderr. False where it is gone."""
+    """Ask a worker for its stacks, after a line in ``log`` saying ``why``; False where it is gone.
+
+    The stacks land in the same log through the worker's stderr.
+
+    Args:
+        pid: the worker's process, one that called ``enable_stack_dumps``, on this host, not
+            stopped (a stopped process runs no handler).
+        log: the log file the worker's stderr goes to.
+        why: the reason, one line."""
     with contextlib.suppress(OSError), open(log, "a") as f:
         f.write(f"resihp: {why}; its stacks (process {pid}) follow\n")
     try:
@@ -265,9 +275,11 @@ class ProcessTracker:
                     changed = True
 
     def watch(self, workers: int, every_s: float = 1.0) -> None:
-        """While the job runs: a scan reads all of /proc (about 10 ms here), so scan every call
-        until the root and its ``workers`` are known, then at most once every ``every_s`` (a
-        worker's own children are ended with its process group)."""
+        """While the job runs: scan for its processes, every call until all are known, then less.
+
+        A scan reads all of /proc (about 10 ms here), so scan every call until the root and its
+        ``workers`` are known, then at most once every ``every_s`` (a worker's own children are
+        ended with its process group)."""
         now = time.monotonic()
         if len(self.known) <= workers or now - self._scanned >= every_s:
             self.scan()
@@ -277,8 +289,9 @@ class ProcessTracker:
         return [pid for pid, started in self.known.items() if start_time(pid) == started]
 
     def signal(self, sig: int, groups: bool = False) -> None:
-        """Send ``sig`` to each live process of the job (and, with ``groups``, to the process group
-        each of them leads: a worker's own children)."""
+        """Send ``sig`` to each live process of the job.
+
+        With ``groups``, also to the process group each of them leads: a worker's own children."""
         for pid in self.alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if groups and os.getpgid(pid) == pid:
@@ -286,9 +299,11 @@ class ProcessTracker:
                 os.kill(pid, sig)
 
     def end_all(self, grace_s: float = 5.0, wait=None) -> list[int]:
-        """SIGTERM (and SIGCONT, so a stopped process can act on it) to every process, up to
-        ``grace_s`` for them to exit, then SIGKILL to each and to the groups they lead. ``wait``
-        reaps direct children (``Popen.poll``). Returns the PIDs still alive (none, normally)."""
+        """End every process of the job: SIGTERM, up to ``grace_s`` to exit, then SIGKILL.
+
+        SIGCONT follows SIGTERM, so a stopped process can act on it; SIGKILL goes to each and to the
+        groups they lead. ``wait`` reaps direct children (``Popen.poll``). Returns the PIDs still
+        alive (none, normally)."""
         self.scan()
         self.signal(signal.SIGTERM)
         self.signal(signal.SIGCONT)

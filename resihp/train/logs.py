@@ -1,5 +1,6 @@
-"""Python ``logging`` for resihp: records under the ``resihp`` logger, prefixed with the rank, to
-stderr and to a log file in the run folder.
+"""Python ``logging`` for resihp: the ``resihp`` logger's records, to stderr and a run's log file.
+
+Records are prefixed with the rank; the log file is in the run folder.
 
     [resihp rank 1] WARNING fail-slow on rank 1 from step 31 (detected at 36): x2.02
 
@@ -20,9 +21,16 @@ STDERR_FORMAT = "[resihp rank {rank}] %(levelname)s %(message)s"
 def setup(
     out: str | Path | None, rank: int = 0, level: int | str = logging.INFO, stderr: bool = True
 ) -> logging.Logger:
-    """Route the ``resihp`` logger's records to ``OUT/logs/rank<R>.log`` (all levels from
-    ``level``) and, unless the application configured logging itself, to stderr (warnings and
-    above, and info on rank 0)."""
+    """Route the ``resihp`` logger's records to ``OUT/logs/rank<R>.log`` and to stderr.
+
+    Stderr gets them unless the application configured logging itself (warnings and above, and
+    info on rank 0).
+
+    Args:
+        out: the run folder (None: no log file).
+        rank: the rank ``R``, in the prefix and the file's name.
+        level: the least level logged to the file.
+        stderr: log to stderr too (as above)."""
     logger = logging.getLogger("resihp")
     logger.setLevel(level)
     for h in list(logger.handlers):

@@ -1,6 +1,8 @@
-"""Run metrics as TensorBoard scalars (``--tensorboard`` / ``attach(tensorboard=True)``): step
-time, tokens/s, detector events, plan changes, recovery. Needs the optional ``tensorboard`` extra
-(``pip install 'resihp[tensorboard]'``); without it, asking for it is a one-line error."""
+"""Run metrics as TensorBoard scalars (``--tensorboard`` / ``attach(tensorboard=True)``).
+
+They are step time, tokens/s, detector events, plan changes and recovery. Needs the optional
+``tensorboard`` extra (``pip install 'resihp[tensorboard]'``); without it, asking for it is a
+one-line error."""
 
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ class Metrics:
         self.changes = 0
 
     def step(self, step: int, seconds: float | None, tokens: int | None) -> None:
+        """Write one step's time and tokens/s.
+
+        Args:
+            step: the step.
+            seconds: its time, in seconds (None or 0: nothing written).
+            tokens: its tokens (None or 0: no tokens/s)."""
         if seconds:
             self.writer.add_scalar("train/step_time_s", seconds, step)
             if tokens:
@@ -44,6 +52,12 @@ class Metrics:
         self.writer.add_scalar("resihp/plan_applied", 1.0 if applied else 0.0, step)
 
     def scalar(self, name: str, value: float, step: int) -> None:
+        """Write one scalar at ``step``, stamped with the wall time.
+
+        Args:
+            name: the scalar's TensorBoard tag.
+            value: its value.
+            step: the step it belongs to."""
         self.writer.add_scalar(name, value, step, walltime=time.time())
 
     def close(self) -> None:

@@ -1,5 +1,7 @@
-"""One node's part of a job (torchrun's terms) and the job's endpoint: no torch import, so
-``resihp run`` checks them before its own imports (and before it starts a spare agent)."""
+"""One node's part of a job (torchrun's terms) and the job's endpoint.
+
+No torch import, so ``resihp run`` checks them before its own imports (and before it starts a spare
+agent)."""
 
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ FIRST_RANK_ENV = "RESIHP_FIRST_RANK"
 
 @dataclass(frozen=True)
 class Nodes:
-    """One node's part of a job, in torchrun's terms (``--nnodes``, ``--node-rank``,
-    ``--nproc-per-node``, ``--rdzv-endpoint``). Node 0 hosts the job's store at the endpoint (bound
-    to its host: loopback unless the user names another address); the other nodes join it."""
+    """One node's part of a job, in torchrun's terms.
+
+    Those are ``--nnodes``, ``--node-rank``, ``--nproc-per-node`` and ``--rdzv-endpoint``. Node 0
+    hosts the job's store at the endpoint (bound to its host: loopback unless the user names another
+    address); the other nodes join it."""
 
     nnodes: int = 1
     node_rank: int = 0
@@ -92,9 +96,11 @@ MIN_SECRET = 32  # characters of the job's secret (``secrets.token_hex(32)`` mak
 
 
 def check_secret(nodes: Nodes, env: Mapping[str, str] = os.environ) -> None:
-    """A job on several nodes: each node is launched with the job's secret in ``RESIHP_JOB_SECRET``,
-    the same on every node (what steers the job is signed with it: a node, or any other process,
-    without it cannot stop, relaunch, evict or re-plan the others). One node makes its own."""
+    """A job on several nodes: each node must be launched with the job's secret.
+
+    The secret is in ``RESIHP_JOB_SECRET``, the same on every node (what steers the job is signed
+    with it: a node, or any other process, without it cannot stop, relaunch, evict or re-plan the
+    others). One node makes its own."""
     if nodes.nnodes == 1:
         return
     secret = env.get(JOB_SECRET_ENV, "")

@@ -45,9 +45,16 @@ class PlanChange:
         world: int | None = None,
         depths: list[int] | None = None,
     ) -> PlanChange:
-        """The change in ``data``, or InputError naming the field that does not fit the job
-        (``world``: the job's processes, when the current layout uses only some of them;
-        ``depths``: each replica's stages, when they differ)."""
+        """The change in ``data``, or InputError naming the field that does not fit the job.
+
+        Args:
+            data: the change's JSON form.
+            dims: the job's parallel dimensions.
+            layers: the model's layers.
+            where: what the change came from, named in errors.
+            world: the job's processes, when the current layout uses only some of them (None:
+                ``dims.world_size``).
+            depths: each replica's stages, when they differ (None: ``dims.pp`` each)."""
         if not isinstance(data, Mapping):
             raise InputError(f"{where}: expected a plan change mapping, got {type(data).__name__}")
         layout = None

@@ -44,8 +44,10 @@ _device_tflops = functools.cache(measured_tflops)
 
 
 def planner_specs(cfg: RunConfig):
-    """The cluster the job runs on, measured here (memory free now, shared by the ranks of this
-    node; one device's matmul rate), and the model it trains."""
+    """The cluster the job runs on, measured here, and the model it trains.
+
+    The measures are the memory free now, shared by the ranks of this node, and one device's matmul
+    rate."""
     world = cfg.dims().world_size
     kind = (
         "cuda"
@@ -88,8 +90,15 @@ def current_plan(
     replica_ranges: list[list[tuple[int, int]]],
     groups: list[list[tuple[int, ...]]] | None = None,
 ):
-    """The plan in force; ``groups``: per replica, per stage, its ranks (default: the launch
-    layout)."""
+    """The plan in force, as a planner's ``Plan``.
+
+    Args:
+        cfg: the run's configuration (its dimensions).
+        cluster: the planner's cluster (``planner_specs``).
+        model: the planner's model (``planner_specs``).
+        weights: each replica's share of the micro-batches.
+        replica_ranges: per replica, each stage's layer range.
+        groups: per replica, per stage, its ranks (None: the launch layout)."""
     dims = cfg.dims()
     groups = groups or [
         [tuple(dims.tp_group_ranks(d, s)) for s in range(dims.pp)] for d in range(dims.dp)
@@ -115,9 +124,16 @@ def current_plan(
 
 
 def plan_at_start(cfg: RunConfig, cluster, model) -> Plan:
-    """The plan a run trains its first step under: its launch layout, or the change scheduled for
-    that step (``live.replan``; a relaunch re-formed by ``elastic.reform_around`` applies its
-    planner's layout before its first step, from the checkpoint ``--resume`` names)."""
+    """The plan a run trains its first step under: its launch layout, or the change due then.
+
+    The change is the one scheduled for that step (``live.replan``; a relaunch re-formed by
+    ``elastic.reform_around`` applies its planner's layout before its first step, from the
+    checkpoint ``--resume`` names).
+
+    Args:
+        cfg: the run's configuration.
+        cluster: the planner's cluster (``planner_specs``).
+        model: the planner's model (``planner_specs``)."""
     dims = cfg.dims()
     first = (
         step_of(Path(cfg.checkpoint.resume)) + 1 if cfg.checkpoint.resume else 0
@@ -140,8 +156,18 @@ def with_change(
     ranges: list[list[tuple[int, int]]],
     world: int,
 ) -> tuple[list, list[float], list, bool, bool]:
-    """The plan state (each replica's stage groups, micro-batch weights, layer ranges) after a
-    scheduled change (``live.replan``), and whether it moved ranks and whether it moved layers."""
+    """The plan state after a scheduled change (``live.replan``), and what it moved.
+
+    Returns each replica's stage groups, the micro-batch weights, the layer ranges, whether it
+    moved ranks and whether it moved layers.
+
+    Args:
+        change: the change's JSON form.
+        cfg: the run's configuration.
+        groups: per replica, per stage, its ranks before the change.
+        weights: each replica's share of the micro-batches before it.
+        ranges: per replica, each stage's layer range before it.
+        world: the job's processes."""
     planned = PlanChange.parse(
         change,
         cfg.dims(),
@@ -168,8 +194,9 @@ def trace_step_seconds(trace: pd.DataFrame) -> dict[int, float]:
 
 
 def step_check(predicted: float | None, seconds: list[float]) -> dict:
-    """The median of ``seconds`` (the steps measured under one plan) and ``predicted``'s error
-    against it, ``predicted / measured - 1``; nothing from fewer than ``MIN_MEASURED_STEPS``."""
+    """The median of ``seconds`` (the steps measured under one plan) and ``predicted``'s error.
+
+    The error is ``predicted / measured - 1``; nothing from fewer than ``MIN_MEASURED_STEPS``."""
     if len(seconds) < MIN_MEASURED_STEPS:
         return {}
     measured = statistics.median(seconds)
@@ -181,8 +208,9 @@ def step_check(predicted: float | None, seconds: list[float]) -> dict:
 
 
 def trace_compute_seconds(trace: pd.DataFrame) -> dict[int, float]:
-    """Every step's compute in an ops trace: the seconds all its ranks spent in forward and
-    backward compute together (time waiting inside tensor-parallel collectives taken out)."""
+    """Every step's compute in an ops trace: its ranks' seconds in forward and backward, summed.
+
+    Time waiting inside tensor-parallel collectives is taken out."""
     comp = trace[trace.optype.isin(("forward-compute", "backward-compute"))]
     if comp.empty:
         return {}
@@ -191,10 +219,11 @@ def trace_compute_seconds(trace: pd.DataFrame) -> dict[int, float]:
 
 
 def plan_compute_s(plan: Plan, coster: StageCoster) -> float:
-    """The analytic counterpart of ``trace_compute_seconds``: the compute all the plan's devices
-    do in a step (each stage's micro-batches' forward and backward, on each of its devices). A
-    total, not the busiest stage's: the analytic model misprices stages against each other (the
-    head's share of a small model), and a plan that merges stages keeps the total."""
+    """The analytic counterpart of ``trace_compute_seconds``: a step's compute on all the devices.
+
+    That is each stage's micro-batches' forward and backward, on each of its devices. A total, not
+    the busiest stage's: the analytic model misprices stages against each other (the head's share of
+    a small model), and a plan that merges stages keeps the total."""
     return sum(
         sum(coster.stage_fb(s, i == len(p.stages) - 1)) * p.microbatches * s.tp
         for p in plan.pipelines
@@ -204,11 +233,13 @@ def plan_compute_s(plan: Plan, coster: StageCoster) -> float:
 
 
 def predicted_step_s(plan: Plan) -> float:
-    """The step a live job should measure under ``plan``: its expected step with variable
-    micro-batch costs on the critical path (``Plan.expected_step_time_s``), else the mean-priced
-    one. The mean misprices a change of shares: two replicas of equal shares step at the slower
-    of two variable sums (about 10% above the mean on this project's text workload), one replica
-    holding most micro-batches at its own sum."""
+    """The step a live job should measure under ``plan``.
+
+    That is its expected step with variable micro-batch costs on the critical path
+    (``Plan.expected_step_time_s``), else the mean-priced one. The mean misprices a change of
+    shares: two replicas of equal shares step at the slower of two variable sums (about 10% above
+    the mean on this project's text workload), one replica holding most micro-batches at its own
+    sum."""
     expected = plan.expected_step_time_s
     return expected if math.isfinite(expected) else plan.step_time_s
 
@@ -221,17 +252,26 @@ def paced_to(
     planner: Planner,
     compute: list[float] | None = None,
 ) -> tuple[ClusterSpec, dict | None]:
-    """``cluster`` paced (``ClusterSpec.paced``) so that ``plan``, the plan the steps ``measured``
-    ran under, predicts their median, and what was measured; the cluster as it is (and None) from
-    fewer than ``MIN_MEASURED_STEPS`` steps. The planner's analytic costs (a matmul benchmark's
-    FLOP rate, nominal bandwidths) miss a training loop's own overheads (Python, gloo, several
-    ranks per core) by a factor that stays roughly constant across the plans of one job.
+    """``cluster`` paced (``ClusterSpec.paced``) so that ``plan`` predicts the measured median.
+
+    Returns it and what was measured; the cluster as it is (and None) from fewer than
+    ``MIN_MEASURED_STEPS`` steps. The planner's analytic costs (a matmul benchmark's FLOP rate,
+    nominal bandwidths) miss a training loop's own overheads (Python, gloo, several ranks per core)
+    by a factor that stays roughly constant across the plans of one job.
 
     With ``compute`` (each measured step's ``trace_compute_seconds``) and a plan with pipeline
     stages: the devices are paced on the compute alone, and what the step takes beyond it is an
     overhead per stage-boundary transfer (``ClusterSpec.p2p_overhead_s``; gloo's send/recv cost
     milliseconds whatever their bytes), so a plan with fewer stages is not priced with the
-    transfers of the launch's. Else one factor for everything."""
+    transfers of the launch's. Else one factor for everything.
+
+    Args:
+        cluster: the planner's cluster.
+        model: the planner's model.
+        plan: the plan the steps ``measured`` ran under.
+        measured: the steps' times, in seconds.
+        planner: the planner (its cost model).
+        compute: each measured step's ``trace_compute_seconds`` (None: one factor)."""
     if len(measured) < MIN_MEASURED_STEPS:
         return cluster, None
     median = statistics.median(measured)

@@ -36,8 +36,9 @@ COLUMNS = [
 
 
 def is_wait(optype: str) -> bool:
-    """Ops in which a rank waits on its peers (receives, collectives, plan broadcasts, barriers) or
-    on its node's keeper."""
+    """Whether ``optype`` is an op in which a rank waits on its peers or on its node's keeper.
+
+    Those are receives, collectives, plan broadcasts and barriers, and the keeper's waits."""
     return (
         optype.endswith(("-recv", "-send"))
         or "all-reduce" in optype
@@ -46,7 +47,9 @@ def is_wait(optype: str) -> bool:
 
 
 class OpRecorder:
-    """Times operations of one rank. ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each
+    """Times operations of one rank.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each
     clock read so that asynchronous device work is attributed to the op that launched it."""
 
     def __init__(
@@ -79,7 +82,13 @@ class OpRecorder:
         seq_lens: Sequence[int] | None = None,
         **extra: object,
     ) -> Iterator[dict]:
-        """Times the body; the yielded row can be given more fields (e.g. ``loss``) inside it."""
+        """Times the body; the yielded row can be given more fields (e.g. ``loss``) inside it.
+
+        Args:
+            optype: the op's type (e.g. ``forward-compute``).
+            mb_id: its micro-batch (None: none).
+            seq_lens: the micro-batch's sequence lengths (None: none).
+            **extra: more fields of the row."""
         self.sync()
         start_ts, t0 = time.time(), time.perf_counter()
         row: dict = {
@@ -106,8 +115,9 @@ class OpRecorder:
 
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
-        """Marks a wait on peers that is not an op of the trace (a plan broadcast, a barrier), so
-        that a heartbeat shows the rank waiting, not stuck (inside an op: the op is active again
+        """Marks a wait on peers that is not an op of the trace (a plan broadcast, a barrier).
+
+        A heartbeat then shows the rank waiting, not stuck (inside an op: the op is active again
         after)."""
         outer, self.active = self.active, what
         try:
@@ -132,8 +142,10 @@ class OpRecorder:
         return rows_frame(self.rows)
 
     def flush(self, path: str | Path) -> None:
-        """Append the rows recorded since the last flush to a JSON-lines stream (one per rank):
-        cheap enough to run every step, and what a side process tails to feed the detector."""
+        """Append the rows recorded since the last flush to a JSON-lines stream (one per rank).
+
+        It is cheap enough to run every step, and what a side process tails to feed the
+        detector."""
         new = self.rows[self._flushed :]
         if new:
             with open(path, "a") as f:

@@ -43,7 +43,12 @@ def owner(ranges: Sequence[tuple[int, int]], layer: int) -> int:
 def layer_state(
     model: GPTStage, optimizer: torch.optim.Optimizer, layer: int
 ) -> list[torch.Tensor]:
-    """A layer's parameters and AdamW state as a flat list in a fixed order."""
+    """A layer's parameters and AdamW state as a flat list in a fixed order.
+
+    Args:
+        model: the stage model holding the layer.
+        optimizer: its AdamW optimizer.
+        layer: the layer's global index."""
     out = []
     for _, p in sorted(model.layers[str(layer)].named_parameters()):
         state = optimizer.state.get(p, {})
@@ -79,8 +84,21 @@ def repartition(
     lr: float,
     device: torch.device,
 ) -> tuple[GPTStage, torch.optim.Optimizer, int]:
-    """Move layers between the stages of this rank's pipeline (``peer_of(stage)``: the rank holding
-    that stage beside this one); returns the new stage model, its optimizer and the bytes sent."""
+    """Move layers between the stages of this rank's pipeline.
+
+    Returns the new stage model, its optimizer and the bytes sent.
+
+    Args:
+        model: this rank's stage model.
+        optimizer: its AdamW optimizer.
+        cfg: the model's shape.
+        tp: this rank's tensor-parallel context.
+        old_ranges: each stage's layer range before.
+        new_ranges: each stage's layer range after.
+        stage: this rank's stage.
+        peer_of: ``peer_of(stage)``: the rank holding that stage beside this one.
+        lr: the new optimizer's learning rate.
+        device: the device the new stage model goes to."""
     moved: dict[int, list[torch.Tensor]] = {}
     sent = 0
     shapes = None
@@ -159,14 +177,26 @@ def relayout(
     out: str,
     write: bool = True,
 ) -> dict:
-    """Collective over the world: ``rebuild()`` forms the new layout and returns this rank's new
-    stage model, optimizer and tensor-parallel context (None: a spare); each new tensor (under its
+    """Collective over the world: move every rank's state into a new layout, resharded.
+
+    ``rebuild()`` forms the new layout and returns this rank's new stage model, optimizer and
+    tensor-parallel context (None: a spare); each new tensor (under its
     global key and placement, as a checkpoint holds it) that lies inside what the rank held is
     copied locally; the keys some rank still needs are written, as a checkpoint writes them, into a
     shared-memory folder and read back with DCP's resharding. Returns the bytes moved (written +
     read), the least the two layouts need (each rank's new blocks less what it already held), and
-    the seconds. ``write``: whether this rank's state is written (one replica's ranks suffice;
-    replicas of different tensor-parallel sizes would write overlapping blocks)."""
+    the seconds.
+
+    Args:
+        model: this rank's stage model (None: a spare).
+        optimizer: its AdamW optimizer (None: a spare).
+        tp: this rank's tensor-parallel context.
+        cfg: the model's shape.
+        rebuild: forms the new layout and returns this rank's new state.
+        control_group: the gloo group over the world.
+        out: the run folder (the exchange folder goes under it where the job spans nodes).
+        write: whether this rank's state is written (one replica's ranks suffice; replicas of
+            different tensor-parallel sizes would write overlapping blocks)."""
     # deferred for start-up time: torch.distributed.checkpoint and DTensor (~2.5 s on a loaded
     # machine) only in runs that reshard or checkpoint
     import torch.distributed.checkpoint as dcp

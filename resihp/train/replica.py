@@ -1,16 +1,17 @@
-"""A rank of a job run with replica-level fault tolerance (``--recovery replica``): each
-data-parallel replica is a torchrun job of its own (its pipeline and tensor-parallel ranks, with a
-default process group of just them), launched, watched and relaunched alone by the supervisor
-(``resihp.launch.replicas``). Across replicas a rank sums gradients over its position's group of
-the current generation (``resihp.ft.group``), votes, and commits only what every member summed
-(``resihp.ft.quorum``); an aborted step is redone by the survivors. In zero-drift mode the
-survivors also train the absent replicas' micro-batches, so the global batch never changes. A
-relaunched replica catches up from a live peer (``resihp.ft.heal``) and joins at a step boundary.
-The live planner's micro-batch shares and per-replica layer splits reach every rank with the commit
-before the step they apply to (``Decision.plan``): each replica moves layers between its own stages
+"""A rank of a job run with replica-level fault tolerance (``--recovery replica``).
+
+Each data-parallel replica is a torchrun job of its own (its pipeline and tensor-parallel ranks,
+with a default process group of just them), launched, watched and relaunched alone by the supervisor
+(``resihp.launch.replicas``). Across replicas a rank sums gradients over its position's group of the
+current generation (``resihp.ft.group``), votes, and commits only what every member summed
+(``resihp.ft.quorum``); an aborted step is redone by the survivors. In zero-drift mode the survivors
+also train the absent replicas' micro-batches, so the global batch never changes. A relaunched
+replica catches up from a live peer (``resihp.ft.heal``) and joins at a step boundary. The live
+planner's micro-batch shares and per-replica layer splits reach every rank with the commit before
+the step they apply to (``Decision.plan``): each replica moves layers between its own stages
 (``Engine._repartition``), and the cross-replica sums follow each layer to the stage holding it in
-every replica (``_buckets``). A returning replica catches up in its source replica's split and
-takes the plan of the commit that admitted it.
+every replica (``_buckets``). A returning replica catches up in its source replica's split and takes
+the plan of the commit that admitted it.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class StepAborted(RuntimeError):
 
 
 class ReplicaEngine(Engine):
-    """The engine of one rank of one replica: the default process group is the replica's own
-    (pipeline x tensor ranks); gradients are summed across replicas by the quorum's group."""
+    """The engine of one rank of one replica.
+
+    The default process group is the replica's own (pipeline x tensor ranks); gradients are summed
+    across replicas by the quorum's group."""
 
     def __init__(
         self,
@@ -145,11 +148,13 @@ class ReplicaEngine(Engine):
         ]
 
     def take_plan(self, step: int) -> None:
-        """Before ``step``: the plan change the last commit carried, if it is new, on every rank of
-        every replica alike: the micro-batch shares, each replica's groups (a replica whose groups
-        the plan re-forms builds them from its own ranks and reshards its state from memory, a left-
-        out rank becoming a hot spare) and each replica's layer split (its ranks move layers
-        between its stages); a returning peer this rank serves gets the state anew."""
+        """Before ``step``: apply the plan change the last commit carried, if it is new.
+
+        Every rank of every replica applies it alike: the micro-batch shares, each replica's groups
+        (a replica whose groups the plan re-forms builds them from its own ranks and reshards its
+        state from memory, a left-out rank becoming a hot spare) and each replica's layer split
+        (its ranks move layers between its stages); a returning peer this rank serves gets the state
+        anew."""
         plan = self.decision.plan if self.decision is not None and self.decision.commit else None
         if plan is None or plan.get("id") == self.plan_id:
             return
@@ -343,10 +348,12 @@ class ReplicaEngine(Engine):
 
     # --- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path, step: int) -> None:
-        """Collective over this replica's ranks: the model and AdamW state after ``step`` as a
-        universal checkpoint (any layout loads it), the job's layout in its meta: every replica's
-        layer split and micro-batch share. Its layout names replicas, which no other mode's does,
-        so a resume re-derives the torch generators (none is written)."""
+        """Collective over this replica's ranks: save the state after ``step`` as a checkpoint.
+
+        The model and AdamW state go into a universal checkpoint (any layout loads it), the job's
+        layout into its meta: every replica's layer split and micro-batch share. Its layout names
+        replicas, which no other mode's does, so a resume re-derives the torch generators (none is
+        written)."""
         # deferred for start-up time, as in worker.save_checkpoint: torch.distributed.checkpoint
         from resihp.ckpt.universal import save
         from resihp.train.elastic import checkpoint_meta, run_state
@@ -375,9 +382,10 @@ class ReplicaEngine(Engine):
             prune(directory.parent, full.checkpoint.ckpt_keep)
 
     def resume(self, source: Path, first_step: int) -> None:
-        """Collective over this replica's ranks: its model and AdamW state from checkpoint
-        ``source`` (any layout wrote it; non-tensor state by its rule), before ``first_step``.
-        Replica 0's first rank records the decisions in ``OUT/resume.json``."""
+        """Collective over this replica's ranks: load its state from checkpoint ``source``.
+
+        The model and AdamW state are loaded before ``first_step`` (any layout wrote it; non-tensor
+        state by its rule). Replica 0's first rank records the decisions in ``OUT/resume.json``."""
         from resihp.train.elastic import resume  # deferred, as save_checkpoint's imports
 
         self.rec.begin_step(first_step)
@@ -388,8 +396,9 @@ class ReplicaEngine(Engine):
 
     # --- serving returning replicas -------------------------------------------------------------
     def after_commit(self, step: int) -> None:
-        """After the optimizer step of ``step``: close the streams of replicas admitted now, and
-        start one for each new request if this rank's replica is the source."""
+        """After the optimizer step of ``step``: close the streams of replicas admitted now.
+
+        Also start one for each new request if this rank's replica is the source."""
         nxt = self.decision.next
         for m in self.decision.joined:
             if m in self.sources:
@@ -494,8 +503,10 @@ class ReplicaEngine(Engine):
         }
 
     def catch_up(self, local_rank: int) -> dict:
-        """A relaunched replica's rank: the survivors' state from a live peer, then their summed
-        gradients step by step, until the quorum admits this replica. Returns what it took."""
+        """A relaunched replica's rank: catch up with the survivors until the quorum admits it.
+
+        It takes the survivors' state from a live peer, then their summed gradients step by step.
+        Returns what it took."""
         t0 = time.time()
         self.quorum.request_join(self.member)
         shape = self._source_shape()
@@ -561,10 +572,17 @@ class ReplicaEngine(Engine):
 def heal_source(
     members: list[int], pipelines: list[list[tuple[int, ...]]], launch: list[list[tuple[int, ...]]]
 ) -> int | None:
-    """The replica that serves a returning one: the lowest member whose groups in force
-    (``pipelines``) are its ``launch`` groups, as the returning replica's are (it takes the state
-    position by position); where every member was re-formed, the lowest member (the returning
-    replica then forms its groups in that one's shape, ``ReplicaEngine._mirror``)."""
+    """The replica that serves a returning one (None: no member).
+
+    It is the lowest member whose groups in force are its launch groups, as the returning replica's
+    are (it takes the state position by position); where every member was re-formed, the lowest
+    member (the returning replica then forms its groups in that one's shape,
+    ``ReplicaEngine._mirror``).
+
+    Args:
+        members: the replicas in the quorum.
+        pipelines: each replica's groups in force, stage by stage.
+        launch: each replica's launch groups, stage by stage."""
     same = [d for d in members if pipelines[d] == launch[d]]
     return min(same) if same else min(members, default=None)
 
@@ -584,8 +602,18 @@ def run_replica(
     member: Member,
     tell: list,
 ) -> None:
-    """One rank of replica ``member``: train from the quorum's generation (a first launch) or
-    catch up and join (a relaunch), commit step by step, serve returning peers."""
+    """One rank of replica ``member``: train, commit step by step, serve returning peers.
+
+    A first launch trains from the quorum's generation; a relaunch catches up and joins first.
+
+    Args:
+        cfg: the run's configuration.
+        device: the rank's device.
+        store: the job's store.
+        connect: opens another connection to the job's store.
+        member: this rank's replica and attempt in the quorum.
+        tell: the caller's list, to which this appends ``tell(kind, message)``: report this
+            rank's reason to stop on the store."""
     local, per_replica = int(os.environ.get("LOCAL_RANK", "0")), cfg.parallel.pp * cfg.parallel.tp
     job_id = cfg.job_id
     dims = cfg.dims()

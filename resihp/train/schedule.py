@@ -33,17 +33,36 @@ def _actions(name: str, pp: int, stage: int, n_mb: int) -> list[Action]:
 
 
 def gpipe(pp: int, stage: int, n_mb: int) -> list[Action]:
-    """All forwards, then all backwards."""
+    """All forwards, then all backwards.
+
+    Args:
+        pp: the pipeline's stages.
+        stage: this rank's stage.
+        n_mb: the micro-batches of the step."""
     return _actions("gpipe", pp, stage, n_mb)
 
 
 def one_f_one_b(pp: int, stage: int, n_mb: int) -> list[Action]:
-    """Non-interleaved 1F1B (PipeDream-flush): ``pp - stage - 1`` warm-up forwards, then
-    alternate one forward and one backward, then drain the remaining backwards."""
+    """Non-interleaved 1F1B (PipeDream-flush) actions of one stage.
+
+    ``pp - stage - 1`` warm-up forwards, then alternate one forward and one backward, then drain
+    the remaining backwards.
+
+    Args:
+        pp: the pipeline's stages.
+        stage: this rank's stage.
+        n_mb: the micro-batches of the step."""
     return _actions("1f1b", pp, stage, n_mb)
 
 
 def schedule_for(name: str, pp: int, stage: int, n_mb: int) -> list[Action]:
+    """One stage's actions under the schedule ``name``; InputError for an unknown one.
+
+    Args:
+        name: the schedule (``--schedule``), one of ``SCHEDULES``.
+        pp: the pipeline's stages.
+        stage: this rank's stage.
+        n_mb: the micro-batches of the step."""
     if name not in SCHEDULES:
         raise InputError(f"--schedule: expected one of {', '.join(SCHEDULES)}, got {name!r}")
     return _actions(name, pp, stage, n_mb)

@@ -41,9 +41,16 @@ PROBE_REPLY_S = 10.0  # a store answers its ping at once; a longer silence is no
 
 
 def probe_store(addr: str, port: int, timeout_s: float, option: str = "--rdzv-endpoint") -> None:
-    """InputError (one line) unless a TCPStore answers at ``addr:port`` within ``timeout_s``
-    (its handshake's reply at most :data:`PROBE_REPLY_S`): names the endpoint, what it sent
-    (or that it said nothing) and what was expected."""
+    """InputError (one line) unless a TCPStore answers at ``addr:port`` within ``timeout_s``.
+
+    The error names the endpoint, what it sent (or that it said nothing) and what was expected.
+
+    Args:
+        addr: the store's host.
+        port: its port.
+        timeout_s: how long to try, in seconds (its handshake's reply at most
+            :data:`PROBE_REPLY_S`).
+        option: the command-line option the endpoint came from, named in the error."""
     nonce = os.getpid() & 0xFFFFFFFF
     wait = max(0.05, min(timeout_s, PROBE_REPLY_S))
     where = f"{option} {addr}:{port}"
@@ -75,8 +82,10 @@ def probe_store(addr: str, port: int, timeout_s: float, option: str = "--rdzv-en
 
 
 class JobStore:
-    """The job's store (a TCPStore): the rendezvous of torchrun's agents, the workers' process
-    group and the control plane. ``host=True``: listen on ``endpoint``'s address only (the socket is
+    """The job's store (a TCPStore): torchrun's rendezvous, the process group and control plane.
+
+    It is the rendezvous of torchrun's agents, the workers' process group and the control plane.
+    ``host=True``: listen on ``endpoint``'s address only (the socket is
     bound here and handed to the store, which would otherwise listen on every interface); else join
     the store node 0 hosts there. ``option``: the command-line option ``endpoint`` came from, which
     an error names."""

@@ -73,6 +73,15 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 def save_checkpoint(engine: Engine, cfg: RunConfig, directory: Path, step: int) -> None:
+    """Collective: save the state after ``step`` as a universal checkpoint; rank 0 prunes old ones.
+
+    One replica writes; rank 0 then keeps the newest ``--ckpt-keep`` checkpoints beside it (0: all).
+
+    Args:
+        engine: this rank's engine.
+        cfg: the run's configuration.
+        directory: the checkpoint's folder.
+        step: the step just completed."""
     # deferred for start-up time: torch.distributed.checkpoint (~0.6 s) only for runs that
     # checkpoint
     from resihp.ckpt.universal import save
@@ -110,9 +119,10 @@ def _device(cfg: RunConfig) -> torch.device:
 
 
 def step_table(trace: pd.DataFrame, complete_only: bool = True) -> pd.DataFrame:
-    """Per step: the slowest rank's wall time, the global tokens and the loss (complete steps only,
-    unless ``complete_only`` is False: with replica-level fault tolerance a step may be trained by
-    fewer replicas, and every step in the trace was committed)."""
+    """Per step: the slowest rank's wall time, the global tokens and the loss.
+
+    Complete steps only, unless ``complete_only`` is False: with replica-level fault tolerance a
+    step may be trained by fewer replicas, and every step in the trace was committed."""
     steps = trace[trace.optype == "step"]
     table = steps.groupby("step").agg(
         wall_s=("duration", "max"),
@@ -124,8 +134,9 @@ def step_table(trace: pd.DataFrame, complete_only: bool = True) -> pd.DataFrame:
 
 
 def write_job_files(cfg: RunConfig, out: Path) -> dict:
-    """Write the ops trace (from node 0's stream ``OUT/ops.jsonl``), the job meta and the run
-    summary (the launcher of node 0, or rank 0 under plain torchrun)."""
+    """Write the ops trace (from node 0's stream ``OUT/ops.jsonl``), the job meta and the summary.
+
+    The launcher of node 0 writes them, or rank 0 under plain torchrun."""
     trace = merge_streams([out / TRACE_STREAM], out / "ops.parquet")
     dims = cfg.dims()
     write_meta(
@@ -193,8 +204,9 @@ class NonFiniteLoss(RuntimeError):
 
 
 def resume_step(cfg: RunConfig, saved: dict) -> int:
-    """The first step after checkpoint meta ``saved``, which must be of this run's model (its
-    layout may differ: checkpoints are universal)."""
+    """The first step after checkpoint meta ``saved``, which must be of this run's model.
+
+    Its layout may differ: checkpoints are universal."""
     if saved.get("model_hash") not in (None, cfg.model_hash()):
         raise InputError(
             f"{cfg.checkpoint.resume}: written for another model ({saved.get('model')}); this "
@@ -207,8 +219,9 @@ _report: list = []  # where main() sends a worker's reason to stop: the control 
 
 
 class TraceCollector(threading.Thread):
-    """Under plain torchrun, rank 0 reads the job's op records from the store into the run folder
-    (the job's own launcher does it under ``resihp run``)."""
+    """Under plain torchrun, rank 0 reads the job's op records from the store into the run folder.
+
+    The job's own launcher does it under ``resihp run``."""
 
     def __init__(self, reader: StepReader, path: Path, poll_s: float = 0.2) -> None:
         super().__init__(name="resihp-trace", daemon=True)
@@ -275,12 +288,13 @@ def processes_file(out: str | Path) -> Path:
 
 
 def announce(out: Path) -> None:
-    """One line in ``OUT/logs/processes.jsonl`` saying which process this worker is: its PID,
-    node, local rank, torchrun's restart count and, with ``--recovery replica``, its replica and
-    launch attempt. Forked workers (``resihp.launch.agent``) share the agent's command line and
-    initial environment (a spare agent's names no config), so this is where an operator (py-spy on a
-    slow rank) or a fault test finds a rank's process. Best effort: a folder that cannot take the
-    line does not stop the worker."""
+    """One line in ``OUT/logs/processes.jsonl`` saying which process this worker is.
+
+    It gives its PID, node, local rank, torchrun's restart count and, with ``--recovery replica``,
+    its replica and launch attempt. Forked workers (``resihp.launch.agent``) share the agent's
+    command line and initial environment (a spare agent's names no config), so this is where an
+    operator (py-spy on a slow rank) or a fault test finds a rank's process. Best effort: a folder
+    that cannot take the line does not stop the worker."""
     env = os.environ
     line = {
         "pid": os.getpid(),
