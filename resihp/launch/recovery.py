@@ -65,7 +65,7 @@ class LaunchResult:
     attempt: int = 1  # the relaunch this result's recovery would be (1: the first)
 
 
-class Recovery(Protocol):
+class RecoveryStrategy(Protocol):
     """A way to go on after a launch failed: whether it applies, and the relaunch it makes."""
 
     name: ClassVar[str]
@@ -469,10 +469,10 @@ class ExcludeRank:
         return change
 
 
-STRATEGIES: tuple[Recovery, ...] = (RestartInPlace(), RelaunchReplicas(), ExcludeRank())
+STRATEGIES: tuple[RecoveryStrategy, ...] = (RestartInPlace(), RelaunchReplicas(), ExcludeRank())
 
 
-def recovery_for(result: LaunchResult) -> Recovery | None:
+def recovery_for(result: LaunchResult) -> RecoveryStrategy | None:
     """The first strategy of ``STRATEGIES`` that applies to ``result``, or None."""
     return next((s for s in STRATEGIES if s.applies(result)), None)
 

@@ -16,16 +16,21 @@ from resihp.train.config import RunConfig
 
 
 def live_loop(cfg: RunConfig):
-    """The run's live loop, or None without live re-planning: a run with ``--no-live`` does not
-    import the planner and the detector (OR-Tools, networkx, pandas) on its way to its launch."""
+    """The run's live loop, or None without live re-planning.
+
+    A run with ``--no-live`` does not import the planner and the detector (OR-Tools, networkx,
+    pandas) on its way to its launch.
+    """
     if not cfg.live.live:
         return None
+    # deferred: the planner and the detector, for live runs only
     from resihp.launch.live import LiveLoop
 
     return LiveLoop(cfg)
 
 
 def write_summary(out: Path, summary: dict) -> None:
+    """Write ``summary`` to ``out/summary.json``, whole or not at all, NaN as null."""
     write_json_atomic(out / "summary.json", json_safe(summary))
 
 
@@ -40,8 +45,15 @@ def json_safe(value):
     return value
 
 
-def live_fields(cfg, loop, summary: dict) -> dict:
-    """The DESIGN summary fields: detection delay, plan changes, throughput around a slow fault."""
+def live_fields(cfg: RunConfig, loop, summary: dict) -> dict:
+    """The DESIGN summary fields: detection delay, plan changes, throughput around a slow fault.
+
+    Args:
+        cfg: the run's configuration (its folder, faults and world).
+        loop: the run's live loop (``LiveLoop``): its events, plan changes and calibration.
+        summary: the run's summary so far (its tokens/s).
+    """
+    # deferred: pandas and the report's plotting, after the run
     from resihp.launch.report import fault_summary
     from resihp.opstrace import read_ops_trace
 
@@ -107,8 +119,15 @@ def live_fields(cfg, loop, summary: dict) -> dict:
 
 
 def replica_fields(out: Path, outcome, summary: dict) -> None:
-    """Replica mode's summary fields from the launcher's records and the ops trace: ``recovery``,
-    ``members`` (per step from first_step, the replicas that trained it) and the timeline plot."""
+    """Replica mode's summary fields, from the launcher's records and the ops trace.
+
+    Args:
+        out: the run folder (its ``ops.parquet``; the plot and summary are written there).
+        outcome: the launch's ``Outcome`` (its replica records).
+        summary: the summary, given ``recovery``, ``members`` (per step from first_step, the
+            replicas that trained it) and ``timeline`` (the plot's path).
+    """
+    # deferred: the replica launcher and pandas, for replica runs only
     from resihp.launch.replicas import recovery_summary
     from resihp.opstrace import read_ops_trace
 
@@ -124,7 +143,9 @@ def replica_fields(out: Path, outcome, summary: dict) -> None:
     write_summary(out, summary)
 
 
-def run_summary(cfg, outcome) -> dict:
+def run_summary(cfg: RunConfig, outcome) -> dict:
+    """The launch's summary: the one rank 0 wrote, else one made from the ops the ranks recorded."""
+    # deferred: torch, after the launch
     from resihp.train.worker import write_job_files
 
     out = Path(cfg.out)
