@@ -83,13 +83,17 @@ def _skipped(skipped: list[tuple[Path, str]]) -> list[str]:
     return [f"{p.name}: {why}" for p, why in skipped]
 
 
-def _first_step_s(out: Path) -> float | None:
-    """When the relaunch in ``out`` started its first step (its ops trace), or None."""
+def _ops(out: Path, columns: list[str] | None = None) -> pd.DataFrame | None:
+    """The ops trace a launch into ``out`` recorded, or None."""
     ops = out / "ops.parquet"
-    if not ops.exists():
+    return pd.read_parquet(ops, columns=columns) if ops.exists() else None
+
+
+def _first_step_s(trace: pd.DataFrame | None) -> float | None:
+    """When a launch started its first step (its ops trace), or None."""
+    if trace is None:
         return None
-    steps = pd.read_parquet(ops, columns=["optype", "start_ts"])
-    steps = steps[steps.optype == "step"]
+    steps = trace[trace.optype == "step"]
     return float(steps.start_ts.min()) if len(steps) else None
 
 
@@ -253,7 +257,7 @@ class RelaunchReplicas:
             lambda on_step, on_steps: supervise_replicas(new, on_step=on_step, on_steps=on_steps),
             result.json_out,
         )
-        first = _first_step_s(Path(new.out))
+        first = _first_step_s(_ops(Path(new.out), ["optype", "start_ts"]))
         losses = _joined_losses(summary, resumed, after)
         summary.update(
             {
@@ -411,8 +415,7 @@ class ExcludeRank:
     def _reformed(cfg: RunConfig, outcome: Outcome, summary: dict, ckpt: Path):
         """The planner's layout for the survivors, priced on the launch layout's healthy steps
         (the warm-up step 0 aside, before the loss and any change); None where it has none."""
-        ops = Path(cfg.out) / "ops.parquet"
-        trace = pd.read_parquet(ops) if ops.exists() else None
+        trace = _ops(Path(cfg.out))
         before = trace_step_seconds(trace) if trace is not None else {}
         computed = trace_compute_seconds(trace) if trace is not None else {}
         ends = [outcome.failure.step] + [
@@ -434,10 +437,8 @@ class ExcludeRank:
     def _change(rank: int, ckpt: Path, skipped, new: RunConfig, reformed, t0: float) -> dict:
         """The exclusion as a plan change: where it restarted from, its layout, how long it took
         and, for the planner's layout, its plan and its estimate against the relaunch's steps."""
-        ops = Path(new.out) / "ops.parquet"
-        trace = pd.read_parquet(ops) if ops.exists() else None
-        steps = trace[trace.optype == "step"] if trace is not None else None
-        first = float(steps.start_ts.min()) if steps is not None and len(steps) else None
+        trace = _ops(Path(new.out))
+        first = _first_step_s(trace)
         change = {
             "kind": "exclude",
             "rank": rank,
