@@ -39,7 +39,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     vocab = 256
     model = nn.Sequential(
-        nn.Embedding(vocab, 64), nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, vocab)
+        nn.Embedding(vocab, 64),
+        nn.Linear(64, 128),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(128, vocab),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)

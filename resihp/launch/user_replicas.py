@@ -63,8 +63,9 @@ def run_user_replicas(
         grace_s: seconds a stopped replica gets before SIGKILL.
     """
     if replicas < 2:
-        raise InputError(f"--replicas: expected 2 or more (the replica is the unit of failure), "
-                         f"got {replicas}")
+        raise InputError(
+            f"--replicas: expected 2 or more (the replica is the unit of failure), got {replicas}"
+        )
     if nproc_per_replica < 1:
         raise InputError(f"--nproc-per-replica: expected 1 or more, got {nproc_per_replica}")
     if max_restarts < 0:
@@ -126,8 +127,14 @@ def run_user_replicas(
                     members = [m for m in chain.gen.members if not quorum.is_evicted(m)]
                     again = attempts[d] < max_restarts and bool(members) and not quorum.finished()
                     outcome.failures.append(
-                        {"replica": d, "attempt": attempts[d], "status": rc, "at": time.time(),
-                         "step": chain.step, "relaunched": again}
+                        {
+                            "replica": d,
+                            "attempt": attempts[d],
+                            "status": rc,
+                            "at": time.time(),
+                            "step": chain.step,
+                            "relaunched": again,
+                        }
                     )
                     print(
                         f"resihp: replica {d} attempt {attempts[d]} exited with status {rc} at "
@@ -147,7 +154,9 @@ def run_user_replicas(
                 if quorum.finished() and all(d in done or attempts[d] > 0 for d in live):
                     # the survivors are through: a replica still catching up has nothing to join
                     end = time.monotonic() + min(grace_s, 2.0)
-                    while time.monotonic() < end and any(p.poll() is None for p, _ in live.values()):
+                    while time.monotonic() < end and any(
+                        p.poll() is None for p, _ in live.values()
+                    ):
                         time.sleep(0.1)
                     done.update(d for d, (p, _) in live.items() if p.poll() == 0)
                     break

@@ -2,8 +2,8 @@
 
 - The user's own training: ``Snapshots`` (its state in the node's memory tier, and the restore
   after a restart), ``Replicas`` (replica-level fault tolerance over its model and optimizer,
-  under ``resihp replicas``), ``init_process_group`` (a group a torchrun restart rejoins), ``attach``
-  (recording and detection, ``resihp.attach``) and the HF and Lightning callbacks.
+  under ``resihp replicas``), ``init_process_group`` (a group a torchrun restart rejoins),
+  ``attach`` (recording and detection, ``resihp.attach``) and the HF and Lightning callbacks.
 - ``resihp run``'s rank: ``engine`` (1F1B/GPipe over point-to-point ops, gradient sync, optimizer),
   started by torchrun through ``worker``; ``config.RunConfig`` describes a run; ``data`` the packed
   batches; ``inject`` slow / stop / hang faults; ``replica`` a replica's rank under replica-level

@@ -1,4 +1,4 @@
-"""Replica-level fault tolerance for the user's own training loop, in the shape of torchft's Manager.
+"""Replica-level fault tolerance for the user's own training loop, shaped as torchft's Manager.
 
 Each data-parallel replica is a torchrun job of its own, all on the job's store (``resihp
 replicas``, ``resihp.launch.user_replicas``). ``Replicas`` wraps the user's model, optimizer and
@@ -39,18 +39,26 @@ from resihp.train.state import unflatten as state_unflatten
 JOB_ENV, REPLICAS_ENV, STORE_ENV = "RESIHP_JOB", "RESIHP_REPLICAS", "RESIHP_STORE"
 
 
+def _not_launched(what: str) -> SystemExit:
+    """The one line a script started without ``resihp replicas`` stops with (status 2)."""
+    print(
+        f"resihp: error: Replicas: {what} (run the script under `resihp replicas`)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return SystemExit(2)
+
+
 def _env_int(name: str, low: int) -> int:
     value = os.environ.get(name, "")
     if not value.isdigit() or int(value) < low:
-        raise InputError(
-            f"Replicas: environment {name}={value!r}: expected an integer >= {low} "
-            "(run the script under `resihp replicas`)"
-        )
+        raise _not_launched(f"environment {name}={value!r}: expected an integer >= {low}")
     return int(value)
 
 
 def _pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list]:
-    """The tensors' bytes as one float32 vector (sent bit for bit), and their keys, dtypes, shapes."""
+    """The tensors' bytes as one float32 vector (sent bit for bit), and each one's key, dtype,
+    shape."""
     parts = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors]
     raw = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     pad = (-raw.numel()) % 4
@@ -103,13 +111,13 @@ class Replicas:
     ) -> None:
         host, _, port = os.environ.get(STORE_ENV, "").rpartition(":")
         if not host or not port.isdigit():
-            raise InputError(
-                f"Replicas: environment {STORE_ENV}={os.environ.get(STORE_ENV, '')!r}: expected "
-                "HOST:PORT of the job's store (run the script under `resihp replicas`)"
+            raise _not_launched(
+                f"environment {STORE_ENV}={os.environ.get(STORE_ENV, '')!r}: expected HOST:PORT "
+                "of the job's store"
             )
         job = os.environ.get(JOB_ENV, "")
         if not job:
-            raise InputError(f"Replicas: environment {JOB_ENV} unset: expected the job's id")
+            raise _not_launched(f"environment {JOB_ENV} unset: expected the job's id")
         self.member = Member(_env_int(REPLICA_ENV, 0), _env_int(ATTEMPT_ENV, 0))
         self.replicas = _env_int(REPLICAS_ENV, 1)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -146,7 +154,7 @@ class Replicas:
         self._committed = False
         self._share: int | None = None
 
-    # --- the steps ---------------------------------------------------------------------------------
+    # --- the steps -------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[int]:
         try:
             if self.member.attempt == 0:
@@ -182,8 +190,7 @@ class Replicas:
         """The shares of this step this replica trains, each under a generator of its own."""
         for share in self.owned():
             torch.manual_seed(
-                (self.seed * 1_000_003 + self.step * 10_007 + share * 101 + self.local_rank)
-                % 2**63
+                (self.seed * 1_000_003 + self.step * 10_007 + share * 101 + self.local_rank) % 2**63
             )
             self._share = share
             yield share
@@ -297,7 +304,7 @@ class Replicas:
         for source in self.sources.values():
             source.join(timeout=5)
 
-    # --- catching up -------------------------------------------------------------------------------
+    # --- catching up -----------------------------------------------------------------------------
     def _catch_up(self) -> dict:
         """A relaunched replica's rank: a live peer's state, then the summed gradients of each step
         the survivors commit, until the quorum admits this replica. Returns what it took."""
@@ -310,7 +317,9 @@ class Replicas:
             if time.monotonic() > end:
                 raise RuntimeError(f"catch-up: no replica served this one in {self.timeout_s:g} s")
             time.sleep(0.01)
-        prefix = heal_prefix(self.job, self.member.replica, self.member.attempt, f"0.{self.local_rank}")
+        prefix = heal_prefix(
+            self.job, self.member.replica, self.member.attempt, f"0.{self.local_rank}"
+        )
         target = HealTarget(self.store, prefix, self.timeout_s)
         held, state_step, replayed = None, None, 0
         while True:
