@@ -1070,6 +1070,10 @@ def replicas_cmd(
     timeout_s: Annotated[
         float, typer.Option("--timeout-s", help="The quorum's and the groups' timeout (s)")
     ] = 60.0,
+    stopped_s: Annotated[
+        float,
+        typer.Option("--stopped-s", help="Seconds a replica's process may stay stopped (SIGSTOP)"),
+    ] = 5.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON")] = False,
 ) -> None:
     """Run your own training script with replica-level fault tolerance.
@@ -1084,12 +1088,23 @@ def replicas_cmd(
         nproc_per_replica: ranks of each replica.
         max_restarts: relaunches per replica.
         timeout_s: the quorum's and the groups' timeout in seconds.
+        stopped_s: seconds a replica's process may stay stopped before the replica is lost.
         json_out: print the outcome as JSON.
     """
     from resihp.launch.user_replicas import run_user_replicas  # deferred: torch, for start-up time
 
+    if stopped_s <= 0 or timeout_s <= 0:
+        raise InputError(
+            f"--stopped-s {stopped_s:g} --timeout-s {timeout_s:g}: expected seconds > 0"
+        )
     outcome = run_user_replicas(
-        script, list(args or []), replicas, nproc_per_replica, max_restarts, timeout_s
+        script,
+        list(args or []),
+        replicas,
+        nproc_per_replica,
+        max_restarts,
+        timeout_s,
+        stopped_s=stopped_s,
     )
     if json_out:
         print(json.dumps(outcome.__dict__))

@@ -2,10 +2,12 @@
 
 One torchrun per data-parallel replica, each running the user's script, all on one job store on
 127.0.0.1 that this process hosts with the quorum's first generation. A replica whose torchrun
-exits with an error (a rank killed, crashed, or stopped and then killed) is evicted from the quorum,
-the step in flight aborted so the survivors redo it without it, and relaunched alone: its ranks
+exits with an error (a rank killed or crashed), or one of whose processes stays stopped
+(``SIGSTOP``) for ``stopped_s``, is evicted from the quorum, the step in flight aborted so the
+survivors redo it without it, its processes ended, and relaunched alone: its ranks
 (``resihp.train.user_replicas.Replicas``) catch up from a live peer and rejoin. The survivors are
-never restarted.
+never restarted. A rank that hangs while running is not judged here: the survivors' sum with it
+times out (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from resihp.errors import InputError
 from resihp.ft.quorum import DecisionChain, Member, Quorum
 from resihp.launch.launch import torchrun_command, worker_env
 from resihp.launch.supervisor import GRACE_S, _stop
+from resihp.procinfo import process_state
 from resihp.train.lifecycle import ProcessTracker
 from resihp.train.replica import ATTEMPT_ENV, REPLICA_ENV
 from resihp.train.store import JobStore
@@ -49,6 +52,7 @@ def run_user_replicas(
     timeout_s: float = 60.0,
     poll_s: float = 0.1,
     grace_s: float = GRACE_S,
+    stopped_s: float = 5.0,
 ) -> UserReplicasOutcome:
     """Run ``script`` as ``replicas`` torchruns of ``nproc_per_replica`` ranks; relaunch a lost one.
 
@@ -60,7 +64,8 @@ def run_user_replicas(
         max_restarts: relaunches per replica; one that fails more often is left out.
         timeout_s: the quorum's timeout in seconds.
         poll_s: seconds between looks at the replicas.
-        grace_s: seconds a stopped replica gets before SIGKILL.
+        grace_s: seconds a replica the job ends gets before SIGKILL.
+        stopped_s: seconds a process of a replica may stay stopped before the replica is lost.
     """
     if replicas < 2:
         raise InputError(
@@ -106,6 +111,7 @@ def run_user_replicas(
         live = {d: launch(d, 0) for d in range(replicas)}
         attempts = dict.fromkeys(range(replicas), 0)
         done: set[int] = set()
+        stopped: dict[int, float] = {}  # pid -> when it was first seen stopped
         try:
             while live and outcome.error is None:
                 time.sleep(poll_s)
@@ -114,13 +120,16 @@ def run_user_replicas(
                 for d, (proc, tracker) in list(live.items()):
                     tracker.watch(nproc_per_replica)
                     rc = proc.poll()
+                    if rc is None and d not in done:
+                        rc = _stopped_for(tracker, stopped, stopped_s)
                     if rc is None or d in done:
                         continue
                     if rc == 0:
                         done.add(d)
                         continue
+                    cause = "stopped" if rc == "stopped" else f"exited with status {rc}"
                     member = Member(d, attempts[d])
-                    quorum.evict(member, f"exited with status {rc}")
+                    quorum.evict(member, cause)
                     chain.abort_for(member)  # the survivors redo the step in flight without it
                     _stop(proc, tracker, 0.5)
                     chain.advance()
@@ -130,20 +139,20 @@ def run_user_replicas(
                         {
                             "replica": d,
                             "attempt": attempts[d],
-                            "status": rc,
+                            "cause": cause,
                             "at": time.time(),
                             "step": chain.step,
                             "relaunched": again,
                         }
                     )
                     print(
-                        f"resihp: replica {d} attempt {attempts[d]} exited with status {rc} at "
-                        f"step {chain.step}; " + ("relaunched" if again else "left out"),
+                        f"resihp: replica {d} attempt {attempts[d]} {cause} at step "
+                        f"{chain.step}; " + ("relaunched" if again else "left out"),
                         file=sys.stderr,
                         flush=True,
                     )
                     if not members:
-                        outcome.error = f"every replica was lost (replica {d}: status {rc})"
+                        outcome.error = f"every replica was lost (replica {d}: {cause})"
                     elif again:
                         attempts[d] += 1
                         live[d] = launch(d, attempts[d])
@@ -169,3 +178,17 @@ def run_user_replicas(
     outcome.returncode = 0 if outcome.error is None else 1
     outcome.wall_s = time.time() - t0
     return outcome
+
+
+def _stopped_for(tracker: ProcessTracker, stopped: dict[int, float], limit_s: float) -> str | None:
+    """``"stopped"`` once a process of the replica has stayed stopped for ``limit_s``, else None.
+
+    ``stopped`` keeps when each was first seen stopped; a process that runs again is forgotten."""
+    now = time.monotonic()
+    for pid in tracker.alive():
+        if process_state(pid) == "T":
+            if now - stopped.setdefault(pid, now) >= limit_s:
+                return "stopped"
+        else:
+            stopped.pop(pid, None)
+    return None
