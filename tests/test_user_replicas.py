@@ -124,3 +124,30 @@ def test_a_lost_replica_rejoins_and_the_losses_equal_the_failure_free_run(
     assert _losses(survivor) == reference
     assert all(reference[s] == v for s, v in _losses(victim_log).items())
     assert wait_gone(watch.seen, 10) == set()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["-m", "resihp.cli", "replicas", "--replicas", "1", str(EXAMPLE)],
+            "--replicas: expected 2",
+        ),
+        (["-m", "resihp.cli", "replicas", "nosuch.py"], "script nosuch.py: no such file"),
+        (
+            ["-m", "resihp.cli", "replicas", "--stopped-s", "0", str(EXAMPLE)],
+            "expected seconds > 0",
+        ),
+        ([str(EXAMPLE), "--out", "OUT"], "run the script under `resihp replicas`"),
+    ],
+)
+def test_bad_replicas_input_is_one_line(argv, message, tmp_path):
+    argv = [a.replace("OUT", str(tmp_path)) for a in argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("RESIHP_STORE", None)
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
