@@ -534,7 +534,67 @@ def ckpt_convert_cmd(
     )
 
 
+def replicas_cmd(
+    script: Annotated[
+        Path, typer.Argument(help="The training script (it uses resihp.train.Replicas)")
+    ],
+    args: Annotated[list[str] | None, typer.Argument(help="The script's arguments")] = None,
+    replicas: Annotated[int, typer.Option(help="Data-parallel replicas, one torchrun each")] = 2,
+    nproc_per_replica: Annotated[int, typer.Option(help="Ranks of each replica")] = 1,
+    max_restarts: Annotated[
+        int, typer.Option(help="Relaunches per replica; one lost more often is left out")
+    ] = 3,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", help="The quorum's and the groups' timeout (s)")
+    ] = 60.0,
+    stopped_s: Annotated[
+        float,
+        typer.Option("--stopped-s", help="Seconds a replica's process may stay stopped (SIGSTOP)"),
+    ] = 5.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON")] = False,
+) -> None:
+    """Run your own training script with replica-level fault tolerance.
+
+    One torchrun per data-parallel replica on a job store on 127.0.0.1; a lost replica is
+    relaunched alone and catches up from a live peer while the others train on.
+    \f
+    Args:
+        script: the training script (it uses ``resihp.train.Replicas``).
+        args: the script's arguments.
+        replicas: data-parallel replicas, one torchrun each.
+        nproc_per_replica: ranks of each replica.
+        max_restarts: relaunches per replica.
+        timeout_s: the quorum's and the groups' timeout in seconds.
+        stopped_s: seconds a replica's process may stay stopped before the replica is lost.
+        json_out: print the outcome as JSON.
+    """
+    from resihp.launch.user_replicas import run_user_replicas  # deferred: torch, for start-up time
+
+    if stopped_s <= 0 or timeout_s <= 0:
+        raise InputError(
+            f"--stopped-s {stopped_s:g} --timeout-s {timeout_s:g}: expected seconds > 0"
+        )
+    outcome = run_user_replicas(
+        script,
+        list(args or []),
+        replicas,
+        nproc_per_replica,
+        max_restarts,
+        timeout_s,
+        stopped_s=stopped_s,
+    )
+    if json_out:
+        print(json.dumps(outcome.__dict__))
+    if outcome.error:
+        print(f"resihp: error: {outcome.error}", file=sys.stderr)
+    raise typer.Exit(outcome.returncode)
+
+
 def register(app: typer.Typer) -> None:
     app.command("run")(run_cmd)
+    app.command(
+        "replicas",
+        context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    )(replicas_cmd)
     app.command("demo")(demo_cmd)
     app.add_typer(ckpt_app, name="ckpt")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ def torchrun_command(
     nnodes: int = 1,
     run_id: str | None = None,
     forked: bool = False,
+    program: Sequence[str] | None = None,
 ) -> list[str]:
     """The torchrun command line for ``nproc`` workers on this node, wrapped to die with this
     process.
@@ -57,6 +59,8 @@ def torchrun_command(
         nnodes: nodes in the job.
         run_id: torchrun's run id (the job id).
         forked: run resihp's agent, whose workers fork from it, instead of torchrun.
+        program: what each worker runs, as torchrun takes it (a script and its arguments; None:
+            ``resihp run``'s worker reading ``config_path``).
     """
     rdzv = (
         ["--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false"]
@@ -82,10 +86,7 @@ def torchrun_command(
             str(max_restarts),
             "--monitor-interval",
             "0.2",
-            "-m",
-            "resihp.train.worker",
-            "--config",
-            str(config_path),
+            *(program or ["-m", "resihp.train.worker", "--config", str(config_path)]),
         ]
     )
 

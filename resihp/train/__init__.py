@@ -1,8 +1,9 @@
 """The rank: what runs in each training process, the user's own or ``resihp run``'s.
 
 - The user's own training: ``Snapshots`` (its state in the node's memory tier, and the restore
-  after a restart), ``init_process_group`` (a group a torchrun restart rejoins), ``attach``
-  (recording and detection, ``resihp.attach``) and the HF and Lightning callbacks.
+  after a restart), ``Replicas`` (replica-level fault tolerance over its model and optimizer,
+  under ``resihp replicas``), ``init_process_group`` (a group a torchrun restart rejoins),
+  ``attach`` (recording and detection, ``resihp.attach``) and the HF and Lightning callbacks.
 - ``resihp run``'s rank: ``engine`` (1F1B/GPipe over point-to-point ops, gradient sync, optimizer),
   started by torchrun through ``worker``; ``config.RunConfig`` describes a run; ``data`` the packed
   batches; ``inject`` slow / stop / hang faults; ``replica`` a replica's rank under replica-level
@@ -18,6 +19,7 @@ import importlib
 __all__ = [
     "KEEPER_OWNER",
     "RNG",
+    "Replicas",
     "RestoredState",
     "Snapshots",
     "attempt_prefix",
@@ -30,6 +32,7 @@ _HOMES = {
     "KEEPER_OWNER": "snapshots",
     "RestoredState": "snapshots",
     "Snapshots": "snapshots",
+    "Replicas": "user_replicas",
     "RNG": "state",
     "flatten": "state",
     "unflatten": "state",
