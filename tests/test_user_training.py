@@ -1,10 +1,12 @@
-"""resihp's snapshots in a user's own DDP loop (examples/ddp_resilient.py) under torchrun: a rank
-killed with SIGKILL (or hung, then killed; or after its keeper was killed) is restarted by
-torchrun, restores from the memory tier, and the per-step losses equal an uninterrupted run's."""
+"""resihp's snapshots in a user's own DDP loop under torchrun (examples/ddp_resilient.py, and
+examples/hf_resilient.py over a Hugging Face Llama): a rank killed with SIGKILL (or hung, then
+killed; or after its keeper was killed) is restarted by torchrun, restores from the memory tier,
+and the per-step losses equal an uninterrupted run's."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -22,11 +24,30 @@ from resihp.procinfo import pid_alive
 from resihp.train import KEEPER_OWNER, RNG, Snapshots, flatten, unflatten
 from tests.faults import descendants, wait_for  # noqa: F401
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_resilient.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 10
 
 
-def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "ddp_resilient.py",
+        pytest.param(
+            "hf_resilient.py",
+            marks=pytest.mark.skipif(not _has("transformers"), reason="transformers missing"),
+        ),
+    ],
+)
+def example(request) -> Path:
+    """The user's loop under test: a plain DDP model, or a Hugging Face Llama."""
+    return EXAMPLES / request.param
+
+
+def _torchrun(example: Path, out: Path, shm: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
     env.pop("RESIHP_KEEPER_OWNER", None)  # the keeper is torchrun's agent's, as a user's would be
     return subprocess.Popen(
@@ -41,7 +62,7 @@ def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
             "2",
             "--monitor-interval",
             "0.2",
-            str(EXAMPLE),
+            str(example),
             "--out",
             str(out),
             "--steps",
@@ -72,9 +93,9 @@ def _rank_pid(out: Path, rank: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, dict[int, float]]:
+def reference(tmp_path_factory, example) -> dict[int, dict[int, float]]:
     base = tmp_path_factory.mktemp("reference")
-    proc = _torchrun(base / "out", base / "shm")
+    proc = _torchrun(example, base / "out", base / "shm")
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log
     return {r: _losses(base / "out", r) for r in (0, 1)}
@@ -87,9 +108,11 @@ def _keeper_pid(shm: Path) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", "hung-then-killed", "keeper-killed-first"])
-def test_a_killed_rank_restores_from_memory_with_the_same_losses(tmp_path, reference, fault):
+def test_a_killed_rank_restores_from_memory_with_the_same_losses(
+    tmp_path, example, reference, fault
+):
     out, shm = tmp_path / "out", tmp_path / "shm"
-    proc = _torchrun(out, shm, "--pace", "0.3")  # the kill lands mid-run
+    proc = _torchrun(example, out, shm, "--pace", "0.3")  # the kill lands mid-run
     try:
         if fault == "keeper-killed-first":  # the trainers start a new keeper and go on
             wait_for(lambda: len(_losses(out, 1)) >= 2, 240, "rank 1 to train 2 steps")
