@@ -1,7 +1,8 @@
-"""resihp's snapshots in a user's own DDP loop under torchrun (examples/ddp_resilient.py, and
-examples/hf_resilient.py over a Hugging Face Llama): a rank killed with SIGKILL (or hung, then
-killed; or after its keeper was killed) is restarted by torchrun, restores from the memory tier,
-and the per-step losses equal an uninterrupted run's."""
+"""resihp's snapshots in a user's own training under torchrun (examples/ddp_resilient.py, the same
+loop over a Hugging Face Llama in examples/hf_resilient.py, and the HF Trainer with
+ResihpTrainerCallback in examples/hf_trainer_resilient.py): a rank killed with SIGKILL (or hung,
+then killed; or after its keeper was killed) is restarted by torchrun, restores from the memory
+tier, and the per-step losses equal an uninterrupted run's, bit for bit."""
 
 from __future__ import annotations
 
@@ -28,22 +29,23 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 10
 
 
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+def _needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} missing")
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "ddp_resilient.py",
-        pytest.param(
-            "hf_resilient.py",
-            marks=pytest.mark.skipif(not _has("transformers"), reason="transformers missing"),
-        ),
-    ],
-)
+# the user's loops under test: plain DDP, DDP over a Hugging Face Llama, the HF Trainer
+DDP, HF, TRAINER = "ddp_resilient.py", "hf_resilient.py", "hf_trainer_resilient.py"
+FAULTS = ["killed", "hung-then-killed", "keeper-killed-first"]
+CASES = [
+    *[(DDP, f) for f in FAULTS],
+    *[pytest.param(HF, f, marks=_needs("transformers")) for f in FAULTS],
+    pytest.param(TRAINER, "killed", marks=_needs("transformers")),
+]
+
+
+@pytest.fixture(scope="module")
 def example(request) -> Path:
-    """The user's loop under test: a plain DDP model, or a Hugging Face Llama."""
+    """The example script a case runs (parametrized indirectly by name)."""
     return EXAMPLES / request.param
 
 
@@ -107,7 +109,7 @@ def _keeper_pid(shm: Path) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["killed", "hung-then-killed", "keeper-killed-first"])
+@pytest.mark.parametrize(("example", "fault"), CASES, indirect=["example"])
 def test_a_killed_rank_restores_from_memory_with_the_same_losses(
     tmp_path, example, reference, fault
 ):
