@@ -177,7 +177,8 @@ class ResihpTrainerCallback(TrainerCallback):
         The snapshot is taken here, not at the end of the step before: the Trainer logs and saves
         after ``on_step_end``, so a step restored is a step logged and in ``log_history``, and the
         generators are as they are when this step's forward runs (after its batches were
-        fetched), where the Trainer's resume sets them.
+        fetched), where the Trainer's resume sets them (at an epoch's first step,
+        ``on_epoch_begin`` takes it).
 
         Args:
             args: the Trainer's ``TrainingArguments`` (unused).
@@ -185,14 +186,30 @@ class ResihpTrainerCallback(TrainerCallback):
             control: the Trainer's ``TrainerControl`` (unused).
             **kwargs: the Trainer's other callback arguments (unused).
         """
-        if self.snapshots is not None and state.global_step > self._snapshot_after:
-            self._snapshot_after = state.global_step
-            self.snapshots.after_step(state.global_step - 1)  # numbered from 0, as Snapshots'
+        self._snapshot(state)
         if self._resume_dir is not None:  # read: the generators were set before this step
             shutil.rmtree(self._resume_dir, ignore_errors=True)
             self._resume_dir = None
         self._step = self.monitor.step(step=state.global_step)
         self._step.__enter__()
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        """Snapshot the steps done when one is due, before the epoch's batches are drawn.
+
+        A resume at an epoch's start sets the generators before the data loader draws its order.
+
+        Args:
+            args: the Trainer's ``TrainingArguments`` (unused).
+            state: the Trainer's ``TrainerState``; ``global_step`` counts the steps done.
+            control: the Trainer's ``TrainerControl`` (unused).
+            **kwargs: the Trainer's other callback arguments (unused).
+        """
+        self._snapshot(state)
+
+    def _snapshot(self, state: TrainerState) -> None:
+        if self.snapshots is not None and state.global_step > self._snapshot_after:
+            self._snapshot_after = state.global_step
+            self.snapshots.after_step(state.global_step - 1)  # numbered from 0, as Snapshots'
 
     def on_step_end(self, args, state, control, **kwargs):
         """Close the step the last ``on_step_begin`` opened, if any.
