@@ -3,6 +3,10 @@ downloads); each skips when its optional extra is not installed."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -137,3 +141,73 @@ def test_tensorboard_scalars_of_an_attached_loop(tmp_path):
     acc.Reload()
     assert {"train/step_time_s", "train/tokens_per_s"} <= set(acc.Tags()["scalars"])
     assert len(acc.Scalars("train/tokens_per_s")) == 3
+
+
+def test_hf_trainer_resumes_from_the_newest_snapshot_in_memory_or_a_newer_checkpoint_on_disk(
+    tmp_path, monkeypatch
+):
+    """One process: a Trainer snapshots every 2 steps and checkpoints at step 3. A fresh Trainer
+    resumes from step 4 in memory and logs the first run's losses bitwise; with the newer
+    checkpoint-5 on disk it takes that one."""
+    transformers = pytest.importorskip("transformers")
+    from resihp.ckpt.keeper import stop_keeper
+    from resihp.ckpt.memory import tier_dir
+    from resihp.train import KEEPER_OWNER
+    from resihp.train.hf_callback import ResihpTrainerCallback
+
+    monkeypatch.setenv("RESIHP_SHM", str(tmp_path / "shm"))
+    monkeypatch.setenv(KEEPER_OWNER, str(os.getpid()))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "hf-one-process")
+
+    class Losses(transformers.TrainerCallback):
+        def __init__(self):
+            self.losses = {}
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses[state.global_step] = logs["loss"]
+
+    def trainer(save_steps: int | None):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32, attn_pdrop=0.1
+        )
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf-out"),
+            per_device_train_batch_size=2,
+            max_steps=6,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="steps" if save_steps else "no",
+            save_steps=save_steps or 500,
+            disable_tqdm=True,
+        )
+        cb, losses = ResihpTrainerCallback(out=tmp_path / "run", snapshot_every=2), Losses()
+        t = transformers.Trainer(
+            model=transformers.GPT2LMHeadModel(config),
+            args=args,
+            train_dataset=_padded_batches(n=8),
+            callbacks=[cb, losses],
+        )
+        return t, cb, losses
+
+    first, cb, reference = trainer(save_steps=3)
+    try:
+        assert cb.resume_checkpoint(first) is None and cb.restored is None  # a fresh start
+        first.train()
+        saved = tmp_path / "hf-saved"
+        shutil.move(tmp_path / "hf-out", saved)  # only checkpoint-3 stays on disk: older
+        shutil.copytree(saved / "checkpoint-3", tmp_path / "hf-out" / "checkpoint-3")
+        again, cb, losses = trainer(save_steps=None)
+        resume = cb.resume_checkpoint(again)
+        assert (cb.restored.step, cb.restored.source) == (3, "memory")  # global step 4
+        again.train(resume_from_checkpoint=resume)
+        assert losses.losses == {s: reference.losses[s] for s in (5, 6)}
+        assert not Path(resume).exists()  # the folder is gone once read
+        newer = tmp_path / "hf-out" / "checkpoint-5"  # newer than step 4 in memory
+        shutil.copytree(saved / "checkpoint-3", newer)
+        third, cb, _ = trainer(save_steps=None)
+        assert cb.resume_checkpoint(third) == str(newer) and cb.restored.source == "disk"
+    finally:
+        stop_keeper(tier_dir("hf-one-process", 0))

@@ -1,10 +1,14 @@
-"""resihp's snapshots in a user's own DDP loop (examples/ddp_resilient.py) under torchrun: a rank
-killed with SIGKILL (or hung, then killed; or after its keeper was killed) is restarted by
-torchrun, restores from the memory tier, and the per-step losses equal an uninterrupted run's."""
+"""resihp's snapshots in a user's own training under torchrun (examples/ddp_resilient.py, the same
+loop over a Hugging Face Llama in examples/hf_resilient.py, and the HF Trainer with
+ResihpTrainerCallback in examples/hf_trainer_resilient.py, Lightning in
+examples/lightning_resilient.py): a rank killed with SIGKILL (or hung, then killed; or after its
+keeper was killed) is restarted by torchrun, restores from the memory
+tier, and the per-step losses equal an uninterrupted run's, bit for bit."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -22,11 +26,32 @@ from resihp.procinfo import pid_alive
 from resihp.train import KEEPER_OWNER, RNG, Snapshots, flatten, unflatten
 from tests.faults import descendants, wait_for  # noqa: F401
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_resilient.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 10
 
 
-def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
+def _needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} missing")
+
+
+# the user's loops under test: plain DDP, DDP over a Hugging Face Llama, the HF Trainer
+DDP, HF, TRAINER = "ddp_resilient.py", "hf_resilient.py", "hf_trainer_resilient.py"
+FAULTS = ["killed", "hung-then-killed", "keeper-killed-first"]
+CASES = [
+    *[(DDP, f) for f in FAULTS],
+    *[pytest.param(HF, f, marks=_needs("transformers")) for f in FAULTS],
+    pytest.param(TRAINER, "killed", marks=_needs("transformers")),
+    pytest.param("lightning_resilient.py", "killed", marks=_needs("lightning")),
+]
+
+
+@pytest.fixture(scope="module")
+def example(request) -> Path:
+    """The example script a case runs (parametrized indirectly by name)."""
+    return EXAMPLES / request.param
+
+
+def _torchrun(example: Path, out: Path, shm: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RESIHP_SHM": str(shm)}
     env.pop("RESIHP_KEEPER_OWNER", None)  # the keeper is torchrun's agent's, as a user's would be
     return subprocess.Popen(
@@ -41,7 +66,7 @@ def _torchrun(out: Path, shm: Path, *extra: str) -> subprocess.Popen:
             "2",
             "--monitor-interval",
             "0.2",
-            str(EXAMPLE),
+            str(example),
             "--out",
             str(out),
             "--steps",
@@ -72,9 +97,9 @@ def _rank_pid(out: Path, rank: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, dict[int, float]]:
+def reference(tmp_path_factory, example) -> dict[int, dict[int, float]]:
     base = tmp_path_factory.mktemp("reference")
-    proc = _torchrun(base / "out", base / "shm")
+    proc = _torchrun(example, base / "out", base / "shm")
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log
     return {r: _losses(base / "out", r) for r in (0, 1)}
@@ -86,17 +111,20 @@ def _keeper_pid(shm: Path) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["killed", "hung-then-killed", "keeper-killed-first"])
-def test_a_killed_rank_restores_from_memory_with_the_same_losses(tmp_path, reference, fault):
+@pytest.mark.parametrize(("example", "fault"), CASES, indirect=["example"])
+def test_a_killed_rank_restores_from_memory_with_the_same_losses(
+    tmp_path, example, reference, fault
+):
     out, shm = tmp_path / "out", tmp_path / "shm"
-    proc = _torchrun(out, shm, "--pace", "0.3")  # the kill lands mid-run
+    proc = _torchrun(example, out, shm, "--pace", "0.3")  # the kill lands mid-run
     try:
         if fault == "keeper-killed-first":  # the trainers start a new keeper and go on
             wait_for(lambda: len(_losses(out, 1)) >= 2, 240, "rank 1 to train 2 steps")
             keeper = _keeper_pid(shm)
             os.kill(keeper, signal.SIGKILL)
             wait_for(lambda: _keeper_pid(shm) not in (None, -1, keeper), 60, "a new keeper")
-        wait_for(lambda: len(_losses(out, 1)) >= 4, 240, "rank 1 to train 4 steps")
+        # 5: Lightning's snapshots come every 2 steps, step 4's published by then
+        wait_for(lambda: len(_losses(out, 1)) >= 5, 240, "rank 1 to train 5 steps")
         victim = _rank_pid(out, 1)
         if fault == "hung-then-killed":  # a hung rank, found and ended by whoever watches the job
             os.kill(victim, signal.SIGSTOP)

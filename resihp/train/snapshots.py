@@ -140,19 +140,11 @@ class Snapshots:
         The newest step every rank holds in memory (verified), else the newest DCP checkpoint in
         ``dcp_dir``; every rank returns alike."""
         t0 = time.perf_counter()
-        self._snapshotter.fence()
-        mine = {
-            h.step: h
-            for h in self.tier.held()
-            if h.rank == self.rank and h.layout.get("format") == FORMAT and self.tier.verify(h)
-        }
-        steps = self._gather(sorted(mine))
-        common = set(steps[0]).intersection(*steps[1:]) if steps else set()
-        if common:
-            step = max(common)
-            self._load(mine[step])
-            self._discard_after(step)
-            return RestoredState(step, "memory", time.perf_counter() - t0)
+        header = self._newest_in_memory()
+        if header is not None:
+            self._load(header)
+            self._discard_after(header.step)
+            return RestoredState(header.step, "memory", time.perf_counter() - t0)
         on_disk = self._newest_on_disk()
         if on_disk is None:
             return None
@@ -160,6 +152,22 @@ class Snapshots:
         self.load(path)
         self._discard_after(step)
         return RestoredState(step, "disk", time.perf_counter() - t0)
+
+    def saved(self) -> tuple[RestoredState, dict[str, Any]] | None:
+        """Collective: the newest state every rank holds in memory, as saved; None when none.
+
+        ``restore`` from memory, for a trainer that loads the state itself: name -> state dict
+        (tensors in private copies) in place of loading it into the objects handed in. Snapshots
+        of later steps are unpublished, as ``restore`` does."""
+        t0 = time.perf_counter()
+        header = self._newest_in_memory()
+        if header is None:
+            return None
+        tensors = self._read(header)
+        tree = header.layout["run"]["tree"]
+        state = {name: unflatten(sub, tensors) for name, sub in tree.items()}
+        self._discard_after(header.step)
+        return RestoredState(header.step, "memory", time.perf_counter() - t0), state
 
     def save(self, step: int) -> Path:
         """Collective: a DCP checkpoint of the state after ``step`` in ``dcp_dir``/stepN."""
@@ -252,16 +260,34 @@ class Snapshots:
         ]
         return max(found) if found else None
 
-    def _load(self, header: SlotHeader) -> None:
+    def _newest_in_memory(self) -> SlotHeader | None:
+        """Collective: this rank's verified slot of the newest step every rank holds, or None."""
+        self._snapshotter.fence()
+        mine = {
+            h.step: h
+            for h in self.tier.held()
+            if h.rank == self.rank and h.layout.get("format") == FORMAT and self.tier.verify(h)
+        }
+        steps = self._gather(sorted(mine))
+        common = set(steps[0]).intersection(*steps[1:]) if steps else set()
+        return mine[max(common)] if common else None
+
+    def _read(self, header: SlotHeader) -> dict[str, torch.Tensor]:
+        """A slot's tensors by key, each copied into its own storage (the slot is reused later).
+
+        Its own, not a view of one buffer: torch's generators refuse a view, and a view would
+        save the whole slot."""
         data = self.tier.read(header)
         if data is None:
             raise RuntimeError(f"memory tier {self.dir}: slot {header.slot} vanished while read")
-        raw = torch.from_numpy(np.array(data))  # a private copy: the slot is reused later
         saved = {}
         for shard in header.shards:
-            dtype = getattr(torch, shard.dtype)
-            piece = raw[shard.offset : shard.offset + shard.nbytes]
-            saved[shard.key] = piece.view(dtype).reshape(shard.shape)
+            piece = torch.from_numpy(np.array(data[shard.offset : shard.offset + shard.nbytes]))
+            saved[shard.key] = piece.view(getattr(torch, shard.dtype)).reshape(shard.shape)
+        return saved
+
+    def _load(self, header: SlotHeader) -> None:
+        saved = self._read(header)
         tree = header.layout["run"]["tree"]
         current, _ = flatten(self.state)
         now = dict(current)

@@ -14,6 +14,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -99,10 +100,14 @@ def like(template: Any, saved: torch.Tensor) -> torch.Tensor:
 class RNG:
     """The random generators a training loop draws from, as a Stateful.
 
-    Torch's (CPU and, where present, every CUDA device's) and Python's ``random``."""
+    Torch's (CPU and, where present, every CUDA device's), Python's ``random`` and NumPy's
+    global generator."""
 
     def state_dict(self) -> dict:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        numpy = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos)}
+        numpy.update(has_gauss=int(has_gauss), gauss=float(gauss))
+        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
@@ -111,5 +116,9 @@ class RNG:
         torch.set_rng_state(state["torch"].cpu().clone())  # its own storage: a view crashes it
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
+        if "numpy" in state:  # absent in snapshots taken before NumPy's generator was held
+            n = state["numpy"]
+            keys = n["keys"].cpu().numpy().astype(np.uint32)
+            np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["gauss"]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu().clone() for s in state["cuda"]])
