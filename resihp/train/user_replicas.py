@@ -175,8 +175,10 @@ class Replicas:
             self._finish_serving()
 
     def owned(self) -> list[int]:
-        """The shares this replica trains this step: its own and, in zero-drift mode, those of the
-        absent replicas (share L goes to member L mod the member count)."""
+        """The shares this replica trains this step.
+
+        Its own and, in zero-drift mode, those of the absent replicas (share L goes to member
+        L mod the member count)."""
         members = self.gen.replicas
         if self.drop:
             return [self.member.replica]
