@@ -75,7 +75,18 @@ def _job(out: Path, port: int, seed: int, steps: int, slow: bool, detect: bool) 
 
 def _faults(events: list[dict]) -> list[dict]:
     return [
-        {k: e.get(k) for k in ("rank", "phase", "onset_step", "detected_step", "slowdown")}
+        {
+            k: e.get(k)
+            for k in (
+                "rank",
+                "phase",
+                "onset_step",
+                "detected_step",
+                "slowdown",
+                "alarm_factor",
+                "rank_slowdown",
+            )
+        }
         for e in events
         if e["kind"] == "fail-slow"
     ]
@@ -109,6 +120,17 @@ def run_one(root: Path, way: str, seed: int, steps: int, slow: bool, nice: int =
         )
         job.communicate(timeout=900)
         report = json.loads(follower.stdout)
+    return {
+        "way": way,
+        "seed": seed,
+        "slow": slow,
+        "live": {"faults": _faults(report["events"]), "noise": report["noise"]["0"]["noise"]},
+        "offline": _offline(out),
+    }
+
+
+def _offline(out: Path) -> dict:
+    """The run folder ``out`` read by ``resihp detect``'s logic, with each cost model."""
     df, meta_path = read_run_folder(out)
     meta, meta_dict = read_meta(meta_path)
     offline = {}
@@ -121,12 +143,28 @@ def run_one(root: Path, way: str, seed: int, steps: int, slow: bool, nice: int =
                 "noise": doc["noise"][0]["noise"],
                 "faults": _faults(doc["events"]),
             }
+    return offline
+
+
+def rescore(root: Path) -> dict:
+    """The run folders kept under ``root`` scored offline by the detector as it is now."""
+    runs = []
+    for out in sorted(p for p in root.iterdir() if p.is_dir()):
+        way, _, rest = out.name.rpartition("-")
+        slow = rest.startswith("slow")
+        seed = int(rest.removeprefix("slow" if slow else "healthy"))
+        runs.append({"way": way, "seed": seed, "slow": slow, "offline": _offline(out)})
+    ways = sorted({r["way"] for r in runs})
     return {
-        "way": way,
-        "seed": seed,
-        "slow": slow,
-        "live": {"faults": _faults(report["events"]), "noise": report["noise"]["0"]["noise"]},
-        "offline": offline,
+        "rescored": str(root),
+        "summary": {
+            f"{way} offline {name}": _summary(
+                [r for r in runs if r["way"] == way], lambda r, n=name: r["offline"][n]
+            )
+            for way in ways
+            for name in ("fitted", "flops")
+        },
+        "runs": runs,
     }
 
 
@@ -165,14 +203,23 @@ def main() -> None:
         "--ways", default="in-process,follow", help="comma-separated: in-process, follow"
     )
     ap.add_argument("--nice", type=int, default=10, help="resihp follow --nice")
+    ap.add_argument("--keep", type=Path, help="keep the run folders here (for --rescore)")
+    ap.add_argument(
+        "--rescore", type=Path, help="no jobs: score the run folders kept by --keep offline"
+    )
     args = ap.parse_args()
     ways = args.ways.split(",")
     runs = []
+    if args.rescore:
+        print(json.dumps(rescore(args.rescore)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         for seed in range(args.seeds):
             for slow in (True, False):  # interleaved: the machine's drift falls on both alike
                 for way in ways:
-                    runs.append(run_one(Path(tmp), way, seed, args.steps, slow, args.nice))
+                    runs.append(run_one(root, way, seed, args.steps, slow, args.nice))
     out = {
         "onset_step": ONSET,
         "factor": FACTOR,
