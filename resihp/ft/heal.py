@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,15 @@ class HealSource(threading.Thread):
             self.error = (
                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             )
+
+
+def close_sources(sources: Iterable[HealSource]) -> None:
+    """Close every source (nothing more to send), then wait a little for each to end."""
+    sources = list(sources)
+    for source in sources:
+        source.close(-1)
+    for source in sources:
+        source.join(timeout=5)
 
 
 class HealTarget:

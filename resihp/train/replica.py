@@ -39,6 +39,7 @@ from resihp.ft.heal import (
     STATE,
     HealSource,
     HealTarget,
+    close_sources,
     flatten,
     heal_prefix,
     heal_tensors,
@@ -431,10 +432,7 @@ class ReplicaEngine(Engine):
             self.sources[m] = source
 
     def finish_serving(self) -> None:
-        for source in self.sources.values():
-            source.close(-1)
-        for source in self.sources.values():
-            source.join(timeout=5)
+        close_sources(self.sources.values())
 
     # --- catching up ------------------------------------------------------------------------------
     def _source_shape(self) -> list[int]:

@@ -30,7 +30,17 @@ import torch.distributed as dist
 
 from resihp.errors import InputError
 from resihp.ft.group import ReplicaGroup
-from resihp.ft.heal import END, GRAD, STATE, HealSource, HealTarget, flatten, heal_prefix, unflatten
+from resihp.ft.heal import (
+    END,
+    GRAD,
+    STATE,
+    HealSource,
+    HealTarget,
+    close_sources,
+    flatten,
+    heal_prefix,
+    unflatten,
+)
 from resihp.ft.quorum import Decision, Evicted, Generation, Member, Quorum
 from resihp.train.replica import ATTEMPT_ENV, REPLICA_ENV
 from resihp.train.state import flatten as state_flatten
@@ -301,10 +311,7 @@ class Replicas:
             self.sources[m] = source
 
     def _finish_serving(self) -> None:
-        for source in self.sources.values():
-            source.close(-1)
-        for source in self.sources.values():
-            source.join(timeout=5)
+        close_sources(self.sources.values())
 
     # --- catching up -----------------------------------------------------------------------------
     def _catch_up(self) -> dict:
